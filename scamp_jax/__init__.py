@@ -1,0 +1,1 @@
+"""scamp-jax: memory-aware parallel deep-learning search in JAX."""

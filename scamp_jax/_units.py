@@ -1,0 +1,50 @@
+"""Byte quantities: parse "2GiB"-style strings and format byte counts for people."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """Return a byte count from an int, a float, or a string such as ``"2GiB"``, ``"512 MB"``.
+
+    Binary units (KiB, MiB, GiB, TiB, and the bare K/M/G/T) are powers of 1024, decimal units
+    (KB, MB, GB, TB) powers of 1000. Raises ``ValueError`` naming the value for anything else,
+    and for a count that is not positive.
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"memory size must be a byte count or a string like '2GiB', got {value!r}")
+    if isinstance(value, int | float):
+        count = int(value)
+    elif isinstance(value, str):
+        match = _PATTERN.match(value)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"cannot read memory size {value!r}: use a number of bytes or a number with a unit, "
+                "e.g. '2GiB', '512MiB', '16GB'"
+            )
+        count = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    else:
+        raise TypeError(f"memory size must be a byte count or a string like '2GiB', got {value!r}")
+    if count <= 0:
+        raise ValueError(f"memory size must be positive, got {value!r}")
+    return count
+
+
+def format_bytes(count: float) -> str:
+    """Format a byte count with a binary unit, e.g. ``format_bytes(3 * 2**30) == '3.00 GiB'``."""
+    sign = "-" if count < 0 else ""
+    count = abs(float(count))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if count < 1024 or unit == "TiB":
+            return f"{sign}{count:.0f} {unit}" if unit == "B" else f"{sign}{count:.2f} {unit}"
+        count /= 1024
+    raise AssertionError("unreachable")
