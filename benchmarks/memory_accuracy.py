@@ -1,0 +1,290 @@
+"""Memory prediction accuracy and planning time, per model.
+
+Run: ``python -m benchmarks.memory_accuracy`` (CPU: 8 virtual devices; about two minutes on two
+cores). For each registered model it plans training with ``plan_mesh`` and prints:
+
+- ``affine``: the per-device peak at the plan's batch predicted by the straight line through the
+  planner's two probe compiles (one and eight samples per data-parallel group), i.e. what a
+  planner that trusted a two-probe affine model alone would expect;
+- ``planned``: the planner's figure (compiled by the planner at the plan's batch);
+- ``compiled``: an independent compile of the same step with default XLA options;
+- errors of both against ``compiled``, the planning time (wall-clock and CPU seconds) and the
+  number of compiles;
+- on a GPU, ``measured``: ``peak_bytes_in_use`` after two real training steps, each model in a
+  fresh process (the allocator's peak counter cannot be reset).
+
+Flags: ``--memory-per-device 64MiB`` (default: each model's own budget), ``--devices 8``,
+``--only mlp,transformer``, ``--markdown`` (a table for BENCHMARKS.md).
+Adding a model is one ``CASES`` entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Case:
+    """A model to measure: ``build(rngs) -> nnx.Module``, a per-sample batch, a default budget."""
+
+    name: str
+    build: Callable[[Any], Any]
+    sample: Callable[[], Any]  # -> ShapeDtypeStruct tree with leading axis 1
+    budget: str
+
+
+def _mlp(rngs: Any) -> Any:
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, d: int, h: int, depth: int, rngs: nnx.Rngs) -> None:
+            self.inp = nnx.Linear(d, h, rngs=rngs)
+            self.hidden = nnx.List([nnx.Linear(h, h, rngs=rngs) for _ in range(depth)])
+            self.out = nnx.Linear(h, d, rngs=rngs)
+
+        def __call__(self, x: Any) -> Any:
+            x = nnx.gelu(self.inp(x))
+            for layer in self.hidden:
+                x = nnx.gelu(layer(x))
+            return self.out(x)
+
+    return MLP(256, 1024, 2, rngs)
+
+
+def _transformer(rngs: Any) -> Any:
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, dim: int, heads: int, rngs: nnx.Rngs) -> None:
+            self.norm1 = nnx.LayerNorm(dim, rngs=rngs)
+            self.attn = nnx.MultiHeadAttention(heads, dim, decode=False, rngs=rngs)
+            self.norm2 = nnx.LayerNorm(dim, rngs=rngs)
+            self.fc1 = nnx.Linear(dim, 4 * dim, rngs=rngs)
+            self.fc2 = nnx.Linear(4 * dim, dim, rngs=rngs)
+
+        def __call__(self, x: Any) -> Any:
+            x = x + self.attn(self.norm1(x))
+            return x + self.fc2(nnx.gelu(self.fc1(self.norm2(x))))
+
+    class Transformer(nnx.Module):
+        def __init__(self, dim: int, heads: int, depth: int, rngs: nnx.Rngs) -> None:
+            self.embed = nnx.Linear(32, dim, rngs=rngs)
+            self.blocks = nnx.List([Block(dim, heads, rngs) for _ in range(depth)])
+            self.head = nnx.Linear(dim, 32, rngs=rngs)
+
+        def __call__(self, x: Any) -> Any:
+            x = self.embed(x)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    return Transformer(128, 4, 2, rngs)
+
+
+def _swinir(rngs: Any) -> Any:
+    from search_spaces.swinir import SwinIR
+
+    return SwinIR(img_size=32, embed_dim=24, depths=(2, 2), num_heads=(2, 2), window_size=8,
+                  upsampler="pixelshuffledirect", rngs=rngs)
+
+
+def _shape(*shape: int) -> Callable[[], Any]:
+    def make() -> Any:
+        import jax
+        import jax.numpy as jnp
+
+        return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+    return make
+
+
+CASES: tuple[Case, ...] = (
+    Case("mlp", _mlp, _shape(1, 256), "8MiB"),
+    Case("transformer", _transformer, _shape(1, 64, 32), "32MiB"),
+    Case("swinir", _swinir, _shape(1, 32, 32, 3), "64MiB"),
+)
+
+
+def _peak(stats: Any) -> int:
+    return int(stats.temp_size_in_bytes + stats.argument_size_in_bytes
+               + stats.output_size_in_bytes - stats.alias_size_in_bytes)
+
+
+def measure(case: Case, devices: int, budget: str | None) -> dict[str, Any]:
+    """Plan ``case`` and compare the predictions with compiled (and on GPU measured) memory."""
+    import jax
+    from flax import nnx
+
+    from scamp_jax.memory import MemoryModel
+    from scamp_jax.planner import plan_mesh
+    from scamp_jax.train_step import (
+        abstract_state,
+        default_loss,
+        default_optimizer,
+        jit_train_step,
+        split_model,
+    )
+
+    model = nnx.eval_shape(lambda: case.build(nnx.Rngs(0)))
+    sample = case.sample()
+    n_params = sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    start, cpu_start = time.perf_counter(), time.process_time()
+    plan = plan_mesh(model, sample, devices=devices, memory_per_device=budget or case.budget)
+    plan_seconds = time.perf_counter() - start
+    # CPU seconds used by this process: the wall time it would take with a core to itself
+    # (XLA compiles one program on one thread), useful when the machine is shared.
+    plan_cpu_seconds = time.process_time() - cpu_start
+
+    # The affine model through the planner's two probe compiles (before any verification).
+    if len(plan.compiled_peaks) >= 2:
+        (b1, p1), (b2, p2) = plan.compiled_peaks[:2]
+        slope = (p2 - p1) / (b2 - b1)
+        affine = MemoryModel(fixed_bytes=p1 - slope * b1, bytes_per_sample=slope,
+                             probe_batches=(b1, b2), probe_peaks=(p1, p2)).predict(plan.batch_size)
+    else:  # the cap was one sample per group: the only compile is the answer
+        affine = plan.peak_bytes_per_device
+    tx = default_optimizer()
+    graphdef, _, _ = split_model(model)
+    params, opt_state, rest = abstract_state(model, tx)
+    step = jit_train_step(graphdef, tx, default_loss, plan.step_shardings)
+    batch = jax.ShapeDtypeStruct((plan.batch_size, *sample.shape[1:]), sample.dtype)
+    compiled = _peak(step.lower(params, opt_state, rest, batch).compile().memory_analysis())
+    return {
+        "model": case.name,
+        "params": n_params,
+        "mesh": f"{plan.data_parallel}x{plan.model_parallel}",
+        "batch": plan.batch_size,
+        "budget": plan.memory_per_device,
+        "affine": affine,
+        "planned": plan.peak_bytes_per_device,
+        "compiled": compiled,
+        "plan_seconds": plan_seconds,
+        "plan_cpu_seconds": plan_cpu_seconds,
+        "compiles": plan.compiles,
+        "seconds_per_compile": plan_seconds / max(plan.compiles, 1),
+    }
+
+
+def measure_real_step(case: Case, devices: int, budget: str | None) -> int | None:
+    """Peak bytes in use on any device after two real steps at the plan's batch (GPU only)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from scamp_jax.planner import plan_mesh
+    from scamp_jax.train_step import (
+        default_loss,
+        default_optimizer,
+        jit_train_step,
+        place_train_state,
+    )
+
+    stats = jax.devices()[0].memory_stats()
+    if not stats or "peak_bytes_in_use" not in stats:
+        return None
+    sample = case.sample()
+    abstract = nnx.eval_shape(lambda: case.build(nnx.Rngs(0)))
+    plan = plan_mesh(abstract, sample, devices=devices, memory_per_device=budget or case.budget)
+    model = case.build(nnx.Rngs(0))
+    tx = default_optimizer()
+    graphdef, params, opt_state, rest = place_train_state(model, tx, plan.step_shardings)
+    del model  # only the placed copies should occupy device memory
+    step = jit_train_step(graphdef, tx, default_loss, plan.step_shardings)
+    x = np.random.default_rng(0).normal(size=(plan.batch_size, *sample.shape[1:]))
+    batch = jax.device_put(x.astype(sample.dtype), plan.batch_sharding)
+    for _ in range(2):
+        params, opt_state, rest, loss = step(params, opt_state, rest, batch)
+    jax.block_until_ready(loss)
+    return max(int(d.memory_stats()["peak_bytes_in_use"]) for d in plan.devices)
+
+
+def _measure_in_child(name: str, devices: int, budget: str | None) -> int | None:
+    cmd = [sys.executable, "-m", "benchmarks.memory_accuracy", "--child", name,
+           "--devices", str(devices)] + (["--memory-per-device", budget] if budget else [])
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["measured"]
+
+
+def _pct(a: int, b: int) -> str:
+    return f"{100.0 * (a - b) / b:+.1f}%"
+
+
+def render(rows: list[dict[str, Any]], markdown: bool) -> str:
+    """The results as an aligned text table or a markdown table."""
+    from scamp_jax._units import format_bytes
+
+    head = ["model", "params", "mesh", "batch", "affine", "planned", "compiled", "affine err",
+            "planned err", "plan s", "plan cpu s", "compiles"]
+    gpu = any(r.get("measured") is not None for r in rows)
+    if gpu:
+        head += ["measured", "planned vs measured"]
+    table = []
+    for r in rows:
+        line = [r["model"], f"{r['params']:,}", r["mesh"], str(r["batch"]),
+                format_bytes(r["affine"]), format_bytes(r["planned"]),
+                format_bytes(r["compiled"]), _pct(r["affine"], r["compiled"]),
+                _pct(r["planned"], r["compiled"]), f"{r['plan_seconds']:.1f}",
+                f"{r['plan_cpu_seconds']:.1f}", str(r["compiles"])]
+        if gpu:
+            m = r.get("measured")
+            line += [format_bytes(m) if m else "-", _pct(r["planned"], m) if m else "-"]
+        table.append(line)
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(row) + " |" for row in table]
+        return "\n".join(lines)
+    widths = [max(len(x) for x in col) for col in zip(head, *table, strict=True)]
+    return "\n".join("  ".join(x.rjust(w) for x, w in zip(row, widths, strict=True))
+                     for row in [head, *table])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse flags, measure every selected model, print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--memory-per-device", default=None,
+                        help="budget per device, e.g. 64MiB (default: each model's own)")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="devices to plan on (default: 8 virtual CPU devices, or all GPUs)")
+    parser.add_argument("--only", default=None, help="comma-separated model names")
+    parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    from scamp_jax.devices import configure_cpu_devices
+
+    configure_cpu_devices(args.devices or 8)  # only affects the CPU platform
+    import jax
+
+    on_gpu = jax.devices()[0].platform == "gpu"
+    args.devices = args.devices or (len(jax.devices()) if on_gpu else 8)
+    by_name = {c.name: c for c in CASES}
+    if args.child:
+        measured = measure_real_step(by_name[args.child], args.devices, args.memory_per_device)
+        print(json.dumps({"measured": measured}))
+        return
+    names = args.only.split(",") if args.only else list(by_name)
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        parser.error(f"unknown model(s) {unknown}; choose from {sorted(by_name)}")
+
+    rows = []
+    for name in names:
+        row = measure(by_name[name], args.devices, args.memory_per_device)
+        if on_gpu:
+            row["measured"] = _measure_in_child(name, args.devices, args.memory_per_device)
+        rows.append(row)
+        print(f"# {name}: {row['plan_seconds']:.1f} s to plan, {row['compiles']} compiles",
+              file=sys.stderr, flush=True)
+    print(f"devices: {args.devices} x {jax.devices()[0].device_kind}")
+    print(render(rows, args.markdown))
+
+
+if __name__ == "__main__":
+    main()

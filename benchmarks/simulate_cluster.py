@@ -1,0 +1,559 @@
+"""Simulated search on a model GPU cluster: ScaMP placement against the fixed-resources baseline.
+
+    python -m benchmarks.simulate_cluster                                   # 32 x V100-16GB
+    python -m benchmarks.simulate_cluster --devices 1024 --trials 4096      # scale out
+    python -m benchmarks.simulate_cluster --device h100-80gb --search vit --policy both
+    python -m benchmarks.hpo_makespan --out runs/hpo_makespan      # measure on this CPU, then
+    python -m benchmarks.simulate_cluster --validate runs/hpo_makespan   # simulate the same run
+
+Trials come from the real search space (Optuna's random sampler draws the configurations); each
+distinct architecture is costed from XLA on this machine's CPU devices, then the discrete-event
+simulator (`scamp_jax.simulator`) replays the study with the same `DevicePool` and policy
+``decide`` the HPO engine uses. Output: per-policy makespan, mean memory utilisation, busy
+(roofline) fraction and idle fraction, and ``makespan_ratio_fixed_over_scamp=<x>``.
+
+How a candidate is costed (`measure_cost`): the training step (`scamp_jax.train_step`, the one the
+engine runs) is compiled twice, at two per-device batch sizes, on a ``1 x model_parallel`` mesh of
+CPU devices with the planner's shardings. Each compile gives the per-device peak memory
+(``memory_analysis``: temp + argument + output - alias, the planner's formula), the per-device
+FLOPs and bytes accessed (``cost_analysis``), the kernels in the entry computation, and the bytes
+of its model-parallel collectives. Affine fits in the batch size extrapolate to any batch, and the
+data-parallel degree enters analytically: ``p`` replicas run the same per-device program at
+``1/p`` of the global batch, plus a ring all-reduce of the gradients (`StepCostModel.profile`).
+The model-parallel degree is the smallest power of two whose state and batch-1 peak fit the
+cluster's memory less the safety margin, as the planner chooses. Costs are cached per
+architecture in ``--cache`` (JSON), so scaling runs do not compile again.
+
+Caveats: CPU fusion decisions differ from GPU ones (bytes accessed and kernel counts are those of
+the CPU compile); the efficiency factors in `ClusterModel` are assumptions, not measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import random
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from scamp_jax.devices import configure_cpu_devices
+from scamp_jax.placement import FixedPolicy, ScampPolicy
+from scamp_jax.simulator import (
+    CLUSTER_PRESETS,
+    ClusterModel,
+    SimResult,
+    StepCostModel,
+    TrialProfile,
+    cluster_preset,
+    simulate,
+)
+
+_COLLECTIVE = re.compile(
+    r"=\s*(?P<shape>\(?[^=]*?\)?)\s+(?P<op>all-reduce|all-gather|reduce-scatter|"
+    r"collective-permute|all-to-all)(?:-start)?\("
+)
+_ARRAY = re.compile(r"(pred|[suf]\d+|bf16)\[([\d,]*)\]")
+_BITS = {"pred": 8, "bf16": 16}
+_NOT_KERNELS = ("parameter", "constant", "bitcast", "tuple", "get-tuple-element", "partition-id",
+                "replica-id", "after-all")
+
+
+def _array_bytes(shape_text: str) -> int:
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape_text):
+        bits = _BITS.get(dtype, int(dtype[1:]) if dtype[1:].isdigit() else 32)
+        count = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+        total += count * bits // 8
+    return total
+
+
+def hlo_kernels_and_collectives(hlo_text: str, group: int) -> tuple[int, float]:
+    """Kernels in the entry computation and bytes each device sends in its collectives.
+
+    ``group`` is the number of devices in each collective (the model-parallel degree). Ring
+    algorithms send ``2 (g - 1) / g`` of an all-reduce buffer, ``(g - 1) / g`` of an all-gather
+    result or all-to-all buffer, ``g - 1`` times a reduce-scatter result, and a permuted buffer
+    once.
+    """
+    start = hlo_text.find("ENTRY")
+    entry = hlo_text[start:]
+    end = entry.find("\n}")
+    body = entry[: end if end >= 0 else len(entry)].splitlines()[1:]
+    kernels = 0
+    sent = 0.0
+    g = max(1, group)
+    for line in body:
+        if "=" not in line:
+            continue
+        op_match = re.search(r"\s([a-z][a-z0-9\-]*)\(", line.split("=", 1)[1])
+        op = op_match.group(1) if op_match else ""
+        if op in _NOT_KERNELS:
+            continue
+        kernels += 1
+        collective = _COLLECTIVE.search(line)
+        if collective is None or g == 1:
+            continue
+        nbytes = _array_bytes(collective.group("shape"))
+        kind = collective.group("op")
+        factor = {
+            "all-reduce": 2.0 * (g - 1) / g,
+            "all-gather": (g - 1) / g,
+            "all-to-all": (g - 1) / g,
+            "reduce-scatter": float(g - 1),
+            "collective-permute": 1.0,
+        }[kind]
+        sent += factor * nbytes
+    return kernels, sent
+
+
+def measure_cost(
+    model: Any,
+    sample_batch: Any,
+    *,
+    optimizer: Any,
+    loss_fn: Callable[..., Any],
+    model_parallel: int,
+    batches: tuple[int, int] = (2, 8),
+) -> tuple[StepCostModel, float]:
+    """Cost one architecture from two compiles of its training step (module docstring).
+
+    Args:
+      model: abstract Flax NNX module (``nnx.eval_shape(lambda: build(...))``).
+      sample_batch: ``(inputs, targets)`` ``ShapeDtypeStruct``s with a leading batch axis.
+      optimizer, loss_fn: what the engine trains with.
+      model_parallel: devices of the ``1 x model_parallel`` mesh.
+      batches: the two per-device batch sizes compiled.
+    Returns:
+      The fitted `StepCostModel` and the wall-clock seconds the compiles took.
+    """
+    import jax
+
+    from scamp_jax import sharding as sh
+    from scamp_jax.memory import default_step_shardings, with_batch_size
+    from scamp_jax.train_step import abstract_state, jit_train_step, split_model
+
+    mesh = sh.make_mesh(jax.devices()[:model_parallel], 1, model_parallel)
+    graphdef, _, _ = split_model(model)
+    params, opt_state, rest = abstract_state(model, optimizer)
+    shardings = default_step_shardings(mesh, params, opt_state, rest, optimizer)
+    step = jit_train_step(graphdef, optimizer, loss_fn, shardings)
+    rows = []
+    start = time.perf_counter()
+    for b in batches:
+        compiled = step.lower(params, opt_state, rest, with_batch_size(sample_batch, b)).compile()
+        stats = compiled.memory_analysis()
+        peak = (stats.temp_size_in_bytes + stats.argument_size_in_bytes
+                + stats.output_size_in_bytes - stats.alias_size_in_bytes)
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        kernels, comm = hlo_kernels_and_collectives(compiled.as_text(), model_parallel)
+        rows.append((b, float(cost["flops"]), float(cost["bytes accessed"]), float(peak),
+                     comm, kernels))
+    seconds = time.perf_counter() - start
+    (b1, f1, m1, p1, c1, k1), (b2, f2, m2, p2, c2, _) = rows
+
+    def fit(y1: float, y2: float) -> tuple[float, float]:
+        slope = max(0.0, (y2 - y1) / (b2 - b1))
+        return max(0.0, y1 - slope * b1), slope
+
+    flops = fit(f1, f2)
+    traffic = fit(m1, m2)
+    memory = fit(p1, p2)
+    comm = fit(c1, c2)
+    cost_model = StepCostModel(
+        model_parallel=model_parallel,
+        flops_fixed=flops[0], flops_per_sample=flops[1],
+        bytes_fixed=traffic[0], bytes_per_sample=traffic[1],
+        gradient_bytes=float(sh.bytes_per_device(params, shardings.params)),
+        mp_comm_fixed=comm[0], mp_comm_per_sample=comm[1],
+        kernels_per_step=k1,
+        memory_fixed=memory[0], memory_per_sample=memory[1],
+    )
+    return cost_model, seconds
+
+
+@functools.cache
+def _task(search: str, variant: str) -> tuple[Any, Any, Callable[..., Any]]:
+    """(space, sample_batch of one sample, loss_fn) of a named search."""
+    if search == "swinir":
+        from search_spaces import swinir
+        from search_spaces.sr_task import SRTask
+
+        task = SRTask(scale=2, hr_patch=48)
+        return swinir.space(variant), task.sample_batch(1), task.loss_fn
+    if search == "vit":
+        from search_spaces import vit
+
+        # The ViT module ships one synthetic classification task (a class named ``...Task``).
+        task_types = [getattr(vit, name) for name in dir(vit) if name.endswith("Task")]
+        if not task_types:
+            raise ValueError("search_spaces.vit defines no task class; cannot cost ViT trials")
+        task = task_types[0]()
+        return vit.space(variant), task.sample_batch(1), task.loss_fn
+    raise ValueError(f"unknown search {search!r}; choose one of: swinir, vit")
+
+
+def _arch_key(search: str, variant: str, graphdef: Any, mp: int) -> str:
+    """Stable name of an architecture: its graph definition without object addresses."""
+    text = re.sub(r" at 0x[0-9a-f]+", "", repr(graphdef))
+    digest = hashlib.sha1(text.encode()).hexdigest()[:16]
+    return f"{search}-{variant}-mp{mp}-{digest}"
+
+
+class CostTable:
+    """Cost models per architecture, cached on disk as JSON."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.entries: dict[str, dict[str, float]] = {}
+        if path is not None and path.exists():
+            self.entries = json.loads(path.read_text())
+        self.compile_seconds = 0.0
+        self.compiled = 0
+
+    def get(self, key: str, make: Callable[[], tuple[StepCostModel, float]]) -> StepCostModel:
+        """The cost model stored under ``key``, measured with ``make()`` the first time."""
+        if key not in self.entries:
+            cost, seconds = make()
+            self.entries[key] = {**asdict(cost), "compile_seconds": seconds / 2}
+            self.compile_seconds += seconds
+            self.compiled += 1
+            if self.path is not None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.path.write_text(json.dumps(self.entries, indent=1, sort_keys=True))
+        fields = {k: v for k, v in self.entries[key].items() if k != "compile_seconds"}
+        return StepCostModel(**fields)  # type: ignore[arg-type]
+
+    def compile_seconds_of(self, key: str) -> float:
+        """Seconds one compile of the step stored under ``key`` took when it was measured."""
+        return float(self.entries[key].get("compile_seconds", 0.0))
+
+
+def cost_candidates(
+    configs: Sequence[dict[str, Any]],
+    *,
+    search: str,
+    variant: str,
+    cluster: ClusterModel,
+    safety_margin: float,
+    table: CostTable,
+    log: Callable[[str], None] = print,
+) -> list[StepCostModel]:
+    """A `StepCostModel` per configuration at the smallest model-parallel degree that fits."""
+    import jax
+    from flax import nnx
+
+    from scamp_jax.train_step import default_optimizer, split_model
+
+    space, sample_batch, loss_fn = _task(search, variant)
+    optimizer = default_optimizer()
+    usable = cluster.memory_per_device * (1.0 - safety_margin)
+    out: list[StepCostModel] = []
+    by_graph: dict[str, StepCostModel] = {}
+    for config in configs:
+        model = nnx.eval_shape(lambda config=config: space.build(config, nnx.Rngs(0)))
+        graphdef = split_model(model)[0]
+        arch = _arch_key(search, variant, graphdef, 0)
+        if arch in by_graph:
+            out.append(by_graph[arch])
+            continue
+        chosen = None
+        mp = 1
+        while mp <= len(jax.devices()):
+            key = _arch_key(search, variant, graphdef, mp)
+            cost = table.get(
+                key,
+                lambda mp=mp, model=model: measure_cost(
+                    model, sample_batch, optimizer=optimizer, loss_fn=loss_fn, model_parallel=mp
+                ),
+            )
+            if cost.memory_fixed + cost.memory_per_sample <= usable:
+                chosen = cost
+                break
+            mp *= 2
+        if chosen is None:
+            raise ValueError(
+                f"candidate {config} does not fit {cluster.memory_per_device} bytes per device "
+                f"even with {mp // 2}-way model parallelism on this host's CPU devices"
+            )
+        log(f"  costed {dict(config)} -> mp={chosen.model_parallel}, "
+            f"{chosen.memory_per_sample / 2**20:.1f} MiB/sample, "
+            f"{chosen.flops_per_sample / 1e9:.2f} GFLOP/sample")
+        by_graph[arch] = chosen
+        out.append(chosen)
+    return out
+
+
+def sample_configs(search: str, variant: str, architectures: int, trials: int, seed: int
+                   ) -> list[dict[str, Any]]:
+    """``trials`` configurations: ``architectures`` drawn from the space by Optuna's random
+    sampler, then each trial one of them (seeded), as a study that re-visits architectures with
+    other training hyperparameters would."""
+    import optuna
+
+    space, _, _ = _task(search, variant)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
+    drawn = [space.suggest(study.ask()) for _ in range(architectures)]
+    rng = random.Random(seed)
+    return [dict(drawn[rng.randrange(len(drawn))]) for _ in range(trials)]
+
+
+def build_profiles(
+    costs: Sequence[StepCostModel],
+    largest: StepCostModel,
+    cluster: ClusterModel,
+    *,
+    samples: int,
+    max_batch_size: int | None,
+    fixed_devices: int | None,
+    safety_margin: float,
+) -> tuple[list[TrialProfile], list[TrialProfile], int, int]:
+    """ScaMP and fixed profiles of the same trials; returns (scamp, fixed, k, fixed batch)."""
+    usable = int(cluster.memory_per_device * (1.0 - safety_margin))
+    scamp = []
+    for key, cost in enumerate(costs):
+        local = cost.max_local_batch(usable)
+        if max_batch_size is not None:
+            local = min(local, max_batch_size)
+        scamp.append(cost.profile(key, cost.model_parallel, local, samples))
+    k = fixed_devices if fixed_devices is not None else largest.model_parallel
+    if k % largest.model_parallel:
+        raise ValueError(f"--fixed-devices {k} must be a multiple of the largest candidate's "
+                         f"model-parallel degree {largest.model_parallel}")
+    # One batch for every trial: the largest the largest candidate fits on k devices, as a
+    # multiple of k so every candidate can split it over its data-parallel replicas.
+    dp_largest = k // largest.model_parallel
+    batch = largest.max_local_batch(usable) * dp_largest
+    if max_batch_size is not None:
+        batch = min(batch, max_batch_size)
+    batch -= batch % k
+    if batch < k:
+        raise ValueError(f"the largest candidate leaves no batch that is a multiple of {k}")
+    fixed = [cost.profile(key, k, batch, samples) for key, cost in enumerate(costs)]
+    return scamp, fixed, k, batch
+
+
+def calibrate_cpu_host(devices: int, memory_per_device: int) -> ClusterModel:
+    """A `ClusterModel` of this host's CPU devices from micro-benchmarks (efficiencies 1).
+
+    Peak FLOP/s from a 1024^3 matmul, memory bandwidth from an elementwise pass over 64 MiB,
+    interconnect from a copy between two CPU devices, kernel latency from a chain of 256
+    dependent tiny matmuls. All devices share the host's cores: ``compute_group = devices``.
+    Figures vary with other load on the machine.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    def best_seconds(fn: Callable[[], Any], repeats: int = 5) -> float:
+        jax.block_until_ready(fn())
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    dev = jax.devices()
+    a = jax.device_put(jnp.ones((1024, 1024), jnp.float32), dev[0])
+    matmul = jax.jit(lambda x: x @ x)
+    flops = 2 * 1024**3 / best_seconds(lambda: matmul(a))
+    big = jax.device_put(jnp.ones((16 * 2**20,), jnp.float32), dev[0])
+    scale = jax.jit(lambda x: x * 1.5)
+    bandwidth = 2 * big.nbytes / best_seconds(lambda: scale(big))
+    other = dev[1] if len(dev) > 1 else dev[0]
+    link = big.nbytes / best_seconds(lambda: jax.device_put(big, other))
+    small = jax.device_put(jnp.ones((4, 4), jnp.float32), dev[0])
+
+    def chain(x: Any) -> Any:
+        for _ in range(256):
+            x = jnp.tanh(x @ x)
+        return x
+
+    chained = jax.jit(chain)
+    launch = best_seconds(lambda: chained(small)) / 256  # one dot (tanh fused in) per link
+    return ClusterModel(
+        name="cpu-host", devices=devices, memory_per_device=memory_per_device,
+        peak_flops=flops, mem_bandwidth=bandwidth, interconnect_bandwidth=link,
+        compute_efficiency=1.0, bandwidth_efficiency=1.0, comm_efficiency=1.0,
+        launch_seconds=launch, compute_group=devices,
+    )
+
+
+def validate(run_dir: Path, table: CostTable, log: Callable[[str], None]) -> dict[str, float]:
+    """Simulate the trials of a measured ``benchmarks.hpo_makespan --out run_dir`` run.
+
+    Each finished trial is re-costed from its recorded configuration, devices, model-parallel
+    degree, batch size, steps and predicted peak, and the two studies are replayed on the
+    calibrated CPU host model (`calibrate_cpu_host`); each trial first compiles its step (as long
+    as that compile took when costed here). Returns measured and simulated seconds per policy and
+    both fixed/scamp ratios. Planning, evaluation and checkpointing are part of the measured time
+    but not of the simulated one.
+    """
+    import jax
+    from flax import nnx
+
+    from experiments.swinir_hpo import get_config, make_space_and_task
+    from scamp_jax._units import parse_bytes
+    from scamp_jax.train_step import default_optimizer, split_model
+
+    rows = json.loads((run_dir / "hpo_makespan.json").read_text())
+    measured = {row["policy"]: float(row["end_to_end_s"]) for row in rows}
+    config = get_config("smoke")
+    space, task = make_space_and_task(config)
+    budget = parse_bytes(config.memory_per_device or "1GiB")
+    cluster = calibrate_cpu_host(len(jax.devices()), budget)
+    log(f"  cpu host: {cluster.peak_flops / 1e9:.1f} GFLOP/s, "
+        f"{cluster.mem_bandwidth / 1e9:.1f} GB/s memory, {cluster.interconnect_bandwidth / 1e9:.1f}"
+        f" GB/s device copy, {cluster.launch_seconds * 1e6:.1f} us per kernel")
+    optimizer = default_optimizer()
+    out: dict[str, float] = {}
+    for policy_name in ("scamp", "fixed"):
+        records = json.loads((run_dir / policy_name / "results.json").read_text())["trials"]
+        profiles = []
+        for rec in sorted(records, key=lambda r: r["number"]):
+            if rec["state"] != "complete" or not rec["devices"]:
+                continue
+            model = nnx.eval_shape(lambda rec=rec: space.build(rec["params"], nnx.Rngs(0)))
+            mp = int(rec["model_parallel"] or 1)
+            key = _arch_key("swinir", "validate", split_model(model)[0], mp)
+            cost = table.get(key, lambda model=model, mp=mp: measure_cost(
+                model, task.sample_batch(1), optimizer=optimizer, loss_fn=task.loss_fn,
+                model_parallel=mp))
+            batch, steps = int(rec["batch_size"]), int(rec["steps"])
+            profile = cost.profile(rec["number"], len(rec["devices"]), batch, batch * steps)
+            # The engine compiles each trial's step on the host before training: busy work.
+            profiles.append(dataclasses.replace(
+                profile, bytes_per_device=int(rec["predicted_peak_bytes"] or 0),
+                setup_seconds=table.compile_seconds_of(key)))
+        if not profiles:
+            raise ValueError(f"{run_dir / policy_name} has no completed trials to replay")
+        policy = (FixedPolicy(profiles[0].devices) if policy_name == "fixed" else ScampPolicy())
+        result = simulate(profiles, cluster, policy)
+        out[f"measured_s_{policy_name}"] = measured[policy_name]
+        out[f"simulated_s_{policy_name}"] = result.makespan_s
+    out["measured_ratio"] = out["measured_s_fixed"] / out["measured_s_scamp"]
+    out["simulated_ratio"] = out["simulated_s_fixed"] / out["simulated_s_scamp"]
+    out["ratio_error"] = out["simulated_ratio"] / out["measured_ratio"] - 1.0
+    return out
+
+
+def _row(result: SimResult) -> dict[str, float]:
+    s = result.summary
+    return {
+        "makespan_h": result.makespan_s / 3600,
+        "mean_memory_utilization": s["mean_memory_utilization"],
+        "busy_fraction": result.busy_fraction,
+        "idle_fraction": s["idle_fraction"],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse flags, cost the candidates, simulate, print the comparison."""
+    parser = argparse.ArgumentParser(
+        description="Simulate a search on a GPU cluster with the real placement code."
+    )
+    parser.add_argument("--devices", type=int, default=32, help="accelerators in the cluster")
+    parser.add_argument("--device", default="v100-16gb", choices=sorted(CLUSTER_PRESETS),
+                        help="accelerator model (public data-sheet figures)")
+    parser.add_argument("--search", default="swinir", choices=("swinir", "vit"),
+                        help="search space to draw trials from")
+    parser.add_argument("--variant", default="small", choices=("small", "paper"),
+                        help="size of the search space")
+    parser.add_argument("--trials", type=int, default=128, help="trials in the study")
+    parser.add_argument("--architectures", type=int, default=8,
+                        help="distinct architectures drawn from the space (each is compiled)")
+    parser.add_argument("--samples", type=int, default=200_000,
+                        help="training samples per trial (epochs x data set size)")
+    parser.add_argument("--max-batch-size", type=int, default=64,
+                        help="cap on a trial's global batch (0: memory is the only limit)")
+    parser.add_argument("--fixed-devices", type=int, default=None,
+                        help="devices per trial for the fixed policy (default: what the "
+                        "largest candidate needs)")
+    parser.add_argument("--policy", default="both", choices=("scamp", "fixed", "both"),
+                        help="placement policy to simulate")
+    parser.add_argument("--safety-margin", type=float, default=0.1,
+                        help="fraction of device memory plans keep free")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled study")
+    parser.add_argument("--cache", type=Path, default=Path("runs/simulate_cluster_costs.json"),
+                        help="JSON cache of per-architecture costs")
+    parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    parser.add_argument("--validate", type=Path, default=None, metavar="RUN_DIR",
+                        help="replay a measured 'benchmarks.hpo_makespan --out RUN_DIR' run on a "
+                        "calibrated model of this CPU and compare the fixed/scamp ratios")
+    args = parser.parse_args(argv)
+    if args.devices < 1 or args.trials < 1 or args.architectures < 1 or args.samples < 1:
+        parser.error("--devices, --trials, --architectures and --samples must be positive")
+
+    configure_cpu_devices(8)
+    log = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    if args.validate is not None:
+        figures = validate(args.validate, CostTable(args.cache), log)
+        for name, value in figures.items():
+            print(f"{name}={value:.3f}")
+        return 0
+    cluster = cluster_preset(args.device, devices=args.devices)
+    cap = args.max_batch_size or None
+    table = CostTable(args.cache)
+    configs = sample_configs(args.search, args.variant, args.architectures, args.trials,
+                             args.seed)
+    print(f"costing {len(set(map(repr, configs)))} architectures on CPU "
+          f"(cache: {args.cache})", file=sys.stderr)
+    costs = cost_candidates(configs, search=args.search, variant=args.variant, cluster=cluster,
+                            safety_margin=args.safety_margin, table=table, log=log)
+    space, _, _ = _task(args.search, args.variant)
+    (largest,) = cost_candidates([dict(space.largest)], search=args.search,
+                                 variant=args.variant, cluster=cluster,
+                                 safety_margin=args.safety_margin, table=table, log=log)
+    scamp_profiles, fixed_profiles, k, fixed_batch = build_profiles(
+        costs, largest, cluster, samples=args.samples, max_batch_size=cap,
+        fixed_devices=args.fixed_devices, safety_margin=args.safety_margin,
+    )
+    results: dict[str, SimResult] = {}
+    start = time.perf_counter()
+    if args.policy in ("scamp", "both"):
+        results["scamp"] = simulate(scamp_profiles, cluster, ScampPolicy())
+    if args.policy in ("fixed", "both"):
+        results["fixed"] = simulate(fixed_profiles, cluster, FixedPolicy(k))
+    sim_seconds = time.perf_counter() - start
+
+    batches = sorted({p.batch_size for p in scamp_profiles})
+    print(f"{args.trials} {args.search}-{args.variant} trials on {args.devices} x {args.device}; "
+          f"{args.samples} samples per trial; scamp batches {batches[0]}-{batches[-1]} on "
+          f"{sorted({p.devices for p in scamp_profiles})} device(s); fixed: {k} device(s), "
+          f"batch {fixed_batch}")
+    print(f"costing: {table.compiled} new architecture(s) compiled in "
+          f"{table.compile_seconds:.1f} s; simulation {sim_seconds:.2f} s")
+    header = ("policy", "makespan h", "mean memory util", "busy fraction", "idle fraction")
+    rows = [
+        (name, f"{r['makespan_h']:.3f}", f"{r['mean_memory_utilization']:.3f}",
+         f"{r['busy_fraction']:.3f}", f"{r['idle_fraction']:.3f}")
+        for name, r in ((n, _row(res)) for n, res in results.items())
+    ]
+    if args.markdown:
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
+        for row in rows:
+            print("| " + " | ".join(row) + " |")
+    else:
+        for row in (header, *rows):
+            print("  ".join(f"{c:<17}" for c in row))
+    for name, result in results.items():
+        print(f"mean_memory_utilization_{name}={result.summary['mean_memory_utilization']:.3f}")
+    if len(results) == 2:
+        ratio = results["fixed"].makespan_s / results["scamp"].makespan_s
+        print(f"makespan_ratio_fixed_over_scamp={ratio:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,197 @@
+"""CSP vs GPipe vs sequential supernet pipelines: ticks, utilisation, samples/s, offload bytes.
+
+    python -m benchmarks.supernet_pipeline               # schedules for C in {2,4,12,24}, S in
+                                                         # {2,4,8}; measured run C=12, S=4
+    python -m benchmarks.supernet_pipeline --measure all # measured runs on every (C, S) (slow)
+    python -m benchmarks.supernet_pipeline --markdown    # tables as Markdown
+
+Three tables:
+
+1. Schedules (pure, no devices): a supernet of 16 choice layers, 64 subnets drawn uniformly,
+   split into S stages. Ticks and stage utilisation (busy stage-ticks / (S x ticks)) of
+   ``sequential``, ``gpipe`` (4 microbatches, flush per subnet), ``csp`` with the stem and head
+   frozen, ``csp`` with them trained, and the no-dependency ideal (same pipeline, no CSP stall).
+   A GPipe tick processes a quarter batch, so compare its samples/s, not its ticks.
+2. Offload: weights + optimizer state (Adam) on the devices with the supernet in host memory,
+   against the whole supernet, for width 16.
+3. Measured (CPU devices): a tiny supernet (8 layers, width 8, 8x8 LR patches, batch 8, 48
+   subnets) trained with each schedule on the same executor code; steady-state samples/s
+   (compilation excluded) and whether CSP's weights hash equals sequential's. On a CPU the stage
+   "devices" share the host's cores, so these speedups are far below the tick ratios; they show
+   the executor's overhead, not accelerator throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+CHOICES = (2, 4, 12, 24)
+STAGES = (2, 4, 8)
+
+
+def _subnets(n: int, layers: int, choices: int, seed: int) -> list[tuple[int, ...]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [tuple(int(c) for c in row) for row in rng.integers(0, choices, (n, layers))]
+
+
+def schedule_rows(num_subnets: int = 64, layers: int = 16, seed: int = 0) -> list[list[str]]:
+    """Table 1 rows: C, S, then ticks / utilisation per schedule and CSP's speedups."""
+    from scamp_jax.pipeline import (
+        csp_schedule,
+        gpipe_schedule,
+        ideal_schedule,
+        sequential_schedule,
+        split_layers,
+    )
+
+    rows = []
+    for c in CHOICES:
+        for s in STAGES:
+            subnets = _subnets(num_subnets, layers, c, seed)
+            bounds = split_layers(layers, s)
+            seq = sequential_schedule(num_subnets, s)
+            gp = gpipe_schedule(num_subnets, s, 4)
+            csp = csp_schedule(subnets, bounds)
+            csp_shared = csp_schedule(subnets, bounds, train_shared=True)
+            ideal = ideal_schedule(subnets, bounds)
+            rows.append([
+                str(c), str(s),
+                *(f"{x.ticks} ({x.utilization:.2f})" for x in (seq, gp, csp, csp_shared, ideal)),
+                f"{seq.ticks / csp.ticks:.2f}x",
+            ])
+    return rows
+
+
+def offload_rows(layers: int = 16, width: int = 16) -> list[list[str]]:
+    """Table 2 rows: C, S, device bytes with and without offload, supernet bytes."""
+    from scamp_jax._units import format_bytes
+    from scamp_jax.pipeline import (
+        OptimizerSpec,
+        PipelineExecutor,
+        build_program,
+        csp_schedule,
+        split_layers,
+        supernet_state_bytes,
+    )
+    from search_spaces.supernet import SupernetConfig, SupernetLayout
+
+    rows = []
+    for c in CHOICES:
+        layout = SupernetLayout(SupernetConfig(layers, c, width, scale=2, window_size=4))
+        for s in STAGES:
+            subnets = _subnets(64, layers, c, 0)
+            bounds = split_layers(layers, s)
+            prog = build_program(csp_schedule(subnets, bounds), subnets, bounds)
+            planned = {}
+            for offload in (True, False):
+                ex = PipelineExecutor(
+                    layout, num_stages=s, microbatch_size=8, lr_side=8,
+                    window_slots=prog.window_slots, act_slots=prog.act_slots,
+                    grad_slots=prog.grad_slots, offload=offload,
+                )
+                planned[offload] = ex.planned_bytes()
+            total = supernet_state_bytes(layout, OptimizerSpec())
+            on = planned[True]["device_param_bytes"]
+            rows.append([
+                str(c), str(s), str(prog.window_slots), format_bytes(on),
+                format_bytes(planned[False]["device_param_bytes"]), format_bytes(total),
+                f"{on / total:.2f}",
+            ])
+    return rows
+
+
+def measured_rows(pairs: Sequence[tuple[int, int]], subnets: int = 48) -> list[list[str]]:
+    """Table 3 rows: C, S, samples/s per schedule, CSP speedups, hash equality."""
+    import numpy as np
+
+    from scamp_jax.pipeline import (
+        build_executor,
+        build_program,
+        make_schedule,
+        split_layers,
+        train_supernet,
+    )
+    from search_spaces.supernet import SupernetConfig, SupernetLayout, sample_subnets
+
+    rows = []
+    batch, side = 8, 8
+    for c, s in pairs:
+        layout = SupernetLayout(SupernetConfig(8, c, 8, scale=2, window_size=4))
+        chosen = [x.choices for x in sample_subnets(subnets, layout.config, 0)]
+        rng = np.random.default_rng(0)
+        lr = rng.random((subnets, batch, side, side, 3), dtype=np.float32)
+        hr = rng.random((subnets, batch, 2 * side, 2 * side, 3), dtype=np.float32)
+        bounds = split_layers(8, s)
+        programs = [
+            build_program(make_schedule(name, chosen, bounds), chosen, bounds)
+            for name in ("csp", "sequential")
+        ]
+        shared_ex = build_executor(layout, programs, num_stages=s, batch_size=batch,
+                                   lr_side=side, offload=True)
+        res = {}
+        for name in ("csp", "sequential", "gpipe"):
+            res[name] = train_supernet(
+                layout, chosen, lr, hr, schedule=name, num_stages=s, offload=True,
+                num_microbatches=4, executor=None if name == "gpipe" else shared_ex,
+            )
+        sps = {k: v.samples_per_second for k, v in res.items()}
+        rows.append([
+            str(c), str(s), *(f"{sps[k]:.0f}" for k in ("sequential", "gpipe", "csp")),
+            f"{sps['csp'] / sps['sequential']:.2f}x", f"{sps['csp'] / sps['gpipe']:.2f}x",
+            "yes" if res["csp"].params_sha256 == res["sequential"].params_sha256 else "NO",
+        ])
+    return rows
+
+
+def _print(title: str, header: list[str], rows: list[list[str]], markdown: bool) -> None:
+    print(f"\n{title}")
+    if markdown:
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
+        for row in rows:
+            print("| " + " | ".join(row) + " |")
+        return
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    print("  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
+    for row in rows:
+        print("  ".join(x.rjust(w) for x, w in zip(row, widths, strict=True)))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Parse flags, print the three tables."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--measure", choices=("default", "all", "none"), default="default",
+                        help="measured runs: C=12, S=4 (default, about 2 minutes), every "
+                             "(C, S) (slow), or none")
+    parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    args = parser.parse_args(argv)
+    from scamp_jax.devices import configure_cpu_devices
+
+    configure_cpu_devices(max(STAGES))
+    _print(
+        "Schedules: ticks (utilisation), 16 layers, 64 subnets",
+        ["C", "S", "sequential", "gpipe M=4", "csp", "csp+shared", "ideal", "csp vs seq"],
+        schedule_rows(), args.markdown,
+    )
+    _print(
+        "Offload: weights + Adam state on devices (csp window) vs whole supernet, width 16",
+        ["C", "S", "window", "device (offload)", "device (no offload)", "supernet", "ratio"],
+        offload_rows(), args.markdown,
+    )
+    if args.measure == "none":
+        return
+    pairs = [(12, 4)] if args.measure == "default" else [
+        (c, s) for c in CHOICES for s in STAGES
+    ]
+    _print(
+        "Measured on CPU devices: samples/s (tiny supernet, offload on)",
+        ["C", "S", "sequential", "gpipe", "csp", "csp/seq", "csp/gpipe", "csp == seq"],
+        measured_rows(pairs), args.markdown,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""Flags and the run loop shared by the HPO entry points (``swinir_hpo``, ``vit_synthetic``).
+
+JAX is imported only after the flags are read, so ``--devices`` can split the CPU into enough
+devices before JAX initialises a backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+POLICIES = ("scamp", "fixed")
+SAMPLERS = ("tpe", "random", "grid")
+PRUNERS = ("median", "halving", "none")
+#: CPU devices the entry points split the host into (the default device pool on CPU).
+CPU_DEVICES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class HPOConfig:
+    """One HPO experiment: study, training length, device pool and placement.
+
+    Attributes:
+      preset: name of the preset the values came from.
+      trials: the study's total number of trials (a resumed study runs only the missing ones).
+      steps: training steps per trial at ``reference_batch`` (trials with a larger planned batch
+        run proportionally fewer steps, so every trial sees the same number of samples).
+      reference_batch: global batch that ``steps`` refers to.
+      max_batch_size: cap on any trial's global batch.
+      devices: devices of the pool (None: every device of the backend).
+      memory_per_device: budget per device, e.g. ``"1GiB"`` (None: the device limit on GPUs).
+      policy: ``"scamp"`` or ``"fixed"``.
+      devices_per_trial: devices per trial under the fixed policy.
+      sampler: ``"tpe"``, ``"random"`` or ``"grid"``.
+      pruner: ``"median"``, ``"halving"`` or ``"none"``.
+      seed: seed of the sampler, initialisation and data.
+      study_dir: where the study database, checkpoints, results and plots go.
+      storage: SQLAlchemy URL of the study (None: SQLite file in ``study_dir``).
+      checkpoint_every: steps between checkpoints.
+      eval_every: steps between intermediate evaluations for pruning (0: none).
+      space_variant: the model family's search-space variant (``"small"``, ``"paper"``, ...).
+      train_dir: directory of training images (None: the task's built-in images).
+      eval_dir: directory of held-out images (None: the task's built-in held-out set).
+      initial_params: configurations a new study evaluates first (a warm start; the sampler
+        takes over after them).
+    """
+
+    preset: str
+    trials: int
+    steps: int
+    reference_batch: int
+    max_batch_size: int
+    devices: int | None
+    memory_per_device: str | None
+    policy: str = "scamp"
+    devices_per_trial: int = 2
+    sampler: str = "tpe"
+    pruner: str = "median"
+    seed: int = 0
+    study_dir: str = "runs/hpo"
+    storage: str | None = None
+    checkpoint_every: int = 50
+    eval_every: int = 0
+    space_variant: str = "small"
+    train_dir: str | None = None
+    eval_dir: str | None = None
+    initial_params: tuple[dict[str, Any], ...] = ()
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir: str) -> None:
+    """The flags every HPO entry point takes; unset flags keep the preset's value."""
+    parser.add_argument("--preset", default="default", choices=list(presets),
+                        help="size of the search: 'smoke' finishes in a few minutes on 2 CPU "
+                        "cores, 'default' in about ten, 'paper' is cluster-sized")
+    parser.add_argument("--trials", type=positive_int,
+                        help="total trials of the study; a resumed study runs only the "
+                        "missing ones")
+    parser.add_argument("--steps", type=positive_int,
+                        help="training steps per trial at the preset's reference batch size")
+    parser.add_argument("--devices", type=positive_int,
+                        help="how many of the backend's devices form the pool (default: all; "
+                        f"on CPU the host is split into max({CPU_DEVICES}, this) devices)")
+    parser.add_argument("--memory-per-device",
+                        help="memory budget per device, e.g. '1GiB', '512MiB' (default: the "
+                        "preset's on CPU, the device limit on GPUs)")
+    parser.add_argument("--policy", choices=POLICIES,
+                        help="placement: 'scamp' packs trials by planned memory (default), "
+                        "'fixed' gives each trial --devices-per-trial devices and one batch size")
+    parser.add_argument("--devices-per-trial", type=positive_int,
+                        help="devices per trial under --policy fixed")
+    parser.add_argument("--sampler", choices=SAMPLERS, help="Optuna sampler (seeded)")
+    parser.add_argument("--pruner", choices=PRUNERS,
+                        help="Optuna pruner fed by intermediate evaluations (--eval-every)")
+    parser.add_argument("--eval-every", type=int,
+                        help="steps between intermediate evaluations reported to the pruner "
+                        "(0: off)")
+    parser.add_argument("--seed", type=int, help="seed of the sampler, initialisation and data")
+    parser.add_argument("--study-dir", default=None,
+                        help=f"directory of the study database, checkpoints, results and plots "
+                        f"(default {study_dir}); running again on it resumes the study")
+    parser.add_argument("--storage",
+                        help="SQLAlchemy URL of the study (default: sqlite file in --study-dir)")
+    parser.add_argument("--no-live", action="store_true",
+                        help="plain log lines instead of the live table")
+
+
+def config_from_args(args: argparse.Namespace, base: HPOConfig, study_dir: str) -> HPOConfig:
+    """``base`` with every flag the user set applied on top."""
+    overrides = {}
+    for name in ("trials", "steps", "devices", "memory_per_device", "policy", "devices_per_trial",
+                 "sampler", "pruner", "eval_every", "seed", "storage", "train_dir", "eval_dir"):
+        value = getattr(args, name, None)
+        if value is not None:
+            overrides[name] = value
+    overrides["study_dir"] = args.study_dir or study_dir
+    return dataclasses.replace(base, **overrides)
+
+
+def fail(message: str) -> None:
+    """Print ``error: message`` to stderr and exit with status 2 (as argparse does)."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def run(
+    args: argparse.Namespace,
+    config: HPOConfig,
+    make: Callable[[HPOConfig], tuple[Any, Any]],
+    *,
+    baseline: str | None,
+    title: str,
+) -> dict[str, Any]:
+    """Set up devices, build ``(space, task) = make(config)`` and run the study.
+
+    User errors (bad sizes, a budget too small for any candidate) exit with status 2 and a
+    one-line message; Ctrl-C exits with 130 after the running trials are checkpointed.
+    """
+    from scamp_jax.devices import configure_cpu_devices
+
+    configure_cpu_devices(max(CPU_DEVICES, config.devices or 0))
+    import jax
+
+    # Compiles dominate short trials on CPU; a resumed study finds them on disk.
+    jax.config.update("jax_compilation_cache_dir", str(Path(config.study_dir) / "jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    from scamp_jax import planner
+    from scamp_jax._units import parse_bytes
+    from scamp_jax.engine import BudgetTooSmallError, run_search
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # SIGTERM (a scheduler's kill) stops like Ctrl-C: checkpointed
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        devices = planner.resolve_devices(config.devices)
+        budget = planner.resolve_budget(config.memory_per_device, devices)
+        if config.memory_per_device is not None:
+            parse_bytes(config.memory_per_device)
+        space, task = make(config)
+        return run_search(space, task, config, devices=devices, memory_per_device=budget,
+                          live=not args.no_live, baseline=baseline, title=title)
+    except (BudgetTooSmallError, ValueError, TypeError, FileNotFoundError) as err:
+        fail(str(err))
+    except KeyboardInterrupt:
+        print("interrupted: finished trials are in the study; run the same command to resume",
+              file=sys.stderr)
+        raise SystemExit(130) from None
+    raise AssertionError("unreachable")

@@ -1,0 +1,123 @@
+"""Orbax checkpoints of one trial: parameters, optimizer state and the step they belong to.
+
+Each trial writes to its own directory (``<study_dir>/checkpoints/<checkpoint_key>/<step>``).
+Saves are synchronous: a trial's checkpoint is on disk when `TrialCheckpointer.save` returns, so
+a ``kill -9`` right after loses at most the steps since the last save. Restores take the target
+shardings from abstract arrays, so a resumed trial may land on other devices than before.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers
+
+
+def _is_key_array(x: Any) -> bool:
+    return isinstance(x, jax.Array | jax.ShapeDtypeStruct) and jax.dtypes.issubdtype(
+        x.dtype, jax.dtypes.prng_key
+    )
+
+
+def to_storable(tree: Any) -> Any:
+    """Replace typed PRNG key arrays by their raw ``uint32`` data (orbax stores plain arrays)."""
+    def convert(x: Any) -> Any:
+        if not _is_key_array(x):
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.eval_shape(jax.random.key_data, x)
+        return jax.random.key_data(x)
+
+    return jax.tree.map(convert, tree)
+
+
+def from_storable(stored: Any, like: Any) -> Any:
+    """Inverse of `to_storable`: wrap raw key data back into typed keys where ``like`` has keys."""
+    def convert(x: Any, ref: Any) -> Any:
+        if _is_key_array(ref):
+            return jax.random.wrap_key_data(x)
+        return x
+
+    return jax.tree.map(convert, stored, like)
+
+
+def _abstract(tree: Any) -> Any:
+    """ShapeDtypeStructs (with shardings) describing the arrays of ``tree``."""
+    def describe(x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+    return jax.tree.map(describe, tree)
+
+
+class TrialCheckpointer:
+    """Save and restore one trial's training state with orbax.
+
+    Args:
+      directory: the trial's checkpoint directory (created if missing).
+      keep: how many most recent checkpoints to keep on disk.
+    """
+
+    def __init__(self, directory: str | Path, *, keep: int = 2) -> None:
+        if keep < 1:
+            raise ValueError(f"{keep=} must be at least 1 checkpoint to keep")
+        self.directory = Path(directory).resolve()
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=checkpoint_managers.LatestN(keep),
+            enable_async_checkpointing=False,
+            create=True,
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> int | None:
+        """Step of the newest complete checkpoint, or ``None`` if there is none."""
+        return self._manager.latest_step()
+
+    def save(self, step: int, state: Any) -> None:
+        """Write ``state`` (a pytree of arrays, e.g. params + optimizer state) as ``step``.
+
+        A step already on disk is kept as it is (the same step always holds the same state).
+        """
+        if step in self._manager.all_steps():
+            return
+        self._manager.save(step, args=ocp.args.StandardSave(to_storable(state)), force=True)
+        self._manager.wait_until_finished()
+
+    def restore(self, like: Any, step: int | None = None) -> tuple[int, Any]:
+        """Read the checkpoint at ``step`` (default: newest) shaped and sharded like ``like``.
+
+        ``like`` is a pytree of arrays or ``jax.ShapeDtypeStruct`` with shardings. Returns
+        ``(step, state)``. Raises ``FileNotFoundError`` if the directory holds no checkpoint.
+        """
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(
+                f"no checkpoint in {self.directory}; check the path or start the trial from scratch"
+            )
+        target = to_storable(_abstract(like))
+        stored = self._manager.restore(step, args=ocp.args.StandardRestore(target))
+        return step, from_storable(stored, like)
+
+    def step_directory(self, step: int) -> Path:
+        """Directory holding the checkpoint of ``step``."""
+        return self.directory / str(step)
+
+    def close(self) -> None:
+        """Release the manager's resources."""
+        self._manager.close()
+
+
+def copy_checkpoint(source: str | Path, destination: str | Path) -> Path:
+    """Copy a checkpoint step directory to ``destination`` (replaced if it exists)."""
+    source, destination = Path(source), Path(destination)
+    if not source.is_dir():
+        raise FileNotFoundError(f"checkpoint {source} does not exist; nothing to copy")
+    if destination.exists():
+        shutil.rmtree(destination)
+    shutil.copytree(source, destination)
+    return destination

@@ -1,0 +1,75 @@
+"""MPI for multi-host runs: lazy imports with an install hint, and who we are in the world.
+
+mpi4py and mpi4jax are optional (the ``mpi`` extra): single-host use never imports them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+_INSTALL_HINT = (
+    "multi-host runs need MPI, mpi4py and mpi4jax: install an MPI (Debian: apt-get install "
+    "libopenmpi-dev openmpi-bin), then `pip install 'scamp-jax[mpi]'` (if the mpi4jax build fails "
+    "looking for CUDA headers, see BUILD.md: CUDA_PATH=<empty dir> pip install mpi4jax)"
+)
+
+# Variables that MPI launchers set in every rank's environment (Open MPI, MPICH/Hydra, PMIx, Slurm).
+_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+
+
+class MPIUnavailableError(ImportError):
+    """mpi4py or mpi4jax is not installed; the message says how to install them."""
+
+
+def launched_under_mpi() -> bool:
+    """True when this process was started by an MPI launcher with more than one rank.
+
+    Reads only environment variables, so it is safe to call before importing mpi4py (importing
+    mpi4py initialises MPI, which a plain single-process run should not do).
+    """
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        if name in os.environ:
+            return int(os.environ[name]) > 1
+    return "PMIX_RANK" in os.environ and int(os.environ.get("SLURM_NTASKS", "2")) > 1
+
+
+def import_mpi4py() -> Any:
+    """Return ``mpi4py.MPI`` or raise `MPIUnavailableError` with an install hint."""
+    try:
+        from mpi4py import MPI
+    except ImportError as err:
+        raise MPIUnavailableError(f"mpi4py is not importable ({err}); {_INSTALL_HINT}") from err
+    return MPI
+
+
+def import_mpi4jax() -> ModuleType:
+    """Return the ``mpi4jax`` module or raise `MPIUnavailableError` with an install hint."""
+    try:
+        import mpi4jax
+    except ImportError as err:
+        raise MPIUnavailableError(f"mpi4jax is not importable ({err}); {_INSTALL_HINT}") from err
+    return mpi4jax
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the MPI ranks (``rank`` in ``0 .. size-1``)."""
+
+    rank: int
+    size: int
+    comm: Any = None
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+
+def world() -> World:
+    """The MPI world when launched under MPI, else a single-rank world without importing MPI."""
+    if not launched_under_mpi():
+        return World(rank=0, size=1, comm=None)
+    comm = import_mpi4py().COMM_WORLD
+    return World(rank=comm.Get_rank(), size=comm.Get_size(), comm=comm)

@@ -1,0 +1,666 @@
+"""The search loop: ask, plan, queue, place, run concurrently, tell.
+
+One `SearchEngine.run` call drives a study to its total number of trials:
+
+1. ask the `TrialSource` for configurations (a few more than can run, so placement has choice);
+2. plan each one abstractly (`planner.plan_mesh`): device count, model-parallel degree, the
+   largest batch that fits, the predicted peak per device (plans are cached per architecture);
+3. let the placement policy (`ScampPolicy` packs by memory, `FixedPolicy` is the fixed-resources
+   baseline) decide which queued trials start now and on which devices;
+4. run each started trial in a worker thread on its own sub-mesh (`runner.run_trial`);
+5. when a trial ends, release its devices, record its usage and tell the study. An out-of-memory
+   trial is re-planned (smaller batch first, then more devices) and queued again.
+
+Only the runner touches devices; the loop itself is bookkeeping around pure decisions.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import math
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import jax
+from flax import nnx
+
+from scamp_jax import planner
+from scamp_jax.placement import DevicePool, FixedPolicy, Placement, TrialRequest, make_policy
+from scamp_jax.runner import (
+    RunResult,
+    RunSpec,
+    StepCache,
+    TrialStatus,
+    make_optimizer,
+    run_trial,
+    trial_seed,
+)
+from scamp_jax.space import SearchSpace, Task
+from scamp_jax.study import AskedTrial, TrialOutcome, TrialSource
+from scamp_jax.train_step import split_model
+from scamp_jax.usage import UsageRecorder
+
+log = logging.getLogger(__name__)
+PlanFn = Callable[..., Any]
+
+
+class BudgetTooSmallError(ValueError):
+    """No candidate fits the device pool: the memory budget or the device count is too small."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine trains and places trials.
+
+    Attributes:
+      steps: training steps per trial (at ``reference_batch`` when that is set).
+      memory_per_device: device budget in bytes that plans and compiled steps must respect.
+      policy: ``"scamp"`` (memory-aware packing, planner's batch) or ``"fixed"`` (baseline).
+      devices_per_trial: devices every trial gets under the fixed policy.
+      max_batch_size: upper bound on any trial's global batch (None: as large as memory allows).
+      reference_batch: if set, a trial at global batch ``b`` trains
+        ``ceil(steps * reference_batch / b)`` steps, so every trial sees the same number of
+        samples whatever batch its plan allows.
+      fixed_batch_size: the fixed policy's one batch size; None: the largest batch the space's
+        ``largest`` candidate fits on ``devices_per_trial`` devices.
+      safety_margin: fraction of the budget the planner keeps free for estimation error.
+      checkpoint_every: steps between orbax checkpoints (0: only at the end).
+      eval_every: steps between intermediate evaluations reported to the pruner (0: none).
+      log_every: steps between loss read-backs.
+      max_replans: out-of-memory re-plans of one trial before it is failed.
+      lookahead: asked-but-unplaced trials to keep queued (None: number of devices).
+      nofit_limit: consecutive candidates that fit nowhere, with none fitting before, after
+        which the study stops with `BudgetTooSmallError`.
+      seed: base seed of initialisation and data streams.
+      rank: process rank recorded with each trial (0 on a single host).
+    """
+
+    steps: int
+    memory_per_device: int
+    policy: str = "scamp"
+    devices_per_trial: int = 2
+    max_batch_size: int | None = None
+    reference_batch: int | None = None
+    fixed_batch_size: int | None = None
+    safety_margin: float = 0.1
+    checkpoint_every: int = 0
+    eval_every: int = 0
+    log_every: int = 10
+    max_replans: int = 3
+    lookahead: int | None = None
+    nofit_limit: int = 3
+    seed: int = 0
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps={self.steps} must be at least 1")
+        if self.memory_per_device <= 0:
+            raise ValueError(f"memory_per_device={self.memory_per_device} bytes must be positive")
+        if self.policy not in ("scamp", "fixed"):
+            raise ValueError(f"unknown policy {self.policy!r}; choose 'scamp' or 'fixed'")
+        if self.max_batch_size is not None and self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size={self.max_batch_size} must be at least 1 or None")
+
+    def steps_for(self, batch_size: int) -> int:
+        """Training steps of a trial at global ``batch_size`` (see ``reference_batch``)."""
+        if self.reference_batch is None:
+            return self.steps
+        return max(1, math.ceil(self.steps * self.reference_batch / batch_size))
+
+
+@dataclass(frozen=True)
+class PlannedTrial:
+    """An asked configuration with its plan, waiting for devices."""
+
+    asked: AskedTrial
+    plan: Any
+    devices: int
+    arrival: int
+    replans: int = 0
+
+    @property
+    def number(self) -> int:
+        """The study's trial number."""
+        return self.asked.number
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """What one engine run did (finished trials live in the study; this is this run's usage).
+
+    Attributes:
+      policy: placement policy name.
+      elapsed_s: wall seconds from the first ask to the last trial's end.
+      usage: `UsageRecorder.summary` figures (memory utilisation, idle device-seconds, ...).
+      memory_series: ``(times_s, fractions)`` of reserved memory over time.
+      intervals: per device, ``(trial number, start_s, end_s, bytes)`` of every trial it held.
+      outcomes: how each trial of this run ended, in finishing order.
+      compile_cache: ``{"hits": n, "misses": m}`` of the shared step cache.
+    """
+
+    policy: str
+    elapsed_s: float
+    usage: Mapping[str, float]
+    memory_series: tuple[tuple[float, ...], tuple[float, ...]]
+    intervals: tuple[tuple[tuple[int, float, float, int], ...], ...]
+    outcomes: tuple[TrialOutcome, ...]
+    compile_cache: Mapping[str, int] = field(default_factory=dict)
+
+
+class SearchEngine:
+    """Drive a study: plan, place and run trials concurrently on a pool of devices.
+
+    Args:
+      space: the search space.
+      task: data, loss and evaluation.
+      source: where configurations come from and results go (`OptunaTrialSource` locally).
+      config: training and placement settings.
+      devices: the device pool (default: all of ``jax.devices()``).
+      checkpoint_root: directory for per-trial checkpoints (None: no checkpoints).
+      plan_fn: the planner (``planner.plan_mesh`` signature); replaceable for tests.
+      on_update: called with the list of `TrialStatus` whenever something changes (live view).
+    """
+
+    def __init__(
+        self,
+        space: SearchSpace,
+        task: Task,
+        source: TrialSource,
+        config: EngineConfig,
+        *,
+        devices: Sequence[jax.Device] | None = None,
+        checkpoint_root: str | Path | None = None,
+        plan_fn: PlanFn | None = None,
+        on_update: Callable[[Sequence[TrialStatus], Any], None] | None = None,
+    ) -> None:
+        self.space, self.task, self.source, self.config = space, task, source, config
+        self.devices = list(devices if devices is not None else jax.devices())
+        self.checkpoint_root = Path(checkpoint_root) if checkpoint_root else None
+        self.plan_fn = plan_fn or planner.plan_mesh
+        self.on_update = on_update
+        self.capacity = [config.memory_per_device] * len(self.devices)
+        if config.policy == "fixed":
+            if config.devices_per_trial > len(self.devices):
+                raise ValueError(
+                    f"devices_per_trial={config.devices_per_trial} exceeds the pool of "
+                    f"{len(self.devices)} devices; lower it or pass more devices"
+                )
+            self.policy: Any = FixedPolicy(config.devices_per_trial)
+        else:
+            self.policy = make_policy("scamp")
+        self.pool = DevicePool(self.capacity)
+        self.cache = StepCache()
+        self.statuses: dict[int, TrialStatus] = {}
+        self._plans: dict[Any, Any] = {}
+        self._fixed_batch: int | None = config.fixed_batch_size
+        self._ever_fit = False
+        self._nofit: list[int] = []
+        self._t0 = time.monotonic()
+        self.usage = UsageRecorder(self.capacity)
+
+    # ----------------------------------------------------------------------------- planning
+    def _abstract(self, params: Mapping[str, Any]) -> Any:
+        return nnx.eval_shape(lambda: self.space.build(params, nnx.Rngs(0)))
+
+    def _call_planner(
+        self, model: Any, n_devices: int, max_batch: int | None, memory: int | None = None
+    ) -> Any:
+        return self.plan_fn(
+            model,
+            self.task.sample_batch(1),
+            devices=self.devices[:n_devices],
+            memory_per_device=memory or self.config.memory_per_device,
+            optimizer=make_optimizer({}),
+            loss_fn=self.task.loss_fn,
+            safety_margin=self.config.safety_margin,
+            max_batch_size=max_batch,
+        )
+
+    def fixed_batch_size(self) -> int:
+        """The fixed policy's batch: the largest the space's largest candidate fits."""
+        if self._fixed_batch is None:
+            if not self.space.largest:
+                raise ValueError(
+                    f"search space {self.space.name!r} names no largest candidate; give the "
+                    "fixed policy a batch size (fixed_batch_size=)"
+                )
+            model = self._abstract(self.space.largest)
+            plan = self._call_planner(
+                model, self.config.devices_per_trial, self.config.max_batch_size
+            )
+            self._fixed_batch = int(plan.batch_size)
+        return self._fixed_batch
+
+    def _smallest_fitting_plan(self, model: Any, max_batch: int | None) -> Any:
+        """Plan on the fewest devices (1, 2, 4, ..., the whole pool) that hold ``model``."""
+        total = len(self.devices)
+        counts = sorted({2**k for k in range(total.bit_length()) if 2**k <= total} | {total})
+        last_error: Exception | None = None
+        for n in counts:
+            try:
+                return self._call_planner(model, n, max_batch)
+            except planner.DoesNotFitError as err:
+                last_error = err
+        assert last_error is not None
+        raise last_error
+
+    def plan(self, params: Mapping[str, Any], *, devices: int | None = None,
+             max_batch: int | None = None) -> Any:
+        """Plan one configuration: fewest devices that hold it, largest batch (``max_batch`` cap).
+
+        Under the fixed policy the device count is ``devices_per_trial`` and the batch the
+        policy's one batch size. Plans are cached per architecture (the graph definition), so
+        trials that differ only in optimizer hyperparameters are planned once.
+        Raises ``planner.DoesNotFitError`` if the configuration fits on no device count.
+        """
+        model = self._abstract(params)
+        graphdef = split_model(model)[0]
+        if self.config.policy == "fixed":
+            devices = self.config.devices_per_trial
+            cap = self.fixed_batch_size() if max_batch is None else max_batch
+        else:
+            cap = self.config.max_batch_size if max_batch is None else max_batch
+        key = (graphdef, devices, cap)
+        if key not in self._plans:
+            if devices is not None:
+                self._plans[key] = self._call_planner(model, devices, cap)
+            else:
+                self._plans[key] = self._smallest_fitting_plan(model, cap)
+        return self._plans[key]
+
+    # ---------------------------------------------------------------------------- the loop
+    def _now(self) -> float:
+        return time.monotonic() - self._t0
+
+    def _notify(self) -> None:
+        if self.on_update is not None:
+            self.on_update(list(self.statuses.values()), self.pool)
+
+    def _ask(self, planner_pool: cf.Executor, planning: dict[cf.Future, AskedTrial]) -> bool:
+        """Ask for one configuration and start planning it; False when the study is full."""
+        asked = self.source.ask()
+        if asked is None:
+            return False
+        status = self.statuses.setdefault(asked.number, TrialStatus(asked.number, asked.params))
+        status.state = "planning"
+        planning[planner_pool.submit(self.plan, asked.params)] = asked
+        self._notify()
+        return True
+
+    def _enqueue(self, asked: AskedTrial, planned: cf.Future, queue: list[PlannedTrial]) -> None:
+        status = self.statuses[asked.number]
+        try:
+            plan = planned.result()
+        except planner.DoesNotFitError as err:
+            status.state, status.reason = "failed", f"does not fit: {err}"
+            if self._ever_fit:
+                self._tell(TrialOutcome(asked.number, "failed", reason=status.reason,
+                                        attrs=self._attrs(status, 0.0)))
+                return
+            # Until one candidate fits, a misfit may mean the budget is wrong, not the candidate:
+            # hold it back so that a too-small budget stops the study without spending trials.
+            self._nofit.append(asked.number)
+            if len(self._nofit) >= self.config.nofit_limit:
+                self._budget_too_small(err)
+            return
+        except Exception as err:  # noqa: BLE001 - a candidate that cannot even be built
+            status.state, status.reason = "failed", f"{type(err).__name__}: {err}"[:300]
+            self._tell(TrialOutcome(asked.number, "failed", reason=status.reason,
+                                    attrs=self._attrs(status, 0.0)))
+            return
+        if not self._ever_fit:
+            self._ever_fit = True
+            for number in self._nofit:
+                status = self.statuses[number]
+                self._tell(TrialOutcome(number, "failed", reason=status.reason,
+                                        attrs=self._attrs(status, 0.0)))
+            self._nofit.clear()
+        # Arrival is the ask order, so placement stays first-come first-served whatever order
+        # the plans finish in.
+        self._queue_planned(PlannedTrial(asked, plan, self._devices_of(plan), asked.number),
+                            queue)
+
+    def _budget_too_small(self, err: Exception) -> None:
+        for number in self._nofit:  # not their fault: a run with a bigger budget retries them
+            self.source.interrupt(number)
+        count = len(self._nofit)
+        self._nofit.clear()
+        raise BudgetTooSmallError(
+            f"none of the first {count} candidates fits the pool of {len(self.devices)} "
+            f"devices with {self.config.memory_per_device} bytes each (last: {err}); raise "
+            "--memory-per-device or --devices, or shrink the search space"
+        ) from err
+
+    def _devices_of(self, plan: Any) -> int:
+        return int(plan.data_parallel * plan.model_parallel)
+
+    def _queue_planned(self, planned: PlannedTrial, queue: list[PlannedTrial]) -> None:
+        status = self.statuses[planned.number]
+        status.state = "queued"
+        status.model_parallel = int(planned.plan.model_parallel)
+        status.batch_size = int(planned.plan.batch_size)
+        status.predicted_peak_bytes = int(planned.plan.peak_bytes_per_device)
+        status.steps = self.config.steps_for(status.batch_size)
+        queue.append(planned)
+        self._notify()
+
+    def _request(self, planned: PlannedTrial) -> TrialRequest:
+        return TrialRequest(
+            key=planned.number,
+            devices=planned.devices,
+            bytes_per_device=int(planned.plan.peak_bytes_per_device),
+            arrival=planned.arrival,
+        )
+
+    def _attrs(self, status: TrialStatus, wall: float) -> dict[str, Any]:
+        return {
+            "devices": list(status.devices),
+            "model_parallel": status.model_parallel,
+            "batch_size": status.batch_size,
+            "predicted_peak_bytes": status.predicted_peak_bytes,
+            "steps": status.step,
+            "wall_seconds": round(wall, 3),
+            "replans": status.replans,
+            "rank": self.config.rank,
+            "final_loss": None if math.isnan(status.loss) else status.loss,
+        }
+
+    def _tell(self, outcome: TrialOutcome) -> None:
+        self.source.tell(outcome)
+        self._outcomes.append(outcome)
+        self._notify()
+
+    def _start(self, placement: Placement, planned: PlannedTrial, executor: cf.Executor,
+               stop: threading.Event) -> cf.Future:
+        ids = placement.device_ids[: planned.devices]
+        plan = planned.plan.with_devices([self.devices[i] for i in ids])
+        status = self.statuses[planned.number]
+        status.devices = tuple(placement.device_ids)
+        status.state = "starting"
+        checkpoint_dir = (
+            self.checkpoint_root / planned.asked.checkpoint_key if self.checkpoint_root else None
+        )
+        spec = RunSpec(
+            number=planned.number,
+            params=planned.asked.params,
+            plan=plan,
+            steps=self.config.steps_for(int(plan.batch_size)),
+            memory_per_device=self.config.memory_per_device,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=self.config.checkpoint_every,
+            eval_every=self.config.eval_every,
+            log_every=self.config.log_every,
+            seed=trial_seed(self.config.seed, planned.asked.checkpoint_key),
+        )
+        return executor.submit(run_trial, spec, self.space, self.task,
+                               report=self.source.report, status=status, stop=stop,
+                               cache=self.cache)
+
+    def _replan(self, planned: PlannedTrial, result: RunResult) -> PlannedTrial | None:
+        """A smaller batch on the same device count, else the same batch on twice the devices."""
+        if planned.replans >= self.config.max_replans:
+            return None
+        plan = planned.plan
+        batch, dp = int(plan.batch_size), int(plan.data_parallel)
+        params = planned.asked.params
+        model = self._abstract(params)
+        half = (batch // 2 // dp) * dp
+        try:
+            if half >= dp and half >= 1:
+                # Plan for the memory the compiled step really needed, scaled to the budget.
+                new = self._call_planner(model, planned.devices, half)
+            elif planned.devices * 2 <= len(self.devices) and self.config.policy == "scamp":
+                new = self._call_planner(model, planned.devices * 2, batch)
+            else:
+                return None
+        except planner.DoesNotFitError:
+            return None
+        return replace(planned, plan=new, devices=self._devices_of(new),
+                       replans=planned.replans + 1)
+
+    def run(self) -> SearchResult:
+        """Run trials until the study has its total; returns this run's usage figures.
+
+        Raises `BudgetTooSmallError` if no candidate fits the pool. On ``KeyboardInterrupt``
+        running trials are checkpointed and marked interrupted (a re-run resumes them), then the
+        interrupt propagates; finished trials are already in the study.
+        """
+        self._t0 = time.monotonic()
+        self.usage = UsageRecorder(self.capacity, t0=0.0)
+        self._outcomes: list[TrialOutcome] = []
+        lookahead = self.config.lookahead or len(self.devices)
+        queue: list[PlannedTrial] = []
+        planning: dict[cf.Future, AskedTrial] = {}
+        running: dict[cf.Future, tuple[PlannedTrial, float]] = {}
+        stop = threading.Event()
+        executor = cf.ThreadPoolExecutor(max_workers=max(4, 4 * len(self.devices)),
+                                         thread_name_prefix="trial")
+        # Planning compiles; one planner thread overlaps it with training without two plans
+        # racing on the plan cache.
+        planner_pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner")
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(queue) + len(planning) < lookahead:
+                    exhausted = not self._ask(planner_pool, planning)
+                if not queue and not running and not planning:
+                    break
+                by_key = {p.number: p for p in queue}
+                placements = self.policy.decide(
+                    self.pool.snapshot(), [self._request(p) for p in queue]
+                )
+                for placement in placements:
+                    planned = by_key[placement.key]
+                    request = self._request(planned)
+                    self.pool.allocate(placement, request)
+                    self.usage.start(self._now(), placement, request.bytes_per_device)
+                    queue.remove(planned)
+                    future = self._start(placement, planned, executor, stop)
+                    running[future] = (planned, self._now())
+                self._notify()
+                if not running and not planning:
+                    if queue:  # nothing runs and nothing can start: a policy bug, not a wait
+                        raise RuntimeError(
+                            f"placement started none of {len(queue)} queued trials on an idle "
+                            "pool; check the trials' device counts against the pool"
+                        )
+                    continue
+                done, _ = cf.wait([*running, *planning], timeout=0.5,
+                                  return_when=cf.FIRST_COMPLETED)
+                for future in sorted(done, key=lambda f: planning[f].number
+                                     if f in planning else -1):
+                    if future in planning:
+                        self._enqueue(planning.pop(future), future, queue)
+                    else:
+                        planned, _started = running.pop(future)
+                        self._finish(planned, future.result(), queue)
+                self._notify()
+        except BaseException:
+            stop.set()
+            for future, (planned, _) in list(running.items()):
+                future.result()  # the runner checkpoints and returns when it sees `stop`
+                self.source.interrupt(planned.number)
+            for asked in planning.values():
+                self.source.interrupt(asked.number)
+            for planned in queue:
+                self.source.interrupt(planned.number)
+            planner_pool.shutdown(wait=True, cancel_futures=True)
+            executor.shutdown(wait=True)
+            raise
+        planner_pool.shutdown(wait=True)
+        executor.shutdown(wait=True)
+        if self._nofit:
+            self._budget_too_small(planner.DoesNotFitError(
+                self.statuses[self._nofit[-1]].reason, 0, self.config.memory_per_device))
+        end = self._now()
+        intervals = tuple(
+            tuple((iv.key, iv.start, float(iv.end if iv.end is not None else end), iv.bytes)
+                  for iv in device)
+            for device in self.usage.busy_intervals(end)
+        )
+        return SearchResult(
+            policy=self.policy.name,
+            elapsed_s=end,
+            usage=self.usage.summary(end),
+            memory_series=self.usage.memory_utilization_series(),
+            intervals=intervals,
+            outcomes=tuple(self._outcomes),
+            compile_cache={"hits": self.cache.hits, "misses": self.cache.misses},
+        )
+
+    def _finish(self, planned: PlannedTrial, result: RunResult, queue: list[PlannedTrial]) -> None:
+        self.pool.release(planned.number)
+        self.usage.finish(self._now(), planned.number)
+        status = self.statuses[planned.number]
+        if result.state == "oom":
+            retry = self._replan(planned, result)
+            if retry is not None:
+                log.info("trial %d out of memory (%s); re-planned", planned.number, result.reason)
+                status.replans = retry.replans
+                self._queue_planned(retry, queue)
+                return
+            result = replace(result, state="failed",
+                             reason=f"{result.reason}; no smaller plan fits")
+        if result.state == "interrupted":
+            self.source.interrupt(planned.number)
+            return
+        metric = result.metrics.get(self.task.metric)
+        attrs = self._attrs(status, result.wall_seconds)
+        attrs["metrics"] = dict(result.metrics)
+        attrs["checkpoint"] = str(result.checkpoint) if result.checkpoint else None
+        attrs["resumed_from"] = result.resumed_from
+        status.state = result.state
+        status.reason = result.reason
+        self._tell(TrialOutcome(planned.number, result.state,
+                                value=metric if result.state == "complete" else None,
+                                reason=result.reason, attrs=attrs))
+
+
+class SearchSettings(Protocol):
+    """What `run_search` reads from an experiment's config (e.g. ``experiments._cli.HPOConfig``)."""
+
+    trials: int
+    steps: int
+    reference_batch: int | None
+    max_batch_size: int | None
+    policy: str
+    devices_per_trial: int
+    sampler: str
+    pruner: str
+    seed: int
+    study_dir: str
+    storage: str | None
+    checkpoint_every: int
+    eval_every: int
+    #: configurations to evaluate first in a new study (a warm start), e.g. a known baseline.
+    initial_params: Sequence[Mapping[str, Any]]
+
+
+def run_search(
+    space: SearchSpace,
+    task: Task,
+    settings: SearchSettings,
+    *,
+    devices: Sequence[jax.Device],
+    memory_per_device: int,
+    live: bool = True,
+    baseline: str | None = None,
+    title: str = "search",
+    plan_fn: PlanFn | None = None,
+    console: Any = None,
+) -> dict[str, Any]:
+    """Open (or resume) the study in ``settings.study_dir``, run it, and write its report.
+
+    A new study first evaluates ``settings.initial_params`` (if any), then what the sampler asks.
+    Writes ``study.db`` (unless ``settings.storage`` names another database), ``results.json``,
+    ``results.csv``, ``best_model/`` (the best trial's final checkpoint), the three PNG plots, and
+    prints the best trials with the best metric against ``baseline`` (e.g. ``"bicubic_psnr"``).
+    Returns the ``results.json`` payload's ``run`` section plus ``best`` (a results row or None).
+    """
+    from rich.console import Console
+
+    from scamp_jax import report
+    from scamp_jax.live import LiveView
+    from scamp_jax.study import OptunaTrialSource, open_study
+
+    study_dir = Path(settings.study_dir)
+    study = open_study(
+        space.name, study_dir=study_dir, storage=settings.storage, direction=task.direction,
+        sampler=settings.sampler, pruner=settings.pruner, seed=settings.seed, grid=space.grid,
+        warmup_steps=settings.eval_every,
+    )
+    if not study.get_trials(deepcopy=False):
+        for params in getattr(settings, "initial_params", ()):
+            study.enqueue_trial(dict(params), skip_if_exists=True)
+    source = OptunaTrialSource(study, space, settings.trials)
+    if console is None:
+        # Logs (no terminal) get wide lines instead of a table squeezed into 80 columns.
+        console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+    if source.recovered:
+        console.print(f"resuming: trials {source.recovered} were interrupted and are queued "
+                      "again", markup=False)
+    console.print(f"study {space.name!r} in {study_dir}: {source.finished()} of "
+                  f"{settings.trials} trials finished before this run", markup=False)
+    config = EngineConfig(
+        steps=settings.steps,
+        memory_per_device=memory_per_device,
+        policy=settings.policy,
+        devices_per_trial=settings.devices_per_trial,
+        max_batch_size=settings.max_batch_size,
+        reference_batch=settings.reference_batch,
+        checkpoint_every=settings.checkpoint_every,
+        eval_every=settings.eval_every,
+        seed=settings.seed,
+    )
+    view = LiveView([memory_per_device] * len(devices), task.metric, title=title,
+                    stream=None if live else _PlainStream())
+    engine = SearchEngine(space, task, source, config, devices=devices,
+                          checkpoint_root=study_dir / "checkpoints", plan_fn=plan_fn,
+                          on_update=view.update)
+    with view:
+        result = engine.run()
+    metrics = [task.metric] + ([baseline] if baseline else [])
+    records = report.trial_records(study, metrics)
+    run_info = {
+        "policy": result.policy,
+        "devices": len(devices),
+        "memory_per_device": memory_per_device,
+        "elapsed_s": result.elapsed_s,
+        "usage": dict(result.usage),
+        "compile_cache": dict(result.compile_cache),
+        "trials_this_run": len(result.outcomes),
+    }
+    report.write_results(study_dir, records, metric=task.metric, direction=task.direction,
+                         run=run_info)
+    report.save_best_model(study_dir, records, task.metric, task.direction)
+    report.plot_results(study_dir, records, metric=task.metric, baseline=baseline,
+                        intervals=result.intervals, memory_series=result.memory_series,
+                        elapsed_s=result.elapsed_s, capacity_bytes=memory_per_device)
+    console.print(report.summary_table(records, task.metric, task.direction, baseline=baseline))
+    console.print(report.verdict(records, task.metric, task.direction, baseline), markup=False)
+    console.print(
+        f"this run: {result.elapsed_s:.1f} s, mean memory utilisation "
+        f"{100 * result.usage['mean_memory_utilization']:.1f}%, idle device-seconds "
+        f"{result.usage['idle_device_seconds']:.1f}; results in {study_dir}", markup=False
+    )
+    return {**run_info, "best": report.best_record(records, task.metric, task.direction)}
+
+
+class _PlainStream:
+    """stdout without a terminal, so `LiveView` prints log lines (``--no-live``)."""
+
+    def write(self, text: str) -> int:
+        return sys.stdout.write(text)
+
+    def flush(self) -> None:
+        sys.stdout.flush()
+
+    def isatty(self) -> bool:
+        return False

@@ -1,0 +1,142 @@
+"""Live view of a running search: the device pool and every trial's progress.
+
+On a terminal it is a rich ``Live`` display refreshed a few times a second: one row per device
+(memory reserved, trials on it) and one per trial (config, devices, model-parallel degree, batch,
+step, loss, metric, state). When stdout is not a terminal (CI, a log file) it prints one plain line
+per state change instead, so logs stay readable.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, TextIO
+
+from scamp_jax._units import format_bytes
+from scamp_jax.runner import TrialStatus
+
+_ACTIVE = ("compiling", "training", "evaluating", "starting")
+
+
+def _fmt_params(params: Mapping[str, Any], width: int = 48) -> str:
+    parts = []
+    for key, value in params.items():
+        if isinstance(value, float):
+            value = f"{value:.2e}" if abs(value) < 1e-2 else f"{value:.3g}"
+        parts.append(f"{key}={value}")
+    text = " ".join(parts)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _fmt_float(value: float, digits: int = 4) -> str:
+    return "" if math.isnan(value) else f"{value:.{digits}g}"
+
+
+class LiveView:
+    """Shows the pool and the trials; call `update` from the engine, use as a context manager.
+
+    Args:
+      capacity: bytes per device.
+      metric: name of the study metric shown per trial (e.g. ``"psnr"``).
+      title: heading of the display.
+      stream: where to write (default stdout); a non-terminal stream gets plain log lines.
+      refresh_per_second: redraw rate of the rich display.
+    """
+
+    def __init__(self, capacity: Sequence[int], metric: str, *, title: str = "search",
+                 stream: TextIO | None = None, refresh_per_second: float = 2.0) -> None:
+        self.capacity = list(capacity)
+        self.metric = metric
+        self.title = title
+        self.stream = stream or sys.stdout
+        self.interactive = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.refresh_per_second = refresh_per_second
+        self._lock = threading.Lock()
+        self._statuses: list[TrialStatus] = []
+        self._used: list[int] = [0] * len(self.capacity)
+        self._occupants: list[list[int]] = [[] for _ in self.capacity]
+        self._last_state: dict[int, str] = {}
+        self._live: Any = None
+        self._t0 = time.monotonic()
+
+    def __enter__(self) -> LiveView:
+        if self.interactive:
+            from rich.console import Console
+            from rich.live import Live
+
+            console = Console(file=self.stream)
+            # get_renderable: each refresh re-reads the trials' progress, which runners update.
+            self._live = Live(console=console, get_renderable=self.render,
+                              refresh_per_second=self.refresh_per_second, transient=False)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.refresh()
+            self._live.__exit__(*exc)
+            self._live = None
+
+    def update(self, statuses: Sequence[TrialStatus], pool: Any = None) -> None:
+        """New state of the trials (and of the `DevicePool`, for per-device memory)."""
+        with self._lock:
+            self._statuses = list(statuses)
+            if pool is not None:
+                snapshot = pool.snapshot()
+                self._used = list(snapshot.used)
+                occupants: list[list[int]] = [[] for _ in self.capacity]
+                for key, placement in pool.running.items():
+                    for d in placement.device_ids:
+                        occupants[d].append(key)
+                self._occupants = occupants
+        if self._live is None:
+            self._log_changes()
+
+    def _log_changes(self) -> None:
+        for s in self._statuses:
+            if self._last_state.get(s.number) == s.state:
+                continue
+            self._last_state[s.number] = s.state
+            elapsed = time.monotonic() - self._t0
+            line = (f"[{elapsed:7.1f}s] trial {s.number:>3} {s.state:<11} "
+                    f"devices={list(s.devices)} mp={s.model_parallel} batch={s.batch_size} "
+                    f"step={s.step}/{s.steps}")
+            if not math.isnan(s.loss):
+                line += f" loss={s.loss:.4g}"
+            if not math.isnan(s.metric):
+                line += f" {self.metric}={s.metric:.4g}"
+            if s.reason and s.state in ("failed", "pruned", "oom"):
+                line += f" ({s.reason[:120]})"
+            print(line, file=self.stream, flush=True)
+
+    def render(self) -> Any:
+        """The rich renderable: a device table above a trial table."""
+        from rich.console import Group
+        from rich.table import Table
+
+        with self._lock:
+            statuses = list(self._statuses)
+            used, occupants = list(self._used), [list(o) for o in self._occupants]
+        devices = Table(title=f"{self.title}: device pool", expand=False)
+        for name in ("device", "memory reserved", "use", "trials"):
+            devices.add_column(name)
+        for d, cap in enumerate(self.capacity):
+            frac = used[d] / cap if cap else 0.0
+            bar = "█" * int(round(10 * frac)) + "·" * (10 - int(round(10 * frac)))
+            devices.add_row(str(d), f"{format_bytes(used[d])} / {format_bytes(cap)}",
+                            f"{bar} {100 * frac:3.0f}%", " ".join(map(str, occupants[d])))
+        trials = Table(title="trials", expand=False)
+        for name in ("#", "config", "devices", "mp", "batch", "step", "loss", self.metric,
+                     "state"):
+            trials.add_column(name)
+        active = [s for s in statuses if s.state in _ACTIVE]
+        rest = [s for s in statuses if s.state not in _ACTIVE]
+        for s in (active + rest[::-1])[:24]:
+            trials.add_row(str(s.number), _fmt_params(s.params),
+                           ",".join(map(str, s.devices)), str(s.model_parallel),
+                           str(s.batch_size), f"{s.step}/{s.steps}", _fmt_float(s.loss),
+                           _fmt_float(s.metric), s.state)
+        return Group(devices, trials)

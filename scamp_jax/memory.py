@@ -1,0 +1,381 @@
+"""Training memory per device, from abstract shapes and XLA's compiled memory analysis.
+
+- Parameters, optimizer state and the model's other state come from ``nnx.eval_shape`` /
+  ``jax.eval_shape`` and the planned shardings: nothing is allocated.
+- Activations and temporaries come from compiling the training step (``scamp_jax.train_step``,
+  the same step the runner trains with) on abstract arguments for the target mesh and reading
+  ``compiled.memory_analysis()``; XLA reports per-device sizes for sharded programs.
+- The peak per device is ``temp + argument + output - alias`` (donated parameters and optimizer
+  state alias their updated values).
+
+Memory is close to affine in the batch size, so ``fit_memory_model`` compiles two probe sizes and
+fits ``fixed_bytes + bytes_per_sample * batch``; the planner then verifies its pick by compiling.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from scamp_jax import sharding as sh
+from scamp_jax._units import format_bytes
+from scamp_jax.train_step import (
+    LossFn,
+    StepShardings,
+    abstract_state,
+    default_loss,
+    default_optimizer,
+    jit_train_step,
+    split_model,
+)
+
+PyTree = Any
+
+#: XLA options for planning compiles on CPU (see ``StepCompiler``).
+CPU_FAST_COMPILE: dict[str, str | bool] = {"xla_backend_optimization_level": "0"}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Training memory of one step on one device, in bytes, at global batch ``batch_size``.
+
+    ``params``, ``grads``, ``opt_state``, ``rest`` (RNG state, batch statistics) and ``inputs`` (the
+    batch) are exact per-device sizes from shapes and shardings. ``peak`` is the compiled peak
+    ``temp + argument + output - alias``; ``activations_and_temps`` is what the peak holds beyond
+    the persistent state and the batch: activations saved for the backward pass, gradients, and
+    XLA's scratch buffers (``temp``), plus outputs that do not alias an input. ``grads`` is listed
+    for reference (gradients have the parameters' shardings); it is part of
+    ``activations_and_temps``, because XLA may fuse a gradient into the update and never hold it
+    whole. The raw compiled figures are kept in ``temp``, ``argument``, ``output`` and ``alias``.
+    """
+
+    batch_size: int
+    params: int
+    grads: int
+    opt_state: int
+    rest: int
+    inputs: int
+    activations_and_temps: int
+    peak: int
+    temp: int
+    argument: int
+    output: int
+    alias: int
+    compile_seconds: float = field(default=0.0, compare=False)
+
+    @property
+    def state(self) -> int:
+        """Persistent bytes per device: parameters + optimizer state + other model state."""
+        return self.params + self.opt_state + self.rest
+
+    def describe(self) -> str:
+        """A short table of the breakdown, one item per line."""
+        rows = [
+            ("parameters", self.params),
+            ("gradients (in temps)", self.grads),
+            ("optimizer state", self.opt_state),
+            ("other model state", self.rest),
+            ("inputs", self.inputs),
+            ("activations + temps", self.activations_and_temps),
+            ("peak", self.peak),
+        ]
+        lines = [f"memory per device at global batch {self.batch_size}:"]
+        lines += [f"  {name:<22}{format_bytes(value):>12}" for name, value in rows]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Per-device peak bytes as a function of the global batch size.
+
+    ``predict(b) = max(floor_bytes, fixed_bytes + bytes_per_sample * b)``, fitted from compiles at
+    ``probe_batches`` (whose compiled peaks are ``probe_peaks``). The affine part describes large
+    batches, where activations grow with the batch; ``floor_bytes`` (the peak at the smallest
+    probe) covers small ones, where XLA fits the activations into buffers it needs anyway (the
+    gradients, the optimizer update) and memory stays flat. Batches are multiples of
+    ``batch_multiple`` (the data-parallel degree).
+    """
+
+    fixed_bytes: float
+    bytes_per_sample: float
+    probe_batches: tuple[int, ...]
+    probe_peaks: tuple[int, ...]
+    batch_multiple: int = 1
+    floor_bytes: float = 0.0
+
+    def predict(self, batch_size: int) -> int:
+        """Predicted peak bytes per device at global ``batch_size``."""
+        affine = self.fixed_bytes + self.bytes_per_sample * batch_size
+        return int(math.ceil(max(self.floor_bytes, affine)))
+
+    def max_batch(self, budget_bytes: int, cap: int | None = None) -> int:
+        """Largest multiple of ``batch_multiple`` predicted to fit ``budget_bytes`` (0 if none).
+
+        ``cap`` bounds the answer (rounded down to a multiple). With no per-sample growth the
+        answer is ``cap``, which must then be given.
+        """
+        k = self.batch_multiple
+        if self.floor_bytes > budget_bytes:
+            return 0
+        if self.bytes_per_sample <= 0:
+            if cap is None:
+                raise ValueError(
+                    "memory does not grow with the batch size, so the largest batch is unbounded; "
+                    "pass cap= (e.g. the data set size)"
+                )
+            best = cap
+        else:
+            best = int((budget_bytes - self.fixed_bytes) // self.bytes_per_sample)
+            if cap is not None:
+                best = min(best, cap)
+        best = (best // k) * k
+        while best > 0 and self.predict(best) > budget_bytes:  # guard float rounding
+            best -= k
+        return max(best, 0)
+
+
+def with_batch_size(sample_batch: PyTree, batch_size: int) -> PyTree:
+    """``ShapeDtypeStruct`` tree of ``sample_batch``, each leading axis set to ``batch_size``."""
+    leaves = jax.tree.leaves(sample_batch)
+    if not leaves:
+        raise ValueError("the sample batch has no arrays; pass an array or a tuple of arrays")
+    for leaf in leaves:
+        if not hasattr(leaf, "shape") or len(leaf.shape) == 0:
+            raise ValueError(
+                f"every batch leaf needs a leading sample axis, got {leaf!r}; "
+                "pass arrays shaped (batch, ...)"
+            )
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((batch_size, *x.shape[1:]), x.dtype), sample_batch
+    )
+
+
+class StepCompiler:
+    """Compiles the training step on abstract arguments for one mesh and sharding choice.
+
+    Holds the split model, the abstract state trees and the jitted step so that probes at several
+    batch sizes only re-lower and re-compile; nothing is allocated on any device.
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        sample_batch: PyTree,
+        mesh: Mesh,
+        shardings: StepShardings | None = None,
+        optimizer: optax.GradientTransformation | None = None,
+        loss_fn: LossFn | None = None,
+    ) -> None:
+        self.mesh = mesh
+        self.optimizer = optimizer if optimizer is not None else default_optimizer()
+        self.loss_fn = loss_fn if loss_fn is not None else default_loss
+        self.sample_batch = sample_batch
+        self.graphdef, _, _ = split_model(model)
+        self.params, self.opt_state, self.rest = abstract_state(model, self.optimizer)
+        if not jax.tree.leaves(self.params):
+            raise ValueError(
+                f"{type(model).__name__} has no nnx.Param variables, so there is nothing to "
+                "train; check that its layers are attributes of the module"
+            )
+        if shardings is None:
+            shardings = default_step_shardings(
+                mesh, self.params, self.opt_state, self.rest, self.optimizer
+            )
+        self.shardings = shardings
+        self.data_parallel = int(mesh.shape.get(sh.DATA_AXIS, 1))
+        self.params_bytes = sh.bytes_per_device(self.params, shardings.params)
+        self.opt_state_bytes = sh.bytes_per_device(self.opt_state, shardings.opt_state)
+        self.rest_bytes = sh.bytes_per_device(self.rest, shardings.rest)
+        self._step = jit_train_step(self.graphdef, self.optimizer, self.loss_fn, shardings)
+        platforms = {d.platform for d in mesh.devices.flat}
+        # On CPU the LLVM optimisation level changes code speed, not buffer assignment (done
+        # on HLO before code generation), and level 0 halves compile time; a test pins equality.
+        self.compiler_options = dict(CPU_FAST_COMPILE) if platforms == {"cpu"} else None
+
+    @property
+    def state_bytes(self) -> int:
+        """Persistent per-device bytes (parameters, optimizer state, other state): no compile."""
+        return self.params_bytes + self.opt_state_bytes + self.rest_bytes
+
+    def estimate(self, batch_size: int) -> MemoryEstimate:
+        """Compile the step for global ``batch_size`` and return its per-device memory."""
+        dp = self.data_parallel
+        if batch_size < 1 or batch_size % dp:
+            suggestion = max(1, -(-batch_size // dp)) * dp
+            raise ValueError(
+                f"{batch_size=} must be a positive multiple of the data-parallel degree {dp}; "
+                f"use {suggestion}"
+            )
+        batch = with_batch_size(self.sample_batch, batch_size)
+        start = time.perf_counter()
+        lowered = self._step.lower(self.params, self.opt_state, self.rest, batch)
+        compiled = lowered.compile(self.compiler_options)
+        seconds = time.perf_counter() - start
+        stats = compiled.memory_analysis()
+        if stats is None:
+            platform = self.mesh.devices.flat[0].platform
+            raise RuntimeError(
+                f"XLA on {platform} gives no memory analysis for compiled programs, so memory "
+                "cannot be estimated there; plan on a backend that does (CPU, GPU, TPU)"
+            )
+        temp = int(stats.temp_size_in_bytes)
+        argument = int(stats.argument_size_in_bytes)
+        output = int(stats.output_size_in_bytes)
+        alias = int(stats.alias_size_in_bytes)
+        peak = temp + argument + output - alias
+        inputs = sh.bytes_per_device(batch, self.shardings.batch)
+        return MemoryEstimate(
+            batch_size=batch_size,
+            params=self.params_bytes,
+            grads=self.params_bytes,
+            opt_state=self.opt_state_bytes,
+            rest=self.rest_bytes,
+            inputs=inputs,
+            activations_and_temps=peak - self.state_bytes - inputs,
+            peak=peak,
+            temp=temp,
+            argument=argument,
+            output=output,
+            alias=alias,
+            compile_seconds=seconds,
+        )
+
+    def fit(
+        self,
+        probe_batches: tuple[int, int] | None = None,
+        verify_batch: int | None = None,
+        tolerance: float = 0.01,
+    ) -> tuple[MemoryModel, list[MemoryEstimate]]:
+        """Fit the memory model from two compiles, then check it with a third.
+
+        Default probes are ``8 * dp`` and ``32 * dp`` (past the smallest batches, where memory is
+        often flat) and the check is at ``verify_batch`` (default four times the larger probe).
+        If the prediction there is off by more than ``tolerance`` (relative), the probes were in
+        the flat part, and the affine part is refitted through the larger probe and the check,
+        with the smaller probe's peak as the floor. Returns the model and the three estimates.
+        """
+        dp = self.data_parallel
+        b1, b2 = sorted(probe_batches) if probe_batches is not None else (8 * dp, 32 * dp)
+        if b1 == b2:
+            raise ValueError(f"probe batch sizes must differ, got {b1} twice")
+        b3 = verify_batch if verify_batch is not None else 4 * b2
+        if b3 in (b1, b2):
+            raise ValueError(f"{verify_batch=} must differ from the probe batch sizes {b1}, {b2}")
+        first, second = self.estimate(b1), self.estimate(b2)
+        model = affine_fit(first, second, dp)
+        third = self.estimate(b3)
+        if abs(model.predict(b3) - third.peak) > tolerance * third.peak and b3 > b2:
+            refit = affine_fit(second, third, dp)
+            model = replace(refit, floor_bytes=float(first.peak))
+        model = replace(
+            model,
+            probe_batches=(b1, b2, b3),
+            probe_peaks=(first.peak, second.peak, third.peak),
+        )
+        return model, [first, second, third]
+
+
+def affine_fit(first: MemoryEstimate, second: MemoryEstimate, batch_multiple: int) -> MemoryModel:
+    """``MemoryModel`` through two compiled estimates (the smaller batch sets the floor)."""
+    if first.batch_size > second.batch_size:
+        first, second = second, first
+    if first.batch_size == second.batch_size:
+        raise ValueError(f"need two different batch sizes, got {first.batch_size} twice")
+    slope = (second.peak - first.peak) / (second.batch_size - first.batch_size)
+    return MemoryModel(
+        fixed_bytes=first.peak - slope * first.batch_size,
+        bytes_per_sample=slope,
+        probe_batches=(first.batch_size, second.batch_size),
+        probe_peaks=(first.peak, second.peak),
+        batch_multiple=batch_multiple,
+        floor_bytes=float(first.peak),
+    )
+
+
+def default_step_shardings(
+    mesh: Mesh,
+    params: PyTree,
+    opt_state: PyTree,
+    rest: PyTree,
+    optimizer: optax.GradientTransformation,
+    *,
+    min_shard_elements: int = sh.MIN_SHARD_ELEMENTS,
+) -> StepShardings:
+    """The project's tensor-parallel rules on ``mesh``: params by ``param_partition_specs``,
+    optimizer moments like their parameters, other state replicated, batch split over 'data'."""
+    model_parallel = int(mesh.shape.get(sh.MODEL_AXIS, 1))
+    specs = sh.param_partition_specs(params, model_parallel, min_shard_elements=min_shard_elements)
+    param_shardings = sh.named_shardings(mesh, specs)
+    return StepShardings(
+        params=param_shardings,
+        opt_state=sh.opt_state_shardings(optimizer, opt_state, params, param_shardings, mesh),
+        rest=sh.replicated_shardings(mesh, rest),
+        batch=sh.batch_sharding(mesh),
+    )
+
+
+def single_device_mesh(device: jax.Device | None = None) -> Mesh:
+    """A 1 x 1 ``('data', 'model')`` mesh on ``device`` (default: the first JAX device)."""
+    device = device if device is not None else jax.devices()[0]
+    return sh.make_mesh([device], 1, 1)
+
+
+def estimate_memory(
+    model: nnx.Module,
+    batch: PyTree,
+    *,
+    mesh: Mesh | None = None,
+    shardings: StepShardings | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+    loss_fn: LossFn | None = None,
+) -> MemoryEstimate:
+    """Per-device training memory of ``model`` on ``batch`` (one compile, nothing allocated).
+
+    Args:
+      model: a Flax NNX module, real or abstract (``nnx.eval_shape(lambda: Model(...))``).
+      batch: arrays or ``ShapeDtypeStruct``s shaped ``(B, ...)`` (an array or a tuple whose first
+        element is the model input); ``B`` is the global batch size.
+      mesh: a ``('data', 'model')`` mesh (``make_mesh``); default a single device.
+      shardings: shardings of the step's arguments; default the project's rules on ``mesh``.
+      optimizer: an optax transformation; default Adam via ``optax.inject_hyperparams``.
+      loss_fn: ``loss_fn(model, batch) -> scalar``; default the mean squared output.
+
+    Returns:
+      A ``MemoryEstimate`` in bytes per device.
+    """
+    mesh = mesh if mesh is not None else single_device_mesh()
+    leaves = jax.tree.leaves(batch)
+    if not leaves or not hasattr(leaves[0], "shape") or len(leaves[0].shape) == 0:
+        raise ValueError("batch must be arrays shaped (batch, ...); got no leading sample axis")
+    compiler = StepCompiler(model, batch, mesh, shardings, optimizer, loss_fn)
+    return compiler.estimate(int(leaves[0].shape[0]))
+
+
+def fit_memory_model(
+    model: nnx.Module,
+    sample_batch: PyTree,
+    *,
+    mesh: Mesh | None = None,
+    shardings: StepShardings | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+    loss_fn: LossFn | None = None,
+    probe_batches: tuple[int, int] | None = None,
+    verify_batch: int | None = None,
+) -> MemoryModel:
+    """Per-device peak bytes as a function of the global batch size (three compiles).
+
+    ``sample_batch`` gives the per-sample shapes (its leading axis is replaced by each probe
+    size). Two probes fit the affine model and a third compile checks it (see
+    ``StepCompiler.fit``); defaults are ``8 * dp``, ``32 * dp`` and ``128 * dp`` for the mesh's
+    data-parallel degree ``dp``.
+    """
+    mesh = mesh if mesh is not None else single_device_mesh()
+    compiler = StepCompiler(model, sample_batch, mesh, shardings, optimizer, loss_fn)
+    return compiler.fit(probe_batches, verify_batch)[0]

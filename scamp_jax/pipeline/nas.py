@@ -1,0 +1,285 @@
+"""Supernet NAS for super-resolution: train a supernet through the pipeline, rank subnets by PSNR.
+
+The logic behind ``python -m experiments.supernet_nas``: draw training patches from the SwinIR
+search's photographs (one batch per subnet, in sequence-id order), train with the chosen schedule,
+evaluate a set of subnets on held-out photographs (PSNR on Y, the bicubic baseline beside it), and
+write a JSON summary and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from scamp_jax.pipeline.stage import OptimizerSpec
+from scamp_jax.pipeline.trainer import TrainResult, train_supernet
+from search_spaces.supernet import SupernetConfig, SupernetLayout, sample_subnets, subnet_labels
+
+
+@dataclasses.dataclass(frozen=True)
+class NASConfig:
+    """One supernet NAS run.
+
+    Attributes:
+      preset: name of the preset the values came from.
+      schedule: ``csp``, ``gpipe`` or ``sequential``.
+      stages: pipeline stages (devices).
+      layers, choices, width: supernet size (L choice layers, C candidates, feature channels).
+      subnets: subnets trained, one batch each.
+      batch_size: patches per subnet batch.
+      hr_patch: HR training patch side (pixels); the LR side must be a multiple of the window.
+      microbatches: microbatches per batch for ``gpipe``.
+      learning_rate: Adam step size (per-block Adam state).
+      train_shared: train the stem and head (else frozen, as in the NASPipe artifact).
+      offload: keep the supernet in host memory, only the chosen blocks on the devices.
+      eval_subnets: subnets ranked on held-out patches.
+      eval_crop: largest side (HR pixels) of the held-out photographs' centre crops.
+      seed: seed of weights, subnets and patches.
+      out_dir: where ``results.json`` and ``results.png`` go.
+    """
+
+    preset: str = "default"
+    schedule: str = "csp"
+    stages: int = 4
+    layers: int = 8
+    choices: int = 12
+    width: int = 16
+    subnets: int = 400
+    batch_size: int = 8
+    hr_patch: int = 24
+    microbatches: int = 4
+    learning_rate: float = 2e-3
+    train_shared: bool = False
+    offload: bool = True
+    eval_subnets: int = 12
+    eval_crop: int = 192
+    seed: int = 0
+    out_dir: str = "runs/supernet_nas"
+
+    @property
+    def supernet(self) -> SupernetConfig:
+        """The supernet's sizes (x2 super-resolution, attention windows of 4)."""
+        return SupernetConfig(self.layers, self.choices, self.width, scale=2, window_size=4)
+
+
+def training_batches(config: NASConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(N, B, h, w, 3) LR and (N, B, 2h, 2w, 3) HR patches from the training photographs."""
+    from search_spaces.sr_data import PatchSampler, default_split
+
+    train, _ = default_split()
+    sampler = PatchSampler(train, 2, config.hr_patch, seed=config.seed)
+    pairs = [sampler.batch(config.batch_size) for _ in range(config.subnets)]
+    return np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
+
+
+def held_out_images(config: NASConfig) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Held-out photographs as (LR, HR) pairs: HR centre crops of at most ``eval_crop`` pixels
+    a side, cut to a multiple of window x scale, and their bicubic x2 downscaling."""
+    from search_spaces.sr_data import bicubic_downscale, default_split
+
+    _, images = default_split()
+    unit = 2 * config.supernet.window_size
+    lrs, hrs = [], []
+    for img in images:
+        h = min(img.shape[0], config.eval_crop) // unit * unit
+        w = min(img.shape[1], config.eval_crop) // unit * unit
+        top, left = (img.shape[0] - h) // 2, (img.shape[1] - w) // 2
+        hr = np.ascontiguousarray(img[top : top + h, left : left + w], np.float32)
+        hrs.append(hr)
+        lrs.append(bicubic_downscale(hr, 2).astype(np.float32))
+    return lrs, hrs
+
+
+def evaluate_subnets(
+    layout: SupernetLayout,
+    blocks: np.ndarray,
+    shared: np.ndarray,
+    subnets: list[tuple[int, ...]],
+    lr_images: list[np.ndarray],
+    hr_images: list[np.ndarray],
+) -> list[float]:
+    """Mean PSNR (dB, Y channel, border = scale) of each subnet over held-out image pairs.
+
+    ``lr_images[i]`` is (h, w, 3) and ``hr_images[i]`` (scale h, scale w, 3), floats in [0, 1].
+    """
+    from search_spaces.metrics import psnr_y
+
+    forward = jax.jit(layout.forward)
+    scale = layout.config.scale
+    scores = []
+    for choices in subnets:
+        per_image = []
+        for lr, hr in zip(lr_images, hr_images, strict=True):
+            sr = forward(blocks, shared, jnp.asarray(choices, jnp.int32), lr[None])
+            per_image.append(psnr_y(np.clip(np.asarray(sr[0]), 0.0, 1.0), hr, border=scale))
+        scores.append(float(np.mean(per_image)))
+    return scores
+
+
+def run_nas(config: NASConfig, *, json_path: str | None = None, show: bool = True) -> dict:
+    """Train the supernet, rank ``config.eval_subnets`` subnets by held-out PSNR, save results.
+
+    Held-out images are the SwinIR search's evaluation photographs (`held_out_images`).
+
+    Returns the summary written to JSON: ``losses`` (per subnet, sequence-id order),
+    ``params_sha256``, ``ticks``, ``stage_utilization``, ``ideal_ticks``, ``ideal_utilization``,
+    ``device_param_bytes``, ``host_param_bytes``, ``supernet_param_bytes``, ``wall_seconds``,
+    ``samples_per_second``, ``evaluation`` (subnet, ops, PSNR per evaluated subnet),
+    ``bicubic_psnr`` and ``best``.
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from search_spaces.metrics import psnr_y
+    from search_spaces.sr_data import bicubic_upscale
+
+    console = Console(quiet=not show)
+    cfg = config.supernet
+    layout = SupernetLayout(cfg)
+    subnets = [s.choices for s in sample_subnets(config.subnets, cfg, config.seed)]
+    lr, hr = training_batches(config)
+    console.print(
+        f"supernet: {cfg.num_layers} layers x {cfg.num_choices} candidates "
+        f"({', '.join(o.label for o in cfg.ops)}), width {cfg.width}, "
+        f"{layout.param_count():,} weights; {config.subnets} subnets x batch "
+        f"{config.batch_size}; schedule {config.schedule} on {config.stages} stages, "
+        f"offload {'on' if config.offload else 'off'}"
+    )
+    with Progress(
+        "[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), console=console, transient=False,
+    ) as progress:
+        task = progress.add_task(f"training ({config.schedule}, ticks)", total=None)
+
+        def on_tick(t: int, total: int) -> None:
+            progress.update(task, completed=t + 1, total=total)
+
+        result = train_supernet(
+            layout, subnets, lr, hr, schedule=config.schedule, num_stages=config.stages,
+            seed=config.seed, offload=config.offload, train_shared=config.train_shared,
+            num_microbatches=config.microbatches,
+            optimizer=OptimizerSpec("adam", config.learning_rate), on_tick=on_tick,
+        )
+    eval_lr, eval_hr = held_out_images(config)
+    candidates = [
+        s.choices for s in sample_subnets(config.eval_subnets, cfg, config.seed + 1)
+    ]
+    started = time.perf_counter()
+    scores = evaluate_subnets(layout, result.blocks, result.shared, candidates, eval_lr, eval_hr)
+    bicubic = float(np.mean([
+        psnr_y(np.clip(bicubic_upscale(x, 2), 0, 1), y, border=2)
+        for x, y in zip(eval_lr, eval_hr, strict=True)
+    ]))
+    summary = _summary(config, result, candidates, scores, bicubic)
+    summary["eval_seconds"] = time.perf_counter() - started
+    _print_tables(console, config, result, summary)
+    out = Path(config.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = Path(json_path) if json_path else out / "results.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2))
+    plot = path.with_suffix(".png")
+    save_plot(summary, plot)
+    console.print(f"wrote {path} and {plot}")
+    return summary
+
+
+def _summary(
+    config: NASConfig, result: TrainResult, candidates: list[tuple[int, ...]],
+    scores: list[float], bicubic: float,
+) -> dict[str, Any]:
+    evaluation = [
+        {"rank_input": i, "choices": list(c), "ops": subnet_labels(config.supernet, c),
+         "psnr": float(p)}
+        for i, (c, p) in enumerate(zip(candidates, scores, strict=True))
+    ]
+    best = max(evaluation, key=lambda e: e["psnr"])
+    return {
+        "config": dataclasses.asdict(config),
+        "losses": [float(x) for x in result.losses],
+        "params_sha256": result.params_sha256,
+        "ticks": result.ticks,
+        "stage_utilization": result.stage_utilization,
+        "ideal_ticks": result.ideal_ticks,
+        "ideal_utilization": result.ideal_utilization,
+        "device_param_bytes": result.device_param_bytes,
+        "host_param_bytes": result.host_param_bytes,
+        "supernet_param_bytes": result.supernet_param_bytes,
+        "activation_bytes": result.activation_bytes,
+        "wall_seconds": result.wall_seconds,
+        "steady_seconds": result.steady_seconds,
+        "samples_per_second": result.samples_per_second,
+        "evaluation": evaluation,
+        "bicubic_psnr": bicubic,
+        "best": best,
+    }
+
+
+def _print_tables(console: Any, config: NASConfig, result: TrainResult, summary: dict) -> None:
+    from rich.table import Table
+
+    from scamp_jax._units import format_bytes
+
+    train = Table(title=f"training: {config.schedule}, {config.stages} stages")
+    for col in ("ticks", "utilisation", "ideal util.", "device params", "supernet params",
+                "wall s", "samples/s"):
+        train.add_column(col, justify="right")
+    train.add_row(
+        str(result.ticks), f"{result.stage_utilization:.3f}", f"{result.ideal_utilization:.3f}",
+        format_bytes(result.device_param_bytes), format_bytes(result.supernet_param_bytes),
+        f"{result.wall_seconds:.1f}", f"{result.samples_per_second:.1f}",
+    )
+    console.print(train)
+    table = Table(title=f"held-out PSNR (Y, dB); bicubic {summary['bicubic_psnr']:.2f}")
+    table.add_column("subnet", justify="right")
+    table.add_column("ops")
+    table.add_column("PSNR", justify="right")
+    ranked = sorted(summary["evaluation"], key=lambda e: -e["psnr"])
+    for i, e in enumerate(ranked):
+        style = "bold green" if i == 0 else None
+        table.add_row(str(e["rank_input"]), e["ops"], f"{e['psnr']:.2f}", style=style)
+    console.print(table)
+    best = summary["best"]
+    console.print(f"best subnet: {best['ops']} at {best['psnr']:.2f} dB")
+
+
+def save_plot(summary: dict, path: Path) -> None:
+    """PNG: training loss per subnet (sequence order) and held-out PSNR per evaluated subnet."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    losses = np.asarray(summary["losses"])
+    ax1.plot(losses, lw=0.8, label="loss")
+    if len(losses) >= 10:
+        k = max(5, len(losses) // 20)
+        ax1.plot(np.arange(k - 1, len(losses)), np.convolve(losses, np.ones(k) / k, "valid"),
+                 label=f"mean of {k}")
+    ax1.set_xlabel("subnet (sequence id)")
+    ax1.set_ylabel("training L1 loss")
+    ax1.legend()
+    scores = [e["psnr"] for e in summary["evaluation"]]
+    ax2.bar(range(len(scores)), scores, color="tab:blue")
+    ax2.axhline(summary["bicubic_psnr"], color="tab:red", ls="--", label="bicubic")
+    ax2.set_xlabel("evaluated subnet")
+    ax2.set_ylabel("PSNR Y (dB)")
+    lo = min(min(scores), summary["bicubic_psnr"])
+    hi = max(max(scores), summary["bicubic_psnr"])
+    ax2.set_ylim(lo - 0.5, hi + 0.5)
+    ax2.legend()
+    fig.suptitle(
+        f"{summary['config']['schedule']}: {summary['ticks']} ticks, "
+        f"utilisation {summary['stage_utilization']:.2f}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,323 @@
+"""Train a supernet over a sequence of subnets with a chosen pipeline schedule.
+
+`train_supernet` is the library entry point: it builds the schedule (``csp``, ``gpipe`` or
+``sequential``), turns it into a tick program, runs it on a `PipelineExecutor` and reports the
+losses, a hash of the final weights, ticks, stage utilisation and resident bytes.
+`train_reference` trains the same subnets without any pipeline (whole subnet in one jitted step),
+as an independent check of what the pipeline computes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from scamp_jax.pipeline.csp import check_causality, csp_schedule, ideal_schedule, split_layers
+from scamp_jax.pipeline.executor import PipelineExecutor
+from scamp_jax.pipeline.program import TickProgram, build_program
+from scamp_jax.pipeline.schedules import (
+    Schedule,
+    gpipe_schedule,
+    sequential_schedule,
+    validate_schedule,
+)
+from scamp_jax.pipeline.stage import OptimizerSpec
+from search_spaces.supernet import SupernetLayout, l1_loss
+
+SCHEDULES = ("csp", "gpipe", "sequential")
+
+
+def make_schedule(
+    name: str,
+    subnets: Sequence[Sequence[int]],
+    bounds: Sequence[tuple[int, int]],
+    *,
+    train_shared: bool = False,
+    num_microbatches: int = 4,
+    max_inflight: int | None = None,
+) -> Schedule:
+    """Build and check the schedule ``name`` in `SCHEDULES` for ``subnets`` over ``bounds``.
+
+    ``num_microbatches`` applies to ``gpipe`` only. Every schedule is validated structurally and
+    checked to read and update every parameter in sequence-id order before it is returned.
+    """
+    n = len(subnets)
+    if name == "csp":
+        sched = csp_schedule(
+            subnets, bounds, train_shared=train_shared, max_inflight=max_inflight
+        )
+    elif name == "gpipe":
+        sched = gpipe_schedule(n, len(bounds), num_microbatches)
+    elif name == "sequential":
+        sched = sequential_schedule(n, len(bounds))
+    else:
+        raise ValueError(f"unknown schedule {name!r}; use one of {SCHEDULES}")
+    validate_schedule(sched)
+    check_causality(sched, subnets, bounds, train_shared)
+    return sched
+
+
+def split_microbatches(batches: np.ndarray, num_microbatches: int) -> np.ndarray:
+    """(N, B, ...) batches -> (N, M, B / M, ...) microbatches (sample order kept)."""
+    n, b = batches.shape[:2]
+    if b % num_microbatches:
+        raise ValueError(
+            f"batch size {b} is not a multiple of {num_microbatches=}; use a batch of "
+            f"{max(1, b // num_microbatches) * num_microbatches}"
+        )
+    return batches.reshape(n, num_microbatches, b // num_microbatches, *batches.shape[2:])
+
+
+def params_sha256(blocks: np.ndarray, shared: np.ndarray) -> str:
+    """SHA-256 of the float32 bytes of the supernet weights (blocks then shared), hex."""
+    digest = hashlib.sha256()
+    for arr in (blocks, shared):
+        digest.update(np.ascontiguousarray(arr, dtype=np.float32).tobytes())
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """Outcome of `train_supernet`.
+
+    Attributes:
+      schedule: schedule name.
+      losses: (N,) training loss per subnet in sequence-id order.
+      blocks: (L, C, P) final block weights; shared: (P_shared,) final stem and head weights.
+      params_sha256: `params_sha256` of the final weights.
+      ticks, stage_utilization: schedule length and busy stage-ticks / (S x ticks).
+      ideal_ticks, ideal_utilization: the same pipeline without CSP stalls (one subnet per
+        batch, no microbatches), for comparison.
+      device_param_bytes: weights + optimizer state resident in device memory, all stages.
+      host_param_bytes: weights + optimizer state in host memory (the store when offloading).
+      supernet_param_bytes: weights + optimizer state of the whole supernet (store + shared).
+      activation_bytes: saved-input and gradient buffers on the devices.
+      wall_seconds: time of the whole run (including compilation), seconds.
+      steady_seconds: time of all ticks after the first (compilation excluded), seconds.
+      samples_per_second: training samples over ``steady_seconds`` x ticks / (ticks - 1).
+    """
+
+    schedule: str
+    losses: np.ndarray
+    blocks: np.ndarray
+    shared: np.ndarray
+    params_sha256: str
+    ticks: int
+    stage_utilization: float
+    ideal_ticks: int
+    ideal_utilization: float
+    device_param_bytes: int
+    host_param_bytes: int
+    supernet_param_bytes: int
+    activation_bytes: int
+    wall_seconds: float
+    steady_seconds: float
+    samples_per_second: float
+
+
+def build_executor(
+    layout: SupernetLayout,
+    programs: Sequence[TickProgram],
+    *,
+    num_stages: int,
+    batch_size: int,
+    lr_side: int,
+    num_microbatches: int = 1,
+    train_shared: bool = False,
+    offload: bool = False,
+    optimizer: OptimizerSpec | None = None,
+) -> PipelineExecutor:
+    """An executor whose buffers fit every program in ``programs`` (one compiled tick for all)."""
+    return PipelineExecutor(
+        layout,
+        num_stages=num_stages,
+        microbatch_size=batch_size // num_microbatches,
+        lr_side=lr_side,
+        window_slots=max(p.window_slots for p in programs),
+        act_slots=max(p.act_slots for p in programs),
+        grad_slots=max(p.grad_slots for p in programs),
+        num_microbatches=num_microbatches,
+        train_shared=train_shared,
+        offload=offload,
+        optimizer=optimizer,
+    )
+
+
+def train_supernet(
+    layout: SupernetLayout,
+    subnets: Sequence[Sequence[int]],
+    lr_batches: np.ndarray,
+    hr_batches: np.ndarray,
+    *,
+    schedule: str = "csp",
+    num_stages: int = 4,
+    seed: int = 0,
+    offload: bool = True,
+    train_shared: bool = False,
+    num_microbatches: int = 4,
+    optimizer: OptimizerSpec | None = None,
+    max_inflight: int | None = None,
+    prefetch_ahead: int = 1,
+    executor: PipelineExecutor | None = None,
+    on_tick: Callable[[int, int], None] | None = None,
+) -> TrainResult:
+    """Train the supernet initialised from ``seed`` on ``subnets`` (one batch each, in order).
+
+    Args:
+      layout: the supernet layout.
+      subnets: N choice vectors (L,), index = sequence id.
+      lr_batches: (N, B, h, w, 3) float32 LR inputs, batch i for subnet i.
+      hr_batches: (N, B, r h, r w, 3) float32 HR targets.
+      schedule: one of `SCHEDULES`.
+      num_stages: S pipeline stages (one device each).
+      seed: weight initialisation seed.
+      offload: keep the whole supernet (weights and optimizer state) in host memory.
+      train_shared: train the stem and head too (serialises CSP on the first and last stage).
+      num_microbatches: microbatches per batch for ``gpipe`` (ignored otherwise).
+      optimizer: per-block optimizer (default Adam, learning rate 1e-3).
+      max_inflight: CSP's cap on subnets in flight (default S).
+      prefetch_ahead: ticks a subnet's blocks may be fetched before its first forward.
+      executor: reuse a compiled executor (its buffers must fit this run's program).
+      on_tick: progress callback ``on_tick(tick, total_ticks)``.
+    Returns:
+      the `TrainResult`.
+    """
+    n, batch = lr_batches.shape[:2]
+    if n != len(subnets):
+        raise ValueError(f"{len(subnets)} subnets but {n} batches; pass one batch per subnet")
+    bounds = split_layers(layout.config.num_layers, num_stages)
+    m_count = num_microbatches if schedule == "gpipe" else 1
+    sched = make_schedule(
+        schedule, subnets, bounds, train_shared=train_shared, num_microbatches=m_count,
+        max_inflight=max_inflight,
+    )
+    ideal = ideal_schedule(subnets, bounds, max_inflight=max_inflight)
+    program = build_program(sched, subnets, bounds, prefetch_ahead=prefetch_ahead)
+    start = time.perf_counter()
+    if executor is None:
+        executor = build_executor(
+            layout, [program], num_stages=num_stages, batch_size=batch,
+            lr_side=lr_batches.shape[2], num_microbatches=m_count, train_shared=train_shared,
+            offload=offload, optimizer=optimizer,
+        )
+    first_tick_done: list[float] = []
+
+    def progress(t: int, total: int) -> None:
+        if t == 0:
+            first_tick_done.append(time.perf_counter())
+        if on_tick is not None:
+            on_tick(t, total)
+
+    blocks0, shared0 = layout.init(seed)
+    state = executor.init_state(blocks0, shared0)
+    state, losses = executor.run(
+        state,
+        program,
+        split_microbatches(lr_batches, m_count),
+        split_microbatches(hr_batches, m_count),
+        on_tick=progress,
+    )
+    jax.block_until_ready(state)
+    end = time.perf_counter()
+    exported = executor.export(state)
+    memory = executor.resident_bytes(state)
+    steady = end - first_tick_done[0] if first_tick_done else 0.0
+    per_tick = steady / max(1, sched.ticks - 1)
+    return TrainResult(
+        schedule=schedule,
+        losses=losses,
+        blocks=exported["blocks"],
+        shared=exported["shared"],
+        params_sha256=params_sha256(exported["blocks"], exported["shared"]),
+        ticks=sched.ticks,
+        stage_utilization=sched.utilization,
+        ideal_ticks=ideal.ticks,
+        ideal_utilization=ideal.utilization,
+        device_param_bytes=memory["device_param_bytes"],
+        host_param_bytes=memory["host_param_bytes"],
+        supernet_param_bytes=supernet_state_bytes(layout, executor.spec.optimizer),
+        activation_bytes=memory["activation_bytes"],
+        wall_seconds=end - start,
+        steady_seconds=steady,
+        samples_per_second=n * batch / (per_tick * sched.ticks) if per_tick > 0 else 0.0,
+    )
+
+
+def supernet_state_bytes(layout: SupernetLayout, optimizer: OptimizerSpec) -> int:
+    """Bytes of the whole supernet's weights and optimizer state (flat layout, float32).
+
+    Counts every (layer, candidate) block at the padded length P plus the stem and head, times
+    the optimizer's float fields, plus one int32 step count per block.
+    """
+    cfg = layout.config
+    blocks = cfg.num_layers * cfg.num_choices
+    floats = (blocks * layout.block_size + layout.shared_size) * len(optimizer.fields)
+    return 4 * floats + 4 * blocks
+
+
+def train_reference(
+    layout: SupernetLayout,
+    subnets: Sequence[Sequence[int]],
+    lr_batches: np.ndarray,
+    hr_batches: np.ndarray,
+    *,
+    seed: int = 0,
+    train_shared: bool = False,
+    optimizer: OptimizerSpec | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Train the subnets one after another without any pipeline: whole-subnet jitted steps.
+
+    Independent of the pipeline code (no stages, no schedule), so it checks that the pipeline
+    computes the right losses and updates; floats may differ in the last bits because it is a
+    different XLA program.
+
+    Returns:
+      ``(losses (N,), blocks (L, C, P), shared (P_shared,))``.
+    """
+    opt = optimizer or OptimizerSpec()
+    cfg = layout.config
+    blocks, shared = layout.init(seed)
+    fields = {f: np.zeros_like(blocks) for f in opt.fields}
+    fields["p"] = blocks
+    shared_fields = {f: np.zeros_like(shared) for f in opt.fields}
+    shared_fields["p"] = shared
+    steps = np.zeros(blocks.shape[:2], np.int32)
+    shared_step = np.zeros((), np.int32)
+    layers = jnp.arange(cfg.num_layers)
+
+    @jax.jit
+    def step(fields, steps, shared_fields, shared_step, choices, lr, hr):
+        chosen = {k: v[layers, choices] for k, v in fields.items()}
+
+        def loss_fn(bl: jax.Array, sh: jax.Array) -> jax.Array:
+            h = layout.apply_layers(bl, choices, layout.apply_stem(sh, lr))
+            return l1_loss(layout.apply_head(sh, h, lr), hr)
+
+        loss, (g_bl, g_sh) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
+            chosen["p"], shared_fields["p"]
+        )
+        new, new_steps = opt.update(chosen, steps[layers, choices], g_bl)
+        fields = {k: v.at[layers, choices].set(new[k]) for k, v in fields.items()}
+        steps = steps.at[layers, choices].set(new_steps)
+        if train_shared:
+            shared_fields, shared_step = opt.update(shared_fields, shared_step, g_sh)
+        return loss, fields, steps, shared_fields, shared_step
+
+    losses = []
+    for i, choices in enumerate(subnets):
+        loss, fields, steps, shared_fields, shared_step = step(
+            fields, steps, shared_fields, shared_step, jnp.asarray(choices, jnp.int32),
+            lr_batches[i], hr_batches[i],
+        )
+        losses.append(loss)
+    return (
+        np.asarray(jnp.stack(losses)),
+        np.asarray(fields["p"]),
+        np.asarray(shared_fields["p"]),
+    )

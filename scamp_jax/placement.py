@@ -1,0 +1,533 @@
+"""Placement: which queued trials start now, and on which devices (the ScaMP load balancer).
+
+Everything here is a pure decision on plain numbers: byte counts per device and trial requests.
+No JAX, no arrays, no executors. The HPO engine and the cluster simulator drive the same code:
+
+    pool = DevicePool(capacity)                      # bytes per device id 0..n-1
+    for placement in policy.decide(pool.snapshot(), queue):
+        pool.allocate(placement, request_of[placement.key])
+        ...start the trial on placement.device_ids...
+    pool.release(key)                                # when it ends
+
+Two policies share the ``decide(snapshot, queue) -> tuple[Placement, ...]`` contract:
+
+- `ScampPolicy`: best-fit packing. A trial needing k devices gets the k eligible devices with the
+  least free memory that still hold its predicted peak, so small trials share partly used devices
+  and whole free devices stay free for large trials. Anti-starvation is EASY-backfilling style:
+  trials start in arrival order until the oldest waiting trial (the *head*) cannot start; then k
+  devices are reserved for the head (those closest to holding it) and later trials may only
+  *backfill*: use unreserved devices, or reserved ones only when the head's bytes remain free there.
+  So nothing started while the head waits takes memory the head needs, and the head starts as soon
+  as the trials already on its reserved devices finish.
+- `FixedPolicy`: the fixed-resources baseline (Ray Tune's ``resources_per_trial``): every trial
+  gets ``devices_per_trial`` whole devices for itself, strictly first-in first-out, no sharing.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import Protocol
+
+from scamp_jax._units import format_bytes
+
+
+@dataclass(frozen=True)
+class TrialRequest:
+    """A planned trial waiting for devices.
+
+    Attributes:
+      key: trial number (unique among queued and running trials).
+      devices: number of devices the trial's plan needs (data-parallel x model-parallel degree).
+      bytes_per_device: predicted peak memory of the trial on each of its devices, in bytes.
+      arrival: queue order; smaller arrives first (ties broken by ``key``).
+      exclusive: the trial must not share its devices with any other trial.
+    """
+
+    key: int
+    devices: int
+    bytes_per_device: int
+    arrival: int
+    exclusive: bool = False
+
+    def __post_init__(self) -> None:
+        if self.devices < 1:
+            raise ValueError(f"trial {self.key}: devices={self.devices} must be at least 1")
+        if self.bytes_per_device < 0:
+            raise ValueError(
+                f"trial {self.key}: bytes_per_device={self.bytes_per_device} must be >= 0"
+            )
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Decision to start trial ``key`` on the devices ``device_ids`` (distinct pool indices)."""
+
+    key: int
+    device_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    """Immutable view of the device pool that a policy decides on.
+
+    Attributes:
+      capacity: bytes each device id ``0..n-1`` can hold.
+      used: bytes reserved on each device by running trials.
+      exclusive: whether each device is held by an exclusive trial (nothing else may join it).
+      occupants: number of running trials on each device (empty tuple: derived from ``used``,
+        a device with ``used > 0`` counting as occupied).
+    """
+
+    capacity: tuple[int, ...]
+    used: tuple[int, ...]
+    exclusive: tuple[bool, ...]
+    occupants: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.capacity)
+        if len(self.used) != n or len(self.exclusive) != n:
+            raise ValueError(
+                f"snapshot fields disagree on the device count: capacity has {n}, used "
+                f"{len(self.used)}, exclusive {len(self.exclusive)}; give one entry per device"
+            )
+        if self.occupants and len(self.occupants) != n:
+            raise ValueError(f"occupants has {len(self.occupants)} entries for {n} devices")
+
+    @property
+    def free(self) -> tuple[int, ...]:
+        """Unreserved bytes per device."""
+        return tuple(c - u for c, u in zip(self.capacity, self.used, strict=True))
+
+    def is_empty(self, device: int) -> bool:
+        """Whether nothing runs on ``device``."""
+        if self.occupants:
+            return self.occupants[device] == 0
+        return self.used[device] == 0 and not self.exclusive[device]
+
+
+def check_feasible(request: TrialRequest, capacity: Sequence[int]) -> None:
+    """Raise ``ValueError`` if ``request`` can never run on a pool with per-device ``capacity``.
+
+    A request is feasible when at least ``request.devices`` devices each hold
+    ``request.bytes_per_device`` bytes. Call it before queueing, so a policy never waits forever
+    on a trial that cannot start even on an idle pool.
+    """
+    n = len(capacity)
+    if request.devices > n:
+        raise ValueError(
+            f"trial {request.key} needs {request.devices} devices but the pool has {n}; "
+            "plan it for at most that many devices (a larger model-parallel degree per device "
+            "does not help: it needs more devices) or add devices"
+        )
+    fitting = sum(1 for c in capacity if c >= request.bytes_per_device)
+    if fitting < request.devices:
+        largest = max(capacity, default=0)
+        raise ValueError(
+            f"trial {request.key} needs {format_bytes(request.bytes_per_device)} on each of "
+            f"{request.devices} devices but only {fitting} device(s) hold that much (largest "
+            f"{format_bytes(largest)}); re-plan it with a smaller batch or more model parallelism"
+        )
+
+
+class Policy(Protocol):
+    """What the engine and the simulator need from a placement policy."""
+
+    name: str
+
+    def decide(
+        self, snapshot: PoolSnapshot, queue: Sequence[TrialRequest]
+    ) -> tuple[Placement, ...]:
+        """Trials of ``queue`` to start now and their devices; never over-commits ``snapshot``."""
+        ...
+
+    def request_devices(self, planned_devices: int) -> int:
+        """Devices a trial planned for ``planned_devices`` devices will be given by this policy."""
+        ...
+
+
+def _ordered(queue: Sequence[TrialRequest]) -> list[TrialRequest]:
+    """Queue in arrival order, ties by key. (A key queued twice is caught by `DevicePool`.)"""
+    return sorted(queue, key=_ARRIVAL_ORDER)
+
+
+_ARRIVAL_ORDER = attrgetter("arrival", "key")
+_NEVER = float("inf")
+
+
+class _FreeIndex:
+    """Eligible devices sorted by free bytes, for best-fit choices in O(log n) per lookup.
+
+    ``levels[o]`` holds ``(budget, id)`` of the devices a sharing trial may join that run ``o``
+    trials (all in level 0 when occupancy is ignored); ``empty`` holds ``(budget, id)`` of devices
+    with nothing on them (what an exclusive trial may take). The budget is the free memory, less
+    what a reservation keeps back.
+    """
+
+    def __init__(self, snapshot: PoolSnapshot, allow_sharing: bool, by_occupancy: bool) -> None:
+        n = len(snapshot.capacity)
+        self.allow_sharing = allow_sharing
+        self.by_occupancy = by_occupancy
+        self.budget = list(snapshot.free)
+        self.empty_flag = [snapshot.is_empty(d) for d in range(n)]
+        if snapshot.occupants:
+            self.occupants = list(snapshot.occupants)
+        else:
+            self.occupants = [0 if e else 1 for e in self.empty_flag]
+        self.blocked = [False] * n
+        self.levels: dict[int, list[tuple[int, int]]] = {}
+        self.empty: list[tuple[int, int]] = []
+        for d, free in enumerate(self.budget):
+            if snapshot.exclusive[d]:
+                self.blocked[d] = True
+                continue
+            if self.empty_flag[d]:
+                self.empty.append((free, d))
+            if allow_sharing or self.empty_flag[d]:
+                self.levels.setdefault(self._level(d), []).append((free, d))
+            else:
+                self.blocked[d] = True
+        for lst in self.levels.values():
+            lst.sort()
+        self.empty.sort()
+
+    def _level(self, d: int) -> int:
+        return self.occupants[d] if self.by_occupancy else 0
+
+    @property
+    def exhausted(self) -> bool:
+        """No device can take any further trial."""
+        return not self.empty and not any(self.levels.values())
+
+    def _remove(self, d: int) -> None:
+        entry = (self.budget[d], d)
+        for lst in (self.levels.get(self._level(d), []), self.empty):
+            i = bisect.bisect_left(lst, entry)
+            if i < len(lst) and lst[i] == entry:
+                del lst[i]
+
+    def _insert(self, d: int) -> None:
+        bisect.insort(self.levels.setdefault(self._level(d), []), (self.budget[d], d))
+
+    def pick(self, devices: int, nbytes: int, needs_empty: bool) -> tuple[int, ...] | None:
+        """``devices`` eligible devices with budget >= ``nbytes``, or None if there are fewer.
+
+        Needing empty devices: the smallest such budgets (best fit). Otherwise the least occupied
+        devices first (when indexed by occupancy), best fit within each occupancy level.
+        """
+        if needs_empty:
+            i = bisect.bisect_left(self.empty, (nbytes, -1))
+            if len(self.empty) - i < devices:
+                return None
+            return tuple(d for _, d in self.empty[i : i + devices])
+        chosen: list[int] = []
+        for level in sorted(self.levels):
+            lst = self.levels[level]
+            i = bisect.bisect_left(lst, (nbytes, -1))
+            chosen.extend(d for _, d in lst[i : i + devices - len(chosen)])
+            if len(chosen) == devices:
+                return tuple(chosen)
+        return None
+
+    def take(self, device_ids: Iterable[int], nbytes: int, exclusive: bool) -> None:
+        """Record that a trial of ``nbytes`` per device now runs on ``device_ids``."""
+        for d in device_ids:
+            self._remove(d)
+            self.budget[d] -= nbytes
+            self.empty_flag[d] = False
+            self.occupants[d] += 1
+            if not exclusive and self.allow_sharing:
+                self._insert(d)
+            else:
+                self.blocked[d] = True
+
+    def fence(self, device_ids: Iterable[int], keep_bytes: int | None) -> None:
+        """Reserve ``device_ids``: keep ``keep_bytes`` free on each, or all of it if None."""
+        for d in device_ids:
+            if self.blocked[d]:
+                continue
+            self._remove(d)
+            if keep_bytes is None or not self.allow_sharing:
+                self.blocked[d] = True
+                continue
+            self.budget[d] -= keep_bytes
+            self.empty_flag[d] = False  # an exclusive trial would delay the head
+            if self.budget[d] >= 0:
+                self._insert(d)
+            else:
+                self.blocked[d] = True
+
+
+@dataclass(frozen=True)
+class ScampPolicy:
+    """ScaMP placement: memory packing with load balancing and EASY-style backfilling.
+
+    Rule, applied to the queue in arrival order on each call:
+
+    1. While no trial is blocked, start each trial on k eligible devices whose free memory holds
+       its predicted peak: the least occupied devices first (``spread``), and among equally
+       occupied ones the least free memory (best fit; ties to the lower device id). So trials
+       take idle devices while there are any, and share devices, packed by memory, once every
+       device is busy. Exclusive trials (and every trial when ``share_devices=False``) need
+       empty devices.
+    2. The first trial that cannot start is the head. Reserve for it the k devices that could hold
+       it with the least memory still to drain (for a sharing head: ``bytes - free``; for one
+       needing empty devices: the bytes in use), ties to fewer occupants, then lower id.
+    3. Later trials backfill: they start only on unreserved devices, or on reserved devices whose
+       free memory stays >= the head's bytes after they join (never when the head needs the
+       devices empty). Later blocked trials reserve nothing.
+
+    The summed shortfall of the head's best k devices never grows while it waits (backfill does not
+    consume it, finishes only shrink it), so the head starts once the trials on those devices end:
+    no endless stream of small trials can starve a large one. ``reserve_for_head=False`` turns
+    step 2-3 into plain greedy first-fit-in-order, which can starve large trials.
+
+    Attributes:
+      share_devices: let trials share a device when their predicted peaks fit together.
+      reserve_for_head: apply the anti-starvation reservation.
+      spread: balance load (fewest trials per device first). ``False`` packs purely by memory
+        (best fit over all devices), which keeps whole devices free for large trials but piles
+        small trials onto one device while others idle: trials on one device share its compute,
+        so in the cluster simulator pure packing of a study with fewer trials than devices runs
+        many times longer.
+    """
+
+    share_devices: bool = True
+    reserve_for_head: bool = True
+    spread: bool = True
+    name: str = field(default="scamp", init=False)
+
+    def request_devices(self, planned_devices: int) -> int:
+        """ScaMP gives a trial exactly the devices its plan needs."""
+        return planned_devices
+
+    def _needs_empty(self, request: TrialRequest) -> bool:
+        return request.exclusive or not self.share_devices
+
+    def _reservation(
+        self, snapshot: PoolSnapshot, index: _FreeIndex, head: TrialRequest
+    ) -> tuple[int, ...]:
+        needs_empty = self._needs_empty(head)
+        candidates = []
+        for d, cap in enumerate(snapshot.capacity):
+            if cap < head.bytes_per_device:
+                continue
+            if needs_empty:
+                shortfall = cap - index.budget[d] if not index.empty_flag[d] else 0
+            else:
+                shortfall = max(0, head.bytes_per_device - index.budget[d])
+                if index.blocked[d]:  # held by an exclusive trial: all of it must drain
+                    shortfall = cap - index.budget[d]
+            candidates.append((shortfall, index.occupants[d], d))
+        candidates.sort()
+        return tuple(d for _, _, d in candidates[: head.devices])
+
+    def decide(
+        self, snapshot: PoolSnapshot, queue: Sequence[TrialRequest]
+    ) -> tuple[Placement, ...]:
+        """Trials of ``queue`` to start now, each with its device ids (see the class docstring).
+
+        Args:
+          snapshot: current pool state (bytes per device).
+          queue: waiting trials, any order; ``arrival`` decides priority.
+        Returns:
+          Placements in start order. Allocating them in order on the pool never over-commits.
+        """
+        index = _FreeIndex(snapshot, allow_sharing=self.share_devices, by_occupancy=self.spread)
+        placements: list[Placement] = []
+        head_blocked = False
+        share = self.share_devices
+        # Within one call budgets only shrink: once k devices of b bytes were not found, no later
+        # request for k devices of >= b bytes can be placed. Skipping those keeps a decision on a
+        # long queue to one comparison per hopeless request.
+        smallest_failed: dict[tuple[int, bool], int] = {}
+        for request in _ordered(queue):
+            needs_empty = request.exclusive or not share
+            signature = (request.devices, needs_empty)
+            nbytes = request.bytes_per_device
+            if nbytes >= smallest_failed.get(signature, _NEVER):
+                continue
+            device_ids = index.pick(request.devices, nbytes, needs_empty)
+            if device_ids is None:
+                if not head_blocked:
+                    head_blocked = True
+                    # A head that never fits would block the queue forever: say so instead.
+                    check_feasible(request, snapshot.capacity)
+                    if self.reserve_for_head:
+                        reserved = self._reservation(snapshot, index, request)
+                        keep = None if needs_empty else request.bytes_per_device
+                        index.fence(reserved, keep)
+                smallest_failed[signature] = nbytes
+                if index.exhausted:
+                    break
+                continue
+            index.take(device_ids, request.bytes_per_device, exclusive=needs_empty)
+            placements.append(Placement(request.key, device_ids))
+        return tuple(placements)
+
+
+@dataclass(frozen=True)
+class FixedPolicy:
+    """Fixed-resources baseline: ``devices_per_trial`` whole devices per trial, strict FIFO.
+
+    Every trial is exclusive on its devices (no sharing, whatever its memory) and gets exactly
+    ``devices_per_trial`` devices, as with Ray Tune's fixed ``resources_per_trial``. Trials start in
+    arrival order; the first that cannot start stops the queue (nothing overtakes it).
+    """
+
+    devices_per_trial: int = 1
+    name: str = field(default="fixed", init=False)
+
+    def __post_init__(self) -> None:
+        if self.devices_per_trial < 1:
+            raise ValueError(f"devices_per_trial={self.devices_per_trial} must be at least 1")
+
+    def request_devices(self, planned_devices: int) -> int:
+        """The baseline gives every trial ``devices_per_trial`` devices."""
+        if planned_devices > self.devices_per_trial:
+            raise ValueError(
+                f"a trial planned for {planned_devices} devices cannot run with the fixed "
+                f"policy's devices_per_trial={self.devices_per_trial}; raise devices_per_trial"
+            )
+        return self.devices_per_trial
+
+    def decide(
+        self, snapshot: PoolSnapshot, queue: Sequence[TrialRequest]
+    ) -> tuple[Placement, ...]:
+        """Start trials in arrival order on empty devices until the first one that does not fit.
+
+        Args:
+          snapshot: current pool state (bytes per device).
+          queue: waiting trials; each must need at most ``devices_per_trial`` devices.
+        Returns:
+          Placements of exactly ``devices_per_trial`` empty devices each (lowest ids first).
+        """
+        index = _FreeIndex(snapshot, allow_sharing=False, by_occupancy=False)
+        placements: list[Placement] = []
+        for request in _ordered(queue):
+            self.request_devices(request.devices)
+            device_ids = index.pick(self.devices_per_trial, request.bytes_per_device, True)
+            if device_ids is None:
+                check_feasible(
+                    TrialRequest(request.key, self.devices_per_trial, request.bytes_per_device,
+                                 request.arrival),
+                    snapshot.capacity,
+                )
+                break
+            # Lowest ids first keeps a trial's devices contiguous (same host) when capacities match.
+            device_ids = tuple(sorted(device_ids))
+            index.take(device_ids, request.bytes_per_device, exclusive=True)
+            placements.append(Placement(request.key, device_ids))
+        return tuple(placements)
+
+
+POLICIES = ("scamp", "fixed")
+
+
+def make_policy(name: str, **kwargs: object) -> ScampPolicy | FixedPolicy:
+    """Build a policy by name: ``"scamp"`` (`ScampPolicy`) or ``"fixed"`` (`FixedPolicy`).
+
+    Keyword arguments go to the policy's constructor, e.g. ``make_policy("fixed",
+    devices_per_trial=4)``.
+    """
+    if name == "scamp":
+        return ScampPolicy(**kwargs)  # type: ignore[arg-type]
+    if name == "fixed":
+        return FixedPolicy(**kwargs)  # type: ignore[arg-type]
+    raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}")
+
+
+class DevicePool:
+    """Mutable bookkeeping of what runs where; decisions come from a policy, not from here.
+
+    Args:
+      capacity: bytes each device can hold, one entry per device id ``0..n-1``.
+    """
+
+    def __init__(self, capacity: Sequence[int]) -> None:
+        if len(capacity) == 0:
+            raise ValueError("the device pool needs at least one device; got an empty capacity")
+        for d, c in enumerate(capacity):
+            if c <= 0:
+                raise ValueError(f"device {d} has capacity {c} bytes; capacities must be positive")
+        self.capacity: tuple[int, ...] = tuple(int(c) for c in capacity)
+        self._used = [0] * len(self.capacity)
+        self._occupants = [0] * len(self.capacity)
+        self._exclusive = [False] * len(self.capacity)
+        self._running: dict[int, tuple[Placement, TrialRequest]] = {}
+
+    @property
+    def running(self) -> Mapping[int, Placement]:
+        """Placements of the running trials, by trial key."""
+        return {key: placement for key, (placement, _) in self._running.items()}
+
+    def request_of(self, key: int) -> TrialRequest:
+        """The request trial ``key`` was allocated with."""
+        return self._running[key][1]
+
+    def snapshot(self) -> PoolSnapshot:
+        """Immutable view for a policy's ``decide``."""
+        return PoolSnapshot(
+            capacity=self.capacity,
+            used=tuple(self._used),
+            exclusive=tuple(self._exclusive),
+            occupants=tuple(self._occupants),
+        )
+
+    def allocate(self, placement: Placement, request: TrialRequest) -> None:
+        """Reserve ``request.bytes_per_device`` on each device of ``placement``.
+
+        ``placement`` may hold more devices than ``request.devices`` (the fixed policy gives
+        every trial the same count). Raises ``ValueError`` on double allocation, unknown or
+        repeated device ids, or when the reservation would over-commit a device or join an
+        exclusive trial.
+        """
+        key = placement.key
+        if key != request.key:
+            raise ValueError(f"placement is for trial {key} but the request is for {request.key}")
+        if key in self._running:
+            where = self._running[key][0].device_ids
+            raise ValueError(f"trial {key} is already running on devices {where}")
+        ids = placement.device_ids
+        if len(set(ids)) != len(ids) or not ids:
+            raise ValueError(f"trial {key}: device ids {ids} must be distinct and non-empty")
+        exclusive = request.exclusive
+        for d in ids:
+            if not 0 <= d < len(self.capacity):
+                raise ValueError(
+                    f"trial {key}: device id {d} is outside the pool 0..{len(self.capacity) - 1}"
+                )
+            if self._exclusive[d]:
+                raise ValueError(f"trial {key}: device {d} is held by an exclusive trial")
+            if exclusive and self._occupants[d]:
+                raise ValueError(f"trial {key} is exclusive but device {d} already runs a trial")
+            if self._used[d] + request.bytes_per_device > self.capacity[d]:
+                raise ValueError(
+                    f"trial {key} would over-commit device {d}: "
+                    f"{format_bytes(self._used[d])} used + "
+                    f"{format_bytes(request.bytes_per_device)} > capacity "
+                    f"{format_bytes(self.capacity[d])}; place it elsewhere or wait"
+                )
+        for d in ids:
+            self._used[d] += request.bytes_per_device
+            self._occupants[d] += 1
+            self._exclusive[d] = exclusive
+        self._running[key] = (placement, request)
+
+    def release(self, key: int) -> Placement:
+        """Free the devices of trial ``key``; returns its placement. Raises if it is not running."""
+        if key not in self._running:
+            raise ValueError(
+                f"trial {key} is not running (running: {sorted(self._running)[:10]}); "
+                "release each trial once, after it was allocated"
+            )
+        placement, request = self._running.pop(key)
+        for d in placement.device_ids:
+            self._used[d] -= request.bytes_per_device
+            self._occupants[d] -= 1
+            if self._occupants[d] == 0:
+                self._exclusive[d] = False
+                self._used[d] = 0
+        return placement

@@ -1,0 +1,540 @@
+"""Memory-aware planning: the mesh, shardings and batch size for training a model on devices.
+
+``plan_mesh`` tries model-parallel degrees in increasing order (the divisors of the device
+count); the first degree whose training step fits at one sample per data-parallel group wins, and
+then the largest global batch that fits is found. "Fits" means the compiled per-device peak
+(``scamp_jax.memory``) is at most ``memory_per_device * (1 - safety_margin)``.
+
+The batch search compiles rather than trusts the affine memory model: it probes, jumps to the
+batch the affine fit predicts, and refines with the compiled peaks (secant steps, then bisection)
+until it holds a batch that fits and the next multiple of the data-parallel degree that does not
+(or the cap). Typically four compiles per plan; each takes about a second on CPU for small models.
+
+Planning only compiles: it allocates nothing and runs nothing on any device.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from scamp_jax import sharding as sh
+from scamp_jax._units import format_bytes, parse_bytes
+from scamp_jax.memory import (
+    MemoryEstimate,
+    MemoryModel,
+    StepCompiler,
+    affine_fit,
+    default_step_shardings,
+)
+from scamp_jax.train_step import LossFn, StepShardings, abstract_state, default_optimizer
+
+PyTree = Any
+
+#: Largest global batch considered when ``max_batch_size`` is not given.
+DEFAULT_BATCH_CAP = 1 << 16
+#: Safety loop bound for the batch search (secant steps, then bisection, converge far sooner).
+_MAX_SEARCH_COMPILES = 40
+#: Secant steps before the batch search falls back to bisection.
+_SECANT_STEPS = 8
+
+
+class DoesNotFitError(ValueError):
+    """The model does not fit on the given devices even at the smallest batch.
+
+    Attributes:
+      bytes_needed: the smallest per-device peak found, in bytes (over model-parallel degrees).
+      bytes_available: the usable bytes per device (``memory_per_device`` less the margin).
+    """
+
+    def __init__(self, message: str, bytes_needed: int, bytes_available: int) -> None:
+        super().__init__(message)
+        self.bytes_needed = bytes_needed
+        self.bytes_available = bytes_available
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to train one model on a fixed set of devices (a decision; holds no arrays).
+
+    Attributes:
+      mesh: ``Mesh`` of shape ``(data_parallel, model_parallel)``, axes ``('data', 'model')``.
+      data_parallel, model_parallel: the mesh degrees; their product is ``len(devices)``.
+      param_shardings: a ``NamedSharding`` per parameter, a tree matching
+        ``nnx.state(model, nnx.Param)``.
+      batch_sharding: sharding of every batch leaf (leading axis over ``'data'``).
+      step_shardings: shardings of all training-step arguments (for ``jit_train_step``).
+      batch_size: global batch size, a multiple of ``data_parallel``.
+      peak_bytes_per_device: compiled peak at ``batch_size``, bytes.
+      memory_per_device: the budget per device, bytes; ``safety_margin`` the fraction held back.
+      estimate: the memory breakdown at ``batch_size``.
+      memory_model: affine bytes-vs-batch fit on this mesh.
+      devices: the devices, in mesh order.
+      planning_seconds, compiles: what planning cost (wall-clock seconds, number of compiles).
+      compiled_peaks: ``(global batch, peak bytes per device)`` of every compile on the chosen
+        mesh, in the order the search made them (the first two are the probes).
+    """
+
+    mesh: Mesh
+    data_parallel: int
+    model_parallel: int
+    param_shardings: PyTree
+    batch_sharding: NamedSharding
+    step_shardings: StepShardings
+    batch_size: int
+    peak_bytes_per_device: int
+    memory_per_device: int
+    safety_margin: float
+    estimate: MemoryEstimate
+    memory_model: MemoryModel
+    devices: tuple[jax.Device, ...]
+    planning_seconds: float = field(default=0.0, compare=False)
+    compiles: int = field(default=0, compare=False)
+    compiled_peaks: tuple[tuple[int, int], ...] = field(default=(), compare=False)
+
+    @property
+    def usable_bytes(self) -> int:
+        """Bytes per device that a plan may use: the budget less the safety margin."""
+        return usable_bytes(self.memory_per_device, self.safety_margin)
+
+    def describe(self) -> str:
+        """A short human-readable table of the plan."""
+        e = self.estimate
+        kinds = sorted({d.platform for d in self.devices})
+        rows = [
+            ("devices", f"{len(self.devices)} ({', '.join(kinds)})"),
+            ("mesh (data x model)", f"{self.data_parallel} x {self.model_parallel}"),
+            ("global batch", f"{self.batch_size} ({self.batch_size // self.data_parallel}"
+             " per data-parallel group)"),
+            ("peak per device", f"{format_bytes(self.peak_bytes_per_device)} of "
+             f"{format_bytes(self.usable_bytes)} usable"),
+            ("budget per device", f"{format_bytes(self.memory_per_device)} "
+             f"(margin {self.safety_margin:.0%})"),
+            ("  parameters", format_bytes(e.params)),
+            ("  optimizer state", format_bytes(e.opt_state)),
+            ("  inputs", format_bytes(e.inputs)),
+            ("  activations+temps", format_bytes(e.activations_and_temps)),
+            ("bytes per sample", format_bytes(self.memory_model.bytes_per_sample)),
+            ("planning", f"{self.planning_seconds:.2f} s, {self.compiles} compiles"),
+        ]
+        width = max(len(name) for name, _ in rows)
+        return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+    def with_devices(self, devices: Sequence[jax.Device]) -> Plan:
+        """The same decision (degrees, specs, batch) on other devices of the same count.
+
+        Devices fill the new mesh in the order given, like the original.
+        """
+        devices = tuple(devices)
+        if len(devices) != len(self.devices):
+            raise ValueError(
+                f"the plan is for {len(self.devices)} devices but {len(devices)} were given; "
+                f"re-plan with plan_mesh(..., devices={len(devices)}) for a different count"
+            )
+        _check_distinct(devices)
+        mesh = sh.make_mesh(devices, self.data_parallel, self.model_parallel)
+
+        def remap(tree: PyTree) -> PyTree:
+            return jax.tree.map(
+                lambda s: NamedSharding(mesh, s.spec, memory_kind=s.memory_kind),
+                tree,
+                is_leaf=lambda x: isinstance(x, NamedSharding),
+            )
+
+        step = self.step_shardings
+        return Plan(
+            mesh=mesh,
+            data_parallel=self.data_parallel,
+            model_parallel=self.model_parallel,
+            param_shardings=remap(self.param_shardings),
+            batch_sharding=remap(self.batch_sharding),
+            step_shardings=StepShardings(
+                params=remap(step.params),
+                opt_state=remap(step.opt_state),
+                rest=remap(step.rest),
+                batch=remap(step.batch),
+            ),
+            batch_size=self.batch_size,
+            peak_bytes_per_device=self.peak_bytes_per_device,
+            memory_per_device=self.memory_per_device,
+            safety_margin=self.safety_margin,
+            estimate=self.estimate,
+            memory_model=self.memory_model,
+            devices=devices,
+            planning_seconds=self.planning_seconds,
+            compiles=self.compiles,
+            compiled_peaks=self.compiled_peaks,
+        )
+
+
+def usable_bytes(memory_per_device: int, safety_margin: float) -> int:
+    """``floor(memory_per_device * (1 - safety_margin))``, bytes."""
+    return int(memory_per_device * (1.0 - safety_margin))
+
+
+def resolve_devices(devices: Sequence[jax.Device] | int | None) -> tuple[jax.Device, ...]:
+    """The device tuple for ``devices``: all JAX devices, the first ``n`` of them, or the list."""
+    if devices is None:
+        return tuple(jax.devices())
+    if isinstance(devices, bool | str) or not (
+        isinstance(devices, int) or hasattr(devices, "__iter__")
+    ):
+        raise TypeError(
+            f"devices must be a list of jax devices or a device count, got {devices!r}"
+        )
+    if isinstance(devices, int):
+        available = jax.devices()
+        if not 1 <= devices <= len(available):
+            raise ValueError(
+                f"devices={devices} must be between 1 and the {len(available)} available "
+                f"{available[0].platform} devices; pass a count in that range or a device list"
+            )
+        return tuple(available[:devices])
+    result = tuple(devices)
+    if not result:
+        raise ValueError("devices is an empty list; pass at least one device or a count")
+    for d in result:
+        if not isinstance(d, jax.Device):
+            raise TypeError(f"devices must hold jax.Device objects, got {d!r}")
+    _check_distinct(result)
+    return result
+
+
+def _check_distinct(devices: Sequence[jax.Device]) -> None:
+    ids = [d.id for d in devices]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"devices must be distinct, got ids {ids}")
+
+
+def resolve_budget(
+    memory_per_device: int | float | str | None, devices: Sequence[jax.Device]
+) -> int:
+    """Per-device budget in bytes: the argument, or the smallest device limit on accelerators.
+
+    On a GPU (or any device whose ``memory_stats()`` has ``bytes_limit``) the default is the
+    smallest ``bytes_limit`` of ``devices``; the safety margin is applied on top by the planner.
+    """
+    if memory_per_device is not None:
+        return parse_bytes(memory_per_device)
+    limits = []
+    for d in devices:
+        stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+        if not stats or "bytes_limit" not in stats:
+            raise ValueError(
+                f"memory_per_device is required on {d.platform} devices, which report no memory "
+                "limit; pass it, e.g. plan_mesh(model, batch, memory_per_device='2GiB')"
+            )
+        limits.append(int(stats["bytes_limit"]))
+    return min(limits)
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _check_model(model: nnx.Module) -> None:
+    params = nnx.state(model, nnx.Param)
+    if not jax.tree.leaves(params):
+        raise ValueError(
+            f"{type(model).__name__} has no nnx.Param variables, so there is nothing to plan; "
+            "check that its layers are attributes of the module (not in a plain list or dict "
+            "of non-NNX containers)"
+        )
+
+
+def _check_sample_batch(sample_batch: PyTree) -> None:
+    leaves = jax.tree.leaves(sample_batch)
+    if not leaves:
+        raise ValueError("sample_batch has no arrays; pass an array or a tuple (inputs, targets)")
+    for leaf in leaves:
+        if not hasattr(leaf, "shape") or len(leaf.shape) == 0:
+            raise ValueError(
+                f"every sample_batch leaf needs a leading sample axis, got {leaf!r}; "
+                "pass arrays or jax.ShapeDtypeStruct shaped (batch, ...)"
+            )
+
+
+@dataclass
+class _Search:
+    """Compiled peaks seen so far for one mesh (mutable, private to one plan)."""
+
+    compiler: StepCompiler
+    usable: int
+    seen: dict[int, MemoryEstimate] = field(default_factory=dict)
+
+    def peak(self, batch: int) -> MemoryEstimate:
+        if batch not in self.seen:
+            self.seen[batch] = self.compiler.estimate(batch)
+        return self.seen[batch]
+
+    def fits(self, batch: int) -> bool:
+        return self.peak(batch).peak <= self.usable
+
+    def affine(self, a: int, b: int) -> MemoryModel:
+        return affine_fit(self.seen[a], self.seen[b], self.compiler.data_parallel)
+
+
+def _largest_batch(search: _Search, cap: int) -> tuple[int, MemoryModel]:
+    """Largest multiple of dp in ``[dp, cap]`` that fits, given that ``dp`` fits.
+
+    Secant steps through the two most recent compiled points, kept inside the bracket: memory is
+    affine in the batch once activations outgrow the buffers XLA reuses (below that it is flat),
+    so two points in the affine part give the boundary exactly, and the guess after a fitting
+    one is its successor, which closes the bracket. Bisection takes over if secant steps stall.
+    Returns the batch and the affine model through the compiled points nearest the boundary.
+    Invariant: ``lo`` fits; ``hi`` does not fit, or is ``cap + dp`` (beyond the range).
+    """
+    dp = search.compiler.data_parallel
+    lo, hi = dp, cap + dp
+    order = [dp]  # compiled batch sizes, most recent last
+    if cap > dp:
+        probe = min(cap, 8 * dp)
+        lo, hi = (probe, hi) if search.fits(probe) else (lo, probe)
+        order.append(probe)
+    secant_steps = 0
+    while hi - lo > dp:
+        if len(search.seen) >= _MAX_SEARCH_COMPILES:
+            raise RuntimeError(
+                f"batch search did not converge in {_MAX_SEARCH_COMPILES} compiles (fits at "
+                f"{lo}, not at {hi}); pass max_batch_size to bound it"
+            )
+        guess = None
+        if secant_steps < _SECANT_STEPS:
+            secant_steps += 1
+            # Secant through the latest two points; if it leaves the bracket, the line through
+            # the bracket's ends (false position), then bisection.
+            lines = [search.affine(order[-2], order[-1])]
+            if hi in search.seen:
+                lines.append(search.affine(lo, hi))
+            for line in lines:
+                if line.bytes_per_sample > 0:
+                    # the pure secant line: extrapolating below two misses is intended here
+                    line = replace(line, floor_bytes=0.0)
+                    candidate = line.max_batch(search.usable, cap=cap)
+                    if candidate < hi:
+                        # at or below ``lo`` the line puts the boundary right above ``lo``
+                        guess = max(candidate, lo + dp)
+                        break
+        if guess is None:
+            guess = lo + ((hi - lo) // dp // 2) * dp
+        lo, hi = (guess, hi) if search.fits(guess) else (lo, guess)
+        order.append(guess)
+    return lo, _local_fit(search, lo, hi)
+
+
+def _local_fit(search: _Search, lo: int, hi: int) -> MemoryModel:
+    """Affine model through the compiled points that bracket the fit/no-fit boundary."""
+    if hi in search.seen:
+        return search.affine(lo, hi)
+    below = sorted(b for b in search.seen if b <= lo)
+    if len(below) >= 2:
+        return search.affine(below[-2], below[-1])
+    only = search.seen[lo]
+    return MemoryModel(
+        fixed_bytes=float(only.peak),
+        bytes_per_sample=0.0,
+        probe_batches=(lo,),
+        probe_peaks=(only.peak,),
+        batch_multiple=search.compiler.data_parallel,
+    )
+
+
+def _validate_common(
+    model: nnx.Module,
+    sample_batch: PyTree,
+    safety_margin: float,
+    max_batch_size: int | None,
+) -> None:
+    _check_model(model)
+    _check_sample_batch(sample_batch)
+    if not 0.0 <= safety_margin < 1.0:
+        raise ValueError(
+            f"{safety_margin=} must be in [0, 1): it is the fraction of memory_per_device held "
+            "back, e.g. 0.1"
+        )
+    if max_batch_size is not None and (
+        isinstance(max_batch_size, bool)
+        or not isinstance(max_batch_size, int)
+        or max_batch_size < 1
+    ):
+        raise ValueError(f"{max_batch_size=} must be a positive int or None")
+
+
+def plan_mesh(
+    model: nnx.Module,
+    sample_batch: PyTree,
+    *,
+    devices: Sequence[jax.Device] | int | None = None,
+    memory_per_device: int | float | str | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+    loss_fn: LossFn | None = None,
+    safety_margin: float = 0.1,
+    max_batch_size: int | None = None,
+    model_parallel: int | None = None,
+    min_shard_elements: int = sh.MIN_SHARD_ELEMENTS,
+) -> Plan:
+    """Plan training of ``model`` on exactly ``devices``: mesh, shardings and largest batch.
+
+    Args:
+      model: a Flax NNX module, real or abstract (``nnx.eval_shape(lambda: Model(...))``).
+      sample_batch: arrays or ``ShapeDtypeStruct``s shaped ``(B, ...)``; only the per-sample
+        shapes and dtypes are used (an array, or a tuple whose first element is the input).
+      devices: a list of devices, a count (the first ``n`` of ``jax.devices()``), or None (all).
+      memory_per_device: budget per device, bytes or a string like ``"2GiB"``; default the
+        device's ``bytes_limit`` on GPUs; required on CPU.
+      optimizer: optax transformation (default Adam via ``optax.inject_hyperparams``).
+      loss_fn: ``loss_fn(model, batch) -> scalar`` (default: mean squared output).
+      safety_margin: fraction of ``memory_per_device`` held back (allocator fragmentation,
+        runtime buffers); a plan's compiled peak is at most ``memory_per_device * (1 - margin)``.
+      max_batch_size: cap on the global batch (default ``DEFAULT_BATCH_CAP``).
+      model_parallel: force this model-parallel degree (must divide the device count).
+      min_shard_elements: parameters with fewer elements are replicated.
+
+    Returns:
+      A ``Plan`` with the smallest model-parallel degree that fits and the largest global batch
+      (a multiple of the data-parallel degree) whose compiled peak fits, such that the next
+      multiple does not fit (unless the cap is reached).
+
+    Raises:
+      DoesNotFitError: no degree fits even at one sample per data-parallel group.
+      ValueError, TypeError: bad arguments (raised before any compile).
+    """
+    start = time.perf_counter()
+    devs = resolve_devices(devices)
+    n = len(devs)
+    _validate_common(model, sample_batch, safety_margin, max_batch_size)
+    if model_parallel is not None:
+        if isinstance(model_parallel, bool) or not isinstance(model_parallel, int):
+            raise TypeError(f"model_parallel must be an int, got {model_parallel!r}")
+        if model_parallel < 1 or n % model_parallel:
+            raise ValueError(
+                f"{model_parallel=} must divide the device count {n}; choose one of "
+                f"{_divisors(n)}"
+            )
+        candidates = [model_parallel]
+    else:
+        candidates = _divisors(n)
+    budget = resolve_budget(memory_per_device, devs)
+    usable = usable_bytes(budget, safety_margin)
+    optimizer = optimizer if optimizer is not None else default_optimizer()
+    cap = max_batch_size if max_batch_size is not None else DEFAULT_BATCH_CAP
+    if all(cap < n // mp for mp in candidates):
+        raise ValueError(
+            f"max_batch_size={cap} is smaller than every data-parallel degree "
+            f"{[n // mp for mp in candidates]} on {n} devices; raise it to at least "
+            f"{min(n // mp for mp in candidates)} or use fewer devices"
+        )
+    params, opt_state, rest = abstract_state(model, optimizer)
+    compiles = 0
+    best_need: tuple[int, str] | None = None
+    for mp in candidates:
+        dp = n // mp
+        if cap < dp:
+            continue
+        mesh = sh.make_mesh(devs, dp, mp)
+        shardings = default_step_shardings(
+            mesh, params, opt_state, rest, optimizer, min_shard_elements=min_shard_elements
+        )
+        compiler = StepCompiler(model, sample_batch, mesh, shardings, optimizer, loss_fn)
+        if compiler.state_bytes > usable:
+            need = (compiler.state_bytes, f"parameters + optimizer state at model_parallel={mp}")
+            best_need = need if best_need is None or need[0] < best_need[0] else best_need
+            continue
+        search = _Search(compiler, usable)
+        first = search.peak(dp)
+        if first.peak > usable:
+            compiles += len(search.seen)
+            need = (first.peak, f"peak at batch {dp} with model_parallel={mp}")
+            best_need = need if best_need is None or need[0] < best_need[0] else best_need
+            continue
+        batch, memory_model = _largest_batch(search, (cap // dp) * dp)
+        compiles += len(search.seen)
+        estimate = search.seen[batch]
+        return Plan(
+            mesh=mesh,
+            data_parallel=dp,
+            model_parallel=mp,
+            param_shardings=shardings.params,
+            batch_sharding=shardings.batch,
+            step_shardings=shardings,
+            batch_size=batch,
+            peak_bytes_per_device=estimate.peak,
+            memory_per_device=budget,
+            safety_margin=safety_margin,
+            estimate=estimate,
+            memory_model=memory_model,
+            devices=devs,
+            planning_seconds=time.perf_counter() - start,
+            compiles=compiles,
+            compiled_peaks=tuple((b, e.peak) for b, e in search.seen.items()),
+        )
+    assert best_need is not None
+    needed, what = best_need
+    raise DoesNotFitError(
+        f"{type(model).__name__} does not fit on {n} device(s): it needs at least "
+        f"{needed} bytes ({format_bytes(needed)}) per device ({what}) but {usable} bytes "
+        f"({format_bytes(usable)}) are available ({format_bytes(budget)} less a "
+        f"{safety_margin:.0%} margin); use more devices, more memory_per_device, or a smaller "
+        "model",
+        bytes_needed=needed,
+        bytes_available=usable,
+    )
+
+
+def min_devices_plan(
+    model: nnx.Module,
+    sample_batch: PyTree,
+    *,
+    devices: Sequence[jax.Device] | int | None = None,
+    memory_per_device: int | float | str | None = None,
+    counts: Sequence[int] | None = None,
+    **plan_kwargs: Any,
+) -> tuple[int, Plan]:
+    """The fewest devices (a prefix of ``devices``) on which a plan exists, and that plan.
+
+    ``counts`` restricts the device counts tried (default ``1 .. len(devices)``, increasing),
+    e.g. powers of two. Other keyword arguments go to ``plan_mesh``. Raises ``DoesNotFitError``
+    (with the figures for the largest count) when no count works.
+    """
+    devs = resolve_devices(devices)
+    budget = resolve_budget(memory_per_device, devs)
+    tried = sorted(set(counts)) if counts is not None else list(range(1, len(devs) + 1))
+    if not tried or tried[0] < 1 or tried[-1] > len(devs):
+        raise ValueError(
+            f"counts={counts} must be device counts between 1 and {len(devs)}"
+        )
+    last_error: DoesNotFitError | None = None
+    for count in tried:
+        try:
+            plan = plan_mesh(
+                model, sample_batch, devices=devs[:count], memory_per_device=budget,
+                **plan_kwargs,
+            )
+        except DoesNotFitError as err:
+            last_error = err
+            continue
+        return count, plan
+    assert last_error is not None
+    raise last_error
+
+
+def min_devices(
+    model: nnx.Module,
+    sample_batch: PyTree,
+    *,
+    devices: Sequence[jax.Device] | int | None = None,
+    memory_per_device: int | float | str | None = None,
+    **plan_kwargs: Any,
+) -> int:
+    """The fewest devices on which ``plan_mesh`` finds a plan (see ``min_devices_plan``)."""
+    count, _ = min_devices_plan(
+        model, sample_batch, devices=devices, memory_per_device=memory_per_device, **plan_kwargs
+    )
+    return count

@@ -1,0 +1,277 @@
+"""What a study leaves behind: results.json / results.csv, three plots, and a summary table.
+
+Rows come from the study itself (its trials and their stored attributes), so a resumed study's
+results list every finished trial of every run; usage figures and the timeline are those of the
+run that just ended.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from scamp_jax._units import format_bytes
+from scamp_jax.checkpoint import copy_checkpoint
+from scamp_jax.study import FAIL_REASON, INTERRUPTED
+
+#: columns every results row has, in CSV order (task metrics follow).
+BASE_COLUMNS = (
+    "number", "params", "devices", "model_parallel", "batch_size", "predicted_peak_bytes",
+    "state", "steps", "wall_seconds",
+)
+_STATES = {TrialState.COMPLETE: "complete", TrialState.PRUNED: "pruned", TrialState.FAIL: "failed"}
+
+
+def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """One row per finished trial of ``study`` (interrupted attempts, since re-run, are left out).
+
+    Each row has `BASE_COLUMNS`, every name of ``metric_names`` (``None`` when a trial has no
+    value for it), and ``rank``, ``replans``, ``resumed_from``, ``reason``, ``checkpoint``.
+    """
+    rows = []
+    for trial in study.get_trials(deepcopy=False):
+        if trial.state not in _STATES:
+            continue
+        attrs = trial.user_attrs
+        if trial.state == TrialState.FAIL and attrs.get(FAIL_REASON) == INTERRUPTED:
+            continue
+        metrics = dict(attrs.get("metrics") or {})
+        row: dict[str, Any] = {
+            "number": trial.number,
+            "params": dict(trial.params),
+            "devices": list(attrs.get("devices", [])),
+            "model_parallel": attrs.get("model_parallel"),
+            "batch_size": attrs.get("batch_size"),
+            "predicted_peak_bytes": attrs.get("predicted_peak_bytes"),
+            "state": _STATES[trial.state],
+            "steps": attrs.get("steps"),
+            "wall_seconds": attrs.get("wall_seconds"),
+        }
+        for name in metric_names:
+            row[name] = metrics.get(name)
+        for name, value in metrics.items():
+            row.setdefault(name, value)
+        row["rank"] = attrs.get("rank", 0)
+        row["replans"] = attrs.get("replans", 0)
+        row["resumed_from"] = attrs.get("resumed_from", 0)
+        row["reason"] = attrs.get(FAIL_REASON, "")
+        row["checkpoint"] = attrs.get("checkpoint")
+        rows.append(row)
+    return rows
+
+
+def best_record(
+    records: Sequence[Mapping[str, Any]], metric: str, direction: str
+) -> Mapping[str, Any] | None:
+    """The complete trial with the best ``metric`` (``direction``: maximize/minimize), or None."""
+    done = [r for r in records if r["state"] == "complete" and r.get(metric) is not None]
+    if not done:
+        return None
+    pick = max if direction == "maximize" else min
+    return pick(done, key=lambda r: r[metric])
+
+
+def write_results(
+    study_dir: str | Path,
+    records: Sequence[Mapping[str, Any]],
+    *,
+    metric: str,
+    direction: str,
+    run: Mapping[str, Any] | None = None,
+) -> tuple[Path, Path]:
+    """Write ``results.json`` (``{"trials": [...], "best": ..., "run": ...}``) and ``results.csv``.
+
+    ``run`` holds this run's figures (policy, elapsed seconds, usage). Returns both paths.
+    """
+    study_dir = Path(study_dir)
+    study_dir.mkdir(parents=True, exist_ok=True)
+    best = best_record(records, metric, direction)
+    payload = {
+        "metric": metric,
+        "direction": direction,
+        "best": None if best is None else best["number"],
+        "trials": list(records),
+        "run": dict(run or {}),
+    }
+    json_path = study_dir / "results.json"
+    json_path.write_text(json.dumps(payload, indent=2, default=_jsonable))
+    columns = list(BASE_COLUMNS)
+    for row in records:
+        columns += [k for k in row if k not in columns]
+    csv_path = study_dir / "results.csv"
+    with csv_path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        for row in records:
+            writer.writerow({
+                k: json.dumps(v, default=_jsonable) if isinstance(v, dict | list) else v
+                for k, v in row.items()
+            })
+    return json_path, csv_path
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
+
+
+def save_best_model(
+    study_dir: str | Path, records: Sequence[Mapping[str, Any]], metric: str, direction: str
+) -> Path | None:
+    """Copy the best trial's final checkpoint to ``<study_dir>/best_model``; its path or None."""
+    best = best_record(records, metric, direction)
+    if best is None or not best.get("checkpoint") or not Path(best["checkpoint"]).is_dir():
+        return None
+    target = copy_checkpoint(best["checkpoint"], Path(study_dir) / "best_model")
+    (target / "trial.json").write_text(json.dumps(
+        {"number": best["number"], "params": best["params"], metric: best[metric]},
+        indent=2, default=_jsonable,
+    ))
+    return target
+
+
+def plot_results(
+    study_dir: str | Path,
+    records: Sequence[Mapping[str, Any]],
+    *,
+    metric: str,
+    baseline: str | None = None,
+    intervals: Sequence[Sequence[tuple[int, float, float, int]]] = (),
+    memory_series: tuple[Sequence[float], Sequence[float]] | None = None,
+    elapsed_s: float | None = None,
+    capacity_bytes: int | None = None,
+) -> list[Path]:
+    """Write the plots as PNG files in ``study_dir`` and return their paths.
+
+    - ``<metric>_per_trial.png``: the metric of every complete trial (and ``baseline`` per trial,
+      e.g. bicubic PSNR, as a dashed line);
+    - ``device_timeline.png``: which trial held which device when (``intervals``: per device,
+      ``(trial, start_s, end_s, bytes)``);
+    - ``memory_utilization.png``: reserved fraction of the pool's memory over time.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    study_dir = Path(study_dir)
+    paths = []
+    done = [r for r in records if r["state"] == "complete" and r.get(metric) is not None]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    numbers = [r["number"] for r in done]
+    ax.plot(numbers, [r[metric] for r in done], "o", label=metric)
+    if baseline and any(r.get(baseline) is not None for r in done):
+        ref = [r[baseline] for r in done if r.get(baseline) is not None]
+        ax.axhline(sum(ref) / len(ref), ls="--", color="gray", label=baseline)
+    ax.set_xlabel("trial number")
+    ax.set_ylabel(metric)
+    ax.set_title(f"{metric} of each complete trial")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(study_dir / f"{metric}_per_trial.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 0.4 * max(len(intervals), 1) + 1.5))
+    cmap = plt.get_cmap("tab20")
+    for device, spans in enumerate(intervals):
+        for i, (trial, start, end, nbytes) in enumerate(spans):
+            # Trials sharing a device are stacked within its row in proportion to their memory
+            # (a sliver at least, so that small trials stay visible).
+            share = min(nbytes / capacity_bytes, 1.0) if capacity_bytes else 1.0
+            below = sum(b for _, s0, e0, b in spans[:i] if s0 <= start < e0)
+            offset = min(below / capacity_bytes, 0.9) if capacity_bytes else 0.0
+            ax.broken_barh([(start, end - start)],
+                           (device - 0.4 + 0.8 * offset, 0.8 * max(share, 0.1)),
+                           color=cmap(trial % 20), edgecolor="black", linewidth=0.3)
+            ax.text(start, device - 0.4 + 0.8 * offset, f" {trial}", fontsize=6, va="bottom")
+    ax.set_yticks(range(len(intervals)))
+    ax.set_xlim(left=0)
+    ax.set_ylabel("device")
+    ax.set_xlabel("seconds")
+    ax.set_title("device occupancy (bar height: share of the device's memory)")
+    fig.tight_layout()
+    paths.append(study_dir / "device_timeline.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 3))
+    if memory_series is not None and memory_series[0]:
+        times = list(memory_series[0]) + ([elapsed_s] if elapsed_s else [])
+        fractions = list(memory_series[1]) + ([memory_series[1][-1]] if elapsed_s else [])
+        ax.step(times, [100 * f for f in fractions], where="post")
+    ax.set_ylim(0, 105)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("reserved memory (% of pool)")
+    ax.set_title("aggregate memory utilisation")
+    fig.tight_layout()
+    paths.append(study_dir / "memory_utilization.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+    return paths
+
+
+def summary_table(
+    records: Sequence[Mapping[str, Any]], metric: str, direction: str, *,
+    baseline: str | None = None, top: int = 5,
+) -> Any:
+    """A rich ``Table`` of the ``top`` best complete trials, best first."""
+    from rich.table import Table
+
+    done = [r for r in records if r["state"] == "complete" and r.get(metric) is not None]
+    done.sort(key=lambda r: r[metric], reverse=direction == "maximize")
+    table = Table(title=f"best trials by {metric}")
+    for name in ("trial", "params", "devices", "mp", "batch", "peak/device", "steps", "seconds",
+                 metric, *([baseline] if baseline else [])):
+        table.add_column(name)
+    for r in done[:top]:
+        params = ", ".join(f"{k}={_short(v)}" for k, v in r["params"].items())
+        cells = [str(r["number"]), params, str(len(r["devices"])), str(r["model_parallel"]),
+                 str(r["batch_size"]), format_bytes(r["predicted_peak_bytes"] or 0),
+                 str(r["steps"]), f"{r['wall_seconds']:.1f}", f"{r[metric]:.5g}"]
+        if baseline:
+            cells.append("" if r.get(baseline) is None else f"{r[baseline]:.5g}")
+        table.add_row(*cells)
+    return table
+
+
+def verdict(records: Sequence[Mapping[str, Any]], metric: str, direction: str,
+            baseline: str | None) -> str:
+    """One line: the best trial's metric against its baseline (e.g. bicubic PSNR)."""
+    best = best_record(records, metric, direction)
+    if best is None:
+        failed = sum(r["state"] == "failed" for r in records)
+        return f"no trial completed ({failed} failed); see the 'reason' column of results.csv"
+    line = f"best trial {best['number']}: {metric} {best[metric]:.5g}"
+    if baseline and best.get(baseline) is not None:
+        gain = best[metric] - best[baseline]
+        better = gain > 0 if direction == "maximize" else gain < 0
+        line += (f" vs {baseline} {best[baseline]:.5g} ({gain:+.4g}, "
+                 f"{'beats' if better else 'does not beat'} the baseline)")
+    return line
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float) and value != 0 and (abs(value) < 1e-2 or abs(value) >= 1e4):
+        return f"{value:.2e}"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+__all__ = [
+    "best_record",
+    "plot_results",
+    "save_best_model",
+    "summary_table",
+    "trial_records",
+    "verdict",
+    "write_results",
+]

@@ -1,0 +1,367 @@
+"""Run one placed trial on its own sub-mesh: build, compile, train, report, checkpoint, evaluate.
+
+`run_trial` is called in a worker thread per trial; JAX dispatch is asynchronous and each trial
+owns disjoint devices, so several trials train at once. The runner never decides where a trial
+goes or how big its batch is: it executes the `Plan` it is given and reports back how it ended:
+
+- ``complete``: trained for all steps and evaluated;
+- ``pruned``: the study's pruner stopped it after an intermediate evaluation;
+- ``failed``: it raised (a bug in a candidate, a NaN loss); the reason is kept, others go on;
+- ``oom``: it did not fit, either because the compiled step's peak per device exceeds the device
+  budget (checked from ``memory_analysis()`` before the first step) or because XLA ran out of
+  memory; the engine re-plans it with more devices or a smaller batch;
+- ``interrupted``: the engine asked it to stop (Ctrl-C); it saved a checkpoint first.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import traceback
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from scamp_jax.checkpoint import TrialCheckpointer
+from scamp_jax.space import SearchSpace, Task
+from scamp_jax.train_step import jit_train_step, split_model
+
+#: keys of a configuration that are optimizer hyperparameters, not architecture.
+OPTIMIZER_KEYS = ("learning_rate", "weight_decay", "b1", "b2")
+_OOM_MARKERS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory", "OOM when allocating")
+
+
+class TrialOutOfMemory(RuntimeError):
+    """A trial's step does not fit its devices; carries the bytes per device it needs."""
+
+    def __init__(self, message: str, bytes_needed: int | None = None) -> None:
+        super().__init__(message)
+        self.bytes_needed = bytes_needed
+
+
+class TrialInterrupted(RuntimeError):
+    """The engine asked the trial to stop (its state was checkpointed)."""
+
+
+@dataclass
+class TrialStatus:
+    """Live, mutable progress of one trial (read by the live view; written by its runner)."""
+
+    number: int
+    params: Mapping[str, Any]
+    state: str = "queued"
+    devices: tuple[int, ...] = ()
+    model_parallel: int = 1
+    batch_size: int = 0
+    predicted_peak_bytes: int = 0
+    step: int = 0
+    steps: int = 0
+    loss: float = math.nan
+    metric: float = math.nan
+    replans: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What to run: one configuration, its plan (already on its devices) and the training length.
+
+    Attributes:
+      number: the study's trial number.
+      params: the configuration (architecture + optimizer hyperparameters).
+      plan: the planner's `Plan`, remapped onto the devices the trial was placed on.
+      steps: training steps in total (a resumed trial runs only the missing ones).
+      memory_per_device: device budget in bytes the compiled step's peak must stay within.
+      checkpoint_dir: the trial's checkpoint directory, or ``None`` to not checkpoint.
+      checkpoint_every: steps between checkpoints (0: only at the end).
+      eval_every: steps between intermediate evaluations reported to the pruner (0: none).
+      log_every: steps between loss read-backs (each one synchronises with the device).
+      seed: seed of the parameter initialisation and of the data stream.
+    """
+
+    number: int
+    params: Mapping[str, Any]
+    plan: Any
+    steps: int
+    memory_per_device: int
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 0
+    eval_every: int = 0
+    log_every: int = 10
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """How one run ended (see the module docstring for ``state``).
+
+    ``metrics`` holds the task's evaluation (e.g. ``psnr``, ``bicubic_psnr``) for a complete run;
+    ``bytes_needed`` the measured peak per device of an ``oom`` run when known;
+    ``checkpoint`` the directory of the final checkpoint of a complete run;
+    ``resumed_from`` the checkpointed step training restarted from (0: from scratch).
+    """
+
+    number: int
+    state: str
+    steps: int
+    wall_seconds: float
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    reason: str = ""
+    bytes_needed: int | None = None
+    loss: float = math.nan
+    checkpoint: Path | None = None
+    resumed_from: int = 0
+
+
+def make_optimizer(params: Mapping[str, Any]) -> optax.GradientTransformation:
+    """AdamW with every hyperparameter injected (so trials of one architecture share a compile).
+
+    The values are placeholders here; `run_trial` writes the configuration's ``learning_rate``,
+    ``weight_decay``, ``b1`` and ``b2`` into the optimizer state.
+    """
+    del params  # The optimizer's structure is the same for every configuration.
+    return optax.inject_hyperparams(optax.adamw)(
+        learning_rate=1e-3, b1=0.9, b2=0.999, weight_decay=0.0
+    )
+
+
+def trial_seed(seed: int, checkpoint_key: str) -> int:
+    """A per-trial seed that a re-run of an interrupted trial shares (keyed by checkpoint key)."""
+    return (seed * 1_000_003 + zlib.crc32(checkpoint_key.encode())) % (2**31 - 1)
+
+
+def peak_bytes(compiled: Any) -> int | None:
+    """Peak bytes per device of a compiled step: temp + arguments + outputs - aliased."""
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return None
+    return int(
+        analysis.temp_size_in_bytes
+        + analysis.argument_size_in_bytes
+        + analysis.output_size_in_bytes
+        - analysis.alias_size_in_bytes
+    )
+
+
+def is_oom_error(err: BaseException) -> bool:
+    """True for XLA out-of-memory errors (allocation failures at compile or run time)."""
+    if isinstance(err, TrialOutOfMemory | MemoryError):
+        return True
+    text = f"{type(err).__name__}: {err}"
+    return any(marker in text for marker in _OOM_MARKERS)
+
+
+class StepCache:
+    """Jitted training steps shared by trials with the same architecture, plan and devices.
+
+    Trials of one architecture differ only in data (hyperparameters live in the optimizer
+    state), so the second trial on the same devices reuses the first one's compiled step.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._steps: dict[Any, tuple[Callable[..., Any], optax.GradientTransformation]] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def get(
+        self, graphdef: nnx.GraphDef, plan: Any, loss_fn: Callable[..., Any], params: Any
+    ) -> tuple[Callable[..., Any], optax.GradientTransformation]:
+        """``(jitted step, optimizer)`` for this architecture and plan, built once."""
+        devices = tuple(d.id for d in plan.mesh.devices.flat)
+        # A bound method is a new object on every access: key it by its function and owner.
+        owner = id(getattr(loss_fn, "__self__", None))
+        key = (graphdef, plan.mesh.devices.shape, devices, plan.batch_size,
+               getattr(loss_fn, "__func__", loss_fn), owner)
+        with self._lock:
+            if key in self._steps:
+                self.hits += 1
+                return self._steps[key]
+            self.misses += 1
+            optimizer = make_optimizer(params)
+            step = jit_train_step(graphdef, optimizer, loss_fn, plan.step_shardings)
+            self._steps[key] = (step, optimizer)
+            return step, optimizer
+
+
+def _set_hyperparams(opt_state: Any, params: Mapping[str, Any]) -> Any:
+    for name in OPTIMIZER_KEYS:
+        if name in params:
+            old = opt_state.hyperparams[name]
+            opt_state.hyperparams[name] = jax.numpy.asarray(params[name], dtype=old.dtype)
+    return opt_state
+
+
+def _initial_state(
+    space: SearchSpace, spec: RunSpec, optimizer: optax.GradientTransformation, seed: int
+) -> tuple[Any, Any, Any]:
+    """Parameters, optimizer state and other state created directly on the plan's devices."""
+    shardings = spec.plan.step_shardings
+
+    def init() -> tuple[Any, Any, Any]:
+        model = space.build(spec.params, nnx.Rngs(seed))
+        _, params, rest = split_model(model)
+        opt_state = _set_hyperparams(optimizer.init(params), spec.params)
+        return params, opt_state, rest
+
+    with jax.set_mesh(spec.plan.mesh):
+        return jax.jit(
+            init, out_shardings=(shardings.params, shardings.opt_state, shardings.rest)
+        )()
+
+
+def run_trial(
+    spec: RunSpec,
+    space: SearchSpace,
+    task: Task,
+    *,
+    report: Callable[[int, int, float], bool] | None = None,
+    status: TrialStatus | None = None,
+    stop: threading.Event | None = None,
+    cache: StepCache | None = None,
+) -> RunResult:
+    """Train and evaluate one configuration on ``spec.plan``'s devices; never raises.
+
+    Args:
+      spec: what to run (configuration, plan on its devices, steps, checkpointing).
+      space: the search space (``build`` makes the model).
+      task: the data, loss and evaluation.
+      report: ``report(number, step, value) -> prune?``, called after each intermediate
+        evaluation with the task's metric.
+      status: progress record updated in place for the live view.
+      stop: set by the engine to stop the trial (it checkpoints and returns ``interrupted``).
+      cache: compiled-step cache shared between trials.
+
+    Returns:
+      A `RunResult`; every exception is turned into a ``failed`` or ``oom`` result.
+    """
+    start = time.monotonic()
+    status = status or TrialStatus(spec.number, spec.params)
+    status.state, status.steps = "compiling", spec.steps
+    try:
+        return _run(spec, space, task, report, status, stop, cache or StepCache(), start)
+    except TrialInterrupted as err:
+        status.state = "interrupted"
+        return RunResult(spec.number, "interrupted", status.step, time.monotonic() - start,
+                         reason=str(err), loss=status.loss)
+    except Exception as err:  # noqa: BLE001 - one candidate's failure must not stop the study
+        if is_oom_error(err):
+            status.state = "oom"
+            return RunResult(spec.number, "oom", status.step, time.monotonic() - start,
+                             reason=f"out of memory: {err}".splitlines()[0][:300],
+                             bytes_needed=getattr(err, "bytes_needed", None), loss=status.loss)
+        status.state, status.reason = "failed", f"{type(err).__name__}: {err}"
+        frame = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
+        where = f" (at {Path(frame.filename).name}:{frame.lineno})" if frame else ""
+        reason = f"{type(err).__name__}: {err}".splitlines()[0][:300] + where
+        return RunResult(spec.number, "failed", status.step, time.monotonic() - start,
+                         reason=reason, loss=status.loss)
+
+
+def _run(
+    spec: RunSpec,
+    space: SearchSpace,
+    task: Task,
+    report: Callable[[int, int, float], bool] | None,
+    status: TrialStatus,
+    stop: threading.Event | None,
+    cache: StepCache,
+    start: float,
+) -> RunResult:
+    plan = spec.plan
+    seed = spec.seed
+    with jax.set_mesh(plan.mesh):
+        graphdef = split_model(nnx.eval_shape(lambda: space.build(spec.params, nnx.Rngs(seed))))[0]
+    step_fn, optimizer = cache.get(graphdef, plan, task.loss_fn, spec.params)
+    params, opt_state, rest = _initial_state(space, spec, optimizer, seed)
+
+    first = 0
+    checkpointer = TrialCheckpointer(spec.checkpoint_dir) if spec.checkpoint_dir else None
+    treedef = jax.tree.structure((params, opt_state, rest))
+    if checkpointer is not None and checkpointer.latest_step() is not None:
+        # Resume: restore onto this placement's shardings (the devices may differ from before).
+        first, leaves = checkpointer.restore(jax.tree.leaves((params, opt_state, rest)))
+        params, opt_state, rest = jax.tree.unflatten(treedef, leaves)
+        first = min(first, spec.steps)
+
+    batches = task.batches(plan.batch_size, seed)
+    for _ in range(first):  # keep the data stream identical to an uninterrupted run
+        next(batches)
+    batch = jax.device_put(next(batches), plan.batch_sharding)
+
+    # The planner predicted this step fits; check the real compile on these devices first.
+    compiled = step_fn.lower(params, opt_state, rest, batch).compile()
+    peak = peak_bytes(compiled)
+    if peak is not None and peak > spec.memory_per_device:
+        raise TrialOutOfMemory(
+            f"compiled step needs {peak} bytes per device, budget is {spec.memory_per_device}",
+            bytes_needed=peak,
+        )
+
+    status.state, status.step = "training", first
+    loss = None
+    for step in range(first, spec.steps):
+        if stop is not None and stop.is_set():
+            if checkpointer is not None:
+                checkpointer.save(step, jax.tree.leaves((params, opt_state, rest)))
+            raise TrialInterrupted(f"stopped at step {step}")
+        params, opt_state, rest, loss = compiled(params, opt_state, rest, batch)
+        done = step + 1
+        if done < spec.steps:
+            batch = jax.device_put(next(batches), plan.batch_sharding)
+        if done % spec.log_every == 0 or done == spec.steps:
+            status.loss = float(loss)
+            if not math.isfinite(status.loss):
+                raise FloatingPointError(f"loss is {status.loss} at step {done}")
+        status.step = done
+        if spec.eval_every and done % spec.eval_every == 0 and done < spec.steps:
+            value = _evaluate(task, graphdef, params, rest, plan)[task.metric]
+            status.metric = value
+            if report is not None and report(spec.number, done, value):
+                status.state = "pruned"
+                return RunResult(spec.number, "pruned", done, time.monotonic() - start,
+                                 metrics={task.metric: value},
+                                 reason=f"pruned at step {done} ({task.metric}={value:.4g})",
+                                 loss=status.loss)
+        if checkpointer is not None and spec.checkpoint_every and done % spec.checkpoint_every == 0:
+            checkpointer.save(done, jax.tree.leaves((params, opt_state, rest)))
+
+    if loss is not None:
+        status.loss = float(loss)
+        if not math.isfinite(status.loss):
+            raise FloatingPointError(f"loss is {status.loss} at step {spec.steps}")
+    status.state = "evaluating"
+    metrics = _evaluate(task, graphdef, params, rest, plan)
+    value = metrics[task.metric]
+    if not math.isfinite(value):
+        raise FloatingPointError(f"{task.metric} is {value} after training")
+    status.metric = value
+    final = None
+    if checkpointer is not None:
+        if checkpointer.latest_step() != spec.steps:
+            checkpointer.save(spec.steps, jax.tree.leaves((params, opt_state, rest)))
+        final = checkpointer.step_directory(spec.steps)
+        checkpointer.close()
+    status.state = "complete"
+    return RunResult(spec.number, "complete", spec.steps, time.monotonic() - start,
+                     metrics=metrics, loss=status.loss, checkpoint=final,
+                     resumed_from=first)
+
+
+def _evaluate(task: Task, graphdef: nnx.GraphDef, params: Any, rest: Any, plan: Any) -> dict:
+    with jax.set_mesh(plan.mesh):
+        model = nnx.merge(graphdef, params, rest)
+        metrics = task.evaluate(model)
+    if task.metric not in metrics:
+        raise KeyError(
+            f"task.evaluate returned {sorted(metrics)} without the study metric {task.metric!r}"
+        )
+    return {k: float(np.asarray(v)) for k, v in metrics.items()}

@@ -1,0 +1,466 @@
+"""Discrete-event simulation of a search on a model cluster, driving the real placement code.
+
+The simulator replays a list of planned trials (`TrialProfile`: devices, predicted peak bytes per
+device, per-step cost) on a `ClusterModel`. Which trial starts where is decided by the very
+`DevicePool` and policy ``decide`` the HPO engine uses; usage figures come from the same
+`UsageRecorder`. Only time is virtual.
+
+Cost model of one training step on one device (all quantities per device):
+
+    busy    = max(flops / (peak_flops * compute_efficiency),
+                  bytes_accessed / (mem_bandwidth * bandwidth_efficiency))     # roofline
+    comm    = comm_bytes / (interconnect_bandwidth * comm_efficiency)          # collectives
+    launch  = kernels * launch_seconds                                         # dispatch latency
+    step    = busy + comm + launch
+
+Efficiency factors are the fraction of the data-sheet peak a real XLA step attains (see
+`ClusterModel`). Trials that share a device compete only for its busy time: a trial keeps a device
+busy a fraction ``u = busy / step`` of its step; while the ``u`` of the trials on a device sum to
+``U > 1`` each of them runs ``U`` times slower (processor sharing). A multi-device trial is
+synchronous, so it advances at the pace of its most loaded device. Communication and launch gaps
+overlap with other trials' work, which is why packing small trials raises throughput. Where
+several devices share one compute engine (CPU devices of one host: ``compute_group``), the sum
+runs over all trials on the group's devices.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from scamp_jax._units import format_bytes
+from scamp_jax.placement import (
+    DevicePool,
+    FixedPolicy,
+    Policy,
+    ScampPolicy,
+    TrialRequest,
+    check_feasible,
+)
+from scamp_jax.usage import UsageRecorder
+
+GB = 10**9
+GIB = 2**30
+TFLOPS = 10**12
+
+
+@dataclass(frozen=True)
+class ClusterModel:
+    """A homogeneous cluster as the simulator sees it.
+
+    Attributes:
+      name: label, e.g. ``"v100-16gb"``.
+      devices: number of accelerators.
+      memory_per_device: bytes of device memory the planner may use per accelerator.
+      peak_flops: data-sheet float32 matmul FLOP/s per device (TF32 tensor cores where XLA uses
+        them for float32 by default, i.e. A100 and H100).
+      mem_bandwidth: device memory bandwidth, bytes/s.
+      interconnect_bandwidth: per-device collective bandwidth in one direction, bytes/s.
+      compute_efficiency: attained fraction of ``peak_flops`` (0.5: typical for mid-sized
+        transformer layers under XLA; small matmuls attain less, which the kernel launch term
+        and the memory roofline partly capture).
+      bandwidth_efficiency: attained fraction of ``mem_bandwidth`` (0.7, a STREAM-like figure).
+      comm_efficiency: attained fraction of ``interconnect_bandwidth`` by ring all-reduce (0.7).
+      launch_seconds: dispatch latency per kernel, seconds (about 5 us on current GPUs).
+      compute_group: consecutive device ids that share one compute engine (1 for GPUs; all of
+        them for CPU "devices" carved out of one host, whose ``peak_flops`` is then the host's).
+    """
+
+    name: str
+    devices: int
+    memory_per_device: int
+    peak_flops: float
+    mem_bandwidth: float
+    interconnect_bandwidth: float
+    compute_efficiency: float = 0.5
+    bandwidth_efficiency: float = 0.7
+    comm_efficiency: float = 0.7
+    launch_seconds: float = 5e-6
+    compute_group: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("devices", "memory_per_device", "peak_flops", "mem_bandwidth",
+                     "interconnect_bandwidth"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ClusterModel.{name}={getattr(self, name)} must be positive")
+        for name in ("compute_efficiency", "bandwidth_efficiency", "comm_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"ClusterModel.{name}={getattr(self, name)} must be in (0, 1]")
+        if self.launch_seconds < 0:
+            raise ValueError(f"launch_seconds={self.launch_seconds} must be >= 0")
+        if self.compute_group < 1:
+            raise ValueError(f"compute_group={self.compute_group} must be at least 1")
+
+    def with_devices(self, devices: int) -> ClusterModel:
+        """The same cluster with ``devices`` accelerators."""
+        return replace(self, devices=devices)
+
+    @property
+    def capacity(self) -> tuple[int, ...]:
+        """Bytes per device id, as a `DevicePool` takes it."""
+        return (self.memory_per_device,) * self.devices
+
+
+#: Data-sheet figures (SXM parts): V100 15.7 TFLOP/s FP32, 900 GB/s HBM2, NVLink2 300 GB/s total;
+#: A100 156 TFLOP/s TF32, 1,555 GB/s (40 GB) / 2,039 GB/s (80 GB), NVLink3 600 GB/s total;
+#: H100 495 TFLOP/s TF32 dense, 3,350 GB/s HBM3, NVLink4 900 GB/s total. Interconnect is half
+#: the total (one direction). Memory is the nominal size.
+CLUSTER_PRESETS: dict[str, ClusterModel] = {
+    "v100-16gb": ClusterModel("v100-16gb", 32, 16 * GIB, 15.7 * TFLOPS, 900 * GB, 150 * GB),
+    "v100-32gb": ClusterModel("v100-32gb", 32, 32 * GIB, 15.7 * TFLOPS, 900 * GB, 150 * GB),
+    "a100-40gb": ClusterModel("a100-40gb", 32, 40 * GIB, 156 * TFLOPS, 1555 * GB, 300 * GB),
+    "a100-80gb": ClusterModel("a100-80gb", 32, 80 * GIB, 156 * TFLOPS, 2039 * GB, 300 * GB),
+    "h100-80gb": ClusterModel("h100-80gb", 32, 80 * GIB, 495 * TFLOPS, 3350 * GB, 450 * GB),
+}
+
+
+def cluster_preset(name: str, devices: int | None = None) -> ClusterModel:
+    """A preset from `CLUSTER_PRESETS`, optionally with another device count."""
+    if name not in CLUSTER_PRESETS:
+        raise ValueError(
+            f"unknown device {name!r}; choose one of: {', '.join(sorted(CLUSTER_PRESETS))}"
+        )
+    cluster = CLUSTER_PRESETS[name]
+    return cluster if devices is None else cluster.with_devices(devices)
+
+
+@dataclass(frozen=True)
+class TrialProfile:
+    """One planned trial as the simulator sees it. Costs are per device, per training step.
+
+    Attributes:
+      key: trial number.
+      devices: devices the trial runs on (its plan's data x model parallel degree).
+      bytes_per_device: predicted peak memory per device, bytes (the planner's figure).
+      batch_size: global batch, samples per step.
+      flops_per_step: floating-point operations one device executes per step.
+      bytes_accessed_per_step: device-memory traffic of one device per step, bytes.
+      comm_bytes_per_step: bytes one device sends over the interconnect per step.
+      steps: training steps of the trial.
+      kernels_per_step: kernels launched per step (0: ignore launch latency).
+      setup_seconds: work before the first step that keeps the device busy (e.g. compiling the
+        step on a CPU host), seconds; 0 on accelerators, whose host compiles in the background.
+    """
+
+    key: int
+    devices: int
+    bytes_per_device: int
+    batch_size: int
+    flops_per_step: float
+    bytes_accessed_per_step: float
+    comm_bytes_per_step: float
+    steps: int
+    kernels_per_step: int = 0
+    setup_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.setup_seconds < 0:
+            raise ValueError(f"trial {self.key}: setup_seconds={self.setup_seconds} must be >= 0")
+        if self.devices < 1 or self.steps < 1 or self.batch_size < 1:
+            raise ValueError(
+                f"trial {self.key}: devices={self.devices}, steps={self.steps} and "
+                f"batch_size={self.batch_size} must all be at least 1"
+            )
+        if min(self.flops_per_step, self.bytes_accessed_per_step, self.comm_bytes_per_step) < 0:
+            raise ValueError(f"trial {self.key}: per-step costs must be >= 0")
+
+
+def step_busy_seconds(profile: TrialProfile, cluster: ClusterModel) -> float:
+    """Seconds per step a device's compute units and memory are busy (the roofline term)."""
+    compute = profile.flops_per_step / (cluster.peak_flops * cluster.compute_efficiency)
+    memory = profile.bytes_accessed_per_step / (
+        cluster.mem_bandwidth * cluster.bandwidth_efficiency
+    )
+    return max(compute, memory)
+
+
+def step_seconds(profile: TrialProfile, cluster: ClusterModel) -> float:
+    """Seconds of one training step of ``profile`` alone on its devices (module docstring)."""
+    comm = profile.comm_bytes_per_step / (
+        cluster.interconnect_bandwidth * cluster.comm_efficiency
+    )
+    launch = profile.kernels_per_step * cluster.launch_seconds
+    return step_busy_seconds(profile, cluster) + comm + launch
+
+
+@dataclass(frozen=True)
+class SimTrial:
+    """When and where one trial ran in the simulation (seconds of virtual time)."""
+
+    key: int
+    start_s: float
+    end_s: float
+    device_ids: tuple[int, ...]
+    solo_seconds: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Outcome of `simulate`.
+
+    Attributes:
+      policy: placement policy name.
+      cluster: the cluster model simulated.
+      makespan_s: virtual seconds from the first start to the last finish.
+      summary: `UsageRecorder.summary` at the makespan (memory utilisation, idle time, ...).
+      trials: per-trial start, end and devices, in key order.
+      busy_fraction: device-seconds of busy time (roofline) / all device-seconds.
+    """
+
+    policy: str
+    cluster: ClusterModel
+    makespan_s: float
+    summary: dict[str, float]
+    trials: tuple[SimTrial, ...]
+    busy_fraction: float
+
+
+@dataclass
+class _Running:
+    profile: TrialProfile
+    device_ids: tuple[int, ...]
+    start: float
+    solo: float
+    load: float  # the busy fraction u it puts on each of its devices
+    remaining: float  # solo-seconds of work left at `updated`
+    rate: float
+    updated: float
+    version: int = 0
+
+
+def simulate(
+    profiles: Sequence[TrialProfile],
+    cluster: ClusterModel,
+    policy: Policy,
+) -> SimResult:
+    """Run ``profiles`` (queued in list order at time 0) on ``cluster`` under ``policy``.
+
+    Each time trials finish, the pool snapshot and the waiting queue go to ``policy.decide``,
+    exactly as in the engine; started trials are allocated on a real `DevicePool` and recorded by
+    a `UsageRecorder`.
+
+    Raises ``ValueError`` if a profile can never fit the cluster, or if the policy would give a
+    trial another device count than its profile was costed for (build the fixed baseline's
+    profiles for ``devices_per_trial`` devices).
+    """
+    if not profiles:
+        raise ValueError("simulate needs at least one trial profile")
+    capacity = cluster.capacity
+    requests: dict[int, TrialRequest] = {}
+    by_key: dict[int, TrialProfile] = {}
+    for arrival, profile in enumerate(profiles):
+        if profile.key in by_key:
+            raise ValueError(f"trial key {profile.key} appears twice; keys must be unique")
+        given = policy.request_devices(profile.devices)
+        if given != profile.devices:
+            raise ValueError(
+                f"trial {profile.key} was costed for {profile.devices} devices but policy "
+                f"{policy.name!r} gives it {given}; build its profile for {given} devices"
+            )
+        request = TrialRequest(profile.key, profile.devices, profile.bytes_per_device, arrival)
+        check_feasible(request, capacity)
+        requests[profile.key] = request
+        by_key[profile.key] = profile
+
+    pool = DevicePool(capacity)
+    recorder = UsageRecorder(capacity, t0=0.0)
+    # Compute contention is tracked per compute group (one device each on GPUs).
+    group = cluster.compute_group
+    groups = -(-cluster.devices // group)
+    group_load = [0.0] * groups
+    group_trials: list[dict[int, int]] = [{} for _ in range(groups)]  # key -> devices in group
+    running: dict[int, _Running] = {}
+    events: list[tuple[float, int, int]] = []  # (finish time, key, version)
+    queue = list(requests.values())
+    done: list[SimTrial] = []
+    busy_device_seconds = 0.0
+    now = 0.0
+
+    def rerate(keys: set[int]) -> None:
+        for key in keys:
+            trial = running[key]
+            trial.remaining = max(0.0, trial.remaining - (now - trial.updated) * trial.rate)
+            trial.updated = now
+            worst = max(group_load[d // group] for d in trial.device_ids)
+            trial.rate = 1.0 / max(1.0, worst)
+            trial.version += 1
+            heapq.heappush(events, (now + trial.remaining / trial.rate, key, trial.version))
+
+    while queue or running:
+        placements = policy.decide(pool.snapshot(), queue)
+        affected: set[int] = set()
+        for placement in placements:
+            request = requests[placement.key]
+            profile = by_key[placement.key]
+            pool.allocate(placement, request)
+            recorder.start(now, placement, request.bytes_per_device)
+            solo = profile.setup_seconds + profile.steps * step_seconds(profile, cluster)
+            busy = profile.setup_seconds + profile.steps * step_busy_seconds(profile, cluster)
+            busy_device_seconds += busy * len(placement.device_ids)
+            load = busy / solo if solo > 0 else 0.0
+            running[placement.key] = _Running(
+                profile, placement.device_ids, now, solo, load, solo, 1.0, now
+            )
+            for d in placement.device_ids:
+                g = d // group
+                group_load[g] += load
+                group_trials[g][placement.key] = group_trials[g].get(placement.key, 0) + 1
+                affected |= group_trials[g].keys()
+        if placements:
+            started = {p.key for p in placements}
+            queue = [r for r in queue if r.key not in started]
+        if not running:
+            raise RuntimeError(
+                f"policy {policy.name!r} started nothing on an idle pool with {len(queue)} "
+                "trials waiting; every request passed check_feasible, so this is a policy bug"
+            )
+        rerate(affected)
+        # Advance to the next finish; finishes at the same instant are handled together so the
+        # policy sees all the memory they free at once.
+        finished: list[int] = []
+        while events:
+            t, key, version = heapq.heappop(events)
+            if key not in running or running[key].version != version:
+                continue  # superseded by a later rate change
+            if finished and t > now:
+                heapq.heappush(events, (t, key, version))
+                break
+            now = max(now, t)
+            finished.append(key)
+        affected = set()
+        for key in finished:
+            trial = running.pop(key)
+            pool.release(key)
+            recorder.finish(now, key)
+            done.append(SimTrial(key, trial.start, now, trial.device_ids, trial.solo))
+            for d in trial.device_ids:
+                g = d // group
+                group_trials[g].pop(key, None)
+                group_load[g] = max(0.0, group_load[g] - trial.load) if group_trials[g] else 0.0
+                affected |= group_trials[g].keys()
+        rerate({key for key in affected if key in running})  # some finished in this batch
+
+    makespan = now
+    total = makespan * cluster.devices
+    return SimResult(
+        policy=policy.name,
+        cluster=cluster,
+        makespan_s=makespan,
+        summary=recorder.summary(makespan),
+        trials=tuple(sorted(done, key=lambda t: t.key)),
+        busy_fraction=busy_device_seconds / total if total > 0 else 0.0,
+    )
+
+
+def allreduce_bytes(gradient_bytes: float, data_parallel: int) -> float:
+    """Bytes each device sends in a ring all-reduce of ``gradient_bytes`` over ``data_parallel``
+    devices: ``2 (p - 1) / p`` times the buffer (0 for one device)."""
+    if data_parallel <= 1:
+        return 0.0
+    return 2.0 * (data_parallel - 1) / data_parallel * gradient_bytes
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    """Per-device cost of one architecture's training step as an affine function of local batch.
+
+    Measured once per architecture and model-parallel degree (two compiles at two per-device
+    batch sizes, XLA ``cost_analysis()``), then extrapolated to any data-parallel degree: with
+    ``p`` data-parallel replicas and global batch ``B`` each device runs the same program at local
+    batch ``B / p``, plus a ring all-reduce of its gradient shard. This is what lets a CPU with 8
+    devices cost a plan for 1,024 GPUs.
+
+    Attributes:
+      model_parallel: model-parallel degree the costs were measured at.
+      flops_fixed, flops_per_sample: ``flops(b) = flops_fixed + flops_per_sample * b`` per device.
+      bytes_fixed, bytes_per_sample: same for device-memory traffic, bytes.
+      gradient_bytes: gradient bytes per device (parameters / model_parallel, float32).
+      mp_comm_fixed, mp_comm_per_sample: model-parallel collective bytes sent per device per
+        step, affine in local batch (0 for ``model_parallel == 1``).
+      kernels_per_step: kernels in the compiled step.
+      memory_fixed, memory_per_sample: planner's peak-memory model per device, bytes.
+    """
+
+    model_parallel: int
+    flops_fixed: float
+    flops_per_sample: float
+    bytes_fixed: float
+    bytes_per_sample: float
+    gradient_bytes: float
+    mp_comm_fixed: float
+    mp_comm_per_sample: float
+    kernels_per_step: int
+    memory_fixed: float
+    memory_per_sample: float
+
+    def profile(self, key: int, devices: int, batch_size: int, samples: int) -> TrialProfile:
+        """Profile of a trial training ``samples`` samples at global ``batch_size`` on
+        ``devices`` devices (``devices / model_parallel`` data-parallel replicas)."""
+        if devices % self.model_parallel:
+            raise ValueError(
+                f"{devices=} is not a multiple of model_parallel={self.model_parallel}; use "
+                f"{self.model_parallel * max(1, devices // self.model_parallel)}"
+            )
+        dp = devices // self.model_parallel
+        if batch_size % dp:
+            raise ValueError(f"{batch_size=} is not a multiple of data-parallel degree {dp}")
+        local = batch_size // dp
+        return TrialProfile(
+            key=key,
+            devices=devices,
+            bytes_per_device=math.ceil(self.memory_fixed + self.memory_per_sample * local),
+            batch_size=batch_size,
+            flops_per_step=self.flops_fixed + self.flops_per_sample * local,
+            bytes_accessed_per_step=self.bytes_fixed + self.bytes_per_sample * local,
+            comm_bytes_per_step=allreduce_bytes(self.gradient_bytes, dp)
+            + self.mp_comm_fixed + self.mp_comm_per_sample * local,
+            steps=max(1, math.ceil(samples / batch_size)),
+            kernels_per_step=self.kernels_per_step,
+        )
+
+    def max_local_batch(self, budget_bytes: int) -> int:
+        """Largest per-device batch whose predicted peak fits ``budget_bytes`` (0: none)."""
+        if self.memory_per_sample <= 0:
+            raise ValueError("memory_per_sample must be positive to size a batch")
+        return max(0, math.floor((budget_bytes - self.memory_fixed) / self.memory_per_sample))
+
+
+def plan_profiles(
+    costs: Sequence[StepCostModel],
+    cluster: ClusterModel,
+    policy: ScampPolicy | FixedPolicy,
+    *,
+    samples: int,
+    max_batch_size: int | None = None,
+    fixed_batch_size: int | None = None,
+    safety_margin: float = 0.1,
+) -> list[TrialProfile]:
+    """Profiles of one trial per entry of ``costs`` (trial key = index) under ``policy``.
+
+    ScaMP: the fewest devices that fit (``model_parallel`` devices, i.e. one data-parallel
+    replica) and the largest global batch that fits within ``(1 - safety_margin)`` of device
+    memory, capped by ``max_batch_size``. Fixed: ``devices_per_trial`` devices and one global batch
+    ``fixed_batch_size`` for every trial (the engine picks the largest batch the largest candidate
+    fits). Every trial trains ``samples`` samples.
+    """
+    budget = int(cluster.memory_per_device * (1.0 - safety_margin))
+    out = []
+    for key, cost in enumerate(costs):
+        if isinstance(policy, FixedPolicy):
+            if fixed_batch_size is None:
+                raise ValueError("the fixed policy needs fixed_batch_size (one batch for all)")
+            profile = cost.profile(key, policy.devices_per_trial, fixed_batch_size, samples)
+        else:
+            local = cost.max_local_batch(budget)
+            if max_batch_size is not None:
+                local = min(local, max_batch_size)
+            if local < 1:
+                raise ValueError(
+                    f"candidate {key} does not fit {format_bytes(budget)} per device even at "
+                    f"batch 1 (needs {format_bytes(cost.memory_fixed + cost.memory_per_sample)})"
+                )
+            profile = cost.profile(key, cost.model_parallel, local, samples)
+        out.append(profile)
+    return out

@@ -1,0 +1,207 @@
+"""The training step: one pure function shared by the memory estimator and the trial runner.
+
+The planner predicts memory by compiling exactly this step with abstract arguments, and the
+runner trains with exactly this step, so a prediction is about what actually runs.
+
+The model is split into three state trees (``nnx.split(model, nnx.Param, ...)``):
+
+- ``params``: the trainable ``nnx.Param`` variables, updated by the optimizer;
+- ``opt_state``: the optax state, built from ``params``;
+- ``rest``: everything else (RNG keys and counters, batch statistics, ...). It is threaded
+  through the step because it changes on every call (e.g. dropout and drop-path RNG counters).
+
+Hyperparameters are data: build optimizers with ``optax.inject_hyperparams`` so the learning rate
+lives in ``opt_state`` and one compiled step serves every trial of an architecture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+PyTree = Any
+LossFn = Callable[[nnx.Module, Any], jax.Array]
+#: ``step(params, opt_state, rest, batch) -> (params, opt_state, rest, loss)``.
+TrainStep = Callable[[PyTree, PyTree, PyTree, PyTree], tuple[PyTree, PyTree, PyTree, jax.Array]]
+
+
+def batch_inputs(batch: Any) -> Any:
+    """The model input of ``batch``: the batch itself, or its first element for a tuple/list."""
+    if isinstance(batch, tuple | list):
+        if not batch:
+            raise ValueError("batch is an empty tuple; pass an array or a tuple (inputs, ...)")
+        return batch[0]
+    return batch
+
+
+def default_loss(model: nnx.Module, batch: Any) -> jax.Array:
+    """Mean squared model output, a scalar (float32).
+
+    A stand-in objective that exercises the full forward and backward pass when only memory or
+    throughput matters. ``batch`` is an array of inputs ``(B, ...)`` or a tuple whose first element
+    is the inputs; other elements (targets) are ignored.
+    """
+    out = model(batch_inputs(batch))
+    leaves = jax.tree.leaves(out)
+    if not leaves:
+        raise ValueError("the model returned no arrays; default_loss needs an array output")
+    total = jnp.zeros((), jnp.float32)
+    for leaf in leaves:
+        total = total + jnp.mean(jnp.square(leaf.astype(jnp.float32)))
+    return total
+
+
+def default_optimizer() -> optax.GradientTransformation:
+    """Adam with an injectable learning rate (``opt_state.hyperparams['learning_rate']``)."""
+    return optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+
+
+def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """Split ``model`` into ``(graphdef, params, rest)``.
+
+    ``params`` holds every ``nnx.Param``; ``rest`` every other variable (RNG state, batch
+    statistics). Works on real models and on abstract ones from ``nnx.eval_shape``.
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
+    return graphdef, params, rest
+
+
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    loss_fn: LossFn = default_loss,
+) -> TrainStep:
+    """Return the pure training step ``step(params, opt_state, rest, batch)``.
+
+    The step merges the model, computes ``loss_fn(model, batch)`` and its gradient with respect
+    to ``params``, applies ``optimizer`` and returns ``(params, opt_state, rest, loss)`` where
+    ``loss`` is the scalar loss before the update and ``rest`` carries the model's changed
+    non-parameter state (RNG counters, batch statistics).
+    """
+
+    def step(params: PyTree, opt_state: PyTree, rest: PyTree, batch: PyTree):
+        # ``rest`` is an argument (not a closure) and merge copies the variables, so they are
+        # created at the gradient's trace level, where NNX allows RNG counters to change.
+        def loss_and_rest(p: PyTree, r: PyTree) -> tuple[jax.Array, PyTree]:
+            model = nnx.merge(graphdef, p, r, copy=True)
+            loss = loss_fn(model, batch)
+            new_rest = split_model(model)[2]
+            return loss, new_rest
+
+        (loss, new_rest), grads = jax.value_and_grad(loss_and_rest, has_aux=True)(
+            params, rest
+        )
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        return new_params, new_opt_state, new_rest, loss
+
+    return step
+
+
+@dataclass(frozen=True)
+class StepShardings:
+    """Shardings of the training step's arguments (``jax.sharding.Sharding`` pytrees).
+
+    ``params``, ``opt_state`` and ``rest`` match the structure of the state trees; ``batch`` is one
+    sharding applied to every batch leaf (leading axis = samples) or a tree matching the batch.
+    """
+
+    params: PyTree
+    opt_state: PyTree
+    rest: PyTree
+    batch: PyTree
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        """The mesh all shardings live on (taken from the batch sharding)."""
+        first = jax.tree.leaves(self.batch, is_leaf=lambda x: isinstance(x, NamedSharding))[0]
+        mesh = first.mesh if isinstance(first, NamedSharding) else None
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise TypeError(
+                f"StepShardings.batch must hold NamedShardings on a concrete Mesh, got {first!r}"
+            )
+        return mesh
+
+    def replicated(self) -> NamedSharding:
+        """A sharding that replicates a value on every device of the mesh (e.g. the loss)."""
+        return NamedSharding(self.mesh, PartitionSpec())
+
+
+def jit_train_step(
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    loss_fn: LossFn,
+    shardings: StepShardings,
+) -> jax.stages.Wrapped:
+    """The training step jitted with ``shardings`` for inputs and outputs.
+
+    ``params`` and ``opt_state`` are donated: their buffers are reused for the updated values, so
+    callers must not touch the arrays they passed in after the call. The loss is replicated.
+    """
+    step = make_train_step(graphdef, optimizer, loss_fn)
+    return jax.jit(
+        step,
+        in_shardings=(shardings.params, shardings.opt_state, shardings.rest, shardings.batch),
+        out_shardings=(
+            shardings.params,
+            shardings.opt_state,
+            shardings.rest,
+            shardings.replicated(),
+        ),
+        donate_argnums=(0, 1),
+    )
+
+
+def _copy_leaf(x: Any) -> Any:
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = jnp.copy(jax.random.key_data(x))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    return jnp.copy(x)
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def abstract_state(
+    model: nnx.Module, optimizer: optax.GradientTransformation
+) -> tuple[PyTree, PyTree, PyTree]:
+    """``(params, opt_state, rest)`` as ``jax.ShapeDtypeStruct`` trees; nothing is allocated.
+
+    ``model`` may be a real module or an abstract one made with
+    ``nnx.eval_shape(lambda: Model(...))``. Shardings are dropped: the caller attaches the ones it
+    plans to use.
+    """
+    _, params, rest = split_model(model)
+    params = jax.tree.map(_abstract, params)
+    rest = jax.tree.map(_abstract, rest)
+    opt_state = jax.tree.map(_abstract, jax.eval_shape(optimizer.init, params))
+    return params, opt_state, rest
+
+
+def place_train_state(
+    model: nnx.Module,
+    optimizer: optax.GradientTransformation,
+    shardings: StepShardings,
+) -> tuple[nnx.GraphDef, PyTree, PyTree, PyTree]:
+    """``(graphdef, params, opt_state, rest)`` of a real ``model`` as arrays with ``shardings``.
+
+    The arrays are copies: the step donates ``params``, which must not delete ``model``'s own
+    buffers. The optimizer state is created directly with its shardings (inside ``jax.jit``), so
+    it never exists whole on one device.
+    """
+    graphdef, params, rest = split_model(model)
+    # device_put may reuse the source buffer as one shard of a replicated array (even with
+    # may_alias=False on jax 0.10), and donating that array would delete the model's own
+    # buffer, so copy first.
+    params = jax.device_put(jax.tree.map(jnp.copy, params), shardings.params)
+    rest = jax.device_put(jax.tree.map(_copy_leaf, rest), shardings.rest)
+    opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
+    return graphdef, params, opt_state, rest

@@ -1,0 +1,236 @@
+"""Super-resolution data: real photographs, bicubic degradation, augmented patch batches.
+
+Images are HxWx3 float32 arrays in [0, 1]. Without a data set on disk the photographs that ship
+inside scikit-image are used (no download); `load_image_dir` reads any folder (DIV2K, Set5, ...).
+
+Degradation: low-resolution images come from MATLAB-style ``imresize`` bicubic downscaling
+(Keys cubic, a = -0.5, antialiased: the kernel is widened by the scale when shrinking, symmetric
+border), the standard in SR benchmarks and SwinIR's training data. `bicubic_upscale` is the same
+interpolation upward and gives the bicubic baseline.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "PatchSampler",
+    "bicubic_downscale",
+    "bicubic_upscale",
+    "bundled_images",
+    "default_split",
+    "imresize",
+    "load_image_dir",
+]
+
+_IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp"}
+
+#: Colour photographs bundled with scikit-image (loader name -> description), in split order.
+BUNDLED_TRAIN = ("astronaut", "coffee", "hubble_deep_field", "immunohistochemistry",
+                 "motorcycle_left", "retina")
+BUNDLED_EVAL = ("chelsea", "rocket")
+
+
+def _to_float_rgb(arr: np.ndarray) -> np.ndarray:
+    arr = np.asarray(arr)
+    if arr.ndim == 2:
+        arr = np.stack([arr] * 3, axis=-1)
+    if arr.shape[-1] == 4:
+        arr = arr[..., :3]
+    if arr.dtype == np.uint8:
+        out = arr.astype(np.float32) / 255.0
+    elif arr.dtype == np.uint16:
+        out = arr.astype(np.float32) / 65535.0
+    else:
+        out = np.clip(arr.astype(np.float32), 0.0, 1.0)
+    return np.ascontiguousarray(out)
+
+
+def _bundled(name: str) -> np.ndarray:
+    from skimage import data
+
+    if name == "motorcycle_left":
+        # One view of the stereo pair; the right view is nearly the same photograph.
+        return data.stereo_motorcycle()[0]
+    return getattr(data, name)()
+
+
+def bundled_images(names: Sequence[str] = BUNDLED_TRAIN + BUNDLED_EVAL) -> list[np.ndarray]:
+    """The named scikit-image photographs as HxWx3 float32 in [0, 1] (shipped, no download)."""
+    return [_to_float_rgb(_bundled(n)) for n in names]
+
+
+def load_image_dir(path: str | Path) -> list[np.ndarray]:
+    """Every image file in folder ``path`` (sorted by name) as HxWx3 float32 in [0, 1].
+
+    Grey images are repeated to 3 channels and alpha is dropped.
+    """
+    from PIL import Image
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"image folder {str(folder)!r} does not exist; pass a directory")
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in _IMAGE_SUFFIXES)
+    if not files:
+        raise ValueError(
+            f"no images ({', '.join(sorted(_IMAGE_SUFFIXES))}) in {str(folder)!r}"
+        )
+    images = []
+    for f in files:
+        with Image.open(f) as im:
+            images.append(_to_float_rgb(np.asarray(im.convert("RGB"))))
+    return images
+
+
+def default_split() -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(train, eval) bundled photographs: 6 for training, 2 held out (chelsea, rocket)."""
+    return bundled_images(BUNDLED_TRAIN), bundled_images(BUNDLED_EVAL)
+
+
+def _cubic(x: np.ndarray) -> np.ndarray:
+    ax = np.abs(x)
+    ax2, ax3 = ax * ax, ax * ax * ax
+    return (1.5 * ax3 - 2.5 * ax2 + 1.0) * (ax <= 1) + (
+        -0.5 * ax3 + 2.5 * ax2 - 4.0 * ax + 2.0
+    ) * ((ax > 1) & (ax <= 2))
+
+
+def _resize_taps(in_len: int, out_len: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """Input indices and weights, each (out_len, taps), of MATLAB's bicubic ``imresize`` on one
+    axis: output pixel o is ``sum_t weights[o, t] * input[indices[o, t]]``."""
+    shrink = scale < 1
+    width = 4.0 / scale if shrink else 4.0
+    x = np.arange(1, out_len + 1, dtype=np.float64)
+    u = x / scale + 0.5 * (1.0 - 1.0 / scale)  # output pixel centre in input coordinates (1-based)
+    left = np.floor(u - width / 2.0)
+    taps = int(math.ceil(width)) + 2
+    idx = left[:, None] + np.arange(taps)[None, :]
+    dist = u[:, None] - idx
+    w = scale * _cubic(scale * dist) if shrink else _cubic(dist)
+    w = w / w.sum(axis=1, keepdims=True)
+    # Symmetric (mirror) padding, as MATLAB: index i outside [1, n] reflects, edge repeated.
+    mirror = np.concatenate([np.arange(in_len), np.arange(in_len)[::-1]])
+    cols = mirror[np.mod(idx.astype(np.int64) - 1, 2 * in_len)]
+    return cols, w
+
+
+def _resize_axis(img: np.ndarray, out_len: int, scale: float, axis: int) -> np.ndarray:
+    cols, w = _resize_taps(img.shape[axis], out_len, scale)
+    moved = np.moveaxis(img, axis, 0)
+    out = np.zeros((out_len,) + moved.shape[1:], np.float64)
+    expand = (slice(None),) + (None,) * (moved.ndim - 1)
+    for t in range(cols.shape[1]):
+        out += w[:, t][expand] * moved[cols[:, t]]
+    return np.moveaxis(out, 0, axis)
+
+
+def imresize(img: np.ndarray, scale: float, *, clip: bool = True) -> np.ndarray:
+    """MATLAB-compatible bicubic resize of ``img`` (H, W, C) by ``scale``.
+
+    Output (ceil(H * scale), ceil(W * scale), C) float32, antialiased when shrinking, clipped to
+    [0, 1] unless ``clip=False``.
+    """
+    img = np.asarray(img, np.float64)
+    if img.ndim != 3:
+        raise ValueError(f"imresize expects (H, W, C), got shape {img.shape}")
+    if scale <= 0:
+        raise ValueError(f"{scale=} must be positive")
+    h, w = img.shape[:2]
+    oh, ow = int(math.ceil(h * scale - 1e-9)), int(math.ceil(w * scale - 1e-9))
+    out = _resize_axis(_resize_axis(img, oh, scale, 0), ow, scale, 1)
+    if clip:
+        out = np.clip(out, 0.0, 1.0)
+    return out.astype(np.float32)
+
+
+def _check_scale(scale: int) -> None:
+    if not isinstance(scale, (int, np.integer)) or scale < 1:
+        raise ValueError(f"{scale=} must be a positive integer SR factor (2, 3, 4, ...)")
+
+
+def crop_to_multiple(img: np.ndarray, scale: int) -> np.ndarray:
+    """Crop the bottom/right of ``img`` so H and W are multiples of ``scale`` (pixels)."""
+    h, w = img.shape[0] - img.shape[0] % scale, img.shape[1] - img.shape[1] % scale
+    return img[:h, :w]
+
+
+def bicubic_downscale(img: np.ndarray, scale: int) -> np.ndarray:
+    """LR image of HR ``img`` (H, W, C): (H // scale, W // scale, C) float32, antialiased bicubic.
+
+    ``img`` is first cropped to a multiple of ``scale``.
+    """
+    _check_scale(scale)
+    return imresize(crop_to_multiple(img, scale), 1.0 / scale)
+
+
+def bicubic_upscale(img: np.ndarray, scale: int) -> np.ndarray:
+    """Bicubic upscaling (H, W, C) -> (H * scale, W * scale, C): the SR baseline."""
+    _check_scale(scale)
+    return imresize(img, float(scale))
+
+
+class PatchSampler:
+    """Random aligned (LR, HR) training patches with the 8 dihedral augmentations.
+
+    Every image's LR version is made once (`bicubic_downscale`); a patch is an HR crop of
+    ``hr_patch`` pixels at a position aligned to ``scale`` and the matching LR crop of
+    ``hr_patch // scale``, then one of the 8 flips/rotations applied to both.
+
+    Args:
+      images: HR images (H, W, 3) float32 in [0, 1], each at least ``hr_patch`` on both sides.
+      scale: SR factor; ``hr_patch`` must be a multiple of it.
+      hr_patch: HR patch side in pixels.
+      seed: seed of the sampler's generator (same seed, same stream of batches).
+    """
+
+    def __init__(self, images: Sequence[np.ndarray], scale: int, hr_patch: int, seed: int = 0):
+        _check_scale(scale)
+        if hr_patch % scale:
+            raise ValueError(
+                f"{hr_patch=} must be a multiple of {scale=}; "
+                f"use {hr_patch // scale * scale or scale}"
+            )
+        if not images:
+            raise ValueError("PatchSampler needs at least one image")
+        self.scale, self.hr_patch, self.lr_patch = scale, hr_patch, hr_patch // scale
+        self.hr = [crop_to_multiple(np.asarray(im, np.float32), scale) for im in images]
+        for i, im in enumerate(self.hr):
+            if min(im.shape[:2]) < hr_patch:
+                raise ValueError(
+                    f"image {i} is {im.shape[0]}x{im.shape[1]}, smaller than {hr_patch=}; "
+                    "use a smaller patch or drop the image"
+                )
+        self.lr = [bicubic_downscale(im, scale) for im in self.hr]
+        # Sample images in proportion to their area, so every pixel is equally likely.
+        area = np.array([im.shape[0] * im.shape[1] for im in self.hr], np.float64)
+        self._p = area / area.sum()
+        self._rng = np.random.default_rng(seed)
+
+    def batch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """``n`` patches: LR (n, p, p, 3) and HR (n, p * scale, p * scale, 3) float32."""
+        lp, s = self.lr_patch, self.scale
+        lr_out = np.empty((n, lp, lp, 3), np.float32)
+        hr_out = np.empty((n, lp * s, lp * s, 3), np.float32)
+        picks = self._rng.choice(len(self.hr), size=n, p=self._p)
+        for k, i in enumerate(picks):
+            lr = self.lr[i]
+            y = int(self._rng.integers(0, lr.shape[0] - lp + 1))
+            x = int(self._rng.integers(0, lr.shape[1] - lp + 1))
+            lr_p = lr[y : y + lp, x : x + lp]
+            hr_p = self.hr[i][y * s : (y + lp) * s, x * s : (x + lp) * s]
+            t = int(self._rng.integers(0, 8))
+            lr_out[k], hr_out[k] = dihedral(lr_p, t), dihedral(hr_p, t)
+        return lr_out, hr_out
+
+
+def dihedral(img: np.ndarray, t: int) -> np.ndarray:
+    """One of the 8 symmetries of the square on (H, W, C): ``t // 2`` quarter turns, then a
+    horizontal flip when ``t`` is odd (t = 0 is the identity)."""
+    out = np.rot90(img, k=t // 2, axes=(0, 1))
+    if t % 2:
+        out = out[:, ::-1]
+    return out

@@ -1,0 +1,483 @@
+"""Building blocks of SwinIR (Liang et al., ICCVW 2021) as Flax NNX modules, NHWC.
+
+Window attention with a relative position bias, shifted windows with their attention mask, the
+Swin transformer block and the residual Swin transformer block (RSTB). Every block keeps the
+attribute names of the official PyTorch implementation (``attn.qkv``, ``norm1``, ``mlp.fc1``,
+``residual_group.blocks``, ...) so that released weights map onto it name for name
+(see `search_spaces.swinir.load_torch_state_dict`).
+
+Numerics follow the official model: LayerNorm epsilon 1e-5, exact (erf) GELU, shift mask value
+-100, a window that collapses to the whole input when the configured resolution is not larger than
+the window, LeakyReLU 0.2 in the ``3conv`` residual connection.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+#: Value added to the attention logits of token pairs from different image regions after the
+#: cyclic shift (the official model uses -100, not -inf, so a fully masked row stays finite).
+MASK_VALUE = -100.0
+
+_LN_EPS = 1e-5  # torch.nn.LayerNorm default; Flax's default (1e-6) would break weight parity.
+
+
+def trunc_normal_init(stddev: float = 0.02) -> nnx.Initializer:
+    """Truncated-normal initialiser used for linear layers and bias tables (std ``stddev``)."""
+    return nnx.initializers.truncated_normal(stddev=stddev)
+
+
+def torch_conv_kernel_init() -> nnx.Initializer:
+    """PyTorch's default Conv2d weight init: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+    return nnx.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
+
+
+def _torch_conv_bias_init(fan_in: int) -> nnx.Initializer:
+    bound = 1.0 / math.sqrt(fan_in)
+
+    def init(key: jax.Array, shape: Sequence[int], dtype: jnp.dtype = jnp.float32) -> jax.Array:
+        return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+    return init
+
+
+def conv2d(
+    in_ch: int, out_ch: int, kernel: int, *, rngs: nnx.Rngs
+) -> nnx.Conv:
+    """A stride-1, 'same'-padded NHWC convolution initialised like ``torch.nn.Conv2d``.
+
+    Kernel shape ``(kernel, kernel, in_ch, out_ch)``; zero padding ``kernel // 2`` on each side.
+    """
+    pad = kernel // 2
+    return nnx.Conv(
+        in_ch,
+        out_ch,
+        kernel_size=(kernel, kernel),
+        padding=((pad, pad), (pad, pad)),
+        kernel_init=torch_conv_kernel_init(),
+        bias_init=_torch_conv_bias_init(in_ch * kernel * kernel),
+        rngs=rngs,
+    )
+
+
+def linear(in_f: int, out_f: int, *, use_bias: bool = True, rngs: nnx.Rngs) -> nnx.Linear:
+    """Dense layer initialised as in SwinIR: truncated normal (std 0.02) kernel, zero bias."""
+    return nnx.Linear(
+        in_f,
+        out_f,
+        use_bias=use_bias,
+        kernel_init=trunc_normal_init(0.02),
+        bias_init=nnx.initializers.zeros_init(),
+        rngs=rngs,
+    )
+
+
+def layer_norm(dim: int, *, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    """LayerNorm over the last axis with PyTorch's epsilon (1e-5)."""
+    return nnx.LayerNorm(dim, epsilon=_LN_EPS, rngs=rngs)
+
+
+def gelu(x: jax.Array) -> jax.Array:
+    """Exact (erf) GELU, as ``torch.nn.GELU()``; JAX defaults to the tanh approximation."""
+    return jax.nn.gelu(x, approximate=False)
+
+
+def leaky_relu_02(x: jax.Array) -> jax.Array:
+    """LeakyReLU with slope 0.2 (the ``3conv`` and ``nearest+conv`` activations)."""
+    return jax.nn.leaky_relu(x, negative_slope=0.2)
+
+
+def leaky_relu_001(x: jax.Array) -> jax.Array:
+    """LeakyReLU with PyTorch's default slope 0.01 (before the upsampler)."""
+    return jax.nn.leaky_relu(x, negative_slope=0.01)
+
+
+def window_partition(x: jax.Array, window_size: int) -> jax.Array:
+    """Cut ``x`` of shape (B, H, W, C) into windows (B * nW, ws, ws, C), row-major over windows.
+
+    ``H`` and ``W`` must be multiples of ``window_size``; nW = (H / ws) * (W / ws).
+    """
+    b, h, w, c = x.shape
+    if h % window_size or w % window_size:
+        raise ValueError(
+            f"feature map {h}x{w} is not a multiple of window_size={window_size}; pad the input "
+            "to a window multiple first (SwinIR does this with reflect padding)"
+        )
+    x = x.reshape(b, h // window_size, window_size, w // window_size, window_size, c)
+    return x.transpose(0, 1, 3, 2, 4, 5).reshape(-1, window_size, window_size, c)
+
+
+def window_reverse(windows: jax.Array, window_size: int, h: int, w: int) -> jax.Array:
+    """Inverse of `window_partition`: (B * nW, ws, ws, C) -> (B, H, W, C)."""
+    n_win = (h // window_size) * (w // window_size)
+    b = windows.shape[0] // n_win
+    x = windows.reshape(b, h // window_size, w // window_size, window_size, window_size, -1)
+    return x.transpose(0, 1, 3, 2, 4, 5).reshape(b, h, w, -1)
+
+
+@functools.lru_cache(maxsize=64)
+def relative_position_index(window_size: int) -> np.ndarray:
+    """Index into the bias table for every token pair of a window: int (ws*ws, ws*ws).
+
+    Token ``i`` at (yi, xi) and ``j`` at (yj, xj) use row
+    ``(yi - yj + ws - 1) * (2 * ws - 1) + (xi - xj + ws - 1)`` of the (2ws-1)^2 x heads table.
+    """
+    coords = np.stack(np.meshgrid(np.arange(window_size), np.arange(window_size), indexing="ij"))
+    flat = coords.reshape(2, -1)  # (2, N)
+    rel = (flat[:, :, None] - flat[:, None, :]).transpose(1, 2, 0)  # (N, N, 2)
+    rel = rel + (window_size - 1)
+    index = rel[:, :, 0] * (2 * window_size - 1) + rel[:, :, 1]
+    index.setflags(write=False)
+    return index
+
+
+@functools.lru_cache(maxsize=64)
+def shift_attention_mask(h: int, w: int, window_size: int, shift_size: int) -> np.ndarray:
+    """Attention mask of shifted windows: float32 (nW, ws*ws, ws*ws) of 0 or `MASK_VALUE`.
+
+    After a cyclic shift by ``shift_size``, a window can hold tokens from up to four image regions
+    that are not neighbours; pairs from different regions get `MASK_VALUE`. ``h`` and ``w`` are
+    the (padded) feature-map size, multiples of ``window_size``; windows in row-major order.
+    """
+    if not 0 < shift_size < window_size:
+        raise ValueError(f"{shift_size=} must be in (0, {window_size=}) for a shifted window")
+    region = np.zeros((h, w), np.float32)
+    bounds = (slice(0, -window_size), slice(-window_size, -shift_size), slice(-shift_size, None))
+    label = 0
+    for hs in bounds:
+        for ws in bounds:
+            region[hs, ws] = label
+            label += 1
+    win = region.reshape(h // window_size, window_size, w // window_size, window_size)
+    win = win.transpose(0, 2, 1, 3).reshape(-1, window_size * window_size)
+    diff = win[:, None, :] - win[:, :, None]
+    mask = np.where(diff != 0, MASK_VALUE, 0.0).astype(np.float32)
+    mask.setflags(write=False)
+    return mask
+
+
+class Mlp(nnx.Module):
+    """Two-layer feed-forward block with exact GELU: (..., C) -> (..., C)."""
+
+    def __init__(self, dim: int, hidden: int, *, drop: float = 0.0, rngs: nnx.Rngs):
+        self.fc1 = linear(dim, hidden, rngs=rngs)
+        self.fc2 = linear(hidden, dim, rngs=rngs)
+        self.drop = nnx.Dropout(drop, rngs=rngs) if drop > 0 else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = gelu(self.fc1(x))
+        if self.drop is not None:
+            x = self.drop(x)
+        x = self.fc2(x)
+        if self.drop is not None:
+            x = self.drop(x)
+        return x
+
+
+class WindowAttention(nnx.Module):
+    """Multi-head self-attention inside square windows with a learned relative position bias.
+
+    Args:
+      dim: channels C (a multiple of ``num_heads``).
+      window_size: window side ws; a window holds N = ws * ws tokens.
+      num_heads: attention heads; the bias table is ((2ws-1)^2, num_heads).
+      qkv_bias: learn a bias for the query/key/value projection.
+      qk_scale: logit scale; None uses head_dim ** -0.5.
+      attn_drop, proj_drop: dropout rates on the attention weights and the output (training only).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        window_size: int,
+        num_heads: int,
+        *,
+        qkv_bias: bool = True,
+        qk_scale: float | None = None,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        rngs: nnx.Rngs,
+    ):
+        if dim % num_heads:
+            raise ValueError(
+                f"{dim=} is not divisible by {num_heads=}; choose heads that divide the width"
+            )
+        self.dim = dim
+        self.window_size = window_size
+        self.num_heads = num_heads
+        self.scale = qk_scale or (dim // num_heads) ** -0.5
+        table_rows = (2 * window_size - 1) ** 2
+        self.relative_position_bias_table = nnx.Param(
+            trunc_normal_init(0.02)(rngs.params(), (table_rows, num_heads), jnp.float32)
+        )
+        self.qkv = linear(dim, 3 * dim, use_bias=qkv_bias, rngs=rngs)
+        self.proj = linear(dim, dim, rngs=rngs)
+        self.attn_drop = nnx.Dropout(attn_drop, rngs=rngs) if attn_drop > 0 else None
+        self.proj_drop = nnx.Dropout(proj_drop, rngs=rngs) if proj_drop > 0 else None
+
+    def relative_position_bias(self) -> jax.Array:
+        """Bias added to the logits: (num_heads, N, N)."""
+        n = self.window_size**2
+        idx = relative_position_index(self.window_size).reshape(-1)
+        bias = self.relative_position_bias_table[...][idx].reshape(n, n, self.num_heads)
+        return bias.transpose(2, 0, 1)
+
+    def __call__(self, x: jax.Array, mask: jax.Array | np.ndarray | None = None) -> jax.Array:
+        """Attend within each window.
+
+        Args:
+          x: (B * nW, N, C) window tokens, windows of one image contiguous.
+          mask: None, or (nW, N, N) additive mask (0 / `MASK_VALUE`) for shifted windows.
+        Returns:
+          (B * nW, N, C).
+        """
+        bw, n, c = x.shape
+        hd = c // self.num_heads
+        qkv = self.qkv(x).reshape(bw, n, 3, self.num_heads, hd).transpose(2, 0, 3, 1, 4)
+        q, k, v = qkv[0] * self.scale, qkv[1], qkv[2]
+        attn = q @ k.swapaxes(-2, -1)  # (B*nW, heads, N, N)
+        attn = attn + self.relative_position_bias()[None]
+        if mask is not None:
+            n_win = mask.shape[0]
+            attn = attn.reshape(bw // n_win, n_win, self.num_heads, n, n)
+            attn = attn + jnp.asarray(mask)[None, :, None]
+            attn = attn.reshape(bw, self.num_heads, n, n)
+        attn = jax.nn.softmax(attn, axis=-1)
+        if self.attn_drop is not None:
+            attn = self.attn_drop(attn)
+        x = (attn @ v).transpose(0, 2, 1, 3).reshape(bw, n, c)
+        x = self.proj(x)
+        if self.proj_drop is not None:
+            x = self.proj_drop(x)
+        return x
+
+
+def effective_window(input_resolution: tuple[int, int], window_size: int, shift_size: int):
+    """(window, shift) a block really uses: the official model stops partitioning (one window
+    of side min(resolution), no shift) when the configured resolution is not above the window."""
+    if min(input_resolution) <= window_size:
+        return min(input_resolution), 0
+    return window_size, shift_size
+
+
+class SwinTransformerBlock(nnx.Module):
+    """Pre-norm transformer block on (shifted) windows with stochastic depth.
+
+    Args:
+      dim: channels C.
+      input_resolution: (H, W) the block is built for (``img_size // patch_size``); decides the
+        window collapse of `effective_window`. Other sizes run too (mask computed per size).
+      num_heads, window_size, shift_size: attention heads, window side, cyclic shift (0 or ws/2).
+      mlp_ratio: hidden width of the MLP relative to ``dim`` (``int(dim * mlp_ratio)``).
+      drop, attn_drop: dropout rates; drop_path: stochastic-depth rate (per sample, training only).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        input_resolution: tuple[int, int],
+        num_heads: int,
+        *,
+        window_size: int = 7,
+        shift_size: int = 0,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        qk_scale: float | None = None,
+        drop: float = 0.0,
+        attn_drop: float = 0.0,
+        drop_path: float = 0.0,
+        rngs: nnx.Rngs,
+    ):
+        self.dim = dim
+        self.input_resolution = tuple(input_resolution)
+        self.window_size, self.shift_size = effective_window(
+            self.input_resolution, window_size, shift_size
+        )
+        if not 0 <= self.shift_size < self.window_size:
+            raise ValueError(f"shift_size={self.shift_size} must be in [0, {self.window_size})")
+        self.norm1 = layer_norm(dim, rngs=rngs)
+        self.attn = WindowAttention(
+            dim,
+            self.window_size,
+            num_heads,
+            qkv_bias=qkv_bias,
+            qk_scale=qk_scale,
+            attn_drop=attn_drop,
+            proj_drop=drop,
+            rngs=rngs,
+        )
+        # Stochastic depth = dropout of the whole residual branch per sample.
+        self.drop_path = (
+            nnx.Dropout(drop_path, broadcast_dims=(1, 2), rngs=rngs) if drop_path > 0 else None
+        )
+        self.norm2 = layer_norm(dim, rngs=rngs)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop, rngs=rngs)
+
+    def _branch(self, x: jax.Array) -> jax.Array:
+        return x if self.drop_path is None else self.drop_path(x)
+
+    def __call__(self, x: jax.Array, x_size: tuple[int, int]) -> jax.Array:
+        """x: (B, H*W, C) tokens of an (H, W) = ``x_size`` map, H and W window multiples."""
+        h, w = x_size
+        b, _, c = x.shape
+        ws, shift = self.window_size, self.shift_size
+        y = self.norm1(x).reshape(b, h, w, c)
+        if shift:
+            y = jnp.roll(y, (-shift, -shift), axis=(1, 2))
+        windows = window_partition(y, ws).reshape(-1, ws * ws, c)
+        mask = shift_attention_mask(h, w, ws, shift) if shift else None
+        windows = self.attn(windows, mask)
+        y = window_reverse(windows.reshape(-1, ws, ws, c), ws, h, w)
+        if shift:
+            y = jnp.roll(y, (shift, shift), axis=(1, 2))
+        x = x + self._branch(y.reshape(b, h * w, c))
+        return x + self._branch(self.mlp(self.norm2(x)))
+
+
+class BasicLayer(nnx.Module):
+    """A stack of Swin blocks alternating regular and shifted windows (shift ws // 2)."""
+
+    def __init__(
+        self,
+        dim: int,
+        input_resolution: tuple[int, int],
+        depth: int,
+        num_heads: int,
+        window_size: int,
+        *,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        qk_scale: float | None = None,
+        drop: float = 0.0,
+        attn_drop: float = 0.0,
+        drop_path: Sequence[float] | float = 0.0,
+        rngs: nnx.Rngs,
+    ):
+        rates = list(drop_path) if isinstance(drop_path, Sequence) else [drop_path] * depth
+        if len(rates) != depth:
+            raise ValueError(f"{len(rates)} drop-path rates given for {depth=}; give one per block")
+        self.blocks = nnx.List(
+            [
+                SwinTransformerBlock(
+                    dim,
+                    input_resolution,
+                    num_heads,
+                    window_size=window_size,
+                    shift_size=0 if i % 2 == 0 else window_size // 2,
+                    mlp_ratio=mlp_ratio,
+                    qkv_bias=qkv_bias,
+                    qk_scale=qk_scale,
+                    drop=drop,
+                    attn_drop=attn_drop,
+                    drop_path=rates[i],
+                    rngs=rngs,
+                )
+                for i in range(depth)
+            ]
+        )
+
+    def __call__(self, x: jax.Array, x_size: tuple[int, int]) -> jax.Array:
+        """x: (B, H*W, C) -> (B, H*W, C)."""
+        for blk in self.blocks:
+            x = blk(x, x_size)
+        return x
+
+
+def residual_conv(dim: int, kind: str, *, rngs: nnx.Rngs) -> nnx.Module:
+    """The convolution closing a residual group: ``'1conv'`` (one 3x3) or ``'3conv'``
+    (3x3 to dim/4, LeakyReLU 0.2, 1x1, LeakyReLU 0.2, 3x3 back to dim; fewer parameters)."""
+    if kind == "1conv":
+        return conv2d(dim, dim, 3, rngs=rngs)
+    if kind == "3conv":
+        if dim < 4:
+            raise ValueError(f"resi_connection='3conv' needs embed_dim >= 4, got {dim}")
+        q = dim // 4
+        return nnx.Sequential(
+            conv2d(dim, q, 3, rngs=rngs),
+            leaky_relu_02,
+            conv2d(q, q, 1, rngs=rngs),
+            leaky_relu_02,
+            conv2d(q, dim, 3, rngs=rngs),
+        )
+    raise ValueError(f"resi_connection={kind!r} is not supported; use '1conv' or '3conv'")
+
+
+class RSTB(nnx.Module):
+    """Residual Swin transformer block: Swin blocks, a convolution, and a skip connection.
+
+    Tokens (B, H*W, C) in and out; the convolution runs on the (B, H, W, C) map.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        input_resolution: tuple[int, int],
+        depth: int,
+        num_heads: int,
+        window_size: int,
+        *,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        qk_scale: float | None = None,
+        drop: float = 0.0,
+        attn_drop: float = 0.0,
+        drop_path: Sequence[float] | float = 0.0,
+        resi_connection: str = "1conv",
+        rngs: nnx.Rngs,
+    ):
+        self.residual_group = BasicLayer(
+            dim,
+            input_resolution,
+            depth,
+            num_heads,
+            window_size,
+            mlp_ratio=mlp_ratio,
+            qkv_bias=qkv_bias,
+            qk_scale=qk_scale,
+            drop=drop,
+            attn_drop=attn_drop,
+            drop_path=drop_path,
+            rngs=rngs,
+        )
+        self.conv = residual_conv(dim, resi_connection, rngs=rngs)
+
+    def __call__(self, x: jax.Array, x_size: tuple[int, int]) -> jax.Array:
+        """x: (B, H*W, C) with (H, W) = ``x_size`` -> (B, H*W, C)."""
+        b, _, c = x.shape
+        y = self.residual_group(x, x_size).reshape(b, x_size[0], x_size[1], c)
+        return self.conv(y).reshape(b, -1, c) + x
+
+
+class PatchEmbed(nnx.Module):
+    """(B, H, W, C) map -> (B, H*W, C) tokens, optionally layer-normed (SwinIR's patch size 1)."""
+
+    def __init__(self, embed_dim: int, *, norm: bool, rngs: nnx.Rngs):
+        self.norm = layer_norm(embed_dim, rngs=rngs) if norm else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, h, w, c = x.shape
+        x = x.reshape(b, h * w, c)
+        return x if self.norm is None else self.norm(x)
+
+
+def patch_unembed(x: jax.Array, x_size: tuple[int, int]) -> jax.Array:
+    """(B, H*W, C) tokens -> (B, H, W, C) map with (H, W) = ``x_size``."""
+    return x.reshape(x.shape[0], x_size[0], x_size[1], x.shape[-1])
+
+
+def pixel_shuffle(x: jax.Array, r: int) -> jax.Array:
+    """NHWC depth-to-space matching ``torch.nn.PixelShuffle``: (N, H, W, C*r*r) -> (N, rH, rW, C).
+
+    Input channel ``c * r * r + i * r + j`` becomes output pixel (r*h + i, r*w + j), channel c.
+    """
+    n, h, w, crr = x.shape
+    c = crr // (r * r)
+    x = x.reshape(n, h, w, c, r, r).transpose(0, 1, 4, 2, 5, 3)
+    return x.reshape(n, h * r, w * r, c)

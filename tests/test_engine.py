@@ -1,0 +1,237 @@
+"""The search loop: concurrent trials on a device pool, fault isolation, OOM re-plans, policies.
+
+Uses the MLP regression stand-in of ``test_runner`` with a real Optuna study in SQLite storage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import pytest
+from flax import nnx
+from optuna.trial import TrialState
+from test_runner import MLP, Regression
+
+from scamp_jax import planner
+from scamp_jax.engine import BudgetTooSmallError, EngineConfig, SearchEngine
+from scamp_jax.space import SearchSpace
+from scamp_jax.study import FAIL_REASON, OptunaTrialSource, open_study
+
+BUDGET = 64 * 2**20
+
+
+def build(config: Any, rngs: nnx.Rngs) -> MLP:
+    if config.get("kind") == "broken":
+        raise ValueError("candidate has a bug: kind='broken'")
+    return MLP(int(config["width"]), rngs, poison=config.get("kind") == "poison")
+
+
+def suggest(trial: Any) -> dict[str, Any]:
+    return {"width": trial.suggest_categorical("width", [16, 32]),
+            "kind": trial.suggest_categorical("kind", ["ok", "broken", "poison"]),
+            "learning_rate": trial.suggest_float("learning_rate", 1e-3, 3e-2, log=True)}
+
+
+SPACE = SearchSpace("mlp-faults", suggest, build,
+                    largest={"width": 32, "kind": "ok", "learning_rate": 1e-2})
+
+
+def make_source(tmp_path, configs: list[dict[str, Any]], n_trials: int | None = None):
+    study = open_study("mlp", study_dir=tmp_path, direction="minimize", sampler="random",
+                       pruner="none", seed=0)
+    for config in configs:
+        study.enqueue_trial(config)
+    return study, OptunaTrialSource(study, SPACE, n_trials or len(configs))
+
+
+def config(**kw: Any) -> EngineConfig:
+    return EngineConfig(**{"steps": 30, "memory_per_device": BUDGET, "max_batch_size": 16,
+                           "log_every": 5, **kw})
+
+
+def ok(width: int = 16, lr: float = 1e-2) -> dict[str, Any]:
+    return {"width": width, "kind": "ok", "learning_rate": lr}
+
+
+def test_trials_run_concurrently_and_are_told(tmp_path):
+    study, source = make_source(tmp_path, [ok(16, 1e-2), ok(16, 2e-2), ok(32), ok(32, 3e-3)])
+    engine = SearchEngine(SPACE, Regression(), source, config(), devices=jax.devices(),
+                          checkpoint_root=tmp_path / "ckpt")
+    result = engine.run()
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 4
+    for t in trials:
+        assert t.user_attrs["batch_size"] == 16
+        assert t.user_attrs["steps"] == 30
+        assert t.user_attrs["rank"] == 0
+        assert 0 < t.user_attrs["predicted_peak_bytes"] <= BUDGET
+        assert t.value == t.user_attrs["metrics"]["mse"]
+    # Trials overlapped in time (each on its own devices or sharing one within its memory).
+    spans = sorted((s, e) for device in result.intervals for _, s, e, _ in device)
+    assert any(b[0] < a[1] for a, b in zip(spans, spans[1:], strict=False))
+    assert result.usage["trials_finished"] == 4
+    assert 0 < result.usage["mean_memory_utilization"] <= 1
+    # Two architectures: one compile each per device set; the others hit the cache or
+    # compiled for another device set.
+    assert result.compile_cache["misses"] + result.compile_cache["hits"] == 4
+
+
+def test_failing_trials_are_isolated(tmp_path):
+    configs = [ok(), {"width": 16, "kind": "broken", "learning_rate": 1e-2},
+               {"width": 16, "kind": "poison", "learning_rate": 1e-2}, ok(16, 3e-3)]
+    study, source = make_source(tmp_path, configs)
+    SearchEngine(SPACE, Regression(), source, config(), devices=jax.devices()[:4]).run()
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.FAIL,
+                                         TrialState.COMPLETE]
+    assert "candidate has a bug" in trials[1].user_attrs[FAIL_REASON]
+    assert "loss is nan" in trials[2].user_attrs[FAIL_REASON]
+
+
+def test_out_of_memory_plan_is_replanned_and_completes(tmp_path):
+    """The first plan underestimates memory; the real compiled peak is caught and re-planned.
+
+    The first plan is made for 8x the real budget and claims to fit it, as an estimator that
+    underestimates activations would. No error is injected: the runner compiles that plan on its
+    devices, reads the peak from XLA's memory analysis, finds it above the budget, and the engine
+    plans again with a smaller batch.
+    """
+    calls = []
+
+    def optimistic_first_plan(model: Any, sample: Any, **kw: Any) -> Any:
+        calls.append(kw["max_batch_size"])
+        if len(calls) > 1:
+            return planner.plan_mesh(model, sample, **kw)
+        budget = kw["memory_per_device"]
+        plan = planner.plan_mesh(model, sample, **{**kw, "memory_per_device": 8 * budget})
+        return dataclasses.replace(plan, peak_bytes_per_device=budget // 2)
+
+    study, source = make_source(tmp_path, [ok(32)])
+    cfg = config(memory_per_device=2 * 2**20, max_batch_size=1 << 16, steps=3)
+    engine = SearchEngine(SPACE, Regression(), source, cfg, devices=jax.devices()[:2],
+                          plan_fn=optimistic_first_plan)
+    engine.run()
+    [trial] = study.get_trials()
+    assert trial.state == TrialState.COMPLETE, trial.user_attrs.get(FAIL_REASON)
+    assert trial.user_attrs["replans"] >= 1
+    assert len(calls) >= 2 and calls[1] < calls[0]  # re-planned with a smaller batch cap
+    assert trial.user_attrs["predicted_peak_bytes"] <= 2 * 2**20
+
+
+def test_budget_too_small_for_any_candidate_stops_without_spending_trials(tmp_path):
+    study, source = make_source(tmp_path, [ok(16), ok(32), ok(16, 3e-3)], n_trials=3)
+    cfg = config(memory_per_device=512)
+    engine = SearchEngine(SPACE, Regression(), source, cfg, devices=jax.devices()[:2])
+    with pytest.raises(BudgetTooSmallError, match="raise --memory-per-device"):
+        engine.run()
+    assert source.finished() == 0  # the asked trials were put back for a run with more memory
+    waiting = study.get_trials(states=(TrialState.WAITING,))
+    assert len(waiting) == 3
+
+
+def test_fixed_policy_gives_every_trial_the_same_devices_and_batch(tmp_path):
+    study, source = make_source(tmp_path, [ok(16), ok(32), ok(16, 3e-3)])
+    cfg = config(policy="fixed", devices_per_trial=2, max_batch_size=32, steps=10)
+    engine = SearchEngine(SPACE, Regression(), source, cfg, devices=jax.devices()[:4])
+    engine.run()
+    trials = study.get_trials()
+    assert all(t.state == TrialState.COMPLETE for t in trials)
+    assert {len(t.user_attrs["devices"]) for t in trials} == {2}
+    assert {t.user_attrs["batch_size"] for t in trials} == {engine.fixed_batch_size()}
+    # No two trials shared a device at the same time.
+    for device in engine.usage.busy_intervals():
+        for a, b in zip(device, device[1:], strict=False):
+            assert b.start >= a.end
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    trials: int = 3
+    steps: int = 10
+    reference_batch: int | None = 8
+    max_batch_size: int | None = 16
+    policy: str = "scamp"
+    devices_per_trial: int = 2
+    sampler: str = "random"
+    pruner: str = "none"
+    seed: int = 0
+    study_dir: str = ""
+    storage: str | None = None
+    checkpoint_every: int = 5
+    eval_every: int = 0
+
+
+def test_run_search_writes_results_plots_and_best_model(tmp_path):
+    import io
+    import json
+
+    from rich.console import Console
+
+    from scamp_jax.engine import run_search
+
+    out = io.StringIO()
+    settings = Settings(study_dir=str(tmp_path))
+    space = SearchSpace("mlp-ok", lambda t: {**suggest(t), "kind": "ok"}, build)
+    info = run_search(space, Regression(), settings, devices=jax.devices()[:4],
+                      memory_per_device=BUDGET, live=False, baseline="zero_mse",
+                      console=Console(file=out, width=200))
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert len(results["trials"]) == 3
+    row = results["trials"][0]
+    for key in ("number", "params", "devices", "model_parallel", "batch_size",
+                "predicted_peak_bytes", "state", "steps", "wall_seconds", "mse", "zero_mse",
+                "rank"):
+        assert key in row
+    assert row["steps"] == 10 * 8 // row["batch_size"]  # same samples at any planned batch
+    header = (tmp_path / "results.csv").read_text().splitlines()[0]
+    assert header.startswith("number,params,devices,model_parallel,batch_size")
+    for name in ("mse_per_trial.png", "device_timeline.png", "memory_utilization.png"):
+        assert (tmp_path / name).stat().st_size > 1000
+    assert (tmp_path / "best_model" / "trial.json").is_file()
+    assert info["best"]["number"] == results["best"]
+    assert "best trial" in out.getvalue() and "zero_mse" in out.getvalue()
+
+
+def test_live_view_draws_devices_and_trials_on_a_terminal():
+    import io
+
+    from scamp_jax.live import LiveView
+    from scamp_jax.placement import DevicePool, Placement, TrialRequest
+    from scamp_jax.runner import TrialStatus
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Terminal()
+    pool = DevicePool([BUDGET] * 2)
+    pool.allocate(Placement(7, (1,)), TrialRequest(7, 1, BUDGET // 2, 0))
+    status = TrialStatus(7, {"width": 16, "learning_rate": 1e-3}, state="training",
+                         devices=(1,), batch_size=8, step=3, steps=10, loss=0.25)
+    with LiveView([BUDGET] * 2, "mse", stream=stream) as view:
+        view.update([status], pool)
+    text = stream.getvalue()
+    for expected in ("device pool", "32.00 MiB / 64.00 MiB", "width=16", "3/10", "0.25",
+                     "training"):
+        assert expected in text
+
+
+def test_live_view_logs_state_changes_without_a_terminal():
+    import io
+
+    from scamp_jax.live import LiveView
+    from scamp_jax.runner import TrialStatus
+
+    stream = io.StringIO()
+    status = TrialStatus(3, {"width": 16}, state="queued", batch_size=8, steps=10)
+    view = LiveView([BUDGET], "mse", stream=stream)
+    with view:
+        view.update([status])
+        view.update([status])  # unchanged: no new line
+        status.state, status.reason = "failed", "ValueError: bug"
+        view.update([status])
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2
+    assert "trial   3 queued" in lines[0] and "(ValueError: bug)" in lines[1]

@@ -1,0 +1,143 @@
+"""Memory estimation: breakdown against independent compiles and shapes, and the batch model."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from scamp_jax.memory import (
+    CPU_FAST_COMPILE,
+    MemoryModel,
+    StepCompiler,
+    default_step_shardings,
+    estimate_memory,
+    fit_memory_model,
+    with_batch_size,
+)
+from scamp_jax.sharding import make_mesh
+from scamp_jax.train_step import abstract_state, default_loss, default_optimizer, jit_train_step
+
+F32 = 4
+
+
+class MLP(nnx.Module):
+    def __init__(self, d: int, h: int, rngs: nnx.Rngs) -> None:
+        self.up = nnx.Linear(d, h, rngs=rngs)
+        self.mid = nnx.Linear(h, h, rngs=rngs)
+        self.down = nnx.Linear(h, d, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(nnx.gelu(self.mid(nnx.gelu(self.up(x)))))
+
+
+class NoParams(nnx.Module):
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x * 2
+
+
+def _abstract_mlp(d: int = 32, h: int = 256) -> MLP:
+    return nnx.eval_shape(lambda: MLP(d, h, nnx.Rngs(0)))
+
+
+def _compiled_peak(model, batch, mesh, compiler_options=None) -> int:
+    """The peak of the step compiled here, independently of ``StepCompiler``."""
+    tx = default_optimizer()
+    params, opt_state, rest = abstract_state(model, tx)
+    shardings = default_step_shardings(mesh, params, opt_state, rest, tx)
+    graphdef = nnx.split(model, nnx.Param, ...)[0]
+    step = jit_train_step(graphdef, tx, default_loss, shardings)
+    lowered = step.lower(params, opt_state, rest, batch)
+    compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
+    m = compiled.memory_analysis()
+    return (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+            - m.alias_size_in_bytes)
+
+
+def test_estimate_matches_an_independent_compile_and_exact_state_sizes():
+    d, h, batch_size = 32, 256, 64
+    model = _abstract_mlp(d, h)
+    mesh = make_mesh(jax.devices(), 4, 2)
+    batch = (jax.ShapeDtypeStruct((batch_size, d), jnp.float32),
+             jax.ShapeDtypeStruct((batch_size, d), jnp.float32))
+    estimate = estimate_memory(model, batch, mesh=mesh)
+    assert estimate.peak == _compiled_peak(model, batch, mesh)
+    # up (32x256) and down (256x32) kernels split on their 256 side, mid (256x256) on its output;
+    # biases are replicated.
+    kernels = (d * h + h * h + h * d) * F32 // 2
+    biases = (h + h + d) * F32
+    assert estimate.params == kernels + biases == estimate.grads
+    # Adam: two moments sharded like the parameters, plus two int32 counts and five scalars.
+    assert estimate.opt_state == 2 * estimate.params + 7 * 4
+    assert estimate.inputs == 2 * batch_size * d * F32 // 4  # split four ways over 'data'
+    assert estimate.peak == (estimate.params + estimate.opt_state + estimate.rest
+                             + estimate.inputs + estimate.activations_and_temps)
+    assert estimate.activations_and_temps > 0
+    assert estimate.batch_size == batch_size
+    assert "peak" in estimate.describe()
+
+
+def test_fast_cpu_compile_options_give_the_same_memory_analysis():
+    model = _abstract_mlp()
+    mesh = make_mesh(jax.devices()[:4], 2, 2)
+    for batch_size in (8, 96):
+        batch = jax.ShapeDtypeStruct((batch_size, 32), jnp.float32)
+        assert _compiled_peak(model, batch, mesh) == _compiled_peak(
+            model, batch, mesh, CPU_FAST_COMPILE)
+
+
+def test_real_and_abstract_models_give_the_same_estimate():
+    batch = jnp.zeros((16, 32))
+    real = estimate_memory(MLP(32, 256, nnx.Rngs(0)), batch)
+    abstract = estimate_memory(_abstract_mlp(), jax.ShapeDtypeStruct((16, 32), jnp.float32))
+    assert real == abstract
+
+
+def test_memory_model_is_affine_past_the_smallest_batches():
+    model = _abstract_mlp()
+    sample = jax.ShapeDtypeStruct((1, 32), jnp.float32)
+    compiler = StepCompiler(model, sample, make_mesh(jax.devices()[:1], 1, 1))
+    fitted, probes = compiler.fit()
+    assert fitted.probe_batches == (8, 32, 128)
+    assert [p.peak for p in probes] == list(fitted.probe_peaks)
+    assert fitted.bytes_per_sample > 0
+    # Measured on CPU for this model: within 1.6% from 16 to 256 samples. Past about 300 XLA
+    # changes its buffer strategy and the slope jumps (12% under at 512), which is why the
+    # planner confirms its batch by compiling instead of trusting this model.
+    for batch_size in (16, 64, 256):
+        actual = compiler.estimate(batch_size).peak
+        assert abs(fitted.predict(batch_size) - actual) <= 0.02 * actual
+    assert fit_memory_model(model, sample) == fitted
+
+
+def test_memory_model_max_batch_rounds_to_the_data_parallel_degree():
+    m = MemoryModel(fixed_bytes=100.0, bytes_per_sample=10.0, probe_batches=(8, 32),
+                    probe_peaks=(180, 420), batch_multiple=4, floor_bytes=180.0)
+    assert m.predict(90) == 1000
+    assert m.max_batch(1000) == 88
+    assert m.max_batch(1000, cap=50) == 48
+    assert m.max_batch(179) == 0  # below the floor nothing fits
+    flat = MemoryModel(fixed_bytes=500.0, bytes_per_sample=0.0, probe_batches=(1, 2),
+                       probe_peaks=(500, 500))
+    assert flat.max_batch(600, cap=64) == 64
+    with pytest.raises(ValueError, match="cap="):
+        flat.max_batch(600)
+
+
+def test_with_batch_size_changes_only_the_leading_axis():
+    sample = (jnp.zeros((3, 5, 2), jnp.bfloat16), jax.ShapeDtypeStruct((3, 7), jnp.int32))
+    out = with_batch_size(sample, 12)
+    assert [(x.shape, x.dtype) for x in out] == [((12, 5, 2), jnp.bfloat16), ((12, 7), jnp.int32)]
+    with pytest.raises(ValueError, match="leading sample axis"):
+        with_batch_size((jnp.zeros(()),), 4)
+
+
+def test_bad_arguments_are_rejected_before_compiling():
+    with pytest.raises(ValueError, match="no nnx.Param"):
+        estimate_memory(NoParams(), jnp.zeros((2, 3)))
+    compiler = StepCompiler(_abstract_mlp(), jnp.zeros((1, 32)), make_mesh(jax.devices()[:4], 4, 1))
+    with pytest.raises(ValueError, match="multiple of the data-parallel degree 4; use 8"):
+        compiler.estimate(6)
+    with pytest.raises(ValueError, match="leading sample axis"):
+        estimate_memory(_abstract_mlp(), jnp.zeros(()))

@@ -1,0 +1,205 @@
+"""Pipelined supernet training: CSP equals sequential bit for bit, offload, baselines."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from scamp_jax.pipeline.executor import PipelineExecutor
+from scamp_jax.pipeline.stage import OptimizerSpec
+from scamp_jax.pipeline.trainer import train_reference, train_supernet
+from search_spaces.supernet import SupernetConfig, SupernetLayout, sample_subnets
+
+CONFIG = SupernetConfig(num_layers=4, num_choices=3, width=8, scale=2, window_size=4)
+N, BATCH, SIDE = 6, 2, 4
+
+
+@functools.cache
+def _layout() -> SupernetLayout:
+    return SupernetLayout(CONFIG)
+
+
+@functools.cache
+def _executor(stages: int, offload: bool, shared: bool, microbatches: int = 1):
+    # Generous buffers so that every schedule below runs on the same compiled tick.
+    slots = 2 * stages + 2
+    return PipelineExecutor(
+        _layout(), num_stages=stages, microbatch_size=BATCH // microbatches, lr_side=SIDE,
+        window_slots=slots, act_slots=slots, grad_slots=slots, num_microbatches=microbatches,
+        train_shared=shared, offload=offload,
+    )
+
+
+def _data(seed: int) -> tuple[list[tuple[int, ...]], np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(100 + seed)
+    lr = rng.random((N, BATCH, SIDE, SIDE, 3), dtype=np.float32)
+    hr = rng.random((N, BATCH, 2 * SIDE, 2 * SIDE, 3), dtype=np.float32)
+    return [s.choices for s in sample_subnets(N, CONFIG, seed)], lr, hr
+
+
+@functools.cache
+def _train(schedule: str, stages: int, offload: bool, shared: bool, seed: int):
+    subnets, lr, hr = _data(seed)
+    m = 2 if schedule == "gpipe" else 1
+    return train_supernet(
+        _layout(), subnets, lr, hr, schedule=schedule, num_stages=stages, seed=seed,
+        offload=offload, train_shared=shared, num_microbatches=m,
+        executor=_executor(stages, offload, shared, m),
+    )
+
+
+def _assert_identical(a, b):
+    np.testing.assert_array_equal(a.losses, b.losses)
+    np.testing.assert_array_equal(a.blocks, b.blocks)
+    np.testing.assert_array_equal(a.shared, b.shared)
+    assert a.params_sha256 == b.params_sha256
+
+
+FAST = [(2, False, False), (2, True, False), (4, True, False), (2, False, True)]
+
+
+@pytest.mark.parametrize(("stages", "offload", "shared"), FAST)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_csp_bit_identical_to_sequential(stages, offload, shared, seed):
+    csp, seq = _train("csp", stages, offload, shared, seed), _train("sequential", stages,
+                                                                   offload, shared, seed)
+    _assert_identical(csp, seq)
+    if shared and stages == 2:
+        # Every stage holds the stem or the head: trained shared weights serialise everything.
+        assert csp.ticks == seq.ticks
+    else:
+        assert csp.ticks < seq.ticks
+    assert np.all(np.isfinite(csp.losses))
+    # Training moved the chosen blocks (and only those).
+    subnets, _, _ = _data(seed)
+    blocks0, shared0 = _layout().init(seed)
+    used = {(layer, c) for s in subnets for layer, c in enumerate(s)}
+    for layer in range(CONFIG.num_layers):
+        for c in range(CONFIG.num_choices):
+            moved = not np.array_equal(csp.blocks[layer, c], blocks0[layer, c])
+            assert moved == ((layer, c) in used)
+    assert np.array_equal(csp.shared, shared0) != shared
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("seed", [2, 3, 4])
+def test_csp_bit_identical_to_sequential_matrix(stages, offload, shared, seed):
+    _assert_identical(
+        _train("csp", stages, offload, shared, seed),
+        _train("sequential", stages, offload, shared, seed),
+    )
+
+
+def test_offload_is_bit_identical_and_moves_the_store_to_host():
+    on, off = _train("csp", 2, True, False, 0), _train("csp", 2, False, False, 0)
+    _assert_identical(on, off)
+    assert on.host_param_bytes > 0 and off.host_param_bytes == 0
+    assert on.device_param_bytes < off.device_param_bytes
+
+
+def test_pipeline_matches_unpipelined_reference():
+    """Independent check of the math: a plain whole-subnet trainer gives the same training."""
+    subnets, lr, hr = _data(0)
+    # Stem and head trained too, so gradients crossing every stage boundary are checked.
+    losses, blocks, shared_w = train_reference(_layout(), subnets, lr, hr, seed=0,
+                                               train_shared=True)
+    piped = _train("sequential", 2, False, True, 0)
+    np.testing.assert_allclose(piped.losses, losses, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(piped.blocks, blocks, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(piped.shared, shared_w, rtol=1e-4, atol=1e-6)
+    assert not np.allclose(shared_w, _layout().init(0)[1])
+
+
+def test_gpipe_runs_on_the_same_executor_and_agrees_numerically():
+    gp, seq = _train("gpipe", 2, False, False, 0), _train("sequential", 2, False, False, 0)
+    # Microbatches change the summation order only: equal up to float rounding.
+    np.testing.assert_allclose(gp.losses, seq.losses, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gp.blocks, seq.blocks, rtol=1e-4, atol=1e-6)
+    assert gp.ticks == N * 2 * (2 + 2 - 1)
+
+
+def test_device_bytes_bounded_with_offload_as_choices_grow():
+    device_on, device_off, host_on = [], [], []
+    # From 10 candidates on the largest op (conv7) is present, so the padded block size is fixed.
+    for choices in (10, 20, 40):
+        layout = SupernetLayout(
+            SupernetConfig(num_layers=4, num_choices=choices, width=8, window_size=4)
+        )
+        for offload, out in ((True, device_on), (False, device_off)):
+            ex = PipelineExecutor(
+                layout, num_stages=2, microbatch_size=2, lr_side=4, window_slots=3,
+                act_slots=3, grad_slots=3, offload=offload,
+            )
+            planned = ex.planned_bytes()
+            out.append(planned["device_param_bytes"])
+            if offload:
+                host_on.append(planned["host_param_bytes"])
+    assert device_on[0] == device_on[1] == device_on[2]
+    assert device_off[0] < device_off[1] < device_off[2]
+    assert host_on[0] < host_on[1] < host_on[2]
+    assert device_on[2] < host_on[2] / 10
+
+
+def test_reports_ticks_utilisation_and_bytes():
+    res = _train("csp", 4, True, False, 0)
+    assert 0 < res.stage_utilization <= res.ideal_utilization <= 1
+    assert res.ideal_ticks <= res.ticks
+    assert res.supernet_param_bytes > 0 and res.wall_seconds > 0
+    assert len(res.params_sha256) == 64
+
+
+def test_errors_name_the_fix():
+    with pytest.raises(ValueError, match="multiple of num_stages=3"):
+        PipelineExecutor(_layout(), num_stages=3, microbatch_size=2, lr_side=4,
+                         window_slots=1, act_slots=1, grad_slots=1)
+    with pytest.raises(ValueError, match="window_size=4"):
+        PipelineExecutor(_layout(), num_stages=2, microbatch_size=2, lr_side=6,
+                         window_slots=1, act_slots=1, grad_slots=1)
+    with pytest.raises(ValueError, match="'rmsprop' is not supported"):
+        OptimizerSpec("rmsprop")
+    subnets, lr, hr = _data(0)
+    small = PipelineExecutor(_layout(), num_stages=2, microbatch_size=2, lr_side=4,
+                             window_slots=1, act_slots=1, grad_slots=1)
+    with pytest.raises(ValueError, match="slots"):
+        train_supernet(_layout(), subnets, lr, hr, schedule="csp", num_stages=2, executor=small)
+    assert jax.device_count() >= 4
+
+
+def test_experiment_presets_and_flags():
+    from experiments import supernet_nas
+
+    smoke = supernet_nas.get_config("smoke")
+    assert smoke.layers % smoke.stages == 0 and smoke.schedule == "csp" and smoke.offload
+    assert supernet_nas.get_config("paper").stages == 8
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        supernet_nas.get_config("huge")
+    args = supernet_nas.parser().parse_args(
+        ["--schedule", "gpipe", "--no-offload", "--stages", "2", "--json", "x.json"]
+    )
+    assert (args.schedule, args.offload, args.stages, args.json) == ("gpipe", False, 2, "x.json")
+
+
+@pytest.mark.slow
+def test_experiment_smoke_run_writes_results(tmp_path):
+    import json
+
+    from experiments import supernet_nas
+
+    out = tmp_path / "run.json"
+    summary = supernet_nas.main(
+        ["--preset", "smoke", "--subnets", "8", "--eval-subnets", "2", "--json", str(out),
+         "--quiet"]
+    )
+    written = json.loads(out.read_text())
+    for key in ("losses", "params_sha256", "ticks", "stage_utilization", "device_param_bytes",
+                "supernet_param_bytes", "wall_seconds"):
+        assert key in written
+    assert len(written["losses"]) == 8 and written == json.loads(json.dumps(summary))
+    assert out.with_suffix(".png").exists()
+    assert written["best"]["psnr"] > 20.0

@@ -1,0 +1,275 @@
+"""The planner: model-parallel degree, exact largest batch, errors, remapping, sharding rules."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from scamp_jax import memory
+from scamp_jax.planner import (
+    DoesNotFitError,
+    min_devices,
+    min_devices_plan,
+    plan_mesh,
+    resolve_budget,
+)
+from scamp_jax.sharding import (
+    bytes_per_device,
+    make_mesh,
+    param_partition_specs,
+    partition_spec_for,
+)
+from scamp_jax.train_step import (
+    abstract_state,
+    default_loss,
+    default_optimizer,
+    jit_train_step,
+    place_train_state,
+)
+
+BUDGET = "2MiB"
+
+
+class MLP(nnx.Module):
+    def __init__(self, d: int, h: int, rngs: nnx.Rngs) -> None:
+        self.up = nnx.Linear(d, h, rngs=rngs)
+        self.down = nnx.Linear(h, d, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(self.drop(nnx.relu(self.up(x))))
+
+
+class NoParams(nnx.Module):
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + 1
+
+
+class Block(nnx.Module):
+    """A pre-norm transformer block (attention + MLP)."""
+
+    def __init__(self, dim: int, heads: int, rngs: nnx.Rngs) -> None:
+        self.norm1 = nnx.LayerNorm(dim, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(heads, dim, decode=False, rngs=rngs)
+        self.norm2 = nnx.LayerNorm(dim, rngs=rngs)
+        self.fc1 = nnx.Linear(dim, 4 * dim, rngs=rngs)
+        self.fc2 = nnx.Linear(4 * dim, dim, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attn(self.norm1(x))
+        return x + self.fc2(nnx.gelu(self.fc1(self.norm2(x))))
+
+
+def _model() -> MLP:
+    return nnx.eval_shape(lambda: MLP(128, 1024, nnx.Rngs(0)))
+
+
+SAMPLE = jax.ShapeDtypeStruct((1, 128), jnp.float32)
+
+
+def _compiled_peak(plan, model, batch_size: int) -> int:
+    """Compile the plan's step at ``batch_size`` here (default XLA options) and read the peak."""
+    tx = default_optimizer()
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    _, opt_state, _ = abstract_state(model, tx)
+    step = jit_train_step(graphdef, tx, default_loss, plan.step_shardings)
+    batch = jax.ShapeDtypeStruct((batch_size, 128), jnp.float32)
+    stats = step.lower(params, opt_state, rest, batch).compile().memory_analysis()
+    return (stats.temp_size_in_bytes + stats.argument_size_in_bytes
+            + stats.output_size_in_bytes - stats.alias_size_in_bytes)
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return plan_mesh(_model(), SAMPLE, devices=8, memory_per_device=BUDGET)
+
+
+def test_model_that_cannot_fit_one_device_is_split(plan):
+    usable = int(2 * 2**20 * 0.9)
+    # parameters + Adam moments alone exceed one device, so plain data parallelism is out
+    assert 3 * bytes_per_device(nnx.state(_model(), nnx.Param), jax.NamedSharding(
+        make_mesh(jax.devices()[:1], 1, 1), P())) > usable
+    assert plan.model_parallel >= 2
+    assert plan.data_parallel * plan.model_parallel == 8
+    assert plan.mesh.axis_names == ("data", "model")
+    assert plan.mesh.devices.shape == (plan.data_parallel, plan.model_parallel)
+    assert plan.usable_bytes == usable
+    assert plan.batch_size % plan.data_parallel == 0
+    assert jax.tree.structure(plan.param_shardings) == jax.tree.structure(
+        nnx.state(_model(), nnx.Param))
+    assert plan.batch_sharding.spec == P("data")
+
+
+def test_plan_batch_is_the_largest_that_fits_by_an_independent_compile(plan):
+    model = _model()
+    at_plan = _compiled_peak(plan, model, plan.batch_size)
+    assert at_plan == plan.peak_bytes_per_device == plan.estimate.peak
+    assert (plan.batch_size, at_plan) in plan.compiled_peaks
+    assert plan.compiled_peaks[0][0] == plan.data_parallel  # the smallest batch is checked first
+    assert at_plan <= plan.usable_bytes
+    assert _compiled_peak(plan, model, plan.batch_size + plan.data_parallel) > plan.usable_bytes
+    assert plan.batch_size > plan.data_parallel  # the budget leaves room for real batches
+
+
+def test_two_real_steps_with_the_remapped_plan_keep_shardings(plan):
+    devices = jax.devices()[::-1]
+    moved = plan.with_devices(devices)
+    assert [d.id for d in moved.mesh.devices.flat] == [d.id for d in devices]
+    assert moved.batch_size == plan.batch_size and moved.estimate == plan.estimate
+    model = MLP(128, 1024, nnx.Rngs(0))
+    tx = default_optimizer()
+    graphdef, params, opt_state, rest = place_train_state(model, tx, moved.step_shardings)
+    step = jit_train_step(
+        graphdef, tx, lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), moved.step_shardings)
+    x = np.random.default_rng(0).normal(size=(moved.batch_size, 128)).astype(np.float32)
+    batch = jax.device_put((x, x[:, ::-1].copy()), moved.batch_sharding)
+    losses = []
+    for _ in range(2):
+        params, opt_state, rest, loss = step(params, opt_state, rest, batch)
+        losses.append(float(loss))
+    assert all(np.isfinite(losses)) and losses[1] < losses[0]
+    expected = jax.tree.leaves(
+        moved.param_shardings, is_leaf=lambda s: isinstance(s, jax.NamedSharding))
+    for array, sharding in zip(jax.tree.leaves(params), expected, strict=True):
+        assert array.sharding == sharding
+    with pytest.raises(ValueError, match="plan is for 8 devices but 4"):
+        plan.with_devices(jax.devices()[:4])
+
+
+def test_describe_is_a_short_table(plan):
+    text = plan.describe()
+    assert f"{plan.data_parallel} x {plan.model_parallel}" in text
+    assert str(plan.batch_size) in text and "usable" in text
+    assert len(text.splitlines()) <= 15
+
+
+def test_max_batch_size_and_forced_model_parallel():
+    small = nnx.eval_shape(lambda: MLP(16, 64, nnx.Rngs(0)))
+    sample = jax.ShapeDtypeStruct((1, 16), jnp.float32)
+    capped = plan_mesh(small, sample, devices=8, memory_per_device="1GiB", max_batch_size=20)
+    assert (capped.model_parallel, capped.data_parallel, capped.batch_size) == (1, 8, 16)
+    devices = np.array(jax.devices()[4:])  # any iterable of devices, e.g. a mesh's array
+    forced = plan_mesh(small, sample, devices=devices, memory_per_device="1GiB", max_batch_size=8,
+                       model_parallel=2)
+    assert [d.id for d in forced.devices] == [4, 5, 6, 7]
+    assert (forced.model_parallel, forced.data_parallel, forced.batch_size) == (2, 2, 8)
+
+
+def test_does_not_fit_error_states_needed_and_available_bytes():
+    with pytest.raises(DoesNotFitError) as info:
+        plan_mesh(_model(), SAMPLE, devices=8, memory_per_device="64KiB", safety_margin=0.0)
+    err = info.value
+    assert isinstance(err, ValueError)
+    assert err.bytes_available == 64 * 1024
+    assert err.bytes_needed > err.bytes_available
+    assert str(err.bytes_needed) in str(err) and str(err.bytes_available) in str(err)
+
+
+def test_min_devices_finds_the_smallest_count_that_fits():
+    count, plan = min_devices_plan(_model(), SAMPLE, devices=8, memory_per_device=BUDGET,
+                                   counts=(1, 2, 4, 8), max_batch_size=4)
+    # two devices split the model in half (data_parallel 1: no gradient all-reduce buffers)
+    assert count == 2 and len(plan.devices) == 2 and plan.model_parallel == 2
+    assert plan.peak_bytes_per_device <= plan.usable_bytes
+    with pytest.raises(DoesNotFitError):
+        plan_mesh(_model(), SAMPLE, devices=1, memory_per_device=BUDGET)
+    with pytest.raises(ValueError, match="between 1 and 8"):
+        min_devices(_model(), SAMPLE, devices=8, memory_per_device=BUDGET, counts=(16,))
+
+
+@pytest.fixture
+def no_compiles(monkeypatch):
+    def refuse(self, batch_size):
+        raise AssertionError("argument errors must come before any compile")
+
+    monkeypatch.setattr(memory.StepCompiler, "estimate", refuse)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"memory_per_device": 0}, ValueError, "positive"),
+        ({"memory_per_device": "0GiB"}, ValueError, "positive"),
+        ({"devices": 0}, ValueError, "devices=0 must be between 1 and the 8"),
+        ({"devices": 9}, ValueError, "devices=9 must be between 1 and the 8"),
+        ({"devices": True}, TypeError, "device count"),
+        ({"devices": []}, ValueError, "empty"),
+        ({"model_parallel": 3}, ValueError, r"model_parallel=3 must divide the device count 8"),
+        ({"memory_per_device": None}, ValueError, "memory_per_device is required on cpu"),
+        ({"safety_margin": 1.0}, ValueError, "safety_margin"),
+        ({"max_batch_size": 0}, ValueError, "max_batch_size"),
+        ({"model_parallel": 1, "max_batch_size": 4}, ValueError, "smaller than every"),
+    ],
+)
+def test_bad_arguments_fail_before_any_compile(no_compiles, kwargs, error, match):
+    args = {"devices": 8, "memory_per_device": BUDGET} | kwargs
+    with pytest.raises(error, match=match):
+        plan_mesh(_model(), SAMPLE, **args)
+
+
+def test_model_without_parameters_and_repeated_devices_fail_before_any_compile(no_compiles):
+    with pytest.raises(ValueError, match="no nnx.Param"):
+        plan_mesh(NoParams(), SAMPLE, devices=2, memory_per_device=BUDGET)
+    d = jax.devices()[0]
+    with pytest.raises(ValueError, match="distinct"):
+        plan_mesh(_model(), SAMPLE, devices=[d, d], memory_per_device=BUDGET)
+    with pytest.raises(ValueError, match="leading sample axis"):
+        plan_mesh(_model(), jnp.zeros(()), devices=2, memory_per_device=BUDGET)
+
+
+class _DeviceWithLimit:
+    platform = "gpu"
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+
+    def memory_stats(self) -> dict[str, int]:
+        return {"bytes_limit": self._limit, "bytes_in_use": 0}
+
+
+def test_default_budget_is_the_smallest_device_limit():
+    devices = [_DeviceWithLimit(80 * 2**30), _DeviceWithLimit(40 * 2**30)]
+    assert resolve_budget(None, devices) == 40 * 2**30
+    assert resolve_budget("3GiB", devices) == 3 * 2**30
+
+
+def test_sharding_rules_for_dense_conv_attention_and_small_parameters():
+    key = jax.tree_util.DictKey
+    names = lambda *ns: tuple(key(n) for n in ns)  # noqa: E731
+    # dense: the larger feature dimension, ties to the output
+    assert partition_spec_for(names("fc1", "kernel"), (64, 256), 2) == P(None, "model")
+    assert partition_spec_for(names("fc2", "kernel"), (256, 64), 2) == P("model", None)
+    assert partition_spec_for(names("sq", "kernel"), (128, 128), 2) == P(None, "model")
+    # conv (kh, kw, in, out): never the spatial dimensions; falls back to 'in' if 'out' won't split
+    assert partition_spec_for(names("conv", "kernel"), (3, 3, 64, 96), 2) == P(
+        None, None, None, "model")
+    assert partition_spec_for(names("conv", "kernel"), (3, 3, 64, 90), 4) == P(
+        None, None, "model", None)
+    # neither divides, 1-D, and small parameters: replicated
+    assert partition_spec_for(names("odd", "kernel"), (129, 127), 2) == P()
+    assert partition_spec_for(names("norm", "scale"), (4096,), 2) == P()
+    assert partition_spec_for(names("rel_pos", "table"), (225, 4), 2) == P()
+    assert partition_spec_for(names("fc1", "kernel"), (64, 256), 1) == P()
+
+    block = nnx.eval_shape(lambda: Block(64, 4, nnx.Rngs(0)))
+    specs = param_partition_specs(nnx.state(block, nnx.Param), 2, min_shard_elements=1024)
+    assert specs["attn"]["query"]["kernel"].get_value() == P(None, "model", None)  # by heads
+    assert specs["attn"]["out"]["kernel"].get_value() == P("model", None, None)
+    assert specs["fc1"]["kernel"].get_value() == P(None, "model")
+    assert specs["fc2"]["kernel"].get_value() == P("model", None)
+    assert specs["norm1"]["scale"].get_value() == P()
+
+
+def test_make_mesh_and_bytes_per_device():
+    mesh = make_mesh(jax.devices()[:6], 3, 2)
+    assert mesh.devices.shape == (3, 2) and mesh.axis_names == ("data", "model")
+    with pytest.raises(ValueError, match="must equal the number of devices"):
+        make_mesh(jax.devices()[:6], 2, 2)
+    sharded = jax.NamedSharding(mesh, P(None, "model"))
+    assert bytes_per_device(jax.ShapeDtypeStruct((10, 8), jnp.float32), sharded) == 10 * 4 * 4
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    assert bytes_per_device(key, jax.NamedSharding(mesh, P())) == 8  # two uint32 words

@@ -1,0 +1,133 @@
+"""Resume after ``kill -9``: no finished trial lost or repeated, the interrupted one resumed.
+
+A subprocess runs a study (the MLP stand-in of ``test_runner`` through the same `run_search`
+the entry points use), is killed with SIGKILL once one trial has finished and the next has
+written a checkpoint, and is run again on the same study directory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from scamp_jax.study import FAIL_REASON, INTERRUPTED, storage_url
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+TRIALS = 2
+
+DRIVER = """
+import sys
+from scamp_jax.devices import configure_cpu_devices
+configure_cpu_devices(8)
+sys.path.insert(0, {tests!r})
+import dataclasses, jax
+from test_runner import Regression, SPACE
+from scamp_jax.engine import run_search
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    trials: int = {trials}
+    steps: int = 300
+    reference_batch: int | None = None
+    max_batch_size: int | None = 16
+    policy: str = "fixed"          # two devices, two per trial: one trial at a time
+    devices_per_trial: int = 2
+    sampler: str = "random"
+    pruner: str = "none"
+    seed: int = 0
+    study_dir: str = {study_dir!r}
+    storage: str | None = None
+    checkpoint_every: int = 30
+    eval_every: int = 0
+
+run_search(SPACE, Regression(), Settings(), devices=jax.devices()[:2],
+           memory_per_device=64 * 2**20, live=False)
+"""
+
+
+def _start(study_dir: Path, cli: bool = False) -> subprocess.Popen:
+    """The driver over the MLP stand-in, or (``cli``) the SwinIR entry point's smoke preset."""
+    if cli:
+        # Eight devices per trial under the fixed policy: trials run one after another.
+        command = ["-m", "experiments.swinir_hpo", "--preset", "smoke", "--trials", str(TRIALS),
+                   "--steps", "200", "--policy", "fixed", "--devices-per-trial", "8",
+                   "--sampler", "random", "--study-dir", str(study_dir), "--no-live"]
+    else:
+        command = ["-c", DRIVER.format(tests=str(TESTS), trials=TRIALS, study_dir=str(study_dir))]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)  # each process sets up its own devices
+    return subprocess.Popen([sys.executable, *command], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _study(study_dir: Path) -> optuna.Study:
+    [summary] = optuna.get_all_study_summaries(storage_url(study_dir))
+    return optuna.load_study(study_name=summary.study_name, storage=storage_url(study_dir))
+
+
+def _wait_for_kill_point(proc: subprocess.Popen, study_dir: Path, timeout: float) -> int:
+    """Block until one trial is complete and the running one has a checkpoint; its number."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the study finished before it could be killed:\n{proc.stdout.read()}")
+        if (study_dir / "study.db").exists():
+            try:
+                trials = _study(study_dir).get_trials()
+            except (KeyError, ValueError, optuna.exceptions.StorageInternalError):
+                trials = []  # the study row is not written yet
+            done = [t for t in trials if t.state == TrialState.COMPLETE]
+            running = [t for t in trials if t.state == TrialState.RUNNING]
+            for t in running:
+                ckpt = study_dir / "checkpoints" / t.user_attrs.get("checkpoint_key", "-")
+                if done and ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir()):
+                    return t.number
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail(f"no kill point within {timeout} s:\n{proc.stdout.read()}")
+
+
+@pytest.mark.parametrize("cli", [
+    pytest.param(False, id="library"),
+    pytest.param(True, id="swinir-cli", marks=pytest.mark.slow),
+])
+def test_kill_9_then_rerun_loses_and_repeats_nothing(tmp_path, cli):
+    study_dir = tmp_path / "study"
+    proc = _start(study_dir, cli)
+    victim = _wait_for_kill_point(proc, study_dir, timeout=1200 if cli else 240)
+    before = {t.number: (t.params, t.value) for t in _study(study_dir).get_trials()
+              if t.state == TrialState.COMPLETE}
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+
+    rerun = _start(study_dir, cli)
+    out, _ = rerun.communicate(timeout=1500 if cli else 300)
+    assert rerun.returncode == 0, out
+    assert f"resuming: trials [{victim}] were interrupted" in out
+
+    trials = _study(study_dir).get_trials()
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert len(complete) == TRIALS, out
+    # Trials finished before the kill are still there, unchanged, and were not run again.
+    for number, (params, value) in before.items():
+        assert trials[number].state == TrialState.COMPLETE and trials[number].value == value
+        assert trials[number].params == params
+    configs = [tuple(sorted(t.params.items())) for t in complete]
+    assert len(set(configs)) == TRIALS
+    # The killed trial is recorded as interrupted and its configuration re-ran from its checkpoint.
+    assert trials[victim].user_attrs[FAIL_REASON] == INTERRUPTED
+    [resumed] = [t for t in complete if t.params == trials[victim].params]
+    assert resumed.user_attrs["resumed_from"] > 0
+    assert resumed.user_attrs["checkpoint_key"] == trials[victim].user_attrs["checkpoint_key"]
+    results = (study_dir / "results.csv").read_text().splitlines()
+    assert len(results) == 1 + TRIALS  # header + one row per trial number, interrupted left out

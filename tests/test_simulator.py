@@ -1,0 +1,264 @@
+"""Cluster simulator: step cost model, hand-computed makespans, ScaMP against the fixed baseline."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from scamp_jax.placement import FixedPolicy, ScampPolicy
+from scamp_jax.simulator import (
+    CLUSTER_PRESETS,
+    ClusterModel,
+    StepCostModel,
+    TrialProfile,
+    allreduce_bytes,
+    cluster_preset,
+    plan_profiles,
+    simulate,
+    step_seconds,
+)
+
+GIB = 2**30
+
+# Unit efficiencies so every figure below can be checked by hand; launch latency 1 ms.
+TOY = ClusterModel("toy", 2, 10 * GIB, 1e12, 1e12, 1e9, 1.0, 1.0, 1.0, 1e-3)
+
+
+def test_step_seconds_is_roofline_plus_comm_plus_launch() -> None:
+    compute_bound = TrialProfile(0, 1, GIB, 8, 3e12, 1e12, 0, 1)
+    memory_bound = TrialProfile(1, 1, GIB, 8, 1e12, 2e12, 0, 1)
+    with_comm = TrialProfile(2, 2, GIB, 8, 1e12, 0, 5e8, 1, kernels_per_step=250)
+    assert step_seconds(compute_bound, TOY) == pytest.approx(3.0)
+    assert step_seconds(memory_bound, TOY) == pytest.approx(2.0)
+    assert step_seconds(with_comm, TOY) == pytest.approx(1.0 + 0.5 + 0.25)
+
+
+def test_setup_seconds_come_before_the_steps() -> None:
+    trial = TrialProfile(0, 1, GIB, 1, 1e12, 0, 0, 4, setup_seconds=5.0)
+    result = simulate([trial], TOY, ScampPolicy())
+    assert result.makespan_s == pytest.approx(5.0 + 4 * 1.0)
+    assert result.trials[0].solo_seconds == pytest.approx(9.0)
+
+
+def _hand_example() -> list[TrialProfile]:
+    return [
+        # A: 2 s steps, busy half of each (1 s compute, 1 s launch gaps), 10 steps -> 20 s alone.
+        TrialProfile(0, 1, 4 * GIB, 1, 1e12, 0, 0, 10, kernels_per_step=1000),
+        # B: 2 s steps all busy, 5 steps -> 10 s alone.
+        TrialProfile(1, 1, 4 * GIB, 1, 2e12, 0, 0, 5),
+        # C: 2 devices, 1 s compute + 1 s all-reduce per step, 5 steps -> 10 s alone.
+        TrialProfile(2, 2, 8 * GIB, 2, 1e12, 0, 1e9, 5),
+    ]
+
+
+def test_makespan_by_hand_with_device_sharing() -> None:
+    # Pure packing (best fit) puts A and B on device 0 (load 0.5 + 1.0 = 1.5: both run at 2/3
+    # speed). C waits for device 0 to drain. B ends at 10 / (2/3) = 15 s; A has
+    # 20 - 15 * 2/3 = 10 s left, now alone at full speed -> 25 s. C runs 25..35 s.
+    result = simulate(_hand_example(), TOY, ScampPolicy(spread=False))
+    spans = {t.key: (t.start_s, t.end_s) for t in result.trials}
+    devices = {t.key: t.device_ids for t in result.trials}
+    assert devices == {0: (0,), 1: (0,), 2: (0, 1)}
+    assert spans[1] == pytest.approx((0.0, 15.0))
+    assert spans[0] == pytest.approx((0.0, 25.0))
+    assert spans[2] == pytest.approx((25.0, 35.0))
+    assert result.makespan_s == pytest.approx(35.0)
+    # Memory: 8 of 20 GiB for 15 s, 4 for 10 s, 16 for 10 s.
+    mean = (0.4 * 15 + 0.2 * 10 + 0.8 * 10) / 35
+    assert result.summary["mean_memory_utilization"] == pytest.approx(mean)
+    assert result.summary["idle_device_seconds"] == pytest.approx(25.0)  # device 1, 0..25 s
+
+
+@pytest.mark.parametrize("policy", [ScampPolicy(), ScampPolicy(share_devices=False)])
+def test_makespan_by_hand_balanced(policy: ScampPolicy) -> None:
+    # A on device 0 (20 s), B on device 1 (10 s), C on both from 20 s to 30 s.
+    result = simulate(_hand_example(), TOY, policy)
+    assert result.makespan_s == pytest.approx(30.0)
+    assert result.summary["idle_device_seconds"] == pytest.approx(10.0)
+    # Busy (roofline) device-seconds: A 10, B 10, C 2 x 5 = 10 -> 30 of 60.
+    assert result.busy_fraction == pytest.approx(0.5)
+
+
+def test_devices_sharing_one_compute_engine_slow_each_other() -> None:
+    # Both devices are carved out of one host (compute_group=2): A on device 0 and B on device 1
+    # compete exactly as if they shared a device, so the packed timeline comes back.
+    host = dataclasses.replace(TOY, compute_group=2)
+    result = simulate(_hand_example(), host, ScampPolicy())
+    assert {t.key: t.device_ids for t in result.trials} == {0: (0,), 1: (1,), 2: (0, 1)}
+    assert {t.key: t.end_s for t in result.trials} == pytest.approx({0: 25.0, 1: 15.0, 2: 35.0})
+
+
+def test_fixed_policy_needs_profiles_for_its_device_count() -> None:
+    with pytest.raises(ValueError, match="build its profile for 2 devices"):
+        simulate(_hand_example(), TOY, FixedPolicy(2))
+    with pytest.raises(ValueError, match="needs 3 devices but the pool has 2"):
+        simulate([TrialProfile(0, 3, GIB, 3, 1, 1, 0, 1)], TOY, ScampPolicy())
+
+
+def test_cost_model_extrapolates_by_data_parallel_degree() -> None:
+    cost = StepCostModel(
+        model_parallel=1, flops_fixed=1e9, flops_per_sample=1e8, bytes_fixed=4e8,
+        bytes_per_sample=1e6, gradient_bytes=4e8, mp_comm_fixed=0.0, mp_comm_per_sample=0.0,
+        kernels_per_step=100, memory_fixed=2e9, memory_per_sample=1e8,
+    )
+    profile = cost.profile(key=3, devices=4, batch_size=64, samples=1000)
+    assert profile.flops_per_step == pytest.approx(1e9 + 1e8 * 16)
+    assert profile.bytes_per_device == 2 * 10**9 + 16 * 10**8
+    assert profile.comm_bytes_per_step == pytest.approx(2 * 3 / 4 * 4e8)
+    assert profile.steps == 16  # ceil(1000 / 64)
+    assert allreduce_bytes(4e8, 1) == 0.0
+    assert cost.max_local_batch(10 * 10**9) == 80
+    with pytest.raises(ValueError, match="not a multiple of data-parallel degree 4"):
+        cost.profile(key=0, devices=4, batch_size=10, samples=100)
+
+
+def _mixed_costs(trials: int) -> list[StepCostModel]:
+    """Small latency-bound candidates of relative sizes 1-8; size 8 needs 2-way model parallelism.
+
+    Size 1: 10 M parameters (40 MB of gradients), 0.2 GFLOP per sample, 1.6 GB of fixed memory
+    (parameters, gradients, Adam state and workspace) and 0.4 GB of activations per sample.
+    """
+    costs = []
+    sizes = (1, 1, 2, 1, 4, 1, 2, 8, 1, 1, 2, 4)
+    for i in range(trials):
+        size = sizes[i % len(sizes)]
+        mp = 2 if size == 8 else 1
+        share = size / mp
+        costs.append(
+            StepCostModel(
+                model_parallel=mp,
+                flops_fixed=8e8 * share,
+                flops_per_sample=2e8 * share,
+                bytes_fixed=1.6e8 * share,
+                bytes_per_sample=2e7 * share,
+                gradient_bytes=4e7 * share,
+                mp_comm_fixed=0.0,
+                mp_comm_per_sample=2e6 * size if mp > 1 else 0.0,
+                kernels_per_step=400,
+                memory_fixed=1.28e9 * share,
+                memory_per_sample=4e8 * share,
+            )
+        )
+    return costs
+
+
+def test_scamp_beats_fixed_on_a_mixed_workload() -> None:
+    cluster = cluster_preset("v100-16gb", devices=8)
+    costs = _mixed_costs(24)
+    samples = 20_000
+    scamp = ScampPolicy()
+    scamp_result = simulate(
+        plan_profiles(costs, cluster, scamp, samples=samples, max_batch_size=16), cluster, scamp
+    )
+    # The fixed baseline: 2 devices each, one batch that the largest candidate fits on 2 devices
+    # (there it runs 2-way model parallel, one replica: the local batch is the global batch).
+    fixed_batch = costs[7].max_local_batch(int(cluster.memory_per_device * 0.9))
+    fixed_batch -= fixed_batch % 2  # the other candidates run 2-way data parallel
+    fixed = FixedPolicy(2)
+    fixed_result = simulate(
+        plan_profiles(costs, cluster, fixed, samples=samples, fixed_batch_size=fixed_batch),
+        cluster, fixed,
+    )
+    assert len(scamp_result.trials) == len(fixed_result.trials) == len(costs)
+    assert scamp_result.makespan_s < fixed_result.makespan_s
+    memory = "mean_memory_utilization"
+    assert scamp_result.summary[memory] > fixed_result.summary[memory]
+    # Some ScaMP trials share a device (the point of packing).
+    overlapping = [
+        (a, b) for a in scamp_result.trials for b in scamp_result.trials
+        if a.key < b.key and set(a.device_ids) & set(b.device_ids)
+        and a.start_s < b.end_s and b.start_s < a.end_s
+    ]
+    assert overlapping
+
+
+def test_presets_and_unknown_device() -> None:
+    assert set(CLUSTER_PRESETS) >= {"v100-16gb", "a100-40gb", "h100-80gb"}
+    assert cluster_preset("a100-40gb", devices=1024).devices == 1024
+    with pytest.raises(ValueError, match="unknown device 'tpu'; choose one of"):
+        cluster_preset("tpu")
+    with pytest.raises(ValueError, match="compute_efficiency=1.5 must be in"):
+        ClusterModel("x", 1, 1, 1, 1, 1, compute_efficiency=1.5)
+
+
+def test_hlo_parsing_counts_kernels_and_ring_collective_bytes() -> None:
+    from benchmarks.simulate_cluster import hlo_kernels_and_collectives
+
+    hlo = """HloModule m
+
+%fused (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(%p)
+}
+
+ENTRY %main (a: f32[8,16], b: f32[16]) -> f32[8,16] {
+  %a = f32[8,16]{1,0} parameter(0)
+  %b = f32[16]{0} parameter(1)
+  %c = f32[] constant(0)
+  %f = f32[8,16]{1,0} fusion(%a, %b), kind=kLoop, calls=%fused
+  %ar = f32[8,16]{1,0} all-reduce(%f), replica_groups={{0,1}}, to_apply=%add
+  %ag = (f32[4,16]{1,0}, f32[2]{0}) all-gather(%f, %b), dimensions={0}
+  ROOT %t = f32[8,16]{1,0} bitcast(%ar)
+}
+"""
+    kernels, sent = hlo_kernels_and_collectives(hlo, group=2)
+    assert kernels == 3  # fusion, all-reduce, all-gather (parameters, constants, bitcasts free)
+    # all-reduce of 512 B sends 2 * 1/2 * 512; all-gather of 256 + 8 B results sends 1/2 of it.
+    assert sent == pytest.approx(512 + 132)
+    assert hlo_kernels_and_collectives(hlo, group=1) == (3, 0.0)
+
+
+def test_measure_cost_of_a_real_step_is_affine_and_sees_model_parallel_collectives() -> None:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from benchmarks.simulate_cluster import measure_cost
+    from scamp_jax.train_step import default_loss, default_optimizer
+
+    class Mlp(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.up = nnx.Linear(64, 256, rngs=rngs)
+            self.down = nnx.Linear(256, 64, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return self.down(jax.nn.relu(self.up(x)))
+
+    model = nnx.eval_shape(lambda: Mlp(nnx.Rngs(0)))
+    batch = jax.ShapeDtypeStruct((1, 64), jnp.float32)
+    cost, _ = measure_cost(model, batch, optimizer=default_optimizer(), loss_fn=default_loss,
+                           model_parallel=2, batches=(4, 16))
+    # Forward + backward matmuls: about 6 FLOPs per weight per sample (2 * 2 * 64 * 256 each
+    # way), half of them on each of the 2 model-parallel devices.
+    weights = 2 * 64 * 256
+    assert 2.5 * weights <= cost.flops_per_sample <= 4 * weights
+    # Both kernels are split in two; the biases (256 + 64 floats) stay whole or split.
+    assert 4 * weights / 2 <= cost.gradient_bytes <= 4 * (weights / 2 + 256 + 64)
+    assert cost.mp_comm_fixed + 16 * cost.mp_comm_per_sample > 0  # activations all-reduced
+    assert cost.memory_fixed > 0 and cost.memory_per_sample > 0 and cost.kernels_per_step > 0
+    profile = cost.profile(0, devices=4, batch_size=32, samples=320)  # 2 replicas of 2 devices
+    assert profile.flops_per_step == pytest.approx(cost.flops_fixed + 16 * cost.flops_per_sample)
+    assert profile.comm_bytes_per_step > cost.mp_comm_fixed + 16 * cost.mp_comm_per_sample
+
+
+def test_build_profiles_gives_the_baseline_one_batch_safe_for_the_largest() -> None:
+    from benchmarks.simulate_cluster import build_profiles
+
+    cluster = cluster_preset("v100-16gb", devices=8)
+    costs = _mixed_costs(12)
+    largest = costs[7]  # size 8: needs 2-way model parallelism
+    scamp, fixed, k, batch = build_profiles(
+        costs, largest, cluster, samples=1000, max_batch_size=None, fixed_devices=None,
+        safety_margin=0.1,
+    )
+    usable = cluster.memory_per_device * 0.9
+    assert k == 2 and batch % 2 == 0 and batch > 0
+    assert {p.batch_size for p in fixed} == {batch} and {p.devices for p in fixed} == {2}
+    assert all(p.bytes_per_device <= usable for p in scamp + fixed)
+    # ScaMP: the fewest devices and the largest batch that fits (smaller models, larger batch).
+    assert [p.devices for p in scamp] == [c.model_parallel for c in costs]
+    assert scamp[0].batch_size > scamp[4].batch_size >= batch // 2
+    with pytest.raises(ValueError, match="multiple of the largest candidate's model-parallel"):
+        build_profiles(costs, largest, cluster, samples=1000, max_batch_size=None,
+                       fixed_devices=3, safety_margin=0.1)

@@ -1,0 +1,95 @@
+"""Super-resolution data: bundled photographs, folders, MATLAB-style bicubic, patch sampling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from search_spaces import sr_data
+
+SET5 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "set5"
+
+
+def test_default_split_is_real_disjoint_photos():
+    train, held = sr_data.default_split()
+    assert len(train) == 6 and len(held) == 2
+    for im in train + held:
+        assert im.ndim == 3 and im.shape[-1] == 3 and im.dtype == np.float32
+        assert 0.0 <= im.min() and im.max() <= 1.0 and min(im.shape[:2]) >= 256
+        assert im.std() > 0.05  # a photograph, not a flat image
+    shapes = {im.shape for im in train}
+    assert not shapes & {im.shape for im in held}
+
+
+def test_load_image_dir_reads_grey_rgba_and_sorts(tmp_path):
+    Image.fromarray(np.full((5, 6), 255, np.uint8), "L").save(tmp_path / "b.png")
+    rgba = np.zeros((4, 3, 4), np.uint8)
+    rgba[..., 0] = 51
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "a.png")
+    (tmp_path / "notes.txt").write_text("not an image")
+    a, b = sr_data.load_image_dir(tmp_path)
+    assert a.shape == (4, 3, 3) and np.allclose(a[..., 0], 0.2) and np.allclose(a[..., 1:], 0)
+    assert b.shape == (5, 6, 3) and np.allclose(b, 1.0)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        sr_data.load_image_dir(tmp_path / "missing")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="no images"):
+        sr_data.load_image_dir(empty)
+
+
+def test_imresize_shapes_constants_and_antialiasing():
+    flat = np.full((10, 14, 3), 0.3, np.float32)
+    np.testing.assert_allclose(sr_data.bicubic_downscale(flat, 2), 0.3, atol=1e-6)
+    np.testing.assert_allclose(sr_data.bicubic_upscale(flat, 3), 0.3, atol=1e-6)
+    assert sr_data.bicubic_downscale(np.zeros((11, 9, 3)), 2).shape == (5, 4, 3)
+    assert sr_data.bicubic_upscale(np.zeros((5, 4, 3)), 4).shape == (20, 16, 3)
+    # Stripes one pixel wide: antialiased shrinking averages them to grey (no aliasing).
+    stripes = np.zeros((32, 32, 3), np.float32)
+    stripes[:, ::2] = 1.0
+    small = sr_data.bicubic_downscale(stripes, 2)
+    np.testing.assert_allclose(small[4:-4, 4:-4], 0.5, atol=1e-6)
+    with pytest.raises(ValueError, match="positive integer"):
+        sr_data.bicubic_downscale(stripes, 0)
+
+
+def test_downscale_matches_matlab_set5_lr():
+    """Our degradation reproduces the MATLAB-made Set5 LR images to within 8-bit rounding."""
+    if not SET5.is_dir():
+        pytest.skip(f"Set5 benchmark not found at {SET5} (the shared data beside the checkout)")
+    hr = sr_data.load_image_dir(SET5 / "HR")[0]
+    lr = sr_data.load_image_dir(SET5 / "LR_bicubic_X2")[0]
+    ours = np.round(sr_data.bicubic_downscale(hr, 2) * 255)
+    diff = np.abs(ours - np.round(lr * 255))
+    assert ours.shape == lr.shape
+    assert diff.max() <= 2 and diff.mean() < 0.2
+
+
+def test_dihedral_gives_eight_distinct_views():
+    img = np.arange(12, dtype=np.float32).reshape(3, 4, 1)
+    views = [sr_data.dihedral(img, t) for t in range(8)]
+    assert len({v.tobytes() + bytes(v.shape) for v in views}) == 8
+    np.testing.assert_array_equal(views[0], img)
+
+
+def test_patch_sampler_pairs_are_aligned_and_reproducible():
+    rng = np.random.default_rng(0)
+    images = [rng.uniform(size=(60, 70, 3)).astype(np.float32), np.zeros((40, 40, 3), np.float32)]
+    sampler = sr_data.PatchSampler(images, scale=2, hr_patch=24, seed=3)
+    lr, hr = sampler.batch(16)
+    assert lr.shape == (16, 12, 12, 3) and hr.shape == (16, 24, 24, 3)
+    # Away from the patch edge (kernel reach 2 LR pixels) the LR patch is the degraded HR patch,
+    # whatever flip/rotation was drawn.
+    for lo, hi in zip(lr, hr, strict=True):
+        np.testing.assert_allclose(
+            sr_data.bicubic_downscale(hi, 2)[2:-2, 2:-2], lo[2:-2, 2:-2], atol=1e-5
+        )
+    again = sr_data.PatchSampler(images, scale=2, hr_patch=24, seed=3).batch(16)
+    np.testing.assert_array_equal(again[0], lr)
+    with pytest.raises(ValueError, match="multiple of scale"):
+        sr_data.PatchSampler(images, scale=3, hr_patch=20)
+    with pytest.raises(ValueError, match="smaller than hr_patch"):
+        sr_data.PatchSampler(images, scale=2, hr_patch=48)

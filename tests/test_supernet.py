@@ -1,0 +1,96 @@
+"""The weight-sharing SR supernet: candidates, subnet sampling, flat weight layout."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from search_spaces.supernet import (
+    SupernetConfig,
+    SupernetLayout,
+    candidate_ops,
+    l1_loss,
+    sample_subnets,
+    subnet_labels,
+)
+
+TINY = SupernetConfig(num_layers=4, num_choices=6, width=8, scale=2, window_size=4)
+
+
+@pytest.fixture(scope="module")
+def layout() -> SupernetLayout:
+    return SupernetLayout(TINY)
+
+
+def test_candidates_mix_kinds_and_costs():
+    ops = candidate_ops(12, 8)
+    assert {o.kind for o in ops} == {"conv", "mlp", "attn"}
+    assert all(8 % o.size == 0 for o in ops if o.kind == "attn")
+    assert len({o.label for o in ops}) == 12
+    assert [o.label for o in candidate_ops(3, 16)] == ["conv3", "mlp2", "attn1"]
+    with pytest.raises(ValueError, match="num_choices=0"):
+        candidate_ops(0, 8)
+
+
+def test_sample_subnets_seeded_with_sequence_ids():
+    a = sample_subnets(5, TINY, seed=3)
+    assert a == sample_subnets(5, TINY, seed=3)
+    assert a != sample_subnets(5, TINY, seed=4)
+    assert [s.seq_id for s in a] == list(range(5))
+    assert all(len(s.choices) == 4 and all(0 <= c < 6 for c in s.choices) for s in a)
+    # Later subnets of the same stream continue it.
+    assert sample_subnets(3, TINY, seed=3, start=2) == a[2:5]
+
+
+def test_init_is_seeded_padded_and_sized(layout):
+    blocks, shared = layout.init(0)
+    again, _ = layout.init(0)
+    other, _ = layout.init(1)
+    assert blocks.shape == (4, 6, layout.block_size) and blocks.dtype == np.float32
+    assert shared.shape == (layout.shared_size,)
+    np.testing.assert_array_equal(blocks, again)
+    assert not np.array_equal(blocks, other)
+    for c, size in enumerate(layout.block_sizes):
+        assert np.all(blocks[:, c, size:] == 0)
+        assert np.any(blocks[:, c, :size] != 0)
+    assert layout.param_count() == 4 * sum(layout.block_sizes) + layout.shared_size
+    # Different layers draw different weights for the same candidate.
+    assert not np.array_equal(blocks[0, 0], blocks[1, 0])
+
+
+def test_forward_shapes_and_choice_matters(layout):
+    blocks, shared = layout.init(0)
+    lr = jax.random.uniform(jax.random.key(0), (2, 4, 4, 3))
+    fwd = jax.jit(layout.forward)
+    outs = [fwd(blocks, shared, jnp.array([c] * 4), lr) for c in range(6)]
+    assert outs[0].shape == (2, 8, 8, 3)
+    for c in range(1, 6):
+        assert not np.allclose(outs[0], outs[c])
+    # Padding beyond a block's size is never read.
+    noisy = blocks.copy()
+    for c, size in enumerate(layout.block_sizes):
+        noisy[:, c, size:] = 7.0
+    np.testing.assert_array_equal(fwd(noisy, shared, jnp.array([0, 1, 2, 3]), lr),
+                                  fwd(blocks, shared, jnp.array([0, 1, 2, 3]), lr))
+
+
+def test_flat_vector_round_trips_module_weights(layout):
+    blocks, _ = layout.init(0)
+    cand = layout.candidates[2]  # window attention
+    module = cand.module(jnp.asarray(blocks[0, 2]))
+    assert module.attn.num_heads == TINY.ops[2].size
+    flat = jax.flatten_util.ravel_pytree(jax.tree.leaves(module))[0]
+    assert flat.shape == (cand.size,)
+
+
+def test_patch_must_fit_window(layout):
+    layout.check_patch(8)
+    with pytest.raises(ValueError, match="window_size=4"):
+        layout.check_patch(6)
+
+
+def test_l1_and_labels():
+    assert float(l1_loss(jnp.ones((2, 2)), jnp.zeros((2, 2)))) == 1.0
+    assert subnet_labels(TINY, (0, 1, 2, 0)) == "conv3-mlp2-attn1-conv3"

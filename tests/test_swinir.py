@@ -1,0 +1,216 @@
+"""SwinIR in Flax: shapes, padding, windows, the shift mask, the weight converter, the space."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optuna
+import pytest
+from flax import nnx
+
+from search_spaces import swinir as sw
+
+TINY = dict(embed_dim=12, depths=(2,), num_heads=(3,), mlp_ratio=1.0, window_size=4)
+
+
+def _tiny(**kw) -> sw.SwinIR:
+    return sw.SwinIR(**{**TINY, **kw}, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize(
+    "upsampler, scale, hw, want",
+    [
+        ("pixelshuffle", 2, (7, 9), (14, 18)),
+        ("pixelshuffle", 3, (4, 4), (12, 12)),
+        ("pixelshuffledirect", 4, (5, 8), (20, 32)),
+        ("nearest+conv", 4, (4, 5), (16, 20)),
+        ("", 1, (6, 7), (6, 7)),
+    ],
+)
+def test_output_shapes_for_every_upsampler(upsampler, scale, hw, want):
+    abstract = nnx.eval_shape(lambda: _tiny(upsampler=upsampler, upscale=scale))
+    x = jax.ShapeDtypeStruct((2, *hw, 3), jnp.float32)
+    out = nnx.eval_shape(lambda m, v: m(v), abstract, x)
+    assert out.shape == (2, *want, 3)
+
+
+def test_denoise_head_keeps_upstream_crop_rule():
+    # Upstream crops to H * upscale, so with upscale=2 the padded size (8) survives.
+    abstract = nnx.eval_shape(lambda: _tiny(upsampler="", upscale=2))
+    x = jax.ShapeDtypeStruct((1, 6, 7, 3), jnp.float32)
+    out = nnx.eval_shape(lambda m, v: m(v), abstract, x)
+    assert out.shape == (1, 8, 8, 3)
+
+
+def test_window_partition_round_trip_and_order():
+    x = jnp.arange(2 * 8 * 12 * 3, dtype=jnp.float32).reshape(2, 8, 12, 3)
+    win = sw.window_partition(x, 4)
+    assert win.shape == (2 * 2 * 3, 4, 4, 3)
+    np.testing.assert_array_equal(win[1], x[0, 0:4, 4:8])  # windows row-major in one image
+    np.testing.assert_array_equal(win[6], x[1, 0:4, 0:4])  # then the next image
+    np.testing.assert_array_equal(sw.window_reverse(win, 4, 8, 12), x)
+    with pytest.raises(ValueError, match="not a multiple of window_size"):
+        sw.window_partition(x, 5)
+
+
+def test_relative_position_index_values():
+    idx = sw.relative_position_index(2)
+    # Tokens (0,0),(0,1),(1,0),(1,1); row = (dy + 1) * 3 + (dx + 1).
+    want = np.array([[4, 3, 1, 0], [5, 4, 2, 1], [7, 6, 4, 3], [8, 7, 5, 4]])
+    np.testing.assert_array_equal(idx, want)
+    big = sw.relative_position_index(8)
+    assert big.shape == (64, 64) and big.min() == 0 and big.max() == 15 * 15 - 1
+    np.testing.assert_array_equal(np.diag(big), np.full(64, 7 * 15 + 7))
+
+
+def test_shift_mask_separates_regions():
+    mask = sw.shift_attention_mask(8, 8, 4, 2)
+    assert mask.shape == (4, 16, 16) and set(np.unique(mask)) == {0.0, -100.0}
+    np.testing.assert_array_equal(mask[0], 0.0)  # top-left window holds one region only
+    # Last window after the shift mixes four regions: a token attends only to its region.
+    last = mask[3]
+    np.testing.assert_array_equal(last, last.T)
+    assert (last == 0).sum(axis=1).tolist() == [4] * 16
+    with pytest.raises(ValueError, match="shift_size"):
+        sw.shift_attention_mask(8, 8, 4, 0)
+
+
+def test_block_window_collapses_when_resolution_not_above_window():
+    assert sw.effective_window((8, 8), 8, 4) == (8, 0)
+    assert sw.effective_window((6, 9), 8, 4) == (6, 0)
+    assert sw.effective_window((16, 16), 8, 4) == (8, 4)
+
+
+def test_padding_is_reflect_and_output_cropped():
+    # A constant image stays constant through padding; check padding is reflect by comparing a
+    # non-multiple input with the same image padded by hand.
+    model = _tiny(upsampler="pixelshuffledirect", upscale=2, drop_path_rate=0.0)
+    model.eval()
+    x = jnp.asarray(np.random.default_rng(0).uniform(size=(1, 6, 7, 3)), jnp.float32)
+    padded = jnp.pad(x, ((0, 0), (0, 2), (0, 1), (0, 0)), mode="reflect")
+    fwd = nnx.jit(lambda m, v: m(v))
+    np.testing.assert_allclose(fwd(model, x), fwd(model, padded)[:, :12, :14], atol=1e-6)
+
+
+def test_eval_is_deterministic_and_train_uses_drop_path():
+    model = _tiny(upsampler="pixelshuffledirect", upscale=2, drop_path_rate=0.5)
+    fwd = nnx.jit(lambda m, v: m(v))
+    x = jnp.full((2, 4, 4, 3), 0.5, jnp.float32)
+    model.eval()
+    a, b = fwd(model, x), fwd(model, x)
+    np.testing.assert_array_equal(a, b)
+    model.train()
+    c, d = fwd(model, x), fwd(model, x)
+    assert not np.allclose(c, d)
+
+
+def test_lightweight_x2_parameter_count_matches_paper():
+    abstract = nnx.eval_shape(
+        lambda: sw.SwinIR(
+            img_size=64, embed_dim=60, depths=(6, 6, 6, 6), num_heads=(6, 6, 6, 6), window_size=8,
+            mlp_ratio=2.0, upsampler="pixelshuffledirect", rngs=nnx.Rngs(0),
+        )
+    )
+    # Paper: 878K for SwinIR lightweight x2, bias tables excluded.
+    assert sw.count_params(abstract, exclude_bias_tables=True) == 877_752
+    assert sw.count_params(abstract) == 910_152
+
+
+def _fake_state_dict(model: sw.SwinIR) -> dict[str, np.ndarray]:
+    """Official-layout arrays for every parameter of ``model`` (inverse of the converter)."""
+    out = {}
+    for name, (var, kind) in sw._torch_names(model).items():
+        v = np.asarray(var[...])
+        if kind == "conv" and name.endswith(".weight"):
+            v = v.transpose(3, 2, 0, 1)
+        elif kind == "linear" and name.endswith(".weight"):
+            v = v.T
+        out[name] = np.random.default_rng(len(out)).normal(size=v.shape).astype(np.float32)
+    return out
+
+
+def test_converter_names_layouts_and_buffers():
+    model = _tiny(upsampler="pixelshuffle", upscale=2, resi_connection="3conv")
+    sd = _fake_state_dict(model)
+    assert "layers.0.residual_group.blocks.1.attn.qkv.weight" in sd
+    assert "conv_after_body.4.weight" in sd and "upsample.0.weight" in sd
+    assert "conv_before_upsample.0.bias" in sd and "patch_embed.norm.weight" in sd
+    sd["layers.0.residual_group.blocks.1.attn.relative_position_index"] = np.zeros((16, 16))
+    sd["layers.0.residual_group.blocks.1.attn_mask"] = np.zeros((4, 16, 16))
+    sw.load_torch_state_dict(model, {"params": sd})
+    qkv = model.layers[0].residual_group.blocks[1].attn.qkv.kernel[...]
+    np.testing.assert_array_equal(qkv, sd["layers.0.residual_group.blocks.1.attn.qkv.weight"].T)
+    conv = model.conv_first.kernel[...]
+    np.testing.assert_array_equal(conv, sd["conv_first.weight"].transpose(2, 3, 1, 0))
+    ln = model.layers[0].residual_group.blocks[0].norm1.scale[...]
+    np.testing.assert_array_equal(ln, sd["layers.0.residual_group.blocks.0.norm1.weight"])
+
+
+def test_converter_reports_every_problem():
+    model = _tiny(upsampler="pixelshuffledirect", upscale=2)
+    sd = _fake_state_dict(model)
+    del sd["conv_first.bias"]
+    sd["layers.5.conv.weight"] = np.zeros((12, 12, 3, 3), np.float32)
+    sd["norm.weight"] = np.zeros((13,), np.float32)
+    before = np.asarray(model.conv_first.kernel[...])
+    with pytest.raises(ValueError) as err:
+        sw.load_torch_state_dict(model, sd)
+    text = str(err.value)
+    assert "conv_first.bias" in text and "layers.5.conv.weight" in text
+    assert "norm.weight: checkpoint (13,) vs model (12,)" in text
+    np.testing.assert_array_equal(model.conv_first.kernel[...], before)  # nothing half-loaded
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(upsampler="bilinear"), "upsampler"),
+        (dict(upsampler="nearest+conv", upscale=2), "upscale=4"),
+        (dict(resi_connection="2conv"), "resi_connection"),
+        (dict(num_heads=(5,)), "not divisible"),
+        (dict(depths=(2, 2)), "one entry per residual group"),
+        (dict(upsampler="pixelshuffle", upscale=5), "upscale=5"),
+    ],
+)
+def test_bad_arguments_are_explained(kw, match):
+    with pytest.raises(ValueError, match=match):
+        nnx.eval_shape(lambda: _tiny(**kw))
+
+
+def test_input_layout_error():
+    abstract = nnx.eval_shape(lambda: _tiny(upsampler="pixelshuffledirect"))
+    with pytest.raises(ValueError, match="NHWC"):
+        nnx.eval_shape(lambda m, x: m(x), abstract, jax.ShapeDtypeStruct((1, 3, 8, 8), jnp.float32))
+
+
+@pytest.mark.parametrize("variant", ["small", "paper"])
+def test_space_suggest_build_and_grid(variant):
+    space = sw.space(variant)
+    assert space.name == f"swinir-{variant}"
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(3 if variant == "small" else 1):  # paper models take long to trace
+        trial = study.ask()
+        cfg = space.suggest(trial)
+        assert set(cfg) == set(space.grid)
+        lo, hi = min(space.grid["learning_rate"]), max(space.grid["learning_rate"])
+        assert lo <= cfg["learning_rate"] <= hi
+        model = nnx.eval_shape(lambda c=cfg: space.build(c, nnx.Rngs(0)))
+        assert len(model.layers) == cfg["num_groups"]
+        study.tell(trial, 0.0)
+    assert set(space.largest) == set(space.grid)
+
+
+def test_small_space_is_small():
+    space = sw.space("small")
+    largest = nnx.eval_shape(lambda: space.build(space.largest, nnx.Rngs(0)))
+    assert sw.count_params(largest) < 200_000
+    smallest = space.suggest(optuna.trial.FixedTrial({k: min(v) for k, v in space.grid.items()}))
+    small = nnx.eval_shape(lambda: space.build(smallest, nnx.Rngs(0)))
+    assert sw.count_params(small) < sw.count_params(largest)
+    out = nnx.eval_shape(
+        lambda m, x: m(x), largest, jax.ShapeDtypeStruct((4, 24, 24, 3), jnp.float32)
+    )
+    assert out.shape == (4, 48, 48, 3)
+    with pytest.raises(ValueError, match="variant"):
+        sw.space("huge")

@@ -1,0 +1,97 @@
+"""``python -m experiments.swinir_hpo``: flags, presets, bad input rejected with a clear message."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from experiments import swinir_hpo
+
+ROOT = Path(__file__).resolve().parent.parent
+FLAGS = ("--trials", "--steps", "--devices", "--memory-per-device", "--policy", "--sampler",
+         "--seed", "--study-dir", "--storage", "--preset", "--train-dir", "--eval-dir")
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)  # the entry point sets up its own devices
+    return subprocess.run([sys.executable, "-m", "experiments.swinir_hpo", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_explains_every_flag():
+    text = swinir_hpo.parser().format_help()
+    for flag in FLAGS:
+        assert flag in text
+
+
+@pytest.mark.parametrize("flag, value", [("--policy", "x"), ("--sampler", "x"),
+                                         ("--preset", "huge"), ("--pruner", "x")])
+def test_unknown_choice_is_rejected(flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        swinir_hpo.main([flag, value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: invalid choice: '{value}'" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--trials", "0"], "argument --trials: 0 must be at least 1"),
+    (["--steps", "many"], "argument --steps: 'many' is not an integer"),
+])
+def test_bad_numbers_are_rejected(args, message, capsys):
+    with pytest.raises(SystemExit):
+        swinir_hpo.main(args)
+    assert message in capsys.readouterr().err
+
+
+def test_presets_are_typed_and_distinct():
+    smoke, default, paper = (swinir_hpo.get_config(p) for p in swinir_hpo.PRESETS)
+    assert smoke.trials * smoke.steps < default.trials * default.steps < paper.trials * paper.steps
+    assert default.policy == "scamp" and default.study_dir == "runs/swinir_hpo"
+    assert paper.memory_per_device is None  # the GPUs' own limit
+    with pytest.raises(ValueError, match="unknown preset 'x'"):
+        swinir_hpo.get_config("x")
+
+
+def test_unreadable_memory_size_is_rejected(tmp_path):
+    result = cli("--memory-per-device", "lots", "--study-dir", str(tmp_path))
+    assert result.returncode == 2
+    assert "error: cannot read memory size 'lots'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_budget_too_small_for_any_candidate_is_rejected(tmp_path):
+    result = cli("--preset", "smoke", "--memory-per-device", "64KiB", "--study-dir",
+                 str(tmp_path), "--no-live")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "error: none of the first 3 candidates fits the pool of 8 devices" in result.stderr
+    assert "raise --memory-per-device" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_smoke_preset_runs_end_to_end(tmp_path):
+    """The smoke preset trains real SwinIR candidates and writes the full report (minutes)."""
+    result = cli("--preset", "smoke", "--study-dir", str(tmp_path), "--no-live", timeout=1500)
+    assert result.returncode == 0, result.stdout + result.stderr
+    payload = json.loads((tmp_path / "results.json").read_text())
+    trials = payload["trials"]
+    assert len(trials) == swinir_hpo.get_config("smoke").trials
+    for row in trials:
+        for key in ("number", "params", "devices", "model_parallel", "batch_size",
+                    "predicted_peak_bytes", "state", "steps", "wall_seconds", "psnr",
+                    "bicubic_psnr", "rank"):
+            assert key in row
+    assert any(row["state"] == "complete" for row in trials)
+    for name in ("study.db", "results.csv", "psnr_per_trial.png", "device_timeline.png",
+                 "memory_utilization.png"):
+        assert (tmp_path / name).is_file()
+    assert (tmp_path / "best_model").is_dir()
+    assert "best trial" in result.stdout and "bicubic_psnr" in result.stdout

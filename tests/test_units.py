@@ -1,0 +1,62 @@
+"""Byte quantities: parsing "2GiB"-style strings and formatting counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from scamp_jax._units import format_bytes, parse_bytes
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("2GiB", 2 * 2**30),
+        ("512 MiB", 512 * 2**20),
+        ("16GB", 16 * 10**9),
+        ("1.5k", 1536),
+        ("100", 100),
+        ("3 B", 3),
+        ("1e3 kb", 10**6),
+        (" 4 TiB ", 4 * 2**40),
+        ("2g", 2 * 2**30),
+    ],
+)
+def test_parse_bytes_reads_binary_and_decimal_units(text, expected):
+    assert parse_bytes(text) == expected
+
+
+def test_parse_bytes_accepts_numbers():
+    assert parse_bytes(4096) == 4096
+    assert parse_bytes(1.9e3) == 1900
+
+
+@pytest.mark.parametrize("bad", ["", "GiB", "2 parsecs", "-1GiB", "1..5GB", "two GiB"])
+def test_parse_bytes_rejects_unreadable_strings_with_the_value_in_the_message(bad):
+    with pytest.raises(ValueError, match="memory size"):
+        parse_bytes(bad)
+
+
+@pytest.mark.parametrize("bad", [0, -5, "0GiB", 0.4])
+def test_parse_bytes_rejects_sizes_that_are_not_positive(bad):
+    with pytest.raises(ValueError, match="positive"):
+        parse_bytes(bad)
+
+
+@pytest.mark.parametrize("bad", [True, None, [1], b"1GiB"])
+def test_parse_bytes_rejects_other_types(bad):
+    with pytest.raises(TypeError, match="2GiB"):
+        parse_bytes(bad)
+
+
+@pytest.mark.parametrize(
+    ("count", "text"),
+    [(0, "0 B"), (1023, "1023 B"), (1024, "1.00 KiB"), (3 * 2**30, "3.00 GiB"),
+     (1.5 * 2**20, "1.50 MiB"), (-2048, "-2.00 KiB"), (5 * 2**50, "5120.00 TiB")],
+)
+def test_format_bytes_uses_binary_units(count, text):
+    assert format_bytes(count) == text
+
+
+def test_format_then_parse_round_trips_to_the_printed_precision():
+    for count in (1, 1000, 123_456_789, 7 * 2**40):
+        assert abs(parse_bytes(format_bytes(count).replace(" ", "")) - count) <= 0.005 * count + 1
