@@ -6,7 +6,9 @@ prints end-to-end seconds, mean aggregate memory utilisation, idle device-second
 and the fixed/scamp ratios::
 
     python -m benchmarks.hpo_makespan                       # small SwinIR search on 8 CPU devices
-    python -m benchmarks.hpo_makespan --trials 8 --steps 40 --markdown
+    python -m benchmarks.hpo_makespan --family vit --trials 8 --steps 40 --markdown
+
+Both runs use the random sampler, so they train exactly the same configurations.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 from experiments._cli import CPU_DEVICES, positive_int
 
 
-def _row(name: str, info: dict[str, Any]) -> dict[str, float | str]:
+def _row(name: str, info: dict[str, Any], metric: str) -> dict[str, Any]:
     usage = info["usage"]
     elapsed = float(info["elapsed_s"])
     trials = int(info["trials_this_run"])
@@ -35,17 +37,18 @@ def _row(name: str, info: dict[str, Any]) -> dict[str, float | str]:
         "idle_device_seconds": float(usage["idle_device_seconds"]),
         "trials_per_hour": 3600.0 * trials / elapsed if elapsed > 0 else 0.0,
         "trials": trials,
-        "best_psnr": best.get("psnr") if best else None,
+        "metric": metric,
+        "best": best.get(metric) if best else None,
     }
 
 
 def format_table(rows: Sequence[dict[str, Any]], markdown: bool) -> str:
     """The side-by-side table, plus a ratio line (fixed / scamp; > 1 means ScaMP is better)."""
     head = ["policy", "end-to-end (s)", "mean memory util.", "idle device-s", "trials/hour",
-            "best PSNR"]
+            f"best {rows[0]['metric']}"]
     body = [[r["policy"], f"{r['end_to_end_s']:.1f}", f"{100 * r['mean_memory_utilization']:.1f}%",
              f"{r['idle_device_seconds']:.1f}", f"{r['trials_per_hour']:.1f}",
-             "" if r["best_psnr"] is None else f"{r['best_psnr']:.2f}"] for r in rows]
+             "" if r["best"] is None else f"{r['best']:.4g}"] for r in rows]
     by = {r["policy"]: r for r in rows}
     s, f = by["scamp"], by["fixed"]
     ratio = (f"end-to-end time fixed/scamp = {f['end_to_end_s'] / s['end_to_end_s']:.2f}x; "
@@ -66,11 +69,14 @@ def format_table(rows: Sequence[dict[str, Any]], markdown: bool) -> str:
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """Run both policies and print the comparison; returns the two rows."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.hpo_makespan", description=__doc__)
+    p.add_argument("--family", choices=("swinir", "vit"), default="swinir",
+                   help="model family: SwinIR super-resolution or ViT synthetic classification")
     p.add_argument("--trials", type=positive_int, default=6, help="trials per policy")
     p.add_argument("--steps", type=positive_int, default=40,
                    help="training steps per trial at the reference batch")
     p.add_argument("--devices", type=positive_int, default=None, help="devices in the pool")
-    p.add_argument("--memory-per-device", default="1GiB", help="budget per device")
+    p.add_argument("--memory-per-device", default=None,
+                   help="budget per device (default: the family's smoke preset)")
     p.add_argument("--devices-per-trial", type=positive_int, default=2,
                    help="devices per trial of the fixed baseline")
     p.add_argument("--seed", type=int, default=0, help="seed shared by both runs")
@@ -81,12 +87,18 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     from scamp_jax.devices import configure_cpu_devices
 
     configure_cpu_devices(max(CPU_DEVICES, args.devices or 0))
-    from experiments.swinir_hpo import get_config, make_space_and_task
+    if args.family == "swinir":
+        from experiments.swinir_hpo import get_config, make_space_and_task
+        baseline = "bicubic_psnr"
+    else:
+        from experiments.vit_synthetic import get_config, make_space_and_task
+        baseline = None
     from scamp_jax import planner
     from scamp_jax.engine import run_search
 
     devices = planner.resolve_devices(args.devices)
-    budget = planner.resolve_budget(args.memory_per_device, devices)
+    memory = args.memory_per_device or get_config("smoke").memory_per_device
+    budget = planner.resolve_budget(memory, devices)
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="hpo_makespan_"))
     rows = []
     for policy in ("scamp", "fixed"):
@@ -96,12 +108,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         config = dataclasses.replace(
             get_config("smoke"), trials=args.trials, steps=args.steps, seed=args.seed,
             policy=policy, devices_per_trial=args.devices_per_trial, study_dir=str(study_dir),
-            sampler="random", memory_per_device=args.memory_per_device,
+            sampler="random", memory_per_device=memory,
         )
         space, task = make_space_and_task(config)
         info = run_search(space, task, config, devices=devices, memory_per_device=budget,
-                          live=False, baseline="bicubic_psnr", title=f"policy {policy}")
-        rows.append(_row(policy, info))
+                          live=False, baseline=baseline, title=f"policy {policy}")
+        rows.append(_row(policy, info, task.metric))
     print(format_table(rows, args.markdown))
     (root / "hpo_makespan.json").write_text(json.dumps(rows, indent=2))
     if not args.out:

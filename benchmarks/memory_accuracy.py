@@ -95,6 +95,12 @@ def _swinir(rngs: Any) -> Any:
                   upsampler="pixelshuffledirect", rngs=rngs)
 
 
+def _vit(rngs: Any) -> Any:
+    from search_spaces.vit import ViT
+
+    return ViT(image_size=32, patch_size=4, embed_dim=64, depth=4, num_heads=4, rngs=rngs)
+
+
 def _shape(*shape: int) -> Callable[[], Any]:
     def make() -> Any:
         import jax
@@ -109,6 +115,7 @@ CASES: tuple[Case, ...] = (
     Case("mlp", _mlp, _shape(1, 256), "8MiB"),
     Case("transformer", _transformer, _shape(1, 64, 32), "32MiB"),
     Case("swinir", _swinir, _shape(1, 32, 32, 3), "64MiB"),
+    Case("vit", _vit, _shape(1, 32, 32, 3), "32MiB"),
 )
 
 

@@ -169,9 +169,12 @@ def run(
     signal.signal(signal.SIGTERM, terminate)
     try:
         devices = planner.resolve_devices(config.devices)
-        budget = planner.resolve_budget(config.memory_per_device, devices)
-        if config.memory_per_device is not None:
-            parse_bytes(config.memory_per_device)
+        memory = config.memory_per_device
+        if getattr(args, "memory_per_device", None) is None and devices[0].platform != "cpu":
+            memory = None  # accelerators: the preset's CPU budget gives way to the device limit
+        if memory is not None:
+            parse_bytes(memory)
+        budget = planner.resolve_budget(memory, devices)
         space, task = make(config)
         return run_search(space, task, config, devices=devices, memory_per_device=budget,
                           live=not args.no_live, baseline=baseline, title=title)

@@ -262,6 +262,7 @@ class SearchEngine:
         """
         model = self._abstract(params)
         graphdef = split_model(model)[0]
+        cap: int | None
         if self.config.policy == "fixed":
             devices = self.config.devices_per_trial
             cap = self.fixed_batch_size() if max_batch is None else max_batch
@@ -485,7 +486,9 @@ class SearchEngine:
         except BaseException:
             stop.set()
             for future, (planned, _) in list(running.items()):
-                future.result()  # the runner checkpoints and returns when it sees `stop`
+                # The runner checkpoints and returns when it sees `stop`; whatever it says, the
+                # trial is unfinished and goes back to the study.
+                cf.wait([future])
                 self.source.interrupt(planned.number)
             for asked in planning.values():
                 self.source.interrupt(asked.number)
@@ -544,23 +547,39 @@ class SearchEngine:
 
 
 class SearchSettings(Protocol):
-    """What `run_search` reads from an experiment's config (e.g. ``experiments._cli.HPOConfig``)."""
+    """What `run_search` reads from an experiment's config (e.g. ``experiments._cli.HPOConfig``).
 
-    trials: int
-    steps: int
-    reference_batch: int | None
-    max_batch_size: int | None
-    policy: str
-    devices_per_trial: int
-    sampler: str
-    pruner: str
-    seed: int
-    study_dir: str
-    storage: str | None
-    checkpoint_every: int
-    eval_every: int
-    #: configurations to evaluate first in a new study (a warm start), e.g. a known baseline.
-    initial_params: Sequence[Mapping[str, Any]]
+    Fields as in `EngineConfig`, plus the study's: ``trials`` (total), ``sampler``, ``pruner``,
+    ``study_dir``, ``storage``; optionally ``initial_params`` (configurations a new study
+    evaluates first, a warm start).
+    """
+
+    @property
+    def trials(self) -> int: ...
+    @property
+    def steps(self) -> int: ...
+    @property
+    def reference_batch(self) -> int | None: ...
+    @property
+    def max_batch_size(self) -> int | None: ...
+    @property
+    def policy(self) -> str: ...
+    @property
+    def devices_per_trial(self) -> int: ...
+    @property
+    def sampler(self) -> str: ...
+    @property
+    def pruner(self) -> str: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def study_dir(self) -> str: ...
+    @property
+    def storage(self) -> str | None: ...
+    @property
+    def checkpoint_every(self) -> int: ...
+    @property
+    def eval_every(self) -> int: ...
 
 
 def run_search(
@@ -619,8 +638,8 @@ def run_search(
         eval_every=settings.eval_every,
         seed=settings.seed,
     )
-    view = LiveView([memory_per_device] * len(devices), task.metric, title=title,
-                    stream=None if live else _PlainStream())
+    stream: Any = None if live else _PlainStream()
+    view = LiveView([memory_per_device] * len(devices), task.metric, title=title, stream=stream)
     engine = SearchEngine(space, task, source, config, devices=devices,
                           checkpoint_root=study_dir / "checkpoints", plan_fn=plan_fn,
                           on_update=view.update)

@@ -168,13 +168,13 @@ class StepCache:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._steps: dict[Any, tuple[Callable[..., Any], optax.GradientTransformation]] = {}
+        self._steps: dict[Any, tuple[Any, optax.GradientTransformation]] = {}
         self.hits = 0
         self.misses = 0
 
     def get(
         self, graphdef: nnx.GraphDef, plan: Any, loss_fn: Callable[..., Any], params: Any
-    ) -> tuple[Callable[..., Any], optax.GradientTransformation]:
+    ) -> tuple[Any, optax.GradientTransformation]:
         """``(jitted step, optimizer)`` for this architecture and plan, built once."""
         devices = tuple(d.id for d in plan.mesh.devices.flat)
         # A bound method is a new object on every access: key it by its function and owner.

@@ -166,7 +166,7 @@ def open_study(
     study = optuna.create_study(
         storage=storage_url(study_dir, storage),
         study_name=study_name,
-        direction=direction,
+        direction="maximize" if direction == "maximize" else "minimize",
         sampler=make_sampler(sampler, seed, grid),
         pruner=make_pruner(pruner, warmup_steps=warmup_steps),
         load_if_exists=True,

@@ -247,6 +247,13 @@ class _Flat:
         return nnx.merge(self.graphdef, self.unravel(vec[: self.size]))
 
 
+def _candidate_factory(spec: OpSpec, width: int, window: int) -> Callable[[nnx.Rngs], nnx.Module]:
+    def make(rngs: nnx.Rngs) -> nnx.Module:
+        return CandidateOp(spec, width, window, rngs=rngs)
+
+    return make
+
+
 class SupernetLayout:
     """Flat-vector layout of a supernet's weights and the pure functions that apply them.
 
@@ -257,9 +264,7 @@ class SupernetLayout:
     def __init__(self, config: SupernetConfig):
         self.config = config
         w, ws = config.width, config.window_size
-        self.candidates = [
-            _Flat(lambda r, s=spec: CandidateOp(s, w, ws, rngs=r)) for spec in config.ops
-        ]
+        self.candidates = [_Flat(_candidate_factory(spec, w, ws)) for spec in config.ops]
         self.stem = _Flat(lambda r: Stem(w, rngs=r))
         self.head = _Flat(lambda r: Head(w, config.scale, rngs=r))
         self.block_size = max(c.size for c in self.candidates)

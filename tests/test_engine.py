@@ -235,3 +235,29 @@ def test_live_view_logs_state_changes_without_a_terminal():
     lines = stream.getvalue().splitlines()
     assert len(lines) == 2
     assert "trial   3 queued" in lines[0] and "(ValueError: bug)" in lines[1]
+
+
+def test_ctrl_c_checkpoints_running_trials_and_a_new_run_resumes_them(tmp_path):
+    study, source = make_source(tmp_path, [ok(16), ok(32)])
+    cfg = config(steps=100, checkpoint_every=10, log_every=10)
+
+    def ctrl_c_at_step_30(statuses: Any, pool: Any) -> None:
+        if any(s.step >= 30 for s in statuses):
+            raise KeyboardInterrupt
+
+    engine = SearchEngine(SPACE, Regression(), source, cfg, devices=jax.devices()[:2],
+                          checkpoint_root=tmp_path / "ckpt", on_update=ctrl_c_at_step_30)
+    with pytest.raises(KeyboardInterrupt):
+        engine.run()
+    trials = study.get_trials()
+    assert [t.user_attrs.get(FAIL_REASON) for t in trials[:2]] == ["interrupted"] * 2
+    assert len(study.get_trials(states=(TrialState.WAITING,))) == 2
+    assert source.finished() == 0
+
+    again = OptunaTrialSource(study, SPACE, 2)
+    SearchEngine(SPACE, Regression(), again, cfg, devices=jax.devices()[:2],
+                 checkpoint_root=tmp_path / "ckpt").run()
+    complete = study.get_trials(states=(TrialState.COMPLETE,))
+    assert sorted(t.params["width"] for t in complete) == [16, 32]
+    # The trial that reached step 30 restarts from its Ctrl-C checkpoint, not from scratch.
+    assert max(t.user_attrs["resumed_from"] for t in complete) >= 30

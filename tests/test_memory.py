@@ -141,3 +141,31 @@ def test_bad_arguments_are_rejected_before_compiling():
         compiler.estimate(6)
     with pytest.raises(ValueError, match="leading sample axis"):
         estimate_memory(_abstract_mlp(), jnp.zeros(()))
+
+
+class ConvAttention(nnx.Module):
+    """Conv stem, multi-head self-attention and an MLP: every tensor-parallel rule at once."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.conv = nnx.Conv(3, 64, kernel_size=(3, 3), rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(4, 64, decode=False, rngs=rngs)
+        self.fc1 = nnx.Linear(64, 256, rngs=rngs)
+        self.fc2 = nnx.Linear(256, 64, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = self.conv(x)  # (B, 8, 8, 64)
+        tokens = x.reshape(x.shape[0], -1, 64)
+        tokens = tokens + self.attn(tokens)
+        return self.fc2(nnx.gelu(self.fc1(tokens)))
+
+
+def test_conv_and_attention_parameters_are_split_in_the_compiled_step():
+    model = nnx.eval_shape(lambda: ConvAttention(nnx.Rngs(0)))
+    batch = jax.ShapeDtypeStruct((4, 8, 8, 3), jnp.float32)
+    split = estimate_memory(model, batch, mesh=make_mesh(jax.devices()[:4], 2, 2))
+    whole = estimate_memory(model, batch, mesh=make_mesh(jax.devices()[:2], 2, 1))
+    # conv kernel 3*3*3*64 = 1728 elements stays whole (< 4096); q/k/v/out (4096 each),
+    # fc1 and fc2 (16384 each) are halved; biases and norms are replicated.
+    halved = (4 * 64 * 64 + 2 * 64 * 256) * F32 // 2
+    assert whole.params - split.params == halved
+    assert split.peak < whole.peak

@@ -280,8 +280,8 @@ class PipelineExecutor:
         per_tick = np.asarray(jnp.stack(losses))[:, -1]
         last = program.table[:, -1]
         per_subnet = np.zeros(lr_data.shape[0], np.float64)
-        for t in np.nonzero(last[:, COL["kind"]] == BWD)[0]:
-            per_subnet[last[t, COL["subnet"]]] += per_tick[t]
+        for done in np.nonzero(last[:, COL["kind"]] == BWD)[0]:
+            per_subnet[last[done, COL["subnet"]]] += per_tick[done]
         return state, (per_subnet / self.spec.num_microbatches).astype(np.float32)
 
     def _check_program(self, program: TickProgram, lr_data: np.ndarray) -> None:

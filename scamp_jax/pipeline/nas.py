@@ -195,8 +195,8 @@ def _summary(
     config: NASConfig, result: TrainResult, candidates: list[tuple[int, ...]],
     scores: list[float], bicubic: float,
 ) -> dict[str, Any]:
-    evaluation = [
-        {"rank_input": i, "choices": list(c), "ops": subnet_labels(config.supernet, c),
+    evaluation: list[dict[str, Any]] = [
+        {"index": i, "choices": list(c), "ops": subnet_labels(config.supernet, c),
          "psnr": float(p)}
         for i, (c, p) in enumerate(zip(candidates, scores, strict=True))
     ]
@@ -244,7 +244,7 @@ def _print_tables(console: Any, config: NASConfig, result: TrainResult, summary:
     ranked = sorted(summary["evaluation"], key=lambda e: -e["psnr"])
     for i, e in enumerate(ranked):
         style = "bold green" if i == 0 else None
-        table.add_row(str(e["rank_input"]), e["ops"], f"{e['psnr']:.2f}", style=style)
+        table.add_row(str(e["index"]), e["ops"], f"{e['psnr']:.2f}", style=style)
     console.print(table)
     best = summary["best"]
     console.print(f"best subnet: {best['ops']} at {best['psnr']:.2f} dB")

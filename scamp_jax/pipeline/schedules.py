@@ -183,9 +183,9 @@ def validate_schedule(schedule: Schedule) -> None:
                 if s < s_count - 1 and bk <= seen[(b, s + 1, BACKWARD, m)]:
                     raise ValueError(f"backward of subnet {b} on stage {s} precedes stage {s + 1}")
         for s in range(s_count):
-            op = applies.get((b, s))
-            if op is None:
+            applying = applies.get((b, s))
+            if applying is None:
                 raise ValueError(f"subnet {b} never applies its update on stage {s}")
             last = max(seen[(b, s, BACKWARD, m)] for m in range(m_count))
-            if op.tick != last:
+            if applying.tick != last:
                 raise ValueError(f"subnet {b} applies on stage {s} before its last backward")
