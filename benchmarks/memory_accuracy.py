@@ -1,6 +1,6 @@
 """Memory prediction accuracy and planning time, per model.
 
-Run: ``python -m benchmarks.memory_accuracy`` (CPU: 8 virtual devices; about two minutes on two
+Run: ``python -m benchmarks.memory_accuracy`` (CPU: 8 virtual devices; about four minutes on two
 cores). For each registered model it plans training with ``plan_mesh`` and prints:
 
 - ``affine``: the per-device peak at the plan's batch predicted by the straight line through the

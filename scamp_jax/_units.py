@@ -28,8 +28,8 @@ def parse_bytes(value: int | float | str) -> int:
         match = _PATTERN.match(value)
         if match is None or match.group(2).lower() not in _UNITS:
             raise ValueError(
-                f"cannot read memory size {value!r}: use a number of bytes or a number with a unit, "
-                "e.g. '2GiB', '512MiB', '16GB'"
+                f"cannot read memory size {value!r}: use a number of bytes or a number with a "
+                "unit, e.g. '2GiB', '512MiB', '16GB'"
             )
         count = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
     else:
