@@ -29,7 +29,8 @@ __all__ = [
 
 _IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp"}
 
-#: Colour photographs bundled with scikit-image (loader name -> description), in split order.
+#: Colour photographs shipped inside scikit-image: `skimage.data` loader names, except
+#: "motorcycle_left", the left view of `skimage.data.stereo_motorcycle()`.
 BUNDLED_TRAIN = ("astronaut", "coffee", "hubble_deep_field", "immunohistochemistry",
                  "motorcycle_left", "retina")
 BUNDLED_EVAL = ("chelsea", "rocket")

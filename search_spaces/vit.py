@@ -3,7 +3,7 @@
 `ViT` is a standard pre-norm ViT on NHWC images: patch embedding (a strided convolution), a
 class token, learned position embeddings, ``depth`` transformer blocks, a final LayerNorm and a
 linear head on the class token. `space` varies patch size, width, depth, heads and MLP ratio;
-`SyntheticClassification` is a learnable classification task made of generated images, so
+`SyntheticClassificationTask` is a learnable classification task made of generated images, so
 memory and throughput benchmarks need no data set.
 """
 
@@ -20,7 +20,13 @@ from flax import nnx
 
 from scamp_jax.space import Config, SearchSpace
 
-__all__ = ["SyntheticClassification", "ViT", "ViTBlock", "space"]
+__all__ = [
+    "SyntheticClassification",
+    "SyntheticClassificationTask",
+    "ViT",
+    "ViTBlock",
+    "space",
+]
 
 _INIT = nnx.initializers.truncated_normal(stddev=0.02)
 
@@ -127,7 +133,7 @@ def _cross_entropy(model: nnx.Module, batch: tuple[jax.Array, ...]) -> jax.Array
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-class SyntheticClassification:
+class SyntheticClassificationTask:
     """Generated images, ``num_classes`` classes (the `scamp_jax.space.Task` protocol).
 
     Each class owns a fixed random smooth template; a sample is its template at a random
@@ -194,6 +200,10 @@ class SyntheticClassification:
         logits = np.asarray(_logits(model, jnp.asarray(images)))
         loss = optax.softmax_cross_entropy_with_integer_labels(jnp.asarray(logits), labels).mean()
         return {"accuracy": float((logits.argmax(-1) == labels).mean()), "loss": float(loss)}
+
+
+#: Shorter name for `SyntheticClassificationTask`.
+SyntheticClassification = SyntheticClassificationTask
 
 
 @nnx.jit

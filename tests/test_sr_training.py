@@ -80,14 +80,13 @@ def test_l1_loss_and_train_records(small_task):
 
 @pytest.mark.slow
 def test_small_swinir_beats_bicubic_on_held_out_photos():
-    """Measured on 2 shared CPU cores; see the report of this module's numbers in BENCHMARKS."""
+    """1,000 steps of batch 16 at lr 2e-3: held-out PSNR crosses bicubic (31.65 dB) near step
+    500 and ends near 32.0 dB; about 2 CPU-minutes of compute."""
     task = SRTask(scale=2, hr_patch=48)
     model = SwinIR(img_size=24, embed_dim=24, depths=(2,), num_heads=(2,), window_size=8,
                    mlp_ratio=2.0, upsampler="pixelshuffledirect", drop_path_rate=0.0,
                    rngs=nnx.Rngs(0))
-    history = train(model, task, steps=STEPS, batch_size=16, learning_rate=2e-3, log_every=100)
+    history = train(model, task, steps=1000, batch_size=16, learning_rate=2e-3, log_every=100)
     final = history[-1]
     assert final["psnr"] > final["bicubic_psnr"], final
-
-
-STEPS = 1000
+    assert final["ssim"] > final["bicubic_ssim"], final
