@@ -193,11 +193,7 @@ def _task(search: str, variant: str) -> tuple[Any, Any, Callable[..., Any]]:
     if search == "vit":
         from search_spaces import vit
 
-        # The ViT module ships one synthetic classification task (a class named ``...Task``).
-        task_types = [getattr(vit, name) for name in dir(vit) if name.endswith("Task")]
-        if not task_types:
-            raise ValueError("search_spaces.vit defines no task class; cannot cost ViT trials")
-        task = task_types[0]()
+        task = vit.SyntheticClassificationTask()
         return vit.space(variant), task.sample_batch(1), task.loss_fn
     raise ValueError(f"unknown search {search!r}; choose one of: swinir, vit")
 
@@ -259,11 +255,17 @@ def cost_candidates(
     usable = cluster.memory_per_device * (1.0 - safety_margin)
     out: list[StepCostModel] = []
     by_graph: dict[str, StepCostModel] = {}
+    by_config: dict[str, StepCostModel] = {}  # trials re-visit configurations: build each once
     for config in configs:
+        seen = repr(sorted(config.items()))
+        if seen in by_config:
+            out.append(by_config[seen])
+            continue
         model = nnx.eval_shape(lambda config=config: space.build(config, nnx.Rngs(0)))
         graphdef = split_model(model)[0]
         arch = _arch_key(search, variant, graphdef, 0)
         if arch in by_graph:
+            by_config[seen] = by_graph[arch]
             out.append(by_graph[arch])
             continue
         chosen = None
@@ -288,7 +290,7 @@ def cost_candidates(
         log(f"  costed {dict(config)} -> mp={chosen.model_parallel}, "
             f"{chosen.memory_per_sample / 2**20:.1f} MiB/sample, "
             f"{chosen.flops_per_sample / 1e9:.2f} GFLOP/sample")
-        by_graph[arch] = chosen
+        by_graph[arch] = by_config[seen] = chosen
         out.append(chosen)
     return out
 

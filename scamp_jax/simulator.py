@@ -140,8 +140,9 @@ class TrialProfile:
       comm_bytes_per_step: bytes one device sends over the interconnect per step.
       steps: training steps of the trial.
       kernels_per_step: kernels launched per step (0: ignore launch latency).
-      setup_seconds: work before the first step that keeps the device busy (e.g. compiling the
-        step on a CPU host), seconds; 0 on accelerators, whose host compiles in the background.
+      setup_seconds: work before the first step that keeps the host busy (e.g. compiling the
+        step on a CPU host), seconds, once per trial (its busy share is spread over the trial's
+        devices); 0 on accelerators, whose host compiles in the background.
     """
 
     key: int
@@ -297,7 +298,10 @@ def simulate(
             pool.allocate(placement, request)
             recorder.start(now, placement, request.bytes_per_device)
             solo = profile.setup_seconds + profile.steps * step_seconds(profile, cluster)
-            busy = profile.setup_seconds + profile.steps * step_busy_seconds(profile, cluster)
+            # Setup (a compile) happens once per trial, not once per device: spread it over the
+            # devices so a shared host counts it once.
+            busy = (profile.setup_seconds / len(placement.device_ids)
+                    + profile.steps * step_busy_seconds(profile, cluster))
             busy_device_seconds += busy * len(placement.device_ids)
             load = busy / solo if solo > 0 else 0.0
             running[placement.key] = _Running(
