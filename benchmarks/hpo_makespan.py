@@ -77,6 +77,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--devices", type=positive_int, default=None, help="devices in the pool")
     p.add_argument("--memory-per-device", default=None,
                    help="budget per device (default: the family's smoke preset)")
+    p.add_argument("--max-batch-size", type=positive_int, default=None,
+                   help="cap on any trial's batch (default: the family's smoke preset); with "
+                   "a larger cap ScaMP's planner raises each trial's batch to fill its memory")
     p.add_argument("--devices-per-trial", type=positive_int, default=2,
                    help="devices per trial of the fixed baseline")
     p.add_argument("--seed", type=int, default=0, help="seed shared by both runs")
@@ -109,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             get_config("smoke"), trials=args.trials, steps=args.steps, seed=args.seed,
             policy=policy, devices_per_trial=args.devices_per_trial, study_dir=str(study_dir),
             sampler="random", memory_per_device=memory,
+            max_batch_size=args.max_batch_size or get_config("smoke").max_batch_size,
         )
         space, task = make_space_and_task(config)
         info = run_search(space, task, config, devices=devices, memory_per_device=budget,

@@ -5,6 +5,7 @@ Run (4 pipeline stages on CPU devices on a CPU-only machine)::
     python -m experiments.supernet_nas                      # a few minutes on 2 CPU cores
     python -m experiments.supernet_nas --preset smoke       # about a minute
     python -m experiments.supernet_nas --schedule sequential --json runs/seq.json
+    mpirun -n 4 python -m experiments.supernet_nas --mpi    # one stage per MPI rank (host)
 
 Expected: the supernet trains through the pipeline (CSP needs far fewer ticks than ``sequential``
 and ``gpipe``, with identical ``losses`` and ``params_sha256`` to ``sequential``), then a results
@@ -69,10 +70,13 @@ def parser() -> argparse.ArgumentParser:
                                      "(default runs/supernet_nas)")
     p.add_argument("--json", help="write the JSON summary here (the plot goes next to it)")
     p.add_argument("--quiet", action="store_true", help="no progress or tables")
+    p.add_argument("--mpi", action="store_true",
+                   help="one pipeline stage per MPI rank (launch with mpirun -n <stages>; "
+                        "needs the mpi extra); same losses and weights hash as one process")
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
+def main(argv: Sequence[str] | None = None) -> dict | None:
     """Parse flags, set up devices, run `scamp_jax.pipeline.nas.run_nas`; returns its summary."""
     args = parser().parse_args(argv)
     from scamp_jax.devices import configure_cpu_devices
@@ -86,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "eval_subnets": args.eval_subnets, "out_dir": args.out_dir,
     }
     config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
+    if args.mpi:
+        return _main_mpi(config, args)
     try:
         configure_cpu_devices(max(8, config.stages))
     except RuntimeError:
@@ -93,6 +99,30 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from scamp_jax.pipeline.nas import run_nas
 
     return run_nas(config, json_path=args.json, show=not args.quiet)
+
+
+def _main_mpi(config, args: argparse.Namespace) -> dict | None:
+    """``--mpi``: one stage per rank, one CPU device per process; rank 0 writes the results."""
+    from scamp_jax.distributed.mpi import launched_under_mpi, world
+
+    if not launched_under_mpi():
+        raise SystemExit(
+            "--mpi needs an MPI launcher with one rank per pipeline stage, e.g. "
+            f"mpirun -n {config.stages} python -m experiments.supernet_nas --mpi "
+            "(install the extra first: pip install 'scamp-jax[mpi]')"
+        )
+    from scamp_jax.devices import configure_cpu_devices
+
+    try:
+        configure_cpu_devices(1)
+    except RuntimeError:
+        pass  # JAX already started: its devices are used as they are.
+    w = world()
+    if args.stages is None:
+        config = dataclasses.replace(config, stages=w.size)
+    from scamp_jax.distributed.nas import run_nas_mpi
+
+    return run_nas_mpi(config, json_path=args.json, show=not args.quiet, mpi_world=w)
 
 
 if __name__ == "__main__":

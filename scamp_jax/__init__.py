@@ -1,1 +1,80 @@
-"""scamp-jax: memory-aware parallel deep-learning search in JAX."""
+"""scamp-jax: memory-aware parallel deep-learning search (HPO and NAS) in JAX.
+
+The public surface. Planning and placement are pure decisions returning frozen dataclasses;
+`scamp_jax.pipeline` holds the NASPipe-style supernet pipeline and `scamp_jax.distributed` the
+multi-host (MPI) pieces.
+"""
+
+from scamp_jax._units import format_bytes as format_bytes
+from scamp_jax._units import parse_bytes as parse_bytes
+from scamp_jax.devices import configure_cpu_devices as configure_cpu_devices
+from scamp_jax.devices import configure_for_search as configure_for_search
+from scamp_jax.memory import MemoryEstimate as MemoryEstimate
+from scamp_jax.memory import MemoryModel as MemoryModel
+from scamp_jax.memory import estimate_memory as estimate_memory
+from scamp_jax.memory import fit_memory_model as fit_memory_model
+from scamp_jax.placement import DevicePool as DevicePool
+from scamp_jax.placement import FixedPolicy as FixedPolicy
+from scamp_jax.placement import Placement as Placement
+from scamp_jax.placement import PoolSnapshot as PoolSnapshot
+from scamp_jax.placement import ScampPolicy as ScampPolicy
+from scamp_jax.placement import TrialRequest as TrialRequest
+from scamp_jax.placement import check_feasible as check_feasible
+from scamp_jax.placement import make_policy as make_policy
+from scamp_jax.planner import DoesNotFitError as DoesNotFitError
+from scamp_jax.planner import Plan as Plan
+from scamp_jax.planner import min_devices as min_devices
+from scamp_jax.planner import min_devices_plan as min_devices_plan
+from scamp_jax.planner import plan_mesh as plan_mesh
+from scamp_jax.sharding import make_mesh as make_mesh
+from scamp_jax.sharding import param_partition_specs as param_partition_specs
+from scamp_jax.space import SearchSpace as SearchSpace
+from scamp_jax.space import Task as Task
+from scamp_jax.train_step import StepShardings as StepShardings
+from scamp_jax.train_step import abstract_state as abstract_state
+from scamp_jax.train_step import default_loss as default_loss
+from scamp_jax.train_step import default_optimizer as default_optimizer
+from scamp_jax.train_step import jit_train_step as jit_train_step
+from scamp_jax.train_step import make_train_step as make_train_step
+from scamp_jax.train_step import place_train_state as place_train_state
+from scamp_jax.train_step import split_model as split_model
+from scamp_jax.usage import UsageRecorder as UsageRecorder
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DevicePool",
+    "DoesNotFitError",
+    "FixedPolicy",
+    "MemoryEstimate",
+    "MemoryModel",
+    "Placement",
+    "Plan",
+    "PoolSnapshot",
+    "ScampPolicy",
+    "SearchSpace",
+    "StepShardings",
+    "Task",
+    "TrialRequest",
+    "UsageRecorder",
+    "abstract_state",
+    "check_feasible",
+    "configure_cpu_devices",
+    "configure_for_search",
+    "default_loss",
+    "default_optimizer",
+    "estimate_memory",
+    "fit_memory_model",
+    "format_bytes",
+    "jit_train_step",
+    "make_mesh",
+    "make_policy",
+    "make_train_step",
+    "min_devices",
+    "min_devices_plan",
+    "param_partition_specs",
+    "parse_bytes",
+    "place_train_state",
+    "plan_mesh",
+    "split_model",
+]

@@ -415,7 +415,7 @@ class SearchEngine:
         half = (batch // 2 // dp) * dp
         try:
             if half >= dp and half >= 1:
-                # Plan for the memory the compiled step really needed, scaled to the budget.
+                # The planner picks the largest batch up to half the failed one that fits.
                 new = self._call_planner(model, planned.devices, half)
             elif planned.devices * 2 <= len(self.devices) and self.config.policy == "scamp":
                 new = self._call_planner(model, planned.devices * 2, batch)

@@ -356,6 +356,37 @@ def _run(
                      resumed_from=first)
 
 
+def load_model(
+    directory: str | Path, space: SearchSpace, params: Mapping[str, Any], seed: int = 0
+) -> nnx.Module:
+    """The trained model saved in a trial's checkpoint step directory (e.g. ``best_model/``).
+
+    ``params`` is the trial's configuration (``best_model/trial.json`` holds it). The model is
+    rebuilt from ``space`` and its parameters and other state are read back on the default device.
+    """
+    import orbax.checkpoint as ocp
+
+    from scamp_jax.checkpoint import from_storable, to_storable
+
+    directory = Path(directory).resolve()
+    item = directory / "default"
+    if not item.is_dir():
+        raise FileNotFoundError(
+            f"{directory} is not a checkpoint step directory (no 'default' item); pass e.g. "
+            "<study_dir>/best_model or <study_dir>/checkpoints/<key>/<step>"
+        )
+    model = space.build(params, nnx.Rngs(seed))
+    graphdef, weights, rest = split_model(model)
+    like = jax.tree.leaves((weights, make_optimizer(params).init(weights), rest))
+    with ocp.StandardCheckpointer() as checkpointer:
+        leaves = checkpointer.restore(item, to_storable(like))
+    weights, _, rest = jax.tree.unflatten(
+        jax.tree.structure((weights, make_optimizer(params).init(weights), rest)),
+        from_storable(leaves, like),
+    )
+    return nnx.merge(graphdef, weights, rest)
+
+
 def _evaluate(task: Task, graphdef: nnx.GraphDef, params: Any, rest: Any, plan: Any) -> dict:
     with jax.set_mesh(plan.mesh):
         model = nnx.merge(graphdef, params, rest)

@@ -77,6 +77,7 @@ def make_train_step(
     graphdef: nnx.GraphDef,
     optimizer: optax.GradientTransformation,
     loss_fn: LossFn = default_loss,
+    grad_reduce: Callable[[PyTree], PyTree] | None = None,
 ) -> TrainStep:
     """Return the pure training step ``step(params, opt_state, rest, batch)``.
 
@@ -84,6 +85,10 @@ def make_train_step(
     to ``params``, applies ``optimizer`` and returns ``(params, opt_state, rest, loss)`` where
     ``loss`` is the scalar loss before the update and ``rest`` carries the model's changed
     non-parameter state (RNG counters, batch statistics).
+
+    ``grad_reduce``, when given, maps the pytree ``(grads, loss)`` to a pytree of the same
+    structure before the optimizer update, e.g. the mean over MPI ranks of a data-parallel trial
+    (`scamp_jax.distributed.data_parallel.mpi_mean`); the returned loss is the reduced one.
     """
 
     def step(params: PyTree, opt_state: PyTree, rest: PyTree, batch: PyTree):
@@ -98,6 +103,8 @@ def make_train_step(
         (loss, new_rest), grads = jax.value_and_grad(loss_and_rest, has_aux=True)(
             params, rest
         )
+        if grad_reduce is not None:
+            grads, loss = grad_reduce((grads, loss))
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         return new_params, new_opt_state, new_rest, loss
@@ -139,13 +146,15 @@ def jit_train_step(
     optimizer: optax.GradientTransformation,
     loss_fn: LossFn,
     shardings: StepShardings,
+    grad_reduce: Callable[[PyTree], PyTree] | None = None,
 ) -> jax.stages.Wrapped:
     """The training step jitted with ``shardings`` for inputs and outputs.
 
     ``params`` and ``opt_state`` are donated: their buffers are reused for the updated values, so
     callers must not touch the arrays they passed in after the call. The loss is replicated.
+    ``grad_reduce`` is passed to `make_train_step`.
     """
-    step = make_train_step(graphdef, optimizer, loss_fn)
+    step = make_train_step(graphdef, optimizer, loss_fn, grad_reduce)
     return jax.jit(
         step,
         in_shardings=(shardings.params, shardings.opt_state, shardings.rest, shardings.batch),

@@ -31,16 +31,17 @@ def build(config: Any, rngs: nnx.Rngs) -> MLP:
 def suggest(trial: Any) -> dict[str, Any]:
     return {"width": trial.suggest_categorical("width", [16, 32]),
             "kind": trial.suggest_categorical("kind", ["ok", "broken", "poison"]),
-            "learning_rate": trial.suggest_float("learning_rate", 1e-3, 3e-2, log=True)}
+            "learning_rate": trial.suggest_float("learning_rate", 1e-6, 3e-2, log=True)}
 
 
 SPACE = SearchSpace("mlp-faults", suggest, build,
                     largest={"width": 32, "kind": "ok", "learning_rate": 1e-2})
 
 
-def make_source(tmp_path, configs: list[dict[str, Any]], n_trials: int | None = None):
+def make_source(tmp_path, configs: list[dict[str, Any]], n_trials: int | None = None,
+                pruner: str = "none", warmup_steps: int = 0):
     study = open_study("mlp", study_dir=tmp_path, direction="minimize", sampler="random",
-                       pruner="none", seed=0)
+                       pruner=pruner, seed=0, warmup_steps=warmup_steps)
     for config in configs:
         study.enqueue_trial(config)
     return study, OptunaTrialSource(study, SPACE, n_trials or len(configs))
@@ -261,3 +262,17 @@ def test_ctrl_c_checkpoints_running_trials_and_a_new_run_resumes_them(tmp_path):
     assert sorted(t.params["width"] for t in complete) == [16, 32]
     # The trial that reached step 30 restarts from its Ctrl-C checkpoint, not from scratch.
     assert max(t.user_attrs["resumed_from"] for t in complete) >= 30
+
+
+def test_a_trial_behind_the_others_is_pruned_from_its_intermediate_evaluations(tmp_path):
+    configs = [ok(16, 1e-2), ok(16, 2e-2), ok(16, 1e-6)]
+    study, source = make_source(tmp_path, configs, pruner="median", warmup_steps=5)
+    # One device, one trial at a time: the first two finish before the third is judged.
+    cfg = config(policy="fixed", devices_per_trial=1, steps=40, eval_every=10)
+    SearchEngine(SPACE, Regression(), source, cfg, devices=jax.devices()[:1]).run()
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.COMPLETE,
+                                         TrialState.PRUNED]
+    assert trials[2].user_attrs["steps"] < 40
+    assert "pruned at step" in trials[2].user_attrs[FAIL_REASON]
+    assert source.finished() == 3

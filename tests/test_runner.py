@@ -23,6 +23,7 @@ from scamp_jax.runner import (
     StepCache,
     TrialStatus,
     is_oom_error,
+    load_model,
     make_optimizer,
     run_trial,
 )
@@ -206,3 +207,6 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path):
                             checkpoint_every=10), SPACE, Regression())
     assert second.state == "complete", second.reason
     assert second.metrics["mse"] == pytest.approx(whole.metrics["mse"], rel=1e-5)
+    # The final checkpoint holds the trained model.
+    model = load_model(second.checkpoint, SPACE, config)
+    assert Regression().evaluate(model)["mse"] == pytest.approx(second.metrics["mse"], rel=1e-5)

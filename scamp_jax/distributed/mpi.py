@@ -73,3 +73,30 @@ def world() -> World:
         return World(rank=0, size=1, comm=None)
     comm = import_mpi4py().COMM_WORLD
     return World(rank=comm.Get_rank(), size=comm.Get_size(), comm=comm)
+
+
+def mpirun_command(ranks: int, launcher: str = "mpirun") -> list[str]:
+    """``[mpirun, -n, ranks, ...]`` ready to prepend to a Python command line.
+
+    With Open MPI it adds ``--oversubscribe`` so that more ranks than cores can run (small
+    machines, CI) and, when this process is root, ``--allow-run-as-root`` (Open MPI refuses to
+    start otherwise); other MPIs get the plain ``-n``.
+
+    Raises:
+      MPIUnavailableError: ``launcher`` is not on PATH.
+    """
+    import shutil
+    import subprocess
+
+    if ranks < 1:
+        raise ValueError(f"{ranks=} must be at least 1")
+    path = shutil.which(launcher)
+    if path is None:
+        raise MPIUnavailableError(f"{launcher!r} is not on PATH; {_INSTALL_HINT}")
+    cmd = [path, "-n", str(ranks)]
+    version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+    if "Open MPI" in version.stdout + version.stderr:
+        cmd.append("--oversubscribe")
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            cmd.append("--allow-run-as-root")
+    return cmd

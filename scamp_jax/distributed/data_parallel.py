@@ -1,0 +1,175 @@
+"""A trial that spans MPI ranks: data parallel, gradients averaged by mpi4jax inside the step.
+
+Each rank holds a full replica of the model on one local device, takes its contiguous share of
+every global batch (`local_batch`), and runs the project's training step
+(`scamp_jax.train_step.make_train_step`) with ``grad_reduce=mpi_mean(comm)``: after
+``value_and_grad`` the gradients and the loss are summed over the ranks with ``mpi4jax.allreduce``
+and divided by the number of ranks, so every replica applies the same update.
+
+Why the reduction follows ``value_and_grad`` instead of sitting inside the loss: mpi4jax's
+``allreduce`` differentiates to the identity on each rank (the cotangent is not summed across
+ranks), so reducing the loss alone would leave each rank with only its own gradient.
+
+Equal to the single-process run on the whole batch up to float32 reassociation: the mean over
+B samples becomes the mean over ranks of means over B / ranks samples, which adds the same
+numbers in another order (differences of a few units in the last place per step).
+
+One local device per rank: mpi4jax's calls run once per process, not once per device of a
+sharded computation, so the step's mesh must have exactly one device (`check_one_device`).
+Larger trials on one host use the planner's ``('data', 'model')`` mesh instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from scamp_jax.distributed.mpi import import_mpi4jax, import_mpi4py
+from scamp_jax.train_step import (
+    LossFn,
+    PyTree,
+    StepShardings,
+    abstract_state,
+    jit_train_step,
+    place_train_state,
+)
+
+
+def mpi_mean(comm: Any = None, *, fuse: bool = True) -> Callable[[PyTree], PyTree]:
+    """``f(tree)``: every leaf summed over the ranks of ``comm`` and divided by their number.
+
+    For use inside a jitted function (the ``grad_reduce`` of `make_train_step`). With ``fuse``
+    the leaves of each dtype are flattened into one buffer and reduced by a single
+    ``mpi4jax.allreduce`` (one message per step instead of one per parameter tensor, which
+    bounds the number of message latencies on a slow network; ``benchmarks/mpi_comm.py``
+    measures both); without, one call per leaf.
+    Both give the same result: the sum over ranks is element-wise either way. ``comm``
+    defaults to ``MPI.COMM_WORLD``.
+    """
+    mpi = import_mpi4py()
+    m4j = import_mpi4jax()
+    comm = mpi.COMM_WORLD if comm is None else comm
+    size = comm.Get_size()
+
+    def allreduce_mean(x: jax.Array) -> jax.Array:
+        return m4j.allreduce(x, op=mpi.SUM, comm=comm) / size
+
+    def reduce(tree: PyTree) -> PyTree:
+        if not fuse:
+            return jax.tree.map(allreduce_mean, tree)
+        leaves, treedef = jax.tree.flatten(tree)
+        out: list[Any] = list(leaves)
+        by_dtype: dict[Any, list[int]] = {}
+        for i, leaf in enumerate(leaves):
+            by_dtype.setdefault(jnp.result_type(leaf), []).append(i)
+        for idx in by_dtype.values():
+            flat = jnp.concatenate([jnp.ravel(leaves[i]) for i in idx])
+            reduced = allreduce_mean(flat)
+            offset = 0
+            for i in idx:
+                n = int(np.prod(jnp.shape(leaves[i])))
+                out[i] = reduced[offset : offset + n].reshape(jnp.shape(leaves[i]))
+                offset += n
+        return jax.tree.unflatten(treedef, out)
+
+    return reduce
+
+
+def local_batch(batch: PyTree, rank: int, size: int) -> PyTree:
+    """This rank's contiguous share of a global batch: rows ``rank * B / size`` onwards.
+
+    Args:
+      batch: pytree of arrays whose leading axis is the global batch B.
+      rank, size: this rank and the number of ranks.
+    Returns:
+      the same pytree with leading axis B / size.
+    """
+    leaves = jax.tree.leaves(batch)
+    b = int(leaves[0].shape[0])
+    if b % size:
+        raise ValueError(
+            f"global batch {b} is not a multiple of the {size} ranks; use a batch of "
+            f"{max(1, b // size) * size} (or {(b // size + 1) * size})"
+        )
+    per = b // size
+    return jax.tree.map(lambda x: x[rank * per : (rank + 1) * per], batch)
+
+
+def one_device_shardings(model: nnx.Module, optimizer: optax.GradientTransformation,
+                         device: Any = None) -> StepShardings:
+    """`StepShardings` that put the whole trial on one device (default the first local one)."""
+    device = jax.local_devices()[0] if device is None else device
+    mesh = jax.sharding.Mesh(np.array([device]), ("data",))
+    rep = NamedSharding(mesh, P())
+    params, opt_state, rest = abstract_state(model, optimizer)
+    return StepShardings(
+        params=jax.tree.map(lambda _: rep, params),
+        opt_state=jax.tree.map(lambda _: rep, opt_state),
+        rest=jax.tree.map(lambda _: rep, rest),
+        batch=rep,
+    )
+
+
+def check_one_device(shardings: StepShardings) -> None:
+    """Raise if the step's mesh has more than one device (see the module docstring)."""
+    n = shardings.mesh.size
+    if n != 1:
+        raise ValueError(
+            f"a cross-rank data-parallel step runs on one device per rank, got a mesh of {n}; "
+            "launch one rank per device (mpirun -n <devices>) and use one_device_shardings()"
+        )
+
+
+def jit_data_parallel_step(
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    loss_fn: LossFn,
+    shardings: StepShardings,
+    comm: Any = None,
+) -> jax.stages.Wrapped:
+    """`scamp_jax.train_step.jit_train_step` with gradients and loss averaged over ``comm``.
+
+    Call it on every rank with that rank's `local_batch`; the returned loss is the global one.
+    """
+    check_one_device(shardings)
+    return jit_train_step(graphdef, optimizer, loss_fn, shardings, grad_reduce=mpi_mean(comm))
+
+
+def train_data_parallel(
+    model: nnx.Module,
+    optimizer: optax.GradientTransformation,
+    loss_fn: LossFn,
+    batches: Iterable[PyTree],
+    *,
+    comm: Any = None,
+) -> tuple[np.ndarray, PyTree]:
+    """Train ``model`` on global ``batches`` split over the ranks of ``comm`` (collective).
+
+    Every rank builds the same ``model`` (same seed) and passes the same global batches; each
+    trains on its `local_batch` on its first local device. ``comm`` defaults to
+    ``MPI.COMM_WORLD``.
+
+    Returns:
+      ``(losses, params)``: the (steps,) global training loss before each update (float32,
+      identical on every rank) and the final parameters.
+    """
+    mpi = import_mpi4py()
+    comm = mpi.COMM_WORLD if comm is None else comm
+    rank, size = comm.Get_rank(), comm.Get_size()
+    shardings = one_device_shardings(model, optimizer)
+    graphdef, params, opt_state, rest = place_train_state(model, optimizer, shardings)
+    step = jit_data_parallel_step(graphdef, optimizer, loss_fn, shardings, comm)
+    losses = []
+    for batch in batches:
+        params, opt_state, rest, loss = step(params, opt_state, rest,
+                                             local_batch(batch, rank, size))
+        losses.append(loss)
+    return np.asarray(jax.device_get(losses), np.float32), params

@@ -1,0 +1,76 @@
+"""A tiny Optuna study shared by MPI ranks: rank 0 serves trials, every rank evaluates
+``(x - 2)^2`` (no JAX), and rank 0 writes every trial of the storage as JSON.
+
+    mpirun -n 3 python tests/mpi_scripts/study_ranks.py --storage sqlite:///s.db --trials 9 \
+        --out trials.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def objective(x: float) -> float:
+    return (x - 2.0) ** 2
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--storage", required=True)
+    p.add_argument("--trials", type=int, required=True)
+    p.add_argument("--seconds", type=float, default=0.2, help="time one evaluation takes")
+    p.add_argument("--out", required=True)
+    p.add_argument("--die-rank", type=int, help="this rank exits (status 3) in its 2nd trial")
+    args = p.parse_args()
+
+    import optuna
+
+    from scamp_jax.distributed.mpi import import_mpi4py
+    from scamp_jax.distributed.study import shared_study
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    comm = import_mpi4py().COMM_WORLD
+
+    def make_study():
+        return optuna.create_study(
+            study_name="ranks", storage=args.storage, load_if_exists=True,
+            sampler=optuna.samplers.RandomSampler(seed=0),
+        )
+
+    def suggest(trial):
+        return {"x": trial.suggest_float("x", -5.0, 5.0)}
+
+    client, server = shared_study(make_study, suggest, args.trials, comm)
+    comm.Barrier()  # every rank is ready before the first trial is handed out
+    started = 0
+    while (item := client.ask()) is not None:
+        started += 1
+        if comm.Get_rank() == args.die_rank and started == 2:
+            print(f"rank {args.die_rank} exits in trial {item.number}", flush=True)
+            os._exit(3)
+        for step in range(2):
+            time.sleep(args.seconds / 2)
+            client.report(item.number, step, objective(item.params["x"]) + 1.0 - step)
+        client.tell(item.number, objective(item.params["x"]))
+    if server is not None:
+        server.join(timeout=120)
+        trials = [
+            {"number": t.number, "state": t.state.name, "value": t.value,
+             "x": t.params["x"], "rank": t.user_attrs.get("rank"),
+             "steps": sorted(t.intermediate_values)}
+            for t in server.study.get_trials(deepcopy=False)
+        ]
+        Path(args.out).write_text(json.dumps({
+            "ranks": comm.Get_size(), "trials": trials, "stale_failed": server.stale_failed,
+        }))
+
+
+if __name__ == "__main__":
+    main()
