@@ -9,6 +9,12 @@ from scamp_jax._units import format_bytes as format_bytes
 from scamp_jax._units import parse_bytes as parse_bytes
 from scamp_jax.devices import configure_cpu_devices as configure_cpu_devices
 from scamp_jax.devices import configure_for_search as configure_for_search
+from scamp_jax.engine import BudgetTooSmallError as BudgetTooSmallError
+from scamp_jax.engine import EngineConfig as EngineConfig
+from scamp_jax.engine import SearchEngine as SearchEngine
+from scamp_jax.engine import SearchResult as SearchResult
+from scamp_jax.engine import SearchSettings as SearchSettings
+from scamp_jax.engine import run_search as run_search
 from scamp_jax.memory import MemoryEstimate as MemoryEstimate
 from scamp_jax.memory import MemoryModel as MemoryModel
 from scamp_jax.memory import estimate_memory as estimate_memory
@@ -30,6 +36,10 @@ from scamp_jax.sharding import make_mesh as make_mesh
 from scamp_jax.sharding import param_partition_specs as param_partition_specs
 from scamp_jax.space import SearchSpace as SearchSpace
 from scamp_jax.space import Task as Task
+from scamp_jax.study import OptunaTrialSource as OptunaTrialSource
+from scamp_jax.study import TrialOutcome as TrialOutcome
+from scamp_jax.study import TrialSource as TrialSource
+from scamp_jax.study import open_study as open_study
 from scamp_jax.train_step import StepShardings as StepShardings
 from scamp_jax.train_step import abstract_state as abstract_state
 from scamp_jax.train_step import default_loss as default_loss
@@ -43,19 +53,27 @@ from scamp_jax.usage import UsageRecorder as UsageRecorder
 __version__ = "0.1.0"
 
 __all__ = [
+    "BudgetTooSmallError",
     "DevicePool",
     "DoesNotFitError",
+    "EngineConfig",
     "FixedPolicy",
     "MemoryEstimate",
     "MemoryModel",
+    "OptunaTrialSource",
     "Placement",
     "Plan",
     "PoolSnapshot",
     "ScampPolicy",
+    "SearchEngine",
+    "SearchResult",
+    "SearchSettings",
     "SearchSpace",
     "StepShardings",
     "Task",
+    "TrialOutcome",
     "TrialRequest",
+    "TrialSource",
     "UsageRecorder",
     "abstract_state",
     "check_feasible",
@@ -72,9 +90,11 @@ __all__ = [
     "make_train_step",
     "min_devices",
     "min_devices_plan",
+    "open_study",
     "param_partition_specs",
     "parse_bytes",
     "place_train_state",
     "plan_mesh",
+    "run_search",
     "split_model",
 ]
