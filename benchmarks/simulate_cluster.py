@@ -12,17 +12,18 @@ simulator (`scamp_jax.simulator`) replays the study with the same `DevicePool` a
 ``decide`` the HPO engine uses. Output: per-policy makespan, mean memory utilisation, busy
 (roofline) fraction and idle fraction, and ``makespan_ratio_fixed_over_scamp=<x>``.
 
-How a candidate is costed (`measure_cost`): the training step (`scamp_jax.train_step`, the one the
-engine runs) is compiled twice, at two per-device batch sizes, on a ``1 x model_parallel`` mesh of
-CPU devices with the planner's shardings. Each compile gives the per-device peak memory
-(``memory_analysis``: temp + argument + output - alias, the planner's formula), the per-device
-FLOPs and bytes accessed (``cost_analysis``), the kernels in the entry computation, and the bytes
-of its model-parallel collectives. Affine fits in the batch size extrapolate to any batch, and the
-data-parallel degree enters analytically: ``p`` replicas run the same per-device program at
-``1/p`` of the global batch, plus a ring all-reduce of the gradients (`StepCostModel.profile`).
-The model-parallel degree is the smallest power of two whose state and batch-1 peak fit the
-cluster's memory less the safety margin, as the planner chooses. Costs are cached per
-architecture in ``--cache`` (JSON), so scaling runs do not compile again.
+How a candidate is costed (`measure_cost`): memory comes from the planner's own code.
+`scamp_jax.memory.StepCompiler` compiles the training step (`scamp_jax.train_step`, the one the
+engine runs) on a ``1 x model_parallel`` mesh of CPU devices with the planner's shardings at two
+probe batches and checks them with a third, and ``StepCompiler.fit`` returns the planner's
+`MemoryModel` (affine in the batch, with a floor). The same compiled executables give the
+per-device FLOPs and bytes accessed (``cost_analysis``), the kernels in the entry computation,
+and the bytes of their model-parallel collectives. Affine fits in the batch size extrapolate to
+any batch, and the data-parallel degree enters analytically: ``p`` replicas run the same
+per-device program at ``1/p`` of the global batch, plus a ring all-reduce of the gradients
+(`StepCostModel.profile`). The model-parallel degree is the smallest power of two whose
+batch-1 peak fits the cluster's memory less the safety margin, as the planner chooses. Costs
+are cached per architecture in ``--cache`` (JSON), so scaling runs do not compile again.
 
 Caveats: CPU fusion decisions differ from GPU ones (bytes accessed and kernel counts are those of
 the CPU compile); the efficiency factors in `ClusterModel` are assumptions, not measurements.
@@ -124,42 +125,47 @@ def measure_cost(
     model_parallel: int,
     batches: tuple[int, int] = (2, 8),
 ) -> tuple[StepCostModel, float]:
-    """Cost one architecture from two compiles of its training step (module docstring).
+    """Cost one architecture: the planner's memory model plus compiled XLA costs of its step.
+
+    Memory is the planner's own: `scamp_jax.memory.StepCompiler` compiles the step (the same
+    `scamp_jax.train_step` the engine runs, with the planner's shardings and compile options) at
+    the two probe batches and a check at four times the larger one, and ``StepCompiler.fit``
+    returns the `MemoryModel` (affine part and floor) that `plan_mesh` reasons with. The FLOPs,
+    bytes accessed, kernels and model-parallel collectives come from ``cost_analysis()`` and the
+    HLO of the same compiled executables (JAX caches a compile of an identical lowering, so
+    these cost no further compile).
 
     Args:
       model: abstract Flax NNX module (``nnx.eval_shape(lambda: build(...))``).
       sample_batch: ``(inputs, targets)`` ``ShapeDtypeStruct``s with a leading batch axis.
       optimizer, loss_fn: what the engine trains with.
       model_parallel: devices of the ``1 x model_parallel`` mesh.
-      batches: the two per-device batch sizes compiled.
+      batches: the two per-device probe batch sizes (global = per-device on this mesh).
     Returns:
       The fitted `StepCostModel` and the wall-clock seconds the compiles took.
     """
     import jax
 
     from scamp_jax import sharding as sh
-    from scamp_jax.memory import default_step_shardings, with_batch_size
-    from scamp_jax.train_step import abstract_state, jit_train_step, split_model
+    from scamp_jax.memory import StepCompiler, with_batch_size
 
     mesh = sh.make_mesh(jax.devices()[:model_parallel], 1, model_parallel)
-    graphdef, _, _ = split_model(model)
-    params, opt_state, rest = abstract_state(model, optimizer)
-    shardings = default_step_shardings(mesh, params, opt_state, rest, optimizer)
-    step = jit_train_step(graphdef, optimizer, loss_fn, shardings)
-    rows = []
+    compiler = StepCompiler(model, sample_batch, mesh, optimizer=optimizer, loss_fn=loss_fn)
+    b1, b2 = sorted(batches)
     start = time.perf_counter()
-    for b in batches:
-        compiled = step.lower(params, opt_state, rest, with_batch_size(sample_batch, b)).compile()
-        stats = compiled.memory_analysis()
-        peak = (stats.temp_size_in_bytes + stats.argument_size_in_bytes
-                + stats.output_size_in_bytes - stats.alias_size_in_bytes)
+    memory, _ = compiler.fit((b1, b2), verify_batch=4 * b2)
+    rows = []
+    for b in (b1, b2):
+        # The very executable ``fit`` compiled (same jitted step, lowering and options).
+        lowered = compiler._step.lower(compiler.params, compiler.opt_state, compiler.rest,
+                                       with_batch_size(sample_batch, b))
+        compiled = lowered.compile(compiler.compiler_options)
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
         kernels, comm = hlo_kernels_and_collectives(compiled.as_text(), model_parallel)
-        rows.append((b, float(cost["flops"]), float(cost["bytes accessed"]), float(peak),
-                     comm, kernels))
+        rows.append((float(cost["flops"]), float(cost["bytes accessed"]), comm, kernels))
     seconds = time.perf_counter() - start
-    (b1, f1, m1, p1, c1, k1), (b2, f2, m2, p2, c2, _) = rows
+    (f1, m1, c1, k1), (f2, m2, c2, _) = rows
 
     def fit(y1: float, y2: float) -> tuple[float, float]:
         slope = max(0.0, (y2 - y1) / (b2 - b1))
@@ -167,16 +173,16 @@ def measure_cost(
 
     flops = fit(f1, f2)
     traffic = fit(m1, m2)
-    memory = fit(p1, p2)
     comm = fit(c1, c2)
     cost_model = StepCostModel(
         model_parallel=model_parallel,
         flops_fixed=flops[0], flops_per_sample=flops[1],
         bytes_fixed=traffic[0], bytes_per_sample=traffic[1],
-        gradient_bytes=float(sh.bytes_per_device(params, shardings.params)),
+        gradient_bytes=float(compiler.params_bytes),
         mp_comm_fixed=comm[0], mp_comm_per_sample=comm[1],
         kernels_per_step=k1,
-        memory_fixed=memory[0], memory_per_sample=memory[1],
+        memory_fixed=memory.fixed_bytes, memory_per_sample=memory.bytes_per_sample,
+        memory_floor=memory.floor_bytes,
     )
     return cost_model, seconds
 
@@ -206,7 +212,11 @@ def _arch_key(search: str, variant: str, graphdef: Any, mp: int) -> str:
 
 
 class CostTable:
-    """Cost models per architecture, cached on disk as JSON."""
+    """Cost models per architecture, cached on disk as JSON.
+
+    Entries written before the memory model came from the planner (no ``memory_floor`` field)
+    are measured again on first use.
+    """
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
@@ -218,9 +228,9 @@ class CostTable:
 
     def get(self, key: str, make: Callable[[], tuple[StepCostModel, float]]) -> StepCostModel:
         """The cost model stored under ``key``, measured with ``make()`` the first time."""
-        if key not in self.entries:
+        if "memory_floor" not in self.entries.get(key, {}):
             cost, seconds = make()
-            self.entries[key] = {**asdict(cost), "compile_seconds": seconds / 2}
+            self.entries[key] = {**asdict(cost), "compile_seconds": seconds / 3}
             self.compile_seconds += seconds
             self.compiled += 1
             if self.path is not None:
@@ -278,7 +288,7 @@ def cost_candidates(
                     model, sample_batch, optimizer=optimizer, loss_fn=loss_fn, model_parallel=mp
                 ),
             )
-            if cost.memory_fixed + cost.memory_per_sample <= usable:
+            if cost.peak_bytes(1) <= usable:
                 chosen = cost
                 break
             mp *= 2

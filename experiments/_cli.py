@@ -161,6 +161,7 @@ def run(
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     from scamp_jax import planner
     from scamp_jax._units import parse_bytes
+    from scamp_jax.distributed.mpi import MPIUnavailableError, launched_under_mpi
     from scamp_jax.engine import BudgetTooSmallError, run_search
 
     def terminate(signum: int, frame: Any) -> None:
@@ -176,8 +177,17 @@ def run(
             parse_bytes(memory)
         budget = planner.resolve_budget(memory, devices)
         space, task = make(config)
+        if launched_under_mpi():
+            # Several ranks: rank 0 serves the study, every rank runs trials on its devices.
+            from scamp_jax.distributed.engine import run_search_mpi
+
+            return run_search_mpi(space, task, config, devices=devices,
+                                  memory_per_device=budget, live=not args.no_live,
+                                  baseline=baseline, title=title)
         return run_search(space, task, config, devices=devices, memory_per_device=budget,
                           live=not args.no_live, baseline=baseline, title=title)
+    except MPIUnavailableError as err:
+        fail(str(err))
     except (BudgetTooSmallError, ValueError, TypeError, FileNotFoundError) as err:
         fail(str(err))
     except KeyboardInterrupt:

@@ -605,7 +605,6 @@ def run_search(
     """
     from rich.console import Console
 
-    from scamp_jax import report
     from scamp_jax.live import LiveView
     from scamp_jax.study import OptunaTrialSource, open_study
 
@@ -627,7 +626,24 @@ def run_search(
                       "again", markup=False)
     console.print(f"study {space.name!r} in {study_dir}: {source.finished()} of "
                   f"{settings.trials} trials finished before this run", markup=False)
-    config = EngineConfig(
+    config = engine_config(settings, memory_per_device)
+    stream: Any = None if live else _PlainStream()
+    view = LiveView([memory_per_device] * len(devices), task.metric, title=title, stream=stream)
+    engine = SearchEngine(space, task, source, config, devices=devices,
+                          checkpoint_root=study_dir / "checkpoints", plan_fn=plan_fn,
+                          on_update=view.update)
+    with view:
+        result = engine.run()
+    run_info = run_summary(result, len(devices), memory_per_device)
+    return write_study_report(study, task, study_dir, result, run_info, baseline=baseline,
+                              memory_per_device=memory_per_device, console=console)
+
+
+def engine_config(settings: SearchSettings, memory_per_device: int, *,
+                  rank: int = 0) -> EngineConfig:
+    """The `EngineConfig` of an experiment's ``settings`` with a budget of ``memory_per_device``
+    bytes per device; ``rank`` is the MPI rank recorded with each trial."""
+    return EngineConfig(
         steps=settings.steps,
         memory_per_device=memory_per_device,
         policy=settings.policy,
@@ -637,25 +653,41 @@ def run_search(
         checkpoint_every=settings.checkpoint_every,
         eval_every=settings.eval_every,
         seed=settings.seed,
+        rank=rank,
     )
-    stream: Any = None if live else _PlainStream()
-    view = LiveView([memory_per_device] * len(devices), task.metric, title=title, stream=stream)
-    engine = SearchEngine(space, task, source, config, devices=devices,
-                          checkpoint_root=study_dir / "checkpoints", plan_fn=plan_fn,
-                          on_update=view.update)
-    with view:
-        result = engine.run()
-    metrics = [task.metric] + ([baseline] if baseline else [])
-    records = report.trial_records(study, metrics)
-    run_info = {
+
+
+def run_summary(result: SearchResult, devices: int, memory_per_device: int) -> dict[str, Any]:
+    """The ``run`` section of ``results.json`` for one engine run on ``devices`` devices."""
+    return {
         "policy": result.policy,
-        "devices": len(devices),
+        "devices": devices,
         "memory_per_device": memory_per_device,
         "elapsed_s": result.elapsed_s,
         "usage": dict(result.usage),
         "compile_cache": dict(result.compile_cache),
         "trials_this_run": len(result.outcomes),
     }
+
+
+def write_study_report(
+    study: Any,
+    task: Task,
+    study_dir: Path,
+    result: SearchResult,
+    run_info: dict[str, Any],
+    *,
+    baseline: str | None,
+    memory_per_device: int,
+    console: Any,
+) -> dict[str, Any]:
+    """Write ``results.json``/``.csv``, ``best_model/`` and the plots of every finished trial
+    of ``study`` (``run_info`` as the ``run`` section, ``result`` for the usage plots) and print
+    the best trials; returns ``run_info`` plus ``best`` (a results row or None)."""
+    from scamp_jax import report
+
+    metrics = [task.metric] + ([baseline] if baseline else [])
+    records = report.trial_records(study, metrics)
     report.write_results(study_dir, records, metric=task.metric, direction=task.direction,
                          run=run_info)
     report.save_best_model(study_dir, records, task.metric, task.direction)

@@ -384,7 +384,9 @@ class StepCostModel:
       mp_comm_fixed, mp_comm_per_sample: model-parallel collective bytes sent per device per
         step, affine in local batch (0 for ``model_parallel == 1``).
       kernels_per_step: kernels in the compiled step.
-      memory_fixed, memory_per_sample: planner's peak-memory model per device, bytes.
+      memory_fixed, memory_per_sample, memory_floor: the planner's peak-memory model per device
+        (`scamp_jax.memory.MemoryModel`: ``fixed_bytes``, ``bytes_per_sample``, ``floor_bytes``),
+        bytes: ``peak(b) = max(memory_floor, memory_fixed + memory_per_sample * b)``.
     """
 
     model_parallel: int
@@ -398,6 +400,12 @@ class StepCostModel:
     kernels_per_step: int
     memory_fixed: float
     memory_per_sample: float
+    memory_floor: float = 0.0
+
+    def peak_bytes(self, local_batch: int) -> int:
+        """Predicted peak bytes per device at per-device batch ``local_batch``."""
+        affine = self.memory_fixed + self.memory_per_sample * local_batch
+        return math.ceil(max(self.memory_floor, affine))
 
     def profile(self, key: int, devices: int, batch_size: int, samples: int) -> TrialProfile:
         """Profile of a trial training ``samples`` samples at global ``batch_size`` on
@@ -414,7 +422,7 @@ class StepCostModel:
         return TrialProfile(
             key=key,
             devices=devices,
-            bytes_per_device=math.ceil(self.memory_fixed + self.memory_per_sample * local),
+            bytes_per_device=self.peak_bytes(local),
             batch_size=batch_size,
             flops_per_step=self.flops_fixed + self.flops_per_sample * local,
             bytes_accessed_per_step=self.bytes_fixed + self.bytes_per_sample * local,
@@ -428,6 +436,8 @@ class StepCostModel:
         """Largest per-device batch whose predicted peak fits ``budget_bytes`` (0: none)."""
         if self.memory_per_sample <= 0:
             raise ValueError("memory_per_sample must be positive to size a batch")
+        if self.memory_floor > budget_bytes:
+            return 0
         return max(0, math.floor((budget_bytes - self.memory_fixed) / self.memory_per_sample))
 
 
@@ -463,7 +473,7 @@ def plan_profiles(
             if local < 1:
                 raise ValueError(
                     f"candidate {key} does not fit {format_bytes(budget)} per device even at "
-                    f"batch 1 (needs {format_bytes(cost.memory_fixed + cost.memory_per_sample)})"
+                    f"batch 1 (needs {format_bytes(cost.peak_bytes(1))})"
                 )
             profile = cost.profile(key, cost.model_parallel, local, samples)
         out.append(profile)

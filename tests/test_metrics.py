@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _requirements import unavailable
 from skimage.metrics import structural_similarity
 
 from search_spaces import metrics, sr_data
@@ -73,7 +74,7 @@ def test_metric_errors_name_the_problem():
 def test_set5_bicubic_x2_baseline():
     """Bicubic x2 on Set5 (MATLAB-made LR, our upscaling): literature 33.66-33.69 dB."""
     if not SET5.is_dir():
-        pytest.skip(f"Set5 benchmark not found at {SET5} (the shared data beside the checkout)")
+        unavailable(f"Set5 benchmark not found at {SET5} (the shared data beside the checkout)")
     hrs = sr_data.load_image_dir(SET5 / "HR")
     lrs = sr_data.load_image_dir(SET5 / "LR_bicubic_X2")
     psnr, ssim = [], []

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _requirements import require_module, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "mpi_scripts"
@@ -39,7 +40,7 @@ def launcher(ranks: int) -> list[str]:
     try:
         return mpirun_command(ranks)
     except MPIUnavailableError:
-        pytest.skip("no mpirun on PATH: install an MPI (apt-get install openmpi-bin)")
+        unavailable("no mpirun on PATH: install an MPI (apt-get install openmpi-bin)")
 
 
 def launch(args: list[str], ranks: int | None, timeout: float) -> subprocess.CompletedProcess:
@@ -61,8 +62,8 @@ def run_script(script: str, args: list[str], ranks: int | None, timeout: float) 
 
 @pytest.fixture(autouse=True)
 def _needs_mpi() -> None:
-    pytest.importorskip("mpi4py", reason="the mpi extra is not installed: pip install .[mpi]")
-    pytest.importorskip("mpi4jax", reason="the mpi extra is not installed: pip install .[mpi]")
+    require_module("mpi4py", "the mpi extra is not installed: pip install .[mpi]")
+    require_module("mpi4jax", "the mpi extra is not installed: pip install .[mpi]")
 
 
 def test_two_rank_csp_pipeline_matches_single_process_bit_for_bit(tmp_path: Path) -> None:

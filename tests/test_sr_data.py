@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _requirements import unavailable
 from PIL import Image
 
 from search_spaces import sr_data
@@ -59,7 +60,7 @@ def test_imresize_shapes_constants_and_antialiasing():
 def test_downscale_matches_matlab_set5_lr():
     """Our degradation reproduces the MATLAB-made Set5 LR images to within 8-bit rounding."""
     if not SET5.is_dir():
-        pytest.skip(f"Set5 benchmark not found at {SET5} (the shared data beside the checkout)")
+        unavailable(f"Set5 benchmark not found at {SET5} (the shared data beside the checkout)")
     hr = sr_data.load_image_dir(SET5 / "HR")[0]
     lr = sr_data.load_image_dir(SET5 / "LR_bicubic_X2")[0]
     ours = np.round(sr_data.bicubic_downscale(hr, 2) * 255)

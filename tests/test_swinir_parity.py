@@ -15,12 +15,13 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _requirements import require_module
 from flax import nnx
 
 from search_spaces import swinir as fx
 
-torch = pytest.importorskip(
-    "torch", reason="PyTorch is the reference here: run `scripts/setup.sh test` to install it"
+torch = require_module(
+    "torch", "PyTorch is the reference here: run `scripts/setup.sh test` to install it"
 )
 
 REFERENCE = Path(__file__).parent / "reference" / "network_swinir.py"

@@ -3,20 +3,29 @@
 Rank 0 holds the study and its storage (nothing else needs a database). A `StudyServer` runs
 in a background thread of rank 0 and answers the other ranks' messages (mpi4py, host side):
 
-========================================  ============================================
-request (worker -> rank 0)                 answer (rank 0 -> worker)
-========================================  ============================================
-``("ask", None)``                          ``("trial", number, params)`` or ``("done",)``
-``("report", (number, step, value))``      ``("pruned", should_prune)``
-``("tell", (number, value, state))``       ``("told",)``
-========================================  ============================================
+==================================================  =============================================
+request (worker -> rank 0)                           answer (rank 0 -> worker)
+==================================================  =============================================
+``("ask", None)``                                    ``("trial", number, params, checkpoint_key)``
+                                                     or ``("done",)`` (the worker is finished)
+``("ask", "more")``                                  the same, but ``"done"`` does not finish the
+                                                     worker: it still reports and tells
+``("report", (number, step, value))``                ``("pruned", should_prune)``
+``("tell", (number, value, state[, attrs, reason]))``  ``("told",)``
+``("interrupt", number)``                            ``("interrupted",)``
+``("remaining", None)``                              ``("remaining", count)``
+``("bye", None)``                                    ``("bye",)`` (the worker is finished)
+==================================================  =============================================
 
 Every rank, rank 0 included, uses the same client interface (`StudyClient`): rank 0's client
 calls the server directly under its lock, the others' send messages. ``ask`` runs the search
 space's ``suggest(trial)`` on rank 0 and records the asking rank in the trial's user attribute
 ``rank``. The study stops handing out trials once ``n_trials`` are finished or running, counting
-trials finished in an earlier run of the same storage, so restarting the same command resumes
-the study and loses no finished trial.
+trials finished in an earlier run of the same storage (as `scamp_jax.study.OptunaTrialSource`
+counts them: complete, pruned, or failed for a reason of their own), so restarting the same
+command resumes the study and loses no finished trial. A trial that a dead job left ``RUNNING``
+is failed as ``"interrupted"`` and its parameters are enqueued again under the same checkpoint
+key, so the restart re-runs it from its last checkpoint.
 
 A rank that dies makes ``mpirun`` end the whole job (Open MPI's default), so no rank waits
 forever for a server that is gone.
@@ -31,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scamp_jax.distributed.mpi import import_mpi4py
+from scamp_jax.study import CHECKPOINT_KEY, FAIL_REASON, INTERRUPTED
 
 # Tags of the study's messages: requests to rank 0 and answers from it. Distinct from any tag
 # the pipeline or data-parallel code uses, and the server works on its own duplicate of the
@@ -39,12 +49,21 @@ REQUEST_TAG, REPLY_TAG = 301, 302
 _FINISHED = ("COMPLETE", "PRUNED")
 
 
+def _counts_towards_total(trial: Any) -> bool:
+    """Finished for good: complete, pruned, or failed for a reason other than an interruption."""
+    if trial.state.name in _FINISHED:
+        return True
+    return trial.state.name == "FAIL" and trial.user_attrs.get(FAIL_REASON) != INTERRUPTED
+
+
 @dataclass(frozen=True)
 class WorkItem:
-    """A trial handed to a rank: its Optuna ``number`` and the suggested ``params``."""
+    """A trial handed to a rank: its Optuna ``number``, the suggested ``params`` and the
+    ``checkpoint_key`` (directory name of its checkpoints; a re-run keeps its predecessor's)."""
 
     number: int
     params: dict[str, Any]
+    checkpoint_key: str = ""
 
 
 class StudyServer:
@@ -59,8 +78,9 @@ class StudyServer:
       poll_seconds: sleep between checks for a request, so the serving thread leaves the
         CPU to rank 0's own trial (a blocking MPI receive would spin on a core).
       fail_stale: mark trials that a previous run left ``RUNNING`` (its job died) as ``FAIL``
-        when the server starts, so they are neither counted nor left dangling; turn off when
-        other jobs run trials of the same study at the same time.
+        (reason ``"interrupted"``) when the server starts and enqueue their parameters again
+        under their checkpoint keys, so they are neither counted nor lost; turn off when other
+        jobs run trials of the same study at the same time.
     """
 
     def __init__(
@@ -90,7 +110,7 @@ class StudyServer:
         self.comm = base.Dup()
         self.poll_seconds = poll_seconds
         self._lock = threading.Lock()
-        self._handed = 0
+        self._handed = 0  # trials handed out and not interrupted (finished or running)
         self._running: dict[int, Any] = {}  # trial number -> optuna.Trial handed out
         self._open_workers = base.Get_size() - 1
         self._thread: threading.Thread | None = None
@@ -99,13 +119,20 @@ class StudyServer:
 
         self._optuna = optuna
         trials = study.get_trials(deepcopy=False)
-        self.stale_failed = [t.number for t in trials if t.state.name == "RUNNING"]
-        if fail_stale:
-            for number in self.stale_failed:
-                study.tell(number, state=optuna.trial.TrialState.FAIL)
-        else:
-            self.stale_failed = []
-        self._already = sum(t.state.name in _FINISHED for t in trials)
+        stale = [t for t in trials if t.state.name == "RUNNING"] if fail_stale else []
+        for trial in stale:
+            key = trial.user_attrs.get(CHECKPOINT_KEY, f"trial_{trial.number}")
+            study._storage.set_trial_user_attr(trial._trial_id, FAIL_REASON, INTERRUPTED)
+            study.tell(trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+            if trial.params:
+                study.enqueue_trial(dict(trial.params), user_attrs={CHECKPOINT_KEY: key})
+        self.stale_failed = [t.number for t in stale]
+        self._already = sum(_counts_towards_total(t) for t in trials)
+
+    @property
+    def finished_before(self) -> int:
+        """Trials of the storage that counted towards ``n_trials`` when the server started."""
+        return self._already
 
     # -- the operations (thread-safe) --------------------------------------------------------
     def _trial(self, number: int) -> Any:
@@ -116,17 +143,27 @@ class StudyServer:
             )
         return self._running[number]
 
+    def remaining(self) -> int:
+        """Trials still to hand out before the study reaches ``n_trials``."""
+        with self._lock:
+            return max(0, self.n_trials - self._already - self._handed)
+
     def ask(self, rank: int) -> WorkItem | None:
-        """Next trial for ``rank``, or None once ``n_trials`` are finished or handed out."""
+        """Next trial for ``rank`` (an enqueued re-run first), or None once ``n_trials`` are
+        finished or handed out."""
         with self._lock:
             if self._already + self._handed >= self.n_trials:
                 return None
             trial = self.study.ask()
             params = self.suggest(trial)
             trial.set_user_attr("rank", rank)
+            key = trial.user_attrs.get(CHECKPOINT_KEY)
+            if key is None:
+                key = f"trial_{trial.number}"
+                trial.set_user_attr(CHECKPOINT_KEY, key)
             self._running[trial.number] = trial
             self._handed += 1
-            return WorkItem(trial.number, dict(params))
+            return WorkItem(trial.number, dict(params), key)
 
     def report(self, number: int, step: int, value: float) -> bool:
         """Record an intermediate ``value`` at ``step``; returns the pruner's verdict."""
@@ -135,14 +172,40 @@ class StudyServer:
             trial.report(value, step)
             return bool(trial.should_prune())
 
-    def tell(self, number: int, value: float | None, state: str = "COMPLETE") -> None:
+    def tell(
+        self,
+        number: int,
+        value: float | None,
+        state: str = "COMPLETE",
+        attrs: dict[str, Any] | None = None,
+        reason: str = "",
+    ) -> None:
         """Finish trial ``number``: ``state`` is ``COMPLETE`` (with ``value``), ``PRUNED`` or
-        ``FAIL``."""
+        ``FAIL``; ``attrs`` (JSON-serialisable) are stored as user attributes and ``reason`` as
+        the trial's fail reason."""
         with self._lock:
             st = self._optuna.trial.TrialState[state]
             trial = self._trial(number)
             del self._running[number]
+            for key, val in (attrs or {}).items():
+                trial.set_user_attr(key, val)
+            if reason:
+                trial.set_user_attr(FAIL_REASON, reason)
             self.study.tell(trial, value if st.name == "COMPLETE" else None, state=st)
+
+    def interrupt(self, number: int) -> None:
+        """Fail a handed-out trial as interrupted (it does not count towards ``n_trials``) and
+        enqueue its parameters under its checkpoint key, so a later ask re-runs it."""
+        with self._lock:
+            trial = self._running.pop(number, None)
+            if trial is None:
+                return
+            self._handed -= 1
+            key = trial.user_attrs.get(CHECKPOINT_KEY, f"trial_{number}")
+            trial.set_user_attr(FAIL_REASON, INTERRUPTED)
+            self.study.tell(trial, state=self._optuna.trial.TrialState.FAIL,
+                            skip_if_finished=True)
+            self.study.enqueue_trial(dict(trial.params), user_attrs={CHECKPOINT_KEY: key})
 
     # -- serving ------------------------------------------------------------------------------
     def start(self) -> StudyServer:
@@ -184,14 +247,23 @@ class StudyServer:
         if kind == "ask":
             item = self.ask(rank)
             if item is None:
-                self._open_workers -= 1
+                if body != "more":  # a plain asker is finished once the study is full
+                    self._open_workers -= 1
                 return ("done",)
-            return ("trial", item.number, item.params)
+            return ("trial", item.number, item.params, item.checkpoint_key)
         if kind == "report":
             return ("pruned", self.report(*body))
         if kind == "tell":
             self.tell(*body)
             return ("told",)
+        if kind == "interrupt":
+            self.interrupt(body)
+            return ("interrupted",)
+        if kind == "remaining":
+            return ("remaining", self.remaining())
+        if kind == "bye":
+            self._open_workers -= 1
+            return ("bye",)
         raise ValueError(f"unknown study request {kind!r} from rank {rank}")
 
 
@@ -204,6 +276,10 @@ class StudyClient:
 
     def __init__(self, rank: int, server: StudyServer | None, comm: Any):
         self.rank, self._server, self._comm = rank, server, comm
+        # Trial threads report concurrently; one request-answer pair at a time keeps each
+        # answer with its request (answers carry no request id).
+        self._call_lock = threading.Lock()
+        self._closed = False
 
     @classmethod
     def local(cls, server: StudyServer) -> StudyClient:
@@ -219,15 +295,29 @@ class StudyClient:
         return cls(base.Get_rank(), None, base.Dup())
 
     def _call(self, kind: str, body: Any) -> tuple[Any, ...]:
-        self._comm.send((kind, body), 0, tag=REQUEST_TAG)
-        return self._comm.recv(source=0, tag=REPLY_TAG)
+        with self._call_lock:
+            if self._closed:
+                raise RuntimeError(
+                    f"rank {self.rank}'s study client is closed (rank 0 no longer serves it); "
+                    f"a {kind!r} request must come before close()"
+                )
+            self._comm.send((kind, body), 0, tag=REQUEST_TAG)
+            return self._comm.recv(source=0, tag=REPLY_TAG)
 
-    def ask(self) -> WorkItem | None:
-        """The next trial to run, or None when the study needs no more."""
+    def ask(self, *, keep_open: bool = False) -> WorkItem | None:
+        """The next trial to run, or None when the study needs no more.
+
+        By default a None also tells rank 0 that this rank is finished. With ``keep_open`` the
+        rank may still report and tell trials it holds, and calls `close` when it is done.
+        """
         if self._server is not None:
             return self._server.ask(self.rank)
-        answer = self._call("ask", None)
-        return None if answer[0] == "done" else WorkItem(answer[1], answer[2])
+        answer = self._call("ask", "more" if keep_open else None)
+        if answer[0] == "done":
+            if not keep_open:
+                self._closed = True
+            return None
+        return WorkItem(answer[1], answer[2], answer[3])
 
     def report(self, number: int, step: int, value: float) -> bool:
         """Report an intermediate value; True when the trial should be pruned."""
@@ -235,12 +325,41 @@ class StudyClient:
             return self._server.report(number, step, value)
         return bool(self._call("report", (number, step, float(value)))[1])
 
-    def tell(self, number: int, value: float | None, state: str = "COMPLETE") -> None:
-        """Finish a trial (``COMPLETE`` with its value, ``PRUNED`` or ``FAIL``)."""
+    def tell(
+        self,
+        number: int,
+        value: float | None,
+        state: str = "COMPLETE",
+        attrs: dict[str, Any] | None = None,
+        reason: str = "",
+    ) -> None:
+        """Finish a trial (``COMPLETE`` with its value, ``PRUNED`` or ``FAIL``), storing
+        ``attrs`` as user attributes and ``reason`` as its fail reason."""
         if self._server is not None:
-            self._server.tell(number, value, state)
+            self._server.tell(number, value, state, attrs, reason)
             return
-        self._call("tell", (number, None if value is None else float(value), state))
+        self._call("tell", (number, None if value is None else float(value), state,
+                            dict(attrs or {}), reason))
+
+    def interrupt(self, number: int) -> None:
+        """Give a started trial back unfinished: failed as interrupted and enqueued again."""
+        if self._server is not None:
+            self._server.interrupt(number)
+            return
+        self._call("interrupt", number)
+
+    def remaining(self) -> int:
+        """Trials the study has still to hand out (to any rank)."""
+        if self._server is not None:
+            return self._server.remaining()
+        return int(self._call("remaining", None)[1])
+
+    def close(self) -> None:
+        """Tell rank 0 this rank needs nothing more (after ``ask(keep_open=True)``)."""
+        if self._server is not None or self._closed:
+            return
+        self._call("bye", None)
+        self._closed = True
 
 
 def shared_study(

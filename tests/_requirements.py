@@ -1,0 +1,34 @@
+"""Optional test requirements: skip on a developer's machine that lacks them, fail in CI.
+
+CI (``CI=true``) installs everything the suite needs (`scripts/setup.sh test`), so a missing
+requirement there is a broken set-up, not a reason to skip.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import pytest
+
+
+def in_ci() -> bool:
+    """True when running under CI (``CI`` set to a true value)."""
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def unavailable(reason: str) -> None:
+    """Skip the current test with ``reason``, or fail it under CI."""
+    if in_ci():
+        pytest.fail(f"required in CI: {reason}")
+    pytest.skip(reason, allow_module_level=True)
+
+
+def require_module(name: str, reason: str) -> ModuleType:
+    """Import ``name`` or skip (fail under CI) with ``reason``."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        unavailable(reason)
+        raise

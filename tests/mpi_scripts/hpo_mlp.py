@@ -1,0 +1,111 @@
+"""An HPO entry point over a tiny MLP regression space, through the same CLI path as
+``experiments.swinir_hpo`` (``experiments._cli.run``: under ``mpirun`` it takes the MPI engine).
+
+    mpirun -n 2 python tests/mpi_scripts/hpo_mlp.py --trials 4 --study-dir runs/mlp
+
+``--die-rank R``: rank R kills itself (SIGKILL, as the out-of-memory killer or a lost node would)
+right after telling its first trial, to test that the job stops and a re-run resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from experiments._cli import HPOConfig, add_flags, config_from_args, run  # noqa: E402
+
+IN, OUT = 8, 1
+
+
+def make_space_and_task(config: HPOConfig) -> tuple[Any, Any]:
+    """A two-layer MLP family (width, learning rate) regressing ``sin(x @ w)``."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from scamp_jax.space import SearchSpace
+
+    class MLP(nnx.Module):
+        def __init__(self, width: int, rngs: nnx.Rngs) -> None:
+            self.hidden = nnx.Linear(IN, width, rngs=rngs)
+            self.out = nnx.Linear(width, OUT, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return self.out(jnp.tanh(self.hidden(x)))
+
+    class Regression:
+        metric = "mse"
+        direction = "minimize"
+
+        def __init__(self) -> None:
+            rng = np.random.default_rng(0)
+            self.w = rng.normal(size=(IN, OUT)).astype(np.float32) / np.sqrt(IN)
+            self.x_eval = rng.normal(size=(128, IN)).astype(np.float32)
+            self.y_eval = np.sin(self.x_eval @ self.w)
+
+        def sample_batch(self, batch_size: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+            return (jax.ShapeDtypeStruct((batch_size, IN), jnp.float32),
+                    jax.ShapeDtypeStruct((batch_size, OUT), jnp.float32))
+
+        def batches(self, batch_size: int, seed: int) -> Iterator[tuple[np.ndarray, ...]]:
+            rng = np.random.default_rng(seed)
+            while True:
+                x = rng.normal(size=(batch_size, IN)).astype(np.float32)
+                yield x, np.sin(x @ self.w)
+
+        def loss_fn(self, model: nnx.Module, batch: tuple[jax.Array, ...]) -> jax.Array:
+            x, y = batch
+            return jnp.mean(jnp.square(model(x) - y))
+
+        def evaluate(self, model: nnx.Module) -> dict[str, float]:
+            pred = np.asarray(model(jnp.asarray(self.x_eval)))
+            return {"mse": float(np.mean((pred - self.y_eval) ** 2))}
+
+    def suggest(trial: Any) -> dict[str, Any]:
+        # One architecture: every trial shares one plan and one compiled step per rank.
+        return {"width": trial.suggest_categorical("width", [16]),
+                "learning_rate": trial.suggest_float("learning_rate", 1e-3, 3e-2, log=True)}
+
+    def build(params: Any, rngs: nnx.Rngs) -> MLP:
+        return MLP(int(params["width"]), rngs)
+
+    space = SearchSpace("mlp-mpi", suggest, build,
+                        largest={"width": 16, "learning_rate": 1e-2})
+    return space, Regression()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    add_flags(p, ("tiny",), "runs/mlp_hpo")
+    p.add_argument("--die-rank", type=int, help="this rank kills itself after its first tell")
+    args = p.parse_args()
+    base = HPOConfig(preset="tiny", trials=4, steps=20, reference_batch=8, max_batch_size=8,
+                     devices=2, memory_per_device="64MiB", checkpoint_every=10, pruner="none",
+                     sampler="random")
+    config = config_from_args(args, base, "runs/mlp_hpo")
+    if args.die_rank is not None:
+        from scamp_jax.distributed import engine
+
+        tell = engine.RemoteTrialSource.tell
+
+        def tell_then_die(self: Any, outcome: Any) -> None:
+            tell(self, outcome)
+            if self.rank == args.die_rank:
+                print(f"rank {self.rank} is killed after telling trial {outcome.number}",
+                      flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        engine.RemoteTrialSource.tell = tell_then_die  # type: ignore[method-assign]
+    run(args, config, make_space_and_task, baseline=None, title="MLP HPO")
+
+
+if __name__ == "__main__":
+    main()
