@@ -5,9 +5,13 @@ Run (8 CPU devices on a CPU-only machine, the GPUs on a GPU machine)::
     python -m experiments.swinir_hpo                  # ~10 min on 2 CPU cores
     python -m experiments.swinir_hpo --preset smoke   # a few minutes
     python -m experiments.swinir_hpo --policy fixed   # the fixed-resources baseline
+    mpirun -n 2 python -m experiments.swinir_hpo --preset smoke   # one study across 2 ranks
 
 Expected: every trial's PSNR on held-out photographs in ``runs/swinir_hpo/results.csv``, and the
 best trial's PSNR above bicubic upscaling. Running the same command again resumes the study.
+Under ``mpirun`` rank 0 serves the study and every rank runs trials on its own devices
+(`scamp_jax.distributed.engine`); ``--trials`` is the total over all ranks and each trial's
+``rank`` is in the results.
 """
 
 from __future__ import annotations

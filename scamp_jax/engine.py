@@ -697,7 +697,7 @@ def write_study_report(
     console.print(report.summary_table(records, task.metric, task.direction, baseline=baseline))
     console.print(report.verdict(records, task.metric, task.direction, baseline), markup=False)
     console.print(
-        f"this run: {result.elapsed_s:.1f} s, mean memory utilisation "
+        f"this run: {run_info['elapsed_s']:.1f} s, mean memory utilisation "
         f"{100 * result.usage['mean_memory_utilization']:.1f}%, idle device-seconds "
         f"{result.usage['idle_device_seconds']:.1f}; results in {study_dir}", markup=False
     )

@@ -370,8 +370,9 @@ def allreduce_bytes(gradient_bytes: float, data_parallel: int) -> float:
 class StepCostModel:
     """Per-device cost of one architecture's training step as an affine function of local batch.
 
-    Measured once per architecture and model-parallel degree (two compiles at two per-device
-    batch sizes, XLA ``cost_analysis()``), then extrapolated to any data-parallel degree: with
+    Measured once per architecture and model-parallel degree (XLA ``cost_analysis()`` of compiles
+    at two per-device batch sizes; memory from the planner's `scamp_jax.memory.MemoryModel`
+    fitted on the same compiles), then extrapolated to any data-parallel degree: with
     ``p`` data-parallel replicas and global batch ``B`` each device runs the same program at local
     batch ``B / p``, plus a ring all-reduce of its gradient shard. This is what lets a CPU with 8
     devices cost a plan for 1,024 GPUs.

@@ -213,8 +213,8 @@ def _run(space: Any, task: Any, settings: Any, devices: Sequence[Any], memory_pe
 
     client, server = shared_study(make_study, space.suggest, settings.trials, comm)
     if console is None:
-        stream = sys.stdout if rank == 0 else RankStream(rank)
-        console = Console(file=stream, soft_wrap=True,
+        out: Any = sys.stdout if rank == 0 else RankStream(rank)
+        console = Console(file=out, soft_wrap=True,
                           width=None if rank == 0 and sys.stdout.isatty() else 160)
     if server is not None:
         if server.stale_failed:

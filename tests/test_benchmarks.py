@@ -1,0 +1,178 @@
+"""Fast tests of the benchmark helpers: tables and ratios, Ray baseline bookkeeping, costing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import hpo_makespan, ray_baseline
+from scamp_jax.simulator import StepCostModel
+
+
+def _info(elapsed: float, util: float, idle: float, trials: int, psnr: float) -> dict[str, Any]:
+    return {"elapsed_s": elapsed, "trials_this_run": trials, "best": {"psnr": psnr},
+            "usage": {"mean_memory_utilization": util, "idle_device_seconds": idle}}
+
+
+def _rows() -> list[dict[str, Any]]:
+    return [hpo_makespan._row("scamp", _info(100.0, 0.5, 200.0, 4, 30.0), "psnr"),
+            hpo_makespan._row("fixed", _info(150.0, 0.25, 500.0, 4, 30.0), "psnr"),
+            hpo_makespan._row("ray-tune", _info(300.0, 0.2, 900.0, 4, 29.5), "psnr")]
+
+
+def test_row_computes_trials_per_hour_from_elapsed_time() -> None:
+    row = hpo_makespan._row("scamp", _info(1800.0, 0.5, 10.0, 6, 31.0), "psnr")
+    assert row["trials_per_hour"] == pytest.approx(12.0)
+    assert row["best"] == 31.0 and row["end_to_end_s"] == 1800.0
+
+
+def test_ratio_line_compares_every_baseline_with_scamp() -> None:
+    lines = hpo_makespan.ratio_line(_rows()).splitlines()
+    assert len(lines) == 2
+    assert "end-to-end time fixed/scamp = 1.50x" in lines[0]
+    assert "memory utilisation scamp/fixed = 2.00x" in lines[0]
+    assert "idle device-seconds scamp - fixed = -300.0" in lines[0]
+    assert "end-to-end time ray-tune/scamp = 3.00x" in lines[1]
+    assert "memory utilisation scamp/ray-tune = 2.50x" in lines[1]
+
+
+def test_ratio_line_needs_a_scamp_row() -> None:
+    with pytest.raises(ValueError, match="no 'scamp' row"):
+        hpo_makespan.ratio_line(_rows()[1:])
+
+
+def test_format_table_markdown_has_one_line_per_row() -> None:
+    text = hpo_makespan.format_table(_rows(), markdown=True)
+    lines = text.splitlines()
+    assert lines[0].startswith("| policy | end-to-end (s) |") and "best psnr" in lines[0]
+    assert lines[1] == "|---|---|---|---|---|---|"
+    assert lines[2] == "| scamp | 100.0 | 50.0% | 200.0 | 144.0 | 30 |"
+    assert lines[4].startswith("| ray-tune | 300.0 | 20.0% | 900.0 | 48.0 | 29.5 |")
+    plain = hpo_makespan.format_table(_rows(), markdown=False).splitlines()
+    assert plain[0].split()[:2] == ["policy", "end-to-end"] and plain[3].startswith("ray-tune")
+
+
+def test_ray_usage_matches_hand_computed_figures() -> None:
+    # Two 2-device trials at 100 of 1000 bytes per device: [0, 10] and [5, 15]; pool of 4.
+    usage = ray_baseline.ray_usage([(0, 0.0, 10.0, 100), (1, 5.0, 15.0, 100)],
+                                   devices_per_trial=2, pool_devices=4, memory_per_device=1000,
+                                   t_end=20.0)
+    busy = 2 * 10.0 + 2 * 10.0  # device-seconds held
+    assert usage["idle_device_seconds"] == pytest.approx(4 * 20.0 - busy)
+    assert usage["mean_memory_utilization"] == pytest.approx(busy * 100 / (4 * 1000 * 20.0))
+    assert usage["trials_finished"] == 2
+
+
+def test_ray_usage_reuses_devices_a_trial_released_at_the_same_instant() -> None:
+    usage = ray_baseline.ray_usage([(0, 0.0, 5.0, 10), (1, 5.0, 9.0, 10)], devices_per_trial=2,
+                                   pool_devices=2, memory_per_device=100, t_end=9.0)
+    assert usage["idle_device_seconds"] == pytest.approx(0.0)
+
+
+def test_ray_usage_rejects_more_overlap_than_the_pool_holds() -> None:
+    with pytest.raises(ValueError, match="only 0 free device"):
+        ray_baseline.ray_usage([(0, 0.0, 10.0, 1), (1, 1.0, 2.0, 1)], devices_per_trial=2,
+                               pool_devices=2, memory_per_device=10, t_end=10.0)
+
+
+def test_trial_specs_come_from_completed_trials_with_their_checkpoint_keys() -> None:
+    results = {"trials": [
+        {"number": 2, "state": "complete", "params": {"a": 1}, "batch_size": 8, "steps": 40,
+         "checkpoint": "/x/checkpoints/trial_2/40"},
+        {"number": 0, "state": "complete", "params": {"a": 2}, "batch_size": 8, "steps": 40,
+         "checkpoint": None},
+        {"number": 1, "state": "failed", "params": {"a": 3}, "batch_size": 0, "steps": 0},
+    ]}
+    specs = ray_baseline.trial_specs_from_results(results)
+    assert [s.number for s in specs] == [0, 2]
+    assert [s.checkpoint_key for s in specs] == ["trial_0", "trial_2"]
+    assert specs[1].params == {"a": 1} and specs[1].batch_size == 8 and specs[1].steps == 40
+    with pytest.raises(ValueError, match="no completed trial"):
+        ray_baseline.trial_specs_from_results({"trials": results["trials"][2:]})
+
+
+def test_missing_ray_skips_the_row_with_the_install_hint(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # makes `import ray` raise ImportError
+    ray, reason = ray_baseline.import_ray()
+    assert ray is None and 'pip install "ray[tune]"' in reason
+    args = argparse.Namespace(family="swinir", devices_per_trial=2, seed=0)
+    assert hpo_makespan._ray_rows(args, tmp_path, 2**30, 8, task=None) == []
+    assert "Ray Tune row skipped" in capsys.readouterr().out
+
+
+def test_step_cost_model_honours_the_planner_memory_floor() -> None:
+    cost = StepCostModel(model_parallel=1, flops_fixed=0.0, flops_per_sample=1.0,
+                         bytes_fixed=0.0, bytes_per_sample=1.0, gradient_bytes=0.0,
+                         mp_comm_fixed=0.0, mp_comm_per_sample=0.0, kernels_per_step=1,
+                         memory_fixed=100.0, memory_per_sample=10.0, memory_floor=500.0)
+    assert cost.peak_bytes(1) == 500  # flat part: XLA reuses buffers it needs anyway
+    assert cost.peak_bytes(100) == 1100
+    assert cost.profile(0, devices=1, batch_size=2, samples=4).bytes_per_device == 500
+    assert cost.max_local_batch(499) == 0
+    assert cost.max_local_batch(1000) == 90
+
+
+def _tiny_mlp() -> tuple[Any, Any]:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    class Mlp(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.up = nnx.Linear(16, 64, rngs=rngs)
+            self.down = nnx.Linear(64, 16, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return self.down(jax.nn.relu(self.up(x)))
+
+    model = nnx.eval_shape(lambda: Mlp(nnx.Rngs(0)))
+    return model, jax.ShapeDtypeStruct((1, 16), jnp.float32)
+
+
+def test_measure_cost_memory_is_the_planner_memory_model() -> None:
+    from benchmarks.simulate_cluster import measure_cost
+    from scamp_jax.memory import fit_memory_model
+    from scamp_jax.train_step import default_loss, default_optimizer
+
+    model, batch = _tiny_mlp()
+    cost, seconds = measure_cost(model, batch, optimizer=default_optimizer(),
+                                 loss_fn=default_loss, model_parallel=1, batches=(4, 16))
+    memory = fit_memory_model(model, batch, optimizer=default_optimizer(), loss_fn=default_loss,
+                              probe_batches=(4, 16), verify_batch=64)
+    assert (cost.memory_fixed, cost.memory_per_sample, cost.memory_floor) == (
+        memory.fixed_bytes, memory.bytes_per_sample, memory.floor_bytes)
+    for b in (1, 4, 64, 1000):
+        assert cost.peak_bytes(b) == memory.predict(b)
+    assert cost.flops_per_sample > 0 and cost.kernels_per_step > 0 and seconds > 0
+
+
+def test_cost_table_caches_and_remeasures_entries_without_the_planner_floor(
+    tmp_path: Path,
+) -> None:
+    from benchmarks.simulate_cluster import CostTable
+
+    cost = StepCostModel(model_parallel=1, flops_fixed=1.0, flops_per_sample=2.0,
+                         bytes_fixed=3.0, bytes_per_sample=4.0, gradient_bytes=5.0,
+                         mp_comm_fixed=0.0, mp_comm_per_sample=0.0, kernels_per_step=7,
+                         memory_fixed=8.0, memory_per_sample=9.0, memory_floor=10.0)
+    path = tmp_path / "costs.json"
+    old = {k: v for k, v in cost.__dict__.items() if k != "memory_floor"}
+    path.write_text(json.dumps({"stale": {**old, "compile_seconds": 1.0}}))
+    calls = []
+
+    def make() -> tuple[StepCostModel, float]:
+        calls.append(1)
+        return cost, 3.0
+
+    table = CostTable(path)
+    assert table.get("stale", make) == cost and len(calls) == 1
+    assert table.compile_seconds_of("stale") == pytest.approx(1.0)  # 3 compiles in 3 s
+    again = CostTable(path)
+    assert again.get("stale", make) == cost and len(calls) == 1  # served from the file
