@@ -16,6 +16,7 @@ last checkpoint instead of starting over.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,6 +146,25 @@ def make_pruner(name: str, *, warmup_steps: int = 0) -> optuna.pruners.BasePrune
     raise ValueError(f"unknown pruner {name!r}; choose one of {', '.join(PRUNERS)}")
 
 
+def _rdb_storage(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:
+    """Optuna's RDB storage at ``url``, tolerating another process creating the same schema.
+
+    Two processes opening a new SQLite file at once (MPI ranks, a resumed run and a monitoring
+    script) race to create its tables; the loser sees "table ... already exists". The schema is
+    complete once the winner commits, so opening again succeeds.
+    """
+    from sqlalchemy.exc import OperationalError
+
+    for attempt in range(attempts):
+        try:
+            return optuna.storages.RDBStorage(url)
+        except OperationalError as err:
+            if "already exists" not in str(err) or attempt == attempts - 1:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 def open_study(
     study_name: str,
     *,
@@ -164,7 +184,7 @@ def open_study(
     if direction not in ("maximize", "minimize"):
         raise ValueError(f"direction={direction!r} must be 'maximize' or 'minimize'")
     study = optuna.create_study(
-        storage=storage_url(study_dir, storage),
+        storage=_rdb_storage(storage_url(study_dir, storage)),
         study_name=study_name,
         direction="maximize" if direction == "maximize" else "minimize",
         sampler=make_sampler(sampler, seed, grid),

@@ -68,8 +68,8 @@ def _needs_mpi() -> None:
 
 def test_two_rank_csp_pipeline_matches_single_process_bit_for_bit(tmp_path: Path) -> None:
     single = run_script("supernet_pipeline.py", ["--stages", "2", "--out", str(tmp_path / "s")],
-                        None, timeout=120)
-    multi = run_script("supernet_pipeline.py", ["--out", str(tmp_path / "m")], 2, timeout=120)
+                        None, timeout=300)
+    multi = run_script("supernet_pipeline.py", ["--out", str(tmp_path / "m")], 2, timeout=300)
     assert multi["stages"] == 2
     assert multi["losses"] == single["losses"]
     assert multi["params_sha256"] == single["params_sha256"]
@@ -92,8 +92,8 @@ def test_four_rank_gpipe_pipeline_with_shared_weights_matches_single_process(
 
 
 def test_two_rank_data_parallel_trial_matches_single_process_loss_curve(tmp_path: Path) -> None:
-    single = run_script("data_parallel.py", ["--out", str(tmp_path / "s")], None, timeout=120)
-    multi = run_script("data_parallel.py", ["--out", str(tmp_path / "m")], 2, timeout=120)
+    single = run_script("data_parallel.py", ["--out", str(tmp_path / "s")], None, timeout=300)
+    multi = run_script("data_parallel.py", ["--out", str(tmp_path / "m")], 2, timeout=300)
     assert multi["ranks"] == 2 and len(multi["losses"]) == len(single["losses"]) == 4
     # Not bit-identical: the batch mean becomes a mean over ranks of half-batch means, the same
     # float32 numbers added in another order (a few units in the last place). Without the
@@ -108,7 +108,7 @@ def test_a_rank_that_dies_stops_the_pipeline_instead_of_hanging(tmp_path: Path) 
     # The surviving rank blocks in a receive from the dead one; the launcher must end the job
     # (a hang would raise TimeoutExpired here) and report the failed rank's exit status.
     proc = launch([str(SCRIPTS / "supernet_pipeline.py"), "--die-at-tick", "4", "--out",
-                   str(tmp_path / "m")], 2, timeout=120)
+                   str(tmp_path / "m")], 2, timeout=300)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "rank 1 exits at tick 4" in output
@@ -134,7 +134,7 @@ def test_supernet_experiment_under_mpirun_matches_the_single_process_run(tmp_pat
 def _study(tmp_path: Path, ranks: int, trials: int, *extra: str) -> subprocess.CompletedProcess:
     return launch([str(SCRIPTS / "study_ranks.py"), "--storage",
                    f"sqlite:///{tmp_path / 'study.db'}", "--trials", str(trials), "--out",
-                   str(tmp_path / "trials.json"), *extra], ranks, timeout=120)
+                   str(tmp_path / "trials.json"), *extra], ranks, timeout=300)
 
 
 def _trials(tmp_path: Path) -> list[dict]:

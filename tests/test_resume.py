@@ -16,6 +16,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+import sqlalchemy.exc
 from optuna.trial import TrialState
 
 from scamp_jax.study import FAIL_REASON, INTERRUPTED, storage_url
@@ -83,8 +84,9 @@ def _wait_for_kill_point(proc: subprocess.Popen, study_dir: Path, timeout: float
         if (study_dir / "study.db").exists():
             try:
                 trials = _study(study_dir).get_trials()
-            except (KeyError, ValueError, optuna.exceptions.StorageInternalError):
-                trials = []  # the study row is not written yet
+            except (KeyError, ValueError, optuna.exceptions.StorageInternalError,
+                    sqlalchemy.exc.OperationalError):
+                trials = []  # the study row (or the schema) is not written yet
             done = [t for t in trials if t.state == TrialState.COMPLETE]
             running = [t for t in trials if t.state == TrialState.RUNNING]
             for t in running:
