@@ -8,6 +8,7 @@ not import them; the functions that need them raise `MPIUnavailableError` with a
 - `mpi_mean`, `local_batch`, `jit_data_parallel_step`, `train_data_parallel`: a trial that is
   data parallel across ranks.
 - `shared_study`, `StudyServer`, `StudyClient`: one Optuna study served by rank 0 to all ranks.
+- `run_search_mpi`, `RemoteTrialSource`: the HPO engine on every rank, fed by rank 0's study.
 """
 
 from scamp_jax.distributed.data_parallel import check_one_device as check_one_device
@@ -16,6 +17,8 @@ from scamp_jax.distributed.data_parallel import local_batch as local_batch
 from scamp_jax.distributed.data_parallel import mpi_mean as mpi_mean
 from scamp_jax.distributed.data_parallel import one_device_shardings as one_device_shardings
 from scamp_jax.distributed.data_parallel import train_data_parallel as train_data_parallel
+from scamp_jax.distributed.engine import RemoteTrialSource as RemoteTrialSource
+from scamp_jax.distributed.engine import run_search_mpi as run_search_mpi
 from scamp_jax.distributed.mpi import MPIUnavailableError as MPIUnavailableError
 from scamp_jax.distributed.mpi import World as World
 from scamp_jax.distributed.mpi import import_mpi4jax as import_mpi4jax
@@ -34,6 +37,7 @@ from scamp_jax.distributed.study import shared_study as shared_study
 __all__ = [
     "MPIPipelineExecutor",
     "MPIUnavailableError",
+    "RemoteTrialSource",
     "StudyClient",
     "StudyServer",
     "WorkItem",
@@ -47,6 +51,7 @@ __all__ = [
     "mpi_mean",
     "mpirun_command",
     "one_device_shardings",
+    "run_search_mpi",
     "run_nas_mpi",
     "shared_study",
     "train_data_parallel",
