@@ -1,9 +1,10 @@
 """Supernet NAS for super-resolution: train a supernet through the pipeline, rank subnets by PSNR.
 
 The logic behind ``python -m experiments.supernet_nas``: draw training patches from the SwinIR
-search's photographs (one batch per subnet, in sequence-id order), train with the chosen schedule,
-evaluate a set of subnets on held-out photographs (PSNR on Y, the bicubic baseline beside it), and
-write a JSON summary and a PNG plot.
+search's photographs (one batch per subnet, in sequence-id order), train with the chosen schedule
+(`train_for_nas`), evaluate a set of subnets on held-out photographs (PSNR on Y, the bicubic
+baseline beside it), and write a JSON summary and a PNG plot (`evaluate_and_save`). `run_nas` does
+both in one process; `scamp_jax.distributed.nas.run_nas_mpi` does both with one stage per MPI rank.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,9 @@ import numpy as np
 from scamp_jax.pipeline.stage import OptimizerSpec
 from scamp_jax.pipeline.trainer import TrainResult, train_supernet
 from search_spaces.supernet import SupernetConfig, SupernetLayout, sample_subnets, subnet_labels
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +128,12 @@ def evaluate_subnets(
     return scores
 
 
+#: Trains the supernet: called like `train_supernet` (layout, subnets, LR and HR batches, then
+#: keywords ``schedule``, ``num_stages``, ``seed``, ``offload``, ``train_shared``,
+#: ``num_microbatches``, ``optimizer``, ``on_tick``).
+TrainFn = Callable[..., TrainResult]
+
+
 def run_nas(config: NASConfig, *, json_path: str | None = None, show: bool = True) -> dict:
     """Train the supernet, rank ``config.eval_subnets`` subnets by held-out PSNR, save results.
 
@@ -135,12 +146,25 @@ def run_nas(config: NASConfig, *, json_path: str | None = None, show: bool = Tru
     ``bicubic_psnr`` and ``best``.
     """
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-    from search_spaces.metrics import psnr_y
-    from search_spaces.sr_data import bicubic_upscale
 
     console = Console(quiet=not show)
+    layout, result = train_for_nas(config, console=console)
+    return evaluate_and_save(config, layout, result, json_path=json_path, console=console)
+
+
+def train_for_nas(
+    config: NASConfig, *, train_fn: TrainFn = train_supernet, console: Console | None = None
+) -> tuple[SupernetLayout, TrainResult]:
+    """Train the supernet of ``config`` on its subnets and training patches (the first half of
+    `run_nas`), with a progress bar on ``console`` (default: none shown).
+
+    ``train_fn`` trains (default `train_supernet`; the MPI pipeline passes its own). Returns
+    ``(layout, result)``.
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    console = console or Console(quiet=True)
     cfg = config.supernet
     layout = SupernetLayout(cfg)
     subnets = [s.choices for s in sample_subnets(config.subnets, cfg, config.seed)]
@@ -161,15 +185,41 @@ def run_nas(config: NASConfig, *, json_path: str | None = None, show: bool = Tru
         def on_tick(t: int, total: int) -> None:
             progress.update(task, completed=t + 1, total=total)
 
-        result = train_supernet(
+        result = train_fn(
             layout, subnets, lr, hr, schedule=config.schedule, num_stages=config.stages,
             seed=config.seed, offload=config.offload, train_shared=config.train_shared,
             num_microbatches=config.microbatches,
             optimizer=OptimizerSpec("adam", config.learning_rate), on_tick=on_tick,
         )
+    return layout, result
+
+
+def evaluate_and_save(
+    config: NASConfig,
+    layout: SupernetLayout,
+    result: TrainResult,
+    *,
+    json_path: str | None = None,
+    console: Console | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Rank subnets of the trained supernet by held-out PSNR and save the results (the second
+    half of `run_nas`).
+
+    Evaluates ``config.eval_subnets`` subnets on `held_out_images`, prints the tables on
+    ``console`` (default: none shown) and writes the summary, with the keys of ``extra`` added,
+    to ``json_path`` (default ``<out_dir>/results.json``) and a plot beside it (``.png``).
+    Returns the summary (see `run_nas`).
+    """
+    from rich.console import Console
+
+    from search_spaces.metrics import psnr_y
+    from search_spaces.sr_data import bicubic_upscale
+
+    console = console or Console(quiet=True)
     eval_lr, eval_hr = held_out_images(config)
     candidates = [
-        s.choices for s in sample_subnets(config.eval_subnets, cfg, config.seed + 1)
+        s.choices for s in sample_subnets(config.eval_subnets, config.supernet, config.seed + 1)
     ]
     started = time.perf_counter()
     scores = evaluate_subnets(layout, result.blocks, result.shared, candidates, eval_lr, eval_hr)
@@ -179,6 +229,7 @@ def run_nas(config: NASConfig, *, json_path: str | None = None, show: bool = Tru
     ]))
     summary = _summary(config, result, candidates, scores, bicubic)
     summary["eval_seconds"] = time.perf_counter() - started
+    summary.update(extra or {})
     _print_tables(console, config, result, summary)
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)

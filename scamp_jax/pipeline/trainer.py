@@ -1,8 +1,9 @@
 """Train a supernet over a sequence of subnets with a chosen pipeline schedule.
 
 `train_supernet` is the library entry point: it builds the schedule (``csp``, ``gpipe`` or
-``sequential``), turns it into a tick program, runs it on a `PipelineExecutor` and reports the
-losses, a hash of the final weights, ticks, stage utilisation and resident bytes.
+``sequential``), turns it into a tick program, runs it on a `PipelineExecutor` (or any other
+`StageExecutor`, such as the MPI one) and reports the losses, a hash of the final weights, ticks,
+stage utilisation and resident bytes.
 `train_reference` trains the same subnets without any pipeline (whole subnet in one jitted step),
 as an independent check of what the pipeline computes.
 """
@@ -20,6 +21,7 @@ import numpy as np
 
 from scamp_jax.pipeline.csp import check_causality, csp_schedule, ideal_schedule, split_layers
 from scamp_jax.pipeline.executor import PipelineExecutor
+from scamp_jax.pipeline.executor_base import StageExecutor
 from scamp_jax.pipeline.program import TickProgram, build_program
 from scamp_jax.pipeline.schedules import (
     Schedule,
@@ -31,6 +33,10 @@ from scamp_jax.pipeline.stage import OptimizerSpec
 from search_spaces.supernet import SupernetLayout, l1_loss
 
 SCHEDULES = ("csp", "gpipe", "sequential")
+
+#: Builds an executor from `PipelineExecutor`'s constructor arguments (``layout`` and the
+#: keywords ``num_stages`` ... ``optimizer``), e.g. an executor class.
+ExecutorFactory = Callable[..., StageExecutor]
 
 
 def make_schedule(
@@ -132,9 +138,14 @@ def build_executor(
     train_shared: bool = False,
     offload: bool = False,
     optimizer: OptimizerSpec | None = None,
-) -> PipelineExecutor:
-    """An executor whose buffers fit every program in ``programs`` (one compiled tick for all)."""
-    return PipelineExecutor(
+    executor_class: ExecutorFactory = PipelineExecutor,
+) -> StageExecutor:
+    """An executor whose buffers fit every program in ``programs`` (one compiled tick for all).
+
+    ``executor_class`` builds it (default `PipelineExecutor`, all stages in this process); pass
+    e.g. ``functools.partial(MPIPipelineExecutor, comm=comm)`` for one stage per MPI rank.
+    """
+    return executor_class(
         layout,
         num_stages=num_stages,
         microbatch_size=batch_size // num_microbatches,
@@ -164,7 +175,7 @@ def train_supernet(
     optimizer: OptimizerSpec | None = None,
     max_inflight: int | None = None,
     prefetch_ahead: int = 1,
-    executor: PipelineExecutor | None = None,
+    executor: StageExecutor | ExecutorFactory | None = None,
     on_tick: Callable[[int, int], None] | None = None,
 ) -> TrainResult:
     """Train the supernet initialised from ``seed`` on ``subnets`` (one batch each, in order).
@@ -183,7 +194,9 @@ def train_supernet(
       optimizer: per-block optimizer (default Adam, learning rate 1e-3).
       max_inflight: CSP's cap on subnets in flight (default S).
       prefetch_ahead: ticks a subnet's blocks may be fetched before its first forward.
-      executor: reuse a compiled executor (its buffers must fit this run's program).
+      executor: a compiled executor to reuse (its buffers must fit this run's program), or an
+        `ExecutorFactory` that `build_executor` calls to build one sized for this run (default
+        `PipelineExecutor`).
       on_tick: progress callback ``on_tick(tick, total_ticks)``.
     Returns:
       the `TrainResult`.
@@ -200,11 +213,11 @@ def train_supernet(
     ideal = ideal_schedule(subnets, bounds, max_inflight=max_inflight)
     program = build_program(sched, subnets, bounds, prefetch_ahead=prefetch_ahead)
     start = time.perf_counter()
-    if executor is None:
+    if not isinstance(executor, StageExecutor):
         executor = build_executor(
             layout, [program], num_stages=num_stages, batch_size=batch,
             lr_side=lr_batches.shape[2], num_microbatches=m_count, train_shared=train_shared,
-            offload=offload, optimizer=optimizer,
+            offload=offload, optimizer=optimizer, executor_class=executor or PipelineExecutor,
         )
     first_tick_done: list[float] = []
 

@@ -1,0 +1,311 @@
+"""What every pipeline executor shares, wherever its stages live.
+
+`StageExecutor` holds the stage split, the buffer sizes and the layout of the pipeline state, and
+runs a `TickProgram` tick by tick. Its subclasses only decide where stages live and how one tick
+moves data between them:
+
+- `scamp_jax.pipeline.executor.PipelineExecutor`: every stage in this process, one device each,
+  the state stacked over a leading stage axis S;
+- `scamp_jax.distributed.pipeline.MPIPipelineExecutor`: one stage per MPI rank, the state of this
+  rank's stage only (no stage axis).
+
+The defaults below are those of the single-process case (all stages local); a subclass whose
+stages live elsewhere overrides `_local`, `_gather_stages`, `_sum_over_stages` and
+`_last_stage_losses` with the matching collectives.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import Any, Required, TypedDict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Sharding
+
+from scamp_jax.pipeline.program import BWD, COL, TickProgram
+from scamp_jax.pipeline.stage import OptimizerSpec, StageSpec, State
+from search_spaces.supernet import SupernetLayout
+
+HOST_KIND = "pinned_host"
+DEVICE_KIND = "device"
+
+
+class StageSizes(TypedDict, total=False):
+    """The keyword arguments every executor takes: `StageExecutor`'s (see its Args)."""
+
+    num_stages: Required[int]
+    microbatch_size: Required[int]
+    lr_side: Required[int]
+    window_slots: Required[int]
+    act_slots: Required[int]
+    grad_slots: Required[int]
+    num_microbatches: int
+    train_shared: bool
+    offload: bool
+    optimizer: OptimizerSpec | None
+
+
+class StageExecutor(abc.ABC):
+    """Stage split, state layout and tick loop of a supernet pipeline (see the module docstring).
+
+    Args:
+      layout: the supernet's flat-weight layout.
+      num_stages: S pipeline stages; ``num_layers`` must be a multiple of S.
+      microbatch_size: samples per forward/backward op (the batch size over ``num_microbatches``).
+      lr_side: side of the LR input patches (pixels); must suit the attention window.
+      window_slots, act_slots, grad_slots: buffer sizes per stage; take the maximum over the
+        programs to run so that all of them share one compiled executable.
+      num_microbatches: M (1 except GPipe).
+      train_shared: train the stem and head (else they stay frozen).
+      offload: keep all candidate weights and optimizer state in host memory.
+      optimizer: per-block optimizer (default Adam, learning rate 1e-3).
+    """
+
+    def __init__(
+        self,
+        layout: SupernetLayout,
+        *,
+        num_stages: int,
+        microbatch_size: int,
+        lr_side: int,
+        window_slots: int,
+        act_slots: int,
+        grad_slots: int,
+        num_microbatches: int = 1,
+        train_shared: bool = False,
+        offload: bool = False,
+        optimizer: OptimizerSpec | None = None,
+    ):
+        cfg = layout.config
+        if cfg.num_layers % num_stages:
+            raise ValueError(
+                f"num_layers={cfg.num_layers} is not a multiple of {num_stages=}; every stage "
+                "must hold the same number of layers"
+            )
+        layout.check_patch(lr_side)
+        self.layout = layout
+        self.spec = StageSpec(
+            num_stages=num_stages,
+            layers_per_stage=cfg.num_layers // num_stages,
+            num_choices=cfg.num_choices,
+            num_microbatches=num_microbatches,
+            train_shared=train_shared,
+            offload=offload,
+            optimizer=optimizer or OptimizerSpec(),
+        )
+        self.microbatch_size = microbatch_size
+        self.lr_side = lr_side
+        self.slots = (window_slots, act_slots, grad_slots)
+
+    # -- where the stages live (subclasses) ---------------------------------------------------
+    @abc.abstractmethod
+    def _sharding(self, kind: str = DEVICE_KIND) -> Sharding:
+        """Placement of one state leaf in memory of kind ``kind`` (device or pinned host)."""
+
+    @abc.abstractmethod
+    def tick(self, state: State, rows: np.ndarray, lr: np.ndarray, hr: np.ndarray) -> tuple[
+        State, jax.Array
+    ]:
+        """One tick of the local stages on their instruction ``rows`` and microbatches."""
+
+    @property
+    def _stage_prefix(self) -> tuple[int, ...]:
+        """Leading shape of every state leaf: ``(S,)`` while all stages are local."""
+        return (self.spec.num_stages,)
+
+    def _local(self, per_stage: np.ndarray) -> np.ndarray:
+        """The local stages' part of a (S, ...) array (all of it while all stages are local)."""
+        return per_stage
+
+    def _gather_stages(self, local: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Every stage's arrays stacked on a leading S axis, from this process's ``local`` ones."""
+        return local
+
+    def _sum_over_stages(self, counts: dict[str, int]) -> dict[str, int]:
+        """Byte counts of the local stages summed over all stages."""
+        return counts
+
+    def _last_stage_losses(self, losses: list[jax.Array]) -> np.ndarray:
+        """(T,) the last stage's loss per tick, from the local stages' (T,) tick outputs."""
+        return np.asarray(jnp.stack(losses))[:, -1]
+
+    # -- state ------------------------------------------------------------------------------
+    def state_shapes(self) -> State:
+        """Shapes and dtypes (``jax.ShapeDtypeStruct`` leaves) of the local stages' state.
+
+        Every leaf starts with `_stage_prefix`: ``(S,)`` when all stages are in this process,
+        nothing when it holds one stage.
+        """
+        spec, lay, pre = self.spec, self.layout, self._stage_prefix
+        n, c, p = spec.layers_per_stage, spec.num_choices, lay.block_size
+        w, k, g = self.slots
+        mb, side, width = self.microbatch_size, self.lr_side, lay.config.width
+        f32, i32 = jnp.float32, jnp.int32
+
+        def sds(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(pre + shape, dtype)
+
+        fields = spec.optimizer.fields
+        store = {f: sds((n, c + 1, p), f32) for f in fields} | {"t": sds((n, c + 1), i32)}
+        window = {f: sds((w, n, p), f32) for f in fields} | {"t": sds((w, n), i32)}
+        shared = {f: sds((lay.shared_size,), f32) for f in fields} | {"t": sds((), i32)}
+        if spec.num_microbatches > 1:
+            window["acc"] = sds((w, n, p), f32)
+            shared["acc"] = sds((lay.shared_size,), f32)
+        act = sds((k, mb, side, side, width), f32)
+        grad = sds((g, mb, side, side, width), f32)
+        return {"store": store, "window": window, "shared": shared, "act": act, "grad": grad}
+
+    def state_shardings(self) -> State:
+        """Placement of every state leaf; the store in host memory (``pinned_host``) when
+        offloading, everything else on the device."""
+        store_kind = HOST_KIND if self.spec.offload else DEVICE_KIND
+        shapes = self.state_shapes()
+        out = jax.tree.map(lambda _: self._sharding(), shapes)
+        out["store"] = jax.tree.map(lambda _: self._sharding(store_kind), shapes["store"])
+        return out
+
+    def init_state(self, blocks: np.ndarray, shared: np.ndarray) -> State:
+        """State of the local stages holding supernet weights ``blocks`` (L, C, P) and
+        ``shared`` (P_shared,).
+
+        Every process passes the whole supernet. Optimizer moments and step counts start at
+        zero; the window and buffers are empty.
+        """
+        spec, shapes = self.spec, self.state_shapes()
+        s, n, c = spec.num_stages, spec.layers_per_stage, spec.num_choices
+        expected = (self.layout.config.num_layers, c, self.layout.block_size)
+        if blocks.shape != expected or shared.shape != (self.layout.shared_size,):
+            raise ValueError(
+                f"weights of shape {blocks.shape} / {shared.shape} do not match the layout "
+                f"{expected} / {(self.layout.shared_size,)}; build them with layout.init(seed)"
+            )
+        host = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), shapes)
+        # Candidate c (the last) stays zero: it is the slot of layers a subnet leaves unused.
+        host["store"]["p"][..., :c, :] = self._local(blocks.reshape(s, n, c, -1))
+        host["shared"]["p"][...] = self._local(np.broadcast_to(shared, (s, shared.size)))
+        return jax.tree.map(jax.device_put, host, self.state_shardings())
+
+    def export(self, state: State) -> dict[str, np.ndarray]:
+        """The whole supernet's weights and optimizer state as numpy arrays in layout shapes.
+
+        Collective when stages live in several processes (each must call it). Returns
+        ``{"blocks": (L, C, P), "shared": (P_shared,), "blocks_<field>": ..., "block_steps":
+        (L, C)}``; the stem comes from stage 0 and the head from the last stage.
+        """
+        spec, lay = self.spec, self.layout
+        c, stem, layers = spec.num_choices, lay.stem.size, lay.config.num_layers
+        local = {k: np.asarray(v) for k, v in state["store"].items()}
+        local["shared_p"] = np.asarray(state["shared"]["p"])
+        stages = self._gather_stages(local)
+        shared_p = stages["shared_p"]
+        out = {
+            "blocks": stages["p"][:, :, :c].reshape(layers, c, -1),
+            "shared": np.concatenate([shared_p[0, :stem], shared_p[-1, stem:]]),
+            "block_steps": stages["t"][:, :, :c].reshape(layers, c),
+        }
+        for f in spec.optimizer.fields[1:]:
+            out[f"blocks_{f}"] = stages[f][:, :, :c].reshape(layers, c, -1)
+        return out
+
+    def planned_bytes(self) -> dict[str, int]:
+        """`resident_bytes` of a state of this executor, from shapes alone (nothing allocated),
+        all stages together."""
+        shapes, shardings = self.state_shapes(), self.state_shardings()
+        # Every stage's state has the same shapes, so remote stages count as the local ones.
+        per_local = self.spec.num_stages // int(np.prod(self._stage_prefix))
+        out = {"device_param_bytes": 0, "host_param_bytes": 0}
+        for part in ("store", "window", "shared"):
+            leaves = zip(
+                jax.tree.leaves(shapes[part]), jax.tree.leaves(shardings[part]), strict=True
+            )
+            for leaf, sharding in leaves:
+                size = int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+                host = sharding.memory_kind == HOST_KIND
+                out["host_param_bytes" if host else "device_param_bytes"] += size * per_local
+        out["activation_bytes"] = per_local * sum(
+            int(np.prod(shapes[k].shape)) * np.dtype(shapes[k].dtype).itemsize
+            for k in ("act", "grad")
+        )
+        return out
+
+    def resident_bytes(self, state: State) -> dict[str, int]:
+        """Bytes of the state by memory kind, summed over all stages (collective across
+        processes).
+
+        Returns ``{"device_param_bytes", "host_param_bytes", "activation_bytes"}``: weights and
+        optimizer state (store, window, shared) in device and in host memory, and the
+        activation/gradient buffers (always on device).
+        """
+        out = {"device_param_bytes": 0, "host_param_bytes": 0}
+        for part in ("store", "window", "shared"):
+            for leaf in jax.tree.leaves(state[part]):
+                kind = leaf.sharding.memory_kind
+                key = "host_param_bytes" if kind == HOST_KIND else "device_param_bytes"
+                out[key] += int(leaf.nbytes)
+        out["activation_bytes"] = int(state["act"].nbytes + state["grad"].nbytes)
+        return self._sum_over_stages(out)
+
+    # -- running a program ------------------------------------------------------------------
+    def run(
+        self,
+        state: State,
+        program: TickProgram,
+        lr_data: np.ndarray,
+        hr_data: np.ndarray,
+        on_tick: Callable[[int, int], None] | None = None,
+    ) -> tuple[State, np.ndarray]:
+        """Run every tick of ``program`` (collective when stages live in several processes).
+
+        Args:
+          state: initial state of the local stages (donated).
+          program: the per-tick instructions of all stages (buffer sizes must fit this
+            executor's; identical in every process).
+          lr_data: (N, M, mb, h, w, 3) LR microbatches per subnet sequence id (every process
+            passes them all; each stage uses the ones its rows name).
+          hr_data: (N, M, mb, r h, r w, 3) HR targets.
+          on_tick: called as ``on_tick(tick, total_ticks)`` after each dispatched tick.
+        Returns:
+          ``(state, losses)``: final state and (N,) training loss per subnet (mean over its
+          microbatches), in sequence-id order, the same in every process.
+        """
+        self._check_program(program, lr_data)
+        losses = []
+        for t in range(program.ticks):
+            rows = self._local(program.table[t])
+            sub = np.maximum(rows[..., COL["subnet"]], 0)
+            mbi = rows[..., COL["microbatch"]]
+            state, loss = self.tick(state, rows, lr_data[sub, mbi], hr_data[sub, mbi])
+            losses.append(loss)
+            if on_tick is not None:
+                on_tick(t, program.ticks)
+        per_tick = self._last_stage_losses(losses)
+        last = program.table[:, -1]
+        per_subnet = np.zeros(lr_data.shape[0], np.float64)
+        for done in np.nonzero(last[:, COL["kind"]] == BWD)[0]:
+            per_subnet[last[done, COL["subnet"]]] += per_tick[done]
+        return state, (per_subnet / self.spec.num_microbatches).astype(np.float32)
+
+    def _check_program(self, program: TickProgram, lr_data: np.ndarray) -> None:
+        need = (program.window_slots, program.act_slots, program.grad_slots)
+        if any(n > have for n, have in zip(need, self.slots, strict=True)):
+            raise ValueError(
+                f"program needs (window, act, grad) slots {need} but the executor has "
+                f"{self.slots}; build the executor with at least the program's sizes"
+            )
+        stages = program.table.shape[1]
+        if stages != self.spec.num_stages or program.layers_per_stage != self.spec.layers_per_stage:
+            raise ValueError(
+                f"program has {stages} stages of {program.layers_per_stage} layers, the "
+                f"executor {self.spec.num_stages} of {self.spec.layers_per_stage}; build the "
+                f"program with split_layers(num_layers, {self.spec.num_stages})"
+            )
+        want = (self.spec.num_microbatches, self.microbatch_size, self.lr_side, self.lr_side, 3)
+        if tuple(lr_data.shape[1:]) != want:
+            raise ValueError(
+                f"lr_data of shape {lr_data.shape} does not match (N, M, mb, h, w, 3) = "
+                f"(N, *{want}); split batches with split_microbatches()"
+            )
