@@ -79,6 +79,7 @@ class EngineConfig:
         which the study stops with `BudgetTooSmallError`.
       seed: base seed of initialisation and data streams.
       rank: process rank recorded with each trial (0 on a single host).
+      planner_threads: configurations planned at once (each plan is a few compiles).
     """
 
     steps: int
@@ -97,8 +98,11 @@ class EngineConfig:
     nofit_limit: int = 3
     seed: int = 0
     rank: int = 0
+    planner_threads: int = 2
 
     def __post_init__(self) -> None:
+        if self.planner_threads < 1:
+            raise ValueError(f"planner_threads={self.planner_threads} must be at least 1")
         if self.steps < 1:
             raise ValueError(f"steps={self.steps} must be at least 1")
         if self.memory_per_device <= 0:
@@ -199,6 +203,9 @@ class SearchEngine:
         self.cache = StepCache()
         self.statuses: dict[int, TrialStatus] = {}
         self._plans: dict[Any, Any] = {}
+        self._plans_lock = threading.Lock()
+        self._key_locks: dict[Any, threading.Lock] = {}
+        self._fixed_lock = threading.Lock()
         self._fixed_batch: int | None = config.fixed_batch_size
         self._ever_fit = False
         self._nofit: list[int] = []
@@ -225,6 +232,10 @@ class SearchEngine:
 
     def fixed_batch_size(self) -> int:
         """The fixed policy's batch: the largest the space's largest candidate fits."""
+        with self._fixed_lock:
+            return self._fixed_batch_size_locked()
+
+    def _fixed_batch_size_locked(self) -> int:
         if self._fixed_batch is None:
             if not self.space.largest:
                 raise ValueError(
@@ -269,12 +280,17 @@ class SearchEngine:
         else:
             cap = self.config.max_batch_size if max_batch is None else max_batch
         key = (graphdef, devices, cap)
-        if key not in self._plans:
-            if devices is not None:
-                self._plans[key] = self._call_planner(model, devices, cap)
-            else:
-                self._plans[key] = self._smallest_fitting_plan(model, cap)
-        return self._plans[key]
+        # Several planner threads compile at once (XLA compiles outside the GIL); one lock per
+        # architecture makes a second trial of it wait for the first plan instead of redoing it.
+        with self._plans_lock:
+            key_lock = self._key_locks.setdefault(key, threading.Lock())
+        with key_lock:
+            if key not in self._plans:
+                if devices is not None:
+                    self._plans[key] = self._call_planner(model, devices, cap)
+                else:
+                    self._plans[key] = self._smallest_fitting_plan(model, cap)
+            return self._plans[key]
 
     # ---------------------------------------------------------------------------- the loop
     def _now(self) -> float:
@@ -443,9 +459,9 @@ class SearchEngine:
         stop = threading.Event()
         executor = cf.ThreadPoolExecutor(max_workers=max(4, 4 * len(self.devices)),
                                          thread_name_prefix="trial")
-        # Planning compiles; one planner thread overlaps it with training without two plans
-        # racing on the plan cache.
-        planner_pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner")
+        # Planning compiles; planner threads overlap it with training and with each other.
+        planner_pool = cf.ThreadPoolExecutor(max_workers=self.config.planner_threads,
+                                             thread_name_prefix="planner")
         exhausted = False
         try:
             while True:

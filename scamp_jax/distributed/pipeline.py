@@ -30,8 +30,8 @@ from jax.sharding import SingleDeviceSharding
 
 from scamp_jax.distributed.mpi import import_mpi4jax, import_mpi4py
 from scamp_jax.pipeline.executor_base import DEVICE_KIND, StageExecutor, StageSizes
-from scamp_jax.pipeline.stage import OptimizerSpec, State, receive, stage_tick
-from scamp_jax.pipeline.trainer import TrainResult, train_supernet
+from scamp_jax.pipeline.stage import State, receive, stage_tick
+from scamp_jax.pipeline.trainer import TrainOptions, TrainResult, train_supernet
 from search_spaces.supernet import SupernetLayout
 
 # Message tags of the two shifts of a tick, so an activation can never be taken for a gradient.
@@ -183,31 +183,23 @@ def train_supernet_mpi(
     lr_batches: np.ndarray,
     hr_batches: np.ndarray,
     *,
-    schedule: str = "csp",
-    num_stages: int | None = None,
-    seed: int = 0,
-    offload: bool = True,
-    train_shared: bool = False,
-    num_microbatches: int = 4,
-    optimizer: OptimizerSpec | None = None,
-    max_inflight: int | None = None,
-    prefetch_ahead: int = 1,
     comm: Any = None,
-    on_tick: Callable[[int, int], None] | None = None,
+    **options: Unpack[TrainOptions],
 ) -> TrainResult:
     """`scamp_jax.pipeline.trainer.train_supernet` with one stage per MPI rank (collective).
 
     Every rank calls it with the same arguments (the same subnets and batches, e.g. drawn from
-    the same seed); ``num_stages`` defaults to the communicator's size and must equal it.
-    Returns the same `TrainResult` on every rank, bit-identical in ``losses`` and
-    ``params_sha256`` to ``train_supernet(..., num_stages=size)`` in one process.
+    the same seed). ``options`` are `train_supernet`'s keywords (`TrainOptions`: ``schedule``,
+    ``num_stages``, ``seed``, ``offload``, ...) with its defaults, except that ``num_stages``
+    defaults to the communicator's size (and must equal it). ``comm`` is the mpi4py
+    communicator (default ``MPI.COMM_WORLD``). Returns the same `TrainResult` on every rank,
+    bit-identical in ``losses`` and ``params_sha256`` to ``train_supernet(...,
+    num_stages=size)`` in one process.
     """
     mpi = import_mpi4py()
     comm = mpi.COMM_WORLD if comm is None else comm
+    options.setdefault("num_stages", comm.Get_size())
     return train_supernet(
-        layout, subnets, lr_batches, hr_batches, schedule=schedule,
-        num_stages=comm.Get_size() if num_stages is None else num_stages, seed=seed,
-        offload=offload, train_shared=train_shared, num_microbatches=num_microbatches,
-        optimizer=optimizer, max_inflight=max_inflight, prefetch_ahead=prefetch_ahead,
-        executor=functools.partial(MPIPipelineExecutor, comm=comm), on_tick=on_tick,
+        layout, subnets, lr_batches, hr_batches,
+        executor=functools.partial(MPIPipelineExecutor, comm=comm), **options,
     )

@@ -106,10 +106,12 @@ class StageExecutor(abc.ABC):
         """Placement of one state leaf in memory of kind ``kind`` (device or pinned host)."""
 
     @abc.abstractmethod
-    def tick(self, state: State, rows: np.ndarray, lr: np.ndarray, hr: np.ndarray) -> tuple[
-        State, jax.Array
-    ]:
-        """One tick of the local stages on their instruction ``rows`` and microbatches."""
+    def tick(
+        self, state: State, rows: np.ndarray, lr: np.ndarray, hr: np.ndarray
+    ) -> tuple[State, jax.Array]:
+        """One tick of the local stages (collective across processes): ``rows`` are their
+        instruction rows and ``lr`` / ``hr`` their microbatches, shaped as `_local` selects from
+        (S, ...); returns the new state (``state`` is donated) and the local stages' losses."""
 
     @property
     def _stage_prefix(self) -> tuple[int, ...]:

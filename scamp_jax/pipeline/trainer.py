@@ -14,6 +14,7 @@ import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,22 @@ SCHEDULES = ("csp", "gpipe", "sequential")
 #: Builds an executor from `PipelineExecutor`'s constructor arguments (``layout`` and the
 #: keywords ``num_stages`` ... ``optimizer``), e.g. an executor class.
 ExecutorFactory = Callable[..., StageExecutor]
+
+
+class TrainOptions(TypedDict, total=False):
+    """`train_supernet`'s keyword arguments but ``executor`` (same meanings and defaults), for
+    wrappers that choose the executor themselves."""
+
+    schedule: str
+    num_stages: int
+    seed: int
+    offload: bool
+    train_shared: bool
+    num_microbatches: int
+    optimizer: OptimizerSpec | None
+    max_inflight: int | None
+    prefetch_ahead: int
+    on_tick: Callable[[int, int], None] | None
 
 
 def make_schedule(
