@@ -82,7 +82,10 @@ def test_world_without_a_launcher_is_one_rank_and_imports_no_mpi(monkeypatch):
     assert world() == World(rank=0, size=1, comm=None)
     code = ("import sys, scamp_jax.distributed as d; d.world(); "
             "assert 'mpi4py' not in sys.modules and 'mpi4jax' not in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    # An explicit environment: once mpi4py has initialised MPI in this process (another test
+    # file may have), MPI's own variables sit in the C-level environment a child would inherit.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=env)
 
 
 def test_missing_mpi4jax_raises_an_install_hint(monkeypatch):

@@ -11,6 +11,7 @@ from scamp_jax.pipeline.csp import ideal_schedule as ideal_schedule
 from scamp_jax.pipeline.csp import split_layers as split_layers
 from scamp_jax.pipeline.csp import stage_param_keys as stage_param_keys
 from scamp_jax.pipeline.executor import PipelineExecutor as PipelineExecutor
+from scamp_jax.pipeline.executor_base import StageExecutor as StageExecutor
 from scamp_jax.pipeline.program import TickProgram as TickProgram
 from scamp_jax.pipeline.program import build_program as build_program
 from scamp_jax.pipeline.schedules import Op as Op
@@ -38,6 +39,7 @@ __all__ = [
     "OptimizerSpec",
     "PipelineExecutor",
     "Schedule",
+    "StageExecutor",
     "StageSpec",
     "TickProgram",
     "TrainResult",
