@@ -40,6 +40,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks._tables import print_table
+
 MODEL = {"embed_dim": 24, "num_groups": 2, "group_depth": 2, "num_heads": 2, "window_size": 4,
          "mlp_ratio": 2.0}
 LR_SIDE = 8
@@ -249,20 +251,6 @@ def planner_rows(budgets: Sequence[str], per_device_batch: int) -> list[list[str
     return rows
 
 
-def _print(title: str, header: list[str], rows: list[list[str]], markdown: bool) -> None:
-    print(f"\n{title}")
-    if markdown:
-        print("| " + " | ".join(header) + " |")
-        print("|" + "---|" * len(header))
-        for row in rows:
-            print("| " + " | ".join(row) + " |")
-        return
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    print("  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
-    for row in rows:
-        print("  ".join(x.rjust(w) for x, w in zip(row, widths, strict=True)))
-
-
 def _comm_rows(results: list[dict[str, Any]]) -> list[list[str]]:
     from scamp_jax._units import format_bytes
 
@@ -324,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             elif args.global_mesh:
                 print(json.dumps(result, indent=2))
             else:
-                _print("Cross-rank all-reduce, SwinIR data parallel", COMM_HEADER,
+                print_table("Cross-rank all-reduce, SwinIR data parallel", COMM_HEADER,
                        _comm_rows([result]), args.markdown)
         return
 
@@ -347,14 +335,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             results.append(result)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2))
-    _print(f"Cross-rank all-reduce, SwinIR data parallel, {args.per_rank_batch} samples per "
+    print_table(f"Cross-rank all-reduce, SwinIR data parallel, {args.per_rank_batch} samples per "
            f"rank, one CPU device per rank ({os.cpu_count()} cores)", COMM_HEADER,
            _comm_rows(results), args.markdown)
     if args.budgets:
         from scamp_jax.devices import configure_cpu_devices
 
         configure_cpu_devices(8)
-        _print("Planner: fewest devices (of one 8-device host) for the same trial",
+        print_table("Planner: fewest devices (of one 8-device host) for the same trial",
                ["memory per device", "devices", "data x model", "batch"],
                planner_rows(args.budgets, args.per_rank_batch), args.markdown)
 

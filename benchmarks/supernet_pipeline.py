@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from benchmarks._tables import print_table
+
 CHOICES = (2, 4, 12, 24)
 STAGES = (2, 4, 8)
 
@@ -146,20 +148,6 @@ def measured_rows(pairs: Sequence[tuple[int, int]], subnets: int = 48) -> list[l
     return rows
 
 
-def _print(title: str, header: list[str], rows: list[list[str]], markdown: bool) -> None:
-    print(f"\n{title}")
-    if markdown:
-        print("| " + " | ".join(header) + " |")
-        print("|" + "---|" * len(header))
-        for row in rows:
-            print("| " + " | ".join(row) + " |")
-        return
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    print("  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
-    for row in rows:
-        print("  ".join(x.rjust(w) for x, w in zip(row, widths, strict=True)))
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse flags, print the three tables."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -171,12 +159,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     from scamp_jax.devices import configure_cpu_devices
 
     configure_cpu_devices(max(STAGES))
-    _print(
+    print_table(
         "Schedules: ticks (utilisation), 16 layers, 64 subnets",
         ["C", "S", "sequential", "gpipe M=4", "csp", "csp+shared", "ideal", "csp vs seq"],
         schedule_rows(), args.markdown,
     )
-    _print(
+    print_table(
         "Offload: weights + Adam state on devices (csp window) vs whole supernet, width 16",
         ["C", "S", "window", "device (offload)", "device (no offload)", "supernet", "ratio"],
         offload_rows(), args.markdown,
@@ -186,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     pairs = [(12, 4)] if args.measure == "default" else [
         (c, s) for c in CHOICES for s in STAGES
     ]
-    _print(
+    print_table(
         "Measured on CPU devices: samples/s (tiny supernet, offload on)",
         ["C", "S", "sequential", "gpipe", "csp", "csp/seq", "csp/gpipe", "csp == seq"],
         measured_rows(pairs), args.markdown,

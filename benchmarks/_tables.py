@@ -1,0 +1,21 @@
+"""Printing the benchmarks' tables: aligned plain text, or Markdown for BENCHMARKS.md."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]],
+                markdown: bool) -> None:
+    """Print ``title`` then the table (strings per cell), as Markdown when ``markdown``."""
+    print(f"\n{title}")
+    if markdown:
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
+        for row in rows:
+            print("| " + " | ".join(row) + " |")
+        return
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    print("  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
+    for row in rows:
+        print("  ".join(x.rjust(w) for x, w in zip(row, widths, strict=True)))
