@@ -13,7 +13,6 @@ import argparse
 import os
 import signal
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,56 +20,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from experiments._cli import HPOConfig, add_flags, config_from_args, run  # noqa: E402
 
-IN, OUT = 8, 1
-
 
 def make_space_and_task(config: HPOConfig) -> tuple[Any, Any]:
-    """A two-layer MLP family (width, learning rate) regressing ``sin(x @ w)``."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
+    """The MLP regression of ``tests/test_runner.py``; one width, so one plan and step per rank."""
     from flax import nnx
 
     from scamp_jax.space import SearchSpace
 
-    class MLP(nnx.Module):
-        def __init__(self, width: int, rngs: nnx.Rngs) -> None:
-            self.hidden = nnx.Linear(IN, width, rngs=rngs)
-            self.out = nnx.Linear(width, OUT, rngs=rngs)
-
-        def __call__(self, x: jax.Array) -> jax.Array:
-            return self.out(jnp.tanh(self.hidden(x)))
-
-    class Regression:
-        metric = "mse"
-        direction = "minimize"
-
-        def __init__(self) -> None:
-            rng = np.random.default_rng(0)
-            self.w = rng.normal(size=(IN, OUT)).astype(np.float32) / np.sqrt(IN)
-            self.x_eval = rng.normal(size=(128, IN)).astype(np.float32)
-            self.y_eval = np.sin(self.x_eval @ self.w)
-
-        def sample_batch(self, batch_size: int) -> tuple[jax.ShapeDtypeStruct, ...]:
-            return (jax.ShapeDtypeStruct((batch_size, IN), jnp.float32),
-                    jax.ShapeDtypeStruct((batch_size, OUT), jnp.float32))
-
-        def batches(self, batch_size: int, seed: int) -> Iterator[tuple[np.ndarray, ...]]:
-            rng = np.random.default_rng(seed)
-            while True:
-                x = rng.normal(size=(batch_size, IN)).astype(np.float32)
-                yield x, np.sin(x @ self.w)
-
-        def loss_fn(self, model: nnx.Module, batch: tuple[jax.Array, ...]) -> jax.Array:
-            x, y = batch
-            return jnp.mean(jnp.square(model(x) - y))
-
-        def evaluate(self, model: nnx.Module) -> dict[str, float]:
-            pred = np.asarray(model(jnp.asarray(self.x_eval)))
-            return {"mse": float(np.mean((pred - self.y_eval) ** 2))}
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from test_runner import MLP, Regression
 
     def suggest(trial: Any) -> dict[str, Any]:
-        # One architecture: every trial shares one plan and one compiled step per rank.
         return {"width": trial.suggest_categorical("width", [16]),
                 "learning_rate": trial.suggest_float("learning_rate", 1e-3, 3e-2, log=True)}
 
