@@ -32,6 +32,8 @@ class HPOConfig:
         run proportionally fewer steps, so every trial sees the same number of samples).
       reference_batch: global batch that ``steps`` refers to.
       max_batch_size: cap on any trial's global batch.
+      min_batch_size: smallest global batch a trial may train with (None: any); under MPI a
+        trial that cannot reach it on one rank's devices spans ranks, data parallel.
       devices: devices of the pool (None: every device of the backend).
       memory_per_device: budget per device, e.g. ``"1GiB"`` (None: the device limit on GPUs).
       policy: ``"scamp"`` or ``"fixed"``.
@@ -70,6 +72,7 @@ class HPOConfig:
     train_dir: str | None = None
     eval_dir: str | None = None
     initial_params: tuple[dict[str, Any], ...] = ()
+    min_batch_size: int | None = None
 
 
 def positive_int(text: str) -> int:
@@ -99,6 +102,12 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
     parser.add_argument("--memory-per-device",
                         help="memory budget per device, e.g. '1GiB', '512MiB' (default: the "
                         "preset's on CPU, the device limit on GPUs)")
+    parser.add_argument("--max-batch-size", type=positive_int,
+                        help="cap on every trial's global batch (default: the preset's)")
+    parser.add_argument("--min-batch-size", type=positive_int,
+                        help="smallest global batch a trial may train with (default: any); a "
+                        "trial whose largest fitting batch is smaller needs more devices, and "
+                        "under mpirun one that one rank cannot hold spans ranks data-parallel")
     parser.add_argument("--policy", choices=POLICIES,
                         help="placement: 'scamp' packs trials by planned memory (default), "
                         "'fixed' gives each trial --devices-per-trial devices and one batch size")
@@ -124,6 +133,7 @@ def config_from_args(args: argparse.Namespace, base: HPOConfig, study_dir: str) 
     """``base`` with every flag the user set applied on top."""
     overrides = {}
     for name in ("trials", "steps", "devices", "memory_per_device", "policy", "devices_per_trial",
+                 "max_batch_size", "min_batch_size",
                  "sampler", "pruner", "eval_every", "seed", "storage", "train_dir", "eval_dir"):
         value = getattr(args, name, None)
         if value is not None:

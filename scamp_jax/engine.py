@@ -54,6 +54,19 @@ class BudgetTooSmallError(ValueError):
     """No candidate fits the device pool: the memory budget or the device count is too small."""
 
 
+class TrialDeferred(Exception):  # noqa: N818 - a hand-over, not an error
+    """Raised by `SearchEngine.plan` for a trial this engine hands to someone else to run.
+
+    The engine neither fails nor places it: it is listed in `SearchEngine.deferred` with this
+    exception, whose ``payload`` says what the caller needs to run it (e.g. the MPI engine's
+    trials that span ranks). Deferred trials stay open in the study until the caller tells them.
+    """
+
+    def __init__(self, message: str, payload: Any = None) -> None:
+        super().__init__(message)
+        self.payload = payload
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine trains and places trials.
@@ -64,6 +77,10 @@ class EngineConfig:
       policy: ``"scamp"`` (memory-aware packing, planner's batch) or ``"fixed"`` (baseline).
       devices_per_trial: devices every trial gets under the fixed policy.
       max_batch_size: upper bound on any trial's global batch (None: as large as memory allows).
+      min_batch_size: smallest global batch a ScaMP plan may train with (None: any). A
+        configuration whose largest fitting batch on the whole pool is smaller does not fit
+        (under MPI it spans ranks instead, see `scamp_jax.distributed.engine`); out-of-memory
+        re-plans never halve a batch below it.
       reference_batch: if set, a trial at global batch ``b`` trains
         ``ceil(steps * reference_batch / b)`` steps, so every trial sees the same number of
         samples whatever batch its plan allows.
@@ -87,6 +104,7 @@ class EngineConfig:
     policy: str = "scamp"
     devices_per_trial: int = 2
     max_batch_size: int | None = None
+    min_batch_size: int | None = None
     reference_batch: int | None = None
     fixed_batch_size: int | None = None
     safety_margin: float = 0.1
@@ -111,6 +129,14 @@ class EngineConfig:
             raise ValueError(f"unknown policy {self.policy!r}; choose 'scamp' or 'fixed'")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             raise ValueError(f"max_batch_size={self.max_batch_size} must be at least 1 or None")
+        if self.min_batch_size is not None:
+            if self.min_batch_size < 1:
+                raise ValueError(
+                    f"min_batch_size={self.min_batch_size} must be at least 1 or None")
+            if self.max_batch_size is not None and self.min_batch_size > self.max_batch_size:
+                raise ValueError(
+                    f"min_batch_size={self.min_batch_size} exceeds max_batch_size="
+                    f"{self.max_batch_size}; raise the cap or lower the floor")
 
     def steps_for(self, batch_size: int) -> int:
         """Training steps of a trial at global ``batch_size`` (see ``reference_batch``)."""
@@ -209,6 +235,8 @@ class SearchEngine:
         self._fixed_batch: int | None = config.fixed_batch_size
         self._ever_fit = False
         self._nofit: list[int] = []
+        #: trials whose plan raised `TrialDeferred`: ``(asked, exception)``, in planning order.
+        self.deferred: list[tuple[AskedTrial, TrialDeferred]] = []
         self._t0 = time.monotonic()
         self.usage = UsageRecorder(self.capacity)
 
@@ -250,15 +278,27 @@ class SearchEngine:
         return self._fixed_batch
 
     def _smallest_fitting_plan(self, model: Any, max_batch: int | None) -> Any:
-        """Plan on the fewest devices (1, 2, 4, ..., the whole pool) that hold ``model``."""
+        """Plan on the fewest devices (1, 2, 4, ..., the whole pool) that hold ``model`` at a
+        batch of at least ``min_batch_size``."""
         total = len(self.devices)
         counts = sorted({2**k for k in range(total.bit_length()) if 2**k <= total} | {total})
+        floor = self.config.min_batch_size or 1
         last_error: Exception | None = None
         for n in counts:
             try:
-                return self._call_planner(model, n, max_batch)
+                plan = self._call_planner(model, n, max_batch)
             except planner.DoesNotFitError as err:
                 last_error = err
+                continue
+            if plan.batch_size >= floor:
+                return plan
+            last_error = planner.DoesNotFitError(
+                f"{type(model).__name__} fits at most a global batch of {plan.batch_size} on "
+                f"{n} device(s), below min_batch_size={floor}; use more devices, more "
+                "memory_per_device, or a lower min_batch_size",
+                bytes_needed=int(plan.peak_bytes_per_device * floor / max(plan.batch_size, 1)),
+                bytes_available=int(plan.usable_bytes),
+            )
         assert last_error is not None
         raise last_error
 
@@ -315,6 +355,11 @@ class SearchEngine:
         status = self.statuses[asked.number]
         try:
             plan = planned.result()
+        except TrialDeferred as deferred:
+            status.state, status.reason = "deferred", str(deferred)
+            self.deferred.append((asked, deferred))
+            self._notify()
+            return
         except planner.DoesNotFitError as err:
             status.state, status.reason = "failed", f"does not fit: {err}"
             if self._ever_fit:
@@ -429,8 +474,9 @@ class SearchEngine:
         params = planned.asked.params
         model = self._abstract(params)
         half = (batch // 2 // dp) * dp
+        floor = self.config.min_batch_size or 1
         try:
-            if half >= dp and half >= 1:
+            if half >= dp and half >= floor:
                 # The planner picks the largest batch up to half the failed one that fits.
                 new = self._call_planner(model, planned.devices, half)
             elif planned.devices * 2 <= len(self.devices) and self.config.policy == "scamp":
@@ -510,6 +556,8 @@ class SearchEngine:
                 self.source.interrupt(asked.number)
             for planned in queue:
                 self.source.interrupt(planned.number)
+            for asked, _ in self.deferred:
+                self.source.interrupt(asked.number)
             planner_pool.shutdown(wait=True, cancel_futures=True)
             executor.shutdown(wait=True)
             raise
@@ -665,6 +713,7 @@ def engine_config(settings: SearchSettings, memory_per_device: int, *,
         policy=settings.policy,
         devices_per_trial=settings.devices_per_trial,
         max_batch_size=settings.max_batch_size,
+        min_batch_size=getattr(settings, "min_batch_size", None),
         reference_batch=settings.reference_batch,
         checkpoint_every=settings.checkpoint_every,
         eval_every=settings.eval_every,
@@ -714,8 +763,8 @@ def write_study_report(
     console.print(report.verdict(records, task.metric, task.direction, baseline), markup=False)
     console.print(
         f"this run: {run_info['elapsed_s']:.1f} s, mean memory utilisation "
-        f"{100 * result.usage['mean_memory_utilization']:.1f}%, idle device-seconds "
-        f"{result.usage['idle_device_seconds']:.1f}; results in {study_dir}", markup=False
+        f"{100 * run_info['usage']['mean_memory_utilization']:.1f}%, idle device-seconds "
+        f"{run_info['usage']['idle_device_seconds']:.1f}; results in {study_dir}", markup=False
     )
     return {**run_info, "best": report.best_record(records, task.metric, task.direction)}
 

@@ -108,7 +108,7 @@ class LiveView:
                 line += f" loss={s.loss:.4g}"
             if not math.isnan(s.metric):
                 line += f" {self.metric}={s.metric:.4g}"
-            if s.reason and s.state in ("failed", "pruned", "oom"):
+            if s.reason and s.state in ("failed", "pruned", "oom", "deferred"):
                 line += f" ({s.reason[:120]})"
             print(line, file=self.stream, flush=True)
 

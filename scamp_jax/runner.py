@@ -20,7 +20,7 @@ import threading
 import time
 import traceback
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +85,14 @@ class RunSpec:
       eval_every: steps between intermediate evaluations reported to the pruner (0: none).
       log_every: steps between loss read-backs (each one synchronises with the device).
       seed: seed of the parameter initialisation and of the data stream.
+      grad_reduce: ``f(tree) -> tree`` applied to the gradients and the loss inside the jitted
+        step (`scamp_jax.train_step.make_train_step`), e.g. the mean over MPI ranks of a trial
+        that spans ranks (`scamp_jax.distributed.data_parallel.mpi_mean`); None: no reduction.
+      batch_share: ``(index, parts)``: this process trains on part ``index`` of ``parts`` equal
+        contiguous parts of every global batch of ``plan.batch_size * parts`` samples (each
+        rank of a spanning trial draws the same global stream); None: the whole batch.
+      save_checkpoints: write checkpoints (a spanning trial's ranks all restore from the same
+        directory, one of them writes it).
     """
 
     number: int
@@ -97,6 +105,9 @@ class RunSpec:
     eval_every: int = 0
     log_every: int = 10
     seed: int = 0
+    grad_reduce: Callable[[Any], Any] | None = None
+    batch_share: tuple[int, int] | None = None
+    save_checkpoints: bool = True
 
 
 @dataclass(frozen=True)
@@ -173,21 +184,24 @@ class StepCache:
         self.misses = 0
 
     def get(
-        self, graphdef: nnx.GraphDef, plan: Any, loss_fn: Callable[..., Any], params: Any
+        self, graphdef: nnx.GraphDef, plan: Any, loss_fn: Callable[..., Any], params: Any,
+        grad_reduce: Callable[[Any], Any] | None = None,
     ) -> tuple[Any, optax.GradientTransformation]:
-        """``(jitted step, optimizer)`` for this architecture and plan, built once."""
+        """``(jitted step, optimizer)`` for this architecture, plan and gradient reduction,
+        built once."""
         devices = tuple(d.id for d in plan.mesh.devices.flat)
         # A bound method is a new object on every access: key it by its function and owner.
         owner = id(getattr(loss_fn, "__self__", None))
         key = (graphdef, plan.mesh.devices.shape, devices, plan.batch_size,
-               getattr(loss_fn, "__func__", loss_fn), owner)
+               getattr(loss_fn, "__func__", loss_fn), owner, grad_reduce)
         with self._lock:
             if key in self._steps:
                 self.hits += 1
                 return self._steps[key]
             self.misses += 1
             optimizer = make_optimizer(params)
-            step = jit_train_step(graphdef, optimizer, loss_fn, plan.step_shardings)
+            step = jit_train_step(graphdef, optimizer, loss_fn, plan.step_shardings,
+                                  grad_reduce=grad_reduce)
             self._steps[key] = (step, optimizer)
             return step, optimizer
 
@@ -280,11 +294,12 @@ def _run(
     seed = spec.seed
     with jax.set_mesh(plan.mesh):
         graphdef = split_model(nnx.eval_shape(lambda: space.build(spec.params, nnx.Rngs(seed))))[0]
-    step_fn, optimizer = cache.get(graphdef, plan, task.loss_fn, spec.params)
+    step_fn, optimizer = cache.get(graphdef, plan, task.loss_fn, spec.params, spec.grad_reduce)
     params, opt_state, rest = _initial_state(space, spec, optimizer, seed)
 
     first = 0
     checkpointer = TrialCheckpointer(spec.checkpoint_dir) if spec.checkpoint_dir else None
+    saving = checkpointer is not None and spec.save_checkpoints
     treedef = jax.tree.structure((params, opt_state, rest))
     if checkpointer is not None and checkpointer.latest_step() is not None:
         # Resume: restore onto this placement's shardings (the devices may differ from before).
@@ -292,7 +307,7 @@ def _run(
         params, opt_state, rest = jax.tree.unflatten(treedef, leaves)
         first = min(first, spec.steps)
 
-    batches = task.batches(plan.batch_size, seed)
+    batches = _batches(task, plan.batch_size, seed, spec.batch_share)
     for _ in range(first):  # keep the data stream identical to an uninterrupted run
         next(batches)
     batch = jax.device_put(next(batches), plan.batch_sharding)
@@ -306,11 +321,15 @@ def _run(
             bytes_needed=peak,
         )
 
+    if spec.grad_reduce is not None:
+        # A cross-rank reduction is an ordered side effect (mpi4jax threads a token through the
+        # step), which the ahead-of-time executable does not take: run through the jit wrapper.
+        compiled = step_fn
     status.state, status.step = "training", first
     loss = None
     for step in range(first, spec.steps):
         if stop is not None and stop.is_set():
-            if checkpointer is not None:
+            if saving:
                 checkpointer.save(step, jax.tree.leaves((params, opt_state, rest)))
             raise TrialInterrupted(f"stopped at step {step}")
         params, opt_state, rest, loss = compiled(params, opt_state, rest, batch)
@@ -331,7 +350,7 @@ def _run(
                                  metrics={task.metric: value},
                                  reason=f"pruned at step {done} ({task.metric}={value:.4g})",
                                  loss=status.loss)
-        if checkpointer is not None and spec.checkpoint_every and done % spec.checkpoint_every == 0:
+        if saving and spec.checkpoint_every and done % spec.checkpoint_every == 0:
             checkpointer.save(done, jax.tree.leaves((params, opt_state, rest)))
 
     if loss is not None:
@@ -346,14 +365,25 @@ def _run(
     status.metric = value
     final = None
     if checkpointer is not None:
-        if checkpointer.latest_step() != spec.steps:
+        if saving and checkpointer.latest_step() != spec.steps:
             checkpointer.save(spec.steps, jax.tree.leaves((params, opt_state, rest)))
-        final = checkpointer.step_directory(spec.steps)
+        final = checkpointer.step_directory(spec.steps) if saving else None
         checkpointer.close()
     status.state = "complete"
     return RunResult(spec.number, "complete", spec.steps, time.monotonic() - start,
                      metrics=metrics, loss=status.loss, checkpoint=final,
                      resumed_from=first)
+
+
+def _batches(task: Task, batch_size: int, seed: int,
+             share: tuple[int, int] | None) -> Iterator[Any]:
+    """The task's batch stream, or this process's contiguous part of a global stream."""
+    if share is None:
+        yield from task.batches(batch_size, seed)
+        return
+    index, parts = share
+    for batch in task.batches(batch_size * parts, seed):
+        yield jax.tree.map(lambda x: x[index * batch_size : (index + 1) * batch_size], batch)
 
 
 def load_model(

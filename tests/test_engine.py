@@ -276,3 +276,33 @@ def test_a_trial_behind_the_others_is_pruned_from_its_intermediate_evaluations(t
     assert trials[2].user_attrs["steps"] < 40
     assert "pruned at step" in trials[2].user_attrs[FAIL_REASON]
     assert source.finished() == 3
+
+
+def test_a_batch_floor_moves_a_plan_to_more_devices_and_bounds_replans():
+    """The MLP fits a batch of about 15 in 6 KiB on one device: a floor of 24 needs two."""
+    space = SearchSpace("mlp", suggest, build)
+
+    def engine(**kw: Any) -> SearchEngine:
+        return SearchEngine(space, Regression(), source=None,
+                            config=config(memory_per_device=6144, max_batch_size=64, **kw),
+                            devices=jax.devices()[:4])
+
+    one = engine().plan(ok())
+    assert one.data_parallel * one.model_parallel == 1 and 8 <= one.batch_size < 24
+    plan = engine(min_batch_size=24).plan(ok())
+    assert plan.batch_size >= 24 and plan.data_parallel * plan.model_parallel == 2
+    # Out of memory at run time: halving would go below the floor, so the re-plan doubles the
+    # devices at the same batch instead.
+    from scamp_jax.engine import PlannedTrial
+    from scamp_jax.runner import RunResult
+    from scamp_jax.study import AskedTrial
+
+    floored = engine(min_batch_size=24)
+    planned = PlannedTrial(AskedTrial(0, ok(), "trial_0"), plan, 2, 0)
+    retry = floored._replan(planned, RunResult(0, "oom", 0, 0.0))
+    assert retry is not None and retry.devices == 4 and retry.plan.batch_size >= 24
+    # Nowhere enough: the floor is named in the reason.
+    with pytest.raises(planner.DoesNotFitError, match="below min_batch_size=64"):
+        engine(min_batch_size=64).plan(ok())
+    with pytest.raises(ValueError, match="min_batch_size=32 exceeds max_batch_size=16"):
+        config(max_batch_size=16, min_batch_size=32)

@@ -4,8 +4,8 @@ engine on its own devices.
 Tests marked ``mpi`` launch real processes under ``mpirun`` (``tests/mpi_scripts/hpo_mlp.py``: a
 tiny MLP space through the same CLI path as ``experiments.swinir_hpo``). The others check, in this
 process, the pieces that need no second rank: the trial-source adapter over the study server,
-the per-rank log prefix, the planner message for a trial too big for one rank, and the install
-hint when mpi4py is missing.
+the per-rank log prefix, the span plan of a trial too big for one rank and how spanning trials
+are grouped, and the install hint when mpi4py is missing.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 from _requirements import require_module
 
-from scamp_jax.distributed.engine import RankStream, RemoteTrialSource, local_plans_only
+from scamp_jax.distributed.engine import RankStream, RemoteTrialSource
 from scamp_jax.distributed.mpi import MPIUnavailableError
+from scamp_jax.distributed.spanning import SpanningTrial, SpanPlan, assign_rounds, span_plan
 from scamp_jax.study import FAIL_REASON, INTERRUPTED, TrialOutcome
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,18 +48,88 @@ def test_run_search_mpi_without_mpi4py_raises_an_install_hint(monkeypatch):
         run_search_mpi(None, None, None, devices=[], memory_per_device=1)
 
 
-def test_a_plan_too_big_for_one_rank_says_trials_do_not_span_ranks():
+class _OneDevicePlan:
+    """What `span_plan` reads of a one-device `Plan`: the largest batch, its peak, the budget."""
+
+    def __init__(self, batch_size: int) -> None:
+        self.batch_size, self.peak_bytes_per_device, self.usable_bytes = batch_size, 900, 1000
+
+
+def _planner_fitting(batch: int | None):
     from scamp_jax import planner
 
-    def too_big(model, batch, *, devices, **kw):
-        raise planner.DoesNotFitError("needs 2 GiB per device", 2 << 30, 1 << 30)
+    calls = []
 
-    plan = local_plans_only(too_big, local_devices=4)
-    with pytest.raises(planner.DoesNotFitError, match="needs 2 GiB") as small:
-        plan(None, None, devices=[0, 1])  # fewer than the rank has: the engine tries more
-    assert "span" not in str(small.value)
-    with pytest.raises(planner.DoesNotFitError, match="spanning ranks are not supported"):
-        plan(None, None, devices=[0, 1, 2, 3])
+    def call_planner(model, devices, max_batch):
+        calls.append((devices, max_batch))
+        if batch is None:
+            raise planner.DoesNotFitError("needs 2 GiB per device", 2 << 30, 1 << 30)
+        return _OneDevicePlan(batch if max_batch is None else min(batch, max_batch))
+
+    return call_planner, calls
+
+
+def test_span_plan_takes_the_fewest_ranks_whose_devices_reach_the_batch_floor():
+    call_planner, calls = _planner_fitting(5)
+    span = span_plan(call_planner, None, ranks=8, min_batch_size=16, max_batch_size=64,
+                     local_error=ValueError("too big for rank"))
+    assert calls == [(1, 64)]  # one device per rank
+    assert span == SpanPlan(ranks=4, batch_per_rank=5, peak_bytes_per_device=900)
+    assert span.global_batch == 20 >= 16
+    # The cap on the global batch bounds each rank's share.
+    capped = span_plan(_planner_fitting(5)[0], None, ranks=8, min_batch_size=16,
+                       max_batch_size=16, local_error=ValueError("too big"))
+    assert capped == SpanPlan(ranks=4, batch_per_rank=4, peak_bytes_per_device=900)
+
+
+def test_span_plan_says_what_to_change_when_a_trial_cannot_span():
+    from scamp_jax import planner
+
+    with pytest.raises(planner.DoesNotFitError, match="needs 4 ranks but the job has 2"):
+        span_plan(_planner_fitting(5)[0], None, ranks=2, min_batch_size=16, max_batch_size=None,
+                  local_error=ValueError("too big for rank"))
+    with pytest.raises(planner.DoesNotFitError, match="does not fit one device") as err:
+        span_plan(_planner_fitting(None)[0], None, ranks=4, min_batch_size=16,
+                  max_batch_size=None, local_error=ValueError("too big for rank"))
+    assert "too big for rank" in str(err.value) and "--memory-per-device" in str(err.value)
+
+
+def test_spanning_trials_run_in_rounds_of_disjoint_rank_groups():
+    def trial(number, ranks):
+        return SpanningTrial(number, {}, f"trial_{number}", SpanPlan(ranks, 4, 0), asked_by=0)
+
+    rounds = assign_rounds([trial(3, 2), trial(1, 3), trial(2, 2), trial(4, 1)], ranks=4)
+    as_numbers = [[(t.number, ranks) for t, ranks in groups] for groups in rounds]
+    # In number order, each trial takes the next free ranks of the round if enough are left.
+    assert as_numbers == [[(1, (0, 1, 2)), (4, (3,))], [(2, (0, 1)), (3, (2, 3))]]
+    with pytest.raises(ValueError, match="needs 8 ranks, the job has 4"):
+        assign_rounds([trial(0, 8)], ranks=4)
+
+
+def test_mpi_engine_defers_a_trial_whose_batch_floor_one_rank_cannot_hold():
+    """A real plan: the MLP fits a batch of about 5 in 4 KiB, the floor is 8, so it spans 2."""
+    from test_runner import MLP, Regression
+
+    from scamp_jax.distributed.engine import MPISearchEngine
+    from scamp_jax.engine import EngineConfig, TrialDeferred
+    from scamp_jax.space import SearchSpace
+
+    space = SearchSpace("mlp", lambda t: {}, lambda p, rngs: MLP(int(p["width"]), rngs))
+    config = EngineConfig(steps=4, memory_per_device=4096, max_batch_size=8, min_batch_size=8)
+    import jax
+
+    engine = MPISearchEngine(2, space, Regression(), source=None, config=config,
+                             devices=jax.devices()[:1])
+    with pytest.raises(TrialDeferred, match="spans 2 ranks") as deferred:
+        engine.plan({"width": 16})
+    span = deferred.value.payload
+    assert span.ranks == 2 and span.batch_per_rank == 4 and span.peak_bytes_per_device <= 4096
+    # Without the floor the same configuration simply fits one device.
+    local = MPISearchEngine(2, space, Regression(), source=None,
+                            config=EngineConfig(steps=4, memory_per_device=4096,
+                                                max_batch_size=8),
+                            devices=jax.devices()[:1])
+    assert local.plan({"width": 16}).batch_size < 8
 
 
 def _local_source(tmp_path: Path, n_trials: int):
@@ -156,6 +227,42 @@ def test_study_split_across_two_ranks_records_every_trial_once_with_its_rank(
     assert sorted(r["rank"] for r in results["run"]["per_rank"]) == [0, 1]
     assert [s for _, s, _ in _stored_trials(tmp_path)] == ["COMPLETE"] * 4
     assert "[rank 1]" in proc.stdout  # rank 1 logs plain lines under its rank
+
+
+@pytest.mark.mpi
+def test_a_trial_too_big_for_one_rank_spans_two_and_equals_the_single_process_run(
+    tmp_path, _needs_mpi
+):
+    # One device of 4 KiB per rank holds a batch of about 5 of this MLP; the study asks for 8.
+    proc = _launch(tmp_path, 2, "--trials", "2", "--devices", "1", "--memory-per-device", "4KiB",
+                   "--min-batch-size", "8")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "spans ranks [0, 1]: global batch 8 (4 per rank)" in proc.stdout
+    results = _results(tmp_path)
+    trials = results["trials"]
+    assert sorted(t["number"] for t in trials) == [0, 1]
+    assert all(t["state"] == "complete" for t in trials)
+    assert all(t["rank"] == [0, 1] and t["batch_size"] == 8 for t in trials)
+    assert results["run"]["spanning_trials"] == 2 and results["run"]["trials_this_run"] == 2
+    assert [s for _, s, _ in _stored_trials(tmp_path)] == ["COMPLETE"] * 2
+
+    # The same trials in this process on one device with the whole batch of 8: the held-out
+    # MSE agrees to float32 reassociation (the global mean becomes a mean of two rank means).
+    import jax
+    from test_runner import MLP, Regression
+
+    from scamp_jax.distributed.spanning import one_device_plan
+    from scamp_jax.runner import RunSpec, run_trial, trial_seed
+    from scamp_jax.space import SearchSpace
+
+    space = SearchSpace("mlp", lambda t: {}, lambda p, rngs: MLP(int(p["width"]), rngs))
+    for t in trials:
+        plan = one_device_plan(space, t["params"], 8, jax.devices()[0])
+        spec = RunSpec(t["number"], t["params"], plan, steps=t["steps"], memory_per_device=1 << 30,
+                       seed=trial_seed(0, f"trial_{t['number']}"))
+        alone = run_trial(spec, space, Regression())
+        assert alone.state == "complete", alone.reason
+        assert alone.metrics["mse"] == pytest.approx(t["mse"], rel=1e-5)
 
 
 @pytest.mark.mpi

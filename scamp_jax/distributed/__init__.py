@@ -8,7 +8,8 @@ not import them; the functions that need them raise `MPIUnavailableError` with a
 - `mpi_mean`, `local_batch`, `jit_data_parallel_step`, `train_data_parallel`: a trial that is
   data parallel across ranks.
 - `shared_study`, `StudyServer`, `StudyClient`: one Optuna study served by rank 0 to all ranks.
-- `run_search_mpi`, `RemoteTrialSource`: the HPO engine on every rank, fed by rank 0's study.
+- `run_search_mpi`, `RemoteTrialSource`, `MPISearchEngine`: the HPO engine on every rank, fed by
+  rank 0's study; `SpanPlan`, `run_spanning_trials`: trials that span ranks, data parallel.
 """
 
 from scamp_jax.distributed.data_parallel import check_one_device as check_one_device
@@ -17,6 +18,7 @@ from scamp_jax.distributed.data_parallel import local_batch as local_batch
 from scamp_jax.distributed.data_parallel import mpi_mean as mpi_mean
 from scamp_jax.distributed.data_parallel import one_device_shardings as one_device_shardings
 from scamp_jax.distributed.data_parallel import train_data_parallel as train_data_parallel
+from scamp_jax.distributed.engine import MPISearchEngine as MPISearchEngine
 from scamp_jax.distributed.engine import RemoteTrialSource as RemoteTrialSource
 from scamp_jax.distributed.engine import run_search_mpi as run_search_mpi
 from scamp_jax.distributed.mpi import MPIUnavailableError as MPIUnavailableError
@@ -29,6 +31,8 @@ from scamp_jax.distributed.mpi import world as world
 from scamp_jax.distributed.nas import run_nas_mpi as run_nas_mpi
 from scamp_jax.distributed.pipeline import MPIPipelineExecutor as MPIPipelineExecutor
 from scamp_jax.distributed.pipeline import train_supernet_mpi as train_supernet_mpi
+from scamp_jax.distributed.spanning import SpanPlan as SpanPlan
+from scamp_jax.distributed.spanning import run_spanning_trials as run_spanning_trials
 from scamp_jax.distributed.study import StudyClient as StudyClient
 from scamp_jax.distributed.study import StudyServer as StudyServer
 from scamp_jax.distributed.study import WorkItem as WorkItem
@@ -36,8 +40,10 @@ from scamp_jax.distributed.study import shared_study as shared_study
 
 __all__ = [
     "MPIPipelineExecutor",
+    "MPISearchEngine",
     "MPIUnavailableError",
     "RemoteTrialSource",
+    "SpanPlan",
     "StudyClient",
     "StudyServer",
     "WorkItem",
@@ -52,6 +58,7 @@ __all__ = [
     "mpirun_command",
     "one_device_shardings",
     "run_search_mpi",
+    "run_spanning_trials",
     "run_nas_mpi",
     "shared_study",
     "train_data_parallel",

@@ -9,10 +9,14 @@ its local devices with the same planner and placement policy, asking rank 0 for 
 the study's total across all ranks. When every rank is done, rank 0 writes ``results.json`` /
 ``results.csv`` / plots from the storage; each trial's ``rank`` is a user attribute of the trial.
 
-A trial runs on the devices of one rank: the planner is given only the local devices, and a
-configuration that fits on none of them fails with a message saying so (trials do not span
-ranks in this engine). Checkpoints go to ``<study_dir>/checkpoints``, which every rank must see
-(one host, or a shared file system) for a re-run on another rank to resume from them.
+A trial runs on the devices of one rank whenever its plan fits there. A configuration whose
+ScaMP plan cannot reach ``settings.min_batch_size`` on all of one rank's devices spans ranks:
+the rank defers it, and once every rank has finished its local trials the deferred ones train
+data-parallel across the fewest ranks that hold the batch, one device per rank, gradients
+averaged by mpi4jax inside the jitted step (`scamp_jax.distributed.spanning`). Its ``rank`` in
+``results.json`` lists every rank it ran on. Checkpoints go to ``<study_dir>/checkpoints``,
+which every rank must see (one host, or a shared file system) for a re-run on another rank to
+resume from them.
 
 Faults: an exception on any rank prints ``rank R failed: ...`` and aborts the whole job
 (``MPI_Abort``); a rank that dies makes ``mpirun`` end the job and name the rank. Trials that
@@ -25,13 +29,24 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from scamp_jax import planner
 from scamp_jax.distributed.mpi import import_mpi4py
+from scamp_jax.distributed.spanning import (
+    SpanningTrial,
+    SpanPlan,
+    run_spanning_trials,
+    span_plan,
+    spanning_outcome,
+)
 from scamp_jax.distributed.study import StudyClient, shared_study
+from scamp_jax.engine import SearchEngine, TrialDeferred
 from scamp_jax.study import AskedTrial, TrialOutcome
+from scamp_jax.train_step import split_model
 
 _OPTUNA_STATE = {"complete": "COMPLETE", "pruned": "PRUNED", "failed": "FAIL"}
 
@@ -114,25 +129,65 @@ class RankStream:
         return False
 
 
-def local_plans_only(plan_fn: Callable[..., Any], local_devices: int) -> Callable[..., Any]:
-    """Wrap a planner so that a configuration too big for all ``local_devices`` devices of this
-    rank fails with a message saying trials do not span ranks (and what to change)."""
-    from scamp_jax import planner
+class MPISearchEngine(SearchEngine):
+    """The `scamp_jax.engine.SearchEngine` of one of ``ranks`` MPI ranks.
 
-    def plan(model: Any, batch: Any, *, devices: Sequence[Any], **kwargs: Any) -> Any:
-        try:
-            return plan_fn(model, batch, devices=devices, **kwargs)
-        except planner.DoesNotFitError as err:
-            if len(devices) < local_devices:
-                raise  # the engine goes on to larger device counts
-            raise planner.DoesNotFitError(
-                f"{err}; under MPI a trial runs on the {local_devices} devices of one rank "
-                "(trials spanning ranks are not supported): give each rank more devices "
-                "(--devices) or more memory per device (--memory-per-device)",
-                err.bytes_needed, err.bytes_available,
-            ) from err
+    Arguments after ``ranks`` as for `SearchEngine`. Its ``plan`` defers, instead of failing, a
+    ScaMP configuration that reaches ``config.min_batch_size`` on none of this rank's device
+    counts but does on several ranks with one device each: it raises
+    `scamp_jax.engine.TrialDeferred` with the `SpanPlan` as payload, and the trial lands in
+    ``deferred``. A configuration that cannot span either fails with the planner's reason and
+    what to change. Span plans are cached per architecture, like plans.
+    """
 
-    return plan
+    def __init__(self, ranks: int, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ranks = ranks
+        self._spans: dict[Any, SpanPlan] = {}
+        self._spans_lock = threading.Lock()
+
+    def plan(self, params: Mapping[str, Any], *, devices: int | None = None,
+             max_batch: int | None = None) -> Any:
+        """`SearchEngine.plan`, or `TrialDeferred` for a trial that must span ranks."""
+        model = self._abstract(params)
+        key = split_model(model)[0]
+        with self._spans_lock:
+            span = self._spans.get(key)
+        if span is None:
+            try:
+                return super().plan(params, devices=devices, max_batch=max_batch)
+            except planner.DoesNotFitError as err:
+                if (devices is not None or max_batch is not None or self.ranks < 2
+                        or self.config.policy != "scamp"):
+                    raise
+                span = span_plan(self._call_planner, model, ranks=self.ranks,
+                                 min_batch_size=self.config.min_batch_size or 1,
+                                 max_batch_size=self.config.max_batch_size, local_error=err)
+                with self._spans_lock:
+                    self._spans[key] = span
+        raise TrialDeferred(f"spans {span.ranks} ranks (global batch {span.global_batch})", span)
+
+
+def combined_usage(per_rank: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """The usage figures of several ranks' local trials as one pool (`UsageRecorder.summary`
+    keys): devices, idle device-seconds and trial counts add up, ``elapsed_s`` is the longest,
+    the mean memory utilisation is weighted by each rank's device-seconds, the peak is the
+    highest. Trials that span ranks run after this and are not included."""
+    device_seconds = [u["devices"] * u["elapsed_s"] for u in per_rank]
+    total = sum(device_seconds)
+    idle = sum(u["idle_device_seconds"] for u in per_rank)
+    return {
+        "elapsed_s": max(u["elapsed_s"] for u in per_rank),
+        "devices": sum(u["devices"] for u in per_rank),
+        "mean_memory_utilization": sum(
+            u["mean_memory_utilization"] * w
+            for u, w in zip(per_rank, device_seconds, strict=True)) / total if total > 0 else 0.0,
+        "peak_memory_utilization": max(u["peak_memory_utilization"] for u in per_rank),
+        "idle_device_seconds": idle,
+        "idle_fraction": idle / total if total > 0 else 0.0,
+        "trials_started": sum(u["trials_started"] for u in per_rank),
+        "trials_finished": sum(u["trials_finished"] for u in per_rank),
+    }
 
 
 def run_search_mpi(
@@ -163,8 +218,10 @@ def run_search_mpi(
     Returns:
       on rank 0, the ``run`` section of ``results.json`` plus ``best``; on other ranks this
       rank's run summary. The ``run`` section has ``ranks``, ``devices`` (all ranks together),
-      ``elapsed_s`` (the slowest rank), ``trials_this_run`` (all ranks) and ``per_rank``
-      (each rank's summary with its ``usage``); ``usage`` and the plots are rank 0's.
+      ``elapsed_s`` (the slowest rank plus the spanning trials), ``trials_this_run`` (all
+      ranks), ``spanning_trials``/``spanning_s`` (trials that spanned ranks, and their time),
+      ``usage`` (every rank's local trials, `combined_usage`) and ``per_rank`` (each rank's
+      summary with its ``usage``); the usage plots are rank 0's.
 
     Raises:
       MPIUnavailableError: mpi4py is not installed (with an install hint).
@@ -188,9 +245,7 @@ def _run(space: Any, task: Any, settings: Any, devices: Sequence[Any], memory_pe
          console: Any, comm: Any, rank: int, size: int) -> dict[str, Any]:
     from rich.console import Console
 
-    from scamp_jax import planner
     from scamp_jax.engine import (
-        SearchEngine,
         engine_config,
         run_summary,
         write_study_report,
@@ -219,34 +274,50 @@ def _run(space: Any, task: Any, settings: Any, devices: Sequence[Any], memory_pe
     if server is not None:
         if server.stale_failed:
             console.print(f"resuming: trials {server.stale_failed} were interrupted and are "
-                          "queued again", markup=False)
+                          "queued again", markup=False, highlight=False)
         console.print(f"study {space.name!r} in {study_dir}: {server.finished_before} of "
                       f"{settings.trials} trials finished before this run; {size} ranks",
-                      markup=False)
+                      markup=False, highlight=False)
     source = RemoteTrialSource(client)
     config = engine_config(settings, memory_per_device, rank=rank)
     stream: Any = None if rank == 0 and live else RankStream(rank)
     view = LiveView([memory_per_device] * len(devices), task.metric,
                     title=f"{title} (rank {rank} of {size})", stream=stream)
-    engine = SearchEngine(space, task, source, config, devices=devices,
-                          checkpoint_root=study_dir / "checkpoints",
-                          plan_fn=local_plans_only(plan_fn or planner.plan_mesh, len(devices)),
-                          on_update=view.update)
+    engine = MPISearchEngine(size, space, task, source, config, devices=devices,
+                             checkpoint_root=study_dir / "checkpoints", plan_fn=plan_fn,
+                             on_update=view.update)
     comm.Barrier()  # every rank asks from the start, so work spreads over all of them
     with view:
         result = engine.run()
     source.close()
-    summary = {"rank": rank, **run_summary(result, len(devices), memory_per_device)}
+    summary = {"rank": rank, **run_summary(result, len(devices), memory_per_device),
+               "deferred": len(engine.deferred)}
     if server is not None:
         server.join()
+    # Trials that span ranks run now, when every rank's devices are free.
+    deferred = [SpanningTrial(asked.number, dict(asked.params), asked.checkpoint_key,
+                              err.payload, rank) for asked, err in engine.deferred]
+    spanning = [t for part in comm.allgather(deferred) for t in part]
+    start = time.monotonic()
+    finished = run_spanning_trials(
+        spanning, space, task, config, comm, checkpoint_root=study_dir / "checkpoints",
+        log=lambda line: console.print(line, markup=False, highlight=False)) if spanning else []
+    spanning_s = time.monotonic() - start
     summaries = comm.gather(summary, root=0)
     if server is None:
         return summary
+    for trial, ranks, outcome_of in finished:
+        outcome = spanning_outcome(trial, ranks, outcome_of, task.metric)
+        server.tell(outcome.number, outcome.value, _OPTUNA_STATE[outcome.state],
+                    dict(outcome.attrs), outcome.reason)
     run_info = {
         **run_summary(result, sum(s["devices"] for s in summaries), memory_per_device),
+        "usage": combined_usage([s["usage"] for s in summaries]),
         "ranks": size,
-        "elapsed_s": max(s["elapsed_s"] for s in summaries),
-        "trials_this_run": sum(s["trials_this_run"] for s in summaries),
+        "elapsed_s": max(s["elapsed_s"] for s in summaries) + spanning_s,
+        "trials_this_run": sum(s["trials_this_run"] for s in summaries) + len(finished),
+        "spanning_trials": len(finished),
+        "spanning_s": spanning_s,
         "per_rank": summaries,
     }
     return write_study_report(server.study, task, study_dir, result, run_info,

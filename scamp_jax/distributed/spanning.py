@@ -1,0 +1,287 @@
+"""Trials that span MPI ranks: data parallel, one device per rank, gradients reduced by mpi4jax.
+
+Under MPI every rank plans its trials on its own devices first (`scamp_jax.distributed.engine`).
+A configuration whose ScaMP plan cannot reach the study's ``min_batch_size`` on all of one
+rank's devices is not failed: the rank defers it with a `SpanPlan` — the fewest ranks whose
+devices together hold that batch, each rank training a whole replica of the model on one device
+on its share of every global batch. The gradients and the loss are averaged over those ranks by
+``mpi4jax.allreduce`` inside the jitted step (`scamp_jax.distributed.data_parallel.mpi_mean`),
+so every replica applies the same update and the run equals training on the whole batch in one
+process up to float32 reassociation.
+
+The deferred trials run after every rank has finished its local trials, when all devices are
+free: `run_spanning_trials` packs them into groups of ranks (``comm.Split``), several groups at
+once when they fit, and rank 0 tells the study how each one ended. Fewest ranks first keeps the
+share of the step spent in cross-rank communication low (``benchmarks/mpi_comm.py`` measures
+it); a trial that fits on one rank never spans.
+
+Limits: one device per rank takes part (mpi4jax runs once per process, not per device of a
+sharded computation); a model that needs model parallelism to fit one device cannot span ranks
+and fails with a message saying so; spanning trials are not pruned (their intermediate values
+would reach the study only after the fact).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from scamp_jax import planner
+from scamp_jax.runner import RunResult, RunSpec, TrialStatus, make_optimizer, run_trial, trial_seed
+from scamp_jax.study import TrialOutcome
+from scamp_jax.train_step import StepShardings
+
+
+@dataclass(frozen=True)
+class SpanPlan:
+    """How a trial spans ranks (plain numbers, sent between ranks).
+
+    Attributes:
+      ranks: ranks that train it together, one device each.
+      batch_per_rank: samples per rank in every step; the global batch is ``ranks`` times that.
+      peak_bytes_per_device: the planner's compiled peak at ``batch_per_rank`` on one device.
+    """
+
+    ranks: int
+    batch_per_rank: int
+    peak_bytes_per_device: int
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per step over all the trial's ranks."""
+        return self.ranks * self.batch_per_rank
+
+
+@dataclass(frozen=True)
+class SpanningTrial:
+    """A deferred trial: the asked configuration, its `SpanPlan` and the rank that asked it."""
+
+    number: int
+    params: Mapping[str, Any]
+    checkpoint_key: str
+    plan: SpanPlan
+    asked_by: int
+
+
+@dataclass(frozen=True)
+class OneDevicePlan:
+    """The plan a spanning trial's runner executes on one rank: a whole replica on one device.
+
+    Duck-types the parts of `scamp_jax.planner.Plan` that `scamp_jax.runner.run_trial` reads.
+    ``batch_size`` is this rank's share of the global batch.
+    """
+
+    mesh: Mesh
+    step_shardings: StepShardings
+    batch_sharding: NamedSharding
+    batch_size: int
+    peak_bytes_per_device: int
+    data_parallel: int = 1
+    model_parallel: int = 1
+
+
+def span_plan(
+    call_planner: Callable[[Any, int, int | None], Any],
+    model: Any,
+    *,
+    ranks: int,
+    min_batch_size: int,
+    max_batch_size: int | None,
+    local_error: Exception,
+) -> SpanPlan:
+    """The fewest ranks (one device each) whose replicas together train ``min_batch_size``.
+
+    Args:
+      call_planner: ``f(model, n_devices, max_batch) -> Plan`` on this rank's first devices
+        (`SearchEngine._call_planner`).
+      model: the configuration's abstract model.
+      ranks: ranks of the job.
+      min_batch_size: the global batch the trial must reach.
+      max_batch_size: cap on the global batch (None: none).
+      local_error: why the trial did not fit on this rank's devices (quoted in errors).
+
+    Raises:
+      planner.DoesNotFitError: the model does not fit one device at batch 1 (spanning ranks does
+        not split a model), or the job has too few ranks; the message says what to change.
+    """
+    try:
+        one = call_planner(model, 1, max_batch_size)
+    except planner.DoesNotFitError as err:
+        raise planner.DoesNotFitError(
+            f"{local_error}. It cannot span ranks either: ranks share a trial data-parallel, "
+            f"each holding the whole model on one device, and it does not fit one device "
+            f"({err}). Give each rank more memory per device (--memory-per-device)",
+            err.bytes_needed, err.bytes_available,
+        ) from err
+    fits = int(one.batch_size)
+    need = max(2, math.ceil(min_batch_size / fits))
+    if need > ranks:
+        raise planner.DoesNotFitError(
+            f"{local_error}. Spanning ranks, one device fits a batch of {fits}, so "
+            f"min_batch_size={min_batch_size} needs {need} ranks but the job has {ranks}: "
+            f"launch at least {need} ranks, lower --min-batch-size, or raise "
+            "--memory-per-device",
+            int(one.peak_bytes_per_device), int(one.usable_bytes),
+        )
+    per_rank = fits if max_batch_size is None else min(fits, max_batch_size // need)
+    per_rank = max(per_rank, math.ceil(min_batch_size / need))
+    return SpanPlan(need, per_rank, int(one.peak_bytes_per_device))
+
+
+def one_device_plan(space: Any, params: Mapping[str, Any], batch_per_rank: int,
+                    device: Any) -> OneDevicePlan:
+    """A `OneDevicePlan` for ``params`` on ``device`` (every leaf replicated on it)."""
+    from scamp_jax.distributed.data_parallel import one_device_shardings
+
+    model = nnx.eval_shape(lambda: space.build(params, nnx.Rngs(0)))
+    shardings = one_device_shardings(model, make_optimizer(params), device)
+    return OneDevicePlan(mesh=shardings.mesh, step_shardings=shardings,
+                         batch_sharding=shardings.batch, batch_size=batch_per_rank,
+                         peak_bytes_per_device=0)
+
+
+def assign_rounds(
+    trials: Sequence[SpanningTrial], ranks: int
+) -> list[list[tuple[SpanningTrial, tuple[int, ...]]]]:
+    """Rounds of concurrent groups: each round gives trials (in number order) disjoint
+    consecutive ranks while they last. Every rank computes the same rounds.
+
+    Raises:
+      ValueError: a trial needs more ranks than the job has.
+    """
+    pending = sorted(trials, key=lambda t: t.number)
+    for trial in pending:
+        if trial.plan.ranks > ranks:
+            raise ValueError(f"trial {trial.number} needs {trial.plan.ranks} ranks, the job has "
+                             f"{ranks}")
+    rounds = []
+    while pending:
+        free, later, groups = 0, [], []
+        for trial in pending:
+            if trial.plan.ranks <= ranks - free:
+                groups.append((trial, tuple(range(free, free + trial.plan.ranks))))
+                free += trial.plan.ranks
+            else:
+                later.append(trial)
+        rounds.append(groups)
+        pending = later
+    return rounds
+
+
+def run_spanning_trials(
+    trials: Sequence[SpanningTrial],
+    space: Any,
+    task: Any,
+    config: Any,
+    comm: Any,
+    *,
+    checkpoint_root: Path | None,
+    log: Callable[[str], None] = print,
+) -> list[tuple[SpanningTrial, tuple[int, ...], RunResult]]:
+    """Run the deferred ``trials`` across the ranks of ``comm`` (collective: call on every rank).
+
+    Args:
+      trials: every rank's deferred trials (the same list on every rank).
+      space, task: the search space and task.
+      config: the `scamp_jax.engine.EngineConfig` (steps, budget, checkpointing, seed).
+      comm: mpi4py communicator of all ranks.
+      checkpoint_root: directory of the study's checkpoints (seen by every rank), or None.
+      log: where rank 0 prints progress lines.
+
+    Returns:
+      on rank 0, ``(trial, ranks, result)`` for every trial in finishing order; elsewhere ``[]``.
+    """
+    from scamp_jax.distributed.data_parallel import mpi_mean
+    from scamp_jax.distributed.mpi import import_mpi4py
+
+    mpi = import_mpi4py()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    finished: list[tuple[SpanningTrial, tuple[int, ...], RunResult]] = []
+    for groups in assign_rounds(trials, size):
+        if rank == 0:
+            for trial, ranks in groups:
+                log(f"trial {trial.number} spans ranks {list(ranks)}: global batch "
+                    f"{trial.plan.global_batch} ({trial.plan.batch_per_rank} per rank), "
+                    f"{config.steps_for(trial.plan.global_batch)} steps")
+        mine = next(((i, g) for i, g in enumerate(groups) if rank in g[1]), None)
+        sub = comm.Split(mine[0] if mine else mpi.UNDEFINED, rank)
+        result = None
+        if mine is not None:
+            trial, ranks = mine[1]
+            # The group's communicator is not freed: mpi4jax keeps handles to communicators it
+            # has seen, and a freed one would be invalid under a later step.
+            result = _run_on_group(trial, space, task, config, sub, checkpoint_root, mpi_mean)
+            if rank != ranks[0]:
+                result = None  # the group's first rank speaks for it
+        gathered = comm.gather(result, root=0)
+        if rank == 0:
+            by_number = {r.number: r for r in gathered if r is not None}
+            for trial, ranks in groups:
+                result = by_number[trial.number]
+                finished.append((trial, ranks, result))
+                value = result.metrics.get(task.metric)
+                log(f"trial {trial.number} {result.state} on ranks {list(ranks)} in "
+                    f"{result.wall_seconds:.1f} s"
+                    + (f": {task.metric}={value:.4g}" if value is not None else "")
+                    + (f" ({result.reason})" if result.reason else ""))
+    return finished
+
+
+def _run_on_group(trial: SpanningTrial, space: Any, task: Any, config: Any, sub: Any,
+                  checkpoint_root: Path | None, mpi_mean: Callable[..., Any]) -> RunResult:
+    index, parts = sub.Get_rank(), sub.Get_size()
+    plan = one_device_plan(space, trial.params, trial.plan.batch_per_rank, jax.local_devices()[0])
+    spec = RunSpec(
+        number=trial.number,
+        params=trial.params,
+        plan=plan,
+        steps=config.steps_for(trial.plan.global_batch),
+        memory_per_device=config.memory_per_device,
+        checkpoint_dir=checkpoint_root / trial.checkpoint_key if checkpoint_root else None,
+        checkpoint_every=config.checkpoint_every,
+        eval_every=0,
+        log_every=config.log_every,
+        seed=trial_seed(config.seed, trial.checkpoint_key),
+        grad_reduce=mpi_mean(sub),
+        batch_share=(index, parts),
+        save_checkpoints=index == 0,
+    )
+    return run_trial(spec, space, task, status=TrialStatus(trial.number, trial.params))
+
+
+_STATE = {"complete": "complete", "pruned": "pruned"}
+
+
+def spanning_outcome(trial: SpanningTrial, ranks: tuple[int, ...], result: RunResult,
+                     metric: str) -> TrialOutcome:
+    """The study outcome of a spanning trial (its ``rank`` attribute lists every rank)."""
+    state = _STATE.get(result.state, "failed")
+    reason = result.reason
+    if result.state == "oom":
+        reason = f"{reason}; a spanning trial is not re-planned"
+    attrs = {
+        "devices": [0],
+        "model_parallel": 1,
+        "batch_size": trial.plan.global_batch,
+        "batch_per_rank": trial.plan.batch_per_rank,
+        "predicted_peak_bytes": trial.plan.peak_bytes_per_device,
+        "steps": result.steps,
+        "wall_seconds": round(result.wall_seconds, 3),
+        "replans": 0,
+        "rank": list(ranks),
+        "final_loss": None if math.isnan(result.loss) else result.loss,
+        "metrics": dict(result.metrics),
+        "checkpoint": str(result.checkpoint) if result.checkpoint else None,
+        "resumed_from": result.resumed_from,
+        "spanned_ranks": len(ranks),
+    }
+    return TrialOutcome(trial.number, state,
+                        value=result.metrics.get(metric) if state == "complete" else None,
+                        reason=reason, attrs=attrs)
