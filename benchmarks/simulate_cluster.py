@@ -25,6 +25,13 @@ per-device program at ``1/p`` of the global batch, plus a ring all-reduce of the
 batch-1 peak fits the cluster's memory less the safety margin, as the planner chooses. Costs
 are cached per architecture in ``--cache`` (JSON), so scaling runs do not compile again.
 
+What ScaMP does here beyond packing (`scamp_jax.placement.ScampPolicy`): it starts the longest
+predicted trials first, runs a trial data-parallel on 2-8 devices where that costs at most
+``--growth-tolerance`` more device-seconds, gives devices that the last wave would leave idle to
+the longest queued trials, and in the last wave shares a device only into spare compute. Trials
+arrive as the engine asks them: at most ``--lookahead`` (default: one per device) are queued.
+The fixed baseline keeps its fixed devices, one batch and strict arrival order.
+
 Caveats: CPU fusion decisions differ from GPU ones (bytes accessed and kernel counts are those of
 the CPU compile); the efficiency factors in `ClusterModel` are assumptions, not measurements.
 """
@@ -329,15 +336,20 @@ def build_profiles(
     max_batch_size: int | None,
     fixed_devices: int | None,
     safety_margin: float,
+    max_trial_devices: int | None = None,
 ) -> tuple[list[TrialProfile], list[TrialProfile], int, int]:
-    """ScaMP and fixed profiles of the same trials; returns (scamp, fixed, k, fixed batch)."""
+    """ScaMP and fixed profiles of the same trials; returns (scamp, fixed, k, fixed batch).
+
+    ScaMP profiles carry alternatives with more data-parallel replicas up to
+    ``max_trial_devices`` devices (None: none), each at the largest batch that fits
+    (`StepCostModel.planned_profile`); the fixed baseline's resources stay fixed.
+    """
     usable = int(cluster.memory_per_device * (1.0 - safety_margin))
-    scamp = []
-    for key, cost in enumerate(costs):
-        local = cost.max_local_batch(usable)
-        if max_batch_size is not None:
-            local = min(local, max_batch_size)
-        scamp.append(cost.profile(key, cost.model_parallel, local, samples))
+    scamp = [
+        cost.planned_profile(key, budget_bytes=usable, samples=samples,
+                             max_batch_size=max_batch_size, max_devices=max_trial_devices)
+        for key, cost in enumerate(costs)
+    ]
     k = fixed_devices if fixed_devices is not None else largest.model_parallel
     if k % largest.model_parallel:
         raise ValueError(f"--fixed-devices {k} must be a multiple of the largest candidate's "
@@ -493,6 +505,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "largest candidate needs)")
     parser.add_argument("--policy", default="both", choices=("scamp", "fixed", "both"),
                         help="placement policy to simulate")
+    parser.add_argument("--max-trial-devices", type=int, default=8,
+                        help="ScaMP may run a trial data-parallel on up to this many devices "
+                        "(one 8-GPU node; 0: only the planned devices)")
+    parser.add_argument("--lookahead", type=int, default=None,
+                        help="trials queued at once, as the engine's lookahead (default: the "
+                        "number of devices, as the engine; 0: the whole study from the start)")
+    parser.add_argument("--growth-tolerance", type=float, default=0.05,
+                        help="extra device-seconds ScaMP accepts to run a trial on more devices")
+    parser.add_argument("--no-longest-first", action="store_true",
+                        help="ScaMP starts queued trials in arrival order")
+    parser.add_argument("--no-elastic", action="store_true",
+                        help="no last-wave growth of trials onto idle devices")
+    parser.add_argument("--no-compute-aware", action="store_true",
+                        help="ScaMP shares devices by memory alone, also in the last wave")
     parser.add_argument("--safety-margin", type=float, default=0.1,
                         help="fraction of device memory plans keep free")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled study")
@@ -505,6 +531,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.devices < 1 or args.trials < 1 or args.architectures < 1 or args.samples < 1:
         parser.error("--devices, --trials, --architectures and --samples must be positive")
+    if args.max_trial_devices < 0 or (args.lookahead is not None and args.lookahead < 0):
+        parser.error("--max-trial-devices and --lookahead must be >= 0")
 
     configure_cpu_devices(8)
     log = lambda line: print(line, file=sys.stderr)  # noqa: E731
@@ -529,20 +557,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     scamp_profiles, fixed_profiles, k, fixed_batch = build_profiles(
         costs, largest, cluster, samples=args.samples, max_batch_size=cap,
         fixed_devices=args.fixed_devices, safety_margin=args.safety_margin,
+        max_trial_devices=args.max_trial_devices or None,
     )
+    lookahead = args.devices if args.lookahead is None else args.lookahead or None
+    scamp = ScampPolicy(longest_first=not args.no_longest_first, elastic=not args.no_elastic,
+                        growth_tolerance=args.growth_tolerance,
+                        compute_aware=not args.no_compute_aware)
     results: dict[str, SimResult] = {}
     start = time.perf_counter()
     if args.policy in ("scamp", "both"):
-        results["scamp"] = simulate(scamp_profiles, cluster, ScampPolicy())
+        results["scamp"] = simulate(scamp_profiles, cluster, scamp, lookahead=lookahead)
     if args.policy in ("fixed", "both"):
-        results["fixed"] = simulate(fixed_profiles, cluster, FixedPolicy(k))
+        results["fixed"] = simulate(fixed_profiles, cluster, FixedPolicy(k), lookahead=lookahead)
     sim_seconds = time.perf_counter() - start
 
     batches = sorted({p.batch_size for p in scamp_profiles})
     print(f"{args.trials} {args.search}-{args.variant} trials on {args.devices} x {args.device}; "
           f"{args.samples} samples per trial; scamp batches {batches[0]}-{batches[-1]} on "
           f"{sorted({p.devices for p in scamp_profiles})} device(s); fixed: {k} device(s), "
-          f"batch {fixed_batch}")
+          f"batch {fixed_batch}; lookahead {lookahead or 'all'}")
+    if "scamp" in results:
+        used = sorted({len(t.device_ids) for t in results["scamp"].trials})
+        print(f"scamp {scamp}: trials ran on {used} device(s)")
     print(f"costing: {table.compiled} new architecture(s) compiled in "
           f"{table.compile_seconds:.1f} s; simulation {sim_seconds:.2f} s")
     header = ("policy", "makespan h", "mean memory util", "busy fraction", "idle fraction")

@@ -24,6 +24,7 @@ Three tables:
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
 from benchmarks._tables import print_table
@@ -145,6 +146,7 @@ def measured_rows(pairs: Sequence[tuple[int, int]], subnets: int = 48) -> list[l
             f"{sps['csp'] / sps['sequential']:.2f}x", f"{sps['csp'] / sps['gpipe']:.2f}x",
             "yes" if res["csp"].params_sha256 == res["sequential"].params_sha256 else "NO",
         ])
+        print(f"measured C={c} S={s}: " + " | ".join(rows[-1][2:]), file=sys.stderr, flush=True)
     return rows
 
 
@@ -154,6 +156,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--measure", choices=("default", "all", "none"), default="default",
                         help="measured runs: C=12, S=4 (default, about 2 minutes), every "
                              "(C, S) (slow), or none")
+    parser.add_argument("--choices", type=int, nargs="+", default=list(CHOICES),
+                        help="choices per layer of the measured runs with --measure all")
+    parser.add_argument("--stages", type=int, nargs="+", default=list(STAGES),
+                        help="stage counts of the measured runs with --measure all (S=8 puts a "
+                        "collective on 8 CPU devices at once; on a 2-core host under load XLA's "
+                        "40 s rendezvous timeout can abort it)")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
     args = parser.parse_args(argv)
     from scamp_jax.devices import configure_cpu_devices
@@ -172,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.measure == "none":
         return
     pairs = [(12, 4)] if args.measure == "default" else [
-        (c, s) for c in CHOICES for s in STAGES
+        (c, s) for c in args.choices for s in args.stages
     ]
     print_table(
         "Measured on CPU devices: samples/s (tiny supernet, offload on)",

@@ -19,6 +19,7 @@ from scamp_jax.memory import MemoryEstimate as MemoryEstimate
 from scamp_jax.memory import MemoryModel as MemoryModel
 from scamp_jax.memory import estimate_memory as estimate_memory
 from scamp_jax.memory import fit_memory_model as fit_memory_model
+from scamp_jax.placement import DeviceOption as DeviceOption
 from scamp_jax.placement import DevicePool as DevicePool
 from scamp_jax.placement import FixedPolicy as FixedPolicy
 from scamp_jax.placement import Placement as Placement
@@ -54,6 +55,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BudgetTooSmallError",
+    "DeviceOption",
     "DevicePool",
     "DoesNotFitError",
     "EngineConfig",

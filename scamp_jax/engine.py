@@ -31,7 +31,15 @@ import jax
 from flax import nnx
 
 from scamp_jax import planner
-from scamp_jax.placement import DevicePool, FixedPolicy, Placement, TrialRequest, make_policy
+from scamp_jax.placement import (
+    DeviceOption,
+    DevicePool,
+    FixedPolicy,
+    Placement,
+    ScampPolicy,
+    TrialRequest,
+    make_policy,
+)
 from scamp_jax.runner import (
     RunResult,
     RunSpec,
@@ -97,6 +105,11 @@ class EngineConfig:
       seed: base seed of initialisation and data streams.
       rank: process rank recorded with each trial (0 on a single host).
       planner_threads: configurations planned at once (each plan is a few compiles).
+      grow_last_wave: in a study's last wave (nothing left to ask), let ScaMP start a queued
+        trial data-parallel on 2x, 4x, ... its planned devices when they would otherwise idle
+        (needs ``reference_batch``: a larger global batch then means fewer steps). None: on for
+        accelerators, off for CPU devices, which split one host's cores and so gain no speed
+        from more of them (only extra compiles).
     """
 
     steps: int
@@ -117,6 +130,7 @@ class EngineConfig:
     seed: int = 0
     rank: int = 0
     planner_threads: int = 2
+    grow_last_wave: bool | None = None
 
     def __post_init__(self) -> None:
         if self.planner_threads < 1:
@@ -233,6 +247,11 @@ class SearchEngine:
         self._key_locks: dict[Any, threading.Lock] = {}
         self._fixed_lock = threading.Lock()
         self._fixed_batch: int | None = config.fixed_batch_size
+        #: (trial number, device count) options whose plan did not fit: not offered again.
+        self._no_grow: set[tuple[int, int]] = set()
+        grow = config.grow_last_wave
+        self._grow = (grow if grow is not None
+                      else any(d.platform != "cpu" for d in self.devices))
         self._ever_fit = False
         self._nofit: list[int] = []
         #: trials whose plan raised `TrialDeferred`: ``(asked, exception)``, in planning order.
@@ -413,13 +432,58 @@ class SearchEngine:
         queue.append(planned)
         self._notify()
 
-    def _request(self, planned: PlannedTrial) -> TrialRequest:
+    def _request(self, planned: PlannedTrial, last_wave: bool = False) -> TrialRequest:
+        """The placement request of ``planned``.
+
+        ``seconds`` is a relative work estimate for longest-first ordering (the engine has no
+        time model): steps x per-replica batch x the plan's activation bytes per sample. In a
+        study's ``last_wave`` (nothing left to ask or plan) a ScaMP trial also offers, as
+        uncosted options, 2x, 4x, ... its devices, each reserving the plan's usable bytes (the
+        planner's bound on any plan's peak); the engine plans the chosen count only when the
+        policy picks it (`_as_placed`). Only with ``reference_batch`` does a larger batch on
+        more devices mean fewer steps, so only then are options offered.
+        """
+        plan = planned.plan
+        batch = int(plan.batch_size)
+        work = (self.config.steps_for(batch) * batch / max(1, int(plan.data_parallel))
+                * float(plan.memory_model.bytes_per_sample))
+        options: list[DeviceOption] = []
+        policy = self.policy
+        if (last_wave and self._grow and isinstance(policy, ScampPolicy) and policy.elastic
+                and self.config.reference_batch is not None):
+            n = planned.devices * 2
+            while n <= len(self.devices):
+                if (planned.number, n) not in self._no_grow:
+                    options.append(DeviceOption(n, int(plan.usable_bytes), 0.0))
+                n *= 2
         return TrialRequest(
             key=planned.number,
             devices=planned.devices,
-            bytes_per_device=int(planned.plan.peak_bytes_per_device),
+            bytes_per_device=int(plan.peak_bytes_per_device),
             arrival=planned.arrival,
+            seconds=max(0.0, work),
+            options=tuple(options),
         )
+
+    def _as_placed(self, planned: PlannedTrial, devices: int) -> PlannedTrial | None:
+        """``planned`` on the ``devices`` its placement gives it: planned again (cached per
+        architecture) when ScaMP grew it onto more devices, or None if that plan does not fit
+        (the option is then withdrawn and the trial waits for its own plan's devices)."""
+        if devices == planned.devices or not isinstance(self.policy, ScampPolicy):
+            return planned  # the fixed policy's devices_per_trial may exceed the plan's
+        try:
+            plan = self.plan(planned.asked.params, devices=devices)
+        except (planner.DoesNotFitError, TrialDeferred):
+            plan = None
+        if plan is None or self._devices_of(plan) != devices:
+            self._no_grow.add((planned.number, devices))
+            return None
+        status = self.statuses[planned.number]
+        status.model_parallel = int(plan.model_parallel)
+        status.batch_size = int(plan.batch_size)
+        status.predicted_peak_bytes = int(plan.peak_bytes_per_device)
+        status.steps = self.config.steps_for(status.batch_size)
+        return replace(planned, plan=plan, devices=devices)
 
     def _attrs(self, status: TrialStatus, wall: float) -> dict[str, Any]:
         return {
@@ -516,15 +580,21 @@ class SearchEngine:
                 if not queue and not running and not planning:
                     break
                 by_key = {p.number: p for p in queue}
+                last_wave = exhausted and not planning
                 placements = self.policy.decide(
-                    self.pool.snapshot(), [self._request(p) for p in queue]
+                    self.pool.snapshot(), [self._request(p, last_wave) for p in queue],
+                    arrivals_pending=not last_wave,
                 )
                 for placement in placements:
-                    planned = by_key[placement.key]
+                    queued = by_key[placement.key]
+                    grown = self._as_placed(queued, len(placement.device_ids))
+                    if grown is None:
+                        continue  # decided again next round, without that option
+                    planned = grown
                     request = self._request(planned)
                     self.pool.allocate(placement, request)
                     self.usage.start(self._now(), placement, request.bytes_per_device)
-                    queue.remove(planned)
+                    queue.remove(queued)
                     future = self._start(placement, planned, executor, stop)
                     running[future] = (planned, self._now())
                 self._notify()

@@ -21,6 +21,12 @@ synchronous, so it advances at the pace of its most loaded device. Communication
 overlap with other trials' work, which is why packing small trials raises throughput. Where
 several devices share one compute engine (CPU devices of one host: ``compute_group``), the sum
 runs over all trials on the group's devices.
+
+The policy sees what the engine sees: each request's predicted solo seconds and busy fraction
+``u``, its `TrialProfile.alternatives` (the same trial planned with more data-parallel replicas)
+as options, and whether more trials will arrive (``lookahead`` bounds the queue, as the engine's
+asked-but-unplaced trials). A trial started on an alternative's device count runs as that
+alternative.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from dataclasses import dataclass, replace
 
 from scamp_jax._units import format_bytes
 from scamp_jax.placement import (
+    DeviceOption,
     DevicePool,
     FixedPolicy,
     Policy,
@@ -143,6 +150,8 @@ class TrialProfile:
       setup_seconds: work before the first step that keeps the host busy (e.g. compiling the
         step on a CPU host), seconds, once per trial (its busy share is spread over the trial's
         devices); 0 on accelerators, whose host compiles in the background.
+      alternatives: the same trial planned on more devices (more data-parallel replicas, same
+        key), which a policy may start instead (`scamp_jax.placement.TrialRequest.options`).
     """
 
     key: int
@@ -155,8 +164,16 @@ class TrialProfile:
     steps: int
     kernels_per_step: int = 0
     setup_seconds: float = 0.0
+    alternatives: tuple[TrialProfile, ...] = ()
 
     def __post_init__(self) -> None:
+        for alt in self.alternatives:
+            if alt.key != self.key or alt.devices <= self.devices or alt.alternatives:
+                raise ValueError(
+                    f"trial {self.key}: an alternative must have the same key, more than "
+                    f"{self.devices} devices and no alternatives of its own; got key {alt.key} "
+                    f"on {alt.devices} devices"
+                )
         if self.setup_seconds < 0:
             raise ValueError(f"trial {self.key}: setup_seconds={self.setup_seconds} must be >= 0")
         if self.devices < 1 or self.steps < 1 or self.batch_size < 1:
@@ -231,16 +248,59 @@ class _Running:
     version: int = 0
 
 
+def solo_seconds(profile: TrialProfile, cluster: ClusterModel) -> float:
+    """Seconds ``profile`` runs alone on its devices: setup plus its steps."""
+    return profile.setup_seconds + profile.steps * step_seconds(profile, cluster)
+
+
+def busy_seconds(profile: TrialProfile, cluster: ClusterModel) -> float:
+    """Seconds ``profile`` keeps each of its devices busy (roofline) over its run; its setup
+    (a compile) counts once per trial, spread over its devices."""
+    return (profile.setup_seconds / profile.devices
+            + profile.steps * step_busy_seconds(profile, cluster))
+
+
+def busy_fraction(profile: TrialProfile, cluster: ClusterModel) -> float:
+    """Fraction ``u`` of its solo run time ``profile`` keeps each of its devices busy."""
+    solo = solo_seconds(profile, cluster)
+    return min(1.0, busy_seconds(profile, cluster) / solo) if solo > 0 else 0.0
+
+
+def trial_request(profile: TrialProfile, cluster: ClusterModel, arrival: int) -> TrialRequest:
+    """The `TrialRequest` of ``profile``: its predicted solo seconds and busy fraction, and its
+    alternatives as options."""
+    options = tuple(
+        DeviceOption(alt.devices, alt.bytes_per_device, solo_seconds(alt, cluster),
+                     busy_fraction(alt, cluster))
+        for alt in profile.alternatives
+    )
+    return TrialRequest(profile.key, profile.devices, profile.bytes_per_device, arrival,
+                        seconds=solo_seconds(profile, cluster), options=options,
+                        busy_fraction=busy_fraction(profile, cluster))
+
+
 def simulate(
     profiles: Sequence[TrialProfile],
     cluster: ClusterModel,
     policy: Policy,
+    *,
+    lookahead: int | None = None,
 ) -> SimResult:
-    """Run ``profiles`` (queued in list order at time 0) on ``cluster`` under ``policy``.
+    """Run ``profiles`` (arriving in list order) on ``cluster`` under ``policy``.
 
     Each time trials finish, the pool snapshot and the waiting queue go to ``policy.decide``,
     exactly as in the engine; started trials are allocated on a real `DevicePool` and recorded by
-    a `UsageRecorder`.
+    a `UsageRecorder`. A trial started on the device count of one of its ``alternatives`` runs
+    as that alternative.
+
+    Args:
+      profiles: the study's trials, in arrival order.
+      cluster: the cluster model.
+      policy: placement policy.
+      lookahead: most trials waiting in the queue at once (None: all of them from time 0). The
+        engine keeps about as many trials asked and planned as there are devices; the next
+        trial arrives as soon as one starts. ``arrivals_pending`` tells the policy whether
+        trials are still to come.
 
     Raises ``ValueError`` if a profile can never fit the cluster, or if the policy would give a
     trial another device count than its profile was costed for (build the fixed baseline's
@@ -260,7 +320,7 @@ def simulate(
                 f"trial {profile.key} was costed for {profile.devices} devices but policy "
                 f"{policy.name!r} gives it {given}; build its profile for {given} devices"
             )
-        request = TrialRequest(profile.key, profile.devices, profile.bytes_per_device, arrival)
+        request = trial_request(profile, cluster, arrival)
         check_feasible(request, capacity)
         requests[profile.key] = request
         by_key[profile.key] = profile
@@ -274,10 +334,15 @@ def simulate(
     group_trials: list[dict[int, int]] = [{} for _ in range(groups)]  # key -> devices in group
     running: dict[int, _Running] = {}
     events: list[tuple[float, int, int]] = []  # (finish time, key, version)
-    queue = list(requests.values())
+    if lookahead is not None and lookahead < 1:
+        raise ValueError(f"{lookahead=} must be at least 1 or None (all trials queued at once)")
+    pending = list(requests.values())
+    pending.reverse()  # pop() from the end is the next arrival
+    queue: list[TrialRequest] = []
     done: list[SimTrial] = []
     busy_device_seconds = 0.0
     now = 0.0
+    affected: set[int] = set()  # running trials whose rate must be recomputed
 
     def rerate(keys: set[int]) -> None:
         for key in keys:
@@ -289,19 +354,22 @@ def simulate(
             trial.version += 1
             heapq.heappush(events, (now + trial.remaining / trial.rate, key, trial.version))
 
-    while queue or running:
-        placements = policy.decide(pool.snapshot(), queue)
-        affected: set[int] = set()
+    while queue or running or pending:
+        while pending and (lookahead is None or len(queue) < lookahead):
+            queue.append(pending.pop())
+        placements = policy.decide(pool.snapshot(), queue, arrivals_pending=bool(pending))
         for placement in placements:
-            request = requests[placement.key]
+            pool.allocate(placement, requests[placement.key])
+            request = pool.request_of(placement.key)  # the option the policy chose
             profile = by_key[placement.key]
-            pool.allocate(placement, request)
+            for alt in profile.alternatives:
+                if alt.devices == request.devices:
+                    profile = alt
             recorder.start(now, placement, request.bytes_per_device)
-            solo = profile.setup_seconds + profile.steps * step_seconds(profile, cluster)
+            solo = solo_seconds(profile, cluster)
             # Setup (a compile) happens once per trial, not once per device: spread it over the
             # devices so a shared host counts it once.
-            busy = (profile.setup_seconds / len(placement.device_ids)
-                    + profile.steps * step_busy_seconds(profile, cluster))
+            busy = busy_seconds(profile, cluster)
             busy_device_seconds += busy * len(placement.device_ids)
             load = busy / solo if solo > 0 else 0.0
             running[placement.key] = _Running(
@@ -315,12 +383,15 @@ def simulate(
         if placements:
             started = {p.key for p in placements}
             queue = [r for r in queue if r.key not in started]
+            if pending and (lookahead is None or len(queue) < lookahead):
+                continue  # the next trials arrive at once and may start now too
         if not running:
             raise RuntimeError(
                 f"policy {policy.name!r} started nothing on an idle pool with {len(queue)} "
                 "trials waiting; every request passed check_feasible, so this is a policy bug"
             )
         rerate(affected)
+        affected = set()
         # Advance to the next finish; finishes at the same instant are handled together so the
         # policy sees all the memory they free at once.
         finished: list[int] = []
@@ -344,7 +415,7 @@ def simulate(
                 group_trials[g].pop(key, None)
                 group_load[g] = max(0.0, group_load[g] - trial.load) if group_trials[g] else 0.0
                 affected |= group_trials[g].keys()
-        rerate({key for key in affected if key in running})  # some finished in this batch
+        affected &= running.keys()  # some finished in this batch
 
     makespan = now
     total = makespan * cluster.devices
@@ -433,6 +504,42 @@ class StepCostModel:
             kernels_per_step=self.kernels_per_step,
         )
 
+    def planned_profile(
+        self,
+        key: int,
+        *,
+        budget_bytes: int,
+        samples: int,
+        max_batch_size: int | None = None,
+        max_devices: int | None = None,
+    ) -> TrialProfile:
+        """ScaMP's plan of one trial: ``model_parallel`` devices and the largest global batch
+        whose per-device peak fits ``budget_bytes`` (capped by ``max_batch_size``), plus, as
+        ``alternatives``, the same rule with 2, 4, ... data-parallel replicas up to
+        ``max_devices`` devices (None: no alternatives). The global batch of an alternative is a
+        multiple of its data-parallel degree; one that leaves no such batch is left out.
+        """
+        local = self.max_local_batch(budget_bytes)
+        if max_batch_size is not None:
+            local = min(local, max_batch_size)
+        if local < 1:
+            raise ValueError(
+                f"candidate {key} does not fit {format_bytes(budget_bytes)} per device even at "
+                f"batch 1 (needs {format_bytes(self.peak_bytes(1))})"
+            )
+        base = self.profile(key, self.model_parallel, local, samples)
+        alternatives = []
+        dp = 2
+        while max_devices is not None and dp * self.model_parallel <= max_devices:
+            batch = self.max_local_batch(budget_bytes) * dp
+            if max_batch_size is not None:
+                batch = min(batch, max_batch_size)
+            batch -= batch % dp
+            if batch >= dp:
+                alternatives.append(self.profile(key, dp * self.model_parallel, batch, samples))
+            dp *= 2
+        return replace(base, alternatives=tuple(alternatives))
+
     def max_local_batch(self, budget_bytes: int) -> int:
         """Largest per-device batch whose predicted peak fits ``budget_bytes`` (0: none)."""
         if self.memory_per_sample <= 0:
@@ -451,12 +558,14 @@ def plan_profiles(
     max_batch_size: int | None = None,
     fixed_batch_size: int | None = None,
     safety_margin: float = 0.1,
+    max_devices: int | None = None,
 ) -> list[TrialProfile]:
     """Profiles of one trial per entry of ``costs`` (trial key = index) under ``policy``.
 
     ScaMP: the fewest devices that fit (``model_parallel`` devices, i.e. one data-parallel
     replica) and the largest global batch that fits within ``(1 - safety_margin)`` of device
-    memory, capped by ``max_batch_size``. Fixed: ``devices_per_trial`` devices and one global batch
+    memory, capped by ``max_batch_size``; with ``max_devices``, alternatives on more devices
+    (`StepCostModel.planned_profile`). Fixed: ``devices_per_trial`` devices and one global batch
     ``fixed_batch_size`` for every trial (the engine picks the largest batch the largest candidate
     fits). Every trial trains ``samples`` samples.
     """
@@ -468,14 +577,8 @@ def plan_profiles(
                 raise ValueError("the fixed policy needs fixed_batch_size (one batch for all)")
             profile = cost.profile(key, policy.devices_per_trial, fixed_batch_size, samples)
         else:
-            local = cost.max_local_batch(budget)
-            if max_batch_size is not None:
-                local = min(local, max_batch_size)
-            if local < 1:
-                raise ValueError(
-                    f"candidate {key} does not fit {format_bytes(budget)} per device even at "
-                    f"batch 1 (needs {format_bytes(cost.peak_bytes(1))})"
-                )
-            profile = cost.profile(key, cost.model_parallel, local, samples)
+            profile = cost.planned_profile(key, budget_bytes=budget, samples=samples,
+                                           max_batch_size=max_batch_size,
+                                           max_devices=max_devices)
         out.append(profile)
     return out

@@ -306,3 +306,17 @@ def test_a_batch_floor_moves_a_plan_to_more_devices_and_bounds_replans():
         engine(min_batch_size=64).plan(ok())
     with pytest.raises(ValueError, match="min_batch_size=32 exceeds max_batch_size=16"):
         config(max_batch_size=16, min_batch_size=32)
+
+
+@pytest.mark.parametrize("grow", [True, None])
+def test_last_wave_trial_grows_onto_idle_devices_only_where_that_can_help(tmp_path, grow):
+    """A lone trial in the last wave: with growth on it runs data-parallel on all 4 devices;
+    by default on CPU devices (one host's cores split up) it keeps its planned single device."""
+    study, source = make_source(tmp_path, [ok()])
+    SearchEngine(SPACE, Regression(), source,
+                 config(reference_batch=8, grow_last_wave=grow),
+                 devices=jax.devices()[:4]).run()
+    (trial,) = study.get_trials()
+    assert trial.state == TrialState.COMPLETE
+    assert len(trial.user_attrs["devices"]) == (4 if grow else 1)
+    assert trial.user_attrs["steps"] == 15  # 30 steps at batch 8 is 15 at the planned 16

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scamp_jax.placement import (
+    DeviceOption,
     DevicePool,
     FixedPolicy,
     Placement,
@@ -217,6 +218,25 @@ def _events(draw):
     return capacity, ops
 
 
+def _decide_and_check(policy, pool, queue, allowed, pending=True):
+    """One decision on ``queue``: every placement has distinct devices, a device count in
+    ``allowed(request)``, allocates without over-commit, and an idle pool is never left with a
+    waiting trial (work-conserving). Returns the trials still waiting."""
+    by_key = {r.key: r for r in queue}
+    placements = policy.decide(pool.snapshot(), queue, arrivals_pending=pending)
+    for p in placements:
+        assert len(set(p.device_ids)) == len(p.device_ids)
+        assert len(p.device_ids) in allowed(by_key[p.key])
+        pool.allocate(p, by_key[p.key])  # raises on any over-commit
+    started = {p.key for p in placements}
+    queue = [r for r in queue if r.key not in started]
+    snap = pool.snapshot()
+    assert all(u <= c for u, c in zip(snap.used, snap.capacity, strict=True))
+    if not pool.running and queue:
+        pytest.fail(f"idle pool left {queue[0]} waiting")
+    return queue
+
+
 @settings(max_examples=60, deadline=None)
 @given(_events(), st.booleans(), st.booleans())
 def test_random_streams_never_over_commit(events, share, use_fixed) -> None:
@@ -238,21 +258,154 @@ def test_random_streams_never_over_commit(events, share, use_fixed) -> None:
         except ValueError:
             continue  # the engine rejects it up front
         queue.append(request)
-        by_key = {r.key: r for r in queue}
-        placements = policy.decide(pool.snapshot(), queue)
-        for p in placements:
-            want = policy.request_devices(by_key[p.key].devices)
-            assert len(set(p.device_ids)) == len(p.device_ids) == want
-            pool.allocate(p, by_key[p.key])  # raises on any over-commit
-        started = {p.key for p in placements}
-        queue = [r for r in queue if r.key not in started]
-        snap = pool.snapshot()
-        assert all(u <= c for u, c in zip(snap.used, snap.capacity, strict=True))
-        # Work-conserving: an idle pool starts the oldest waiting trial.
-        if not pool.running and queue:
-            pytest.fail(f"idle pool left {queue[0]} waiting")
+        queue = _decide_and_check(policy, pool, queue,
+                                  lambda r: {policy.request_devices(r.devices)})
 
 
 def test_snapshot_validation() -> None:
     with pytest.raises(ValueError, match="disagree on the device count"):
         PoolSnapshot(capacity=(1, 2), used=(0,), exclusive=(False, False))
+
+
+# ------------------------------------------------------------- longest first, elastic degrees
+
+
+def _elastic(key: int, seconds: float, arrival: int | None = None, *, busy: float = 0.0,
+             options: tuple[DeviceOption, ...] = ()) -> TrialRequest:
+    return TrialRequest(key, 1, 4 * GIB, arrival=key if arrival is None else arrival,
+                        seconds=seconds, busy_fraction=busy, options=options)
+
+
+def test_longest_predicted_trial_starts_first_but_fixed_stays_fifo() -> None:
+    queue = [_elastic(0, 10.0), _elastic(1, 30.0), _elastic(2, 20.0)]
+    whole = DevicePool([4 * GIB] * 2).snapshot()  # one trial per device
+    assert [p.key for p in ScampPolicy(overtake_window=3).decide(whole, queue)] == [1, 2]
+    # By default only arrivals within one pool's worth of devices may overtake (here 2).
+    assert [p.key for p in ScampPolicy().decide(whole, queue)] == [1, 0]
+    assert [p.key for p in ScampPolicy(longest_first=False).decide(whole, queue)] == [0, 1]
+    assert [p.key for p in FixedPolicy(1).decide(whole, queue)] == [0, 1]
+
+
+def test_longest_first_cannot_starve_an_old_short_trial() -> None:
+    """One device; a short trial waits while longer ones keep arriving. Only the trials that
+    arrived within ``overtake_window`` of it may start before it."""
+
+    def rounds_until_short_starts(policy: ScampPolicy) -> int | None:
+        pool = DevicePool([4 * GIB])
+        queue = [_elastic(0, 1.0), _elastic(1, 50.0)]
+        for round_ in range(30):
+            queue.append(_elastic(round_ + 2, 50.0 + round_))
+            (placement,) = _start(pool, policy, queue)
+            if placement.key == 0:
+                return round_
+            pool.release(placement.key)
+        return None
+
+    assert rounds_until_short_starts(ScampPolicy(overtake_window=3)) == 2
+    assert rounds_until_short_starts(ScampPolicy(overtake_window=1)) == 0
+    assert rounds_until_short_starts(ScampPolicy(overtake_window=1000)) is None
+
+
+def test_last_wave_grows_the_longest_trials_onto_idle_devices() -> None:
+    pool = DevicePool([10 * GIB] * 8)
+    uncosted = (DeviceOption(2, 3 * GIB, 0.0), DeviceOption(4, 2 * GIB, 0.0))
+    queue = [_elastic(0, 100.0, options=uncosted), _elastic(1, 40.0, options=uncosted)]
+    snapshot = pool.snapshot()
+    # Trials still to come: everyone keeps its plan.
+    assert [len(p.device_ids) for p in ScampPolicy().decide(snapshot, queue)] == [1, 1]
+    # Last wave, 6 idle devices to spare, one step at a time to the longest at a linear
+    # speed-up: trial 0 to 2 (50 s), trial 0 to 4 (25 s), trial 1 to 2 (20 s), trial 1 to 4.
+    placements = ScampPolicy().decide(snapshot, queue, arrivals_pending=False)
+    assert [(p.key, len(p.device_ids)) for p in placements] == [(0, 4), (1, 4)]
+    # With 2 devices fewer to spare, trial 1 stops at 2.
+    short = (*queue, TrialRequest(5, 2, GIB, arrival=5))
+    assert [(p.key, len(p.device_ids))
+            for p in ScampPolicy().decide(snapshot, short, arrivals_pending=False)] == \
+        [(0, 4), (1, 2), (5, 2)]
+    assert ScampPolicy(elastic=False).decide(snapshot, queue, arrivals_pending=False) == \
+        ScampPolicy().decide(snapshot, queue)
+    # The pool books the option that was chosen, with its bytes.
+    for p in placements:
+        pool.allocate(p, queue[p.key])
+    assert pool.request_of(0).devices == 4 and pool.request_of(0).bytes_per_device == 2 * GIB
+    assert pool.snapshot().used == (2 * GIB,) * 8
+
+
+def test_last_wave_growth_falls_back_when_devices_are_busy() -> None:
+    pool = DevicePool([10 * GIB] * 3)
+    pool.allocate(Placement(9, (0,)), TrialRequest(9, 1, 9 * GIB, arrival=0))
+    queue = [_elastic(0, 100.0, options=(DeviceOption(4, GIB, 0.0),)),
+             _elastic(1, 100.0, options=(DeviceOption(2, GIB, 0.0),))]
+    # 2 idle devices for 2 trials: no surplus, both start on their own plan's device.
+    placements = ScampPolicy().decide(pool.snapshot(), queue, arrivals_pending=False)
+    assert sorted(len(p.device_ids) for p in placements) == [1, 1]
+
+
+def test_costed_option_is_preferred_only_within_the_growth_tolerance() -> None:
+    snapshot = DevicePool([10 * GIB] * 4).snapshot()
+    cheap = _elastic(0, 100.0, options=(DeviceOption(2, 3 * GIB, 51.0),))  # +2% device-seconds
+    dear = _elastic(1, 100.0, options=(DeviceOption(2, 3 * GIB, 60.0),))  # +20%
+    placements = ScampPolicy().decide(snapshot, [cheap, dear])
+    assert [(p.key, len(p.device_ids)) for p in placements] == [(0, 2), (1, 1)]
+    strict = ScampPolicy(growth_tolerance=0.0).decide(snapshot, [cheap, dear])
+    assert [len(p.device_ids) for p in strict] == [1, 1]
+    with pytest.raises(ValueError, match="growth_tolerance"):
+        ScampPolicy(growth_tolerance=-0.1)
+
+
+def test_compute_aware_sharing_in_the_last_wave() -> None:
+    pool = DevicePool([10 * GIB])
+    pool.allocate(Placement(9, (0,)), _elastic(9, 100.0, busy=0.8))
+    heavy, light = _elastic(0, 50.0, busy=0.5), _elastic(1, 50.0, busy=0.2)
+    snapshot = pool.snapshot()
+    assert snapshot.busy == (0.8,)
+    # While trials keep arriving, memory decides (throughput); in the last wave only a trial
+    # that fits the device's spare compute joins.
+    assert [p.key for p in ScampPolicy().decide(snapshot, [heavy])] == [0]
+    assert ScampPolicy().decide(snapshot, [heavy], arrivals_pending=False) == ()
+    assert [p.key for p in ScampPolicy().decide(snapshot, [light],
+                                                arrivals_pending=False)] == [1]
+    # Behind a waiting head, the device's compute is reserved for the head as its memory is.
+    assert ScampPolicy().decide(snapshot, [heavy, light], arrivals_pending=False) == ()
+    lenient = ScampPolicy(compute_aware=False)
+    assert [p.key for p in lenient.decide(snapshot, [heavy], arrivals_pending=False)] == [0]
+    pool.release(9)
+    assert pool.snapshot().busy == (0.0,)
+
+
+def test_request_options_validation() -> None:
+    with pytest.raises(ValueError, match="must be distinct and larger"):
+        TrialRequest(0, 2, GIB, 0, options=(DeviceOption(2, GIB, 1.0),))
+    with pytest.raises(ValueError, match="busy_fraction=1.5"):
+        TrialRequest(0, 1, GIB, 0, busy_fraction=1.5)
+    with pytest.raises(ValueError, match="needs devices >= 1"):
+        DeviceOption(0, GIB, 1.0)
+    request = TrialRequest(0, 1, 4 * GIB, 0, seconds=8.0,
+                           options=(DeviceOption(4, GIB, 2.5), DeviceOption(2, 2 * GIB, 4.5)))
+    assert [o.devices for o in request.choices()] == [1, 2, 4]
+    assert request.placed_as(2) == TrialRequest(0, 2, 2 * GIB, 0, seconds=4.5)
+    assert request.placed_as(3) is request
+
+
+@settings(max_examples=60, deadline=None)
+@given(_events(), st.booleans(), st.lists(st.floats(0, 1), min_size=25, max_size=25))
+def test_random_elastic_streams_never_over_commit(events, pending, draws) -> None:
+    capacity, ops = events
+    pool = DevicePool(capacity)
+    policy = ScampPolicy(overtake_window=3, growth_tolerance=0.2)
+    queue: list[TrialRequest] = []
+    for key, (devices, nbytes, exclusive, finishes) in enumerate(ops):
+        for running_key in sorted(pool.running)[:finishes]:
+            pool.release(running_key)
+        u = draws[key]
+        options = tuple(DeviceOption(devices * k, max(0, nbytes - k), 10 * u / k * (1 + u))
+                        for k in (2, 4) if u > 0.3)
+        request = TrialRequest(key, devices, nbytes, arrival=key, exclusive=exclusive,
+                               seconds=10 * u, busy_fraction=u, options=options)
+        try:
+            check_feasible(request, capacity)
+        except ValueError:
+            continue
+        queue.append(request)
+        queue = _decide_and_check(policy, pool, queue,
+                                  lambda r: {o.devices for o in r.choices()}, pending)

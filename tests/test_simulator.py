@@ -56,7 +56,7 @@ def test_makespan_by_hand_with_device_sharing() -> None:
     # Pure packing (best fit) puts A and B on device 0 (load 0.5 + 1.0 = 1.5: both run at 2/3
     # speed). C waits for device 0 to drain. B ends at 10 / (2/3) = 15 s; A has
     # 20 - 15 * 2/3 = 10 s left, now alone at full speed -> 25 s. C runs 25..35 s.
-    result = simulate(_hand_example(), TOY, ScampPolicy(spread=False))
+    result = simulate(_hand_example(), TOY, ScampPolicy(spread=False, compute_aware=False))
     spans = {t.key: (t.start_s, t.end_s) for t in result.trials}
     devices = {t.key: t.device_ids for t in result.trials}
     assert devices == {0: (0,), 1: (0,), 2: (0, 1)}
@@ -262,3 +262,61 @@ def test_build_profiles_gives_the_baseline_one_batch_safe_for_the_largest() -> N
     with pytest.raises(ValueError, match="multiple of the largest candidate's model-parallel"):
         build_profiles(costs, largest, cluster, samples=1000, max_batch_size=None,
                        fixed_devices=3, safety_margin=0.1)
+
+
+def _compute_bound(key: int, steps: int, devices: int = 1, comm: float = 0.0,
+                   flops: float = 1e12) -> TrialProfile:
+    """A trial of ``steps`` steps of ``flops / 1e12`` s of compute (+ ``comm / 1e9`` s) on TOY."""
+    return TrialProfile(key, devices, 4 * GIB, devices, flops, 0, comm, steps)
+
+
+def test_longest_first_shortens_the_makespan_by_hand() -> None:
+    # Two 1 s trials and one 2 s trial, all compute-bound (busy fraction 1): in the last wave no
+    # device is shared. Arrival order: both short ones first, the long one at 1 s -> 3 s.
+    # Longest first: the long one and a short one at 0 s, the other short one at 1 s -> 2 s.
+    trials = [_compute_bound(0, 1), _compute_bound(1, 1), _compute_bound(2, 2)]
+    fifo = simulate(trials, TOY, ScampPolicy(longest_first=False))
+    lpt = simulate(trials, TOY, ScampPolicy(overtake_window=3))
+    assert fifo.makespan_s == pytest.approx(3.0)
+    assert lpt.makespan_s == pytest.approx(2.0)
+    assert {t.key: t.start_s for t in lpt.trials} == pytest.approx({0: 0.0, 1: 1.0, 2: 0.0})
+    # The default window (one pool's worth of devices: 2) keeps trial 2 behind trial 0.
+    assert simulate(trials, TOY, ScampPolicy()).makespan_s == pytest.approx(3.0)
+    # With one trial queued at a time (the engine's lookahead) there is nothing to reorder.
+    policy = ScampPolicy(overtake_window=3)
+    assert simulate(trials, TOY, policy, lookahead=1).makespan_s == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="lookahead=0 must be at least 1"):
+        simulate(trials, TOY, policy, lookahead=0)
+
+
+def test_last_wave_trial_runs_data_parallel_on_idle_devices() -> None:
+    # Alone: 4 steps of 1 s. On both devices: 4 steps of 0.5 s compute + 0.1 s all-reduce.
+    wide = _compute_bound(0, 4, devices=2, comm=1e8, flops=0.5e12)
+    trial = dataclasses.replace(_compute_bound(0, 4), alternatives=(wide,))
+    grown = simulate([trial], TOY, ScampPolicy())
+    assert grown.trials[0].device_ids == (0, 1)
+    assert grown.makespan_s == pytest.approx(4 * 0.6)
+    assert simulate([trial], TOY, ScampPolicy(elastic=False)).makespan_s == pytest.approx(4.0)
+    # A second trial takes the other device: nothing idles, so nothing grows.
+    pair = simulate([trial, _compute_bound(1, 4)], TOY, ScampPolicy())
+    assert [len(t.device_ids) for t in pair.trials] == [1, 1]
+    assert pair.makespan_s == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="an alternative must have the same key"):
+        dataclasses.replace(_compute_bound(0, 4), alternatives=(_compute_bound(1, 4, 2),))
+
+
+def test_planned_profile_offers_more_data_parallel_replicas_at_the_largest_batch() -> None:
+    cost = StepCostModel(
+        model_parallel=1, flops_fixed=1e9, flops_per_sample=1e8, bytes_fixed=4e8,
+        bytes_per_sample=1e6, gradient_bytes=4e8, mp_comm_fixed=0.0, mp_comm_per_sample=0.0,
+        kernels_per_step=100, memory_fixed=2e9, memory_per_sample=1e8,
+    )
+    # 80 samples fit per device; the cap is 48 and 3 replicas never split it evenly.
+    profile = cost.planned_profile(0, budget_bytes=10 * 10**9, samples=960, max_batch_size=48,
+                                   max_devices=4)
+    assert (profile.devices, profile.batch_size, profile.steps) == (1, 48, 20)
+    assert [(a.devices, a.batch_size, a.steps) for a in profile.alternatives] == \
+        [(2, 48, 20), (4, 48, 20)]
+    assert profile.alternatives[1].bytes_per_device == cost.peak_bytes(12)
+    assert profile.alternatives[1].comm_bytes_per_step == pytest.approx(allreduce_bytes(4e8, 4))
+    assert cost.planned_profile(0, budget_bytes=10 * 10**9, samples=960).alternatives == ()
