@@ -21,7 +21,8 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from scamp_jax.placement import DevicePool, FixedPolicy, ScampPolicy, TrialRequest
+from scamp_jax.placement import FixedPolicy, ScampPolicy, TrialRequest
+from scamp_jax.pool import DevicePool
 
 GIB = 2**30
 

@@ -20,7 +20,6 @@ from scamp_jax.memory import MemoryModel as MemoryModel
 from scamp_jax.memory import estimate_memory as estimate_memory
 from scamp_jax.memory import fit_memory_model as fit_memory_model
 from scamp_jax.placement import DeviceOption as DeviceOption
-from scamp_jax.placement import DevicePool as DevicePool
 from scamp_jax.placement import FixedPolicy as FixedPolicy
 from scamp_jax.placement import Placement as Placement
 from scamp_jax.placement import PoolSnapshot as PoolSnapshot
@@ -33,6 +32,7 @@ from scamp_jax.planner import Plan as Plan
 from scamp_jax.planner import min_devices as min_devices
 from scamp_jax.planner import min_devices_plan as min_devices_plan
 from scamp_jax.planner import plan_mesh as plan_mesh
+from scamp_jax.pool import DevicePool as DevicePool
 from scamp_jax.sharding import make_mesh as make_mesh
 from scamp_jax.sharding import param_partition_specs as param_partition_specs
 from scamp_jax.space import SearchSpace as SearchSpace

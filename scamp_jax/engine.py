@@ -33,13 +33,13 @@ from flax import nnx
 from scamp_jax import planner
 from scamp_jax.placement import (
     DeviceOption,
-    DevicePool,
     FixedPolicy,
     Placement,
     ScampPolicy,
     TrialRequest,
     make_policy,
 )
+from scamp_jax.pool import DevicePool
 from scamp_jax.runner import (
     RunResult,
     RunSpec,

@@ -39,13 +39,13 @@ from dataclasses import dataclass, replace
 from scamp_jax._units import format_bytes
 from scamp_jax.placement import (
     DeviceOption,
-    DevicePool,
     FixedPolicy,
     Policy,
     ScampPolicy,
     TrialRequest,
     check_feasible,
 )
+from scamp_jax.pool import DevicePool
 from scamp_jax.usage import UsageRecorder
 
 GB = 10**9

@@ -199,7 +199,8 @@ def test_live_view_draws_devices_and_trials_on_a_terminal():
     import io
 
     from scamp_jax.live import LiveView
-    from scamp_jax.placement import DevicePool, Placement, TrialRequest
+    from scamp_jax.placement import Placement, TrialRequest
+    from scamp_jax.pool import DevicePool
     from scamp_jax.runner import TrialStatus
 
     class Terminal(io.StringIO):

@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 
 from scamp_jax.placement import (
     DeviceOption,
-    DevicePool,
     FixedPolicy,
     Placement,
     PoolSnapshot,
@@ -17,6 +16,7 @@ from scamp_jax.placement import (
     check_feasible,
     make_policy,
 )
+from scamp_jax.pool import DevicePool
 
 GIB = 2**30
 
