@@ -328,7 +328,8 @@ class SearchEngine:
         Under the fixed policy the device count is ``devices_per_trial`` and the batch the
         policy's one batch size. Plans are cached per architecture (the graph definition), so
         trials that differ only in optimizer hyperparameters are planned once.
-        Raises ``planner.DoesNotFitError`` if the configuration fits on no device count.
+        Raises ``planner.DoesNotFitError`` if the configuration fits on no device count, and
+        `TrialDeferred` (cached like a plan) if a subclass hands the architecture elsewhere.
         """
         model = self._abstract(params)
         graphdef = split_model(model)[0]
@@ -345,11 +346,17 @@ class SearchEngine:
             key_lock = self._key_locks.setdefault(key, threading.Lock())
         with key_lock:
             if key not in self._plans:
-                if devices is not None:
-                    self._plans[key] = self._call_planner(model, devices, cap)
-                else:
-                    self._plans[key] = self._smallest_fitting_plan(model, cap)
-            return self._plans[key]
+                try:
+                    if devices is not None:
+                        self._plans[key] = self._call_planner(model, devices, cap)
+                    else:
+                        self._plans[key] = self._smallest_fitting_plan(model, cap)
+                except TrialDeferred as deferred:
+                    self._plans[key] = deferred  # a property of the architecture, like a plan
+            plan = self._plans[key]
+        if isinstance(plan, TrialDeferred):
+            raise TrialDeferred(str(plan), plan.payload)
+        return plan
 
     # ---------------------------------------------------------------------------- the loop
     def _now(self) -> float:

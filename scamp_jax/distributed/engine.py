@@ -38,7 +38,6 @@ from scamp_jax import planner
 from scamp_jax.distributed.mpi import import_mpi4py
 from scamp_jax.distributed.spanning import (
     SpanningTrial,
-    SpanPlan,
     run_spanning_trials,
     span_plan,
     spanning_outcome,
@@ -46,7 +45,6 @@ from scamp_jax.distributed.spanning import (
 from scamp_jax.distributed.study import StudyClient, shared_study
 from scamp_jax.engine import SearchEngine, TrialDeferred
 from scamp_jax.study import AskedTrial, TrialOutcome
-from scamp_jax.train_step import split_model
 
 _OPTUNA_STATE = {"complete": "COMPLETE", "pruned": "PRUNED", "failed": "FAIL"}
 
@@ -132,39 +130,27 @@ class RankStream:
 class MPISearchEngine(SearchEngine):
     """The `scamp_jax.engine.SearchEngine` of one of ``ranks`` MPI ranks.
 
-    Arguments after ``ranks`` as for `SearchEngine`. Its ``plan`` defers, instead of failing, a
-    ScaMP configuration that reaches ``config.min_batch_size`` on none of this rank's device
-    counts but does on several ranks with one device each: it raises
-    `scamp_jax.engine.TrialDeferred` with the `SpanPlan` as payload, and the trial lands in
-    ``deferred``. A configuration that cannot span either fails with the planner's reason and
-    what to change. Span plans are cached per architecture, like plans.
+    Arguments after ``ranks`` as for `SearchEngine`. A ScaMP configuration that reaches
+    ``config.min_batch_size`` on none of this rank's device counts but does on several ranks with
+    one device each is deferred instead of failed: planning raises
+    `scamp_jax.engine.TrialDeferred` with the `SpanPlan` as payload (cached per architecture by
+    `SearchEngine.plan`), and the trial lands in ``deferred``. A configuration that cannot span
+    either fails with the planner's reason and what to change.
     """
 
     def __init__(self, ranks: int, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.ranks = ranks
-        self._spans: dict[Any, SpanPlan] = {}
-        self._spans_lock = threading.Lock()
 
-    def plan(self, params: Mapping[str, Any], *, devices: int | None = None,
-             max_batch: int | None = None) -> Any:
-        """`SearchEngine.plan`, or `TrialDeferred` for a trial that must span ranks."""
-        model = self._abstract(params)
-        key = split_model(model)[0]
-        with self._spans_lock:
-            span = self._spans.get(key)
-        if span is None:
-            try:
-                return super().plan(params, devices=devices, max_batch=max_batch)
-            except planner.DoesNotFitError as err:
-                if (devices is not None or max_batch is not None or self.ranks < 2
-                        or self.config.policy != "scamp"):
-                    raise
-                span = span_plan(self._call_planner, model, ranks=self.ranks,
-                                 min_batch_size=self.config.min_batch_size or 1,
-                                 max_batch_size=self.config.max_batch_size, local_error=err)
-                with self._spans_lock:
-                    self._spans[key] = span
+    def _smallest_fitting_plan(self, model: Any, max_batch: int | None) -> Any:
+        try:
+            return super()._smallest_fitting_plan(model, max_batch)
+        except planner.DoesNotFitError as err:
+            if self.ranks < 2:
+                raise
+            span = span_plan(self._call_planner, model, ranks=self.ranks,
+                             min_batch_size=self.config.min_batch_size or 1,
+                             max_batch_size=max_batch, local_error=err)
         raise TrialDeferred(f"spans {span.ranks} ranks (global batch {span.global_batch})", span)
 
 

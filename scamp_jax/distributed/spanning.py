@@ -198,7 +198,6 @@ def run_spanning_trials(
     Returns:
       on rank 0, ``(trial, ranks, result)`` for every trial in finishing order; elsewhere ``[]``.
     """
-    from scamp_jax.distributed.data_parallel import mpi_mean
     from scamp_jax.distributed.mpi import import_mpi4py
 
     mpi = import_mpi4py()
@@ -217,7 +216,7 @@ def run_spanning_trials(
             trial, ranks = mine[1]
             # The group's communicator is not freed: mpi4jax keeps handles to communicators it
             # has seen, and a freed one would be invalid under a later step.
-            result = _run_on_group(trial, space, task, config, sub, checkpoint_root, mpi_mean)
+            result = _run_on_group(trial, space, task, config, sub, checkpoint_root)
             if rank != ranks[0]:
                 result = None  # the group's first rank speaks for it
         gathered = comm.gather(result, root=0)
@@ -235,7 +234,9 @@ def run_spanning_trials(
 
 
 def _run_on_group(trial: SpanningTrial, space: Any, task: Any, config: Any, sub: Any,
-                  checkpoint_root: Path | None, mpi_mean: Callable[..., Any]) -> RunResult:
+                  checkpoint_root: Path | None) -> RunResult:
+    from scamp_jax.distributed.data_parallel import mpi_mean
+
     index, parts = sub.Get_rank(), sub.Get_size()
     plan = one_device_plan(space, trial.params, trial.plan.batch_per_rank, jax.local_devices()[0])
     spec = RunSpec(
