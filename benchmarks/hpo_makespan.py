@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         from experiments.vit_synthetic import get_config, make_space_and_task
         baseline = None
     from scamp_jax import planner
-    from scamp_jax.engine import run_search
+    from scamp_jax.search import run_search
 
     devices = planner.resolve_devices(args.devices)
     memory = args.memory_per_device or get_config("smoke").memory_per_device

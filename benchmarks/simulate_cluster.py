@@ -28,8 +28,11 @@ are cached per architecture in ``--cache`` (JSON), so scaling runs do not compil
 What ScaMP does here beyond packing (`scamp_jax.placement.ScampPolicy`): it starts the longest
 predicted trials first, runs a trial data-parallel on 2-8 devices where that costs at most
 ``--growth-tolerance`` more device-seconds, gives devices that the last wave would leave idle to
-the longest queued trials, and in the last wave shares a device only into spare compute. Trials
-arrive as the engine asks them: at most ``--lookahead`` (default: one per device) are queued.
+the longest queued trials, and in the last wave shares a device only into spare compute. Once
+nothing is queued or left to arrive, running trials restart on devices that fell idle with the
+same global batch (`scamp_jax.elastic`, up to ``--max-trial-devices`` devices, each restart
+costing ``--restart-seconds``; ``--no-resize`` turns it off). Trials arrive as the engine asks
+them: at most ``--lookahead`` (default: one per device) are queued.
 The fixed baseline keeps its fixed devices, one batch and strict arrival order.
 
 Caveats: CPU fusion decisions differ from GPU ones (bytes accessed and kernel counts are those of
@@ -519,6 +522,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="no last-wave growth of trials onto idle devices")
     parser.add_argument("--no-compute-aware", action="store_true",
                         help="ScaMP shares devices by memory alone, also in the last wave")
+    parser.add_argument("--no-resize", action="store_true",
+                        help="never restart running trials on idle devices at the study's end")
+    parser.add_argument("--restart-seconds", type=float, default=None,
+                        help="cost of restarting a running trial on more devices (checkpoint, "
+                        "compile, restore); default: the cluster model's (60 s)")
+    parser.add_argument("--min-resize-gain", type=float, default=0.1,
+                        help="fraction of its remaining time a restart must save")
     parser.add_argument("--safety-margin", type=float, default=0.1,
                         help="fraction of device memory plans keep free")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled study")
@@ -560,13 +570,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_trial_devices=args.max_trial_devices or None,
     )
     lookahead = args.devices if args.lookahead is None else args.lookahead or None
+    if args.restart_seconds is not None:
+        if args.restart_seconds < 0:
+            parser.error("--restart-seconds must be >= 0")
+        cluster = dataclasses.replace(cluster, restart_seconds=args.restart_seconds)
+    if not 0 <= args.min_resize_gain < 1:
+        parser.error("--min-resize-gain must be in [0, 1)")
     scamp = ScampPolicy(longest_first=not args.no_longest_first, elastic=not args.no_elastic,
                         growth_tolerance=args.growth_tolerance,
-                        compute_aware=not args.no_compute_aware)
+                        compute_aware=not args.no_compute_aware,
+                        resize_running=not args.no_resize,
+                        min_resize_gain=args.min_resize_gain)
+    usable = int(cluster.memory_per_device * (1.0 - args.safety_margin))
+    max_devices = args.max_trial_devices or cluster.devices
+
+    def reshape(profile: TrialProfile) -> tuple[TrialProfile, ...]:
+        return costs[profile.key].restart_profiles(profile, budget_bytes=usable,
+                                                   max_devices=max_devices)
     results: dict[str, SimResult] = {}
     start = time.perf_counter()
     if args.policy in ("scamp", "both"):
-        results["scamp"] = simulate(scamp_profiles, cluster, scamp, lookahead=lookahead)
+        results["scamp"] = simulate(scamp_profiles, cluster, scamp, lookahead=lookahead,
+                                    reshape=reshape)
     if args.policy in ("fixed", "both"):
         results["fixed"] = simulate(fixed_profiles, cluster, FixedPolicy(k), lookahead=lookahead)
     sim_seconds = time.perf_counter() - start
@@ -578,7 +603,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"batch {fixed_batch}; lookahead {lookahead or 'all'}")
     if "scamp" in results:
         used = sorted({len(t.device_ids) for t in results["scamp"].trials})
-        print(f"scamp {scamp}: trials ran on {used} device(s)")
+        print(f"scamp {scamp}: trials ran on {used} device(s); "
+              f"{results['scamp'].resizes} running trial(s) restarted on more devices "
+              f"({cluster.restart_seconds:g} s per restart)")
     print(f"costing: {table.compiled} new architecture(s) compiled in "
           f"{table.compile_seconds:.1f} s; simulation {sim_seconds:.2f} s")
     header = ("policy", "makespan h", "mean memory util", "busy fraction", "idle fraction")

@@ -172,7 +172,8 @@ def run(
     from scamp_jax import planner
     from scamp_jax._units import parse_bytes
     from scamp_jax.distributed.mpi import MPIUnavailableError, launched_under_mpi
-    from scamp_jax.engine import BudgetTooSmallError, run_search
+    from scamp_jax.engine import BudgetTooSmallError
+    from scamp_jax.search import run_search
 
     def terminate(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt  # SIGTERM (a scheduler's kill) stops like Ctrl-C: checkpointed

@@ -13,8 +13,6 @@ from scamp_jax.engine import BudgetTooSmallError as BudgetTooSmallError
 from scamp_jax.engine import EngineConfig as EngineConfig
 from scamp_jax.engine import SearchEngine as SearchEngine
 from scamp_jax.engine import SearchResult as SearchResult
-from scamp_jax.engine import SearchSettings as SearchSettings
-from scamp_jax.engine import run_search as run_search
 from scamp_jax.memory import MemoryEstimate as MemoryEstimate
 from scamp_jax.memory import MemoryModel as MemoryModel
 from scamp_jax.memory import estimate_memory as estimate_memory
@@ -33,6 +31,8 @@ from scamp_jax.planner import min_devices as min_devices
 from scamp_jax.planner import min_devices_plan as min_devices_plan
 from scamp_jax.planner import plan_mesh as plan_mesh
 from scamp_jax.pool import DevicePool as DevicePool
+from scamp_jax.search import SearchSettings as SearchSettings
+from scamp_jax.search import run_search as run_search
 from scamp_jax.sharding import make_mesh as make_mesh
 from scamp_jax.sharding import param_partition_specs as param_partition_specs
 from scamp_jax.space import SearchSpace as SearchSpace

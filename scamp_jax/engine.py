@@ -19,18 +19,18 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import math
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 from flax import nnx
 
 from scamp_jax import planner
+from scamp_jax.elastic import RunningTrial, resizes
 from scamp_jax.placement import (
     DeviceOption,
     FixedPolicy,
@@ -109,7 +109,12 @@ class EngineConfig:
         trial data-parallel on 2x, 4x, ... its planned devices when they would otherwise idle
         (needs ``reference_batch``: a larger global batch then means fewer steps). None: on for
         accelerators, off for CPU devices, which split one host's cores and so gain no speed
-        from more of them (only extra compiles).
+        from more of them (only extra compiles). The same switch lets ScaMP, once nothing is
+        queued or left to ask, stop a running trial at a checkpoint and restart it with the same
+        global batch on its devices plus idle ones (`scamp_jax.elastic`; needs a checkpoint
+        root).
+      restart_seconds: predicted cost of such a restart (checkpoint, compile, restore),
+        seconds; None: the trial's own start-up time in its current run.
     """
 
     steps: int
@@ -131,8 +136,11 @@ class EngineConfig:
     rank: int = 0
     planner_threads: int = 2
     grow_last_wave: bool | None = None
+    restart_seconds: float | None = None
 
     def __post_init__(self) -> None:
+        if self.restart_seconds is not None and self.restart_seconds < 0:
+            raise ValueError(f"restart_seconds={self.restart_seconds} must be >= 0 or None")
         if self.planner_threads < 1:
             raise ValueError(f"planner_threads={self.planner_threads} must be at least 1")
         if self.steps < 1:
@@ -249,6 +257,8 @@ class SearchEngine:
         self._fixed_batch: int | None = config.fixed_batch_size
         #: (trial number, device count) options whose plan did not fit: not offered again.
         self._no_grow: set[tuple[int, int]] = set()
+        #: running trials being stopped to restart on more devices: the new plan and placement.
+        self._resizing: dict[int, tuple[PlannedTrial, Placement]] = {}
         grow = config.grow_last_wave
         self._grow = (grow if grow is not None
                       else any(d.platform != "cpu" for d in self.devices))
@@ -501,6 +511,7 @@ class SearchEngine:
             "steps": status.step,
             "wall_seconds": round(wall, 3),
             "replans": status.replans,
+            "resizes": status.resizes,
             "rank": self.config.rank,
             "final_loss": None if math.isnan(status.loss) else status.loss,
         }
@@ -509,6 +520,78 @@ class SearchEngine:
         self.source.tell(outcome)
         self._outcomes.append(outcome)
         self._notify()
+
+    def _running_view(self, planned: PlannedTrial, started: float) -> RunningTrial | None:
+        """``planned`` as `scamp_jax.elastic.resizes` sees it, or None while its pace is
+        unknown (still compiling, or fewer than 2 steps trained in this run).
+
+        The engine has no time model: the remaining time is this run's seconds per step times
+        the steps left, and on ``p`` data-parallel replicas instead of ``d`` it assumes
+        ``d / p`` of that (a linear speed-up), plus the restart (``restart_seconds``, else the
+        start-up this run took). Offered device counts keep the global batch divisible.
+        """
+        status = self.statuses[planned.number]
+        done = status.step - status.first_step
+        if status.state != "training" or done < 2 or math.isnan(status.training_since):
+            return None
+        now = time.monotonic()
+        remaining = (now - status.training_since) / done * max(0, status.steps - status.step)
+        restart = self.config.restart_seconds
+        if restart is None:
+            restart = max(0.0, status.training_since - (self._t0 + started))
+        plan = planned.plan
+        dp, mp, batch = int(plan.data_parallel), int(plan.model_parallel), int(plan.batch_size)
+        options = tuple(
+            DeviceOption(p * mp, int(plan.peak_bytes_per_device), remaining * dp / p + restart)
+            for p in range(dp + 1, len(self.devices) // mp + 1)
+            if batch % p == 0 and (planned.number, p * mp) not in self._no_grow
+        )
+        return RunningTrial(planned.number, self.pool.running[planned.number].device_ids,
+                            self.pool.request_of(planned.number).bytes_per_device, remaining,
+                            options)
+
+    def _resize_tail(self, running: Mapping[cf.Future, tuple[PlannedTrial, float,
+                                                               threading.Event]]) -> None:
+        """Restart running trials on idle devices at the end of the study (`scamp_jax.elastic`):
+        book the new devices now, ask the trial to stop (it checkpoints), and start it again on
+        them when it returns (``run``)."""
+        if not self._grow or self.checkpoint_root is None:
+            return
+        entries = {p.number: (p, started, stop) for p, started, stop in running.values()
+                   if p.number not in self._resizing and not stop.is_set()}
+        views = [v for p, started, _ in entries.values()
+                 if (v := self._running_view(p, started)) is not None]
+        if not views:
+            return
+        for r in resizes(self.policy, self.pool.snapshot(), views, queue_empty=True,
+                         arrivals_pending=False):
+            planned, _, stop = entries[r.key]
+            n, batch = r.option.devices, int(planned.plan.batch_size)
+            try:
+                plan = self.plan(planned.asked.params, devices=n, max_batch=batch)
+            except (planner.DoesNotFitError, TrialDeferred):
+                plan = None
+            if plan is None or self._devices_of(plan) != n or int(plan.batch_size) != batch:
+                self._no_grow.add((r.key, n))  # the planner found no such plan: not again
+                continue
+            grown = replace(planned, plan=plan, devices=n)
+            placement = Placement(r.key, r.device_ids)
+            old_request = self.pool.request_of(r.key)
+            old_placement = self.pool.release(r.key)
+            try:
+                self.pool.allocate(placement, self._request(grown))
+            except ValueError:  # the compiled plan needs more than the prediction left free
+                self.pool.allocate(old_placement, old_request)
+                self._no_grow.add((r.key, n))
+                continue
+            now = self._now()
+            self.usage.finish(now, r.key)
+            self.usage.start(now, placement, int(plan.peak_bytes_per_device))
+            self._resizing[r.key] = (grown, placement)
+            self.statuses[r.key].state = "resizing"
+            log.info("trial %d: restarting on %d devices (was %d), batch %d", r.key, n,
+                     planned.devices, batch)
+            stop.set()
 
     def _start(self, placement: Placement, planned: PlannedTrial, executor: cf.Executor,
                stop: threading.Event) -> cf.Future:
@@ -572,8 +655,8 @@ class SearchEngine:
         lookahead = self.config.lookahead or len(self.devices)
         queue: list[PlannedTrial] = []
         planning: dict[cf.Future, AskedTrial] = {}
-        running: dict[cf.Future, tuple[PlannedTrial, float]] = {}
-        stop = threading.Event()
+        # future -> (trial, start time, its stop event: Ctrl-C, or a restart on more devices)
+        running: dict[cf.Future, tuple[PlannedTrial, float, threading.Event]] = {}
         executor = cf.ThreadPoolExecutor(max_workers=max(4, 4 * len(self.devices)),
                                          thread_name_prefix="trial")
         # Planning compiles; planner threads overlap it with training and with each other.
@@ -602,8 +685,11 @@ class SearchEngine:
                     self.pool.allocate(placement, request)
                     self.usage.start(self._now(), placement, request.bytes_per_device)
                     queue.remove(queued)
+                    stop = threading.Event()
                     future = self._start(placement, planned, executor, stop)
-                    running[future] = (planned, self._now())
+                    running[future] = (planned, self._now(), stop)
+                if last_wave and not queue and running:
+                    self._resize_tail(running)
                 self._notify()
                 if not running and not planning:
                     if queue:  # nothing runs and nothing can start: a policy bug, not a wait
@@ -619,12 +705,22 @@ class SearchEngine:
                     if future in planning:
                         self._enqueue(planning.pop(future), future, queue)
                     else:
-                        planned, _started = running.pop(future)
-                        self._finish(planned, future.result(), queue)
+                        planned, _started, stop = running.pop(future)
+                        result = future.result()
+                        resize = self._resizing.pop(planned.number, None)
+                        if resize is not None and result.state == "interrupted":
+                            grown, placement = resize
+                            self.statuses[planned.number].resizes += 1
+                            stop = threading.Event()
+                            future = self._start(placement, grown, executor, stop)
+                            running[future] = (grown, self._now(), stop)
+                            continue
+                        self._finish(planned, result, queue)
                 self._notify()
         except BaseException:
-            stop.set()
-            for future, (planned, _) in list(running.items()):
+            for _, _, stop in running.values():
+                stop.set()
+            for future, (planned, _, _) in list(running.items()):
                 # The runner checkpoints and returns when it sees `stop`; whatever it says, the
                 # trial is unfinished and goes back to the study.
                 cf.wait([future])
@@ -685,175 +781,3 @@ class SearchEngine:
         self._tell(TrialOutcome(planned.number, result.state,
                                 value=metric if result.state == "complete" else None,
                                 reason=result.reason, attrs=attrs))
-
-
-class SearchSettings(Protocol):
-    """What `run_search` reads from an experiment's config (e.g. ``experiments._cli.HPOConfig``).
-
-    Fields as in `EngineConfig`, plus the study's: ``trials`` (total), ``sampler``, ``pruner``,
-    ``study_dir``, ``storage``; optionally ``initial_params`` (configurations a new study
-    evaluates first, a warm start).
-    """
-
-    @property
-    def trials(self) -> int: ...
-    @property
-    def steps(self) -> int: ...
-    @property
-    def reference_batch(self) -> int | None: ...
-    @property
-    def max_batch_size(self) -> int | None: ...
-    @property
-    def policy(self) -> str: ...
-    @property
-    def devices_per_trial(self) -> int: ...
-    @property
-    def sampler(self) -> str: ...
-    @property
-    def pruner(self) -> str: ...
-    @property
-    def seed(self) -> int: ...
-    @property
-    def study_dir(self) -> str: ...
-    @property
-    def storage(self) -> str | None: ...
-    @property
-    def checkpoint_every(self) -> int: ...
-    @property
-    def eval_every(self) -> int: ...
-
-
-def run_search(
-    space: SearchSpace,
-    task: Task,
-    settings: SearchSettings,
-    *,
-    devices: Sequence[jax.Device],
-    memory_per_device: int,
-    live: bool = True,
-    baseline: str | None = None,
-    title: str = "search",
-    plan_fn: PlanFn | None = None,
-    console: Any = None,
-) -> dict[str, Any]:
-    """Open (or resume) the study in ``settings.study_dir``, run it, and write its report.
-
-    A new study first evaluates ``settings.initial_params`` (if any), then what the sampler asks.
-    Writes ``study.db`` (unless ``settings.storage`` names another database), ``results.json``,
-    ``results.csv``, ``best_model/`` (the best trial's final checkpoint), the three PNG plots, and
-    prints the best trials with the best metric against ``baseline`` (e.g. ``"bicubic_psnr"``).
-    Returns the ``results.json`` payload's ``run`` section plus ``best`` (a results row or None).
-    """
-    from rich.console import Console
-
-    from scamp_jax.live import LiveView
-    from scamp_jax.study import OptunaTrialSource, open_study
-
-    study_dir = Path(settings.study_dir)
-    study = open_study(
-        space.name, study_dir=study_dir, storage=settings.storage, direction=task.direction,
-        sampler=settings.sampler, pruner=settings.pruner, seed=settings.seed, grid=space.grid,
-        warmup_steps=settings.eval_every,
-    )
-    if not study.get_trials(deepcopy=False):
-        for params in getattr(settings, "initial_params", ()):
-            study.enqueue_trial(dict(params), skip_if_exists=True)
-    source = OptunaTrialSource(study, space, settings.trials)
-    if console is None:
-        # Logs (no terminal) get wide lines instead of a table squeezed into 80 columns.
-        console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
-    if source.recovered:
-        console.print(f"resuming: trials {source.recovered} were interrupted and are queued "
-                      "again", markup=False)
-    console.print(f"study {space.name!r} in {study_dir}: {source.finished()} of "
-                  f"{settings.trials} trials finished before this run", markup=False)
-    config = engine_config(settings, memory_per_device)
-    stream: Any = None if live else _PlainStream()
-    view = LiveView([memory_per_device] * len(devices), task.metric, title=title, stream=stream)
-    engine = SearchEngine(space, task, source, config, devices=devices,
-                          checkpoint_root=study_dir / "checkpoints", plan_fn=plan_fn,
-                          on_update=view.update)
-    with view:
-        result = engine.run()
-    run_info = run_summary(result, len(devices), memory_per_device)
-    return write_study_report(study, task, study_dir, result, run_info, baseline=baseline,
-                              memory_per_device=memory_per_device, console=console)
-
-
-def engine_config(settings: SearchSettings, memory_per_device: int, *,
-                  rank: int = 0) -> EngineConfig:
-    """The `EngineConfig` of an experiment's ``settings`` with a budget of ``memory_per_device``
-    bytes per device; ``rank`` is the MPI rank recorded with each trial."""
-    return EngineConfig(
-        steps=settings.steps,
-        memory_per_device=memory_per_device,
-        policy=settings.policy,
-        devices_per_trial=settings.devices_per_trial,
-        max_batch_size=settings.max_batch_size,
-        min_batch_size=getattr(settings, "min_batch_size", None),
-        reference_batch=settings.reference_batch,
-        checkpoint_every=settings.checkpoint_every,
-        eval_every=settings.eval_every,
-        seed=settings.seed,
-        rank=rank,
-    )
-
-
-def run_summary(result: SearchResult, devices: int, memory_per_device: int) -> dict[str, Any]:
-    """The ``run`` section of ``results.json`` for one engine run on ``devices`` devices."""
-    return {
-        "policy": result.policy,
-        "devices": devices,
-        "memory_per_device": memory_per_device,
-        "elapsed_s": result.elapsed_s,
-        "usage": dict(result.usage),
-        "compile_cache": dict(result.compile_cache),
-        "trials_this_run": len(result.outcomes),
-    }
-
-
-def write_study_report(
-    study: Any,
-    task: Task,
-    study_dir: Path,
-    result: SearchResult,
-    run_info: dict[str, Any],
-    *,
-    baseline: str | None,
-    memory_per_device: int,
-    console: Any,
-) -> dict[str, Any]:
-    """Write ``results.json``/``.csv``, ``best_model/`` and the plots of every finished trial
-    of ``study`` (``run_info`` as the ``run`` section, ``result`` for the usage plots) and print
-    the best trials; returns ``run_info`` plus ``best`` (a results row or None)."""
-    from scamp_jax import report
-
-    metrics = [task.metric] + ([baseline] if baseline else [])
-    records = report.trial_records(study, metrics)
-    report.write_results(study_dir, records, metric=task.metric, direction=task.direction,
-                         run=run_info)
-    report.save_best_model(study_dir, records, task.metric, task.direction)
-    report.plot_results(study_dir, records, metric=task.metric, baseline=baseline,
-                        intervals=result.intervals, memory_series=result.memory_series,
-                        elapsed_s=result.elapsed_s, capacity_bytes=memory_per_device)
-    console.print(report.summary_table(records, task.metric, task.direction, baseline=baseline))
-    console.print(report.verdict(records, task.metric, task.direction, baseline), markup=False)
-    console.print(
-        f"this run: {run_info['elapsed_s']:.1f} s, mean memory utilisation "
-        f"{100 * run_info['usage']['mean_memory_utilization']:.1f}%, idle device-seconds "
-        f"{run_info['usage']['idle_device_seconds']:.1f}; results in {study_dir}", markup=False
-    )
-    return {**run_info, "best": report.best_record(records, task.metric, task.direction)}
-
-
-class _PlainStream:
-    """stdout without a terminal, so `LiveView` prints log lines (``--no-live``)."""
-
-    def write(self, text: str) -> int:
-        return sys.stdout.write(text)
-
-    def flush(self) -> None:
-        sys.stdout.flush()
-
-    def isatty(self) -> bool:
-        return False

@@ -18,7 +18,7 @@ from typing import Any, TextIO
 from scamp_jax._units import format_bytes
 from scamp_jax.runner import TrialStatus
 
-_ACTIVE = ("compiling", "training", "evaluating", "starting")
+_ACTIVE = ("compiling", "training", "evaluating", "starting", "resizing")
 
 
 def _fmt_params(params: Mapping[str, Any], width: int = 48) -> str:

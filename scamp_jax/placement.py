@@ -410,6 +410,11 @@ class ScampPolicy:
         busy fractions of the trials on it (`TrialRequest.busy_fraction`) sum to at most 1, so
         sharing fills communication and launch gaps instead of slowing the long trials that
         decide the makespan. While trials keep arriving, memory alone decides (throughput).
+      resize_running: with ``elastic``, once nothing is queued or to come, restart running
+        trials on their devices plus idle ones with the same global batch
+        (`scamp_jax.elastic.resizes`; the engine and the simulator apply it).
+      min_resize_gain: fraction of a running trial's remaining time a restart on more devices
+        must save to be worth its checkpoint and compile.
     """
 
     share_devices: bool = True
@@ -420,6 +425,8 @@ class ScampPolicy:
     elastic: bool = True
     growth_tolerance: float = 0.05
     compute_aware: bool = True
+    resize_running: bool = True
+    min_resize_gain: float = 0.1
     name: str = field(default="scamp", init=False)
 
     def __post_init__(self) -> None:
@@ -427,6 +434,8 @@ class ScampPolicy:
             raise ValueError(f"overtake_window={self.overtake_window} must be >= 1 or None")
         if self.growth_tolerance < 0:
             raise ValueError(f"growth_tolerance={self.growth_tolerance} must be >= 0")
+        if not 0 <= self.min_resize_gain < 1:
+            raise ValueError(f"min_resize_gain={self.min_resize_gain} must be in [0, 1)")
 
     def request_devices(self, planned_devices: int) -> int:
         """ScaMP gives a trial exactly the devices its plan needs (or one of its options)."""

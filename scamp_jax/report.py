@@ -32,7 +32,8 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
     """One row per finished trial of ``study`` (interrupted attempts, since re-run, are left out).
 
     Each row has `BASE_COLUMNS`, every name of ``metric_names`` (``None`` when a trial has no
-    value for it), and ``rank``, ``replans``, ``resumed_from``, ``reason``, ``checkpoint``.
+    value for it), and ``rank``, ``replans``, ``resizes`` (restarts on more devices at the end
+    of a study), ``resumed_from``, ``reason``, ``checkpoint``.
     """
     rows = []
     for trial in study.get_trials(deepcopy=False):
@@ -59,6 +60,7 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
             row.setdefault(name, value)
         row["rank"] = attrs.get("rank", 0)
         row["replans"] = attrs.get("replans", 0)
+        row["resizes"] = attrs.get("resizes", 0)
         row["resumed_from"] = attrs.get("resumed_from", 0)
         row["reason"] = attrs.get(FAIL_REASON, "")
         row["checkpoint"] = attrs.get("checkpoint")

@@ -10,7 +10,8 @@ goes or how big its batch is: it executes the `Plan` it is given and reports bac
 - ``oom``: it did not fit, either because the compiled step's peak per device exceeds the device
   budget (checked from ``memory_analysis()`` before the first step) or because XLA ran out of
   memory; the engine re-plans it with more devices or a smaller batch;
-- ``interrupted``: the engine asked it to stop (Ctrl-C); it saved a checkpoint first.
+- ``interrupted``: the engine asked it to stop (Ctrl-C, or to restart it on more devices); it
+  saved a checkpoint first.
 """
 
 from __future__ import annotations
@@ -68,6 +69,12 @@ class TrialStatus:
     metric: float = math.nan
     replans: int = 0
     reason: str = ""
+    #: ``time.monotonic()`` when this run's first training step began (after compile, restore),
+    #: and the step it began at: the engine's measure of the trial's pace.
+    training_since: float = math.nan
+    first_step: int = 0
+    #: times the engine restarted the trial on more devices (`scamp_jax.elastic`).
+    resizes: int = 0
 
 
 @dataclass(frozen=True)
@@ -326,6 +333,7 @@ def _run(
         # step), which the ahead-of-time executable does not take: run through the jit wrapper.
         compiled = step_fn
     status.state, status.step = "training", first
+    status.training_since, status.first_step = time.monotonic(), first
     loss = None
     for step in range(first, spec.steps):
         if stop is not None and stop.is_set():

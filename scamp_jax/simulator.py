@@ -33,13 +33,15 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from scamp_jax._units import format_bytes
+from scamp_jax.elastic import RunningTrial, resizes
 from scamp_jax.placement import (
     DeviceOption,
     FixedPolicy,
+    Placement,
     Policy,
     ScampPolicy,
     TrialRequest,
@@ -73,6 +75,10 @@ class ClusterModel:
       launch_seconds: dispatch latency per kernel, seconds (about 5 us on current GPUs).
       compute_group: consecutive device ids that share one compute engine (1 for GPUs; all of
         them for CPU "devices" carved out of one host, whose ``peak_flops`` is then the host's).
+      restart_seconds: seconds a running trial restarted on more devices
+        (`scamp_jax.elastic`) spends before its next step: writing its checkpoint, compiling the
+        new plan, restoring. 60 is an assumption (a mid-sized model's compile on a GPU plus
+        checkpoint I/O), not a measurement.
     """
 
     name: str
@@ -86,6 +92,7 @@ class ClusterModel:
     comm_efficiency: float = 0.7
     launch_seconds: float = 5e-6
     compute_group: int = 1
+    restart_seconds: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("devices", "memory_per_device", "peak_flops", "mem_bandwidth",
@@ -99,6 +106,8 @@ class ClusterModel:
             raise ValueError(f"launch_seconds={self.launch_seconds} must be >= 0")
         if self.compute_group < 1:
             raise ValueError(f"compute_group={self.compute_group} must be at least 1")
+        if self.restart_seconds < 0:
+            raise ValueError(f"restart_seconds={self.restart_seconds} must be >= 0")
 
     def with_devices(self, devices: int) -> ClusterModel:
         """The same cluster with ``devices`` accelerators."""
@@ -212,6 +221,7 @@ class SimTrial:
     end_s: float
     device_ids: tuple[int, ...]
     solo_seconds: float
+    resizes: int = 0
 
 
 @dataclass(frozen=True)
@@ -225,6 +235,7 @@ class SimResult:
       summary: `UsageRecorder.summary` at the makespan (memory utilisation, idle time, ...).
       trials: per-trial start, end and devices, in key order.
       busy_fraction: device-seconds of busy time (roofline) / all device-seconds.
+      resizes: running trials restarted on more devices (`scamp_jax.elastic`).
     """
 
     policy: str
@@ -233,6 +244,7 @@ class SimResult:
     summary: dict[str, float]
     trials: tuple[SimTrial, ...]
     busy_fraction: float
+    resizes: int = 0
 
 
 @dataclass
@@ -246,6 +258,8 @@ class _Running:
     rate: float
     updated: float
     version: int = 0
+    resizes: int = 0
+    first_solo: float = 0.0  # solo seconds on the devices it started on
 
 
 def solo_seconds(profile: TrialProfile, cluster: ClusterModel) -> float:
@@ -285,6 +299,7 @@ def simulate(
     policy: Policy,
     *,
     lookahead: int | None = None,
+    reshape: Callable[[TrialProfile], Sequence[TrialProfile]] | None = None,
 ) -> SimResult:
     """Run ``profiles`` (arriving in list order) on ``cluster`` under ``policy``.
 
@@ -301,6 +316,10 @@ def simulate(
         engine keeps about as many trials asked and planned as there are devices; the next
         trial arrives as soon as one starts. ``arrivals_pending`` tells the policy whether
         trials are still to come.
+      reshape: ``reshape(profile)`` -> the same trial on more devices with the same global
+        batch (what a running trial may restart as, `scamp_jax.elastic.resizes`); None: running
+        trials are never resized. A restart costs ``cluster.restart_seconds`` and keeps the
+        fraction of the work already done.
 
     Raises ``ValueError`` if a profile can never fit the cluster, or if the policy would give a
     trial another device count than its profile was costed for (build the fixed baseline's
@@ -343,6 +362,67 @@ def simulate(
     busy_device_seconds = 0.0
     now = 0.0
     affected: set[int] = set()  # running trials whose rate must be recomputed
+    resized = 0
+    shapes: dict[tuple[int, int], tuple[TrialProfile, ...]] = {}
+
+    def move(key: int, trial: _Running, sign: float) -> None:
+        # Add (sign 1) or remove (-1) ``trial``'s compute load on its devices' groups.
+        nonlocal affected
+        for d in trial.device_ids:
+            g = d // group
+            if sign > 0:
+                group_load[g] += trial.load
+                group_trials[g][key] = group_trials[g].get(key, 0) + 1
+            else:
+                group_trials[g].pop(key, None)
+                group_load[g] = max(0.0, group_load[g] - trial.load) if group_trials[g] else 0.0
+            affected |= group_trials[g].keys()
+
+    def resize_running() -> None:
+        # ``remaining`` is work in solo-seconds of the trial's current plan, ``solo`` that
+        # plan's whole length: their ratio is the fraction of the trial still to do.
+        nonlocal busy_device_seconds, resized
+        views = []
+        for key, trial in running.items():
+            work = max(0.0, trial.remaining - (now - trial.updated) * trial.rate)
+            left = work / trial.solo if trial.solo > 0 else 0.0
+            shape_key = (key, trial.profile.devices)
+            if shape_key not in shapes:
+                shapes[shape_key] = tuple(reshape(trial.profile))  # type: ignore[misc]
+            options = tuple(
+                DeviceOption(p.devices, p.bytes_per_device,
+                             left * solo_seconds(p, cluster) + cluster.restart_seconds,
+                             busy_fraction(p, cluster))
+                for p in shapes[shape_key]
+            )
+            views.append(RunningTrial(key, trial.device_ids, trial.profile.bytes_per_device,
+                                      work / trial.rate, options))
+        for r in resizes(policy, pool.snapshot(), views, queue_empty=True,
+                         arrivals_pending=False):
+            old = running[r.key]
+            new = next(p for p in shapes[(r.key, old.profile.devices)]
+                       if p.devices == r.option.devices)
+            work = max(0.0, old.remaining - (now - old.updated) * old.rate)
+            left = work / old.solo if old.solo > 0 else 0.0
+            busy_device_seconds += left * (busy_seconds(new, cluster) * new.devices
+                                           - busy_seconds(old.profile, cluster)
+                                           * old.profile.devices)
+            move(r.key, old, -1.0)
+            pool.release(r.key)
+            placement = Placement(r.key, r.device_ids)
+            pool.allocate(placement, TrialRequest(r.key, new.devices, new.bytes_per_device, 0,
+                                                  busy_fraction=busy_fraction(new, cluster)))
+            recorder.finish(now, r.key)
+            recorder.start(now, placement, new.bytes_per_device)
+            solo = solo_seconds(new, cluster)
+            # The restart is one more stretch of work, at the new plan's pace.
+            todo = left * solo + cluster.restart_seconds
+            running[r.key] = _Running(
+                new, r.device_ids, old.start, todo / left if left > 0 else todo,
+                busy_seconds(new, cluster) / solo if solo > 0 else 0.0,
+                todo, 1.0, now, old.version + 1, old.resizes + 1, old.first_solo)
+            move(r.key, running[r.key], 1.0)
+            resized += 1
 
     def rerate(keys: set[int]) -> None:
         for key in keys:
@@ -373,18 +453,16 @@ def simulate(
             busy_device_seconds += busy * len(placement.device_ids)
             load = busy / solo if solo > 0 else 0.0
             running[placement.key] = _Running(
-                profile, placement.device_ids, now, solo, load, solo, 1.0, now
+                profile, placement.device_ids, now, solo, load, solo, 1.0, now, first_solo=solo
             )
-            for d in placement.device_ids:
-                g = d // group
-                group_load[g] += load
-                group_trials[g][placement.key] = group_trials[g].get(placement.key, 0) + 1
-                affected |= group_trials[g].keys()
+            move(placement.key, running[placement.key], 1.0)
         if placements:
             started = {p.key for p in placements}
             queue = [r for r in queue if r.key not in started]
             if pending and (lookahead is None or len(queue) < lookahead):
                 continue  # the next trials arrive at once and may start now too
+        if reshape is not None and not queue and not pending and running:
+            resize_running()
         if not running:
             raise RuntimeError(
                 f"policy {policy.name!r} started nothing on an idle pool with {len(queue)} "
@@ -409,12 +487,9 @@ def simulate(
             trial = running.pop(key)
             pool.release(key)
             recorder.finish(now, key)
-            done.append(SimTrial(key, trial.start, now, trial.device_ids, trial.solo))
-            for d in trial.device_ids:
-                g = d // group
-                group_trials[g].pop(key, None)
-                group_load[g] = max(0.0, group_load[g] - trial.load) if group_trials[g] else 0.0
-                affected |= group_trials[g].keys()
+            done.append(SimTrial(key, trial.start, now, trial.device_ids, trial.first_solo,
+                                 trial.resizes))
+            move(key, trial, -1.0)
         affected &= running.keys()  # some finished in this batch
 
     makespan = now
@@ -426,6 +501,7 @@ def simulate(
         summary=recorder.summary(makespan),
         trials=tuple(sorted(done, key=lambda t: t.key)),
         busy_fraction=busy_device_seconds / total if total > 0 else 0.0,
+        resizes=resized,
     )
 
 
@@ -539,6 +615,24 @@ class StepCostModel:
                 alternatives.append(self.profile(key, dp * self.model_parallel, batch, samples))
             dp *= 2
         return replace(base, alternatives=tuple(alternatives))
+
+    def restart_profiles(
+        self, profile: TrialProfile, *, budget_bytes: int, max_devices: int
+    ) -> tuple[TrialProfile, ...]:
+        """``profile`` (a trial of this architecture) on more devices with the same global batch:
+        every data-parallel degree above its own that divides the batch, on at most
+        ``max_devices`` devices, whose predicted peak fits ``budget_bytes``. These are what a
+        running trial may restart as (`scamp_jax.elastic`); the sample count is kept."""
+        dp = profile.devices // self.model_parallel
+        samples = profile.steps * profile.batch_size
+        out = []
+        for p in range(dp + 1, max_devices // self.model_parallel + 1):
+            if profile.batch_size % p == 0:
+                shape = self.profile(profile.key, p * self.model_parallel, profile.batch_size,
+                                     samples)
+                if shape.bytes_per_device <= budget_bytes:
+                    out.append(replace(shape, steps=profile.steps))
+        return tuple(out)
 
     def max_local_batch(self, budget_bytes: int) -> int:
         """Largest per-device batch whose predicted peak fits ``budget_bytes`` (0: none)."""

@@ -170,7 +170,7 @@ def test_run_search_writes_results_plots_and_best_model(tmp_path):
 
     from rich.console import Console
 
-    from scamp_jax.engine import run_search
+    from scamp_jax.search import run_search
 
     out = io.StringIO()
     settings = Settings(study_dir=str(tmp_path))
@@ -321,3 +321,28 @@ def test_last_wave_trial_grows_onto_idle_devices_only_where_that_can_help(tmp_pa
     assert trial.state == TrialState.COMPLETE
     assert len(trial.user_attrs["devices"]) == (4 if grow else 1)
     assert trial.user_attrs["steps"] == 15  # 30 steps at batch 8 is 15 at the planned 16
+
+
+def test_a_running_trial_restarts_on_idle_devices_with_the_same_result(tmp_path):
+    """In the tail a lone trial on 1 of 4 devices is stopped at a checkpoint and restarted on
+    more devices with the same global batch; it ends as the same trial would unresized."""
+    outcomes = {}
+    for grow in (True, False):
+        study, source = make_source(tmp_path / str(grow), [ok(16, 3e-3)])
+        cfg = config(steps=3000, log_every=100, grow_last_wave=grow, restart_seconds=0.0)
+        SearchEngine(SPACE, Regression(), source, cfg, devices=jax.devices()[:4],
+                     checkpoint_root=tmp_path / str(grow) / "ckpt").run()
+        (trial,) = study.get_trials()
+        assert trial.state == TrialState.COMPLETE
+        outcomes[grow] = trial
+    resized, plain = outcomes[True], outcomes[False]
+    assert plain.user_attrs["resizes"] == 0 and len(plain.user_attrs["devices"]) == 1
+    # Restart cost 0 and a linear speed-up predicted: the idle devices all go to it at once.
+    assert resized.user_attrs["resizes"] >= 1 and len(resized.user_attrs["devices"]) == 4
+    assert 0 < resized.user_attrs["resumed_from"] < 3000
+    assert resized.user_attrs["batch_size"] == plain.user_attrs["batch_size"] == 16
+    assert resized.user_attrs["steps"] == 3000
+    # Same samples, same updates: only the batch mean's summation order differs.
+    assert resized.value == pytest.approx(plain.value, rel=1e-5)
+    with pytest.raises(ValueError, match="restart_seconds=-1.0 must be >= 0"):
+        config(restart_seconds=-1.0)

@@ -32,7 +32,7 @@ configure_cpu_devices(8)
 sys.path.insert(0, {tests!r})
 import dataclasses, jax
 from test_runner import Regression, SPACE
-from scamp_jax.engine import run_search
+from scamp_jax.search import run_search
 
 @dataclasses.dataclass(frozen=True)
 class Settings:

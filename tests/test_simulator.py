@@ -305,6 +305,47 @@ def test_last_wave_trial_runs_data_parallel_on_idle_devices() -> None:
         dataclasses.replace(_compute_bound(0, 4), alternatives=(_compute_bound(1, 4, 2),))
 
 
+def test_running_trial_restarts_on_the_idle_device_in_the_tail_by_hand() -> None:
+    # Trial 0: 2 steps of 1 s on device 0; trial 1: 8 steps of 1 s on device 1. At 2 s device 0
+    # idles and trial 1 has 6 s left (3/4 of its work); on both devices a step takes 0.5 s, so
+    # the rest takes 0.75 * 4 s + 0.5 s restart = 3.5 s: it ends at 5.5 s instead of 8 s.
+    cluster = dataclasses.replace(TOY, restart_seconds=0.5)
+    wide = _compute_bound(1, 8, devices=2, flops=0.5e12)
+
+    def reshape(profile: TrialProfile) -> tuple[TrialProfile, ...]:
+        return (wide,) if profile.key == 1 and profile.devices == 1 else ()
+
+    trials = [_compute_bound(0, 2), _compute_bound(1, 8)]
+    result = simulate(trials, cluster, ScampPolicy(), reshape=reshape)
+    assert result.makespan_s == pytest.approx(5.5)
+    assert result.resizes == 1
+    assert (result.trials[1].device_ids, result.trials[1].resizes) == ((0, 1), 1)
+    assert result.trials[1].solo_seconds == pytest.approx(8.0)  # as first placed
+    # Busy device-seconds: 2 + 2 (until the restart) + 0.75 * 8 * 0.5 * 2 = 10 of 2 * 5.5.
+    assert result.busy_fraction == pytest.approx(10.0 / 11.0)
+    for policy, restart in ((ScampPolicy(resize_running=False), 0.5),
+                            (ScampPolicy(), 2.5)):  # 3 + 2.5 s saves less than 10% of 6 s
+        cluster = dataclasses.replace(TOY, restart_seconds=restart)
+        plain = simulate(trials, cluster, policy, reshape=reshape)
+        assert (plain.makespan_s, plain.resizes) == (pytest.approx(8.0), 0)
+    assert simulate(trials, TOY, ScampPolicy()).makespan_s == pytest.approx(8.0)
+
+
+def test_restart_profiles_keep_the_global_batch() -> None:
+    cost = StepCostModel(
+        model_parallel=1, flops_fixed=1e9, flops_per_sample=1e8, bytes_fixed=4e8,
+        bytes_per_sample=1e6, gradient_bytes=4e8, mp_comm_fixed=0.0, mp_comm_per_sample=0.0,
+        kernels_per_step=100, memory_fixed=2e9, memory_per_sample=1e8,
+    )
+    trial = cost.profile(3, 2, 24, 2400)
+    shapes = cost.restart_profiles(trial, budget_bytes=10**10, max_devices=8)
+    assert [(s.devices, s.batch_size, s.steps, s.key) for s in shapes] == \
+        [(3, 24, 100, 3), (4, 24, 100, 3), (6, 24, 100, 3), (8, 24, 100, 3)]
+    assert shapes[0].bytes_per_device == cost.peak_bytes(8)
+    assert cost.restart_profiles(trial, budget_bytes=cost.peak_bytes(5), max_devices=8) == \
+        shapes[2:]
+
+
 def test_planned_profile_offers_more_data_parallel_replicas_at_the_largest_batch() -> None:
     cost = StepCostModel(
         model_parallel=1, flops_fixed=1e9, flops_per_sample=1e8, bytes_fixed=4e8,

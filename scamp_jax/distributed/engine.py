@@ -190,7 +190,7 @@ def run_search_mpi(
     console: Any = None,
     comm: Any = None,
 ) -> dict[str, Any]:
-    """`scamp_jax.engine.run_search` across the ranks of ``comm`` (collective: call on every rank).
+    """`scamp_jax.search.run_search` across the ranks of ``comm`` (collective: call on every rank).
 
     Args:
       space, task, settings: as for `run_search` (``settings.trials`` is the study's total over
@@ -231,12 +231,8 @@ def _run(space: Any, task: Any, settings: Any, devices: Sequence[Any], memory_pe
          console: Any, comm: Any, rank: int, size: int) -> dict[str, Any]:
     from rich.console import Console
 
-    from scamp_jax.engine import (
-        engine_config,
-        run_summary,
-        write_study_report,
-    )
     from scamp_jax.live import LiveView
+    from scamp_jax.search import engine_config, run_summary, write_study_report
     from scamp_jax.study import open_study
 
     study_dir = Path(settings.study_dir)

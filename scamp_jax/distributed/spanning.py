@@ -276,6 +276,7 @@ def spanning_outcome(trial: SpanningTrial, ranks: tuple[int, ...], result: RunRe
         "steps": result.steps,
         "wall_seconds": round(result.wall_seconds, 3),
         "replans": 0,
+        "resizes": 0,
         "rank": list(ranks),
         "final_loss": None if math.isnan(result.loss) else result.loss,
         "metrics": dict(result.metrics),

@@ -1,0 +1,161 @@
+"""Tail elasticity: restart running trials on more devices when the pool would otherwise idle.
+
+At the end of a study the queue is empty and devices go idle one by one while the last, often
+longest, trials still run on the few devices they started with. `resizes` decides which of them
+to stop at a step boundary (after a checkpoint) and restart, with the **same global batch**, on
+their devices plus some idle ones: more data-parallel replicas, each on a smaller share of the
+batch. Keeping the batch keeps the trial's training trajectory (same samples, same updates, up to
+float reassociation of the batch mean), so a resized trial reports what it would have reported
+unresized, only sooner.
+
+Like `scamp_jax.placement`, this is a pure decision on plain numbers; the engine and the cluster
+simulator both call it:
+
+    for r in resizes(policy, pool.snapshot(), running, queue_empty=not queue,
+                     arrivals_pending=more_to_come):
+        pool.release(r.key); pool.allocate(Placement(r.key, r.device_ids), request_for(r.option))
+        ...stop trial r.key (it checkpoints), restart it on r.device_ids...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from scamp_jax.placement import DeviceOption, PoolSnapshot, ScampPolicy
+
+
+@dataclass(frozen=True)
+class RunningTrial:
+    """A running trial as `resizes` sees it.
+
+    Attributes:
+      key: trial number.
+      device_ids: the devices it runs on now.
+      bytes_per_device: memory it reserves on each of them now, bytes.
+      remaining_seconds: predicted seconds until it finishes where it is.
+      options: restarts on more devices with the same global batch (`DeviceOption.devices` larger
+        than ``len(device_ids)``), each with ``seconds`` = predicted seconds until it would finish
+        if restarted now, the restart itself (checkpoint, compile, restore) included, and
+        ``bytes_per_device`` = that plan's predicted peak per device.
+    """
+
+    key: int
+    device_ids: tuple[int, ...]
+    bytes_per_device: int
+    remaining_seconds: float
+    options: tuple[DeviceOption, ...] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.device_ids)
+        if n < 1 or len(set(self.device_ids)) != n:
+            raise ValueError(f"trial {self.key}: device ids {self.device_ids} must be distinct "
+                             "and non-empty")
+        if self.remaining_seconds < 0 or self.bytes_per_device < 0:
+            raise ValueError(
+                f"trial {self.key}: remaining_seconds={self.remaining_seconds} and "
+                f"bytes_per_device={self.bytes_per_device} must be >= 0"
+            )
+        if any(o.devices <= n for o in self.options):
+            raise ValueError(
+                f"trial {self.key}: restart options {[o.devices for o in self.options]} must each "
+                f"have more than its {n} current devices"
+            )
+
+
+@dataclass(frozen=True)
+class Resize:
+    """Decision to restart trial ``key`` on ``device_ids`` (its current devices first, then the
+    added ones) as planned in ``option``."""
+
+    key: int
+    device_ids: tuple[int, ...]
+    option: DeviceOption
+
+
+def resizes(
+    policy: object,
+    snapshot: PoolSnapshot,
+    running: Sequence[RunningTrial],
+    *,
+    queue_empty: bool,
+    arrivals_pending: bool,
+) -> tuple[Resize, ...]:
+    """Running trials to restart on more devices now (empty when ``policy`` does not resize).
+
+    Only a `ScampPolicy` with ``elastic`` and ``resize_running`` resizes, and only in the tail of a
+    study: nothing queued and nothing more to come, so the devices it takes would otherwise idle
+    (no trial waits for them). Rule:
+
+    1. The devices on which nothing runs are the surplus.
+    2. Repeatedly, the trial with the longest predicted remaining time (as resized so far) moves
+       to its next option that finishes sooner and needs no more added devices than the surplus
+       holds; stop when no trial can move. Taking one step at a time for the trial that would end
+       last shortens the study's end, not just one trial.
+    3. A move is kept only if it finishes at least ``policy.min_resize_gain`` of the trial's
+       remaining time sooner (a restart costs a checkpoint and a compile; predictions are
+       rough), and only if the new plan's bytes fit on the trial's current devices (what it
+       frees there plus their free memory) and on idle devices with enough capacity.
+
+    Args:
+      policy: the engine's or simulator's placement policy.
+      snapshot: the pool now.
+      running: the running trials with their restart options.
+      queue_empty: no trial is waiting for devices.
+      arrivals_pending: more trials may still arrive.
+    Returns:
+      Resizes, longest remaining trial first; applying them in order never over-commits.
+    """
+    if (not isinstance(policy, ScampPolicy) or not policy.elastic or not policy.resize_running
+            or arrivals_pending or not queue_empty or not running):
+        return ()
+    n = len(snapshot.capacity)
+    idle = sorted((d for d in range(n) if snapshot.is_empty(d) and not snapshot.exclusive[d]),
+                  key=lambda d: (snapshot.capacity[d], d))
+    surplus = len(idle)
+    if surplus == 0:
+        return ()
+    # Per trial: (devices, seconds) of where it stands in the greedy, and the option chosen.
+    current = {r.key: (len(r.device_ids), r.remaining_seconds) for r in running}
+    chosen: dict[int, DeviceOption] = {}
+    by_key = {r.key: r for r in running}
+    options = {r.key: sorted(r.options, key=lambda o: o.devices) for r in running}
+    while surplus > 0:
+        best: tuple[float, int, DeviceOption] | None = None
+        for key, (devices, seconds) in current.items():
+            for o in options[key]:
+                if o.devices <= devices:
+                    continue
+                if o.devices - devices > surplus:
+                    break
+                if o.seconds < seconds:
+                    if best is None or seconds > best[0]:
+                        best = (seconds, key, o)
+                    break
+        if best is None:
+            break
+        _, key, o = best
+        surplus -= o.devices - current[key][0]
+        current[key] = (o.devices, o.seconds)
+        chosen[key] = o
+
+    free = list(snapshot.free)
+    out: list[Resize] = []
+    for key in sorted(chosen, key=lambda k: (-by_key[k].remaining_seconds, k)):
+        r, o = by_key[key], chosen[key]
+        if o.seconds > (1.0 - policy.min_resize_gain) * r.remaining_seconds:
+            continue
+        # On its own devices the trial frees its reservation and takes the new one.
+        if any(free[d] + r.bytes_per_device < o.bytes_per_device for d in r.device_ids):
+            continue
+        extra = [d for d in idle if snapshot.capacity[d] >= o.bytes_per_device]
+        extra = extra[: o.devices - len(r.device_ids)]
+        if len(extra) < o.devices - len(r.device_ids):
+            continue
+        for d in r.device_ids:
+            free[d] += r.bytes_per_device - o.bytes_per_device
+        for d in extra:
+            free[d] -= o.bytes_per_device
+            idle.remove(d)
+        out.append(Resize(key, (*r.device_ids, *extra), o))
+    return tuple(out)

@@ -1,0 +1,90 @@
+"""Tail elasticity: which running trials restart on idle devices, and on how many."""
+
+from __future__ import annotations
+
+import pytest
+
+from scamp_jax.elastic import Resize, RunningTrial, resizes
+from scamp_jax.placement import DeviceOption, FixedPolicy, Placement, ScampPolicy, TrialRequest
+from scamp_jax.pool import DevicePool
+
+GIB = 2**30
+
+
+def _pool(n: int, running: dict[int, tuple[tuple[int, ...], int]]) -> DevicePool:
+    pool = DevicePool((8 * GIB,) * n)
+    for key, (ids, nbytes) in running.items():
+        pool.allocate(Placement(key, ids), TrialRequest(key, len(ids), nbytes, key))
+    return pool
+
+
+def _tail(policy: object, pool: DevicePool, running: list[RunningTrial]) -> tuple[Resize, ...]:
+    return resizes(policy, pool.snapshot(), running, queue_empty=True, arrivals_pending=False)
+
+
+def test_idle_devices_go_to_the_trial_that_would_end_last_one_step_at_a_time() -> None:
+    # 8 devices, trials on 0-1 (100 s left) and 2 (60 s left); 5 devices idle.
+    pool = _pool(8, {0: ((0, 1), 4 * GIB), 1: ((2,), 4 * GIB)})
+    long = RunningTrial(0, (0, 1), 4 * GIB, 100.0, (
+        DeviceOption(4, 2 * GIB, 55.0), DeviceOption(8, GIB, 35.0)))
+    short = RunningTrial(1, (2,), 4 * GIB, 60.0, (
+        DeviceOption(2, 2 * GIB, 35.0), DeviceOption(3, 2 * GIB, 25.0)))
+    out = _tail(ScampPolicy(), pool, [long, short])
+    # Step 1: trial 0 (100 s) -> 4 devices (55 s), 3 idle left. Step 2: trial 1 (60 s) -> 2
+    # devices (35 s), 2 left. Step 3: trial 0 (55 s) cannot take 4 more; trial 1 (35 s) -> 3.
+    assert out == (
+        Resize(0, (0, 1, 3, 4), DeviceOption(4, 2 * GIB, 55.0)),
+        Resize(1, (2, 5, 6), DeviceOption(3, 2 * GIB, 25.0)),
+    )
+    for r in out:  # applying them in order fits the pool
+        pool.release(r.key)
+        pool.allocate(Placement(r.key, r.device_ids),
+                      TrialRequest(r.key, len(r.device_ids), r.option.bytes_per_device, 0))
+
+
+def test_only_in_the_tail_and_only_for_an_elastic_scamp_policy() -> None:
+    pool = _pool(4, {0: ((0,), GIB)})
+    trial = RunningTrial(0, (0,), GIB, 100.0, (DeviceOption(4, GIB, 30.0),))
+    snapshot = pool.snapshot()
+    assert resizes(ScampPolicy(), snapshot, [trial], queue_empty=False,
+                   arrivals_pending=False) == ()
+    assert resizes(ScampPolicy(), snapshot, [trial], queue_empty=True,
+                   arrivals_pending=True) == ()
+    for policy in (FixedPolicy(1), ScampPolicy(elastic=False), ScampPolicy(resize_running=False)):
+        assert _tail(policy, pool, [trial]) == ()
+    assert [r.device_ids for r in _tail(ScampPolicy(), pool, [trial])] == [(0, 1, 2, 3)]
+
+
+def test_a_restart_must_save_enough_of_the_remaining_time() -> None:
+    pool = _pool(2, {0: ((0,), GIB)})
+
+    def trial(seconds: float) -> RunningTrial:
+        return RunningTrial(0, (0,), GIB, 100.0, (DeviceOption(2, GIB, seconds),))
+
+    assert _tail(ScampPolicy(), pool, [trial(95.0)]) == ()  # saves 5% < 10%
+    assert len(_tail(ScampPolicy(), pool, [trial(85.0)])) == 1
+    assert _tail(ScampPolicy(min_resize_gain=0.2), pool, [trial(85.0)]) == ()
+    assert _tail(ScampPolicy(), pool, [trial(120.0)]) == ()  # slower: the restart costs more
+
+
+def test_the_new_plan_must_fit_its_own_devices_and_the_idle_ones() -> None:
+    # Trial 1 shares device 0 with trial 0 and leaves 1 GiB free there.
+    pool = _pool(3, {0: ((0,), 3 * GIB), 1: ((0,), 4 * GIB)})
+    bigger = RunningTrial(0, (0,), 3 * GIB, 100.0, (DeviceOption(2, 5 * GIB, 50.0),))
+    assert _tail(ScampPolicy(), pool, [bigger]) == ()  # 3 + 1 GiB free < 5 GiB
+    fits = RunningTrial(0, (0,), 3 * GIB, 100.0, (DeviceOption(2, 4 * GIB, 50.0),))
+    assert _tail(ScampPolicy(), pool, [fits]) == (
+        Resize(0, (0, 1), DeviceOption(2, 4 * GIB, 50.0)),)
+    huge = RunningTrial(0, (0,), 3 * GIB, 100.0, (DeviceOption(2, 9 * GIB, 50.0),))
+    assert _tail(ScampPolicy(), pool, [huge]) == ()  # no idle device holds 9 GiB
+
+
+def test_running_trial_validation() -> None:
+    with pytest.raises(ValueError, match="must each have more than its 2 current devices"):
+        RunningTrial(0, (0, 1), GIB, 10.0, (DeviceOption(2, GIB, 5.0),))
+    with pytest.raises(ValueError, match="distinct and non-empty"):
+        RunningTrial(0, (0, 0), GIB, 10.0)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        RunningTrial(0, (0,), GIB, -1.0)
+    with pytest.raises(ValueError, match="min_resize_gain=1.0 must be in"):
+        ScampPolicy(min_resize_gain=1.0)
