@@ -50,6 +50,10 @@ class HPOConfig:
       eval_dir: directory of held-out images (None: the task's built-in held-out set).
       initial_params: configurations a new study evaluates first (a warm start; the sampler
         takes over after them).
+      elastic: ``"auto"``, ``"on"`` or ``"off"``: whether ScaMP grows trials onto devices that
+        would idle at the end of the study (queued ones start on more devices, running ones
+        restart from a checkpoint on more devices with the same batch); auto: on accelerators,
+        not on CPU devices (`scamp_jax.engine.EngineConfig.grow_last_wave`).
     """
 
     preset: str
@@ -73,6 +77,7 @@ class HPOConfig:
     eval_dir: str | None = None
     initial_params: tuple[dict[str, Any], ...] = ()
     min_batch_size: int | None = None
+    elastic: str = "auto"
 
 
 def positive_int(text: str) -> int:
@@ -113,6 +118,11 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
                         "'fixed' gives each trial --devices-per-trial devices and one batch size")
     parser.add_argument("--devices-per-trial", type=positive_int,
                         help="devices per trial under --policy fixed")
+    parser.add_argument("--elastic", choices=("auto", "on", "off"),
+                        help="at the end of the study, let ScaMP put devices that would idle to "
+                        "work: queued trials start on more devices, running ones restart from a "
+                        "checkpoint on more devices with the same batch (default auto: on for "
+                        "GPUs, off for CPU devices, which share one host's cores)")
     parser.add_argument("--sampler", choices=SAMPLERS, help="Optuna sampler (seeded)")
     parser.add_argument("--pruner", choices=PRUNERS,
                         help="Optuna pruner fed by intermediate evaluations (--eval-every)")
@@ -133,7 +143,7 @@ def config_from_args(args: argparse.Namespace, base: HPOConfig, study_dir: str) 
     """``base`` with every flag the user set applied on top."""
     overrides = {}
     for name in ("trials", "steps", "devices", "memory_per_device", "policy", "devices_per_trial",
-                 "max_batch_size", "min_batch_size",
+                 "max_batch_size", "min_batch_size", "elastic",
                  "sampler", "pruner", "eval_every", "seed", "storage", "train_dir", "eval_dir"):
         value = getattr(args, name, None)
         if value is not None:

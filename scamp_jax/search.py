@@ -23,7 +23,8 @@ class SearchSettings(Protocol):
 
     Fields as in `EngineConfig`, plus the study's: ``trials`` (total), ``sampler``, ``pruner``,
     ``study_dir``, ``storage``; optionally ``initial_params`` (configurations a new study
-    evaluates first, a warm start).
+    evaluates first, a warm start), ``min_batch_size`` and ``elastic`` (``"auto"``, ``"on"``,
+    ``"off"``: `EngineConfig.grow_last_wave` None, True, False).
     """
 
     @property
@@ -127,7 +128,12 @@ def engine_config(settings: SearchSettings, memory_per_device: int, *,
         eval_every=settings.eval_every,
         seed=settings.seed,
         rank=rank,
+        grow_last_wave=_ELASTIC[getattr(settings, "elastic", "auto")],
     )
+
+
+#: ``settings.elastic`` -> `EngineConfig.grow_last_wave`.
+_ELASTIC = {"auto": None, "on": True, "off": False}
 
 
 def run_summary(result: SearchResult, devices: int, memory_per_device: int) -> dict[str, Any]:

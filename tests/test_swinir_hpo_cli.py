@@ -14,7 +14,8 @@ from experiments import swinir_hpo
 
 ROOT = Path(__file__).resolve().parent.parent
 FLAGS = ("--trials", "--steps", "--devices", "--memory-per-device", "--policy", "--sampler",
-         "--seed", "--study-dir", "--storage", "--preset", "--train-dir", "--eval-dir")
+         "--seed", "--study-dir", "--storage", "--preset", "--train-dir", "--eval-dir",
+         "--elastic")
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -31,7 +32,8 @@ def test_help_explains_every_flag():
 
 
 @pytest.mark.parametrize("flag, value", [("--policy", "x"), ("--sampler", "x"),
-                                         ("--preset", "huge"), ("--pruner", "x")])
+                                         ("--preset", "huge"), ("--pruner", "x"),
+                                         ("--elastic", "maybe")])
 def test_unknown_choice_is_rejected(flag, value, capsys):
     with pytest.raises(SystemExit) as exit_info:
         swinir_hpo.main([flag, value])
@@ -49,6 +51,16 @@ def test_bad_numbers_are_rejected(args, message, capsys):
     with pytest.raises(SystemExit):
         swinir_hpo.main(args)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value, grow", [(None, None), ("on", True), ("off", False)])
+def test_elastic_flag_reaches_the_engine(value, grow):
+    from experiments._cli import config_from_args
+    from scamp_jax.search import engine_config
+
+    args = swinir_hpo.parser().parse_args([] if value is None else ["--elastic", value])
+    config = config_from_args(args, swinir_hpo.get_config("smoke"), "runs/x")
+    assert engine_config(config, 2**30).grow_last_wave is grow
 
 
 def test_presets_are_typed_and_distinct():
