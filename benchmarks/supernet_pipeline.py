@@ -19,11 +19,29 @@ Three tables:
    (compilation excluded) and whether CSP's weights hash equals sequential's. On a CPU the stage
    "devices" share the host's cores, so these speedups are far below the tick ratios; they show
    the executor's overhead, not accelerator throughput.
+
+The measured runs put all S stage devices in one collective-permute per tick. Two guards keep
+S=8 on a few shared CPU cores from aborting:
+
+* ``--max-in-flight`` (default 4 ticks, the executor's default): with hundreds of 8-device ticks
+  queued the CPU backend (jaxlib 0.10.2) sometimes deadlocks: some devices wait in a tick's
+  collective-permute for a device whose execution never starts, with the process idle, until
+  XLA aborts it ("Termination timeout for collective permute ... only 7 of them arrived"). The
+  executor waits for the tick ``max_in_flight`` back (`StageExecutor`'s ``max_in_flight``), the
+  same for every schedule; 0 measures the unbounded queue.
+* ``--collective-timeout`` (default 120 s): XLA aborts the process when a collective rendezvous
+  waits ``--xla_cpu_collective_call_warn_stuck_timeout_seconds`` (20 s) plus
+  ``--xla_cpu_collective_call_terminate_timeout_seconds`` (40 s by default) for a device
+  thread. Device threads descheduled on a loaded host are slow, not hung, so the benchmark sets
+  the second flag before JAX starts; a real deadlock still ends within about 2.5 minutes. The
+  flag only affects XLA's CPU backend; an ``XLA_FLAGS`` value the user already set is kept.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import sys
 from collections.abc import Sequence
 
@@ -31,6 +49,25 @@ from benchmarks._tables import print_table
 
 CHOICES = (2, 4, 12, 24)
 STAGES = (2, 4, 8)
+# XLA CPU flag (jaxlib 0.10.2) that ends the process when a collective rendezvous waits this many
+# seconds beyond the stuck-warning delay; default 40.
+TERMINATE_FLAG = "xla_cpu_collective_call_terminate_timeout_seconds"
+
+
+def raise_cpu_collective_timeout(seconds: int) -> None:
+    """Let a CPU collective wait up to ``seconds`` (s) for late device threads before XLA aborts.
+
+    Appends ``--xla_cpu_collective_call_terminate_timeout_seconds=seconds`` to ``XLA_FLAGS``
+    unless the user already set that flag. XLA reads the flags when JAX initialises a backend, so
+    call this before the first array or ``jax.devices()``. GPU and TPU backends ignore the flag.
+    """
+    if seconds < 1:
+        raise ValueError(
+            f"collective timeout {seconds=} must be at least 1 second; pass e.g. 120"
+        )
+    flags = os.environ.get("XLA_FLAGS", "")
+    if TERMINATE_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --{TERMINATE_FLAG}={seconds}".strip()
 
 
 def _subnets(n: int, layers: int, choices: int, seed: int) -> list[tuple[int, ...]]:
@@ -106,11 +143,18 @@ def offload_rows(layers: int = 16, width: int = 16) -> list[list[str]]:
     return rows
 
 
-def measured_rows(pairs: Sequence[tuple[int, int]], subnets: int = 48) -> list[list[str]]:
-    """Table 3 rows: C, S, samples/s per schedule, CSP speedups, hash equality."""
+def measured_rows(
+    pairs: Sequence[tuple[int, int]], subnets: int = 48, max_in_flight: int = 4
+) -> list[list[str]]:
+    """Table 3 rows: C, S, samples/s per schedule, CSP speedups, hash equality.
+
+    ``max_in_flight`` bounds the ticks queued ahead of the host (`StageExecutor`'s argument;
+    0: unbounded).
+    """
     import numpy as np
 
     from scamp_jax.pipeline import (
+        PipelineExecutor,
         build_executor,
         build_program,
         make_schedule,
@@ -132,13 +176,14 @@ def measured_rows(pairs: Sequence[tuple[int, int]], subnets: int = 48) -> list[l
             build_program(make_schedule(name, chosen, bounds), chosen, bounds)
             for name in ("csp", "sequential")
         ]
+        executor_class = functools.partial(PipelineExecutor, max_in_flight=max_in_flight)
         shared_ex = build_executor(layout, programs, num_stages=s, batch_size=batch,
-                                   lr_side=side, offload=True)
+                                   lr_side=side, offload=True, executor_class=executor_class)
         res = {}
         for name in ("csp", "sequential", "gpipe"):
             res[name] = train_supernet(
                 layout, chosen, lr, hr, schedule=name, num_stages=s, offload=True,
-                num_microbatches=4, executor=None if name == "gpipe" else shared_ex,
+                num_microbatches=4, executor=executor_class if name == "gpipe" else shared_ex,
             )
         sps = {k: v.samples_per_second for k, v in res.items()}
         rows.append([
@@ -160,12 +205,21 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="choices per layer of the measured runs with --measure all")
     parser.add_argument("--stages", type=int, nargs="+", default=list(STAGES),
                         help="stage counts of the measured runs with --measure all (S=8 puts a "
-                        "collective on 8 CPU devices at once; on a 2-core host under load XLA's "
-                        "40 s rendezvous timeout can abort it)")
+                        "collective on 8 CPU devices at once; see --max-in-flight)")
+    parser.add_argument("--collective-timeout", type=int, default=120, metavar="SECONDS",
+                        help="seconds a CPU collective waits (after XLA's 20 s stuck warning) for "
+                             "late device threads before XLA aborts (XLA's default: 40)")
+    parser.add_argument("--max-in-flight", type=int, default=4, metavar="TICKS",
+                        help="ticks the measured runs may queue ahead of the host (0: no bound; "
+                             "an unbounded queue can deadlock the CPU backend at S=8)")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
     args = parser.parse_args(argv)
+    if args.max_in_flight < 0:
+        parser.error(f"--max-in-flight {args.max_in_flight} must be >= 0 (0: no bound)")
     from scamp_jax.devices import configure_cpu_devices
 
+    # Before configure_cpu_devices: both must be in XLA_FLAGS when JAX creates the CPU backend.
+    raise_cpu_collective_timeout(args.collective_timeout)
     configure_cpu_devices(max(STAGES))
     print_table(
         "Schedules: ticks (utilisation), 16 layers, 64 subnets",
@@ -185,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print_table(
         "Measured on CPU devices: samples/s (tiny supernet, offload on)",
         ["C", "S", "sequential", "gpipe", "csp", "csp/seq", "csp/gpipe", "csp == seq"],
-        measured_rows(pairs), args.markdown,
+        measured_rows(pairs, max_in_flight=args.max_in_flight), args.markdown,
     )
 
 

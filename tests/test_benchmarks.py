@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -176,3 +177,17 @@ def test_cost_table_caches_and_remeasures_entries_without_the_planner_floor(
     assert table.compile_seconds_of("stale") == pytest.approx(1.0)  # 3 compiles in 3 s
     again = CostTable(path)
     assert again.get("stale", make) == cost and len(calls) == 1  # served from the file
+
+
+def test_supernet_benchmark_raises_the_cpu_collective_deadline_unless_set(monkeypatch) -> None:
+    from benchmarks import supernet_pipeline
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    supernet_pipeline.raise_cpu_collective_timeout(120)
+    assert supernet_pipeline.TERMINATE_FLAG + "=120" in os.environ["XLA_FLAGS"]
+    assert "--xla_force_host_platform_device_count=8" in os.environ["XLA_FLAGS"]
+    monkeypatch.setenv("XLA_FLAGS", f"--{supernet_pipeline.TERMINATE_FLAG}=7")
+    supernet_pipeline.raise_cpu_collective_timeout(120)  # the user's value is kept
+    assert os.environ["XLA_FLAGS"] == f"--{supernet_pipeline.TERMINATE_FLAG}=7"
+    with pytest.raises(ValueError, match="must be at least 1 second"):
+        supernet_pipeline.raise_cpu_collective_timeout(0)

@@ -203,3 +203,23 @@ def test_experiment_smoke_run_writes_results(tmp_path):
     assert len(written["losses"]) == 8 and written == json.loads(json.dumps(summary))
     assert out.with_suffix(".png").exists()
     assert written["best"]["psnr"] > 20.0
+
+
+def test_ticks_in_flight_bound_changes_nothing_but_the_wait():
+    # The default bound (4 ticks ahead of the host) against an unbounded queue and a bound of 1:
+    # the same ops in the same order, so the same bits.
+    subnets, lr, hr = _data(0)
+    results = []
+    for bound in (0, 1):
+        executor = PipelineExecutor(
+            _layout(), num_stages=2, microbatch_size=BATCH, lr_side=SIDE, window_slots=6,
+            act_slots=6, grad_slots=6, max_in_flight=bound)
+        assert executor.max_in_flight == bound
+        results.append(train_supernet(_layout(), subnets, lr, hr, schedule="csp", num_stages=2,
+                                      seed=0, executor=executor))
+    assert _executor(2, False, False).max_in_flight == 4
+    for result in results:
+        _assert_identical(result, _train("csp", 2, False, False, 0))
+    with pytest.raises(ValueError, match="max_in_flight=-1 must be >= 0"):
+        PipelineExecutor(_layout(), num_stages=2, microbatch_size=BATCH, lr_side=SIDE,
+                         window_slots=6, act_slots=6, grad_slots=6, max_in_flight=-1)

@@ -46,6 +46,7 @@ class StageSizes(TypedDict, total=False):
     train_shared: bool
     offload: bool
     optimizer: OptimizerSpec | None
+    max_in_flight: int
 
 
 class StageExecutor(abc.ABC):
@@ -62,6 +63,14 @@ class StageExecutor(abc.ABC):
       train_shared: train the stem and head (else they stay frozen).
       offload: keep all candidate weights and optimizer state in host memory.
       optimizer: per-block optimizer (default Adam, learning rate 1e-3).
+      max_in_flight: ticks `run` lets the host dispatch ahead of the devices (0: no bound). JAX
+        dispatch is asynchronous, so an unbounded loop queues every tick of a program at once;
+        on the CPU backend (jaxlib 0.10.2) a deep queue of 8-device ticks can deadlock: some
+        stage devices enter a tick's collective-permute while the threads that would launch
+        another device's part of it all wait on input buffers or on the per-device limit of 32
+        queued executions, and XLA aborts after its collective timeout. Waiting for the loss of
+        the tick ``max_in_flight`` back (each stage device holds a shard of it, so every device
+        has finished that tick) keeps the queue short; a few ticks suffice to keep devices fed.
     """
 
     def __init__(
@@ -78,8 +87,12 @@ class StageExecutor(abc.ABC):
         train_shared: bool = False,
         offload: bool = False,
         optimizer: OptimizerSpec | None = None,
+        max_in_flight: int = 4,
     ):
         cfg = layout.config
+        if max_in_flight < 0:
+            raise ValueError(f"{max_in_flight=} must be >= 0 (0: no bound); pass e.g. 4")
+        self.max_in_flight = max_in_flight
         if cfg.num_layers % num_stages:
             raise ValueError(
                 f"num_layers={cfg.num_layers} is not a multiple of {num_stages=}; every stage "
@@ -282,6 +295,8 @@ class StageExecutor(abc.ABC):
             mbi = rows[..., COL["microbatch"]]
             state, loss = self.tick(state, rows, lr_data[sub, mbi], hr_data[sub, mbi])
             losses.append(loss)
+            if self.max_in_flight and len(losses) > self.max_in_flight:
+                losses[-1 - self.max_in_flight].block_until_ready()
             if on_tick is not None:
                 on_tick(t, program.ticks)
         per_tick = self._last_stage_losses(losses)
