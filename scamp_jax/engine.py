@@ -9,7 +9,10 @@ One `SearchEngine.run` call drives a study to its total number of trials:
    baseline) decide which queued trials start now and on which devices;
 4. run each started trial in a worker thread on its own sub-mesh (`runner.run_trial`);
 5. when a trial ends, release its devices, record its usage and tell the study. An out-of-memory
-   trial is re-planned (smaller batch first, then more devices) and queued again.
+   trial is re-planned (smaller batch first, then more devices) and queued again;
+6. at the end of the study (nothing queued or left to ask), on accelerators, restart running
+   trials from a checkpoint on the devices that fell idle, with the same global batch
+   (`scamp_jax.elastic`).
 
 Only the runner touches devices; the loop itself is bookkeeping around pure decisions.
 """
@@ -30,7 +33,7 @@ import jax
 from flax import nnx
 
 from scamp_jax import planner
-from scamp_jax.elastic import RunningTrial, resizes
+from scamp_jax.elastic import Resize, RunningTrial, resizes
 from scamp_jax.placement import (
     DeviceOption,
     FixedPolicy,
@@ -259,6 +262,8 @@ class SearchEngine:
         self._no_grow: set[tuple[int, int]] = set()
         #: running trials being stopped to restart on more devices: the new plan and placement.
         self._resizing: dict[int, tuple[PlannedTrial, Placement]] = {}
+        #: restarts decided and being planned for their new device count.
+        self._resize_plans: dict[int, tuple[cf.Future, Resize]] = {}
         grow = config.grow_last_wave
         self._grow = (grow if grow is not None
                       else any(d.platform != "cpu" for d in self.devices))
@@ -550,48 +555,77 @@ class SearchEngine:
                             self.pool.request_of(planned.number).bytes_per_device, remaining,
                             options)
 
-    def _resize_tail(self, running: Mapping[cf.Future, tuple[PlannedTrial, float,
-                                                               threading.Event]]) -> None:
-        """Restart running trials on idle devices at the end of the study (`scamp_jax.elastic`):
-        book the new devices now, ask the trial to stop (it checkpoints), and start it again on
-        them when it returns (``run``)."""
+    def _resize_tail(
+        self,
+        running: Mapping[cf.Future, tuple[PlannedTrial, float, threading.Event]],
+        planner_pool: cf.Executor,
+    ) -> None:
+        """Restart running trials on idle devices at the end of the study (`scamp_jax.elastic`).
+
+        A restart decided here is planned for its new device count in the planner threads (a
+        few compiles that must not stall this loop); once its plan is ready, a later call books
+        the new devices, asks the trial to stop (it checkpoints) and ``run`` starts it again
+        on them when it returns. If another restart took those devices meanwhile, it is decided
+        afresh (its plan is cached by then).
+        """
         if not self._grow or self.checkpoint_root is None:
             return
         entries = {p.number: (p, started, stop) for p, started, stop in running.values()
                    if p.number not in self._resizing and not stop.is_set()}
-        views = [v for p, started, _ in entries.values()
-                 if (v := self._running_view(p, started)) is not None]
+        for key, (future, decision) in list(self._resize_plans.items()):
+            if future.done():
+                del self._resize_plans[key]
+                if key in entries:  # else it ended while its new plan was compiled
+                    self._book_resize(entries[key], decision, future)
+        views = [v for key, (p, started, _) in entries.items()
+                 if key not in self._resize_plans and key not in self._resizing
+                 and (v := self._running_view(p, started)) is not None]
         if not views:
             return
         for r in resizes(self.policy, self.pool.snapshot(), views, queue_empty=True,
                          arrivals_pending=False):
-            planned, _, stop = entries[r.key]
-            n, batch = r.option.devices, int(planned.plan.batch_size)
-            try:
-                plan = self.plan(planned.asked.params, devices=n, max_batch=batch)
-            except (planner.DoesNotFitError, TrialDeferred):
-                plan = None
-            if plan is None or self._devices_of(plan) != n or int(plan.batch_size) != batch:
-                self._no_grow.add((r.key, n))  # the planner found no such plan: not again
-                continue
-            grown = replace(planned, plan=plan, devices=n)
-            placement = Placement(r.key, r.device_ids)
-            old_request = self.pool.request_of(r.key)
-            old_placement = self.pool.release(r.key)
-            try:
-                self.pool.allocate(placement, self._request(grown))
-            except ValueError:  # the compiled plan needs more than the prediction left free
-                self.pool.allocate(old_placement, old_request)
-                self._no_grow.add((r.key, n))
-                continue
-            now = self._now()
-            self.usage.finish(now, r.key)
-            self.usage.start(now, placement, int(plan.peak_bytes_per_device))
-            self._resizing[r.key] = (grown, placement)
-            self.statuses[r.key].state = "resizing"
-            log.info("trial %d: restarting on %d devices (was %d), batch %d", r.key, n,
-                     planned.devices, batch)
-            stop.set()
+            planned = entries[r.key][0]
+            future = planner_pool.submit(self.plan, planned.asked.params,
+                                         devices=r.option.devices,
+                                         max_batch=int(planned.plan.batch_size))
+            self._resize_plans[r.key] = (future, r)
+
+    def _book_resize(self, entry: tuple[PlannedTrial, float, threading.Event], r: Resize,
+                     future: cf.Future) -> None:
+        """Book restart ``r`` of a running trial with its compiled plan and stop the trial."""
+        planned, _, stop = entry
+        n, batch = r.option.devices, int(planned.plan.batch_size)
+        try:
+            plan = future.result()
+        except Exception as err:  # noqa: BLE001 - no plan for that count: the trial runs on
+            log.info("trial %d: no plan on %d devices at batch %d (%s)", r.key, n, batch, err)
+            plan = None
+        if plan is None or self._devices_of(plan) != n or int(plan.batch_size) != batch:
+            self._no_grow.add((r.key, n))  # the planner found no such plan: not again
+            return
+        current = self.pool.running[r.key].device_ids
+        snapshot = self.pool.snapshot()
+        if tuple(r.device_ids[: len(current)]) != tuple(current) or not all(
+                snapshot.is_empty(d) for d in r.device_ids[len(current):]):
+            return  # the idle devices went to another restart meanwhile
+        grown = replace(planned, plan=plan, devices=n)
+        placement = Placement(r.key, r.device_ids)
+        old_request = self.pool.request_of(r.key)
+        old_placement = self.pool.release(r.key)
+        try:
+            self.pool.allocate(placement, self._request(grown))
+        except ValueError:  # the compiled plan needs more than the prediction left free
+            self.pool.allocate(old_placement, old_request)
+            self._no_grow.add((r.key, n))
+            return
+        now = self._now()
+        self.usage.finish(now, r.key)
+        self.usage.start(now, placement, int(plan.peak_bytes_per_device))
+        self._resizing[r.key] = (grown, placement)
+        self.statuses[r.key].state = "resizing"
+        log.info("trial %d: restarting on %d devices (was %d), batch %d", r.key, n,
+                 planned.devices, batch)
+        stop.set()
 
     def _start(self, placement: Placement, planned: PlannedTrial, executor: cf.Executor,
                stop: threading.Event) -> cf.Future:
@@ -689,7 +723,7 @@ class SearchEngine:
                     future = self._start(placement, planned, executor, stop)
                     running[future] = (planned, self._now(), stop)
                 if last_wave and not queue and running:
-                    self._resize_tail(running)
+                    self._resize_tail(running, planner_pool)
                 self._notify()
                 if not running and not planning:
                     if queue:  # nothing runs and nothing can start: a policy bug, not a wait
