@@ -262,6 +262,8 @@ class SearchEngine:
         self._no_grow: set[tuple[int, int]] = set()
         #: running trials being stopped to restart on more devices: the new plan and placement.
         self._resizing: dict[int, tuple[PlannedTrial, Placement]] = {}
+        #: queued trials' growth options being planned: (trial number, devices) -> plan future.
+        self._grow_plans: dict[tuple[int, int], cf.Future] = {}
         #: restarts decided and being planned for their new device count.
         self._resize_plans: dict[int, tuple[cf.Future, Resize]] = {}
         grow = config.grow_last_wave
@@ -487,14 +489,26 @@ class SearchEngine:
             options=tuple(options),
         )
 
-    def _as_placed(self, planned: PlannedTrial, devices: int) -> PlannedTrial | None:
+    def _as_placed(self, planned: PlannedTrial, devices: int,
+                   planner_pool: cf.Executor) -> PlannedTrial | None:
         """``planned`` on the ``devices`` its placement gives it: planned again (cached per
-        architecture) when ScaMP grew it onto more devices, or None if that plan does not fit
-        (the option is then withdrawn and the trial waits for its own plan's devices)."""
+        architecture) when ScaMP grew it onto more devices. None while that plan is compiled
+        in the planner threads (the trial stays queued; the placement is decided again), or if
+        it does not fit (the option is then withdrawn and the trial waits for its own plan's
+        devices)."""
         if devices == planned.devices or not isinstance(self.policy, ScampPolicy):
             return planned  # the fixed policy's devices_per_trial may exceed the plan's
+        key = (planned.number, devices)
+        future = self._grow_plans.get(key)
+        if future is None:
+            self._grow_plans[key] = planner_pool.submit(self.plan, planned.asked.params,
+                                                        devices=devices)
+            return None
+        if not future.done():
+            return None
+        del self._grow_plans[key]
         try:
-            plan = self.plan(planned.asked.params, devices=devices)
+            plan = future.result()
         except (planner.DoesNotFitError, TrialDeferred):
             plan = None
         if plan is None or self._devices_of(plan) != devices:
@@ -709,11 +723,13 @@ class SearchEngine:
                     self.pool.snapshot(), [self._request(p, last_wave) for p in queue],
                     arrivals_pending=not last_wave,
                 )
+                held_back = False  # a placement waits for, or lost, its grown plan
                 for placement in placements:
                     queued = by_key[placement.key]
-                    grown = self._as_placed(queued, len(placement.device_ids))
+                    grown = self._as_placed(queued, len(placement.device_ids), planner_pool)
                     if grown is None:
-                        continue  # decided again next round, without that option
+                        held_back = True  # its plan for that count is compiling, or was refused
+                        continue
                     planned = grown
                     request = self._request(planned)
                     self.pool.allocate(placement, request)
@@ -725,20 +741,24 @@ class SearchEngine:
                 if last_wave and not queue and running:
                     self._resize_tail(running, planner_pool)
                 self._notify()
-                if not running and not planning:
-                    if queue:  # nothing runs and nothing can start: a policy bug, not a wait
+                # Plans of growth options and restarts: a finished one wakes the loop too.
+                replanning = [f for f in (*self._grow_plans.values(),
+                                          *(f for f, _ in self._resize_plans.values()))
+                              if not f.done()]
+                if not running and not planning and not replanning:
+                    if queue and not held_back:  # nothing runs, nothing can start: a policy bug
                         raise RuntimeError(
                             f"placement started none of {len(queue)} queued trials on an idle "
                             "pool; check the trials' device counts against the pool"
                         )
                     continue
-                done, _ = cf.wait([*running, *planning], timeout=0.5,
+                done, _ = cf.wait([*running, *planning, *replanning], timeout=0.5,
                                   return_when=cf.FIRST_COMPLETED)
                 for future in sorted(done, key=lambda f: planning[f].number
                                      if f in planning else -1):
                     if future in planning:
                         self._enqueue(planning.pop(future), future, queue)
-                    else:
+                    elif future in running:
                         planned, _started, stop = running.pop(future)
                         result = future.result()
                         resize = self._resizing.pop(planned.number, None)

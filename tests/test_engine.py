@@ -346,3 +346,22 @@ def test_a_running_trial_restarts_on_idle_devices_with_the_same_result(tmp_path)
     assert resized.value == pytest.approx(plain.value, rel=1e-5)
     with pytest.raises(ValueError, match="restart_seconds=-1.0 must be >= 0"):
         config(restart_seconds=-1.0)
+
+
+def test_a_refused_growth_plan_leaves_the_trial_on_its_own_devices(tmp_path):
+    """Fault injection (a planner that refuses 4 devices; hard to provoke with a real model):
+    the lone last-wave trial the policy grew onto 4 devices starts on fewer instead of
+    stalling the idle pool."""
+
+    def refuse_four(model: Any, batch: Any, *, devices: Any, **kw: Any) -> Any:
+        if len(devices) == 4:
+            raise planner.DoesNotFitError("refused for the test", 1, 0)
+        return planner.plan_mesh(model, batch, devices=devices, **kw)
+
+    study, source = make_source(tmp_path, [ok()])
+    SearchEngine(SPACE, Regression(), source, config(reference_batch=8, grow_last_wave=True),
+                 devices=jax.devices()[:4], plan_fn=refuse_four).run()
+    (trial,) = study.get_trials()
+    assert trial.state == TrialState.COMPLETE
+    # 4 devices withdrawn, the next option (2) is planned and taken.
+    assert len(trial.user_attrs["devices"]) == 2
