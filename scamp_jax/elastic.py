@@ -88,14 +88,14 @@ def resizes(
     (no trial waits for them). Rule:
 
     1. The devices on which nothing runs are the surplus.
-    2. Repeatedly, the trial with the longest predicted remaining time (as resized so far) moves
+    2. A trial's options count only if they finish at least ``policy.min_resize_gain`` of its
+       remaining time sooner (a restart costs a checkpoint and a compile; predictions are
+       rough) and the new plan's bytes fit on its current devices (what it frees there plus
+       their free memory) and on enough idle devices.
+    3. Repeatedly, the trial with the longest predicted remaining time (as resized so far) moves
        to its next option that finishes sooner and needs no more added devices than the surplus
        holds; stop when no trial can move. Taking one step at a time for the trial that would end
        last shortens the study's end, not just one trial.
-    3. A move is kept only if it finishes at least ``policy.min_resize_gain`` of the trial's
-       remaining time sooner (a restart costs a checkpoint and a compile; predictions are
-       rough), and only if the new plan's bytes fit on the trial's current devices (what it
-       frees there plus their free memory) and on idle devices with enough capacity.
 
     Args:
       policy: the engine's or simulator's placement policy.
@@ -112,14 +112,26 @@ def resizes(
     n = len(snapshot.capacity)
     idle = sorted((d for d in range(n) if snapshot.is_empty(d) and not snapshot.exclusive[d]),
                   key=lambda d: (snapshot.capacity[d], d))
-    surplus = len(idle)
-    if surplus == 0:
+    if not idle:
         return ()
-    # Per trial: (devices, seconds) of where it stands in the greedy, and the option chosen.
-    current = {r.key: (len(r.device_ids), r.remaining_seconds) for r in running}
-    chosen: dict[int, DeviceOption] = {}
+    free = list(snapshot.free)
     by_key = {r.key: r for r in running}
-    options = {r.key: sorted(r.options, key=lambda o: o.devices) for r in running}
+
+    def worth_it(r: RunningTrial, o: DeviceOption) -> bool:
+        # Saves enough, fits the trial's own devices (what it frees there plus their free
+        # memory) and enough idle devices hold it.
+        return (o.seconds <= (1.0 - policy.min_resize_gain) * r.remaining_seconds
+                and all(free[d] + r.bytes_per_device >= o.bytes_per_device
+                        for d in r.device_ids)
+                and sum(snapshot.capacity[d] >= o.bytes_per_device for d in idle)
+                >= o.devices - len(r.device_ids))
+
+    options = {r.key: sorted((o for o in r.options if worth_it(r, o)),
+                             key=lambda o: o.devices) for r in running}
+    # Per trial: (devices, seconds) of where it stands in the greedy, and the options taken.
+    current = {r.key: (len(r.device_ids), r.remaining_seconds) for r in running}
+    taken: dict[int, list[DeviceOption]] = {}
+    surplus = len(idle)
     while surplus > 0:
         best: tuple[float, int, DeviceOption] | None = None
         for key, (devices, seconds) in current.items():
@@ -137,20 +149,19 @@ def resizes(
         _, key, o = best
         surplus -= o.devices - current[key][0]
         current[key] = (o.devices, o.seconds)
-        chosen[key] = o
+        taken.setdefault(key, []).append(o)
 
-    free = list(snapshot.free)
     out: list[Resize] = []
-    for key in sorted(chosen, key=lambda k: (-by_key[k].remaining_seconds, k)):
-        r, o = by_key[key], chosen[key]
-        if o.seconds > (1.0 - policy.min_resize_gain) * r.remaining_seconds:
-            continue
-        # On its own devices the trial frees its reservation and takes the new one.
-        if any(free[d] + r.bytes_per_device < o.bytes_per_device for d in r.device_ids):
-            continue
-        extra = [d for d in idle if snapshot.capacity[d] >= o.bytes_per_device]
-        extra = extra[: o.devices - len(r.device_ids)]
-        if len(extra) < o.devices - len(r.device_ids):
+    for key in sorted(taken, key=lambda k: (-by_key[k].remaining_seconds, k)):
+        r = by_key[key]
+        # The largest step taken that the idle devices left can still hold (capacities may
+        # differ, so an earlier trial's picks can leave too few large ones).
+        for o in reversed(taken[key]):
+            extra = [d for d in idle if snapshot.capacity[d] >= o.bytes_per_device]
+            extra = extra[: o.devices - len(r.device_ids)]
+            if len(extra) == o.devices - len(r.device_ids):
+                break
+        else:
             continue
         for d in r.device_ids:
             free[d] += r.bytes_per_device - o.bytes_per_device

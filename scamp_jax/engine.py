@@ -187,6 +187,19 @@ class PlannedTrial:
 
 
 @dataclass(frozen=True)
+class _Restart:
+    """A running trial's restart on more devices: the new plan and placement, and what it ran
+    on before (to fall back on if the new run fails before training a step)."""
+
+    grown: PlannedTrial
+    placement: Placement
+    before: PlannedTrial
+    old_placement: Placement
+    old_request: TrialRequest
+    since: float = math.inf  # time.monotonic() when the new run was started
+
+
+@dataclass(frozen=True)
 class SearchResult:
     """What one engine run did (finished trials live in the study; this is this run's usage).
 
@@ -261,7 +274,11 @@ class SearchEngine:
         #: (trial number, device count) options whose plan did not fit: not offered again.
         self._no_grow: set[tuple[int, int]] = set()
         #: running trials being stopped to restart on more devices: the new plan and placement.
-        self._resizing: dict[int, tuple[PlannedTrial, Placement]] = {}
+        self._resizing: dict[int, _Restart] = {}
+        #: trials restarted on more devices, until their new run trains (to fall back on).
+        self._restarted: dict[int, _Restart] = {}
+        #: wall seconds of a trial's earlier runs (before a restart), added to its record.
+        self._earlier_wall: dict[int, float] = {}
         #: queued trials' growth options being planned: (trial number, devices) -> plan future.
         self._grow_plans: dict[tuple[int, int], cf.Future] = {}
         #: restarts decided and being planned for their new device count.
@@ -591,9 +608,11 @@ class SearchEngine:
                 del self._resize_plans[key]
                 if key in entries:  # else it ended while its new plan was compiled
                     self._book_resize(entries[key], decision, future)
+        if self._resize_plans:
+            return  # decided devices are not booked before their plan is ready: wait for it
         views = [v for key, (p, started, _) in entries.items()
-                 if key not in self._resize_plans and key not in self._resizing
-                 and (v := self._running_view(p, started)) is not None]
+                 if key not in self._resizing and (v := self._running_view(p, started))
+                 is not None]
         if not views:
             return
         for r in resizes(self.policy, self.pool.snapshot(), views, queue_empty=True,
@@ -607,7 +626,7 @@ class SearchEngine:
     def _book_resize(self, entry: tuple[PlannedTrial, float, threading.Event], r: Resize,
                      future: cf.Future) -> None:
         """Book restart ``r`` of a running trial with its compiled plan and stop the trial."""
-        planned, _, stop = entry
+        planned, started, stop = entry
         n, batch = r.option.devices, int(planned.plan.batch_size)
         try:
             plan = future.result()
@@ -616,6 +635,12 @@ class SearchEngine:
             plan = None
         if plan is None or self._devices_of(plan) != n or int(plan.batch_size) != batch:
             self._no_grow.add((r.key, n))  # the planner found no such plan: not again
+            return
+        # The trial trained on while its plan compiled: is the restart still worth it?
+        view = self._running_view(planned, started)
+        option = next((o for o in view.options if o.devices == n), None) if view else None
+        if option is None or option.seconds > (
+                (1.0 - self.policy.min_resize_gain) * view.remaining_seconds):
             return
         current = self.pool.running[r.key].device_ids
         snapshot = self.pool.snapshot()
@@ -633,10 +658,12 @@ class SearchEngine:
             self._no_grow.add((r.key, n))
             return
         now = self._now()
-        self.usage.finish(now, r.key)
-        self.usage.start(now, placement, int(plan.peak_bytes_per_device))
-        self._resizing[r.key] = (grown, placement)
-        self.statuses[r.key].state = "resizing"
+        self.usage.move(now, placement, int(plan.peak_bytes_per_device))
+        self._resizing[r.key] = _Restart(grown, placement, planned, old_placement, old_request)
+        status = self.statuses[r.key]
+        status.state = "resizing"
+        status.model_parallel = int(plan.model_parallel)
+        status.predicted_peak_bytes = int(plan.peak_bytes_per_device)
         log.info("trial %d: restarting on %d devices (was %d), batch %d", r.key, n,
                  planned.devices, batch)
         stop.set()
@@ -761,15 +788,39 @@ class SearchEngine:
                     elif future in running:
                         planned, _started, stop = running.pop(future)
                         result = future.result()
-                        resize = self._resizing.pop(planned.number, None)
-                        if resize is not None and result.state == "interrupted":
-                            grown, placement = resize
-                            self.statuses[planned.number].resizes += 1
-                            stop = threading.Event()
-                            future = self._start(placement, grown, executor, stop)
-                            running[future] = (grown, self._now(), stop)
+                        number = planned.number
+                        restart = self._resizing.pop(number, None)
+                        if restart is not None and result.state == "interrupted":
+                            self.statuses[number].resizes += 1
+                            self._earlier_wall[number] = (self._earlier_wall.get(number, 0.0)
+                                                          + result.wall_seconds)
+                            self._restarted[number] = replace(restart, since=time.monotonic())
+                            planned, placement = restart.grown, restart.placement
+                        elif (restart := self._restarted.pop(number, None)) is not None and (
+                                result.state in ("oom", "failed")
+                                and not self.statuses[number].training_since > restart.since):
+                            # The restarted run never trained: go back to the plan that did.
+                            log.info("trial %d: restart on %d devices failed (%s); back on %d",
+                                     number, planned.devices, result.reason,
+                                     restart.before.devices)
+                            self._no_grow.add((number, planned.devices))
+                            self._earlier_wall[number] = (self._earlier_wall.get(number, 0.0)
+                                                          + result.wall_seconds)
+                            self.pool.release(number)
+                            self.pool.allocate(restart.old_placement, restart.old_request)
+                            self.usage.move(self._now(), restart.old_placement,
+                                            restart.old_request.bytes_per_device)
+                            status = self.statuses[number]
+                            status.model_parallel = int(restart.before.plan.model_parallel)
+                            status.predicted_peak_bytes = int(
+                                restart.before.plan.peak_bytes_per_device)
+                            planned, placement = restart.before, restart.old_placement
+                        else:
+                            self._finish(planned, result, queue)
                             continue
-                        self._finish(planned, result, queue)
+                        stop = threading.Event()
+                        future = self._start(placement, planned, executor, stop)
+                        running[future] = (planned, self._now(), stop)
                 self._notify()
         except BaseException:
             for _, _, stop in running.values():
@@ -825,8 +876,10 @@ class SearchEngine:
         if result.state == "interrupted":
             self.source.interrupt(planned.number)
             return
+        self._restarted.pop(planned.number, None)
         metric = result.metrics.get(self.task.metric)
-        attrs = self._attrs(status, result.wall_seconds)
+        wall = result.wall_seconds + self._earlier_wall.pop(planned.number, 0.0)
+        attrs = self._attrs(status, wall)
         attrs["metrics"] = dict(result.metrics)
         attrs["checkpoint"] = str(result.checkpoint) if result.checkpoint else None
         attrs["resumed_from"] = result.resumed_from

@@ -332,13 +332,16 @@ def _run(
         # A cross-rank reduction is an ordered side effect (mpi4jax threads a token through the
         # step), which the ahead-of-time executable does not take: run through the jit wrapper.
         compiled = step_fn
-    status.state, status.step = "training", first
+    # The pace fields first: the engine reads them once it sees "training".
     status.training_since, status.first_step = time.monotonic(), first
+    status.state, status.step = "training", first
     loss = None
     for step in range(first, spec.steps):
         if stop is not None and stop.is_set():
             if saving:
                 checkpointer.save(step, jax.tree.leaves((params, opt_state, rest)))
+            if checkpointer is not None:
+                checkpointer.close()  # waits for the save; the next run opens its own
             raise TrialInterrupted(f"stopped at step {step}")
         params, opt_state, rest, loss = compiled(params, opt_state, rest, batch)
         done = step + 1

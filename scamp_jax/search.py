@@ -128,8 +128,15 @@ def engine_config(settings: SearchSettings, memory_per_device: int, *,
         eval_every=settings.eval_every,
         seed=settings.seed,
         rank=rank,
-        grow_last_wave=_ELASTIC[getattr(settings, "elastic", "auto")],
+        grow_last_wave=_grow_last_wave(getattr(settings, "elastic", "auto")),
     )
+
+
+def _grow_last_wave(elastic: str) -> bool | None:
+    """``settings.elastic`` (auto, on, off) as `EngineConfig.grow_last_wave` (None, True, False)."""
+    if elastic not in _ELASTIC:
+        raise ValueError(f"elastic={elastic!r} must be 'auto', 'on' or 'off'")
+    return _ELASTIC[elastic]
 
 
 #: ``settings.elastic`` -> `EngineConfig.grow_last_wave`.

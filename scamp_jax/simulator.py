@@ -260,6 +260,14 @@ class _Running:
     version: int = 0
     resizes: int = 0
     first_solo: float = 0.0  # solo seconds on the devices it started on
+    # A restart on more devices trains nothing until then (checkpoint, compile, restore); its
+    # devices' compute load is kept meanwhile, a slight overestimate for trials sharing them.
+    paused_until: float = 0.0
+
+    def work_left(self, now: float) -> float:
+        """Solo-seconds of work left at ``now`` (the rate is constant since ``updated``)."""
+        trained = max(0.0, now - max(self.updated, self.paused_until))
+        return max(0.0, self.remaining - trained * self.rate)
 
 
 def solo_seconds(profile: TrialProfile, cluster: ClusterModel) -> float:
@@ -384,7 +392,9 @@ def simulate(
         nonlocal busy_device_seconds, resized
         views = []
         for key, trial in running.items():
-            work = max(0.0, trial.remaining - (now - trial.updated) * trial.rate)
+            if trial.paused_until > now:
+                continue  # being restarted already
+            work = trial.work_left(now)
             left = work / trial.solo if trial.solo > 0 else 0.0
             shape_key = (key, trial.profile.devices)
             if shape_key not in shapes:
@@ -402,8 +412,7 @@ def simulate(
             old = running[r.key]
             new = next(p for p in shapes[(r.key, old.profile.devices)]
                        if p.devices == r.option.devices)
-            work = max(0.0, old.remaining - (now - old.updated) * old.rate)
-            left = work / old.solo if old.solo > 0 else 0.0
+            left = old.work_left(now) / old.solo if old.solo > 0 else 0.0
             busy_device_seconds += left * (busy_seconds(new, cluster) * new.devices
                                            - busy_seconds(old.profile, cluster)
                                            * old.profile.devices)
@@ -412,27 +421,26 @@ def simulate(
             placement = Placement(r.key, r.device_ids)
             pool.allocate(placement, TrialRequest(r.key, new.devices, new.bytes_per_device, 0,
                                                   busy_fraction=busy_fraction(new, cluster)))
-            recorder.finish(now, r.key)
-            recorder.start(now, placement, new.bytes_per_device)
+            recorder.move(now, placement, new.bytes_per_device)
             solo = solo_seconds(new, cluster)
-            # The restart is one more stretch of work, at the new plan's pace.
-            todo = left * solo + cluster.restart_seconds
             running[r.key] = _Running(
-                new, r.device_ids, old.start, todo / left if left > 0 else todo,
+                new, r.device_ids, old.start, solo,
                 busy_seconds(new, cluster) / solo if solo > 0 else 0.0,
-                todo, 1.0, now, old.version + 1, old.resizes + 1, old.first_solo)
+                left * solo, 1.0, now, old.version + 1, old.resizes + 1, old.first_solo,
+                paused_until=now + cluster.restart_seconds)
             move(r.key, running[r.key], 1.0)
             resized += 1
 
     def rerate(keys: set[int]) -> None:
         for key in keys:
             trial = running[key]
-            trial.remaining = max(0.0, trial.remaining - (now - trial.updated) * trial.rate)
+            trial.remaining = trial.work_left(now)
             trial.updated = now
             worst = max(group_load[d // group] for d in trial.device_ids)
             trial.rate = 1.0 / max(1.0, worst)
             trial.version += 1
-            heapq.heappush(events, (now + trial.remaining / trial.rate, key, trial.version))
+            finish = max(now, trial.paused_until) + trial.remaining / trial.rate
+            heapq.heappush(events, (finish, key, trial.version))
 
     while queue or running or pending:
         while pending and (lookahead is None or len(queue) < lookahead):

@@ -108,6 +108,15 @@ class UsageRecorder:
         self._finished += 1
         self._record(t)
 
+    def move(self, t: float, placement: Placement, bytes_per_device: int) -> None:
+        """Running trial ``placement.key`` continues on ``placement`` with ``bytes_per_device``
+        from ``t`` seconds (a restart on other devices): its busy intervals and reservation
+        move; the trials started and finished stay as they are."""
+        started, finished = self._started, self._finished
+        self.finish(t, placement.key)
+        self.start(t, placement, bytes_per_device)
+        self._started, self._finished = started, finished
+
     def memory_utilization_series(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Step function of reserved memory: ``(times_s, fractions)``, fraction holding from each
         time until the next; fraction = reserved bytes / aggregate capacity of the pool."""

@@ -88,3 +88,23 @@ def test_running_trial_validation() -> None:
         RunningTrial(0, (0,), GIB, -1.0)
     with pytest.raises(ValueError, match="min_resize_gain=1.0 must be in"):
         ScampPolicy(min_resize_gain=1.0)
+
+
+def test_moves_that_would_be_dropped_do_not_take_the_idle_devices() -> None:
+    pool = _pool(3, {0: ((0,), GIB), 1: ((1,), GIB)})
+    worthless = RunningTrial(0, (0,), GIB, 100.0, (DeviceOption(2, GIB, 99.0),))  # saves 1%
+    useful = RunningTrial(1, (1,), GIB, 90.0, (DeviceOption(2, GIB, 50.0),))
+    assert _tail(ScampPolicy(), pool, [worthless, useful]) == (
+        Resize(1, (1, 2), DeviceOption(2, GIB, 50.0)),)
+    too_big = RunningTrial(0, (0,), GIB, 100.0, (DeviceOption(2, 9 * GIB, 40.0),))
+    assert _tail(ScampPolicy(), pool, [too_big, useful]) == (
+        Resize(1, (1, 2), DeviceOption(2, GIB, 50.0)),)
+
+
+def test_a_step_that_does_not_fit_leaves_the_one_before_it() -> None:
+    # 1 -> 2 devices fits; 2 -> 4 would need 9 GiB per device, more than any holds.
+    pool = _pool(4, {0: ((0,), GIB)})
+    trial = RunningTrial(0, (0,), GIB, 100.0, (DeviceOption(2, GIB, 55.0),
+                                                 DeviceOption(4, 9 * GIB, 30.0)))
+    assert _tail(ScampPolicy(), pool, [trial]) == (
+        Resize(0, (0, 1), DeviceOption(2, GIB, 55.0)),)

@@ -319,6 +319,7 @@ def test_running_trial_restarts_on_the_idle_device_in_the_tail_by_hand() -> None
     result = simulate(trials, cluster, ScampPolicy(), reshape=reshape)
     assert result.makespan_s == pytest.approx(5.5)
     assert result.resizes == 1
+    assert result.summary["trials_started"] == result.summary["trials_finished"] == 2
     assert (result.trials[1].device_ids, result.trials[1].resizes) == ((0, 1), 1)
     assert result.trials[1].solo_seconds == pytest.approx(8.0)  # as first placed
     # Busy device-seconds: 2 + 2 (until the restart) + 0.75 * 8 * 0.5 * 2 = 10 of 2 * 5.5.
@@ -329,6 +330,26 @@ def test_running_trial_restarts_on_the_idle_device_in_the_tail_by_hand() -> None
         plain = simulate(trials, cluster, policy, reshape=reshape)
         assert (plain.makespan_s, plain.resizes) == (pytest.approx(8.0), 0)
     assert simulate(trials, TOY, ScampPolicy()).makespan_s == pytest.approx(8.0)
+
+
+def test_a_restart_trains_nothing_while_it_restarts() -> None:
+    # 3 devices, restarts cost 1 s. Trial 2 (20 steps of 1 s) starts on device 0 next to two
+    # trials of 2 s and 4 s. At 2 s (0.9 of it left) it restarts on 2 devices (0.5 s a step):
+    # training resumes at 3 s, 9 s left. At 4 s it has 8 s (0.8) left and restarts on 3 devices
+    # (1/3 s a step): 0.8 * 20/3 s from 5 s, so it ends at 5 + 16/3 = 31/3 s.
+    cluster = dataclasses.replace(TOY, devices=3, restart_seconds=1.0)
+    shapes = {n: _compute_bound(2, 20, devices=n, flops=1e12 / n) for n in (2, 3)}
+
+    def reshape(profile: TrialProfile) -> tuple[TrialProfile, ...]:
+        if profile.key != 2:
+            return ()
+        return tuple(shapes[n] for n in (2, 3) if n > profile.devices)
+
+    trials = [_compute_bound(0, 2), _compute_bound(1, 4), _compute_bound(2, 20)]
+    result = simulate(trials, cluster, ScampPolicy(), reshape=reshape)
+    assert result.resizes == 2 and result.trials[2].resizes == 2
+    assert result.makespan_s == pytest.approx(31 / 3)
+    assert sorted(result.trials[2].device_ids) == [0, 1, 2]
 
 
 def test_restart_profiles_keep_the_global_batch() -> None:

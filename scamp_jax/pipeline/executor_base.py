@@ -69,8 +69,10 @@ class StageExecutor(abc.ABC):
         stage devices enter a tick's collective-permute while the threads that would launch
         another device's part of it all wait on input buffers or on the per-device limit of 32
         queued executions, and XLA aborts after its collective timeout. Waiting for the loss of
-        the tick ``max_in_flight`` back (each stage device holds a shard of it, so every device
-        has finished that tick) keeps the queue short; a few ticks suffice to keep devices fed.
+        the tick ``max_in_flight`` back keeps the queue short (with all stages local, each
+        stage device holds a shard of it, so every device has finished that tick; with one
+        stage per process, as `scamp_jax.distributed.MPIPipelineExecutor`, the local stage has);
+        a few ticks suffice to keep devices fed.
     """
 
     def __init__(
