@@ -156,10 +156,12 @@ def resizes(
         r = by_key[key]
         # The largest step taken that the idle devices left can still hold (capacities may
         # differ, so an earlier trial's picks can leave too few large ones).
+        # Its own devices are checked again: trials sharing a device share its free memory.
         for o in reversed(taken[key]):
             extra = [d for d in idle if snapshot.capacity[d] >= o.bytes_per_device]
             extra = extra[: o.devices - len(r.device_ids)]
-            if len(extra) == o.devices - len(r.device_ids):
+            if len(extra) == o.devices - len(r.device_ids) and all(
+                    free[d] + r.bytes_per_device >= o.bytes_per_device for d in r.device_ids):
                 break
         else:
             continue

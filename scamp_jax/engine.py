@@ -463,13 +463,17 @@ class SearchEngine:
     def _devices_of(self, plan: Any) -> int:
         return int(plan.data_parallel * plan.model_parallel)
 
-    def _queue_planned(self, planned: PlannedTrial, queue: list[PlannedTrial]) -> None:
-        status = self.statuses[planned.number]
-        status.state = "queued"
-        status.model_parallel = int(planned.plan.model_parallel)
-        status.batch_size = int(planned.plan.batch_size)
-        status.predicted_peak_bytes = int(planned.plan.peak_bytes_per_device)
+    def _show_plan(self, number: int, plan: Any) -> None:
+        """Record ``plan``'s degrees, batch and predicted peak in trial ``number``'s status."""
+        status = self.statuses[number]
+        status.model_parallel = int(plan.model_parallel)
+        status.batch_size = int(plan.batch_size)
+        status.predicted_peak_bytes = int(plan.peak_bytes_per_device)
         status.steps = self.config.steps_for(status.batch_size)
+
+    def _queue_planned(self, planned: PlannedTrial, queue: list[PlannedTrial]) -> None:
+        self.statuses[planned.number].state = "queued"
+        self._show_plan(planned.number, planned.plan)
         queue.append(planned)
         self._notify()
 
@@ -531,11 +535,7 @@ class SearchEngine:
         if plan is None or self._devices_of(plan) != devices:
             self._no_grow.add((planned.number, devices))
             return None
-        status = self.statuses[planned.number]
-        status.model_parallel = int(plan.model_parallel)
-        status.batch_size = int(plan.batch_size)
-        status.predicted_peak_bytes = int(plan.peak_bytes_per_device)
-        status.steps = self.config.steps_for(status.batch_size)
+        self._show_plan(planned.number, plan)
         return replace(planned, plan=plan, devices=devices)
 
     def _attrs(self, status: TrialStatus, wall: float) -> dict[str, Any]:
@@ -610,9 +610,8 @@ class SearchEngine:
                     self._book_resize(entries[key], decision, future)
         if self._resize_plans:
             return  # decided devices are not booked before their plan is ready: wait for it
-        views = [v for key, (p, started, _) in entries.items()
-                 if key not in self._resizing and (v := self._running_view(p, started))
-                 is not None]
+        views = [v for p, started, _ in entries.values()
+                 if (v := self._running_view(p, started)) is not None]
         if not views:
             return
         for r in resizes(self.policy, self.pool.snapshot(), views, queue_empty=True,
@@ -660,10 +659,8 @@ class SearchEngine:
         now = self._now()
         self.usage.move(now, placement, int(plan.peak_bytes_per_device))
         self._resizing[r.key] = _Restart(grown, placement, planned, old_placement, old_request)
-        status = self.statuses[r.key]
-        status.state = "resizing"
-        status.model_parallel = int(plan.model_parallel)
-        status.predicted_peak_bytes = int(plan.peak_bytes_per_device)
+        self.statuses[r.key].state = "resizing"
+        self._show_plan(r.key, plan)
         log.info("trial %d: restarting on %d devices (was %d), batch %d", r.key, n,
                  planned.devices, batch)
         stop.set()
@@ -786,38 +783,13 @@ class SearchEngine:
                     if future in planning:
                         self._enqueue(planning.pop(future), future, queue)
                     elif future in running:
-                        planned, _started, stop = running.pop(future)
+                        planned, _, _ = running.pop(future)
                         result = future.result()
-                        number = planned.number
-                        restart = self._resizing.pop(number, None)
-                        if restart is not None and result.state == "interrupted":
-                            self.statuses[number].resizes += 1
-                            self._earlier_wall[number] = (self._earlier_wall.get(number, 0.0)
-                                                          + result.wall_seconds)
-                            self._restarted[number] = replace(restart, since=time.monotonic())
-                            planned, placement = restart.grown, restart.placement
-                        elif (restart := self._restarted.pop(number, None)) is not None and (
-                                result.state in ("oom", "failed")
-                                and not self.statuses[number].training_since > restart.since):
-                            # The restarted run never trained: go back to the plan that did.
-                            log.info("trial %d: restart on %d devices failed (%s); back on %d",
-                                     number, planned.devices, result.reason,
-                                     restart.before.devices)
-                            self._no_grow.add((number, planned.devices))
-                            self._earlier_wall[number] = (self._earlier_wall.get(number, 0.0)
-                                                          + result.wall_seconds)
-                            self.pool.release(number)
-                            self.pool.allocate(restart.old_placement, restart.old_request)
-                            self.usage.move(self._now(), restart.old_placement,
-                                            restart.old_request.bytes_per_device)
-                            status = self.statuses[number]
-                            status.model_parallel = int(restart.before.plan.model_parallel)
-                            status.predicted_peak_bytes = int(
-                                restart.before.plan.peak_bytes_per_device)
-                            planned, placement = restart.before, restart.old_placement
-                        else:
+                        again = self._next_run(planned, result)
+                        if again is None:
                             self._finish(planned, result, queue)
                             continue
+                        planned, placement = again
                         stop = threading.Event()
                         future = self._start(placement, planned, executor, stop)
                         running[future] = (planned, self._now(), stop)
@@ -860,6 +832,36 @@ class SearchEngine:
             compile_cache={"hits": self.cache.hits, "misses": self.cache.misses},
         )
 
+    def _next_run(self, planned: PlannedTrial, result: RunResult
+                  ) -> tuple[PlannedTrial, Placement] | None:
+        """What runs next for a trial whose run ended with ``result``, if it goes on at once:
+        its restart on more devices (it stopped for one), or, if that restarted run failed
+        before training a step, its plan and devices from before. None: the run is finished
+        (`_finish`)."""
+        number = planned.number
+        restart = self._resizing.pop(number, None)
+        if restart is not None and result.state == "interrupted":
+            self.statuses[number].resizes += 1
+            self._restarted[number] = replace(restart, since=time.monotonic())
+            nxt = restart.grown, restart.placement
+        elif ((restart := self._restarted.pop(number, None)) is not None
+              and result.state in ("oom", "failed")
+              and not self.statuses[number].training_since > restart.since):
+            # The restarted run never trained: go back to the plan that did.
+            log.info("trial %d: restart on %d devices failed (%s); back on %d", number,
+                     planned.devices, result.reason, restart.before.devices)
+            self._no_grow.add((number, planned.devices))
+            self.pool.release(number)
+            self.pool.allocate(restart.old_placement, restart.old_request)
+            self.usage.move(self._now(), restart.old_placement,
+                            restart.old_request.bytes_per_device)
+            self._show_plan(number, restart.before.plan)
+            nxt = restart.before, restart.old_placement
+        else:
+            return None
+        self._earlier_wall[number] = self._earlier_wall.get(number, 0.0) + result.wall_seconds
+        return nxt
+
     def _finish(self, planned: PlannedTrial, result: RunResult, queue: list[PlannedTrial]) -> None:
         self.pool.release(planned.number)
         self.usage.finish(self._now(), planned.number)
@@ -876,7 +878,6 @@ class SearchEngine:
         if result.state == "interrupted":
             self.source.interrupt(planned.number)
             return
-        self._restarted.pop(planned.number, None)
         metric = result.metrics.get(self.task.metric)
         wall = result.wall_seconds + self._earlier_wall.pop(planned.number, 0.0)
         attrs = self._attrs(status, wall)

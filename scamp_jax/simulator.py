@@ -326,8 +326,8 @@ def simulate(
         trials are still to come.
       reshape: ``reshape(profile)`` -> the same trial on more devices with the same global
         batch (what a running trial may restart as, `scamp_jax.elastic.resizes`); None: running
-        trials are never resized. A restart costs ``cluster.restart_seconds`` and keeps the
-        fraction of the work already done.
+        trials are never resized. A restarted trial keeps the fraction of its work already done
+        and trains nothing for ``cluster.restart_seconds``.
 
     Raises ``ValueError`` if a profile can never fit the cluster, or if the policy would give a
     trial another device count than its profile was costed for (build the fixed baseline's
@@ -639,7 +639,7 @@ class StepCostModel:
                 shape = self.profile(profile.key, p * self.model_parallel, profile.batch_size,
                                      samples)
                 if shape.bytes_per_device <= budget_bytes:
-                    out.append(replace(shape, steps=profile.steps))
+                    out.append(shape)  # same batch and samples: same steps
         return tuple(out)
 
     def max_local_batch(self, budget_bytes: int) -> int:
