@@ -116,7 +116,13 @@ def config_from_args(args: argparse.Namespace, base: HPOConfig, study_dir: str) 
         if value is not None:
             overrides[name] = value
     overrides["study_dir"] = args.study_dir or study_dir
-    return dataclasses.replace(base, **overrides)
+    try:
+        return dataclasses.replace(base, **overrides)
+    except ValueError as err:  # SearchSettings names the field: name its flag too
+        field = str(err).split("=", 1)[0]
+        flag = f" (--{field.replace('_', '-')})" if field in overrides else ""
+        fail(f"{err}{flag}")
+        raise
 
 
 def fail(message: str) -> None:

@@ -1,8 +1,10 @@
 """Run a whole study from an experiment's settings: open it, drive the engine, write the report.
 
-`run_search` is what ``python -m experiments.swinir_hpo`` and the other entry points call: it
-opens (or resumes) the Optuna study in the study directory, runs a `SearchEngine` with a live
-view, and writes ``results.json``, ``results.csv``, ``best_model/`` and the plots.
+`run_search` is what ``python -m experiments.swinir_hpo``, the other entry points and
+`scamp_jax.run_study` call: it opens (or resumes) the Optuna study in the study directory, runs a
+`SearchEngine` with a live view, and writes ``results.json``, ``results.csv``, ``best_model/`` and
+the plots. `SearchSettings` holds what it reads: the study's size, training length, placement and
+Optuna set-up.
 """
 
 from __future__ import annotations

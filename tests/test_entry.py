@@ -111,3 +111,13 @@ def test_cpu_devices_default_to_a_share_of_host_memory():
     devices = jax.devices()[:4]
     assert default_budget(None, devices) == int(CPU_MEMORY_SHARE * host) // 4
     assert default_budget("1GiB", devices) == 2**30
+
+
+def test_entry_point_names_the_flag_of_a_bad_setting(capsys):
+    from experiments import vit_synthetic
+
+    with pytest.raises(SystemExit) as exit_info:
+        vit_synthetic.main(["--preset", "smoke", "--eval-every", "-1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "eval_every=-1 must be an integer >= 0" in err and "(--eval-every)" in err
