@@ -14,7 +14,7 @@ test-all:
 	.venv/bin/python -m pytest -m "not gpu"
 
 lint:
-	.venv/bin/ruff check scamp_jax search_spaces experiments benchmarks tests
+	.venv/bin/ruff check scamp_jax search_spaces experiments benchmarks tests examples
 
 # API reference from the docstrings (pdoc) in docs/api/; any pdoc warning fails the build.
 PDOC_MODULES = scamp_jax scamp_jax.pipeline scamp_jax.distributed
