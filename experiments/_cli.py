@@ -1,7 +1,7 @@
 """Flags and the run loop shared by the HPO entry points (``swinir_hpo``, ``vit_synthetic``).
 
-JAX is imported only after the flags are read, so ``--devices`` can split the CPU into enough
-devices before JAX initialises a backend.
+JAX initialises a backend only after the flags are read, so ``--devices`` can split the CPU
+into enough devices first.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from scamp_jax.search import SearchSettings
+
 POLICIES = ("scamp", "fixed")
 SAMPLERS = ("tpe", "random", "grid")
 PRUNERS = ("median", "halving", "none")
@@ -21,63 +23,28 @@ PRUNERS = ("median", "halving", "none")
 CPU_DEVICES = 8
 
 
-@dataclasses.dataclass(frozen=True)
-class HPOConfig:
-    """One HPO experiment: study, training length, device pool and placement.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HPOConfig(SearchSettings):
+    """One HPO experiment: the study's `scamp_jax.search.SearchSettings` plus the entry points'
+    own flags.
 
     Attributes:
       preset: name of the preset the values came from.
-      trials: the study's total number of trials (a resumed study runs only the missing ones).
-      steps: training steps per trial at ``reference_batch`` (trials with a larger planned batch
-        run proportionally fewer steps, so every trial sees the same number of samples).
-      reference_batch: global batch that ``steps`` refers to.
-      max_batch_size: cap on any trial's global batch.
-      min_batch_size: smallest global batch a trial may train with (None: any); under MPI a
-        trial that cannot reach it on one rank's devices spans ranks, data parallel.
       devices: devices of the pool (None: every device of the backend).
       memory_per_device: budget per device, e.g. ``"1GiB"`` (None: the device limit on GPUs).
-      policy: ``"scamp"`` or ``"fixed"``.
-      devices_per_trial: devices per trial under the fixed policy.
-      sampler: ``"tpe"``, ``"random"`` or ``"grid"``.
-      pruner: ``"median"``, ``"halving"`` or ``"none"``.
-      seed: seed of the sampler, initialisation and data.
-      study_dir: where the study database, checkpoints, results and plots go.
-      storage: SQLAlchemy URL of the study (None: SQLite file in ``study_dir``).
-      checkpoint_every: steps between checkpoints.
-      eval_every: steps between intermediate evaluations for pruning (0: none).
+      study_dir: as in `SearchSettings` (default ``runs/hpo``).
       space_variant: the model family's search-space variant (``"small"``, ``"paper"``, ...).
       train_dir: directory of training images (None: the task's built-in images).
       eval_dir: directory of held-out images (None: the task's built-in held-out set).
-      initial_params: configurations a new study evaluates first (a warm start; the sampler
-        takes over after them).
-      elastic: ``"auto"``, ``"on"`` or ``"off"``: whether ScaMP grows trials onto devices that
-        would idle at the end of the study (queued ones start on more devices, running ones
-        restart from a checkpoint on more devices with the same batch); auto: on accelerators,
-        not on CPU devices (`scamp_jax.engine.EngineConfig.grow_last_wave`).
     """
 
     preset: str
-    trials: int
-    steps: int
-    reference_batch: int
-    max_batch_size: int
     devices: int | None
     memory_per_device: str | None
-    policy: str = "scamp"
-    devices_per_trial: int = 2
-    sampler: str = "tpe"
-    pruner: str = "median"
-    seed: int = 0
-    study_dir: str = "runs/hpo"
-    storage: str | None = None
-    checkpoint_every: int = 50
-    eval_every: int = 0
+    study_dir: str | Path = "runs/hpo"
     space_variant: str = "small"
     train_dir: str | None = None
     eval_dir: str | None = None
-    initial_params: tuple[dict[str, Any], ...] = ()
-    min_batch_size: int | None = None
-    elastic: str = "auto"
 
 
 def positive_int(text: str) -> int:
@@ -149,7 +116,13 @@ def config_from_args(args: argparse.Namespace, base: HPOConfig, study_dir: str) 
         if value is not None:
             overrides[name] = value
     overrides["study_dir"] = args.study_dir or study_dir
-    return dataclasses.replace(base, **overrides)
+    try:
+        return dataclasses.replace(base, **overrides)
+    except ValueError as err:  # SearchSettings names the field: name its flag too
+        field = str(err).split("=", 1)[0]
+        flag = f" (--{field.replace('_', '-')})" if field in overrides else ""
+        fail(f"{err}{flag}")
+        raise
 
 
 def fail(message: str) -> None:

@@ -13,6 +13,7 @@ from scamp_jax.engine import BudgetTooSmallError as BudgetTooSmallError
 from scamp_jax.engine import EngineConfig as EngineConfig
 from scamp_jax.engine import SearchEngine as SearchEngine
 from scamp_jax.engine import SearchResult as SearchResult
+from scamp_jax.entry import run_study as run_study
 from scamp_jax.memory import MemoryEstimate as MemoryEstimate
 from scamp_jax.memory import MemoryModel as MemoryModel
 from scamp_jax.memory import estimate_memory as estimate_memory
@@ -35,6 +36,7 @@ from scamp_jax.search import SearchSettings as SearchSettings
 from scamp_jax.search import run_search as run_search
 from scamp_jax.sharding import make_mesh as make_mesh
 from scamp_jax.sharding import param_partition_specs as param_partition_specs
+from scamp_jax.space import FunctionTask as FunctionTask
 from scamp_jax.space import SearchSpace as SearchSpace
 from scamp_jax.space import Task as Task
 from scamp_jax.study import OptunaTrialSource as OptunaTrialSource
@@ -60,6 +62,7 @@ __all__ = [
     "DoesNotFitError",
     "EngineConfig",
     "FixedPolicy",
+    "FunctionTask",
     "MemoryEstimate",
     "MemoryModel",
     "OptunaTrialSource",
@@ -98,5 +101,6 @@ __all__ = [
     "place_train_state",
     "plan_mesh",
     "run_search",
+    "run_study",
     "split_model",
 ]

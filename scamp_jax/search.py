@@ -1,58 +1,105 @@
 """Run a whole study from an experiment's settings: open it, drive the engine, write the report.
 
-`run_search` is what ``python -m experiments.swinir_hpo`` and the other entry points call: it
-opens (or resumes) the Optuna study in the study directory, runs a `SearchEngine` with a live
-view, and writes ``results.json``, ``results.csv``, ``best_model/`` and the plots.
+`run_search` is what ``python -m experiments.swinir_hpo``, the other entry points and
+`scamp_jax.run_study` call: it opens (or resumes) the Optuna study in the study directory, runs a
+`SearchEngine` with a live view, and writes ``results.json``, ``results.csv``, ``best_model/`` and
+the plots. `SearchSettings` holds what it reads: the study's size, training length, placement and
+Optuna set-up.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 
 from scamp_jax.engine import EngineConfig, PlanFn, SearchEngine, SearchResult
+from scamp_jax.placement import POLICIES
 from scamp_jax.space import SearchSpace, Task
+from scamp_jax.study import PRUNERS, SAMPLERS
 
 
-class SearchSettings(Protocol):
-    """What `run_search` reads from an experiment's config (e.g. ``experiments._cli.HPOConfig``).
+@dataclass(frozen=True, kw_only=True)
+class SearchSettings:
+    """How one study runs: its size, training length, placement and Optuna set-up.
 
-    Fields as in `EngineConfig`, plus the study's: ``trials`` (total), ``sampler``, ``pruner``,
-    ``study_dir``, ``storage``; optionally ``initial_params`` (configurations a new study
-    evaluates first, a warm start), ``min_batch_size`` and ``elastic`` (``"auto"``, ``"on"``,
-    ``"off"``: `EngineConfig.grow_last_wave` None, True, False).
+    `run_search` and `scamp_jax.run_study` take it; the experiments' config
+    (``experiments._cli.HPOConfig``) extends it with their own flags. Invalid values raise
+    ``ValueError`` naming the field and what to pass instead.
+
+    Attributes:
+      trials: the study's total number of trials (a resumed study runs only the missing ones).
+      steps: training steps per trial (at ``reference_batch`` when that is set).
+      study_dir: directory of the study database (``study.db``), checkpoints, results and plots;
+        running again on it resumes the study.
+      storage: SQLAlchemy URL of the study (None: the SQLite file ``study_dir/study.db``).
+      policy: ``"scamp"`` (pack trials by planned memory, each with the largest batch that fits)
+        or ``"fixed"`` (the baseline: ``devices_per_trial`` devices and one batch for all).
+      devices_per_trial: devices every trial gets under the fixed policy.
+      sampler: Optuna sampler, seeded: ``"tpe"``, ``"random"`` or ``"grid"``.
+      pruner: Optuna pruner fed by intermediate evaluations (``eval_every``): ``"median"``,
+        ``"halving"`` or ``"none"``.
+      seed: seed of the sampler, initialisation and data streams.
+      reference_batch: global batch that ``steps`` refers to; a trial whose plan allows batch
+        ``b`` trains ``ceil(steps * reference_batch / b)`` steps, so every trial sees the same
+        number of samples (None: every trial trains ``steps`` steps).
+      max_batch_size: cap on any trial's global batch (None: as large as memory allows).
+      min_batch_size: smallest global batch a trial may train with (None: any).
+      checkpoint_every: steps between checkpoints (0: only at the end).
+      eval_every: steps between intermediate evaluations reported to the pruner (0: none).
+      initial_params: configurations a new study evaluates first (a warm start; the sampler
+        takes over after them).
+      elastic: ``"auto"``, ``"on"`` or ``"off"``: whether ScaMP puts devices that would idle at
+        the end of the study to work (`scamp_jax.engine.EngineConfig.grow_last_wave`; auto: on
+        accelerators, not on CPU devices).
     """
 
-    @property
-    def trials(self) -> int: ...
-    @property
-    def steps(self) -> int: ...
-    @property
-    def reference_batch(self) -> int | None: ...
-    @property
-    def max_batch_size(self) -> int | None: ...
-    @property
-    def policy(self) -> str: ...
-    @property
-    def devices_per_trial(self) -> int: ...
-    @property
-    def sampler(self) -> str: ...
-    @property
-    def pruner(self) -> str: ...
-    @property
-    def seed(self) -> int: ...
-    @property
-    def study_dir(self) -> str: ...
-    @property
-    def storage(self) -> str | None: ...
-    @property
-    def checkpoint_every(self) -> int: ...
-    @property
-    def eval_every(self) -> int: ...
+    trials: int
+    steps: int
+    study_dir: str | Path = "runs/study"
+    storage: str | None = None
+    policy: str = "scamp"
+    devices_per_trial: int = 2
+    sampler: str = "tpe"
+    pruner: str = "median"
+    seed: int = 0
+    reference_batch: int | None = None
+    max_batch_size: int | None = None
+    min_batch_size: int | None = None
+    checkpoint_every: int = 50
+    eval_every: int = 0
+    initial_params: tuple[Mapping[str, Any], ...] = ()
+    elastic: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("trials", "steps", "devices_per_trial"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("checkpoint_every", "eval_every"):
+            _check_int(name, getattr(self, name), minimum=0)
+        for name in ("reference_batch", "max_batch_size", "min_batch_size"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=1)
+        for name, choices in (("policy", POLICIES), ("sampler", SAMPLERS),
+                              ("pruner", PRUNERS), ("elastic", tuple(_ELASTIC))):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of "
+                                 f"{', '.join(map(repr, choices))}; pass one of them")
+        low, high = self.min_batch_size, self.max_batch_size
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"min_batch_size={low} is larger than max_batch_size={high}; "
+                             f"raise max_batch_size to at least {low} or lower min_batch_size")
+        object.__setattr__(self, "initial_params",
+                           tuple(dict(p) for p in self.initial_params))
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}; pass e.g. "
+                         f"{name}={max(minimum, 1)}")
 
 
 def run_search(

@@ -63,3 +63,80 @@ class Task(Protocol):
     def evaluate(self, model: nnx.Module) -> dict[str, float]:
         """Held-out scores; must contain `metric` (and may add baselines, e.g. ``bicubic_psnr``)."""
         ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class FunctionTask:
+    """A `Task` made of plain functions, for users who have a loss, a data stream and a scorer.
+
+    Example (``examples/digits.py`` has the whole study)::
+
+        task = scamp_jax.FunctionTask(
+            metric="accuracy", direction="maximize",
+            loss_fn=lambda model, batch: optax.softmax_cross_entropy_with_integer_labels(
+                model(batch[0]), batch[1]).mean(),
+            batches=lambda batch_size, seed: my_stream(batch_size, seed),
+            evaluate=lambda model: {"accuracy": float((model(x_val).argmax(-1) == y_val).mean())},
+        )
+
+    Attributes:
+      metric: name of the score `evaluate` returns as the study objective (e.g. ``"accuracy"``).
+      direction: ``"maximize"`` or ``"minimize"`` for ``metric``.
+      loss_fn: ``loss_fn(model, batch) -> scalar``: the training loss of ``model`` on one batch
+        (the tuple ``batches`` yields, as device arrays); traced inside the jitted step.
+      batches: ``batches(batch_size, seed) -> iterator``: an endless, seeded stream of tuples of
+        numpy arrays whose leading axis is ``batch_size`` (e.g. ``(inputs, labels)``).
+      evaluate: ``evaluate(model) -> {name: float}``: held-out scores; must contain ``metric``.
+      sample_batch: ``sample_batch(batch_size) -> tuple of jax.ShapeDtypeStruct`` for planning
+        (None: the shapes and device dtypes of the first batch of ``batches(1, 0)``, with the
+        leading axis set to ``batch_size``).
+    """
+
+    metric: str
+    direction: str
+    loss_fn: Callable[[nnx.Module, Any], jax.Array]
+    batches: Callable[[int, int], Iterator[tuple[np.ndarray, ...]]]
+    evaluate: Callable[[nnx.Module], Mapping[str, float]]
+    sample_batch: Callable[[int], tuple[jax.ShapeDtypeStruct, ...]] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ValueError(f"metric={self.metric!r} must be a non-empty string naming the "
+                             "score evaluate returns, e.g. metric='accuracy'")
+        if self.direction not in ("maximize", "minimize"):
+            raise ValueError(f"direction={self.direction!r} must be 'maximize' or 'minimize'")
+        for name in ("loss_fn", "batches", "evaluate"):
+            if not callable(getattr(self, name)):
+                raise TypeError(f"{name}={getattr(self, name)!r} is not callable; pass a "
+                                f"function (see FunctionTask's docstring for its signature)")
+        if self.sample_batch is None:
+            object.__setattr__(self, "sample_batch", _ShapesOfFirstBatch(self.batches))
+
+
+class _ShapesOfFirstBatch:
+    """``sample_batch`` read off a task's data: the first batch of ``batches(1, 0)``."""
+
+    def __init__(self, batches: Callable[[int, int], Iterator[Any]]) -> None:
+        self._batches = batches
+        self._shapes: list[tuple[tuple[int, ...], np.dtype]] | None = None
+        self._treedef: Any = None
+
+    def __call__(self, batch_size: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+        if self._shapes is None:
+            first = next(iter(self._batches(1, 0)))
+            leaves, self._treedef = jax.tree.flatten(first)
+            shapes = []
+            for leaf in leaves:
+                array = np.asarray(leaf)
+                if array.ndim == 0 or array.shape[0] != 1:
+                    raise ValueError(
+                        f"batches(1, 0) yielded an array of shape {array.shape}; every array of "
+                        "a batch must have the batch size as its leading axis (here 1), or "
+                        "pass sample_batch"
+                    )
+                # The dtype the array gets on a device (float64 becomes float32 unless x64 is on).
+                shapes.append((array.shape[1:], jax.dtypes.canonicalize_dtype(array.dtype)))
+            self._shapes = shapes
+        return jax.tree.unflatten(self._treedef, [
+            jax.ShapeDtypeStruct((batch_size, *shape), dtype) for shape, dtype in self._shapes
+        ])

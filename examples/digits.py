@@ -1,0 +1,67 @@
+"""Your own model family in one file: a memory-aware study of MLPs on scikit-learn's digits.
+
+    pip install -e ".[examples]"              # scikit-learn: the digits ship inside its wheel
+    python examples/digits.py                 # a few minutes on 2 CPU cores; --help for the flags
+    optuna-dashboard sqlite:///runs/digits/study.db    # needs the `dashboard` extra
+"""
+
+import argparse
+
+import scamp_jax
+
+scamp_jax.configure_for_search(4)  # on CPU: split the host into 4 devices before JAX starts
+
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from sklearn.datasets import load_digits  # noqa: E402
+
+x, y = load_digits(return_X_y=True)  # 1797 images of 8x8 pixels, labels 0-9
+x, y = (x / 16).astype(np.float32), y.astype(np.int32)
+x_train, y_train, x_val, y_val = x[:1500], y[:1500], x[1500:], y[1500:]
+
+
+class MLP(nnx.Module):
+    def __init__(self, width: int, depth: int, rngs: nnx.Rngs) -> None:
+        self.hidden = nnx.List([nnx.Linear(64 if i == 0 else width, width, rngs=rngs)
+                                for i in range(depth)])
+        self.out = nnx.Linear(width, 10, rngs=rngs)
+
+    def __call__(self, x):
+        for layer in self.hidden:
+            x = nnx.relu(layer(x))
+        return self.out(x)
+
+
+def suggest(trial):  # model and training hyperparameters (learning_rate goes to AdamW)
+    return {"width": trial.suggest_categorical("width", [64, 256]),
+            "depth": trial.suggest_int("depth", 1, 2),
+            "learning_rate": trial.suggest_float("learning_rate", 1e-3, 3e-2, log=True)}
+
+
+def batches(batch_size, seed):  # endless, seeded stream of (inputs, labels)
+    rng = np.random.default_rng(seed)
+    while True:
+        i = rng.integers(0, len(x_train), batch_size)
+        yield x_train[i], y_train[i]
+
+
+space = scamp_jax.SearchSpace("digits-mlp", suggest,
+                              lambda c, rngs: MLP(c["width"], c["depth"], rngs))
+task = scamp_jax.FunctionTask(
+    metric="accuracy", direction="maximize", batches=batches,
+    loss_fn=lambda model, b: optax.softmax_cross_entropy_with_integer_labels(
+        model(b[0]), b[1]).mean(),
+    evaluate=lambda model: {"accuracy": float((model(x_val).argmax(-1) == y_val).mean())})
+
+if __name__ == "__main__":
+    flags = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    flags.add_argument("--trials", type=int, default=6)
+    flags.add_argument("--steps", type=int, default=200)
+    flags.add_argument("--study-dir", default="runs/digits")
+    args = flags.parse_args()
+    result = scamp_jax.run_study(space, task, trials=args.trials, steps=args.steps,
+                                 study_dir=args.study_dir, memory_per_device="32MiB",
+                                 reference_batch=32, max_batch_size=128)
+    best = result["best"]
+    print(f"best: trial {best['number']} {best['params']} accuracy {best['accuracy']:.3f}")

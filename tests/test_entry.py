@@ -1,0 +1,123 @@
+"""The library's study entry: `run_study`, `SearchSettings` and `FunctionTask`.
+
+A real study (the MLP of ``test_runner`` on a task built from plain functions) in SQLite storage.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optuna
+import pytest
+from optuna.trial import TrialState
+from test_runner import SPACE, Regression
+
+import scamp_jax
+from scamp_jax.search import SearchSettings, engine_config
+from scamp_jax.study import storage_url
+
+
+def function_task() -> scamp_jax.FunctionTask:
+    """The regression task of ``test_runner`` rebuilt from its plain functions (no subclass)."""
+    reference = Regression()
+    return scamp_jax.FunctionTask(metric="mse", direction="minimize",
+                                  loss_fn=reference.loss_fn, batches=reference.batches,
+                                  evaluate=reference.evaluate)
+
+
+def test_function_task_reads_the_planning_shapes_off_its_data():
+    task = function_task()
+    x, y = task.sample_batch(48)
+    assert (x.shape, x.dtype, y.shape, y.dtype) == ((48, 8), jnp.float32, (48, 1), jnp.float32)
+    assert isinstance(x, jax.ShapeDtypeStruct)
+    assert task.sample_batch(3)[0].shape == (3, 8)
+
+
+def test_function_task_checks_its_functions():
+    def unbatched(batch_size, seed):
+        while True:
+            yield np.zeros((8,), np.float32), np.zeros((batch_size, 1), np.float32)
+
+    reference = Regression()
+    kw = dict(metric="mse", loss_fn=reference.loss_fn, evaluate=reference.evaluate)
+    with pytest.raises(ValueError, match="direction='lower' must be 'maximize' or 'minimize'"):
+        scamp_jax.FunctionTask(direction="lower", batches=reference.batches, **kw)
+    with pytest.raises(TypeError, match="batches=.* is not callable"):
+        scamp_jax.FunctionTask(direction="minimize", batches=[1, 2], **kw)
+    task = scamp_jax.FunctionTask(direction="minimize", batches=unbatched, **kw)
+    with pytest.raises(ValueError, match=r"shape \(8,\).*leading axis"):
+        task.sample_batch(4)
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"trials": 0}, "trials=0 must be an integer >= 1"),
+    ({"eval_every": -1}, "eval_every=-1 must be an integer >= 0"),
+    ({"sampler": "cmaes"}, "sampler='cmaes' is not one of 'tpe', 'random', 'grid'"),
+    ({"policy": "greedy"}, "policy='greedy' is not one of 'scamp', 'fixed'"),
+    ({"elastic": "yes"}, "elastic='yes' is not one of 'auto', 'on', 'off'"),
+    ({"min_batch_size": 64, "max_batch_size": 16}, "raise max_batch_size to at least 64"),
+])
+def test_settings_name_the_bad_value_and_the_fix(kw, message):
+    with pytest.raises(ValueError, match=message):
+        SearchSettings(**{"trials": 2, "steps": 10, **kw})
+
+
+def test_experiment_configs_are_search_settings():
+    from experiments import swinir_hpo, vit_synthetic
+
+    for module in (swinir_hpo, vit_synthetic):
+        config = module.get_config("smoke")
+        assert isinstance(config, SearchSettings)
+        assert engine_config(config, 2**30).steps == config.steps
+
+
+def test_run_study_runs_then_resumes_only_the_missing_trials(tmp_path):
+    kw = dict(steps=10, study_dir=tmp_path, devices=2, memory_per_device="64MiB",
+              max_batch_size=16, sampler="random", live=False)
+    first = scamp_jax.run_study(SPACE, function_task(), trials=2, **kw)
+    assert first["trials_this_run"] == 2
+    assert first["devices"] == 2 and first["memory_per_device"] == 64 * 2**20
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["best"] == first["best"]["number"]
+    assert math.isfinite(first["best"]["mse"])
+    # Same study directory, one more trial: the two finished ones are kept, one new one runs.
+    second = scamp_jax.run_study(SPACE, function_task(), trials=3, **kw)
+    assert second["trials_this_run"] == 1
+    [summary] = optuna.get_all_study_summaries(storage_url(tmp_path))
+    study = optuna.load_study(study_name=summary.study_name, storage=storage_url(tmp_path))
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    for trial in trials:
+        assert len(trial.user_attrs["devices"]) == 1
+        assert trial.user_attrs["batch_size"] == 16
+        assert 0 < trial.user_attrs["predicted_peak_bytes"] <= 64 * 2**20
+
+
+def test_run_study_rejects_a_bad_setting_before_opening_a_study(tmp_path):
+    with pytest.raises(ValueError, match="steps=0 must be an integer >= 1"):
+        scamp_jax.run_study(SPACE, function_task(), trials=1, steps=0, study_dir=tmp_path)
+    assert not (tmp_path / "study.db").exists()
+
+
+def test_cpu_devices_default_to_a_share_of_host_memory():
+    from scamp_jax.entry import CPU_MEMORY_SHARE, default_budget
+
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    devices = jax.devices()[:4]
+    assert default_budget(None, devices) == int(CPU_MEMORY_SHARE * host) // 4
+    assert default_budget("1GiB", devices) == 2**30
+
+
+def test_entry_point_names_the_flag_of_a_bad_setting(capsys):
+    from experiments import vit_synthetic
+
+    with pytest.raises(SystemExit) as exit_info:
+        vit_synthetic.main(["--preset", "smoke", "--eval-every", "-1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "eval_every=-1 must be an integer >= 0" in err and "(--eval-every)" in err
