@@ -13,6 +13,7 @@ from scamp_jax.engine import BudgetTooSmallError as BudgetTooSmallError
 from scamp_jax.engine import EngineConfig as EngineConfig
 from scamp_jax.engine import SearchEngine as SearchEngine
 from scamp_jax.engine import SearchResult as SearchResult
+from scamp_jax.evaluation import ChunkedEvalTask as ChunkedEvalTask
 from scamp_jax.memory import MemoryEstimate as MemoryEstimate
 from scamp_jax.memory import MemoryModel as MemoryModel
 from scamp_jax.memory import estimate_memory as estimate_memory
@@ -55,6 +56,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BudgetTooSmallError",
+    "ChunkedEvalTask",
     "DeviceOption",
     "DevicePool",
     "DoesNotFitError",
