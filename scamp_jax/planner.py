@@ -3,7 +3,9 @@
 ``plan_mesh`` tries model-parallel degrees in increasing order (the divisors of the device
 count); the first degree whose training step fits at one sample per data-parallel group wins, and
 then the largest global batch that fits is found. "Fits" means the compiled per-device peak
-(``scamp_jax.memory``) is at most ``memory_per_device * (1 - safety_margin)``.
+(``scamp_jax.memory``) plus the prefetched next batch is at most
+``memory_per_device * (1 - safety_margin)``; with an ``eval_task``, evaluation (forward pass at
+its planned chunk, optimizer state, prefetched batch) fits too (`Plan.predicted_peak_bytes`).
 
 The batch search compiles rather than trusts the affine memory model: it probes, jumps to the
 batch the affine fit predicts, and refines with the compiled peaks (secant steps, then bisection)
