@@ -14,6 +14,7 @@ from scamp_jax.engine import EngineConfig as EngineConfig
 from scamp_jax.engine import SearchEngine as SearchEngine
 from scamp_jax.engine import SearchResult as SearchResult
 from scamp_jax.entry import run_study as run_study
+from scamp_jax.evaluation import ChunkedEvalTask as ChunkedEvalTask
 from scamp_jax.memory import MemoryEstimate as MemoryEstimate
 from scamp_jax.memory import MemoryModel as MemoryModel
 from scamp_jax.memory import estimate_memory as estimate_memory
@@ -57,6 +58,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BudgetTooSmallError",
+    "ChunkedEvalTask",
     "DeviceOption",
     "DevicePool",
     "DoesNotFitError",

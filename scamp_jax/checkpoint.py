@@ -3,7 +3,9 @@
 Each trial writes to its own directory (``<study_dir>/checkpoints/<checkpoint_key>/<step>``).
 Saves are synchronous: a trial's checkpoint is on disk when `TrialCheckpointer.save` returns, so
 a ``kill -9`` right after loses at most the steps since the last save. Restores take the target
-shardings from abstract arrays, so a resumed trial may land on other devices than before.
+shardings from abstract arrays (``jax.ShapeDtypeStruct`` with a sharding): orbax reads each shard
+straight onto its device, so a resumed trial may land on other devices than before and holds its
+state once (no freshly initialised copy beside the restored one).
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ def to_storable(tree: Any) -> Any:
         if not _is_key_array(x):
             return x
         if isinstance(x, jax.ShapeDtypeStruct):
-            return jax.eval_shape(jax.random.key_data, x)
+            raw = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
+            # the raw data's trailing axis is never split: the key's sharding applies as is
+            return jax.ShapeDtypeStruct(raw.shape, raw.dtype, sharding=x.sharding)
         return jax.random.key_data(x)
 
     return jax.tree.map(convert, tree)

@@ -3,7 +3,9 @@
 ``plan_mesh`` tries model-parallel degrees in increasing order (the divisors of the device
 count); the first degree whose training step fits at one sample per data-parallel group wins, and
 then the largest global batch that fits is found. "Fits" means the compiled per-device peak
-(``scamp_jax.memory``) is at most ``memory_per_device * (1 - safety_margin)``.
+(``scamp_jax.memory``) plus the prefetched next batch is at most
+``memory_per_device * (1 - safety_margin)``; with an ``eval_task``, evaluation (forward pass at
+its planned chunk, optimizer state, prefetched batch) fits too (`Plan.predicted_peak_bytes`).
 
 The batch search compiles rather than trusts the affine memory model: it probes, jumps to the
 batch the affine fit predicts, and refines with the compiled peaks (secant steps, then bisection)
@@ -30,12 +32,14 @@ from jax.sharding import Mesh, NamedSharding
 
 from scamp_jax import sharding as sh
 from scamp_jax._units import format_bytes, parse_bytes
+from scamp_jax.evaluation import EvalCompiler, abstract_eval_inputs, plan_eval
 from scamp_jax.memory import (
     MemoryEstimate,
     MemoryModel,
     StepCompiler,
     affine_fit,
     default_step_shardings,
+    with_batch_size,
 )
 from scamp_jax.train_step import LossFn, StepShardings, abstract_state, default_optimizer
 
@@ -83,6 +87,14 @@ class Plan:
       planning_seconds, compiles: what planning cost (wall-clock seconds, number of compiles).
       compiled_peaks: ``(global batch, peak bytes per device)`` of every compile on the chosen
         mesh, in the order the search made them (the first two are the probes).
+      prefetch_bytes: per-device bytes of one training batch at ``batch_size``: the next batch
+        is placed on the devices while the current step runs.
+      eval_chunk: held-out samples per evaluation forward call (0: evaluation not planned).
+      eval_peak_bytes: compiled peak per device of the evaluation forward at ``eval_chunk``.
+
+    `predicted_peak_bytes` is the most a trial of this plan holds on a device at any time:
+    training (compiled step + prefetched batch) or evaluation (forward pass + optimizer state +
+    prefetched batch), whichever is larger; the batch search keeps it within `usable_bytes`.
     """
 
     mesh: Mesh
@@ -101,6 +113,27 @@ class Plan:
     planning_seconds: float = field(default=0.0, compare=False)
     compiles: int = field(default=0, compare=False)
     compiled_peaks: tuple[tuple[int, int], ...] = field(default=(), compare=False)
+    prefetch_bytes: int = 0
+    eval_chunk: int = 0
+    eval_peak_bytes: int = 0
+
+    @property
+    def train_bytes(self) -> int:
+        """Per-device bytes while training: the compiled step's peak + the prefetched batch."""
+        return self.peak_bytes_per_device + self.prefetch_bytes
+
+    @property
+    def eval_bytes(self) -> int:
+        """Per-device bytes while evaluating: the forward's peak + optimizer state + prefetched
+        batch (0 when evaluation was not planned)."""
+        if not self.eval_chunk:
+            return 0
+        return self.eval_peak_bytes + self.estimate.opt_state + self.prefetch_bytes
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        """Most bytes per device the trial holds: ``max(train_bytes, eval_bytes)``."""
+        return max(self.train_bytes, self.eval_bytes)
 
     @property
     def usable_bytes(self) -> int:
@@ -116,8 +149,12 @@ class Plan:
             ("mesh (data x model)", f"{self.data_parallel} x {self.model_parallel}"),
             ("global batch", f"{self.batch_size} ({self.batch_size // self.data_parallel}"
              " per data-parallel group)"),
-            ("peak per device", f"{format_bytes(self.peak_bytes_per_device)} of "
+            ("peak per device", f"{format_bytes(self.predicted_peak_bytes)} of "
              f"{format_bytes(self.usable_bytes)} usable"),
+            ("  training step", format_bytes(self.peak_bytes_per_device)),
+            ("  prefetched batch", format_bytes(self.prefetch_bytes)),
+            ("  evaluation", f"{format_bytes(self.eval_bytes)} (chunk {self.eval_chunk})"
+             if self.eval_chunk else "not planned"),
             ("budget per device", f"{format_bytes(self.memory_per_device)} "
              f"(margin {self.safety_margin:.0%})"),
             ("  parameters", format_bytes(e.params)),
@@ -152,10 +189,9 @@ class Plan:
             )
 
         step = self.step_shardings
-        return Plan(
+        return replace(
+            self,
             mesh=mesh,
-            data_parallel=self.data_parallel,
-            model_parallel=self.model_parallel,
             param_shardings=remap(self.param_shardings),
             batch_sharding=remap(self.batch_sharding),
             step_shardings=StepShardings(
@@ -164,16 +200,7 @@ class Plan:
                 rest=remap(step.rest),
                 batch=remap(step.batch),
             ),
-            batch_size=self.batch_size,
-            peak_bytes_per_device=self.peak_bytes_per_device,
-            memory_per_device=self.memory_per_device,
-            safety_margin=self.safety_margin,
-            estimate=self.estimate,
-            memory_model=self.memory_model,
             devices=devices,
-            planning_seconds=self.planning_seconds,
-            compiles=self.compiles,
-            compiled_peaks=self.compiled_peaks,
         )
 
 
@@ -271,14 +298,19 @@ class _Search:
     compiler: StepCompiler
     usable: int
     seen: dict[int, MemoryEstimate] = field(default_factory=dict)
+    #: per-device bytes of the prefetched next batch per global sample (exactly linear).
+    prefetch_per_sample: float = 0.0
 
     def peak(self, batch: int) -> MemoryEstimate:
         if batch not in self.seen:
             self.seen[batch] = self.compiler.estimate(batch)
         return self.seen[batch]
 
+    def prefetch(self, batch: int) -> int:
+        return round(self.prefetch_per_sample * batch)
+
     def fits(self, batch: int) -> bool:
-        return self.peak(batch).peak <= self.usable
+        return self.peak(batch).peak + self.prefetch(batch) <= self.usable
 
     def affine(self, a: int, b: int) -> MemoryModel:
         return affine_fit(self.seen[a], self.seen[b], self.compiler.data_parallel)
@@ -318,8 +350,10 @@ def _largest_batch(search: _Search, cap: int) -> tuple[int, MemoryModel]:
                 lines.append(search.affine(lo, hi))
             for line in lines:
                 if line.bytes_per_sample > 0:
-                    # the pure secant line: extrapolating below two misses is intended here
-                    line = replace(line, floor_bytes=0.0)
+                    # the pure secant line: extrapolating below two misses is intended here;
+                    # the prefetched batch adds its bytes per sample to the compiled slope
+                    line = replace(line, floor_bytes=0.0, bytes_per_sample=line.bytes_per_sample
+                                   + search.prefetch_per_sample)
                     candidate = line.max_batch(search.usable, cap=cap)
                     if candidate < hi:
                         # at or below ``lo`` the line puts the boundary right above ``lo``
@@ -382,6 +416,7 @@ def plan_mesh(
     max_batch_size: int | None = None,
     model_parallel: int | None = None,
     min_shard_elements: int = sh.MIN_SHARD_ELEMENTS,
+    eval_task: Any = None,
 ) -> Plan:
     """Plan training of ``model`` on exactly ``devices``: mesh, shardings and largest batch.
 
@@ -399,6 +434,13 @@ def plan_mesh(
       max_batch_size: cap on the global batch (default ``DEFAULT_BATCH_CAP``).
       model_parallel: force this model-parallel degree (must divide the device count).
       min_shard_elements: parameters with fewer elements are replicated.
+      eval_task: a task with the `scamp_jax.evaluation.ChunkedEvalTask` methods: its evaluation
+        forward is compiled on the same mesh and its chunk chosen (`Plan.eval_chunk`) so that
+        evaluating never needs more per device than training, unless one sample per
+        data-parallel group already does; None (or a task without them): not planned.
+
+    Every plan counts the prefetched next batch: the step's compiled peak plus one batch
+    (and, with ``eval_task``, the evaluation's bytes) fit within the usable bytes.
 
     Returns:
       A ``Plan`` with the smallest model-parallel degree that fits and the largest global batch
@@ -435,6 +477,7 @@ def plan_mesh(
             f"{min(n // mp for mp in candidates)} or use fewer devices"
         )
     params, opt_state, rest = abstract_state(model, optimizer)
+    eval_groups = abstract_eval_inputs(eval_task) if eval_task is not None else None
     compiles = 0
     best_need: tuple[int, str] | None = None
     for mp in candidates:
@@ -450,16 +493,40 @@ def plan_mesh(
             need = (compiler.state_bytes, f"parameters + optimizer state at model_parallel={mp}")
             best_need = need if best_need is None or need[0] < best_need[0] else best_need
             continue
-        search = _Search(compiler, usable)
-        first = search.peak(dp)
-        if first.peak > usable:
+        one_sample = sh.bytes_per_device(with_batch_size(sample_batch, dp), shardings.batch)
+        search = _Search(compiler, usable, prefetch_per_sample=one_sample / dp)
+        mp_cap = (cap // dp) * dp
+        evaluator, eval_floor = None, 0
+        if eval_groups:
+            evaluator = EvalCompiler(compiler.graphdef, eval_task.eval_forward, params, rest,
+                                     shardings.params, shardings.rest, mesh)
+            eval_floor = evaluator.peak(dp, eval_groups) + compiler.opt_state_bytes
+            compiles += len(eval_groups)
+            # while evaluating, the prefetched batch stays too: it bounds the batch
+            room = usable - eval_floor
+            mp_cap = min(mp_cap, int(room // search.prefetch_per_sample) // dp * dp
+                         if search.prefetch_per_sample > 0 else mp_cap)
+            if mp_cap < dp:
+                need = (eval_floor + search.prefetch(dp),
+                        f"evaluation at {dp} sample(s) with model_parallel={mp}")
+                best_need = need if best_need is None or need[0] < best_need[0] else best_need
+                continue
+        if not search.fits(dp):
             compiles += len(search.seen)
-            need = (first.peak, f"peak at batch {dp} with model_parallel={mp}")
+            first = search.peak(dp)
+            need = (first.peak + search.prefetch(dp),
+                    f"peak at batch {dp} with model_parallel={mp}, prefetched batch included")
             best_need = need if best_need is None or need[0] < best_need[0] else best_need
             continue
-        batch, memory_model = _largest_batch(search, (cap // dp) * dp)
+        batch, memory_model = _largest_batch(search, mp_cap)
         compiles += len(search.seen)
         estimate = search.seen[batch]
+        prefetch = search.prefetch(batch)
+        eval_plan = None
+        if evaluator is not None:
+            eval_plan = plan_eval(evaluator, eval_groups, compiler.opt_state_bytes + prefetch,
+                                  estimate.peak + prefetch)
+            compiles += eval_plan.compiles
         return Plan(
             mesh=mesh,
             data_parallel=dp,
@@ -477,6 +544,9 @@ def plan_mesh(
             planning_seconds=time.perf_counter() - start,
             compiles=compiles,
             compiled_peaks=tuple((b, e.peak) for b, e in search.seen.items()),
+            prefetch_bytes=prefetch,
+            eval_chunk=eval_plan.chunk if eval_plan else 0,
+            eval_peak_bytes=eval_plan.peak_bytes if eval_plan else 0,
         )
     assert best_need is not None
     needed, what = best_need

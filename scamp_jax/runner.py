@@ -7,9 +7,10 @@ goes or how big its batch is: it executes the `Plan` it is given and reports bac
 - ``complete``: trained for all steps and evaluated;
 - ``pruned``: the study's pruner stopped it after an intermediate evaluation;
 - ``failed``: it raised (a bug in a candidate, a NaN loss); the reason is kept, others go on;
-- ``oom``: it did not fit, either because the compiled step's peak per device exceeds the device
-  budget (checked from ``memory_analysis()`` before the first step) or because XLA ran out of
-  memory; the engine re-plans it with more devices or a smaller batch;
+- ``oom``: it did not fit, either because what it holds per device exceeds its booked share
+  (checked from ``memory_analysis()`` before the first step: the compiled step plus the
+  prefetched next batch, and the evaluation forward plus optimizer state plus that batch) or
+  because XLA ran out of memory; the engine re-plans it with more devices or a smaller batch;
 - ``interrupted``: the engine asked it to stop (Ctrl-C, or to restart it on more devices); it
   saved a checkpoint first.
 """
@@ -31,7 +32,15 @@ import numpy as np
 import optax
 from flax import nnx
 
+from scamp_jax import sharding as sh
 from scamp_jax.checkpoint import TrialCheckpointer
+from scamp_jax.evaluation import (
+    EvalCompiler,
+    EvalPlan,
+    abstract_eval_inputs,
+    plan_eval,
+    supports_chunked_eval,
+)
 from scamp_jax.space import SearchSpace, Task
 from scamp_jax.train_step import jit_train_step, split_model
 
@@ -86,7 +95,7 @@ class RunSpec:
       params: the configuration (architecture + optimizer hyperparameters).
       plan: the planner's `Plan`, remapped onto the devices the trial was placed on.
       steps: training steps in total (a resumed trial runs only the missing ones).
-      memory_per_device: device budget in bytes the compiled step's peak must stay within.
+      memory_per_device: device budget in bytes (the plan's safety margin is held back from it).
       checkpoint_dir: the trial's checkpoint directory, or ``None`` to not checkpoint.
       checkpoint_every: steps between checkpoints (0: only at the end).
       eval_every: steps between intermediate evaluations reported to the pruner (0: none).
@@ -100,6 +109,10 @@ class RunSpec:
         rank of a spanning trial draws the same global stream); None: the whole batch.
       save_checkpoints: write checkpoints (a spanning trial's ranks all restore from the same
         directory, one of them writes it).
+      booked_bytes: bytes per device the trial's placement reserved (its share of the device
+        ledger, e.g. the plan's ``predicted_peak_bytes``); None: the usable part of
+        ``memory_per_device`` (less the plan's safety margin). Training (step + prefetched
+        batch) and evaluation (forward + optimizer state + prefetched batch) must fit in it.
     """
 
     number: int
@@ -115,6 +128,14 @@ class RunSpec:
     grad_reduce: Callable[[Any], Any] | None = None
     batch_share: tuple[int, int] | None = None
     save_checkpoints: bool = True
+    booked_bytes: int | None = None
+
+    def share_bytes(self) -> int:
+        """The bytes per device this trial may hold (see ``booked_bytes``)."""
+        if self.booked_bytes is not None:
+            return int(self.booked_bytes)
+        margin = float(getattr(self.plan, "safety_margin", 0.0))
+        return int(self.memory_per_device * (1.0 - margin))
 
 
 @dataclass(frozen=True)
@@ -187,8 +208,22 @@ class StepCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._steps: dict[Any, tuple[Any, optax.GradientTransformation]] = {}
+        self._evaluators: dict[Any, EvalCompiler] = {}
         self.hits = 0
         self.misses = 0
+
+    def evaluator(self, graphdef: nnx.GraphDef, plan: Any, task: Any, params: Any,
+                  rest: Any) -> EvalCompiler:
+        """The evaluation forward of ``task`` on ``plan``'s mesh (compiles kept per chunk)."""
+        devices = tuple(d.id for d in plan.mesh.devices.flat)
+        key = (graphdef, plan.mesh.devices.shape, devices, id(task))
+        with self._lock:
+            if key not in self._evaluators:
+                shardings = plan.step_shardings
+                self._evaluators[key] = EvalCompiler(
+                    graphdef, task.eval_forward, params, rest, shardings.params,
+                    shardings.rest, plan.mesh)
+            return self._evaluators[key]
 
     def get(
         self, graphdef: nnx.GraphDef, plan: Any, loss_fn: Callable[..., Any], params: Any,
@@ -222,9 +257,14 @@ def _set_hyperparams(opt_state: Any, params: Mapping[str, Any]) -> Any:
 
 
 def _initial_state(
-    space: SearchSpace, spec: RunSpec, optimizer: optax.GradientTransformation, seed: int
+    space: SearchSpace, spec: RunSpec, optimizer: optax.GradientTransformation, seed: int,
+    abstract: bool = False,
 ) -> tuple[Any, Any, Any]:
-    """Parameters, optimizer state and other state created directly on the plan's devices."""
+    """Parameters, optimizer state and other state created directly on the plan's devices.
+
+    ``abstract``: ``ShapeDtypeStruct``s carrying the plan's shardings instead (nothing is
+    allocated), the restore target of a resumed trial.
+    """
     shardings = spec.plan.step_shardings
 
     def init() -> tuple[Any, Any, Any]:
@@ -233,10 +273,14 @@ def _initial_state(
         opt_state = _set_hyperparams(optimizer.init(params), spec.params)
         return params, opt_state, rest
 
+    out = (shardings.params, shardings.opt_state, shardings.rest)
     with jax.set_mesh(spec.plan.mesh):
-        return jax.jit(
-            init, out_shardings=(shardings.params, shardings.opt_state, shardings.rest)
-        )()
+        if abstract:
+            shapes = jax.eval_shape(init)
+            return jax.tree.map(
+                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, out
+            )
+        return jax.jit(init, out_shardings=out)()
 
 
 def run_trial(
@@ -302,31 +346,30 @@ def _run(
     with jax.set_mesh(plan.mesh):
         graphdef = split_model(nnx.eval_shape(lambda: space.build(spec.params, nnx.Rngs(seed))))[0]
     step_fn, optimizer = cache.get(graphdef, plan, task.loss_fn, spec.params, spec.grad_reduce)
-    params, opt_state, rest = _initial_state(space, spec, optimizer, seed)
 
     first = 0
     checkpointer = TrialCheckpointer(spec.checkpoint_dir) if spec.checkpoint_dir else None
     saving = checkpointer is not None and spec.save_checkpoints
-    treedef = jax.tree.structure((params, opt_state, rest))
     if checkpointer is not None and checkpointer.latest_step() is not None:
-        # Resume: restore onto this placement's shardings (the devices may differ from before).
-        first, leaves = checkpointer.restore(jax.tree.leaves((params, opt_state, rest)))
-        params, opt_state, rest = jax.tree.unflatten(treedef, leaves)
+        # Resume: restore straight into this placement's shardings (the devices may differ from
+        # before); the target is abstract, so the state exists once, never a fresh copy too.
+        target = _initial_state(space, spec, optimizer, seed, abstract=True)
+        first, leaves = checkpointer.restore(jax.tree.leaves(target))
+        params, opt_state, rest = jax.tree.unflatten(jax.tree.structure(target), leaves)
         first = min(first, spec.steps)
+    else:
+        params, opt_state, rest = _initial_state(space, spec, optimizer, seed)
 
     batches = _batches(task, plan.batch_size, seed, spec.batch_share)
     for _ in range(first):  # keep the data stream identical to an uninterrupted run
         next(batches)
     batch = jax.device_put(next(batches), plan.batch_sharding)
 
-    # The planner predicted this step fits; check the real compile on these devices first.
+    # The planner predicted this trial fits its share; check the real compiles on these devices
+    # first: the step with the next batch prefetched beside it, and the evaluation.
     compiled = step_fn.lower(params, opt_state, rest, batch).compile()
-    peak = peak_bytes(compiled)
-    if peak is not None and peak > spec.memory_per_device:
-        raise TrialOutOfMemory(
-            f"compiled step needs {peak} bytes per device, budget is {spec.memory_per_device}",
-            bytes_needed=peak,
-        )
+    evaluation = _check_share(spec, task, cache, graphdef, params, opt_state, rest, batch,
+                              compiled)
 
     if spec.grad_reduce is not None:
         # A cross-rank reduction is an ordered side effect (mpi4jax threads a token through the
@@ -353,7 +396,7 @@ def _run(
                 raise FloatingPointError(f"loss is {status.loss} at step {done}")
         status.step = done
         if spec.eval_every and done % spec.eval_every == 0 and done < spec.steps:
-            value = _evaluate(task, graphdef, params, rest, plan)[task.metric]
+            value = _evaluate(task, graphdef, params, rest, plan, evaluation)[task.metric]
             status.metric = value
             if report is not None and report(spec.number, done, value):
                 status.state = "pruned"
@@ -369,7 +412,7 @@ def _run(
         if not math.isfinite(status.loss):
             raise FloatingPointError(f"loss is {status.loss} at step {spec.steps}")
     status.state = "evaluating"
-    metrics = _evaluate(task, graphdef, params, rest, plan)
+    metrics = _evaluate(task, graphdef, params, rest, plan, evaluation)
     value = metrics[task.metric]
     if not math.isfinite(value):
         raise FloatingPointError(f"{task.metric} is {value} after training")
@@ -428,10 +471,61 @@ def load_model(
     return nnx.merge(graphdef, weights, rest)
 
 
-def _evaluate(task: Task, graphdef: nnx.GraphDef, params: Any, rest: Any, plan: Any) -> dict:
-    with jax.set_mesh(plan.mesh):
-        model = nnx.merge(graphdef, params, rest)
-        metrics = task.evaluate(model)
+def _check_share(
+    spec: RunSpec, task: Task, cache: StepCache, graphdef: nnx.GraphDef, params: Any,
+    opt_state: Any, rest: Any, batch: Any, compiled: Any,
+) -> tuple[EvalCompiler, EvalPlan] | None:
+    """Raise `TrialOutOfMemory` (with the measured bytes) if the trial exceeds its share.
+
+    Training holds the compiled step's peak plus the prefetched next batch; evaluation holds
+    the compiled forward at its chunk plus the optimizer state and that batch. The chunk is the
+    plan's (``Plan.eval_chunk``) when it has one, else chosen here (`plan_eval`). Returns the
+    evaluator and its chunk, or None for a task that evaluates itself.
+    """
+    share = spec.share_bytes()
+    plan = spec.plan
+    prefetch = sh.bytes_per_device(batch, plan.batch_sharding)
+    step_peak = peak_bytes(compiled)
+    train = None if step_peak is None else step_peak + prefetch
+    evaluation = None
+    if supports_chunked_eval(task):
+        groups = abstract_eval_inputs(task)
+        evaluator = cache.evaluator(graphdef, plan, task, params, rest)
+        resident = sh.bytes_per_device(opt_state, plan.step_shardings.opt_state) + prefetch
+        chunk = int(getattr(plan, "eval_chunk", 0) or 0)
+        if chunk:
+            chosen = EvalPlan(chunk, evaluator.peak(chunk, groups), resident)
+        else:
+            chosen = plan_eval(evaluator, groups, resident, train or share)
+        evaluation = (evaluator, chosen)
+        if chosen.total_bytes > share:
+            raise TrialOutOfMemory(
+                f"evaluation needs {chosen.total_bytes} bytes per device (forward at chunk "
+                f"{chosen.chunk}: {chosen.peak_bytes}, optimizer state and prefetched batch: "
+                f"{chosen.resident_bytes}), the trial's share is {share}",
+                bytes_needed=max(chosen.total_bytes, train or 0),
+            )
+    if train is not None and train > share:
+        raise TrialOutOfMemory(
+            f"compiled step needs {step_peak} bytes per device plus {prefetch} for the "
+            f"prefetched batch, the trial's share is {share}",
+            bytes_needed=max(train, evaluation[1].total_bytes if evaluation else 0),
+        )
+    return evaluation
+
+
+def _evaluate(task: Task, graphdef: nnx.GraphDef, params: Any, rest: Any, plan: Any,
+              evaluation: tuple[EvalCompiler, EvalPlan] | None = None) -> dict:
+    """The task's scores: the planned forward in chunks on the trial's devices when
+    ``evaluation`` is given, else the task's own ``evaluate`` under the trial's mesh."""
+    if evaluation is not None:
+        evaluator, chosen = evaluation
+        outputs = evaluator.run(chosen.chunk, params, rest, task.eval_inputs())
+        metrics = task.score(outputs)
+    else:
+        with jax.set_mesh(plan.mesh):
+            model = nnx.merge(graphdef, params, rest)
+            metrics = task.evaluate(model)
     if task.metric not in metrics:
         raise KeyError(
             f"task.evaluate returned {sorted(metrics)} without the study metric {task.metric!r}"

@@ -10,9 +10,15 @@ Rules (``param_partition_specs``), applied to each parameter on its own:
   so a transformer MLP gets the usual column-then-row split and only one all-reduce.
 - Convolution kernels ``(kh, kw, in, out)`` (and 1-D/3-D ones, ``(k..., in, out)``): the same
   rule on the ``in`` and ``out`` dimensions; spatial dimensions are never split.
-- Attention projections from ``nnx.MultiHeadAttention`` / ``nnx.LinearGeneral``: query/key/value
-  kernels ``(in, heads, head_dim)`` and the output kernel ``(heads, head_dim, out)`` are split by
-  heads.
+- Attention projections keep whole heads on a device: ``nnx.MultiHeadAttention``'s query, key
+  and value kernels ``(in, heads, head_dim)`` and biases ``(heads, head_dim)``, and a fused
+  heads-major ``qkv`` ``nnx.LinearGeneral`` (kernel ``(in, heads, 3 * head_dim)``, as SwinIR's
+  window attention stores it), are split on the heads axis; the output kernel
+  ``(heads, head_dim, out)`` (``out``, or a ``proj`` ``LinearGeneral`` over (heads, head_dim))
+  on its heads axis. So attention runs per device on its own heads
+  with no exchange between devices; the only collective is the all-reduce after the output
+  projection. When the heads do not divide by the degree, the input (projections) or output
+  (``out``) features are split instead; ``head_dim`` is never split.
 - When the preferred dimension is not divisible by the model-parallel degree, the next candidate is
   tried, and a parameter none of whose candidates divides is replicated.
 
@@ -37,7 +43,7 @@ MIN_SHARD_ELEMENTS = 4096
 DATA_AXIS = "data"
 MODEL_AXIS = "model"
 _ATTENTION_INPUT_NAMES = ("query", "key", "value", "qkv", "q_proj", "k_proj", "v_proj")
-_ATTENTION_OUTPUT_NAMES = ("out", "o_proj", "out_proj")
+_ATTENTION_OUTPUT_NAMES = ("out", "proj", "o_proj", "out_proj")
 
 
 def make_mesh(devices: Sequence[jax.Device], data_parallel: int, model_parallel: int) -> Mesh:
@@ -72,16 +78,30 @@ def _path_names(path: tuple[Any, ...]) -> list[str]:
     return names
 
 
+def _leaf_names(names: list[str]) -> list[str]:
+    """``names`` without the trailing ``value`` field that ``nnx.Variable`` adds to a path.
+
+    Only the last entry is dropped: a module called ``value`` (the value projection of
+    ``nnx.MultiHeadAttention``) stays in the path.
+    """
+    if len(names) >= 2 and names[-1] == "value":
+        return names[:-1]
+    return names
+
+
 def _candidate_dims(names: list[str], shape: tuple[int, ...]) -> list[int]:
     """Dimensions to try, best first, for a parameter at ``names`` of ``shape``."""
     ndim = len(shape)
-    lowered = [n.lower() for n in names if n != "value"]
+    lowered = [n.lower() for n in _leaf_names(names)]
     leaf = lowered[-1] if lowered else ""
     owner = lowered[-2] if len(lowered) >= 2 else ""
-    if ndim == 3 and leaf == "kernel" and owner in _ATTENTION_INPUT_NAMES:
-        return [1, 2, 0]  # (in, heads, head_dim): heads first
-    if ndim == 3 and leaf == "kernel" and owner in _ATTENTION_OUTPUT_NAMES:
-        return [0, 2, 1]  # (heads, head_dim, out): heads first
+    if owner in _ATTENTION_INPUT_NAMES:
+        if ndim == 3 and leaf == "kernel":
+            return [1, 0]  # (in, heads, head_dim): heads, else the input features
+        if ndim == 2 and leaf == "bias":
+            return [0]  # (heads, head_dim): heads only
+    if owner in _ATTENTION_OUTPUT_NAMES and ndim == 3 and leaf == "kernel":
+        return [0, 2]  # (heads, head_dim, out): heads, else the output features
     if ndim >= 2:
         # Dense (in, out) and conv (k..., in, out): the larger feature dimension first.
         inp, out = ndim - 2, ndim - 1

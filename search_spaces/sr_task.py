@@ -146,7 +146,24 @@ class SRTask:
         Returns ``psnr`` (dB) and ``ssim`` of the model, ``bicubic_psnr`` and ``bicubic_ssim``
         of bicubic upscaling on the same images.
         """
-        outs = self.predict(model)
+        return self._scores(self.predict(model))
+
+    def eval_inputs(self) -> list[np.ndarray]:
+        """Held-out LR images as equal-shape groups: one (n, h, w, 3) stack, or one per image."""
+        if self._stackable:
+            return [np.stack(self.eval_lr)]
+        return [lr[None] for lr in self.eval_lr]
+
+    def eval_forward(self, model: nnx.Module, x: jax.Array) -> jax.Array:
+        """The SR output of an eval-mode ``model`` for LR images ``x`` (B, h, w, 3)."""
+        return model(x)
+
+    def score(self, outputs: list[np.ndarray]) -> dict[str, float]:
+        """`evaluate`'s scores from the outputs of every group of `eval_inputs`."""
+        outs = [np.clip(o, 0.0, 1.0) for group in outputs for o in np.asarray(group)]
+        return self._scores(outs)
+
+    def _scores(self, outs: list[np.ndarray]) -> dict[str, float]:
         psnr = np.mean([metrics.psnr_y(o, h, self.scale) for o, h in
                         zip(outs, self.eval_hr, strict=True)])
         ssim = np.mean([metrics.ssim_y(o, h, self.scale) for o, h in

@@ -188,7 +188,8 @@ class WindowAttention(nnx.Module):
       dim: channels C (a multiple of ``num_heads``).
       window_size: window side ws; a window holds N = ws * ws tokens.
       num_heads: attention heads; the bias table is ((2ws-1)^2, num_heads).
-      qkv_bias: learn a bias for the query/key/value projection.
+      qkv_bias: learn a bias for the query/key/value projection (``qkv``, heads-major: kernel
+        (C, num_heads, 3 * head_dim), bias (num_heads, 3 * head_dim)).
       qk_scale: logit scale; None uses head_dim ** -0.5.
       attn_drop, proj_drop: dropout rates on the attention weights and the output (training only).
     """
@@ -217,8 +218,28 @@ class WindowAttention(nnx.Module):
         self.relative_position_bias_table = nnx.Param(
             trunc_normal_init(0.02)(rngs.params(), (table_rows, num_heads), jnp.float32)
         )
-        self.qkv = linear(dim, 3 * dim, use_bias=qkv_bias, rngs=rngs)
-        self.proj = linear(dim, dim, rngs=rngs)
+        # Fused query/key/value projection stored heads-major: kernel (C, heads, 3 * head_dim),
+        # each head's [q | k | v] columns together, so splitting the heads axis over devices
+        # keeps whole heads (the official (C, 3 * C) layout is [q heads | k heads | v heads];
+        # `search_spaces.swinir.load_torch_state_dict` permutes released weights into this one).
+        self.qkv = nnx.LinearGeneral(
+            dim,
+            (num_heads, 3 * (dim // num_heads)),
+            use_bias=qkv_bias,
+            kernel_init=trunc_normal_init(0.02),
+            bias_init=nnx.initializers.zeros_init(),
+            rngs=rngs,
+        )
+        # Output projection over (heads, head_dim): kernel (heads, head_dim, C), so it is split
+        # on the heads axis like the qkv heads and attention needs no exchange between devices.
+        self.proj = nnx.LinearGeneral(
+            (num_heads, dim // num_heads),
+            dim,
+            axis=(-2, -1),
+            kernel_init=trunc_normal_init(0.02),
+            bias_init=nnx.initializers.zeros_init(),
+            rngs=rngs,
+        )
         self.attn_drop = nnx.Dropout(attn_drop, rngs=rngs) if attn_drop > 0 else None
         self.proj_drop = nnx.Dropout(proj_drop, rngs=rngs) if proj_drop > 0 else None
 
@@ -240,7 +261,7 @@ class WindowAttention(nnx.Module):
         """
         bw, n, c = x.shape
         hd = c // self.num_heads
-        qkv = self.qkv(x).reshape(bw, n, 3, self.num_heads, hd).transpose(2, 0, 3, 1, 4)
+        qkv = self.qkv(x).reshape(bw, n, self.num_heads, 3, hd).transpose(3, 0, 2, 1, 4)
         q, k, v = qkv[0] * self.scale, qkv[1], qkv[2]
         attn = q @ k.swapaxes(-2, -1)  # (B*nW, heads, N, N)
         attn = attn + self.relative_position_bias()[None]
@@ -252,8 +273,7 @@ class WindowAttention(nnx.Module):
         attn = jax.nn.softmax(attn, axis=-1)
         if self.attn_drop is not None:
             attn = self.attn_drop(attn)
-        x = (attn @ v).transpose(0, 2, 1, 3).reshape(bw, n, c)
-        x = self.proj(x)
+        x = self.proj((attn @ v).transpose(0, 2, 1, 3))  # (B*nW, N, heads, hd) -> (B*nW, N, C)
         if self.proj_drop is not None:
             x = self.proj_drop(x)
         return x

@@ -58,6 +58,8 @@ __all__ = [
     "effective_window",
     "load_torch_state_dict",
     "pixel_shuffle",
+    "qkv_to_heads_major",
+    "qkv_to_official",
     "relative_position_index",
     "shift_attention_mask",
     "space",
@@ -324,6 +326,8 @@ def _torch_names(model: nnx.Module) -> dict[str, tuple[nnx.Variable, str]]:
         leaf = parts[-1]
         if isinstance(parent, nnx.Conv):
             kind = "conv"
+        elif isinstance(parent, nnx.LinearGeneral):
+            kind = f"heads_{parts[-2]}"  # WindowAttention.qkv / .proj, stored by heads
         elif isinstance(parent, nnx.Linear):
             kind = "linear"
         else:
@@ -334,12 +338,57 @@ def _torch_names(model: nnx.Module) -> dict[str, tuple[nnx.Variable, str]]:
     return names
 
 
-def _to_flax_layout(value: np.ndarray, kind: str, name: str) -> np.ndarray:
+def _to_flax_layout(
+    value: np.ndarray, kind: str, name: str, shape: tuple[int, ...] = ()
+) -> np.ndarray:
+    """An official array in this model's layout; ``shape`` is the target variable's shape."""
     if kind == "conv" and name.endswith(".weight"):
         return value.transpose(2, 3, 1, 0)  # (O, I, kh, kw) -> (kh, kw, I, O)
     if kind == "linear" and name.endswith(".weight"):
         return value.T  # (O, I) -> (I, O)
+    if kind == "heads_qkv":
+        return qkv_to_heads_major(value, heads=shape[-2])
+    if kind == "heads_proj" and name.endswith(".weight"):
+        # (O, I) -> (I, O) -> (heads, hd, O): the input index is head * hd + d in both layouts.
+        if value.ndim != 2 or value.shape[1] != shape[0] * shape[1]:
+            raise ValueError(f"proj weight of shape {value.shape} is not (C, heads * hd = "
+                             f"{shape[0] * shape[1]})")
+        return value.T.reshape(shape)
     return value
+
+
+def qkv_to_heads_major(value: np.ndarray, heads: int) -> np.ndarray:
+    """Official fused qkv weight (3C, C) or bias (3C,) -> heads-major (C, heads, 3 * hd) or
+    (heads, 3 * hd).
+
+    The official rows are ordered [q | k | v], each split into ``heads`` blocks of ``hd``; here
+    every head's q, k and v columns sit together, so a split of the heads axis keeps whole heads.
+    """
+    if value.ndim == 2:  # weight (3C, C) -> (C, 3, heads, hd) -> (C, heads, 3, hd)
+        c = value.shape[1]
+        if value.shape[0] != 3 * c or c % heads:
+            raise ValueError(
+                f"qkv weight of shape {value.shape} is not (3C, C) with C divisible by "
+                f"{heads=}; build the model with the checkpoint's embed_dim and num_heads"
+            )
+        out = value.T.reshape(c, 3, heads, c // heads).transpose(0, 2, 1, 3)
+        return out.reshape(c, heads, 3 * (c // heads))
+    c3 = value.shape[0]
+    if c3 % (3 * heads):
+        raise ValueError(
+            f"qkv bias of shape {value.shape} is not (3C,) with C divisible by {heads=}"
+        )
+    hd = c3 // 3 // heads
+    return value.reshape(3, heads, hd).transpose(1, 0, 2).reshape(heads, 3 * hd)
+
+
+def qkv_to_official(value: np.ndarray) -> np.ndarray:
+    """Inverse of `qkv_to_heads_major`: (C, heads, 3 * hd) -> (3C, C); (heads, 3 * hd) -> (3C,)."""
+    if value.ndim == 3:
+        c, heads, hd3 = value.shape
+        return value.reshape(c, heads, 3, hd3 // 3).transpose(0, 2, 1, 3).reshape(c, 3 * c).T
+    heads, hd3 = value.shape
+    return value.reshape(heads, 3, hd3 // 3).transpose(1, 0, 2).reshape(-1)
 
 
 def load_torch_state_dict(model: SwinIR, state_dict: Mapping[str, Any]) -> None:
@@ -350,7 +399,9 @@ def load_torch_state_dict(model: SwinIR, state_dict: Mapping[str, Any]) -> None:
       state_dict: official parameter name -> array (numpy, or anything ``np.asarray`` takes, e.g.
         ``{k: v.numpy() for k, v in torch_model.state_dict().items()}``). A released checkpoint
         wrapped as ``{'params': ...}`` or ``{'params_ema': ...}`` is unwrapped (EMA preferred).
-        Conv weights (O, I, kh, kw) and linear weights (O, I) are converted to Flax layouts; the
+        Conv weights (O, I, kh, kw) and linear weights (O, I) are converted to Flax layouts, the
+        fused ``attn.qkv`` weight and bias permuted heads-major (`qkv_to_heads_major`), the
+        ``attn.proj`` weight reshaped to (heads, head_dim, C); the
         derived buffers ``relative_position_index`` and ``attn_mask`` are ignored.
 
     Raises:
@@ -368,7 +419,12 @@ def load_torch_state_dict(model: SwinIR, state_dict: Mapping[str, Any]) -> None:
     mismatched: list[str] = []
     for name in sorted(set(targets) & set(given)):
         var, kind = targets[name]
-        arr = _to_flax_layout(np.asarray(given[name], dtype=np.float32), kind, name)
+        try:
+            arr = _to_flax_layout(np.asarray(given[name], dtype=np.float32), kind, name,
+                                  tuple(var.shape))
+        except ValueError as err:
+            mismatched.append(f"{name}: {err}")
+            continue
         if arr.shape != tuple(var.shape):
             mismatched.append(f"{name}: checkpoint {arr.shape} vs model {tuple(var.shape)}")
         converted[name] = arr

@@ -196,8 +196,21 @@ class SyntheticClassificationTask:
 
     def evaluate(self, model: nnx.Module) -> dict[str, float]:
         """``accuracy`` (fraction correct) and ``loss`` on the held-out samples."""
-        images, labels = self._eval
-        logits = np.asarray(_logits(model, jnp.asarray(images)))
+        images, _ = self._eval
+        return self.score([np.asarray(_logits(model, jnp.asarray(images)))])
+
+    def eval_inputs(self) -> list[np.ndarray]:
+        """The held-out images, one group (eval_size, H, W, C)."""
+        return [self._eval[0]]
+
+    def eval_forward(self, model: nnx.Module, x: jax.Array) -> jax.Array:
+        """Logits of ``model`` for images ``x``."""
+        return model(x)
+
+    def score(self, outputs: list[np.ndarray]) -> dict[str, float]:
+        """`evaluate`'s scores from the held-out logits (the one group of `eval_inputs`)."""
+        labels = self._eval[1]
+        logits = np.asarray(outputs[0])
         loss = optax.softmax_cross_entropy_with_integer_labels(jnp.asarray(logits), labels).mean()
         return {"accuracy": float((logits.argmax(-1) == labels).mean()), "loss": float(loss)}
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import scamp_jax
 
 EXPECTED = {
-    "BudgetTooSmallError", "DeviceOption", "DevicePool", "DoesNotFitError", "EngineConfig",
+    "BudgetTooSmallError", "ChunkedEvalTask", "DeviceOption", "DevicePool", "DoesNotFitError",
+    "EngineConfig",
     "FixedPolicy",
     "MemoryEstimate", "MemoryModel", "OptunaTrialSource", "Placement", "Plan", "PoolSnapshot",
     "ScampPolicy", "SearchEngine", "SearchResult", "SearchSettings", "SearchSpace",

@@ -126,6 +126,12 @@ def _fake_state_dict(model: sw.SwinIR) -> dict[str, np.ndarray]:
             shape = (shape[3], shape[2], shape[0], shape[1])
         elif kind == "linear" and name.endswith(".weight"):
             shape = shape[::-1]
+        elif kind == "heads_qkv" and name.endswith(".weight"):
+            shape = (3 * shape[0], shape[0])
+        elif kind == "heads_qkv":
+            shape = (int(np.prod(shape)),)
+        elif kind == "heads_proj" and name.endswith(".weight"):
+            shape = (shape[2], shape[0] * shape[1])
         out[name] = np.random.default_rng(len(out)).normal(size=shape).astype(np.float32)
     return out
 
@@ -142,8 +148,23 @@ def test_converter_names_layouts_and_buffers():
     sd["layers.0.residual_group.blocks.1.attn.relative_position_index"] = np.zeros((16, 16))
     sd["layers.0.residual_group.blocks.1.attn_mask"] = np.zeros((4, 16, 16))
     sw.load_torch_state_dict(model, {"params": sd})
-    qkv = model.layers[0].residual_group.blocks[1].attn.qkv.kernel[...]
-    np.testing.assert_array_equal(qkv, sd["layers.0.residual_group.blocks.1.attn.qkv.weight"].T)
+    attn = model.layers[0].residual_group.blocks[1].attn
+    official = sd["layers.0.residual_group.blocks.1.attn.qkv.weight"]  # (3C, C): [q | k | v]
+    qkv = np.asarray(attn.qkv.kernel[...])  # (C, heads, 3 * hd), heads-major
+    c, heads = official.shape[1], attn.num_heads
+    hd = c // heads
+    for h in range(heads):
+        for j, part in enumerate("qkv"):
+            np.testing.assert_array_equal(
+                qkv[:, h, j * hd:(j + 1) * hd],
+                official[j * c + h * hd: j * c + (h + 1) * hd].T,
+                err_msg=f"head {h} {part}",
+            )
+    np.testing.assert_array_equal(sw.qkv_to_official(qkv), official)
+    bias = sd["layers.0.residual_group.blocks.1.attn.qkv.bias"]
+    np.testing.assert_array_equal(sw.qkv_to_official(np.asarray(attn.qkv.bias[...])), bias)
+    proj = sd["layers.0.residual_group.blocks.1.attn.proj.weight"]  # (C, C), (out, in)
+    np.testing.assert_array_equal(np.asarray(attn.proj.kernel[...]).reshape(c, c), proj.T)
     conv = model.conv_first.kernel[...]
     np.testing.assert_array_equal(conv, sd["conv_first.weight"].transpose(2, 3, 1, 0))
     ln = model.layers[0].residual_group.blocks[0].norm1.scale[...]
