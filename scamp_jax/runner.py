@@ -32,6 +32,7 @@ import optax
 from flax import nnx
 
 from scamp_jax.checkpoint import TrialCheckpointer
+from scamp_jax.planner import lowered_fingerprint
 from scamp_jax.space import SearchSpace, Task
 from scamp_jax.train_step import jit_train_step, split_model
 
@@ -319,8 +320,14 @@ def _run(
         next(batches)
     batch = jax.device_put(next(batches), plan.batch_sharding)
 
-    # The planner predicted this step fits; check the real compile on these devices first.
-    compiled = step_fn.lower(params, opt_state, rest, batch).compile()
+    # The planner predicted this step fits; check the real compile on these devices first. The
+    # planner's own executable is run when it is the same program on the same devices.
+    lowered = step_fn.lower(params, opt_state, rest, batch)
+    ready = getattr(plan, "compiled_step", None) if spec.grad_reduce is None else None
+    if ready is not None and ready.fingerprint == lowered_fingerprint(lowered):
+        compiled = ready.executable
+    else:
+        compiled = lowered.compile()
     peak = peak_bytes(compiled)
     if peak is not None and peak > spec.memory_per_device:
         raise TrialOutOfMemory(
