@@ -77,7 +77,9 @@ def test_a_new_plan_compiles_three_times_and_a_known_mesh_twice(tmp_path):
                          cache=PlanCache(tmp_path / "plans.sqlite"))
     assert warm_count.compiles["jit(step)"] == warm.compiles <= 2
     assert warm.batch_size < cold.batch_size
-    _assert_verified(warm)
+    peaks = dict(warm.compiled_peaks)
+    assert peaks[warm.batch_size] <= warm.usable_bytes
+    assert peaks[warm.batch_size + warm.data_parallel] > warm.usable_bytes
 
 
 def test_cached_plan_is_rebuilt_without_compiling_and_equals_the_first(tmp_path):
@@ -100,7 +102,7 @@ def test_cached_plan_is_rebuilt_without_compiling_and_equals_the_first(tmp_path)
     [
         {"memory_per_device": "20MiB"},
         {"safety_margin": 0.2},
-        {"max_batch_size": 40},
+        {"max_batch_size": 4},
         {"devices": 2},
         {"optimizer": optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)},
         {"loss_fn": lambda m, x: jnp.mean(jnp.abs(m(x)))},
@@ -110,7 +112,8 @@ def test_cached_plan_is_rebuilt_without_compiling_and_equals_the_first(tmp_path)
 )
 def test_any_key_part_changing_is_a_miss(tmp_path, change):
     path = tmp_path / "plans.sqlite"
-    base: dict[str, Any] = {"devices": 4, "memory_per_device": BUDGET}
+    # a cap of two samples per data-parallel group keeps each plan to one compile
+    base: dict[str, Any] = {"devices": 4, "memory_per_device": BUDGET, "max_batch_size": 8}
     plan_mesh(_abstract(), SAMPLE, cache=PlanCache(path), **base)
     cache = PlanCache(path)
     width = change.pop("model", 32)
@@ -133,7 +136,7 @@ _WRITER = """
 import sys
 from scamp_jax.plan_cache import PlanCache
 cache = PlanCache(sys.argv[1])
-for i in range(200):
+for i in range(100):
     cache.put_plan(f"{sys.argv[2]}-{i}", {"batch_size": i})
     cache.put_peaks("shared", {i: {"peak": i}})
 """
@@ -146,9 +149,9 @@ def test_two_processes_write_one_cache_file(tmp_path):
                               cwd=Path(__file__).parents[1]) for name in ("a", "b")]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     cache = PlanCache(path)
-    assert len(cache) == 400
-    assert cache.get_plan("b-199") == {"batch_size": 199}
-    assert sorted(cache.get_peaks("shared")) == list(range(200))
+    assert len(cache) == 200
+    assert cache.get_plan("b-99") == {"batch_size": 99}
+    assert sorted(cache.get_peaks("shared")) == list(range(100))
 
 
 class Denoise:
