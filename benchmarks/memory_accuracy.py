@@ -3,9 +3,6 @@
 Run: ``python -m benchmarks.memory_accuracy`` (CPU: 8 virtual devices; about four minutes on two
 cores). For each registered model it plans training with ``plan_mesh`` and prints:
 
-- ``affine``: the per-device peak at the plan's batch predicted by the straight line through the
-  planner's first two compiles, i.e. what a planner that trusted a two-point affine model alone
-  would expect;
 - ``planned``: the planner's figure (compiled by the planner at the plan's batch);
 - ``compiled``: an independent compile of the same step with default XLA options;
 - errors of both against ``compiled``, the planning time of a new plan (wall-clock and CPU
@@ -134,7 +131,6 @@ def measure(case: Case, devices: int, budget: str | None) -> dict[str, Any]:
     from flax import nnx
 
     from scamp_jax.compile_events import CompileCounter
-    from scamp_jax.memory import MemoryModel
     from scamp_jax.plan_cache import PlanCache
     from scamp_jax.planner import plan_mesh
     from scamp_jax.train_step import (
@@ -168,14 +164,6 @@ def measure(case: Case, devices: int, budget: str | None) -> dict[str, Any]:
     if not cached.cached or cached != plan:
         raise RuntimeError(f"{case.name}: the cached plan differs from the one just stored")
 
-    # The affine model through the planner's two probe compiles (before any verification).
-    if len(plan.compiled_peaks) >= 2:
-        (b1, p1), (b2, p2) = plan.compiled_peaks[:2]
-        slope = (p2 - p1) / (b2 - b1)
-        affine = MemoryModel(fixed_bytes=p1 - slope * b1, bytes_per_sample=slope,
-                             probe_batches=(b1, b2), probe_peaks=(p1, p2)).predict(plan.batch_size)
-    else:  # the cap was one sample per group: the only compile is the answer
-        affine = plan.peak_bytes_per_device
     tx = default_optimizer()
     graphdef, _, _ = split_model(model)
     params, opt_state, rest = abstract_state(model, tx)
@@ -188,7 +176,6 @@ def measure(case: Case, devices: int, budget: str | None) -> dict[str, Any]:
         "mesh": f"{plan.data_parallel}x{plan.model_parallel}",
         "batch": plan.batch_size,
         "budget": plan.memory_per_device,
-        "affine": affine,
         "planned": plan.peak_bytes_per_device,
         "compiled": compiled,
         "plan_seconds": plan_seconds,
@@ -249,17 +236,15 @@ def render(rows: list[dict[str, Any]], markdown: bool) -> str:
     """The results as an aligned text table or a markdown table."""
     from scamp_jax._units import format_bytes
 
-    head = ["model", "params", "mesh", "batch", "affine", "planned", "compiled", "affine err",
-            "planned err", "plan s", "plan cpu s", "compiles", "cached cpu s",
-            "cached compiles"]
+    head = ["model", "params", "mesh", "batch", "planned", "compiled", "planned err", "plan s",
+            "plan cpu s", "compiles", "cached cpu s", "cached compiles"]
     gpu = any(r.get("measured") is not None for r in rows)
     if gpu:
         head += ["measured", "planned vs measured"]
     table = []
     for r in rows:
         line = [r["model"], f"{r['params']:,}", r["mesh"], str(r["batch"]),
-                format_bytes(r["affine"]), format_bytes(r["planned"]),
-                format_bytes(r["compiled"]), _pct(r["affine"], r["compiled"]),
+                format_bytes(r["planned"]), format_bytes(r["compiled"]),
                 _pct(r["planned"], r["compiled"]), f"{r['plan_seconds']:.1f}",
                 f"{r['plan_cpu_seconds']:.1f}", str(r["compiles"]),
                 f"{r['cached_cpu_seconds']:.2f}", str(r["cached_compiles"])]

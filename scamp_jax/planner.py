@@ -564,7 +564,8 @@ def plan_mesh(
         ``plan.compiled_step`` for the runner. Default: on accelerators (where the search
         compiles with default options anyway, so it is free); not on CPU, where the search
         compiles with fast code-generation settings and a run-grade compile costs one more
-        (slower) compile, worth it only when the trial runs on the planned devices.
+        (slower) compile, worth it only when the trial runs on the planned devices. A plan
+        answered by ``cache`` compiles nothing and has no compiled step.
 
     Returns:
       A ``Plan`` with the smallest model-parallel degree that fits and the largest global batch
