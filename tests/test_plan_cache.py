@@ -4,6 +4,8 @@ not lookups), and every plan's batch is checked by independent compiles."""
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -209,3 +211,48 @@ def test_the_runner_runs_the_step_the_planner_compiled():
     # the runner compiles its own, which shows the counter sees the runner's compiles.
     _, moved, _ = _plan_and_run(devices, jax.devices()[2:4], compile_for_run=True)
     assert moved.compiles["jit(step)"] == 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    trials: int
+    study_dir: str
+    steps: int = 2
+    reference_batch: int | None = 4
+    max_batch_size: int | None = 8
+    policy: str = "scamp"
+    devices_per_trial: int = 1
+    sampler: str = "random"
+    pruner: str = "none"
+    seed: int = 0
+    storage: str | None = None
+    checkpoint_every: int = 0
+    eval_every: int = 0
+
+
+@pytest.mark.slow
+def test_a_resumed_study_plans_without_compiling(tmp_path, monkeypatch):
+    from rich.console import Console
+
+    from scamp_jax import planner
+    from scamp_jax.search import run_search
+
+    calls: list[int] = []
+    real = planner.compile_step
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args[2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "compile_step", counted)
+    space = SearchSpace("conv", lambda t: {"width": 8, "learning_rate": t.suggest_float(
+        "learning_rate", 1e-3, 1e-2, log=True)}, lambda c, rngs: ConvNet(c["width"], rngs))
+    for trials in (1, 2):
+        calls.clear()
+        info = run_search(space, Denoise(), _Settings(trials, str(tmp_path)),
+                          devices=jax.devices()[:2], memory_per_device=8 * 2**20, live=False,
+                          console=Console(file=io.StringIO()))
+        assert info["trials_this_run"] == 1
+        if trials == 1:
+            assert calls and (tmp_path / "plans.sqlite").is_file()
+    assert calls == []  # the second run's trial (same architecture) was planned from the cache
