@@ -12,7 +12,6 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from types import TracebackType
-from typing import Any
 
 import jax
 
@@ -40,11 +39,11 @@ class CompileCounter:
         """All backend compiles counted so far (cache hits excluded)."""
         return sum(self.compiles.values())
 
-    def _on_event(self, event: str, **kwargs: Any) -> None:
+    def _on_event(self, event: str, **kwargs: str | int) -> None:
         if self._active and event == CACHE_HIT_EVENT:
             self._hit.value = True
 
-    def _on_duration(self, event: str, duration: float, **kwargs: Any) -> None:
+    def _on_duration(self, event: str, duration_secs: float, **kwargs: str | int) -> None:
         if not self._active or event != BACKEND_COMPILE_EVENT:
             return
         name = str(kwargs.get("fun_name", "?"))
