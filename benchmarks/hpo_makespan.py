@@ -2,8 +2,9 @@
 
 Runs the same search (same space, seed, sampler, trials and training length) twice in one
 process, once with ``--policy scamp`` and once with ``--policy fixed``, each in a fresh study, and
-prints end-to-end seconds, mean aggregate memory utilisation, idle device-seconds, trials per hour
-and the fixed/scamp ratios::
+prints end-to-end seconds, mean aggregate memory utilisation, idle device-seconds, trials per hour,
+the planning time (summed over planner calls, with its share of the end-to-end time and the
+training-step compiles it made) and the fixed/scamp ratios::
 
     python -m benchmarks.hpo_makespan                       # small SwinIR search on 8 CPU devices
     python -m benchmarks.hpo_makespan --family vit --trials 8 --steps 40 --markdown
@@ -22,6 +23,8 @@ import dataclasses
 import json
 import shutil
 import tempfile
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,7 +32,48 @@ from typing import Any
 from experiments._cli import CPU_DEVICES, positive_int
 
 
-def _row(name: str, info: dict[str, Any], metric: str) -> dict[str, Any]:
+class TimedPlanner:
+    """``plan_mesh`` with a `PlanCache` in the study directory, timing every call.
+
+    Sums over calls (several planner threads may plan at once, so the sum can exceed the time
+    planning was under way): ``wall_s`` wall-clock seconds, ``cpu_s`` CPU seconds of the calling
+    threads, ``compiles`` training-step compiles, ``cached`` plans answered by the cache.
+    """
+
+    def __init__(self, cache_path: Path) -> None:
+        from scamp_jax.plan_cache import PlanCache
+
+        self.cache = PlanCache(cache_path)
+        self._lock = threading.Lock()
+        self.calls = self.compiles = self.cached = 0
+        self.wall_s = self.cpu_s = 0.0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from scamp_jax.planner import plan_mesh
+
+        start, cpu = time.perf_counter(), time.thread_time()
+        plan = None
+        try:
+            plan = plan_mesh(*args, cache=self.cache, **kwargs)
+            return plan
+        finally:
+            with self._lock:
+                self.calls += 1
+                self.wall_s += time.perf_counter() - start
+                self.cpu_s += time.thread_time() - cpu
+                if plan is not None:
+                    self.compiles += plan.compiles
+                    self.cached += plan.cached
+
+    def summary(self) -> dict[str, Any]:
+        """The planning figures for a results row."""
+        return {"planning_s": self.wall_s, "planning_cpu_s": self.cpu_s,
+                "plan_calls": self.calls, "plan_compiles": self.compiles,
+                "plans_cached": self.cached}
+
+
+def _row(name: str, info: dict[str, Any], metric: str,
+         planning: dict[str, Any] | None = None) -> dict[str, Any]:
     usage = info["usage"]
     elapsed = float(info["elapsed_s"])
     trials = int(info["trials_this_run"])
@@ -43,6 +87,7 @@ def _row(name: str, info: dict[str, Any], metric: str) -> dict[str, Any]:
         "trials": trials,
         "metric": metric,
         "best": best.get(metric) if best else None,
+        **(planning or {}),
     }
 
 
@@ -73,6 +118,11 @@ def format_table(rows: Sequence[dict[str, Any]], markdown: bool) -> str:
     body = [[r["policy"], f"{r['end_to_end_s']:.1f}", f"{100 * r['mean_memory_utilization']:.1f}%",
              f"{r['idle_device_seconds']:.1f}", f"{r['trials_per_hour']:.1f}",
              "" if r["best"] is None else f"{r['best']:.4g}"] for r in rows]
+    if any("planning_s" in r for r in rows):
+        head += ["planning s (sum)", "planning share", "plan compiles"]
+        for r, row in zip(rows, body, strict=True):
+            row += ([f"{r['planning_s']:.1f}", f"{100 * r['planning_s'] / r['end_to_end_s']:.0f}%",
+                     str(r["plan_compiles"])] if "planning_s" in r else ["-", "-", "-"])
     ratio = ratio_line(rows)
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -135,9 +185,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             max_batch_size=args.max_batch_size or get_config("smoke").max_batch_size,
         )
         space, task = make_space_and_task(config)
+        timed = TimedPlanner(study_dir / "plans.sqlite")
         info = run_search(space, task, config, devices=devices, memory_per_device=budget,
-                          live=False, baseline=baseline, title=f"policy {policy}")
-        rows.append(_row(policy, info, task.metric))
+                          live=False, baseline=baseline, title=f"policy {policy}",
+                          plan_fn=timed)
+        rows.append(_row(policy, info, task.metric, timed.summary()))
     if args.ray:
         rows += _ray_rows(args, root, budget, len(devices), task)
     print(format_table(rows, args.markdown))

@@ -3,13 +3,11 @@
 Run: ``python -m benchmarks.memory_accuracy`` (CPU: 8 virtual devices; about four minutes on two
 cores). For each registered model it plans training with ``plan_mesh`` and prints:
 
-- ``affine``: the per-device peak at the plan's batch predicted by the straight line through the
-  planner's two probe compiles (one and eight samples per data-parallel group), i.e. what a
-  planner that trusted a two-probe affine model alone would expect;
 - ``planned``: the planner's figure (compiled by the planner at the plan's batch);
 - ``compiled``: an independent compile of the same step with default XLA options;
-- errors of both against ``compiled``, the planning time (wall-clock and CPU seconds) and the
-  number of compiles;
+- errors of both against ``compiled``, the planning time of a new plan (wall-clock and CPU
+  seconds, all threads) and its compiles (counted from JAX's compile events), and the same for
+  the cached plan (a fresh ``PlanCache`` on the file the first plan wrote, as a resumed study);
 - on a GPU, ``measured``: ``peak_bytes_in_use`` after two real training steps, each model in a
   fresh process (the allocator's peak counter cannot be reset).
 
@@ -22,11 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -129,7 +130,8 @@ def measure(case: Case, devices: int, budget: str | None) -> dict[str, Any]:
     import jax
     from flax import nnx
 
-    from scamp_jax.memory import MemoryModel
+    from scamp_jax.compile_events import CompileCounter
+    from scamp_jax.plan_cache import PlanCache
     from scamp_jax.planner import plan_mesh
     from scamp_jax.train_step import (
         abstract_state,
@@ -142,21 +144,26 @@ def measure(case: Case, devices: int, budget: str | None) -> dict[str, Any]:
     model = nnx.eval_shape(lambda: case.build(nnx.Rngs(0)))
     sample = case.sample()
     n_params = sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    cache_dir = tempfile.mkdtemp(prefix="plan_cache_")
     start, cpu_start = time.perf_counter(), time.process_time()
-    plan = plan_mesh(model, sample, devices=devices, memory_per_device=budget or case.budget)
+    with CompileCounter() as cold_count:
+        plan = plan_mesh(model, sample, devices=devices, memory_per_device=budget or case.budget,
+                         cache=PlanCache(Path(cache_dir) / "plans.sqlite"))
     plan_seconds = time.perf_counter() - start
-    # CPU seconds used by this process: the wall time it would take with a core to itself
-    # (XLA compiles one program on one thread), useful when the machine is shared.
+    # CPU seconds used by this process (all threads): the wall time it would take with a core
+    # to itself (XLA compiles one program on one thread), useful when the machine is shared.
     plan_cpu_seconds = time.process_time() - cpu_start
+    start, cpu_start = time.perf_counter(), time.process_time()
+    with CompileCounter() as cached_count:
+        cached = plan_mesh(model, sample, devices=devices,
+                           memory_per_device=budget or case.budget,
+                           cache=PlanCache(Path(cache_dir) / "plans.sqlite"))
+    cached_seconds = time.perf_counter() - start
+    cached_cpu_seconds = time.process_time() - cpu_start
+    shutil.rmtree(cache_dir)
+    if not cached.cached or cached != plan:
+        raise RuntimeError(f"{case.name}: the cached plan differs from the one just stored")
 
-    # The affine model through the planner's two probe compiles (before any verification).
-    if len(plan.compiled_peaks) >= 2:
-        (b1, p1), (b2, p2) = plan.compiled_peaks[:2]
-        slope = (p2 - p1) / (b2 - b1)
-        affine = MemoryModel(fixed_bytes=p1 - slope * b1, bytes_per_sample=slope,
-                             probe_batches=(b1, b2), probe_peaks=(p1, p2)).predict(plan.batch_size)
-    else:  # the cap was one sample per group: the only compile is the answer
-        affine = plan.peak_bytes_per_device
     tx = default_optimizer()
     graphdef, _, _ = split_model(model)
     params, opt_state, rest = abstract_state(model, tx)
@@ -169,12 +176,14 @@ def measure(case: Case, devices: int, budget: str | None) -> dict[str, Any]:
         "mesh": f"{plan.data_parallel}x{plan.model_parallel}",
         "batch": plan.batch_size,
         "budget": plan.memory_per_device,
-        "affine": affine,
         "planned": plan.peak_bytes_per_device,
         "compiled": compiled,
         "plan_seconds": plan_seconds,
         "plan_cpu_seconds": plan_cpu_seconds,
-        "compiles": plan.compiles,
+        "compiles": cold_count.compiles["jit(step)"],
+        "cached_seconds": cached_seconds,
+        "cached_cpu_seconds": cached_cpu_seconds,
+        "cached_compiles": cached_count.compiles["jit(step)"],
         "seconds_per_compile": plan_seconds / max(plan.compiles, 1),
     }
 
@@ -227,18 +236,18 @@ def render(rows: list[dict[str, Any]], markdown: bool) -> str:
     """The results as an aligned text table or a markdown table."""
     from scamp_jax._units import format_bytes
 
-    head = ["model", "params", "mesh", "batch", "affine", "planned", "compiled", "affine err",
-            "planned err", "plan s", "plan cpu s", "compiles"]
+    head = ["model", "params", "mesh", "batch", "planned", "compiled", "planned err", "plan s",
+            "plan cpu s", "compiles", "cached cpu s", "cached compiles"]
     gpu = any(r.get("measured") is not None for r in rows)
     if gpu:
         head += ["measured", "planned vs measured"]
     table = []
     for r in rows:
         line = [r["model"], f"{r['params']:,}", r["mesh"], str(r["batch"]),
-                format_bytes(r["affine"]), format_bytes(r["planned"]),
-                format_bytes(r["compiled"]), _pct(r["affine"], r["compiled"]),
+                format_bytes(r["planned"]), format_bytes(r["compiled"]),
                 _pct(r["planned"], r["compiled"]), f"{r['plan_seconds']:.1f}",
-                f"{r['plan_cpu_seconds']:.1f}", str(r["compiles"])]
+                f"{r['plan_cpu_seconds']:.1f}", str(r["compiles"]),
+                f"{r['cached_cpu_seconds']:.2f}", str(r["cached_compiles"])]
         if gpu:
             m = r.get("measured")
             line += [format_bytes(m) if m else "-", _pct(r["planned"], m) if m else "-"]
@@ -287,8 +296,9 @@ def main(argv: list[str] | None = None) -> None:
         if on_gpu:
             row["measured"] = _measure_in_child(name, args.devices, args.memory_per_device)
         rows.append(row)
-        print(f"# {name}: {row['plan_seconds']:.1f} s to plan, {row['compiles']} compiles",
-              file=sys.stderr, flush=True)
+        print(f"# {name}: {row['plan_cpu_seconds']:.1f} CPU s to plan, {row['compiles']} "
+              f"compiles; cached {row['cached_cpu_seconds']:.2f} CPU s, "
+              f"{row['cached_compiles']} compiles", file=sys.stderr, flush=True)
     print(f"devices: {args.devices} x {jax.devices()[0].device_kind}")
     print(render(rows, args.markdown))
 

@@ -7,6 +7,7 @@ multi-host (MPI) pieces.
 
 from scamp_jax._units import format_bytes as format_bytes
 from scamp_jax._units import parse_bytes as parse_bytes
+from scamp_jax.compile_events import CompileCounter as CompileCounter
 from scamp_jax.devices import configure_cpu_devices as configure_cpu_devices
 from scamp_jax.devices import configure_for_search as configure_for_search
 from scamp_jax.engine import BudgetTooSmallError as BudgetTooSmallError
@@ -27,6 +28,8 @@ from scamp_jax.placement import ScampPolicy as ScampPolicy
 from scamp_jax.placement import TrialRequest as TrialRequest
 from scamp_jax.placement import check_feasible as check_feasible
 from scamp_jax.placement import make_policy as make_policy
+from scamp_jax.plan_cache import PlanCache as PlanCache
+from scamp_jax.planner import CompiledStep as CompiledStep
 from scamp_jax.planner import DoesNotFitError as DoesNotFitError
 from scamp_jax.planner import Plan as Plan
 from scamp_jax.planner import min_devices as min_devices
@@ -59,6 +62,8 @@ __version__ = "0.1.0"
 __all__ = [
     "BudgetTooSmallError",
     "ChunkedEvalTask",
+    "CompileCounter",
+    "CompiledStep",
     "DeviceOption",
     "DevicePool",
     "DoesNotFitError",
@@ -68,6 +73,7 @@ __all__ = [
     "MemoryEstimate",
     "MemoryModel",
     "OptunaTrialSource",
+    "PlanCache",
     "Placement",
     "Plan",
     "PoolSnapshot",

@@ -7,22 +7,26 @@ then the largest global batch that fits is found. "Fits" means the compiled per-
 ``memory_per_device * (1 - safety_margin)``; with an ``eval_task``, evaluation (forward pass at
 its planned chunk, optimizer state, prefetched batch) fits too (`Plan.predicted_peak_bytes`).
 
-The batch search compiles rather than trusts the affine memory model: it probes, jumps to the
-batch the affine fit predicts, and refines with the compiled peaks (secant steps, then bisection)
-until it holds a batch that fits and the next multiple of the data-parallel degree that does not
-(or the cap). Four to eight compiles per plan (one per rejected model-parallel degree on top);
-on CPU a compile of the step takes about 1 s of CPU time for a small MLP and 4-6 s for a small
-SwinIR. Degrees whose parameters and optimizer state alone exceed the budget are rejected from
-shapes, without compiling.
+The batch search lets the memory model choose each compile and the compiles decide: it starts at
+the batch the known points predict (or a probe at eight samples per data-parallel group), moves by
+the line through the compiled points nearest the fit/no-fit boundary (one point: proportional to
+the bytes beyond the persistent state), and stops when it holds a batch that fits and the next
+multiple of the data-parallel degree does not (or the cap). Memory is only piecewise affine in
+the batch (flat at small batches, jumps where XLA changes strategy), so a prediction is never
+trusted: when secant steps stall, bisection takes over. Three compiles for a new architecture in
+the common case, two when earlier compiles of the same program on the same mesh shape are known
+(``cache=``), none for a cached plan. Degrees whose parameters and optimizer state alone exceed
+the budget are rejected from shapes, without compiling.
 
 Planning only compiles: it allocates nothing and runs nothing on any device.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import jax
@@ -41,7 +45,14 @@ from scamp_jax.memory import (
     default_step_shardings,
     with_batch_size,
 )
-from scamp_jax.train_step import LossFn, StepShardings, abstract_state, default_optimizer
+from scamp_jax.plan_cache import PlanCache, cache_key, device_identity, program_signature
+from scamp_jax.train_step import (
+    LossFn,
+    StepShardings,
+    abstract_state,
+    default_optimizer,
+    jit_train_step,
+)
 
 PyTree = Any
 
@@ -51,6 +62,30 @@ DEFAULT_BATCH_CAP = 1 << 16
 _MAX_SEARCH_COMPILES = 40
 #: Secant steps before the batch search falls back to bisection.
 _SECANT_STEPS = 8
+
+
+@dataclass(frozen=True)
+class CompiledStep:
+    """The planner's ahead-of-time compiled training step, for the runner to run as is.
+
+    Attributes:
+      executable: a ``jax.stages.Compiled`` of the step at the plan's batch, compiled with
+        default XLA options (what the runner would compile) on the plan's devices.
+      fingerprint: SHA-256 of the lowered program's text; the runner runs ``executable`` only
+        when its own lowering of the step has the same fingerprint (same program, shapes,
+        shardings).
+      device_ids: the devices it was compiled for, in mesh order (an XLA executable is bound to
+        its devices; a plan moved elsewhere drops it).
+    """
+
+    executable: Any
+    fingerprint: str
+    device_ids: tuple[int, ...]
+
+
+def lowered_fingerprint(lowered: jax.stages.Lowered) -> str:
+    """SHA-256 of a lowered program's text (without source locations)."""
+    return hashlib.sha256(lowered.as_text().encode()).hexdigest()
 
 
 class DoesNotFitError(ValueError):
@@ -85,8 +120,13 @@ class Plan:
       memory_model: affine bytes-vs-batch fit on this mesh.
       devices: the devices, in mesh order.
       planning_seconds, compiles: what planning cost (wall-clock seconds, number of compiles).
-      compiled_peaks: ``(global batch, peak bytes per device)`` of every compile on the chosen
-        mesh, in the order the search made them (the first two are the probes).
+      compiled_peaks: ``(global batch, peak bytes per device)`` of every compiled point on the
+        chosen mesh that the search used, in the order it learnt them (points known from the
+        plan cache first).
+      compiled_step: the step compiled at ``batch_size`` for the runner (`CompiledStep`), or
+        None (CPU plans by default compile faster code-generation settings than a run wants;
+        cached plans compile nothing).
+      cached: True when the plan came from a `PlanCache` without compiling.
       prefetch_bytes: per-device bytes of one training batch at ``batch_size``: the next batch
         is placed on the devices while the current step runs.
       eval_chunk: held-out samples per evaluation forward call (0: evaluation not planned).
@@ -113,6 +153,8 @@ class Plan:
     planning_seconds: float = field(default=0.0, compare=False)
     compiles: int = field(default=0, compare=False)
     compiled_peaks: tuple[tuple[int, int], ...] = field(default=(), compare=False)
+    compiled_step: CompiledStep | None = field(default=None, compare=False, repr=False)
+    cached: bool = field(default=False, compare=False)
     prefetch_bytes: int = 0
     eval_chunk: int = 0
     eval_peak_bytes: int = 0
@@ -170,7 +212,9 @@ class Plan:
     def with_devices(self, devices: Sequence[jax.Device]) -> Plan:
         """The same decision (degrees, specs, batch) on other devices of the same count.
 
-        Devices fill the new mesh in the order given, like the original.
+        Devices fill the new mesh in the order given, like the original. The compiled step is
+        kept only when the devices are the same, in the same order (an executable is bound to
+        its devices).
         """
         devices = tuple(devices)
         if len(devices) != len(self.devices):
@@ -201,6 +245,12 @@ class Plan:
                 batch=remap(step.batch),
             ),
             devices=devices,
+            compiled_step=(
+                self.compiled_step
+                if self.compiled_step is not None
+                and self.compiled_step.device_ids == tuple(d.id for d in devices)
+                else None
+            ),
         )
 
 
@@ -291,79 +341,187 @@ def _check_sample_batch(sample_batch: PyTree) -> None:
             )
 
 
+def compile_step(
+    step: jax.stages.Wrapped,
+    compiler: StepCompiler,
+    batch_size: int,
+    options: dict[str, Any] | None,
+) -> tuple[MemoryEstimate, jax.stages.Compiled, jax.stages.Lowered]:
+    """Compile ``step`` (``compiler``'s training step) at global ``batch_size``; nothing runs.
+
+    Returns the per-device memory (`MemoryEstimate`, bytes), the executable and its lowering.
+    ``options`` are XLA compile options (None: defaults, what a training run compiles).
+    """
+    batch = with_batch_size(compiler.sample_batch, batch_size)
+    start = time.perf_counter()
+    lowered = step.lower(compiler.params, compiler.opt_state, compiler.rest, batch)
+    compiled = lowered.compile(options)
+    seconds = time.perf_counter() - start
+    stats = compiled.memory_analysis()
+    if stats is None:
+        platform = compiler.mesh.devices.flat[0].platform
+        raise RuntimeError(
+            f"XLA on {platform} gives no memory analysis for compiled programs, so memory "
+            "cannot be estimated there; plan on a backend that does (CPU, GPU, TPU)"
+        )
+    temp = int(stats.temp_size_in_bytes)
+    argument = int(stats.argument_size_in_bytes)
+    output = int(stats.output_size_in_bytes)
+    alias = int(stats.alias_size_in_bytes)
+    peak = temp + argument + output - alias
+    inputs = sh.bytes_per_device(batch, compiler.shardings.batch)
+    estimate = MemoryEstimate(
+        batch_size=batch_size,
+        params=compiler.params_bytes,
+        grads=compiler.params_bytes,
+        opt_state=compiler.opt_state_bytes,
+        rest=compiler.rest_bytes,
+        inputs=inputs,
+        activations_and_temps=peak - compiler.state_bytes - inputs,
+        peak=peak,
+        temp=temp,
+        argument=argument,
+        output=output,
+        alias=alias,
+        compile_seconds=seconds,
+    )
+    return estimate, compiled, lowered
+
+
 @dataclass
 class _Search:
-    """Compiled peaks seen so far for one mesh (mutable, private to one plan)."""
+    """Compiled peaks known so far for one mesh (mutable, private to one plan).
+
+    ``seen`` may start with points from a `PlanCache` (compiled earlier, same program and mesh
+    shape); ``compiles`` counts the compiles this search made.
+    """
 
     compiler: StepCompiler
     usable: int
+    step: jax.stages.Wrapped
+    options: dict[str, Any] | None
     seen: dict[int, MemoryEstimate] = field(default_factory=dict)
+    executables: dict[int, tuple[jax.stages.Compiled, jax.stages.Lowered]] = field(
+        default_factory=dict
+    )
+    compiles: int = 0
     #: per-device bytes of the prefetched next batch per global sample (exactly linear).
     prefetch_per_sample: float = 0.0
 
     def peak(self, batch: int) -> MemoryEstimate:
         if batch not in self.seen:
-            self.seen[batch] = self.compiler.estimate(batch)
+            estimate, compiled, lowered = compile_step(
+                self.step, self.compiler, batch, self.options
+            )
+            self.compiles += 1
+            self.seen[batch] = estimate
+            self.executables[batch] = (compiled, lowered)
         return self.seen[batch]
 
     def prefetch(self, batch: int) -> int:
         return round(self.prefetch_per_sample * batch)
 
+    def need(self, batch: int) -> int:
+        """Per-device bytes of training at ``batch``: compiled peak + prefetched batch."""
+        return self.peak(batch).peak + self.prefetch(batch)
+
     def fits(self, batch: int) -> bool:
-        return self.peak(batch).peak + self.prefetch(batch) <= self.usable
+        return self.need(batch) <= self.usable
 
     def affine(self, a: int, b: int) -> MemoryModel:
         return affine_fit(self.seen[a], self.seen[b], self.compiler.data_parallel)
 
+    def bracket(self, cap: int) -> tuple[int | None, int]:
+        """``(lo, hi)``: the smallest known batch that does not fit (``cap + dp`` if none) and
+        the largest known batch below it that fits (None if none)."""
+        dp = self.compiler.data_parallel
+        over = [b for b in self.seen if self.need(b) > self.usable and b <= cap]
+        hi = min(over, default=cap + dp)
+        under = [b for b in self.seen if self.need(b) <= self.usable and b < hi]
+        return max(under, default=None), hi
 
-def _largest_batch(search: _Search, cap: int) -> tuple[int, MemoryModel]:
-    """Largest multiple of dp in ``[dp, cap]`` that fits, given that ``dp`` fits.
 
-    Secant steps through the two most recent compiled points, kept inside the bracket: memory is
-    affine in the batch once activations outgrow the buffers XLA reuses (below that it is flat),
-    so two points in the affine part give the boundary exactly, and the guess after a fitting
-    one is its successor, which closes the bracket. Bisection takes over if secant steps stall.
-    Returns the batch and the affine model through the compiled points nearest the boundary.
-    Invariant: ``lo`` fits; ``hi`` does not fit, or is ``cap + dp`` (beyond the range).
+class _NoFit(Exception):
+    """Even one sample per data-parallel group does not fit this mesh."""
+
+
+def _largest_batch(search: _Search, cap: int) -> int:
+    """Largest multiple of dp in ``[dp, cap]`` that fits, such that the next one does not.
+
+    Each compile is chosen by the memory model through the known points (`_next_guess`); the
+    answer ``lo`` is returned only when ``lo`` fits and ``lo + dp`` was compiled and does not
+    (or ``lo == cap``). Raises `_NoFit` when ``dp`` itself does not fit.
     """
     dp = search.compiler.data_parallel
-    lo, hi = dp, cap + dp
-    order = [dp]  # compiled batch sizes, most recent last
-    if cap > dp:
-        probe = min(cap, 8 * dp)
-        lo, hi = (probe, hi) if search.fits(probe) else (lo, probe)
-        order.append(probe)
     secant_steps = 0
-    while hi - lo > dp:
-        if len(search.seen) >= _MAX_SEARCH_COMPILES:
+    while True:
+        lo, hi = search.bracket(cap)
+        if lo is not None and hi - lo <= dp:
+            return lo
+        if lo is None and hi == dp:
+            raise _NoFit
+        if search.compiles >= _MAX_SEARCH_COMPILES:
             raise RuntimeError(
                 f"batch search did not converge in {_MAX_SEARCH_COMPILES} compiles (fits at "
                 f"{lo}, not at {hi}); pass max_batch_size to bound it"
             )
         guess = None
         if secant_steps < _SECANT_STEPS:
-            secant_steps += 1
-            # Secant through the latest two points; if it leaves the bracket, the line through
-            # the bracket's ends (false position), then bisection.
-            lines = [search.affine(order[-2], order[-1])]
-            if hi in search.seen:
-                lines.append(search.affine(lo, hi))
-            for line in lines:
-                if line.bytes_per_sample > 0:
-                    # the pure secant line: extrapolating below two misses is intended here;
-                    # the prefetched batch adds its bytes per sample to the compiled slope
-                    line = replace(line, floor_bytes=0.0, bytes_per_sample=line.bytes_per_sample
-                                   + search.prefetch_per_sample)
-                    candidate = line.max_batch(search.usable, cap=cap)
-                    if candidate < hi:
-                        # at or below ``lo`` the line puts the boundary right above ``lo``
-                        guess = max(candidate, lo + dp)
-                        break
-        if guess is None:
-            guess = lo + ((hi - lo) // dp // 2) * dp
-        lo, hi = (guess, hi) if search.fits(guess) else (lo, guess)
-        order.append(guess)
-    return lo, _local_fit(search, lo, hi)
+            secant_steps += len(search.seen) >= 2
+            guess = _model_guess(search, lo, hi, cap)
+        if guess is None:  # bisection
+            low = lo if lo is not None else 0
+            guess = max(dp, low + ((hi - low) // dp // 2) * dp)
+        search.peak(guess)
+
+
+def _model_guess(search: _Search, lo: int | None, hi: int, cap: int) -> int | None:
+    """The next batch to compile as the memory model through the known points predicts it,
+    strictly inside ``(lo, hi)``; None when the points say nothing useful (then bisect)."""
+    dp = search.compiler.data_parallel
+    seen = search.seen
+    low = lo if lo is not None else 0
+    if not seen:
+        return min(cap, 8 * dp)
+    if len(seen) == 1:
+        # One point: the bytes beyond the persistent state and the gradients taken as
+        # proportional to the batch (activations); exact when they dominate, as in
+        # convolutional and attention models, an over-estimate of the slope otherwise.
+        (b0, e0), = seen.items()
+        base = search.compiler.state_bytes + search.compiler.params_bytes
+        if e0.peak <= base:
+            return None
+        lines = [MemoryModel(
+            fixed_bytes=float(base), bytes_per_sample=(e0.peak - base) / b0,
+            probe_batches=(b0,), probe_peaks=(e0.peak,), batch_multiple=dp,
+        )]
+    else:
+        lines = _candidate_lines(search, lo, hi)
+    fallback = None
+    for line in lines:
+        if line.bytes_per_sample <= 0:
+            continue
+        # the prefetched batch adds its bytes per sample to the compiled slope
+        line = replace(line, bytes_per_sample=line.bytes_per_sample + search.prefetch_per_sample)
+        predicted = line.max_batch(search.usable, cap=cap)
+        if low + dp <= predicted <= hi - dp:
+            return predicted
+        if fallback is None:
+            fallback = min(max(predicted, low + dp), hi - dp)
+    return fallback
+
+
+def _candidate_lines(search: _Search, lo: int | None, hi: int) -> list[MemoryModel]:
+    """Pure lines (no floor), best first: through the two latest compiles (secant), the two
+    largest batches that fit (the local slope below the boundary), and the bracket's ends."""
+    order = list(search.seen)  # insertion order: cached points first, then compiles
+    pairs = [(order[-2], order[-1])]
+    fitting = sorted(b for b in search.seen if lo is not None and b <= lo)
+    if len(fitting) >= 2:
+        pairs.append((fitting[-2], fitting[-1]))
+    if lo is not None and hi in search.seen:
+        pairs.append((lo, hi))
+    return [replace(search.affine(a, b), floor_bytes=0.0) for a, b in pairs]
 
 
 def _local_fit(search: _Search, lo: int, hi: int) -> MemoryModel:
@@ -416,6 +574,8 @@ def plan_mesh(
     max_batch_size: int | None = None,
     model_parallel: int | None = None,
     min_shard_elements: int = sh.MIN_SHARD_ELEMENTS,
+    cache: PlanCache | None = None,
+    compile_for_run: bool | None = None,
     eval_task: Any = None,
 ) -> Plan:
     """Plan training of ``model`` on exactly ``devices``: mesh, shardings and largest batch.
@@ -434,6 +594,15 @@ def plan_mesh(
       max_batch_size: cap on the global batch (default ``DEFAULT_BATCH_CAP``).
       model_parallel: force this model-parallel degree (must divide the device count).
       min_shard_elements: parameters with fewer elements are replicated.
+      cache: a `PlanCache`: a plan stored under the same key is returned without compiling, a
+        new plan is stored, and compiled points of the same program and mesh shape seed the
+        batch search (see `scamp_jax.plan_cache`).
+      compile_for_run: keep the step compiled at the plan's batch with default XLA options as
+        ``plan.compiled_step`` for the runner. Default: on accelerators (where the search
+        compiles with default options anyway, so it is free); not on CPU, where the search
+        compiles with fast code-generation settings and a run-grade compile costs one more
+        (slower) compile, worth it only when the trial runs on the planned devices. A plan
+        answered by ``cache`` compiles nothing and has no compiled step.
       eval_task: a task with the `scamp_jax.evaluation.ChunkedEvalTask` methods: its evaluation
         forward is compiled on the same mesh and its chunk chosen (`Plan.eval_chunk`) so that
         evaluating never needs more per device than training, unless one sample per
@@ -478,6 +647,25 @@ def plan_mesh(
         )
     params, opt_state, rest = abstract_state(model, optimizer)
     eval_groups = abstract_eval_inputs(eval_task) if eval_task is not None else None
+    key = None
+    if cache is not None:
+        signature = program_signature(model, sample_batch, optimizer, loss_fn)
+        identity = device_identity(devs)
+        key = cache_key({
+            "kind": "plan", "signature": signature, "devices": identity,
+            "memory_per_device": budget, "safety_margin": safety_margin, "cap": cap,
+            "model_parallel": model_parallel, "min_shard_elements": min_shard_elements,
+            "eval": None if not eval_groups else {
+                "forward": getattr(eval_task.eval_forward, "__qualname__", ""),
+                "inputs": [[list(x.shape), str(x.dtype)] for x in eval_groups],
+            },
+        })
+        record = cache.get_plan(key)
+        if record is not None:
+            return _plan_from_record(
+                record, devs, params, opt_state, rest, optimizer, budget, safety_margin,
+                min_shard_elements, start,
+            )
     compiles = 0
     best_need: tuple[int, str] | None = None
     for mp in candidates:
@@ -493,8 +681,10 @@ def plan_mesh(
             need = (compiler.state_bytes, f"parameters + optimizer state at model_parallel={mp}")
             best_need = need if best_need is None or need[0] < best_need[0] else best_need
             continue
+        step = jit_train_step(compiler.graphdef, compiler.optimizer, compiler.loss_fn, shardings)
         one_sample = sh.bytes_per_device(with_batch_size(sample_batch, dp), shardings.batch)
-        search = _Search(compiler, usable, prefetch_per_sample=one_sample / dp)
+        search = _Search(compiler, usable, step, compiler.compiler_options,
+                         prefetch_per_sample=one_sample / dp)
         mp_cap = (cap // dp) * dp
         evaluator, eval_floor = None, 0
         if eval_groups:
@@ -511,23 +701,56 @@ def plan_mesh(
                         f"evaluation at {dp} sample(s) with model_parallel={mp}")
                 best_need = need if best_need is None or need[0] < best_need[0] else best_need
                 continue
-        if not search.fits(dp):
-            compiles += len(search.seen)
-            first = search.peak(dp)
-            need = (first.peak + search.prefetch(dp),
+        peaks_key = None
+        if cache is not None:
+            peaks_key = cache_key({
+                "kind": "peaks", "signature": signature,
+                "devices": {**identity, "count": n}, "mesh": [dp, mp],
+                "min_shard_elements": min_shard_elements,
+            })
+            search.seen.update(
+                (b, MemoryEstimate(**r)) for b, r in sorted(cache.get_peaks(peaks_key).items())
+            )
+        known = set(search.seen)
+        try:
+            batch = _largest_batch(search, mp_cap)
+        except _NoFit:
+            batch = None
+        compiles += search.compiles
+        if cache is not None and peaks_key is not None:
+            cache.put_peaks(peaks_key, {
+                b: _estimate_record(e) for b, e in search.seen.items() if b not in known
+            })
+        if batch is None:
+            need = (search.need(dp),
                     f"peak at batch {dp} with model_parallel={mp}, prefetched batch included")
             best_need = need if best_need is None or need[0] < best_need[0] else best_need
             continue
-        batch, memory_model = _largest_batch(search, mp_cap)
-        compiles += len(search.seen)
+        _, hi = search.bracket(mp_cap)
+        memory_model = _local_fit(search, batch, hi)
         estimate = search.seen[batch]
+        compiled_step = None
+        run_grade = compiler.compiler_options is None
+        if compile_for_run if compile_for_run is not None else run_grade:
+            if run_grade and batch in search.executables:
+                executable, lowered = search.executables[batch]
+            else:
+                run_estimate, executable, lowered = compile_step(step, compiler, batch, None)
+                compiles += 1
+                if run_estimate.peak != estimate.peak:
+                    # Code-generation settings are not meant to change buffer assignment; if
+                    # they do, the run's own figure is the one that must fit.
+                    estimate = run_estimate
+            compiled_step = CompiledStep(
+                executable, lowered_fingerprint(lowered), tuple(d.id for d in devs)
+            )
         prefetch = search.prefetch(batch)
         eval_plan = None
         if evaluator is not None:
             eval_plan = plan_eval(evaluator, eval_groups, compiler.opt_state_bytes + prefetch,
                                   estimate.peak + prefetch)
             compiles += eval_plan.compiles
-        return Plan(
+        plan = Plan(
             mesh=mesh,
             data_parallel=dp,
             model_parallel=mp,
@@ -544,10 +767,14 @@ def plan_mesh(
             planning_seconds=time.perf_counter() - start,
             compiles=compiles,
             compiled_peaks=tuple((b, e.peak) for b, e in search.seen.items()),
+            compiled_step=compiled_step,
             prefetch_bytes=prefetch,
             eval_chunk=eval_plan.chunk if eval_plan else 0,
             eval_peak_bytes=eval_plan.peak_bytes if eval_plan else 0,
         )
+        if cache is not None and key is not None and plan.predicted_peak_bytes <= usable:
+            cache.put_plan(key, _plan_record(plan))
+        return plan
     assert best_need is not None
     needed, what = best_need
     raise DoesNotFitError(
@@ -558,6 +785,82 @@ def plan_mesh(
         "model",
         bytes_needed=needed,
         bytes_available=usable,
+    )
+
+
+def _estimate_record(estimate: MemoryEstimate) -> dict[str, Any]:
+    record = asdict(estimate)
+    record.pop("compile_seconds")
+    return record
+
+
+def _plan_record(plan: Plan) -> dict[str, Any]:
+    """What a `PlanCache` stores of a plan: the decision and its compiled figures."""
+    return {
+        "data_parallel": plan.data_parallel,
+        "model_parallel": plan.model_parallel,
+        "batch_size": plan.batch_size,
+        "estimate": _estimate_record(plan.estimate),
+        "memory_model": {
+            k: list(v) if isinstance(v, tuple) else v
+            for k, v in asdict(plan.memory_model).items()
+        },
+        "compiled_peaks": [list(p) for p in plan.compiled_peaks],
+        "prefetch_bytes": plan.prefetch_bytes,
+        "eval_chunk": plan.eval_chunk,
+        "eval_peak_bytes": plan.eval_peak_bytes,
+    }
+
+
+def _plan_from_record(
+    record: dict[str, Any],
+    devs: tuple[jax.Device, ...],
+    params: PyTree,
+    opt_state: PyTree,
+    rest: PyTree,
+    optimizer: optax.GradientTransformation,
+    budget: int,
+    safety_margin: float,
+    min_shard_elements: int,
+    start: float,
+) -> Plan:
+    """A cached plan on ``devs``: mesh and shardings rebuilt from the sharding rules."""
+    dp, mp = int(record["data_parallel"]), int(record["model_parallel"])
+    mesh = sh.make_mesh(devs, dp, mp)
+    shardings = default_step_shardings(
+        mesh, params, opt_state, rest, optimizer, min_shard_elements=min_shard_elements
+    )
+    estimate = MemoryEstimate(**record["estimate"])
+    model = record["memory_model"]
+    memory_model = MemoryModel(
+        fixed_bytes=float(model["fixed_bytes"]),
+        bytes_per_sample=float(model["bytes_per_sample"]),
+        probe_batches=tuple(int(b) for b in model["probe_batches"]),
+        probe_peaks=tuple(int(p) for p in model["probe_peaks"]),
+        batch_multiple=int(model["batch_multiple"]),
+        floor_bytes=float(model["floor_bytes"]),
+    )
+    return Plan(
+        mesh=mesh,
+        data_parallel=dp,
+        model_parallel=mp,
+        param_shardings=shardings.params,
+        batch_sharding=shardings.batch,
+        step_shardings=shardings,
+        batch_size=int(record["batch_size"]),
+        peak_bytes_per_device=estimate.peak,
+        memory_per_device=budget,
+        safety_margin=safety_margin,
+        estimate=estimate,
+        memory_model=memory_model,
+        devices=devs,
+        planning_seconds=time.perf_counter() - start,
+        compiles=0,
+        compiled_peaks=tuple((int(b), int(p)) for b, p in record["compiled_peaks"]),
+        cached=True,
+        prefetch_bytes=int(record.get("prefetch_bytes", 0)),
+        eval_chunk=int(record.get("eval_chunk", 0)),
+        eval_peak_bytes=int(record.get("eval_peak_bytes", 0)),
     )
 
 

@@ -41,6 +41,7 @@ from scamp_jax.evaluation import (
     plan_eval,
     supports_chunked_eval,
 )
+from scamp_jax.planner import lowered_fingerprint
 from scamp_jax.space import SearchSpace, Task
 from scamp_jax.train_step import jit_train_step, split_model
 
@@ -366,8 +367,14 @@ def _run(
     batch = jax.device_put(next(batches), plan.batch_sharding)
 
     # The planner predicted this trial fits its share; check the real compiles on these devices
-    # first: the step with the next batch prefetched beside it, and the evaluation.
-    compiled = step_fn.lower(params, opt_state, rest, batch).compile()
+    # first: the step with the next batch prefetched beside it, and the evaluation. The
+    # planner's own executable is run when it is the same program on the same devices.
+    lowered = step_fn.lower(params, opt_state, rest, batch)
+    ready = getattr(plan, "compiled_step", None) if spec.grad_reduce is None else None
+    if ready is not None and ready.fingerprint == lowered_fingerprint(lowered):
+        compiled = ready.executable
+    else:
+        compiled = lowered.compile()
     evaluation = _check_share(spec, task, cache, graphdef, params, opt_state, rest, batch,
                               compiled)
 

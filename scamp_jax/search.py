@@ -9,6 +9,7 @@ Optuna set-up.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ import jax
 
 from scamp_jax.engine import EngineConfig, PlanFn, SearchEngine, SearchResult
 from scamp_jax.placement import POLICIES
+from scamp_jax.plan_cache import PlanCache
+from scamp_jax.planner import plan_mesh
 from scamp_jax.space import SearchSpace, Task
 from scamp_jax.study import PRUNERS, SAMPLERS
 
@@ -118,7 +121,8 @@ def run_search(
     """Open (or resume) the study in ``settings.study_dir``, run it, and write its report.
 
     A new study first evaluates ``settings.initial_params`` (if any), then what the sampler asks.
-    Writes ``study.db`` (unless ``settings.storage`` names another database), ``results.json``,
+    Writes ``study.db`` (unless ``settings.storage`` names another database), ``plans.sqlite``
+    (the plan cache, used when ``plan_fn`` is not given), ``results.json``,
     ``results.csv``, ``best_model/`` (the best trial's final checkpoint), the three PNG plots, and
     prints the best trials with the best metric against ``baseline`` (e.g. ``"bicubic_psnr"``).
     Returns the ``results.json`` payload's ``run`` section plus ``best`` (a results row or None).
@@ -149,6 +153,10 @@ def run_search(
     config = engine_config(settings, memory_per_device)
     stream: Any = None if live else _PlainStream()
     view = LiveView([memory_per_device] * len(devices), task.metric, title=title, stream=stream)
+    if plan_fn is None:
+        # Plans and compiled peaks persist next to the study: a resumed study, or another
+        # process on it, plans an architecture it has planned before without compiling.
+        plan_fn = functools.partial(plan_mesh, cache=PlanCache(study_dir / "plans.sqlite"))
     engine = SearchEngine(space, task, source, config, devices=devices,
                           checkpoint_root=study_dir / "checkpoints", plan_fn=plan_fn,
                           on_update=view.update)

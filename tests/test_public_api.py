@@ -17,6 +17,8 @@ EXPECTED = {
     "min_devices_plan", "open_study", "param_partition_specs", "parse_bytes", "place_train_state",
     "plan_mesh", "run_search", "split_model",
     "FunctionTask", "run_study",
+    # planning cost: plan cache, compile counting, the planner's compiled step
+    "CompileCounter", "CompiledStep", "PlanCache",
 }
 
 

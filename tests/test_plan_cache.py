@@ -1,0 +1,258 @@
+"""Planning cost: compiles per plan, the persistent plan cache, and the runner reusing the
+planner's compiled step. Compiles are counted from JAX's own compile events (real XLA compiles,
+not lookups), and every plan's batch is checked by independent compiles."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from scamp_jax.compile_events import CompileCounter
+from scamp_jax.plan_cache import PlanCache, program_signature
+from scamp_jax.planner import plan_mesh
+from scamp_jax.runner import RunSpec, StepCache, make_optimizer, run_trial
+from scamp_jax.space import SearchSpace
+from scamp_jax.train_step import abstract_state, default_loss, default_optimizer, jit_train_step
+
+SIDE, CHANNELS = 16, 3
+SAMPLE = jax.ShapeDtypeStruct((1, SIDE, SIDE, CHANNELS), jnp.float32)
+BUDGET = "24MiB"
+
+
+class ConvNet(nnx.Module):
+    """Two 3x3 convolutions: activations, not parameters, dominate training memory."""
+
+    def __init__(self, width: int, rngs: nnx.Rngs) -> None:
+        self.a = nnx.Conv(CHANNELS, width, (3, 3), rngs=rngs)
+        self.b = nnx.Conv(width, CHANNELS, (3, 3), rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.b(nnx.gelu(self.a(x)))
+
+
+def _abstract(width: int = 32) -> ConvNet:
+    return nnx.eval_shape(lambda: ConvNet(width, nnx.Rngs(0)))
+
+
+def _peak(plan: Any, batch_size: int, options: dict[str, Any] | None = None) -> int:
+    """An independent compile of the plan's step at ``batch_size``: its per-device peak."""
+    model, tx = _abstract(), default_optimizer()
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    _, opt_state, _ = abstract_state(model, tx)
+    step = jit_train_step(graphdef, tx, default_loss, plan.step_shardings)
+    batch = jax.ShapeDtypeStruct((batch_size, *SAMPLE.shape[1:]), SAMPLE.dtype)
+    stats = step.lower(params, opt_state, rest, batch).compile(options).memory_analysis()
+    return (stats.temp_size_in_bytes + stats.argument_size_in_bytes
+            + stats.output_size_in_bytes - stats.alias_size_in_bytes)
+
+
+def _assert_verified(plan: Any) -> None:
+    assert _peak(plan, plan.batch_size) == plan.peak_bytes_per_device <= plan.usable_bytes
+    assert _peak(plan, plan.batch_size + plan.data_parallel) > plan.usable_bytes
+
+
+def test_a_new_plan_compiles_three_times_and_a_known_mesh_twice(tmp_path):
+    with CompileCounter() as cold_count:
+        cold = plan_mesh(_abstract(), SAMPLE, devices=2, memory_per_device=BUDGET,
+                         cache=PlanCache(tmp_path / "plans.sqlite"))
+    # the counter sees exactly the training-step compiles the plan reports
+    assert cold_count.compiles["jit(step)"] == cold.compiles
+    assert cold.compiles <= 3 and cold.model_parallel == 1
+    assert cold.batch_size > 8 * cold.data_parallel  # the search moved past its first probe
+    _assert_verified(cold)
+    # Another budget on the same mesh shape: the compiled points known from the first plan
+    # put the model's first guess at the boundary: verify it and the next step up.
+    with CompileCounter() as warm_count:
+        warm = plan_mesh(_abstract(), SAMPLE, devices=2, memory_per_device="16MiB",
+                         cache=PlanCache(tmp_path / "plans.sqlite"))
+    assert warm_count.compiles["jit(step)"] == warm.compiles <= 2
+    assert warm.batch_size < cold.batch_size
+    peaks = dict(warm.compiled_peaks)
+    assert peaks[warm.batch_size] <= warm.usable_bytes
+    assert peaks[warm.batch_size + warm.data_parallel] > warm.usable_bytes
+
+
+def test_cached_plan_is_rebuilt_without_compiling_and_equals_the_first(tmp_path):
+    path = tmp_path / "study" / "plans.sqlite"
+    first = plan_mesh(_abstract(), SAMPLE, devices=4, memory_per_device=BUDGET,
+                      cache=PlanCache(path))
+    assert not first.cached and first.compiles > 0
+    fresh = PlanCache(path)  # as a resumed study or another process opens it
+    with CompileCounter() as count:
+        again = plan_mesh(_abstract(), SAMPLE, devices=4, memory_per_device=BUDGET, cache=fresh)
+    assert count.compiles["jit(step)"] == 0 and again.compiles == 0 and again.cached
+    assert (fresh.hits, fresh.misses) == (1, 0)
+    assert again == first  # mesh, shardings, batch, peaks, memory model
+    assert again.compiled_peaks == first.compiled_peaks
+    _assert_verified(again)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"memory_per_device": "20MiB"},
+        {"safety_margin": 0.2},
+        {"max_batch_size": 4},
+        {"devices": 2},
+        {"optimizer": optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)},
+        {"loss_fn": lambda m, x: jnp.mean(jnp.abs(m(x)))},
+        {"model": 16},
+    ],
+    ids=["budget", "margin", "max-batch", "device-count", "optimizer", "loss", "architecture"],
+)
+def test_any_key_part_changing_is_a_miss(tmp_path, change):
+    path = tmp_path / "plans.sqlite"
+    # a cap of two samples per data-parallel group keeps each plan to one compile
+    base: dict[str, Any] = {"devices": 4, "memory_per_device": BUDGET, "max_batch_size": 8}
+    plan_mesh(_abstract(), SAMPLE, cache=PlanCache(path), **base)
+    cache = PlanCache(path)
+    width = change.pop("model", 32)
+    plan = plan_mesh(_abstract(width), SAMPLE, cache=cache, **(base | change))
+    assert (cache.hits, cache.misses) == (0, 1) and not plan.cached and len(cache) == 2
+
+
+def test_signature_ignores_injected_hyperparameters_but_not_the_program():
+    model = _abstract()
+    adam = program_signature(model, SAMPLE, default_optimizer())
+    assert adam == program_signature(model, SAMPLE, optax.inject_hyperparams(optax.adam)(
+        learning_rate=0.5))
+    assert adam != program_signature(model, SAMPLE, default_optimizer(),
+                                     lambda m, x: jnp.mean(m(x)))
+    wider = jax.ShapeDtypeStruct((1, SIDE, 2 * SIDE, CHANNELS), jnp.float32)
+    assert adam != program_signature(model, wider, default_optimizer())
+
+
+_WRITER = """
+import sys
+from scamp_jax.plan_cache import PlanCache
+cache = PlanCache(sys.argv[1])
+for i in range(100):
+    cache.put_plan(f"{sys.argv[2]}-{i}", {"batch_size": i})
+    cache.put_peaks("shared", {i: {"peak": i}})
+"""
+
+
+def test_two_processes_write_one_cache_file(tmp_path):
+    path = tmp_path / "plans.sqlite"
+    PlanCache(path)
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(path), name],
+                              cwd=Path(__file__).parents[1]) for name in ("a", "b")]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    cache = PlanCache(path)
+    assert len(cache) == 200
+    assert cache.get_plan("b-99") == {"batch_size": 99}
+    assert sorted(cache.get_peaks("shared")) == list(range(100))
+
+
+class Denoise:
+    """Recover the input from a noisy copy (real data, generated): metric held-out MSE."""
+
+    metric = "mse"
+    direction = "minimize"
+
+    def sample_batch(self, batch_size: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+        shape = (batch_size, *SAMPLE.shape[1:])
+        return (jax.ShapeDtypeStruct(shape, jnp.float32),) * 2
+
+    def batches(self, batch_size: int, seed: int) -> Iterator[tuple[np.ndarray, ...]]:
+        rng = np.random.default_rng(seed)
+        while True:
+            y = rng.normal(size=(batch_size, *SAMPLE.shape[1:])).astype(np.float32)
+            yield (y + 0.1 * rng.normal(size=y.shape).astype(np.float32), y)
+
+    def loss_fn(self, model: nnx.Module, batch: tuple[jax.Array, ...]) -> jax.Array:
+        x, y = batch
+        return jnp.mean(jnp.square(model(x) - y))
+
+    def evaluate(self, model: nnx.Module) -> dict[str, float]:
+        x, y = next(self.batches(4, 123))
+        return {"mse": float(jnp.mean(jnp.square(model(jnp.asarray(x)) - y)))}
+
+
+SPACE = SearchSpace("conv", lambda trial: {"width": 8},
+                    lambda config, rngs: ConvNet(int(config["width"]), rngs))
+
+
+def _plan_and_run(devices: list[jax.Device], placed: list[jax.Device],
+                  **plan_kwargs: Any) -> tuple[CompileCounter, CompileCounter, Any]:
+    task, config = Denoise(), {"width": 8, "learning_rate": 1e-2}
+    model = nnx.eval_shape(lambda: SPACE.build(config, nnx.Rngs(0)))
+    with CompileCounter() as planning:
+        plan = plan_mesh(model, task.sample_batch(1), devices=devices,
+                         memory_per_device="8MiB", optimizer=make_optimizer({}),
+                         loss_fn=task.loss_fn, max_batch_size=16, **plan_kwargs)
+    spec = RunSpec(number=0, params=config, plan=plan.with_devices(placed), steps=3,
+                   memory_per_device=8 * 2**20)
+    with CompileCounter() as running:
+        result = run_trial(spec, SPACE, task, cache=StepCache())
+    assert result.state == "complete", result.reason
+    return planning, running, plan
+
+
+def test_the_runner_runs_the_step_the_planner_compiled():
+    devices = jax.devices()[:2]
+    planning, running, plan = _plan_and_run(devices, devices, compile_for_run=True)
+    assert plan.compiled_step is not None
+    assert planning.compiles["jit(step)"] == plan.compiles
+    assert running.compiles["jit(step)"] == 0  # planning + running compiled it once
+    # Placed on other devices the executable does not apply (it is bound to its devices):
+    # the runner compiles its own, which shows the counter sees the runner's compiles.
+    _, moved, _ = _plan_and_run(devices, jax.devices()[2:4], compile_for_run=True)
+    assert moved.compiles["jit(step)"] == 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    trials: int
+    study_dir: str
+    steps: int = 2
+    reference_batch: int | None = 4
+    max_batch_size: int | None = 8
+    policy: str = "scamp"
+    devices_per_trial: int = 1
+    sampler: str = "random"
+    pruner: str = "none"
+    seed: int = 0
+    storage: str | None = None
+    checkpoint_every: int = 0
+    eval_every: int = 0
+
+
+@pytest.mark.slow
+def test_a_resumed_study_plans_without_compiling(tmp_path, monkeypatch):
+    from rich.console import Console
+
+    from scamp_jax import planner
+    from scamp_jax.search import run_search
+
+    calls: list[int] = []
+    real = planner.compile_step
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args[2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "compile_step", counted)
+    space = SearchSpace("conv", lambda t: {"width": 8, "learning_rate": t.suggest_float(
+        "learning_rate", 1e-3, 1e-2, log=True)}, lambda c, rngs: ConvNet(c["width"], rngs))
+    for trials in (1, 2):
+        calls.clear()
+        info = run_search(space, Denoise(), _Settings(trials, str(tmp_path)),
+                          devices=jax.devices()[:2], memory_per_device=8 * 2**20, live=False,
+                          console=Console(file=io.StringIO()))
+        assert info["trials_this_run"] == 1
+        if trials == 1:
+            assert calls and (tmp_path / "plans.sqlite").is_file()
+    assert calls == []  # the second run's trial (same architecture) was planned from the cache
