@@ -58,9 +58,16 @@ def _peak(plan: Any, batch_size: int, options: dict[str, Any] | None = None) -> 
             + stats.output_size_in_bytes - stats.alias_size_in_bytes)
 
 
+def _prefetch(plan: Any, batch_size: int) -> int:
+    """Per-device bytes of the prefetched batch at ``batch_size`` (exactly linear)."""
+    return round(plan.prefetch_bytes / plan.batch_size * batch_size)
+
+
 def _assert_verified(plan: Any) -> None:
-    assert _peak(plan, plan.batch_size) == plan.peak_bytes_per_device <= plan.usable_bytes
-    assert _peak(plan, plan.batch_size + plan.data_parallel) > plan.usable_bytes
+    assert _peak(plan, plan.batch_size) == plan.peak_bytes_per_device
+    assert plan.peak_bytes_per_device + plan.prefetch_bytes <= plan.usable_bytes
+    following = plan.batch_size + plan.data_parallel
+    assert _peak(plan, following) + _prefetch(plan, following) > plan.usable_bytes
 
 
 def test_a_new_plan_compiles_three_times_and_a_known_mesh_twice(tmp_path):
@@ -80,8 +87,9 @@ def test_a_new_plan_compiles_three_times_and_a_known_mesh_twice(tmp_path):
     assert warm_count.compiles["jit(step)"] == warm.compiles <= 2
     assert warm.batch_size < cold.batch_size
     peaks = dict(warm.compiled_peaks)
-    assert peaks[warm.batch_size] <= warm.usable_bytes
-    assert peaks[warm.batch_size + warm.data_parallel] > warm.usable_bytes
+    assert peaks[warm.batch_size] + warm.prefetch_bytes <= warm.usable_bytes
+    following = warm.batch_size + warm.data_parallel
+    assert peaks[following] + _prefetch(warm, following) > warm.usable_bytes
 
 
 def test_cached_plan_is_rebuilt_without_compiling_and_equals_the_first(tmp_path):
