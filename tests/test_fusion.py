@@ -6,6 +6,7 @@ member plan; the candidates are `test_runner`'s MLP regression (and a small ViT)
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,7 @@ from test_runner import BUDGET, SPACE, Regression, make_plan
 
 from scamp_jax import planner
 from scamp_jax.fused_runner import GroupSpec, MemberSpec, run_fused_group
-from scamp_jax.fusion import FusionPlan, plan_fusion
+from scamp_jax.fusion import FusedStepCompiler, FusionPlan, plan_fusion
 from scamp_jax.runner import RunSpec, StepCache, TrialStatus, make_optimizer, run_trial
 
 #: relative tolerance of fused against solo (loss curve and held-out score).
@@ -193,14 +194,13 @@ def test_width_is_the_widest_that_fits_by_compiled_memory():
     kw = {"optimizer": make_optimizer({}), "loss_fn": task.loss_fn}
     member = planner.plan_mesh(model, task.sample_batch(1), devices=jax.devices()[:1],
                                memory_per_device=BUDGET, max_batch_size=256, **kw)
-    one = plan_fusion(model, task.sample_batch(1), max_width=1, plan=member, batch_size=256, **kw)
-    two = plan_fusion(model, task.sample_batch(1), max_width=2, plan=member, batch_size=256, **kw)
-    per_member = two.peak_bytes_per_device - one.peak_bytes_per_device
+    compiler = FusedStepCompiler(model, task.sample_batch(1), member, **kw)
+    one, two = compiler.estimate(1, 256).peak, compiler.estimate(2, 256).peak
+    per_member = two - one
     assert per_member > 0
     # A budget for about 5.5 members: the planner must find 5 of at most 16.
-    budget = int((one.peak_bytes_per_device + 4.5 * per_member) / 0.9)
-    member = planner.plan_mesh(model, task.sample_batch(1), devices=jax.devices()[:1],
-                               memory_per_device=budget, max_batch_size=256, **kw)
+    budget = int((one + 4.5 * per_member) / 0.9)
+    member = dataclasses.replace(member, memory_per_device=budget)
     fp = plan_fusion(model, task.sample_batch(1), max_width=16, plan=member, batch_size=256, **kw)
     peaks = {(k, b): p for k, b, p in fp.compiled_peaks}
     assert fp.peak_bytes_per_device <= fp.usable_bytes
@@ -223,3 +223,33 @@ def test_bad_width_is_refused():
     with pytest.raises(ValueError, match="max_width=0 must be a positive int"):
         plan_fusion(model, Regression().sample_batch(1), max_width=0, devices=1,
                     memory_per_device=BUDGET)
+
+
+@pytest.mark.slow  # ViT compiles: about a minute on 2 free cores, several on a busy machine
+def test_vit_members_match_their_solo_runs():
+    """A small ViT group of two (different learning rates and seeds) against its solo runs."""
+    from search_spaces import vit
+
+    space, task = vit.space("small"), vit.SyntheticClassification(eval_size=64)
+    arch = {"patch_size": 8, "embed_dim": 32, "depth": 1, "num_heads": 2, "mlp_ratio": 2.0}
+    configs = [({**arch, "learning_rate": 1e-3}, 5), ({**arch, "learning_rate": 3e-3}, 6)]
+    model = nnx.eval_shape(lambda: space.build(arch, nnx.Rngs(0)))
+    kw = {"optimizer": make_optimizer({}), "loss_fn": task.loss_fn}
+    plan = planner.plan_mesh(model, task.sample_batch(1), devices=jax.devices()[:1],
+                             memory_per_device=BUDGET, max_batch_size=8, **kw)
+    gplan = plan_fusion(model, task.sample_batch(1), max_width=2, plan=plan, batch_size=8, **kw)
+    steps = 6
+    group = run_fused_group(
+        GroupSpec(0, tuple(MemberSpec(i, c, s) for i, (c, s) in enumerate(configs)), gplan,
+                  steps, BUDGET, log_every=1), space, task)
+    cache = StepCache()
+    for i, (cfg, seed) in enumerate(configs):
+        status = RecordingStatus(i, cfg)
+        ref = run_trial(RunSpec(i, cfg, plan, steps, BUDGET, seed=seed, log_every=1), space,
+                        task, status=status, cache=cache)
+        member = group.members[i]
+        assert ref.state == member.state == "complete", (ref.reason, member.reason)
+        for (_, a), (_, b) in zip(group.losses[i], status.curve, strict=True):
+            assert rel(a, b) <= RTOL, (i, a, b)
+        assert rel(member.metrics["loss"], ref.metrics["loss"]) <= RTOL
+        assert member.metrics["accuracy"] == ref.metrics["accuracy"]
