@@ -253,3 +253,27 @@ def test_vit_members_match_their_solo_runs():
             assert rel(a, b) <= RTOL, (i, a, b)
         assert rel(member.metrics["loss"], ref.metrics["loss"]) <= RTOL
         assert member.metrics["accuracy"] == ref.metrics["accuracy"]
+
+
+def test_simulated_group_costs_grow_in_work_not_in_kernels():
+    """From the compiled fused step: FLOPs grow with the width, launched kernels do not, so a
+    small candidate's group trains more trials per second on a modelled V100 than one trial."""
+    from scamp_jax.sim_fusion import measure_fused_costs
+    from scamp_jax.simulator import TrialProfile, cluster_preset
+
+    model = nnx.eval_shape(lambda: SPACE.build({"width": 64}, nnx.Rngs(0)))
+    task = Regression()
+    plan = make_plan({"width": 64}, jax.devices()[:1], max_batch=16)
+    costs = measure_fused_costs(model, task.sample_batch(1), plan, batch_size=16,
+                                widths=(1, 4), optimizer=make_optimizer({}),
+                                loss_fn=task.loss_fn)
+    f1, f4 = costs.flops
+    assert 3.5 * f1 <= f4 <= 4.5 * f1
+    assert costs.kernels[1] <= 1.5 * costs.kernels[0]
+    solo = TrialProfile(0, 1, plan.peak_bytes_per_device, 16, f1, costs.bytes_accessed[0], 0.0,
+                        100, kernels_per_step=costs.kernels[0])
+    v100 = cluster_preset("v100-16gb")
+    gains = [costs.throughput_gain(solo, v100, k) for k in (1, 2, 4, 8)]
+    assert gains[0] == pytest.approx(1.0)
+    assert all(1.0 < g <= k for g, k in zip(gains[1:], (2, 4, 8), strict=True))
+    assert gains[1] < gains[2] < gains[3]
