@@ -164,11 +164,16 @@ def _check_architecture(space: SearchSpace, members: Sequence[MemberSpec],
                         mesh: jax.sharding.Mesh) -> nnx.GraphDef:
     """The members' common graph definition; raises if any member builds another program."""
     graphdefs = []
+    built: dict[str, Any] = {}  # configurations equal but for optimizer keys build once
     with jax.set_mesh(mesh):
         for m in members:
-            abstract = nnx.eval_shape(lambda m=m: space.build(m.params, nnx.Rngs(0)))
-            graphdefs.append((split_model(abstract)[0], jax.tree.map(
-                lambda x: (x.shape, x.dtype), nnx.state(abstract))))
+            arch = repr(sorted((k, repr(v)) for k, v in m.params.items()
+                               if k not in OPTIMIZER_KEYS))
+            if arch not in built:
+                abstract = nnx.eval_shape(lambda m=m: space.build(m.params, nnx.Rngs(0)))
+                built[arch] = (split_model(abstract)[0], jax.tree.map(
+                    lambda x: (x.shape, x.dtype), nnx.state(abstract)))
+            graphdefs.append(built[arch])
     for m, g in zip(members[1:], graphdefs[1:], strict=True):
         if g != graphdefs[0]:
             raise ValueError(
@@ -242,6 +247,7 @@ def run_fused_group(
         for m in members:
             if m.checkpointer is not None:
                 m.checkpointer.close()
+    group.fail_all(RuntimeError("the group ended before this member did"))  # none expected
     result = GroupResult(
         group=spec.group,
         members=tuple(m.result for m in members if m.result is not None),
