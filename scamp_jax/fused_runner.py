@@ -160,28 +160,43 @@ class _Member:
         self.checkpointer: TrialCheckpointer | None = None
 
 
+def architecture_signature(space: SearchSpace, params: Mapping[str, Any],
+                           mesh: jax.sharding.Mesh | None = None) -> tuple[Any, Any]:
+    """What decides whether trials can share a fused step: ``(graphdef, shapes and dtypes of
+    every variable)`` of the model ``params`` builds (abstractly; nothing is allocated).
+
+    Two configurations with equal signatures compile to the same program, whatever their
+    optimizer hyperparameters; an engine groups queued trials by it.
+    """
+    def build() -> tuple[Any, Any]:
+        abstract = nnx.eval_shape(lambda: space.build(params, nnx.Rngs(0)))
+        return split_model(abstract)[0], jax.tree.map(lambda x: (x.shape, x.dtype),
+                                                      nnx.state(abstract))
+
+    if mesh is None:
+        return build()
+    with jax.set_mesh(mesh):
+        return build()
+
+
 def _check_architecture(space: SearchSpace, members: Sequence[MemberSpec],
                         mesh: jax.sharding.Mesh) -> nnx.GraphDef:
     """The members' common graph definition; raises if any member builds another program."""
-    graphdefs = []
+    signatures = []
     built: dict[str, Any] = {}  # configurations equal but for optimizer keys build once
-    with jax.set_mesh(mesh):
-        for m in members:
-            arch = repr(sorted((k, repr(v)) for k, v in m.params.items()
-                               if k not in OPTIMIZER_KEYS))
-            if arch not in built:
-                abstract = nnx.eval_shape(lambda m=m: space.build(m.params, nnx.Rngs(0)))
-                built[arch] = (split_model(abstract)[0], jax.tree.map(
-                    lambda x: (x.shape, x.dtype), nnx.state(abstract)))
-            graphdefs.append(built[arch])
-    for m, g in zip(members[1:], graphdefs[1:], strict=True):
-        if g != graphdefs[0]:
+    for m in members:
+        arch = repr(sorted((k, repr(v)) for k, v in m.params.items() if k not in OPTIMIZER_KEYS))
+        if arch not in built:
+            built[arch] = architecture_signature(space, m.params, mesh)
+        signatures.append(built[arch])
+    for m, g in zip(members[1:], signatures[1:], strict=True):
+        if g != signatures[0]:
             raise ValueError(
                 f"trial {m.number} ({dict(m.params)}) builds another architecture than trial "
                 f"{members[0].number} ({dict(members[0].params)}); a fused group holds trials "
                 "of one architecture only: run it in its own group"
             )
-    return graphdefs[0][0]
+    return signatures[0][0]
 
 
 def _take(tree: PyTree, index: np.ndarray, shardings: PyTree) -> PyTree:

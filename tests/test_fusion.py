@@ -277,3 +277,11 @@ def test_simulated_group_costs_grow_in_work_not_in_kernels():
     assert gains[0] == pytest.approx(1.0)
     assert all(1.0 < g <= k for g, k in zip(gains[1:], (2, 4, 8), strict=True))
     assert gains[1] < gains[2] < gains[3]
+
+
+def test_architecture_signature_ignores_training_hyperparameters():
+    from scamp_jax.fused_runner import architecture_signature
+
+    a = architecture_signature(SPACE, {"width": 16, "learning_rate": 1e-3})
+    assert a == architecture_signature(SPACE, {"width": 16, "learning_rate": 3e-2})
+    assert a != architecture_signature(SPACE, {"width": 32, "learning_rate": 1e-3})
