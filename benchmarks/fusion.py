@@ -216,6 +216,43 @@ def run(family: str, width: int, *, steps: int, batch: int, repeats: int, ray: b
     return out
 
 
+def simulate(family: str, widths: Sequence[int], batch: int, seed: int = 0) -> dict[str, Any]:
+    """Modelled throughput gain of a group vs width on the simulator's cluster presets.
+
+    Costs come from compiling the fused step at ``widths`` (`scamp_jax.sim_fusion`); the gain of
+    width ``K`` is ``K * step(1) / step(K)`` under the simulator's per-step model.
+    """
+    import dataclasses
+
+    import jax
+    from flax import nnx
+
+    from scamp_jax import planner
+    from scamp_jax._units import parse_bytes
+    from scamp_jax.runner import make_optimizer
+    from scamp_jax.sim_fusion import measure_fused_costs
+    from scamp_jax.simulator import CLUSTER_PRESETS, TrialProfile
+
+    experiment = _experiment(family)
+    hpo = dataclasses.replace(experiment.get_config("smoke"), seed=seed)
+    space, task = experiment.make_space_and_task(hpo)
+    arch = ARCHITECTURES[family]
+    model = nnx.eval_shape(lambda: space.build(arch, nnx.Rngs(0)))
+    kw = {"optimizer": make_optimizer({}), "loss_fn": task.loss_fn}
+    plan = planner.plan_mesh(model, task.sample_batch(1), devices=jax.devices()[:1],
+                             memory_per_device=parse_bytes(hpo.memory_per_device),
+                             max_batch_size=batch, **kw)
+    costs = measure_fused_costs(model, task.sample_batch(1), plan, batch_size=batch,
+                                widths=tuple(widths), **kw)
+    solo = TrialProfile(0, 1, plan.peak_bytes_per_device, batch, costs.flops[0],
+                        costs.bytes_accessed[0], 0.0, 1, kernels_per_step=costs.kernels[0])
+    gains = {name: {k: costs.throughput_gain(solo, cluster, k) for k in widths}
+             for name, cluster in CLUSTER_PRESETS.items()}
+    return {"family": family, "batch_size": batch, "widths": list(widths),
+            "flops": list(costs.flops), "bytes_accessed": list(costs.bytes_accessed),
+            "kernels": list(costs.kernels), "gain": gains}
+
+
 def _ray(family: str, members: Sequence[tuple[dict[str, Any], int, str]], steps: int,
          batch: int, budget: int, seed: int, metric: str, direction: str) -> dict[str, Any]:
     from benchmarks.ray_baseline import RayTrialSpec, import_ray, run_ray_baseline
@@ -282,6 +319,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--markdown", action="store_true", help="Markdown tables")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON report here")
+    p.add_argument("--simulate", action="store_true",
+                   help="only the modelled gain vs width on the simulator's cluster presets "
+                        "(compiles, trains nothing)")
     args = p.parse_args(argv)
     if args.width < 1 or args.repeats < 1:
         p.error(f"--width {args.width} and --repeats {args.repeats} must be at least 1")
@@ -290,6 +330,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     configure_cpu_devices(CPU_DEVICES)
     d = DEFAULTS[args.family]
+    if args.simulate:
+        widths = sorted({1, 2, args.width, 2 * args.width})
+        report = simulate(args.family, widths, args.batch or d["batch"])
+        from benchmarks._tables import print_table
+
+        print_table(
+            f"{args.family}: modelled trials/s of a fused group over one trial, batch "
+            f"{report['batch_size']} (kernels per step {report['kernels']})",
+            ["cluster", *(f"K={k}" for k in widths)],
+            [[name, *(f"{g[k]:.2f}x" for k in widths)] for name, g in report["gain"].items()],
+            args.markdown)
+        if args.json:
+            print(json.dumps(report, indent=2))
+        return report
     report = run(args.family, args.width, steps=args.steps or d["steps"],
                  batch=args.batch or d["batch"], repeats=args.repeats, ray=args.ray,
                  concurrent=not args.no_concurrent)
