@@ -164,8 +164,13 @@ def measure_fused_costs(
         ).compile(compiler.compiler_options)
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
+        text = compiled.as_text()
+        if not cost or text is None:
+            raise RuntimeError(
+                f"XLA on {plan.devices[0].platform} gives no cost analysis or HLO text for the "
+                "compiled step; measure fused costs on a backend that does (CPU, GPU, TPU)")
         flops.append(float(cost.get("flops", 0.0)))
         traffic.append(float(cost.get("bytes accessed", 0.0)))
-        kernels.append(entry_kernels(compiled.as_text()))
+        kernels.append(entry_kernels(text))
     return FusedCostModel(batch_size=batch_size, widths=tuple(widths), flops=tuple(flops),
                           bytes_accessed=tuple(traffic), kernels=tuple(kernels))
