@@ -446,15 +446,18 @@ def plan_fusion(
     usable = plan.usable_bytes
     compiler = FusedStepCompiler(model, sample_batch, plan, optimizer, loss_fn)
     first_batch = batch_size if batch_size is not None else dp
-    one = compiler.estimate(1, first_batch)
-    if one.peak > usable:
+    # The cap usually fits (small candidates): then one compile decides the width.
+    if compiler.estimate(max_width, first_batch).peak <= usable:
+        width = max_width
+    elif (one := compiler.estimate(1, first_batch)).peak > usable:
         raise DoesNotFitError(
             f"one fused member needs {one.peak} bytes ({format_bytes(one.peak)}) per device at "
             f"batch {first_batch} but {usable} ({format_bytes(usable)}) are usable; use more "
             "devices or more memory_per_device",
             bytes_needed=one.peak, bytes_available=usable)
-    width = _largest_fitting(lambda k: compiler.estimate(k, first_batch).peak, 1, max_width, 1,
-                             usable)
+    else:
+        width = _largest_fitting(lambda k: compiler.estimate(k, first_batch).peak, 1,
+                                 max_width, 1, usable)
     batch = first_batch
     if batch_size is None:
         batch = _largest_fitting(lambda b: compiler.estimate(width, b).peak, dp,

@@ -216,6 +216,7 @@ def test_batch_is_sized_after_the_width():
     fp = plan_fusion(model, task.sample_batch(1), max_width=4, devices=jax.devices()[:1],
                      memory_per_device=BUDGET, max_batch_size=512, **kw)
     assert fp.width == 4 and fp.batch_size == 512  # the generous budget fits the caps
+    assert fp.compiles == 2  # the width cap, then the batch cap: both fit at once
 
 
 def test_bad_width_is_refused():
