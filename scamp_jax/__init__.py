@@ -16,6 +16,14 @@ from scamp_jax.engine import SearchEngine as SearchEngine
 from scamp_jax.engine import SearchResult as SearchResult
 from scamp_jax.entry import run_study as run_study
 from scamp_jax.evaluation import ChunkedEvalTask as ChunkedEvalTask
+from scamp_jax.fused_runner import GroupResult as GroupResult
+from scamp_jax.fused_runner import GroupSpec as GroupSpec
+from scamp_jax.fused_runner import MemberSpec as MemberSpec
+from scamp_jax.fused_runner import run_fused_group as run_fused_group
+from scamp_jax.fusion import FusionPlan as FusionPlan
+from scamp_jax.fusion import jit_fused_step as jit_fused_step
+from scamp_jax.fusion import make_fused_step as make_fused_step
+from scamp_jax.fusion import plan_fusion as plan_fusion
 from scamp_jax.memory import MemoryEstimate as MemoryEstimate
 from scamp_jax.memory import MemoryModel as MemoryModel
 from scamp_jax.memory import estimate_memory as estimate_memory
@@ -70,6 +78,10 @@ __all__ = [
     "EngineConfig",
     "FixedPolicy",
     "FunctionTask",
+    "FusionPlan",
+    "GroupResult",
+    "GroupSpec",
+    "MemberSpec",
     "MemoryEstimate",
     "MemoryModel",
     "OptunaTrialSource",
@@ -97,8 +109,10 @@ __all__ = [
     "estimate_memory",
     "fit_memory_model",
     "format_bytes",
+    "jit_fused_step",
     "jit_train_step",
     "make_mesh",
+    "make_fused_step",
     "make_policy",
     "make_train_step",
     "min_devices",
@@ -107,7 +121,9 @@ __all__ = [
     "param_partition_specs",
     "parse_bytes",
     "place_train_state",
+    "plan_fusion",
     "plan_mesh",
+    "run_fused_group",
     "run_search",
     "run_study",
     "split_model",

@@ -19,6 +19,9 @@ EXPECTED = {
     "FunctionTask", "run_study",
     # planning cost: plan cache, compile counting, the planner's compiled step
     "CompileCounter", "CompiledStep", "PlanCache",
+    # horizontal fusion
+    "FusionPlan", "GroupResult", "GroupSpec", "MemberSpec", "jit_fused_step", "make_fused_step",
+    "plan_fusion", "run_fused_group",
 }
 
 

@@ -1,0 +1,471 @@
+"""Horizontal fusion: ``K`` trials of one architecture trained by one compiled program.
+
+Trials that share a device by running side by side take turns on its compute; small candidates
+leave most of it idle. Fusing ``K`` trials of the same architecture into one step (as HFTA,
+MLSys 2021, does for PyTorch) turns ``K`` small programs into one ``K`` times wider program.
+
+The fused step is ``jax.vmap`` of the project's own training step
+(`scamp_jax.train_step.make_train_step`) over a leading *member* axis:
+
+- parameters, optimizer state and other model state (RNG counters) are stacked, shape
+  ``(K, ...)`` per leaf;
+- per-member hyperparameters (``learning_rate``, ``weight_decay``, ``b1``, ``b2``) live in the
+  stacked optimizer state (``optax.inject_hyperparams``), so they are vmapped data, not constants;
+- every member draws its own seeded data stream; the batch is ``(K, B, ...)`` per leaf, ``B``
+  (samples per member) shared by the group;
+- an ``active`` mask of shape ``(K,)`` keeps a stopped member's state unchanged (a pruned or
+  failed member stops learning while the others go on).
+
+Because every member's computation is the solo step's, a member trained in a group follows its
+solo run: same initial parameters (same seed), same batches, same updates, up to the rounding of
+vmapped kernels (the test measures it).
+
+Planning (`plan_fusion`) sizes a group as the planner sizes a trial: from compiling the fused
+step on abstract arguments and reading XLA's memory analysis: the widest ``K`` (up to a cap) that
+fits the device budget, then the largest per-member batch at that width.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from scamp_jax import sharding as sh
+from scamp_jax._units import format_bytes
+from scamp_jax.memory import CPU_FAST_COMPILE, MemoryEstimate
+from scamp_jax.planner import DoesNotFitError, Plan, plan_mesh, resolve_budget, resolve_devices
+from scamp_jax.train_step import (
+    LossFn,
+    StepShardings,
+    abstract_state,
+    default_loss,
+    default_optimizer,
+    make_train_step,
+    split_model,
+)
+
+PyTree = Any
+#: ``fused(params, opt_state, rest, batch, active) -> (params, opt_state, rest, losses)``.
+FusedStep = Callable[
+    [PyTree, PyTree, PyTree, PyTree, jax.Array], tuple[PyTree, PyTree, PyTree, jax.Array]
+]
+#: Name of the leading member axis in docs and errors (it is not a mesh axis).
+MEMBER_AXIS_DOC = "member"
+
+
+# --------------------------------------------------------------------------- the fused step
+
+
+def _is_key(x: Any) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _keep(active: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
+    """``new`` where the member is active, else ``old`` (leading axis = members)."""
+    if _is_key(new):
+        data = _keep(active, jax.random.key_data(new), jax.random.key_data(old))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(new))
+    mask = active.reshape((active.shape[0],) + (1,) * (new.ndim - 1))
+    return jnp.where(mask, new, old)
+
+
+def make_fused_step(
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    loss_fn: LossFn = default_loss,
+) -> FusedStep:
+    """The pure fused step: `make_train_step`'s step vmapped over the leading member axis.
+
+    ``fused(params, opt_state, rest, batch, active)`` takes every state leaf stacked ``(K, ...)``,
+    every batch leaf ``(K, B, ...)`` and ``active`` a ``(K,)`` bool array, and returns the updated
+    ``(params, opt_state, rest)`` (inactive members unchanged) and the ``(K,)`` float32 losses
+    before the update (an inactive member's loss is computed but means nothing).
+    """
+    step = make_train_step(graphdef, optimizer, loss_fn)
+    vstep = jax.vmap(step)
+
+    def fused(params: PyTree, opt_state: PyTree, rest: PyTree, batch: PyTree,
+              active: jax.Array):
+        new_params, new_opt, new_rest, losses = vstep(params, opt_state, rest, batch)
+        keep = lambda new, old: _keep(active, new, old)  # noqa: E731
+        return (jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt, opt_state),
+                jax.tree.map(keep, new_rest, rest), losses)
+
+    return fused
+
+
+def _stack_sharding(s: Any) -> Any:
+    if not isinstance(s, NamedSharding):
+        raise TypeError(f"fused shardings need NamedShardings, got {s!r}")
+    return NamedSharding(s.mesh, PartitionSpec(None, *s.spec), memory_kind=s.memory_kind)
+
+
+def stack_shardings(shardings: StepShardings) -> StepShardings:
+    """Shardings of the fused step's arguments from a member's (`StepShardings`).
+
+    Every spec gains a leading unsharded member axis: each device holds all ``K`` members'
+    shards of a parameter, and the per-member batch ``B`` stays split over ``'data'``.
+    """
+    def stack(tree: PyTree) -> PyTree:
+        return jax.tree.map(_stack_sharding, tree, is_leaf=lambda x: isinstance(x, NamedSharding))
+
+    return StepShardings(params=stack(shardings.params), opt_state=stack(shardings.opt_state),
+                         rest=stack(shardings.rest), batch=stack(shardings.batch))
+
+
+def jit_fused_step(
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    loss_fn: LossFn,
+    shardings: StepShardings,
+) -> jax.stages.Wrapped:
+    """`make_fused_step` jitted with a member's ``shardings`` (stacked by `stack_shardings`).
+
+    ``params`` and ``opt_state`` are donated; ``active`` and the losses are replicated.
+    """
+    stacked = stack_shardings(shardings)
+    replicated = shardings.replicated()
+    return jax.jit(
+        make_fused_step(graphdef, optimizer, loss_fn),
+        in_shardings=(stacked.params, stacked.opt_state, stacked.rest, stacked.batch, replicated),
+        out_shardings=(stacked.params, stacked.opt_state, stacked.rest, replicated),
+        donate_argnums=(0, 1),
+    )
+
+
+def stack_abstract(tree: PyTree, width: int) -> PyTree:
+    """``ShapeDtypeStruct`` tree of ``tree`` with a leading member axis of ``width``."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((width, *x.shape), x.dtype), tree)
+
+
+def stack_batches(batches: Sequence[PyTree]) -> PyTree:
+    """One ``(K, B, ...)`` numpy batch from the members' ``(B, ...)`` batches, in member order."""
+    return jax.tree.map(lambda *xs: np.stack(xs), *batches)
+
+
+def member_slice(tree: PyTree, index: int) -> PyTree:
+    """Member ``index`` of a stacked state tree (each leaf ``x[index]``)."""
+    return jax.tree.map(lambda x: x[index], tree)
+
+
+def hyperparam_arrays(
+    optimizer_keys: Sequence[str], configs: Sequence[Mapping[str, Any]]
+) -> dict[str, np.ndarray]:
+    """Per-member optimizer hyperparameters as ``(K,)`` float32 arrays, by name.
+
+    A key is taken if any configuration sets it; then every configuration must set it (the
+    group's members share one optimizer structure, and a default would differ from their
+    solo runs only silently).
+    """
+    out: dict[str, np.ndarray] = {}
+    for name in optimizer_keys:
+        have = [name in c for c in configs]
+        if not any(have):
+            continue
+        if not all(have):
+            missing = [i for i, h in enumerate(have) if not h]
+            raise ValueError(
+                f"hyperparameter {name!r} is set by some group members but not by members "
+                f"{missing}; give every member a value (or none) so they share one optimizer"
+            )
+        out[name] = np.asarray([float(c[name]) for c in configs], np.float32)
+    return out
+
+
+def set_hyperparams(opt_state: Any, values: Mapping[str, Any]) -> Any:
+    """Write ``values`` into an ``optax.inject_hyperparams`` state (same dtypes as before)."""
+    hyper = getattr(opt_state, "hyperparams", None)
+    if hyper is None:
+        raise TypeError(
+            "the optimizer state has no hyperparams; build the optimizer with "
+            "optax.inject_hyperparams so per-member values are data"
+        )
+    for name, value in values.items():
+        if name not in hyper:
+            raise KeyError(
+                f"optimizer has no injectable hyperparameter {name!r}; it has {sorted(hyper)}"
+            )
+        hyper[name] = jnp.asarray(value, dtype=hyper[name].dtype)
+    return opt_state
+
+
+def fused_initial_state(
+    build: Callable[[nnx.Rngs], nnx.Module],
+    optimizer: optax.GradientTransformation,
+    seeds: Sequence[int],
+    hyperparams: Mapping[str, np.ndarray],
+    shardings: StepShardings,
+    mesh: jax.sharding.Mesh,
+) -> tuple[PyTree, PyTree, PyTree]:
+    """Stacked ``(params, opt_state, rest)`` of ``len(seeds)`` members, made on the devices.
+
+    Member ``i`` is ``build(nnx.Rngs(seeds[i]))`` with the optimizer state of its parameters and
+    hyperparameters ``{name: values[i]}``: the state its solo run starts from. ``shardings`` are a
+    member's (stacked here). One vmapped, jitted initialisation for the whole group.
+    """
+    stacked = stack_shardings(shardings)
+
+    def init(seed: jax.Array, hyper: Mapping[str, jax.Array]) -> tuple[PyTree, PyTree, PyTree]:
+        # nnx.Rngs(int) seeds with jax.random.key(int); a traced seed must be made a key here.
+        _, params, rest = split_model(build(nnx.Rngs(jax.random.key(seed))))
+        return params, set_hyperparams(optimizer.init(params), hyper), rest
+
+    with jax.set_mesh(mesh):
+        return jax.jit(
+            jax.vmap(init), out_shardings=(stacked.params, stacked.opt_state, stacked.rest)
+        )(jnp.asarray(_seed_array(seeds)), dict(hyperparams))
+
+
+def _seed_array(seeds: Sequence[int]) -> np.ndarray:
+    for s in seeds:
+        if not 0 <= int(s) < 2**31:
+            raise ValueError(f"seed {s} is outside [0, 2**31); use e.g. runner.trial_seed")
+    return np.asarray(seeds, np.int32)
+
+
+# --------------------------------------------------------------------------- planning
+
+
+@dataclass(frozen=True)
+class FusionPlan:
+    """How to train a group of ``width`` members of one architecture on a plan's devices.
+
+    Attributes:
+      plan: a member's `Plan` (mesh, degrees, shardings); its ``batch_size`` is the solo plan's.
+      width: members in the group, ``K``.
+      batch_size: samples per member per step (``B``, a multiple of ``plan.data_parallel``).
+      peak_bytes_per_device: compiled peak of the fused step at ``(width, batch_size)``, bytes.
+      estimate: the memory breakdown of that compile (per-device bytes of all members).
+      compiled_peaks: ``(width, batch, peak bytes)`` of every fused compile, in search order.
+      planning_seconds, compiles: what fused planning cost (seconds; fused compiles, on top of
+        the member plan's own).
+    """
+
+    plan: Plan
+    width: int
+    batch_size: int
+    peak_bytes_per_device: int
+    estimate: MemoryEstimate
+    compiled_peaks: tuple[tuple[int, int, int], ...] = ()
+    planning_seconds: float = field(default=0.0, compare=False)
+    compiles: int = field(default=0, compare=False)
+
+    @property
+    def step_shardings(self) -> StepShardings:
+        """A member's shardings (stack them with `stack_shardings` for the fused arrays)."""
+        return self.plan.step_shardings
+
+    @property
+    def usable_bytes(self) -> int:
+        """Bytes per device the group may use (the member plan's budget less its margin)."""
+        return self.plan.usable_bytes
+
+    def with_devices(self, devices: Sequence[jax.Device]) -> FusionPlan:
+        """The same group decision on other devices of the same count (`Plan.with_devices`)."""
+        return FusionPlan(self.plan.with_devices(devices), self.width, self.batch_size,
+                          self.peak_bytes_per_device, self.estimate, self.compiled_peaks,
+                          self.planning_seconds, self.compiles)
+
+    def describe(self) -> str:
+        """A short human-readable summary."""
+        return (f"fused group of {self.width} x batch {self.batch_size} on "
+                f"{len(self.plan.devices)} device(s) (data {self.plan.data_parallel} x model "
+                f"{self.plan.model_parallel}): peak {format_bytes(self.peak_bytes_per_device)} of "
+                f"{format_bytes(self.usable_bytes)} usable per device; "
+                f"{self.compiles} compiles, {self.planning_seconds:.2f} s")
+
+
+class FusedStepCompiler:
+    """Compiles the fused step on abstract arguments for a member plan; allocates nothing."""
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        sample_batch: PyTree,
+        plan: Plan,
+        optimizer: optax.GradientTransformation | None = None,
+        loss_fn: LossFn | None = None,
+    ) -> None:
+        self.plan = plan
+        self.sample_batch = sample_batch
+        self.optimizer = optimizer if optimizer is not None else default_optimizer()
+        self.graphdef = split_model(model)[0]
+        self.params, self.opt_state, self.rest = abstract_state(model, self.optimizer)
+        self.shardings = plan.step_shardings
+        self._step = jit_fused_step(self.graphdef, self.optimizer,
+                                    loss_fn if loss_fn is not None else default_loss,
+                                    self.shardings)
+        platforms = {d.platform for d in plan.devices}
+        self.compiler_options = dict(CPU_FAST_COMPILE) if platforms == {"cpu"} else None
+        self.seen: dict[tuple[int, int], MemoryEstimate] = {}
+
+    @property
+    def data_parallel(self) -> int:
+        """The member plan's data-parallel degree (per-member batches are multiples of it)."""
+        return self.plan.data_parallel
+
+    def estimate(self, width: int, batch_size: int) -> MemoryEstimate:
+        """Per-device memory of the fused step for ``width`` members of ``batch_size`` samples.
+
+        ``MemoryEstimate.batch_size`` is the per-member batch; byte fields hold all members.
+        """
+        if (width, batch_size) in self.seen:
+            return self.seen[(width, batch_size)]
+        dp = self.data_parallel
+        if width < 1 or batch_size < 1 or batch_size % dp:
+            raise ValueError(
+                f"{width=} must be >= 1 and {batch_size=} a positive multiple of the "
+                f"data-parallel degree {dp}; use {max(1, -(-batch_size // dp)) * dp}"
+            )
+        stacked = stack_shardings(self.shardings)
+        params = stack_abstract(self.params, width)
+        opt_state = stack_abstract(self.opt_state, width)
+        rest = stack_abstract(self.rest, width)
+        batch = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((width, batch_size, *x.shape[1:]), x.dtype),
+            self.sample_batch,
+        )
+        active = jax.ShapeDtypeStruct((width,), jnp.bool_)
+        start = time.perf_counter()
+        compiled = self._step.lower(params, opt_state, rest, batch, active).compile(
+            self.compiler_options
+        )
+        seconds = time.perf_counter() - start
+        stats = compiled.memory_analysis()
+        if stats is None:
+            raise RuntimeError(
+                f"XLA on {self.plan.devices[0].platform} gives no memory analysis, so a fused "
+                "group cannot be sized there; plan on a backend that does (CPU, GPU, TPU)"
+            )
+        temp, argument = int(stats.temp_size_in_bytes), int(stats.argument_size_in_bytes)
+        output, alias = int(stats.output_size_in_bytes), int(stats.alias_size_in_bytes)
+        peak = temp + argument + output - alias
+        p_bytes = sh.bytes_per_device(params, stacked.params)
+        o_bytes = sh.bytes_per_device(opt_state, stacked.opt_state)
+        r_bytes = sh.bytes_per_device(rest, stacked.rest)
+        inputs = sh.bytes_per_device(batch, stacked.batch)
+        estimate = MemoryEstimate(
+            batch_size=batch_size, params=p_bytes, grads=p_bytes, opt_state=o_bytes,
+            rest=r_bytes, inputs=inputs,
+            activations_and_temps=peak - p_bytes - o_bytes - r_bytes - inputs, peak=peak,
+            temp=temp, argument=argument, output=output, alias=alias, compile_seconds=seconds,
+        )
+        self.seen[(width, batch_size)] = estimate
+        return estimate
+
+
+def _largest_fitting(peak: Callable[[int], int], lo: int, cap: int, unit: int,
+                     usable: int) -> int:
+    """Largest multiple of ``unit`` in ``[lo, cap]`` whose ``peak`` fits ``usable``.
+
+    ``lo`` must fit. Memory is close to affine in the width and in the batch, so the cap is tried
+    first, then false-position guesses through the bracket's ends, alternating with bisection
+    so that a kink in the curve cannot stall the search.
+    """
+    if peak(cap) <= usable:
+        return cap
+    hi = cap
+    secant = True
+    while hi - lo > unit:
+        p_lo, p_hi = peak(lo), peak(hi)
+        guess = lo + ((hi - lo) // unit // 2) * unit
+        if secant and p_hi > p_lo:
+            line = lo + int((usable - p_lo) * (hi - lo) / (p_hi - p_lo))
+            guess = min(max((line // unit) * unit, lo + unit), hi - unit)
+        secant = not secant
+        lo, hi = (guess, hi) if peak(guess) <= usable else (lo, guess)
+    return lo
+
+
+def plan_fusion(
+    model: nnx.Module,
+    sample_batch: PyTree,
+    *,
+    max_width: int,
+    devices: Sequence[jax.Device] | int | None = None,
+    memory_per_device: int | float | str | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+    loss_fn: LossFn | None = None,
+    safety_margin: float = 0.1,
+    batch_size: int | None = None,
+    max_batch_size: int | None = None,
+    plan: Plan | None = None,
+) -> FusionPlan:
+    """Size a fused group of ``model``: the widest group up to ``max_width``, then its batch.
+
+    Args:
+      model: a Flax NNX module, real or abstract (``nnx.eval_shape``).
+      sample_batch: one member's batch shapes ``(B, ...)`` (only per-sample shapes are used).
+      max_width: the most members wanted in the group (``K`` cap), >= 1.
+      devices, memory_per_device, optimizer, loss_fn, safety_margin: as for
+        `scamp_jax.planner.plan_mesh`, which makes the member plan (mesh, model-parallel degree,
+        shardings) unless ``plan`` is given.
+      batch_size: fix the per-member batch (e.g. the study's batch, so members match their solo
+        runs); None: the largest batch that fits at the chosen width, up to the member plan's.
+      max_batch_size: cap of the member plan's batch (``plan_mesh``'s).
+      plan: a member plan to reuse (skips ``plan_mesh``).
+
+    Returns:
+      A `FusionPlan`: the widest ``K <= max_width`` whose compiled fused step fits at
+      ``batch_size`` (or at one sample per data-parallel group when not fixed), then the largest
+      per-member batch at that ``K``.
+
+    Raises:
+      DoesNotFitError: not even one member fits at that batch.
+      ValueError: bad arguments.
+    """
+    start = time.perf_counter()
+    if isinstance(max_width, bool) or not isinstance(max_width, int) or max_width < 1:
+        raise ValueError(f"{max_width=} must be a positive int (the most members in a group)")
+    if plan is None:
+        devs = resolve_devices(devices)
+        budget = resolve_budget(memory_per_device, devs)
+        cap = batch_size if batch_size is not None else max_batch_size
+        plan = plan_mesh(model, sample_batch, devices=devs, memory_per_device=budget,
+                         optimizer=optimizer, loss_fn=loss_fn, safety_margin=safety_margin,
+                         max_batch_size=cap)
+    dp = plan.data_parallel
+    if batch_size is not None and (batch_size < 1 or batch_size % dp):
+        raise ValueError(f"{batch_size=} must be a positive multiple of the data-parallel degree "
+                         f"{dp}; use {max(1, -(-batch_size // dp)) * dp}")
+    if batch_size is not None and batch_size > plan.batch_size:
+        raise DoesNotFitError(
+            f"a single member needs more than the budget at {batch_size=}: the member plan fits "
+            f"at most {plan.batch_size} samples; lower the batch to {plan.batch_size} or use "
+            "more devices",
+            bytes_needed=plan.peak_bytes_per_device, bytes_available=plan.usable_bytes)
+    usable = plan.usable_bytes
+    compiler = FusedStepCompiler(model, sample_batch, plan, optimizer, loss_fn)
+    first_batch = batch_size if batch_size is not None else dp
+    # The cap usually fits (small candidates): then one compile decides the width.
+    if compiler.estimate(max_width, first_batch).peak <= usable:
+        width = max_width
+    elif (one := compiler.estimate(1, first_batch)).peak > usable:
+        raise DoesNotFitError(
+            f"one fused member needs {one.peak} bytes ({format_bytes(one.peak)}) per device at "
+            f"batch {first_batch} but {usable} ({format_bytes(usable)}) are usable; use more "
+            "devices or more memory_per_device",
+            bytes_needed=one.peak, bytes_available=usable)
+    else:
+        width = _largest_fitting(lambda k: compiler.estimate(k, first_batch).peak, 1,
+                                 max_width, 1, usable)
+    batch = first_batch
+    if batch_size is None:
+        batch = _largest_fitting(lambda b: compiler.estimate(width, b).peak, dp,
+                                 plan.batch_size, dp, usable)
+    estimate = compiler.estimate(width, batch)
+    return FusionPlan(
+        plan=plan, width=width, batch_size=batch, peak_bytes_per_device=estimate.peak,
+        estimate=estimate,
+        compiled_peaks=tuple((k, b, e.peak) for (k, b), e in compiler.seen.items()),
+        planning_seconds=time.perf_counter() - start, compiles=len(compiler.seen),
+    )

@@ -1,0 +1,176 @@
+"""Cost model of a fused group for the cluster simulator: step time and throughput vs width.
+
+A fused group's step (`scamp_jax.fusion`) is one program whose FLOPs and memory traffic grow
+with the number of members ``K`` while the number of kernels it launches does not (vmap widens
+each kernel instead of repeating it). Under the simulator's per-step model (`scamp_jax.simulator`:
+roofline busy time + collectives + kernel launches), a group of ``K`` therefore trains ``K``
+trials in less than ``K`` solo steps whenever launches or an underused device dominate a solo
+step, which is the case for the small candidates of an HPO study.
+
+`measure_fused_costs` compiles the fused step at a few widths (the planner's compiles: same step,
+shardings and options) and reads XLA's ``cost_analysis()`` and the kernels of the compiled
+program; `FusedCostModel` fits them as affine in ``K`` and gives a group's `TrialProfile`, so a
+simulated study can schedule a group as one trial and credit it ``K`` finished trials.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import optax
+from flax import nnx
+
+from scamp_jax.fusion import FusedStepCompiler, stack_abstract
+from scamp_jax.planner import Plan
+from scamp_jax.simulator import ClusterModel, TrialProfile, step_seconds
+from scamp_jax.train_step import LossFn
+
+#: HLO instructions of an entry computation that launch no kernel.
+_NOT_KERNELS = frozenset({
+    "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "opt-barrier",
+    "after-all", "partition-id", "replica-id",
+})
+_OP = re.compile(r"\s([a-z][a-z0-9\-]*)\(")
+
+
+def entry_kernels(hlo_text: str) -> int:
+    """Kernels launched by the entry computation of compiled HLO text (one per instruction
+    that is not a parameter, constant, tuple access or bitcast)."""
+    start = hlo_text.find("ENTRY")
+    if start < 0:
+        raise ValueError("the HLO text has no ENTRY computation; pass compiled.as_text()")
+    entry = hlo_text[start:]
+    end = entry.find("\n}")
+    count = 0
+    for line in entry[: end if end >= 0 else len(entry)].splitlines()[1:]:
+        if "=" not in line:
+            continue
+        match = _OP.search(line.split("=", 1)[1])
+        if match is not None and match.group(1) not in _NOT_KERNELS:
+            count += 1
+    return count
+
+
+@dataclass(frozen=True)
+class FusedCostModel:
+    """Per-device cost of a fused step as affine functions of the width ``K``.
+
+    Measured at a fixed per-member batch ``batch_size`` on one member plan's mesh.
+
+    Attributes:
+      batch_size: samples per member per step.
+      widths: the widths compiled, increasing.
+      flops, bytes_accessed, kernels: measured per-device FLOPs, memory traffic (bytes) and
+        kernels of the compiled fused step at each of ``widths``.
+    """
+
+    batch_size: int
+    widths: tuple[int, ...]
+    flops: tuple[float, ...]
+    bytes_accessed: tuple[float, ...]
+    kernels: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.widths)
+        if n < 2 or sorted(set(self.widths)) != list(self.widths):
+            raise ValueError(f"widths={self.widths} must be at least two increasing widths")
+        if not len(self.flops) == len(self.bytes_accessed) == len(self.kernels) == n:
+            raise ValueError("flops, bytes_accessed and kernels need one value per width")
+
+    def _fit(self, values: Sequence[float], width: int) -> float:
+        """Affine through the two measured widths nearest ``width`` (never below zero)."""
+        ws = self.widths
+        i = max(0, min(len(ws) - 2, sum(w <= width for w in ws) - 1))
+        (w0, w1), (y0, y1) = ws[i : i + 2], values[i : i + 2]
+        slope = (y1 - y0) / (w1 - w0)
+        return max(0.0, y0 + slope * (width - w0))
+
+    def group_profile(self, solo: TrialProfile, width: int,
+                      bytes_per_device: int | None = None) -> TrialProfile:
+        """The `TrialProfile` of ``width`` fused trials like ``solo`` (same devices, batch, steps).
+
+        FLOPs, traffic and kernels come from the fit; collectives scale with the members'
+        stacked gradients (``width`` times the solo bytes); memory is ``bytes_per_device`` (a
+        `scamp_jax.fusion.FusionPlan`'s peak) or, when not given, ``width`` times the solo peak
+        (an upper bound: members share the step's fixed buffers).
+        """
+        if width < 1:
+            raise ValueError(f"{width=} must be at least 1")
+        if solo.batch_size != self.batch_size:
+            raise ValueError(
+                f"the solo trial trains batch {solo.batch_size}, the cost model was measured at "
+                f"{self.batch_size} per member; measure it at the trial's batch"
+            )
+        peak = bytes_per_device if bytes_per_device is not None else solo.bytes_per_device * width
+        return TrialProfile(
+            key=solo.key, devices=solo.devices, bytes_per_device=peak,
+            batch_size=solo.batch_size, flops_per_step=self._fit(self.flops, width),
+            bytes_accessed_per_step=self._fit(self.bytes_accessed, width),
+            comm_bytes_per_step=solo.comm_bytes_per_step * width, steps=solo.steps,
+            kernels_per_step=round(self._fit(self.kernels, width)),
+            setup_seconds=solo.setup_seconds,
+        )
+
+    def throughput_gain(self, solo: TrialProfile, cluster: ClusterModel, width: int) -> float:
+        """Trials per second of a group of ``width`` over one member alone, on ``cluster``:
+        ``width * step_seconds(group of 1) / step_seconds(group of width)`` (both from the
+        fit, so the solo and fused costs come from the same compiles)."""
+        one = self.group_profile(solo, 1)
+        return width * step_seconds(one, cluster) / step_seconds(
+            self.group_profile(solo, width), cluster)
+
+
+def measure_fused_costs(
+    model: nnx.Module,
+    sample_batch: Any,
+    plan: Plan,
+    *,
+    batch_size: int,
+    widths: Sequence[int] = (1, 2, 4),
+    optimizer: optax.GradientTransformation | None = None,
+    loss_fn: LossFn | None = None,
+) -> FusedCostModel:
+    """Compile the fused step of ``model`` at ``widths`` on ``plan``'s mesh and read its costs.
+
+    Args:
+      model: abstract Flax NNX module (``nnx.eval_shape``).
+      sample_batch: one member's batch shapes ``(B, ...)``.
+      plan: a member plan (`scamp_jax.planner.plan_mesh`); its mesh and shardings are used.
+      batch_size: samples per member.
+      widths: at least two increasing widths to compile.
+      optimizer, loss_fn: what the members train with.
+
+    Returns:
+      A `FusedCostModel` with per-device FLOPs, bytes accessed and kernels per width.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    compiler = FusedStepCompiler(model, sample_batch, plan, optimizer, loss_fn)
+    flops, traffic, kernels = [], [], []
+    for width in widths:
+        compiler.estimate(width, batch_size)  # memory as the planner sees it, and the compile
+        batch = jax.tree.map(
+            lambda x, w=width: jax.ShapeDtypeStruct((w, batch_size, *x.shape[1:]), x.dtype),
+            sample_batch)
+        # The same lowering and options as the estimate, so JAX reuses its executable.
+        compiled = compiler._step.lower(
+            stack_abstract(compiler.params, width), stack_abstract(compiler.opt_state, width),
+            stack_abstract(compiler.rest, width), batch,
+            jax.ShapeDtypeStruct((width,), jnp.bool_),
+        ).compile(compiler.compiler_options)
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        text = compiled.as_text()
+        if not cost or text is None:
+            raise RuntimeError(
+                f"XLA on {plan.devices[0].platform} gives no cost analysis or HLO text for the "
+                "compiled step; measure fused costs on a backend that does (CPU, GPU, TPU)")
+        flops.append(float(cost.get("flops", 0.0)))
+        traffic.append(float(cost.get("bytes accessed", 0.0)))
+        kernels.append(entry_kernels(text))
+    return FusedCostModel(batch_size=batch_size, widths=tuple(widths), flops=tuple(flops),
+                          bytes_accessed=tuple(traffic), kernels=tuple(kernels))

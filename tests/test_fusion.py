@@ -1,0 +1,288 @@
+"""Horizontal fusion: a fused member trains exactly as its solo run; groups are sized by compiling.
+
+The solo reference is the project's own trial runner (`scamp_jax.runner.run_trial`) on the same
+member plan; the candidates are `test_runner`'s MLP regression (and a small ViT).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import pytest
+from flax import nnx
+from test_runner import BUDGET, SPACE, Regression, make_plan
+
+from scamp_jax import planner
+from scamp_jax.fused_runner import GroupSpec, MemberSpec, run_fused_group
+from scamp_jax.fusion import FusedStepCompiler, FusionPlan, plan_fusion
+from scamp_jax.runner import RunSpec, StepCache, TrialStatus, make_optimizer, run_trial
+
+#: relative tolerance of fused against solo (loss curve and held-out score).
+RTOL = 1e-5
+
+
+@dataclass
+class RecordingStatus(TrialStatus):
+    """A `TrialStatus` that keeps every loss the runner writes (the solo loss curve)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "curve", [])
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The runner writes the step's loss, then the step: record the pair at the step.
+        if name == "step" and value > 0 and getattr(self, "state", "") == "training":
+            self.curve.append((int(value), float(self.loss)))
+        object.__setattr__(self, name, value)
+
+
+def group_plan(plan: Any, width: int) -> FusionPlan:
+    """A fused plan of ``width`` members at ``plan``'s batch, sized by the real planner."""
+    key = (len(plan.devices), plan.batch_size, width)
+    if key not in _PLANS:
+        _PLANS[key] = _group_plan(plan, width)
+    return _PLANS[key].with_devices(plan.devices)
+
+
+_PLANS: dict[tuple[int, int, int], FusionPlan] = {}
+
+
+def _group_plan(plan: Any, width: int) -> FusionPlan:
+    model = nnx.eval_shape(lambda: SPACE.build({"width": 16}, nnx.Rngs(0)))
+    return plan_fusion(model, Regression().sample_batch(1), max_width=width, plan=plan,
+                       batch_size=plan.batch_size, optimizer=make_optimizer({}),
+                       loss_fn=Regression().loss_fn)
+
+
+def solo(config: dict[str, Any], seed: int, plan: Any, steps: int, cache: StepCache,
+         **kw: Any) -> tuple[Any, list[tuple[int, float]]]:
+    status = RecordingStatus(0, config)
+    spec = RunSpec(number=0, params=config, plan=plan, steps=steps, memory_per_device=BUDGET,
+                   seed=seed, log_every=1, **kw)
+    result = run_trial(spec, SPACE, Regression(), status=status, cache=cache)
+    assert result.state == "complete", result.reason
+    return result, status.curve
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(a), abs(b), 1e-30)
+
+
+MEMBERS = [({"width": 16, "learning_rate": lr}, seed)
+           for lr, seed in ((1e-3, 11), (3e-3, 22), (1e-2, 33), (3e-2, 44))]
+
+
+def test_fused_members_match_their_solo_runs():
+    """Four members (different learning rates and seeds) follow their solo runs step by step."""
+    steps = 40
+    plan = make_plan({"width": 16}, jax.devices()[:1], max_batch=16)
+    gplan = group_plan(plan, 4)
+    assert gplan.width == 4 and gplan.batch_size == plan.batch_size
+    members = tuple(MemberSpec(i, cfg, seed) for i, (cfg, seed) in enumerate(MEMBERS))
+    group = run_fused_group(GroupSpec(7, members, gplan, steps, BUDGET, log_every=1),
+                            SPACE, Regression())
+    cache = StepCache()
+    worst = 0.0
+    for i, (cfg, seed) in enumerate(MEMBERS):
+        ref, curve = solo(cfg, seed, plan, steps, cache)
+        fused = group.members[i]
+        assert fused.state == "complete", fused.reason
+        assert [s for s, _ in group.losses[i]] == [s for s, _ in curve] == list(range(1, steps + 1))
+        for (_, a), (_, b) in zip(group.losses[i], curve, strict=True):
+            worst = max(worst, rel(a, b))
+            assert rel(a, b) <= RTOL, (i, a, b)
+        assert rel(fused.metrics["mse"], ref.metrics["mse"]) <= RTOL
+        worst = max(worst, rel(fused.metrics["mse"], ref.metrics["mse"]))
+    print(f"max relative difference fused vs solo: {worst:.3g}")
+    # Different learning rates and seeds really train differently.
+    finals = [r.metrics["mse"] for r in group.members]
+    assert len({round(v, 6) for v in finals}) == 4
+    assert group.widths == (4,)
+    records = group.records()
+    assert {r["fused_group"] for r in records} == {7} and records[0]["fusion_width"] == 4
+
+
+def test_a_pruned_member_stops_and_the_others_match_their_solo_runs(tmp_path):
+    """Pruning one member at an evaluation freezes it; the group re-forms without it."""
+    steps, every = 30, 10
+    plan = make_plan({"width": 16}, jax.devices()[:1], max_batch=16)
+    members = tuple(MemberSpec(10 + i, cfg, seed, checkpoint_dir=tmp_path / f"m{i}")
+                    for i, (cfg, seed) in enumerate(MEMBERS[:3]))
+    reports: list[tuple[int, int]] = []
+
+    def report(number: int, step: int, value: float) -> bool:
+        reports.append((number, step))
+        return number == 11 and step == every
+
+    group = run_fused_group(
+        GroupSpec(1, members, group_plan(plan, 4), steps, BUDGET, eval_every=every,
+                  checkpoint_every=every, log_every=5),
+        SPACE, Regression(), report=report, results_path=tmp_path / "group.json")
+    states = [r.state for r in group.members]
+    assert states == ["complete", "pruned", "complete"], [r.reason for r in group.members]
+    assert group.members[1].steps == every
+    assert group.widths == (3, 2)  # re-formed without the pruned member
+    assert (11, 2 * every) not in reports and (10, 2 * every) in reports
+    cache = StepCache()
+    for i in (0, 2):
+        ref, _ = solo(dict(MEMBERS[i][0]), MEMBERS[i][1], plan, steps, cache)
+        assert rel(group.members[i].metrics["mse"], ref.metrics["mse"]) <= RTOL
+    # As in a solo run, a member pruned at an evaluation does not save that step.
+    saved = {i: sorted(int(p.name) for p in (tmp_path / f"m{i}").iterdir() if p.name.isdigit())
+             for i in range(3)}
+    assert saved == {0: [20, 30], 1: [], 2: [20, 30]}
+    assert (tmp_path / "group.json").is_file()
+
+
+def test_member_checkpoint_resumes_solo_and_in_a_group(tmp_path):
+    """A member's checkpoint is its solo run's: an interrupted group resumes to the same end."""
+    steps = 20
+    plan = make_plan({"width": 16}, jax.devices()[:1], max_batch=16)
+    members = tuple(MemberSpec(i, cfg, seed, checkpoint_dir=tmp_path / f"m{i}")
+                    for i, (cfg, seed) in enumerate(MEMBERS[:2]))
+    stop = threading.Event()
+    gspec = GroupSpec(2, members, group_plan(plan, 4), steps, BUDGET, log_every=1)
+    seen: list[int] = []
+
+    def on_loss(number: int, step: int, loss: float) -> None:
+        seen.append(step)
+        if step == 8:
+            stop.set()
+
+    first = run_fused_group(gspec, SPACE, Regression(), stop=stop, on_loss=on_loss)
+    assert [r.state for r in first.members] == ["interrupted"] * 2
+    again = run_fused_group(gspec, SPACE, Regression())
+    assert [r.resumed_from for r in again.members] == [8, 8]
+    cache = StepCache()
+    for i, (cfg, seed) in enumerate(MEMBERS[:2]):
+        ref, _ = solo(cfg, seed, plan, steps, cache)
+        assert rel(again.members[i].metrics["mse"], ref.metrics["mse"]) <= RTOL
+    # Solo resume from a member's checkpoint (the same leaves the solo runner saves).
+    resumed = run_trial(RunSpec(0, MEMBERS[0][0], plan, steps + 5, BUDGET, seed=MEMBERS[0][1],
+                                checkpoint_dir=tmp_path / "m0"), SPACE, Regression(),
+                        cache=cache)
+    assert resumed.state == "complete" and resumed.resumed_from == steps
+
+
+def test_members_of_another_architecture_are_refused():
+    plan = make_plan({"width": 16}, jax.devices()[:1], max_batch=16)
+    members = (MemberSpec(0, {"width": 16, "learning_rate": 1e-2}),
+               MemberSpec(1, {"width": 32, "learning_rate": 1e-2}))
+    group = run_fused_group(GroupSpec(0, members, group_plan(plan, 4), 5, BUDGET), SPACE,
+                            Regression())
+    assert [r.state for r in group.members] == ["failed"] * 2
+    assert "another architecture" in group.members[0].reason
+
+
+def test_a_diverging_member_fails_alone():
+    plan = make_plan({"width": 16}, jax.devices()[:1], max_batch=16)
+    members = (MemberSpec(0, {"width": 16, "learning_rate": 1e-2}, 1),
+               MemberSpec(1, {"width": 16, "learning_rate": 1e30}, 2))
+    group = run_fused_group(GroupSpec(0, members, group_plan(plan, 4), 30, BUDGET, log_every=1),
+                            SPACE, Regression())
+    assert group.members[0].state == "complete", group.members[0].reason
+    assert group.members[1].state == "failed" and "loss is" in group.members[1].reason
+
+
+def test_width_is_the_widest_that_fits_by_compiled_memory():
+    """The planner's width: the fused step fits at it (compiled) and not at one more member."""
+    model = nnx.eval_shape(lambda: SPACE.build({"width": 64}, nnx.Rngs(0)))
+    task = Regression()
+    kw = {"optimizer": make_optimizer({}), "loss_fn": task.loss_fn}
+    member = planner.plan_mesh(model, task.sample_batch(1), devices=jax.devices()[:1],
+                               memory_per_device=BUDGET, max_batch_size=256, **kw)
+    compiler = FusedStepCompiler(model, task.sample_batch(1), member, **kw)
+    one, two = compiler.estimate(1, 256).peak, compiler.estimate(2, 256).peak
+    per_member = two - one
+    assert per_member > 0
+    # A budget for about 5.5 members: the planner must find 5 of at most 16.
+    budget = int((one + 4.5 * per_member) / 0.9)
+    member = dataclasses.replace(member, memory_per_device=budget)
+    fp = plan_fusion(model, task.sample_batch(1), max_width=16, plan=member, batch_size=256, **kw)
+    peaks = {(k, b): p for k, b, p in fp.compiled_peaks}
+    assert fp.peak_bytes_per_device <= fp.usable_bytes
+    assert (fp.width + 1, 256) in peaks and peaks[(fp.width + 1, 256)] > fp.usable_bytes
+    assert fp.width == 5
+    assert fp.compiles <= 6
+
+
+def test_batch_is_sized_after_the_width():
+    model = nnx.eval_shape(lambda: SPACE.build({"width": 64}, nnx.Rngs(0)))
+    task = Regression()
+    kw = {"optimizer": make_optimizer({}), "loss_fn": task.loss_fn}
+    fp = plan_fusion(model, task.sample_batch(1), max_width=4, devices=jax.devices()[:1],
+                     memory_per_device=BUDGET, max_batch_size=512, **kw)
+    assert fp.width == 4 and fp.batch_size == 512  # the generous budget fits the caps
+    assert fp.compiles == 2  # the width cap, then the batch cap: both fit at once
+
+
+def test_bad_width_is_refused():
+    model = nnx.eval_shape(lambda: SPACE.build({"width": 16}, nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="max_width=0 must be a positive int"):
+        plan_fusion(model, Regression().sample_batch(1), max_width=0, devices=1,
+                    memory_per_device=BUDGET)
+
+
+@pytest.mark.slow  # ViT compiles: about a minute on 2 free cores, several on a busy machine
+def test_vit_members_match_their_solo_runs():
+    """A small ViT group of two (different learning rates and seeds) against its solo runs."""
+    from search_spaces import vit
+
+    space, task = vit.space("small"), vit.SyntheticClassification(eval_size=64)
+    arch = {"patch_size": 8, "embed_dim": 32, "depth": 1, "num_heads": 2, "mlp_ratio": 2.0}
+    configs = [({**arch, "learning_rate": 1e-3}, 5), ({**arch, "learning_rate": 3e-3}, 6)]
+    model = nnx.eval_shape(lambda: space.build(arch, nnx.Rngs(0)))
+    kw = {"optimizer": make_optimizer({}), "loss_fn": task.loss_fn}
+    plan = planner.plan_mesh(model, task.sample_batch(1), devices=jax.devices()[:1],
+                             memory_per_device=BUDGET, max_batch_size=8, **kw)
+    gplan = plan_fusion(model, task.sample_batch(1), max_width=2, plan=plan, batch_size=8, **kw)
+    steps = 6
+    group = run_fused_group(
+        GroupSpec(0, tuple(MemberSpec(i, c, s) for i, (c, s) in enumerate(configs)), gplan,
+                  steps, BUDGET, log_every=1), space, task)
+    cache = StepCache()
+    for i, (cfg, seed) in enumerate(configs):
+        status = RecordingStatus(i, cfg)
+        ref = run_trial(RunSpec(i, cfg, plan, steps, BUDGET, seed=seed, log_every=1), space,
+                        task, status=status, cache=cache)
+        member = group.members[i]
+        assert ref.state == member.state == "complete", (ref.reason, member.reason)
+        for (_, a), (_, b) in zip(group.losses[i], status.curve, strict=True):
+            assert rel(a, b) <= RTOL, (i, a, b)
+        assert rel(member.metrics["loss"], ref.metrics["loss"]) <= RTOL
+        assert member.metrics["accuracy"] == ref.metrics["accuracy"]
+
+
+def test_simulated_group_costs_grow_in_work_not_in_kernels():
+    """From the compiled fused step: FLOPs grow with the width, launched kernels do not, so a
+    small candidate's group trains more trials per second on a modelled V100 than one trial."""
+    from scamp_jax.sim_fusion import measure_fused_costs
+    from scamp_jax.simulator import TrialProfile, cluster_preset
+
+    model = nnx.eval_shape(lambda: SPACE.build({"width": 64}, nnx.Rngs(0)))
+    task = Regression()
+    plan = make_plan({"width": 64}, jax.devices()[:1], max_batch=16)
+    costs = measure_fused_costs(model, task.sample_batch(1), plan, batch_size=16,
+                                widths=(1, 4), optimizer=make_optimizer({}),
+                                loss_fn=task.loss_fn)
+    f1, f4 = costs.flops
+    assert 3.5 * f1 <= f4 <= 4.5 * f1
+    assert costs.kernels[1] <= 1.5 * costs.kernels[0]
+    solo = TrialProfile(0, 1, plan.peak_bytes_per_device, 16, f1, costs.bytes_accessed[0], 0.0,
+                        100, kernels_per_step=costs.kernels[0])
+    v100 = cluster_preset("v100-16gb")
+    gains = [costs.throughput_gain(solo, v100, k) for k in (1, 2, 4, 8)]
+    assert gains[0] == pytest.approx(1.0)
+    assert all(1.0 < g <= k for g, k in zip(gains[1:], (2, 4, 8), strict=True))
+    assert gains[1] < gains[2] < gains[3]
+
+
+def test_architecture_signature_ignores_training_hyperparameters():
+    from scamp_jax.fused_runner import architecture_signature
+
+    a = architecture_signature(SPACE, {"width": 16, "learning_rate": 1e-3})
+    assert a == architecture_signature(SPACE, {"width": 16, "learning_rate": 3e-2})
+    assert a != architecture_signature(SPACE, {"width": 32, "learning_rate": 1e-3})
