@@ -151,6 +151,19 @@ def make_optimizer(params: Mapping[str, Any]) -> optax.GradientTransformation:
     )
 
 
+def _resumable_step(checkpointer: TrialCheckpointer, steps: int) -> int | None:
+    """Newest checkpointed step of at most ``steps`` (None: none).
+
+    A checkpoint of a longer run (more steps than this one asks for) holds weights trained
+    past ``steps``; resuming from it would report a longer training as this one.
+    """
+    latest = checkpointer.latest_step()
+    if latest is None or latest <= steps:
+        return latest
+    saved = (int(p.name) for p in checkpointer.directory.iterdir() if p.name.isdigit())
+    return max((s for s in saved if s <= steps), default=None)
+
+
 def trial_seed(seed: int, checkpoint_key: str) -> int:
     """A per-trial seed that a re-run of an interrupted trial shares (keyed by checkpoint key)."""
     return (seed * 1_000_003 + zlib.crc32(checkpoint_key.encode())) % (2**31 - 1)
@@ -308,11 +321,11 @@ def _run(
     checkpointer = TrialCheckpointer(spec.checkpoint_dir) if spec.checkpoint_dir else None
     saving = checkpointer is not None and spec.save_checkpoints
     treedef = jax.tree.structure((params, opt_state, rest))
-    if checkpointer is not None and checkpointer.latest_step() is not None:
+    resume = _resumable_step(checkpointer, spec.steps) if checkpointer is not None else None
+    if resume is not None:
         # Resume: restore onto this placement's shardings (the devices may differ from before).
-        first, leaves = checkpointer.restore(jax.tree.leaves((params, opt_state, rest)))
+        first, leaves = checkpointer.restore(jax.tree.leaves((params, opt_state, rest)), resume)
         params, opt_state, rest = jax.tree.unflatten(treedef, leaves)
-        first = min(first, spec.steps)
 
     batches = _batches(task, plan.batch_size, seed, spec.batch_share)
     for _ in range(first):  # keep the data stream identical to an uninterrupted run

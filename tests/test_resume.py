@@ -133,3 +133,38 @@ def test_kill_9_then_rerun_loses_and_repeats_nothing(tmp_path, cli):
     assert resumed.user_attrs["checkpoint_key"] == trials[victim].user_attrs["checkpoint_key"]
     results = (study_dir / "results.csv").read_text().splitlines()
     assert len(results) == 1 + TRIALS  # header + one row per trial number, interrupted left out
+
+
+def test_a_checkpoint_of_more_steps_is_not_reported_as_fewer(tmp_path):
+    """Resuming with fewer steps than the checkpointed run reached restores a step within them."""
+    import threading
+
+    import jax
+    from test_runner import SPACE, Regression, make_plan, spec
+
+    from scamp_jax.runner import load_model, run_trial
+
+    config = {"width": 32, "learning_rate": 1e-2}
+    plan = make_plan(config, jax.devices()[:2])
+    clean = run_trial(spec(config, plan, steps=25, checkpoint_dir=tmp_path / "clean",
+                           checkpoint_every=10), SPACE, Regression())
+    assert clean.state == "complete", clean.reason
+
+    stop = threading.Event()
+
+    def report(number: int, step: int, value: float) -> bool:
+        if step == 35:
+            stop.set()  # interrupted after the step-30 checkpoint of a 40-step run
+        return False
+
+    longer = run_trial(spec(config, plan, steps=40, checkpoint_dir=tmp_path / "b",
+                            checkpoint_every=10, eval_every=5), SPACE, Regression(),
+                       report=report, stop=stop)
+    assert longer.state == "interrupted", longer.reason
+    shorter = run_trial(spec(config, plan, steps=25, checkpoint_dir=tmp_path / "b",
+                             checkpoint_every=10), SPACE, Regression())
+    assert shorter.state == "complete", shorter.reason
+    assert shorter.resumed_from <= 25
+    assert shorter.metrics["mse"] == pytest.approx(clean.metrics["mse"], rel=1e-5)
+    model = load_model(shorter.checkpoint, SPACE, config)
+    assert Regression().evaluate(model)["mse"] == pytest.approx(clean.metrics["mse"], rel=1e-5)
