@@ -389,6 +389,14 @@ def _counts_towards_total(trial: FrozenTrial) -> bool:
     return trial.state == TrialState.FAIL and bool(reason) and reason != INTERRUPTED
 
 
+def _relative(path: str, root: Path) -> str:
+    """``path`` relative to ``root`` if it lies inside it, else unchanged."""
+    try:
+        return str(Path(path).resolve().relative_to(root))
+    except ValueError:
+        return path
+
+
 class OptunaTrialSource:
     """`TrialSource` over an Optuna study; safe to call from several threads and processes.
 
@@ -404,16 +412,23 @@ class OptunaTrialSource:
       space: the search space whose ``suggest`` draws configurations.
       n_trials: the study's total number of trials (finished ones from earlier runs count).
       poll_seconds: seconds between looks at other processes' trials while waiting for them.
+      root: the study's directory; a told ``checkpoint`` attribute under it is stored relative
+        to it, so a copied study folder still finds its checkpoints.
+      recover_running: fail every trial left ``RUNNING`` now and queue it again, without
+        waiting for its heartbeat to go stale: only for a process that owns the study alone
+        (e.g. one MPI job whose ranks die together), or a study without a heartbeat.
     """
 
     def __init__(self, study: optuna.Study, space: SearchSpace, n_trials: int, *,
-                 poll_seconds: float = 1.0) -> None:
+                 poll_seconds: float = 1.0, root: str | Path | None = None,
+                 recover_running: bool = False) -> None:
         if n_trials < 1:
             raise ValueError(f"{n_trials=} must be at least 1")
         self.study = study
         self.space = space
         self.n_trials = n_trials
         self.poll_seconds = poll_seconds
+        self.root = None if root is None else Path(root).resolve()
         opened = _OPENED.get(study)
         self._storage = opened.storage if opened else None
         self._reseed = opened.reseed if opened else None
@@ -432,7 +447,14 @@ class OptunaTrialSource:
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
         with self._lock:
+            if recover_running:
+                self._recover_running()
             self._fail_stale()
+
+    @property
+    def has_liveness(self) -> bool:
+        """Whether the study's storage has a heartbeat (opened by `open_study`)."""
+        return self._storage is not None
 
     # -- liveness -------------------------------------------------------------------------------
     def _fail_stale(self) -> None:
@@ -446,6 +468,17 @@ class OptunaTrialSource:
         after = {t.number for t in self.study.get_trials(deepcopy=False,
                                                          states=(TrialState.RUNNING,))}
         self.recovered.extend(sorted(before - after - set(self._live)))
+
+    def _recover_running(self) -> None:
+        """Fail every ``RUNNING`` trial (public ``tell``) and queue a retry of each."""
+        for trial in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            try:
+                frozen = self.study.tell(trial.number, state=TrialState.FAIL)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue  # finished meanwhile by its own process
+            with _quiet_optuna():
+                _retry_callback()(self.study, frozen)
+            self.recovered.append(trial.number)
 
     def _beat_hearts(self) -> None:
         assert self._storage is not None
@@ -472,6 +505,14 @@ class OptunaTrialSource:
         if self._beat is not None:
             self._beat.join()
 
+    def is_live(self, number: int) -> bool:
+        """Whether trial ``number`` was asked here and not yet told."""
+        return number in self._live
+
+    def live_numbers(self) -> list[int]:
+        """Numbers of the trials asked here and not yet told."""
+        return sorted(self._live)
+
     # -- counting -------------------------------------------------------------------------------
     def _counts(self) -> tuple[int, int]:
         trials = self.study.get_trials(deepcopy=False)
@@ -490,11 +531,12 @@ class OptunaTrialSource:
             return max(0, self.n_trials - finished - running)
 
     # -- ask-and-tell ---------------------------------------------------------------------------
-    def ask(self) -> AskedTrial | None:
+    def ask(self, attrs: Mapping[str, Any] | None = None) -> AskedTrial | None:
         """Next configuration (a queued retry first), or ``None`` once the total is reached.
 
-        With nothing of its own running while other processes' trials run, waits for them to
-        finish (then ``None``) or to go stale (then their retries are asked).
+        ``attrs`` (JSON-serialisable) are stored with the trial. With nothing of its own running
+        while other processes' trials run, a study with a heartbeat waits for them to finish
+        (then ``None``) or to go stale (then their retries are asked).
         """
         while True:
             with self._lock:
@@ -507,8 +549,10 @@ class OptunaTrialSource:
                             trial = self.study.ask()
                         self._start_heartbeat(trial.number)
                 if trial is not None:
+                    for key, value in (attrs or {}).items():
+                        trial.set_user_attr(key, value)
                     return self._suggest(trial)
-                if self._live or running == 0:
+                if self._live or running == 0 or not self.has_liveness:
                     return None
             time.sleep(self.poll_seconds)
 
@@ -546,6 +590,8 @@ class OptunaTrialSource:
             self._ids.pop(outcome.number, None)
             try:
                 for key, value in outcome.attrs.items():
+                    if key == "checkpoint" and value and self.root is not None:
+                        value = _relative(value, self.root)
                     trial.set_user_attr(key, value)
                 reason = outcome.reason or ("failed" if outcome.state == "failed" else "")
                 if reason or trial.user_attrs.get(FAIL_REASON):
