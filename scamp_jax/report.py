@@ -9,9 +9,10 @@ directory, so a copied study folder still finds them.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,24 @@ def write_results(
     """
     study_dir = Path(study_dir)
     study_dir.mkdir(parents=True, exist_ok=True)
+    with _locked(study_dir / "results.lock"):  # processes sharing the study append in turn
+        return _write_results(study_dir, records, metric, direction, run)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    import fcntl
+
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _write_results(study_dir: Path, records: Sequence[Mapping[str, Any]], metric: str,
+                   direction: str, run: Mapping[str, Any] | None) -> tuple[Path, Path]:
     best = best_record(records, metric, direction)
     runs = read_runs(study_dir)
     if run is not None:
