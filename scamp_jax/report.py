@@ -179,13 +179,11 @@ def combined_timeline(
                 intervals.append([])
             intervals[device] += [(int(t), offset + s, offset + e, int(b)) for t, s, e, b in spans]
         series = timeline.get("memory_series")
-        if series and series[0]:
-            times += [offset + t for t in series[0]]
-            fractions += list(series[1])
+        start = offset
         offset += float(run.get("elapsed_s") or 0.0)
-        if times:  # the pool is empty between runs
-            times.append(offset)
-            fractions.append(0.0)
+        if series and series[0]:
+            times += [start + t for t in series[0]] + [offset]
+            fractions += list(series[1]) + [0.0]  # the pool is empty between runs
     return intervals, ((times, fractions) if times else None), offset
 
 

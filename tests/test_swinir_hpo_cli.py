@@ -189,3 +189,39 @@ def test_bad_training_images_are_named(tmp_path):
     _one_line_error(cli("--train-dir", str(train), "--study-dir", str(study)), "tiny.png",
                     "8x8 pixels")
     assert not (study / "study.db").exists()
+
+
+def test_sigterm_exits_143_and_ctrl_c_130(capsys):
+    import signal
+
+    from experiments._cli import user_errors
+
+    with pytest.raises(SystemExit) as exit_info, user_errors():
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.sigtimedwait([], 0)  # let the handler run before leaving the block
+    assert exit_info.value.code == 143
+    assert "terminated" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info, user_errors():
+        raise KeyboardInterrupt
+    assert exit_info.value.code == 130
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(
+        signal.getsignal(signal.SIGTERM))
+
+
+def test_the_record_only_grows(tmp_path):
+    from scamp_jax import report
+
+    row = {"number": 0, "params": {}, "state": "complete", "mse": 1.0}
+    first = {"elapsed_s": 10.0, "timeline": {"intervals": [[[0, 0.0, 10.0, 5]]],
+                                             "memory_series": [[0.0], [0.5]]}}
+    second = {"elapsed_s": 4.0, "interrupted": True}
+    third = {"elapsed_s": 2.0, "timeline": {"intervals": [[[1, 0.0, 2.0, 5]]],
+                                            "memory_series": [[0.0], [0.25]]}}
+    for run in (first, second, third):
+        report.write_results(tmp_path, [row], metric="mse", direction="minimize", run=run)
+    payload = json.loads((tmp_path / "results.json").read_text())
+    assert [r["elapsed_s"] for r in payload["runs"]] == [10.0, 4.0, 2.0]
+    assert payload["run"]["elapsed_s"] == 2.0
+    intervals, memory, elapsed = report.combined_timeline(payload["runs"])
+    assert intervals == [[(0, 0.0, 10.0, 5), (1, 14.0, 16.0, 5)]] and elapsed == 16.0
+    assert memory == ([0.0, 10.0, 14.0, 16.0], [0.5, 0.0, 0.25, 0.0])
