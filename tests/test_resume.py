@@ -47,7 +47,7 @@ class Settings:
     pruner: str = "none"
     seed: int = 0
     study_dir: str = {study_dir!r}
-    storage: str | None = None
+    storage: str | None = {storage!r}
     checkpoint_every: int = 30
     eval_every: int = 0
     heartbeat_interval: int = 1    # a killed process's trial is retried 3 s after its last beat
@@ -59,7 +59,7 @@ run_search(SPACE, Regression(), Settings(), devices=jax.devices()[:2],
 
 
 def _start(study_dir: Path, cli: bool = False, trials: int = TRIALS,
-           steps: int = 300) -> subprocess.Popen:
+           steps: int = 300, storage: str | None = None) -> subprocess.Popen:
     """The driver over the MLP stand-in, or (``cli``) the SwinIR entry point's smoke preset."""
     if cli:
         # Eight devices per trial under the fixed policy: trials run one after another.
@@ -68,7 +68,7 @@ def _start(study_dir: Path, cli: bool = False, trials: int = TRIALS,
                    "--sampler", "random", "--study-dir", str(study_dir), "--no-live"]
     else:
         command = ["-c", DRIVER.format(tests=str(TESTS), trials=trials, steps=steps,
-                                       study_dir=str(study_dir))]
+                                       study_dir=str(study_dir), storage=storage)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)  # each process sets up its own devices
     return subprocess.Popen([sys.executable, *command], cwd=ROOT, env=env,
