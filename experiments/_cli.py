@@ -233,8 +233,8 @@ def check_storage(url: str | None, study_dir: str | Path) -> None:
             fail(f"--storage {url!r}: {parsed.drivername!r} is not a supported database; pass "
                  f"a URL like {example}")
         except ModuleNotFoundError as err:
-            extra = ("pip install 'scamp-jax[postgres]'" if parsed.get_backend_name() ==
-                     "postgresql" else f"pip install {err.name}")
+            extra = ("pip install 'scamp-jax[postgres]'" if (err.name or "").startswith("psycopg")
+                     else f"pip install {err.name}")
             fail(f"--storage {url!r} needs the database driver {err.name!r}, which is not "
                  f"installed; {extra}")
         except (ArgumentError, TypeError, ValueError) as err:
