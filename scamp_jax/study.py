@@ -549,17 +549,17 @@ class OptunaTrialSource:
                             trial = self.study.ask()
                         self._start_heartbeat(trial.number)
                 if trial is not None:
-                    for key, value in (attrs or {}).items():
-                        trial.set_user_attr(key, value)
-                    return self._suggest(trial)
+                    return self._suggest(trial, attrs or {})
                 if self._live or running == 0 or not self.has_liveness:
                     return None
             time.sleep(self.poll_seconds)
 
-    def _suggest(self, trial: optuna.Trial) -> AskedTrial:
+    def _suggest(self, trial: optuna.Trial, attrs: Mapping[str, Any]) -> AskedTrial:
         if self._reseed is not None:  # a fresh seed per trial number: reruns do not replay
             self.study.sampler = self._reseed(trial.number)
-        params = self.space.suggest(trial)
+        params = self.space.suggest(trial)  # first: a trial killed before it has no params
+        for name, value in attrs.items():
+            trial.set_user_attr(name, value)
         key = trial.user_attrs.get(CHECKPOINT_KEY)
         if key is None:
             origin = None

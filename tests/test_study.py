@@ -35,9 +35,9 @@ SPACE = SearchSpace("toy", suggest, build=lambda c, r: None,
 
 
 def source(tmp_path, n_trials: int, sampler: str = "tpe", seed: int = 0, heartbeat: int = 10):
-    """A trial source on the study in ``tmp_path`` (grace period: twice ``heartbeat`` s)."""
+    """A trial source on the study in ``tmp_path`` (grace period: three times ``heartbeat`` s)."""
     study = open_study("toy", study_dir=tmp_path, sampler=sampler, seed=seed, grid=SPACE.grid,
-                       heartbeat_interval=heartbeat, grace_period=2 * heartbeat)
+                       heartbeat_interval=heartbeat, grace_period=3 * heartbeat)
     return OptunaTrialSource(study, SPACE, n_trials, poll_seconds=0.2)
 
 
@@ -104,7 +104,7 @@ def test_trials_of_a_dead_process_are_retried_after_the_grace_period(tmp_path):
     src.tell(TrialOutcome(done.number, "complete", value=2.0))
     lost = src.ask()
     src.close()  # the process dies here: its trial stays RUNNING and its heartbeat stops
-    time.sleep(2.5)  # past the 2 s grace period
+    time.sleep(5)  # past the 3 s grace period (SQLite times are whole seconds)
     again = source(tmp_path, 3, heartbeat=1)
     assert again.recovered == [lost.number]
     old = again.study.get_trials()[lost.number]
@@ -122,7 +122,7 @@ def test_a_live_process_keeps_its_trials(tmp_path):
     """A second process neither fails nor re-runs the first one's running trials."""
     first = source(tmp_path, 2, heartbeat=1)
     mine = first.ask()
-    time.sleep(2.5)  # longer than the grace period: only the heartbeat keeps the trial alive
+    time.sleep(3.5)  # longer than the grace period: only the heartbeat keeps the trial alive
     second = source(tmp_path, 2, heartbeat=1)
     theirs = second.ask()
     assert second.recovered == [] and theirs.number != mine.number
