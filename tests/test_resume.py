@@ -191,7 +191,11 @@ def test_two_processes_finish_one_study_together(tmp_path):
     keys = [t.user_attrs["checkpoint_key"] for t in trials]
     assert len(set(keys)) == 4  # no checkpoint folder shared
     assert len({tuple(sorted(t.params.items())) for t in trials}) == 4  # no repeated config
-    runs = json.loads((study_dir / "results.json").read_text())["runs"]
+    payload = json.loads((study_dir / "results.json").read_text())
+    for row in payload["trials"]:  # relative to the study, so a copied folder finds them
+        assert not Path(row["checkpoint"]).is_absolute()
+        assert (study_dir / row["checkpoint"]).is_dir()
+    runs = payload["runs"]
     assert len(runs) == 2  # each process appended its own run
     assert sum(r["trials_this_run"] for r in runs) == 4
     assert all(r["trials_this_run"] >= 1 for r in runs), runs  # both did work
