@@ -175,10 +175,10 @@ def open_storage(
     """Optuna's RDB storage of the study, with a heartbeat that retries dead processes' trials.
 
     ``heartbeat_interval`` and ``grace_period`` are seconds (Optuna takes whole seconds). Two
-    processes opening a new SQLite file at once race to create its tables; the loser sees
-    "table ... already exists" and opens it again once the winner has committed.
+    processes opening a new database at once race to create its tables; the loser sees "already
+    exists" (or a duplicate key) and opens it again once the winner has committed.
     """
-    from sqlalchemy.exc import OperationalError
+    from sqlalchemy.exc import DBAPIError
 
     if heartbeat_interval < 1 or grace_period <= heartbeat_interval:
         raise ValueError(
@@ -187,12 +187,14 @@ def open_storage(
     url = storage_url(study_dir, storage)
     for attempt in range(attempts):
         try:
-            return optuna.storages.RDBStorage(
-                url, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
-                heartbeat_stale_trial_callback=_retry_callback(),
-            )
-        except OperationalError as err:
-            if "already exists" not in str(err) or attempt == attempts - 1:
+            with _quiet_optuna():
+                return optuna.storages.RDBStorage(
+                    url, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
+                    heartbeat_stale_trial_callback=_retry_callback(),
+                )
+        except DBAPIError as err:  # SQLite: "already exists"; PostgreSQL: a duplicate type
+            racing = "already exists" in str(err) or "duplicate key" in str(err)
+            if not racing or attempt == attempts - 1:
                 raise
             time.sleep(0.2 * (attempt + 1))
     raise AssertionError("unreachable")
