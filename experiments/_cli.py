@@ -1,16 +1,24 @@
-"""Flags and the run loop shared by the HPO entry points (``swinir_hpo``, ``vit_synthetic``).
+"""Flags, checks and the run loop shared by the HPO entry points (``swinir_hpo``,
+``vit_synthetic``), and the one handler of user mistakes every entry point uses.
 
 JAX initialises a backend only after the flags are read, so ``--devices`` can split the CPU
-into enough devices first.
+into enough devices first. Every mistake a user can make ends in one line,
+``error: <what is wrong>; <what to pass instead>`` with flag names, and exit status 2
+(`user_errors`); checks that need no study run before the study database is created
+(`check_study_dir`, `check_storage`), so a rejected command leaves nothing behind. Ctrl-C exits
+130 and SIGTERM 143 (128 + the signal), both after the running trials are checkpointed and
+``results.json`` is written.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import signal
 import sys
-from collections.abc import Callable, Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +66,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be 0 (off) or more")
+    return value
+
+
 def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir: str) -> None:
     """The flags every HPO entry point takes; unset flags keep the preset's value."""
     parser.add_argument("--preset", default="default", choices=list(presets),
@@ -93,7 +112,7 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
     parser.add_argument("--sampler", choices=SAMPLERS, help="Optuna sampler (seeded)")
     parser.add_argument("--pruner", choices=PRUNERS,
                         help="Optuna pruner fed by intermediate evaluations (--eval-every)")
-    parser.add_argument("--eval-every", type=int,
+    parser.add_argument("--eval-every", type=non_negative_int,
                         help="steps between intermediate evaluations reported to the pruner "
                         "(0: off)")
     parser.add_argument("--seed", type=int, help="seed of the sampler, initialisation and data")
@@ -101,7 +120,13 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
                         help=f"directory of the study database, checkpoints, results and plots "
                         f"(default {study_dir}); running again on it resumes the study")
     parser.add_argument("--storage",
-                        help="SQLAlchemy URL of the study (default: sqlite file in --study-dir)")
+                        help="SQLAlchemy URL of the study (default: sqlite file in --study-dir); "
+                        "e.g. postgresql+psycopg://user@host/db (pip install scamp-jax[postgres])")
+    parser.add_argument("--study-name",
+                        help="name of the study in the storage (default: the search space's); "
+                        "another name starts a new study, its outputs in --study-dir/NAME. "
+                        "A study keeps its preset, steps, seed and memory budget: a rerun with "
+                        "other values is refused")
     parser.add_argument("--no-live", action="store_true",
                         help="plain log lines instead of the live table")
 
@@ -111,7 +136,8 @@ def config_from_args(args: argparse.Namespace, base: HPOConfig, study_dir: str) 
     overrides = {}
     for name in ("trials", "steps", "devices", "memory_per_device", "policy", "devices_per_trial",
                  "max_batch_size", "min_batch_size", "elastic",
-                 "sampler", "pruner", "eval_every", "seed", "storage", "train_dir", "eval_dir"):
+                 "sampler", "pruner", "eval_every", "seed", "storage", "train_dir", "eval_dir",
+                 "study_name"):
         value = getattr(args, name, None)
         if value is not None:
             overrides[name] = value
@@ -131,6 +157,133 @@ def fail(message: str) -> None:
     raise SystemExit(2)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's kill), stopping the study like Ctrl-C does."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
+def check_study_dir(path: str | Path) -> None:
+    """Exit 2 unless ``--study-dir`` is (or can become) a writable directory; creates nothing."""
+    path = Path(path)
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if path.exists() and not path.is_dir():
+        fail(f"--study-dir {str(path)!r} is a file; pass a directory (it is created if missing)")
+    if not existing.is_dir():
+        fail(f"--study-dir {str(path)!r} is inside {str(existing)!r}, which is a file; pass a "
+             "directory")
+    try:  # a real write: permissions, read-only mounts and root's exceptions all count
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError:
+        fail(f"--study-dir {str(path)!r} is not writable ({str(existing)!r} is not); pass a "
+             "directory you can write to")
+
+
+def check_storage(url: str | None, study_dir: str | Path) -> None:
+    """Exit 2 if ``--storage`` is not a usable database URL, its driver is missing, or the
+    study's SQLite database is damaged; connects to nothing else and creates nothing."""
+    if url is not None:
+        import sqlalchemy
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+        example = "e.g. sqlite:///runs/study.db or postgresql+psycopg://user@host/db"
+        try:
+            parsed = make_url(url)
+        except ArgumentError:
+            fail(f"--storage {url!r} is not a database URL; pass one like {example}")
+        try:
+            sqlalchemy.create_engine(parsed)  # loads dialect and driver; connects to nothing
+        except NoSuchModuleError:
+            fail(f"--storage {url!r}: {parsed.drivername!r} is not a supported database; pass "
+                 f"a URL like {example}")
+        except ModuleNotFoundError as err:
+            extra = ("pip install 'scamp-jax[postgres]'" if (err.name or "").startswith("psycopg")
+                     else f"pip install {err.name}")
+            fail(f"--storage {url!r} needs the database driver {err.name!r}, which is not "
+                 f"installed; {extra}")
+        except (ArgumentError, TypeError, ValueError) as err:
+            fail(f"--storage {url!r} is not a usable database URL ({err}); pass one like "
+                 f"{example}")
+        if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+            return
+        database = Path(parsed.database)
+    else:
+        database = Path(study_dir) / "study.db"
+    if database.is_file():
+        problem = _sqlite_problem(database)
+        if problem:
+            fail(f"the study database {str(database)!r} is damaged ({problem}); restore it from "
+                 "a copy, or pass another --study-dir or --storage to start afresh")
+
+
+def _sqlite_problem(path: Path) -> str | None:
+    """What SQLite says is wrong with the database file at ``path`` (None: nothing)."""
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+            rows = conn.execute("PRAGMA quick_check").fetchall()
+    except sqlite3.DatabaseError as err:
+        return str(err)
+    if rows and rows[0][0] != "ok":
+        return f"database disk image is malformed: {rows[0][0]}"
+    return None
+
+
+def root_cause(err: BaseException) -> BaseException:
+    """The innermost exception that ``err`` was raised from (or during)."""
+    seen = {id(err)}
+    while True:
+        inner = err.__cause__ or err.__context__
+        if inner is None or id(inner) in seen:
+            return err
+        seen.add(id(inner))
+        err = inner
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn user mistakes into one line and exit status 2; Ctrl-C exits 130, SIGTERM 143.
+
+    Catches the library's error types for bad input (``ValueError``, ``TypeError``,
+    ``FileNotFoundError``, `scamp_jax.engine.BudgetTooSmallError`, a missing MPI, a damaged or
+    unreachable database) and prints ``error: <message>`` without a traceback. Installs the
+    SIGTERM handler. Any entry point (an argparse-based ``main``) can wrap its body in it.
+    """
+    from sqlalchemy.exc import SQLAlchemyError
+
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    except Terminated:
+        print("terminated: finished trials are in the study and results.json; run the same "
+              "command to resume", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGTERM) from None
+    except KeyboardInterrupt:
+        print("interrupted: finished trials are in the study and results.json; run the same "
+              "command to resume", file=sys.stderr)
+        raise SystemExit(130) from None
+    except SQLAlchemyError as err:
+        cause = getattr(err, "orig", None) or root_cause(err)
+        fail(f"the study database cannot be used ({cause}); check --storage and --study-dir, "
+             "or restore the database from a copy")
+    except (ValueError, TypeError, FileNotFoundError, NotADirectoryError,
+            PermissionError) as err:
+        fail(str(err))
+    except Exception as err:
+        if type(err).__name__ in ("BudgetTooSmallError", "MPIUnavailableError"):
+            fail(str(err))
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run(
     args: argparse.Namespace,
     config: HPOConfig,
@@ -139,53 +292,55 @@ def run(
     baseline: str | None,
     title: str,
 ) -> dict[str, Any]:
-    """Set up devices, build ``(space, task) = make(config)`` and run the study.
+    """Check the flags, set up devices, build ``(space, task) = make(config)``, run the study.
 
-    User errors (bad sizes, a budget too small for any candidate) exit with status 2 and a
-    one-line message; Ctrl-C exits with 130 after the running trials are checkpointed.
+    User errors exit with status 2 and a one-line message (`user_errors`); every check that
+    needs no study runs before the study database is created.
     """
+    with user_errors():
+        check_study_dir(config.study_dir)
+        check_storage(config.storage, config.study_dir)
+        return _run(args, config, make, baseline=baseline, title=title)
+
+
+def _run(
+    args: argparse.Namespace,
+    config: HPOConfig,
+    make: Callable[[HPOConfig], tuple[Any, Any]],
+    *,
+    baseline: str | None,
+    title: str,
+) -> dict[str, Any]:
     from scamp_jax.devices import configure_cpu_devices
 
     configure_cpu_devices(max(CPU_DEVICES, config.devices or 0))
     import jax
 
+    from scamp_jax import planner
+    from scamp_jax._units import parse_bytes
+    from scamp_jax.distributed.mpi import launched_under_mpi
+    from scamp_jax.search import run_search
+
+    devices = planner.resolve_devices(config.devices)
+    memory = config.memory_per_device
+    if getattr(args, "memory_per_device", None) is None and devices[0].platform != "cpu":
+        memory = None  # accelerators: the preset's CPU budget gives way to the device limit
+    if memory is None and devices[0].platform == "cpu":
+        fail(f"--preset {config.preset} takes each device's memory limit from the accelerator, "
+             "and CPU devices have none; pass --memory-per-device, e.g. --memory-per-device 1GiB")
+    if memory is not None:
+        parse_bytes(memory)
+    budget = planner.resolve_budget(memory, devices)
+    space, task = make(config)  # reads the image folders: before any study exists
     # Compiles dominate short trials on CPU; a resumed study finds them on disk.
     jax.config.update("jax_compilation_cache_dir", str(Path(config.study_dir) / "jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    from scamp_jax import planner
-    from scamp_jax._units import parse_bytes
-    from scamp_jax.distributed.mpi import MPIUnavailableError, launched_under_mpi
-    from scamp_jax.engine import BudgetTooSmallError
-    from scamp_jax.search import run_search
+    if launched_under_mpi():
+        # Several ranks: rank 0 serves the study, every rank runs trials on its devices.
+        from scamp_jax.distributed.engine import run_search_mpi
 
-    def terminate(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt  # SIGTERM (a scheduler's kill) stops like Ctrl-C: checkpointed
-
-    signal.signal(signal.SIGTERM, terminate)
-    try:
-        devices = planner.resolve_devices(config.devices)
-        memory = config.memory_per_device
-        if getattr(args, "memory_per_device", None) is None and devices[0].platform != "cpu":
-            memory = None  # accelerators: the preset's CPU budget gives way to the device limit
-        if memory is not None:
-            parse_bytes(memory)
-        budget = planner.resolve_budget(memory, devices)
-        space, task = make(config)
-        if launched_under_mpi():
-            # Several ranks: rank 0 serves the study, every rank runs trials on its devices.
-            from scamp_jax.distributed.engine import run_search_mpi
-
-            return run_search_mpi(space, task, config, devices=devices,
-                                  memory_per_device=budget, live=not args.no_live,
-                                  baseline=baseline, title=title)
-        return run_search(space, task, config, devices=devices, memory_per_device=budget,
-                          live=not args.no_live, baseline=baseline, title=title)
-    except MPIUnavailableError as err:
-        fail(str(err))
-    except (BudgetTooSmallError, ValueError, TypeError, FileNotFoundError) as err:
-        fail(str(err))
-    except KeyboardInterrupt:
-        print("interrupted: finished trials are in the study; run the same command to resume",
-              file=sys.stderr)
-        raise SystemExit(130) from None
-    raise AssertionError("unreachable")
+        return run_search_mpi(space, task, config, devices=devices,
+                              memory_per_device=budget, live=not args.no_live,
+                              baseline=baseline, title=title)
+    return run_search(space, task, config, devices=devices, memory_per_device=budget,
+                      live=not args.no_live, baseline=baseline, title=title)

@@ -52,8 +52,10 @@ from scamp_jax.space import FunctionTask as FunctionTask
 from scamp_jax.space import SearchSpace as SearchSpace
 from scamp_jax.space import Task as Task
 from scamp_jax.study import OptunaTrialSource as OptunaTrialSource
+from scamp_jax.study import StudySettingsError as StudySettingsError
 from scamp_jax.study import TrialOutcome as TrialOutcome
 from scamp_jax.study import TrialSource as TrialSource
+from scamp_jax.study import open_storage as open_storage
 from scamp_jax.study import open_study as open_study
 from scamp_jax.train_step import StepShardings as StepShardings
 from scamp_jax.train_step import abstract_state as abstract_state
@@ -95,6 +97,7 @@ __all__ = [
     "SearchSettings",
     "SearchSpace",
     "StepShardings",
+    "StudySettingsError",
     "Task",
     "TrialOutcome",
     "TrialRequest",
@@ -117,6 +120,7 @@ __all__ = [
     "make_train_step",
     "min_devices",
     "min_devices_plan",
+    "open_storage",
     "open_study",
     "param_partition_specs",
     "parse_bytes",

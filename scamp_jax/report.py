@@ -1,15 +1,18 @@
 """What a study leaves behind: results.json / results.csv, three plots, and a summary table.
 
 Rows come from the study itself (its trials and their stored attributes), so a resumed study's
-results list every finished trial of every run; usage figures and the timeline are those of the
-run that just ended.
+results list every finished trial of every run. The record only grows: every run (finished or
+interrupted) appends its own entry (elapsed seconds, usage, timeline) to ``runs``, and the
+timeline plots show all runs one after another. Checkpoint paths are relative to the study
+directory, so a copied study folder still finds them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +32,8 @@ _STATES = {TrialState.COMPLETE: "complete", TrialState.PRUNED: "pruned", TrialSt
 
 
 def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list[dict[str, Any]]:
-    """One row per finished trial of ``study`` (interrupted attempts, since re-run, are left out).
+    """One row per finished trial of ``study`` (attempts that were stopped or whose process
+    died, since run again, are left out).
 
     Each row has `BASE_COLUMNS`, every name of ``metric_names`` (``None`` when a trial has no
     value for it), and ``rank``, ``replans``, ``resizes`` (restarts on more devices at the end
@@ -40,8 +44,8 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
         if trial.state not in _STATES:
             continue
         attrs = trial.user_attrs
-        if trial.state == TrialState.FAIL and attrs.get(FAIL_REASON) == INTERRUPTED:
-            continue
+        if trial.state == TrialState.FAIL and attrs.get(FAIL_REASON) in (None, "", INTERRUPTED):
+            continue  # stopped or its process died: a retry with its parameters took its place
         metrics = dict(attrs.get("metrics") or {})
         row: dict[str, Any] = {
             "number": trial.number,
@@ -87,19 +91,43 @@ def write_results(
     direction: str,
     run: Mapping[str, Any] | None = None,
 ) -> tuple[Path, Path]:
-    """Write ``results.json`` (``{"trials": [...], "best": ..., "run": ...}``) and ``results.csv``.
+    """Write ``results.json`` and ``results.csv``; returns both paths.
 
-    ``run`` holds this run's figures (policy, elapsed seconds, usage). Returns both paths.
+    ``results.json`` is ``{"metric", "direction", "best", "trials": [...], "runs": [...],
+    "run": ...}``: ``run`` (this run's figures: policy, elapsed seconds, usage, timeline) is
+    appended to the ``runs`` of earlier runs already in the file and repeated as ``run``.
     """
     study_dir = Path(study_dir)
     study_dir.mkdir(parents=True, exist_ok=True)
+    with _locked(study_dir / "results.lock"):  # processes sharing the study append in turn
+        return _write_results(study_dir, records, metric, direction, run)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    import fcntl
+
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _write_results(study_dir: Path, records: Sequence[Mapping[str, Any]], metric: str,
+                   direction: str, run: Mapping[str, Any] | None) -> tuple[Path, Path]:
     best = best_record(records, metric, direction)
+    runs = read_runs(study_dir)
+    if run is not None:
+        runs.append(dict(run))
     payload = {
         "metric": metric,
         "direction": direction,
         "best": None if best is None else best["number"],
         "trials": list(records),
-        "run": dict(run or {}),
+        "runs": runs,
+        "run": runs[-1] if runs else {},
     }
     json_path = study_dir / "results.json"
     json_path.write_text(json.dumps(payload, indent=2, default=_jsonable))
@@ -118,6 +146,47 @@ def write_results(
     return json_path, csv_path
 
 
+def read_runs(study_dir: str | Path) -> list[dict[str, Any]]:
+    """The ``runs`` recorded in ``<study_dir>/results.json`` (oldest first; [] if none)."""
+    path = Path(study_dir) / "results.json"
+    if not path.is_file():
+        return []
+    try:
+        payload = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return []  # a file cut short by a crash: the study itself still has every trial
+    if "runs" in payload:
+        return list(payload["runs"])
+    return [payload["run"]] if payload.get("run") else []
+
+
+def combined_timeline(
+    runs: Sequence[Mapping[str, Any]],
+) -> tuple[list[list[tuple[int, float, float, int]]], tuple[list[float], list[float]] | None,
+           float]:
+    """All runs' device intervals and memory series on one time axis (run after run).
+
+    Returns ``(intervals per device, (times s, fractions) or None, total elapsed s)``.
+    """
+    intervals: list[list[tuple[int, float, float, int]]] = []
+    times: list[float] = []
+    fractions: list[float] = []
+    offset = 0.0
+    for run in runs:
+        timeline = run.get("timeline") or {}
+        for device, spans in enumerate(timeline.get("intervals") or []):
+            while len(intervals) <= device:
+                intervals.append([])
+            intervals[device] += [(int(t), offset + s, offset + e, int(b)) for t, s, e, b in spans]
+        series = timeline.get("memory_series")
+        start = offset
+        offset += float(run.get("elapsed_s") or 0.0)
+        if series and series[0]:
+            times += [start + t for t in series[0]] + [offset]
+            fractions += list(series[1]) + [0.0]  # the pool is empty between runs
+    return intervals, ((times, fractions) if times else None), offset
+
+
 def _jsonable(value: Any) -> Any:
     if hasattr(value, "item"):
         return value.item()
@@ -129,9 +198,12 @@ def save_best_model(
 ) -> Path | None:
     """Copy the best trial's final checkpoint to ``<study_dir>/best_model``; its path or None."""
     best = best_record(records, metric, direction)
-    if best is None or not best.get("checkpoint") or not Path(best["checkpoint"]).is_dir():
+    if best is None or not best.get("checkpoint"):
         return None
-    target = copy_checkpoint(best["checkpoint"], Path(study_dir) / "best_model")
+    source = Path(study_dir) / best["checkpoint"]  # relative to the study (or absolute)
+    if not source.is_dir():
+        return None
+    target = copy_checkpoint(source, Path(study_dir) / "best_model")
     (target / "trial.json").write_text(json.dumps(
         {"number": best["number"], "params": best["params"], metric: best[metric]},
         indent=2, default=_jsonable,
@@ -276,4 +348,6 @@ __all__ = [
     "trial_records",
     "verdict",
     "write_results",
+    "read_runs",
+    "combined_timeline",
 ]

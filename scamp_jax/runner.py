@@ -173,6 +173,19 @@ def make_optimizer(params: Mapping[str, Any]) -> optax.GradientTransformation:
     )
 
 
+def _resumable_step(checkpointer: TrialCheckpointer, steps: int) -> int | None:
+    """Newest checkpointed step of at most ``steps`` (None: none).
+
+    A checkpoint of a longer run (more steps than this one asks for) holds weights trained
+    past ``steps``; resuming from it would report a longer training as this one.
+    """
+    latest = checkpointer.latest_step()
+    if latest is None or latest <= steps:
+        return latest
+    saved = (int(p.name) for p in checkpointer.directory.iterdir() if p.name.isdigit())
+    return max((s for s in saved if s <= steps), default=None)
+
+
 def trial_seed(seed: int, checkpoint_key: str) -> int:
     """A per-trial seed that a re-run of an interrupted trial shares (keyed by checkpoint key)."""
     return (seed * 1_000_003 + zlib.crc32(checkpoint_key.encode())) % (2**31 - 1)
@@ -351,13 +364,13 @@ def _run(
     first = 0
     checkpointer = TrialCheckpointer(spec.checkpoint_dir) if spec.checkpoint_dir else None
     saving = checkpointer is not None and spec.save_checkpoints
-    if checkpointer is not None and checkpointer.latest_step() is not None:
+    resume = _resumable_step(checkpointer, spec.steps) if checkpointer is not None else None
+    if checkpointer is not None and resume is not None:
         # Resume: restore straight into this placement's shardings (the devices may differ from
         # before); the target is abstract, so the state exists once, never a fresh copy too.
         target = _initial_state(space, spec, optimizer, seed, abstract=True)
-        first, leaves = checkpointer.restore(jax.tree.leaves(target))
+        first, leaves = checkpointer.restore(jax.tree.leaves(target), resume)
         params, opt_state, rest = jax.tree.unflatten(jax.tree.structure(target), leaves)
-        first = min(first, spec.steps)
     else:
         params, opt_state, rest = _initial_state(space, spec, optimizer, seed)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,8 @@ class SearchSettings:
       elastic: ``"auto"``, ``"on"`` or ``"off"``: whether ScaMP puts devices that would idle at
         the end of the study to work (`scamp_jax.engine.EngineConfig.grow_last_wave`; auto: on
         accelerators, not on CPU devices).
+      study_name: name of the study in the storage (None: the search space's name); another
+        name starts a new study next to the others, its outputs in ``<study_dir>/<name>/``.
     """
 
     trials: int
@@ -77,6 +80,7 @@ class SearchSettings:
     eval_every: int = 0
     initial_params: tuple[Mapping[str, Any], ...] = ()
     elastic: str = "auto"
+    study_name: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("trials", "steps", "devices_per_trial"):
@@ -130,25 +134,31 @@ def run_search(
     from rich.console import Console
 
     from scamp_jax.live import LiveView
-    from scamp_jax.study import OptunaTrialSource, open_study
+    from scamp_jax.study import GRACE_PERIOD, HEARTBEAT_INTERVAL, OptunaTrialSource, open_study
 
+    study_name = getattr(settings, "study_name", None) or space.name
+    # A study other than the space's default one keeps its outputs in a folder of its own.
     study_dir = Path(settings.study_dir)
+    out_dir = study_dir if study_name == space.name else study_dir / study_name
     study = open_study(
-        space.name, study_dir=study_dir, storage=settings.storage, direction=task.direction,
+        study_name, study_dir=study_dir, storage=settings.storage, direction=task.direction,
         sampler=settings.sampler, pruner=settings.pruner, seed=settings.seed, grid=space.grid,
         warmup_steps=settings.eval_every,
+        settings=study_settings(space, settings, memory_per_device),
+        heartbeat_interval=getattr(settings, "heartbeat_interval", HEARTBEAT_INTERVAL),
+        grace_period=getattr(settings, "grace_period", GRACE_PERIOD),
     )
     if not study.get_trials(deepcopy=False):
         for params in getattr(settings, "initial_params", ()):
             study.enqueue_trial(dict(params), skip_if_exists=True)
-    source = OptunaTrialSource(study, space, settings.trials)
+    source = OptunaTrialSource(study, space, settings.trials, root=out_dir)
     if console is None:
         # Logs (no terminal) get wide lines instead of a table squeezed into 80 columns.
         console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
     if source.recovered:
-        console.print(f"resuming: trials {source.recovered} were interrupted and are queued "
+        console.print(f"resuming: trials {source.recovered} of a stopped process are queued "
                       "again", markup=False)
-    console.print(f"study {space.name!r} in {study_dir}: {source.finished()} of "
+    console.print(f"study {study_name!r} in {out_dir}: {source.finished()} of "
                   f"{settings.trials} trials finished before this run", markup=False)
     config = engine_config(settings, memory_per_device)
     stream: Any = None if live else _PlainStream()
@@ -158,13 +168,40 @@ def run_search(
         # process on it, plans an architecture it has planned before without compiling.
         plan_fn = functools.partial(plan_mesh, cache=PlanCache(study_dir / "plans.sqlite"))
     engine = SearchEngine(space, task, source, config, devices=devices,
-                          checkpoint_root=study_dir / "checkpoints", plan_fn=plan_fn,
+                          checkpoint_root=out_dir / "checkpoints", plan_fn=plan_fn,
                           on_update=view.update)
-    with view:
-        result = engine.run()
+    started = time.monotonic()
+    try:
+        with view:
+            result = engine.run()
+    except KeyboardInterrupt:
+        # The record grows on an interrupt too: finished trials and this run's wall time.
+        interrupted = {"policy": settings.policy, "devices": len(devices),
+                       "memory_per_device": memory_per_device, "interrupted": True,
+                       "elapsed_s": time.monotonic() - started}
+        write_interrupted_report(study, task, out_dir, interrupted, baseline=baseline)
+        raise
+    finally:
+        source.close()
+    if source.recovered:
+        console.print(f"trials {sorted(set(source.recovered))} of stopped processes were run "
+                      "again", markup=False)
     run_info = run_summary(result, len(devices), memory_per_device)
-    return write_study_report(study, task, study_dir, result, run_info, baseline=baseline,
+    return write_study_report(study, task, out_dir, result, run_info, baseline=baseline,
                               memory_per_device=memory_per_device, console=console)
+
+
+def study_settings(space: SearchSpace, settings: SearchSettings,
+                   memory_per_device: int) -> dict[str, Any]:
+    """What a study remembers and a rerun must repeat: space, preset, steps, seed and budget
+    (bytes per device). ``--trials`` may grow; anything else may change between runs."""
+    return {
+        "space": f"{space.name}/{getattr(settings, 'space_variant', None) or 'default'}",
+        "preset": getattr(settings, "preset", None),
+        "steps": settings.steps,
+        "seed": settings.seed,
+        "memory_per_device": memory_per_device,
+    }
 
 
 def engine_config(settings: SearchSettings, memory_per_device: int, *,
@@ -208,6 +245,11 @@ def run_summary(result: SearchResult, devices: int, memory_per_device: int) -> d
         "usage": dict(result.usage),
         "compile_cache": dict(result.compile_cache),
         "trials_this_run": len(result.outcomes),
+        "timeline": {
+            "intervals": [[list(span) for span in spans] for spans in result.intervals],
+            "memory_series": [list(result.memory_series[0]), list(result.memory_series[1])]
+            if result.memory_series is not None else None,
+        },
     }
 
 
@@ -232,9 +274,10 @@ def write_study_report(
     report.write_results(study_dir, records, metric=task.metric, direction=task.direction,
                          run=run_info)
     report.save_best_model(study_dir, records, task.metric, task.direction)
+    intervals, memory_series, elapsed = report.combined_timeline(report.read_runs(study_dir))
     report.plot_results(study_dir, records, metric=task.metric, baseline=baseline,
-                        intervals=result.intervals, memory_series=result.memory_series,
-                        elapsed_s=result.elapsed_s, capacity_bytes=memory_per_device)
+                        intervals=intervals, memory_series=memory_series,
+                        elapsed_s=elapsed, capacity_bytes=memory_per_device)
     console.print(report.summary_table(records, task.metric, task.direction, baseline=baseline))
     console.print(report.verdict(records, task.metric, task.direction, baseline), markup=False)
     console.print(
@@ -243,6 +286,17 @@ def write_study_report(
         f"{run_info['usage']['idle_device_seconds']:.1f}; results in {study_dir}", markup=False
     )
     return {**run_info, "best": report.best_record(records, task.metric, task.direction)}
+
+
+def write_interrupted_report(study: Any, task: Task, study_dir: Path, run_info: dict[str, Any],
+                             *, baseline: str | None) -> None:
+    """``results.json``/``.csv`` of an interrupted run: every finished trial, and ``run_info``
+    appended to the runs (no plots; the next run draws them)."""
+    from scamp_jax import report
+
+    metrics = [task.metric] + ([baseline] if baseline else [])
+    report.write_results(study_dir, report.trial_records(study, metrics), metric=task.metric,
+                         direction=task.direction, run=run_info)
 
 
 class _PlainStream:

@@ -7,23 +7,38 @@ same three calls to the rank that owns the study can stand in for it unchanged.
 
 Resuming: the study lives in ``sqlite:///<study_dir>/study.db`` unless another SQLAlchemy URL is
 given, so running the same command again loads it. ``n_trials`` is the study's total: trials
-already finished (complete, pruned or failed for a reason of their own) count towards it. A trial
-left ``RUNNING`` by a killed process is marked failed with reason ``"interrupted"`` and its
-parameters are enqueued again under the same checkpoint key, so the re-run resumes it from its
-last checkpoint instead of starting over.
+already finished (complete, pruned or failed for a reason of their own) and trials running in any
+process count towards it, so any number of processes (and hosts sharing a database URL) work on
+one study together and finish exactly ``n_trials``; a cross-process ask lock (`AskLock`) keeps two
+processes from taking the same last slot.
+
+Liveness is Optuna's own: the storage has a heartbeat (`open_storage`), every live trial beats,
+and a trial whose process died stops beating. After the grace period any process of the study
+fails it and Optuna's `RetryHeartbeatStaleTrialCallback` queues a copy with the same parameters;
+the copy is mapped to its original's checkpoint directory (``retried_trial_number``), so it resumes
+from the last checkpoint. Trials of live processes are never touched. A trial stopped on purpose
+(Ctrl-C, SIGTERM) is failed as ``"interrupted"`` by its own process and queued the same way.
+
+Sampling does not replay: the sampler is re-seeded for every trial from the study's seed and the
+trial's number, so extending a finished study draws new configurations.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import threading
 import time
-from collections.abc import Mapping, Sequence
+import warnings
+import weakref
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import optuna
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from scamp_jax.space import SearchSpace
 
@@ -36,6 +51,16 @@ CHECKPOINT_KEY = "checkpoint_key"
 FAIL_REASON = "fail_reason"
 #: fail reason of a trial whose process was stopped before it finished (it is re-enqueued).
 INTERRUPTED = "interrupted"
+#: study user attribute holding the settings the study was created with (see `open_study`).
+SETTINGS_KEY = "settings"
+#: seconds between a live trial's heartbeats (Optuna's ``heartbeat_interval``).
+HEARTBEAT_INTERVAL = 10
+#: seconds without a heartbeat after which a trial's process counts as dead.
+GRACE_PERIOD = 60
+
+
+class StudySettingsError(ValueError):
+    """An existing study was created with other settings than this run asks for."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +139,67 @@ def storage_url(study_dir: str | Path, storage: str | None = None) -> str:
     return f"sqlite:///{path / 'study.db'}"
 
 
+@contextlib.contextmanager
+def _quiet_optuna() -> Iterator[None]:
+    """Silence Optuna's notes about its heartbeat API (experimental; meant for ``optimize``).
+
+    Ask-and-tell with a heartbeat is supported by the storage; the warnings only say that
+    ``Study.optimize`` would beat the heart itself, which `OptunaTrialSource` does instead.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed",
+                                category=UserWarning)
+        yield
+
+
+def _retry_callback() -> optuna.storages.RetryHeartbeatStaleTrialCallback:
+    with _quiet_optuna():
+        return optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=None)
+
+
+def retried_from(trial: FrozenTrial) -> int | None:
+    """Number of the original trial that ``trial`` retries (None: not a retry)."""
+    with _quiet_optuna():
+        return optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(trial)
+
+
+def open_storage(
+    study_dir: str | Path,
+    storage: str | None = None,
+    *,
+    heartbeat_interval: int = HEARTBEAT_INTERVAL,
+    grace_period: int = GRACE_PERIOD,
+    attempts: int = 5,
+) -> optuna.storages.RDBStorage:
+    """Optuna's RDB storage of the study, with a heartbeat that retries dead processes' trials.
+
+    ``heartbeat_interval`` and ``grace_period`` are seconds (Optuna takes whole seconds). Two
+    processes opening a new database at once race to create its tables; the loser sees "already
+    exists" (or a duplicate key) and opens it again once the winner has committed.
+    """
+    from sqlalchemy.exc import DBAPIError
+
+    if heartbeat_interval < 1 or grace_period <= heartbeat_interval:
+        raise ValueError(
+            f"{heartbeat_interval=} s must be at least 1 and {grace_period=} s longer than it"
+        )
+    url = storage_url(study_dir, storage)
+    for attempt in range(attempts):
+        try:
+            with _quiet_optuna():
+                return optuna.storages.RDBStorage(
+                    url, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
+                    heartbeat_stale_trial_callback=_retry_callback(),
+                )
+        except DBAPIError as err:  # SQLite: "already exists"; PostgreSQL: a duplicate type
+            racing = "already exists" in str(err) or "duplicate key" in str(err)
+            if not racing or attempt == attempts - 1:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 def make_sampler(
     name: str, seed: int, grid: Mapping[str, Sequence[Any]] | None = None
 ) -> optuna.samplers.BaseSampler:
@@ -146,23 +232,22 @@ def make_pruner(name: str, *, warmup_steps: int = 0) -> optuna.pruners.BasePrune
     raise ValueError(f"unknown pruner {name!r}; choose one of {', '.join(PRUNERS)}")
 
 
-def _rdb_storage(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:
-    """Optuna's RDB storage at ``url``, tolerating another process creating the same schema.
+def sampler_seed(seed: int, number: int) -> int:
+    """Seed of the sampler that draws trial ``number`` of a study seeded with ``seed``."""
+    return (seed * 1_000_003 + zlib.crc32(f"trial-{number}".encode())) % (2**31 - 1)
 
-    Two processes opening a new SQLite file at once (MPI ranks, a resumed run and a monitoring
-    script) race to create its tables; the loser sees "table ... already exists". The schema is
-    complete once the winner commits, so opening again succeeds.
-    """
-    from sqlalchemy.exc import OperationalError
 
-    for attempt in range(attempts):
-        try:
-            return optuna.storages.RDBStorage(url)
-        except OperationalError as err:
-            if "already exists" not in str(err) or attempt == attempts - 1:
-                raise
-            time.sleep(0.2 * (attempt + 1))
-    raise AssertionError("unreachable")
+@dataclass(frozen=True)
+class _Opened:
+    """What `open_study` knows about a study that `OptunaTrialSource` needs."""
+
+    storage: optuna.storages.RDBStorage
+    reseed: Callable[[int], optuna.samplers.BaseSampler]
+    ask_lock: AskLock
+
+
+#: studies opened by `open_study` -> their storage, per-trial sampler and ask lock.
+_OPENED: weakref.WeakKeyDictionary[optuna.Study, _Opened] = weakref.WeakKeyDictionary()
 
 
 def open_study(
@@ -176,15 +261,24 @@ def open_study(
     seed: int = 0,
     grid: Mapping[str, Sequence[Any]] | None = None,
     warmup_steps: int = 0,
+    settings: Mapping[str, Any] | None = None,
+    heartbeat_interval: int = HEARTBEAT_INTERVAL,
+    grace_period: int = GRACE_PERIOD,
 ) -> optuna.Study:
     """Create the study, or load it if ``study_name`` already exists in the storage.
 
-    Raises ``ValueError`` if an existing study was created with another direction.
+    ``settings`` (JSON-serialisable, e.g. space, preset, steps, seed, budget) are stored with a
+    new study; loading a study created with other values raises `StudySettingsError` naming
+    each difference. ``heartbeat_interval`` and ``grace_period`` (seconds) set its liveness
+    (see the module doc). Raises ``ValueError`` if the study was created with another direction.
     """
     if direction not in ("maximize", "minimize"):
         raise ValueError(f"direction={direction!r} must be 'maximize' or 'minimize'")
+    url = storage_url(study_dir, storage)
+    rdb = open_storage(study_dir, url, heartbeat_interval=heartbeat_interval,
+                       grace_period=grace_period)
     study = optuna.create_study(
-        storage=_rdb_storage(storage_url(study_dir, storage)),
+        storage=rdb,
         study_name=study_name,
         direction="maximize" if direction == "maximize" else "minimize",
         sampler=make_sampler(sampler, seed, grid),
@@ -196,100 +290,335 @@ def open_study(
             f"study {study_name!r} in the storage was created to {study.direction.name.lower()} "
             f"its objective, not to {direction}; use another --study-dir or --storage"
         )
+    if settings is not None:
+        _check_settings(study, settings)
+    _OPENED[study] = _Opened(rdb, lambda number: make_sampler(sampler, sampler_seed(seed, number),
+                                                              grid), AskLock(url, study_name))
     return study
 
 
-def _counts_towards_total(trial: optuna.trial.FrozenTrial) -> bool:
+def _check_settings(study: optuna.Study, settings: Mapping[str, Any]) -> None:
+    """Store ``settings`` with a new study; refuse other values for an existing one."""
+    wanted = json.loads(json.dumps(dict(settings)))
+    stored = study.user_attrs.get(SETTINGS_KEY)
+    if stored is None:
+        study.set_user_attr(SETTINGS_KEY, wanted)
+        return
+    differ = [k for k in sorted(set(stored) | set(wanted)) if stored.get(k) != wanted.get(k)]
+    if differ:
+        was = ", ".join(f"{_flag(k)} {stored.get(k)}" for k in differ)
+        now = ", ".join(f"{_flag(k)} {wanted.get(k)}" for k in differ)
+        raise StudySettingsError(
+            f"study {study.study_name!r} was created with {was}, this run asks for {now}; "
+            f"rerun with {was}, or pass --study-name {study.study_name}-2 to start a new study"
+        )
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+class AskLock:
+    """A lock shared by every process that asks trials of one study in one database.
+
+    Counting the study's trials and asking the next one must be one step across processes, or
+    two processes could both take the last slot. SQLite (one host): an exclusive ``flock`` on
+    ``<database>.lock``. PostgreSQL: a session advisory lock; MySQL: ``GET_LOCK``. Other
+    databases: no lock (two processes may then ask one trial more than the total).
+
+    Args:
+      url: the study's SQLAlchemy URL.
+      study_name: the study (the lock is per study).
+    """
+
+    def __init__(self, url: str, study_name: str) -> None:
+        from sqlalchemy.engine import make_url
+
+        self.url, self.study_name = url, study_name
+        parsed = make_url(url)
+        self.backend = parsed.get_backend_name()
+        self._path: Path | None = None
+        self._engine: Any = None
+        if self.backend == "sqlite" and parsed.database not in (None, "", ":memory:"):
+            self._path = Path(f"{parsed.database}.lock")
+        elif self.backend in ("postgresql", "mysql"):
+            import sqlalchemy
+
+            self._engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
+        self._key = zlib.crc32(study_name.encode()) & 0x7FFFFFFF
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        """Hold the lock for the ``with`` block."""
+        if self._path is not None:
+            import fcntl
+
+            with open(self._path, "a") as handle:
+                fcntl.flock(handle, fcntl.LOCK_EX)
+                try:
+                    yield
+                finally:
+                    fcntl.flock(handle, fcntl.LOCK_UN)
+            return
+        if self._engine is None:
+            yield
+            return
+        from sqlalchemy import text
+
+        lock, unlock = {
+            "postgresql": ("SELECT pg_advisory_lock(:k)", "SELECT pg_advisory_unlock(:k)"),
+            "mysql": ("SELECT GET_LOCK(:k, -1)", "SELECT RELEASE_LOCK(:k)"),
+        }[self.backend]
+        key: Any = self._key if self.backend == "postgresql" else f"scamp-{self._key}"
+        with self._engine.connect() as conn:
+            conn.execute(text(lock), {"k": key})
+            try:
+                yield
+            finally:
+                conn.execute(text(unlock), {"k": key})
+                conn.commit()
+
+
+def _counts_towards_total(trial: FrozenTrial) -> bool:
+    """Finished for good: complete, pruned, or failed for a reason of its own.
+
+    A trial failed as interrupted (its process was stopped) or by the heartbeat (its process
+    died; no reason recorded) does not count: a retry with its parameters takes its place.
+    """
     if trial.state in (TrialState.COMPLETE, TrialState.PRUNED):
         return True
-    return trial.state == TrialState.FAIL and trial.user_attrs.get(FAIL_REASON) != INTERRUPTED
+    reason = trial.user_attrs.get(FAIL_REASON)
+    return trial.state == TrialState.FAIL and bool(reason) and reason != INTERRUPTED
+
+
+def _relative(path: str, root: Path) -> str:
+    """``path`` relative to ``root`` if it lies inside it, else unchanged."""
+    try:
+        return str(Path(path).resolve().relative_to(root))
+    except ValueError:
+        return path
 
 
 class OptunaTrialSource:
-    """`TrialSource` over a local Optuna study; safe to call from several threads.
+    """`TrialSource` over an Optuna study; safe to call from several threads and processes.
+
+    Any number of sources (in one process or many, on hosts sharing the database) may work on
+    one study: a source asks a trial only while finished plus running trials of all processes
+    are fewer than ``n_trials``. A source that has nothing running while other processes' trials
+    run waits (polling every ``poll_seconds`` seconds) until they finish or their heartbeat goes
+    stale, then retries the dead ones. Studies opened by `open_study` get liveness, per-trial
+    sampler seeds and the cross-process ask lock; any other study is used as it is.
 
     Args:
       study: the study (see `open_study`).
       space: the search space whose ``suggest`` draws configurations.
       n_trials: the study's total number of trials (finished ones from earlier runs count).
+      poll_seconds: seconds between looks at other processes' trials while waiting for them.
+      root: the study's directory; a told ``checkpoint`` attribute under it is stored relative
+        to it, so a copied study folder still finds its checkpoints.
+      recover_running: fail every trial left ``RUNNING`` now and queue it again, without
+        waiting for its heartbeat to go stale: only for a process that owns the study alone
+        (e.g. one MPI job whose ranks die together), or a study without a heartbeat.
     """
 
-    def __init__(self, study: optuna.Study, space: SearchSpace, n_trials: int) -> None:
+    def __init__(self, study: optuna.Study, space: SearchSpace, n_trials: int, *,
+                 poll_seconds: float = 1.0, root: str | Path | None = None,
+                 recover_running: bool = False) -> None:
         if n_trials < 1:
             raise ValueError(f"{n_trials=} must be at least 1")
         self.study = study
         self.space = space
         self.n_trials = n_trials
+        self.poll_seconds = poll_seconds
+        self.root = None if root is None else Path(root).resolve()
+        opened = _OPENED.get(study)
+        self._storage = opened.storage if opened else None
+        self._reseed = opened.reseed if opened else None
+        self._ask_lock: Callable[[], contextlib.AbstractContextManager[Any]] = (
+            opened.ask_lock if opened else contextlib.nullcontext)
+        self._study_id = (self._storage.get_study_id_from_name(study.study_name)
+                          if self._storage else None)
         # Optuna's RDB storage is thread-safe, but the sampler's state (TPE's RNG) is not.
         self._lock = threading.Lock()
         self._live: dict[int, optuna.Trial] = {}
-        self.recovered = self._recover_interrupted()
+        self._ids: dict[int, int] = {}  # live trial number -> storage trial id (heartbeats)
+        #: trials of dead processes this source failed and queued again (numbers).
+        self.recovered: list[int] = []
+        #: live trials another process failed as stale (their results were dropped).
+        self.lost: list[int] = []
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+        with self._lock:
+            if recover_running:
+                self._recover_running()
+            self._fail_stale()
 
-    def _recover_interrupted(self) -> list[int]:
-        """Fail trials left RUNNING by a killed process and enqueue their parameters again."""
-        recovered = []
+    @property
+    def has_liveness(self) -> bool:
+        """Whether the study's storage has a heartbeat (opened by `open_study`)."""
+        return self._storage is not None
+
+    # -- liveness -------------------------------------------------------------------------------
+    def _fail_stale(self) -> None:
+        """Fail trials whose heartbeat went stale; Optuna's callback queues their retries."""
+        if self._storage is None:
+            return
+        before = {t.number for t in self.study.get_trials(deepcopy=False,
+                                                          states=(TrialState.RUNNING,))}
+        with _quiet_optuna():
+            optuna.storages.fail_stale_trials(self.study)
+        after = {t.number for t in self.study.get_trials(deepcopy=False,
+                                                         states=(TrialState.RUNNING,))}
+        self.recovered.extend(sorted(before - after - set(self._live)))
+
+    def _recover_running(self) -> None:
+        """Fail every ``RUNNING`` trial (public ``tell``) and queue a retry of each."""
         for trial in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            key = trial.user_attrs.get(CHECKPOINT_KEY, f"trial_{trial.number}")
-            self.study._storage.set_trial_user_attr(trial._trial_id, FAIL_REASON, INTERRUPTED)
-            self.study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
-            if trial.params:
-                self.study.enqueue_trial(dict(trial.params), user_attrs={CHECKPOINT_KEY: key})
-            recovered.append(trial.number)
-        return recovered
+            try:
+                frozen = self.study.tell(trial.number, state=TrialState.FAIL)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue  # finished meanwhile by its own process
+            with _quiet_optuna():
+                _retry_callback()(self.study, frozen)
+            self.recovered.append(trial.number)
+
+    def _beat_hearts(self) -> None:
+        assert self._storage is not None
+        interval = self._storage.get_heartbeat_interval() or HEARTBEAT_INTERVAL
+        while not self._stop.wait(interval):
+            for trial_id in list(self._ids.values()):
+                with contextlib.suppress(Exception):  # a missed beat is retried next interval
+                    self._storage.record_heartbeat(trial_id)
+
+    def _start_heartbeat(self, number: int) -> None:
+        if self._storage is None or self._study_id is None:
+            return
+        trial_id = self._storage.get_trial_id_from_study_id_trial_number(self._study_id, number)
+        self._storage.record_heartbeat(trial_id)  # at once: a trial with no beat never goes stale
+        self._ids[number] = trial_id
+        if self._beat is None:
+            self._beat = threading.Thread(target=self._beat_hearts, name="study-heartbeat",
+                                          daemon=True)
+            self._beat.start()
+
+    def close(self) -> None:
+        """Stop the heartbeat thread (live trials then go stale after the grace period)."""
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()
+
+    def is_live(self, number: int) -> bool:
+        """Whether trial ``number`` was asked here and not yet told."""
+        return number in self._live
+
+    def live_numbers(self) -> list[int]:
+        """Numbers of the trials asked here and not yet told."""
+        return sorted(self._live)
+
+    # -- counting -------------------------------------------------------------------------------
+    def _counts(self) -> tuple[int, int]:
+        trials = self.study.get_trials(deepcopy=False)
+        finished = sum(_counts_towards_total(t) for t in trials)
+        running = sum(t.state == TrialState.RUNNING for t in trials)
+        return finished, running
 
     def finished(self) -> int:
-        """Trials that count towards the total (complete, pruned, failed but not interrupted)."""
-        return sum(_counts_towards_total(t) for t in self.study.get_trials(deepcopy=False))
+        """Trials that count towards the total (complete, pruned, failed for their own reason)."""
+        return self._counts()[0]
 
     def remaining(self) -> int:
-        """Trials still to ask: the total minus finished and currently running ones."""
+        """Trials still to ask: the total minus finished and running ones (of every process)."""
         with self._lock:
-            return max(0, self.n_trials - self.finished() - len(self._live))
+            finished, running = self._counts()
+            return max(0, self.n_trials - finished - running)
 
-    def ask(self) -> AskedTrial | None:
-        """Next configuration (an enqueued re-run first), or ``None`` once the total is reached."""
-        with self._lock:
-            if self.n_trials - self.finished() - len(self._live) <= 0:
-                return None
-            trial = self.study.ask()
-            params = self.space.suggest(trial)
-            key = trial.user_attrs.get(CHECKPOINT_KEY)
-            if key is None:
-                key = f"trial_{trial.number}"
-                trial.set_user_attr(CHECKPOINT_KEY, key)
-            self._live[trial.number] = trial
-            return AskedTrial(trial.number, dict(params), key)
+    # -- ask-and-tell ---------------------------------------------------------------------------
+    def ask(self, attrs: Mapping[str, Any] | None = None) -> AskedTrial | None:
+        """Next configuration (a queued retry first), or ``None`` once the total is reached.
+
+        ``attrs`` (JSON-serialisable) are stored with the trial. With nothing of its own running
+        while other processes' trials run, a study with a heartbeat waits for them to finish
+        (then ``None``) or to go stale (then their retries are asked).
+        """
+        while True:
+            with self._lock:
+                trial = None
+                with self._ask_lock():
+                    self._fail_stale()
+                    finished, running = self._counts()
+                    if finished + running < self.n_trials:
+                        with _quiet_optuna():
+                            trial = self.study.ask()
+                        self._start_heartbeat(trial.number)
+                if trial is not None:
+                    return self._suggest(trial, attrs or {})
+                if self._live or running == 0 or not self.has_liveness:
+                    return None
+            time.sleep(self.poll_seconds)
+
+    def _suggest(self, trial: optuna.Trial, attrs: Mapping[str, Any]) -> AskedTrial:
+        if self._reseed is not None:  # a fresh seed per trial number: reruns do not replay
+            self.study.sampler = self._reseed(trial.number)
+        params = self.space.suggest(trial)  # first: a trial killed before it has no params
+        for name, value in attrs.items():
+            trial.set_user_attr(name, value)
+        key = trial.user_attrs.get(CHECKPOINT_KEY)
+        if key is None:
+            origin = None
+            if self._storage is not None and trial.number in self._ids:
+                origin = retried_from(self._storage.get_trial(self._ids[trial.number]))
+            key = f"trial_{trial.number if origin is None else origin}"
+            trial.set_user_attr(CHECKPOINT_KEY, key)
+        self._live[trial.number] = trial
+        return AskedTrial(trial.number, dict(params), key)
 
     def report(self, number: int, step: int, value: float) -> bool:
-        """Record ``value`` at ``step`` for trial ``number``; True if the pruner stops it."""
+        """Record ``value`` at ``step`` for trial ``number``; True if the pruner stops it.
+
+        Also True when another process failed the trial as stale (its retry runs elsewhere).
+        """
         with self._lock:
             trial = self._live[number]
-            trial.report(float(value), step)
+            try:
+                trial.report(float(value), step)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                return True
             return trial.should_prune()
 
     def tell(self, outcome: TrialOutcome) -> None:
         """Store the outcome (state, value, reason, attributes) of a live trial."""
         with self._lock:
             trial = self._live.pop(outcome.number)
-            for key, value in outcome.attrs.items():
-                trial.set_user_attr(key, value)
-            if outcome.reason:
-                trial.set_user_attr(FAIL_REASON, outcome.reason)
-            state = {
-                "complete": TrialState.COMPLETE,
-                "pruned": TrialState.PRUNED,
-                "failed": TrialState.FAIL,
-            }[outcome.state]
-            value = outcome.value if outcome.state == "complete" else None
-            self.study.tell(trial, value, state=state)
+            self._ids.pop(outcome.number, None)
+            try:
+                for key, value in outcome.attrs.items():
+                    if key == "checkpoint" and value and self.root is not None:
+                        value = _relative(value, self.root)
+                    trial.set_user_attr(key, value)
+                reason = outcome.reason or ("failed" if outcome.state == "failed" else "")
+                if reason or trial.user_attrs.get(FAIL_REASON):
+                    trial.set_user_attr(FAIL_REASON, reason)
+                state = {
+                    "complete": TrialState.COMPLETE,
+                    "pruned": TrialState.PRUNED,
+                    "failed": TrialState.FAIL,
+                }[outcome.state]
+                value = outcome.value if outcome.state == "complete" else None
+                self.study.tell(trial, value, state=state)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                self.lost.append(outcome.number)  # failed as stale; its retry owns the slot
 
     def interrupt(self, number: int) -> None:
-        """Fail a live trial as interrupted and enqueue its parameters under its checkpoint key."""
+        """Fail a live trial as interrupted and queue its parameters under its checkpoint key."""
         with self._lock:
             trial = self._live.pop(number, None)
+            self._ids.pop(number, None)
             if trial is None:
                 return
-            key = trial.user_attrs.get(CHECKPOINT_KEY, f"trial_{number}")
-            trial.set_user_attr(FAIL_REASON, INTERRUPTED)
-            self.study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
-            self.study.enqueue_trial(dict(trial.params), user_attrs={CHECKPOINT_KEY: key})
+            try:
+                trial.set_user_attr(FAIL_REASON, INTERRUPTED)
+                frozen = self.study.tell(trial, state=TrialState.FAIL)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                return  # failed as stale by another process, which queued it again
+            with _quiet_optuna():
+                _retry_callback()(self.study, frozen)

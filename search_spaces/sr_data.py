@@ -65,12 +65,14 @@ def bundled_images(names: Sequence[str] = BUNDLED_TRAIN + BUNDLED_EVAL) -> list[
     return [_to_float_rgb(_bundled(n)) for n in names]
 
 
-def load_image_dir(path: str | Path) -> list[np.ndarray]:
+def load_image_dir(path: str | Path, min_size: int | None = None) -> list[np.ndarray]:
     """Every image file in folder ``path`` (sorted by name) as HxWx3 float32 in [0, 1].
 
-    Grey images are repeated to 3 channels and alpha is dropped.
+    Grey images are repeated to 3 channels and alpha is dropped. Raises ``ValueError`` naming
+    the file for a file that is not a readable image, or (``min_size``, pixels) an image whose
+    shorter side is smaller than ``min_size``.
     """
-    from PIL import Image
+    from PIL import Image, UnidentifiedImageError
 
     folder = Path(path)
     if not folder.is_dir():
@@ -82,8 +84,20 @@ def load_image_dir(path: str | Path) -> list[np.ndarray]:
         )
     images = []
     for f in files:
-        with Image.open(f) as im:
-            images.append(_to_float_rgb(np.asarray(im.convert("RGB"))))
+        try:
+            with Image.open(f) as im:
+                images.append(_to_float_rgb(np.asarray(im.convert("RGB"))))
+        except (UnidentifiedImageError, OSError) as err:
+            raise ValueError(
+                f"{str(f)!r} is not a readable image ({type(err).__name__}: {err}); remove it "
+                f"from {str(folder)!r} or convert it to PNG"
+            ) from None
+        height, width = images[-1].shape[:2]
+        if min_size is not None and min(height, width) < min_size:
+            raise ValueError(
+                f"{str(f)!r} is {height}x{width} pixels, smaller than the {min_size}-pixel "
+                f"training patch; remove it from {str(folder)!r} or use larger images"
+            )
     return images
 
 

@@ -83,7 +83,8 @@ class SRTask:
         default_train, default_eval = (
             sr_data.default_split() if train_dir is None or eval_dir is None else ([], [])
         )
-        train_images = default_train if train_dir is None else sr_data.load_image_dir(train_dir)
+        train_images = (default_train if train_dir is None
+                        else sr_data.load_image_dir(train_dir, min_size=hr_patch))
         eval_images = default_eval if eval_dir is None else sr_data.load_image_dir(eval_dir)
         self._sampler = sr_data.PatchSampler(train_images, scale, hr_patch, seed=0)
         self.eval_hr = [_centre_crop(im, eval_size, scale) for im in eval_images]

@@ -22,6 +22,7 @@ EXPECTED = {
     # horizontal fusion
     "FusionPlan", "GroupResult", "GroupSpec", "MemberSpec", "jit_fused_step", "make_fused_step",
     "plan_fusion", "run_fused_group",
+    "StudySettingsError", "open_storage",
 }
 
 

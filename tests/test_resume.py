@@ -7,6 +7,7 @@ written a checkpoint, and is run again on the same study directory.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ import pytest
 import sqlalchemy.exc
 from optuna.trial import TrialState
 
-from scamp_jax.study import FAIL_REASON, INTERRUPTED, storage_url
+from scamp_jax.study import FAIL_REASON, INTERRUPTED, retried_from, storage_url
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -37,7 +38,7 @@ from scamp_jax.search import run_search
 @dataclasses.dataclass(frozen=True)
 class Settings:
     trials: int = {trials}
-    steps: int = 300
+    steps: int = {steps}
     reference_batch: int | None = None
     max_batch_size: int | None = 16
     policy: str = "fixed"          # two devices, two per trial: one trial at a time
@@ -46,16 +47,19 @@ class Settings:
     pruner: str = "none"
     seed: int = 0
     study_dir: str = {study_dir!r}
-    storage: str | None = None
+    storage: str | None = {storage!r}
     checkpoint_every: int = 30
     eval_every: int = 0
+    heartbeat_interval: int = 1    # a killed process's trial is retried 3 s after its last beat
+    grace_period: int = 3
 
 run_search(SPACE, Regression(), Settings(), devices=jax.devices()[:2],
            memory_per_device=64 * 2**20, live=False)
 """
 
 
-def _start(study_dir: Path, cli: bool = False) -> subprocess.Popen:
+def _start(study_dir: Path, cli: bool = False, trials: int = TRIALS,
+           steps: int = 300, storage: str | None = None) -> subprocess.Popen:
     """The driver over the MLP stand-in, or (``cli``) the SwinIR entry point's smoke preset."""
     if cli:
         # Eight devices per trial under the fixed policy: trials run one after another.
@@ -63,7 +67,8 @@ def _start(study_dir: Path, cli: bool = False) -> subprocess.Popen:
                    "--steps", "200", "--policy", "fixed", "--devices-per-trial", "8",
                    "--sampler", "random", "--study-dir", str(study_dir), "--no-live"]
     else:
-        command = ["-c", DRIVER.format(tests=str(TESTS), trials=TRIALS, study_dir=str(study_dir))]
+        command = ["-c", DRIVER.format(tests=str(TESTS), trials=trials, steps=steps,
+                                       study_dir=str(study_dir), storage=storage)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)  # each process sets up its own devices
     return subprocess.Popen([sys.executable, *command], cwd=ROOT, env=env,
@@ -115,7 +120,7 @@ def test_kill_9_then_rerun_loses_and_repeats_nothing(tmp_path, cli):
     rerun = _start(study_dir, cli)
     out, _ = rerun.communicate(timeout=1500 if cli else 300)
     assert rerun.returncode == 0, out
-    assert f"resuming: trials [{victim}] were interrupted" in out
+    assert f"trials [{victim}] of stopped processes were run again" in out
 
     trials = _study(study_dir).get_trials()
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
@@ -126,10 +131,71 @@ def test_kill_9_then_rerun_loses_and_repeats_nothing(tmp_path, cli):
         assert trials[number].params == params
     configs = [tuple(sorted(t.params.items())) for t in complete]
     assert len(set(configs)) == TRIALS
-    # The killed trial is recorded as interrupted and its configuration re-ran from its checkpoint.
-    assert trials[victim].user_attrs[FAIL_REASON] == INTERRUPTED
+    # The killed trial failed by its heartbeat; a retry of it re-ran from its checkpoint.
+    assert trials[victim].state == TrialState.FAIL
+    assert trials[victim].user_attrs.get(FAIL_REASON) in (None, INTERRUPTED)
     [resumed] = [t for t in complete if t.params == trials[victim].params]
+    assert retried_from(resumed) == victim
     assert resumed.user_attrs["resumed_from"] > 0
     assert resumed.user_attrs["checkpoint_key"] == trials[victim].user_attrs["checkpoint_key"]
     results = (study_dir / "results.csv").read_text().splitlines()
     assert len(results) == 1 + TRIALS  # header + one row per trial number, interrupted left out
+
+
+def test_a_checkpoint_of_more_steps_is_not_reported_as_fewer(tmp_path):
+    """Resuming with fewer steps than the checkpointed run reached restores a step within them."""
+    import threading
+
+    import jax
+    from test_runner import SPACE, Regression, make_plan, spec
+
+    from scamp_jax.runner import load_model, run_trial
+
+    config = {"width": 32, "learning_rate": 1e-2}
+    plan = make_plan(config, jax.devices()[:2])
+    clean = run_trial(spec(config, plan, steps=25, checkpoint_dir=tmp_path / "clean",
+                           checkpoint_every=10), SPACE, Regression())
+    assert clean.state == "complete", clean.reason
+
+    stop = threading.Event()
+
+    def report(number: int, step: int, value: float) -> bool:
+        if step == 35:
+            stop.set()  # interrupted after the step-30 checkpoint of a 40-step run
+        return False
+
+    longer = run_trial(spec(config, plan, steps=40, checkpoint_dir=tmp_path / "b",
+                            checkpoint_every=10, eval_every=5), SPACE, Regression(),
+                       report=report, stop=stop)
+    assert longer.state == "interrupted", longer.reason
+    shorter = run_trial(spec(config, plan, steps=25, checkpoint_dir=tmp_path / "b",
+                             checkpoint_every=10), SPACE, Regression())
+    assert shorter.state == "complete", shorter.reason
+    assert shorter.resumed_from <= 25
+    assert shorter.metrics["mse"] == pytest.approx(clean.metrics["mse"], rel=1e-5)
+    model = load_model(shorter.checkpoint, SPACE, config)
+    assert Regression().evaluate(model)["mse"] == pytest.approx(clean.metrics["mse"], rel=1e-5)
+
+
+def test_two_processes_finish_one_study_together(tmp_path):
+    """Two processes started on one SQLite study run exactly its trials, each number once."""
+    study_dir = tmp_path / "study"
+    procs = [_start(study_dir, trials=4, steps=60) for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for proc, out in zip(procs, outs, strict=True):
+        assert proc.returncode == 0, out
+        assert "Traceback" not in out, out
+    trials = _study(study_dir).get_trials()
+    assert [t.number for t in trials] == [0, 1, 2, 3], [(t.number, t.state) for t in trials]
+    assert all(t.state == TrialState.COMPLETE for t in trials), [t.state for t in trials]
+    keys = [t.user_attrs["checkpoint_key"] for t in trials]
+    assert len(set(keys)) == 4  # no checkpoint folder shared
+    assert len({tuple(sorted(t.params.items())) for t in trials}) == 4  # no repeated config
+    payload = json.loads((study_dir / "results.json").read_text())
+    for row in payload["trials"]:  # relative to the study, so a copied folder finds them
+        assert not Path(row["checkpoint"]).is_absolute()
+        assert (study_dir / row["checkpoint"]).is_dir()
+    runs = payload["runs"]
+    assert len(runs) == 2  # each process appended its own run
+    assert sum(r["trials_this_run"] for r in runs) == 4
+    assert all(r["trials_this_run"] >= 1 for r in runs), runs  # both did work

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -13,10 +15,12 @@ from scamp_jax.study import (
     FAIL_REASON,
     INTERRUPTED,
     OptunaTrialSource,
+    StudySettingsError,
     TrialOutcome,
     make_pruner,
     make_sampler,
     open_study,
+    retried_from,
     storage_url,
 )
 
@@ -30,9 +34,11 @@ SPACE = SearchSpace("toy", suggest, build=lambda c, r: None,
                     grid={"width": [8, 16, 32], "learning_rate": [1e-3, 1e-2]})
 
 
-def source(tmp_path, n_trials: int, sampler: str = "tpe", seed: int = 0):
-    study = open_study("toy", study_dir=tmp_path, sampler=sampler, seed=seed, grid=SPACE.grid)
-    return OptunaTrialSource(study, SPACE, n_trials)
+def source(tmp_path, n_trials: int, sampler: str = "tpe", seed: int = 0, heartbeat: int = 10):
+    """A trial source on the study in ``tmp_path`` (grace period: three times ``heartbeat`` s)."""
+    study = open_study("toy", study_dir=tmp_path, sampler=sampler, seed=seed, grid=SPACE.grid,
+                       heartbeat_interval=heartbeat, grace_period=3 * heartbeat)
+    return OptunaTrialSource(study, SPACE, n_trials, poll_seconds=0.2)
 
 
 def test_default_storage_is_sqlite_in_the_study_dir(tmp_path):
@@ -92,20 +98,77 @@ def test_failed_and_pruned_trials_count_but_interrupted_ones_do_not(tmp_path):
     assert again.checkpoint_key == c.checkpoint_key == f"trial_{c.number}"
 
 
-def test_trials_left_running_by_a_killed_process_are_recovered(tmp_path):
-    src = source(tmp_path, 3)
+def test_trials_of_a_dead_process_are_retried_after_the_grace_period(tmp_path):
+    src = source(tmp_path, 3, heartbeat=1)
     done = src.ask()
     src.tell(TrialOutcome(done.number, "complete", value=2.0))
-    lost = src.ask()  # the process dies here: the trial stays RUNNING in the database
-    again = source(tmp_path, 3)
+    lost = src.ask()
+    src.close()  # the process dies here: its trial stays RUNNING and its heartbeat stops
+    time.sleep(5)  # past the 3 s grace period (SQLite times are whole seconds)
+    again = source(tmp_path, 3, heartbeat=1)
     assert again.recovered == [lost.number]
     old = again.study.get_trials()[lost.number]
-    assert old.state == TrialState.FAIL and old.user_attrs[FAIL_REASON] == INTERRUPTED
+    assert old.state == TrialState.FAIL
     assert again.remaining() == 2
     rerun = again.ask()
     assert dict(rerun.params) == dict(lost.params)
-    assert rerun.checkpoint_key == lost.checkpoint_key
-    assert again.study.get_trials()[rerun.number].user_attrs[CHECKPOINT_KEY] == lost.checkpoint_key
+    assert rerun.checkpoint_key == lost.checkpoint_key == f"trial_{lost.number}"
+    frozen = again.study.get_trials()[rerun.number]
+    assert retried_from(frozen) == lost.number
+    assert frozen.user_attrs[CHECKPOINT_KEY] == lost.checkpoint_key
+
+
+def test_a_live_process_keeps_its_trials(tmp_path):
+    """A second process neither fails nor re-runs the first one's running trials."""
+    first = source(tmp_path, 2, heartbeat=1)
+    mine = first.ask()
+    time.sleep(3.5)  # longer than the grace period: only the heartbeat keeps the trial alive
+    second = source(tmp_path, 2, heartbeat=1)
+    theirs = second.ask()
+    assert second.recovered == [] and theirs.number != mine.number
+    assert second.ask() is None  # the study is full: nothing more to ask
+    first.tell(TrialOutcome(mine.number, "complete", value=1.0))
+    second.tell(TrialOutcome(theirs.number, "complete", value=2.0))
+    states = [t.state for t in first.study.get_trials()]
+    assert states == [TrialState.COMPLETE, TrialState.COMPLETE]
+    first.close()
+    second.close()
+
+
+def test_a_waiting_process_finishes_when_the_others_do(tmp_path):
+    first = source(tmp_path, 1, heartbeat=1)
+    mine = first.ask()
+    second = source(tmp_path, 1, heartbeat=1)
+    timer = threading.Timer(1.5, first.tell, [TrialOutcome(mine.number, "complete", value=1.0)])
+    timer.start()
+    assert second.ask() is None  # waited for the running trial, which completed
+    assert [t.state for t in second.study.get_trials()] == [TrialState.COMPLETE]
+    first.close()
+
+
+def test_extending_a_study_draws_new_configurations(tmp_path):
+    """``--trials 4`` after ``--trials 2``: trials 2 and 3 are not trials 0 and 1 again."""
+    for sampler in ("tpe", "random"):
+        src = source(tmp_path / sampler, 2, sampler=sampler)
+        first = [src.ask() for _ in range(2)]
+        for t in first:
+            src.tell(TrialOutcome(t.number, "complete", value=1.0))
+        more = source(tmp_path / sampler, 4, sampler=sampler)
+        later = [more.ask() for _ in range(2)]
+        assert [t.number for t in later] == [2, 3]
+        old = {tuple(sorted(t.params.items())) for t in first}
+        assert not old & {tuple(sorted(t.params.items())) for t in later}, sampler
+
+
+def test_a_study_refuses_other_settings(tmp_path):
+    settings = {"space": "small", "preset": "smoke", "steps": 150, "seed": 0,
+                "memory_per_device": 2**30}
+    open_study("toy", study_dir=tmp_path, settings=settings)
+    open_study("toy", study_dir=tmp_path, settings=settings)  # the same settings resume it
+    with pytest.raises(StudySettingsError, match=r"created with --steps 150, this run asks for "
+                       r"--steps 100; rerun with --steps 150, or pass --study-name toy-2"):
+        open_study("toy", study_dir=tmp_path, settings={**settings, "steps": 100})
+    open_study("toy-2", study_dir=tmp_path, settings={**settings, "steps": 100})
 
 
 def test_median_pruner_stops_a_trial_behind_the_others(tmp_path):

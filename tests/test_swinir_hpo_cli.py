@@ -107,3 +107,122 @@ def test_smoke_preset_runs_end_to_end(tmp_path):
         assert (tmp_path / name).is_file()
     assert (tmp_path / "best_model").is_dir()
     assert "best trial" in result.stdout and "bicubic_psnr" in result.stdout
+
+
+# ------------------------------------------------------------------ user mistakes: one line, exit 2
+def _one_line_error(result: subprocess.CompletedProcess, *needles: str) -> str:
+    """The error line of a rejected command (exit 2, no traceback), checked for ``needles``."""
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: "), result.stderr
+    for needle in needles:
+        assert needle in line, line
+    return line
+
+
+def test_study_dir_that_is_a_file_is_rejected_before_anything_is_created(tmp_path):
+    target = tmp_path / "taken"
+    target.write_text("not a directory")
+    _one_line_error(cli("--study-dir", str(target)), "--study-dir", "is a file")
+    _one_line_error(cli("--study-dir", str(target / "sub")), "--study-dir", "is a file")
+
+
+def test_study_dir_that_is_not_writable_is_rejected():
+    # /proc refuses new files even to root, so this holds whoever runs the tests.
+    _one_line_error(cli("--study-dir", "/proc/scamp_study"), "--study-dir", "not writable")
+
+
+@pytest.mark.parametrize("url, needle", [
+    ("not a url", "is not a database URL"),
+    ("nosuchdb://host/db", "is not a supported database"),
+    ("postgresql+nosuchdriver://u@h/db", "is not a supported database"),
+    ("postgresql+pg8000://u@h/db", "needs the database driver 'pg8000'"),
+])
+def test_bad_storage_url_is_rejected_before_a_study_exists(tmp_path, url, needle):
+    _one_line_error(cli("--storage", url, "--study-dir", str(tmp_path / "s")), "--storage",
+                    needle)
+    assert not (tmp_path / "s").exists()
+
+
+def test_damaged_study_database_names_the_cause(tmp_path):
+    import optuna
+
+    db = tmp_path / "study.db"
+    study = optuna.create_study(storage=f"sqlite:///{db}", study_name="swinir")
+    for _ in range(20):
+        trial = study.ask()
+        trial.suggest_float("x", 0.0, 1.0)
+        study.tell(trial, 1.0)
+    data = bytearray(db.read_bytes())
+    data[3 * 4096 : 3 * 4096 + 2000] = b"\xab" * 2000  # a page of the trials table
+    db.write_bytes(bytes(data))
+    _one_line_error(cli("--study-dir", str(tmp_path)), "database disk image is malformed",
+                    "--study-dir")
+
+
+def test_eval_every_must_not_be_negative(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        swinir_hpo.main(["--eval-every", "-5"])
+    assert exit_info.value.code == 2
+    assert "argument --eval-every: -5 must be 0 (off) or more" in capsys.readouterr().err
+
+
+def test_paper_preset_on_cpu_names_the_flag(tmp_path):
+    line = _one_line_error(cli("--preset", "paper", "--study-dir", str(tmp_path / "s")),
+                           "--memory-per-device")
+    assert "plan_mesh" not in line
+    assert not (tmp_path / "s" / "study.db").exists()
+
+
+def test_bad_training_images_are_named(tmp_path):
+    from PIL import Image
+
+    train = tmp_path / "train"
+    train.mkdir()
+    Image.new("RGB", (64, 64)).save(train / "good.png")
+    (train / "notes.png").write_text("this is text, not a PNG")
+    study = tmp_path / "s"
+    _one_line_error(cli("--train-dir", str(train), "--study-dir", str(study)), "notes.png",
+                    "not a readable image")
+    (train / "notes.png").unlink()
+    Image.new("RGB", (8, 8)).save(train / "tiny.png")
+    _one_line_error(cli("--train-dir", str(train), "--study-dir", str(study)), "tiny.png",
+                    "8x8 pixels")
+    assert not (study / "study.db").exists()
+
+
+def test_sigterm_exits_143_and_ctrl_c_130(capsys):
+    import signal
+
+    from experiments._cli import user_errors
+
+    with pytest.raises(SystemExit) as exit_info, user_errors():
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.sigtimedwait([], 0)  # let the handler run before leaving the block
+    assert exit_info.value.code == 143
+    assert "terminated" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info, user_errors():
+        raise KeyboardInterrupt
+    assert exit_info.value.code == 130
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(
+        signal.getsignal(signal.SIGTERM))
+
+
+def test_the_record_only_grows(tmp_path):
+    from scamp_jax import report
+
+    row = {"number": 0, "params": {}, "state": "complete", "mse": 1.0}
+    first = {"elapsed_s": 10.0, "timeline": {"intervals": [[[0, 0.0, 10.0, 5]]],
+                                             "memory_series": [[0.0], [0.5]]}}
+    second = {"elapsed_s": 4.0, "interrupted": True}
+    third = {"elapsed_s": 2.0, "timeline": {"intervals": [[[1, 0.0, 2.0, 5]]],
+                                            "memory_series": [[0.0], [0.25]]}}
+    for run in (first, second, third):
+        report.write_results(tmp_path, [row], metric="mse", direction="minimize", run=run)
+    payload = json.loads((tmp_path / "results.json").read_text())
+    assert [r["elapsed_s"] for r in payload["runs"]] == [10.0, 4.0, 2.0]
+    assert payload["run"]["elapsed_s"] == 2.0
+    intervals, memory, elapsed = report.combined_timeline(payload["runs"])
+    assert intervals == [[(0, 0.0, 10.0, 5), (1, 14.0, 16.0, 5)]] and elapsed == 16.0
+    assert memory == ([0.0, 10.0, 14.0, 16.0], [0.5, 0.0, 0.25, 0.0])

@@ -18,14 +18,15 @@ request (worker -> rank 0)                           answer (rank 0 -> worker)
 ==================================================  =============================================
 
 Every rank, rank 0 included, uses the same client interface (`StudyClient`): rank 0's client
-calls the server directly under its lock, the others' send messages. ``ask`` runs the search
-space's ``suggest(trial)`` on rank 0 and records the asking rank in the trial's user attribute
-``rank``. The study stops handing out trials once ``n_trials`` are finished or running, counting
-trials finished in an earlier run of the same storage (as `scamp_jax.study.OptunaTrialSource`
-counts them: complete, pruned, or failed for a reason of their own), so restarting the same
-command resumes the study and loses no finished trial. A trial that a dead job left ``RUNNING``
-is failed as ``"interrupted"`` and its parameters are enqueued again under the same checkpoint
-key, so the restart re-runs it from its last checkpoint.
+calls the server directly under its lock, the others' send messages. The server is a thin
+message layer over `scamp_jax.study.OptunaTrialSource`, which does all the study's work: ``ask``
+runs the search space's ``suggest(trial)`` on rank 0 and records the asking rank in the trial's
+user attribute ``rank``; trials stop being handed out once ``n_trials`` are finished or running
+(in any process sharing the storage), counting trials finished in an earlier run, so restarting
+the same command resumes the study and loses no finished trial. Trials of a dead job are
+recovered as the trial source recovers them: by the heartbeat of a study opened with
+`scamp_jax.study.open_study`, or at once (``fail_stale``) for a study without one; a retry keeps
+its original's parameters and checkpoint key, so the restart resumes it from its last checkpoint.
 
 A rank that dies makes ``mpirun`` end the whole job (Open MPI's default), so no rank waits
 forever for a server that is gone.
@@ -40,20 +41,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from scamp_jax.distributed.mpi import import_mpi4py
-from scamp_jax.study import CHECKPOINT_KEY, FAIL_REASON, INTERRUPTED
+from scamp_jax.space import SearchSpace
+from scamp_jax.study import OptunaTrialSource, TrialOutcome
 
 # Tags of the study's messages: requests to rank 0 and answers from it. Distinct from any tag
 # the pipeline or data-parallel code uses, and the server works on its own duplicate of the
 # communicator anyway.
 REQUEST_TAG, REPLY_TAG = 301, 302
-_FINISHED = ("COMPLETE", "PRUNED")
-
-
-def _counts_towards_total(trial: Any) -> bool:
-    """Finished for good: complete, pruned, or failed for a reason other than an interruption."""
-    if trial.state.name in _FINISHED:
-        return True
-    return trial.state.name == "FAIL" and trial.user_attrs.get(FAIL_REASON) != INTERRUPTED
+#: Optuna state names the messages carry -> `TrialOutcome` states.
+_OUTCOME = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed"}
 
 
 @dataclass(frozen=True)
@@ -77,10 +73,10 @@ class StudyServer:
         the server works on a duplicate of it.
       poll_seconds: sleep between checks for a request, so the serving thread leaves the
         CPU to rank 0's own trial (a blocking MPI receive would spin on a core).
-      fail_stale: mark trials that a previous run left ``RUNNING`` (its job died) as ``FAIL``
-        (reason ``"interrupted"``) when the server starts and enqueue their parameters again
-        under their checkpoint keys, so they are neither counted nor lost; turn off when other
-        jobs run trials of the same study at the same time.
+      fail_stale: fail trials a previous run left ``RUNNING`` when the server starts and queue
+        them again, without waiting for a heartbeat. Default (None): only for a study without
+        a heartbeat; a study opened by `scamp_jax.study.open_study` recovers dead jobs' trials
+        through its heartbeat and never touches the trials of other live jobs.
     """
 
     def __init__(
@@ -91,7 +87,7 @@ class StudyServer:
         *,
         comm: Any = None,
         poll_seconds: float = 0.005,
-        fail_stale: bool = True,
+        fail_stale: bool | None = None,
     ):
         mpi = import_mpi4py()
         base = mpi.COMM_WORLD if comm is None else comm
@@ -109,68 +105,40 @@ class StudyServer:
         self.study, self.suggest, self.n_trials = study, suggest, n_trials
         self.comm = base.Dup()
         self.poll_seconds = poll_seconds
-        self._lock = threading.Lock()
-        self._handed = 0  # trials handed out and not interrupted (finished or running)
-        self._running: dict[int, Any] = {}  # trial number -> optuna.Trial handed out
+        space = SearchSpace(study.study_name, suggest, build=_no_build)
+        probe = OptunaTrialSource(study, space, n_trials)
+        if fail_stale is None:
+            fail_stale = not probe.has_liveness
+        self.source = (OptunaTrialSource(study, space, n_trials, recover_running=True)
+                       if fail_stale else probe)
+        self.stale_failed = list(self.source.recovered)
+        self._already = self.source.finished()
         self._open_workers = base.Get_size() - 1
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        import optuna
-
-        self._optuna = optuna
-        trials = study.get_trials(deepcopy=False)
-        stale = [t for t in trials if t.state.name == "RUNNING"] if fail_stale else []
-        for trial in stale:
-            key = trial.user_attrs.get(CHECKPOINT_KEY, f"trial_{trial.number}")
-            study._storage.set_trial_user_attr(trial._trial_id, FAIL_REASON, INTERRUPTED)
-            study.tell(trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
-            if trial.params:
-                study.enqueue_trial(dict(trial.params), user_attrs={CHECKPOINT_KEY: key})
-        self.stale_failed = [t.number for t in stale]
-        self._already = sum(_counts_towards_total(t) for t in trials)
 
     @property
     def finished_before(self) -> int:
         """Trials of the storage that counted towards ``n_trials`` when the server started."""
         return self._already
 
-    # -- the operations (thread-safe) --------------------------------------------------------
-    def _trial(self, number: int) -> Any:
-        if number not in self._running:
-            raise ValueError(
-                f"trial {number} was not handed out by this server or is already told; "
-                f"running: {sorted(self._running)}"
-            )
-        return self._running[number]
-
+    # -- the operations (thread-safe: the trial source locks) ------------------------------------
     def remaining(self) -> int:
         """Trials still to hand out before the study reaches ``n_trials``."""
-        with self._lock:
-            return max(0, self.n_trials - self._already - self._handed)
+        return self.source.remaining()
 
     def ask(self, rank: int) -> WorkItem | None:
-        """Next trial for ``rank`` (an enqueued re-run first), or None once ``n_trials`` are
+        """Next trial for ``rank`` (a queued re-run first), or None once ``n_trials`` are
         finished or handed out."""
-        with self._lock:
-            if self._already + self._handed >= self.n_trials:
-                return None
-            trial = self.study.ask()
-            params = self.suggest(trial)
-            trial.set_user_attr("rank", rank)
-            key = trial.user_attrs.get(CHECKPOINT_KEY)
-            if key is None:
-                key = f"trial_{trial.number}"
-                trial.set_user_attr(CHECKPOINT_KEY, key)
-            self._running[trial.number] = trial
-            self._handed += 1
-            return WorkItem(trial.number, dict(params), key)
+        asked = self.source.ask(attrs={"rank": rank})
+        if asked is None:
+            return None
+        return WorkItem(asked.number, dict(asked.params), asked.checkpoint_key)
 
     def report(self, number: int, step: int, value: float) -> bool:
         """Record an intermediate ``value`` at ``step``; returns the pruner's verdict."""
-        with self._lock:
-            trial = self._trial(number)
-            trial.report(value, step)
-            return bool(trial.should_prune())
+        self._check(number)
+        return bool(self.source.report(number, step, value))
 
     def tell(
         self,
@@ -183,29 +151,24 @@ class StudyServer:
         """Finish trial ``number``: ``state`` is ``COMPLETE`` (with ``value``), ``PRUNED`` or
         ``FAIL``; ``attrs`` (JSON-serialisable) are stored as user attributes and ``reason`` as
         the trial's fail reason."""
-        with self._lock:
-            st = self._optuna.trial.TrialState[state]
-            trial = self._trial(number)
-            del self._running[number]
-            for key, val in (attrs or {}).items():
-                trial.set_user_attr(key, val)
-            if reason:
-                trial.set_user_attr(FAIL_REASON, reason)
-            self.study.tell(trial, value if st.name == "COMPLETE" else None, state=st)
+        self._check(number)
+        if state not in _OUTCOME:
+            raise ValueError(f"{state=} is not a trial outcome; use one of {', '.join(_OUTCOME)}")
+        self.source.tell(TrialOutcome(number, _OUTCOME[state],
+                                      value if state == "COMPLETE" else None, reason,
+                                      dict(attrs or {})))
 
     def interrupt(self, number: int) -> None:
         """Fail a handed-out trial as interrupted (it does not count towards ``n_trials``) and
-        enqueue its parameters under its checkpoint key, so a later ask re-runs it."""
-        with self._lock:
-            trial = self._running.pop(number, None)
-            if trial is None:
-                return
-            self._handed -= 1
-            key = trial.user_attrs.get(CHECKPOINT_KEY, f"trial_{number}")
-            trial.set_user_attr(FAIL_REASON, INTERRUPTED)
-            self.study.tell(trial, state=self._optuna.trial.TrialState.FAIL,
-                            skip_if_finished=True)
-            self.study.enqueue_trial(dict(trial.params), user_attrs={CHECKPOINT_KEY: key})
+        queue its parameters under its checkpoint key, so a later ask re-runs it."""
+        self.source.interrupt(number)
+
+    def _check(self, number: int) -> None:
+        if not self.source.is_live(number):
+            raise ValueError(
+                f"trial {number} was not handed out by this server or is already told; "
+                f"running: {self.source.live_numbers()}"
+            )
 
     # -- serving ------------------------------------------------------------------------------
     def start(self) -> StudyServer:
@@ -224,6 +187,10 @@ class StudyServer:
                 raise TimeoutError(f"study server still serving after {timeout} s")
         if self._error is not None:
             raise RuntimeError(f"the study server failed: {self._error!r}") from self._error
+
+    def close(self) -> None:
+        """Stop the trials' heartbeat (after the last tell)."""
+        self.source.close()
 
     def _serve(self) -> None:
         mpi = import_mpi4py()
@@ -360,6 +327,10 @@ class StudyClient:
             return
         self._call("bye", None)
         self._closed = True
+
+
+def _no_build(config: Any, rngs: Any) -> Any:
+    raise TypeError("the study server only suggests configurations; ranks build the models")
 
 
 def shared_study(

@@ -63,7 +63,8 @@ def main() -> None:
         server.join(timeout=120)
         trials = [
             {"number": t.number, "state": t.state.name, "value": t.value,
-             "x": t.params["x"], "rank": t.user_attrs.get("rank"),
+             # x is None for a trial the dead job asked but had not suggested yet
+             "x": t.params.get("x"), "rank": t.user_attrs.get("rank"),
              "steps": sorted(t.intermediate_values)}
             for t in server.study.get_trials(deepcopy=False)
         ]

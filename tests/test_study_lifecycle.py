@@ -1,0 +1,121 @@
+"""A study's life: SIGTERM, a refused rerun, a resumed rerun.
+
+A process runs a study (the MLP stand-in of ``test_runner`` through `run_search`, inside the
+entry points' error handler `experiments._cli.user_errors`), is stopped with SIGTERM once a trial
+has finished, is rerun with other steps (refused, the record untouched), then rerun with the
+same settings to the end. The record only grows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import sqlalchemy.exc
+from optuna.trial import TrialState
+
+from scamp_jax.study import storage_url
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+DRIVER = """
+import sys
+from scamp_jax.devices import configure_cpu_devices
+configure_cpu_devices(8)
+sys.path.insert(0, {tests!r})
+import dataclasses, jax
+from test_runner import Regression, SPACE
+from experiments._cli import user_errors
+from scamp_jax.search import run_search
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    trials: int = 2
+    steps: int = int(sys.argv[1])
+    reference_batch: int | None = None
+    max_batch_size: int | None = 16
+    policy: str = "fixed"
+    devices_per_trial: int = 2
+    sampler: str = "random"
+    pruner: str = "none"
+    seed: int = 0
+    study_dir: str = {study_dir!r}
+    storage: str | None = None
+    checkpoint_every: int = 20
+    eval_every: int = 0
+
+with user_errors():
+    run_search(SPACE, Regression(), Settings(), devices=jax.devices()[:2],
+               memory_per_device=64 * 2**20, live=False)
+"""
+TESTS = ROOT / "tests"
+
+
+def _command(study_dir: Path, steps: int = 60) -> list[str]:
+    return [sys.executable, "-c", DRIVER.format(tests=str(TESTS), study_dir=str(study_dir)),
+            str(steps)]
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def _trials(study_dir: Path) -> list[optuna.trial.FrozenTrial]:
+    try:
+        [summary] = optuna.get_all_study_summaries(storage_url(study_dir))
+        return optuna.load_study(study_name=summary.study_name,
+                                 storage=storage_url(study_dir)).get_trials()
+    except (ValueError, KeyError, sqlalchemy.exc.OperationalError):
+        return []
+
+
+@pytest.mark.slow  # three processes start JAX: about 90 s on 2 busy cores
+def test_sigterm_checkpoints_writes_results_and_a_rerun_appends(tmp_path):
+    study_dir = tmp_path / "study"
+    proc = subprocess.Popen(_command(study_dir), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (study_dir / "study.db").exists() and any(
+                t.state == TrialState.COMPLETE for t in _trials(study_dir)):
+            break
+        time.sleep(0.5)
+    assert proc.poll() is None, "the study ended before SIGTERM"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, out + err
+    assert "Traceback" not in err, err
+    payload = json.loads((study_dir / "results.json").read_text())
+    assert len(payload["runs"]) == 1 and payload["runs"][0]["interrupted"]
+    assert payload["runs"][0]["elapsed_s"] > 0
+    finished = [r["number"] for r in payload["trials"]]
+    assert finished, payload
+
+    other = subprocess.run(_command(study_dir, 30), cwd=ROOT, env=_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert other.returncode == 2, other.stdout + other.stderr
+    line = other.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: ") and "--steps 60" in line and "--steps 30" in line, line
+    assert "--study-name" in line
+    assert len(json.loads((study_dir / "results.json").read_text())["runs"]) == 1
+
+    again = subprocess.run(_command(study_dir), cwd=ROOT, env=_env(), capture_output=True,
+                           text=True, timeout=600)
+    assert again.returncode == 0, again.stdout + again.stderr
+    payload = json.loads((study_dir / "results.json").read_text())
+    assert len(payload["runs"]) == 2 and not payload["runs"][1].get("interrupted")
+    assert len(payload["trials"]) == 2
+    assert set(finished) <= {r["number"] for r in payload["trials"]}
+    for row in payload["trials"]:  # relative to the study, so a copied folder finds them
+        assert row["checkpoint"] and not Path(row["checkpoint"]).is_absolute()
+        assert (study_dir / row["checkpoint"]).is_dir()
