@@ -117,7 +117,10 @@ def test_entry_point_names_the_flag_of_a_bad_setting(capsys):
     from experiments import vit_synthetic
 
     with pytest.raises(SystemExit) as exit_info:
-        vit_synthetic.main(["--preset", "smoke", "--eval-every", "-1"])
+        # argparse checks each flag alone; SearchSettings checks how they combine
+        vit_synthetic.main(["--preset", "smoke", "--min-batch-size", "64",
+                            "--max-batch-size", "8"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "eval_every=-1 must be an integer >= 0" in err and "(--eval-every)" in err
+    assert "min_batch_size=64 is larger than max_batch_size=8" in err
+    assert "(--min-batch-size)" in err
