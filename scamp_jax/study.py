@@ -192,8 +192,10 @@ def open_storage(
                     url, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
                     heartbeat_stale_trial_callback=_retry_callback(),
                 )
-        except DBAPIError as err:  # SQLite: "already exists"; PostgreSQL: a duplicate type
-            racing = "already exists" in str(err) or "duplicate key" in str(err)
+        except DBAPIError as err:  # SQLite: "already exists" or the schema version stamped
+            # twice ("UNIQUE constraint failed"); PostgreSQL: a duplicate type or key
+            racing = any(mark in str(err) for mark in (
+                "already exists", "duplicate key", "UNIQUE constraint failed"))
             if not racing or attempt == attempts - 1:
                 raise
             time.sleep(0.2 * (attempt + 1))
