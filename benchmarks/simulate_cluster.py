@@ -5,6 +5,7 @@
     python -m benchmarks.simulate_cluster --device h100-80gb --search vit --policy both
     python -m benchmarks.hpo_makespan --out runs/hpo_makespan      # measure on this CPU, then
     python -m benchmarks.simulate_cluster --validate runs/hpo_makespan   # simulate the same run
+    python -m benchmarks.simulate_cluster --replay STUDY_DIR --json  # a real study's decisions
 
 Trials come from the real search space (Optuna's random sampler draws the configurations); each
 distinct architecture is costed from XLA on this machine's CPU devices, then the discrete-event
@@ -538,7 +539,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--validate", type=Path, default=None, metavar="RUN_DIR",
                         help="replay a measured 'benchmarks.hpo_makespan --out RUN_DIR' run on a "
                         "calibrated model of this CPU and compare the fixed/scamp ratios")
+    parser.add_argument("--replay", type=Path, default=None, metavar="STUDY_DIR",
+                        help="re-run a finished real study's arrivals and measured durations "
+                        "through the scheduling core and print its placements in start order")
+    parser.add_argument("--json", action="store_true",
+                        help="with --replay: print {\"placements\": [[trial, [device ids]], ...]}")
     args = parser.parse_args(argv)
+    if args.replay is not None:
+        from scamp_jax.scheduling.replay import as_json, replay_study
+
+        placements = replay_study(args.replay)
+        if args.json:
+            print(as_json(placements))
+        else:
+            for number, ids in placements:
+                print(f"trial {number}: devices {list(ids)}")
+        return 0
     if args.devices < 1 or args.trials < 1 or args.architectures < 1 or args.samples < 1:
         parser.error("--devices, --trials, --architectures and --samples must be positive")
     if args.max_trial_devices < 0 or (args.lookahead is not None and args.lookahead < 0):

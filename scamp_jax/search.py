@@ -153,6 +153,8 @@ def run_summary(result: SearchResult, devices: int, memory_per_device: int) -> d
         "usage": dict(result.usage),
         "compile_cache": dict(result.compile_cache),
         "trials_this_run": len(result.outcomes),
+        # memory_per_device, safety_margin, the booked share, the active policy parts.
+        **dict(result.scheduling),
     }
 
 
