@@ -46,6 +46,7 @@ from scamp_jax.runner import (
     trial_seed,
 )
 from scamp_jax.scheduling.core import PlanOption, SchedulingCore, TrialPlan, replan_after_oom
+from scamp_jax.scheduling.costs import attainable_flops
 from scamp_jax.space import SearchSpace, Task
 from scamp_jax.study import AskedTrial, TrialOutcome, TrialSource
 from scamp_jax.train_step import abstract_state, jit_train_step, split_model
@@ -289,9 +290,18 @@ class SearchEngine:
         self.deferred: list[tuple[AskedTrial, TrialDeferred]] = []
         self._t0 = time.monotonic()
         #: the decisions (`scamp_jax.scheduling.SchedulingCore`); a fresh one per `run`.
-        self.core = SchedulingCore(self.policy, len(self.devices), config.memory_per_device,
-                                   config.safety_margin, config.restart_seconds)
+        self.core = self._new_core()
         self.pool, self.usage = self.core.pool, self.core.usage
+
+    def _new_core(self) -> SchedulingCore:
+        """A scheduling core for this engine's pool, budget and policy. The devices' attainable
+        FLOP/s (`scamp_jax.scheduling.costs`) anchor the busy fractions where the kind is
+        known."""
+        kinds = {d.device_kind for d in self.devices}
+        peak = attainable_flops(kinds.pop()) if len(kinds) == 1 else None
+        return SchedulingCore(self.policy, len(self.devices), self.config.memory_per_device,
+                              self.config.safety_margin, self.config.restart_seconds,
+                              peak_flops=peak)
 
     # ----------------------------------------------------------------------------- planning
     def _abstract(self, params: Mapping[str, Any]) -> Any:
@@ -761,8 +771,7 @@ class SearchEngine:
         interrupt propagates; finished trials are already in the study.
         """
         self._t0 = time.monotonic()
-        self.core = SchedulingCore(self.policy, len(self.devices), self.config.memory_per_device,
-                                   self.config.safety_margin, self.config.restart_seconds)
+        self.core = self._new_core()
         self.pool, self.usage = self.core.pool, self.core.usage
         self._outcomes: list[TrialOutcome] = []
         self._times: dict[int, dict[str, Any]] = {}
@@ -880,6 +889,8 @@ class SearchEngine:
             "memory_per_device": self.config.memory_per_device,
             "safety_margin": self.config.safety_margin,
             "usable_bytes_per_device": self.core.capacity,
+            "peak_flops": self.core.peak_flops,
+            "restart_seconds": self.config.restart_seconds,
             "devices": len(self.devices),
             "policy_parts": parts,
             "last_wave_at": self._last_wave_at,

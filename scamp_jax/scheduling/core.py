@@ -28,8 +28,10 @@ measured to attain (`step_measured`); until the first measurement ``rate`` is 1 
 right relative to each other, which is all a policy's choices depend on). Without FLOPs a
 trial's cost is None (unknown).
 A running trial's busy fraction is the share of that best rate it attains,
-``flops_per_step / rate / measured_seconds_per_step``: the rest of its step is communication,
-launch gaps and host work that another trial on the same device can fill.
+``flops_per_step / rate / measured_seconds_per_step`` (``rate``: the device's attainable peak
+where known, else the best measured): the rest of its step is communication,
+launch gaps and host work that another trial on the same device can fill. Not measured yet, a
+trial counts as fully busy (in the last wave, compute-aware sharing then keeps away from it).
 """
 
 from __future__ import annotations
@@ -158,6 +160,9 @@ class SchedulingCore:
         `usable_capacity` per device.
       restart_seconds: predicted cost of a restart on more devices, seconds; None: the start-up
         time of the trial's current run.
+      peak_flops: FLOP/s one device can attain (data sheet times an attained fraction), or None
+        (unknown: the best rate measured so far stands in, which makes the fastest trial look
+        fully busy).
     """
 
     policy: object
@@ -165,6 +170,7 @@ class SchedulingCore:
     memory_per_device: int
     safety_margin: float = 0.1
     restart_seconds: float | None = None
+    peak_flops: float | None = None
     pool: DevicePool = field(init=False)
     usage: UsageRecorder = field(init=False)
 
@@ -179,7 +185,7 @@ class SchedulingCore:
         self._no_grow: set[tuple[int, int]] = set()  # counts whose plan did not fit
         self._running: dict[int, _Running] = {}
         self._arrivals_pending = True
-        self._rate: float | None = None  # best attained FLOP/s per device
+        self._rate: float | None = self.peak_flops  # attainable FLOP/s per device
         self.now = 0.0
 
     # ------------------------------------------------------------------------------- events
@@ -314,7 +320,7 @@ class SchedulingCore:
     def _predicted_busy(self, plan: TrialPlan) -> float | None:
         # A trial's busy fraction: its own measurement while it runs; queued, what a running
         # trial of the same FLOPs per step on as many devices was measured at. Else unknown
-        # (None), counted as 0 by the policy.
+        # (None).
         if plan.key in self._running:
             return self.busy_fraction(plan.key)
         for key, run in self._running.items():
@@ -324,10 +330,12 @@ class SchedulingCore:
         return None
 
     def _request(self, plan: TrialPlan, options: tuple[DeviceOption, ...] = ()) -> TrialRequest:
+        # Unknown (not measured yet): fully busy, so that compute-aware sharing in the last
+        # wave joins only trials measured to leave compute spare.
         busy = self._predicted_busy(plan)
         return TrialRequest(plan.key, plan.devices, plan.bytes_per_device, plan.arrival,
                             seconds=self.seconds(plan), options=options,
-                            busy_fraction=busy or 0.0)
+                            busy_fraction=1.0 if busy is None else busy)
 
     def _rebook_busy(self) -> None:
         """Refresh the busy fractions booked in the pool from the latest measurements."""
