@@ -1,9 +1,11 @@
-"""Discrete-event simulation of a search on a model cluster, driving the real placement code.
+"""Discrete-event simulation of a search on a model cluster, driving the engine's decisions.
 
 The simulator replays a list of planned trials (`TrialProfile`: devices, predicted peak bytes per
-device, per-step cost) on a `ClusterModel`. Which trial starts where is decided by the very
-`DevicePool` and policy ``decide`` the HPO engine uses; usage figures come from the same
-`UsageRecorder`. Only time is virtual.
+device, per-step cost) on a `ClusterModel`. Which trial starts where, which grows onto idle
+devices and which restarts on more of them is decided by the very
+`scamp_jax.scheduling.SchedulingCore` the HPO engine drives, fed the same kinds of events (a
+trial planned, its measured pace, a run ended, the last wave begun); usage figures come from the
+core's `UsageRecorder`. Only time is virtual: one policy, two drivers.
 
 Cost model of one training step on one device (all quantities per device):
 
@@ -22,10 +24,11 @@ overlap with other trials' work, which is why packing small trials raises throug
 several devices share one compute engine (CPU devices of one host: ``compute_group``), the sum
 runs over all trials on the group's devices.
 
-The policy sees what the engine sees: each request's predicted solo seconds and busy fraction
-``u``, its `TrialProfile.alternatives` (the same trial planned with more data-parallel replicas)
-as options, and whether more trials will arrive (``lookahead`` bounds the queue, as the engine's
-asked-but-unplaced trials). A trial started on an alternative's device count runs as that
+The core sees what the engine sees: each trial's FLOPs per step (``cost_analysis()``), bytes and
+steps, the paces measured so far (busy fractions against the device's attainable FLOP/s) and
+whether more trials will arrive (``lookahead`` bounds the queue, as the engine's asked-but-unplaced
+trials); a profile's `TrialProfile.alternatives` answer the core's requests for plans on more
+devices in the last wave. A trial started on an alternative's device count runs as that
 alternative.
 """
 
