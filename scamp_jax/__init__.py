@@ -31,6 +31,9 @@ from scamp_jax.planner import min_devices as min_devices
 from scamp_jax.planner import min_devices_plan as min_devices_plan
 from scamp_jax.planner import plan_mesh as plan_mesh
 from scamp_jax.pool import DevicePool as DevicePool
+from scamp_jax.scheduling import SchedulingCore as SchedulingCore
+from scamp_jax.scheduling import TrialPlan as TrialPlan
+from scamp_jax.scheduling.replay import replay_study as replay_study
 from scamp_jax.search import SearchSettings as SearchSettings
 from scamp_jax.search import run_search as run_search
 from scamp_jax.sharding import make_mesh as make_mesh
@@ -70,10 +73,12 @@ __all__ = [
     "SearchEngine",
     "SearchResult",
     "SearchSettings",
+    "SchedulingCore",
     "SearchSpace",
     "StepShardings",
     "Task",
     "TrialOutcome",
+    "TrialPlan",
     "TrialRequest",
     "TrialSource",
     "UsageRecorder",
@@ -97,6 +102,7 @@ __all__ = [
     "parse_bytes",
     "place_train_state",
     "plan_mesh",
+    "replay_study",
     "run_search",
     "split_model",
 ]

@@ -15,6 +15,8 @@ EXPECTED = {
     "jit_train_step", "make_mesh", "make_policy", "make_train_step", "min_devices",
     "min_devices_plan", "open_study", "param_partition_specs", "parse_bytes", "place_train_state",
     "plan_mesh", "run_search", "split_model",
+    # scheduling core (events in, actions out) and its replay of a finished study
+    "SchedulingCore", "TrialPlan", "replay_study",
 }
 
 
