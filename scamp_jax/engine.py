@@ -1,20 +1,24 @@
-"""The search loop: ask, plan, queue, place, run concurrently, tell.
+"""The search loop: ask, plan, let the scheduling core decide, run concurrently, tell.
 
-One `SearchEngine.run` call drives a study to its total number of trials:
+Every placement decision is made by a `scamp_jax.scheduling.SchedulingCore` (pure: events in,
+actions out; the cluster simulator drives the same core). This module is the loop around it:
 
 1. ask the `TrialSource` for configurations (a few more than can run, so placement has choice);
-2. plan each one abstractly (`planner.plan_mesh`): device count, model-parallel degree, the
-   largest batch that fits, the predicted peak per device (plans are cached per architecture);
-3. let the placement policy (`ScampPolicy` packs by memory, `FixedPolicy` is the fixed-resources
-   baseline) decide which queued trials start now and on which devices;
+2. plan each one in the planner threads (`planner.plan_mesh`, cached per architecture): device
+   count, model-parallel degree, the largest batch that fits, the predicted peak per device, and
+   the step's FLOPs per device from ``cost_analysis()`` of the lowered step;
+3. feed the core its events: a plan ready, a run's measured seconds per step, a run ended, the
+   last wave begun; the core books the pool (usable bytes per device) and answers with trials to
+   start on device ids, or larger plans to compile first (last-wave growth);
 4. run each started trial in a worker thread on its own sub-mesh (`runner.run_trial`);
-5. when a trial ends, release its devices, record its usage and tell the study. An out-of-memory
-   trial is re-planned (smaller batch first, then more devices) and queued again;
-6. at the end of the study (nothing queued or left to ask), on accelerators, restart running
-   trials from a checkpoint on the devices that fell idle, with the same global batch
-   (`scamp_jax.elastic`).
+5. when a trial ends, tell the study. An out-of-memory trial is re-planned in the planner
+   threads (never on this loop's thread) at a batch scaled by the bytes its run measured, or on
+   twice the devices, and queued again;
+6. at the end of the study, on accelerators, restart running trials from a checkpoint on the
+   devices that fell idle, with the same global batch (the core's `resizes`).
 
-Only the runner touches devices; the loop itself is bookkeeping around pure decisions.
+Each trial's record (``results.json``) holds what the core was fed, so a finished study can be
+replayed through it (`scamp_jax.scheduling.replay`).
 """
 
 from __future__ import annotations
