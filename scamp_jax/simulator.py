@@ -41,7 +41,6 @@ from dataclasses import dataclass, replace
 
 from scamp_jax._units import format_bytes
 from scamp_jax.placement import (
-    DeviceOption,
     FixedPolicy,
     Policy,
     ScampPolicy,
@@ -281,25 +280,6 @@ def busy_seconds(profile: TrialProfile, cluster: ClusterModel) -> float:
     (a compile) counts once per trial, spread over its devices."""
     return (profile.setup_seconds / profile.devices
             + profile.steps * step_busy_seconds(profile, cluster))
-
-
-def busy_fraction(profile: TrialProfile, cluster: ClusterModel) -> float:
-    """Fraction ``u`` of its solo run time ``profile`` keeps each of its devices busy."""
-    solo = solo_seconds(profile, cluster)
-    return min(1.0, busy_seconds(profile, cluster) / solo) if solo > 0 else 0.0
-
-
-def trial_request(profile: TrialProfile, cluster: ClusterModel, arrival: int) -> TrialRequest:
-    """The `TrialRequest` of ``profile``: its predicted solo seconds and busy fraction, and its
-    alternatives as options."""
-    options = tuple(
-        DeviceOption(alt.devices, alt.bytes_per_device, solo_seconds(alt, cluster),
-                     busy_fraction(alt, cluster))
-        for alt in profile.alternatives
-    )
-    return TrialRequest(profile.key, profile.devices, profile.bytes_per_device, arrival,
-                        seconds=solo_seconds(profile, cluster), options=options,
-                        busy_fraction=busy_fraction(profile, cluster))
 
 
 def _trial_plan(profile: TrialProfile, arrival: int, grow_bytes: int) -> TrialPlan:
