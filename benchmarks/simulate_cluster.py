@@ -323,7 +323,7 @@ def validate(run_dir: Path, table: CostTable, log: Callable[[str], None]) -> dic
         if not profiles:
             raise ValueError(f"{run_dir / policy_name} has no completed trials to replay")
         policy = (FixedPolicy(profiles[0].devices) if policy_name == "fixed" else ScampPolicy())
-        result = simulate(profiles, cluster, policy)
+        result = simulate(profiles, cluster, policy, safety_margin=0.1)  # the engine's default
         out[f"measured_s_{policy_name}"] = measured[policy_name]
         out[f"simulated_s_{policy_name}"] = result.makespan_s
     out["measured_ratio"] = out["measured_s_fixed"] / out["measured_s_scamp"]
@@ -464,9 +464,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     if args.policy in ("scamp", "both"):
         results["scamp"] = simulate(scamp_profiles, cluster, scamp, lookahead=lookahead,
-                                    reshape=reshape)
+                                    reshape=reshape, safety_margin=args.safety_margin)
     if args.policy in ("fixed", "both"):
-        results["fixed"] = simulate(fixed_profiles, cluster, FixedPolicy(k), lookahead=lookahead)
+        results["fixed"] = simulate(fixed_profiles, cluster, FixedPolicy(k), lookahead=lookahead,
+                                    safety_margin=args.safety_margin)
     sim_seconds = time.perf_counter() - start
 
     batches = sorted({p.batch_size for p in scamp_profiles})
