@@ -705,7 +705,7 @@ class SearchEngine(PlanningService):
             "usable_bytes_per_device": self.core.capacity,
             "peak_flops": self.core.peak_flops,
             "restart_seconds": self.config.restart_seconds,
-            "devices": len(self.devices),
+            "pool_devices": len(self.devices),
             "policy_parts": parts,
             "last_wave_at": self._last_wave_at,
         }

@@ -70,7 +70,7 @@ def test_a_packed_study_never_books_a_device_above_its_usable_bytes(packed_study
     assert all(t["state"] == "complete" and t["replans"] == 0 for t in results["trials"])
     # Sweep each device's bookings over time: distinct trials only, at their booked bytes.
     peak_trials = 0
-    for device in range(run["devices"]):
+    for device in range(run["pool_devices"]):
         events = []
         for t in results["trials"]:
             if device in t["devices"]:

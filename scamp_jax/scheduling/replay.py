@@ -54,7 +54,7 @@ def replay(results: Mapping[str, Any]) -> list[tuple[int, tuple[int, ...]]]:
     """Placements ``[(trial number, device ids), ...]`` in start order of a replay of
     ``results`` (a parsed ``results.json``) through `SchedulingCore`."""
     run = run_section(results)
-    core = SchedulingCore(policy_of(run["policy_parts"]), int(run["devices"]),
+    core = SchedulingCore(policy_of(run["policy_parts"]), int(run["pool_devices"]),
                           int(run["memory_per_device"]), float(run["safety_margin"]),
                           run.get("restart_seconds"), peak_flops=run.get("peak_flops"))
     trials = {int(t["number"]): t for t in results["trials"]
