@@ -382,3 +382,28 @@ def test_planned_profile_offers_more_data_parallel_replicas_at_the_largest_batch
     assert profile.alternatives[1].bytes_per_device == cost.peak_bytes(12)
     assert profile.alternatives[1].comm_bytes_per_step == pytest.approx(allreduce_bytes(4e8, 4))
     assert cost.planned_profile(0, budget_bytes=10 * 10**9, samples=960).alternatives == ()
+
+
+def test_the_simulated_pool_books_the_usable_share_as_the_engine() -> None:
+    # Two 1 s trials of 4.75 GiB each on one 10 GiB device: both fit the whole memory (9.5 GiB)
+    # but not its usable 90% (9 GiB), so with the engine's margin they run one after the other.
+    one = dataclasses.replace(TOY, devices=1)
+    trials = [TrialProfile(k, 1, int(4.75 * GIB), 1, 1e11, 0, 0, 10) for k in (0, 1)]
+    memory_only = ScampPolicy(compute_aware=False)
+    shared = simulate(trials, one, memory_only, safety_margin=0.0)
+    assert {t.start_s for t in shared.trials} == {0.0}
+    apart = simulate(trials, one, memory_only, safety_margin=0.1)
+    assert sorted(t.start_s for t in apart.trials) == pytest.approx([0.0, 1.0])
+
+
+def test_last_wave_sharing_waits_for_a_measured_pace() -> None:
+    # Two compute-bound trials (busy fraction 1 once measured) arriving together in the last
+    # wave on one device: not measured yet, a trial counts as fully busy, so the second does
+    # not join the first; the core never credits spare compute it has not measured.
+    one = dataclasses.replace(TOY, devices=1)
+    trials = [_compute_bound(0, 4), _compute_bound(1, 4)]
+    result = simulate(trials, one, ScampPolicy())
+    assert sorted(t.start_s for t in result.trials) == pytest.approx([0.0, 4.0])
+    # Compute-aware sharing off: memory alone decides, both share the device from 0 s.
+    both = simulate(trials, one, ScampPolicy(compute_aware=False))
+    assert {t.start_s for t in both.trials} == {0.0}
