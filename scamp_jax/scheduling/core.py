@@ -13,7 +13,8 @@ Events (methods), each at a time ``now``:
 - `step_measured`: a running trial's measured seconds per step (its pace).
 - `option_planned`: the plan of a larger device count the core asked for (`PlanOption`).
 - `finished` / `out_of_memory`: a run ended; its devices are free again.
-- `restarted` / `restart_failed`: a running trial moved to more devices, or back.
+- `restarted` / `move_back`: a running trial moved to more devices, or back (its restart
+  failed before training); `requeue`: an out-of-memory trial planned again.
 
 Actions (from `decide`): `Start` a trial on device ids, `PlanOption` (plan a queued trial on
 more devices before it can start there); from `resizes`: `scamp_jax.elastic.Resize` decisions;
@@ -400,10 +401,6 @@ class SchedulingCore:
             actions.append(Start(plan.key, placement.device_ids, plan))
         return tuple(actions)
 
-    def waiting_on_plans(self) -> bool:
-        """Whether a `PlanOption` is unanswered (the queue may be waiting for it)."""
-        return bool(self._asked)
-
     def resizes(self, now: float, reshapes: Mapping[int, Sequence[int]]) -> tuple[Resize, ...]:
         """Running trials to restart on more devices now (`scamp_jax.elastic.resizes`).
 
@@ -466,10 +463,6 @@ class SchedulingCore:
         self.pool.allocate(placement, self._request(plan))
         self.usage.move(now, placement, plan.bytes_per_device)
         self._running[key] = _Running(plan, placement.device_ids, now)
-
-    def options_of(self, key: int) -> dict[int, TrialPlan]:
-        """Planned larger device counts of queued trial ``key``."""
-        return {n: p for (k, n), p in self._options.items() if k == key}
 
 
 def replan_after_oom(plan: TrialPlan, bytes_needed: int | None, usable_bytes: int, *,
