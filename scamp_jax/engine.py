@@ -216,6 +216,12 @@ class SearchResult:
     scheduling: Mapping[str, Any] = field(default_factory=dict)
 
 
+
+def booked_bytes(plan: Any) -> int:
+    """Bytes per device a trial of ``plan`` books: everything it holds at once (training step,
+    prefetched batch, evaluation: `scamp_jax.planner.Plan.predicted_peak_bytes`)."""
+    return int(getattr(plan, "predicted_peak_bytes", plan.peak_bytes_per_device))
+
 class SearchEngine(PlanningService):
     """Drive a study: plan, place and run trials concurrently on a pool of devices.
 
@@ -291,7 +297,7 @@ class SearchEngine(PlanningService):
         flops = self._flops_of.get((planned.number, planned.devices, int(plan.batch_size)))
         return TrialPlan(
             key=planned.number, arrival=planned.arrival, devices=planned.devices,
-            bytes_per_device=int(plan.peak_bytes_per_device),
+            bytes_per_device=booked_bytes(plan),
             steps=self.config.steps_for(int(plan.batch_size)), flops_per_step=flops,
             data_parallel=int(plan.data_parallel), model_parallel=int(plan.model_parallel),
             batch_size=int(plan.batch_size),
@@ -371,7 +377,7 @@ class SearchEngine(PlanningService):
         status = self.statuses[number]
         status.model_parallel = int(plan.model_parallel)
         status.batch_size = int(plan.batch_size)
-        status.predicted_peak_bytes = int(plan.peak_bytes_per_device)
+        status.predicted_peak_bytes = booked_bytes(plan)
         status.steps = self.config.steps_for(status.batch_size)
 
     def _queue_planned(self, planned: PlannedTrial) -> None:
@@ -565,6 +571,7 @@ class SearchEngine(PlanningService):
             plan=plan,
             steps=self.config.steps_for(int(plan.batch_size)),
             memory_per_device=self.config.memory_per_device,
+            booked_bytes=booked_bytes(plan),
             checkpoint_dir=checkpoint_dir,
             checkpoint_every=self.config.checkpoint_every,
             eval_every=self.config.eval_every,

@@ -26,6 +26,7 @@ import jax
 from flax import nnx
 
 from scamp_jax import planner
+from scamp_jax.evaluation import supports_chunked_eval
 from scamp_jax.memory import with_batch_size
 from scamp_jax.runner import RunResult, make_optimizer
 from scamp_jax.scheduling.core import replan_after_oom
@@ -75,6 +76,9 @@ class PlanningService:
     def _call_planner(
         self, model: Any, n_devices: int, max_batch: int | None, memory: int | None = None
     ) -> Any:
+        # A task that can evaluate in chunks has its evaluation planned with the step, so the
+        # plan's predicted peak covers evaluation too.
+        extra = {"eval_task": self.task} if supports_chunked_eval(self.task) else {}
         return self.plan_fn(
             model,
             self.task.sample_batch(1),
@@ -84,6 +88,7 @@ class PlanningService:
             loss_fn=self.task.loss_fn,
             safety_margin=self.config.safety_margin,
             max_batch_size=max_batch,
+            **extra,
         )
 
     def fixed_batch_size(self) -> int:
