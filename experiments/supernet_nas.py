@@ -25,7 +25,7 @@ SCHEDULES = ("csp", "gpipe", "sequential")
 
 def get_config(preset: str = "default"):
     """The experiment's `NASConfig` for ``preset`` (``smoke``, ``default`` or ``paper``)."""
-    from scamp_jax.pipeline.nas import NASConfig
+    from search_spaces.supernet_nas import NASConfig
 
     if preset == "smoke":
         return NASConfig(preset="smoke", stages=4, layers=4, choices=4, width=8, subnets=24,
@@ -77,7 +77,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> dict | None:
-    """Parse flags, set up devices, run `scamp_jax.pipeline.nas.run_nas`; returns its summary."""
+    """Parse flags, set up devices, run `search_spaces.supernet_nas.run_nas`; return it."""
     args = parser().parse_args(argv)
     from scamp_jax.devices import configure_cpu_devices
 
@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
         configure_cpu_devices(max(8, config.stages))
     except RuntimeError:
         pass  # JAX already started (a notebook, a test): its devices are used as they are.
-    from scamp_jax.pipeline.nas import run_nas
+    from search_spaces.supernet_nas import run_nas
 
     return run_nas(config, json_path=args.json, show=not args.quiet)
 
@@ -120,7 +120,7 @@ def _main_mpi(config, args: argparse.Namespace) -> dict | None:
     w = world()
     if args.stages is None:
         config = dataclasses.replace(config, stages=w.size)
-    from scamp_jax.distributed.nas import run_nas_mpi
+    from search_spaces.supernet_nas import run_nas_mpi
 
     return run_nas_mpi(config, json_path=args.json, show=not args.quiet, mpi_world=w)
 

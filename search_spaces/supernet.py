@@ -270,6 +270,34 @@ class SupernetLayout:
         self.block_size = max(c.size for c in self.candidates)
         self.shared_size = self.stem.size + self.head.size
 
+    @property
+    def num_layers(self) -> int:
+        """L choice layers."""
+        return self.config.num_layers
+
+    @property
+    def num_choices(self) -> int:
+        """C candidates per layer."""
+        return self.config.num_choices
+
+    @property
+    def stem_size(self) -> int:
+        """Floats of the stem (the first entries of the shared vector)."""
+        return self.stem.size
+
+    def loss(self, output: jax.Array, target: jax.Array) -> jax.Array:
+        """Training loss of an SR output against its HR target: `l1_loss`."""
+        return l1_loss(output, target)
+
+    def feature_shape(self, batch: int, side: int) -> tuple[int, ...]:
+        """Features between choice layers for ``batch`` LR patches of ``side`` pixels:
+        ``(batch, side, side, width)``."""
+        return (batch, side, side, self.config.width)
+
+    def check_input(self, side: int) -> None:
+        """`check_patch`: raise unless LR patches of ``side`` pixels fit the windows."""
+        self.check_patch(side)
+
     @cached_property
     def block_sizes(self) -> tuple[int, ...]:
         """Unpadded parameter count of each candidate (C,)."""

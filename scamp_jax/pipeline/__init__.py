@@ -1,7 +1,8 @@
 """Pipelined supernet training (NASPipe in JAX): CSP schedules, tick programs, the executor.
 
 Decisions (`csp_schedule`, `gpipe_schedule`, `sequential_schedule`, `build_program`) are pure
-host-side functions returning plain data; only `PipelineExecutor` touches devices.
+host-side functions returning plain data; only `PipelineExecutor` touches devices. Any supernet
+that implements `StageModel` (flat blocks, stem/layers/head functions, its loss) can be trained.
 """
 
 from scamp_jax.pipeline.csp import SHARED as SHARED
@@ -12,6 +13,7 @@ from scamp_jax.pipeline.csp import split_layers as split_layers
 from scamp_jax.pipeline.csp import stage_param_keys as stage_param_keys
 from scamp_jax.pipeline.executor import PipelineExecutor as PipelineExecutor
 from scamp_jax.pipeline.executor_base import StageExecutor as StageExecutor
+from scamp_jax.pipeline.model import StageModel as StageModel
 from scamp_jax.pipeline.program import TickProgram as TickProgram
 from scamp_jax.pipeline.program import build_program as build_program
 from scamp_jax.pipeline.schedules import Op as Op
@@ -40,6 +42,7 @@ __all__ = [
     "PipelineExecutor",
     "Schedule",
     "StageExecutor",
+    "StageModel",
     "StageSpec",
     "TickProgram",
     "TrainResult",

@@ -22,8 +22,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from scamp_jax.pipeline.executor_base import DEVICE_KIND, HOST_KIND, StageExecutor, StageSizes
+from scamp_jax.pipeline.model import StageModel
 from scamp_jax.pipeline.stage import State, receive, stage_tick
-from search_spaces.supernet import SupernetLayout
 
 __all__ = ["DEVICE_KIND", "HOST_KIND", "PipelineExecutor"]
 
@@ -32,7 +32,7 @@ class PipelineExecutor(StageExecutor):
     """Every stage in this process: owns the stage mesh and the compiled tick function.
 
     Args:
-      layout: the supernet's flat-weight layout.
+      layout: the supernet (a `scamp_jax.pipeline.StageModel`).
       devices: devices for the S stages, one each (default ``jax.devices()[:num_stages]``).
       **sizes: `StageSizes`, as for `StageExecutor`: ``num_stages`` (S), ``microbatch_size``,
         ``lr_side`` (pixels), ``window_slots``, ``act_slots``, ``grad_slots``,
@@ -44,7 +44,7 @@ class PipelineExecutor(StageExecutor):
 
     def __init__(
         self,
-        layout: SupernetLayout,
+        layout: StageModel,
         *,
         devices: list[Any] | None = None,
         **sizes: Unpack[StageSizes],

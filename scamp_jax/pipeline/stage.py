@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from scamp_jax.pipeline.model import StageModel
 from scamp_jax.pipeline.program import BWD, COL, NUM_FIELDS
-from search_spaces.supernet import SupernetLayout, l1_loss
 
 State = dict[str, Any]
 
@@ -155,7 +155,7 @@ def write_back(store: State, window: State, ins: jax.Array, spec: StageSpec) -> 
     return store
 
 
-def _features(layout: SupernetLayout, stage: jax.Array, choices: jax.Array, lr: jax.Array):
+def _features(layout: StageModel, stage: jax.Array, choices: jax.Array, lr: jax.Array):
     """f(shared, blocks, x) -> stage output features (stem first on stage 0)."""
 
     def f(shared: jax.Array, blocks: jax.Array, x: jax.Array) -> jax.Array:
@@ -166,7 +166,7 @@ def _features(layout: SupernetLayout, stage: jax.Array, choices: jax.Array, lr: 
 
 
 def compute(
-    layout: SupernetLayout,
+    layout: StageModel,
     spec: StageSpec,
     stage: jax.Array,
     state: State,
@@ -196,7 +196,7 @@ def compute(
     features = _features(layout, stage, choices, lr)
 
     def head_loss(sh: jax.Array, y: jax.Array) -> jax.Array:
-        return l1_loss(layout.apply_head(sh, y, lr), hr)
+        return layout.loss(layout.apply_head(sh, y, lr), hr)
 
     def idle() -> tuple[State, State, jax.Array, jax.Array, jax.Array]:
         return window, shared, zeros, zeros, jnp.float32(0.0)
@@ -285,7 +285,7 @@ def receive(state: State, ins: jax.Array, act_in: jax.Array, grad_in: jax.Array)
 
 
 def stage_tick(
-    layout: SupernetLayout,
+    layout: StageModel,
     spec: StageSpec,
     stage: jax.Array,
     state: State,

@@ -23,6 +23,7 @@ import numpy as np
 from scamp_jax.pipeline.csp import check_causality, csp_schedule, ideal_schedule, split_layers
 from scamp_jax.pipeline.executor import PipelineExecutor
 from scamp_jax.pipeline.executor_base import StageExecutor
+from scamp_jax.pipeline.model import StageModel, state_bytes
 from scamp_jax.pipeline.program import TickProgram, build_program
 from scamp_jax.pipeline.schedules import (
     Schedule,
@@ -31,7 +32,6 @@ from scamp_jax.pipeline.schedules import (
     validate_schedule,
 )
 from scamp_jax.pipeline.stage import OptimizerSpec
-from search_spaces.supernet import SupernetLayout, l1_loss
 
 SCHEDULES = ("csp", "gpipe", "sequential")
 
@@ -145,7 +145,7 @@ class TrainResult:
 
 
 def build_executor(
-    layout: SupernetLayout,
+    layout: StageModel,
     programs: Sequence[TickProgram],
     *,
     num_stages: int,
@@ -178,7 +178,7 @@ def build_executor(
 
 
 def train_supernet(
-    layout: SupernetLayout,
+    layout: StageModel,
     subnets: Sequence[Sequence[int]],
     lr_batches: np.ndarray,
     hr_batches: np.ndarray,
@@ -198,7 +198,7 @@ def train_supernet(
     """Train the supernet initialised from ``seed`` on ``subnets`` (one batch each, in order).
 
     Args:
-      layout: the supernet layout.
+      layout: the supernet (a `scamp_jax.pipeline.StageModel`).
       subnets: N choice vectors (L,), index = sequence id.
       lr_batches: (N, B, h, w, 3) float32 LR inputs, batch i for subnet i.
       hr_batches: (N, B, r h, r w, 3) float32 HR targets.
@@ -221,7 +221,7 @@ def train_supernet(
     n, batch = lr_batches.shape[:2]
     if n != len(subnets):
         raise ValueError(f"{len(subnets)} subnets but {n} batches; pass one batch per subnet")
-    bounds = split_layers(layout.config.num_layers, num_stages)
+    bounds = split_layers(layout.num_layers, num_stages)
     m_count = num_microbatches if schedule == "gpipe" else 1
     sched = make_schedule(
         schedule, subnets, bounds, train_shared=train_shared, num_microbatches=m_count,
@@ -279,20 +279,17 @@ def train_supernet(
     )
 
 
-def supernet_state_bytes(layout: SupernetLayout, optimizer: OptimizerSpec) -> int:
+def supernet_state_bytes(layout: StageModel, optimizer: OptimizerSpec) -> int:
     """Bytes of the whole supernet's weights and optimizer state (flat layout, float32).
 
     Counts every (layer, candidate) block at the padded length P plus the stem and head, times
     the optimizer's float fields, plus one int32 step count per block.
     """
-    cfg = layout.config
-    blocks = cfg.num_layers * cfg.num_choices
-    floats = (blocks * layout.block_size + layout.shared_size) * len(optimizer.fields)
-    return 4 * floats + 4 * blocks
+    return state_bytes(layout, len(optimizer.fields))
 
 
 def train_reference(
-    layout: SupernetLayout,
+    layout: StageModel,
     subnets: Sequence[Sequence[int]],
     lr_batches: np.ndarray,
     hr_batches: np.ndarray,
@@ -311,7 +308,6 @@ def train_reference(
       ``(losses (N,), blocks (L, C, P), shared (P_shared,))``.
     """
     opt = optimizer or OptimizerSpec()
-    cfg = layout.config
     blocks, shared = layout.init(seed)
     fields = {f: np.zeros_like(blocks) for f in opt.fields}
     fields["p"] = blocks
@@ -319,7 +315,7 @@ def train_reference(
     shared_fields["p"] = shared
     steps = np.zeros(blocks.shape[:2], np.int32)
     shared_step = np.zeros((), np.int32)
-    layers = jnp.arange(cfg.num_layers)
+    layers = jnp.arange(layout.num_layers)
 
     @jax.jit
     def step(fields, steps, shared_fields, shared_step, choices, lr, hr):
@@ -327,7 +323,7 @@ def train_reference(
 
         def loss_fn(bl: jax.Array, sh: jax.Array) -> jax.Array:
             h = layout.apply_layers(bl, choices, layout.apply_stem(sh, lr))
-            return l1_loss(layout.apply_head(sh, h, lr), hr)
+            return layout.loss(layout.apply_head(sh, h, lr), hr)
 
         loss, (g_bl, g_sh) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
             chosen["p"], shared_fields["p"]

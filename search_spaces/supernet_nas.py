@@ -4,7 +4,10 @@ The logic behind ``python -m experiments.supernet_nas``: draw training patches f
 search's photographs (one batch per subnet, in sequence-id order), train with the chosen schedule
 (`train_for_nas`), evaluate a set of subnets on held-out photographs (PSNR on Y, the bicubic
 baseline beside it), and write a JSON summary and a PNG plot (`evaluate_and_save`). `run_nas` does
-both in one process; `scamp_jax.distributed.nas.run_nas_mpi` does both with one stage per MPI rank.
+both in one process; `run_nas_mpi` does both with one stage per MPI rank.
+
+The pipeline itself (`scamp_jax.pipeline`) knows nothing of super-resolution: the supernet
+(`search_spaces.supernet.SupernetLayout`) is the `scamp_jax.pipeline.StageModel` it trains.
 """
 
 from __future__ import annotations
@@ -334,3 +337,43 @@ def save_plot(summary: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def run_nas_mpi(
+    config: NASConfig, *, json_path: str | None = None, show: bool = True,
+    mpi_world: Any = None,
+) -> dict[str, Any] | None:
+    """`run_nas` with pipeline stage ``s`` on MPI rank ``s`` (collective).
+
+    Every rank draws the same subnets and patches (same seed) and trains its stage through
+    `scamp_jax.distributed.train_supernet_mpi`; rank 0 then evaluates the subnets, prints the
+    tables and writes ``results.json`` / ``results.png`` as `run_nas` does, plus ``mpi_ranks``
+    and the ``stage_ranks``. ``losses`` and ``params_sha256`` equal those of the single-process
+    run with the same number of stages. ``config.stages`` must equal the number of ranks
+    (``mpi_world``: a `scamp_jax.distributed.World`, default the MPI world). Returns the summary
+    on rank 0 and None on the other ranks (which only train).
+    """
+    import functools
+
+    from rich.console import Console
+
+    from scamp_jax.distributed.mpi import world
+    from scamp_jax.distributed.pipeline import train_supernet_mpi
+
+    w = mpi_world or world()
+    if config.stages != w.size:
+        raise ValueError(
+            f"stages={config.stages} but {w.size} MPI ranks; the MPI pipeline runs one stage per "
+            f"rank: launch with mpirun -n {config.stages} or pass --stages {w.size}"
+        )
+    console = Console(quiet=not show or not w.is_root)
+    console.print(f"one pipeline stage per MPI rank: {w.size} ranks")
+    layout, result = train_for_nas(
+        config, train_fn=functools.partial(train_supernet_mpi, comm=w.comm), console=console
+    )
+    if not w.is_root:
+        return None
+    extra = {"mpi_ranks": w.size, "stage_ranks": list(range(w.size))}
+    return evaluate_and_save(
+        config, layout, result, json_path=json_path, console=console, extra=extra
+    )
