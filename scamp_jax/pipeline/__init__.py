@@ -31,7 +31,6 @@ from scamp_jax.pipeline.trainer import make_schedule as make_schedule
 from scamp_jax.pipeline.trainer import params_sha256 as params_sha256
 from scamp_jax.pipeline.trainer import split_microbatches as split_microbatches
 from scamp_jax.pipeline.trainer import supernet_state_bytes as supernet_state_bytes
-from scamp_jax.pipeline.trainer import train_reference as train_reference
 from scamp_jax.pipeline.trainer import train_supernet as train_supernet
 
 __all__ = [
@@ -60,7 +59,6 @@ __all__ = [
     "stage_param_keys",
     "stage_tick",
     "supernet_state_bytes",
-    "train_reference",
     "train_supernet",
     "validate_schedule",
 ]

@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
 
 from scamp_jax.pipeline.model import StageModel
@@ -34,7 +35,8 @@ State = dict[str, Any]
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """Per-block optimizer: ``"adam"`` (state per (layer, candidate), as in NASPipe) or ``"sgd"``.
+    """Per-block optimizer: ``"adam"`` (state per (layer, candidate), as in NASPipe) or ``"sgd"``,
+    applied with optax (`transformation`).
 
     Attributes:
       name: ``"adam"`` or ``"sgd"``.
@@ -59,25 +61,43 @@ class OptimizerSpec:
         """Float arrays kept per weight: ``("p",)`` for SGD, ``("p", "m", "v")`` for Adam."""
         return ("p", "m", "v") if self.name == "adam" else ("p",)
 
+    def transformation(self) -> optax.GradientTransformation:
+        """The optax transformation of one block: ``optax.adam`` or ``optax.sgd``."""
+        if self.name == "sgd":
+            return optax.sgd(self.learning_rate)
+        return optax.adam(self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps)
+
     def update(self, fields: dict[str, jax.Array], step: jax.Array, grad: jax.Array):
-        """One optimizer step, element-wise.
+        """One optimizer step of `transformation`, vmapped over the blocks.
+
+        The moments and step counts live in the pipeline's flat arrays (``m``, ``v``, ``t``), so
+        the optax state of a block is rebuilt from them, updated, and taken apart again.
 
         Args:
           fields: ``{"p": ..., "m": ..., "v": ...}`` arrays of one shape (..., P).
-          step: updates applied so far, int32 broadcastable to the leading dims (...).
+          step: updates applied so far (optax's ``count``), int32 of the leading dims (...).
           grad: gradient, same shape as ``fields["p"]``.
         Returns:
           ``(new fields, step + 1)``.
         """
-        if self.name == "sgd":
-            return {"p": fields["p"] - self.learning_rate * grad}, step + 1
-        t = (step + 1).astype(jnp.float32)[..., None]
-        m = self.b1 * fields["m"] + (1.0 - self.b1) * grad
-        v = self.b2 * fields["v"] + (1.0 - self.b2) * grad * grad
-        m_hat = m / (1.0 - self.b1**t)
-        v_hat = v / (1.0 - self.b2**t)
-        p = fields["p"] - self.learning_rate * m_hat / (jnp.sqrt(v_hat) + self.eps)
-        return {"p": p, "m": m, "v": v}, step + 1
+        tx = self.transformation()
+
+        def one(fields: dict[str, jax.Array], step: jax.Array, grad: jax.Array):
+            p = fields["p"]
+            state = tx.init(p)
+            if self.name == "adam":
+                adam = state[0]
+                assert isinstance(adam, optax.ScaleByAdamState)
+                state = (adam._replace(count=step, mu=fields["m"], nu=fields["v"]), *state[1:])
+            updates, state = tx.update(grad, state, p)
+            out = {"p": optax.apply_updates(p, updates)}
+            if self.name == "adam":
+                out["m"], out["v"] = state[0].mu, state[0].nu
+            return out, step + 1
+
+        for _ in range(jnp.ndim(step)):
+            one = jax.vmap(one)
+        return one(fields, step, grad)
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@
 ``sequential``), turns it into a tick program, runs it on a `PipelineExecutor` (or any other
 `StageExecutor`, such as the MPI one) and reports the losses, a hash of the final weights, ticks,
 stage utilisation and resident bytes.
-`train_reference` trains the same subnets without any pipeline (whole subnet in one jitted step),
-as an independent check of what the pipeline computes.
+The independent check of what it computes is `search_spaces.supernet_reference.train_reference`
+(a plain single-device loop on the SR supernet's Flax modules with ``optax.adam``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import TypedDict
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from scamp_jax.pipeline.csp import check_causality, csp_schedule, ideal_schedule, split_layers
@@ -286,64 +285,3 @@ def supernet_state_bytes(layout: StageModel, optimizer: OptimizerSpec) -> int:
     the optimizer's float fields, plus one int32 step count per block.
     """
     return state_bytes(layout, len(optimizer.fields))
-
-
-def train_reference(
-    layout: StageModel,
-    subnets: Sequence[Sequence[int]],
-    lr_batches: np.ndarray,
-    hr_batches: np.ndarray,
-    *,
-    seed: int = 0,
-    train_shared: bool = False,
-    optimizer: OptimizerSpec | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Train the subnets one after another without any pipeline: whole-subnet jitted steps.
-
-    Independent of the pipeline code (no stages, no schedule), so it checks that the pipeline
-    computes the right losses and updates; floats may differ in the last bits because it is a
-    different XLA program.
-
-    Returns:
-      ``(losses (N,), blocks (L, C, P), shared (P_shared,))``.
-    """
-    opt = optimizer or OptimizerSpec()
-    blocks, shared = layout.init(seed)
-    fields = {f: np.zeros_like(blocks) for f in opt.fields}
-    fields["p"] = blocks
-    shared_fields = {f: np.zeros_like(shared) for f in opt.fields}
-    shared_fields["p"] = shared
-    steps = np.zeros(blocks.shape[:2], np.int32)
-    shared_step = np.zeros((), np.int32)
-    layers = jnp.arange(layout.num_layers)
-
-    @jax.jit
-    def step(fields, steps, shared_fields, shared_step, choices, lr, hr):
-        chosen = {k: v[layers, choices] for k, v in fields.items()}
-
-        def loss_fn(bl: jax.Array, sh: jax.Array) -> jax.Array:
-            h = layout.apply_layers(bl, choices, layout.apply_stem(sh, lr))
-            return layout.loss(layout.apply_head(sh, h, lr), hr)
-
-        loss, (g_bl, g_sh) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
-            chosen["p"], shared_fields["p"]
-        )
-        new, new_steps = opt.update(chosen, steps[layers, choices], g_bl)
-        fields = {k: v.at[layers, choices].set(new[k]) for k, v in fields.items()}
-        steps = steps.at[layers, choices].set(new_steps)
-        if train_shared:
-            shared_fields, shared_step = opt.update(shared_fields, shared_step, g_sh)
-        return loss, fields, steps, shared_fields, shared_step
-
-    losses = []
-    for i, choices in enumerate(subnets):
-        loss, fields, steps, shared_fields, shared_step = step(
-            fields, steps, shared_fields, shared_step, jnp.asarray(choices, jnp.int32),
-            lr_batches[i], hr_batches[i],
-        )
-        losses.append(loss)
-    return (
-        np.asarray(jnp.stack(losses)),
-        np.asarray(fields["p"]),
-        np.asarray(shared_fields["p"]),
-    )
