@@ -195,6 +195,62 @@ def measured_rows(
     return rows
 
 
+def idle_guard_rows(
+    choices: int = 4, stages: int = 4, subnets: int = 24, max_in_flight: int = 4
+) -> list[list[str]]:
+    """Idle-tick guard off vs on (offload on, CSP), side by side in one process.
+
+    For each setting: the compiled tick's device bytes per stage device (XLA
+    ``memory_analysis``: arguments + outputs - aliased + temporaries) and its temporaries,
+    steady-state samples/s of a CSP run, and whether the two runs' weights hashes agree.
+    """
+    import numpy as np
+
+    from scamp_jax._units import format_bytes
+    from scamp_jax.pipeline import (
+        PipelineExecutor,
+        build_program,
+        make_schedule,
+        split_layers,
+        train_supernet,
+    )
+    from search_spaces.supernet import SupernetConfig, SupernetLayout, sample_subnets
+
+    batch, side, layers = 8, 8, 8
+    layout = SupernetLayout(SupernetConfig(layers, choices, 8, scale=2, window_size=4))
+    chosen = [x.choices for x in sample_subnets(subnets, layout.config, 0)]
+    rng = np.random.default_rng(0)
+    lr = rng.random((subnets, batch, side, side, 3), dtype=np.float32)
+    hr = rng.random((subnets, batch, 2 * side, 2 * side, 3), dtype=np.float32)
+    bounds = split_layers(layers, stages)
+    prog = build_program(make_schedule("csp", chosen, bounds), chosen, bounds)
+    idle = {
+        "fetch": float(np.mean(prog.column("prefetch_slot") < 0)),
+        "write": float(np.mean(prog.column("apply") == 0)),
+    }
+    rows, hashes = [], []
+    for guard in (False, True):
+        ex = PipelineExecutor(
+            layout, num_stages=stages, microbatch_size=batch, lr_side=side,
+            window_slots=prog.window_slots, act_slots=prog.act_slots,
+            grad_slots=prog.grad_slots, offload=True, guard_idle=guard,
+            max_in_flight=max_in_flight,
+        )
+        mem = ex.compiled_memory((batch, side, side, 3), (batch, 2 * side, 2 * side, 3))
+        res = train_supernet(layout, chosen, lr, hr, schedule="csp", num_stages=stages,
+                             offload=True, executor=ex)
+        hashes.append(res.params_sha256)
+        rows.append([
+            "on" if guard else "off", str(choices), str(stages),
+            f"{idle['fetch']:.2f} / {idle['write']:.2f}", format_bytes(mem["device_bytes"]),
+            format_bytes(mem["temp"]), f"{res.samples_per_second:.1f}",
+        ])
+        print("idle guard " + " | ".join(rows[-1]), file=sys.stderr, flush=True)
+    for row in rows:
+        row.append("yes" if hashes[0] == hashes[1] else "NO")
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse flags, print the three tables."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -213,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="ticks the measured runs may queue ahead of the host (0: no bound; "
                              "an unbounded queue can deadlock the CPU backend at S=8)")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    parser.add_argument("--idle-guard", action="store_true",
+                        help="only measure the idle-tick guard (off vs on, C=4, S=4)")
     args = parser.parse_args(argv)
     if args.max_in_flight < 0:
         parser.error(f"--max-in-flight {args.max_in_flight} must be >= 0 (0: no bound)")
@@ -221,6 +279,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Before configure_cpu_devices: both must be in XLA_FLAGS when JAX creates the CPU backend.
     raise_cpu_collective_timeout(args.collective_timeout)
     configure_cpu_devices(max(STAGES))
+    if args.idle_guard:
+        print_table(
+            "Idle-tick guard (offload on, CSP, 8 layers, width 8, batch 8, 24 subnets)",
+            ["guard", "C", "S", "idle ticks fetch / write", "device bytes", "temp bytes",
+             "samples/s", "same hash"],
+            idle_guard_rows(max_in_flight=args.max_in_flight), args.markdown,
+        )
+        return
     print_table(
         "Schedules: ticks (utilisation), 16 layers, 64 subnets",
         ["C", "S", "sequential", "gpipe M=4", "csp", "csp+shared", "ideal", "csp vs seq"],

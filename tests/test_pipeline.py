@@ -236,3 +236,15 @@ def test_ticks_in_flight_bound_changes_nothing_but_the_wait():
     with pytest.raises(ValueError, match="max_in_flight=-1 must be >= 0"):
         PipelineExecutor(_layout(), num_stages=2, microbatch_size=BATCH, lr_side=SIDE,
                          window_slots=6, act_slots=6, grad_slots=6, max_in_flight=-1)
+
+
+def test_idle_tick_guard_changes_nothing_but_the_work():
+    """Without the guard every tick fetches and writes back (masked); same bits either way."""
+    subnets, lr, hr = _data(0)
+    unguarded = PipelineExecutor(
+        _layout(), num_stages=2, microbatch_size=BATCH, lr_side=SIDE, window_slots=6,
+        act_slots=6, grad_slots=6, offload=True, guard_idle=False)
+    assert not unguarded.spec.guard_idle and _executor(2, True, False).spec.guard_idle
+    result = train_supernet(_layout(), subnets, lr, hr, schedule="csp", num_stages=2, seed=0,
+                            offload=True, executor=unguarded)
+    _assert_identical(result, _train("csp", 2, True, False, 0))

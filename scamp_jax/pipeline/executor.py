@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from scamp_jax.pipeline.executor_base import DEVICE_KIND, HOST_KIND, StageExecutor, StageSizes
 from scamp_jax.pipeline.model import StageModel
+from scamp_jax.pipeline.program import NUM_FIELDS
 from scamp_jax.pipeline.stage import State, receive, stage_tick
 
 __all__ = ["DEVICE_KIND", "HOST_KIND", "PipelineExecutor"]
@@ -95,6 +96,44 @@ class PipelineExecutor(StageExecutor):
             out_shardings=(self.state_shardings(), self._sharding()),
             donate_argnums=(0,),
         )
+
+    def compiled_memory(
+        self, input_shape: tuple[int, ...], target_shape: tuple[int, ...]
+    ) -> dict[str, int]:
+        """XLA's ``memory_analysis`` of the compiled tick, per stage device (bytes).
+
+        Args:
+          input_shape: one stage's microbatch of inputs, e.g. ``(mb, h, w, 3)``.
+          target_shape: one stage's microbatch of targets, e.g. ``(mb, r h, r w, 3)``.
+        Returns:
+          ``argument``, ``output``, ``temp``, ``alias`` (donated state reused for the output)
+          and their ``host_*`` counterparts (memory kind ``pinned_host``; backends without host
+          memory spaces, such as XLA:CPU, count the store as device arguments), plus
+          ``device_bytes`` = argument + output - alias + temp: what the tick holds in device
+          memory at most.
+        """
+        s = self.spec.num_stages
+        sh = self._sharding()
+
+        def sds(shape: tuple[int, ...], dtype: Any, sharding: Any = sh) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+        state = jax.tree.map(
+            lambda a, where: sds(a.shape, a.dtype, where), self.state_shapes(),
+            self.state_shardings(),
+        )
+        width = NUM_FIELDS + 2 * self.spec.layers_per_stage
+        compiled = self._tick.lower(
+            state, sds((s, width), np.int32), sds((s, *input_shape), np.float32),
+            sds((s, *target_shape), np.float32),
+        ).compile()
+        stats = compiled.memory_analysis()
+        out = {}
+        for name in ("argument", "output", "temp", "alias"):
+            out[name] = int(getattr(stats, f"{name}_size_in_bytes"))
+            out[f"host_{name}"] = int(getattr(stats, f"host_{name}_size_in_bytes", 0))
+        out["device_bytes"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+        return out
 
     def tick(
         self, state: State, rows: np.ndarray, lr: np.ndarray, hr: np.ndarray

@@ -112,6 +112,8 @@ class StageSpec:
       train_shared: update the stem and head (else frozen).
       offload: the store lives in host memory (memory kind ``pinned_host``).
       optimizer: the per-block optimizer.
+      guard_idle: run the host-to-device fetch and the write-back under ``lax.cond`` so that
+        ticks that fetch or update nothing skip them (False: every tick runs both, masked).
     """
 
     num_stages: int
@@ -121,6 +123,7 @@ class StageSpec:
     train_shared: bool
     offload: bool
     optimizer: OptimizerSpec
+    guard_idle: bool = True
 
 
 def _to_device(x: jax.Array, spec: StageSpec) -> jax.Array:
@@ -135,44 +138,63 @@ def prefetch(store: State, window: State, ins: jax.Array, spec: StageSpec) -> St
     """Copy the blocks named by the instruction's prefetch columns from the store into a slot.
 
     Only the chosen block of each layer crosses to the device: ``lax.switch`` over the candidates
-    selects a static slice of the store, outside any differentiated function.
+    selects a static slice of the store, outside any differentiated function. With
+    ``spec.guard_idle`` the whole fetch sits under a ``lax.cond`` on the prefetch slot, so a tick
+    that prefetches nothing moves nothing from host memory.
     """
     n = spec.layers_per_stage
     slot = ins[COL["prefetch_slot"]]
     valid = slot >= 0
     slot = jnp.maximum(slot, 0)
     keys = (*spec.optimizer.fields, "t")
-    window = dict(window)
-    for j in range(n):
-        choice = ins[NUM_FIELDS + n + j]
 
-        def fetch(i: int, j: int = j) -> tuple[jax.Array, ...]:
-            return tuple(_to_device(store[k][j, i], spec) for k in keys)
+    def fetch_all(window: State, masked: bool) -> State:
+        window = dict(window)
+        for j in range(n):
+            choice = ins[NUM_FIELDS + n + j]
 
-        blocks = lax.switch(choice, [lambda i=i: fetch(i) for i in range(spec.num_choices)])
-        for k, value in zip(keys, blocks, strict=True):
-            old = window[k][slot, j]
-            window[k] = window[k].at[slot, j].set(jnp.where(valid, value, old))
-    return window
+            def fetch(i: int, j: int = j) -> tuple[jax.Array, ...]:
+                return tuple(_to_device(store[k][j, i], spec) for k in keys)
+
+            blocks = lax.switch(choice, [lambda i=i: fetch(i) for i in range(spec.num_choices)])
+            for k, value in zip(keys, blocks, strict=True):
+                if masked:
+                    value = jnp.where(valid, value, window[k][slot, j])
+                window[k] = window[k].at[slot, j].set(value)
+        return window
+
+    if spec.guard_idle:
+        return lax.cond(valid, lambda w: fetch_all(w, False), lambda w: dict(w), window)
+    return fetch_all(window, True)
 
 
 def write_back(store: State, window: State, ins: jax.Array, spec: StageSpec) -> State:
     """Copy the op's window slot back to its blocks in the store after an applied update.
 
-    Ticks without an update write into the scratch row ``C`` instead, so this is always one
-    dynamic update per layer and field, with no data-dependent control flow on the store.
+    With ``spec.guard_idle`` the copy sits under a ``lax.cond`` on the applied update, so only
+    the ticks that apply an update write to host memory. Without it, ticks without an update
+    write into the scratch row ``C`` instead (one unconditional dynamic update per layer and
+    field, no data-dependent control flow on the store).
     """
     n = spec.layers_per_stage
     applied = (ins[COL["kind"]] == BWD) & (ins[COL["apply"]] == 1)
     slot = ins[COL["window_slot"]]
-    store = dict(store)
-    for j in range(n):
-        row = jnp.where(applied, ins[NUM_FIELDS + j], spec.num_choices)
-        for k in (*spec.optimizer.fields, "t"):
-            value = _to_host(window[k][slot, j], spec)
-            start = (jnp.int32(j), row) + (jnp.int32(0),) * (value.ndim)
-            store[k] = lax.dynamic_update_slice(store[k], value[None, None], start)
-    return store
+
+    def write(store: State, masked: bool) -> State:
+        store = dict(store)
+        for j in range(n):
+            row = ins[NUM_FIELDS + j]
+            if masked:
+                row = jnp.where(applied, row, spec.num_choices)
+            for k in (*spec.optimizer.fields, "t"):
+                value = _to_host(window[k][slot, j], spec)
+                start = (jnp.int32(j), row) + (jnp.int32(0),) * (value.ndim)
+                store[k] = lax.dynamic_update_slice(store[k], value[None, None], start)
+        return store
+
+    if spec.guard_idle:
+        return lax.cond(applied, lambda s: write(s, False), lambda s: dict(s), store)
+    return write(store, True)
 
 
 def _features(layout: StageModel, stage: jax.Array, choices: jax.Array, lr: jax.Array):
