@@ -21,6 +21,9 @@ from collections.abc import Sequence
 
 PRESETS = ("smoke", "default", "paper")
 SCHEDULES = ("csp", "gpipe", "sequential")
+#: Most CPU devices the CLI creates for stages (XLA's virtual host devices); beyond this a CPU
+#: pipeline spends minutes building devices and compiling for no insight.
+MAX_CPU_STAGES = 16
 
 
 def get_config(preset: str = "default"):
@@ -76,9 +79,55 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+_AT_LEAST_ONE = (
+    ("layers", "--layers", 8), ("stages", "--stages", 4), ("width", "--width", 16),
+    ("choices", "--choices", 12), ("subnets", "--subnets", 400),
+    ("batch_size", "--batch-size", 8), ("microbatches", "--microbatches", 4),
+    ("eval_subnets", "--eval-subnets", 12),
+)
+
+
+def check_config(config, p: argparse.ArgumentParser) -> None:
+    """Exit with a one-line error (``p.error``, exit status 2) naming the flag and the fix when
+    the sizes of ``config`` cannot be trained; nothing is built or compiled before."""
+    for field, flag, example in _AT_LEAST_ONE:
+        value = getattr(config, field)
+        if value < 1:
+            p.error(f"{flag} {value} must be at least 1; pass e.g. {flag} {example}")
+    if config.layers % config.stages:
+        fits = [s for s in range(1, config.layers + 1) if config.layers % s == 0]
+        up = -(-config.layers // config.stages) * config.stages
+        p.error(
+            f"--layers {config.layers} is not a multiple of --stages {config.stages} (every "
+            f"stage holds the same number of layers); pass --layers {up} or --stages one of "
+            f"{', '.join(map(str, fits))}"
+        )
+    if config.schedule == "gpipe" and config.batch_size % config.microbatches:
+        p.error(
+            f"--batch-size {config.batch_size} is not a multiple of --microbatches "
+            f"{config.microbatches}; pass --batch-size "
+            f"{max(1, config.batch_size // config.microbatches) * config.microbatches}"
+        )
+
+
+def check_devices(stages: int, p: argparse.ArgumentParser) -> None:
+    """Exit with a one-line error unless JAX has at least ``stages`` devices (one per stage)."""
+    import jax
+
+    devices = jax.devices()
+    if stages > len(devices):
+        where = jax.default_backend()
+        p.error(
+            f"--stages {stages} needs one device per stage but there are {len(devices)} "
+            f"{where} devices; pass --stages {len(devices)} or fewer (with --layers a multiple "
+            "of it)"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> dict | None:
     """Parse flags, set up devices, run `search_spaces.supernet_nas.run_nas`; return it."""
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     from scamp_jax.devices import configure_cpu_devices
 
     config = get_config(args.preset)
@@ -91,17 +140,19 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     }
     config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
     if args.mpi:
-        return _main_mpi(config, args)
+        return _main_mpi(config, args, p)
+    check_config(config, p)
     try:
-        configure_cpu_devices(max(8, config.stages))
+        configure_cpu_devices(min(max(8, config.stages), MAX_CPU_STAGES))
     except RuntimeError:
         pass  # JAX already started (a notebook, a test): its devices are used as they are.
+    check_devices(config.stages, p)
     from search_spaces.supernet_nas import run_nas
 
     return run_nas(config, json_path=args.json, show=not args.quiet)
 
 
-def _main_mpi(config, args: argparse.Namespace) -> dict | None:
+def _main_mpi(config, args: argparse.Namespace, p: argparse.ArgumentParser) -> dict | None:
     """``--mpi``: one stage per rank, one CPU device per process; rank 0 writes the results."""
     from scamp_jax.distributed.mpi import launched_under_mpi, world
 
@@ -120,6 +171,7 @@ def _main_mpi(config, args: argparse.Namespace) -> dict | None:
     w = world()
     if args.stages is None:
         config = dataclasses.replace(config, stages=w.size)
+    check_config(config, p)
     from search_spaces.supernet_nas import run_nas_mpi
 
     return run_nas_mpi(config, json_path=args.json, show=not args.quiet, mpi_world=w)
