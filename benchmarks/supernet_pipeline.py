@@ -278,6 +278,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     # Before configure_cpu_devices: both must be in XLA_FLAGS when JAX creates the CPU backend.
     raise_cpu_collective_timeout(args.collective_timeout)
+    from scamp_jax.pipeline.determinism import use_deterministic_gpu_ops
+
+    use_deterministic_gpu_ops()  # the hash comparison of CSP and sequential needs it on GPUs
     configure_cpu_devices(max(STAGES))
     if args.idle_guard:
         print_table(

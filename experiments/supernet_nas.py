@@ -142,6 +142,9 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     if args.mpi:
         return _main_mpi(config, args, p)
     check_config(config, p)
+    from scamp_jax.pipeline.determinism import use_deterministic_gpu_ops
+
+    use_deterministic_gpu_ops()  # bit-identical schedules on GPUs too (before JAX starts)
     try:
         configure_cpu_devices(min(max(8, config.stages), MAX_CPU_STAGES))
     except RuntimeError:
@@ -163,7 +166,9 @@ def _main_mpi(config, args: argparse.Namespace, p: argparse.ArgumentParser) -> d
             "(install the extra first: pip install 'scamp-jax[mpi]')"
         )
     from scamp_jax.devices import configure_cpu_devices
+    from scamp_jax.pipeline.determinism import use_deterministic_gpu_ops
 
+    use_deterministic_gpu_ops()  # ranks must agree bit for bit with a single process
     try:
         configure_cpu_devices(1)
     except RuntimeError:

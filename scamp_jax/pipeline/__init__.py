@@ -11,6 +11,7 @@ from scamp_jax.pipeline.csp import csp_schedule as csp_schedule
 from scamp_jax.pipeline.csp import ideal_schedule as ideal_schedule
 from scamp_jax.pipeline.csp import split_layers as split_layers
 from scamp_jax.pipeline.csp import stage_param_keys as stage_param_keys
+from scamp_jax.pipeline.determinism import use_deterministic_gpu_ops as use_deterministic_gpu_ops
 from scamp_jax.pipeline.executor import PipelineExecutor as PipelineExecutor
 from scamp_jax.pipeline.executor_base import StageExecutor as StageExecutor
 from scamp_jax.pipeline.model import StageModel as StageModel
@@ -60,5 +61,6 @@ __all__ = [
     "stage_tick",
     "supernet_state_bytes",
     "train_supernet",
+    "use_deterministic_gpu_ops",
     "validate_schedule",
 ]
