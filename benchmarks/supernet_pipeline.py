@@ -251,6 +251,76 @@ def idle_guard_rows(
     return rows
 
 
+def fair_rows(
+    pairs: Sequence[tuple[int, int]], budget_bytes: int, subnets: int = 16,
+    max_in_flight: int = 4,
+) -> list[list[str]]:
+    """Each schedule at its own largest batch under one per-device budget; speed-up split.
+
+    For every (C, S): `scamp_jax.pipeline.budget.plan_schedule` picks each schedule's batch
+    (a multiple of 4, GPipe's microbatch count, for all three) and prefetch look-ahead from its
+    compiled tick; each runs at its plan (offload on, steady-state samples/s). CSP's speed-up over
+    a baseline X, ``csp(B_csp) / X(B_X)``, splits into a scheduling part ``csp(B_csp) /
+    X(B_csp)`` (same batch) and a memory part ``X(B_csp) / X(B_X)`` (X at CSP's batch instead of
+    its own), so total = scheduling x memory; the extra runs of X at CSP's batch are compiled
+    and timed the same way.
+    """
+    import numpy as np
+
+    from scamp_jax.pipeline import PipelineExecutor, train_supernet
+    from scamp_jax.pipeline.budget import plan_schedule
+    from search_spaces.supernet import SupernetConfig, SupernetLayout, sample_subnets
+
+    side, layers, m = 8, 8, 4
+    rows = []
+    for c, s in pairs:
+        layout = SupernetLayout(SupernetConfig(layers, c, 8, scale=2, window_size=4))
+        chosen = [x.choices for x in sample_subnets(subnets, layout.config, 0)]
+        def shapes(mb: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+            return (mb, side, side, 3), (mb, 2 * side, 2 * side, 3)
+
+        def data(batch: int) -> tuple[np.ndarray, np.ndarray]:
+            rng = np.random.default_rng(batch)
+            lr = rng.random((subnets, batch, side, side, 3), dtype=np.float32)
+            hr = rng.random((subnets, batch, 2 * side, 2 * side, 3), dtype=np.float32)
+            return lr, hr
+
+        ex_class = functools.partial(PipelineExecutor, max_in_flight=max_in_flight)
+        plans, sps = {}, {}
+        for name in ("sequential", "gpipe", "csp"):
+            plan, ex, _ = plan_schedule(
+                layout, chosen, shapes, schedule=name, num_stages=s, budget_bytes=budget_bytes,
+                lr_side=side, num_microbatches=m, batch_multiple=m, executor_class=ex_class,
+            )
+            plans[name] = plan
+            res = train_supernet(layout, chosen, *data(plan.batch_size), schedule=name,
+                                 num_stages=s, num_microbatches=m, executor=ex,
+                                 prefetch_ahead=plan.prefetch_ahead)
+            sps[(name, plan.batch_size)] = res.samples_per_second
+            print(f"fair C={c} S={s} {name}: batch {plan.batch_size}, ahead "
+                  f"{plan.prefetch_ahead}, {plan.device_bytes} B, {plan.compiles} compiles, "
+                  f"{res.samples_per_second:.1f} samples/s", file=sys.stderr, flush=True)
+        b_csp = plans["csp"].batch_size
+        split = []
+        for name in ("sequential", "gpipe"):
+            if (name, b_csp) not in sps:
+                res = train_supernet(layout, chosen, *data(b_csp), schedule=name, num_stages=s,
+                                     num_microbatches=m, executor=ex_class)
+                sps[(name, b_csp)] = res.samples_per_second
+            own = sps[(name, plans[name].batch_size)]
+            total = sps[("csp", b_csp)] / own
+            sched = sps[("csp", b_csp)] / sps[(name, b_csp)]
+            split.append(f"{total:.2f}x = {sched:.2f}x sched x {total / sched:.2f}x mem")
+        rows.append([
+            str(c), str(s),
+            *(f"{plans[k].batch_size} (+{plans[k].prefetch_ahead}) "
+              f"{sps[(k, plans[k].batch_size)]:.0f}" for k in ("sequential", "gpipe", "csp")),
+            *split,
+        ])
+        print("fair " + " | ".join(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse flags, print the three tables."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -269,6 +339,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="ticks the measured runs may queue ahead of the host (0: no bound; "
                              "an unbounded queue can deadlock the CPU backend at S=8)")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    parser.add_argument("--fair", action="store_true",
+                        help="only the fair-baseline table: every schedule at its largest "
+                             "batch under --budget, on the (C, S) pairs of --choices x --stages")
+    parser.add_argument("--budget", default="4MiB",
+                        help="per-device memory budget of --fair (e.g. 4MiB)")
     parser.add_argument("--idle-guard", action="store_true",
                         help="only measure the idle-tick guard (off vs on, C=4, S=4)")
     args = parser.parse_args(argv)
@@ -282,6 +357,20 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     use_deterministic_gpu_ops()  # the hash comparison of CSP and sequential needs it on GPUs
     configure_cpu_devices(max(STAGES))
+    if args.fair:
+        from scamp_jax._units import format_bytes, parse_bytes
+
+        budget = parse_bytes(args.budget)
+        print_table(
+            f"Fair baselines: each schedule at its largest batch under {format_bytes(budget)} "
+            "per device: batch (+prefetch look-ahead) samples/s; CSP speed-up = scheduling x "
+            "memory part",
+            ["C", "S", "sequential", "gpipe M=4", "csp", "csp vs sequential", "csp vs gpipe"],
+            fair_rows([(c, s) for c in args.choices for s in args.stages], budget,
+                      max_in_flight=args.max_in_flight),
+            args.markdown,
+        )
+        return
     if args.idle_guard:
         print_table(
             "Idle-tick guard (offload on, CSP, 8 layers, width 8, batch 8, 24 subnets)",

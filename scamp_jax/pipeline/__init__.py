@@ -5,6 +5,9 @@ host-side functions returning plain data; only `PipelineExecutor` touches device
 that implements `StageModel` (flat blocks, stem/layers/head functions, its loss) can be trained.
 """
 
+from scamp_jax.pipeline.budget import BatchDoesNotFitError as BatchDoesNotFitError
+from scamp_jax.pipeline.budget import SchedulePlan as SchedulePlan
+from scamp_jax.pipeline.budget import plan_schedule as plan_schedule
 from scamp_jax.pipeline.csp import SHARED as SHARED
 from scamp_jax.pipeline.csp import check_causality as check_causality
 from scamp_jax.pipeline.csp import csp_schedule as csp_schedule
@@ -35,12 +38,14 @@ from scamp_jax.pipeline.trainer import supernet_state_bytes as supernet_state_by
 from scamp_jax.pipeline.trainer import train_supernet as train_supernet
 
 __all__ = [
+    "BatchDoesNotFitError",
     "SCHEDULES",
     "SHARED",
     "Op",
     "OptimizerSpec",
     "PipelineExecutor",
     "Schedule",
+    "SchedulePlan",
     "StageExecutor",
     "StageModel",
     "StageSpec",
@@ -54,6 +59,7 @@ __all__ = [
     "ideal_schedule",
     "make_schedule",
     "params_sha256",
+    "plan_schedule",
     "sequential_schedule",
     "split_layers",
     "split_microbatches",
