@@ -49,6 +49,8 @@ class NASConfig:
       offload: keep the supernet in host memory, only the chosen blocks on the devices.
       eval_subnets: subnets ranked on held-out patches.
       eval_crop: largest side (HR pixels) of the held-out photographs' centre crops.
+      zero_init_residual: every candidate block starts as the identity
+        (`search_spaces.supernet.SupernetConfig.zero_init_residual`).
       seed: seed of weights, subnets and patches.
       out_dir: where ``results.json`` and ``results.png`` go.
     """
@@ -68,13 +70,15 @@ class NASConfig:
     offload: bool = True
     eval_subnets: int = 12
     eval_crop: int = 192
+    zero_init_residual: bool = True
     seed: int = 0
     out_dir: str = "runs/supernet_nas"
 
     @property
     def supernet(self) -> SupernetConfig:
         """The supernet's sizes (x2 super-resolution, attention windows of 4)."""
-        return SupernetConfig(self.layers, self.choices, self.width, scale=2, window_size=4)
+        return SupernetConfig(self.layers, self.choices, self.width, scale=2, window_size=4,
+                              zero_init_residual=self.zero_init_residual)
 
 
 def training_batches(config: NASConfig) -> tuple[np.ndarray, np.ndarray]:
