@@ -190,6 +190,10 @@ def test_experiment_presets_and_flags():
     smoke = supernet_nas.get_config("smoke")
     assert smoke.layers % smoke.stages == 0 and smoke.schedule == "csp" and smoke.offload
     assert supernet_nas.get_config("paper").stages == 8
+    # The default run trains the stem and head and starts blocks as the identity (its subnets
+    # beat bicubic); smoke keeps them frozen so that CSP overlaps subnets.
+    default = supernet_nas.get_config("default")
+    assert default.train_shared and default.zero_init_residual and not smoke.train_shared
     with pytest.raises(ValueError, match="unknown preset 'huge'"):
         supernet_nas.get_config("huge")
     args = supernet_nas.parser().parse_args(
