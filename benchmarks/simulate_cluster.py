@@ -5,6 +5,7 @@
     python -m benchmarks.simulate_cluster --device h100-80gb --search vit --policy both
     python -m benchmarks.hpo_makespan --out runs/hpo_makespan      # measure on this CPU, then
     python -m benchmarks.simulate_cluster --validate runs/hpo_makespan   # simulate the same run
+    python -m benchmarks.simulate_cluster --replay STUDY_DIR --json  # a real study's decisions
 
 Trials come from the real search space (Optuna's random sampler draws the configurations); each
 distinct architecture is costed from XLA on this machine's CPU devices, then the discrete-event
@@ -46,7 +47,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import math
 import random
 import re
 import sys
@@ -65,137 +65,12 @@ from scamp_jax.simulator import (
     StepCostModel,
     TrialProfile,
     cluster_preset,
+    plan_profiles,
     simulate,
 )
+from scamp_jax.step_costs import fixed_baseline, hlo_kernels_and_collectives, measure_cost
 
-_COLLECTIVE = re.compile(
-    r"=\s*(?P<shape>\(?[^=]*?\)?)\s+(?P<op>all-reduce|all-gather|reduce-scatter|"
-    r"collective-permute|all-to-all)(?:-start)?\("
-)
-_ARRAY = re.compile(r"(pred|[suf]\d+|bf16)\[([\d,]*)\]")
-_BITS = {"pred": 8, "bf16": 16}
-_NOT_KERNELS = ("parameter", "constant", "bitcast", "tuple", "get-tuple-element", "partition-id",
-                "replica-id", "after-all")
-
-
-def _array_bytes(shape_text: str) -> int:
-    total = 0
-    for dtype, dims in _ARRAY.findall(shape_text):
-        bits = _BITS.get(dtype, int(dtype[1:]) if dtype[1:].isdigit() else 32)
-        count = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-        total += count * bits // 8
-    return total
-
-
-def hlo_kernels_and_collectives(hlo_text: str, group: int) -> tuple[int, float]:
-    """Kernels in the entry computation and bytes each device sends in its collectives.
-
-    ``group`` is the number of devices in each collective (the model-parallel degree). Ring
-    algorithms send ``2 (g - 1) / g`` of an all-reduce buffer, ``(g - 1) / g`` of an all-gather
-    result or all-to-all buffer, ``g - 1`` times a reduce-scatter result, and a permuted buffer
-    once.
-    """
-    start = hlo_text.find("ENTRY")
-    entry = hlo_text[start:]
-    end = entry.find("\n}")
-    body = entry[: end if end >= 0 else len(entry)].splitlines()[1:]
-    kernels = 0
-    sent = 0.0
-    g = max(1, group)
-    for line in body:
-        if "=" not in line:
-            continue
-        op_match = re.search(r"\s([a-z][a-z0-9\-]*)\(", line.split("=", 1)[1])
-        op = op_match.group(1) if op_match else ""
-        if op in _NOT_KERNELS:
-            continue
-        kernels += 1
-        collective = _COLLECTIVE.search(line)
-        if collective is None or g == 1:
-            continue
-        nbytes = _array_bytes(collective.group("shape"))
-        kind = collective.group("op")
-        factor = {
-            "all-reduce": 2.0 * (g - 1) / g,
-            "all-gather": (g - 1) / g,
-            "all-to-all": (g - 1) / g,
-            "reduce-scatter": float(g - 1),
-            "collective-permute": 1.0,
-        }[kind]
-        sent += factor * nbytes
-    return kernels, sent
-
-
-def measure_cost(
-    model: Any,
-    sample_batch: Any,
-    *,
-    optimizer: Any,
-    loss_fn: Callable[..., Any],
-    model_parallel: int,
-    batches: tuple[int, int] = (2, 8),
-) -> tuple[StepCostModel, float]:
-    """Cost one architecture: the planner's memory model plus compiled XLA costs of its step.
-
-    Memory is the planner's own: `scamp_jax.memory.StepCompiler` compiles the step (the same
-    `scamp_jax.train_step` the engine runs, with the planner's shardings and compile options) at
-    the two probe batches and a check at four times the larger one, and ``StepCompiler.fit``
-    returns the `MemoryModel` (affine part and floor) that `plan_mesh` reasons with. The FLOPs,
-    bytes accessed, kernels and model-parallel collectives come from ``cost_analysis()`` and the
-    HLO of the same compiled executables (JAX caches a compile of an identical lowering, so
-    these cost no further compile).
-
-    Args:
-      model: abstract Flax NNX module (``nnx.eval_shape(lambda: build(...))``).
-      sample_batch: ``(inputs, targets)`` ``ShapeDtypeStruct``s with a leading batch axis.
-      optimizer, loss_fn: what the engine trains with.
-      model_parallel: devices of the ``1 x model_parallel`` mesh.
-      batches: the two per-device probe batch sizes (global = per-device on this mesh).
-    Returns:
-      The fitted `StepCostModel` and the wall-clock seconds the compiles took.
-    """
-    import jax
-
-    from scamp_jax import sharding as sh
-    from scamp_jax.memory import StepCompiler, with_batch_size
-
-    mesh = sh.make_mesh(jax.devices()[:model_parallel], 1, model_parallel)
-    compiler = StepCompiler(model, sample_batch, mesh, optimizer=optimizer, loss_fn=loss_fn)
-    b1, b2 = sorted(batches)
-    start = time.perf_counter()
-    memory, _ = compiler.fit((b1, b2), verify_batch=4 * b2)
-    rows = []
-    for b in (b1, b2):
-        # The very executable ``fit`` compiled (same jitted step, lowering and options).
-        lowered = compiler._step.lower(compiler.params, compiler.opt_state, compiler.rest,
-                                       with_batch_size(sample_batch, b))
-        compiled = lowered.compile(compiler.compiler_options)
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
-        kernels, comm = hlo_kernels_and_collectives(compiled.as_text(), model_parallel)
-        rows.append((float(cost["flops"]), float(cost["bytes accessed"]), comm, kernels))
-    seconds = time.perf_counter() - start
-    (f1, m1, c1, k1), (f2, m2, c2, _) = rows
-
-    def fit(y1: float, y2: float) -> tuple[float, float]:
-        slope = max(0.0, (y2 - y1) / (b2 - b1))
-        return max(0.0, y1 - slope * b1), slope
-
-    flops = fit(f1, f2)
-    traffic = fit(m1, m2)
-    comm = fit(c1, c2)
-    cost_model = StepCostModel(
-        model_parallel=model_parallel,
-        flops_fixed=flops[0], flops_per_sample=flops[1],
-        bytes_fixed=traffic[0], bytes_per_sample=traffic[1],
-        gradient_bytes=float(compiler.params_bytes),
-        mp_comm_fixed=comm[0], mp_comm_per_sample=comm[1],
-        kernels_per_step=k1,
-        memory_fixed=memory.fixed_bytes, memory_per_sample=memory.bytes_per_sample,
-        memory_floor=memory.floor_bytes,
-    )
-    return cost_model, seconds
-
+__all__ = ["hlo_kernels_and_collectives", "measure_cost"]  # re-exported from the library
 
 @functools.cache
 def _task(search: str, variant: str) -> tuple[Any, Any, Callable[..., Any]]:
@@ -341,32 +216,15 @@ def build_profiles(
     safety_margin: float,
     max_trial_devices: int | None = None,
 ) -> tuple[list[TrialProfile], list[TrialProfile], int, int]:
-    """ScaMP and fixed profiles of the same trials; returns (scamp, fixed, k, fixed batch).
-
-    ScaMP profiles carry alternatives with more data-parallel replicas up to
-    ``max_trial_devices`` devices (None: none), each at the largest batch that fits
-    (`StepCostModel.planned_profile`); the fixed baseline's resources stay fixed.
-    """
-    usable = int(cluster.memory_per_device * (1.0 - safety_margin))
-    scamp = [
-        cost.planned_profile(key, budget_bytes=usable, samples=samples,
-                             max_batch_size=max_batch_size, max_devices=max_trial_devices)
-        for key, cost in enumerate(costs)
-    ]
-    k = fixed_devices if fixed_devices is not None else largest.model_parallel
-    if k % largest.model_parallel:
-        raise ValueError(f"--fixed-devices {k} must be a multiple of the largest candidate's "
-                         f"model-parallel degree {largest.model_parallel}")
-    # One batch for every trial: the largest the largest candidate fits on k devices, as a
-    # multiple of k so every candidate can split it over its data-parallel replicas.
-    dp_largest = k // largest.model_parallel
-    batch = largest.max_local_batch(usable) * dp_largest
-    if max_batch_size is not None:
-        batch = min(batch, max_batch_size)
-    batch -= batch % k
-    if batch < k:
-        raise ValueError(f"the largest candidate leaves no batch that is a multiple of {k}")
-    fixed = [cost.profile(key, k, batch, samples) for key, cost in enumerate(costs)]
+    """ScaMP and fixed profiles of the same trials from the library's profile builder
+    (`scamp_jax.simulator.plan_profiles`); returns (scamp, fixed, k, fixed batch)."""
+    k, batch = fixed_baseline(largest, cluster, fixed_devices=fixed_devices,
+                              max_batch_size=max_batch_size, safety_margin=safety_margin)
+    scamp = plan_profiles(costs, cluster, ScampPolicy(), samples=samples,
+                          max_batch_size=max_batch_size, safety_margin=safety_margin,
+                          max_devices=max_trial_devices)
+    fixed = plan_profiles(costs, cluster, FixedPolicy(k), samples=samples,
+                          fixed_batch_size=batch, safety_margin=safety_margin)
     return scamp, fixed, k, batch
 
 
@@ -465,7 +323,7 @@ def validate(run_dir: Path, table: CostTable, log: Callable[[str], None]) -> dic
         if not profiles:
             raise ValueError(f"{run_dir / policy_name} has no completed trials to replay")
         policy = (FixedPolicy(profiles[0].devices) if policy_name == "fixed" else ScampPolicy())
-        result = simulate(profiles, cluster, policy)
+        result = simulate(profiles, cluster, policy, safety_margin=0.1)  # the engine's default
         out[f"measured_s_{policy_name}"] = measured[policy_name]
         out[f"simulated_s_{policy_name}"] = result.makespan_s
     out["measured_ratio"] = out["measured_s_fixed"] / out["measured_s_scamp"]
@@ -538,7 +396,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--validate", type=Path, default=None, metavar="RUN_DIR",
                         help="replay a measured 'benchmarks.hpo_makespan --out RUN_DIR' run on a "
                         "calibrated model of this CPU and compare the fixed/scamp ratios")
+    parser.add_argument("--replay", type=Path, default=None, metavar="STUDY_DIR",
+                        help="re-run a finished real study's arrivals and measured durations "
+                        "through the scheduling core and print its placements in start order")
+    parser.add_argument("--json", action="store_true",
+                        help="with --replay: print {\"placements\": [[trial, [device ids]], ...]}")
     args = parser.parse_args(argv)
+    if args.replay is not None:
+        from scamp_jax.scheduling.replay import as_json, replay_study
+
+        placements = replay_study(args.replay)
+        if args.json:
+            print(as_json(placements))
+        else:
+            for number, ids in placements:
+                print(f"trial {number}: devices {list(ids)}")
+        return 0
     if args.devices < 1 or args.trials < 1 or args.architectures < 1 or args.samples < 1:
         parser.error("--devices, --trials, --architectures and --samples must be positive")
     if args.max_trial_devices < 0 or (args.lookahead is not None and args.lookahead < 0):
@@ -591,9 +464,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     if args.policy in ("scamp", "both"):
         results["scamp"] = simulate(scamp_profiles, cluster, scamp, lookahead=lookahead,
-                                    reshape=reshape)
+                                    reshape=reshape, safety_margin=args.safety_margin)
     if args.policy in ("fixed", "both"):
-        results["fixed"] = simulate(fixed_profiles, cluster, FixedPolicy(k), lookahead=lookahead)
+        results["fixed"] = simulate(fixed_profiles, cluster, FixedPolicy(k), lookahead=lookahead,
+                                    safety_margin=args.safety_margin)
     sim_seconds = time.perf_counter() - start
 
     batches = sorted({p.batch_size for p in scamp_profiles})

@@ -195,6 +195,152 @@ def measured_rows(
     return rows
 
 
+def idle_guard_rows(
+    choices: int = 4, stages: int = 4, subnets: int = 24, max_in_flight: int = 4
+) -> list[list[str]]:
+    """Idle-tick guard off vs on (offload on, CSP), side by side in one process.
+
+    For each setting: the compiled tick's device bytes per stage device (XLA
+    ``memory_analysis``: arguments + outputs - aliased + temporaries) and its temporaries,
+    steady-state samples/s of a CSP run, and whether the two runs' weights hashes agree.
+    """
+    import numpy as np
+
+    from scamp_jax._units import format_bytes
+    from scamp_jax.pipeline import (
+        PipelineExecutor,
+        build_program,
+        make_schedule,
+        split_layers,
+        train_supernet,
+    )
+    from search_spaces.supernet import SupernetConfig, SupernetLayout, sample_subnets
+
+    batch, side, layers = 8, 8, 8
+    layout = SupernetLayout(SupernetConfig(layers, choices, 8, scale=2, window_size=4))
+    chosen = [x.choices for x in sample_subnets(subnets, layout.config, 0)]
+    rng = np.random.default_rng(0)
+    lr = rng.random((subnets, batch, side, side, 3), dtype=np.float32)
+    hr = rng.random((subnets, batch, 2 * side, 2 * side, 3), dtype=np.float32)
+    bounds = split_layers(layers, stages)
+    prog = build_program(make_schedule("csp", chosen, bounds), chosen, bounds)
+    idle = {
+        "fetch": float(np.mean(prog.column("prefetch_slot") < 0)),
+        "write": float(np.mean(prog.column("apply") == 0)),
+    }
+    rows, hashes = [], []
+    for guard in (False, True):
+        ex = PipelineExecutor(
+            layout, num_stages=stages, microbatch_size=batch, lr_side=side,
+            window_slots=prog.window_slots, act_slots=prog.act_slots,
+            grad_slots=prog.grad_slots, offload=True, guard_idle=guard,
+            max_in_flight=max_in_flight,
+        )
+        mem = ex.compiled_memory((batch, side, side, 3), (batch, 2 * side, 2 * side, 3))
+        res = train_supernet(layout, chosen, lr, hr, schedule="csp", num_stages=stages,
+                             offload=True, executor=ex)
+        hashes.append(res.params_sha256)
+        rows.append([
+            "on" if guard else "off", str(choices), str(stages),
+            f"{idle['fetch']:.2f} / {idle['write']:.2f}", format_bytes(mem["device_bytes"]),
+            format_bytes(mem["temp"]), f"{res.samples_per_second:.1f}",
+        ])
+        print("idle guard " + " | ".join(rows[-1]), file=sys.stderr, flush=True)
+    for row in rows:
+        row.append("yes" if hashes[0] == hashes[1] else "NO")
+    return rows
+
+
+def fair_rows(
+    pairs: Sequence[tuple[int, int]], budget_bytes: int, subnets: int = 16,
+    max_in_flight: int = 4, repeats: int = 3,
+) -> list[list[str]]:
+    """Each schedule at its own largest batch under one per-device budget; speed-up split.
+
+    For every (C, S): `scamp_jax.pipeline.budget.plan_schedule` picks each schedule's batch
+    (a multiple of 4, GPipe's microbatch count, for all three) and prefetch look-ahead from its
+    compiled tick; each runs at its plan (offload on, steady-state samples/s). CSP's speed-up over
+    a baseline X, ``csp(B_csp) / X(B_X)``, splits into a scheduling part ``csp(B_csp) /
+    X(B_csp)`` (same batch) and a memory part ``X(B_csp) / X(B_X)`` (X at CSP's batch instead of
+    its own), so total = scheduling x memory. Every configuration runs ``repeats`` times, the
+    configurations interleaved round by round on already compiled ticks, and the best
+    samples/s counts (the least disturbed run on a shared machine).
+    """
+    import numpy as np
+
+    from scamp_jax.pipeline import (
+        PipelineExecutor,
+        build_executor,
+        build_program,
+        make_schedule,
+        split_layers,
+        train_supernet,
+    )
+    from scamp_jax.pipeline.budget import plan_schedule
+    from search_spaces.supernet import SupernetConfig, SupernetLayout, sample_subnets
+
+    side, layers, m = 8, 8, 4
+    rows = []
+
+    def shapes(mb: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return (mb, side, side, 3), (mb, 2 * side, 2 * side, 3)
+
+    def data(batch: int) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng(batch)
+        lr = rng.random((subnets, batch, side, side, 3), dtype=np.float32)
+        hr = rng.random((subnets, batch, 2 * side, 2 * side, 3), dtype=np.float32)
+        return lr, hr
+
+    ex_class = functools.partial(PipelineExecutor, max_in_flight=max_in_flight)
+    for c, s in pairs:
+        layout = SupernetLayout(SupernetConfig(layers, c, 8, scale=2, window_size=4))
+        chosen = [x.choices for x in sample_subnets(subnets, layout.config, 0)]
+        bounds = split_layers(layers, s)
+        plans, runs = {}, {}  # runs: (schedule, batch) -> (executor, prefetch_ahead)
+        for name in ("sequential", "gpipe", "csp"):
+            plan, ex, _ = plan_schedule(
+                layout, chosen, shapes, schedule=name, num_stages=s, budget_bytes=budget_bytes,
+                lr_side=side, num_microbatches=m, batch_multiple=m, executor_class=ex_class,
+            )
+            plans[name] = plan
+            runs[(name, plan.batch_size)] = (ex, plan.prefetch_ahead)
+            print(f"fair C={c} S={s} {name}: batch {plan.batch_size}, ahead "
+                  f"{plan.prefetch_ahead}, {plan.device_bytes} B, {plan.compiles} compiles",
+                  file=sys.stderr, flush=True)
+        b_csp = plans["csp"].batch_size
+        for name in ("sequential", "gpipe"):
+            if (name, b_csp) not in runs:
+                mx = m if name == "gpipe" else 1
+                prog = build_program(make_schedule(name, chosen, bounds, num_microbatches=mx),
+                                     chosen, bounds)
+                ex = build_executor(layout, [prog], num_stages=s, batch_size=b_csp,
+                                    lr_side=side, num_microbatches=mx, offload=True,
+                                    executor_class=ex_class)
+                ex.compiled_memory(*shapes(b_csp // mx))
+                runs[(name, b_csp)] = (ex, 1)
+        sps: dict[tuple[str, int], float] = {}
+        for _ in range(repeats):
+            for (name, batch), (ex, ahead) in runs.items():
+                res = train_supernet(layout, chosen, *data(batch), schedule=name,
+                                     num_stages=s, num_microbatches=m, executor=ex,
+                                     prefetch_ahead=ahead)
+                sps[(name, batch)] = max(sps.get((name, batch), 0.0), res.samples_per_second)
+        split = []
+        for name in ("sequential", "gpipe"):
+            total = sps[("csp", b_csp)] / sps[(name, plans[name].batch_size)]
+            sched = sps[("csp", b_csp)] / sps[(name, b_csp)]
+            split.append(f"{total:.2f}x = {sched:.2f}x sched x {total / sched:.2f}x mem")
+        rows.append([
+            str(c), str(s),
+            *(f"{plans[k].batch_size} (+{plans[k].prefetch_ahead}) "
+              f"{sps[(k, plans[k].batch_size)]:.0f}" for k in ("sequential", "gpipe", "csp")),
+            *(f"{sps[(k, b_csp)]:.0f}" for k in ("sequential", "gpipe")),
+            *split,
+        ])
+        print("fair " + " | ".join(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse flags, print the three tables."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -213,6 +359,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="ticks the measured runs may queue ahead of the host (0: no bound; "
                              "an unbounded queue can deadlock the CPU backend at S=8)")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    parser.add_argument("--fair", action="store_true",
+                        help="only the fair-baseline table: every schedule at its largest "
+                             "batch under --budget, on the (C, S) pairs of --choices x --stages")
+    parser.add_argument("--budget", default="4MiB",
+                        help="per-device memory budget of --fair (e.g. 4MiB)")
+    parser.add_argument("--idle-guard", action="store_true",
+                        help="only measure the idle-tick guard (off vs on, C=4, S=4)")
     args = parser.parse_args(argv)
     if args.max_in_flight < 0:
         parser.error(f"--max-in-flight {args.max_in_flight} must be >= 0 (0: no bound)")
@@ -220,7 +373,33 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     # Before configure_cpu_devices: both must be in XLA_FLAGS when JAX creates the CPU backend.
     raise_cpu_collective_timeout(args.collective_timeout)
+    from scamp_jax.pipeline.determinism import use_deterministic_gpu_ops
+
+    use_deterministic_gpu_ops()  # the hash comparison of CSP and sequential needs it on GPUs
     configure_cpu_devices(max(STAGES))
+    if args.fair:
+        from scamp_jax._units import format_bytes, parse_bytes
+
+        budget = parse_bytes(args.budget)
+        print_table(
+            f"Fair baselines: each schedule at its largest batch under {format_bytes(budget)} "
+            "per device: batch (+prefetch look-ahead) samples/s; CSP speed-up = scheduling x "
+            "memory part",
+            ["C", "S", "sequential", "gpipe M=4", "csp", "seq at csp batch",
+             "gpipe at csp batch", "csp vs sequential", "csp vs gpipe"],
+            fair_rows([(c, s) for c in args.choices for s in args.stages], budget,
+                      max_in_flight=args.max_in_flight),
+            args.markdown,
+        )
+        return
+    if args.idle_guard:
+        print_table(
+            "Idle-tick guard (offload on, CSP, 8 layers, width 8, batch 8, 24 subnets)",
+            ["guard", "C", "S", "idle ticks fetch / write", "device bytes", "temp bytes",
+             "samples/s", "same hash"],
+            idle_guard_rows(max_in_flight=args.max_in_flight), args.markdown,
+        )
+        return
     print_table(
         "Schedules: ticks (utilisation), 16 layers, 64 subnets",
         ["C", "S", "sequential", "gpipe M=4", "csp", "csp+shared", "ideal", "csp vs seq"],

@@ -2,15 +2,20 @@
 
 Run (4 pipeline stages on CPU devices on a CPU-only machine)::
 
-    python -m experiments.supernet_nas                      # a few minutes on 2 CPU cores
+    python -m experiments.supernet_nas                      # minutes on 2 CPU cores
+    python -m experiments.supernet_nas --no-train-shared    # frozen stem/head: CSP overlaps
     python -m experiments.supernet_nas --preset smoke       # about a minute
     python -m experiments.supernet_nas --schedule sequential --json runs/seq.json
     mpirun -n 4 python -m experiments.supernet_nas --mpi    # one stage per MPI rank (host)
 
-Expected: the supernet trains through the pipeline (CSP needs far fewer ticks than ``sequential``
-and ``gpipe``, with identical ``losses`` and ``params_sha256`` to ``sequential``), then a results
-table ranks the evaluated subnets by held-out PSNR next to bicubic upscaling. ``results.json`` and
-``results.png`` go to ``--out-dir`` (or next to ``--json``).
+Expected: the supernet trains through the pipeline (identical ``losses`` and ``params_sha256``
+for ``csp`` and ``sequential``), then a results table ranks the evaluated subnets by held-out PSNR
+next to bicubic upscaling. ``results.json`` and ``results.png`` go to ``--out-dir`` (or next to
+``--json``). The default preset trains the stem and head with the blocks (and starts every block
+as the identity): its subnets beat bicubic, but shared trained weights make every pair of subnets
+dependent, so CSP runs in sequential's ticks. With ``--no-train-shared`` (stem and head frozen,
+as in the NASPipe artifact, and the smoke preset) CSP needs far fewer ticks than ``sequential``
+and ``gpipe``, but the frozen random stem and head keep subnets at bicubic's PSNR.
 """
 
 from __future__ import annotations
@@ -21,22 +26,26 @@ from collections.abc import Sequence
 
 PRESETS = ("smoke", "default", "paper")
 SCHEDULES = ("csp", "gpipe", "sequential")
+#: Most CPU devices the CLI creates for stages (XLA's virtual host devices); beyond this a CPU
+#: pipeline spends minutes building devices and compiling for no insight.
+MAX_CPU_STAGES = 16
 
 
 def get_config(preset: str = "default"):
     """The experiment's `NASConfig` for ``preset`` (``smoke``, ``default`` or ``paper``)."""
-    from scamp_jax.pipeline.nas import NASConfig
+    from search_spaces.supernet_nas import NASConfig
 
     if preset == "smoke":
         return NASConfig(preset="smoke", stages=4, layers=4, choices=4, width=8, subnets=24,
-                         batch_size=4, hr_patch=16, eval_subnets=4, eval_crop=96)
+                         batch_size=4, hr_patch=16, eval_subnets=4, eval_crop=96,
+                         train_shared=False)
     if preset == "default":
         return NASConfig(preset="default")
     if preset == "paper":
         # GPU cluster sizes: a deep supernet with many candidates, 8 stages, long training.
         return NASConfig(preset="paper", stages=8, layers=24, choices=24, width=64,
                          subnets=20_000, batch_size=32, hr_patch=48, learning_rate=2e-4,
-                         eval_subnets=64, eval_crop=100_000)
+                         eval_subnets=64, eval_crop=100_000, train_shared=False)
     raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
 
 
@@ -60,8 +69,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, help="microbatches per batch under gpipe")
     p.add_argument("--seed", type=int, help="seed of weights, subnets and patches")
     p.add_argument("--train-shared", action=argparse.BooleanOptionalAction, default=None,
-                   help="also train the stem and head (they serialise CSP on the first and "
-                        "last stage; frozen by default, as in the NASPipe artifact)")
+                   help="also train the stem and head (default preset: on, so subnets beat "
+                        "bicubic; they serialise CSP on the first and last stage; smoke and "
+                        "paper: off, as in the NASPipe artifact)")
     p.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
                    help="keep the supernet in host memory, chosen blocks on the devices "
                         "(default on)")
@@ -76,9 +86,55 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+_AT_LEAST_ONE = (
+    ("layers", "--layers", 8), ("stages", "--stages", 4), ("width", "--width", 16),
+    ("choices", "--choices", 12), ("subnets", "--subnets", 400),
+    ("batch_size", "--batch-size", 8), ("microbatches", "--microbatches", 4),
+    ("eval_subnets", "--eval-subnets", 12),
+)
+
+
+def check_config(config, p: argparse.ArgumentParser) -> None:
+    """Exit with a one-line error (``p.error``, exit status 2) naming the flag and the fix when
+    the sizes of ``config`` cannot be trained; nothing is built or compiled before."""
+    for field, flag, example in _AT_LEAST_ONE:
+        value = getattr(config, field)
+        if value < 1:
+            p.error(f"{flag} {value} must be at least 1; pass e.g. {flag} {example}")
+    if config.layers % config.stages:
+        fits = [s for s in range(1, config.layers + 1) if config.layers % s == 0]
+        up = -(-config.layers // config.stages) * config.stages
+        p.error(
+            f"--layers {config.layers} is not a multiple of --stages {config.stages} (every "
+            f"stage holds the same number of layers); pass --layers {up} or --stages one of "
+            f"{', '.join(map(str, fits))}"
+        )
+    if config.schedule == "gpipe" and config.batch_size % config.microbatches:
+        p.error(
+            f"--batch-size {config.batch_size} is not a multiple of --microbatches "
+            f"{config.microbatches}; pass --batch-size "
+            f"{max(1, config.batch_size // config.microbatches) * config.microbatches}"
+        )
+
+
+def check_devices(stages: int, p: argparse.ArgumentParser) -> None:
+    """Exit with a one-line error unless JAX has at least ``stages`` devices (one per stage)."""
+    import jax
+
+    devices = jax.devices()
+    if stages > len(devices):
+        where = jax.default_backend()
+        p.error(
+            f"--stages {stages} needs one device per stage but there are {len(devices)} "
+            f"{where} devices; pass --stages {len(devices)} or fewer (with --layers a multiple "
+            "of it)"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> dict | None:
-    """Parse flags, set up devices, run `scamp_jax.pipeline.nas.run_nas`; returns its summary."""
-    args = parser().parse_args(argv)
+    """Parse flags, set up devices, run `search_spaces.supernet_nas.run_nas`; return it."""
+    p = parser()
+    args = p.parse_args(argv)
     from scamp_jax.devices import configure_cpu_devices
 
     config = get_config(args.preset)
@@ -91,17 +147,22 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     }
     config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
     if args.mpi:
-        return _main_mpi(config, args)
+        return _main_mpi(config, args, p)
+    check_config(config, p)
+    from scamp_jax.pipeline.determinism import use_deterministic_gpu_ops
+
+    use_deterministic_gpu_ops()  # bit-identical schedules on GPUs too (before JAX starts)
     try:
-        configure_cpu_devices(max(8, config.stages))
+        configure_cpu_devices(min(max(8, config.stages), MAX_CPU_STAGES))
     except RuntimeError:
         pass  # JAX already started (a notebook, a test): its devices are used as they are.
-    from scamp_jax.pipeline.nas import run_nas
+    check_devices(config.stages, p)
+    from search_spaces.supernet_nas import run_nas
 
     return run_nas(config, json_path=args.json, show=not args.quiet)
 
 
-def _main_mpi(config, args: argparse.Namespace) -> dict | None:
+def _main_mpi(config, args: argparse.Namespace, p: argparse.ArgumentParser) -> dict | None:
     """``--mpi``: one stage per rank, one CPU device per process; rank 0 writes the results."""
     from scamp_jax.distributed.mpi import launched_under_mpi, world
 
@@ -112,7 +173,9 @@ def _main_mpi(config, args: argparse.Namespace) -> dict | None:
             "(install the extra first: pip install 'scamp-jax[mpi]')"
         )
     from scamp_jax.devices import configure_cpu_devices
+    from scamp_jax.pipeline.determinism import use_deterministic_gpu_ops
 
+    use_deterministic_gpu_ops()  # ranks must agree bit for bit with a single process
     try:
         configure_cpu_devices(1)
     except RuntimeError:
@@ -120,7 +183,8 @@ def _main_mpi(config, args: argparse.Namespace) -> dict | None:
     w = world()
     if args.stages is None:
         config = dataclasses.replace(config, stages=w.size)
-    from scamp_jax.distributed.nas import run_nas_mpi
+    check_config(config, p)
+    from search_spaces.supernet_nas import run_nas_mpi
 
     return run_nas_mpi(config, json_path=args.json, show=not args.quiet, mpi_world=w)
 

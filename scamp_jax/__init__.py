@@ -44,6 +44,9 @@ from scamp_jax.planner import min_devices as min_devices
 from scamp_jax.planner import min_devices_plan as min_devices_plan
 from scamp_jax.planner import plan_mesh as plan_mesh
 from scamp_jax.pool import DevicePool as DevicePool
+from scamp_jax.scheduling import SchedulingCore as SchedulingCore
+from scamp_jax.scheduling import TrialPlan as TrialPlan
+from scamp_jax.scheduling.replay import replay_study as replay_study
 from scamp_jax.search import SearchSettings as SearchSettings
 from scamp_jax.search import run_search as run_search
 from scamp_jax.sharding import make_mesh as make_mesh
@@ -95,11 +98,13 @@ __all__ = [
     "SearchEngine",
     "SearchResult",
     "SearchSettings",
+    "SchedulingCore",
     "SearchSpace",
     "StepShardings",
     "StudySettingsError",
     "Task",
     "TrialOutcome",
+    "TrialPlan",
     "TrialRequest",
     "TrialSource",
     "UsageRecorder",
@@ -128,6 +133,7 @@ __all__ = [
     "plan_fusion",
     "plan_mesh",
     "run_fused_group",
+    "replay_study",
     "run_search",
     "run_study",
     "split_model",

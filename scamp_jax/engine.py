@@ -1,20 +1,24 @@
-"""The search loop: ask, plan, queue, place, run concurrently, tell.
+"""The search loop: ask, plan, let the scheduling core decide, run concurrently, tell.
 
-One `SearchEngine.run` call drives a study to its total number of trials:
+Every placement decision is made by a `scamp_jax.scheduling.SchedulingCore` (pure: events in,
+actions out; the cluster simulator drives the same core). This module is the loop around it:
 
 1. ask the `TrialSource` for configurations (a few more than can run, so placement has choice);
-2. plan each one abstractly (`planner.plan_mesh`): device count, model-parallel degree, the
-   largest batch that fits, the predicted peak per device (plans are cached per architecture);
-3. let the placement policy (`ScampPolicy` packs by memory, `FixedPolicy` is the fixed-resources
-   baseline) decide which queued trials start now and on which devices;
+2. plan each one in the planner threads (`planner.plan_mesh`, cached per architecture): device
+   count, model-parallel degree, the largest batch that fits, the predicted peak per device, and
+   the step's FLOPs per device from ``cost_analysis()`` of the lowered step;
+3. feed the core its events: a plan ready, a run's measured seconds per step, a run ended, the
+   last wave begun; the core books the pool (usable bytes per device) and answers with trials to
+   start on device ids, or larger plans to compile first (last-wave growth);
 4. run each started trial in a worker thread on its own sub-mesh (`runner.run_trial`);
-5. when a trial ends, release its devices, record its usage and tell the study. An out-of-memory
-   trial is re-planned (smaller batch first, then more devices) and queued again;
-6. at the end of the study (nothing queued or left to ask), on accelerators, restart running
-   trials from a checkpoint on the devices that fell idle, with the same global batch
-   (`scamp_jax.elastic`).
+5. when a trial ends, tell the study. An out-of-memory trial is re-planned in the planner
+   threads (never on this loop's thread) at a batch scaled by the bytes its run measured, or on
+   twice the devices, and queued again;
+6. at the end of the study, on accelerators, restart running trials from a checkpoint on the
+   devices that fell idle, with the same global batch (the core's `resizes`).
 
-Only the runner touches devices; the loop itself is bookkeeping around pure decisions.
+Each trial's record (``results.json``) holds what the core was fed, so a finished study can be
+replayed through it (`scamp_jax.scheduling.replay`).
 """
 
 from __future__ import annotations
@@ -25,37 +29,28 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import jax
-from flax import nnx
 
 from scamp_jax import planner
-from scamp_jax.elastic import Resize, RunningTrial, resizes
-from scamp_jax.placement import (
-    DeviceOption,
-    FixedPolicy,
-    Placement,
-    ScampPolicy,
-    TrialRequest,
-    make_policy,
-)
-from scamp_jax.pool import DevicePool
+from scamp_jax.elastic import Resize
+from scamp_jax.placement import FixedPolicy, Placement, ScampPolicy, make_policy
+from scamp_jax.plan_service import PlanningService, TrialDeferred
 from scamp_jax.runner import (
     RunResult,
     RunSpec,
     StepCache,
     TrialStatus,
-    make_optimizer,
     run_trial,
     trial_seed,
 )
+from scamp_jax.scheduling.core import PlanOption, SchedulingCore, TrialPlan
+from scamp_jax.scheduling.costs import attainable_flops
 from scamp_jax.space import SearchSpace, Task
 from scamp_jax.study import AskedTrial, TrialOutcome, TrialSource
-from scamp_jax.train_step import split_model
-from scamp_jax.usage import UsageRecorder
 
 log = logging.getLogger(__name__)
 PlanFn = Callable[..., Any]
@@ -63,19 +58,6 @@ PlanFn = Callable[..., Any]
 
 class BudgetTooSmallError(ValueError):
     """No candidate fits the device pool: the memory budget or the device count is too small."""
-
-
-class TrialDeferred(Exception):  # noqa: N818 - a hand-over, not an error
-    """Raised by `SearchEngine.plan` for a trial this engine hands to someone else to run.
-
-    The engine neither fails nor places it: it is listed in `SearchEngine.deferred` with this
-    exception, whose ``payload`` says what the caller needs to run it (e.g. the MPI engine's
-    trials that span ranks). Deferred trials stay open in the study until the caller tells them.
-    """
-
-    def __init__(self, message: str, payload: Any = None) -> None:
-        super().__init__(message)
-        self.payload = payload
 
 
 @dataclass(frozen=True)
@@ -195,8 +177,17 @@ class _Restart:
     placement: Placement
     before: PlannedTrial
     old_placement: Placement
-    old_request: TrialRequest
+    old_plan: TrialPlan
     since: float = math.inf  # time.monotonic() when the new run was started
+
+
+@dataclass(frozen=True)
+class _Run:
+    """A run in a worker thread: the trial, its stop event (Ctrl-C or a restart) and future."""
+
+    planned: PlannedTrial
+    stop: threading.Event
+    future: cf.Future
 
 
 @dataclass(frozen=True)
@@ -211,6 +202,8 @@ class SearchResult:
       intervals: per device, ``(trial number, start_s, end_s, bytes)`` of every trial it held.
       outcomes: how each trial of this run ended, in finishing order.
       compile_cache: ``{"hits": n, "misses": m}`` of the shared step cache.
+      scheduling: `SearchEngine.scheduling_info` (budget, booked share, policy parts, when the
+        last wave began), what a replay of the run needs besides the trials' records.
     """
 
     policy: str
@@ -220,9 +213,16 @@ class SearchResult:
     intervals: tuple[tuple[tuple[int, float, float, int], ...], ...]
     outcomes: tuple[TrialOutcome, ...]
     compile_cache: Mapping[str, int] = field(default_factory=dict)
+    scheduling: Mapping[str, Any] = field(default_factory=dict)
 
 
-class SearchEngine:
+
+def booked_bytes(plan: Any) -> int:
+    """Bytes per device a trial of ``plan`` books: everything it holds at once (training step,
+    prefetched batch, evaluation: `scamp_jax.planner.Plan.predicted_peak_bytes`)."""
+    return int(getattr(plan, "predicted_peak_bytes", plan.peak_bytes_per_device))
+
+class SearchEngine(PlanningService):
     """Drive a study: plan, place and run trials concurrently on a pool of devices.
 
     Args:
@@ -263,26 +263,10 @@ class SearchEngine:
             self.policy: Any = FixedPolicy(config.devices_per_trial)
         else:
             self.policy = make_policy("scamp")
-        self.pool = DevicePool(self.capacity)
         self.cache = StepCache()
         self.statuses: dict[int, TrialStatus] = {}
-        self._plans: dict[Any, Any] = {}
-        self._plans_lock = threading.Lock()
-        self._key_locks: dict[Any, threading.Lock] = {}
-        self._fixed_lock = threading.Lock()
-        self._fixed_batch: int | None = config.fixed_batch_size
-        #: (trial number, device count) options whose plan did not fit: not offered again.
-        self._no_grow: set[tuple[int, int]] = set()
-        #: running trials being stopped to restart on more devices: the new plan and placement.
-        self._resizing: dict[int, _Restart] = {}
-        #: trials restarted on more devices, until their new run trains (to fall back on).
-        self._restarted: dict[int, _Restart] = {}
-        #: wall seconds of a trial's earlier runs (before a restart), added to its record.
-        self._earlier_wall: dict[int, float] = {}
-        #: queued trials' growth options being planned: (trial number, devices) -> plan future.
-        self._grow_plans: dict[tuple[int, int], cf.Future] = {}
-        #: restarts decided and being planned for their new device count.
-        self._resize_plans: dict[int, tuple[cf.Future, Resize]] = {}
+        self._init_planning()
+        self._oom_results: dict[int, RunResult] = {}
         grow = config.grow_last_wave
         self._grow = (grow if grow is not None
                       else any(d.platform != "cpu" for d in self.devices))
@@ -291,106 +275,34 @@ class SearchEngine:
         #: trials whose plan raised `TrialDeferred`: ``(asked, exception)``, in planning order.
         self.deferred: list[tuple[AskedTrial, TrialDeferred]] = []
         self._t0 = time.monotonic()
-        self.usage = UsageRecorder(self.capacity)
+        #: the decisions (`scamp_jax.scheduling.SchedulingCore`); a fresh one per `run`.
+        self.core = self._new_core()
+        self.pool, self.usage = self.core.pool, self.core.usage
 
-    # ----------------------------------------------------------------------------- planning
-    def _abstract(self, params: Mapping[str, Any]) -> Any:
-        return nnx.eval_shape(lambda: self.space.build(params, nnx.Rngs(0)))
+    def _new_core(self) -> SchedulingCore:
+        """A scheduling core for this engine's pool, budget and policy. The devices' attainable
+        FLOP/s (`scamp_jax.scheduling.costs`) anchor the busy fractions where the kind is
+        known."""
+        kinds = {d.device_kind for d in self.devices}
+        peak = attainable_flops(kinds.pop()) if len(kinds) == 1 else None
+        return SchedulingCore(self.policy, len(self.devices), self.config.memory_per_device,
+                              self.config.safety_margin, self.config.restart_seconds,
+                              peak_flops=peak)
 
-    def _call_planner(
-        self, model: Any, n_devices: int, max_batch: int | None, memory: int | None = None
-    ) -> Any:
-        return self.plan_fn(
-            model,
-            self.task.sample_batch(1),
-            devices=self.devices[:n_devices],
-            memory_per_device=memory or self.config.memory_per_device,
-            optimizer=make_optimizer({}),
-            loss_fn=self.task.loss_fn,
-            safety_margin=self.config.safety_margin,
-            max_batch_size=max_batch,
+    def _trial_plan(self, planned: PlannedTrial) -> TrialPlan:
+        """``planned`` as the scheduling core sees it."""
+        plan = planned.plan
+        grow = (self._grow and isinstance(self.policy, ScampPolicy)
+                and self.config.reference_batch is not None)
+        flops = self._flops_of.get((planned.number, planned.devices, int(plan.batch_size)))
+        return TrialPlan(
+            key=planned.number, arrival=planned.arrival, devices=planned.devices,
+            bytes_per_device=booked_bytes(plan),
+            steps=self.config.steps_for(int(plan.batch_size)), flops_per_step=flops,
+            data_parallel=int(plan.data_parallel), model_parallel=int(plan.model_parallel),
+            batch_size=int(plan.batch_size),
+            grow_bytes=int(plan.usable_bytes) if grow else 0,
         )
-
-    def fixed_batch_size(self) -> int:
-        """The fixed policy's batch: the largest the space's largest candidate fits."""
-        with self._fixed_lock:
-            return self._fixed_batch_size_locked()
-
-    def _fixed_batch_size_locked(self) -> int:
-        if self._fixed_batch is None:
-            if not self.space.largest:
-                raise ValueError(
-                    f"search space {self.space.name!r} names no largest candidate; give the "
-                    "fixed policy a batch size (fixed_batch_size=)"
-                )
-            model = self._abstract(self.space.largest)
-            plan = self._call_planner(
-                model, self.config.devices_per_trial, self.config.max_batch_size
-            )
-            self._fixed_batch = int(plan.batch_size)
-        return self._fixed_batch
-
-    def _smallest_fitting_plan(self, model: Any, max_batch: int | None) -> Any:
-        """Plan on the fewest devices (1, 2, 4, ..., the whole pool) that hold ``model`` at a
-        batch of at least ``min_batch_size``."""
-        total = len(self.devices)
-        counts = sorted({2**k for k in range(total.bit_length()) if 2**k <= total} | {total})
-        floor = self.config.min_batch_size or 1
-        last_error: Exception | None = None
-        for n in counts:
-            try:
-                plan = self._call_planner(model, n, max_batch)
-            except planner.DoesNotFitError as err:
-                last_error = err
-                continue
-            if plan.batch_size >= floor:
-                return plan
-            last_error = planner.DoesNotFitError(
-                f"{type(model).__name__} fits at most a global batch of {plan.batch_size} on "
-                f"{n} device(s), below min_batch_size={floor}; use more devices, more "
-                "memory_per_device, or a lower min_batch_size",
-                bytes_needed=int(plan.peak_bytes_per_device * floor / max(plan.batch_size, 1)),
-                bytes_available=int(plan.usable_bytes),
-            )
-        assert last_error is not None
-        raise last_error
-
-    def plan(self, params: Mapping[str, Any], *, devices: int | None = None,
-             max_batch: int | None = None) -> Any:
-        """Plan one configuration: fewest devices that hold it, largest batch (``max_batch`` cap).
-
-        Under the fixed policy the device count is ``devices_per_trial`` and the batch the
-        policy's one batch size. Plans are cached per architecture (the graph definition), so
-        trials that differ only in optimizer hyperparameters are planned once.
-        Raises ``planner.DoesNotFitError`` if the configuration fits on no device count, and
-        `TrialDeferred` (cached like a plan) if a subclass hands the architecture elsewhere.
-        """
-        model = self._abstract(params)
-        graphdef = split_model(model)[0]
-        cap: int | None
-        if self.config.policy == "fixed":
-            devices = self.config.devices_per_trial
-            cap = self.fixed_batch_size() if max_batch is None else max_batch
-        else:
-            cap = self.config.max_batch_size if max_batch is None else max_batch
-        key = (graphdef, devices, cap)
-        # Several planner threads compile at once (XLA compiles outside the GIL); one lock per
-        # architecture makes a second trial of it wait for the first plan instead of redoing it.
-        with self._plans_lock:
-            key_lock = self._key_locks.setdefault(key, threading.Lock())
-        with key_lock:
-            if key not in self._plans:
-                try:
-                    if devices is not None:
-                        self._plans[key] = self._call_planner(model, devices, cap)
-                    else:
-                        self._plans[key] = self._smallest_fitting_plan(model, cap)
-                except TrialDeferred as deferred:
-                    self._plans[key] = deferred  # a property of the architecture, like a plan
-            plan = self._plans[key]
-        if isinstance(plan, TrialDeferred):
-            raise TrialDeferred(str(plan), plan.payload)
-        return plan
 
     # ---------------------------------------------------------------------------- the loop
     def _now(self) -> float:
@@ -400,18 +312,19 @@ class SearchEngine:
         if self.on_update is not None:
             self.on_update(list(self.statuses.values()), self.pool)
 
-    def _ask(self, planner_pool: cf.Executor, planning: dict[cf.Future, AskedTrial]) -> bool:
+    def _ask(self) -> bool:
         """Ask for one configuration and start planning it; False when the study is full."""
         asked = self.source.ask()
         if asked is None:
             return False
         status = self.statuses.setdefault(asked.number, TrialStatus(asked.number, asked.params))
         status.state = "planning"
-        planning[planner_pool.submit(self.plan, asked.params)] = asked
+        self._planning[self._planner.submit(self._planned_with_cost, asked.params,
+                                            asked.number)] = asked
         self._notify()
         return True
 
-    def _enqueue(self, asked: AskedTrial, planned: cf.Future, queue: list[PlannedTrial]) -> None:
+    def _enqueue(self, asked: AskedTrial, planned: cf.Future) -> None:
         status = self.statuses[asked.number]
         try:
             plan = planned.result()
@@ -446,8 +359,7 @@ class SearchEngine:
             self._nofit.clear()
         # Arrival is the ask order, so placement stays first-come first-served whatever order
         # the plans finish in.
-        self._queue_planned(PlannedTrial(asked, plan, self._devices_of(plan), asked.number),
-                            queue)
+        self._queue_planned(PlannedTrial(asked, plan, self._devices_of(plan), asked.number))
 
     def _budget_too_small(self, err: Exception) -> None:
         for number in self._nofit:  # not their fault: a run with a bigger budget retries them
@@ -460,85 +372,97 @@ class SearchEngine:
             "--memory-per-device or --devices, or shrink the search space"
         ) from err
 
-    def _devices_of(self, plan: Any) -> int:
-        return int(plan.data_parallel * plan.model_parallel)
-
     def _show_plan(self, number: int, plan: Any) -> None:
         """Record ``plan``'s degrees, batch and predicted peak in trial ``number``'s status."""
         status = self.statuses[number]
         status.model_parallel = int(plan.model_parallel)
         status.batch_size = int(plan.batch_size)
-        status.predicted_peak_bytes = int(plan.peak_bytes_per_device)
+        status.predicted_peak_bytes = booked_bytes(plan)
         status.steps = self.config.steps_for(status.batch_size)
 
-    def _queue_planned(self, planned: PlannedTrial, queue: list[PlannedTrial]) -> None:
+    def _queue_planned(self, planned: PlannedTrial) -> None:
+        """Event: ``planned`` waits for devices."""
         self.statuses[planned.number].state = "queued"
         self._show_plan(planned.number, planned.plan)
-        queue.append(planned)
-        self._notify()
+        self._planned[planned.number] = planned
+        now = self._now()
+        tp = self._trial_plan(planned)
+        self._timeline(planned.number).setdefault("planned_at", now)
+        self._timeline(planned.number)["plan"] = tp.as_dict()
+        if planned.replans:
+            self.core.requeue(now, tp)
+        else:
+            self.core.planned(now, tp)
+        self._set_last_wave(now, decide=False)  # this may have been the last plan
+        self._decide(now)
 
-    def _request(self, planned: PlannedTrial, last_wave: bool = False) -> TrialRequest:
-        """The placement request of ``planned``.
+    def _timeline(self, number: int) -> dict[str, Any]:
+        return self._times.setdefault(number, {"placements": [], "pace": []})
 
-        ``seconds`` is a relative work estimate for longest-first ordering (the engine has no
-        time model): steps x per-replica batch x the plan's activation bytes per sample. In a
-        study's ``last_wave`` (nothing left to ask or plan) a ScaMP trial also offers, as
-        uncosted options, 2x, 4x, ... its devices, each reserving the plan's usable bytes (the
-        planner's bound on any plan's peak); the engine plans the chosen count only when the
-        policy picks it (`_as_placed`). Only with ``reference_batch`` does a larger batch on
-        more devices mean fewer steps, so only then are options offered.
-        """
-        plan = planned.plan
-        batch = int(plan.batch_size)
-        work = (self.config.steps_for(batch) * batch / max(1, int(plan.data_parallel))
-                * float(plan.memory_model.bytes_per_sample))
-        options: list[DeviceOption] = []
-        policy = self.policy
-        if (last_wave and self._grow and isinstance(policy, ScampPolicy) and policy.elastic
-                and self.config.reference_batch is not None):
-            n = planned.devices * 2
-            while n <= len(self.devices):
-                if (planned.number, n) not in self._no_grow:
-                    options.append(DeviceOption(n, int(plan.usable_bytes), 0.0))
-                n *= 2
-        return TrialRequest(
-            key=planned.number,
-            devices=planned.devices,
-            bytes_per_device=int(plan.peak_bytes_per_device),
-            arrival=planned.arrival,
-            seconds=max(0.0, work),
-            options=tuple(options),
-        )
+    def _set_last_wave(self, now: float | None = None, decide: bool = True) -> None:
+        """Event: nothing more to ask or plan (the study's last wave), at ``now`` (the time of
+        the event that made it so: the replay applies both before deciding)."""
+        last = (self._exhausted and not self._planning and not self._replanning)
+        if last and self._last_wave_at is None:
+            self._last_wave_at = self._now() if now is None else now
+            self.core.set_arrivals_pending(False)
+            if decide:
+                self._decide(self._last_wave_at)
 
-    def _as_placed(self, planned: PlannedTrial, devices: int,
-                   planner_pool: cf.Executor) -> PlannedTrial | None:
-        """``planned`` on the ``devices`` its placement gives it: planned again (cached per
-        architecture) when ScaMP grew it onto more devices. None while that plan is compiled
-        in the planner threads (the trial stays queued; the placement is decided again), or if
-        it does not fit (the option is then withdrawn and the trial waits for its own plan's
-        devices)."""
-        if devices == planned.devices or not isinstance(self.policy, ScampPolicy):
-            return planned  # the fixed policy's devices_per_trial may exceed the plan's
-        key = (planned.number, devices)
-        future = self._grow_plans.get(key)
-        if future is None:
-            self._grow_plans[key] = planner_pool.submit(self.plan, planned.asked.params,
-                                                        devices=devices)
-            return None
-        if not future.done():
-            return None
-        del self._grow_plans[key]
+    def _feed_pace(self) -> None:
+        """Events: measured seconds per step of the running trials (at 2, 4, 8, ... steps into
+        each run, so a long study records a few dozen measurements per trial)."""
+        for number in list(self.core.running):
+            status = self.statuses[number]
+            done = status.step - status.first_step
+            if status.state != "training" or done < 2 or math.isnan(status.training_since):
+                continue
+            if done < self._next_pace.get(number, 2):
+                continue
+            self._next_pace[number] = 2 * done
+            mono = time.monotonic()
+            spu = (mono - status.training_since) / done
+            now = mono - self._t0
+            since = status.training_since - self._t0
+            self.core.step_measured(now, number, status.step, spu, since)
+            self._timeline(number)["pace"].append([now, status.step, spu, since])
+            self._decide(now)
+
+    def _decide(self, now: float) -> None:
+        """Ask the core what to start at ``now`` (the time of the event just fed) and act."""
+        for action in self.core.decide(now):
+            if isinstance(action, PlanOption):
+                planned = self._planned[action.key]
+                future = self._planner.submit(self._planned_with_cost, planned.asked.params,
+                                              action.key, devices=action.devices)
+                self._option_plans[future] = action
+                continue
+            planned = self._planned.pop(action.key)
+            if action.plan.devices != planned.devices:
+                plan = self._grown_plans.pop((action.key, action.plan.devices))
+                self._show_plan(action.key, plan)
+                planned = replace(planned, plan=plan, devices=action.plan.devices)
+            self._start(Placement(action.key, action.device_ids), planned, now)
+
+    def _option_planned(self, future: cf.Future, action: PlanOption) -> None:
+        """Event: the plan of a queued trial on more devices is in (or did not fit)."""
         try:
             plan = future.result()
         except (planner.DoesNotFitError, TrialDeferred):
             plan = None
-        if plan is None or self._devices_of(plan) != devices:
-            self._no_grow.add((planned.number, devices))
-            return None
-        self._show_plan(planned.number, plan)
-        return replace(planned, plan=plan, devices=devices)
+        planned = self._planned.get(action.key)
+        if planned is None:
+            return
+        tp = None
+        if plan is not None and self._devices_of(plan) == action.devices:
+            grown = replace(planned, plan=plan, devices=action.devices)
+            self._grown_plans[(action.key, action.devices)] = plan
+            tp = self._trial_plan(grown)
+        self.core.option_planned(action.key, action.devices, tp)
+        self._decide(self._now())
 
     def _attrs(self, status: TrialStatus, wall: float) -> dict[str, Any]:
+        times = self._times.get(status.number, {})
         return {
             "devices": list(status.devices),
             "model_parallel": status.model_parallel,
@@ -550,6 +474,13 @@ class SearchEngine:
             "resizes": status.resizes,
             "rank": self.config.rank,
             "final_loss": None if math.isnan(status.loss) else status.loss,
+            # Seconds since this run's start (full precision: they order the replay's events).
+            "planned_at": times.get("planned_at"),
+            "started_at": times.get("started_at"),
+            "finished_at": times.get("finished_at"),
+            "placements": times.get("placements", []),
+            "pace": times.get("pace", []),
+            "plan": times.get("plan"),
         }
 
     def _tell(self, outcome: TrialOutcome) -> None:
@@ -557,75 +488,43 @@ class SearchEngine:
         self._outcomes.append(outcome)
         self._notify()
 
-    def _running_view(self, planned: PlannedTrial, started: float) -> RunningTrial | None:
-        """``planned`` as `scamp_jax.elastic.resizes` sees it, or None while its pace is
-        unknown (still compiling, or fewer than 2 steps trained in this run).
-
-        The engine has no time model: the remaining time is this run's seconds per step times
-        the steps left, and on ``p`` data-parallel replicas instead of ``d`` it assumes
-        ``d / p`` of that (a linear speed-up), plus the restart (``restart_seconds``, else the
-        start-up this run took). Offered device counts keep the global batch divisible.
-        """
-        status = self.statuses[planned.number]
-        done = status.step - status.first_step
-        if status.state != "training" or done < 2 or math.isnan(status.training_since):
-            return None
-        now = time.monotonic()
-        remaining = (now - status.training_since) / done * max(0, status.steps - status.step)
-        restart = self.config.restart_seconds
-        if restart is None:
-            restart = max(0.0, status.training_since - (self._t0 + started))
-        plan = planned.plan
-        dp, mp, batch = int(plan.data_parallel), int(plan.model_parallel), int(plan.batch_size)
-        options = tuple(
-            DeviceOption(p * mp, int(plan.peak_bytes_per_device), remaining * dp / p + restart)
-            for p in range(dp + 1, len(self.devices) // mp + 1)
-            if batch % p == 0 and (planned.number, p * mp) not in self._no_grow
-        )
-        return RunningTrial(planned.number, self.pool.running[planned.number].device_ids,
-                            self.pool.request_of(planned.number).bytes_per_device, remaining,
-                            options)
-
-    def _resize_tail(
-        self,
-        running: Mapping[cf.Future, tuple[PlannedTrial, float, threading.Event]],
-        planner_pool: cf.Executor,
-    ) -> None:
+    def _resize_tail(self) -> None:
         """Restart running trials on idle devices at the end of the study (`scamp_jax.elastic`).
 
-        A restart decided here is planned for its new device count in the planner threads (a
-        few compiles that must not stall this loop); once its plan is ready, a later call books
-        the new devices, asks the trial to stop (it checkpoints) and ``run`` starts it again
-        on them when it returns. If another restart took those devices meanwhile, it is decided
-        afresh (its plan is cached by then).
+        The core decides from the measured paces; a restart decided here is planned for its
+        new device count in the planner threads (a few compiles that must not stall this loop);
+        once its plan is ready, a later call books the new devices, asks the trial to stop (it
+        checkpoints) and the loop starts it again on them when it returns. If another restart
+        took those devices meanwhile, it is decided afresh (its plan is cached by then).
         """
         if not self._grow or self.checkpoint_root is None:
             return
-        entries = {p.number: (p, started, stop) for p, started, stop in running.values()
-                   if p.number not in self._resizing and not stop.is_set()}
-        for key, (future, decision) in list(self._resize_plans.items()):
+        for future, decision in list(self._resize_plans.items()):
             if future.done():
-                del self._resize_plans[key]
-                if key in entries:  # else it ended while its new plan was compiled
-                    self._book_resize(entries[key], decision, future)
+                del self._resize_plans[future]
+                if decision.key in self._runs and decision.key not in self._resizing:
+                    self._book_resize(decision, future)
         if self._resize_plans:
             return  # decided devices are not booked before their plan is ready: wait for it
-        views = [v for p, started, _ in entries.values()
-                 if (v := self._running_view(p, started)) is not None]
-        if not views:
-            return
-        for r in resizes(self.policy, self.pool.snapshot(), views, queue_empty=True,
-                         arrivals_pending=False):
-            planned = entries[r.key][0]
-            future = planner_pool.submit(self.plan, planned.asked.params,
-                                         devices=r.option.devices,
-                                         max_batch=int(planned.plan.batch_size))
-            self._resize_plans[r.key] = (future, r)
+        reshapes = {}
+        for number, run in self._runs.items():
+            if number in self._resizing or run.stop.is_set():
+                continue
+            plan = run.planned.plan
+            dp, mp, batch = int(plan.data_parallel), int(plan.model_parallel), int(plan.batch_size)
+            reshapes[number] = [p * mp for p in range(dp + 1, len(self.devices) // mp + 1)
+                                if batch % p == 0]
+        for r in self.core.resizes(self._now(), reshapes):
+            planned = self._runs[r.key].planned
+            future = self._planner.submit(self.plan, planned.asked.params,
+                                          devices=r.option.devices,
+                                          max_batch=int(planned.plan.batch_size))
+            self._resize_plans[future] = r
 
-    def _book_resize(self, entry: tuple[PlannedTrial, float, threading.Event], r: Resize,
-                     future: cf.Future) -> None:
+    def _book_resize(self, r: Resize, future: cf.Future) -> None:
         """Book restart ``r`` of a running trial with its compiled plan and stop the trial."""
-        planned, started, stop = entry
+        run = self._runs[r.key]
+        planned = run.planned
         n, batch = r.option.devices, int(planned.plan.batch_size)
         try:
             plan = future.result()
@@ -633,45 +532,36 @@ class SearchEngine:
             log.info("trial %d: no plan on %d devices at batch %d (%s)", r.key, n, batch, err)
             plan = None
         if plan is None or self._devices_of(plan) != n or int(plan.batch_size) != batch:
-            self._no_grow.add((r.key, n))  # the planner found no such plan: not again
+            self.core.withdraw(r.key, n)  # the planner found no such plan: not again
             return
         # The trial trained on while its plan compiled: is the restart still worth it?
-        view = self._running_view(planned, started)
-        option = next((o for o in view.options if o.devices == n), None) if view else None
-        if option is None or option.seconds > (
-                (1.0 - self.policy.min_resize_gain) * view.remaining_seconds):
+        if not self.core.still_worth(r.key, n) or not self.core.restart_fits(r.key, r.device_ids):
             return
-        current = self.pool.running[r.key].device_ids
-        snapshot = self.pool.snapshot()
-        if tuple(r.device_ids[: len(current)]) != tuple(current) or not all(
-                snapshot.is_empty(d) for d in r.device_ids[len(current):]):
-            return  # the idle devices went to another restart meanwhile
+        before = self.core.plan_of(r.key)
+        old_ids = self.core.running[r.key]
         grown = replace(planned, plan=plan, devices=n)
-        placement = Placement(r.key, r.device_ids)
-        old_request = self.pool.request_of(r.key)
-        old_placement = self.pool.release(r.key)
-        try:
-            self.pool.allocate(placement, self._request(grown))
-        except ValueError:  # the compiled plan needs more than the prediction left free
-            self.pool.allocate(old_placement, old_request)
-            self._no_grow.add((r.key, n))
-            return
-        now = self._now()
-        self.usage.move(now, placement, int(plan.peak_bytes_per_device))
-        self._resizing[r.key] = _Restart(grown, placement, planned, old_placement, old_request)
+        if not self.core.restarted(self._now(), r.key, r.device_ids, self._trial_plan(grown)):
+            return  # the compiled plan needs more than the prediction left free
+        self._resizing[r.key] = _Restart(grown, Placement(r.key, r.device_ids), planned,
+                                         Placement(r.key, old_ids), before)
         self.statuses[r.key].state = "resizing"
         self._show_plan(r.key, plan)
         log.info("trial %d: restarting on %d devices (was %d), batch %d", r.key, n,
                  planned.devices, batch)
-        stop.set()
+        run.stop.set()
 
-    def _start(self, placement: Placement, planned: PlannedTrial, executor: cf.Executor,
-               stop: threading.Event) -> cf.Future:
+    def _start(self, placement: Placement, planned: PlannedTrial, now: float) -> None:
+        """Start a run of ``planned`` on ``placement``'s devices (booked in the core at
+        ``now``)."""
         ids = placement.device_ids[: planned.devices]
         plan = planned.plan.with_devices([self.devices[i] for i in ids])
         status = self.statuses[planned.number]
         status.devices = tuple(placement.device_ids)
         status.state = "starting"
+        times = self._timeline(planned.number)
+        times.setdefault("started_at", now)
+        times["placements"].append([now, list(placement.device_ids)])
+        self._next_pace.pop(planned.number, None)
         checkpoint_dir = (
             self.checkpoint_root / planned.asked.checkpoint_key if self.checkpoint_root else None
         )
@@ -681,38 +571,18 @@ class SearchEngine:
             plan=plan,
             steps=self.config.steps_for(int(plan.batch_size)),
             memory_per_device=self.config.memory_per_device,
+            booked_bytes=booked_bytes(plan),
             checkpoint_dir=checkpoint_dir,
             checkpoint_every=self.config.checkpoint_every,
             eval_every=self.config.eval_every,
             log_every=self.config.log_every,
             seed=trial_seed(self.config.seed, planned.asked.checkpoint_key),
         )
-        return executor.submit(run_trial, spec, self.space, self.task,
-                               report=self.source.report, status=status, stop=stop,
-                               cache=self.cache)
-
-    def _replan(self, planned: PlannedTrial, result: RunResult) -> PlannedTrial | None:
-        """A smaller batch on the same device count, else the same batch on twice the devices."""
-        if planned.replans >= self.config.max_replans:
-            return None
-        plan = planned.plan
-        batch, dp = int(plan.batch_size), int(plan.data_parallel)
-        params = planned.asked.params
-        model = self._abstract(params)
-        half = (batch // 2 // dp) * dp
-        floor = self.config.min_batch_size or 1
-        try:
-            if half >= dp and half >= floor:
-                # The planner picks the largest batch up to half the failed one that fits.
-                new = self._call_planner(model, planned.devices, half)
-            elif planned.devices * 2 <= len(self.devices) and self.config.policy == "scamp":
-                new = self._call_planner(model, planned.devices * 2, batch)
-            else:
-                return None
-        except planner.DoesNotFitError:
-            return None
-        return replace(planned, plan=new, devices=self._devices_of(new),
-                       replans=planned.replans + 1)
+        stop = threading.Event()
+        future = self._executor.submit(run_trial, spec, self.space, self.task,
+                                       report=self.source.report, status=status, stop=stop,
+                                       cache=self.cache)
+        self._runs[planned.number] = _Run(planned, stop, future)
 
     def run(self) -> SearchResult:
         """Run trials until the study has its total; returns this run's usage figures.
@@ -722,97 +592,88 @@ class SearchEngine:
         interrupt propagates; finished trials are already in the study.
         """
         self._t0 = time.monotonic()
-        self.usage = UsageRecorder(self.capacity, t0=0.0)
+        self.core = self._new_core()
+        self.pool, self.usage = self.core.pool, self.core.usage
         self._outcomes: list[TrialOutcome] = []
+        self._times: dict[int, dict[str, Any]] = {}
+        self._next_pace: dict[int, int] = {}
+        self._planned: dict[int, PlannedTrial] = {}
+        self._grown_plans: dict[tuple[int, int], Any] = {}
+        self._planning: dict[cf.Future, AskedTrial] = {}
+        self._option_plans: dict[cf.Future, PlanOption] = {}
+        self._replanning: dict[cf.Future, PlannedTrial] = {}
+        self._resize_plans: dict[cf.Future, Resize] = {}
+        self._runs: dict[int, _Run] = {}
+        self._resizing: dict[int, _Restart] = {}
+        self._restarted: dict[int, _Restart] = {}
+        self._earlier_wall: dict[int, float] = {}
+        self._oom_results = {}
+        self._exhausted = False
+        self._last_wave_at: float | None = None
         lookahead = self.config.lookahead or len(self.devices)
-        queue: list[PlannedTrial] = []
-        planning: dict[cf.Future, AskedTrial] = {}
-        # future -> (trial, start time, its stop event: Ctrl-C, or a restart on more devices)
-        running: dict[cf.Future, tuple[PlannedTrial, float, threading.Event]] = {}
-        executor = cf.ThreadPoolExecutor(max_workers=max(4, 4 * len(self.devices)),
-                                         thread_name_prefix="trial")
+        self._executor = cf.ThreadPoolExecutor(max_workers=max(4, 4 * len(self.devices)),
+                                               thread_name_prefix="trial")
         # Planning compiles; planner threads overlap it with training and with each other.
-        planner_pool = cf.ThreadPoolExecutor(max_workers=self.config.planner_threads,
-                                             thread_name_prefix="planner")
-        exhausted = False
+        self._planner = cf.ThreadPoolExecutor(max_workers=self.config.planner_threads,
+                                              thread_name_prefix="planner")
         try:
             while True:
-                while not exhausted and len(queue) + len(planning) < lookahead:
-                    exhausted = not self._ask(planner_pool, planning)
-                if not queue and not running and not planning:
+                while (not self._exhausted and len(self.core.queued) + len(self._planning)
+                       + len(self._replanning) < lookahead):
+                    self._exhausted = not self._ask()
+                self._set_last_wave()
+                busy = (self.core.queued or self._runs or self._planning or self._replanning)
+                if not busy:
                     break
-                by_key = {p.number: p for p in queue}
-                last_wave = exhausted and not planning
-                placements = self.policy.decide(
-                    self.pool.snapshot(), [self._request(p, last_wave) for p in queue],
-                    arrivals_pending=not last_wave,
-                )
-                held_back = False  # a placement waits for, or lost, its grown plan
-                for placement in placements:
-                    queued = by_key[placement.key]
-                    grown = self._as_placed(queued, len(placement.device_ids), planner_pool)
-                    if grown is None:
-                        held_back = True  # its plan for that count is compiling, or was refused
-                        continue
-                    planned = grown
-                    request = self._request(planned)
-                    self.pool.allocate(placement, request)
-                    self.usage.start(self._now(), placement, request.bytes_per_device)
-                    queue.remove(queued)
-                    stop = threading.Event()
-                    future = self._start(placement, planned, executor, stop)
-                    running[future] = (planned, self._now(), stop)
-                if last_wave and not queue and running:
-                    self._resize_tail(running, planner_pool)
+                self._feed_pace()
+                if self._last_wave_at is not None and not self.core.queued and self._runs:
+                    self._resize_tail()
                 self._notify()
-                # Plans of growth options and restarts: a finished one wakes the loop too.
-                replanning = [f for f in (*self._grow_plans.values(),
-                                          *(f for f, _ in self._resize_plans.values()))
-                              if not f.done()]
-                if not running and not planning and not replanning:
-                    if queue and not held_back:  # nothing runs, nothing can start: a policy bug
-                        raise RuntimeError(
-                            f"placement started none of {len(queue)} queued trials on an idle "
-                            "pool; check the trials' device counts against the pool"
-                        )
-                    continue
-                done, _ = cf.wait([*running, *planning, *replanning], timeout=0.5,
+                waiting = [*self._planning, *self._replanning,
+                           *(f for f in self._option_plans if not f.done()),
+                           *(f for f in self._resize_plans if not f.done())]
+                runs = {run.future: number for number, run in self._runs.items()}
+                if not runs and not waiting and not any(
+                        f.done() for f in (*self._option_plans, *self._resize_plans)):
+                    # Nothing runs and nothing is being planned, yet trials wait: a policy bug.
+                    raise RuntimeError(
+                        f"placement started none of {len(self.core.queued)} queued trials on an "
+                        "idle pool; check the trials' device counts against the pool")
+                done, _ = cf.wait([*runs, *waiting, *self._option_plans], timeout=0.5,
                                   return_when=cf.FIRST_COMPLETED)
-                for future in sorted(done, key=lambda f: planning[f].number
-                                     if f in planning else -1):
-                    if future in planning:
-                        self._enqueue(planning.pop(future), future, queue)
-                    elif future in running:
-                        planned, _, _ = running.pop(future)
-                        result = future.result()
-                        again = self._next_run(planned, result)
-                        if again is None:
-                            self._finish(planned, result, queue)
-                            continue
-                        planned, placement = again
-                        stop = threading.Event()
-                        future = self._start(placement, planned, executor, stop)
-                        running[future] = (planned, self._now(), stop)
+                for future in sorted(done, key=lambda f: self._order_of(f, runs)):
+                    if future in self._planning:
+                        self._enqueue(self._planning.pop(future), future)
+                        self._set_last_wave()  # if its plan did not queue it
+                    elif future in self._option_plans:
+                        self._option_planned(future, self._option_plans.pop(future))
+                    elif future in self._replanning:
+                        self._replanned(self._replanning.pop(future), future)
+                        self._set_last_wave()
+                    elif future in runs:
+                        self._run_ended(runs[future], future.result())
                 self._notify()
         except BaseException:
-            for _, _, stop in running.values():
-                stop.set()
-            for future, (planned, _, _) in list(running.items()):
+            for run in self._runs.values():
+                run.stop.set()
+            for number, run in list(self._runs.items()):
                 # The runner checkpoints and returns when it sees `stop`; whatever it says, the
                 # trial is unfinished and goes back to the study.
-                cf.wait([future])
-                self.source.interrupt(planned.number)
-            for asked in planning.values():
+                cf.wait([run.future])
+                self.source.interrupt(number)
+            for asked in self._planning.values():
                 self.source.interrupt(asked.number)
-            for planned in queue:
+            for planned in self._replanning.values():
                 self.source.interrupt(planned.number)
+            for number in self.core.queued:
+                self.source.interrupt(number)
             for asked, _ in self.deferred:
                 self.source.interrupt(asked.number)
-            planner_pool.shutdown(wait=True, cancel_futures=True)
-            executor.shutdown(wait=True)
+            self._planner.shutdown(wait=True, cancel_futures=True)
+            self._executor.shutdown(wait=True)
             raise
-        planner_pool.shutdown(wait=True)
-        executor.shutdown(wait=True)
+        self._planner.shutdown(wait=True)
+        self._executor.shutdown(wait=True)
         if self._nofit:
             self._budget_too_small(planner.DoesNotFitError(
                 self.statuses[self._nofit[-1]].reason, 0, self.config.memory_per_device))
@@ -830,56 +691,107 @@ class SearchEngine:
             intervals=intervals,
             outcomes=tuple(self._outcomes),
             compile_cache={"hits": self.cache.hits, "misses": self.cache.misses},
+            scheduling=self.scheduling_info(),
         )
 
-    def _next_run(self, planned: PlannedTrial, result: RunResult
-                  ) -> tuple[PlannedTrial, Placement] | None:
-        """What runs next for a trial whose run ended with ``result``, if it goes on at once:
-        its restart on more devices (it stopped for one), or, if that restarted run failed
-        before training a step, its plan and devices from before. None: the run is finished
-        (`_finish`)."""
-        number = planned.number
+    def scheduling_info(self) -> dict[str, Any]:
+        """What the replay of this run needs besides the trials' own records: the budget, the
+        booked share, the policy parts that were active and when the last wave began."""
+        policy = self.policy
+        parts: dict[str, Any] = {"policy": policy.name}
+        if isinstance(policy, ScampPolicy):
+            parts.update({f.name: getattr(policy, f.name) for f in fields(policy) if f.init})
+            parts["grow_last_wave"] = self._grow and self.config.reference_batch is not None
+            parts["resize_running"] = (policy.resize_running and self._grow
+                                       and self.checkpoint_root is not None)
+        else:
+            parts["devices_per_trial"] = policy.devices_per_trial
+        return {
+            "memory_per_device": self.config.memory_per_device,
+            "safety_margin": self.config.safety_margin,
+            "usable_bytes_per_device": self.core.capacity,
+            "peak_flops": self.core.peak_flops,
+            "restart_seconds": self.config.restart_seconds,
+            "pool_devices": len(self.devices),
+            "policy_parts": parts,
+            "last_wave_at": self._last_wave_at,
+        }
+
+    def _order_of(self, future: cf.Future, runs: Mapping[cf.Future, int]) -> tuple[int, int]:
+        """Handle finished futures in a fixed order: plans by trial number, then run ends."""
+        if future in self._planning:
+            return (0, self._planning[future].number)
+        if future in self._option_plans:
+            return (1, self._option_plans[future].key)
+        if future in self._replanning:
+            return (2, self._replanning[future].number)
+        return (3, runs.get(future, -1))
+
+    def _replanned(self, planned: PlannedTrial, future: cf.Future | None) -> None:
+        """Event: an out-of-memory trial's next plan is in (None: it fails)."""
+        status = self.statuses[planned.number]
+        retry = future.result() if future is not None else None
+        if retry is None:
+            self._report(planned, replace(self._oom_results.pop(planned.number),
+                                          state="failed", reason=status.reason
+                                          + "; no smaller plan fits"))
+            return
+        self._oom_results.pop(planned.number, None)
+        log.info("trial %d out of memory (%s); re-planned", planned.number, status.reason)
+        status.replans = retry.replans
+        self._queue_planned(retry)
+
+    def _run_ended(self, number: int, result: RunResult) -> None:
+        """Event: trial ``number``'s run returned ``result``."""
+        run = self._runs.pop(number)
+        planned = run.planned
+        self._earlier_wall[number] = self._earlier_wall.get(number, 0.0) + result.wall_seconds
         restart = self._resizing.pop(number, None)
         if restart is not None and result.state == "interrupted":
             self.statuses[number].resizes += 1
             self._restarted[number] = replace(restart, since=time.monotonic())
-            nxt = restart.grown, restart.placement
-        elif ((restart := self._restarted.pop(number, None)) is not None
-              and result.state in ("oom", "failed")
-              and not self.statuses[number].training_since > restart.since):
+            self._start(restart.placement, restart.grown, self._now())
+            return
+        restart = self._restarted.pop(number, None)
+        if (restart is not None and result.state in ("oom", "failed")
+                and not self.statuses[number].training_since > restart.since):
             # The restarted run never trained: go back to the plan that did.
             log.info("trial %d: restart on %d devices failed (%s); back on %d", number,
                      planned.devices, result.reason, restart.before.devices)
-            self._no_grow.add((number, planned.devices))
-            self.pool.release(number)
-            self.pool.allocate(restart.old_placement, restart.old_request)
-            self.usage.move(self._now(), restart.old_placement,
-                            restart.old_request.bytes_per_device)
+            now = self._now()
+            self.core.move_back(now, number, restart.old_placement.device_ids,
+                                restart.old_plan)
             self._show_plan(number, restart.before.plan)
-            nxt = restart.before, restart.old_placement
-        else:
-            return None
-        self._earlier_wall[number] = self._earlier_wall.get(number, 0.0) + result.wall_seconds
-        return nxt
-
-    def _finish(self, planned: PlannedTrial, result: RunResult, queue: list[PlannedTrial]) -> None:
-        self.pool.release(planned.number)
-        self.usage.finish(self._now(), planned.number)
-        status = self.statuses[planned.number]
+            self._start(restart.old_placement, restart.before, now)
+            return
+        now = self._now()
+        self._timeline(number)["finished_at"] = now
+        status = self.statuses[number]
         if result.state == "oom":
-            retry = self._replan(planned, result)
-            if retry is not None:
-                log.info("trial %d out of memory (%s); re-planned", planned.number, result.reason)
-                status.replans = retry.replans
-                self._queue_planned(retry, queue)
-                return
-            result = replace(result, state="failed",
-                             reason=f"{result.reason}; no smaller plan fits")
+            status.reason = result.reason
+            request = self.core.out_of_memory(
+                now, number, result.bytes_needed, min_batch=self.config.min_batch_size or 1,
+                may_grow=self.config.policy == "scamp")
+            self._oom_results[number] = result
+            if request is None or planned.replans >= self.config.max_replans:
+                self._replanned(planned, None)
+            else:
+                self._replanning[self._planner.submit(self._plan_again, planned,
+                                                      request)] = planned
+                status.state = "planning"
+            self._decide(now)
+            return
+        self.core.finished(now, number)
+        self._report(planned, result)
+        self._decide(now)
+
+    def _report(self, planned: PlannedTrial, result: RunResult) -> None:
+        status = self.statuses[planned.number]
         if result.state == "interrupted":
             self.source.interrupt(planned.number)
             return
         metric = result.metrics.get(self.task.metric)
-        wall = result.wall_seconds + self._earlier_wall.pop(planned.number, 0.0)
+        wall = self._earlier_wall.pop(planned.number, 0.0)
         attrs = self._attrs(status, wall)
         attrs["metrics"] = dict(result.metrics)
         attrs["checkpoint"] = str(result.checkpoint) if result.checkpoint else None

@@ -41,23 +41,24 @@ class DeviceOption:
       devices: number of devices of this alternative plan.
       bytes_per_device: predicted peak memory per device of that plan, bytes.
       seconds: predicted seconds the trial runs alone on those devices (same unit as
-        `TrialRequest.seconds`); 0: not costed (a policy may assume a linear speed-up, and
+        `TrialRequest.seconds`); None: not costed (a policy may assume a linear speed-up, and
         `ScampPolicy` then grows a trial into it only onto devices that would idle).
       busy_fraction: as `TrialRequest.busy_fraction`, for this plan.
     """
 
     devices: int
     bytes_per_device: int
-    seconds: float
+    seconds: float | None = None
     busy_fraction: float = 0.0
 
     def __post_init__(self) -> None:
-        if (self.devices < 1 or self.bytes_per_device < 0 or self.seconds < 0
+        if (self.devices < 1 or self.bytes_per_device < 0
+                or (self.seconds is not None and self.seconds < 0)
                 or not 0 <= self.busy_fraction <= 1):
             raise ValueError(
                 f"DeviceOption(devices={self.devices}, bytes_per_device={self.bytes_per_device}, "
                 f"seconds={self.seconds}, busy_fraction={self.busy_fraction}) needs devices >= 1,"
-                " non-negative bytes and seconds and a busy fraction in [0, 1]"
+                " non-negative bytes and seconds (or None) and a busy fraction in [0, 1]"
             )
 
 
@@ -71,7 +72,7 @@ class TrialRequest:
       bytes_per_device: predicted peak memory of the trial on each of its devices, in bytes.
       arrival: queue order; smaller arrives first (ties broken by ``key``).
       exclusive: the trial must not share its devices with any other trial.
-      seconds: predicted seconds the trial runs alone on ``devices`` devices (0: unknown). Only
+      seconds: predicted seconds the trial runs alone on ``devices`` devices (None: unknown). Only
         comparisons between trials of one queue matter, so any unit proportional to seconds works.
       options: alternative plans on more devices (`DeviceOption`, distinct device counts, each
         larger than ``devices``) a policy may start the trial with instead; the placement's
@@ -86,7 +87,7 @@ class TrialRequest:
     bytes_per_device: int
     arrival: int
     exclusive: bool = False
-    seconds: float = 0.0
+    seconds: float | None = None
     options: tuple[DeviceOption, ...] = ()
     busy_fraction: float = 0.0
 
@@ -97,8 +98,8 @@ class TrialRequest:
             raise ValueError(
                 f"trial {self.key}: bytes_per_device={self.bytes_per_device} must be >= 0"
             )
-        if self.seconds < 0:
-            raise ValueError(f"trial {self.key}: seconds={self.seconds} must be >= 0")
+        if self.seconds is not None and self.seconds < 0:
+            raise ValueError(f"trial {self.key}: seconds={self.seconds} must be >= 0 or None")
         if not 0 <= self.busy_fraction <= 1:
             raise ValueError(
                 f"trial {self.key}: busy_fraction={self.busy_fraction} must be in [0, 1]"
@@ -470,7 +471,8 @@ class ScampPolicy:
         horizon = by_arrival[0].arrival + window
         # The trials within the window are a prefix, ``by_arrival`` being in arrival order.
         end = bisect.bisect_left(by_arrival, horizon, key=attrgetter("arrival"))
-        near = sorted(by_arrival[:end], key=lambda r: -r.seconds)  # stable: ties by arrival
+        # Stable: ties (and unknown costs, last) keep arrival order.
+        near = sorted(by_arrival[:end], key=lambda r: -(r.seconds or 0.0))
         return near + by_arrival[end:]
 
     def _degrees(
@@ -488,16 +490,21 @@ class ScampPolicy:
         capacities = sorted(snapshot.capacity)
         n = len(capacities)
         for pos, r in enumerate(ordered):
-            if not r.options or r.exclusive or r.seconds <= 0:
+            if not r.options or r.exclusive:
                 continue
-            # Uncosted options: a linear speed-up, trusted only for growth onto idle devices.
-            c = tuple(o if o.seconds > 0 else replace(o, seconds=r.seconds * r.devices / o.devices)
+            # A trial of unknown cost counts as one unit of time, its options then being
+            # uncosted too. Uncosted options: a linear speed-up, trusted only for growth onto
+            # idle devices.
+            own = r.seconds if r.seconds is not None else 1.0
+            c = tuple(o if o.seconds is not None and r.seconds is not None
+                      else replace(o, seconds=own * r.devices / o.devices)
                       for o in r.choices()
                       if n - bisect.bisect_left(capacities, o.bytes_per_device) >= o.devices)
             if not c or c[0].devices != r.devices:
                 continue  # the plan itself never fits: check_feasible says so below
-            costed = {o.devices for o in r.options if o.seconds > 0}
-            budget = (1.0 + self.growth_tolerance) * c[0].devices * c[0].seconds
+            costed = {o.devices for o in r.options
+                      if o.seconds is not None and r.seconds is not None}
+            budget = (1.0 + self.growth_tolerance) * c[0].devices * (c[0].seconds or 0.0)
             pick = 0
             for i, o in enumerate(c):
                 if (o.devices in costed and o.seconds < c[pick].seconds

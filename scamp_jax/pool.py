@@ -7,6 +7,7 @@ checks that none over-commits a device, and gives policies an immutable `PoolSna
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from scamp_jax._units import format_bytes
 from scamp_jax.placement import Placement, PoolSnapshot, TrialRequest
@@ -93,6 +94,16 @@ class DevicePool:
             self._occupants[d] += 1
             self._exclusive[d] = exclusive
         self._running[key] = (placement, request)
+
+    def rebook_busy(self, key: int, busy_fraction: float) -> None:
+        """Record running trial ``key``'s busy fraction as ``busy_fraction`` (a measurement
+        replaced a prediction); its bytes stay booked as they are."""
+        placement, request = self._running[key]
+        if not 0 <= busy_fraction <= 1:
+            raise ValueError(f"trial {key}: busy_fraction={busy_fraction} must be in [0, 1]")
+        for d in placement.device_ids:
+            self._busy[d] += busy_fraction - request.busy_fraction
+        self._running[key] = (placement, replace(request, busy_fraction=busy_fraction))
 
     def release(self, key: int) -> Placement:
         """Free the devices of trial ``key``; returns its placement. Raises if it is not running."""

@@ -68,6 +68,10 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
         row["resumed_from"] = attrs.get("resumed_from", 0)
         row["reason"] = attrs.get(FAIL_REASON, "")
         row["checkpoint"] = attrs.get("checkpoint")
+        # Scheduling record (seconds since the run's first start; see `SearchEngine._attrs`):
+        # what `python -m benchmarks.simulate_cluster --replay` feeds the scheduling core.
+        for name in ("planned_at", "started_at", "finished_at", "placements", "pace", "plan"):
+            row[name] = attrs.get(name)
         rows.append(row)
     return rows
 

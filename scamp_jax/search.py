@@ -238,6 +238,8 @@ _ELASTIC = {"auto": None, "on": True, "off": False}
 def run_summary(result: SearchResult, devices: int, memory_per_device: int) -> dict[str, Any]:
     """The ``run`` section of ``results.json`` for one engine run on ``devices`` devices."""
     return {
+        # memory_per_device, safety_margin, the booked share, the active policy parts, ...
+        **dict(result.scheduling),
         "policy": result.policy,
         "devices": devices,
         "memory_per_device": memory_per_device,

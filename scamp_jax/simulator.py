@@ -1,9 +1,11 @@
-"""Discrete-event simulation of a search on a model cluster, driving the real placement code.
+"""Discrete-event simulation of a search on a model cluster, driving the engine's decisions.
 
 The simulator replays a list of planned trials (`TrialProfile`: devices, predicted peak bytes per
-device, per-step cost) on a `ClusterModel`. Which trial starts where is decided by the very
-`DevicePool` and policy ``decide`` the HPO engine uses; usage figures come from the same
-`UsageRecorder`. Only time is virtual.
+device, per-step cost) on a `ClusterModel`. Which trial starts where, which grows onto idle
+devices and which restarts on more of them is decided by the very
+`scamp_jax.scheduling.SchedulingCore` the HPO engine drives, fed the same kinds of events (a
+trial planned, its measured pace, a run ended, the last wave begun); usage figures come from the
+core's `UsageRecorder`. Only time is virtual: one policy, two drivers.
 
 Cost model of one training step on one device (all quantities per device):
 
@@ -22,10 +24,11 @@ overlap with other trials' work, which is why packing small trials raises throug
 several devices share one compute engine (CPU devices of one host: ``compute_group``), the sum
 runs over all trials on the group's devices.
 
-The policy sees what the engine sees: each request's predicted solo seconds and busy fraction
-``u``, its `TrialProfile.alternatives` (the same trial planned with more data-parallel replicas)
-as options, and whether more trials will arrive (``lookahead`` bounds the queue, as the engine's
-asked-but-unplaced trials). A trial started on an alternative's device count runs as that
+The core sees what the engine sees: each trial's FLOPs per step (``cost_analysis()``), bytes and
+steps, the paces measured so far (busy fractions against the device's attainable FLOP/s) and
+whether more trials will arrive (``lookahead`` bounds the queue, as the engine's asked-but-unplaced
+trials); a profile's `TrialProfile.alternatives` answer the core's requests for plans on more
+devices in the last wave. A trial started on an alternative's device count runs as that
 alternative.
 """
 
@@ -37,18 +40,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from scamp_jax._units import format_bytes
-from scamp_jax.elastic import RunningTrial, resizes
 from scamp_jax.placement import (
-    DeviceOption,
     FixedPolicy,
-    Placement,
     Policy,
     ScampPolicy,
     TrialRequest,
     check_feasible,
 )
-from scamp_jax.pool import DevicePool
-from scamp_jax.usage import UsageRecorder
+from scamp_jax.scheduling.core import PlanOption, SchedulingCore, Start, TrialPlan
+from scamp_jax.scheduling.costs import COMPUTE_EFFICIENCY
 
 GB = 10**9
 GIB = 2**30
@@ -87,7 +87,7 @@ class ClusterModel:
     peak_flops: float
     mem_bandwidth: float
     interconnect_bandwidth: float
-    compute_efficiency: float = 0.5
+    compute_efficiency: float = COMPUTE_EFFICIENCY
     bandwidth_efficiency: float = 0.7
     comm_efficiency: float = 0.7
     launch_seconds: float = 5e-6
@@ -282,23 +282,13 @@ def busy_seconds(profile: TrialProfile, cluster: ClusterModel) -> float:
             + profile.steps * step_busy_seconds(profile, cluster))
 
 
-def busy_fraction(profile: TrialProfile, cluster: ClusterModel) -> float:
-    """Fraction ``u`` of its solo run time ``profile`` keeps each of its devices busy."""
-    solo = solo_seconds(profile, cluster)
-    return min(1.0, busy_seconds(profile, cluster) / solo) if solo > 0 else 0.0
-
-
-def trial_request(profile: TrialProfile, cluster: ClusterModel, arrival: int) -> TrialRequest:
-    """The `TrialRequest` of ``profile``: its predicted solo seconds and busy fraction, and its
-    alternatives as options."""
-    options = tuple(
-        DeviceOption(alt.devices, alt.bytes_per_device, solo_seconds(alt, cluster),
-                     busy_fraction(alt, cluster))
-        for alt in profile.alternatives
-    )
-    return TrialRequest(profile.key, profile.devices, profile.bytes_per_device, arrival,
-                        seconds=solo_seconds(profile, cluster), options=options,
-                        busy_fraction=busy_fraction(profile, cluster))
+def _trial_plan(profile: TrialProfile, arrival: int, grow_bytes: int) -> TrialPlan:
+    """``profile`` as the scheduling core sees a planned trial (what the engine tells it)."""
+    mp = profile.devices  # the simulator's profiles do not say; only the device count matters
+    return TrialPlan(profile.key, arrival, profile.devices, profile.bytes_per_device,
+                     profile.steps, flops_per_step=profile.flops_per_step or None,
+                     data_parallel=1, model_parallel=mp, batch_size=profile.batch_size,
+                     grow_bytes=grow_bytes)
 
 
 def simulate(
@@ -308,13 +298,18 @@ def simulate(
     *,
     lookahead: int | None = None,
     reshape: Callable[[TrialProfile], Sequence[TrialProfile]] | None = None,
+    safety_margin: float = 0.0,
 ) -> SimResult:
     """Run ``profiles`` (arriving in list order) on ``cluster`` under ``policy``.
 
-    Each time trials finish, the pool snapshot and the waiting queue go to ``policy.decide``,
-    exactly as in the engine; started trials are allocated on a real `DevicePool` and recorded by
-    a `UsageRecorder`. A trial started on the device count of one of its ``alternatives`` runs
-    as that alternative.
+    The decisions are the engine's: a `scamp_jax.scheduling.SchedulingCore` is fed the same
+    events the engine feeds it (a trial planned, its measured seconds per step, a run ended,
+    the last wave begun) and its actions are carried out in virtual time. The core sees what
+    the engine sees: each trial's FLOPs per step (the engine's ``cost_analysis()``), its bytes
+    and steps, and the paces measured so far; here a running trial's pace is measured at every
+    event (the engine polls every half second), once it has trained 2 steps. A trial the core
+    starts on a larger device count (last-wave growth: the core asks for that count's plan and
+    gets one of the profile's ``alternatives``, or none) runs as that alternative.
 
     Args:
       profiles: the study's trials, in arrival order.
@@ -322,12 +317,13 @@ def simulate(
       policy: placement policy.
       lookahead: most trials waiting in the queue at once (None: all of them from time 0). The
         engine keeps about as many trials asked and planned as there are devices; the next
-        trial arrives as soon as one starts. ``arrivals_pending`` tells the policy whether
-        trials are still to come.
+        trial arrives as soon as one starts.
       reshape: ``reshape(profile)`` -> the same trial on more devices with the same global
         batch (what a running trial may restart as, `scamp_jax.elastic.resizes`); None: running
         trials are never resized. A restarted trial keeps the fraction of its work already done
         and trains nothing for ``cluster.restart_seconds``.
+      safety_margin: fraction of each device's memory the pool does not book (the engine's
+        `EngineConfig.safety_margin`; the profiles' plans must fit the rest).
 
     Raises ``ValueError`` if a profile can never fit the cluster, or if the policy would give a
     trial another device count than its profile was costed for (build the fixed baseline's
@@ -335,10 +331,14 @@ def simulate(
     """
     if not profiles:
         raise ValueError("simulate needs at least one trial profile")
-    capacity = cluster.capacity
-    requests: dict[int, TrialRequest] = {}
+    if lookahead is not None and lookahead < 1:
+        raise ValueError(f"{lookahead=} must be at least 1 or None (all trials queued at once)")
+    core = SchedulingCore(policy, cluster.devices, cluster.memory_per_device, safety_margin,
+                          cluster.restart_seconds,
+                          peak_flops=cluster.peak_flops * cluster.compute_efficiency)
+    usable = core.capacity
     by_key: dict[int, TrialProfile] = {}
-    for arrival, profile in enumerate(profiles):
+    for profile in profiles:
         if profile.key in by_key:
             raise ValueError(f"trial key {profile.key} appears twice; keys must be unique")
         given = policy.request_devices(profile.devices)
@@ -347,13 +347,9 @@ def simulate(
                 f"trial {profile.key} was costed for {profile.devices} devices but policy "
                 f"{policy.name!r} gives it {given}; build its profile for {given} devices"
             )
-        request = trial_request(profile, cluster, arrival)
-        check_feasible(request, capacity)
-        requests[profile.key] = request
+        check_feasible(TrialRequest(profile.key, profile.devices, profile.bytes_per_device, 0),
+                       core.pool.capacity)
         by_key[profile.key] = profile
-
-    pool = DevicePool(capacity)
-    recorder = UsageRecorder(capacity, t0=0.0)
     # Compute contention is tracked per compute group (one device each on GPUs).
     group = cluster.compute_group
     groups = -(-cluster.devices // group)
@@ -361,11 +357,8 @@ def simulate(
     group_trials: list[dict[int, int]] = [{} for _ in range(groups)]  # key -> devices in group
     running: dict[int, _Running] = {}
     events: list[tuple[float, int, int]] = []  # (finish time, key, version)
-    if lookahead is not None and lookahead < 1:
-        raise ValueError(f"{lookahead=} must be at least 1 or None (all trials queued at once)")
-    pending = list(requests.values())
+    pending = list(enumerate(profiles))
     pending.reverse()  # pop() from the end is the next arrival
-    queue: list[TrialRequest] = []
     done: list[SimTrial] = []
     busy_device_seconds = 0.0
     now = 0.0
@@ -386,42 +379,82 @@ def simulate(
                 group_load[g] = max(0.0, group_load[g] - trial.load) if group_trials[g] else 0.0
             affected |= group_trials[g].keys()
 
+    def arrive() -> None:
+        while pending and (lookahead is None or len(core.queued) < lookahead):
+            arrival, profile = pending.pop()
+            grow = usable if profile.alternatives else 0
+            core.planned(now, _trial_plan(profile, arrival, grow))
+        core.set_arrivals_pending(bool(pending))
+
+    def start(action: Start) -> None:
+        nonlocal busy_device_seconds
+        profile = by_key[action.key]
+        for alt in profile.alternatives:
+            if alt.devices == action.plan.devices:
+                profile = alt
+        solo = solo_seconds(profile, cluster)
+        # Setup (a compile) happens once per trial, not once per device: spread it over the
+        # devices so a shared host counts it once.
+        busy = busy_seconds(profile, cluster)
+        busy_device_seconds += busy * len(action.device_ids)
+        load = busy / solo if solo > 0 else 0.0
+        running[action.key] = _Running(profile, action.device_ids, now, solo, load, solo, 1.0,
+                                       now, first_solo=solo)
+        move(action.key, running[action.key], 1.0)
+
+    def decide() -> bool:
+        started = False
+        for _ in range(64):  # growth plans asked for are answered at once: decide again
+            asked = False
+            for action in core.decide(now):
+                if isinstance(action, PlanOption):
+                    alt = next((a for a in by_key[action.key].alternatives
+                                if a.devices == action.devices), None)
+                    plan = None if alt is None else _trial_plan(alt, 0, 0)
+                    if plan is not None:
+                        plan = replace(plan, arrival=core.plan_of(action.key).arrival)
+                    core.option_planned(action.key, action.devices, plan)
+                    asked = True
+                else:
+                    start(action)
+                    started = True
+            if not asked:
+                break
+        return started
+
+    def measure() -> None:
+        # The engine's pace measurement: seconds per step of a trial that trained 2 steps.
+        for key, trial in running.items():
+            if now < trial.paused_until or trial.solo <= 0:
+                continue
+            step = step_seconds(trial.profile, cluster)
+            trained = trial.solo - trial.work_left(now) - trial.profile.setup_seconds
+            if step <= 0 or trained < 2 * step:
+                continue
+            core.step_measured(now, key, int(trained / step), step / trial.rate,
+                               trial.start + trial.profile.setup_seconds)
+
     def resize_running() -> None:
-        # ``remaining`` is work in solo-seconds of the trial's current plan, ``solo`` that
-        # plan's whole length: their ratio is the fraction of the trial still to do.
         nonlocal busy_device_seconds, resized
-        views = []
+        reshapes = {}
         for key, trial in running.items():
             if trial.paused_until > now:
                 continue  # being restarted already
-            work = trial.work_left(now)
-            left = work / trial.solo if trial.solo > 0 else 0.0
             shape_key = (key, trial.profile.devices)
             if shape_key not in shapes:
                 shapes[shape_key] = tuple(reshape(trial.profile))  # type: ignore[misc]
-            options = tuple(
-                DeviceOption(p.devices, p.bytes_per_device,
-                             left * solo_seconds(p, cluster) + cluster.restart_seconds,
-                             busy_fraction(p, cluster))
-                for p in shapes[shape_key]
-            )
-            views.append(RunningTrial(key, trial.device_ids, trial.profile.bytes_per_device,
-                                      work / trial.rate, options))
-        for r in resizes(policy, pool.snapshot(), views, queue_empty=True,
-                         arrivals_pending=False):
+            reshapes[key] = [p.devices for p in shapes[shape_key]]
+        for r in core.resizes(now, reshapes):
             old = running[r.key]
             new = next(p for p in shapes[(r.key, old.profile.devices)]
                        if p.devices == r.option.devices)
+            if not core.restarted(now, r.key, r.device_ids, _trial_plan(new, 0, 0)):
+                continue
             left = old.work_left(now) / old.solo if old.solo > 0 else 0.0
             busy_device_seconds += left * (busy_seconds(new, cluster) * new.devices
                                            - busy_seconds(old.profile, cluster)
                                            * old.profile.devices)
             move(r.key, old, -1.0)
-            pool.release(r.key)
-            placement = Placement(r.key, r.device_ids)
-            pool.allocate(placement, TrialRequest(r.key, new.devices, new.bytes_per_device, 0,
-                                                  busy_fraction=busy_fraction(new, cluster)))
-            recorder.move(now, placement, new.bytes_per_device)
             solo = solo_seconds(new, cluster)
             running[r.key] = _Running(
                 new, r.device_ids, old.start, solo,
@@ -442,39 +475,19 @@ def simulate(
             finish = max(now, trial.paused_until) + trial.remaining / trial.rate
             heapq.heappush(events, (finish, key, trial.version))
 
-    while queue or running or pending:
-        while pending and (lookahead is None or len(queue) < lookahead):
-            queue.append(pending.pop())
-        placements = policy.decide(pool.snapshot(), queue, arrivals_pending=bool(pending))
-        for placement in placements:
-            pool.allocate(placement, requests[placement.key])
-            request = pool.request_of(placement.key)  # the option the policy chose
-            profile = by_key[placement.key]
-            for alt in profile.alternatives:
-                if alt.devices == request.devices:
-                    profile = alt
-            recorder.start(now, placement, request.bytes_per_device)
-            solo = solo_seconds(profile, cluster)
-            # Setup (a compile) happens once per trial, not once per device: spread it over the
-            # devices so a shared host counts it once.
-            busy = busy_seconds(profile, cluster)
-            busy_device_seconds += busy * len(placement.device_ids)
-            load = busy / solo if solo > 0 else 0.0
-            running[placement.key] = _Running(
-                profile, placement.device_ids, now, solo, load, solo, 1.0, now, first_solo=solo
-            )
-            move(placement.key, running[placement.key], 1.0)
-        if placements:
-            started = {p.key for p in placements}
-            queue = [r for r in queue if r.key not in started]
-            if pending and (lookahead is None or len(queue) < lookahead):
+    arrive()
+    while core.queued or running or pending:
+        if decide():
+            arrive()
+            if core.queued and decide():
                 continue  # the next trials arrive at once and may start now too
-        if reshape is not None and not queue and not pending and running:
+        if reshape is not None and not core.queued and not pending and running:
             resize_running()
         if not running:
             raise RuntimeError(
-                f"policy {policy.name!r} started nothing on an idle pool with {len(queue)} "
-                "trials waiting; every request passed check_feasible, so this is a policy bug"
+                f"policy {policy.name!r} started nothing on an idle pool with "
+                f"{len(core.queued)} trials waiting; every request passed check_feasible, so "
+                "this is a policy bug"
             )
         rerate(affected)
         affected = set()
@@ -493,12 +506,15 @@ def simulate(
         affected = set()
         for key in finished:
             trial = running.pop(key)
-            pool.release(key)
-            recorder.finish(now, key)
+            core.finished(now, key)
             done.append(SimTrial(key, trial.start, now, trial.device_ids, trial.first_solo,
                                  trial.resizes))
             move(key, trial, -1.0)
         affected &= running.keys()  # some finished in this batch
+        rerate(affected)  # paces as of now, for the measurements
+        affected = set()
+        measure()
+        arrive()
 
     makespan = now
     total = makespan * cluster.devices
@@ -506,7 +522,7 @@ def simulate(
         policy=policy.name,
         cluster=cluster,
         makespan_s=makespan,
-        summary=recorder.summary(makespan),
+        summary=core.usage.summary(makespan),
         trials=tuple(sorted(done, key=lambda t: t.key)),
         busy_fraction=busy_device_seconds / total if total > 0 else 0.0,
         resizes=resized,

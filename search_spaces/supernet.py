@@ -40,6 +40,9 @@ from search_spaces.swin_blocks import (
 _KINDS = ("conv", "mlp", "attn")
 #: Factor on the head's initial weights (PyTorch default init otherwise).
 HEAD_INIT_SCALE = 0.1
+#: Weights of a candidate's last layer (its residual branch's output), zero with
+#: ``SupernetConfig.zero_init_residual``.
+_OUTPUT_PROJECTIONS = ("conv.", "mlp.fc2.", "attn.proj.")
 # Sizes each kind cycles through: kernel sizes, hidden-width ratios, head counts.
 _SIZES = {"conv": (3, 5, 1, 7), "mlp": (2, 1, 4, 3), "attn": (1, 2, 4, 8)}
 
@@ -87,6 +90,10 @@ class SupernetConfig:
       width: feature channels.
       scale: super-resolution factor r (HR side = r x LR side).
       window_size: attention window side; LR patch sides must be multiples of it.
+      zero_init_residual: start every candidate's output projection (the conv, the MLP's second
+        layer, the attention's projection) at zero, so that every block starts as the identity
+        and every subnet as the same stem-head network; blocks a subnet rarely trains then add
+        nothing instead of a random residual.
     """
 
     num_layers: int = 8
@@ -94,6 +101,7 @@ class SupernetConfig:
     width: int = 16
     scale: int = 2
     window_size: int = 4
+    zero_init_residual: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_choices", "width", "scale", "window_size"):
@@ -233,13 +241,19 @@ class _Flat:
         names = [".".join(n for n in map(_key_name, path) if n != "value") for path, _ in leaves]
         self._leaves = [(n, tuple(leaf.shape)) for n, (_, leaf) in zip(names, leaves, strict=True)]
 
-    def init(self, rng: np.random.Generator) -> np.ndarray:
+    def init(self, rng: np.random.Generator, zero: tuple[str, ...] = ()) -> np.ndarray:
         """Freshly initialised flat weights (size,) float32 drawn from ``rng``.
 
-        The order of the entries is that of ``ravel_pytree`` over the module state.
+        The order of the entries is that of ``ravel_pytree`` over the module state. Weights whose
+        path starts with one of ``zero`` are zeros (their random draws are still made, so the
+        other weights do not change).
         """
         shapes = dict(self._leaves)
         parts = [_leaf_init(path, shape, shapes, rng) for path, shape in self._leaves]
+        parts = [
+            np.zeros_like(part) if path.startswith(zero) else part
+            for (path, _), part in zip(self._leaves, parts, strict=True)
+        ] if zero else parts
         return np.concatenate([p.astype(np.float32).ravel() for p in parts])
 
     def module(self, vec: jax.Array) -> nnx.Module:
@@ -270,6 +284,34 @@ class SupernetLayout:
         self.block_size = max(c.size for c in self.candidates)
         self.shared_size = self.stem.size + self.head.size
 
+    @property
+    def num_layers(self) -> int:
+        """L choice layers."""
+        return self.config.num_layers
+
+    @property
+    def num_choices(self) -> int:
+        """C candidates per layer."""
+        return self.config.num_choices
+
+    @property
+    def stem_size(self) -> int:
+        """Floats of the stem (the first entries of the shared vector)."""
+        return self.stem.size
+
+    def loss(self, output: jax.Array, target: jax.Array) -> jax.Array:
+        """Training loss of an SR output against its HR target: `l1_loss`."""
+        return l1_loss(output, target)
+
+    def feature_shape(self, batch: int, side: int) -> tuple[int, ...]:
+        """Features between choice layers for ``batch`` LR patches of ``side`` pixels:
+        ``(batch, side, side, width)``."""
+        return (batch, side, side, self.config.width)
+
+    def check_input(self, side: int) -> None:
+        """`check_patch`: raise unless LR patches of ``side`` pixels fit the windows."""
+        self.check_patch(side)
+
     @cached_property
     def block_sizes(self) -> tuple[int, ...]:
         """Unpadded parameter count of each candidate (C,)."""
@@ -290,7 +332,8 @@ class SupernetLayout:
         for layer in range(cfg.num_layers):
             for c, cand in enumerate(self.candidates):
                 rng = np.random.default_rng((seed, layer, c))
-                blocks[layer, c, : cand.size] = cand.init(rng)
+                zero = _OUTPUT_PROJECTIONS if cfg.zero_init_residual else ()
+                blocks[layer, c, : cand.size] = cand.init(rng, zero)
         stem = self.stem.init(np.random.default_rng((seed, cfg.num_layers, 0)))
         # A small head makes the untrained network close to bicubic upscaling, so short training
         # improves on bicubic instead of first undoing a large random residual.

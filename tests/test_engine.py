@@ -69,14 +69,19 @@ def test_trials_run_concurrently_and_are_told(tmp_path):
         assert t.user_attrs["rank"] == 0
         assert 0 < t.user_attrs["predicted_peak_bytes"] <= BUDGET
         assert t.value == t.user_attrs["metrics"]["mse"]
-    # Trials overlapped in time (each on its own devices or sharing one within its memory).
-    spans = sorted((s, e) for device in result.intervals for _, s, e, _ in device)
-    assert any(b[0] < a[1] for a, b in zip(spans, spans[1:], strict=False))
+    # Two different trials overlapped in time (a multi-device trial's intervals on its several
+    # devices are one span, not concurrency).
+    spans = {key: (s, e) for device in result.intervals for key, s, e, _ in device}
+    assert len(spans) == 4
+    assert any(a != b and spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]
+               for a in spans for b in spans)
     assert result.usage["trials_finished"] == 4
     assert 0 < result.usage["mean_memory_utilization"] <= 1
-    # Two architectures: one compile each per device set; the others hit the cache or
-    # compiled for another device set.
-    assert result.compile_cache["misses"] + result.compile_cache["hits"] == 4
+    # One compile per architecture and device set: trials of one width on the same devices
+    # reuse the first one's step.
+    compiled = {(t.params["width"], tuple(t.user_attrs["devices"])) for t in trials}
+    assert result.compile_cache["misses"] == len(compiled)
+    assert result.compile_cache["hits"] == 4 - len(compiled)
 
 
 def test_failing_trials_are_isolated(tmp_path):
@@ -300,7 +305,7 @@ def test_a_batch_floor_moves_a_plan_to_more_devices_and_bounds_replans():
 
     floored = engine(min_batch_size=24)
     planned = PlannedTrial(AskedTrial(0, ok(), "trial_0"), plan, 2, 0)
-    retry = floored._replan(planned, RunResult(0, "oom", 0, 0.0))
+    retry = floored._oom_replan(planned, RunResult(0, "oom", 0, 0.0))
     assert retry is not None and retry.devices == 4 and retry.plan.batch_size >= 24
     # Nowhere enough: the floor is named in the reason.
     with pytest.raises(planner.DoesNotFitError, match="below min_batch_size=64"):

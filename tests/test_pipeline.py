@@ -10,8 +10,9 @@ import pytest
 
 from scamp_jax.pipeline.executor import PipelineExecutor
 from scamp_jax.pipeline.stage import OptimizerSpec
-from scamp_jax.pipeline.trainer import train_reference, train_supernet
+from scamp_jax.pipeline.trainer import train_supernet
 from search_spaces.supernet import SupernetConfig, SupernetLayout, sample_subnets
+from search_spaces.supernet_reference import train_reference
 
 CONFIG = SupernetConfig(num_layers=4, num_choices=3, width=8, scale=2, window_size=4)
 N, BATCH, SIDE = 6, 2, 4
@@ -103,17 +104,29 @@ def test_offload_is_bit_identical_and_moves_the_store_to_host():
     assert on.device_param_bytes < off.device_param_bytes
 
 
-def test_pipeline_matches_unpipelined_reference():
-    """Independent check of the math: a plain whole-subnet trainer gives the same training."""
+def test_pipeline_matches_independent_optax_reference():
+    """Independent check of the math: a plain single-device loop on the Flax modules with
+    per-block ``optax.adam`` (no code of the stage executor) trains the same subnets.
+
+    The losses agree bit for bit. The weights agree to within one float32 step (2e-7; the
+    weights are below 2 in magnitude) but not bitwise: the pipeline's backward is compiled inside
+    the tick's conditionals (op kind, stage) under ``shard_map``, so XLA fuses and orders a few
+    float operations of the gradient differently from the reference's single jitted step. Adam
+    maps a gradient differing in its last bits to a step differing in its last bits, and
+    relative differences are only large for weights that pass near zero.
+    """
     subnets, lr, hr = _data(0)
     # Stem and head trained too, so gradients crossing every stage boundary are checked.
     losses, blocks, shared_w = train_reference(_layout(), subnets, lr, hr, seed=0,
                                                train_shared=True)
     piped = _train("sequential", 2, False, True, 0)
-    np.testing.assert_allclose(piped.losses, losses, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(piped.blocks, blocks, rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(piped.shared, shared_w, rtol=1e-4, atol=1e-6)
-    assert not np.allclose(shared_w, _layout().init(0)[1])
+    np.testing.assert_array_equal(piped.losses, losses)
+    assert max(np.abs(blocks).max(), np.abs(shared_w).max()) < 2.0
+    np.testing.assert_allclose(piped.blocks, blocks, rtol=0, atol=2e-7)
+    np.testing.assert_allclose(piped.shared, shared_w, rtol=0, atol=2e-7)
+    # The comparison is not vacuous: training moved the weights by far more than that.
+    blocks0, shared0 = _layout().init(0)
+    assert np.abs(shared_w - shared0).max() > 1e-4 and np.abs(blocks - blocks0).max() > 1e-4
 
 
 def test_gpipe_runs_on_the_same_executor_and_agrees_numerically():
@@ -177,6 +190,10 @@ def test_experiment_presets_and_flags():
     smoke = supernet_nas.get_config("smoke")
     assert smoke.layers % smoke.stages == 0 and smoke.schedule == "csp" and smoke.offload
     assert supernet_nas.get_config("paper").stages == 8
+    # The default run trains the stem and head and starts blocks as the identity (its subnets
+    # beat bicubic); smoke keeps them frozen so that CSP overlaps subnets.
+    default = supernet_nas.get_config("default")
+    assert default.train_shared and default.zero_init_residual and not smoke.train_shared
     with pytest.raises(ValueError, match="unknown preset 'huge'"):
         supernet_nas.get_config("huge")
     args = supernet_nas.parser().parse_args(
@@ -223,3 +240,15 @@ def test_ticks_in_flight_bound_changes_nothing_but_the_wait():
     with pytest.raises(ValueError, match="max_in_flight=-1 must be >= 0"):
         PipelineExecutor(_layout(), num_stages=2, microbatch_size=BATCH, lr_side=SIDE,
                          window_slots=6, act_slots=6, grad_slots=6, max_in_flight=-1)
+
+
+def test_idle_tick_guard_changes_nothing_but_the_work():
+    """Without the guard every tick fetches and writes back (masked); same bits either way."""
+    subnets, lr, hr = _data(0)
+    unguarded = PipelineExecutor(
+        _layout(), num_stages=2, microbatch_size=BATCH, lr_side=SIDE, window_slots=6,
+        act_slots=6, grad_slots=6, offload=True, guard_idle=False)
+    assert not unguarded.spec.guard_idle and _executor(2, True, False).spec.guard_idle
+    result = train_supernet(_layout(), subnets, lr, hr, schedule="csp", num_stages=2, seed=0,
+                            offload=True, executor=unguarded)
+    _assert_identical(result, _train("csp", 2, True, False, 0))

@@ -308,7 +308,7 @@ def test_longest_first_cannot_starve_an_old_short_trial() -> None:
 
 def test_last_wave_grows_the_longest_trials_onto_idle_devices() -> None:
     pool = DevicePool([10 * GIB] * 8)
-    uncosted = (DeviceOption(2, 3 * GIB, 0.0), DeviceOption(4, 2 * GIB, 0.0))
+    uncosted = (DeviceOption(2, 3 * GIB, None), DeviceOption(4, 2 * GIB, None))
     queue = [_elastic(0, 100.0, options=uncosted), _elastic(1, 40.0, options=uncosted)]
     snapshot = pool.snapshot()
     # Trials still to come: everyone keeps its plan.
@@ -334,8 +334,8 @@ def test_last_wave_grows_the_longest_trials_onto_idle_devices() -> None:
 def test_last_wave_growth_falls_back_when_devices_are_busy() -> None:
     pool = DevicePool([10 * GIB] * 3)
     pool.allocate(Placement(9, (0,)), TrialRequest(9, 1, 9 * GIB, arrival=0))
-    queue = [_elastic(0, 100.0, options=(DeviceOption(4, GIB, 0.0),)),
-             _elastic(1, 100.0, options=(DeviceOption(2, GIB, 0.0),))]
+    queue = [_elastic(0, 100.0, options=(DeviceOption(4, GIB, None),)),
+             _elastic(1, 100.0, options=(DeviceOption(2, GIB, None),))]
     # 2 idle devices for 2 trials: no surplus, both start on their own plan's device.
     placements = ScampPolicy().decide(pool.snapshot(), queue, arrivals_pending=False)
     assert sorted(len(p.device_ids) for p in placements) == [1, 1]

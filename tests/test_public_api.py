@@ -23,6 +23,8 @@ EXPECTED = {
     "FusionPlan", "GroupResult", "GroupSpec", "MemberSpec", "jit_fused_step", "make_fused_step",
     "plan_fusion", "run_fused_group",
     "StudySettingsError", "open_storage",
+    # scheduling core (events in, actions out) and its replay of a finished study
+    "SchedulingCore", "TrialPlan", "replay_study",
 }
 
 

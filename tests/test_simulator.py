@@ -183,7 +183,7 @@ def test_presets_and_unknown_device() -> None:
 
 
 def test_hlo_parsing_counts_kernels_and_ring_collective_bytes() -> None:
-    from benchmarks.simulate_cluster import hlo_kernels_and_collectives
+    from scamp_jax.step_costs import hlo_kernels_and_collectives
 
     hlo = """HloModule m
 
@@ -214,7 +214,7 @@ def test_measure_cost_of_a_real_step_is_affine_and_sees_model_parallel_collectiv
     import jax.numpy as jnp
     from flax import nnx
 
-    from benchmarks.simulate_cluster import measure_cost
+    from scamp_jax.step_costs import measure_cost
     from scamp_jax.train_step import default_loss, default_optimizer
 
     class Mlp(nnx.Module):
@@ -242,26 +242,26 @@ def test_measure_cost_of_a_real_step_is_affine_and_sees_model_parallel_collectiv
     assert profile.comm_bytes_per_step > cost.mp_comm_fixed + 16 * cost.mp_comm_per_sample
 
 
-def test_build_profiles_gives_the_baseline_one_batch_safe_for_the_largest() -> None:
-    from benchmarks.simulate_cluster import build_profiles
+def test_plan_profiles_give_the_baseline_one_batch_safe_for_the_largest() -> None:
+    from scamp_jax.step_costs import fixed_baseline
 
     cluster = cluster_preset("v100-16gb", devices=8)
     costs = _mixed_costs(12)
     largest = costs[7]  # size 8: needs 2-way model parallelism
-    scamp, fixed, k, batch = build_profiles(
-        costs, largest, cluster, samples=1000, max_batch_size=None, fixed_devices=None,
-        safety_margin=0.1,
-    )
+    k, batch = fixed_baseline(largest, cluster, fixed_devices=None, max_batch_size=None)
+    scamp = plan_profiles(costs, cluster, ScampPolicy(), samples=1000)
+    fixed = plan_profiles(costs, cluster, FixedPolicy(k), samples=1000, fixed_batch_size=batch)
     usable = cluster.memory_per_device * 0.9
     assert k == 2 and batch % 2 == 0 and batch > 0
     assert {p.batch_size for p in fixed} == {batch} and {p.devices for p in fixed} == {2}
     assert all(p.bytes_per_device <= usable for p in scamp + fixed)
+    # The baseline's batch is the largest the largest candidate fits on its 2 devices.
+    assert largest.peak_bytes(batch) <= usable < largest.peak_bytes(batch + 2)
     # ScaMP: the fewest devices and the largest batch that fits (smaller models, larger batch).
     assert [p.devices for p in scamp] == [c.model_parallel for c in costs]
     assert scamp[0].batch_size > scamp[4].batch_size >= batch // 2
     with pytest.raises(ValueError, match="multiple of the largest candidate's model-parallel"):
-        build_profiles(costs, largest, cluster, samples=1000, max_batch_size=None,
-                       fixed_devices=3, safety_margin=0.1)
+        fixed_baseline(largest, cluster, fixed_devices=3, max_batch_size=None)
 
 
 def _compute_bound(key: int, steps: int, devices: int = 1, comm: float = 0.0,
@@ -382,3 +382,28 @@ def test_planned_profile_offers_more_data_parallel_replicas_at_the_largest_batch
     assert profile.alternatives[1].bytes_per_device == cost.peak_bytes(12)
     assert profile.alternatives[1].comm_bytes_per_step == pytest.approx(allreduce_bytes(4e8, 4))
     assert cost.planned_profile(0, budget_bytes=10 * 10**9, samples=960).alternatives == ()
+
+
+def test_the_simulated_pool_books_the_usable_share_as_the_engine() -> None:
+    # Two 1 s trials of 4.75 GiB each on one 10 GiB device: both fit the whole memory (9.5 GiB)
+    # but not its usable 90% (9 GiB), so with the engine's margin they run one after the other.
+    one = dataclasses.replace(TOY, devices=1)
+    trials = [TrialProfile(k, 1, int(4.75 * GIB), 1, 1e11, 0, 0, 10) for k in (0, 1)]
+    memory_only = ScampPolicy(compute_aware=False)
+    shared = simulate(trials, one, memory_only, safety_margin=0.0)
+    assert {t.start_s for t in shared.trials} == {0.0}
+    apart = simulate(trials, one, memory_only, safety_margin=0.1)
+    assert sorted(t.start_s for t in apart.trials) == pytest.approx([0.0, 1.0])
+
+
+def test_last_wave_sharing_waits_for_a_measured_pace() -> None:
+    # Two compute-bound trials (busy fraction 1 once measured) arriving together in the last
+    # wave on one device: not measured yet, a trial counts as fully busy, so the second does
+    # not join the first; the core never credits spare compute it has not measured.
+    one = dataclasses.replace(TOY, devices=1)
+    trials = [_compute_bound(0, 4), _compute_bound(1, 4)]
+    result = simulate(trials, one, ScampPolicy())
+    assert sorted(t.start_s for t in result.trials) == pytest.approx([0.0, 4.0])
+    # Compute-aware sharing off: memory alone decides, both share the device from 0 s.
+    both = simulate(trials, one, ScampPolicy(compute_aware=False))
+    assert {t.start_s for t in both.trials} == {0.0}

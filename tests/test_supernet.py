@@ -94,3 +94,21 @@ def test_patch_must_fit_window(layout):
 def test_l1_and_labels():
     assert float(l1_loss(jnp.ones((2, 2)), jnp.zeros((2, 2)))) == 1.0
     assert subnet_labels(TINY, (0, 1, 2, 0)) == "conv3-mlp2-attn1-conv3"
+
+
+def test_zero_init_residual_starts_every_block_as_the_identity():
+    import dataclasses
+
+    plain = SupernetLayout(TINY)
+    zeroed = SupernetLayout(dataclasses.replace(TINY, zero_init_residual=True))
+    before, shared_before = plain.init(0)
+    after, shared_after = zeroed.init(0)
+    np.testing.assert_array_equal(shared_before, shared_after)
+    # Only output projections were zeroed; everything else is drawn as before.
+    changed = before != after
+    assert changed.any() and np.all(after[changed] == 0)
+    x = jax.random.normal(jax.random.key(0), (1, 4, 4, TINY.width))
+    for c, cand in enumerate(zeroed.candidates):
+        np.testing.assert_array_equal(cand.module(jnp.asarray(after[0, c]))(x), x)
+        if TINY.ops[c].kind != "conv":  # a conv block is its projection alone
+            assert np.any(after[0, c] != 0)  # the rest of the block is not zero

@@ -28,7 +28,6 @@ from scamp_jax.distributed.mpi import import_mpi4py as import_mpi4py
 from scamp_jax.distributed.mpi import launched_under_mpi as launched_under_mpi
 from scamp_jax.distributed.mpi import mpirun_command as mpirun_command
 from scamp_jax.distributed.mpi import world as world
-from scamp_jax.distributed.nas import run_nas_mpi as run_nas_mpi
 from scamp_jax.distributed.pipeline import MPIPipelineExecutor as MPIPipelineExecutor
 from scamp_jax.distributed.pipeline import train_supernet_mpi as train_supernet_mpi
 from scamp_jax.distributed.spanning import SpanPlan as SpanPlan
@@ -59,7 +58,6 @@ __all__ = [
     "one_device_shardings",
     "run_search_mpi",
     "run_spanning_trials",
-    "run_nas_mpi",
     "shared_study",
     "train_data_parallel",
     "train_supernet_mpi",

@@ -30,9 +30,9 @@ from jax.sharding import SingleDeviceSharding
 
 from scamp_jax.distributed.mpi import import_mpi4jax, import_mpi4py
 from scamp_jax.pipeline.executor_base import DEVICE_KIND, StageExecutor, StageSizes
+from scamp_jax.pipeline.model import StageModel
 from scamp_jax.pipeline.stage import State, receive, stage_tick
 from scamp_jax.pipeline.trainer import TrainOptions, TrainResult, train_supernet
-from search_spaces.supernet import SupernetLayout
 
 # Message tags of the two shifts of a tick, so an activation can never be taken for a gradient.
 _ACT_TAG, _GRAD_TAG = 11, 12
@@ -55,7 +55,7 @@ class MPIPipelineExecutor(StageExecutor):
 
     def __init__(
         self,
-        layout: SupernetLayout,
+        layout: StageModel,
         *,
         comm: Any = None,
         device: Any = None,
@@ -178,7 +178,7 @@ class MPIPipelineExecutor(StageExecutor):
 
 
 def train_supernet_mpi(
-    layout: SupernetLayout,
+    layout: StageModel,
     subnets: Sequence[Sequence[int]],
     lr_batches: np.ndarray,
     hr_batches: np.ndarray,

@@ -1,17 +1,23 @@
 """Pipelined supernet training (NASPipe in JAX): CSP schedules, tick programs, the executor.
 
 Decisions (`csp_schedule`, `gpipe_schedule`, `sequential_schedule`, `build_program`) are pure
-host-side functions returning plain data; only `PipelineExecutor` touches devices.
+host-side functions returning plain data; only `PipelineExecutor` touches devices. Any supernet
+that implements `StageModel` (flat blocks, stem/layers/head functions, its loss) can be trained.
 """
 
+from scamp_jax.pipeline.budget import BatchDoesNotFitError as BatchDoesNotFitError
+from scamp_jax.pipeline.budget import SchedulePlan as SchedulePlan
+from scamp_jax.pipeline.budget import plan_schedule as plan_schedule
 from scamp_jax.pipeline.csp import SHARED as SHARED
 from scamp_jax.pipeline.csp import check_causality as check_causality
 from scamp_jax.pipeline.csp import csp_schedule as csp_schedule
 from scamp_jax.pipeline.csp import ideal_schedule as ideal_schedule
 from scamp_jax.pipeline.csp import split_layers as split_layers
 from scamp_jax.pipeline.csp import stage_param_keys as stage_param_keys
+from scamp_jax.pipeline.determinism import use_deterministic_gpu_ops as use_deterministic_gpu_ops
 from scamp_jax.pipeline.executor import PipelineExecutor as PipelineExecutor
 from scamp_jax.pipeline.executor_base import StageExecutor as StageExecutor
+from scamp_jax.pipeline.model import StageModel as StageModel
 from scamp_jax.pipeline.program import TickProgram as TickProgram
 from scamp_jax.pipeline.program import build_program as build_program
 from scamp_jax.pipeline.schedules import Op as Op
@@ -29,17 +35,19 @@ from scamp_jax.pipeline.trainer import make_schedule as make_schedule
 from scamp_jax.pipeline.trainer import params_sha256 as params_sha256
 from scamp_jax.pipeline.trainer import split_microbatches as split_microbatches
 from scamp_jax.pipeline.trainer import supernet_state_bytes as supernet_state_bytes
-from scamp_jax.pipeline.trainer import train_reference as train_reference
 from scamp_jax.pipeline.trainer import train_supernet as train_supernet
 
 __all__ = [
+    "BatchDoesNotFitError",
     "SCHEDULES",
     "SHARED",
     "Op",
     "OptimizerSpec",
     "PipelineExecutor",
     "Schedule",
+    "SchedulePlan",
     "StageExecutor",
+    "StageModel",
     "StageSpec",
     "TickProgram",
     "TrainResult",
@@ -51,13 +59,14 @@ __all__ = [
     "ideal_schedule",
     "make_schedule",
     "params_sha256",
+    "plan_schedule",
     "sequential_schedule",
     "split_layers",
     "split_microbatches",
     "stage_param_keys",
     "stage_tick",
     "supernet_state_bytes",
-    "train_reference",
     "train_supernet",
+    "use_deterministic_gpu_ops",
     "validate_schedule",
 ]

@@ -22,8 +22,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from scamp_jax.pipeline.executor_base import DEVICE_KIND, HOST_KIND, StageExecutor, StageSizes
+from scamp_jax.pipeline.model import StageModel
+from scamp_jax.pipeline.program import NUM_FIELDS
 from scamp_jax.pipeline.stage import State, receive, stage_tick
-from search_spaces.supernet import SupernetLayout
 
 __all__ = ["DEVICE_KIND", "HOST_KIND", "PipelineExecutor"]
 
@@ -32,7 +33,7 @@ class PipelineExecutor(StageExecutor):
     """Every stage in this process: owns the stage mesh and the compiled tick function.
 
     Args:
-      layout: the supernet's flat-weight layout.
+      layout: the supernet (a `scamp_jax.pipeline.StageModel`).
       devices: devices for the S stages, one each (default ``jax.devices()[:num_stages]``).
       **sizes: `StageSizes`, as for `StageExecutor`: ``num_stages`` (S), ``microbatch_size``,
         ``lr_side`` (pixels), ``window_slots``, ``act_slots``, ``grad_slots``,
@@ -44,7 +45,7 @@ class PipelineExecutor(StageExecutor):
 
     def __init__(
         self,
-        layout: SupernetLayout,
+        layout: StageModel,
         *,
         devices: list[Any] | None = None,
         **sizes: Unpack[StageSizes],
@@ -61,6 +62,7 @@ class PipelineExecutor(StageExecutor):
             (num_stages,), ("stage",), axis_types=(AxisType.Explicit,), devices=devices
         )
         self._tick = self._compile()
+        self._compiled: dict[tuple[tuple[int, ...], tuple[int, ...]], Any] = {}
 
     def _sharding(self, kind: str = DEVICE_KIND) -> NamedSharding:
         return NamedSharding(self.mesh, P("stage"), memory_kind=kind)
@@ -96,6 +98,46 @@ class PipelineExecutor(StageExecutor):
             donate_argnums=(0,),
         )
 
+    def compiled_memory(
+        self, input_shape: tuple[int, ...], target_shape: tuple[int, ...]
+    ) -> dict[str, int]:
+        """XLA's ``memory_analysis`` of the compiled tick, per stage device (bytes).
+
+        Args:
+          input_shape: one stage's microbatch of inputs, e.g. ``(mb, h, w, 3)``.
+          target_shape: one stage's microbatch of targets, e.g. ``(mb, r h, r w, 3)``.
+        Returns:
+          ``argument``, ``output``, ``temp``, ``alias`` (donated state reused for the output)
+          and their ``host_*`` counterparts (memory kind ``pinned_host``; backends without host
+          memory spaces, such as XLA:CPU, count the store as device arguments), plus
+          ``device_bytes`` = argument + output - alias + temp: what the tick holds in device
+          memory at most.
+        """
+        s = self.spec.num_stages
+        sh = self._sharding()
+
+        def sds(shape: tuple[int, ...], dtype: Any, sharding: Any = sh) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+        state = jax.tree.map(
+            lambda a, where: sds(a.shape, a.dtype, where), self.state_shapes(),
+            self.state_shardings(),
+        )
+        width = NUM_FIELDS + 2 * self.spec.layers_per_stage
+        compiled = self._tick.lower(
+            state, sds((s, width), np.int32), sds((s, *input_shape), np.float32),
+            sds((s, *target_shape), np.float32),
+        ).compile()
+        # Reused by `tick` for arrays of these shapes: no second compile of the same program.
+        self._compiled[(tuple(input_shape), tuple(target_shape))] = compiled
+        stats = compiled.memory_analysis()
+        out = {}
+        for name in ("argument", "output", "temp", "alias"):
+            out[name] = int(getattr(stats, f"{name}_size_in_bytes"))
+            out[f"host_{name}"] = int(getattr(stats, f"host_{name}_size_in_bytes", 0))
+        out["device_bytes"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+        return out
+
     def tick(
         self, state: State, rows: np.ndarray, lr: np.ndarray, hr: np.ndarray
     ) -> tuple[State, jax.Array]:
@@ -109,7 +151,10 @@ class PipelineExecutor(StageExecutor):
           ``(state, loss)`` with ``loss`` (S,): the microbatch loss on the last stage's backward.
         """
         sh = self._sharding()
-        return self._tick(
+        run = self._tick
+        if lr.dtype == hr.dtype == np.float32:
+            run = self._compiled.get((tuple(lr.shape[1:]), tuple(hr.shape[1:])), self._tick)
+        return run(
             state,
             jax.device_put(rows.astype(np.int32), sh),
             jax.device_put(lr, sh),

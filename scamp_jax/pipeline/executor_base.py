@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Sharding
 
+from scamp_jax.pipeline.model import StageModel, check_stage_model
 from scamp_jax.pipeline.program import BWD, COL, TickProgram
 from scamp_jax.pipeline.stage import OptimizerSpec, StageSpec, State
-from search_spaces.supernet import SupernetLayout
 
 HOST_KIND = "pinned_host"
 DEVICE_KIND = "device"
@@ -47,13 +47,14 @@ class StageSizes(TypedDict, total=False):
     offload: bool
     optimizer: OptimizerSpec | None
     max_in_flight: int
+    guard_idle: bool
 
 
 class StageExecutor(abc.ABC):
     """Stage split, state layout and tick loop of a supernet pipeline (see the module docstring).
 
     Args:
-      layout: the supernet's flat-weight layout.
+      layout: the supernet (a `scamp_jax.pipeline.StageModel`).
       num_stages: S pipeline stages; ``num_layers`` must be a multiple of S.
       microbatch_size: samples per forward/backward op (the batch size over ``num_microbatches``).
       lr_side: side of the LR input patches (pixels); must suit the attention window.
@@ -73,11 +74,14 @@ class StageExecutor(abc.ABC):
         stage device holds a shard of it, so every device has finished that tick; with one
         stage per process, as `scamp_jax.distributed.MPIPipelineExecutor`, the local stage has);
         a few ticks suffice to keep devices fed.
+      guard_idle: skip the host-to-device fetch and the write-back on ticks that fetch or
+        update nothing (``lax.cond``; default). False runs both on every tick, masked, which
+        gives the same bits and serves to measure what the guard saves.
     """
 
     def __init__(
         self,
-        layout: SupernetLayout,
+        layout: StageModel,
         *,
         num_stages: int,
         microbatch_size: int,
@@ -90,26 +94,28 @@ class StageExecutor(abc.ABC):
         offload: bool = False,
         optimizer: OptimizerSpec | None = None,
         max_in_flight: int = 4,
+        guard_idle: bool = True,
     ):
-        cfg = layout.config
+        layout = check_stage_model(layout)
         if max_in_flight < 0:
             raise ValueError(f"{max_in_flight=} must be >= 0 (0: no bound); pass e.g. 4")
         self.max_in_flight = max_in_flight
-        if cfg.num_layers % num_stages:
+        if layout.num_layers % num_stages:
             raise ValueError(
-                f"num_layers={cfg.num_layers} is not a multiple of {num_stages=}; every stage "
+                f"num_layers={layout.num_layers} is not a multiple of {num_stages=}; every stage "
                 "must hold the same number of layers"
             )
-        layout.check_patch(lr_side)
+        layout.check_input(lr_side)
         self.layout = layout
         self.spec = StageSpec(
             num_stages=num_stages,
-            layers_per_stage=cfg.num_layers // num_stages,
-            num_choices=cfg.num_choices,
+            layers_per_stage=layout.num_layers // num_stages,
+            num_choices=layout.num_choices,
             num_microbatches=num_microbatches,
             train_shared=train_shared,
             offload=offload,
             optimizer=optimizer or OptimizerSpec(),
+            guard_idle=guard_idle,
         )
         self.microbatch_size = microbatch_size
         self.lr_side = lr_side
@@ -159,7 +165,7 @@ class StageExecutor(abc.ABC):
         spec, lay, pre = self.spec, self.layout, self._stage_prefix
         n, c, p = spec.layers_per_stage, spec.num_choices, lay.block_size
         w, k, g = self.slots
-        mb, side, width = self.microbatch_size, self.lr_side, lay.config.width
+        feature = tuple(lay.feature_shape(self.microbatch_size, self.lr_side))
         f32, i32 = jnp.float32, jnp.int32
 
         def sds(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
@@ -172,8 +178,8 @@ class StageExecutor(abc.ABC):
         if spec.num_microbatches > 1:
             window["acc"] = sds((w, n, p), f32)
             shared["acc"] = sds((lay.shared_size,), f32)
-        act = sds((k, mb, side, side, width), f32)
-        grad = sds((g, mb, side, side, width), f32)
+        act = sds((k, *feature), f32)
+        grad = sds((g, *feature), f32)
         return {"store": store, "window": window, "shared": shared, "act": act, "grad": grad}
 
     def state_shardings(self) -> State:
@@ -194,7 +200,7 @@ class StageExecutor(abc.ABC):
         """
         spec, shapes = self.spec, self.state_shapes()
         s, n, c = spec.num_stages, spec.layers_per_stage, spec.num_choices
-        expected = (self.layout.config.num_layers, c, self.layout.block_size)
+        expected = (self.layout.num_layers, c, self.layout.block_size)
         if blocks.shape != expected or shared.shape != (self.layout.shared_size,):
             raise ValueError(
                 f"weights of shape {blocks.shape} / {shared.shape} do not match the layout "
@@ -214,7 +220,7 @@ class StageExecutor(abc.ABC):
         (L, C)}``; the stem comes from stage 0 and the head from the last stage.
         """
         spec, lay = self.spec, self.layout
-        c, stem, layers = spec.num_choices, lay.stem.size, lay.config.num_layers
+        c, stem, layers = spec.num_choices, lay.stem_size, lay.num_layers
         local = {k: np.asarray(v) for k, v in state["store"].items()}
         local["shared_p"] = np.asarray(state["shared"]["p"])
         stages = self._gather_stages(local)
@@ -322,9 +328,9 @@ class StageExecutor(abc.ABC):
                 f"executor {self.spec.num_stages} of {self.spec.layers_per_stage}; build the "
                 f"program with split_layers(num_layers, {self.spec.num_stages})"
             )
-        want = (self.spec.num_microbatches, self.microbatch_size, self.lr_side, self.lr_side, 3)
-        if tuple(lr_data.shape[1:]) != want:
+        want = (self.spec.num_microbatches, self.microbatch_size, self.lr_side, self.lr_side)
+        if tuple(lr_data.shape[1:5]) != want:
             raise ValueError(
-                f"lr_data of shape {lr_data.shape} does not match (N, M, mb, h, w, 3) = "
-                f"(N, *{want}); split batches with split_microbatches()"
+                f"lr_data of shape {lr_data.shape} does not match (N, M, mb, h, w, ...) = "
+                f"(N, *{want}, ...); split batches with split_microbatches()"
             )

@@ -24,17 +24,19 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
 
+from scamp_jax.pipeline.model import StageModel
 from scamp_jax.pipeline.program import BWD, COL, NUM_FIELDS
-from search_spaces.supernet import SupernetLayout, l1_loss
 
 State = dict[str, Any]
 
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """Per-block optimizer: ``"adam"`` (state per (layer, candidate), as in NASPipe) or ``"sgd"``.
+    """Per-block optimizer: ``"adam"`` (state per (layer, candidate), as in NASPipe) or ``"sgd"``,
+    applied with optax (`transformation`).
 
     Attributes:
       name: ``"adam"`` or ``"sgd"``.
@@ -59,25 +61,43 @@ class OptimizerSpec:
         """Float arrays kept per weight: ``("p",)`` for SGD, ``("p", "m", "v")`` for Adam."""
         return ("p", "m", "v") if self.name == "adam" else ("p",)
 
+    def transformation(self) -> optax.GradientTransformation:
+        """The optax transformation of one block: ``optax.adam`` or ``optax.sgd``."""
+        if self.name == "sgd":
+            return optax.sgd(self.learning_rate)
+        return optax.adam(self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps)
+
     def update(self, fields: dict[str, jax.Array], step: jax.Array, grad: jax.Array):
-        """One optimizer step, element-wise.
+        """One optimizer step of `transformation`, vmapped over the blocks.
+
+        The moments and step counts live in the pipeline's flat arrays (``m``, ``v``, ``t``), so
+        the optax state of a block is rebuilt from them, updated, and taken apart again.
 
         Args:
           fields: ``{"p": ..., "m": ..., "v": ...}`` arrays of one shape (..., P).
-          step: updates applied so far, int32 broadcastable to the leading dims (...).
+          step: updates applied so far (optax's ``count``), int32 of the leading dims (...).
           grad: gradient, same shape as ``fields["p"]``.
         Returns:
           ``(new fields, step + 1)``.
         """
-        if self.name == "sgd":
-            return {"p": fields["p"] - self.learning_rate * grad}, step + 1
-        t = (step + 1).astype(jnp.float32)[..., None]
-        m = self.b1 * fields["m"] + (1.0 - self.b1) * grad
-        v = self.b2 * fields["v"] + (1.0 - self.b2) * grad * grad
-        m_hat = m / (1.0 - self.b1**t)
-        v_hat = v / (1.0 - self.b2**t)
-        p = fields["p"] - self.learning_rate * m_hat / (jnp.sqrt(v_hat) + self.eps)
-        return {"p": p, "m": m, "v": v}, step + 1
+        tx = self.transformation()
+
+        def one(fields: dict[str, jax.Array], step: jax.Array, grad: jax.Array):
+            p = fields["p"]
+            state = tx.init(p)
+            if self.name == "adam":
+                adam = state[0]
+                assert isinstance(adam, optax.ScaleByAdamState)
+                state = (adam._replace(count=step, mu=fields["m"], nu=fields["v"]), *state[1:])
+            updates, state = tx.update(grad, state, p)
+            out = {"p": optax.apply_updates(p, updates)}
+            if self.name == "adam":
+                out["m"], out["v"] = state[0].mu, state[0].nu
+            return out, step + 1
+
+        for _ in range(jnp.ndim(step)):
+            one = jax.vmap(one)
+        return one(fields, step, grad)
 
 
 @dataclass(frozen=True)
@@ -92,6 +112,8 @@ class StageSpec:
       train_shared: update the stem and head (else frozen).
       offload: the store lives in host memory (memory kind ``pinned_host``).
       optimizer: the per-block optimizer.
+      guard_idle: run the host-to-device fetch and the write-back under ``lax.cond`` so that
+        ticks that fetch or update nothing skip them (False: every tick runs both, masked).
     """
 
     num_stages: int
@@ -101,6 +123,7 @@ class StageSpec:
     train_shared: bool
     offload: bool
     optimizer: OptimizerSpec
+    guard_idle: bool = True
 
 
 def _to_device(x: jax.Array, spec: StageSpec) -> jax.Array:
@@ -115,47 +138,66 @@ def prefetch(store: State, window: State, ins: jax.Array, spec: StageSpec) -> St
     """Copy the blocks named by the instruction's prefetch columns from the store into a slot.
 
     Only the chosen block of each layer crosses to the device: ``lax.switch`` over the candidates
-    selects a static slice of the store, outside any differentiated function.
+    selects a static slice of the store, outside any differentiated function. With
+    ``spec.guard_idle`` the whole fetch sits under a ``lax.cond`` on the prefetch slot, so a tick
+    that prefetches nothing moves nothing from host memory.
     """
     n = spec.layers_per_stage
     slot = ins[COL["prefetch_slot"]]
     valid = slot >= 0
     slot = jnp.maximum(slot, 0)
     keys = (*spec.optimizer.fields, "t")
-    window = dict(window)
-    for j in range(n):
-        choice = ins[NUM_FIELDS + n + j]
 
-        def fetch(i: int, j: int = j) -> tuple[jax.Array, ...]:
-            return tuple(_to_device(store[k][j, i], spec) for k in keys)
+    def fetch_all(window: State, masked: bool) -> State:
+        window = dict(window)
+        for j in range(n):
+            choice = ins[NUM_FIELDS + n + j]
 
-        blocks = lax.switch(choice, [lambda i=i: fetch(i) for i in range(spec.num_choices)])
-        for k, value in zip(keys, blocks, strict=True):
-            old = window[k][slot, j]
-            window[k] = window[k].at[slot, j].set(jnp.where(valid, value, old))
-    return window
+            def fetch(i: int, j: int = j) -> tuple[jax.Array, ...]:
+                return tuple(_to_device(store[k][j, i], spec) for k in keys)
+
+            blocks = lax.switch(choice, [lambda i=i: fetch(i) for i in range(spec.num_choices)])
+            for k, value in zip(keys, blocks, strict=True):
+                if masked:
+                    value = jnp.where(valid, value, window[k][slot, j])
+                window[k] = window[k].at[slot, j].set(value)
+        return window
+
+    if spec.guard_idle:
+        return lax.cond(valid, lambda w: fetch_all(w, False), lambda w: dict(w), window)
+    return fetch_all(window, True)
 
 
 def write_back(store: State, window: State, ins: jax.Array, spec: StageSpec) -> State:
     """Copy the op's window slot back to its blocks in the store after an applied update.
 
-    Ticks without an update write into the scratch row ``C`` instead, so this is always one
-    dynamic update per layer and field, with no data-dependent control flow on the store.
+    With ``spec.guard_idle`` the copy sits under a ``lax.cond`` on the applied update, so only
+    the ticks that apply an update write to host memory. Without it, ticks without an update
+    write into the scratch row ``C`` instead (one unconditional dynamic update per layer and
+    field, no data-dependent control flow on the store).
     """
     n = spec.layers_per_stage
     applied = (ins[COL["kind"]] == BWD) & (ins[COL["apply"]] == 1)
     slot = ins[COL["window_slot"]]
-    store = dict(store)
-    for j in range(n):
-        row = jnp.where(applied, ins[NUM_FIELDS + j], spec.num_choices)
-        for k in (*spec.optimizer.fields, "t"):
-            value = _to_host(window[k][slot, j], spec)
-            start = (jnp.int32(j), row) + (jnp.int32(0),) * (value.ndim)
-            store[k] = lax.dynamic_update_slice(store[k], value[None, None], start)
-    return store
+
+    def write(store: State, masked: bool) -> State:
+        store = dict(store)
+        for j in range(n):
+            row = ins[NUM_FIELDS + j]
+            if masked:
+                row = jnp.where(applied, row, spec.num_choices)
+            for k in (*spec.optimizer.fields, "t"):
+                value = _to_host(window[k][slot, j], spec)
+                start = (jnp.int32(j), row) + (jnp.int32(0),) * (value.ndim)
+                store[k] = lax.dynamic_update_slice(store[k], value[None, None], start)
+        return store
+
+    if spec.guard_idle:
+        return lax.cond(applied, lambda s: write(s, False), lambda s: dict(s), store)
+    return write(store, True)
 
 
-def _features(layout: SupernetLayout, stage: jax.Array, choices: jax.Array, lr: jax.Array):
+def _features(layout: StageModel, stage: jax.Array, choices: jax.Array, lr: jax.Array):
     """f(shared, blocks, x) -> stage output features (stem first on stage 0)."""
 
     def f(shared: jax.Array, blocks: jax.Array, x: jax.Array) -> jax.Array:
@@ -166,7 +208,7 @@ def _features(layout: SupernetLayout, stage: jax.Array, choices: jax.Array, lr: 
 
 
 def compute(
-    layout: SupernetLayout,
+    layout: StageModel,
     spec: StageSpec,
     stage: jax.Array,
     state: State,
@@ -196,7 +238,7 @@ def compute(
     features = _features(layout, stage, choices, lr)
 
     def head_loss(sh: jax.Array, y: jax.Array) -> jax.Array:
-        return l1_loss(layout.apply_head(sh, y, lr), hr)
+        return layout.loss(layout.apply_head(sh, y, lr), hr)
 
     def idle() -> tuple[State, State, jax.Array, jax.Array, jax.Array]:
         return window, shared, zeros, zeros, jnp.float32(0.0)
@@ -285,7 +327,7 @@ def receive(state: State, ins: jax.Array, act_in: jax.Array, grad_in: jax.Array)
 
 
 def stage_tick(
-    layout: SupernetLayout,
+    layout: StageModel,
     spec: StageSpec,
     stage: jax.Array,
     state: State,

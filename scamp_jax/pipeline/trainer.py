@@ -4,8 +4,8 @@
 ``sequential``), turns it into a tick program, runs it on a `PipelineExecutor` (or any other
 `StageExecutor`, such as the MPI one) and reports the losses, a hash of the final weights, ticks,
 stage utilisation and resident bytes.
-`train_reference` trains the same subnets without any pipeline (whole subnet in one jitted step),
-as an independent check of what the pipeline computes.
+The independent check of what it computes is `search_spaces.supernet_reference.train_reference`
+(a plain single-device loop on the SR supernet's Flax modules with ``optax.adam``).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from typing import TypedDict
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from scamp_jax.pipeline.csp import check_causality, csp_schedule, ideal_schedule, split_layers
 from scamp_jax.pipeline.executor import PipelineExecutor
 from scamp_jax.pipeline.executor_base import StageExecutor
+from scamp_jax.pipeline.model import StageModel, state_bytes
 from scamp_jax.pipeline.program import TickProgram, build_program
 from scamp_jax.pipeline.schedules import (
     Schedule,
@@ -31,7 +31,6 @@ from scamp_jax.pipeline.schedules import (
     validate_schedule,
 )
 from scamp_jax.pipeline.stage import OptimizerSpec
-from search_spaces.supernet import SupernetLayout, l1_loss
 
 SCHEDULES = ("csp", "gpipe", "sequential")
 
@@ -145,7 +144,7 @@ class TrainResult:
 
 
 def build_executor(
-    layout: SupernetLayout,
+    layout: StageModel,
     programs: Sequence[TickProgram],
     *,
     num_stages: int,
@@ -178,7 +177,7 @@ def build_executor(
 
 
 def train_supernet(
-    layout: SupernetLayout,
+    layout: StageModel,
     subnets: Sequence[Sequence[int]],
     lr_batches: np.ndarray,
     hr_batches: np.ndarray,
@@ -198,7 +197,7 @@ def train_supernet(
     """Train the supernet initialised from ``seed`` on ``subnets`` (one batch each, in order).
 
     Args:
-      layout: the supernet layout.
+      layout: the supernet (a `scamp_jax.pipeline.StageModel`).
       subnets: N choice vectors (L,), index = sequence id.
       lr_batches: (N, B, h, w, 3) float32 LR inputs, batch i for subnet i.
       hr_batches: (N, B, r h, r w, 3) float32 HR targets.
@@ -221,7 +220,7 @@ def train_supernet(
     n, batch = lr_batches.shape[:2]
     if n != len(subnets):
         raise ValueError(f"{len(subnets)} subnets but {n} batches; pass one batch per subnet")
-    bounds = split_layers(layout.config.num_layers, num_stages)
+    bounds = split_layers(layout.num_layers, num_stages)
     m_count = num_microbatches if schedule == "gpipe" else 1
     sched = make_schedule(
         schedule, subnets, bounds, train_shared=train_shared, num_microbatches=m_count,
@@ -279,75 +278,10 @@ def train_supernet(
     )
 
 
-def supernet_state_bytes(layout: SupernetLayout, optimizer: OptimizerSpec) -> int:
+def supernet_state_bytes(layout: StageModel, optimizer: OptimizerSpec) -> int:
     """Bytes of the whole supernet's weights and optimizer state (flat layout, float32).
 
     Counts every (layer, candidate) block at the padded length P plus the stem and head, times
     the optimizer's float fields, plus one int32 step count per block.
     """
-    cfg = layout.config
-    blocks = cfg.num_layers * cfg.num_choices
-    floats = (blocks * layout.block_size + layout.shared_size) * len(optimizer.fields)
-    return 4 * floats + 4 * blocks
-
-
-def train_reference(
-    layout: SupernetLayout,
-    subnets: Sequence[Sequence[int]],
-    lr_batches: np.ndarray,
-    hr_batches: np.ndarray,
-    *,
-    seed: int = 0,
-    train_shared: bool = False,
-    optimizer: OptimizerSpec | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Train the subnets one after another without any pipeline: whole-subnet jitted steps.
-
-    Independent of the pipeline code (no stages, no schedule), so it checks that the pipeline
-    computes the right losses and updates; floats may differ in the last bits because it is a
-    different XLA program.
-
-    Returns:
-      ``(losses (N,), blocks (L, C, P), shared (P_shared,))``.
-    """
-    opt = optimizer or OptimizerSpec()
-    cfg = layout.config
-    blocks, shared = layout.init(seed)
-    fields = {f: np.zeros_like(blocks) for f in opt.fields}
-    fields["p"] = blocks
-    shared_fields = {f: np.zeros_like(shared) for f in opt.fields}
-    shared_fields["p"] = shared
-    steps = np.zeros(blocks.shape[:2], np.int32)
-    shared_step = np.zeros((), np.int32)
-    layers = jnp.arange(cfg.num_layers)
-
-    @jax.jit
-    def step(fields, steps, shared_fields, shared_step, choices, lr, hr):
-        chosen = {k: v[layers, choices] for k, v in fields.items()}
-
-        def loss_fn(bl: jax.Array, sh: jax.Array) -> jax.Array:
-            h = layout.apply_layers(bl, choices, layout.apply_stem(sh, lr))
-            return l1_loss(layout.apply_head(sh, h, lr), hr)
-
-        loss, (g_bl, g_sh) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
-            chosen["p"], shared_fields["p"]
-        )
-        new, new_steps = opt.update(chosen, steps[layers, choices], g_bl)
-        fields = {k: v.at[layers, choices].set(new[k]) for k, v in fields.items()}
-        steps = steps.at[layers, choices].set(new_steps)
-        if train_shared:
-            shared_fields, shared_step = opt.update(shared_fields, shared_step, g_sh)
-        return loss, fields, steps, shared_fields, shared_step
-
-    losses = []
-    for i, choices in enumerate(subnets):
-        loss, fields, steps, shared_fields, shared_step = step(
-            fields, steps, shared_fields, shared_step, jnp.asarray(choices, jnp.int32),
-            lr_batches[i], hr_batches[i],
-        )
-        losses.append(loss)
-    return (
-        np.asarray(jnp.stack(losses)),
-        np.asarray(fields["p"]),
-        np.asarray(shared_fields["p"]),
-    )
+    return state_bytes(layout, len(optimizer.fields))

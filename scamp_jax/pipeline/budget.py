@@ -1,0 +1,178 @@
+"""Largest batch (and prefetch window) of a pipeline schedule under a per-device memory budget.
+
+Schedules hold different buffers: sequential one subnet's activations per stage, GPipe a whole
+batch in microbatches plus gradient accumulators, CSP several subnets in flight. Comparing them at
+one batch size mixes what a schedule saves in time with what it costs in memory. `plan_schedule`
+gives every schedule its own largest batch under the same budget, measured on the compiled stage
+tick (XLA ``memory_analysis``, per stage device):
+
+1. compile the tick at two batch sizes with the smallest window (no prefetch look-ahead) and fit
+   the device bytes as ``a + k * batch`` (activation and gradient buffers and the temporaries of
+   the forward and backward grow with the batch);
+2. take the largest batch (a multiple of the microbatch count) the fit allows;
+3. spend what is left of the budget on prefetch look-ahead: each tick of look-ahead can keep one
+   more subnet's blocks resident on the stage (`scamp_jax.pipeline.build_program`), and a window
+   slot's bytes follow from the state layout;
+4. compile the tick at the chosen batch and window and check it against the budget (stepping the
+   look-ahead, then the batch, down if it does not fit). That compiled tick is the one the run
+   uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from scamp_jax.pipeline.csp import split_layers
+from scamp_jax.pipeline.executor import PipelineExecutor
+from scamp_jax.pipeline.model import StageModel
+from scamp_jax.pipeline.program import TickProgram, build_program
+from scamp_jax.pipeline.trainer import build_executor, make_schedule
+
+#: ``shapes(microbatch_size) -> (input_shape, target_shape)`` of one stage's microbatch.
+SampleShapes = Callable[[int], tuple[tuple[int, ...], tuple[int, ...]]]
+
+
+class BatchDoesNotFitError(ValueError):
+    """Not even the smallest batch of a schedule fits the per-device budget."""
+
+
+@dataclass(frozen=True)
+class SchedulePlan:
+    """A schedule's largest fitting batch and window under a per-device budget.
+
+    Attributes:
+      schedule: ``sequential``, ``gpipe`` or ``csp``.
+      batch_size: samples per subnet batch.
+      num_microbatches: M (GPipe; 1 otherwise).
+      prefetch_ahead: ticks a subnet's blocks are fetched before its first forward.
+      window_slots: subnets' blocks resident per stage.
+      device_bytes: the compiled tick's device bytes per stage device at this plan.
+      budget_bytes: the budget, bytes per device.
+      fit: ``(a, k)`` of the fit ``device bytes = a + k * batch`` (bytes, bytes per sample).
+      compiles: tick compilations spent on the plan.
+    """
+
+    schedule: str
+    batch_size: int
+    num_microbatches: int
+    prefetch_ahead: int
+    window_slots: int
+    device_bytes: int
+    budget_bytes: int
+    fit: tuple[float, float]
+    compiles: int
+
+
+def _window_slot_bytes(executor: PipelineExecutor) -> int:
+    """Bytes of one window slot of one stage (weights, optimizer fields, step counts, acc)."""
+    window = executor.state_shapes()["window"]
+    prefix = len(executor._stage_prefix)
+    total = 0
+    for leaf in window.values():
+        per_slot = int(np.prod(leaf.shape[prefix + 1 :]))
+        total += per_slot * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def plan_schedule(
+    model: StageModel,
+    subnets: Sequence[Sequence[int]],
+    shapes: SampleShapes,
+    *,
+    schedule: str,
+    num_stages: int,
+    budget_bytes: int,
+    lr_side: int,
+    num_microbatches: int = 4,
+    offload: bool = True,
+    train_shared: bool = False,
+    max_prefetch_ahead: int | None = None,
+    max_batch: int = 4096,
+    batch_multiple: int | None = None,
+    executor_class: Callable[..., PipelineExecutor] = PipelineExecutor,
+) -> tuple[SchedulePlan, PipelineExecutor, TickProgram]:
+    """Plan ``schedule`` under ``budget_bytes`` per device (see the module docstring).
+
+    Args:
+      model: the supernet.
+      subnets: the subnets the run will train (their overlap sizes CSP's window).
+      shapes: input and target shapes of one stage's microbatch for a microbatch size.
+      schedule: ``sequential``, ``gpipe`` or ``csp``.
+      num_stages: S.
+      budget_bytes: device memory per stage device (bytes).
+      lr_side: input side (pixels).
+      num_microbatches: M for ``gpipe`` (its batch is a multiple of M).
+      offload, train_shared: as for `scamp_jax.pipeline.train_supernet`.
+      max_prefetch_ahead: most look-ahead ticks (default S).
+      max_batch: largest batch considered.
+      batch_multiple: batches are multiples of this (default M for ``gpipe``, else 1); pass
+        the same value to every schedule to compare them at common batch sizes too.
+      executor_class: builds the executor (default `PipelineExecutor`).
+    Returns:
+      ``(plan, executor, program)``: the executor's tick is compiled for the plan (the run reuses
+      it) and the program is the schedule's with the planned look-ahead.
+    Raises:
+      BatchDoesNotFitError: naming the smallest batch's bytes and the budget.
+    """
+    m = num_microbatches if schedule == "gpipe" else 1
+    g = batch_multiple or m
+    if g % m:
+        raise ValueError(f"{batch_multiple=} must be a multiple of the {m} microbatches")
+    bounds = split_layers(model.num_layers, num_stages)
+    sched = make_schedule(schedule, subnets, bounds, train_shared=train_shared,
+                          num_microbatches=m)
+    programs = {
+        ahead: build_program(sched, subnets, bounds, prefetch_ahead=ahead)
+        for ahead in range(0, (num_stages if max_prefetch_ahead is None else max_prefetch_ahead)
+                           + 1)
+    }
+    compiles = 0
+
+    def compiled(batch: int, ahead: int) -> tuple[int, PipelineExecutor]:
+        nonlocal compiles
+        ex = build_executor(
+            model, [programs[ahead]], num_stages=num_stages, batch_size=batch, lr_side=lr_side,
+            num_microbatches=m, train_shared=train_shared, offload=offload,
+            executor_class=executor_class,
+        )
+        compiles += 1
+        return ex.compiled_memory(*shapes(batch // m))["device_bytes"], ex
+
+    small, large = g, 4 * g
+    b_small, ex_small = compiled(small, 0)
+    if b_small > budget_bytes:
+        raise BatchDoesNotFitError(
+            f"{schedule}: a batch of {small} needs {b_small} bytes per device, more than the "
+            f"budget of {budget_bytes} bytes; raise the budget or use fewer choices per stage"
+        )
+    b_large, _ = compiled(large, 0)
+    slope = max((b_large - b_small) / (large - small), 1e-9)
+    base = b_small - slope * small
+    batch = int(min(max_batch, (budget_bytes - base) // slope)) // g * g
+    batch = max(batch, small)
+    slot = _window_slot_bytes(ex_small)
+    left = budget_bytes - (base + slope * batch)
+    ahead = max(
+        (a for a, p in programs.items()
+         if (p.window_slots - programs[0].window_slots) * slot <= left),
+        default=0,
+    )
+    while True:
+        used, ex = compiled(batch, ahead)
+        if used <= budget_bytes:
+            break
+        if ahead > 0:
+            ahead -= 1
+        elif batch > small:
+            batch -= g
+        else:  # pragma: no cover - the smallest batch fitted above
+            raise BatchDoesNotFitError(f"{schedule}: no batch fits {budget_bytes} bytes")
+    plan = SchedulePlan(
+        schedule=schedule, batch_size=batch, num_microbatches=m, prefetch_ahead=ahead,
+        window_slots=programs[ahead].window_slots, device_bytes=used,
+        budget_bytes=budget_bytes, fit=(float(base), float(slope)), compiles=compiles,
+    )
+    return plan, ex, programs[ahead]

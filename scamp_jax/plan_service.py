@@ -1,0 +1,237 @@
+"""The planning service of the search loop: plans, their cache and their costs, off the loop.
+
+`PlanningService` is mixed into `scamp_jax.engine.SearchEngine`; its methods run in the engine's
+planner threads (XLA compiles outside the GIL), never on the loop's thread:
+
+- `plan`: the fewest devices that hold a configuration and the largest batch (``plan_mesh``,
+  one call site: `_call_planner`), cached per architecture in memory;
+- `step_flops`: FLOPs per device of a plan's training step from ``cost_analysis()`` of its
+  lowering (no compile), for the scheduling core's costs;
+- `_oom_replan` / `_plan_again`: the plan after an out-of-memory run, at the batch the
+  measured bytes allow (`scamp_jax.scheduling.replan_after_oom`).
+
+A subclass may override `_smallest_fitting_plan` (the MPI engine hands configurations that fit
+no local device count to several ranks by raising `TrialDeferred`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import jax
+from flax import nnx
+
+from scamp_jax import planner
+from scamp_jax.evaluation import supports_chunked_eval
+from scamp_jax.memory import with_batch_size
+from scamp_jax.runner import RunResult, make_optimizer
+from scamp_jax.scheduling.core import replan_after_oom
+from scamp_jax.train_step import abstract_state, jit_train_step, split_model
+
+if TYPE_CHECKING:
+    from scamp_jax.engine import PlannedTrial
+
+log = logging.getLogger(__name__)
+
+
+class TrialDeferred(Exception):  # noqa: N818 - a hand-over, not an error
+    """Raised by `SearchEngine.plan` for a trial this engine hands to someone else to run.
+
+    The engine neither fails nor places it: it is listed in `SearchEngine.deferred` with this
+    exception, whose ``payload`` says what the caller needs to run it (e.g. the MPI engine's
+    trials that span ranks). Deferred trials stay open in the study until the caller tells them.
+    """
+
+    def __init__(self, message: str, payload: Any = None) -> None:
+        super().__init__(message)
+        self.payload = payload
+
+
+class PlanningService:
+    """Planning for `scamp_jax.engine.SearchEngine` (a mixin: it uses the engine's ``space``,
+    ``task``, ``config``, ``devices``, ``plan_fn``, ``core`` and ``_trial_plan``)."""
+
+    def _init_planning(self) -> None:
+        self._plans: dict[Any, Any] = {}
+        self._plans_lock = threading.Lock()
+        self._key_locks: dict[Any, threading.Lock] = {}
+        self._fixed_lock = threading.Lock()
+        self._fixed_batch: int | None = self.config.fixed_batch_size
+        #: FLOPs per device per step by (architecture, dp, mp, batch), and by (trial, devices,
+        #: batch) for the plans handed to the core.
+        self._flops: dict[Any, float | None] = {}
+        self._flops_of: dict[tuple[int, int, int], float | None] = {}
+
+    def _devices_of(self, plan: Any) -> int:
+        return int(plan.data_parallel * plan.model_parallel)
+
+    # ----------------------------------------------------------------------------- planning
+    def _abstract(self, params: Mapping[str, Any]) -> Any:
+        return nnx.eval_shape(lambda: self.space.build(params, nnx.Rngs(0)))
+
+    def _call_planner(
+        self, model: Any, n_devices: int, max_batch: int | None, memory: int | None = None
+    ) -> Any:
+        # A task that can evaluate in chunks has its evaluation planned with the step, so the
+        # plan's predicted peak covers evaluation too.
+        extra = {"eval_task": self.task} if supports_chunked_eval(self.task) else {}
+        return self.plan_fn(
+            model,
+            self.task.sample_batch(1),
+            devices=self.devices[:n_devices],
+            memory_per_device=memory or self.config.memory_per_device,
+            optimizer=make_optimizer({}),
+            loss_fn=self.task.loss_fn,
+            safety_margin=self.config.safety_margin,
+            max_batch_size=max_batch,
+            **extra,
+        )
+
+    def fixed_batch_size(self) -> int:
+        """The fixed policy's batch: the largest the space's largest candidate fits."""
+        with self._fixed_lock:
+            return self._fixed_batch_size_locked()
+
+    def _fixed_batch_size_locked(self) -> int:
+        if self._fixed_batch is None:
+            if not self.space.largest:
+                raise ValueError(
+                    f"search space {self.space.name!r} names no largest candidate; give the "
+                    "fixed policy a batch size (fixed_batch_size=)"
+                )
+            model = self._abstract(self.space.largest)
+            plan = self._call_planner(
+                model, self.config.devices_per_trial, self.config.max_batch_size
+            )
+            self._fixed_batch = int(plan.batch_size)
+        return self._fixed_batch
+
+    def _smallest_fitting_plan(self, model: Any, max_batch: int | None) -> Any:
+        """Plan on the fewest devices (1, 2, 4, ..., the whole pool) that hold ``model`` at a
+        batch of at least ``min_batch_size``."""
+        total = len(self.devices)
+        counts = sorted({2**k for k in range(total.bit_length()) if 2**k <= total} | {total})
+        floor = self.config.min_batch_size or 1
+        last_error: Exception | None = None
+        for n in counts:
+            try:
+                plan = self._call_planner(model, n, max_batch)
+            except planner.DoesNotFitError as err:
+                last_error = err
+                continue
+            if plan.batch_size >= floor:
+                return plan
+            last_error = planner.DoesNotFitError(
+                f"{type(model).__name__} fits at most a global batch of {plan.batch_size} on "
+                f"{n} device(s), below min_batch_size={floor}; use more devices, more "
+                "memory_per_device, or a lower min_batch_size",
+                bytes_needed=int(plan.peak_bytes_per_device * floor / max(plan.batch_size, 1)),
+                bytes_available=int(plan.usable_bytes),
+            )
+        assert last_error is not None
+        raise last_error
+
+    def plan(self, params: Mapping[str, Any], *, devices: int | None = None,
+             max_batch: int | None = None) -> Any:
+        """Plan one configuration: fewest devices that hold it, largest batch (``max_batch`` cap).
+
+        Under the fixed policy the device count is ``devices_per_trial`` and the batch the
+        policy's one batch size. Plans are cached per architecture (the graph definition), so
+        trials that differ only in optimizer hyperparameters are planned once.
+        Raises ``planner.DoesNotFitError`` if the configuration fits on no device count, and
+        `TrialDeferred` (cached like a plan) if a subclass hands the architecture elsewhere.
+        """
+        model = self._abstract(params)
+        graphdef = split_model(model)[0]
+        cap: int | None
+        if self.config.policy == "fixed":
+            devices = self.config.devices_per_trial
+            cap = self.fixed_batch_size() if max_batch is None else max_batch
+        else:
+            cap = self.config.max_batch_size if max_batch is None else max_batch
+        key = (graphdef, devices, cap)
+        # Several planner threads compile at once (XLA compiles outside the GIL); one lock per
+        # architecture makes a second trial of it wait for the first plan instead of redoing it.
+        with self._plans_lock:
+            key_lock = self._key_locks.setdefault(key, threading.Lock())
+        with key_lock:
+            if key not in self._plans:
+                try:
+                    if devices is not None:
+                        self._plans[key] = self._call_planner(model, devices, cap)
+                    else:
+                        self._plans[key] = self._smallest_fitting_plan(model, cap)
+                except TrialDeferred as deferred:
+                    self._plans[key] = deferred  # a property of the architecture, like a plan
+            plan = self._plans[key]
+        if isinstance(plan, TrialDeferred):
+            raise TrialDeferred(str(plan), plan.payload)
+        return plan
+
+    # ------------------------------------------------------------------------ cost analysis
+    def step_flops(self, params: Mapping[str, Any], plan: Any) -> float | None:
+        """FLOPs one device runs per training step of ``plan`` (XLA's ``cost_analysis()`` of the
+        lowered step, divided over the plan's devices); None if XLA gives no figure.
+
+        Lowering only traces (no compile); cached per architecture, mesh and batch.
+        """
+        model = self._abstract(params)
+        graphdef = split_model(model)[0]
+        key = (graphdef, int(plan.data_parallel), int(plan.model_parallel), int(plan.batch_size))
+        with self._plans_lock:
+            if key in self._flops:
+                return self._flops[key]
+        try:
+            optimizer = make_optimizer({})
+            state = abstract_state(model, optimizer)
+            batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                 with_batch_size(self.task.sample_batch(1), int(plan.batch_size)))
+            step = jit_train_step(graphdef, optimizer, self.task.loss_fn, plan.step_shardings)
+            with jax.set_mesh(plan.mesh):
+                cost = step.lower(*state, batch).cost_analysis()
+            if isinstance(cost, list | tuple):
+                cost = cost[0] if cost else {}
+            total = float((cost or {}).get("flops", 0.0))
+            flops = total / self._devices_of(plan) if total > 0 else None
+        except Exception as err:  # noqa: BLE001 - a cost is an aid; the trial runs without one
+            log.info("no cost analysis for %s: %s", type(model).__name__, err)
+            flops = None
+        with self._plans_lock:
+            self._flops[key] = flops
+        return flops
+
+    def _planned_with_cost(self, params: Mapping[str, Any], number: int, **kw: Any) -> Any:
+        """Plan (cached per architecture) and cost one configuration; runs in a planner thread."""
+        plan = self.plan(params, **kw)
+        flops = self.step_flops(params, plan)
+        self._flops_of[(number, self._devices_of(plan), int(plan.batch_size))] = flops
+        return plan
+
+    def _oom_replan(self, planned: PlannedTrial, result: RunResult) -> PlannedTrial | None:
+        """The next plan of ``planned`` after its run ``result`` ran out of memory, planned at
+        once (the loop does the same in a planner thread): `replan_after_oom` from the measured
+        bytes, then the planner. None: no plan fits or the re-plans are used up."""
+        if planned.replans >= self.config.max_replans:
+            return None
+        request = replan_after_oom(
+            self._trial_plan(planned), result.bytes_needed, self.core.capacity,
+            devices=len(self.devices), min_batch=self.config.min_batch_size or 1,
+            may_grow=self.config.policy == "scamp")
+        return None if request is None else self._plan_again(planned, request)
+
+    def _plan_again(self, planned: PlannedTrial, request: Any) -> PlannedTrial | None:
+        """Plan ``planned`` on ``request.devices`` devices at a batch of at most
+        ``request.max_batch`` (a `Replan`); None if nothing fits. Runs in a planner thread."""
+        model = self._abstract(planned.asked.params)
+        try:
+            new = self._call_planner(model, request.devices, request.max_batch)
+        except planner.DoesNotFitError:
+            return None
+        flops = self.step_flops(planned.asked.params, new)
+        self._flops_of[(planned.number, self._devices_of(new), int(new.batch_size))] = flops
+        return replace(planned, plan=new, devices=self._devices_of(new),
+                       replans=planned.replans + 1)

@@ -1,0 +1,488 @@
+"""The scheduling core: every placement decision of a search, as a pure function of events.
+
+`SchedulingCore` is fed events and answers with actions. It holds no threads, reads no clock
+(every event carries its time, in seconds since the study's first start) and does no I/O, so
+the HPO engine (`scamp_jax.engine`, wall-clock events from real runs), the cluster simulator
+(`scamp_jax.simulator`, virtual events) and the replay of a finished study
+(``python -m benchmarks.simulate_cluster --replay``) run the very same decisions.
+
+Events (methods), each at a time ``now``:
+
+- `planned`: a trial's plan is ready (`TrialPlan`); it joins the queue.
+- `set_arrivals_pending`: whether more trials may still be planned (False: the last wave).
+- `step_measured`: a running trial's measured seconds per step (its pace).
+- `option_planned`: the plan of a larger device count the core asked for (`PlanOption`).
+- `finished` / `out_of_memory`: a run ended; its devices are free again.
+- `restarted` / `move_back`: a running trial moved to more devices, or back (its restart
+  failed before training); `requeue`: an out-of-memory trial planned again.
+
+Actions (from `decide`): `Start` a trial on device ids, `PlanOption` (plan a queued trial on
+more devices before it can start there); from `resizes`: `scamp_jax.elastic.Resize` decisions;
+from `out_of_memory`: a `Replan` request (or None: the trial fails).
+
+The pool books each device's **usable** bytes, ``memory_per_device * (1 - safety_margin)``:
+the same share every plan is fitted into, so packed trials never book the safety margin.
+
+Costs. A trial's predicted seconds are ``steps * flops_per_step / rate``: ``flops_per_step`` from
+the compiled step's ``cost_analysis()`` (per device), ``rate`` the highest FLOP/s any trial was
+measured to attain (`step_measured`); until the first measurement ``rate`` is 1 (costs are then
+right relative to each other, which is all a policy's choices depend on). Without FLOPs a
+trial's cost is None (unknown).
+A running trial's busy fraction is the share of that best rate it attains,
+``flops_per_step / rate / measured_seconds_per_step`` (``rate``: the device's attainable peak
+where known, else the best measured): the rest of its step is communication,
+launch gaps and host work that another trial on the same device can fill. Not measured yet, a
+trial counts as fully busy (in the last wave, compute-aware sharing then keeps away from it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from scamp_jax.elastic import Resize, RunningTrial, resizes
+from scamp_jax.placement import (
+    DeviceOption,
+    Placement,
+    PoolSnapshot,
+    ScampPolicy,
+    TrialRequest,
+    check_feasible,
+)
+from scamp_jax.pool import DevicePool
+from scamp_jax.usage import UsageRecorder
+
+
+def usable_capacity(memory_per_device: int, safety_margin: float) -> int:
+    """Bytes per device the pool books: the budget less the safety margin (what plans fit)."""
+    if not 0 <= safety_margin < 1:
+        raise ValueError(f"safety_margin={safety_margin} must be in [0, 1)")
+    return int(memory_per_device * (1.0 - safety_margin))
+
+
+@dataclass(frozen=True)
+class TrialPlan:
+    """A planned trial as the core sees it (the `planned` event).
+
+    Attributes:
+      key: trial number.
+      arrival: queue order (the ask order); smaller first.
+      devices: devices of the plan (data x model parallel degree).
+      bytes_per_device: the plan's predicted peak per device, bytes.
+      steps: training steps of the plan.
+      flops_per_step: FLOPs one device runs per step (``cost_analysis()``), None: unknown.
+      data_parallel, model_parallel, batch_size: the plan's degrees and global batch.
+      grow_bytes: bytes per device a larger device count's plan may need at most (the usable
+        share); > 0 lets the last wave offer 2x, 4x, ... the devices as options (uncosted until
+        planned); 0: no such options.
+    """
+
+    key: int
+    arrival: int
+    devices: int
+    bytes_per_device: int
+    steps: int
+    flops_per_step: float | None = None
+    data_parallel: int = 1
+    model_parallel: int = 1
+    batch_size: int = 1
+    grow_bytes: int = 0
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        """JSON-able fields (for ``results.json`` and the replay)."""
+        return {
+            "arrival": self.arrival, "devices": self.devices,
+            "bytes_per_device": self.bytes_per_device, "steps": self.steps,
+            "flops_per_step": self.flops_per_step, "data_parallel": self.data_parallel,
+            "model_parallel": self.model_parallel, "batch_size": self.batch_size,
+            "grow_bytes": self.grow_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, key: int, d: Mapping[str, float | int | None]) -> TrialPlan:
+        """Inverse of `as_dict`."""
+        flops = d.get("flops_per_step")
+        return cls(key, int(d["arrival"]), int(d["devices"]),  # type: ignore[arg-type]
+                   int(d["bytes_per_device"]), int(d["steps"]),  # type: ignore[arg-type]
+                   None if flops is None else float(flops),
+                   int(d.get("data_parallel") or 1), int(d.get("model_parallel") or 1),
+                   int(d.get("batch_size") or 1), int(d.get("grow_bytes") or 0))
+
+
+@dataclass(frozen=True)
+class Start:
+    """Start trial ``key`` on ``device_ids`` with ``plan`` (the plan for that device count)."""
+
+    key: int
+    device_ids: tuple[int, ...]
+    plan: TrialPlan
+
+
+@dataclass(frozen=True)
+class PlanOption:
+    """Plan queued trial ``key`` on ``devices`` devices (same global batch rule); answer with
+    `SchedulingCore.option_planned`. The trial stays queued meanwhile."""
+
+    key: int
+    devices: int
+
+
+@dataclass(frozen=True)
+class Replan:
+    """Plan trial ``key`` again after an out-of-memory run: ``devices`` devices and a global
+    batch of at most ``max_batch``."""
+
+    key: int
+    devices: int
+    max_batch: int
+
+
+@dataclass
+class _Running:
+    plan: TrialPlan
+    device_ids: tuple[int, ...]
+    started: float  # this run's start, seconds
+    seconds_per_step: float | None = None
+    step: int = 0  # steps done (of plan.steps) at the last measurement
+    measured_at: float = math.nan
+    training_since: float = math.nan  # when this run's first step began (its start-up ends)
+
+
+@dataclass
+class SchedulingCore:
+    """Queue, device pool and pace of a study's trials; decisions through ``policy``.
+
+    Args:
+      policy: `ScampPolicy` or `FixedPolicy` (`scamp_jax.placement`).
+      devices: devices in the pool.
+      memory_per_device: the budget per device, bytes.
+      safety_margin: fraction of the budget held back for estimation error; the pool books
+        `usable_capacity` per device.
+      restart_seconds: predicted cost of a restart on more devices, seconds; None: the start-up
+        time of the trial's current run.
+      peak_flops: FLOP/s one device can attain (data sheet times an attained fraction), or None
+        (unknown: the best rate measured so far stands in, which makes the fastest trial look
+        fully busy).
+    """
+
+    policy: object
+    devices: int
+    memory_per_device: int
+    safety_margin: float = 0.1
+    restart_seconds: float | None = None
+    peak_flops: float | None = None
+    pool: DevicePool = field(init=False)
+    usage: UsageRecorder = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.capacity = usable_capacity(self.memory_per_device, self.safety_margin)
+        self.pool = DevicePool([self.capacity] * self.devices)
+        # Utilisation is reported against the whole memory, as a device monitor shows it.
+        self.usage = UsageRecorder([self.memory_per_device] * self.devices, t0=0.0)
+        self._queue: dict[int, TrialPlan] = {}
+        self._options: dict[tuple[int, int], TrialPlan] = {}  # planned larger device counts
+        self._asked: set[tuple[int, int]] = set()  # PlanOption sent, no answer yet
+        self._no_grow: set[tuple[int, int]] = set()  # counts whose plan did not fit
+        self._running: dict[int, _Running] = {}
+        self._arrivals_pending = True
+        self._rate: float | None = self.peak_flops  # attainable FLOP/s per device
+        self.now = 0.0
+
+    # ------------------------------------------------------------------------------- events
+    def _at(self, now: float) -> None:
+        if now < self.now:
+            raise ValueError(f"event at {now} s is before the previous one at {self.now} s")
+        self.now = float(now)
+
+    def planned(self, now: float, plan: TrialPlan) -> None:
+        """Trial ``plan.key`` is planned and waits for devices (raises if it can never fit)."""
+        self._at(now)
+        if plan.key in self._queue or plan.key in self._running:
+            raise ValueError(f"trial {plan.key} is already queued or running")
+        check_feasible(TrialRequest(plan.key, self.policy.request_devices(plan.devices),
+                                    plan.bytes_per_device, plan.arrival), self.pool.capacity)
+        self._queue[plan.key] = plan
+
+    def set_arrivals_pending(self, pending: bool) -> None:
+        """Whether more trials may still be planned (False: the study's last wave)."""
+        self._arrivals_pending = bool(pending)
+
+    def step_measured(self, now: float, key: int, step: int, seconds_per_step: float,
+                      training_since: float | None = None) -> None:
+        """Running trial ``key`` has done ``step`` of its steps at ``seconds_per_step`` (measured
+        over this run's training so far); ``training_since``: when its first step began."""
+        self._at(now)
+        run = self._running.get(key)
+        if run is None or seconds_per_step <= 0:
+            return
+        run.seconds_per_step, run.step, run.measured_at = float(seconds_per_step), step, now
+        if training_since is not None:
+            run.training_since = float(training_since)
+        if run.plan.flops_per_step:
+            rate = run.plan.flops_per_step / seconds_per_step
+            self._rate = rate if self._rate is None else max(self._rate, rate)
+        self._rebook_busy()
+
+    def option_planned(self, key: int, devices: int, plan: TrialPlan | None) -> None:
+        """The plan of queued trial ``key`` on ``devices`` devices (None: it does not fit, the
+        option is withdrawn)."""
+        self._asked.discard((key, devices))
+        if plan is None or plan.devices != devices:
+            self._no_grow.add((key, devices))
+        else:
+            self._options[(key, devices)] = plan
+
+    def finished(self, now: float, key: int) -> None:
+        """Trial ``key``'s run ended (any state but a restart); its devices are free."""
+        self._at(now)
+        self._running.pop(key, None)
+        self.pool.release(key)
+        self.usage.finish(now, key)
+
+    def out_of_memory(self, now: float, key: int, bytes_needed: int | None, *,
+                      min_batch: int = 1, may_grow: bool = True) -> Replan | None:
+        """Trial ``key`` ran out of memory; free its devices and say how to plan it again.
+
+        With the measured peak ``bytes_needed`` (per device, bytes) the next batch cap scales
+        the failed batch by ``usable / bytes_needed`` (the peak grows at most linearly in the
+        batch, so this fits if anything does), and at most half of it; without it, half. A cap
+        below ``min_batch`` or the data-parallel degree moves the same batch to twice the
+        devices (``may_grow``, within the pool). None: no such plan (the trial fails).
+        """
+        plan = self._running[key].plan
+        self.finished(now, key)
+        return replan_after_oom(plan, bytes_needed, self.capacity, devices=self.devices,
+                                min_batch=min_batch, may_grow=may_grow)
+
+    def requeue(self, now: float, plan: TrialPlan) -> None:
+        """A re-planned trial waits again (its arrival kept)."""
+        self._options = {k: v for k, v in self._options.items() if k[0] != plan.key}
+        self.planned(now, plan)
+
+    def restarted(self, now: float, key: int, device_ids: Sequence[int], plan: TrialPlan) -> bool:
+        """Book running trial ``key`` on ``device_ids`` with ``plan`` (a restart on more
+        devices); False, with nothing changed, if the pool cannot hold it there now."""
+        self._at(now)
+        old = self.pool.request_of(key)
+        old_placement = self.pool.release(key)
+        placement = Placement(key, tuple(device_ids))
+        try:
+            self.pool.allocate(placement, self._request(plan))
+        except ValueError:
+            self.pool.allocate(old_placement, old)
+            self._no_grow.add((key, plan.devices))
+            return False
+        self.usage.move(now, placement, plan.bytes_per_device)
+        self._running[key] = _Running(plan, placement.device_ids, now)
+        return True
+
+    def withdraw(self, key: int, devices: int) -> None:
+        """Never offer trial ``key`` on ``devices`` devices again (its plan failed there)."""
+        self._no_grow.add((key, devices))
+
+    # ------------------------------------------------------------------------------ queries
+    @property
+    def queued(self) -> tuple[int, ...]:
+        """Keys of the waiting trials."""
+        return tuple(self._queue)
+
+    @property
+    def running(self) -> Mapping[int, tuple[int, ...]]:
+        """Device ids of the running trials, by key."""
+        return {k: r.device_ids for k, r in self._running.items()}
+
+    def plan_of(self, key: int) -> TrialPlan:
+        """The plan trial ``key`` runs or waits with."""
+        if key in self._running:
+            return self._running[key].plan
+        return self._queue[key]
+
+    def snapshot(self) -> PoolSnapshot:
+        """The pool as the policy sees it."""
+        return self.pool.snapshot()
+
+    def seconds(self, plan: TrialPlan) -> float | None:
+        """Predicted solo seconds of ``plan`` (None without FLOPs)."""
+        if not plan.flops_per_step:
+            return None
+        # Before the first measurement: the same FLOPs per second for all, so the order of
+        # trials (all a policy compares) is already right; the unit is not.
+        return plan.steps * plan.flops_per_step / (self._rate or 1.0)
+
+    def busy_fraction(self, key: int) -> float | None:
+        """Measured busy fraction of running trial ``key`` (None: not measured yet)."""
+        run = self._running.get(key)
+        if (run is None or run.seconds_per_step is None or not run.plan.flops_per_step
+                or self._rate is None):
+            return None
+        return min(1.0, run.plan.flops_per_step / self._rate / run.seconds_per_step)
+
+    def _predicted_busy(self, plan: TrialPlan) -> float | None:
+        # A trial's busy fraction: its own measurement while it runs; queued, what a running
+        # trial of the same FLOPs per step on as many devices was measured at. Else unknown
+        # (None).
+        if plan.key in self._running:
+            return self.busy_fraction(plan.key)
+        for key, run in self._running.items():
+            if (run.plan.flops_per_step == plan.flops_per_step
+                    and run.plan.devices == plan.devices and run.seconds_per_step):
+                return self.busy_fraction(key)
+        return None
+
+    def _request(self, plan: TrialPlan, options: tuple[DeviceOption, ...] = ()) -> TrialRequest:
+        # Unknown (not measured yet): fully busy, so that compute-aware sharing in the last
+        # wave joins only trials measured to leave compute spare.
+        busy = self._predicted_busy(plan)
+        return TrialRequest(plan.key, plan.devices, plan.bytes_per_device, plan.arrival,
+                            seconds=self.seconds(plan), options=options,
+                            busy_fraction=1.0 if busy is None else busy)
+
+    def _rebook_busy(self) -> None:
+        """Refresh the busy fractions booked in the pool from the latest measurements."""
+        for key in self._running:
+            busy = self.busy_fraction(key)
+            if busy is None:
+                continue
+            old = self.pool.request_of(key)
+            if abs(old.busy_fraction - busy) > 1e-12:
+                self.pool.rebook_busy(key, busy)
+
+    def _growth_options(self, plan: TrialPlan) -> tuple[DeviceOption, ...]:
+        if (not plan.grow_bytes or self._arrivals_pending
+                or not isinstance(self.policy, ScampPolicy) or not self.policy.elastic):
+            return ()
+        options = []
+        n = plan.devices * 2
+        while n <= self.devices:
+            if (plan.key, n) not in self._no_grow:
+                known = self._options.get((plan.key, n))
+                if known is not None:
+                    options.append(DeviceOption(n, known.bytes_per_device, self.seconds(known)))
+                else:  # not planned yet: the usable share bounds its peak; cost unknown
+                    options.append(DeviceOption(n, plan.grow_bytes, None))
+            n *= 2
+        return tuple(options)
+
+    # ------------------------------------------------------------------------------ actions
+    def decide(self, now: float) -> tuple[Start | PlanOption, ...]:
+        """Trials to start now (booked in the pool) and larger plans to ask for.
+
+        A placement on a device count whose plan is not known yet books nothing: it becomes a
+        `PlanOption` and the trial waits (the placement is decided again once the plan is in).
+        """
+        self._at(now)
+        if not self._queue:
+            return ()
+        requests = [self._request(p, self._growth_options(p)) for p in self._queue.values()]
+        placements = self.policy.decide(self.pool.snapshot(), requests,
+                                        arrivals_pending=self._arrivals_pending)
+        by_key = {r.key: r for r in requests}
+        actions: list[Start | PlanOption] = []
+        for placement in placements:
+            plan = self._queue[placement.key]
+            n = len(placement.device_ids)
+            if n != plan.devices and isinstance(self.policy, ScampPolicy):
+                grown = self._options.get((plan.key, n))
+                if grown is None:
+                    if (plan.key, n) not in self._asked:
+                        self._asked.add((plan.key, n))
+                        actions.append(PlanOption(plan.key, n))
+                    continue
+                plan = grown
+            request = by_key[placement.key]
+            if plan is not self._queue[placement.key]:
+                request = self._request(plan)
+            self.pool.allocate(placement, request)
+            booked = self.pool.request_of(placement.key).bytes_per_device
+            self.usage.start(now, placement, booked)
+            del self._queue[placement.key]
+            self._running[plan.key] = _Running(plan, placement.device_ids, now)
+            actions.append(Start(plan.key, placement.device_ids, plan))
+        return tuple(actions)
+
+    def resizes(self, now: float, reshapes: Mapping[int, Sequence[int]]) -> tuple[Resize, ...]:
+        """Running trials to restart on more devices now (`scamp_jax.elastic.resizes`).
+
+        Only with nothing queued and no arrivals pending. ``reshapes`` gives, per running trial,
+        the device counts it may restart on with its global batch (the caller knows which ones
+        keep the batch divisible). A trial's remaining time is its measured seconds per step
+        times its steps left; on ``p`` data-parallel replicas instead of ``d`` it is predicted
+        as ``d / p`` of that plus the restart (``restart_seconds``, else this run's start-up).
+        Trials not measured yet are left where they are.
+        """
+        self._at(now)
+        if self._queue or self._arrivals_pending:
+            return ()
+        views = []
+        for key, run in self._running.items():
+            if run.seconds_per_step is None or key not in reshapes:
+                continue
+            remaining = run.seconds_per_step * max(0, run.plan.steps - run.step)
+            restart = self.restart_seconds
+            if restart is None:
+                since = run.training_since if not math.isnan(run.training_since) else run.started
+                restart = max(0.0, since - run.started)
+            dp, mp = run.plan.data_parallel, run.plan.model_parallel
+            options = tuple(
+                DeviceOption(n, run.plan.bytes_per_device, remaining * dp * mp / n + restart)
+                for n in reshapes[key] if n > len(run.device_ids)
+                and (key, n) not in self._no_grow)
+            views.append(RunningTrial(key, run.device_ids,
+                                      self.pool.request_of(key).bytes_per_device, remaining,
+                                      options))
+        return resizes(self.policy, self.pool.snapshot(), views, queue_empty=True,
+                       arrivals_pending=False)
+
+    def still_worth(self, key: int, devices: int) -> bool:
+        """Whether restarting running trial ``key`` on ``devices`` devices still saves enough of
+        its remaining time, with its latest measured pace (its plan compiled meanwhile)."""
+        if not isinstance(self.policy, ScampPolicy):
+            return False
+        run = self._running.get(key)
+        if run is None or run.seconds_per_step is None:
+            return False
+        views = self.resizes(self.now, {key: (devices,)})
+        return any(r.key == key for r in views)
+
+    def restart_fits(self, key: int, device_ids: Sequence[int]) -> bool:
+        """Whether ``device_ids`` are still trial ``key``'s devices followed by idle ones."""
+        current = self._running[key].device_ids
+        snap = self.pool.snapshot()
+        return (tuple(device_ids[: len(current)]) == tuple(current)
+                and all(snap.is_empty(d) for d in device_ids[len(current):]))
+
+    def move_back(self, now: float, key: int, device_ids: Sequence[int], plan: TrialPlan) -> None:
+        """A restarted run failed before training: trial ``key`` goes back to ``device_ids``
+        with its earlier ``plan``; the failed device count is not offered again."""
+        self._at(now)
+        failed = self._running[key].plan.devices
+        self._no_grow.add((key, failed))
+        self.pool.release(key)
+        placement = Placement(key, tuple(device_ids))
+        self.pool.allocate(placement, self._request(plan))
+        self.usage.move(now, placement, plan.bytes_per_device)
+        self._running[key] = _Running(plan, placement.device_ids, now)
+
+
+def replan_after_oom(plan: TrialPlan, bytes_needed: int | None, usable_bytes: int, *,
+                     devices: int, min_batch: int = 1, may_grow: bool = True) -> Replan | None:
+    """How to plan ``plan`` again after its run needed ``bytes_needed`` per device (measured;
+    None: unknown) where ``usable_bytes`` were booked, on a pool of ``devices`` devices.
+
+    The next batch cap scales the failed batch by ``usable_bytes / bytes_needed`` (a step's
+    peak grows at most linearly in the batch, so the cap errs small), and is at most half the
+    failed batch; without a measurement, half. A cap below ``min_batch`` or the data-parallel
+    degree moves the same batch to twice the devices (``may_grow``, within the pool). None: no
+    such plan (the trial fails).
+    """
+    batch, dp = plan.batch_size, plan.data_parallel
+    cap = batch // 2
+    if bytes_needed:
+        cap = min(cap, int(batch * usable_bytes / bytes_needed))
+    cap -= cap % dp
+    if cap >= max(dp, min_batch):
+        return Replan(plan.key, plan.devices, cap)
+    if may_grow and plan.devices * 2 <= devices:
+        return Replan(plan.key, plan.devices * 2, batch)
+    return None

@@ -1,0 +1,47 @@
+"""Each schedule's largest batch under a per-device budget, from its compiled tick."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scamp_jax.pipeline import build_executor, build_program, make_schedule, split_layers
+from scamp_jax.pipeline.budget import BatchDoesNotFitError, plan_schedule
+from scamp_jax.pipeline.trainer import train_supernet
+from search_spaces.supernet import SupernetConfig, SupernetLayout, sample_subnets
+
+CONFIG = SupernetConfig(num_layers=2, num_choices=2, width=4, scale=2, window_size=4)
+SIDE = 4
+
+
+def _shapes(mb: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return (mb, SIDE, SIDE, 3), (mb, 2 * SIDE, 2 * SIDE, 3)
+
+
+@pytest.mark.slow
+def test_plan_takes_the_largest_batch_that_fits_and_runs_on_its_compiled_tick() -> None:
+    layout = SupernetLayout(CONFIG)
+    subnets = [s.choices for s in sample_subnets(6, CONFIG, 0)]
+    bounds = split_layers(2, 2)
+    prog = build_program(make_schedule("csp", subnets, bounds), subnets, bounds,
+                         prefetch_ahead=0)
+    # The budget is what the tick needs at a batch of 6, measured on its compiled program.
+    probe = build_executor(layout, [prog], num_stages=2, batch_size=6, lr_side=SIDE,
+                           offload=True)
+    budget = probe.compiled_memory(*_shapes(6))["device_bytes"]
+    plan, ex, program = plan_schedule(
+        layout, subnets, _shapes, schedule="csp", num_stages=2, budget_bytes=budget,
+        lr_side=SIDE, batch_multiple=2, max_prefetch_ahead=1,
+    )
+    assert plan.batch_size == 6 and plan.device_bytes <= budget
+    assert plan.fit[1] > 0 and plan.compiles == 3
+    assert program.prefetch_ahead == plan.prefetch_ahead
+    rng = np.random.default_rng(0)
+    lr = rng.random((6, 6, SIDE, SIDE, 3), dtype=np.float32)
+    hr = rng.random((6, 6, 2 * SIDE, 2 * SIDE, 3), dtype=np.float32)
+    res = train_supernet(layout, subnets, lr, hr, schedule="csp", num_stages=2, executor=ex,
+                         prefetch_ahead=plan.prefetch_ahead)
+    assert np.all(np.isfinite(res.losses))
+    with pytest.raises(BatchDoesNotFitError, match="more than the budget of 1000 bytes"):
+        plan_schedule(layout, subnets, _shapes, schedule="sequential", num_stages=2,
+                      budget_bytes=1000, lr_side=SIDE)

@@ -1,0 +1,125 @@
+"""The scheduling core: a real packed CPU study, replayed through the core, and its books.
+
+The study is real (MLP trials of ``test_engine`` in Optuna SQLite storage, real compiles and
+training on CPU devices); the replay feeds its recorded arrivals, paces and durations to a fresh
+`SchedulingCore` and must make the very same placements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import pytest
+from test_engine import Settings, build, suggest
+from test_runner import Regression
+
+from scamp_jax.placement import ScampPolicy
+from scamp_jax.scheduling import SchedulingCore, TrialPlan, replan_after_oom, usable_capacity
+from scamp_jax.scheduling.replay import recorded_placements, replay
+from scamp_jax.search import run_search
+from scamp_jax.space import SearchSpace
+
+MIB = 2**20
+BUDGET = 32_000
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def packed_study(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """Eight MLP trials on two CPU devices. Each trial's plan books about 10 KB per device:
+    the 32,000-byte budget would hold three of them, its usable 90% only two."""
+    study_dir = tmp_path_factory.mktemp("packed")
+    space = SearchSpace("mlp-ok", lambda t: {**suggest(t), "kind": "ok"}, build)
+    settings = dataclasses.replace(Settings(study_dir=str(study_dir)), trials=8, steps=40,
+                                   reference_batch=None, checkpoint_every=0)
+    run_search(space, Regression(), settings, devices=jax.devices()[:2],
+               memory_per_device=BUDGET, live=False)
+    return study_dir, json.loads((study_dir / "results.json").read_text())
+
+
+def _run(results: dict[str, Any]) -> dict[str, Any]:
+    run = results["run"]
+    return run[-1] if isinstance(run, list) else run
+
+
+def test_replay_of_a_real_packed_study_makes_the_same_placements(packed_study) -> None:
+    study_dir, results = packed_study
+    recorded = recorded_placements(results)
+    assert len(recorded) == 8
+    assert replay(results) == recorded
+    # The command line prints the same.
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.simulate_cluster", "--replay", str(study_dir),
+         "--json"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == {"placements": [[n, list(ids)] for n, ids in recorded]}
+
+
+def test_a_packed_study_never_books_a_device_above_its_usable_bytes(packed_study) -> None:
+    _, results = packed_study
+    run = _run(results)
+    usable = run["usable_bytes_per_device"]
+    assert usable == usable_capacity(run["memory_per_device"], run["safety_margin"])
+    assert usable < run["memory_per_device"]
+    assert run["policy_parts"]["policy"] == "scamp"
+    assert all(t["state"] == "complete" and t["replans"] == 0 for t in results["trials"])
+    # Sweep each device's bookings over time: distinct trials only, at their booked bytes.
+    peak_trials = 0
+    for device in range(run["pool_devices"]):
+        events = []
+        for t in results["trials"]:
+            if device in t["devices"]:
+                events += [(t["started_at"], 1, t["plan"]["bytes_per_device"], t["number"]),
+                           (t["finished_at"], -1, t["plan"]["bytes_per_device"], t["number"])]
+        booked, holders = 0, set()
+        for _, sign, nbytes, number in sorted(events, key=lambda e: (e[0], e[1])):
+            booked += sign * nbytes
+            holders = holders | {number} if sign > 0 else holders - {number}
+            assert booked <= usable, f"device {device} booked {booked} > usable {usable}"
+            peak_trials = max(peak_trials, len(holders))
+    # The study did pack (two trials shared a device), and booking the whole budget instead of
+    # its usable share would have let a third join.
+    assert peak_trials == 2
+    assert 3 * max(t["plan"]["bytes_per_device"] for t in results["trials"]) <= BUDGET
+
+
+def test_the_pool_books_usable_bytes_not_the_whole_budget() -> None:
+    core = SchedulingCore(ScampPolicy(), 1, 100 * MIB, 0.1)
+    assert core.pool.capacity == (90 * MIB,)
+    core.planned(0.0, TrialPlan(0, 0, 1, 50 * MIB, 10))
+    core.planned(0.0, TrialPlan(1, 1, 1, 45 * MIB, 10))
+    # 95 MiB fit the budget but not its usable 90 MiB: only the first starts.
+    assert [a.key for a in core.decide(0.0)] == [0]
+    core.finished(1.0, 0)
+    assert [a.key for a in core.decide(1.0)] == [1]
+
+
+def test_an_out_of_memory_replan_scales_the_batch_by_the_measured_bytes() -> None:
+    plan = TrialPlan(3, 0, 1, 40 * MIB, 10, batch_size=64)
+    # Measured 4x the usable share: a quarter of the batch (not just half).
+    assert replan_after_oom(plan, 360 * MIB, 90 * MIB, devices=4).max_batch == 16
+    # Unknown bytes: half.
+    assert replan_after_oom(plan, None, 90 * MIB, devices=4).max_batch == 32
+    # Below the floor: the same batch on twice the devices; nowhere to grow: none.
+    assert replan_after_oom(plan, 360 * MIB, 90 * MIB, devices=4, min_batch=32).devices == 2
+    assert replan_after_oom(plan, 360 * MIB, 90 * MIB, devices=1, min_batch=32) is None
+
+
+def test_busy_fractions_and_costs_come_from_measured_steps() -> None:
+    core = SchedulingCore(ScampPolicy(), 2, 100 * MIB, 0.1)
+    core.planned(0.0, TrialPlan(0, 0, 1, MIB, 100, flops_per_step=1e9))
+    core.planned(0.0, TrialPlan(1, 1, 1, MIB, 100, flops_per_step=4e9))
+    assert core.busy_fraction(0) is None
+    core.decide(0.0)
+    core.step_measured(1.0, 0, 10, 0.01)  # 1e11 FLOP/s
+    core.step_measured(2.0, 1, 10, 0.08)  # 5e10 FLOP/s: half the best rate
+    assert core.busy_fraction(0) == pytest.approx(1.0)
+    assert core.busy_fraction(1) == pytest.approx(0.5)
+    assert core.snapshot().busy[1] + core.snapshot().busy[0] == pytest.approx(1.5)
+    assert core.seconds(TrialPlan(2, 2, 1, MIB, 50, flops_per_step=2e9)) == pytest.approx(1.0)
+    assert core.seconds(TrialPlan(3, 3, 1, MIB, 50)) is None

@@ -1,0 +1,45 @@
+"""``python -m experiments.supernet_nas`` refuses impossible sizes at once, in one line, exit 2."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CASES = [
+    (["--layers", "0"], "--layers 0 must be at least 1; pass e.g. --layers 8"),
+    (["--stages", "3", "--layers", "8"],
+     "--layers 8 is not a multiple of --stages 3 (every stage holds the same number of "
+     "layers); pass --layers 9 or --stages one of 1, 2, 4, 8"),
+    (["--width", "0"], "--width 0 must be at least 1; pass e.g. --width 16"),
+    (["--stages", "-1"], "--stages -1 must be at least 1; pass e.g. --stages 4"),
+    (["--schedule", "gpipe", "--batch-size", "6", "--microbatches", "4"],
+     "--batch-size 6 is not a multiple of --microbatches 4; pass --batch-size 4"),
+    # 16 CPU devices at most on a CPU-only machine (MAX_CPU_STAGES), fewer GPUs elsewhere.
+    (["--stages", "100", "--layers", "100"],
+     r"--stages 100 needs one device per stage but there are \d+ \w+ devices; pass --stages "
+     r"\d+ or fewer"),
+]
+
+
+@pytest.mark.parametrize(("flags", "message"), CASES, ids=lambda x: " ".join(x) if
+                         isinstance(x, list) else None)
+def test_bad_sizes_exit_2_with_one_line_naming_the_flag(flags, message, tmp_path) -> None:
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.supernet_nas", *flags, "--out-dir",
+         str(tmp_path / "out"), "--quiet"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.search(message if "\\d" in message else re.escape(message), last), last
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert not (tmp_path / "out").exists()  # nothing written before the check
+    assert time.monotonic() - started < 60  # fails fast, no compile
