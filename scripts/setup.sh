@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv in the checkout and install scamp-jax into it.
 #   scripts/setup.sh            runtime only (enough for the experiments on one host)
-#   scripts/setup.sh test       + test tools, MPI (OpenMPI, mpi4py, mpi4jax) and the PyTorch
-#                               reference used by the SwinIR parity tests
+#   scripts/setup.sh test       + test tools, MPI (OpenMPI, mpi4py, mpi4jax), the PostgreSQL
+#                               driver and the PyTorch reference used by the SwinIR parity tests
 # Safe to run again: it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +29,7 @@ if [ "$mode" = "test" ]; then
       exit 1
     fi
   fi
-  extras=".[dev,mpi]"
+  extras=".[dev,mpi,postgres]"
 fi
 
 stamp="$VENV/.installed-$mode"
