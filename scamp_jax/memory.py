@@ -162,6 +162,9 @@ def with_batch_size(sample_batch: PyTree, batch_size: int) -> PyTree:
     )
 
 
+#: `StepCompiler.compile`'s default: the compiler's own options.
+_DEFAULT_OPTIONS = object()
+
 class StepCompiler:
     """Compiles the training step on abstract arguments for one mesh and sharding choice.
 
@@ -211,6 +214,21 @@ class StepCompiler:
 
     def estimate(self, batch_size: int) -> MemoryEstimate:
         """Compile the step for global ``batch_size`` and return its per-device memory."""
+        return self.compile(batch_size)[0]
+
+    def compile(
+        self,
+        batch_size: int,
+        options: dict[str, Any] | None | object = _DEFAULT_OPTIONS,
+        step: Any = None,
+    ) -> tuple[MemoryEstimate, Any, Any]:
+        """Compile the training step at global ``batch_size``; nothing runs.
+
+        Returns the per-device memory (`MemoryEstimate`, bytes), the executable and its
+        lowering. ``options`` are XLA compile options (default: this compiler's, fast
+        code generation on CPU; None: XLA's defaults, what a training run compiles); ``step``
+        a jitted step with this compiler's signature (default: its own).
+        """
         dp = self.data_parallel
         if batch_size < 1 or batch_size % dp:
             suggestion = max(1, -(-batch_size // dp)) * dp
@@ -218,10 +236,12 @@ class StepCompiler:
                 f"{batch_size=} must be a positive multiple of the data-parallel degree {dp}; "
                 f"use {suggestion}"
             )
+        if options is _DEFAULT_OPTIONS:
+            options = self.compiler_options
         batch = with_batch_size(self.sample_batch, batch_size)
         start = time.perf_counter()
-        lowered = self._step.lower(self.params, self.opt_state, self.rest, batch)
-        compiled = lowered.compile(self.compiler_options)
+        lowered = (step or self._step).lower(self.params, self.opt_state, self.rest, batch)
+        compiled = lowered.compile(options)
         seconds = time.perf_counter() - start
         stats = compiled.memory_analysis()
         if stats is None:
@@ -236,7 +256,7 @@ class StepCompiler:
         alias = int(stats.alias_size_in_bytes)
         peak = temp + argument + output - alias
         inputs = sh.bytes_per_device(batch, self.shardings.batch)
-        return MemoryEstimate(
+        estimate = MemoryEstimate(
             batch_size=batch_size,
             params=self.params_bytes,
             grads=self.params_bytes,
@@ -251,6 +271,7 @@ class StepCompiler:
             alias=alias,
             compile_seconds=seconds,
         )
+        return estimate, compiled, lowered
 
     def fit(
         self,

@@ -352,40 +352,7 @@ def compile_step(
     Returns the per-device memory (`MemoryEstimate`, bytes), the executable and its lowering.
     ``options`` are XLA compile options (None: defaults, what a training run compiles).
     """
-    batch = with_batch_size(compiler.sample_batch, batch_size)
-    start = time.perf_counter()
-    lowered = step.lower(compiler.params, compiler.opt_state, compiler.rest, batch)
-    compiled = lowered.compile(options)
-    seconds = time.perf_counter() - start
-    stats = compiled.memory_analysis()
-    if stats is None:
-        platform = compiler.mesh.devices.flat[0].platform
-        raise RuntimeError(
-            f"XLA on {platform} gives no memory analysis for compiled programs, so memory "
-            "cannot be estimated there; plan on a backend that does (CPU, GPU, TPU)"
-        )
-    temp = int(stats.temp_size_in_bytes)
-    argument = int(stats.argument_size_in_bytes)
-    output = int(stats.output_size_in_bytes)
-    alias = int(stats.alias_size_in_bytes)
-    peak = temp + argument + output - alias
-    inputs = sh.bytes_per_device(batch, compiler.shardings.batch)
-    estimate = MemoryEstimate(
-        batch_size=batch_size,
-        params=compiler.params_bytes,
-        grads=compiler.params_bytes,
-        opt_state=compiler.opt_state_bytes,
-        rest=compiler.rest_bytes,
-        inputs=inputs,
-        activations_and_temps=peak - compiler.state_bytes - inputs,
-        peak=peak,
-        temp=temp,
-        argument=argument,
-        output=output,
-        alias=alias,
-        compile_seconds=seconds,
-    )
-    return estimate, compiled, lowered
+    return compiler.compile(batch_size, options, step)
 
 
 @dataclass

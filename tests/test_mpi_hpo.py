@@ -107,7 +107,8 @@ def test_spanning_trials_run_in_rounds_of_disjoint_rank_groups():
 
 
 def test_mpi_engine_defers_a_trial_whose_batch_floor_one_rank_cannot_hold():
-    """A real plan: the MLP fits a batch of about 5 in 4 KiB, the floor is 8, so it spans 2."""
+    """A real plan: the MLP fits a batch of 6 in 4.5 KiB (its prefetched batch counted), the
+    floor is 8, so it spans 2."""
     from test_runner import MLP, Regression
 
     from scamp_jax.distributed.engine import MPISearchEngine
@@ -115,7 +116,7 @@ def test_mpi_engine_defers_a_trial_whose_batch_floor_one_rank_cannot_hold():
     from scamp_jax.space import SearchSpace
 
     space = SearchSpace("mlp", lambda t: {}, lambda p, rngs: MLP(int(p["width"]), rngs))
-    config = EngineConfig(steps=4, memory_per_device=4096, max_batch_size=8, min_batch_size=8)
+    config = EngineConfig(steps=4, memory_per_device=4608, max_batch_size=8, min_batch_size=8)
     import jax
 
     engine = MPISearchEngine(2, space, Regression(), source=None, config=config,
@@ -123,10 +124,10 @@ def test_mpi_engine_defers_a_trial_whose_batch_floor_one_rank_cannot_hold():
     with pytest.raises(TrialDeferred, match="spans 2 ranks") as deferred:
         engine.plan({"width": 16})
     span = deferred.value.payload
-    assert span.ranks == 2 and span.batch_per_rank == 4 and span.peak_bytes_per_device <= 4096
+    assert span.ranks == 2 and span.batch_per_rank == 4 and span.peak_bytes_per_device <= 4608
     # Without the floor the same configuration simply fits one device.
     local = MPISearchEngine(2, space, Regression(), source=None,
-                            config=EngineConfig(steps=4, memory_per_device=4096,
+                            config=EngineConfig(steps=4, memory_per_device=4608,
                                                 max_batch_size=8),
                             devices=jax.devices()[:1])
     assert local.plan({"width": 16}).batch_size < 8
@@ -233,8 +234,9 @@ def test_study_split_across_two_ranks_records_every_trial_once_with_its_rank(
 def test_a_trial_too_big_for_one_rank_spans_two_and_equals_the_single_process_run(
     tmp_path, _needs_mpi
 ):
-    # One device of 4 KiB per rank holds a batch of about 5 of this MLP; the study asks for 8.
-    proc = _launch(tmp_path, 2, "--trials", "2", "--devices", "1", "--memory-per-device", "4KiB",
+    # One device of 4.5 KiB per rank holds a batch of 6 of this MLP (its prefetched batch
+    # counted); the study asks for 8.
+    proc = _launch(tmp_path, 2, "--trials", "2", "--devices", "1", "--memory-per-device", "4608",
                    "--min-batch-size", "8")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "spans ranks [0, 1]: global batch 8 (4 per rank)" in proc.stdout
