@@ -228,6 +228,12 @@ def test_study_split_across_two_ranks_records_every_trial_once_with_its_rank(
     assert sorted(r["rank"] for r in results["run"]["per_rank"]) == [0, 1]
     assert [s for _, s, _ in _stored_trials(tmp_path)] == ["COMPLETE"] * 4
     assert "[rank 1]" in proc.stdout  # rank 1 logs plain lines under its rank
+    # The study remembers its settings under MPI too: a rerun with other steps is refused and
+    # leaves the finished trials as they were.
+    again = _launch(tmp_path, 2, "--trials", "4", "--steps", "30")
+    assert again.returncode != 0
+    assert "steps" in again.stderr and "--study-name" in again.stderr, again.stderr
+    assert [s for _, s, _ in _stored_trials(tmp_path)] == ["COMPLETE"] * 4
 
 
 @pytest.mark.mpi

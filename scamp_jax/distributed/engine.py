@@ -232,7 +232,7 @@ def _run(space: Any, task: Any, settings: Any, devices: Sequence[Any], memory_pe
     from rich.console import Console
 
     from scamp_jax.live import LiveView
-    from scamp_jax.search import engine_config, run_summary, write_study_report
+    from scamp_jax.search import engine_config, run_summary, study_settings, write_study_report
     from scamp_jax.study import open_study
 
     study_dir = Path(settings.study_dir)
@@ -242,6 +242,7 @@ def _run(space: Any, task: Any, settings: Any, devices: Sequence[Any], memory_pe
             space.name, study_dir=study_dir, storage=settings.storage,
             direction=task.direction, sampler=settings.sampler, pruner=settings.pruner,
             seed=settings.seed, grid=space.grid, warmup_steps=settings.eval_every,
+            settings=study_settings(space, settings, memory_per_device),
         )
         if not study.get_trials(deepcopy=False):
             for params in getattr(settings, "initial_params", ()):
