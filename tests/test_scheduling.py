@@ -82,9 +82,10 @@ def test_a_packed_study_never_books_a_device_above_its_usable_bytes(packed_study
             holders = holders | {number} if sign > 0 else holders - {number}
             assert booked <= usable, f"device {device} booked {booked} > usable {usable}"
             peak_trials = max(peak_trials, len(holders))
-    # The study did pack (two trials shared a device), and booking the whole budget instead of
-    # its usable share would have let a third join.
-    assert peak_trials == 2
+    # The study did pack (trials shared a device). How many overlap depends on which trials'
+    # runs meet in time (their plans differ in size); the bound above holds whatever they are,
+    # and three of the largest would fit the whole budget, so it is the usable share that binds.
+    assert peak_trials >= 2
     assert 3 * max(t["plan"]["bytes_per_device"] for t in results["trials"]) <= BUDGET
 
 
