@@ -133,7 +133,7 @@ def test_mpi_engine_defers_a_trial_whose_batch_floor_one_rank_cannot_hold():
     assert local.plan({"width": 16}).batch_size < 8
 
 
-def _local_source(tmp_path: Path, n_trials: int):
+def _local_source(tmp_path: Path, n_trials: int, root: Path | None = None):
     require_module("mpi4py", "the mpi extra is not installed: pip install .[mpi]")
     import optuna
 
@@ -147,7 +147,7 @@ def _local_source(tmp_path: Path, n_trials: int):
         return {"x": trial.suggest_float("x", 0.0, 1.0)}
 
     # One process is a world of one rank: rank 0's server, used through the local client.
-    server = StudyServer(study, suggest, n_trials)
+    server = StudyServer(study, suggest, n_trials, root=root)
     return study, server, RemoteTrialSource(StudyClient.local(server))
 
 
@@ -168,6 +168,20 @@ def test_remote_source_tells_attributes_and_requeues_an_interrupted_trial(tmp_pa
     assert trials[second.number].user_attrs[FAIL_REASON] == INTERRUPTED
     assert trials[again.number].user_attrs[FAIL_REASON] == "diverged"
     assert source.remaining() == 0 and source.ask() is None
+
+
+def test_study_server_stores_checkpoint_paths_relative_to_the_study(tmp_path):
+    study, server, source = _local_source(tmp_path, n_trials=2, root=tmp_path)
+    inside, outside = source.ask(), source.ask()
+    elsewhere = tmp_path.parent / "elsewhere" / "7"
+    source.tell(TrialOutcome(inside.number, "complete", value=0.1, attrs={
+        "checkpoint": str(tmp_path / "checkpoints" / inside.checkpoint_key / "7")}))
+    source.tell(TrialOutcome(outside.number, "complete", value=0.2,
+                             attrs={"checkpoint": str(elsewhere)}))
+    stored = {t.number: t.user_attrs["checkpoint"] for t in study.get_trials()}
+    # A copied study folder still finds its checkpoints; a path outside the study stays whole.
+    assert stored[inside.number] == f"checkpoints/{inside.checkpoint_key}/7"
+    assert stored[outside.number] == str(elsewhere)
 
 
 def test_study_server_requeues_trials_a_dead_job_left_running(tmp_path):
@@ -224,6 +238,10 @@ def test_study_split_across_two_ranks_records_every_trial_once_with_its_rank(
     assert sorted(numbers) == [0, 1, 2, 3]  # each trial exactly once
     assert all(t["state"] == "complete" and t["mse"] is not None for t in results["trials"])
     assert {t["rank"] for t in results["trials"]} == {0, 1}  # both ranks ran work
+    # Checkpoint paths are stored relative to the study, so a copied folder still finds them.
+    stored = [t["checkpoint"] for t in results["trials"]]
+    assert all(c and not Path(c).is_absolute() for c in stored), stored
+    assert all((tmp_path / "study" / c).is_dir() for c in stored), stored
     assert results["run"]["ranks"] == 2 and results["run"]["trials_this_run"] == 4
     assert sorted(r["rank"] for r in results["run"]["per_rank"]) == [0, 1]
     assert [s for _, s, _ in _stored_trials(tmp_path)] == ["COMPLETE"] * 4

@@ -249,7 +249,8 @@ def _run(space: Any, task: Any, settings: Any, devices: Sequence[Any], memory_pe
                 study.enqueue_trial(dict(params), skip_if_exists=True)
         return study
 
-    client, server = shared_study(make_study, space.suggest, settings.trials, comm)
+    client, server = shared_study(make_study, space.suggest, settings.trials, comm,
+                                  root=study_dir)
     if console is None:
         out: Any = sys.stdout if rank == 0 else RankStream(rank)
         console = Console(file=out, soft_wrap=True,

@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from scamp_jax.distributed.mpi import import_mpi4py
@@ -77,6 +78,8 @@ class StudyServer:
         them again, without waiting for a heartbeat. Default (None): only for a study without
         a heartbeat; a study opened by `scamp_jax.study.open_study` recovers dead jobs' trials
         through its heartbeat and never touches the trials of other live jobs.
+      root: the study's directory; a told ``checkpoint`` attribute under it is stored relative
+        to it (as `OptunaTrialSource` does), so a copied study folder still finds its checkpoints.
     """
 
     def __init__(
@@ -88,6 +91,7 @@ class StudyServer:
         comm: Any = None,
         poll_seconds: float = 0.005,
         fail_stale: bool | None = None,
+        root: str | Path | None = None,
     ):
         mpi = import_mpi4py()
         base = mpi.COMM_WORLD if comm is None else comm
@@ -106,10 +110,11 @@ class StudyServer:
         self.comm = base.Dup()
         self.poll_seconds = poll_seconds
         space = SearchSpace(study.study_name, suggest, build=_no_build)
-        probe = OptunaTrialSource(study, space, n_trials)
+        probe = OptunaTrialSource(study, space, n_trials, root=root)
         if fail_stale is None:
             fail_stale = not probe.has_liveness
-        self.source = (OptunaTrialSource(study, space, n_trials, recover_running=True)
+        self.source = (OptunaTrialSource(study, space, n_trials, root=root,
+                                         recover_running=True)
                        if fail_stale else probe)
         self.stale_failed = list(self.source.recovered)
         self._already = self.source.finished()
@@ -338,16 +343,18 @@ def shared_study(
     suggest: Callable[[Any], dict[str, Any]],
     n_trials: int,
     comm: Any = None,
+    root: str | Path | None = None,
 ) -> tuple[StudyClient, StudyServer | None]:
     """Set up the shared study on every rank (collective).
 
     Rank 0 calls ``make_study()`` (create or load the study from its storage), starts the
     `StudyServer` and returns ``(local client, server)``; the others return
     ``(remote client, None)``. When its own trials are done, rank 0 calls ``server.join()``.
+    ``root`` is the study's directory: checkpoint paths under it are stored relative to it.
     """
     mpi = import_mpi4py()
     comm = mpi.COMM_WORLD if comm is None else comm
     if comm.Get_rank() == 0:
-        server = StudyServer(make_study(), suggest, n_trials, comm=comm).start()
+        server = StudyServer(make_study(), suggest, n_trials, comm=comm, root=root).start()
         return StudyClient.local(server), server
     return StudyClient.remote(comm), None
