@@ -368,21 +368,28 @@ class _Search:
     step: jax.stages.Wrapped
     options: dict[str, Any] | None
     seen: dict[int, MemoryEstimate] = field(default_factory=dict)
-    executables: dict[int, tuple[jax.stages.Compiled, jax.stages.Lowered]] = field(
+    #: executable, lowering and whether it was compiled with default XLA options (run grade)
+    executables: dict[int, tuple[jax.stages.Compiled, jax.stages.Lowered, bool]] = field(
         default_factory=dict
     )
     compiles: int = 0
     #: per-device bytes of the prefetched next batch per global sample (exactly linear).
     prefetch_per_sample: float = 0.0
+    #: compile the batches the memory model predicts to be the answer with default XLA options
+    #: (when ``options`` are faster ones), so that the answer's executable is the runner's.
+    run_grade_answers: bool = False
 
-    def peak(self, batch: int) -> MemoryEstimate:
+    def peak(self, batch: int, answer: bool = False) -> MemoryEstimate:
+        """The compiled memory at ``batch`` (compiled now if not known); ``answer``: the memory
+        model predicts ``batch`` to be the largest that fits."""
         if batch not in self.seen:
+            run_grade = self.options is None or (answer and self.run_grade_answers)
             estimate, compiled, lowered = compile_step(
-                self.step, self.compiler, batch, self.options
+                self.step, self.compiler, batch, None if run_grade else self.options
             )
             self.compiles += 1
             self.seen[batch] = estimate
-            self.executables[batch] = (compiled, lowered)
+            self.executables[batch] = (compiled, lowered, run_grade)
         return self.seen[batch]
 
     def prefetch(self, batch: int) -> int:
@@ -433,13 +440,18 @@ def _largest_batch(search: _Search, cap: int) -> int:
                 f"{lo}, not at {hi}); pass max_batch_size to bound it"
             )
         guess = None
+        answer = False
         if secant_steps < _SECANT_STEPS:
             secant_steps += len(search.seen) >= 2
             guess = _model_guess(search, lo, hi, cap)
+            # A guess the known points chose, other than the step up from a fitting batch, is
+            # the model's prediction of the answer (the blind first probe is not).
+            answer = guess is not None and bool(search.seen) and (
+                lo is None or guess != lo + dp)
         if guess is None:  # bisection
             low = lo if lo is not None else 0
             guess = max(dp, low + ((hi - low) // dp // 2) * dp)
-        search.peak(guess)
+        search.peak(guess, answer)
 
 
 def _model_guess(search: _Search, lo: int | None, hi: int, cap: int) -> int | None:
@@ -567,9 +579,13 @@ def plan_mesh(
       compile_for_run: keep the step compiled at the plan's batch with default XLA options as
         ``plan.compiled_step`` for the runner. Default: on accelerators (where the search
         compiles with default options anyway, so it is free); not on CPU, where the search
-        compiles with fast code-generation settings and a run-grade compile costs one more
-        (slower) compile, worth it only when the trial runs on the planned devices. A plan
-        answered by ``cache`` compiles nothing and has no compiled step.
+        compiles with fast code-generation settings (LLVM level 0: half the compile time,
+        half-speed code). With it on CPU, the batches the memory model predicts to be the
+        answer are compiled with default options, so the usual plan still takes three
+        compiles (one of them a slower, run-grade one) and the runner none; a fourth
+        (run-grade) compile only when the prediction missed. Worth it when the trial runs on
+        the planned devices. A plan answered by ``cache`` compiles nothing and has no
+        compiled step.
       eval_task: a task with the `scamp_jax.evaluation.ChunkedEvalTask` methods: its evaluation
         forward is compiled on the same mesh and its chunk chosen (`Plan.eval_chunk`) so that
         evaluating never needs more per device than training, unless one sample per
@@ -650,8 +666,10 @@ def plan_mesh(
             continue
         step = jit_train_step(compiler.graphdef, compiler.optimizer, compiler.loss_fn, shardings)
         one_sample = sh.bytes_per_device(with_batch_size(sample_batch, dp), shardings.batch)
+        run_grade = compiler.compiler_options is None
+        want_step = compile_for_run if compile_for_run is not None else run_grade
         search = _Search(compiler, usable, step, compiler.compiler_options,
-                         prefetch_per_sample=one_sample / dp)
+                         prefetch_per_sample=one_sample / dp, run_grade_answers=want_step)
         mp_cap = (cap // dp) * dp
         evaluator, eval_floor = None, 0
         if eval_groups:
@@ -697,10 +715,9 @@ def plan_mesh(
         memory_model = _local_fit(search, batch, hi)
         estimate = search.seen[batch]
         compiled_step = None
-        run_grade = compiler.compiler_options is None
-        if compile_for_run if compile_for_run is not None else run_grade:
-            if run_grade and batch in search.executables:
-                executable, lowered = search.executables[batch]
+        if want_step:
+            if batch in search.executables and search.executables[batch][2]:
+                executable, lowered, _ = search.executables[batch]
             else:
                 run_estimate, executable, lowered = compile_step(step, compiler, batch, None)
                 compiles += 1
