@@ -37,7 +37,8 @@ class TimedPlanner:
 
     Sums over calls (several planner threads may plan at once, so the sum can exceed the time
     planning was under way): ``wall_s`` wall-clock seconds, ``cpu_s`` CPU seconds of the calling
-    threads, ``compiles`` training-step compiles, ``cached`` plans answered by the cache.
+    threads (XLA's own compile worker threads are not in it), ``compiles`` training-step
+    compiles, ``cached`` plans answered by the cache.
     """
 
     def __init__(self, cache_path: Path) -> None:
@@ -119,10 +120,13 @@ def format_table(rows: Sequence[dict[str, Any]], markdown: bool) -> str:
              f"{r['idle_device_seconds']:.1f}", f"{r['trials_per_hour']:.1f}",
              "" if r["best"] is None else f"{r['best']:.4g}"] for r in rows]
     if any("planning_s" in r for r in rows):
-        head += ["planning s (sum)", "planning share", "plan compiles"]
+        head += ["planning s (sum)", "planning share", "planner thread cpu s", "plan compiles",
+                 "plans cached"]
         for r, row in zip(rows, body, strict=True):
             row += ([f"{r['planning_s']:.1f}", f"{100 * r['planning_s'] / r['end_to_end_s']:.0f}%",
-                     str(r["plan_compiles"])] if "planning_s" in r else ["-", "-", "-"])
+                     f"{r['planning_cpu_s']:.1f}", str(r["plan_compiles"]),
+                     f"{r['plans_cached']}/{r['plan_calls']}"]
+                    if "planning_s" in r else ["-"] * 5)
     ratio = ratio_line(rows)
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -7,7 +7,9 @@ cores). For each registered model it plans training with ``plan_mesh`` and print
 - ``compiled``: an independent compile of the same step with default XLA options;
 - errors of both against ``compiled``, the planning time of a new plan (wall-clock and CPU
   seconds, all threads) and its compiles (counted from JAX's compile events), and the same for
-  the cached plan (a fresh ``PlanCache`` on the file the first plan wrote, as a resumed study);
+  the cached plan (a fresh ``PlanCache`` on the file the first plan wrote, as a resumed study),
+  and of the same new plan keeping the runner's step (``compile_for_run=True``: the runner then
+  compiles nothing);
 - on a GPU, ``measured``: ``peak_bytes_in_use`` after two real training steps, each model in a
   fresh process (the allocator's peak counter cannot be reset).
 
@@ -163,6 +165,15 @@ def measure(case: Case, devices: int, budget: str | None) -> dict[str, Any]:
     shutil.rmtree(cache_dir)
     if not cached.cached or cached != plan:
         raise RuntimeError(f"{case.name}: the cached plan differs from the one just stored")
+    # The same new plan keeping the runner's step (compile_for_run): what planning costs when
+    # the runner then compiles nothing.
+    cpu_start = time.process_time()
+    with CompileCounter() as ready_count:
+        ready = plan_mesh(model, sample, devices=devices, memory_per_device=budget or case.budget,
+                          compile_for_run=True)
+    ready_cpu_seconds = time.process_time() - cpu_start
+    if ready.compiled_step is None or ready.batch_size != plan.batch_size:
+        raise RuntimeError(f"{case.name}: the plan for the runner differs from the plan")
 
     tx = default_optimizer()
     graphdef, _, _ = split_model(model)
@@ -184,6 +195,8 @@ def measure(case: Case, devices: int, budget: str | None) -> dict[str, Any]:
         "cached_seconds": cached_seconds,
         "cached_cpu_seconds": cached_cpu_seconds,
         "cached_compiles": cached_count.compiles["jit(step)"],
+        "ready_cpu_seconds": ready_cpu_seconds,
+        "ready_compiles": ready_count.compiles["jit(step)"],
         "seconds_per_compile": plan_seconds / max(plan.compiles, 1),
     }
 
@@ -237,7 +250,8 @@ def render(rows: list[dict[str, Any]], markdown: bool) -> str:
     from scamp_jax._units import format_bytes
 
     head = ["model", "params", "mesh", "batch", "planned", "compiled", "planned err", "plan s",
-            "plan cpu s", "compiles", "cached cpu s", "cached compiles"]
+            "plan cpu s", "compiles", "cached cpu s", "cached compiles", "run-ready cpu s",
+            "run-ready compiles"]
     gpu = any(r.get("measured") is not None for r in rows)
     if gpu:
         head += ["measured", "planned vs measured"]
@@ -247,7 +261,8 @@ def render(rows: list[dict[str, Any]], markdown: bool) -> str:
                 format_bytes(r["planned"]), format_bytes(r["compiled"]),
                 _pct(r["planned"], r["compiled"]), f"{r['plan_seconds']:.1f}",
                 f"{r['plan_cpu_seconds']:.1f}", str(r["compiles"]),
-                f"{r['cached_cpu_seconds']:.2f}", str(r["cached_compiles"])]
+                f"{r['cached_cpu_seconds']:.2f}", str(r["cached_compiles"]),
+                f"{r['ready_cpu_seconds']:.1f}", str(r["ready_compiles"])]
         if gpu:
             m = r.get("measured")
             line += [format_bytes(m) if m else "-", _pct(r["planned"], m) if m else "-"]

@@ -45,7 +45,7 @@ from scamp_jax.train_step import LossFn, abstract_state, default_loss, split_mod
 PyTree = Any
 
 #: Bumped when the stored record layout changes (old records are then ignored, not misread).
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 #: SQLite busy timeout, seconds: how long a writer waits for another process's transaction.
 _BUSY_TIMEOUT_S = 30.0
 

@@ -15,8 +15,13 @@ multiple of the data-parallel degree does not (or the cap). Memory is only piece
 the batch (flat at small batches, jumps where XLA changes strategy), so a prediction is never
 trusted: when secant steps stall, bisection takes over. Three compiles for a new architecture in
 the common case, two when earlier compiles of the same program on the same mesh shape are known
-(``cache=``), none for a cached plan. Degrees whose parameters and optimizer state alone exceed
-the budget are rejected from shapes, without compiling.
+(``cache=``), none for a cached plan. On CPU only the batches the model predicts to be the answer
+are compiled exactly; the others (the first probe, the step up that shows the answer is the
+largest) are rough compiles (``scamp_jax.memory.CPU_ROUGH_COMPILE``, 1.5-3x cheaper, peaks within
+512 bytes), trusted only further than ``ROUGH_TOLERANCE`` of the budget from the boundary and
+compiled again exactly otherwise, and always when one turns out to be the answer. Degrees whose
+parameters and optimizer state alone exceed the budget are rejected from shapes, without
+compiling.
 
 Planning only compiles: it allocates nothing and runs nothing on any device.
 """
@@ -38,6 +43,7 @@ from scamp_jax import sharding as sh
 from scamp_jax._units import format_bytes, parse_bytes
 from scamp_jax.evaluation import EvalCompiler, abstract_eval_inputs, plan_eval
 from scamp_jax.memory import (
+    ROUGH_TOLERANCE,
     MemoryEstimate,
     MemoryModel,
     StepCompiler,
@@ -122,7 +128,7 @@ class Plan:
       planning_seconds, compiles: what planning cost (wall-clock seconds, number of compiles).
       compiled_peaks: ``(global batch, peak bytes per device)`` of every compiled point on the
         chosen mesh that the search used, in the order it learnt them (points known from the
-        plan cache first).
+        plan cache first); on CPU all but ``batch_size`` may be rough figures (see above).
       compiled_step: the step compiled at ``batch_size`` for the runner (`CompiledStep`), or
         None (CPU plans by default compile faster code-generation settings than a run wants;
         cached plans compile nothing).
@@ -360,7 +366,10 @@ class _Search:
     """Compiled peaks known so far for one mesh (mutable, private to one plan).
 
     ``seen`` may start with points from a `PlanCache` (compiled earlier, same program and mesh
-    shape); ``compiles`` counts the compiles this search made.
+    shape); ``compiles`` counts the compiles this search made. Batches in ``rough`` were compiled
+    with ``rough_options`` (cheaper, figures within ``tolerance`` bytes of exact ones): they guide
+    the search and decide fit or no fit only when their need is more than ``tolerance`` away from
+    ``usable``; otherwise, and for the answer, the batch is compiled exactly.
     """
 
     compiler: StepCompiler
@@ -368,22 +377,46 @@ class _Search:
     step: jax.stages.Wrapped
     options: dict[str, Any] | None
     seen: dict[int, MemoryEstimate] = field(default_factory=dict)
-    executables: dict[int, tuple[jax.stages.Compiled, jax.stages.Lowered]] = field(
+    #: executable, lowering and whether it was compiled with default XLA options (run grade)
+    executables: dict[int, tuple[jax.stages.Compiled, jax.stages.Lowered, bool]] = field(
         default_factory=dict
     )
     compiles: int = 0
     #: per-device bytes of the prefetched next batch per global sample (exactly linear).
     prefetch_per_sample: float = 0.0
+    #: compile the batches the memory model predicts to be the answer with default XLA options
+    #: (when ``options`` are faster ones), so that the answer's executable is the runner's.
+    run_grade_answers: bool = False
+    rough_options: dict[str, Any] | None = None
+    tolerance: int = 0
+    rough: set[int] = field(default_factory=set)
 
-    def peak(self, batch: int) -> MemoryEstimate:
+    def peak(self, batch: int, answer: bool = False) -> MemoryEstimate:
+        """The compiled memory at ``batch`` (compiled now if not known); ``answer``: the memory
+        model predicts ``batch`` to be the largest that fits (compiled exactly)."""
         if batch not in self.seen:
-            estimate, compiled, lowered = compile_step(
-                self.step, self.compiler, batch, self.options
-            )
-            self.compiles += 1
-            self.seen[batch] = estimate
-            self.executables[batch] = (compiled, lowered)
+            if answer or self.rough_options is None:
+                self._compile(batch, exact=True, answer=answer)
+            else:
+                self._compile(batch, exact=False, answer=False)
         return self.seen[batch]
+
+    def make_exact(self, batch: int, answer: bool = False) -> None:
+        """Compile a rough point again, exactly."""
+        if batch in self.rough:
+            self._compile(batch, exact=True, answer=answer)
+
+    def _compile(self, batch: int, exact: bool, answer: bool) -> None:
+        run_grade = exact and (self.options is None or (answer and self.run_grade_answers))
+        options = None if run_grade else self.options if exact else self.rough_options
+        estimate, compiled, lowered = compile_step(self.step, self.compiler, batch, options)
+        self.compiles += 1
+        self.seen[batch] = estimate
+        self.executables[batch] = (compiled, lowered, run_grade)
+        if exact:
+            self.rough.discard(batch)
+        else:
+            self.rough.add(batch)
 
     def prefetch(self, batch: int) -> int:
         return round(self.prefetch_per_sample * batch)
@@ -393,7 +426,12 @@ class _Search:
         return self.peak(batch).peak + self.prefetch(batch)
 
     def fits(self, batch: int) -> bool:
-        return self.need(batch) <= self.usable
+        """Whether ``batch`` fits (a rough point too close to call is compiled exactly)."""
+        need = self.need(batch)
+        if batch in self.rough and abs(need - self.usable) <= self.tolerance:
+            self.make_exact(batch)
+            need = self.need(batch)
+        return need <= self.usable
 
     def affine(self, a: int, b: int) -> MemoryModel:
         return affine_fit(self.seen[a], self.seen[b], self.compiler.data_parallel)
@@ -402,9 +440,9 @@ class _Search:
         """``(lo, hi)``: the smallest known batch that does not fit (``cap + dp`` if none) and
         the largest known batch below it that fits (None if none)."""
         dp = self.compiler.data_parallel
-        over = [b for b in self.seen if self.need(b) > self.usable and b <= cap]
+        over = [b for b in list(self.seen) if b <= cap and not self.fits(b)]
         hi = min(over, default=cap + dp)
-        under = [b for b in self.seen if self.need(b) <= self.usable and b < hi]
+        under = [b for b in list(self.seen) if b < hi and self.fits(b)]
         return max(under, default=None), hi
 
 
@@ -433,13 +471,18 @@ def _largest_batch(search: _Search, cap: int) -> int:
                 f"{lo}, not at {hi}); pass max_batch_size to bound it"
             )
         guess = None
+        answer = False
         if secant_steps < _SECANT_STEPS:
             secant_steps += len(search.seen) >= 2
             guess = _model_guess(search, lo, hi, cap)
+            # A guess the known points chose, other than the step up from a fitting batch, is
+            # the model's prediction of the answer; the blind first probe is only at the cap.
+            answer = guess is not None and (guess == cap or bool(search.seen) and (
+                lo is None or guess != lo + dp))
         if guess is None:  # bisection
             low = lo if lo is not None else 0
             guess = max(dp, low + ((hi - low) // dp // 2) * dp)
-        search.peak(guess)
+        search.peak(guess, answer)
 
 
 def _model_guess(search: _Search, lo: int | None, hi: int, cap: int) -> int | None:
@@ -567,9 +610,13 @@ def plan_mesh(
       compile_for_run: keep the step compiled at the plan's batch with default XLA options as
         ``plan.compiled_step`` for the runner. Default: on accelerators (where the search
         compiles with default options anyway, so it is free); not on CPU, where the search
-        compiles with fast code-generation settings and a run-grade compile costs one more
-        (slower) compile, worth it only when the trial runs on the planned devices. A plan
-        answered by ``cache`` compiles nothing and has no compiled step.
+        compiles with fast code-generation settings (LLVM level 0: half the compile time,
+        half-speed code). With it on CPU, the batches the memory model predicts to be the
+        answer are compiled with default options, so the usual plan still takes three
+        compiles (one of them a slower, run-grade one) and the runner none; a fourth
+        (run-grade) compile only when the prediction missed. Worth it when the trial runs on
+        the planned devices. A plan answered by ``cache`` compiles nothing and has no
+        compiled step.
       eval_task: a task with the `scamp_jax.evaluation.ChunkedEvalTask` methods: its evaluation
         forward is compiled on the same mesh and its chunk chosen (`Plan.eval_chunk`) so that
         evaluating never needs more per device than training, unless one sample per
@@ -650,8 +697,12 @@ def plan_mesh(
             continue
         step = jit_train_step(compiler.graphdef, compiler.optimizer, compiler.loss_fn, shardings)
         one_sample = sh.bytes_per_device(with_batch_size(sample_batch, dp), shardings.batch)
+        run_grade = compiler.compiler_options is None
+        want_step = compile_for_run if compile_for_run is not None else run_grade
         search = _Search(compiler, usable, step, compiler.compiler_options,
-                         prefetch_per_sample=one_sample / dp)
+                         prefetch_per_sample=one_sample / dp, run_grade_answers=want_step,
+                         rough_options=compiler.rough_options,
+                         tolerance=int(ROUGH_TOLERANCE * usable))
         mp_cap = (cap // dp) * dp
         evaluator, eval_floor = None, 0
         if eval_groups:
@@ -675,18 +726,28 @@ def plan_mesh(
                 "devices": {**identity, "count": n}, "mesh": [dp, mp],
                 "min_shard_elements": min_shard_elements,
             })
-            search.seen.update(
-                (b, MemoryEstimate(**r)) for b, r in sorted(cache.get_peaks(peaks_key).items())
-            )
+            for b, r in sorted(cache.get_peaks(peaks_key).items()):
+                r = dict(r)
+                if r.pop("rough", False):
+                    search.rough.add(b)
+                search.seen[b] = MemoryEstimate(**r)
         known = set(search.seen)
+        known_rough = set(search.rough)
         try:
-            batch = _largest_batch(search, mp_cap)
+            while True:
+                batch = _largest_batch(search, mp_cap)
+                if batch not in search.rough:
+                    break
+                # the answer's figures are the plan's: compile it exactly, then look again
+                search.make_exact(batch, answer=True)
         except _NoFit:
             batch = None
         compiles += search.compiles
         if cache is not None and peaks_key is not None:
             cache.put_peaks(peaks_key, {
-                b: _estimate_record(e) for b, e in search.seen.items() if b not in known
+                b: {**_estimate_record(e), "rough": b in search.rough}
+                for b, e in search.seen.items()
+                if b not in known or (b in known_rough and b not in search.rough)
             })
         if batch is None:
             need = (search.need(dp),
@@ -697,10 +758,9 @@ def plan_mesh(
         memory_model = _local_fit(search, batch, hi)
         estimate = search.seen[batch]
         compiled_step = None
-        run_grade = compiler.compiler_options is None
-        if compile_for_run if compile_for_run is not None else run_grade:
-            if run_grade and batch in search.executables:
-                executable, lowered = search.executables[batch]
+        if want_step:
+            if batch in search.executables and search.executables[batch][2]:
+                executable, lowered, _ = search.executables[batch]
             else:
                 run_estimate, executable, lowered = compile_step(step, compiler, batch, None)
                 compiles += 1

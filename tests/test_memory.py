@@ -9,6 +9,8 @@ from flax import nnx
 
 from scamp_jax.memory import (
     CPU_FAST_COMPILE,
+    CPU_ROUGH_COMPILE,
+    ROUGH_TOLERANCE,
     MemoryModel,
     StepCompiler,
     default_step_shardings,
@@ -78,13 +80,46 @@ def test_estimate_matches_an_independent_compile_and_exact_state_sizes():
     assert "peak" in estimate.describe()
 
 
-def test_fast_cpu_compile_options_give_the_same_memory_analysis():
-    model = _abstract_mlp()
-    mesh = make_mesh(jax.devices()[:4], 2, 2)
-    for batch_size in (8, 96):
-        batch = jax.ShapeDtypeStruct((batch_size, 32), jnp.float32)
+def _conv_attention() -> nnx.Module:
+    return nnx.eval_shape(lambda: ConvAttention(nnx.Rngs(0)))
+
+
+# (model, per-sample shape, mesh data x model, batches): dense, and conv + attention, split and not
+_OPTION_CASES = [
+    (_abstract_mlp, (32,), (2, 2), (8, 96)),
+    (_conv_attention, (8, 8, 3), (2, 1), (4, 24)),
+    (_conv_attention, (8, 8, 3), (2, 2), (8,)),
+]
+
+
+@pytest.mark.parametrize("make, shape, mesh_shape, batches", _OPTION_CASES,
+                         ids=["mlp-2x2", "conv-attention-2x1", "conv-attention-2x2"])
+def test_fast_cpu_compile_options_give_the_same_memory_analysis(make, shape, mesh_shape,
+                                                                batches):
+    # LLVM optimisation level changes code, not buffer assignment (done on HLO): the planner's
+    # figures equal those of the default-options compile a run makes.
+    model = make()
+    mesh = make_mesh(jax.devices()[: mesh_shape[0] * mesh_shape[1]], *mesh_shape)
+    for batch_size in batches:
+        batch = jax.ShapeDtypeStruct((batch_size, *shape), jnp.float32)
         assert _compiled_peak(model, batch, mesh) == _compiled_peak(
             model, batch, mesh, CPU_FAST_COMPILE)
+
+
+@pytest.mark.parametrize("make, shape, mesh_shape, batches", _OPTION_CASES,
+                         ids=["mlp-2x2", "conv-attention-2x1", "conv-attention-2x2"])
+def test_rough_cpu_compiles_are_far_inside_the_planners_tolerance(make, shape, mesh_shape,
+                                                                  batches):
+    # Without the fusion emitters XLA fuses a few operations differently: the planner uses such
+    # figures only to steer its search, and only where they are more than ROUGH_TOLERANCE of
+    # the budget from the boundary. The difference seen is 0 or 512 bytes (SwinIR).
+    model = make()
+    mesh = make_mesh(jax.devices()[: mesh_shape[0] * mesh_shape[1]], *mesh_shape)
+    for batch_size in batches:
+        batch = jax.ShapeDtypeStruct((batch_size, *shape), jnp.float32)
+        exact = _compiled_peak(model, batch, mesh, CPU_FAST_COMPILE)
+        rough = _compiled_peak(model, batch, mesh, CPU_ROUGH_COMPILE)
+        assert abs(rough - exact) <= min(4096, ROUGH_TOLERANCE * exact / 100)
 
 
 def test_real_and_abstract_models_give_the_same_estimate():

@@ -221,6 +221,23 @@ def test_the_runner_runs_the_step_the_planner_compiled():
     assert moved.compiles["jit(step)"] == 1
 
 
+def test_a_plan_for_the_runner_compiles_its_answer_run_grade_instead_of_once_more():
+    # On CPU the search compiles with fast code-generation settings; asked for the runner's
+    # step, it compiles the batch the memory model predicts to be the answer with default
+    # options instead, so the plan takes no extra compile and its figures are the same.
+    fast = plan_mesh(_abstract(), SAMPLE, devices=2, memory_per_device=BUDGET)
+    assert fast.compiled_step is None
+    with CompileCounter() as count:
+        ready = plan_mesh(_abstract(), SAMPLE, devices=2, memory_per_device=BUDGET,
+                          compile_for_run=True)
+    assert ready.compiled_step is not None
+    assert count.compiles["jit(step)"] == ready.compiles == fast.compiles
+    assert ready.compiled_peaks == fast.compiled_peaks
+    assert (ready.batch_size, ready.peak_bytes_per_device) == (
+        fast.batch_size, fast.peak_bytes_per_device)
+    _assert_verified(ready)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Settings:
     trials: int

@@ -8,6 +8,10 @@ its local devices with the same planner and placement policy, asking rank 0 for 
 `RemoteTrialSource` (the `TrialSource` the engine already talks to). ``settings.trials`` stays
 the study's total across all ranks. When every rank is done, rank 0 writes ``results.json`` /
 ``results.csv`` / plots from the storage; each trial's ``rank`` is a user attribute of the trial.
+Plans persist in ``<study_dir>/plans.sqlite`` (`scamp_jax.PlanCache`), shared by the ranks
+(SQLite transactions, safe for concurrent writers): a rank that finds an architecture already
+planned for its device count and budget, by another rank or an earlier run, compiles nothing to
+plan it. The ranks must see one study directory (one host, or a shared file system).
 
 A trial runs on the devices of one rank whenever its plan fits there. A configuration whose
 ScaMP plan cannot reach ``settings.min_batch_size`` on all of one rank's devices spans ranks:
@@ -27,6 +31,7 @@ without losing any finished trial.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
@@ -44,6 +49,7 @@ from scamp_jax.distributed.spanning import (
 )
 from scamp_jax.distributed.study import StudyClient, shared_study
 from scamp_jax.engine import SearchEngine, TrialDeferred
+from scamp_jax.plan_cache import PlanCache
 from scamp_jax.study import AskedTrial, TrialOutcome
 
 _OPTUNA_STATE = {"complete": "COMPLETE", "pruned": "PRUNED", "failed": "FAIL"}
@@ -197,6 +203,7 @@ def run_search_mpi(
         all ranks).
       devices: this rank's device pool.
       memory_per_device: budget per device in bytes (the same on every rank).
+      plan_fn: the planner (default ``plan_mesh`` with the study's shared ``plans.sqlite``).
       live: rank 0 shows the live table (else plain lines); other ranks always log plain lines
         prefixed with ``[rank R]``.
       comm: mpi4py communicator of the ranks (default ``MPI.COMM_WORLD``).
@@ -263,6 +270,12 @@ def _run(space: Any, task: Any, settings: Any, devices: Sequence[Any], memory_pe
                       f"{settings.trials} trials finished before this run; {size} ranks",
                       markup=False, highlight=False)
     source = RemoteTrialSource(client)
+    if plan_fn is None:
+        # Every rank plans with the study's plan cache (one SQLite file, safe for concurrent
+        # writers): an architecture one rank planned, or an earlier run, costs the others no
+        # compile.
+        plan_fn = functools.partial(planner.plan_mesh,
+                                    cache=PlanCache(study_dir / "plans.sqlite"))
     config = engine_config(settings, memory_per_device, rank=rank)
     stream: Any = None if rank == 0 and live else RankStream(rank)
     view = LiveView([memory_per_device] * len(devices), task.metric,
