@@ -215,12 +215,14 @@ def build_profiles(
     fixed_devices: int | None,
     safety_margin: float,
     max_trial_devices: int | None = None,
+    scamp_policy: ScampPolicy | None = None,
 ) -> tuple[list[TrialProfile], list[TrialProfile], int, int]:
-    """ScaMP and fixed profiles of the same trials from the library's profile builder
-    (`scamp_jax.simulator.plan_profiles`); returns (scamp, fixed, k, fixed batch)."""
+    """ScaMP (``scamp_policy``, default `ScampPolicy()`) and fixed profiles of the same trials
+    from the library's profile builder (`scamp_jax.simulator.plan_profiles`); returns (scamp,
+    fixed, k, fixed batch)."""
     k, batch = fixed_baseline(largest, cluster, fixed_devices=fixed_devices,
                               max_batch_size=max_batch_size, safety_margin=safety_margin)
-    scamp = plan_profiles(costs, cluster, ScampPolicy(), samples=samples,
+    scamp = plan_profiles(costs, cluster, scamp_policy or ScampPolicy(), samples=samples,
                           max_batch_size=max_batch_size, safety_margin=safety_margin,
                           max_devices=max_trial_devices)
     fixed = plan_profiles(costs, cluster, FixedPolicy(k), samples=samples,
@@ -387,6 +389,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "compile, restore); default: the cluster model's (60 s)")
     parser.add_argument("--min-resize-gain", type=float, default=0.1,
                         help="fraction of its remaining time a restart must save")
+    parser.add_argument("--batch-multiple", type=int, default=ScampPolicy().batch_multiple,
+                        help="ScaMP plans batches that are multiples of this where one fits, so "
+                        "a trial can restart on 2 or 4 devices with the same batch (1: any)")
     parser.add_argument("--safety-margin", type=float, default=0.1,
                         help="fraction of device memory plans keep free")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled study")
@@ -437,23 +442,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     (largest,) = cost_candidates([dict(space.largest)], search=args.search,
                                  variant=args.variant, cluster=cluster,
                                  safety_margin=args.safety_margin, table=table, log=log)
+    if not 0 <= args.min_resize_gain < 1:
+        parser.error("--min-resize-gain must be in [0, 1)")
+    if args.batch_multiple < 1:
+        parser.error("--batch-multiple must be >= 1")
+    scamp = ScampPolicy(longest_first=not args.no_longest_first, elastic=not args.no_elastic,
+                        growth_tolerance=args.growth_tolerance,
+                        compute_aware=not args.no_compute_aware,
+                        resize_running=not args.no_resize,
+                        min_resize_gain=args.min_resize_gain,
+                        batch_multiple=args.batch_multiple)
     scamp_profiles, fixed_profiles, k, fixed_batch = build_profiles(
         costs, largest, cluster, samples=args.samples, max_batch_size=cap,
         fixed_devices=args.fixed_devices, safety_margin=args.safety_margin,
-        max_trial_devices=args.max_trial_devices or None,
+        max_trial_devices=args.max_trial_devices or None, scamp_policy=scamp,
     )
     lookahead = args.devices if args.lookahead is None else args.lookahead or None
     if args.restart_seconds is not None:
         if args.restart_seconds < 0:
             parser.error("--restart-seconds must be >= 0")
         cluster = dataclasses.replace(cluster, restart_seconds=args.restart_seconds)
-    if not 0 <= args.min_resize_gain < 1:
-        parser.error("--min-resize-gain must be in [0, 1)")
-    scamp = ScampPolicy(longest_first=not args.no_longest_first, elastic=not args.no_elastic,
-                        growth_tolerance=args.growth_tolerance,
-                        compute_aware=not args.no_compute_aware,
-                        resize_running=not args.no_resize,
-                        min_resize_gain=args.min_resize_gain)
     usable = int(cluster.memory_per_device * (1.0 - args.safety_margin))
     max_devices = args.max_trial_devices or cluster.devices
 

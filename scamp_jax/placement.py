@@ -416,6 +416,10 @@ class ScampPolicy:
         (`scamp_jax.elastic.resizes`; the engine and the simulator apply it).
       min_resize_gain: fraction of a running trial's remaining time a restart on more devices
         must save to be worth its checkpoint and compile.
+      batch_multiple: a trial's planned batch is a multiple of this (where one fits), so that it
+        can grow or restart onto 2 or 4 devices with the same batch: a batch of 41 cannot be
+        split, one of 40 can (`scamp_jax.planner.plan_mesh`'s ``batch_multiple``; the engine's
+        planning service and the simulator's profiles both apply it).
     """
 
     share_devices: bool = True
@@ -428,6 +432,7 @@ class ScampPolicy:
     compute_aware: bool = True
     resize_running: bool = True
     min_resize_gain: float = 0.1
+    batch_multiple: int = 4
     name: str = field(default="scamp", init=False)
 
     def __post_init__(self) -> None:
@@ -437,6 +442,8 @@ class ScampPolicy:
             raise ValueError(f"growth_tolerance={self.growth_tolerance} must be >= 0")
         if not 0 <= self.min_resize_gain < 1:
             raise ValueError(f"min_resize_gain={self.min_resize_gain} must be in [0, 1)")
+        if self.batch_multiple < 1:
+            raise ValueError(f"batch_multiple={self.batch_multiple} must be >= 1")
 
     def request_devices(self, planned_devices: int) -> int:
         """ScaMP gives a trial exactly the devices its plan needs (or one of its options)."""

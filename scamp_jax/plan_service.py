@@ -53,7 +53,7 @@ class TrialDeferred(Exception):  # noqa: N818 - a hand-over, not an error
 
 class PlanningService:
     """Planning for `scamp_jax.engine.SearchEngine` (a mixin: it uses the engine's ``space``,
-    ``task``, ``config``, ``devices``, ``plan_fn``, ``core`` and ``_trial_plan``)."""
+    ``task``, ``config``, ``devices``, ``plan_fn``, ``policy``, ``core`` and ``_trial_plan``)."""
 
     def _init_planning(self) -> None:
         self._plans: dict[Any, Any] = {}
@@ -78,7 +78,12 @@ class PlanningService:
     ) -> Any:
         # A task that can evaluate in chunks has its evaluation planned with the step, so the
         # plan's predicted peak covers evaluation too.
-        extra = {"eval_task": self.task} if supports_chunked_eval(self.task) else {}
+        extra: dict[str, Any] = (
+            {"eval_task": self.task} if supports_chunked_eval(self.task) else {})
+        # The policy's batch multiple (ScaMP: so a trial can later grow with the same batch).
+        multiple = getattr(self.policy, "batch_multiple", 1)
+        if multiple > 1:
+            extra["batch_multiple"] = multiple
         return self.plan_fn(
             model,
             self.task.sample_batch(1),

@@ -29,6 +29,7 @@ Planning only compiles: it allocates nothing and runs nothing on any device.
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -390,6 +391,11 @@ class _Search:
     rough_options: dict[str, Any] | None = None
     tolerance: int = 0
     rough: set[int] = field(default_factory=set)
+    #: the batch step of the search: a multiple of the data-parallel degree (0: that degree).
+    unit: int = 0
+
+    def __post_init__(self) -> None:
+        self.unit = self.unit or self.compiler.data_parallel
 
     def peak(self, batch: int, answer: bool = False) -> MemoryEstimate:
         """The compiled memory at ``batch`` (compiled now if not known); ``answer``: the memory
@@ -437,12 +443,12 @@ class _Search:
         return affine_fit(self.seen[a], self.seen[b], self.compiler.data_parallel)
 
     def bracket(self, cap: int) -> tuple[int | None, int]:
-        """``(lo, hi)``: the smallest known batch that does not fit (``cap + dp`` if none) and
-        the largest known batch below it that fits (None if none)."""
-        dp = self.compiler.data_parallel
+        """``(lo, hi)``: the smallest known batch that does not fit (``cap + unit`` if none)
+        and the largest known multiple of ``unit`` below it that fits (None if none)."""
+        dp = self.unit
         over = [b for b in list(self.seen) if b <= cap and not self.fits(b)]
         hi = min(over, default=cap + dp)
-        under = [b for b in list(self.seen) if b < hi and self.fits(b)]
+        under = [b for b in list(self.seen) if b < hi and b % dp == 0 and self.fits(b)]
         return max(under, default=None), hi
 
 
@@ -451,13 +457,14 @@ class _NoFit(Exception):
 
 
 def _largest_batch(search: _Search, cap: int) -> int:
-    """Largest multiple of dp in ``[dp, cap]`` that fits, such that the next one does not.
+    """Largest multiple of the search's unit in ``[unit, cap]`` that fits, such that the next
+    one does not.
 
     Each compile is chosen by the memory model through the known points (`_next_guess`); the
-    answer ``lo`` is returned only when ``lo`` fits and ``lo + dp`` was compiled and does not
-    (or ``lo == cap``). Raises `_NoFit` when ``dp`` itself does not fit.
+    answer ``lo`` is returned only when ``lo`` fits and ``lo + unit`` (or a smaller batch) was
+    compiled and does not (or ``lo == cap``). Raises `_NoFit` when ``unit`` itself does not fit.
     """
-    dp = search.compiler.data_parallel
+    dp = search.unit
     secant_steps = 0
     while True:
         lo, hi = search.bracket(cap)
@@ -485,10 +492,25 @@ def _largest_batch(search: _Search, cap: int) -> int:
         search.peak(guess, answer)
 
 
+def _exact_largest(search: _Search, cap: int) -> int | None:
+    """`_largest_batch` whose answer is compiled exactly (its figures are the plan's); None
+    when not even the search's unit fits."""
+    try:
+        while True:
+            batch = _largest_batch(search, cap)
+            if batch not in search.rough:
+                return batch
+            # the answer's figures are the plan's: compile it exactly, then look again
+            search.make_exact(batch, answer=True)
+    except _NoFit:
+        return None
+
+
 def _model_guess(search: _Search, lo: int | None, hi: int, cap: int) -> int | None:
     """The next batch to compile as the memory model through the known points predicts it,
-    strictly inside ``(lo, hi)``; None when the points say nothing useful (then bisect)."""
-    dp = search.compiler.data_parallel
+    strictly inside ``(lo, hi)``, a multiple of the search's unit; None when the points say
+    nothing useful (then bisect)."""
+    dp = search.unit
     seen = search.seen
     low = lo if lo is not None else 0
     if not seen:
@@ -513,7 +535,7 @@ def _model_guess(search: _Search, lo: int | None, hi: int, cap: int) -> int | No
             continue
         # the prefetched batch adds its bytes per sample to the compiled slope
         line = replace(line, bytes_per_sample=line.bytes_per_sample + search.prefetch_per_sample)
-        predicted = line.max_batch(search.usable, cap=cap)
+        predicted = line.max_batch(search.usable, cap=cap) // dp * dp
         if low + dp <= predicted <= hi - dp:
             return predicted
         if fallback is None:
@@ -587,6 +609,7 @@ def plan_mesh(
     cache: PlanCache | None = None,
     compile_for_run: bool | None = None,
     eval_task: Any = None,
+    batch_multiple: int = 1,
 ) -> Plan:
     """Plan training of ``model`` on exactly ``devices``: mesh, shardings and largest batch.
 
@@ -621,6 +644,10 @@ def plan_mesh(
         forward is compiled on the same mesh and its chunk chosen (`Plan.eval_chunk`) so that
         evaluating never needs more per device than training, unless one sample per
         data-parallel group already does; None (or a task without them): not planned.
+      batch_multiple: the batch is also a multiple of this (with the data-parallel degree:
+        their least common multiple) when one such batch fits, so that a trial can later run on
+        more devices with the same batch (a batch of 41 cannot be split over 2 or 4 devices;
+        one of 40 can). Default 1: any multiple of the data-parallel degree.
 
     Every plan counts the prefetched next batch: the step's compiled peak plus one batch
     (and, with ``eval_task``, the evaluation's bytes) fit within the usable bytes.
@@ -638,6 +665,9 @@ def plan_mesh(
     devs = resolve_devices(devices)
     n = len(devs)
     _validate_common(model, sample_batch, safety_margin, max_batch_size)
+    if isinstance(batch_multiple, bool) or not isinstance(batch_multiple, int) or (
+            batch_multiple < 1):
+        raise ValueError(f"{batch_multiple=} must be a positive int")
     if model_parallel is not None:
         if isinstance(model_parallel, bool) or not isinstance(model_parallel, int):
             raise TypeError(f"model_parallel must be an int, got {model_parallel!r}")
@@ -669,6 +699,7 @@ def plan_mesh(
             "kind": "plan", "signature": signature, "devices": identity,
             "memory_per_device": budget, "safety_margin": safety_margin, "cap": cap,
             "model_parallel": model_parallel, "min_shard_elements": min_shard_elements,
+            "batch_multiple": batch_multiple,
             "eval": None if not eval_groups else {
                 "forward": getattr(eval_task.eval_forward, "__qualname__", ""),
                 "inputs": [[list(x.shape), str(x.dtype)] for x in eval_groups],
@@ -733,15 +764,14 @@ def plan_mesh(
                 search.seen[b] = MemoryEstimate(**r)
         known = set(search.seen)
         known_rough = set(search.rough)
-        try:
-            while True:
-                batch = _largest_batch(search, mp_cap)
-                if batch not in search.rough:
-                    break
-                # the answer's figures are the plan's: compile it exactly, then look again
-                search.make_exact(batch, answer=True)
-        except _NoFit:
-            batch = None
+        search.unit = math.lcm(dp, batch_multiple)
+        if (mp_cap // search.unit) * search.unit < search.unit:
+            search.unit = dp  # the cap leaves no multiple: plain data-parallel steps
+        batch = _exact_largest(search, (mp_cap // search.unit) * search.unit)
+        if batch is None and search.unit > dp:
+            # not even one multiple fits: the largest plain data-parallel batch instead
+            search.unit = dp
+            batch = _exact_largest(search, mp_cap)
         compiles += search.compiles
         if cache is not None and peaks_key is not None:
             cache.put_peaks(peaks_key, {
@@ -754,7 +784,7 @@ def plan_mesh(
                     f"peak at batch {dp} with model_parallel={mp}, prefetched batch included")
             best_need = need if best_need is None or need[0] < best_need[0] else best_need
             continue
-        _, hi = search.bracket(mp_cap)
+        _, hi = search.bracket((mp_cap // search.unit) * search.unit)
         memory_model = _local_fit(search, batch, hi)
         estimate = search.seen[batch]
         compiled_step = None

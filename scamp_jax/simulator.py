@@ -612,16 +612,20 @@ class StepCostModel:
         samples: int,
         max_batch_size: int | None = None,
         max_devices: int | None = None,
+        batch_multiple: int = 1,
     ) -> TrialProfile:
         """ScaMP's plan of one trial: ``model_parallel`` devices and the largest global batch
         whose per-device peak fits ``budget_bytes`` (capped by ``max_batch_size``), plus, as
         ``alternatives``, the same rule with 2, 4, ... data-parallel replicas up to
         ``max_devices`` devices (None: no alternatives). The global batch of an alternative is a
-        multiple of its data-parallel degree; one that leaves no such batch is left out.
+        multiple of its data-parallel degree; one that leaves no such batch is left out. Every
+        batch is also a multiple of ``batch_multiple`` where one fits, as the planner makes it
+        (`scamp_jax.planner.plan_mesh`).
         """
         local = self.max_local_batch(budget_bytes)
         if max_batch_size is not None:
             local = min(local, max_batch_size)
+        local = _round_batch(local, 1, batch_multiple)
         if local < 1:
             raise ValueError(
                 f"candidate {key} does not fit {format_bytes(budget_bytes)} per device even at "
@@ -634,7 +638,7 @@ class StepCostModel:
             batch = self.max_local_batch(budget_bytes) * dp
             if max_batch_size is not None:
                 batch = min(batch, max_batch_size)
-            batch -= batch % dp
+            batch = _round_batch(batch, dp, batch_multiple)
             if batch >= dp:
                 alternatives.append(self.profile(key, dp * self.model_parallel, batch, samples))
             dp *= 2
@@ -667,6 +671,13 @@ class StepCostModel:
         return max(0, math.floor((budget_bytes - self.memory_fixed) / self.memory_per_sample))
 
 
+def _round_batch(batch: int, dp: int, multiple: int) -> int:
+    """``batch`` rounded down to a multiple of ``lcm(dp, multiple)`` when one is at least that
+    unit, else to a multiple of ``dp`` (the planner's rule)."""
+    unit = math.lcm(dp, multiple)
+    return batch - batch % unit if batch >= unit else batch - batch % dp
+
+
 def plan_profiles(
     costs: Sequence[StepCostModel],
     cluster: ClusterModel,
@@ -682,7 +693,8 @@ def plan_profiles(
 
     ScaMP: the fewest devices that fit (``model_parallel`` devices, i.e. one data-parallel
     replica) and the largest global batch that fits within ``(1 - safety_margin)`` of device
-    memory, capped by ``max_batch_size``; with ``max_devices``, alternatives on more devices
+    memory, capped by ``max_batch_size``, a multiple of the policy's ``batch_multiple`` where
+    one fits; with ``max_devices``, alternatives on more devices
     (`StepCostModel.planned_profile`). Fixed: ``devices_per_trial`` devices and one global batch
     ``fixed_batch_size`` for every trial (the engine picks the largest batch the largest candidate
     fits). Every trial trains ``samples`` samples.
@@ -697,6 +709,7 @@ def plan_profiles(
         else:
             profile = cost.planned_profile(key, budget_bytes=budget, samples=samples,
                                            max_batch_size=max_batch_size,
-                                           max_devices=max_devices)
+                                           max_devices=max_devices,
+                                           batch_multiple=policy.batch_multiple)
         out.append(profile)
     return out
