@@ -16,11 +16,11 @@ import json
 import jax
 from flax import nnx
 
-from scamp_jax import planner
 from scamp_jax._units import format_bytes, parse_bytes
-from scamp_jax.evaluation import EvalCompiler, abstract_eval_inputs
-from scamp_jax.runner import make_optimizer
-from scamp_jax.train_step import abstract_state
+from scamp_jax.hpo.runner import make_optimizer
+from scamp_jax.planning import planner
+from scamp_jax.planning.evaluation import EvalCompiler, abstract_eval_inputs
+from scamp_jax.planning.train_step import abstract_state
 from search_spaces import swinir
 from search_spaces.sr_task import SRTask
 

@@ -4,9 +4,9 @@ The same ``K`` trials of one small architecture of a family (different learning 
 seeds, the study's per-trial seeds) are trained for the same steps at the same batch, with a
 final checkpoint and held-out evaluation each, in three ways:
 
-- **fused**: one group (`scamp_jax.fused_runner.run_fused_group`) on one device, the group sized
-  by `scamp_jax.fusion.plan_fusion` (its compiles are counted in the fused time);
-- **unfused**: the project's solo runner (`scamp_jax.runner.run_trial`) one trial after another
+- **fused**: one group (`scamp_jax.hpo.fused_runner.run_fused_group`) on one device, the group sized
+  by `scamp_jax.planning.fusion.plan_fusion` (its compiles are counted in the fused time);
+- **unfused**: the project's solo runner (`scamp_jax.hpo.runner.run_trial`) one trial after another
   on the same device, sharing one compiled step (`StepCache`), as the engine does for trials of
   one architecture;
 - **unfused, concurrent**: the same solo runs at once, each in its own thread on its own CPU
@@ -53,10 +53,10 @@ LR_RANGE = {"vit": (3e-4, 3e-3), "swinir": (1e-3, 5e-3)}
 def member_configs(family: str, width: int, seed: int = 0) -> list[tuple[dict[str, Any], int,
                                                                           str]]:
     """``(config, seed, checkpoint key)`` of the ``width`` trials: log-spaced learning rates,
-    per-trial seeds as the study derives them (`scamp_jax.runner.trial_seed`)."""
+    per-trial seeds as the study derives them (`scamp_jax.hpo.runner.trial_seed`)."""
     import numpy as np
 
-    from scamp_jax.runner import trial_seed
+    from scamp_jax.hpo.runner import trial_seed
 
     lo, hi = LR_RANGE[family]
     lrs = np.geomspace(lo, hi, width) if width > 1 else np.array([lo])
@@ -82,11 +82,11 @@ def run(family: str, width: int, *, steps: int, batch: int, repeats: int, ray: b
     import jax
     from flax import nnx
 
-    from scamp_jax import planner
     from scamp_jax._units import parse_bytes
-    from scamp_jax.fused_runner import GroupSpec, MemberSpec, run_fused_group
-    from scamp_jax.fusion import plan_fusion
-    from scamp_jax.runner import RunSpec, StepCache, make_optimizer, run_trial
+    from scamp_jax.hpo.fused_runner import GroupSpec, MemberSpec, run_fused_group
+    from scamp_jax.hpo.runner import RunSpec, StepCache, make_optimizer, run_trial
+    from scamp_jax.planning import planner
+    from scamp_jax.planning.fusion import plan_fusion
 
     experiment = _experiment(family)
     hpo = dataclasses.replace(experiment.get_config("smoke"), seed=seed)
@@ -219,7 +219,7 @@ def run(family: str, width: int, *, steps: int, batch: int, repeats: int, ray: b
 def simulate(family: str, widths: Sequence[int], batch: int, seed: int = 0) -> dict[str, Any]:
     """Modelled throughput gain of a group vs width on the simulator's cluster presets.
 
-    Costs come from compiling the fused step at ``widths`` (`scamp_jax.sim_fusion`); the gain of
+    Costs come from compiling the fused step at ``widths`` (`scamp_jax.sim.sim_fusion`); the gain of
     width ``K`` is ``K * step(1) / step(K)`` under the simulator's per-step model.
     """
     import dataclasses
@@ -227,11 +227,11 @@ def simulate(family: str, widths: Sequence[int], batch: int, seed: int = 0) -> d
     import jax
     from flax import nnx
 
-    from scamp_jax import planner
     from scamp_jax._units import parse_bytes
-    from scamp_jax.runner import make_optimizer
-    from scamp_jax.sim_fusion import measure_fused_costs
-    from scamp_jax.simulator import CLUSTER_PRESETS, TrialProfile
+    from scamp_jax.hpo.runner import make_optimizer
+    from scamp_jax.planning import planner
+    from scamp_jax.sim.sim_fusion import measure_fused_costs
+    from scamp_jax.sim.simulator import CLUSTER_PRESETS, TrialProfile
 
     experiment = _experiment(family)
     hpo = dataclasses.replace(experiment.get_config("smoke"), seed=seed)

@@ -42,7 +42,7 @@ class TimedPlanner:
     """
 
     def __init__(self, cache_path: Path) -> None:
-        from scamp_jax.plan_cache import PlanCache
+        from scamp_jax.planning.plan_cache import PlanCache
 
         self.cache = PlanCache(cache_path)
         self._lock = threading.Lock()
@@ -50,7 +50,7 @@ class TimedPlanner:
         self.wall_s = self.cpu_s = 0.0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from scamp_jax.planner import plan_mesh
+        from scamp_jax.planning.planner import plan_mesh
 
         start, cpu = time.perf_counter(), time.thread_time()
         plan = None
@@ -170,8 +170,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     else:
         from experiments.vit_synthetic import get_config, make_space_and_task
         baseline = None
-    from scamp_jax import planner
-    from scamp_jax.search import run_search
+    from scamp_jax.hpo.search import run_search
+    from scamp_jax.planning import planner
 
     devices = planner.resolve_devices(args.devices)
     memory = args.memory_per_device or get_config("smoke").memory_per_device

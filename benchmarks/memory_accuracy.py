@@ -132,10 +132,10 @@ def measure(case: Case, devices: int, budget: str | None) -> dict[str, Any]:
     import jax
     from flax import nnx
 
-    from scamp_jax.compile_events import CompileCounter
-    from scamp_jax.plan_cache import PlanCache
-    from scamp_jax.planner import plan_mesh
-    from scamp_jax.train_step import (
+    from scamp_jax.planning.compile_events import CompileCounter
+    from scamp_jax.planning.plan_cache import PlanCache
+    from scamp_jax.planning.planner import plan_mesh
+    from scamp_jax.planning.train_step import (
         abstract_state,
         default_loss,
         default_optimizer,
@@ -207,8 +207,8 @@ def measure_real_step(case: Case, devices: int, budget: str | None) -> int | Non
     import numpy as np
     from flax import nnx
 
-    from scamp_jax.planner import plan_mesh
-    from scamp_jax.train_step import (
+    from scamp_jax.planning.planner import plan_mesh
+    from scamp_jax.planning.train_step import (
         default_loss,
         default_optimizer,
         jit_train_step,

@@ -12,7 +12,8 @@ ranks, not samples per rank). Side by side on the same ranks and state shapes:
 - ``with all-reduce``: `scamp_jax.distributed.data_parallel.jit_data_parallel_step` (the gradients
   and the loss averaged inside the jitted step by one fused ``mpi4jax.allreduce``);
 - ``per-tensor all-reduce``: the same with one ``allreduce`` per parameter tensor;
-- ``local only``: the same step without the reduction (`scamp_jax.train_step.jit_train_step`);
+- ``local only``: the same step without the reduction
+(`scamp_jax.planning.train_step.jit_train_step`);
 - ``all-reduce alone``: the reduction of a gradient-shaped tree, jitted by itself;
 - ``global mesh``: the alternative, one JAX program over all ranks' devices
   (``jax.distributed.initialize(cluster_detection_method='mpi4py')``, gloo collectives on CPU,
@@ -75,7 +76,7 @@ def measure(per_rank_batch: int, steps: int, repeats: int) -> dict[str, Any] | N
         one_device_shardings,
     )
     from scamp_jax.distributed.mpi import import_mpi4py
-    from scamp_jax.train_step import jit_train_step, place_train_state
+    from scamp_jax.planning.train_step import jit_train_step, place_train_state
     from search_spaces.sr_task import l1_loss
 
     mpi = import_mpi4py()
@@ -152,7 +153,7 @@ def measure_global(per_rank_batch: int, steps: int, repeats: int) -> dict[str, A
 
     from scamp_jax.distributed.data_parallel import one_device_shardings
     from scamp_jax.distributed.mpi import import_mpi4py
-    from scamp_jax.train_step import (
+    from scamp_jax.planning.train_step import (
         StepShardings,
         abstract_state,
         jit_train_step,
@@ -228,7 +229,7 @@ def planner_rows(budgets: Sequence[str], per_device_batch: int) -> list[list[str
     import jax
     from flax import nnx
 
-    from scamp_jax.planner import DoesNotFitError, min_devices_plan
+    from scamp_jax.planning.planner import DoesNotFitError, min_devices_plan
     from search_spaces.sr_task import l1_loss
     from search_spaces.swinir import build_from_config
 

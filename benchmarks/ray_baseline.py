@@ -5,14 +5,14 @@ Each trial of a finished ``--policy fixed`` study is run again as a Ray Tune tri
 ``jax_device`` resources equal to the pool's JAX devices, so it runs at most ``pool / k`` trials
 at once, as the fixed policy does. Each Ray trial is its own process that sees exactly ``k`` CPU
 JAX devices (``XLA_FLAGS``) and trains the configuration with the project's real trainer
-(`scamp_jax.runner.run_trial` on the planner's ``k``-device plan at the fixed policy's batch, for
-the same steps, with the same per-trial seed, checkpoints and evaluation). Only who schedules the
-trials changes. Needs ``pip install "ray[tune]"``; `import_ray` says why the row is skipped when
+(`scamp_jax.hpo.runner.run_trial` on the planner's ``k``-device plan at the fixed policy's batch,
+for the same steps, with the same per-trial seed, checkpoints and evaluation). Only who schedules
+the trials changes. Needs ``pip install "ray[tune]"``; `import_ray` says why the row is skipped when
 Ray is missing.
 
 Usage figures come from the trials' start and end times: each trial holds ``k`` devices with its
 planned peak per device from its process start to its end (`ray_usage`, computed with the same
-`scamp_jax.usage.UsageRecorder` the engine uses).
+`scamp_jax.scheduling.usage.UsageRecorder` the engine uses).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class RayTrialSpec:
 
 
 def trial_specs_from_results(results: Mapping[str, Any]) -> list[RayTrialSpec]:
-    """The completed trials of a ``results.json`` payload (`scamp_jax.report`), by number.
+    """The completed trials of a ``results.json`` payload (`scamp_jax.hpo.report`), by number.
 
     Raises ``ValueError`` if none completed (there is nothing to rerun).
     """
@@ -92,8 +92,8 @@ def ray_usage(
     device ids free at its start; the figures (mean memory utilisation, idle device-seconds)
     do not depend on which ids. Raises ``ValueError`` if more trials overlap than the pool holds.
     """
-    from scamp_jax.placement import Placement
-    from scamp_jax.usage import UsageRecorder
+    from scamp_jax.scheduling.placement import Placement
+    from scamp_jax.scheduling.usage import UsageRecorder
 
     recorder = UsageRecorder([memory_per_device] * pool_devices, t0=0.0)
     events = sorted([(end, 0, key, 0) for key, _, end, _ in intervals]
@@ -137,8 +137,8 @@ def train_config(config: dict[str, Any]) -> None:
     from flax import nnx
     from ray import tune
 
-    from scamp_jax import planner
-    from scamp_jax.runner import RunSpec, make_optimizer, run_trial, trial_seed
+    from scamp_jax.hpo.runner import RunSpec, make_optimizer, run_trial, trial_seed
+    from scamp_jax.planning import planner
 
     spec = RayTrialSpec(**config["spec"])
     s = config["settings"]
@@ -189,7 +189,7 @@ def run_ray_baseline(
 ) -> dict[str, Any]:
     """Run ``specs`` through ``ray.tune.Tuner`` with ``devices_per_trial`` JAX devices each.
 
-    Returns a dict shaped like `scamp_jax.search.run_search`'s (``elapsed_s``: seconds of
+    Returns a dict shaped like `scamp_jax.hpo.search.run_search`'s (``elapsed_s``: seconds of
     ``Tuner.fit``; ``usage``: `ray_usage`; ``trials_this_run``; ``best``: the best completed
     trial's metrics or None) plus ``ray_init_s`` (seconds to start Ray, not in ``elapsed_s``) and
     ``failed`` (numbers of trials that did not complete). ``direction`` (``"maximize"`` or

@@ -21,8 +21,8 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from scamp_jax.placement import FixedPolicy, ScampPolicy, TrialRequest
-from scamp_jax.pool import DevicePool
+from scamp_jax.scheduling.placement import FixedPolicy, ScampPolicy, TrialRequest
+from scamp_jax.scheduling.pool import DevicePool
 
 GIB = 2**30
 

@@ -9,12 +9,13 @@
 
 Trials come from the real search space (Optuna's random sampler draws the configurations); each
 distinct architecture is costed from XLA on this machine's CPU devices, then the discrete-event
-simulator (`scamp_jax.simulator`) replays the study with the same `DevicePool` and policy
+simulator (`scamp_jax.sim.simulator`) replays the study with the same `DevicePool` and policy
 ``decide`` the HPO engine uses. Output: per-policy makespan, mean memory utilisation, busy
 (roofline) fraction and idle fraction, and ``makespan_ratio_fixed_over_scamp=<x>``.
 
 How a candidate is costed (`measure_cost`): memory comes from the planner's own code.
-`scamp_jax.memory.StepCompiler` compiles the training step (`scamp_jax.train_step`, the one the
+`scamp_jax.planning.memory.StepCompiler` compiles the training step
+(`scamp_jax.planning.train_step`, the one the
 engine runs) on a ``1 x model_parallel`` mesh of CPU devices with the planner's shardings at two
 probe batches and checks them with a third, and ``StepCompiler.fit`` returns the planner's
 `MemoryModel` (affine in the batch, with a floor). The same compiled executables give the
@@ -26,14 +27,14 @@ per-device program at ``1/p`` of the global batch, plus a ring all-reduce of the
 batch-1 peak fits the cluster's memory less the safety margin, as the planner chooses. Costs
 are cached per architecture in ``--cache`` (JSON), so scaling runs do not compile again.
 
-What ScaMP does here beyond packing (`scamp_jax.placement.ScampPolicy`): it starts the longest
-predicted trials first, runs a trial data-parallel on 2-8 devices where that costs at most
+What ScaMP does here beyond packing (`scamp_jax.scheduling.placement.ScampPolicy`): it starts the
+longest predicted trials first, runs a trial data-parallel on 2-8 devices where that costs at most
 ``--growth-tolerance`` more device-seconds, gives devices that the last wave would leave idle to
 the longest queued trials, and in the last wave shares a device only into spare compute. Once
 nothing is queued or left to arrive, running trials restart on devices that fell idle with the
-same global batch (`scamp_jax.elastic`, up to ``--max-trial-devices`` devices, each restart
-costing ``--restart-seconds``; ``--no-resize`` turns it off). Trials arrive as the engine asks
-them: at most ``--lookahead`` (default: one per device) are queued.
+same global batch (`scamp_jax.scheduling.elastic`, up to ``--max-trial-devices`` devices, each
+restart costing ``--restart-seconds``; ``--no-resize`` turns it off). Trials arrive as the engine
+asks them: at most ``--lookahead`` (default: one per device) are queued.
 The fixed baseline keeps its fixed devices, one batch and strict arrival order.
 
 Caveats: CPU fusion decisions differ from GPU ones (bytes accessed and kernel counts are those of
@@ -57,8 +58,8 @@ from pathlib import Path
 from typing import Any
 
 from scamp_jax.devices import configure_cpu_devices
-from scamp_jax.placement import FixedPolicy, ScampPolicy
-from scamp_jax.simulator import (
+from scamp_jax.scheduling.placement import FixedPolicy, ScampPolicy
+from scamp_jax.sim.simulator import (
     CLUSTER_PRESETS,
     ClusterModel,
     SimResult,
@@ -68,7 +69,7 @@ from scamp_jax.simulator import (
     plan_profiles,
     simulate,
 )
-from scamp_jax.step_costs import fixed_baseline, hlo_kernels_and_collectives, measure_cost
+from scamp_jax.sim.step_costs import fixed_baseline, hlo_kernels_and_collectives, measure_cost
 
 __all__ = ["hlo_kernels_and_collectives", "measure_cost"]  # re-exported from the library
 
@@ -143,7 +144,7 @@ def cost_candidates(
     import jax
     from flax import nnx
 
-    from scamp_jax.train_step import default_optimizer, split_model
+    from scamp_jax.planning.train_step import default_optimizer, split_model
 
     space, sample_batch, loss_fn = _task(search, variant)
     optimizer = default_optimizer()
@@ -218,7 +219,7 @@ def build_profiles(
     scamp_policy: ScampPolicy | None = None,
 ) -> tuple[list[TrialProfile], list[TrialProfile], int, int]:
     """ScaMP (``scamp_policy``, default `ScampPolicy()`) and fixed profiles of the same trials
-    from the library's profile builder (`scamp_jax.simulator.plan_profiles`); returns (scamp,
+    from the library's profile builder (`scamp_jax.sim.simulator.plan_profiles`); returns (scamp,
     fixed, k, fixed batch)."""
     k, batch = fixed_baseline(largest, cluster, fixed_devices=fixed_devices,
                               max_batch_size=max_batch_size, safety_margin=safety_margin)
@@ -291,7 +292,7 @@ def validate(run_dir: Path, table: CostTable, log: Callable[[str], None]) -> dic
 
     from experiments.swinir_hpo import get_config, make_space_and_task
     from scamp_jax._units import parse_bytes
-    from scamp_jax.train_step import default_optimizer, split_model
+    from scamp_jax.planning.train_step import default_optimizer, split_model
 
     rows = json.loads((run_dir / "hpo_makespan.json").read_text())
     measured = {row["policy"]: float(row["end_to_end_s"]) for row in rows}

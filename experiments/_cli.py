@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from scamp_jax.search import SearchSettings
+from scamp_jax.hpo.search import SearchSettings
 
 POLICIES = ("scamp", "fixed")
 SAMPLERS = ("tpe", "random", "grid")
@@ -33,7 +33,7 @@ CPU_DEVICES = 8
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HPOConfig(SearchSettings):
-    """One HPO experiment: the study's `scamp_jax.search.SearchSettings` plus the entry points'
+    """One HPO experiment: the study's `scamp_jax.hpo.search.SearchSettings` plus the entry points'
     own flags.
 
     Attributes:
@@ -250,7 +250,7 @@ def user_errors() -> Iterator[None]:
     """Turn user mistakes into one line and exit status 2; Ctrl-C exits 130, SIGTERM 143.
 
     Catches the library's error types for bad input (``ValueError``, ``TypeError``,
-    ``FileNotFoundError``, `scamp_jax.engine.BudgetTooSmallError`, a missing MPI, a damaged or
+    ``FileNotFoundError``, `scamp_jax.hpo.engine.BudgetTooSmallError`, a missing MPI, a damaged or
     unreachable database) and prints ``error: <message>`` without a traceback. Installs the
     SIGTERM handler. Any entry point (an argparse-based ``main``) can wrap its body in it.
     """
@@ -314,10 +314,10 @@ def _run(
     configure_cpu_devices(max(CPU_DEVICES, config.devices or 0))
     import jax
 
-    from scamp_jax import planner
     from scamp_jax._units import parse_bytes
     from scamp_jax.distributed.mpi import launched_under_mpi
-    from scamp_jax.search import run_search
+    from scamp_jax.hpo.search import run_search
+    from scamp_jax.planning import planner
 
     devices = planner.resolve_devices(config.devices)
     memory = config.memory_per_device

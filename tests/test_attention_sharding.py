@@ -9,9 +9,14 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from scamp_jax import sharding as sh
-from scamp_jax.memory import default_step_shardings
-from scamp_jax.train_step import abstract_state, default_optimizer, jit_train_step, split_model
+from scamp_jax.planning import sharding as sh
+from scamp_jax.planning.memory import default_step_shardings
+from scamp_jax.planning.train_step import (
+    abstract_state,
+    default_optimizer,
+    jit_train_step,
+    split_model,
+)
 from search_spaces import swinir as sw
 from search_spaces import vit
 

@@ -14,10 +14,10 @@ from test_engine import SPACE, make_source, ok
 from test_engine import config as engine_config
 from test_runner import Regression
 
-from scamp_jax import planner
-from scamp_jax.engine import SearchEngine
-from scamp_jax.placement import FixedPolicy, ScampPolicy
-from scamp_jax.simulator import ClusterModel, StepCostModel, plan_profiles
+from scamp_jax.hpo.engine import SearchEngine
+from scamp_jax.planning import planner
+from scamp_jax.scheduling.placement import FixedPolicy, ScampPolicy
+from scamp_jax.sim.simulator import ClusterModel, StepCostModel, plan_profiles
 
 
 class MLP(nnx.Module):

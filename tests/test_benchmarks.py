@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from benchmarks import hpo_makespan, ray_baseline
-from scamp_jax.simulator import StepCostModel
+from scamp_jax.sim.simulator import StepCostModel
 
 
 def _info(elapsed: float, util: float, idle: float, trials: int, psnr: float) -> dict[str, Any]:
@@ -139,8 +139,8 @@ def _tiny_mlp() -> tuple[Any, Any]:
 
 def test_measure_cost_memory_is_the_planner_memory_model() -> None:
     from benchmarks.simulate_cluster import measure_cost
-    from scamp_jax.memory import fit_memory_model
-    from scamp_jax.train_step import default_loss, default_optimizer
+    from scamp_jax.planning.memory import fit_memory_model
+    from scamp_jax.planning.train_step import default_loss, default_optimizer
 
     model, batch = _tiny_mlp()
     cost, seconds = measure_cost(model, batch, optimizer=default_optimizer(),
@@ -167,7 +167,7 @@ def test_measured_cost_predicts_an_independently_compiled_step_at_unseen_batches
     from flax import nnx
 
     from benchmarks.simulate_cluster import measure_cost
-    from scamp_jax.train_step import default_loss, default_optimizer
+    from scamp_jax.planning.train_step import default_loss, default_optimizer
 
     model, batch = _tiny_mlp()
     cost, _ = measure_cost(model, batch, optimizer=default_optimizer(), loss_fn=default_loss,

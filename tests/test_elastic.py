@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from scamp_jax.elastic import Resize, RunningTrial, resizes
-from scamp_jax.placement import DeviceOption, FixedPolicy, Placement, ScampPolicy, TrialRequest
-from scamp_jax.pool import DevicePool
+from scamp_jax.scheduling.elastic import Resize, RunningTrial, resizes
+from scamp_jax.scheduling.placement import (
+    DeviceOption,
+    FixedPolicy,
+    Placement,
+    ScampPolicy,
+    TrialRequest,
+)
+from scamp_jax.scheduling.pool import DevicePool
 
 GIB = 2**30
 

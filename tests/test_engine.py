@@ -14,10 +14,10 @@ from flax import nnx
 from optuna.trial import TrialState
 from test_runner import MLP, Regression
 
-from scamp_jax import planner
-from scamp_jax.engine import BudgetTooSmallError, EngineConfig, SearchEngine
+from scamp_jax.hpo.engine import BudgetTooSmallError, EngineConfig, SearchEngine
+from scamp_jax.hpo.study import FAIL_REASON, OptunaTrialSource, open_study
+from scamp_jax.planning import planner
 from scamp_jax.space import SearchSpace
-from scamp_jax.study import FAIL_REASON, OptunaTrialSource, open_study
 
 BUDGET = 64 * 2**20
 
@@ -176,7 +176,7 @@ def test_run_search_writes_results_plots_and_best_model(tmp_path):
 
     from rich.console import Console
 
-    from scamp_jax.search import run_search
+    from scamp_jax.hpo.search import run_search
 
     out = io.StringIO()
     settings = Settings(study_dir=str(tmp_path))
@@ -204,10 +204,10 @@ def test_run_search_writes_results_plots_and_best_model(tmp_path):
 def test_live_view_draws_devices_and_trials_on_a_terminal():
     import io
 
-    from scamp_jax.live import LiveView
-    from scamp_jax.placement import Placement, TrialRequest
-    from scamp_jax.pool import DevicePool
-    from scamp_jax.runner import TrialStatus
+    from scamp_jax.hpo.live import LiveView
+    from scamp_jax.hpo.runner import TrialStatus
+    from scamp_jax.scheduling.placement import Placement, TrialRequest
+    from scamp_jax.scheduling.pool import DevicePool
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -229,8 +229,8 @@ def test_live_view_draws_devices_and_trials_on_a_terminal():
 def test_live_view_logs_state_changes_without_a_terminal():
     import io
 
-    from scamp_jax.live import LiveView
-    from scamp_jax.runner import TrialStatus
+    from scamp_jax.hpo.live import LiveView
+    from scamp_jax.hpo.runner import TrialStatus
 
     stream = io.StringIO()
     status = TrialStatus(3, {"width": 16}, state="queued", batch_size=8, steps=10)
@@ -300,9 +300,9 @@ def test_a_batch_floor_moves_a_plan_to_more_devices_and_bounds_replans():
     assert plan.batch_size >= 24 and plan.data_parallel * plan.model_parallel == 2
     # Out of memory at run time: halving would go below the floor, so the re-plan doubles the
     # devices at the same batch instead.
-    from scamp_jax.engine import PlannedTrial
-    from scamp_jax.runner import RunResult
-    from scamp_jax.study import AskedTrial
+    from scamp_jax.hpo.engine import PlannedTrial
+    from scamp_jax.hpo.runner import RunResult
+    from scamp_jax.hpo.study import AskedTrial
 
     floored = engine(min_batch_size=24)
     planned = PlannedTrial(AskedTrial(0, ok(), "trial_0"), plan, 2, 0)

@@ -18,8 +18,8 @@ from optuna.trial import TrialState
 from test_runner import SPACE, Regression
 
 import scamp_jax
-from scamp_jax.search import SearchSettings, engine_config
-from scamp_jax.study import storage_url
+from scamp_jax.hpo.search import SearchSettings, engine_config
+from scamp_jax.hpo.study import storage_url
 
 
 def function_task() -> scamp_jax.FunctionTask:
@@ -105,7 +105,7 @@ def test_run_study_rejects_a_bad_setting_before_opening_a_study(tmp_path):
 
 
 def test_cpu_devices_default_to_a_share_of_host_memory():
-    from scamp_jax.entry import CPU_MEMORY_SHARE, default_budget
+    from scamp_jax.hpo.entry import CPU_MEMORY_SHARE, default_budget
 
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     devices = jax.devices()[:4]

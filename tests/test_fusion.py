@@ -1,6 +1,6 @@
 """Horizontal fusion: a fused member trains exactly as its solo run; groups are sized by compiling.
 
-The solo reference is the project's own trial runner (`scamp_jax.runner.run_trial`) on the same
+The solo reference is the project's own trial runner (`scamp_jax.hpo.runner.run_trial`) on the same
 member plan; the candidates are `test_runner`'s MLP regression (and a small ViT).
 """
 
@@ -16,10 +16,10 @@ import pytest
 from flax import nnx
 from test_runner import BUDGET, SPACE, Regression, make_plan
 
-from scamp_jax import planner
-from scamp_jax.fused_runner import GroupSpec, MemberSpec, run_fused_group
-from scamp_jax.fusion import FusedStepCompiler, FusionPlan, plan_fusion
-from scamp_jax.runner import RunSpec, StepCache, TrialStatus, make_optimizer, run_trial
+from scamp_jax.hpo.fused_runner import GroupSpec, MemberSpec, run_fused_group
+from scamp_jax.hpo.runner import RunSpec, StepCache, TrialStatus, make_optimizer, run_trial
+from scamp_jax.planning import planner
+from scamp_jax.planning.fusion import FusedStepCompiler, FusionPlan, plan_fusion
 
 #: relative tolerance of fused against solo (loss curve and held-out score).
 RTOL = 1e-5
@@ -259,8 +259,8 @@ def test_vit_members_match_their_solo_runs():
 def test_simulated_group_costs_grow_in_work_not_in_kernels():
     """From the compiled fused step: FLOPs grow with the width, launched kernels do not, so a
     small candidate's group trains more trials per second on a modelled V100 than one trial."""
-    from scamp_jax.sim_fusion import measure_fused_costs
-    from scamp_jax.simulator import TrialProfile, cluster_preset
+    from scamp_jax.sim.sim_fusion import measure_fused_costs
+    from scamp_jax.sim.simulator import TrialProfile, cluster_preset
 
     model = nnx.eval_shape(lambda: SPACE.build({"width": 64}, nnx.Rngs(0)))
     task = Regression()
@@ -281,7 +281,7 @@ def test_simulated_group_costs_grow_in_work_not_in_kernels():
 
 
 def test_architecture_signature_ignores_training_hyperparameters():
-    from scamp_jax.fused_runner import architecture_signature
+    from scamp_jax.hpo.fused_runner import architecture_signature
 
     a = architecture_signature(SPACE, {"width": 16, "learning_rate": 1e-3})
     assert a == architecture_signature(SPACE, {"width": 16, "learning_rate": 3e-2})

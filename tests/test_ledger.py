@@ -11,11 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from scamp_jax import planner
-from scamp_jax import sharding as sh
-from scamp_jax.checkpoint import TrialCheckpointer
-from scamp_jax.evaluation import EvalCompiler, abstract_eval_inputs
-from scamp_jax.runner import (
+from scamp_jax.hpo.checkpoint import TrialCheckpointer
+from scamp_jax.hpo.runner import (
     RunSpec,
     StepCache,
     _initial_state,
@@ -23,8 +20,11 @@ from scamp_jax.runner import (
     peak_bytes,
     run_trial,
 )
+from scamp_jax.planning import planner
+from scamp_jax.planning import sharding as sh
+from scamp_jax.planning.evaluation import EvalCompiler, abstract_eval_inputs
+from scamp_jax.planning.train_step import split_model
 from scamp_jax.space import SearchSpace
-from scamp_jax.train_step import split_model
 from search_spaces import vit
 
 CONFIG = {"embed_dim": 16, "num_heads": 2, "learning_rate": 3e-3}

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from scamp_jax.memory import (
+from scamp_jax.planning.memory import (
     CPU_FAST_COMPILE,
     CPU_ROUGH_COMPILE,
     ROUGH_TOLERANCE,
@@ -18,8 +18,13 @@ from scamp_jax.memory import (
     fit_memory_model,
     with_batch_size,
 )
-from scamp_jax.sharding import make_mesh
-from scamp_jax.train_step import abstract_state, default_loss, default_optimizer, jit_train_step
+from scamp_jax.planning.sharding import make_mesh
+from scamp_jax.planning.train_step import (
+    abstract_state,
+    default_loss,
+    default_optimizer,
+    jit_train_step,
+)
 
 F32 = 4
 

@@ -23,7 +23,7 @@ from _requirements import require_module
 from scamp_jax.distributed.engine import RankStream, RemoteTrialSource
 from scamp_jax.distributed.mpi import MPIUnavailableError
 from scamp_jax.distributed.spanning import SpanningTrial, SpanPlan, assign_rounds, span_plan
-from scamp_jax.study import FAIL_REASON, INTERRUPTED, TrialOutcome
+from scamp_jax.hpo.study import FAIL_REASON, INTERRUPTED, TrialOutcome
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "mpi_scripts" / "hpo_mlp.py"
@@ -56,8 +56,7 @@ class _OneDevicePlan:
 
 
 def _planner_fitting(batch: int | None):
-    from scamp_jax import planner
-
+    from scamp_jax.planning import planner
     calls = []
 
     def call_planner(model, devices, max_batch):
@@ -83,8 +82,7 @@ def test_span_plan_takes_the_fewest_ranks_whose_devices_reach_the_batch_floor():
 
 
 def test_span_plan_says_what_to_change_when_a_trial_cannot_span():
-    from scamp_jax import planner
-
+    from scamp_jax.planning import planner
     with pytest.raises(planner.DoesNotFitError, match="needs 4 ranks but the job has 2"):
         span_plan(_planner_fitting(5)[0], None, ranks=2, min_batch_size=16, max_batch_size=None,
                   local_error=ValueError("too big for rank"))
@@ -112,7 +110,7 @@ def test_mpi_engine_defers_a_trial_whose_batch_floor_one_rank_cannot_hold():
     from test_runner import MLP, Regression
 
     from scamp_jax.distributed.engine import MPISearchEngine
-    from scamp_jax.engine import EngineConfig, TrialDeferred
+    from scamp_jax.hpo.engine import EngineConfig, TrialDeferred
     from scamp_jax.space import SearchSpace
 
     space = SearchSpace("mlp", lambda t: {}, lambda p, rngs: MLP(int(p["width"]), rngs))
@@ -278,7 +276,7 @@ def test_a_trial_too_big_for_one_rank_spans_two_and_equals_the_single_process_ru
     from test_runner import MLP, Regression
 
     from scamp_jax.distributed.spanning import one_device_plan
-    from scamp_jax.runner import RunSpec, run_trial, trial_seed
+    from scamp_jax.hpo.runner import RunSpec, run_trial, trial_seed
     from scamp_jax.space import SearchSpace
 
     space = SearchSpace("mlp", lambda t: {}, lambda p, rngs: MLP(int(p["width"]), rngs))

@@ -18,9 +18,14 @@ from flax import nnx
 from scamp_jax.distributed import mpi as mpi_module
 from scamp_jax.distributed.data_parallel import check_one_device, local_batch, one_device_shardings
 from scamp_jax.distributed.mpi import MPIUnavailableError, World, mpirun_command, world
-from scamp_jax.memory import default_step_shardings
-from scamp_jax.sharding import make_mesh
-from scamp_jax.train_step import abstract_state, make_train_step, place_train_state, split_model
+from scamp_jax.planning.memory import default_step_shardings
+from scamp_jax.planning.sharding import make_mesh
+from scamp_jax.planning.train_step import (
+    abstract_state,
+    make_train_step,
+    place_train_state,
+    split_model,
+)
 
 
 def _model() -> nnx.Module:

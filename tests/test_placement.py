@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scamp_jax.placement import (
+from scamp_jax.scheduling.placement import (
     DeviceOption,
     FixedPolicy,
     Placement,
@@ -16,7 +16,7 @@ from scamp_jax.placement import (
     check_feasible,
     make_policy,
 )
-from scamp_jax.pool import DevicePool
+from scamp_jax.scheduling.pool import DevicePool
 
 GIB = 2**30
 

@@ -19,12 +19,17 @@ import optax
 import pytest
 from flax import nnx
 
-from scamp_jax.compile_events import CompileCounter
-from scamp_jax.plan_cache import PlanCache, program_signature
-from scamp_jax.planner import plan_mesh
-from scamp_jax.runner import RunSpec, StepCache, make_optimizer, run_trial
+from scamp_jax.hpo.runner import RunSpec, StepCache, make_optimizer, run_trial
+from scamp_jax.planning.compile_events import CompileCounter
+from scamp_jax.planning.plan_cache import PlanCache, program_signature
+from scamp_jax.planning.planner import plan_mesh
+from scamp_jax.planning.train_step import (
+    abstract_state,
+    default_loss,
+    default_optimizer,
+    jit_train_step,
+)
 from scamp_jax.space import SearchSpace
-from scamp_jax.train_step import abstract_state, default_loss, default_optimizer, jit_train_step
 
 SIDE, CHANNELS = 16, 3
 SAMPLE = jax.ShapeDtypeStruct((1, SIDE, SIDE, CHANNELS), jnp.float32)
@@ -144,7 +149,7 @@ def test_signature_ignores_injected_hyperparameters_but_not_the_program():
 
 _WRITER = """
 import sys
-from scamp_jax.plan_cache import PlanCache
+from scamp_jax.planning.plan_cache import PlanCache
 cache = PlanCache(sys.argv[1])
 for i in range(100):
     cache.put_plan(f"{sys.argv[2]}-{i}", {"batch_size": i})
@@ -259,8 +264,8 @@ class _Settings:
 def test_a_resumed_study_plans_without_compiling(tmp_path, monkeypatch):
     from rich.console import Console
 
-    from scamp_jax import planner
-    from scamp_jax.search import run_search
+    from scamp_jax.hpo.search import run_search
+    from scamp_jax.planning import planner
 
     calls: list[int] = []
     real = planner.compile_step

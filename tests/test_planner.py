@@ -9,21 +9,21 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from scamp_jax import memory
-from scamp_jax.planner import (
+from scamp_jax.planning import memory
+from scamp_jax.planning.planner import (
     DoesNotFitError,
     min_devices,
     min_devices_plan,
     plan_mesh,
     resolve_budget,
 )
-from scamp_jax.sharding import (
+from scamp_jax.planning.sharding import (
     bytes_per_device,
     make_mesh,
     param_partition_specs,
     partition_spec_for,
 )
-from scamp_jax.train_step import (
+from scamp_jax.planning.train_step import (
     abstract_state,
     default_loss,
     default_optimizer,

@@ -20,7 +20,7 @@ import pytest
 import sqlalchemy.exc
 from optuna.trial import TrialState
 
-from scamp_jax.study import FAIL_REASON, INTERRUPTED, retried_from, storage_url
+from scamp_jax.hpo.study import FAIL_REASON, INTERRUPTED, retried_from, storage_url
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -33,7 +33,7 @@ configure_cpu_devices(8)
 sys.path.insert(0, {tests!r})
 import dataclasses, jax
 from test_runner import Regression, SPACE
-from scamp_jax.search import run_search
+from scamp_jax.hpo.search import run_search
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
@@ -149,7 +149,7 @@ def test_a_checkpoint_of_more_steps_is_not_reported_as_fewer(tmp_path):
     import jax
     from test_runner import SPACE, Regression, make_plan, spec
 
-    from scamp_jax.runner import load_model, run_trial
+    from scamp_jax.hpo.runner import load_model, run_trial
 
     config = {"width": 32, "learning_rate": 1e-2}
     plan = make_plan(config, jax.devices()[:2])

@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from scamp_jax import planner
-from scamp_jax.runner import (
+from scamp_jax.hpo.runner import (
     RunSpec,
     StepCache,
     TrialStatus,
@@ -27,6 +26,7 @@ from scamp_jax.runner import (
     make_optimizer,
     run_trial,
 )
+from scamp_jax.planning import planner
 from scamp_jax.space import SearchSpace
 
 IN, OUT = 8, 1

@@ -19,10 +19,10 @@ import pytest
 from test_engine import Settings, build, suggest
 from test_runner import Regression
 
-from scamp_jax.placement import ScampPolicy
+from scamp_jax.hpo.search import run_search
 from scamp_jax.scheduling import SchedulingCore, TrialPlan, replan_after_oom, usable_capacity
+from scamp_jax.scheduling.placement import ScampPolicy
 from scamp_jax.scheduling.replay import recorded_placements, replay
-from scamp_jax.search import run_search
 from scamp_jax.space import SearchSpace
 
 MIB = 2**20

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from scamp_jax.placement import FixedPolicy, ScampPolicy
-from scamp_jax.simulator import (
+from scamp_jax.scheduling.placement import FixedPolicy, ScampPolicy
+from scamp_jax.sim.simulator import (
     CLUSTER_PRESETS,
     ClusterModel,
     StepCostModel,
@@ -183,7 +183,7 @@ def test_presets_and_unknown_device() -> None:
 
 
 def test_hlo_parsing_counts_kernels_and_ring_collective_bytes() -> None:
-    from scamp_jax.step_costs import hlo_kernels_and_collectives
+    from scamp_jax.sim.step_costs import hlo_kernels_and_collectives
 
     hlo = """HloModule m
 
@@ -214,8 +214,8 @@ def test_measure_cost_of_a_real_step_is_affine_and_sees_model_parallel_collectiv
     import jax.numpy as jnp
     from flax import nnx
 
-    from scamp_jax.step_costs import measure_cost
-    from scamp_jax.train_step import default_loss, default_optimizer
+    from scamp_jax.planning.train_step import default_loss, default_optimizer
+    from scamp_jax.sim.step_costs import measure_cost
 
     class Mlp(nnx.Module):
         def __init__(self, rngs: nnx.Rngs) -> None:
@@ -243,7 +243,7 @@ def test_measure_cost_of_a_real_step_is_affine_and_sees_model_parallel_collectiv
 
 
 def test_plan_profiles_give_the_baseline_one_batch_safe_for_the_largest() -> None:
-    from scamp_jax.step_costs import fixed_baseline
+    from scamp_jax.sim.step_costs import fixed_baseline
 
     cluster = cluster_preset("v100-16gb", devices=8)
     costs = _mixed_costs(12)

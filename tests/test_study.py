@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 from optuna.trial import TrialState
 
-from scamp_jax.space import SearchSpace
-from scamp_jax.study import (
+from scamp_jax.hpo.study import (
     CHECKPOINT_KEY,
     FAIL_REASON,
     INTERRUPTED,
@@ -23,6 +22,7 @@ from scamp_jax.study import (
     retried_from,
     storage_url,
 )
+from scamp_jax.space import SearchSpace
 
 
 def suggest(trial: Any) -> dict[str, Any]:

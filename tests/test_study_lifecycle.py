@@ -21,7 +21,7 @@ import pytest
 import sqlalchemy.exc
 from optuna.trial import TrialState
 
-from scamp_jax.study import storage_url
+from scamp_jax.hpo.study import storage_url
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,7 +34,7 @@ sys.path.insert(0, {tests!r})
 import dataclasses, jax
 from test_runner import Regression, SPACE
 from experiments._cli import user_errors
-from scamp_jax.search import run_search
+from scamp_jax.hpo.search import run_search
 
 @dataclasses.dataclass(frozen=True)
 class Settings:

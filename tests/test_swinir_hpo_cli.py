@@ -56,7 +56,7 @@ def test_bad_numbers_are_rejected(args, message, capsys):
 @pytest.mark.parametrize("value, grow", [(None, None), ("on", True), ("off", False)])
 def test_elastic_flag_reaches_the_engine(value, grow):
     from experiments._cli import config_from_args
-    from scamp_jax.search import engine_config
+    from scamp_jax.hpo.search import engine_config
 
     args = swinir_hpo.parser().parse_args([] if value is None else ["--elastic", value])
     config = config_from_args(args, swinir_hpo.get_config("smoke"), "runs/x")
@@ -210,8 +210,7 @@ def test_sigterm_exits_143_and_ctrl_c_130(capsys):
 
 
 def test_the_record_only_grows(tmp_path):
-    from scamp_jax import report
-
+    from scamp_jax.hpo import report
     row = {"number": 0, "params": {}, "state": "complete", "mse": 1.0}
     first = {"elapsed_s": 10.0, "timeline": {"intervals": [[[0, 0.0, 10.0, 5]]],
                                              "memory_series": [[0.0], [0.5]]}}

@@ -10,9 +10,9 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from scamp_jax.memory import default_step_shardings, single_device_mesh
-from scamp_jax.sharding import make_mesh
-from scamp_jax.train_step import (
+from scamp_jax.planning.memory import default_step_shardings, single_device_mesh
+from scamp_jax.planning.sharding import make_mesh
+from scamp_jax.planning.train_step import (
     StepShardings,
     abstract_state,
     default_loss,

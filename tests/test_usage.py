@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from scamp_jax.placement import Placement
-from scamp_jax.usage import BusyInterval, UsageRecorder
+from scamp_jax.scheduling.placement import Placement
+from scamp_jax.scheduling.usage import BusyInterval, UsageRecorder
 
 
 def _example() -> UsageRecorder:

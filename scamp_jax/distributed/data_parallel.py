@@ -2,7 +2,7 @@
 
 Each rank holds a full replica of the model on one local device, takes its contiguous share of
 every global batch (`local_batch`), and runs the project's training step
-(`scamp_jax.train_step.make_train_step`) with ``grad_reduce=mpi_mean(comm)``: after
+(`scamp_jax.planning.train_step.make_train_step`) with ``grad_reduce=mpi_mean(comm)``: after
 ``value_and_grad`` the gradients and the loss are summed over the ranks with ``mpi4jax.allreduce``
 and divided by the number of ranks, so every replica applies the same update.
 
@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from scamp_jax.distributed.mpi import import_mpi4jax, import_mpi4py
-from scamp_jax.train_step import (
+from scamp_jax.planning.train_step import (
     LossFn,
     PyTree,
     StepShardings,
@@ -135,7 +135,8 @@ def jit_data_parallel_step(
     shardings: StepShardings,
     comm: Any = None,
 ) -> jax.stages.Wrapped:
-    """`scamp_jax.train_step.jit_train_step` with gradients and loss averaged over ``comm``.
+    """`scamp_jax.planning.train_step.jit_train_step` with gradients and loss averaged over
+    ``comm``.
 
     Call it on every rank with that rank's `local_batch`; the returned loss is the global one.
     """

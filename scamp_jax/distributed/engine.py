@@ -39,7 +39,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from scamp_jax import planner
 from scamp_jax.distributed.mpi import import_mpi4py
 from scamp_jax.distributed.spanning import (
     SpanningTrial,
@@ -48,15 +47,16 @@ from scamp_jax.distributed.spanning import (
     spanning_outcome,
 )
 from scamp_jax.distributed.study import StudyClient, shared_study
-from scamp_jax.engine import SearchEngine, TrialDeferred
-from scamp_jax.plan_cache import PlanCache
-from scamp_jax.study import AskedTrial, TrialOutcome
+from scamp_jax.hpo.engine import SearchEngine, TrialDeferred
+from scamp_jax.hpo.study import AskedTrial, TrialOutcome
+from scamp_jax.planning import planner
+from scamp_jax.planning.plan_cache import PlanCache
 
 _OPTUNA_STATE = {"complete": "COMPLETE", "pruned": "PRUNED", "failed": "FAIL"}
 
 
 class RemoteTrialSource:
-    """`scamp_jax.study.TrialSource` over a `StudyClient`: the study lives on rank 0.
+    """`scamp_jax.hpo.study.TrialSource` over a `StudyClient`: the study lives on rank 0.
 
     On rank 0 the client calls the `StudyServer` directly; on other ranks every call is one
     mpi4py message to rank 0 and its answer. Call `close` once the engine has finished, so that
@@ -134,12 +134,12 @@ class RankStream:
 
 
 class MPISearchEngine(SearchEngine):
-    """The `scamp_jax.engine.SearchEngine` of one of ``ranks`` MPI ranks.
+    """The `scamp_jax.hpo.engine.SearchEngine` of one of ``ranks`` MPI ranks.
 
     Arguments after ``ranks`` as for `SearchEngine`. A ScaMP configuration that reaches
     ``config.min_batch_size`` on none of this rank's device counts but does on several ranks with
     one device each is deferred instead of failed: planning raises
-    `scamp_jax.engine.TrialDeferred` with the `SpanPlan` as payload (cached per architecture by
+    `scamp_jax.hpo.engine.TrialDeferred` with the `SpanPlan` as payload (cached per architecture by
     `SearchEngine.plan`), and the trial lands in ``deferred``. A configuration that cannot span
     either fails with the planner's reason and what to change.
     """
@@ -196,7 +196,8 @@ def run_search_mpi(
     console: Any = None,
     comm: Any = None,
 ) -> dict[str, Any]:
-    """`scamp_jax.search.run_search` across the ranks of ``comm`` (collective: call on every rank).
+    """`scamp_jax.hpo.search.run_search` across the ranks of ``comm`` (collective: call on every
+    rank).
 
     Args:
       space, task, settings: as for `run_search` (``settings.trials`` is the study's total over
@@ -238,9 +239,9 @@ def _run(space: Any, task: Any, settings: Any, devices: Sequence[Any], memory_pe
          console: Any, comm: Any, rank: int, size: int) -> dict[str, Any]:
     from rich.console import Console
 
-    from scamp_jax.live import LiveView
-    from scamp_jax.search import engine_config, run_summary, study_settings, write_study_report
-    from scamp_jax.study import open_study
+    from scamp_jax.hpo.live import LiveView
+    from scamp_jax.hpo.search import engine_config, run_summary, study_settings, write_study_report
+    from scamp_jax.hpo.study import open_study
 
     study_dir = Path(settings.study_dir)
 

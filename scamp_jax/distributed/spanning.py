@@ -33,10 +33,17 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from scamp_jax import planner
-from scamp_jax.runner import RunResult, RunSpec, TrialStatus, make_optimizer, run_trial, trial_seed
-from scamp_jax.study import TrialOutcome
-from scamp_jax.train_step import StepShardings
+from scamp_jax.hpo.runner import (
+    RunResult,
+    RunSpec,
+    TrialStatus,
+    make_optimizer,
+    run_trial,
+    trial_seed,
+)
+from scamp_jax.hpo.study import TrialOutcome
+from scamp_jax.planning import planner
+from scamp_jax.planning.train_step import StepShardings
 
 
 @dataclass(frozen=True)
@@ -74,7 +81,8 @@ class SpanningTrial:
 class OneDevicePlan:
     """The plan a spanning trial's runner executes on one rank: a whole replica on one device.
 
-    Duck-types the parts of `scamp_jax.planner.Plan` that `scamp_jax.runner.run_trial` reads.
+    Duck-types the parts of `scamp_jax.planning.planner.Plan` that `scamp_jax.hpo.runner.run_trial`
+    reads.
     ``batch_size`` is this rank's share of the global batch.
     """
 
@@ -190,7 +198,7 @@ def run_spanning_trials(
     Args:
       trials: every rank's deferred trials (the same list on every rank).
       space, task: the search space and task.
-      config: the `scamp_jax.engine.EngineConfig` (steps, budget, checkpointing, seed).
+      config: the `scamp_jax.hpo.engine.EngineConfig` (steps, budget, checkpointing, seed).
       comm: mpi4py communicator of all ranks.
       checkpoint_root: directory of the study's checkpoints (seen by every rank), or None.
       log: where rank 0 prints progress lines.

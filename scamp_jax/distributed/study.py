@@ -19,13 +19,13 @@ request (worker -> rank 0)                           answer (rank 0 -> worker)
 
 Every rank, rank 0 included, uses the same client interface (`StudyClient`): rank 0's client
 calls the server directly under its lock, the others' send messages. The server is a thin
-message layer over `scamp_jax.study.OptunaTrialSource`, which does all the study's work: ``ask``
+message layer over `scamp_jax.hpo.study.OptunaTrialSource`, which does all the study's work: ``ask``
 runs the search space's ``suggest(trial)`` on rank 0 and records the asking rank in the trial's
 user attribute ``rank``; trials stop being handed out once ``n_trials`` are finished or running
 (in any process sharing the storage), counting trials finished in an earlier run, so restarting
 the same command resumes the study and loses no finished trial. Trials of a dead job are
 recovered as the trial source recovers them: by the heartbeat of a study opened with
-`scamp_jax.study.open_study`, or at once (``fail_stale``) for a study without one; a retry keeps
+`scamp_jax.hpo.study.open_study`, or at once (``fail_stale``) for a study without one; a retry keeps
 its original's parameters and checkpoint key, so the restart resumes it from its last checkpoint.
 
 A rank that dies makes ``mpirun`` end the whole job (Open MPI's default), so no rank waits
@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from scamp_jax.distributed.mpi import import_mpi4py
+from scamp_jax.hpo.study import OptunaTrialSource, TrialOutcome
 from scamp_jax.space import SearchSpace
-from scamp_jax.study import OptunaTrialSource, TrialOutcome
 
 # Tags of the study's messages: requests to rank 0 and answers from it. Distinct from any tag
 # the pipeline or data-parallel code uses, and the server works on its own duplicate of the
@@ -76,7 +76,7 @@ class StudyServer:
         CPU to rank 0's own trial (a blocking MPI receive would spin on a core).
       fail_stale: fail trials a previous run left ``RUNNING`` when the server starts and queue
         them again, without waiting for a heartbeat. Default (None): only for a study without
-        a heartbeat; a study opened by `scamp_jax.study.open_study` recovers dead jobs' trials
+        a heartbeat; a study opened by `scamp_jax.hpo.study.open_study` recovers dead jobs' trials
         through its heartbeat and never touches the trials of other live jobs.
       root: the study's directory; a told ``checkpoint`` attribute under it is stored relative
         to it (as `OptunaTrialSource` does), so a copied study folder still finds its checkpoints.

@@ -2,8 +2,8 @@
 
 `SchedulingCore` is fed events and answers with actions. It holds no threads, reads no clock
 (every event carries its time, in seconds since the study's first start) and does no I/O, so
-the HPO engine (`scamp_jax.engine`, wall-clock events from real runs), the cluster simulator
-(`scamp_jax.simulator`, virtual events) and the replay of a finished study
+the HPO engine (`scamp_jax.hpo.engine`, wall-clock events from real runs), the cluster simulator
+(`scamp_jax.sim.simulator`, virtual events) and the replay of a finished study
 (``python -m benchmarks.simulate_cluster --replay``) run the very same decisions.
 
 Events (methods), each at a time ``now``:
@@ -17,8 +17,8 @@ Events (methods), each at a time ``now``:
   failed before training); `requeue`: an out-of-memory trial planned again.
 
 Actions (from `decide`): `Start` a trial on device ids, `PlanOption` (plan a queued trial on
-more devices before it can start there); from `resizes`: `scamp_jax.elastic.Resize` decisions;
-from `out_of_memory`: a `Replan` request (or None: the trial fails).
+more devices before it can start there); from `resizes`: `scamp_jax.scheduling.elastic.Resize`
+decisions; from `out_of_memory`: a `Replan` request (or None: the trial fails).
 
 The pool books each device's **usable** bytes, ``memory_per_device * (1 - safety_margin)``:
 the same share every plan is fitted into, so packed trials never book the safety margin.
@@ -41,8 +41,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from scamp_jax.elastic import Resize, RunningTrial, resizes
-from scamp_jax.placement import (
+from scamp_jax.scheduling.elastic import Resize, RunningTrial, resizes
+from scamp_jax.scheduling.placement import (
     DeviceOption,
     Placement,
     PoolSnapshot,
@@ -50,8 +50,8 @@ from scamp_jax.placement import (
     TrialRequest,
     check_feasible,
 )
-from scamp_jax.pool import DevicePool
-from scamp_jax.usage import UsageRecorder
+from scamp_jax.scheduling.pool import DevicePool
+from scamp_jax.scheduling.usage import UsageRecorder
 
 
 def usable_capacity(memory_per_device: int, safety_margin: float) -> int:
@@ -154,7 +154,7 @@ class SchedulingCore:
     """Queue, device pool and pace of a study's trials; decisions through ``policy``.
 
     Args:
-      policy: `ScampPolicy` or `FixedPolicy` (`scamp_jax.placement`).
+      policy: `ScampPolicy` or `FixedPolicy` (`scamp_jax.scheduling.placement`).
       devices: devices in the pool.
       memory_per_device: the budget per device, bytes.
       safety_margin: fraction of the budget held back for estimation error; the pool books
@@ -402,7 +402,7 @@ class SchedulingCore:
         return tuple(actions)
 
     def resizes(self, now: float, reshapes: Mapping[int, Sequence[int]]) -> tuple[Resize, ...]:
-        """Running trials to restart on more devices now (`scamp_jax.elastic.resizes`).
+        """Running trials to restart on more devices now (`scamp_jax.scheduling.elastic.resizes`).
 
         Only with nothing queued and no arrivals pending. ``reshapes`` gives, per running trial,
         the device counts it may restart on with its global batch (the caller knows which ones

@@ -2,7 +2,7 @@
 
 `attainable_flops` maps a device kind (``jax.Device.device_kind``) to its data-sheet float32
 matmul FLOP/s (TF32 tensor cores where XLA uses them for float32 by default) times the fraction a
-real XLA step attains. The cluster simulator's presets (`scamp_jax.simulator.CLUSTER_PRESETS`)
+real XLA step attains. The cluster simulator's presets (`scamp_jax.sim.simulator.CLUSTER_PRESETS`)
 use the same figures, so the engine and the simulator give the core the same peak.
 """
 

@@ -22,8 +22,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from scamp_jax.placement import FixedPolicy, ScampPolicy
 from scamp_jax.scheduling.core import PlanOption, SchedulingCore, Start, TrialPlan
+from scamp_jax.scheduling.placement import FixedPolicy, ScampPolicy
 
 # Events at one time are applied in this order before the core decides: the engine feeds a
 # plan, then (if it was the last one) the start of the last wave, at the same time stamp.

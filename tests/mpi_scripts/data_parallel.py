@@ -54,7 +54,7 @@ def main() -> None:
         replicas = w.comm.allgather(hashlib.sha256(flat.tobytes()).hexdigest())
     else:
         from scamp_jax.distributed.data_parallel import one_device_shardings
-        from scamp_jax.train_step import jit_train_step, place_train_state
+        from scamp_jax.planning.train_step import jit_train_step, place_train_state
 
         shardings = one_device_shardings(model, optimizer)
         graphdef, params, opt_state, rest = place_train_state(model, optimizer, shardings)

@@ -20,8 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def main() -> None:
     import hpo_mlp
 
-    from scamp_jax import planner
-
+    from scamp_jax.planning import planner
     lock = threading.Lock()
     counts = {"plans": 0, "compiles": 0}
     real_plan, real_compile = planner.plan_mesh, planner.compile_step

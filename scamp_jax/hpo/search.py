@@ -19,12 +19,12 @@ from typing import Any
 
 import jax
 
-from scamp_jax.engine import EngineConfig, PlanFn, SearchEngine, SearchResult
-from scamp_jax.placement import POLICIES
-from scamp_jax.plan_cache import PlanCache
-from scamp_jax.planner import plan_mesh
+from scamp_jax.hpo.engine import EngineConfig, PlanFn, SearchEngine, SearchResult
+from scamp_jax.hpo.study import PRUNERS, SAMPLERS
+from scamp_jax.planning.plan_cache import PlanCache
+from scamp_jax.planning.planner import plan_mesh
+from scamp_jax.scheduling.placement import POLICIES
 from scamp_jax.space import SearchSpace, Task
-from scamp_jax.study import PRUNERS, SAMPLERS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,7 +58,7 @@ class SearchSettings:
       initial_params: configurations a new study evaluates first (a warm start; the sampler
         takes over after them).
       elastic: ``"auto"``, ``"on"`` or ``"off"``: whether ScaMP puts devices that would idle at
-        the end of the study to work (`scamp_jax.engine.EngineConfig.grow_last_wave`; auto: on
+        the end of the study to work (`scamp_jax.hpo.engine.EngineConfig.grow_last_wave`; auto: on
         accelerators, not on CPU devices).
       study_name: name of the study in the storage (None: the search space's name); another
         name starts a new study next to the others, its outputs in ``<study_dir>/<name>/``.
@@ -133,8 +133,8 @@ def run_search(
     """
     from rich.console import Console
 
-    from scamp_jax.live import LiveView
-    from scamp_jax.study import GRACE_PERIOD, HEARTBEAT_INTERVAL, OptunaTrialSource, open_study
+    from scamp_jax.hpo.live import LiveView
+    from scamp_jax.hpo.study import GRACE_PERIOD, HEARTBEAT_INTERVAL, OptunaTrialSource, open_study
 
     study_name = getattr(settings, "study_name", None) or space.name
     # A study other than the space's default one keeps its outputs in a folder of its own.
@@ -269,8 +269,7 @@ def write_study_report(
     """Write ``results.json``/``.csv``, ``best_model/`` and the plots of every finished trial
     of ``study`` (``run_info`` as the ``run`` section, ``result`` for the usage plots) and print
     the best trials; returns ``run_info`` plus ``best`` (a results row or None)."""
-    from scamp_jax import report
-
+    from scamp_jax.hpo import report
     metrics = [task.metric] + ([baseline] if baseline else [])
     records = report.trial_records(study, metrics)
     report.write_results(study_dir, records, metric=task.metric, direction=task.direction,
@@ -294,8 +293,7 @@ def write_interrupted_report(study: Any, task: Task, study_dir: Path, run_info: 
                              *, baseline: str | None) -> None:
     """``results.json``/``.csv`` of an interrupted run: every finished trial, and ``run_info``
     appended to the runs (no plots; the next run draws them)."""
-    from scamp_jax import report
-
+    from scamp_jax.hpo import report
     metrics = [task.metric] + ([baseline] if baseline else [])
     report.write_results(study_dir, report.trial_records(study, metrics), metric=task.metric,
                          direction=task.direction, run=run_info)

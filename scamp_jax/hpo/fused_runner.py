@@ -1,8 +1,8 @@
 """Run a fused group: ``K`` trials of one architecture trained together on one device set.
 
-`run_fused_group` is `scamp_jax.runner.run_trial` for a group (`scamp_jax.fusion`): it builds
-every member from its own seed, trains all of them with one compiled fused step on the group's
-devices, and reports, evaluates, prunes, checkpoints and ends each member on its own:
+`run_fused_group` is `scamp_jax.hpo.runner.run_trial` for a group (`scamp_jax.planning.fusion`): it
+builds every member from its own seed, trains all of them with one compiled fused step on the
+group's devices, and reports, evaluates, prunes, checkpoints and ends each member on its own:
 
 - each member reports to ``report(number, step, value) -> prune?`` after an intermediate
   evaluation, so each can be its own Optuna trial;
@@ -32,17 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from scamp_jax.checkpoint import TrialCheckpointer
-from scamp_jax.fusion import (
-    FusionPlan,
-    fused_initial_state,
-    hyperparam_arrays,
-    jit_fused_step,
-    member_slice,
-    stack_batches,
-    stack_shardings,
-)
-from scamp_jax.runner import (
+from scamp_jax.hpo.checkpoint import TrialCheckpointer
+from scamp_jax.hpo.runner import (
     OPTIMIZER_KEYS,
     RunResult,
     TrialOutOfMemory,
@@ -53,8 +44,17 @@ from scamp_jax.runner import (
     make_optimizer,
     peak_bytes,
 )
+from scamp_jax.planning.fusion import (
+    FusionPlan,
+    fused_initial_state,
+    hyperparam_arrays,
+    jit_fused_step,
+    member_slice,
+    stack_batches,
+    stack_shardings,
+)
+from scamp_jax.planning.train_step import split_model
 from scamp_jax.space import SearchSpace, Task
-from scamp_jax.train_step import split_model
 
 PyTree = Any
 
@@ -67,7 +67,7 @@ class MemberSpec:
       number: the study's trial number.
       params: the configuration; its architecture must match the group's.
       seed: seed of the member's parameter initialisation and data stream (the seed its solo
-        run would get, e.g. `scamp_jax.runner.trial_seed`).
+        run would get, e.g. `scamp_jax.hpo.runner.trial_seed`).
       checkpoint_dir: the member's checkpoint directory, or ``None``.
     """
 

@@ -32,18 +32,18 @@ import numpy as np
 import optax
 from flax import nnx
 
-from scamp_jax import sharding as sh
-from scamp_jax.checkpoint import TrialCheckpointer
-from scamp_jax.evaluation import (
+from scamp_jax.hpo.checkpoint import TrialCheckpointer
+from scamp_jax.planning import sharding as sh
+from scamp_jax.planning.evaluation import (
     EvalCompiler,
     EvalPlan,
     abstract_eval_inputs,
     plan_eval,
     supports_chunked_eval,
 )
-from scamp_jax.planner import lowered_fingerprint
+from scamp_jax.planning.planner import lowered_fingerprint
+from scamp_jax.planning.train_step import jit_train_step, split_model
 from scamp_jax.space import SearchSpace, Task
-from scamp_jax.train_step import jit_train_step, split_model
 
 #: keys of a configuration that are optimizer hyperparameters, not architecture.
 OPTIMIZER_KEYS = ("learning_rate", "weight_decay", "b1", "b2")
@@ -83,7 +83,7 @@ class TrialStatus:
     #: and the step it began at: the engine's measure of the trial's pace.
     training_since: float = math.nan
     first_step: int = 0
-    #: times the engine restarted the trial on more devices (`scamp_jax.elastic`).
+    #: times the engine restarted the trial on more devices (`scamp_jax.scheduling.elastic`).
     resizes: int = 0
 
 
@@ -103,8 +103,8 @@ class RunSpec:
       log_every: steps between loss read-backs (each one synchronises with the device).
       seed: seed of the parameter initialisation and of the data stream.
       grad_reduce: ``f(tree) -> tree`` applied to the gradients and the loss inside the jitted
-        step (`scamp_jax.train_step.make_train_step`), e.g. the mean over MPI ranks of a trial
-        that spans ranks (`scamp_jax.distributed.data_parallel.mpi_mean`); None: no reduction.
+        step (`scamp_jax.planning.train_step.make_train_step`), e.g. the mean over MPI ranks of a
+        trial that spans ranks (`scamp_jax.distributed.data_parallel.mpi_mean`); None: no reduction.
       batch_share: ``(index, parts)``: this process trains on part ``index`` of ``parts`` equal
         contiguous parts of every global batch of ``plan.batch_size * parts`` samples (each
         rank of a spanning trial draws the same global stream); None: the whole batch.
@@ -470,7 +470,7 @@ def load_model(
     """
     import orbax.checkpoint as ocp
 
-    from scamp_jax.checkpoint import from_storable, to_storable
+    from scamp_jax.hpo.checkpoint import from_storable, to_storable
 
     directory = Path(directory).resolve()
     item = directory / "default"

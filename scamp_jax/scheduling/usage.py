@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scamp_jax.placement import Placement
+from scamp_jax.scheduling.placement import Placement
 
 
 @dataclass(frozen=True)

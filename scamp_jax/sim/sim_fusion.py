@@ -1,8 +1,9 @@
 """Cost model of a fused group for the cluster simulator: step time and throughput vs width.
 
-A fused group's step (`scamp_jax.fusion`) is one program whose FLOPs and memory traffic grow
-with the number of members ``K`` while the number of kernels it launches does not (vmap widens
-each kernel instead of repeating it). Under the simulator's per-step model (`scamp_jax.simulator`:
+A fused group's step (`scamp_jax.planning.fusion`) is one program whose FLOPs and memory traffic
+grow with the number of members ``K`` while the number of kernels it launches does not (vmap widens
+each kernel instead of repeating it). Under the simulator's per-step model
+(`scamp_jax.sim.simulator`:
 roofline busy time + collectives + kernel launches), a group of ``K`` therefore trains ``K``
 trials in less than ``K`` solo steps whenever launches or an underused device dominate a solo
 step, which is the case for the small candidates of an HPO study.
@@ -23,10 +24,10 @@ from typing import Any
 import optax
 from flax import nnx
 
-from scamp_jax.fusion import FusedStepCompiler, stack_abstract
-from scamp_jax.planner import Plan
-from scamp_jax.simulator import ClusterModel, TrialProfile, step_seconds
-from scamp_jax.train_step import LossFn
+from scamp_jax.planning.fusion import FusedStepCompiler, stack_abstract
+from scamp_jax.planning.planner import Plan
+from scamp_jax.planning.train_step import LossFn
+from scamp_jax.sim.simulator import ClusterModel, TrialProfile, step_seconds
 
 #: HLO instructions of an entry computation that launch no kernel.
 _NOT_KERNELS = frozenset({
@@ -94,8 +95,8 @@ class FusedCostModel:
 
         FLOPs, traffic and kernels come from the fit; collectives scale with the members'
         stacked gradients (``width`` times the solo bytes); memory is ``bytes_per_device`` (a
-        `scamp_jax.fusion.FusionPlan`'s peak) or, when not given, ``width`` times the solo peak
-        (an upper bound: members share the step's fixed buffers).
+        `scamp_jax.planning.fusion.FusionPlan`'s peak) or, when not given, ``width`` times the solo
+        peak (an upper bound: members share the step's fixed buffers).
         """
         if width < 1:
             raise ValueError(f"{width=} must be at least 1")
@@ -138,7 +139,7 @@ def measure_fused_costs(
     Args:
       model: abstract Flax NNX module (``nnx.eval_shape``).
       sample_batch: one member's batch shapes ``(B, ...)``.
-      plan: a member plan (`scamp_jax.planner.plan_mesh`); its mesh and shardings are used.
+      plan: a member plan (`scamp_jax.planning.planner.plan_mesh`); its mesh and shardings are used.
       batch_size: samples per member.
       widths: at least two increasing widths to compile.
       optimizer, loss_fn: what the members train with.

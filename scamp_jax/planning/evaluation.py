@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from scamp_jax import sharding as sh
+from scamp_jax.planning import sharding as sh
 
 PyTree = Any
 
@@ -63,7 +63,7 @@ class EvalCompiler:
     """Compiles a task's evaluation forward pass on ``mesh`` with the plan's shardings.
 
     Args:
-      graphdef: the model's graph (from `scamp_jax.train_step.split_model`).
+      graphdef: the model's graph (from `scamp_jax.planning.train_step.split_model`).
       forward: ``forward(model, x) -> outputs`` (a task's ``eval_forward``).
       params, rest: parameter and other state trees (arrays or ``ShapeDtypeStruct``s).
       param_shardings, rest_shardings: their shardings on ``mesh``.

@@ -8,8 +8,8 @@ batch. Keeping the batch keeps the trial's training trajectory (same samples, sa
 float reassociation of the batch mean), so a resized trial reports what it would have reported
 unresized, only sooner.
 
-Like `scamp_jax.placement`, this is a pure decision on plain numbers; the engine and the cluster
-simulator both call it:
+Like `scamp_jax.scheduling.placement`, this is a pure decision on plain numbers; the engine and the
+cluster simulator both call it:
 
     for r in resizes(policy, pool.snapshot(), running, queue_empty=not queue,
                      arrivals_pending=more_to_come):
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scamp_jax.placement import DeviceOption, PoolSnapshot, ScampPolicy
+from scamp_jax.scheduling.placement import DeviceOption, PoolSnapshot, ScampPolicy
 
 
 @dataclass(frozen=True)

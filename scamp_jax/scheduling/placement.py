@@ -2,7 +2,7 @@
 
 Everything here is a pure decision on plain numbers: byte counts per device and trial requests.
 No JAX, no arrays, no executors. The HPO engine and the cluster simulator drive the same code
-(`scamp_jax.pool.DevicePool` keeps the books):
+(`scamp_jax.scheduling.pool.DevicePool` keeps the books):
 
     pool = DevicePool(capacity)                      # bytes per device id 0..n-1
     for placement in policy.decide(pool.snapshot(), queue, arrivals_pending=more_to_come):
@@ -413,13 +413,13 @@ class ScampPolicy:
         decide the makespan. While trials keep arriving, memory alone decides (throughput).
       resize_running: with ``elastic``, once nothing is queued or to come, restart running
         trials on their devices plus idle ones with the same global batch
-        (`scamp_jax.elastic.resizes`; the engine and the simulator apply it).
+        (`scamp_jax.scheduling.elastic.resizes`; the engine and the simulator apply it).
       min_resize_gain: fraction of a running trial's remaining time a restart on more devices
         must save to be worth its checkpoint and compile.
       batch_multiple: a trial's planned batch is a multiple of this (where one fits), so that it
         can grow or restart onto 2 or 4 devices with the same batch: a batch of 41 cannot be
-        split, one of 40 can (`scamp_jax.planner.plan_mesh`'s ``batch_multiple``; the engine's
-        planning service and the simulator's profiles both apply it).
+        split, one of 40 can (`scamp_jax.planning.planner.plan_mesh`'s ``batch_multiple``; the
+        engine's planning service and the simulator's profiles both apply it).
     """
 
     share_devices: bool = True

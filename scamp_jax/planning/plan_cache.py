@@ -39,8 +39,8 @@ import jaxlib
 import optax
 from flax import nnx
 
-from scamp_jax.memory import with_batch_size
-from scamp_jax.train_step import LossFn, abstract_state, default_loss, split_model
+from scamp_jax.planning.memory import with_batch_size
+from scamp_jax.planning.train_step import LossFn, abstract_state, default_loss, split_model
 
 PyTree = Any
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 from scamp_jax._units import format_bytes
-from scamp_jax.runner import TrialStatus
+from scamp_jax.hpo.runner import TrialStatus
 
 _ACTIVE = ("compiling", "training", "evaluating", "starting", "resizing")
 

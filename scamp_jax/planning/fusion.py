@@ -5,7 +5,7 @@ leave most of it idle. Fusing ``K`` trials of the same architecture into one ste
 MLSys 2021, does for PyTorch) turns ``K`` small programs into one ``K`` times wider program.
 
 The fused step is ``jax.vmap`` of the project's own training step
-(`scamp_jax.train_step.make_train_step`) over a leading *member* axis:
+(`scamp_jax.planning.train_step.make_train_step`) over a leading *member* axis:
 
 - parameters, optimizer state and other model state (RNG counters) are stacked, shape
   ``(K, ...)`` per leaf;
@@ -39,11 +39,17 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from scamp_jax import sharding as sh
 from scamp_jax._units import format_bytes
-from scamp_jax.memory import CPU_FAST_COMPILE, MemoryEstimate
-from scamp_jax.planner import DoesNotFitError, Plan, plan_mesh, resolve_budget, resolve_devices
-from scamp_jax.train_step import (
+from scamp_jax.planning import sharding as sh
+from scamp_jax.planning.memory import CPU_FAST_COMPILE, MemoryEstimate
+from scamp_jax.planning.planner import (
+    DoesNotFitError,
+    Plan,
+    plan_mesh,
+    resolve_budget,
+    resolve_devices,
+)
+from scamp_jax.planning.train_step import (
     LossFn,
     StepShardings,
     abstract_state,
@@ -407,8 +413,8 @@ def plan_fusion(
       sample_batch: one member's batch shapes ``(B, ...)`` (only per-sample shapes are used).
       max_width: the most members wanted in the group (``K`` cap), >= 1.
       devices, memory_per_device, optimizer, loss_fn, safety_margin: as for
-        `scamp_jax.planner.plan_mesh`, which makes the member plan (mesh, model-parallel degree,
-        shardings) unless ``plan`` is given.
+        `scamp_jax.planning.planner.plan_mesh`, which makes the member plan (mesh, model-parallel
+        degree, shardings) unless ``plan`` is given.
       batch_size: fix the per-member batch (e.g. the study's batch, so members match their solo
         runs); None: the largest batch that fits at the chosen width, up to the member plan's.
       max_batch_size: cap of the member plan's batch (``plan_mesh``'s).

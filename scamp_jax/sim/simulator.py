@@ -40,15 +40,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from scamp_jax._units import format_bytes
-from scamp_jax.placement import (
+from scamp_jax.scheduling.core import PlanOption, SchedulingCore, Start, TrialPlan
+from scamp_jax.scheduling.costs import COMPUTE_EFFICIENCY
+from scamp_jax.scheduling.placement import (
     FixedPolicy,
     Policy,
     ScampPolicy,
     TrialRequest,
     check_feasible,
 )
-from scamp_jax.scheduling.core import PlanOption, SchedulingCore, Start, TrialPlan
-from scamp_jax.scheduling.costs import COMPUTE_EFFICIENCY
 
 GB = 10**9
 GIB = 2**30
@@ -76,9 +76,9 @@ class ClusterModel:
       compute_group: consecutive device ids that share one compute engine (1 for GPUs; all of
         them for CPU "devices" carved out of one host, whose ``peak_flops`` is then the host's).
       restart_seconds: seconds a running trial restarted on more devices
-        (`scamp_jax.elastic`) spends before its next step: writing its checkpoint, compiling the
-        new plan, restoring. 60 is an assumption (a mid-sized model's compile on a GPU plus
-        checkpoint I/O), not a measurement.
+        (`scamp_jax.scheduling.elastic`) spends before its next step: writing its checkpoint,
+        compiling the new plan, restoring. 60 is an assumption (a mid-sized model's compile on a
+        GPU plus checkpoint I/O), not a measurement.
     """
 
     name: str
@@ -160,7 +160,8 @@ class TrialProfile:
         step on a CPU host), seconds, once per trial (its busy share is spread over the trial's
         devices); 0 on accelerators, whose host compiles in the background.
       alternatives: the same trial planned on more devices (more data-parallel replicas, same
-        key), which a policy may start instead (`scamp_jax.placement.TrialRequest.options`).
+        key), which a policy may start instead
+        (`scamp_jax.scheduling.placement.TrialRequest.options`).
     """
 
     key: int
@@ -235,7 +236,7 @@ class SimResult:
       summary: `UsageRecorder.summary` at the makespan (memory utilisation, idle time, ...).
       trials: per-trial start, end and devices, in key order.
       busy_fraction: device-seconds of busy time (roofline) / all device-seconds.
-      resizes: running trials restarted on more devices (`scamp_jax.elastic`).
+      resizes: running trials restarted on more devices (`scamp_jax.scheduling.elastic`).
     """
 
     policy: str
@@ -319,9 +320,9 @@ def simulate(
         engine keeps about as many trials asked and planned as there are devices; the next
         trial arrives as soon as one starts.
       reshape: ``reshape(profile)`` -> the same trial on more devices with the same global
-        batch (what a running trial may restart as, `scamp_jax.elastic.resizes`); None: running
-        trials are never resized. A restarted trial keeps the fraction of its work already done
-        and trains nothing for ``cluster.restart_seconds``.
+        batch (what a running trial may restart as, `scamp_jax.scheduling.elastic.resizes`); None:
+        running trials are never resized. A restarted trial keeps the fraction of its work already
+        done and trains nothing for ``cluster.restart_seconds``.
       safety_margin: fraction of each device's memory the pool does not book (the engine's
         `EngineConfig.safety_margin`; the profiles' plans must fit the rest).
 
@@ -542,7 +543,7 @@ class StepCostModel:
     """Per-device cost of one architecture's training step as an affine function of local batch.
 
     Measured once per architecture and model-parallel degree (XLA ``cost_analysis()`` of compiles
-    at two per-device batch sizes; memory from the planner's `scamp_jax.memory.MemoryModel`
+    at two per-device batch sizes; memory from the planner's `scamp_jax.planning.memory.MemoryModel`
     fitted on the same compiles), then extrapolated to any data-parallel degree: with
     ``p`` data-parallel replicas and global batch ``B`` each device runs the same program at local
     batch ``B / p``, plus a ring all-reduce of its gradient shard. This is what lets a CPU with 8
@@ -557,8 +558,9 @@ class StepCostModel:
         step, affine in local batch (0 for ``model_parallel == 1``).
       kernels_per_step: kernels in the compiled step.
       memory_fixed, memory_per_sample, memory_floor: the planner's peak-memory model per device
-        (`scamp_jax.memory.MemoryModel`: ``fixed_bytes``, ``bytes_per_sample``, ``floor_bytes``),
-        bytes: ``peak(b) = max(memory_floor, memory_fixed + memory_per_sample * b)``.
+        (`scamp_jax.planning.memory.MemoryModel`: ``fixed_bytes``, ``bytes_per_sample``,
+        ``floor_bytes``), bytes: ``peak(b) = max(memory_floor, memory_fixed + memory_per_sample *
+        b)``.
     """
 
     model_parallel: int
@@ -620,7 +622,7 @@ class StepCostModel:
         ``max_devices`` devices (None: no alternatives). The global batch of an alternative is a
         multiple of its data-parallel degree; one that leaves no such batch is left out. Every
         batch is also a multiple of ``batch_multiple`` where one fits, as the planner makes it
-        (`scamp_jax.planner.plan_mesh`).
+        (`scamp_jax.planning.planner.plan_mesh`).
         """
         local = self.max_local_batch(budget_bytes)
         if max_batch_size is not None:
@@ -650,7 +652,7 @@ class StepCostModel:
         """``profile`` (a trial of this architecture) on more devices with the same global batch:
         every data-parallel degree above its own that divides the batch, on at most
         ``max_devices`` devices, whose predicted peak fits ``budget_bytes``. These are what a
-        running trial may restart as (`scamp_jax.elastic`); the sample count is kept."""
+        running trial may restart as (`scamp_jax.scheduling.elastic`); the sample count is kept."""
         dp = profile.devices // self.model_parallel
         samples = profile.steps * profile.batch_size
         out = []

@@ -1,6 +1,6 @@
 """The planning service of the search loop: plans, their cache and their costs, off the loop.
 
-`PlanningService` is mixed into `scamp_jax.engine.SearchEngine`; its methods run in the engine's
+`PlanningService` is mixed into `scamp_jax.hpo.engine.SearchEngine`; its methods run in the engine's
 planner threads (XLA compiles outside the GIL), never on the loop's thread:
 
 - `plan`: the fewest devices that hold a configuration and the largest batch (``plan_mesh``,
@@ -25,15 +25,15 @@ from typing import TYPE_CHECKING, Any
 import jax
 from flax import nnx
 
-from scamp_jax import planner
-from scamp_jax.evaluation import supports_chunked_eval
-from scamp_jax.memory import with_batch_size
-from scamp_jax.runner import RunResult, make_optimizer
+from scamp_jax.hpo.runner import RunResult, make_optimizer
+from scamp_jax.planning import planner
+from scamp_jax.planning.evaluation import supports_chunked_eval
+from scamp_jax.planning.memory import with_batch_size
+from scamp_jax.planning.train_step import abstract_state, jit_train_step, split_model
 from scamp_jax.scheduling.core import replan_after_oom
-from scamp_jax.train_step import abstract_state, jit_train_step, split_model
 
 if TYPE_CHECKING:
-    from scamp_jax.engine import PlannedTrial
+    from scamp_jax.hpo.engine import PlannedTrial
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class TrialDeferred(Exception):  # noqa: N818 - a hand-over, not an error
 
 
 class PlanningService:
-    """Planning for `scamp_jax.engine.SearchEngine` (a mixin: it uses the engine's ``space``,
+    """Planning for `scamp_jax.hpo.engine.SearchEngine` (a mixin: it uses the engine's ``space``,
     ``task``, ``config``, ``devices``, ``plan_fn``, ``policy``, ``core`` and ``_trial_plan``)."""
 
     def _init_planning(self) -> None:

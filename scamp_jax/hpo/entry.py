@@ -1,6 +1,6 @@
 """One call from a model family and a task to a packed, resumable study: `run_study`.
 
-It is named ``run_study`` (not ``search``) because `scamp_jax.search` is the module that holds
+It is named ``run_study`` (not ``search``) because `scamp_jax.hpo.search` is the module that holds
 `run_search` and `SearchSettings`: a function of the same name on the package would hide it.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from scamp_jax.search import SearchSettings, run_search
+from scamp_jax.hpo.search import SearchSettings, run_search
 from scamp_jax.space import SearchSpace, Task
 
 #: Share of the host's physical memory that CPU devices (which report no limit) split between
@@ -96,8 +96,7 @@ def run_study(
         min_batch_size=min_batch_size, checkpoint_every=checkpoint_every,
         eval_every=eval_every, initial_params=tuple(initial_params), elastic=elastic,
     )
-    from scamp_jax import planner
-
+    from scamp_jax.planning import planner
     pool = planner.resolve_devices(devices)
     budget = default_budget(memory_per_device, pool)
     if live is None:
@@ -112,8 +111,7 @@ def default_budget(memory_per_device: int | str | None, devices: Sequence[jax.De
     CPU devices report no memory limit; they split `CPU_MEMORY_SHARE` of the host's physical
     memory equally.
     """
-    from scamp_jax import planner
-
+    from scamp_jax.planning import planner
     if memory_per_device is not None or any(d.platform != "cpu" for d in devices):
         return planner.resolve_budget(memory_per_device, devices)
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,7 +1,8 @@
 """The device pool's books: which trial holds how many bytes (and compute) on which device.
 
-Decisions come from a placement policy (`scamp_jax.placement`); `DevicePool` only records them,
-checks that none over-commits a device, and gives policies an immutable `PoolSnapshot`.
+Decisions come from a placement policy (`scamp_jax.scheduling.placement`); `DevicePool` only
+records them, checks that none over-commits a device, and gives policies an immutable
+`PoolSnapshot`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from scamp_jax._units import format_bytes
-from scamp_jax.placement import Placement, PoolSnapshot, TrialRequest
+from scamp_jax.scheduling.placement import Placement, PoolSnapshot, TrialRequest
 
 
 class DevicePool:

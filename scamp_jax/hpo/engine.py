@@ -35,11 +35,8 @@ from typing import Any
 
 import jax
 
-from scamp_jax import planner
-from scamp_jax.elastic import Resize
-from scamp_jax.placement import FixedPolicy, Placement, ScampPolicy, make_policy
-from scamp_jax.plan_service import PlanningService, TrialDeferred
-from scamp_jax.runner import (
+from scamp_jax.hpo.plan_service import PlanningService, TrialDeferred
+from scamp_jax.hpo.runner import (
     RunResult,
     RunSpec,
     StepCache,
@@ -47,10 +44,13 @@ from scamp_jax.runner import (
     run_trial,
     trial_seed,
 )
+from scamp_jax.hpo.study import AskedTrial, TrialOutcome, TrialSource
+from scamp_jax.planning import planner
 from scamp_jax.scheduling.core import PlanOption, SchedulingCore, TrialPlan
 from scamp_jax.scheduling.costs import attainable_flops
+from scamp_jax.scheduling.elastic import Resize
+from scamp_jax.scheduling.placement import FixedPolicy, Placement, ScampPolicy, make_policy
 from scamp_jax.space import SearchSpace, Task
-from scamp_jax.study import AskedTrial, TrialOutcome, TrialSource
 
 log = logging.getLogger(__name__)
 PlanFn = Callable[..., Any]
@@ -96,8 +96,8 @@ class EngineConfig:
         accelerators, off for CPU devices, which split one host's cores and so gain no speed
         from more of them (only extra compiles). The same switch lets ScaMP, once nothing is
         queued or left to ask, stop a running trial at a checkpoint and restart it with the same
-        global batch on its devices plus idle ones (`scamp_jax.elastic`; needs a checkpoint
-        root).
+        global batch on its devices plus idle ones (`scamp_jax.scheduling.elastic`; needs a
+        checkpoint root).
       restart_seconds: predicted cost of such a restart (checkpoint, compile, restore),
         seconds; None: the trial's own start-up time in its current run.
     """
@@ -219,7 +219,7 @@ class SearchResult:
 
 def booked_bytes(plan: Any) -> int:
     """Bytes per device a trial of ``plan`` books: everything it holds at once (training step,
-    prefetched batch, evaluation: `scamp_jax.planner.Plan.predicted_peak_bytes`)."""
+    prefetched batch, evaluation: `scamp_jax.planning.planner.Plan.predicted_peak_bytes`)."""
     return int(getattr(plan, "predicted_peak_bytes", plan.peak_bytes_per_device))
 
 class SearchEngine(PlanningService):
@@ -489,7 +489,8 @@ class SearchEngine(PlanningService):
         self._notify()
 
     def _resize_tail(self) -> None:
-        """Restart running trials on idle devices at the end of the study (`scamp_jax.elastic`).
+        """Restart running trials on idle devices at the end of the study
+        (`scamp_jax.scheduling.elastic`).
 
         The core decides from the measured paces; a restart decided here is planned for its
         new device count in the planner threads (a few compiles that must not stall this loop);

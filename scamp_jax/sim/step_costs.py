@@ -1,9 +1,10 @@
 """What one training step costs: XLA's own figures, fitted per architecture for the simulator.
 
-`measure_cost` compiles a candidate's training step (the engine's `scamp_jax.train_step`, with the
-planner's shardings, through `scamp_jax.memory.StepCompiler`) at two per-device batches and fits
-a `scamp_jax.simulator.StepCostModel`: FLOPs and bytes accessed from ``cost_analysis()``, kernels
-and model-parallel collective bytes from the HLO (`hlo_kernels_and_collectives`), memory from the
+`measure_cost` compiles a candidate's training step (the engine's `scamp_jax.planning.train_step`,
+with the planner's shardings, through `scamp_jax.planning.memory.StepCompiler`) at two per-device
+batches and fits a `scamp_jax.sim.simulator.StepCostModel`: FLOPs and bytes accessed from
+``cost_analysis()``, kernels and model-parallel collective bytes from the HLO
+(`hlo_kernels_and_collectives`), memory from the
 planner's `MemoryModel`. `fixed_baseline` gives the fixed-resources baseline's devices and batch.
 """
 
@@ -15,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from scamp_jax.simulator import ClusterModel, StepCostModel
+from scamp_jax.sim.simulator import ClusterModel, StepCostModel
 
 _COLLECTIVE = re.compile(
     r"=\s*(?P<shape>\(?[^=]*?\)?)\s+(?P<op>all-reduce|all-gather|reduce-scatter|"
@@ -86,13 +87,13 @@ def measure_cost(
 ) -> tuple[StepCostModel, float]:
     """Cost one architecture: the planner's memory model plus compiled XLA costs of its step.
 
-    Memory is the planner's own: `scamp_jax.memory.StepCompiler` compiles the step (the same
-    `scamp_jax.train_step` the engine runs, with the planner's shardings and compile options) at
-    the two probe batches and a check at four times the larger one, and ``StepCompiler.fit``
-    returns the `MemoryModel` (affine part and floor) that `plan_mesh` reasons with. The FLOPs,
-    bytes accessed, kernels and model-parallel collectives come from ``cost_analysis()`` and the
-    HLO of the same compiled executables (JAX caches a compile of an identical lowering, so
-    these cost no further compile).
+    Memory is the planner's own: `scamp_jax.planning.memory.StepCompiler` compiles the step (the
+    same `scamp_jax.planning.train_step` the engine runs, with the planner's shardings and compile
+    options) at the two probe batches and a check at four times the larger one, and
+    ``StepCompiler.fit`` returns the `MemoryModel` (affine part and floor) that `plan_mesh` reasons
+    with. The FLOPs, bytes accessed, kernels and model-parallel collectives come from
+    ``cost_analysis()`` and the HLO of the same compiled executables (JAX caches a compile of an
+    identical lowering, so these cost no further compile).
 
     Args:
       model: abstract Flax NNX module (``nnx.eval_shape(lambda: build(...))``).
@@ -105,8 +106,8 @@ def measure_cost(
     """
     import jax
 
-    from scamp_jax import sharding as sh
-    from scamp_jax.memory import StepCompiler, with_batch_size
+    from scamp_jax.planning import sharding as sh
+    from scamp_jax.planning.memory import StepCompiler, with_batch_size
 
     mesh = sh.make_mesh(jax.devices()[:model_parallel], 1, model_parallel)
     compiler = StepCompiler(model, sample_batch, mesh, optimizer=optimizer, loss_fn=loss_fn)

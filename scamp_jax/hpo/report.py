@@ -20,8 +20,8 @@ import optuna
 from optuna.trial import TrialState
 
 from scamp_jax._units import format_bytes
-from scamp_jax.checkpoint import copy_checkpoint
-from scamp_jax.study import FAIL_REASON, INTERRUPTED
+from scamp_jax.hpo.checkpoint import copy_checkpoint
+from scamp_jax.hpo.study import FAIL_REASON, INTERRUPTED
 
 #: columns every results row has, in CSV order (task metrics follow).
 BASE_COLUMNS = (

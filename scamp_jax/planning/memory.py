@@ -2,7 +2,8 @@
 
 - Parameters, optimizer state and the model's other state come from ``nnx.eval_shape`` /
   ``jax.eval_shape`` and the planned shardings: nothing is allocated.
-- Activations and temporaries come from compiling the training step (``scamp_jax.train_step``,
+- Activations and temporaries come from compiling the training step
+(``scamp_jax.planning.train_step``,
   the same step the runner trains with) on abstract arguments for the target mesh and reading
   ``compiled.memory_analysis()``; XLA reports per-device sizes for sharded programs.
 - The peak per device is ``temp + argument + output - alias`` (donated parameters and optimizer
@@ -32,9 +33,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from scamp_jax import sharding as sh
 from scamp_jax._units import format_bytes
-from scamp_jax.train_step import (
+from scamp_jax.planning import sharding as sh
+from scamp_jax.planning.train_step import (
     LossFn,
     StepShardings,
     abstract_state,

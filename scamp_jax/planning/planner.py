@@ -3,7 +3,7 @@
 ``plan_mesh`` tries model-parallel degrees in increasing order (the divisors of the device
 count); the first degree whose training step fits at one sample per data-parallel group wins, and
 then the largest global batch that fits is found. "Fits" means the compiled per-device peak
-(``scamp_jax.memory``) plus the prefetched next batch is at most
+(``scamp_jax.planning.memory``) plus the prefetched next batch is at most
 ``memory_per_device * (1 - safety_margin)``; with an ``eval_task``, evaluation (forward pass at
 its planned chunk, optimizer state, prefetched batch) fits too (`Plan.predicted_peak_bytes`).
 
@@ -17,8 +17,8 @@ trusted: when secant steps stall, bisection takes over. Three compiles for a new
 the common case, two when earlier compiles of the same program on the same mesh shape are known
 (``cache=``), none for a cached plan. On CPU only the batches the model predicts to be the answer
 are compiled exactly; the others (the first probe, the step up that shows the answer is the
-largest) are rough compiles (``scamp_jax.memory.CPU_ROUGH_COMPILE``, 1.5-3x cheaper, peaks within
-512 bytes), trusted only further than ``ROUGH_TOLERANCE`` of the budget from the boundary and
+largest) are rough compiles (``scamp_jax.planning.memory.CPU_ROUGH_COMPILE``, 1.5-3x cheaper, peaks
+within 512 bytes), trusted only further than ``ROUGH_TOLERANCE`` of the budget from the boundary and
 compiled again exactly otherwise, and always when one turns out to be the answer. Degrees whose
 parameters and optimizer state alone exceed the budget are rejected from shapes, without
 compiling.
@@ -40,10 +40,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from scamp_jax import sharding as sh
 from scamp_jax._units import format_bytes, parse_bytes
-from scamp_jax.evaluation import EvalCompiler, abstract_eval_inputs, plan_eval
-from scamp_jax.memory import (
+from scamp_jax.planning import sharding as sh
+from scamp_jax.planning.evaluation import EvalCompiler, abstract_eval_inputs, plan_eval
+from scamp_jax.planning.memory import (
     ROUGH_TOLERANCE,
     MemoryEstimate,
     MemoryModel,
@@ -52,8 +52,8 @@ from scamp_jax.memory import (
     default_step_shardings,
     with_batch_size,
 )
-from scamp_jax.plan_cache import PlanCache, cache_key, device_identity, program_signature
-from scamp_jax.train_step import (
+from scamp_jax.planning.plan_cache import PlanCache, cache_key, device_identity, program_signature
+from scamp_jax.planning.train_step import (
     LossFn,
     StepShardings,
     abstract_state,
@@ -629,7 +629,7 @@ def plan_mesh(
       min_shard_elements: parameters with fewer elements are replicated.
       cache: a `PlanCache`: a plan stored under the same key is returned without compiling, a
         new plan is stored, and compiled points of the same program and mesh shape seed the
-        batch search (see `scamp_jax.plan_cache`).
+        batch search (see `scamp_jax.planning.plan_cache`).
       compile_for_run: keep the step compiled at the plan's batch with default XLA options as
         ``plan.compiled_step`` for the runner. Default: on accelerators (where the search
         compiles with default options anyway, so it is free); not on CPU, where the search
@@ -640,7 +640,8 @@ def plan_mesh(
         (run-grade) compile only when the prediction missed. Worth it when the trial runs on
         the planned devices. A plan answered by ``cache`` compiles nothing and has no
         compiled step.
-      eval_task: a task with the `scamp_jax.evaluation.ChunkedEvalTask` methods: its evaluation
+      eval_task: a task with the `scamp_jax.planning.evaluation.ChunkedEvalTask` methods: its
+      evaluation
         forward is compiled on the same mesh and its chunk chosen (`Plan.eval_chunk`) so that
         evaluating never needs more per device than training, unless one sample per
         data-parallel group already does; None (or a task without them): not planned.
