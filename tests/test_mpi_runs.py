@@ -182,9 +182,10 @@ def test_study_restarted_after_a_rank_died_resumes_without_losing_finished_trial
 def test_mpi_stage_step_memory_matches_the_single_process_stage_and_is_the_compile_it_runs(
     tmp_path: Path,
 ) -> None:
-    single = run_script("compiled_memory.py", ["--stages", "2", "--out", str(tmp_path / "s")],
-                        None, timeout=300)
-    multi = run_script("compiled_memory.py", ["--out", str(tmp_path / "m")], 2, timeout=300)
+    single = run_script("supernet_pipeline.py", ["--memory", "--stages", "2", "--out",
+                                                 str(tmp_path / "s")], None, timeout=300)
+    multi = run_script("supernet_pipeline.py", ["--memory", "--out", str(tmp_path / "m")], 2,
+                       timeout=300)
     assert multi["stages"] == 2 and len(multi["memory"]) == 2
     one = single["memory"][0]
     for stage in multi["memory"]:
@@ -203,3 +204,4 @@ def test_mpi_stage_step_memory_matches_the_single_process_stage_and_is_the_compi
     # exactly what the single-process pipeline trains.
     assert multi["traced_after_compile"] == single["traced_after_compile"] == 0
     assert multi["params_sha256"] == single["params_sha256"]
+    assert multi["losses"] == single["losses"]
