@@ -20,6 +20,16 @@ Three tables:
    "devices" share the host's cores, so these speedups are far below the tick ratios; they show
    the executor's overhead, not accelerator throughput.
 
+Two more tables on their own flags:
+
+* ``--fair``: every schedule at its own largest batch under one per-device ``--budget``
+  (`scamp_jax.pipeline.plan_schedule` on the compiled stage tick) and CSP's speed-up split into
+  a scheduling and a memory part (`fair_rows`). Compiling the tick is most of its cost (seconds
+  at C=2 to minutes at C=24 with few stages, on a CPU): each (C, S) compiles every distinct
+  stage step once through one `scamp_jax.pipeline.ExecutorCache`, and its log line on stderr
+  says how many were compiled and how long that took.
+* ``--idle-guard``: the idle-tick guard off vs on (`idle_guard_rows`).
+
 The measured runs put all S stage devices in one collective-permute per tick. Two guards keep
 S=8 on a few shared CPU cores from aborting:
 
