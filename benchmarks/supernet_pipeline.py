@@ -20,6 +20,16 @@ Three tables:
    "devices" share the host's cores, so these speedups are far below the tick ratios; they show
    the executor's overhead, not accelerator throughput.
 
+Two more tables on their own flags:
+
+* ``--fair``: every schedule at its own largest batch under one per-device ``--budget``
+  (`scamp_jax.pipeline.plan_schedule` on the compiled stage tick) and CSP's speed-up split into
+  a scheduling and a memory part (`fair_rows`). Compiling the tick is most of its cost (seconds
+  at C=2 to minutes at C=24 with few stages, on a CPU): each (C, S) compiles every distinct
+  stage step once through one `scamp_jax.pipeline.ExecutorCache`, and its log line on stderr
+  says how many were compiled and how long that took.
+* ``--idle-guard``: the idle-tick guard off vs on (`idle_guard_rows`).
+
 The measured runs put all S stage devices in one collective-permute per tick. Two guards keep
 S=8 on a few shared CPU cores from aborting:
 
@@ -43,7 +53,9 @@ import argparse
 import functools
 import os
 import sys
+import time
 from collections.abc import Sequence
+from typing import Any
 
 from benchmarks._tables import print_table
 
@@ -143,6 +155,36 @@ def offload_rows(layers: int = 16, width: int = 16) -> list[list[str]]:
     return rows
 
 
+# The measured runs' tiny supernet: 8 choice layers of width 8 on 8x8 LR patches (x2 SR).
+LAYERS, WIDTH, SIDE = 8, 8, 8
+
+
+def _case(choices: int, stages: int, subnets: int) -> tuple[Any, list[tuple[int, ...]], Any]:
+    """The tiny supernet with ``choices`` candidates, its first ``subnets`` subnets (seed 0)
+    and the split of its layers over ``stages`` stages."""
+    from scamp_jax.pipeline import split_layers
+    from search_spaces.supernet import SupernetConfig, SupernetLayout, sample_subnets
+
+    config = SupernetConfig(LAYERS, choices, WIDTH, scale=2, window_size=4)
+    chosen = [x.choices for x in sample_subnets(subnets, config, 0)]
+    return SupernetLayout(config), chosen, split_layers(LAYERS, stages)
+
+
+def _data(subnets: int, batch: int, seed: int = 0) -> tuple[Any, Any]:
+    """Random (N, B, SIDE, SIDE, 3) LR inputs and (N, B, 2 SIDE, 2 SIDE, 3) HR targets."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    lr = rng.random((subnets, batch, SIDE, SIDE, 3), dtype=np.float32)
+    hr = rng.random((subnets, batch, 2 * SIDE, 2 * SIDE, 3), dtype=np.float32)
+    return lr, hr
+
+
+def _shapes(mb: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Input and target shapes of one stage's microbatch of ``mb`` samples."""
+    return (mb, SIDE, SIDE, 3), (mb, 2 * SIDE, 2 * SIDE, 3)
+
+
 def measured_rows(
     pairs: Sequence[tuple[int, int]], subnets: int = 48, max_in_flight: int = 4
 ) -> list[list[str]]:
@@ -151,34 +193,26 @@ def measured_rows(
     ``max_in_flight`` bounds the ticks queued ahead of the host (`StageExecutor`'s argument;
     0: unbounded).
     """
-    import numpy as np
-
     from scamp_jax.pipeline import (
         PipelineExecutor,
         build_executor,
         build_program,
         make_schedule,
-        split_layers,
         train_supernet,
     )
-    from search_spaces.supernet import SupernetConfig, SupernetLayout, sample_subnets
 
     rows = []
-    batch, side = 8, 8
+    batch = 8
+    lr, hr = _data(subnets, batch)
     for c, s in pairs:
-        layout = SupernetLayout(SupernetConfig(8, c, 8, scale=2, window_size=4))
-        chosen = [x.choices for x in sample_subnets(subnets, layout.config, 0)]
-        rng = np.random.default_rng(0)
-        lr = rng.random((subnets, batch, side, side, 3), dtype=np.float32)
-        hr = rng.random((subnets, batch, 2 * side, 2 * side, 3), dtype=np.float32)
-        bounds = split_layers(8, s)
+        layout, chosen, bounds = _case(c, s, subnets)
         programs = [
             build_program(make_schedule(name, chosen, bounds), chosen, bounds)
             for name in ("csp", "sequential")
         ]
         executor_class = functools.partial(PipelineExecutor, max_in_flight=max_in_flight)
         shared_ex = build_executor(layout, programs, num_stages=s, batch_size=batch,
-                                   lr_side=side, offload=True, executor_class=executor_class)
+                                   lr_side=SIDE, offload=True, executor_class=executor_class)
         res = {}
         for name in ("csp", "sequential", "gpipe"):
             res[name] = train_supernet(
@@ -207,22 +241,11 @@ def idle_guard_rows(
     import numpy as np
 
     from scamp_jax._units import format_bytes
-    from scamp_jax.pipeline import (
-        PipelineExecutor,
-        build_program,
-        make_schedule,
-        split_layers,
-        train_supernet,
-    )
-    from search_spaces.supernet import SupernetConfig, SupernetLayout, sample_subnets
+    from scamp_jax.pipeline import PipelineExecutor, build_program, make_schedule, train_supernet
 
-    batch, side, layers = 8, 8, 8
-    layout = SupernetLayout(SupernetConfig(layers, choices, 8, scale=2, window_size=4))
-    chosen = [x.choices for x in sample_subnets(subnets, layout.config, 0)]
-    rng = np.random.default_rng(0)
-    lr = rng.random((subnets, batch, side, side, 3), dtype=np.float32)
-    hr = rng.random((subnets, batch, 2 * side, 2 * side, 3), dtype=np.float32)
-    bounds = split_layers(layers, stages)
+    batch = 8
+    layout, chosen, bounds = _case(choices, stages, subnets)
+    lr, hr = _data(subnets, batch)
     prog = build_program(make_schedule("csp", chosen, bounds), chosen, bounds)
     idle = {
         "fetch": float(np.mean(prog.column("prefetch_slot") < 0)),
@@ -231,12 +254,12 @@ def idle_guard_rows(
     rows, hashes = [], []
     for guard in (False, True):
         ex = PipelineExecutor(
-            layout, num_stages=stages, microbatch_size=batch, lr_side=side,
+            layout, num_stages=stages, microbatch_size=batch, lr_side=SIDE,
             window_slots=prog.window_slots, act_slots=prog.act_slots,
             grad_slots=prog.grad_slots, offload=True, guard_idle=guard,
             max_in_flight=max_in_flight,
         )
-        mem = ex.compiled_memory((batch, side, side, 3), (batch, 2 * side, 2 * side, 3))
+        mem = ex.compiled_memory(*_shapes(batch))
         res = train_supernet(layout, chosen, lr, hr, schedule="csp", num_stages=stages,
                              offload=True, executor=ex)
         hashes.append(res.params_sha256)
@@ -251,6 +274,9 @@ def idle_guard_rows(
     return rows
 
 
+FAIR_SCHEDULES = ("sequential", "gpipe", "csp")
+
+
 def fair_rows(
     pairs: Sequence[tuple[int, int]], budget_bytes: int, subnets: int = 16,
     max_in_flight: int = 4, repeats: int = 3,
@@ -261,69 +287,69 @@ def fair_rows(
     (a multiple of 4, GPipe's microbatch count, for all three) and prefetch look-ahead from its
     compiled tick; each runs at its plan (offload on, steady-state samples/s). CSP's speed-up over
     a baseline X, ``csp(B_csp) / X(B_X)``, splits into a scheduling part ``csp(B_csp) /
-    X(B_csp)`` (same batch) and a memory part ``X(B_csp) / X(B_X)`` (X at CSP's batch instead of
-    its own), so total = scheduling x memory. Every configuration runs ``repeats`` times, the
-    configurations interleaved round by round on already compiled ticks, and the best
-    samples/s counts (the least disturbed run on a shared machine).
+    X(B_csp)`` (same batch) and a memory part ``X(B_csp) / X(B_X)`` (X at CSP's batch, with its
+    own plan's look-ahead, instead of its own batch), so total = scheduling x memory. Every
+    configuration runs ``repeats`` times, the configurations interleaved round by round on
+    already compiled ticks, and the best samples/s counts (the least disturbed run on a shared
+    machine). One `ExecutorCache` per (C, S) serves the probes, the plans and the runs, so each
+    distinct stage step compiles once. A (C, S) whose smallest batch does not fit the budget
+    for some schedule gets a row that says so, with the bytes that batch needs.
     """
-    import numpy as np
-
+    from scamp_jax._units import format_bytes
     from scamp_jax.pipeline import (
+        BatchDoesNotFitError,
+        ExecutorCache,
         PipelineExecutor,
         build_executor,
         build_program,
         make_schedule,
-        split_layers,
+        plan_schedule,
         train_supernet,
     )
-    from scamp_jax.pipeline.budget import plan_schedule
-    from search_spaces.supernet import SupernetConfig, SupernetLayout, sample_subnets
 
-    side, layers, m = 8, 8, 4
+    m = 4
     rows = []
-
-    def shapes(mb: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        return (mb, side, side, 3), (mb, 2 * side, 2 * side, 3)
-
-    def data(batch: int) -> tuple[np.ndarray, np.ndarray]:
-        rng = np.random.default_rng(batch)
-        lr = rng.random((subnets, batch, side, side, 3), dtype=np.float32)
-        hr = rng.random((subnets, batch, 2 * side, 2 * side, 3), dtype=np.float32)
-        return lr, hr
-
-    ex_class = functools.partial(PipelineExecutor, max_in_flight=max_in_flight)
+    budget = format_bytes(budget_bytes)
     for c, s in pairs:
-        layout = SupernetLayout(SupernetConfig(layers, c, 8, scale=2, window_size=4))
-        chosen = [x.choices for x in sample_subnets(subnets, layout.config, 0)]
-        bounds = split_layers(layers, s)
+        layout, chosen, bounds = _case(c, s, subnets)
+        cache = ExecutorCache(functools.partial(PipelineExecutor, max_in_flight=max_in_flight))
         plans, runs = {}, {}  # runs: (schedule, batch) -> (executor, prefetch_ahead)
-        for name in ("sequential", "gpipe", "csp"):
-            plan, ex, _ = plan_schedule(
-                layout, chosen, shapes, schedule=name, num_stages=s, budget_bytes=budget_bytes,
-                lr_side=side, num_microbatches=m, batch_multiple=m, executor_class=ex_class,
-            )
-            plans[name] = plan
-            runs[(name, plan.batch_size)] = (ex, plan.prefetch_ahead)
-            print(f"fair C={c} S={s} {name}: batch {plan.batch_size}, ahead "
-                  f"{plan.prefetch_ahead}, {plan.device_bytes} B, {plan.compiles} compiles",
+        start = time.perf_counter()
+        try:
+            for name in FAIR_SCHEDULES:
+                plan, ex, _ = plan_schedule(
+                    layout, chosen, _shapes, schedule=name, num_stages=s,
+                    budget_bytes=budget_bytes, lr_side=SIDE, num_microbatches=m,
+                    batch_multiple=m, executor_class=cache,
+                )
+                plans[name] = plan
+                runs[(name, plan.batch_size)] = (ex, plan.prefetch_ahead)
+                print(f"fair C={c} S={s} {name}: batch {plan.batch_size}, ahead "
+                      f"{plan.prefetch_ahead}, {plan.device_bytes} B, {plan.compiles} compiles, "
+                      f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+        except BatchDoesNotFitError as err:
+            rows.append([str(c), str(s), budget, f"does not fit: {err}", *[""] * 6])
+            print(f"fair C={c} S={s}: {err} ({time.perf_counter() - start:.0f} s)",
                   file=sys.stderr, flush=True)
+            continue
         b_csp = plans["csp"].batch_size
         for name in ("sequential", "gpipe"):
             if (name, b_csp) not in runs:
-                mx = m if name == "gpipe" else 1
+                mx, ahead = plans[name].num_microbatches, plans[name].prefetch_ahead
                 prog = build_program(make_schedule(name, chosen, bounds, num_microbatches=mx),
-                                     chosen, bounds)
+                                     chosen, bounds, prefetch_ahead=ahead)
                 ex = build_executor(layout, [prog], num_stages=s, batch_size=b_csp,
-                                    lr_side=side, num_microbatches=mx, offload=True,
-                                    executor_class=ex_class)
-                ex.compiled_memory(*shapes(b_csp // mx))
-                runs[(name, b_csp)] = (ex, 1)
+                                    lr_side=SIDE, num_microbatches=mx, offload=True,
+                                    executor_class=cache)
+                ex.compiled_memory(*_shapes(b_csp // mx))
+                runs[(name, b_csp)] = (ex, ahead)
+        compile_s = time.perf_counter() - start
         sps: dict[tuple[str, int], float] = {}
         for _ in range(repeats):
             for (name, batch), (ex, ahead) in runs.items():
-                res = train_supernet(layout, chosen, *data(batch), schedule=name,
-                                     num_stages=s, num_microbatches=m, executor=ex,
-                                     prefetch_ahead=ahead)
+                res = train_supernet(layout, chosen, *_data(subnets, batch, seed=batch),
+                                     schedule=name, num_stages=s, num_microbatches=m,
+                                     executor=ex, prefetch_ahead=ahead)
                 sps[(name, batch)] = max(sps.get((name, batch), 0.0), res.samples_per_second)
         split = []
         for name in ("sequential", "gpipe"):
@@ -331,13 +357,15 @@ def fair_rows(
             sched = sps[("csp", b_csp)] / sps[(name, b_csp)]
             split.append(f"{total:.2f}x = {sched:.2f}x sched x {total / sched:.2f}x mem")
         rows.append([
-            str(c), str(s),
+            str(c), str(s), budget,
             *(f"{plans[k].batch_size} (+{plans[k].prefetch_ahead}) "
-              f"{sps[(k, plans[k].batch_size)]:.0f}" for k in ("sequential", "gpipe", "csp")),
+              f"{sps[(k, plans[k].batch_size)]:.0f}" for k in FAIR_SCHEDULES),
             *(f"{sps[(k, b_csp)]:.0f}" for k in ("sequential", "gpipe")),
             *split,
         ])
-        print("fair " + " | ".join(rows[-1]), file=sys.stderr, flush=True)
+        print(f"fair C={c} S={s}: {cache.built} ticks compiled ({cache.hits} reused) in "
+              f"{compile_s:.0f} s, runs {time.perf_counter() - start - compile_s:.0f} s: "
+              + " | ".join(rows[-1][3:]), file=sys.stderr, flush=True)
     return rows
 
 
@@ -385,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"Fair baselines: each schedule at its largest batch under {format_bytes(budget)} "
             "per device: batch (+prefetch look-ahead) samples/s; CSP speed-up = scheduling x "
             "memory part",
-            ["C", "S", "sequential", "gpipe M=4", "csp", "seq at csp batch",
+            ["C", "S", "budget", "sequential", "gpipe M=4", "csp", "seq at csp batch",
              "gpipe at csp batch", "csp vs sequential", "csp vs gpipe"],
             fair_rows([(c, s) for c in args.choices for s in args.stages], budget,
                       max_in_flight=args.max_in_flight),

@@ -176,3 +176,32 @@ def test_study_restarted_after_a_rank_died_resumes_without_losing_finished_trial
     assert out["stale_failed"]
     assert all(trials[n]["state"] == "FAIL" for n in out["stale_failed"])
     assert len(trials) == 8 + len(out["stale_failed"])
+
+
+@pytest.mark.slow
+def test_mpi_stage_step_memory_matches_the_single_process_stage_and_is_the_compile_it_runs(
+    tmp_path: Path,
+) -> None:
+    single = run_script("supernet_pipeline.py", ["--memory", "--stages", "2", "--out",
+                                                 str(tmp_path / "s")], None, timeout=300)
+    multi = run_script("supernet_pipeline.py", ["--memory", "--out", str(tmp_path / "m")], 2,
+                       timeout=300)
+    assert multi["stages"] == 2 and len(multi["memory"]) == 2
+    one = single["memory"][0]
+    for stage in multi["memory"]:
+        # The same stage step on one device: the same state and microbatch arguments (plus the
+        # int32 stage index), donated and aliased alike.
+        assert stage["argument"] == one["argument"] + 4
+        assert stage["alias"] == one["alias"] > 0
+        assert stage["host_argument"] == one["host_argument"]
+        assert stage["device_bytes"] == max(
+            stage["argument"] + stage["output"] - stage["alias"] + stage["temp"],
+            stage["exchange_bytes"],
+        )
+        # Whatever program runs, the stage's whole state stays resident.
+        assert stage["exchange_bytes"] > stage["alias"]
+    # The run on the executor compiled by compiled_memory traced nothing again and trained
+    # exactly what the single-process pipeline trains.
+    assert multi["traced_after_compile"] == single["traced_after_compile"] == 0
+    assert multi["params_sha256"] == single["params_sha256"]
+    assert multi["losses"] == single["losses"]

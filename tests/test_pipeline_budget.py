@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from scamp_jax.pipeline import build_executor, build_program, make_schedule, split_layers
+from scamp_jax.pipeline import (
+    ExecutorCache,
+    build_executor,
+    build_program,
+    make_schedule,
+    split_layers,
+)
 from scamp_jax.pipeline.budget import BatchDoesNotFitError, plan_schedule
 from scamp_jax.pipeline.trainer import train_supernet
 from search_spaces.supernet import SupernetConfig, SupernetLayout, sample_subnets
@@ -45,3 +53,22 @@ def test_plan_takes_the_largest_batch_that_fits_and_runs_on_its_compiled_tick() 
     with pytest.raises(BatchDoesNotFitError, match="more than the budget of 1000 bytes"):
         plan_schedule(layout, subnets, _shapes, schedule="sequential", num_stages=2,
                       budget_bytes=1000, lr_side=SIDE)
+
+
+def test_a_cache_compiles_each_distinct_stage_step_once_across_plans() -> None:
+    layout = SupernetLayout(CONFIG)
+    subnets = [s.choices for s in sample_subnets(6, CONFIG, 0)]
+    cache = ExecutorCache()
+
+    def plan() -> tuple:
+        # max_batch=4 makes the chosen batch the large probe's: the final check is that tick.
+        return plan_schedule(layout, subnets, _shapes, schedule="sequential", num_stages=2,
+                             budget_bytes=1 << 30, lr_side=SIDE, max_prefetch_ahead=0,
+                             max_batch=4, executor_class=cache)
+
+    first, ex, _ = plan()
+    assert first.batch_size == 4 and first.compiles == 2
+    again, ex_again, _ = plan()
+    assert again == dataclasses.replace(first, compiles=0)
+    assert ex_again is ex and cache.built == 2
+    assert ex.is_compiled(*_shapes(4)) and not ex.is_compiled(*_shapes(2))

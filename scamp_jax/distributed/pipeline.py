@@ -26,11 +26,13 @@ from typing import Any, Unpack
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 from scamp_jax.distributed.mpi import import_mpi4jax, import_mpi4py
-from scamp_jax.pipeline.executor_base import DEVICE_KIND, StageExecutor, StageSizes
+from scamp_jax.pipeline.executor_base import DEVICE_KIND, StageExecutor, StageSizes, memory_stats
 from scamp_jax.pipeline.model import StageModel
+from scamp_jax.pipeline.program import NUM_FIELDS
 from scamp_jax.pipeline.stage import State, receive, stage_tick
 from scamp_jax.pipeline.trainer import TrainOptions, TrainResult, train_supernet
 
@@ -78,6 +80,10 @@ class MPIPipelineExecutor(StageExecutor):
         self.rank = comm.Get_rank()
         self.device = jax.local_devices()[0] if device is None else device
         self._tick = self._compile()
+        # Stage steps `compiled_memory` built, per (input shape, target shape), run by `tick` on
+        # arrays of those shapes. The exchange keeps its jitted function: a compiled program
+        # with mpi4jax's ordered effects wants the effect token jit passes for it (jax 0.10.2).
+        self._compiled: dict[tuple[tuple[int, ...], tuple[int, ...]], Any] = {}
 
     # -- this rank's stage and the collectives over all of them -------------------------------
     def _sharding(self, kind: str = DEVICE_KIND) -> SingleDeviceSharding:
@@ -154,6 +160,59 @@ class MPIPipelineExecutor(StageExecutor):
         exchange_jit = jax.jit(exchange, donate_argnums=(0,))
         return compute_jit, exchange_jit
 
+    def _compile_memory(
+        self, input_shape: tuple[int, ...], target_shape: tuple[int, ...]
+    ) -> dict[str, int]:
+        """`StageExecutor.compiled_memory` of this rank's stage (not collective).
+
+        A tick here is two programs: the stage step (``compute``: the same `stage_tick` the
+        single-process executor runs on each stage device) and the exchange of activations and
+        gradients with the neighbouring ranks. ``argument``, ``output``, ``temp``, ``alias``
+        and ``host_*`` are the stage step's, as `PipelineExecutor.compiled_memory` reports them
+        for one stage device (its arguments hold one more int32: the stage index). What the
+        single-process tick keeps as temporaries (the activation and gradient it sends) are
+        outputs of the stage step here. ``exchange_bytes`` is what the device holds while the
+        exchange runs: its own arguments, outputs and temporaries less what it aliases, plus the
+        rest of the stage's state and the loss, which stay resident meanwhile.
+        ``device_bytes`` is the larger of the two programs' figures: the most the tick holds in
+        device memory at once.
+        """
+        # Abstract arguments take their memory space (host for the offloaded store) from a
+        # NamedSharding only (jax 0.10.2), so lower on this device as a one-device mesh: the
+        # executables accept the arrays of `_sharding` the run passes.
+        mesh = Mesh(np.array([self.device]), ("rank",))
+
+        def sds(shape: tuple[int, ...], dtype: Any, kind: str = DEVICE_KIND) -> Any:
+            return jax.ShapeDtypeStruct(
+                shape, dtype, sharding=NamedSharding(mesh, P(), memory_kind=kind)
+            )
+
+        state = jax.tree.map(
+            lambda a, where: sds(a.shape, a.dtype, where.memory_kind), self.state_shapes(),
+            self.state_shardings(),
+        )
+        ins = sds((NUM_FIELDS + 2 * self.spec.layers_per_stage,), np.int32)
+        compute_jit, exchange_jit = self._tick
+        compute = compute_jit.lower(
+            state, ins, sds(input_shape, np.float32), sds(target_shape, np.float32),
+            sds((), np.int32),
+        ).compile()
+        out_state, act_out, grad_out, loss = compute.out_info
+        buffers = {"act": state["act"], "grad": state["grad"]}
+        exchange = exchange_jit.lower(
+            buffers, ins, sds(act_out.shape, act_out.dtype), sds(grad_out.shape, grad_out.dtype)
+        ).compile()
+        self._compiled[(tuple(input_shape), tuple(target_shape))] = compute
+        out = memory_stats(compute)
+        rest = {k: v for k, v in out_state.items() if k not in buffers}
+        resident = sum(
+            int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+            for leaf in jax.tree.leaves((rest, loss))
+        )
+        out["exchange_bytes"] = memory_stats(exchange)["device_bytes"] + resident
+        out["device_bytes"] = max(out["device_bytes"], out["exchange_bytes"])
+        return out
+
     def tick(
         self, state: State, row: np.ndarray, lr: np.ndarray, hr: np.ndarray
     ) -> tuple[State, jax.Array]:
@@ -169,6 +228,8 @@ class MPIPipelineExecutor(StageExecutor):
         sh = self._sharding()
         ins = jax.device_put(np.asarray(row, np.int32), sh)
         compute, exchange = self._tick
+        if lr.dtype == hr.dtype == np.float32:
+            compute = self._compiled.get((lr.shape, hr.shape), compute)
         state, act_out, grad_out, loss = compute(
             state, ins, jax.device_put(lr, sh), jax.device_put(hr, sh),
             jax.device_put(np.int32(self.rank), sh),

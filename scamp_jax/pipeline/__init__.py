@@ -6,6 +6,7 @@ that implements `StageModel` (flat blocks, stem/layers/head functions, its loss)
 """
 
 from scamp_jax.pipeline.budget import BatchDoesNotFitError as BatchDoesNotFitError
+from scamp_jax.pipeline.budget import ExecutorCache as ExecutorCache
 from scamp_jax.pipeline.budget import SchedulePlan as SchedulePlan
 from scamp_jax.pipeline.budget import plan_schedule as plan_schedule
 from scamp_jax.pipeline.csp import SHARED as SHARED
@@ -39,6 +40,7 @@ from scamp_jax.pipeline.trainer import train_supernet as train_supernet
 
 __all__ = [
     "BatchDoesNotFitError",
+    "ExecutorCache",
     "SCHEDULES",
     "SHARED",
     "Op",

@@ -16,20 +16,27 @@ tick (XLA ``memory_analysis``, per stage device):
 4. compile the tick at the chosen batch and window and check it against the budget (stepping the
    look-ahead, then the batch, down if it does not fit). That compiled tick is the one the run
    uses.
+
+Compiles are what planning costs (seconds to minutes each on a CPU, growing with the candidates
+per stage). Look-aheads that need the same window, and a final batch equal to a probe's, build
+the very same tick: `ExecutorCache` hands back the executor already compiled for equal
+arguments, within one plan and across the plans (and runs) that share the cache.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from scamp_jax.pipeline.csp import split_layers
 from scamp_jax.pipeline.executor import PipelineExecutor
+from scamp_jax.pipeline.executor_base import StageExecutor
 from scamp_jax.pipeline.model import StageModel
 from scamp_jax.pipeline.program import TickProgram, build_program
-from scamp_jax.pipeline.trainer import build_executor, make_schedule
+from scamp_jax.pipeline.trainer import ExecutorFactory, build_executor, make_schedule
 
 #: ``shapes(microbatch_size) -> (input_shape, target_shape)`` of one stage's microbatch.
 SampleShapes = Callable[[int], tuple[tuple[int, ...], tuple[int, ...]]]
@@ -52,7 +59,8 @@ class SchedulePlan:
       device_bytes: the compiled tick's device bytes per stage device at this plan.
       budget_bytes: the budget, bytes per device.
       fit: ``(a, k)`` of the fit ``device bytes = a + k * batch`` (bytes, bytes per sample).
-      compiles: tick compilations spent on the plan.
+      compiles: tick compilations spent on the plan (ticks an `ExecutorCache` already held
+        compiled do not count).
     """
 
     schedule: str
@@ -66,7 +74,46 @@ class SchedulePlan:
     compiles: int
 
 
-def _window_slot_bytes(executor: PipelineExecutor) -> int:
+class ExecutorCache:
+    """An `ExecutorFactory` that builds each distinct executor once and then hands it back.
+
+    Executors built with equal arguments (the same model object and equal sizes, slots, flags
+    and optimizer) compile the same tick, so planning and running several schedules through one
+    cache compile every distinct stage step once. An executor keeps no training state between
+    runs (`init_state` makes a fresh one), so sharing it is safe.
+
+    Args:
+      factory: builds an executor on a miss (default `PipelineExecutor`; e.g.
+        ``functools.partial(PipelineExecutor, max_in_flight=4)``).
+
+    Attributes:
+      built: executors the factory built (misses); ``hits``: calls answered from the cache.
+    """
+
+    def __init__(self, factory: ExecutorFactory = PipelineExecutor):
+        self.factory = factory
+        self._executors: dict[tuple[int, Hashable], tuple[StageModel, StageExecutor]] = {}
+        self.built = 0
+        self.hits = 0
+
+    def __call__(self, model: StageModel, **sizes: Any) -> StageExecutor:
+        """The executor for ``model`` and ``sizes`` (`StageExecutor`'s keywords)."""
+        key = (id(model), tuple(sorted(sizes.items())))
+        try:
+            hash(key)
+        except TypeError:  # e.g. a list of devices: build without caching
+            self.built += 1
+            return self.factory(model, **sizes)
+        if key in self._executors:
+            self.hits += 1
+        else:
+            # The model is kept with its executor so that its id cannot be reused meanwhile.
+            self._executors[key] = (model, self.factory(model, **sizes))
+            self.built += 1
+        return self._executors[key][1]
+
+
+def _window_slot_bytes(executor: StageExecutor) -> int:
     """Bytes of one window slot of one stage (weights, optimizer fields, step counts, acc)."""
     window = executor.state_shapes()["window"]
     prefix = len(executor._stage_prefix)
@@ -92,8 +139,8 @@ def plan_schedule(
     max_prefetch_ahead: int | None = None,
     max_batch: int = 4096,
     batch_multiple: int | None = None,
-    executor_class: Callable[..., PipelineExecutor] = PipelineExecutor,
-) -> tuple[SchedulePlan, PipelineExecutor, TickProgram]:
+    executor_class: ExecutorFactory = PipelineExecutor,
+) -> tuple[SchedulePlan, StageExecutor, TickProgram]:
     """Plan ``schedule`` under ``budget_bytes`` per device (see the module docstring).
 
     Args:
@@ -110,7 +157,8 @@ def plan_schedule(
       max_batch: largest batch considered.
       batch_multiple: batches are multiples of this (default M for ``gpipe``, else 1); pass
         the same value to every schedule to compare them at common batch sizes too.
-      executor_class: builds the executor (default `PipelineExecutor`).
+      executor_class: builds the executors (default `PipelineExecutor`); pass an
+        `ExecutorCache` to reuse compiled ticks across probes, plans and runs.
     Returns:
       ``(plan, executor, program)``: the executor's tick is compiled for the plan (the run reuses
       it) and the program is the schedule's with the planned look-ahead.
@@ -131,14 +179,14 @@ def plan_schedule(
     }
     compiles = 0
 
-    def compiled(batch: int, ahead: int) -> tuple[int, PipelineExecutor]:
+    def compiled(batch: int, ahead: int) -> tuple[int, StageExecutor]:
         nonlocal compiles
         ex = build_executor(
             model, [programs[ahead]], num_stages=num_stages, batch_size=batch, lr_side=lr_side,
             num_microbatches=m, train_shared=train_shared, offload=offload,
             executor_class=executor_class,
         )
-        compiles += 1
+        compiles += not ex.is_compiled(*shapes(batch // m))
         return ex.compiled_memory(*shapes(batch // m))["device_bytes"], ex
 
     small, large = g, 4 * g

@@ -21,7 +21,13 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from scamp_jax.pipeline.executor_base import DEVICE_KIND, HOST_KIND, StageExecutor, StageSizes
+from scamp_jax.pipeline.executor_base import (
+    DEVICE_KIND,
+    HOST_KIND,
+    StageExecutor,
+    StageSizes,
+    memory_stats,
+)
 from scamp_jax.pipeline.model import StageModel
 from scamp_jax.pipeline.program import NUM_FIELDS
 from scamp_jax.pipeline.stage import State, receive, stage_tick
@@ -98,45 +104,23 @@ class PipelineExecutor(StageExecutor):
             donate_argnums=(0,),
         )
 
-    def compiled_memory(
+    def _compile_memory(
         self, input_shape: tuple[int, ...], target_shape: tuple[int, ...]
     ) -> dict[str, int]:
-        """XLA's ``memory_analysis`` of the compiled tick, per stage device (bytes).
-
-        Args:
-          input_shape: one stage's microbatch of inputs, e.g. ``(mb, h, w, 3)``.
-          target_shape: one stage's microbatch of targets, e.g. ``(mb, r h, r w, 3)``.
-        Returns:
-          ``argument``, ``output``, ``temp``, ``alias`` (donated state reused for the output)
-          and their ``host_*`` counterparts (memory kind ``pinned_host``; backends without host
-          memory spaces, such as XLA:CPU, count the store as device arguments), plus
-          ``device_bytes`` = argument + output - alias + temp: what the tick holds in device
-          memory at most.
-        """
         s = self.spec.num_stages
         sh = self._sharding()
 
-        def sds(shape: tuple[int, ...], dtype: Any, sharding: Any = sh) -> jax.ShapeDtypeStruct:
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        def sds(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
 
-        state = jax.tree.map(
-            lambda a, where: sds(a.shape, a.dtype, where), self.state_shapes(),
-            self.state_shardings(),
-        )
         width = NUM_FIELDS + 2 * self.spec.layers_per_stage
         compiled = self._tick.lower(
-            state, sds((s, width), np.int32), sds((s, *input_shape), np.float32),
+            self._abstract_state(), sds((s, width), np.int32), sds((s, *input_shape), np.float32),
             sds((s, *target_shape), np.float32),
         ).compile()
         # Reused by `tick` for arrays of these shapes: no second compile of the same program.
         self._compiled[(tuple(input_shape), tuple(target_shape))] = compiled
-        stats = compiled.memory_analysis()
-        out = {}
-        for name in ("argument", "output", "temp", "alias"):
-            out[name] = int(getattr(stats, f"{name}_size_in_bytes"))
-            out[f"host_{name}"] = int(getattr(stats, f"host_{name}_size_in_bytes", 0))
-        out["device_bytes"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
-        return out
+        return memory_stats(compiled)
 
     def tick(
         self, state: State, rows: np.ndarray, lr: np.ndarray, hr: np.ndarray

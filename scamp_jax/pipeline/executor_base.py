@@ -33,6 +33,19 @@ HOST_KIND = "pinned_host"
 DEVICE_KIND = "device"
 
 
+def memory_stats(compiled: Any) -> dict[str, int]:
+    """Bytes of a compiled program's ``memory_analysis`` (per device): ``argument``, ``output``,
+    ``temp``, ``alias``, their ``host_*`` counterparts (0 where the backend has none) and
+    ``device_bytes`` = argument + output - alias + temp."""
+    stats = compiled.memory_analysis()
+    out = {}
+    for name in ("argument", "output", "temp", "alias"):
+        out[name] = int(getattr(stats, f"{name}_size_in_bytes"))
+        out[f"host_{name}"] = int(getattr(stats, f"host_{name}_size_in_bytes", 0))
+    out["device_bytes"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    return out
+
+
 class StageSizes(TypedDict, total=False):
     """The keyword arguments every executor takes: `StageExecutor`'s (see its Args)."""
 
@@ -120,6 +133,8 @@ class StageExecutor(abc.ABC):
         self.microbatch_size = microbatch_size
         self.lr_side = lr_side
         self.slots = (window_slots, act_slots, grad_slots)
+        # `compiled_memory` per (input shape, target shape): each is one tick compilation.
+        self._memory: dict[tuple[tuple[int, ...], tuple[int, ...]], dict[str, int]] = {}
 
     # -- where the stages live (subclasses) ---------------------------------------------------
     @abc.abstractmethod
@@ -133,6 +148,48 @@ class StageExecutor(abc.ABC):
         """One tick of the local stages (collective across processes): ``rows`` are their
         instruction rows and ``lr`` / ``hr`` their microbatches, shaped as `_local` selects from
         (S, ...); returns the new state (``state`` is donated) and the local stages' losses."""
+
+    @abc.abstractmethod
+    def _compile_memory(
+        self, input_shape: tuple[int, ...], target_shape: tuple[int, ...]
+    ) -> dict[str, int]:
+        """Compile the tick for microbatches of these shapes (keeping the executable for `tick`)
+        and return `compiled_memory`'s figures."""
+
+    def compiled_memory(
+        self, input_shape: tuple[int, ...], target_shape: tuple[int, ...]
+    ) -> dict[str, int]:
+        """XLA's ``memory_analysis`` of the compiled tick, per stage device (bytes).
+
+        The first call for a pair of shapes compiles the tick, and `tick` then runs that
+        executable on arrays of these shapes (no second compilation); later calls return the
+        same figures without compiling.
+
+        Args:
+          input_shape: one stage's microbatch of inputs, e.g. ``(mb, h, w, 3)``.
+          target_shape: one stage's microbatch of targets, e.g. ``(mb, r h, r w, 3)``.
+        Returns:
+          ``argument``, ``output``, ``temp``, ``alias`` (donated state reused for the output)
+          and their ``host_*`` counterparts (memory kind ``pinned_host``; backends without host
+          memory spaces, such as XLA:CPU, count the store as device arguments), plus
+          ``device_bytes``: what the tick holds in device memory at most (argument + output -
+          alias + temp of a single program; see the subclass for ticks of several programs).
+        """
+        key = (tuple(input_shape), tuple(target_shape))
+        if key not in self._memory:
+            self._memory[key] = self._compile_memory(*key)
+        return dict(self._memory[key])
+
+    def is_compiled(self, input_shape: tuple[int, ...], target_shape: tuple[int, ...]) -> bool:
+        """Whether `compiled_memory` already compiled the tick for these microbatch shapes."""
+        return (tuple(input_shape), tuple(target_shape)) in self._memory
+
+    def _abstract_state(self) -> State:
+        """The state as ``jax.ShapeDtypeStruct`` leaves with their shardings (for lowering)."""
+        return jax.tree.map(
+            lambda a, where: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
+            self.state_shapes(), self.state_shardings(),
+        )
 
     @property
     def _stage_prefix(self) -> tuple[int, ...]:

@@ -6,11 +6,16 @@ the two outputs bit for bit.
 
     python tests/mpi_scripts/supernet_pipeline.py --stages 2 --out single.json
     mpirun -n 2 python tests/mpi_scripts/supernet_pipeline.py --out mpi.json
+
+With ``--memory`` the script first compiles the stage step with ``compiled_memory`` (every
+stage's figures go to the JSON, every rank's under MPI), then trains on that executor and
+records how often its jitted stage step was traced afterwards (0: the run used that compile).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -27,6 +32,8 @@ def main() -> None:
     p.add_argument("--train-shared", action="store_true")
     p.add_argument("--subnets", type=int, default=6)
     p.add_argument("--out", required=True)
+    p.add_argument("--memory", action="store_true",
+                   help="report compiled_memory of the stage step and train on that compile")
     p.add_argument("--die-at-tick", type=int,
                    help="the last rank exits with status 3 after this tick (fault test)")
     args = p.parse_args()
@@ -54,23 +61,49 @@ def main() -> None:
         schedule=args.schedule, seed=3, offload=args.offload, train_shared=args.train_shared,
         num_microbatches=2, optimizer=OptimizerSpec("adam", 1e-2),
     )
-    rank = 0
+    rank, comm, memory, traced = 0, None, None, None
     if mpi:
         from scamp_jax.distributed.mpi import world
-        from scamp_jax.distributed.pipeline import train_supernet_mpi
+        from scamp_jax.distributed.pipeline import MPIPipelineExecutor, train_supernet_mpi
 
         w = world()
-        rank = w.rank
+        rank, comm, stages = w.rank, w.comm, w.size
+        factory = functools.partial(MPIPipelineExecutor, comm=comm)
+
         def on_tick(t: int, total: int) -> None:
             if rank == w.size - 1 and t == args.die_at_tick:
                 print(f"rank {rank} exits at tick {t}", flush=True)
                 os._exit(3)
 
-        result = train_supernet_mpi(layout, subnets, lr, hr, on_tick=on_tick, **kwargs)
-        stages = w.size
+        kwargs["on_tick"] = on_tick
+        run = functools.partial(train_supernet_mpi, layout, subnets, lr, hr)
     else:
-        result = train_supernet(layout, subnets, lr, hr, num_stages=args.stages, **kwargs)
-        stages = args.stages
+        from scamp_jax.pipeline import PipelineExecutor
+
+        stages, factory = args.stages, PipelineExecutor
+        run = functools.partial(train_supernet, layout, subnets, lr, hr, num_stages=stages)
+    if args.memory:
+        from scamp_jax.pipeline import build_executor, build_program, make_schedule, split_layers
+
+        bounds = split_layers(config.num_layers, stages)
+        m = kwargs["num_microbatches"] if args.schedule == "gpipe" else 1
+        program = build_program(make_schedule(args.schedule, subnets, bounds,
+                                              num_microbatches=m), subnets, bounds)
+        ex = build_executor(layout, [program], num_stages=stages, batch_size=batch,
+                            lr_side=side, num_microbatches=m, offload=args.offload,
+                            train_shared=args.train_shared, optimizer=kwargs["optimizer"],
+                            executor_class=factory)
+        shapes = ((batch // m, side, side, 3), (batch // m, 2 * side, 2 * side, 3))
+        memory = ex.compiled_memory(*shapes)
+        memory = comm.allgather(memory) if comm is not None else [memory] * stages
+        result = train_supernet(layout, subnets, lr, hr, num_stages=stages, executor=ex,
+                                **kwargs)
+        stage_step = ex._tick[0] if mpi else ex._tick
+        traced = stage_step._cache_size()
+        if comm is not None:
+            traced = max(comm.allgather(traced))
+    else:
+        result = run(**kwargs)
     if rank == 0:
         Path(args.out).write_text(json.dumps({
             "stages": stages,
@@ -79,6 +112,8 @@ def main() -> None:
             "ticks": result.ticks,
             "device_param_bytes": result.device_param_bytes,
             "host_param_bytes": result.host_param_bytes,
+            "memory": memory,
+            "traced_after_compile": traced,
         }))
 
 
