@@ -37,6 +37,7 @@ import jax
 
 from scamp_jax import planner
 from scamp_jax.elastic import Resize
+from scamp_jax.fused_engine import FusionService, fusion_cap
 from scamp_jax.placement import FixedPolicy, Placement, ScampPolicy, make_policy
 from scamp_jax.plan_service import PlanningService, TrialDeferred
 from scamp_jax.runner import (
@@ -100,6 +101,9 @@ class EngineConfig:
         root).
       restart_seconds: predicted cost of such a restart (checkpoint, compile, restore),
         seconds; None: the trial's own start-up time in its current run.
+      fuse: horizontal fusion (`scamp_jax.fused_engine`): None (off), ``K`` (queued trials of
+        one architecture train in fused groups of at most ``K``, as wide as fits) or
+        ``"auto"`` (as wide as fits, capped).
     """
 
     steps: int
@@ -122,8 +126,10 @@ class EngineConfig:
     planner_threads: int = 2
     grow_last_wave: bool | None = None
     restart_seconds: float | None = None
+    fuse: int | str | None = None
 
     def __post_init__(self) -> None:
+        fusion_cap(self.fuse)  # raises on a bad value
         if self.restart_seconds is not None and self.restart_seconds < 0:
             raise ValueError(f"restart_seconds={self.restart_seconds} must be >= 0 or None")
         if self.planner_threads < 1:
@@ -222,7 +228,7 @@ def booked_bytes(plan: Any) -> int:
     prefetched batch, evaluation: `scamp_jax.planner.Plan.predicted_peak_bytes`)."""
     return int(getattr(plan, "predicted_peak_bytes", plan.peak_bytes_per_device))
 
-class SearchEngine(PlanningService):
+class SearchEngine(PlanningService, FusionService):
     """Drive a study: plan, place and run trials concurrently on a pool of devices.
 
     Args:
@@ -266,6 +272,7 @@ class SearchEngine(PlanningService):
         self.cache = StepCache()
         self.statuses: dict[int, TrialStatus] = {}
         self._init_planning()
+        self._init_fusion()
         self._oom_results: dict[int, RunResult] = {}
         grow = config.grow_last_wave
         self._grow = (grow if grow is not None
@@ -310,7 +317,11 @@ class SearchEngine(PlanningService):
 
     def _notify(self) -> None:
         if self.on_update is not None:
-            self.on_update(list(self.statuses.values()), self.pool)
+            if self.fusing:
+                self.on_update(list(self.statuses.values()), self.pool,
+                               groups=self.fusion_groups())
+            else:
+                self.on_update(list(self.statuses.values()), self.pool)
 
     def _ask(self) -> bool:
         """Ask for one configuration and start planning it; False when the study is full."""
@@ -319,8 +330,13 @@ class SearchEngine(PlanningService):
             return False
         status = self.statuses.setdefault(asked.number, TrialStatus(asked.number, asked.params))
         status.state = "planning"
-        self._planning[self._planner.submit(self._planned_with_cost, asked.params,
-                                            asked.number)] = asked
+        if self.fusing:
+            ckpt = self.checkpoint_root / asked.checkpoint_key if self.checkpoint_root else None
+            future = self._planner.submit(self._planned_for_fusion, asked.params, asked.number,
+                                          ckpt)
+        else:
+            future = self._planner.submit(self._planned_with_cost, asked.params, asked.number)
+        self._planning[future] = asked
         self._notify()
         return True
 
@@ -359,7 +375,7 @@ class SearchEngine(PlanningService):
             self._nofit.clear()
         # Arrival is the ask order, so placement stays first-come first-served whatever order
         # the plans finish in.
-        self._queue_planned(PlannedTrial(asked, plan, self._devices_of(plan), asked.number))
+        self._admit(PlannedTrial(asked, plan, self._devices_of(plan), asked.number))
 
     def _budget_too_small(self, err: Exception) -> None:
         for number in self._nofit:  # not their fault: a run with a bigger budget retries them
@@ -437,6 +453,9 @@ class SearchEngine(PlanningService):
                                               action.key, devices=action.devices)
                 self._option_plans[future] = action
                 continue
+            if action.key in self._units:
+                self._start_group(action, now)
+                continue
             planned = self._planned.pop(action.key)
             if action.plan.devices != planned.devices:
                 plan = self._grown_plans.pop((action.key, action.plan.devices))
@@ -481,6 +500,7 @@ class SearchEngine(PlanningService):
             "placements": times.get("placements", []),
             "pace": times.get("pace", []),
             "plan": times.get("plan"),
+            **self._fusion_attrs(status.number),
         }
 
     def _tell(self, outcome: TrialOutcome) -> None:
@@ -610,6 +630,7 @@ class SearchEngine(PlanningService):
         self._oom_results = {}
         self._exhausted = False
         self._last_wave_at: float | None = None
+        self._init_fusion_run()
         lookahead = self.config.lookahead or len(self.devices)
         self._executor = cf.ThreadPoolExecutor(max_workers=max(4, 4 * len(self.devices)),
                                                thread_name_prefix="trial")
@@ -622,7 +643,9 @@ class SearchEngine(PlanningService):
                        + len(self._replanning) < lookahead):
                     self._exhausted = not self._ask()
                 self._set_last_wave()
-                busy = (self.core.queued or self._runs or self._planning or self._replanning)
+                self._form_groups()
+                busy = (self.core.queued or self._runs or self._planning or self._replanning
+                        or self._fusion_pending())
                 if not busy:
                     break
                 self._feed_pace()
@@ -633,15 +656,16 @@ class SearchEngine(PlanningService):
                            *(f for f in self._option_plans if not f.done()),
                            *(f for f in self._resize_plans if not f.done())]
                 runs = {run.future: number for number, run in self._runs.items()}
-                if not runs and not waiting and not any(
+                groups = self._group_futures()
+                if not runs and not groups and not waiting and not any(
                         f.done() for f in (*self._option_plans, *self._resize_plans)):
                     # Nothing runs and nothing is being planned, yet trials wait: a policy bug.
                     raise RuntimeError(
                         f"placement started none of {len(self.core.queued)} queued trials on an "
                         "idle pool; check the trials' device counts against the pool")
-                done, _ = cf.wait([*runs, *waiting, *self._option_plans], timeout=0.5,
+                done, _ = cf.wait([*runs, *groups, *waiting, *self._option_plans], timeout=0.5,
                                   return_when=cf.FIRST_COMPLETED)
-                for future in sorted(done, key=lambda f: self._order_of(f, runs)):
+                for future in sorted(done, key=lambda f: self._order_of(f, {**runs, **groups})):
                     if future in self._planning:
                         self._enqueue(self._planning.pop(future), future)
                         self._set_last_wave()  # if its plan did not queue it
@@ -652,10 +676,13 @@ class SearchEngine(PlanningService):
                         self._set_last_wave()
                     elif future in runs:
                         self._run_ended(runs[future], future.result())
+                    elif future in groups:
+                        self._group_ended(groups[future], future.result())
                 self._notify()
         except BaseException:
             for run in self._runs.values():
                 run.stop.set()
+            self._interrupt_fusion()
             for number, run in list(self._runs.items()):
                 # The runner checkpoints and returns when it sees `stop`; whatever it says, the
                 # trial is unfinished and goes back to the study.

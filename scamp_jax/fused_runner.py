@@ -18,6 +18,7 @@ devices, and reports, evaluates, prunes, checkpoints and ends each member on its
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import threading
@@ -179,6 +180,18 @@ def architecture_signature(space: SearchSpace, params: Mapping[str, Any],
         return build()
 
 
+def signature_key(signature: tuple[Any, Any]) -> str:
+    """A comparable, hashable form of an `architecture_signature`: the SHA-256 of the texts of
+    its graph definition and of its shapes and dtypes.
+
+    Graph definitions of two separate builds may compare unequal although they describe the
+    same program (static attributes such as index arrays compare by identity); their texts
+    are equal.
+    """
+    graphdef, shapes = signature
+    return hashlib.sha256(f"{graphdef!r}\n{shapes!r}".encode()).hexdigest()
+
+
 def _check_architecture(space: SearchSpace, members: Sequence[MemberSpec],
                         mesh: jax.sharding.Mesh) -> nnx.GraphDef:
     """The members' common graph definition; raises if any member builds another program."""
@@ -190,7 +203,7 @@ def _check_architecture(space: SearchSpace, members: Sequence[MemberSpec],
             built[arch] = architecture_signature(space, m.params, mesh)
         signatures.append(built[arch])
     for m, g in zip(members[1:], signatures[1:], strict=True):
-        if g != signatures[0]:
+        if signature_key(g) != signature_key(signatures[0]):
             raise ValueError(
                 f"trial {m.number} ({dict(m.params)}) builds another architecture than trial "
                 f"{members[0].number} ({dict(members[0].params)}); a fused group holds trials "

@@ -1,0 +1,137 @@
+"""Fused groups in the search loop: the grouping rule, a fused study, members equal solo runs.
+
+The study tests use a real Optuna study in SQLite, the real planner and real compiles, with
+`test_runner`'s MLP regression (small enough to train in seconds on CPU).
+"""
+
+from __future__ import annotations
+
+import random
+
+import jax
+import pytest
+from optuna.trial import TrialState
+from test_runner import SPACE, Regression, make_plan
+
+from scamp_jax.engine import EngineConfig, SearchEngine
+from scamp_jax.runner import RunSpec, StepCache, run_trial, trial_seed
+from scamp_jax.scheduling.grouping import FusionCandidate, form_groups
+from scamp_jax.search import fusion_source_kwargs
+from scamp_jax.study import SIBLING_OF, OptunaTrialSource, open_study
+
+BUDGET = 64 * 2**20
+
+
+# ------------------------------------------------------------------------ the grouping rule
+
+
+def test_groups_are_chunks_of_one_signature_in_arrival_order():
+    waiting = [FusionCandidate(k, sig, arrival=k, width=3)
+               for k, sig in enumerate("aabaaab")]
+    assert form_groups(waiting) == ((0, 1, 3), (2, 6), (4, 5))
+
+
+def test_the_last_chunk_waits_for_expected_members():
+    waiting = [FusionCandidate(k, "a", arrival=k, width=4) for k in range(6)]
+    assert form_groups(waiting, expecting={"a"}) == ((0, 1, 2, 3),)
+    assert form_groups(waiting) == ((0, 1, 2, 3), (4, 5))
+    # A full chunk never waits; another signature is not held back.
+    waiting.append(FusionCandidate(9, "b", arrival=9, width=4))
+    assert form_groups(waiting, expecting={"a"}) == ((0, 1, 2, 3), (9,))
+
+
+def test_width_one_runs_alone_and_bad_widths_are_refused():
+    waiting = [FusionCandidate(k, "a", arrival=k, width=1) for k in range(3)]
+    assert form_groups(waiting) == ((0,), (1,), (2,))
+    with pytest.raises(ValueError, match="width=0"):
+        FusionCandidate(0, "a", 0, width=0)
+
+
+def test_every_candidate_is_in_exactly_one_group_of_one_signature():
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(0, 12)
+        widths = {s: rng.randint(1, 4) for s in "abc"}
+        sigs = [rng.choice("abc") for _ in range(n)]
+        waiting = [FusionCandidate(k, s, rng.randint(0, 20), widths[s])
+                   for k, s in enumerate(sigs)]
+        expecting = {s for s in "abc" if rng.random() < 0.5}
+        groups = form_groups(waiting, expecting=expecting)
+        keys = [k for g in groups for k in g]
+        assert len(keys) == len(set(keys))
+        held = set(range(n)) - set(keys)
+        for g in groups:
+            assert len({sigs[k] for k in g}) == 1 and len(g) <= widths[sigs[g[0]]]
+        # Only a narrower-than-width remainder of an expected signature is held back.
+        for s in "abc":
+            mine = [k for k in held if sigs[k] == s]
+            assert not mine or (s in expecting and len(mine) < widths[s])
+
+
+# ------------------------------------------------------------------------ a fused study
+
+
+def _study(tmp_path, trials: int, fuse: int):
+    study = open_study("mlp-fused", study_dir=tmp_path, direction="minimize",
+                       sampler="random", pruner="none", seed=3)
+    source = OptunaTrialSource(study, SPACE, trials, root=tmp_path, **fusion_source_kwargs(fuse))
+    config = EngineConfig(steps=30, memory_per_device=BUDGET, max_batch_size=16, log_every=5,
+                          fuse=fuse, seed=5)
+    engine = SearchEngine(SPACE, Regression(), source, config, devices=jax.devices()[:4],
+                          checkpoint_root=tmp_path / "ckpt")
+    return study, source, engine
+
+
+def test_a_fused_study_finishes_exactly_its_trials_with_members_equal_to_solo_runs(tmp_path):
+    """Siblings of a proposed architecture train fused; each member is its own trial, scored,
+    and ends where the same trial run alone ends."""
+    study, source, engine = _study(tmp_path, trials=6, fuse=3)
+    engine.run()
+    source.close()
+    trials = study.get_trials()
+    assert len(trials) == 6
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 6
+    groups: dict[int, list] = {}
+    for t in trials:
+        assert t.value == t.user_attrs["metrics"]["mse"]
+        if t.user_attrs["fused_group"] is not None:
+            groups.setdefault(t.user_attrs["fused_group"], []).append(t)
+    assert groups, "no fused group formed"
+    for gid, members in groups.items():
+        assert {t.user_attrs["fusion_width"] for t in members} == {len(members)} and \
+            len(members) >= 2
+        assert len({t.params["width"] for t in members}) == 1  # one architecture
+        assert gid == min(t.number for t in members)
+        # Siblings share the architecture; the sampler gave them their own learning rates.
+        assert all(t.user_attrs.get(SIBLING_OF) == gid for t in members if t.number != gid)
+        assert len({t.params["learning_rate"] for t in members}) == len(members)
+        assert len({t.user_attrs["devices"][0] for t in members}) == 1
+        assert max(t.user_attrs["predicted_peak_bytes"] for t in members) <= BUDGET * 0.9
+    # A member's result is its solo run's: same seed, plan, batch and steps.
+    member = next(t for ms in groups.values() for t in ms)
+    plan = make_plan(member.params, jax.devices()[:1], max_batch=16)
+    solo = run_trial(RunSpec(member.number, member.params, plan, 30, BUDGET,
+                             seed=trial_seed(5, member.user_attrs["checkpoint_key"])),
+                     SPACE, Regression(), cache=StepCache())
+    assert solo.state == "complete"
+    rel = abs(solo.metrics["mse"] - member.value) / abs(solo.metrics["mse"])
+    print(f"fused member vs solo: relative difference {rel:.3g}")
+    assert rel <= 1e-5
+
+
+def test_without_fuse_nothing_is_grouped(tmp_path):
+    study, source, engine = _study(tmp_path, trials=3, fuse=1)
+    engine.run()
+    source.close()
+    trials = study.get_trials()
+    assert len(trials) == 3
+    assert all(t.user_attrs["fused_group"] is None and t.user_attrs["fusion_width"] == 1
+               for t in trials)
+    assert not any(SIBLING_OF in t.user_attrs for t in trials)
+
+
+def test_bad_fuse_values_are_refused():
+    with pytest.raises(ValueError, match="fuse=0"):
+        EngineConfig(steps=1, memory_per_device=BUDGET, fuse=0)
+    with pytest.raises(ValueError, match="'wide'"):
+        EngineConfig(steps=1, memory_per_device=BUDGET, fuse="wide")
