@@ -16,7 +16,7 @@ simulated study can schedule a group as one trial and credit it ``K`` finished t
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,3 +174,61 @@ def measure_fused_costs(
         kernels.append(entry_kernels(text))
     return FusedCostModel(batch_size=batch_size, widths=tuple(widths), flops=tuple(flops),
                           bytes_accessed=tuple(traffic), kernels=tuple(kernels))
+
+
+def group_width(solo: TrialProfile, cap: int, usable_bytes: int) -> int:
+    """Widest group of up to ``cap`` members like ``solo`` whose memory fits ``usable_bytes``
+    per device, counting ``width`` times the solo peak (the upper bound `group_profile` books
+    without a compiled fused peak); at least 1."""
+    if cap < 1:
+        raise ValueError(f"{cap=} must be at least 1")
+    per = max(1, solo.bytes_per_device)
+    return max(1, min(cap, usable_bytes // per))
+
+
+def fused_profiles(
+    profiles: Sequence[TrialProfile],
+    signatures: Sequence[Any],
+    families: Sequence[int],
+    models: Mapping[Any, FusedCostModel],
+    *,
+    cap: int,
+    usable_bytes: int,
+) -> tuple[list[TrialProfile], dict[int, tuple[int, ...]]]:
+    """The study's trials as the engine with fusion schedules them: groups and lone trials.
+
+    ``profiles[i]`` is trial ``i``'s solo profile (its key), ``signatures[i]`` its
+    architecture, ``families[i]`` the proposed trial it arrived with (a proposal and the
+    siblings enqueued for it arrive together and are grouped together, as the engine's
+    forming buffer holds a proposal until its siblings are planned). Groups come from
+    `scamp_jax.scheduling.grouping.form_groups`, the engine's rule, within each family; a group
+    of two or more becomes one profile (``models[signature].group_profile``, key: its first
+    member's key, memory ``width`` times the solo peak), a group of one stays the trial's own
+    profile.
+
+    Returns ``(profiles in arrival order of their first member, {profile key: member keys})``.
+    """
+    from scamp_jax.scheduling.grouping import FusionCandidate, form_groups
+
+    if not len(profiles) == len(signatures) == len(families):
+        raise ValueError("profiles, signatures and families need one entry per trial")
+    by_family: dict[int, list[int]] = {}
+    for i, family in enumerate(families):
+        by_family.setdefault(family, []).append(i)
+    out: list[tuple[int, TrialProfile]] = []
+    members: dict[int, tuple[int, ...]] = {}
+    for indices in by_family.values():
+        candidates = [FusionCandidate(i, signatures[i], i,
+                                      group_width(profiles[i], cap, usable_bytes))
+                      for i in indices]
+        for group in form_groups(candidates):
+            first = profiles[group[0]]
+            keys = tuple(profiles[i].key for i in group)
+            if len(group) == 1:
+                out.append((group[0], first))
+            else:
+                out.append((group[0], models[signatures[group[0]]].group_profile(
+                    first, len(group))))
+            members[first.key] = keys
+    out.sort(key=lambda pair: pair[0])
+    return [p for _, p in out], members
