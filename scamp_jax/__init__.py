@@ -19,6 +19,7 @@ from scamp_jax.evaluation import ChunkedEvalTask as ChunkedEvalTask
 from scamp_jax.fused_runner import GroupResult as GroupResult
 from scamp_jax.fused_runner import GroupSpec as GroupSpec
 from scamp_jax.fused_runner import MemberSpec as MemberSpec
+from scamp_jax.fused_runner import architecture_signature as architecture_signature
 from scamp_jax.fused_runner import run_fused_group as run_fused_group
 from scamp_jax.fusion import FusionPlan as FusionPlan
 from scamp_jax.fusion import jit_fused_step as jit_fused_step
@@ -46,6 +47,7 @@ from scamp_jax.planner import plan_mesh as plan_mesh
 from scamp_jax.pool import DevicePool as DevicePool
 from scamp_jax.scheduling import SchedulingCore as SchedulingCore
 from scamp_jax.scheduling import TrialPlan as TrialPlan
+from scamp_jax.scheduling.grouping import form_groups as form_groups
 from scamp_jax.scheduling.replay import replay_study as replay_study
 from scamp_jax.search import SearchSettings as SearchSettings
 from scamp_jax.search import run_search as run_search
@@ -133,6 +135,8 @@ __all__ = [
     "plan_fusion",
     "plan_mesh",
     "run_fused_group",
+    "architecture_signature",
+    "form_groups",
     "replay_study",
     "run_search",
     "run_study",

@@ -418,7 +418,8 @@ class SearchEngine(PlanningService, FusionService):
     def _set_last_wave(self, now: float | None = None, decide: bool = True) -> None:
         """Event: nothing more to ask or plan (the study's last wave), at ``now`` (the time of
         the event that made it so: the replay applies both before deciding)."""
-        last = (self._exhausted and not self._planning and not self._replanning)
+        last = (self._exhausted and not self._planning and not self._replanning
+                and not self._fusion_pending(forming_only=True))
         if last and self._last_wave_at is None:
             self._last_wave_at = self._now() if now is None else now
             self.core.set_arrivals_pending(False)
@@ -642,8 +643,8 @@ class SearchEngine(PlanningService, FusionService):
                 while (not self._exhausted and len(self.core.queued) + len(self._planning)
                        + len(self._replanning) < lookahead):
                     self._exhausted = not self._ask()
-                self._set_last_wave()
                 self._form_groups()
+                self._set_last_wave()
                 busy = (self.core.queued or self._runs or self._planning or self._replanning
                         or self._fusion_pending())
                 if not busy:

@@ -78,6 +78,11 @@ def latest_checkpoint_step(directory: Path | None) -> int:
     return max((int(p.name) for p in directory.iterdir() if p.name.isdigit()), default=0)
 
 
+def _arch_text(params: Mapping[str, Any]) -> str:
+    """The architecture part of a configuration (every key but the optimizer's), as text."""
+    return repr(sorted((k, repr(v)) for k, v in params.items() if k not in OPTIMIZER_KEYS))
+
+
 @dataclass(frozen=True)
 class _MemberInfo:
     """What grouping needs of a planned trial (found in a planner thread)."""
@@ -132,7 +137,7 @@ class FusionService:
                             checkpoint_dir: Path | None) -> Any:
         """Plan and cost one trial, then its signature, resume step and fused plan."""
         plan = self._planned_with_cost(params, number)
-        arch = repr(sorted((k, repr(v)) for k, v in params.items() if k not in OPTIMIZER_KEYS))
+        arch = _arch_text(params)
         with self._fusion_lock:
             signature = self._signatures.get(arch)
         if signature is None:
@@ -194,11 +199,15 @@ class FusionService:
             width = info.fusion.width if info is not None and info.fusion is not None else 1
             keys[number] = (None, number) if info is None else (info.signature, info.resume_step)
             candidates.append(FusionCandidate(number, keys[number], planned.arrival, width))
-        # Siblings on their way: hold their family's last group for them, unless nothing could
-        # bring them any more (nothing being planned, and nothing left to ask or run).
+        # Members on their way: siblings not planned yet, or trials of the same architecture
+        # being planned (e.g. a resumed group's members). Hold the last group for them, unless
+        # nothing could bring them any more (nothing being planned, nothing left to ask or run).
         stalled = not self._planning and (self._exhausted or not (self._runs or self._group_runs))
+        planning = {_arch_text(a.params) for a in self._planning.values()}
         expecting = set() if stalled else {
-            keys[n] for n in self._forming if self._awaiting.get(self._family.get(n, n), 0) > 0}
+            keys[n] for n, p in self._forming.items()
+            if self._awaiting.get(self._family.get(n, n), 0) > 0
+            or _arch_text(p.asked.params) in planning}
         now = self._now()
         for group in form_groups(candidates, expecting=expecting):
             members = tuple(self._forming.pop(n) for n in group)
@@ -292,9 +301,9 @@ class FusionService:
         """Trials in fused groups now: ``{number: (group id, width)}`` (for the live view)."""
         return {n: (g, w) for n, (g, w) in self._fusion_of.items() if g is not None}
 
-    def _fusion_pending(self) -> bool:
-        """Whether groups are forming or running (the loop is not done)."""
-        return bool(self._forming or self._group_runs)
+    def _fusion_pending(self, forming_only: bool = False) -> bool:
+        """Whether groups are forming (not yet in the scheduling core) or running."""
+        return bool(self._forming or (self._group_runs and not forming_only))
 
     def _group_futures(self) -> dict[cf.Future, int]:
         return {run.future: key for key, run in self._group_runs.items()}

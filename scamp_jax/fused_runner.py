@@ -92,6 +92,8 @@ class GroupSpec:
         intermediate evaluations (0: none) and loss read-backs, as for `RunSpec`.
       reform: re-form the group without stopped members at the next evaluation (one compile
         per new width) instead of only masking them.
+      mode: ``"vmap"`` (wide kernels) or ``"map"`` (the solo step's kernels member by member;
+        see `scamp_jax.fusion.FUSION_MODES`).
     """
 
     group: int
@@ -103,6 +105,7 @@ class GroupSpec:
     eval_every: int = 0
     log_every: int = 10
     reform: bool = True
+    mode: str = "vmap"
 
 
 @dataclass(frozen=True)
@@ -419,7 +422,7 @@ class _Group:
             m.status.model_parallel, m.status.batch_size = plan.model_parallel, batch_size
             m.status.predicted_peak_bytes = spec.plan.peak_bytes_per_device
         step_fn = jit_fused_step(self.graphdef, optimizer, self.task.loss_fn,
-                                 plan.step_shardings)
+                                 plan.step_shardings, spec.mode)
         active_host = sent = np.ones(len(self.slots), bool)
         active = jax.device_put(sent, self.replicated)
         batch = self._batch()

@@ -576,7 +576,7 @@ class OptunaTrialSource:
                         room = self.n_trials - finished - running - 1 - self._waiting()
                 if trial is not None:
                     asked = self._suggest(trial, attrs or {})
-                    if self.siblings and room > 0 and not self._fixed_params(trial):
+                    if self.siblings and room > 0 and self._proposed(trial):
                         asked = self._enqueue_siblings(asked, min(self.siblings, room))
                     return asked
                 if self._live or running == 0 or not self.has_liveness:
@@ -604,12 +604,13 @@ class OptunaTrialSource:
     def _waiting(self) -> int:
         return len(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
 
-    def _fixed_params(self, trial: optuna.Trial) -> Mapping[str, Any]:
-        """Parameters enqueued for ``trial`` (empty: the sampler proposed all of them)."""
+    def _proposed(self, trial: optuna.Trial) -> bool:
+        """Whether the sampler proposed ``trial`` (not enqueued, not a retry)."""
         storage = self._storage if self._storage is not None else self.study._storage
         study_id = storage.get_study_id_from_name(self.study.study_name)
         trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
-        return storage.get_trial(trial_id).system_attrs.get("fixed_params") or {}
+        system = storage.get_trial(trial_id).system_attrs
+        return not system.get("fixed_params") and "failed_trial" not in system
 
     def _enqueue_siblings(self, asked: AskedTrial, count: int) -> AskedTrial:
         """Enqueue ``count`` trials with ``asked``'s architecture; the training

@@ -14,6 +14,7 @@ from optuna.trial import TrialState
 from test_runner import SPACE, Regression, make_plan
 
 from scamp_jax.engine import EngineConfig, SearchEngine
+from scamp_jax.fused_engine import latest_checkpoint_step
 from scamp_jax.runner import RunSpec, StepCache, run_trial, trial_seed
 from scamp_jax.scheduling.grouping import FusionCandidate, form_groups
 from scamp_jax.search import fusion_source_kwargs
@@ -135,3 +136,60 @@ def test_bad_fuse_values_are_refused():
         EngineConfig(steps=1, memory_per_device=BUDGET, fuse=0)
     with pytest.raises(ValueError, match="'wide'"):
         EngineConfig(steps=1, memory_per_device=BUDGET, fuse="wide")
+
+
+class _CtrlC:
+    """``on_update`` that presses Ctrl-C (raises KeyboardInterrupt on the loop's thread, where
+    a real one lands) once a fused member has trained ``step`` steps."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.fired = step, False
+
+    def __call__(self, statuses, pool, groups=None) -> None:
+        if self.fired or not groups:
+            return
+        if any(s.number in groups and s.state == "training" and s.step >= self.step
+               for s in statuses):
+            self.fired = True
+            raise KeyboardInterrupt
+
+
+def test_an_interrupted_fused_study_resumes_its_members_and_keeps_finished_ones(tmp_path):
+    """Ctrl-C during a group: members checkpoint and go back to the study; the same command
+    again resumes them from their checkpoints (as a group again) and ends with exactly the
+    study's trials; trials finished before stay as they were."""
+    steps, trials = 3000, 4
+
+    def engine(on_update=None):
+        study = open_study("mlp-fused", study_dir=tmp_path, direction="minimize",
+                           sampler="random", pruner="none", seed=3)
+        source = OptunaTrialSource(study, SPACE, trials, root=tmp_path,
+                                   **fusion_source_kwargs(2))
+        config = EngineConfig(steps=steps, memory_per_device=BUDGET, max_batch_size=16,
+                              log_every=50, checkpoint_every=500, fuse=2, seed=5)
+        return study, source, SearchEngine(SPACE, Regression(), source, config,
+                                           devices=jax.devices()[:1],
+                                           checkpoint_root=tmp_path / "ckpt",
+                                           on_update=on_update)
+
+    study, source, first = engine(_CtrlC(100))
+    with pytest.raises(KeyboardInterrupt):
+        first.run()
+    source.close()
+    before = {t.number: t.value for t in study.get_trials() if t.state == TrialState.COMPLETE}
+    interrupted = [t for t in study.get_trials() if t.state == TrialState.FAIL]
+    assert interrupted, "nothing was running at the interrupt"
+    saved = {t.user_attrs["checkpoint_key"] for t in interrupted
+             if latest_checkpoint_step(tmp_path / "ckpt" / t.user_attrs["checkpoint_key"])}
+    study, source, second = engine()
+    second.run()
+    source.close()
+    done = [t for t in study.get_trials() if t.state == TrialState.COMPLETE]
+    assert len(done) == trials
+    for number, value in before.items():
+        assert study.trials[number].value == value  # finished members stay finished
+    resumed = [t for t in done if t.user_attrs["resumed_from"] > 0]
+    assert resumed, "no member resumed from its checkpoint"
+    assert any(t.user_attrs["fused_group"] is not None for t in resumed)
+    # Every member interrupted after a checkpoint resumed from it.
+    assert saved and saved <= {t.user_attrs["checkpoint_key"] for t in resumed}
