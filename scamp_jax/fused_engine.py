@@ -186,8 +186,9 @@ class FusionService:
                 self._awaiting[asked.sibling_of] -= 1
         self.statuses[planned.number].state = "grouping"
         self._show_plan(planned.number, planned.plan)
+        # Grouped by the loop's next `_form_groups`, after it has asked for more trials (the
+        # members this one may wait for).
         self._forming[planned.number] = planned
-        self._form_groups()
 
     def _form_groups(self) -> None:
         """Hand the groups `form_groups` decides to the scheduling core."""
@@ -208,7 +209,6 @@ class FusionService:
             keys[n] for n, p in self._forming.items()
             if self._awaiting.get(self._family.get(n, n), 0) > 0
             or _arch_text(p.asked.params) in planning}
-        now = self._now()
         for group in form_groups(candidates, expecting=expecting):
             members = tuple(self._forming.pop(n) for n in group)
             info = self._member_info[group[0]] if group[0] in self._member_info else None
@@ -223,6 +223,7 @@ class FusionService:
                 self._fusion_of[m.number] = (unit.key, len(members))
                 self.statuses[m.number].state = "queued"
             tp = self._unit_plan(unit)
+            now = self._now()  # per group: queueing a trial above fed the core a later time
             self._timeline(unit.key).setdefault("planned_at", now)
             self._timeline(unit.key)["plan"] = tp.as_dict()
             self.core.planned(now, tp)
