@@ -15,7 +15,9 @@ actions out; the cluster simulator drives the same core). This module is the loo
    threads (never on this loop's thread) at a batch scaled by the bytes its run measured, or on
    twice the devices, and queued again;
 6. at the end of the study, on accelerators, restart running trials from a checkpoint on the
-   devices that fell idle, with the same global batch (the core's `resizes`).
+   devices that fell idle, with the same global batch (the core's `resizes`);
+7. with ``EngineConfig.fuse``, group planned trials of one architecture into fused groups, each
+   one scheduled unit (`scamp_jax.fused_engine`).
 
 Each trial's record (``results.json``) holds what the core was fed, so a finished study can be
 replayed through it (`scamp_jax.scheduling.replay`).

@@ -83,6 +83,7 @@ def _study(tmp_path, trials: int, fuse: int):
     return study, source, engine
 
 
+@pytest.mark.slow  # about 65-85 s on 2 shared cores
 def test_a_fused_study_finishes_exactly_its_trials_with_members_equal_to_solo_runs(tmp_path):
     """Siblings of a proposed architecture train fused; each member is its own trial, scored,
     and ends where the same trial run alone ends."""
@@ -121,11 +122,11 @@ def test_a_fused_study_finishes_exactly_its_trials_with_members_equal_to_solo_ru
 
 
 def test_without_fuse_nothing_is_grouped(tmp_path):
-    study, source, engine = _study(tmp_path, trials=3, fuse=1)
+    study, source, engine = _study(tmp_path, trials=2, fuse=1)
     engine.run()
     source.close()
     trials = study.get_trials()
-    assert len(trials) == 3
+    assert len(trials) == 2
     assert all(t.user_attrs["fused_group"] is None and t.user_attrs["fusion_width"] == 1
                for t in trials)
     assert not any(SIBLING_OF in t.user_attrs for t in trials)
@@ -154,6 +155,7 @@ class _CtrlC:
             raise KeyboardInterrupt
 
 
+@pytest.mark.slow  # about 60-160 s on 2 shared cores
 def test_an_interrupted_fused_study_resumes_its_members_and_keeps_finished_ones(tmp_path):
     """Ctrl-C during a group: members checkpoint and go back to the study; the same command
     again resumes them from their checkpoints (as a group again) and ends with exactly the
