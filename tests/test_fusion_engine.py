@@ -195,3 +195,18 @@ def test_an_interrupted_fused_study_resumes_its_members_and_keeps_finished_ones(
     assert any(t.user_attrs["fused_group"] is not None for t in resumed)
     # Every member interrupted after a checkpoint resumed from it.
     assert saved and saved <= {t.user_attrs["checkpoint_key"] for t in resumed}
+
+
+def test_the_fuse_flag_takes_a_width_or_auto(capsys):
+    from experiments import swinir_hpo
+    from experiments._cli import config_from_args
+
+    args = swinir_hpo.parser().parse_args(["--preset", "smoke", "--fuse", "auto"])
+    assert config_from_args(args, swinir_hpo.get_config("smoke"), "runs/x").fuse == "auto"
+    args = swinir_hpo.parser().parse_args(["--fuse", "4"])
+    assert config_from_args(args, swinir_hpo.get_config("smoke"), "runs/x").fuse == 4
+    assert swinir_hpo.get_config("smoke").fuse is None  # off unless asked for
+    with pytest.raises(SystemExit) as exit_info:
+        swinir_hpo.parser().parse_args(["--fuse", "0"])
+    assert exit_info.value.code == 2
+    assert "--fuse: 0 must be at least 1 (1: no fusion), or auto" in capsys.readouterr().err
