@@ -206,6 +206,77 @@ def sample_configs(search: str, variant: str, architectures: int, trials: int, s
     return [dict(drawn[rng.randrange(len(drawn))]) for _ in range(trials)]
 
 
+def sample_families(search: str, variant: str, architectures: int, trials: int, width: int,
+                    seed: int) -> tuple[list[dict[str, Any]], list[int]]:
+    """A fused study's ``trials`` configurations and their families: each proposal (one of
+    ``architectures`` drawn as in `sample_configs`) followed by ``width - 1`` siblings with its
+    architecture, as `scamp_jax.hpo.study.OptunaTrialSource` enqueues them (the last family is cut
+    at ``trials``). Returns ``(configs, family of each trial: its proposal's index)``."""
+    proposals = sample_configs(search, variant, architectures, -(-trials // width), seed)
+    configs, families = [], []
+    for i in range(trials):
+        configs.append(dict(proposals[i // width]))
+        families.append(i - i % width)
+    return configs, families
+
+
+def fused_cost_models(
+    configs: Sequence[dict[str, Any]],
+    profiles: Sequence[TrialProfile],
+    costs: Sequence[StepCostModel],
+    *,
+    search: str,
+    variant: str,
+    width: int,
+    table: CostTable,
+    log: Callable[[str], None] = print,
+) -> tuple[list[str], dict[str, Any]]:
+    """Each trial's architecture key and a `scamp_jax.sim.sim_fusion.FusedCostModel` per
+    architecture, compiled on this host's CPU devices at the trial's per-member batch and
+    widths 1, 2 and ``width`` (cached in ``table`` under ``fused-...`` keys)."""
+    import jax
+    from flax import nnx
+
+    from scamp_jax.planning import planner
+    from scamp_jax.planning.train_step import default_optimizer, split_model
+    from scamp_jax.sim.sim_fusion import FusedCostModel, measure_fused_costs
+
+    space, sample_batch, loss_fn = _task(search, variant)
+    widths = tuple(sorted({1, 2, width}))
+    signatures: list[str] = []
+    models: dict[str, FusedCostModel] = {}
+    for config, profile, cost in zip(configs, profiles, costs, strict=True):
+        model = nnx.eval_shape(lambda config=config: space.build(config, nnx.Rngs(0)))
+        mp = cost.model_parallel
+        local = profile.batch_size // (profile.devices // mp)
+        sig = (f"fused-{_arch_key(search, variant, split_model(model)[0], mp)}-b{local}-"
+               f"w{'.'.join(map(str, widths))}")
+        signatures.append(sig)
+        if sig in models:
+            continue
+        if sig not in table.entries:
+            start = time.perf_counter()
+            plan = planner.plan_mesh(model, sample_batch, devices=jax.devices()[:mp],
+                                     memory_per_device=64 * 2**30, max_batch_size=local,
+                                     optimizer=default_optimizer(), loss_fn=loss_fn)
+            fused = measure_fused_costs(model, sample_batch, plan, batch_size=local,
+                                        widths=widths, optimizer=default_optimizer(),
+                                        loss_fn=loss_fn)
+            seconds = time.perf_counter() - start
+            table.entries[sig] = {**asdict(fused), "compile_seconds": seconds}
+            table.compile_seconds += seconds
+            table.compiled += 1
+            if table.path is not None:
+                table.path.parent.mkdir(parents=True, exist_ok=True)
+                table.path.write_text(json.dumps(table.entries, indent=1, sort_keys=True))
+            log(f"  fused costs of {dict(config)} at batch {local}, widths {widths}: "
+                f"{seconds:.1f} s")
+        entry = {k: v for k, v in table.entries[sig].items() if k != "compile_seconds"}
+        models[sig] = FusedCostModel(**{k: tuple(v) if isinstance(v, list) else v
+                                        for k, v in entry.items()})
+    return signatures, models
+
+
 def build_profiles(
     costs: Sequence[StepCostModel],
     largest: StepCostModel,
@@ -405,6 +476,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--replay", type=Path, default=None, metavar="STUDY_DIR",
                         help="re-run a finished real study's arrivals and measured durations "
                         "through the scheduling core and print its placements in start order")
+    parser.add_argument("--fuse", type=int, default=None, metavar="K",
+                        help="also simulate ScaMP with horizontal fusion: the study proposes "
+                        "architectures with K-1 siblings each, grouped by the engine's rule "
+                        "(scamp_jax.scheduling.grouping); groups costed by FusedCostModel from "
+                        "fused compiles at widths 1, 2, K; the same trials without fusion too")
     parser.add_argument("--json", action="store_true",
                         help="with --replay: print {\"placements\": [[trial, [device ids]], ...]}")
     args = parser.parse_args(argv)
@@ -433,8 +509,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     cluster = cluster_preset(args.device, devices=args.devices)
     cap = args.max_batch_size or None
     table = CostTable(args.cache)
-    configs = sample_configs(args.search, args.variant, args.architectures, args.trials,
-                             args.seed)
+    if args.fuse is not None and args.fuse < 2:
+        parser.error("--fuse must be at least 2 (members per fused group)")
+    families: list[int] = []
+    if args.fuse:
+        configs, families = sample_families(args.search, args.variant, args.architectures,
+                                            args.trials, args.fuse, args.seed)
+    else:
+        configs = sample_configs(args.search, args.variant, args.architectures, args.trials,
+                                 args.seed)
     print(f"costing {len(set(map(repr, configs)))} architectures on CPU "
           f"(cache: {args.cache})", file=sys.stderr)
     costs = cost_candidates(configs, search=args.search, variant=args.variant, cluster=cluster,
@@ -477,6 +560,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.policy in ("fixed", "both"):
         results["fixed"] = simulate(fixed_profiles, cluster, FixedPolicy(k), lookahead=lookahead,
                                     safety_margin=args.safety_margin)
+    if args.fuse:
+        from scamp_jax.sim.sim_fusion import fused_profiles
+
+        costing = time.perf_counter()
+        signatures, models = fused_cost_models(
+            configs, scamp_profiles, costs, search=args.search, variant=args.variant,
+            width=args.fuse, table=table, log=log)
+        start += time.perf_counter() - costing  # report simulation time only
+        grouped, members = fused_profiles(scamp_profiles, signatures, families, models,
+                                          cap=args.fuse, usable_bytes=usable)
+        widths = [len(m) for m in members.values()]
+        print(f"fusion: {len(configs)} trials in {len(grouped)} scheduled units, "
+              f"{sum(w > 1 for w in widths)} fused groups of widths "
+              f"{sorted(set(w for w in widths if w > 1))}", file=sys.stderr)
+        # Groups are not restarted on more devices (nor are they by the engine).
+        lone = {k for k, m in members.items() if len(m) == 1}
+
+        def reshape_lone(profile: TrialProfile) -> tuple[TrialProfile, ...]:
+            return reshape(profile) if profile.key in lone else ()
+        results["scamp+fusion"] = simulate(grouped, cluster, scamp, lookahead=lookahead,
+                                           reshape=reshape_lone,
+                                           safety_margin=args.safety_margin)
     sim_seconds = time.perf_counter() - start
 
     batches = sorted({p.batch_size for p in scamp_profiles})
@@ -507,9 +612,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("  ".join(f"{c:<17}" for c in row))
     for name, result in results.items():
         print(f"mean_memory_utilization_{name}={result.summary['mean_memory_utilization']:.3f}")
-    if len(results) == 2:
+    if "fixed" in results and "scamp" in results:
         ratio = results["fixed"].makespan_s / results["scamp"].makespan_s
         print(f"makespan_ratio_fixed_over_scamp={ratio:.3f}")
+    if "scamp+fusion" in results and "scamp" in results:
+        ratio = results["scamp"].makespan_s / results["scamp+fusion"].makespan_s
+        print(f"makespan_ratio_scamp_over_fused={ratio:.3f}")
     return 0
 
 

@@ -75,6 +75,13 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0, "0 (off) or more")
 
 
+def fusion_width(text: str) -> int | str:
+    """argparse type of ``--fuse``: ``auto`` or an integer >= 1."""
+    if text == "auto":
+        return "auto"
+    return _int_at_least(text, 1, "at least 1 (1: no fusion), or auto")
+
+
 def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir: str) -> None:
     """The flags every HPO entry point takes; unset flags keep the preset's value."""
     parser.add_argument("--preset", default="default", choices=list(presets),
@@ -107,6 +114,13 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
                         "work: queued trials start on more devices, running ones restart from a "
                         "checkpoint on more devices with the same batch (default auto: on for "
                         "GPUs, off for CPU devices, which share one host's cores)")
+    parser.add_argument("--fuse", type=fusion_width, metavar="K|auto",
+                        help="horizontal fusion: after the sampler proposes an architecture, "
+                        "enqueue up to K-1 sibling trials with it (their learning rates left to "
+                        "the sampler) and train queued trials of one architecture as one fused, "
+                        "vmapped step of up to K members, as wide as the planner fits in memory; "
+                        "each member stays its own trial. 'auto': the planner's widest fitting "
+                        "group, at most 8 (default: off)")
     parser.add_argument("--sampler", choices=SAMPLERS, help="Optuna sampler (seeded)")
     parser.add_argument("--pruner", choices=PRUNERS,
                         help="Optuna pruner fed by intermediate evaluations (--eval-every)")
@@ -135,7 +149,7 @@ def config_from_args(args: argparse.Namespace, base: HPOConfig, study_dir: str) 
     for name in ("trials", "steps", "devices", "memory_per_device", "policy", "devices_per_trial",
                  "max_batch_size", "min_batch_size", "elastic",
                  "sampler", "pruner", "eval_every", "seed", "storage", "train_dir", "eval_dir",
-                 "study_name"):
+                 "study_name", "fuse"):
         value = getattr(args, name, None)
         if value is not None:
             overrides[name] = value
@@ -334,6 +348,9 @@ def _run(
     jax.config.update("jax_compilation_cache_dir", str(Path(config.study_dir) / "jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     if launched_under_mpi():
+        if getattr(config, "fuse", None) not in (None, 1):
+            fail(f"--fuse {config.fuse} is not supported under mpirun: fused groups form within "
+                 "one process; run without mpirun, or drop --fuse")
         # Several ranks: rank 0 serves the study, every rank runs trials on its devices.
         from scamp_jax.distributed.engine import run_search_mpi
 

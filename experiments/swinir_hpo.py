@@ -6,12 +6,16 @@ Run (8 CPU devices on a CPU-only machine, the GPUs on a GPU machine)::
     python -m experiments.swinir_hpo --preset smoke   # a few minutes
     python -m experiments.swinir_hpo --policy fixed   # the fixed-resources baseline
     mpirun -n 2 python -m experiments.swinir_hpo --preset smoke   # one study across 2 ranks
+    python -m experiments.swinir_hpo --preset smoke --fuse 4 --trials 8   # fused groups
 
 Expected: every trial's PSNR on held-out photographs in ``runs/swinir_hpo/results.csv``, and the
 best trial's PSNR above bicubic upscaling. Running the same command again resumes the study.
 Under ``mpirun`` rank 0 serves the study and every rank runs trials on its own devices
 (`scamp_jax.distributed.engine`); ``--trials`` is the total over all ranks and each trial's
-``rank`` is in the results.
+``rank`` is in the results. With ``--fuse K`` each architecture the sampler proposes gets up to
+``K - 1`` sibling trials (same architecture, their own learning rates), and trials of one
+architecture train as one fused step (`scamp_jax.hpo.fused_engine`); each trial's ``fused_group``
+and ``fusion_width`` are in the results (``--fuse`` is refused under ``mpirun``).
 """
 
 from __future__ import annotations

@@ -5,10 +5,12 @@ Run (8 CPU devices on a CPU-only machine, the GPUs on a GPU machine)::
     python -m experiments.vit_synthetic                   # a few minutes on 2 CPU cores
     python -m experiments.vit_synthetic --preset smoke
     python -m experiments.vit_synthetic --policy fixed    # the fixed-resources baseline
+    python -m experiments.vit_synthetic --preset smoke --fuse auto   # fused groups of siblings
 
 Expected: held-out accuracy of every trial in ``runs/vit_synthetic/results.csv`` (chance is 10%;
 good candidates pass 90%), the device-occupancy and memory-utilisation plots, and the run's mean
-memory utilisation and idle device-seconds printed at the end.
+memory utilisation and idle device-seconds printed at the end. With ``--fuse K|auto``, trials of
+one architecture train as fused groups (``fused_group``, ``fusion_width`` in the results).
 """
 
 from __future__ import annotations

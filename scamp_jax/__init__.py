@@ -17,16 +17,8 @@ from scamp_jax.hpo.entry import run_study as run_study
 from scamp_jax.hpo.fused_runner import GroupResult as GroupResult
 from scamp_jax.hpo.fused_runner import GroupSpec as GroupSpec
 from scamp_jax.hpo.fused_runner import MemberSpec as MemberSpec
+from scamp_jax.hpo.fused_runner import architecture_signature as architecture_signature
 from scamp_jax.hpo.fused_runner import run_fused_group as run_fused_group
-from scamp_jax.hpo.search import SearchSettings as SearchSettings
-from scamp_jax.hpo.search import run_search as run_search
-from scamp_jax.hpo.study import OptunaTrialSource as OptunaTrialSource
-from scamp_jax.hpo.study import StudySettingsError as StudySettingsError
-from scamp_jax.hpo.study import TrialOutcome as TrialOutcome
-from scamp_jax.hpo.study import TrialSource as TrialSource
-from scamp_jax.hpo.study import open_storage as open_storage
-from scamp_jax.hpo.study import open_study as open_study
-from scamp_jax.planning.compile_events import CompileCounter as CompileCounter
 from scamp_jax.planning.evaluation import ChunkedEvalTask as ChunkedEvalTask
 from scamp_jax.planning.fusion import FusionPlan as FusionPlan
 from scamp_jax.planning.fusion import jit_fused_step as jit_fused_step
@@ -43,18 +35,9 @@ from scamp_jax.planning.planner import Plan as Plan
 from scamp_jax.planning.planner import min_devices as min_devices
 from scamp_jax.planning.planner import min_devices_plan as min_devices_plan
 from scamp_jax.planning.planner import plan_mesh as plan_mesh
-from scamp_jax.planning.sharding import make_mesh as make_mesh
-from scamp_jax.planning.sharding import param_partition_specs as param_partition_specs
-from scamp_jax.planning.train_step import StepShardings as StepShardings
-from scamp_jax.planning.train_step import abstract_state as abstract_state
-from scamp_jax.planning.train_step import default_loss as default_loss
-from scamp_jax.planning.train_step import default_optimizer as default_optimizer
-from scamp_jax.planning.train_step import jit_train_step as jit_train_step
-from scamp_jax.planning.train_step import make_train_step as make_train_step
-from scamp_jax.planning.train_step import place_train_state as place_train_state
-from scamp_jax.planning.train_step import split_model as split_model
 from scamp_jax.scheduling import SchedulingCore as SchedulingCore
 from scamp_jax.scheduling import TrialPlan as TrialPlan
+from scamp_jax.scheduling.grouping import form_groups as form_groups
 from scamp_jax.scheduling.placement import DeviceOption as DeviceOption
 from scamp_jax.scheduling.placement import FixedPolicy as FixedPolicy
 from scamp_jax.scheduling.placement import Placement as Placement
@@ -133,6 +116,8 @@ __all__ = [
     "plan_fusion",
     "plan_mesh",
     "run_fused_group",
+    "architecture_signature",
+    "form_groups",
     "replay_study",
     "run_search",
     "run_study",

@@ -22,6 +22,8 @@ EXPECTED = {
     # horizontal fusion
     "FusionPlan", "GroupResult", "GroupSpec", "MemberSpec", "jit_fused_step", "make_fused_step",
     "plan_fusion", "run_fused_group",
+    # fused groups in the engine: the signature trials group by and the grouping rule
+    "architecture_signature", "form_groups",
     "StudySettingsError", "open_storage",
     # scheduling core (events in, actions out) and its replay of a finished study
     "SchedulingCore", "TrialPlan", "replay_study",

@@ -15,7 +15,9 @@ actions out; the cluster simulator drives the same core). This module is the loo
    threads (never on this loop's thread) at a batch scaled by the bytes its run measured, or on
    twice the devices, and queued again;
 6. at the end of the study, on accelerators, restart running trials from a checkpoint on the
-   devices that fell idle, with the same global batch (the core's `resizes`).
+   devices that fell idle, with the same global batch (the core's `resizes`);
+7. with ``EngineConfig.fuse``, group planned trials of one architecture into fused groups, each
+   one scheduled unit (`scamp_jax.hpo.fused_engine`).
 
 Each trial's record (``results.json``) holds what the core was fed, so a finished study can be
 replayed through it (`scamp_jax.scheduling.replay`).
@@ -35,6 +37,7 @@ from typing import Any
 
 import jax
 
+from scamp_jax.hpo.fused_engine import FusionService, fusion_cap
 from scamp_jax.hpo.plan_service import PlanningService, TrialDeferred
 from scamp_jax.hpo.runner import (
     RunResult,
@@ -100,6 +103,9 @@ class EngineConfig:
         checkpoint root).
       restart_seconds: predicted cost of such a restart (checkpoint, compile, restore),
         seconds; None: the trial's own start-up time in its current run.
+      fuse: horizontal fusion (`scamp_jax.hpo.fused_engine`): None (off), ``K`` (queued trials of
+        one architecture train in fused groups of at most ``K``, as wide as fits) or
+        ``"auto"`` (as wide as fits, capped).
     """
 
     steps: int
@@ -122,8 +128,10 @@ class EngineConfig:
     planner_threads: int = 2
     grow_last_wave: bool | None = None
     restart_seconds: float | None = None
+    fuse: int | str | None = None
 
     def __post_init__(self) -> None:
+        fusion_cap(self.fuse)  # raises on a bad value
         if self.restart_seconds is not None and self.restart_seconds < 0:
             raise ValueError(f"restart_seconds={self.restart_seconds} must be >= 0 or None")
         if self.planner_threads < 1:
@@ -222,7 +230,7 @@ def booked_bytes(plan: Any) -> int:
     prefetched batch, evaluation: `scamp_jax.planning.planner.Plan.predicted_peak_bytes`)."""
     return int(getattr(plan, "predicted_peak_bytes", plan.peak_bytes_per_device))
 
-class SearchEngine(PlanningService):
+class SearchEngine(PlanningService, FusionService):
     """Drive a study: plan, place and run trials concurrently on a pool of devices.
 
     Args:
@@ -266,6 +274,7 @@ class SearchEngine(PlanningService):
         self.cache = StepCache()
         self.statuses: dict[int, TrialStatus] = {}
         self._init_planning()
+        self._init_fusion()
         self._oom_results: dict[int, RunResult] = {}
         grow = config.grow_last_wave
         self._grow = (grow if grow is not None
@@ -310,7 +319,11 @@ class SearchEngine(PlanningService):
 
     def _notify(self) -> None:
         if self.on_update is not None:
-            self.on_update(list(self.statuses.values()), self.pool)
+            if self.fusing:
+                self.on_update(list(self.statuses.values()), self.pool,
+                               groups=self.fusion_groups())
+            else:
+                self.on_update(list(self.statuses.values()), self.pool)
 
     def _ask(self) -> bool:
         """Ask for one configuration and start planning it; False when the study is full."""
@@ -319,8 +332,13 @@ class SearchEngine(PlanningService):
             return False
         status = self.statuses.setdefault(asked.number, TrialStatus(asked.number, asked.params))
         status.state = "planning"
-        self._planning[self._planner.submit(self._planned_with_cost, asked.params,
-                                            asked.number)] = asked
+        if self.fusing:
+            ckpt = self.checkpoint_root / asked.checkpoint_key if self.checkpoint_root else None
+            future = self._planner.submit(self._planned_for_fusion, asked.params, asked.number,
+                                          ckpt)
+        else:
+            future = self._planner.submit(self._planned_with_cost, asked.params, asked.number)
+        self._planning[future] = asked
         self._notify()
         return True
 
@@ -359,7 +377,7 @@ class SearchEngine(PlanningService):
             self._nofit.clear()
         # Arrival is the ask order, so placement stays first-come first-served whatever order
         # the plans finish in.
-        self._queue_planned(PlannedTrial(asked, plan, self._devices_of(plan), asked.number))
+        self._admit(PlannedTrial(asked, plan, self._devices_of(plan), asked.number))
 
     def _budget_too_small(self, err: Exception) -> None:
         for number in self._nofit:  # not their fault: a run with a bigger budget retries them
@@ -402,7 +420,8 @@ class SearchEngine(PlanningService):
     def _set_last_wave(self, now: float | None = None, decide: bool = True) -> None:
         """Event: nothing more to ask or plan (the study's last wave), at ``now`` (the time of
         the event that made it so: the replay applies both before deciding)."""
-        last = (self._exhausted and not self._planning and not self._replanning)
+        last = (self._exhausted and not self._planning and not self._replanning
+                and not self._fusion_pending(forming_only=True))
         if last and self._last_wave_at is None:
             self._last_wave_at = self._now() if now is None else now
             self.core.set_arrivals_pending(False)
@@ -436,6 +455,9 @@ class SearchEngine(PlanningService):
                 future = self._planner.submit(self._planned_with_cost, planned.asked.params,
                                               action.key, devices=action.devices)
                 self._option_plans[future] = action
+                continue
+            if action.key in self._units:
+                self._start_group(action, now)
                 continue
             planned = self._planned.pop(action.key)
             if action.plan.devices != planned.devices:
@@ -481,6 +503,7 @@ class SearchEngine(PlanningService):
             "placements": times.get("placements", []),
             "pace": times.get("pace", []),
             "plan": times.get("plan"),
+            **self._fusion_attrs(status.number),
         }
 
     def _tell(self, outcome: TrialOutcome) -> None:
@@ -611,6 +634,7 @@ class SearchEngine(PlanningService):
         self._oom_results = {}
         self._exhausted = False
         self._last_wave_at: float | None = None
+        self._init_fusion_run()
         lookahead = self.config.lookahead or len(self.devices)
         self._executor = cf.ThreadPoolExecutor(max_workers=max(4, 4 * len(self.devices)),
                                                thread_name_prefix="trial")
@@ -622,8 +646,10 @@ class SearchEngine(PlanningService):
                 while (not self._exhausted and len(self.core.queued) + len(self._planning)
                        + len(self._replanning) < lookahead):
                     self._exhausted = not self._ask()
+                self._form_groups()
                 self._set_last_wave()
-                busy = (self.core.queued or self._runs or self._planning or self._replanning)
+                busy = (self.core.queued or self._runs or self._planning or self._replanning
+                        or self._fusion_pending())
                 if not busy:
                     break
                 self._feed_pace()
@@ -634,15 +660,16 @@ class SearchEngine(PlanningService):
                            *(f for f in self._option_plans if not f.done()),
                            *(f for f in self._resize_plans if not f.done())]
                 runs = {run.future: number for number, run in self._runs.items()}
-                if not runs and not waiting and not any(
+                groups = self._group_futures()
+                if not runs and not groups and not waiting and not any(
                         f.done() for f in (*self._option_plans, *self._resize_plans)):
                     # Nothing runs and nothing is being planned, yet trials wait: a policy bug.
                     raise RuntimeError(
                         f"placement started none of {len(self.core.queued)} queued trials on an "
                         "idle pool; check the trials' device counts against the pool")
-                done, _ = cf.wait([*runs, *waiting, *self._option_plans], timeout=0.5,
+                done, _ = cf.wait([*runs, *groups, *waiting, *self._option_plans], timeout=0.5,
                                   return_when=cf.FIRST_COMPLETED)
-                for future in sorted(done, key=lambda f: self._order_of(f, runs)):
+                for future in sorted(done, key=lambda f: self._order_of(f, {**runs, **groups})):
                     if future in self._planning:
                         self._enqueue(self._planning.pop(future), future)
                         self._set_last_wave()  # if its plan did not queue it
@@ -653,10 +680,13 @@ class SearchEngine(PlanningService):
                         self._set_last_wave()
                     elif future in runs:
                         self._run_ended(runs[future], future.result())
+                    elif future in groups:
+                        self._group_ended(groups[future], future.result())
                 self._notify()
         except BaseException:
             for run in self._runs.values():
                 run.stop.set()
+            self._interrupt_fusion()
             for number, run in list(self._runs.items()):
                 # The runner checkpoints and returns when it sees `stop`; whatever it says, the
                 # trial is unfinished and goes back to the study.

@@ -18,6 +18,7 @@ group's devices, and reports, evaluates, prunes, checkpoints and ends each membe
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import threading
@@ -91,6 +92,8 @@ class GroupSpec:
         intermediate evaluations (0: none) and loss read-backs, as for `RunSpec`.
       reform: re-form the group without stopped members at the next evaluation (one compile
         per new width) instead of only masking them.
+      mode: ``"vmap"`` (wide kernels) or ``"map"`` (the solo step's kernels member by member;
+        see `scamp_jax.planning.fusion.FUSION_MODES`).
     """
 
     group: int
@@ -102,6 +105,7 @@ class GroupSpec:
     eval_every: int = 0
     log_every: int = 10
     reform: bool = True
+    mode: str = "vmap"
 
 
 @dataclass(frozen=True)
@@ -179,6 +183,18 @@ def architecture_signature(space: SearchSpace, params: Mapping[str, Any],
         return build()
 
 
+def signature_key(signature: tuple[Any, Any]) -> str:
+    """A comparable, hashable form of an `architecture_signature`: the SHA-256 of the texts of
+    its graph definition and of its shapes and dtypes.
+
+    Graph definitions of two separate builds may compare unequal although they describe the
+    same program (static attributes such as index arrays compare by identity); their texts
+    are equal.
+    """
+    graphdef, shapes = signature
+    return hashlib.sha256(f"{graphdef!r}\n{shapes!r}".encode()).hexdigest()
+
+
 def _check_architecture(space: SearchSpace, members: Sequence[MemberSpec],
                         mesh: jax.sharding.Mesh) -> nnx.GraphDef:
     """The members' common graph definition; raises if any member builds another program."""
@@ -190,7 +206,7 @@ def _check_architecture(space: SearchSpace, members: Sequence[MemberSpec],
             built[arch] = architecture_signature(space, m.params, mesh)
         signatures.append(built[arch])
     for m, g in zip(members[1:], signatures[1:], strict=True):
-        if g != signatures[0]:
+        if signature_key(g) != signature_key(signatures[0]):
             raise ValueError(
                 f"trial {m.number} ({dict(m.params)}) builds another architecture than trial "
                 f"{members[0].number} ({dict(members[0].params)}); a fused group holds trials "
@@ -406,7 +422,7 @@ class _Group:
             m.status.model_parallel, m.status.batch_size = plan.model_parallel, batch_size
             m.status.predicted_peak_bytes = spec.plan.peak_bytes_per_device
         step_fn = jit_fused_step(self.graphdef, optimizer, self.task.loss_fn,
-                                 plan.step_shardings)
+                                 plan.step_shardings, spec.mode)
         active_host = sent = np.ones(len(self.slots), bool)
         active = jax.device_put(sent, self.replicated)
         batch = self._batch()

@@ -2,7 +2,8 @@
 
 On a terminal it is a rich ``Live`` display refreshed a few times a second: one row per device
 (memory reserved, trials on it) and one per trial (config, devices, model-parallel degree, batch,
-step, loss, metric, state). When stdout is not a terminal (CI, a log file) it prints one plain line
+step, loss, metric, state, and the fused group it trains in: ``g<id>x<width>``). When stdout is
+not a terminal (CI, a log file) it prints one plain line
 per state change instead, so logs stay readable.
 """
 
@@ -35,6 +36,10 @@ def _fmt_float(value: float, digits: int = 4) -> str:
     return "" if math.isnan(value) else f"{value:.{digits}g}"
 
 
+def _fmt_group(group: tuple[int, int] | None) -> str:
+    return "" if group is None else f"g{group[0]}x{group[1]}"
+
+
 class LiveView:
     """Shows the pool and the trials; call `update` from the engine, use as a context manager.
 
@@ -57,8 +62,9 @@ class LiveView:
         self._lock = threading.Lock()
         self._statuses: list[TrialStatus] = []
         self._used: list[int] = [0] * len(self.capacity)
-        self._occupants: list[list[int]] = [[] for _ in self.capacity]
+        self._occupants: list[list[int | str]] = [[] for _ in self.capacity]
         self._last_state: dict[int, str] = {}
+        self._groups: dict[int, tuple[int, int]] = {}
         self._live: Any = None
         self._t0 = time.monotonic()
 
@@ -80,17 +86,22 @@ class LiveView:
             self._live.__exit__(*exc)
             self._live = None
 
-    def update(self, statuses: Sequence[TrialStatus], pool: Any = None) -> None:
-        """New state of the trials (and of the `DevicePool`, for per-device memory)."""
+    def update(self, statuses: Sequence[TrialStatus], pool: Any = None,
+               groups: Mapping[int, tuple[int, int]] | None = None) -> None:
+        """New state of the trials (and of the `DevicePool`, for per-device memory; and
+        ``groups``: ``{trial number: (fused group id, width)}`` of the fused trials)."""
         with self._lock:
             self._statuses = list(statuses)
+            if groups is not None:
+                self._groups = dict(groups)
             if pool is not None:
                 snapshot = pool.snapshot()
                 self._used = list(snapshot.used)
-                occupants: list[list[int]] = [[] for _ in self.capacity]
+                occupants: list[list[int | str]] = [[] for _ in self.capacity]
+                fused = {g for g, _ in self._groups.values()}
                 for key, placement in pool.running.items():
                     for d in placement.device_ids:
-                        occupants[d].append(key)
+                        occupants[d].append(f"g{key}" if key in fused else key)
                 self._occupants = occupants
         if self._live is None:
             self._log_changes()
@@ -104,6 +115,9 @@ class LiveView:
             line = (f"[{elapsed:7.1f}s] trial {s.number:>3} {s.state:<11} "
                     f"devices={list(s.devices)} mp={s.model_parallel} batch={s.batch_size} "
                     f"step={s.step}/{s.steps}")
+            if s.number in self._groups:
+                group, width = self._groups[s.number]
+                line += f" group={group} width={width}"
             if not math.isnan(s.loss):
                 line += f" loss={s.loss:.4g}"
             if not math.isnan(s.metric):
@@ -129,14 +143,15 @@ class LiveView:
             devices.add_row(str(d), f"{format_bytes(used[d])} / {format_bytes(cap)}",
                             f"{bar} {100 * frac:3.0f}%", " ".join(map(str, occupants[d])))
         trials = Table(title="trials", expand=False)
-        for name in ("#", "config", "devices", "mp", "batch", "step", "loss", self.metric,
-                     "state"):
+        for name in ("#", "config", "devices", "mp", "batch", "group", "step", "loss",
+                     self.metric, "state"):
             trials.add_column(name)
         active = [s for s in statuses if s.state in _ACTIVE]
         rest = [s for s in statuses if s.state not in _ACTIVE]
         for s in (active + rest[::-1])[:24]:
             trials.add_row(str(s.number), _fmt_params(s.params),
                            ",".join(map(str, s.devices)), str(s.model_parallel),
-                           str(s.batch_size), f"{s.step}/{s.steps}", _fmt_float(s.loss),
+                           str(s.batch_size), _fmt_group(self._groups.get(s.number)),
+                           f"{s.step}/{s.steps}", _fmt_float(s.loss),
                            _fmt_float(s.metric), s.state)
         return Group(devices, trials)

@@ -68,6 +68,9 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
         row["resumed_from"] = attrs.get("resumed_from", 0)
         row["reason"] = attrs.get(FAIL_REASON, "")
         row["checkpoint"] = attrs.get("checkpoint")
+        # Horizontal fusion: the fused group the trial trained in (None: alone) and its width.
+        row["fused_group"] = attrs.get("fused_group")
+        row["fusion_width"] = attrs.get("fusion_width", 1)
         # Scheduling record (seconds since the run's first start; see `SearchEngine._attrs`):
         # what `python -m benchmarks.simulate_cluster --replay` feeds the scheduling core.
         for name in ("planned_at", "started_at", "finished_at", "placements", "pace", "plan"):

@@ -62,6 +62,10 @@ class SearchSettings:
         accelerators, not on CPU devices).
       study_name: name of the study in the storage (None: the search space's name); another
         name starts a new study next to the others, its outputs in ``<study_dir>/<name>/``.
+      fuse: horizontal fusion (`scamp_jax.hpo.fused_engine`): None (off), ``K`` (after the sampler
+        proposes a trial, up to ``K - 1`` siblings with its architecture are enqueued, and
+        queued trials of one architecture train in fused groups of at most ``K``, as wide as
+        the planner fits) or ``"auto"`` (the planner's widest fitting group, capped).
     """
 
     trials: int
@@ -81,8 +85,12 @@ class SearchSettings:
     initial_params: tuple[Mapping[str, Any], ...] = ()
     elastic: str = "auto"
     study_name: str | None = None
+    fuse: int | str | None = None
 
     def __post_init__(self) -> None:
+        from scamp_jax.hpo.fused_engine import fusion_cap
+
+        fusion_cap(self.fuse)  # raises ValueError naming the value
         for name in ("trials", "steps", "devices_per_trial"):
             _check_int(name, getattr(self, name), minimum=1)
         for name in ("checkpoint_every", "eval_every"):
@@ -151,7 +159,8 @@ def run_search(
     if not study.get_trials(deepcopy=False):
         for params in getattr(settings, "initial_params", ()):
             study.enqueue_trial(dict(params), skip_if_exists=True)
-    source = OptunaTrialSource(study, space, settings.trials, root=out_dir)
+    source = OptunaTrialSource(study, space, settings.trials, root=out_dir,
+                               **fusion_source_kwargs(getattr(settings, "fuse", None)))
     if console is None:
         # Logs (no terminal) get wide lines instead of a table squeezed into 80 columns.
         console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
@@ -221,7 +230,20 @@ def engine_config(settings: SearchSettings, memory_per_device: int, *,
         seed=settings.seed,
         rank=rank,
         grow_last_wave=_grow_last_wave(getattr(settings, "elastic", "auto")),
+        fuse=getattr(settings, "fuse", None),
     )
+
+
+def fusion_source_kwargs(fuse: int | str | None) -> dict[str, Any]:
+    """`OptunaTrialSource` arguments for ``fuse``: siblings per proposed trial (one group's
+    worth: the cap less the proposed trial) and the keys siblings leave to the sampler."""
+    from scamp_jax.hpo.fused_engine import fusion_cap
+    from scamp_jax.hpo.runner import OPTIMIZER_KEYS
+
+    cap = fusion_cap(fuse)
+    if cap is None:
+        return {}
+    return {"siblings": cap - 1, "training_keys": OPTIMIZER_KEYS}
 
 
 def _grow_last_wave(elastic: str) -> bool | None:

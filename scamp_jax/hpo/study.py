@@ -51,6 +51,8 @@ CHECKPOINT_KEY = "checkpoint_key"
 FAIL_REASON = "fail_reason"
 #: fail reason of a trial whose process was stopped before it finished (it is re-enqueued).
 INTERRUPTED = "interrupted"
+#: user attribute of a trial enqueued to share another trial's architecture: that trial's number.
+SIBLING_OF = "fusion_sibling_of"
 #: study user attribute holding the settings the study was created with (see `open_study`).
 SETTINGS_KEY = "settings"
 #: seconds between a live trial's heartbeats (Optuna's ``heartbeat_interval``).
@@ -72,11 +74,17 @@ class AskedTrial:
       params: the configuration (model and training hyperparameters), as ``space.suggest`` made it.
       checkpoint_key: name of the trial's checkpoint directory; a re-run of an interrupted trial
         keeps its predecessor's key so it resumes from the same checkpoints.
+      siblings: trials enqueued right after this one with its architecture fixed (fusion; see
+        `OptunaTrialSource`'s ``siblings``); 0 for any other trial.
+      sibling_of: number of the trial whose architecture this one was enqueued to share
+        (None: the sampler or a user chose it).
     """
 
     number: int
     params: Mapping[str, Any]
     checkpoint_key: str
+    siblings: int = 0
+    sibling_of: int | None = None
 
 
 @dataclass(frozen=True)
@@ -421,13 +429,25 @@ class OptunaTrialSource:
       recover_running: fail every trial left ``RUNNING`` now and queue it again, without
         waiting for its heartbeat to go stale: only for a process that owns the study alone
         (e.g. one MPI job whose ranks die together), or a study without a heartbeat.
+      siblings: after the sampler proposes a trial, enqueue up to this many *siblings*: trials
+        with its architecture fixed (every parameter but ``training_keys``) and the training
+        hyperparameters left to the sampler (``study.enqueue_trial`` with partial parameters),
+        so that an engine can fuse them (`scamp_jax.planning.fusion`). Siblings never take the study
+        past ``n_trials``: only as many are enqueued as there are free slots (not counting
+        trials already waiting). 0: none.
+      training_keys: parameters siblings leave to the sampler (e.g. the learning rate).
     """
 
     def __init__(self, study: optuna.Study, space: SearchSpace, n_trials: int, *,
                  poll_seconds: float = 1.0, root: str | Path | None = None,
-                 recover_running: bool = False) -> None:
+                 recover_running: bool = False, siblings: int = 0,
+                 training_keys: Sequence[str] = ()) -> None:
         if n_trials < 1:
             raise ValueError(f"{n_trials=} must be at least 1")
+        if siblings < 0:
+            raise ValueError(f"{siblings=} must be >= 0 (trials enqueued per proposal)")
+        self.siblings = int(siblings)
+        self.training_keys = frozenset(training_keys)
         self.study = study
         self.space = space
         self.n_trials = n_trials
@@ -552,8 +572,13 @@ class OptunaTrialSource:
                         with _quiet_optuna():
                             trial = self.study.ask()
                         self._start_heartbeat(trial.number)
+                        # Free slots for siblings: not this trial, nor trials already waiting.
+                        room = self.n_trials - finished - running - 1 - self._waiting()
                 if trial is not None:
-                    return self._suggest(trial, attrs or {})
+                    asked = self._suggest(trial, attrs or {})
+                    if self.siblings and room > 0 and self._proposed(trial):
+                        asked = self._enqueue_siblings(asked, min(self.siblings, room))
+                    return asked
                 if self._live or running == 0 or not self.has_liveness:
                     return None
             time.sleep(self.poll_seconds)
@@ -572,7 +597,30 @@ class OptunaTrialSource:
             key = f"trial_{trial.number if origin is None else origin}"
             trial.set_user_attr(CHECKPOINT_KEY, key)
         self._live[trial.number] = trial
-        return AskedTrial(trial.number, dict(params), key)
+        sibling_of = trial.user_attrs.get(SIBLING_OF)
+        return AskedTrial(trial.number, dict(params), key,
+                          sibling_of=None if sibling_of is None else int(sibling_of))
+
+    def _waiting(self) -> int:
+        return len(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+
+    def _proposed(self, trial: optuna.Trial) -> bool:
+        """Whether the sampler proposed ``trial`` (not enqueued, not a retry)."""
+        storage = self._storage if self._storage is not None else self.study._storage
+        study_id = storage.get_study_id_from_name(self.study.study_name)
+        trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
+        system = storage.get_trial(trial_id).system_attrs
+        return not system.get("fixed_params") and "failed_trial" not in system
+
+    def _enqueue_siblings(self, asked: AskedTrial, count: int) -> AskedTrial:
+        """Enqueue ``count`` trials with ``asked``'s architecture; the training
+        hyperparameters are left to the sampler."""
+        fixed = {k: v for k, v in asked.params.items() if k not in self.training_keys}
+        for _ in range(count):
+            # skip_if_exists=False: siblings share their (partial) parameters on purpose.
+            self.study.enqueue_trial(fixed, user_attrs={SIBLING_OF: asked.number},
+                                     skip_if_exists=False)
+        return AskedTrial(asked.number, asked.params, asked.checkpoint_key, siblings=count)
 
     def report(self, number: int, step: int, value: float) -> bool:
         """Record ``value`` at ``step`` for trial ``number``; True if the pruner stops it.

@@ -84,20 +84,36 @@ def _keep(active: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
     return jnp.where(mask, new, old)
 
 
+#: How the fused step runs its members: ``"vmap"`` (one program of ``K``-wide kernels; a
+#: vmapped convolution becomes a grouped one, whose rounding may differ from the solo step's) or
+#: ``"map"`` (``lax.map``: the solo step's kernels, one member after another inside one
+#: program; each member's arithmetic is its solo run's).
+FUSION_MODES = ("vmap", "map")
+
+
 def make_fused_step(
     graphdef: nnx.GraphDef,
     optimizer: optax.GradientTransformation,
     loss_fn: LossFn = default_loss,
+    mode: str = "vmap",
 ) -> FusedStep:
-    """The pure fused step: `make_train_step`'s step vmapped over the leading member axis.
+    """The pure fused step: `make_train_step`'s step vmapped over the leading member axis
+    (``mode="vmap"``) or mapped over it with ``lax.map`` (``mode="map"``, see `FUSION_MODES`).
 
     ``fused(params, opt_state, rest, batch, active)`` takes every state leaf stacked ``(K, ...)``,
     every batch leaf ``(K, B, ...)`` and ``active`` a ``(K,)`` bool array, and returns the updated
     ``(params, opt_state, rest)`` (inactive members unchanged) and the ``(K,)`` float32 losses
     before the update (an inactive member's loss is computed but means nothing).
     """
+    if mode not in FUSION_MODES:
+        raise ValueError(f"{mode=} is not one of {FUSION_MODES}; use 'vmap' (wide kernels) or "
+                         "'map' (the solo step's kernels, member by member)")
     step = make_train_step(graphdef, optimizer, loss_fn)
-    vstep = jax.vmap(step)
+    if mode == "vmap":
+        vstep = jax.vmap(step)
+    else:
+        def vstep(params: PyTree, opt_state: PyTree, rest: PyTree, batch: PyTree) -> Any:
+            return jax.lax.map(lambda xs: step(*xs), (params, opt_state, rest, batch))
 
     def fused(params: PyTree, opt_state: PyTree, rest: PyTree, batch: PyTree,
               active: jax.Array):
@@ -133,15 +149,17 @@ def jit_fused_step(
     optimizer: optax.GradientTransformation,
     loss_fn: LossFn,
     shardings: StepShardings,
+    mode: str = "vmap",
 ) -> jax.stages.Wrapped:
-    """`make_fused_step` jitted with a member's ``shardings`` (stacked by `stack_shardings`).
+    """`make_fused_step` (``mode``) jitted with a member's ``shardings`` (stacked by
+    `stack_shardings`).
 
     ``params`` and ``opt_state`` are donated; ``active`` and the losses are replicated.
     """
     stacked = stack_shardings(shardings)
     replicated = shardings.replicated()
     return jax.jit(
-        make_fused_step(graphdef, optimizer, loss_fn),
+        make_fused_step(graphdef, optimizer, loss_fn, mode),
         in_shardings=(stacked.params, stacked.opt_state, stacked.rest, stacked.batch, replicated),
         out_shardings=(stacked.params, stacked.opt_state, stacked.rest, replicated),
         donate_argnums=(0, 1),
@@ -254,6 +272,10 @@ class FusionPlan:
       compiled_peaks: ``(width, batch, peak bytes)`` of every fused compile, in search order.
       planning_seconds, compiles: what fused planning cost (seconds; fused compiles, on top of
         the member plan's own).
+      predicted_peak_bytes: the most the group holds on a device at any time, bytes: training
+        (compiled fused step + every member's prefetched batch) or evaluating one member (the
+        member plan's evaluation peak + the stacked state + the prefetched batches), whichever
+        is larger; what a scheduler books for the group (None: the step's peak).
     """
 
     plan: Plan
@@ -264,6 +286,11 @@ class FusionPlan:
     compiled_peaks: tuple[tuple[int, int, int], ...] = ()
     planning_seconds: float = field(default=0.0, compare=False)
     compiles: int = field(default=0, compare=False)
+    predicted_peak_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.predicted_peak_bytes is None:
+            object.__setattr__(self, "predicted_peak_bytes", self.peak_bytes_per_device)
 
     @property
     def step_shardings(self) -> StepShardings:
@@ -279,7 +306,7 @@ class FusionPlan:
         """The same group decision on other devices of the same count (`Plan.with_devices`)."""
         return FusionPlan(self.plan.with_devices(devices), self.width, self.batch_size,
                           self.peak_bytes_per_device, self.estimate, self.compiled_peaks,
-                          self.planning_seconds, self.compiles)
+                          self.planning_seconds, self.compiles, self.predicted_peak_bytes)
 
     def describe(self) -> str:
         """A short human-readable summary."""
@@ -451,27 +478,49 @@ def plan_fusion(
             bytes_needed=plan.peak_bytes_per_device, bytes_available=plan.usable_bytes)
     usable = plan.usable_bytes
     compiler = FusedStepCompiler(model, sample_batch, plan, optimizer, loss_fn)
+
+    def held(width: int, batch: int) -> int:
+        return group_held_bytes(compiler.estimate(width, batch), plan, width, batch)
+
     first_batch = batch_size if batch_size is not None else dp
     # The cap usually fits (small candidates): then one compile decides the width.
-    if compiler.estimate(max_width, first_batch).peak <= usable:
+    if held(max_width, first_batch) <= usable:
         width = max_width
-    elif (one := compiler.estimate(1, first_batch)).peak > usable:
+    elif (one := held(1, first_batch)) > usable:
         raise DoesNotFitError(
-            f"one fused member needs {one.peak} bytes ({format_bytes(one.peak)}) per device at "
+            f"one fused member needs {one} bytes ({format_bytes(one)}) per device at "
             f"batch {first_batch} but {usable} ({format_bytes(usable)}) are usable; use more "
             "devices or more memory_per_device",
-            bytes_needed=one.peak, bytes_available=usable)
+            bytes_needed=one, bytes_available=usable)
     else:
-        width = _largest_fitting(lambda k: compiler.estimate(k, first_batch).peak, 1,
-                                 max_width, 1, usable)
+        width = _largest_fitting(lambda k: held(k, first_batch), 1, max_width, 1, usable)
     batch = first_batch
     if batch_size is None:
-        batch = _largest_fitting(lambda b: compiler.estimate(width, b).peak, dp,
-                                 plan.batch_size, dp, usable)
+        batch = _largest_fitting(lambda b: held(width, b), dp, plan.batch_size, dp, usable)
     estimate = compiler.estimate(width, batch)
     return FusionPlan(
         plan=plan, width=width, batch_size=batch, peak_bytes_per_device=estimate.peak,
         estimate=estimate,
         compiled_peaks=tuple((k, b, e.peak) for (k, b), e in compiler.seen.items()),
         planning_seconds=time.perf_counter() - start, compiles=len(compiler.seen),
+        predicted_peak_bytes=held(width, batch),
     )
+
+
+def group_held_bytes(estimate: MemoryEstimate, plan: Plan, width: int, batch: int) -> int:
+    """Bytes per device a group of ``width`` members at per-member ``batch`` holds at most.
+
+    Training: the fused step's compiled peak (``estimate``) plus every member's prefetched
+    next batch. Evaluating one member: the member plan's evaluation peak plus the whole
+    stacked state (params, optimizer state, rest of all members; one member's parameters are
+    counted twice, which errs large) plus the prefetched batches. The larger of the two. A plan
+    without prefetch or evaluation figures (``prefetch_bytes``, ``eval_peak_bytes``) counts
+    them as 0.
+    """
+    solo_batch = max(int(getattr(plan, "batch_size", batch)), 1)
+    prefetch = width * int(getattr(plan, "prefetch_bytes", 0)) * batch // solo_batch
+    train = estimate.peak + prefetch
+    eval_peak = int(getattr(plan, "eval_peak_bytes", 0))
+    state = estimate.params + estimate.opt_state + estimate.rest
+    evaluate = eval_peak + state + prefetch if eval_peak else 0
+    return max(train, evaluate)

@@ -2,7 +2,7 @@
 
 `SchedulingCore` (events in, actions out) owns the device pool's books and calls the placement
 policies (`scamp_jax.scheduling.placement`) and tail restarts (`scamp_jax.scheduling.elastic`). The
-HPO engine and the cluster simulator both drive it.
+HPO engine and the cluster simulator both drive it, and both form fused groups with `form_groups`.
 """
 
 from scamp_jax.scheduling.core import (
@@ -14,6 +14,7 @@ from scamp_jax.scheduling.core import (
     replan_after_oom,
     usable_capacity,
 )
+from scamp_jax.scheduling.grouping import FusionCandidate, form_groups
 
-__all__ = ["PlanOption", "Replan", "SchedulingCore", "Start", "TrialPlan", "replan_after_oom",
-           "usable_capacity"]
+__all__ = ["FusionCandidate", "PlanOption", "Replan", "SchedulingCore", "Start", "TrialPlan",
+           "form_groups", "replan_after_oom", "usable_capacity"]

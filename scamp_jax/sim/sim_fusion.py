@@ -17,7 +17,7 @@ simulated study can schedule a group as one trial and credit it ``K`` finished t
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +66,9 @@ class FusedCostModel:
       widths: the widths compiled, increasing.
       flops, bytes_accessed, kernels: measured per-device FLOPs, memory traffic (bytes) and
         kernels of the compiled fused step at each of ``widths``.
+      peak_bytes: compiled peak per device of the fused step at each of ``widths`` (the
+        planner's figure, `scamp_jax.planning.fusion.FusedStepCompiler.estimate`), bytes; empty: not
+        measured (a group then books ``width`` times a member's peak).
     """
 
     batch_size: int
@@ -73,6 +76,7 @@ class FusedCostModel:
     flops: tuple[float, ...]
     bytes_accessed: tuple[float, ...]
     kernels: tuple[int, ...]
+    peak_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.widths)
@@ -80,6 +84,17 @@ class FusedCostModel:
             raise ValueError(f"widths={self.widths} must be at least two increasing widths")
         if not len(self.flops) == len(self.bytes_accessed) == len(self.kernels) == n:
             raise ValueError("flops, bytes_accessed and kernels need one value per width")
+        if self.peak_bytes and len(self.peak_bytes) != n:
+            raise ValueError("peak_bytes needs one value per width (or none)")
+
+    def group_bytes(self, solo: TrialProfile, width: int) -> int:
+        """Bytes per device a group of ``width`` members like ``solo`` books: the member's own
+        peak plus what the compiled fused steps add per extra member (measured ``peak_bytes``);
+        without them, ``width`` times the member's peak (an upper bound)."""
+        if not self.peak_bytes:
+            return solo.bytes_per_device * width
+        extra = self._fit(self.peak_bytes, width) - self._fit(self.peak_bytes, 1)
+        return solo.bytes_per_device + max(0, round(extra))
 
     def _fit(self, values: Sequence[float], width: int) -> float:
         """Affine through the two measured widths nearest ``width`` (never below zero)."""
@@ -95,8 +110,7 @@ class FusedCostModel:
 
         FLOPs, traffic and kernels come from the fit; collectives scale with the members'
         stacked gradients (``width`` times the solo bytes); memory is ``bytes_per_device`` (a
-        `scamp_jax.planning.fusion.FusionPlan`'s peak) or, when not given, ``width`` times the solo
-        peak (an upper bound: members share the step's fixed buffers).
+        `scamp_jax.planning.fusion.FusionPlan`'s peak) or, when not given, `group_bytes`.
         """
         if width < 1:
             raise ValueError(f"{width=} must be at least 1")
@@ -105,7 +119,8 @@ class FusedCostModel:
                 f"the solo trial trains batch {solo.batch_size}, the cost model was measured at "
                 f"{self.batch_size} per member; measure it at the trial's batch"
             )
-        peak = bytes_per_device if bytes_per_device is not None else solo.bytes_per_device * width
+        peak = (bytes_per_device if bytes_per_device is not None
+                else self.group_bytes(solo, width))
         return TrialProfile(
             key=solo.key, devices=solo.devices, bytes_per_device=peak,
             batch_size=solo.batch_size, flops_per_step=self._fit(self.flops, width),
@@ -151,9 +166,10 @@ def measure_fused_costs(
     import jax.numpy as jnp
 
     compiler = FusedStepCompiler(model, sample_batch, plan, optimizer, loss_fn)
-    flops, traffic, kernels = [], [], []
+    flops, traffic, kernels, peaks = [], [], [], []
     for width in widths:
-        compiler.estimate(width, batch_size)  # memory as the planner sees it, and the compile
+        # memory as the planner sees it, and the compile
+        peaks.append(compiler.estimate(width, batch_size).peak)
         batch = jax.tree.map(
             lambda x, w=width: jax.ShapeDtypeStruct((w, batch_size, *x.shape[1:]), x.dtype),
             sample_batch)
@@ -174,4 +190,69 @@ def measure_fused_costs(
         traffic.append(float(cost.get("bytes accessed", 0.0)))
         kernels.append(entry_kernels(text))
     return FusedCostModel(batch_size=batch_size, widths=tuple(widths), flops=tuple(flops),
-                          bytes_accessed=tuple(traffic), kernels=tuple(kernels))
+                          bytes_accessed=tuple(traffic), kernels=tuple(kernels),
+                          peak_bytes=tuple(peaks))
+
+
+def group_width(solo: TrialProfile, cap: int, usable_bytes: int,
+                model: FusedCostModel | None = None) -> int:
+    """Widest group of up to ``cap`` members like ``solo`` whose memory fits ``usable_bytes``
+    per device (``model.group_bytes``; without a model, ``width`` times the solo peak); at
+    least 1 (a trial that runs alone)."""
+    if cap < 1:
+        raise ValueError(f"{cap=} must be at least 1")
+    for width in range(cap, 1, -1):
+        held = (model.group_bytes(solo, width) if model is not None
+                else solo.bytes_per_device * width)
+        if held <= usable_bytes:
+            return width
+    return 1
+
+
+def fused_profiles(
+    profiles: Sequence[TrialProfile],
+    signatures: Sequence[Any],
+    families: Sequence[int],
+    models: Mapping[Any, FusedCostModel],
+    *,
+    cap: int,
+    usable_bytes: int,
+) -> tuple[list[TrialProfile], dict[int, tuple[int, ...]]]:
+    """The study's trials as the engine with fusion schedules them: groups and lone trials.
+
+    ``profiles[i]`` is trial ``i``'s solo profile (its key), ``signatures[i]`` its
+    architecture, ``families[i]`` the proposed trial it arrived with (a proposal and the
+    siblings enqueued for it arrive together and are grouped together, as the engine's
+    forming buffer holds a proposal until its siblings are planned). Groups come from
+    `scamp_jax.scheduling.grouping.form_groups`, the engine's rule, within each family; a group
+    of two or more becomes one profile (``models[signature].group_profile``, key: its first
+    member's key, memory `FusedCostModel.group_bytes`), a group of one stays the trial's own
+    profile.
+
+    Returns ``(profiles in arrival order of their first member, {profile key: member keys})``.
+    """
+    from scamp_jax.scheduling.grouping import FusionCandidate, form_groups
+
+    if not len(profiles) == len(signatures) == len(families):
+        raise ValueError("profiles, signatures and families need one entry per trial")
+    by_family: dict[int, list[int]] = {}
+    for i, family in enumerate(families):
+        by_family.setdefault(family, []).append(i)
+    out: list[tuple[int, TrialProfile]] = []
+    members: dict[int, tuple[int, ...]] = {}
+    for indices in by_family.values():
+        candidates = [FusionCandidate(i, signatures[i], i,
+                                      group_width(profiles[i], cap, usable_bytes,
+                                                  models.get(signatures[i])))
+                      for i in indices]
+        for group in form_groups(candidates):
+            first = profiles[group[0]]
+            keys = tuple(profiles[i].key for i in group)
+            if len(group) == 1:
+                out.append((group[0], first))
+            else:
+                out.append((group[0], models[signatures[group[0]]].group_profile(
+                    first, len(group))))
+            members[first.key] = keys
+    out.sort(key=lambda pair: pair[0])
+    return [p for _, p in out], members

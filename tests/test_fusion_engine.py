@@ -1,0 +1,212 @@
+"""Fused groups in the search loop: the grouping rule, a fused study, members equal solo runs.
+
+The study tests use a real Optuna study in SQLite, the real planner and real compiles, with
+`test_runner`'s MLP regression (small enough to train in seconds on CPU).
+"""
+
+from __future__ import annotations
+
+import random
+
+import jax
+import pytest
+from optuna.trial import TrialState
+from test_runner import SPACE, Regression, make_plan
+
+from scamp_jax.hpo.engine import EngineConfig, SearchEngine
+from scamp_jax.hpo.fused_engine import latest_checkpoint_step
+from scamp_jax.hpo.runner import RunSpec, StepCache, run_trial, trial_seed
+from scamp_jax.hpo.search import fusion_source_kwargs
+from scamp_jax.hpo.study import SIBLING_OF, OptunaTrialSource, open_study
+from scamp_jax.scheduling.grouping import FusionCandidate, form_groups
+
+BUDGET = 64 * 2**20
+
+
+# ------------------------------------------------------------------------ the grouping rule
+
+
+def test_groups_are_chunks_of_one_signature_in_arrival_order():
+    waiting = [FusionCandidate(k, sig, arrival=k, width=3)
+               for k, sig in enumerate("aabaaab")]
+    assert form_groups(waiting) == ((0, 1, 3), (2, 6), (4, 5))
+
+
+def test_the_last_chunk_waits_for_expected_members():
+    waiting = [FusionCandidate(k, "a", arrival=k, width=4) for k in range(6)]
+    assert form_groups(waiting, expecting={"a"}) == ((0, 1, 2, 3),)
+    assert form_groups(waiting) == ((0, 1, 2, 3), (4, 5))
+    # A full chunk never waits; another signature is not held back.
+    waiting.append(FusionCandidate(9, "b", arrival=9, width=4))
+    assert form_groups(waiting, expecting={"a"}) == ((0, 1, 2, 3), (9,))
+
+
+def test_width_one_runs_alone_and_bad_widths_are_refused():
+    waiting = [FusionCandidate(k, "a", arrival=k, width=1) for k in range(3)]
+    assert form_groups(waiting) == ((0,), (1,), (2,))
+    with pytest.raises(ValueError, match="width=0"):
+        FusionCandidate(0, "a", 0, width=0)
+
+
+def test_every_candidate_is_in_exactly_one_group_of_one_signature():
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(0, 12)
+        widths = {s: rng.randint(1, 4) for s in "abc"}
+        sigs = [rng.choice("abc") for _ in range(n)]
+        waiting = [FusionCandidate(k, s, rng.randint(0, 20), widths[s])
+                   for k, s in enumerate(sigs)]
+        expecting = {s for s in "abc" if rng.random() < 0.5}
+        groups = form_groups(waiting, expecting=expecting)
+        keys = [k for g in groups for k in g]
+        assert len(keys) == len(set(keys))
+        held = set(range(n)) - set(keys)
+        for g in groups:
+            assert len({sigs[k] for k in g}) == 1 and len(g) <= widths[sigs[g[0]]]
+        # Only a narrower-than-width remainder of an expected signature is held back.
+        for s in "abc":
+            mine = [k for k in held if sigs[k] == s]
+            assert not mine or (s in expecting and len(mine) < widths[s])
+
+
+# ------------------------------------------------------------------------ a fused study
+
+
+def _study(tmp_path, trials: int, fuse: int):
+    study = open_study("mlp-fused", study_dir=tmp_path, direction="minimize",
+                       sampler="random", pruner="none", seed=3)
+    source = OptunaTrialSource(study, SPACE, trials, root=tmp_path, **fusion_source_kwargs(fuse))
+    config = EngineConfig(steps=30, memory_per_device=BUDGET, max_batch_size=16, log_every=5,
+                          fuse=fuse, seed=5)
+    engine = SearchEngine(SPACE, Regression(), source, config, devices=jax.devices()[:4],
+                          checkpoint_root=tmp_path / "ckpt")
+    return study, source, engine
+
+
+@pytest.mark.slow  # about 65-85 s on 2 shared cores
+def test_a_fused_study_finishes_exactly_its_trials_with_members_equal_to_solo_runs(tmp_path):
+    """Siblings of a proposed architecture train fused; each member is its own trial, scored,
+    and ends where the same trial run alone ends."""
+    study, source, engine = _study(tmp_path, trials=6, fuse=3)
+    engine.run()
+    source.close()
+    trials = study.get_trials()
+    assert len(trials) == 6
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 6
+    groups: dict[int, list] = {}
+    for t in trials:
+        assert t.value == t.user_attrs["metrics"]["mse"]
+        if t.user_attrs["fused_group"] is not None:
+            groups.setdefault(t.user_attrs["fused_group"], []).append(t)
+    assert groups, "no fused group formed"
+    for gid, members in groups.items():
+        assert {t.user_attrs["fusion_width"] for t in members} == {len(members)} and \
+            len(members) >= 2
+        assert len({t.params["width"] for t in members}) == 1  # one architecture
+        assert gid == min(t.number for t in members)
+        # Siblings share the architecture; the sampler gave them their own learning rates.
+        assert all(t.user_attrs.get(SIBLING_OF) == gid for t in members if t.number != gid)
+        assert len({t.params["learning_rate"] for t in members}) == len(members)
+        assert len({t.user_attrs["devices"][0] for t in members}) == 1
+        assert max(t.user_attrs["predicted_peak_bytes"] for t in members) <= BUDGET * 0.9
+    # A member's result is its solo run's: same seed, plan, batch and steps.
+    member = next(t for ms in groups.values() for t in ms)
+    plan = make_plan(member.params, jax.devices()[:1], max_batch=16)
+    solo = run_trial(RunSpec(member.number, member.params, plan, 30, BUDGET,
+                             seed=trial_seed(5, member.user_attrs["checkpoint_key"])),
+                     SPACE, Regression(), cache=StepCache())
+    assert solo.state == "complete"
+    rel = abs(solo.metrics["mse"] - member.value) / abs(solo.metrics["mse"])
+    print(f"fused member vs solo: relative difference {rel:.3g}")
+    assert rel <= 1e-5
+
+
+def test_without_fuse_nothing_is_grouped(tmp_path):
+    study, source, engine = _study(tmp_path, trials=2, fuse=1)
+    engine.run()
+    source.close()
+    trials = study.get_trials()
+    assert len(trials) == 2
+    assert all(t.user_attrs["fused_group"] is None and t.user_attrs["fusion_width"] == 1
+               for t in trials)
+    assert not any(SIBLING_OF in t.user_attrs for t in trials)
+
+
+def test_bad_fuse_values_are_refused():
+    with pytest.raises(ValueError, match="fuse=0"):
+        EngineConfig(steps=1, memory_per_device=BUDGET, fuse=0)
+    with pytest.raises(ValueError, match="'wide'"):
+        EngineConfig(steps=1, memory_per_device=BUDGET, fuse="wide")
+
+
+class _CtrlC:
+    """``on_update`` that presses Ctrl-C (raises KeyboardInterrupt on the loop's thread, where
+    a real one lands) once a fused member has trained ``step`` steps."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.fired = step, False
+
+    def __call__(self, statuses, pool, groups=None) -> None:
+        if self.fired or not groups:
+            return
+        if any(s.number in groups and s.state == "training" and s.step >= self.step
+               for s in statuses):
+            self.fired = True
+            raise KeyboardInterrupt
+
+
+@pytest.mark.slow  # about 60-160 s on 2 shared cores
+def test_an_interrupted_fused_study_resumes_its_members_and_keeps_finished_ones(tmp_path):
+    """Ctrl-C during a group: members checkpoint and go back to the study; the same command
+    again resumes them from their checkpoints (as a group again) and ends with exactly the
+    study's trials; trials finished before stay as they were."""
+    steps, trials = 3000, 4
+
+    def engine(on_update=None):
+        study = open_study("mlp-fused", study_dir=tmp_path, direction="minimize",
+                           sampler="random", pruner="none", seed=3)
+        source = OptunaTrialSource(study, SPACE, trials, root=tmp_path,
+                                   **fusion_source_kwargs(2))
+        config = EngineConfig(steps=steps, memory_per_device=BUDGET, max_batch_size=16,
+                              log_every=50, checkpoint_every=500, fuse=2, seed=5)
+        return study, source, SearchEngine(SPACE, Regression(), source, config,
+                                           devices=jax.devices()[:1],
+                                           checkpoint_root=tmp_path / "ckpt",
+                                           on_update=on_update)
+
+    study, source, first = engine(_CtrlC(100))
+    with pytest.raises(KeyboardInterrupt):
+        first.run()
+    source.close()
+    before = {t.number: t.value for t in study.get_trials() if t.state == TrialState.COMPLETE}
+    interrupted = [t for t in study.get_trials() if t.state == TrialState.FAIL]
+    assert interrupted, "nothing was running at the interrupt"
+    saved = {t.user_attrs["checkpoint_key"] for t in interrupted
+             if latest_checkpoint_step(tmp_path / "ckpt" / t.user_attrs["checkpoint_key"])}
+    study, source, second = engine()
+    second.run()
+    source.close()
+    done = [t for t in study.get_trials() if t.state == TrialState.COMPLETE]
+    assert len(done) == trials
+    for number, value in before.items():
+        assert study.trials[number].value == value  # finished members stay finished
+    resumed = [t for t in done if t.user_attrs["resumed_from"] > 0]
+    assert resumed, "no member resumed from its checkpoint"
+    assert any(t.user_attrs["fused_group"] is not None for t in resumed)
+    # Every member interrupted after a checkpoint resumed from it.
+    assert saved and saved <= {t.user_attrs["checkpoint_key"] for t in resumed}
+
+
+def test_the_fuse_flag_takes_a_width_or_auto(capsys):
+    from experiments import swinir_hpo
+    from experiments._cli import config_from_args
+
+    args = swinir_hpo.parser().parse_args(["--preset", "smoke", "--fuse", "auto"])
+    assert config_from_args(args, swinir_hpo.get_config("smoke"), "runs/x").fuse == "auto"
+    args = swinir_hpo.parser().parse_args(["--fuse", "4"])
+    assert config_from_args(args, swinir_hpo.get_config("smoke"), "runs/x").fuse == 4
+    assert swinir_hpo.get_config("smoke").fuse is None  # off unless asked for
+    with pytest.raises(SystemExit) as exit_info:
+        swinir_hpo.parser().parse_args(["--fuse", "0"])
+    assert exit_info.value.code == 2
+    assert "--fuse: 0 must be at least 1 (1: no fusion), or auto" in capsys.readouterr().err
