@@ -245,12 +245,16 @@ def fused_cost_models(
     widths = tuple(sorted({1, 2, width}))
     signatures: list[str] = []
     models: dict[str, FusedCostModel] = {}
+    built: dict[tuple[str, int], tuple[Any, str]] = {}  # trials re-visit configurations
     for config, profile, cost in zip(configs, profiles, costs, strict=True):
-        model = nnx.eval_shape(lambda config=config: space.build(config, nnx.Rngs(0)))
         mp = cost.model_parallel
+        seen = (repr(sorted(config.items())), mp)
+        if seen not in built:
+            abstract = nnx.eval_shape(lambda config=config: space.build(config, nnx.Rngs(0)))
+            built[seen] = (abstract, _arch_key(search, variant, split_model(abstract)[0], mp))
+        model, arch = built[seen]
         local = profile.batch_size // (profile.devices // mp)
-        sig = (f"fused-{_arch_key(search, variant, split_model(model)[0], mp)}-b{local}-"
-               f"w{'.'.join(map(str, widths))}")
+        sig = f"fused-{arch}-b{local}-w{'.'.join(map(str, widths))}"
         signatures.append(sig)
         if sig in models:
             continue

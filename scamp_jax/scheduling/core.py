@@ -219,10 +219,12 @@ class SchedulingCore:
         run.seconds_per_step, run.step, run.measured_at = float(seconds_per_step), step, now
         if training_since is not None:
             run.training_since = float(training_since)
+        before = self._rate
         if run.plan.flops_per_step:
             rate = run.plan.flops_per_step / seconds_per_step
             self._rate = rate if self._rate is None else max(self._rate, rate)
-        self._rebook_busy()
+        # Other trials' busy fractions change only with the best measured rate.
+        self._rebook_busy(None if self._rate != before else (key,))
 
     def option_planned(self, key: int, devices: int, plan: TrialPlan | None) -> None:
         """The plan of queued trial ``key`` on ``devices`` devices (None: it does not fit, the
@@ -338,9 +340,10 @@ class SchedulingCore:
                             seconds=self.seconds(plan), options=options,
                             busy_fraction=1.0 if busy is None else busy)
 
-    def _rebook_busy(self) -> None:
-        """Refresh the busy fractions booked in the pool from the latest measurements."""
-        for key in self._running:
+    def _rebook_busy(self, keys: Sequence[int] | None = None) -> None:
+        """Refresh the busy fractions booked in the pool from the latest measurements, of
+        ``keys`` (None: every running trial)."""
+        for key in self._running if keys is None else keys:
             busy = self.busy_fraction(key)
             if busy is None:
                 continue
