@@ -488,6 +488,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true",
                         help="with --replay: print {\"placements\": [[trial, [device ids]], ...]}")
     args = parser.parse_args(argv)
+    # flag checks before any costing, which compiles for minutes
+    if not 0 <= args.min_resize_gain < 1:
+        parser.error("--min-resize-gain must be in [0, 1)")
+    if args.batch_multiple < 1:
+        parser.error("--batch-multiple must be >= 1")
     if args.replay is not None:
         from scamp_jax.scheduling.replay import as_json, replay_study
 
@@ -530,10 +535,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     (largest,) = cost_candidates([dict(space.largest)], search=args.search,
                                  variant=args.variant, cluster=cluster,
                                  safety_margin=args.safety_margin, table=table, log=log)
-    if not 0 <= args.min_resize_gain < 1:
-        parser.error("--min-resize-gain must be in [0, 1)")
-    if args.batch_multiple < 1:
-        parser.error("--batch-multiple must be >= 1")
     scamp = ScampPolicy(longest_first=not args.no_longest_first, elastic=not args.no_elastic,
                         growth_tolerance=args.growth_tolerance,
                         compute_aware=not args.no_compute_aware,
