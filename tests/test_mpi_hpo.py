@@ -416,3 +416,44 @@ def test_swinir_smoke_study_under_mpirun_records_every_trial_once(tmp_path, _nee
     assert all(t["state"] == "complete" and t["psnr"] > 0 for t in results["trials"])
     assert {t["rank"] for t in results["trials"]} == {0, 1}
     assert results["run"]["ranks"] == 2
+
+
+def _stored_user_attr(tmp_path: Path, key: str) -> dict[int, object]:
+    """``{trial number: value}`` of user attribute ``key`` in the study's SQLite storage."""
+    con = sqlite3.connect(tmp_path / "study" / "study.db")
+    rows = con.execute(
+        "SELECT t.number, a.value_json FROM trials t JOIN trial_user_attributes a "
+        "ON a.trial_id = t.trial_id WHERE a.key = ?", (key,)).fetchall()
+    con.close()
+    return {n: json.loads(v) for n, v in rows}
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_fused_study_under_mpirun_keeps_each_proposals_siblings_on_its_rank(
+    tmp_path, _needs_mpi
+):
+    from scamp_jax.hpo.study import SIBLING_OF
+
+    proc = _launch(tmp_path, 2, "--trials", "8", "--fuse", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = _results(tmp_path)
+    trials = results["trials"]
+    assert sorted(t["number"] for t in trials) == list(range(8))  # exactly --trials
+    assert all(t["state"] == "complete" and t["mse"] is not None for t in trials)
+    assert [s for _, s, _ in _stored_trials(tmp_path)] == ["COMPLETE"] * 8
+    rank = {t["number"]: t["rank"] for t in trials}
+    # Every sibling ran on the rank its proposal went to (the server reserved it there).
+    siblings = _stored_user_attr(tmp_path, SIBLING_OF)
+    assert siblings, "the sampler's proposals got siblings"
+    assert all(rank[s] == rank[p] for s, p in siblings.items()), (siblings, rank)
+    groups: dict[int, list[dict]] = {}
+    for t in trials:
+        assert "fused_group" in t and "fusion_width" in t
+        if t["fused_group"] is not None:
+            groups.setdefault(t["fused_group"], []).append(t)
+    assert groups and any(len(m) >= 2 for m in groups.values()), trials
+    for members in groups.values():
+        assert len({m["rank"] for m in members}) == 1  # a group runs on one rank
+        assert all(m["fusion_width"] == len(members) for m in members)
+        assert len({m["params"]["width"] for m in members}) == 1
