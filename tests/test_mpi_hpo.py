@@ -457,3 +457,33 @@ def test_fused_study_under_mpirun_keeps_each_proposals_siblings_on_its_rank(
         assert len({m["rank"] for m in members}) == 1  # a group runs on one rank
         assert all(m["fusion_width"] == len(members) for m in members)
         assert len({m["params"]["width"] for m in members}) == 1
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_fused_study_killed_under_mpirun_resumes_and_runs_every_sibling(tmp_path, _needs_mpi):
+    # About 1.5 minutes: the re-run waits for the dead job's heartbeats to go stale.
+    died = _launch(tmp_path, 2, "--trials", "8", "--fuse", "2", "--die-rank", "1")
+    assert died.returncode != 0 and "rank 1 is killed after telling trial" in died.stdout
+    before = {n for n, s, _ in _stored_trials(tmp_path) if s == "COMPLETE"}
+    assert before and len(before) < 8
+    waiting = {n for n, s, _ in _stored_trials(tmp_path) if s == "WAITING"}
+    proc = _launch(tmp_path, 2, "--trials", "8", "--fuse", "2")  # the same command again
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    stored = _stored_trials(tmp_path)
+    complete = {n for n, s, _ in stored if s == "COMPLETE"}
+    assert before <= complete  # nothing finished was lost
+    assert waiting <= complete  # siblings the dead job left waiting ran (on one rank)
+    assert "WAITING" not in {s for _, s, _ in stored}
+    # A trial of the dead job whose heartbeat was not stale yet when the ranks were told done
+    # stays RUNNING until the next run; never more than --trials count.
+    running = {n for n, s, _ in stored if s == "RUNNING"}
+    assert len(complete) + len(running) == 8
+    if running:
+        proc = _launch(tmp_path, 2, "--trials", "8", "--fuse", "2")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        stored = _stored_trials(tmp_path)
+        complete = {n for n, s, _ in stored if s == "COMPLETE"}
+    assert before <= complete and len(complete) == 8  # exactly --trials
+    assert all(r in (INTERRUPTED, None) for n, s, r in stored if s != "COMPLETE")
+    assert sorted(t["number"] for t in _results(tmp_path)["trials"]) == sorted(complete)
