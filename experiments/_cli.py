@@ -348,9 +348,6 @@ def _run(
     jax.config.update("jax_compilation_cache_dir", str(Path(config.study_dir) / "jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     if launched_under_mpi():
-        if getattr(config, "fuse", None) not in (None, 1):
-            fail(f"--fuse {config.fuse} is not supported under mpirun: fused groups form within "
-                 "one process; run without mpirun, or drop --fuse")
         # Several ranks: rank 0 serves the study, every rank runs trials on its devices.
         from scamp_jax.distributed.engine import run_search_mpi
 

@@ -15,7 +15,7 @@ Under ``mpirun`` rank 0 serves the study and every rank runs trials on its own d
 ``rank`` is in the results. With ``--fuse K`` each architecture the sampler proposes gets up to
 ``K - 1`` sibling trials (same architecture, their own learning rates), and trials of one
 architecture train as one fused step (`scamp_jax.hpo.fused_engine`); each trial's ``fused_group``
-and ``fusion_width`` are in the results (``--fuse`` is refused under ``mpirun``).
+and ``fusion_width`` are in the results (under ``mpirun`` each rank fuses its own trials).
 """
 
 from __future__ import annotations

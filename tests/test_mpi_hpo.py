@@ -131,7 +131,7 @@ def test_mpi_engine_defers_a_trial_whose_batch_floor_one_rank_cannot_hold():
     assert local.plan({"width": 16}).batch_size < 8
 
 
-def _local_source(tmp_path: Path, n_trials: int, root: Path | None = None):
+def _local_source(tmp_path: Path, n_trials: int, root: Path | None = None, **fusion):
     require_module("mpi4py", "the mpi extra is not installed: pip install .[mpi]")
     import optuna
 
@@ -142,10 +142,13 @@ def _local_source(tmp_path: Path, n_trials: int, root: Path | None = None):
                                 load_if_exists=True)
 
     def suggest(trial):
+        if fusion:  # an architecture (width) and a training hyperparameter (x) for siblings
+            return {"width": trial.suggest_categorical("width", [8, 16, 32]),
+                    "x": trial.suggest_float("x", 0.0, 1.0)}
         return {"x": trial.suggest_float("x", 0.0, 1.0)}
 
     # One process is a world of one rank: rank 0's server, used through the local client.
-    server = StudyServer(study, suggest, n_trials, root=root)
+    server = StudyServer(study, suggest, n_trials, root=root, **fusion)
     return study, server, RemoteTrialSource(StudyClient.local(server))
 
 
@@ -192,6 +195,74 @@ def test_study_server_requeues_trials_a_dead_job_left_running(tmp_path):
     rerun = source2.ask()
     assert rerun.params == held.params and rerun.checkpoint_key == held.checkpoint_key
     assert source2.ask() is None
+
+
+def test_sibling_choice_puts_a_ranks_own_siblings_first_and_leaves_out_other_ranks():
+    from scamp_jax.distributed.study import sibling_choice
+
+    # Queue: 5 (a sibling of 4, rank 1's), 3 (a retry, no sibling), 7 (of 6, rank 0's),
+    # 9 (of 8: a proposal no rank of this run holds, e.g. from a job that died).
+    waiting = [(5, 4), (3, None), (7, 6), (9, 8)]
+    owners = {4: 1, 6: 0}
+    assert sibling_choice(0, waiting, owners) == [7, 3, 9]
+    assert sibling_choice(1, waiting, owners) == [5, 3, 9]
+    assert sibling_choice(2, waiting, owners) == [3, 9]
+    assert sibling_choice(0, [], owners) == []
+
+
+def test_study_server_hands_a_proposals_siblings_only_to_its_rank(tmp_path):
+    study, server, _ = _local_source(tmp_path, n_trials=5, siblings=1, training_keys=("x",))
+    a = server.ask(0)  # the sampler proposes; one sibling is enqueued, reserved for rank 0
+    assert a.siblings == 1 and a.sibling_of is None
+    b = server.ask(1)  # Optuna's queue would pop a's sibling here; rank 1 gets a proposal
+    assert b.sibling_of is None and b.siblings == 1
+    assert server.reserved() == {a.number: 0, b.number: 1}
+    b_sib = server.ask(1)
+    assert b_sib.sibling_of == b.number and b_sib.params["width"] == b.params["width"]
+    # An interrupted trial queued behind a's sibling goes to rank 1, a's sibling does not.
+    server.interrupt(a.number)
+    retry = server.ask(1)
+    assert retry.params == a.params and retry.sibling_of is None
+    extra = server.ask(1)  # one slot left besides a's sibling: a proposal without siblings
+    assert extra.sibling_of is None and extra.siblings == 0
+    assert server.ask(1) is None  # the last slot is a's sibling, held for rank 0
+    assert a.number not in [t.number for t in (b, b_sib, retry, extra)]
+    a_sib = server.ask(0)
+    assert a_sib.sibling_of == a.number and a_sib.params["width"] == a.params["width"]
+    assert server.ask(0) is None
+    for item in (b, b_sib, retry, extra, a_sib):
+        server.tell(item.number, 1.0)
+    assert server.remaining() == 0 and server.source.finished() == 5  # exactly n_trials
+    ranks = {t.number: t.user_attrs["rank"] for t in study.get_trials()}
+    assert ranks[a_sib.number] == ranks[a.number] == 0 and ranks[b_sib.number] == 1
+
+
+def test_siblings_a_dead_job_left_go_to_one_rank_of_the_next_run(tmp_path):
+    study, server, _ = _local_source(tmp_path, n_trials=4, siblings=2, training_keys=("x",))
+    a = server.ask(0)
+    assert a.siblings == 2
+    first_sibling = server.ask(0)
+    assert first_sibling.sibling_of == a.number
+    # The job dies: a and one sibling RUNNING, one sibling WAITING (reserved for rank 0).
+    study2, server2, _ = _local_source(tmp_path, n_trials=4, siblings=2, training_keys=("x",))
+    assert sorted(server2.stale_failed) == sorted([a.number, first_sibling.number])
+    got = {0: [], 1: []}
+    for rank in (1, 0, 0, 1, 0, 1):
+        item = server2.ask(rank)
+        if item is not None:
+            got[rank].append(item)
+    family = {r: [i.number for i in items if i.sibling_of == a.number]
+              for r, items in got.items()}
+    # Both siblings (the waiting one and the retry of the running one) went to the rank that
+    # took the first of them; a's own retry went to the other rank.
+    assert sorted(map(len, family.values())) == [0, 2], family
+    for items in got.values():
+        for item in items:
+            server2.tell(item.number, 0.5)
+    complete = [t for t in study2.get_trials() if t.state.name == "COMPLETE"]
+    assert len(complete) == 4 and server2.remaining() == 0
+    assert {t.params["width"] for t in complete if t.user_attrs.get("fusion_sibling_of")
+            is not None} == {a.params["width"]}
 
 
 # ----------------------------------------------------------------------------- under mpirun
@@ -345,3 +416,74 @@ def test_swinir_smoke_study_under_mpirun_records_every_trial_once(tmp_path, _nee
     assert all(t["state"] == "complete" and t["psnr"] > 0 for t in results["trials"])
     assert {t["rank"] for t in results["trials"]} == {0, 1}
     assert results["run"]["ranks"] == 2
+
+
+def _stored_user_attr(tmp_path: Path, key: str) -> dict[int, object]:
+    """``{trial number: value}`` of user attribute ``key`` in the study's SQLite storage."""
+    con = sqlite3.connect(tmp_path / "study" / "study.db")
+    rows = con.execute(
+        "SELECT t.number, a.value_json FROM trials t JOIN trial_user_attributes a "
+        "ON a.trial_id = t.trial_id WHERE a.key = ?", (key,)).fetchall()
+    con.close()
+    return {n: json.loads(v) for n, v in rows}
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_fused_study_under_mpirun_keeps_each_proposals_siblings_on_its_rank(
+    tmp_path, _needs_mpi
+):
+    from scamp_jax.hpo.study import SIBLING_OF
+
+    proc = _launch(tmp_path, 2, "--trials", "8", "--fuse", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = _results(tmp_path)
+    trials = results["trials"]
+    assert sorted(t["number"] for t in trials) == list(range(8))  # exactly --trials
+    assert all(t["state"] == "complete" and t["mse"] is not None for t in trials)
+    assert [s for _, s, _ in _stored_trials(tmp_path)] == ["COMPLETE"] * 8
+    rank = {t["number"]: t["rank"] for t in trials}
+    # Every sibling ran on the rank its proposal went to (the server reserved it there).
+    siblings = _stored_user_attr(tmp_path, SIBLING_OF)
+    assert siblings, "the sampler's proposals got siblings"
+    assert all(rank[s] == rank[p] for s, p in siblings.items()), (siblings, rank)
+    groups: dict[int, list[dict]] = {}
+    for t in trials:
+        assert "fused_group" in t and "fusion_width" in t
+        if t["fused_group"] is not None:
+            groups.setdefault(t["fused_group"], []).append(t)
+    assert groups and any(len(m) >= 2 for m in groups.values()), trials
+    for members in groups.values():
+        assert len({m["rank"] for m in members}) == 1  # a group runs on one rank
+        assert all(m["fusion_width"] == len(members) for m in members)
+        assert len({m["params"]["width"] for m in members}) == 1
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_fused_study_killed_under_mpirun_resumes_and_runs_every_sibling(tmp_path, _needs_mpi):
+    # About 1.5 minutes: the re-run waits for the dead job's heartbeats to go stale.
+    died = _launch(tmp_path, 2, "--trials", "8", "--fuse", "2", "--die-rank", "1")
+    assert died.returncode != 0 and "rank 1 is killed after telling trial" in died.stdout
+    before = {n for n, s, _ in _stored_trials(tmp_path) if s == "COMPLETE"}
+    assert before and len(before) < 8
+    waiting = {n for n, s, _ in _stored_trials(tmp_path) if s == "WAITING"}
+    proc = _launch(tmp_path, 2, "--trials", "8", "--fuse", "2")  # the same command again
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    stored = _stored_trials(tmp_path)
+    complete = {n for n, s, _ in stored if s == "COMPLETE"}
+    assert before <= complete  # nothing finished was lost
+    assert waiting <= complete  # siblings the dead job left waiting ran (on one rank)
+    assert "WAITING" not in {s for _, s, _ in stored}
+    # A trial of the dead job whose heartbeat was not stale yet when the ranks were told done
+    # stays RUNNING until the next run; never more than --trials count.
+    running = {n for n, s, _ in stored if s == "RUNNING"}
+    assert len(complete) + len(running) == 8
+    if running:
+        proc = _launch(tmp_path, 2, "--trials", "8", "--fuse", "2")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        stored = _stored_trials(tmp_path)
+        complete = {n for n, s, _ in stored if s == "COMPLETE"}
+    assert before <= complete and len(complete) == 8  # exactly --trials
+    assert all(r in (INTERRUPTED, None) for n, s, r in stored if s != "COMPLETE")
+    assert sorted(t["number"] for t in _results(tmp_path)["trials"]) == sorted(complete)

@@ -22,6 +22,12 @@ averaged by mpi4jax inside the jitted step (`scamp_jax.distributed.spanning`). I
 which every rank must see (one host, or a shared file system) for a re-run on another rank to
 resume from them.
 
+Fused groups (``settings.fuse``, as `scamp_jax.hpo.search.run_search` wires it): rank 0's server
+enqueues siblings for each trial the sampler proposes and reserves them for the rank that got
+the proposal (`scamp_jax.distributed.study`), and each rank's engine fuses only its own trials;
+``fused_group`` and ``fusion_width`` are user attributes of each trial, so ``results.json`` has
+them as on one host. Trials that span ranks are never fused.
+
 Faults: an exception on any rank prints ``rank R failed: ...`` and aborts the whole job
 (``MPI_Abort``); a rank that dies makes ``mpirun`` end the job and name the rank. Trials that
 were running stay ``RUNNING`` in the storage; running the same command again fails them as
@@ -81,7 +87,8 @@ class RemoteTrialSource:
         if item is None:
             return None
         return AskedTrial(item.number, dict(item.params),
-                          item.checkpoint_key or f"trial_{item.number}")
+                          item.checkpoint_key or f"trial_{item.number}",
+                          siblings=item.siblings, sibling_of=item.sibling_of)
 
     def report(self, number: int, step: int, value: float) -> bool:
         """Record ``value`` at ``step`` in rank 0's study; True if the pruner stops the trial."""
@@ -240,7 +247,13 @@ def _run(space: Any, task: Any, settings: Any, devices: Sequence[Any], memory_pe
     from rich.console import Console
 
     from scamp_jax.hpo.live import LiveView
-    from scamp_jax.hpo.search import engine_config, run_summary, study_settings, write_study_report
+    from scamp_jax.hpo.search import (
+        engine_config,
+        fusion_source_kwargs,
+        run_summary,
+        study_settings,
+        write_study_report,
+    )
     from scamp_jax.hpo.study import open_study
 
     study_dir = Path(settings.study_dir)
@@ -258,7 +271,8 @@ def _run(space: Any, task: Any, settings: Any, devices: Sequence[Any], memory_pe
         return study
 
     client, server = shared_study(make_study, space.suggest, settings.trials, comm,
-                                  root=study_dir)
+                                  root=study_dir,
+                                  **fusion_source_kwargs(getattr(settings, "fuse", None)))
     if console is None:
         out: Any = sys.stdout if rank == 0 else RankStream(rank)
         console = Console(file=out, soft_wrap=True,

@@ -6,8 +6,9 @@ in a background thread of rank 0 and answers the other ranks' messages (mpi4py, 
 ==================================================  =============================================
 request (worker -> rank 0)                           answer (rank 0 -> worker)
 ==================================================  =============================================
-``("ask", None)``                                    ``("trial", number, params, checkpoint_key)``
-                                                     or ``("done",)`` (the worker is finished)
+``("ask", None)``                                    ``("trial", number, params, checkpoint_key,
+                                                     siblings, sibling_of)`` or ``("done",)``
+                                                     (the worker is finished)
 ``("ask", "more")``                                  the same, but ``"done"`` does not finish the
                                                      worker: it still reports and tells
 ``("report", (number, step, value))``                ``("pruned", should_prune)``
@@ -28,21 +29,31 @@ recovered as the trial source recovers them: by the heartbeat of a study opened 
 `scamp_jax.hpo.study.open_study`, or at once (``fail_stale``) for a study without one; a retry keeps
 its original's parameters and checkpoint key, so the restart resumes it from its last checkpoint.
 
+Fused groups (``siblings``, see `OptunaTrialSource`): the siblings enqueued for a trial the sampler
+proposed are reserved for the rank that got the proposal, so that its engine can fuse them; they
+are identified by their ``SIBLING_OF`` user attribute, not by their place in the queue, and are
+handed to that rank before anything else it may take (`sibling_choice`). Other ranks never get
+them, and a new proposal for another rank counts them as taken, so the study still runs exactly
+``n_trials``. A rank that is told done gives its reservations up. Siblings that no rank of this
+run holds (left waiting, or retried, by a job that died) go to the first rank that takes one of
+them, and the rest of that family with it.
+
 A rank that dies makes ``mpirun`` end the whole job (Open MPI's default), so no rank waits
 forever for a server that is gone.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from scamp_jax.distributed.mpi import import_mpi4py
-from scamp_jax.hpo.study import OptunaTrialSource, TrialOutcome
+from scamp_jax.hpo.study import SIBLING_OF, OptunaTrialSource, TrialOutcome
 from scamp_jax.space import SearchSpace
 
 # Tags of the study's messages: requests to rank 0 and answers from it. Distinct from any tag
@@ -56,11 +67,29 @@ _OUTCOME = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed"}
 @dataclass(frozen=True)
 class WorkItem:
     """A trial handed to a rank: its Optuna ``number``, the suggested ``params`` and the
-    ``checkpoint_key`` (directory name of its checkpoints; a re-run keeps its predecessor's)."""
+    ``checkpoint_key`` (directory name of its checkpoints; a re-run keeps its predecessor's), and
+    as in `scamp_jax.hpo.study.AskedTrial` the ``siblings`` enqueued for it (fusion) and the
+    trial it is a ``sibling_of``."""
 
     number: int
     params: dict[str, Any]
     checkpoint_key: str = ""
+    siblings: int = 0
+    sibling_of: int | None = None
+
+
+def sibling_choice(rank: int, waiting: Sequence[tuple[int, int | None]],
+                   owners: Mapping[int, int]) -> list[int]:
+    """The waiting trials ``rank`` may take, in the order it takes them.
+
+    ``waiting``: ``(number, sibling_of)`` of each waiting trial, in queue order (``sibling_of``
+    None: not a sibling); ``owners``: proposed trial -> the rank it was handed to. The siblings
+    of ``rank``'s own proposals come first, then the trials no rank holds (plain queued trials,
+    siblings of a proposal no rank owns); the siblings of other ranks' proposals are left out.
+    """
+    own = [n for n, of in waiting if of is not None and owners.get(of) == rank]
+    free = [n for n, of in waiting if of is None or of not in owners]
+    return own + free
 
 
 class StudyServer:
@@ -80,6 +109,9 @@ class StudyServer:
         through its heartbeat and never touches the trials of other live jobs.
       root: the study's directory; a told ``checkpoint`` attribute under it is stored relative
         to it (as `OptunaTrialSource` does), so a copied study folder still finds its checkpoints.
+      siblings, training_keys: fused groups, as for `OptunaTrialSource` (see
+        `scamp_jax.hpo.search.fusion_source_kwargs`); a proposal's siblings are reserved for
+        the rank it went to (module doc).
     """
 
     def __init__(
@@ -92,6 +124,8 @@ class StudyServer:
         poll_seconds: float = 0.005,
         fail_stale: bool | None = None,
         root: str | Path | None = None,
+        siblings: int = 0,
+        training_keys: Sequence[str] = (),
     ):
         mpi = import_mpi4py()
         base = mpi.COMM_WORLD if comm is None else comm
@@ -110,12 +144,15 @@ class StudyServer:
         self.comm = base.Dup()
         self.poll_seconds = poll_seconds
         space = SearchSpace(study.study_name, suggest, build=_no_build)
-        probe = OptunaTrialSource(study, space, n_trials, root=root)
+        fusion = {"siblings": siblings, "training_keys": training_keys}
+        probe = OptunaTrialSource(study, space, n_trials, root=root, **fusion)
         if fail_stale is None:
             fail_stale = not probe.has_liveness
         self.source = (OptunaTrialSource(study, space, n_trials, root=root,
-                                         recover_running=True)
+                                         recover_running=True, **fusion)
                        if fail_stale else probe)
+        self._owners: dict[int, int] = {}  # proposed trial -> the rank holding its siblings
+        self._ask_lock = threading.Lock()
         self.stale_failed = list(self.source.recovered)
         self._already = self.source.finished()
         self._open_workers = base.Get_size() - 1
@@ -133,12 +170,31 @@ class StudyServer:
         return self.source.remaining()
 
     def ask(self, rank: int) -> WorkItem | None:
-        """Next trial for ``rank`` (a queued re-run first), or None once ``n_trials`` are
-        finished or handed out."""
-        asked = self.source.ask(attrs={"rank": rank})
-        if asked is None:
-            return None
-        return WorkItem(asked.number, dict(asked.params), asked.checkpoint_key)
+        """Next trial for ``rank`` (its reserved siblings first, then a queued re-run), or None
+        once ``n_trials`` are finished, handed out or reserved for other ranks."""
+        with self._ask_lock:  # the reservations change with each ask
+            choose = (functools.partial(self._choose, rank) if self.source.siblings
+                      else None)
+            asked = self.source.ask(attrs={"rank": rank}, choose=choose)
+            if asked is None:  # the rank is done: its reservations (if any) are free
+                self._owners = {p: r for p, r in self._owners.items() if r != rank}
+                return None
+            if asked.siblings:
+                self._owners[asked.number] = rank
+            elif asked.sibling_of is not None:  # a family no rank held goes with this one
+                self._owners.setdefault(asked.sibling_of, rank)
+        return WorkItem(asked.number, dict(asked.params), asked.checkpoint_key,
+                        asked.siblings, asked.sibling_of)
+
+    def reserved(self) -> dict[int, int]:
+        """Proposed trials whose siblings are reserved: ``{number: rank}``."""
+        with self._ask_lock:
+            return dict(self._owners)
+
+    def _choose(self, rank: int, waiting: list[Any]) -> list[Any]:
+        by_number = {t.number: t for t in waiting}
+        order = sibling_choice(rank, [(t.number, _sibling_of(t)) for t in waiting], self._owners)
+        return [by_number[n] for n in order]
 
     def report(self, number: int, step: int, value: float) -> bool:
         """Record an intermediate ``value`` at ``step``; returns the pruner's verdict."""
@@ -222,7 +278,8 @@ class StudyServer:
                 if body != "more":  # a plain asker is finished once the study is full
                     self._open_workers -= 1
                 return ("done",)
-            return ("trial", item.number, item.params, item.checkpoint_key)
+            return ("trial", item.number, item.params, item.checkpoint_key, item.siblings,
+                    item.sibling_of)
         if kind == "report":
             return ("pruned", self.report(*body))
         if kind == "tell":
@@ -289,7 +346,7 @@ class StudyClient:
             if not keep_open:
                 self._closed = True
             return None
-        return WorkItem(answer[1], answer[2], answer[3])
+        return WorkItem(*answer[1:])
 
     def report(self, number: int, step: int, value: float) -> bool:
         """Report an intermediate value; True when the trial should be pruned."""
@@ -334,6 +391,11 @@ class StudyClient:
         self._closed = True
 
 
+def _sibling_of(trial: Any) -> int | None:
+    of = trial.user_attrs.get(SIBLING_OF)
+    return None if of is None else int(of)
+
+
 def _no_build(config: Any, rngs: Any) -> Any:
     raise TypeError("the study server only suggests configurations; ranks build the models")
 
@@ -344,6 +406,7 @@ def shared_study(
     n_trials: int,
     comm: Any = None,
     root: str | Path | None = None,
+    **fusion: Any,
 ) -> tuple[StudyClient, StudyServer | None]:
     """Set up the shared study on every rank (collective).
 
@@ -351,10 +414,12 @@ def shared_study(
     `StudyServer` and returns ``(local client, server)``; the others return
     ``(remote client, None)``. When its own trials are done, rank 0 calls ``server.join()``.
     ``root`` is the study's directory: checkpoint paths under it are stored relative to it.
+    ``fusion``: the server's ``siblings`` and ``training_keys`` (fused groups; none by default).
     """
     mpi = import_mpi4py()
     comm = mpi.COMM_WORLD if comm is None else comm
     if comm.Get_rank() == 0:
-        server = StudyServer(make_study(), suggest, n_trials, comm=comm, root=root).start()
+        server = StudyServer(make_study(), suggest, n_trials, comm=comm, root=root,
+                             **fusion).start()
         return StudyClient.local(server), server
     return StudyClient.remote(comm), None

@@ -24,6 +24,8 @@
    queue as plain trials.
 
 Each member's record gets ``fused_group`` (the group id, or None) and ``fusion_width``.
+Under MPI (`scamp_jax.distributed.engine`) each rank's engine groups only the trials it was
+handed; rank 0's study server hands a proposal's siblings to the proposal's rank.
 """
 
 from __future__ import annotations

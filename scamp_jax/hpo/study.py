@@ -555,12 +555,19 @@ class OptunaTrialSource:
             return max(0, self.n_trials - finished - running)
 
     # -- ask-and-tell ---------------------------------------------------------------------------
-    def ask(self, attrs: Mapping[str, Any] | None = None) -> AskedTrial | None:
+    def ask(self, attrs: Mapping[str, Any] | None = None, *,
+            choose: Callable[[list[FrozenTrial]], list[FrozenTrial]] | None = None,
+            ) -> AskedTrial | None:
         """Next configuration (a queued retry first), or ``None`` once the total is reached.
 
         ``attrs`` (JSON-serialisable) are stored with the trial. With nothing of its own running
         while other processes' trials run, a study with a heartbeat waits for them to finish
         (then ``None``) or to go stale (then their retries are asked).
+
+        ``choose`` (None: Optuna's queue order) gets the study's waiting trials and returns those
+        this ask may take, the preferred first; the others are held for later asks (e.g. another
+        rank's siblings) and count as taken, so a new proposal never takes the study past
+        ``n_trials``.
         """
         while True:
             with self._lock:
@@ -568,9 +575,13 @@ class OptunaTrialSource:
                 with self._ask_lock():
                     self._fail_stale()
                     finished, running = self._counts()
-                    if finished + running < self.n_trials:
-                        with _quiet_optuna():
-                            trial = self.study.ask()
+                    if choose is None:
+                        if finished + running < self.n_trials:
+                            with _quiet_optuna():
+                                trial = self.study.ask()
+                    else:
+                        trial = self._ask_chosen(choose, finished + running)
+                    if trial is not None:
                         self._start_heartbeat(trial.number)
                         # Free slots for siblings: not this trial, nor trials already waiting.
                         room = self.n_trials - finished - running - 1 - self._waiting()
@@ -582,6 +593,34 @@ class OptunaTrialSource:
                 if self._live or running == 0 or not self.has_liveness:
                     return None
             time.sleep(self.poll_seconds)
+
+    def _ask_chosen(self, choose: Callable[[list[FrozenTrial]], list[FrozenTrial]],
+                    taken: int) -> optuna.Trial | None:
+        """`ask` with ``choose``: the first waiting trial it allows, else a new trial, while
+        ``taken`` (finished and running) plus the waiting trials it holds back leave a slot."""
+        storage = self.study._storage
+        while True:
+            waiting = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+            allowed = choose(list(waiting))
+            if taken + len(waiting) - len(allowed) >= self.n_trials:
+                return None
+            if not allowed:
+                study_id = storage.get_study_id_from_name(self.study.study_name)
+                return self._open_trial(storage.create_new_trial(study_id))
+            for frozen in allowed:
+                try:  # the claim of Optuna's own queue pop (another process may win it)
+                    if storage.set_trial_state_values(frozen._trial_id, state=TrialState.RUNNING):
+                        return self._open_trial(frozen._trial_id)
+                except optuna.exceptions.UpdateFinishedTrialError:
+                    continue
+            taken = sum(self._counts())  # all claimed elsewhere meanwhile: look again
+
+    def _open_trial(self, trial_id: int) -> optuna.Trial:
+        """The running trial ``trial_id`` as `optuna.Study.ask` returns it."""
+        with contextlib.suppress(AttributeError):  # as Study.ask: read the storage afresh
+            self.study._thread_local.cached_all_trials = None
+        with _quiet_optuna():
+            return optuna.Trial(self.study, trial_id)
 
     def _suggest(self, trial: optuna.Trial, attrs: Mapping[str, Any]) -> AskedTrial:
         if self._reseed is not None:  # a fresh seed per trial number: reruns do not replay
