@@ -598,19 +598,21 @@ class OptunaTrialSource:
                     taken: int) -> optuna.Trial | None:
         """`ask` with ``choose``: the first waiting trial it allows, else a new trial, while
         ``taken`` (finished and running) plus the waiting trials it holds back leave a slot."""
-        storage = self.study._storage
+        storage = self._storage if self._storage is not None else self.study._storage
+        study_id = storage.get_study_id_from_name(self.study.study_name)
         while True:
             waiting = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
             allowed = choose(list(waiting))
             if taken + len(waiting) - len(allowed) >= self.n_trials:
                 return None
             if not allowed:
-                study_id = storage.get_study_id_from_name(self.study.study_name)
                 return self._open_trial(storage.create_new_trial(study_id))
             for frozen in allowed:
                 try:  # the claim of Optuna's own queue pop (another process may win it)
-                    if storage.set_trial_state_values(frozen._trial_id, state=TrialState.RUNNING):
-                        return self._open_trial(frozen._trial_id)
+                    trial_id = storage.get_trial_id_from_study_id_trial_number(
+                        study_id, frozen.number)
+                    if storage.set_trial_state_values(trial_id, state=TrialState.RUNNING):
+                        return self._open_trial(trial_id)
                 except optuna.exceptions.UpdateFinishedTrialError:
                     continue
             taken = sum(self._counts())  # all claimed elsewhere meanwhile: look again
