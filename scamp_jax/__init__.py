@@ -21,6 +21,7 @@ from scamp_jax.hpo.fused_runner import architecture_signature as architecture_si
 from scamp_jax.hpo.fused_runner import run_fused_group as run_fused_group
 from scamp_jax.hpo.search import SearchSettings as SearchSettings
 from scamp_jax.hpo.search import run_search as run_search
+from scamp_jax.hpo.study import AskLater as AskLater
 from scamp_jax.hpo.study import OptunaTrialSource as OptunaTrialSource
 from scamp_jax.hpo.study import StudySettingsError as StudySettingsError
 from scamp_jax.hpo.study import TrialOutcome as TrialOutcome
@@ -92,6 +93,7 @@ __all__ = [
     "MemoryEstimate",
     "MemoryModel",
     "OptunaTrialSource",
+    "AskLater",
     "PlanCache",
     "Placement",
     "Plan",

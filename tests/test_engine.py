@@ -271,6 +271,31 @@ def test_ctrl_c_checkpoints_running_trials_and_a_new_run_resumes_them(tmp_path):
     assert max(t.user_attrs["resumed_from"] for t in complete) >= 30
 
 
+def test_a_run_with_trials_of_its_own_also_reruns_a_dead_process_trial(tmp_path):
+    """A dead process left trial 0 RUNNING (its heartbeat not stale yet when this run starts).
+    The engine runs the study's other trial, is told to ask again later rather than that the
+    study is done, and runs trial 0's retry once it goes stale: two trials finish, not one."""
+    def storage():
+        return open_study("mlp", study_dir=tmp_path, direction="minimize", sampler="random",
+                          seed=0, heartbeat_interval=1, grace_period=3)
+
+    study = storage()
+    for width in (16, 32):
+        study.enqueue_trial(ok(width))
+    dead = OptunaTrialSource(study, SPACE, 2)
+    lost = dead.ask()
+    dead.close()  # the process is gone: trial 0 stays RUNNING and stops beating
+    source = OptunaTrialSource(storage(), SPACE, 2, poll_seconds=0.2)
+    SearchEngine(SPACE, Regression(), source, config(), devices=jax.devices()[:2],
+                 checkpoint_root=tmp_path / "ckpt").run()
+    source.close()
+    trials = study.get_trials()
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert sorted(t.params["width"] for t in complete) == [16, 32]
+    assert trials[lost.number].state == TrialState.FAIL  # failed stale, then retried
+    assert not study.get_trials(states=(TrialState.RUNNING, TrialState.WAITING))
+
+
 def test_a_trial_behind_the_others_is_pruned_from_its_intermediate_evaluations(tmp_path):
     configs = [ok(16, 1e-2), ok(16, 2e-2), ok(16, 1e-6)]
     study, source = make_source(tmp_path, configs, pruner="median", warmup_steps=5)

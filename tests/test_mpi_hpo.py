@@ -474,16 +474,9 @@ def test_a_fused_study_killed_under_mpirun_resumes_and_runs_every_sibling(tmp_pa
     complete = {n for n, s, _ in stored if s == "COMPLETE"}
     assert before <= complete  # nothing finished was lost
     assert waiting <= complete  # siblings the dead job left waiting ran (on one rank)
-    assert "WAITING" not in {s for _, s, _ in stored}
-    # A trial of the dead job whose heartbeat was not stale yet when the ranks were told done
-    # stays RUNNING until the next run; never more than --trials count.
-    running = {n for n, s, _ in stored if s == "RUNNING"}
-    assert len(complete) + len(running) == 8
-    if running:
-        proc = _launch(tmp_path, 2, "--trials", "8", "--fuse", "2")
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        stored = _stored_trials(tmp_path)
-        complete = {n for n, s, _ in stored if s == "COMPLETE"}
-    assert before <= complete and len(complete) == 8  # exactly --trials
+    # Trials the dead job left RUNNING were waited for until their heartbeat went stale, then
+    # retried: one re-run ends with exactly --trials, nothing left running or waiting.
+    assert {s for _, s, _ in stored} <= {"COMPLETE", "FAIL"}, stored
+    assert len(complete) == 8
     assert all(r in (INTERRUPTED, None) for n, s, r in stored if s != "COMPLETE")
     assert sorted(t["number"] for t in _results(tmp_path)["trials"]) == sorted(complete)

@@ -25,6 +25,8 @@ EXPECTED = {
     # fused groups in the engine: the signature trials group by and the grouping rule
     "architecture_signature", "form_groups",
     "StudySettingsError", "open_storage",
+    # the trial source's "ask again later" (a dead job's trials may still need retries)
+    "AskLater",
     # scheduling core (events in, actions out) and its replay of a finished study
     "SchedulingCore", "TrialPlan", "replay_study",
 }

@@ -13,6 +13,8 @@ from scamp_jax.hpo.study import (
     CHECKPOINT_KEY,
     FAIL_REASON,
     INTERRUPTED,
+    AskedTrial,
+    AskLater,
     OptunaTrialSource,
     StudySettingsError,
     TrialOutcome,
@@ -21,6 +23,7 @@ from scamp_jax.hpo.study import (
     open_study,
     retried_from,
     storage_url,
+    when_full,
 )
 from scamp_jax.space import SearchSpace
 
@@ -126,7 +129,8 @@ def test_a_live_process_keeps_its_trials(tmp_path):
     second = source(tmp_path, 2, heartbeat=1)
     theirs = second.ask()
     assert second.recovered == [] and theirs.number != mine.number
-    assert second.ask() is None  # the study is full: nothing more to ask
+    # The study is full, but the first process's trial still runs: it may yet need a retry.
+    assert second.ask() == AskLater(0.2)
     first.tell(TrialOutcome(mine.number, "complete", value=1.0))
     second.tell(TrialOutcome(theirs.number, "complete", value=2.0))
     states = [t.state for t in first.study.get_trials()]
@@ -141,9 +145,44 @@ def test_a_waiting_process_finishes_when_the_others_do(tmp_path):
     second = source(tmp_path, 1, heartbeat=1)
     timer = threading.Timer(1.5, first.tell, [TrialOutcome(mine.number, "complete", value=1.0)])
     timer.start()
-    assert second.ask() is None  # waited for the running trial, which completed
+    answers = []
+    while (answer := second.ask()) is not None:  # ask again later, until the trial completed
+        answers.append(answer)
+        time.sleep(answer.seconds)
+    assert answers and set(answers) == {AskLater(0.2)}
     assert [t.state for t in second.study.get_trials()] == [TrialState.COMPLETE]
     first.close()
+
+
+def test_a_busy_process_still_retries_a_dead_process_trial(tmp_path):
+    """A process with trials of its own running is not done while a dead process's trial is
+    still RUNNING: it is told to ask again later, and once the heartbeat is stale it gets the
+    retry, so the study ends with every trial it asked for."""
+    dead = source(tmp_path, 2, heartbeat=1)
+    lost = dead.ask()
+    dead.close()  # its process died: the trial stops beating and stays RUNNING
+    alive = source(tmp_path, 2, heartbeat=1)
+    mine = alive.ask()
+    assert mine.number != lost.number
+    answer = alive.ask()
+    assert answer == AskLater(0.2)  # not None, although this source has a trial running
+    deadline = time.monotonic() + 20
+    while isinstance(answer, AskLater) and time.monotonic() < deadline:
+        time.sleep(answer.seconds)
+        answer = alive.ask()
+    assert isinstance(answer, AskedTrial) and retried_from(
+        alive.study.get_trials()[answer.number]) == lost.number
+    alive.tell(TrialOutcome(mine.number, "complete", value=1.0))
+    alive.tell(TrialOutcome(answer.number, "complete", value=2.0))
+    assert alive.ask() is None
+    assert sum(t.state == TrialState.COMPLETE for t in alive.study.get_trials()) == 2
+    alive.close()
+
+
+def test_when_full_asks_again_only_for_other_processes_trials_under_a_heartbeat():
+    assert when_full(0, True, 1.0) is None
+    assert when_full(2, True, 1.5) == AskLater(1.5)
+    assert when_full(2, False, 1.5) is None  # without liveness nothing would ever retry them
 
 
 def test_extending_a_study_draws_new_configurations(tmp_path):

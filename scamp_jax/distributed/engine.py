@@ -22,6 +22,12 @@ averaged by mpi4jax inside the jitted step (`scamp_jax.distributed.spanning`). I
 which every rank must see (one host, or a shared file system) for a re-run on another rank to
 resume from them.
 
+A job that dies (a rank killed, ``mpirun`` ended) is resumed by the same command. Trials the dead
+job left running are failed and queued again once their heartbeat is older than the grace period
+(``settings.grace_period``, default `scamp_jax.hpo.study.GRACE_PERIOD` s, as on one host); until
+then a rank with nothing else to run is told to ask again later, not that the study is done, so
+the re-run ends with exactly ``settings.trials`` finished trials.
+
 Fused groups (``settings.fuse``, as `scamp_jax.hpo.search.run_search` wires it): rank 0's server
 enqueues siblings for each trial the sampler proposes and reserves them for the rank that got
 the proposal (`scamp_jax.distributed.study`), and each rank's engine fuses only its own trials;
@@ -54,7 +60,7 @@ from scamp_jax.distributed.spanning import (
 )
 from scamp_jax.distributed.study import StudyClient, shared_study
 from scamp_jax.hpo.engine import SearchEngine, TrialDeferred
-from scamp_jax.hpo.study import AskedTrial, TrialOutcome
+from scamp_jax.hpo.study import AskedTrial, AskLater, TrialOutcome
 from scamp_jax.planning import planner
 from scamp_jax.planning.plan_cache import PlanCache
 
@@ -81,11 +87,12 @@ class RemoteTrialSource:
         """Trials the study has still to hand out, to any rank."""
         return self.client.remaining()
 
-    def ask(self) -> AskedTrial | None:
-        """Next configuration for this rank, or ``None`` once the study has all its trials."""
+    def ask(self) -> AskedTrial | AskLater | None:
+        """Next configuration for this rank; `AskLater` while a dead job's trials may still need
+        retries; ``None`` once the study has all its trials."""
         item = self.client.ask(keep_open=True)
-        if item is None:
-            return None
+        if item is None or isinstance(item, AskLater):
+            return item
         return AskedTrial(item.number, dict(item.params),
                           item.checkpoint_key or f"trial_{item.number}",
                           siblings=item.siblings, sibling_of=item.sibling_of)
@@ -254,7 +261,7 @@ def _run(space: Any, task: Any, settings: Any, devices: Sequence[Any], memory_pe
         study_settings,
         write_study_report,
     )
-    from scamp_jax.hpo.study import open_study
+    from scamp_jax.hpo.study import GRACE_PERIOD, HEARTBEAT_INTERVAL, open_study
 
     study_dir = Path(settings.study_dir)
 
@@ -264,6 +271,8 @@ def _run(space: Any, task: Any, settings: Any, devices: Sequence[Any], memory_pe
             direction=task.direction, sampler=settings.sampler, pruner=settings.pruner,
             seed=settings.seed, grid=space.grid, warmup_steps=settings.eval_every,
             settings=study_settings(space, settings, memory_per_device),
+            heartbeat_interval=getattr(settings, "heartbeat_interval", HEARTBEAT_INTERVAL),
+            grace_period=getattr(settings, "grace_period", GRACE_PERIOD),
         )
         if not study.get_trials(deepcopy=False):
             for params in getattr(settings, "initial_params", ()):

@@ -7,7 +7,8 @@ in a background thread of rank 0 and answers the other ranks' messages (mpi4py, 
 request (worker -> rank 0)                           answer (rank 0 -> worker)
 ==================================================  =============================================
 ``("ask", None)``                                    ``("trial", number, params, checkpoint_key,
-                                                     siblings, sibling_of)`` or ``("done",)``
+                                                     siblings, sibling_of)``, ``("later",
+                                                     seconds)`` (ask again then) or ``("done",)``
                                                      (the worker is finished)
 ``("ask", "more")``                                  the same, but ``"done"`` does not finish the
                                                      worker: it still reports and tells
@@ -28,6 +29,9 @@ the same command resumes the study and loses no finished trial. Trials of a dead
 recovered as the trial source recovers them: by the heartbeat of a study opened with
 `scamp_jax.hpo.study.open_study`, or at once (``fail_stale``) for a study without one; a retry keeps
 its original's parameters and checkpoint key, so the restart resumes it from its last checkpoint.
+While a dead job's trials are still running in the storage (their heartbeat not stale yet), a rank
+that finds nothing else to run is answered ``"later"``, not ``"done"``: the restart runs their
+retries too and ends with exactly ``n_trials``.
 
 Fused groups (``siblings``, see `OptunaTrialSource`): the siblings enqueued for a trial the sampler
 proposed are reserved for the rank that got the proposal, so that its engine can fuse them; they
@@ -53,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from scamp_jax.distributed.mpi import import_mpi4py
-from scamp_jax.hpo.study import SIBLING_OF, OptunaTrialSource, TrialOutcome
+from scamp_jax.hpo.study import SIBLING_OF, AskLater, OptunaTrialSource, TrialOutcome
 from scamp_jax.space import SearchSpace
 
 # Tags of the study's messages: requests to rank 0 and answers from it. Distinct from any tag
@@ -169,13 +173,16 @@ class StudyServer:
         """Trials still to hand out before the study reaches ``n_trials``."""
         return self.source.remaining()
 
-    def ask(self, rank: int) -> WorkItem | None:
+    def ask(self, rank: int) -> WorkItem | AskLater | None:
         """Next trial for ``rank`` (its reserved siblings first, then a queued re-run), or None
-        once ``n_trials`` are finished, handed out or reserved for other ranks."""
+        once ``n_trials`` are finished, handed out or reserved for other ranks. `AskLater`:
+        nothing now, but a dead job's trials still run in the storage and may need a retry."""
         with self._ask_lock:  # the reservations change with each ask
             choose = (functools.partial(self._choose, rank) if self.source.siblings
                       else None)
             asked = self.source.ask(attrs={"rank": rank}, choose=choose)
+            if isinstance(asked, AskLater):
+                return asked
             if asked is None:  # the rank is done: its reservations (if any) are free
                 self._owners = {p: r for p, r in self._owners.items() if r != rank}
                 return None
@@ -274,6 +281,8 @@ class StudyServer:
         kind, body = msg
         if kind == "ask":
             item = self.ask(rank)
+            if isinstance(item, AskLater):
+                return ("later", item.seconds)
             if item is None:
                 if body != "more":  # a plain asker is finished once the study is full
                     self._open_workers -= 1
@@ -333,20 +342,28 @@ class StudyClient:
             self._comm.send((kind, body), 0, tag=REQUEST_TAG)
             return self._comm.recv(source=0, tag=REPLY_TAG)
 
-    def ask(self, *, keep_open: bool = False) -> WorkItem | None:
+    def ask(self, *, keep_open: bool = False) -> WorkItem | AskLater | None:
         """The next trial to run, or None when the study needs no more.
 
-        By default a None also tells rank 0 that this rank is finished. With ``keep_open`` the
-        rank may still report and tell trials it holds, and calls `close` when it is done.
+        By default a None also tells rank 0 that this rank is finished, and an answer "ask again
+        later" (a dead job's trials may still need retries) is waited out here. With
+        ``keep_open`` that answer is returned as `AskLater`, the rank may still report and tell
+        trials it holds, and calls `close` when it is done.
         """
-        if self._server is not None:
-            return self._server.ask(self.rank)
-        answer = self._call("ask", "more" if keep_open else None)
-        if answer[0] == "done":
-            if not keep_open:
-                self._closed = True
-            return None
-        return WorkItem(*answer[1:])
+        while True:
+            if self._server is not None:
+                item = self._server.ask(self.rank)
+            else:
+                answer = self._call("ask", "more" if keep_open else None)
+                if answer[0] == "done":
+                    if not keep_open:
+                        self._closed = True
+                    return None
+                item = (AskLater(float(answer[1])) if answer[0] == "later"
+                        else WorkItem(*answer[1:]))
+            if not isinstance(item, AskLater) or keep_open:
+                return item
+            time.sleep(item.seconds)
 
     def report(self, number: int, step: int, value: float) -> bool:
         """Report an intermediate value; True when the trial should be pruned."""

@@ -4,6 +4,8 @@ Every placement decision is made by a `scamp_jax.scheduling.SchedulingCore` (pur
 actions out; the cluster simulator drives the same core). This module is the loop around it:
 
 1. ask the `TrialSource` for configurations (a few more than can run, so placement has choice);
+   an `AskLater` answer (other processes' trials may still need retries) is asked again after
+   its seconds, and the loop ends only once the source answers ``None``;
 2. plan each one in the planner threads (`planner.plan_mesh`, cached per architecture): device
    count, model-parallel degree, the largest batch that fits, the predicted peak per device, and
    the step's FLOPs per device from ``cost_analysis()`` of the lowered step;
@@ -47,7 +49,7 @@ from scamp_jax.hpo.runner import (
     run_trial,
     trial_seed,
 )
-from scamp_jax.hpo.study import AskedTrial, TrialOutcome, TrialSource
+from scamp_jax.hpo.study import AskedTrial, AskLater, TrialOutcome, TrialSource
 from scamp_jax.planning import planner
 from scamp_jax.scheduling.core import PlanOption, SchedulingCore, TrialPlan
 from scamp_jax.scheduling.costs import attainable_flops
@@ -326,9 +328,14 @@ class SearchEngine(PlanningService, FusionService):
                 self.on_update(list(self.statuses.values()), self.pool)
 
     def _ask(self) -> bool:
-        """Ask for one configuration and start planning it; False when the study is full."""
+        """Ask for one configuration and start planning it; False when there is none: the
+        study is full (``_exhausted``) or the source said to ask again later (``_ask_at``)."""
         asked = self.source.ask()
+        if isinstance(asked, AskLater):
+            self._ask_at = time.monotonic() + asked.seconds
+            return False
         if asked is None:
+            self._exhausted = True
             return False
         status = self.statuses.setdefault(asked.number, TrialStatus(asked.number, asked.params))
         status.state = "planning"
@@ -633,6 +640,7 @@ class SearchEngine(PlanningService, FusionService):
         self._earlier_wall: dict[int, float] = {}
         self._oom_results = {}
         self._exhausted = False
+        self._ask_at = 0.0  # monotonic time before which the source said not to ask again
         self._last_wave_at: float | None = None
         self._init_fusion_run()
         lookahead = self.config.lookahead or len(self.devices)
@@ -643,15 +651,22 @@ class SearchEngine(PlanningService, FusionService):
                                               thread_name_prefix="planner")
         try:
             while True:
-                while (not self._exhausted and len(self.core.queued) + len(self._planning)
+                while (not self._exhausted and time.monotonic() >= self._ask_at
+                       and len(self.core.queued) + len(self._planning)
                        + len(self._replanning) < lookahead):
-                    self._exhausted = not self._ask()
+                    if not self._ask():
+                        break
                 self._form_groups()
                 self._set_last_wave()
                 busy = (self.core.queued or self._runs or self._planning or self._replanning
                         or self._fusion_pending())
                 if not busy:
-                    break
+                    if self._exhausted:
+                        break
+                    # Nothing of its own to do, but the study may still need work (another
+                    # process's trial may go stale): ask again when the source said to.
+                    time.sleep(max(0.0, self._ask_at - time.monotonic()))
+                    continue
                 self._feed_pace()
                 if self._last_wave_at is not None and not self.core.queued and self._runs:
                     self._resize_tail()

@@ -16,8 +16,11 @@ Liveness is Optuna's own: the storage has a heartbeat (`open_storage`), every li
 and a trial whose process died stops beating. After the grace period any process of the study
 fails it and Optuna's `RetryHeartbeatStaleTrialCallback` queues a copy with the same parameters;
 the copy is mapped to its original's checkpoint directory (``retried_trial_number``), so it resumes
-from the last checkpoint. Trials of live processes are never touched. A trial stopped on purpose
-(Ctrl-C, SIGTERM) is failed as ``"interrupted"`` by its own process and queued the same way.
+from the last checkpoint. Trials of live processes are never touched. While trials of other
+processes run, ``ask`` answers `AskLater` rather than ``None`` once the total is reached: they may
+still go stale and need a retry, so a process finishes only when no other process's trial is
+running. A trial stopped on purpose (Ctrl-C, SIGTERM) is failed as ``"interrupted"`` by its own
+process and queued the same way.
 
 Sampling does not replay: the sampler is re-seeded for every trial from the study's seed and the
 trial's number, so extending a finished study draws new configurations.
@@ -88,6 +91,32 @@ class AskedTrial:
 
 
 @dataclass(frozen=True)
+class AskLater:
+    """`TrialSource.ask`'s answer "nothing to hand out now, ask again in ``seconds``".
+
+    The study has reached its total, but trials of other processes are still running: one whose
+    process died goes stale after the grace period and its retry must be asked then. ``None``,
+    by contrast, means the study needs nothing more from the asker.
+    """
+
+    seconds: float
+
+
+def when_full(foreign_running: int, has_liveness: bool, poll_seconds: float) -> AskLater | None:
+    """The answer of an ask that found nothing to hand out.
+
+    ``foreign_running``: trials ``RUNNING`` in the storage that the asking source did not hand
+    out (other processes', or a dead job's whose heartbeat is not stale yet). With a heartbeat
+    each of them either finishes or goes stale and is retried, so the asker is told to ask again
+    in ``poll_seconds``; without one (or with none running) the study is done for it. The
+    source's own running trials do not matter: it tells them itself.
+    """
+    if foreign_running > 0 and has_liveness:
+        return AskLater(poll_seconds)
+    return None
+
+
+@dataclass(frozen=True)
 class TrialOutcome:
     """How a trial ended, as the study is told.
 
@@ -121,8 +150,9 @@ class TrialSource(Protocol):
         """Trials still to be asked before the study reaches its total."""
         ...
 
-    def ask(self) -> AskedTrial | None:
-        """Next configuration, or ``None`` when the study has all the trials it needs."""
+    def ask(self) -> AskedTrial | AskLater | None:
+        """Next configuration; `AskLater` when there is none now but the study may still need
+        one (ask again after its ``seconds``); ``None`` when the study needs nothing more."""
         ...
 
     def report(self, number: int, step: int, value: float) -> bool:
@@ -414,16 +444,18 @@ class OptunaTrialSource:
 
     Any number of sources (in one process or many, on hosts sharing the database) may work on
     one study: a source asks a trial only while finished plus running trials of all processes
-    are fewer than ``n_trials``. A source that has nothing running while other processes' trials
-    run waits (polling every ``poll_seconds`` seconds) until they finish or their heartbeat goes
-    stale, then retries the dead ones. Studies opened by `open_study` get liveness, per-trial
-    sampler seeds and the cross-process ask lock; any other study is used as it is.
+    are fewer than ``n_trials``. While other processes' trials run (whether or not this source
+    has trials of its own running), a study with a heartbeat answers `AskLater` (ask again in
+    ``poll_seconds``) until they finish or their heartbeat goes stale, then hands out the
+    retries of the dead ones; ``ask`` itself never waits. Studies opened by `open_study` get
+    liveness, per-trial sampler seeds and the cross-process ask lock; any other study is used as
+    it is.
 
     Args:
       study: the study (see `open_study`).
       space: the search space whose ``suggest`` draws configurations.
       n_trials: the study's total number of trials (finished ones from earlier runs count).
-      poll_seconds: seconds between looks at other processes' trials while waiting for them.
+      poll_seconds: seconds an `AskLater` answer asks the caller to wait before asking again.
       root: the study's directory; a told ``checkpoint`` attribute under it is stored relative
         to it, so a copied study folder still finds its checkpoints.
       recover_running: fail every trial left ``RUNNING`` now and queue it again, without
@@ -557,42 +589,41 @@ class OptunaTrialSource:
     # -- ask-and-tell ---------------------------------------------------------------------------
     def ask(self, attrs: Mapping[str, Any] | None = None, *,
             choose: Callable[[list[FrozenTrial]], list[FrozenTrial]] | None = None,
-            ) -> AskedTrial | None:
-        """Next configuration (a queued retry first), or ``None`` once the total is reached.
+            ) -> AskedTrial | AskLater | None:
+        """Next configuration (a queued retry first); `AskLater` or ``None`` once the total is
+        reached (`when_full`).
 
-        ``attrs`` (JSON-serialisable) are stored with the trial. With nothing of its own running
-        while other processes' trials run, a study with a heartbeat waits for them to finish
-        (then ``None``) or to go stale (then their retries are asked).
+        ``attrs`` (JSON-serialisable) are stored with the trial. While trials this source did not
+        hand out are running, a study with a heartbeat answers `AskLater`: they may finish, or go
+        stale (their retries are then asked). ``None``: every other trial is finished.
 
         ``choose`` (None: Optuna's queue order) gets the study's waiting trials and returns those
         this ask may take, the preferred first; the others are held for later asks (e.g. another
         rank's siblings) and count as taken, so a new proposal never takes the study past
         ``n_trials``.
         """
-        while True:
-            with self._lock:
-                trial = None
-                with self._ask_lock():
-                    self._fail_stale()
-                    finished, running = self._counts()
-                    if choose is None:
-                        if finished + running < self.n_trials:
-                            with _quiet_optuna():
-                                trial = self.study.ask()
-                    else:
-                        trial = self._ask_chosen(choose, finished + running)
-                    if trial is not None:
-                        self._start_heartbeat(trial.number)
-                        # Free slots for siblings: not this trial, nor trials already waiting.
-                        room = self.n_trials - finished - running - 1 - self._waiting()
-                if trial is not None:
-                    asked = self._suggest(trial, attrs or {})
-                    if self.siblings and room > 0 and self._proposed(trial):
-                        asked = self._enqueue_siblings(asked, min(self.siblings, room))
-                    return asked
-                if self._live or running == 0 or not self.has_liveness:
-                    return None
-            time.sleep(self.poll_seconds)
+        with self._lock:
+            trial = None
+            with self._ask_lock():
+                self._fail_stale()
+                finished, running = self._counts()
+                if choose is None:
+                    if finished + running < self.n_trials:
+                        with _quiet_optuna():
+                            trial = self.study.ask()
+                else:
+                    trial = self._ask_chosen(choose, finished + running)
+                if trial is None:
+                    foreign = sum(t.number not in self._live for t in self.study.get_trials(
+                        deepcopy=False, states=(TrialState.RUNNING,)))
+                    return when_full(foreign, self.has_liveness, self.poll_seconds)
+                self._start_heartbeat(trial.number)
+                # Free slots for siblings: not this trial, nor trials already waiting.
+                room = self.n_trials - finished - running - 1 - self._waiting()
+            asked = self._suggest(trial, attrs or {})
+            if self.siblings and room > 0 and self._proposed(trial):
+                asked = self._enqueue_siblings(asked, min(self.siblings, room))
+            return asked
 
     def _ask_chosen(self, choose: Callable[[list[FrozenTrial]], list[FrozenTrial]],
                     taken: int) -> optuna.Trial | None:
