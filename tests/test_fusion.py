@@ -20,6 +20,7 @@ from scamp_jax.hpo.fused_runner import GroupSpec, MemberSpec, run_fused_group
 from scamp_jax.hpo.runner import RunSpec, StepCache, TrialStatus, make_optimizer, run_trial
 from scamp_jax.planning import planner
 from scamp_jax.planning.fusion import FusedStepCompiler, FusionPlan, plan_fusion
+from scamp_jax.planning.plan_cache import PlanCache
 
 #: relative tolerance of fused against solo (loss curve and held-out score).
 RTOL = 1e-5
@@ -286,3 +287,36 @@ def test_architecture_signature_ignores_training_hyperparameters():
     a = architecture_signature(SPACE, {"width": 16, "learning_rate": 1e-3})
     assert a == architecture_signature(SPACE, {"width": 16, "learning_rate": 3e-2})
     assert a != architecture_signature(SPACE, {"width": 32, "learning_rate": 1e-3})
+
+
+def test_a_fused_plan_compiles_nothing_the_second_time_from_the_plan_cache(tmp_path):
+    """The study's ``plans.sqlite`` holds every compiled fused point: the same group planned
+    again (a fresh cache object, as another process or a resumed study) compiles nothing and
+    decides the same; a plan on another mesh is not answered from those points."""
+    model = nnx.eval_shape(lambda: SPACE.build({"width": 64}, nnx.Rngs(0)))
+    task = Regression()
+    kw = {"optimizer": make_optimizer({}), "loss_fn": task.loss_fn}
+    member = planner.plan_mesh(model, task.sample_batch(1), devices=jax.devices()[:1],
+                               memory_per_device=BUDGET, max_batch_size=256, **kw)
+    compiler = FusedStepCompiler(model, task.sample_batch(1), member, **kw)
+    one, two = compiler.estimate(1, 256).peak, compiler.estimate(2, 256).peak
+    member = dataclasses.replace(member, memory_per_device=int((one + 2.5 * (two - one)) / 0.9))
+    path = tmp_path / "plans.sqlite"
+
+    def fused(plan: Any, cache: PlanCache) -> FusionPlan:
+        return plan_fusion(model, task.sample_batch(1), max_width=8, plan=plan, batch_size=256,
+                           cache=cache, **kw)
+
+    cold = fused(member, PlanCache(path))
+    assert cold.width == 3 and cold.compiles >= 2 and not cold.cached
+    warm = fused(member, PlanCache(path))
+    assert warm.compiles == 0 and warm.cached
+    assert (warm.width, warm.batch_size, warm.compiled_peaks, warm.predicted_peak_bytes) == (
+        cold.width, cold.batch_size, cold.compiled_peaks, cold.predicted_peak_bytes)
+    assert warm.estimate == cold.estimate
+    # Two devices (data-parallel 2): another mesh, another program; compiled, not looked up.
+    pair = planner.plan_mesh(model, task.sample_batch(1), devices=jax.devices()[:2],
+                             memory_per_device=BUDGET, max_batch_size=256, **kw)
+    other = plan_fusion(model, task.sample_batch(1), max_width=2, plan=pair, batch_size=256,
+                        cache=PlanCache(path), **kw)
+    assert other.compiles >= 1 and not other.cached

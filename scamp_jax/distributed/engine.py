@@ -294,19 +294,19 @@ def _run(space: Any, task: Any, settings: Any, devices: Sequence[Any], memory_pe
                       f"{settings.trials} trials finished before this run; {size} ranks",
                       markup=False, highlight=False)
     source = RemoteTrialSource(client)
+    # Every rank plans with the study's plan cache (one SQLite file, safe for concurrent
+    # writers): an architecture (or fused group) one rank planned, or an earlier run, costs the
+    # others no compile.
+    plan_cache = PlanCache(study_dir / "plans.sqlite")
     if plan_fn is None:
-        # Every rank plans with the study's plan cache (one SQLite file, safe for concurrent
-        # writers): an architecture one rank planned, or an earlier run, costs the others no
-        # compile.
-        plan_fn = functools.partial(planner.plan_mesh,
-                                    cache=PlanCache(study_dir / "plans.sqlite"))
+        plan_fn = functools.partial(planner.plan_mesh, cache=plan_cache)
     config = engine_config(settings, memory_per_device, rank=rank)
     stream: Any = None if rank == 0 and live else RankStream(rank)
     view = LiveView([memory_per_device] * len(devices), task.metric,
                     title=f"{title} (rank {rank} of {size})", stream=stream)
     engine = MPISearchEngine(size, space, task, source, config, devices=devices,
                              checkpoint_root=study_dir / "checkpoints", plan_fn=plan_fn,
-                             on_update=view.update)
+                             on_update=view.update, plan_cache=plan_cache)
     comm.Barrier()  # every rank asks from the start, so work spreads over all of them
     with view:
         result = engine.run()

@@ -51,6 +51,7 @@ from scamp_jax.hpo.runner import (
 )
 from scamp_jax.hpo.study import AskedTrial, AskLater, TrialOutcome, TrialSource
 from scamp_jax.planning import planner
+from scamp_jax.planning.plan_cache import PlanCache
 from scamp_jax.scheduling.core import PlanOption, SchedulingCore, TrialPlan
 from scamp_jax.scheduling.costs import attainable_flops
 from scamp_jax.scheduling.elastic import Resize
@@ -244,6 +245,9 @@ class SearchEngine(PlanningService, FusionService):
       checkpoint_root: directory for per-trial checkpoints (None: no checkpoints).
       plan_fn: the planner (``planner.plan_mesh`` signature); replaceable for tests.
       on_update: called with the list of `TrialStatus` whenever something changes (live view).
+      plan_cache: where fused plans are stored and looked up (``--fuse``): the study's
+        ``plans.sqlite``, which ``plan_fn`` usually uses too; None: fused groups are planned
+        (compiled) in every run.
     """
 
     def __init__(
@@ -257,8 +261,10 @@ class SearchEngine(PlanningService, FusionService):
         checkpoint_root: str | Path | None = None,
         plan_fn: PlanFn | None = None,
         on_update: Callable[[Sequence[TrialStatus], Any], None] | None = None,
+        plan_cache: PlanCache | None = None,
     ) -> None:
         self.space, self.task, self.source, self.config = space, task, source, config
+        self.plan_cache = plan_cache
         self.devices = list(devices if devices is not None else jax.devices())
         self.checkpoint_root = Path(checkpoint_root) if checkpoint_root else None
         self.plan_fn = plan_fn or planner.plan_mesh

@@ -7,7 +7,8 @@
    also its architecture signature (`scamp_jax.hpo.fused_runner.architecture_signature`), the step
    its checkpoint resumes from, and the widest fused group of its architecture that fits
    (`scamp_jax.planning.fusion.plan_fusion` on the trial's own plan and batch, cached per
-   architecture);
+   architecture in memory and, with the engine's ``plan_cache``, in the study's
+   ``plans.sqlite``: a resumed study plans its groups without compiling);
 2. holds planned trials in a *forming* buffer and asks the pure rule
    `scamp_jax.scheduling.grouping.form_groups` which ones go together; a trial the sampler
    proposed has its siblings (same architecture, training hyperparameters from the sampler)
@@ -163,7 +164,7 @@ class FusionService:
             fusion: FusionPlan | None = plan_fusion(
                 self._abstract(params), self.task.sample_batch(1), max_width=self._fuse_cap,
                 plan=plan, batch_size=int(plan.batch_size), optimizer=make_optimizer({}),
-                loss_fn=self.task.loss_fn)
+                loss_fn=self.task.loss_fn, cache=self.plan_cache)
         except (planner.DoesNotFitError, TypeError, ValueError):
             fusion = None  # e.g. a fake plan in tests, or one member does not fit fused
         if fusion is not None and fusion.width < 2:

@@ -172,13 +172,14 @@ def run_search(
     config = engine_config(settings, memory_per_device)
     stream: Any = None if live else _PlainStream()
     view = LiveView([memory_per_device] * len(devices), task.metric, title=title, stream=stream)
+    # Plans, fused plans and compiled peaks persist next to the study: a resumed study, or
+    # another process on it, plans an architecture it has planned before without compiling.
+    plan_cache = PlanCache(study_dir / "plans.sqlite")
     if plan_fn is None:
-        # Plans and compiled peaks persist next to the study: a resumed study, or another
-        # process on it, plans an architecture it has planned before without compiling.
-        plan_fn = functools.partial(plan_mesh, cache=PlanCache(study_dir / "plans.sqlite"))
+        plan_fn = functools.partial(plan_mesh, cache=plan_cache)
     engine = SearchEngine(space, task, source, config, devices=devices,
                           checkpoint_root=out_dir / "checkpoints", plan_fn=plan_fn,
-                          on_update=view.update)
+                          on_update=view.update, plan_cache=plan_cache)
     started = time.monotonic()
     try:
         with view:

@@ -22,14 +22,19 @@ vmapped kernels (the test measures it).
 
 Planning (`plan_fusion`) sizes a group as the planner sizes a trial: from compiling the fused
 step on abstract arguments and reading XLA's memory analysis: the widest ``K`` (up to a cap) that
-fits the device budget, then the largest per-member batch at that width.
+fits the device budget, then the largest per-member batch at that width. With a
+`scamp_jax.planning.plan_cache.PlanCache` (``cache=``) a fused plan is stored next to the member
+plans: planned again (a resumed study, another process, a narrower group of the same
+architecture) it compiles nothing, and every compiled ``(width, batch)`` point seeds later fused
+searches of the same program on the same mesh and shardings.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
@@ -42,9 +47,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from scamp_jax._units import format_bytes
 from scamp_jax.planning import sharding as sh
 from scamp_jax.planning.memory import CPU_FAST_COMPILE, MemoryEstimate
+from scamp_jax.planning.plan_cache import PlanCache, cache_key, device_identity, program_signature
 from scamp_jax.planning.planner import (
     DoesNotFitError,
     Plan,
+    _estimate_record,
     plan_mesh,
     resolve_budget,
     resolve_devices,
@@ -89,6 +96,9 @@ def _keep(active: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
 #: ``"map"`` (``lax.map``: the solo step's kernels, one member after another inside one
 #: program; each member's arithmetic is its solo run's).
 FUSION_MODES = ("vmap", "map")
+#: Part of every cached fused point's key: bumped when the fused step's program changes, so a
+#: plan cache never answers with the memory of an older fused step.
+FUSED_STEP_VERSION = 1
 
 
 def make_fused_step(
@@ -269,13 +279,15 @@ class FusionPlan:
       batch_size: samples per member per step (``B``, a multiple of ``plan.data_parallel``).
       peak_bytes_per_device: compiled peak of the fused step at ``(width, batch_size)``, bytes.
       estimate: the memory breakdown of that compile (per-device bytes of all members).
-      compiled_peaks: ``(width, batch, peak bytes)`` of every fused compile, in search order.
+      compiled_peaks: ``(width, batch, peak bytes)`` of every compiled point the search used, in
+        search order (compiled now or found in a plan cache).
       planning_seconds, compiles: what fused planning cost (seconds; fused compiles, on top of
-        the member plan's own).
+        the member plan's own; points from a plan cache are not compiles).
       predicted_peak_bytes: the most the group holds on a device at any time, bytes: training
         (compiled fused step + every member's prefetched batch) or evaluating one member (the
         member plan's evaluation peak + the stacked state + the prefetched batches), whichever
         is larger; what a scheduler books for the group (None: the step's peak).
+      cached: True when every point came from a `PlanCache`: nothing was compiled.
     """
 
     plan: Plan
@@ -287,6 +299,7 @@ class FusionPlan:
     planning_seconds: float = field(default=0.0, compare=False)
     compiles: int = field(default=0, compare=False)
     predicted_peak_bytes: int | None = None
+    cached: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.predicted_peak_bytes is None:
@@ -304,9 +317,7 @@ class FusionPlan:
 
     def with_devices(self, devices: Sequence[jax.Device]) -> FusionPlan:
         """The same group decision on other devices of the same count (`Plan.with_devices`)."""
-        return FusionPlan(self.plan.with_devices(devices), self.width, self.batch_size,
-                          self.peak_bytes_per_device, self.estimate, self.compiled_peaks,
-                          self.planning_seconds, self.compiles, self.predicted_peak_bytes)
+        return replace(self, plan=self.plan.with_devices(devices))
 
     def describe(self) -> str:
         """A short human-readable summary."""
@@ -318,7 +329,12 @@ class FusionPlan:
 
 
 class FusedStepCompiler:
-    """Compiles the fused step on abstract arguments for a member plan; allocates nothing."""
+    """Compiles the fused step on abstract arguments for a member plan; allocates nothing.
+
+    With a `PlanCache` (``cache``) every compiled ``(width, batch)`` point is stored under the
+    program's signature, the devices, the mesh shape and the shardings (`FUSED_STEP_VERSION` and
+    the JAX versions included), and a point found there is not compiled again.
+    """
 
     def __init__(
         self,
@@ -327,6 +343,7 @@ class FusedStepCompiler:
         plan: Plan,
         optimizer: optax.GradientTransformation | None = None,
         loss_fn: LossFn | None = None,
+        cache: PlanCache | None = None,
     ) -> None:
         self.plan = plan
         self.sample_batch = sample_batch
@@ -340,6 +357,33 @@ class FusedStepCompiler:
         platforms = {d.platform for d in plan.devices}
         self.compiler_options = dict(CPU_FAST_COMPILE) if platforms == {"cpu"} else None
         self.seen: dict[tuple[int, int], MemoryEstimate] = {}
+        self.asked: dict[tuple[int, int], int] = {}  # the points this search used: their peaks
+        self.compiled = 0  # fused steps compiled by this object (points from the cache excluded)
+        self.cache = cache
+        self._cache_parts: dict[str, Any] | None = None
+        self._loaded: set[int] = set()  # widths whose cached points are in ``seen``
+        if cache is not None:
+            specs = jax.tree.map(lambda s: str(getattr(s, "spec", s)), self.shardings,
+                                 is_leaf=lambda x: isinstance(x, NamedSharding))
+            self._cache_parts = {
+                "kind": "fused_peaks", "fused_step": FUSED_STEP_VERSION,
+                "signature": program_signature(model, sample_batch, self.optimizer, loss_fn),
+                "devices": device_identity(plan.devices),
+                "mesh": [plan.data_parallel, plan.model_parallel],
+                "shardings": hashlib.sha256(str(specs).encode()).hexdigest(),
+            }
+
+    def _width_key(self, width: int) -> str:
+        assert self._cache_parts is not None
+        return cache_key({**self._cache_parts, "width": width})
+
+    def _load(self, width: int) -> None:
+        """Put the cache's compiled points of ``width`` members into ``seen`` (once)."""
+        if self.cache is None or width in self._loaded:
+            return
+        self._loaded.add(width)
+        for batch, record in self.cache.get_peaks(self._width_key(width)).items():
+            self.seen.setdefault((width, batch), MemoryEstimate(**record))
 
     @property
     def data_parallel(self) -> int:
@@ -351,8 +395,11 @@ class FusedStepCompiler:
 
         ``MemoryEstimate.batch_size`` is the per-member batch; byte fields hold all members.
         """
+        self._load(width)
         if (width, batch_size) in self.seen:
-            return self.seen[(width, batch_size)]
+            estimate = self.seen[(width, batch_size)]
+            self.asked[(width, batch_size)] = estimate.peak
+            return estimate
         dp = self.data_parallel
         if width < 1 or batch_size < 1 or batch_size % dp:
             raise ValueError(
@@ -393,6 +440,10 @@ class FusedStepCompiler:
             temp=temp, argument=argument, output=output, alias=alias, compile_seconds=seconds,
         )
         self.seen[(width, batch_size)] = estimate
+        self.asked[(width, batch_size)] = estimate.peak
+        self.compiled += 1
+        if self.cache is not None:
+            self.cache.put_peaks(self._width_key(width), {batch_size: _estimate_record(estimate)})
         return estimate
 
 
@@ -432,6 +483,7 @@ def plan_fusion(
     batch_size: int | None = None,
     max_batch_size: int | None = None,
     plan: Plan | None = None,
+    cache: PlanCache | None = None,
 ) -> FusionPlan:
     """Size a fused group of ``model``: the widest group up to ``max_width``, then its batch.
 
@@ -446,6 +498,9 @@ def plan_fusion(
         runs); None: the largest batch that fits at the chosen width, up to the member plan's.
       max_batch_size: cap of the member plan's batch (``plan_mesh``'s).
       plan: a member plan to reuse (skips ``plan_mesh``).
+      cache: a `PlanCache` (e.g. the study's ``plans.sqlite``): the member plan is looked up
+        there too, and every compiled fused point is stored and reused, so the same group
+        planned again (a resumed study, another process) compiles nothing.
 
     Returns:
       A `FusionPlan`: the widest ``K <= max_width`` whose compiled fused step fits at
@@ -465,7 +520,7 @@ def plan_fusion(
         cap = batch_size if batch_size is not None else max_batch_size
         plan = plan_mesh(model, sample_batch, devices=devs, memory_per_device=budget,
                          optimizer=optimizer, loss_fn=loss_fn, safety_margin=safety_margin,
-                         max_batch_size=cap)
+                         max_batch_size=cap, cache=cache)
     dp = plan.data_parallel
     if batch_size is not None and (batch_size < 1 or batch_size % dp):
         raise ValueError(f"{batch_size=} must be a positive multiple of the data-parallel degree "
@@ -477,7 +532,7 @@ def plan_fusion(
             "more devices",
             bytes_needed=plan.peak_bytes_per_device, bytes_available=plan.usable_bytes)
     usable = plan.usable_bytes
-    compiler = FusedStepCompiler(model, sample_batch, plan, optimizer, loss_fn)
+    compiler = FusedStepCompiler(model, sample_batch, plan, optimizer, loss_fn, cache=cache)
 
     def held(width: int, batch: int) -> int:
         return group_held_bytes(compiler.estimate(width, batch), plan, width, batch)
@@ -501,9 +556,10 @@ def plan_fusion(
     return FusionPlan(
         plan=plan, width=width, batch_size=batch, peak_bytes_per_device=estimate.peak,
         estimate=estimate,
-        compiled_peaks=tuple((k, b, e.peak) for (k, b), e in compiler.seen.items()),
-        planning_seconds=time.perf_counter() - start, compiles=len(compiler.seen),
+        compiled_peaks=tuple((k, b, peak) for (k, b), peak in compiler.asked.items()),
+        planning_seconds=time.perf_counter() - start, compiles=compiler.compiled,
         predicted_peak_bytes=held(width, batch),
+        cached=cache is not None and compiler.compiled == 0,
     )
 
 
