@@ -13,8 +13,12 @@ cores). For each registered model it plans training with ``plan_mesh`` and print
 - on a GPU, ``measured``: ``peak_bytes_in_use`` after two real training steps, each model in a
   fresh process (the allocator's peak counter cannot be reset).
 
+With ``--fuse K`` it also sizes a fused group of up to ``K`` members on the plan, at the plan's
+batch (``plan_fusion``, as the engine's ``--fuse``): CPU seconds and fused compiles new, and again
+from a fresh ``PlanCache`` on the same file.
+
 Flags: ``--memory-per-device 64MiB`` (default: each model's own budget), ``--devices 8``,
-``--only mlp,transformer``, ``--markdown`` (a table for BENCHMARKS.md).
+``--only mlp,transformer``, ``--fuse 4``, ``--markdown`` (a table for BENCHMARKS.md).
 Adding a model is one ``CASES`` entry.
 """
 
@@ -127,8 +131,10 @@ def _peak(stats: Any) -> int:
                + stats.output_size_in_bytes - stats.alias_size_in_bytes)
 
 
-def measure(case: Case, devices: int, budget: str | None) -> dict[str, Any]:
-    """Plan ``case`` and compare the predictions with compiled (and on GPU measured) memory."""
+def measure(case: Case, devices: int, budget: str | None, fuse: int | None = None,
+            ) -> dict[str, Any]:
+    """Plan ``case`` and compare the predictions with compiled (and on GPU measured) memory;
+    with ``fuse``, also size a fused group of up to ``fuse`` members, new and cached."""
     import jax
     from flax import nnx
 
@@ -162,6 +168,7 @@ def measure(case: Case, devices: int, budget: str | None) -> dict[str, Any]:
                            cache=PlanCache(Path(cache_dir) / "plans.sqlite"))
     cached_seconds = time.perf_counter() - start
     cached_cpu_seconds = time.process_time() - cpu_start
+    fused = _measure_fused(model, sample, plan, fuse, Path(cache_dir)) if fuse else {}
     shutil.rmtree(cache_dir)
     if not cached.cached or cached != plan:
         raise RuntimeError(f"{case.name}: the cached plan differs from the one just stored")
@@ -198,7 +205,29 @@ def measure(case: Case, devices: int, budget: str | None) -> dict[str, Any]:
         "ready_cpu_seconds": ready_cpu_seconds,
         "ready_compiles": ready_count.compiles["jit(step)"],
         "seconds_per_compile": plan_seconds / max(plan.compiles, 1),
+        **fused,
     }
+
+
+def _measure_fused(model: Any, sample: Any, plan: Any, fuse: int,
+                   cache_dir: Path) -> dict[str, Any]:
+    """A fused group of up to ``fuse`` members on ``plan`` at its batch: new, then cached."""
+    from scamp_jax.planning.fusion import plan_fusion
+    from scamp_jax.planning.plan_cache import PlanCache
+    from scamp_jax.planning.train_step import default_optimizer
+
+    row: dict[str, Any] = {}
+    for kind in ("fused", "fused_cached"):
+        cpu_start = time.process_time()
+        group = plan_fusion(model, sample, max_width=fuse, plan=plan,
+                            batch_size=plan.batch_size, optimizer=default_optimizer(),
+                            cache=PlanCache(cache_dir / "plans.sqlite"))
+        row[f"{kind}_cpu_seconds"] = time.process_time() - cpu_start
+        row[f"{kind}_compiles"] = group.compiles
+        row[f"{kind}_width"] = group.width
+    if row["fused_cached_compiles"] or row["fused_cached_width"] != row["fused_width"]:
+        raise RuntimeError("the cached fused plan compiled or differs from the one just stored")
+    return row
 
 
 def measure_real_step(case: Case, devices: int, budget: str | None) -> int | None:
@@ -252,6 +281,10 @@ def render(rows: list[dict[str, Any]], markdown: bool) -> str:
     head = ["model", "params", "mesh", "batch", "planned", "compiled", "planned err", "plan s",
             "plan cpu s", "compiles", "cached cpu s", "cached compiles", "run-ready cpu s",
             "run-ready compiles"]
+    fused = all("fused_cpu_seconds" in r for r in rows)
+    if fused:
+        head += ["fused width", "fused cpu s", "fused compiles", "fused cached cpu s",
+                 "fused cached compiles"]
     gpu = any(r.get("measured") is not None for r in rows)
     if gpu:
         head += ["measured", "planned vs measured"]
@@ -263,6 +296,10 @@ def render(rows: list[dict[str, Any]], markdown: bool) -> str:
                 f"{r['plan_cpu_seconds']:.1f}", str(r["compiles"]),
                 f"{r['cached_cpu_seconds']:.2f}", str(r["cached_compiles"]),
                 f"{r['ready_cpu_seconds']:.1f}", str(r["ready_compiles"])]
+        if fused:
+            line += [str(r["fused_width"]), f"{r['fused_cpu_seconds']:.1f}",
+                     str(r["fused_compiles"]), f"{r['fused_cached_cpu_seconds']:.2f}",
+                     str(r["fused_cached_compiles"])]
         if gpu:
             m = r.get("measured")
             line += [format_bytes(m) if m else "-", _pct(r["planned"], m) if m else "-"]
@@ -284,9 +321,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", type=int, default=None,
                         help="devices to plan on (default: 8 virtual CPU devices, or all GPUs)")
     parser.add_argument("--only", default=None, help="comma-separated model names")
+    parser.add_argument("--fuse", type=int, default=None, metavar="K",
+                        help="also size a fused group of up to K members on each plan, new and "
+                             "from the plan cache (default: off)")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.fuse is not None and args.fuse < 1:
+        parser.error(f"--fuse {args.fuse}: a group needs at least 1 member; use e.g. --fuse 4")
 
     from scamp_jax.devices import configure_cpu_devices
 
@@ -307,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
 
     rows = []
     for name in names:
-        row = measure(by_name[name], args.devices, args.memory_per_device)
+        row = measure(by_name[name], args.devices, args.memory_per_device, args.fuse)
         if on_gpu:
             row["measured"] = _measure_in_child(name, args.devices, args.memory_per_device)
         rows.append(row)
