@@ -13,9 +13,10 @@ cores). For each registered model it plans training with ``plan_mesh`` and print
 - on a GPU, ``measured``: ``peak_bytes_in_use`` after two real training steps, each model in a
   fresh process (the allocator's peak counter cannot be reset).
 
-With ``--fuse K`` it also sizes a fused group of up to ``K`` members on the plan, at the plan's
-batch (``plan_fusion``, as the engine's ``--fuse``): CPU seconds and fused compiles new, and again
-from a fresh ``PlanCache`` on the same file.
+With ``--fuse K`` it also sizes a fused group of up to ``K`` members on the plan, each member at
+``1/K`` of the plan's batch (so the group holds about the samples the solo plan fits), as the
+engine's ``--fuse`` does at the study's batch (``plan_fusion``): CPU seconds and fused compiles
+new, and again from a fresh ``PlanCache`` on the same file.
 
 Flags: ``--memory-per-device 64MiB`` (default: each model's own budget), ``--devices 8``,
 ``--only mlp,transformer``, ``--fuse 4``, ``--markdown`` (a table for BENCHMARKS.md).
@@ -211,16 +212,19 @@ def measure(case: Case, devices: int, budget: str | None, fuse: int | None = Non
 
 def _measure_fused(model: Any, sample: Any, plan: Any, fuse: int,
                    cache_dir: Path) -> dict[str, Any]:
-    """A fused group of up to ``fuse`` members on ``plan`` at its batch: new, then cached."""
+    """A fused group of up to ``fuse`` members on ``plan`` at ``1/fuse`` of its batch: new,
+    then cached."""
     from scamp_jax.planning.fusion import plan_fusion
     from scamp_jax.planning.plan_cache import PlanCache
     from scamp_jax.planning.train_step import default_optimizer
 
-    row: dict[str, Any] = {}
+    dp = plan.data_parallel
+    batch = max(dp, plan.batch_size // fuse // dp * dp)
+    row: dict[str, Any] = {"fused_batch": batch}
     for kind in ("fused", "fused_cached"):
         cpu_start = time.process_time()
         group = plan_fusion(model, sample, max_width=fuse, plan=plan,
-                            batch_size=plan.batch_size, optimizer=default_optimizer(),
+                            batch_size=batch, optimizer=default_optimizer(),
                             cache=PlanCache(cache_dir / "plans.sqlite"))
         row[f"{kind}_cpu_seconds"] = time.process_time() - cpu_start
         row[f"{kind}_compiles"] = group.compiles
@@ -283,7 +287,7 @@ def render(rows: list[dict[str, Any]], markdown: bool) -> str:
             "run-ready compiles"]
     fused = all("fused_cpu_seconds" in r for r in rows)
     if fused:
-        head += ["fused width", "fused cpu s", "fused compiles", "fused cached cpu s",
+        head += ["fused width x batch", "fused cpu s", "fused compiles", "fused cached cpu s",
                  "fused cached compiles"]
     gpu = any(r.get("measured") is not None for r in rows)
     if gpu:
@@ -297,7 +301,7 @@ def render(rows: list[dict[str, Any]], markdown: bool) -> str:
                 f"{r['cached_cpu_seconds']:.2f}", str(r["cached_compiles"]),
                 f"{r['ready_cpu_seconds']:.1f}", str(r["ready_compiles"])]
         if fused:
-            line += [str(r["fused_width"]), f"{r['fused_cpu_seconds']:.1f}",
+            line += [f"{r['fused_width']} x {r['fused_batch']}", f"{r['fused_cpu_seconds']:.1f}",
                      str(r["fused_compiles"]), f"{r['fused_cached_cpu_seconds']:.2f}",
                      str(r["fused_cached_compiles"])]
         if gpu:
