@@ -23,7 +23,7 @@ from _requirements import require_module
 from scamp_jax.distributed.engine import RankStream, RemoteTrialSource
 from scamp_jax.distributed.mpi import MPIUnavailableError
 from scamp_jax.distributed.spanning import SpanningTrial, SpanPlan, assign_rounds, span_plan
-from scamp_jax.hpo.study import FAIL_REASON, INTERRUPTED, TrialOutcome
+from scamp_jax.hpo.study import FAIL_REASON, INTERRUPTED, TrialOutcome, open_study
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "mpi_scripts" / "hpo_mlp.py"
@@ -133,13 +133,9 @@ def test_mpi_engine_defers_a_trial_whose_batch_floor_one_rank_cannot_hold():
 
 def _local_source(tmp_path: Path, n_trials: int, root: Path | None = None, **fusion):
     require_module("mpi4py", "the mpi extra is not installed: pip install .[mpi]")
-    import optuna
-
     from scamp_jax.distributed.study import StudyClient, StudyServer
 
-    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}", study_name="s",
-                                sampler=optuna.samplers.RandomSampler(seed=0),
-                                load_if_exists=True)
+    study = open_study("s", study_dir=tmp_path, sampler="random", seed=0)
 
     def suggest(trial):
         if fusion:  # an architecture (width) and a training hyperparameter (x) for siblings
@@ -148,7 +144,9 @@ def _local_source(tmp_path: Path, n_trials: int, root: Path | None = None, **fus
         return {"x": trial.suggest_float("x", 0.0, 1.0)}
 
     # One process is a world of one rank: rank 0's server, used through the local client.
-    server = StudyServer(study, suggest, n_trials, root=root, **fusion)
+    # A second server on the storage stands for the same command run again after the job
+    # died: it fails what the first left RUNNING at once (``fail_stale``), not after a heartbeat.
+    server = StudyServer(study, suggest, n_trials, root=root, fail_stale=True, **fusion)
     return study, server, RemoteTrialSource(StudyClient.local(server))
 
 

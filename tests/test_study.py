@@ -232,3 +232,14 @@ def test_outcome_validation():
         TrialOutcome(0, "done")
     with pytest.raises(ValueError, match="complete but has no value"):
         TrialOutcome(0, "complete")
+
+
+def test_siblings_need_a_study_opened_by_open_study(tmp_path):
+    import optuna
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'plain.db'}")
+    with pytest.raises(ValueError, match="siblings=1 .* need a study opened by"):
+        OptunaTrialSource(study, SPACE, 4, siblings=1, training_keys=("learning_rate",))
+    plain = OptunaTrialSource(study, SPACE, 4)  # no siblings: any study will do
+    with pytest.raises(ValueError, match="choose=.* open_study"):
+        plain.ask(choose=lambda waiting: waiting)

@@ -468,6 +468,10 @@ class OptunaTrialSource:
         past ``n_trials``: only as many are enqueued as there are free slots (not counting
         trials already waiting). 0: none.
       training_keys: parameters siblings leave to the sampler (e.g. the learning rate).
+
+    Raises:
+      ValueError: ``n_trials`` below 1, ``siblings`` below 0, or siblings on a study not opened
+        by `open_study` (they are claimed through its storage).
     """
 
     def __init__(self, study: optuna.Study, space: SearchSpace, n_trials: int, *,
@@ -490,6 +494,11 @@ class OptunaTrialSource:
         self._reseed = opened.reseed if opened else None
         self._ask_lock: Callable[[], contextlib.AbstractContextManager[Any]] = (
             opened.ask_lock if opened else contextlib.nullcontext)
+        if self.siblings and self._storage is None:
+            raise ValueError(
+                f"siblings={self.siblings} (fused groups) need a study opened by "
+                "scamp_jax.hpo.study.open_study, whose storage claims each rank's siblings; "
+                "open the study with open_study(...) or use siblings=0")
         self._study_id = (self._storage.get_study_id_from_name(study.study_name)
                           if self._storage else None)
         # Optuna's RDB storage is thread-safe, but the sampler's state (TPE's RNG) is not.
@@ -629,8 +638,10 @@ class OptunaTrialSource:
                     taken: int) -> optuna.Trial | None:
         """`ask` with ``choose``: the first waiting trial it allows, else a new trial, while
         ``taken`` (finished and running) plus the waiting trials it holds back leave a slot."""
-        storage = self._storage if self._storage is not None else self.study._storage
-        study_id = storage.get_study_id_from_name(self.study.study_name)
+        storage, study_id = self._storage, self._study_id
+        if storage is None or study_id is None:
+            raise ValueError("ask(choose=...) claims waiting trials through the storage of a "
+                             "study opened by scamp_jax.hpo.study.open_study; open it so")
         while True:
             waiting = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
             allowed = choose(list(waiting))
@@ -678,8 +689,8 @@ class OptunaTrialSource:
 
     def _proposed(self, trial: optuna.Trial) -> bool:
         """Whether the sampler proposed ``trial`` (not enqueued, not a retry)."""
-        storage = self._storage if self._storage is not None else self.study._storage
-        study_id = storage.get_study_id_from_name(self.study.study_name)
+        storage, study_id = self._storage, self._study_id
+        assert storage is not None and study_id is not None  # siblings need open_study
         trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
         system = storage.get_trial(trial_id).system_attrs
         return not system.get("fixed_params") and "failed_trial" not in system
