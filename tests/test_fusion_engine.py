@@ -10,14 +10,16 @@ import random
 
 import jax
 import pytest
+from flax import nnx
 from optuna.trial import TrialState
 from test_runner import SPACE, Regression, make_plan
 
 from scamp_jax.hpo.engine import EngineConfig, SearchEngine
 from scamp_jax.hpo.fused_engine import latest_checkpoint_step
-from scamp_jax.hpo.runner import RunSpec, StepCache, run_trial, trial_seed
+from scamp_jax.hpo.runner import RunSpec, StepCache, make_optimizer, run_trial, trial_seed
 from scamp_jax.hpo.search import fusion_source_kwargs
 from scamp_jax.hpo.study import SIBLING_OF, OptunaTrialSource, open_study
+from scamp_jax.planning.fusion import plan_fusion
 from scamp_jax.scheduling.grouping import FusionCandidate, form_groups
 
 BUDGET = 64 * 2**20
@@ -119,6 +121,40 @@ def test_a_fused_study_finishes_exactly_its_trials_with_members_equal_to_solo_ru
     rel = abs(solo.metrics["mse"] - member.value) / abs(solo.metrics["mse"])
     print(f"fused member vs solo: relative difference {rel:.3g}")
     assert rel <= 1e-5
+
+
+def test_a_narrower_group_books_its_own_width_not_the_widest(tmp_path):
+    """Five trials with --fuse 3: a group of 3 and the family's last group of 2. The group of 2
+    is sized at its own width (compiled, checked here by compiling it again) and books that
+    plan's bytes, less than the group of 3 would."""
+    study, source, engine = _study(tmp_path, trials=5, fuse=3)
+    result = engine.run()
+    source.close()
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 5
+    groups: dict[int, list] = {}
+    for t in trials:
+        if t.user_attrs["fused_group"] is not None:
+            groups.setdefault(t.user_attrs["fused_group"], []).append(t)
+    assert sorted(len(m) for m in groups.values()) == [2, 3], groups
+    booked = {key: nbytes for device in result.intervals for key, _, _, nbytes in device}
+    task = Regression()
+    for gid, members in groups.items():
+        first = members[0]
+        plan = make_plan(first.params, jax.devices()[:len(first.user_attrs["devices"])],
+                         max_batch=16)
+        model = nnx.eval_shape(lambda p=first.params: SPACE.build(p, nnx.Rngs(0)))
+        own = plan_fusion(model, task.sample_batch(1), max_width=len(members), plan=plan,
+                          batch_size=16, optimizer=make_optimizer({}), loss_fn=task.loss_fn)
+        assert own.width == len(members)
+        assert booked[gid] == own.predicted_peak_bytes
+        assert {t.user_attrs["predicted_peak_bytes"] for t in members} == {
+            own.peak_bytes_per_device}
+        if len(members) == 2:
+            wide = plan_fusion(model, task.sample_batch(1), max_width=3, plan=plan,
+                               batch_size=16, optimizer=make_optimizer({}),
+                               loss_fn=task.loss_fn)
+            assert wide.width == 3 and booked[gid] < wide.predicted_peak_bytes
 
 
 def test_without_fuse_nothing_is_grouped(tmp_path):

@@ -679,7 +679,8 @@ class SearchEngine(PlanningService, FusionService):
                 self._notify()
                 waiting = [*self._planning, *self._replanning,
                            *(f for f in self._option_plans if not f.done()),
-                           *(f for f in self._resize_plans if not f.done())]
+                           *(f for f in self._resize_plans if not f.done()),
+                           *self._fusion_waiting()]
                 runs = {run.future: number for number, run in self._runs.items()}
                 groups = self._group_futures()
                 if not runs and not groups and not waiting and not any(
@@ -703,6 +704,8 @@ class SearchEngine(PlanningService, FusionService):
                         self._run_ended(runs[future], future.result())
                     elif future in groups:
                         self._group_ended(groups[future], future.result())
+                    elif self._fusion_event(future):
+                        self._set_last_wave()  # if that was the last group being sized
                 self._notify()
         except BaseException:
             for run in self._runs.values():

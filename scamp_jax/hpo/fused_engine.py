@@ -16,8 +16,11 @@
    waits for them while they are being asked and planned;
 3. hands a group of two or more to the scheduling core as one trial: its key is the group id
    (the smallest member number), its bytes per device the fused plan's predicted peak
-   (`scamp_jax.planning.fusion.FusionPlan.predicted_peak_bytes`, never more than the usable bytes),
-   its FLOPs per step ``width`` times a member's; a group of one is queued as a plain trial;
+   (`scamp_jax.planning.fusion.FusionPlan.predicted_peak_bytes`, never more than the usable bytes)
+   at the group's own width: a group narrower than the widest that fits (the last of a family,
+   a resumed group) is sized again at its width in a planner thread first (compiled, or from the
+   plan cache), so it books what it holds; its FLOPs per step are ``width`` times a member's; a
+   group of one is queued as a plain trial;
 4. runs a started group with `scamp_jax.hpo.fused_runner.run_fused_group`: each member reports,
    is pruned (masked, then the group re-forms without it) and is told on its own, and
    checkpoints in its own directory (a restarted study resumes it, alone or in a group of
@@ -120,6 +123,7 @@ class FusionService:
         self._fusion_lock = threading.Lock()
         self._signatures: dict[str, Any] = {}
         self._fusion_plans: dict[Any, FusionPlan | None] = {}
+        self._narrow_plans: dict[Any, FusionPlan] = {}
         self._fusion_of: dict[int, tuple[int | None, int]] = {}
 
     def _init_fusion_run(self) -> None:
@@ -128,6 +132,9 @@ class FusionService:
         self._awaiting: dict[int, int] = {}  # proposed trial -> siblings not planned yet
         self._family: dict[int, int] = {}  # trial -> the proposed trial it shares an arch with
         self._units: dict[int, _Unit] = {}
+        # Groups narrower than their architecture's fused plan, being sized at their own width
+        # in a planner thread (so they book what they hold, not the wider plan's bytes).
+        self._sizing: dict[cf.Future, tuple[PlannedTrial, ...]] = {}
         self._group_runs: dict[int, _GroupRun] = {}
         self._solo_only: set[int] = set()
 
@@ -221,17 +228,60 @@ class FusionService:
                     self._fusion_of[m.number] = (None, 1)
                     self._queue_planned(m)
                 continue
-            unit = _Unit(group[0], members, info.fusion)
-            self._units[unit.key] = unit
-            for m in members:
-                self._fusion_of[m.number] = (unit.key, len(members))
-                self.statuses[m.number].state = "queued"
-            tp = self._unit_plan(unit)
-            now = self._now()  # per group: queueing a trial above fed the core a later time
-            self._timeline(unit.key).setdefault("planned_at", now)
-            self._timeline(unit.key)["plan"] = tp.as_dict()
-            self.core.planned(now, tp)
-            self._decide(now)
+            if len(members) < info.fusion.width:
+                future = self._planner.submit(self._narrower_plan, members[0].asked.params,
+                                              info.fusion, len(members))
+                self._sizing[future] = members
+                continue
+            self._queue_unit(members, info.fusion)
+
+    def _queue_unit(self, members: tuple[PlannedTrial, ...], fusion: FusionPlan) -> None:
+        """Event: a group and its plan are decided; the scheduling core gets it as one trial."""
+        unit = _Unit(members[0].number, members, fusion)
+        self._units[unit.key] = unit
+        for m in members:
+            self._fusion_of[m.number] = (unit.key, len(members))
+            self.statuses[m.number].state = "queued"
+        tp = self._unit_plan(unit)
+        now = self._now()  # per group: queueing a trial above fed the core a later time
+        self._timeline(unit.key).setdefault("planned_at", now)
+        self._timeline(unit.key)["plan"] = tp.as_dict()
+        self.core.planned(now, tp)
+        self._decide(now)
+
+    def _narrower_plan(self, params: Mapping[str, Any], fusion: FusionPlan,
+                       width: int) -> FusionPlan:
+        """(Planner thread.) ``fusion``'s group at ``width`` members, on the same member plan
+        and batch: compiled, or found in the plan cache. The wider plan when that fails (it
+        fits: a narrower group holds less)."""
+        key = (_arch_text(params), tuple(d.id for d in fusion.plan.devices),
+               int(fusion.batch_size), width)
+        with self._fusion_lock:
+            if key in self._narrow_plans:
+                return self._narrow_plans[key]
+        try:
+            narrow = plan_fusion(
+                self._abstract(params), self.task.sample_batch(1), max_width=width,
+                plan=fusion.plan, batch_size=int(fusion.batch_size),
+                optimizer=make_optimizer({}), loss_fn=self.task.loss_fn, cache=self.plan_cache)
+        except (planner.DoesNotFitError, TypeError, ValueError):
+            narrow = fusion
+        if narrow.width != width:  # memory not monotone in the width: keep the wider plan
+            narrow = fusion
+        with self._fusion_lock:
+            self._narrow_plans[key] = narrow
+        return narrow
+
+    def _fusion_waiting(self) -> list[cf.Future]:
+        """Planner futures of the fusion service the loop waits on (groups being sized)."""
+        return list(self._sizing)
+
+    def _fusion_event(self, future: cf.Future) -> bool:
+        """Handle ``future`` if it is the fusion service's; False when it is not."""
+        if future not in self._sizing:
+            return False
+        self._queue_unit(self._sizing.pop(future), future.result())
+        return True
 
     def _unit_plan(self, unit: _Unit) -> TrialPlan:
         """A group as the scheduling core sees it: one trial booking the group's bytes."""
@@ -308,7 +358,7 @@ class FusionService:
 
     def _fusion_pending(self, forming_only: bool = False) -> bool:
         """Whether groups are forming (not yet in the scheduling core) or running."""
-        return bool(self._forming or (self._group_runs and not forming_only))
+        return bool(self._forming or self._sizing or (self._group_runs and not forming_only))
 
     def _group_futures(self) -> dict[cf.Future, int]:
         return {run.future: key for key, run in self._group_runs.items()}
@@ -327,3 +377,6 @@ class FusionService:
                 self.source.interrupt(planned.number)
         for number in self._forming:
             self.source.interrupt(number)
+        for members in self._sizing.values():
+            for planned in members:
+                self.source.interrupt(planned.number)
