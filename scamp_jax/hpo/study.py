@@ -641,7 +641,8 @@ class OptunaTrialSource:
         storage, study_id = self._storage, self._study_id
         if storage is None or study_id is None:
             raise ValueError("ask(choose=...) claims waiting trials through the storage of a "
-                             "study opened by scamp_jax.hpo.study.open_study; open it so")
+                             "study opened by scamp_jax.hpo.study.open_study; open the study "
+                             "with open_study(...) or ask without choose")
         while True:
             waiting = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
             allowed = choose(list(waiting))
