@@ -220,9 +220,10 @@ def test_live_view_draws_devices_and_trials_on_a_terminal():
                          devices=(1,), batch_size=8, step=3, steps=10, loss=0.25)
     with LiveView([BUDGET] * 2, "mse", stream=stream) as view:
         view.update([status], pool)
+        view.notice("waiting for trial(s) [4] of another process")
     text = stream.getvalue()
     for expected in ("device pool", "32.00 MiB / 64.00 MiB", "width=16", "3/10", "0.25",
-                     "training"):
+                     "training", "waiting for trial(s) [4]"):
         assert expected in text
 
 
@@ -240,9 +241,12 @@ def test_live_view_logs_state_changes_without_a_terminal():
         view.update([status])  # unchanged: no new line
         status.state, status.reason = "failed", "ValueError: bug"
         view.update([status])
+        view.notice("waiting for trial(s) [4] of another process")
+        view.notice("")  # cleared: nothing to log
     lines = stream.getvalue().splitlines()
-    assert len(lines) == 2
+    assert len(lines) == 3
     assert "trial   3 queued" in lines[0] and "(ValueError: bug)" in lines[1]
+    assert lines[2].endswith("s] waiting for trial(s) [4] of another process")
 
 
 def test_ctrl_c_checkpoints_running_trials_and_a_new_run_resumes_them(tmp_path):
@@ -286,9 +290,13 @@ def test_a_run_with_trials_of_its_own_also_reruns_a_dead_process_trial(tmp_path)
     lost = dead.ask()
     dead.close()  # the process is gone: trial 0 stays RUNNING and stops beating
     source = OptunaTrialSource(storage(), SPACE, 2, poll_seconds=0.2)
+    notices: list[str] = []
     SearchEngine(SPACE, Regression(), source, config(), devices=jax.devices()[:2],
-                 checkpoint_root=tmp_path / "ckpt").run()
+                 checkpoint_root=tmp_path / "ckpt", on_notice=notices.append).run()
     source.close()
+    # While it waited with nothing of its own to run, the user was told for what; then not.
+    assert notices[0].startswith(f"waiting for trial(s) [{lost.number}] of another process")
+    assert notices[-1] == "" and len(notices) == 2
     trials = study.get_trials()
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     assert sorted(t.params["width"] for t in complete) == [16, 32]

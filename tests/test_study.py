@@ -130,7 +130,7 @@ def test_a_live_process_keeps_its_trials(tmp_path):
     theirs = second.ask()
     assert second.recovered == [] and theirs.number != mine.number
     # The study is full, but the first process's trial still runs: it may yet need a retry.
-    assert second.ask() == AskLater(0.2)
+    assert second.ask() == AskLater(0.2, (mine.number,))
     first.tell(TrialOutcome(mine.number, "complete", value=1.0))
     second.tell(TrialOutcome(theirs.number, "complete", value=2.0))
     states = [t.state for t in first.study.get_trials()]
@@ -149,7 +149,7 @@ def test_a_waiting_process_finishes_when_the_others_do(tmp_path):
     while (answer := second.ask()) is not None:  # ask again later, until the trial completed
         answers.append(answer)
         time.sleep(answer.seconds)
-    assert answers and set(answers) == {AskLater(0.2)}
+    assert answers and set(answers) == {AskLater(0.2, (mine.number,))}
     assert [t.state for t in second.study.get_trials()] == [TrialState.COMPLETE]
     first.close()
 
@@ -165,7 +165,8 @@ def test_a_busy_process_still_retries_a_dead_process_trial(tmp_path):
     mine = alive.ask()
     assert mine.number != lost.number
     answer = alive.ask()
-    assert answer == AskLater(0.2)  # not None, although this source has a trial running
+    # Not None, although this source has a trial running: the dead process's trial may need it.
+    assert answer == AskLater(0.2, (lost.number,))
     deadline = time.monotonic() + 20
     while isinstance(answer, AskLater) and time.monotonic() < deadline:
         time.sleep(answer.seconds)
@@ -180,9 +181,9 @@ def test_a_busy_process_still_retries_a_dead_process_trial(tmp_path):
 
 
 def test_when_full_asks_again_only_for_other_processes_trials_under_a_heartbeat():
-    assert when_full(0, True, 1.0) is None
-    assert when_full(2, True, 1.5) == AskLater(1.5)
-    assert when_full(2, False, 1.5) is None  # without liveness nothing would ever retry them
+    assert when_full([], True, 1.0) is None
+    assert when_full([7, 3], True, 1.5) == AskLater(1.5, (3, 7))
+    assert when_full([7, 3], False, 1.5) is None  # without liveness nothing would retry them
 
 
 def test_extending_a_study_draws_new_configurations(tmp_path):

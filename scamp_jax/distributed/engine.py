@@ -306,7 +306,8 @@ def _run(space: Any, task: Any, settings: Any, devices: Sequence[Any], memory_pe
                     title=f"{title} (rank {rank} of {size})", stream=stream)
     engine = MPISearchEngine(size, space, task, source, config, devices=devices,
                              checkpoint_root=study_dir / "checkpoints", plan_fn=plan_fn,
-                             on_update=view.update, plan_cache=plan_cache)
+                             on_update=view.update, plan_cache=plan_cache,
+                             on_notice=view.notice)
     comm.Barrier()  # every rank asks from the start, so work spreads over all of them
     with view:
         result = engine.run()

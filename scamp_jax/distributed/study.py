@@ -8,8 +8,8 @@ request (worker -> rank 0)                           answer (rank 0 -> worker)
 ==================================================  =============================================
 ``("ask", None)``                                    ``("trial", number, params, checkpoint_key,
                                                      siblings, sibling_of)``, ``("later",
-                                                     seconds)`` (ask again then) or ``("done",)``
-                                                     (the worker is finished)
+                                                     seconds, trials)`` (ask again then) or
+                                                     ``("done",)`` (the worker is finished)
 ``("ask", "more")``                                  the same, but ``"done"`` does not finish the
                                                      worker: it still reports and tells
 ``("report", (number, step, value))``                ``("pruned", should_prune)``
@@ -282,7 +282,7 @@ class StudyServer:
         if kind == "ask":
             item = self.ask(rank)
             if isinstance(item, AskLater):
-                return ("later", item.seconds)
+                return ("later", item.seconds, item.trials)
             if item is None:
                 if body != "more":  # a plain asker is finished once the study is full
                     self._open_workers -= 1
@@ -359,7 +359,7 @@ class StudyClient:
                     if not keep_open:
                         self._closed = True
                     return None
-                item = (AskLater(float(answer[1])) if answer[0] == "later"
+                item = (AskLater(float(answer[1]), tuple(answer[2])) if answer[0] == "later"
                         else WorkItem(*answer[1:]))
             if not isinstance(item, AskLater) or keep_open:
                 return item

@@ -248,6 +248,9 @@ class SearchEngine(PlanningService, FusionService):
       plan_cache: where fused plans are stored and looked up (``--fuse``): the study's
         ``plans.sqlite``, which ``plan_fn`` usually uses too; None: fused groups are planned
         (compiled) in every run.
+      on_notice: called with a line for the user when the engine waits without work of its
+        own (e.g. for another process's trials that may still need a retry here), and with
+        ``""`` when that wait is over.
     """
 
     def __init__(
@@ -262,9 +265,11 @@ class SearchEngine(PlanningService, FusionService):
         plan_fn: PlanFn | None = None,
         on_update: Callable[[Sequence[TrialStatus], Any], None] | None = None,
         plan_cache: PlanCache | None = None,
+        on_notice: Callable[[str], None] | None = None,
     ) -> None:
         self.space, self.task, self.source, self.config = space, task, source, config
         self.plan_cache = plan_cache
+        self.on_notice = on_notice
         self.devices = list(devices if devices is not None else jax.devices())
         self.checkpoint_root = Path(checkpoint_root) if checkpoint_root else None
         self.plan_fn = plan_fn or planner.plan_mesh
@@ -339,10 +344,15 @@ class SearchEngine(PlanningService, FusionService):
         asked = self.source.ask()
         if isinstance(asked, AskLater):
             self._ask_at = time.monotonic() + asked.seconds
+            self._later = asked
             return False
         if asked is None:
             self._exhausted = True
             return False
+        self._later = None
+        if self._noticed is not None and self.on_notice is not None:
+            self._noticed = None
+            self.on_notice("")  # the wait is over
         status = self.statuses.setdefault(asked.number, TrialStatus(asked.number, asked.params))
         status.state = "planning"
         if self.fusing:
@@ -647,6 +657,8 @@ class SearchEngine(PlanningService, FusionService):
         self._oom_results = {}
         self._exhausted = False
         self._ask_at = 0.0  # monotonic time before which the source said not to ask again
+        self._later: AskLater | None = None  # the source's last "ask again later"
+        self._noticed: tuple[int, ...] | None = None  # the trials the last notice named
         self._last_wave_at: float | None = None
         self._init_fusion_run()
         lookahead = self.config.lookahead or len(self.devices)
@@ -671,6 +683,14 @@ class SearchEngine(PlanningService, FusionService):
                         break
                     # Nothing of its own to do, but the study may still need work (another
                     # process's trial may go stale): ask again when the source said to.
+                    later = self._later
+                    if (self.on_notice is not None and later is not None
+                            and later.trials != self._noticed):
+                        self._noticed = later.trials
+                        self.on_notice(
+                            f"waiting for trial(s) {list(later.trials)} of another process: "
+                            "they finish there, or are run again here once their heartbeat is "
+                            "stale (a process that died)")
                     time.sleep(max(0.0, self._ask_at - time.monotonic()))
                     continue
                 self._feed_pace()

@@ -67,6 +67,7 @@ class LiveView:
         self._groups: dict[int, tuple[int, int]] = {}
         self._live: Any = None
         self._t0 = time.monotonic()
+        self._notice = ""
 
     def __enter__(self) -> LiveView:
         if self.interactive:
@@ -106,6 +107,16 @@ class LiveView:
         if self._live is None:
             self._log_changes()
 
+    def notice(self, text: str) -> None:
+        """A line for the user about the search as a whole (e.g. what it waits for): logged
+        with the elapsed time without a terminal, shown under the trials on one; ``""``
+        clears it."""
+        elapsed = time.monotonic() - self._t0
+        with self._lock:
+            self._notice = f"[{elapsed:.0f}s] {text}" if text else ""
+        if self._live is None and text:
+            print(f"[{elapsed:7.1f}s] {text}", file=self.stream, flush=True)
+
     def _log_changes(self) -> None:
         for s in self._statuses:
             if self._last_state.get(s.number) == s.state:
@@ -134,6 +145,7 @@ class LiveView:
         with self._lock:
             statuses = list(self._statuses)
             used, occupants = list(self._used), [list(o) for o in self._occupants]
+            notice = self._notice
         devices = Table(title=f"{self.title}: device pool", expand=False)
         for name in ("device", "memory reserved", "use", "trials"):
             devices.add_column(name)
@@ -142,7 +154,7 @@ class LiveView:
             bar = "█" * int(round(10 * frac)) + "·" * (10 - int(round(10 * frac)))
             devices.add_row(str(d), f"{format_bytes(used[d])} / {format_bytes(cap)}",
                             f"{bar} {100 * frac:3.0f}%", " ".join(map(str, occupants[d])))
-        trials = Table(title="trials", expand=False)
+        trials = Table(title="trials", expand=False, caption=notice or None)
         for name in ("#", "config", "devices", "mp", "batch", "group", "step", "loss",
                      self.metric, "state"):
             trials.add_column(name)

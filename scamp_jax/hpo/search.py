@@ -179,7 +179,7 @@ def run_search(
         plan_fn = functools.partial(plan_mesh, cache=plan_cache)
     engine = SearchEngine(space, task, source, config, devices=devices,
                           checkpoint_root=out_dir / "checkpoints", plan_fn=plan_fn,
-                          on_update=view.update, plan_cache=plan_cache)
+                          on_update=view.update, plan_cache=plan_cache, on_notice=view.notice)
     started = time.monotonic()
     try:
         with view:

@@ -100,19 +100,22 @@ class AskLater:
     """
 
     seconds: float
+    #: numbers of the other processes' running trials it waits for (to tell the user).
+    trials: tuple[int, ...] = ()
 
 
-def when_full(foreign_running: int, has_liveness: bool, poll_seconds: float) -> AskLater | None:
+def when_full(foreign_running: Sequence[int], has_liveness: bool,
+              poll_seconds: float) -> AskLater | None:
     """The answer of an ask that found nothing to hand out.
 
-    ``foreign_running``: trials ``RUNNING`` in the storage that the asking source did not hand
-    out (other processes', or a dead job's whose heartbeat is not stale yet). With a heartbeat
-    each of them either finishes or goes stale and is retried, so the asker is told to ask again
-    in ``poll_seconds``; without one (or with none running) the study is done for it. The
-    source's own running trials do not matter: it tells them itself.
+    ``foreign_running``: numbers of the trials ``RUNNING`` in the storage that the asking source
+    did not hand out (other processes', or a dead job's whose heartbeat is not stale yet). With a
+    heartbeat each of them either finishes or goes stale and is retried, so the asker is told to
+    ask again in ``poll_seconds``; without one (or with none running) the study is done for it.
+    The source's own running trials do not matter: it tells them itself.
     """
-    if foreign_running > 0 and has_liveness:
-        return AskLater(poll_seconds)
+    if foreign_running and has_liveness:
+        return AskLater(poll_seconds, tuple(sorted(foreign_running)))
     return None
 
 
@@ -623,8 +626,8 @@ class OptunaTrialSource:
                 else:
                     trial = self._ask_chosen(choose, finished + running)
                 if trial is None:
-                    foreign = sum(t.number not in self._live for t in self.study.get_trials(
-                        deepcopy=False, states=(TrialState.RUNNING,)))
+                    foreign = [t.number for t in self.study.get_trials(
+                        deepcopy=False, states=(TrialState.RUNNING,)) if t.number not in self._live]
                     return when_full(foreign, self.has_liveness, self.poll_seconds)
                 self._start_heartbeat(trial.number)
                 # Free slots for siblings: not this trial, nor trials already waiting.
