@@ -59,8 +59,13 @@ run_search(SPACE, Regression(), Settings(), devices=jax.devices()[:2],
 
 
 def _start(study_dir: Path, cli: bool = False, trials: int = TRIALS,
-           steps: int = 300, storage: str | None = None) -> subprocess.Popen:
-    """The driver over the MLP stand-in, or (``cli``) the SwinIR entry point's smoke preset."""
+           steps: int = 1200, storage: str | None = None) -> subprocess.Popen:
+    """The driver over the MLP stand-in, or (``cli``) the SwinIR entry point's smoke preset.
+
+    ``steps``: enough that the kill lands well inside the second trial. Seeing its first
+    checkpoint takes the test a moment: the trial reaches step 60-180 before the kill on an
+    idle 2-core machine, and at 300 steps it sometimes finished first.
+    """
     if cli:
         # Eight devices per trial under the fixed policy: trials run one after another.
         command = ["-m", "experiments.swinir_hpo", "--preset", "smoke", "--trials", str(TRIALS),
