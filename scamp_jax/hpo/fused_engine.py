@@ -123,7 +123,6 @@ class FusionService:
         self._fusion_lock = threading.Lock()
         self._signatures: dict[str, Any] = {}
         self._fusion_plans: dict[Any, FusionPlan | None] = {}
-        self._narrow_plans: dict[Any, FusionPlan] = {}
         self._fusion_of: dict[int, tuple[int | None, int]] = {}
 
     def _init_fusion_run(self) -> None:
@@ -160,16 +159,19 @@ class FusionService:
                                                 fusion)
         return plan
 
-    def _fusion_plan(self, params: Mapping[str, Any], plan: Any,
-                     signature: Any) -> FusionPlan | None:
-        """The widest group of ``params``'s architecture on ``plan`` (at its batch), cached."""
-        key = (signature, tuple(d.id for d in plan.devices), int(plan.batch_size))
+    def _fusion_plan(self, params: Mapping[str, Any], plan: Any, signature: Any,
+                     width: int | None = None) -> FusionPlan | None:
+        """The widest group of ``params``'s architecture on ``plan`` (at its batch) of at most
+        ``width`` members (None: the engine's cap), cached in memory and in the plan cache;
+        None when fewer than two fit."""
+        width = self._fuse_cap if width is None else width
+        key = (signature, tuple(d.id for d in plan.devices), int(plan.batch_size), width)
         with self._fusion_lock:
             if key in self._fusion_plans:
                 return self._fusion_plans[key]
         try:
             fusion: FusionPlan | None = plan_fusion(
-                self._abstract(params), self.task.sample_batch(1), max_width=self._fuse_cap,
+                self._abstract(params), self.task.sample_batch(1), max_width=width,
                 plan=plan, batch_size=int(plan.batch_size), optimizer=make_optimizer({}),
                 loss_fn=self.task.loss_fn, cache=self.plan_cache)
         except (planner.DoesNotFitError, TypeError, ValueError):
@@ -230,7 +232,7 @@ class FusionService:
                 continue
             if len(members) < info.fusion.width:
                 future = self._planner.submit(self._narrower_plan, members[0].asked.params,
-                                              info.fusion, len(members))
+                                              info, len(members))
                 self._sizing[future] = members
                 continue
             self._queue_unit(members, info.fusion)
@@ -249,28 +251,14 @@ class FusionService:
         self.core.planned(now, tp)
         self._decide(now)
 
-    def _narrower_plan(self, params: Mapping[str, Any], fusion: FusionPlan,
+    def _narrower_plan(self, params: Mapping[str, Any], info: _MemberInfo,
                        width: int) -> FusionPlan:
-        """(Planner thread.) ``fusion``'s group at ``width`` members, on the same member plan
-        and batch: compiled, or found in the plan cache. The wider plan when that fails (it
-        fits: a narrower group holds less)."""
-        key = (_arch_text(params), tuple(d.id for d in fusion.plan.devices),
-               int(fusion.batch_size), width)
-        with self._fusion_lock:
-            if key in self._narrow_plans:
-                return self._narrow_plans[key]
-        try:
-            narrow = plan_fusion(
-                self._abstract(params), self.task.sample_batch(1), max_width=width,
-                plan=fusion.plan, batch_size=int(fusion.batch_size),
-                optimizer=make_optimizer({}), loss_fn=self.task.loss_fn, cache=self.plan_cache)
-        except (planner.DoesNotFitError, TypeError, ValueError):
-            narrow = fusion
-        if narrow.width != width:  # memory not monotone in the width: keep the wider plan
-            narrow = fusion
-        with self._fusion_lock:
-            self._narrow_plans[key] = narrow
-        return narrow
+        """(Planner thread.) The group of ``info``'s fused plan at ``width`` members, on the
+        same member plan and batch (`_fusion_plan`); the wider plan when that is not exactly
+        ``width`` wide (it fits: a narrower group holds less)."""
+        assert info.fusion is not None
+        narrow = self._fusion_plan(params, info.fusion.plan, info.signature, width)
+        return narrow if narrow is not None and narrow.width == width else info.fusion
 
     def _fusion_waiting(self) -> list[cf.Future]:
         """Planner futures of the fusion service the loop waits on (groups being sized)."""
