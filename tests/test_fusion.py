@@ -188,8 +188,9 @@ def test_a_diverging_member_fails_alone():
     assert group.members[1].state == "failed" and "loss is" in group.members[1].reason
 
 
-def test_width_is_the_widest_that_fits_by_compiled_memory():
-    """The planner's width: the fused step fits at it (compiled) and not at one more member."""
+def _member_of_width_64() -> tuple[Any, Regression, dict[str, Any], Any, int, int]:
+    """A width-64 member on one device at batch 256: ``(model, task, kw, member plan, fused
+    peak of 1 member, of 2)``, the peaks compiled."""
     model = nnx.eval_shape(lambda: SPACE.build({"width": 64}, nnx.Rngs(0)))
     task = Regression()
     kw = {"optimizer": make_optimizer({}), "loss_fn": task.loss_fn}
@@ -197,6 +198,12 @@ def test_width_is_the_widest_that_fits_by_compiled_memory():
                                memory_per_device=BUDGET, max_batch_size=256, **kw)
     compiler = FusedStepCompiler(model, task.sample_batch(1), member, **kw)
     one, two = compiler.estimate(1, 256).peak, compiler.estimate(2, 256).peak
+    return model, task, kw, member, one, two
+
+
+def test_width_is_the_widest_that_fits_by_compiled_memory():
+    """The planner's width: the fused step fits at it (compiled) and not at one more member."""
+    model, task, kw, member, one, two = _member_of_width_64()
     per_member = two - one
     assert per_member > 0
     # A budget for about 5.5 members: the planner must find 5 of at most 16.
@@ -293,13 +300,7 @@ def test_a_fused_plan_compiles_nothing_the_second_time_from_the_plan_cache(tmp_p
     """The study's ``plans.sqlite`` holds every compiled fused point: the same group planned
     again (a fresh cache object, as another process or a resumed study) compiles nothing and
     decides the same; a plan on another mesh is not answered from those points."""
-    model = nnx.eval_shape(lambda: SPACE.build({"width": 64}, nnx.Rngs(0)))
-    task = Regression()
-    kw = {"optimizer": make_optimizer({}), "loss_fn": task.loss_fn}
-    member = planner.plan_mesh(model, task.sample_batch(1), devices=jax.devices()[:1],
-                               memory_per_device=BUDGET, max_batch_size=256, **kw)
-    compiler = FusedStepCompiler(model, task.sample_batch(1), member, **kw)
-    one, two = compiler.estimate(1, 256).peak, compiler.estimate(2, 256).peak
+    model, task, kw, member, one, two = _member_of_width_64()
     member = dataclasses.replace(member, memory_per_device=int((one + 2.5 * (two - one)) / 0.9))
     path = tmp_path / "plans.sqlite"
 
