@@ -1,0 +1,263 @@
+"""scamp-jax against the loop a user would write instead: a plain Optuna + Flax NNX + optax study.
+
+The same study is run two ways, each as a whole process (imports, compiles, report included):
+
+- **scamp-jax**: `scamp_jax.run_study` with the family's settings (planning, packing,
+  checkpoints, report and plots), on the CPU devices the family's entry point uses;
+- **plain loop**: ``optuna.create_study(...).optimize(objective)`` where ``objective`` builds the
+  model from the same `SearchSpace`, trains it with ``nnx.jit`` and the same AdamW for the same
+  samples (same batch, same steps) on the same `Task`'s batches, and returns the task's
+  held-out metric. One JAX device, one trial after another: what a first script looks like.
+
+Both use Optuna's TPE sampler with the same seed, the same number of trials, the same training
+samples per trial and the same evaluation. Repeats run the two interleaved, in alternating order,
+because the machine is shared; each run gets a fresh study directory. The table gives wall
+seconds, CPU seconds (user + system of the child process) and peak resident memory (min / median
+/ max over repeats), the best metric each found, and scamp-jax's own breakdown of its time when
+its ``results.json`` has one (``run.overhead``).
+
+Families:
+- ``digits``: the README's guide (`examples/digits.py`): 6 MLP trials, 200 steps at reference
+  batch 32 (50 steps at the planned batch 128), 4 CPU devices.
+- ``swinir``: the main job's smoke preset (3 small SwinIR trials, 100 steps at batch 8), 8 CPU
+  devices.
+
+Run::
+
+    python -m benchmarks.overhead --family digits --repeats 3 --markdown
+    python -m benchmarks.overhead --family swinir --repeats 3 --markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+DIGITS_EXAMPLE = REPO / "examples" / "digits.py"
+
+
+@dataclass(frozen=True)
+class Family:
+    """One study, described once for both runs.
+
+    ``steps`` are at ``reference_batch``; a trial trains ``steps * reference_batch`` samples.
+    ``batch`` is the batch the plain loop trains at (scamp-jax's planner picks its own, up to
+    ``max_batch_size``; with these budgets it picks ``max_batch_size``).
+    """
+
+    name: str
+    trials: int
+    steps: int
+    reference_batch: int
+    max_batch_size: int
+    memory_per_device: str
+    cpu_devices: int
+    checkpoint_every: int
+    pruner: str
+
+    @property
+    def batch(self) -> int:
+        return self.max_batch_size
+
+    @property
+    def plain_steps(self) -> int:
+        return max(1, self.steps * self.reference_batch // self.max_batch_size)
+
+
+FAMILIES = {
+    "digits": Family("digits", trials=6, steps=200, reference_batch=32, max_batch_size=128,
+                     memory_per_device="32MiB", cpu_devices=4, checkpoint_every=50,
+                     pruner="median"),
+    "swinir": Family("swinir", trials=3, steps=100, reference_batch=8, max_batch_size=8,
+                     memory_per_device="1GiB", cpu_devices=8, checkpoint_every=25,
+                     pruner="none"),
+}
+SEED = 0
+
+
+def _space_and_task(family: str) -> tuple[Any, Any]:
+    if family == "digits":
+        module = runpy.run_path(str(DIGITS_EXAMPLE), run_name="digits_family")
+        return module["space"], module["task"]
+    from experiments.swinir_hpo import get_config, make_space_and_task
+
+    return make_space_and_task(get_config("smoke"))
+
+
+def run_scamp(family: Family, study_dir: Path) -> dict[str, Any]:
+    """The study through `scamp_jax.run_study` (devices set up as the family's entry does)."""
+    import scamp_jax
+
+    scamp_jax.configure_for_search(family.cpu_devices)
+    space, task = _space_and_task(family.name)
+    result = scamp_jax.run_study(
+        space, task, trials=family.trials, steps=family.steps, study_dir=study_dir,
+        memory_per_device=family.memory_per_device, reference_batch=family.reference_batch,
+        max_batch_size=family.max_batch_size, checkpoint_every=family.checkpoint_every,
+        pruner=family.pruner, sampler="tpe", seed=SEED, live=False)
+    best = result.get("best") or {}
+    runs = json.loads((study_dir / "results.json").read_text()).get("runs", [])
+    overhead = runs[-1].get("overhead") if runs else None
+    return {"best": best.get(task.metric), "metric": task.metric,
+            "batch": best.get("batch_size"), "overhead": overhead}
+
+
+def run_plain(family: Family, study_dir: Path) -> dict[str, Any]:
+    """The study as a plain Optuna loop: one device, one trial after another."""
+    import jax
+    import optax
+    import optuna
+    from flax import nnx
+
+    space, task = _space_and_task(family.name)
+    study_dir.mkdir(parents=True, exist_ok=True)
+
+    def objective(trial: optuna.Trial) -> float:
+        config = space.suggest(trial)
+        model = space.build(config, nnx.Rngs(SEED + trial.number))
+        tx = optax.adamw(config["learning_rate"], b1=config.get("b1", 0.9),
+                         b2=config.get("b2", 0.999), weight_decay=config.get("weight_decay", 0.0))
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+        @nnx.jit
+        def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> jax.Array:
+            loss, grads = nnx.value_and_grad(task.loss_fn)(model, batch)
+            optimizer.update(model, grads)
+            return loss
+
+        batches = task.batches(family.batch, SEED + trial.number)
+        for _ in range(family.plain_steps):
+            loss = train_step(model, optimizer, next(batches))
+        loss.block_until_ready()
+        if hasattr(model, "eval"):
+            model.eval()
+        return float(task.evaluate(model)[task.metric])
+
+    study = optuna.create_study(
+        study_name=family.name, storage=f"sqlite:///{study_dir / 'study.db'}",
+        direction=task.direction, sampler=optuna.samplers.TPESampler(seed=SEED))
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study.optimize(objective, n_trials=family.trials)
+    return {"best": study.best_value, "metric": task.metric, "batch": family.batch,
+            "overhead": None}
+
+
+RUNNERS: dict[str, Callable[[Family, Path], dict[str, Any]]] = {
+    "scamp": run_scamp, "plain": run_plain}
+
+
+def measure(way: str, family: Family) -> dict[str, Any]:
+    """Run one way of ``family`` as a child process; wall s, CPU s, peak RSS bytes, its result."""
+    with tempfile.TemporaryDirectory(prefix=f"overhead-{way}-") as tmp:
+        out = Path(tmp) / "child.json"
+        env = dict(os.environ)
+        if way == "plain":  # a plain JAX process: one CPU device (keeps the example's split off)
+            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
+                                + " --xla_force_host_platform_device_count=1").strip()
+        cmd = [sys.executable, "-m", "benchmarks.overhead", "--child", way, "--family",
+               family.name, "--study-dir", str(Path(tmp) / "study"), "--child-out", str(out)]
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        stderr = proc.stderr.read() if proc.stderr else ""
+        if proc.returncode != 0:
+            raise RuntimeError(f"{way} run of {family.name} failed (exit {proc.returncode}):\n"
+                               + stderr[-3000:])
+        result = json.loads(out.read_text())
+    return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime,
+            "peak_rss_bytes": usage.ru_maxrss * 1024, **result}
+
+
+def _spread(values: Sequence[float], fmt: str) -> str:
+    return "/".join(format(v, fmt) for v in (min(values), statistics.median(values), max(values)))
+
+
+def report(family: Family, runs: dict[str, list[dict[str, Any]]], markdown: bool) -> None:
+    from benchmarks._tables import print_table
+
+    plain_wall = statistics.median(r["wall_s"] for r in runs["plain"])
+    plain_cpu = statistics.median(r["cpu_s"] for r in runs["plain"])
+    rows = []
+    for way, label in (("scamp", "scamp-jax run_study"), ("plain", "plain Optuna loop")):
+        rs = runs[way]
+        wall = [r["wall_s"] for r in rs]
+        cpu = [r["cpu_s"] for r in rs]
+        rss = [r["peak_rss_bytes"] / 2**20 for r in rs]
+        best = [r["best"] for r in rs if r["best"] is not None]
+        rows.append([label, _spread(wall, ".1f"), _spread(cpu, ".1f"), _spread(rss, ".0f"),
+                     f"{statistics.median(wall) / plain_wall:.2f}x",
+                     f"{statistics.median(cpu) / plain_cpu:.2f}x",
+                     _spread(best, ".4f") if best else "-"])
+    metric = runs["plain"][0]["metric"]
+    print_table(
+        f"{family.name}: {family.trials} trials x {family.steps * family.reference_batch} samples, "
+        f"{len(runs['plain'])} interleaved repeats (min/median/max)",
+        ["run", "wall s", "CPU s", "peak RSS MiB", "wall vs plain", "CPU vs plain",
+         f"best {metric}"], rows, markdown)
+    breakdowns = [r["overhead"] for r in runs["scamp"] if r.get("overhead")]
+    if breakdowns:
+        keys = sorted({k for b in breakdowns for k in b if isinstance(b[k], int | float)})
+        print_table("scamp-jax's own breakdown (run.overhead in results.json; median over repeats)",
+                    ["part", "value"],
+                    [[k, f"{statistics.median(b.get(k, 0) for b in breakdowns):.2f}"]
+                     for k in keys], markdown)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=[*FAMILIES, "all"], default="digits",
+                        help="which study to run both ways (default: digits, the README's guide)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="interleaved repeats of each way (default 3)")
+    parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    parser.add_argument("--json", metavar="FILE", help="also write every run's figures to FILE")
+    parser.add_argument("--child", choices=list(RUNNERS), help=argparse.SUPPRESS)
+    parser.add_argument("--study-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats} must be at least 1")
+
+    if args.child:
+        result = RUNNERS[args.child](FAMILIES[args.family], Path(args.study_dir))
+        Path(args.child_out).write_text(json.dumps(result))
+        return result
+
+    families = list(FAMILIES) if args.family == "all" else [args.family]
+    everything: dict[str, Any] = {}
+    for name in families:
+        family = FAMILIES[name]
+        runs: dict[str, list[dict[str, Any]]] = {"scamp": [], "plain": []}
+        for repeat in range(args.repeats):
+            order = ("scamp", "plain") if repeat % 2 == 0 else ("plain", "scamp")
+            for way in order:
+                print(f"[overhead] {name} repeat {repeat + 1}/{args.repeats}: {way} ...",
+                      flush=True)
+                runs[way].append(measure(way, family))
+                r = runs[way][-1]
+                print(f"[overhead]   {r['wall_s']:.1f} s wall, {r['cpu_s']:.1f} s CPU, "
+                      f"best {r['metric']} {r['best']}", flush=True)
+        report(family, runs, args.markdown)
+        everything[name] = runs
+    if args.json:
+        Path(args.json).write_text(json.dumps(everything, indent=1))
+    return everything
+
+
+if __name__ == "__main__":
+    main()
