@@ -85,6 +85,26 @@ def test_csp_bit_identical_to_sequential(stages, offload, shared, seed):
     assert np.array_equal(csp.shared, shared0) != shared
 
 
+def test_initial_weights_start_the_run_and_csp_stays_bit_identical():
+    """A run from given weights (e.g. a warmed-up stem and head, then frozen) starts from them:
+    CSP equals sequential bit for bit, the frozen shared weights come back unchanged, and the
+    blocks differ from a run from ``layout.init``."""
+    subnets, lr, hr = _data(0)
+    blocks0, shared0 = _layout().init(0)
+    shared1 = (shared0 * np.float32(1.5)).astype(np.float32)
+    runs = {
+        name: train_supernet(
+            _layout(), subnets, lr, hr, schedule=name, num_stages=4, seed=0, offload=True,
+            initial_weights=(blocks0, shared1), executor=_executor(4, True, False),
+        )
+        for name in ("csp", "sequential")
+    }
+    _assert_identical(runs["csp"], runs["sequential"])
+    assert runs["csp"].ticks < runs["sequential"].ticks
+    np.testing.assert_array_equal(runs["csp"].shared, shared1)
+    assert not np.array_equal(runs["csp"].blocks, _train("csp", 4, True, False, 0).blocks)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stages", [2, 4])
 @pytest.mark.parametrize("offload", [False, True])
@@ -190,10 +210,11 @@ def test_experiment_presets_and_flags():
     smoke = supernet_nas.get_config("smoke")
     assert smoke.layers % smoke.stages == 0 and smoke.schedule == "csp" and smoke.offload
     assert supernet_nas.get_config("paper").stages == 8
-    # The default run trains the stem and head and starts blocks as the identity (its subnets
-    # beat bicubic); smoke keeps them frozen so that CSP overlaps subnets.
+    # The default run warms up the stem and head before the pipeline and keeps them frozen in
+    # it (subnets beat bicubic and CSP overlaps subnets); blocks start as the identity.
     default = supernet_nas.get_config("default")
-    assert default.train_shared and default.zero_init_residual and not smoke.train_shared
+    assert default.shared_warmup > 0 and not default.train_shared and default.zero_init_residual
+    assert not smoke.train_shared
     with pytest.raises(ValueError, match="unknown preset 'huge'"):
         supernet_nas.get_config("huge")
     args = supernet_nas.parser().parse_args(
