@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import re
 
 import jax
 import numpy as np
@@ -273,3 +275,123 @@ def test_idle_tick_guard_changes_nothing_but_the_work():
     result = train_supernet(_layout(), subnets, lr, hr, schedule="csp", num_stages=2, seed=0,
                             offload=True, executor=unguarded)
     _assert_identical(result, _train("csp", 2, True, False, 0))
+
+
+def _entry_instructions(hlo: str) -> list[tuple[str, str, list[str]]]:
+    """``(name, opcode, operand names)`` of every instruction of a compiled HLO module's entry
+    computation, in order."""
+    entry = hlo[hlo.index("\nENTRY"):].split("\n")[1:]
+    out = []
+    for line in entry:
+        match = re.match(r"\s*(?:ROOT )?%(\S+) = (.*)$", line)
+        if not match:
+            continue
+        name, rest = match.groups()
+        if rest.startswith("("):  # a tuple type: skip to its closing parenthesis
+            depth = 0
+            for i, ch in enumerate(rest):
+                depth += {"(": 1, ")": -1}.get(ch, 0)
+                if depth == 0:
+                    rest = rest[i + 1 :]
+                    break
+        else:
+            rest = rest.split(" ", 1)[1]
+        opcode, _, args = rest.strip().partition("(")
+        operands = re.findall(r"%([\w.\-]+)", args.split("), ")[0])
+        out.append((name, opcode, operands))
+    return out
+
+
+def _store_readers(hlo: str) -> set[str]:
+    """Opcodes of the entry-computation instructions that take the store (the supernet in host
+    memory: parameters named ``...['store'][...]``) as an operand, following it through
+    bitcasts, tuples and tuple elements (which move nothing); empty when the store only passes
+    through to the output (donated, so aliased)."""
+    params = set(re.findall(r"%(\S+) = \S+ parameter\(\d+\).*op_name=\"\w+\[\\'store", hlo))
+    assert params, "no store parameter found in the compiled program"
+    tracked, readers = set(params), set()
+    for name, opcode, operands in _entry_instructions(hlo):
+        if tracked & set(operands):
+            if opcode in ("bitcast", "tuple", "get-tuple-element"):
+                tracked.add(name)
+            else:
+                readers.add(opcode)
+    return readers
+
+
+def _stage_tick_hlo(spec, stage: int, row: np.ndarray, executor: PipelineExecutor) -> str:
+    """Optimised HLO of one stage's tick compiled for the constant instruction ``row`` (XLA folds
+    the row's conditionals), the store in host memory and donated, as in the executor."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from scamp_jax.pipeline.stage import stage_tick
+
+    mesh = jax.make_mesh((1,), ("stage",), axis_types=(AxisType.Explicit,),
+                         devices=jax.devices()[:1])
+    on = functools.partial(NamedSharding, mesh, P("stage"))
+    shapes = executor.state_shapes()
+    shard = jax.tree.map(lambda _: on(memory_kind="device"), shapes)
+    shard["store"] = jax.tree.map(lambda _: on(memory_kind="pinned_host"), shapes["store"])
+    state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype,
+                                                            sharding=sh), shapes, shard)
+
+    def body(st, lr, hr):
+        st = jax.tree.map(lambda a: a[0], st)
+        st, act, grad, loss = stage_tick(_layout(), spec, jax.numpy.int32(stage), st,
+                                         jax.numpy.asarray(row), lr[0], hr[0])
+        return jax.tree.map(lambda a: a[None], st), act[None], grad[None], loss[None]
+
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(P("stage"),) * 3,
+                           out_specs=(P("stage"),) * 4, check_vma=False)
+    data = on()
+    tick = jax.jit(mapped, donate_argnums=0, out_shardings=(shard, data, data, data))
+    return tick.lower(
+        state, jax.ShapeDtypeStruct((1, BATCH, SIDE, SIDE, 3), np.float32, sharding=data),
+        jax.ShapeDtypeStruct((1, BATCH, 2 * SIDE, 2 * SIDE, 3), np.float32, sharding=data),
+    ).compile().as_text()
+
+
+def test_idle_tick_moves_nothing_between_host_store_and_device():
+    """With the supernet in host memory, a stage-tick that fetches no block and applies no
+    update compiles to a program that never reads or writes the store: from the compiled HLO,
+    not from equal results.
+
+    Each stage-tick of a real CSP program is compiled with its instruction row as a constant
+    (XLA folds the guards): rows that fetch nothing and apply nothing leave the store as a
+    pass-through to the (aliased) output, rows that fetch or apply read it, and without the
+    guard even an idle row writes it. The executor's real tick, whose rows are run-time data,
+    touches the store only through the guards' conditionals, so an idle row takes a branch.
+    (What every tick does move, idle or not, is its instruction rows and input microbatches.)
+    """
+    from scamp_jax.pipeline.csp import split_layers
+    from scamp_jax.pipeline.program import BWD, COL, build_program
+    from scamp_jax.pipeline.trainer import make_schedule
+
+    subnets, _, _ = _data(0)
+    bounds = split_layers(CONFIG.num_layers, 2)
+    program = build_program(make_schedule("csp", subnets, bounds), subnets, bounds)
+    executor = _executor(2, True, False)
+    classes: dict[tuple[bool, int], tuple[int, np.ndarray]] = {}
+    for t in range(program.ticks):
+        for stage in range(2):
+            row = program.table[t, stage]
+            moves = row[COL["prefetch_slot"]] >= 0 or (row[COL["kind"]] == BWD
+                                                       and row[COL["apply"]] == 1)
+            classes.setdefault((bool(moves), int(row[COL["kind"]])), (stage, row))
+    assert {k for k, _ in classes} == {False, True}
+    for (moves, _), (stage, row) in classes.items():
+        readers = _store_readers(_stage_tick_hlo(executor.spec, stage, row, executor))
+        assert bool(readers) == moves, (row, readers)
+    idle = next(row for (moves, kind), (_, row) in classes.items() if not moves and kind == 0)
+    unguarded = dataclasses.replace(executor.spec, guard_idle=False)
+    assert _store_readers(_stage_tick_hlo(unguarded, 0, idle, executor))
+    # The real tick: the store reaches nothing but the guards' conditionals and the output.
+    sh = executor._sharding()
+    width = program.table.shape[2]
+    real = executor._tick.lower(
+        executor._abstract_state(), jax.ShapeDtypeStruct((2, width), np.int32, sharding=sh),
+        jax.ShapeDtypeStruct((2, BATCH, SIDE, SIDE, 3), np.float32, sharding=sh),
+        jax.ShapeDtypeStruct((2, BATCH, 2 * SIDE, 2 * SIDE, 3), np.float32, sharding=sh),
+    ).compile().as_text()
+    assert _store_readers(real) == {"conditional"}
