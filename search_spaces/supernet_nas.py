@@ -54,6 +54,8 @@ class NASConfig:
         (`warm_up_shared`; 0: none). Every block starts as the identity, so this trains the
         network every subnet computes at initialisation, cheaply on one device; the pipeline
         then trains the blocks on top of the frozen stem and head and CSP keeps its overlap.
+        Default run: CSP 1454 ticks vs sequential 3200, best subnet 33.61 dB vs bicubic 33.06
+        (trained in the pipeline instead: 3200 vs 3200 ticks, 33.38 dB).
       offload: keep the supernet in host memory, only the chosen blocks on the devices.
       eval_subnets: subnets ranked on held-out patches.
       eval_crop: largest side (HR pixels) of the held-out photographs' centre crops.
