@@ -115,16 +115,16 @@ def warm_up_shared(
       ValueError: if the blocks do not start as the identity (the warm-up would then train a
         network no subnet computes) or ``steps`` is negative.
     """
+    if steps < 0:
+        raise ValueError(f"{steps=} must be >= 0 (0: no warm-up); pass e.g. 1000")
+    if steps == 0:
+        return np.asarray(shared, np.float32), np.zeros(0, np.float32)
     if not layout.config.zero_init_residual:
         raise ValueError(
             "warming up the stem and head skips the choice layers, which is what the subnets "
             "compute only when every block starts as the identity; build the supernet with "
             "SupernetConfig(zero_init_residual=True) or pass shared_warmup=0"
         )
-    if steps < 0:
-        raise ValueError(f"{steps=} must be >= 0 (0: no warm-up); pass e.g. 1000")
-    if steps == 0:
-        return np.asarray(shared, np.float32), np.zeros(0, np.float32)
     tx = optimizer.transformation()
     lr_all, hr_all = jnp.asarray(lr_batches), jnp.asarray(hr_batches)
 

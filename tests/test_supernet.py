@@ -139,3 +139,9 @@ def test_shared_warm_up_trains_the_network_every_fresh_subnet_computes():
     assert none.shape == (0,)
     with pytest.raises(ValueError, match="zero_init_residual=True"):
         warm_up_shared(SupernetLayout(TINY), shared, lr, hr, steps=3, optimizer=OptimizerSpec())
+    # No warm-up asked: nothing to check, the weights come back as they were.
+    same, _ = warm_up_shared(SupernetLayout(TINY), shared, lr, hr, steps=0,
+                             optimizer=OptimizerSpec())
+    np.testing.assert_array_equal(same, shared)
+    with pytest.raises(ValueError, match="steps=-1 must be >= 0"):
+        warm_up_shared(zeroed, shared, lr, hr, steps=-1, optimizer=OptimizerSpec())
