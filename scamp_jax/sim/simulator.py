@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from scamp_jax._units import format_bytes
+from scamp_jax.scheduling.booking import solo_bytes
 from scamp_jax.scheduling.core import PlanOption, SchedulingCore, Start, TrialPlan
 from scamp_jax.scheduling.costs import COMPUTE_EFFICIENCY
 from scamp_jax.scheduling.placement import (
@@ -557,10 +558,26 @@ class StepCostModel:
       mp_comm_fixed, mp_comm_per_sample: model-parallel collective bytes sent per device per
         step, affine in local batch (0 for ``model_parallel == 1``).
       kernels_per_step: kernels in the compiled step.
-      memory_fixed, memory_per_sample, memory_floor: the planner's peak-memory model per device
-        (`scamp_jax.planning.memory.MemoryModel`: ``fixed_bytes``, ``bytes_per_sample``,
-        ``floor_bytes``), bytes: ``peak(b) = max(memory_floor, memory_fixed + memory_per_sample *
-        b)``.
+      memory_fixed, memory_per_sample, memory_floor: the planner's peak-memory model of the
+        training step per device (`scamp_jax.planning.memory.MemoryModel`: ``fixed_bytes``,
+        ``bytes_per_sample``, ``floor_bytes``), bytes: ``step(b) = max(memory_floor,
+        memory_fixed + memory_per_sample * b)``.
+      prefetch_per_sample: bytes per device of one sample of a training batch (the next batch is
+        prefetched while a step runs; ``round(prefetch_per_sample * b)`` as the planner counts it).
+      eval_peak: compiled peak per device of the evaluation forward at its smallest chunk (one
+        sample per data-parallel group), bytes; 0: evaluation not planned. The planner picks the
+        largest chunk whose evaluation needs no more than training, so the booking
+        (`scamp_jax.scheduling.booking.solo_bytes`) is the same with this chunk's figure.
+      opt_state_bytes: optimizer state per device, bytes (resident while evaluating).
+
+      plans: the planner's own answers for this architecture on its ``model_parallel``
+        devices, ``(usable budget, batch cap (0: none), batch multiple, batch, booked bytes)``
+        each (`scamp_jax.sim.step_costs.plan_point`: `scamp_jax.planning.planner.plan_mesh`
+        and `scamp_jax.scheduling.booking.booked_bytes`, as the engine's planning service).
+        `planned_profile` takes a trial's batch and bytes from the matching one, so the
+        simulator books exactly what the engine books; without one, from the fits.
+
+    What a trial books is `peak_bytes`: the engine's byte rule on these figures.
     """
 
     model_parallel: int
@@ -575,11 +592,33 @@ class StepCostModel:
     memory_fixed: float
     memory_per_sample: float
     memory_floor: float = 0.0
+    prefetch_per_sample: float = 0.0
+    eval_peak: float = 0.0
+    opt_state_bytes: float = 0.0
+    plans: tuple[tuple[int, int, int, int, int], ...] = ()
 
-    def peak_bytes(self, local_batch: int) -> int:
-        """Predicted peak bytes per device at per-device batch ``local_batch``."""
+    def planned(self, budget_bytes: int, max_batch_size: int | None,
+                batch_multiple: int) -> tuple[int, int] | None:
+        """``(batch, booked bytes)`` of the planner's answer for this budget, cap and multiple
+        on ``model_parallel`` devices (`plans`), or None if it was not planned."""
+        for usable, cap, multiple, batch, booked in self.plans:
+            if (usable, cap, multiple) == (budget_bytes, max_batch_size or 0, batch_multiple):
+                return batch, booked
+        return None
+
+    def step_peak_bytes(self, local_batch: int) -> int:
+        """Predicted compiled peak of the training step per device at per-device batch
+        ``local_batch``, bytes."""
         affine = self.memory_fixed + self.memory_per_sample * local_batch
         return math.ceil(max(self.memory_floor, affine))
+
+    def peak_bytes(self, local_batch: int) -> int:
+        """Bytes per device a trial at per-device batch ``local_batch`` books: step, prefetched
+        batch and evaluation by the engine's rule (`scamp_jax.scheduling.booking.solo_bytes`)."""
+        return solo_bytes(self.step_peak_bytes(local_batch),
+                          round(self.prefetch_per_sample * local_batch),
+                          eval_peak=math.ceil(self.eval_peak),
+                          opt_state=math.ceil(self.opt_state_bytes))
 
     def profile(self, key: int, devices: int, batch_size: int, samples: int) -> TrialProfile:
         """Profile of a trial training ``samples`` samples at global ``batch_size`` on
@@ -622,18 +661,25 @@ class StepCostModel:
         ``max_devices`` devices (None: no alternatives). The global batch of an alternative is a
         multiple of its data-parallel degree; one that leaves no such batch is left out. Every
         batch is also a multiple of ``batch_multiple`` where one fits, as the planner makes it
-        (`scamp_jax.planning.planner.plan_mesh`).
+        (`scamp_jax.planning.planner.plan_mesh`). Where the planner's own answer is known
+        (`plans`), the trial's batch and booked bytes are that answer's.
         """
-        local = self.max_local_batch(budget_bytes)
-        if max_batch_size is not None:
-            local = min(local, max_batch_size)
-        local = _round_batch(local, 1, batch_multiple)
+        planned = self.planned(budget_bytes, max_batch_size, batch_multiple)
+        if planned is not None:
+            local, booked = planned
+        else:
+            local = self.max_local_batch(budget_bytes)
+            if max_batch_size is not None:
+                local = min(local, max_batch_size)
+            local = _round_batch(local, 1, batch_multiple)
         if local < 1:
             raise ValueError(
                 f"candidate {key} does not fit {format_bytes(budget_bytes)} per device even at "
                 f"batch 1 (needs {format_bytes(self.peak_bytes(1))})"
             )
         base = self.profile(key, self.model_parallel, local, samples)
+        if planned is not None:
+            base = replace(base, bytes_per_device=booked)
         alternatives = []
         dp = 2
         while max_devices is not None and dp * self.model_parallel <= max_devices:
@@ -665,12 +711,23 @@ class StepCostModel:
         return tuple(out)
 
     def max_local_batch(self, budget_bytes: int) -> int:
-        """Largest per-device batch whose predicted peak fits ``budget_bytes`` (0: none)."""
+        """Largest per-device batch whose booking (`peak_bytes`) fits ``budget_bytes`` (0: none)."""
         if self.memory_per_sample <= 0:
             raise ValueError("memory_per_sample must be positive to size a batch")
-        if self.memory_floor > budget_bytes:
-            return 0
-        return max(0, math.floor((budget_bytes - self.memory_fixed) / self.memory_per_sample))
+        pps = self.prefetch_per_sample
+        bounds = [(budget_bytes - self.memory_fixed) / (self.memory_per_sample + pps)]
+        # Each of the other terms is constant plus the prefetched batch.
+        for constant in (self.memory_floor,
+                         self.eval_peak + self.opt_state_bytes if self.eval_peak else 0.0):
+            if constant > budget_bytes:
+                return 0
+            if pps > 0:
+                bounds.append((budget_bytes - constant) / pps)
+        b = max(0, math.floor(min(bounds)) + 1)
+        # The closed form can be off by one through rounding (ceil, round): settle exactly.
+        while b > 0 and self.peak_bytes(b) > budget_bytes:
+            b -= 1
+        return b
 
 
 def _round_batch(batch: int, dp: int, multiple: int) -> int:
