@@ -384,6 +384,9 @@ def calibrate_cpu_host(devices: int, memory_per_device: int) -> ClusterModel:
         peak_flops=flops, mem_bandwidth=bandwidth, interconnect_bandwidth=link,
         compute_efficiency=1.0, bandwidth_efficiency=1.0, comm_efficiency=1.0,
         launch_seconds=launch, compute_group=devices,
+        # The host's devices share one compute engine (compute_group), which already makes
+        # co-located work take turns; the step's compile is the trial's setup, not a plan.
+        overlap=1.0, planning_seconds=0.0,
     )
 
 
@@ -498,6 +501,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--restart-seconds", type=float, default=None,
                         help="cost of restarting a running trial on more devices (checkpoint, "
                         "compile, restore); default: the cluster model's (60 s)")
+    parser.add_argument("--overlap", type=float, default=None,
+                        help="how much trials sharing a device overlap: 0 = strict turns (the "
+                        "default on GPUs), 1 = free overlap of each other's idle time")
+    parser.add_argument("--planning-seconds", type=float, default=None,
+                        help="seconds from asking a trial to its plan being ready; default: "
+                        "the cluster model's (30 s), or --measured's")
+    parser.add_argument("--measured", type=Path, default=None, metavar="STUDY_DIR",
+                        help="take planning and restart seconds from a real study's "
+                        "results.json (scamp_jax.sim.measured.engine_figures)")
     parser.add_argument("--min-resize-gain", type=float, default=0.1,
                         help="fraction of its remaining time a restart must save")
     parser.add_argument("--batch-multiple", type=int, default=ScampPolicy().batch_multiple,
@@ -584,10 +596,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_trial_devices=args.max_trial_devices or None, scamp_policy=scamp,
     )
     lookahead = args.devices if args.lookahead is None else args.lookahead or None
+    if args.measured is not None:
+        from scamp_jax.sim.measured import engine_figures, read_results
+
+        figures = engine_figures(read_results(args.measured))
+        log(f"measured by {args.measured}: {figures or 'nothing (defaults kept)'}")
+        cluster = dataclasses.replace(cluster, **figures)
     if args.restart_seconds is not None:
         if args.restart_seconds < 0:
             parser.error("--restart-seconds must be >= 0")
         cluster = dataclasses.replace(cluster, restart_seconds=args.restart_seconds)
+    if args.planning_seconds is not None:
+        if args.planning_seconds < 0:
+            parser.error("--planning-seconds must be >= 0")
+        cluster = dataclasses.replace(cluster, planning_seconds=args.planning_seconds)
+    if args.overlap is not None:
+        if not 0 <= args.overlap <= 1:
+            parser.error("--overlap must be in [0, 1]")
+        cluster = dataclasses.replace(cluster, overlap=args.overlap)
     usable = int(cluster.memory_per_device * (1.0 - args.safety_margin))
     max_devices = args.max_trial_devices or cluster.devices
 
@@ -631,6 +657,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{args.samples} samples per trial; scamp batches {batches[0]}-{batches[-1]} on "
           f"{sorted({p.devices for p in scamp_profiles})} device(s); fixed: {k} device(s), "
           f"batch {fixed_batch}; lookahead {lookahead or 'all'}")
+    print(f"device sharing and overheads: {cluster.describe()}")
     if "scamp" in results:
         used = sorted({len(t.device_ids) for t in results["scamp"].trials})
         print(f"scamp {scamp}: trials ran on {used} device(s); "

@@ -10,8 +10,9 @@ from scamp_jax.sim.sim_fusion import FusedCostModel, fused_profiles, group_width
 from scamp_jax.sim.simulator import ClusterModel, TrialProfile, simulate
 
 GIB = 2**30
-# Unit efficiencies, launch latency 1 ms (as test_simulator's toy cluster).
-TOY = ClusterModel("toy", 2, 10 * GIB, 1e12, 1e12, 1e9, 1.0, 1.0, 1.0, 1e-3)
+# Unit efficiencies, launch latency 1 ms, instant plans, free overlap (test_simulator's toy).
+TOY = ClusterModel("toy", 2, 10 * GIB, 1e12, 1e12, 1e9, 1.0, 1.0, 1.0, 1e-3,
+                   planning_seconds=0.0, overlap=1.0)
 # Launch-bound steps: FLOPs grow with the width, kernels stay (as measured for small models).
 MODEL = FusedCostModel(batch_size=8, widths=(1, 2), flops=(1e9, 2e9),
                        bytes_accessed=(1e8, 2e8), kernels=(400, 402))
