@@ -478,10 +478,17 @@ def simulate(
                 break
         return started
 
+    measured: dict[int, int] = {}  # key -> the run version last measured
+
     def measure() -> None:
-        # The engine's pace measurement: seconds per step of a trial that trained 2 steps.
+        # The engine's pace measurement: seconds per step of a trial that trained 2 steps. A
+        # pace changes only with the trial's rate (a new version), so only those are measured
+        # again, except in the tail, where restarts weigh every trial's steps left.
+        tail = not core.queued and not pending and not asked
         for key, trial in running.items():
             if now < trial.paused_until or trial.solo <= 0:
+                continue
+            if not tail and measured.get(key) == trial.version:
                 continue
             step = step_seconds(trial.profile, cluster)
             trained = trial.solo - trial.work_left(now) - trial.profile.setup_seconds
@@ -489,6 +496,7 @@ def simulate(
                 continue
             core.step_measured(now, key, int(trained / step), step / trial.rate,
                                trial.start + trial.profile.setup_seconds)
+            measured[key] = trial.version
 
     def resize_running() -> None:
         nonlocal busy_device_seconds, resized
