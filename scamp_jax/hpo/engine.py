@@ -52,6 +52,7 @@ from scamp_jax.hpo.runner import (
 from scamp_jax.hpo.study import AskedTrial, AskLater, TrialOutcome, TrialSource
 from scamp_jax.planning import planner
 from scamp_jax.planning.plan_cache import PlanCache
+from scamp_jax.scheduling.booking import booked_bytes
 from scamp_jax.scheduling.core import PlanOption, SchedulingCore, TrialPlan
 from scamp_jax.scheduling.costs import attainable_flops
 from scamp_jax.scheduling.elastic import Resize
@@ -226,12 +227,6 @@ class SearchResult:
     compile_cache: Mapping[str, int] = field(default_factory=dict)
     scheduling: Mapping[str, Any] = field(default_factory=dict)
 
-
-
-def booked_bytes(plan: Any) -> int:
-    """Bytes per device a trial of ``plan`` books: everything it holds at once (training step,
-    prefetched batch, evaluation: `scamp_jax.planning.planner.Plan.predicted_peak_bytes`)."""
-    return int(getattr(plan, "predicted_peak_bytes", plan.peak_bytes_per_device))
 
 class SearchEngine(PlanningService, FusionService):
     """Drive a study: plan, place and run trials concurrently on a pool of devices.

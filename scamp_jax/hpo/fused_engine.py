@@ -52,6 +52,7 @@ from scamp_jax.hpo.fused_runner import run_fused_group as _run_fused_group
 from scamp_jax.hpo.runner import OPTIMIZER_KEYS, make_optimizer, trial_seed
 from scamp_jax.planning import planner
 from scamp_jax.planning.fusion import FusionPlan, plan_fusion
+from scamp_jax.scheduling.booking import booked_bytes
 from scamp_jax.scheduling.core import Start, TrialPlan
 from scamp_jax.scheduling.grouping import FusionCandidate, form_groups
 
@@ -278,7 +279,7 @@ class FusionService:
         flops = self._flops_of.get((first.number, first.devices, int(plan.batch_size)))
         return TrialPlan(
             key=unit.key, arrival=min(m.arrival for m in unit.members), devices=first.devices,
-            bytes_per_device=int(unit.fusion.predicted_peak_bytes or 0),
+            bytes_per_device=booked_bytes(unit.fusion),
             steps=self.config.steps_for(int(plan.batch_size)),
             flops_per_step=None if flops is None else flops * len(unit.members),
             data_parallel=int(plan.data_parallel), model_parallel=int(plan.model_parallel),

@@ -60,6 +60,7 @@ from scamp_jax.planning.train_step import (
     default_optimizer,
     jit_train_step,
 )
+from scamp_jax.scheduling.booking import solo_bytes
 
 PyTree = Any
 
@@ -181,8 +182,11 @@ class Plan:
 
     @property
     def predicted_peak_bytes(self) -> int:
-        """Most bytes per device the trial holds: ``max(train_bytes, eval_bytes)``."""
-        return max(self.train_bytes, self.eval_bytes)
+        """Most bytes per device the trial holds: ``max(train_bytes, eval_bytes)``, by the byte
+        rule the scheduler books with (`scamp_jax.scheduling.booking.solo_bytes`)."""
+        return solo_bytes(self.peak_bytes_per_device, self.prefetch_bytes,
+                          eval_peak=self.eval_peak_bytes if self.eval_chunk else 0,
+                          opt_state=self.estimate.opt_state)
 
     @property
     def usable_bytes(self) -> int:
