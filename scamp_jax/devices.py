@@ -1,19 +1,72 @@
-"""Device set-up for entry points: split the CPU into N JAX devices before JAX initialises."""
+"""Device set-up for entry points, before JAX initialises a backend.
+
+Every entry point (the experiments' CLI, ``run_study``, the benchmarks, MPI ranks) goes through
+`configure_device_memory`, directly or through `configure_cpu_devices` / `configure_for_search`:
+
+- ``XLA_PYTHON_CLIENT_PREALLOCATE=false``: JAX's GPU client otherwise reserves 75% of each GPU's
+  memory when it starts, which leaves nothing for a second process on the same GPU (a parent that
+  measures a child, two MPI ranks on one GPU) and hides what a trial really uses
+  (``peak_bytes_in_use``). With preallocation off the allocator grows on demand up to its limit,
+  ``memory_fraction`` of the device (XLA's default 0.75), and that limit is what the device
+  reports as ``memory_stats()['bytes_limit']``: the planner's default budget per device. The
+  allocator and the planner therefore agree on the budget whether or not a fraction is set.
+- ``XLA_CLIENT_MEM_FRACTION`` only when a fraction is asked for (``memory_fraction=``).
+
+A value the user already set in the environment is kept (``XLA_PYTHON_CLIENT_PREALLOCATE=true``
+restores JAX's behaviour; ``XLA_CLIENT_MEM_FRACTION=0.9`` or the older
+``XLA_PYTHON_CLIENT_MEM_FRACTION`` raises the limit, and with it the planner's budget). XLA reads
+these variables once, when JAX creates its GPU backend; on CPU they have no effect.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
 
+#: JAX's GPU client reads these when it creates the backend (``jaxlib.xla_client``).
+PREALLOCATE_VAR = "XLA_PYTHON_CLIENT_PREALLOCATE"
+MEM_FRACTION_VAR = "XLA_CLIENT_MEM_FRACTION"
+#: The older spelling JAX still reads (setting both is an error in JAX).
+OLD_MEM_FRACTION_VAR = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
+def configure_device_memory(memory_fraction: float | None = None) -> dict[str, str]:
+    """Turn off GPU memory preallocation (and optionally cap the allocator) before JAX starts.
+
+    Sets ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` unless the environment already sets it, and,
+    with ``memory_fraction``, ``XLA_CLIENT_MEM_FRACTION`` unless the environment already sets a
+    fraction (either spelling). See the module docstring for why and how to override it.
+
+    Args:
+      memory_fraction: share of each GPU's memory the allocator may use, in (0, 1]; the planner's
+        default budget per device follows it (``bytes_limit``). None: XLA's default (0.75).
+
+    Returns:
+      The memory variables now in the environment (name -> value), for logs and tests.
+    """
+    if memory_fraction is not None and not 0.0 < memory_fraction <= 1.0:
+        raise ValueError(
+            f"{memory_fraction=} must be in (0, 1]: the share of each GPU's memory JAX may use; "
+            "e.g. 0.9, or None for XLA's default of 0.75"
+        )
+    os.environ.setdefault(PREALLOCATE_VAR, "false")
+    user_fraction = MEM_FRACTION_VAR in os.environ or OLD_MEM_FRACTION_VAR in os.environ
+    if memory_fraction is not None and not user_fraction:
+        os.environ[MEM_FRACTION_VAR] = f"{memory_fraction:g}"
+    names = (PREALLOCATE_VAR, MEM_FRACTION_VAR, OLD_MEM_FRACTION_VAR)
+    return {name: os.environ[name] for name in names if name in os.environ}
+
 
 def configure_cpu_devices(count: int = 8) -> None:
-    """Make the host CPU appear as ``count`` JAX devices.
+    """Make the host CPU appear as ``count`` JAX devices, and set GPU memory allocation.
 
     Must be called before JAX initialises a backend (before the first ``jax.devices()`` or array).
-    It only affects the CPU platform: on a GPU machine JAX still picks the GPUs by default.
+    The device count only affects the CPU platform: on a GPU machine JAX still picks the GPUs by
+    default, with preallocation off (`configure_device_memory`).
     """
     if count < 1:
         raise ValueError(f"{count=} must be at least 1")
+    configure_device_memory()
     if "jax" in sys.modules:
         import jax
 
@@ -33,10 +86,9 @@ def configure_cpu_devices(count: int = 8) -> None:
 def configure_for_search(cpu_devices: int = 8) -> None:
     """Environment for an entry point that runs several trials per device.
 
-    Splits the CPU into ``cpu_devices`` JAX devices (see `configure_cpu_devices`) and turns off
-    JAX's up-front reservation of 75% of each GPU's memory (``XLA_PYTHON_CLIENT_PREALLOCATE``),
-    which would leave nothing for a second trial packed onto the same GPU. A value the user already
-    set is kept. Call before JAX initialises a backend.
+    Splits the CPU into ``cpu_devices`` JAX devices and turns off JAX's up-front reservation of
+    75% of each GPU's memory, which would leave nothing for a second trial packed onto the same
+    GPU (both through `configure_cpu_devices`, which calls `configure_device_memory`). A value the
+    user already set is kept. Call before JAX initialises a backend.
     """
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     configure_cpu_devices(cpu_devices)
