@@ -275,9 +275,9 @@ def measure_real_step(case: Case, devices: int, budget: str | None, *,
     without compiling), builds the state directly on the plan's shardings
     (`scamp_jax.planning.train_step.init_train_state`: no device holds an unsharded copy), and
     runs two steps at ``batch`` (default: the plan's). With ``fuse=K`` the same for a fused group
-    of up to ``K`` members sized by `plan_fusion` at ``1/K`` of the plan's batch (``batch``: per
-    member). Returns a JSON-ready dict: ``batch`` (per member when fused), ``width``,
-    ``plan_batch``, ``planned`` (the planner's compiled peak per device at its batch),
+    sized by `plan_fusion` (the widest group up to ``K`` members, then the largest per-member
+    batch; ``batch``: per member). Returns a JSON-ready dict: ``batch`` (per member when fused),
+    ``width``, ``plan_batch``, ``planned`` (the planner's compiled peak per device at its batch),
     ``compiled`` (the peak of the step that ran, from ``memory_analysis``), ``peak_in_use`` (the
     largest ``peak_bytes_in_use`` over the devices after the steps, or None where devices report
     none, as on CPU), ``bytes_limit`` (None likewise) and ``oom`` (the run ran out of memory;
@@ -302,6 +302,7 @@ def measure_real_step(case: Case, devices: int, budget: str | None, *,
                      safety_margin=safety_margin, cache=PlanCache(cache) if cache else None)
     tx = default_optimizer()
     row: dict[str, Any] = {"model": case.name, "plan_batch": plan.batch_size, "width": 1,
+                           "data_parallel": plan.data_parallel,
                            "planned": plan.peak_bytes_per_device,
                            "budget": plan.memory_per_device, "safety_margin": safety_margin}
     rng = np.random.default_rng(0)
@@ -314,9 +315,8 @@ def measure_real_step(case: Case, devices: int, budget: str | None, *,
         )
 
         dp = plan.data_parallel
-        group = plan_fusion(abstract, sample, max_width=fuse, plan=plan,
-                            batch_size=max(dp, plan.batch_size // fuse // dp * dp),
-                            optimizer=tx, cache=PlanCache(cache) if cache else None)
+        group = plan_fusion(abstract, sample, max_width=fuse, plan=plan, optimizer=tx,
+                            cache=PlanCache(cache) if cache else None)
         width, size = group.width, batch or group.batch_size
         row.update(width=width, plan_batch=group.batch_size, planned=group.peak_bytes_per_device)
         graphdef = split_model(abstract)[0]
@@ -361,8 +361,17 @@ def measure_real_step(case: Case, devices: int, budget: str | None, *,
                 "error": str(err).splitlines()[0][:300]}
     stats = [d.memory_stats() for d in plan.devices]
     measured = all(st and "peak_bytes_in_use" in st for st in stats)
+    # What the driver sees this process hold on its first device (context, pool, workspaces),
+    # beside what the allocator holds: their difference is what no memory_stats() reports.
+    from scamp_jax.devices import process_device_bytes
+
+    first = stats[0] or {}
+    driver = process_device_bytes(plan.devices[0].id) if measured else None
+    pool = first.get("pool_bytes", first.get("bytes_reserved", first.get("bytes_in_use")))
     return {
         **row, "oom": False,
+        "driver_bytes": driver,
+        "outside_allocator_bytes": driver - int(pool) if driver is not None and pool else None,
         "compiled": _peak(lowered.compile().memory_analysis()),
         "peak_in_use": max(int(st["peak_bytes_in_use"]) for st in stats) if measured else None,
         "bytes_limit": min(int(st["bytes_limit"]) for st in stats)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
+from typing import Any
 
 #: JAX's GPU client reads these when it creates the backend (``jaxlib.xla_client``).
 PREALLOCATE_VAR = "XLA_PYTHON_CLIENT_PREALLOCATE"
@@ -92,3 +94,46 @@ def configure_for_search(cpu_devices: int = 8) -> None:
     user already set is kept. Call before JAX initialises a backend.
     """
     configure_cpu_devices(cpu_devices)
+
+
+def peak_bytes_in_use(devices: Sequence[Any] | None = None) -> int | None:
+    """The largest ``peak_bytes_in_use`` over ``devices`` (default: all JAX devices), bytes.
+
+    The allocator's high-water mark since the process started (it cannot be reset, so measure
+    one thing per process). None where a device reports no memory statistics (CPU devices).
+    """
+    import jax
+
+    peaks = []
+    for device in devices if devices is not None else jax.devices():
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if not stats or "peak_bytes_in_use" not in stats:
+            return None
+        peaks.append(int(stats["peak_bytes_in_use"]))
+    return max(peaks) if peaks else None
+
+
+def process_device_bytes(device_index: int = 0) -> int | None:
+    """Bytes this process holds on GPU ``device_index`` as the driver sees them, or None.
+
+    Read from ``nvidia-smi --query-compute-apps`` (CUDA context, allocator pool, library
+    workspaces: everything, unlike ``memory_stats()``). None without ``nvidia-smi`` or when the
+    process is not listed (e.g. a container whose PIDs the driver does not see).
+    """
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "-i", str(device_index), "--query-compute-apps=pid,used_memory",
+             "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0] == str(os.getpid()) and parts[1].isdigit():
+            return int(parts[1]) << 20  # MiB
+    return None
