@@ -8,6 +8,7 @@ multi-host (MPI) pieces.
 from scamp_jax._units import format_bytes as format_bytes
 from scamp_jax._units import parse_bytes as parse_bytes
 from scamp_jax.devices import configure_cpu_devices as configure_cpu_devices
+from scamp_jax.devices import configure_device_memory as configure_device_memory
 from scamp_jax.devices import configure_for_search as configure_for_search
 from scamp_jax.hpo.engine import BudgetTooSmallError as BudgetTooSmallError
 from scamp_jax.hpo.engine import EngineConfig as EngineConfig
@@ -115,6 +116,7 @@ __all__ = [
     "abstract_state",
     "check_feasible",
     "configure_cpu_devices",
+    "configure_device_memory",
     "configure_for_search",
     "default_loss",
     "default_optimizer",

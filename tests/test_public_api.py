@@ -12,6 +12,7 @@ EXPECTED = {
     "ScampPolicy", "SearchEngine", "SearchResult", "SearchSettings", "SearchSpace",
     "StepShardings", "Task", "TrialOutcome", "TrialRequest", "TrialSource", "UsageRecorder",
     "abstract_state", "check_feasible", "configure_cpu_devices", "configure_for_search",
+    "configure_device_memory",
     "default_loss", "default_optimizer", "estimate_memory", "fit_memory_model", "format_bytes",
     "jit_train_step", "make_mesh", "make_policy", "make_train_step", "min_devices",
     "min_devices_plan", "open_study", "param_partition_specs", "parse_bytes", "place_train_state",

@@ -96,7 +96,11 @@ def run_study(
         min_batch_size=min_batch_size, checkpoint_every=checkpoint_every,
         eval_every=eval_every, initial_params=tuple(initial_params), elastic=elastic,
     )
+    from scamp_jax.devices import configure_device_memory
     from scamp_jax.planning import planner
+    # Preallocation off before the first device query (it starts JAX's backend); when the caller
+    # already started JAX, configure_for_search at the top of the script is what counts.
+    configure_device_memory()
     pool = planner.resolve_devices(devices)
     budget = default_budget(memory_per_device, pool)
     if live is None:
