@@ -39,17 +39,19 @@ from typing import Any
 
 import jax
 
-from scamp_jax.hpo.fused_engine import FusionService, fusion_cap
-from scamp_jax.hpo.plan_service import PlanningService, TrialDeferred
-from scamp_jax.hpo.runner import (
+from scamp_jax.hpo.fused_engine import FusionService
+from scamp_jax.hpo.plan_service import PlanningService
+from scamp_jax.hpo.runner import RunSpec, StepCache, run_trial
+from scamp_jax.hpo.study import AskedTrial, AskLater, TrialOutcome, TrialSource
+from scamp_jax.hpo.trial import (
+    PlannedTrial,
     RunResult,
-    RunSpec,
-    StepCache,
+    TrialDeferred,
     TrialStatus,
-    run_trial,
+    booked_bytes,
+    fusion_cap,
     trial_seed,
 )
-from scamp_jax.hpo.study import AskedTrial, AskLater, TrialOutcome, TrialSource
 from scamp_jax.planning import planner
 from scamp_jax.planning.plan_cache import PlanCache
 from scamp_jax.scheduling.core import PlanOption, SchedulingCore, TrialPlan
@@ -164,22 +166,6 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
-class PlannedTrial:
-    """An asked configuration with its plan, waiting for devices."""
-
-    asked: AskedTrial
-    plan: Any
-    devices: int
-    arrival: int
-    replans: int = 0
-
-    @property
-    def number(self) -> int:
-        """The study's trial number."""
-        return self.asked.number
-
-
-@dataclass(frozen=True)
 class _Restart:
     """A running trial's restart on more devices: the new plan and placement, and what it ran
     on before (to fall back on if the new run fails before training a step)."""
@@ -227,11 +213,6 @@ class SearchResult:
     scheduling: Mapping[str, Any] = field(default_factory=dict)
 
 
-
-def booked_bytes(plan: Any) -> int:
-    """Bytes per device a trial of ``plan`` books: everything it holds at once (training step,
-    prefetched batch, evaluation: `scamp_jax.planning.planner.Plan.predicted_peak_bytes`)."""
-    return int(getattr(plan, "predicted_peak_bytes", plan.peak_bytes_per_device))
 
 class SearchEngine(PlanningService, FusionService):
     """Drive a study: plan, place and run trials concurrently on a pool of devices.

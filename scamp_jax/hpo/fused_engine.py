@@ -39,7 +39,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from scamp_jax.hpo.fused_runner import (
     GroupResult,
@@ -49,33 +49,12 @@ from scamp_jax.hpo.fused_runner import (
     signature_key,
 )
 from scamp_jax.hpo.fused_runner import run_fused_group as _run_fused_group
-from scamp_jax.hpo.runner import OPTIMIZER_KEYS, make_optimizer, trial_seed
+from scamp_jax.hpo.runner import make_optimizer
+from scamp_jax.hpo.trial import OPTIMIZER_KEYS, PlannedTrial, fusion_cap, trial_seed
 from scamp_jax.planning import planner
 from scamp_jax.planning.fusion import FusionPlan, plan_fusion
 from scamp_jax.scheduling.core import Start, TrialPlan
 from scamp_jax.scheduling.grouping import FusionCandidate, form_groups
-
-if TYPE_CHECKING:
-    from scamp_jax.hpo.engine import PlannedTrial
-
-#: widest group ``fuse="auto"`` plans (the planner may choose fewer).
-AUTO_FUSION_CAP = 8
-
-
-def fusion_cap(fuse: int | str | None) -> int | None:
-    """The most members per group for ``EngineConfig.fuse`` (None: fusion off).
-
-    ``fuse`` is None (off), an int ``K >= 1`` (at most ``K``; 1 is off) or ``"auto"`` (the
-    widest that fits, at most `AUTO_FUSION_CAP`).
-    """
-    if fuse is None:
-        return None
-    if fuse == "auto":
-        return AUTO_FUSION_CAP
-    if isinstance(fuse, bool) or not isinstance(fuse, int) or fuse < 1:
-        raise ValueError(f"fuse={fuse!r} must be a positive int (the most trials per fused "
-                         "group), 'auto' or None; e.g. --fuse 4 or --fuse auto")
-    return fuse if fuse > 1 else None
 
 
 def latest_checkpoint_step(directory: Path | None) -> int:

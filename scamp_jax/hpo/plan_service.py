@@ -20,35 +20,20 @@ import logging
 import threading
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 from flax import nnx
 
-from scamp_jax.hpo.runner import RunResult, make_optimizer
+from scamp_jax.hpo.runner import make_optimizer
+from scamp_jax.hpo.trial import PlannedTrial, RunResult, TrialDeferred
 from scamp_jax.planning import planner
 from scamp_jax.planning.evaluation import supports_chunked_eval
 from scamp_jax.planning.memory import with_batch_size
 from scamp_jax.planning.train_step import abstract_state, jit_train_step, split_model
 from scamp_jax.scheduling.core import replan_after_oom
 
-if TYPE_CHECKING:
-    from scamp_jax.hpo.engine import PlannedTrial
-
 log = logging.getLogger(__name__)
-
-
-class TrialDeferred(Exception):  # noqa: N818 - a hand-over, not an error
-    """Raised by `SearchEngine.plan` for a trial this engine hands to someone else to run.
-
-    The engine neither fails nor places it: it is listed in `SearchEngine.deferred` with this
-    exception, whose ``payload`` says what the caller needs to run it (e.g. the MPI engine's
-    trials that span ranks). Deferred trials stay open in the study until the caller tells them.
-    """
-
-    def __init__(self, message: str, payload: Any = None) -> None:
-        super().__init__(message)
-        self.payload = payload
 
 
 class PlanningService:

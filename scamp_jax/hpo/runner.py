@@ -21,9 +21,8 @@ import math
 import threading
 import time
 import traceback
-import zlib
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,15 @@ import optax
 from flax import nnx
 
 from scamp_jax.hpo.checkpoint import TrialCheckpointer
+from scamp_jax.hpo.trial import (
+    OPTIMIZER_KEYS,
+    RunResult,
+    TrialInterrupted,
+    TrialOutOfMemory,
+    TrialStatus,
+    is_oom_error,
+)
+from scamp_jax.hpo.trial import trial_seed as trial_seed
 from scamp_jax.planning import sharding as sh
 from scamp_jax.planning.evaluation import (
     EvalCompiler,
@@ -44,47 +52,6 @@ from scamp_jax.planning.evaluation import (
 from scamp_jax.planning.planner import lowered_fingerprint
 from scamp_jax.planning.train_step import jit_train_step, split_model
 from scamp_jax.space import SearchSpace, Task
-
-#: keys of a configuration that are optimizer hyperparameters, not architecture.
-OPTIMIZER_KEYS = ("learning_rate", "weight_decay", "b1", "b2")
-_OOM_MARKERS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory", "OOM when allocating")
-
-
-class TrialOutOfMemory(RuntimeError):
-    """A trial's step does not fit its devices; carries the bytes per device it needs."""
-
-    def __init__(self, message: str, bytes_needed: int | None = None) -> None:
-        super().__init__(message)
-        self.bytes_needed = bytes_needed
-
-
-class TrialInterrupted(RuntimeError):
-    """The engine asked the trial to stop (its state was checkpointed)."""
-
-
-@dataclass
-class TrialStatus:
-    """Live, mutable progress of one trial (read by the live view; written by its runner)."""
-
-    number: int
-    params: Mapping[str, Any]
-    state: str = "queued"
-    devices: tuple[int, ...] = ()
-    model_parallel: int = 1
-    batch_size: int = 0
-    predicted_peak_bytes: int = 0
-    step: int = 0
-    steps: int = 0
-    loss: float = math.nan
-    metric: float = math.nan
-    replans: int = 0
-    reason: str = ""
-    #: ``time.monotonic()`` when this run's first training step began (after compile, restore),
-    #: and the step it began at: the engine's measure of the trial's pace.
-    training_since: float = math.nan
-    first_step: int = 0
-    #: times the engine restarted the trial on more devices (`scamp_jax.scheduling.elastic`).
-    resizes: int = 0
 
 
 @dataclass(frozen=True)
@@ -139,28 +106,6 @@ class RunSpec:
         return int(self.memory_per_device * (1.0 - margin))
 
 
-@dataclass(frozen=True)
-class RunResult:
-    """How one run ended (see the module docstring for ``state``).
-
-    ``metrics`` holds the task's evaluation (e.g. ``psnr``, ``bicubic_psnr``) for a complete run;
-    ``bytes_needed`` the measured peak per device of an ``oom`` run when known;
-    ``checkpoint`` the directory of the final checkpoint of a complete run;
-    ``resumed_from`` the checkpointed step training restarted from (0: from scratch).
-    """
-
-    number: int
-    state: str
-    steps: int
-    wall_seconds: float
-    metrics: Mapping[str, float] = field(default_factory=dict)
-    reason: str = ""
-    bytes_needed: int | None = None
-    loss: float = math.nan
-    checkpoint: Path | None = None
-    resumed_from: int = 0
-
-
 def make_optimizer(params: Mapping[str, Any]) -> optax.GradientTransformation:
     """AdamW with every hyperparameter injected (so trials of one architecture share a compile).
 
@@ -186,11 +131,6 @@ def _resumable_step(checkpointer: TrialCheckpointer, steps: int) -> int | None:
     return max((s for s in saved if s <= steps), default=None)
 
 
-def trial_seed(seed: int, checkpoint_key: str) -> int:
-    """A per-trial seed that a re-run of an interrupted trial shares (keyed by checkpoint key)."""
-    return (seed * 1_000_003 + zlib.crc32(checkpoint_key.encode())) % (2**31 - 1)
-
-
 def peak_bytes(compiled: Any) -> int | None:
     """Peak bytes per device of a compiled step: temp + arguments + outputs - aliased."""
     analysis = compiled.memory_analysis()
@@ -202,14 +142,6 @@ def peak_bytes(compiled: Any) -> int | None:
         + analysis.output_size_in_bytes
         - analysis.alias_size_in_bytes
     )
-
-
-def is_oom_error(err: BaseException) -> bool:
-    """True for XLA out-of-memory errors (allocation failures at compile or run time)."""
-    if isinstance(err, TrialOutOfMemory | MemoryError):
-        return True
-    text = f"{type(err).__name__}: {err}"
-    return any(marker in text for marker in _OOM_MARKERS)
 
 
 class StepCache:
