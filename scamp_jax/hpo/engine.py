@@ -49,6 +49,7 @@ from scamp_jax.hpo.trial import (
     TrialDeferred,
     TrialStatus,
     booked_bytes,
+    ending,
     fusion_cap,
     trial_seed,
 )
@@ -368,7 +369,7 @@ class SearchEngine(PlanningService, FusionService):
                 self._budget_too_small(err)
             return
         except Exception as err:  # noqa: BLE001 - a candidate that cannot even be built
-            status.state, status.reason = "failed", f"{type(err).__name__}: {err}"[:300]
+            status.state, status.reason = "failed", ending(err)[1]
             self._tell(TrialOutcome(asked.number, "failed", reason=status.reason,
                                     attrs=self._attrs(status, 0.0)))
             return

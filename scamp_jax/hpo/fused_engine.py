@@ -50,7 +50,13 @@ from scamp_jax.hpo.fused_runner import (
 )
 from scamp_jax.hpo.fused_runner import run_fused_group as _run_fused_group
 from scamp_jax.hpo.runner import make_optimizer
-from scamp_jax.hpo.trial import OPTIMIZER_KEYS, PlannedTrial, fusion_cap, trial_seed
+from scamp_jax.hpo.trial import (
+    OPTIMIZER_KEYS,
+    PlannedTrial,
+    booked_bytes,
+    fusion_cap,
+    trial_seed,
+)
 from scamp_jax.planning import planner
 from scamp_jax.planning.fusion import FusionPlan, plan_fusion
 from scamp_jax.scheduling.core import Start, TrialPlan
@@ -283,13 +289,14 @@ class FusionService:
         spec = GroupSpec(
             group=unit.key, members=tuple(members), plan=fusion,
             steps=self.config.steps_for(int(fusion.batch_size)),
-            memory_per_device=int(fusion.predicted_peak_bytes or 0),
+            memory_per_device=self.config.memory_per_device, booked_bytes=booked_bytes(fusion),
             checkpoint_every=self.config.checkpoint_every, eval_every=self.config.eval_every,
             log_every=self.config.log_every)
         stop = threading.Event()
         statuses = [self.statuses[m.number] for m in unit.members]
         future = self._executor.submit(_run_fused_group, spec, self.space, self.task,
-                                       report=self.source.report, statuses=statuses, stop=stop)
+                                       report=self.source.report, statuses=statuses, stop=stop,
+                                       cache=self.cache)
         self._group_runs[unit.key] = _GroupRun(unit, stop, future)
 
     def _group_ended(self, key: int, result: GroupResult) -> None:
