@@ -339,7 +339,8 @@ def test_a_batch_floor_moves_a_plan_to_more_devices_and_bounds_replans():
 
     floored = engine(min_batch_size=24)
     planned = PlannedTrial(AskedTrial(0, ok(), "trial_0"), plan, 2, 0)
-    retry = floored._oom_replan(planned, RunResult(0, "oom", 0, 0.0))
+    retry = floored.planning.oom_replan(planned, RunResult(0, "oom", 0, 0.0),
+                                        floored.core.capacity)
     assert retry is not None and retry.devices == 4 and retry.plan.batch_size >= 24
     # Nowhere enough: the floor is named in the reason.
     with pytest.raises(planner.DoesNotFitError, match="below min_batch_size=64"):

@@ -1,5 +1,5 @@
 """What a trial holds per device is what it planned: step + prefetched batch, chunked evaluation
-on its own mesh, and a restore that lands on the plan's shardings."""
+on its own mesh, and a restore that lands on the plan's shardings; a fused group likewise."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from scamp_jax.hpo.checkpoint import TrialCheckpointer
+from scamp_jax.hpo.fused_runner import GroupSpec, MemberSpec, run_fused_group
 from scamp_jax.hpo.runner import (
     RunSpec,
     StepCache,
@@ -23,6 +24,7 @@ from scamp_jax.hpo.runner import (
 from scamp_jax.planning import planner
 from scamp_jax.planning import sharding as sh
 from scamp_jax.planning.evaluation import EvalCompiler, abstract_eval_inputs
+from scamp_jax.planning.fusion import plan_fusion
 from scamp_jax.planning.train_step import split_model
 from scamp_jax.space import SearchSpace
 from search_spaces import vit
@@ -41,7 +43,7 @@ SPACE = SearchSpace("tiny-vit", lambda t: dict(CONFIG), _build)
 
 @functools.cache
 def _task() -> vit.SyntheticClassificationTask:
-    return vit.SyntheticClassification(image_size=8, num_classes=4, eval_size=60, seed=3)
+    return vit.SyntheticClassification(image_size=8, num_classes=4, eval_size=240, seed=3)
 
 
 @functools.cache
@@ -164,3 +166,42 @@ def test_restore_lands_on_the_plans_shardings_with_the_saved_values(tmp_path):
             got, ref = jax.random.key_data(got), jax.random.key_data(ref)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
     assert split > 0, "some restored arrays are split over the model axis"
+
+
+def test_a_fused_group_evaluates_in_chunks_and_holds_what_it_books():
+    """A group's share is its fused plan's booking; the whole held-out set in one forward would
+    not fit it beside the stacked state, so each member is evaluated in the plan's chunks, and
+    what the run measures from its compiled programs is what it booked."""
+    plan, task = _plan(), _task()
+    model = nnx.eval_shape(lambda: _build(CONFIG, nnx.Rngs(0)))
+    fusion = plan_fusion(model, task.sample_batch(1), max_width=2, plan=plan,
+                         batch_size=plan.batch_size, optimizer=make_optimizer({}),
+                         loss_fn=task.loss_fn)
+    assert fusion.width == 2
+    configs = [({**CONFIG, "learning_rate": 3e-3}, 1), ({**CONFIG, "learning_rate": 1e-2}, 2)]
+    members = tuple(MemberSpec(i, c, s) for i, (c, s) in enumerate(configs))
+    cache = StepCache()
+    group = run_fused_group(GroupSpec(0, members, fusion, 3, BUDGET,
+                                      booked_bytes=fusion.predicted_peak_bytes),
+                            SPACE, task, cache=cache)
+    assert [r.state for r in group.members] == ["complete"] * 2, group.members[0].reason
+
+    # The compiled sizes: a member's evaluation forward (at the plan's chunk and at the whole
+    # set), the stacked state of both members and their prefetched batches, per device.
+    graphdef = split_model(model)[0]
+    params, _, rest = _state(plan)
+    evaluator = cache.evaluator(graphdef, plan, task, params, rest)
+    groups = abstract_eval_inputs(task)
+    stacked = fusion.estimate.params + fusion.estimate.opt_state + fusion.estimate.rest
+    resident = stacked + fusion.width * plan.prefetch_bytes
+    chunked = evaluator.peak(plan.eval_chunk, groups) + resident
+    whole = groups[0].shape[0] + (-groups[0].shape[0]) % plan.data_parallel
+    assert chunked <= fusion.predicted_peak_bytes < evaluator.peak(whole, groups) + resident
+    # Books what it holds: the run's own measure (fused step + batches, or evaluation + state)
+    # is the plan's booking.
+    assert {r.held_bytes for r in group.members} == {fusion.predicted_peak_bytes}
+    # Each member's chunked evaluation is its solo run's.
+    for i, (config, seed) in enumerate(configs):
+        ref = run_trial(RunSpec(i, config, plan, 3, BUDGET, seed=seed), SPACE, task, cache=cache)
+        assert ref.state == "complete", ref.reason
+        assert group.members[i].metrics["loss"] == pytest.approx(ref.metrics["loss"], rel=1e-5)

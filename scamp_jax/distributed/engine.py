@@ -60,6 +60,7 @@ from scamp_jax.distributed.spanning import (
 )
 from scamp_jax.distributed.study import StudyClient, shared_study
 from scamp_jax.hpo.engine import SearchEngine, TrialDeferred
+from scamp_jax.hpo.plan_service import PlanningService
 from scamp_jax.hpo.study import AskedTrial, AskLater, TrialOutcome
 from scamp_jax.planning import planner
 from scamp_jax.planning.plan_cache import PlanCache
@@ -147,31 +148,46 @@ class RankStream:
         return False
 
 
-class MPISearchEngine(SearchEngine):
-    """The `scamp_jax.hpo.engine.SearchEngine` of one of ``ranks`` MPI ranks.
-
-    Arguments after ``ranks`` as for `SearchEngine`. A ScaMP configuration that reaches
-    ``config.min_batch_size`` on none of this rank's device counts but does on several ranks with
-    one device each is deferred instead of failed: planning raises
-    `scamp_jax.hpo.engine.TrialDeferred` with the `SpanPlan` as payload (cached per architecture by
-    `SearchEngine.plan`), and the trial lands in ``deferred``. A configuration that cannot span
-    either fails with the planner's reason and what to change.
-    """
+class SpanningPlanningService(PlanningService):
+    """The planning service of one of ``ranks`` MPI ranks: a configuration that fits none of
+    this rank's device counts at ``config.min_batch_size`` but does on several ranks with one
+    device each raises `TrialDeferred` with its `SpanPlan` (cached per architecture by
+    `PlanningService.plan`)."""
 
     def __init__(self, ranks: int, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.ranks = ranks
 
-    def _smallest_fitting_plan(self, model: Any, max_batch: int | None) -> Any:
+    def smallest_fitting_plan(self, model: Any, max_batch: int | None) -> Any:
         try:
-            return super()._smallest_fitting_plan(model, max_batch)
+            return super().smallest_fitting_plan(model, max_batch)
         except planner.DoesNotFitError as err:
             if self.ranks < 2:
                 raise
-            span = span_plan(self._call_planner, model, ranks=self.ranks,
+            span = span_plan(self.call_planner, model, ranks=self.ranks,
                              min_batch_size=self.config.min_batch_size or 1,
                              max_batch_size=max_batch, local_error=err)
         raise TrialDeferred(f"spans {span.ranks} ranks (global batch {span.global_batch})", span)
+
+
+class MPISearchEngine(SearchEngine):
+    """The `scamp_jax.hpo.engine.SearchEngine` of one of ``ranks`` MPI ranks.
+
+    Arguments after ``ranks`` as for `SearchEngine`. It plans with a `SpanningPlanningService`:
+    a ScaMP configuration that reaches ``config.min_batch_size`` on none of this rank's device
+    counts but does on several ranks with one device each is deferred instead of failed, and
+    lands in ``deferred`` with its `SpanPlan`. A configuration that cannot span either fails
+    with the planner's reason and what to change.
+    """
+
+    def __init__(self, ranks: int, *args: Any, **kwargs: Any) -> None:
+        self.ranks = ranks
+        super().__init__(*args, **kwargs)
+
+    def make_planning(self) -> PlanningService:
+        return SpanningPlanningService(
+            self.ranks, self.space, self.task, self.config, self.devices, self.plan_fn,
+            getattr(self.policy, "batch_multiple", 1), self._may_grow())
 
 
 def combined_usage(per_rank: Sequence[Mapping[str, float]]) -> dict[str, float]:

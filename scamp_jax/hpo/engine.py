@@ -21,16 +21,22 @@ actions out; the cluster simulator drives the same core). This module is the loo
 7. with ``EngineConfig.fuse``, group planned trials of one architecture into fused groups, each
    one scheduled unit (`scamp_jax.hpo.fused_engine`).
 
+The engine is composed, not mixed: it holds a `PlanningService` (plans, their cache and costs,
+in the planner threads), a `FusionService` (grouping, with ``fuse``) and a `TailResizer`
+(restarts at the end, on accelerators), and while it runs one `TrialRecord` per trial (its
+status, plan while queued, run, timeline, restarts) and one map of the work in flight (`Work`:
+plans, re-plans, runs, groups being sized).
+
 Each trial's record (``results.json``) holds what the core was fed, so a finished study can be
 replayed through it (`scamp_jax.scheduling.replay`).
 """
+
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -39,32 +45,34 @@ from typing import Any
 
 import jax
 
-from scamp_jax.hpo.fused_engine import FusionService, fusion_cap
-from scamp_jax.hpo.plan_service import PlanningService, TrialDeferred
-from scamp_jax.hpo.runner import (
+from scamp_jax.hpo.endings import Endings
+from scamp_jax.hpo.fused_engine import FusionService
+from scamp_jax.hpo.intake import BudgetTooSmallError, Intake
+from scamp_jax.hpo.launch import Launcher, Run
+from scamp_jax.hpo.plan_service import PlanningService
+from scamp_jax.hpo.resizing import Restart, TailResizer
+from scamp_jax.hpo.runner import StepCache
+from scamp_jax.hpo.study import AskedTrial, TrialOutcome, TrialSource
+from scamp_jax.hpo.trial import (
+    PlannedTrial,
     RunResult,
-    RunSpec,
-    StepCache,
+    TrialDeferred,
     TrialStatus,
-    run_trial,
-    trial_seed,
+    booked_bytes,
+    fusion_cap,
 )
-from scamp_jax.hpo.study import AskedTrial, AskLater, TrialOutcome, TrialSource
 from scamp_jax.planning import planner
 from scamp_jax.planning.plan_cache import PlanCache
-from scamp_jax.scheduling.booking import booked_bytes
-from scamp_jax.scheduling.core import PlanOption, SchedulingCore, TrialPlan
+from scamp_jax.scheduling.core import PlanOption, SchedulingCore, Start, TrialPlan
 from scamp_jax.scheduling.costs import attainable_flops
-from scamp_jax.scheduling.elastic import Resize
 from scamp_jax.scheduling.placement import FixedPolicy, Placement, ScampPolicy, make_policy
 from scamp_jax.space import SearchSpace, Task
 
+__all__ = ["BudgetTooSmallError", "EngineConfig", "PlanFn", "PlannedTrial", "SearchEngine",
+           "SearchResult", "TrialDeferred", "TrialRecord"]
+
 log = logging.getLogger(__name__)
 PlanFn = Callable[..., Any]
-
-
-class BudgetTooSmallError(ValueError):
-    """No candidate fits the device pool: the memory budget or the device count is too small."""
 
 
 @dataclass(frozen=True)
@@ -164,42 +172,119 @@ class EngineConfig:
         return max(1, math.ceil(self.steps * self.reference_batch / batch_size))
 
 
-@dataclass(frozen=True)
-class PlannedTrial:
-    """An asked configuration with its plan, waiting for devices."""
 
+#: Handling order of work that finishes at once: plans by trial number, then runs.
+_ORDER = {"plan": 0, "option": 1, "replan": 2, "run": 3, "group": 3, "size": 3}
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a future in flight is: ``plan`` (an `AskedTrial` being planned), ``option`` (a
+    `PlanOption`), ``replan`` (a `PlannedTrial` after out of memory), ``run`` / ``group`` (the
+    key of a running unit) or ``size`` (the members of a group sized at its own width)."""
+
+    kind: str
+    payload: Any
+
+    def order(self) -> tuple[int, int]:
+        """Sort key among futures done at once (a fixed order, whatever finished first)."""
+        p = self.payload
+        key = {"plan": lambda: p.number, "replan": lambda: p.number, "option": lambda: p.key,
+               "run": lambda: p, "group": lambda: p}.get(self.kind, lambda: -1)()
+        return _ORDER[self.kind], key
+
+
+@dataclass
+class TrialRecord:
+    """Everything the search loop knows of one trial while it runs (one record per trial).
+
+    ``planned``: its plan while it waits in the core's queue; ``grown``: its plans on more
+    devices the core asked for (by device count); ``run``: the unit it runs in; ``times``: its
+    timeline (planned/started/finished, placements, measured paces, the core's plan);
+    ``next_pace``: steps at which its pace is next fed; ``earlier_wall``: seconds of its earlier
+    runs (restarts); ``oom``: its out-of-memory result while it is re-planned; ``resizing`` /
+    ``restarted``: a restart on more devices decided / started; ``group``, ``width``: its fused
+    group (None: alone); ``solo_only``: its group ran out of memory, it runs alone.
+    """
+
+    status: TrialStatus
     asked: AskedTrial
-    plan: Any
-    devices: int
-    arrival: int
-    replans: int = 0
+    steps_for: Callable[[int], int] = lambda batch: 0
+    planned: PlannedTrial | None = None
+    grown: dict[int, Any] = field(default_factory=dict)
+    run: Run | None = None
+    times: dict[str, Any] = field(default_factory=lambda: {"placements": [], "pace": []})
+    next_pace: int = 2
+    earlier_wall: float = 0.0
+    oom: RunResult | None = None
+    resizing: Restart | None = None
+    restarted: Restart | None = None
+    group: int | None = None
+    width: int = 1
+    solo_only: bool = False
 
-    @property
-    def number(self) -> int:
-        """The study's trial number."""
-        return self.asked.number
+    def show_plan(self, plan: Any) -> None:
+        """Record ``plan``'s degrees, batch, booking and steps in the status."""
+        status = self.status
+        status.model_parallel = int(plan.model_parallel)
+        status.batch_size = int(plan.batch_size)
+        status.predicted_peak_bytes = booked_bytes(plan)
+        status.steps = self.steps_for(status.batch_size)
 
+    def queued(self, now: float, plan: TrialPlan) -> None:
+        """Event: the scheduling core holds this trial (or its group, keyed by it) as ``plan``."""
+        self.times.setdefault("planned_at", now)
+        self.times["plan"] = plan.as_dict()
 
-@dataclass(frozen=True)
-class _Restart:
-    """A running trial's restart on more devices: the new plan and placement, and what it ran
-    on before (to fall back on if the new run fails before training a step)."""
+    def placed(self, now: float, device_ids: Sequence[int]) -> None:
+        """Event: a run of this trial starts at ``now`` on ``device_ids``."""
+        self.status.devices = tuple(device_ids)
+        self.status.state = "starting"
+        self.times.setdefault("started_at", now)
+        self.times["placements"].append([now, list(device_ids)])
+        self.next_pace = 2
 
-    grown: PlannedTrial
-    placement: Placement
-    before: PlannedTrial
-    old_placement: Placement
-    old_plan: TrialPlan
-    since: float = math.inf  # time.monotonic() when the new run was started
+    def pace(self, t0: float) -> tuple[float, int, float, float] | None:
+        """``(now, step, seconds per step, since)`` of this trial's run, seconds since ``t0``,
+        at 2, 4, 8, ... steps into the run (so a long study records a few dozen measurements
+        per trial); None when no measurement is due."""
+        status = self.status
+        done = status.step - status.first_step
+        if status.state != "training" or done < max(2, self.next_pace):
+            return None
+        if math.isnan(status.training_since):
+            return None
+        self.next_pace = 2 * done
+        mono = time.monotonic()
+        pace = (mono - t0, status.step, (mono - status.training_since) / done,
+                status.training_since - t0)
+        self.times["pace"].append(list(pace))
+        return pace
 
-
-@dataclass(frozen=True)
-class _Run:
-    """A run in a worker thread: the trial, its stop event (Ctrl-C or a restart) and future."""
-
-    planned: PlannedTrial
-    stop: threading.Event
-    future: cf.Future
+    def attrs(self, rank: int, wall: float) -> dict[str, Any]:
+        """The trial's attributes in the study (its ``results.json`` record)."""
+        status, times = self.status, self.times
+        return {
+            "devices": list(status.devices),
+            "model_parallel": status.model_parallel,
+            "batch_size": status.batch_size,
+            "predicted_peak_bytes": status.predicted_peak_bytes,
+            "steps": status.step,
+            "wall_seconds": round(wall, 3),
+            "replans": status.replans,
+            "resizes": status.resizes,
+            "rank": rank,
+            "final_loss": None if math.isnan(status.loss) else status.loss,
+            # Seconds since this run's start (full precision: they order the replay's events).
+            "planned_at": times.get("planned_at"),
+            "started_at": times.get("started_at"),
+            "finished_at": times.get("finished_at"),
+            "placements": times.get("placements", []),
+            "pace": times.get("pace", []),
+            "plan": times.get("plan"),
+            "fused_group": self.group,
+            "fusion_width": self.width,
+        }
 
 
 @dataclass(frozen=True)
@@ -228,7 +313,7 @@ class SearchResult:
     scheduling: Mapping[str, Any] = field(default_factory=dict)
 
 
-class SearchEngine(PlanningService, FusionService):
+class SearchEngine:
     """Drive a study: plan, place and run trials concurrently on a pool of devices.
 
     Args:
@@ -246,6 +331,10 @@ class SearchEngine(PlanningService, FusionService):
       on_notice: called with a line for the user when the engine waits without work of its
         own (e.g. for another process's trials that may still need a retry here), and with
         ``""`` when that wait is over.
+
+    The engine holds a `PlanningService` (``planning``; `make_planning` builds it, a subclass
+    may return its own), a `FusionService` (``fusion``, None without ``config.fuse``) and, while
+    it runs, one `TrialRecord` per trial (``records``) and the work in flight (`Work`).
     """
 
     def __init__(
@@ -258,68 +347,60 @@ class SearchEngine(PlanningService, FusionService):
         devices: Sequence[jax.Device] | None = None,
         checkpoint_root: str | Path | None = None,
         plan_fn: PlanFn | None = None,
-        on_update: Callable[[Sequence[TrialStatus], Any], None] | None = None,
+        on_update: Callable[..., None] | None = None,
         plan_cache: PlanCache | None = None,
         on_notice: Callable[[str], None] | None = None,
     ) -> None:
         self.space, self.task, self.source, self.config = space, task, source, config
-        self.plan_cache = plan_cache
-        self.on_notice = on_notice
+        self.on_notice, self.on_update = on_notice, on_update
         self.devices = list(devices if devices is not None else jax.devices())
         self.checkpoint_root = Path(checkpoint_root) if checkpoint_root else None
         self.plan_fn = plan_fn or planner.plan_mesh
-        self.on_update = on_update
-        self.capacity = [config.memory_per_device] * len(self.devices)
-        if config.policy == "fixed":
-            if config.devices_per_trial > len(self.devices):
-                raise ValueError(
-                    f"devices_per_trial={config.devices_per_trial} exceeds the pool of "
-                    f"{len(self.devices)} devices; lower it or pass more devices"
-                )
-            self.policy: Any = FixedPolicy(config.devices_per_trial)
-        else:
-            self.policy = make_policy("scamp")
-        self.cache = StepCache()
-        self.statuses: dict[int, TrialStatus] = {}
-        self._init_planning()
-        self._init_fusion()
-        self._oom_results: dict[int, RunResult] = {}
+        self.policy: Any = engine_policy(config, len(self.devices))
         grow = config.grow_last_wave
-        self._grow = (grow if grow is not None
-                      else any(d.platform != "cpu" for d in self.devices))
-        self._ever_fit = False
-        self._nofit: list[int] = []
-        #: trials whose plan raised `TrialDeferred`: ``(asked, exception)``, in planning order.
-        self.deferred: list[tuple[AskedTrial, TrialDeferred]] = []
+        self._grow = grow if grow is not None else any(d.platform != "cpu" for d in self.devices)
+        self.cache = StepCache()
+        self.planning = self.make_planning()
+        cap = fusion_cap(config.fuse)
+        self.fusion = None if cap is None else FusionService(
+            space, task, cap, self.planning, config.steps_for, plan_cache)
+        self.records: dict[int, TrialRecord] = {}
+        self.intake = Intake(source, config.nofit_limit,
+                             (len(self.devices), config.memory_per_device),
+                             lambda number: self.endings.tell_failed(number), on_notice)
         self._t0 = time.monotonic()
         #: the decisions (`scamp_jax.scheduling.SchedulingCore`); a fresh one per `run`.
-        self.core = self._new_core()
+        self.core = new_core(self.policy, self.devices, self.config)
         self.pool, self.usage = self.core.pool, self.core.usage
 
-    def _new_core(self) -> SchedulingCore:
-        """A scheduling core for this engine's pool, budget and policy. The devices' attainable
-        FLOP/s (`scamp_jax.scheduling.costs`) anchor the busy fractions where the kind is
-        known."""
-        kinds = {d.device_kind for d in self.devices}
-        peak = attainable_flops(kinds.pop()) if len(kinds) == 1 else None
-        return SchedulingCore(self.policy, len(self.devices), self.config.memory_per_device,
-                              self.config.safety_margin, self.config.restart_seconds,
-                              peak_flops=peak)
+    def make_planning(self) -> PlanningService:
+        """The planning service of this engine (a subclass may plan otherwise)."""
+        return PlanningService(self.space, self.task, self.config, self.devices, self.plan_fn,
+                               getattr(self.policy, "batch_multiple", 1), self._may_grow())
 
-    def _trial_plan(self, planned: PlannedTrial) -> TrialPlan:
-        """``planned`` as the scheduling core sees it."""
-        plan = planned.plan
-        grow = (self._grow and isinstance(self.policy, ScampPolicy)
+    def _may_grow(self) -> bool:
+        """Whether a queued ScaMP trial may start on more devices at the end of a study."""
+        return (self._grow and isinstance(self.policy, ScampPolicy)
                 and self.config.reference_batch is not None)
-        flops = self._flops_of.get((planned.number, planned.devices, int(plan.batch_size)))
-        return TrialPlan(
-            key=planned.number, arrival=planned.arrival, devices=planned.devices,
-            bytes_per_device=booked_bytes(plan),
-            steps=self.config.steps_for(int(plan.batch_size)), flops_per_step=flops,
-            data_parallel=int(plan.data_parallel), model_parallel=int(plan.model_parallel),
-            batch_size=int(plan.batch_size),
-            grow_bytes=int(plan.usable_bytes) if grow else 0,
-        )
+
+    def plan(self, params: Mapping[str, Any], **kw: Any) -> Any:
+        """`PlanningService.plan` of this engine."""
+        return self.planning.plan(params, **kw)
+
+    def fixed_batch_size(self) -> int:
+        """`PlanningService.fixed_batch_size` of this engine."""
+        return self.planning.fixed_batch_size()
+
+    @property
+    def deferred(self) -> list[tuple[AskedTrial, TrialDeferred]]:
+        """Trials whose plan raised `TrialDeferred`: ``(asked, exception)``, in planning
+        order (the caller runs them, e.g. across MPI ranks)."""
+        return self.intake.deferred
+
+    @property
+    def statuses(self) -> dict[int, TrialStatus]:
+        """Every trial's live status, by number."""
+        return {n: r.status for n, r in self.records.items()}
 
     # ---------------------------------------------------------------------------- the loop
     def _now(self) -> float:
@@ -327,104 +408,96 @@ class SearchEngine(PlanningService, FusionService):
 
     def _notify(self) -> None:
         if self.on_update is not None:
-            if self.fusing:
-                self.on_update(list(self.statuses.values()), self.pool,
-                               groups=self.fusion_groups())
-            else:
-                self.on_update(list(self.statuses.values()), self.pool)
+            statuses = [r.status for r in self.records.values()]
+            groups = {n: (r.group, r.width) for n, r in self.records.items() if r.group is not None}
+            self.on_update(statuses, self.pool, **({"groups": groups} if self.fusion else {}))
+
+    def _submit(self, kind: str, payload: Any, fn: Callable[..., Any], *args: Any,
+                **kw: Any) -> None:
+        self.work[self._planner.submit(fn, *args, **kw)] = Work(kind, payload)
+
+    def _in_flight(self, *kinds: str) -> list[Any]:
+        return [w.payload for w in self.work.values() if w.kind in kinds]
 
     def _ask(self) -> bool:
-        """Ask for one configuration and start planning it; False when there is none: the
-        study is full (``_exhausted``) or the source said to ask again later (``_ask_at``)."""
-        asked = self.source.ask()
-        if isinstance(asked, AskLater):
-            self._ask_at = time.monotonic() + asked.seconds
-            self._later = asked
-            return False
+        """Ask for one configuration and start planning it; False when there is none now."""
+        asked = self.intake.ask()
         if asked is None:
-            self._exhausted = True
             return False
-        self._later = None
-        if self._noticed is not None and self.on_notice is not None:
-            self._noticed = None
-            self.on_notice("")  # the wait is over
-        status = self.statuses.setdefault(asked.number, TrialStatus(asked.number, asked.params))
-        status.state = "planning"
-        if self.fusing:
+        record = self.records.setdefault(
+            asked.number, TrialRecord(TrialStatus(asked.number, asked.params), asked,
+                                      self.config.steps_for))
+        record.status.state = "planning"
+        if self.fusion is not None:
             ckpt = self.checkpoint_root / asked.checkpoint_key if self.checkpoint_root else None
-            future = self._planner.submit(self._planned_for_fusion, asked.params, asked.number,
-                                          ckpt)
+            self._submit("plan", asked, self.fusion.prepare, asked.params, asked.number, ckpt)
         else:
-            future = self._planner.submit(self._planned_with_cost, asked.params, asked.number)
-        self._planning[future] = asked
+            self._submit("plan", asked, self.planning.planned_with_cost, asked.params,
+                         asked.number)
         self._notify()
         return True
 
-    def _enqueue(self, asked: AskedTrial, planned: cf.Future) -> None:
-        status = self.statuses[asked.number]
-        try:
-            plan = planned.result()
-        except TrialDeferred as deferred:
-            status.state, status.reason = "deferred", str(deferred)
-            self.deferred.append((asked, deferred))
+    def _enqueue(self, asked: AskedTrial, future: cf.Future) -> None:
+        """Event: trial ``asked``'s plan is in (or it does not fit, or it is deferred)."""
+        plan = self.intake.sort(asked, future, self.records[asked.number].status)
+        if plan is None:
             self._notify()
             return
-        except planner.DoesNotFitError as err:
-            status.state, status.reason = "failed", f"does not fit: {err}"
-            if self._ever_fit:
-                self._tell(TrialOutcome(asked.number, "failed", reason=status.reason,
-                                        attrs=self._attrs(status, 0.0)))
-                return
-            # Until one candidate fits, a misfit may mean the budget is wrong, not the candidate:
-            # hold it back so that a too-small budget stops the study without spending trials.
-            self._nofit.append(asked.number)
-            if len(self._nofit) >= self.config.nofit_limit:
-                self._budget_too_small(err)
-            return
-        except Exception as err:  # noqa: BLE001 - a candidate that cannot even be built
-            status.state, status.reason = "failed", f"{type(err).__name__}: {err}"[:300]
-            self._tell(TrialOutcome(asked.number, "failed", reason=status.reason,
-                                    attrs=self._attrs(status, 0.0)))
-            return
-        if not self._ever_fit:
-            self._ever_fit = True
-            for number in self._nofit:
-                status = self.statuses[number]
-                self._tell(TrialOutcome(number, "failed", reason=status.reason,
-                                        attrs=self._attrs(status, 0.0)))
-            self._nofit.clear()
         # Arrival is the ask order, so placement stays first-come first-served whatever order
         # the plans finish in.
-        self._admit(PlannedTrial(asked, plan, self._devices_of(plan), asked.number))
+        self._admit(PlannedTrial(asked, plan, PlanningService.devices_of(plan), asked.number))
 
-    def _budget_too_small(self, err: Exception) -> None:
-        for number in self._nofit:  # not their fault: a run with a bigger budget retries them
-            self.source.interrupt(number)
-        count = len(self._nofit)
-        self._nofit.clear()
-        raise BudgetTooSmallError(
-            f"none of the first {count} candidates fits the pool of {len(self.devices)} "
-            f"devices with {self.config.memory_per_device} bytes each (last: {err}); raise "
-            "--memory-per-device or --devices, or shrink the search space"
-        ) from err
+    def _admit(self, planned: PlannedTrial) -> None:
+        """Event: ``planned`` is planned; it waits for a group (fusion) or for devices."""
+        record = self.records[planned.number]
+        if self.fusion is None or record.solo_only:
+            self._queue_planned(planned)
+            return
+        record.status.state = "grouping"
+        record.show_plan(planned.plan)
+        # Grouped by the loop's next `_form_groups`, after it has asked for more trials (the
+        # members this one may wait for).
+        self.fusion.admit(planned)
 
-    def _show_plan(self, number: int, plan: Any) -> None:
-        """Record ``plan``'s degrees, batch and predicted peak in trial ``number``'s status."""
-        status = self.statuses[number]
-        status.model_parallel = int(plan.model_parallel)
-        status.batch_size = int(plan.batch_size)
-        status.predicted_peak_bytes = booked_bytes(plan)
-        status.steps = self.config.steps_for(status.batch_size)
+    def _form_groups(self) -> None:
+        """Hand the groups the grouping service decides to the scheduling core."""
+        if self.fusion is None:
+            return
+        planning = self._in_flight("plan")
+        stalled = not planning and (self.intake.exhausted or not self._running())
+        formed = self.fusion.form((a.params for a in planning), stalled)
+        for planned in formed.alone:
+            self.records[planned.number].group, self.records[planned.number].width = None, 1
+            self._queue_planned(planned)
+        for members in formed.to_size:
+            # A group narrower than its architecture's plan is sized at its own width first,
+            # so it books what it holds.
+            self._submit("size", members, self.fusion.narrower, members)
+        for members, fusion in formed.units:
+            self._queue_unit(members, fusion)
+
+    def _queue_unit(self, members: tuple[PlannedTrial, ...], fusion: Any) -> None:
+        """Event: a group and its plan are decided; the scheduling core gets it as one trial."""
+        assert self.fusion is not None
+        for m in members:
+            record = self.records[m.number]
+            record.group, record.width = members[0].number, len(members)
+            record.status.state = "queued"
+        tp = self.fusion.queue(members, fusion)
+        now = self._now()  # per group: queueing a trial above fed the core a later time
+        self.records[tp.key].queued(now, tp)
+        self.core.planned(now, tp)
+        self._decide(now)
 
     def _queue_planned(self, planned: PlannedTrial) -> None:
         """Event: ``planned`` waits for devices."""
-        self.statuses[planned.number].state = "queued"
-        self._show_plan(planned.number, planned.plan)
-        self._planned[planned.number] = planned
+        record = self.records[planned.number]
+        record.status.state = "queued"
+        record.show_plan(planned.plan)
+        record.planned = planned
         now = self._now()
-        tp = self._trial_plan(planned)
-        self._timeline(planned.number).setdefault("planned_at", now)
-        self._timeline(planned.number)["plan"] = tp.as_dict()
+        tp = self.planning.core_plan(planned)
+        record.queued(now, tp)
         if planned.replans:
             self.core.requeue(now, tp)
         else:
@@ -432,55 +505,48 @@ class SearchEngine(PlanningService, FusionService):
         self._set_last_wave(now, decide=False)  # this may have been the last plan
         self._decide(now)
 
-    def _timeline(self, number: int) -> dict[str, Any]:
-        return self._times.setdefault(number, {"placements": [], "pace": []})
-
     def _set_last_wave(self, now: float | None = None, decide: bool = True) -> None:
         """Event: nothing more to ask or plan (the study's last wave), at ``now`` (the time of
         the event that made it so: the replay applies both before deciding)."""
-        last = (self._exhausted and not self._planning and not self._replanning
-                and not self._fusion_pending(forming_only=True))
+        last = (self.intake.exhausted and not self._in_flight("plan", "replan", "size")
+                and not (self.fusion is not None and self.fusion.forming))
         if last and self._last_wave_at is None:
             self._last_wave_at = self._now() if now is None else now
             self.core.set_arrivals_pending(False)
             if decide:
                 self._decide(self._last_wave_at)
 
+    def _running(self) -> dict[int, TrialRecord]:
+        """The records of the running units (solo trials and groups' leaders), by key."""
+        return {n: r for n, r in self.records.items()
+                if r.run is not None and r.run.key == n}
+
     def _feed_pace(self) -> None:
-        """Events: measured seconds per step of the running trials (at 2, 4, 8, ... steps into
-        each run, so a long study records a few dozen measurements per trial)."""
+        """Events: measured seconds per step of the running trials (`TrialRecord.pace`)."""
         for number in list(self.core.running):
-            status = self.statuses[number]
-            done = status.step - status.first_step
-            if status.state != "training" or done < 2 or math.isnan(status.training_since):
-                continue
-            if done < self._next_pace.get(number, 2):
-                continue
-            self._next_pace[number] = 2 * done
-            mono = time.monotonic()
-            spu = (mono - status.training_since) / done
-            now = mono - self._t0
-            since = status.training_since - self._t0
-            self.core.step_measured(now, number, status.step, spu, since)
-            self._timeline(number)["pace"].append([now, status.step, spu, since])
-            self._decide(now)
+            pace = self.records[number].pace(self._t0)
+            if pace is not None:
+                self.core.step_measured(pace[0], number, *pace[1:])
+                self._decide(pace[0])
 
     def _decide(self, now: float) -> None:
         """Ask the core what to start at ``now`` (the time of the event just fed) and act."""
         for action in self.core.decide(now):
             if isinstance(action, PlanOption):
-                planned = self._planned[action.key]
-                future = self._planner.submit(self._planned_with_cost, planned.asked.params,
-                                              action.key, devices=action.devices)
-                self._option_plans[future] = action
+                planned = self.records[action.key].planned
+                assert planned is not None
+                self._submit("option", action, self.planning.planned_with_cost,
+                             planned.asked.params, action.key, devices=action.devices)
                 continue
-            if action.key in self._units:
+            if self.fusion is not None and action.key in self.fusion.units:
                 self._start_group(action, now)
                 continue
-            planned = self._planned.pop(action.key)
+            record = self.records[action.key]
+            planned, record.planned = record.planned, None
+            assert planned is not None
             if action.plan.devices != planned.devices:
-                plan = self._grown_plans.pop((action.key, action.plan.devices))
-                self._show_plan(action.key, plan)
+                plan = record.grown.pop(action.plan.devices)
+                record.show_plan(plan)
                 planned = replace(planned, plan=plan, devices=action.plan.devices)
             self._start(Placement(action.key, action.device_ids), planned, now)
 
@@ -490,141 +556,39 @@ class SearchEngine(PlanningService, FusionService):
             plan = future.result()
         except (planner.DoesNotFitError, TrialDeferred):
             plan = None
-        planned = self._planned.get(action.key)
-        if planned is None:
+        record = self.records[action.key]
+        if record.planned is None:
             return
         tp = None
-        if plan is not None and self._devices_of(plan) == action.devices:
-            grown = replace(planned, plan=plan, devices=action.devices)
-            self._grown_plans[(action.key, action.devices)] = plan
-            tp = self._trial_plan(grown)
+        if plan is not None and PlanningService.devices_of(plan) == action.devices:
+            grown = replace(record.planned, plan=plan, devices=action.devices)
+            record.grown[action.devices] = plan
+            tp = self.planning.core_plan(grown)
         self.core.option_planned(action.key, action.devices, tp)
         self._decide(self._now())
-
-    def _attrs(self, status: TrialStatus, wall: float) -> dict[str, Any]:
-        times = self._times.get(status.number, {})
-        return {
-            "devices": list(status.devices),
-            "model_parallel": status.model_parallel,
-            "batch_size": status.batch_size,
-            "predicted_peak_bytes": status.predicted_peak_bytes,
-            "steps": status.step,
-            "wall_seconds": round(wall, 3),
-            "replans": status.replans,
-            "resizes": status.resizes,
-            "rank": self.config.rank,
-            "final_loss": None if math.isnan(status.loss) else status.loss,
-            # Seconds since this run's start (full precision: they order the replay's events).
-            "planned_at": times.get("planned_at"),
-            "started_at": times.get("started_at"),
-            "finished_at": times.get("finished_at"),
-            "placements": times.get("placements", []),
-            "pace": times.get("pace", []),
-            "plan": times.get("plan"),
-            **self._fusion_attrs(status.number),
-        }
-
-    def _tell(self, outcome: TrialOutcome) -> None:
-        self.source.tell(outcome)
-        self._outcomes.append(outcome)
-        self._notify()
-
-    def _resize_tail(self) -> None:
-        """Restart running trials on idle devices at the end of the study
-        (`scamp_jax.scheduling.elastic`).
-
-        The core decides from the measured paces; a restart decided here is planned for its
-        new device count in the planner threads (a few compiles that must not stall this loop);
-        once its plan is ready, a later call books the new devices, asks the trial to stop (it
-        checkpoints) and the loop starts it again on them when it returns. If another restart
-        took those devices meanwhile, it is decided afresh (its plan is cached by then).
-        """
-        if not self._grow or self.checkpoint_root is None:
-            return
-        for future, decision in list(self._resize_plans.items()):
-            if future.done():
-                del self._resize_plans[future]
-                if decision.key in self._runs and decision.key not in self._resizing:
-                    self._book_resize(decision, future)
-        if self._resize_plans:
-            return  # decided devices are not booked before their plan is ready: wait for it
-        reshapes = {}
-        for number, run in self._runs.items():
-            if number in self._resizing or run.stop.is_set():
-                continue
-            plan = run.planned.plan
-            dp, mp, batch = int(plan.data_parallel), int(plan.model_parallel), int(plan.batch_size)
-            reshapes[number] = [p * mp for p in range(dp + 1, len(self.devices) // mp + 1)
-                                if batch % p == 0]
-        for r in self.core.resizes(self._now(), reshapes):
-            planned = self._runs[r.key].planned
-            future = self._planner.submit(self.plan, planned.asked.params,
-                                          devices=r.option.devices,
-                                          max_batch=int(planned.plan.batch_size))
-            self._resize_plans[future] = r
-
-    def _book_resize(self, r: Resize, future: cf.Future) -> None:
-        """Book restart ``r`` of a running trial with its compiled plan and stop the trial."""
-        run = self._runs[r.key]
-        planned = run.planned
-        n, batch = r.option.devices, int(planned.plan.batch_size)
-        try:
-            plan = future.result()
-        except Exception as err:  # noqa: BLE001 - no plan for that count: the trial runs on
-            log.info("trial %d: no plan on %d devices at batch %d (%s)", r.key, n, batch, err)
-            plan = None
-        if plan is None or self._devices_of(plan) != n or int(plan.batch_size) != batch:
-            self.core.withdraw(r.key, n)  # the planner found no such plan: not again
-            return
-        # The trial trained on while its plan compiled: is the restart still worth it?
-        if not self.core.still_worth(r.key, n) or not self.core.restart_fits(r.key, r.device_ids):
-            return
-        before = self.core.plan_of(r.key)
-        old_ids = self.core.running[r.key]
-        grown = replace(planned, plan=plan, devices=n)
-        if not self.core.restarted(self._now(), r.key, r.device_ids, self._trial_plan(grown)):
-            return  # the compiled plan needs more than the prediction left free
-        self._resizing[r.key] = _Restart(grown, Placement(r.key, r.device_ids), planned,
-                                         Placement(r.key, old_ids), before)
-        self.statuses[r.key].state = "resizing"
-        self._show_plan(r.key, plan)
-        log.info("trial %d: restarting on %d devices (was %d), batch %d", r.key, n,
-                 planned.devices, batch)
-        run.stop.set()
 
     def _start(self, placement: Placement, planned: PlannedTrial, now: float) -> None:
         """Start a run of ``planned`` on ``placement``'s devices (booked in the core at
         ``now``)."""
-        ids = placement.device_ids[: planned.devices]
-        plan = planned.plan.with_devices([self.devices[i] for i in ids])
-        status = self.statuses[planned.number]
-        status.devices = tuple(placement.device_ids)
-        status.state = "starting"
-        times = self._timeline(planned.number)
-        times.setdefault("started_at", now)
-        times["placements"].append([now, list(placement.device_ids)])
-        self._next_pace.pop(planned.number, None)
-        checkpoint_dir = (
-            self.checkpoint_root / planned.asked.checkpoint_key if self.checkpoint_root else None
-        )
-        spec = RunSpec(
-            number=planned.number,
-            params=planned.asked.params,
-            plan=plan,
-            steps=self.config.steps_for(int(plan.batch_size)),
-            memory_per_device=self.config.memory_per_device,
-            booked_bytes=booked_bytes(plan),
-            checkpoint_dir=checkpoint_dir,
-            checkpoint_every=self.config.checkpoint_every,
-            eval_every=self.config.eval_every,
-            log_every=self.config.log_every,
-            seed=trial_seed(self.config.seed, planned.asked.checkpoint_key),
-        )
-        stop = threading.Event()
-        future = self._executor.submit(run_trial, spec, self.space, self.task,
-                                       report=self.source.report, status=status, stop=stop,
-                                       cache=self.cache)
-        self._runs[planned.number] = _Run(planned, stop, future)
+        record = self.records[planned.number]
+        record.placed(now, placement.device_ids)
+        record.run = self._launch.solo(planned, placement.device_ids, record.status)
+        self.work[record.run.future] = Work("run", planned.number)
+
+    def _start_group(self, action: Start, now: float) -> None:
+        """Start the group ``action.key`` on its placement's devices."""
+        assert self.fusion is not None
+        unit = self.fusion.units.pop(action.key)
+        ids = action.device_ids[: unit.members[0].devices]
+        spec = self.fusion.group_spec(unit, [self.devices[i] for i in ids], self.config,
+                                      self.checkpoint_root)
+        records = [self.records[m.number] for m in unit.members]
+        for record in records:
+            record.placed(now, action.device_ids)
+        run = self._launch.group(unit, spec, [r.status for r in records])
+        for record in records:
+            record.run = run
+        self.work[run.future] = Work("group", unit.key)
 
     def run(self) -> SearchResult:
         """Run trials until the study has its total; returns this run's usage figures.
@@ -634,240 +598,173 @@ class SearchEngine(PlanningService, FusionService):
         interrupt propagates; finished trials are already in the study.
         """
         self._t0 = time.monotonic()
-        self.core = self._new_core()
+        self.core = new_core(self.policy, self.devices, self.config)
         self.pool, self.usage = self.core.pool, self.core.usage
-        self._outcomes: list[TrialOutcome] = []
-        self._times: dict[int, dict[str, Any]] = {}
-        self._next_pace: dict[int, int] = {}
-        self._planned: dict[int, PlannedTrial] = {}
-        self._grown_plans: dict[tuple[int, int], Any] = {}
-        self._planning: dict[cf.Future, AskedTrial] = {}
-        self._option_plans: dict[cf.Future, PlanOption] = {}
-        self._replanning: dict[cf.Future, PlannedTrial] = {}
-        self._resize_plans: dict[cf.Future, Resize] = {}
-        self._runs: dict[int, _Run] = {}
-        self._resizing: dict[int, _Restart] = {}
-        self._restarted: dict[int, _Restart] = {}
-        self._earlier_wall: dict[int, float] = {}
-        self._oom_results = {}
-        self._exhausted = False
-        self._ask_at = 0.0  # monotonic time before which the source said not to ask again
-        self._later: AskLater | None = None  # the source's last "ask again later"
-        self._noticed: tuple[int, ...] | None = None  # the trials the last notice named
+        self.records = {}
+        self.work: dict[cf.Future, Work] = {}
+        self.endings = Endings(
+            self.source, self.task.metric, self.config, self.core, self.records, self._now,
+            self._decide, self._start, self._queue_planned,
+            lambda p, request: self._submit("replan", p, self.planning.plan_again, p, request),
+            self._notify)
+        self.intake.reset()
         self._last_wave_at: float | None = None
-        self._init_fusion_run()
+        if self.fusion is not None:
+            self.fusion.reset()
         lookahead = self.config.lookahead or len(self.devices)
-        self._executor = cf.ThreadPoolExecutor(max_workers=max(4, 4 * len(self.devices)),
-                                               thread_name_prefix="trial")
+        self._launch = Launcher(self.space, self.task, self.config, self.devices,
+                                self.checkpoint_root, self.source.report, self.cache,
+                                workers=max(4, 4 * len(self.devices)))
         # Planning compiles; planner threads overlap it with training and with each other.
         self._planner = cf.ThreadPoolExecutor(max_workers=self.config.planner_threads,
                                               thread_name_prefix="planner")
+        self.resizer = None if not (self._grow and self.checkpoint_root) else TailResizer(
+            self.core, self.planning, len(self.devices), self._planner.submit,
+            self.planning.core_plan, self._now)
         try:
-            while True:
-                while (not self._exhausted and time.monotonic() >= self._ask_at
-                       and len(self.core.queued) + len(self._planning)
-                       + len(self._replanning) < lookahead):
-                    if not self._ask():
-                        break
-                self._form_groups()
-                self._set_last_wave()
-                busy = (self.core.queued or self._runs or self._planning or self._replanning
-                        or self._fusion_pending())
-                if not busy:
-                    if self._exhausted:
-                        break
-                    # Nothing of its own to do, but the study may still need work (another
-                    # process's trial may go stale): ask again when the source said to.
-                    later = self._later
-                    if (self.on_notice is not None and later is not None
-                            and later.trials != self._noticed):
-                        self._noticed = later.trials
-                        self.on_notice(
-                            f"waiting for trial(s) {list(later.trials)} of another process: "
-                            "they finish there, or are run again here once their heartbeat is "
-                            "stale (a process that died)")
-                    time.sleep(max(0.0, self._ask_at - time.monotonic()))
-                    continue
-                self._feed_pace()
-                if self._last_wave_at is not None and not self.core.queued and self._runs:
-                    self._resize_tail()
-                self._notify()
-                waiting = [*self._planning, *self._replanning,
-                           *(f for f in self._option_plans if not f.done()),
-                           *(f for f in self._resize_plans if not f.done()),
-                           *self._fusion_waiting()]
-                runs = {run.future: number for number, run in self._runs.items()}
-                groups = self._group_futures()
-                if not runs and not groups and not waiting and not any(
-                        f.done() for f in (*self._option_plans, *self._resize_plans)):
-                    # Nothing runs and nothing is being planned, yet trials wait: a policy bug.
-                    raise RuntimeError(
-                        f"placement started none of {len(self.core.queued)} queued trials on an "
-                        "idle pool; check the trials' device counts against the pool")
-                done, _ = cf.wait([*runs, *groups, *waiting, *self._option_plans], timeout=0.5,
-                                  return_when=cf.FIRST_COMPLETED)
-                for future in sorted(done, key=lambda f: self._order_of(f, {**runs, **groups})):
-                    if future in self._planning:
-                        self._enqueue(self._planning.pop(future), future)
-                        self._set_last_wave()  # if its plan did not queue it
-                    elif future in self._option_plans:
-                        self._option_planned(future, self._option_plans.pop(future))
-                    elif future in self._replanning:
-                        self._replanned(self._replanning.pop(future), future)
-                        self._set_last_wave()
-                    elif future in runs:
-                        self._run_ended(runs[future], future.result())
-                    elif future in groups:
-                        self._group_ended(groups[future], future.result())
-                    elif self._fusion_event(future):
-                        self._set_last_wave()  # if that was the last group being sized
-                self._notify()
+            while self._turn(lookahead):
+                pass
         except BaseException:
-            for run in self._runs.values():
-                run.stop.set()
-            self._interrupt_fusion()
-            for number, run in list(self._runs.items()):
-                # The runner checkpoints and returns when it sees `stop`; whatever it says, the
-                # trial is unfinished and goes back to the study.
-                cf.wait([run.future])
-                self.source.interrupt(number)
-            for asked in self._planning.values():
-                self.source.interrupt(asked.number)
-            for planned in self._replanning.values():
-                self.source.interrupt(planned.number)
-            for number in self.core.queued:
-                self.source.interrupt(number)
-            for asked, _ in self.deferred:
-                self.source.interrupt(asked.number)
-            self._planner.shutdown(wait=True, cancel_futures=True)
-            self._executor.shutdown(wait=True)
+            self._give_back()
             raise
         self._planner.shutdown(wait=True)
-        self._executor.shutdown(wait=True)
-        if self._nofit:
-            self._budget_too_small(planner.DoesNotFitError(
-                self.statuses[self._nofit[-1]].reason, 0, self.config.memory_per_device))
-        end = self._now()
-        intervals = tuple(
-            tuple((iv.key, iv.start, float(iv.end if iv.end is not None else end), iv.bytes)
-                  for iv in device)
-            for device in self.usage.busy_intervals(end)
-        )
-        return SearchResult(
-            policy=self.policy.name,
-            elapsed_s=end,
-            usage=self.usage.summary(end),
-            memory_series=self.usage.memory_utilization_series(),
-            intervals=intervals,
-            outcomes=tuple(self._outcomes),
-            compile_cache={"hits": self.cache.hits, "misses": self.cache.misses},
-            scheduling=self.scheduling_info(),
-        )
+        self._launch.close()
+        self.intake.finish()
+        return search_result(self.policy.name, self._now(), self.usage, self.endings.outcomes,
+                             self.cache, self.scheduling_info())
+
+    def _turn(self, lookahead: int) -> bool:
+        """One turn of the loop: ask, group, wait for the next events and handle them; False
+        once the study has nothing more for this engine."""
+        while (self.intake.may_ask()
+               and len(self.core.queued) + len(self._in_flight("plan", "replan")) < lookahead):
+            if not self._ask():
+                break
+        self._form_groups()
+        self._set_last_wave()
+        forming = self.fusion is not None and bool(self.fusion.forming)
+        if not (self.core.queued or self.work or forming):
+            if self.intake.exhausted:
+                return False
+            self.intake.wait()
+            return True
+        self._feed_pace()
+        if self.resizer is not None and self._last_wave_at is not None and not self.core.queued:
+            self.resizer.tick({n: r for n, r in self._running().items() if r.group is None})
+        self._notify()
+        waiting = [*self.work, *(self.resizer.futures() if self.resizer else ())]
+        if not waiting:
+            # Nothing runs and nothing is being planned, yet trials wait: a policy bug.
+            raise RuntimeError(
+                f"placement started none of {len(self.core.queued)} queued trials on an idle "
+                "pool; check the trials' device counts against the pool")
+        done, _ = cf.wait(waiting, timeout=0.5, return_when=cf.FIRST_COMPLETED)
+        for future in sorted((f for f in done if f in self.work),
+                             key=lambda f: self.work[f].order()):
+            work = self.work.pop(future)
+            if work.kind == "plan":
+                self._enqueue(work.payload, future)
+                self._set_last_wave()  # if its plan did not queue it
+            elif work.kind == "option":
+                self._option_planned(future, work.payload)
+            elif work.kind == "replan":
+                self.endings.replanned(work.payload, future.result())
+                self._set_last_wave()
+            elif work.kind == "run":
+                self.endings.run_ended(work.payload, future.result())
+            elif work.kind == "group":
+                self.endings.group_ended(work.payload, future.result().members)
+            elif work.kind == "size":
+                self._queue_unit(work.payload, future.result())
+                self._set_last_wave()  # if that was the last group being sized
+        self._notify()
+        return True
+
+    def _give_back(self) -> None:
+        """On an interrupt: stop every run (they checkpoint) and give every unfinished trial
+        of this engine back to the study (whatever a stopped run says, its trial is
+        unfinished)."""
+        runs = [r.run for r in self._running().values() if r.run is not None]
+        for run in runs:
+            run.stop.set()
+        cf.wait([run.future for run in runs])
+        waiting = [m.number for run in runs for m in run.members]
+        for work in self.work.values():
+            if work.kind in ("plan", "replan"):
+                waiting.append(work.payload.number)
+            elif work.kind == "size":
+                waiting.extend(m.number for m in work.payload)
+        waiting += [*self.core.queued, *(self.fusion.waiting() if self.fusion else ()),
+                    *(asked.number for asked, _ in self.deferred)]
+        for number in dict.fromkeys(waiting):  # once each: a queued group's key is a member's
+            self.source.interrupt(number)
+        self._planner.shutdown(wait=True, cancel_futures=True)
+        self._launch.close()
 
     def scheduling_info(self) -> dict[str, Any]:
-        """What the replay of this run needs besides the trials' own records: the budget, the
-        booked share, the policy parts that were active and when the last wave began."""
-        policy = self.policy
-        parts: dict[str, Any] = {"policy": policy.name}
-        if isinstance(policy, ScampPolicy):
-            parts.update({f.name: getattr(policy, f.name) for f in fields(policy) if f.init})
-            parts["grow_last_wave"] = self._grow and self.config.reference_batch is not None
-            parts["resize_running"] = (policy.resize_running and self._grow
-                                       and self.checkpoint_root is not None)
-        else:
-            parts["devices_per_trial"] = policy.devices_per_trial
-        return {
-            "memory_per_device": self.config.memory_per_device,
-            "safety_margin": self.config.safety_margin,
-            "usable_bytes_per_device": self.core.capacity,
-            "peak_flops": self.core.peak_flops,
-            "restart_seconds": self.config.restart_seconds,
-            "pool_devices": len(self.devices),
-            "policy_parts": parts,
-            "last_wave_at": self._last_wave_at,
-        }
+        """What the replay of this run needs besides the trials' own records
+        (`scheduling_info`)."""
+        return scheduling_info(self.policy, self.config, self.core, self._grow,
+                               self.checkpoint_root is not None,
+                               getattr(self, "_last_wave_at", None), len(self.devices))
 
-    def _order_of(self, future: cf.Future, runs: Mapping[cf.Future, int]) -> tuple[int, int]:
-        """Handle finished futures in a fixed order: plans by trial number, then run ends."""
-        if future in self._planning:
-            return (0, self._planning[future].number)
-        if future in self._option_plans:
-            return (1, self._option_plans[future].key)
-        if future in self._replanning:
-            return (2, self._replanning[future].number)
-        return (3, runs.get(future, -1))
 
-    def _replanned(self, planned: PlannedTrial, future: cf.Future | None) -> None:
-        """Event: an out-of-memory trial's next plan is in (None: it fails)."""
-        status = self.statuses[planned.number]
-        retry = future.result() if future is not None else None
-        if retry is None:
-            self._report(planned, replace(self._oom_results.pop(planned.number),
-                                          state="failed", reason=status.reason
-                                          + "; no smaller plan fits"))
-            return
-        self._oom_results.pop(planned.number, None)
-        log.info("trial %d out of memory (%s); re-planned", planned.number, status.reason)
-        status.replans = retry.replans
-        self._queue_planned(retry)
+def scheduling_info(policy: Any, config: EngineConfig, core: SchedulingCore, grow: bool,
+                    checkpoints: bool, last_wave_at: float | None, devices: int,
+                    ) -> dict[str, Any]:
+    """What the replay of a run needs besides the trials' own records: the budget, the booked
+    share, the policy parts that were active and when the last wave began."""
+    parts: dict[str, Any] = {"policy": policy.name}
+    if isinstance(policy, ScampPolicy):
+        parts.update({f.name: getattr(policy, f.name) for f in fields(policy) if f.init})
+        parts["grow_last_wave"] = grow and config.reference_batch is not None
+        parts["resize_running"] = policy.resize_running and grow and checkpoints
+    else:
+        parts["devices_per_trial"] = policy.devices_per_trial
+    return {
+        "memory_per_device": config.memory_per_device,
+        "safety_margin": config.safety_margin,
+        "usable_bytes_per_device": core.capacity,
+        "peak_flops": core.peak_flops,
+        "restart_seconds": config.restart_seconds,
+        "pool_devices": devices,
+        "policy_parts": parts,
+        "last_wave_at": last_wave_at,
+    }
 
-    def _run_ended(self, number: int, result: RunResult) -> None:
-        """Event: trial ``number``'s run returned ``result``."""
-        run = self._runs.pop(number)
-        planned = run.planned
-        self._earlier_wall[number] = self._earlier_wall.get(number, 0.0) + result.wall_seconds
-        restart = self._resizing.pop(number, None)
-        if restart is not None and result.state == "interrupted":
-            self.statuses[number].resizes += 1
-            self._restarted[number] = replace(restart, since=time.monotonic())
-            self._start(restart.placement, restart.grown, self._now())
-            return
-        restart = self._restarted.pop(number, None)
-        if (restart is not None and result.state in ("oom", "failed")
-                and not self.statuses[number].training_since > restart.since):
-            # The restarted run never trained: go back to the plan that did.
-            log.info("trial %d: restart on %d devices failed (%s); back on %d", number,
-                     planned.devices, result.reason, restart.before.devices)
-            now = self._now()
-            self.core.move_back(now, number, restart.old_placement.device_ids,
-                                restart.old_plan)
-            self._show_plan(number, restart.before.plan)
-            self._start(restart.old_placement, restart.before, now)
-            return
-        now = self._now()
-        self._timeline(number)["finished_at"] = now
-        status = self.statuses[number]
-        if result.state == "oom":
-            status.reason = result.reason
-            request = self.core.out_of_memory(
-                now, number, result.bytes_needed, min_batch=self.config.min_batch_size or 1,
-                may_grow=self.config.policy == "scamp")
-            self._oom_results[number] = result
-            if request is None or planned.replans >= self.config.max_replans:
-                self._replanned(planned, None)
-            else:
-                self._replanning[self._planner.submit(self._plan_again, planned,
-                                                      request)] = planned
-                status.state = "planning"
-            self._decide(now)
-            return
-        self.core.finished(now, number)
-        self._report(planned, result)
-        self._decide(now)
 
-    def _report(self, planned: PlannedTrial, result: RunResult) -> None:
-        status = self.statuses[planned.number]
-        if result.state == "interrupted":
-            self.source.interrupt(planned.number)
-            return
-        metric = result.metrics.get(self.task.metric)
-        wall = self._earlier_wall.pop(planned.number, 0.0)
-        attrs = self._attrs(status, wall)
-        attrs["metrics"] = dict(result.metrics)
-        attrs["checkpoint"] = str(result.checkpoint) if result.checkpoint else None
-        attrs["resumed_from"] = result.resumed_from
-        status.state = result.state
-        status.reason = result.reason
-        self._tell(TrialOutcome(planned.number, result.state,
-                                value=metric if result.state == "complete" else None,
-                                reason=result.reason, attrs=attrs))
+def search_result(policy: str, end: float, usage: Any, outcomes: Sequence[TrialOutcome],
+                  cache: StepCache, scheduling: Mapping[str, Any]) -> SearchResult:
+    """A run's `SearchResult` from its usage recorder at ``end`` (seconds since its start)."""
+    intervals = tuple(
+        tuple((iv.key, iv.start, float(iv.end if iv.end is not None else end), iv.bytes)
+              for iv in device)
+        for device in usage.busy_intervals(end)
+    )
+    return SearchResult(
+        policy=policy, elapsed_s=end, usage=usage.summary(end),
+        memory_series=usage.memory_utilization_series(), intervals=intervals,
+        outcomes=tuple(outcomes), compile_cache={"hits": cache.hits, "misses": cache.misses},
+        scheduling=scheduling,
+    )
+
+
+def engine_policy(config: EngineConfig, devices: int) -> Any:
+    """The placement policy of ``config`` on a pool of ``devices``."""
+    if config.policy != "fixed":
+        return make_policy("scamp")
+    if config.devices_per_trial > devices:
+        raise ValueError(
+            f"devices_per_trial={config.devices_per_trial} exceeds the pool of {devices} "
+            "devices; lower it or pass more devices")
+    return FixedPolicy(config.devices_per_trial)
+
+
+def new_core(policy: Any, devices: Sequence[Any], config: EngineConfig) -> SchedulingCore:
+    """A scheduling core for a pool of ``devices``, ``config``'s budget and ``policy``. The
+    devices' attainable FLOP/s (`scamp_jax.scheduling.costs`) anchor the busy fractions where
+    the kind is known."""
+    kinds = {d.device_kind for d in devices}
+    peak = attainable_flops(kinds.pop()) if len(kinds) == 1 else None
+    return SchedulingCore(policy, len(devices), config.memory_per_device, config.safety_margin,
+                          config.restart_seconds, peak_flops=peak)

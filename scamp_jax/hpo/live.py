@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 from scamp_jax._units import format_bytes
-from scamp_jax.hpo.runner import TrialStatus
+from scamp_jax.hpo.trial import TrialStatus
 
 _ACTIVE = ("compiling", "training", "evaluating", "starting", "resizing")
 

@@ -1,16 +1,18 @@
 """The planning service of the search loop: plans, their cache and their costs, off the loop.
 
-`PlanningService` is mixed into `scamp_jax.hpo.engine.SearchEngine`; its methods run in the engine's
+`PlanningService` is an object the engine (`scamp_jax.hpo.engine.SearchEngine`) and its grouping
+service (`scamp_jax.hpo.fused_engine.FusionService`) hold; its methods run in the engine's
 planner threads (XLA compiles outside the GIL), never on the loop's thread:
 
 - `plan`: the fewest devices that hold a configuration and the largest batch (``plan_mesh``,
-  one call site: `_call_planner`), cached per architecture in memory;
+  one call site: `call_planner`), cached per architecture in memory;
 - `step_flops`: FLOPs per device of a plan's training step from ``cost_analysis()`` of its
-  lowering (no compile), for the scheduling core's costs;
-- `_oom_replan` / `_plan_again`: the plan after an out-of-memory run, at the batch the
-  measured bytes allow (`scamp_jax.scheduling.replan_after_oom`).
+  lowering (no compile), for the scheduling core's costs; `planned_with_cost` plans and costs
+  a trial and keeps its figure for `flops_of`;
+- `plan_again`: the plan after an out-of-memory run, at the batch the measured bytes allow
+  (a `scamp_jax.scheduling.core.Replan`).
 
-A subclass may override `_smallest_fitting_plan` (the MPI engine hands configurations that fit
+A subclass may override `smallest_fitting_plan` (the MPI engine hands configurations that fit
 no local device count to several ranks by raising `TrialDeferred`).
 """
 
@@ -18,44 +20,44 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 from flax import nnx
 
-from scamp_jax.hpo.runner import RunResult, make_optimizer
+from scamp_jax.hpo.runner import make_optimizer
+from scamp_jax.hpo.trial import PlannedTrial, RunResult, TrialDeferred, booked_bytes
 from scamp_jax.planning import planner
 from scamp_jax.planning.evaluation import supports_chunked_eval
 from scamp_jax.planning.memory import with_batch_size
 from scamp_jax.planning.train_step import abstract_state, jit_train_step, split_model
-from scamp_jax.scheduling.core import replan_after_oom
-
-if TYPE_CHECKING:
-    from scamp_jax.hpo.engine import PlannedTrial
+from scamp_jax.scheduling.core import TrialPlan, replan_after_oom
 
 log = logging.getLogger(__name__)
 
 
-class TrialDeferred(Exception):  # noqa: N818 - a hand-over, not an error
-    """Raised by `SearchEngine.plan` for a trial this engine hands to someone else to run.
+class PlanningService:
+    """Plans for the search loop (see the module doc).
 
-    The engine neither fails nor places it: it is listed in `SearchEngine.deferred` with this
-    exception, whose ``payload`` says what the caller needs to run it (e.g. the MPI engine's
-    trials that span ranks). Deferred trials stay open in the study until the caller tells them.
+    Args:
+      space, task: the search space and the task (its sample batch, loss and evaluation).
+      config: the `scamp_jax.hpo.engine.EngineConfig` (budget, margin, batch bounds, policy).
+      devices: the engine's device pool; a plan on ``n`` devices is made on its first ``n``.
+      plan_fn: the planner (``planner.plan_mesh`` signature).
+      batch_multiple: the placement policy's batch multiple (ScaMP: so a trial can later grow
+        with the same batch).
+      may_grow: a queued trial may start on more devices than planned (the last wave's growth):
+        its `core_plan` offers the usable bytes per device to grow into.
     """
 
-    def __init__(self, message: str, payload: Any = None) -> None:
-        super().__init__(message)
-        self.payload = payload
-
-
-class PlanningService:
-    """Planning for `scamp_jax.hpo.engine.SearchEngine` (a mixin: it uses the engine's ``space``,
-    ``task``, ``config``, ``devices``, ``plan_fn``, ``policy``, ``core`` and ``_trial_plan``)."""
-
-    def _init_planning(self) -> None:
+    def __init__(self, space: Any, task: Any, config: Any, devices: Sequence[Any],
+                 plan_fn: Callable[..., Any], batch_multiple: int = 1,
+                 may_grow: bool = False) -> None:
+        self.space, self.task, self.config = space, task, config
+        self.devices, self.plan_fn, self.batch_multiple = list(devices), plan_fn, batch_multiple
+        self.may_grow = may_grow
         self._plans: dict[Any, Any] = {}
         self._plans_lock = threading.Lock()
         self._key_locks: dict[Any, threading.Lock] = {}
@@ -66,24 +68,27 @@ class PlanningService:
         self._flops: dict[Any, float | None] = {}
         self._flops_of: dict[tuple[int, int, int], float | None] = {}
 
-    def _devices_of(self, plan: Any) -> int:
+    @staticmethod
+    def devices_of(plan: Any) -> int:
+        """Devices a plan runs on (data-parallel x model-parallel degree)."""
         return int(plan.data_parallel * plan.model_parallel)
 
     # ----------------------------------------------------------------------------- planning
-    def _abstract(self, params: Mapping[str, Any]) -> Any:
+    def abstract(self, params: Mapping[str, Any]) -> Any:
+        """The abstract model of ``params`` (``nnx.eval_shape``: nothing allocated)."""
         return nnx.eval_shape(lambda: self.space.build(params, nnx.Rngs(0)))
 
-    def _call_planner(
+    def call_planner(
         self, model: Any, n_devices: int, max_batch: int | None, memory: int | None = None
     ) -> Any:
+        """``plan_fn`` for ``model`` on the first ``n_devices`` devices at most ``max_batch``."""
         # A task that can evaluate in chunks has its evaluation planned with the step, so the
         # plan's predicted peak covers evaluation too.
         extra: dict[str, Any] = (
             {"eval_task": self.task} if supports_chunked_eval(self.task) else {})
         # The policy's batch multiple (ScaMP: so a trial can later grow with the same batch).
-        multiple = getattr(self.policy, "batch_multiple", 1)
-        if multiple > 1:
-            extra["batch_multiple"] = multiple
+        if self.batch_multiple > 1:
+            extra["batch_multiple"] = self.batch_multiple
         return self.plan_fn(
             model,
             self.task.sample_batch(1),
@@ -108,14 +113,14 @@ class PlanningService:
                     f"search space {self.space.name!r} names no largest candidate; give the "
                     "fixed policy a batch size (fixed_batch_size=)"
                 )
-            model = self._abstract(self.space.largest)
-            plan = self._call_planner(
+            model = self.abstract(self.space.largest)
+            plan = self.call_planner(
                 model, self.config.devices_per_trial, self.config.max_batch_size
             )
             self._fixed_batch = int(plan.batch_size)
         return self._fixed_batch
 
-    def _smallest_fitting_plan(self, model: Any, max_batch: int | None) -> Any:
+    def smallest_fitting_plan(self, model: Any, max_batch: int | None) -> Any:
         """Plan on the fewest devices (1, 2, 4, ..., the whole pool) that hold ``model`` at a
         batch of at least ``min_batch_size``."""
         total = len(self.devices)
@@ -124,7 +129,7 @@ class PlanningService:
         last_error: Exception | None = None
         for n in counts:
             try:
-                plan = self._call_planner(model, n, max_batch)
+                plan = self.call_planner(model, n, max_batch)
             except planner.DoesNotFitError as err:
                 last_error = err
                 continue
@@ -150,7 +155,7 @@ class PlanningService:
         Raises ``planner.DoesNotFitError`` if the configuration fits on no device count, and
         `TrialDeferred` (cached like a plan) if a subclass hands the architecture elsewhere.
         """
-        model = self._abstract(params)
+        model = self.abstract(params)
         graphdef = split_model(model)[0]
         cap: int | None
         if self.config.policy == "fixed":
@@ -167,9 +172,9 @@ class PlanningService:
             if key not in self._plans:
                 try:
                     if devices is not None:
-                        self._plans[key] = self._call_planner(model, devices, cap)
+                        self._plans[key] = self.call_planner(model, devices, cap)
                     else:
-                        self._plans[key] = self._smallest_fitting_plan(model, cap)
+                        self._plans[key] = self.smallest_fitting_plan(model, cap)
                 except TrialDeferred as deferred:
                     self._plans[key] = deferred  # a property of the architecture, like a plan
             plan = self._plans[key]
@@ -184,7 +189,7 @@ class PlanningService:
 
         Lowering only traces (no compile); cached per architecture, mesh and batch.
         """
-        model = self._abstract(params)
+        model = self.abstract(params)
         graphdef = split_model(model)[0]
         key = (graphdef, int(plan.data_parallel), int(plan.model_parallel), int(plan.batch_size))
         with self._plans_lock:
@@ -201,7 +206,7 @@ class PlanningService:
             if isinstance(cost, list | tuple):
                 cost = cost[0] if cost else {}
             total = float((cost or {}).get("flops", 0.0))
-            flops = total / self._devices_of(plan) if total > 0 else None
+            flops = total / self.devices_of(plan) if total > 0 else None
         except Exception as err:  # noqa: BLE001 - a cost is an aid; the trial runs without one
             log.info("no cost analysis for %s: %s", type(model).__name__, err)
             flops = None
@@ -209,34 +214,53 @@ class PlanningService:
             self._flops[key] = flops
         return flops
 
-    def _planned_with_cost(self, params: Mapping[str, Any], number: int, **kw: Any) -> Any:
+    def planned_with_cost(self, params: Mapping[str, Any], number: int, **kw: Any) -> Any:
         """Plan (cached per architecture) and cost one configuration; runs in a planner thread."""
         plan = self.plan(params, **kw)
         flops = self.step_flops(params, plan)
-        self._flops_of[(number, self._devices_of(plan), int(plan.batch_size))] = flops
+        self._flops_of[(number, self.devices_of(plan), int(plan.batch_size))] = flops
         return plan
 
-    def _oom_replan(self, planned: PlannedTrial, result: RunResult) -> PlannedTrial | None:
+    def flops_of(self, number: int, plan: Any) -> float | None:
+        """FLOPs per device per step of trial ``number`` on ``plan`` (None: not costed)."""
+        return self._flops_of.get((number, self.devices_of(plan), int(plan.batch_size)))
+
+    def core_plan(self, planned: PlannedTrial) -> TrialPlan:
+        """``planned`` as the scheduling core sees it: devices, booked bytes, steps, FLOPs."""
+        plan = planned.plan
+        return TrialPlan(
+            key=planned.number, arrival=planned.arrival, devices=planned.devices,
+            bytes_per_device=booked_bytes(plan),
+            steps=self.config.steps_for(int(plan.batch_size)),
+            flops_per_step=self.flops_of(planned.number, plan),
+            data_parallel=int(plan.data_parallel), model_parallel=int(plan.model_parallel),
+            batch_size=int(plan.batch_size),
+            grow_bytes=int(plan.usable_bytes) if self.may_grow else 0,
+        )
+
+    def oom_replan(self, planned: PlannedTrial, result: RunResult,
+                   capacity: int) -> PlannedTrial | None:
         """The next plan of ``planned`` after its run ``result`` ran out of memory, planned at
         once (the loop does the same in a planner thread): `replan_after_oom` from the measured
-        bytes, then the planner. None: no plan fits or the re-plans are used up."""
+        bytes and the pool's usable ``capacity`` per device, then the planner. None: no plan
+        fits or the re-plans are used up."""
         if planned.replans >= self.config.max_replans:
             return None
         request = replan_after_oom(
-            self._trial_plan(planned), result.bytes_needed, self.core.capacity,
+            self.core_plan(planned), result.bytes_needed, capacity,
             devices=len(self.devices), min_batch=self.config.min_batch_size or 1,
             may_grow=self.config.policy == "scamp")
-        return None if request is None else self._plan_again(planned, request)
+        return None if request is None else self.plan_again(planned, request)
 
-    def _plan_again(self, planned: PlannedTrial, request: Any) -> PlannedTrial | None:
+    def plan_again(self, planned: PlannedTrial, request: Any) -> PlannedTrial | None:
         """Plan ``planned`` on ``request.devices`` devices at a batch of at most
         ``request.max_batch`` (a `Replan`); None if nothing fits. Runs in a planner thread."""
-        model = self._abstract(planned.asked.params)
+        model = self.abstract(planned.asked.params)
         try:
-            new = self._call_planner(model, request.devices, request.max_batch)
+            new = self.call_planner(model, request.devices, request.max_batch)
         except planner.DoesNotFitError:
             return None
         flops = self.step_flops(planned.asked.params, new)
-        self._flops_of[(planned.number, self._devices_of(new), int(new.batch_size))] = flops
-        return replace(planned, plan=new, devices=self._devices_of(new),
+        self._flops_of[(planned.number, self.devices_of(new), int(new.batch_size))] = flops
+        return replace(planned, plan=new, devices=self.devices_of(new),
                        replans=planned.replans + 1)

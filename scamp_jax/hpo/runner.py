@@ -2,28 +2,20 @@
 
 `run_trial` is called in a worker thread per trial; JAX dispatch is asynchronous and each trial
 owns disjoint devices, so several trials train at once. The runner never decides where a trial
-goes or how big its batch is: it executes the `Plan` it is given and reports back how it ended:
-
-- ``complete``: trained for all steps and evaluated;
-- ``pruned``: the study's pruner stopped it after an intermediate evaluation;
-- ``failed``: it raised (a bug in a candidate, a NaN loss); the reason is kept, others go on;
-- ``oom``: it did not fit, either because what it holds per device exceeds its booked share
-  (checked from ``memory_analysis()`` before the first step: the compiled step plus the
-  prefetched next batch, and the evaluation forward plus optimizer state plus that batch) or
-  because XLA ran out of memory; the engine re-plans it with more devices or a smaller batch;
-- ``interrupted``: the engine asked it to stop (Ctrl-C, or to restart it on more devices); it
-  saved a checkpoint first.
+goes or how big its batch is: it executes the `Plan` it is given, as a group of width 1 in the
+one trial lifecycle (`scamp_jax.hpo.lifecycle`), and reports back how it ended
+(`scamp_jax.hpo.trial.RunResult`: ``complete``, ``pruned``, ``failed``, ``oom`` or
+``interrupted``). This module holds what is particular to one trial: its `RunSpec`, the
+compiled-step cache trials of one architecture share, the solo `SoloProgram` (the planner's
+step, optionally reduced over MPI ranks, restored straight onto the plan's shardings) and
+`load_model`.
 """
 
 from __future__ import annotations
 
-import math
 import threading
-import time
-import traceback
-import zlib
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,58 +25,16 @@ import optax
 from flax import nnx
 
 from scamp_jax.hpo.checkpoint import TrialCheckpointer
+from scamp_jax.hpo.lifecycle import Lifecycle, MemberSpec, Schedule, stream
+from scamp_jax.hpo.trial import OPTIMIZER_KEYS, RunResult, TrialStatus
+from scamp_jax.hpo.trial import TrialOutOfMemory as TrialOutOfMemory
+from scamp_jax.hpo.trial import is_oom_error as is_oom_error
+from scamp_jax.hpo.trial import trial_seed as trial_seed
 from scamp_jax.planning import sharding as sh
-from scamp_jax.planning.evaluation import (
-    EvalCompiler,
-    EvalPlan,
-    abstract_eval_inputs,
-    plan_eval,
-    supports_chunked_eval,
-)
+from scamp_jax.planning.evaluation import EvalCompiler
 from scamp_jax.planning.planner import lowered_fingerprint
 from scamp_jax.planning.train_step import jit_train_step, split_model
 from scamp_jax.space import SearchSpace, Task
-
-#: keys of a configuration that are optimizer hyperparameters, not architecture.
-OPTIMIZER_KEYS = ("learning_rate", "weight_decay", "b1", "b2")
-_OOM_MARKERS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory", "OOM when allocating")
-
-
-class TrialOutOfMemory(RuntimeError):
-    """A trial's step does not fit its devices; carries the bytes per device it needs."""
-
-    def __init__(self, message: str, bytes_needed: int | None = None) -> None:
-        super().__init__(message)
-        self.bytes_needed = bytes_needed
-
-
-class TrialInterrupted(RuntimeError):
-    """The engine asked the trial to stop (its state was checkpointed)."""
-
-
-@dataclass
-class TrialStatus:
-    """Live, mutable progress of one trial (read by the live view; written by its runner)."""
-
-    number: int
-    params: Mapping[str, Any]
-    state: str = "queued"
-    devices: tuple[int, ...] = ()
-    model_parallel: int = 1
-    batch_size: int = 0
-    predicted_peak_bytes: int = 0
-    step: int = 0
-    steps: int = 0
-    loss: float = math.nan
-    metric: float = math.nan
-    replans: int = 0
-    reason: str = ""
-    #: ``time.monotonic()`` when this run's first training step began (after compile, restore),
-    #: and the step it began at: the engine's measure of the trial's pace.
-    training_since: float = math.nan
-    first_step: int = 0
-    #: times the engine restarted the trial on more devices (`scamp_jax.scheduling.elastic`).
-    resizes: int = 0
 
 
 @dataclass(frozen=True)
@@ -139,28 +89,6 @@ class RunSpec:
         return int(self.memory_per_device * (1.0 - margin))
 
 
-@dataclass(frozen=True)
-class RunResult:
-    """How one run ended (see the module docstring for ``state``).
-
-    ``metrics`` holds the task's evaluation (e.g. ``psnr``, ``bicubic_psnr``) for a complete run;
-    ``bytes_needed`` the measured peak per device of an ``oom`` run when known;
-    ``checkpoint`` the directory of the final checkpoint of a complete run;
-    ``resumed_from`` the checkpointed step training restarted from (0: from scratch).
-    """
-
-    number: int
-    state: str
-    steps: int
-    wall_seconds: float
-    metrics: Mapping[str, float] = field(default_factory=dict)
-    reason: str = ""
-    bytes_needed: int | None = None
-    loss: float = math.nan
-    checkpoint: Path | None = None
-    resumed_from: int = 0
-
-
 def make_optimizer(params: Mapping[str, Any]) -> optax.GradientTransformation:
     """AdamW with every hyperparameter injected (so trials of one architecture share a compile).
 
@@ -171,24 +99,6 @@ def make_optimizer(params: Mapping[str, Any]) -> optax.GradientTransformation:
     return optax.inject_hyperparams(optax.adamw)(
         learning_rate=1e-3, b1=0.9, b2=0.999, weight_decay=0.0
     )
-
-
-def _resumable_step(checkpointer: TrialCheckpointer, steps: int) -> int | None:
-    """Newest checkpointed step of at most ``steps`` (None: none).
-
-    A checkpoint of a longer run (more steps than this one asks for) holds weights trained
-    past ``steps``; resuming from it would report a longer training as this one.
-    """
-    latest = checkpointer.latest_step()
-    if latest is None or latest <= steps:
-        return latest
-    saved = (int(p.name) for p in checkpointer.directory.iterdir() if p.name.isdigit())
-    return max((s for s in saved if s <= steps), default=None)
-
-
-def trial_seed(seed: int, checkpoint_key: str) -> int:
-    """A per-trial seed that a re-run of an interrupted trial shares (keyed by checkpoint key)."""
-    return (seed * 1_000_003 + zlib.crc32(checkpoint_key.encode())) % (2**31 - 1)
 
 
 def peak_bytes(compiled: Any) -> int | None:
@@ -202,14 +112,6 @@ def peak_bytes(compiled: Any) -> int | None:
         + analysis.output_size_in_bytes
         - analysis.alias_size_in_bytes
     )
-
-
-def is_oom_error(err: BaseException) -> bool:
-    """True for XLA out-of-memory errors (allocation failures at compile or run time)."""
-    if isinstance(err, TrialOutOfMemory | MemoryError):
-        return True
-    text = f"{type(err).__name__}: {err}"
-    return any(marker in text for marker in _OOM_MARKERS)
 
 
 class StepCache:
@@ -309,6 +211,8 @@ def run_trial(
 ) -> RunResult:
     """Train and evaluate one configuration on ``spec.plan``'s devices; never raises.
 
+    A group of width 1 in the one trial lifecycle (`scamp_jax.hpo.lifecycle.Lifecycle`).
+
     Args:
       spec: what to run (configuration, plan on its devices, steps, checkpointing).
       space: the search space (``build`` makes the model).
@@ -322,131 +226,92 @@ def run_trial(
     Returns:
       A `RunResult`; every exception is turned into a ``failed`` or ``oom`` result.
     """
-    start = time.monotonic()
+    member = MemberSpec(spec.number, spec.params, spec.seed, spec.checkpoint_dir)
+    schedule = Schedule(spec.steps, spec.share_bytes(), spec.checkpoint_every, spec.eval_every,
+                        spec.log_every, save=spec.save_checkpoints)
+    program = SoloProgram(spec, space, task, cache or StepCache())
     status = status or TrialStatus(spec.number, spec.params)
-    status.state, status.steps = "compiling", spec.steps
-    try:
-        return _run(spec, space, task, report, status, stop, cache or StepCache(), start)
-    except TrialInterrupted as err:
-        status.state = "interrupted"
-        return RunResult(spec.number, "interrupted", status.step, time.monotonic() - start,
-                         reason=str(err), loss=status.loss)
-    except Exception as err:  # noqa: BLE001 - one candidate's failure must not stop the study
-        if is_oom_error(err):
-            status.state = "oom"
-            return RunResult(spec.number, "oom", status.step, time.monotonic() - start,
-                             reason=f"out of memory: {err}".splitlines()[0][:300],
-                             bytes_needed=getattr(err, "bytes_needed", None), loss=status.loss)
-        status.state, status.reason = "failed", f"{type(err).__name__}: {err}"
-        frame = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
-        where = f" (at {Path(frame.filename).name}:{frame.lineno})" if frame else ""
-        reason = f"{type(err).__name__}: {err}".splitlines()[0][:300] + where
-        return RunResult(spec.number, "failed", status.step, time.monotonic() - start,
-                         reason=reason, loss=status.loss)
+    run = Lifecycle(program, [member], schedule, task, statuses=[status], report=report,
+                    stop=stop)
+    return run.run()[0]
 
 
-def _run(
-    spec: RunSpec,
-    space: SearchSpace,
-    task: Task,
-    report: Callable[[int, int, float], bool] | None,
-    status: TrialStatus,
-    stop: threading.Event | None,
-    cache: StepCache,
-    start: float,
-) -> RunResult:
-    plan = spec.plan
-    seed = spec.seed
-    with jax.set_mesh(plan.mesh):
-        graphdef = split_model(nnx.eval_shape(lambda: space.build(spec.params, nnx.Rngs(seed))))[0]
-    step_fn, optimizer = cache.get(graphdef, plan, task.loss_fn, spec.params, spec.grad_reduce)
+class SoloProgram:
+    """The `scamp_jax.hpo.lifecycle.Program` of one trial: the planner's step on the plan's
+    devices (the planner's own executable when it is the same program), gradients optionally
+    reduced over MPI ranks (``RunSpec.grad_reduce``), a restore straight onto the plan's
+    shardings."""
 
-    first = 0
-    checkpointer = TrialCheckpointer(spec.checkpoint_dir) if spec.checkpoint_dir else None
-    saving = checkpointer is not None and spec.save_checkpoints
-    resume = _resumable_step(checkpointer, spec.steps) if checkpointer is not None else None
-    if checkpointer is not None and resume is not None:
-        # Resume: restore straight into this placement's shardings (the devices may differ from
-        # before); the target is abstract, so the state exists once, never a fresh copy too.
-        target = _initial_state(space, spec, optimizer, seed, abstract=True)
-        first, leaves = checkpointer.restore(jax.tree.leaves(target), resume)
-        params, opt_state, rest = jax.tree.unflatten(jax.tree.structure(target), leaves)
-    else:
-        params, opt_state, rest = _initial_state(space, spec, optimizer, seed)
+    width = 1
 
-    batches = _batches(task, plan.batch_size, seed, spec.batch_share)
-    for _ in range(first):  # keep the data stream identical to an uninterrupted run
-        next(batches)
-    batch = jax.device_put(next(batches), plan.batch_sharding)
+    def __init__(self, spec: RunSpec, space: SearchSpace, task: Task, cache: StepCache) -> None:
+        self.spec, self.space, self.task, self.cache = spec, space, task, cache
+        self.plan = spec.plan
 
-    # The planner predicted this trial fits its share; check the real compiles on these devices
-    # first: the step with the next batch prefetched beside it, and the evaluation. The
-    # planner's own executable is run when it is the same program on the same devices.
-    lowered = step_fn.lower(params, opt_state, rest, batch)
-    ready = getattr(plan, "compiled_step", None) if spec.grad_reduce is None else None
-    if ready is not None and ready.fingerprint == lowered_fingerprint(lowered):
-        compiled = ready.executable
-    else:
-        compiled = lowered.compile()
-    evaluation = _check_share(spec, task, cache, graphdef, params, opt_state, rest, batch,
-                              compiled)
+    def start(self, members: Sequence[MemberSpec], first: int,
+              checkpointers: Sequence[TrialCheckpointer | None]) -> None:
+        spec, plan, seed = self.spec, self.plan, self.spec.seed
+        with jax.set_mesh(plan.mesh):
+            self.graphdef = split_model(
+                nnx.eval_shape(lambda: self.space.build(spec.params, nnx.Rngs(seed))))[0]
+        self.step_fn, optimizer = self.cache.get(self.graphdef, plan, self.task.loss_fn,
+                                                 spec.params, spec.grad_reduce)
+        checkpointer = checkpointers[0]
+        if first and checkpointer is not None:
+            # Resume: restore straight into this placement's shardings (the devices may differ
+            # from before); the target is abstract, so the state exists once, never a fresh
+            # copy too.
+            target = _initial_state(self.space, spec, optimizer, seed, abstract=True)
+            _, leaves = checkpointer.restore(jax.tree.leaves(target), first)
+            self.state = jax.tree.unflatten(jax.tree.structure(target), leaves)
+        else:
+            self.state = _initial_state(self.space, spec, optimizer, seed)
+        self.batches = stream(_batches(self.task, plan.batch_size, seed, spec.batch_share), first)
+        self.prefetch()
 
-    if spec.grad_reduce is not None:
-        # A cross-rank reduction is an ordered side effect (mpi4jax threads a token through the
-        # step), which the ahead-of-time executable does not take: run through the jit wrapper.
-        compiled = step_fn
-    # The pace fields first: the engine reads them once it sees "training".
-    status.training_since, status.first_step = time.monotonic(), first
-    status.state, status.step = "training", first
-    loss = None
-    for step in range(first, spec.steps):
-        if stop is not None and stop.is_set():
-            if saving:
-                checkpointer.save(step, jax.tree.leaves((params, opt_state, rest)))
-            if checkpointer is not None:
-                checkpointer.close()  # waits for the save; the next run opens its own
-            raise TrialInterrupted(f"stopped at step {step}")
-        params, opt_state, rest, loss = compiled(params, opt_state, rest, batch)
-        done = step + 1
-        if done < spec.steps:
-            batch = jax.device_put(next(batches), plan.batch_sharding)
-        if done % spec.log_every == 0 or done == spec.steps:
-            status.loss = float(loss)
-            if not math.isfinite(status.loss):
-                raise FloatingPointError(f"loss is {status.loss} at step {done}")
-        status.step = done
-        if spec.eval_every and done % spec.eval_every == 0 and done < spec.steps:
-            value = _evaluate(task, graphdef, params, rest, plan, evaluation)[task.metric]
-            status.metric = value
-            if report is not None and report(spec.number, done, value):
-                status.state = "pruned"
-                return RunResult(spec.number, "pruned", done, time.monotonic() - start,
-                                 metrics={task.metric: value},
-                                 reason=f"pruned at step {done} ({task.metric}={value:.4g})",
-                                 loss=status.loss)
-        if saving and spec.checkpoint_every and done % spec.checkpoint_every == 0:
-            checkpointer.save(done, jax.tree.leaves((params, opt_state, rest)))
+    def prefetch(self) -> None:
+        self.batch = jax.device_put(next(self.batches), self.plan.batch_sharding)
 
-    if loss is not None:
-        status.loss = float(loss)
-        if not math.isfinite(status.loss):
-            raise FloatingPointError(f"loss is {status.loss} at step {spec.steps}")
-    status.state = "evaluating"
-    metrics = _evaluate(task, graphdef, params, rest, plan, evaluation)
-    value = metrics[task.metric]
-    if not math.isfinite(value):
-        raise FloatingPointError(f"{task.metric} is {value} after training")
-    status.metric = value
-    final = None
-    if checkpointer is not None:
-        if saving and checkpointer.latest_step() != spec.steps:
-            checkpointer.save(spec.steps, jax.tree.leaves((params, opt_state, rest)))
-        final = checkpointer.step_directory(spec.steps) if saving else None
-        checkpointer.close()
-    status.state = "complete"
-    return RunResult(spec.number, "complete", spec.steps, time.monotonic() - start,
-                     metrics=metrics, loss=status.loss, checkpoint=final,
-                     resumed_from=first)
+    def compile(self) -> int | None:
+        lowered = self.step_fn.lower(*self.state, self.batch)
+        ready = getattr(self.plan, "compiled_step", None)
+        if self.spec.grad_reduce is not None:
+            # A cross-rank reduction is an ordered side effect (mpi4jax threads a token through
+            # the step), which the ahead-of-time executable does not take: run through the jit
+            # wrapper, sized by its own compile.
+            self.compiled = self.step_fn
+            return peak_bytes(lowered.compile())
+        if ready is not None and ready.fingerprint == lowered_fingerprint(lowered):
+            self.compiled = ready.executable
+        else:
+            self.compiled = lowered.compile()
+        return peak_bytes(self.compiled)
+
+    def prefetch_bytes(self) -> int:
+        return sh.bytes_per_device(self.batch, self.plan.batch_sharding)
+
+    def resident_bytes(self) -> int:
+        return sh.bytes_per_device(self.state[1], self.plan.step_shardings.opt_state)
+
+    def evaluator(self) -> EvalCompiler:
+        params, _, rest = self.state
+        return self.cache.evaluator(self.graphdef, self.plan, self.task, params, rest)
+
+    def step(self, active: np.ndarray) -> Any:
+        *state, loss = self.compiled(*self.state, self.batch)
+        self.state = tuple(state)
+        return loss
+
+    def member(self, slot: int) -> tuple[Any, Any, Any]:
+        return self.state
+
+    def reform(self, keep: np.ndarray) -> None:
+        raise AssertionError("a run of one member never re-forms")  # it ends when that one does
+
+    def evaluate_whole(self, slot: int, task: Task) -> Mapping[str, Any]:
+        params, _, rest = self.state
+        with jax.set_mesh(self.plan.mesh):
+            return task.evaluate(nnx.merge(self.graphdef, params, rest))
 
 
 def _batches(task: Task, batch_size: int, seed: int,
@@ -489,65 +354,3 @@ def load_model(
         from_storable(leaves, like),
     )
     return nnx.merge(graphdef, weights, rest)
-
-
-def _check_share(
-    spec: RunSpec, task: Task, cache: StepCache, graphdef: nnx.GraphDef, params: Any,
-    opt_state: Any, rest: Any, batch: Any, compiled: Any,
-) -> tuple[EvalCompiler, EvalPlan] | None:
-    """Raise `TrialOutOfMemory` (with the measured bytes) if the trial exceeds its share.
-
-    Training holds the compiled step's peak plus the prefetched next batch; evaluation holds
-    the compiled forward at its chunk plus the optimizer state and that batch. The chunk is the
-    plan's (``Plan.eval_chunk``) when it has one, else chosen here (`plan_eval`). Returns the
-    evaluator and its chunk, or None for a task that evaluates itself.
-    """
-    share = spec.share_bytes()
-    plan = spec.plan
-    prefetch = sh.bytes_per_device(batch, plan.batch_sharding)
-    step_peak = peak_bytes(compiled)
-    train = None if step_peak is None else step_peak + prefetch
-    evaluation = None
-    if supports_chunked_eval(task):
-        groups = abstract_eval_inputs(task)
-        evaluator = cache.evaluator(graphdef, plan, task, params, rest)
-        resident = sh.bytes_per_device(opt_state, plan.step_shardings.opt_state) + prefetch
-        chunk = int(getattr(plan, "eval_chunk", 0) or 0)
-        if chunk:
-            chosen = EvalPlan(chunk, evaluator.peak(chunk, groups), resident)
-        else:
-            chosen = plan_eval(evaluator, groups, resident, train or share)
-        evaluation = (evaluator, chosen)
-        if chosen.total_bytes > share:
-            raise TrialOutOfMemory(
-                f"evaluation needs {chosen.total_bytes} bytes per device (forward at chunk "
-                f"{chosen.chunk}: {chosen.peak_bytes}, optimizer state and prefetched batch: "
-                f"{chosen.resident_bytes}), the trial's share is {share}",
-                bytes_needed=max(chosen.total_bytes, train or 0),
-            )
-    if train is not None and train > share:
-        raise TrialOutOfMemory(
-            f"compiled step needs {step_peak} bytes per device plus {prefetch} for the "
-            f"prefetched batch, the trial's share is {share}",
-            bytes_needed=max(train, evaluation[1].total_bytes if evaluation else 0),
-        )
-    return evaluation
-
-
-def _evaluate(task: Task, graphdef: nnx.GraphDef, params: Any, rest: Any, plan: Any,
-              evaluation: tuple[EvalCompiler, EvalPlan] | None = None) -> dict:
-    """The task's scores: the planned forward in chunks on the trial's devices when
-    ``evaluation`` is given, else the task's own ``evaluate`` under the trial's mesh."""
-    if evaluation is not None:
-        evaluator, chosen = evaluation
-        outputs = evaluator.run(chosen.chunk, params, rest, task.eval_inputs())
-        metrics = task.score(outputs)
-    else:
-        with jax.set_mesh(plan.mesh):
-            model = nnx.merge(graphdef, params, rest)
-            metrics = task.evaluate(model)
-    if task.metric not in metrics:
-        raise KeyError(
-            f"task.evaluate returned {sorted(metrics)} without the study metric {task.metric!r}"
-        )
-    return {k: float(np.asarray(v)) for k, v in metrics.items()}

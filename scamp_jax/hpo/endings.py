@@ -1,0 +1,168 @@
+"""How the search loop handles the end of a run: tell the study, re-plan, or start again.
+
+`Endings` is the loop's handler of the events a run's end brings (`scamp_jax.hpo.engine`):
+
+- a solo run that ran out of memory: the scheduling core frees its devices and answers with a
+  re-plan request (`scamp_jax.scheduling.core.Replan`, from the bytes the run measured), which
+  the planner threads carry out; with no request, or its re-plans used up, the trial fails;
+- a solo run stopped for a restart on more devices: it starts again on them; a restarted run
+  that failed before training a step goes back to the devices and plan it trained on;
+- a fused group: every member is told on its own; a group that ran out of memory sends its
+  members back to the queue as plain trials;
+- otherwise the trial is told to the study with its record (``results.json``); an interrupted
+  one is given back (a re-run resumes it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from scamp_jax.hpo.study import TrialOutcome, TrialSource
+from scamp_jax.hpo.trial import PlannedTrial, RunResult
+from scamp_jax.scheduling.core import SchedulingCore
+from scamp_jax.scheduling.placement import Placement
+
+log = logging.getLogger(__name__)
+
+
+class Endings:
+    """The handlers of a run's end for one engine run (see the module doc).
+
+    Args:
+      source, metric, config: the study's trial source, the task's metric and the engine's
+        `EngineConfig`.
+      core: this run's scheduling core.
+      records: this run's `scamp_jax.hpo.engine.TrialRecord` per trial number.
+      now: seconds since this run began.
+      decide: ``decide(now)``: let the core place what it can.
+      start: ``start(placement, planned, now)``: start a solo run.
+      queue: ``queue(planned)``: a planned trial waits for devices again.
+      replan: ``replan(planned, request)``: plan ``planned`` again in a planner thread.
+      notify: something changed (the live view).
+    """
+
+    def __init__(self, source: TrialSource, metric: str, config: Any, core: SchedulingCore,
+                 records: Mapping[int, Any], now: Callable[[], float],
+                 decide: Callable[[float], None],
+                 start: Callable[[Placement, PlannedTrial, float], None],
+                 queue: Callable[[PlannedTrial], None],
+                 replan: Callable[[PlannedTrial, Any], None],
+                 notify: Callable[[], None]) -> None:
+        self.source, self.metric, self.config, self.core = source, metric, config, core
+        self.records, self.now, self.decide, self.start = records, now, decide, start
+        self.queue, self.replan, self.notify = queue, replan, notify
+        #: how each trial of this run ended, in finishing order.
+        self.outcomes: list[TrialOutcome] = []
+
+    def tell(self, outcome: TrialOutcome) -> None:
+        """Tell the study how a trial ended."""
+        self.source.tell(outcome)
+        self.outcomes.append(outcome)
+        self.notify()
+
+    def tell_failed(self, number: int) -> None:
+        """Tell the study that trial ``number`` failed before it ran (its status says why)."""
+        record = self.records[number]
+        self.tell(TrialOutcome(number, "failed", reason=record.status.reason,
+                               attrs=record.attrs(self.config.rank, 0.0)))
+
+    def replanned(self, planned: PlannedTrial, retry: PlannedTrial | None) -> None:
+        """Event: an out-of-memory trial's next plan is in (None: it fails)."""
+        record = self.records[planned.number]
+        oom, record.oom = record.oom, None
+        if retry is None:
+            assert oom is not None
+            self.report(planned, replace(oom, state="failed",
+                                          reason=record.status.reason + "; no smaller plan fits"))
+            return
+        log.info("trial %d out of memory (%s); re-planned", planned.number, record.status.reason)
+        record.status.replans = retry.replans
+        self.queue(retry)
+
+    def run_ended(self, number: int, result: RunResult) -> None:
+        """Event: trial ``number``'s solo run returned ``result``."""
+        record = self.records[number]
+        run, record.run = record.run, None
+        assert run is not None
+        planned = run.members[0]
+        record.earlier_wall += result.wall_seconds
+        restart, record.resizing = record.resizing, None
+        if restart is not None and result.state == "interrupted":
+            record.status.resizes += 1
+            record.restarted = replace(restart, since=time.monotonic())
+            self.start(restart.placement, restart.grown, self.now())
+            return
+        restart, record.restarted = record.restarted, None
+        if (restart is not None and result.state in ("oom", "failed")
+                and not record.status.training_since > restart.since):
+            # The restarted run never trained: go back to the plan that did.
+            log.info("trial %d: restart on %d devices failed (%s); back on %d", number,
+                     planned.devices, result.reason, restart.before.devices)
+            now = self.now()
+            self.core.move_back(now, number, restart.old_placement.device_ids,
+                                restart.old_plan)
+            record.show_plan(restart.before.plan)
+            self.start(restart.old_placement, restart.before, now)
+            return
+        now = self.now()
+        record.times["finished_at"] = now
+        if result.state == "oom":
+            record.status.reason = result.reason
+            request = self.core.out_of_memory(
+                now, number, result.bytes_needed, min_batch=self.config.min_batch_size or 1,
+                may_grow=self.config.policy == "scamp")
+            record.oom = result
+            if request is None or planned.replans >= self.config.max_replans:
+                self.replanned(planned, None)
+            else:
+                self.replan(planned, request)
+                record.status.state = "planning"
+            self.decide(now)
+            return
+        self.core.finished(now, number)
+        self.report(planned, result)
+        self.decide(now)
+
+    def group_ended(self, key: int, results: Sequence[RunResult]) -> None:
+        """Event: group ``key``'s run returned; each member is told (or queued again)."""
+        leader = self.records[key]
+        run = leader.run
+        assert run is not None
+        now = self.now()
+        self.core.finished(now, key)
+        for planned, r in zip(run.members, results, strict=True):
+            record = self.records[planned.number]
+            record.run = None
+            record.times["finished_at"] = now
+            if planned.number != key:  # the group's scheduling record is the leader's
+                record.times["plan"] = leader.times.get("plan")
+                record.times["pace"] = leader.times.get("pace", [])
+            record.earlier_wall += r.wall_seconds
+            if r.state == "oom":  # the group did not fit: its members run alone
+                record.solo_only, record.group, record.width = True, None, 1
+                self.queue(planned)
+                continue
+            self.report(planned, r)
+        self.decide(now)
+
+    def report(self, planned: PlannedTrial, result: RunResult) -> None:
+        """Tell the study how ``planned`` ended (an interrupted one is given back)."""
+        record = self.records[planned.number]
+        if result.state == "interrupted":
+            self.source.interrupt(planned.number)
+            return
+        wall, record.earlier_wall = record.earlier_wall, 0.0
+        attrs = record.attrs(self.config.rank, wall)
+        attrs["metrics"] = dict(result.metrics)
+        attrs["checkpoint"] = str(result.checkpoint) if result.checkpoint else None
+        attrs["resumed_from"] = result.resumed_from
+        record.status.state = result.state
+        record.status.reason = result.reason
+        metric = result.metrics.get(self.metric)
+        self.tell(TrialOutcome(planned.number, result.state,
+                                value=metric if result.state == "complete" else None,
+                                reason=result.reason, attrs=attrs))

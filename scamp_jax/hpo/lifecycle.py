@@ -1,0 +1,420 @@
+"""One trial lifecycle: a solo trial is a group of width 1.
+
+A run trains ``K`` members (one for a solo trial, ``K`` for a fused group,
+`scamp_jax.hpo.fused_runner`) on one device set with one compiled step, and this module is the
+one loop around that step for both. What differs is the `Program`: how the state is built or
+restored, what one step is, how a member's state is read out. `scamp_jax.hpo.runner` holds the
+solo program (the planner's step, optionally reduced over MPI ranks), `scamp_jax.hpo.fused_runner`
+the fused one (the step vmapped over a member axis, with an ``active`` mask). The loop:
+
+1. resume: each member's newest checkpoint of at most ``steps`` steps (a group resumes only
+   members at the same step), the data streams advanced to it;
+2. the ledger check, before the first step, from the compiled programs on these devices: the
+   step with the next batch prefetched beside it, and the evaluation forward at its chunk plus
+   what stays resident (the optimizer state, for a group the whole stacked state, and the
+   prefetched batch) must fit the run's booked share; otherwise the run ends ``oom`` with the
+   measured bytes (`check_share`);
+3. the step loop: stop (checkpoint, ``interrupted``), step, prefetch, loss read-back (a
+   non-finite loss ends that member ``failed``), intermediate evaluation reported to the pruner
+   (``pruned``), checkpoints every ``checkpoint_every`` steps; a stopped member is masked and,
+   at the next evaluation, the group re-forms without it;
+4. the end: one checkpoint of the last step (never written twice: a step on disk is kept), the
+   evaluation in chunks, ``complete``.
+
+Every exception ends the members still running through one mapping (`scamp_jax.hpo.trial.ending`).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from scamp_jax.hpo.checkpoint import TrialCheckpointer
+from scamp_jax.hpo.trial import RunResult, TrialOutOfMemory, TrialStatus, ending
+from scamp_jax.planning.evaluation import (
+    EvalCompiler,
+    EvalPlan,
+    abstract_eval_inputs,
+    plan_eval,
+    supports_chunked_eval,
+)
+from scamp_jax.space import Task
+
+PyTree = Any
+#: ``(params, opt_state, rest)`` of one member.
+MemberState = tuple[PyTree, PyTree, PyTree]
+
+
+@dataclass(frozen=True)
+class MemberSpec:
+    """One trial of a run.
+
+    Attributes:
+      number: the study's trial number.
+      params: the configuration; in a group, its architecture must match the group's.
+      seed: seed of the member's parameter initialisation and data stream
+        (`scamp_jax.hpo.trial.trial_seed` of its checkpoint key in a study).
+      checkpoint_dir: the member's checkpoint directory, or ``None``.
+    """
+
+    number: int
+    params: Mapping[str, Any]
+    seed: int = 0
+    checkpoint_dir: Path | None = None
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How long a run trains and what it does on the way (steps and intervals, as `RunSpec`).
+
+    ``share_bytes``: the bytes per device the run may hold (its booked share of the ledger).
+    ``save``: write checkpoints (the ranks of a trial spanning MPI ranks all restore from one
+    directory, one of them writes it). ``reform``: re-form a group without its stopped members
+    at the next evaluation (one compile per new width) instead of only masking them.
+    """
+
+    steps: int
+    share_bytes: int
+    checkpoint_every: int = 0
+    eval_every: int = 0
+    log_every: int = 10
+    save: bool = True
+    reform: bool = True
+
+
+class Program(Protocol):
+    """What the lifecycle needs of a solo or a fused training step on a run's devices.
+
+    ``plan`` is a member's plan (mesh, shardings, ``batch_size``, optional ``eval_chunk``);
+    ``width`` the members in the state now (slots, in order).
+    """
+
+    plan: Any
+    width: int
+
+    def start(self, members: Sequence[MemberSpec], first: int,
+              checkpointers: Sequence[TrialCheckpointer | None]) -> None:
+        """Build the state (or restore it at step ``first``), advance every member's data
+        stream to ``first`` and prefetch the next batch."""
+
+    def compile(self) -> int | None:
+        """Compile the step for the current width; its peak per device (None: unknown)."""
+
+    def prefetch_bytes(self) -> int:
+        """Bytes per device of the prefetched batch."""
+
+    def resident_bytes(self) -> int:
+        """Bytes per device that stay resident beside the evaluation forward (it holds a
+        member's parameters and other state itself)."""
+
+    def evaluator(self) -> EvalCompiler:
+        """The evaluation forward of one member on the run's mesh."""
+
+    def step(self, active: np.ndarray) -> Any:
+        """One training step of every slot (``active`` masks stopped ones); the losses, one
+        per slot (a scalar at width 1)."""
+
+    def prefetch(self) -> None:
+        """Put the next batch on the devices."""
+
+    def member(self, slot: int) -> MemberState:
+        """Slot ``slot``'s state, on the plan's shardings."""
+
+    def reform(self, keep: np.ndarray) -> None:
+        """Keep only the slots ``keep`` (state, streams and pending batch)."""
+
+    def evaluate_whole(self, slot: int, task: Task) -> Mapping[str, Any]:
+        """The task's own ``evaluate`` of slot ``slot``'s model (tasks without chunks)."""
+
+
+def resumable_step(checkpointer: TrialCheckpointer, steps: int) -> int | None:
+    """Newest checkpointed step of at most ``steps`` (None: none).
+
+    A checkpoint of a longer run (more steps than this one asks for) holds weights trained
+    past ``steps``; resuming from it would report a longer training as this one.
+    """
+    latest = checkpointer.latest_step()
+    if latest is None or latest <= steps:
+        return latest
+    saved = (int(p.name) for p in checkpointer.directory.iterdir() if p.name.isdigit())
+    return max((s for s in saved if s <= steps), default=None)
+
+
+def check_share(share: int, step_peak: int | None, prefetch: int, task: Task,
+                evaluator: Callable[[], EvalCompiler], resident: int, plan: Any,
+                ) -> tuple[EvalPlan | None, int | None]:
+    """Raise `TrialOutOfMemory` (with the measured bytes) if a run exceeds ``share`` bytes.
+
+    Training holds the compiled step's peak plus the prefetched next batch; evaluation holds
+    the compiled forward at its chunk plus ``resident`` (what stays on the device) and that
+    batch. The chunk is the plan's (``Plan.eval_chunk``) when it has one, else chosen here
+    (`plan_eval`). Returns the evaluation's chunk (None for a task that evaluates itself) and
+    the most the run holds per device (None: unknown).
+    """
+    train = None if step_peak is None else step_peak + prefetch
+    chosen = None
+    if supports_chunked_eval(task):
+        groups = abstract_eval_inputs(task)
+        forward = evaluator()
+        chunk = int(getattr(plan, "eval_chunk", 0) or 0)
+        if chunk:
+            chosen = EvalPlan(chunk, forward.peak(chunk, groups), resident + prefetch)
+        else:
+            chosen = plan_eval(forward, groups, resident + prefetch, train or share)
+        if chosen.total_bytes > share:
+            raise TrialOutOfMemory(
+                f"evaluation needs {chosen.total_bytes} bytes per device (forward at chunk "
+                f"{chosen.chunk}: {chosen.peak_bytes}, state and prefetched batch: "
+                f"{chosen.resident_bytes}), the run's share is {share}",
+                bytes_needed=max(chosen.total_bytes, train or 0),
+            )
+    if train is not None and train > share:
+        raise TrialOutOfMemory(
+            f"compiled step needs {step_peak} bytes per device plus {prefetch} for the "
+            f"prefetched batch, the run's share is {share}",
+            bytes_needed=max(train, chosen.total_bytes if chosen else 0),
+        )
+    held = [b for b in (train, chosen.total_bytes if chosen else None) if b is not None]
+    return chosen, max(held) if held else None
+
+
+class _Member:
+    """Mutable bookkeeping of one member while the run goes."""
+
+    def __init__(self, spec: MemberSpec, status: TrialStatus) -> None:
+        self.spec = spec
+        self.status = status
+        self.result: RunResult | None = None
+        self.losses: list[tuple[int, float]] = []
+        self.checkpointer: TrialCheckpointer | None = None
+
+
+class Lifecycle:
+    """The one loop of a run (see the module doc); `run` returns one `RunResult` per member."""
+
+    def __init__(self, program: Program, members: Sequence[MemberSpec], schedule: Schedule,
+                 task: Task, *, statuses: Sequence[TrialStatus] | None = None,
+                 report: Callable[[int, int, float], bool] | None = None,
+                 on_loss: Callable[[int, int, float], None] | None = None,
+                 stop: threading.Event | None = None) -> None:
+        if not members:
+            raise ValueError("a run needs at least one member")
+        if statuses is not None and len(statuses) != len(members):
+            raise ValueError(f"{len(statuses)} statuses given for {len(members)} members")
+        self.program, self.schedule, self.task = program, schedule, task
+        self.report, self.on_loss, self.stop = report, on_loss, stop
+        self.members = [_Member(m, statuses[i] if statuses is not None
+                                else TrialStatus(m.number, m.params))
+                        for i, m in enumerate(members)]
+        self.slots = list(self.members)  # the members in the program's state, in order
+        self.first = 0
+        self.held_bytes: int | None = None
+        self.compile_seconds = 0.0
+        self.widths: list[int] = []
+        self.evaluation: EvalPlan | None = None
+        self.start = time.monotonic()
+
+    # ---- endings
+
+    def _end(self, m: _Member, state: str, reason: str = "",
+             metrics: Mapping[str, float] | None = None, checkpoint: Path | None = None,
+             bytes_needed: int | None = None) -> None:
+        if m.result is not None:
+            return
+        m.status.state = state
+        if reason:
+            m.status.reason = reason
+        m.result = RunResult(m.spec.number, state, m.status.step, time.monotonic() - self.start,
+                             metrics=dict(metrics or {}), reason=reason,
+                             bytes_needed=bytes_needed, loss=m.status.loss,
+                             checkpoint=checkpoint, resumed_from=self.first,
+                             held_bytes=self.held_bytes)
+
+    def _fail(self, m: _Member, err: BaseException) -> None:
+        state, reason, needed = ending(err)
+        self._end(m, state, reason, bytes_needed=needed)
+
+    # ---- the run
+
+    def run(self) -> list[RunResult]:
+        """Train, evaluate and end every member; never raises."""
+        for m in self.members:
+            m.status.state, m.status.steps = "compiling", self.schedule.steps
+        try:
+            self._run()
+        except Exception as err:  # noqa: BLE001 - one run's failure must not stop the study
+            for m in self.members:
+                self._fail(m, err)
+        finally:
+            for m in self.members:
+                if m.checkpointer is not None:
+                    m.checkpointer.close()  # waits for the last save; the next run opens its own
+        for m in self.members:  # none expected: every path ends every member
+            self._end(m, "failed", "the run ended before this member did")
+        return [m.result for m in self.members if m.result is not None]
+
+    def _resume(self) -> int:
+        steps = {}
+        for m in self.members:
+            if m.spec.checkpoint_dir is not None:
+                m.checkpointer = TrialCheckpointer(m.spec.checkpoint_dir)
+                steps[m.spec.number] = resumable_step(m.checkpointer, self.schedule.steps)
+            else:
+                steps[m.spec.number] = None
+        found = set(steps.values())
+        if len(found) != 1:
+            raise ValueError(
+                f"group members have checkpoints at different steps {steps}; a group resumes "
+                "only members at the same step: run the others in their own groups")
+        return found.pop() or 0
+
+    def _compile(self) -> int | None:
+        t0 = time.monotonic()
+        peak = self.program.compile()
+        self.compile_seconds += time.monotonic() - t0
+        self.widths.append(self.program.width)
+        return peak
+
+    def _check(self) -> None:
+        program, schedule = self.program, self.schedule
+        peak = self._compile()
+        self.evaluation, self.held_bytes = check_share(
+            schedule.share_bytes, peak, program.prefetch_bytes(), self.task, program.evaluator,
+            program.resident_bytes(), program.plan)
+
+    def _run(self) -> None:
+        program, schedule = self.program, self.schedule
+        self.first = first = self._resume()
+        program.start([m.spec for m in self.members], first,
+                      [m.checkpointer for m in self.members])
+        self._check()
+        now = time.monotonic()
+        for m in self.members:  # the pace fields first: the engine reads them once it trains
+            m.status.training_since, m.status.first_step = now, first
+            m.status.state, m.status.step = "training", first
+        active = np.ones(program.width, bool)
+        for step in range(first, schedule.steps):
+            if self.stop is not None and self.stop.is_set():
+                self._save(step)
+                for m in self.slots:
+                    self._end(m, "interrupted", f"stopped at step {step}")
+                return
+            losses = program.step(active)
+            done = step + 1
+            if done < schedule.steps:
+                program.prefetch()
+            if done % schedule.log_every == 0 or done == schedule.steps:
+                self._read_losses(losses, done, active)
+            for slot, m in enumerate(self.slots):
+                if active[slot]:
+                    m.status.step = done
+            if schedule.eval_every and done % schedule.eval_every == 0 and done < schedule.steps:
+                self._intermediate(done, active)
+                if active.any() and not active.all() and schedule.reform:
+                    keep = np.flatnonzero(active)
+                    program.reform(keep)
+                    self.slots = [self.slots[i] for i in keep]
+                    active = np.ones(program.width, bool)
+                    self._check()  # the narrower step, checked as the first
+            if not active.any():
+                return
+            if (schedule.checkpoint_every and done % schedule.checkpoint_every == 0
+                    and done < schedule.steps):
+                self._save(done, active)
+        if first < schedule.steps:
+            self._save(schedule.steps, active)
+        self._finish(active)
+
+    def _save(self, step: int, active: np.ndarray | None = None) -> None:
+        if not self.schedule.save:
+            return
+        for slot, m in enumerate(self.slots):
+            if (m.result is None and m.checkpointer is not None
+                    and (active is None or active[slot])):
+                m.checkpointer.save(step, _leaves(self.program.member(slot)))
+
+    def _read_losses(self, losses: Any, done: int, active: np.ndarray) -> None:
+        values = np.asarray(losses).reshape(-1)
+        for slot, m in enumerate(self.slots):
+            if not active[slot]:
+                continue
+            loss = float(values[slot])
+            m.status.loss = loss
+            m.losses.append((done, loss))
+            if self.on_loss is not None:
+                self.on_loss(m.spec.number, done, loss)
+            if not math.isfinite(loss):
+                active[slot] = False
+                m.status.step = done
+                self._fail(m, FloatingPointError(f"loss is {loss} at step {done}"))
+
+    def _evaluate(self, slot: int) -> dict[str, float]:
+        """The task's scores of slot ``slot``: the planned forward in chunks on the run's
+        devices, or the task's own ``evaluate`` for a task without chunks."""
+        task = self.task
+        if self.evaluation is not None:
+            params, _, rest = self.program.member(slot)
+            outputs = self.program.evaluator().run(self.evaluation.chunk, params, rest,
+                                                   task.eval_inputs())
+            metrics = task.score(outputs)
+        else:
+            metrics = self.program.evaluate_whole(slot, task)
+        if task.metric not in metrics:
+            raise KeyError(
+                f"task.evaluate returned {sorted(metrics)} without the study metric "
+                f"{task.metric!r}")
+        return {k: float(np.asarray(v)) for k, v in metrics.items()}
+
+    def _intermediate(self, done: int, active: np.ndarray) -> None:
+        metric = self.task.metric
+        for slot, m in enumerate(self.slots):
+            if not active[slot]:
+                continue
+            try:
+                value = self._evaluate(slot)[metric]
+            except Exception as err:  # noqa: BLE001 - one member's failure ends that member
+                active[slot] = False
+                self._fail(m, err)
+                continue
+            m.status.metric = value
+            if self.report is not None and self.report(m.spec.number, done, value):
+                active[slot] = False
+                self._end(m, "pruned", f"pruned at step {done} ({metric}={value:.4g})",
+                          metrics={metric: value})
+
+    def _finish(self, active: np.ndarray) -> None:
+        steps, metric = self.schedule.steps, self.task.metric
+        for slot, m in enumerate(self.slots):
+            if not active[slot]:
+                continue
+            try:
+                m.status.state = "evaluating"
+                metrics = self._evaluate(slot)
+                if not math.isfinite(metrics[metric]):
+                    raise FloatingPointError(f"{metric} is {metrics[metric]} after training")
+            except Exception as err:  # noqa: BLE001 - one member's failure ends that member
+                self._fail(m, err)
+                continue
+            m.status.metric = metrics[metric]
+            saved = m.checkpointer is not None and self.schedule.save
+            final = m.checkpointer.step_directory(steps) if saved else None  # type: ignore[union-attr]
+            self._end(m, "complete", metrics=metrics, checkpoint=final)
+
+
+def _leaves(state: MemberState) -> list[Any]:
+    return jax.tree.leaves(state)
+
+
+def stream(batches: Iterator[Any], skip: int) -> Iterator[Any]:
+    """``batches`` advanced by ``skip`` (the stream an uninterrupted run would be at)."""
+    for _ in range(skip):
+        next(batches)
+    return batches

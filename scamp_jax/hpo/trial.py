@@ -1,0 +1,178 @@
+"""The trial types of the search loop: a leaf module (it imports no other part of `scamp_jax.hpo`
+but the study's `AskedTrial`), so the engine, its planning service, its grouping service and the
+trial lifecycle all depend on it and never on each other's modules.
+
+- `PlannedTrial`: an asked configuration with its plan, waiting for devices;
+- `TrialStatus`: the live, mutable progress of one trial (the live view reads it);
+- `RunResult`: how one run of a trial ended, and `ending`, the one mapping from an exception to
+  that ending (``oom``, ``failed`` or ``interrupted``) and its reason;
+- `TrialDeferred`: a trial the engine hands to someone else (a trial spanning MPI ranks);
+- `fusion_cap`: the most members of a fused group for a ``fuse`` setting;
+- `trial_seed`, `booked_bytes`: a trial's seed and what its placement books per device.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scamp_jax.hpo.study import AskedTrial
+
+# the one byte rule, re-exported for the engine's modules
+from scamp_jax.scheduling.booking import booked_bytes as booked_bytes
+
+#: keys of a configuration that are optimizer hyperparameters, not architecture.
+OPTIMIZER_KEYS = ("learning_rate", "weight_decay", "b1", "b2")
+#: widest group ``fuse="auto"`` plans (the planner may choose fewer).
+AUTO_FUSION_CAP = 8
+_OOM_MARKERS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory", "OOM when allocating")
+#: Longest reason kept with a trial (the first line of an error, cut).
+_REASON_CHARS = 300
+
+
+class TrialOutOfMemory(RuntimeError):
+    """A trial's programs do not fit its share; carries the bytes per device it needs."""
+
+    def __init__(self, message: str, bytes_needed: int | None = None) -> None:
+        super().__init__(message)
+        self.bytes_needed = bytes_needed
+
+
+class TrialInterrupted(RuntimeError):
+    """The engine asked the trial to stop (its state was checkpointed)."""
+
+
+class TrialDeferred(Exception):  # noqa: N818 - a hand-over, not an error
+    """Raised by the planning service for a trial this engine hands to someone else to run.
+
+    The engine neither fails nor places it: it is listed in `SearchEngine.deferred` with this
+    exception, whose ``payload`` says what the caller needs to run it (e.g. the MPI engine's
+    trials that span ranks). Deferred trials stay open in the study until the caller tells them.
+    """
+
+    def __init__(self, message: str, payload: Any = None) -> None:
+        super().__init__(message)
+        self.payload = payload
+
+
+@dataclass(frozen=True)
+class PlannedTrial:
+    """An asked configuration with its plan, waiting for devices."""
+
+    asked: AskedTrial
+    plan: Any
+    devices: int
+    arrival: int
+    replans: int = 0
+
+    @property
+    def number(self) -> int:
+        """The study's trial number."""
+        return self.asked.number
+
+
+@dataclass
+class TrialStatus:
+    """Live, mutable progress of one trial (read by the live view; written by its run)."""
+
+    number: int
+    params: Mapping[str, Any]
+    state: str = "queued"
+    devices: tuple[int, ...] = ()
+    model_parallel: int = 1
+    batch_size: int = 0
+    predicted_peak_bytes: int = 0
+    step: int = 0
+    steps: int = 0
+    loss: float = math.nan
+    metric: float = math.nan
+    replans: int = 0
+    reason: str = ""
+    #: ``time.monotonic()`` when this run's first training step began (after compile, restore),
+    #: and the step it began at: the engine's measure of the trial's pace.
+    training_since: float = math.nan
+    first_step: int = 0
+    #: times the engine restarted the trial on more devices (`scamp_jax.scheduling.elastic`).
+    resizes: int = 0
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """How one run of a trial ended.
+
+    ``state``: ``complete`` (trained all its steps and evaluated), ``pruned`` (the study's
+    pruner stopped it after an intermediate evaluation), ``failed`` (it raised, or its loss or
+    metric turned non-finite; the reason is kept), ``oom`` (what it holds exceeds its booked
+    share, or XLA ran out of memory: the engine re-plans it) or ``interrupted`` (the engine
+    asked it to stop; it checkpointed first).
+
+    ``metrics`` holds the task's evaluation for a complete run; ``bytes_needed`` the measured
+    peak per device of an ``oom`` run when known; ``held_bytes`` what the run holds per device at
+    most, from its compiled programs (training step + prefetched batch, or evaluation + what
+    stays resident), when measured; ``checkpoint`` the directory of the final checkpoint of a
+    complete run; ``resumed_from`` the checkpointed step training restarted from (0: none).
+    """
+
+    number: int
+    state: str
+    steps: int
+    wall_seconds: float
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    reason: str = ""
+    bytes_needed: int | None = None
+    loss: float = math.nan
+    checkpoint: Path | None = None
+    resumed_from: int = 0
+    held_bytes: int | None = None
+
+
+def is_oom_error(err: BaseException) -> bool:
+    """True for XLA out-of-memory errors (allocation failures at compile or run time)."""
+    if isinstance(err, TrialOutOfMemory | MemoryError):
+        return True
+    text = f"{type(err).__name__}: {err}"
+    return any(marker in text for marker in _OOM_MARKERS)
+
+
+def ending(err: BaseException) -> tuple[str, str, int | None]:
+    """How a trial (or every member of a group) that raised ``err`` ends: ``(state, reason,
+    bytes_needed)`` with ``state`` one of ``interrupted``, ``oom`` or ``failed``.
+
+    The one mapping from an exception to an ending, used by the solo and the fused lifecycle
+    and by the engine (a configuration that cannot even be planned).
+    """
+    first_line = f"{type(err).__name__}: {err}".splitlines()[0][:_REASON_CHARS]
+    if isinstance(err, TrialInterrupted):
+        return "interrupted", str(err), None
+    if is_oom_error(err):
+        return ("oom", f"out of memory: {err}".splitlines()[0][:_REASON_CHARS],
+                getattr(err, "bytes_needed", None))
+    frame = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
+    where = f" (at {Path(frame.filename).name}:{frame.lineno})" if frame else ""
+    return "failed", first_line + where, None
+
+
+def fusion_cap(fuse: int | str | None) -> int | None:
+    """The most members per group for ``EngineConfig.fuse`` (None: fusion off).
+
+    ``fuse`` is None (off), an int ``K >= 1`` (at most ``K``; 1 is off) or ``"auto"`` (the
+    widest that fits, at most `AUTO_FUSION_CAP`).
+    """
+    if fuse is None:
+        return None
+    if fuse == "auto":
+        return AUTO_FUSION_CAP
+    if isinstance(fuse, bool) or not isinstance(fuse, int) or fuse < 1:
+        raise ValueError(f"fuse={fuse!r} must be a positive int (the most trials per fused "
+                         "group), 'auto' or None; e.g. --fuse 4 or --fuse auto")
+    return fuse if fuse > 1 else None
+
+
+def trial_seed(seed: int, checkpoint_key: str) -> int:
+    """A per-trial seed that a re-run of an interrupted trial shares (keyed by checkpoint key)."""
+    return (seed * 1_000_003 + zlib.crc32(checkpoint_key.encode())) % (2**31 - 1)
