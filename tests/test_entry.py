@@ -5,6 +5,7 @@ A real study (the MLP of ``test_runner`` on a task built from plain functions) i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -61,6 +62,7 @@ def test_function_task_checks_its_functions():
     ({"policy": "greedy"}, "policy='greedy' is not one of 'scamp', 'fixed'"),
     ({"elastic": "yes"}, "elastic='yes' is not one of 'auto', 'on', 'off'"),
     ({"min_batch_size": 64, "max_batch_size": 16}, "raise max_batch_size to at least 64"),
+    ({"fuse": 4, "sampler": "grid"}, "sampler='grid' takes every parameter from its grid"),
 ])
 def test_settings_name_the_bad_value_and_the_fix(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -96,6 +98,22 @@ def test_run_study_runs_then_resumes_only_the_missing_trials(tmp_path):
         assert len(trial.user_attrs["devices"]) == 1
         assert trial.user_attrs["batch_size"] == 16
         assert 0 < trial.user_attrs["predicted_peak_bytes"] <= 64 * 2**20
+
+
+def test_a_finished_grid_ends_the_study_with_one_line(tmp_path, capsys):
+    """A 4-point grid asked for 6 trials runs each point once, says so in one line, and returns
+    its report like any finished study (no traceback from Optuna's ``study.stop()``)."""
+    space = dataclasses.replace(SPACE, grid={"width": [16, 32], "learning_rate": [1e-3, 1e-2]})
+    result = scamp_jax.run_study(space, function_task(), trials=6, steps=5, study_dir=tmp_path,
+                                 devices=2, memory_per_device="64MiB", max_batch_size=16,
+                                 sampler="grid", live=False)
+    assert result["trials_this_run"] == 4
+    out = capsys.readouterr().out
+    assert out.count("the grid's 4 points are done; 4 of 6 trials ran") == 1
+    study = optuna.load_study(study_name=space.name, storage=storage_url(tmp_path))
+    points = {(t.params["width"], t.params["learning_rate"]) for t in study.get_trials()}
+    assert len(study.get_trials()) == 4 and len(points) == 4
+    assert {t.state for t in study.get_trials()} == {TrialState.COMPLETE}
 
 
 def test_run_study_rejects_a_bad_setting_before_opening_a_study(tmp_path):

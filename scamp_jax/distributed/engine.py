@@ -257,6 +257,7 @@ def _run(space: Any, task: Any, settings: Any, devices: Sequence[Any], memory_pe
     from scamp_jax.hpo.search import (
         engine_config,
         fusion_source_kwargs,
+        grid_note,
         run_summary,
         study_settings,
         write_study_report,
@@ -342,6 +343,9 @@ def _run(space: Any, task: Any, settings: Any, devices: Sequence[Any], memory_pe
         "spanning_s": spanning_s,
         "per_rank": summaries,
     }
+    note = grid_note(server.source, settings.trials)
+    if note:
+        console.print(note, markup=False, highlight=False)
     return write_study_report(server.study, task, study_dir, result, run_info,
                               baseline=baseline, memory_per_device=memory_per_device,
                               console=console)

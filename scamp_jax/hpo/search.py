@@ -90,7 +90,11 @@ class SearchSettings:
     def __post_init__(self) -> None:
         from scamp_jax.hpo.fused_engine import fusion_cap
 
-        fusion_cap(self.fuse)  # raises ValueError naming the value
+        if fusion_cap(self.fuse) is not None and self.sampler == "grid":  # raises on a bad fuse
+            raise ValueError(
+                f"fuse={self.fuse!r} leaves each sibling's training hyperparameters to the "
+                "sampler, and sampler='grid' takes every parameter from its grid; use "
+                "sampler='tpe' or 'random' with fuse, or fuse=None with the grid")
         for name in ("trials", "steps", "devices_per_trial"):
             _check_int(name, getattr(self, name), minimum=1)
         for name in ("checkpoint_every", "eval_every"):
@@ -196,9 +200,22 @@ def run_search(
     if source.recovered:
         console.print(f"trials {sorted(set(source.recovered))} of stopped processes were run "
                       "again", markup=False)
+    note = grid_note(source, settings.trials)
+    if note:
+        console.print(note, markup=False)
     run_info = run_summary(result, len(devices), memory_per_device)
     return write_study_report(study, task, out_dir, result, run_info, baseline=baseline,
                               memory_per_device=memory_per_device, console=console)
+
+
+def grid_note(source: Any, trials: int) -> str | None:
+    """The line that says a grid study ended before ``trials`` because its grid is done
+    (None: not a grid, or the grid still has points, or every trial ran)."""
+    points = source.grid_points
+    finished = source.finished()
+    if points is None or finished >= trials or not source.grid_done():
+        return None
+    return f"the grid's {points} points are done; {finished} of {trials} trials ran"
 
 
 def study_settings(space: SearchSpace, settings: SearchSettings,

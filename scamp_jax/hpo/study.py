@@ -22,14 +22,19 @@ still go stale and need a retry, so a process finishes only when no other proces
 running. A trial stopped on purpose (Ctrl-C, SIGTERM) is failed as ``"interrupted"`` by its own
 process and queued the same way.
 
-Sampling does not replay: the sampler is re-seeded for every trial from the study's seed and the
-trial's number, so extending a finished study draws new configurations.
+Sampling does not replay: TPE and random search draw each trial with a sampler seeded from the
+study's seed and the trial's number (`TrialSeededSampler`), so extending a finished study draws new
+configurations. A grid keeps one seed (its order of points) and covers every point before any
+repeat: once each point is running or finished the source asks nothing new, and the study ends
+short of ``n_trials`` (`OptunaTrialSource.grid_done`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
+import math
 import threading
 import time
 import warnings
@@ -246,19 +251,90 @@ def open_storage(
 def make_sampler(
     name: str, seed: int, grid: Mapping[str, Sequence[Any]] | None = None
 ) -> optuna.samplers.BaseSampler:
-    """Seeded Optuna sampler by name: ``"tpe"`` (default), ``"random"`` or ``"grid"``."""
+    """Seeded Optuna sampler by name: ``"tpe"`` (default), ``"random"`` or ``"grid"``.
+
+    TPE and random search draw each trial with a sampler seeded from ``seed`` and the trial's
+    number (`TrialSeededSampler`), so a resumed or extended study draws new configurations
+    instead of replaying the first ones. The grid keeps one seed: its shuffled order must stay
+    the same for every trial, or two trials could map to one point (`GridSearch`).
+    """
     if name == "tpe":
-        return optuna.samplers.TPESampler(seed=seed)
+        return TrialSeededSampler(lambda s: optuna.samplers.TPESampler(seed=s), seed)
     if name == "random":
-        return optuna.samplers.RandomSampler(seed=seed)
+        return TrialSeededSampler(lambda s: optuna.samplers.RandomSampler(seed=s), seed)
     if name == "grid":
         if not grid:
             raise ValueError(
                 "sampler='grid' needs the search space's grid of values; this space defines none, "
                 "use sampler='tpe' or 'random'"
             )
-        return optuna.samplers.GridSampler({k: list(v) for k, v in grid.items()}, seed=seed)
+        return GridSearch({k: list(v) for k, v in grid.items()}, seed=seed)
     raise ValueError(f"unknown sampler {name!r}; choose one of {', '.join(SAMPLERS)}")
+
+
+class TrialSeededSampler(optuna.samplers.BaseSampler):
+    """A sampler made afresh for every trial, seeded from the study's seed and trial number.
+
+    Trial ``n``'s draws depend only on the seed, ``n`` and the study's history, not on how many
+    trials this process asked before: a rerun that extends a finished study, or a second process
+    on it, draws new configurations rather than the ones a fresh sampler with the same seed drew
+    first. Thread-safe: each live trial has its own sampler.
+
+    Args:
+      make: ``make(seed) -> sampler`` (e.g. ``lambda s: optuna.samplers.TPESampler(seed=s)``).
+      seed: the study's seed.
+    """
+
+    def __init__(self, make: Callable[[int], optuna.samplers.BaseSampler], seed: int) -> None:
+        self._make, self._seed = make, int(seed)
+        self._samplers: dict[int, optuna.samplers.BaseSampler] = {}
+        self._lock = threading.Lock()
+
+    def _of(self, trial: FrozenTrial) -> optuna.samplers.BaseSampler:
+        with self._lock:
+            sampler = self._samplers.get(trial.number)
+            if sampler is None:
+                sampler = self._samplers[trial.number] = self._make(
+                    sampler_seed(self._seed, trial.number))
+            return sampler
+
+    def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial
+                                    ) -> dict[str, Any]:
+        return self._of(trial).infer_relative_search_space(study, trial)
+
+    def sample_relative(self, study: optuna.Study, trial: FrozenTrial,
+                        search_space: dict[str, Any]) -> dict[str, Any]:
+        return self._of(trial).sample_relative(study, trial, search_space)
+
+    def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str,
+                           param_distribution: Any) -> Any:
+        return self._of(trial).sample_independent(study, trial, param_name, param_distribution)
+
+    def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        self._of(trial).before_trial(study, trial)
+
+    def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: TrialState,
+                    values: Sequence[float] | None) -> None:
+        sampler = self._of(trial)
+        with self._lock:
+            self._samplers.pop(trial.number, None)
+        sampler.after_trial(study, trial, state, values)
+
+    def reseed_rng(self) -> None:
+        """Nothing to do: every trial's sampler is seeded from its number."""
+
+
+class GridSearch(optuna.samplers.GridSampler):
+    """Optuna's grid sampler, driven by ask-and-tell.
+
+    Optuna's grid stops ``Study.optimize`` when its last point finishes (``study.stop()``, which
+    raises outside ``optimize``); here the trial source ends the study instead: it asks no new
+    trial once every point is running or finished (`OptunaTrialSource.grid_points`).
+    """
+
+    def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: TrialState,
+                    values: Sequence[float] | None) -> None:
+        """Nothing: the trial source, not ``study.stop()``, ends a finished grid."""
 
 
 def make_pruner(name: str, *, warmup_steps: int = 0) -> optuna.pruners.BasePruner:
@@ -285,7 +361,6 @@ class _Opened:
     """What `open_study` knows about a study that `OptunaTrialSource` needs."""
 
     storage: optuna.storages.RDBStorage
-    reseed: Callable[[int], optuna.samplers.BaseSampler]
     ask_lock: AskLock
 
 
@@ -335,8 +410,7 @@ def open_study(
         )
     if settings is not None:
         _check_settings(study, settings)
-    _OPENED[study] = _Opened(rdb, lambda number: make_sampler(sampler, sampler_seed(seed, number),
-                                                              grid), AskLock(url, study_name))
+    _OPENED[study] = _Opened(rdb, AskLock(url, study_name))
     return study
 
 
@@ -494,7 +568,6 @@ class OptunaTrialSource:
         self.root = None if root is None else Path(root).resolve()
         opened = _OPENED.get(study)
         self._storage = opened.storage if opened else None
-        self._reseed = opened.reseed if opened else None
         self._ask_lock: Callable[[], contextlib.AbstractContextManager[Any]] = (
             opened.ask_lock if opened else contextlib.nullcontext)
         if self.siblings and self._storage is None:
@@ -598,6 +671,26 @@ class OptunaTrialSource:
             finished, running = self._counts()
             return max(0, self.n_trials - finished - running)
 
+    @property
+    def grid_points(self) -> int | None:
+        """Points of the study's grid (None: the sampler is not a grid)."""
+        if not isinstance(self.study.sampler, optuna.samplers.GridSampler) or not self.space.grid:
+            return None
+        return math.prod(len(values) for values in self.space.grid.values())
+
+    def grid_done(self) -> bool:
+        """Whether the study's grid has no point left for a new trial: every point is running
+        or finished and no trial waits (a queued retry still runs). False for other samplers."""
+        if self.grid_points is None:
+            return False
+        trials = self.study.get_trials(deepcopy=False)
+        if any(t.state == TrialState.WAITING for t in trials):
+            return False
+        keys = sorted(self.space.grid)
+        taken = {tuple(t.params.get(k) for k in keys) for t in trials}
+        return all(point in taken
+                   for point in itertools.product(*(self.space.grid[k] for k in keys)))
+
     # -- ask-and-tell ---------------------------------------------------------------------------
     def ask(self, attrs: Mapping[str, Any] | None = None, *,
             choose: Callable[[list[FrozenTrial]], list[FrozenTrial]] | None = None,
@@ -619,12 +712,14 @@ class OptunaTrialSource:
             with self._ask_lock():
                 self._fail_stale()
                 finished, running = self._counts()
-                if choose is None:
-                    if finished + running < self.n_trials:
-                        with _quiet_optuna():
-                            trial = self.study.ask()
-                else:
+                # A grid whose every point is running or finished has nothing new to give.
+                if self.grid_done():
+                    trial = None
+                elif choose is not None:
                     trial = self._ask_chosen(choose, finished + running)
+                elif finished + running < self.n_trials:
+                    with _quiet_optuna():
+                        trial = self.study.ask()
                 if trial is None:
                     foreign = [t.number for t in self.study.get_trials(
                         deepcopy=False, states=(TrialState.RUNNING,)) if t.number not in self._live]
@@ -632,7 +727,9 @@ class OptunaTrialSource:
                 self._start_heartbeat(trial.number)
                 # Free slots for siblings: not this trial, nor trials already waiting.
                 room = self.n_trials - finished - running - 1 - self._waiting()
-            asked = self._suggest(trial, attrs or {})
+                # Suggest under the lock: another process counting the grid's points taken
+                # sees this trial's parameters.
+                asked = self._suggest(trial, attrs or {})
             if self.siblings and room > 0 and self._proposed(trial):
                 asked = self._enqueue_siblings(asked, min(self.siblings, room))
             return asked
@@ -671,8 +768,6 @@ class OptunaTrialSource:
             return optuna.Trial(self.study, trial_id)
 
     def _suggest(self, trial: optuna.Trial, attrs: Mapping[str, Any]) -> AskedTrial:
-        if self._reseed is not None:  # a fresh seed per trial number: reruns do not replay
-            self.study.sampler = self._reseed(trial.number)
         params = self.space.suggest(trial)  # first: a trial killed before it has no params
         for name, value in attrs.items():
             trial.set_user_attr(name, value)
