@@ -13,14 +13,14 @@ from scamp_jax.hpo.engine import BudgetTooSmallError as BudgetTooSmallError
 from scamp_jax.hpo.engine import EngineConfig as EngineConfig
 from scamp_jax.hpo.engine import SearchEngine as SearchEngine
 from scamp_jax.hpo.engine import SearchResult as SearchResult
-from scamp_jax.hpo.entry import run_study as run_study
 from scamp_jax.hpo.fused_runner import GroupResult as GroupResult
 from scamp_jax.hpo.fused_runner import GroupSpec as GroupSpec
 from scamp_jax.hpo.fused_runner import MemberSpec as MemberSpec
 from scamp_jax.hpo.fused_runner import architecture_signature as architecture_signature
 from scamp_jax.hpo.fused_runner import run_fused_group as run_fused_group
-from scamp_jax.hpo.search import SearchSettings as SearchSettings
-from scamp_jax.hpo.search import run_search as run_search
+from scamp_jax.hpo.session import run_search as run_search
+from scamp_jax.hpo.session import run_study as run_study
+from scamp_jax.hpo.settings import SearchSettings as SearchSettings
 from scamp_jax.hpo.study import AskLater as AskLater
 from scamp_jax.hpo.study import OptunaTrialSource as OptunaTrialSource
 from scamp_jax.hpo.study import StudySettingsError as StudySettingsError

@@ -19,7 +19,7 @@ from optuna.trial import TrialState
 from test_runner import SPACE, Regression
 
 import scamp_jax
-from scamp_jax.hpo.search import SearchSettings, engine_config
+from scamp_jax.hpo.settings import SearchSettings
 from scamp_jax.hpo.study import storage_url
 
 
@@ -75,7 +75,7 @@ def test_experiment_configs_are_search_settings():
     for module in (swinir_hpo, vit_synthetic):
         config = module.get_config("smoke")
         assert isinstance(config, SearchSettings)
-        assert engine_config(config, 2**30).steps == config.steps
+        assert config.engine_config(2**30).steps == config.steps
 
 
 def test_run_study_runs_then_resumes_only_the_missing_trials(tmp_path):
@@ -123,7 +123,7 @@ def test_run_study_rejects_a_bad_setting_before_opening_a_study(tmp_path):
 
 
 def test_cpu_devices_default_to_a_share_of_host_memory():
-    from scamp_jax.hpo.entry import CPU_MEMORY_SHARE, default_budget
+    from scamp_jax.hpo.session import CPU_MEMORY_SHARE, default_budget
 
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     devices = jax.devices()[:4]

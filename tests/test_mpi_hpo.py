@@ -20,10 +20,18 @@ from pathlib import Path
 import pytest
 from _requirements import require_module
 
-from scamp_jax.distributed.engine import RankStream, RemoteTrialSource
+from scamp_jax.distributed.engine import RemoteTrialSource
 from scamp_jax.distributed.mpi import MPIUnavailableError
 from scamp_jax.distributed.spanning import SpanningTrial, SpanPlan, assign_rounds, span_plan
-from scamp_jax.hpo.study import FAIL_REASON, INTERRUPTED, TrialOutcome, open_study
+from scamp_jax.hpo.live import RankStream
+from scamp_jax.hpo.study import (
+    FAIL_REASON,
+    INTERRUPTED,
+    OptunaTrialSource,
+    TrialOutcome,
+    open_study,
+)
+from scamp_jax.space import SearchSpace
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "mpi_scripts" / "hpo_mlp.py"
@@ -146,7 +154,9 @@ def _local_source(tmp_path: Path, n_trials: int, root: Path | None = None, **fus
     # One process is a world of one rank: rank 0's server, used through the local client.
     # A second server on the storage stands for the same command run again after the job
     # died: it fails what the first left RUNNING at once (``fail_stale``), not after a heartbeat.
-    server = StudyServer(study, suggest, n_trials, root=root, fail_stale=True, **fusion)
+    space = SearchSpace("s", suggest, build=lambda params, rngs: None)
+    source = OptunaTrialSource(study, space, n_trials, root=root, recover_running=True, **fusion)
+    server = StudyServer(source)
     return study, server, RemoteTrialSource(StudyClient.local(server))
 
 
@@ -319,6 +329,17 @@ def test_study_split_across_two_ranks_records_every_trial_once_with_its_rank(
     assert again.returncode != 0
     assert "steps" in again.stderr and "--study-name" in again.stderr, again.stderr
     assert [s for _, s, _ in _stored_trials(tmp_path)] == ["COMPLETE"] * 4
+    # --study-name means what it means in one process: a new study of that name in the same
+    # storage, its outputs in --study-dir/NAME; the first study is left as it was.
+    named = _launch(tmp_path, 2, "--trials", "2", "--steps", "30", "--study-name", "b")
+    assert named.returncode == 0, named.stdout + named.stderr
+    import optuna
+
+    storage = f"sqlite:///{tmp_path / 'study' / 'study.db'}"
+    studies = {s.study_name: s.n_trials for s in optuna.get_all_study_summaries(storage)}
+    assert studies == {"mlp-mpi": 4, "b": 2}
+    assert json.loads((tmp_path / "study" / "b" / "results.json").read_text())["run"]["ranks"] == 2
+    assert {t["number"] for t in _results(tmp_path)["trials"]} == {0, 1, 2, 3}
 
 
 @pytest.mark.mpi

@@ -31,29 +31,17 @@ import sys
 from scamp_jax.devices import configure_cpu_devices
 configure_cpu_devices(8)
 sys.path.insert(0, {tests!r})
-import dataclasses, jax
+import jax
 from test_runner import Regression, SPACE
 from experiments._cli import user_errors
-from scamp_jax.hpo.search import run_search
+from scamp_jax.hpo.session import run_search
+from scamp_jax.hpo.settings import SearchSettings
 
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    trials: int = 2
-    steps: int = int(sys.argv[1])
-    reference_batch: int | None = None
-    max_batch_size: int | None = 16
-    policy: str = "fixed"
-    devices_per_trial: int = 2
-    sampler: str = "random"
-    pruner: str = "none"
-    seed: int = 0
-    study_dir: str = {study_dir!r}
-    storage: str | None = None
-    checkpoint_every: int = 20
-    eval_every: int = 0
-
+settings = SearchSettings(trials=2, steps=int(sys.argv[1]), max_batch_size=16, policy="fixed",
+                          devices_per_trial=2, sampler="random", pruner="none",
+                          study_dir={study_dir!r}, checkpoint_every=20)
 with user_errors():
-    run_search(SPACE, Regression(), Settings(), devices=jax.devices()[:2],
+    run_search(SPACE, Regression(), settings, devices=jax.devices()[:2],
                memory_per_device=64 * 2**20, live=False)
 """
 TESTS = ROOT / "tests"

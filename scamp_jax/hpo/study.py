@@ -48,10 +48,8 @@ from typing import Any, Protocol
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from scamp_jax.hpo.settings import GRACE_PERIOD, HEARTBEAT_INTERVAL, PRUNERS, SAMPLERS
 from scamp_jax.space import SearchSpace
-
-SAMPLERS = ("tpe", "random", "grid")
-PRUNERS = ("median", "halving", "none")
 
 #: user attribute naming the checkpoint directory a trial writes to (shared by its re-runs).
 CHECKPOINT_KEY = "checkpoint_key"
@@ -63,10 +61,6 @@ INTERRUPTED = "interrupted"
 SIBLING_OF = "fusion_sibling_of"
 #: study user attribute holding the settings the study was created with (see `open_study`).
 SETTINGS_KEY = "settings"
-#: seconds between a live trial's heartbeats (Optuna's ``heartbeat_interval``).
-HEARTBEAT_INTERVAL = 10
-#: seconds without a heartbeat after which a trial's process counts as dead.
-GRACE_PERIOD = 60
 
 
 class StudySettingsError(ValueError):
