@@ -41,11 +41,11 @@ SPACE = SearchSpace("mlp-faults", suggest, build,
 
 def make_source(tmp_path, configs: list[dict[str, Any]], n_trials: int | None = None,
                 pruner: str = "none", warmup_steps: int = 0):
-    study = open_study("mlp", study_dir=tmp_path, direction="minimize", sampler="random",
-                       pruner=pruner, seed=0, warmup_steps=warmup_steps)
+    handle = open_study("mlp", study_dir=tmp_path, direction="minimize", sampler="random",
+                        pruner=pruner, seed=0, warmup_steps=warmup_steps)
     for config in configs:
-        study.enqueue_trial(config)
-    return study, OptunaTrialSource(study, SPACE, n_trials or len(configs))
+        handle.study.enqueue_trial(config)
+    return handle.study, OptunaTrialSource(handle, SPACE, n_trials or len(configs))
 
 
 def config(**kw: Any) -> EngineConfig:
@@ -273,10 +273,11 @@ def test_a_run_with_trials_of_its_own_also_reruns_a_dead_process_trial(tmp_path)
         return open_study("mlp", study_dir=tmp_path, direction="minimize", sampler="random",
                           seed=0, heartbeat_interval=1, grace_period=3)
 
-    study = storage()
+    handle = storage()
+    study = handle.study
     for width in (16, 32):
         study.enqueue_trial(ok(width))
-    dead = OptunaTrialSource(study, SPACE, 2)
+    dead = OptunaTrialSource(handle, SPACE, 2)
     lost = dead.ask()
     dead.close()  # the process is gone: trial 0 stays RUNNING and stops beating
     source = OptunaTrialSource(storage(), SPACE, 2, poll_seconds=0.2)

@@ -80,9 +80,10 @@ def _fusion(fuse: int) -> dict:
 
 
 def _study(tmp_path, trials: int, fuse: int):
-    study = open_study("mlp-fused", study_dir=tmp_path, direction="minimize",
-                       sampler="random", pruner="none", seed=3)
-    source = OptunaTrialSource(study, SPACE, trials, root=tmp_path, **_fusion(fuse))
+    handle = open_study("mlp-fused", study_dir=tmp_path, direction="minimize",
+                        sampler="random", pruner="none", seed=3)
+    study = handle.study
+    source = OptunaTrialSource(handle, SPACE, trials, root=tmp_path, **_fusion(fuse))
     config = EngineConfig(steps=30, memory_per_device=BUDGET, max_batch_size=16, log_every=5,
                           fuse=fuse, seed=5)
     engine = SearchEngine(SPACE, Regression(), source, config, devices=jax.devices()[:4],
@@ -204,10 +205,10 @@ def test_an_interrupted_fused_study_resumes_its_members_and_keeps_finished_ones(
     steps, trials = 3000, 4
 
     def engine(on_update=None):
-        study = open_study("mlp-fused", study_dir=tmp_path, direction="minimize",
-                           sampler="random", pruner="none", seed=3)
-        source = OptunaTrialSource(study, SPACE, trials, root=tmp_path,
-                                   **_fusion(2))
+        handle = open_study("mlp-fused", study_dir=tmp_path, direction="minimize",
+                            sampler="random", pruner="none", seed=3)
+        study = handle.study
+        source = OptunaTrialSource(handle, SPACE, trials, root=tmp_path, **_fusion(2))
         config = EngineConfig(steps=steps, memory_per_device=BUDGET, max_batch_size=16,
                               log_every=50, checkpoint_every=500, fuse=2, seed=5)
         return study, source, SearchEngine(SPACE, Regression(), source, config,

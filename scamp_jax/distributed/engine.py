@@ -260,4 +260,4 @@ def _run(space: Any, task: Any, settings: Any, devices: Sequence[Any], memory_pe
         "spanning_s": spanning_s,
         "per_rank": summaries,
     }
-    return session.report(server.study, server.source, result, run_info)
+    return session.report(server.source, run_info)

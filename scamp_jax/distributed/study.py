@@ -33,14 +33,11 @@ checkpoint. While a dead job's trials are still running in the storage (their he
 yet), a rank that finds nothing else to run is answered ``"later"``, not ``"done"``: the restart
 runs their retries too and ends with exactly ``n_trials``.
 
-Fused groups (``siblings``, see `OptunaTrialSource`): the siblings enqueued for a trial the sampler
-proposed are reserved for the rank that got the proposal, so that its engine can fuse them; they
-are identified by their ``SIBLING_OF`` user attribute, not by their place in the queue, and are
-handed to that rank before anything else it may take (`sibling_choice`). Other ranks never get
-them, and a new proposal for another rank counts them as taken, so the study still runs exactly
-``n_trials``. A rank that is told done gives its reservations up. Siblings that no rank of this
-run holds (left waiting, or retried, by a job that died) go to the first rank that takes one of
-them, and the rest of that family with it.
+Fused groups (``siblings``, see `OptunaTrialSource`): the source holds the siblings of a trial
+the sampler proposed for the rank that got the proposal (each rank is an asker of its own), so
+that its engine can fuse them. Other ranks never get them, and a new proposal for another rank
+counts them as taken, so the study still runs exactly ``n_trials``. A rank that is told done
+gives its held siblings up.
 
 A rank that dies makes ``mpirun`` end the whole job (Open MPI's default), so no rank waits
 forever for a server that is gone.
@@ -48,15 +45,14 @@ forever for a server that is gone.
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from scamp_jax.distributed.mpi import import_mpi4py
-from scamp_jax.hpo.study import SIBLING_OF, AskLater, OptunaTrialSource, TrialOutcome
+from scamp_jax.hpo.study import AskLater, OptunaTrialSource, TrialOutcome
 
 # Tags of the study's messages: requests to rank 0 and answers from it. Distinct from any tag
 # the pipeline or data-parallel code uses, and the server works on its own duplicate of the
@@ -78,20 +74,6 @@ class WorkItem:
     checkpoint_key: str = ""
     siblings: int = 0
     sibling_of: int | None = None
-
-
-def sibling_choice(rank: int, waiting: Sequence[tuple[int, int | None]],
-                   owners: Mapping[int, int]) -> list[int]:
-    """The waiting trials ``rank`` may take, in the order it takes them.
-
-    ``waiting``: ``(number, sibling_of)`` of each waiting trial, in queue order (``sibling_of``
-    None: not a sibling); ``owners``: proposed trial -> the rank it was handed to. The siblings
-    of ``rank``'s own proposals come first, then the trials no rank holds (plain queued trials,
-    siblings of a proposal no rank owns); the siblings of other ranks' proposals are left out.
-    """
-    own = [n for n, of in waiting if of is not None and owners.get(of) == rank]
-    free = [n for n, of in waiting if of is None or of not in owners]
-    return own + free
 
 
 class StudyServer:
@@ -129,8 +111,6 @@ class StudyServer:
         self.study, self.n_trials = source.study, source.n_trials
         self.comm = base.Dup()
         self.poll_seconds = poll_seconds
-        self._owners: dict[int, int] = {}  # proposed trial -> the rank holding its siblings
-        self._ask_lock = threading.Lock()
         self.stale_failed = list(self.source.recovered)
         self._already = self.source.finished()
         self._open_workers = base.Get_size() - 1
@@ -148,34 +128,17 @@ class StudyServer:
         return self.source.remaining()
 
     def ask(self, rank: int) -> WorkItem | AskLater | None:
-        """Next trial for ``rank`` (its reserved siblings first, then a queued re-run), or None
-        once ``n_trials`` are finished, handed out or reserved for other ranks. `AskLater`:
-        nothing now, but a dead job's trials still run in the storage and may need a retry."""
-        with self._ask_lock:  # the reservations change with each ask
-            choose = (functools.partial(self._choose, rank) if self.source.siblings
-                      else None)
-            asked = self.source.ask(attrs={"rank": rank}, choose=choose)
-            if isinstance(asked, AskLater):
-                return asked
-            if asked is None:  # the rank is done: its reservations (if any) are free
-                self._owners = {p: r for p, r in self._owners.items() if r != rank}
-                return None
-            if asked.siblings:
-                self._owners[asked.number] = rank
-            elif asked.sibling_of is not None:  # a family no rank held goes with this one
-                self._owners.setdefault(asked.sibling_of, rank)
+        """Next trial for ``rank`` (a queued re-run first, then its held siblings), or None once
+        ``n_trials`` are finished, handed out or held for other ranks. `AskLater`: nothing now,
+        but a dead job's trials still run in the storage and may need a retry."""
+        asked = self.source.ask(attrs={"rank": rank}, asker=rank)
+        if isinstance(asked, AskLater):
+            return asked
+        if asked is None:  # the rank is done: the siblings held for it (if any) are free
+            self.source.release(rank)
+            return None
         return WorkItem(asked.number, dict(asked.params), asked.checkpoint_key,
                         asked.siblings, asked.sibling_of)
-
-    def reserved(self) -> dict[int, int]:
-        """Proposed trials whose siblings are reserved: ``{number: rank}``."""
-        with self._ask_lock:
-            return dict(self._owners)
-
-    def _choose(self, rank: int, waiting: list[Any]) -> list[Any]:
-        by_number = {t.number: t for t in waiting}
-        order = sibling_choice(rank, [(t.number, _sibling_of(t)) for t in waiting], self._owners)
-        return [by_number[n] for n in order]
 
     def report(self, number: int, step: int, value: float) -> bool:
         """Record an intermediate ``value`` at ``step``; returns the pruner's verdict."""
@@ -380,11 +343,6 @@ class StudyClient:
             return
         self._call("bye", None)
         self._closed = True
-
-
-def _sibling_of(trial: Any) -> int | None:
-    of = trial.user_attrs.get(SIBLING_OF)
-    return None if of is None else int(of)
 
 
 def shared_study(

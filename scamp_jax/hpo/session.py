@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import optuna
 
     from scamp_jax.hpo.engine import SearchEngine, SearchResult
-    from scamp_jax.hpo.study import OptunaTrialSource, TrialSource
+    from scamp_jax.hpo.study import OptunaTrialSource, StudyHandle, TrialSource
 
 #: Share of the host's physical memory that CPU devices (which report no limit) split between
 #: them when no ``memory_per_device`` is given.
@@ -95,30 +95,30 @@ class StudySession:
         self.console.print(line, markup=False, highlight=False)
 
     # -- the study --------------------------------------------------------------------------------
-    def open(self) -> optuna.Study:
+    def open(self) -> StudyHandle:
         """Create or resume the study (only the process that owns it calls this); a new study
         first gets ``settings.initial_params`` queued (a warm start)."""
         from scamp_jax.hpo.study import open_study
 
         s = self.settings
-        study = open_study(
+        handle = open_study(
             self.study_name, study_dir=self.study_dir, storage=s.storage,
             direction=self.task.direction, sampler=s.sampler, pruner=s.pruner, seed=s.seed,
             grid=self.space.grid, warmup_steps=s.eval_every,
             settings=s.study_record(self.space, self.memory_per_device),
             heartbeat_interval=s.heartbeat_interval, grace_period=s.grace_period,
         )
-        if not study.get_trials(deepcopy=False):
+        if not handle.study.get_trials(deepcopy=False):
             for params in s.initial_params:
-                study.enqueue_trial(dict(params), skip_if_exists=True)
-        return study
+                handle.study.enqueue_trial(dict(params), skip_if_exists=True)
+        return handle
 
-    def trial_source(self, study: optuna.Study, **kwargs: Any) -> OptunaTrialSource:
-        """The ask-and-tell source over ``study`` (``kwargs``: more `OptunaTrialSource`
+    def trial_source(self, handle: StudyHandle, **kwargs: Any) -> OptunaTrialSource:
+        """The ask-and-tell source over the opened study (``kwargs``: more `OptunaTrialSource`
         arguments)."""
         from scamp_jax.hpo.study import OptunaTrialSource
 
-        return OptunaTrialSource(study, self.space, self.settings.trials, root=self.out_dir,
+        return OptunaTrialSource(handle, self.space, self.settings.trials, root=self.out_dir,
                                  **self.settings.source_kwargs(), **kwargs)
 
     def greet(self, finished: int, recovered: Sequence[int]) -> None:
@@ -161,11 +161,10 @@ class StudySession:
         return built, result
 
     # -- the report -------------------------------------------------------------------------------
-    def report(self, study: optuna.Study, source: OptunaTrialSource, result: SearchResult,
-               run_info: dict[str, Any]) -> dict[str, Any]:
+    def report(self, source: OptunaTrialSource, run_info: dict[str, Any]) -> dict[str, Any]:
         """Write ``results.json``/``.csv``, ``best_model/`` and the plots of every finished trial
-        (``run_info`` as the ``run`` section, ``result`` for the usage plots), print the best
-        trials; returns ``run_info`` plus ``best`` (a results row or None)."""
+        (``run_info`` as the ``run`` section; the usage plots from every run's timeline), print
+        the best trials; returns ``run_info`` plus ``best`` (a results row or None)."""
         from scamp_jax.hpo import report
 
         if source.recovered:
@@ -175,7 +174,7 @@ class StudySession:
         if note:
             self.say(note)
         metric, direction = self.task.metric, self.task.direction
-        records = report.trial_records(study, self._metrics())
+        records = report.trial_records(source.study, self._metrics())
         report.write_results(self.out_dir, records, metric=metric, direction=direction,
                              run=run_info)
         report.save_best_model(self.out_dir, records, metric, direction)
@@ -239,20 +238,18 @@ def run_search(
 
         return run_search_mpi(space, task, settings, **kwargs)
     session = StudySession(space, task, settings, **kwargs)
-    study = session.open()
-    source = session.trial_source(study)
+    source = session.trial_source(session.open())
     session.greet(source.finished(), source.recovered)
     started = time.monotonic()
     try:
         _, result = session.run_engine(source)
     except KeyboardInterrupt:
         # The record grows on an interrupt too: finished trials and this run's wall time.
-        session.report_interrupted(study, time.monotonic() - started)
+        session.report_interrupted(source.study, time.monotonic() - started)
         raise
     finally:
         source.close()
-    return session.report(study, source, result,
-                          run_summary(result, len(devices), memory_per_device))
+    return session.report(source, run_summary(result, len(devices), memory_per_device))
 
 
 def run_study(
