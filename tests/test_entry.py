@@ -98,6 +98,26 @@ def test_run_study_runs_then_resumes_only_the_missing_trials(tmp_path):
         assert len(trial.user_attrs["devices"]) == 1
         assert trial.user_attrs["batch_size"] == 16
         assert 0 < trial.user_attrs["predicted_peak_bytes"] <= 64 * 2**20
+    # The finished study's best model, as the README loads it, scores what the study recorded.
+    best = json.loads((tmp_path / "best_model" / "trial.json").read_text())
+    model = scamp_jax.load_model(tmp_path / "best_model", SPACE, best["params"])
+    assert best["number"] == second["best"]["number"]
+    assert function_task().evaluate(model)["mse"] == pytest.approx(best["mse"], rel=1e-6)
+
+
+def test_run_study_fuses_trials_of_one_architecture(tmp_path):
+    result = scamp_jax.run_study(SPACE, function_task(), trials=2, steps=5, study_dir=tmp_path,
+                                 devices=2, memory_per_device="64MiB", max_batch_size=16,
+                                 sampler="random", fuse=2, live=False)
+    assert result["trials_this_run"] == 2
+    trials = json.loads((tmp_path / "results.json").read_text())["trials"]
+    assert [t["state"] for t in trials] == ["complete", "complete"]
+    # The proposal and its sibling: one architecture, their own learning rates, one fused step.
+    assert trials[0]["params"]["width"] == trials[1]["params"]["width"]
+    assert trials[0]["params"]["learning_rate"] != trials[1]["params"]["learning_rate"]
+    assert trials[0]["fused_group"] is not None
+    assert trials[0]["fused_group"] == trials[1]["fused_group"]
+    assert [t["fusion_width"] for t in trials] == [2, 2]
 
 
 def test_a_finished_grid_ends_the_study_with_one_line(tmp_path, capsys):
