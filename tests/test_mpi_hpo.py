@@ -374,11 +374,10 @@ def test_study_split_across_four_ranks_records_every_trial_once(tmp_path, _needs
 
 
 @pytest.mark.mpi
-@pytest.mark.slow
 def test_a_killed_rank_stops_the_job_and_the_same_command_resumes_the_study(
     tmp_path, _needs_mpi
 ):
-    died = _launch(tmp_path, 2, "--trials", "4", "--die-rank", "1")
+    died = _launch(tmp_path, 2, "--trials", "4", "--steps", "10", "--die-rank", "1")
     output = died.stdout + died.stderr
     assert died.returncode != 0, output
     assert "rank 1 is killed after telling trial" in output
@@ -389,7 +388,7 @@ def test_a_killed_rank_stops_the_job_and_the_same_command_resumes_the_study(
     before = {n for n, s, _ in _stored_trials(tmp_path) if s == "COMPLETE"}
     assert before, "rank 1 told one trial before it died"
 
-    proc = _launch(tmp_path, 2, "--trials", "4")  # the same command again
+    proc = _launch(tmp_path, 2, "--trials", "4", "--steps", "10")  # the same command again
     assert proc.returncode == 0, proc.stdout + proc.stderr
     stored = _stored_trials(tmp_path)
     complete = {n for n, s, _ in stored if s == "COMPLETE"}
@@ -464,7 +463,7 @@ def test_fused_study_under_mpirun_keeps_each_proposals_siblings_on_its_rank(
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_a_fused_study_killed_under_mpirun_resumes_to_exactly_its_trials(tmp_path, _needs_mpi):
-    # About 1.5 minutes: the re-run waits for the dead job's heartbeats to go stale.
+    # The re-run waits for the dead job's heartbeats to go stale (the script's 10 s grace).
     died = _launch(tmp_path, 2, "--trials", "8", "--fuse", "2", "--die-rank", "1")
     assert died.returncode != 0 and "rank 1 is killed after telling trial" in died.stdout
     before = {n for n, s, _ in _stored_trials(tmp_path) if s == "COMPLETE"}

@@ -250,7 +250,6 @@ def _settings(trials: int, study_dir: str) -> Any:
                           pruner="none", checkpoint_every=0)
 
 
-@pytest.mark.slow
 def test_a_resumed_study_plans_without_compiling(tmp_path, monkeypatch):
     from rich.console import Console
 
