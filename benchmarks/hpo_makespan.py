@@ -178,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     else:
         from experiments.vit_synthetic import get_config, make_space_and_task
         baseline = None
-    from scamp_jax.hpo.search import run_search
+    from scamp_jax.hpo.session import run_search
     from scamp_jax.planning import planner
 
     devices = planner.resolve_devices(args.devices)

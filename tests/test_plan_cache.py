@@ -4,7 +4,6 @@ not lookups), and every plan's batch is checked by independent compiles."""
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import subprocess
 import sys
@@ -243,28 +242,18 @@ def test_a_plan_for_the_runner_compiles_its_answer_run_grade_instead_of_once_mor
     _assert_verified(ready)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Settings:
-    trials: int
-    study_dir: str
-    steps: int = 2
-    reference_batch: int | None = 4
-    max_batch_size: int | None = 8
-    policy: str = "scamp"
-    devices_per_trial: int = 1
-    sampler: str = "random"
-    pruner: str = "none"
-    seed: int = 0
-    storage: str | None = None
-    checkpoint_every: int = 0
-    eval_every: int = 0
+def _settings(trials: int, study_dir: str) -> Any:
+    from scamp_jax.hpo.settings import SearchSettings
+
+    return SearchSettings(trials=trials, study_dir=study_dir, steps=2, reference_batch=4,
+                          max_batch_size=8, devices_per_trial=1, sampler="random",
+                          pruner="none", checkpoint_every=0)
 
 
-@pytest.mark.slow
 def test_a_resumed_study_plans_without_compiling(tmp_path, monkeypatch):
     from rich.console import Console
 
-    from scamp_jax.hpo.search import run_search
+    from scamp_jax.hpo.session import run_search
     from scamp_jax.planning import planner
 
     calls: list[int] = []
@@ -279,7 +268,7 @@ def test_a_resumed_study_plans_without_compiling(tmp_path, monkeypatch):
         "learning_rate", 1e-3, 1e-2, log=True)}, lambda c, rngs: ConvNet(c["width"], rngs))
     for trials in (1, 2):
         calls.clear()
-        info = run_search(space, Denoise(), _Settings(trials, str(tmp_path)),
+        info = run_search(space, Denoise(), _settings(trials, str(tmp_path)),
                           devices=jax.devices()[:2], memory_per_device=8 * 2**20, live=False,
                           console=Console(file=io.StringIO()))
         assert info["trials_this_run"] == 1
