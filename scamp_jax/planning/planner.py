@@ -8,18 +8,22 @@ then the largest global batch that fits is found. "Fits" means the compiled per-
 its planned chunk, optimizer state, prefetched batch) fits too (`Plan.predicted_peak_bytes`).
 
 The batch search lets the memory model choose each compile and the compiles decide: it starts at
-the batch the known points predict (or a probe at eight samples per data-parallel group), moves by
-the line through the compiled points nearest the fit/no-fit boundary (one point: proportional to
-the bytes beyond the persistent state), and stops when it holds a batch that fits and the next
-multiple of the data-parallel degree does not (or the cap). Memory is only piecewise affine in
-the batch (flat at small batches, jumps where XLA changes strategy), so a prediction is never
-trusted: when secant steps stall, bisection takes over. Three compiles for a new architecture in
-the common case, two when earlier compiles of the same program on the same mesh shape are known
-(``cache=``), none for a cached plan. On CPU only the batches the model predicts to be the answer
-are compiled exactly; the others (the first probe, the step up that shows the answer is the
-largest) are rough compiles (``scamp_jax.planning.memory.CPU_ROUGH_COMPILE``, 1.5-3x cheaper, peaks
-within 512 bytes), trusted only further than ``ROUGH_TOLERANCE`` of the budget from the boundary and
-compiled again exactly otherwise, and always when one turns out to be the answer. Degrees whose
+the batch the known points predict (or at the cap when an upper bound from shapes alone says the
+cap fits, else a probe at eight samples per data-parallel group), moves by the line through the
+compiled points nearest the fit/no-fit boundary (one point: proportional to the bytes beyond the
+persistent state), and stops when it holds a batch that fits and the next multiple of the
+data-parallel degree does not (or the cap), either compiled or put over the budget by the line
+between the two compiles that bracket the boundary. Memory is only piecewise affine in the batch
+(flat at small batches, jumps where XLA changes strategy), so a prediction never decides a fit:
+the answer is always compiled, and when secant steps stall, bisection takes over. One compile for
+a new architecture whose cap clearly fits, two in the common case (a probe above the boundary and
+the answer below it), three when the probe lands below the boundary; fewer when earlier compiles
+of the same program on the same mesh shape are known (``cache=``), none for a cached plan. On
+CPU only the batches the model predicts to be the answer are compiled exactly; the others (the
+first probe, a step up that shows the answer is the largest) are rough compiles
+(``scamp_jax.planning.memory.CPU_ROUGH_COMPILE``, 1.5-3x cheaper, peaks within 512 bytes),
+trusted only further than ``ROUGH_TOLERANCE`` of the budget from the boundary and compiled again
+exactly otherwise, and always when one turns out to be the answer. Degrees whose
 parameters and optimizer state alone exceed the budget are rejected from shapes, without
 compiling.
 
@@ -427,6 +431,16 @@ class _Search:
     def prefetch(self, batch: int) -> int:
         return round(self.prefetch_per_sample * batch)
 
+    def clearly_fits(self, batch: int) -> bool:
+        """Whether ``batch`` fits by an upper bound from shapes alone (no compile): the
+        persistent state, the gradients and one more parameter-sized update buffer, and the
+        traced backward residuals and the batch (`StepCompiler.traced_bytes_per_sample`, which
+        over-counts what XLA keeps), plus the prefetched batch."""
+        compiler = self.compiler
+        per_sample = compiler.traced_bytes_per_sample() + self.prefetch_per_sample
+        bound = compiler.state_bytes + 2 * compiler.params_bytes + per_sample * batch
+        return bound <= self.usable
+
     def need(self, batch: int) -> int:
         """Per-device bytes of training at ``batch``: compiled peak + prefetched batch."""
         return self.peak(batch).peak + self.prefetch(batch)
@@ -468,7 +482,7 @@ def _largest_batch(search: _Search, cap: int) -> int:
     secant_steps = 0
     while True:
         lo, hi = search.bracket(cap)
-        if lo is not None and hi - lo <= dp:
+        if lo is not None and (hi - lo <= dp or _line_proves_largest(search, lo, hi)):
             return lo
         if lo is None and hi == dp:
             raise _NoFit
@@ -490,6 +504,24 @@ def _largest_batch(search: _Search, cap: int) -> int:
             low = lo if lo is not None else 0
             guess = max(dp, low + ((hi - low) // dp // 2) * dp)
         search.peak(guess, answer)
+
+
+def _line_proves_largest(search: _Search, lo: int, hi: int) -> bool:
+    """Whether the straight line through two compiled points, ``lo`` (exact, fits) and ``hi``
+    (does not fit), puts the next batch up, ``lo + unit``, over the usable bytes.
+
+    The step up is then not compiled: the answer is compiled exactly (its figures are the
+    plan's and it fits for certain), and only its being the largest rests on the line between
+    two compiles that bracket it. Memory is piecewise affine in the batch, so a line between
+    two compiled points errs where XLA changes strategy between them; the cost of such an
+    error is a batch a step or two smaller than the largest, never one that does not fit.
+    """
+    if lo in search.rough or lo not in search.seen or hi not in search.seen:
+        return False
+    nxt = lo + search.unit
+    line = search.affine(lo, hi)
+    predicted = line.fixed_bytes + line.bytes_per_sample * nxt + search.prefetch(nxt)
+    return line.bytes_per_sample > 0 and predicted > search.usable
 
 
 def _exact_largest(search: _Search, cap: int) -> int | None:
@@ -514,6 +546,8 @@ def _model_guess(search: _Search, lo: int | None, hi: int, cap: int) -> int | No
     seen = search.seen
     low = lo if lo is not None else 0
     if not seen:
+        if cap > 8 * dp and search.clearly_fits(cap):
+            return cap  # compiled exactly as the answer: one compile when it fits
         return min(cap, 8 * dp)
     if len(seen) == 1:
         # One point: the bytes beyond the persistent state and the gradients taken as
@@ -635,8 +669,8 @@ def plan_mesh(
         compiles with default options anyway, so it is free); not on CPU, where the search
         compiles with fast code-generation settings (LLVM level 0: half the compile time,
         half-speed code). With it on CPU, the batches the memory model predicts to be the
-        answer are compiled with default options, so the usual plan still takes three
-        compiles (one of them a slower, run-grade one) and the runner none; a fourth
+        answer are compiled with default options, so the usual plan still takes two
+        compiles (one of them a slower, run-grade one) and the runner none; one more
         (run-grade) compile only when the prediction missed. Worth it when the trial runs on
         the planned devices. A plan answered by ``cache`` compiles nothing and has no
         compiled step.
