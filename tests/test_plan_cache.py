@@ -267,7 +267,8 @@ def test_a_plan_for_the_runner_compiles_its_answer_run_grade_instead_of_once_mor
     # On CPU the search compiles with fast code-generation settings; asked for the runner's
     # step, it compiles the batch the memory model predicts to be the answer with default
     # options instead, so the plan takes no extra compile and its figures are the same.
-    fast = plan_mesh(_abstract(), SAMPLE, devices=2, memory_per_device=BUDGET)
+    fast = plan_mesh(_abstract(), SAMPLE, devices=2, memory_per_device=BUDGET,
+                     compile_for_run=False)
     assert fast.compiled_step is None
     with CompileCounter() as count:
         ready = plan_mesh(_abstract(), SAMPLE, devices=2, memory_per_device=BUDGET,

@@ -41,7 +41,7 @@ from scamp_jax.planning.evaluation import (
     plan_eval,
     supports_chunked_eval,
 )
-from scamp_jax.planning.planner import lowered_fingerprint
+from scamp_jax.planning.reuse import ExecutableCache, InitialStates
 from scamp_jax.planning.train_step import jit_train_step, split_model
 from scamp_jax.space import SearchSpace, Task
 
@@ -223,6 +223,8 @@ class StepCache:
         self._lock = threading.Lock()
         self._steps: dict[Any, tuple[Any, optax.GradientTransformation]] = {}
         self._evaluators: dict[Any, EvalCompiler] = {}
+        #: compiled steps and initialisations, shared by trials of one architecture
+        self.executables, self.initial_states = ExecutableCache(), InitialStates()
         self.hits = 0
         self.misses = 0
 
@@ -272,7 +274,7 @@ def _set_hyperparams(opt_state: Any, params: Mapping[str, Any]) -> Any:
 
 def _initial_state(
     space: SearchSpace, spec: RunSpec, optimizer: optax.GradientTransformation, seed: int,
-    abstract: bool = False,
+    abstract: bool = False, states: InitialStates | None = None, architecture: Any = None,
 ) -> tuple[Any, Any, Any]:
     """Parameters, optimizer state and other state created directly on the plan's devices.
 
@@ -287,6 +289,12 @@ def _initial_state(
         opt_state = _set_hyperparams(optimizer.init(params), spec.params)
         return params, opt_state, rest
 
+    if states is not None and not abstract:  # one compile per architecture, seed an argument
+        hyper = {k: spec.params[k] for k in OPTIMIZER_KEYS if k in spec.params}
+        arch = (architecture, tuple(sorted((k, repr(v)) for k, v in spec.params.items()
+                                           if k not in OPTIMIZER_KEYS)))
+        return states.make(arch, lambda rngs: space.build(spec.params, rngs), optimizer,
+                           shardings, seed, hyper)
     out = (shardings.params, shardings.opt_state, shardings.rest)
     with jax.set_mesh(spec.plan.mesh):
         if abstract:
@@ -372,7 +380,9 @@ def _run(
         first, leaves = checkpointer.restore(jax.tree.leaves(target), resume)
         params, opt_state, rest = jax.tree.unflatten(jax.tree.structure(target), leaves)
     else:
-        params, opt_state, rest = _initial_state(space, spec, optimizer, seed)
+        params, opt_state, rest = _initial_state(space, spec, optimizer, seed,
+                                                 states=cache.initial_states,
+                                                 architecture=graphdef)
 
     batches = _batches(task, plan.batch_size, seed, spec.batch_share)
     for _ in range(first):  # keep the data stream identical to an uninterrupted run
@@ -384,10 +394,8 @@ def _run(
     # planner's own executable is run when it is the same program on the same devices.
     lowered = step_fn.lower(params, opt_state, rest, batch)
     ready = getattr(plan, "compiled_step", None) if spec.grad_reduce is None else None
-    if ready is not None and ready.fingerprint == lowered_fingerprint(lowered):
-        compiled = ready.executable
-    else:
-        compiled = lowered.compile()
+    compiled = cache.executables.compiled(
+        lowered, tuple(d.id for d in plan.mesh.devices.flat), ready)
     evaluation = _check_share(spec, task, cache, graphdef, params, opt_state, rest, batch,
                               compiled)
 

@@ -32,7 +32,6 @@ Planning only compiles: it allocates nothing and runs nothing on any device.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from collections.abc import Sequence
@@ -57,6 +56,7 @@ from scamp_jax.planning.memory import (
     with_batch_size,
 )
 from scamp_jax.planning.plan_cache import PlanCache, cache_key, device_identity, program_signature
+from scamp_jax.planning.reuse import lowered_fingerprint
 from scamp_jax.planning.train_step import (
     LossFn,
     StepShardings,
@@ -92,11 +92,6 @@ class CompiledStep:
     executable: Any
     fingerprint: str
     device_ids: tuple[int, ...]
-
-
-def lowered_fingerprint(lowered: jax.stages.Lowered) -> str:
-    """SHA-256 of a lowered program's text (without source locations)."""
-    return hashlib.sha256(lowered.as_text().encode()).hexdigest()
 
 
 class DoesNotFitError(ValueError):
@@ -665,15 +660,15 @@ def plan_mesh(
         new plan is stored, and compiled points of the same program and mesh shape seed the
         batch search (see `scamp_jax.planning.plan_cache`).
       compile_for_run: keep the step compiled at the plan's batch with default XLA options as
-        ``plan.compiled_step`` for the runner. Default: on accelerators (where the search
-        compiles with default options anyway, so it is free); not on CPU, where the search
-        compiles with fast code-generation settings (LLVM level 0: half the compile time,
-        half-speed code). With it on CPU, the batches the memory model predicts to be the
-        answer are compiled with default options, so the usual plan still takes two
-        compiles (one of them a slower, run-grade one) and the runner none; one more
-        (run-grade) compile only when the prediction missed. Worth it when the trial runs on
-        the planned devices. A plan answered by ``cache`` compiles nothing and has no
-        compiled step.
+        ``plan.compiled_step`` for the runner (default True). On accelerators the search
+        compiles with default options anyway, so it is free. On CPU the search compiles with
+        fast code-generation settings (LLVM level 0: half the compile time, half-speed code);
+        with it, the batches the memory model predicts to be the answer are compiled with
+        default options instead, so the usual plan still takes two compiles (one of them a
+        slower, run-grade one) and a trial on the planned devices none
+        (`scamp_jax.planning.reuse.ExecutableCache`); one more (run-grade) compile only when
+        the prediction missed. False: planning only, at the fast settings. A plan answered
+        by ``cache`` compiles nothing and has no compiled step.
       eval_task: a task with the `scamp_jax.planning.evaluation.ChunkedEvalTask` methods: its
       evaluation
         forward is compiled on the same mesh and its chunk chosen (`Plan.eval_chunk`) so that
@@ -763,8 +758,7 @@ def plan_mesh(
             continue
         step = jit_train_step(compiler.graphdef, compiler.optimizer, compiler.loss_fn, shardings)
         one_sample = sh.bytes_per_device(with_batch_size(sample_batch, dp), shardings.batch)
-        run_grade = compiler.compiler_options is None
-        want_step = compile_for_run if compile_for_run is not None else run_grade
+        want_step = compile_for_run if compile_for_run is not None else True
         search = _Search(compiler, usable, step, compiler.compiler_options,
                          prefetch_per_sample=one_sample / dp, run_grade_answers=want_step,
                          rough_options=compiler.rough_options,
