@@ -110,3 +110,44 @@ def test_one_compiled_initialisation_equals_building_the_model_with_each_seed():
         assert {d.id for d in jax.tree.leaves(params)[0].devices()} == {2, 3}
         assert float(opt_state.hyperparams["learning_rate"]) == np.float32(lr)
     assert (states.misses, states.hits) == (1, 1)
+
+
+class ClassifyInChunks(Classify):
+    """`Classify` evaluated in planned chunks (the `ChunkedEvalTask` methods): 40 held-out
+    samples, so a chunk smaller than the set leaves a padded last one."""
+
+    def eval_inputs(self) -> list[np.ndarray]:
+        return [next(self.batches(40, 99))[0]]
+
+    def eval_forward(self, model: nnx.Module, x: jax.Array) -> jax.Array:
+        return model(x)
+
+    def score(self, outputs: list[np.ndarray]) -> dict[str, float]:
+        y = next(self.batches(40, 99))[1]
+        return {"accuracy": float((outputs[0].argmax(-1) == y).mean())}
+
+
+def test_evaluation_is_compiled_once_per_architecture_and_chunk_by_the_planner():
+    task = ClassifyInChunks()
+    model = nnx.eval_shape(lambda: SPACE.build({"width": 32}, nnx.Rngs(0)))
+    devices = jax.devices()[:1]
+    with CompileCounter() as planning:
+        plan = plan_mesh(model, task.sample_batch(1), devices=devices,
+                         memory_per_device="8MiB", optimizer=make_optimizer({}),
+                         loss_fn=task.loss_fn, max_batch_size=32, eval_task=task)
+    assert plan.eval_chunk > 0 and plan.evaluator is not None
+    assert planning.compiles["jit(run)"] >= 1  # the forward at the chunks the planner tried
+    cache = StepCache()
+    for seed in (1, 2):
+        spec = RunSpec(number=seed, params={"width": 32, "learning_rate": 1e-2},
+                       plan=plan.with_devices(devices), steps=3, memory_per_device=8 * 2**20,
+                       seed=seed, eval_every=2)
+        with CompileCounter() as running:
+            result = run_trial(spec, SPACE, task, cache=cache)
+        assert result.state == "complete", result.reason
+        assert 0.0 <= result.metrics["accuracy"] <= 1.0
+        # the planner's compiled chunks evaluate (intermediate and final): nothing compiled
+        assert running.compiles["jit(run)"] == 0 and running.compiles["jit(step)"] == 0
+    # on other devices the planner's programs do not apply: compiled there once
+    moved = plan.with_devices(jax.devices()[1:2])
+    assert moved.evaluator is None

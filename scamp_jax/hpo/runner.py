@@ -234,6 +234,10 @@ class StepCache:
         devices = tuple(d.id for d in plan.mesh.devices.flat)
         key = (graphdef, plan.mesh.devices.shape, devices, id(task))
         with self._lock:
+            ready = getattr(plan, "evaluator", None)
+            if key not in self._evaluators and ready is not None and ready.serves(
+                    task.eval_forward, devices):
+                self._evaluators[key] = ready  # the planner's, with its compiled chunks
             if key not in self._evaluators:
                 shardings = plan.step_shardings
                 self._evaluators[key] = EvalCompiler(

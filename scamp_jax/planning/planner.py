@@ -137,6 +137,8 @@ class Plan:
         is placed on the devices while the current step runs.
       eval_chunk: held-out samples per evaluation forward call (0: evaluation not planned).
       eval_peak_bytes: compiled peak per device of the evaluation forward at ``eval_chunk``.
+      evaluator: the `EvalCompiler` that sized the evaluation, holding its compiled chunks, for
+        a trial on the planned devices to evaluate with (None: not planned, or other devices).
 
     `predicted_peak_bytes` is the most a trial of this plan holds on a device at any time:
     training (compiled step + prefetched batch) or evaluation (forward pass + optimizer state +
@@ -164,6 +166,7 @@ class Plan:
     prefetch_bytes: int = 0
     eval_chunk: int = 0
     eval_peak_bytes: int = 0
+    evaluator: Any = field(default=None, compare=False, repr=False)
 
     @property
     def train_bytes(self) -> int:
@@ -255,6 +258,12 @@ class Plan:
                 self.compiled_step
                 if self.compiled_step is not None
                 and self.compiled_step.device_ids == tuple(d.id for d in devices)
+                else None
+            ),
+            evaluator=(
+                self.evaluator
+                if self.evaluator is not None
+                and self.evaluator.device_ids == tuple(d.id for d in devices)
                 else None
             ),
         )
@@ -857,6 +866,7 @@ def plan_mesh(
             prefetch_bytes=prefetch,
             eval_chunk=eval_plan.chunk if eval_plan else 0,
             eval_peak_bytes=eval_plan.peak_bytes if eval_plan else 0,
+            evaluator=evaluator if eval_plan else None,
         )
         if cache is not None and key is not None and plan.predicted_peak_bytes <= usable:
             cache.put_plan(key, _plan_record(plan))
