@@ -18,6 +18,8 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers
 
+from scamp_jax.hpo.overhead import CHECKPOINT_SAVE, timed_section
+
 
 def _is_key_array(x: Any) -> bool:
     return isinstance(x, jax.Array | jax.ShapeDtypeStruct) and jax.dtypes.issubdtype(
@@ -89,8 +91,9 @@ class TrialCheckpointer:
         """
         if step in self._manager.all_steps():
             return
-        self._manager.save(step, args=ocp.args.StandardSave(to_storable(state)), force=True)
-        self._manager.wait_until_finished()
+        with timed_section(CHECKPOINT_SAVE):
+            self._manager.save(step, args=ocp.args.StandardSave(to_storable(state)), force=True)
+            self._manager.wait_until_finished()
 
     def restore(self, like: Any, step: int | None = None) -> tuple[int, Any]:
         """Read the checkpoint at ``step`` (default: newest) shaped and sharded like ``like``.

@@ -355,6 +355,7 @@ class SearchEngine(PlanningService, FusionService):
             self.on_notice("")  # the wait is over
         status = self.statuses.setdefault(asked.number, TrialStatus(asked.number, asked.params))
         status.state = "planning"
+        self._timeline(asked.number).setdefault("asked_at", self._now())
         if self.fusing:
             ckpt = self.checkpoint_root / asked.checkpoint_key if self.checkpoint_root else None
             future = self._planner.submit(self._planned_for_fusion, asked.params, asked.number,
@@ -520,6 +521,7 @@ class SearchEngine(PlanningService, FusionService):
             "rank": self.config.rank,
             "final_loss": None if math.isnan(status.loss) else status.loss,
             # Seconds since this run's start (full precision: they order the replay's events).
+            "asked_at": times.get("asked_at"),
             "planned_at": times.get("planned_at"),
             "started_at": times.get("started_at"),
             "finished_at": times.get("finished_at"),

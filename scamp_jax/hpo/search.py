@@ -20,6 +20,7 @@ from typing import Any
 import jax
 
 from scamp_jax.hpo.engine import EngineConfig, PlanFn, SearchEngine, SearchResult
+from scamp_jax.hpo.overhead import OverheadRecorder, record_report_seconds
 from scamp_jax.hpo.study import PRUNERS, SAMPLERS
 from scamp_jax.planning.plan_cache import PlanCache
 from scamp_jax.planning.planner import plan_mesh
@@ -181,8 +182,9 @@ def run_search(
                           checkpoint_root=out_dir / "checkpoints", plan_fn=plan_fn,
                           on_update=view.update, plan_cache=plan_cache, on_notice=view.notice)
     started = time.monotonic()
+    recorder = OverheadRecorder()  # where the time goes: run.overhead in results.json
     try:
-        with view:
+        with view, recorder:
             result = engine.run()
     except KeyboardInterrupt:
         # The record grows on an interrupt too: finished trials and this run's wall time.
@@ -197,8 +199,12 @@ def run_search(
         console.print(f"trials {sorted(set(source.recovered))} of stopped processes were run "
                       "again", markup=False)
     run_info = run_summary(result, len(devices), memory_per_device)
-    return write_study_report(study, task, out_dir, result, run_info, baseline=baseline,
-                              memory_per_device=memory_per_device, console=console)
+    run_info["overhead"] = recorder.summary(result)
+    report_start = time.perf_counter()
+    out = write_study_report(study, task, out_dir, result, run_info, baseline=baseline,
+                             memory_per_device=memory_per_device, console=console)
+    record_report_seconds(out_dir, run_info["overhead"], time.perf_counter() - report_start)
+    return out
 
 
 def study_settings(space: SearchSpace, settings: SearchSettings,
