@@ -48,8 +48,10 @@ def make_source(tmp_path, configs: list[dict[str, Any]], n_trials: int | None = 
 
 
 def config(**kw: Any) -> EngineConfig:
+    # Trials at once as the pool's memory allows (not the CPU default of one per two cores):
+    # these tests are about concurrent trials.
     return EngineConfig(**{"steps": 30, "memory_per_device": BUDGET, "max_batch_size": 16,
-                           "log_every": 5, **kw})
+                           "log_every": 5, "max_running_trials": None, **kw})
 
 
 def ok(width: int = 16, lr: float = 1e-2) -> dict[str, Any]:
@@ -168,6 +170,7 @@ class Settings:
     storage: str | None = None
     checkpoint_every: int = 5
     eval_every: int = 0
+    max_running_trials: int | str | None = None
 
 
 def test_run_search_writes_results_plots_and_best_model(tmp_path):

@@ -55,6 +55,7 @@ from scamp_jax.planning.plan_cache import PlanCache
 from scamp_jax.scheduling.core import PlanOption, SchedulingCore, TrialPlan
 from scamp_jax.scheduling.costs import attainable_flops
 from scamp_jax.scheduling.elastic import Resize
+from scamp_jax.scheduling.host import default_max_running
 from scamp_jax.scheduling.placement import FixedPolicy, Placement, ScampPolicy, make_policy
 from scamp_jax.space import SearchSpace, Task
 
@@ -109,6 +110,10 @@ class EngineConfig:
       fuse: horizontal fusion (`scamp_jax.hpo.fused_engine`): None (off), ``K`` (queued trials of
         one architecture train in fused groups of at most ``K``, as wide as fits) or
         ``"auto"`` (as wide as fits, capped).
+      max_running_trials: most trials (or fused groups) training at once, the rest queued:
+        ``"auto"`` (on CPU devices, which share the host's cores, one per two cores as
+        measured in `scamp_jax.scheduling.host`; no cap on accelerators), a positive int, or
+        None (as many as the pool's memory holds).
     """
 
     steps: int
@@ -132,9 +137,15 @@ class EngineConfig:
     grow_last_wave: bool | None = None
     restart_seconds: float | None = None
     fuse: int | str | None = None
+    max_running_trials: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         fusion_cap(self.fuse)  # raises on a bad value
+        cap = self.max_running_trials
+        if cap != "auto" and cap is not None and (
+                isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"max_running_trials={cap!r} must be 'auto', a positive int or "
+                             "None (no cap)")
         if self.restart_seconds is not None and self.restart_seconds < 0:
             raise ValueError(f"restart_seconds={self.restart_seconds} must be >= 0 or None")
         if self.planner_threads < 1:
@@ -309,7 +320,11 @@ class SearchEngine(PlanningService, FusionService):
         peak = attainable_flops(kinds.pop()) if len(kinds) == 1 else None
         return SchedulingCore(self.policy, len(self.devices), self.config.memory_per_device,
                               self.config.safety_margin, self.config.restart_seconds,
-                              peak_flops=peak)
+                              peak_flops=peak, max_running=self._max_running())
+
+    def _max_running(self) -> int | None:
+        cap = self.config.max_running_trials
+        return default_max_running(self.devices) if cap == "auto" else cap
 
     def _trial_plan(self, planned: PlannedTrial) -> TrialPlan:
         """``planned`` as the scheduling core sees it."""
@@ -790,6 +805,7 @@ class SearchEngine(PlanningService, FusionService):
             "peak_flops": self.core.peak_flops,
             "restart_seconds": self.config.restart_seconds,
             "pool_devices": len(self.devices),
+            "max_running": self.core.max_running,
             "policy_parts": parts,
             "last_wave_at": self._last_wave_at,
         }

@@ -238,6 +238,7 @@ def engine_config(settings: SearchSettings, memory_per_device: int, *,
         rank=rank,
         grow_last_wave=_grow_last_wave(getattr(settings, "elastic", "auto")),
         fuse=getattr(settings, "fuse", None),
+        max_running_trials=getattr(settings, "max_running_trials", "auto"),
     )
 
 
