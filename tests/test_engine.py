@@ -49,8 +49,10 @@ def make_source(tmp_path, configs: list[dict[str, Any]], n_trials: int | None = 
 
 
 def config(**kw: Any) -> EngineConfig:
+    # Trials at once as the pool's memory allows (not the CPU default of one per two cores):
+    # these tests are about concurrent trials.
     return EngineConfig(**{"steps": 30, "memory_per_device": BUDGET, "max_batch_size": 16,
-                           "log_every": 5, **kw})
+                           "log_every": 5, "max_running_trials": None, **kw})
 
 
 def ok(width: int = 16, lr: float = 1e-2) -> dict[str, Any]:
@@ -158,7 +160,8 @@ def settings(study_dir: str, **overrides: Any) -> SearchSettings:
     """The settings of the small studies here (three trials of ten steps at batch 8)."""
     return SearchSettings(**{"trials": 3, "steps": 10, "reference_batch": 8,
                              "max_batch_size": 16, "sampler": "random", "pruner": "none",
-                             "study_dir": study_dir, "checkpoint_every": 5, **overrides})
+                             "study_dir": study_dir, "checkpoint_every": 5,
+                             "max_running_trials": None, **overrides})
 
 
 def test_run_search_writes_results_plots_and_best_model(tmp_path):

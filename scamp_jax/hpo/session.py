@@ -81,6 +81,8 @@ class StudySession:
         # an architecture planned before without compiling.
         self.plan_cache = PlanCache(self.study_dir / "plans.sqlite")
         self.plan_fn = plan_fn or functools.partial(plan_mesh, cache=self.plan_cache)
+        #: ``run.overhead`` of the last `run_engine` (`scamp_jax.hpo.overhead`), None before
+        self.overhead: dict[str, Any] | None = None
         if console is None:
             from scamp_jax.hpo.live import RankStream
 
@@ -140,6 +142,7 @@ class StudySession:
         ``before``: called once the engine is built, before it runs (MPI: a barrier).
         """
         from scamp_jax.hpo.live import LiveView, PlainStream, RankStream
+        from scamp_jax.hpo.overhead import OverheadRecorder
 
         if engine is None:
             from scamp_jax.hpo.engine import SearchEngine as engine
@@ -156,8 +159,10 @@ class StudySession:
                        on_notice=view.notice)
         if before is not None:
             before()
-        with view:
+        # Where the time goes besides training: run.overhead in results.json.
+        with view, OverheadRecorder() as recorder:
             result = built.run()
+        self.overhead = recorder.summary(result)
         return built, result
 
     # -- the report -------------------------------------------------------------------------------
@@ -166,7 +171,11 @@ class StudySession:
         (``run_info`` as the ``run`` section; the usage plots from every run's timeline), print
         the best trials; returns ``run_info`` plus ``best`` (a results row or None)."""
         from scamp_jax.hpo import report
+        from scamp_jax.hpo.overhead import record_report_seconds
 
+        report_start = time.perf_counter()
+        if self.overhead is not None:
+            run_info = {**run_info, "overhead": self.overhead}
         if source.recovered:
             self.say(f"trials {sorted(set(source.recovered))} of stopped processes were run "
                      "again")
@@ -190,6 +199,9 @@ class StudySession:
         self.say(f"this run: {run_info['elapsed_s']:.1f} s, mean memory utilisation "
                  f"{100 * usage['mean_memory_utilization']:.1f}%, idle device-seconds "
                  f"{usage['idle_device_seconds']:.1f}; results in {self.out_dir}")
+        if self.overhead is not None:  # the report and plots, added once they are written
+            record_report_seconds(self.out_dir, run_info["overhead"],
+                                  time.perf_counter() - report_start)
         return {**run_info, "best": report.best_record(records, metric, direction)}
 
     def report_interrupted(self, study: optuna.Study, elapsed_s: float) -> None:

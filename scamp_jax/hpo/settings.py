@@ -75,6 +75,10 @@ class SearchSettings:
         proposes a trial, up to ``K - 1`` siblings with its architecture are enqueued, and
         queued trials of one architecture train in fused groups of at most ``K``, as wide as
         the planner fits) or ``"auto"`` (the planner's widest fitting group, capped).
+      max_running_trials: most trials (or fused groups) training at once, the rest queued:
+        ``"auto"`` (on CPU devices, which share the host's cores, one per two cores, as
+        measured in `scamp_jax.scheduling.host`; no cap on accelerators), a positive int, or
+        None (as many as the pool's memory holds).
       heartbeat_interval, grace_period: seconds between a running trial's heartbeats, and
         without one after which its process counts as dead and the trial is retried.
       preset, space_variant: where the settings came from (an experiment's preset, the search
@@ -99,6 +103,7 @@ class SearchSettings:
     elastic: str = "auto"
     study_name: str | None = None
     fuse: int | str | None = None
+    max_running_trials: int | str | None = "auto"
     heartbeat_interval: int = HEARTBEAT_INTERVAL
     grace_period: int = GRACE_PERIOD
     preset: str | None = None
@@ -147,6 +152,7 @@ class SearchSettings:
             min_batch_size=self.min_batch_size, reference_batch=self.reference_batch,
             checkpoint_every=self.checkpoint_every, eval_every=self.eval_every, seed=self.seed,
             rank=rank, grow_last_wave=ELASTIC[self.elastic], fuse=self.fuse,
+            max_running_trials=self.max_running_trials,
         )
 
     def study_record(self, space: SearchSpace, memory_per_device: int) -> dict[str, Any]:

@@ -165,6 +165,9 @@ class SchedulingCore:
       peak_flops: FLOP/s one device can attain (data sheet times an attained fraction), or None
         (unknown: the best rate measured so far stands in, which makes the fastest trial look
         fully busy).
+      max_running: most trials (or fused groups) running at once, the rest stay queued; None:
+        as many as the pool holds. For devices that share compute, such as CPU devices that
+        split one host's cores (`scamp_jax.hpo.engine.cpu_max_running`).
     """
 
     policy: object
@@ -173,10 +176,15 @@ class SchedulingCore:
     safety_margin: float = 0.1
     restart_seconds: float | None = None
     peak_flops: float | None = None
+    max_running: int | None = None
     pool: DevicePool = field(init=False)
     usage: UsageRecorder = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.max_running is not None and (
+                isinstance(self.max_running, bool) or not isinstance(self.max_running, int)
+                or self.max_running < 1):
+            raise ValueError(f"max_running={self.max_running!r} must be a positive int or None")
         self.capacity = usable_capacity(self.memory_per_device, self.safety_margin)
         self.pool = DevicePool([self.capacity] * self.devices)
         # Utilisation is reported against the whole memory, as a device monitor shows it.
@@ -415,6 +423,8 @@ class SchedulingCore:
         by_key = ({} if isinstance(queue, RequestQueue) else {r.key: r for r in queue})
         actions: list[Start | PlanOption] = []
         for placement in placements:
+            if self.max_running is not None and len(self._running) >= self.max_running:
+                break  # the rest wait for a running trial to end
             plan = self._queue[placement.key]
             n = len(placement.device_ids)
             if n != plan.devices and isinstance(self.policy, ScampPolicy):
