@@ -308,7 +308,8 @@ def test_experiment_smoke_run_writes_results(tmp_path):
     )
     written = json.loads(out.read_text())
     for key in ("losses", "params_sha256", "ticks", "stage_utilization", "device_param_bytes",
-                "supernet_param_bytes", "wall_seconds"):
+                "supernet_param_bytes", "wall_seconds", "bicubic_psnr", "stem_head_psnr",
+                "warmup_steps", "warmup_seconds", "warmup_losses"):
         assert key in written
     assert len(written["losses"]) == 8 and written == json.loads(json.dumps(summary))
     assert out.with_suffix(".png").exists()
