@@ -44,12 +44,12 @@ before and after runs started side by side under ``nice -n 5`` on 2 shared cores
                                           the pipeline; now --shared-warmup 0 --train-shared)
 
     run                     ticks csp / seq / gpipe   best PSNR (all 12)     stem+head   wall
-    before                  3200 / 3200 / 5600        33.38 (33.28-33.38)    -           316 s
-    warm-up 1000, frozen    1454 / 3200 / 5600        33.61 (33.48-33.61)    33.50       247 s
+    before                  3200 / 3200 / 5600        33.38 (33.28-33.38)    -           316, 519 s
+    warm-up 1000, frozen    1454 / 3200 / 5600        33.61 (33.48-33.61)    33.50       247, 429 s
 
 CSP needs 1/2.20 of sequential's ticks (GPipe's ticks carry a quarter batch each), the best
 subnet is 0.55 dB above bicubic and 0.11 dB above the warmed-up stem and head alone, and the whole
-process took 0.78x the time (the warm-up itself about 10 s).
+process took 0.78x and 0.83x the time in two side-by-side pairs (the warm-up itself 10-20 s).
 
 """
 
