@@ -17,7 +17,7 @@ lint:
 	.venv/bin/ruff check scamp_jax search_spaces experiments benchmarks tests examples
 
 # API reference from the docstrings (pdoc) in docs/api/; any pdoc warning fails the build.
-PDOC_MODULES = scamp_jax scamp_jax.pipeline scamp_jax.distributed
+PDOC_MODULES = scamp_jax scamp_jax.planning scamp_jax.scheduling scamp_jax.hpo scamp_jax.sim scamp_jax.pipeline scamp_jax.distributed
 docs:
 	scripts/setup.sh run
 	.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[docs]"

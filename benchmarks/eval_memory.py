@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="HR side of the held-out centre crops (SRTask's default)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    from scamp_jax.devices import configure_device_memory
+
+    configure_device_memory()  # before JAX starts: a GPU is not preallocated
     row = measure(parse_bytes(args.memory_per_device), args.max_batch_size, args.eval_size)
     if args.json:
         print(json.dumps(row))

@@ -127,7 +127,8 @@ def format_table(rows: Sequence[dict[str, Any]], markdown: bool) -> str:
                      f"{r['planning_cpu_s']:.1f}", str(r["plan_compiles"]),
                      f"{r['plans_cached']}/{r['plan_calls']}"]
                     if "planning_s" in r else ["-"] * 5)
-    ratio = ratio_line(rows)
+    ratio = ratio_line(rows) if len(rows) > 1 and any(r["policy"] == "scamp" for r in rows) \
+        else ""
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(row) + " |" for row in body]
@@ -157,11 +158,18 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--seed", type=int, default=0, help="seed shared by both runs")
     p.add_argument("--out", default=None, help="keep both studies here (default: a temp dir)")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    p.add_argument("--policies", default="scamp,fixed",
+                   help="comma-separated policies to run, in order (default: scamp,fixed)")
     p.add_argument("--ray", action="store_true",
                    help="also run the fixed run's trials through Ray Tune (needs ray[tune])")
     args = p.parse_args(argv)
+    policies = args.policies.split(",")
+    if not policies or any(x not in ("scamp", "fixed") for x in policies):
+        p.error(f"--policies {args.policies!r}: choose from scamp,fixed (comma-separated)")
+    if args.ray and "fixed" not in policies:
+        p.error("--ray reruns the fixed run's trials; include fixed in --policies")
 
-    from scamp_jax.devices import configure_cpu_devices
+    from scamp_jax.devices import configure_cpu_devices, peak_bytes_in_use
 
     configure_cpu_devices(max(CPU_DEVICES, args.devices or 0))
     if args.family == "swinir":
@@ -170,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     else:
         from experiments.vit_synthetic import get_config, make_space_and_task
         baseline = None
-    from scamp_jax.hpo.search import run_search
+    from scamp_jax.hpo.session import run_search
     from scamp_jax.planning import planner
 
     devices = planner.resolve_devices(args.devices)
@@ -178,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     budget = planner.resolve_budget(memory, devices)
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="hpo_makespan_"))
     rows = []
-    for policy in ("scamp", "fixed"):
+    for policy in policies:
         study_dir = root / policy
         if study_dir.exists():
             shutil.rmtree(study_dir)  # a fresh study each time: resumed runs would skew time
@@ -194,6 +202,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                           live=False, baseline=baseline, title=f"policy {policy}",
                           plan_fn=timed)
         rows.append(_row(policy, info, task.metric, timed.summary()))
+        # The allocator's high-water mark so far (None on CPU): run one policy per process
+        # (--policies) for a figure of that policy alone.
+        rows[-1]["peak_bytes_in_use"] = peak_bytes_in_use(devices)
     if args.ray:
         rows += _ray_rows(args, root, budget, len(devices), task)
     print(format_table(rows, args.markdown))

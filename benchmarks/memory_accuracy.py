@@ -11,7 +11,8 @@ cores). For each registered model it plans training with ``plan_mesh`` and print
   and of the same new plan keeping the runner's step (``compile_for_run=True``: the runner then
   compiles nothing);
 - on a GPU, ``measured``: ``peak_bytes_in_use`` after two real training steps, each model in a
-  fresh process (the allocator's peak counter cannot be reset).
+  fresh process (the allocator's peak counter cannot be reset), its state built directly on the
+  plan's shardings (`measure_real_step`).
 
 With ``--fuse K`` it also sizes a fused group of up to ``K`` members on the plan, each member at
 ``1/K`` of the plan's batch (so the group holds about the samples the solo plan fits), as the
@@ -119,12 +120,38 @@ def _shape(*shape: int) -> Callable[[], Any]:
     return make
 
 
+#: The largest model of the small SwinIR space (the smoke study's), LR patches of 24 pixels.
+SWINIR_SMALL = {"embed_dim": 48, "num_groups": 2, "group_depth": 2, "num_heads": 4,
+                "window_size": 8, "mlp_ratio": 2.0}
+#: Classical SwinIR x2 of the paper (180 wide, 6 groups of 6 blocks), LR patches of 64 pixels.
+SWINIR_PAPER = {"embed_dim": 180, "num_groups": 6, "group_depth": 6, "num_heads": 6,
+                "window_size": 8, "mlp_ratio": 2.0}
+
+
+def _swinir_small(rngs: Any) -> Any:
+    from search_spaces import swinir
+
+    return swinir.space("small").build(SWINIR_SMALL, rngs)
+
+
+def _swinir_paper(rngs: Any) -> Any:
+    from search_spaces import swinir
+
+    return swinir.space("paper", hr_patch=128).build(SWINIR_PAPER, rngs)
+
+
 CASES: tuple[Case, ...] = (
     Case("mlp", _mlp, _shape(1, 256), "8MiB"),
     Case("transformer", _transformer, _shape(1, 64, 32), "32MiB"),
     Case("swinir", _swinir, _shape(1, 32, 32, 3), "64MiB"),
     Case("vit", _vit, _shape(1, 32, 32, 3), "32MiB"),
 )
+#: Measured only when named (``--only``, `benchmarks.gpu_suite`): too slow for the default table.
+EXTRA_CASES: tuple[Case, ...] = (
+    Case("swinir_small", _swinir_small, _shape(1, 24, 24, 3), "256MiB"),
+    Case("swinir_paper", _swinir_paper, _shape(1, 64, 64, 3), "8GiB"),
+)
+BY_NAME = {c.name: c for c in CASES + EXTRA_CASES}
 
 
 def _peak(stats: Any) -> int:
@@ -234,44 +261,150 @@ def _measure_fused(model: Any, sample: Any, plan: Any, fuse: int,
     return row
 
 
-def measure_real_step(case: Case, devices: int, budget: str | None) -> int | None:
-    """Peak bytes in use on any device after two real steps at the plan's batch (GPU only)."""
+def _is_oom(err: BaseException) -> bool:
+    text = str(err)
+    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
+
+
+def measure_real_step(case: Case, devices: int, budget: str | None, *,
+                      batch: int | None = None, safety_margin: float = 0.1, fuse: int = 0,
+                      cache: str | None = None) -> dict[str, Any]:
+    """Two real training steps of ``case`` on its plan's devices, in this process.
+
+    Plans ``case`` (with ``safety_margin``; ``cache``: a plan-cache file, so repeated runs plan
+    without compiling), builds the state directly on the plan's shardings
+    (`scamp_jax.planning.train_step.init_train_state`: no device holds an unsharded copy), and
+    runs two steps at ``batch`` (default: the plan's). With ``fuse=K`` the same for a fused group
+    sized by `plan_fusion` (the widest group up to ``K`` members, then the largest per-member
+    batch; ``batch``: per member). Returns a JSON-ready dict: ``batch`` (per member when fused),
+    ``width``, ``plan_batch``, ``planned`` (the planner's compiled peak per device at its batch),
+    ``compiled`` (the peak of the step that ran, from ``memory_analysis``), ``peak_in_use`` (the
+    largest ``peak_bytes_in_use`` over the devices after the steps, or None where devices report
+    none, as on CPU), ``bytes_limit`` (None likewise) and ``oom`` (the run ran out of memory;
+    the other measured fields are then None).
+    """
     import jax
     import numpy as np
     from flax import nnx
 
+    from scamp_jax.planning.plan_cache import PlanCache
     from scamp_jax.planning.planner import plan_mesh
     from scamp_jax.planning.train_step import (
         default_loss,
         default_optimizer,
-        jit_train_step,
-        place_train_state,
+        init_train_state,
+        split_model,
     )
 
-    stats = jax.devices()[0].memory_stats()
-    if not stats or "peak_bytes_in_use" not in stats:
-        return None
     sample = case.sample()
     abstract = nnx.eval_shape(lambda: case.build(nnx.Rngs(0)))
-    plan = plan_mesh(abstract, sample, devices=devices, memory_per_device=budget or case.budget)
-    model = case.build(nnx.Rngs(0))
+    plan = plan_mesh(abstract, sample, devices=devices, memory_per_device=budget or case.budget,
+                     safety_margin=safety_margin, cache=PlanCache(cache) if cache else None)
     tx = default_optimizer()
-    graphdef, params, opt_state, rest = place_train_state(model, tx, plan.step_shardings)
-    del model  # only the placed copies should occupy device memory
-    step = jit_train_step(graphdef, tx, default_loss, plan.step_shardings)
-    x = np.random.default_rng(0).normal(size=(plan.batch_size, *sample.shape[1:]))
-    batch = jax.device_put(x.astype(sample.dtype), plan.batch_sharding)
-    for _ in range(2):
-        params, opt_state, rest, loss = step(params, opt_state, rest, batch)
-    jax.block_until_ready(loss)
-    return max(int(d.memory_stats()["peak_bytes_in_use"]) for d in plan.devices)
+    row: dict[str, Any] = {"model": case.name, "plan_batch": plan.batch_size, "width": 1,
+                           "data_parallel": plan.data_parallel,
+                           "planned": plan.peak_bytes_per_device,
+                           "budget": plan.memory_per_device, "safety_margin": safety_margin}
+    rng = np.random.default_rng(0)
+    if fuse:
+        from scamp_jax.planning.fusion import (
+            fused_initial_state,
+            jit_fused_step,
+            plan_fusion,
+            stack_shardings,
+        )
+
+        dp = plan.data_parallel
+        group = plan_fusion(abstract, sample, max_width=fuse, plan=plan, optimizer=tx,
+                            cache=PlanCache(cache) if cache else None)
+        width, size = group.width, batch or group.batch_size
+        row.update(width=width, plan_batch=group.batch_size, planned=group.peak_bytes_per_device)
+        graphdef = split_model(abstract)[0]
+        step = jit_fused_step(graphdef, tx, default_loss, plan.step_shardings)
+        x = rng.normal(size=(width, size, *sample.shape[1:])).astype(sample.dtype)
+        active = np.ones((width,), bool)
+
+        def run() -> Any:
+            params, opt_state, rest = fused_initial_state(
+                case.build, tx, list(range(width)), {}, plan.step_shardings, plan.mesh)
+            data = jax.device_put(x, stack_shardings(plan.step_shardings).batch)
+            for _ in range(2):
+                params, opt_state, rest, loss = step(params, opt_state, rest, data, active)
+            return loss, step.lower(params, opt_state, rest, data, active)
+    else:
+        from scamp_jax.planning.train_step import jit_train_step
+
+        size = batch or plan.batch_size
+        step = jit_train_step(split_model(abstract)[0], tx, default_loss, plan.step_shardings)
+        x = rng.normal(size=(size, *sample.shape[1:])).astype(sample.dtype)
+
+        def run() -> Any:
+            graphdef, params, opt_state, rest = init_train_state(
+                lambda: case.build(nnx.Rngs(0)), tx, plan.step_shardings)
+            data = jax.device_put(x, plan.batch_sharding)
+            for _ in range(2):
+                params, opt_state, rest, loss = step(params, opt_state, rest, data)
+            return loss, step.lower(params, opt_state, rest, data)
+
+    dp = plan.data_parallel
+    if size % dp:
+        raise ValueError(f"batch {size} is not a multiple of the plan's data-parallel degree "
+                         f"{dp}; use {-(-size // dp) * dp}")
+    row["batch"] = size
+    try:
+        loss, lowered = run()
+        jax.block_until_ready(loss)
+    except Exception as err:  # XlaRuntimeError; RESOURCE_EXHAUSTED is the one expected
+        if not _is_oom(err):
+            raise
+        return {**row, "oom": True, "compiled": None, "peak_in_use": None, "bytes_limit": None,
+                "error": str(err).splitlines()[0][:300]}
+    stats = [d.memory_stats() for d in plan.devices]
+    measured = all(st and "peak_bytes_in_use" in st for st in stats)
+    # What the driver sees this process hold on its first device (context, pool, workspaces),
+    # beside what the allocator holds: their difference is what no memory_stats() reports.
+    from scamp_jax.devices import process_device_bytes
+
+    first = stats[0] or {}
+    driver = process_device_bytes(plan.devices[0].id) if measured else None
+    pool = first.get("pool_bytes", first.get("bytes_reserved", first.get("bytes_in_use")))
+    return {
+        **row, "oom": False,
+        "driver_bytes": driver,
+        "outside_allocator_bytes": driver - int(pool) if driver is not None and pool else None,
+        "compiled": _peak(lowered.compile().memory_analysis()),
+        "peak_in_use": max(int(st["peak_bytes_in_use"]) for st in stats) if measured else None,
+        "bytes_limit": min(int(st["bytes_limit"]) for st in stats)
+        if measured and all("bytes_limit" in st for st in stats) else None,
+    }
 
 
-def _measure_in_child(name: str, devices: int, budget: str | None) -> int | None:
+def measure_in_child(name: str, devices: int, budget: str | None, *, batch: int | None = None,
+                     safety_margin: float = 0.1, fuse: int = 0, cache: str | None = None,
+                     memory_fraction: float | None = None, timeout: float = 600) -> dict[str, Any]:
+    """`measure_real_step` in a fresh process (the allocator's peak counter cannot be reset,
+    and a run out of memory leaves its process in doubt); ``memory_fraction`` caps that
+    process's allocator (`scamp_jax.devices.configure_device_memory`)."""
+    import os
+
     cmd = [sys.executable, "-m", "benchmarks.memory_accuracy", "--child", name,
-           "--devices", str(devices)] + (["--memory-per-device", budget] if budget else [])
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])["measured"]
+           "--devices", str(devices), "--safety-margin", str(safety_margin)]
+    cmd += ["--memory-per-device", budget] if budget else []
+    cmd += ["--batch", str(batch)] if batch else []
+    cmd += ["--fuse", str(fuse)] if fuse else []
+    cmd += ["--plan-cache", cache] if cache else []
+    env = dict(os.environ)
+    if memory_fraction is not None:
+        from scamp_jax.devices import MEM_FRACTION_VAR, OLD_MEM_FRACTION_VAR
+
+        env.pop(OLD_MEM_FRACTION_VAR, None)
+        env[MEM_FRACTION_VAR] = f"{memory_fraction:.6f}"
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode or not lines:
+        raise RuntimeError(f"{name} child failed (exit {proc.returncode}): "
+                           f"{proc.stderr.strip()[-1500:]}")
+    return json.loads(lines[-1])
 
 
 def _pct(a: int, b: int) -> str:
@@ -330,6 +463,9 @@ def main(argv: list[str] | None = None) -> None:
                              "from the plan cache (default: off)")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--safety-margin", type=float, default=0.1, help=argparse.SUPPRESS)
+    parser.add_argument("--plan-cache", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.fuse is not None and args.fuse < 1:
         parser.error(f"--fuse {args.fuse}: a group needs at least 1 member; use e.g. --fuse 4")
@@ -341,12 +477,14 @@ def main(argv: list[str] | None = None) -> None:
 
     on_gpu = jax.devices()[0].platform == "gpu"
     args.devices = args.devices or (len(jax.devices()) if on_gpu else 8)
-    by_name = {c.name: c for c in CASES}
+    by_name = BY_NAME
     if args.child:
-        measured = measure_real_step(by_name[args.child], args.devices, args.memory_per_device)
-        print(json.dumps({"measured": measured}))
+        row = measure_real_step(by_name[args.child], args.devices, args.memory_per_device,
+                                batch=args.batch, safety_margin=args.safety_margin,
+                                fuse=args.fuse or 0, cache=args.plan_cache)
+        print(json.dumps(row))
         return
-    names = args.only.split(",") if args.only else list(by_name)
+    names = args.only.split(",") if args.only else [c.name for c in CASES]
     unknown = [n for n in names if n not in by_name]
     if unknown:
         parser.error(f"unknown model(s) {unknown}; choose from {sorted(by_name)}")
@@ -355,7 +493,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         row = measure(by_name[name], args.devices, args.memory_per_device, args.fuse)
         if on_gpu:
-            row["measured"] = _measure_in_child(name, args.devices, args.memory_per_device)
+            row["measured"] = measure_in_child(name, args.devices,
+                                               args.memory_per_device)["peak_in_use"]
         rows.append(row)
         print(f"# {name}: {row['plan_cpu_seconds']:.1f} CPU s to plan, {row['compiles']} "
               f"compiles; cached {row['cached_cpu_seconds']:.2f} CPU s, "

@@ -233,6 +233,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats} must be at least 1")
 
+    from scamp_jax.devices import configure_device_memory
+
+    configure_device_memory()  # before JAX starts, here and in the child processes (inherited)
     if args.child:
         result = RUNNERS[args.child](FAMILIES[args.family], Path(args.study_dir))
         Path(args.child_out).write_text(json.dumps(result))

@@ -189,7 +189,7 @@ def run_ray_baseline(
 ) -> dict[str, Any]:
     """Run ``specs`` through ``ray.tune.Tuner`` with ``devices_per_trial`` JAX devices each.
 
-    Returns a dict shaped like `scamp_jax.hpo.search.run_search`'s (``elapsed_s``: seconds of
+    Returns a dict shaped like `scamp_jax.hpo.session.run_search`'s (``elapsed_s``: seconds of
     ``Tuner.fit``; ``usage``: `ray_usage`; ``trials_this_run``; ``best``: the best completed
     trial's metrics or None) plus ``ray_init_s`` (seconds to start Ray, not in ``elapsed_s``) and
     ``failed`` (numbers of trials that did not complete). ``direction`` (``"maximize"`` or

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 from scamp_jax.scheduling.placement import FixedPolicy, ScampPolicy, TrialRequest
 from scamp_jax.scheduling.pool import DevicePool
+from scamp_jax.scheduling.request_queue import RequestQueue
 
 GIB = 2**30
 
@@ -56,16 +57,14 @@ def measure(
     capacity = 16 * GIB
     pool = DevicePool([capacity] * devices)
     fixed = policy.devices_per_trial if isinstance(policy, FixedPolicy) else None
-    queue = [_request(rng, k, capacity, fixed) for k in range(queued)]
+    # The queue is kept indexed as trials arrive and start (`RequestQueue`), as a long-lived
+    # scheduler keeps it, so that a decision does not re-sort 100,000 waiting trials.
+    queue = RequestQueue(_request(rng, k, capacity, fixed) for k in range(queued))
     next_key = queued
-    by_key = {r.key: r for r in queue}
 
     def place(placements: Sequence) -> None:
-        nonlocal queue
         for p in placements:
-            pool.allocate(p, by_key.pop(p.key))
-        started = {p.key for p in placements}
-        queue = [r for r in queue if r.key not in started]
+            pool.allocate(p, queue.remove(p.key))
 
     place(policy.decide(pool.snapshot(), queue))  # fill the pool (not timed)
     latencies = []
@@ -75,9 +74,7 @@ def measure(
         running = list(pool.running)
         pool.release(running[rng.randrange(len(running))])
         while len(queue) < queued:
-            request = _request(rng, next_key, capacity, fixed)
-            queue.append(request)
-            by_key[request.key] = request
+            queue.add(_request(rng, next_key, capacity, fixed))
             next_key += 1
         t0, c0 = time.perf_counter(), time.process_time()
         placements = policy.decide(pool.snapshot(), queue)

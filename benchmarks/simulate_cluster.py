@@ -69,25 +69,34 @@ from scamp_jax.sim.simulator import (
     plan_profiles,
     simulate,
 )
-from scamp_jax.sim.step_costs import fixed_baseline, hlo_kernels_and_collectives, measure_cost
+from scamp_jax.sim.step_costs import (
+    fixed_baseline,
+    hlo_kernels_and_collectives,
+    measure_cost,
+    plan_point,
+)
 
 __all__ = ["hlo_kernels_and_collectives", "measure_cost"]  # re-exported from the library
 
 @functools.cache
-def _task(search: str, variant: str) -> tuple[Any, Any, Callable[..., Any]]:
-    """(space, sample_batch of one sample, loss_fn) of a named search."""
+def _search_task(search: str, variant: str) -> tuple[Any, Any]:
+    """(space, task) of a named search."""
     if search == "swinir":
         from search_spaces import swinir
         from search_spaces.sr_task import SRTask
 
-        task = SRTask(scale=2, hr_patch=48)
-        return swinir.space(variant), task.sample_batch(1), task.loss_fn
+        return swinir.space(variant), SRTask(scale=2, hr_patch=48)
     if search == "vit":
         from search_spaces import vit
 
-        task = vit.SyntheticClassificationTask()
-        return vit.space(variant), task.sample_batch(1), task.loss_fn
+        return vit.space(variant), vit.SyntheticClassificationTask()
     raise ValueError(f"unknown search {search!r}; choose one of: swinir, vit")
+
+
+def _task(search: str, variant: str) -> tuple[Any, Any, Callable[..., Any]]:
+    """(space, sample_batch of one sample, loss_fn) of a named search."""
+    space, task = _search_task(search, variant)
+    return space, task.sample_batch(1), task.loss_fn
 
 
 def _arch_key(search: str, variant: str, graphdef: Any, mp: int) -> str:
@@ -100,8 +109,9 @@ def _arch_key(search: str, variant: str, graphdef: Any, mp: int) -> str:
 class CostTable:
     """Cost models per architecture, cached on disk as JSON.
 
-    Entries written before the memory model came from the planner (no ``memory_floor`` field)
-    are measured again on first use.
+    Entries written before a trial's booking counted its prefetched batch and evaluation (no
+    ``opt_state_bytes`` field) are measured again on first use. `put` stores a cost model with
+    planner answers added (`scamp_jax.sim.step_costs.plan_point`).
     """
 
     def __init__(self, path: Path | None) -> None:
@@ -114,16 +124,27 @@ class CostTable:
 
     def get(self, key: str, make: Callable[[], tuple[StepCostModel, float]]) -> StepCostModel:
         """The cost model stored under ``key``, measured with ``make()`` the first time."""
-        if "memory_floor" not in self.entries.get(key, {}):
+        if "opt_state_bytes" not in self.entries.get(key, {}):
             cost, seconds = make()
             self.entries[key] = {**asdict(cost), "compile_seconds": seconds / 3}
             self.compile_seconds += seconds
             self.compiled += 1
-            if self.path is not None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self.path.write_text(json.dumps(self.entries, indent=1, sort_keys=True))
+            self._write()
         fields = {k: v for k, v in self.entries[key].items() if k != "compile_seconds"}
+        fields["plans"] = tuple(tuple(int(x) for x in p) for p in fields.get("plans", ()))
         return StepCostModel(**fields)  # type: ignore[arg-type]
+
+    def put(self, key: str, cost: StepCostModel, seconds: float = 0.0) -> None:
+        """Store ``cost`` under ``key`` (an entry `get` made), adding ``seconds`` of compiles."""
+        self.entries[key] = {**asdict(cost),
+                             "compile_seconds": self.entries[key].get("compile_seconds", 0.0)}
+        self.compile_seconds += seconds
+        self._write()
+
+    def _write(self) -> None:
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(self.entries, indent=1, sort_keys=True))
 
     def compile_seconds_of(self, key: str) -> float:
         """Seconds one compile of the step stored under ``key`` took when it was measured."""
@@ -139,14 +160,19 @@ def cost_candidates(
     safety_margin: float,
     table: CostTable,
     log: Callable[[str], None] = print,
+    max_batch_size: int | None = None,
+    batch_multiple: int = 1,
 ) -> list[StepCostModel]:
-    """A `StepCostModel` per configuration at the smallest model-parallel degree that fits."""
+    """A `StepCostModel` per configuration at the smallest model-parallel degree that fits,
+    with the planner's answer for the cluster's budget, ``max_batch_size`` and
+    ``batch_multiple`` (`plan_point`: what the engine's planning service plans and books)."""
     import jax
     from flax import nnx
 
     from scamp_jax.planning.train_step import default_optimizer, split_model
 
     space, sample_batch, loss_fn = _task(search, variant)
+    _, task = _search_task(search, variant)
     optimizer = default_optimizer()
     usable = cluster.memory_per_device * (1.0 - safety_margin)
     out: list[StepCostModel] = []
@@ -171,11 +197,18 @@ def cost_candidates(
             cost = table.get(
                 key,
                 lambda mp=mp, model=model: measure_cost(
-                    model, sample_batch, optimizer=optimizer, loss_fn=loss_fn, model_parallel=mp
-                ),
+                    model, sample_batch, optimizer=optimizer, loss_fn=loss_fn, model_parallel=mp,
+                    eval_task=task),
             )
             if cost.peak_bytes(1) <= usable:
-                chosen = cost
+                start = time.perf_counter()
+                planned = plan_point(model, sample_batch, cost, optimizer=optimizer,
+                                     loss_fn=loss_fn, memory_per_device=cluster.memory_per_device,
+                                     safety_margin=safety_margin, max_batch_size=max_batch_size,
+                                     batch_multiple=batch_multiple, eval_task=task)
+                if planned is not cost:
+                    table.put(key, planned, time.perf_counter() - start)
+                chosen = planned
                 break
             mp *= 2
         if chosen is None:
@@ -242,6 +275,7 @@ def fused_cost_models(
     from scamp_jax.sim.sim_fusion import FusedCostModel, measure_fused_costs
 
     space, sample_batch, loss_fn = _task(search, variant)
+    _, task = _search_task(search, variant)
     widths = tuple(sorted({1, 2, width}))
     signatures: list[str] = []
     models: dict[str, FusedCostModel] = {}
@@ -258,11 +292,12 @@ def fused_cost_models(
         signatures.append(sig)
         if sig in models:
             continue
-        if sig not in table.entries:
+        if "state_bytes" not in table.entries.get(sig, {}):  # older entries: measure again
             start = time.perf_counter()
             plan = planner.plan_mesh(model, sample_batch, devices=jax.devices()[:mp],
                                      memory_per_device=64 * 2**30, max_batch_size=local,
-                                     optimizer=default_optimizer(), loss_fn=loss_fn)
+                                     optimizer=default_optimizer(), loss_fn=loss_fn,
+                                     eval_task=task)
             fused = measure_fused_costs(model, sample_batch, plan, batch_size=local,
                                         widths=widths, optimizer=default_optimizer(),
                                         loss_fn=loss_fn)
@@ -349,6 +384,9 @@ def calibrate_cpu_host(devices: int, memory_per_device: int) -> ClusterModel:
         peak_flops=flops, mem_bandwidth=bandwidth, interconnect_bandwidth=link,
         compute_efficiency=1.0, bandwidth_efficiency=1.0, comm_efficiency=1.0,
         launch_seconds=launch, compute_group=devices,
+        # The host's devices share one compute engine (compute_group), which already makes
+        # co-located work take turns; the step's compile is the trial's setup, not a plan.
+        overlap=1.0, planning_seconds=0.0,
     )
 
 
@@ -463,6 +501,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--restart-seconds", type=float, default=None,
                         help="cost of restarting a running trial on more devices (checkpoint, "
                         "compile, restore); default: the cluster model's (60 s)")
+    parser.add_argument("--overlap", type=float, default=None,
+                        help="how much trials sharing a device overlap: 0 = strict turns (the "
+                        "default on GPUs), 1 = free overlap of each other's idle time")
+    parser.add_argument("--planning-seconds", type=float, default=None,
+                        help="seconds from asking a trial to its plan being ready; default: "
+                        "the cluster model's (30 s), or --measured's")
+    parser.add_argument("--measured", type=Path, default=None, metavar="STUDY_DIR",
+                        help="take planning and restart seconds from a real study's "
+                        "results.json (scamp_jax.sim.measured.engine_figures)")
     parser.add_argument("--min-resize-gain", type=float, default=0.1,
                         help="fraction of its remaining time a restart must save")
     parser.add_argument("--batch-multiple", type=int, default=ScampPolicy().batch_multiple,
@@ -530,11 +577,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"costing {len(set(map(repr, configs)))} architectures on CPU "
           f"(cache: {args.cache})", file=sys.stderr)
     costs = cost_candidates(configs, search=args.search, variant=args.variant, cluster=cluster,
-                            safety_margin=args.safety_margin, table=table, log=log)
+                            safety_margin=args.safety_margin, table=table, log=log,
+                            max_batch_size=cap, batch_multiple=args.batch_multiple)
     space, _, _ = _task(args.search, args.variant)
     (largest,) = cost_candidates([dict(space.largest)], search=args.search,
                                  variant=args.variant, cluster=cluster,
-                                 safety_margin=args.safety_margin, table=table, log=log)
+                                 safety_margin=args.safety_margin, table=table, log=log,
+                                 max_batch_size=cap, batch_multiple=args.batch_multiple)
     scamp = ScampPolicy(longest_first=not args.no_longest_first, elastic=not args.no_elastic,
                         growth_tolerance=args.growth_tolerance,
                         compute_aware=not args.no_compute_aware,
@@ -547,10 +596,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_trial_devices=args.max_trial_devices or None, scamp_policy=scamp,
     )
     lookahead = args.devices if args.lookahead is None else args.lookahead or None
+    if args.measured is not None:
+        from scamp_jax.sim.measured import engine_figures, read_results
+
+        figures = engine_figures(read_results(args.measured))
+        log(f"measured by {args.measured}: {figures or 'nothing (defaults kept)'}")
+        cluster = dataclasses.replace(cluster, **figures)
     if args.restart_seconds is not None:
         if args.restart_seconds < 0:
             parser.error("--restart-seconds must be >= 0")
         cluster = dataclasses.replace(cluster, restart_seconds=args.restart_seconds)
+    if args.planning_seconds is not None:
+        if args.planning_seconds < 0:
+            parser.error("--planning-seconds must be >= 0")
+        cluster = dataclasses.replace(cluster, planning_seconds=args.planning_seconds)
+    if args.overlap is not None:
+        if not 0 <= args.overlap <= 1:
+            parser.error("--overlap must be in [0, 1]")
+        cluster = dataclasses.replace(cluster, overlap=args.overlap)
     usable = int(cluster.memory_per_device * (1.0 - args.safety_margin))
     max_devices = args.max_trial_devices or cluster.devices
 
@@ -594,6 +657,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{args.samples} samples per trial; scamp batches {batches[0]}-{batches[-1]} on "
           f"{sorted({p.devices for p in scamp_profiles})} device(s); fixed: {k} device(s), "
           f"batch {fixed_batch}; lookahead {lookahead or 'all'}")
+    print(f"device sharing and overheads: {cluster.describe()}")
     if "scamp" in results:
         used = sorted({len(t.device_ids) for t in results["scamp"].trials})
         print(f"scamp {scamp}: trials ran on {used} device(s); "

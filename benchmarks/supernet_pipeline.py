@@ -185,13 +185,18 @@ def _shapes(mb: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (mb, SIDE, SIDE, 3), (mb, 2 * SIDE, 2 * SIDE, 3)
 
 
-def measured_rows(
-    pairs: Sequence[tuple[int, int]], subnets: int = 48, max_in_flight: int = 4
-) -> list[list[str]]:
-    """Table 3 rows: C, S, samples/s per schedule, CSP speedups, hash equality.
+def measure_schedules(
+    choices: int, stages: int, subnets: int = 48, max_in_flight: int = 4, offload: bool = True,
+    batch: int = 8, schedules: Sequence[str] = ("csp", "sequential", "gpipe"),
+) -> dict[str, Any]:
+    """Train the tiny supernet with each of ``schedules`` on the same executor code.
 
-    ``max_in_flight`` bounds the ticks queued ahead of the host (`StageExecutor`'s argument;
-    0: unbounded).
+    Returns ``{name: TrainResult}`` under ``"results"`` and the host <-> device traffic of the
+    weights under ``"transfer_bytes"`` per schedule: ``{"host_to_device", "device_to_host"}``,
+    counted from the schedule's program (each prefetch fills one stage's window with its
+    ``layers_per_stage`` blocks; each applied update writes them back) times the bytes of one
+    block (weights + optimizer state); 0 without ``offload`` (the supernet stays on the devices).
+    ``max_in_flight`` bounds the ticks queued ahead of the host (`StageExecutor`; 0: unbounded).
     """
     from scamp_jax.pipeline import (
         PipelineExecutor,
@@ -201,24 +206,45 @@ def measured_rows(
         train_supernet,
     )
 
-    rows = []
-    batch = 8
     lr, hr = _data(subnets, batch)
+    layout, chosen, bounds = _case(choices, stages, subnets)
+    programs = {
+        name: build_program(make_schedule(name, chosen, bounds, num_microbatches=4), chosen,
+                            bounds)
+        for name in schedules
+    }
+    executor_class = functools.partial(PipelineExecutor, max_in_flight=max_in_flight)
+    unsplit = [programs[n] for n in schedules if n != "gpipe"]
+    shared_ex = (build_executor(layout, unsplit, num_stages=stages, batch_size=batch,
+                                lr_side=SIDE, offload=offload, executor_class=executor_class)
+                 if unsplit else None)
+    results, transfer = {}, {}
+    for name in schedules:
+        results[name] = train_supernet(
+            layout, chosen, lr, hr, schedule=name, num_stages=stages, offload=offload,
+            num_microbatches=4, executor=executor_class if name == "gpipe" else shared_ex,
+        )
+        prog = programs[name]
+        block = (results[name].host_param_bytes // (LAYERS * choices)) if offload else 0
+        blocks = prog.layers_per_stage * block
+        transfer[name] = {
+            "host_to_device": int((prog.column("prefetch_slot") >= 0).sum()) * blocks,
+            "device_to_host": int((prog.column("apply") == 1).sum()) * blocks,
+        }
+    return {"results": results, "transfer_bytes": transfer}
+
+
+def measured_rows(
+    pairs: Sequence[tuple[int, int]], subnets: int = 48, max_in_flight: int = 4
+) -> list[list[str]]:
+    """Table 3 rows: C, S, samples/s per schedule, CSP speedups, hash equality.
+
+    ``max_in_flight`` bounds the ticks queued ahead of the host (`StageExecutor`'s argument;
+    0: unbounded).
+    """
+    rows = []
     for c, s in pairs:
-        layout, chosen, bounds = _case(c, s, subnets)
-        programs = [
-            build_program(make_schedule(name, chosen, bounds), chosen, bounds)
-            for name in ("csp", "sequential")
-        ]
-        executor_class = functools.partial(PipelineExecutor, max_in_flight=max_in_flight)
-        shared_ex = build_executor(layout, programs, num_stages=s, batch_size=batch,
-                                   lr_side=SIDE, offload=True, executor_class=executor_class)
-        res = {}
-        for name in ("csp", "sequential", "gpipe"):
-            res[name] = train_supernet(
-                layout, chosen, lr, hr, schedule=name, num_stages=s, offload=True,
-                num_microbatches=4, executor=executor_class if name == "gpipe" else shared_ex,
-            )
+        res = measure_schedules(c, s, subnets, max_in_flight)["results"]
         sps = {k: v.samples_per_second for k, v in res.items()}
         rows.append([
             str(c), str(s), *(f"{sps[k]:.0f}" for k in ("sequential", "gpipe", "csp")),

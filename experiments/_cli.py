@@ -22,22 +22,19 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from scamp_jax.hpo.search import SearchSettings
+from scamp_jax.hpo.settings import ELASTIC, PRUNERS, SAMPLERS, SearchSettings
+from scamp_jax.scheduling.placement import POLICIES
 
-POLICIES = ("scamp", "fixed")
-SAMPLERS = ("tpe", "random", "grid")
-PRUNERS = ("median", "halving", "none")
 #: CPU devices the entry points split the host into (the default device pool on CPU).
 CPU_DEVICES = 8
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HPOConfig(SearchSettings):
-    """One HPO experiment: the study's `scamp_jax.hpo.search.SearchSettings` plus the entry points'
-    own flags.
+    """One HPO experiment: the study's `scamp_jax.hpo.settings.SearchSettings` (the session reads
+    only those fields) plus the entry points' own flags.
 
     Attributes:
-      preset: name of the preset the values came from.
       devices: devices of the pool (None: every device of the backend).
       memory_per_device: budget per device, e.g. ``"1GiB"`` (None: the device limit on GPUs).
       study_dir: as in `SearchSettings` (default ``runs/hpo``).
@@ -50,7 +47,7 @@ class HPOConfig(SearchSettings):
     devices: int | None
     memory_per_device: str | None
     study_dir: str | Path = "runs/hpo"
-    space_variant: str = "small"
+    space_variant: str | None = "small"
     train_dir: str | None = None
     eval_dir: str | None = None
 
@@ -109,7 +106,7 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
                         "'fixed' gives each trial --devices-per-trial devices and one batch size")
     parser.add_argument("--devices-per-trial", type=positive_int,
                         help="devices per trial under --policy fixed")
-    parser.add_argument("--elastic", choices=("auto", "on", "off"),
+    parser.add_argument("--elastic", choices=tuple(ELASTIC),
                         help="at the end of the study, let ScaMP put devices that would idle to "
                         "work: queued trials start on more devices, running ones restart from a "
                         "checkpoint on more devices with the same batch (default auto: on for "
@@ -329,8 +326,7 @@ def _run(
     import jax
 
     from scamp_jax._units import parse_bytes
-    from scamp_jax.distributed.mpi import launched_under_mpi
-    from scamp_jax.hpo.search import run_search
+    from scamp_jax.hpo.session import run_search
     from scamp_jax.planning import planner
 
     devices = planner.resolve_devices(config.devices)
@@ -347,12 +343,6 @@ def _run(
     # Compiles dominate short trials on CPU; a resumed study finds them on disk.
     jax.config.update("jax_compilation_cache_dir", str(Path(config.study_dir) / "jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    if launched_under_mpi():
-        # Several ranks: rank 0 serves the study, every rank runs trials on its devices.
-        from scamp_jax.distributed.engine import run_search_mpi
-
-        return run_search_mpi(space, task, config, devices=devices,
-                              memory_per_device=budget, live=not args.no_live,
-                              baseline=baseline, title=title)
+    # Under mpirun with several ranks the same session spans them: rank 0 serves the study.
     return run_search(space, task, config, devices=devices, memory_per_device=budget,
                       live=not args.no_live, baseline=baseline, title=title)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -150,7 +151,9 @@ def test_measure_cost_memory_is_the_planner_memory_model() -> None:
     assert (cost.memory_fixed, cost.memory_per_sample, cost.memory_floor) == (
         memory.fixed_bytes, memory.bytes_per_sample, memory.floor_bytes)
     for b in (1, 4, 64, 1000):
-        assert cost.peak_bytes(b) == memory.predict(b)
+        assert cost.step_peak_bytes(b) == memory.predict(b)
+        # What a trial books adds its prefetched batch (16 float32 a sample): the engine's rule.
+        assert cost.peak_bytes(b) == memory.predict(b) + 64 * b
     assert cost.flops_per_sample > 0 and cost.kernels_per_step > 0 and seconds > 0
 
 
@@ -194,13 +197,13 @@ def test_measured_cost_predicts_an_independently_compiled_step_at_unseen_batches
         flops = compiled.cost_analysis()
         flops = (flops[0] if isinstance(flops, list) else flops)["flops"]
         measured[b] = flops
-        assert cost.peak_bytes(b) == pytest.approx(peak, rel=0.10), b
+        assert cost.step_peak_bytes(b) == pytest.approx(peak, rel=0.10), b
         assert cost.flops_fixed + cost.flops_per_sample * b == pytest.approx(flops, rel=0.03), b
     slope = (measured[512] - measured[8]) / (512 - 8)
     assert cost.flops_per_sample == pytest.approx(slope, rel=0.01)
 
 
-def test_cost_table_caches_and_remeasures_entries_without_the_planner_floor(
+def test_cost_table_caches_and_remeasures_entries_without_the_full_booking(
     tmp_path: Path,
 ) -> None:
     from benchmarks.simulate_cluster import CostTable
@@ -210,7 +213,9 @@ def test_cost_table_caches_and_remeasures_entries_without_the_planner_floor(
                          mp_comm_fixed=0.0, mp_comm_per_sample=0.0, kernels_per_step=7,
                          memory_fixed=8.0, memory_per_sample=9.0, memory_floor=10.0)
     path = tmp_path / "costs.json"
-    old = {k: v for k, v in cost.__dict__.items() if k != "memory_floor"}
+    # Written before a trial's booking counted its prefetched batch and evaluation.
+    old = {k: v for k, v in cost.__dict__.items()
+           if k not in ("prefetch_per_sample", "eval_peak", "opt_state_bytes", "plans")}
     path.write_text(json.dumps({"stale": {**old, "compile_seconds": 1.0}}))
     calls = []
 
@@ -223,6 +228,9 @@ def test_cost_table_caches_and_remeasures_entries_without_the_planner_floor(
     assert table.compile_seconds_of("stale") == pytest.approx(1.0)  # 3 compiles in 3 s
     again = CostTable(path)
     assert again.get("stale", make) == cost and len(calls) == 1  # served from the file
+    planned = dataclasses.replace(cost, plans=((900, 64, 4, 40, 880),))
+    again.put("stale", planned)
+    assert CostTable(path).get("stale", make) == planned and len(calls) == 1
 
 
 def test_supernet_benchmark_raises_the_cpu_collective_deadline_unless_set(monkeypatch) -> None:

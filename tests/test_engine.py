@@ -15,6 +15,7 @@ from optuna.trial import TrialState
 from test_runner import MLP, Regression
 
 from scamp_jax.hpo.engine import BudgetTooSmallError, EngineConfig, SearchEngine
+from scamp_jax.hpo.settings import SearchSettings
 from scamp_jax.hpo.study import FAIL_REASON, OptunaTrialSource, open_study
 from scamp_jax.planning import planner
 from scamp_jax.space import SearchSpace
@@ -40,16 +41,18 @@ SPACE = SearchSpace("mlp-faults", suggest, build,
 
 def make_source(tmp_path, configs: list[dict[str, Any]], n_trials: int | None = None,
                 pruner: str = "none", warmup_steps: int = 0):
-    study = open_study("mlp", study_dir=tmp_path, direction="minimize", sampler="random",
-                       pruner=pruner, seed=0, warmup_steps=warmup_steps)
+    handle = open_study("mlp", study_dir=tmp_path, direction="minimize", sampler="random",
+                        pruner=pruner, seed=0, warmup_steps=warmup_steps)
     for config in configs:
-        study.enqueue_trial(config)
-    return study, OptunaTrialSource(study, SPACE, n_trials or len(configs))
+        handle.study.enqueue_trial(config)
+    return handle.study, OptunaTrialSource(handle, SPACE, n_trials or len(configs))
 
 
 def config(**kw: Any) -> EngineConfig:
+    # Trials at once as the pool's memory allows (not the CPU default of one per two cores):
+    # these tests are about concurrent trials.
     return EngineConfig(**{"steps": 30, "memory_per_device": BUDGET, "max_batch_size": 16,
-                           "log_every": 5, **kw})
+                           "log_every": 5, "max_running_trials": None, **kw})
 
 
 def ok(width: int = 16, lr: float = 1e-2) -> dict[str, Any]:
@@ -153,21 +156,12 @@ def test_fixed_policy_gives_every_trial_the_same_devices_and_batch(tmp_path):
             assert b.start >= a.end
 
 
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    trials: int = 3
-    steps: int = 10
-    reference_batch: int | None = 8
-    max_batch_size: int | None = 16
-    policy: str = "scamp"
-    devices_per_trial: int = 2
-    sampler: str = "random"
-    pruner: str = "none"
-    seed: int = 0
-    study_dir: str = ""
-    storage: str | None = None
-    checkpoint_every: int = 5
-    eval_every: int = 0
+def settings(study_dir: str, **overrides: Any) -> SearchSettings:
+    """The settings of the small studies here (three trials of ten steps at batch 8)."""
+    return SearchSettings(**{"trials": 3, "steps": 10, "reference_batch": 8,
+                             "max_batch_size": 16, "sampler": "random", "pruner": "none",
+                             "study_dir": study_dir, "checkpoint_every": 5,
+                             "max_running_trials": None, **overrides})
 
 
 def test_run_search_writes_results_plots_and_best_model(tmp_path):
@@ -176,12 +170,11 @@ def test_run_search_writes_results_plots_and_best_model(tmp_path):
 
     from rich.console import Console
 
-    from scamp_jax.hpo.search import run_search
+    from scamp_jax.hpo.session import run_search
 
     out = io.StringIO()
-    settings = Settings(study_dir=str(tmp_path))
     space = SearchSpace("mlp-ok", lambda t: {**suggest(t), "kind": "ok"}, build)
-    info = run_search(space, Regression(), settings, devices=jax.devices()[:4],
+    info = run_search(space, Regression(), settings(str(tmp_path)), devices=jax.devices()[:4],
                       memory_per_device=BUDGET, live=False, baseline="zero_mse",
                       console=Console(file=out, width=200))
     results = json.loads((tmp_path / "results.json").read_text())
@@ -283,10 +276,11 @@ def test_a_run_with_trials_of_its_own_also_reruns_a_dead_process_trial(tmp_path)
         return open_study("mlp", study_dir=tmp_path, direction="minimize", sampler="random",
                           seed=0, heartbeat_interval=1, grace_period=3)
 
-    study = storage()
+    handle = storage()
+    study = handle.study
     for width in (16, 32):
         study.enqueue_trial(ok(width))
-    dead = OptunaTrialSource(study, SPACE, 2)
+    dead = OptunaTrialSource(handle, SPACE, 2)
     lost = dead.ask()
     dead.close()  # the process is gone: trial 0 stays RUNNING and stops beating
     source = OptunaTrialSource(storage(), SPACE, 2, poll_seconds=0.2)

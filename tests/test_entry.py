@@ -5,6 +5,7 @@ A real study (the MLP of ``test_runner`` on a task built from plain functions) i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -18,7 +19,7 @@ from optuna.trial import TrialState
 from test_runner import SPACE, Regression
 
 import scamp_jax
-from scamp_jax.hpo.search import SearchSettings, engine_config
+from scamp_jax.hpo.settings import SearchSettings
 from scamp_jax.hpo.study import storage_url
 
 
@@ -61,6 +62,7 @@ def test_function_task_checks_its_functions():
     ({"policy": "greedy"}, "policy='greedy' is not one of 'scamp', 'fixed'"),
     ({"elastic": "yes"}, "elastic='yes' is not one of 'auto', 'on', 'off'"),
     ({"min_batch_size": 64, "max_batch_size": 16}, "raise max_batch_size to at least 64"),
+    ({"fuse": 4, "sampler": "grid"}, "sampler='grid' takes every parameter from its grid"),
 ])
 def test_settings_name_the_bad_value_and_the_fix(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -73,7 +75,7 @@ def test_experiment_configs_are_search_settings():
     for module in (swinir_hpo, vit_synthetic):
         config = module.get_config("smoke")
         assert isinstance(config, SearchSettings)
-        assert engine_config(config, 2**30).steps == config.steps
+        assert config.engine_config(2**30).steps == config.steps
 
 
 def test_run_study_runs_then_resumes_only_the_missing_trials(tmp_path):
@@ -96,6 +98,42 @@ def test_run_study_runs_then_resumes_only_the_missing_trials(tmp_path):
         assert len(trial.user_attrs["devices"]) == 1
         assert trial.user_attrs["batch_size"] == 16
         assert 0 < trial.user_attrs["predicted_peak_bytes"] <= 64 * 2**20
+    # The finished study's best model, as the README loads it, scores what the study recorded.
+    best = json.loads((tmp_path / "best_model" / "trial.json").read_text())
+    model = scamp_jax.load_model(tmp_path / "best_model", SPACE, best["params"])
+    assert best["number"] == second["best"]["number"]
+    assert function_task().evaluate(model)["mse"] == pytest.approx(best["mse"], rel=1e-6)
+
+
+def test_run_study_fuses_trials_of_one_architecture(tmp_path):
+    result = scamp_jax.run_study(SPACE, function_task(), trials=2, steps=5, study_dir=tmp_path,
+                                 devices=2, memory_per_device="64MiB", max_batch_size=16,
+                                 sampler="random", fuse=2, live=False)
+    assert result["trials_this_run"] == 2
+    trials = json.loads((tmp_path / "results.json").read_text())["trials"]
+    assert [t["state"] for t in trials] == ["complete", "complete"]
+    # The proposal and its sibling: one architecture, their own learning rates, one fused step.
+    assert trials[0]["params"]["width"] == trials[1]["params"]["width"]
+    assert trials[0]["params"]["learning_rate"] != trials[1]["params"]["learning_rate"]
+    assert trials[0]["fused_group"] is not None
+    assert trials[0]["fused_group"] == trials[1]["fused_group"]
+    assert [t["fusion_width"] for t in trials] == [2, 2]
+
+
+def test_a_finished_grid_ends_the_study_with_one_line(tmp_path, capsys):
+    """A 4-point grid asked for 6 trials runs each point once, says so in one line, and returns
+    its report like any finished study (no traceback from Optuna's ``study.stop()``)."""
+    space = dataclasses.replace(SPACE, grid={"width": [16, 32], "learning_rate": [1e-3, 1e-2]})
+    result = scamp_jax.run_study(space, function_task(), trials=6, steps=5, study_dir=tmp_path,
+                                 devices=2, memory_per_device="64MiB", max_batch_size=16,
+                                 sampler="grid", live=False)
+    assert result["trials_this_run"] == 4
+    out = capsys.readouterr().out
+    assert out.count("the grid's 4 points are done; 4 of 6 trials ran") == 1
+    study = optuna.load_study(study_name=space.name, storage=storage_url(tmp_path))
+    points = {(t.params["width"], t.params["learning_rate"]) for t in study.get_trials()}
+    assert len(study.get_trials()) == 4 and len(points) == 4
+    assert {t.state for t in study.get_trials()} == {TrialState.COMPLETE}
 
 
 def test_run_study_rejects_a_bad_setting_before_opening_a_study(tmp_path):
@@ -105,7 +143,7 @@ def test_run_study_rejects_a_bad_setting_before_opening_a_study(tmp_path):
 
 
 def test_cpu_devices_default_to_a_share_of_host_memory():
-    from scamp_jax.hpo.entry import CPU_MEMORY_SHARE, default_budget
+    from scamp_jax.hpo.session import CPU_MEMORY_SHARE, default_budget
 
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     devices = jax.devices()[:4]

@@ -17,7 +17,7 @@ from test_runner import SPACE, Regression, make_plan
 from scamp_jax.hpo.engine import EngineConfig, SearchEngine
 from scamp_jax.hpo.fused_engine import latest_checkpoint_step
 from scamp_jax.hpo.runner import RunSpec, StepCache, make_optimizer, run_trial, trial_seed
-from scamp_jax.hpo.search import fusion_source_kwargs
+from scamp_jax.hpo.settings import SearchSettings
 from scamp_jax.hpo.study import SIBLING_OF, OptunaTrialSource, open_study
 from scamp_jax.planning.fusion import plan_fusion
 from scamp_jax.scheduling.grouping import FusionCandidate, form_groups
@@ -74,10 +74,16 @@ def test_every_candidate_is_in_exactly_one_group_of_one_signature():
 # ------------------------------------------------------------------------ a fused study
 
 
+def _fusion(fuse: int) -> dict:
+    """The trial source's sibling arguments for ``fuse``, as a study session passes them."""
+    return SearchSettings(trials=1, steps=1, fuse=fuse, sampler="random").source_kwargs()
+
+
 def _study(tmp_path, trials: int, fuse: int, steps: int = 30):
-    study = open_study("mlp-fused", study_dir=tmp_path, direction="minimize",
-                       sampler="random", pruner="none", seed=3)
-    source = OptunaTrialSource(study, SPACE, trials, root=tmp_path, **fusion_source_kwargs(fuse))
+    handle = open_study("mlp-fused", study_dir=tmp_path, direction="minimize",
+                        sampler="random", pruner="none", seed=3)
+    study = handle.study
+    source = OptunaTrialSource(handle, SPACE, trials, root=tmp_path, **_fusion(fuse))
     config = EngineConfig(steps=steps, memory_per_device=BUDGET, max_batch_size=16, log_every=5,
                           fuse=fuse, seed=5)
     engine = SearchEngine(SPACE, Regression(), source, config, devices=jax.devices()[:4],
@@ -198,10 +204,10 @@ def test_an_interrupted_fused_study_resumes_its_members_and_keeps_finished_ones(
     steps, trials = 1000, 4
 
     def engine(on_update=None):
-        study = open_study("mlp-fused", study_dir=tmp_path, direction="minimize",
-                           sampler="random", pruner="none", seed=3)
-        source = OptunaTrialSource(study, SPACE, trials, root=tmp_path,
-                                   **fusion_source_kwargs(2))
+        handle = open_study("mlp-fused", study_dir=tmp_path, direction="minimize",
+                            sampler="random", pruner="none", seed=3)
+        study = handle.study
+        source = OptunaTrialSource(handle, SPACE, trials, root=tmp_path, **_fusion(2))
         config = EngineConfig(steps=steps, memory_per_device=BUDGET, max_batch_size=16,
                               log_every=50, checkpoint_every=200, fuse=2, seed=5)
         return study, source, SearchEngine(SPACE, Regression(), source, config,

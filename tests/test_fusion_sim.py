@@ -10,8 +10,9 @@ from scamp_jax.sim.sim_fusion import FusedCostModel, fused_profiles, group_width
 from scamp_jax.sim.simulator import ClusterModel, TrialProfile, simulate
 
 GIB = 2**30
-# Unit efficiencies, launch latency 1 ms (as test_simulator's toy cluster).
-TOY = ClusterModel("toy", 2, 10 * GIB, 1e12, 1e12, 1e9, 1.0, 1.0, 1.0, 1e-3)
+# Unit efficiencies, launch latency 1 ms, instant plans, free overlap (test_simulator's toy).
+TOY = ClusterModel("toy", 2, 10 * GIB, 1e12, 1e12, 1e9, 1.0, 1.0, 1.0, 1e-3,
+                   planning_seconds=0.0, overlap=1.0)
 # Launch-bound steps: FLOPs grow with the width, kernels stay (as measured for small models).
 MODEL = FusedCostModel(batch_size=8, widths=(1, 2), flops=(1e9, 2e9),
                        bytes_accessed=(1e8, 2e8), kernels=(400, 402))
@@ -66,3 +67,47 @@ def test_a_group_is_one_scheduled_trial_and_memory_decides_the_gain():
     fused = simulate(grouped, TOY, policy, safety_margin=0.1)
     assert len(fused.trials) == 4 and len(alone.trials) == 8
     assert fused.makespan_s < 0.55 * alone.makespan_s
+
+
+def test_the_simulator_books_what_the_engine_books_for_a_trial_and_a_fused_group():
+    """One byte rule: a simulated trial and a simulated fused group book exactly the bytes the
+    engine books for the same plan (step + prefetched batch + evaluation; the fused group
+    through `plan_fusion`), and more than the training step's peak alone."""
+    from flax import nnx
+
+    from scamp_jax.planning.fusion import plan_fusion
+    from scamp_jax.planning.planner import plan_mesh
+    from scamp_jax.planning.train_step import default_optimizer
+    from scamp_jax.scheduling.booking import booked_bytes
+    from scamp_jax.sim.sim_fusion import measure_fused_costs
+    from scamp_jax.sim.step_costs import measure_cost, plan_point
+    from search_spaces import vit
+
+    task = vit.SyntheticClassificationTask(eval_size=16)
+    config = {"patch_size": 8, "embed_dim": 32, "depth": 1, "num_heads": 2, "mlp_ratio": 2.0}
+    model = nnx.eval_shape(lambda: vit.space("small").build(config, nnx.Rngs(0)))
+    sample, memory, margin, cap = task.sample_batch(1), 24 * 2**20, 0.1, 16
+    # The engine's planning service: plan_mesh with the task's evaluation; it books the plan.
+    plan = plan_mesh(model, sample, devices=1, memory_per_device=memory, safety_margin=margin,
+                     loss_fn=task.loss_fn, eval_task=task, max_batch_size=cap)
+    assert plan.eval_chunk > 0 and plan.prefetch_bytes > 0
+    engine_solo = booked_bytes(plan)
+    assert engine_solo > plan.peak_bytes_per_device
+    # The simulator's costing of the same architecture.
+    cost, _ = measure_cost(model, sample, optimizer=default_optimizer(), loss_fn=task.loss_fn,
+                           model_parallel=1, batches=(2, 8), eval_task=task)
+    cost = plan_point(model, sample, cost, optimizer=default_optimizer(), loss_fn=task.loss_fn,
+                      memory_per_device=memory, safety_margin=margin, max_batch_size=cap,
+                      eval_task=task)
+    profile = cost.planned_profile(0, budget_bytes=plan.usable_bytes, samples=160,
+                                   max_batch_size=cap)
+    assert (profile.batch_size, profile.bytes_per_device) == (plan.batch_size, engine_solo)
+    # A fused group of 3 at the trial's batch: the engine books plan_fusion's figure.
+    fusion = plan_fusion(model, sample, max_width=3, plan=plan, batch_size=plan.batch_size,
+                         optimizer=default_optimizer(), loss_fn=task.loss_fn)
+    assert fusion.width == 3
+    fused = measure_fused_costs(model, sample, plan, batch_size=plan.batch_size,
+                                widths=(1, 3), optimizer=default_optimizer(),
+                                loss_fn=task.loss_fn)
+    assert fused.group_bytes(profile, 3) == booked_bytes(fusion) == fusion.predicted_peak_bytes
+    assert booked_bytes(fusion) > fusion.peak_bytes_per_device

@@ -20,10 +20,18 @@ from pathlib import Path
 import pytest
 from _requirements import require_module
 
-from scamp_jax.distributed.engine import RankStream, RemoteTrialSource
+from scamp_jax.distributed.engine import RemoteTrialSource
 from scamp_jax.distributed.mpi import MPIUnavailableError
 from scamp_jax.distributed.spanning import SpanningTrial, SpanPlan, assign_rounds, span_plan
-from scamp_jax.hpo.study import FAIL_REASON, INTERRUPTED, TrialOutcome, open_study
+from scamp_jax.hpo.live import RankStream
+from scamp_jax.hpo.study import (
+    FAIL_REASON,
+    INTERRUPTED,
+    OptunaTrialSource,
+    TrialOutcome,
+    open_study,
+)
+from scamp_jax.space import SearchSpace
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "mpi_scripts" / "hpo_mlp.py"
@@ -135,7 +143,7 @@ def _local_source(tmp_path: Path, n_trials: int, root: Path | None = None, **fus
     require_module("mpi4py", "the mpi extra is not installed: pip install .[mpi]")
     from scamp_jax.distributed.study import StudyClient, StudyServer
 
-    study = open_study("s", study_dir=tmp_path, sampler="random", seed=0)
+    handle = open_study("s", study_dir=tmp_path, sampler="random", seed=0)
 
     def suggest(trial):
         if fusion:  # an architecture (width) and a training hyperparameter (x) for siblings
@@ -146,8 +154,11 @@ def _local_source(tmp_path: Path, n_trials: int, root: Path | None = None, **fus
     # One process is a world of one rank: rank 0's server, used through the local client.
     # A second server on the storage stands for the same command run again after the job
     # died: it fails what the first left RUNNING at once (``fail_stale``), not after a heartbeat.
-    server = StudyServer(study, suggest, n_trials, root=root, fail_stale=True, **fusion)
-    return study, server, RemoteTrialSource(StudyClient.local(server))
+    space = SearchSpace("s", suggest, build=lambda params, rngs: None)
+    source = OptunaTrialSource(handle, space, n_trials, root=root, recover_running=True,
+                               **fusion)
+    server = StudyServer(source)
+    return handle.study, server, RemoteTrialSource(StudyClient.local(server))
 
 
 def test_remote_source_tells_attributes_and_requeues_an_interrupted_trial(tmp_path):
@@ -195,29 +206,15 @@ def test_study_server_requeues_trials_a_dead_job_left_running(tmp_path):
     assert source2.ask() is None
 
 
-def test_sibling_choice_puts_a_ranks_own_siblings_first_and_leaves_out_other_ranks():
-    from scamp_jax.distributed.study import sibling_choice
-
-    # Queue: 5 (a sibling of 4, rank 1's), 3 (a retry, no sibling), 7 (of 6, rank 0's),
-    # 9 (of 8: a proposal no rank of this run holds, e.g. from a job that died).
-    waiting = [(5, 4), (3, None), (7, 6), (9, 8)]
-    owners = {4: 1, 6: 0}
-    assert sibling_choice(0, waiting, owners) == [7, 3, 9]
-    assert sibling_choice(1, waiting, owners) == [5, 3, 9]
-    assert sibling_choice(2, waiting, owners) == [3, 9]
-    assert sibling_choice(0, [], owners) == []
-
-
 def test_study_server_hands_a_proposals_siblings_only_to_its_rank(tmp_path):
     study, server, _ = _local_source(tmp_path, n_trials=5, siblings=1, training_keys=("x",))
-    a = server.ask(0)  # the sampler proposes; one sibling is enqueued, reserved for rank 0
+    a = server.ask(0)  # the sampler proposes; one sibling is held for rank 0
     assert a.siblings == 1 and a.sibling_of is None
-    b = server.ask(1)  # Optuna's queue would pop a's sibling here; rank 1 gets a proposal
+    b = server.ask(1)  # rank 1 gets a proposal of its own, not a's sibling
     assert b.sibling_of is None and b.siblings == 1
-    assert server.reserved() == {a.number: 0, b.number: 1}
     b_sib = server.ask(1)
     assert b_sib.sibling_of == b.number and b_sib.params["width"] == b.params["width"]
-    # An interrupted trial queued behind a's sibling goes to rank 1, a's sibling does not.
+    # An interrupted trial, queued, goes to the next asker (rank 1); a's sibling does not.
     server.interrupt(a.number)
     retry = server.ask(1)
     assert retry.params == a.params and retry.sibling_of is None
@@ -235,32 +232,28 @@ def test_study_server_hands_a_proposals_siblings_only_to_its_rank(tmp_path):
     assert ranks[a_sib.number] == ranks[a.number] == 0 and ranks[b_sib.number] == 1
 
 
-def test_siblings_a_dead_job_left_go_to_one_rank_of_the_next_run(tmp_path):
+def test_siblings_a_dead_job_held_die_with_it_and_the_next_run_completes_the_study(tmp_path):
     study, server, _ = _local_source(tmp_path, n_trials=4, siblings=2, training_keys=("x",))
     a = server.ask(0)
     assert a.siblings == 2
     first_sibling = server.ask(0)
     assert first_sibling.sibling_of == a.number
-    # The job dies: a and one sibling RUNNING, one sibling WAITING (reserved for rank 0).
+    # The job dies: a and one sibling RUNNING, the other sibling held only in its memory.
     study2, server2, _ = _local_source(tmp_path, n_trials=4, siblings=2, training_keys=("x",))
     assert sorted(server2.stale_failed) == sorted([a.number, first_sibling.number])
-    got = {0: [], 1: []}
-    for rank in (1, 0, 0, 1, 0, 1):
-        item = server2.ask(rank)
-        if item is not None:
-            got[rank].append(item)
-    family = {r: [i.number for i in items if i.sibling_of == a.number]
-              for r, items in got.items()}
-    # Both siblings (the waiting one and the retry of the running one) went to the rank that
-    # took the first of them; a's own retry went to the other rank.
-    assert sorted(map(len, family.values())) == [0, 2], family
-    for items in got.values():
-        for item in items:
-            server2.tell(item.number, 0.5)
+    items = [item for rank in (1, 0, 1, 0, 1, 0) if (item := server2.ask(rank)) is not None]
+    # The two retries first (their parameters and checkpoints), then a proposal and its
+    # sibling, held for the proposal's rank: exactly the study's four trials.
+    assert [(i.params, i.checkpoint_key) for i in items[:2]] == [
+        (a.params, a.checkpoint_key), (first_sibling.params, first_sibling.checkpoint_key)]
+    assert len(items) == 4 and items[3].sibling_of == items[2].number
+    assert items[3].params["width"] == items[2].params["width"]
+    ranks = {t.number: t.user_attrs["rank"] for t in study2.get_trials()}
+    assert ranks[items[2].number] == ranks[items[3].number]
+    for item in items:
+        server2.tell(item.number, 0.5)
     complete = [t for t in study2.get_trials() if t.state.name == "COMPLETE"]
     assert len(complete) == 4 and server2.remaining() == 0
-    assert {t.params["width"] for t in complete if t.user_attrs.get("fusion_sibling_of")
-            is not None} == {a.params["width"]}
 
 
 # ----------------------------------------------------------------------------- under mpirun
@@ -319,6 +312,17 @@ def test_study_split_across_two_ranks_records_every_trial_once_with_its_rank(
     assert again.returncode != 0
     assert "steps" in again.stderr and "--study-name" in again.stderr, again.stderr
     assert [s for _, s, _ in _stored_trials(tmp_path)] == ["COMPLETE"] * 4
+    # --study-name means what it means in one process: a new study of that name in the same
+    # storage, its outputs in --study-dir/NAME; the first study is left as it was.
+    named = _launch(tmp_path, 2, "--trials", "2", "--steps", "30", "--study-name", "b")
+    assert named.returncode == 0, named.stdout + named.stderr
+    import optuna
+
+    storage = f"sqlite:///{tmp_path / 'study' / 'study.db'}"
+    studies = {s.study_name: s.n_trials for s in optuna.get_all_study_summaries(storage)}
+    assert studies == {"mlp-mpi": 4, "b": 2}
+    assert json.loads((tmp_path / "study" / "b" / "results.json").read_text())["run"]["ranks"] == 2
+    assert {t["number"] for t in _results(tmp_path)["trials"]} == {0, 1, 2, 3}
 
 
 @pytest.mark.mpi
@@ -370,11 +374,10 @@ def test_study_split_across_four_ranks_records_every_trial_once(tmp_path, _needs
 
 
 @pytest.mark.mpi
-@pytest.mark.slow
 def test_a_killed_rank_stops_the_job_and_the_same_command_resumes_the_study(
     tmp_path, _needs_mpi
 ):
-    died = _launch(tmp_path, 2, "--trials", "4", "--die-rank", "1")
+    died = _launch(tmp_path, 2, "--trials", "4", "--steps", "10", "--die-rank", "1")
     output = died.stdout + died.stderr
     assert died.returncode != 0, output
     assert "rank 1 is killed after telling trial" in output
@@ -385,7 +388,7 @@ def test_a_killed_rank_stops_the_job_and_the_same_command_resumes_the_study(
     before = {n for n, s, _ in _stored_trials(tmp_path) if s == "COMPLETE"}
     assert before, "rank 1 told one trial before it died"
 
-    proc = _launch(tmp_path, 2, "--trials", "4")  # the same command again
+    proc = _launch(tmp_path, 2, "--trials", "4", "--steps", "10")  # the same command again
     assert proc.returncode == 0, proc.stdout + proc.stderr
     stored = _stored_trials(tmp_path)
     complete = {n for n, s, _ in stored if s == "COMPLETE"}
@@ -459,19 +462,19 @@ def test_fused_study_under_mpirun_keeps_each_proposals_siblings_on_its_rank(
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_a_fused_study_killed_under_mpirun_resumes_and_runs_every_sibling(tmp_path, _needs_mpi):
-    # About 1.5 minutes: the re-run waits for the dead job's heartbeats to go stale.
+def test_a_fused_study_killed_under_mpirun_resumes_to_exactly_its_trials(tmp_path, _needs_mpi):
+    # The re-run waits for the dead job's heartbeats to go stale (the script's 10 s grace).
     died = _launch(tmp_path, 2, "--trials", "8", "--fuse", "2", "--die-rank", "1")
     assert died.returncode != 0 and "rank 1 is killed after telling trial" in died.stdout
     before = {n for n, s, _ in _stored_trials(tmp_path) if s == "COMPLETE"}
     assert before and len(before) < 8
-    waiting = {n for n, s, _ in _stored_trials(tmp_path) if s == "WAITING"}
+    # Siblings are held by rank 0's trial source, never left waiting in the storage by a job.
+    assert not {n for n, s, _ in _stored_trials(tmp_path) if s == "WAITING"}
     proc = _launch(tmp_path, 2, "--trials", "8", "--fuse", "2")  # the same command again
     assert proc.returncode == 0, proc.stdout + proc.stderr
     stored = _stored_trials(tmp_path)
     complete = {n for n, s, _ in stored if s == "COMPLETE"}
     assert before <= complete  # nothing finished was lost
-    assert waiting <= complete  # siblings the dead job left waiting ran (on one rank)
     # Trials the dead job left RUNNING were waited for until their heartbeat went stale, then
     # retried: one re-run ends with exactly --trials, nothing left running or waiting.
     assert {s for _, s, _ in stored} <= {"COMPLETE", "FAIL"}, stored

@@ -409,3 +409,67 @@ def test_random_elastic_streams_never_over_commit(events, pending, draws) -> Non
         queue.append(request)
         queue = _decide_and_check(policy, pool, queue,
                                   lambda r: {o.devices for o in r.choices()}, pending)
+
+
+@st.composite
+def _decision_rounds(draw: st.DrawFn):
+    """A pool (uniform or mixed capacities, small or past the indexed reservation's cut-off),
+    a policy's settings and a few rounds of arrivals and finishes."""
+    n = draw(st.sampled_from([3, 6, 70]))
+    uniform = draw(st.booleans())
+    capacity = [100] * n if uniform else [draw(st.sampled_from([60, 100])) for _ in range(n)]
+    settings_ = dict(
+        share_devices=draw(st.booleans()), reserve_for_head=draw(st.booleans()),
+        spread=draw(st.booleans()), longest_first=draw(st.booleans()),
+        overtake_window=draw(st.sampled_from([None, 1, 3])),
+        compute_aware=draw(st.booleans()))
+    rounds = []
+    for _ in range(draw(st.integers(1, 4))):
+        arrivals = draw(st.lists(st.tuples(
+            st.integers(1, 3),                    # devices
+            st.integers(1, 60),                   # bytes per device
+            st.integers(0, 30),                   # arrival (a re-planned trial keeps an old one)
+            st.one_of(st.none(), st.integers(0, 5).map(float)),  # seconds
+            st.booleans(),                        # exclusive
+            st.sampled_from([0.0, 0.3, 0.7]),     # busy fraction
+            st.booleans()), max_size=12))         # with a larger option
+        rounds.append((arrivals, draw(st.booleans()), draw(st.integers(0, 3))))
+    return capacity, settings_, rounds
+
+
+@settings(max_examples=150, deadline=None)
+@given(_decision_rounds())
+def test_indexed_decisions_equal_the_full_walk_before_it(case) -> None:
+    """The indexed decision (`RequestQueue`, pool-kept levels, narrowed reservation) starts
+    the same trials on the same devices as the full walk it replaced (kept in the tests), round
+    after round of arrivals, starts and finishes, for both policies and every setting."""
+    import _placement_reference as before
+
+    from scamp_jax.scheduling.placement import DeviceOption
+    from scamp_jax.scheduling.request_queue import RequestQueue
+
+    capacity, kwargs, rounds = case
+    for new, old in ((ScampPolicy(**kwargs), before.ScampPolicy(**kwargs)),
+                     (FixedPolicy(3), before.FixedPolicy(3))):
+        pool = DevicePool(capacity)
+        queue = RequestQueue()
+        key = 0
+        for arrivals, pending, finishes in rounds:
+            for devices, nbytes, arrival, seconds, exclusive, busy, grow in arrivals:
+                options = (DeviceOption(devices + 1, nbytes, None),) if grow else ()
+                if isinstance(new, FixedPolicy) or devices + grow > len(capacity):
+                    options = ()
+                queue.add(TrialRequest(key, devices, min(nbytes, min(capacity)), arrival,
+                                       exclusive=exclusive, seconds=seconds, options=options,
+                                       busy_fraction=busy))
+                key += 1
+            snapshot = pool.snapshot()
+            expected = [(p.key, p.device_ids)
+                        for p in old.decide(snapshot, list(queue), arrivals_pending=pending)]
+            for queued in (queue, list(queue)):
+                decided = new.decide(snapshot, queued, arrivals_pending=pending)
+                assert [(p.key, p.device_ids) for p in decided] == expected
+            for placement in decided:
+                pool.allocate(placement, queue.remove(placement.key))
+            for done in sorted(pool.running)[:finishes]:
+                pool.release(done)

@@ -4,7 +4,6 @@ not lookups), and every plan's batch is checked by independent compiles."""
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import subprocess
 import sys
@@ -94,7 +93,44 @@ def test_a_new_plan_compiles_three_times_and_a_known_mesh_twice(tmp_path):
     peaks = dict(warm.compiled_peaks)
     assert peaks[warm.batch_size] + warm.prefetch_bytes <= warm.usable_bytes
     following = warm.batch_size + warm.data_parallel
-    assert peaks[following] + _prefetch(warm, following) > warm.usable_bytes
+    assert _peak(warm, following) + _prefetch(warm, following) > warm.usable_bytes
+
+
+class MLP(nnx.Module):
+    """A small classifier: its training state, not its activations, sets the memory."""
+
+    def __init__(self, width: int, rngs: nnx.Rngs) -> None:
+        self.hidden = nnx.Linear(64, width, rngs=rngs)
+        self.out = nnx.Linear(width, 10, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.out(nnx.relu(self.hidden(x)))
+
+
+def test_a_capped_plan_whose_first_guess_fits_compiles_once_and_once_cached_never(tmp_path):
+    # The batch cap clearly fits by the bound from shapes, so the search compiles it first,
+    # exactly, as its answer: one compile of the training step, none for the same plan again.
+    model = nnx.eval_shape(lambda: MLP(256, nnx.Rngs(0)))
+    sample = jax.ShapeDtypeStruct((1, 64), jnp.float32)
+    kwargs: dict[str, Any] = dict(devices=1, memory_per_device="32MiB", max_batch_size=128)
+    with CompileCounter() as count:
+        plan = plan_mesh(model, sample, cache=PlanCache(tmp_path / "plans.sqlite"), **kwargs)
+    assert count.compiles["jit(step)"] == plan.compiles == 1
+    assert plan.batch_size == 128 and plan.predicted_peak_bytes <= plan.usable_bytes
+    with CompileCounter() as again:
+        cached = plan_mesh(model, sample, cache=PlanCache(tmp_path / "plans.sqlite"), **kwargs)
+    assert again.compiles["jit(step)"] == 0 and cached.cached and cached == plan
+
+
+def test_a_new_plan_takes_two_compiles_when_the_line_between_them_settles_it():
+    # The probe above the boundary and the exact answer below it bracket the boundary; the line
+    # between them puts the next batch over the budget, so no third compile proves it, and an
+    # independent compile agrees.
+    with CompileCounter() as count:
+        plan = plan_mesh(_abstract(), SAMPLE, devices=2, memory_per_device="1MiB")
+    assert count.compiles["jit(step)"] == plan.compiles == 2
+    assert plan.batch_size + plan.data_parallel not in dict(plan.compiled_peaks)
+    _assert_verified(plan)
 
 
 def test_cached_plan_is_rebuilt_without_compiling_and_equals_the_first(tmp_path):
@@ -230,7 +266,8 @@ def test_a_plan_for_the_runner_compiles_its_answer_run_grade_instead_of_once_mor
     # On CPU the search compiles with fast code-generation settings; asked for the runner's
     # step, it compiles the batch the memory model predicts to be the answer with default
     # options instead, so the plan takes no extra compile and its figures are the same.
-    fast = plan_mesh(_abstract(), SAMPLE, devices=2, memory_per_device=BUDGET)
+    fast = plan_mesh(_abstract(), SAMPLE, devices=2, memory_per_device=BUDGET,
+                     compile_for_run=False)
     assert fast.compiled_step is None
     with CompileCounter() as count:
         ready = plan_mesh(_abstract(), SAMPLE, devices=2, memory_per_device=BUDGET,
@@ -243,28 +280,18 @@ def test_a_plan_for_the_runner_compiles_its_answer_run_grade_instead_of_once_mor
     _assert_verified(ready)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Settings:
-    trials: int
-    study_dir: str
-    steps: int = 2
-    reference_batch: int | None = 4
-    max_batch_size: int | None = 8
-    policy: str = "scamp"
-    devices_per_trial: int = 1
-    sampler: str = "random"
-    pruner: str = "none"
-    seed: int = 0
-    storage: str | None = None
-    checkpoint_every: int = 0
-    eval_every: int = 0
+def _settings(trials: int, study_dir: str) -> Any:
+    from scamp_jax.hpo.settings import SearchSettings
+
+    return SearchSettings(trials=trials, study_dir=study_dir, steps=2, reference_batch=4,
+                          max_batch_size=8, devices_per_trial=1, sampler="random",
+                          pruner="none", checkpoint_every=0)
 
 
-@pytest.mark.slow
 def test_a_resumed_study_plans_without_compiling(tmp_path, monkeypatch):
     from rich.console import Console
 
-    from scamp_jax.hpo.search import run_search
+    from scamp_jax.hpo.session import run_search
     from scamp_jax.planning import planner
 
     calls: list[int] = []
@@ -279,7 +306,7 @@ def test_a_resumed_study_plans_without_compiling(tmp_path, monkeypatch):
         "learning_rate", 1e-3, 1e-2, log=True)}, lambda c, rngs: ConvNet(c["width"], rngs))
     for trials in (1, 2):
         calls.clear()
-        info = run_search(space, Denoise(), _Settings(trials, str(tmp_path)),
+        info = run_search(space, Denoise(), _settings(trials, str(tmp_path)),
                           devices=jax.devices()[:2], memory_per_device=8 * 2**20, live=False,
                           console=Console(file=io.StringIO()))
         assert info["trials_this_run"] == 1

@@ -31,29 +31,18 @@ import sys
 from scamp_jax.devices import configure_cpu_devices
 configure_cpu_devices(8)
 sys.path.insert(0, {tests!r})
-import dataclasses, jax
+import jax
 from test_runner import Regression, SPACE
-from scamp_jax.hpo.search import run_search
+from scamp_jax.hpo.session import run_search
+from scamp_jax.hpo.settings import SearchSettings
 
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    trials: int = {trials}
-    steps: int = {steps}
-    reference_batch: int | None = None
-    max_batch_size: int | None = 16
-    policy: str = "fixed"          # two devices, two per trial: one trial at a time
-    devices_per_trial: int = 2
-    sampler: str = "random"
-    pruner: str = "none"
-    seed: int = 0
-    study_dir: str = {study_dir!r}
-    storage: str | None = {storage!r}
-    checkpoint_every: int = 30
-    eval_every: int = 0
-    heartbeat_interval: int = 1    # a killed process's trial is retried 3 s after its last beat
-    grace_period: int = 3
-
-run_search(SPACE, Regression(), Settings(), devices=jax.devices()[:2],
+settings = SearchSettings(
+    trials={trials}, steps={steps}, max_batch_size=16, sampler="random", pruner="none",
+    policy="fixed", devices_per_trial=2,  # two devices, two per trial: one trial at a time
+    study_dir={study_dir!r}, storage={storage!r}, checkpoint_every=30,
+    heartbeat_interval=1, grace_period=3,  # a killed process's trial is retried 3 s later
+)
+run_search(SPACE, Regression(), settings, devices=jax.devices()[:2],
            memory_per_device=64 * 2**20, live=False)
 """
 

@@ -7,7 +7,6 @@ training on CPU devices); the replay feeds its recorded arrivals, paces and dura
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -16,10 +15,10 @@ from typing import Any
 
 import jax
 import pytest
-from test_engine import Settings, build, suggest
+from test_engine import build, settings, suggest
 from test_runner import Regression
 
-from scamp_jax.hpo.search import run_search
+from scamp_jax.hpo.session import run_search
 from scamp_jax.scheduling import SchedulingCore, TrialPlan, replan_after_oom, usable_capacity
 from scamp_jax.scheduling.placement import ScampPolicy
 from scamp_jax.scheduling.replay import recorded_placements, replay
@@ -36,10 +35,9 @@ def packed_study(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[s
     the 32,000-byte budget would hold three of them, its usable 90% only two."""
     study_dir = tmp_path_factory.mktemp("packed")
     space = SearchSpace("mlp-ok", lambda t: {**suggest(t), "kind": "ok"}, build)
-    settings = dataclasses.replace(Settings(study_dir=str(study_dir)), trials=8, steps=40,
-                                   reference_batch=None, checkpoint_every=0)
-    run_search(space, Regression(), settings, devices=jax.devices()[:2],
-               memory_per_device=BUDGET, live=False)
+    run_search(space, Regression(), settings(str(study_dir), trials=8, steps=40,
+                                             reference_batch=None, checkpoint_every=0),
+               devices=jax.devices()[:2], memory_per_device=BUDGET, live=False)
     return study_dir, json.loads((study_dir / "results.json").read_text())
 
 

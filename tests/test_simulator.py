@@ -21,8 +21,10 @@ from scamp_jax.sim.simulator import (
 
 GIB = 2**30
 
-# Unit efficiencies so every figure below can be checked by hand; launch latency 1 ms.
-TOY = ClusterModel("toy", 2, 10 * GIB, 1e12, 1e12, 1e9, 1.0, 1.0, 1.0, 1e-3)
+# Unit efficiencies so every figure below can be checked by hand; launch latency 1 ms; plans
+# ready at once and free overlap of co-located trials (the tests of those two parts say so).
+TOY = ClusterModel("toy", 2, 10 * GIB, 1e12, 1e12, 1e9, 1.0, 1.0, 1.0, 1e-3,
+                   planning_seconds=0.0, overlap=1.0)
 
 
 def test_step_seconds_is_roofline_plus_comm_plus_launch() -> None:
@@ -68,6 +70,31 @@ def test_makespan_by_hand_with_device_sharing() -> None:
     mean = (0.4 * 15 + 0.2 * 10 + 0.8 * 10) / 35
     assert result.summary["mean_memory_utilization"] == pytest.approx(mean)
     assert result.summary["idle_device_seconds"] == pytest.approx(25.0)  # device 1, 0..25 s
+
+
+def test_strict_turns_slow_co_located_trials_whatever_their_busy_fractions() -> None:
+    # The same packing at overlap 0: A (busy half its time) and B on device 0 take strict
+    # turns, load 1 each: both at half speed. B ends at 10 / (1/2) = 20 s; A has 20 - 10 = 10 s
+    # left, alone -> 30 s. C runs 30..40 s. Between the two, overlap 0.5: A's load is 0.75, B's
+    # 1.0, both at 1 / 1.75 speed: B ends at 17.5 s, A has 20 - 10 = 10 s left -> 27.5 s.
+    policy = ScampPolicy(spread=False, compute_aware=False)
+    strict = simulate(_hand_example(), dataclasses.replace(TOY, overlap=0.0), policy)
+    assert {t.key: t.end_s for t in strict.trials} == pytest.approx({0: 30.0, 1: 20.0, 2: 40.0})
+    half = simulate(_hand_example(), dataclasses.replace(TOY, overlap=0.5), policy)
+    assert {t.key: t.end_s for t in half.trials} == pytest.approx({0: 27.5, 1: 17.5, 2: 37.5})
+    assert "overlap=0.5" in half.cluster.describe()
+    with pytest.raises(ValueError, match="overlap=1.5 must be in"):
+        dataclasses.replace(TOY, overlap=1.5)
+
+
+def test_a_trial_is_placed_once_its_plan_is_ready() -> None:
+    # Planning takes 4 s a trial; the lookahead of 2 asks A and B at 0 (ready at 4 s), C once
+    # one of them started (asked at 4 s, ready at 8 s). Spread: A on 0 (4..24 s), B on 1
+    # (4..14 s); C needs both devices and starts when A ends.
+    planning = dataclasses.replace(TOY, planning_seconds=4.0)
+    result = simulate(_hand_example(), planning, ScampPolicy(), lookahead=2)
+    spans = [(t.key, t.start_s, t.end_s) for t in result.trials]
+    assert spans == [(0, 4.0, 24.0), (1, 4.0, 14.0), (2, 24.0, 34.0)]
 
 
 @pytest.mark.parametrize("policy", [ScampPolicy(), ScampPolicy(share_devices=False)])
@@ -407,3 +434,25 @@ def test_last_wave_sharing_waits_for_a_measured_pace() -> None:
     # Compute-aware sharing off: memory alone decides, both share the device from 0 s.
     both = simulate(trials, one, ScampPolicy(compute_aware=False))
     assert {t.start_s for t in both.trials} == {0.0}
+
+
+def test_planning_and_restart_seconds_come_from_what_a_study_measured(tmp_path) -> None:
+    import json
+
+    from scamp_jax.sim.measured import engine_figures, read_results
+
+    results = {"trials": [
+        # Planned 7.5 s after the study's start; restarted at 40 s, trained again from 52 s.
+        {"number": 0, "planned_at": 7.5, "placements": [[8.0, [0]], [40.0, [0, 1]]],
+         "pace": [[20.0, 5, 1.0, 9.0], [60.0, 30, 0.5, 52.0]]},
+        # Restarted at 30 s, trained again from 46 s.
+        {"number": 1, "planned_at": 9.0, "placements": [[9.5, [1]], [30.0, [1, 2]]],
+         "pace": [[50.0, 10, 0.5, 46.0]]},
+        {"number": 2, "planned_at": 8.0, "placements": [[10.0, [2]]], "pace": []},
+    ]}
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    assert engine_figures(read_results(tmp_path)) == {"planning_seconds": 7.5,
+                                                      "restart_seconds": 14.0}
+    assert engine_figures({"trials": [{"planned_at": None}]}) == {}  # defaults stay
+    with pytest.raises(FileNotFoundError, match="directory of a finished study"):
+        read_results(tmp_path / "nowhere")

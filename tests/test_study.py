@@ -242,5 +242,57 @@ def test_siblings_need_a_study_opened_by_open_study(tmp_path):
     with pytest.raises(ValueError, match="siblings=1 .* need a study opened by"):
         OptunaTrialSource(study, SPACE, 4, siblings=1, training_keys=("learning_rate",))
     plain = OptunaTrialSource(study, SPACE, 4)  # no siblings: any study will do
-    with pytest.raises(ValueError, match=r"choose=.*open_study"):
-        plain.ask(choose=lambda waiting: waiting)
+    assert plain.ask() is not None and not plain.has_liveness
+
+
+GRID4 = SearchSpace("toy", suggest, build=lambda c, r: None,
+                    grid={"width": [8, 16], "learning_rate": [1e-3, 1e-2]})
+
+
+def grid_source(tmp_path, n_trials: int, seed: int = 0) -> OptunaTrialSource:
+    study = open_study("toy", study_dir=tmp_path, sampler="grid", seed=seed, grid=GRID4.grid)
+    return OptunaTrialSource(study, GRID4, n_trials)
+
+
+def point(asked: AskedTrial) -> tuple[Any, ...]:
+    return (asked.params["width"], asked.params["learning_rate"])
+
+
+def test_a_grid_covers_every_point_before_the_study_ends(tmp_path):
+    """Four points, six trials, asked while the earlier ones still run: four distinct points,
+    then nothing, and telling the last one raises nothing (Optuna's grid would call
+    ``study.stop()``)."""
+    src = grid_source(tmp_path, 6, seed=5)
+    assert src.grid_points == 4
+    asked = [src.ask() for _ in range(4)]
+    assert sorted(map(point, asked)) == [(8, 1e-3), (8, 1e-2), (16, 1e-3), (16, 1e-2)]
+    assert src.grid_done() and src.ask() is None
+    for t in asked:
+        src.tell(TrialOutcome(t.number, "complete", value=1.0))
+    assert src.ask() is None and src.finished() == 4
+    # A rerun of the finished grid, even asking for more, has nothing to do.
+    assert grid_source(tmp_path, 8, seed=5).ask() is None
+
+
+def test_a_grid_reruns_an_interrupted_point_and_only_it(tmp_path):
+    src = grid_source(tmp_path, 6)
+    first = [src.ask() for _ in range(3)]
+    src.interrupt(first[0].number)
+    for t in first[1:]:
+        src.tell(TrialOutcome(t.number, "complete", value=1.0))
+    again = grid_source(tmp_path, 6)
+    rest = [again.ask(), again.ask()]
+    assert point(rest[0]) == point(first[0])  # the queued retry first
+    assert {point(t) for t in first + rest} == {(8, 1e-3), (8, 1e-2), (16, 1e-3), (16, 1e-2)}
+    assert again.ask() is None
+
+
+def test_per_trial_seeds_keep_each_trials_draw_independent_of_the_asker(tmp_path):
+    """Trial n's configuration depends on the seed, n and the history, not on which process
+    (or which sampler object) asked the trials before it."""
+    one = source(tmp_path / "one", 4, sampler="random", seed=2)
+    together = [one.ask() for _ in range(4)]
+    two = source(tmp_path / "two", 4, sampler="random", seed=2)
+    split = [two.ask() for _ in range(2)]
+    split += [source(tmp_path / "two", 4, sampler="random", seed=2).ask() for _ in range(2)]
+    assert [dict(t.params) for t in together] == [dict(t.params) for t in split]

@@ -2,8 +2,8 @@
 
 A process runs a study (the MLP stand-in of ``test_runner`` through `run_search`, inside the
 entry points' error handler `experiments._cli.user_errors`), is stopped with SIGTERM once a trial
-has finished, is rerun with other steps (refused, the record untouched), then rerun with the
-same settings to the end. The record only grows.
+has finished, is rerun with other steps (refused, the record untouched; in this process, through
+the same handler), then rerun with the same settings to the end. The record only grows.
 """
 
 from __future__ import annotations
@@ -16,11 +16,16 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import optuna
 import pytest
 import sqlalchemy.exc
 from optuna.trial import TrialState
+from test_runner import SPACE, Regression
 
+from experiments._cli import user_errors
+from scamp_jax.hpo.session import run_search
+from scamp_jax.hpo.settings import SearchSettings
 from scamp_jax.hpo.study import storage_url
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,36 +36,32 @@ import sys
 from scamp_jax.devices import configure_cpu_devices
 configure_cpu_devices(8)
 sys.path.insert(0, {tests!r})
-import dataclasses, jax
+import jax
 from test_runner import Regression, SPACE
 from experiments._cli import user_errors
-from scamp_jax.hpo.search import run_search
+from scamp_jax.hpo.session import run_search
+from scamp_jax.hpo.settings import SearchSettings
 
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    trials: int = 2
-    steps: int = int(sys.argv[1])
-    reference_batch: int | None = None
-    max_batch_size: int | None = 16
-    policy: str = "fixed"
-    devices_per_trial: int = 2
-    sampler: str = "random"
-    pruner: str = "none"
-    seed: int = 0
-    study_dir: str = {study_dir!r}
-    storage: str | None = None
-    checkpoint_every: int = 20
-    eval_every: int = 0
-
+settings = SearchSettings(**{settings!r}, study_dir={study_dir!r}, steps=int(sys.argv[1]))
 with user_errors():
-    run_search(SPACE, Regression(), Settings(), devices=jax.devices()[:2],
+    run_search(SPACE, Regression(), settings, devices=jax.devices()[:2],
                memory_per_device=64 * 2**20, live=False)
 """
 TESTS = ROOT / "tests"
 
 
+#: The study: two trials, one at a time (fixed policy, two devices each).
+SETTINGS = {"trials": 2, "max_batch_size": 16, "policy": "fixed", "devices_per_trial": 2,
+            "sampler": "random", "pruner": "none", "checkpoint_every": 20}
+
+
+def _settings(study_dir: str | Path, steps: int) -> SearchSettings:
+    return SearchSettings(**SETTINGS, study_dir=str(study_dir), steps=steps)
+
+
 def _command(study_dir: Path, steps: int = 60) -> list[str]:
-    return [sys.executable, "-c", DRIVER.format(tests=str(TESTS), study_dir=str(study_dir)),
+    return [sys.executable, "-c", DRIVER.format(tests=str(TESTS), study_dir=str(study_dir),
+                                               settings=SETTINGS),
             str(steps)]
 
 
@@ -79,8 +80,8 @@ def _trials(study_dir: Path) -> list[optuna.trial.FrozenTrial]:
         return []
 
 
-@pytest.mark.slow  # three processes start JAX: about 90 s on 2 busy cores
-def test_sigterm_checkpoints_writes_results_and_a_rerun_appends(tmp_path):
+# Three processes start JAX: about 40 s on 2 busy cores.
+def test_sigterm_checkpoints_writes_results_and_a_rerun_appends(tmp_path, capsys):
     study_dir = tmp_path / "study"
     proc = subprocess.Popen(_command(study_dir), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -101,10 +102,11 @@ def test_sigterm_checkpoints_writes_results_and_a_rerun_appends(tmp_path):
     finished = [r["number"] for r in payload["trials"]]
     assert finished, payload
 
-    other = subprocess.run(_command(study_dir, 30), cwd=ROOT, env=_env(),
-                           capture_output=True, text=True, timeout=300)
-    assert other.returncode == 2, other.stdout + other.stderr
-    line = other.stderr.strip().splitlines()[-1]
+    with pytest.raises(SystemExit) as refused, user_errors():
+        run_search(SPACE, Regression(), _settings(study_dir, steps=30),
+                   devices=jax.devices()[:2], memory_per_device=64 * 2**20, live=False)
+    assert refused.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("error: ") and "--steps 60" in line and "--steps 30" in line, line
     assert "--study-name" in line
     assert len(json.loads((study_dir / "results.json").read_text())["runs"]) == 1

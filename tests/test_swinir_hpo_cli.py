@@ -56,11 +56,10 @@ def test_bad_numbers_are_rejected(args, message, capsys):
 @pytest.mark.parametrize("value, grow", [(None, None), ("on", True), ("off", False)])
 def test_elastic_flag_reaches_the_engine(value, grow):
     from experiments._cli import config_from_args
-    from scamp_jax.hpo.search import engine_config
 
     args = swinir_hpo.parser().parse_args([] if value is None else ["--elastic", value])
     config = config_from_args(args, swinir_hpo.get_config("smoke"), "runs/x")
-    assert engine_config(config, 2**30).grow_last_wave is grow
+    assert config.engine_config(2**30).grow_last_wave is grow
 
 
 def test_presets_are_typed_and_distinct():

@@ -17,6 +17,7 @@ from scamp_jax.planning.train_step import (
     abstract_state,
     default_loss,
     default_optimizer,
+    init_train_state,
     jit_train_step,
     make_train_step,
     place_train_state,
@@ -166,3 +167,32 @@ def test_step_shardings_mesh_requires_named_shardings():
                         batch=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     with pytest.raises(TypeError, match="NamedSharding"):
         _ = bad.mesh
+
+
+def test_init_train_state_builds_on_the_shardings_without_moving_arrays():
+    """The model is created where it lives: no device holds it whole, nothing is transferred
+    (building eagerly and placing it, as `place_train_state` needs, moves it from device 0)."""
+    mesh = make_mesh(jax.devices(), 4, 2)
+    tx = default_optimizer()
+
+    def build() -> DropoutMLP:
+        return DropoutMLP(128, 256, nnx.Rngs(0))
+
+    params, opt_state, rest = abstract_state(nnx.eval_shape(build), tx)
+    shardings = default_step_shardings(mesh, params, opt_state, rest, tx)
+    assert P(None, "model") in _specs(shardings.params)  # the test needs a sharded kernel
+    with jax.transfer_guard("disallow"):
+        graphdef, p, o, r = init_train_state(build, tx, shardings)
+        with pytest.raises(Exception, match="[Dd]isallowed"):
+            place_train_state(build(), tx, shardings)
+    for tree, expected in ((p, shardings.params), (o, shardings.opt_state)):
+        expected = jax.tree.leaves(expected, is_leaf=lambda s: isinstance(s, jax.NamedSharding))
+        for array, sharding in zip(jax.tree.leaves(tree), expected, strict=True):
+            assert array.sharding.is_equivalent_to(sharding, array.ndim)
+    _, eager, _ = split_model(build())
+    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(eager), strict=True):
+        np.testing.assert_array_equal(a, b)  # the same initial values as an eager build
+    step = jit_train_step(graphdef, tx, default_loss, shardings)
+    x = jax.device_put(np.ones((8, 128), np.float32), shardings.batch)
+    p, o, r, loss = step(p, o, r, x)
+    assert np.isfinite(float(loss))

@@ -28,7 +28,7 @@ job left running are failed and queued again once their heartbeat is older than 
 then a rank with nothing else to run is told to ask again later, not that the study is done, so
 the re-run ends with exactly ``settings.trials`` finished trials.
 
-Fused groups (``settings.fuse``, as `scamp_jax.hpo.search.run_search` wires it): rank 0's server
+Fused groups (``settings.fuse``, as `scamp_jax.hpo.session.StudySession` wires it): rank 0's server
 enqueues siblings for each trial the sampler proposes and reserves them for the rank that got
 the proposal (`scamp_jax.distributed.study`), and each rank's engine fuses only its own trials;
 ``fused_group`` and ``fusion_width`` are user attributes of each trial, so ``results.json`` has
@@ -45,10 +45,8 @@ from __future__ import annotations
 
 import functools
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from scamp_jax.distributed.mpi import import_mpi4py
@@ -63,7 +61,6 @@ from scamp_jax.hpo.engine import SearchEngine, TrialDeferred
 from scamp_jax.hpo.plan_service import PlanningService
 from scamp_jax.hpo.study import AskedTrial, AskLater, TrialOutcome
 from scamp_jax.planning import planner
-from scamp_jax.planning.plan_cache import PlanCache
 
 _OPTUNA_STATE = {"complete": "COMPLETE", "pruned": "PRUNED", "failed": "FAIL"}
 
@@ -114,38 +111,6 @@ class RemoteTrialSource:
     def close(self) -> None:
         """Tell rank 0 that this rank asks, reports and tells nothing more."""
         self.client.close()
-
-
-class RankStream:
-    """A text stream that prefixes every line with ``[rank R]`` (plain logs of ranks > 0).
-
-    Args:
-      rank: the MPI rank named in the prefix.
-      stream: where the lines go (default ``sys.stdout``).
-    """
-
-    def __init__(self, rank: int, stream: Any = None) -> None:
-        self.prefix = f"[rank {rank}] "
-        self.stream = stream if stream is not None else sys.stdout
-        self._pending = ""
-        self._lock = threading.Lock()
-
-    def write(self, text: str) -> int:
-        """Buffer ``text`` and write every completed line with the prefix."""
-        with self._lock:
-            self._pending += text
-            *lines, self._pending = self._pending.split("\n")
-            for line in lines:
-                self.stream.write(f"{self.prefix}{line}\n")
-        return len(text)
-
-    def flush(self) -> None:
-        """Flush the underlying stream (a partial line stays buffered until its newline)."""
-        self.stream.flush()
-
-    def isatty(self) -> bool:
-        """Never a terminal: ranks other than 0 log plain lines, never a live table."""
-        return False
 
 
 class SpanningPlanningService(PlanningService):
@@ -226,7 +191,7 @@ def run_search_mpi(
     console: Any = None,
     comm: Any = None,
 ) -> dict[str, Any]:
-    """`scamp_jax.hpo.search.run_search` across the ranks of ``comm`` (collective: call on every
+    """`scamp_jax.hpo.session.run_search` across the ranks of ``comm`` (collective: call on every
     rank).
 
     Args:
@@ -267,66 +232,19 @@ def run_search_mpi(
 def _run(space: Any, task: Any, settings: Any, devices: Sequence[Any], memory_per_device: int,
          live: bool, baseline: str | None, title: str, plan_fn: Callable[..., Any] | None,
          console: Any, comm: Any, rank: int, size: int) -> dict[str, Any]:
-    from rich.console import Console
+    from scamp_jax.hpo.session import StudySession, run_summary
 
-    from scamp_jax.hpo.live import LiveView
-    from scamp_jax.hpo.search import (
-        engine_config,
-        fusion_source_kwargs,
-        run_summary,
-        study_settings,
-        write_study_report,
-    )
-    from scamp_jax.hpo.study import GRACE_PERIOD, HEARTBEAT_INTERVAL, open_study
-
-    study_dir = Path(settings.study_dir)
-
-    def make_study() -> Any:
-        study = open_study(
-            space.name, study_dir=study_dir, storage=settings.storage,
-            direction=task.direction, sampler=settings.sampler, pruner=settings.pruner,
-            seed=settings.seed, grid=space.grid, warmup_steps=settings.eval_every,
-            settings=study_settings(space, settings, memory_per_device),
-            heartbeat_interval=getattr(settings, "heartbeat_interval", HEARTBEAT_INTERVAL),
-            grace_period=getattr(settings, "grace_period", GRACE_PERIOD),
-        )
-        if not study.get_trials(deepcopy=False):
-            for params in getattr(settings, "initial_params", ()):
-                study.enqueue_trial(dict(params), skip_if_exists=True)
-        return study
-
-    client, server = shared_study(make_study, space.suggest, settings.trials, comm,
-                                  root=study_dir,
-                                  **fusion_source_kwargs(getattr(settings, "fuse", None)))
-    if console is None:
-        out: Any = sys.stdout if rank == 0 else RankStream(rank)
-        console = Console(file=out, soft_wrap=True,
-                          width=None if rank == 0 and sys.stdout.isatty() else 160)
+    session = StudySession(space, task, settings, devices=devices,
+                           memory_per_device=memory_per_device, live=live, baseline=baseline,
+                           title=title, plan_fn=plan_fn, console=console, rank=rank, ranks=size)
+    # Rank 0 owns the study; every rank asks it for work through the same kind of source.
+    client, server = shared_study(lambda: session.trial_source(session.open()), comm)
     if server is not None:
-        if server.stale_failed:
-            console.print(f"resuming: trials {server.stale_failed} were interrupted and are "
-                          "queued again", markup=False, highlight=False)
-        console.print(f"study {space.name!r} in {study_dir}: {server.finished_before} of "
-                      f"{settings.trials} trials finished before this run; {size} ranks",
-                      markup=False, highlight=False)
+        session.greet(server.finished_before, server.stale_failed)
     source = RemoteTrialSource(client)
-    # Every rank plans with the study's plan cache (one SQLite file, safe for concurrent
-    # writers): an architecture (or fused group) one rank planned, or an earlier run, costs the
-    # others no compile.
-    plan_cache = PlanCache(study_dir / "plans.sqlite")
-    if plan_fn is None:
-        plan_fn = functools.partial(planner.plan_mesh, cache=plan_cache)
-    config = engine_config(settings, memory_per_device, rank=rank)
-    stream: Any = None if rank == 0 and live else RankStream(rank)
-    view = LiveView([memory_per_device] * len(devices), task.metric,
-                    title=f"{title} (rank {rank} of {size})", stream=stream)
-    engine = MPISearchEngine(size, space, task, source, config, devices=devices,
-                             checkpoint_root=study_dir / "checkpoints", plan_fn=plan_fn,
-                             on_update=view.update, plan_cache=plan_cache,
-                             on_notice=view.notice)
-    comm.Barrier()  # every rank asks from the start, so work spreads over all of them
-    with view:
-        result = engine.run()
+    # The barrier: every rank asks from the start, so work spreads over all of them.
+    engine, result = session.run_engine(source, engine=functools.partial(MPISearchEngine, size),
+                                        before=comm.Barrier)
     source.close()
     summary = {"rank": rank, **run_summary(result, len(devices), memory_per_device),
                "deferred": len(engine.deferred)}
@@ -338,8 +256,8 @@ def _run(space: Any, task: Any, settings: Any, devices: Sequence[Any], memory_pe
     spanning = [t for part in comm.allgather(deferred) for t in part]
     start = time.monotonic()
     finished = run_spanning_trials(
-        spanning, space, task, config, comm, checkpoint_root=study_dir / "checkpoints",
-        log=lambda line: console.print(line, markup=False, highlight=False)) if spanning else []
+        spanning, space, task, engine.config, comm,
+        checkpoint_root=session.out_dir / "checkpoints", log=session.say) if spanning else []
     spanning_s = time.monotonic() - start
     summaries = comm.gather(summary, root=0)
     if server is None:
@@ -358,6 +276,4 @@ def _run(space: Any, task: Any, settings: Any, devices: Sequence[Any], memory_pe
         "spanning_s": spanning_s,
         "per_rank": summaries,
     }
-    return write_study_report(server.study, task, study_dir, result, run_info,
-                              baseline=baseline, memory_per_device=memory_per_device,
-                              console=console)
+    return session.report(server.source, run_info)

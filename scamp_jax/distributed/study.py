@@ -21,26 +21,23 @@ request (worker -> rank 0)                           answer (rank 0 -> worker)
 
 Every rank, rank 0 included, uses the same client interface (`StudyClient`): rank 0's client
 calls the server directly under its lock, the others' send messages. The server is a thin
-message layer over `scamp_jax.hpo.study.OptunaTrialSource`, which does all the study's work: ``ask``
-runs the search space's ``suggest(trial)`` on rank 0 and records the asking rank in the trial's
-user attribute ``rank``; trials stop being handed out once ``n_trials`` are finished or running
-(in any process sharing the storage), counting trials finished in an earlier run, so restarting
-the same command resumes the study and loses no finished trial. Trials of a dead job are
-recovered as the trial source recovers them: by the heartbeat of a study opened with
-`scamp_jax.hpo.study.open_study`, or at once (``fail_stale``) for a study without one; a retry keeps
-its original's parameters and checkpoint key, so the restart resumes it from its last checkpoint.
-While a dead job's trials are still running in the storage (their heartbeat not stale yet), a rank
-that finds nothing else to run is answered ``"later"``, not ``"done"``: the restart runs their
-retries too and ends with exactly ``n_trials``.
+message layer over rank 0's `scamp_jax.hpo.study.OptunaTrialSource`, which does all the study's
+work: ``ask`` runs the search space's ``suggest(trial)`` on rank 0 and records the asking rank in
+the trial's user attribute ``rank``; trials stop being handed out once ``n_trials`` are finished or
+running (in any process sharing the storage), counting trials finished in an earlier run, so
+restarting the same command resumes the study and loses no finished trial. Trials of a dead job
+are recovered as the trial source recovers them: by the heartbeat of a study opened with
+`scamp_jax.hpo.study.open_study`, or at once (``recover_running``) for a study without one; a
+retry keeps its original's parameters and checkpoint key, so the restart resumes it from its last
+checkpoint. While a dead job's trials are still running in the storage (their heartbeat not stale
+yet), a rank that finds nothing else to run is answered ``"later"``, not ``"done"``: the restart
+runs their retries too and ends with exactly ``n_trials``.
 
-Fused groups (``siblings``, see `OptunaTrialSource`): the siblings enqueued for a trial the sampler
-proposed are reserved for the rank that got the proposal, so that its engine can fuse them; they
-are identified by their ``SIBLING_OF`` user attribute, not by their place in the queue, and are
-handed to that rank before anything else it may take (`sibling_choice`). Other ranks never get
-them, and a new proposal for another rank counts them as taken, so the study still runs exactly
-``n_trials``. A rank that is told done gives its reservations up. Siblings that no rank of this
-run holds (left waiting, or retried, by a job that died) go to the first rank that takes one of
-them, and the rest of that family with it.
+Fused groups (``siblings``, see `OptunaTrialSource`): the source holds the siblings of a trial
+the sampler proposed for the rank that got the proposal (each rank is an asker of its own), so
+that its engine can fuse them. Other ranks never get them, and a new proposal for another rank
+counts them as taken, so the study still runs exactly ``n_trials``. A rank that is told done
+gives its held siblings up.
 
 A rank that dies makes ``mpirun`` end the whole job (Open MPI's default), so no rank waits
 forever for a server that is gone.
@@ -48,17 +45,14 @@ forever for a server that is gone.
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from scamp_jax.distributed.mpi import import_mpi4py
-from scamp_jax.hpo.study import SIBLING_OF, AskLater, OptunaTrialSource, TrialOutcome
-from scamp_jax.space import SearchSpace
+from scamp_jax.hpo.study import AskLater, OptunaTrialSource, TrialOutcome
 
 # Tags of the study's messages: requests to rank 0 and answers from it. Distinct from any tag
 # the pipeline or data-parallel code uses, and the server works on its own duplicate of the
@@ -82,55 +76,24 @@ class WorkItem:
     sibling_of: int | None = None
 
 
-def sibling_choice(rank: int, waiting: Sequence[tuple[int, int | None]],
-                   owners: Mapping[int, int]) -> list[int]:
-    """The waiting trials ``rank`` may take, in the order it takes them.
-
-    ``waiting``: ``(number, sibling_of)`` of each waiting trial, in queue order (``sibling_of``
-    None: not a sibling); ``owners``: proposed trial -> the rank it was handed to. The siblings
-    of ``rank``'s own proposals come first, then the trials no rank holds (plain queued trials,
-    siblings of a proposal no rank owns); the siblings of other ranks' proposals are left out.
-    """
-    own = [n for n, of in waiting if of is not None and owners.get(of) == rank]
-    free = [n for n, of in waiting if of is None or of not in owners]
-    return own + free
-
-
 class StudyServer:
-    """Rank 0's side: owns the Optuna ``study`` and answers the other ranks (see module doc).
+    """Rank 0's side: serves its trial source's study to the other ranks (see module doc).
 
     Args:
-      study: the Optuna study (any storage; only rank 0 touches it).
-      suggest: ``suggest(trial) -> params``: the search space's define-by-run sampling.
-      n_trials: total trials of the study, counting those finished in earlier runs.
+      source: the `scamp_jax.hpo.study.OptunaTrialSource` over the study (only rank 0 touches
+        the study): its ``n_trials``, heartbeat, ``root`` and fusion ``siblings`` hold for every
+        rank. Trials a dead job left ``RUNNING`` are recovered as the source recovers them: by
+        the heartbeat of a study opened by `scamp_jax.hpo.study.open_study` (never touching
+        the trials of other live jobs), or at once for a source built with
+        ``recover_running=True``.
       comm: mpi4py communicator of the ranks that run trials (default ``MPI.COMM_WORLD``);
         the server works on a duplicate of it.
       poll_seconds: sleep between checks for a request, so the serving thread leaves the
         CPU to rank 0's own trial (a blocking MPI receive would spin on a core).
-      fail_stale: fail trials a previous run left ``RUNNING`` when the server starts and queue
-        them again, without waiting for a heartbeat. Default (None): only for a study without
-        a heartbeat; a study opened by `scamp_jax.hpo.study.open_study` recovers dead jobs' trials
-        through its heartbeat and never touches the trials of other live jobs.
-      root: the study's directory; a told ``checkpoint`` attribute under it is stored relative
-        to it (as `OptunaTrialSource` does), so a copied study folder still finds its checkpoints.
-      siblings, training_keys: fused groups, as for `OptunaTrialSource` (see
-        `scamp_jax.hpo.search.fusion_source_kwargs`); a proposal's siblings are reserved for
-        the rank it went to (module doc).
     """
 
-    def __init__(
-        self,
-        study: Any,
-        suggest: Callable[[Any], dict[str, Any]],
-        n_trials: int,
-        *,
-        comm: Any = None,
-        poll_seconds: float = 0.005,
-        fail_stale: bool | None = None,
-        root: str | Path | None = None,
-        siblings: int = 0,
-        training_keys: Sequence[str] = (),
-    ):
+    def __init__(self, source: OptunaTrialSource, *, comm: Any = None,
+                 poll_seconds: float = 0.005):
         mpi = import_mpi4py()
         base = mpi.COMM_WORLD if comm is None else comm
         if base.Get_rank() != 0:
@@ -144,19 +107,10 @@ class StudyServer:
                 "with MPI_THREAD_MULTIPLE; do not set mpi4py.rc.threads = False or "
                 "mpi4py.rc.thread_level below 'multiple'"
             )
-        self.study, self.suggest, self.n_trials = study, suggest, n_trials
+        self.source = source
+        self.study, self.n_trials = source.study, source.n_trials
         self.comm = base.Dup()
         self.poll_seconds = poll_seconds
-        space = SearchSpace(study.study_name, suggest, build=_no_build)
-        fusion = {"siblings": siblings, "training_keys": training_keys}
-        probe = OptunaTrialSource(study, space, n_trials, root=root, **fusion)
-        if fail_stale is None:
-            fail_stale = not probe.has_liveness
-        self.source = (OptunaTrialSource(study, space, n_trials, root=root,
-                                         recover_running=True, **fusion)
-                       if fail_stale else probe)
-        self._owners: dict[int, int] = {}  # proposed trial -> the rank holding its siblings
-        self._ask_lock = threading.Lock()
         self.stale_failed = list(self.source.recovered)
         self._already = self.source.finished()
         self._open_workers = base.Get_size() - 1
@@ -174,34 +128,17 @@ class StudyServer:
         return self.source.remaining()
 
     def ask(self, rank: int) -> WorkItem | AskLater | None:
-        """Next trial for ``rank`` (its reserved siblings first, then a queued re-run), or None
-        once ``n_trials`` are finished, handed out or reserved for other ranks. `AskLater`:
-        nothing now, but a dead job's trials still run in the storage and may need a retry."""
-        with self._ask_lock:  # the reservations change with each ask
-            choose = (functools.partial(self._choose, rank) if self.source.siblings
-                      else None)
-            asked = self.source.ask(attrs={"rank": rank}, choose=choose)
-            if isinstance(asked, AskLater):
-                return asked
-            if asked is None:  # the rank is done: its reservations (if any) are free
-                self._owners = {p: r for p, r in self._owners.items() if r != rank}
-                return None
-            if asked.siblings:
-                self._owners[asked.number] = rank
-            elif asked.sibling_of is not None:  # a family no rank held goes with this one
-                self._owners.setdefault(asked.sibling_of, rank)
+        """Next trial for ``rank`` (a queued re-run first, then its held siblings), or None once
+        ``n_trials`` are finished, handed out or held for other ranks. `AskLater`: nothing now,
+        but a dead job's trials still run in the storage and may need a retry."""
+        asked = self.source.ask(attrs={"rank": rank}, asker=rank)
+        if isinstance(asked, AskLater):
+            return asked
+        if asked is None:  # the rank is done: the siblings held for it (if any) are free
+            self.source.release(rank)
+            return None
         return WorkItem(asked.number, dict(asked.params), asked.checkpoint_key,
                         asked.siblings, asked.sibling_of)
-
-    def reserved(self) -> dict[int, int]:
-        """Proposed trials whose siblings are reserved: ``{number: rank}``."""
-        with self._ask_lock:
-            return dict(self._owners)
-
-    def _choose(self, rank: int, waiting: list[Any]) -> list[Any]:
-        by_number = {t.number: t for t in waiting}
-        order = sibling_choice(rank, [(t.number, _sibling_of(t)) for t in waiting], self._owners)
-        return [by_number[n] for n in order]
 
     def report(self, number: int, step: int, value: float) -> bool:
         """Record an intermediate ``value`` at ``step``; returns the pruner's verdict."""
@@ -408,35 +345,19 @@ class StudyClient:
         self._closed = True
 
 
-def _sibling_of(trial: Any) -> int | None:
-    of = trial.user_attrs.get(SIBLING_OF)
-    return None if of is None else int(of)
-
-
-def _no_build(config: Any, rngs: Any) -> Any:
-    raise TypeError("the study server only suggests configurations; ranks build the models")
-
-
 def shared_study(
-    make_study: Callable[[], Any],
-    suggest: Callable[[Any], dict[str, Any]],
-    n_trials: int,
+    make_source: Callable[[], OptunaTrialSource],
     comm: Any = None,
-    root: str | Path | None = None,
-    **fusion: Any,
 ) -> tuple[StudyClient, StudyServer | None]:
     """Set up the shared study on every rank (collective).
 
-    Rank 0 calls ``make_study()`` (create or load the study from its storage), starts the
-    `StudyServer` and returns ``(local client, server)``; the others return
+    Rank 0 calls ``make_source()`` (the trial source over the created or loaded study), starts
+    the `StudyServer` and returns ``(local client, server)``; the others return
     ``(remote client, None)``. When its own trials are done, rank 0 calls ``server.join()``.
-    ``root`` is the study's directory: checkpoint paths under it are stored relative to it.
-    ``fusion``: the server's ``siblings`` and ``training_keys`` (fused groups; none by default).
     """
     mpi = import_mpi4py()
     comm = mpi.COMM_WORLD if comm is None else comm
     if comm.Get_rank() == 0:
-        server = StudyServer(make_study(), suggest, n_trials, comm=comm, root=root,
-                             **fusion).start()
+        server = StudyServer(make_source(), comm=comm).start()
         return StudyClient.local(server), server
     return StudyClient.remote(comm), None

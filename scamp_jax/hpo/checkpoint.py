@@ -2,7 +2,11 @@
 
 Each trial writes to its own directory (``<study_dir>/checkpoints/<checkpoint_key>/<step>``).
 Saves are synchronous: a trial's checkpoint is on disk when `TrialCheckpointer.save` returns, so
-a ``kill -9`` right after loses at most the steps since the last save. Restores take the target
+a ``kill -9`` right after loses at most the steps since the last save. (orbax's asynchronous
+saves were tried: with several trials saving at once in one process, their background writes
+raced on the temporary directories, ``Directory not empty`` and ``File exists`` errors in about
+one study in two, so trials save synchronously.) orbax is imported when the first checkpointer
+is made, not with ``scamp_jax``. Restores take the target
 shardings from abstract arrays (``jax.ShapeDtypeStruct`` with a sharding): orbax reads each shard
 straight onto its device, so a resumed trial may land on other devices than before and holds its
 state once (no freshly initialised copy beside the restored one).
@@ -15,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import orbax.checkpoint as ocp
-from orbax.checkpoint import checkpoint_managers
+
+from scamp_jax.hpo.overhead import CHECKPOINT_SAVE, CHECKPOINT_WAIT, timed_section
 
 
 def _is_key_array(x: Any) -> bool:
@@ -70,6 +74,10 @@ class TrialCheckpointer:
     def __init__(self, directory: str | Path, *, keep: int = 2) -> None:
         if keep < 1:
             raise ValueError(f"{keep=} must be at least 1 checkpoint to keep")
+        import orbax.checkpoint as ocp  # a second or so of imports, only when checkpointing
+        from orbax.checkpoint import checkpoint_managers
+
+        self._ocp = ocp
         self.directory = Path(directory).resolve()
         options = ocp.CheckpointManagerOptions(
             preservation_policy=checkpoint_managers.LatestN(keep),
@@ -77,20 +85,30 @@ class TrialCheckpointer:
             create=True,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._saved: set[int] = set()  # steps saved by this checkpointer (written or in flight)
 
     def latest_step(self) -> int | None:
-        """Step of the newest complete checkpoint, or ``None`` if there is none."""
+        """Step of the newest complete checkpoint, or ``None`` if there is none (a save still
+        being written counts once it is complete)."""
         return self._manager.latest_step()
 
     def save(self, step: int, state: Any) -> None:
-        """Write ``state`` (a pytree of arrays, e.g. params + optimizer state) as ``step``.
+        """Save ``state`` (a pytree of arrays, e.g. params + optimizer state) as ``step``.
 
-        A step already on disk is kept as it is (the same step always holds the same state).
+        A step already saved is kept as it is (the same step always holds the same state).
         """
-        if step in self._manager.all_steps():
+        if step in self._saved or step in self._manager.all_steps():
             return
-        self._manager.save(step, args=ocp.args.StandardSave(to_storable(state)), force=True)
-        self._manager.wait_until_finished()
+        self._saved.add(step)
+        with timed_section(CHECKPOINT_SAVE):
+            self._manager.save(step, args=self._ocp.args.StandardSave(to_storable(state)),
+                               force=True)
+            self._manager.wait_until_finished()
+
+    def wait(self) -> None:
+        """Wait until every save is on disk."""
+        with timed_section(CHECKPOINT_WAIT):
+            self._manager.wait_until_finished()
 
     def restore(self, like: Any, step: int | None = None) -> tuple[int, Any]:
         """Read the checkpoint at ``step`` (default: newest) shaped and sharded like ``like``.
@@ -103,8 +121,9 @@ class TrialCheckpointer:
             raise FileNotFoundError(
                 f"no checkpoint in {self.directory}; check the path or start the trial from scratch"
             )
+        self.wait()
         target = to_storable(_abstract(like))
-        stored = self._manager.restore(step, args=ocp.args.StandardRestore(target))
+        stored = self._manager.restore(step, args=self._ocp.args.StandardRestore(target))
         return step, from_storable(stored, like)
 
     def step_directory(self, step: int) -> Path:
@@ -112,7 +131,8 @@ class TrialCheckpointer:
         return self.directory / str(step)
 
     def close(self) -> None:
-        """Release the manager's resources."""
+        """Wait for the saves to be on disk, then release the manager's resources."""
+        self.wait()
         self._manager.close()
 
 

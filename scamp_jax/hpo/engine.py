@@ -65,6 +65,7 @@ from scamp_jax.planning import planner
 from scamp_jax.planning.plan_cache import PlanCache
 from scamp_jax.scheduling.core import PlanOption, SchedulingCore, Start, TrialPlan
 from scamp_jax.scheduling.costs import attainable_flops
+from scamp_jax.scheduling.host import default_max_running
 from scamp_jax.scheduling.placement import FixedPolicy, Placement, ScampPolicy, make_policy
 from scamp_jax.space import SearchSpace, Task
 
@@ -118,6 +119,10 @@ class EngineConfig:
       fuse: horizontal fusion (`scamp_jax.hpo.fused_engine`): None (off), ``K`` (queued trials of
         one architecture train in fused groups of at most ``K``, as wide as fits) or
         ``"auto"`` (as wide as fits, capped).
+      max_running_trials: most trials (or fused groups) training at once, the rest queued:
+        ``"auto"`` (on CPU devices, which share the host's cores, one per two cores as
+        measured in `scamp_jax.scheduling.host`; no cap on accelerators), a positive int, or
+        None (as many as the pool's memory holds).
     """
 
     steps: int
@@ -141,9 +146,15 @@ class EngineConfig:
     grow_last_wave: bool | None = None
     restart_seconds: float | None = None
     fuse: int | str | None = None
+    max_running_trials: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         fusion_cap(self.fuse)  # raises on a bad value
+        cap = self.max_running_trials
+        if cap != "auto" and cap is not None and (
+                isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"max_running_trials={cap!r} must be 'auto', a positive int or "
+                             "None (no cap)")
         if self.restart_seconds is not None and self.restart_seconds < 0:
             raise ValueError(f"restart_seconds={self.restart_seconds} must be >= 0 or None")
         if self.planner_threads < 1:
@@ -276,6 +287,7 @@ class TrialRecord:
             "rank": rank,
             "final_loss": None if math.isnan(status.loss) else status.loss,
             # Seconds since this run's start (full precision: they order the replay's events).
+            "asked_at": times.get("asked_at"),
             "planned_at": times.get("planned_at"),
             "started_at": times.get("started_at"),
             "finished_at": times.get("finished_at"),
@@ -428,6 +440,7 @@ class SearchEngine:
             asked.number, TrialRecord(TrialStatus(asked.number, asked.params), asked,
                                       self.config.steps_for))
         record.status.state = "planning"
+        record.times.setdefault("asked_at", self._now())
         if self.fusion is not None:
             ckpt = self.checkpoint_root / asked.checkpoint_key if self.checkpoint_root else None
             self._submit("plan", asked, self.fusion.prepare, asked.params, asked.number, ckpt)
@@ -728,6 +741,7 @@ def scheduling_info(policy: Any, config: EngineConfig, core: SchedulingCore, gro
         "peak_flops": core.peak_flops,
         "restart_seconds": config.restart_seconds,
         "pool_devices": devices,
+        "max_running": core.max_running,
         "policy_parts": parts,
         "last_wave_at": last_wave_at,
     }
@@ -766,5 +780,7 @@ def new_core(policy: Any, devices: Sequence[Any], config: EngineConfig) -> Sched
     the kind is known."""
     kinds = {d.device_kind for d in devices}
     peak = attainable_flops(kinds.pop()) if len(kinds) == 1 else None
+    cap = config.max_running_trials
     return SchedulingCore(policy, len(devices), config.memory_per_device, config.safety_margin,
-                          config.restart_seconds, peak_flops=peak)
+                          config.restart_seconds, peak_flops=peak,
+                          max_running=default_max_running(devices) if cap == "auto" else cap)

@@ -167,3 +167,51 @@ class LiveView:
                            f"{s.step}/{s.steps}", _fmt_float(s.loss),
                            _fmt_float(s.metric), s.state)
         return Group(devices, trials)
+
+
+class PlainStream:
+    """stdout without a terminal, so `LiveView` prints log lines (``--no-live``)."""
+
+    def write(self, text: str) -> int:
+        """Write ``text`` to stdout."""
+        return sys.stdout.write(text)
+
+    def flush(self) -> None:
+        """Flush stdout."""
+        sys.stdout.flush()
+
+    def isatty(self) -> bool:
+        """Never a terminal: log lines, never a live table."""
+        return False
+
+
+class RankStream:
+    """A text stream that prefixes every line with ``[rank R]`` (plain logs of ranks > 0).
+
+    Args:
+      rank: the MPI rank named in the prefix.
+      stream: where the lines go (default ``sys.stdout``).
+    """
+
+    def __init__(self, rank: int, stream: Any = None) -> None:
+        self.prefix = f"[rank {rank}] "
+        self.stream = stream if stream is not None else sys.stdout
+        self._pending = ""
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        """Buffer ``text`` and write every completed line with the prefix."""
+        with self._lock:
+            self._pending += text
+            *lines, self._pending = self._pending.split("\n")
+            for line in lines:
+                self.stream.write(f"{self.prefix}{line}\n")
+        return len(text)
+
+    def flush(self) -> None:
+        """Flush the underlying stream (a partial line stays buffered until its newline)."""
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        """Never a terminal: ranks other than 0 log plain lines, never a live table."""
+        return False

@@ -153,6 +153,23 @@ def _write_results(study_dir: Path, records: Sequence[Mapping[str, Any]], metric
     return json_path, csv_path
 
 
+def add_run_overhead(study_dir: str | Path, extra: Mapping[str, Any]) -> None:
+    """Merge ``extra`` into the last run's ``overhead`` in ``study_dir/results.json``: what is
+    measured after the file was written (the report and its plots)."""
+    study_dir = Path(study_dir)
+    path = study_dir / "results.json"
+    with _locked(study_dir / "results.lock"):
+        if not path.is_file():
+            return
+        payload = json.loads(path.read_text())
+        runs = payload.get("runs") or []
+        if not runs:
+            return
+        runs[-1].setdefault("overhead", {}).update(extra)
+        payload["run"] = runs[-1]
+        path.write_text(json.dumps(payload, indent=2, default=_jsonable))
+
+
 def read_runs(study_dir: str | Path) -> list[dict[str, Any]]:
     """The ``runs`` recorded in ``<study_dir>/results.json`` (oldest first; [] if none)."""
     path = Path(study_dir) / "results.json"

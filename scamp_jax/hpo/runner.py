@@ -32,7 +32,7 @@ from scamp_jax.hpo.trial import is_oom_error as is_oom_error
 from scamp_jax.hpo.trial import trial_seed as trial_seed
 from scamp_jax.planning import sharding as sh
 from scamp_jax.planning.evaluation import EvalCompiler
-from scamp_jax.planning.planner import lowered_fingerprint
+from scamp_jax.planning.reuse import ExecutableCache, InitialStates
 from scamp_jax.planning.train_step import jit_train_step, split_model
 from scamp_jax.space import SearchSpace, Task
 
@@ -125,6 +125,8 @@ class StepCache:
         self._lock = threading.Lock()
         self._steps: dict[Any, tuple[Any, optax.GradientTransformation]] = {}
         self._evaluators: dict[Any, EvalCompiler] = {}
+        #: compiled steps and initialisations, shared by trials of one architecture
+        self.executables, self.initial_states = ExecutableCache(), InitialStates()
         self.hits = 0
         self.misses = 0
 
@@ -134,6 +136,10 @@ class StepCache:
         devices = tuple(d.id for d in plan.mesh.devices.flat)
         key = (graphdef, plan.mesh.devices.shape, devices, id(task))
         with self._lock:
+            ready = getattr(plan, "evaluator", None)
+            if key not in self._evaluators and ready is not None and ready.serves(
+                    task.eval_forward, devices):
+                self._evaluators[key] = ready  # the planner's, with its compiled chunks
             if key not in self._evaluators:
                 shardings = plan.step_shardings
                 self._evaluators[key] = EvalCompiler(
@@ -174,7 +180,7 @@ def _set_hyperparams(opt_state: Any, params: Mapping[str, Any]) -> Any:
 
 def _initial_state(
     space: SearchSpace, spec: RunSpec, optimizer: optax.GradientTransformation, seed: int,
-    abstract: bool = False,
+    abstract: bool = False, states: InitialStates | None = None, architecture: Any = None,
 ) -> tuple[Any, Any, Any]:
     """Parameters, optimizer state and other state created directly on the plan's devices.
 
@@ -189,6 +195,12 @@ def _initial_state(
         opt_state = _set_hyperparams(optimizer.init(params), spec.params)
         return params, opt_state, rest
 
+    if states is not None and not abstract:  # one compile per architecture, seed an argument
+        hyper = {k: spec.params[k] for k in OPTIMIZER_KEYS if k in spec.params}
+        arch = (architecture, tuple(sorted((k, repr(v)) for k, v in spec.params.items()
+                                           if k not in OPTIMIZER_KEYS)))
+        return states.make(arch, lambda rngs: space.build(spec.params, rngs), optimizer,
+                           shardings, seed, hyper)
     out = (shardings.params, shardings.opt_state, shardings.rest)
     with jax.set_mesh(spec.plan.mesh):
         if abstract:
@@ -265,7 +277,9 @@ class SoloProgram:
             _, leaves = checkpointer.restore(jax.tree.leaves(target), first)
             self.state = jax.tree.unflatten(jax.tree.structure(target), leaves)
         else:
-            self.state = _initial_state(self.space, spec, optimizer, seed)
+            self.state = _initial_state(self.space, spec, optimizer, seed,
+                                        states=self.cache.initial_states,
+                                        architecture=self.graphdef)
         self.batches = stream(_batches(self.task, plan.batch_size, seed, spec.batch_share), first)
         self.prefetch()
 
@@ -281,10 +295,8 @@ class SoloProgram:
             # wrapper, sized by its own compile.
             self.compiled = self.step_fn
             return peak_bytes(lowered.compile())
-        if ready is not None and ready.fingerprint == lowered_fingerprint(lowered):
-            self.compiled = ready.executable
-        else:
-            self.compiled = lowered.compile()
+        self.compiled = self.cache.executables.compiled(
+            lowered, tuple(d.id for d in self.plan.mesh.devices.flat), ready)
         return peak_bytes(self.compiled)
 
     def prefetch_bytes(self) -> int:

@@ -23,6 +23,9 @@ from typing import Any
 
 from scamp_jax.hpo.study import AskedTrial
 
+# the one byte rule, re-exported for the engine's modules
+from scamp_jax.scheduling.booking import booked_bytes as booked_bytes
+
 #: keys of a configuration that are optimizer hyperparameters, not architecture.
 OPTIMIZER_KEYS = ("learning_rate", "weight_decay", "b1", "b2")
 #: widest group ``fuse="auto"`` plans (the planner may choose fewer).
@@ -173,11 +176,3 @@ def fusion_cap(fuse: int | str | None) -> int | None:
 def trial_seed(seed: int, checkpoint_key: str) -> int:
     """A per-trial seed that a re-run of an interrupted trial shares (keyed by checkpoint key)."""
     return (seed * 1_000_003 + zlib.crc32(checkpoint_key.encode())) % (2**31 - 1)
-
-
-def booked_bytes(plan: Any) -> int:
-    """Bytes per device a trial of ``plan`` books: everything it holds at once (training step,
-    prefetched batch, evaluation: `scamp_jax.planning.planner.Plan.predicted_peak_bytes`, or a
-    `scamp_jax.planning.fusion.FusionPlan`'s for a fused group)."""
-    predicted = getattr(plan, "predicted_peak_bytes", None)
-    return int(predicted if predicted is not None else plan.peak_bytes_per_device)

@@ -52,6 +52,7 @@ class TrainOptions(TypedDict, total=False):
     optimizer: OptimizerSpec | None
     max_inflight: int | None
     prefetch_ahead: int
+    initial_weights: tuple[np.ndarray, np.ndarray] | None
     on_tick: Callable[[int, int], None] | None
 
 
@@ -191,6 +192,7 @@ def train_supernet(
     optimizer: OptimizerSpec | None = None,
     max_inflight: int | None = None,
     prefetch_ahead: int = 1,
+    initial_weights: tuple[np.ndarray, np.ndarray] | None = None,
     executor: StageExecutor | ExecutorFactory | None = None,
     on_tick: Callable[[int, int], None] | None = None,
 ) -> TrainResult:
@@ -210,6 +212,9 @@ def train_supernet(
       optimizer: per-block optimizer (default Adam, learning rate 1e-3).
       max_inflight: CSP's cap on subnets in flight (default S).
       prefetch_ahead: ticks a subnet's blocks may be fetched before its first forward.
+      initial_weights: ``(blocks (L, C, P), shared (P_shared,))`` to start from, e.g. with a
+        warmed-up stem and head (default ``layout.init(seed)``); optimizer state starts at zero
+        either way.
       executor: a compiled executor to reuse (its buffers must fit this run's program), or an
         `ExecutorFactory` that `build_executor` calls to build one sized for this run (default
         `PipelineExecutor`).
@@ -243,7 +248,7 @@ def train_supernet(
         if on_tick is not None:
             on_tick(t, total)
 
-    blocks0, shared0 = layout.init(seed)
+    blocks0, shared0 = layout.init(seed) if initial_weights is None else initial_weights
     state = executor.init_state(blocks0, shared0)
     state, losses = executor.run(
         state,

@@ -81,6 +81,7 @@ class EvalCompiler:
         mesh: Mesh,
     ) -> None:
         self.mesh = mesh
+        self.forward = forward
         self.data_parallel = int(mesh.shape.get(sh.DATA_AXIS, 1))
         self.input_sharding = NamedSharding(mesh, PartitionSpec(sh.DATA_AXIS))
         self.params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
@@ -97,6 +98,20 @@ class EvalCompiler:
             out_shardings=self.input_sharding,
         )
         self._compiled: dict[tuple[int, tuple[int, ...], str], Any] = {}
+
+    @property
+    def device_ids(self) -> tuple[int, ...]:
+        """The devices its programs are compiled for, in mesh order."""
+        return tuple(d.id for d in self.mesh.devices.flat)
+
+    def serves(self, forward: Callable[[nnx.Module, jax.Array], Any],
+               device_ids: tuple[int, ...]) -> bool:
+        """Whether it compiles ``forward`` (a function or a bound method: same function and
+        owner) on exactly ``device_ids``, so that its compiled chunks can be run for it."""
+        mine, theirs = self.forward, forward
+        same = (getattr(mine, "__func__", mine) is getattr(theirs, "__func__", theirs)
+                and getattr(mine, "__self__", None) is getattr(theirs, "__self__", None))
+        return same and self.device_ids == tuple(device_ids)
 
     def compiled(self, chunk: int, sample: jax.ShapeDtypeStruct) -> Any:
         """The forward pass compiled for ``chunk`` samples shaped like ``sample[1:]``."""

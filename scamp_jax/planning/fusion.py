@@ -65,6 +65,7 @@ from scamp_jax.planning.train_step import (
     make_train_step,
     split_model,
 )
+from scamp_jax.scheduling.booking import group_bytes
 
 PyTree = Any
 #: ``fused(params, opt_state, rest, batch, active) -> (params, opt_state, rest, losses)``.
@@ -559,10 +560,7 @@ def group_held_bytes(estimate: MemoryEstimate, plan: Plan, width: int, batch: in
     without prefetch or evaluation figures (``prefetch_bytes``, ``eval_peak_bytes``) counts
     them as 0.
     """
-    solo_batch = max(int(getattr(plan, "batch_size", batch)), 1)
-    prefetch = width * int(getattr(plan, "prefetch_bytes", 0)) * batch // solo_batch
-    train = estimate.peak + prefetch
-    eval_peak = int(getattr(plan, "eval_peak_bytes", 0))
-    state = estimate.params + estimate.opt_state + estimate.rest
-    evaluate = eval_peak + state + prefetch if eval_peak else 0
-    return max(train, evaluate)
+    return group_bytes(estimate.peak, estimate.params + estimate.opt_state + estimate.rest,
+                       member_prefetch=int(getattr(plan, "prefetch_bytes", 0)), width=width,
+                       batch=batch, member_batch=int(getattr(plan, "batch_size", batch)),
+                       eval_peak=int(getattr(plan, "eval_peak_bytes", 0)))

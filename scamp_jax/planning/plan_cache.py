@@ -17,6 +17,12 @@ directory then plans with zero compiles. Two kinds of records live in one SQLite
   same architecture under another budget or batch cap starts its batch search from these points
   and compiles only what they do not decide.
 
+- **allowances**, keyed by platform and device kind: bytes per device that a trial holds beyond
+  what XLA's buffer assignment reports (CUDA context, cuBLAS/cuDNN workspaces), measured on that
+  kind of device (``benchmarks.gpu_suite``: ``peak_bytes_in_use`` less the compiled figure, plus
+  what the driver sees outside the allocator) and added to every plan on it (`resolve_allowance`).
+  CPU devices have none: their allowance is always 0.
+
 A key that differs in any part is a different record: nothing is trusted across versions, budgets
 or devices. Writes are single SQLite transactions (``INSERT OR REPLACE``), safe for several
 threads and processes; the file sits in the study directory next to ``study.db``.
@@ -133,6 +139,10 @@ class PlanCache:
                 "CREATE TABLE IF NOT EXISTS peaks (key TEXT, batch INTEGER, record TEXT, "
                 "PRIMARY KEY (key, batch))"
             )
+            db.execute(
+                "CREATE TABLE IF NOT EXISTS allowances (platform TEXT, device_kind TEXT, "
+                "record TEXT, PRIMARY KEY (platform, device_kind))"
+            )
 
     @contextlib.contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
@@ -175,7 +185,66 @@ class PlanCache:
                 "INSERT OR REPLACE INTO peaks (key, batch, record) VALUES (?, ?, ?)", rows
             )
 
+    def get_allowance(self, platform: str, device_kind: str) -> dict[str, Any] | None:
+        """The allowance record measured on ``device_kind`` devices of ``platform``, or None.
+
+        ``record["bytes"]`` is the allowance per device in bytes; the rest says how it was
+        measured (see `put_allowance`).
+        """
+        with self._lock, self._connect() as db:
+            row = db.execute(
+                "SELECT record FROM allowances WHERE platform = ? AND device_kind = ?",
+                (platform, device_kind),
+            ).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    def put_allowance(self, platform: str, device_kind: str, record: Mapping[str, Any]) -> None:
+        """Store the allowance measured on ``device_kind`` devices, replacing an older one.
+
+        ``record`` must hold ``bytes`` (a non-negative int, per device); other JSON fields
+        (the measurements it came from, versions) are kept as they are.
+        """
+        allowance = record.get("bytes")
+        if isinstance(allowance, bool) or not isinstance(allowance, int) or allowance < 0:
+            raise ValueError(
+                f"allowance record needs 'bytes' as a non-negative int (bytes per device), "
+                f"got {allowance!r}"
+            )
+        if platform == "cpu" and allowance:
+            raise ValueError(
+                f"CPU devices have no allowance (XLA sees all their memory), got {allowance}; "
+                "store allowances measured on accelerators"
+            )
+        text = json.dumps(dict(record), sort_keys=True)
+        with self._lock, self._connect() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO allowances (platform, device_kind, record) "
+                "VALUES (?, ?, ?)",
+                (platform, device_kind, text),
+            )
+
     def __len__(self) -> int:
         """Number of stored plans."""
         with self._lock, self._connect() as db:
             return int(db.execute("SELECT COUNT(*) FROM plans").fetchone()[0])
+
+
+def resolve_allowance(
+    allowance_bytes: int | None, devices: Sequence[jax.Device], cache: PlanCache | None
+) -> int:
+    """Bytes per device a plan on ``devices`` sets aside for memory XLA does not see.
+
+    ``allowance_bytes`` when given; else 0 on CPU devices (XLA's figure is all they use); else the
+    largest allowance stored in ``cache`` for the devices' kinds (0 when none has been measured:
+    the safety margin is then all that covers it).
+    """
+    if allowance_bytes is not None:
+        if isinstance(allowance_bytes, bool) or not isinstance(allowance_bytes, int) or (
+                allowance_bytes < 0):
+            raise ValueError(f"{allowance_bytes=} must be a non-negative int (bytes per device)")
+        return allowance_bytes
+    platform = devices[0].platform
+    if platform == "cpu" or cache is None:
+        return 0
+    found = [cache.get_allowance(platform, str(d.device_kind)) for d in devices]
+    return max((int(r["bytes"]) for r in found if r is not None), default=0)

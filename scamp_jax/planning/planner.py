@@ -8,18 +8,22 @@ then the largest global batch that fits is found. "Fits" means the compiled per-
 its planned chunk, optimizer state, prefetched batch) fits too (`Plan.predicted_peak_bytes`).
 
 The batch search lets the memory model choose each compile and the compiles decide: it starts at
-the batch the known points predict (or a probe at eight samples per data-parallel group), moves by
-the line through the compiled points nearest the fit/no-fit boundary (one point: proportional to
-the bytes beyond the persistent state), and stops when it holds a batch that fits and the next
-multiple of the data-parallel degree does not (or the cap). Memory is only piecewise affine in
-the batch (flat at small batches, jumps where XLA changes strategy), so a prediction is never
-trusted: when secant steps stall, bisection takes over. Three compiles for a new architecture in
-the common case, two when earlier compiles of the same program on the same mesh shape are known
-(``cache=``), none for a cached plan. On CPU only the batches the model predicts to be the answer
-are compiled exactly; the others (the first probe, the step up that shows the answer is the
-largest) are rough compiles (``scamp_jax.planning.memory.CPU_ROUGH_COMPILE``, 1.5-3x cheaper, peaks
-within 512 bytes), trusted only further than ``ROUGH_TOLERANCE`` of the budget from the boundary and
-compiled again exactly otherwise, and always when one turns out to be the answer. Degrees whose
+the batch the known points predict (or at the cap when an upper bound from shapes alone says the
+cap fits, else a probe at eight samples per data-parallel group), moves by the line through the
+compiled points nearest the fit/no-fit boundary (one point: proportional to the bytes beyond the
+persistent state), and stops when it holds a batch that fits and the next multiple of the
+data-parallel degree does not (or the cap), either compiled or put over the budget by the line
+between the two compiles that bracket the boundary. Memory is only piecewise affine in the batch
+(flat at small batches, jumps where XLA changes strategy), so a prediction never decides a fit:
+the answer is always compiled, and when secant steps stall, bisection takes over. One compile for
+a new architecture whose cap clearly fits, two in the common case (a probe above the boundary and
+the answer below it), three when the probe lands below the boundary; fewer when earlier compiles
+of the same program on the same mesh shape are known (``cache=``), none for a cached plan. On
+CPU only the batches the model predicts to be the answer are compiled exactly; the others (the
+first probe, a step up that shows the answer is the largest) are rough compiles
+(``scamp_jax.planning.memory.CPU_ROUGH_COMPILE``, 1.5-3x cheaper, peaks within 512 bytes),
+trusted only further than ``ROUGH_TOLERANCE`` of the budget from the boundary and compiled again
+exactly otherwise, and always when one turns out to be the answer. Degrees whose
 parameters and optimizer state alone exceed the budget are rejected from shapes, without
 compiling.
 
@@ -28,7 +32,6 @@ Planning only compiles: it allocates nothing and runs nothing on any device.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from collections.abc import Sequence
@@ -53,6 +56,7 @@ from scamp_jax.planning.memory import (
     with_batch_size,
 )
 from scamp_jax.planning.plan_cache import PlanCache, cache_key, device_identity, program_signature
+from scamp_jax.planning.reuse import lowered_fingerprint
 from scamp_jax.planning.train_step import (
     LossFn,
     StepShardings,
@@ -60,6 +64,7 @@ from scamp_jax.planning.train_step import (
     default_optimizer,
     jit_train_step,
 )
+from scamp_jax.scheduling.booking import solo_bytes
 
 PyTree = Any
 
@@ -88,11 +93,6 @@ class CompiledStep:
     executable: Any
     fingerprint: str
     device_ids: tuple[int, ...]
-
-
-def lowered_fingerprint(lowered: jax.stages.Lowered) -> str:
-    """SHA-256 of a lowered program's text (without source locations)."""
-    return hashlib.sha256(lowered.as_text().encode()).hexdigest()
 
 
 class DoesNotFitError(ValueError):
@@ -138,6 +138,8 @@ class Plan:
         is placed on the devices while the current step runs.
       eval_chunk: held-out samples per evaluation forward call (0: evaluation not planned).
       eval_peak_bytes: compiled peak per device of the evaluation forward at ``eval_chunk``.
+      evaluator: the `EvalCompiler` that sized the evaluation, holding its compiled chunks, for
+        a trial on the planned devices to evaluate with (None: not planned, or other devices).
 
     `predicted_peak_bytes` is the most a trial of this plan holds on a device at any time:
     training (compiled step + prefetched batch) or evaluation (forward pass + optimizer state +
@@ -165,6 +167,7 @@ class Plan:
     prefetch_bytes: int = 0
     eval_chunk: int = 0
     eval_peak_bytes: int = 0
+    evaluator: Any = field(default=None, compare=False, repr=False)
 
     @property
     def train_bytes(self) -> int:
@@ -181,8 +184,11 @@ class Plan:
 
     @property
     def predicted_peak_bytes(self) -> int:
-        """Most bytes per device the trial holds: ``max(train_bytes, eval_bytes)``."""
-        return max(self.train_bytes, self.eval_bytes)
+        """Most bytes per device the trial holds: ``max(train_bytes, eval_bytes)``, by the byte
+        rule the scheduler books with (`scamp_jax.scheduling.booking.solo_bytes`)."""
+        return solo_bytes(self.peak_bytes_per_device, self.prefetch_bytes,
+                          eval_peak=self.eval_peak_bytes if self.eval_chunk else 0,
+                          opt_state=self.estimate.opt_state)
 
     @property
     def usable_bytes(self) -> int:
@@ -256,6 +262,12 @@ class Plan:
                 self.compiled_step
                 if self.compiled_step is not None
                 and self.compiled_step.device_ids == tuple(d.id for d in devices)
+                else None
+            ),
+            evaluator=(
+                self.evaluator
+                if self.evaluator is not None
+                and self.evaluator.device_ids == tuple(d.id for d in devices)
                 else None
             ),
         )
@@ -427,6 +439,16 @@ class _Search:
     def prefetch(self, batch: int) -> int:
         return round(self.prefetch_per_sample * batch)
 
+    def clearly_fits(self, batch: int) -> bool:
+        """Whether ``batch`` fits by an upper bound from shapes alone (no compile): the
+        persistent state, the gradients and one more parameter-sized update buffer, and the
+        traced backward residuals and the batch (`StepCompiler.traced_bytes_per_sample`, which
+        over-counts what XLA keeps), plus the prefetched batch."""
+        compiler = self.compiler
+        per_sample = compiler.traced_bytes_per_sample() + self.prefetch_per_sample
+        bound = compiler.state_bytes + 2 * compiler.params_bytes + per_sample * batch
+        return bound <= self.usable
+
     def need(self, batch: int) -> int:
         """Per-device bytes of training at ``batch``: compiled peak + prefetched batch."""
         return self.peak(batch).peak + self.prefetch(batch)
@@ -468,7 +490,7 @@ def _largest_batch(search: _Search, cap: int) -> int:
     secant_steps = 0
     while True:
         lo, hi = search.bracket(cap)
-        if lo is not None and hi - lo <= dp:
+        if lo is not None and (hi - lo <= dp or _line_proves_largest(search, lo, hi)):
             return lo
         if lo is None and hi == dp:
             raise _NoFit
@@ -490,6 +512,24 @@ def _largest_batch(search: _Search, cap: int) -> int:
             low = lo if lo is not None else 0
             guess = max(dp, low + ((hi - low) // dp // 2) * dp)
         search.peak(guess, answer)
+
+
+def _line_proves_largest(search: _Search, lo: int, hi: int) -> bool:
+    """Whether the straight line through two compiled points, ``lo`` (exact, fits) and ``hi``
+    (does not fit), puts the next batch up, ``lo + unit``, over the usable bytes.
+
+    The step up is then not compiled: the answer is compiled exactly (its figures are the
+    plan's and it fits for certain), and only its being the largest rests on the line between
+    two compiles that bracket it. Memory is piecewise affine in the batch, so a line between
+    two compiled points errs where XLA changes strategy between them; the cost of such an
+    error is a batch a step or two smaller than the largest, never one that does not fit.
+    """
+    if lo in search.rough or lo not in search.seen or hi not in search.seen:
+        return False
+    nxt = lo + search.unit
+    line = search.affine(lo, hi)
+    predicted = line.fixed_bytes + line.bytes_per_sample * nxt + search.prefetch(nxt)
+    return line.bytes_per_sample > 0 and predicted > search.usable
 
 
 def _exact_largest(search: _Search, cap: int) -> int | None:
@@ -514,6 +554,8 @@ def _model_guess(search: _Search, lo: int | None, hi: int, cap: int) -> int | No
     seen = search.seen
     low = lo if lo is not None else 0
     if not seen:
+        if cap > 8 * dp and search.clearly_fits(cap):
+            return cap  # compiled exactly as the answer: one compile when it fits
         return min(cap, 8 * dp)
     if len(seen) == 1:
         # One point: the bytes beyond the persistent state and the gradients taken as
@@ -631,15 +673,15 @@ def plan_mesh(
         new plan is stored, and compiled points of the same program and mesh shape seed the
         batch search (see `scamp_jax.planning.plan_cache`).
       compile_for_run: keep the step compiled at the plan's batch with default XLA options as
-        ``plan.compiled_step`` for the runner. Default: on accelerators (where the search
-        compiles with default options anyway, so it is free); not on CPU, where the search
-        compiles with fast code-generation settings (LLVM level 0: half the compile time,
-        half-speed code). With it on CPU, the batches the memory model predicts to be the
-        answer are compiled with default options, so the usual plan still takes three
-        compiles (one of them a slower, run-grade one) and the runner none; a fourth
-        (run-grade) compile only when the prediction missed. Worth it when the trial runs on
-        the planned devices. A plan answered by ``cache`` compiles nothing and has no
-        compiled step.
+        ``plan.compiled_step`` for the runner (default True). On accelerators the search
+        compiles with default options anyway, so it is free. On CPU the search compiles with
+        fast code-generation settings (LLVM level 0: half the compile time, half-speed code);
+        with it, the batches the memory model predicts to be the answer are compiled with
+        default options instead, so the usual plan still takes two compiles (one of them a
+        slower, run-grade one) and a trial on the planned devices none
+        (`scamp_jax.planning.reuse.ExecutableCache`); one more (run-grade) compile only when
+        the prediction missed. False: planning only, at the fast settings. A plan answered
+        by ``cache`` compiles nothing and has no compiled step.
       eval_task: a task with the `scamp_jax.planning.evaluation.ChunkedEvalTask` methods: its
       evaluation
         forward is compiled on the same mesh and its chunk chosen (`Plan.eval_chunk`) so that
@@ -729,8 +771,7 @@ def plan_mesh(
             continue
         step = jit_train_step(compiler.graphdef, compiler.optimizer, compiler.loss_fn, shardings)
         one_sample = sh.bytes_per_device(with_batch_size(sample_batch, dp), shardings.batch)
-        run_grade = compiler.compiler_options is None
-        want_step = compile_for_run if compile_for_run is not None else run_grade
+        want_step = compile_for_run if compile_for_run is not None else True
         search = _Search(compiler, usable, step, compiler.compiler_options,
                          prefetch_per_sample=one_sample / dp, run_grade_answers=want_step,
                          rough_options=compiler.rough_options,
@@ -829,6 +870,7 @@ def plan_mesh(
             prefetch_bytes=prefetch,
             eval_chunk=eval_plan.chunk if eval_plan else 0,
             eval_peak_bytes=eval_plan.peak_bytes if eval_plan else 0,
+            evaluator=evaluator if eval_plan else None,
         )
         if cache is not None and key is not None and plan.predicted_peak_bytes <= usable:
             cache.put_plan(key, _plan_record(plan))

@@ -214,3 +214,27 @@ def place_train_state(
     rest = jax.device_put(jax.tree.map(_copy_leaf, rest), shardings.rest)
     opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
     return graphdef, params, opt_state, rest
+
+
+def init_train_state(
+    build: Callable[[], nnx.Module],
+    optimizer: optax.GradientTransformation,
+    shardings: StepShardings,
+) -> tuple[nnx.GraphDef, PyTree, PyTree, PyTree]:
+    """``(graphdef, params, opt_state, rest)`` of a new ``build()`` created on its shardings.
+
+    ``build`` (e.g. ``lambda: Model(..., rngs=nnx.Rngs(0))``) runs inside ``jax.jit`` with the
+    state's shardings as output shardings, so every parameter is initialised where it lives: no
+    device ever holds a whole unsharded copy (unlike building eagerly, which puts the model on
+    the default device, and `place_train_state`). Nothing moves between host and devices.
+    """
+    graphdef = split_model(nnx.eval_shape(build))[0]
+
+    def init() -> tuple[PyTree, PyTree, PyTree]:
+        _, params, rest = split_model(build())
+        return params, optimizer.init(params), rest
+
+    out = (shardings.params, shardings.opt_state, shardings.rest)
+    with jax.set_mesh(shardings.mesh):
+        params, opt_state, rest = jax.jit(init, out_shardings=out)()
+    return graphdef, params, opt_state, rest

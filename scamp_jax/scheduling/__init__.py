@@ -5,16 +5,18 @@ policies (`scamp_jax.scheduling.placement`) and tail restarts (`scamp_jax.schedu
 HPO engine and the cluster simulator both drive it, and both form fused groups with `form_groups`.
 """
 
-from scamp_jax.scheduling.core import (
-    PlanOption,
-    Replan,
-    SchedulingCore,
-    Start,
-    TrialPlan,
-    replan_after_oom,
-    usable_capacity,
-)
-from scamp_jax.scheduling.grouping import FusionCandidate, form_groups
+from scamp_jax._lazy import exports as _exports
 
-__all__ = ["FusionCandidate", "PlanOption", "Replan", "SchedulingCore", "Start", "TrialPlan",
-           "form_groups", "replan_after_oom", "usable_capacity"]
+_NAMES = {
+    **dict.fromkeys(("PlanOption", "Replan", "SchedulingCore", "Start", "TrialPlan",
+                     "replan_after_oom", "usable_capacity"), "scamp_jax.scheduling.core"),
+    **dict.fromkeys(("FusionCandidate", "form_groups"), "scamp_jax.scheduling.grouping"),
+    **dict.fromkeys(("DeviceOption", "FixedPolicy", "Placement", "PoolSnapshot", "ScampPolicy",
+                     "TrialRequest", "check_feasible", "make_policy"),
+                    "scamp_jax.scheduling.placement"),
+    **dict.fromkeys(("DevicePool",), "scamp_jax.scheduling.pool"),
+    **dict.fromkeys(("replay_study",), "scamp_jax.scheduling.replay"),
+    **dict.fromkeys(("UsageRecorder",), "scamp_jax.scheduling.usage"),
+}
+__all__ = sorted(_NAMES)
+__getattr__, __dir__ = _exports(__name__, _NAMES)

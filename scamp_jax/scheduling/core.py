@@ -51,6 +51,7 @@ from scamp_jax.scheduling.placement import (
     check_feasible,
 )
 from scamp_jax.scheduling.pool import DevicePool
+from scamp_jax.scheduling.request_queue import RequestQueue
 from scamp_jax.scheduling.usage import UsageRecorder
 
 
@@ -164,6 +165,9 @@ class SchedulingCore:
       peak_flops: FLOP/s one device can attain (data sheet times an attained fraction), or None
         (unknown: the best rate measured so far stands in, which makes the fastest trial look
         fully busy).
+      max_running: most trials (or fused groups) running at once, the rest stay queued; None:
+        as many as the pool holds. For devices that share compute, such as CPU devices that
+        split one host's cores (`scamp_jax.hpo.engine.cpu_max_running`).
     """
 
     policy: object
@@ -172,15 +176,22 @@ class SchedulingCore:
     safety_margin: float = 0.1
     restart_seconds: float | None = None
     peak_flops: float | None = None
+    max_running: int | None = None
     pool: DevicePool = field(init=False)
     usage: UsageRecorder = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.max_running is not None and (
+                isinstance(self.max_running, bool) or not isinstance(self.max_running, int)
+                or self.max_running < 1):
+            raise ValueError(f"max_running={self.max_running!r} must be a positive int or None")
         self.capacity = usable_capacity(self.memory_per_device, self.safety_margin)
         self.pool = DevicePool([self.capacity] * self.devices)
         # Utilisation is reported against the whole memory, as a device monitor shows it.
         self.usage = UsageRecorder([self.memory_per_device] * self.devices, t0=0.0)
         self._queue: dict[int, TrialPlan] = {}
+        self._waiting = RequestQueue()  # the queue's requests, indexed for the policy
+        self._alike: dict[tuple[float | None, int], int] | None = None
         self._options: dict[tuple[int, int], TrialPlan] = {}  # planned larger device counts
         self._asked: set[tuple[int, int]] = set()  # PlanOption sent, no answer yet
         self._no_grow: set[tuple[int, int]] = set()  # counts whose plan did not fit
@@ -203,6 +214,8 @@ class SchedulingCore:
         check_feasible(TrialRequest(plan.key, self.policy.request_devices(plan.devices),
                                     plan.bytes_per_device, plan.arrival), self.pool.capacity)
         self._queue[plan.key] = plan
+        # Busy fractions matter only in the last wave, whose requests are built afresh.
+        self._waiting.add(self._request(plan, alike={}))
 
     def set_arrivals_pending(self, pending: bool) -> None:
         """Whether more trials may still be planned (False: the study's last wave)."""
@@ -216,6 +229,8 @@ class SchedulingCore:
         run = self._running.get(key)
         if run is None or seconds_per_step <= 0:
             return
+        if run.seconds_per_step is None:
+            self._alike = None  # a first measurement: the trials measured alike change
         run.seconds_per_step, run.step, run.measured_at = float(seconds_per_step), step, now
         if training_since is not None:
             run.training_since = float(training_since)
@@ -238,7 +253,8 @@ class SchedulingCore:
     def finished(self, now: float, key: int) -> None:
         """Trial ``key``'s run ended (any state but a restart); its devices are free."""
         self._at(now)
-        self._running.pop(key, None)
+        if self._running.pop(key, None) is not None:
+            self._alike = None
         self.pool.release(key)
         self.usage.finish(now, key)
 
@@ -277,6 +293,7 @@ class SchedulingCore:
             return False
         self.usage.move(now, placement, plan.bytes_per_device)
         self._running[key] = _Running(plan, placement.device_ids, now)
+        self._alike = None
         return True
 
     def withdraw(self, key: int, devices: int) -> None:
@@ -320,22 +337,36 @@ class SchedulingCore:
             return None
         return min(1.0, run.plan.flops_per_step / self._rate / run.seconds_per_step)
 
-    def _predicted_busy(self, plan: TrialPlan) -> float | None:
+    def _measured_alike(self) -> dict[tuple[float | None, int], int]:
+        """Per (FLOPs per step, devices): the first running trial (in start order) measured
+        with them, for the busy fractions of queued trials (kept until a run starts its
+        measurements, restarts or ends)."""
+        if self._alike is None:
+            out: dict[tuple[float | None, int], int] = {}
+            for key, run in self._running.items():
+                if run.seconds_per_step:
+                    out.setdefault((run.plan.flops_per_step, run.plan.devices), key)
+            self._alike = out
+        return self._alike
+
+    def _predicted_busy(self, plan: TrialPlan,
+                        alike: Mapping[tuple[float | None, int], int] | None = None
+                        ) -> float | None:
         # A trial's busy fraction: its own measurement while it runs; queued, what a running
         # trial of the same FLOPs per step on as many devices was measured at. Else unknown
         # (None).
         if plan.key in self._running:
             return self.busy_fraction(plan.key)
-        for key, run in self._running.items():
-            if (run.plan.flops_per_step == plan.flops_per_step
-                    and run.plan.devices == plan.devices and run.seconds_per_step):
-                return self.busy_fraction(key)
-        return None
+        if alike is None:
+            alike = self._measured_alike()
+        key = alike.get((plan.flops_per_step, plan.devices))
+        return None if key is None else self.busy_fraction(key)
 
-    def _request(self, plan: TrialPlan, options: tuple[DeviceOption, ...] = ()) -> TrialRequest:
+    def _request(self, plan: TrialPlan, options: tuple[DeviceOption, ...] = (),
+                 alike: Mapping[tuple[float | None, int], int] | None = None) -> TrialRequest:
         # Unknown (not measured yet): fully busy, so that compute-aware sharing in the last
         # wave joins only trials measured to leave compute spare.
-        busy = self._predicted_busy(plan)
+        busy = self._predicted_busy(plan, alike)
         return TrialRequest(plan.key, plan.devices, plan.bytes_per_device, plan.arrival,
                             seconds=self.seconds(plan), options=options,
                             busy_fraction=1.0 if busy is None else busy)
@@ -377,12 +408,23 @@ class SchedulingCore:
         self._at(now)
         if not self._queue:
             return ()
-        requests = [self._request(p, self._growth_options(p)) for p in self._queue.values()]
-        placements = self.policy.decide(self.pool.snapshot(), requests,
+        queue: RequestQueue | list[TrialRequest]
+        if self._arrivals_pending:
+            # No growth options yet, and memory alone decides: the indexed queue, whose
+            # requests' busy fractions and costs are those of their arrival (costs all scale
+            # with the one measured rate, so their order holds). A start books a fresh request.
+            queue = self._waiting
+        else:
+            alike = self._measured_alike()
+            queue = [self._request(p, self._growth_options(p), alike)
+                     for p in self._queue.values()]
+        placements = self.policy.decide(self.pool.snapshot(), queue,
                                         arrivals_pending=self._arrivals_pending)
-        by_key = {r.key: r for r in requests}
+        by_key = ({} if isinstance(queue, RequestQueue) else {r.key: r for r in queue})
         actions: list[Start | PlanOption] = []
         for placement in placements:
+            if self.max_running is not None and len(self._running) >= self.max_running:
+                break  # the rest wait for a running trial to end
             plan = self._queue[placement.key]
             n = len(placement.device_ids)
             if n != plan.devices and isinstance(self.policy, ScampPolicy):
@@ -393,13 +435,14 @@ class SchedulingCore:
                         actions.append(PlanOption(plan.key, n))
                     continue
                 plan = grown
-            request = by_key[placement.key]
+            request = by_key.get(placement.key) or self._request(plan)
             if plan is not self._queue[placement.key]:
                 request = self._request(plan)
             self.pool.allocate(placement, request)
             booked = self.pool.request_of(placement.key).bytes_per_device
             self.usage.start(now, placement, booked)
             del self._queue[placement.key]
+            self._waiting.remove(placement.key)
             self._running[plan.key] = _Running(plan, placement.device_ids, now)
             actions.append(Start(plan.key, placement.device_ids, plan))
         return tuple(actions)
@@ -466,6 +509,7 @@ class SchedulingCore:
         self.pool.allocate(placement, self._request(plan))
         self.usage.move(now, placement, plan.bytes_per_device)
         self._running[key] = _Running(plan, placement.device_ids, now)
+        self._alike = None
 
 
 def replan_after_oom(plan: TrialPlan, bytes_needed: int | None, usable_bytes: int, *,

@@ -25,12 +25,16 @@ Two policies share the ``decide(snapshot, queue) -> tuple[Placement, ...]`` cont
 from __future__ import annotations
 
 import bisect
+import itertools
+import math
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from operator import attrgetter
 from typing import Protocol
 
 from scamp_jax._units import format_bytes
+from scamp_jax.scheduling.request_queue import RequestQueue
 
 
 @dataclass(frozen=True)
@@ -148,6 +152,10 @@ class PoolSnapshot:
         a device with ``used > 0`` counting as occupied).
       busy: summed `TrialRequest.busy_fraction` of the trials running on each device (empty
         tuple: all 0).
+      levels: ``(occupants, ((free bytes, id), ...) sorted)`` of the devices not held by an
+        exclusive trial, by occupancy (None: derived here). `DevicePool` keeps them sorted as
+        trials come and go, so a policy on a large pool does not sort every device per call;
+        they must agree with the fields above.
     """
 
     capacity: tuple[int, ...]
@@ -155,6 +163,8 @@ class PoolSnapshot:
     exclusive: tuple[bool, ...]
     occupants: tuple[int, ...] = ()
     busy: tuple[float, ...] = ()
+    levels: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] | None = field(
+        default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         n = len(self.capacity)
@@ -171,7 +181,7 @@ class PoolSnapshot:
     @property
     def free(self) -> tuple[int, ...]:
         """Unreserved bytes per device."""
-        return tuple(c - u for c, u in zip(self.capacity, self.used, strict=True))
+        return tuple(map(operator.sub, self.capacity, self.used))
 
     def is_empty(self, device: int) -> bool:
         """Whether nothing runs on ``device``."""
@@ -194,7 +204,10 @@ def check_feasible(request: TrialRequest, capacity: Sequence[int]) -> None:
             "plan it for at most that many devices (a larger model-parallel degree per device "
             "does not help: it needs more devices) or add devices"
         )
-    fitting = sum(1 for c in capacity if c >= request.bytes_per_device)
+    if min(capacity, default=0) >= request.bytes_per_device:
+        fitting = n  # all of them (the usual pool: one capacity); no per-device count
+    else:
+        fitting = sum(1 for c in capacity if c >= request.bytes_per_device)
     if fitting < request.devices:
         largest = max(capacity, default=0)
         raise ValueError(
@@ -233,6 +246,7 @@ def _ordered(queue: Sequence[TrialRequest]) -> list[TrialRequest]:
 
 
 _ARRIVAL_ORDER = attrgetter("arrival", "key")
+_FEW = 256  # trials of a shape within the byte limit that the indexed walk compares directly
 _NEVER = float("inf")
 
 
@@ -249,6 +263,9 @@ class _FreeIndex:
         n = len(snapshot.capacity)
         self.allow_sharing = allow_sharing
         self.by_occupancy = by_occupancy
+        if snapshot.levels is not None and snapshot.occupants:
+            self._from_levels(snapshot)
+            return
         self.budget = list(snapshot.free)
         self.empty_flag = [snapshot.is_empty(d) for d in range(n)]
         if snapshot.occupants:
@@ -272,6 +289,39 @@ class _FreeIndex:
         for lst in self.levels.values():
             lst.sort()
         self.empty.sort()
+        self.blocked_ids = set(itertools.compress(range(n), self.blocked))
+
+    def _from_levels(self, snapshot: PoolSnapshot) -> None:
+        """The same index from the pool's sorted levels (`PoolSnapshot.levels`): no per-device
+        sort, so building it costs a copy of the pool's lists."""
+        n = len(snapshot.capacity)
+        self.budget = list(map(operator.sub, snapshot.capacity, snapshot.used))
+        self.occupants = list(snapshot.occupants)
+        self.empty_flag = [o == 0 for o in self.occupants]
+        self.busy = list(snapshot.busy) if snapshot.busy else [0.0] * n
+        pool = {o: lst for o, lst in snapshot.levels if lst}  # type: ignore[union-attr]
+        self.empty = list(pool.get(0, ()))
+        if self.allow_sharing:
+            self.blocked = list(snapshot.exclusive)
+            if self.by_occupancy:
+                self.levels = {o: list(lst) for o, lst in pool.items()}
+            else:
+                merged = sorted(itertools.chain.from_iterable(pool.values()))
+                self.levels = {0: merged} if merged else {}
+        else:
+            self.blocked = [not e for e in self.empty_flag]
+            self.levels = {0: list(self.empty)} if self.empty else {}
+        self.blocked_ids = set(itertools.compress(range(n), self.blocked))
+
+    def kth_budget(self, devices: int, needs_empty: bool) -> float:
+        """The most bytes a trial of ``devices`` devices can book now (the ``devices``-th
+        largest eligible budget; -inf: too few eligible devices): `pick` succeeds, without a
+        busy constraint, exactly for ``nbytes`` up to this."""
+        if needs_empty:
+            return self.empty[-devices][0] if len(self.empty) >= devices else -math.inf
+        tops = sorted(itertools.chain.from_iterable(lst[-devices:]
+                                                    for lst in self.levels.values()))
+        return tops[-devices][0] if len(tops) >= devices else -math.inf
 
     def _level(self, d: int) -> int:
         return self.occupants[d] if self.by_occupancy else 0
@@ -334,6 +384,7 @@ class _FreeIndex:
                 self._insert(d)
             else:
                 self.blocked[d] = True
+                self.blocked_ids.add(d)
 
     def fence(self, device_ids: Iterable[int], keep_bytes: int | None,
               keep_busy: float = 0.0) -> None:
@@ -346,6 +397,7 @@ class _FreeIndex:
             self.busy[d] += keep_busy
             if keep_bytes is None or not self.allow_sharing:
                 self.blocked[d] = True
+                self.blocked_ids.add(d)
                 continue
             self.budget[d] -= keep_bytes
             self.empty_flag[d] = False  # an exclusive trial would delay the head
@@ -353,6 +405,7 @@ class _FreeIndex:
                 self._insert(d)
             else:
                 self.blocked[d] = True
+                self.blocked_ids.add(d)
 
 
 @dataclass(frozen=True)
@@ -457,7 +510,8 @@ class ScampPolicy:
     ) -> tuple[int, ...]:
         needs_empty = self._needs_empty(head)
         candidates = []
-        for d, cap in enumerate(snapshot.capacity):
+        for d in self._reservation_candidates(snapshot, index, head, needs_empty):
+            cap = snapshot.capacity[d]
             if cap < head.bytes_per_device:
                 continue
             if needs_empty:
@@ -469,6 +523,34 @@ class ScampPolicy:
             candidates.append((shortfall, index.occupants[d], d))
         candidates.sort()
         return tuple(d for _, _, d in candidates[: head.devices])
+
+    @staticmethod
+    def _reservation_candidates(snapshot: PoolSnapshot, index: _FreeIndex, head: TrialRequest,
+                                needs_empty: bool) -> Iterable[int]:
+        """Devices among which `_reservation`'s ``head.devices`` best lie: all of them, or, on
+        a pool of one capacity, a superset of the best that is small on a large pool.
+
+        The head did not fit, so fewer than ``k = head.devices`` eligible devices hold its
+        bytes (sharing) or are empty (needing empty devices): those are kept. Among the others
+        the shortfall falls as the free budget rises, so within each occupancy level a device
+        with ``k`` devices of strictly larger budget ahead of it never makes the cut; the
+        devices held by exclusive trials are kept (their shortfall is their used memory)."""
+        capacity = snapshot.capacity
+        n = len(capacity)
+        if n <= 64 or min(capacity) != max(capacity):
+            return range(n)
+        k = head.devices
+        ids = set(index.blocked_ids)
+        ids.update(d for _, d in index.empty)
+        for lst in index.levels.values():
+            if len(lst) <= k:
+                ids.update(d for _, d in lst)
+                continue
+            threshold = lst[-k][0]
+            if not needs_empty:
+                threshold = min(threshold, head.bytes_per_device)
+            ids.update(d for _, d in lst[bisect.bisect_left(lst, (threshold, -1)):])
+        return sorted(ids)
 
     def _order(self, snapshot: PoolSnapshot, by_arrival: list[TrialRequest]
                ) -> list[TrialRequest]:
@@ -568,14 +650,21 @@ class ScampPolicy:
           options it starts (`TrialRequest.placed_as`); allocating them in order never
           over-commits the pool.
         """
-        index = _FreeIndex(snapshot, allow_sharing=self.share_devices, by_occupancy=self.spread)
-        placements: list[Placement] = []
-        head_blocked = False
-        share = self.share_devices
         # While trials keep arriving, throughput counts: share by memory, letting co-located
         # trials fill each other's gaps even if each slows down. In the last wave the longest
         # trials set the makespan: share only into spare compute.
         compute_aware = self.compute_aware and not arrivals_pending
+        if not compute_aware:
+            # No busy limits and no other degrees to weigh: whether a trial fits is a byte
+            # threshold per shape, so the indexed walk skips the trials that cannot start.
+            if not isinstance(queue, RequestQueue) and not any(r.options for r in queue):
+                queue = RequestQueue(queue)
+            if isinstance(queue, RequestQueue) and not queue.with_options:
+                return self._decide_indexed(snapshot, queue)
+        index = _FreeIndex(snapshot, allow_sharing=self.share_devices, by_occupancy=self.spread)
+        placements: list[Placement] = []
+        head_blocked = False
+        share = self.share_devices
         by_arrival = _ordered(queue)
         ordered = self._order(snapshot, by_arrival)
         grow = self._degrees(snapshot, index, ordered, arrivals_pending)
@@ -629,6 +718,106 @@ class ScampPolicy:
         return tuple(placements)
 
 
+    def _decide_indexed(self, snapshot: PoolSnapshot, queue: RequestQueue
+                        ) -> tuple[Placement, ...]:
+        """`decide` while memory alone decides and no trial has other degrees.
+
+        The same walk as `decide` (step 0's order, steps 2 and 3), taken in jumps: a trial of
+        ``k`` devices fits exactly when its bytes are at most the ``k``-th largest eligible
+        budget (`_FreeIndex.kth_budget`), budgets only shrink within a call, so per shape
+        (devices, exclusive) the walk goes on from where it stopped to the next trial that fits,
+        and a shape whose smallest trial does not fit is not walked at all. The head's turn comes
+        at its place in the order, as in the full walk.
+        """
+        if not queue.requests:
+            return ()
+        index = _FreeIndex(snapshot, allow_sharing=self.share_devices, by_occupancy=self.spread)
+        share = self.share_devices
+        oldest = queue.arrival[0][0]
+        window = (self.overtake_window or len(snapshot.capacity)) if self.longest_first else 0
+        horizon = oldest + window
+        requests = queue.requests
+        started: set[int] = set()
+        placements: list[Placement] = []
+
+        def order_key(r: TrialRequest) -> tuple[int, float, int, int]:
+            if window and r.arrival < horizon:
+                return (0, -(r.seconds or 0.0), r.arrival, r.key)
+            return (1, 0.0, r.arrival, r.key)
+
+        walks = []  # [shape, needs_empty, window order, position, tail start, position]
+        for (devices, exclusive), shape in queue.shapes.items():
+            near = queue.window(shape, window, horizon) if window else []
+            tail = bisect.bisect_left(shape.arrival, (horizon, -1))
+            walks.append([shape, devices, exclusive or not share, near, 0, tail])
+
+        def next_fit(walk: list) -> tuple[int, float, int, int] | None:
+            shape, devices, needs_empty, near, _, _ = walk
+            limit = index.kth_budget(devices, needs_empty)
+            smallest = next((b for b, _, key in shape.by_bytes if key not in started), None)
+            if smallest is None or smallest > limit:
+                return None
+            # Every waiting trial of the shape within the limit lies ahead of the walk (budgets
+            # only shrink); when they are few, the first of them in the order is the answer.
+            within = bisect.bisect_right(shape.by_bytes, (limit, math.inf, math.inf))
+            if within <= _FEW:
+                return min(order_key(requests[key]) for _, _, key in shape.by_bytes[:within]
+                           if key not in started)
+            while walk[4] < len(near):
+                neg, arrival, key = near[walk[4]]
+                if key not in started and requests[key].bytes_per_device <= limit:
+                    return (0, neg, arrival, key)
+                walk[4] += 1
+            arrivals = shape.arrival
+            while walk[5] < len(arrivals):
+                arrival, key = arrivals[walk[5]]
+                if key not in started and requests[key].bytes_per_device <= limit:
+                    return (1, 0.0, arrival, key)
+                walk[5] += 1
+            return None
+
+        def head_after(position: int) -> int:
+            while position < len(queue.arrival) and queue.arrival[position][1] in started:
+                position += 1
+            return position
+
+        head_at = 0
+        head_turn = order_key(requests[queue.arrival[0][1]])
+        head_waits = True  # the walk has not passed the head yet
+        while True:
+            fits = [f for f in map(next_fit, walks) if f is not None]
+            best = min(fits) if fits else None
+            if head_waits and (best is None or head_turn < best):
+                # The walk reaches the head, and it cannot start: reserve for it (step 3).
+                head_waits = False
+                head = requests[queue.arrival[head_at][1]]
+                check_feasible(head, snapshot.capacity)
+                if self.reserve_for_head:
+                    reserved = self._reservation(snapshot, index, head)
+                    keep = None if self._needs_empty(head) else head.bytes_per_device
+                    index.fence(reserved, keep, head.busy_fraction)
+                continue
+            if best is None:
+                break
+            request = requests[best[3]]
+            needs_empty = request.exclusive or not share
+            device_ids = index.pick(request.devices, request.bytes_per_device, needs_empty)
+            assert device_ids is not None  # within the threshold: it fits
+            index.take(device_ids, request.bytes_per_device, exclusive=needs_empty,
+                       busy=request.busy_fraction)
+            started.add(request.key)
+            placements.append(Placement(request.key, device_ids))
+            if head_waits and request.key == queue.arrival[head_at][1]:
+                head_at = head_after(head_at)
+                if head_at == len(queue.arrival):
+                    head_waits = False
+                else:
+                    # A new head the walk has passed already gets no reservation this call.
+                    head_turn = order_key(requests[queue.arrival[head_at][1]])
+                    head_waits = head_turn > best
+        return tuple(placements)
+
+
 @dataclass(frozen=True)
 class FixedPolicy:
     """Fixed-resources baseline: ``devices_per_trial`` whole devices per trial, strict FIFO.
@@ -673,7 +862,10 @@ class FixedPolicy:
         """
         index = _FreeIndex(snapshot, allow_sharing=False, by_occupancy=False)
         placements: list[Placement] = []
-        for request in _ordered(queue):
+        ordered: Iterable[TrialRequest] = (
+            (queue.requests[key] for _, key in queue.arrival)
+            if isinstance(queue, RequestQueue) else _ordered(queue))
+        for request in ordered:
             self.request_devices(request.devices)
             device_ids = index.pick(self.devices_per_trial, request.bytes_per_device, True)
             if device_ids is None:

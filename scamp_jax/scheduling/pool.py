@@ -7,6 +7,7 @@ records them, checks that none over-commits a device, and gives policies an immu
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
@@ -33,6 +34,27 @@ class DevicePool:
         self._exclusive = [False] * len(self.capacity)
         self._busy = [0.0] * len(self.capacity)
         self._running: dict[int, tuple[Placement, TrialRequest]] = {}
+        # (free bytes, id) of the devices no exclusive trial holds, sorted, by occupancy: what a
+        # policy's index starts from (`PoolSnapshot.levels`), kept up to date per device.
+        self._levels: dict[int, list[tuple[int, int]]] = {
+            0: [(c, d) for d, c in enumerate(self.capacity)]}
+        self._levels[0].sort()
+
+    def _unlist(self, d: int) -> None:
+        if self._exclusive[d]:
+            return
+        lst = self._levels[self._occupants[d]]
+        entry = (self.capacity[d] - self._used[d], d)
+        i = bisect.bisect_left(lst, entry)
+        if i < len(lst) and lst[i] == entry:
+            del lst[i]
+        if not lst and self._occupants[d]:
+            del self._levels[self._occupants[d]]
+
+    def _list(self, d: int) -> None:
+        if not self._exclusive[d]:
+            bisect.insort(self._levels.setdefault(self._occupants[d], []),
+                          (self.capacity[d] - self._used[d], d))
 
     @property
     def running(self) -> Mapping[int, Placement]:
@@ -51,6 +73,7 @@ class DevicePool:
             exclusive=tuple(self._exclusive),
             occupants=tuple(self._occupants),
             busy=tuple(self._busy),
+            levels=tuple((o, tuple(lst)) for o, lst in sorted(self._levels.items())),
         )
 
     def allocate(self, placement: Placement, request: TrialRequest) -> None:
@@ -90,10 +113,12 @@ class DevicePool:
                     f"{format_bytes(self.capacity[d])}; place it elsewhere or wait"
                 )
         for d in ids:
+            self._unlist(d)
             self._used[d] += request.bytes_per_device
             self._busy[d] += request.busy_fraction
             self._occupants[d] += 1
             self._exclusive[d] = exclusive
+            self._list(d)
         self._running[key] = (placement, request)
 
     def rebook_busy(self, key: int, busy_fraction: float) -> None:
@@ -115,6 +140,7 @@ class DevicePool:
             )
         placement, request = self._running.pop(key)
         for d in placement.device_ids:
+            self._unlist(d)
             self._used[d] -= request.bytes_per_device
             self._busy[d] -= request.busy_fraction
             self._occupants[d] -= 1
@@ -122,4 +148,5 @@ class DevicePool:
                 self._exclusive[d] = False
                 self._used[d] = 0
                 self._busy[d] = 0.0
+            self._list(d)
         return placement

@@ -56,7 +56,8 @@ def replay(results: Mapping[str, Any]) -> list[tuple[int, tuple[int, ...]]]:
     run = run_section(results)
     core = SchedulingCore(policy_of(run["policy_parts"]), int(run["pool_devices"]),
                           int(run["memory_per_device"]), float(run["safety_margin"]),
-                          run.get("restart_seconds"), peak_flops=run.get("peak_flops"))
+                          run.get("restart_seconds"), peak_flops=run.get("peak_flops"),
+                          max_running=run.get("max_running"))
     trials = {int(t["number"]): t for t in results["trials"]
               if t.get("plan") and t.get("planned_at") is not None
               and t.get("started_at") is not None and t.get("finished_at") is not None}

@@ -27,6 +27,7 @@ from flax import nnx
 from scamp_jax.planning.fusion import FusedStepCompiler, stack_abstract
 from scamp_jax.planning.planner import Plan
 from scamp_jax.planning.train_step import LossFn
+from scamp_jax.scheduling.booking import group_bytes
 from scamp_jax.sim.simulator import ClusterModel, TrialProfile, step_seconds
 
 #: HLO instructions of an entry computation that launch no kernel.
@@ -69,6 +70,12 @@ class FusedCostModel:
       peak_bytes: compiled peak per device of the fused step at each of ``widths`` (the
         planner's figure, `scamp_jax.planning.fusion.FusedStepCompiler.estimate`), bytes; empty: not
         measured (a group then books ``width`` times a member's peak).
+      state_bytes: parameters, optimizer state and the rest of all members per device at each of
+        ``widths`` (the same estimates), bytes; empty: 0.
+      member_prefetch, member_batch, eval_peak: the member plan's prefetched batch (bytes per
+        device at ``member_batch`` samples) and evaluation peak (bytes per device; 0: not
+        planned). With ``peak_bytes`` these give what a group books, by the engine's rule
+        (`scamp_jax.scheduling.booking.group_bytes`, as `scamp_jax.planning.fusion.plan_fusion`).
     """
 
     batch_size: int
@@ -77,6 +84,10 @@ class FusedCostModel:
     bytes_accessed: tuple[float, ...]
     kernels: tuple[int, ...]
     peak_bytes: tuple[int, ...] = ()
+    state_bytes: tuple[int, ...] = ()
+    member_prefetch: int = 0
+    member_batch: int = 0
+    eval_peak: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.widths)
@@ -86,15 +97,21 @@ class FusedCostModel:
             raise ValueError("flops, bytes_accessed and kernels need one value per width")
         if self.peak_bytes and len(self.peak_bytes) != n:
             raise ValueError("peak_bytes needs one value per width (or none)")
+        if self.state_bytes and len(self.state_bytes) != n:
+            raise ValueError("state_bytes needs one value per width (or none)")
 
     def group_bytes(self, solo: TrialProfile, width: int) -> int:
-        """Bytes per device a group of ``width`` members like ``solo`` books: the member's own
-        peak plus what the compiled fused steps add per extra member (measured ``peak_bytes``);
-        without them, ``width`` times the member's peak (an upper bound)."""
+        """Bytes per device a group of ``width`` members like ``solo`` books: the engine's rule
+        (`scamp_jax.scheduling.booking.group_bytes`) on the fused step's peak and the stacked
+        state (measured at ``widths``, affine between them); without measured peaks, ``width``
+        times the member's booking (an upper bound)."""
         if not self.peak_bytes:
             return solo.bytes_per_device * width
-        extra = self._fit(self.peak_bytes, width) - self._fit(self.peak_bytes, 1)
-        return solo.bytes_per_device + max(0, round(extra))
+        state = round(self._fit(self.state_bytes, width)) if self.state_bytes else 0
+        return group_bytes(round(self._fit(self.peak_bytes, width)), state,
+                           member_prefetch=self.member_prefetch, width=width,
+                           batch=self.batch_size, member_batch=self.member_batch or self.batch_size,
+                           eval_peak=self.eval_peak)
 
     def _fit(self, values: Sequence[float], width: int) -> float:
         """Affine through the two measured widths nearest ``width`` (never below zero)."""
@@ -166,10 +183,12 @@ def measure_fused_costs(
     import jax.numpy as jnp
 
     compiler = FusedStepCompiler(model, sample_batch, plan, optimizer, loss_fn)
-    flops, traffic, kernels, peaks = [], [], [], []
+    flops, traffic, kernels, peaks, states = [], [], [], [], []
     for width in widths:
         # memory as the planner sees it, and the compile
-        peaks.append(compiler.estimate(width, batch_size).peak)
+        estimate = compiler.estimate(width, batch_size)
+        peaks.append(estimate.peak)
+        states.append(estimate.params + estimate.opt_state + estimate.rest)
         batch = jax.tree.map(
             lambda x, w=width: jax.ShapeDtypeStruct((w, batch_size, *x.shape[1:]), x.dtype),
             sample_batch)
@@ -191,7 +210,10 @@ def measure_fused_costs(
         kernels.append(entry_kernels(text))
     return FusedCostModel(batch_size=batch_size, widths=tuple(widths), flops=tuple(flops),
                           bytes_accessed=tuple(traffic), kernels=tuple(kernels),
-                          peak_bytes=tuple(peaks))
+                          peak_bytes=tuple(peaks), state_bytes=tuple(states),
+                          member_prefetch=int(plan.prefetch_bytes),
+                          member_batch=int(plan.batch_size),
+                          eval_peak=int(plan.eval_peak_bytes) if plan.eval_chunk else 0)
 
 
 def group_width(solo: TrialProfile, cap: int, usable_bytes: int,

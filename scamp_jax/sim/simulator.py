@@ -16,13 +16,26 @@ Cost model of one training step on one device (all quantities per device):
     step    = busy + comm + launch
 
 Efficiency factors are the fraction of the data-sheet peak a real XLA step attains (see
-`ClusterModel`). Trials that share a device compete only for its busy time: a trial keeps a device
-busy a fraction ``u = busy / step`` of its step; while the ``u`` of the trials on a device sum to
-``U > 1`` each of them runs ``U`` times slower (processor sharing). A multi-device trial is
-synchronous, so it advances at the pace of its most loaded device. Communication and launch gaps
-overlap with other trials' work, which is why packing small trials raises throughput. Where
-several devices share one compute engine (CPU devices of one host: ``compute_group``), the sum
-runs over all trials on the group's devices.
+`ClusterModel`). A trial keeps a device busy a fraction ``u = busy / step`` of its step.
+
+Device sharing (`ClusterModel.overlap`, printed with every result). On one GPU, the programs of
+several threads go to the same device queue and mostly take turns: packing fills memory, not
+compute. ``overlap`` says how much of a co-located trial's idle part (communication, launch
+gaps) others can fill: each trial puts a load ``overlap * u + (1 - overlap)`` on its devices,
+and while the loads on a device sum to ``U > 1`` each of its trials runs ``U`` times slower
+(processor sharing). ``overlap = 0`` (the default): strict turns, ``n`` trials on one device each
+run ``n`` times slower whatever their busy fractions; ``overlap = 1``: free overlap, trials slow
+each other only once their busy fractions sum past 1. A multi-device trial is synchronous, so
+it advances at the pace of its most loaded device. Where several devices share one compute
+engine (CPU devices of one host: ``compute_group``), the sum runs over all trials on the
+group's devices.
+
+Time the engine spends outside training: every trial becomes ready to place
+``ClusterModel.planning_seconds`` after it is asked (the planner's compiles; the engine asks as
+many trials ahead as the lookahead allows), and a running trial restarted on more devices trains
+nothing for ``ClusterModel.restart_seconds`` (checkpoint, compile, restore). Both come from a
+real study's ``results.json`` where one is given (`scamp_jax.sim.measured.engine_figures`),
+else from the documented defaults.
 
 The core sees what the engine sees: each trial's FLOPs per step (``cost_analysis()``), bytes and
 steps, the paces measured so far (busy fractions against the device's attainable FLOP/s) and
@@ -40,6 +53,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from scamp_jax._units import format_bytes
+from scamp_jax.scheduling.booking import solo_bytes
 from scamp_jax.scheduling.core import PlanOption, SchedulingCore, Start, TrialPlan
 from scamp_jax.scheduling.costs import COMPUTE_EFFICIENCY
 from scamp_jax.scheduling.placement import (
@@ -78,7 +92,14 @@ class ClusterModel:
       restart_seconds: seconds a running trial restarted on more devices
         (`scamp_jax.scheduling.elastic`) spends before its next step: writing its checkpoint,
         compiling the new plan, restoring. 60 is an assumption (a mid-sized model's compile on a
-        GPU plus checkpoint I/O), not a measurement.
+        GPU plus checkpoint I/O), not a measurement; a study's measured figure replaces it
+        (`scamp_jax.sim.measured.engine_figures`).
+      planning_seconds: seconds from asking a trial to its plan being ready (the planner's
+        probe, verify and evaluation compiles). 30 is an assumption (three compiles of a
+        mid-sized step), not a measurement; a study's measured figure replaces it.
+      overlap: how much co-located trials overlap on one device, in [0, 1] (module docstring):
+        0 = strict turns (the default, what JAX threads on one GPU mostly do until a GPU
+        measurement calibrates it), 1 = free overlap of each other's idle time.
     """
 
     name: str
@@ -93,6 +114,8 @@ class ClusterModel:
     launch_seconds: float = 5e-6
     compute_group: int = 1
     restart_seconds: float = 60.0
+    planning_seconds: float = 30.0
+    overlap: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("devices", "memory_per_device", "peak_flops", "mem_bandwidth",
@@ -106,8 +129,27 @@ class ClusterModel:
             raise ValueError(f"launch_seconds={self.launch_seconds} must be >= 0")
         if self.compute_group < 1:
             raise ValueError(f"compute_group={self.compute_group} must be at least 1")
-        if self.restart_seconds < 0:
-            raise ValueError(f"restart_seconds={self.restart_seconds} must be >= 0")
+        if self.restart_seconds < 0 or self.planning_seconds < 0:
+            raise ValueError(
+                f"restart_seconds={self.restart_seconds} and planning_seconds="
+                f"{self.planning_seconds} must be >= 0")
+        if not 0 <= self.overlap <= 1:
+            raise ValueError(
+                f"overlap={self.overlap} must be in [0, 1] (0: co-located trials take strict "
+                "turns on a device, 1: they overlap freely)")
+
+    def load(self, busy: float, solo: float) -> float:
+        """Load one trial puts on each of its devices: ``overlap * busy / solo + (1 -
+        overlap)`` (module docstring); 0 for a trial of no time."""
+        if solo <= 0:
+            return 0.0
+        return self.overlap * busy / solo + (1.0 - self.overlap)
+
+    def describe(self) -> str:
+        """The sharing model and the engine's overheads, for printing with every result."""
+        return (f"overlap={self.overlap:g} (0: strict turns, 1: free overlap), "
+                f"planning {self.planning_seconds:g} s per trial, restart "
+                f"{self.restart_seconds:g} s")
 
     def with_devices(self, devices: int) -> ClusterModel:
         """The same cluster with ``devices`` accelerators."""
@@ -248,6 +290,9 @@ class SimResult:
     resizes: int = 0
 
 
+_PLANNED = -1  # event version of a trial whose plan becomes ready (runs have versions >= 0)
+
+
 @dataclass
 class _Running:
     profile: TrialProfile
@@ -366,6 +411,7 @@ def simulate(
     affected: set[int] = set()  # running trials whose rate must be recomputed
     resized = 0
     shapes: dict[tuple[int, int], tuple[TrialProfile, ...]] = {}
+    asked: dict[int, int] = {}  # asked, plan not ready yet: key -> arrival
 
     def move(key: int, trial: _Running, sign: float) -> None:
         # Add (sign 1) or remove (-1) ``trial``'s compute load on its devices' groups.
@@ -381,11 +427,20 @@ def simulate(
             affected |= group_trials[g].keys()
 
     def arrive() -> None:
-        while pending and (lookahead is None or len(core.queued) < lookahead):
+        # Ask trials while the lookahead has room; each is planned planning_seconds later.
+        while pending and (lookahead is None or len(core.queued) + len(asked) < lookahead):
             arrival, profile = pending.pop()
-            grow = usable if profile.alternatives else 0
-            core.planned(now, _trial_plan(profile, arrival, grow))
-        core.set_arrivals_pending(bool(pending))
+            if cluster.planning_seconds > 0:
+                asked[profile.key] = arrival
+                heapq.heappush(events, (now + cluster.planning_seconds, profile.key, _PLANNED))
+            else:
+                plan_ready(profile.key, arrival)
+        core.set_arrivals_pending(bool(pending or asked))
+
+    def plan_ready(key: int, arrival: int) -> None:
+        profile = by_key[key]
+        grow = usable if profile.alternatives else 0
+        core.planned(now, _trial_plan(profile, arrival, grow))
 
     def start(action: Start) -> None:
         nonlocal busy_device_seconds
@@ -398,7 +453,7 @@ def simulate(
         # devices so a shared host counts it once.
         busy = busy_seconds(profile, cluster)
         busy_device_seconds += busy * len(action.device_ids)
-        load = busy / solo if solo > 0 else 0.0
+        load = cluster.load(busy, solo)
         running[action.key] = _Running(profile, action.device_ids, now, solo, load, solo, 1.0,
                                        now, first_solo=solo)
         move(action.key, running[action.key], 1.0)
@@ -423,10 +478,17 @@ def simulate(
                 break
         return started
 
+    measured: dict[int, int] = {}  # key -> the run version last measured
+
     def measure() -> None:
-        # The engine's pace measurement: seconds per step of a trial that trained 2 steps.
+        # The engine's pace measurement: seconds per step of a trial that trained 2 steps. A
+        # pace changes only with the trial's rate (a new version), so only those are measured
+        # again, except in the tail, where restarts weigh every trial's steps left.
+        tail = not core.queued and not pending and not asked
         for key, trial in running.items():
             if now < trial.paused_until or trial.solo <= 0:
+                continue
+            if not tail and measured.get(key) == trial.version:
                 continue
             step = step_seconds(trial.profile, cluster)
             trained = trial.solo - trial.work_left(now) - trial.profile.setup_seconds
@@ -434,6 +496,7 @@ def simulate(
                 continue
             core.step_measured(now, key, int(trained / step), step / trial.rate,
                                trial.start + trial.profile.setup_seconds)
+            measured[key] = trial.version
 
     def resize_running() -> None:
         nonlocal busy_device_seconds, resized
@@ -459,7 +522,7 @@ def simulate(
             solo = solo_seconds(new, cluster)
             running[r.key] = _Running(
                 new, r.device_ids, old.start, solo,
-                busy_seconds(new, cluster) / solo if solo > 0 else 0.0,
+                cluster.load(busy_seconds(new, cluster), solo),
                 left * solo, 1.0, now, old.version + 1, old.resizes + 1, old.first_solo,
                 paused_until=now + cluster.restart_seconds)
             move(r.key, running[r.key], 1.0)
@@ -477,14 +540,14 @@ def simulate(
             heapq.heappush(events, (finish, key, trial.version))
 
     arrive()
-    while core.queued or running or pending:
+    while core.queued or running or pending or asked:
         if decide():
             arrive()
             if core.queued and decide():
                 continue  # the next trials arrive at once and may start now too
-        if reshape is not None and not core.queued and not pending and running:
+        if reshape is not None and not core.queued and not pending and not asked and running:
             resize_running()
-        if not running:
+        if not running and not asked:
             raise RuntimeError(
                 f"policy {policy.name!r} started nothing on an idle pool with "
                 f"{len(core.queued)} trials waiting; every request passed check_feasible, so "
@@ -495,15 +558,18 @@ def simulate(
         # Advance to the next finish; finishes at the same instant are handled together so the
         # policy sees all the memory they free at once.
         finished: list[int] = []
+        ready: list[int] = []
         while events:
             t, key, version = heapq.heappop(events)
-            if key not in running or running[key].version != version:
+            if version != _PLANNED and (key not in running or running[key].version != version):
                 continue  # superseded by a later rate change
-            if finished and t > now:
+            if (finished or ready) and t > now:
                 heapq.heappush(events, (t, key, version))
                 break
             now = max(now, t)
-            finished.append(key)
+            (ready if version == _PLANNED else finished).append(key)
+        for key in ready:
+            plan_ready(key, asked.pop(key))
         affected = set()
         for key in finished:
             trial = running.pop(key)
@@ -557,10 +623,26 @@ class StepCostModel:
       mp_comm_fixed, mp_comm_per_sample: model-parallel collective bytes sent per device per
         step, affine in local batch (0 for ``model_parallel == 1``).
       kernels_per_step: kernels in the compiled step.
-      memory_fixed, memory_per_sample, memory_floor: the planner's peak-memory model per device
-        (`scamp_jax.planning.memory.MemoryModel`: ``fixed_bytes``, ``bytes_per_sample``,
-        ``floor_bytes``), bytes: ``peak(b) = max(memory_floor, memory_fixed + memory_per_sample *
-        b)``.
+      memory_fixed, memory_per_sample, memory_floor: the planner's peak-memory model of the
+        training step per device (`scamp_jax.planning.memory.MemoryModel`: ``fixed_bytes``,
+        ``bytes_per_sample``, ``floor_bytes``), bytes: ``step(b) = max(memory_floor,
+        memory_fixed + memory_per_sample * b)``.
+      prefetch_per_sample: bytes per device of one sample of a training batch (the next batch is
+        prefetched while a step runs; ``round(prefetch_per_sample * b)`` as the planner counts it).
+      eval_peak: compiled peak per device of the evaluation forward at its smallest chunk (one
+        sample per data-parallel group), bytes; 0: evaluation not planned. The planner picks the
+        largest chunk whose evaluation needs no more than training, so the booking
+        (`scamp_jax.scheduling.booking.solo_bytes`) is the same with this chunk's figure.
+      opt_state_bytes: optimizer state per device, bytes (resident while evaluating).
+
+      plans: the planner's own answers for this architecture on its ``model_parallel``
+        devices, ``(usable budget, batch cap (0: none), batch multiple, batch, booked bytes)``
+        each (`scamp_jax.sim.step_costs.plan_point`: `scamp_jax.planning.planner.plan_mesh`
+        and `scamp_jax.scheduling.booking.booked_bytes`, as the engine's planning service).
+        `planned_profile` takes a trial's batch and bytes from the matching one, so the
+        simulator books exactly what the engine books; without one, from the fits.
+
+    What a trial books is `peak_bytes`: the engine's byte rule on these figures.
     """
 
     model_parallel: int
@@ -575,11 +657,33 @@ class StepCostModel:
     memory_fixed: float
     memory_per_sample: float
     memory_floor: float = 0.0
+    prefetch_per_sample: float = 0.0
+    eval_peak: float = 0.0
+    opt_state_bytes: float = 0.0
+    plans: tuple[tuple[int, int, int, int, int], ...] = ()
 
-    def peak_bytes(self, local_batch: int) -> int:
-        """Predicted peak bytes per device at per-device batch ``local_batch``."""
+    def planned(self, budget_bytes: int, max_batch_size: int | None,
+                batch_multiple: int) -> tuple[int, int] | None:
+        """``(batch, booked bytes)`` of the planner's answer for this budget, cap and multiple
+        on ``model_parallel`` devices (`plans`), or None if it was not planned."""
+        for usable, cap, multiple, batch, booked in self.plans:
+            if (usable, cap, multiple) == (budget_bytes, max_batch_size or 0, batch_multiple):
+                return batch, booked
+        return None
+
+    def step_peak_bytes(self, local_batch: int) -> int:
+        """Predicted compiled peak of the training step per device at per-device batch
+        ``local_batch``, bytes."""
         affine = self.memory_fixed + self.memory_per_sample * local_batch
         return math.ceil(max(self.memory_floor, affine))
+
+    def peak_bytes(self, local_batch: int) -> int:
+        """Bytes per device a trial at per-device batch ``local_batch`` books: step, prefetched
+        batch and evaluation by the engine's rule (`scamp_jax.scheduling.booking.solo_bytes`)."""
+        return solo_bytes(self.step_peak_bytes(local_batch),
+                          round(self.prefetch_per_sample * local_batch),
+                          eval_peak=math.ceil(self.eval_peak),
+                          opt_state=math.ceil(self.opt_state_bytes))
 
     def profile(self, key: int, devices: int, batch_size: int, samples: int) -> TrialProfile:
         """Profile of a trial training ``samples`` samples at global ``batch_size`` on
@@ -622,18 +726,25 @@ class StepCostModel:
         ``max_devices`` devices (None: no alternatives). The global batch of an alternative is a
         multiple of its data-parallel degree; one that leaves no such batch is left out. Every
         batch is also a multiple of ``batch_multiple`` where one fits, as the planner makes it
-        (`scamp_jax.planning.planner.plan_mesh`).
+        (`scamp_jax.planning.planner.plan_mesh`). Where the planner's own answer is known
+        (`plans`), the trial's batch and booked bytes are that answer's.
         """
-        local = self.max_local_batch(budget_bytes)
-        if max_batch_size is not None:
-            local = min(local, max_batch_size)
-        local = _round_batch(local, 1, batch_multiple)
+        planned = self.planned(budget_bytes, max_batch_size, batch_multiple)
+        if planned is not None:
+            local, booked = planned
+        else:
+            local = self.max_local_batch(budget_bytes)
+            if max_batch_size is not None:
+                local = min(local, max_batch_size)
+            local = _round_batch(local, 1, batch_multiple)
         if local < 1:
             raise ValueError(
                 f"candidate {key} does not fit {format_bytes(budget_bytes)} per device even at "
                 f"batch 1 (needs {format_bytes(self.peak_bytes(1))})"
             )
         base = self.profile(key, self.model_parallel, local, samples)
+        if planned is not None:
+            base = replace(base, bytes_per_device=booked)
         alternatives = []
         dp = 2
         while max_devices is not None and dp * self.model_parallel <= max_devices:
@@ -665,12 +776,23 @@ class StepCostModel:
         return tuple(out)
 
     def max_local_batch(self, budget_bytes: int) -> int:
-        """Largest per-device batch whose predicted peak fits ``budget_bytes`` (0: none)."""
+        """Largest per-device batch whose booking (`peak_bytes`) fits ``budget_bytes`` (0: none)."""
         if self.memory_per_sample <= 0:
             raise ValueError("memory_per_sample must be positive to size a batch")
-        if self.memory_floor > budget_bytes:
-            return 0
-        return max(0, math.floor((budget_bytes - self.memory_fixed) / self.memory_per_sample))
+        pps = self.prefetch_per_sample
+        bounds = [(budget_bytes - self.memory_fixed) / (self.memory_per_sample + pps)]
+        # Each of the other terms is constant plus the prefetched batch.
+        for constant in (self.memory_floor,
+                         self.eval_peak + self.opt_state_bytes if self.eval_peak else 0.0):
+            if constant > budget_bytes:
+                return 0
+            if pps > 0:
+                bounds.append((budget_bytes - constant) / pps)
+        b = max(0, math.floor(min(bounds)) + 1)
+        # The closed form can be off by one through rounding (ceil, round): settle exactly.
+        while b > 0 and self.peak_bytes(b) > budget_bytes:
+            b -= 1
+        return b
 
 
 def _round_batch(batch: int, dp: int, multiple: int) -> int:

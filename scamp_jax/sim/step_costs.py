@@ -10,6 +10,7 @@ planner's `MemoryModel`. `fixed_baseline` gives the fixed-resources baseline's d
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import time
@@ -84,6 +85,7 @@ def measure_cost(
     loss_fn: Callable[..., Any],
     model_parallel: int,
     batches: tuple[int, int] = (2, 8),
+    eval_task: Any = None,
 ) -> tuple[StepCostModel, float]:
     """Cost one architecture: the planner's memory model plus compiled XLA costs of its step.
 
@@ -101,12 +103,16 @@ def measure_cost(
       optimizer, loss_fn: what the engine trains with.
       model_parallel: devices of the ``1 x model_parallel`` mesh.
       batches: the two per-device probe batch sizes (global = per-device on this mesh).
+      eval_task: the task whose chunked evaluation the engine plans
+        (`scamp_jax.planning.evaluation.ChunkedEvalTask`); its forward is compiled at one sample
+        on the same mesh (`StepCostModel.eval_peak`). None, or a task without it: not planned.
     Returns:
       The fitted `StepCostModel` and the wall-clock seconds the compiles took.
     """
     import jax
 
     from scamp_jax.planning import sharding as sh
+    from scamp_jax.planning.evaluation import EvalCompiler, abstract_eval_inputs
     from scamp_jax.planning.memory import StepCompiler, with_batch_size
 
     mesh = sh.make_mesh(jax.devices()[:model_parallel], 1, model_parallel)
@@ -124,6 +130,15 @@ def measure_cost(
         cost = cost[0] if isinstance(cost, list) else cost
         kernels, comm = hlo_kernels_and_collectives(compiled.as_text(), model_parallel)
         rows.append((float(cost["flops"]), float(cost["bytes accessed"]), comm, kernels))
+    prefetch_per_sample = sh.bytes_per_device(with_batch_size(sample_batch, 1),
+                                              compiler.shardings.batch)
+    eval_peak = 0
+    groups = abstract_eval_inputs(eval_task) if eval_task is not None else None
+    if groups:
+        evaluator = EvalCompiler(compiler.graphdef, eval_task.eval_forward, compiler.params,
+                                 compiler.rest, compiler.shardings.params,
+                                 compiler.shardings.rest, mesh)
+        eval_peak = evaluator.peak(1, groups)
     seconds = time.perf_counter() - start
     (f1, m1, c1, k1), (f2, m2, c2, _) = rows
 
@@ -143,9 +158,48 @@ def measure_cost(
         kernels_per_step=k1,
         memory_fixed=memory.fixed_bytes, memory_per_sample=memory.bytes_per_sample,
         memory_floor=memory.floor_bytes,
+        prefetch_per_sample=float(prefetch_per_sample), eval_peak=float(eval_peak),
+        opt_state_bytes=float(compiler.opt_state_bytes),
     )
     return cost_model, seconds
 
+
+def plan_point(
+    model: Any,
+    sample_batch: Any,
+    cost: StepCostModel,
+    *,
+    optimizer: Any,
+    loss_fn: Callable[..., Any],
+    memory_per_device: int,
+    safety_margin: float,
+    max_batch_size: int | None,
+    batch_multiple: int = 1,
+    eval_task: Any = None,
+) -> StepCostModel:
+    """``cost`` with the planner's answer for one budget added to `StepCostModel.plans`.
+
+    `scamp_jax.planning.planner.plan_mesh` plans the architecture on ``cost.model_parallel``
+    CPU devices with the cluster's ``memory_per_device``, ``safety_margin``, batch cap, batch
+    multiple and evaluation, as the engine's planning service does; the trial books
+    `scamp_jax.scheduling.booking.booked_bytes` of that plan, the engine's figure.
+    """
+    import jax
+
+    from scamp_jax.planning.planner import plan_mesh, usable_bytes
+    from scamp_jax.scheduling.booking import booked_bytes
+
+    usable = usable_bytes(memory_per_device, safety_margin)
+    if cost.planned(usable, max_batch_size, batch_multiple) is not None:
+        return cost
+    plan = plan_mesh(model, sample_batch, devices=jax.devices()[:cost.model_parallel],
+                     memory_per_device=memory_per_device, optimizer=optimizer, loss_fn=loss_fn,
+                     safety_margin=safety_margin, max_batch_size=max_batch_size,
+                     model_parallel=cost.model_parallel, eval_task=eval_task,
+                     batch_multiple=batch_multiple)
+    point = (usable, max_batch_size or 0, batch_multiple, int(plan.batch_size),
+             booked_bytes(plan))
+    return dataclasses.replace(cost, plans=(*cost.plans, point))
 
 
 def fixed_baseline(

@@ -34,6 +34,8 @@ def main() -> None:
 
     from scamp_jax.distributed.mpi import import_mpi4py
     from scamp_jax.distributed.study import shared_study
+    from scamp_jax.hpo.study import OptunaTrialSource
+    from scamp_jax.space import SearchSpace
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     comm = import_mpi4py().COMM_WORLD
@@ -47,7 +49,12 @@ def main() -> None:
     def suggest(trial):
         return {"x": trial.suggest_float("x", -5.0, 5.0)}
 
-    client, server = shared_study(make_study, suggest, args.trials, comm)
+    def make_source():
+        # A plain Optuna study has no heartbeat: what a dead job left running is retried at once.
+        space = SearchSpace("ranks", suggest, build=lambda params, rngs: None)
+        return OptunaTrialSource(make_study(), space, args.trials, recover_running=True)
+
+    client, server = shared_study(make_source, comm)
     comm.Barrier()  # every rank is ready before the first trial is handed out
     started = 0
     while (item := client.ask()) is not None:

@@ -1,0 +1,207 @@
+"""Where a study's time goes besides training: ``run.overhead`` in ``results.json``.
+
+`OverheadRecorder` listens to `jax.monitoring` while a study runs: JAX reports every trace,
+lowering and backend compile with the jitted function's name, on the thread that does it, and
+the project reports its own timed sections the same way (`record_section`: checkpoint writes;
+the report and its plots, written after ``results.json``, are added to it afterwards by
+`record_report_seconds`). Compiles are attributed by thread: the engine's planner threads
+(``planner*``) plan, its trial threads (``trial*``) run trials, and within a trial the training
+step (``jit(step)``), the initial state (``jit(init)``) and the evaluation forward
+(``jit(run)``) are told apart by name. Compile seconds are summed over threads, so with
+threads compiling at once they can exceed the wall-clock time.
+
+The summary also has the time from the process's start to the study's (the interpreter, the
+imports and the script's own set-up) and the device-seconds during which whole devices stood
+idle while a trial was being planned and none waited for devices (`idle_waiting_for_plans`,
+from the engine's per-trial timeline).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import jax
+
+from scamp_jax.planning.compile_events import BACKEND_COMPILE_EVENT, CACHE_HIT_EVENT
+
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+#: prefix of the project's own timed sections (`record_section`).
+SECTION_PREFIX = "/scamp_jax/"
+CHECKPOINT_SAVE = "/scamp_jax/checkpoint/save"
+CHECKPOINT_WAIT = "/scamp_jax/checkpoint/wait"
+_RUNNER_PARTS = {"jit(step)": "runner_step", "jit(init)": "runner_init",
+                 "jit(run)": "evaluation"}
+
+
+def record_section(event: str, seconds: float) -> None:
+    """Report ``seconds`` spent in a section named ``event`` (``/scamp_jax/...``) to any
+    `OverheadRecorder` listening (a `jax.monitoring` duration event; nothing when none is)."""
+    jax.monitoring.record_event_duration_secs(event, seconds)
+
+
+class timed_section:  # noqa: N801 - used like a function: ``with timed_section(event): ...``
+    """Context manager that reports its block's wall seconds as ``event`` (`record_section`)."""
+
+    def __init__(self, event: str) -> None:
+        self.event = event
+        self.start = 0.0
+
+    def __enter__(self) -> timed_section:
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        record_section(self.event, time.perf_counter() - self.start)
+
+
+def process_age_seconds() -> float | None:
+    """Wall seconds since this process started (Linux ``/proc``; None elsewhere)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _part(thread: str, fun_name: str) -> str:
+    if thread.startswith("planner"):
+        return "planning"
+    if thread.startswith("trial"):
+        return _RUNNER_PARTS.get(fun_name, "runner_other")
+    return "other"
+
+
+class OverheadRecorder:
+    """Collects compile events and the project's timed sections while it is entered.
+
+    ``with OverheadRecorder() as rec: engine.run()``, then ``rec.summary(result)``. Listeners
+    are global to the process: compiles of other threads of the same process are counted too
+    (attributed by thread name, see the module docstring).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._hit = threading.local()
+        self.compiles: dict[str, int] = defaultdict(int)
+        self.compile_s: dict[str, float] = defaultdict(float)
+        self.trace_s: dict[str, float] = defaultdict(float)
+        self.sections_s: dict[str, float] = defaultdict(float)
+        self.sections_n: dict[str, int] = defaultdict(int)
+        self.startup_s: float | None = None
+        self._active = False
+        self._entered = 0.0
+
+    def _on_event(self, event: str, **kwargs: Any) -> None:
+        if self._active and event == CACHE_HIT_EVENT:
+            self._hit.value = True
+
+    def _on_duration(self, event: str, duration_secs: float, **kwargs: Any) -> None:
+        if not self._active:
+            return
+        if event.startswith(SECTION_PREFIX):
+            with self._lock:
+                self.sections_s[event] += duration_secs
+                self.sections_n[event] += 1
+            return
+        if event not in (BACKEND_COMPILE_EVENT, TRACE_EVENT, LOWER_EVENT):
+            return
+        part = _part(threading.current_thread().name, str(kwargs.get("fun_name", "")))
+        with self._lock:
+            if event == BACKEND_COMPILE_EVENT:
+                hit = getattr(self._hit, "value", False)
+                self._hit.value = False
+                self.compile_s[part] += duration_secs
+                if not hit:
+                    self.compiles[part] += 1
+            else:
+                self.trace_s[part] += duration_secs
+
+    def __enter__(self) -> OverheadRecorder:
+        self.startup_s = process_age_seconds()
+        self._entered = time.perf_counter()
+        self._active = True
+        jax.monitoring.register_event_listener(self._on_event)
+        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._active = False
+        jax.monitoring.unregister_event_listener(self._on_event)
+        jax.monitoring.unregister_event_duration_listener(self._on_duration)
+
+    def summary(self, result: Any = None) -> dict[str, Any]:
+        """The breakdown as plain data (seconds, counts); ``result`` (a ``SearchResult``)
+        adds the idle device-seconds while trials waited for plans."""
+        with self._lock:
+            out: dict[str, Any] = {
+                "startup_s": None if self.startup_s is None else round(self.startup_s, 3),
+            }
+            for part in ("planning", "runner_step", "runner_init", "evaluation",
+                         "runner_other", "other"):
+                out[f"{part}_compiles"] = int(self.compiles.get(part, 0))
+                out[f"{part}_compile_s"] = round(self.compile_s.get(part, 0.0), 3)
+                out[f"{part}_trace_s"] = round(self.trace_s.get(part, 0.0), 3)
+            out["checkpoint_writes"] = int(self.sections_n.get(CHECKPOINT_SAVE, 0))
+            out["checkpoint_s"] = round(self.sections_s.get(CHECKPOINT_SAVE, 0.0)
+                                        + self.sections_s.get(CHECKPOINT_WAIT, 0.0), 3)
+            out["report_s"] = 0.0  # measured after results.json is written
+        if result is not None:
+            out["elapsed_s"] = round(float(result.elapsed_s), 3)
+            out["idle_waiting_for_plans_device_s"] = round(idle_waiting_for_plans(
+                result.intervals, [o.attrs for o in result.outcomes]), 3)
+        return out
+
+
+def idle_waiting_for_plans(intervals: Sequence[Sequence[Sequence[float]]],
+                           trials: Sequence[Mapping[str, Any]]) -> float:
+    """Device-seconds during which a device held no trial while some trial was being planned
+    (asked, plan not ready) and no planned trial waited for devices.
+
+    ``intervals``: per device, ``(trial, start_s, end_s, bytes)`` of every trial it held;
+    ``trials``: per trial, ``asked_at``, ``planned_at`` and ``started_at`` (seconds on the same
+    clock; a trial without ``asked_at`` counts as asked at 0).
+    """
+    planning, queued = [], []
+    for t in trials:
+        planned, started = t.get("planned_at"), t.get("started_at")
+        if planned is None:
+            continue
+        planning.append((float(t.get("asked_at") or 0.0), float(planned)))
+        if started is not None:
+            queued.append((float(planned), float(started)))
+    if not planning:
+        return 0.0
+    times = sorted({x for span in planning + queued for x in span}
+                   | {float(iv[i]) for device in intervals for iv in device for i in (1, 2)})
+    total = 0.0
+    for a, b in zip(times, times[1:], strict=False):
+        if b <= a:
+            continue
+        mid = (a + b) / 2
+        if not any(s <= mid < e for s, e in planning) or any(s <= mid < e for s, e in queued):
+            continue
+        idle = sum(1 for device in intervals
+                   if not any(float(iv[1]) <= mid < float(iv[2]) for iv in device))
+        total += idle * (b - a)
+    return total
+
+
+def record_report_seconds(study_dir: str | Path, overhead: dict[str, Any],
+                          seconds: float) -> None:
+    """Add the report's ``seconds`` (results, best model, plots, tables: written after
+    ``results.json``) to ``overhead`` and to the last run in ``study_dir/results.json``."""
+    from scamp_jax.hpo.report import add_run_overhead
+
+    overhead["report_s"] = round(overhead.get("report_s", 0.0) + seconds, 3)
+    add_run_overhead(study_dir, {"report_s": overhead["report_s"]})

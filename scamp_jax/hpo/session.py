@@ -1,0 +1,386 @@
+"""One study session: open or resume the study, run the engine, write the report once.
+
+Every way in goes through here: `run_study` (the library call), the experiments' command lines
+(``experiments._cli``) and ``mpirun`` (`scamp_jax.distributed.engine.run_search_mpi`, which
+brings only its trial source and rank). `StudySession` holds what a run sets up once (where the
+study lives, its console, plan cache, live view and engine); `run_search` drives it in one
+process, and hands over to the MPI session when launched by ``mpirun`` with several ranks.
+
+A run writes ``study.db`` (unless ``settings.storage`` names another database),
+``plans.sqlite`` (the plan cache, shared by every study in ``study_dir``), and in the study's
+folder (``study_dir``, or ``study_dir/<study_name>`` for a study other than the space's default)
+``checkpoints/``, ``results.json``, ``results.csv``, ``best_model/`` and the plots.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from scamp_jax.hpo.settings import SearchSettings
+from scamp_jax.space import SearchSpace, Task
+
+if TYPE_CHECKING:
+    import jax
+    import optuna
+
+    from scamp_jax.hpo.engine import SearchEngine, SearchResult
+    from scamp_jax.hpo.study import OptunaTrialSource, StudyHandle, TrialSource
+
+#: Share of the host's physical memory that CPU devices (which report no limit) split between
+#: them when no ``memory_per_device`` is given.
+CPU_MEMORY_SHARE = 0.5
+
+
+class StudySession:
+    """One run of a study in this process: where it lives, its console, plans, view and engine.
+
+    Args:
+      space, task: the model family and what its candidates train on.
+      settings: the run's `SearchSettings` (validated when built).
+      devices: this process's device pool.
+      memory_per_device: budget per device, bytes.
+      live: a live table (else plain log lines); ranks other than 0 always log plain lines
+        prefixed with ``[rank R]``.
+      baseline: a second score of ``task.evaluate`` printed beside the metric, or None.
+      title: heading of the live view.
+      plan_fn: the planner (default `plan_mesh` with the study's ``plans.sqlite``).
+      console: a ``rich`` console for the session's lines (default: stdout).
+      rank, ranks: this process's MPI rank and the number of ranks (0 and 1 in one process).
+    """
+
+    def __init__(self, space: SearchSpace, task: Task, settings: SearchSettings, *,
+                 devices: Sequence[jax.Device], memory_per_device: int, live: bool = True,
+                 baseline: str | None = None, title: str = "search",
+                 plan_fn: Callable[..., Any] | None = None, console: Any = None,
+                 rank: int = 0, ranks: int = 1) -> None:
+        if not isinstance(settings, SearchSettings):
+            raise TypeError(f"settings={settings!r} is not a SearchSettings; build one with "
+                            "scamp_jax.SearchSettings(trials=..., steps=..., ...)")
+        from rich.console import Console
+
+        from scamp_jax.planning.plan_cache import PlanCache
+        from scamp_jax.planning.planner import plan_mesh
+
+        self.space, self.task, self.settings = space, task, settings
+        self.devices, self.memory_per_device = list(devices), int(memory_per_device)
+        self.live, self.baseline, self.title = live, baseline, title
+        self.rank, self.ranks = rank, ranks
+        self.study_name = settings.study_name or space.name
+        self.study_dir = Path(settings.study_dir)
+        # A study other than the space's default one keeps its outputs in a folder of its own.
+        self.out_dir = (self.study_dir if self.study_name == space.name
+                        else self.study_dir / self.study_name)
+        # Plans, fused plans and compiled peaks persist next to the studies (one SQLite file,
+        # safe for concurrent writers): a resumed study, another process or another rank plans
+        # an architecture planned before without compiling.
+        self.plan_cache = PlanCache(self.study_dir / "plans.sqlite")
+        self.plan_fn = plan_fn or functools.partial(plan_mesh, cache=self.plan_cache)
+        #: ``run.overhead`` of the last `run_engine` (`scamp_jax.hpo.overhead`), None before
+        self.overhead: dict[str, Any] | None = None
+        if console is None:
+            from scamp_jax.hpo.live import RankStream
+
+            # Logs (no terminal) get wide lines instead of a table squeezed into 80 columns.
+            out: Any = sys.stdout if rank == 0 else RankStream(rank)
+            console = Console(file=out, soft_wrap=True,
+                              width=None if rank == 0 and sys.stdout.isatty() else 160)
+        self.console = console
+
+    def say(self, line: str) -> None:
+        """Print one plain line on the session's console."""
+        self.console.print(line, markup=False, highlight=False)
+
+    # -- the study --------------------------------------------------------------------------------
+    def open(self) -> StudyHandle:
+        """Create or resume the study (only the process that owns it calls this); a new study
+        first gets ``settings.initial_params`` queued (a warm start)."""
+        from scamp_jax.hpo.study import open_study
+
+        s = self.settings
+        handle = open_study(
+            self.study_name, study_dir=self.study_dir, storage=s.storage,
+            direction=self.task.direction, sampler=s.sampler, pruner=s.pruner, seed=s.seed,
+            grid=self.space.grid, warmup_steps=s.eval_every,
+            settings=s.study_record(self.space, self.memory_per_device),
+            heartbeat_interval=s.heartbeat_interval, grace_period=s.grace_period,
+        )
+        if not handle.study.get_trials(deepcopy=False):
+            for params in s.initial_params:
+                handle.study.enqueue_trial(dict(params), skip_if_exists=True)
+        return handle
+
+    def trial_source(self, handle: StudyHandle, **kwargs: Any) -> OptunaTrialSource:
+        """The ask-and-tell source over the opened study (``kwargs``: more `OptunaTrialSource`
+        arguments)."""
+        from scamp_jax.hpo.study import OptunaTrialSource
+
+        return OptunaTrialSource(handle, self.space, self.settings.trials, root=self.out_dir,
+                                 **self.settings.source_kwargs(), **kwargs)
+
+    def greet(self, finished: int, recovered: Sequence[int]) -> None:
+        """The opening lines: trials of stopped processes queued again, and how far it got."""
+        if recovered:
+            self.say(f"resuming: trials {sorted(recovered)} of a stopped process are queued "
+                     "again")
+        ranks = f"; {self.ranks} ranks" if self.ranks > 1 else ""
+        self.say(f"study {self.study_name!r} in {self.out_dir}: {finished} of "
+                 f"{self.settings.trials} trials finished before this run{ranks}")
+
+    # -- the engine -------------------------------------------------------------------------------
+    def run_engine(self, source: TrialSource, *,
+                   engine: Callable[..., SearchEngine] | None = None,
+                   before: Callable[[], Any] | None = None) -> tuple[SearchEngine, SearchResult]:
+        """Build the engine over ``source`` and run it under the live view.
+
+        ``engine``: the engine class (default `SearchEngine`; MPI passes its own);
+        ``before``: called once the engine is built, before it runs (MPI: a barrier).
+        """
+        from scamp_jax.hpo.live import LiveView, PlainStream, RankStream
+        from scamp_jax.hpo.overhead import OverheadRecorder
+
+        if engine is None:
+            from scamp_jax.hpo.engine import SearchEngine as engine
+        title, stream = self.title, None if self.live else PlainStream()
+        if self.ranks > 1:  # every rank's log lines say whose they are; rank 0 may be live
+            title = f"{self.title} (rank {self.rank} of {self.ranks})"
+            stream = None if self.live and self.rank == 0 else RankStream(self.rank)
+        view = LiveView([self.memory_per_device] * len(self.devices), self.task.metric,
+                        title=title, stream=stream)
+        built = engine(self.space, self.task, source,
+                       self.settings.engine_config(self.memory_per_device, rank=self.rank),
+                       devices=self.devices, checkpoint_root=self.out_dir / "checkpoints",
+                       plan_fn=self.plan_fn, on_update=view.update, plan_cache=self.plan_cache,
+                       on_notice=view.notice)
+        if before is not None:
+            before()
+        # Where the time goes besides training: run.overhead in results.json.
+        with view, OverheadRecorder() as recorder:
+            result = built.run()
+        self.overhead = recorder.summary(result)
+        return built, result
+
+    # -- the report -------------------------------------------------------------------------------
+    def report(self, source: OptunaTrialSource, run_info: dict[str, Any]) -> dict[str, Any]:
+        """Write ``results.json``/``.csv``, ``best_model/`` and the plots of every finished trial
+        (``run_info`` as the ``run`` section; the usage plots from every run's timeline), print
+        the best trials; returns ``run_info`` plus ``best`` (a results row or None)."""
+        from scamp_jax.hpo import report
+        from scamp_jax.hpo.overhead import record_report_seconds
+
+        report_start = time.perf_counter()
+        if self.overhead is not None:
+            run_info = {**run_info, "overhead": self.overhead}
+        if source.recovered:
+            self.say(f"trials {sorted(set(source.recovered))} of stopped processes were run "
+                     "again")
+        note = grid_note(source, self.settings.trials)
+        if note:
+            self.say(note)
+        metric, direction = self.task.metric, self.task.direction
+        records = report.trial_records(source.study, self._metrics())
+        report.write_results(self.out_dir, records, metric=metric, direction=direction,
+                             run=run_info)
+        report.save_best_model(self.out_dir, records, metric, direction)
+        intervals, memory_series, elapsed = report.combined_timeline(
+            report.read_runs(self.out_dir))
+        report.plot_results(self.out_dir, records, metric=metric, baseline=self.baseline,
+                            intervals=intervals, memory_series=memory_series,
+                            elapsed_s=elapsed, capacity_bytes=self.memory_per_device)
+        self.console.print(report.summary_table(records, metric, direction,
+                                                baseline=self.baseline))
+        self.say(report.verdict(records, metric, direction, self.baseline))
+        usage = run_info["usage"]
+        self.say(f"this run: {run_info['elapsed_s']:.1f} s, mean memory utilisation "
+                 f"{100 * usage['mean_memory_utilization']:.1f}%, idle device-seconds "
+                 f"{usage['idle_device_seconds']:.1f}; results in {self.out_dir}")
+        if self.overhead is not None:  # the report and plots, added once they are written
+            record_report_seconds(self.out_dir, run_info["overhead"],
+                                  time.perf_counter() - report_start)
+        return {**run_info, "best": report.best_record(records, metric, direction)}
+
+    def report_interrupted(self, study: optuna.Study, elapsed_s: float) -> None:
+        """``results.json``/``.csv`` of an interrupted run: every finished trial, and this run
+        appended to the runs (no plots; the next run draws them)."""
+        from scamp_jax.hpo import report
+
+        run_info = {"policy": self.settings.policy, "devices": len(self.devices),
+                    "memory_per_device": self.memory_per_device, "interrupted": True,
+                    "elapsed_s": elapsed_s}
+        report.write_results(self.out_dir, report.trial_records(study, self._metrics()),
+                             metric=self.task.metric, direction=self.task.direction,
+                             run=run_info)
+
+    def _metrics(self) -> list[str]:
+        return [self.task.metric] + ([self.baseline] if self.baseline else [])
+
+
+def run_search(
+    space: SearchSpace,
+    task: Task,
+    settings: SearchSettings,
+    *,
+    devices: Sequence[jax.Device],
+    memory_per_device: int,
+    live: bool = True,
+    baseline: str | None = None,
+    title: str = "search",
+    plan_fn: Callable[..., Any] | None = None,
+    console: Any = None,
+) -> dict[str, Any]:
+    """Open (or resume) the study of ``settings``, run it, and write its report.
+
+    Under ``mpirun`` with several ranks (`scamp_jax.distributed.launched_under_mpi`) this is
+    `scamp_jax.distributed.engine.run_search_mpi` (collective: every rank calls it), with the
+    same settings meaning the same. ``memory_per_device`` is bytes; ``baseline`` a second
+    score printed beside the metric (e.g. ``"bicubic_psnr"``). Returns the ``results.json``
+    payload's ``run`` section plus ``best`` (a results row or None).
+    """
+    from scamp_jax.distributed.mpi import launched_under_mpi
+
+    kwargs = dict(devices=devices, memory_per_device=memory_per_device, live=live,
+                  baseline=baseline, title=title, plan_fn=plan_fn, console=console)
+    if launched_under_mpi():
+        from scamp_jax.distributed.engine import run_search_mpi
+
+        return run_search_mpi(space, task, settings, **kwargs)
+    session = StudySession(space, task, settings, **kwargs)
+    source = session.trial_source(session.open())
+    session.greet(source.finished(), source.recovered)
+    started = time.monotonic()
+    try:
+        _, result = session.run_engine(source)
+    except KeyboardInterrupt:
+        # The record grows on an interrupt too: finished trials and this run's wall time.
+        session.report_interrupted(source.study, time.monotonic() - started)
+        raise
+    finally:
+        source.close()
+    return session.report(source, run_summary(result, len(devices), memory_per_device))
+
+
+def run_study(
+    space: SearchSpace,
+    task: Task,
+    *,
+    trials: int,
+    steps: int,
+    study_dir: str | Path = "runs/study",
+    devices: Sequence[jax.Device] | int | None = None,
+    memory_per_device: int | str | None = None,
+    live: bool | None = None,
+    baseline: str | None = None,
+    **settings: Any,
+) -> dict[str, Any]:
+    """Run (or resume) a memory-aware search of ``space`` on ``task`` and write its report.
+
+    Each trial's configuration comes from Optuna (``space.suggest``); the planner sizes it
+    (model-parallel degree, the largest global batch that fits ``memory_per_device``); the
+    ScaMP policy packs trials onto ``devices`` so that their memory is used; every trial
+    trains ``steps`` steps and is scored by ``task.evaluate``. Calling again with the same
+    ``study_dir`` resumes: finished trials are kept, interrupted ones restart from their last
+    checkpoint, and only the missing trials run. Under ``mpirun`` every rank calls it and the
+    ranks share the study.
+
+    On CPU, split the host into several devices first (before JAX creates an array), e.g.
+    ``scamp_jax.configure_for_search(8)`` at the top of the script.
+
+    Args:
+      space: the model family (`SearchSpace`).
+      task: what candidates train on and how they are scored (`Task`; `FunctionTask` builds one
+        from plain functions).
+      trials: total trials of the study.
+      steps: training steps per trial (at ``reference_batch`` when that is set).
+      study_dir: directory of ``study.db`` (the Optuna study, SQLite), ``checkpoints/``,
+        ``results.json``, ``results.csv``, ``best_model/`` and the plots.
+      devices: the device pool: a list of JAX devices, a count (the first ``n``), or None (all).
+      memory_per_device: budget per device in bytes or as text (``"2GiB"``). None: the device
+        limit on accelerators; on CPU devices, which report none, an equal share of
+        `CPU_MEMORY_SHARE` of the host's physical memory.
+      live: a live table of devices and trials (None: when stdout is a terminal; False: log
+        lines).
+      baseline: a second score of ``task.evaluate`` to print beside the metric (e.g. a trivial
+        predictor's), or None.
+      **settings: any other field of `SearchSettings` (``policy``, ``sampler``, ``pruner``,
+        ``seed``, ``storage``, ``fuse``, ``study_name``, ``max_batch_size``, ...).
+
+    Returns:
+      The ``run`` section of ``results.json`` (``elapsed_s`` in seconds, ``devices``,
+      ``memory_per_device`` in bytes, ``usage``, ``trials_this_run``, ...) plus ``best``: the
+      best trial's results row (``number``, ``params``, ``batch_size``, ``devices``, the
+      metric, ...) or None when no trial completed.
+
+    Raises:
+      ValueError: a setting out of range (the message names it and what to pass).
+      TypeError: a keyword that is not a `SearchSettings` field.
+      scamp_jax.BudgetTooSmallError: no candidate fits the devices' memory.
+    """
+    if "initial_params" in settings:
+        settings["initial_params"] = tuple(settings["initial_params"])
+    try:
+        config = SearchSettings(trials=trials, steps=steps, study_dir=study_dir, **settings)
+    except TypeError as err:
+        raise TypeError(f"run_study: {err}; see scamp_jax.SearchSettings for the settings it "
+                        "takes") from None
+    from scamp_jax.devices import configure_device_memory
+    from scamp_jax.planning import planner
+
+    # Preallocation off before the first device query (it starts JAX's backend); when the caller
+    # already started JAX, configure_for_search at the top of the script is what counts.
+    configure_device_memory()
+    pool = planner.resolve_devices(devices)
+    budget = default_budget(memory_per_device, pool)
+    return run_search(space, task, config, devices=pool, memory_per_device=budget,
+                      live=sys.stdout.isatty() if live is None else live, baseline=baseline,
+                      title=space.name)
+
+
+def default_budget(memory_per_device: int | str | None, devices: Sequence[jax.Device]) -> int:
+    """Per-device budget in bytes: the argument, the accelerators' limit, or a share of the host.
+
+    CPU devices report no memory limit; they split `CPU_MEMORY_SHARE` of the host's physical
+    memory equally.
+    """
+    from scamp_jax.planning import planner
+
+    if memory_per_device is not None or any(d.platform != "cpu" for d in devices):
+        return planner.resolve_budget(memory_per_device, devices)
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(CPU_MEMORY_SHARE * host) // len(devices)
+
+
+def grid_note(source: Any, trials: int) -> str | None:
+    """The line that says a grid study ended before ``trials`` because its grid is done
+    (None: not a grid, the grid still has points, or every trial ran)."""
+    points = source.grid_points
+    if points is None:
+        return None
+    finished = source.finished()
+    if finished >= trials or not source.grid_done():
+        return None
+    return f"the grid's {points} points are done; {finished} of {trials} trials ran"
+
+
+def run_summary(result: SearchResult, devices: int, memory_per_device: int) -> dict[str, Any]:
+    """The ``run`` section of ``results.json`` for one engine run on ``devices`` devices."""
+    return {
+        # memory_per_device, safety_margin, the booked share, the active policy parts, ...
+        **dict(result.scheduling),
+        "policy": result.policy,
+        "devices": devices,
+        "memory_per_device": memory_per_device,
+        "elapsed_s": result.elapsed_s,
+        "usage": dict(result.usage),
+        "compile_cache": dict(result.compile_cache),
+        "trials_this_run": len(result.outcomes),
+        "timeline": {
+            "intervals": [[list(span) for span in spans] for spans in result.intervals],
+            "memory_series": [list(result.memory_series[0]), list(result.memory_series[1])]
+            if result.memory_series is not None else None,
+        },
+    }

@@ -1,0 +1,364 @@
+"""Ask-and-tell over an opened study: `OptunaTrialSource`, the engine's local `TrialSource`."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import threading
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from scamp_jax.hpo.settings import HEARTBEAT_INTERVAL
+from scamp_jax.hpo.study.storage import StudyHandle, quiet_optuna, retried_from, retry_callback
+from scamp_jax.hpo.study.trials import (
+    CHECKPOINT_KEY,
+    FAIL_REASON,
+    INTERRUPTED,
+    SIBLING_OF,
+    AskedTrial,
+    AskLater,
+    TrialOutcome,
+    when_full,
+)
+from scamp_jax.space import SearchSpace
+
+
+def _counts_towards_total(trial: FrozenTrial) -> bool:
+    """Finished for good: complete, pruned, or failed for a reason of its own.
+
+    A trial failed as interrupted (its process was stopped) or by the heartbeat (its process
+    died; no reason recorded) does not count: a retry with its parameters takes its place.
+    """
+    if trial.state in (TrialState.COMPLETE, TrialState.PRUNED):
+        return True
+    reason = trial.user_attrs.get(FAIL_REASON)
+    return trial.state == TrialState.FAIL and bool(reason) and reason != INTERRUPTED
+
+
+def _relative(path: str, root: Path) -> str:
+    """``path`` relative to ``root`` if it lies inside it, else unchanged."""
+    try:
+        return str(Path(path).resolve().relative_to(root))
+    except ValueError:
+        return path
+
+
+class OptunaTrialSource:
+    """`TrialSource` over an Optuna study; safe to call from several threads and processes.
+
+    Any number of sources (in one process or many, on hosts sharing the database) may work on
+    one study: a source asks a trial only while finished plus running trials of all processes
+    are fewer than ``n_trials``. While other processes' trials run (whether or not this source
+    has trials of its own running), a study with a heartbeat answers `AskLater` (ask again in
+    ``poll_seconds``) until they finish or their heartbeat goes stale, then hands out the
+    retries of the dead ones; ``ask`` itself never waits. A `StudyHandle` (from `open_study`)
+    brings liveness and the cross-process ask lock; a plain Optuna study is used as it is.
+
+    Args:
+      study: the study: a `StudyHandle` from `open_study`, or a plain ``optuna.Study``.
+      space: the search space whose ``suggest`` draws configurations.
+      n_trials: the study's total number of trials (finished ones from earlier runs count).
+      poll_seconds: seconds an `AskLater` answer asks the caller to wait before asking again.
+      root: the study's directory; a told ``checkpoint`` attribute under it is stored relative
+        to it, so a copied study folder still finds its checkpoints.
+      recover_running: fail every trial left ``RUNNING`` now and queue it again, without
+        waiting for its heartbeat to go stale: only for a process that owns the study alone
+        (e.g. one MPI job whose ranks die together), or a study without a heartbeat.
+      siblings: after the sampler proposes a trial, hold up to this many *siblings* for the same
+        asker: trials with its architecture fixed (every parameter but ``training_keys``) and
+        the training hyperparameters left to the sampler, so that an engine can fuse them
+        (`scamp_jax.planning.fusion`). The asker gets them before any new proposal, each
+        ``study.enqueue_trial``-ed with its partial parameters and asked at once under the ask
+        lock; queued retries still go first. Held siblings count as taken, so the study never
+        passes ``n_trials``; they live in this source only (a process that dies loses the
+        unasked ones, and the next run proposes afresh). 0: none.
+      training_keys: parameters siblings leave to the sampler (e.g. the learning rate).
+
+    Raises:
+      ValueError: ``n_trials`` below 1, ``siblings`` below 0, or siblings on a plain study
+        (they are asked under the ask lock of a `StudyHandle`).
+    """
+
+    def __init__(self, study: StudyHandle | optuna.Study, space: SearchSpace, n_trials: int, *,
+                 poll_seconds: float = 1.0, root: str | Path | None = None,
+                 recover_running: bool = False, siblings: int = 0,
+                 training_keys: Sequence[str] = ()) -> None:
+        if n_trials < 1:
+            raise ValueError(f"{n_trials=} must be at least 1")
+        if siblings < 0:
+            raise ValueError(f"{siblings=} must be >= 0 (trials held per proposal)")
+        handle = study if isinstance(study, StudyHandle) else None
+        if siblings and handle is None:
+            raise ValueError(
+                f"siblings={siblings} (fused groups) need a study opened by "
+                "scamp_jax.hpo.study.open_study, whose ask lock keeps a sibling's enqueue and "
+                "ask together; open the study with open_study(...) or use siblings=0")
+        self.siblings = int(siblings)
+        self.training_keys = frozenset(training_keys)
+        self.study: optuna.Study = handle.study if handle else study  # type: ignore[assignment]
+        self.space = space
+        self.n_trials = n_trials
+        self.poll_seconds = poll_seconds
+        self.root = None if root is None else Path(root).resolve()
+        self._storage = handle.storage if handle else None
+        self._ask_lock: Any = handle.ask_lock if handle else contextlib.nullcontext
+        self._study_id = (self._storage.get_study_id_from_name(self.study.study_name)
+                          if self._storage else None)
+        # Optuna's RDB storage is thread-safe, but the sampler's state (TPE's RNG) is not.
+        self._lock = threading.Lock()
+        self._live: dict[int, optuna.Trial] = {}
+        self._ids: dict[int, int] = {}  # live trial number -> storage trial id (heartbeats)
+        #: asker -> siblings held for it: (the proposed trial's number, its fixed parameters).
+        self._held: dict[Hashable, list[tuple[int, dict[str, Any]]]] = {}
+        #: trials of dead processes this source failed and queued again (numbers).
+        self.recovered: list[int] = []
+        #: live trials another process failed as stale (their results were dropped).
+        self.lost: list[int] = []
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+        with self._lock:
+            if recover_running:
+                self._recover_running()
+            self._fail_stale()
+
+    @property
+    def has_liveness(self) -> bool:
+        """Whether the study's storage has a heartbeat (opened by `open_study`)."""
+        return self._storage is not None
+
+    # -- liveness -------------------------------------------------------------------------------
+    def _fail_stale(self) -> None:
+        """Fail trials whose heartbeat went stale; Optuna's callback queues their retries."""
+        if self._storage is None:
+            return
+        before = {t.number for t in self.study.get_trials(deepcopy=False,
+                                                          states=(TrialState.RUNNING,))}
+        with quiet_optuna():
+            optuna.storages.fail_stale_trials(self.study)
+        after = {t.number for t in self.study.get_trials(deepcopy=False,
+                                                         states=(TrialState.RUNNING,))}
+        self.recovered.extend(sorted(before - after - set(self._live)))
+
+    def _recover_running(self) -> None:
+        """Fail every ``RUNNING`` trial (public ``tell``) and queue a retry of each."""
+        for trial in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            try:
+                frozen = self.study.tell(trial.number, state=TrialState.FAIL)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue  # finished meanwhile by its own process
+            with quiet_optuna():
+                retry_callback()(self.study, frozen)
+            self.recovered.append(trial.number)
+
+    def _beat_hearts(self) -> None:
+        assert self._storage is not None
+        interval = self._storage.get_heartbeat_interval() or HEARTBEAT_INTERVAL
+        while not self._stop.wait(interval):
+            for trial_id in list(self._ids.values()):
+                with contextlib.suppress(Exception):  # a missed beat is retried next interval
+                    self._storage.record_heartbeat(trial_id)
+
+    def _start_heartbeat(self, number: int) -> None:
+        if self._storage is None or self._study_id is None:
+            return
+        trial_id = self._storage.get_trial_id_from_study_id_trial_number(self._study_id, number)
+        self._storage.record_heartbeat(trial_id)  # at once: a trial with no beat never goes stale
+        self._ids[number] = trial_id
+        if self._beat is None:
+            self._beat = threading.Thread(target=self._beat_hearts, name="study-heartbeat",
+                                          daemon=True)
+            self._beat.start()
+
+    def close(self) -> None:
+        """Stop the heartbeat thread (live trials then go stale after the grace period)."""
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()
+
+    def is_live(self, number: int) -> bool:
+        """Whether trial ``number`` was asked here and not yet told."""
+        return number in self._live
+
+    def live_numbers(self) -> list[int]:
+        """Numbers of the trials asked here and not yet told."""
+        return sorted(self._live)
+
+    # -- counting -------------------------------------------------------------------------------
+    def _counts(self, trials: Sequence[FrozenTrial] | None = None) -> tuple[int, int, int]:
+        """Finished (towards the total), running and waiting trials of every process."""
+        if trials is None:
+            trials = self.study.get_trials(deepcopy=False)
+        finished = sum(_counts_towards_total(t) for t in trials)
+        running = sum(t.state == TrialState.RUNNING for t in trials)
+        waiting = sum(t.state == TrialState.WAITING for t in trials)
+        return finished, running, waiting
+
+    def _held_count(self) -> int:
+        return sum(len(held) for held in self._held.values())
+
+    def finished(self) -> int:
+        """Trials that count towards the total (complete, pruned, failed for their own reason)."""
+        return self._counts()[0]
+
+    def remaining(self) -> int:
+        """Trials still to ask: the total minus finished and running ones (of every process)
+        and the siblings held here."""
+        with self._lock:
+            finished, running, _ = self._counts()
+            return max(0, self.n_trials - finished - running - self._held_count())
+
+    def release(self, asker: Hashable = None) -> None:
+        """Drop the siblings held for ``asker`` (it asks no more): their slots are free."""
+        with self._lock:
+            self._held.pop(asker, None)
+
+    @property
+    def grid_points(self) -> int | None:
+        """Points of the study's grid (None: the sampler is not a grid)."""
+        if not isinstance(self.study.sampler, optuna.samplers.GridSampler) or not self.space.grid:
+            return None
+        return math.prod(len(values) for values in self.space.grid.values())
+
+    def grid_done(self, trials: Sequence[FrozenTrial] | None = None) -> bool:
+        """Whether the study's grid has no point left for a new trial: every point is running
+        or finished and no trial waits (a queued retry still runs). False for other samplers."""
+        if self.grid_points is None:
+            return False
+        if trials is None:
+            trials = self.study.get_trials(deepcopy=False)
+        if any(t.state == TrialState.WAITING for t in trials):
+            return False
+        keys = sorted(self.space.grid)
+        taken = {tuple(t.params.get(k) for k in keys) for t in trials}
+        return all(point in taken
+                   for point in itertools.product(*(self.space.grid[k] for k in keys)))
+
+    # -- ask-and-tell ---------------------------------------------------------------------------
+    def ask(self, attrs: Mapping[str, Any] | None = None, *,
+            asker: Hashable = None) -> AskedTrial | AskLater | None:
+        """Next configuration; `AskLater` or ``None`` once the total is reached (`when_full`).
+
+        Order: a queued trial (a retry, a warm start) first, then a sibling held for ``asker``
+        (e.g. an MPI rank; None in one process), then a new proposal of the sampler. ``attrs``
+        (JSON-serialisable) are stored with the trial. While trials this source did not hand
+        out are running, a study with a heartbeat answers `AskLater`: they may finish, or go
+        stale (their retries are then asked). ``None``: every other trial is finished.
+        """
+        with self._lock:
+            with self._ask_lock():
+                self._fail_stale()
+                trials = self.study.get_trials(deepcopy=False)
+                finished, running, waiting = self._counts(trials)
+                held = self._held_count()
+                mine = self._held.get(asker, [])
+                trial, proposed = None, False
+                if self.grid_done(trials):
+                    trial = None  # every point of the grid is running or finished
+                elif waiting:
+                    if mine and finished + running + held >= self.n_trials:
+                        mine.pop()  # at the total: a held sibling gives its slot to the retry
+                        held -= 1
+                    if finished + running + held < self.n_trials:
+                        trial = self._ask()
+                elif mine:  # its slot is counted in ``held`` already
+                    sibling_of, fixed = mine.pop(0)
+                    # skip_if_exists=False: siblings share their (partial) parameters on purpose.
+                    self.study.enqueue_trial(fixed, user_attrs={SIBLING_OF: sibling_of},
+                                             skip_if_exists=False)
+                    trial = self._ask()  # under the ask lock the queue holds only this one
+                elif finished + running + held < self.n_trials:
+                    trial, proposed = self._ask(), True
+                if trial is None:
+                    foreign = [t.number for t in trials
+                               if t.state == TrialState.RUNNING and t.number not in self._live]
+                    return when_full(foreign, self.has_liveness, self.poll_seconds)
+                self._start_heartbeat(trial.number)
+                # Suggest under the lock: another process counting the grid's points taken
+                # sees this trial's parameters.
+                asked = self._suggest(trial, attrs or {})
+                if proposed and self.siblings:
+                    room = self.n_trials - finished - running - 1 - held
+                    count = max(0, min(self.siblings, room))
+                    fixed = {k: v for k, v in asked.params.items()
+                             if k not in self.training_keys}
+                    self._held.setdefault(asker, []).extend(
+                        (asked.number, dict(fixed)) for _ in range(count))
+                    asked = replace(asked, siblings=count)
+            return asked
+
+    def _ask(self) -> optuna.Trial:
+        with quiet_optuna():
+            return self.study.ask()
+
+    def _suggest(self, trial: optuna.Trial, attrs: Mapping[str, Any]) -> AskedTrial:
+        params = self.space.suggest(trial)  # first: a trial killed before it has no params
+        for name, value in attrs.items():
+            trial.set_user_attr(name, value)
+        key = trial.user_attrs.get(CHECKPOINT_KEY)
+        if key is None:
+            origin = None
+            if self._storage is not None and trial.number in self._ids:
+                origin = retried_from(self._storage.get_trial(self._ids[trial.number]))
+            key = f"trial_{trial.number if origin is None else origin}"
+            trial.set_user_attr(CHECKPOINT_KEY, key)
+        self._live[trial.number] = trial
+        sibling_of = trial.user_attrs.get(SIBLING_OF)
+        return AskedTrial(trial.number, dict(params), key,
+                          sibling_of=None if sibling_of is None else int(sibling_of))
+
+    def report(self, number: int, step: int, value: float) -> bool:
+        """Record ``value`` at ``step`` for trial ``number``; True if the pruner stops it.
+
+        Also True when another process failed the trial as stale (its retry runs elsewhere).
+        """
+        with self._lock:
+            trial = self._live[number]
+            try:
+                trial.report(float(value), step)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                return True
+            return trial.should_prune()
+
+    def tell(self, outcome: TrialOutcome) -> None:
+        """Store the outcome (state, value, reason, attributes) of a live trial."""
+        with self._lock:
+            trial = self._live.pop(outcome.number)
+            self._ids.pop(outcome.number, None)
+            try:
+                for key, value in outcome.attrs.items():
+                    if key == "checkpoint" and value and self.root is not None:
+                        value = _relative(value, self.root)
+                    trial.set_user_attr(key, value)
+                reason = outcome.reason or ("failed" if outcome.state == "failed" else "")
+                if reason or trial.user_attrs.get(FAIL_REASON):
+                    trial.set_user_attr(FAIL_REASON, reason)
+                state = {
+                    "complete": TrialState.COMPLETE,
+                    "pruned": TrialState.PRUNED,
+                    "failed": TrialState.FAIL,
+                }[outcome.state]
+                value = outcome.value if outcome.state == "complete" else None
+                self.study.tell(trial, value, state=state)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                self.lost.append(outcome.number)  # failed as stale; its retry owns the slot
+
+    def interrupt(self, number: int) -> None:
+        """Fail a live trial as interrupted and queue its parameters under its checkpoint key."""
+        with self._lock:
+            trial = self._live.pop(number, None)
+            self._ids.pop(number, None)
+            if trial is None:
+                return
+            try:
+                trial.set_user_attr(FAIL_REASON, INTERRUPTED)
+                frozen = self.study.tell(trial, state=TrialState.FAIL)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                return  # failed as stale by another process, which queued it again
+            with quiet_optuna():
+                retry_callback()(self.study, frozen)

@@ -1,0 +1,251 @@
+"""Where a study lives: its RDB storage with Optuna's heartbeat, opening a study (a
+`StudyHandle`), the settings a study keeps, and the lock that makes asking one step across
+processes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import warnings
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial
+
+from scamp_jax.hpo.settings import GRACE_PERIOD, HEARTBEAT_INTERVAL
+from scamp_jax.hpo.study.samplers import make_pruner, make_sampler
+
+#: study user attribute holding the settings the study was created with (see `open_study`).
+SETTINGS_KEY = "settings"
+
+
+class StudySettingsError(ValueError):
+    """An existing study was created with other settings than this run asks for."""
+
+
+def storage_url(study_dir: str | Path, storage: str | None = None) -> str:
+    """SQLAlchemy URL of the study: ``storage`` if given, else an SQLite file in ``study_dir``."""
+    if storage:
+        return storage
+    path = Path(study_dir).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path / 'study.db'}"
+
+
+@contextlib.contextmanager
+def quiet_optuna() -> Iterator[None]:
+    """Silence Optuna's notes about its heartbeat API (experimental; meant for ``optimize``).
+
+    Ask-and-tell with a heartbeat is supported by the storage; the warnings only say that
+    ``Study.optimize`` would beat the heart itself, which `OptunaTrialSource` does instead.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed",
+                                category=UserWarning)
+        yield
+
+
+def retry_callback() -> optuna.storages.RetryHeartbeatStaleTrialCallback:
+    with quiet_optuna():
+        return optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=None)
+
+
+def retried_from(trial: FrozenTrial) -> int | None:
+    """Number of the original trial that ``trial`` retries (None: not a retry)."""
+    with quiet_optuna():
+        return optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(trial)
+
+
+def open_storage(
+    study_dir: str | Path,
+    storage: str | None = None,
+    *,
+    heartbeat_interval: int = HEARTBEAT_INTERVAL,
+    grace_period: int = GRACE_PERIOD,
+    attempts: int = 5,
+) -> optuna.storages.RDBStorage:
+    """Optuna's RDB storage of the study, with a heartbeat that retries dead processes' trials.
+
+    ``heartbeat_interval`` and ``grace_period`` are seconds (Optuna takes whole seconds). Two
+    processes opening a new database at once race to create its tables; the loser sees "already
+    exists" (or a duplicate key) and opens it again once the winner has committed.
+    """
+    from sqlalchemy.exc import DBAPIError
+
+    if heartbeat_interval < 1 or grace_period <= heartbeat_interval:
+        raise ValueError(
+            f"{heartbeat_interval=} s must be at least 1 and {grace_period=} s longer than it"
+        )
+    url = storage_url(study_dir, storage)
+    for attempt in range(attempts):
+        try:
+            with quiet_optuna():
+                return optuna.storages.RDBStorage(
+                    url, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
+                    heartbeat_stale_trial_callback=retry_callback(),
+                )
+        except DBAPIError as err:  # SQLite: "already exists" or the schema version stamped
+            # twice ("UNIQUE constraint failed"); PostgreSQL: a duplicate type or key
+            racing = any(mark in str(err) for mark in (
+                "already exists", "duplicate key", "UNIQUE constraint failed"))
+            if not racing or attempt == attempts - 1:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+
+@dataclass(frozen=True)
+class StudyHandle:
+    """An opened study: what `open_study` returns and `OptunaTrialSource` works on.
+
+    Attributes:
+      study: the Optuna study (ask, tell, trials, user attributes).
+      storage: its RDB storage, with a heartbeat (a dead process's trials are retried).
+      ask_lock: the lock that makes counting and asking one step across processes.
+    """
+
+    study: optuna.Study
+    storage: optuna.storages.RDBStorage
+    ask_lock: AskLock
+
+    @property
+    def name(self) -> str:
+        """The study's name in the storage."""
+        return self.study.study_name
+
+
+def open_study(
+    study_name: str,
+    *,
+    study_dir: str | Path,
+    storage: str | None = None,
+    direction: str = "maximize",
+    sampler: str = "tpe",
+    pruner: str = "median",
+    seed: int = 0,
+    grid: Mapping[str, Sequence[Any]] | None = None,
+    warmup_steps: int = 0,
+    settings: Mapping[str, Any] | None = None,
+    heartbeat_interval: int = HEARTBEAT_INTERVAL,
+    grace_period: int = GRACE_PERIOD,
+) -> StudyHandle:
+    """Create the study, or load it if ``study_name`` already exists in the storage.
+
+    ``settings`` (JSON-serialisable, e.g. space, preset, steps, seed, budget) are stored with a
+    new study; loading a study created with other values raises `StudySettingsError` naming
+    each difference. ``heartbeat_interval`` and ``grace_period`` (seconds) set its liveness
+    (see the package doc). Raises ``ValueError`` if the study was created with another
+    direction. Returns the `StudyHandle` (study, storage, ask lock).
+    """
+    if direction not in ("maximize", "minimize"):
+        raise ValueError(f"direction={direction!r} must be 'maximize' or 'minimize'")
+    url = storage_url(study_dir, storage)
+    rdb = open_storage(study_dir, url, heartbeat_interval=heartbeat_interval,
+                       grace_period=grace_period)
+    study = optuna.create_study(
+        storage=rdb,
+        study_name=study_name,
+        direction="maximize" if direction == "maximize" else "minimize",
+        sampler=make_sampler(sampler, seed, grid),
+        pruner=make_pruner(pruner, warmup_steps=warmup_steps),
+        load_if_exists=True,
+    )
+    if study.direction.name.lower() != direction:
+        raise ValueError(
+            f"study {study_name!r} in the storage was created to {study.direction.name.lower()} "
+            f"its objective, not to {direction}; use another --study-dir or --storage"
+        )
+    if settings is not None:
+        _check_settings(study, settings)
+    return StudyHandle(study, rdb, AskLock(url, study_name))
+
+
+def _check_settings(study: optuna.Study, settings: Mapping[str, Any]) -> None:
+    """Store ``settings`` with a new study; refuse other values for an existing one."""
+    wanted = json.loads(json.dumps(dict(settings)))
+    stored = study.user_attrs.get(SETTINGS_KEY)
+    if stored is None:
+        study.set_user_attr(SETTINGS_KEY, wanted)
+        return
+    differ = [k for k in sorted(set(stored) | set(wanted)) if stored.get(k) != wanted.get(k)]
+    if differ:
+        was = ", ".join(f"{_flag(k)} {stored.get(k)}" for k in differ)
+        now = ", ".join(f"{_flag(k)} {wanted.get(k)}" for k in differ)
+        raise StudySettingsError(
+            f"study {study.study_name!r} was created with {was}, this run asks for {now}; "
+            f"rerun with {was}, or pass --study-name {study.study_name}-2 to start a new study"
+        )
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+class AskLock:
+    """A lock shared by every process that asks trials of one study in one database.
+
+    Counting the study's trials and asking the next one must be one step across processes, or
+    two processes could both take the last slot. SQLite (one host): an exclusive ``flock`` on
+    ``<database>.lock``. PostgreSQL: a session advisory lock; MySQL: ``GET_LOCK``. Other
+    databases: no lock (two processes may then ask one trial more than the total).
+
+    Args:
+      url: the study's SQLAlchemy URL.
+      study_name: the study (the lock is per study).
+    """
+
+    def __init__(self, url: str, study_name: str) -> None:
+        from sqlalchemy.engine import make_url
+
+        self.url, self.study_name = url, study_name
+        parsed = make_url(url)
+        self.backend = parsed.get_backend_name()
+        self._path: Path | None = None
+        self._engine: Any = None
+        if self.backend == "sqlite" and parsed.database not in (None, "", ":memory:"):
+            self._path = Path(f"{parsed.database}.lock")
+        elif self.backend in ("postgresql", "mysql"):
+            import sqlalchemy
+
+            self._engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
+        self._key = zlib.crc32(study_name.encode()) & 0x7FFFFFFF
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        """Hold the lock for the ``with`` block."""
+        if self._path is not None:
+            import fcntl
+
+            with open(self._path, "a") as handle:
+                fcntl.flock(handle, fcntl.LOCK_EX)
+                try:
+                    yield
+                finally:
+                    fcntl.flock(handle, fcntl.LOCK_UN)
+            return
+        if self._engine is None:
+            yield
+            return
+        from sqlalchemy import text
+
+        lock, unlock = {
+            "postgresql": ("SELECT pg_advisory_lock(:k)", "SELECT pg_advisory_unlock(:k)"),
+            "mysql": ("SELECT GET_LOCK(:k, -1)", "SELECT RELEASE_LOCK(:k)"),
+        }[self.backend]
+        key: Any = self._key if self.backend == "postgresql" else f"scamp-{self._key}"
+        with self._engine.connect() as conn:
+            conn.execute(text(lock), {"k": key})
+            try:
+                yield
+            finally:
+                conn.execute(text(unlock), {"k": key})
+                conn.commit()
+
+

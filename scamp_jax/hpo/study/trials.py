@@ -1,0 +1,122 @@
+"""What the engine and the study say to each other: an asked trial, "ask again later", an outcome,
+and the `TrialSource` protocol (a local study or a remote proxy of one)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+#: user attribute naming the checkpoint directory a trial writes to (shared by its re-runs).
+CHECKPOINT_KEY = "checkpoint_key"
+#: user attribute holding why a trial failed.
+FAIL_REASON = "fail_reason"
+#: fail reason of a trial whose process was stopped before it finished (it is re-enqueued).
+INTERRUPTED = "interrupted"
+#: user attribute of a trial enqueued to share another trial's architecture: that trial's number.
+SIBLING_OF = "fusion_sibling_of"
+
+
+@dataclass(frozen=True)
+class AskedTrial:
+    """One configuration to evaluate.
+
+    Attributes:
+      number: the study's trial number.
+      params: the configuration (model and training hyperparameters), as ``space.suggest`` made it.
+      checkpoint_key: name of the trial's checkpoint directory; a re-run of an interrupted trial
+        keeps its predecessor's key so it resumes from the same checkpoints.
+      siblings: trials with this one's architecture that the source hands to the same asker
+        next (fusion; see `OptunaTrialSource`'s ``siblings``); 0 for any other trial.
+      sibling_of: number of the trial whose architecture this one shares as a sibling
+        (None: the sampler or a user chose it).
+    """
+
+    number: int
+    params: Mapping[str, Any]
+    checkpoint_key: str
+    siblings: int = 0
+    sibling_of: int | None = None
+
+
+@dataclass(frozen=True)
+class AskLater:
+    """`TrialSource.ask`'s answer "nothing to hand out now, ask again in ``seconds``".
+
+    The study has reached its total, but trials of other processes are still running: one whose
+    process died goes stale after the grace period and its retry must be asked then. ``None``,
+    by contrast, means the study needs nothing more from the asker.
+    """
+
+    seconds: float
+    #: numbers of the other processes' running trials it waits for (to tell the user).
+    trials: tuple[int, ...] = ()
+
+
+def when_full(foreign_running: Sequence[int], has_liveness: bool,
+              poll_seconds: float) -> AskLater | None:
+    """The answer of an ask that found nothing to hand out.
+
+    ``foreign_running``: numbers of the trials ``RUNNING`` in the storage that the asking source
+    did not hand out (other processes', or a dead job's whose heartbeat is not stale yet). With a
+    heartbeat each of them either finishes or goes stale and is retried, so the asker is told to
+    ask again in ``poll_seconds``; without one (or with none running) the study is done for it.
+    The source's own running trials do not matter: it tells them itself.
+    """
+    if foreign_running and has_liveness:
+        return AskLater(poll_seconds, tuple(sorted(foreign_running)))
+    return None
+
+
+@dataclass(frozen=True)
+class TrialOutcome:
+    """How a trial ended, as the study is told.
+
+    Attributes:
+      number: the study's trial number.
+      state: ``"complete"``, ``"pruned"`` or ``"failed"``.
+      value: the objective (the task's metric) for a complete trial, else ``None``.
+      reason: why a trial failed or was pruned (empty for a complete one).
+      attrs: extra JSON-serialisable facts to store with the trial (devices, batch size, ...).
+    """
+
+    number: int
+    state: str
+    value: float | None = None
+    reason: str = ""
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.state not in ("complete", "pruned", "failed"):
+            raise ValueError(
+                f"state={self.state!r} is not a trial outcome; use 'complete', 'pruned' or 'failed'"
+            )
+        if self.state == "complete" and self.value is None:
+            raise ValueError(f"trial {self.number} is complete but has no value; pass value=")
+
+
+class TrialSource(Protocol):
+    """Where configurations come from and where results go (local study or a remote proxy)."""
+
+    def remaining(self) -> int:
+        """Trials still to be asked before the study reaches its total."""
+        ...
+
+    def ask(self) -> AskedTrial | AskLater | None:
+        """Next configuration; `AskLater` when there is none now but the study may still need
+        one (ask again after its ``seconds``); ``None`` when the study needs nothing more."""
+        ...
+
+    def report(self, number: int, step: int, value: float) -> bool:
+        """Record an intermediate objective value; return True if the trial should be pruned."""
+        ...
+
+    def tell(self, outcome: TrialOutcome) -> None:
+        """Record how a trial ended."""
+        ...
+
+    def interrupt(self, number: int) -> None:
+        """Mark a started trial as interrupted and queue its configuration to run again."""
+        ...
+
+

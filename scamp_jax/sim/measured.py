@@ -1,0 +1,57 @@
+"""What a real study measured, read back for the simulator: its ``results.json``.
+
+The HPO engine writes, per trial, when its plan was ready (``planned_at``, seconds since the
+study's start), each run's placement (``placements``: ``[start, device ids]``) and its paces
+(``pace``: ``[time, step, seconds per step, training since]``). `engine_figures` turns these into
+the two overheads the simulator charges (`scamp_jax.sim.simulator.ClusterModel`):
+
+- ``planning_seconds``: the earliest ``planned_at``: the first plan of the study was asked at its
+  start, with no other plan ahead of it, so this is one plan's own time (its compiles).
+- ``restart_seconds``: the median, over runs after a restart on more devices, of the time from
+  the run's placement to its first training step (checkpoint, compile, restore).
+
+A figure the study did not measure (no trial planned, no restart) is left out, and the
+simulator keeps its documented default. This module reads files; the scheduling core does not.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+
+def read_results(study_dir: str | Path) -> dict[str, Any]:
+    """The parsed ``results.json`` of the study in ``study_dir``."""
+    path = Path(study_dir) / "results.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; pass the directory of a finished study")
+    return json.loads(path.read_text())
+
+
+def restart_delays(trial: Mapping[str, Any]) -> list[float]:
+    """Seconds from each later placement of ``trial`` (a restart) to its first training step."""
+    placements = trial.get("placements") or []
+    paces = sorted(trial.get("pace") or (), key=lambda p: float(p[0]))
+    out = []
+    for start, _ in placements[1:]:
+        since = next((float(p[3]) for p in paces if float(p[3]) >= float(start)), None)
+        if since is not None:
+            out.append(since - float(start))
+    return out
+
+
+def engine_figures(results: Mapping[str, Any]) -> dict[str, float]:
+    """``{"planning_seconds": s, "restart_seconds": s}`` measured by a study (module docstring);
+    a figure it did not measure is absent."""
+    trials = results.get("trials") or []
+    out: dict[str, float] = {}
+    planned = [float(t["planned_at"]) for t in trials if t.get("planned_at") is not None]
+    if planned:
+        out["planning_seconds"] = max(0.0, min(planned))
+    delays = [d for t in trials for d in restart_delays(t)]
+    if delays:
+        out["restart_seconds"] = max(0.0, statistics.median(delays))
+    return out

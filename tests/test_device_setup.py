@@ -1,0 +1,126 @@
+"""Every entry point turns GPU preallocation off before JAX starts its backend.
+
+Each entry point runs in its own process with a spy in place of JAX's backend factory
+(``jax._src.xla_bridge.backends``, private: the only way to stop a CPU-only process at the moment a
+GPU backend would be created). The spy records the memory variables JAX's GPU client would read
+at that moment and ends the process, so nothing trains. The entry points run in parallel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from scamp_jax import devices
+
+ROOT = Path(__file__).resolve().parents[1]
+_MARK = "BACKEND-ENV "
+
+_SPY = textwrap.dedent(f"""
+    import json, os, runpy, sys
+    import jax._src.xla_bridge as xb
+
+    def _spy(*args, **kwargs):
+        names = {devices.PREALLOCATE_VAR!r}, {devices.MEM_FRACTION_VAR!r}
+        print({_MARK!r} + json.dumps({{n: os.environ.get(n) for n in names}}), flush=True)
+        os._exit(0)
+
+    xb.backends = _spy
+    module, *argv = sys.argv[1:]
+    if module.endswith(".py"):
+        sys.argv = [module, *argv]
+        runpy.run_path(module, run_name="__main__")
+    else:
+        sys.argv = [module, *argv]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+""")
+
+_RUN_STUDY = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import scamp_jax
+    from search_spaces import swinir
+
+    task = scamp_jax.FunctionTask(
+        metric="loss", direction="minimize", loss_fn=lambda model, batch: 0.0,
+        batches=lambda n, seed: iter(()), evaluate=lambda model: {"loss": 0.0})
+    scamp_jax.run_study(swinir.space("small"), task, trials=1, steps=1, study_dir=sys.argv[1])
+""")
+
+# (name, argv after the spy, extra environment): argv[0] is a module or a script path.
+ENTRY_POINTS = [
+    ("swinir_hpo", ["experiments.swinir_hpo", "--preset", "smoke", "--no-live",
+                    "--study-dir", "{tmp}/swinir"], {}),
+    ("vit_synthetic", ["experiments.vit_synthetic", "--preset", "smoke", "--no-live",
+                       "--study-dir", "{tmp}/vit"], {}),
+    ("swinir_hpo_mpi_rank", ["experiments.swinir_hpo", "--preset", "smoke", "--no-live",
+                             "--study-dir", "{tmp}/mpi"], {"OMPI_COMM_WORLD_SIZE": "2"}),
+    ("supernet_nas", ["experiments.supernet_nas", "--preset", "smoke", "--quiet",
+                      "--out-dir", "{tmp}/nas"], {}),
+    ("run_study", ["{tmp}/run_study.py", "{tmp}/study"], {}),
+    ("digits_example", ["examples/digits.py"], {}),
+    ("memory_accuracy", ["benchmarks.memory_accuracy", "--only", "mlp"], {}),
+    ("hpo_makespan", ["benchmarks.hpo_makespan", "--out", "{tmp}/makespan"], {}),
+    ("fusion", ["benchmarks.fusion"], {}),
+    ("fusion_precision", ["benchmarks.fusion_precision", "--ops"], {}),
+    ("supernet_pipeline", ["benchmarks.supernet_pipeline"], {}),
+    ("eval_memory", ["benchmarks.eval_memory"], {}),
+    ("overhead", ["benchmarks.overhead", "--child", "scamp", "--study-dir", "{tmp}/overhead",
+                  "--child-out", "{tmp}/overhead.json"], {}),
+]
+
+
+@pytest.fixture(scope="module")
+def backend_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str]]:
+    """What each entry point's process held when JAX created its backend (stdout, stderr)."""
+    tmp = tmp_path_factory.mktemp("entry")
+    (tmp / "run_study.py").write_text(_RUN_STUDY)
+    env = {k: v for k, v in os.environ.items()
+           if k not in (devices.PREALLOCATE_VAR, devices.MEM_FRACTION_VAR,
+                        devices.OLD_MEM_FRACTION_VAR)}
+    env["PYTHONPATH"] = str(ROOT)
+    procs = {}
+    for name, argv, extra in ENTRY_POINTS:
+        args = [a.format(tmp=tmp) for a in argv]
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-c", _SPY, *args], cwd=ROOT, env={**env, **extra},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results = {}
+    for name, proc in procs.items():
+        try:
+            results[name] = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            results[name] = proc.communicate()
+    return results
+
+
+@pytest.mark.parametrize("name", [name for name, _, _ in ENTRY_POINTS])
+def test_entry_point_disables_preallocation(name: str,
+                                            backend_env: dict[str, tuple[str, str]]) -> None:
+    """XLA_PYTHON_CLIENT_PREALLOCATE is false when the backend starts; no fraction is forced."""
+    out, err = backend_env[name]
+    lines = [line for line in out.splitlines() if line.startswith(_MARK)]
+    assert lines, f"{name} never started a JAX backend:\n{out[-2000:]}\n{err[-3000:]}"
+    seen = json.loads(lines[0][len(_MARK):])
+    assert seen == {devices.PREALLOCATE_VAR: "false", devices.MEM_FRACTION_VAR: None}
+
+
+def test_user_settings_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A value in the environment wins; a fraction is set only when asked for and valid."""
+    monkeypatch.setenv(devices.PREALLOCATE_VAR, "true")
+    monkeypatch.delenv(devices.MEM_FRACTION_VAR, raising=False)
+    monkeypatch.delenv(devices.OLD_MEM_FRACTION_VAR, raising=False)
+    assert devices.configure_device_memory() == {devices.PREALLOCATE_VAR: "true"}
+    assert devices.configure_device_memory(0.5)[devices.MEM_FRACTION_VAR] == "0.5"
+    monkeypatch.delenv(devices.MEM_FRACTION_VAR)
+    monkeypatch.setenv(devices.OLD_MEM_FRACTION_VAR, "0.3")
+    assert devices.MEM_FRACTION_VAR not in devices.configure_device_memory(0.9)
+    with pytest.raises(ValueError, match="must be in"):
+        devices.configure_device_memory(1.5)

@@ -1,0 +1,71 @@
+"""Where a study's time goes (``run.overhead`` in results.json): compiles attributed by the
+thread that made them, checkpoint writes, the report, and devices idle while trials wait for
+their plans."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import jax
+import pytest
+from test_engine import BUDGET, Regression, build, settings, suggest
+
+from scamp_jax.hpo.overhead import OverheadRecorder, idle_waiting_for_plans, timed_section
+from scamp_jax.space import SearchSpace
+
+
+def test_idle_waiting_counts_idle_devices_only_while_a_plan_is_awaited_and_none_queued():
+    # two devices; trial 0 planned at 2 s, runs on device 0 from 2 to 10; trial 1 asked at 0,
+    # planned at 6, queued until it starts at 7 on device 1.
+    intervals = [[(0, 2.0, 10.0, 1)], [(1, 7.0, 10.0, 1)]]
+    trials = [{"asked_at": 0.0, "planned_at": 2.0, "started_at": 2.0},
+              {"asked_at": 0.0, "planned_at": 6.0, "started_at": 7.0}]
+    # 0-2: both idle, both planning -> 4; 2-6: device 1 idle while trial 1 plans -> 4;
+    # 6-7: trial 1 queued (waits for devices, not for a plan) -> 0.
+    assert idle_waiting_for_plans(intervals, trials) == pytest.approx(8.0)
+    assert idle_waiting_for_plans(intervals, []) == 0.0
+
+
+def test_compiles_and_sections_are_attributed_by_thread_and_name():
+    import threading
+
+    @jax.jit
+    def step(x):
+        return x * 3.0 + 1.0
+
+    with OverheadRecorder() as recorder:
+        worker = threading.Thread(target=lambda: step(jax.numpy.ones(7)), name="trial_0")
+        worker.start()
+        worker.join()
+        with timed_section("/scamp_jax/checkpoint/save"):
+            pass
+    summary = recorder.summary()
+    assert summary["runner_step_compiles"] == 1 and summary["runner_step_compile_s"] > 0
+    assert summary["planning_compiles"] == 0 and summary["checkpoint_writes"] == 1
+    step(jax.numpy.ones(9))  # outside the block: not counted
+    assert recorder.summary()["runner_step_compiles"] == 1
+
+
+def test_a_study_records_where_its_time_went(tmp_path):
+    from rich.console import Console
+
+    from scamp_jax.hpo.session import run_search
+
+    config = settings(str(tmp_path))
+    space = SearchSpace("mlp-ok", lambda t: {**suggest(t), "kind": "ok"}, build)
+    info = run_search(space, Regression(), config, devices=jax.devices()[:4],
+                      memory_per_device=BUDGET, live=False,
+                      console=Console(file=io.StringIO(), width=200))
+    results = json.loads((tmp_path / "results.json").read_text())
+    overhead = results["runs"][-1]["overhead"]
+    assert overhead == results["run"]["overhead"]
+    assert overhead["report_s"] > 0 and overhead["report_s"] == info["overhead"]["report_s"]
+    assert overhead["planning_compiles"] >= 1  # the planner threads compiled the steps
+    assert overhead["elapsed_s"] == pytest.approx(results["run"]["elapsed_s"], abs=1e-3)
+    assert 0 <= overhead["idle_waiting_for_plans_device_s"] <= 4 * overhead["elapsed_s"]
+    # every checkpoint write: each multiple of checkpoint_every, and the end if not one
+    every = config.checkpoint_every
+    writes = sum(r["steps"] // every + (1 if r["steps"] % every else 0)
+                 for r in results["trials"] if r["state"] == "complete")
+    assert overhead["checkpoint_writes"] == writes > 0

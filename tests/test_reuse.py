@@ -1,0 +1,153 @@
+"""Trials of a planned architecture compile no training step and no initialisation of their own:
+the planner's run-grade step runs as is, and one compiled initialisation (the seed an argument)
+serves every trial. Compiles are counted from JAX's compile events."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from scamp_jax.hpo.runner import RunSpec, StepCache, make_optimizer, run_trial
+from scamp_jax.planning.compile_events import CompileCounter
+from scamp_jax.planning.planner import plan_mesh
+from scamp_jax.planning.reuse import InitialStates
+from scamp_jax.planning.train_step import split_model
+from scamp_jax.space import SearchSpace
+
+
+class MLP(nnx.Module):
+    def __init__(self, width: int, rngs: nnx.Rngs) -> None:
+        self.hidden = nnx.Linear(16, width, rngs=rngs)
+        self.out = nnx.Linear(width, 4, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.out(nnx.relu(self.hidden(x)))
+
+
+class Classify:
+    """Four classes of Gaussian blobs (generated); metric held-out accuracy."""
+
+    metric = "accuracy"
+    direction = "maximize"
+
+    def sample_batch(self, batch_size: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+        return (jax.ShapeDtypeStruct((batch_size, 16), jnp.float32),
+                jax.ShapeDtypeStruct((batch_size,), jnp.int32))
+
+    def batches(self, batch_size: int, seed: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        rng = np.random.default_rng(seed)
+        centres = np.random.default_rng(0).normal(size=(4, 16)).astype(np.float32)
+        while True:
+            y = rng.integers(0, 4, batch_size).astype(np.int32)
+            yield centres[y] + 0.3 * rng.normal(size=(batch_size, 16)).astype(np.float32), y
+
+    def loss_fn(self, model: nnx.Module, batch: Any) -> jax.Array:
+        import optax
+
+        return optax.softmax_cross_entropy_with_integer_labels(model(batch[0]), batch[1]).mean()
+
+    def evaluate(self, model: nnx.Module) -> dict[str, float]:
+        x, y = next(self.batches(64, 99))
+        return {"accuracy": float((np.asarray(model(jnp.asarray(x))).argmax(-1) == y).mean())}
+
+
+SPACE = SearchSpace("mlp", lambda trial: {"width": 32},
+                    lambda config, rngs: MLP(int(config["width"]), rngs))
+
+
+def _run(plan: Any, devices: list[jax.Device], seed: int, lr: float,
+         cache: StepCache) -> CompileCounter:
+    spec = RunSpec(number=seed, params={"width": 32, "learning_rate": lr},
+                   plan=plan.with_devices(devices), steps=3, memory_per_device=8 * 2**20,
+                   seed=seed)
+    with CompileCounter() as count:
+        result = run_trial(spec, SPACE, Classify(), cache=cache)
+    assert result.state == "complete", result.reason
+    return count
+
+
+def test_trials_of_a_planned_architecture_compile_no_step_and_one_initialisation():
+    task = Classify()
+    model = nnx.eval_shape(lambda: SPACE.build({"width": 32}, nnx.Rngs(0)))
+    devices = jax.devices()
+    with CompileCounter() as planning:
+        plan = plan_mesh(model, task.sample_batch(1), devices=devices[:1],
+                         memory_per_device="8MiB", optimizer=make_optimizer({}),
+                         loss_fn=task.loss_fn, max_batch_size=32)
+    assert plan.compiled_step is not None  # run grade on CPU too, by default
+    assert planning.compiles["jit(step)"] == plan.compiles == 1
+    cache = StepCache()
+    first = _run(plan, devices[:1], seed=1, lr=1e-2, cache=cache)
+    assert first.compiles["jit(step)"] == 0  # the planner's executable
+    assert first.compiles["jit(init)"] == 1
+    # Another seed and learning rate on other devices: the step is compiled for them (an
+    # executable is bound to its devices), the initialisation is not compiled again.
+    other = _run(plan, devices[1:2], seed=2, lr=3e-3, cache=cache)
+    assert other.compiles["jit(step)"] == 1 and other.compiles["jit(init)"] == 0
+    again = _run(plan, devices[1:2], seed=3, lr=1e-3, cache=cache)
+    assert again.compiles["jit(step)"] == 0 and again.compiles["jit(init)"] == 0
+
+
+def test_one_compiled_initialisation_equals_building_the_model_with_each_seed():
+    states = InitialStates()
+    plan = plan_mesh(nnx.eval_shape(lambda: MLP(8, nnx.Rngs(0))),
+                     jax.ShapeDtypeStruct((1, 16), jnp.float32), devices=jax.devices()[2:4],
+                     memory_per_device="8MiB", optimizer=make_optimizer({}),
+                     max_batch_size=8, compile_for_run=False)
+    optimizer = make_optimizer({})
+    for seed, lr in ((0, 1e-2), (7, 3e-4)):
+        params, opt_state, rest = states.make(
+            "mlp8", lambda rngs: MLP(8, rngs), optimizer, plan.step_shardings, seed,
+            {"learning_rate": lr})
+        _, want, _ = split_model(MLP(8, nnx.Rngs(seed)))
+        for got, exp in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(exp))
+        assert {d.id for d in jax.tree.leaves(params)[0].devices()} == {2, 3}
+        assert float(opt_state.hyperparams["learning_rate"]) == np.float32(lr)
+    assert (states.misses, states.hits) == (1, 1)
+
+
+class ClassifyInChunks(Classify):
+    """`Classify` evaluated in planned chunks (the `ChunkedEvalTask` methods): 40 held-out
+    samples, so a chunk smaller than the set leaves a padded last one."""
+
+    def eval_inputs(self) -> list[np.ndarray]:
+        return [next(self.batches(40, 99))[0]]
+
+    def eval_forward(self, model: nnx.Module, x: jax.Array) -> jax.Array:
+        return model(x)
+
+    def score(self, outputs: list[np.ndarray]) -> dict[str, float]:
+        y = next(self.batches(40, 99))[1]
+        return {"accuracy": float((outputs[0].argmax(-1) == y).mean())}
+
+
+def test_evaluation_is_compiled_once_per_architecture_and_chunk_by_the_planner():
+    task = ClassifyInChunks()
+    model = nnx.eval_shape(lambda: SPACE.build({"width": 32}, nnx.Rngs(0)))
+    devices = jax.devices()[:1]
+    with CompileCounter() as planning:
+        plan = plan_mesh(model, task.sample_batch(1), devices=devices,
+                         memory_per_device="8MiB", optimizer=make_optimizer({}),
+                         loss_fn=task.loss_fn, max_batch_size=32, eval_task=task)
+    assert plan.eval_chunk > 0 and plan.evaluator is not None
+    assert planning.compiles["jit(run)"] >= 1  # the forward at the chunks the planner tried
+    cache = StepCache()
+    for seed in (1, 2):
+        spec = RunSpec(number=seed, params={"width": 32, "learning_rate": 1e-2},
+                       plan=plan.with_devices(devices), steps=3, memory_per_device=8 * 2**20,
+                       seed=seed, eval_every=2)
+        with CompileCounter() as running:
+            result = run_trial(spec, SPACE, task, cache=cache)
+        assert result.state == "complete", result.reason
+        assert 0.0 <= result.metrics["accuracy"] <= 1.0
+        # the planner's compiled chunks evaluate (intermediate and final): nothing compiled
+        assert running.compiles["jit(run)"] == 0 and running.compiles["jit(step)"] == 0
+    # on other devices the planner's programs do not apply: compiled there once
+    moved = plan.with_devices(jax.devices()[1:2])
+    assert moved.evaluator is None
