@@ -1,17 +1,16 @@
 """How close a fused member stays to its solo run, and why: per-op and per-training checks.
 
     python -m benchmarks.fusion_precision --ops                      # one step, op by op
-    python -m benchmarks.fusion_precision --family swinir --modes vmap,map   # 40 steps
+    python -m benchmarks.fusion_precision --family swinir --fused    # 40 steps
     python -m benchmarks.fusion_precision --family swinir --ulp      # the solo run's sensitivity
 
 ``--ops``: each op of a SwinIR block (3x3 convolutions, linear, LayerNorm, window attention with
 softmax), ``K`` members with their own parameters, ``jax.vmap(f)`` against ``f`` member by member:
 largest relative difference of the forward and of the parameter gradients of an L1 loss.
 
-``--modes``: the members of `benchmarks.fusion` (same architecture, steps, batch, seeds) trained
-fused (`scamp_jax.hpo.fused_runner.run_fused_group` with ``GroupSpec.mode`` ``"vmap"`` or ``"map"``,
-`scamp_jax.planning.fusion.FUSION_MODES`) and alone (`scamp_jax.hpo.runner.run_trial`): relative
-difference of the final loss and of the held-out metric per member.
+``--fused``: the members of `benchmarks.fusion` (same architecture, steps, batch, seeds) trained
+fused (`scamp_jax.hpo.fused_runner.run_fused_group`) and alone (`scamp_jax.hpo.runner.run_trial`):
+relative difference of the final loss and of the held-out metric per member.
 
 ``--ulp``: each member alone, again alone (the run is deterministic), and alone with its
 learning rate one float32 ulp higher: how much 40 steps amplify a rounding-sized change.
@@ -106,9 +105,9 @@ def _setup(family: str, width: int, batch: int) -> tuple[Any, ...]:
     return space, task, budget, members, model, plan, kw
 
 
-def mode_check(family: str, width: int, steps: int, batch: int,
-               modes: Sequence[str]) -> dict[str, list[tuple[float, float]]]:
-    """``{mode: [(final loss rel diff, metric rel diff) per member]}``, fused against solo."""
+def fused_check(family: str, width: int, steps: int,
+                batch: int) -> list[tuple[float, float]]:
+    """``[(final loss rel diff, metric rel diff) per member]``, fused against solo."""
     from scamp_jax.hpo.fused_runner import GroupSpec, MemberSpec, run_fused_group
     from scamp_jax.hpo.runner import RunSpec, StepCache, run_trial
     from scamp_jax.planning.fusion import plan_fusion
@@ -119,14 +118,11 @@ def mode_check(family: str, width: int, steps: int, batch: int,
     cache = StepCache()
     solo = [run_trial(RunSpec(i, cfg, plan, steps, budget, seed=s, log_every=steps), space,
                       task, cache=cache) for i, (cfg, s, _) in enumerate(members)]
-    out = {}
-    for mode in modes:
-        specs = tuple(MemberSpec(i, cfg, s) for i, (cfg, s, _) in enumerate(members))
-        group = run_fused_group(GroupSpec(0, specs, gplan, steps, budget, log_every=steps,
-                                          mode=mode), space, task)
-        out[mode] = [(_rel(r.loss, a.loss), _rel(r.metrics[task.metric], a.metrics[task.metric]))
-                     for r, a in zip(group.members, solo, strict=True)]
-    return out
+    specs = tuple(MemberSpec(i, cfg, s) for i, (cfg, s, _) in enumerate(members))
+    group = run_fused_group(GroupSpec(0, specs, gplan, steps, budget, log_every=steps), space,
+                            task)
+    return [(_rel(r.loss, a.loss), _rel(r.metrics[task.metric], a.metrics[task.metric]))
+            for r, a in zip(group.members, solo, strict=True)]
 
 
 def ulp_check(family: str, width: int, steps: int, batch: int) -> list[tuple[float, float, float]]:
@@ -159,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--width", type=int, default=4)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--ops", action="store_true", help="the one-step per-op check only")
-    p.add_argument("--modes", default=None, help="comma-separated fused modes to compare")
+    p.add_argument("--fused", action="store_true", help="fused members against solo runs")
     p.add_argument("--ulp", action="store_true", help="the solo runs' sensitivity")
     args = p.parse_args(argv)
     from scamp_jax.devices import configure_cpu_devices
@@ -170,11 +166,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.ops:
         for name, (fwd, grad) in op_check(args.width).items():
             print(f"{name:20s} forward rel {fwd:.2e}  gradient rel {grad:.2e}")
-    if args.modes:
-        for mode, rows in mode_check(args.family, args.width, steps, batch,
-                                     args.modes.split(",")).items():
-            for i, (loss, metric) in enumerate(rows):
-                print(f"{mode} member {i}: final loss rel {loss:.2e}, metric rel {metric:.2e}")
+    if args.fused:
+        for i, (loss, metric) in enumerate(fused_check(args.family, args.width, steps, batch)):
+            print(f"fused member {i}: final loss rel {loss:.2e}, metric rel {metric:.2e}")
     if args.ulp:
         for i, (again, loss, metric) in enumerate(ulp_check(args.family, args.width, steps,
                                                             batch)):

@@ -79,28 +79,27 @@ def _fusion(fuse: int) -> dict:
     return SearchSettings(trials=1, steps=1, fuse=fuse, sampler="random").source_kwargs()
 
 
-def _study(tmp_path, trials: int, fuse: int):
+def _study(tmp_path, trials: int, fuse: int, steps: int = 30):
     handle = open_study("mlp-fused", study_dir=tmp_path, direction="minimize",
                         sampler="random", pruner="none", seed=3)
     study = handle.study
     source = OptunaTrialSource(handle, SPACE, trials, root=tmp_path, **_fusion(fuse))
-    config = EngineConfig(steps=30, memory_per_device=BUDGET, max_batch_size=16, log_every=5,
+    config = EngineConfig(steps=steps, memory_per_device=BUDGET, max_batch_size=16, log_every=5,
                           fuse=fuse, seed=5)
     engine = SearchEngine(SPACE, Regression(), source, config, devices=jax.devices()[:4],
                           checkpoint_root=tmp_path / "ckpt")
     return study, source, engine
 
 
-@pytest.mark.slow  # about 65-85 s on 2 shared cores
 def test_a_fused_study_finishes_exactly_its_trials_with_members_equal_to_solo_runs(tmp_path):
     """Siblings of a proposed architecture train fused; each member is its own trial, scored,
     and ends where the same trial run alone ends."""
-    study, source, engine = _study(tmp_path, trials=6, fuse=3)
+    study, source, engine = _study(tmp_path, trials=4, fuse=2, steps=10)
     engine.run()
     source.close()
     trials = study.get_trials()
-    assert len(trials) == 6
-    assert [t.state for t in trials] == [TrialState.COMPLETE] * 6
+    assert len(trials) == 4
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 4
     groups: dict[int, list] = {}
     for t in trials:
         assert t.value == t.user_attrs["metrics"]["mse"]
@@ -120,7 +119,7 @@ def test_a_fused_study_finishes_exactly_its_trials_with_members_equal_to_solo_ru
     # A member's result is its solo run's: same seed, plan, batch and steps.
     member = next(t for ms in groups.values() for t in ms)
     plan = make_plan(member.params, jax.devices()[:1], max_batch=16)
-    solo = run_trial(RunSpec(member.number, member.params, plan, 30, BUDGET,
+    solo = run_trial(RunSpec(member.number, member.params, plan, 10, BUDGET,
                              seed=trial_seed(5, member.user_attrs["checkpoint_key"])),
                      SPACE, Regression(), cache=StepCache())
     assert solo.state == "complete"
@@ -197,12 +196,12 @@ class _CtrlC:
             raise KeyboardInterrupt
 
 
-@pytest.mark.slow  # about 60-160 s on 2 shared cores
 def test_an_interrupted_fused_study_resumes_its_members_and_keeps_finished_ones(tmp_path):
     """Ctrl-C during a group: members checkpoint and go back to the study; the same command
     again resumes them from their checkpoints (as a group again) and ends with exactly the
     study's trials; trials finished before stay as they were."""
-    steps, trials = 3000, 4
+    # Long enough that the loop (which looks at least every 0.5 s) sees a group training.
+    steps, trials = 1000, 4
 
     def engine(on_update=None):
         handle = open_study("mlp-fused", study_dir=tmp_path, direction="minimize",
@@ -210,13 +209,13 @@ def test_an_interrupted_fused_study_resumes_its_members_and_keeps_finished_ones(
         study = handle.study
         source = OptunaTrialSource(handle, SPACE, trials, root=tmp_path, **_fusion(2))
         config = EngineConfig(steps=steps, memory_per_device=BUDGET, max_batch_size=16,
-                              log_every=50, checkpoint_every=500, fuse=2, seed=5)
+                              log_every=50, checkpoint_every=200, fuse=2, seed=5)
         return study, source, SearchEngine(SPACE, Regression(), source, config,
                                            devices=jax.devices()[:1],
                                            checkpoint_root=tmp_path / "ckpt",
                                            on_update=on_update)
 
-    study, source, first = engine(_CtrlC(100))
+    study, source, first = engine(_CtrlC(10))
     with pytest.raises(KeyboardInterrupt):
         first.run()
     source.close()

@@ -102,7 +102,7 @@ def span_plan(
 
     Args:
       call_planner: ``f(model, n_devices, max_batch) -> Plan`` on this rank's first devices
-        (`SearchEngine._call_planner`).
+        (`scamp_jax.hpo.plan_service.PlanningService.call_planner`).
       model: the configuration's abstract model.
       ranks: ranks of the job.
       min_batch_size: the global batch the trial must reach.

@@ -71,8 +71,6 @@ class GroupSpec:
         intermediate evaluations (0: none) and loss read-backs, as for `RunSpec`.
       reform: re-form the group without stopped members at the next evaluation (one compile
         per new width) instead of only masking them.
-      mode: ``"vmap"`` (wide kernels) or ``"map"`` (the solo step's kernels member by member;
-        see `scamp_jax.planning.fusion.FUSION_MODES`).
     """
 
     group: int
@@ -84,7 +82,6 @@ class GroupSpec:
     eval_every: int = 0
     log_every: int = 10
     reform: bool = True
-    mode: str = "vmap"
     booked_bytes: int | None = None
 
     def share_bytes(self) -> int:
@@ -302,7 +299,7 @@ class FusedProgram:
         self.streams = [stream(_batches(self.task, batch_size, m.seed, None), first)
                         for m in members]
         self.step_fn = jit_fused_step(self.graphdef, optimizer, self.task.loss_fn,
-                                      plan.step_shardings, self.spec.mode)
+                                      plan.step_shardings)
         self.prefetch()
 
     def _restore(self, state: tuple[PyTree, ...], step: int,

@@ -92,11 +92,6 @@ def _keep(active: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
     return jnp.where(mask, new, old)
 
 
-#: How the fused step runs its members: ``"vmap"`` (one program of ``K``-wide kernels; a
-#: vmapped convolution becomes a grouped one, whose rounding may differ from the solo step's) or
-#: ``"map"`` (``lax.map``: the solo step's kernels, one member after another inside one
-#: program; each member's arithmetic is its solo run's).
-FUSION_MODES = ("vmap", "map")
 #: Part of every cached fused point's key: bumped when the fused step's program changes, so a
 #: plan cache never answers with the memory of an older fused step.
 FUSED_STEP_VERSION = 1
@@ -106,25 +101,18 @@ def make_fused_step(
     graphdef: nnx.GraphDef,
     optimizer: optax.GradientTransformation,
     loss_fn: LossFn = default_loss,
-    mode: str = "vmap",
 ) -> FusedStep:
-    """The pure fused step: `make_train_step`'s step vmapped over the leading member axis
-    (``mode="vmap"``) or mapped over it with ``lax.map`` (``mode="map"``, see `FUSION_MODES`).
+    """The pure fused step: `make_train_step`'s step vmapped over the leading member axis.
+
+    A vmapped convolution becomes a grouped one, whose weight gradients may sum in another
+    order than the solo step's (``benchmarks/fusion_precision.py`` measures the difference).
 
     ``fused(params, opt_state, rest, batch, active)`` takes every state leaf stacked ``(K, ...)``,
     every batch leaf ``(K, B, ...)`` and ``active`` a ``(K,)`` bool array, and returns the updated
     ``(params, opt_state, rest)`` (inactive members unchanged) and the ``(K,)`` float32 losses
     before the update (an inactive member's loss is computed but means nothing).
     """
-    if mode not in FUSION_MODES:
-        raise ValueError(f"{mode=} is not one of {FUSION_MODES}; use 'vmap' (wide kernels) or "
-                         "'map' (the solo step's kernels, member by member)")
-    step = make_train_step(graphdef, optimizer, loss_fn)
-    if mode == "vmap":
-        vstep = jax.vmap(step)
-    else:
-        def vstep(params: PyTree, opt_state: PyTree, rest: PyTree, batch: PyTree) -> Any:
-            return jax.lax.map(lambda xs: step(*xs), (params, opt_state, rest, batch))
+    vstep = jax.vmap(make_train_step(graphdef, optimizer, loss_fn))
 
     def fused(params: PyTree, opt_state: PyTree, rest: PyTree, batch: PyTree,
               active: jax.Array):
@@ -160,17 +148,15 @@ def jit_fused_step(
     optimizer: optax.GradientTransformation,
     loss_fn: LossFn,
     shardings: StepShardings,
-    mode: str = "vmap",
 ) -> jax.stages.Wrapped:
-    """`make_fused_step` (``mode``) jitted with a member's ``shardings`` (stacked by
-    `stack_shardings`).
+    """`make_fused_step` jitted with a member's ``shardings`` (stacked by `stack_shardings`).
 
     ``params`` and ``opt_state`` are donated; ``active`` and the losses are replicated.
     """
     stacked = stack_shardings(shardings)
     replicated = shardings.replicated()
     return jax.jit(
-        make_fused_step(graphdef, optimizer, loss_fn, mode),
+        make_fused_step(graphdef, optimizer, loss_fn),
         in_shardings=(stacked.params, stacked.opt_state, stacked.rest, stacked.batch, replicated),
         out_shardings=(stacked.params, stacked.opt_state, stacked.rest, replicated),
         donate_argnums=(0, 1),
