@@ -296,3 +296,32 @@ def test_per_trial_seeds_keep_each_trials_draw_independent_of_the_asker(tmp_path
     split = [two.ask() for _ in range(2)]
     split += [source(tmp_path / "two", 4, sampler="random", seed=2).ask() for _ in range(2)]
     assert [dict(t.params) for t in together] == [dict(t.params) for t in split]
+
+
+def test_siblings_one_process_holds_count_in_another(tmp_path):
+    """Two processes on one fused study: the siblings the first holds for its proposal are
+    taken slots for the second, so together they ask exactly the study's trials."""
+    def fused(n_trials: int) -> OptunaTrialSource:
+        handle = open_study("toy", study_dir=tmp_path, sampler="random", seed=0)
+        return OptunaTrialSource(handle, SPACE, n_trials, poll_seconds=0.2, siblings=1,
+                                 training_keys=("learning_rate",))
+
+    first, second = fused(3), fused(3)
+    proposal = first.ask()
+    assert proposal.siblings == 1 and second.remaining() == 1
+    other = second.ask()  # the last free slot: no room for a sibling of its own
+    assert other.siblings == 0 and other.sibling_of is None
+    assert isinstance(second.ask(), AskLater) and second.remaining() == 0
+    sibling = first.ask()
+    assert sibling.sibling_of == proposal.number
+    assert sibling.params["width"] == proposal.params["width"]
+    assert isinstance(first.ask(), AskLater)  # the other process's trial may still need a retry
+    for src, t in ((first, proposal), (first, sibling), (second, other)):
+        src.tell(TrialOutcome(t.number, "complete", value=1.0))
+    assert first.ask() is None and second.ask() is None and first.finished() == 3
+    # A proposal told finished gives up its unasked siblings: their slots are free again.
+    third = fused(5)
+    lead = third.ask()
+    assert lead.siblings == 1 and third.remaining() == 0
+    third.tell(TrialOutcome(lead.number, "complete", value=1.0))
+    assert third.remaining() == 1 and third.ask().sibling_of is None

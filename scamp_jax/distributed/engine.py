@@ -24,13 +24,13 @@ resume from them.
 
 A job that dies (a rank killed, ``mpirun`` ended) is resumed by the same command. Trials the dead
 job left running are failed and queued again once their heartbeat is older than the grace period
-(``settings.grace_period``, default `scamp_jax.hpo.study.GRACE_PERIOD` s, as on one host); until
+(``settings.grace_period``, default `scamp_jax.hpo.settings.GRACE_PERIOD` s, as on one host); until
 then a rank with nothing else to run is told to ask again later, not that the study is done, so
 the re-run ends with exactly ``settings.trials`` finished trials.
 
-Fused groups (``settings.fuse``, as `scamp_jax.hpo.session.StudySession` wires it): rank 0's server
-enqueues siblings for each trial the sampler proposes and reserves them for the rank that got
-the proposal (`scamp_jax.distributed.study`), and each rank's engine fuses only its own trials;
+Fused groups (``settings.fuse``, as `scamp_jax.hpo.session.StudySession` wires it): rank 0's
+trial source holds the siblings of each trial the sampler proposes for the rank that got the
+proposal (`scamp_jax.distributed.study`), and each rank's engine fuses only its own trials;
 ``fused_group`` and ``fusion_width`` are user attributes of each trial, so ``results.json`` has
 them as on one host. Trials that span ranks are never fused.
 

@@ -87,7 +87,7 @@ class StudySession:
             from scamp_jax.hpo.live import RankStream
 
             # Logs (no terminal) get wide lines instead of a table squeezed into 80 columns.
-            out: Any = sys.stdout if rank == 0 else RankStream(rank)
+            out: Any = None if rank == 0 else RankStream(rank)  # None: stdout when printing
             console = Console(file=out, soft_wrap=True,
                               width=None if rank == 0 and sys.stdout.isatty() else 160)
         self.console = console

@@ -46,6 +46,7 @@ from scamp_jax.hpo.study.storage import retried_from as retried_from
 from scamp_jax.hpo.study.storage import storage_url as storage_url
 from scamp_jax.hpo.study.trials import CHECKPOINT_KEY as CHECKPOINT_KEY
 from scamp_jax.hpo.study.trials import FAIL_REASON as FAIL_REASON
+from scamp_jax.hpo.study.trials import HELD_SIBLINGS as HELD_SIBLINGS
 from scamp_jax.hpo.study.trials import INTERRUPTED as INTERRUPTED
 from scamp_jax.hpo.study.trials import SIBLING_OF as SIBLING_OF
 from scamp_jax.hpo.study.trials import AskedTrial as AskedTrial
@@ -57,6 +58,7 @@ from scamp_jax.hpo.study.trials import when_full as when_full
 __all__ = [
     "CHECKPOINT_KEY",
     "FAIL_REASON",
+    "HELD_SIBLINGS",
     "INTERRUPTED",
     "SETTINGS_KEY",
     "SIBLING_OF",

@@ -19,6 +19,7 @@ from scamp_jax.hpo.study.storage import StudyHandle, quiet_optuna, retried_from,
 from scamp_jax.hpo.study.trials import (
     CHECKPOINT_KEY,
     FAIL_REASON,
+    HELD_SIBLINGS,
     INTERRUPTED,
     SIBLING_OF,
     AskedTrial,
@@ -75,9 +76,11 @@ class OptunaTrialSource:
         the training hyperparameters left to the sampler, so that an engine can fuse them
         (`scamp_jax.planning.fusion`). The asker gets them before any new proposal, each
         ``study.enqueue_trial``-ed with its partial parameters and asked at once under the ask
-        lock; queued retries still go first. Held siblings count as taken, so the study never
-        passes ``n_trials``; they live in this source only (a process that dies loses the
-        unasked ones, and the next run proposes afresh). 0: none.
+        lock; queued retries still go first. Held siblings count as taken, here and, through
+        their proposal's ``HELD_SIBLINGS`` user attribute, in every other process, so the study
+        never passes ``n_trials``. A proposal told finished gives up its unasked siblings
+        (nothing left to fuse with), as does a process that dies; later asks propose afresh.
+        0: none.
       training_keys: parameters siblings leave to the sampler (e.g. the learning rate).
 
     Raises:
@@ -199,8 +202,27 @@ class OptunaTrialSource:
         waiting = sum(t.state == TrialState.WAITING for t in trials)
         return finished, running, waiting
 
-    def _held_count(self) -> int:
-        return sum(len(held) for held in self._held.values())
+    def _held_count(self, trials: Sequence[FrozenTrial] | None = None) -> int:
+        """Siblings held here, plus those other processes hold for their running proposals."""
+        if trials is None:
+            trials = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        elsewhere = sum(int(t.user_attrs.get(HELD_SIBLINGS, 0)) for t in trials
+                        if t.state == TrialState.RUNNING and t.number not in self._live)
+        return sum(len(held) for held in self._held.values()) + elsewhere
+
+    def _record_held(self, proposal: int) -> None:
+        """Store how many siblings of ``proposal`` are still held (for other processes)."""
+        trial = self._live.get(proposal)
+        if trial is None:
+            return
+        count = sum(of == proposal for held in self._held.values() for of, _ in held)
+        with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+            trial.set_user_attr(HELD_SIBLINGS, count)
+
+    def _drop_held(self, proposal: int) -> None:
+        """Give up the siblings still held for ``proposal`` (it ended: nothing to fuse with)."""
+        for asker, held in list(self._held.items()):
+            self._held[asker] = [(of, fixed) for of, fixed in held if of != proposal]
 
     def finished(self) -> int:
         """Trials that count towards the total (complete, pruned, failed for their own reason)."""
@@ -210,13 +232,15 @@ class OptunaTrialSource:
         """Trials still to ask: the total minus finished and running ones (of every process)
         and the siblings held here."""
         with self._lock:
-            finished, running, _ = self._counts()
-            return max(0, self.n_trials - finished - running - self._held_count())
+            trials = self.study.get_trials(deepcopy=False)
+            finished, running, _ = self._counts(trials)
+            return max(0, self.n_trials - finished - running - self._held_count(trials))
 
     def release(self, asker: Hashable = None) -> None:
         """Drop the siblings held for ``asker`` (it asks no more): their slots are free."""
         with self._lock:
-            self._held.pop(asker, None)
+            for proposal in {of for of, _ in self._held.pop(asker, [])}:
+                self._record_held(proposal)
 
     @property
     def grid_points(self) -> int | None:
@@ -255,19 +279,21 @@ class OptunaTrialSource:
                 self._fail_stale()
                 trials = self.study.get_trials(deepcopy=False)
                 finished, running, waiting = self._counts(trials)
-                held = self._held_count()
+                held = self._held_count(trials)
                 mine = self._held.get(asker, [])
                 trial, proposed = None, False
                 if self.grid_done(trials):
                     trial = None  # every point of the grid is running or finished
                 elif waiting:
                     if mine and finished + running + held >= self.n_trials:
-                        mine.pop()  # at the total: a held sibling gives its slot to the retry
+                        # At the total: a held sibling gives its slot to the retry.
+                        self._record_held(mine.pop()[0])
                         held -= 1
                     if finished + running + held < self.n_trials:
                         trial = self._ask()
                 elif mine:  # its slot is counted in ``held`` already
                     sibling_of, fixed = mine.pop(0)
+                    self._record_held(sibling_of)
                     # skip_if_exists=False: siblings share their (partial) parameters on purpose.
                     self.study.enqueue_trial(fixed, user_attrs={SIBLING_OF: sibling_of},
                                              skip_if_exists=False)
@@ -289,6 +315,7 @@ class OptunaTrialSource:
                              if k not in self.training_keys}
                     self._held.setdefault(asker, []).extend(
                         (asked.number, dict(fixed)) for _ in range(count))
+                    self._record_held(asked.number)
                     asked = replace(asked, siblings=count)
             return asked
 
@@ -328,6 +355,7 @@ class OptunaTrialSource:
     def tell(self, outcome: TrialOutcome) -> None:
         """Store the outcome (state, value, reason, attributes) of a live trial."""
         with self._lock:
+            self._drop_held(outcome.number)
             trial = self._live.pop(outcome.number)
             self._ids.pop(outcome.number, None)
             try:

@@ -15,6 +15,8 @@ FAIL_REASON = "fail_reason"
 INTERRUPTED = "interrupted"
 #: user attribute of a trial enqueued to share another trial's architecture: that trial's number.
 SIBLING_OF = "fusion_sibling_of"
+#: user attribute of a running proposal: how many of its siblings its source still holds.
+HELD_SIBLINGS = "fusion_siblings_held"
 
 
 @dataclass(frozen=True)
