@@ -67,6 +67,9 @@ class SearchSettings:
         proposes a trial, up to ``K - 1`` siblings with its architecture are enqueued, and
         queued trials of one architecture train in fused groups of at most ``K``, as wide as
         the planner fits) or ``"auto"`` (the planner's widest fitting group, capped).
+      max_running_trials: most trials training at once, the rest queued
+        (`scamp_jax.hpo.engine.EngineConfig.max_running_trials`; auto: one per two host cores
+        on CPU devices, no cap on accelerators; None: as many as memory holds).
     """
 
     trials: int
@@ -87,6 +90,7 @@ class SearchSettings:
     elastic: str = "auto"
     study_name: str | None = None
     fuse: int | str | None = None
+    max_running_trials: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         from scamp_jax.hpo.fused_engine import fusion_cap

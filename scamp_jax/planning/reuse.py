@@ -133,7 +133,7 @@ class InitialStates:
         platform = devices[0].platform
         if platform == "cpu":
             # One host's memory: make it on the platform's first devices, copy it over.
-            home = jax.devices(platform)[: len(devices)]
+            home = jax.local_devices(backend=platform)[: len(devices)]
             home_mesh = sh.make_mesh(home, *mesh.devices.shape)
         else:
             home_mesh = mesh
