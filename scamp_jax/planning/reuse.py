@@ -25,11 +25,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
-from scamp_jax.planning import sharding as sh
 from scamp_jax.planning.train_step import StepShardings, split_model
 
 PyTree = Any
@@ -134,7 +134,8 @@ class InitialStates:
         if platform == "cpu":
             # One host's memory: make it on the platform's first devices, copy it over.
             home = jax.local_devices(backend=platform)[: len(devices)]
-            home_mesh = sh.make_mesh(home, *mesh.devices.shape)
+            home_mesh = Mesh(np.asarray(home, dtype=object).reshape(mesh.devices.shape),
+                             mesh.axis_names, axis_types=mesh.axis_types)
         else:
             home_mesh = mesh
 
