@@ -25,11 +25,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
-from scamp_jax.planning import sharding as sh
 from scamp_jax.planning.train_step import StepShardings, split_model
 
 PyTree = Any
@@ -133,8 +133,9 @@ class InitialStates:
         platform = devices[0].platform
         if platform == "cpu":
             # One host's memory: make it on the platform's first devices, copy it over.
-            home = jax.devices(platform)[: len(devices)]
-            home_mesh = sh.make_mesh(home, *mesh.devices.shape)
+            home = jax.local_devices(backend=platform)[: len(devices)]
+            home_mesh = Mesh(np.asarray(home, dtype=object).reshape(mesh.devices.shape),
+                             mesh.axis_names, axis_types=mesh.axis_types)
         else:
             home_mesh = mesh
 
