@@ -569,9 +569,9 @@ def group_held_bytes(estimate: MemoryEstimate, plan: Plan, width: int, batch: in
     Training: the fused step's compiled peak (``estimate``) plus every member's prefetched
     next batch. Evaluating one member: the member plan's evaluation peak plus the whole
     stacked state (params, optimizer state, rest of all members; one member's parameters are
-    counted twice, which errs large) plus the prefetched batches. The larger of the two. A plan
-    without prefetch or evaluation figures (``prefetch_bytes``, ``eval_peak_bytes``) counts
-    them as 0.
+    counted twice, which errs large) plus the prefetched batches. The larger of the two, plus the
+    plan's ``allowance_bytes``. A plan without prefetch, evaluation or allowance figures
+    (``prefetch_bytes``, ``eval_peak_bytes``, ``allowance_bytes``) counts them as 0.
     """
     solo_batch = max(int(getattr(plan, "batch_size", batch)), 1)
     prefetch = width * int(getattr(plan, "prefetch_bytes", 0)) * batch // solo_batch
@@ -579,4 +579,5 @@ def group_held_bytes(estimate: MemoryEstimate, plan: Plan, width: int, batch: in
     eval_peak = int(getattr(plan, "eval_peak_bytes", 0))
     state = estimate.params + estimate.opt_state + estimate.rest
     evaluate = eval_peak + state + prefetch if eval_peak else 0
-    return max(train, evaluate)
+    # the member plan's allowance for memory XLA does not see: once per group (one process)
+    return max(train, evaluate) + int(getattr(plan, "allowance_bytes", 0))
