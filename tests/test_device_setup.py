@@ -71,6 +71,7 @@ ENTRY_POINTS = [
     ("fusion_precision", ["benchmarks.fusion_precision", "--ops"], {}),
     ("supernet_pipeline", ["benchmarks.supernet_pipeline"], {}),
     ("eval_memory", ["benchmarks.eval_memory"], {}),
+    ("gpu_suite", ["benchmarks.gpu_suite", "--cpu-smoke", "--out", "{tmp}/suite"], {}),
     ("overhead", ["benchmarks.overhead", "--child", "scamp", "--study-dir", "{tmp}/overhead",
                   "--child-out", "{tmp}/overhead.json"], {}),
 ]

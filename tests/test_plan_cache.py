@@ -313,3 +313,64 @@ def test_a_resumed_study_plans_without_compiling(tmp_path, monkeypatch):
         if trials == 1:
             assert calls and (tmp_path / "plans.sqlite").is_file()
     assert calls == []  # the second run's trial (same architecture) was planned from the cache
+
+
+class _GpuKind:
+    """Stands in for a GPU device (none here): only ``platform`` and ``device_kind`` are read."""
+
+    platform = "gpu"
+    device_kind = "NVIDIA H100 80GB HBM3"
+
+
+def test_allowances_are_stored_per_device_kind_and_zero_on_cpu(tmp_path):
+    from scamp_jax.planning.plan_cache import resolve_allowance
+
+    cache = PlanCache(tmp_path / "plans.sqlite")
+    assert cache.get_allowance("gpu", _GpuKind.device_kind) is None
+    cache.put_allowance("gpu", _GpuKind.device_kind, {"bytes": 600 << 20, "unseen_bytes": 1})
+    cache.put_allowance("gpu", "NVIDIA A100", {"bytes": 900 << 20})
+    reopened = PlanCache(tmp_path / "plans.sqlite")  # another process, the same file
+    assert reopened.get_allowance("gpu", _GpuKind.device_kind) == {"bytes": 600 << 20,
+                                                                    "unseen_bytes": 1}
+    assert resolve_allowance(None, [_GpuKind()], reopened) == 600 << 20
+    assert resolve_allowance(None, [_GpuKind()], None) == 0  # nothing measured: margin only
+    assert resolve_allowance(None, jax.devices()[:1], reopened) == 0  # CPU: XLA sees it all
+    assert resolve_allowance(123, jax.devices()[:1], reopened) == 123
+    with pytest.raises(ValueError, match="CPU devices have no allowance"):
+        cache.put_allowance("cpu", "cpu", {"bytes": 1})
+    with pytest.raises(ValueError, match="non-negative int"):
+        cache.put_allowance("gpu", "x", {"bytes": -1})
+
+
+def test_a_plan_includes_its_allowance_and_fits_with_it(tmp_path):
+    """The allowance is part of the predicted peak, the batch search fits it, and it is part of
+    the cache key (a plan made without it is not answered for a plan with it)."""
+    cache = PlanCache(tmp_path / "plans.sqlite")
+    base = plan_mesh(_abstract(), SAMPLE, devices=1, memory_per_device=BUDGET, cache=cache)
+    assert base.allowance_bytes == 0  # CPU
+    allowance = base.usable_bytes // 4
+    plan = plan_mesh(_abstract(), SAMPLE, devices=1, memory_per_device=BUDGET, cache=cache,
+                     allowance_bytes=allowance)
+    assert not plan.cached and plan.allowance_bytes == allowance
+    assert plan.predicted_peak_bytes == max(plan.train_bytes, plan.eval_bytes) + allowance
+    assert plan.predicted_peak_bytes <= plan.usable_bytes
+    assert plan.batch_size < base.batch_size
+    assert _peak(plan, plan.batch_size) + plan.prefetch_bytes + allowance <= plan.usable_bytes
+    again = plan_mesh(_abstract(), SAMPLE, devices=1, memory_per_device=BUDGET, cache=cache,
+                      allowance_bytes=allowance)
+    assert again.cached and again.allowance_bytes == allowance and again == plan
+
+
+def test_a_fused_group_books_its_member_plans_allowance_once():
+    from types import SimpleNamespace
+
+    from scamp_jax.planning.fusion import group_held_bytes
+    from scamp_jax.planning.memory import MemoryEstimate
+
+    estimate = MemoryEstimate(batch_size=8, params=100, grads=100, opt_state=200, rest=0,
+                              inputs=50, activations_and_temps=1000, peak=1500, temp=1000,
+                              argument=400, output=300, alias=200)
+    plan = SimpleNamespace(batch_size=8, prefetch_bytes=0, eval_peak_bytes=0)
+    without = group_held_bytes(estimate, plan, 4, 8)
+    plan.allowance_bytes = 700
+    assert group_held_bytes(estimate, plan, 4, 8) == without + 700

@@ -556,11 +556,12 @@ def group_held_bytes(estimate: MemoryEstimate, plan: Plan, width: int, batch: in
     Training: the fused step's compiled peak (``estimate``) plus every member's prefetched
     next batch. Evaluating one member: the member plan's evaluation peak plus the whole
     stacked state (params, optimizer state, rest of all members; one member's parameters are
-    counted twice, which errs large) plus the prefetched batches. The larger of the two. A plan
-    without prefetch or evaluation figures (``prefetch_bytes``, ``eval_peak_bytes``) counts
-    them as 0.
+    counted twice, which errs large) plus the prefetched batches. The larger of the two, plus the
+    plan's ``allowance_bytes``. A plan without prefetch, evaluation or allowance figures
+    (``prefetch_bytes``, ``eval_peak_bytes``, ``allowance_bytes``) counts them as 0.
     """
     return group_bytes(estimate.peak, estimate.params + estimate.opt_state + estimate.rest,
                        member_prefetch=int(getattr(plan, "prefetch_bytes", 0)), width=width,
                        batch=batch, member_batch=int(getattr(plan, "batch_size", batch)),
-                       eval_peak=int(getattr(plan, "eval_peak_bytes", 0)))
+                       eval_peak=int(getattr(plan, "eval_peak_bytes", 0)),
+                       allowance=int(getattr(plan, "allowance_bytes", 0)))

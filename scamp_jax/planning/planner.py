@@ -55,7 +55,13 @@ from scamp_jax.planning.memory import (
     default_step_shardings,
     with_batch_size,
 )
-from scamp_jax.planning.plan_cache import PlanCache, cache_key, device_identity, program_signature
+from scamp_jax.planning.plan_cache import (
+    PlanCache,
+    cache_key,
+    device_identity,
+    program_signature,
+    resolve_allowance,
+)
 from scamp_jax.planning.reuse import lowered_fingerprint
 from scamp_jax.planning.train_step import (
     LossFn,
@@ -140,6 +146,9 @@ class Plan:
       eval_peak_bytes: compiled peak per device of the evaluation forward at ``eval_chunk``.
       evaluator: the `EvalCompiler` that sized the evaluation, holding its compiled chunks, for
         a trial on the planned devices to evaluate with (None: not planned, or other devices).
+      allowance_bytes: bytes per device set aside for memory XLA's figures do not include (CUDA
+        context, cuBLAS/cuDNN workspaces), measured per device kind
+        (`scamp_jax.planning.plan_cache.resolve_allowance`); 0 on CPU.
 
     `predicted_peak_bytes` is the most a trial of this plan holds on a device at any time:
     training (compiled step + prefetched batch) or evaluation (forward pass + optimizer state +
@@ -168,6 +177,7 @@ class Plan:
     eval_chunk: int = 0
     eval_peak_bytes: int = 0
     evaluator: Any = field(default=None, compare=False, repr=False)
+    allowance_bytes: int = 0
 
     @property
     def train_bytes(self) -> int:
@@ -184,11 +194,12 @@ class Plan:
 
     @property
     def predicted_peak_bytes(self) -> int:
-        """Most bytes per device the trial holds: ``max(train_bytes, eval_bytes)``, by the byte
-        rule the scheduler books with (`scamp_jax.scheduling.booking.solo_bytes`)."""
+        """Most bytes per device the trial holds: ``max(train_bytes, eval_bytes)`` plus the
+        allowance for memory XLA does not see (``allowance_bytes``), by the byte rule the
+        scheduler books with (`scamp_jax.scheduling.booking.solo_bytes`)."""
         return solo_bytes(self.peak_bytes_per_device, self.prefetch_bytes,
                           eval_peak=self.eval_peak_bytes if self.eval_chunk else 0,
-                          opt_state=self.estimate.opt_state)
+                          opt_state=self.estimate.opt_state, allowance=self.allowance_bytes)
 
     @property
     def usable_bytes(self) -> int:
@@ -652,6 +663,7 @@ def plan_mesh(
     compile_for_run: bool | None = None,
     eval_task: Any = None,
     batch_multiple: int = 1,
+    allowance_bytes: int | None = None,
 ) -> Plan:
     """Plan training of ``model`` on exactly ``devices``: mesh, shardings and largest batch.
 
@@ -700,6 +712,10 @@ def plan_mesh(
       (a multiple of the data-parallel degree) whose compiled peak fits, such that the next
       multiple does not fit (unless the cap is reached).
 
+      allowance_bytes: bytes per device held back for memory XLA does not see (added to the
+        plan's predicted peak); None: the allowance measured for these devices' kind and stored
+        in ``cache`` (0 on CPU, or when none was measured).
+
     Raises:
       DoesNotFitError: no degree fits even at one sample per data-parallel group.
       ValueError, TypeError: bad arguments (raised before any compile).
@@ -724,6 +740,9 @@ def plan_mesh(
         candidates = _divisors(n)
     budget = resolve_budget(memory_per_device, devs)
     usable = usable_bytes(budget, safety_margin)
+    # Memory outside XLA's buffer assignment, measured per device kind: what the search may fit.
+    allowance = resolve_allowance(allowance_bytes, devs, cache)
+    usable -= allowance
     optimizer = optimizer if optimizer is not None else default_optimizer()
     cap = max_batch_size if max_batch_size is not None else DEFAULT_BATCH_CAP
     if all(cap < n // mp for mp in candidates):
@@ -742,7 +761,7 @@ def plan_mesh(
             "kind": "plan", "signature": signature, "devices": identity,
             "memory_per_device": budget, "safety_margin": safety_margin, "cap": cap,
             "model_parallel": model_parallel, "min_shard_elements": min_shard_elements,
-            "batch_multiple": batch_multiple,
+            "batch_multiple": batch_multiple, "allowance": allowance,
             "eval": None if not eval_groups else {
                 "forward": getattr(eval_task.eval_forward, "__qualname__", ""),
                 "inputs": [[list(x.shape), str(x.dtype)] for x in eval_groups],
@@ -752,7 +771,7 @@ def plan_mesh(
         if record is not None:
             return _plan_from_record(
                 record, devs, params, opt_state, rest, optimizer, budget, safety_margin,
-                min_shard_elements, start,
+                min_shard_elements, start, allowance,
             )
     compiles = 0
     best_need: tuple[int, str] | None = None
@@ -871,8 +890,10 @@ def plan_mesh(
             eval_chunk=eval_plan.chunk if eval_plan else 0,
             eval_peak_bytes=eval_plan.peak_bytes if eval_plan else 0,
             evaluator=evaluator if eval_plan else None,
+            allowance_bytes=allowance,
         )
-        if cache is not None and key is not None and plan.predicted_peak_bytes <= usable:
+        if cache is not None and key is not None and (
+                plan.predicted_peak_bytes - allowance <= usable):
             cache.put_plan(key, _plan_record(plan))
         return plan
     assert best_need is not None
@@ -923,6 +944,7 @@ def _plan_from_record(
     safety_margin: float,
     min_shard_elements: int,
     start: float,
+    allowance: int = 0,
 ) -> Plan:
     """A cached plan on ``devs``: mesh and shardings rebuilt from the sharding rules."""
     dp, mp = int(record["data_parallel"]), int(record["model_parallel"])
@@ -961,6 +983,7 @@ def _plan_from_record(
         prefetch_bytes=int(record.get("prefetch_bytes", 0)),
         eval_chunk=int(record.get("eval_chunk", 0)),
         eval_peak_bytes=int(record.get("eval_peak_bytes", 0)),
+        allowance_bytes=allowance,
     )
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 
-def solo_bytes(step_peak: int, prefetch: int, *, eval_peak: int = 0, opt_state: int = 0) -> int:
+def solo_bytes(step_peak: int, prefetch: int, *, eval_peak: int = 0, opt_state: int = 0,
+               allowance: int = 0) -> int:
     """Bytes per device a lone trial books.
 
     Args:
@@ -24,18 +25,20 @@ def solo_bytes(step_peak: int, prefetch: int, *, eval_peak: int = 0, opt_state: 
       eval_peak: the compiled evaluation forward's peak per device at its planned chunk, bytes
         (0: evaluation not planned).
       opt_state: optimizer state per device, bytes (resident while evaluating).
+      allowance: bytes per device for memory XLA's figures do not include (CUDA context,
+        cuBLAS/cuDNN workspaces; `scamp_jax.planning.plan_cache.resolve_allowance`; 0 on CPU).
 
     Returns:
-      ``max(step_peak + prefetch, eval_peak + opt_state + prefetch)`` (the second term only when
-      evaluation is planned).
+      ``max(step_peak + prefetch, eval_peak + opt_state + prefetch) + allowance`` (the second
+      term only when evaluation is planned).
     """
     train = int(step_peak) + int(prefetch)
     evaluate = int(eval_peak) + int(opt_state) + int(prefetch) if eval_peak else 0
-    return max(train, evaluate)
+    return max(train, evaluate) + int(allowance)
 
 
 def group_bytes(fused_step_peak: int, stacked_state: int, *, member_prefetch: int, width: int,
-                batch: int, member_batch: int, eval_peak: int = 0) -> int:
+                batch: int, member_batch: int, eval_peak: int = 0, allowance: int = 0) -> int:
     """Bytes per device a fused group of ``width`` members books.
 
     Args:
@@ -47,6 +50,8 @@ def group_bytes(fused_step_peak: int, stacked_state: int, *, member_prefetch: in
       batch: samples per member per step.
       member_batch: the batch ``member_prefetch`` was measured at (the member plan's).
       eval_peak: a member's evaluation peak per device (its plan's), bytes; 0: not planned.
+      allowance: the member plan's allowance for memory XLA does not see, once per group (the
+        group is one program in one process).
 
     Returns:
       Training (fused step + every member's prefetched batch) or evaluating one member (its
@@ -58,7 +63,7 @@ def group_bytes(fused_step_peak: int, stacked_state: int, *, member_prefetch: in
     prefetch = width * int(member_prefetch) * int(batch) // max(int(member_batch), 1)
     train = int(fused_step_peak) + prefetch
     evaluate = int(eval_peak) + int(stacked_state) + prefetch if eval_peak else 0
-    return max(train, evaluate)
+    return max(train, evaluate) + int(allowance)
 
 
 def booked_bytes(plan: Any) -> int:
@@ -71,10 +76,12 @@ def booked_bytes(plan: Any) -> int:
             plan.peak_bytes_per_device, e.params + e.opt_state + e.rest,
             member_prefetch=int(getattr(member, "prefetch_bytes", 0)), width=plan.width,
             batch=plan.batch_size, member_batch=int(getattr(member, "batch_size", plan.batch_size)),
-            eval_peak=int(getattr(member, "eval_peak_bytes", 0)))
+            eval_peak=int(getattr(member, "eval_peak_bytes", 0)),
+            allowance=int(getattr(member, "allowance_bytes", 0)))
     estimate = getattr(plan, "estimate", None)
     return solo_bytes(
         plan.peak_bytes_per_device, int(getattr(plan, "prefetch_bytes", 0)),
         eval_peak=int(getattr(plan, "eval_peak_bytes", 0)) if getattr(plan, "eval_chunk", 0)
         else 0,
-        opt_state=int(getattr(estimate, "opt_state", 0)))
+        opt_state=int(getattr(estimate, "opt_state", 0)),
+        allowance=int(getattr(plan, "allowance_bytes", 0)))

@@ -1,0 +1,124 @@
+"""Promises that only a GPU can check. Marked ``gpu``: the default run deselects them, and they
+skip where JAX sees no GPU. Run on a GPU machine with::
+
+    JAX_PLATFORMS=cuda python -m pytest -m gpu tests/test_gpu.py
+
+(``tests/conftest.py`` defaults ``JAX_PLATFORMS`` to ``cpu``.) Memory figures come from fresh
+processes (the allocator's peak counter cannot be reset), and the bitwise comparisons run in a
+process that asked for deterministic XLA kernels before JAX started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _needs_a_gpu() -> None:
+    # Asked when a test runs, not at collection: collecting must not start JAX's backend.
+    if jax.devices()[0].platform != "gpu":
+        pytest.skip("needs a CUDA GPU (run with JAX_PLATFORMS=cuda pytest -m gpu)")
+
+#: How far the compiled prediction may be from the measured peak_bytes_in_use, as a fraction of
+#: the measurement: the planner's own margin (10%) must cover it.
+MEMORY_ERROR = 0.10
+
+
+def _python(code: str, timeout: float = 900) -> dict:
+    """Run ``code`` in a fresh process (deterministic GPU kernels, no preallocation); the last
+    line it prints is JSON."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("JAX_PLATFORMS", None)
+    prelude = ("from scamp_jax.pipeline.determinism import use_deterministic_gpu_ops\n"
+               "use_deterministic_gpu_ops()\n"
+               "import scamp_jax; scamp_jax.configure_device_memory()\n")
+    proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_planner_prediction_is_within_its_error_of_peak_bytes_in_use() -> None:
+    from benchmarks.memory_accuracy import measure_in_child
+
+    for name in ("mlp", "vit", "swinir_small"):
+        row = measure_in_child(name, 1, "1GiB")
+        assert not row["oom"]
+        error = abs(row["compiled"] - row["peak_in_use"]) / row["peak_in_use"]
+        assert error <= MEMORY_ERROR, (name, row)
+        assert row["peak_in_use"] <= row["budget"]  # the plan held on the device
+
+
+def test_a_packed_study_on_one_gpu_runs_without_running_out_of_memory(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("JAX_PLATFORMS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.swinir_hpo", "--preset", "smoke", "--devices", "1",
+         "--trials", "6", "--steps", "20", "--no-live", "--study-dir", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trials = json.loads((tmp_path / "results.json").read_text())["trials"]
+    assert len(trials) == 6
+    for trial in trials:
+        assert trial["state"] == "complete", trial
+        assert "memory" not in (trial.get("reason") or "").lower(), trial
+
+
+def test_fused_members_match_their_solo_runs() -> None:
+    report = _python("""
+        import json
+        from benchmarks import fusion
+        r = fusion.run("swinir", 2, steps=20, batch=8, repeats=1, ray=False, concurrent=False)
+        print(json.dumps([m["loss_rel_diff"] for m in r["members"]]))
+    """)
+    assert max(report) < 1e-3
+
+
+def test_csp_equals_sequential_bitwise_with_deterministic_ops() -> None:
+    got = _python("""
+        import json, jax
+        from benchmarks.supernet_pipeline import measure_schedules
+        stages = min(4, len(jax.devices()))
+        r = measure_schedules(4, stages, 16, schedules=("csp", "sequential"))["results"]
+        print(json.dumps({k: v.params_sha256 for k, v in r.items()}))
+    """)
+    assert got["csp"] == got["sequential"]
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_offload_keeps_the_supernet_off_the_device(offload: bool) -> None:
+    """With offload the device's peak stays below the supernet's bytes; without, it holds them."""
+    got = _python(f"""
+        import json
+        import numpy as np
+        from scamp_jax.devices import peak_bytes_in_use
+        from scamp_jax.pipeline import train_supernet
+        from search_spaces.supernet import SupernetConfig, SupernetLayout, sample_subnets
+
+        config = SupernetConfig(8, 24, 64, scale=2, window_size=4)
+        chosen = [x.choices for x in sample_subnets(6, config, 0)]
+        rng = np.random.default_rng(0)
+        lr = rng.random((6, 4, 8, 8, 3), dtype=np.float32)
+        hr = rng.random((6, 4, 16, 16, 3), dtype=np.float32)
+        r = train_supernet(SupernetLayout(config), chosen, lr, hr, schedule="csp",
+                           num_stages=1, offload={offload})
+        print(json.dumps({{"peak": peak_bytes_in_use(), "supernet": r.supernet_param_bytes,
+                          "device": r.device_param_bytes}}))
+    """)
+    if offload:
+        assert got["device"] < got["supernet"]
+        assert got["peak"] < got["supernet"], got
+    else:
+        assert got["peak"] >= got["supernet"], got
