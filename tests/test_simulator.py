@@ -456,3 +456,18 @@ def test_planning_and_restart_seconds_come_from_what_a_study_measured(tmp_path) 
     assert engine_figures({"trials": [{"planned_at": None}]}) == {}  # defaults stay
     with pytest.raises(FileNotFoundError, match="directory of a finished study"):
         read_results(tmp_path / "nowhere")
+
+
+def test_a_ring_spanning_nodes_runs_at_the_network_link_and_counts_in_the_comm_share() -> None:
+    from scamp_jax.sim.simulator import comm_share, step_comm_seconds
+
+    # Nodes of 2 devices, 1 GB/s within a node, 0.25 GB/s between nodes; 1 GB sent per step.
+    cluster = dataclasses.replace(TOY, devices=4, node_devices=2, network_bandwidth=0.25e9)
+    within = TrialProfile(0, 2, GIB, 2, 1e12, 0, 1e9, 10)
+    across = TrialProfile(1, 4, GIB, 4, 1e12, 0, 1e9, 10)
+    assert step_comm_seconds(within, cluster) == pytest.approx(1.0)
+    assert step_comm_seconds(across, cluster) == pytest.approx(4.0)
+    # 1 s compute + 1 s comm on 2 devices; 1 s + 4 s on 4: (10*1*2 + 10*4*4) / (10*2*2 + 10*5*4)
+    assert comm_share([within, across], cluster) == pytest.approx(180 / 240)
+    result = simulate([within], cluster, ScampPolicy(elastic=False))
+    assert result.comm_fraction == pytest.approx(0.5)

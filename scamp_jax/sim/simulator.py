@@ -94,6 +94,12 @@ class ClusterModel:
         compiling the new plan, restoring. 60 is an assumption (a mid-sized model's compile on a
         GPU plus checkpoint I/O), not a measurement; a study's measured figure replaces it
         (`scamp_jax.sim.measured.engine_figures`).
+      node_devices: devices per node: a trial on more of them communicates across nodes.
+      network_bandwidth: bandwidth of one link between nodes in one direction, bytes/s (a ring
+        all-reduce that spans nodes runs at its slowest link: ``min(interconnect_bandwidth,
+        network_bandwidth)``). The presets' figures are the InfiniBand generation sold with
+        each part (EDR 100 Gb/s for V100, HDR 200 Gb/s for A100, NDR 400 Gb/s for H100), one
+        link per node: an assumption about the cluster, not a measurement.
       planning_seconds: seconds from asking a trial to its plan being ready (the planner's
         probe, verify and evaluation compiles). 30 is an assumption (three compiles of a
         mid-sized step), not a measurement; a study's measured figure replaces it.
@@ -116,6 +122,8 @@ class ClusterModel:
     restart_seconds: float = 60.0
     planning_seconds: float = 30.0
     overlap: float = 0.0
+    node_devices: int = 8
+    network_bandwidth: float = 12.5 * 10**9
 
     def __post_init__(self) -> None:
         for name in ("devices", "memory_per_device", "peak_flops", "mem_bandwidth",
@@ -137,6 +145,13 @@ class ClusterModel:
             raise ValueError(
                 f"overlap={self.overlap} must be in [0, 1] (0: co-located trials take strict "
                 "turns on a device, 1: they overlap freely)")
+
+    def link_bandwidth(self, devices: int) -> float:
+        """Bytes/s of the slowest ring link of a trial on ``devices`` devices (one direction):
+        the interconnect within a node, the network once the trial spans nodes."""
+        if devices <= self.node_devices:
+            return self.interconnect_bandwidth
+        return min(self.interconnect_bandwidth, self.network_bandwidth)
 
     def load(self, busy: float, solo: float) -> float:
         """Load one trial puts on each of its devices: ``overlap * busy / solo + (1 -
@@ -166,11 +181,16 @@ class ClusterModel:
 #: H100 495 TFLOP/s TF32 dense, 3,350 GB/s HBM3, NVLink4 900 GB/s total. Interconnect is half
 #: the total (one direction). Memory is the nominal size.
 CLUSTER_PRESETS: dict[str, ClusterModel] = {
-    "v100-16gb": ClusterModel("v100-16gb", 32, 16 * GIB, 15.7 * TFLOPS, 900 * GB, 150 * GB),
-    "v100-32gb": ClusterModel("v100-32gb", 32, 32 * GIB, 15.7 * TFLOPS, 900 * GB, 150 * GB),
-    "a100-40gb": ClusterModel("a100-40gb", 32, 40 * GIB, 156 * TFLOPS, 1555 * GB, 300 * GB),
-    "a100-80gb": ClusterModel("a100-80gb", 32, 80 * GIB, 156 * TFLOPS, 2039 * GB, 300 * GB),
-    "h100-80gb": ClusterModel("h100-80gb", 32, 80 * GIB, 495 * TFLOPS, 3350 * GB, 450 * GB),
+    "v100-16gb": ClusterModel("v100-16gb", 32, 16 * GIB, 15.7 * TFLOPS, 900 * GB, 150 * GB,
+                              network_bandwidth=12.5 * GB),
+    "v100-32gb": ClusterModel("v100-32gb", 32, 32 * GIB, 15.7 * TFLOPS, 900 * GB, 150 * GB,
+                              network_bandwidth=12.5 * GB),
+    "a100-40gb": ClusterModel("a100-40gb", 32, 40 * GIB, 156 * TFLOPS, 1555 * GB, 300 * GB,
+                              network_bandwidth=25 * GB),
+    "a100-80gb": ClusterModel("a100-80gb", 32, 80 * GIB, 156 * TFLOPS, 2039 * GB, 300 * GB,
+                              network_bandwidth=25 * GB),
+    "h100-80gb": ClusterModel("h100-80gb", 32, 80 * GIB, 495 * TFLOPS, 3350 * GB, 450 * GB,
+                              network_bandwidth=50 * GB),
 }
 
 
@@ -246,13 +266,25 @@ def step_busy_seconds(profile: TrialProfile, cluster: ClusterModel) -> float:
     return max(compute, memory)
 
 
+def step_comm_seconds(profile: TrialProfile, cluster: ClusterModel) -> float:
+    """Seconds of one step's collectives: the bytes each device sends over its ring's slowest
+    link (`ClusterModel.link_bandwidth`) at the attained fraction ``comm_efficiency``."""
+    return profile.comm_bytes_per_step / (
+        cluster.link_bandwidth(profile.devices) * cluster.comm_efficiency)
+
+
 def step_seconds(profile: TrialProfile, cluster: ClusterModel) -> float:
     """Seconds of one training step of ``profile`` alone on its devices (module docstring)."""
-    comm = profile.comm_bytes_per_step / (
-        cluster.interconnect_bandwidth * cluster.comm_efficiency
-    )
     launch = profile.kernels_per_step * cluster.launch_seconds
-    return step_busy_seconds(profile, cluster) + comm + launch
+    return step_busy_seconds(profile, cluster) + step_comm_seconds(profile, cluster) + launch
+
+
+def comm_share(profiles: Sequence[TrialProfile], cluster: ClusterModel) -> float:
+    """Share of the device-seconds of ``profiles`` (each run alone on its devices) spent in
+    communication: ``sum(steps * comm * devices) / sum(steps * step * devices)``."""
+    comm = sum(p.steps * step_comm_seconds(p, cluster) * p.devices for p in profiles)
+    total = sum(p.steps * step_seconds(p, cluster) * p.devices for p in profiles)
+    return comm / total if total > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -279,6 +311,8 @@ class SimResult:
       trials: per-trial start, end and devices, in key order.
       busy_fraction: device-seconds of busy time (roofline) / all device-seconds.
       resizes: running trials restarted on more devices (`scamp_jax.scheduling.elastic`).
+      comm_fraction: device-seconds of the trials' collectives / device-seconds of their runs
+        (each run's solo time on its devices; restarts counted as the devices they moved to).
     """
 
     policy: str
@@ -288,6 +322,7 @@ class SimResult:
     trials: tuple[SimTrial, ...]
     busy_fraction: float
     resizes: int = 0
+    comm_fraction: float = 0.0
 
 
 _PLANNED = -1  # event version of a trial whose plan becomes ready (runs have versions >= 0)
@@ -407,6 +442,7 @@ def simulate(
     pending.reverse()  # pop() from the end is the next arrival
     done: list[SimTrial] = []
     busy_device_seconds = 0.0
+    comm_device_seconds, run_device_seconds = [0.0], [0.0]
     now = 0.0
     affected: set[int] = set()  # running trials whose rate must be recomputed
     resized = 0
@@ -453,6 +489,9 @@ def simulate(
         # devices so a shared host counts it once.
         busy = busy_seconds(profile, cluster)
         busy_device_seconds += busy * len(action.device_ids)
+        comm_device_seconds[0] += profile.steps * step_comm_seconds(profile, cluster) * len(
+            action.device_ids)
+        run_device_seconds[0] += solo * len(action.device_ids)
         load = cluster.load(busy, solo)
         running[action.key] = _Running(profile, action.device_ids, now, solo, load, solo, 1.0,
                                        now, first_solo=solo)
@@ -518,6 +557,10 @@ def simulate(
             busy_device_seconds += left * (busy_seconds(new, cluster) * new.devices
                                            - busy_seconds(old.profile, cluster)
                                            * old.profile.devices)
+            for acc, of in ((comm_device_seconds,
+                             lambda p: p.steps * step_comm_seconds(p, cluster)),
+                            (run_device_seconds, lambda p: solo_seconds(p, cluster))):
+                acc[0] += left * (of(new) * new.devices - of(old.profile) * old.profile.devices)
             move(r.key, old, -1.0)
             solo = solo_seconds(new, cluster)
             running[r.key] = _Running(
@@ -593,6 +636,8 @@ def simulate(
         trials=tuple(sorted(done, key=lambda t: t.key)),
         busy_fraction=busy_device_seconds / total if total > 0 else 0.0,
         resizes=resized,
+        comm_fraction=(comm_device_seconds[0] / run_device_seconds[0]
+                       if run_device_seconds[0] > 0 else 0.0),
     )
 
 
