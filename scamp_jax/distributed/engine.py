@@ -59,7 +59,7 @@ from scamp_jax.distributed.spanning import (
 from scamp_jax.distributed.study import StudyClient, shared_study
 from scamp_jax.hpo.engine import SearchEngine, TrialDeferred
 from scamp_jax.hpo.plan_service import PlanningService
-from scamp_jax.hpo.study import AskedTrial, AskLater, TrialOutcome
+from scamp_jax.hpo.study.trials import AskedTrial, AskLater, TrialOutcome
 from scamp_jax.planning import planner
 
 _OPTUNA_STATE = {"complete": "COMPLETE", "pruned": "PRUNED", "failed": "FAIL"}

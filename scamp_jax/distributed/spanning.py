@@ -34,7 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from scamp_jax.hpo.runner import RunSpec, make_optimizer, run_trial
-from scamp_jax.hpo.study import TrialOutcome
+from scamp_jax.hpo.study.trials import TrialOutcome
 from scamp_jax.hpo.trial import RunResult, TrialStatus, trial_seed
 from scamp_jax.planning import planner
 from scamp_jax.planning.train_step import StepShardings

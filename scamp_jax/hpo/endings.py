@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from scamp_jax.hpo.study import TrialOutcome, TrialSource
+from scamp_jax.hpo.study.trials import TrialOutcome, TrialSource
 from scamp_jax.hpo.trial import PlannedTrial, RunResult
 from scamp_jax.scheduling.core import SchedulingCore
 from scamp_jax.scheduling.placement import Placement

@@ -52,7 +52,7 @@ from scamp_jax.hpo.launch import Launcher, Run
 from scamp_jax.hpo.plan_service import PlanningService
 from scamp_jax.hpo.resizing import Restart, TailResizer
 from scamp_jax.hpo.runner import StepCache
-from scamp_jax.hpo.study import AskedTrial, TrialOutcome, TrialSource
+from scamp_jax.hpo.study.trials import AskedTrial, TrialOutcome, TrialSource
 from scamp_jax.hpo.trial import (
     PlannedTrial,
     RunResult,

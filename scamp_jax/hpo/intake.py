@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from scamp_jax.hpo.study import AskedTrial, AskLater, TrialSource
+from scamp_jax.hpo.study.trials import AskedTrial, AskLater, TrialSource
 from scamp_jax.hpo.trial import TrialDeferred, TrialStatus, ending
 from scamp_jax.planning import planner
 

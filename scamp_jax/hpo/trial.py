@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scamp_jax.hpo.study import AskedTrial
+from scamp_jax.hpo.study.trials import AskedTrial
 
 # the one byte rule, re-exported for the engine's modules
 from scamp_jax.scheduling.booking import booked_bytes as booked_bytes
