@@ -8,8 +8,9 @@ cores). For each registered model it plans training with ``plan_mesh`` and print
 - errors of both against ``compiled``, the planning time of a new plan (wall-clock and CPU
   seconds, all threads) and its compiles (counted from JAX's compile events), and the same for
   the cached plan (a fresh ``PlanCache`` on the file the first plan wrote, as a resumed study),
-  and of the same new plan keeping the runner's step (``compile_for_run=True``: the runner then
-  compiles nothing);
+  and of the same new plan keeping the runner's step (``compile_for_run=True``, the default
+  since the runner takes it: it then compiles nothing); the first plan is planning only
+  (``compile_for_run=False``);
 - on a GPU, ``measured``: ``peak_bytes_in_use`` after two real training steps, each model in a
   fresh process (the allocator's peak counter cannot be reset), its state built directly on the
   plan's shardings (`measure_real_step`).
@@ -184,7 +185,8 @@ def measure(case: Case, devices: int, budget: str | None, fuse: int | None = Non
     start, cpu_start = time.perf_counter(), time.process_time()
     with CompileCounter() as cold_count:
         plan = plan_mesh(model, sample, devices=devices, memory_per_device=budget or case.budget,
-                         cache=PlanCache(Path(cache_dir) / "plans.sqlite"))
+                         cache=PlanCache(Path(cache_dir) / "plans.sqlite"),
+                         compile_for_run=False)
     plan_seconds = time.perf_counter() - start
     # CPU seconds used by this process (all threads): the wall time it would take with a core
     # to itself (XLA compiles one program on one thread), useful when the machine is shared.
