@@ -190,6 +190,7 @@ def run_search_mpi(
     plan_fn: Callable[..., Any] | None = None,
     console: Any = None,
     comm: Any = None,
+    session: Callable[..., Any] | None = None,
 ) -> dict[str, Any]:
     """`scamp_jax.hpo.session.run_search` across the ranks of ``comm`` (collective: call on every
     rank).
@@ -203,6 +204,9 @@ def run_search_mpi(
       live: rank 0 shows the live table (else plain lines); other ranks always log plain lines
         prefixed with ``[rank R]``.
       comm: mpi4py communicator of the ranks (default ``MPI.COMM_WORLD``).
+      session: the study session class every rank runs
+        (`scamp_jax.hpo.session.StudySession`, which ``run_search`` passes; this module does
+        not import it, so the session and the MPI layer do not import each other).
 
     Returns:
       on rank 0, the ``run`` section of ``results.json`` plus ``best``; on other ranks this
@@ -219,8 +223,11 @@ def run_search_mpi(
     comm = mpi.COMM_WORLD if comm is None else comm
     rank, size = comm.Get_rank(), comm.Get_size()
     try:
-        return _run(space, task, settings, devices, memory_per_device, live, baseline, title,
-                    plan_fn, console, comm, rank, size)
+        if session is None:
+            raise TypeError("run_search_mpi needs session=scamp_jax.hpo.session.StudySession "
+                            "(scamp_jax.run_study and run_search pass it)")
+        return _run(session, space, task, settings, devices, memory_per_device, live, baseline,
+                    title, plan_fn, console, comm, rank, size)
     except KeyboardInterrupt:
         raise  # the engine already gave its running trials back; a re-run resumes them
     except BaseException as err:  # noqa: BLE001 - any failure must end every rank, not hang them
@@ -229,12 +236,13 @@ def run_search_mpi(
         raise
 
 
-def _run(space: Any, task: Any, settings: Any, devices: Sequence[Any], memory_per_device: int,
-         live: bool, baseline: str | None, title: str, plan_fn: Callable[..., Any] | None,
-         console: Any, comm: Any, rank: int, size: int) -> dict[str, Any]:
-    from scamp_jax.hpo.session import StudySession, run_summary
+def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any,
+         devices: Sequence[Any], memory_per_device: int, live: bool, baseline: str | None,
+         title: str, plan_fn: Callable[..., Any] | None, console: Any, comm: Any, rank: int,
+         size: int) -> dict[str, Any]:
+    from scamp_jax.hpo.report import run_summary
 
-    session = StudySession(space, task, settings, devices=devices,
+    session = session_class(space, task, settings, devices=devices,
                            memory_per_device=memory_per_device, live=live, baseline=baseline,
                            title=title, plan_fn=plan_fn, console=console, rank=rank, ranks=size)
     # Rank 0 owns the study; every rank asks it for work through the same kind of source.

@@ -3,8 +3,8 @@
 `OverheadRecorder` listens to `jax.monitoring` while a study runs: JAX reports every trace,
 lowering and backend compile with the jitted function's name, on the thread that does it, and
 the project reports its own timed sections the same way (`record_section`: checkpoint writes;
-the report and its plots, written after ``results.json``, are added to it afterwards by
-`record_report_seconds`). Compiles are attributed by thread: the engine's planner threads
+the report and its plots, written after ``results.json``, are added to it afterwards by the
+study session). Compiles are attributed by thread: the engine's planner threads
 (``planner*``) plan, its trial threads (``trial*``) run trials, and within a trial the training
 step (``jit(step)``), the initial state (``jit(init)``) and the evaluation forward
 (``jit(run)``) are told apart by name. Compile seconds are summed over threads, so with
@@ -195,13 +195,3 @@ def idle_waiting_for_plans(intervals: Sequence[Sequence[Sequence[float]]],
                    if not any(float(iv[1]) <= mid < float(iv[2]) for iv in device))
         total += idle * (b - a)
     return total
-
-
-def record_report_seconds(study_dir: str | Path, overhead: dict[str, Any],
-                          seconds: float) -> None:
-    """Add the report's ``seconds`` (results, best model, plots, tables: written after
-    ``results.json``) to ``overhead`` and to the last run in ``study_dir/results.json``."""
-    from scamp_jax.hpo.report import add_run_overhead
-
-    overhead["report_s"] = round(overhead.get("report_s", 0.0) + seconds, 3)
-    add_run_overhead(study_dir, {"report_s": overhead["report_s"]})

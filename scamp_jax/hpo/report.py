@@ -364,6 +364,27 @@ def _short(value: Any) -> str:
     return str(value)
 
 
+def run_summary(result: Any, devices: int, memory_per_device: int) -> dict[str, Any]:
+    """The ``run`` section of ``results.json`` for one engine run (a
+    `scamp_jax.hpo.engine.SearchResult`) on ``devices`` devices."""
+    return {
+        # memory_per_device, safety_margin, the booked share, the active policy parts, ...
+        **dict(result.scheduling),
+        "policy": result.policy,
+        "devices": devices,
+        "memory_per_device": memory_per_device,
+        "elapsed_s": result.elapsed_s,
+        "usage": dict(result.usage),
+        "compile_cache": dict(result.compile_cache),
+        "trials_this_run": len(result.outcomes),
+        "timeline": {
+            "intervals": [[list(span) for span in spans] for spans in result.intervals],
+            "memory_series": [list(result.memory_series[0]), list(result.memory_series[1])]
+            if result.memory_series is not None else None,
+        },
+    }
+
+
 __all__ = [
     "best_record",
     "plot_results",
@@ -374,4 +395,5 @@ __all__ = [
     "write_results",
     "read_runs",
     "combined_timeline",
+    "run_summary",
 ]

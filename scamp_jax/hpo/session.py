@@ -171,7 +171,6 @@ class StudySession:
         (``run_info`` as the ``run`` section; the usage plots from every run's timeline), print
         the best trials; returns ``run_info`` plus ``best`` (a results row or None)."""
         from scamp_jax.hpo import report
-        from scamp_jax.hpo.overhead import record_report_seconds
 
         report_start = time.perf_counter()
         if self.overhead is not None:
@@ -200,8 +199,10 @@ class StudySession:
                  f"{100 * usage['mean_memory_utilization']:.1f}%, idle device-seconds "
                  f"{usage['idle_device_seconds']:.1f}; results in {self.out_dir}")
         if self.overhead is not None:  # the report and plots, added once they are written
-            record_report_seconds(self.out_dir, run_info["overhead"],
-                                  time.perf_counter() - report_start)
+            overhead = run_info["overhead"]
+            overhead["report_s"] = round(overhead.get("report_s", 0.0)
+                                         + time.perf_counter() - report_start, 3)
+            report.add_run_overhead(self.out_dir, {"report_s": overhead["report_s"]})
         return {**run_info, "best": report.best_record(records, metric, direction)}
 
     def report_interrupted(self, study: optuna.Study, elapsed_s: float) -> None:
@@ -248,7 +249,7 @@ def run_search(
     if launched_under_mpi():
         from scamp_jax.distributed.engine import run_search_mpi
 
-        return run_search_mpi(space, task, settings, **kwargs)
+        return run_search_mpi(space, task, settings, session=StudySession, **kwargs)
     session = StudySession(space, task, settings, **kwargs)
     source = session.trial_source(session.open())
     session.greet(source.finished(), source.recovered)
@@ -261,6 +262,8 @@ def run_search(
         raise
     finally:
         source.close()
+    from scamp_jax.hpo.report import run_summary
+
     return session.report(source, run_summary(result, len(devices), memory_per_device))
 
 
@@ -364,23 +367,3 @@ def grid_note(source: Any, trials: int) -> str | None:
     if finished >= trials or not source.grid_done():
         return None
     return f"the grid's {points} points are done; {finished} of {trials} trials ran"
-
-
-def run_summary(result: SearchResult, devices: int, memory_per_device: int) -> dict[str, Any]:
-    """The ``run`` section of ``results.json`` for one engine run on ``devices`` devices."""
-    return {
-        # memory_per_device, safety_margin, the booked share, the active policy parts, ...
-        **dict(result.scheduling),
-        "policy": result.policy,
-        "devices": devices,
-        "memory_per_device": memory_per_device,
-        "elapsed_s": result.elapsed_s,
-        "usage": dict(result.usage),
-        "compile_cache": dict(result.compile_cache),
-        "trials_this_run": len(result.outcomes),
-        "timeline": {
-            "intervals": [[list(span) for span in spans] for spans in result.intervals],
-            "memory_series": [list(result.memory_series[0]), list(result.memory_series[1])]
-            if result.memory_series is not None else None,
-        },
-    }

@@ -110,7 +110,7 @@ class SearchSettings:
     space_variant: str | None = None
 
     def __post_init__(self) -> None:
-        from scamp_jax.hpo.fused_engine import fusion_cap
+        from scamp_jax.hpo.trial import fusion_cap
 
         if fusion_cap(self.fuse) is not None and self.sampler == "grid":  # raises on a bad fuse
             raise ValueError(
@@ -170,8 +170,7 @@ class SearchSettings:
         """`scamp_jax.hpo.study.OptunaTrialSource` arguments for ``fuse``: siblings per proposed
         trial (one group's worth: the cap less the proposed trial) and the keys siblings leave
         to the sampler."""
-        from scamp_jax.hpo.fused_engine import fusion_cap
-        from scamp_jax.hpo.runner import OPTIMIZER_KEYS
+        from scamp_jax.hpo.trial import OPTIMIZER_KEYS, fusion_cap
 
         cap = fusion_cap(self.fuse)
         if cap is None:

@@ -609,27 +609,8 @@ class ScampPolicy:
             choices[r.key], chosen[r.key] = c, pick
         if not (self.elastic and not arrivals_pending and choices):
             return {}
-        base = dict(chosen)
         surplus = len(index.empty) - sum(r.devices for r in ordered)
-        while surplus > 0:
-            # Devices the queue leaves idle: one step up for the trial that would run longest.
-            best: tuple[float, int, int] | None = None
-            for key, i in chosen.items():
-                c = choices[key]
-                for j in range(i + 1, len(c)):
-                    if c[j].devices - c[i].devices > surplus:
-                        break
-                    if c[j].seconds < c[i].seconds:
-                        if best is None or c[i].seconds > best[0]:
-                            best = (c[i].seconds, key, j)
-                        break
-            if best is None:
-                break
-            _, key, j = best
-            surplus -= choices[key][j].devices - choices[key][chosen[key]].devices
-            chosen[key] = j
-        return {key: tuple(reversed(choices[key][base[key] + 1 : i + 1]))
-                for key, i in chosen.items() if i > base[key]}
+        return _grow_into_surplus(chosen, choices, surplus)
 
     def decide(
         self,
@@ -896,3 +877,30 @@ def make_policy(name: str, **kwargs: object) -> ScampPolicy | FixedPolicy:
     if name == "fixed":
         return FixedPolicy(**kwargs)  # type: ignore[arg-type]
     raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}")
+
+
+def _grow_into_surplus(chosen: dict[int, int], choices: dict[int, tuple[DeviceOption, ...]],
+                       surplus: int) -> dict[int, tuple[DeviceOption, ...]]:
+    """`ScampPolicy`'s last-wave growth: while the queue leaves ``surplus`` devices idle, move
+    the trial that would run longest one option up (``choices[key]``, from its ``chosen``
+    index). Returns, per grown trial, the larger options to try first (largest first)."""
+    base = dict(chosen)
+    chosen = dict(chosen)
+    while surplus > 0:
+        best: tuple[float, int, int] | None = None
+        for key, i in chosen.items():
+            c = choices[key]
+            for j in range(i + 1, len(c)):
+                if c[j].devices - c[i].devices > surplus:
+                    break
+                if c[j].seconds < c[i].seconds:
+                    if best is None or c[i].seconds > best[0]:
+                        best = (c[i].seconds, key, j)
+                    break
+        if best is None:
+            break
+        _, key, j = best
+        surplus -= choices[key][j].devices - choices[key][chosen[key]].devices
+        chosen[key] = j
+    return {key: tuple(reversed(choices[key][base[key] + 1 : i + 1]))
+            for key, i in chosen.items() if i > base[key]}

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from scamp_jax.scheduling.placement import TrialRequest
+#: a `scamp_jax.scheduling.placement.TrialRequest` (this module sits below placement, which
+#: imports it, so it names the type without importing it).
+TrialRequest = Any
 
 Shape = tuple[int, bool]  # (devices, exclusive)
 
