@@ -6,6 +6,7 @@ Run (8 CPU devices on a CPU-only machine, the GPUs on a GPU machine)::
     python -m experiments.swinir_hpo --preset smoke   # a few minutes
     python -m experiments.swinir_hpo --policy fixed   # the fixed-resources baseline
     mpirun -n 2 python -m experiments.swinir_hpo --preset smoke   # one study across 2 ranks
+    python -m experiments.swinir_hpo --preset smoke --study-name b  # a second study, in .../b
     python -m experiments.swinir_hpo --preset smoke --fuse 4 --trials 8   # fused groups
 
 Expected: every trial's PSNR on held-out photographs in ``runs/swinir_hpo/results.csv``, and the
