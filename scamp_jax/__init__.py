@@ -67,8 +67,8 @@ from scamp_jax.scheduling.placement import TrialRequest as TrialRequest
 from scamp_jax.scheduling.placement import check_feasible as check_feasible
 from scamp_jax.scheduling.placement import make_policy as make_policy
 from scamp_jax.scheduling.pool import DevicePool as DevicePool
-from scamp_jax.scheduling.replay import replay_study as replay_study
 from scamp_jax.scheduling.usage import UsageRecorder as UsageRecorder
+from scamp_jax.sim.measured import replay_study as replay_study
 from scamp_jax.space import FunctionTask as FunctionTask
 from scamp_jax.space import SearchSpace as SearchSpace
 from scamp_jax.space import Task as Task
