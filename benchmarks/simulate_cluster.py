@@ -542,7 +542,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.batch_multiple < 1:
         parser.error("--batch-multiple must be >= 1")
     if args.replay is not None:
-        from scamp_jax.scheduling.replay import as_json, replay_study
+        from scamp_jax.scheduling.replay import as_json
+        from scamp_jax.sim.measured import replay_study
 
         placements = replay_study(args.replay)
         if args.json:

@@ -26,7 +26,7 @@ _NAMES = {
     "ChunkedEvalTask": "scamp_jax.planning.evaluation",
     "open_study": "scamp_jax.hpo.study",
     "load_model": "scamp_jax.hpo.runner",
-    "replay_study": "scamp_jax.scheduling.replay",
+    "replay_study": "scamp_jax.sim.measured",
     "BudgetTooSmallError": "scamp_jax.hpo.engine",
     "StudySettingsError": "scamp_jax.hpo.study",
     # planning one trial

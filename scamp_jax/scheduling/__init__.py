@@ -15,7 +15,7 @@ _NAMES = {
                      "TrialRequest", "check_feasible", "make_policy"),
                     "scamp_jax.scheduling.placement"),
     **dict.fromkeys(("DevicePool",), "scamp_jax.scheduling.pool"),
-    **dict.fromkeys(("replay_study",), "scamp_jax.scheduling.replay"),
+    **dict.fromkeys(("replay",), "scamp_jax.scheduling.replay"),
     **dict.fromkeys(("UsageRecorder",), "scamp_jax.scheduling.usage"),
 }
 __all__ = sorted(_NAMES)

@@ -11,6 +11,8 @@ restart on more devices, no last-wave growth) they equal the real run's placemen
 ran exactly these decisions.
 
     python -m benchmarks.simulate_cluster --replay STUDY_DIR --json
+
+No file is read here: `scamp_jax.sim.measured.replay_study` reads a study's ``results.json``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import heapq
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
-from pathlib import Path
 from typing import Any
 
 from scamp_jax.scheduling.core import PlanOption, SchedulingCore, Start, TrialPlan
@@ -98,14 +99,6 @@ def _schedule(events: list[tuple[float, int, int, tuple[Any, ...]]], action: Sta
                                 (int(step), float(spu), now + (float(since) - started))))
     heapq.heappush(events, (now + (float(trial["finished_at"]) - started), _FINISHED,
                             action.key, ()))
-
-
-def replay_study(study_dir: str | Path) -> list[tuple[int, tuple[int, ...]]]:
-    """`replay` of ``study_dir/results.json``."""
-    path = Path(study_dir) / "results.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; pass the directory of a finished study")
-    return replay(json.loads(path.read_text()))
 
 
 def recorded_placements(results: Mapping[str, Any]) -> list[tuple[int, tuple[int, ...]]]:

@@ -10,6 +10,7 @@ _NAMES = {
     **dict.fromkeys(("FusedCostModel", "fused_profiles", "measure_fused_costs"),
                     "scamp_jax.sim.sim_fusion"),
     **dict.fromkeys(("fixed_baseline", "measure_cost"), "scamp_jax.sim.step_costs"),
+    **dict.fromkeys(("engine_figures", "read_results", "replay_study"), "scamp_jax.sim.measured"),
 }
 __all__ = sorted(_NAMES)
 __getattr__, __dir__ = _exports(__name__, _NAMES)

@@ -31,6 +31,14 @@ def read_results(study_dir: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def replay_study(study_dir: str | Path) -> list[tuple[int, tuple[int, ...]]]:
+    """The placements of a replay of ``study_dir``'s ``results.json`` through the scheduling
+    core (`scamp_jax.scheduling.replay.replay`)."""
+    from scamp_jax.scheduling.replay import replay
+
+    return replay(read_results(study_dir))
+
+
 def restart_delays(trial: Mapping[str, Any]) -> list[float]:
     """Seconds from each later placement of ``trial`` (a restart) to its first training step."""
     placements = trial.get("placements") or []
