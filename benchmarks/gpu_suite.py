@@ -3,7 +3,7 @@
 Run::
 
     python -m benchmarks.gpu_suite --out runs/gpu_suite              # one GPU: about 25 min (H100)
-    python -m benchmarks.gpu_suite --out /tmp/suite --cpu-smoke      # CPU devices, tiny sizes
+    python -m benchmarks.gpu_suite --out /tmp/suite --cpu-smoke      # CPU devices: ~5 CPU-min
 
 Writes ``OUT/gpu_suite.json`` (one key per section: ``memory``, ``packing``, ``fusion``,
 ``supernet``, ``determinism``, and ``meta``) and ``OUT/gpu_suite.md`` (the tables, ready for
@@ -138,9 +138,11 @@ CPU_SMOKE = SuiteConfig(
     fusion_width=2, fusion_steps=1, fusion_batch=4,
     supernet_choices=2, supernet_subnets=4, supernet_max_stages=2,
     trial_steps=1,
-    # Measured on 2 shared CPU cores (tests/test_gpu_suite.py runs this configuration).
-    expected_seconds={"memory": 40, "packing": 40, "fusion": 20, "supernet": 15,
-                      "determinism": 15},
+    # CPU seconds each section used in one run (this process and its children, 291 in all):
+    # about the wall time with a core to spare; on a loaded machine far longer (14 min of wall
+    # time at a load of 13 on 2 cores). tests/test_gpu_suite.py runs this configuration.
+    expected_seconds={"memory": 80, "packing": 80, "fusion": 90, "supernet": 15,
+                      "determinism": 35},
 )
 
 

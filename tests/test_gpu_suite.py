@@ -15,8 +15,9 @@ from benchmarks import gpu_suite
 ROOT = Path(__file__).resolve().parents[1]
 
 
-#: The rehearsal compiles a few dozen small programs: about 6 CPU-minutes, so a few minutes on
-#: two idle cores and far more on a loaded machine; the default 900 s limit is too tight there.
+#: The rehearsal compiles a few dozen small programs: about 5 CPU-minutes, so about 5 minutes on
+#: two idle cores and far more on a loaded one (16 min at a load of ~20); the default 900 s
+#: limit is too tight there.
 SMOKE_TIMEOUT_S = 2400
 pytestmark = pytest.mark.timeout(SMOKE_TIMEOUT_S)
 
