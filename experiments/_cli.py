@@ -79,6 +79,14 @@ def fusion_width(text: str) -> int | str:
     return _int_at_least(text, 1, "at least 1 (1: no fusion), or auto")
 
 
+def running_cap(text: str) -> int | str:
+    """argparse type of ``--max-running-trials``: ``auto``, ``none`` (no cap) or an integer
+    >= 1."""
+    if text in ("auto", "none"):
+        return text
+    return _int_at_least(text, 1, "at least 1, or auto, or none")
+
+
 def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir: str) -> None:
     """The flags every HPO entry point takes; unset flags keep the preset's value."""
     parser.add_argument("--preset", default="default", choices=list(presets),
@@ -118,6 +126,11 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
                         "vmapped step of up to K members, as wide as the planner fits in memory; "
                         "each member stays its own trial. 'auto': the planner's widest fitting "
                         "group, at most 8 (default: off)")
+    parser.add_argument("--max-running-trials", type=running_cap, metavar="N|auto|none",
+                        help="most trials (or fused groups) training at once, the rest queued: "
+                        "'auto' (default) is one per two host cores on CPU devices, which share "
+                        "the host's cores (more at once measured slower there), and no cap on "
+                        "accelerators; 'none': as many as the pool's memory holds")
     parser.add_argument("--sampler", choices=SAMPLERS, help="Optuna sampler (seeded)")
     parser.add_argument("--pruner", choices=PRUNERS,
                         help="Optuna pruner fed by intermediate evaluations (--eval-every)")
@@ -146,10 +159,12 @@ def config_from_args(args: argparse.Namespace, base: HPOConfig, study_dir: str) 
     for name in ("trials", "steps", "devices", "memory_per_device", "policy", "devices_per_trial",
                  "max_batch_size", "min_batch_size", "elastic",
                  "sampler", "pruner", "eval_every", "seed", "storage", "train_dir", "eval_dir",
-                 "study_name", "fuse"):
+                 "study_name", "fuse", "max_running_trials"):
         value = getattr(args, name, None)
         if value is not None:
             overrides[name] = value
+    if overrides.get("max_running_trials") == "none":  # --max-running-trials none: no cap
+        overrides["max_running_trials"] = None
     overrides["study_dir"] = args.study_dir or study_dir
     try:
         return dataclasses.replace(base, **overrides)
