@@ -62,6 +62,23 @@ def test_elastic_flag_reaches_the_engine(value, grow):
     assert config.engine_config(2**30).grow_last_wave is grow
 
 
+@pytest.mark.parametrize("value, cap", [(None, "auto"), ("none", None), ("3", 3)])
+def test_running_cap_flag_reaches_the_engine(value, cap):
+    from experiments._cli import config_from_args
+
+    argv = [] if value is None else ["--max-running-trials", value, "--pruner", "none"]
+    config = config_from_args(swinir_hpo.parser().parse_args(argv),
+                              swinir_hpo.get_config("smoke"), "runs/x")
+    assert config.engine_config(2**30).max_running_trials == cap
+    assert config.pruner == "none"  # "none" of another flag stays a string
+
+
+def test_running_cap_flag_rejects_zero(capsys):
+    with pytest.raises(SystemExit):
+        swinir_hpo.main(["--max-running-trials", "0"])
+    assert "--max-running-trials: 0 must be at least 1" in capsys.readouterr().err
+
+
 def test_presets_are_typed_and_distinct():
     smoke, default, paper = (swinir_hpo.get_config(p) for p in swinir_hpo.PRESETS)
     assert smoke.trials * smoke.steps < default.trials * default.steps < paper.trials * paper.steps
