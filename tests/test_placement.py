@@ -466,8 +466,8 @@ def test_indexed_decisions_equal_the_full_walk_before_it(case) -> None:
             snapshot = pool.snapshot()
             expected = [(p.key, p.device_ids)
                         for p in old.decide(snapshot, list(queue), arrivals_pending=pending)]
-            for queued in (queue, list(queue)):
-                decided = new.decide(snapshot, queued, arrivals_pending=pending)
+            for offered in (queue, list(queue)):
+                decided = new.decide(snapshot, offered, arrivals_pending=pending)
                 assert [(p.key, p.device_ids) for p in decided] == expected
             for placement in decided:
                 pool.allocate(placement, queue.remove(placement.key))
