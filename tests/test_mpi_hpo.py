@@ -57,18 +57,18 @@ def test_run_search_mpi_without_mpi4py_raises_an_install_hint(monkeypatch):
 
 
 class _OneDevicePlan:
-    """What `span_plan` reads of a one-device `Plan`: the largest batch, its peak, the budget."""
+    """What `span_plan` reads of a one-device `Plan`: the largest batch and its peak."""
 
     def __init__(self, batch_size: int) -> None:
-        self.batch_size, self.peak_bytes_per_device, self.usable_bytes = batch_size, 900, 1000
+        self.batch_size, self.peak_bytes_per_device = batch_size, 900
 
 
 def _planner_fitting(batch: int | None):
     from scamp_jax.planning import planner
     calls = []
 
-    def call_planner(model, devices, max_batch):
-        calls.append((devices, max_batch))
+    def call_planner(model, devices, max_batch, memory):
+        calls.append((devices, max_batch, memory))
         if batch is None:
             raise planner.DoesNotFitError("needs 2 GiB per device", 2 << 30, 1 << 30)
         return _OneDevicePlan(batch if max_batch is None else min(batch, max_batch))
@@ -76,33 +76,85 @@ def _planner_fitting(batch: int | None):
     return call_planner, calls
 
 
+# A budget of 2000 bytes, 1800 usable at the 10% margin; the reduction holds 100 of them.
+_BUDGET = {"memory_per_device": 2000, "safety_margin": 0.1, "reduction_bytes": 100}
+
+
 def test_span_plan_takes_the_fewest_ranks_whose_devices_reach_the_batch_floor():
     call_planner, calls = _planner_fitting(5)
     span = span_plan(call_planner, None, ranks=8, min_batch_size=16, max_batch_size=64,
-                     local_error=ValueError("too big for rank"))
-    assert calls == [(1, 64)]  # one device per rank
-    assert span == SpanPlan(ranks=4, batch_per_rank=5, peak_bytes_per_device=900)
+                     local_error=ValueError("too big for rank"), **_BUDGET)
+    # One device per rank, planned for the budget whose usable part leaves the reduction room:
+    # floor((1800 - 100) / 0.9) = 1888.
+    assert calls == [(1, 64, 1888)]
+    assert span == SpanPlan(ranks=4, batch_per_rank=5, peak_bytes_per_device=1000,
+                            booked_bytes=1000)
     assert span.global_batch == 20 >= 16
-    # The cap on the global batch bounds each rank's share.
-    capped = span_plan(_planner_fitting(5)[0], None, ranks=8, min_batch_size=16,
-                       max_batch_size=16, local_error=ValueError("too big"))
-    assert capped == SpanPlan(ranks=4, batch_per_rank=4, peak_bytes_per_device=900)
+    # The cap on the global batch bounds each rank's share; the booking is the plan of that
+    # share.
+    call_planner, calls = _planner_fitting(5)
+    capped = span_plan(call_planner, None, ranks=8, min_batch_size=16,
+                       max_batch_size=16, local_error=ValueError("too big"), **_BUDGET)
+    assert calls == [(1, 16, 1888), (1, 4, 1888)]
+    assert capped == SpanPlan(ranks=4, batch_per_rank=4, peak_bytes_per_device=1000,
+                              booked_bytes=1000)
+
+
+def test_span_plan_books_the_reduction_through_the_byte_rule_within_the_margin():
+    """A real one-device plan: the booking is `booked_bytes` of that plan with the reduction's
+    buffers added to its step, and stays within the budget less the safety margin."""
+    import jax
+    from flax import nnx
+    from test_runner import MLP, Regression
+
+    from scamp_jax.distributed.data_parallel import mpi_mean_bytes
+    from scamp_jax.hpo.runner import make_optimizer
+    from scamp_jax.planning import planner
+    from scamp_jax.scheduling.booking import booked_bytes
+
+    task = Regression()
+    model = nnx.eval_shape(lambda: MLP(16, nnx.Rngs(0)))
+    params = nnx.state(model, nnx.Param)
+    # Fused per dtype: the send buffer and the reduced buffer, each the parameters and the loss.
+    reduction = mpi_mean_bytes((params, jax.ShapeDtypeStruct((), "float32")))
+    assert reduction == 2 * 4 * (8 * 16 + 16 + 16 + 1 + 1)
+    plans = []
+
+    def call_planner(model, devices, max_batch, memory):
+        plans.append(planner.plan_mesh(
+            model, task.sample_batch(1), devices=devices, memory_per_device=memory,
+            optimizer=make_optimizer({}), loss_fn=task.loss_fn, safety_margin=0.1,
+            max_batch_size=max_batch, eval_task=task))
+        return plans[-1]
+
+    span = span_plan(call_planner, model, ranks=2, min_batch_size=64, max_batch_size=64,
+                     memory_per_device=14000, safety_margin=0.1, reduction_bytes=reduction,
+                     local_error=ValueError("too big for one rank"))
+    assert span.ranks == 2 and span.batch_per_rank == 32 == plans[-1].batch_size
+    assert span.booked_bytes == booked_bytes(plans[-1], step_extra=reduction)
+    assert span.booked_bytes == booked_bytes(plans[-1]) + reduction
+    assert span.booked_bytes <= int(14000 * 0.9)
+    # A budget whose usable part the reduction alone fills cannot span.
+    with pytest.raises(planner.DoesNotFitError, match="reduction alone"):
+        span_plan(call_planner, model, ranks=2, min_batch_size=64, max_batch_size=64,
+                  memory_per_device=1000, safety_margin=0.1, reduction_bytes=reduction,
+                  local_error=ValueError("too big for one rank"))
 
 
 def test_span_plan_says_what_to_change_when_a_trial_cannot_span():
     from scamp_jax.planning import planner
     with pytest.raises(planner.DoesNotFitError, match="needs 4 ranks but the job has 2"):
         span_plan(_planner_fitting(5)[0], None, ranks=2, min_batch_size=16, max_batch_size=None,
-                  local_error=ValueError("too big for rank"))
+                  local_error=ValueError("too big for rank"), **_BUDGET)
     with pytest.raises(planner.DoesNotFitError, match="does not fit one device") as err:
         span_plan(_planner_fitting(None)[0], None, ranks=4, min_batch_size=16,
-                  max_batch_size=None, local_error=ValueError("too big for rank"))
+                  max_batch_size=None, local_error=ValueError("too big for rank"), **_BUDGET)
     assert "too big for rank" in str(err.value) and "--memory-per-device" in str(err.value)
 
 
 def test_spanning_trials_run_in_rounds_of_disjoint_rank_groups():
     def trial(number, ranks):
-        return SpanningTrial(number, {}, f"trial_{number}", SpanPlan(ranks, 4, 0), asked_by=0)
+        return SpanningTrial(number, {}, f"trial_{number}", SpanPlan(ranks, 4, 0, 0), asked_by=0)
 
     rounds = assign_rounds([trial(3, 2), trial(1, 3), trial(2, 2), trial(4, 1)], ranks=4)
     as_numbers = [[(t.number, ranks) for t, ranks in groups] for groups in rounds]
@@ -113,8 +165,9 @@ def test_spanning_trials_run_in_rounds_of_disjoint_rank_groups():
 
 
 def test_mpi_engine_defers_a_trial_whose_batch_floor_one_rank_cannot_hold():
-    """A real plan: the MLP fits a batch of 6 in 4.5 KiB (its prefetched batch counted), the
-    floor is 8, so it spans 2."""
+    """A real plan: in 14,000 bytes (12,600 usable at the 10% margin) the MLP fits a batch of
+    44 alone, the floor is 64, so it spans 2 ranks of 32, each booking its step, the gradient
+    reduction and the prefetched batch within the margin."""
     from test_runner import MLP, Regression
 
     from scamp_jax.distributed.engine import MPISearchEngine
@@ -122,7 +175,8 @@ def test_mpi_engine_defers_a_trial_whose_batch_floor_one_rank_cannot_hold():
     from scamp_jax.space import SearchSpace
 
     space = SearchSpace("mlp", lambda t: {}, lambda p, rngs: MLP(int(p["width"]), rngs))
-    config = EngineConfig(steps=4, memory_per_device=4608, max_batch_size=8, min_batch_size=8)
+    config = EngineConfig(steps=4, memory_per_device=14000, max_batch_size=64,
+                          min_batch_size=64)
     import jax
 
     engine = MPISearchEngine(2, space, Regression(), source=None, config=config,
@@ -130,13 +184,14 @@ def test_mpi_engine_defers_a_trial_whose_batch_floor_one_rank_cannot_hold():
     with pytest.raises(TrialDeferred, match="spans 2 ranks") as deferred:
         engine.plan({"width": 16})
     span = deferred.value.payload
-    assert span.ranks == 2 and span.batch_per_rank == 4 and span.peak_bytes_per_device <= 4608
+    assert span.ranks == 2 and span.batch_per_rank == 32
+    assert span.peak_bytes_per_device < span.booked_bytes <= int(14000 * (1 - 0.1))
     # Without the floor the same configuration simply fits one device.
     local = MPISearchEngine(2, space, Regression(), source=None,
-                            config=EngineConfig(steps=4, memory_per_device=4608,
-                                                max_batch_size=8),
+                            config=EngineConfig(steps=4, memory_per_device=14000,
+                                                max_batch_size=64),
                             devices=jax.devices()[:1])
-    assert local.plan({"width": 16}).batch_size < 8
+    assert 32 < local.plan({"width": 16}).batch_size < 64
 
 
 def _local_source(tmp_path: Path, n_trials: int, root: Path | None = None, **fusion):
@@ -329,19 +384,24 @@ def test_study_split_across_two_ranks_records_every_trial_once_with_its_rank(
 def test_a_trial_too_big_for_one_rank_spans_two_and_equals_the_single_process_run(
     tmp_path, _needs_mpi
 ):
-    # One device of 4.5 KiB per rank holds a batch of 6 of this MLP (its prefetched batch
-    # counted); the study asks for 8.
-    proc = _launch(tmp_path, 2, "--trials", "2", "--devices", "1", "--memory-per-device", "4608",
-                   "--min-batch-size", "8")
+    # One device of 14,000 bytes per rank (12,600 usable at the 10% margin) holds a batch of 44
+    # of this MLP alone (its prefetched batch counted); the study asks for 64.
+    proc = _launch(tmp_path, 2, "--trials", "2", "--devices", "1", "--memory-per-device",
+                   "14000", "--min-batch-size", "64", "--max-batch-size", "64")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "spans ranks [0, 1]: global batch 8 (4 per rank)" in proc.stdout
+    assert "spans ranks [0, 1]: global batch 64 (32 per rank)" in proc.stdout
     results = _results(tmp_path)
     trials = results["trials"]
     assert sorted(t["number"] for t in trials) == [0, 1]
     assert all(t["state"] == "complete" for t in trials)
-    assert all(t["rank"] == [0, 1] and t["batch_size"] == 8 for t in trials)
+    assert all(t["rank"] == [0, 1] and t["batch_size"] == 64 for t in trials)
     assert results["run"]["spanning_trials"] == 2 and results["run"]["trials_this_run"] == 2
     assert [s for _, s, _ in _stored_trials(tmp_path)] == ["COMPLETE"] * 2
+    # Each rank booked its share with the margin, and what the run measured (the compiled
+    # step with the reduction and the prefetched batch, the evaluation) stayed within it.
+    held = _stored_user_attr(tmp_path, "held_bytes")
+    for t in trials:
+        assert 0 < held[t["number"]] <= t["predicted_peak_bytes"] <= int(14000 * 0.9), t
 
     # The same trials in this process on one device with the whole batch of 8: the held-out
     # MSE agrees to float32 reassociation (the global mean becomes a mean of two rank means).
@@ -354,7 +414,7 @@ def test_a_trial_too_big_for_one_rank_spans_two_and_equals_the_single_process_ru
 
     space = SearchSpace("mlp", lambda t: {}, lambda p, rngs: MLP(int(p["width"]), rngs))
     for t in trials:
-        plan = one_device_plan(space, t["params"], 8, jax.devices()[0])
+        plan = one_device_plan(space, t["params"], 64, jax.devices()[0])
         spec = RunSpec(t["number"], t["params"], plan, steps=t["steps"], memory_per_device=1 << 30,
                        seed=trial_seed(0, f"trial_{t['number']}"))
         alone = run_trial(spec, space, Regression())

@@ -49,6 +49,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
+from scamp_jax.distributed.data_parallel import mpi_mean_bytes
 from scamp_jax.distributed.mpi import import_mpi4py
 from scamp_jax.distributed.spanning import (
     SpanningTrial,
@@ -59,8 +63,10 @@ from scamp_jax.distributed.spanning import (
 from scamp_jax.distributed.study import StudyClient, shared_study
 from scamp_jax.hpo.engine import SearchEngine, TrialDeferred
 from scamp_jax.hpo.plan_service import PlanningService
+from scamp_jax.hpo.runner import make_optimizer
 from scamp_jax.hpo.study.trials import AskedTrial, AskLater, TrialOutcome
 from scamp_jax.planning import planner
+from scamp_jax.planning.train_step import abstract_state
 
 _OPTUNA_STATE = {"complete": "COMPLETE", "pruned": "PRUNED", "failed": "FAIL"}
 
@@ -129,9 +135,14 @@ class SpanningPlanningService(PlanningService):
         except planner.DoesNotFitError as err:
             if self.ranks < 2:
                 raise
+            params, _, _ = abstract_state(model, make_optimizer({}))
+            loss = jax.ShapeDtypeStruct((), jnp.float32)
             span = span_plan(self.call_planner, model, ranks=self.ranks,
                              min_batch_size=self.config.min_batch_size or 1,
-                             max_batch_size=max_batch, local_error=err)
+                             max_batch_size=max_batch,
+                             memory_per_device=self.config.memory_per_device,
+                             safety_margin=self.config.safety_margin,
+                             reduction_bytes=mpi_mean_bytes((params, loss)), local_error=err)
         raise TrialDeferred(f"spans {span.ranks} ranks (global batch {span.global_batch})", span)
 
 

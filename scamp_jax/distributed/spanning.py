@@ -9,6 +9,13 @@ on its share of every global batch. The gradients and the loss are averaged over
 so every replica applies the same update and the run equals training on the whole batch in one
 process up to float32 reassociation.
 
+A spanning trial is booked as a lone trial is: its one-device plan is made for the budget less
+the reduction's buffers (`scamp_jax.distributed.data_parallel.mpi_mean_bytes`, which the
+planner's step does not hold), each rank books that plan with the reduction added to its step
+(`scamp_jax.scheduling.booking.booked_bytes`) in a `DevicePool` of the budget less the safety
+margin, and the run's ledger check measures the step it compiles, reduction included, against
+that booking.
+
 The deferred trials run after every rank has finished its local trials, when all devices are
 free: `run_spanning_trials` packs them into groups of ranks (``comm.Split``), several groups at
 once when they fit, and rank 0 tells the study how each one ended. Fewest ranks first keeps the
@@ -38,6 +45,10 @@ from scamp_jax.hpo.study.trials import TrialOutcome
 from scamp_jax.hpo.trial import RunResult, TrialStatus, trial_seed
 from scamp_jax.planning import planner
 from scamp_jax.planning.train_step import StepShardings
+from scamp_jax.scheduling.booking import booked_bytes
+from scamp_jax.scheduling.core import usable_capacity
+from scamp_jax.scheduling.placement import Placement, TrialRequest
+from scamp_jax.scheduling.pool import DevicePool
 
 
 @dataclass(frozen=True)
@@ -47,12 +58,17 @@ class SpanPlan:
     Attributes:
       ranks: ranks that train it together, one device each.
       batch_per_rank: samples per rank in every step; the global batch is ``ranks`` times that.
-      peak_bytes_per_device: the planner's compiled peak at ``batch_per_rank`` on one device.
+      peak_bytes_per_device: the step's peak on one device: the planner's compiled peak at
+        ``batch_per_rank`` plus the cross-rank reduction's buffers.
+      booked_bytes: what each rank books for it (`scamp_jax.scheduling.booking.booked_bytes` of
+        the one-device plan with the reduction added to its step), within the usable part of
+        the budget; the run is checked against it.
     """
 
     ranks: int
     batch_per_rank: int
     peak_bytes_per_device: int
+    booked_bytes: int
 
     @property
     def global_batch(self) -> int:
@@ -90,51 +106,77 @@ class OneDevicePlan:
 
 
 def span_plan(
-    call_planner: Callable[[Any, int, int | None], Any],
+    call_planner: Callable[[Any, int, int | None, int | None], Any],
     model: Any,
     *,
     ranks: int,
     min_batch_size: int,
     max_batch_size: int | None,
+    memory_per_device: int,
+    safety_margin: float,
+    reduction_bytes: int,
     local_error: Exception,
 ) -> SpanPlan:
     """The fewest ranks (one device each) whose replicas together train ``min_batch_size``.
 
+    The step that runs reduces its gradients over the ranks (`mpi_mean`), which the planner's
+    step does not: the one-device plan is made for the budget less ``reduction_bytes``, and the
+    booking adds them to its step through the byte rule, so the booking covers the step that
+    runs and stays within ``memory_per_device * (1 - safety_margin)``.
+
     Args:
-      call_planner: ``f(model, n_devices, max_batch) -> Plan`` on this rank's first devices
-        (`scamp_jax.hpo.plan_service.PlanningService.call_planner`).
+      call_planner: ``f(model, n_devices, max_batch, memory_per_device) -> Plan`` on this
+        rank's first devices (`scamp_jax.hpo.plan_service.PlanningService.call_planner`).
       model: the configuration's abstract model.
       ranks: ranks of the job.
       min_batch_size: the global batch the trial must reach.
       max_batch_size: cap on the global batch (None: none).
+      memory_per_device, safety_margin: each rank's budget and the share of it kept free.
+      reduction_bytes: what the cross-rank reduction adds to the step per device
+        (`scamp_jax.distributed.data_parallel.mpi_mean_bytes`).
       local_error: why the trial did not fit on this rank's devices (quoted in errors).
 
     Raises:
-      planner.DoesNotFitError: the model does not fit one device at batch 1 (spanning ranks does
-        not split a model), or the job has too few ranks; the message says what to change.
+      planner.DoesNotFitError: the model does not fit one device at batch 1 beside the
+        reduction (spanning ranks does not split a model), or the job has too few ranks; the
+        message says what to change.
     """
+    usable = usable_capacity(memory_per_device, safety_margin)
+    # The plan's usable part (floor of memory * (1 - margin)) leaves the reduction room.
+    memory = math.floor((usable - reduction_bytes) / (1.0 - safety_margin))
     try:
-        one = call_planner(model, 1, max_batch_size)
+        if memory <= 0:
+            raise planner.DoesNotFitError(
+                f"the cross-rank reduction alone needs {reduction_bytes} bytes, {usable} are "
+                "usable", reduction_bytes, usable)
+        one = call_planner(model, 1, max_batch_size, memory)
     except planner.DoesNotFitError as err:
         raise planner.DoesNotFitError(
             f"{local_error}. It cannot span ranks either: ranks share a trial data-parallel, "
-            f"each holding the whole model on one device, and it does not fit one device "
-            f"({err}). Give each rank more memory per device (--memory-per-device)",
+            f"each holding the whole model on one device beside a {reduction_bytes}-byte "
+            f"gradient reduction, and it does not fit one device ({err}). Give each rank more "
+            "memory per device (--memory-per-device)",
             err.bytes_needed, err.bytes_available,
         ) from err
     fits = int(one.batch_size)
     need = max(2, math.ceil(min_batch_size / fits))
     if need > ranks:
         raise planner.DoesNotFitError(
-            f"{local_error}. Spanning ranks, one device fits a batch of {fits}, so "
-            f"min_batch_size={min_batch_size} needs {need} ranks but the job has {ranks}: "
-            f"launch at least {need} ranks, lower --min-batch-size, or raise "
+            f"{local_error}. Spanning ranks, one device fits a batch of {fits} beside the "
+            f"gradient reduction, so min_batch_size={min_batch_size} needs {need} ranks but the "
+            f"job has {ranks}: launch at least {need} ranks, lower --min-batch-size, or raise "
             "--memory-per-device",
-            int(one.peak_bytes_per_device), int(one.usable_bytes),
+            booked_bytes(one, step_extra=reduction_bytes), usable,
         )
     per_rank = fits if max_batch_size is None else min(fits, max_batch_size // need)
     per_rank = max(per_rank, math.ceil(min_batch_size / need))
-    return SpanPlan(need, per_rank, int(one.peak_bytes_per_device))
+    if per_rank < fits:  # book the plan of the batch that runs
+        one = call_planner(model, 1, per_rank, memory)
+    booked = booked_bytes(one, step_extra=reduction_bytes)
+    if booked > usable:  # the planner keeps its plan within the budget less the reduction
+        raise AssertionError(f"span booking {booked} exceeds the usable {usable} bytes")
+    return SpanPlan(need, per_rank, int(one.peak_bytes_per_device) + int(reduction_bytes),
+                    booked)
 
 
 def one_device_plan(space: Any, params: Mapping[str, Any], batch_per_rank: int,
@@ -205,6 +247,9 @@ def run_spanning_trials(
     mpi = import_mpi4py()
     rank, size = comm.Get_rank(), comm.Get_size()
     finished: list[tuple[SpanningTrial, tuple[int, ...], RunResult]] = []
+    # This rank's one device, booked as the engine books a lone trial's: its plan's bytes by the
+    # byte rule, within the budget less the safety margin.
+    pool = DevicePool([usable_capacity(config.memory_per_device, config.safety_margin)])
     for groups in assign_rounds(trials, size):
         if rank == 0:
             for trial, ranks in groups:
@@ -218,7 +263,7 @@ def run_spanning_trials(
             trial, ranks = mine[1]
             # The group's communicator is not freed: mpi4jax keeps handles to communicators it
             # has seen, and a freed one would be invalid under a later step.
-            result = _run_on_group(trial, space, task, config, sub, checkpoint_root)
+            result = _run_on_group(trial, space, task, config, sub, checkpoint_root, pool)
             if rank != ranks[0]:
                 result = None  # the group's first rank speaks for it
         gathered = comm.gather(result, root=0)
@@ -236,10 +281,21 @@ def run_spanning_trials(
 
 
 def _run_on_group(trial: SpanningTrial, space: Any, task: Any, config: Any, sub: Any,
-                  checkpoint_root: Path | None) -> RunResult:
+                  checkpoint_root: Path | None, pool: DevicePool) -> RunResult:
+    index, parts = sub.Get_rank(), sub.Get_size()
+    # Raises if the booking exceeds the usable budget (a plan made for another budget).
+    pool.allocate(Placement(trial.number, (0,)),
+                  TrialRequest(trial.number, 1, trial.plan.booked_bytes, arrival=0))
+    try:
+        return _run_booked(trial, space, task, config, sub, checkpoint_root, index, parts)
+    finally:
+        pool.release(trial.number)
+
+
+def _run_booked(trial: SpanningTrial, space: Any, task: Any, config: Any, sub: Any,
+                checkpoint_root: Path | None, index: int, parts: int) -> RunResult:
     from scamp_jax.distributed.data_parallel import mpi_mean
 
-    index, parts = sub.Get_rank(), sub.Get_size()
     plan = one_device_plan(space, trial.params, trial.plan.batch_per_rank, jax.local_devices()[0])
     spec = RunSpec(
         number=trial.number,
@@ -247,6 +303,7 @@ def _run_on_group(trial: SpanningTrial, space: Any, task: Any, config: Any, sub:
         plan=plan,
         steps=config.steps_for(trial.plan.global_batch),
         memory_per_device=config.memory_per_device,
+        booked_bytes=trial.plan.booked_bytes,
         checkpoint_dir=checkpoint_root / trial.checkpoint_key if checkpoint_root else None,
         checkpoint_every=config.checkpoint_every,
         eval_every=0,
@@ -274,7 +331,8 @@ def spanning_outcome(trial: SpanningTrial, ranks: tuple[int, ...], result: RunRe
         "model_parallel": 1,
         "batch_size": trial.plan.global_batch,
         "batch_per_rank": trial.plan.batch_per_rank,
-        "predicted_peak_bytes": trial.plan.peak_bytes_per_device,
+        "predicted_peak_bytes": trial.plan.booked_bytes,
+        "held_bytes": result.held_bytes,
         "steps": result.steps,
         "wall_seconds": round(result.wall_seconds, 3),
         "replans": 0,

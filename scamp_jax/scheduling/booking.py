@@ -66,10 +66,15 @@ def group_bytes(fused_step_peak: int, stacked_state: int, *, member_prefetch: in
     return max(train, evaluate) + int(allowance)
 
 
-def booked_bytes(plan: Any) -> int:
+def booked_bytes(plan: Any, *, step_extra: int = 0) -> int:
     """Bytes per device the pool books for ``plan``: a `scamp_jax.planning.planner.Plan` (a lone
     trial, `solo_bytes`) or a `scamp_jax.planning.fusion.FusionPlan` (a fused group,
-    `group_bytes`). Figures a plan lacks (a plan built by hand) count as 0."""
+    `group_bytes`). Figures a plan lacks (a plan built by hand) count as 0.
+
+    ``step_extra``: bytes per device the step that runs holds beyond the plan's compiled step
+    (a trial spanning MPI ranks: the cross-rank reduction's buffers,
+    `scamp_jax.distributed.data_parallel.mpi_mean_bytes`), added to a lone trial's step peak.
+    """
     if hasattr(plan, "width") and hasattr(plan, "plan"):
         member, e = plan.plan, plan.estimate
         return group_bytes(
@@ -80,7 +85,7 @@ def booked_bytes(plan: Any) -> int:
             allowance=int(getattr(member, "allowance_bytes", 0)))
     estimate = getattr(plan, "estimate", None)
     return solo_bytes(
-        plan.peak_bytes_per_device, int(getattr(plan, "prefetch_bytes", 0)),
+        int(plan.peak_bytes_per_device) + int(step_extra), int(getattr(plan, "prefetch_bytes", 0)),
         eval_peak=int(getattr(plan, "eval_peak_bytes", 0)) if getattr(plan, "eval_chunk", 0)
         else 0,
         opt_state=int(getattr(estimate, "opt_state", 0)),
