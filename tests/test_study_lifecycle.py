@@ -50,16 +50,19 @@ with user_errors():
 TESTS = ROOT / "tests"
 
 
-#: The study: two trials, one at a time (fixed policy, two devices each).
+#: The study: two trials, one at a time (fixed policy, two devices each). A trial of a planned
+#: architecture compiles nothing, so the second trial is all training: long enough that SIGTERM,
+#: sent once the first has finished, lands inside it.
+STEPS = 6000
 SETTINGS = {"trials": 2, "max_batch_size": 16, "policy": "fixed", "devices_per_trial": 2,
-            "sampler": "random", "pruner": "none", "checkpoint_every": 20}
+            "sampler": "random", "pruner": "none", "checkpoint_every": 1000}
 
 
 def _settings(study_dir: str | Path, steps: int) -> SearchSettings:
     return SearchSettings(**SETTINGS, study_dir=str(study_dir), steps=steps)
 
 
-def _command(study_dir: Path, steps: int = 60) -> list[str]:
+def _command(study_dir: Path, steps: int = STEPS) -> list[str]:
     return [sys.executable, "-c", DRIVER.format(tests=str(TESTS), study_dir=str(study_dir),
                                                settings=SETTINGS),
             str(steps)]
@@ -107,7 +110,7 @@ def test_sigterm_checkpoints_writes_results_and_a_rerun_appends(tmp_path, capsys
                    devices=jax.devices()[:2], memory_per_device=64 * 2**20, live=False)
     assert refused.value.code == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert line.startswith("error: ") and "--steps 60" in line and "--steps 30" in line, line
+    assert line.startswith("error: ") and f"--steps {STEPS}" in line and "--steps 30" in line, line
     assert "--study-name" in line
     assert len(json.loads((study_dir / "results.json").read_text())["runs"]) == 1
 
