@@ -18,6 +18,7 @@ from scamp_jax.hpo.engine import BudgetTooSmallError, EngineConfig, SearchEngine
 from scamp_jax.hpo.settings import SearchSettings
 from scamp_jax.hpo.study import FAIL_REASON, OptunaTrialSource, open_study
 from scamp_jax.planning import planner
+from scamp_jax.scheduling.replay import recorded_placements, replay
 from scamp_jax.space import SearchSpace
 
 BUDGET = 64 * 2**20
@@ -57,6 +58,14 @@ def config(**kw: Any) -> EngineConfig:
 
 def ok(width: int = 16, lr: float = 1e-2) -> dict[str, Any]:
     return {"width": width, "kind": "ok", "learning_rate": lr}
+
+
+def assert_replays(result: Any, study: Any) -> None:
+    """A replay of the engine's run through a fresh scheduling core makes its placements."""
+    results = {"run": dict(result.scheduling),
+               "trials": [{"number": t.number, **t.user_attrs} for t in study.get_trials()]}
+    recorded = recorded_placements(results)
+    assert recorded and replay(results) == recorded
 
 
 def test_trials_run_concurrently_and_are_told(tmp_path):
@@ -122,12 +131,16 @@ def test_out_of_memory_plan_is_replanned_and_completes(tmp_path):
     cfg = config(memory_per_device=2 * 2**20, max_batch_size=1 << 16, steps=3)
     engine = SearchEngine(SPACE, Regression(), source, cfg, devices=jax.devices()[:2],
                           plan_fn=optimistic_first_plan)
-    engine.run()
+    result = engine.run()
     [trial] = study.get_trials()
     assert trial.state == TrialState.COMPLETE, trial.user_attrs.get(FAIL_REASON)
     assert trial.user_attrs["replans"] >= 1
     assert len(calls) >= 2 and calls[1] < calls[0]  # re-planned with a smaller batch cap
     assert trial.user_attrs["predicted_peak_bytes"] <= 2 * 2**20
+    # The record replays: the out-of-memory end frees the devices, the re-plan queues again.
+    kinds = [e[0] for e in trial.user_attrs["core_events"]]
+    assert kinds[:3] == ["planned", "oom", "requeued"] and kinds[-1] == "finished"
+    assert_replays(result, study)
 
 
 def test_budget_too_small_for_any_candidate_stops_without_spending_trials(tmp_path):
@@ -348,13 +361,17 @@ def test_last_wave_trial_grows_onto_idle_devices_only_where_that_can_help(tmp_pa
     """A lone trial in the last wave: with growth on it runs data-parallel on all 4 devices;
     by default on CPU devices (one host's cores split up) it keeps its planned single device."""
     study, source = make_source(tmp_path, [ok()])
-    SearchEngine(SPACE, Regression(), source,
-                 config(reference_batch=8, grow_last_wave=grow),
-                 devices=jax.devices()[:4]).run()
+    result = SearchEngine(SPACE, Regression(), source,
+                          config(reference_batch=8, grow_last_wave=grow),
+                          devices=jax.devices()[:4]).run()
     (trial,) = study.get_trials()
     assert trial.state == TrialState.COMPLETE
     assert len(trial.user_attrs["devices"]) == (4 if grow else 1)
     assert trial.user_attrs["steps"] == 15  # 30 steps at batch 8 is 15 at the planned 16
+    if grow:  # the plan on 4 devices was asked for and answered; the replay asks it again
+        assert [e[:3] for e in trial.user_attrs["core_events"]
+                if e[0].startswith("option")][0][::2] == ["option_asked", 4]
+        assert_replays(result, study)
 
 
 def test_a_running_trial_restarts_on_idle_devices_with_the_same_result(tmp_path):
@@ -367,11 +384,14 @@ def test_a_running_trial_restarts_on_idle_devices_with_the_same_result(tmp_path)
         # 2-core machine (pace measured, the 4-device plan compiled): at 3,000 steps the trial
         # finished first in about half the runs.
         cfg = config(steps=12000, log_every=100, grow_last_wave=grow, restart_seconds=0.0)
-        SearchEngine(SPACE, Regression(), source, cfg, devices=jax.devices()[:4],
-                     checkpoint_root=tmp_path / str(grow) / "ckpt").run()
+        result = SearchEngine(SPACE, Regression(), source, cfg, devices=jax.devices()[:4],
+                              checkpoint_root=tmp_path / str(grow) / "ckpt").run()
         (trial,) = study.get_trials()
         assert trial.state == TrialState.COMPLETE
         outcomes[grow] = trial
+        if grow:  # the restart is booked again by the core in the replay
+            assert "restarted" in [e[0] for e in trial.user_attrs["core_events"]]
+            assert_replays(result, study)
     resized, plain = outcomes[True], outcomes[False]
     assert plain.user_attrs["resizes"] == 0 and len(plain.user_attrs["devices"]) == 1
     # Restart cost 0 and a linear speed-up predicted: the idle devices all go to it at once.

@@ -1,15 +1,19 @@
-"""The scheduling core: a real packed CPU study, replayed through the core, and its books.
+"""The scheduling core: real CPU studies, replayed through the core, and its books.
 
-The study is real (MLP trials of ``test_engine`` in Optuna SQLite storage, real compiles and
-training on CPU devices); the replay feeds its recorded arrivals, paces and durations to a fresh
-`SchedulingCore` and must make the very same placements.
+The studies are real (MLP trials of ``test_engine`` in Optuna SQLite storage, real compiles and
+training on CPU devices): one packed, one fused and stopped by a real SIGINT, then resumed. The
+replay feeds their recorded arrivals, paces and durations to a fresh `SchedulingCore` and must
+make the very same placements.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +22,11 @@ import pytest
 from test_engine import build, settings, suggest
 from test_runner import Regression
 
+from scamp_jax.hpo.fused_engine import latest_checkpoint_step
 from scamp_jax.hpo.session import run_search
 from scamp_jax.scheduling import SchedulingCore, TrialPlan, replan_after_oom, usable_capacity
 from scamp_jax.scheduling.placement import ScampPolicy
-from scamp_jax.scheduling.replay import recorded_placements, replay
+from scamp_jax.scheduling.replay import recorded_placements, replay, units
 from scamp_jax.space import SearchSpace
 
 MIB = 2**20
@@ -39,6 +44,55 @@ def packed_study(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[s
                                              reference_batch=None, checkpoint_every=0),
                devices=jax.devices()[:2], memory_per_device=BUDGET, live=False)
     return study_dir, json.loads((study_dir / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def resumed_fused_study(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Four MLP trials in fused groups of two on two CPU devices, stopped by a real SIGINT (as
+    Ctrl-C) once a running trial has saved a checkpoint, then run again: the second run
+    resumes the stopped trials from their checkpoints and runs the rest."""
+    study_dir = tmp_path_factory.mktemp("fused")
+    space = SearchSpace("mlp-ok", lambda t: {**suggest(t), "kind": "ok"}, build)
+    steps = 80
+    study = settings(str(study_dir), trials=4, steps=steps, reference_batch=None,
+                     checkpoint_every=10, fuse=2)
+
+    def run() -> None:
+        run_search(space, Regression(), study, devices=jax.devices()[:2],
+                   memory_per_device=40_000, live=False)
+
+    done = threading.Event()
+
+    def interrupt_mid_trial() -> None:
+        root = study_dir / "checkpoints"
+        while not done.wait(0.02):
+            if root.is_dir() and any(0 < latest_checkpoint_step(p) < steps
+                                     for p in root.iterdir()):
+                signal.raise_signal(signal.SIGINT)  # to the main thread, as Ctrl-C
+                return
+
+    watcher = threading.Thread(target=interrupt_mid_trial, daemon=True)
+    watcher.start()
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    done.set()
+    watcher.join()
+    time.sleep(0.1)
+    run()
+    return json.loads((study_dir / "results.json").read_text())
+
+
+def test_replay_of_a_resumed_fused_study_makes_the_same_placements(resumed_fused_study) -> None:
+    results = resumed_fused_study
+    assert len(results["runs"]) == 2  # stopped, then resumed
+    last = units(results)  # the scheduled units of the second run
+    # It restarted trials the SIGINT stopped (from their checkpoints) and trained fused groups.
+    trials = [t for t in results["trials"] if t["run_started"] == results["run"]["run_started"]]
+    assert any(t["resumed_from"] > 0 for t in trials)
+    assert any(t["fusion_width"] >= 2 for t in last.values())
+    recorded = recorded_placements(results)
+    assert len(recorded) >= len(last)
+    assert replay(results) == recorded
 
 
 def _run(results: dict[str, Any]) -> dict[str, Any]:

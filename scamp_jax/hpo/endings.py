@@ -103,6 +103,8 @@ class Endings:
             log.info("trial %d: restart on %d devices failed (%s); back on %d", number,
                      planned.devices, result.reason, restart.before.devices)
             now = self.now()
+            record.log("moved_back", now, list(restart.old_placement.device_ids),
+                       restart.old_plan.as_dict())
             self.core.move_back(now, number, restart.old_placement.device_ids,
                                 restart.old_plan)
             record.show_plan(restart.before.plan)
@@ -112,9 +114,10 @@ class Endings:
         record.times["finished_at"] = now
         if result.state == "oom":
             record.status.reason = result.reason
-            request = self.core.out_of_memory(
-                now, number, result.bytes_needed, min_batch=self.config.min_batch_size or 1,
-                may_grow=self.config.policy == "scamp")
+            min_batch, may_grow = self.config.min_batch_size or 1, self.config.policy == "scamp"
+            record.log("oom", now, result.bytes_needed, min_batch, may_grow)
+            request = self.core.out_of_memory(now, number, result.bytes_needed,
+                                              min_batch=min_batch, may_grow=may_grow)
             record.oom = result
             if request is None or planned.replans >= self.config.max_replans:
                 self.replanned(planned, None)
@@ -123,6 +126,7 @@ class Endings:
                 record.status.state = "planning"
             self.decide(now)
             return
+        record.log("finished", now)
         self.core.finished(now, number)
         self.report(planned, result)
         self.decide(now)
@@ -133,6 +137,7 @@ class Endings:
         run = leader.run
         assert run is not None
         now = self.now()
+        leader.log("finished", now)
         self.core.finished(now, key)
         for planned, r in zip(run.members, results, strict=True):
             record = self.records[planned.number]

@@ -242,10 +242,17 @@ class TrialRecord:
         status.predicted_peak_bytes = booked_bytes(plan)
         status.steps = self.steps_for(status.batch_size)
 
-    def queued(self, now: float, plan: TrialPlan) -> None:
-        """Event: the scheduling core holds this trial (or its group, keyed by it) as ``plan``."""
+    def queued(self, now: float, plan: TrialPlan, kind: str = "planned") -> None:
+        """Event: the scheduling core holds this trial (or its group, keyed by it) as ``plan``
+        (``kind``: ``"planned"``, or ``"requeued"`` after an out-of-memory re-plan)."""
         self.times.setdefault("planned_at", now)
         self.times["plan"] = plan.as_dict()
+        self.log(kind, now, plan.as_dict())
+
+    def log(self, kind: str, now: float, *data: Any) -> None:
+        """Record an event the scheduling core was fed for this trial (or its group):
+        ``[kind, seconds since the run's start, *data]`` (`scamp_jax.scheduling.replay`)."""
+        self.times.setdefault("core", []).append([kind, now, *data])
 
     def placed(self, now: float, device_ids: Sequence[int]) -> None:
         """Event: a run of this trial starts at ``now`` on ``device_ids``."""
@@ -296,6 +303,8 @@ class TrialRecord:
             "plan": times.get("plan"),
             "fused_group": self.group,
             "fusion_width": self.width,
+            "core_events": times.get("core", []),
+            "run_started": times.get("run_started"),
         }
 
 
@@ -441,6 +450,7 @@ class SearchEngine:
                                       self.config.steps_for))
         record.status.state = "planning"
         record.times.setdefault("asked_at", self._now())
+        record.times["run_started"] = self._run_started
         if self.fusion is not None:
             ckpt = self.checkpoint_root / asked.checkpoint_key if self.checkpoint_root else None
             self._submit("plan", asked, self.fusion.prepare, asked.params, asked.number, ckpt)
@@ -510,7 +520,7 @@ class SearchEngine:
         record.planned = planned
         now = self._now()
         tp = self.planning.core_plan(planned)
-        record.queued(now, tp)
+        record.queued(now, tp, "requeued" if planned.replans else "planned")
         if planned.replans:
             self.core.requeue(now, tp)
         else:
@@ -548,6 +558,7 @@ class SearchEngine:
             if isinstance(action, PlanOption):
                 planned = self.records[action.key].planned
                 assert planned is not None
+                self.records[action.key].log("option_asked", now, action.devices)
                 self._submit("option", action, self.planning.planned_with_cost,
                              planned.asked.params, action.key, devices=action.devices)
                 continue
@@ -577,8 +588,10 @@ class SearchEngine:
             grown = replace(record.planned, plan=plan, devices=action.devices)
             record.grown[action.devices] = plan
             tp = self.planning.core_plan(grown)
+        now = self._now()
+        record.log("option", now, action.devices, None if tp is None else tp.as_dict())
         self.core.option_planned(action.key, action.devices, tp)
-        self._decide(self._now())
+        self._decide(now)
 
     def _start(self, placement: Placement, planned: PlannedTrial, now: float) -> None:
         """Start a run of ``planned`` on ``placement``'s devices (booked in the core at
@@ -611,6 +624,8 @@ class SearchEngine:
         interrupt propagates; finished trials are already in the study.
         """
         self._t0 = time.monotonic()
+        # Wall-clock start: which run of a resumed study a trial's record belongs to.
+        self._run_started = round(time.time(), 6)
         self.core = new_core(self.policy, self.devices, self.config)
         self.pool, self.usage = self.core.pool, self.core.usage
         self.records = {}
@@ -717,9 +732,10 @@ class SearchEngine:
     def scheduling_info(self) -> dict[str, Any]:
         """What the replay of this run needs besides the trials' own records
         (`scheduling_info`)."""
-        return scheduling_info(self.policy, self.config, self.core, self._grow,
-                               self.checkpoint_root is not None,
-                               getattr(self, "_last_wave_at", None), len(self.devices))
+        return {**scheduling_info(self.policy, self.config, self.core, self._grow,
+                                  self.checkpoint_root is not None,
+                                  getattr(self, "_last_wave_at", None), len(self.devices)),
+                "run_started": getattr(self, "_run_started", None)}
 
 
 def scheduling_info(policy: Any, config: EngineConfig, core: SchedulingCore, grow: bool,

@@ -73,7 +73,8 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
         row["fusion_width"] = attrs.get("fusion_width", 1)
         # Scheduling record (seconds since the run's first start; see `SearchEngine._attrs`):
         # what `python -m benchmarks.simulate_cluster --replay` feeds the scheduling core.
-        for name in ("planned_at", "started_at", "finished_at", "placements", "pace", "plan"):
+        for name in ("planned_at", "started_at", "finished_at", "placements", "pace", "plan",
+                     "core_events", "run_started"):
             row[name] = attrs.get(name)
         rows.append(row)
     return rows

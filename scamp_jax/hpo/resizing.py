@@ -101,6 +101,7 @@ class TailResizer:
             plan = None
         if (plan is None or PlanningService.devices_of(plan) != n
                 or int(plan.batch_size) != batch):
+            record.log("withdrawn", self.now(), n)
             self.core.withdraw(r.key, n)  # the planner found no such plan: not again
             return
         # The trial trained on while its plan compiled: is the restart still worth it?
@@ -109,8 +110,10 @@ class TailResizer:
         before = self.core.plan_of(r.key)
         old_ids = self.core.running[r.key]
         grown = replace(planned, plan=plan, devices=n)
-        if not self.core.restarted(self.now(), r.key, r.device_ids, self.trial_plan(grown)):
+        now, tp = self.now(), self.trial_plan(grown)
+        if not self.core.restarted(now, r.key, r.device_ids, tp):
             return  # the compiled plan needs more than the prediction left free
+        record.log("restarted", now, list(r.device_ids), tp.as_dict())
         record.resizing = Restart(grown, Placement(r.key, r.device_ids), planned,
                                   Placement(r.key, old_ids), before)
         record.status.state = "resizing"
