@@ -52,7 +52,10 @@ def resumed_fused_study(tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
     Ctrl-C) once a running trial has saved a checkpoint, then run again: the second run
     resumes the stopped trials from their checkpoints and runs the rest."""
     study_dir = tmp_path_factory.mktemp("fused")
-    space = SearchSpace("mlp-ok", lambda t: {**suggest(t), "kind": "ok"}, build)
+    # One architecture (compiled once) in groups of two, with their own learning rates.
+    space = SearchSpace("mlp-16", lambda t: {
+        "width": t.suggest_categorical("width", [16]), "kind": "ok",
+        "learning_rate": t.suggest_float("learning_rate", 1e-4, 3e-2, log=True)}, build)
     steps = 80
     study = settings(str(study_dir), trials=4, steps=steps, reference_batch=None,
                      checkpoint_every=10, fuse=2)
