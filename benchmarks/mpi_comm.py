@@ -206,6 +206,65 @@ def measure_global(per_rank_batch: int, steps: int, repeats: int) -> dict[str, A
     }
 
 
+def measure_sizes(sizes: Sequence[int], repeats: int) -> list[dict[str, Any]] | None:
+    """Under MPI: seconds of one jitted ``mpi4jax.allreduce`` (sum) of a float32 buffer of each
+    of ``sizes`` bytes; the figures on rank 0 (None elsewhere)."""
+    import jax
+    import jax.numpy as jnp
+
+    from scamp_jax.distributed.mpi import import_mpi4jax, import_mpi4py
+
+    mpi, m4j = import_mpi4py(), import_mpi4jax()
+    comm = mpi.COMM_WORLD
+    reduce = jax.jit(lambda x: m4j.allreduce(x, op=mpi.SUM, comm=comm))
+    rows = []
+    for nbytes in sizes:
+        buffer = jnp.ones((max(1, nbytes // 4),), jnp.float32)
+
+        def run(k: int, buffer: Any = buffer) -> None:
+            for _ in range(k):
+                out = reduce(buffer)
+            jax.block_until_ready(out)
+
+        # Enough calls per repeat that the timer's resolution and the barrier do not count.
+        calls = max(3, min(200, (8 << 20) // max(nbytes, 1)))
+        seconds = _timed({"reduce": run}, calls, repeats, comm, mpi)["reduce"]
+        rows.append({"ranks": comm.Get_size(), "bytes": int(buffer.nbytes), "seconds": seconds})
+    return rows if comm.Get_rank() == 0 else None
+
+
+def ring_rows(rows: Sequence[dict[str, Any]], link_bandwidth: float,
+              min_bytes: int) -> tuple[list[list[str]], float, float]:
+    """Measured all-reduce seconds against the simulator's ring model
+    (`scamp_jax.sim.simulator.comm_seconds` of `allreduce_bytes`) at ``link_bandwidth``
+    bytes/s; returns the table rows, the largest relative error over messages of at least
+    ``min_bytes`` and the link bandwidth fitted to those (median of bytes sent / seconds)."""
+    import statistics
+
+    from scamp_jax._units import format_bytes
+    from scamp_jax.sim.simulator import ClusterModel, allreduce_bytes, comm_seconds
+
+    cluster = ClusterModel("cpu-mpi", max(r["ranks"] for r in rows), 1, 1.0, 1.0,
+                           link_bandwidth, comm_efficiency=1.0, node_devices=1 << 30)
+    table, errors, fitted = [], [], []
+    for r in rows:
+        sent = allreduce_bytes(r["bytes"], r["ranks"])
+        predicted = comm_seconds(sent, r["ranks"], cluster)
+        error = predicted / r["seconds"] - 1.0
+        if r["bytes"] >= min_bytes:
+            errors.append(abs(error))
+            fitted.append(sent / r["seconds"])
+        table.append([str(r["ranks"]), format_bytes(r["bytes"]), f"{r['seconds'] * 1e3:.3f}",
+                      f"{predicted * 1e3:.3f}", f"{error:+.0%}",
+                      f"{sent / r['seconds'] / 1e9:.2f}"])
+    return (table, max(errors, default=float("nan")),
+            statistics.median(fitted) if fitted else float("nan"))
+
+
+RING_HEADER = ["ranks", "message", "measured ms", "ring model ms", "model error",
+               "attained GB/s"]
+
+
 def _timed(variants: dict[str, Any], steps: int, repeats: int, comm: Any, mpi: Any
            ) -> dict[str, float]:
     """Median over ``repeats`` of the slowest rank's seconds per step of each variant."""
@@ -289,7 +348,19 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="skip the jax.distributed global-mesh comparison")
     parser.add_argument("--global-mesh", action="store_true",
                         help="(under mpirun) measure the global-mesh step instead")
+    parser.add_argument("--sizes", nargs="*", default=None,
+                        help="instead: time a bare all-reduce of buffers of these sizes (e.g. "
+                             "64KiB 1MiB 16MiB) and compare the simulator's ring model")
+    parser.add_argument("--tolerance", type=float, default=0.5,
+                        help="with --sizes: largest relative error of the ring model accepted "
+                             "for messages of at least --check-from (exit 1 beyond it)")
+    parser.add_argument("--check-from", default="16MiB",
+                        help="with --sizes: smallest message the tolerance applies to (below, a "
+                             "per-message latency the model leaves out dominates)")
     args = parser.parse_args(argv)
+    from scamp_jax._units import parse_bytes
+
+    sizes = None if args.sizes is None else [parse_bytes(s) for s in args.sizes]
 
     from scamp_jax.distributed.mpi import launched_under_mpi, mpirun_command
 
@@ -298,6 +369,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         from scamp_jax.devices import configure_cpu_devices
 
         configure_cpu_devices(1)
+        if sizes is not None:
+            rows = measure_sizes(sizes, args.repeats)
+            if rows is not None:
+                Path(args.json_out or "/dev/stdout").write_text(json.dumps(rows))
+            return
         if args.global_mesh:
             import jax
 
@@ -322,6 +398,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     env.setdefault("JAX_PLATFORMS", "cpu")
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    if sizes is not None:
+        _ring_check(args, sizes, env, root)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         for ranks in args.ranks:
             out = Path(tmp) / f"r{ranks}.json"
@@ -346,6 +425,39 @@ def main(argv: Sequence[str] | None = None) -> None:
         print_table("Planner: fewest devices (of one 8-device host) for the same trial",
                ["memory per device", "devices", "data x model", "batch"],
                planner_rows(args.budgets, args.per_rank_batch), args.markdown)
+
+
+def _ring_check(args: argparse.Namespace, sizes: Sequence[int], env: dict[str, str],
+                root: Path) -> None:
+    """Launch the all-reduce timings for each ``--ranks`` and print them against the ring
+    model at `scamp_jax.sim.simulator.CPU_MPI_LINK_BANDWIDTH`."""
+    from scamp_jax.distributed.mpi import mpirun_command
+    from scamp_jax.sim.simulator import CPU_MPI_LINK_BANDWIDTH
+
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for ranks in args.ranks:
+            out = Path(tmp) / f"r{ranks}.json"
+            subprocess.run([*mpirun_command(ranks), sys.executable, "-m", "benchmarks.mpi_comm",
+                            "--repeats", str(args.repeats), "--json-out", str(out),
+                            "--sizes", *map(str, sizes)], env=env, cwd=root, check=True)
+            rows += json.loads(out.read_text())
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(rows, indent=2))
+    from scamp_jax._units import format_bytes, parse_bytes
+
+    check_from = parse_bytes(args.check_from)
+    table, worst, fitted = ring_rows(rows, CPU_MPI_LINK_BANDWIDTH, check_from)
+    print_table(f"Ring all-reduce model at {CPU_MPI_LINK_BANDWIDTH / 1e9:g} GB/s per link vs "
+                f"mpi4jax all-reduce, one CPU device per rank ({os.cpu_count()} cores)",
+                RING_HEADER, table, args.markdown)
+    print(f"ring_model_worst_error={worst:.3f} (messages of {format_bytes(check_from)} and up; "
+          f"tolerance {args.tolerance:g})")
+    print(f"fitted_link_bandwidth_GBps={fitted / 1e9:.4f}")
+    if not worst <= args.tolerance:
+        print(f"the ring model is off by {worst:.0%} (> {args.tolerance:.0%}) for messages of "
+              f"{format_bytes(check_from)} and up", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -194,6 +194,14 @@ CLUSTER_PRESETS: dict[str, ClusterModel] = {
 }
 
 
+#: Attained bytes/s, one direction, of the link between MPI ranks on one CPU host (Open MPI over
+#: shared memory; mpi4jax all-reduce of float32 buffers of 16 MiB and more, 2 and 4 ranks),
+#: fitted by ``python -m benchmarks.mpi_comm --sizes ...`` on this project's 2-core host at a
+#: load average of about 14 (BENCHMARKS.md): the figure the ring model (`comm_seconds`) is
+#: checked with on CPU, not a GPU interconnect's.
+CPU_MPI_LINK_BANDWIDTH: float = 0.098 * GB
+
+
 def cluster_preset(name: str, devices: int | None = None) -> ClusterModel:
     """A preset from `CLUSTER_PRESETS`, optionally with another device count."""
     if name not in CLUSTER_PRESETS:
@@ -266,11 +274,17 @@ def step_busy_seconds(profile: TrialProfile, cluster: ClusterModel) -> float:
     return max(compute, memory)
 
 
+def comm_seconds(bytes_sent: float, devices: int, cluster: ClusterModel) -> float:
+    """Seconds to send ``bytes_sent`` from each of ``devices`` devices over their ring's slowest
+    link (`ClusterModel.link_bandwidth`) at the attained fraction ``comm_efficiency``: the
+    communication model (no per-message latency; checked against real MPI all-reduces by
+    ``python -m benchmarks.mpi_comm --sizes``)."""
+    return bytes_sent / (cluster.link_bandwidth(devices) * cluster.comm_efficiency)
+
+
 def step_comm_seconds(profile: TrialProfile, cluster: ClusterModel) -> float:
-    """Seconds of one step's collectives: the bytes each device sends over its ring's slowest
-    link (`ClusterModel.link_bandwidth`) at the attained fraction ``comm_efficiency``."""
-    return profile.comm_bytes_per_step / (
-        cluster.link_bandwidth(profile.devices) * cluster.comm_efficiency)
+    """Seconds of one step's collectives (`comm_seconds` of the bytes each device sends)."""
+    return comm_seconds(profile.comm_bytes_per_step, profile.devices, cluster)
 
 
 def step_seconds(profile: TrialProfile, cluster: ClusterModel) -> float:
