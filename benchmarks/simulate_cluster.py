@@ -69,6 +69,8 @@ from scamp_jax.sim.simulator import (
     comm_share,
     plan_profiles,
     simulate,
+    step_busy_seconds,
+    step_comm_seconds,
 )
 from scamp_jax.sim.step_costs import (
     fixed_baseline,
@@ -703,6 +705,18 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"data-parallel on all {cluster.devices} devices {theirs:.1%} (ring all-reduce, "
               f"{cluster.interconnect_bandwidth / 1e9:g} GB/s within a node of "
               f"{cluster.node_devices}, {cluster.network_bandwidth / 1e9:g} GB/s between nodes)")
+        # Why the share is what it is: per architecture, gradients against one step's work.
+        seen: dict[int, tuple[StepCostModel, TrialProfile]] = {}
+        for profile in dp_all:
+            seen.setdefault(id(costs[profile.key]), (costs[profile.key], profile))
+        for cost, profile in seen.values():
+            busy = step_busy_seconds(profile, cluster)
+            comm = step_comm_seconds(profile, cluster)
+            print(f"  all-devices DP: gradients {cost.gradient_bytes / 2**20:.1f} MiB per device, "
+                  f"{profile.flops_per_step / 1e9:.1f} GFLOP per device-step at batch "
+                  f"{profile.batch_size // (profile.devices // cost.model_parallel)} per device: "
+                  f"compute {busy * 1e3:.1f} ms, ring all-reduce {comm * 1e3:.1f} ms per step "
+                  f"({comm / (busy + comm):.1%} of compute + all-reduce)")
         print(f"comm_share_scamp={ours:.4f}")
         print(f"comm_share_all_devices_dp={theirs:.4f}")
     if "scamp+fusion" in results and "scamp" in results:
