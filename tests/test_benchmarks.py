@@ -245,3 +245,19 @@ def test_supernet_benchmark_raises_the_cpu_collective_deadline_unless_set(monkey
     assert os.environ["XLA_FLAGS"] == f"--{supernet_pipeline.TERMINATE_FLAG}=7"
     with pytest.raises(ValueError, match="must be at least 1 second"):
         supernet_pipeline.raise_cpu_collective_timeout(0)
+
+
+def test_the_ring_check_predicts_with_the_simulators_communication_model():
+    """``mpi_comm --sizes`` compares measured all-reduces with the simulator's own ring model:
+    each of p ranks sends 2 (p - 1) / p of the buffer over one link."""
+    from benchmarks.mpi_comm import ring_rows
+
+    rows = [{"ranks": 4, "bytes": 16 << 20, "seconds": 0.3},
+            {"ranks": 2, "bytes": 1 << 20, "seconds": 0.05}]
+    table, worst, fitted = ring_rows(rows, 1e8, 16 << 20)
+    sent = 2 * 3 / 4 * (16 << 20)
+    assert float(table[0][3]) == pytest.approx(sent / 1e8 * 1e3, abs=1e-3)
+    assert float(table[1][3]) == pytest.approx((1 << 20) / 1e8 * 1e3, abs=1e-3)
+    # The tolerance and the fit cover messages of check_from and up only.
+    assert worst == pytest.approx(abs(sent / 1e8 / 0.3 - 1))
+    assert fitted == pytest.approx(sent / 0.3)
