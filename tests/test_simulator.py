@@ -449,10 +449,16 @@ def test_planning_and_restart_seconds_come_from_what_a_study_measured(tmp_path) 
         {"number": 1, "planned_at": 9.0, "placements": [[9.5, [1]], [30.0, [1, 2]]],
          "pace": [[50.0, 10, 0.5, 46.0]]},
         {"number": 2, "planned_at": 8.0, "placements": [[10.0, [2]]], "pace": []},
+        # The engine's own record: run again at 20 s after running out of memory (not a
+        # restart), then booked on 2 devices at 35 s and training there from 47 s.
+        {"number": 3, "planned_at": 8.5, "placements": [[9.0, [3]], [20.0, [3]], [38.0, [3, 4]]],
+         "pace": [[30.0, 4, 1.0, 21.0], [55.0, 10, 0.5, 47.0]],
+         "core_events": [["planned", 8.5, {}], ["oom", 12.0, None, 1, True],
+                         ["requeued", 19.0, {}], ["restarted", 35.0, [3, 4], {}]]},
     ]}
     (tmp_path / "results.json").write_text(json.dumps(results))
     assert engine_figures(read_results(tmp_path)) == {"planning_seconds": 7.5,
-                                                      "restart_seconds": 14.0}
+                                                      "restart_seconds": 12.0}
     assert engine_figures({"trials": [{"planned_at": None}]}) == {}  # defaults stay
     with pytest.raises(FileNotFoundError, match="directory of a finished study"):
         read_results(tmp_path / "nowhere")

@@ -7,8 +7,10 @@ the two overheads the simulator charges (`scamp_jax.sim.simulator.ClusterModel`)
 
 - ``planning_seconds``: the earliest ``planned_at``: the first plan of the study was asked at its
   start, with no other plan ahead of it, so this is one plan's own time (its compiles).
-- ``restart_seconds``: the median, over runs after a restart on more devices, of the time from
-  the run's placement to its first training step (checkpoint, compile, restore).
+- ``restart_seconds``: the median, over restarts on more devices, of the time from the restart's
+  booking (``core_events``: ``restarted``) to the new run's first training step (stopping at a
+  checkpoint, compile, restore); for a record without ``core_events``, from each later
+  placement. A run again after an out-of-memory re-plan is not a restart.
 
 A figure the study did not measure (no trial planned, no restart) is left out, and the
 simulator keeps its documented default. This module reads files; the scheduling core does not.
@@ -40,11 +42,16 @@ def replay_study(study_dir: str | Path) -> list[tuple[int, tuple[int, ...]]]:
 
 
 def restart_delays(trial: Mapping[str, Any]) -> list[float]:
-    """Seconds from each later placement of ``trial`` (a restart) to its first training step."""
-    placements = trial.get("placements") or []
+    """Seconds from each restart of ``trial`` on more devices (its booking; without
+    ``core_events``, each later placement) to the new run's first training step."""
+    events = trial.get("core_events")
+    if events is not None:
+        starts = [float(e[1]) for e in events if e[0] == "restarted"]
+    else:
+        starts = [float(start) for start, _ in (trial.get("placements") or [])[1:]]
     paces = sorted(trial.get("pace") or (), key=lambda p: float(p[0]))
     out = []
-    for start, _ in placements[1:]:
+    for start in starts:
         since = next((float(p[3]) for p in paces if float(p[3]) >= float(start)), None)
         if since is not None:
             out.append(since - float(start))
