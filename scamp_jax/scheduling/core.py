@@ -195,6 +195,13 @@ class SchedulingCore:
         self._options: dict[tuple[int, int], TrialPlan] = {}  # planned larger device counts
         self._asked: set[tuple[int, int]] = set()  # PlanOption sent, no answer yet
         self._no_grow: set[tuple[int, int]] = set()  # counts whose plan did not fit
+        # Trials with an entry in ``_options`` or ``_no_grow``; the others share their growth
+        # options per (devices, grow bytes) in ``_plain_growth``.
+        self._touched: set[int] = set()
+        self._plain_growth: dict[tuple[int, int], tuple[DeviceOption, ...]] = {}
+        # The last-wave request built per queued trial, with its plan: kept while its cost,
+        # busy fraction and options stay the same, so a long queue is not rebuilt per decision.
+        self._last_wave: dict[int, tuple[TrialPlan, TrialRequest]] = {}
         self._running: dict[int, _Running] = {}
         self._arrivals_pending = True
         self._rate: float | None = self.peak_flops  # attainable FLOP/s per device
@@ -245,6 +252,7 @@ class SchedulingCore:
         """The plan of queued trial ``key`` on ``devices`` devices (None: it does not fit, the
         option is withdrawn)."""
         self._asked.discard((key, devices))
+        self._touched.add(key)
         if plan is None or plan.devices != devices:
             self._no_grow.add((key, devices))
         else:
@@ -289,7 +297,7 @@ class SchedulingCore:
             self.pool.allocate(placement, self._request(plan))
         except ValueError:
             self.pool.allocate(old_placement, old)
-            self._no_grow.add((key, plan.devices))
+            self.withdraw(key, plan.devices)
             return False
         self.usage.move(now, placement, plan.bytes_per_device)
         self._running[key] = _Running(plan, placement.device_ids, now)
@@ -299,6 +307,7 @@ class SchedulingCore:
     def withdraw(self, key: int, devices: int) -> None:
         """Never offer trial ``key`` on ``devices`` devices again (its plan failed there)."""
         self._no_grow.add((key, devices))
+        self._touched.add(key)
 
     # ------------------------------------------------------------------------------ queries
     @property
@@ -371,6 +380,22 @@ class SchedulingCore:
                             seconds=self.seconds(plan), options=options,
                             busy_fraction=1.0 if busy is None else busy)
 
+    def _last_wave_request(self, plan: TrialPlan,
+                           alike: Mapping[tuple[float | None, int], int]) -> TrialRequest:
+        """`_request` of queued ``plan`` with its growth options; the one built last time
+        when it would be equal."""
+        options = self._growth_options(plan)
+        busy = self._predicted_busy(plan, alike)
+        held = self._last_wave.get(plan.key)
+        if held is not None and held[0] is plan:
+            request = held[1]
+            if (request.busy_fraction == (1.0 if busy is None else busy)
+                    and request.seconds == self.seconds(plan) and request.options == options):
+                return request
+        request = self._request(plan, options, alike)
+        self._last_wave[plan.key] = (plan, request)
+        return request
+
     def _rebook_busy(self, keys: Sequence[int] | None = None) -> None:
         """Refresh the busy fractions booked in the pool from the latest measurements, of
         ``keys`` (None: every running trial)."""
@@ -386,6 +411,15 @@ class SchedulingCore:
         if (not plan.grow_bytes or self._arrivals_pending
                 or not isinstance(self.policy, ScampPolicy) or not self.policy.elastic):
             return ()
+        if plan.key not in self._touched:
+            shape = (plan.devices, plan.grow_bytes)
+            shared = self._plain_growth.get(shape)
+            if shared is None:
+                shared = self._plain_growth[shape] = self._growth_of(plan)
+            return shared
+        return self._growth_of(plan)
+
+    def _growth_of(self, plan: TrialPlan) -> tuple[DeviceOption, ...]:
         options = []
         n = plan.devices * 2
         while n <= self.devices:
@@ -416,8 +450,7 @@ class SchedulingCore:
             queue = self._waiting
         else:
             alike = self._measured_alike()
-            queue = [self._request(p, self._growth_options(p), alike)
-                     for p in self._queue.values()]
+            queue = [self._last_wave_request(p, alike) for p in self._queue.values()]
         placements = self.policy.decide(self.pool.snapshot(), queue,
                                         arrivals_pending=self._arrivals_pending)
         by_key = ({} if isinstance(queue, RequestQueue) else {r.key: r for r in queue})
@@ -442,6 +475,7 @@ class SchedulingCore:
             booked = self.pool.request_of(placement.key).bytes_per_device
             self.usage.start(now, placement, booked)
             del self._queue[placement.key]
+            self._last_wave.pop(placement.key, None)
             self._waiting.remove(placement.key)
             self._running[plan.key] = _Running(plan, placement.device_ids, now)
             actions.append(Start(plan.key, placement.device_ids, plan))
@@ -460,25 +494,32 @@ class SchedulingCore:
         self._at(now)
         if self._queue or self._arrivals_pending:
             return ()
+        if not self.pool.idle_devices:
+            return ()  # no surplus: nothing to resize into
         views = []
         for key, run in self._running.items():
             if run.seconds_per_step is None or key not in reshapes:
                 continue
             remaining = run.seconds_per_step * max(0, run.plan.steps - run.step)
+            views.append(RunningTrial(key, run.device_ids,
+                                      self.pool.request_of(key).bytes_per_device, remaining))
+
+        def options_of(view: RunningTrial) -> tuple[DeviceOption, ...]:
+            key, remaining = view.key, view.remaining_seconds
+            run = self._running[key]
             restart = self.restart_seconds
             if restart is None:
                 since = run.training_since if not math.isnan(run.training_since) else run.started
                 restart = max(0.0, since - run.started)
             dp, mp = run.plan.data_parallel, run.plan.model_parallel
-            options = tuple(
+            return tuple(
                 DeviceOption(n, run.plan.bytes_per_device, remaining * dp * mp / n + restart)
                 for n in reshapes[key] if n > len(run.device_ids)
                 and (key, n) not in self._no_grow)
-            views.append(RunningTrial(key, run.device_ids,
-                                      self.pool.request_of(key).bytes_per_device, remaining,
-                                      options))
+
+        # Options are built only for the trials the rule weighs (the longest running ones).
         return resizes(self.policy, self.pool.snapshot(), views, queue_empty=True,
-                       arrivals_pending=False)
+                       arrivals_pending=False, options_of=options_of)
 
     def still_worth(self, key: int, devices: int) -> bool:
         """Whether restarting running trial ``key`` on ``devices`` devices still saves enough of
@@ -503,7 +544,7 @@ class SchedulingCore:
         with its earlier ``plan``; the failed device count is not offered again."""
         self._at(now)
         failed = self._running[key].plan.devices
-        self._no_grow.add((key, failed))
+        self.withdraw(key, failed)
         self.pool.release(key)
         placement = Placement(key, tuple(device_ids))
         self.pool.allocate(placement, self._request(plan))
