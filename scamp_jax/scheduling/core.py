@@ -37,6 +37,7 @@ trial counts as fully busy (in the last wave, compute-aware sharing then keeps a
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -192,6 +193,12 @@ class SchedulingCore:
         self._queue: dict[int, TrialPlan] = {}
         self._waiting = RequestQueue()  # the queue's requests, indexed for the policy
         self._alike: dict[tuple[float | None, int], int] | None = None
+        # The measured running trials per (FLOPs per step, devices), as (start position, key)
+        # sorted, which `_measured_alike` reads; where each is filed; start positions.
+        self._measured: dict[tuple[float | None, int], list[tuple[int, int]]] = {}
+        self._filed: dict[int, tuple[tuple[float | None, int], tuple[int, int]]] = {}
+        self._position: dict[int, int] = {}
+        self._starts = 0
         self._options: dict[tuple[int, int], TrialPlan] = {}  # planned larger device counts
         self._asked: set[tuple[int, int]] = set()  # PlanOption sent, no answer yet
         self._no_grow: set[tuple[int, int]] = set()  # counts whose plan did not fit
@@ -236,9 +243,19 @@ class SchedulingCore:
         run = self._running.get(key)
         if run is None or seconds_per_step <= 0:
             return
-        if run.seconds_per_step is None:
-            self._alike = None  # a first measurement: the trials measured alike change
+        if run.seconds_per_step == seconds_per_step and (
+                training_since is None or run.training_since == training_since):
+            # The same pace further on: no rate, busy fraction or alike trial changes.
+            run.step, run.measured_at = step, now
+            return
+        first = run.seconds_per_step is None
         run.seconds_per_step, run.step, run.measured_at = float(seconds_per_step), step, now
+        if first:  # the trials measured alike change
+            signature = (run.plan.flops_per_step, run.plan.devices)
+            entry = (self._position[key], key)
+            bisect.insort(self._measured.setdefault(signature, []), entry)
+            self._filed[key] = (signature, entry)
+            self._alike = None
         if training_since is not None:
             run.training_since = float(training_since)
         before = self._rate
@@ -262,7 +279,7 @@ class SchedulingCore:
         """Trial ``key``'s run ended (any state but a restart); its devices are free."""
         self._at(now)
         if self._running.pop(key, None) is not None:
-            self._alike = None
+            self._unfile(key)
         self.pool.release(key)
         self.usage.finish(now, key)
 
@@ -301,7 +318,7 @@ class SchedulingCore:
             return False
         self.usage.move(now, placement, plan.bytes_per_device)
         self._running[key] = _Running(plan, placement.device_ids, now)
-        self._alike = None
+        self._unfile(key)
         return True
 
     def withdraw(self, key: int, devices: int) -> None:
@@ -351,12 +368,20 @@ class SchedulingCore:
         with them, for the busy fractions of queued trials (kept until a run starts its
         measurements, restarts or ends)."""
         if self._alike is None:
-            out: dict[tuple[float | None, int], int] = {}
-            for key, run in self._running.items():
-                if run.seconds_per_step:
-                    out.setdefault((run.plan.flops_per_step, run.plan.devices), key)
-            self._alike = out
+            self._alike = {signature: entries[0][1]
+                           for signature, entries in self._measured.items()}
         return self._alike
+
+    def _unfile(self, key: int) -> None:
+        """Running trial ``key`` ended or restarted: it is no longer measured as it was."""
+        self._alike = None
+        held = self._filed.pop(key, None)
+        if held is not None:
+            signature, entry = held
+            entries = self._measured[signature]
+            del entries[bisect.bisect_left(entries, entry)]
+            if not entries:
+                del self._measured[signature]
 
     def _predicted_busy(self, plan: TrialPlan,
                         alike: Mapping[tuple[float | None, int], int] | None = None
@@ -478,6 +503,8 @@ class SchedulingCore:
             self._last_wave.pop(placement.key, None)
             self._waiting.remove(placement.key)
             self._running[plan.key] = _Running(plan, placement.device_ids, now)
+            self._position[plan.key] = self._starts
+            self._starts += 1
             actions.append(Start(plan.key, placement.device_ids, plan))
         return tuple(actions)
 
@@ -550,7 +577,7 @@ class SchedulingCore:
         self.pool.allocate(placement, self._request(plan))
         self.usage.move(now, placement, plan.bytes_per_device)
         self._running[key] = _Running(plan, placement.device_ids, now)
-        self._alike = None
+        self._unfile(key)
 
 
 def replan_after_oom(plan: TrialPlan, bytes_needed: int | None, usable_bytes: int, *,

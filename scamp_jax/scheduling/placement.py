@@ -204,7 +204,7 @@ def check_feasible(request: TrialRequest, capacity: Sequence[int]) -> None:
             "plan it for at most that many devices (a larger model-parallel degree per device "
             "does not help: it needs more devices) or add devices"
         )
-    if min(capacity, default=0) >= request.bytes_per_device:
+    if _smallest(capacity) >= request.bytes_per_device:
         fitting = n  # all of them (the usual pool: one capacity); no per-device count
     else:
         fitting = sum(1 for c in capacity if c >= request.bytes_per_device)
@@ -215,6 +215,21 @@ def check_feasible(request: TrialRequest, capacity: Sequence[int]) -> None:
             f"{request.devices} devices but only {fitting} device(s) hold that much (largest "
             f"{format_bytes(largest)}); re-plan it with a smaller batch or more model parallelism"
         )
+
+
+_smallest_held: tuple[object, int] = ((), 0)  # the capacity last asked about, its minimum
+
+
+def _smallest(capacity: Sequence[int]) -> int:
+    """``min(capacity, default=0)``, kept for the last capacity tuple asked about: a pool's
+    capacity is one tuple for its lifetime, and a large pool's minimum costs a pass per check."""
+    global _smallest_held
+    held = _smallest_held  # one read: another thread may replace it meanwhile
+    if held[0] is capacity and isinstance(capacity, tuple):
+        return held[1]
+    smallest = min(capacity, default=0)
+    _smallest_held = (capacity, smallest)
+    return smallest
 
 
 class Policy(Protocol):
