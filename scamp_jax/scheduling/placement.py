@@ -765,17 +765,22 @@ class ScampPolicy:
                 return (0, -(r.seconds or 0.0), r.arrival, r.key)
             return (1, 0.0, r.arrival, r.key)
 
-        walks = []  # [shape, needs_empty, window order, position, tail start, position]
+        # [shape, devices, needs_empty, window order, position in it, position in the tail,
+        #  first trial by bytes not started this call]
+        walks = []
         for (devices, exclusive), shape in queue.shapes.items():
             near = queue.window(shape, window, horizon) if window else []
             tail = bisect.bisect_left(shape.arrival, (horizon, -1))
-            walks.append([shape, devices, exclusive or not share, near, 0, tail])
+            walks.append([shape, devices, exclusive or not share, near, 0, tail, 0])
 
         def next_fit(walk: list) -> tuple[int, float, int, int] | None:
-            shape, devices, needs_empty, near, _, _ = walk
+            shape, devices, needs_empty, near, _, _, first = walk
             limit = index.kth_budget(devices, needs_empty)
-            smallest = next((b for b, _, key in shape.by_bytes if key not in started), None)
-            if smallest is None or smallest > limit:
+            by_bytes = shape.by_bytes
+            while first < len(by_bytes) and by_bytes[first][2] in started:
+                first += 1  # started trials only accumulate within a call
+            walk[6] = first
+            if first == len(by_bytes) or by_bytes[first][0] > limit:
                 return None
             # Every waiting trial of the shape within the limit lies ahead of the walk (budgets
             # only shrink); when they are few, the first of them in the order is the answer.
