@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scamp_jax.scheduling.elastic import Resize, RunningTrial, resizes
 from scamp_jax.scheduling.placement import (
@@ -114,3 +116,94 @@ def test_a_step_that_does_not_fit_leaves_the_one_before_it() -> None:
                                                  DeviceOption(4, 9 * GIB, 30.0)))
     assert _tail(ScampPolicy(), pool, [trial]) == (
         Resize(0, (0, 1), DeviceOption(2, GIB, 55.0)),)
+
+
+def _resizes_by_brute_force(policy: ScampPolicy, pool: DevicePool,
+                            running: list[RunningTrial]) -> tuple[Resize, ...]:
+    """`resizes` as stated: while a trial can move, the one with the longest time (as resized
+    so far; ties to the earlier) takes its next worthwhile option that finishes sooner within
+    the surplus; then, longest remaining first, each restarts as the last of its steps that its
+    devices and the idle ones left still hold."""
+    snap = pool.snapshot()
+    idle = [d for d in range(len(snap.capacity)) if snap.is_empty(d)]
+    free = snap.free
+
+    def worth(r: RunningTrial, o: DeviceOption) -> bool:
+        return (o.seconds <= (1 - policy.min_resize_gain) * r.remaining_seconds
+                and all(free[d] + r.bytes_per_device >= o.bytes_per_device for d in r.device_ids)
+                and sum(snap.capacity[d] >= o.bytes_per_device for d in idle)
+                >= o.devices - len(r.device_ids))
+
+    at = {r.key: (len(r.device_ids), r.remaining_seconds) for r in running}
+    steps: dict[int, list[DeviceOption]] = {}
+    surplus = len(idle)
+    while True:
+        moves = []
+        for n, r in enumerate(running):
+            devices, seconds = at[r.key]
+            ahead = sorted((o for o in r.options if worth(r, o) and o.devices > devices
+                            and o.devices - devices <= surplus), key=lambda o: o.devices)
+            sooner = [o for o in ahead if o.seconds < seconds]
+            if sooner:
+                moves.append((-seconds, n, r.key, sooner[0]))
+        if not moves:
+            break
+        _, _, key, o = min(moves)
+        surplus -= o.devices - at[key][0]
+        at[key] = (o.devices, o.seconds)
+        steps.setdefault(key, []).append(o)
+    idle.sort(key=lambda d: (snap.capacity[d], d))
+    free = list(free)
+    out = []
+    for r in sorted((r for r in running if r.key in steps),
+                    key=lambda r: (-r.remaining_seconds, r.key)):
+        for o in reversed(steps[r.key]):
+            extra = [d for d in idle if snap.capacity[d] >= o.bytes_per_device]
+            extra = extra[: o.devices - len(r.device_ids)]
+            if len(extra) == o.devices - len(r.device_ids) and all(
+                    free[d] + r.bytes_per_device >= o.bytes_per_device for d in r.device_ids):
+                break
+        else:
+            continue
+        for d in r.device_ids:
+            free[d] += r.bytes_per_device - o.bytes_per_device
+        for d in extra:
+            free[d] -= o.bytes_per_device
+            idle.remove(d)
+        out.append(Resize(r.key, (*r.device_ids, *extra), o))
+    return tuple(out)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 2), st.integers(1, 6), st.integers(1, 40),
+                          st.lists(st.tuples(st.integers(1, 6), st.integers(1, 6),
+                                             st.integers(1, 40)), max_size=4)),
+                min_size=1, max_size=5),
+       st.sampled_from([0.0, 0.1, 0.3]))
+def test_resizes_follow_the_rule_longest_first_and_ask_options_lazily(trials, gain) -> None:
+    """The heap-driven greedy (options asked for only when a trial's turn comes) decides what
+    the rule stated over every trial at once decides."""
+    policy = ScampPolicy(min_resize_gain=gain)
+    pool = DevicePool((8 * GIB,) * 12)
+    running, device = [], 0
+    for key, (size, gib, left, options) in enumerate(trials):
+        ids = tuple(range(device, device + size))
+        device += size
+        pool.allocate(Placement(key, ids), TrialRequest(key, size, gib * GIB, key))
+        running.append(RunningTrial(key, ids, gib * GIB, float(left), tuple(
+            {size + extra: DeviceOption(size + extra, g * GIB, float(s))
+             for extra, g, s in options}.values())))
+    expected = _resizes_by_brute_force(policy, pool, running)
+    asked: list[int] = []
+
+    def options_of(view: RunningTrial) -> tuple[DeviceOption, ...]:
+        asked.append(view.key)
+        return running[view.key].options
+
+    bare = [RunningTrial(r.key, r.device_ids, r.bytes_per_device, r.remaining_seconds)
+            for r in running]
+    eager = _tail(policy, pool, running)
+    lazy = resizes(policy, pool.snapshot(), bare, queue_empty=True, arrivals_pending=False,
+                   options_of=options_of)
+    assert eager == lazy == expected
+    assert len(asked) == len(set(asked))  # each trial's options asked for once at most

@@ -439,36 +439,44 @@ def _decision_rounds(draw: st.DrawFn):
 
 @settings(max_examples=150, deadline=None)
 @given(_decision_rounds())
-def test_indexed_decisions_equal_the_full_walk_before_it(case) -> None:
-    """The indexed decision (`RequestQueue`, pool-kept levels, narrowed reservation) starts
-    the same trials on the same devices as the full walk it replaced (kept in the tests), round
-    after round of arrivals, starts and finishes, for both policies and every setting."""
-    import _placement_reference as before
+def test_indexed_decisions_equal_the_brute_force_rule(case) -> None:
+    """The indexed decision (`RequestQueue`, pool-kept levels, narrowed reservation, degrees
+    and growth built only where they can matter) starts the same trials on the same devices as
+    the rule stated by brute force (`_placement_oracle`: every device looked at, eligible ones
+    sorted by the rule's key), round after round of arrivals, starts and finishes, for both
+    policies and every setting, with options costed and not."""
+    import _placement_oracle as oracle
 
     from scamp_jax.scheduling.placement import DeviceOption
     from scamp_jax.scheduling.request_queue import RequestQueue
 
     capacity, kwargs, rounds = case
-    for new, old in ((ScampPolicy(**kwargs), before.ScampPolicy(**kwargs)),
-                     (FixedPolicy(3), before.FixedPolicy(3))):
+    for policy in (ScampPolicy(**kwargs), FixedPolicy(3)):
         pool = DevicePool(capacity)
         queue = RequestQueue()
         key = 0
         for arrivals, pending, finishes in rounds:
             for devices, nbytes, arrival, seconds, exclusive, busy, grow in arrivals:
-                options = (DeviceOption(devices + 1, nbytes, None),) if grow else ()
-                if isinstance(new, FixedPolicy) or devices + grow > len(capacity):
+                # A larger option, uncosted (as the last wave offers it before its plan) or,
+                # for every third trial of known cost, costed at half the time (step 1 takes it).
+                costed = None if seconds is None or key % 3 else seconds * 0.5
+                options = ((DeviceOption(devices + 1, max(1, nbytes - 5), costed, busy / 2),)
+                           if grow else ())
+                if isinstance(policy, FixedPolicy) or devices + grow > len(capacity):
                     options = ()
                 queue.add(TrialRequest(key, devices, min(nbytes, min(capacity)), arrival,
                                        exclusive=exclusive, seconds=seconds, options=options,
                                        busy_fraction=busy))
                 key += 1
             snapshot = pool.snapshot()
-            expected = [(p.key, p.device_ids)
-                        for p in old.decide(snapshot, list(queue), arrivals_pending=pending)]
+            if isinstance(policy, FixedPolicy):
+                expected = oracle.fixed_decide(policy, snapshot, list(queue))
+            else:
+                expected = oracle.scamp_decide(policy, snapshot, list(queue), pending)
             for offered in (queue, list(queue)):
-                decided = new.decide(snapshot, offered, arrivals_pending=pending)
-                assert [(p.key, p.device_ids) for p in decided] == expected
+                decided = policy.decide(snapshot, offered, arrivals_pending=pending)
+                assert [(p.key, p.device_ids) for p in decided] == [
+                    (p.key, p.device_ids) for p in expected]
             for placement in decided:
                 pool.allocate(placement, queue.remove(placement.key))
             for done in sorted(pool.running)[:finishes]:

@@ -37,6 +37,7 @@ trial counts as fully busy (in the last wave, compute-aware sharing then keeps a
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -192,9 +193,22 @@ class SchedulingCore:
         self._queue: dict[int, TrialPlan] = {}
         self._waiting = RequestQueue()  # the queue's requests, indexed for the policy
         self._alike: dict[tuple[float | None, int], int] | None = None
+        # The measured running trials per (FLOPs per step, devices), as (start position, key)
+        # sorted, which `_measured_alike` reads; where each is filed; start positions.
+        self._measured: dict[tuple[float | None, int], list[tuple[int, int]]] = {}
+        self._filed: dict[int, tuple[tuple[float | None, int], tuple[int, int]]] = {}
+        self._position: dict[int, int] = {}
+        self._starts = 0
         self._options: dict[tuple[int, int], TrialPlan] = {}  # planned larger device counts
         self._asked: set[tuple[int, int]] = set()  # PlanOption sent, no answer yet
         self._no_grow: set[tuple[int, int]] = set()  # counts whose plan did not fit
+        # Trials with an entry in ``_options`` or ``_no_grow``; the others share their growth
+        # options per (devices, grow bytes) in ``_plain_growth``.
+        self._touched: set[int] = set()
+        self._plain_growth: dict[tuple[int, int], tuple[DeviceOption, ...]] = {}
+        # The last-wave request built per queued trial, with its plan: kept while its cost,
+        # busy fraction and options stay the same, so a long queue is not rebuilt per decision.
+        self._last_wave: dict[int, tuple[TrialPlan, TrialRequest]] = {}
         self._running: dict[int, _Running] = {}
         self._arrivals_pending = True
         self._rate: float | None = self.peak_flops  # attainable FLOP/s per device
@@ -229,9 +243,19 @@ class SchedulingCore:
         run = self._running.get(key)
         if run is None or seconds_per_step <= 0:
             return
-        if run.seconds_per_step is None:
-            self._alike = None  # a first measurement: the trials measured alike change
+        if run.seconds_per_step == seconds_per_step and (
+                training_since is None or run.training_since == training_since):
+            # The same pace further on: no rate, busy fraction or alike trial changes.
+            run.step, run.measured_at = step, now
+            return
+        first = run.seconds_per_step is None
         run.seconds_per_step, run.step, run.measured_at = float(seconds_per_step), step, now
+        if first:  # the trials measured alike change
+            signature = (run.plan.flops_per_step, run.plan.devices)
+            entry = (self._position[key], key)
+            bisect.insort(self._measured.setdefault(signature, []), entry)
+            self._filed[key] = (signature, entry)
+            self._alike = None
         if training_since is not None:
             run.training_since = float(training_since)
         before = self._rate
@@ -245,6 +269,7 @@ class SchedulingCore:
         """The plan of queued trial ``key`` on ``devices`` devices (None: it does not fit, the
         option is withdrawn)."""
         self._asked.discard((key, devices))
+        self._touched.add(key)
         if plan is None or plan.devices != devices:
             self._no_grow.add((key, devices))
         else:
@@ -254,7 +279,7 @@ class SchedulingCore:
         """Trial ``key``'s run ended (any state but a restart); its devices are free."""
         self._at(now)
         if self._running.pop(key, None) is not None:
-            self._alike = None
+            self._unfile(key)
         self.pool.release(key)
         self.usage.finish(now, key)
 
@@ -289,16 +314,17 @@ class SchedulingCore:
             self.pool.allocate(placement, self._request(plan))
         except ValueError:
             self.pool.allocate(old_placement, old)
-            self._no_grow.add((key, plan.devices))
+            self.withdraw(key, plan.devices)
             return False
         self.usage.move(now, placement, plan.bytes_per_device)
         self._running[key] = _Running(plan, placement.device_ids, now)
-        self._alike = None
+        self._unfile(key)
         return True
 
     def withdraw(self, key: int, devices: int) -> None:
         """Never offer trial ``key`` on ``devices`` devices again (its plan failed there)."""
         self._no_grow.add((key, devices))
+        self._touched.add(key)
 
     # ------------------------------------------------------------------------------ queries
     @property
@@ -342,12 +368,20 @@ class SchedulingCore:
         with them, for the busy fractions of queued trials (kept until a run starts its
         measurements, restarts or ends)."""
         if self._alike is None:
-            out: dict[tuple[float | None, int], int] = {}
-            for key, run in self._running.items():
-                if run.seconds_per_step:
-                    out.setdefault((run.plan.flops_per_step, run.plan.devices), key)
-            self._alike = out
+            self._alike = {signature: entries[0][1]
+                           for signature, entries in self._measured.items()}
         return self._alike
+
+    def _unfile(self, key: int) -> None:
+        """Running trial ``key`` ended or restarted: it is no longer measured as it was."""
+        self._alike = None
+        held = self._filed.pop(key, None)
+        if held is not None:
+            signature, entry = held
+            entries = self._measured[signature]
+            del entries[bisect.bisect_left(entries, entry)]
+            if not entries:
+                del self._measured[signature]
 
     def _predicted_busy(self, plan: TrialPlan,
                         alike: Mapping[tuple[float | None, int], int] | None = None
@@ -371,6 +405,22 @@ class SchedulingCore:
                             seconds=self.seconds(plan), options=options,
                             busy_fraction=1.0 if busy is None else busy)
 
+    def _last_wave_request(self, plan: TrialPlan,
+                           alike: Mapping[tuple[float | None, int], int]) -> TrialRequest:
+        """`_request` of queued ``plan`` with its growth options; the one built last time
+        when it would be equal."""
+        options = self._growth_options(plan)
+        busy = self._predicted_busy(plan, alike)
+        held = self._last_wave.get(plan.key)
+        if held is not None and held[0] is plan:
+            request = held[1]
+            if (request.busy_fraction == (1.0 if busy is None else busy)
+                    and request.seconds == self.seconds(plan) and request.options == options):
+                return request
+        request = self._request(plan, options, alike)
+        self._last_wave[plan.key] = (plan, request)
+        return request
+
     def _rebook_busy(self, keys: Sequence[int] | None = None) -> None:
         """Refresh the busy fractions booked in the pool from the latest measurements, of
         ``keys`` (None: every running trial)."""
@@ -386,6 +436,15 @@ class SchedulingCore:
         if (not plan.grow_bytes or self._arrivals_pending
                 or not isinstance(self.policy, ScampPolicy) or not self.policy.elastic):
             return ()
+        if plan.key not in self._touched:
+            shape = (plan.devices, plan.grow_bytes)
+            shared = self._plain_growth.get(shape)
+            if shared is None:
+                shared = self._plain_growth[shape] = self._growth_of(plan)
+            return shared
+        return self._growth_of(plan)
+
+    def _growth_of(self, plan: TrialPlan) -> tuple[DeviceOption, ...]:
         options = []
         n = plan.devices * 2
         while n <= self.devices:
@@ -416,8 +475,7 @@ class SchedulingCore:
             queue = self._waiting
         else:
             alike = self._measured_alike()
-            queue = [self._request(p, self._growth_options(p), alike)
-                     for p in self._queue.values()]
+            queue = [self._last_wave_request(p, alike) for p in self._queue.values()]
         placements = self.policy.decide(self.pool.snapshot(), queue,
                                         arrivals_pending=self._arrivals_pending)
         by_key = ({} if isinstance(queue, RequestQueue) else {r.key: r for r in queue})
@@ -442,8 +500,11 @@ class SchedulingCore:
             booked = self.pool.request_of(placement.key).bytes_per_device
             self.usage.start(now, placement, booked)
             del self._queue[placement.key]
+            self._last_wave.pop(placement.key, None)
             self._waiting.remove(placement.key)
             self._running[plan.key] = _Running(plan, placement.device_ids, now)
+            self._position[plan.key] = self._starts
+            self._starts += 1
             actions.append(Start(plan.key, placement.device_ids, plan))
         return tuple(actions)
 
@@ -460,25 +521,32 @@ class SchedulingCore:
         self._at(now)
         if self._queue or self._arrivals_pending:
             return ()
+        if not self.pool.idle_devices:
+            return ()  # no surplus: nothing to resize into
         views = []
         for key, run in self._running.items():
             if run.seconds_per_step is None or key not in reshapes:
                 continue
             remaining = run.seconds_per_step * max(0, run.plan.steps - run.step)
+            views.append(RunningTrial(key, run.device_ids,
+                                      self.pool.request_of(key).bytes_per_device, remaining))
+
+        def options_of(view: RunningTrial) -> tuple[DeviceOption, ...]:
+            key, remaining = view.key, view.remaining_seconds
+            run = self._running[key]
             restart = self.restart_seconds
             if restart is None:
                 since = run.training_since if not math.isnan(run.training_since) else run.started
                 restart = max(0.0, since - run.started)
             dp, mp = run.plan.data_parallel, run.plan.model_parallel
-            options = tuple(
+            return tuple(
                 DeviceOption(n, run.plan.bytes_per_device, remaining * dp * mp / n + restart)
                 for n in reshapes[key] if n > len(run.device_ids)
                 and (key, n) not in self._no_grow)
-            views.append(RunningTrial(key, run.device_ids,
-                                      self.pool.request_of(key).bytes_per_device, remaining,
-                                      options))
+
+        # Options are built only for the trials the rule weighs (the longest running ones).
         return resizes(self.policy, self.pool.snapshot(), views, queue_empty=True,
-                       arrivals_pending=False)
+                       arrivals_pending=False, options_of=options_of)
 
     def still_worth(self, key: int, devices: int) -> bool:
         """Whether restarting running trial ``key`` on ``devices`` devices still saves enough of
@@ -503,13 +571,13 @@ class SchedulingCore:
         with its earlier ``plan``; the failed device count is not offered again."""
         self._at(now)
         failed = self._running[key].plan.devices
-        self._no_grow.add((key, failed))
+        self.withdraw(key, failed)
         self.pool.release(key)
         placement = Placement(key, tuple(device_ids))
         self.pool.allocate(placement, self._request(plan))
         self.usage.move(now, placement, plan.bytes_per_device)
         self._running[key] = _Running(plan, placement.device_ids, now)
-        self._alike = None
+        self._unfile(key)
 
 
 def replan_after_oom(plan: TrialPlan, bytes_needed: int | None, usable_bytes: int, *,

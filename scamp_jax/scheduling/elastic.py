@@ -19,7 +19,9 @@ cluster simulator both call it:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import bisect
+import heapq
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from scamp_jax.scheduling.placement import DeviceOption, PoolSnapshot, ScampPolicy
@@ -80,6 +82,7 @@ def resizes(
     *,
     queue_empty: bool,
     arrivals_pending: bool,
+    options_of: Callable[[RunningTrial], tuple[DeviceOption, ...]] | None = None,
 ) -> tuple[Resize, ...]:
     """Running trials to restart on more devices now (empty when ``policy`` does not resize).
 
@@ -92,10 +95,15 @@ def resizes(
        remaining time sooner (a restart costs a checkpoint and a compile; predictions are
        rough) and the new plan's bytes fit on its current devices (what it frees there plus
        their free memory) and on enough idle devices.
-    3. Repeatedly, the trial with the longest predicted remaining time (as resized so far) moves
-       to its next option that finishes sooner and needs no more added devices than the surplus
-       holds; stop when no trial can move. Taking one step at a time for the trial that would end
-       last shortens the study's end, not just one trial.
+    3. Repeatedly, the trial with the longest predicted remaining time (as resized so far; ties
+       to the earlier in ``running``) moves to its next option that finishes sooner and needs
+       no more added devices than the surplus holds; stop when no trial can move. Taking one
+       step at a time for the trial that would end last shortens the study's end, not just one
+       trial.
+
+    Step 3 looks at the trials longest first and at a trial's options only when its turn comes
+    (a trial that cannot move now never can: the surplus only shrinks), so with many trials
+    running and few devices idle it weighs only the few longest.
 
     Args:
       policy: the engine's or simulator's placement policy.
@@ -103,6 +111,8 @@ def resizes(
       running: the running trials with their restart options.
       queue_empty: no trial is waiting for devices.
       arrivals_pending: more trials may still arrive.
+      options_of: a running trial's restart options, asked for only when step 3 reaches it
+        (None: each trial's ``options``). For a caller whose options cost time to build.
     Returns:
       Resizes, longest remaining trial first; applying them in order never over-commits.
     """
@@ -116,6 +126,7 @@ def resizes(
         return ()
     free = list(snapshot.free)
     by_key = {r.key: r for r in running}
+    idle_capacity = [snapshot.capacity[d] for d in idle]  # sorted, as ``idle`` is
 
     def worth_it(r: RunningTrial, o: DeviceOption) -> bool:
         # Saves enough, fits the trial's own devices (what it frees there plus their free
@@ -123,33 +134,37 @@ def resizes(
         return (o.seconds <= (1.0 - policy.min_resize_gain) * r.remaining_seconds
                 and all(free[d] + r.bytes_per_device >= o.bytes_per_device
                         for d in r.device_ids)
-                and sum(snapshot.capacity[d] >= o.bytes_per_device for d in idle)
+                and len(idle) - bisect.bisect_left(idle_capacity, o.bytes_per_device)
                 >= o.devices - len(r.device_ids))
 
-    options = {r.key: sorted((o for o in r.options if worth_it(r, o)),
-                             key=lambda o: o.devices) for r in running}
-    # Per trial: (devices, seconds) of where it stands in the greedy, and the options taken.
-    current = {r.key: (len(r.device_ids), r.remaining_seconds) for r in running}
+    # Per trial in play: (-seconds, position in ``running``, devices) of where it stands in the
+    # greedy, longest first; its worthwhile options, sorted, once its turn came.
+    turn = [(-r.remaining_seconds, i, len(r.device_ids)) for i, r in enumerate(running)]
+    heapq.heapify(turn)
+    options: dict[int, list[DeviceOption]] = {}
     taken: dict[int, list[DeviceOption]] = {}
     surplus = len(idle)
-    while surplus > 0:
-        best: tuple[float, int, DeviceOption] | None = None
-        for key, (devices, seconds) in current.items():
-            for o in options[key]:
-                if o.devices <= devices:
-                    continue
-                if o.devices - devices > surplus:
-                    break
-                if o.seconds < seconds:
-                    if best is None or seconds > best[0]:
-                        best = (seconds, key, o)
-                    break
-        if best is None:
-            break
-        _, key, o = best
-        surplus -= o.devices - current[key][0]
-        current[key] = (o.devices, o.seconds)
-        taken.setdefault(key, []).append(o)
+    while surplus > 0 and turn:
+        neg, i, devices = heapq.heappop(turn)
+        r = running[i]
+        if r.key not in options:
+            own = r.options if options_of is None else options_of(r)
+            options[r.key] = sorted((o for o in own if worth_it(r, o)),
+                                    key=lambda o: o.devices)
+        move = None
+        for o in options[r.key]:
+            if o.devices <= devices:
+                continue
+            if o.devices - devices > surplus:
+                break
+            if o.seconds < -neg:
+                move = o
+                break
+        if move is None:
+            continue  # it cannot move now, nor later with less surplus
+        surplus -= move.devices - devices
+        taken.setdefault(r.key, []).append(move)
+        heapq.heappush(turn, (-move.seconds, i, move.devices))
 
     out: list[Resize] = []
     for key in sorted(taken, key=lambda k: (-by_key[k].remaining_seconds, k)):

@@ -204,7 +204,7 @@ def check_feasible(request: TrialRequest, capacity: Sequence[int]) -> None:
             "plan it for at most that many devices (a larger model-parallel degree per device "
             "does not help: it needs more devices) or add devices"
         )
-    if min(capacity, default=0) >= request.bytes_per_device:
+    if _smallest(capacity) >= request.bytes_per_device:
         fitting = n  # all of them (the usual pool: one capacity); no per-device count
     else:
         fitting = sum(1 for c in capacity if c >= request.bytes_per_device)
@@ -215,6 +215,21 @@ def check_feasible(request: TrialRequest, capacity: Sequence[int]) -> None:
             f"{request.devices} devices but only {fitting} device(s) hold that much (largest "
             f"{format_bytes(largest)}); re-plan it with a smaller batch or more model parallelism"
         )
+
+
+_smallest_held: tuple[object, int] = ((), 0)  # the capacity last asked about, its minimum
+
+
+def _smallest(capacity: Sequence[int]) -> int:
+    """``min(capacity, default=0)``, kept for the last capacity tuple asked about: a pool's
+    capacity is one tuple for its lifetime, and a large pool's minimum costs a pass per check."""
+    global _smallest_held
+    held = _smallest_held  # one read: another thread may replace it meanwhile
+    if held[0] is capacity and isinstance(capacity, tuple):
+        return held[1]
+    smallest = min(capacity, default=0)
+    _smallest_held = (capacity, smallest)
+    return smallest
 
 
 class Policy(Protocol):
@@ -573,26 +588,25 @@ class ScampPolicy:
     ) -> dict[int, tuple[DeviceOption, ...]]:
         """Choose elastic trials' degrees (step 1). Rewrites ``ordered`` in place so each trial
         asks for its preferred degree (then reserved and backfilled around like a plan); returns,
-        per trial grown further for the last wave, the larger options to try first."""
-        chosen: dict[int, int] = {}
-        choices: dict[int, tuple[DeviceOption, ...]] = {}
+        per trial grown further for the last wave, the larger options to try first.
+
+        A trial none of whose options is costed keeps its plan's degree, so its choices are
+        built only when the last wave has empty devices to grow it into (on a long queue most
+        trials are such, and most calls have none)."""
         capacities = sorted(snapshot.capacity)
         n = len(capacities)
+        picked: dict[int, tuple[tuple[DeviceOption, ...], int]] = {}
+        later: list[int] = []  # positions of trials whose options are all uncosted
         for pos, r in enumerate(ordered):
             if not r.options or r.exclusive:
                 continue
-            # A trial of unknown cost counts as one unit of time, its options then being
-            # uncosted too. Uncosted options: a linear speed-up, trusted only for growth onto
-            # idle devices.
-            own = r.seconds if r.seconds is not None else 1.0
-            c = tuple(o if o.seconds is not None and r.seconds is not None
-                      else replace(o, seconds=own * r.devices / o.devices)
-                      for o in r.choices()
-                      if n - bisect.bisect_left(capacities, o.bytes_per_device) >= o.devices)
-            if not c or c[0].devices != r.devices:
+            if r.seconds is None or all(o.seconds is None for o in r.options):
+                later.append(pos)
+                continue
+            c = self._choices(r, capacities, n)
+            if c is None:
                 continue  # the plan itself never fits: check_feasible says so below
-            costed = {o.devices for o in r.options
-                      if o.seconds is not None and r.seconds is not None}
+            costed = {o.devices for o in r.options if o.seconds is not None}
             budget = (1.0 + self.growth_tolerance) * c[0].devices * (c[0].seconds or 0.0)
             pick = 0
             for i, o in enumerate(c):
@@ -606,11 +620,36 @@ class ScampPolicy:
                     seconds=o.seconds, busy_fraction=o.busy_fraction,
                     options=tuple(x for x in r.options if x.devices > o.devices),
                 )
-            choices[r.key], chosen[r.key] = c, pick
-        if not (self.elastic and not arrivals_pending and choices):
+            picked[pos] = (c, pick)
+        if not (self.elastic and not arrivals_pending and (picked or later)):
             return {}
         surplus = len(index.empty) - sum(r.devices for r in ordered)
+        if surplus <= 0:
+            return {}
+        for pos in later:
+            c = self._choices(ordered[pos], capacities, n)
+            if c is not None:
+                picked[pos] = (c, 0)
+        chosen: dict[int, int] = {}
+        choices: dict[int, tuple[DeviceOption, ...]] = {}
+        for pos in sorted(picked):
+            key = ordered[pos].key
+            choices[key], chosen[key] = picked[pos]
         return _grow_into_surplus(chosen, choices, surplus)
+
+    @staticmethod
+    def _choices(r: TrialRequest, capacities: list[int], n: int
+                 ) -> tuple[DeviceOption, ...] | None:
+        """``r``'s plan and options that some ``devices`` devices of the pool hold, fewest
+        devices first, each costed (None: the plan itself never fits). A trial of unknown cost
+        counts as one unit of time, its options then being uncosted too; uncosted options are
+        a linear speed-up, trusted only for growth onto idle devices."""
+        own = r.seconds if r.seconds is not None else 1.0
+        c = tuple(o if o.seconds is not None and r.seconds is not None
+                  else replace(o, seconds=own * r.devices / o.devices)
+                  for o in r.choices()
+                  if n - bisect.bisect_left(capacities, o.bytes_per_device) >= o.devices)
+        return c if c and c[0].devices == r.devices else None
 
     def decide(
         self,
@@ -726,17 +765,22 @@ class ScampPolicy:
                 return (0, -(r.seconds or 0.0), r.arrival, r.key)
             return (1, 0.0, r.arrival, r.key)
 
-        walks = []  # [shape, needs_empty, window order, position, tail start, position]
+        # [shape, devices, needs_empty, window order, position in it, position in the tail,
+        #  first trial by bytes not started this call]
+        walks = []
         for (devices, exclusive), shape in queue.shapes.items():
             near = queue.window(shape, window, horizon) if window else []
             tail = bisect.bisect_left(shape.arrival, (horizon, -1))
-            walks.append([shape, devices, exclusive or not share, near, 0, tail])
+            walks.append([shape, devices, exclusive or not share, near, 0, tail, 0])
 
         def next_fit(walk: list) -> tuple[int, float, int, int] | None:
-            shape, devices, needs_empty, near, _, _ = walk
+            shape, devices, needs_empty, near, _, _, first = walk
             limit = index.kth_budget(devices, needs_empty)
-            smallest = next((b for b, _, key in shape.by_bytes if key not in started), None)
-            if smallest is None or smallest > limit:
+            by_bytes = shape.by_bytes
+            while first < len(by_bytes) and by_bytes[first][2] in started:
+                first += 1  # started trials only accumulate within a call
+            walk[6] = first
+            if first == len(by_bytes) or by_bytes[first][0] > limit:
                 return None
             # Every waiting trial of the shape within the limit lies ahead of the walk (budgets
             # only shrink); when they are few, the first of them in the order is the answer.

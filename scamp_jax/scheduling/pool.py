@@ -61,6 +61,11 @@ class DevicePool:
         """Placements of the running trials, by trial key."""
         return {key: placement for key, (placement, _) in self._running.items()}
 
+    @property
+    def idle_devices(self) -> int:
+        """Number of devices nothing runs on."""
+        return len(self._levels.get(0, ()))
+
     def request_of(self, key: int) -> TrialRequest:
         """The request trial ``key`` was allocated with."""
         return self._running[key][1]

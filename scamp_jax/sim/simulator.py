@@ -532,6 +532,7 @@ def simulate(
         return started
 
     measured: dict[int, int] = {}  # key -> the run version last measured
+    paces: dict[int, tuple[TrialProfile, float]] = {}  # key -> its profile, seconds per step
 
     def measure() -> None:
         # The engine's pace measurement: seconds per step of a trial that trained 2 steps. A
@@ -543,7 +544,10 @@ def simulate(
                 continue
             if not tail and measured.get(key) == trial.version:
                 continue
-            step = step_seconds(trial.profile, cluster)
+            held = paces.get(key)
+            if held is None or held[0] is not trial.profile:
+                held = paces[key] = (trial.profile, step_seconds(trial.profile, cluster))
+            step = held[1]
             trained = trial.solo - trial.work_left(now) - trial.profile.setup_seconds
             if step <= 0 or trained < 2 * step:
                 continue
