@@ -149,7 +149,8 @@ class FusionService:
                 checkpoint_dir: Path | None, width: int | None = None) -> Any:
         """Plan and cost one trial, then find its signature, resume step and fused plan (of at
         most ``width`` members, e.g. its `family_width`; None: the cap)."""
-        plan = self.planning.planned_with_cost(params, number)
+        # A family's members train fused: a run-grade solo step would be compiled for nothing.
+        plan = self.planning.planned_with_cost(params, number, run_ready=width is None)
         arch = _arch_text(params)
         with self._lock:
             signature = self._signatures.get(arch)
