@@ -17,12 +17,13 @@ finish in; and trial ``n`` of the plain loop initialises its model with
 ``nnx.Rngs(s)`` and draws its batches with ``task.batches(batch, s)`` for the seed ``s`` that
 scamp-jax gives trial ``n`` (`scamp_jax.hpo.trial.trial_seed` of the study seed and the trial's
 checkpoint key ``trial_<n>``). Both train the same number of samples per trial and evaluate
-alike, so each trial's metric can be compared one to one: the table says how many trials agree
-(to 1e-6) and the largest difference. They need not all agree bit for bit: scamp-jax injects
-the optimizer's hyperparameters as arrays (`optax.inject_hyperparams`, one compiled step per
-architecture), while the plain loop's learning rate is a Python float compiled into its step,
-and XLA rounds the two programs differently; 50 AdamW steps can carry such a difference into a
-different prediction on a validation example or two.
+alike, so each trial's metric can be compared one to one: the table says, of the trials with
+the plain loop's parameters, how many reach its metric (to 1e-6), and the largest difference.
+They need not all agree bit for bit: scamp-jax injects the optimizer's hyperparameters as arrays
+(`optax.inject_hyperparams`, one compiled step per architecture), while the plain loop's
+learning rate is a Python float compiled into its step, and XLA rounds the two programs
+differently; 50 AdamW steps can carry such a difference into a different prediction on a
+validation example or two.
 
 ``--fuse VALUE`` (repeatable) runs scamp-jax once per value (``none``, ``auto`` or ``K``) instead
 of once with `run_study`'s default. A fused study searches differently (siblings: trials that
@@ -135,8 +136,8 @@ def run_scamp(family: Family, study_dir: Path, fuse: str | None = None) -> dict[
     results = json.loads((study_dir / "results.json").read_text())
     runs = results.get("runs", [])
     overhead = runs[-1].get("overhead") if runs else None
-    values = {str(t["number"]): t.get(task.metric) for t in results.get("trials", [])
-              if t.get("state") == "complete"}
+    values = {str(t["number"]): [t.get("params"), t.get(task.metric)]
+              for t in results.get("trials", []) if t.get("state") == "complete"}
     widths = [t.get("fusion_width", 1) for t in results.get("trials", [])]
     return {"best": best.get(task.metric), "metric": task.metric,
             "batch": best.get("batch_size"), "overhead": overhead, "values": values,
@@ -184,7 +185,7 @@ def run_plain(family: Family, study_dir: Path) -> dict[str, Any]:
         direction=task.direction, sampler=make_sampler("tpe", SEED))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study.optimize(objective, n_trials=family.trials)
-    values = {str(t.number): t.value for t in study.trials
+    values = {str(t.number): [t.params, t.value] for t in study.trials
               if t.state == optuna.trial.TrialState.COMPLETE}
     return {"best": study.best_value, "metric": task.metric, "batch": family.batch,
             "overhead": None, "values": values}
@@ -242,13 +243,14 @@ def _spread(values: Sequence[float], fmt: str) -> str:
     return "/".join(format(v, fmt) for v in (min(values), statistics.median(values), max(values)))
 
 
-def agreement(values: dict[str, float | None], plain: dict[str, float | None]) -> str:
-    """How many trials have the plain loop's metric (to 1e-6) and the largest difference."""
-    common = [n for n in values if n in plain and values[n] is not None
-              and plain[n] is not None]
+def agreement(values: dict[str, list[Any]], plain: dict[str, list[Any]]) -> str:
+    """Of the trials with the plain loop's parameters (same number), how many reach its metric
+    (to 1e-6), and the largest difference."""
+    common = [n for n in values if n in plain and values[n][0] == plain[n][0]
+              and values[n][1] is not None and plain[n][1] is not None]
     if not common:
-        return "-"
-    diffs = [abs(float(values[n]) - float(plain[n])) for n in common]  # type: ignore[arg-type]
+        return f"0 of {len(values)} trials have the plain loop's parameters"
+    diffs = [abs(float(values[n][1]) - float(plain[n][1])) for n in common]
     same = sum(d <= 1e-6 for d in diffs)
     return f"{same}/{len(common)} (max diff {max(diffs):.4f})"
 
@@ -276,7 +278,7 @@ def report(family: Family, runs: dict[str, list[dict[str, Any]]], markdown: bool
         f"{family.name}: {family.trials} trials x {family.steps * family.reference_batch} samples, "
         f"{len(runs['plain'])} interleaved repeats (min/median/max)",
         ["run", "wall s", "CPU s", "peak RSS MiB", "wall vs plain", "CPU vs plain",
-         f"best {metric}", "trials equal to plain's (per repeat)"], rows, markdown)
+         f"best {metric}", "same params: equal metric (per repeat)"], rows, markdown)
     for way, rs in runs.items():
         breakdowns = [r["overhead"] for r in rs if r.get("overhead")]
         if not breakdowns:
