@@ -9,12 +9,32 @@ The same study is run two ways, each as a whole process (imports, compiles, repo
   samples (same batch, same steps) on the same `Task`'s batches, and returns the task's
   held-out metric. One JAX device, one trial after another: what a first script looks like.
 
-Both use Optuna's TPE sampler with the same seed, the same number of trials, the same training
-samples per trial and the same evaluation. Repeats run the two interleaved, in alternating order,
-because the machine is shared; each run gets a fresh study directory. The table gives wall
-seconds, CPU seconds (user + system of the child process) and peak resident memory (min / median
-/ max over repeats), the best metric each found, and scamp-jax's own breakdown of its time when
-its ``results.json`` has one (``run.overhead``).
+The same trials, both ways: both studies sample with scamp-jax's seeded TPE
+(`scamp_jax.hpo.study.make_sampler`: Optuna's ``TPESampler`` made for each trial, seeded from
+the study's seed and the trial's number, which a plain loop passes as ``sampler=`` like any
+Optuna sampler), so trial ``n`` gets the same parameters both ways whatever order the trials
+finish in; and trial ``n`` of the plain loop initialises its model with
+``nnx.Rngs(s)`` and draws its batches with ``task.batches(batch, s)`` for the seed ``s`` that
+scamp-jax gives trial ``n`` (`scamp_jax.hpo.trial.trial_seed` of the study seed and the trial's
+checkpoint key ``trial_<n>``). Both train the same number of samples per trial and evaluate
+alike, so each trial's metric can be compared one to one: the table says, of the trials with
+the plain loop's parameters, how many reach its metric (to 1e-6), and the largest difference.
+They need not all agree bit for bit: scamp-jax injects the optimizer's hyperparameters as arrays
+(`optax.inject_hyperparams`, one compiled step per architecture), while the plain loop's
+learning rate is a Python float compiled into its step, and XLA rounds the two programs
+differently; 50 AdamW steps can carry such a difference into a different prediction on a
+validation example or two.
+
+``--fuse VALUE`` (repeatable) runs scamp-jax once per value (``none``, ``auto`` or ``K``) instead
+of once with `run_study`'s default. A fused study searches differently (siblings: trials that
+share a proposed architecture, their training hyperparameters left to the sampler), so its
+trials are not the plain loop's and only its best metric compares.
+
+Repeats run the ways interleaved, in rotating order, because the machine is shared; each run
+gets a fresh study directory. The table gives wall seconds, CPU seconds (user + system of the
+child process) and peak resident memory (min / median / max over repeats), the best metric each
+found, and scamp-jax's own breakdown of its time when its ``results.json`` has one
+(``run.overhead``).
 
 Families:
 - ``digits``: the README's guide (`examples/digits.py`): 6 MLP trials, 200 steps at reference
@@ -26,6 +46,7 @@ Run::
 
     python -m benchmarks.overhead --family digits --repeats 3 --markdown
     python -m benchmarks.overhead --family swinir --repeats 3 --markdown
+    python -m benchmarks.overhead --family digits --fuse none --fuse auto --markdown
 """
 
 from __future__ import annotations
@@ -39,7 +60,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,37 +117,51 @@ def _space_and_task(family: str) -> tuple[Any, Any]:
     return make_space_and_task(get_config("smoke"))
 
 
-def run_scamp(family: Family, study_dir: Path) -> dict[str, Any]:
-    """The study through `scamp_jax.run_study` (devices set up as the family's entry does)."""
+def run_scamp(family: Family, study_dir: Path, fuse: str | None = None) -> dict[str, Any]:
+    """The study through `scamp_jax.run_study` (devices set up as the family's entry does);
+    ``fuse``: ``"none"``, ``"auto"`` or a width as text (None: `run_study`'s default)."""
     import scamp_jax
 
     scamp_jax.configure_for_search(family.cpu_devices)
     space, task = _space_and_task(family.name)
+    extra: dict[str, Any] = {}
+    if fuse is not None:
+        extra["fuse"] = None if fuse == "none" else fuse if fuse == "auto" else int(fuse)
     result = scamp_jax.run_study(
         space, task, trials=family.trials, steps=family.steps, study_dir=study_dir,
         memory_per_device=family.memory_per_device, reference_batch=family.reference_batch,
         max_batch_size=family.max_batch_size, checkpoint_every=family.checkpoint_every,
-        pruner=family.pruner, sampler="tpe", seed=SEED, live=False)
+        pruner=family.pruner, sampler="tpe", seed=SEED, live=False, **extra)
     best = result.get("best") or {}
-    runs = json.loads((study_dir / "results.json").read_text()).get("runs", [])
+    results = json.loads((study_dir / "results.json").read_text())
+    runs = results.get("runs", [])
     overhead = runs[-1].get("overhead") if runs else None
+    values = {str(t["number"]): [t.get("params"), t.get(task.metric)]
+              for t in results.get("trials", []) if t.get("state") == "complete"}
+    widths = [t.get("fusion_width", 1) for t in results.get("trials", [])]
     return {"best": best.get(task.metric), "metric": task.metric,
-            "batch": best.get("batch_size"), "overhead": overhead}
+            "batch": best.get("batch_size"), "overhead": overhead, "values": values,
+            "fusion_widths": widths}
 
 
 def run_plain(family: Family, study_dir: Path) -> dict[str, Any]:
-    """The study as a plain Optuna loop: one device, one trial after another."""
+    """The study as a plain Optuna loop: one device, one trial after another, each trial with
+    the initialisation and data seed scamp-jax gives it."""
     import jax
     import optax
     import optuna
     from flax import nnx
+
+    from scamp_jax.hpo.study import make_sampler
+    from scamp_jax.hpo.trial import trial_seed
 
     space, task = _space_and_task(family.name)
     study_dir.mkdir(parents=True, exist_ok=True)
 
     def objective(trial: optuna.Trial) -> float:
         config = space.suggest(trial)
-        model = space.build(config, nnx.Rngs(SEED + trial.number))
+        seed = trial_seed(SEED, f"trial_{trial.number}")  # scamp-jax's seed of this trial
+        model = space.build(config, nnx.Rngs(seed))
         tx = optax.adamw(config["learning_rate"], b1=config.get("b1", 0.9),
                          b2=config.get("b2", 0.999), weight_decay=config.get("weight_decay", 0.0))
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -137,7 +172,7 @@ def run_plain(family: Family, study_dir: Path) -> dict[str, Any]:
             optimizer.update(model, grads)
             return loss
 
-        batches = task.batches(family.batch, SEED + trial.number)
+        batches = task.batches(family.batch, seed)
         for _ in range(family.plain_steps):
             loss = train_step(model, optimizer, next(batches))
         loss.block_until_ready()
@@ -147,20 +182,41 @@ def run_plain(family: Family, study_dir: Path) -> dict[str, Any]:
 
     study = optuna.create_study(
         study_name=family.name, storage=f"sqlite:///{study_dir / 'study.db'}",
-        direction=task.direction, sampler=optuna.samplers.TPESampler(seed=SEED))
+        direction=task.direction, sampler=make_sampler("tpe", SEED))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study.optimize(objective, n_trials=family.trials)
+    values = {str(t.number): [t.params, t.value] for t in study.trials
+              if t.state == optuna.trial.TrialState.COMPLETE}
     return {"best": study.best_value, "metric": task.metric, "batch": family.batch,
-            "overhead": None}
+            "overhead": None, "values": values}
 
 
-RUNNERS: dict[str, Callable[[Family, Path], dict[str, Any]]] = {
-    "scamp": run_scamp, "plain": run_plain}
+def _way(text: str) -> tuple[str, str | None]:
+    """``"scamp"``, ``"scamp:FUSE"`` or ``"plain"`` -> (runner, fuse)."""
+    runner, _, fuse = text.partition(":")
+    if runner not in ("scamp", "plain") or (runner == "plain" and fuse):
+        raise ValueError(f"way {text!r} is not 'plain', 'scamp' or 'scamp:FUSE'")
+    return runner, fuse or None
+
+
+def _run_child(way: str, family: Family, study_dir: Path) -> dict[str, Any]:
+    runner, fuse = _way(way)
+    if runner == "plain":
+        return run_plain(family, study_dir)
+    return run_scamp(family, study_dir, fuse)
+
+
+def _label(way: str) -> str:
+    runner, fuse = _way(way)
+    if runner == "plain":
+        return "plain Optuna loop"
+    return "scamp-jax run_study" + (f" (fuse={fuse})" if fuse else "")
 
 
 def measure(way: str, family: Family) -> dict[str, Any]:
-    """Run one way of ``family`` as a child process; wall s, CPU s, peak RSS bytes, its result."""
-    with tempfile.TemporaryDirectory(prefix=f"overhead-{way}-") as tmp:
+    """Run one way of ``family`` as a child process; wall s, CPU s, peak RSS bytes, its result.
+    ``way``: ``"plain"``, ``"scamp"`` (`run_study`'s defaults) or ``"scamp:FUSE"``."""
+    with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
         out = Path(tmp) / "child.json"
         env = dict(os.environ)
         if way == "plain":  # a plain JAX process: one CPU device (keeps the example's split off)
@@ -187,35 +243,57 @@ def _spread(values: Sequence[float], fmt: str) -> str:
     return "/".join(format(v, fmt) for v in (min(values), statistics.median(values), max(values)))
 
 
+def agreement(values: dict[str, list[Any]], plain: dict[str, list[Any]]) -> str:
+    """Of the trials with the plain loop's parameters (same number), how many reach its metric
+    (to 1e-6), and the largest difference."""
+    common = [n for n in values if n in plain and values[n][0] == plain[n][0]
+              and values[n][1] is not None and plain[n][1] is not None]
+    if not common:
+        return f"0 of {len(values)} trials have the plain loop's parameters"
+    diffs = [abs(float(values[n][1]) - float(plain[n][1])) for n in common]
+    same = sum(d <= 1e-6 for d in diffs)
+    return f"{same}/{len(common)} (max diff {max(diffs):.4f})"
+
+
 def report(family: Family, runs: dict[str, list[dict[str, Any]]], markdown: bool) -> None:
     from benchmarks._tables import print_table
 
     plain_wall = statistics.median(r["wall_s"] for r in runs["plain"])
     plain_cpu = statistics.median(r["cpu_s"] for r in runs["plain"])
     rows = []
-    for way, label in (("scamp", "scamp-jax run_study"), ("plain", "plain Optuna loop")):
-        rs = runs[way]
+    for way, rs in runs.items():
         wall = [r["wall_s"] for r in rs]
         cpu = [r["cpu_s"] for r in rs]
         rss = [r["peak_rss_bytes"] / 2**20 for r in rs]
         best = [r["best"] for r in rs if r["best"] is not None]
-        rows.append([label, _spread(wall, ".1f"), _spread(cpu, ".1f"), _spread(rss, ".0f"),
+        same = "-" if way == "plain" else "; ".join(
+            agreement(r.get("values") or {}, p.get("values") or {})
+            for r, p in zip(rs, runs["plain"], strict=False))
+        rows.append([_label(way), _spread(wall, ".1f"), _spread(cpu, ".1f"), _spread(rss, ".0f"),
                      f"{statistics.median(wall) / plain_wall:.2f}x",
                      f"{statistics.median(cpu) / plain_cpu:.2f}x",
-                     _spread(best, ".4f") if best else "-"])
+                     _spread(best, ".4f") if best else "-", same])
     metric = runs["plain"][0]["metric"]
     print_table(
         f"{family.name}: {family.trials} trials x {family.steps * family.reference_batch} samples, "
         f"{len(runs['plain'])} interleaved repeats (min/median/max)",
         ["run", "wall s", "CPU s", "peak RSS MiB", "wall vs plain", "CPU vs plain",
-         f"best {metric}"], rows, markdown)
-    breakdowns = [r["overhead"] for r in runs["scamp"] if r.get("overhead")]
-    if breakdowns:
+         f"best {metric}", "same params: equal metric (per repeat)"], rows, markdown)
+    for way, rs in runs.items():
+        breakdowns = [r["overhead"] for r in rs if r.get("overhead")]
+        if not breakdowns:
+            continue
         keys = sorted({k for b in breakdowns for k in b if isinstance(b[k], int | float)})
-        print_table("scamp-jax's own breakdown (run.overhead in results.json; median over repeats)",
-                    ["part", "value"],
+        print_table(f"{_label(way)}: own breakdown (run.overhead in results.json; median over "
+                    "repeats)", ["part", "value"],
                     [[k, f"{statistics.median(b.get(k, 0) for b in breakdowns):.2f}"]
                      for k in keys], markdown)
+
+
+def _fuse_value(text: str) -> str:
+    if text in ("none", "auto") or (text.isdigit() and int(text) >= 1):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not none, auto or a width >= 1")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -226,7 +304,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         help="interleaved repeats of each way (default 3)")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
     parser.add_argument("--json", metavar="FILE", help="also write every run's figures to FILE")
-    parser.add_argument("--child", choices=list(RUNNERS), help=argparse.SUPPRESS)
+    parser.add_argument("--fuse", action="append", type=_fuse_value, metavar="none|auto|K",
+                        help="run scamp-jax with this fuse setting (repeat for several ways; "
+                        "default: once, with run_study's default)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--study-dir", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -237,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     configure_device_memory()  # before JAX starts, here and in the child processes (inherited)
     if args.child:
-        result = RUNNERS[args.child](FAMILIES[args.family], Path(args.study_dir))
+        result = _run_child(args.child, FAMILIES[args.family], Path(args.study_dir))
         Path(args.child_out).write_text(json.dumps(result))
         return result
 
@@ -245,9 +326,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     everything: dict[str, Any] = {}
     for name in families:
         family = FAMILIES[name]
-        runs: dict[str, list[dict[str, Any]]] = {"scamp": [], "plain": []}
+        ways = [f"scamp:{f}" for f in args.fuse] if args.fuse else ["scamp"]
+        ways.append("plain")
+        runs: dict[str, list[dict[str, Any]]] = {way: [] for way in ways}
         for repeat in range(args.repeats):
-            order = ("scamp", "plain") if repeat % 2 == 0 else ("plain", "scamp")
+            shift = repeat % len(ways)
+            order = ways[shift:] + ways[:shift]  # rotated: each way runs first in some repeat
             for way in order:
                 print(f"[overhead] {name} repeat {repeat + 1}/{args.repeats}: {way} ...",
                       flush=True)

@@ -19,6 +19,7 @@ from scamp_jax.hpo.fused_engine import latest_checkpoint_step
 from scamp_jax.hpo.runner import RunSpec, StepCache, make_optimizer, run_trial, trial_seed
 from scamp_jax.hpo.settings import SearchSettings
 from scamp_jax.hpo.study import SIBLING_OF, OptunaTrialSource, open_study
+from scamp_jax.planning.compile_events import CompileCounter
 from scamp_jax.planning.fusion import plan_fusion
 from scamp_jax.scheduling.grouping import FusionCandidate, form_groups
 
@@ -160,6 +161,21 @@ def test_a_narrower_group_books_its_own_width_not_the_widest(tmp_path):
                                batch_size=16, optimizer=make_optimizer({}),
                                loss_fn=task.loss_fn)
             assert wide.width == 3 and booked[gid] < wide.predicted_peak_bytes
+
+
+def test_a_family_is_planned_once_at_its_own_width(tmp_path):
+    """Three trials with --fuse 4: a proposal and its two siblings, whose planner threads plan
+    the group together, once, three wide (not at the cap of 4 and then again at 3): one fused
+    compile to plan the group and at most one to run it."""
+    study, source, engine = _study(tmp_path, trials=3, fuse=4, steps=5)
+    with CompileCounter() as counter:
+        engine.run()
+    source.close()
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    assert {t.user_attrs["fusion_width"] for t in trials} == {3}
+    fused = sum(n for name, n in counter.compiles.items() if "fused" in name)
+    assert 1 <= fused <= 2, counter.compiles
 
 
 def test_without_fuse_nothing_is_grouped(tmp_path):

@@ -453,7 +453,8 @@ class SearchEngine:
         record.times["run_started"] = self._run_started
         if self.fusion is not None:
             ckpt = self.checkpoint_root / asked.checkpoint_key if self.checkpoint_root else None
-            self._submit("plan", asked, self.fusion.prepare, asked.params, asked.number, ckpt)
+            self._submit("plan", asked, self.fusion.prepare, asked.params, asked.number, ckpt,
+                         self.fusion.family_width(asked))
         else:
             self._submit("plan", asked, self.planning.planned_with_cost, asked.params,
                          asked.number)

@@ -120,7 +120,9 @@ class FusionService:
         self._lock = threading.Lock()
         self._signatures: dict[str, Any] = {}
         self._plans: dict[Any, FusionPlan | None] = {}
+        self._plan_locks: dict[Any, threading.Lock] = {}
         self._info: dict[int, MemberInfo] = {}
+        self._family_widths: dict[int, int] = {}  # proposed trial -> 1 + its siblings
         self.reset()
 
     def reset(self) -> None:
@@ -130,11 +132,25 @@ class FusionService:
         self._family: dict[int, int] = {}  # trial -> the proposed trial it shares an arch with
         self.units: dict[int, Unit] = {}
 
+    def family_width(self, asked: Any) -> int | None:
+        """(Loop thread, when ``asked`` is asked.) How many trials share its architecture by
+        construction: a proposal and the siblings held for it (None: not known, e.g. a retry
+        or a sibling of a proposal asked in an earlier run)."""
+        with self._lock:
+            if asked.siblings:
+                self._family_widths[asked.number] = asked.siblings + 1
+                return asked.siblings + 1
+            if asked.sibling_of is not None:
+                return self._family_widths.get(asked.sibling_of)
+        return None
+
     # ------------------------------------------------------------------ planner threads
     def prepare(self, params: Mapping[str, Any], number: int,
-                checkpoint_dir: Path | None) -> Any:
-        """Plan and cost one trial, then find its signature, resume step and fused plan."""
-        plan = self.planning.planned_with_cost(params, number)
+                checkpoint_dir: Path | None, width: int | None = None) -> Any:
+        """Plan and cost one trial, then find its signature, resume step and fused plan (of at
+        most ``width`` members, e.g. its `family_width`; None: the cap)."""
+        # A family's members train fused: a run-grade solo step would be compiled for nothing.
+        plan = self.planning.planned_with_cost(params, number, run_ready=width is None)
         arch = _arch_text(params)
         with self._lock:
             signature = self._signatures.get(arch)
@@ -142,7 +158,7 @@ class FusionService:
             signature = signature_key(architecture_signature(self.space, params))
             with self._lock:
                 self._signatures[arch] = signature
-        fusion = self.fusion_plan(params, plan, signature)
+        fusion = self.fusion_plan(params, plan, signature, width)
         info = MemberInfo(signature, latest_checkpoint_step(checkpoint_dir), fusion)
         with self._lock:
             self._info[number] = info
@@ -153,11 +169,20 @@ class FusionService:
         """The widest group of ``params``'s architecture on ``plan`` (at its batch) of at most
         ``width`` members (None: the cap), cached in memory and in the plan cache; None when
         fewer than two fit."""
-        width = self.cap if width is None else width
+        width = self.cap if width is None else min(width, self.cap)
         key = (signature, tuple(d.id for d in plan.devices), int(plan.batch_size), width)
         with self._lock:
             if key in self._plans:
                 return self._plans[key]
+            key_lock = self._plan_locks.setdefault(key, threading.Lock())
+        with key_lock:  # planner threads with one family's members plan it once
+            with self._lock:
+                if key in self._plans:
+                    return self._plans[key]
+            return self._plan_fusion(params, plan, width, key)
+
+    def _plan_fusion(self, params: Mapping[str, Any], plan: Any, width: int,
+                     key: Any) -> FusionPlan | None:
         try:
             fusion: FusionPlan | None = plan_fusion(
                 self.planning.abstract(params), self.task.sample_batch(1), max_width=width,

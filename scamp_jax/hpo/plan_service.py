@@ -79,9 +79,11 @@ class PlanningService:
         return nnx.eval_shape(lambda: self.space.build(params, nnx.Rngs(0)))
 
     def call_planner(
-        self, model: Any, n_devices: int, max_batch: int | None, memory: int | None = None
+        self, model: Any, n_devices: int, max_batch: int | None, memory: int | None = None,
+        run_ready: bool = True,
     ) -> Any:
-        """``plan_fn`` for ``model`` on the first ``n_devices`` devices at most ``max_batch``."""
+        """``plan_fn`` for ``model`` on the first ``n_devices`` devices at most ``max_batch``;
+        ``run_ready=False``: no run-grade step for the runner (``compile_for_run=False``)."""
         # A task that can evaluate in chunks has its evaluation planned with the step, so the
         # plan's predicted peak covers evaluation too.
         extra: dict[str, Any] = (
@@ -89,6 +91,8 @@ class PlanningService:
         # The policy's batch multiple (ScaMP: so a trial can later grow with the same batch).
         if self.batch_multiple > 1:
             extra["batch_multiple"] = self.batch_multiple
+        if not run_ready:
+            extra["compile_for_run"] = False
         return self.plan_fn(
             model,
             self.task.sample_batch(1),
@@ -120,7 +124,8 @@ class PlanningService:
             self._fixed_batch = int(plan.batch_size)
         return self._fixed_batch
 
-    def smallest_fitting_plan(self, model: Any, max_batch: int | None) -> Any:
+    def smallest_fitting_plan(self, model: Any, max_batch: int | None,
+                              run_ready: bool = True) -> Any:
         """Plan on the fewest devices (1, 2, 4, ..., the whole pool) that hold ``model`` at a
         batch of at least ``min_batch_size``."""
         total = len(self.devices)
@@ -129,7 +134,7 @@ class PlanningService:
         last_error: Exception | None = None
         for n in counts:
             try:
-                plan = self.call_planner(model, n, max_batch)
+                plan = self.call_planner(model, n, max_batch, run_ready=run_ready)
             except planner.DoesNotFitError as err:
                 last_error = err
                 continue
@@ -146,7 +151,7 @@ class PlanningService:
         raise last_error
 
     def plan(self, params: Mapping[str, Any], *, devices: int | None = None,
-             max_batch: int | None = None) -> Any:
+             max_batch: int | None = None, run_ready: bool = True) -> Any:
         """Plan one configuration: fewest devices that hold it, largest batch (``max_batch`` cap).
 
         Under the fixed policy the device count is ``devices_per_trial`` and the batch the
@@ -154,6 +159,8 @@ class PlanningService:
         trials that differ only in optimizer hyperparameters are planned once.
         Raises ``planner.DoesNotFitError`` if the configuration fits on no device count, and
         `TrialDeferred` (cached like a plan) if a subclass hands the architecture elsewhere.
+        ``run_ready=False`` (a trial that will train fused): the planner keeps no run-grade step
+        (a solo run of the architecture then compiles its own).
         """
         model = self.abstract(params)
         graphdef = split_model(model)[0]
@@ -172,9 +179,10 @@ class PlanningService:
             if key not in self._plans:
                 try:
                     if devices is not None:
-                        self._plans[key] = self.call_planner(model, devices, cap)
+                        self._plans[key] = self.call_planner(model, devices, cap,
+                                                             run_ready=run_ready)
                     else:
-                        self._plans[key] = self.smallest_fitting_plan(model, cap)
+                        self._plans[key] = self.smallest_fitting_plan(model, cap, run_ready)
                 except TrialDeferred as deferred:
                     self._plans[key] = deferred  # a property of the architecture, like a plan
             plan = self._plans[key]

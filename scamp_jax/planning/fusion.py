@@ -56,6 +56,7 @@ from scamp_jax.planning.planner import (
     resolve_budget,
     resolve_devices,
 )
+from scamp_jax.planning.reuse import CPU_INIT_COMPILE
 from scamp_jax.planning.train_step import (
     LossFn,
     StepShardings,
@@ -174,7 +175,16 @@ def stack_batches(batches: Sequence[PyTree]) -> PyTree:
 
 
 def member_slice(tree: PyTree, index: int) -> PyTree:
-    """Member ``index`` of a stacked state tree (each leaf ``x[index]``)."""
+    """Member ``index`` of a stacked state tree (each leaf ``x[index]``).
+
+    One jitted program per tree, the index an argument: leaf by leaf, each leaf shape compiled
+    its own slice (twice: slice and squeeze), for every group.
+    """
+    return _member_slice(tree, jnp.asarray(index, jnp.int32))
+
+
+@jax.jit
+def _member_slice(tree: PyTree, index: jax.Array) -> PyTree:
     return jax.tree.map(lambda x: x[index], tree)
 
 
@@ -240,10 +250,17 @@ def fused_initial_state(
         _, params, rest = split_model(build(nnx.Rngs(jax.random.key(seed))))
         return params, set_hyperparams(optimizer.init(params), hyper), rest
 
+    seed_array = jnp.asarray(_seed_array(seeds))
+    hyper = {k: jnp.asarray(v) for k, v in hyperparams.items()}
+    # LLVM's default optimisation makes this once-per-group program's compile the slowest of a
+    # group on CPU; level 1 compiles several times faster and gives the same values
+    # (`scamp_jax.planning.reuse.CPU_INIT_COMPILE`, as for a solo trial's initialisation).
+    options = dict(CPU_INIT_COMPILE) if mesh.devices.flat[0].platform == "cpu" else None
     with jax.set_mesh(mesh):
-        return jax.jit(
+        compiled = jax.jit(
             jax.vmap(init), out_shardings=(stacked.params, stacked.opt_state, stacked.rest)
-        )(jnp.asarray(_seed_array(seeds)), dict(hyperparams))
+        ).lower(seed_array, hyper).compile(options)
+        return compiled(seed_array, hyper)
 
 
 def _seed_array(seeds: Sequence[int]) -> np.ndarray:
