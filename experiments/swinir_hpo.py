@@ -2,7 +2,7 @@
 
 Run (8 CPU devices on a CPU-only machine, the GPUs on a GPU machine)::
 
-    python -m experiments.swinir_hpo                  # 3-6 min on 2 CPU cores
+    python -m experiments.swinir_hpo                  # 4-6 min on 2 busy CPU cores
     python -m experiments.swinir_hpo --preset smoke   # a few minutes
     python -m experiments.swinir_hpo --policy fixed   # the fixed-resources baseline
     mpirun -n 2 python -m experiments.swinir_hpo --preset smoke   # one study across 2 ranks
