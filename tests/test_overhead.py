@@ -25,6 +25,10 @@ def test_idle_waiting_counts_idle_devices_only_while_a_plan_is_awaited_and_none_
     # 6-7: trial 1 queued (waits for devices, not for a plan) -> 0.
     assert idle_waiting_for_plans(intervals, trials) == pytest.approx(8.0)
     assert idle_waiting_for_plans(intervals, []) == 0.0
+    # a cap of one running trial: from 2 s trial 0 runs, so a ready plan could not have
+    # started before 10 s; only 0-2 counts.
+    assert idle_waiting_for_plans(intervals, trials, max_running=1) == pytest.approx(4.0)
+    assert idle_waiting_for_plans(intervals, trials, max_running=2) == pytest.approx(8.0)
 
 
 def test_compiles_and_sections_are_attributed_by_thread_and_name():

@@ -12,8 +12,8 @@ threads compiling at once they can exceed the wall-clock time.
 
 The summary also has the time from the process's start to the study's (the interpreter, the
 imports and the script's own set-up) and the device-seconds during which whole devices stood
-idle while a trial was being planned and none waited for devices (`idle_waiting_for_plans`,
-from the engine's per-trial timeline).
+idle while a trial was being planned, none waited for devices and the engine's running cap
+left room (`idle_waiting_for_plans`, from the engine's per-trial timeline).
 """
 
 from __future__ import annotations
@@ -159,18 +159,24 @@ class OverheadRecorder:
         if result is not None:
             out["elapsed_s"] = round(float(result.elapsed_s), 3)
             out["idle_waiting_for_plans_device_s"] = round(idle_waiting_for_plans(
-                result.intervals, [o.attrs for o in result.outcomes]), 3)
+                result.intervals, [o.attrs for o in result.outcomes],
+                max_running=(getattr(result, "scheduling", None) or {}).get("max_running")),
+                3)
         return out
 
 
 def idle_waiting_for_plans(intervals: Sequence[Sequence[Sequence[float]]],
-                           trials: Sequence[Mapping[str, Any]]) -> float:
+                           trials: Sequence[Mapping[str, Any]],
+                           max_running: int | None = None) -> float:
     """Device-seconds during which a device held no trial while some trial was being planned
-    (asked, plan not ready) and no planned trial waited for devices.
+    (asked, plan not ready), no planned trial waited for devices and fewer than
+    ``max_running`` trials (or fused groups) ran: a ready plan could have started then. With
+    the engine's running cap reached, idle devices wait for the cap, not for a plan.
 
-    ``intervals``: per device, ``(trial, start_s, end_s, bytes)`` of every trial it held;
-    ``trials``: per trial, ``asked_at``, ``planned_at`` and ``started_at`` (seconds on the same
-    clock; a trial without ``asked_at`` counts as asked at 0).
+    ``intervals``: per device, ``(trial, start_s, end_s, bytes)`` of every trial it held (a
+    fused group under its key); ``trials``: per trial, ``asked_at``, ``planned_at`` and
+    ``started_at`` (seconds on the same clock; a trial without ``asked_at`` counts as asked at
+    0); ``max_running``: the engine's cap on running trials (None: no cap).
     """
     planning, queued = [], []
     for t in trials:
@@ -191,6 +197,11 @@ def idle_waiting_for_plans(intervals: Sequence[Sequence[Sequence[float]]],
         mid = (a + b) / 2
         if not any(s <= mid < e for s, e in planning) or any(s <= mid < e for s, e in queued):
             continue
+        if max_running is not None:
+            running = {iv[0] for device in intervals for iv in device
+                       if float(iv[1]) <= mid < float(iv[2])}
+            if len(running) >= max_running:
+                continue
         idle = sum(1 for device in intervals
                    if not any(float(iv[1]) <= mid < float(iv[2]) for iv in device))
         total += idle * (b - a)
