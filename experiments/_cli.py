@@ -91,7 +91,7 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
     """The flags every HPO entry point takes; unset flags keep the preset's value."""
     parser.add_argument("--preset", default="default", choices=list(presets),
                         help="size of the search: 'smoke' finishes in a few minutes on 2 CPU "
-                        "cores, 'default' in about ten, 'paper' is cluster-sized")
+                        "cores, 'default' in about five, 'paper' is cluster-sized")
     parser.add_argument("--trials", type=positive_int,
                         help="total trials of the study; a resumed study runs only the "
                         "missing ones")
