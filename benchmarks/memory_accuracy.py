@@ -275,7 +275,7 @@ def measure_real_step(case: Case, devices: int, budget: str | None, *,
 
     Plans ``case`` (with ``safety_margin``; ``cache``: a plan-cache file, so repeated runs plan
     without compiling), builds the state directly on the plan's shardings
-    (`scamp_jax.planning.train_step.init_train_state`: no device holds an unsharded copy), and
+    (`scamp_jax.planning.initial_state.init_train_state`: no device holds an unsharded copy), and
     runs two steps at ``batch`` (default: the plan's). With ``fuse=K`` the same for a fused group
     sized by `plan_fusion` (the widest group up to ``K`` members, then the largest per-member
     batch; ``batch``: per member). Returns a JSON-ready dict: ``batch`` (per member when fused),
@@ -289,14 +289,10 @@ def measure_real_step(case: Case, devices: int, budget: str | None, *,
     import numpy as np
     from flax import nnx
 
+    from scamp_jax.planning.initial_state import InitialStates, init_train_state
     from scamp_jax.planning.plan_cache import PlanCache
     from scamp_jax.planning.planner import plan_mesh
-    from scamp_jax.planning.train_step import (
-        default_loss,
-        default_optimizer,
-        init_train_state,
-        split_model,
-    )
+    from scamp_jax.planning.train_step import default_loss, default_optimizer, split_model
 
     sample = case.sample()
     abstract = nnx.eval_shape(lambda: case.build(nnx.Rngs(0)))
@@ -309,12 +305,7 @@ def measure_real_step(case: Case, devices: int, budget: str | None, *,
                            "budget": plan.memory_per_device, "safety_margin": safety_margin}
     rng = np.random.default_rng(0)
     if fuse:
-        from scamp_jax.planning.fusion import (
-            fused_initial_state,
-            jit_fused_step,
-            plan_fusion,
-            stack_shardings,
-        )
+        from scamp_jax.planning.fusion import jit_fused_step, plan_fusion, stack_shardings
 
         dp = plan.data_parallel
         group = plan_fusion(abstract, sample, max_width=fuse, plan=plan, optimizer=tx,
@@ -327,8 +318,8 @@ def measure_real_step(case: Case, devices: int, budget: str | None, *,
         active = np.ones((width,), bool)
 
         def run() -> Any:
-            params, opt_state, rest = fused_initial_state(
-                case.build, tx, list(range(width)), {}, plan.step_shardings, plan.mesh)
+            params, opt_state, rest = InitialStates(home_on_cpu=False).make_group(
+                case.name, case.build, tx, plan.step_shardings, list(range(width)), {})
             data = jax.device_put(x, stack_shardings(plan.step_shardings).batch)
             for _ in range(2):
                 params, opt_state, rest, loss = step(params, opt_state, rest, data, active)

@@ -276,3 +276,24 @@ def test_make_mesh_and_bytes_per_device():
     assert bytes_per_device(jax.ShapeDtypeStruct((10, 8), jnp.float32), sharded) == 10 * 4 * 4
     key = jax.eval_shape(lambda: jax.random.key(0))
     assert bytes_per_device(key, jax.NamedSharding(mesh, P())) == 8  # two uint32 words
+
+
+def test_backward_residuals_are_traced_only_when_the_cap_may_clearly_fit(monkeypatch):
+    """The shape bound that lets the cap be the first (and only) compile traces the loss's
+    backward pass; a cap whose batch alone overflows the budget skips that trace."""
+    calls = []
+    traced = memory.StepCompiler.traced_bytes_per_sample
+
+    def counting(self: memory.StepCompiler) -> float:
+        calls.append(1)
+        return traced(self)
+
+    monkeypatch.setattr(memory.StepCompiler, "traced_bytes_per_sample", counting)
+    model = nnx.eval_shape(lambda: MLP(32, 64, nnx.Rngs(0)))
+    sample = jax.ShapeDtypeStruct((1, 32), jnp.float32)
+    # default cap 65,536: twice its batch (128 bytes a sample) is 16 MiB, over 4 MiB from shapes
+    big = plan_mesh(model, sample, devices=1, memory_per_device="4MiB", compile_for_run=False)
+    assert calls == [] and big.compiles >= 2
+    small = plan_mesh(model, sample, devices=1, memory_per_device="4MiB", max_batch_size=64,
+                      compile_for_run=False)
+    assert calls == [1] and (small.batch_size, small.compiles) == (64, 1)

@@ -14,8 +14,8 @@ from flax import nnx
 
 from scamp_jax.hpo.runner import RunSpec, StepCache, make_optimizer, run_trial
 from scamp_jax.planning.compile_events import CompileCounter
+from scamp_jax.planning.initial_state import InitialStates
 from scamp_jax.planning.planner import plan_mesh
-from scamp_jax.planning.reuse import InitialStates
 from scamp_jax.planning.train_step import split_model
 from scamp_jax.space import SearchSpace
 
@@ -110,6 +110,38 @@ def test_one_compiled_initialisation_equals_building_the_model_with_each_seed():
         assert {d.id for d in jax.tree.leaves(params)[0].devices()} == {2, 3}
         assert float(opt_state.hyperparams["learning_rate"]) == np.float32(lr)
     assert (states.misses, states.hits) == (1, 1)
+
+
+def test_a_fused_groups_members_are_the_solo_states_and_groups_share_one_compile():
+    """One builder for solo runs and fused groups: member i of a group is, bit for bit, the
+    solo state of seed i and its hyperparameters, and a second group of the same architecture
+    and width (other seeds, other devices) compiles nothing."""
+    states = InitialStates()
+    plan = plan_mesh(nnx.eval_shape(lambda: MLP(8, nnx.Rngs(0))),
+                     jax.ShapeDtypeStruct((1, 16), jnp.float32), devices=jax.devices()[:2],
+                     memory_per_device="8MiB", optimizer=make_optimizer({}),
+                     max_batch_size=8, compile_for_run=False)
+    optimizer = make_optimizer({})
+    build = lambda rngs: MLP(8, rngs)  # noqa: E731
+    with CompileCounter() as count:
+        for devices, seeds, lrs in ((jax.devices()[:2], [3, 5], [1e-2, 3e-4]),
+                                    (jax.devices()[2:4], [9, 4], [2e-3, 5e-2])):
+            shardings = plan.with_devices(devices).step_shardings
+            group = states.make_group("mlp8", build, optimizer, shardings, seeds,
+                                      {"learning_rate": lrs})
+            assert {d.id for d in jax.tree.leaves(group)[0].devices()} == {d.id for d in devices}
+            for i, (seed, lr) in enumerate(zip(seeds, lrs, strict=True)):
+                member = states.make("mlp8", build, optimizer, shardings, seed,
+                                     {"learning_rate": lr})
+                for got, want in zip(jax.tree.leaves(group), jax.tree.leaves(member),
+                                     strict=True):
+                    if jax.dtypes.issubdtype(got.dtype, jax.dtypes.prng_key):
+                        got, want = jax.random.key_data(got), jax.random.key_data(want)
+                    np.testing.assert_array_equal(np.asarray(got)[i], np.asarray(want))
+    assert count.compiles["jit(init)"] == 2  # one per width (group, solo), not per group
+    assert (states.misses, states.hits) == (2, 4)
+    with np.testing.assert_raises(ValueError):
+        states.make_group("mlp8", build, optimizer, shardings, [1, 2], {"learning_rate": [1.0]})
 
 
 class ClassifyInChunks(Classify):

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from scamp_jax.planning.initial_state import init_train_state
 from scamp_jax.planning.memory import default_step_shardings, single_device_mesh
 from scamp_jax.planning.sharding import make_mesh
 from scamp_jax.planning.train_step import (
@@ -17,7 +18,6 @@ from scamp_jax.planning.train_step import (
     abstract_state,
     default_loss,
     default_optimizer,
-    init_train_state,
     jit_train_step,
     make_train_step,
     place_train_state,

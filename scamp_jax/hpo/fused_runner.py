@@ -38,13 +38,18 @@ from flax import nnx
 
 from scamp_jax.hpo.checkpoint import TrialCheckpointer
 from scamp_jax.hpo.lifecycle import Lifecycle, MemberSpec, Schedule, stream
-from scamp_jax.hpo.runner import StepCache, _batches, make_optimizer, peak_bytes
+from scamp_jax.hpo.runner import (
+    StepCache,
+    _batches,
+    architecture_key,
+    make_optimizer,
+    peak_bytes,
+)
 from scamp_jax.hpo.trial import OPTIMIZER_KEYS, RunResult, TrialStatus
 from scamp_jax.planning import sharding as sh
 from scamp_jax.planning.evaluation import EvalCompiler
 from scamp_jax.planning.fusion import (
     FusionPlan,
-    fused_initial_state,
     hyperparam_arrays,
     jit_fused_step,
     member_slice,
@@ -289,9 +294,10 @@ class FusedProgram:
         configs = [m.params for m in members]
         optimizer = make_optimizer(configs[0])
         hyper = hyperparam_arrays(OPTIMIZER_KEYS, configs)
-        state = fused_initial_state(
+        state = self.cache.initial_states.make_group(
+            architecture_key(self.graphdef, configs[0]),
             lambda rngs: self.space.build(configs[0], rngs), optimizer,
-            [m.seed for m in members], hyper, plan.step_shardings, plan.mesh)
+            plan.step_shardings, [m.seed for m in members], hyper)
         if first:
             state = self._restore(state, first, checkpointers)
         self.state = state

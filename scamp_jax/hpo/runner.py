@@ -32,7 +32,8 @@ from scamp_jax.hpo.trial import is_oom_error as is_oom_error
 from scamp_jax.hpo.trial import trial_seed as trial_seed
 from scamp_jax.planning import sharding as sh
 from scamp_jax.planning.evaluation import EvalCompiler
-from scamp_jax.planning.reuse import ExecutableCache, InitialStates
+from scamp_jax.planning.initial_state import InitialStates, abstract_initial_state
+from scamp_jax.planning.reuse import ExecutableCache
 from scamp_jax.planning.train_step import jit_train_step, split_model
 from scamp_jax.space import SearchSpace, Task
 
@@ -170,45 +171,37 @@ class StepCache:
             return step, optimizer
 
 
-def _set_hyperparams(opt_state: Any, params: Mapping[str, Any]) -> Any:
-    for name in OPTIMIZER_KEYS:
-        if name in params:
-            old = opt_state.hyperparams[name]
-            opt_state.hyperparams[name] = jax.numpy.asarray(params[name], dtype=old.dtype)
-    return opt_state
+def architecture_key(graphdef: nnx.GraphDef, params: Mapping[str, Any]) -> Any:
+    """What trials of one architecture share (their initial state's compile): the model's
+    structure and its configuration less the optimizer's hyperparameters."""
+    return (graphdef, tuple(sorted((k, repr(v)) for k, v in params.items()
+                                   if k not in OPTIMIZER_KEYS)))
 
 
 def _initial_state(
     space: SearchSpace, spec: RunSpec, optimizer: optax.GradientTransformation, seed: int,
     abstract: bool = False, states: InitialStates | None = None, architecture: Any = None,
 ) -> tuple[Any, Any, Any]:
-    """Parameters, optimizer state and other state created directly on the plan's devices.
+    """Parameters, optimizer state and other state created directly on the plan's devices
+    (`scamp_jax.planning.initial_state`; ``states``: the compiles shared by trials of one
+    architecture, ``architecture`` its graphdef).
 
     ``abstract``: ``ShapeDtypeStruct``s carrying the plan's shardings instead (nothing is
     allocated), the restore target of a resumed trial.
     """
-    shardings = spec.plan.step_shardings
+    hyper = {k: spec.params[k] for k in OPTIMIZER_KEYS if k in spec.params}
 
-    def init() -> tuple[Any, Any, Any]:
-        model = space.build(spec.params, nnx.Rngs(seed))
-        _, params, rest = split_model(model)
-        opt_state = _set_hyperparams(optimizer.init(params), spec.params)
-        return params, opt_state, rest
+    def build(rngs: nnx.Rngs) -> nnx.Module:
+        return space.build(spec.params, rngs)
 
-    if states is not None and not abstract:  # one compile per architecture, seed an argument
-        hyper = {k: spec.params[k] for k in OPTIMIZER_KEYS if k in spec.params}
-        arch = (architecture, tuple(sorted((k, repr(v)) for k, v in spec.params.items()
-                                           if k not in OPTIMIZER_KEYS)))
-        return states.make(arch, lambda rngs: space.build(spec.params, rngs), optimizer,
-                           shardings, seed, hyper)
-    out = (shardings.params, shardings.opt_state, shardings.rest)
-    with jax.set_mesh(spec.plan.mesh):
-        if abstract:
-            shapes = jax.eval_shape(init)
-            return jax.tree.map(
-                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, out
-            )
-        return jax.jit(init, out_shardings=out)()
+    if abstract:
+        return abstract_initial_state(build, optimizer, spec.plan.step_shardings, tuple(hyper))
+    if architecture is None:
+        with jax.set_mesh(spec.plan.mesh):
+            architecture = split_model(nnx.eval_shape(lambda: build(nnx.Rngs(seed))))[0]
+    states = states if states is not None else InitialStates()
+    return states.make(architecture_key(architecture, spec.params), build, optimizer,
+                       spec.plan.step_shardings, seed, hyper)
 
 
 def run_trial(

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from scamp_jax._units import format_bytes
 from scamp_jax.planning import sharding as sh
@@ -56,7 +56,6 @@ from scamp_jax.planning.planner import (
     resolve_budget,
     resolve_devices,
 )
-from scamp_jax.planning.reuse import CPU_INIT_COMPILE
 from scamp_jax.planning.train_step import (
     LossFn,
     StepShardings,
@@ -65,6 +64,7 @@ from scamp_jax.planning.train_step import (
     default_optimizer,
     make_train_step,
     split_model,
+    stack_shardings,
 )
 from scamp_jax.scheduling.booking import group_bytes
 
@@ -123,25 +123,6 @@ def make_fused_step(
                 jax.tree.map(keep, new_rest, rest), losses)
 
     return fused
-
-
-def _stack_sharding(s: Any) -> Any:
-    if not isinstance(s, NamedSharding):
-        raise TypeError(f"fused shardings need NamedShardings, got {s!r}")
-    return NamedSharding(s.mesh, PartitionSpec(None, *s.spec), memory_kind=s.memory_kind)
-
-
-def stack_shardings(shardings: StepShardings) -> StepShardings:
-    """Shardings of the fused step's arguments from a member's (`StepShardings`).
-
-    Every spec gains a leading unsharded member axis: each device holds all ``K`` members'
-    shards of a parameter, and the per-member batch ``B`` stays split over ``'data'``.
-    """
-    def stack(tree: PyTree) -> PyTree:
-        return jax.tree.map(_stack_sharding, tree, is_leaf=lambda x: isinstance(x, NamedSharding))
-
-    return StepShardings(params=stack(shardings.params), opt_state=stack(shardings.opt_state),
-                         rest=stack(shardings.rest), batch=stack(shardings.batch))
 
 
 def jit_fused_step(
@@ -210,64 +191,6 @@ def hyperparam_arrays(
             )
         out[name] = np.asarray([float(c[name]) for c in configs], np.float32)
     return out
-
-
-def set_hyperparams(opt_state: Any, values: Mapping[str, Any]) -> Any:
-    """Write ``values`` into an ``optax.inject_hyperparams`` state (same dtypes as before)."""
-    hyper = getattr(opt_state, "hyperparams", None)
-    if hyper is None:
-        raise TypeError(
-            "the optimizer state has no hyperparams; build the optimizer with "
-            "optax.inject_hyperparams so per-member values are data"
-        )
-    for name, value in values.items():
-        if name not in hyper:
-            raise KeyError(
-                f"optimizer has no injectable hyperparameter {name!r}; it has {sorted(hyper)}"
-            )
-        hyper[name] = jnp.asarray(value, dtype=hyper[name].dtype)
-    return opt_state
-
-
-def fused_initial_state(
-    build: Callable[[nnx.Rngs], nnx.Module],
-    optimizer: optax.GradientTransformation,
-    seeds: Sequence[int],
-    hyperparams: Mapping[str, np.ndarray],
-    shardings: StepShardings,
-    mesh: jax.sharding.Mesh,
-) -> tuple[PyTree, PyTree, PyTree]:
-    """Stacked ``(params, opt_state, rest)`` of ``len(seeds)`` members, made on the devices.
-
-    Member ``i`` is ``build(nnx.Rngs(seeds[i]))`` with the optimizer state of its parameters and
-    hyperparameters ``{name: values[i]}``: the state its solo run starts from. ``shardings`` are a
-    member's (stacked here). One vmapped, jitted initialisation for the whole group.
-    """
-    stacked = stack_shardings(shardings)
-
-    def init(seed: jax.Array, hyper: Mapping[str, jax.Array]) -> tuple[PyTree, PyTree, PyTree]:
-        # nnx.Rngs(int) seeds with jax.random.key(int); a traced seed must be made a key here.
-        _, params, rest = split_model(build(nnx.Rngs(jax.random.key(seed))))
-        return params, set_hyperparams(optimizer.init(params), hyper), rest
-
-    seed_array = jnp.asarray(_seed_array(seeds))
-    hyper = {k: jnp.asarray(v) for k, v in hyperparams.items()}
-    # LLVM's default optimisation makes this once-per-group program's compile the slowest of a
-    # group on CPU; level 1 compiles several times faster and gives the same values
-    # (`scamp_jax.planning.reuse.CPU_INIT_COMPILE`, as for a solo trial's initialisation).
-    options = dict(CPU_INIT_COMPILE) if mesh.devices.flat[0].platform == "cpu" else None
-    with jax.set_mesh(mesh):
-        compiled = jax.jit(
-            jax.vmap(init), out_shardings=(stacked.params, stacked.opt_state, stacked.rest)
-        ).lower(seed_array, hyper).compile(options)
-        return compiled(seed_array, hyper)
-
-
-def _seed_array(seeds: Sequence[int]) -> np.ndarray:
-    for s in seeds:
-        if not 0 <= int(s) < 2**31:
-            raise ValueError(f"seed {s} is outside [0, 2**31); use e.g. runner.trial_seed")
-    return np.asarray(seeds, np.int32)
 
 
 # --------------------------------------------------------------------------- planning

@@ -454,11 +454,19 @@ class _Search:
         """Whether ``batch`` fits by an upper bound from shapes alone (no compile): the
         persistent state, the gradients and one more parameter-sized update buffer, and the
         traced backward residuals and the batch (`StepCompiler.traced_bytes_per_sample`, which
-        over-counts what XLA keeps), plus the prefetched batch."""
+        over-counts what XLA keeps), plus the prefetched batch.
+
+        The traced figure counts the batch itself, so the bound with the batch alone in its
+        place is known from shapes; when that already says no (e.g. at the default cap of
+        65,536 samples), the residuals are not traced (two traces of the loss's backward pass,
+        about a tenth of a small SwinIR's plan on CPU).
+        """
         compiler = self.compiler
+        fixed = compiler.state_bytes + 2 * compiler.params_bytes
+        if fixed + 2 * self.prefetch_per_sample * batch > self.usable:
+            return False
         per_sample = compiler.traced_bytes_per_sample() + self.prefetch_per_sample
-        bound = compiler.state_bytes + 2 * compiler.params_bytes + per_sample * batch
-        return bound <= self.usable
+        return fixed + per_sample * batch <= self.usable
 
     def need(self, batch: int) -> int:
         """Per-device bytes of training at ``batch``: compiled peak + prefetched batch."""

@@ -141,6 +141,25 @@ class StepShardings:
         return NamedSharding(self.mesh, PartitionSpec())
 
 
+def _stack_sharding(s: Any) -> Any:
+    if not isinstance(s, NamedSharding):
+        raise TypeError(f"fused shardings need NamedShardings, got {s!r}")
+    return NamedSharding(s.mesh, PartitionSpec(None, *s.spec), memory_kind=s.memory_kind)
+
+
+def stack_shardings(shardings: StepShardings) -> StepShardings:
+    """Shardings of a fused group's arguments from a member's (`StepShardings`).
+
+    Every spec gains a leading unsharded member axis: each device holds all ``K`` members'
+    shards of a parameter, and the per-member batch ``B`` stays split over ``'data'``.
+    """
+    def stack(tree: PyTree) -> PyTree:
+        return jax.tree.map(_stack_sharding, tree, is_leaf=lambda x: isinstance(x, NamedSharding))
+
+    return StepShardings(params=stack(shardings.params), opt_state=stack(shardings.opt_state),
+                         rest=stack(shardings.rest), batch=stack(shardings.batch))
+
+
 def jit_train_step(
     graphdef: nnx.GraphDef,
     optimizer: optax.GradientTransformation,
@@ -213,28 +232,4 @@ def place_train_state(
     params = jax.device_put(jax.tree.map(jnp.copy, params), shardings.params)
     rest = jax.device_put(jax.tree.map(_copy_leaf, rest), shardings.rest)
     opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
-    return graphdef, params, opt_state, rest
-
-
-def init_train_state(
-    build: Callable[[], nnx.Module],
-    optimizer: optax.GradientTransformation,
-    shardings: StepShardings,
-) -> tuple[nnx.GraphDef, PyTree, PyTree, PyTree]:
-    """``(graphdef, params, opt_state, rest)`` of a new ``build()`` created on its shardings.
-
-    ``build`` (e.g. ``lambda: Model(..., rngs=nnx.Rngs(0))``) runs inside ``jax.jit`` with the
-    state's shardings as output shardings, so every parameter is initialised where it lives: no
-    device ever holds a whole unsharded copy (unlike building eagerly, which puts the model on
-    the default device, and `place_train_state`). Nothing moves between host and devices.
-    """
-    graphdef = split_model(nnx.eval_shape(build))[0]
-
-    def init() -> tuple[PyTree, PyTree, PyTree]:
-        _, params, rest = split_model(build())
-        return params, optimizer.init(params), rest
-
-    out = (shardings.params, shardings.opt_state, shardings.rest)
-    with jax.set_mesh(shardings.mesh):
-        params, opt_state, rest = jax.jit(init, out_shardings=out)()
     return graphdef, params, opt_state, rest
