@@ -129,9 +129,10 @@ class SpanningPlanningService(PlanningService):
         super().__init__(*args, **kwargs)
         self.ranks = ranks
 
-    def smallest_fitting_plan(self, model: Any, max_batch: int | None) -> Any:
+    def smallest_fitting_plan(self, model: Any, max_batch: int | None,
+                              run_ready: bool = True) -> Any:
         try:
-            return super().smallest_fitting_plan(model, max_batch)
+            return super().smallest_fitting_plan(model, max_batch, run_ready)
         except planner.DoesNotFitError as err:
             if self.ranks < 2:
                 raise
