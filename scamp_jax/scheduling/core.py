@@ -539,16 +539,17 @@ class SchedulingCore:
             if run.seconds_per_step is None or key not in reshapes:
                 continue
             remaining = run.seconds_per_step * max(0, run.plan.steps - run.step)
-            views.append(RunningTrial(key, run.device_ids,
-                                      self.pool.request_of(key).bytes_per_device, remaining))
-
-        def options_of(view: RunningTrial) -> tuple[DeviceOption, ...]:
-            key, remaining = view.key, view.remaining_seconds
-            run = self._running[key]
             restart = self.restart_seconds
             if restart is None:
                 since = run.training_since if not math.isnan(run.training_since) else run.started
                 restart = max(0.0, since - run.started)
+            views.append(RunningTrial(key, run.device_ids,
+                                      self.pool.request_of(key).bytes_per_device, remaining,
+                                      restart_seconds=restart))
+
+        def options_of(view: RunningTrial) -> tuple[DeviceOption, ...]:
+            key, remaining, restart = view.key, view.remaining_seconds, view.restart_seconds
+            run = self._running[key]
             dp, mp = run.plan.data_parallel, run.plan.model_parallel
             return tuple(
                 DeviceOption(n, run.plan.bytes_per_device, remaining * dp * mp / n + restart)

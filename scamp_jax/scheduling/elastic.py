@@ -40,6 +40,8 @@ class RunningTrial:
         than ``len(device_ids)``), each with ``seconds`` = predicted seconds until it would finish
         if restarted now, the restart itself (checkpoint, compile, restore) included, and
         ``bytes_per_device`` = that plan's predicted peak per device.
+      restart_seconds: the restart's own part of each option's ``seconds`` (the rest scales
+        with the work left), for weighing a restart now against one on more devices later.
     """
 
     key: int
@@ -47,6 +49,7 @@ class RunningTrial:
     bytes_per_device: int
     remaining_seconds: float
     options: tuple[DeviceOption, ...] = ()
+    restart_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         n = len(self.device_ids)
@@ -100,6 +103,10 @@ def resizes(
        no more added devices than the surplus holds; stop when no trial can move. Taking one
        step at a time for the trial that would end last shortens the study's end, not just one
        trial.
+    4. A trial waits instead when running trials about to end free enough devices for a larger
+       option that, restarted then, finishes sooner than restarting now (a restart paid twice
+       gains nothing): at each such end ``w`` the option is predicted to finish at ``w +
+       (seconds - restart) * (remaining - w) / remaining + restart``.
 
     Step 3 looks at the trials longest first and at a trial's options only when its turn comes
     (a trial that cannot move now never can: the surplus only shrinks), so with many trials
@@ -143,12 +150,14 @@ def resizes(
     heapq.heapify(turn)
     options: dict[int, list[DeviceOption]] = {}
     taken: dict[int, list[DeviceOption]] = {}
+    offered: dict[int, tuple[DeviceOption, ...]] = {}  # every option, for rule 4
     surplus = len(idle)
     while surplus > 0 and turn:
         neg, i, devices = heapq.heappop(turn)
         r = running[i]
         if r.key not in options:
             own = r.options if options_of is None else options_of(r)
+            offered[r.key] = own
             options[r.key] = sorted((o for o in own if worth_it(r, o)),
                                     key=lambda o: o.devices)
         move = None
@@ -166,9 +175,38 @@ def resizes(
         taken.setdefault(r.key, []).append(move)
         heapq.heappush(turn, (-move.seconds, i, move.devices))
 
+    # When the devices of trials staying where they are come free: the latest end among the
+    # measured trials on each (devices holding anything else never count).
+    moving = {d for key in taken for d in by_key[key].device_ids}
+    ends: dict[int, float] = {}
+    held: dict[int, int] = {}
+    for r in running:
+        for d in r.device_ids:
+            ends[d] = max(ends.get(d, 0.0), r.remaining_seconds)
+            held[d] = held.get(d, 0) + r.bytes_per_device
+    freeing = sorted(t for d, t in ends.items() if d not in moving and not snapshot.is_empty(d)
+                     and held[d] == snapshot.capacity[d] - snapshot.free[d])
+
+    def wait_is_sooner(r: RunningTrial, o: DeviceOption) -> bool:
+        rest = r.remaining_seconds
+        if rest <= 0:
+            return False
+        extra = o.devices - len(r.device_ids) + surplus
+        for count, w in enumerate(freeing, start=1):
+            if w >= rest:
+                break
+            later = [p for p in offered[r.key]
+                     if o.devices < p.devices <= len(r.device_ids) + extra + count]
+            if any(w + (p.seconds - r.restart_seconds) * (rest - w) / rest + r.restart_seconds
+                   < o.seconds for p in later):
+                return True
+        return False
+
     out: list[Resize] = []
     for key in sorted(taken, key=lambda k: (-by_key[k].remaining_seconds, k)):
         r = by_key[key]
+        if wait_is_sooner(r, taken[key][-1]):
+            continue
         # The largest step taken that the idle devices left can still hold (capacities may
         # differ, so an earlier trial's picks can leave too few large ones).
         # Its own devices are checked again: trials sharing a device share its free memory.
