@@ -159,54 +159,66 @@ def _resizes_by_brute_force(policy: ScampPolicy, pool: DevicePool,
                 and sum(snap.capacity[d] >= o.bytes_per_device for d in idle)
                 >= o.devices - len(r.device_ids))
 
-    at = {r.key: (len(r.device_ids), r.remaining_seconds) for r in running}
-    steps: dict[int, list[DeviceOption]] = {}
-    surplus = len(idle)
-    while True:
-        moves = []
-        for n, r in enumerate(running):
-            devices, seconds = at[r.key]
-            ahead = sorted((o for o in r.options if worth(r, o) and o.devices > devices
-                            and o.devices - devices <= surplus), key=lambda o: o.devices)
-            sooner = [o for o in ahead if o.seconds < seconds]
-            if sooner:
-                moves.append((-seconds, n, r.key, sooner[0]))
-        if not moves:
-            break
-        _, _, key, o = min(moves)
-        surplus -= o.devices - at[key][0]
-        at[key] = (o.devices, o.seconds)
-        steps.setdefault(key, []).append(o)
-    # Rule 4: devices of the trials staying put come free at the latest end among the trials
-    # on each, if nothing else is on them; a trial waits when a larger option then ends sooner.
-    staying = [r for r in running if r.key not in steps]
-    moving = {d for r in running if r.key in steps for d in r.device_ids}
-    freeing = []
-    for d in range(len(snap.capacity)):
-        on = [r for r in running if d in r.device_ids]
-        if (on and d not in moving and all(r in staying for r in on)
-                and sum(r.bytes_per_device for r in on) == snap.capacity[d] - free[d]):
-            freeing.append(max(r.remaining_seconds for r in on))
-    freeing.sort()
+    def greedy(waiting: set[int]) -> tuple[dict[int, list[DeviceOption]], int]:
+        at = {r.key: (len(r.device_ids), r.remaining_seconds) for r in running}
+        steps: dict[int, list[DeviceOption]] = {}
+        surplus = len(idle)
+        while True:
+            moves = []
+            for n, r in enumerate(running):
+                if r.key in waiting:
+                    continue
+                devices, seconds = at[r.key]
+                ahead = sorted((o for o in r.options if worth(r, o) and o.devices > devices
+                                and o.devices - devices <= surplus), key=lambda o: o.devices)
+                sooner = [o for o in ahead if o.seconds < seconds]
+                if sooner:
+                    moves.append((-seconds, n, r.key, sooner[0]))
+            if not moves:
+                return steps, surplus
+            _, _, key, o = min(moves)
+            surplus -= o.devices - at[key][0]
+            at[key] = (o.devices, o.seconds)
+            steps.setdefault(key, []).append(o)
 
-    def waits(r: RunningTrial, o: DeviceOption) -> bool:
-        rest, restart = r.remaining_seconds, r.restart_seconds
-        for count, w in enumerate(freeing, start=1):
-            reach = o.devices + surplus + count
-            if w < rest and any(
-                    o.devices < p.devices <= reach
-                    and w + (p.seconds - restart) * (rest - w) / rest + restart < o.seconds
-                    for p in r.options):
-                return True
-        return False
+    # Rule 4: devices of the trials staying put come free at the latest end among the trials
+    # on each, if nothing else is on them, shared among the trials moving; a trial waits when a
+    # larger option then ends sooner, and the others move again without it.
+    waiting: set[int] = set()
+    while True:
+        steps, surplus = greedy(waiting)
+        staying = [r for r in running if r.key not in steps]
+        freeing = []
+        for d in range(len(snap.capacity)):
+            on = [r for r in running if d in r.device_ids]
+            if (on and all(r in staying for r in on)
+                    and sum(r.bytes_per_device for r in on) == snap.capacity[d] - free[d]):
+                freeing.append(max(r.remaining_seconds for r in on))
+        freeing.sort()
+
+        def waits(r: RunningTrial, o: DeviceOption, freeing: list[float], surplus: int,
+                  sharing: int) -> bool:
+            rest, restart = r.remaining_seconds, r.restart_seconds
+            for count, w in enumerate(freeing, start=1):
+                reach = o.devices + surplus + count // sharing
+                if w < rest and any(
+                        o.devices < p.devices <= reach
+                        and w + (p.seconds - restart) * (rest - w) / rest + restart < o.seconds
+                        for p in r.options):
+                    return True
+            return False
+
+        wait = {r.key for r in running if r.key in steps
+                and waits(r, steps[r.key][-1], freeing, surplus, len(steps))}
+        if not wait:
+            break
+        waiting |= wait
 
     idle.sort(key=lambda d: (snap.capacity[d], d))
     free = list(free)
     out = []
     for r in sorted((r for r in running if r.key in steps),
                     key=lambda r: (-r.remaining_seconds, r.key)):
-        if waits(r, steps[r.key][-1]):
-            continue
         for o in reversed(steps[r.key]):
             extra = [d for d in idle if snap.capacity[d] >= o.bytes_per_device]
             extra = extra[: o.devices - len(r.device_ids)]
