@@ -118,6 +118,31 @@ def test_a_step_that_does_not_fit_leaves_the_one_before_it() -> None:
         Resize(0, (0, 1), DeviceOption(2, GIB, 55.0)),)
 
 
+def test_a_trial_waits_for_devices_about_to_free_when_that_ends_it_sooner() -> None:
+    # 16 devices: trial 0 on device 0 (500 s left; a restart costs 60 s), trials 1-6 on two
+    # devices each ending in 80 s, 3 devices idle.
+    def options(rest: float) -> tuple[DeviceOption, ...]:
+        return tuple(DeviceOption(n, GIB, rest / n + 60.0) for n in range(2, 9))
+
+    soon = [RunningTrial(k, (2 * k - 1, 2 * k), GIB, 80.0) for k in range(1, 7)]
+    pool = _pool(16, {0: ((0,), GIB), **{r.key: (r.device_ids, GIB) for r in soon}})
+    long = RunningTrial(0, (0,), GIB, 500.0, options(500.0), restart_seconds=60.0)
+    # Now: 4 devices, ending in 185 s. Waiting 80 s for 12 more: at best 8 devices, ending in
+    # 80 + 420 / 8 + 60 = 192.5 s, later: it restarts now.
+    now = _tail(ScampPolicy(), pool, [long, *soon])
+    assert [(r.key, r.option.devices) for r in now] == [(0, 4)]
+    # With 1 device idle it could restart on 2 now (310 s); waiting 80 s for 8 ends it in 80 +
+    # 420 / 8 + 60 = 192.5 s: it waits.
+    pool = _pool(16, {0: ((0,), GIB), 7: ((13, 14), GIB),
+                      **{r.key: (r.device_ids, GIB) for r in soon}})
+    busy = [*soon, RunningTrial(7, (13, 14), GIB, 900.0)]
+    assert _tail(ScampPolicy(), pool, [long, *busy]) == ()
+    # Without trials about to end it restarts on 2.
+    pool = _pool(3, {0: ((0,), GIB), 7: ((2,), GIB)})
+    alone = [long, RunningTrial(7, (2,), GIB, 900.0)]
+    assert [(r.key, r.option.devices) for r in _tail(ScampPolicy(), pool, alone)] == [(0, 2)]
+
+
 def _resizes_by_brute_force(policy: ScampPolicy, pool: DevicePool,
                             running: list[RunningTrial]) -> tuple[Resize, ...]:
     """`resizes` as stated: while a trial can move, the one with the longest time (as resized
@@ -134,24 +159,61 @@ def _resizes_by_brute_force(policy: ScampPolicy, pool: DevicePool,
                 and sum(snap.capacity[d] >= o.bytes_per_device for d in idle)
                 >= o.devices - len(r.device_ids))
 
-    at = {r.key: (len(r.device_ids), r.remaining_seconds) for r in running}
-    steps: dict[int, list[DeviceOption]] = {}
-    surplus = len(idle)
+    def greedy(waiting: set[int]) -> tuple[dict[int, list[DeviceOption]], int]:
+        at = {r.key: (len(r.device_ids), r.remaining_seconds) for r in running}
+        steps: dict[int, list[DeviceOption]] = {}
+        surplus = len(idle)
+        while True:
+            moves = []
+            for n, r in enumerate(running):
+                if r.key in waiting:
+                    continue
+                devices, seconds = at[r.key]
+                ahead = sorted((o for o in r.options if worth(r, o) and o.devices > devices
+                                and o.devices - devices <= surplus), key=lambda o: o.devices)
+                sooner = [o for o in ahead if o.seconds < seconds]
+                if sooner:
+                    moves.append((-seconds, n, r.key, sooner[0]))
+            if not moves:
+                return steps, surplus
+            _, _, key, o = min(moves)
+            surplus -= o.devices - at[key][0]
+            at[key] = (o.devices, o.seconds)
+            steps.setdefault(key, []).append(o)
+
+    # Rule 4: devices of the trials staying put come free at the latest end among the trials
+    # on each, if nothing else is on them, shared among the trials moving; a trial waits when a
+    # larger option then ends sooner, and the others move again without it.
+    waiting: set[int] = set()
     while True:
-        moves = []
-        for n, r in enumerate(running):
-            devices, seconds = at[r.key]
-            ahead = sorted((o for o in r.options if worth(r, o) and o.devices > devices
-                            and o.devices - devices <= surplus), key=lambda o: o.devices)
-            sooner = [o for o in ahead if o.seconds < seconds]
-            if sooner:
-                moves.append((-seconds, n, r.key, sooner[0]))
-        if not moves:
+        steps, surplus = greedy(waiting)
+        staying = [r for r in running if r.key not in steps]
+        freeing = []
+        for d in range(len(snap.capacity)):
+            on = [r for r in running if d in r.device_ids]
+            if (on and all(r in staying for r in on)
+                    and sum(r.bytes_per_device for r in on) == snap.capacity[d] - free[d]):
+                freeing.append(max(r.remaining_seconds for r in on))
+        freeing.sort()
+
+        def waits(r: RunningTrial, o: DeviceOption, freeing: list[float], surplus: int,
+                  sharing: int) -> bool:
+            rest, restart = r.remaining_seconds, r.restart_seconds
+            for count, w in enumerate(freeing, start=1):
+                reach = o.devices + surplus + count // sharing
+                if w < rest and any(
+                        o.devices < p.devices <= reach
+                        and w + (p.seconds - restart) * (rest - w) / rest + restart < o.seconds
+                        for p in r.options):
+                    return True
+            return False
+
+        wait = {r.key for r in running if r.key in steps
+                and waits(r, steps[r.key][-1], freeing, surplus, len(steps))}
+        if not wait:
             break
-        _, _, key, o = min(moves)
-        surplus -= o.devices - at[key][0]
-        at[key] = (o.devices, o.seconds)
-        steps.setdefault(key, []).append(o)
+        waiting |= wait
+
     idle.sort(key=lambda d: (snap.capacity[d], d))
     free = list(free)
     out = []
@@ -200,8 +262,8 @@ def test_resizes_follow_the_rule_longest_first_and_ask_options_lazily(trials, ga
         asked.append(view.key)
         return running[view.key].options
 
-    bare = [RunningTrial(r.key, r.device_ids, r.bytes_per_device, r.remaining_seconds)
-            for r in running]
+    bare = [RunningTrial(r.key, r.device_ids, r.bytes_per_device, r.remaining_seconds,
+                         restart_seconds=r.restart_seconds) for r in running]
     eager = _tail(policy, pool, running)
     lazy = resizes(policy, pool.snapshot(), bare, queue_empty=True, arrivals_pending=False,
                    options_of=options_of)

@@ -179,3 +179,16 @@ def test_busy_fractions_and_costs_come_from_measured_steps() -> None:
     assert core.snapshot().busy[1] + core.snapshot().busy[0] == pytest.approx(1.5)
     assert core.seconds(TrialPlan(2, 2, 1, MIB, 50, flops_per_step=2e9)) == pytest.approx(1.0)
     assert core.seconds(TrialPlan(3, 3, 1, MIB, 50)) is None
+
+
+@pytest.mark.parametrize("overlap", [0.0, 0.5, 1.0])
+def test_the_core_books_the_load_of_its_device_overlap(overlap: float) -> None:
+    # The booked busy fraction is the load the simulator charges: overlap * busy + (1 - overlap).
+    core = SchedulingCore(ScampPolicy(), 2, 100 * MIB, 0.1, peak_flops=1e11, overlap=overlap)
+    core.planned(0.0, TrialPlan(0, 0, 1, MIB, 100, flops_per_step=1e9))
+    core.decide(0.0)
+    core.step_measured(1.0, 0, 10, 0.04)  # a quarter of the attainable rate
+    assert core.busy_fraction(0) == pytest.approx(0.25)
+    assert core.snapshot().busy[0] == pytest.approx(overlap * 0.25 + 1 - overlap)
+    with pytest.raises(ValueError, match="overlap=1.5 must be in"):
+        SchedulingCore(ScampPolicy(), 2, 100 * MIB, 0.1, overlap=1.5)

@@ -123,6 +123,12 @@ class EngineConfig:
         ``"auto"`` (on CPU devices, which share the host's cores, one per two cores as
         measured in `scamp_jax.scheduling.host`; no cap on accelerators), a positive int, or
         None (as many as the pool's memory holds).
+      device_overlap: how much trials sharing one device overlap, in [0, 1], for the
+        scheduling core's busy fractions (`scamp_jax.scheduling.costs.shared_load`; the cluster
+        simulator's ``ClusterModel.overlap``): 0, strict turns (JAX programs of several threads
+        on one GPU mostly take turns on its queue, so the last wave packs no trial beside a
+        measured one); 1, free overlap. None: 0 on accelerators, 1 on CPU devices, where
+        ``max_running_trials`` already bounds how many trials share the host's cores.
     """
 
     steps: int
@@ -147,9 +153,13 @@ class EngineConfig:
     restart_seconds: float | None = None
     fuse: int | str | None = None
     max_running_trials: int | str | None = "auto"
+    device_overlap: float | None = None
 
     def __post_init__(self) -> None:
         fusion_cap(self.fuse)  # raises on a bad value
+        if self.device_overlap is not None and not 0 <= self.device_overlap <= 1:
+            raise ValueError(f"device_overlap={self.device_overlap} must be in [0, 1] (0: "
+                             "strict turns on a device, 1: free overlap) or None")
         cap = self.max_running_trials
         if cap != "auto" and cap is not None and (
                 isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
@@ -759,6 +769,7 @@ def scheduling_info(policy: Any, config: EngineConfig, core: SchedulingCore, gro
         "restart_seconds": config.restart_seconds,
         "pool_devices": devices,
         "max_running": core.max_running,
+        "overlap": core.overlap,
         "policy_parts": parts,
         "last_wave_at": last_wave_at,
     }
@@ -798,6 +809,10 @@ def new_core(policy: Any, devices: Sequence[Any], config: EngineConfig) -> Sched
     kinds = {d.device_kind for d in devices}
     peak = attainable_flops(kinds.pop()) if len(kinds) == 1 else None
     cap = config.max_running_trials
+    overlap = config.device_overlap
+    if overlap is None:
+        overlap = 1.0 if all(d.platform == "cpu" for d in devices) else 0.0
     return SchedulingCore(policy, len(devices), config.memory_per_device, config.safety_margin,
                           config.restart_seconds, peak_flops=peak,
-                          max_running=default_max_running(devices) if cap == "auto" else cap)
+                          max_running=default_max_running(devices) if cap == "auto" else cap,
+                          overlap=overlap)

@@ -42,6 +42,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from scamp_jax.scheduling.costs import shared_load
 from scamp_jax.scheduling.elastic import Resize, RunningTrial, resizes
 from scamp_jax.scheduling.placement import (
     DeviceOption,
@@ -169,6 +170,10 @@ class SchedulingCore:
       max_running: most trials (or fused groups) running at once, the rest stay queued; None:
         as many as the pool holds. For devices that share compute, such as CPU devices that
         split one host's cores (`scamp_jax.hpo.engine.cpu_max_running`).
+      overlap: how much trials sharing a device overlap, in [0, 1]: each booked busy fraction
+        is the load `scamp_jax.scheduling.costs.shared_load` (0: strict turns, every measured
+        trial books its devices' compute fully, so the last wave packs none beside it; 1: free
+        overlap, the measured busy fraction). The cluster simulator's `ClusterModel.overlap`.
     """
 
     policy: object
@@ -178,6 +183,7 @@ class SchedulingCore:
     restart_seconds: float | None = None
     peak_flops: float | None = None
     max_running: int | None = None
+    overlap: float = 1.0
     pool: DevicePool = field(init=False)
     usage: UsageRecorder = field(init=False)
 
@@ -186,6 +192,7 @@ class SchedulingCore:
                 isinstance(self.max_running, bool) or not isinstance(self.max_running, int)
                 or self.max_running < 1):
             raise ValueError(f"max_running={self.max_running!r} must be a positive int or None")
+        shared_load(1.0, self.overlap)  # raises on an overlap outside [0, 1]
         self.capacity = usable_capacity(self.memory_per_device, self.safety_margin)
         self.pool = DevicePool([self.capacity] * self.devices)
         # Utilisation is reported against the whole memory, as a device monitor shows it.
@@ -400,10 +407,13 @@ class SchedulingCore:
                  alike: Mapping[tuple[float | None, int], int] | None = None) -> TrialRequest:
         # Unknown (not measured yet): fully busy, so that compute-aware sharing in the last
         # wave joins only trials measured to leave compute spare.
-        busy = self._predicted_busy(plan, alike)
         return TrialRequest(plan.key, plan.devices, plan.bytes_per_device, plan.arrival,
                             seconds=self.seconds(plan), options=options,
-                            busy_fraction=1.0 if busy is None else busy)
+                            busy_fraction=self._load(self._predicted_busy(plan, alike)))
+
+    def _load(self, busy: float | None) -> float:
+        """The busy fraction booked for a measured ``busy`` (None: unknown, fully busy)."""
+        return 1.0 if busy is None else shared_load(busy, self.overlap)
 
     def _last_wave_request(self, plan: TrialPlan,
                            alike: Mapping[tuple[float | None, int], int]) -> TrialRequest:
@@ -414,7 +424,7 @@ class SchedulingCore:
         held = self._last_wave.get(plan.key)
         if held is not None and held[0] is plan:
             request = held[1]
-            if (request.busy_fraction == (1.0 if busy is None else busy)
+            if (request.busy_fraction == self._load(busy)
                     and request.seconds == self.seconds(plan) and request.options == options):
                 return request
         request = self._request(plan, options, alike)
@@ -428,6 +438,7 @@ class SchedulingCore:
             busy = self.busy_fraction(key)
             if busy is None:
                 continue
+            busy = self._load(busy)
             old = self.pool.request_of(key)
             if abs(old.busy_fraction - busy) > 1e-12:
                 self.pool.rebook_busy(key, busy)
@@ -528,16 +539,17 @@ class SchedulingCore:
             if run.seconds_per_step is None or key not in reshapes:
                 continue
             remaining = run.seconds_per_step * max(0, run.plan.steps - run.step)
-            views.append(RunningTrial(key, run.device_ids,
-                                      self.pool.request_of(key).bytes_per_device, remaining))
-
-        def options_of(view: RunningTrial) -> tuple[DeviceOption, ...]:
-            key, remaining = view.key, view.remaining_seconds
-            run = self._running[key]
             restart = self.restart_seconds
             if restart is None:
                 since = run.training_since if not math.isnan(run.training_since) else run.started
                 restart = max(0.0, since - run.started)
+            views.append(RunningTrial(key, run.device_ids,
+                                      self.pool.request_of(key).bytes_per_device, remaining,
+                                      restart_seconds=restart))
+
+        def options_of(view: RunningTrial) -> tuple[DeviceOption, ...]:
+            key, remaining, restart = view.key, view.remaining_seconds, view.restart_seconds
+            run = self._running[key]
             dp, mp = run.plan.data_parallel, run.plan.model_parallel
             return tuple(
                 DeviceOption(n, run.plan.bytes_per_device, remaining * dp * mp / n + restart)

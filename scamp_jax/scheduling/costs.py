@@ -29,3 +29,16 @@ def attainable_flops(device_kind: str) -> float | None:
         if name in device_kind:
             return peak * COMPUTE_EFFICIENCY
     return None
+
+
+def shared_load(busy_fraction: float, overlap: float) -> float:
+    """Load a trial of ``busy_fraction`` puts on each of its devices when trials share them:
+    ``overlap * busy_fraction + (1 - overlap)``. ``overlap`` in [0, 1] says how much of a
+    co-located trial's idle part others can fill: 0, strict turns (every trial loads its devices
+    fully, so packed trials run one after another's step); 1, free overlap (the load is the
+    busy fraction). The scheduling core books this load and the cluster simulator charges it,
+    so both use this one rule."""
+    if not 0 <= overlap <= 1:
+        raise ValueError(f"overlap={overlap} must be in [0, 1] (0: strict turns on a device, "
+                         "1: free overlap)")
+    return overlap * busy_fraction + (1.0 - overlap)

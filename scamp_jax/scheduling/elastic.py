@@ -40,6 +40,8 @@ class RunningTrial:
         than ``len(device_ids)``), each with ``seconds`` = predicted seconds until it would finish
         if restarted now, the restart itself (checkpoint, compile, restore) included, and
         ``bytes_per_device`` = that plan's predicted peak per device.
+      restart_seconds: the restart's own part of each option's ``seconds`` (the rest scales
+        with the work left), for weighing a restart now against one on more devices later.
     """
 
     key: int
@@ -47,6 +49,7 @@ class RunningTrial:
     bytes_per_device: int
     remaining_seconds: float
     options: tuple[DeviceOption, ...] = ()
+    restart_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         n = len(self.device_ids)
@@ -100,6 +103,12 @@ def resizes(
        no more added devices than the surplus holds; stop when no trial can move. Taking one
        step at a time for the trial that would end last shortens the study's end, not just one
        trial.
+    4. A trial waits instead when running trials about to end free enough devices for a larger
+       option that, restarted then, finishes sooner than restarting now (a restart paid twice
+       gains nothing): at each such end ``w`` the option is predicted to finish at ``w +
+       (seconds - restart) * (remaining - w) / remaining + restart``, and the devices freed by
+       then are shared evenly among the trials moving now. Step 3 then runs again without the
+       waiting trials, so the devices they leave go to the others.
 
     Step 3 looks at the trials longest first and at a trial's options only when its turn comes
     (a trial that cannot move now never can: the surplus only shrinks), so with many trials
@@ -137,34 +146,79 @@ def resizes(
                 and len(idle) - bisect.bisect_left(idle_capacity, o.bytes_per_device)
                 >= o.devices - len(r.device_ids))
 
-    # Per trial in play: (-seconds, position in ``running``, devices) of where it stands in the
-    # greedy, longest first; its worthwhile options, sorted, once its turn came.
-    turn = [(-r.remaining_seconds, i, len(r.device_ids)) for i, r in enumerate(running)]
-    heapq.heapify(turn)
     options: dict[int, list[DeviceOption]] = {}
-    taken: dict[int, list[DeviceOption]] = {}
-    surplus = len(idle)
-    while surplus > 0 and turn:
-        neg, i, devices = heapq.heappop(turn)
-        r = running[i]
-        if r.key not in options:
-            own = r.options if options_of is None else options_of(r)
-            options[r.key] = sorted((o for o in own if worth_it(r, o)),
-                                    key=lambda o: o.devices)
-        move = None
-        for o in options[r.key]:
-            if o.devices <= devices:
-                continue
-            if o.devices - devices > surplus:
+    offered: dict[int, tuple[DeviceOption, ...]] = {}  # every option, for rule 4
+
+    def greedy(waiting: set[int]) -> tuple[dict[int, list[DeviceOption]], int]:
+        # Per trial in play: (-seconds, position in ``running``, devices) of where it stands in
+        # the greedy, longest first; its worthwhile options, sorted, once its turn came.
+        turn = [(-r.remaining_seconds, i, len(r.device_ids)) for i, r in enumerate(running)
+                if r.key not in waiting]
+        heapq.heapify(turn)
+        taken: dict[int, list[DeviceOption]] = {}
+        surplus = len(idle)
+        while surplus > 0 and turn:
+            neg, i, devices = heapq.heappop(turn)
+            r = running[i]
+            if r.key not in options:
+                own = r.options if options_of is None else options_of(r)
+                offered[r.key] = own
+                options[r.key] = sorted((o for o in own if worth_it(r, o)),
+                                        key=lambda o: o.devices)
+            move = None
+            for o in options[r.key]:
+                if o.devices <= devices:
+                    continue
+                if o.devices - devices > surplus:
+                    break
+                if o.seconds < -neg:
+                    move = o
+                    break
+            if move is None:
+                continue  # it cannot move now, nor later with less surplus
+            surplus -= move.devices - devices
+            taken.setdefault(r.key, []).append(move)
+            heapq.heappush(turn, (-move.seconds, i, move.devices))
+        return taken, surplus
+
+    def wait_is_sooner(r: RunningTrial, o: DeviceOption, freeing: list[float],
+                       surplus: int, sharing: int) -> bool:
+        rest = r.remaining_seconds
+        if rest <= 0:
+            return False
+        extra = o.devices - len(r.device_ids) + surplus
+        for count, w in enumerate(freeing, start=1):
+            if w >= rest:
                 break
-            if o.seconds < -neg:
-                move = o
-                break
-        if move is None:
-            continue  # it cannot move now, nor later with less surplus
-        surplus -= move.devices - devices
-        taken.setdefault(r.key, []).append(move)
-        heapq.heappush(turn, (-move.seconds, i, move.devices))
+            later = [p for p in offered[r.key]
+                     if o.devices < p.devices <= len(r.device_ids) + extra + count // sharing]
+            if any(w + (p.seconds - r.restart_seconds) * (rest - w) / rest + r.restart_seconds
+                   < o.seconds for p in later):
+                return True
+        return False
+
+    # Rule 4, then rule 3 again without the trials that wait, so the devices they leave go to
+    # others (each pass adds a waiting trial, so this ends).
+    waiting: set[int] = set()
+    while True:
+        taken, surplus = greedy(waiting)
+        # When the devices of trials staying where they are come free: the latest end among
+        # the measured trials on each (devices holding anything else never count).
+        moving = {d for key in taken for d in by_key[key].device_ids}
+        ends: dict[int, float] = {}
+        held: dict[int, int] = {}
+        for r in running:
+            for d in r.device_ids:
+                ends[d] = max(ends.get(d, 0.0), r.remaining_seconds)
+                held[d] = held.get(d, 0) + r.bytes_per_device
+        freeing = sorted(t for d, t in ends.items()
+                         if d not in moving and not snapshot.is_empty(d)
+                         and held[d] == snapshot.capacity[d] - snapshot.free[d])
+        wait = {key for key in taken
+                if wait_is_sooner(by_key[key], taken[key][-1], freeing, surplus, len(taken))}
+        if not wait:
+            break
+        waiting |= wait
 
     out: list[Resize] = []
     for key in sorted(taken, key=lambda k: (-by_key[k].remaining_seconds, k)):

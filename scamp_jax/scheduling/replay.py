@@ -140,7 +140,8 @@ def replay(results: Mapping[str, Any]) -> list[tuple[int, tuple[int, ...]]]:
     core = SchedulingCore(policy_of(run["policy_parts"]), int(run["pool_devices"]),
                           int(run["memory_per_device"]), float(run["safety_margin"]),
                           run.get("restart_seconds"), peak_flops=run.get("peak_flops"),
-                          max_running=run.get("max_running"))
+                          max_running=run.get("max_running"),
+                          overlap=float(run.get("overlap", 1.0)))
     trials = {key: _Trial.of(record) for key, record in units(results).items()}
     # (time, order, sequence, key, kind, data): the sequence keeps pushes in order on ties.
     events: list[tuple[float, int, int, int, str, tuple[Any, ...]]] = []

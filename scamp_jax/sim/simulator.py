@@ -55,7 +55,7 @@ from dataclasses import dataclass, replace
 from scamp_jax._units import format_bytes
 from scamp_jax.scheduling.booking import solo_bytes
 from scamp_jax.scheduling.core import PlanOption, SchedulingCore, Start, TrialPlan
-from scamp_jax.scheduling.costs import COMPUTE_EFFICIENCY
+from scamp_jax.scheduling.costs import COMPUTE_EFFICIENCY, shared_load
 from scamp_jax.scheduling.placement import (
     FixedPolicy,
     Policy,
@@ -155,10 +155,11 @@ class ClusterModel:
 
     def load(self, busy: float, solo: float) -> float:
         """Load one trial puts on each of its devices: ``overlap * busy / solo + (1 -
-        overlap)`` (module docstring); 0 for a trial of no time."""
+        overlap)`` (`scamp_jax.scheduling.costs.shared_load`, the rule the scheduling core
+        books by); 0 for a trial of no time."""
         if solo <= 0:
             return 0.0
-        return self.overlap * busy / solo + (1.0 - self.overlap)
+        return shared_load(busy / solo, self.overlap)
 
     def describe(self) -> str:
         """The sharing model and the engine's overheads, for printing with every result."""
@@ -430,7 +431,8 @@ def simulate(
         raise ValueError(f"{lookahead=} must be at least 1 or None (all trials queued at once)")
     core = SchedulingCore(policy, cluster.devices, cluster.memory_per_device, safety_margin,
                           cluster.restart_seconds,
-                          peak_flops=cluster.peak_flops * cluster.compute_efficiency)
+                          peak_flops=cluster.peak_flops * cluster.compute_efficiency,
+                          overlap=cluster.overlap)
     usable = core.capacity
     by_key: dict[int, TrialProfile] = {}
     for profile in profiles:
