@@ -63,6 +63,7 @@ def test_function_task_checks_its_functions():
     ({"elastic": "yes"}, "elastic='yes' is not one of 'auto', 'on', 'off'"),
     ({"min_batch_size": 64, "max_batch_size": 16}, "raise max_batch_size to at least 64"),
     ({"fuse": 4, "sampler": "grid"}, "sampler='grid' takes every parameter from its grid"),
+    ({"device_overlap": 1.5}, r"device_overlap=1.5 must be in \[0, 1\]"),
 ])
 def test_settings_name_the_bad_value_and_the_fix(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -76,6 +77,12 @@ def test_experiment_configs_are_search_settings():
         config = module.get_config("smoke")
         assert isinstance(config, SearchSettings)
         assert config.engine_config(2**30).steps == config.steps
+
+
+def test_the_device_overlap_setting_reaches_the_engine():
+    assert SearchSettings(trials=1, steps=1).engine_config(2**20).device_overlap is None
+    settings = SearchSettings(trials=1, steps=1, device_overlap=0.25)
+    assert settings.engine_config(2**20).device_overlap == 0.25
 
 
 def test_run_study_runs_then_resumes_only_the_missing_trials(tmp_path):

@@ -79,6 +79,9 @@ class SearchSettings:
         ``"auto"`` (on CPU devices, which share the host's cores, one per two cores, as
         measured in `scamp_jax.scheduling.host`; no cap on accelerators), a positive int, or
         None (as many as the pool's memory holds).
+      device_overlap: how much trials sharing one device overlap in the scheduling core's
+        busy fractions, in [0, 1] (`scamp_jax.hpo.engine.EngineConfig.device_overlap`; None:
+        0 on accelerators, 1 on CPU devices).
       heartbeat_interval, grace_period: seconds between a running trial's heartbeats, and
         without one after which its process counts as dead and the trial is retried.
       preset, space_variant: where the settings came from (an experiment's preset, the search
@@ -104,6 +107,7 @@ class SearchSettings:
     study_name: str | None = None
     fuse: int | str | None = None
     max_running_trials: int | str | None = "auto"
+    device_overlap: float | None = None
     heartbeat_interval: int = HEARTBEAT_INTERVAL
     grace_period: int = GRACE_PERIOD
     preset: str | None = None
@@ -134,6 +138,9 @@ class SearchSettings:
         if low is not None and high is not None and low > high:
             raise ValueError(f"min_batch_size={low} is larger than max_batch_size={high}; "
                              f"raise max_batch_size to at least {low} or lower min_batch_size")
+        if self.device_overlap is not None and not 0 <= self.device_overlap <= 1:
+            raise ValueError(f"device_overlap={self.device_overlap} must be in [0, 1] (0: trials "
+                             "on one device take turns, 1: they overlap freely) or None")
         if self.study_name is not None and not self.study_name.strip():
             raise ValueError("study_name='' names no study; pass a name or None (the search "
                              "space's name)")
@@ -152,7 +159,7 @@ class SearchSettings:
             min_batch_size=self.min_batch_size, reference_batch=self.reference_batch,
             checkpoint_every=self.checkpoint_every, eval_every=self.eval_every, seed=self.seed,
             rank=rank, grow_last_wave=ELASTIC[self.elastic], fuse=self.fuse,
-            max_running_trials=self.max_running_trials,
+            max_running_trials=self.max_running_trials, device_overlap=self.device_overlap,
         )
 
     def study_record(self, space: SearchSpace, memory_per_device: int) -> dict[str, Any]:
