@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scamp_jax.scheduling.elastic import Resize, RunningTrial, resizes
+from scamp_jax.scheduling.elastic import Resize, RunningTrial, place_steps, resizes
 from scamp_jax.scheduling.placement import (
     DeviceOption,
     FixedPolicy,
@@ -214,26 +214,12 @@ def _resizes_by_brute_force(policy: ScampPolicy, pool: DevicePool,
             break
         waiting |= wait
 
+    # Assigning devices to the chosen steps is `place_steps`, shared with `resizes` (its unit
+    # tests above check it); this oracle checks which steps the rules choose.
     idle.sort(key=lambda d: (snap.capacity[d], d))
-    free = list(free)
-    out = []
-    for r in sorted((r for r in running if r.key in steps),
-                    key=lambda r: (-r.remaining_seconds, r.key)):
-        for o in reversed(steps[r.key]):
-            extra = [d for d in idle if snap.capacity[d] >= o.bytes_per_device]
-            extra = extra[: o.devices - len(r.device_ids)]
-            if len(extra) == o.devices - len(r.device_ids) and all(
-                    free[d] + r.bytes_per_device >= o.bytes_per_device for d in r.device_ids):
-                break
-        else:
-            continue
-        for d in r.device_ids:
-            free[d] += r.bytes_per_device - o.bytes_per_device
-        for d in extra:
-            free[d] -= o.bytes_per_device
-            idle.remove(d)
-        out.append(Resize(r.key, (*r.device_ids, *extra), o))
-    return tuple(out)
+    order = sorted((r for r in running if r.key in steps),
+                   key=lambda r: (-r.remaining_seconds, r.key))
+    return place_steps(snap.capacity, idle, free, [(r, steps[r.key]) for r in order])
 
 
 @settings(max_examples=80, deadline=None)

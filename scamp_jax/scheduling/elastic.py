@@ -220,14 +220,23 @@ def resizes(
             break
         waiting |= wait
 
+    order = sorted(taken, key=lambda k: (-by_key[k].remaining_seconds, k))
+    return place_steps(snapshot.capacity, idle, free, [(by_key[k], taken[k]) for k in order])
+
+
+def place_steps(capacity: Sequence[int], idle: Sequence[int], free: Sequence[int],
+                steps: Sequence[tuple[RunningTrial, Sequence[DeviceOption]]]
+                ) -> tuple[Resize, ...]:
+    """Devices for the steps `resizes` chose, in ``steps``' order: each trial restarts as the
+    largest of its steps that its own devices (what it frees there plus their ``free`` bytes;
+    trials sharing a device share its free memory) and the ``idle`` devices left still hold
+    (capacities may differ, so an earlier trial's picks can leave too few large ones); a trial
+    none of whose steps fits stays. ``idle`` in the order devices are taken."""
+    idle, free = list(idle), list(free)
     out: list[Resize] = []
-    for key in sorted(taken, key=lambda k: (-by_key[k].remaining_seconds, k)):
-        r = by_key[key]
-        # The largest step taken that the idle devices left can still hold (capacities may
-        # differ, so an earlier trial's picks can leave too few large ones).
-        # Its own devices are checked again: trials sharing a device share its free memory.
-        for o in reversed(taken[key]):
-            extra = [d for d in idle if snapshot.capacity[d] >= o.bytes_per_device]
+    for r, taken in steps:
+        for o in reversed(taken):
+            extra = [d for d in idle if capacity[d] >= o.bytes_per_device]
             extra = extra[: o.devices - len(r.device_ids)]
             if len(extra) == o.devices - len(r.device_ids) and all(
                     free[d] + r.bytes_per_device >= o.bytes_per_device for d in r.device_ids):
@@ -239,5 +248,5 @@ def resizes(
         for d in extra:
             free[d] -= o.bytes_per_device
             idle.remove(d)
-        out.append(Resize(key, (*r.device_ids, *extra), o))
+        out.append(Resize(r.key, (*r.device_ids, *extra), o))
     return tuple(out)
