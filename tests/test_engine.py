@@ -394,7 +394,8 @@ def test_a_running_trial_restarts_on_idle_devices_with_the_same_result(tmp_path)
             assert_replays(result, study)
     resized, plain = outcomes[True], outcomes[False]
     assert plain.user_attrs["resizes"] == 0 and len(plain.user_attrs["devices"]) == 1
-    # Restart cost 0 and a linear speed-up predicted: the idle devices all go to it at once.
+    # Restart cost 0 and, the lone trial setting the best rate on CPU (fully busy), a linear
+    # speed-up predicted: the idle devices all go to it at once.
     assert resized.user_attrs["resizes"] >= 1 and len(resized.user_attrs["devices"]) == 4
     assert 0 < resized.user_attrs["resumed_from"] < 12000
     assert resized.user_attrs["batch_size"] == plain.user_attrs["batch_size"] == 16

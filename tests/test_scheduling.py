@@ -25,6 +25,7 @@ from test_runner import Regression
 from scamp_jax.hpo.fused_engine import latest_checkpoint_step
 from scamp_jax.hpo.session import run_search
 from scamp_jax.scheduling import SchedulingCore, TrialPlan, replan_after_oom, usable_capacity
+from scamp_jax.scheduling.costs import resized_seconds
 from scamp_jax.scheduling.placement import ScampPolicy
 from scamp_jax.scheduling.replay import recorded_placements, replay, units
 from scamp_jax.space import SearchSpace
@@ -192,3 +193,22 @@ def test_the_core_books_the_load_of_its_device_overlap(overlap: float) -> None:
     assert core.snapshot().busy[0] == pytest.approx(overlap * 0.25 + 1 - overlap)
     with pytest.raises(ValueError, match="overlap=1.5 must be in"):
         SchedulingCore(ScampPolicy(), 2, 100 * MIB, 0.1, overlap=1.5)
+
+
+def test_a_restart_is_predicted_from_the_busy_part_and_the_time_since_the_last_measurement(
+) -> None:
+    # One trial on one of four devices, measured at a quarter of the attainable rate: on p
+    # devices its compute takes 1/p as long, the rest of its step (launch gaps, host work) as
+    # long as now; and it kept training since its last measurement.
+    core = SchedulingCore(ScampPolicy(), 4, 100 * MIB, 0.1, restart_seconds=1.0,
+                          peak_flops=1e11, overlap=1.0)
+    core.planned(0.0, TrialPlan(0, 0, 1, MIB, 1000, flops_per_step=1e9))
+    core.set_arrivals_pending(False)
+    core.decide(0.0)
+    core.step_measured(20.0, 0, 100, 0.04)  # 900 steps left: 36 s at 20 s
+    (resize,) = core.resizes(30.0, {0: (2, 4)})  # 26 s left at 30 s
+    assert resize.option.devices == 4
+    assert resize.option.seconds == pytest.approx(26 * (0.25 / 4 + 0.75) + 1.0)
+    # On two devices it would save under the minimum gain (10% of 26 s): not an option taken.
+    assert resized_seconds(26.0, 0.25, 1, 2) + 1.0 > 0.9 * 26
+    assert resized_seconds(26.0, None, 1, 4) == pytest.approx(6.5)  # unknown: linear

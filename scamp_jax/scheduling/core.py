@@ -42,7 +42,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from scamp_jax.scheduling.costs import shared_load
+from scamp_jax.scheduling.costs import resized_seconds, shared_load
 from scamp_jax.scheduling.elastic import Resize, RunningTrial, resizes
 from scamp_jax.scheduling.placement import (
     DeviceOption,
@@ -525,9 +525,11 @@ class SchedulingCore:
         Only with nothing queued and no arrivals pending. ``reshapes`` gives, per running trial,
         the device counts it may restart on with its global batch (the caller knows which ones
         keep the batch divisible). A trial's remaining time is its measured seconds per step
-        times its steps left; on ``p`` data-parallel replicas instead of ``d`` it is predicted
-        as ``d / p`` of that plus the restart (``restart_seconds``, else this run's start-up).
-        Trials not measured yet are left where they are.
+        times its steps left; on ``p`` devices instead of ``d`` the busy part of it (its
+        measured `busy_fraction`) is predicted to take ``d / p`` of that and the rest of each
+        step (launch gaps, host work, collectives) as long as now
+        (`scamp_jax.scheduling.costs.resized_seconds`), plus the restart (``restart_seconds``,
+        else this run's start-up). Trials not measured yet are left where they are.
         """
         self._at(now)
         if self._queue or self._arrivals_pending:
@@ -538,7 +540,10 @@ class SchedulingCore:
         for key, run in self._running.items():
             if run.seconds_per_step is None or key not in reshapes:
                 continue
+            # Steps left at the last measurement, less those trained since at its pace.
             remaining = run.seconds_per_step * max(0, run.plan.steps - run.step)
+            if not math.isnan(run.measured_at):
+                remaining = max(0.0, remaining - (self.now - run.measured_at))
             restart = self.restart_seconds
             if restart is None:
                 since = run.training_since if not math.isnan(run.training_since) else run.started
@@ -550,9 +555,11 @@ class SchedulingCore:
         def options_of(view: RunningTrial) -> tuple[DeviceOption, ...]:
             key, remaining, restart = view.key, view.remaining_seconds, view.restart_seconds
             run = self._running[key]
-            dp, mp = run.plan.data_parallel, run.plan.model_parallel
+            devices = run.plan.data_parallel * run.plan.model_parallel
+            busy = self.busy_fraction(key)
             return tuple(
-                DeviceOption(n, run.plan.bytes_per_device, remaining * dp * mp / n + restart)
+                DeviceOption(n, run.plan.bytes_per_device,
+                             resized_seconds(remaining, busy, devices, n) + restart)
                 for n in reshapes[key] if n > len(run.device_ids)
                 and (key, n) not in self._no_grow)
 

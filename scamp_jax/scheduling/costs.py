@@ -1,4 +1,5 @@
-"""What a device can attain, for the scheduling core's busy fractions (no JAX here).
+"""What a device can attain, and what a trial gains on more devices, for the scheduling core
+(no JAX here).
 
 `attainable_flops` maps a device kind (``jax.Device.device_kind``) to its data-sheet float32
 matmul FLOP/s (TF32 tensor cores where XLA uses them for float32 by default) times the fraction a
@@ -42,3 +43,19 @@ def shared_load(busy_fraction: float, overlap: float) -> float:
         raise ValueError(f"overlap={overlap} must be in [0, 1] (0: strict turns on a device, "
                          "1: free overlap)")
     return overlap * busy_fraction + (1.0 - overlap)
+
+
+def resized_seconds(seconds: float, busy_fraction: float | None, devices: int,
+                    new_devices: int) -> float:
+    """Predicted seconds of the work that takes ``seconds`` on ``devices`` data-parallel
+    devices once the same global batch is spread over ``new_devices``: the busy part of each
+    step (compute at the attainable rate) shrinks with each device's share of the batch, the
+    rest (launch gaps, host work, collectives) does not, ``seconds * (busy * devices /
+    new_devices + 1 - busy)``. ``busy_fraction`` is the trial's measured one
+    (`SchedulingCore.busy_fraction`); None (not known) counts as fully busy, a linear speed-up.
+    The collectives the new replicas add are not counted (small within a node; a restart's
+    new plan is checked again with its measured pace before it is carried out)."""
+    if devices < 1 or new_devices < 1:
+        raise ValueError(f"devices={devices} and new_devices={new_devices} must be >= 1")
+    busy = 1.0 if busy_fraction is None else min(1.0, max(0.0, busy_fraction))
+    return seconds * (busy * devices / new_devices + 1.0 - busy)
