@@ -130,20 +130,22 @@ class SpanningPlanningService(PlanningService):
         self.ranks = ranks
 
     def smallest_fitting_plan(self, model: Any, max_batch: int | None,
-                              run_ready: bool = True) -> Any:
+                              run_ready: bool = True,
+                              params: Mapping[str, Any] | None = None) -> Any:
         try:
-            return super().smallest_fitting_plan(model, max_batch, run_ready)
+            return super().smallest_fitting_plan(model, max_batch, run_ready, params)
         except planner.DoesNotFitError as err:
             if self.ranks < 2:
                 raise
-            params, _, _ = abstract_state(model, make_optimizer({}))
+            weights, _, _ = abstract_state(model, make_optimizer(params or {}))
             loss = jax.ShapeDtypeStruct((), jnp.float32)
-            span = span_plan(self.call_planner, model, ranks=self.ranks,
+            span = span_plan(functools.partial(self.call_planner, params=params), model,
+                             ranks=self.ranks,
                              min_batch_size=self.config.min_batch_size or 1,
                              max_batch_size=max_batch,
                              memory_per_device=self.config.memory_per_device,
                              safety_margin=self.config.safety_margin,
-                             reduction_bytes=mpi_mean_bytes((params, loss)), local_error=err)
+                             reduction_bytes=mpi_mean_bytes((weights, loss)), local_error=err)
         raise TrialDeferred(f"spans {span.ranks} ranks (global batch {span.global_batch})", span)
 
 

@@ -186,7 +186,7 @@ class FusionService:
         try:
             fusion: FusionPlan | None = plan_fusion(
                 self.planning.abstract(params), self.task.sample_batch(1), max_width=width,
-                plan=plan, batch_size=int(plan.batch_size), optimizer=make_optimizer({}),
+                plan=plan, batch_size=int(plan.batch_size), optimizer=make_optimizer(params),
                 loss_fn=self.task.loss_fn, cache=self.plan_cache)
         except (planner.DoesNotFitError, TypeError, ValueError):
             fusion = None  # e.g. a fake plan in tests, or one member does not fit fused

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from scamp_jax.hpo.runner import make_optimizer
+from scamp_jax.hpo.runner import injected_keys, make_optimizer
 from scamp_jax.hpo.trial import PlannedTrial, RunResult, TrialDeferred, booked_bytes
 from scamp_jax.planning import planner
 from scamp_jax.planning.evaluation import supports_chunked_eval
@@ -80,10 +80,12 @@ class PlanningService:
 
     def call_planner(
         self, model: Any, n_devices: int, max_batch: int | None, memory: int | None = None,
-        run_ready: bool = True,
+        run_ready: bool = True, params: Mapping[str, Any] | None = None,
     ) -> Any:
         """``plan_fn`` for ``model`` on the first ``n_devices`` devices at most ``max_batch``;
-        ``run_ready=False``: no run-grade step for the runner (``compile_for_run=False``)."""
+        ``run_ready=False``: no run-grade step for the runner (``compile_for_run=False``).
+        ``params``: the configuration, whose optimizer (`make_optimizer`: which
+        hyperparameters are data) the plan's step and shardings are made for."""
         # A task that can evaluate in chunks has its evaluation planned with the step, so the
         # plan's predicted peak covers evaluation too.
         extra: dict[str, Any] = (
@@ -98,7 +100,7 @@ class PlanningService:
             self.task.sample_batch(1),
             devices=self.devices[:n_devices],
             memory_per_device=memory or self.config.memory_per_device,
-            optimizer=make_optimizer({}),
+            optimizer=make_optimizer(params or {}),
             loss_fn=self.task.loss_fn,
             safety_margin=self.config.safety_margin,
             max_batch_size=max_batch,
@@ -125,16 +127,18 @@ class PlanningService:
         return self._fixed_batch
 
     def smallest_fitting_plan(self, model: Any, max_batch: int | None,
-                              run_ready: bool = True) -> Any:
+                              run_ready: bool = True,
+                              params: Mapping[str, Any] | None = None) -> Any:
         """Plan on the fewest devices (1, 2, 4, ..., the whole pool) that hold ``model`` at a
-        batch of at least ``min_batch_size``."""
+        batch of at least ``min_batch_size`` (``params``: as `call_planner`)."""
         total = len(self.devices)
         counts = sorted({2**k for k in range(total.bit_length()) if 2**k <= total} | {total})
         floor = self.config.min_batch_size or 1
         last_error: Exception | None = None
         for n in counts:
             try:
-                plan = self.call_planner(model, n, max_batch, run_ready=run_ready)
+                plan = self.call_planner(model, n, max_batch, run_ready=run_ready,
+                                         params=params)
             except planner.DoesNotFitError as err:
                 last_error = err
                 continue
@@ -170,7 +174,7 @@ class PlanningService:
             cap = self.fixed_batch_size() if max_batch is None else max_batch
         else:
             cap = self.config.max_batch_size if max_batch is None else max_batch
-        key = (graphdef, devices, cap)
+        key = (graphdef, devices, cap, injected_keys(params))
         # Several planner threads compile at once (XLA compiles outside the GIL); one lock per
         # architecture makes a second trial of it wait for the first plan instead of redoing it.
         with self._plans_lock:
@@ -180,9 +184,10 @@ class PlanningService:
                 try:
                     if devices is not None:
                         self._plans[key] = self.call_planner(model, devices, cap,
-                                                             run_ready=run_ready)
+                                                             run_ready=run_ready, params=params)
                     else:
-                        self._plans[key] = self.smallest_fitting_plan(model, cap, run_ready)
+                        self._plans[key] = self.smallest_fitting_plan(model, cap, run_ready,
+                                                                      params)
                 except TrialDeferred as deferred:
                     self._plans[key] = deferred  # a property of the architecture, like a plan
             plan = self._plans[key]
@@ -204,7 +209,7 @@ class PlanningService:
             if key in self._flops:
                 return self._flops[key]
         try:
-            optimizer = make_optimizer({})
+            optimizer = make_optimizer(params)
             state = abstract_state(model, optimizer)
             batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                  with_batch_size(self.task.sample_batch(1), int(plan.batch_size)))
@@ -265,7 +270,8 @@ class PlanningService:
         ``request.max_batch`` (a `Replan`); None if nothing fits. Runs in a planner thread."""
         model = self.abstract(planned.asked.params)
         try:
-            new = self.call_planner(model, request.devices, request.max_batch)
+            new = self.call_planner(model, request.devices, request.max_batch,
+                                    params=planned.asked.params)
         except planner.DoesNotFitError:
             return None
         flops = self.step_flops(planned.asked.params, new)
