@@ -8,19 +8,21 @@ then the largest global batch that fits is found. "Fits" means the compiled per-
 its planned chunk, optimizer state, prefetched batch) fits too (`Plan.predicted_peak_bytes`).
 
 The batch search lets the memory model choose each compile and the compiles decide: it starts at
-the batch the known points predict (or at the cap when an upper bound from shapes alone says the
-cap fits, else a probe at eight samples per data-parallel group), moves by the line through the
-compiled points nearest the fit/no-fit boundary (one point: proportional to the bytes beyond the
-persistent state), and stops when it holds a batch that fits and the next multiple of the
-data-parallel degree does not (or the cap), either compiled or put over the budget by the line
-between the two compiles that bracket the boundary. Memory is only piecewise affine in the batch
-(flat at small batches, jumps where XLA changes strategy), so a prediction never decides a fit:
-the answer is always compiled, and when secant steps stall, bisection takes over. One compile for
-a new architecture whose cap clearly fits, two in the common case (a probe above the boundary and
-the answer below it), three when the probe lands below the boundary; fewer when earlier compiles
-of the same program on the same mesh shape are known (``cache=``), none for a cached plan. On
-CPU only the batches the model predicts to be the answer are compiled exactly; the others (the
-first probe, a step up that shows the answer is the largest) are rough compiles
+the batch the known points predict, or, for a new architecture, at the largest batch an estimate
+from shapes alone predicts to fit (the traced backward residuals per sample), compiled exactly as
+the answer; it moves by the line through the compiled points nearest the fit/no-fit boundary (one
+point: proportional to the bytes beyond the persistent state), and stops when it holds a batch
+that fits and the next multiple of the data-parallel degree does not (or the cap), either
+compiled or put over the budget by a line: the one between the two compiles that bracket the
+boundary, or, when nothing above the answer was compiled, the answer's figure plus the smallest
+slope estimated from below. Memory is only piecewise affine in the batch (flat at small batches,
+jumps where XLA changes strategy), so a prediction never decides a fit: the answer is always
+compiled, and when secant steps stall, bisection takes over. One compile for a new architecture
+whose first guess fits and whose next batch the line puts over the budget, two in the common
+case otherwise (the guess and the answer beside it); fewer when earlier compiles of the same
+program on the same mesh shape are known (``cache=``), none for a cached plan. On CPU only the
+batches the model predicts to be the answer are compiled exactly; the others (a step up that
+shows the answer is the largest) are rough compiles
 (``scamp_jax.planning.memory.CPU_ROUGH_COMPILE``, 1.5-3x cheaper, peaks within 512 bytes),
 trusted only further than ``ROUGH_TOLERANCE`` of the budget from the boundary and compiled again
 exactly otherwise, and always when one turns out to be the answer. Degrees whose
@@ -722,8 +724,8 @@ def plan_mesh(
         compiles with default options anyway, so it is free. On CPU the search compiles with
         fast code-generation settings (LLVM level 0: half the compile time, half-speed code);
         with it, the batches the memory model predicts to be the answer are compiled with
-        default options instead, so the usual plan still takes two compiles (one of them a
-        slower, run-grade one) and a trial on the planned devices none
+        default options instead, so a plan takes as many compiles as without it (the
+        answer's a slower, run-grade one) and a trial on the planned devices none
         (`scamp_jax.planning.reuse.ExecutableCache`); one more (run-grade) compile only when
         the prediction missed. False: planning only, at the fast settings. A plan answered
         by ``cache`` compiles nothing and has no compiled step.
