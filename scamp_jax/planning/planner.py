@@ -8,19 +8,21 @@ then the largest global batch that fits is found. "Fits" means the compiled per-
 its planned chunk, optimizer state, prefetched batch) fits too (`Plan.predicted_peak_bytes`).
 
 The batch search lets the memory model choose each compile and the compiles decide: it starts at
-the batch the known points predict (or at the cap when an upper bound from shapes alone says the
-cap fits, else a probe at eight samples per data-parallel group), moves by the line through the
-compiled points nearest the fit/no-fit boundary (one point: proportional to the bytes beyond the
-persistent state), and stops when it holds a batch that fits and the next multiple of the
-data-parallel degree does not (or the cap), either compiled or put over the budget by the line
-between the two compiles that bracket the boundary. Memory is only piecewise affine in the batch
-(flat at small batches, jumps where XLA changes strategy), so a prediction never decides a fit:
-the answer is always compiled, and when secant steps stall, bisection takes over. One compile for
-a new architecture whose cap clearly fits, two in the common case (a probe above the boundary and
-the answer below it), three when the probe lands below the boundary; fewer when earlier compiles
-of the same program on the same mesh shape are known (``cache=``), none for a cached plan. On
-CPU only the batches the model predicts to be the answer are compiled exactly; the others (the
-first probe, a step up that shows the answer is the largest) are rough compiles
+the batch the known points predict, or, for a new architecture, at the largest batch an estimate
+from shapes alone predicts to fit (the traced backward residuals per sample), compiled exactly as
+the answer; it moves by the line through the compiled points nearest the fit/no-fit boundary (one
+point: proportional to the bytes beyond the persistent state), and stops when it holds a batch
+that fits and the next multiple of the data-parallel degree does not (or the cap), either
+compiled or put over the budget by a line: the one between the two compiles that bracket the
+boundary, or, when nothing above the answer was compiled, the answer's figure plus the smallest
+slope estimated from below. Memory is only piecewise affine in the batch (flat at small batches,
+jumps where XLA changes strategy), so a prediction never decides a fit: the answer is always
+compiled, and when secant steps stall, bisection takes over. One compile for a new architecture
+whose first guess fits and whose next batch the line puts over the budget, two in the common
+case otherwise (the guess and the answer beside it); fewer when earlier compiles of the same
+program on the same mesh shape are known (``cache=``), none for a cached plan. On CPU only the
+batches the model predicts to be the answer are compiled exactly; the others (a step up that
+shows the answer is the largest) are rough compiles
 (``scamp_jax.planning.memory.CPU_ROUGH_COMPILE``, 1.5-3x cheaper, peaks within 512 bytes),
 trusted only further than ``ROUGH_TOLERANCE`` of the budget from the boundary and compiled again
 exactly otherwise, and always when one turns out to be the answer. Degrees whose
@@ -450,23 +452,38 @@ class _Search:
     def prefetch(self, batch: int) -> int:
         return round(self.prefetch_per_sample * batch)
 
-    def clearly_fits(self, batch: int) -> bool:
-        """Whether ``batch`` fits by an upper bound from shapes alone (no compile): the
-        persistent state, the gradients and one more parameter-sized update buffer, and the
-        traced backward residuals and the batch (`StepCompiler.traced_bytes_per_sample`, which
-        over-counts what XLA keeps), plus the prefetched batch.
-
-        The traced figure counts the batch itself, so the bound with the batch alone in its
-        place is known from shapes; when that already says no (e.g. at the default cap of
-        65,536 samples), the residuals are not traced (two traces of the loss's backward pass,
-        about a tenth of a small SwinIR's plan on CPU).
+    def shape_guess(self, cap: int) -> int:
+        """The largest multiple of the unit up to ``cap`` that fits by an estimate from shapes
+        alone (no compile; 0 if none): the persistent state, the gradients and one more
+        parameter-sized update buffer, plus per sample the traced backward residuals and the
+        batch (`StepCompiler.traced_bytes_per_sample`) and the prefetched batch. An estimate,
+        not a bound: the batch it names is compiled before anything is decided.
         """
         compiler = self.compiler
-        fixed = compiler.state_bytes + 2 * compiler.params_bytes
-        if fixed + 2 * self.prefetch_per_sample * batch > self.usable:
-            return False
+        room = self.usable - (compiler.state_bytes + 2 * compiler.params_bytes)
+        if room < 0:
+            return 0
         per_sample = compiler.traced_bytes_per_sample() + self.prefetch_per_sample
-        return fixed + per_sample * batch <= self.usable
+        best = cap if per_sample <= 0 else min(cap, int(room // per_sample))
+        return best // self.unit * self.unit
+
+    def slope_below(self, batch: int) -> float:
+        """Per-device bytes per global sample just above the compiled ``batch``, estimated
+        from below: the smallest of the line through ``batch`` and the next smaller compiled
+        batch, the one-point line (the bytes beyond the persistent state and the parameters
+        taken as proportional to the batch) and the traced slope from shapes (computed only
+        when the others leave it to decide). Memory grows faster, not slower, at larger
+        batches where XLA changes strategy (flat at small batches, then jumps up), so the
+        smallest of these tends to under-state the slope above ``batch``.
+        """
+        compiler = self.compiler
+        peak = self.seen[batch].peak
+        estimates = [(peak - compiler.state_bytes - compiler.params_bytes) / batch]
+        below = [b for b in self.seen if b < batch]
+        if below:
+            b0 = max(below)
+            estimates.append((peak - self.seen[b0].peak) / (batch - b0))
+        return min(estimates)
 
     def need(self, batch: int) -> int:
         """Per-device bytes of training at ``batch``: compiled peak + prefetched batch."""
@@ -523,10 +540,10 @@ def _largest_batch(search: _Search, cap: int) -> int:
         if secant_steps < _SECANT_STEPS:
             secant_steps += len(search.seen) >= 2
             guess = _model_guess(search, lo, hi, cap)
-            # A guess the known points chose, other than the step up from a fitting batch, is
-            # the model's prediction of the answer; the blind first probe is only at the cap.
-            answer = guess is not None and (guess == cap or bool(search.seen) and (
-                lo is None or guess != lo + dp))
+            # A guess other than the step up from a fitting batch is the prediction of the
+            # answer: the first from shapes, later ones from the known points.
+            answer = guess is not None and (guess == cap or not search.seen or lo is None
+                                            or guess != lo + dp)
         if guess is None:  # bisection
             low = lo if lo is not None else 0
             guess = max(dp, low + ((hi - low) // dp // 2) * dp)
@@ -534,21 +551,31 @@ def _largest_batch(search: _Search, cap: int) -> int:
 
 
 def _line_proves_largest(search: _Search, lo: int, hi: int) -> bool:
-    """Whether the straight line through two compiled points, ``lo`` (exact, fits) and ``hi``
-    (does not fit), puts the next batch up, ``lo + unit``, over the usable bytes.
+    """Whether a line through compiled points puts the next batch up, ``lo + unit``, over the
+    usable bytes; ``lo`` is exact and fits.
 
-    The step up is then not compiled: the answer is compiled exactly (its figures are the
-    plan's and it fits for certain), and only its being the largest rests on the line between
-    two compiles that bracket it. Memory is piecewise affine in the batch, so a line between
-    two compiled points errs where XLA changes strategy between them; the cost of such an
-    error is a batch a step or two smaller than the largest, never one that does not fit.
+    With a compiled ``hi`` that does not fit, the line between the two; otherwise (``lo`` is
+    the largest batch compiled) the figure at ``lo`` plus the slope estimated from below
+    (`_Search.slope_below`), and the traced slope from shapes too. The step up is then not
+    compiled: the answer is compiled exactly (its figures are the plan's and it fits for
+    certain), and only its being the largest rests on the line. Memory is piecewise affine in
+    the batch, so a line errs where XLA changes strategy; the cost of such an error is a batch
+    a step or two smaller than the largest, never one that does not fit.
     """
-    if lo in search.rough or lo not in search.seen or hi not in search.seen:
+    if lo in search.rough or lo not in search.seen:
         return False
     nxt = lo + search.unit
-    line = search.affine(lo, hi)
-    predicted = line.fixed_bytes + line.bytes_per_sample * nxt + search.prefetch(nxt)
-    return line.bytes_per_sample > 0 and predicted > search.usable
+    if hi in search.seen:
+        line = search.affine(lo, hi)
+        predicted = line.fixed_bytes + line.bytes_per_sample * nxt + search.prefetch(nxt)
+        return line.bytes_per_sample > 0 and predicted > search.usable
+    peak = search.seen[lo].peak
+
+    def over(slope: float) -> bool:
+        return slope > 0 and peak + slope * search.unit + search.prefetch(nxt) > search.usable
+
+    # the traced slope is the dearer estimate (two traces): only when the others agree
+    return over(search.slope_below(lo)) and over(search.compiler.traced_bytes_per_sample())
 
 
 def _exact_largest(search: _Search, cap: int) -> int | None:
@@ -573,9 +600,8 @@ def _model_guess(search: _Search, lo: int | None, hi: int, cap: int) -> int | No
     seen = search.seen
     low = lo if lo is not None else 0
     if not seen:
-        if cap > 8 * dp and search.clearly_fits(cap):
-            return cap  # compiled exactly as the answer: one compile when it fits
-        return min(cap, 8 * dp)
+        # compiled exactly as the answer: one compile when it fits and the step up does not
+        return max(dp, search.shape_guess(cap))
     if len(seen) == 1:
         # One point: the bytes beyond the persistent state and the gradients taken as
         # proportional to the batch (activations); exact when they dominate, as in
@@ -625,9 +651,10 @@ def _local_fit(search: _Search, lo: int, hi: int) -> MemoryModel:
     if len(below) >= 2:
         return search.affine(below[-2], below[-1])
     only = search.seen[lo]
+    slope = max(0.0, search.slope_below(lo))  # one compile: the slope estimated from below
     return MemoryModel(
-        fixed_bytes=float(only.peak),
-        bytes_per_sample=0.0,
+        fixed_bytes=only.peak - slope * lo,
+        bytes_per_sample=slope,
         probe_batches=(lo,),
         probe_peaks=(only.peak,),
         batch_multiple=search.compiler.data_parallel,
@@ -697,8 +724,8 @@ def plan_mesh(
         compiles with default options anyway, so it is free. On CPU the search compiles with
         fast code-generation settings (LLVM level 0: half the compile time, half-speed code);
         with it, the batches the memory model predicts to be the answer are compiled with
-        default options instead, so the usual plan still takes two compiles (one of them a
-        slower, run-grade one) and a trial on the planned devices none
+        default options instead, so a plan takes as many compiles as without it (the
+        answer's a slower, run-grade one) and a trial on the planned devices none
         (`scamp_jax.planning.reuse.ExecutableCache`); one more (run-grade) compile only when
         the prediction missed. False: planning only, at the fast settings. A plan answered
         by ``cache`` compiles nothing and has no compiled step.
