@@ -50,14 +50,16 @@ class PlanningService:
         with the same batch).
       may_grow: a queued trial may start on more devices than planned (the last wave's growth):
         its `core_plan` offers the usable bytes per device to grow into.
+      min_devices: fewest devices `smallest_fitting_plan` plans a trial on (on CPU devices the
+        host cores a running trial's share gives it: `scamp_jax.scheduling.host.cpu_trial_devices`).
     """
 
     def __init__(self, space: Any, task: Any, config: Any, devices: Sequence[Any],
                  plan_fn: Callable[..., Any], batch_multiple: int = 1,
-                 may_grow: bool = False) -> None:
+                 may_grow: bool = False, min_devices: int = 1) -> None:
         self.space, self.task, self.config = space, task, config
         self.devices, self.plan_fn, self.batch_multiple = list(devices), plan_fn, batch_multiple
-        self.may_grow = may_grow
+        self.may_grow, self.min_devices = may_grow, min_devices
         self._plans: dict[Any, Any] = {}
         self._plans_lock = threading.Lock()
         self._key_locks: dict[Any, threading.Lock] = {}
@@ -126,10 +128,11 @@ class PlanningService:
 
     def smallest_fitting_plan(self, model: Any, max_batch: int | None,
                               run_ready: bool = True) -> Any:
-        """Plan on the fewest devices (1, 2, 4, ..., the whole pool) that hold ``model`` at a
-        batch of at least ``min_batch_size``."""
+        """Plan on the fewest devices (``min_devices``, then doubling up to the whole pool) that
+        hold ``model`` at a batch of at least ``min_batch_size``."""
         total = len(self.devices)
-        counts = sorted({2**k for k in range(total.bit_length()) if 2**k <= total} | {total})
+        counts = sorted({2**k for k in range(total.bit_length())
+                         if self.min_devices <= 2**k <= total} | {total})
         floor = self.config.min_batch_size or 1
         last_error: Exception | None = None
         for n in counts:
