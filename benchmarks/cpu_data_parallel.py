@@ -8,6 +8,8 @@ repeats (one timing of each device count per round)::
 
     python -m benchmarks.cpu_data_parallel                       # smoke SwinIR, batch 16
     python -m benchmarks.cpu_data_parallel --family vit --batch 64
+    python -m benchmarks.cpu_data_parallel --family digits --batch 128 --steps 50 \\
+        --params '{"width": 256, "depth": 2, "learning_rate": 0.01}'
     python -m benchmarks.cpu_data_parallel --counts 1,2,1x2      # also 2 trials at once
 
 A layout ``nxk`` runs ``k`` copies of the trial at once in threads, each on its own ``n``
@@ -20,6 +22,7 @@ layout.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import threading
 import time
@@ -72,9 +75,13 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[int, int], list[float]
     """Time each device count; returns seconds per step of every round, by device count."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.cpu_data_parallel",
                                 description=__doc__)
-    p.add_argument("--family", choices=("swinir", "vit"), default="swinir")
+    p.add_argument("--family", choices=("swinir", "vit", "digits"), default="swinir",
+                   help="smoke SwinIR, smoke ViT or the MLP of examples/digits.py")
     p.add_argument("--config", choices=("largest", "smallest"), default="largest",
                    help="the space's largest configuration or its smallest (first grid values)")
+    p.add_argument("--params", type=json.loads, default=None,
+                   help='a configuration as JSON, e.g. \'{"width": 256, "depth": 2, '
+                   '"learning_rate": 0.01}\' (the digits space names no largest)')
     p.add_argument("--batch", type=positive_int, default=16, help="global batch of every run")
     p.add_argument("--counts", default="1,2,4",
                    help="layouts to compare: ``n`` (one trial on n devices) or ``nxk`` (k trials "
@@ -87,15 +94,28 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[int, int], list[float]
     from scamp_jax.devices import configure_cpu_devices
 
     configure_cpu_devices(max(CPU_DEVICES, *(n * k for n, k in layouts)))
-    if args.family == "swinir":
-        from experiments.swinir_hpo import get_config, make_space_and_task
-    else:
-        from experiments.vit_synthetic import get_config, make_space_and_task
-    import jax
+    if args.family == "digits":
+        from benchmarks.overhead import _space_and_task
 
-    space, task = make_space_and_task(get_config("smoke"))
-    params = dict(space.largest) if args.config == "largest" else {
+        space, task = _space_and_task("digits")
+    else:
+        if args.family == "swinir":
+            from experiments.swinir_hpo import get_config, make_space_and_task
+        else:
+            from experiments.vit_synthetic import get_config, make_space_and_task
+        space, task = make_space_and_task(get_config("smoke"))
+    import jax
+    from flax import nnx
+
+    from scamp_jax.hpo.runner import make_optimizer
+    from scamp_jax.planning.memory import with_batch_size
+    from scamp_jax.planning.train_step import step_flops
+
+    params = args.params or dict(space.largest) if args.config == "largest" else {
         k: v[0] for k, v in space.grid.items()}
+    flops = step_flops(nnx.eval_shape(lambda: space.build(params, nnx.Rngs(0))),
+                       make_optimizer(params), task.loss_fn,
+                       with_batch_size(task.sample_batch(1), args.batch))
     devices = jax.devices()
     runs = {(n, k): [_trial(space, task, params, devices[i * n:(i + 1) * n], args.batch)
                      for i in range(k)] for n, k in layouts}
@@ -114,7 +134,8 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[int, int], list[float]
             times[n, k].append((time.perf_counter() - start) / (k * args.steps))
             cpu[n, k].append((time.process_time() - cpu0) / (k * args.steps))
     base = statistics.median(times[layouts[0]])
-    print(f"{args.family} {args.config} {params}, global batch {args.batch}, "
+    print(f"{args.family} {args.config} {params}, global batch {args.batch} "
+          f"({(flops or 0) / 1e9:.3g} GFLOP per step), "
           f"{args.rounds} interleaved rounds of {args.steps} steps per trial")
     for n, k in layouts:
         med = statistics.median(times[n, k])

@@ -21,7 +21,6 @@ from test_runner import SPACE, Regression
 import scamp_jax
 from scamp_jax.hpo.settings import SearchSettings
 from scamp_jax.hpo.study import storage_url
-from scamp_jax.scheduling.host import cpu_trial_devices, default_max_running
 
 
 def function_task() -> scamp_jax.FunctionTask:
@@ -102,11 +101,8 @@ def test_run_study_runs_then_resumes_only_the_missing_trials(tmp_path):
     study = optuna.load_study(study_name=summary.study_name, storage=storage_url(tmp_path))
     trials = study.get_trials()
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
-    # one running trial per two host cores, each on the devices its cores give it
-    pool = jax.devices()[:2]
-    devices = cpu_trial_devices(pool, default_max_running(pool), 16)
     for trial in trials:
-        assert len(trial.user_attrs["devices"]) == devices
+        assert len(trial.user_attrs["devices"]) == 1
         assert trial.user_attrs["batch_size"] == 16
         assert 0 < trial.user_attrs["predicted_peak_bytes"] <= 64 * 2**20
     # The finished study's best model, as the README loads it, scores what the study recorded.

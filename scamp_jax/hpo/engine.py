@@ -65,7 +65,7 @@ from scamp_jax.planning import planner
 from scamp_jax.planning.plan_cache import PlanCache
 from scamp_jax.scheduling.core import PlanOption, SchedulingCore, Start, TrialPlan
 from scamp_jax.scheduling.costs import attainable_flops
-from scamp_jax.scheduling.host import cpu_trial_devices, default_max_running
+from scamp_jax.scheduling.host import default_max_running
 from scamp_jax.scheduling.placement import FixedPolicy, Placement, ScampPolicy, make_policy
 from scamp_jax.space import SearchSpace, Task
 
@@ -410,9 +410,7 @@ class SearchEngine:
         """The planning service of this engine (a subclass may plan otherwise)."""
         return PlanningService(self.space, self.task, self.config, self.devices, self.plan_fn,
                                getattr(self.policy, "batch_multiple", 1), self._may_grow(),
-                               min_devices=cpu_trial_devices(
-                                   self.devices, max_running(self.config, self.devices),
-                                   self.config.max_batch_size))
+                               max_running=max_running(self.config, self.devices))
 
     def _may_grow(self) -> bool:
         """Whether a queued ScaMP trial may start on more devices at the end of a study."""

@@ -11,13 +11,27 @@ queued; on accelerators trials are not capped.
 
 A running trial's share of the cores is used only if its program spreads over them. XLA runs
 much of a step on one thread per CPU device: one trial on one CPU device used about one core
-(CPU time 0.96x its wall time). Data-parallel over more CPU devices at the same global batch it
-trains faster, although the devices add no cores (`benchmarks.cpu_data_parallel`, 2-core host,
-8 interleaved rounds, medians per step): the smoke SwinIR space's largest model at batch 16 took
-527 ms on 1 device, 420 ms on 2 (1.26x), 380 ms on 4 (1.39x); the smoke ViT space's largest at
-batch 64 took 1243, 1180 (1.05x) and 1044 ms (1.19x), and its CPU time per step fell from 956 to
-849 and 824 ms. So `cpu_trial_devices` plans a trial on CPU devices on at least as many devices
-as the host cores its share of the running cap gives it.
+(CPU time 0.96x its wall time). Data-parallel over more CPU devices at the same global batch a
+heavy step trains faster, although the devices add no cores, and a light one slower: the
+devices exchange gradients every step (`benchmarks.cpu_data_parallel`, 2-core host shared with
+other work, interleaved rounds, medians per step, 2 devices against 1):
+
+======================================  ============  ==========================
+model, global batch                     GFLOP/step    2 devices (4 devices)
+======================================  ============  ==========================
+digits MLP 256x2, 128                   0.062         0.61x (0.37x)
+smoke SwinIR smallest, 4                0.077         0.71x
+smoke SwinIR embed 24, depth 2, 4       0.355         1.12x
+smoke SwinIR embed 24, depth 2, 8       0.71          1.67x
+smoke SwinIR largest, 4                 2.39          1.61x
+smoke SwinIR largest, 16                9.54          1.26x (1.39x)
+smoke ViT largest, 64                   33.3          1.05x (1.19x)
+======================================  ============  ==========================
+
+The heavy steps also took less CPU time per step on more devices (SwinIR largest at batch 4:
+105 against 75 ms). So `cpu_trial_devices` plans a trial whose step has at least
+`CPU_SPLIT_FLOPS` on at least as many CPU devices as the host cores its share of the running
+cap gives it, and a lighter trial on one.
 """
 
 from __future__ import annotations
@@ -29,6 +43,9 @@ import jax
 
 #: host cores per concurrently running trial on CPU devices (from the measurement above).
 CPU_CORES_PER_TRIAL = 2
+#: FLOPs per training step below which a trial on CPU devices stays on one device (measured
+#: above: steps of at most 0.08 GFLOP lost on 2 devices, steps of 0.36 GFLOP and more gained).
+CPU_SPLIT_FLOPS = 3e8
 
 
 def host_cores() -> int:
@@ -50,13 +67,17 @@ def default_max_running(devices: Sequence[jax.Device], cores: int | None = None)
 
 
 def cpu_trial_devices(devices: Sequence[jax.Device], max_running: int | None,
-                      max_batch: int | None = None, cores: int | None = None) -> int:
+                      max_batch: int | None = None, cores: int | None = None,
+                      flops_per_step: float | None = None) -> int:
     """Fewest devices to plan one trial on: on CPU devices the host ``cores`` (default:
     `host_cores`) each of ``max_running`` running trials gets (None: as many as there are
     devices), within its share of the pool, at most ``max_batch`` (one sample per device at
-    least), rounded down to a power of two; 1 when any device is an accelerator, where the
-    fewest devices that hold a trial leave the most room for others."""
+    least), rounded down to a power of two; 1 for a step of fewer than `CPU_SPLIT_FLOPS`
+    (``flops_per_step``, None: unknown, counted as heavy), and 1 when any device is an
+    accelerator, where the fewest devices that hold a trial leave the most room for others."""
     if not devices or any(d.platform != "cpu" for d in devices):
+        return 1
+    if flops_per_step is not None and flops_per_step < CPU_SPLIT_FLOPS:
         return 1
     if max_running is not None and max_running < 1:
         raise ValueError(f"max_running={max_running} must be a positive int or None")
