@@ -160,12 +160,21 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
     p.add_argument("--policies", default="scamp,fixed",
                    help="comma-separated policies to run, in order (default: scamp,fixed)")
+    p.add_argument("--max-running-trials", default="auto",
+                   help="trials training at once under both policies: auto (the engine's "
+                   "default: on CPU one per two host cores), a number, or none (no cap)")
     p.add_argument("--ray", action="store_true",
                    help="also run the fixed run's trials through Ray Tune (needs ray[tune])")
     args = p.parse_args(argv)
     policies = args.policies.split(",")
     if not policies or any(x not in ("scamp", "fixed") for x in policies):
         p.error(f"--policies {args.policies!r}: choose from scamp,fixed (comma-separated)")
+    running: int | str | None = {"auto": "auto", "none": None}.get(args.max_running_trials)
+    if running is None and args.max_running_trials != "none":
+        if not args.max_running_trials.isdigit() or int(args.max_running_trials) < 1:
+            p.error(f"--max-running-trials {args.max_running_trials!r}: use auto, none or a "
+                    "positive number")
+        running = int(args.max_running_trials)
     if args.ray and "fixed" not in policies:
         p.error("--ray reruns the fixed run's trials; include fixed in --policies")
 
@@ -195,6 +204,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             policy=policy, devices_per_trial=args.devices_per_trial, study_dir=str(study_dir),
             sampler="random", memory_per_device=memory,
             max_batch_size=args.max_batch_size or get_config("smoke").max_batch_size,
+            max_running_trials=running,
         )
         space, task = make_space_and_task(config)
         timed = TimedPlanner(study_dir / "plans.sqlite")

@@ -109,8 +109,10 @@ class EngineConfig:
       grow_last_wave: in a study's last wave (nothing left to ask), let ScaMP start a queued
         trial data-parallel on 2x, 4x, ... its planned devices when they would otherwise idle
         (needs ``reference_batch``: a larger global batch then means fewer steps). None: on for
-        accelerators, off for CPU devices, which split one host's cores and so gain no speed
-        from more of them (only extra compiles). The same switch lets ScaMP, once nothing is
+        accelerators, off for CPU devices, where ScaMP plans each trial from the start on the
+        devices its share of the host's cores gives it (`cpu_trial_devices` in
+        `scamp_jax.scheduling.host`, measured there); twice those devices gained about 1.1x
+        more, not worth a trial's extra compiles. The same switch lets ScaMP, once nothing is
         queued or left to ask, stop a running trial at a checkpoint and restart it with the same
         global batch on its devices plus idle ones (`scamp_jax.scheduling.elastic`; needs a
         checkpoint root).
@@ -407,7 +409,8 @@ class SearchEngine:
     def make_planning(self) -> PlanningService:
         """The planning service of this engine (a subclass may plan otherwise)."""
         return PlanningService(self.space, self.task, self.config, self.devices, self.plan_fn,
-                               getattr(self.policy, "batch_multiple", 1), self._may_grow())
+                               getattr(self.policy, "batch_multiple", 1), self._may_grow(),
+                               max_running=max_running(self.config, self.devices))
 
     def _may_grow(self) -> bool:
         """Whether a queued ScaMP trial may start on more devices at the end of a study."""
@@ -808,11 +811,15 @@ def new_core(policy: Any, devices: Sequence[Any], config: EngineConfig) -> Sched
     the kind is known."""
     kinds = {d.device_kind for d in devices}
     peak = attainable_flops(kinds.pop()) if len(kinds) == 1 else None
-    cap = config.max_running_trials
     overlap = config.device_overlap
     if overlap is None:
         overlap = 1.0 if all(d.platform == "cpu" for d in devices) else 0.0
     return SchedulingCore(policy, len(devices), config.memory_per_device, config.safety_margin,
                           config.restart_seconds, peak_flops=peak,
-                          max_running=default_max_running(devices) if cap == "auto" else cap,
-                          overlap=overlap)
+                          max_running=max_running(config, devices), overlap=overlap)
+
+
+def max_running(config: EngineConfig, devices: Sequence[Any]) -> int | None:
+    """Most trials running at once under ``config`` on ``devices`` (None: no cap)."""
+    cap = config.max_running_trials
+    return default_max_running(devices) if cap == "auto" else cap

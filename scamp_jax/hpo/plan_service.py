@@ -32,8 +32,9 @@ from scamp_jax.hpo.trial import PlannedTrial, RunResult, TrialDeferred, booked_b
 from scamp_jax.planning import planner
 from scamp_jax.planning.evaluation import supports_chunked_eval
 from scamp_jax.planning.memory import with_batch_size
-from scamp_jax.planning.train_step import abstract_state, jit_train_step, split_model
+from scamp_jax.planning.train_step import abstract_state, jit_train_step, split_model, step_flops
 from scamp_jax.scheduling.core import TrialPlan, replan_after_oom
+from scamp_jax.scheduling.host import cpu_trial_devices
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +51,17 @@ class PlanningService:
         with the same batch).
       may_grow: a queued trial may start on more devices than planned (the last wave's growth):
         its `core_plan` offers the usable bytes per device to grow into.
+      max_running: most trials the engine runs at once (None: no cap); on CPU devices
+        `smallest_fitting_plan` plans a trial on at least the devices its share of the host's
+        cores gives it (`scamp_jax.scheduling.host.cpu_trial_devices`).
     """
 
     def __init__(self, space: Any, task: Any, config: Any, devices: Sequence[Any],
                  plan_fn: Callable[..., Any], batch_multiple: int = 1,
-                 may_grow: bool = False) -> None:
+                 may_grow: bool = False, max_running: int | None = None) -> None:
         self.space, self.task, self.config = space, task, config
         self.devices, self.plan_fn, self.batch_multiple = list(devices), plan_fn, batch_multiple
-        self.may_grow = may_grow
+        self.may_grow, self.max_running = may_grow, max_running
         self._plans: dict[Any, Any] = {}
         self._plans_lock = threading.Lock()
         self._key_locks: dict[Any, threading.Lock] = {}
@@ -129,10 +133,13 @@ class PlanningService:
     def smallest_fitting_plan(self, model: Any, max_batch: int | None,
                               run_ready: bool = True,
                               params: Mapping[str, Any] | None = None) -> Any:
-        """Plan on the fewest devices (1, 2, 4, ..., the whole pool) that hold ``model`` at a
-        batch of at least ``min_batch_size`` (``params``: as `call_planner`)."""
+        """Plan on the fewest devices (`fewest_devices`, then doubling up to the whole pool) that
+        hold ``model`` at a batch of at least ``min_batch_size`` (``params``: as
+        `call_planner`)."""
         total = len(self.devices)
-        counts = sorted({2**k for k in range(total.bit_length()) if 2**k <= total} | {total})
+        fewest = self.fewest_devices(model, max_batch)
+        counts = sorted({2**k for k in range(total.bit_length())
+                         if fewest <= 2**k <= total} | {total})
         floor = self.config.min_batch_size or 1
         last_error: Exception | None = None
         for n in counts:
@@ -153,6 +160,21 @@ class PlanningService:
             )
         assert last_error is not None
         raise last_error
+
+    def fewest_devices(self, model: Any, max_batch: int | None) -> int:
+        """Fewest devices to plan ``model`` on: 1, or on CPU devices its share of the host's
+        cores (`cpu_trial_devices`), judged by its step's FLOPs at ``max_batch`` (a lowering,
+        no compile; without a cap the batch fills memory and the step counts as heavy)."""
+        share = cpu_trial_devices(self.devices, self.max_running, max_batch)
+        if share == 1 or max_batch is None:
+            return share
+        try:
+            flops = step_flops(model, make_optimizer({}), self.task.loss_fn,
+                               with_batch_size(self.task.sample_batch(1), max_batch))
+        except Exception as err:  # noqa: BLE001 - the figure is an aid; the share stands
+            log.info("no step FLOPs for %s: %s", type(model).__name__, err)
+            flops = None
+        return cpu_trial_devices(self.devices, self.max_running, max_batch, flops_per_step=flops)
 
     def plan(self, params: Mapping[str, Any], *, devices: int | None = None,
              max_batch: int | None = None, run_ready: bool = True) -> Any:

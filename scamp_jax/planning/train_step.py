@@ -233,3 +233,20 @@ def place_train_state(
     rest = jax.device_put(jax.tree.map(_copy_leaf, rest), shardings.rest)
     opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
     return graphdef, params, opt_state, rest
+
+
+def step_flops(
+    model: nnx.Module, optimizer: optax.GradientTransformation, loss_fn: LossFn, batch: PyTree
+) -> float | None:
+    """FLOPs of one training step of ``model`` on ``batch`` (arrays or ``ShapeDtypeStruct``s)
+    on one device, from XLA's ``cost_analysis()`` of the lowered step (traced, not compiled);
+    None if XLA gives no figure."""
+    graphdef = split_model(model)[0]
+    state = abstract_state(model, optimizer)
+    batch = jax.tree.map(_abstract, batch)
+    cost = jax.jit(make_train_step(graphdef, optimizer, loss_fn)).lower(*state, batch)
+    cost = cost.cost_analysis()
+    if isinstance(cost, list | tuple):
+        cost = cost[0] if cost else {}
+    flops = float((cost or {}).get("flops", 0.0))
+    return flops if flops > 0 else None

@@ -1,0 +1,150 @@
+"""Step time of one trial on 1, 2, 4 CPU devices at the same global batch, side by side.
+
+CPU devices made with ``--xla_force_host_platform_device_count`` share one host's cores. This
+benchmark asks whether a trial trains faster data-parallel over several of them than on one:
+the same configuration, the same global batch, the planner's plan on the first ``n`` devices
+(`scamp_jax.planning.planner.plan_mesh`), the project's jitted training step, interleaved
+repeats (one timing of each device count per round)::
+
+    python -m benchmarks.cpu_data_parallel                       # smoke SwinIR, batch 16
+    python -m benchmarks.cpu_data_parallel --family vit --batch 64
+    python -m benchmarks.cpu_data_parallel --family digits --batch 128 --steps 50 \\
+        --params '{"width": 256, "depth": 2, "learning_rate": 0.01}'
+    python -m benchmarks.cpu_data_parallel --counts 1,2,1x2      # also 2 trials at once
+
+A layout ``nxk`` runs ``k`` copies of the trial at once in threads, each on its own ``n``
+devices, which is how an engine running ``k`` trials at once shares the host. Prints
+milliseconds per trial-step (wall time over all steps the ``k`` trials made; median over
+rounds), CPU milliseconds of the process per trial-step, and the throughput over the first
+layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from experiments._cli import CPU_DEVICES, positive_int
+
+
+def _trial(space: Any, task: Any, params: dict[str, Any], devices: Sequence[Any],
+           batch: int) -> Any:
+    """A ``run() -> seconds`` closure that times steps of ``params`` on ``devices``."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from scamp_jax.hpo.runner import make_optimizer
+    from scamp_jax.planning import planner
+    from scamp_jax.planning.train_step import jit_train_step, place_train_state
+
+    model = space.build(params, nnx.Rngs(0))
+    optimizer = make_optimizer(params)
+    plan = planner.plan_mesh(nnx.eval_shape(lambda: space.build(params, nnx.Rngs(0))),
+                             task.sample_batch(batch), devices=list(devices),
+                             memory_per_device="4GiB", optimizer=optimizer,
+                             loss_fn=task.loss_fn, max_batch_size=batch,
+                             batch_multiple=len(devices), model_parallel=1)
+    if plan.batch_size != batch:
+        raise SystemExit(f"the plan on {len(devices)} device(s) has batch {plan.batch_size}, "
+                         f"not {batch}; pick a batch that is a multiple of every device count")
+    graphdef, p, o, r = place_train_state(model, optimizer, plan.step_shardings)
+    step = jit_train_step(graphdef, optimizer, task.loss_fn, plan.step_shardings)
+    data = [jax.device_put(tuple(np.asarray(x) for x in b), plan.step_shardings.batch)
+            for b, _ in zip(task.batches(batch, 0), range(2), strict=False)]
+    state = [p, o, r]
+
+    def run(steps: int) -> float:
+        start = time.perf_counter()
+        loss = None
+        for i in range(steps):
+            state[0], state[1], state[2], loss = step(*state, data[i % 2])
+        jax.block_until_ready(loss)
+        return time.perf_counter() - start
+
+    run(2)  # compile and warm up
+    return run
+
+
+def main(argv: Sequence[str] | None = None) -> dict[tuple[int, int], list[float]]:
+    """Time each device count; returns seconds per step of every round, by device count."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cpu_data_parallel",
+                                description=__doc__)
+    p.add_argument("--family", choices=("swinir", "vit", "digits"), default="swinir",
+                   help="smoke SwinIR, smoke ViT or the MLP of examples/digits.py")
+    p.add_argument("--config", choices=("largest", "smallest"), default="largest",
+                   help="the space's largest configuration or its smallest (first grid values)")
+    p.add_argument("--params", type=json.loads, default=None,
+                   help='a configuration as JSON, e.g. \'{"width": 256, "depth": 2, '
+                   '"learning_rate": 0.01}\' (the digits space names no largest)')
+    p.add_argument("--batch", type=positive_int, default=16, help="global batch of every run")
+    p.add_argument("--counts", default="1,2,4",
+                   help="layouts to compare: ``n`` (one trial on n devices) or ``nxk`` (k trials "
+                   "at once, each on its own n devices)")
+    p.add_argument("--steps", type=positive_int, default=10, help="steps per timing")
+    p.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds")
+    args = p.parse_args(argv)
+    layouts = [tuple(int(x) for x in (c + "x1").split("x")[:2]) for c in args.counts.split(",")]
+
+    from scamp_jax.devices import configure_cpu_devices
+
+    configure_cpu_devices(max(CPU_DEVICES, *(n * k for n, k in layouts)))
+    if args.family == "digits":
+        from benchmarks.overhead import _space_and_task
+
+        space, task = _space_and_task("digits")
+    else:
+        if args.family == "swinir":
+            from experiments.swinir_hpo import get_config, make_space_and_task
+        else:
+            from experiments.vit_synthetic import get_config, make_space_and_task
+        space, task = make_space_and_task(get_config("smoke"))
+    import jax
+    from flax import nnx
+
+    from scamp_jax.hpo.runner import make_optimizer
+    from scamp_jax.planning.memory import with_batch_size
+    from scamp_jax.planning.train_step import step_flops
+
+    params = args.params or dict(space.largest) if args.config == "largest" else {
+        k: v[0] for k, v in space.grid.items()}
+    flops = step_flops(nnx.eval_shape(lambda: space.build(params, nnx.Rngs(0))),
+                       make_optimizer(params), task.loss_fn,
+                       with_batch_size(task.sample_batch(1), args.batch))
+    devices = jax.devices()
+    runs = {(n, k): [_trial(space, task, params, devices[i * n:(i + 1) * n], args.batch)
+                     for i in range(k)] for n, k in layouts}
+    times: dict[tuple[int, int], list[float]] = {lay: [] for lay in layouts}
+    cpu: dict[tuple[int, int], list[float]] = {lay: [] for lay in layouts}
+    for _ in range(args.rounds):
+        for n, k in layouts:
+            threads = [threading.Thread(target=runs[n, k][i], args=(args.steps,))
+                       for i in range(k)]
+            start, cpu0 = time.perf_counter(), time.process_time()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            # seconds per trial-step: k trials made k * steps steps in this time
+            times[n, k].append((time.perf_counter() - start) / (k * args.steps))
+            cpu[n, k].append((time.process_time() - cpu0) / (k * args.steps))
+    base = statistics.median(times[layouts[0]])
+    print(f"{args.family} {args.config} {params}, global batch {args.batch} "
+          f"({(flops or 0) / 1e9:.3g} GFLOP per step), "
+          f"{args.rounds} interleaved rounds of {args.steps} steps per trial")
+    for n, k in layouts:
+        med = statistics.median(times[n, k])
+        print(f"  {k} trial(s) at once on {n} device(s) each: {1000 * med:7.1f} ms per trial-step "
+              f"(rounds: {', '.join(f'{1000 * t:.0f}' for t in times[n, k])}; CPU "
+              f"{1000 * statistics.median(cpu[n, k]):.0f} ms); throughput over "
+              f"{layouts[0][1]}x{layouts[0][0]}: {base / med:.2f}x")
+    return times
+
+
+if __name__ == "__main__":
+    main()
