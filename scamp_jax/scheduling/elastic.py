@@ -206,21 +206,22 @@ def resizes(
 
     # Rule 4, then rule 3 again without the trials that wait, so the devices they leave go to
     # others (each pass adds a waiting trial, so this ends).
+    # When each device comes free: the latest end among the measured trials on it (devices
+    # holding anything else never count), soonest first.
+    ends: dict[int, float] = {}
+    held: dict[int, int] = {}
+    for r in running:
+        for d in r.device_ids:
+            ends[d] = max(ends.get(d, 0.0), r.remaining_seconds)
+            held[d] = held.get(d, 0) + r.bytes_per_device
+    frees_at = sorted((t, d) for d, t in ends.items()
+                      if not snapshot.is_empty(d) and held[d] == snapshot.capacity[d] - free[d])
     waiting: set[int] = set()
     while True:
         taken, surplus = greedy(waiting)
-        # When the devices of trials staying where they are come free: the latest end among
-        # the measured trials on each (devices holding anything else never count).
+        # The devices of the trials staying where they are.
         moving = {d for key in taken for d in by_key[key].device_ids}
-        ends: dict[int, float] = {}
-        held: dict[int, int] = {}
-        for r in running:
-            for d in r.device_ids:
-                ends[d] = max(ends.get(d, 0.0), r.remaining_seconds)
-                held[d] = held.get(d, 0) + r.bytes_per_device
-        freeing = sorted(t for d, t in ends.items()
-                         if d not in moving and not snapshot.is_empty(d)
-                         and held[d] == snapshot.capacity[d] - free[d])
+        freeing = [t for t, d in frees_at if d not in moving]
         wait = {key for key in taken
                 if wait_is_sooner(by_key[key], taken[key][-1], freeing, surplus, len(taken))}
         if not wait:
