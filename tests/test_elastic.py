@@ -6,7 +6,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scamp_jax.scheduling.elastic import Resize, RunningTrial, place_steps, resizes
+from scamp_jax.scheduling.elastic import (
+    Resize,
+    RunningTrial,
+    TailTrial,
+    place_steps,
+    resizes,
+    tail_plan,
+)
 from scamp_jax.scheduling.placement import (
     DeviceOption,
     FixedPolicy,
@@ -255,3 +262,49 @@ def test_resizes_follow_the_rule_longest_first_and_ask_options_lazily(trials, ga
                    options_of=options_of)
     assert eager == lazy == expected
     assert len(asked) == len(set(asked))  # each trial's options asked for once at most
+
+
+def test_the_tail_plan_weighs_queued_degrees_and_restarts_together_by_hand() -> None:
+    # Two idle devices; a queued trial of 10 s on 1 device or 6 s on 2; a running trial with
+    # 20 s left, fully busy, that may restart (1 s) on 2 or 3 devices. Queued on 1 and the
+    # running one on 2 at once: it ends at 1 + 20 / 2 = 11 s. Growing the queued trial first
+    # (the one-step rules) leaves the running one to restart on 3 devices at 6 s: 6 + 1 + 14 / 3.
+    queued = [(7, ((1, 10.0), (2, 6.0)))]
+    mover = TailTrial(3, devices=1, remaining=20.0, restart=1.0, busy=1.0, plan_devices=1,
+                      counts=(2, 3))
+    plan = tail_plan(2, queued, [mover], [])
+    assert plan is not None
+    assert (plan.degrees, plan.restarts) == ({7: 1}, {3: (0.0, 2)})
+    assert plan.makespan == pytest.approx(11.0)
+    assert plan.ends == {7: 10.0, 3: pytest.approx(11.0)}
+    # A restart must save half its remaining time: 11 s of 20 does not, 6 + 1 + 14 / 3 of 14
+    # left at 6 s does.
+    plan = tail_plan(2, queued, [mover], [], min_gain=0.5)
+    assert (plan.degrees, plan.restarts) == ({7: 2}, {3: (6.0, 3)})
+    assert plan.makespan == pytest.approx(7 + 14 / 3)
+    # No idle device, no queued trial: the devices another trial frees at 4 s serve it.
+    plan = tail_plan(0, [], [mover], [(4.0, 2)])
+    assert plan.restarts == {3: (4.0, 3)} and plan.makespan == pytest.approx(5 + 16 / 3)
+    # Too many choices to weigh: None, the one-step rules decide.
+    many = [(k, ((1, 10.0), (2, 6.0), (4, 4.0))) for k in range(10)]
+    assert tail_plan(40, many, [mover], [], max_combinations=10) is None
+
+
+def test_the_tail_plan_ends_a_long_queued_trial_early_to_restart_the_longest_ones() -> None:
+    # The shape of the paper setting's last wave at overlap 0 (seconds from its start): 13 idle
+    # devices, seven queued trials of 264.2 s on 1 device (154.8 on 2, 100.2 on 4, 72.8 on 8),
+    # a pair of trials 591.2 s from their end (busy 0.91) and a trio 412.3 s (busy 0.85), 2
+    # devices freed at 68.4 s, 4 at 216.5 s, 9 at 264.2 s. One queued trial on 4 devices ends
+    # at 100.2 s, so that its devices and the 2 kept idle since 68.4 s restart the pair on 4
+    # each; the trio restarts on 2 each at once; the study then ends about 316 s from now.
+    pair = [TailTrial(k, 1, 591.2, 60.0, 0.91, 1, (2, 4, 5, 8)) for k in (54, 60)]
+    trio = [TailTrial(k, 1, 412.3, 60.0, 0.85, 1, (2, 3, 4, 6, 8)) for k in (55, 57, 58)]
+    queued = [(k, ((1, 264.2), (2, 154.8), (4, 100.2), (8, 72.8))) for k in range(7)]
+    plan = tail_plan(13, queued, pair + trio, [(68.4, 2), (216.5, 4), (264.2, 9)])
+    assert plan is not None
+    assert sorted(plan.degrees.values()) == [1, 1, 1, 1, 1, 1, 4]
+    assert plan.restarts == {54: (100.2, 4), 60: (100.2, 4), 55: (0.0, 2), 57: (0.0, 2),
+                             58: (0.0, 2)}
+    assert plan.makespan == pytest.approx(max(m.end(*plan.restarts[m.key])
+                                              for m in pair + trio))
+    assert plan.makespan < 320

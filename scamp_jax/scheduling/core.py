@@ -40,10 +40,18 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from scamp_jax.scheduling.costs import resized_seconds, shared_load
-from scamp_jax.scheduling.elastic import Resize, RunningTrial, resizes
+from scamp_jax.scheduling.elastic import (
+    Resize,
+    RunningTrial,
+    TailPlan,
+    TailTrial,
+    place_steps,
+    resizes,
+    tail_plan,
+)
 from scamp_jax.scheduling.placement import (
     DeviceOption,
     Placement,
@@ -55,6 +63,16 @@ from scamp_jax.scheduling.placement import (
 from scamp_jax.scheduling.pool import DevicePool
 from scamp_jax.scheduling.request_queue import RequestQueue
 from scamp_jax.scheduling.usage import UsageRecorder
+
+#: Most queued plus running trials the core plans the study's end for as a whole; above it
+#: the one-step rules decide (a large pool's tail stays fast).
+MAX_TAIL_TRIALS = 64
+
+#: Most queued trials that plan chooses device counts for.
+MAX_TAIL_QUEUED = 16
+
+#: Most running trials that plan may restart.
+MAX_TAIL_MOVERS = 8
 
 
 def usable_capacity(memory_per_device: int, safety_margin: float) -> int:
@@ -150,6 +168,7 @@ class _Running:
     step: int = 0  # steps done (of plan.steps) at the last measurement
     measured_at: float = math.nan
     training_since: float = math.nan  # when this run's first step began (its start-up ends)
+    predicted_end: float = math.inf  # until measured: when the plan that started it said
 
 
 @dataclass
@@ -217,6 +236,8 @@ class SchedulingCore:
         # busy fraction and options stay the same, so a long queue is not rebuilt per decision.
         self._last_wave: dict[int, tuple[TrialPlan, TrialRequest]] = {}
         self._running: dict[int, _Running] = {}
+        # Predicted end of a trial the tail plan starts or restarts, until it is measured.
+        self._expected: dict[int, float] = {}
         self._arrivals_pending = True
         self._rate: float | None = self.peak_flops  # attainable FLOP/s per device
         self.now = 0.0
@@ -287,6 +308,7 @@ class SchedulingCore:
         self._at(now)
         if self._running.pop(key, None) is not None:
             self._unfile(key)
+        self._expected.pop(key, None)
         self.pool.release(key)
         self.usage.finish(now, key)
 
@@ -324,7 +346,8 @@ class SchedulingCore:
             self.withdraw(key, plan.devices)
             return False
         self.usage.move(now, placement, plan.bytes_per_device)
-        self._running[key] = _Running(plan, placement.device_ids, now)
+        self._running[key] = _Running(plan, placement.device_ids, now,
+                                      predicted_end=self._expected.pop(key, math.inf))
         self._unfile(key)
         return True
 
@@ -487,6 +510,14 @@ class SchedulingCore:
         else:
             alike = self._measured_alike()
             queue = [self._last_wave_request(p, alike) for p in self._queue.values()]
+            plan = self._tail_plan(queue, None)
+            if plan is not None:  # each on its planned count, without further growth
+                # The study's end planned as a whole: each trial starts on its planned count,
+                # and the devices kept idle wait for the running trials' restarts.
+                queue = [r if plan.degrees[r.key] == r.devices
+                         else r.placed_as(plan.degrees[r.key]) for r in queue]
+                self._expected.update((key, now + plan.ends[key]) for key in plan.degrees)
+                queue = [replace(r, options=()) for r in queue]
         placements = self.policy.decide(self.pool.snapshot(), queue,
                                         arrivals_pending=self._arrivals_pending)
         by_key = ({} if isinstance(queue, RequestQueue) else {r.key: r for r in queue})
@@ -513,7 +544,9 @@ class SchedulingCore:
             del self._queue[placement.key]
             self._last_wave.pop(placement.key, None)
             self._waiting.remove(placement.key)
-            self._running[plan.key] = _Running(plan, placement.device_ids, now)
+            self._running[plan.key] = _Running(plan, placement.device_ids, now,
+                                               predicted_end=self._expected.pop(plan.key,
+                                                                                math.inf))
             self._position[plan.key] = self._starts
             self._starts += 1
             actions.append(Start(plan.key, placement.device_ids, plan))
@@ -530,6 +563,10 @@ class SchedulingCore:
         step (launch gaps, host work, collectives) as long as now
         (`scamp_jax.scheduling.costs.resized_seconds`), plus the restart (``restart_seconds``,
         else this run's start-up). Trials not measured yet are left where they are.
+
+        With few trials left (`MAX_TAIL_TRIALS`) the restarts come from the study's end planned
+        as a whole (`_tail_plan`, which `decide` also follows for the last wave's device
+        counts): those it makes now, none while it keeps idle devices for a later restart.
         """
         self._at(now)
         if self._queue or self._arrivals_pending:
@@ -540,17 +577,29 @@ class SchedulingCore:
         for key, run in self._running.items():
             if run.seconds_per_step is None or key not in reshapes:
                 continue
-            # Steps left at the last measurement, less those trained since at its pace.
-            remaining = run.seconds_per_step * max(0, run.plan.steps - run.step)
-            if not math.isnan(run.measured_at):
-                remaining = max(0.0, remaining - (self.now - run.measured_at))
-            restart = self.restart_seconds
-            if restart is None:
-                since = run.training_since if not math.isnan(run.training_since) else run.started
-                restart = max(0.0, since - run.started)
             views.append(RunningTrial(key, run.device_ids,
-                                      self.pool.request_of(key).bytes_per_device, remaining,
-                                      restart_seconds=restart))
+                                      self.pool.request_of(key).bytes_per_device,
+                                      self._remaining(run), restart_seconds=self._restart(run)))
+        plan = self._tail_plan([], reshapes)
+        if plan is not None:
+            # The restarts the plan makes now; the others wait for the devices it counts on.
+            snap = self.pool.snapshot()
+            idle = sorted((d for d in range(self.devices)
+                           if snap.is_empty(d) and not snap.exclusive[d]),
+                          key=lambda d: (snap.capacity[d], d))
+            steps = []
+            for view in sorted(views, key=lambda v: (-v.remaining_seconds, v.key)):
+                at, n = plan.restarts.get(view.key, (None, 0))
+                if at is None or at > 0:
+                    continue
+                run = self._running[view.key]
+                self._expected[view.key] = now + plan.ends[view.key]
+                steps.append((view, [DeviceOption(
+                    n, run.plan.bytes_per_device,
+                    resized_seconds(view.remaining_seconds, self.busy_fraction(view.key),
+                                    run.plan.data_parallel * run.plan.model_parallel, n)
+                    + view.restart_seconds)]))
+            return place_steps(snap.capacity, idle, snap.free, steps)
 
         def options_of(view: RunningTrial) -> tuple[DeviceOption, ...]:
             key, remaining, restart = view.key, view.remaining_seconds, view.restart_seconds
@@ -566,6 +615,105 @@ class SchedulingCore:
         # Options are built only for the trials the rule weighs (the longest running ones).
         return resizes(self.policy, self.pool.snapshot(), views, queue_empty=True,
                        arrivals_pending=False, options_of=options_of)
+
+    def _remaining(self, run: _Running) -> float:
+        """Predicted seconds until measured ``run`` ends where it is: the steps left at its
+        last measurement, less those trained since at its pace."""
+        remaining = run.seconds_per_step * max(0, run.plan.steps - run.step)
+        if not math.isnan(run.measured_at):
+            remaining = max(0.0, remaining - (self.now - run.measured_at))
+        return remaining
+
+    def _restart(self, run: _Running) -> float:
+        """Predicted seconds of a restart of ``run``: ``restart_seconds``, else the start-up
+        of its current run."""
+        if self.restart_seconds is not None:
+            return self.restart_seconds
+        since = run.training_since if not math.isnan(run.training_since) else run.started
+        return max(0.0, since - run.started)
+
+    def _tail_plan(self, queue: Sequence[TrialRequest],
+                   reshapes: Mapping[int, Sequence[int]] | None) -> TailPlan | None:
+        """The study's end planned as a whole (`scamp_jax.scheduling.elastic.tail_plan`), or
+        None where the one-step rules decide: arrivals pending, a policy that does not resize,
+        a pool of mixed capacities, more trials than `MAX_TAIL_TRIALS` or `MAX_TAIL_QUEUED`
+        allow, or more choices than `scamp_jax.scheduling.elastic.tail_plan` weighs.
+
+        ``queue``: the last wave's requests (with growth options). The running trials it may
+        restart are the longest measured ones (ties taken together, at most `MAX_TAIL_MOVERS`),
+        each on the counts ``reshapes`` gives (None: the data-parallel degrees that divide its
+        global batch, as the engine offers), each alone on its devices; every other running
+        trial frees its devices at its predicted end: from its measured pace, else the end
+        this plan predicted when it started or restarted it, else never."""
+        policy = self.policy
+        if (not isinstance(policy, ScampPolicy) or not policy.elastic
+                or not policy.resize_running or self._arrivals_pending
+                or len(queue) > MAX_TAIL_QUEUED
+                or len(queue) + len(self._running) > MAX_TAIL_TRIALS
+                or len(set(self.pool.capacity)) != 1):
+            return None
+        snap = self.pool.snapshot()
+        occupants = snap.occupants
+        idle = sum(1 for d in range(self.devices) if snap.is_empty(d) and not snap.exclusive[d])
+        capacities = list(snap.capacity)
+        queued = []
+        alike = self._measured_alike() if queue else {}
+        for r in queue:
+            c = ScampPolicy._choices(r, capacities, self.devices)
+            if c is None or r.exclusive:
+                return None
+            # The costs are compute at the best rate; a trial measured alike spends only its
+            # busy fraction of a step computing, and on more devices only that part shrinks.
+            busy = self._predicted_busy(self._queue[r.key], alike)
+            queued.append((r.key, tuple((o.devices, o.seconds / (busy or 1.0))
+                                        for o in c if o.devices <= idle)))
+        if sum(c[0][0] if c else idle + 1 for _, c in queued) > idle:
+            return None  # not all can start now: the wave is not the last one to place
+        measured = sorted(((self._remaining(run), key) for key, run in self._running.items()
+                           if run.seconds_per_step is not None), reverse=True)
+        movers: list[TailTrial] = []
+        room = MAX_TAIL_MOVERS
+        i = 0
+        while i < len(measured):
+            j = i
+            while j < len(measured) and measured[j][0] == measured[i][0]:
+                j += 1
+            group = []
+            for remaining, key in measured[i:j]:
+                run = self._running[key]
+                if any(occupants[d] != 1 for d in run.device_ids):
+                    continue
+                dp, mp = run.plan.data_parallel, run.plan.model_parallel
+                counts = (reshapes.get(key, ()) if reshapes is not None else
+                          [p * mp for p in range(dp + 1, self.devices // mp + 1)
+                           if run.plan.batch_size % p == 0])
+                counts = tuple(n for n in counts if n > len(run.device_ids)
+                               and (key, n) not in self._no_grow)
+                if counts:
+                    group.append(TailTrial(key, len(run.device_ids), remaining,
+                                           self._restart(run), self.busy_fraction(key),
+                                           dp * mp, counts))
+            if len(movers) + len(group) > room:
+                break
+            movers += group
+            i = j
+        if not movers and not queued:
+            return None
+        moving = {m.key for m in movers}
+        ends: dict[int, float] = {}
+        for key, run in self._running.items():
+            if key in moving:
+                continue
+            end = (self._remaining(run) if run.seconds_per_step is not None
+                   else max(0.0, run.predicted_end - self.now))
+            for d in run.device_ids:
+                ends[d] = max(ends.get(d, 0.0), end)
+        frees: dict[float, int] = {}
+        for end in ends.values():
+            if end < math.inf:
+                frees[end] = frees.get(end, 0) + 1
+        return tail_plan(idle, queued, movers, sorted(frees.items()),
+                         min_gain=policy.min_resize_gain)
 
     def still_worth(self, key: int, devices: int) -> bool:
         """Whether restarting running trial ``key`` on ``devices`` devices still saves enough of

@@ -8,6 +8,10 @@ batch. Keeping the batch keeps the trial's training trajectory (same samples, sa
 float reassociation of the batch mean), so a resized trial reports what it would have reported
 unresized, only sooner.
 
+With few trials left, `tail_plan` plans the study's end as a whole instead (the last wave's
+device counts and one restart per long trial, now or at a predicted free); the scheduling core
+follows it where it applies and these rules elsewhere.
+
 Like `scamp_jax.scheduling.placement`, this is a pure decision on plain numbers; the engine and the
 cluster simulator both call it:
 
@@ -21,9 +25,12 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import combinations_with_replacement, product
 
+from scamp_jax.scheduling.costs import resized_seconds
 from scamp_jax.scheduling.placement import DeviceOption, PoolSnapshot, ScampPolicy
 
 
@@ -199,21 +206,22 @@ def resizes(
 
     # Rule 4, then rule 3 again without the trials that wait, so the devices they leave go to
     # others (each pass adds a waiting trial, so this ends).
+    # When each device comes free: the latest end among the measured trials on it (devices
+    # holding anything else never count), soonest first.
+    ends: dict[int, float] = {}
+    held: dict[int, int] = {}
+    for r in running:
+        for d in r.device_ids:
+            ends[d] = max(ends.get(d, 0.0), r.remaining_seconds)
+            held[d] = held.get(d, 0) + r.bytes_per_device
+    frees_at = sorted((t, d) for d, t in ends.items()
+                      if not snapshot.is_empty(d) and held[d] == snapshot.capacity[d] - free[d])
     waiting: set[int] = set()
     while True:
         taken, surplus = greedy(waiting)
-        # When the devices of trials staying where they are come free: the latest end among
-        # the measured trials on each (devices holding anything else never count).
+        # The devices of the trials staying where they are.
         moving = {d for key in taken for d in by_key[key].device_ids}
-        ends: dict[int, float] = {}
-        held: dict[int, int] = {}
-        for r in running:
-            for d in r.device_ids:
-                ends[d] = max(ends.get(d, 0.0), r.remaining_seconds)
-                held[d] = held.get(d, 0) + r.bytes_per_device
-        freeing = sorted(t for d, t in ends.items()
-                         if d not in moving and not snapshot.is_empty(d)
-                         and held[d] == snapshot.capacity[d] - snapshot.free[d])
+        freeing = [t for t, d in frees_at if d not in moving]
         wait = {key for key in taken
                 if wait_is_sooner(by_key[key], taken[key][-1], freeing, surplus, len(taken))}
         if not wait:
@@ -250,3 +258,180 @@ def place_steps(capacity: Sequence[int], idle: Sequence[int], free: Sequence[int
             idle.remove(d)
         out.append(Resize(r.key, (*r.device_ids, *extra), o))
     return tuple(out)
+
+
+@dataclass(frozen=True)
+class TailTrial:
+    """A running trial as `tail_plan` sees it: it may restart once, on one of ``counts``
+    devices, at any time its devices allow.
+
+    Attributes:
+      key: trial number.
+      devices: devices it holds now.
+      remaining: predicted seconds until it ends where it is.
+      restart: a restart's own seconds (checkpoint, compile, restore).
+      busy: its measured busy fraction (`scamp_jax.scheduling.costs.resized_seconds`).
+      plan_devices: the data x model parallel degree of its plan (the ``devices`` of
+        `resized_seconds`).
+      counts: device counts it may restart on, each larger than ``devices``.
+    """
+
+    key: int
+    devices: int
+    remaining: float
+    restart: float
+    busy: float | None
+    plan_devices: int
+    counts: tuple[int, ...]
+
+    def end(self, at: float, devices: int) -> float:
+        """Predicted end (seconds from now) if restarted ``at`` seconds from now on
+        ``devices`` devices (its own count: not restarted)."""
+        if devices == self.devices:
+            return self.remaining
+        return at + self.restart + resized_seconds(self.remaining - at, self.busy,
+                                                   self.plan_devices, devices)
+
+
+@dataclass(frozen=True)
+class TailPlan:
+    """`tail_plan`'s answer: predicted end of the study (seconds from now), the device count
+    each queued trial starts on now, per restarted trial (seconds from now, devices), and the
+    predicted end (seconds from now) of each queued and restarted trial."""
+
+    makespan: float
+    degrees: dict[int, int]
+    restarts: dict[int, tuple[float, int]]
+    ends: dict[int, float]
+
+
+def tail_plan(idle: int, queued: Sequence[tuple[int, tuple[tuple[int, float], ...]]],
+              movers: Sequence[TailTrial], frees: Sequence[tuple[float, int]], *,
+              min_gain: float = 0.0, max_combinations: int = 512,
+              max_nodes: int = 20_000) -> TailPlan | None:
+    """The study's end, planned as a whole once nothing more arrives (a pool of one device
+    kind): each queued trial starts now on one of its (devices, seconds) choices, and each of
+    ``movers`` restarts at most once, now or when the devices it needs have come free, so that
+    the predicted last end is earliest.
+
+    Rules 3-4 of `resizes` and the last-wave growth of `ScampPolicy` take one trial at a time,
+    longest first, and so spend idle devices on a step that frees none of them soon. Here the
+    choices are weighed together: giving a queued trial more devices can end it early enough
+    that its devices, with ones kept idle meanwhile, restart a long running trial on many more.
+
+    ``idle``: devices nothing runs on now; ``frees``: (seconds from now, devices) at which the
+    other running trials are predicted to free devices. A restart may start now or at any
+    such time, a queued trial's end, or a mover's end, if it then saves at least ``min_gain``
+    of its remaining time (`ScampPolicy.min_resize_gain`, as in rule 2). Exhaustive over the
+    queued trials' choices (trials of equal choices are interchangeable) and a
+    branch-and-bound over the movers' (longest first; interchangeable movers in order), with
+    a relaxation that releases an undecided mover's devices at its earliest possible end.
+
+    Returns None when the queued choices exceed ``max_combinations`` or the search exceeds
+    ``max_nodes`` (the caller then keeps the one-step rules).
+    """
+    groups: dict[tuple[tuple[int, float], ...], list[int]] = {}
+    for key, choices in queued:
+        groups.setdefault(tuple(choices), []).append(key)
+    total = 1
+    for choices, keys in groups.items():
+        total *= math.comb(len(choices) + len(keys) - 1, len(keys))
+        if total > max_combinations:
+            return None
+    search = _TailSearch(sorted(movers, key=lambda m: (-m.remaining, m.key)), list(frees),
+                         min_gain, max_nodes)
+    for picks in product(*(combinations_with_replacement(range(len(c)), len(keys))
+                           for c, keys in groups.items())):
+        degrees: dict[int, int] = {}
+        ends: dict[int, float] = {}
+        for (choices, keys), pick in zip(groups.items(), picks, strict=True):
+            for key, i in zip(keys, pick, strict=True):
+                degrees[key], ends[key] = choices[i]
+        if not search.run(idle, degrees, ends):
+            return None
+    return search.plan
+
+
+class _TailSearch:
+    """`tail_plan`'s branch-and-bound over the movers' restarts, for one choice of the queued
+    trials' device counts at a time; the best plan over all of them in ``plan``."""
+
+    def __init__(self, movers: list[TailTrial], frees: list[tuple[float, int]],
+                 min_gain: float, max_nodes: int) -> None:
+        self.movers, self.frees, self.max_nodes = movers, frees, max_nodes
+        self.keep = 1.0 - min_gain
+        self.earliest = [min([m.remaining] + [m.end(0.0, n) for n in m.counts])
+                         for m in movers]
+        self.alike = [i > 0 and _alike(movers[i - 1], m) for i, m in enumerate(movers)]
+        self.best = math.inf
+        self.plan: TailPlan | None = None
+        self.nodes = 0
+
+    def run(self, idle: int, degrees: dict[int, int], ends: dict[int, float]) -> bool:
+        """Search with the queued trials on ``degrees`` devices, ending at ``ends``; False when
+        the node budget ran out."""
+        self.left = idle - sum(degrees.values())
+        last = max(ends.values(), default=0.0)
+        if self.left < 0 or last >= self.best:
+            return True
+        self.degrees, self.ends = degrees, ends
+        self.base = self.frees + [(ends[k], n) for k, n in degrees.items()]
+        times = sorted({0.0, *(t for t, _ in self.base), *(m.remaining for m in self.movers)})
+        self.options = []
+        for m in self.movers:
+            own = [(t, n, m.end(t, n)) for t in times if t < m.remaining for n in m.counts]
+            self.options.append(sorted([(None, m.devices, m.remaining)]
+                                       + [(t, n, e) for t, n, e in own
+                                          if e <= t + self.keep * (m.remaining - t)],
+                                       key=lambda o: o[2]))
+        self.chosen: list[tuple[float | None, int, float]] = []
+        return self._step(0, last, 0)
+
+    def _feasible(self, i: int) -> bool:
+        # Devices in use never exceed those free: the movers decided so far as chosen, the
+        # others releasing theirs at their earliest possible end (a relaxation).
+        events = list(self.base)
+        for m, (t, n, e) in zip(self.movers, self.chosen, strict=False):
+            if t is not None:
+                events.append((t, m.devices - n))
+            events.append((e, n))
+        events += [(self.earliest[j], self.movers[j].devices)
+                   for j in range(i, len(self.movers))]
+        have = self.left
+        for _, delta in sorted(events, key=lambda e: (e[0], -e[1])):
+            have += delta
+            if have < 0:
+                return False
+        return True
+
+    def _step(self, i: int, worst: float, floor: int) -> bool:
+        self.nodes += 1
+        if self.nodes > self.max_nodes:
+            return False
+        if not self._feasible(i):
+            return True
+        if i == len(self.movers):
+            if worst < self.best:
+                moved = [(m, c) for m, c in zip(self.movers, self.chosen, strict=True)
+                         if c[0] is not None]
+                self.best = worst
+                self.plan = TailPlan(worst, dict(self.degrees),
+                                     {m.key: (t, n) for m, (t, n, _) in moved},
+                                     {**self.ends, **{m.key: e for m, (_, _, e) in moved}})
+            return True
+        for j, o in enumerate(self.options[i]):
+            if max(worst, o[2]) >= self.best:
+                break  # sorted by end: the rest end later still
+            if self.alike[i] and j < floor:
+                continue  # interchangeable with the previous mover: one order only
+            self.chosen.append(o)
+            ok = self._step(i + 1, max(worst, o[2]), j)
+            self.chosen.pop()
+            if not ok:
+                return False
+        return True
+
+
+def _alike(a: TailTrial, b: TailTrial) -> bool:
+    return (a.devices, a.remaining, a.restart, a.busy, a.plan_devices, a.counts) == (
+        b.devices, b.remaining, b.restart, b.busy, b.plan_devices, b.counts)
