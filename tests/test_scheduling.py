@@ -57,7 +57,9 @@ def resumed_fused_study(tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
     space = SearchSpace("mlp-16", lambda t: {
         "width": t.suggest_categorical("width", [16]), "kind": "ok",
         "learning_rate": t.suggest_float("learning_rate", 1e-4, 3e-2, log=True)}, build)
-    steps = 80
+    # Long enough that a SIGINT sent once the first checkpoints are saved lands well before the
+    # trials' ends on a fast machine too (the watcher waits for one at most halfway).
+    steps = 160
     study = settings(str(study_dir), trials=4, steps=steps, reference_batch=None,
                      checkpoint_every=10, fuse=2)
 
@@ -70,7 +72,7 @@ def resumed_fused_study(tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
     def interrupt_mid_trial() -> None:
         root = study_dir / "checkpoints"
         while not done.wait(0.02):
-            if root.is_dir() and any(0 < latest_checkpoint_step(p) < steps
+            if root.is_dir() and any(0 < latest_checkpoint_step(p) <= steps // 2
                                      for p in root.iterdir()):
                 signal.raise_signal(signal.SIGINT)  # to the main thread, as Ctrl-C
                 return
