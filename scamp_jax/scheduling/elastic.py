@@ -156,16 +156,28 @@ def resizes(
     options: dict[int, list[DeviceOption]] = {}
     offered: dict[int, tuple[DeviceOption, ...]] = {}  # every option, for rule 4
 
+    # Every trial where it stands now, longest first: each pass of rule 3 walks this list (less
+    # the waiting trials) merged with a heap of the moves it made, in the order one heap of both
+    # would pop them.
+    standing = sorted((-r.remaining_seconds, i, len(r.device_ids)) for i, r in enumerate(running))
+
     def greedy(waiting: set[int]) -> tuple[dict[int, list[DeviceOption]], int]:
         # Per trial in play: (-seconds, position in ``running``, devices) of where it stands in
         # the greedy, longest first; its worthwhile options, sorted, once its turn came.
-        turn = [(-r.remaining_seconds, i, len(r.device_ids)) for i, r in enumerate(running)
-                if r.key not in waiting]
-        heapq.heapify(turn)
+        moved: list[tuple[float, int, int]] = []
+        at = 0
         taken: dict[int, list[DeviceOption]] = {}
         surplus = len(idle)
-        while surplus > 0 and turn:
-            neg, i, devices = heapq.heappop(turn)
+        while surplus > 0:
+            while at < len(standing) and running[standing[at][1]].key in waiting:
+                at += 1
+            if moved and (at == len(standing) or moved[0] < standing[at]):
+                neg, i, devices = heapq.heappop(moved)
+            elif at < len(standing):
+                neg, i, devices = standing[at]
+                at += 1
+            else:
+                break
             r = running[i]
             if r.key not in options:
                 own = r.options if options_of is None else options_of(r)
@@ -185,22 +197,43 @@ def resizes(
                 continue  # it cannot move now, nor later with less surplus
             surplus -= move.devices - devices
             taken.setdefault(r.key, []).append(move)
-            heapq.heappush(turn, (-move.seconds, i, move.devices))
+            heapq.heappush(moved, (-move.seconds, i, move.devices))
         return taken, surplus
 
     def wait_is_sooner(r: RunningTrial, o: DeviceOption, freeing: list[float],
                        surplus: int, sharing: int) -> bool:
+        # Is there an end ``w`` in ``freeing`` (sorted) before ``rest``, the ``count``-th, and a
+        # larger option ``p`` that fits the devices free by then, restarting on which at ``w``
+        # ends sooner? ``p`` fits from a fixed count on, and its end is linear in ``w``, so it
+        # is soonest at the first or the last end it may use; only within rounding of a tie
+        # are the ends between weighed one by one.
         rest = r.remaining_seconds
         if rest <= 0:
             return False
-        extra = o.devices - len(r.device_ids) + surplus
-        for count, w in enumerate(freeing, start=1):
-            if w >= rest:
-                break
-            later = [p for p in offered[r.key]
-                     if o.devices < p.devices <= len(r.device_ids) + extra + count // sharing]
-            if any(w + (p.seconds - r.restart_seconds) * (rest - w) / rest + r.restart_seconds
-                   < o.seconds for p in later):
+        last = bisect.bisect_left(freeing, rest)  # counts 1..last end before ``rest``
+        if last == 0:
+            return False
+        own = len(r.device_ids)
+        extra = o.devices - own + surplus
+        restart = r.restart_seconds
+
+        def end(p: DeviceOption, w: float) -> float:
+            return w + (p.seconds - restart) * (rest - w) / rest + restart
+
+        for p in offered[r.key]:
+            if p.devices <= o.devices:
+                continue
+            need = p.devices - own - extra  # fits once count // sharing >= need
+            first = 1 if need <= 0 else need * sharing
+            if first > last:
+                continue
+            ends = (end(p, freeing[first - 1]), end(p, freeing[last - 1]))
+            if min(ends) < o.seconds:
+                return True
+            slack = 1e-9 * (abs(o.seconds) + abs(p.seconds) + abs(restart) + rest
+                            + abs(freeing[last - 1]))
+            if min(ends) - o.seconds <= slack and any(
+                    end(p, freeing[count - 1]) < o.seconds for count in range(first + 1, last)):
                 return True
         return False
 
