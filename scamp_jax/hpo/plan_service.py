@@ -24,7 +24,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-import jax
 from flax import nnx
 
 from scamp_jax.hpo.runner import injected_keys, make_optimizer
@@ -32,7 +31,7 @@ from scamp_jax.hpo.trial import PlannedTrial, RunResult, TrialDeferred, booked_b
 from scamp_jax.planning import planner
 from scamp_jax.planning.evaluation import supports_chunked_eval
 from scamp_jax.planning.memory import with_batch_size
-from scamp_jax.planning.train_step import abstract_state, jit_train_step, split_model, step_flops
+from scamp_jax.planning.train_step import split_model, step_flops
 from scamp_jax.scheduling.core import TrialPlan, replan_after_oom
 from scamp_jax.scheduling.host import cpu_trial_devices
 
@@ -231,17 +230,10 @@ class PlanningService:
             if key in self._flops:
                 return self._flops[key]
         try:
-            optimizer = make_optimizer(params)
-            state = abstract_state(model, optimizer)
-            batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                 with_batch_size(self.task.sample_batch(1), int(plan.batch_size)))
-            step = jit_train_step(graphdef, optimizer, self.task.loss_fn, plan.step_shardings)
-            with jax.set_mesh(plan.mesh):
-                cost = step.lower(*state, batch).cost_analysis()
-            if isinstance(cost, list | tuple):
-                cost = cost[0] if cost else {}
-            total = float((cost or {}).get("flops", 0.0))
-            flops = total / self.devices_of(plan) if total > 0 else None
+            total = step_flops(model, make_optimizer(params), self.task.loss_fn,
+                               with_batch_size(self.task.sample_batch(1), int(plan.batch_size)),
+                               plan.step_shardings)
+            flops = total / self.devices_of(plan) if total else None
         except Exception as err:  # noqa: BLE001 - a cost is an aid; the trial runs without one
             log.info("no cost analysis for %s: %s", type(model).__name__, err)
             flops = None
