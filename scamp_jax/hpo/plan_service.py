@@ -136,7 +136,7 @@ class PlanningService:
         hold ``model`` at a batch of at least ``min_batch_size`` (``params``: as
         `call_planner`)."""
         total = len(self.devices)
-        fewest = self.fewest_devices(model, max_batch)
+        fewest = self.fewest_devices(model, max_batch, params)
         counts = sorted({2**k for k in range(total.bit_length())
                          if fewest <= 2**k <= total} | {total})
         floor = self.config.min_batch_size or 1
@@ -160,15 +160,17 @@ class PlanningService:
         assert last_error is not None
         raise last_error
 
-    def fewest_devices(self, model: Any, max_batch: int | None) -> int:
+    def fewest_devices(self, model: Any, max_batch: int | None,
+                       params: Mapping[str, Any] | None = None) -> int:
         """Fewest devices to plan ``model`` on: 1, or on CPU devices its share of the host's
-        cores (`cpu_trial_devices`), judged by its step's FLOPs at ``max_batch`` (a lowering,
-        no compile; without a cap the batch fills memory and the step counts as heavy)."""
+        cores (`cpu_trial_devices`), judged by its step's FLOPs at ``max_batch`` with the
+        optimizer of ``params`` (a lowering, no compile; without a cap the batch fills memory
+        and the step counts as heavy)."""
         share = cpu_trial_devices(self.devices, self.max_running, max_batch)
         if share == 1 or max_batch is None:
             return share
         try:
-            flops = step_flops(model, make_optimizer({}), self.task.loss_fn,
+            flops = step_flops(model, make_optimizer(params or {}), self.task.loss_fn,
                                with_batch_size(self.task.sample_batch(1), max_batch))
         except Exception as err:  # noqa: BLE001 - the figure is an aid; the share stands
             log.info("no step FLOPs for %s: %s", type(model).__name__, err)
