@@ -11,12 +11,15 @@ repeats (one timing of each device count per round)::
     python -m benchmarks.cpu_data_parallel --family digits --batch 128 --steps 50 \\
         --params '{"width": 256, "depth": 2, "learning_rate": 0.01}'
     python -m benchmarks.cpu_data_parallel --counts 1,2,1x2      # also 2 trials at once
+    python -m benchmarks.cpu_data_parallel --counts 2 --batch 8,16,32,64  # cost per sample
 
 A layout ``nxk`` runs ``k`` copies of the trial at once in threads, each on its own ``n``
 devices, which is how an engine running ``k`` trials at once shares the host. Prints
 milliseconds per trial-step (wall time over all steps the ``k`` trials made; median over
-rounds), CPU milliseconds of the process per trial-step, and the throughput over the first
-layout.
+rounds) and per sample, CPU milliseconds of the process per trial-step, and the throughput
+over the first layout. Several batches answer the other question a planner's batch choice
+raises on CPU: whether a larger batch trains more samples per second there (ScaMP's largest
+batch that fits is chosen for accelerators, whose throughput grows with the batch).
 """
 
 from __future__ import annotations
@@ -71,8 +74,9 @@ def _trial(space: Any, task: Any, params: dict[str, Any], devices: Sequence[Any]
     return run
 
 
-def main(argv: Sequence[str] | None = None) -> dict[tuple[int, int], list[float]]:
-    """Time each device count; returns seconds per step of every round, by device count."""
+def main(argv: Sequence[str] | None = None) -> dict[tuple[int, int, int], list[float]]:
+    """Time each layout at each batch; returns seconds per trial-step of every round, by
+    (devices per trial, trials at once, global batch)."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.cpu_data_parallel",
                                 description=__doc__)
     p.add_argument("--family", choices=("swinir", "vit", "digits"), default="swinir",
@@ -82,7 +86,9 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[int, int], list[float]
     p.add_argument("--params", type=json.loads, default=None,
                    help='a configuration as JSON, e.g. \'{"width": 256, "depth": 2, '
                    '"learning_rate": 0.01}\' (the digits space names no largest)')
-    p.add_argument("--batch", type=positive_int, default=16, help="global batch of every run")
+    p.add_argument("--batch", default="16",
+                   help="global batch of every run, or several (``8,16,32``): each layout at each "
+                   "batch, interleaved, with milliseconds per sample to compare them")
     p.add_argument("--counts", default="1,2,4",
                    help="layouts to compare: ``n`` (one trial on n devices) or ``nxk`` (k trials "
                    "at once, each on its own n devices)")
@@ -90,6 +96,7 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[int, int], list[float]
     p.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds")
     args = p.parse_args(argv)
     layouts = [tuple(int(x) for x in (c + "x1").split("x")[:2]) for c in args.counts.split(",")]
+    batches = [positive_int(b) for b in args.batch.split(",")]
 
     from scamp_jax.devices import configure_cpu_devices
 
@@ -113,36 +120,39 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[int, int], list[float]
 
     params = args.params or dict(space.largest) if args.config == "largest" else {
         k: v[0] for k, v in space.grid.items()}
-    flops = step_flops(nnx.eval_shape(lambda: space.build(params, nnx.Rngs(0))),
-                       make_optimizer(params), task.loss_fn,
-                       with_batch_size(task.sample_batch(1), args.batch))
     devices = jax.devices()
-    runs = {(n, k): [_trial(space, task, params, devices[i * n:(i + 1) * n], args.batch)
-                     for i in range(k)] for n, k in layouts}
-    times: dict[tuple[int, int], list[float]] = {lay: [] for lay in layouts}
-    cpu: dict[tuple[int, int], list[float]] = {lay: [] for lay in layouts}
+    runs = {(n, k, b): [_trial(space, task, params, devices[i * n:(i + 1) * n], b)
+                        for i in range(k)] for b in batches for n, k in layouts}
+    times: dict[tuple[int, int, int], list[float]] = {key: [] for key in runs}
+    cpu: dict[tuple[int, int, int], list[float]] = {key: [] for key in runs}
     for _ in range(args.rounds):
-        for n, k in layouts:
-            threads = [threading.Thread(target=runs[n, k][i], args=(args.steps,))
-                       for i in range(k)]
+        for key in runs:
+            threads = [threading.Thread(target=run, args=(args.steps,)) for run in runs[key]]
             start, cpu0 = time.perf_counter(), time.process_time()
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
             # seconds per trial-step: k trials made k * steps steps in this time
-            times[n, k].append((time.perf_counter() - start) / (k * args.steps))
-            cpu[n, k].append((time.process_time() - cpu0) / (k * args.steps))
-    base = statistics.median(times[layouts[0]])
-    print(f"{args.family} {args.config} {params}, global batch {args.batch} "
-          f"({(flops or 0) / 1e9:.3g} GFLOP per step), "
+            k = key[1]
+            times[key].append((time.perf_counter() - start) / (k * args.steps))
+            cpu[key].append((time.process_time() - cpu0) / (k * args.steps))
+    print(f"{args.family} {args.config} {params}, "
           f"{args.rounds} interleaved rounds of {args.steps} steps per trial")
-    for n, k in layouts:
-        med = statistics.median(times[n, k])
-        print(f"  {k} trial(s) at once on {n} device(s) each: {1000 * med:7.1f} ms per trial-step "
-              f"(rounds: {', '.join(f'{1000 * t:.0f}' for t in times[n, k])}; CPU "
-              f"{1000 * statistics.median(cpu[n, k]):.0f} ms); throughput over "
-              f"{layouts[0][1]}x{layouts[0][0]}: {base / med:.2f}x")
+    n0, k0 = layouts[0]
+    for b in batches:
+        flops = step_flops(nnx.eval_shape(lambda: space.build(params, nnx.Rngs(0))),
+                           make_optimizer(params), task.loss_fn,
+                           with_batch_size(task.sample_batch(1), b))
+        base = statistics.median(times[n0, k0, b])
+        print(f" global batch {b} ({(flops or 0) / 1e9:.3g} GFLOP per step)")
+        for n, k in layouts:
+            med = statistics.median(times[n, k, b])
+            print(f"  {k} trial(s) at once on {n} device(s) each: {1000 * med:7.1f} ms per "
+                  f"trial-step, {1000 * med / b:6.2f} ms per sample (rounds: "
+                  f"{', '.join(f'{1000 * t:.0f}' for t in times[n, k, b])}; CPU "
+                  f"{1000 * statistics.median(cpu[n, k, b]):.0f} ms); throughput over "
+                  f"{k0}x{n0}: {base / med:.2f}x")
     return times
 
 
