@@ -1,8 +1,9 @@
 """Hyperparameter search over SwinIR super-resolution models with ScaMP planning and packing.
 
-Run (8 CPU devices on a CPU-only machine, the GPUs on a GPU machine)::
+Run (on a CPU-only machine the host split into 8 CPU devices, of which the default preset pools
+2; the GPUs on a GPU machine)::
 
-    python -m experiments.swinir_hpo                  # 4-6 min on 2 busy CPU cores
+    python -m experiments.swinir_hpo                  # 3-5 min on 2 busy CPU cores
     python -m experiments.swinir_hpo --preset smoke   # a few minutes
     python -m experiments.swinir_hpo --policy fixed   # the fixed-resources baseline
     mpirun -n 2 python -m experiments.swinir_hpo --preset smoke   # one study across 2 ranks
