@@ -98,8 +98,9 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
     parser.add_argument("--steps", type=positive_int,
                         help="training steps per trial at the preset's reference batch size")
     parser.add_argument("--devices", type=positive_int,
-                        help="how many of the backend's devices form the pool (default: all; "
-                        f"on CPU the host is split into max({CPU_DEVICES}, this) devices)")
+                        help="how many of the backend's devices form the pool (default: the "
+                        "preset's on CPU, all on GPUs; on CPU the host is split into "
+                        f"max({CPU_DEVICES}, this) devices)")
     parser.add_argument("--memory-per-device",
                         help="memory budget per device, e.g. '1GiB', '512MiB' (default: the "
                         "preset's on CPU, the device limit on GPUs)")
@@ -128,9 +129,9 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
                         "group, at most 8 (default: off)")
     parser.add_argument("--max-running-trials", type=running_cap, metavar="N|auto|none",
                         help="most trials (or fused groups) training at once, the rest queued: "
-                        "'auto' (default) is one per two host cores on CPU devices, which share "
-                        "the host's cores (more at once measured slower there), and no cap on "
-                        "accelerators; 'none': as many as the pool's memory holds")
+                        "'auto' is one per two host cores on CPU devices, which share the "
+                        "host's cores, and no cap on accelerators; 'none': as many as the "
+                        "pool's memory holds (default: the preset's, 'auto' unless said below)")
     parser.add_argument("--sampler", choices=SAMPLERS, help="Optuna sampler (seeded)")
     parser.add_argument("--pruner", choices=PRUNERS,
                         help="Optuna pruner fed by intermediate evaluations (--eval-every)")
@@ -327,6 +328,15 @@ def run(
         return _run(args, config, make, baseline=baseline, title=title)
 
 
+def pool_size(args: argparse.Namespace, config: HPOConfig, platform: str) -> int | None:
+    """Devices of the pool on a backend of ``platform`` (None: every device): ``--devices`` if
+    given, else the preset's count on CPU; on accelerators a preset's count (sized for CPU
+    devices that share one host) gives way to every device, as its memory budget does."""
+    if getattr(args, "devices", None) is None and platform != "cpu":
+        return None
+    return config.devices
+
+
 def _run(
     args: argparse.Namespace,
     config: HPOConfig,
@@ -344,7 +354,7 @@ def _run(
     from scamp_jax.hpo.session import run_search
     from scamp_jax.planning import planner
 
-    devices = planner.resolve_devices(config.devices)
+    devices = planner.resolve_devices(pool_size(args, config, jax.devices()[0].platform))
     memory = config.memory_per_device
     if getattr(args, "memory_per_device", None) is None and devices[0].platform != "cpu":
         memory = None  # accelerators: the preset's CPU budget gives way to the device limit

@@ -1,8 +1,9 @@
 """Hyperparameter search over SwinIR super-resolution models with ScaMP planning and packing.
 
-Run (8 CPU devices on a CPU-only machine, the GPUs on a GPU machine)::
+Run (on a CPU-only machine the host split into 8 CPU devices, of which the default preset pools
+2; the GPUs on a GPU machine)::
 
-    python -m experiments.swinir_hpo                  # 4-6 min on 2 busy CPU cores
+    python -m experiments.swinir_hpo                  # 3-5 min on 2 busy CPU cores
     python -m experiments.swinir_hpo --preset smoke   # a few minutes
     python -m experiments.swinir_hpo --policy fixed   # the fixed-resources baseline
     mpirun -n 2 python -m experiments.swinir_hpo --preset smoke   # one study across 2 ranks
@@ -29,6 +30,8 @@ from experiments._cli import HPOConfig, add_flags, config_from_args, run
 
 STUDY_DIR = "runs/swinir_hpo"
 PRESETS = ("smoke", "default", "paper")
+#: CPU devices the default preset's pool has on a CPU-only machine (on GPUs: every GPU).
+CPU_POOL_DEVICES = 2
 
 
 #: A small model and learning rate that beat bicubic within the default preset's 4,000 training
@@ -49,14 +52,17 @@ def get_config(preset: str = "default") -> HPOConfig:
                          max_batch_size=8, devices=None, memory_per_device="1GiB",
                          checkpoint_every=25, study_dir=STUDY_DIR, pruner="none")
     if preset == "default":
-        # Devices of 32 MiB, sized to the small space: its candidates book 5-22 MiB at batch 4,
-        # the largest ones more, so the planner lowers their batch (to 1 for the space's
-        # largest) and the memory plot shows what each trial holds. 4,000 samples per trial,
-        # as 1,000 steps of 4: more updates than 500 of 8 at the same cost per sample.
+        # On CPU: a pool of 2 devices of 32 MiB, sized to the small space: its candidates book
+        # 5-23 MiB at batch 4, the largest ones more, so the planner lowers their batch (to 1
+        # for the space's largest). No cap on running trials: the pool's memory decides how
+        # many train at once, packed by planned memory (up to 4 measured, two to a device), so
+        # the memory plot shows what the trials hold together. 4,000 samples per trial, as 1,000
+        # steps of 4: more updates than 500 of 8 at the same cost per sample. On GPUs the
+        # pool is every GPU with its own memory limit (`experiments._cli.run`).
         return HPOConfig(preset="default", trials=6, steps=1000, reference_batch=4,
-                         max_batch_size=4, devices=None, memory_per_device="32MiB",
-                         checkpoint_every=250, study_dir=STUDY_DIR, pruner="none",
-                         initial_params=(WARM_START,))
+                         max_batch_size=4, devices=CPU_POOL_DEVICES, memory_per_device="32MiB",
+                         max_running_trials=None, checkpoint_every=250, study_dir=STUDY_DIR,
+                         pruner="none", initial_params=(WARM_START,))
     if preset == "paper":
         # The paper's SwinIR runs on 32 V100s: memory from the devices, classical-sized models.
         return HPOConfig(preset="paper", trials=64, steps=50_000, reference_batch=32,
@@ -83,6 +89,13 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m experiments.swinir_hpo",
         description="Memory-aware parallel hyperparameter search over SwinIR "
         "(x2 super-resolution).",
+        epilog="Defaults of --preset default on a CPU-only machine: 6 trials of 1,000 steps, "
+        f"a pool of {CPU_POOL_DEVICES} CPU devices (--devices) of 32 MiB each "
+        "(--memory-per-device), every trial's batch the largest up to 4 that its device holds "
+        "(--max-batch-size), and no cap on running trials (--max-running-trials none): the "
+        "pool's memory decides how many train at once, packed several to a device. On GPUs "
+        "the pool is every GPU with its own memory limit. The other presets use every device "
+        "and --max-running-trials auto.",
     )
     add_flags(p, PRESETS, STUDY_DIR)
     p.add_argument("--train-dir",

@@ -88,6 +88,18 @@ def test_presets_are_typed_and_distinct():
         swinir_hpo.get_config("x")
 
 
+@pytest.mark.parametrize("argv, platform, pool", [
+    ([], "cpu", swinir_hpo.CPU_POOL_DEVICES), ([], "gpu", None),
+    (["--devices", "3"], "cpu", 3), (["--devices", "3"], "gpu", 3),
+    (["--preset", "smoke"], "cpu", None)])
+def test_default_preset_pools_few_cpu_devices_and_every_gpu(argv, platform, pool):
+    from experiments._cli import config_from_args, pool_size
+
+    args = swinir_hpo.parser().parse_args(argv)
+    config = config_from_args(args, swinir_hpo.get_config(args.preset), "runs/x")
+    assert pool_size(args, config, platform) == pool
+
+
 def test_unreadable_memory_size_is_rejected(tmp_path):
     result = cli("--memory-per-device", "lots", "--study-dir", str(tmp_path))
     assert result.returncode == 2
