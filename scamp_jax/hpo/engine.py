@@ -100,7 +100,8 @@ class EngineConfig:
       eval_every: steps between intermediate evaluations reported to the pruner (0: none).
       log_every: steps between loss read-backs.
       max_replans: out-of-memory re-plans of one trial before it is failed.
-      lookahead: asked-but-unplaced trials to keep queued (None: number of devices).
+      lookahead: asked-but-unplaced trials to keep queued (None: number of devices); a fused
+        proposal's siblings are asked with it even past this.
       nofit_limit: consecutive candidates that fit nowhere, with none fitting before, after
         which the study stops with `BudgetTooSmallError`.
       seed: base seed of initialisation and data streams.
