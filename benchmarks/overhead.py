@@ -28,7 +28,8 @@ validation example or two.
 ``--fuse VALUE`` (repeatable) runs scamp-jax once per value (``none``, ``auto`` or ``K``) instead
 of once with `run_study`'s default. A fused study searches differently (siblings: trials that
 share a proposed architecture, their training hyperparameters left to the sampler), so its
-trials are not the plain loop's and only its best metric compares.
+trials are not the plain loop's and only its best metric compares: with one seed that is one
+draw of each search, so compare it over several (``--seed N``, the study's seed both ways).
 
 Repeats run the ways interleaved, in rotating order, because the machine is shared; each run
 gets a fresh study directory. The table gives wall seconds, CPU seconds (user + system of the
@@ -117,7 +118,8 @@ def _space_and_task(family: str) -> tuple[Any, Any]:
     return make_space_and_task(get_config("smoke"))
 
 
-def run_scamp(family: Family, study_dir: Path, fuse: str | None = None) -> dict[str, Any]:
+def run_scamp(family: Family, study_dir: Path, fuse: str | None = None,
+              seed: int = SEED) -> dict[str, Any]:
     """The study through `scamp_jax.run_study` (devices set up as the family's entry does);
     ``fuse``: ``"none"``, ``"auto"`` or a width as text (None: `run_study`'s default)."""
     import scamp_jax
@@ -131,7 +133,7 @@ def run_scamp(family: Family, study_dir: Path, fuse: str | None = None) -> dict[
         space, task, trials=family.trials, steps=family.steps, study_dir=study_dir,
         memory_per_device=family.memory_per_device, reference_batch=family.reference_batch,
         max_batch_size=family.max_batch_size, checkpoint_every=family.checkpoint_every,
-        pruner=family.pruner, sampler="tpe", seed=SEED, live=False, **extra)
+        pruner=family.pruner, sampler="tpe", seed=seed, live=False, **extra)
     best = result.get("best") or {}
     results = json.loads((study_dir / "results.json").read_text())
     runs = results.get("runs", [])
@@ -144,7 +146,7 @@ def run_scamp(family: Family, study_dir: Path, fuse: str | None = None) -> dict[
             "fusion_widths": widths}
 
 
-def run_plain(family: Family, study_dir: Path) -> dict[str, Any]:
+def run_plain(family: Family, study_dir: Path, seed: int = SEED) -> dict[str, Any]:
     """The study as a plain Optuna loop: one device, one trial after another, each trial with
     the initialisation and data seed scamp-jax gives it."""
     import jax
@@ -160,8 +162,8 @@ def run_plain(family: Family, study_dir: Path) -> dict[str, Any]:
 
     def objective(trial: optuna.Trial) -> float:
         config = space.suggest(trial)
-        seed = trial_seed(SEED, f"trial_{trial.number}")  # scamp-jax's seed of this trial
-        model = space.build(config, nnx.Rngs(seed))
+        own = trial_seed(seed, f"trial_{trial.number}")  # scamp-jax's seed of this trial
+        model = space.build(config, nnx.Rngs(own))
         tx = optax.adamw(config["learning_rate"], b1=config.get("b1", 0.9),
                          b2=config.get("b2", 0.999), weight_decay=config.get("weight_decay", 0.0))
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -172,7 +174,7 @@ def run_plain(family: Family, study_dir: Path) -> dict[str, Any]:
             optimizer.update(model, grads)
             return loss
 
-        batches = task.batches(family.batch, seed)
+        batches = task.batches(family.batch, own)
         for _ in range(family.plain_steps):
             loss = train_step(model, optimizer, next(batches))
         loss.block_until_ready()
@@ -182,7 +184,7 @@ def run_plain(family: Family, study_dir: Path) -> dict[str, Any]:
 
     study = optuna.create_study(
         study_name=family.name, storage=f"sqlite:///{study_dir / 'study.db'}",
-        direction=task.direction, sampler=make_sampler("tpe", SEED))
+        direction=task.direction, sampler=make_sampler("tpe", seed))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study.optimize(objective, n_trials=family.trials)
     values = {str(t.number): [t.params, t.value] for t in study.trials
@@ -199,11 +201,11 @@ def _way(text: str) -> tuple[str, str | None]:
     return runner, fuse or None
 
 
-def _run_child(way: str, family: Family, study_dir: Path) -> dict[str, Any]:
+def _run_child(way: str, family: Family, study_dir: Path, seed: int) -> dict[str, Any]:
     runner, fuse = _way(way)
     if runner == "plain":
-        return run_plain(family, study_dir)
-    return run_scamp(family, study_dir, fuse)
+        return run_plain(family, study_dir, seed)
+    return run_scamp(family, study_dir, fuse, seed)
 
 
 def _label(way: str) -> str:
@@ -213,7 +215,7 @@ def _label(way: str) -> str:
     return "scamp-jax run_study" + (f" (fuse={fuse})" if fuse else "")
 
 
-def measure(way: str, family: Family) -> dict[str, Any]:
+def measure(way: str, family: Family, seed: int = SEED) -> dict[str, Any]:
     """Run one way of ``family`` as a child process; wall s, CPU s, peak RSS bytes, its result.
     ``way``: ``"plain"``, ``"scamp"`` (`run_study`'s defaults) or ``"scamp:FUSE"``."""
     with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
@@ -223,7 +225,8 @@ def measure(way: str, family: Family) -> dict[str, Any]:
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
                                 + " --xla_force_host_platform_device_count=1").strip()
         cmd = [sys.executable, "-m", "benchmarks.overhead", "--child", way, "--family",
-               family.name, "--study-dir", str(Path(tmp) / "study"), "--child-out", str(out)]
+               family.name, "--study-dir", str(Path(tmp) / "study"), "--child-out", str(out),
+               "--seed", str(seed)]
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
@@ -307,6 +310,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--fuse", action="append", type=_fuse_value, metavar="none|auto|K",
                         help="run scamp-jax with this fuse setting (repeat for several ways; "
                         "default: once, with run_study's default)")
+    parser.add_argument("--seed", type=int, default=SEED,
+                        help=f"the study's seed, both ways (default {SEED})")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--study-dir", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -318,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     configure_device_memory()  # before JAX starts, here and in the child processes (inherited)
     if args.child:
-        result = _run_child(args.child, FAMILIES[args.family], Path(args.study_dir))
+        result = _run_child(args.child, FAMILIES[args.family], Path(args.study_dir), args.seed)
         Path(args.child_out).write_text(json.dumps(result))
         return result
 
@@ -335,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             for way in order:
                 print(f"[overhead] {name} repeat {repeat + 1}/{args.repeats}: {way} ...",
                       flush=True)
-                runs[way].append(measure(way, family))
+                runs[way].append(measure(way, family, args.seed))
                 r = runs[way][-1]
                 print(f"[overhead]   {r['wall_s']:.1f} s wall, {r['cpu_s']:.1f} s CPU, "
                       f"best {r['metric']} {r['best']}", flush=True)

@@ -38,17 +38,24 @@ def test_compiles_and_sections_are_attributed_by_thread_and_name():
     def step(x):
         return x * 3.0 + 1.0
 
+    @jax.jit
+    def fused(x):  # a fused group's step: a training step too
+        return x * 2.0
+
     with OverheadRecorder() as recorder:
         worker = threading.Thread(target=lambda: step(jax.numpy.ones(7)), name="trial_0")
         worker.start()
         worker.join()
+        group = threading.Thread(target=lambda: fused(jax.numpy.ones(5)), name="trial_1")
+        group.start()
+        group.join()
         with timed_section("/scamp_jax/checkpoint/save"):
             pass
     summary = recorder.summary()
-    assert summary["runner_step_compiles"] == 1 and summary["runner_step_compile_s"] > 0
+    assert summary["runner_step_compiles"] == 2 and summary["runner_step_compile_s"] > 0
     assert summary["planning_compiles"] == 0 and summary["checkpoint_writes"] == 1
     step(jax.numpy.ones(9))  # outside the block: not counted
-    assert recorder.summary()["runner_step_compiles"] == 1
+    assert recorder.summary()["runner_step_compiles"] == 2
 
 
 def test_a_study_records_where_its_time_went(tmp_path):

@@ -100,7 +100,8 @@ class EngineConfig:
       eval_every: steps between intermediate evaluations reported to the pruner (0: none).
       log_every: steps between loss read-backs.
       max_replans: out-of-memory re-plans of one trial before it is failed.
-      lookahead: asked-but-unplaced trials to keep queued (None: number of devices).
+      lookahead: asked-but-unplaced trials to keep queued (None: number of devices); a fused
+        proposal's siblings are asked with it even past this.
       nofit_limit: consecutive candidates that fit nowhere, with none fitting before, after
         which the study stops with `BudgetTooSmallError`.
       seed: base seed of initialisation and data streams.
@@ -458,6 +459,9 @@ class SearchEngine:
         asked = self.intake.ask()
         if asked is None:
             return False
+        # The source hands a proposal's held siblings to this engine next (a queued retry may
+        # come first: then one sibling fewer is asked past the lookahead).
+        self._siblings_due = asked.siblings or max(0, self._siblings_due - 1)
         record = self.records.setdefault(
             asked.number, TrialRecord(TrialStatus(asked.number, asked.params), asked,
                                       self.config.steps_for))
@@ -650,6 +654,7 @@ class SearchEngine:
             lambda p, request: self._submit("replan", p, self.planning.plan_again, p, request),
             self._notify)
         self.intake.reset()
+        self._siblings_due = 0  # siblings of the last proposal not asked yet
         self._last_wave_at: float | None = None
         if self.fusion is not None:
             self.fusion.reset()
@@ -678,9 +683,13 @@ class SearchEngine:
     def _turn(self, lookahead: int) -> bool:
         """One turn of the loop: ask, group, wait for the next events and handle them; False
         once the study has nothing more for this engine."""
+        # A proposal's siblings are asked with it, past the lookahead: their architecture is
+        # decided and planned once for the family, and its group waits for all of them.
         while (self.intake.may_ask()
-               and len(self.core.queued) + len(self._in_flight("plan", "replan")) < lookahead):
+               and (self._siblings_due > 0 or len(self.core.queued)
+                    + len(self._in_flight("plan", "replan")) < lookahead)):
             if not self._ask():
+                self._siblings_due = 0
                 break
         self._form_groups()
         self._set_last_wave()

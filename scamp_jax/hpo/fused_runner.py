@@ -336,7 +336,12 @@ class FusedProgram:
 
     def compile(self) -> int | None:
         mask = self._active(np.ones(self.width, bool))
-        self.compiled = self.step_fn.lower(*self.state, self.batch, mask).compile()
+        lowered = self.step_fn.lower(*self.state, self.batch, mask)
+        # The planner's run-grade fused step when it is this program on these devices (a group
+        # of the planned width), else one compile shared by groups of the same program.
+        ready = getattr(self.spec.plan, "compiled_step", None)
+        self.compiled = self.cache.executables.compiled(
+            lowered, tuple(d.id for d in self.plan.mesh.devices.flat), ready)
         return peak_bytes(self.compiled)
 
     def prefetch_bytes(self) -> int:

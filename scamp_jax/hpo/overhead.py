@@ -6,9 +6,9 @@ the project reports its own timed sections the same way (`record_section`: check
 the report and its plots, written after ``results.json``, are added to it afterwards by the
 study session). Compiles are attributed by thread: the engine's planner threads
 (``planner*``) plan, its trial threads (``trial*``) run trials, and within a trial the training
-step (``jit(step)``), the initial state (``jit(init)``) and the evaluation forward
-(``jit(run)``) are told apart by name. Compile seconds are summed over threads, so with
-threads compiling at once they can exceed the wall-clock time.
+step (``jit(step)``; a fused group's ``jit(fused)``), the initial state (``jit(init)``) and the
+evaluation forward (``jit(run)``) are told apart by name. Compile seconds are summed over
+threads, so with threads compiling at once they can exceed the wall-clock time.
 
 The summary also has the time from the process's start to the study's (the interpreter, the
 imports and the script's own set-up) and the device-seconds during which whole devices stood
@@ -37,8 +37,8 @@ LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 SECTION_PREFIX = "/scamp_jax/"
 CHECKPOINT_SAVE = "/scamp_jax/checkpoint/save"
 CHECKPOINT_WAIT = "/scamp_jax/checkpoint/wait"
-_RUNNER_PARTS = {"jit(step)": "runner_step", "jit(init)": "runner_init",
-                 "jit(run)": "evaluation"}
+_RUNNER_PARTS = {"jit(step)": "runner_step", "jit(fused)": "runner_step",
+                 "jit(init)": "runner_init", "jit(run)": "evaluation"}
 
 
 def record_section(event: str, seconds: float) -> None:

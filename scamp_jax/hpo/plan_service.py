@@ -231,16 +231,23 @@ class PlanningService:
         with self._plans_lock:
             if key in self._flops:
                 return self._flops[key]
-        try:
-            total = step_flops(model, make_optimizer(params), self.task.loss_fn,
-                               with_batch_size(self.task.sample_batch(1), int(plan.batch_size)),
-                               plan.step_shardings)
-            flops = total / self.devices_of(plan) if total else None
-        except Exception as err:  # noqa: BLE001 - a cost is an aid; the trial runs without one
-            log.info("no cost analysis for %s: %s", type(model).__name__, err)
-            flops = None
-        with self._plans_lock:
-            self._flops[key] = flops
+            # Trials of one architecture planned at once (a fused family) lower it once.
+            key_lock = self._key_locks.setdefault(("flops", key), threading.Lock())
+        with key_lock:
+            with self._plans_lock:
+                if key in self._flops:
+                    return self._flops[key]
+            try:
+                total = step_flops(model, make_optimizer(params), self.task.loss_fn,
+                                   with_batch_size(self.task.sample_batch(1),
+                                                   int(plan.batch_size)),
+                                   plan.step_shardings)
+                flops = total / self.devices_of(plan) if total else None
+            except Exception as err:  # noqa: BLE001 - a cost is only an aid
+                log.info("no cost analysis for %s: %s", type(model).__name__, err)
+                flops = None
+            with self._plans_lock:
+                self._flops[key] = flops
         return flops
 
     def planned_with_cost(self, params: Mapping[str, Any], number: int, **kw: Any) -> Any:

@@ -74,7 +74,10 @@ class SearchSettings:
       fuse: horizontal fusion (`scamp_jax.hpo.fused_engine`): None (off), ``K`` (after the sampler
         proposes a trial, up to ``K - 1`` siblings with its architecture are enqueued, and
         queued trials of one architecture train in fused groups of at most ``K``, as wide as
-        the planner fits) or ``"auto"`` (the planner's widest fitting group, capped).
+        the planner fits) or ``"auto"`` (the planner's widest fitting group, capped). Siblings
+        change the search: a proposal's family takes ``K`` of the study's trials, so a study of
+        at most ``K`` trials tries one architecture (its first proposal's) with ``K`` draws of
+        the training hyperparameters (``"auto"``: ``K`` is `scamp_jax.hpo.trial.AUTO_FUSION_CAP`).
       max_running_trials: most trials (or fused groups) training at once, the rest queued:
         ``"auto"`` (on CPU devices, which share the host's cores, one per two cores, as
         measured in `scamp_jax.scheduling.host`; no cap on accelerators), a positive int, or

@@ -49,6 +49,7 @@ from scamp_jax.planning import sharding as sh
 from scamp_jax.planning.memory import CPU_FAST_COMPILE, MemoryEstimate
 from scamp_jax.planning.plan_cache import PlanCache, cache_key, device_identity, program_signature
 from scamp_jax.planning.planner import (
+    CompiledStep,
     DoesNotFitError,
     Plan,
     _estimate_record,
@@ -56,6 +57,7 @@ from scamp_jax.planning.planner import (
     resolve_budget,
     resolve_devices,
 )
+from scamp_jax.planning.reuse import lowered_fingerprint
 from scamp_jax.planning.train_step import (
     LossFn,
     StepShardings,
@@ -215,6 +217,10 @@ class FusionPlan:
         member plan's evaluation peak + the stacked state + the prefetched batches), whichever
         is larger; what a scheduler books for the group (None: the step's peak).
       cached: True when every point came from a `PlanCache`: nothing was compiled.
+      compiled_step: the fused step at ``(width, batch_size)`` compiled with default XLA options
+        on the plan's devices (`scamp_jax.planning.planner.CompiledStep`), for the group's run
+        to take as is (`scamp_jax.planning.reuse.ExecutableCache`); None: not kept
+        (``compile_for_run=False``, or a plan moved to other devices).
     """
 
     plan: Plan
@@ -227,6 +233,7 @@ class FusionPlan:
     compiles: int = field(default=0, compare=False)
     predicted_peak_bytes: int | None = None
     cached: bool = field(default=False, compare=False)
+    compiled_step: CompiledStep | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.predicted_peak_bytes is None:
@@ -243,8 +250,12 @@ class FusionPlan:
         return self.plan.usable_bytes
 
     def with_devices(self, devices: Sequence[jax.Device]) -> FusionPlan:
-        """The same group decision on other devices of the same count (`Plan.with_devices`)."""
-        return replace(self, plan=self.plan.with_devices(devices))
+        """The same group decision on other devices of the same count (`Plan.with_devices`);
+        the compiled step stays only on the devices it was compiled for."""
+        ready = self.compiled_step
+        if ready is not None and ready.device_ids != tuple(d.id for d in devices):
+            ready = None
+        return replace(self, plan=self.plan.with_devices(devices), compiled_step=ready)
 
     def describe(self) -> str:
         """A short human-readable summary."""
@@ -286,6 +297,9 @@ class FusedStepCompiler:
         self.seen: dict[tuple[int, int], MemoryEstimate] = {}
         self.asked: dict[tuple[int, int], int] = {}  # the points this search used: their peaks
         self.compiled = 0  # fused steps compiled by this object (points from the cache excluded)
+        #: run-grade (default XLA options) executables and their lowerings, by (width, batch)
+        self.run_grade: dict[tuple[int, int], tuple[Any, jax.stages.Lowered]] = {}
+        self.from_cache: set[tuple[int, int]] = set()  # points read from the plan cache
         self.cache = cache
         self._cache_parts: dict[str, Any] | None = None
         self._loaded: set[int] = set()  # widths whose cached points are in ``seen``
@@ -310,20 +324,27 @@ class FusedStepCompiler:
             return
         self._loaded.add(width)
         for batch, record in self.cache.get_peaks(self._width_key(width)).items():
-            self.seen.setdefault((width, batch), MemoryEstimate(**record))
+            if (width, batch) not in self.seen:
+                self.seen[(width, batch)] = MemoryEstimate(**record)
+                self.from_cache.add((width, batch))
 
     @property
     def data_parallel(self) -> int:
         """The member plan's data-parallel degree (per-member batches are multiples of it)."""
         return self.plan.data_parallel
 
-    def estimate(self, width: int, batch_size: int) -> MemoryEstimate:
+    def estimate(self, width: int, batch_size: int, run_grade: bool = False) -> MemoryEstimate:
         """Per-device memory of the fused step for ``width`` members of ``batch_size`` samples.
 
         ``MemoryEstimate.batch_size`` is the per-member batch; byte fields hold all members.
+        ``run_grade``: compile with default XLA options (what a run compiles) and keep the
+        executable in ``run_grade``; a point compiled here at planning grade is compiled again
+        for that, a point from the plan cache is not (a cached plan compiles nothing).
         """
         self._load(width)
-        if (width, batch_size) in self.seen:
+        point = (width, batch_size)
+        if point in self.seen and (not run_grade or point in self.run_grade
+                                   or point in self.from_cache):
             estimate = self.seen[(width, batch_size)]
             self.asked[(width, batch_size)] = estimate.peak
             return estimate
@@ -343,10 +364,11 @@ class FusedStepCompiler:
         )
         active = jax.ShapeDtypeStruct((width,), jnp.bool_)
         start = time.perf_counter()
-        compiled = self._step.lower(params, opt_state, rest, batch, active).compile(
-            self.compiler_options
-        )
+        lowered = self._step.lower(params, opt_state, rest, batch, active)
+        compiled = lowered.compile(None if run_grade else self.compiler_options)
         seconds = time.perf_counter() - start
+        if run_grade:
+            self.run_grade[(width, batch_size)] = (compiled, lowered)
         stats = compiled.memory_analysis()
         if stats is None:
             raise RuntimeError(
@@ -411,6 +433,7 @@ def plan_fusion(
     max_batch_size: int | None = None,
     plan: Plan | None = None,
     cache: PlanCache | None = None,
+    compile_for_run: bool = False,
 ) -> FusionPlan:
     """Size a fused group of ``model``: the widest group up to ``max_width``, then its batch.
 
@@ -428,6 +451,14 @@ def plan_fusion(
       cache: a `PlanCache` (e.g. the study's ``plans.sqlite``): the member plan is looked up
         there too, and every compiled fused point is stored and reused, so the same group
         planned again (a resumed study, another process) compiles nothing.
+      compile_for_run: keep the answer's fused step compiled with default XLA options as
+        ``compiled_step`` for the group's run (which then compiles no step on the planned
+        devices). With a fixed ``batch_size`` the first point tried (``max_width``, usually the
+        answer) is compiled so at once, so a group that fits at the cap costs one compile, not
+        a planning compile and then the run's; otherwise the answer is compiled once more. An
+        answer from the plan cache is not compiled (the run compiles it).
+        On CPU a run-grade compile is slower than the planning ones (LLVM level 0), so leave
+        it off when the plan only informs (a simulator, a cost model).
 
     Returns:
       A `FusionPlan`: the widest ``K <= max_width`` whose compiled fused step fits at
@@ -461,12 +492,13 @@ def plan_fusion(
     usable = plan.usable_bytes
     compiler = FusedStepCompiler(model, sample_batch, plan, optimizer, loss_fn, cache=cache)
 
-    def held(width: int, batch: int) -> int:
-        return group_held_bytes(compiler.estimate(width, batch), plan, width, batch)
+    def held(width: int, batch: int, run_grade: bool = False) -> int:
+        return group_held_bytes(compiler.estimate(width, batch, run_grade), plan, width, batch)
 
     first_batch = batch_size if batch_size is not None else dp
-    # The cap usually fits (small candidates): then one compile decides the width.
-    if held(max_width, first_batch) <= usable:
+    # The cap usually fits (small candidates): then one compile decides the width, and with a
+    # fixed batch it is the answer (compiled as the run compiles it when it is kept for it).
+    if held(max_width, first_batch, compile_for_run and batch_size is not None) <= usable:
         width = max_width
     elif (one := held(1, first_batch)) > usable:
         raise DoesNotFitError(
@@ -479,7 +511,12 @@ def plan_fusion(
     batch = first_batch
     if batch_size is None:
         batch = _largest_fitting(lambda b: held(width, b), dp, plan.batch_size, dp, usable)
-    estimate = compiler.estimate(width, batch)
+    estimate = compiler.estimate(width, batch, compile_for_run)
+    compiled_step = None
+    if (width, batch) in compiler.run_grade:
+        executable, lowered = compiler.run_grade[(width, batch)]
+        compiled_step = CompiledStep(executable, lowered_fingerprint(lowered),
+                                     tuple(d.id for d in plan.mesh.devices.flat))
     return FusionPlan(
         plan=plan, width=width, batch_size=batch, peak_bytes_per_device=estimate.peak,
         estimate=estimate,
@@ -487,6 +524,7 @@ def plan_fusion(
         planning_seconds=time.perf_counter() - start, compiles=compiler.compiled,
         predicted_peak_bytes=held(width, batch),
         cached=cache is not None and compiler.compiled == 0,
+        compiled_step=compiled_step,
     )
 
 
