@@ -12,7 +12,6 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import jax
 import pytest
 from test_engine import build, settings, suggest
 from test_runner import Regression
+from test_study_lifecycle import ROOT, TESTS, child_env
 
 from scamp_jax.hpo.fused_engine import latest_checkpoint_step
 from scamp_jax.hpo.session import run_search
@@ -32,7 +32,6 @@ from scamp_jax.space import SearchSpace
 
 MIB = 2**20
 BUDGET = 32_000
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -47,68 +46,78 @@ def packed_study(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[s
     return study_dir, json.loads((study_dir / "results.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def resumed_fused_study(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Four MLP trials in fused groups of two on two CPU devices, stopped by a real SIGINT (as
-    Ctrl-C) once a running trial has saved a checkpoint, then run again: the second run
-    resumes the stopped trials from their checkpoints and runs the rest."""
-    study_dir = tmp_path_factory.mktemp("fused")
+#: The fused study's trials: long enough that a Ctrl-C sent once a checkpoint at most halfway is
+#: saved lands well before their ends on a fast machine too.
+FUSED_STEPS = 160
+
+#: A child process that runs the fused study in the directory given as its argument, inside the
+#: entry points' error handler (Ctrl-C exits 130). It takes Ctrl-C as a study started from a
+#: terminal does: a process started as a background job of a non-interactive shell (``pytest
+#: ... &`` in a script) ignores SIGINT, and its children inherit that.
+FUSED_DRIVER = """
+import signal
+signal.signal(signal.SIGINT, signal.default_int_handler)
+import sys
+from scamp_jax.devices import configure_cpu_devices
+configure_cpu_devices(8)
+sys.path.insert(0, {tests!r})
+from test_scheduling import run_fused_study
+from experiments._cli import user_errors
+with user_errors():
+    run_fused_study(sys.argv[1])
+"""
+
+
+def run_fused_study(study_dir: str) -> None:
+    """Four MLP trials in fused groups of two on two CPU devices (run or resumed)."""
     # One architecture (compiled once) in groups of two, with their own learning rates.
     space = SearchSpace("mlp-16", lambda t: {
         "width": t.suggest_categorical("width", [16]), "kind": "ok",
         "learning_rate": t.suggest_float("learning_rate", 1e-4, 3e-2, log=True)}, build)
-    # Long enough that a SIGINT sent once the first checkpoints are saved lands well before the
-    # trials' ends on a fast machine too (the watcher waits for one at most halfway).
-    steps = 160
-    study = settings(str(study_dir), trials=4, steps=steps, reference_batch=None,
+    study = settings(study_dir, trials=4, steps=FUSED_STEPS, reference_batch=None,
                      checkpoint_every=10, fuse=2)
+    run_search(space, Regression(), study, devices=jax.devices()[:2],
+               memory_per_device=40_000, live=False)
 
-    def run() -> None:
-        run_search(space, Regression(), study, devices=jax.devices()[:2],
-                   memory_per_device=40_000, live=False)
 
-    done = threading.Event()
-    in_run = threading.Event()
+@pytest.fixture(scope="module")
+def resumed_fused_study(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The fused study (`run_fused_study`) run by a process that a real SIGINT (Ctrl-C) stops
+    once a running trial has saved a checkpoint, then run again here: the second run resumes
+    the stopped trials from their checkpoints and runs the rest.
 
-    def on_sigint(signum: int, frame: Any) -> None:
-        if in_run.is_set():  # Ctrl-C while the first run is under way; ignored once it stopped
-            raise KeyboardInterrupt
-
-    def interrupt_mid_trial() -> None:
-        # Ctrl-C every 0.2 s until the first run stops: one landing while the main thread sits in
-        # a part that holds it back is not lost.
-        root = study_dir / "checkpoints"
-        while not done.wait(0.02):
-            if root.is_dir() and any(0 < latest_checkpoint_step(p) <= steps // 2
-                                     for p in root.iterdir()):
-                while in_run.is_set() and not done.wait(0.2):
-                    signal.raise_signal(signal.SIGINT)  # to the main thread, as Ctrl-C
-                return
-
-    def first_run() -> None:
-        in_run.set()
-        try:
-            run()
-        finally:
-            in_run.clear()
-
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    watcher = threading.Thread(target=interrupt_mid_trial, daemon=True)
+    The first run is a process of its own, as a user's study is: the SIGINT goes to that
+    process from outside, and nothing this test process did before can stand in its way.
+    """
+    study_dir = tmp_path_factory.mktemp("fused")
+    command = [sys.executable, "-c", FUSED_DRIVER.format(tests=str(TESTS)), str(study_dir)]
+    proc = subprocess.Popen(command, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    root = study_dir / "checkpoints"
+    deadline = time.monotonic() + 240
     try:
-        watcher.start()
-        with pytest.raises(KeyboardInterrupt):
-            first_run()
+        while not (root.is_dir() and any(0 < latest_checkpoint_step(p) <= FUSED_STEPS // 2
+                                         for p in root.iterdir())):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail("the first run saved no checkpoint at most halfway before it ended "
+                            f"or in 240 s:\n{proc.communicate()[0]}")
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)  # as Ctrl-C
+        out, _ = proc.communicate(timeout=120)
     finally:
-        done.set()
-        watcher.join()
-        signal.signal(signal.SIGINT, previous)
-    time.sleep(0.1)
-    run()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, out  # stopped by the Ctrl-C, not run to its end
+    assert "Traceback" not in out, out
+    first = json.loads((study_dir / "results.json").read_text())
+    assert [run["interrupted"] for run in first["runs"]] == [True], first["runs"]
+    assert len(first["trials"]) < 4, first["trials"]  # trials were left to resume
+    run_fused_study(str(study_dir))
     return json.loads((study_dir / "results.json").read_text())
 
 
-# Slow set: its real SIGINT did not stop the first run in two full default runs (it passes alone).
-@pytest.mark.slow
 def test_replay_of_a_resumed_fused_study_makes_the_same_placements(resumed_fused_study) -> None:
     results = resumed_fused_study
     assert len(results["runs"]) == 2  # stopped, then resumed

@@ -68,7 +68,9 @@ def _command(study_dir: Path, steps: int = STEPS) -> list[str]:
             str(steps)]
 
 
-def _env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
+    """The environment of a child Python process that runs a study (it sets up its own CPU
+    devices)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     return env
@@ -86,8 +88,8 @@ def _trials(study_dir: Path) -> list[optuna.trial.FrozenTrial]:
 # Three processes start JAX: about 40 s on 2 busy cores.
 def test_sigterm_checkpoints_writes_results_and_a_rerun_appends(tmp_path, capsys):
     study_dir = tmp_path / "study"
-    proc = subprocess.Popen(_command(study_dir), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(_command(study_dir), cwd=ROOT, env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
         if (study_dir / "study.db").exists() and any(
@@ -114,7 +116,7 @@ def test_sigterm_checkpoints_writes_results_and_a_rerun_appends(tmp_path, capsys
     assert "--study-name" in line
     assert len(json.loads((study_dir / "results.json").read_text())["runs"]) == 1
 
-    again = subprocess.run(_command(study_dir), cwd=ROOT, env=_env(), capture_output=True,
+    again = subprocess.run(_command(study_dir), cwd=ROOT, env=child_env(), capture_output=True,
                            text=True, timeout=600)
     assert again.returncode == 0, again.stdout + again.stderr
     payload = json.loads((study_dir / "results.json").read_text())
