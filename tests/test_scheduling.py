@@ -111,6 +111,7 @@ def resumed_fused_study(tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
             proc.wait()
     assert proc.returncode == 130, out  # stopped by the Ctrl-C, not run to its end
     assert "Traceback" not in out, out
+    assert "stopping: " in out, out  # the user is told what happens to the running trials
     first = json.loads((study_dir / "results.json").read_text())
     assert [run["interrupted"] for run in first["runs"]] == [True], first["runs"]
     assert len(first["trials"]) < 4, first["trials"]  # trials were left to resume

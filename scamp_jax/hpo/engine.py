@@ -671,8 +671,8 @@ class SearchEngine:
         try:
             while self._turn(lookahead):
                 pass
-        except BaseException:
-            self._give_back()
+        except BaseException as err:
+            self._give_back(interrupted=isinstance(err, KeyboardInterrupt))
             raise
         self._planner.shutdown(wait=True)
         self._launch.close()
@@ -731,13 +731,17 @@ class SearchEngine:
         self._notify()
         return True
 
-    def _give_back(self) -> None:
+    def _give_back(self, interrupted: bool = False) -> None:
         """On an interrupt: stop every run (they checkpoint) and give every unfinished trial
         of this engine back to the study (whatever a stopped run says, its trial is
-        unfinished)."""
+        unfinished). ``interrupted``: by Ctrl-C, which the user is told what happens to."""
         runs = [r.run for r in self._running().values() if r.run is not None]
         for run in runs:
             run.stop.set()
+        if interrupted and runs and self.on_notice is not None:
+            self.on_notice(f"stopping: {len(runs)} running trial(s) end at their next step "
+                           "(with a checkpoint where checkpoints are on) and go back to the "
+                           "study, where a re-run resumes them; Ctrl-C again stops at once")
         cf.wait([run.future for run in runs])
         waiting = [m.number for run in runs for m in run.members]
         for work in self.work.values():
