@@ -6,8 +6,9 @@ planner threads (XLA compiles outside the GIL), never on the loop's thread:
 
 - `plan`: the fewest devices that hold a configuration and the largest batch (``plan_mesh``,
   one call site: `call_planner`), cached per architecture in memory;
-- `step_flops`: FLOPs per device of a plan's training step from ``cost_analysis()`` of its
-  lowering (no compile), for the scheduling core's costs; `planned_with_cost` plans and costs
+- `step_flops`: FLOPs per device of a plan's training step, from the step's total
+  (`total_flops`: ``cost_analysis()`` of its lowering, no compile, one per architecture and
+  batch), for the scheduling core's costs; `planned_with_cost` plans and costs
   a trial and keeps its figure for `flops_of`;
 - `plan_again`: the plan after an out-of-memory run, at the batch the measured bytes allow
   (a `scamp_jax.scheduling.core.Replan`).
@@ -169,12 +170,7 @@ class PlanningService:
         share = cpu_trial_devices(self.devices, self.max_running, max_batch)
         if share == 1 or max_batch is None:
             return share
-        try:
-            flops = step_flops(model, make_optimizer(params or {}), self.task.loss_fn,
-                               with_batch_size(self.task.sample_batch(1), max_batch))
-        except Exception as err:  # noqa: BLE001 - the figure is an aid; the share stands
-            log.info("no step FLOPs for %s: %s", type(model).__name__, err)
-            flops = None
+        flops = self.total_flops(model, params or {}, max_batch)
         return cpu_trial_devices(self.devices, self.max_running, max_batch, flops_per_step=flops)
 
     def plan(self, params: Mapping[str, Any], *, devices: int | None = None,
@@ -220,14 +216,20 @@ class PlanningService:
 
     # ------------------------------------------------------------------------ cost analysis
     def step_flops(self, params: Mapping[str, Any], plan: Any) -> float | None:
-        """FLOPs one device runs per training step of ``plan`` (XLA's ``cost_analysis()`` of the
-        lowered step, divided over the plan's devices); None if XLA gives no figure.
+        """FLOPs one device runs per training step of ``plan``: the step's total at the plan's
+        batch (`total_flops`) divided over the plan's devices; None if XLA gives no figure."""
+        total = self.total_flops(self.abstract(params), params, int(plan.batch_size))
+        return total / self.devices_of(plan) if total else None
 
-        Lowering only traces (no compile); cached per architecture, mesh and batch.
-        """
-        model = self.abstract(params)
-        graphdef = split_model(model)[0]
-        key = (graphdef, int(plan.data_parallel), int(plan.model_parallel), int(plan.batch_size))
+    def total_flops(self, model: Any, params: Mapping[str, Any], batch_size: int
+                    ) -> float | None:
+        """FLOPs of one training step of ``model`` (the configuration ``params``' optimizer) at
+        a global batch of ``batch_size``, over all the devices it runs on: XLA's
+        ``cost_analysis()`` of the lowered step (traced, not compiled), which counts the
+        program before it is partitioned, so one figure serves every mesh. Cached per
+        architecture, batch and injected hyperparameters: the CPU split (`fewest_devices`)
+        and the plan's cost share one lowering when the plan reaches the cap."""
+        key = (split_model(model)[0], int(batch_size), injected_keys(params))
         with self._plans_lock:
             if key in self._flops:
                 return self._flops[key]
@@ -239,16 +241,13 @@ class PlanningService:
                     return self._flops[key]
             try:
                 total = step_flops(model, make_optimizer(params), self.task.loss_fn,
-                                   with_batch_size(self.task.sample_batch(1),
-                                                   int(plan.batch_size)),
-                                   plan.step_shardings)
-                flops = total / self.devices_of(plan) if total else None
+                                   with_batch_size(self.task.sample_batch(1), int(batch_size)))
             except Exception as err:  # noqa: BLE001 - a cost is only an aid
                 log.info("no cost analysis for %s: %s", type(model).__name__, err)
-                flops = None
+                total = None
             with self._plans_lock:
-                self._flops[key] = flops
-        return flops
+                self._flops[key] = total
+        return total
 
     def planned_with_cost(self, params: Mapping[str, Any], number: int, **kw: Any) -> Any:
         """Plan (cached per architecture) and cost one configuration; runs in a planner thread."""

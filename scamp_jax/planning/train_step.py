@@ -237,19 +237,15 @@ def place_train_state(
 
 def step_flops(
     model: nnx.Module, optimizer: optax.GradientTransformation, loss_fn: LossFn, batch: PyTree,
-    shardings: StepShardings | None = None,
 ) -> float | None:
     """FLOPs of one training step of ``model`` on ``batch`` (arrays or ``ShapeDtypeStruct``s),
-    from XLA's ``cost_analysis()`` of the lowered step (traced, not compiled): on one device, or
-    in total over the mesh of ``shardings``; None if XLA gives no figure."""
+    from XLA's ``cost_analysis()`` of the lowered step (traced, not compiled); None if XLA gives
+    no figure. The lowered program is not partitioned yet, so this is the step's total whatever
+    mesh it later runs on (a plan's share per device divides it by the plan's devices)."""
     graphdef = split_model(model)[0]
     state = abstract_state(model, optimizer)
     batch = jax.tree.map(_abstract, batch)
-    if shardings is None:
-        cost = jax.jit(make_train_step(graphdef, optimizer, loss_fn)).lower(*state, batch)
-    else:
-        with jax.set_mesh(shardings.mesh):
-            cost = jit_train_step(graphdef, optimizer, loss_fn, shardings).lower(*state, batch)
+    cost = jax.jit(make_train_step(graphdef, optimizer, loss_fn)).lower(*state, batch)
     cost = cost.cost_analysis()
     if isinstance(cost, list | tuple):
         cost = cost[0] if cost else {}
