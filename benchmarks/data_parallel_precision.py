@@ -28,7 +28,6 @@ def compare(seed: int, learning_rate: float, steps: int) -> list[dict[str, Any]]
     import numpy as np
     from flax import nnx
 
-    import scamp_jax.hpo.lifecycle as lifecycle
     from experiments.swinir_hpo import WARM_START, get_config, make_space_and_task
     from scamp_jax.hpo.runner import RunSpec, make_optimizer, run_trial
     from scamp_jax.planning.planner import plan_mesh
@@ -54,8 +53,8 @@ def compare(seed: int, learning_rate: float, steps: int) -> list[dict[str, Any]]
         losses: list[float] = []
         spec = RunSpec(number=0, params=params, plan=plans[devices], steps=steps,
                        memory_per_device=budget, seed=seed, log_every=1)
-        with _loss_log(lifecycle, losses):
-            result = run_trial(spec, space, task)
+        result = run_trial(spec, space, task,
+                           on_loss=lambda number, step, loss, into=losses: into.append(loss))
         curve = np.asarray(losses)
         base = curve if base is None else base
         rel = np.abs(curve - base) / np.abs(base)
@@ -66,26 +65,6 @@ def compare(seed: int, learning_rate: float, steps: int) -> list[dict[str, Any]]
                         "loss": curve[-1], "first_off": first,
                         "before": float(rel[: (first or len(rel) + 1) - 1].max(initial=0.0))})
     return records
-
-
-class _loss_log:
-    """Collects every logged loss of the runs started meanwhile (the lifecycle's ``on_loss``)."""
-
-    def __init__(self, lifecycle: Any, into: list[float]) -> None:
-        self.cls, self.into = lifecycle.Lifecycle, into
-
-    def __enter__(self) -> None:
-        self.init = self.cls.__init__
-        into, init = self.into, self.init
-
-        def logged(obj: Any, *args: Any, **kwargs: Any) -> None:
-            kwargs["on_loss"] = lambda number, step, loss: into.append(loss)
-            init(obj, *args, **kwargs)
-
-        self.cls.__init__ = logged
-
-    def __exit__(self, *exc: Any) -> None:
-        self.cls.__init__ = self.init
 
 
 def main(argv: Sequence[str] | None = None) -> None:

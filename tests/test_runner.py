@@ -158,7 +158,9 @@ def test_a_trial_trains_bit_for_bit_as_a_plain_optax_adamw_loop():
     config = {"width": 16, "learning_rate": 1e-2}
     plan = make_plan(config, jax.devices()[:1])
     task = Regression()
-    result = run_trial(spec(config, plan, steps=30, seed=7), SPACE, task)
+    losses: list[tuple[int, int, float]] = []
+    result = run_trial(spec(config, plan, steps=30, seed=7, log_every=1), SPACE, task,
+                       on_loss=lambda number, step, loss: losses.append((number, step, loss)))
     assert result.state == "complete", result.reason
 
     model = build(config, nnx.Rngs(7))
@@ -171,9 +173,10 @@ def test_a_trial_trains_bit_for_bit_as_a_plain_optax_adamw_loop():
         return loss
 
     batches = task.batches(plan.batch_size, 7)
-    for _ in range(30):
-        step(model, optimizer, next(batches))
+    plain = [float(step(model, optimizer, next(batches))) for _ in range(30)]
     assert result.metrics["mse"] == task.evaluate(model)["mse"]
+    # every step's loss, read back through run_trial's on_loss
+    assert losses == [(0, i + 1, loss) for i, loss in enumerate(plain)]
 
 
 def test_an_optimizer_hyperparameter_a_configuration_sets_is_data():

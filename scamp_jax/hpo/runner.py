@@ -231,6 +231,7 @@ def run_trial(
     status: TrialStatus | None = None,
     stop: threading.Event | None = None,
     cache: StepCache | None = None,
+    on_loss: Callable[[int, int, float], None] | None = None,
 ) -> RunResult:
     """Train and evaluate one configuration on ``spec.plan``'s devices; never raises.
 
@@ -245,6 +246,8 @@ def run_trial(
       status: progress record updated in place for the live view.
       stop: set by the engine to stop the trial (it checkpoints and returns ``interrupted``).
       cache: compiled-step cache shared between trials.
+      on_loss: ``on_loss(number, step, loss)`` at every loss read-back (``spec.log_every``),
+        as for a fused group (`scamp_jax.hpo.fused_runner.run_fused_group`).
 
     Returns:
       A `RunResult`; every exception is turned into a ``failed`` or ``oom`` result.
@@ -255,7 +258,7 @@ def run_trial(
     program = SoloProgram(spec, space, task, cache or StepCache())
     status = status or TrialStatus(spec.number, spec.params)
     run = Lifecycle(program, [member], schedule, task, statuses=[status], report=report,
-                    stop=stop)
+                    on_loss=on_loss, stop=stop)
     return run.run()[0]
 
 
