@@ -739,7 +739,8 @@ class SearchEngine:
         for run in runs:
             run.stop.set()
         if interrupted and runs and self.on_notice is not None:
-            self.on_notice(f"stopping: {len(runs)} running trial(s) end at their next step "
+            trials = sum(len(run.members) for run in runs)  # a fused group's members each
+            self.on_notice(f"stopping: {trials} running trial(s) end at their next step "
                            "(with a checkpoint where checkpoints are on) and go back to the "
                            "study, where a re-run resumes them; Ctrl-C again stops at once")
         cf.wait([run.future for run in runs])
