@@ -51,6 +51,33 @@ def test_default_storage_is_sqlite_in_the_study_dir(tmp_path):
     assert (tmp_path / "study.db").is_file()
 
 
+def test_a_sqlite_study_writes_ahead_and_another_process_reads_every_trial(tmp_path):
+    import sqlite3
+    import subprocess
+    import sys
+
+    from sqlalchemy import text
+
+    handle = open_study("toy", study_dir=tmp_path, grid=SPACE.grid)
+    src = OptunaTrialSource(handle, SPACE, 2, poll_seconds=0.2)
+    with handle.storage.engine.connect() as conn:
+        assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
+        assert conn.execute(text("PRAGMA synchronous")).scalar() == 1  # NORMAL
+    asked = src.ask()
+    src.tell(TrialOutcome(asked.number, "complete", 0.5, attrs={"batch_size": 8}))
+    # A second process reads the committed trial while this one still holds the file open.
+    out = subprocess.run(
+        [sys.executable, "-c",
+         "import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); "
+         "print(c.execute('select count(*) from trials where state = \"COMPLETE\"')"
+         ".fetchone()[0], c.execute('select count(*) from trial_user_attributes "
+         "where key = \"batch_size\"').fetchone()[0])", str(tmp_path / "study.db")],
+        capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "1"]
+    assert sqlite3.connect(tmp_path / "study.db").execute("PRAGMA journal_mode").fetchone()[0] \
+        == "wal"  # the mode stays with the file
+
+
 @pytest.mark.parametrize("sampler", ["tpe", "random", "grid"])
 def test_samplers_are_reproducible_with_a_seed(tmp_path, sampler):
     runs = []
