@@ -203,6 +203,8 @@ def test_two_processes_write_one_cache_file(tmp_path):
     assert len(cache) == 200
     assert cache.get_plan("b-99") == {"batch_size": 99}
     assert sorted(cache.get_peaks("shared")) == list(range(100))
+    import sqlite3  # written ahead (commits do not wait for the disk), which stays with the file
+    assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
 class Denoise:

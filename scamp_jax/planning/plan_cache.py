@@ -45,6 +45,7 @@ import jaxlib
 import optax
 from flax import nnx
 
+from scamp_jax._sqlite import write_ahead
 from scamp_jax.planning.memory import with_batch_size
 from scamp_jax.planning.train_step import LossFn, abstract_state, default_loss, split_model
 
@@ -149,6 +150,7 @@ class PlanCache:
         # A connection per call: sqlite3 connections are not shared across threads, and a
         # short-lived one never holds a lock between calls. ``with db`` commits (or rolls back).
         db = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_S)
+        write_ahead(db)  # a plan's few commits do not each wait for the disk
         try:
             with db:
                 yield db

@@ -62,34 +62,6 @@ def retried_from(trial: FrozenTrial) -> int | None:
         return optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(trial)
 
 
-def _write_ahead_log(connection: Any, _record: Any) -> None:
-    """Open an SQLite study in write-ahead-log mode, synced at checkpoints (SQLAlchemy
-    ``connect`` hook).
-
-    A trial's record is a few dozen user attributes, each its own transaction through Optuna's
-    API; with SQLite's default rollback journal every one of them waits for the disk (15-25 ms
-    each on a 2-core test host), so telling a trial cost more than training a small one. In WAL
-    mode with ``synchronous=NORMAL`` a commit is an append: a process that is killed loses
-    nothing committed, and a power cut can lose at most the last commits, never the file's
-    consistency. The mode stays with the file (Optuna, the dashboard and ``sqlite3`` read it as
-    usual; processes sharing it must run on one host, which a study on SQLite assumes anyway:
-    several hosts share a study through a database server, ``storage=``). A connection that
-    cannot switch the mode (another process holds the file) keeps SQLite's defaults.
-    """
-    import sqlite3
-
-    cursor = connection.cursor()
-    try:
-        cursor.execute("PRAGMA journal_mode=WAL")
-        row = cursor.fetchone()
-        if row is not None and str(row[0]).lower() == "wal":
-            cursor.execute("PRAGMA synchronous=NORMAL")
-    except sqlite3.OperationalError:
-        pass  # busy: the file keeps its current mode; correctness does not depend on it
-    finally:
-        cursor.close()
-
-
 def open_storage(
     study_dir: str | Path,
     storage: str | None = None,
@@ -100,9 +72,11 @@ def open_storage(
 ) -> optuna.storages.RDBStorage:
     """Optuna's RDB storage of the study, with a heartbeat that retries dead processes' trials.
 
-    ``heartbeat_interval`` and ``grace_period`` are seconds (Optuna takes whole seconds). Two
-    processes opening a new database at once race to create its tables; the loser sees "already
-    exists" (or a duplicate key) and opens it again once the winner has committed.
+    An SQLite file is opened in write-ahead-log mode (`scamp_jax._sqlite`: a trial's record is
+    a few dozen commits). ``heartbeat_interval`` and ``grace_period`` are seconds (Optuna takes
+    whole seconds). Two processes opening a new database at once race to create its tables; the
+    loser sees "already exists" (or a duplicate key) and opens it again once the winner has
+    committed.
     """
     from sqlalchemy.exc import DBAPIError
 
@@ -122,7 +96,9 @@ def open_storage(
                     None, "", ":memory:"):
                 from sqlalchemy import event
 
-                event.listen(rdb.engine, "connect", _write_ahead_log)
+                from scamp_jax._sqlite import write_ahead
+
+                event.listen(rdb.engine, "connect", lambda conn, _record: write_ahead(conn))
                 rdb.engine.dispose()  # the connections that made the tables reopen with it
             return rdb
         except DBAPIError as err:  # SQLite: "already exists" or the schema version stamped
