@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 
@@ -35,3 +36,28 @@ def exports(package: str, names: Mapping[str, str]
         return sorted(set(names) | set(vars(sys.modules[package])))
 
     return __getattr__, __dir__
+
+
+def warm(modules: Iterable[str]) -> threading.Thread | None:
+    """Import ``modules`` in a background thread (those not imported yet) and return it (None:
+    nothing to import).
+
+    For modules a run needs only later (orbax at a trial's first checkpoint, matplotlib for the
+    report): imported while the run waits for its first compile, they are not on its path
+    later. A module that fails to import here is left alone: its user imports it again and gets
+    the error.
+    """
+    missing = [m for m in modules if m not in sys.modules]
+    if not missing:
+        return None
+
+    def load() -> None:
+        for name in missing:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - the module's user imports it and sees the error
+                pass
+
+    thread = threading.Thread(target=load, name="warm-imports", daemon=True)
+    thread.start()
+    return thread

@@ -57,3 +57,23 @@ def test_importing_the_package_imports_no_heavy_dependency() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_warm_imports_a_later_module_in_the_background_and_leaves_failures_to_its_user(
+        tmp_path, monkeypatch):
+    import sys
+
+    from scamp_jax._lazy import warm
+
+    (tmp_path / "later_needed.py").write_text("VALUE = 7\n")
+    (tmp_path / "broken_later.py").write_text("raise RuntimeError('broken on import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    thread = warm(["broken_later", "later_needed"])
+    assert thread is not None
+    thread.join(timeout=30)
+    assert sys.modules["later_needed"].VALUE == 7
+    assert "broken_later" not in sys.modules
+    assert warm(["later_needed"]) is None  # imported already: no thread
+    with pytest.raises(RuntimeError, match="broken on import"):
+        __import__("broken_later")
+    sys.modules.pop("later_needed", None)

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from scamp_jax._lazy import warm
 from scamp_jax.hpo.settings import SearchSettings
 from scamp_jax.space import SearchSpace, Task
 
@@ -172,6 +173,10 @@ class StudySession:
                        on_notice=view.notice)
         if before is not None:
             before()
+        # orbax (the first checkpoint) and matplotlib (the report), imported while the first
+        # plans compile rather than on a trial's or the report's path
+        warm(("orbax.checkpoint", "matplotlib", "matplotlib.figure",
+              "matplotlib.backends.backend_agg"))
         # Where the time goes besides training: run.overhead in results.json.
         with view, OverheadRecorder() as recorder:
             result = built.run()
