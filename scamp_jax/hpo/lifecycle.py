@@ -18,8 +18,8 @@ the fused one (the step vmapped over a member axis, with an ``active`` mask). Th
    non-finite loss ends that member ``failed``), intermediate evaluation reported to the pruner
    (``pruned``), checkpoints every ``checkpoint_every`` steps; a stopped member is masked and,
    at the next evaluation, the group re-forms without it;
-4. the end: one checkpoint of the last step (never written twice: a step on disk is kept), the
-   evaluation in chunks, ``complete``.
+4. the end: one checkpoint of the last step (never written twice: a step on disk is kept; a
+   group's members write theirs at once), the evaluation in chunks, ``complete``.
 
 Every exception ends the members still running through one mapping (`scamp_jax.hpo.trial.ending`).
 """
@@ -30,6 +30,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -336,10 +337,18 @@ class Lifecycle:
     def _save(self, step: int, active: np.ndarray | None = None) -> None:
         if not self.schedule.save:
             return
-        for slot, m in enumerate(self.slots):
-            if (m.result is None and m.checkpointer is not None
-                    and (active is None or active[slot])):
-                m.checkpointer.save(step, _leaves(self.program.member(slot)))
+        saves = [(m.checkpointer, _leaves(self.program.member(slot)))
+                 for slot, m in enumerate(self.slots)
+                 if (m.result is None and m.checkpointer is not None
+                     and (active is None or active[slot]))]
+        if len(saves) == 1:
+            saves[0][0].save(step, saves[0][1])
+        elif saves:
+            # A group's members save to their own directories at once: an orbax save is
+            # mostly waiting (six small members: 0.2 s together, 0.6 s one after another).
+            with ThreadPoolExecutor(len(saves), thread_name_prefix="trial-save") as pool:
+                for done in [pool.submit(c.save, step, leaves) for c, leaves in saves]:
+                    done.result()
 
     def _read_losses(self, losses: Any, done: int, active: np.ndarray) -> None:
         values = np.asarray(losses).reshape(-1)
