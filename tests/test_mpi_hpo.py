@@ -48,6 +48,24 @@ def test_rank_stream_prefixes_every_line_and_holds_partial_lines():
     assert not stream.isatty()
 
 
+def test_a_pseudo_terminal_without_a_size_is_not_a_terminal_to_draw_on():
+    # What Open MPI gives each rank's stdout: a pty of 0 columns, whatever mpirun writes to.
+    import fcntl
+    import os
+    import struct
+    import termios
+
+    from scamp_jax.hpo.live import is_terminal
+
+    leader, follower = os.openpty()
+    with os.fdopen(leader, "wb") as _, os.fdopen(follower, "w") as tty:
+        assert tty.isatty() and os.get_terminal_size(tty.fileno()).columns == 0
+        assert not is_terminal(tty)
+        fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+        assert is_terminal(tty)  # a terminal window reports its size
+    assert not is_terminal(io.StringIO())
+
+
 def test_run_search_mpi_without_mpi4py_raises_an_install_hint(monkeypatch):
     from scamp_jax.distributed.engine import run_search_mpi
 
@@ -361,6 +379,9 @@ def test_study_split_across_two_ranks_records_every_trial_once_with_its_rank(
     assert sorted(r["rank"] for r in results["run"]["per_rank"]) == [0, 1]
     assert [s for _, s, _ in _stored_trials(tmp_path)] == ["COMPLETE"] * 4
     assert "[rank 1]" in proc.stdout  # rank 1 logs plain lines under its rank
+    # Rank 0's stdout is Open MPI's size-less pseudo-terminal: plain lines and a wide table,
+    # no colour codes.
+    assert "\x1b[" not in proc.stdout, proc.stdout
     # The study remembers its settings under MPI too: a rerun with other steps is refused and
     # leaves the finished trials as they were.
     again = _launch(tmp_path, 2, "--trials", "4", "--steps", "30")

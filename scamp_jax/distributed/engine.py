@@ -215,8 +215,9 @@ def run_search_mpi(
       devices: this rank's device pool.
       memory_per_device: budget per device in bytes (the same on every rank).
       plan_fn: the planner (default ``plan_mesh`` with the study's shared ``plans.sqlite``).
-      live: rank 0 shows the live table (else plain lines); other ranks always log plain lines
-        prefixed with ``[rank R]``.
+      live: rank 0 shows the live table when its stdout is a terminal that reports a size
+        (`scamp_jax.hpo.live.is_terminal`; Open MPI's ranks get one of 0 columns, so they log);
+        otherwise, and on other ranks always, plain lines prefixed with ``[rank R]``.
       comm: mpi4py communicator of the ranks (default ``MPI.COMM_WORLD``).
       session: the study session class every rank runs
         (`scamp_jax.hpo.session.StudySession`, which ``run_search`` passes; this module does
