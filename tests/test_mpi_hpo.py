@@ -380,8 +380,10 @@ def test_study_split_across_two_ranks_records_every_trial_once_with_its_rank(
     assert [s for _, s, _ in _stored_trials(tmp_path)] == ["COMPLETE"] * 4
     assert "[rank 1]" in proc.stdout  # rank 1 logs plain lines under its rank
     # Rank 0's stdout is Open MPI's size-less pseudo-terminal: plain lines and a wide table,
-    # no colour codes.
+    # no colour codes; every rank names its own pool.
     assert "\x1b[" not in proc.stdout, proc.stdout
+    assert "pool of rank 0: 2 cpu devices of 64.00 MiB (of 8 in this process)" in proc.stdout
+    assert "[rank 1] pool of rank 1: 2 cpu devices of 64.00 MiB" in proc.stdout
     # The study remembers its settings under MPI too: a rerun with other steps is refused and
     # leaves the finished trials as they were.
     again = _launch(tmp_path, 2, "--trials", "4", "--steps", "30")

@@ -135,17 +135,25 @@ class StudySession:
         ranks = f"; {self.ranks} ranks" if self.ranks > 1 else ""
         self.say(f"study {self.study_name!r} in {self.out_dir}: {finished} of "
                  f"{self.settings.trials} trials finished before this run{ranks}")
-        self.say(f"pool: {self.pool_description()}")
+        self.say_pool()
+
+    def say_pool(self) -> None:
+        """The pool line: ``pool: ...`` in one process; with several ranks every rank says its
+        own, ``pool of rank R: ...`` (each rank trains on its own devices)."""
+        who = f" of rank {self.rank}" if self.ranks > 1 else ""
+        self.say(f"pool{who}: {self.pool_description()}")
 
     def pool_description(self) -> str:
-        """The devices trials run on, e.g. ``2 cpu devices of 32.0 MiB (of 8 on this host)``."""
+        """The devices trials run on, e.g. ``2 cpu devices of 32.0 MiB (of 8 on this host)``;
+        with several ranks ``(of 8 in this process)``, as each rank splits its host itself."""
         import jax
 
         from scamp_jax._units import format_bytes
 
         n, kind = len(self.devices), self.devices[0].platform if self.devices else "no"
         local = len(jax.local_devices(backend=kind)) if self.devices else 0
-        host = f" (of {local} on this host)" if local > n else ""
+        where = "in this process" if self.ranks > 1 else "on this host"
+        host = f" (of {local} {where})" if local > n else ""
         return (f"{n} {kind} device{'s' * (n != 1)} of {format_bytes(self.memory_per_device)}"
                 f"{host}")
 
