@@ -48,6 +48,47 @@ def test_rank_stream_prefixes_every_line_and_holds_partial_lines():
     assert not stream.isatty()
 
 
+def test_a_pseudo_terminal_without_a_size_is_not_a_terminal_to_draw_on():
+    # What Open MPI gives each rank's stdout: a pty of 0 columns, whatever mpirun writes to.
+    import fcntl
+    import os
+    import struct
+    import termios
+
+    from scamp_jax.hpo.live import is_terminal
+
+    leader, follower = os.openpty()
+    with os.fdopen(leader, "wb") as _, os.fdopen(follower, "w") as tty:
+        assert tty.isatty() and os.get_terminal_size(tty.fileno()).columns == 0
+        assert not is_terminal(tty)
+        fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+        assert is_terminal(tty)  # a terminal window reports its size
+    assert not is_terminal(io.StringIO())
+
+
+def test_ranks_timeline_puts_every_ranks_devices_in_one_pool():
+    from scamp_jax.distributed.engine import combined_usage
+    from scamp_jax.hpo.report import ranks_timeline
+
+    # Rank 0: 2 devices, half its memory from 0 to 10 s; rank 1: 1 device (its only interval
+    # list given), full from 5 to 20 s.
+    timeline = ranks_timeline(
+        [{"intervals": [[[0, 0.0, 10.0, 64]], []], "memory_series": [[0.0, 10.0], [0.5, 0.0]]},
+         {"intervals": [[[1, 5.0, 20.0, 64]]], "memory_series": [[0.0, 5.0, 20.0],
+                                                                 [0.0, 1.0, 0.0]]}],
+        [2, 1])
+    assert timeline["intervals"] == [[[0, 0.0, 10.0, 64]], [], [[1, 5.0, 20.0, 64]]]
+    times, fractions = timeline["memory_series"]
+    assert times == [0.0, 5.0, 10.0, 20.0]
+    assert fractions == pytest.approx([1 / 3, 2 / 3, 1 / 3, 0.0])  # of 3 devices' memory
+    usage = {"elapsed_s": 20.0, "devices": 1, "mean_memory_utilization": 0.0,
+             "peak_memory_utilization": 1.0, "idle_device_seconds": 0.0, "trials_started": 1,
+             "trials_finished": 1}
+    # Each rank peaked at a different time: the pool's peak is what they booked at once.
+    assert combined_usage([usage, usage], timeline["memory_series"])[
+        "peak_memory_utilization"] == pytest.approx(2 / 3)
+
+
 def test_run_search_mpi_without_mpi4py_raises_an_install_hint(monkeypatch):
     from scamp_jax.distributed.engine import run_search_mpi
 
@@ -359,8 +400,21 @@ def test_study_split_across_two_ranks_records_every_trial_once_with_its_rank(
     assert all((tmp_path / "study" / c).is_dir() for c in stored), stored
     assert results["run"]["ranks"] == 2 and results["run"]["trials_this_run"] == 4
     assert sorted(r["rank"] for r in results["run"]["per_rank"]) == [0, 1]
+    # The report's timeline (the plots) holds both ranks' devices, rank 0's first, and every
+    # trial of the run on the devices of its rank.
+    timeline = results["run"]["timeline"]
+    assert len(timeline["intervals"]) == 4
+    held = {t: 2 * r for r in (0, 1) for d in (0, 1)
+            for t, *_ in timeline["intervals"][2 * r + d]}
+    assert held == {t["number"]: 2 * t["rank"] for t in results["trials"]}
+    assert results["run"]["usage"]["peak_memory_utilization"] == max(timeline["memory_series"][1])
     assert [s for _, s, _ in _stored_trials(tmp_path)] == ["COMPLETE"] * 4
     assert "[rank 1]" in proc.stdout  # rank 1 logs plain lines under its rank
+    # Rank 0's stdout is Open MPI's size-less pseudo-terminal: plain lines and a wide table,
+    # no colour codes; every rank names its own pool.
+    assert "\x1b[" not in proc.stdout, proc.stdout
+    assert "pool of rank 0: 2 cpu devices of 64.00 MiB (of 8 in this process)" in proc.stdout
+    assert "[rank 1] pool of rank 1: 2 cpu devices of 64.00 MiB" in proc.stdout
     # The study remembers its settings under MPI too: a rerun with other steps is refused and
     # leaves the finished trials as they were.
     again = _launch(tmp_path, 2, "--trials", "4", "--steps", "30")

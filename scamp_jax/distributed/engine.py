@@ -7,7 +7,8 @@ Rank 0 owns the Optuna study and its storage and serves it to the other ranks
 its local devices with the same planner and placement policy, asking rank 0 for work through a
 `RemoteTrialSource` (the `TrialSource` the engine already talks to). ``settings.trials`` stays
 the study's total across all ranks. When every rank is done, rank 0 writes ``results.json`` /
-``results.csv`` / plots from the storage; each trial's ``rank`` is a user attribute of the trial.
+``results.csv`` / plots from the storage (the plots over every rank's devices, rank 0's first);
+each trial's ``rank`` is a user attribute of the trial.
 Plans persist in ``<study_dir>/plans.sqlite`` (`scamp_jax.PlanCache`), shared by the ranks
 (SQLite transactions, safe for concurrent writers): a rank that finds an architecture already
 planned for its device count and budget, by another rank or an earlier run, compiles nothing to
@@ -169,11 +170,13 @@ class MPISearchEngine(SearchEngine):
             getattr(self.policy, "batch_multiple", 1), self._may_grow())
 
 
-def combined_usage(per_rank: Sequence[Mapping[str, float]]) -> dict[str, float]:
+def combined_usage(per_rank: Sequence[Mapping[str, float]],
+                   memory_series: Sequence[Sequence[float]] | None) -> dict[str, float]:
     """The usage figures of several ranks' local trials as one pool (`UsageRecorder.summary`
     keys): devices, idle device-seconds and trial counts add up, ``elapsed_s`` is the longest,
-    the mean memory utilisation is weighted by each rank's device-seconds, the peak is the
-    highest. Trials that span ranks run after this and are not included."""
+    the mean memory utilisation is weighted by each rank's device-seconds, the peak is that of
+    the pool's ``memory_series`` (`scamp_jax.hpo.report.ranks_timeline`: what all ranks booked
+    at once). Trials that span ranks run after this and are not included."""
     device_seconds = [u["devices"] * u["elapsed_s"] for u in per_rank]
     total = sum(device_seconds)
     idle = sum(u["idle_device_seconds"] for u in per_rank)
@@ -183,7 +186,7 @@ def combined_usage(per_rank: Sequence[Mapping[str, float]]) -> dict[str, float]:
         "mean_memory_utilization": sum(
             u["mean_memory_utilization"] * w
             for u, w in zip(per_rank, device_seconds, strict=True)) / total if total > 0 else 0.0,
-        "peak_memory_utilization": max(u["peak_memory_utilization"] for u in per_rank),
+        "peak_memory_utilization": max(memory_series[1], default=0.0) if memory_series else 0.0,
         "idle_device_seconds": idle,
         "idle_fraction": idle / total if total > 0 else 0.0,
         "trials_started": sum(u["trials_started"] for u in per_rank),
@@ -215,8 +218,9 @@ def run_search_mpi(
       devices: this rank's device pool.
       memory_per_device: budget per device in bytes (the same on every rank).
       plan_fn: the planner (default ``plan_mesh`` with the study's shared ``plans.sqlite``).
-      live: rank 0 shows the live table (else plain lines); other ranks always log plain lines
-        prefixed with ``[rank R]``.
+      live: rank 0 shows the live table when its stdout is a terminal that reports a size
+        (`scamp_jax.hpo.live.is_terminal`; Open MPI's ranks get one of 0 columns, so they log);
+        otherwise, and on other ranks always, plain lines prefixed with ``[rank R]``.
       comm: mpi4py communicator of the ranks (default ``MPI.COMM_WORLD``).
       session: the study session class every rank runs
         (`scamp_jax.hpo.session.StudySession`, which ``run_search`` passes; this module does
@@ -227,8 +231,9 @@ def run_search_mpi(
       rank's run summary. The ``run`` section has ``ranks``, ``devices`` (all ranks together),
       ``elapsed_s`` (the slowest rank plus the spanning trials), ``trials_this_run`` (all
       ranks), ``spanning_trials``/``spanning_s`` (trials that spanned ranks, and their time),
-      ``usage`` (every rank's local trials, `combined_usage`) and ``per_rank`` (each rank's
-      summary with its ``usage``); the usage plots are rank 0's.
+      ``timeline`` (every rank's devices, rank 0's first: `scamp_jax.hpo.report.ranks_timeline`,
+      which the plots draw), ``usage`` (every rank's local trials, `combined_usage`) and
+      ``per_rank`` (each rank's summary with its ``usage``).
 
     Raises:
       MPIUnavailableError: mpi4py is not installed (with an install hint).
@@ -254,7 +259,7 @@ def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any
          devices: Sequence[Any], memory_per_device: int, live: bool, baseline: str | None,
          title: str, plan_fn: Callable[..., Any] | None, console: Any, comm: Any, rank: int,
          size: int) -> dict[str, Any]:
-    from scamp_jax.hpo.report import run_summary
+    from scamp_jax.hpo.report import ranks_timeline, run_summary
 
     session = session_class(space, task, settings, devices=devices,
                            memory_per_device=memory_per_device, live=live, baseline=baseline,
@@ -262,7 +267,9 @@ def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any
     # Rank 0 owns the study; every rank asks it for work through the same kind of source.
     client, server = shared_study(lambda: session.trial_source(session.open()), comm)
     if server is not None:
-        session.greet(server.finished_before, server.stale_failed)
+        session.greet(server.finished_before, server.stale_failed)  # with rank 0's pool line
+    else:
+        session.say_pool()
     source = RemoteTrialSource(client)
     # The barrier: every rank asks from the start, so work spreads over all of them.
     engine, result = session.run_engine(source, engine=functools.partial(MPISearchEngine, size),
@@ -288,9 +295,13 @@ def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any
         outcome = spanning_outcome(trial, ranks, outcome_of, task.metric)
         server.tell(outcome.number, outcome.value, _OPTUNA_STATE[outcome.state],
                     dict(outcome.attrs), outcome.reason)
+    # The report's plots and usage figures cover every rank's devices, rank 0's first.
+    timeline = ranks_timeline([s.pop("timeline") for s in summaries],
+                              [s["devices"] for s in summaries])
     run_info = {
         **run_summary(result, sum(s["devices"] for s in summaries), memory_per_device),
-        "usage": combined_usage([s["usage"] for s in summaries]),
+        "timeline": timeline,
+        "usage": combined_usage([s["usage"] for s in summaries], timeline["memory_series"]),
         "ranks": size,
         "elapsed_s": max(s["elapsed_s"] for s in summaries) + spanning_s,
         "trials_this_run": sum(s["trials_this_run"] for s in summaries) + len(finished),

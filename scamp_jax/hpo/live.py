@@ -3,13 +3,14 @@
 On a terminal it is a rich ``Live`` display refreshed a few times a second: one row per device
 (memory reserved, trials on it) and one per trial (config, devices, model-parallel degree, batch,
 step, loss, metric, state, and the fused group it trains in: ``g<id>x<width>``). When stdout is
-not a terminal (CI, a log file) it prints one plain line
-per state change instead, so logs stay readable.
+not a terminal (CI, a log file, a rank under ``mpirun``: `is_terminal`) it prints one plain
+line per state change instead, so logs stay readable.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import sys
 import threading
 import time
@@ -20,6 +21,19 @@ from scamp_jax._units import format_bytes
 from scamp_jax.hpo.trial import TrialStatus
 
 _ACTIVE = ("compiling", "training", "evaluating", "starting", "resizing")
+
+
+def is_terminal(stream: Any) -> bool:
+    """Whether ``stream`` is a terminal a table can be drawn on: it says it is a tty, and one
+    that reports a size. Open MPI gives each rank's stdout a pseudo-terminal of 0 columns,
+    whether ``mpirun`` writes to a terminal or to a file, so a rank logs plain lines; a stream
+    without a file descriptor is taken at its word."""
+    if not getattr(stream, "isatty", lambda: False)():
+        return False
+    try:
+        return os.get_terminal_size(stream.fileno()).columns > 0
+    except (AttributeError, OSError, ValueError):  # no descriptor (io.UnsupportedOperation)
+        return True
 
 
 def _fmt_params(params: Mapping[str, Any], width: int = 48) -> str:
@@ -47,7 +61,8 @@ class LiveView:
       capacity: bytes per device.
       metric: name of the study metric shown per trial (e.g. ``"psnr"``).
       title: heading of the display.
-      stream: where to write (default stdout); a non-terminal stream gets plain log lines.
+      stream: where to write (default stdout); a stream that is not a terminal
+        (`is_terminal`) gets plain log lines.
       refresh_per_second: redraw rate of the rich display.
     """
 
@@ -57,7 +72,7 @@ class LiveView:
         self.metric = metric
         self.title = title
         self.stream = stream or sys.stdout
-        self.interactive = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.interactive = is_terminal(self.stream)
         self.refresh_per_second = refresh_per_second
         self._lock = threading.Lock()
         self._statuses: list[TrialStatus] = []

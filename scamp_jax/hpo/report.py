@@ -386,6 +386,33 @@ def run_summary(result: Any, devices: int, memory_per_device: int) -> dict[str, 
     }
 
 
+def ranks_timeline(timelines: Sequence[Mapping[str, Any]],
+                   devices: Sequence[int]) -> dict[str, Any]:
+    """One pool's ``timeline`` (as `run_summary` writes it) from those of ranks that ran at once,
+    rank ``r`` on ``devices[r]`` devices of one budget each: the devices of rank 0 first, then
+    rank 1's, and so on, and at each time the reserved fraction of all their memory together.
+    Times are each rank's seconds since its engine started (the ranks start after a barrier)."""
+    import bisect
+
+    intervals: list[list[list[Any]]] = []
+    series = []
+    for timeline, count in zip(timelines, devices, strict=True):
+        spans = [list(map(list, device)) for device in timeline.get("intervals") or []]
+        intervals += spans + [[] for _ in range(count - len(spans))]
+        if timeline.get("memory_series"):
+            series.append((*timeline["memory_series"], count))
+    times = sorted({t for ts, _, _ in series for t in ts})
+    total = sum(devices)
+    fractions = []
+    for t in times:  # each rank's step function holds its last value up to t
+        held = 0.0
+        for ts, fs, count in series:
+            i = bisect.bisect_right(ts, t) - 1
+            held += fs[i] * count if i >= 0 else 0.0
+        fractions.append(held / total)
+    return {"intervals": intervals, "memory_series": [times, fractions] if times else None}
+
+
 __all__ = [
     "best_record",
     "plot_results",
@@ -397,4 +424,5 @@ __all__ = [
     "read_runs",
     "combined_timeline",
     "run_summary",
+    "ranks_timeline",
 ]

@@ -46,7 +46,9 @@ class StudySession:
       settings: the run's `SearchSettings` (validated when built).
       devices: this process's device pool.
       memory_per_device: budget per device, bytes.
-      live: a live table (else plain log lines); ranks other than 0 always log plain lines
+      live: a live table when stdout is a terminal (else plain log lines); with several
+        ranks only rank 0 may draw one, on a terminal that reports a size, which Open MPI's
+        ranks do not (`scamp_jax.hpo.live.is_terminal`), and every rank's plain lines are
         prefixed with ``[rank R]``.
       baseline: a second score of ``task.evaluate`` printed beside the metric, or None.
       title: heading of the live view.
@@ -85,12 +87,14 @@ class StudySession:
         #: ``run.overhead`` of the last `run_engine` (`scamp_jax.hpo.overhead`), None before
         self.overhead: dict[str, Any] | None = None
         if console is None:
-            from scamp_jax.hpo.live import RankStream
+            from scamp_jax.hpo.live import RankStream, is_terminal
 
-            # Logs (no terminal) get wide lines instead of a table squeezed into 80 columns.
+            # Logs (no terminal, or a rank's size-less one) get wide plain lines instead of a
+            # table squeezed into 80 columns with colour codes.
             out: Any = None if rank == 0 else RankStream(rank)  # None: stdout when printing
-            console = Console(file=out, soft_wrap=True,
-                              width=None if rank == 0 and sys.stdout.isatty() else 160)
+            terminal = rank == 0 and is_terminal(sys.stdout)
+            console = Console(file=out, soft_wrap=True, force_terminal=terminal,
+                              width=None if terminal else 160)
         self.console = console
 
     def say(self, line: str) -> None:
@@ -132,17 +136,25 @@ class StudySession:
         ranks = f"; {self.ranks} ranks" if self.ranks > 1 else ""
         self.say(f"study {self.study_name!r} in {self.out_dir}: {finished} of "
                  f"{self.settings.trials} trials finished before this run{ranks}")
-        self.say(f"pool: {self.pool_description()}")
+        self.say_pool()
+
+    def say_pool(self) -> None:
+        """The pool line: ``pool: ...`` in one process; with several ranks every rank says its
+        own, ``pool of rank R: ...`` (each rank trains on its own devices)."""
+        who = f" of rank {self.rank}" if self.ranks > 1 else ""
+        self.say(f"pool{who}: {self.pool_description()}")
 
     def pool_description(self) -> str:
-        """The devices trials run on, e.g. ``2 cpu devices of 32.0 MiB (of 8 on this host)``."""
+        """The devices trials run on, e.g. ``2 cpu devices of 32.0 MiB (of 8 on this host)``;
+        with several ranks ``(of 8 in this process)``, as each rank splits its host itself."""
         import jax
 
         from scamp_jax._units import format_bytes
 
         n, kind = len(self.devices), self.devices[0].platform if self.devices else "no"
         local = len(jax.local_devices(backend=kind)) if self.devices else 0
-        host = f" (of {local} on this host)" if local > n else ""
+        where = "in this process" if self.ranks > 1 else "on this host"
+        host = f" (of {local} {where})" if local > n else ""
         return (f"{n} {kind} device{'s' * (n != 1)} of {format_bytes(self.memory_per_device)}"
                 f"{host}")
 
@@ -155,7 +167,7 @@ class StudySession:
         ``engine``: the engine class (default `SearchEngine`; MPI passes its own);
         ``before``: called once the engine is built, before it runs (MPI: a barrier).
         """
-        from scamp_jax.hpo.live import LiveView, PlainStream, RankStream
+        from scamp_jax.hpo.live import LiveView, PlainStream, RankStream, is_terminal
         from scamp_jax.hpo.overhead import OverheadRecorder
 
         if engine is None:
@@ -163,7 +175,8 @@ class StudySession:
         title, stream = self.title, None if self.live else PlainStream()
         if self.ranks > 1:  # every rank's log lines say whose they are; rank 0 may be live
             title = f"{self.title} (rank {self.rank} of {self.ranks})"
-            stream = None if self.live and self.rank == 0 else RankStream(self.rank)
+            live = self.live and self.rank == 0 and is_terminal(sys.stdout)
+            stream = None if live else RankStream(self.rank)
         view = LiveView([self.memory_per_device] * len(self.devices), self.task.metric,
                         title=title, stream=stream)
         built = engine(self.space, self.task, source,
@@ -323,8 +336,8 @@ def run_study(
       memory_per_device: budget per device in bytes or as text (``"2GiB"``). None: the device
         limit on accelerators; on CPU devices, which report none, an equal share of
         `CPU_MEMORY_SHARE` of the host's physical memory.
-      live: a live table of devices and trials (None: when stdout is a terminal; False: log
-        lines).
+      live: a live table of devices and trials (None: when stdout is a terminal,
+        `scamp_jax.hpo.live.is_terminal`; False: log lines).
       baseline: a second score of ``task.evaluate`` to print beside the metric (e.g. a trivial
         predictor's), or None.
       **settings: any other field of `SearchSettings` (``policy``, ``sampler``, ``pruner``,
@@ -349,6 +362,7 @@ def run_study(
         raise TypeError(f"run_study: {err}; see scamp_jax.SearchSettings for the settings it "
                         "takes") from None
     from scamp_jax.devices import configure_device_memory
+    from scamp_jax.hpo.live import is_terminal
     from scamp_jax.planning import planner
 
     # Preallocation off before the first device query (it starts JAX's backend); when the caller
@@ -357,7 +371,8 @@ def run_study(
     pool = planner.resolve_devices(devices)
     budget = default_budget(memory_per_device, pool)
     return run_search(space, task, config, devices=pool, memory_per_device=budget,
-                      live=sys.stdout.isatty() if live is None else live, baseline=baseline,
+                      live=is_terminal(sys.stdout) if live is None else live,
+                      baseline=baseline,
                       title=space.name)
 
 
