@@ -310,7 +310,7 @@ class SoloProgram:
             self.compiled = self.step_fn
             return peak_bytes(lowered.compile())
         self.compiled = self.cache.executables.compiled(
-            lowered, tuple(d.id for d in self.plan.mesh.devices.flat), ready)
+            lowered, list(self.plan.mesh.devices.flat), ready)
         return peak_bytes(self.compiled)
 
     def prefetch_bytes(self) -> int:

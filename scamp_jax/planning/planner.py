@@ -95,7 +95,8 @@ class CompiledStep:
         when its own lowering of the step has the same fingerprint (same program, shapes,
         shardings).
       device_ids: the devices it was compiled for, in mesh order (an XLA executable is bound to
-        its devices; a plan moved elsewhere drops it).
+        its devices; a plan moved elsewhere keeps it for these: on CPU the run loads it onto
+        its own devices, elsewhere it compiles its own).
     """
 
     executable: Any
@@ -238,9 +239,11 @@ class Plan:
     def with_devices(self, devices: Sequence[jax.Device]) -> Plan:
         """The same decision (degrees, specs, batch) on other devices of the same count.
 
-        Devices fill the new mesh in the order given, like the original. The compiled step is
-        kept only when the devices are the same, in the same order (an executable is bound to
-        its devices).
+        Devices fill the new mesh in the order given, like the original. The compiled step
+        stays, still for the devices it was compiled for (``compiled_step.device_ids``): the
+        run takes it as is there, and loads it onto other CPU devices without compiling
+        (`scamp_jax.planning.reuse.ExecutableCache`). The compiled evaluation is kept only when
+        the devices are the same, in the same order (an executable is bound to its devices).
         """
         devices = tuple(devices)
         if len(devices) != len(self.devices):
@@ -271,12 +274,6 @@ class Plan:
                 batch=remap(step.batch),
             ),
             devices=devices,
-            compiled_step=(
-                self.compiled_step
-                if self.compiled_step is not None
-                and self.compiled_step.device_ids == tuple(d.id for d in devices)
-                else None
-            ),
             evaluator=(
                 self.evaluator
                 if self.evaluator is not None
