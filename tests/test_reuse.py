@@ -235,6 +235,23 @@ def test_evaluation_is_compiled_once_per_architecture_and_chunk_by_the_planner()
         assert 0.0 <= result.metrics["accuracy"] <= 1.0
         # the planner's compiled chunks evaluate (intermediate and final): nothing compiled
         assert running.compiles["jit(run)"] == 0 and running.compiles["jit(step)"] == 0
-    # on other devices the planner's programs do not apply: compiled there once
-    moved = plan.with_devices(jax.devices()[1:2])
-    assert moved.evaluator is None
+    # On another device the planner's compiled chunks and step are loaded there: a trial
+    # compiles nothing and evaluates bit for bit as one that compiles its own programs there.
+    other = jax.devices()[1:2]
+    results, losses = [], []
+    for ready in (plan, dataclasses.replace(plan, compiled_step=None, evaluator=None)):
+        spec = RunSpec(number=3, params={"width": 32, "learning_rate": 1e-2},
+                       plan=ready.with_devices(other), steps=3, memory_per_device=8 * 2**20,
+                       seed=3, eval_every=2, log_every=1)
+        seen: list[float] = []
+        with CompileCounter() as running:
+            results.append(run_trial(spec, SPACE, task, cache=StepCache(),
+                                     on_loss=lambda number, step, loss, s=seen: s.append(loss)))
+        assert results[-1].state == "complete", results[-1].reason
+        losses.append(seen)
+        if ready is plan:
+            assert (running.compiles["jit(run)"], running.compiles["jit(step)"]) == (0, 0)
+        else:  # its own step and chunks
+            assert running.compiles["jit(run)"] >= 1 and running.compiles["jit(step)"] == 1
+    assert results[0].metrics == results[1].metrics
+    assert len(losses[0]) == 3 and losses[0] == losses[1]

@@ -147,8 +147,9 @@ class Plan:
         is placed on the devices while the current step runs.
       eval_chunk: held-out samples per evaluation forward call (0: evaluation not planned).
       eval_peak_bytes: compiled peak per device of the evaluation forward at ``eval_chunk``.
-      evaluator: the `EvalCompiler` that sized the evaluation, holding its compiled chunks, for
-        a trial on the planned devices to evaluate with (None: not planned, or other devices).
+      evaluator: the `EvalCompiler` that sized the evaluation, holding its compiled chunks
+        (for its own devices, ``evaluator.device_ids``), for a trial to evaluate with: as is on
+        those devices, loaded onto its own on other CPU devices (None: not planned).
       allowance_bytes: bytes per device set aside for memory XLA's figures do not include (CUDA
         context, cuBLAS/cuDNN workspaces), measured per device kind
         (`scamp_jax.planning.plan_cache.resolve_allowance`); 0 on CPU.
@@ -240,10 +241,10 @@ class Plan:
         """The same decision (degrees, specs, batch) on other devices of the same count.
 
         Devices fill the new mesh in the order given, like the original. The compiled step
-        stays, still for the devices it was compiled for (``compiled_step.device_ids``): the
-        run takes it as is there, and loads it onto other CPU devices without compiling
-        (`scamp_jax.planning.reuse.ExecutableCache`). The compiled evaluation is kept only when
-        the devices are the same, in the same order (an executable is bound to its devices).
+        and evaluation stay, still for the devices they were compiled for
+        (``compiled_step.device_ids``, ``evaluator.device_ids``): a run takes them as is there
+        and loads them onto other CPU devices without compiling
+        (`scamp_jax.planning.reuse.ExecutableCache`, `scamp_jax.hpo.runner.StepCache`).
         """
         devices = tuple(devices)
         if len(devices) != len(self.devices):
@@ -274,12 +275,6 @@ class Plan:
                 batch=remap(step.batch),
             ),
             devices=devices,
-            evaluator=(
-                self.evaluator
-                if self.evaluator is not None
-                and self.evaluator.device_ids == tuple(d.id for d in devices)
-                else None
-            ),
         )
 
 
