@@ -42,7 +42,7 @@ def lowered_fingerprint(lowered: jax.stages.Lowered) -> str:
     return hashlib.sha256(lowered.as_text().encode()).hexdigest()
 
 
-class _MovingUnpickler(serialize_executable._JaxPjrtUnpickler):  # noqa: SLF001
+class _MovingUnpickler(serialize_executable._JaxPjrtUnpickler):  # JAX private: see below
     """Reads `jax.experimental.serialize_executable.serialize`'s output with every device
     replaced by its counterpart in ``mapping`` and the executable loaded there.
 
