@@ -12,6 +12,7 @@ import pytest
 from test_engine import BUDGET, Regression, build, settings, suggest
 
 from scamp_jax.hpo.overhead import OverheadRecorder, idle_waiting_for_plans, timed_section
+from scamp_jax.planning.reuse import load_on_devices
 from scamp_jax.space import SearchSpace
 
 
@@ -51,9 +52,13 @@ def test_compiles_and_sections_are_attributed_by_thread_and_name():
         group.join()
         with timed_section("/scamp_jax/checkpoint/save"):
             pass
+        compiled = step.lower(jax.numpy.ones(3)).compile()
+        load_on_devices(compiled, [compiled.runtime_executable().local_devices()[0].id],
+                        jax.devices()[1:2])  # loaded, not compiled
     summary = recorder.summary()
     assert summary["runner_step_compiles"] == 2 and summary["runner_step_compile_s"] > 0
     assert summary["planning_compiles"] == 0 and summary["checkpoint_writes"] == 1
+    assert summary["executable_loads"] == 1 and summary["executable_load_s"] > 0
     step(jax.numpy.ones(9))  # outside the block: not counted
     assert recorder.summary()["runner_step_compiles"] == 2
 

@@ -258,10 +258,12 @@ def test_the_runner_runs_the_step_the_planner_compiled():
     assert plan.compiled_step is not None
     assert planning.compiles["jit(step)"] == plan.compiles
     assert running.compiles["jit(step)"] == 0  # planning + running compiled it once
-    # Placed on other devices the executable does not apply (it is bound to its devices):
-    # the runner compiles its own, which shows the counter sees the runner's compiles.
+    # Placed on other CPU devices the executable is loaded there: still no compile.
     _, moved, _ = _plan_and_run(devices, jax.devices()[2:4], compile_for_run=True)
-    assert moved.compiles["jit(step)"] == 1
+    assert moved.compiles["jit(step)"] == 0
+    # Without the planner's executable the runner compiles its own (the counter sees it).
+    _, own, _ = _plan_and_run(devices, devices, compile_for_run=False)
+    assert own.compiles["jit(step)"] == 1
 
 
 def test_a_plan_for_the_runner_compiles_its_answer_run_grade_instead_of_once_more():

@@ -1,9 +1,11 @@
 """Trials of a planned architecture compile no training step and no initialisation of their own:
-the planner's run-grade step runs as is, and one compiled initialisation (the seed an argument)
-serves every trial. Compiles are counted from JAX's compile events."""
+the planner's run-grade step runs as is (on other CPU devices, loaded there), and one compiled
+initialisation (the seed an argument) serves every trial. Compiles are counted from JAX's compile
+events."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,11 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from scamp_jax.hpo.runner import RunSpec, StepCache, make_optimizer, run_trial
 from scamp_jax.planning.compile_events import CompileCounter
 from scamp_jax.planning.initial_state import InitialStates
 from scamp_jax.planning.planner import plan_mesh
+from scamp_jax.planning.reuse import load_on_devices
 from scamp_jax.planning.train_step import split_model
 from scamp_jax.space import SearchSpace
 
@@ -61,13 +65,17 @@ SPACE = SearchSpace("mlp", lambda trial: {"width": 32},
 
 
 def _run(plan: Any, devices: list[jax.Device], seed: int, lr: float,
-         cache: StepCache) -> CompileCounter:
+         cache: StepCache, losses: list[float] | None = None) -> CompileCounter:
     spec = RunSpec(number=seed, params={"width": 32, "learning_rate": lr},
                    plan=plan.with_devices(devices), steps=3, memory_per_device=8 * 2**20,
-                   seed=seed)
+                   seed=seed, log_every=1)
+    seen: list[float] = []
     with CompileCounter() as count:
-        result = run_trial(spec, SPACE, Classify(), cache=cache)
+        result = run_trial(spec, SPACE, Classify(), cache=cache,
+                           on_loss=lambda number, step, loss: seen.append(loss))
     assert result.state == "complete", result.reason
+    if losses is not None:
+        losses.extend([*seen, result.metrics["accuracy"]])
     return count
 
 
@@ -85,12 +93,59 @@ def test_trials_of_a_planned_architecture_compile_no_step_and_one_initialisation
     first = _run(plan, devices[:1], seed=1, lr=1e-2, cache=cache)
     assert first.compiles["jit(step)"] == 0  # the planner's executable
     assert first.compiles["jit(init)"] == 1
-    # Another seed and learning rate on other devices: the step is compiled for them (an
-    # executable is bound to its devices), the initialisation is not compiled again.
+    # Another seed and learning rate on another device: the planner's executable is loaded
+    # there (the same machine code), nothing is compiled.
     other = _run(plan, devices[1:2], seed=2, lr=3e-3, cache=cache)
-    assert other.compiles["jit(step)"] == 1 and other.compiles["jit(init)"] == 0
+    assert other.compiles["jit(step)"] == 0 and other.compiles["jit(init)"] == 0
     again = _run(plan, devices[1:2], seed=3, lr=1e-3, cache=cache)
     assert again.compiles["jit(step)"] == 0 and again.compiles["jit(init)"] == 0
+    executables = cache.executables
+    assert (executables.hits, executables.moves, executables.misses) == (3, 1, 0)
+
+
+def test_a_step_loaded_onto_another_device_trains_as_one_compiled_there_bit_for_bit():
+    task = Classify()
+    model = nnx.eval_shape(lambda: SPACE.build({"width": 32}, nnx.Rngs(0)))
+    plan = plan_mesh(model, task.sample_batch(1), devices=jax.devices()[:1],
+                     memory_per_device="8MiB", optimizer=make_optimizer({}),
+                     loss_fn=task.loss_fn, max_batch_size=32)
+    runs: list[list[float]] = []
+    for ready in (plan, dataclasses.replace(plan, compiled_step=None)):
+        cache, losses = StepCache(), []
+        count = _run(ready, jax.devices()[3:4], seed=5, lr=1e-2, cache=cache, losses=losses)
+        assert count.compiles["jit(step)"] == (0 if ready is plan else 1)
+        assert cache.executables.moves == (1 if ready is plan else 0)
+        runs.append(losses)
+    assert len(runs[0]) == 4 and runs[0] == runs[1]  # three losses and the accuracy
+
+
+def test_a_sharded_executable_loads_onto_other_devices_device_for_device():
+    """Two devices in mesh order [0, 1] moved onto [5, 4]: the shard device 0 held is on 5,
+    the values are those of the executable compiled for [5, 4], and nothing is compiled."""
+    def f(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+        y = jnp.tanh(x @ w)
+        return y.sum(), y
+
+    x = np.random.default_rng(0).normal(size=(8, 16)).astype(np.float32)
+    w = np.random.default_rng(1).normal(size=(16, 16)).astype(np.float32)
+    devices = jax.devices()
+
+    def placed(ids: list[int]) -> tuple[jax.Array, jax.Array]:
+        mesh = Mesh(np.asarray([devices[i] for i in ids]), ("data",))
+        return (jax.device_put(x, NamedSharding(mesh, PartitionSpec("data"))),
+                jax.device_put(w, NamedSharding(mesh, PartitionSpec())))
+
+    source = jax.jit(f).lower(*placed([0, 1])).compile()
+    with CompileCounter() as count:
+        moved = load_on_devices(source, [0, 1], [devices[5], devices[4]])
+    assert moved is not None and count.total == 0
+    args = placed([5, 4])
+    total, y = moved(*args)
+    want_total, want = jax.jit(f).lower(*args).compile()(*args)
+    assert float(total) == float(want_total)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+    assert [(s.device.id, s.index[0].start) for s in y.addressable_shards] == [(5, 0), (4, 4)]
+    assert load_on_devices(source, [0, 1], devices[4:5]) is None  # another count
 
 
 def test_one_compiled_initialisation_equals_building_the_model_with_each_seed():
@@ -180,6 +235,23 @@ def test_evaluation_is_compiled_once_per_architecture_and_chunk_by_the_planner()
         assert 0.0 <= result.metrics["accuracy"] <= 1.0
         # the planner's compiled chunks evaluate (intermediate and final): nothing compiled
         assert running.compiles["jit(run)"] == 0 and running.compiles["jit(step)"] == 0
-    # on other devices the planner's programs do not apply: compiled there once
-    moved = plan.with_devices(jax.devices()[1:2])
-    assert moved.evaluator is None
+    # On another device the planner's compiled chunks and step are loaded there: a trial
+    # compiles nothing and evaluates bit for bit as one that compiles its own programs there.
+    other = jax.devices()[1:2]
+    results, losses = [], []
+    for ready in (plan, dataclasses.replace(plan, compiled_step=None, evaluator=None)):
+        spec = RunSpec(number=3, params={"width": 32, "learning_rate": 1e-2},
+                       plan=ready.with_devices(other), steps=3, memory_per_device=8 * 2**20,
+                       seed=3, eval_every=2, log_every=1)
+        seen: list[float] = []
+        with CompileCounter() as running:
+            results.append(run_trial(spec, SPACE, task, cache=StepCache(),
+                                     on_loss=lambda number, step, loss, s=seen: s.append(loss)))
+        assert results[-1].state == "complete", results[-1].reason
+        losses.append(seen)
+        if ready is plan:
+            assert (running.compiles["jit(run)"], running.compiles["jit(step)"]) == (0, 0)
+        else:  # its own step and chunks
+            assert running.compiles["jit(run)"] >= 1 and running.compiles["jit(step)"] == 1
+    assert results[0].metrics == results[1].metrics
+    assert len(losses[0]) == 3 and losses[0] == losses[1]

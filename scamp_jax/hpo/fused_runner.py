@@ -341,7 +341,7 @@ class FusedProgram:
         # of the planned width), else one compile shared by groups of the same program.
         ready = getattr(self.spec.plan, "compiled_step", None)
         self.compiled = self.cache.executables.compiled(
-            lowered, tuple(d.id for d in self.plan.mesh.devices.flat), ready)
+            lowered, list(self.plan.mesh.devices.flat), ready)
         return peak_bytes(self.compiled)
 
     def prefetch_bytes(self) -> int:

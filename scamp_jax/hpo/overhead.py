@@ -3,6 +3,7 @@
 `OverheadRecorder` listens to `jax.monitoring` while a study runs: JAX reports every trace,
 lowering and backend compile with the jitted function's name, on the thread that does it, and
 the project reports its own timed sections the same way (`record_section`: checkpoint writes;
+executables loaded onto other devices instead of compiled, `scamp_jax.planning.reuse`;
 the report and its plots, written after ``results.json``, are added to it afterwards by the
 study session). Compiles are attributed by thread: the engine's planner threads
 (``planner*``) plan, its trial threads (``trial*``) run trials, and within a trial the training
@@ -30,6 +31,7 @@ from typing import Any
 import jax
 
 from scamp_jax.planning.compile_events import BACKEND_COMPILE_EVENT, CACHE_HIT_EVENT
+from scamp_jax.planning.reuse import EXECUTABLE_LOAD_EVENT
 
 TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
@@ -152,6 +154,9 @@ class OverheadRecorder:
                 out[f"{part}_compiles"] = int(self.compiles.get(part, 0))
                 out[f"{part}_compile_s"] = round(self.compile_s.get(part, 0.0), 3)
                 out[f"{part}_trace_s"] = round(self.trace_s.get(part, 0.0), 3)
+            # executables loaded onto other devices instead of compiled (any thread)
+            out["executable_loads"] = int(self.sections_n.get(EXECUTABLE_LOAD_EVENT, 0))
+            out["executable_load_s"] = round(self.sections_s.get(EXECUTABLE_LOAD_EVENT, 0.0), 3)
             out["checkpoint_writes"] = int(self.sections_n.get(CHECKPOINT_SAVE, 0))
             out["checkpoint_s"] = round(self.sections_s.get(CHECKPOINT_SAVE, 0.0)
                                         + self.sections_s.get(CHECKPOINT_WAIT, 0.0), 3)

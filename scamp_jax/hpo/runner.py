@@ -149,19 +149,22 @@ class StepCache:
 
     def evaluator(self, graphdef: nnx.GraphDef, plan: Any, task: Any, params: Any,
                   rest: Any) -> EvalCompiler:
-        """The evaluation forward of ``task`` on ``plan``'s mesh (compiles kept per chunk)."""
+        """The evaluation forward of ``task`` on ``plan``'s mesh (compiles kept per chunk):
+        the planner's (``plan.evaluator``) on its devices; on others, one that loads the
+        planner's compiled chunks onto them (CPU) or compiles its own."""
         devices = tuple(d.id for d in plan.mesh.devices.flat)
         key = (graphdef, plan.mesh.devices.shape, devices, id(task))
         with self._lock:
             ready = getattr(plan, "evaluator", None)
-            if key not in self._evaluators and ready is not None and ready.serves(
-                    task.eval_forward, devices):
+            if ready is not None and not ready.serves(task.eval_forward, ready.device_ids):
+                ready = None  # another forward pass
+            if key not in self._evaluators and ready is not None and ready.device_ids == devices:
                 self._evaluators[key] = ready  # the planner's, with its compiled chunks
             if key not in self._evaluators:
                 shardings = plan.step_shardings
                 self._evaluators[key] = EvalCompiler(
                     graphdef, task.eval_forward, params, rest, shardings.params,
-                    shardings.rest, plan.mesh)
+                    shardings.rest, plan.mesh, source=ready)
             return self._evaluators[key]
 
     def get(
@@ -310,7 +313,7 @@ class SoloProgram:
             self.compiled = self.step_fn
             return peak_bytes(lowered.compile())
         self.compiled = self.cache.executables.compiled(
-            lowered, tuple(d.id for d in self.plan.mesh.devices.flat), ready)
+            lowered, list(self.plan.mesh.devices.flat), ready)
         return peak_bytes(self.compiled)
 
     def prefetch_bytes(self) -> int:

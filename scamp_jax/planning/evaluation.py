@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from scamp_jax.planning import sharding as sh
+from scamp_jax.planning.reuse import load_on_devices
 
 PyTree = Any
 
@@ -68,6 +69,9 @@ class EvalCompiler:
       params, rest: parameter and other state trees (arrays or ``ShapeDtypeStruct``s).
       param_shardings, rest_shardings: their shardings on ``mesh``.
       mesh: the trial's ``('data', 'model')`` mesh.
+      source: an `EvalCompiler` of the same forward pass and shardings on other devices of the
+        same count: the chunks it has compiled are loaded onto ``mesh`` instead of compiled
+        where the platform allows (`scamp_jax.planning.reuse.load_on_devices`).
     """
 
     def __init__(
@@ -79,8 +83,10 @@ class EvalCompiler:
         param_shardings: PyTree,
         rest_shardings: PyTree,
         mesh: Mesh,
+        source: EvalCompiler | None = None,
     ) -> None:
         self.mesh = mesh
+        self.source = source
         self.forward = forward
         self.data_parallel = int(mesh.shape.get(sh.DATA_AXIS, 1))
         self.input_sharding = NamedSharding(mesh, PartitionSpec(sh.DATA_AXIS))
@@ -122,9 +128,15 @@ class EvalCompiler:
             )
         key = (chunk, tuple(sample.shape[1:]), str(sample.dtype))
         if key not in self._compiled:
-            x = jax.ShapeDtypeStruct((chunk, *sample.shape[1:]), sample.dtype)
-            with jax.set_mesh(self.mesh):
-                self._compiled[key] = self._jitted.lower(self.params, self.rest, x).compile()
+            source = self.source
+            if source is not None and key in source._compiled:
+                self._compiled[key] = load_on_devices(
+                    source._compiled[key], source.device_ids, list(self.mesh.devices.flat))
+            if self._compiled.get(key) is None:
+                x = jax.ShapeDtypeStruct((chunk, *sample.shape[1:]), sample.dtype)
+                with jax.set_mesh(self.mesh):
+                    self._compiled[key] = self._jitted.lower(self.params, self.rest,
+                                                             x).compile()
         return self._compiled[key]
 
     def peak(self, chunk: int, groups: Sequence[jax.ShapeDtypeStruct]) -> int:

@@ -219,8 +219,8 @@ class FusionPlan:
       cached: True when every point came from a `PlanCache`: nothing was compiled.
       compiled_step: the fused step at ``(width, batch_size)`` compiled with default XLA options
         on the plan's devices (`scamp_jax.planning.planner.CompiledStep`), for the group's run
-        to take as is (`scamp_jax.planning.reuse.ExecutableCache`); None: not kept
-        (``compile_for_run=False``, or a plan moved to other devices).
+        to take as is, or on other CPU devices to load onto its own
+        (`scamp_jax.planning.reuse.ExecutableCache`); None: not kept (``compile_for_run=False``).
     """
 
     plan: Plan
@@ -251,11 +251,8 @@ class FusionPlan:
 
     def with_devices(self, devices: Sequence[jax.Device]) -> FusionPlan:
         """The same group decision on other devices of the same count (`Plan.with_devices`);
-        the compiled step stays only on the devices it was compiled for."""
-        ready = self.compiled_step
-        if ready is not None and ready.device_ids != tuple(d.id for d in devices):
-            ready = None
-        return replace(self, plan=self.plan.with_devices(devices), compiled_step=ready)
+        the compiled step stays, for the devices it was compiled for."""
+        return replace(self, plan=self.plan.with_devices(devices))
 
     def describe(self) -> str:
         """A short human-readable summary."""

@@ -95,7 +95,8 @@ class CompiledStep:
         when its own lowering of the step has the same fingerprint (same program, shapes,
         shardings).
       device_ids: the devices it was compiled for, in mesh order (an XLA executable is bound to
-        its devices; a plan moved elsewhere drops it).
+        its devices; a plan moved elsewhere keeps it for these: on CPU the run loads it onto
+        its own devices, elsewhere it compiles its own).
     """
 
     executable: Any
@@ -146,8 +147,9 @@ class Plan:
         is placed on the devices while the current step runs.
       eval_chunk: held-out samples per evaluation forward call (0: evaluation not planned).
       eval_peak_bytes: compiled peak per device of the evaluation forward at ``eval_chunk``.
-      evaluator: the `EvalCompiler` that sized the evaluation, holding its compiled chunks, for
-        a trial on the planned devices to evaluate with (None: not planned, or other devices).
+      evaluator: the `EvalCompiler` that sized the evaluation, holding its compiled chunks
+        (for its own devices, ``evaluator.device_ids``), for a trial to evaluate with: as is on
+        those devices, loaded onto its own on other CPU devices (None: not planned).
       allowance_bytes: bytes per device set aside for memory XLA's figures do not include (CUDA
         context, cuBLAS/cuDNN workspaces), measured per device kind
         (`scamp_jax.planning.plan_cache.resolve_allowance`); 0 on CPU.
@@ -238,9 +240,11 @@ class Plan:
     def with_devices(self, devices: Sequence[jax.Device]) -> Plan:
         """The same decision (degrees, specs, batch) on other devices of the same count.
 
-        Devices fill the new mesh in the order given, like the original. The compiled step is
-        kept only when the devices are the same, in the same order (an executable is bound to
-        its devices).
+        Devices fill the new mesh in the order given, like the original. The compiled step
+        and evaluation stay, still for the devices they were compiled for
+        (``compiled_step.device_ids``, ``evaluator.device_ids``): a run takes them as is there
+        and loads them onto other CPU devices without compiling
+        (`scamp_jax.planning.reuse.ExecutableCache`, `scamp_jax.hpo.runner.StepCache`).
         """
         devices = tuple(devices)
         if len(devices) != len(self.devices):
@@ -271,18 +275,6 @@ class Plan:
                 batch=remap(step.batch),
             ),
             devices=devices,
-            compiled_step=(
-                self.compiled_step
-                if self.compiled_step is not None
-                and self.compiled_step.device_ids == tuple(d.id for d in devices)
-                else None
-            ),
-            evaluator=(
-                self.evaluator
-                if self.evaluator is not None
-                and self.evaluator.device_ids == tuple(d.id for d in devices)
-                else None
-            ),
         )
 
 

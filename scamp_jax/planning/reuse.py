@@ -9,28 +9,117 @@ initial states are compiled once per architecture too:
 `scamp_jax.planning.initial_state.InitialStates`.)
 
 An XLA executable is bound to the devices it was compiled for, so the cache keys by device ids.
+On CPU the same machine code serves any device: a program already compiled for other CPU devices
+(the planner's, or another trial's) is loaded onto the trial's devices (`load_on_devices`)
+instead of being compiled for them. In the main job a SwinIR step or evaluation chunk loads in
+0.4-0.5 s where its compile took 1-15 s (BENCHMARKS.md, "The main job"). JAX 0.10.2 has no
+public way to do this: its persistent compilation cache keys CPU programs by their device
+assignment too, and `jax.experimental.serialize_executable.deserialize_and_load` loads onto
+the devices the executable was compiled for.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import threading
+import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
+from jax.experimental import serialize_executable
+from jaxlib import xla_client
 
 PyTree = Any
+
+#: platforms whose executables `load_on_devices` moves (checked bit for bit in the tests).
+MOVABLE_PLATFORMS = ("cpu",)
+#: `jax.monitoring` duration event of each executable `load_on_devices` loads (no compile
+#: event is recorded for it; `scamp_jax.hpo.overhead` reports these).
+EXECUTABLE_LOAD_EVENT = "/scamp_jax/executable/load"
+
 
 def lowered_fingerprint(lowered: jax.stages.Lowered) -> str:
     """SHA-256 of a lowered program's text (without source locations)."""
     return hashlib.sha256(lowered.as_text().encode()).hexdigest()
 
 
+class _MovingUnpickler(serialize_executable._JaxPjrtUnpickler):  # JAX private: see below
+    """Reads `jax.experimental.serialize_executable.serialize`'s output with every device
+    replaced by its counterpart in ``mapping`` and the executable loaded there.
+
+    Private part of JAX, a last resort: ``deserialize_and_load`` takes the devices to load
+    onto but looks up the shardings' devices by their original ids, so it cannot move an
+    executable; this subclass keeps its pickle protocol (``('exec', bytes)``, ``('device',
+    id)``, ``('client',)``) and only changes the devices and the executable's device assignment
+    (an override PJRT's ``deserialize_executable`` takes: ``compile_options``).
+    """
+
+    def __init__(self, file: io.BytesIO, mapping: dict[int, jax.Device],
+                 assigned: Sequence[int]) -> None:
+        targets = list(mapping.values())
+        super().__init__(file, targets[0].client, targets)
+        self.devices_by_id = dict(mapping)
+        #: the target of each partition of the executable, in its device assignment's order
+        self.assigned = [mapping[i].id for i in assigned]
+
+    def persistent_load(self, pid: Any) -> Any:
+        if pid[0] != "exec":
+            return super().persistent_load(pid)
+        # What JAX compiles with `jax.jit`: one replica, one partition per device. Loading
+        # compiles nothing, so the device assignment is the only option that matters here.
+        options = xla_client.CompileOptions()
+        options.num_replicas, options.num_partitions = 1, len(self.assigned)
+        options.device_assignment = xla_client.DeviceAssignment.create(
+            np.asarray([self.assigned]))
+        return self.backend.deserialize_executable(
+            pid[1], executable_devices=self.execution_devices, compile_options=options)
+
+
+def load_on_devices(compiled: jax.stages.Compiled, source_ids: Sequence[int],
+                    devices: Sequence[jax.Device]) -> jax.stages.Compiled | None:
+    """``compiled`` (compiled for the devices ``source_ids``, in mesh order) loaded onto
+    ``devices`` (the same count, in the same order) without compiling: the same machine code,
+    its shardings and device assignment moved device for device, so it computes what it
+    computed there, bit for bit.
+
+    None where that is not possible: another platform than `MOVABLE_PLATFORMS`, other
+    devices than the source's counterparts, or an executable JAX cannot serialize (closed-over
+    constants, host callbacks).
+    """
+    start = time.perf_counter()
+    devices = list(devices)
+    if (len(devices) != len(source_ids) or not devices
+            or any(d.platform not in MOVABLE_PLATFORMS for d in devices)):
+        return None
+    try:
+        payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+    except (ValueError, NotImplementedError):
+        return None
+    mapping = {int(i): d for i, d in zip(source_ids, devices, strict=True)}
+    executable = compiled.runtime_executable()
+    # a one-process CPU executable's local devices: its device assignment's order
+    assigned = [d.id for d in executable.local_devices()]
+    if executable.client is not devices[0].client or sorted(assigned) != sorted(mapping):
+        return None
+    unloaded, args_info, no_kwargs = _MovingUnpickler(
+        io.BytesIO(payload), mapping, assigned).load()
+    # as ``serialize_executable.deserialize_and_load`` makes its `jax.stages.Compiled`
+    moved = jax.stages.Compiled(unloaded.load(), [], in_tree.unflatten(args_info), out_tree,
+                                no_kwargs=no_kwargs)
+    jax.monitoring.record_event_duration_secs(EXECUTABLE_LOAD_EVENT,
+                                              time.perf_counter() - start)
+    return moved
+
+
 class ExecutableCache:
     """Compiled training steps by program fingerprint and devices (thread-safe).
 
     ``hits`` counts the runs that compiled nothing (the planner's executable or an earlier
-    trial's), ``misses`` the compiles.
+    trial's, on their devices or loaded onto the run's: ``moves`` of them), ``misses`` the
+    compiles.
     """
 
     def __init__(self) -> None:
@@ -38,21 +127,26 @@ class ExecutableCache:
         self._key_locks: dict[tuple[str, tuple[int, ...]], threading.Lock] = {}
         self._compiled: dict[tuple[str, tuple[int, ...]], Any] = {}
         self.hits = 0
+        self.moves = 0
         self.misses = 0
 
-    def compiled(self, lowered: jax.stages.Lowered, device_ids: tuple[int, ...],
+    def compiled(self, lowered: jax.stages.Lowered, devices: Sequence[jax.Device],
                  ready: Any = None) -> Any:
-        """The executable of ``lowered`` on ``device_ids``: ``ready`` (a `CompiledStep`) when it
-        is the same program on the same devices, else a cached or a new compile (default XLA
-        options). Trials of one program on the same devices wait for one compile."""
+        """The executable of ``lowered`` on ``devices`` (in mesh order): ``ready`` (a
+        `CompiledStep`) when it is the same program on the same devices, else a cached one,
+        one of the same program on other devices loaded onto these (`load_on_devices`), or a
+        new compile (default XLA options). Trials of one program on the same devices wait for
+        one compile."""
+        devices = list(devices)
         fingerprint = lowered_fingerprint(lowered)
-        key = (fingerprint, tuple(device_ids))
+        key = (fingerprint, tuple(d.id for d in devices))
+        if ready is not None and ready.fingerprint != fingerprint:
+            ready = None
         with self._lock:
             if key in self._compiled:
                 self.hits += 1
                 return self._compiled[key]
-            if (ready is not None and ready.fingerprint == fingerprint
-                    and tuple(ready.device_ids) == key[1]):
+            if ready is not None and tuple(ready.device_ids) == key[1]:
                 self.hits += 1
                 self._compiled[key] = ready.executable
                 return ready.executable
@@ -62,6 +156,18 @@ class ExecutableCache:
                 if key in self._compiled:
                     self.hits += 1
                     return self._compiled[key]
+                sources = [(ids, executable) for (fp, ids), executable in self._compiled.items()
+                           if fp == fingerprint]
+            if ready is not None:
+                sources.insert(0, (tuple(ready.device_ids), ready.executable))
+            for ids, source in sources:
+                executable = load_on_devices(source, ids, devices)
+                if executable is not None:
+                    with self._lock:
+                        self.hits += 1
+                        self.moves += 1
+                        self._compiled[key] = executable
+                    return executable
             executable = lowered.compile()
             with self._lock:
                 self.misses += 1
