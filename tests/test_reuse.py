@@ -148,6 +148,31 @@ def test_a_sharded_executable_loads_onto_other_devices_device_for_device():
     assert load_on_devices(source, [0, 1], devices[4:5]) is None  # another count
 
 
+def test_without_jax_s_private_unpickler_a_program_is_not_moved_and_a_trial_compiles(
+        monkeypatch):
+    """Moving an executable rests on a private JAX class; a JAX without it (simulated here by
+    removing it: a future release cannot be installed in a test) moves nothing, and the
+    cache compiles the program for the trial's devices instead."""
+    from jax.experimental import serialize_executable
+
+    from scamp_jax.planning import reuse
+
+    monkeypatch.delattr(serialize_executable, "_JaxPjrtUnpickler")
+    monkeypatch.setattr(reuse, "_MOVING_UNPICKLER", None)
+    x = jnp.ones((4, 4))
+    devices = jax.devices()
+    lowered = jax.jit(jnp.tanh).lower(jax.device_put(x, devices[0]))
+    assert load_on_devices(lowered.compile(), [0], devices[1:2]) is None
+    cache = reuse.ExecutableCache()
+    cache.compiled(lowered, devices[:1])
+    moved_lowered = jax.jit(jnp.tanh).lower(jax.device_put(x, devices[1]))
+    with CompileCounter() as count:
+        executable = cache.compiled(moved_lowered, devices[1:2])
+    assert count.total == 1 and (cache.moves, cache.misses) == (0, 2)
+    np.testing.assert_array_equal(np.asarray(executable(jax.device_put(x, devices[1]))),
+                                  np.tanh(np.ones((4, 4), np.float32)))
+
+
 def test_one_compiled_initialisation_equals_building_the_model_with_each_seed():
     states = InitialStates()
     plan = plan_mesh(nnx.eval_shape(lambda: MLP(8, nnx.Rngs(0))),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ from jax.experimental import serialize_executable
 from jaxlib import xla_client
 
 PyTree = Any
+log = logging.getLogger(__name__)
 
 #: platforms whose executables `load_on_devices` moves (checked bit for bit in the tests).
 MOVABLE_PLATFORMS = ("cpu",)
@@ -46,36 +48,55 @@ def lowered_fingerprint(lowered: jax.stages.Lowered) -> str:
     return hashlib.sha256(lowered.as_text().encode()).hexdigest()
 
 
-class _MovingUnpickler(serialize_executable._JaxPjrtUnpickler):  # JAX private: see below
-    """Reads `jax.experimental.serialize_executable.serialize`'s output with every device
-    replaced by its counterpart in ``mapping`` and the executable loaded there.
+def _moving_unpickler() -> type | None:
+    """The unpickler class `load_on_devices` reads a serialized executable with (None: this JAX
+    has no such private base class; trials then compile on their own devices)."""
+    global _MOVING_UNPICKLER
+    if _MOVING_UNPICKLER is not None:
+        return _MOVING_UNPICKLER or None
+    base = getattr(serialize_executable, "_JaxPjrtUnpickler", None)  # JAX private: see below
+    if base is None:
+        _MOVING_UNPICKLER = False
+        return None
 
-    Private part of JAX, a last resort: ``deserialize_and_load`` takes the devices to load
-    onto but looks up the shardings' devices by their original ids, so it cannot move an
-    executable; this subclass keeps its pickle protocol (``('exec', bytes)``, ``('device',
-    id)``, ``('client',)``) and only changes the devices and the executable's device assignment
-    (an override PJRT's ``deserialize_executable`` takes: ``compile_options``).
-    """
+    class MovingUnpickler(base):  # type: ignore[misc, valid-type]
+        """Reads `jax.experimental.serialize_executable.serialize`'s output with every device
+        replaced by its counterpart in ``mapping`` and the executable loaded there.
 
-    def __init__(self, file: io.BytesIO, mapping: dict[int, jax.Device],
-                 assigned: Sequence[int]) -> None:
-        targets = list(mapping.values())
-        super().__init__(file, targets[0].client, targets)
-        self.devices_by_id = dict(mapping)
-        #: the target of each partition of the executable, in its device assignment's order
-        self.assigned = [mapping[i].id for i in assigned]
+        Private part of JAX, a last resort: ``deserialize_and_load`` takes the devices to load
+        onto but looks up the shardings' devices by their original ids, so it cannot move an
+        executable; this subclass keeps its pickle protocol (``('exec', bytes)``, ``('device',
+        id)``, ``('client',)``) and only changes the devices and the executable's device
+        assignment (an override PJRT's ``deserialize_executable`` takes: ``compile_options``).
+        Any failure of it (another JAX) makes `load_on_devices` return None: the trial compiles.
+        """
 
-    def persistent_load(self, pid: Any) -> Any:
-        if pid[0] != "exec":
-            return super().persistent_load(pid)
-        # What JAX compiles with `jax.jit`: one replica, one partition per device. Loading
-        # compiles nothing, so the device assignment is the only option that matters here.
-        options = xla_client.CompileOptions()
-        options.num_replicas, options.num_partitions = 1, len(self.assigned)
-        options.device_assignment = xla_client.DeviceAssignment.create(
-            np.asarray([self.assigned]))
-        return self.backend.deserialize_executable(
-            pid[1], executable_devices=self.execution_devices, compile_options=options)
+        def __init__(self, file: io.BytesIO, mapping: dict[int, jax.Device],
+                     assigned: Sequence[int]) -> None:
+            targets = list(mapping.values())
+            super().__init__(file, targets[0].client, targets)
+            self.devices_by_id = dict(mapping)
+            #: the target of each partition of the executable, in its device assignment's order
+            self.assigned = [mapping[i].id for i in assigned]
+
+        def persistent_load(self, pid: Any) -> Any:
+            if pid[0] != "exec":
+                return super().persistent_load(pid)
+            # What JAX compiles with `jax.jit`: one replica, one partition per device. Loading
+            # compiles nothing, so the device assignment is the only option that matters here.
+            options = xla_client.CompileOptions()
+            options.num_replicas, options.num_partitions = 1, len(self.assigned)
+            options.device_assignment = xla_client.DeviceAssignment.create(
+                np.asarray([self.assigned]))
+            return self.backend.deserialize_executable(
+                pid[1], executable_devices=self.execution_devices, compile_options=options)
+
+    _MOVING_UNPICKLER = MovingUnpickler
+    return MovingUnpickler
+
+
+#: the class `_moving_unpickler` made (False: none can be made with this JAX; None: not yet).
+_MOVING_UNPICKLER: Any = None
 
 
 def load_on_devices(compiled: jax.stages.Compiled, source_ids: Sequence[int],
@@ -94,21 +115,25 @@ def load_on_devices(compiled: jax.stages.Compiled, source_ids: Sequence[int],
     if (len(devices) != len(source_ids) or not devices
             or any(d.platform not in MOVABLE_PLATFORMS for d in devices)):
         return None
+    unpickler = _moving_unpickler()
+    if unpickler is None:
+        return None
     try:
         payload, in_tree, out_tree = serialize_executable.serialize(compiled)
-    except (ValueError, NotImplementedError):
+        mapping = {int(i): d for i, d in zip(source_ids, devices, strict=True)}
+        executable = compiled.runtime_executable()
+        # a one-process CPU executable's local devices: its device assignment's order
+        assigned = [d.id for d in executable.local_devices()]
+        if executable.client is not devices[0].client or sorted(assigned) != sorted(mapping):
+            return None
+        unloaded, args_info, no_kwargs = unpickler(io.BytesIO(payload), mapping,
+                                                   assigned).load()
+        # as ``serialize_executable.deserialize_and_load`` makes its `jax.stages.Compiled`
+        moved = jax.stages.Compiled(unloaded.load(), [], in_tree.unflatten(args_info),
+                                    out_tree, no_kwargs=no_kwargs)
+    except Exception as err:  # noqa: BLE001 - loading is an aid: the trial compiles instead
+        log.info("executable not moved to devices %s: %s", [d.id for d in devices], err)
         return None
-    mapping = {int(i): d for i, d in zip(source_ids, devices, strict=True)}
-    executable = compiled.runtime_executable()
-    # a one-process CPU executable's local devices: its device assignment's order
-    assigned = [d.id for d in executable.local_devices()]
-    if executable.client is not devices[0].client or sorted(assigned) != sorted(mapping):
-        return None
-    unloaded, args_info, no_kwargs = _MovingUnpickler(
-        io.BytesIO(payload), mapping, assigned).load()
-    # as ``serialize_executable.deserialize_and_load`` makes its `jax.stages.Compiled`
-    moved = jax.stages.Compiled(unloaded.load(), [], in_tree.unflatten(args_info), out_tree,
-                                no_kwargs=no_kwargs)
     jax.monitoring.record_event_duration_secs(EXECUTABLE_LOAD_EVENT,
                                               time.perf_counter() - start)
     return moved
