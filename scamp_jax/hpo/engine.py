@@ -397,8 +397,7 @@ class SearchEngine:
         self.planning = self.make_planning()
         cap = fusion_cap(config.fuse)
         self.fusion = None if cap is None else FusionService(
-            space, task, cap, self.planning, config.steps_for, plan_cache,
-            states=self.cache.initial_states)
+            space, task, cap, self.planning, config.steps_for, plan_cache)
         self.records: dict[int, TrialRecord] = {}
         self.intake = Intake(source, config.nofit_limit,
                              (len(self.devices), config.memory_per_device),

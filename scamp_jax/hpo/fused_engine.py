@@ -35,7 +35,6 @@ handed; rank 0's study server hands a proposal's siblings to the proposal's rank
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -49,7 +48,7 @@ from scamp_jax.hpo.fused_runner import (
     signature_key,
 )
 from scamp_jax.hpo.plan_service import PlanningService
-from scamp_jax.hpo.runner import architecture_key, make_optimizer
+from scamp_jax.hpo.runner import make_optimizer
 from scamp_jax.hpo.trial import (
     OPTIMIZER_KEYS,
     PlannedTrial,
@@ -59,11 +58,8 @@ from scamp_jax.hpo.trial import (
 from scamp_jax.hpo.trial import fusion_cap as fusion_cap
 from scamp_jax.planning import planner
 from scamp_jax.planning.fusion import FusionPlan, plan_fusion
-from scamp_jax.planning.initial_state import InitialStates
 from scamp_jax.scheduling.core import TrialPlan
 from scamp_jax.scheduling.grouping import FusionCandidate, form_groups
-
-log = logging.getLogger(__name__)
 
 
 def latest_checkpoint_step(directory: Path | None) -> int:
@@ -115,18 +111,13 @@ class FusionService:
       planning: the engine's planning service (member plans and their costs).
       steps_for: ``steps_for(batch) -> steps`` (`EngineConfig.steps_for`).
       plan_cache: where fused plans are stored and looked up (None: planned every run).
-      states: the engine's initial states (`scamp_jax.planning.initial_state.InitialStates`,
-        the runners' cache): a family's group state is compiled there while its fused step
-        is planned (None: the group compiles it when it starts).
     """
 
     def __init__(self, space: Any, task: Any, cap: int, planning: PlanningService,
-                 steps_for: Callable[[int], int], plan_cache: Any = None,
-                 states: InitialStates | None = None) -> None:
+                 steps_for: Callable[[int], int], plan_cache: Any = None) -> None:
         self.space, self.task, self.cap, self.planning = space, task, cap, planning
-        self.steps_for, self.plan_cache, self.states = steps_for, plan_cache, states
+        self.steps_for, self.plan_cache = steps_for, plan_cache
         self._lock = threading.Lock()
-        self._states_ahead: set[Any] = set()  # (arch, devices, width) compiled or compiling
         self._signatures: dict[str, Any] = {}
         self._plans: dict[Any, FusionPlan | None] = {}
         self._plan_locks: dict[Any, threading.Lock] = {}
@@ -167,41 +158,11 @@ class FusionService:
             signature = signature_key(architecture_signature(self.space, params))
             with self._lock:
                 self._signatures[arch] = signature
-        if width is not None and width >= 2:
-            self._initial_state_ahead(params, plan, arch, min(width, self.cap))
         fusion = self.fusion_plan(params, plan, signature, width)
         info = MemberInfo(signature, latest_checkpoint_step(checkpoint_dir), fusion)
         with self._lock:
             self._info[number] = info
         return plan
-
-    def _initial_state_ahead(self, params: Mapping[str, Any], plan: Any, arch: str,
-                             width: int) -> None:
-        """Compile a family's group state (``width`` members on ``plan``'s devices) in a
-        thread of its own while this planner thread plans the fused step: the two compiles
-        overlap instead of the group compiling its state when it starts. Once per
-        architecture, devices and width; a failure here leaves it to the group."""
-        if self.states is None:
-            return
-        key = (arch, tuple(d.id for d in plan.devices), width)
-        with self._lock:
-            if key in self._states_ahead:
-                return
-            self._states_ahead.add(key)
-        states, space = self.states, self.space
-
-        def compile_ahead() -> None:
-            try:
-                shardings = plan.step_shardings
-                graphdef = architecture_signature(space, params, shardings.mesh)[0]
-                states.prepare_group(
-                    architecture_key(graphdef, params),
-                    lambda rngs: space.build(params, rngs), make_optimizer(params), shardings,
-                    width, [k for k in OPTIMIZER_KEYS if k in params])
-            except Exception as err:  # noqa: BLE001 - the group compiles it when it starts
-                log.info("no initial state ahead for %s: %s", arch, err)
-
-        threading.Thread(target=compile_ahead, name="planner-initial-state", daemon=True).start()
 
     def fusion_plan(self, params: Mapping[str, Any], plan: Any, signature: Any,
                     width: int | None = None) -> FusionPlan | None:

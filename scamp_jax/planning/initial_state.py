@@ -165,30 +165,9 @@ class InitialStates:
         return self._make(architecture, build, optimizer, shardings, _check_seeds(seeds),
                           hyper, width)
 
-    def prepare_group(
-        self,
-        architecture: Any,
-        build: Build,
-        optimizer: optax.GradientTransformation,
-        shardings: StepShardings,
-        width: int,
-        hyperparam_names: Sequence[str],
-    ) -> None:
-        """Compile `make_group`'s program for ``width`` members ahead, creating nothing: e.g. in
-        a planner thread while the group's step compiles, so that the group's start finds it
-        (a hit). ``hyperparam_names``: the optimizer hyperparameters the members set."""
-        if width < 1:
-            raise ValueError("a group needs at least one member")
-        self._compiled_init(architecture, build, optimizer, shardings,
-                            tuple(sorted(hyperparam_names)), width, count_hit=False)
-
-    def _compiled_init(self, architecture: Any, build: Build,
-                       optimizer: optax.GradientTransformation, shardings: StepShardings,
-                       names: tuple[str, ...], width: int | None, count_hit: bool = True,
-                       ) -> tuple[Any, Mesh, PyTree, tuple[int, ...]]:
-        """``(compiled, home_mesh, target shardings, home device ids)`` of the initial state:
-        compiled once per architecture, width, home devices, hyperparameters and shardings
-        (``count_hit``: a found one counts in ``hits``, a state about to be made from it)."""
+    def _make(self, architecture: Any, build: Build, optimizer: optax.GradientTransformation,
+              shardings: StepShardings, seeds: np.ndarray, hyper: Mapping[str, np.ndarray],
+              width: int | None) -> tuple[PyTree, PyTree, PyTree]:
         mesh = shardings.mesh
         devices = list(mesh.devices.flat)
         platform = devices[0].platform
@@ -207,20 +186,21 @@ class InitialStates:
 
         target = _state_shardings(shardings, width)
         out = rehome(target)
+        names = tuple(sorted(hyper))
         specs = tuple(s.spec for s in jax.tree.leaves(
             out, is_leaf=lambda x: isinstance(x, NamedSharding)))
         home_ids = tuple(d.id for d in home_mesh.devices.flat)
         key = (architecture, width, home_ids, home_mesh.devices.shape, names, specs)
         with self._lock:
             compiled = self._compiled.get(key)
-            if compiled is not None and count_hit:
+            if compiled is not None:
                 self.hits += 1
             key_lock = self._key_locks.setdefault(key, threading.Lock())
         if compiled is None:
             with key_lock:
                 with self._lock:
                     compiled = self._compiled.get(key)
-                    if compiled is not None and count_hit:
+                    if compiled is not None:
                         self.hits += 1
                 if compiled is None:
                     seed_shape = () if width is None else (width,)
@@ -233,15 +213,6 @@ class InitialStates:
                     with self._lock:
                         self._compiled[key] = compiled
                         self.misses += 1
-        return compiled, home_mesh, target, home_ids
-
-    def _make(self, architecture: Any, build: Build, optimizer: optax.GradientTransformation,
-              shardings: StepShardings, seeds: np.ndarray, hyper: Mapping[str, np.ndarray],
-              width: int | None) -> tuple[PyTree, PyTree, PyTree]:
-        names = tuple(sorted(hyper))
-        compiled, home_mesh, target, home_ids = self._compiled_init(
-            architecture, build, optimizer, shardings, names, width)
-        devices = list(shardings.mesh.devices.flat)
         # explicit transfers of the arguments (replicated on the home mesh)
         replicated = NamedSharding(home_mesh, PartitionSpec())
         args = jax.device_put((seeds, {k: hyper[k] for k in names}), replicated)
