@@ -9,7 +9,8 @@ study session). Compiles are attributed by thread: the engine's planner threads
 (``planner*``) plan, its trial threads (``trial*``) run trials, and within a trial the training
 step (``jit(step)``; a fused group's ``jit(fused)``), the initial state (``jit(init)``) and the
 evaluation forward (``jit(run)``) are told apart by name. Compile seconds are summed over
-threads, so with threads compiling at once they can exceed the wall-clock time.
+threads, so with threads compiling at once they can exceed the wall-clock time; so are the
+checkpoint seconds (a fused group's members save at once, each save counted whole).
 
 The summary also has the time from the process's start to the study's (the interpreter, the
 imports and the script's own set-up) and the device-seconds during which whole devices stood
