@@ -84,8 +84,11 @@ def _wait_for_kill_point(proc: subprocess.Popen, study_dir: Path, timeout: float
             try:
                 trials = _study(study_dir).get_trials()
             except (KeyError, ValueError, optuna.exceptions.StorageInternalError,
-                    sqlalchemy.exc.OperationalError):
-                trials = []  # the study row (or the schema) is not written yet
+                    sqlalchemy.exc.DBAPIError):
+                # the study row (or the schema) is not written yet: a locked file, or (written
+                # ahead, so readable meanwhile) tables without their version row, which this
+                # reader's Optuna then stamps too and loses the race to the study's process
+                trials = []
             done = [t for t in trials if t.state == TrialState.COMPLETE]
             running = [t for t in trials if t.state == TrialState.RUNNING]
             for t in running:
