@@ -21,6 +21,7 @@ from scamp_jax.hpo.settings import SearchSettings
 from scamp_jax.hpo.study import SIBLING_OF, OptunaTrialSource, open_study
 from scamp_jax.planning.compile_events import CompileCounter
 from scamp_jax.planning.fusion import plan_fusion
+from scamp_jax.planning.planner import plan_mesh
 from scamp_jax.scheduling.grouping import FusionCandidate, form_groups
 
 BUDGET = 64 * 2**20
@@ -80,12 +81,12 @@ def _fusion(fuse: int) -> dict:
     return SearchSettings(trials=1, steps=1, fuse=fuse, sampler="random").source_kwargs()
 
 
-def _study(tmp_path, trials: int, fuse: int, steps: int = 30):
+def _study(tmp_path, trials: int, fuse: int, steps: int = 30, budget: int = BUDGET):
     handle = open_study("mlp-fused", study_dir=tmp_path, direction="minimize",
                         sampler="random", pruner="none", seed=3)
     study = handle.study
     source = OptunaTrialSource(handle, SPACE, trials, root=tmp_path, **_fusion(fuse))
-    config = EngineConfig(steps=steps, memory_per_device=BUDGET, max_batch_size=16, log_every=5,
+    config = EngineConfig(steps=steps, memory_per_device=budget, max_batch_size=16, log_every=5,
                           fuse=fuse, seed=5)
     engine = SearchEngine(SPACE, Regression(), source, config, devices=jax.devices()[:4],
                           checkpoint_root=tmp_path / "ckpt")
@@ -166,7 +167,8 @@ def test_a_narrower_group_books_its_own_width_not_the_widest(tmp_path):
 def test_a_family_is_planned_once_at_its_own_width(tmp_path):
     """Three trials with --fuse 4: a proposal and its two siblings, whose planner threads plan
     the group together, once, three wide (not at the cap of 4 and then again at 3): one fused
-    compile to plan the group and at most one to run it."""
+    compile to plan the group and at most one to run it, and no solo step (the members' own
+    plans are from shapes; the group's compiled step checks them)."""
     study, source, engine = _study(tmp_path, trials=3, fuse=4, steps=5)
     with CompileCounter() as counter:
         engine.run()
@@ -176,6 +178,35 @@ def test_a_family_is_planned_once_at_its_own_width(tmp_path):
     assert {t.user_attrs["fusion_width"] for t in trials} == {3}
     fused = sum(n for name, n in counter.compiles.items() if "fused" in name)
     assert 1 <= fused <= 2, counter.compiles
+    assert counter.compiles["jit(step)"] == 0, counter.compiles
+
+
+def test_a_family_whose_group_does_not_fit_trains_alone_on_compiled_plans(tmp_path):
+    """A budget where one member fits at the batch cap but two fused do not: the members'
+    plans from shapes are not what they train on; each is planned by compiling and trains
+    alone, at the batch its compiled plan gives, and ends as a solo run of it ends."""
+    budget = 12 * 2**10
+    study, source, engine = _study(tmp_path, trials=2, fuse=2, steps=5, budget=budget)
+    with CompileCounter() as counter:
+        engine.run()
+    source.close()
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
+    assert all(t.user_attrs["fused_group"] is None and t.user_attrs["fusion_width"] == 1
+               for t in trials)
+    assert trials[1].user_attrs.get(SIBLING_OF) == 0  # a family, split for memory
+    assert counter.compiles["jit(step)"] >= 1 and counter.compiles["jit(fused)"] >= 1
+    task = Regression()
+    for t in trials:
+        model = nnx.eval_shape(lambda p=t.params: SPACE.build(p, nnx.Rngs(0)))
+        solo = plan_mesh(model, task.sample_batch(1), devices=1, memory_per_device=budget,
+                         max_batch_size=16, optimizer=make_optimizer(t.params),
+                         loss_fn=task.loss_fn)
+        assert t.user_attrs["batch_size"] == solo.batch_size
+        pair = plan_fusion(model, task.sample_batch(1), max_width=2, plan=solo,
+                           batch_size=solo.batch_size, optimizer=make_optimizer(t.params),
+                           loss_fn=task.loss_fn)
+        assert pair.width == 1  # two fused need more than the budget
 
 
 def test_without_fuse_nothing_is_grouped(tmp_path):

@@ -122,6 +122,34 @@ def test_a_capped_plan_whose_first_guess_fits_compiles_once_and_once_cached_neve
     assert again.compiles["jit(step)"] == 0 and cached.cached and cached == plan
 
 
+def test_a_provisional_plan_takes_the_cap_from_shapes_compiles_nothing_and_is_not_cached(
+        tmp_path):
+    # A fused group's member: the shapes put the cap in reach, so no step is compiled, the
+    # plan says it is provisional, and the plan cache keeps nothing of it (a solo plan of the
+    # same model still compiles, and is the same decision, now checked).
+    model = nnx.eval_shape(lambda: MLP(256, nnx.Rngs(0)))
+    sample = jax.ShapeDtypeStruct((1, 64), jnp.float32)
+    cache = PlanCache(tmp_path / "plans.sqlite")
+    kwargs: dict[str, Any] = dict(devices=1, memory_per_device="32MiB", max_batch_size=128,
+                                  cache=cache)
+    with CompileCounter() as count:
+        shaped = plan_mesh(model, sample, provisional=True, **kwargs)
+    assert count.compiles["jit(step)"] == 0 and shaped.compiles == 0
+    assert shaped.provisional and shaped.compiled_step is None and not shaped.cached
+    assert shaped.batch_size == 128 and shaped.predicted_peak_bytes <= shaped.usable_bytes
+    with CompileCounter() as solo_count:
+        solo = plan_mesh(model, sample, **kwargs)
+    assert solo_count.compiles["jit(step)"] == solo.compiles == 1 and not solo.cached
+    assert not solo.provisional and solo.batch_size == shaped.batch_size
+    # Activations that the shapes put over the budget below the cap: searched and compiled as
+    # without ``provisional``.
+    with CompileCounter() as tight_count:
+        tight = plan_mesh(_abstract(), SAMPLE, devices=2, memory_per_device=BUDGET,
+                          provisional=True)
+    assert not tight.provisional and tight_count.compiles["jit(step)"] == tight.compiles >= 1
+    _assert_verified(tight)
+
+
 def test_a_new_plan_takes_two_compiles_when_the_line_between_them_settles_it():
     # The probe above the boundary and the exact answer below it bracket the boundary; the line
     # between them puts the next batch over the budget, so no third compile proves it, and an

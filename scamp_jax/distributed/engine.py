@@ -132,9 +132,11 @@ class SpanningPlanningService(PlanningService):
 
     def smallest_fitting_plan(self, model: Any, max_batch: int | None,
                               run_ready: bool = True,
-                              params: Mapping[str, Any] | None = None) -> Any:
+                              params: Mapping[str, Any] | None = None,
+                              provisional: bool = False) -> Any:
         try:
-            return super().smallest_fitting_plan(model, max_batch, run_ready, params)
+            return super().smallest_fitting_plan(model, max_batch, run_ready, params,
+                                                 provisional)
         except planner.DoesNotFitError as err:
             if self.ranks < 2:
                 raise

@@ -198,14 +198,15 @@ class EngineConfig:
 
 
 #: Handling order of work that finishes at once: plans by trial number, then runs.
-_ORDER = {"plan": 0, "option": 1, "replan": 2, "run": 3, "group": 3, "size": 3}
+_ORDER = {"plan": 0, "option": 1, "replan": 2, "verify": 2, "run": 3, "group": 3, "size": 3}
 
 
 @dataclass(frozen=True)
 class Work:
     """What a future in flight is: ``plan`` (an `AskedTrial` being planned), ``option`` (a
     `PlanOption`), ``replan`` (a `PlannedTrial` after out of memory), ``run`` / ``group`` (the
-    key of a running unit) or ``size`` (the members of a group sized at its own width)."""
+    key of a running unit), ``size`` (the members of a group sized at its own width) or
+    ``verify`` (a `PlannedTrial` whose provisional plan is planned again to train alone)."""
 
     kind: str
     payload: Any
@@ -213,7 +214,8 @@ class Work:
     def order(self) -> tuple[int, int]:
         """Sort key among futures done at once (a fixed order, whatever finished first)."""
         p = self.payload
-        key = {"plan": lambda: p.number, "replan": lambda: p.number, "option": lambda: p.key,
+        key = {"plan": lambda: p.number, "replan": lambda: p.number,
+               "verify": lambda: p.number, "option": lambda: p.key,
                "run": lambda: p, "group": lambda: p}.get(self.kind, lambda: -1)()
         return _ORDER[self.kind], key
 
@@ -531,8 +533,14 @@ class SearchEngine:
         self._decide(now)
 
     def _queue_planned(self, planned: PlannedTrial) -> None:
-        """Event: ``planned`` waits for devices."""
+        """Event: ``planned`` waits for devices (a provisional plan, made for a fused group,
+        is planned again first: a trial trains alone only on a compiled plan)."""
         record = self.records[planned.number]
+        if getattr(planned.plan, "provisional", False):
+            record.status.state = "planning"
+            self._submit("verify", planned, self.planning.planned_with_cost,
+                         planned.asked.params, planned.number)
+            return
         record.status.state = "queued"
         record.show_plan(planned.plan)
         record.planned = planned
@@ -546,10 +554,20 @@ class SearchEngine:
         self._set_last_wave(now, decide=False)  # this may have been the last plan
         self._decide(now)
 
+    def _verified(self, planned: PlannedTrial, future: cf.Future) -> None:
+        """Event: the compiled plan of ``planned`` (provisional before) is in, or it fits
+        nowhere alone (then it ends as a misfit does)."""
+        plan = self.intake.sort(planned.asked, future, self.records[planned.number].status)
+        if plan is not None:
+            self._queue_planned(replace(planned, plan=plan,
+                                        devices=PlanningService.devices_of(plan)))
+        self._set_last_wave()
+
     def _set_last_wave(self, now: float | None = None, decide: bool = True) -> None:
         """Event: nothing more to ask or plan (the study's last wave), at ``now`` (the time of
         the event that made it so: the replay applies both before deciding)."""
-        last = (self.intake.exhausted and not self._in_flight("plan", "replan", "size")
+        last = (self.intake.exhausted
+                and not self._in_flight("plan", "replan", "size", "verify")
                 and not (self.fusion is not None and self.fusion.forming))
         if last and self._last_wave_at is None:
             self._last_wave_at = self._now() if now is None else now
@@ -728,6 +746,8 @@ class SearchEngine:
             elif work.kind == "size":
                 self._queue_unit(work.payload, future.result())
                 self._set_last_wave()  # if that was the last group being sized
+            elif work.kind == "verify":
+                self._verified(work.payload, future)
         self._notify()
         return True
 
@@ -746,7 +766,7 @@ class SearchEngine:
         cf.wait([run.future for run in runs])
         waiting = [m.number for run in runs for m in run.members]
         for work in self.work.values():
-            if work.kind in ("plan", "replan"):
+            if work.kind in ("plan", "replan", "verify"):
                 waiting.append(work.payload.number)
             elif work.kind == "size":
                 waiting.extend(m.number for m in work.payload)

@@ -148,9 +148,19 @@ class FusionService:
     def prepare(self, params: Mapping[str, Any], number: int,
                 checkpoint_dir: Path | None, width: int | None = None) -> Any:
         """Plan and cost one trial, then find its signature, resume step and fused plan (of at
-        most ``width`` members, e.g. its `family_width`; None: the cap)."""
+        most ``width`` members, e.g. its `family_width`; None: the cap).
+
+        A family's member (``width`` given) trains fused: its own plan is provisional (the
+        batch cap from shapes, no step compiled, `planner.plan_mesh`'s ``provisional``) and the
+        fused plan's compiled step checks the fit. When the group does not fit that way, the
+        member is planned by compiling (run-grade: it may train alone) and its group sized
+        again on that plan. A provisional plan that ends up training alone is planned again
+        first (`scamp_jax.hpo.engine.SearchEngine`).
+        """
+        family = width is not None
         # A family's members train fused: a run-grade solo step would be compiled for nothing.
-        plan = self.planning.planned_with_cost(params, number, run_ready=width is None)
+        plan = self.planning.planned_with_cost(params, number, run_ready=not family,
+                                               provisional=family)
         arch = _arch_text(params)
         with self._lock:
             signature = self._signatures.get(arch)
@@ -159,6 +169,9 @@ class FusionService:
             with self._lock:
                 self._signatures[arch] = signature
         fusion = self.fusion_plan(params, plan, signature, width)
+        if fusion is None and getattr(plan, "provisional", False):
+            plan = self.planning.planned_with_cost(params, number)
+            fusion = self.fusion_plan(params, plan, signature, width)
         info = MemberInfo(signature, latest_checkpoint_step(checkpoint_dir), fusion)
         with self._lock:
             self._info[number] = info
@@ -170,7 +183,8 @@ class FusionService:
         ``width`` members (None: the cap), cached in memory and in the plan cache; None when
         fewer than two fit."""
         width = self.cap if width is None else min(width, self.cap)
-        key = (signature, tuple(d.id for d in plan.devices), int(plan.batch_size), width)
+        key = (signature, tuple(d.id for d in plan.devices), int(plan.batch_size), width,
+               bool(getattr(plan, "provisional", False)))
         with self._lock:
             if key in self._plans:
                 return self._plans[key]

@@ -85,9 +85,12 @@ class PlanningService:
     def call_planner(
         self, model: Any, n_devices: int, max_batch: int | None, memory: int | None = None,
         run_ready: bool = True, params: Mapping[str, Any] | None = None,
+        provisional: bool = False,
     ) -> Any:
         """``plan_fn`` for ``model`` on the first ``n_devices`` devices at most ``max_batch``;
-        ``run_ready=False``: no run-grade step for the runner (``compile_for_run=False``).
+        ``run_ready=False``: no run-grade step for the runner (``compile_for_run=False``);
+        ``provisional``: the cap from shapes where they put it in reach (``plan_mesh``'s
+        ``provisional``: no step compiled; for a fused group's member).
         ``params``: the configuration, whose optimizer (`make_optimizer`: which
         hyperparameters are data) the plan's step and shardings are made for."""
         # A task that can evaluate in chunks has its evaluation planned with the step, so the
@@ -99,6 +102,8 @@ class PlanningService:
             extra["batch_multiple"] = self.batch_multiple
         if not run_ready:
             extra["compile_for_run"] = False
+        if provisional:
+            extra["provisional"] = True
         return self.plan_fn(
             model,
             self.task.sample_batch(1),
@@ -132,7 +137,8 @@ class PlanningService:
 
     def smallest_fitting_plan(self, model: Any, max_batch: int | None,
                               run_ready: bool = True,
-                              params: Mapping[str, Any] | None = None) -> Any:
+                              params: Mapping[str, Any] | None = None,
+                              provisional: bool = False) -> Any:
         """Plan on the fewest devices (`fewest_devices`, then doubling up to the whole pool) that
         hold ``model`` at a batch of at least ``min_batch_size`` (``params``: as
         `call_planner`)."""
@@ -145,7 +151,7 @@ class PlanningService:
         for n in counts:
             try:
                 plan = self.call_planner(model, n, max_batch, run_ready=run_ready,
-                                         params=params)
+                                         params=params, provisional=provisional)
             except planner.DoesNotFitError as err:
                 last_error = err
                 continue
@@ -174,7 +180,8 @@ class PlanningService:
         return cpu_trial_devices(self.devices, self.max_running, max_batch, flops_per_step=flops)
 
     def plan(self, params: Mapping[str, Any], *, devices: int | None = None,
-             max_batch: int | None = None, run_ready: bool = True) -> Any:
+             max_batch: int | None = None, run_ready: bool = True,
+             provisional: bool = False) -> Any:
         """Plan one configuration: fewest devices that hold it, largest batch (``max_batch`` cap).
 
         Under the fixed policy the device count is ``devices_per_trial`` and the batch the
@@ -183,7 +190,9 @@ class PlanningService:
         Raises ``planner.DoesNotFitError`` if the configuration fits on no device count, and
         `TrialDeferred` (cached like a plan) if a subclass hands the architecture elsewhere.
         ``run_ready=False`` (a trial that will train fused): the planner keeps no run-grade step
-        (a solo run of the architecture then compiles its own).
+        (a solo run of the architecture then compiles its own). ``provisional=True`` (the same):
+        the cap without compiling the step where the shapes put it in reach
+        (`planner.plan_mesh`'s ``provisional``), cached apart from compiled plans.
         """
         model = self.abstract(params)
         graphdef = split_model(model)[0]
@@ -193,7 +202,7 @@ class PlanningService:
             cap = self.fixed_batch_size() if max_batch is None else max_batch
         else:
             cap = self.config.max_batch_size if max_batch is None else max_batch
-        key = (graphdef, devices, cap, injected_keys(params))
+        key = (graphdef, devices, cap, injected_keys(params), provisional)
         # Several planner threads compile at once (XLA compiles outside the GIL); one lock per
         # architecture makes a second trial of it wait for the first plan instead of redoing it.
         with self._plans_lock:
@@ -202,11 +211,12 @@ class PlanningService:
             if key not in self._plans:
                 try:
                     if devices is not None:
-                        self._plans[key] = self.call_planner(model, devices, cap,
-                                                             run_ready=run_ready, params=params)
+                        self._plans[key] = self.call_planner(
+                            model, devices, cap, run_ready=run_ready, params=params,
+                            provisional=provisional)
                     else:
                         self._plans[key] = self.smallest_fitting_plan(model, cap, run_ready,
-                                                                      params)
+                                                                      params, provisional)
                 except TrialDeferred as deferred:
                     self._plans[key] = deferred  # a property of the architecture, like a plan
             plan = self._plans[key]

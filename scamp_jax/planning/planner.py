@@ -153,6 +153,9 @@ class Plan:
       allowance_bytes: bytes per device set aside for memory XLA's figures do not include (CUDA
         context, cuBLAS/cuDNN workspaces), measured per device kind
         (`scamp_jax.planning.plan_cache.resolve_allowance`); 0 on CPU.
+      provisional: the batch and figures are an estimate from shapes, not compiled
+        (``plan_mesh(..., provisional=True)``): good for sizing a fused group, whose compiled
+        step checks it, not for training alone.
 
     `predicted_peak_bytes` is the most a trial of this plan holds on a device at any time:
     training (compiled step + prefetched batch) or evaluation (forward pass + optimizer state +
@@ -182,6 +185,7 @@ class Plan:
     eval_peak_bytes: int = 0
     evaluator: Any = field(default=None, compare=False, repr=False)
     allowance_bytes: int = 0
+    provisional: bool = field(default=False, compare=False)
 
     @property
     def train_bytes(self) -> int:
@@ -635,6 +639,30 @@ def _candidate_lines(search: _Search, lo: int | None, hi: int) -> list[MemoryMod
     return [replace(search.affine(a, b), floor_bytes=0.0) for a, b in pairs]
 
 
+def _shape_figures(search: _Search, batch: int) -> tuple[MemoryEstimate, MemoryModel]:
+    """The step's memory at ``batch`` and its line, estimated from shapes alone (what
+    `_Search.shape_guess` assumes): the persistent state, the gradients and one more
+    parameter-sized buffer, plus the traced backward residuals and the batch per sample. The
+    compiled figures (``temp``, ``argument``, ``output``, ``alias``) are 0: nothing was compiled.
+    """
+    compiler = search.compiler
+    fixed = compiler.state_bytes + 2 * compiler.params_bytes
+    per_sample = compiler.traced_bytes_per_sample()
+    peak = int(math.ceil(fixed + per_sample * batch))
+    inputs = sh.bytes_per_device(with_batch_size(compiler.sample_batch, batch),
+                                 compiler.shardings.batch)
+    estimate = MemoryEstimate(
+        batch_size=batch, params=compiler.params_bytes, grads=compiler.params_bytes,
+        opt_state=compiler.opt_state_bytes, rest=compiler.rest_bytes, inputs=inputs,
+        activations_and_temps=peak - compiler.state_bytes - inputs, peak=peak,
+        temp=0, argument=0, output=0, alias=0,
+    )
+    line = MemoryModel(fixed_bytes=float(fixed), bytes_per_sample=per_sample,
+                       probe_batches=(), probe_peaks=(),
+                       batch_multiple=compiler.data_parallel)
+    return estimate, line
+
+
 def _local_fit(search: _Search, lo: int, hi: int) -> MemoryModel:
     """Affine model through the compiled points that bracket the fit/no-fit boundary."""
     if hi in search.seen:
@@ -691,6 +719,7 @@ def plan_mesh(
     eval_task: Any = None,
     batch_multiple: int = 1,
     allowance_bytes: int | None = None,
+    provisional: bool = False,
 ) -> Plan:
     """Plan training of ``model`` on exactly ``devices``: mesh, shardings and largest batch.
 
@@ -742,6 +771,14 @@ def plan_mesh(
       allowance_bytes: bytes per device held back for memory XLA does not see (added to the
         plan's predicted peak); None: the allowance measured for these devices' kind and stored
         in ``cache`` (0 on CPU, or when none was measured).
+      provisional: when the estimate from shapes alone (`_Search.shape_guess`) puts the batch
+        cap within the budget, return the cap at once, without compiling the training step
+        (the evaluation is still planned): a ``Plan`` with ``provisional=True``, whose figures
+        are that estimate, no compiled step, and which is not stored in ``cache``. For a member
+        of a fused group, whose own compiled fused step checks the fit
+        (`scamp_jax.planning.fusion.plan_fusion`); a trial that trains alone on it must be
+        planned again without it. When the shapes leave the cap out of reach, the batch is
+        searched as usual and the plan is not provisional.
 
     Raises:
       DoesNotFitError: no degree fits even at one sample per data-parallel group.
@@ -855,40 +892,50 @@ def plan_mesh(
         search.unit = math.lcm(dp, batch_multiple)
         if (mp_cap // search.unit) * search.unit < search.unit:
             search.unit = dp  # the cap leaves no multiple: plain data-parallel steps
-        batch = _exact_largest(search, (mp_cap // search.unit) * search.unit)
-        if batch is None and search.unit > dp:
-            # not even one multiple fits: the largest plain data-parallel batch instead
-            search.unit = dp
-            batch = _exact_largest(search, mp_cap)
-        compiles += search.compiles
-        if cache is not None and peaks_key is not None:
-            cache.put_peaks(peaks_key, {
-                b: {**_estimate_record(e), "rough": b in search.rough}
-                for b, e in search.seen.items()
-                if b not in known or (b in known_rough and b not in search.rough)
-            })
-        if batch is None:
-            need = (search.need(dp),
-                    f"peak at batch {dp} with model_parallel={mp}, prefetched batch included")
-            best_need = need if best_need is None or need[0] < best_need[0] else best_need
-            continue
-        _, hi = search.bracket((mp_cap // search.unit) * search.unit)
-        memory_model = _local_fit(search, batch, hi)
-        estimate = search.seen[batch]
-        compiled_step = None
-        if want_step:
-            if batch in search.executables and search.executables[batch][2]:
-                executable, lowered, _ = search.executables[batch]
-            else:
-                run_estimate, executable, lowered = compile_step(step, compiler, batch, None)
-                compiles += 1
-                if run_estimate.peak != estimate.peak:
-                    # Code-generation settings are not meant to change buffer assignment; if
-                    # they do, the run's own figure is the one that must fit.
-                    estimate = run_estimate
-            compiled_step = CompiledStep(
-                executable, lowered_fingerprint(lowered), tuple(d.id for d in devs)
-            )
+        top = (mp_cap // search.unit) * search.unit
+        shaped = provisional and top >= search.unit and search.shape_guess(top) >= top
+        if shaped:
+            # The shapes put the cap in reach: no step compiled here (a fused group's
+            # compiled step checks the fit; a trial alone is planned again).
+            batch = top
+            estimate, memory_model = _shape_figures(search, batch)
+            compiled_step = None
+        else:
+            batch = _exact_largest(search, (mp_cap // search.unit) * search.unit)
+            if batch is None and search.unit > dp:
+                # not even one multiple fits: the largest plain data-parallel batch instead
+                search.unit = dp
+                batch = _exact_largest(search, mp_cap)
+            compiles += search.compiles
+            if cache is not None and peaks_key is not None:
+                cache.put_peaks(peaks_key, {
+                    b: {**_estimate_record(e), "rough": b in search.rough}
+                    for b, e in search.seen.items()
+                    if b not in known or (b in known_rough and b not in search.rough)
+                })
+            if batch is None:
+                need = (search.need(dp), f"peak at batch {dp} with model_parallel={mp}, "
+                        "prefetched batch included")
+                best_need = need if best_need is None or need[0] < best_need[0] else best_need
+                continue
+            _, hi = search.bracket((mp_cap // search.unit) * search.unit)
+            memory_model = _local_fit(search, batch, hi)
+            estimate = search.seen[batch]
+            compiled_step = None
+            if want_step:
+                if batch in search.executables and search.executables[batch][2]:
+                    executable, lowered, _ = search.executables[batch]
+                else:
+                    run_estimate, executable, lowered = compile_step(step, compiler, batch,
+                                                                     None)
+                    compiles += 1
+                    if run_estimate.peak != estimate.peak:
+                        # Code-generation settings are not meant to change buffer assignment;
+                        # if they do, the run's own figure is the one that must fit.
+                        estimate = run_estimate
+                compiled_step = CompiledStep(
+                    executable, lowered_fingerprint(lowered), tuple(d.id for d in devs)
+                )
         prefetch = search.prefetch(batch)
         eval_plan = None
         if evaluator is not None:
@@ -918,8 +965,9 @@ def plan_mesh(
             eval_peak_bytes=eval_plan.peak_bytes if eval_plan else 0,
             evaluator=evaluator if eval_plan else None,
             allowance_bytes=allowance,
+            provisional=shaped,
         )
-        if cache is not None and key is not None and (
+        if not shaped and cache is not None and key is not None and (
                 plan.predicted_peak_bytes - allowance <= usable):
             cache.put_plan(key, _plan_record(plan))
         return plan
