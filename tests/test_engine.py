@@ -6,6 +6,7 @@ Uses the MLP regression stand-in of ``test_runner`` with a real Optuna study in 
 from __future__ import annotations
 
 import dataclasses
+import gc
 from typing import Any
 
 import jax
@@ -187,9 +188,19 @@ def test_run_search_writes_results_plots_and_best_model(tmp_path):
 
     out = io.StringIO()
     space = SearchSpace("mlp-ok", lambda t: {**suggest(t), "kind": "ok"}, build)
-    info = run_search(space, Regression(), settings(str(tmp_path)), devices=jax.devices()[:4],
+    frozen: list[int] = []
+
+    class Watched(Regression):  # the objects that last the study are out of gc's full passes
+        def evaluate(self, model):
+            frozen.append(gc.get_freeze_count())
+            return super().evaluate(model)
+
+    before = gc.get_freeze_count()
+    info = run_search(space, Watched(), settings(str(tmp_path)), devices=jax.devices()[:4],
                       memory_per_device=BUDGET, live=False, baseline="zero_mse",
                       console=Console(file=out, width=200))
+    assert frozen and min(frozen) > before
+    assert gc.get_freeze_count() == before == 0  # given back to the collector at the end
     results = json.loads((tmp_path / "results.json").read_text())
     assert len(results["trials"]) == 3
     row = results["trials"][0]
