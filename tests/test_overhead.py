@@ -85,3 +85,36 @@ def test_a_study_records_where_its_time_went(tmp_path):
     writes = sum(r["steps"] // every + (1 if r["steps"] % every else 0)
                  for r in results["trials"] if r["state"] == "complete")
     assert overhead["checkpoint_writes"] == writes > 0
+
+
+def test_a_study_process_exits_without_the_collectors_last_passes(tmp_path):
+    """A process that ran a study leaves the garbage collector's objects frozen at exit (its
+    last passes over JAX's and Optuna's objects took most of a second), while a study running
+    in a longer process gives them back when it ends (`test_engine`)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    script = f"""
+import atexit, gc, io
+atexit.register(lambda: print("frozen at exit:", gc.get_freeze_count()))  # runs last
+import jax
+from rich.console import Console
+from test_engine import BUDGET, Regression, build, settings, suggest
+from scamp_jax.hpo.session import run_search
+from scamp_jax.space import SearchSpace
+space = SearchSpace("mlp-ok", lambda t: {{**suggest(t), "kind": "ok"}}, build)
+run_search(space, Regression(), settings({str(tmp_path)!r}), devices=jax.devices()[:2],
+           memory_per_device=BUDGET, live=False, console=Console(file=io.StringIO()))
+print("after the study:", gc.get_freeze_count())
+"""
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests'}",
+           "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = dict(line.split(": ") for line in proc.stdout.splitlines() if ": " in line)
+    assert int(lines["after the study"]) == 0
+    assert int(lines["frozen at exit"]) > 10_000

@@ -14,6 +14,7 @@ folder (``study_dir``, or ``study_dir/<study_name>`` for a study other than the 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import gc
@@ -41,6 +42,7 @@ CPU_MEMORY_SHARE = 0.5
 
 
 _lasting = 0  # how many `lasting_frozen` blocks are open
+_exit_registered = False
 
 
 @contextlib.contextmanager
@@ -51,9 +53,13 @@ def lasting_frozen() -> Iterator[None]:
 
     A study's process holds JAX's, Optuna's and SQLAlchemy's objects for its whole life; each
     full pass walks all of them again. On the guide's study that was 7 passes and 0.8 s of a
-    7 s run, 0.24 s with them frozen.
+    7 s run, 0.24 s with them frozen. The process that ran a study also exits without the
+    collector's last passes (`_exit_without_collecting`).
     """
-    global _lasting
+    global _lasting, _exit_registered
+    if not _exit_registered:
+        _exit_registered = True
+        atexit.register(_exit_without_collecting)
     _lasting += 1
     gc.freeze()
     try:
@@ -62,6 +68,14 @@ def lasting_frozen() -> Iterator[None]:
         _lasting -= 1
         if not _lasting:
             gc.unfreeze()
+
+
+def _exit_without_collecting() -> None:
+    """(At exit.) Skip the collector's last passes over all a study's process holds: the
+    operating system frees it anyway, and the study, its checkpoints and its results are
+    closed by then. In the guide's study those passes were 0.6 s of the process's end."""
+    gc.freeze()
+
 
 
 def freeze_lasting() -> None:
