@@ -209,6 +209,30 @@ def test_a_family_whose_group_does_not_fit_trains_alone_on_compiled_plans(tmp_pa
         assert pair.width == 1  # two fused need more than the budget
 
 
+def test_a_trial_left_alone_in_a_fused_study_trains_on_a_compiled_plan(tmp_path):
+    """Three trials with --fuse 2: a group of two and a last proposal with no sibling left.
+    The last one's plan from shapes sized a group that never formed; it is planned again by
+    compiling before it is queued, and trains alone as a solo run of that plan does."""
+    study, source, engine = _study(tmp_path, trials=3, fuse=2, steps=10)
+    with CompileCounter() as counter:
+        engine.run()
+    source.close()
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    alone = [t for t in trials if t.user_attrs["fused_group"] is None]
+    assert len(alone) == 1 and alone[0].user_attrs["fusion_width"] == 1
+    assert counter.compiles["jit(step)"] >= 1  # the solo step: planned and run on it
+    trial = alone[0]
+    plan = make_plan(trial.params, jax.devices()[:len(trial.user_attrs["devices"])],
+                     max_batch=16)
+    assert trial.user_attrs["batch_size"] == plan.batch_size
+    assert trial.user_attrs["predicted_peak_bytes"] == plan.predicted_peak_bytes
+    solo = run_trial(RunSpec(trial.number, trial.params, plan, 10, BUDGET,
+                             seed=trial_seed(5, trial.user_attrs["checkpoint_key"])),
+                     SPACE, Regression(), cache=StepCache())
+    assert solo.metrics["mse"] == trial.value
+
+
 def test_without_fuse_nothing_is_grouped(tmp_path):
     study, source, engine = _study(tmp_path, trials=2, fuse=1)
     engine.run()

@@ -150,17 +150,18 @@ class FusionService:
         """Plan and cost one trial, then find its signature, resume step and fused plan (of at
         most ``width`` members, e.g. its `family_width`; None: the cap).
 
-        A family's member (``width`` given) trains fused: its own plan is provisional (the
-        batch cap from shapes, no step compiled, `planner.plan_mesh`'s ``provisional``) and the
-        fused plan's compiled step checks the fit. When the group does not fit that way, the
-        member is planned by compiling (run-grade: it may train alone) and its group sized
-        again on that plan. A provisional plan that ends up training alone is planned again
-        first (`scamp_jax.hpo.engine.SearchEngine`).
+        The trial's own plan is provisional (the batch cap from shapes, no step compiled,
+        `planner.plan_mesh`'s ``provisional``): the fused plan's compiled step checks the fit.
+        When two do not fit fused that way, the trial is planned by compiling (run-grade: it
+        trains alone) and its group sized again on that plan. A provisional plan that ends up
+        training alone (a group of one) is planned again first
+        (`scamp_jax.hpo.engine.SearchEngine`); a resumed member that finds its group's plan in
+        the plan cache compiles nothing.
         """
-        family = width is not None
-        # A family's members train fused: a run-grade solo step would be compiled for nothing.
-        plan = self.planning.planned_with_cost(params, number, run_ready=not family,
-                                               provisional=family)
+        # A family's members train fused: a run-grade solo step would be compiled for nothing
+        # when the shapes leave the cap out of reach and the batch is searched.
+        plan = self.planning.planned_with_cost(params, number, run_ready=width is None,
+                                               provisional=True)
         arch = _arch_text(params)
         with self._lock:
             signature = self._signatures.get(arch)
