@@ -334,6 +334,9 @@ class SoloProgram:
     def member(self, slot: int) -> tuple[Any, Any, Any]:
         return self.state
 
+    def checkpoint_leaves(self, slot: int) -> list[Any]:
+        return jax.tree.leaves(self.state)  # orbax reads the device arrays itself
+
     def reform(self, keep: np.ndarray) -> None:
         raise AssertionError("a run of one member never re-forms")  # it ends when that one does
 

@@ -157,20 +157,6 @@ def stack_batches(batches: Sequence[PyTree]) -> PyTree:
     return jax.tree.map(lambda *xs: np.stack(xs), *batches)
 
 
-def member_slice(tree: PyTree, index: int) -> PyTree:
-    """Member ``index`` of a stacked state tree (each leaf ``x[index]``).
-
-    One jitted program per tree, the index an argument: leaf by leaf, each leaf shape compiled
-    its own slice (twice: slice and squeeze), for every group.
-    """
-    return _member_slice(tree, jnp.asarray(index, jnp.int32))
-
-
-@jax.jit
-def _member_slice(tree: PyTree, index: jax.Array) -> PyTree:
-    return jax.tree.map(lambda x: x[index], tree)
-
-
 def hyperparam_arrays(
     optimizer_keys: Sequence[str], configs: Sequence[Mapping[str, Any]]
 ) -> dict[str, np.ndarray]:
