@@ -310,8 +310,13 @@ class FusedProgram:
         batch_size = self.spec.plan.batch_size
         self.streams = [stream(_batches(self.task, batch_size, m.seed, None), first)
                         for m in members]
-        self.step_fn = jit_fused_step(self.graphdef, optimizer, self.task.loss_fn,
-                                      plan.step_shardings)
+        source = getattr(self.spec.plan, "step_source", None)
+        if source is not None and source.serves(self.graphdef, optimizer, self.task.loss_fn,
+                                                plan.step_shardings):
+            self.step_fn = source.step  # the planner's: lowering it again traces nothing
+        else:
+            self.step_fn = jit_fused_step(self.graphdef, optimizer, self.task.loss_fn,
+                                          plan.step_shardings)
         self.prefetch()
 
     def _restore(self, state: tuple[PyTree, ...], step: int,
