@@ -17,6 +17,7 @@ from flax import nnx
 from test_runner import BUDGET, SPACE, Regression, make_plan
 
 from scamp_jax.hpo.fused_runner import GroupSpec, MemberSpec, run_fused_group
+from scamp_jax.hpo.overhead import TRACE_EVENT
 from scamp_jax.hpo.runner import RunSpec, StepCache, TrialStatus, make_optimizer, run_trial
 from scamp_jax.planning import planner
 from scamp_jax.planning.fusion import FusedStepCompiler, FusionPlan, plan_fusion
@@ -325,26 +326,40 @@ def test_a_fused_plan_compiles_nothing_the_second_time_from_the_plan_cache(tmp_p
 
 def test_a_group_runs_the_planners_fused_step_without_compiling_it_again():
     """``compile_for_run``: a group that fits at the cap is sized by one run-grade compile,
-    which its run on the planned devices takes as is (no fused step compiled there) and
-    trains exactly as a group that compiles its own; on another CPU device it is loaded there."""
+    which its run on the planned devices takes as is (no fused step compiled there, nor traced:
+    its lowering is the planner's, from JAX's cache) and trains exactly as a group that compiles
+    its own; on another CPU device it is loaded there."""
     plan = make_plan({"width": 16}, jax.devices()[:1], max_batch=16)
     model = nnx.eval_shape(lambda: SPACE.build({"width": 16}, nnx.Rngs(0)))
-    ready = plan_fusion(model, Regression().sample_batch(1), max_width=2, plan=plan,
+    task = Regression()  # the study's one task: the planner's loss is the run's
+    ready = plan_fusion(model, task.sample_batch(1), max_width=2, plan=plan,
                         batch_size=plan.batch_size, optimizer=make_optimizer({}),
-                        loss_fn=Regression().loss_fn, compile_for_run=True)
+                        loss_fn=task.loss_fn, compile_for_run=True)
     assert ready.width == 2 and ready.compiles == 1 and ready.compiled_step is not None
     moved = ready.with_devices(jax.devices()[1:2])
     assert moved.compiled_step is ready.compiled_step  # still for the planned device
     members = tuple(MemberSpec(i, cfg, seed) for i, (cfg, seed) in enumerate(MEMBERS[:2]))
     runs = []
-    for gplan, counts in ((ready, (1, 0, 0)), (moved, (1, 1, 0)),
-                          (dataclasses.replace(ready, compiled_step=None), (0, 0, 1))):
+    traced: list[str] = []
+
+    def on_duration(event: str, duration_secs: float, **kwargs: Any) -> None:
+        if event == TRACE_EVENT and kwargs.get("fun_name") == "fused":
+            traced.append(event)
+
+    for gplan, counts, traces in ((ready, (1, 0, 0), 0), (moved, (1, 1, 0), 1),
+                                  (dataclasses.replace(ready, compiled_step=None), (0, 0, 1), 0)):
         cache = StepCache()
-        runs.append(run_fused_group(GroupSpec(1, members, gplan, 5, BUDGET, log_every=1),
-                                    SPACE, Regression(), cache=cache))
+        traced.clear()
+        jax.monitoring.register_event_duration_secs_listener(on_duration)
+        try:
+            runs.append(run_fused_group(GroupSpec(1, members, gplan, 5, BUDGET, log_every=1),
+                                        SPACE, task, cache=cache))
+        finally:
+            jax.monitoring.unregister_event_duration_listener(on_duration)
         assert all(m.state == "complete" for m in runs[-1].members)
         executables = cache.executables
         assert (executables.hits, executables.moves, executables.misses) == counts
+        assert len(traced) == traces  # on other devices the run traces its own step
     for run in runs[1:]:
         assert run.losses == runs[0].losses
         assert [m.metrics for m in run.members] == [m.metrics for m in runs[0].members]

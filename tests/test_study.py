@@ -51,6 +51,16 @@ def test_default_storage_is_sqlite_in_the_study_dir(tmp_path):
     assert (tmp_path / "study.db").is_file()
 
 
+def test_an_existing_database_is_checked_against_optunas_schema_and_a_new_one_opens(tmp_path):
+    import sqlite3
+
+    source(tmp_path, 1)  # a new file: made and stamped by this process, then used
+    with sqlite3.connect(tmp_path / "study.db") as conn:  # as if a newer Optuna had stamped it
+        conn.execute("UPDATE alembic_version SET version_num = 'v99.0.0'")
+    with pytest.raises(RuntimeError, match="no longer compatible"):
+        source(tmp_path, 1)
+
+
 def test_a_sqlite_study_writes_ahead_and_another_process_reads_every_trial(tmp_path):
     import sqlite3
     import subprocess

@@ -52,7 +52,6 @@ from scamp_jax.planning.fusion import (
     FusionPlan,
     hyperparam_arrays,
     jit_fused_step,
-    member_slice,
     stack_batches,
     stack_shardings,
 )
@@ -286,6 +285,12 @@ class FusedProgram:
         self.replicated = self.plan.step_shardings.replicated()
         self.width = len(spec.members)
         self._sent: np.ndarray | None = None
+        #: a member's sharding of each state leaf, in the order of the state's leaves
+        self._member_shardings = jax.tree.leaves(
+            (self.plan.step_shardings.params, self.plan.step_shardings.opt_state,
+             self.plan.step_shardings.rest),
+            is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+        self._host: list[np.ndarray] | None = None  # the state's leaves read out, once per step
 
     def start(self, members: Sequence[MemberSpec], first: int,
               checkpointers: Sequence[TrialCheckpointer | None]) -> None:
@@ -301,21 +306,29 @@ class FusedProgram:
         if first:
             state = self._restore(state, first, checkpointers)
         self.state = state
+        self._host = None
         batch_size = self.spec.plan.batch_size
         self.streams = [stream(_batches(self.task, batch_size, m.seed, None), first)
                         for m in members]
-        self.step_fn = jit_fused_step(self.graphdef, optimizer, self.task.loss_fn,
-                                      plan.step_shardings)
+        source = getattr(self.spec.plan, "step_source", None)
+        if source is not None and source.serves(self.graphdef, optimizer, self.task.loss_fn,
+                                                plan.step_shardings):
+            self.step_fn = source.step  # the planner's: lowering it again traces nothing
+        else:
+            self.step_fn = jit_fused_step(self.graphdef, optimizer, self.task.loss_fn,
+                                          plan.step_shardings)
         self.prefetch()
 
     def _restore(self, state: tuple[PyTree, ...], step: int,
                  checkpointers: Sequence[TrialCheckpointer | None]) -> tuple[PyTree, ...]:
         """Members' checkpoints of ``step`` stacked into ``state``'s shape and shardings."""
         treedef = jax.tree.structure(state)
+        like = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=s)
+                for x, s in zip(jax.tree.leaves(state), self._member_shardings, strict=True)]
         restored = []
-        for slot, checkpointer in enumerate(checkpointers):
+        for checkpointer in checkpointers:
             assert checkpointer is not None
-            _, leaves = checkpointer.restore(jax.tree.leaves(member_slice(state, slot)), step)
+            _, leaves = checkpointer.restore(like, step)
             restored.append(leaves)
         stacked = [_stack_leaf([r[i] for r in restored]) for i in range(len(restored[0]))]
         shardings = jax.tree.leaves((self.shardings.params, self.shardings.opt_state,
@@ -359,14 +372,31 @@ class FusedProgram:
     def step(self, active: np.ndarray) -> Any:
         *state, losses = self.compiled(*self.state, self.batch, self._active(active))
         self.state = tuple(state)
+        self._host = None
         return losses
 
+    def _read_out(self) -> list[np.ndarray]:
+        """The stacked state's leaves in host memory (typed PRNG keys as their raw data), read
+        once per state: the saves and evaluations of one step share one read-out and compile
+        nothing, and the devices hold no copy of it."""
+        if self._host is None:
+            leaves = jax.tree.leaves(self.state)
+            self._host = jax.device_get([jax.random.key_data(x) if _is_key(x) else x
+                                         for x in leaves])
+        return self._host
+
+    def checkpoint_leaves(self, slot: int) -> list[Any]:
+        return [x[slot, ...] for x in self._read_out()]  # 0-d arrays stay arrays
+
     def member(self, slot: int) -> tuple[PyTree, PyTree, PyTree]:
-        shardings = self.plan.step_shardings
-        params, opt_state, rest = member_slice(self.state, slot)
-        return (jax.device_put(params, shardings.params),
-                jax.device_put(opt_state, shardings.opt_state),
-                jax.device_put(rest, shardings.rest))
+        # Put back from the host read-out: one member's copy on the devices, nothing compiled.
+        leaves = []
+        for x, h, s in zip(jax.tree.leaves(self.state), self._read_out(), self._member_shardings,
+                           strict=True):
+            one = jax.device_put(h[slot, ...], s)
+            leaves.append(jax.random.wrap_key_data(one, impl=jax.random.key_impl(x))
+                          if _is_key(x) else one)
+        return jax.tree.unflatten(jax.tree.structure(self.state), leaves)
 
     def reform(self, keep: np.ndarray) -> None:
         shard = self.shardings
@@ -377,11 +407,16 @@ class FusedProgram:
         self.streams = [self.streams[i] for i in keep]
         self.width = len(keep)
         self._sent = None
+        self._host = None
 
     def evaluate_whole(self, slot: int, task: Task) -> Mapping[str, Any]:
         params, _, rest = self.member(slot)
         with jax.set_mesh(self.plan.mesh):
             return task.evaluate(nnx.merge(self.graphdef, params, rest))
+
+
+def _is_key(x: jax.Array) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _stack_leaf(xs: Sequence[jax.Array]) -> jax.Array:

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import jax
 import numpy as np
 
 from scamp_jax.hpo.checkpoint import TrialCheckpointer
@@ -128,6 +127,11 @@ class Program(Protocol):
 
     def member(self, slot: int) -> MemberState:
         """Slot ``slot``'s state, on the plan's shardings."""
+
+    def checkpoint_leaves(self, slot: int) -> list[Any]:
+        """Slot ``slot``'s state leaves to checkpoint: a solo run's device arrays; a group's
+        read out of its stacked state into host memory, so the devices never hold a second
+        copy of any member for a save."""
 
     def reform(self, keep: np.ndarray) -> None:
         """Keep only the slots ``keep`` (state, streams and pending batch)."""
@@ -340,18 +344,16 @@ class Lifecycle:
         slots = [(slot, m.checkpointer) for slot, m in enumerate(self.slots)
                  if (m.result is None and m.checkpointer is not None
                      and (active is None or active[slot]))]
-        if len(slots) == 1:
-            slot, checkpointer = slots[0]
-            checkpointer.save(step, _leaves(self.program.member(slot)))  # type: ignore[union-attr]
-        elif slots:
+        saves = [(c, self.program.checkpoint_leaves(slot)) for slot, c in slots]
+        if len(saves) == 1:
+            checkpointer, leaves = saves[0]
+            checkpointer.save(step, leaves)  # type: ignore[union-attr]
+        elif saves:
             # A group's members save to their own directories at once: an orbax save is
             # mostly waiting (six small members: 0.2 s together, 0.6 s one after another).
-            # Each member is read out to host memory first, one at a time, so the devices hold
-            # at most one member's copy beside the group's state, as when saving in turn.
-            saves = [(c, jax.device_get(_leaves(self.program.member(slot))))
-                     for slot, c in slots]
             with ThreadPoolExecutor(len(saves), thread_name_prefix="trial-save") as pool:
-                for done in [pool.submit(c.save, step, leaves) for c, leaves in saves]:
+                for done in [pool.submit(c.save, step, leaves)  # type: ignore[union-attr]
+                             for c, leaves in saves]:
                     done.result()
 
     def _read_losses(self, losses: Any, done: int, active: np.ndarray) -> None:
@@ -420,10 +422,6 @@ class Lifecycle:
             saved = m.checkpointer is not None and self.schedule.save
             final = m.checkpointer.step_directory(steps) if saved else None  # type: ignore[union-attr]
             self._end(m, "complete", metrics=metrics, checkpoint=final)
-
-
-def _leaves(state: MemberState) -> list[Any]:
-    return jax.tree.leaves(state)
 
 
 def stream(batches: Iterator[Any], skip: int) -> Iterator[Any]:

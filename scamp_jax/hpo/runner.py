@@ -13,6 +13,7 @@ step, optionally reduced over MPI ranks, restored straight onto the plan's shard
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -113,7 +114,13 @@ def make_optimizer(params: Mapping[str, Any]) -> optax.GradientTransformation:
     them from Python floats; with the constants a trial trains bit for bit as a plain
     ``optax.adamw(lr)`` loop does (``tests/test_runner.py``).
     """
-    injected = injected_keys(params)
+    return _adamw(injected_keys(params))
+
+
+@functools.cache
+def _adamw(injected: tuple[str, ...]) -> optax.GradientTransformation:
+    # One object per set of injected keys (at most 2**3 of them): the planner's and a run's
+    # optimizer are then the same object, which lets a run take the planner's jitted step.
     static = tuple(k for k in inspect.signature(optax.adamw).parameters if k not in injected)
     return optax.inject_hyperparams(optax.adamw, static_args=static)(**ADAMW_DEFAULTS)
 
@@ -333,6 +340,9 @@ class SoloProgram:
 
     def member(self, slot: int) -> tuple[Any, Any, Any]:
         return self.state
+
+    def checkpoint_leaves(self, slot: int) -> list[Any]:
+        return jax.tree.leaves(self.state)  # orbax reads the device arrays itself
 
     def reform(self, keep: np.ndarray) -> None:
         raise AssertionError("a run of one member never re-forms")  # it ends when that one does

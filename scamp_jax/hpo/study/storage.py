@@ -85,12 +85,18 @@ def open_storage(
             f"{heartbeat_interval=} s must be at least 1 and {grace_period=} s longer than it"
         )
     url = storage_url(study_dir, storage)
+    created = _create_sqlite_file(url)
     for attempt in range(attempts):
         try:
             with quiet_optuna():
                 rdb = optuna.storages.RDBStorage(
                     url, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
                     heartbeat_stale_trial_callback=retry_callback(),
+                    # A file this process has just created gets its tables and schema version
+                    # from this Optuna, so the compatibility check (which loads Optuna's
+                    # migration scripts once more) is skipped; a file that existed is checked,
+                    # and so is a new one on a retry (another process stamped it first).
+                    skip_compatibility_check=created and attempt == 0,
                 )
             if rdb.engine.dialect.name == "sqlite" and rdb.engine.url.database not in (
                     None, "", ":memory:"):
@@ -110,6 +116,20 @@ def open_storage(
             time.sleep(0.2 * (attempt + 1))
     raise AssertionError("unreachable")
 
+
+def _create_sqlite_file(url: str) -> bool:
+    """Create the SQLite database file of ``url`` if there is none; True if this call made it
+    (exclusive creation: of processes opening a new study at once, one gets True)."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return False
+    try:
+        with open(parsed.database, "x"):
+            return True
+    except FileExistsError:
+        return False
 
 
 @dataclass(frozen=True)
