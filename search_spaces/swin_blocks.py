@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -501,3 +502,18 @@ def pixel_shuffle(x: jax.Array, r: int) -> jax.Array:
     c = crr // (r * r)
     x = x.reshape(n, h, w, c, r, r).transpose(0, 1, 4, 2, 5, 3)
     return x.reshape(n, h * r, w * r, c)
+
+
+@dataclass(frozen=True)
+class PixelShuffle:
+    """`pixel_shuffle` by ``r`` as a layer of an ``nnx.Sequential``.
+
+    A static attribute of the model: unlike a ``functools.partial`` (equal only to itself),
+    two of them with the same ``r`` are equal, so two builds of one configuration have equal
+    graph definitions and share what is compiled and cached for that architecture.
+    """
+
+    r: int
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return pixel_shuffle(x, self.r)

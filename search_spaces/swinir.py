@@ -13,7 +13,6 @@ float32 in [0, 1] (PyTorch's are NCHW). `load_torch_state_dict` loads released P
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -29,6 +28,7 @@ from search_spaces.swin_blocks import (
     BasicLayer,
     Mlp,
     PatchEmbed,
+    PixelShuffle,
     SwinTransformerBlock,
     WindowAttention,
     conv2d,
@@ -51,6 +51,7 @@ __all__ = [
     "BasicLayer",
     "Mlp",
     "PatchEmbed",
+    "PixelShuffle",
     "SwinIR",
     "SwinTransformerBlock",
     "WindowAttention",
@@ -89,10 +90,10 @@ def _upsample_pixelshuffle(scale: int, num_feat: int, rngs: nnx.Rngs) -> nnx.Seq
     if scale & (scale - 1) == 0:
         for _ in range(int(math.log2(scale))):
             layers += [conv2d(num_feat, 4 * num_feat, 3, rngs=rngs),
-                       functools.partial(pixel_shuffle, r=2)]
+                       PixelShuffle(2)]
     elif scale == 3:
         layers += [conv2d(num_feat, 9 * num_feat, 3, rngs=rngs),
-                   functools.partial(pixel_shuffle, r=3)]
+                   PixelShuffle(3)]
     else:
         raise ValueError(
             f"upscale={scale} is not supported by upsampler='pixelshuffle'; use 2, 3, 4 or 8"
@@ -207,7 +208,7 @@ class SwinIR(nnx.Module):
         elif upsampler == "pixelshuffledirect":
             self.upsample = nnx.Sequential(
                 conv2d(embed_dim, upscale * upscale * in_chans, 3, rngs=rngs),
-                functools.partial(pixel_shuffle, r=upscale),
+                PixelShuffle(upscale),
             )
         elif upsampler == "nearest+conv":
             self.conv_before_upsample = nnx.Sequential(

@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from scamp_jax.hpo.overhead import TRACE_EVENT
 from scamp_jax.hpo.runner import RunSpec, StepCache, make_optimizer, run_trial
 from scamp_jax.planning.compile_events import CompileCounter
 from scamp_jax.planning.initial_state import InitialStates
@@ -117,6 +118,48 @@ def test_a_step_loaded_onto_another_device_trains_as_one_compiled_there_bit_for_
         assert cache.executables.moves == (1 if ready is plan else 0)
         runs.append(losses)
     assert len(runs[0]) == 4 and runs[0] == runs[1]  # three losses and the accuracy
+
+
+def test_a_trial_on_the_planned_devices_traces_no_step_of_its_own():
+    """The planner's jitted step (``plan.step_source``) serves a trial that would build the same
+    step: its lowering, checked against the planner's executable, is JAX's cache hit, so the run
+    traces nothing. On other devices, for a plan without the step (as one from a plan cache)
+    or for another loss function, the trial traces its own; all of them train alike."""
+    task = Classify()  # the study's one task: the planner's loss is the run's
+    model = nnx.eval_shape(lambda: SPACE.build({"width": 32}, nnx.Rngs(0)))
+    devices = jax.devices()
+    plan = plan_mesh(model, task.sample_batch(1), devices=devices[:1],
+                     memory_per_device="8MiB", optimizer=make_optimizer({}),
+                     loss_fn=task.loss_fn, max_batch_size=32)
+    assert plan.step_source is not None
+    traced: list[str] = []
+
+    def on_duration(event: str, duration_secs: float, **kwargs: Any) -> None:
+        if event == TRACE_EVENT and kwargs.get("fun_name") == "step":
+            traced.append(event)
+
+    runs = []
+    for ready, run_task, traces, counts in (
+            (plan, task, 0, (1, 0, 0)),
+            (plan.with_devices(devices[1:2]), task, 1, (1, 1, 0)),
+            (dataclasses.replace(plan, step_source=None), task, 1, (1, 0, 0)),
+            (plan, Classify(), 1, (1, 0, 0))):  # another task object: another loss function
+        cache, seen = StepCache(), []
+        spec = RunSpec(number=0, params={"width": 32, "learning_rate": 1e-2}, plan=ready,
+                       steps=3, memory_per_device=8 * 2**20, seed=4, log_every=1)
+        traced.clear()
+        jax.monitoring.register_event_duration_secs_listener(on_duration)
+        try:
+            result = run_trial(spec, SPACE, run_task, cache=cache,
+                               on_loss=lambda number, step, loss, seen=seen: seen.append(loss))
+        finally:
+            jax.monitoring.unregister_event_duration_listener(on_duration)
+        assert result.state == "complete", result.reason
+        assert len(traced) == traces
+        executables = cache.executables
+        assert (executables.hits, executables.moves, executables.misses) == counts
+        runs.append([*seen, result.metrics["accuracy"]])
+    assert len(runs[0]) == 4 and all(run == runs[0] for run in runs[1:])
 
 
 def test_a_sharded_executable_loads_onto_other_devices_device_for_device():

@@ -9,6 +9,7 @@ import optuna
 import pytest
 from flax import nnx
 
+from scamp_jax.planning.train_step import split_model
 from search_spaces import swinir as sw
 
 TINY = dict(embed_dim=12, depths=(2,), num_heads=(3,), mlp_ratio=1.0, window_size=4)
@@ -33,6 +34,16 @@ def test_output_shapes_for_every_upsampler(upsampler, scale, hw, want):
     x = jax.ShapeDtypeStruct((2, *hw, 3), jnp.float32)
     out = nnx.eval_shape(lambda m, v: m(v), abstract, x)
     assert out.shape == (2, *want, 3)
+
+
+@pytest.mark.parametrize("upsampler, scale", [("pixelshuffle", 2), ("pixelshuffle", 3),
+                                               ("pixelshuffledirect", 4)])
+def test_two_builds_of_one_configuration_have_equal_graph_definitions(upsampler, scale):
+    # What trials of one architecture share (their jitted step, initial state and the
+    # planner's step) is keyed by the graph definition: it must not depend on the build.
+    graphdefs = [split_model(nnx.eval_shape(lambda s=seed: sw.SwinIR(
+        **TINY, upsampler=upsampler, upscale=scale, rngs=nnx.Rngs(s))))[0] for seed in (0, 1)]
+    assert graphdefs[0] == graphdefs[1]
 
 
 def test_denoise_head_keeps_upstream_crop_rule():

@@ -179,7 +179,8 @@ class StepCache:
         grad_reduce: Callable[[Any], Any] | None = None,
     ) -> tuple[Any, optax.GradientTransformation]:
         """``(jitted step, optimizer)`` for this architecture, plan and gradient reduction,
-        built once."""
+        built once: the planner's own (``plan.step_source``) when it is the step this would
+        build (its lowering at the trial's state is then JAX's cache hit), else a new one."""
         devices = tuple(d.id for d in plan.mesh.devices.flat)
         # A bound method is a new object on every access: key it by its function and owner.
         owner = id(getattr(loss_fn, "__self__", None))
@@ -192,8 +193,13 @@ class StepCache:
                 return self._steps[key]
             self.misses += 1
             optimizer = make_optimizer(params)
-            step = jit_train_step(graphdef, optimizer, loss_fn, plan.step_shardings,
-                                  grad_reduce=grad_reduce)
+            source = getattr(plan, "step_source", None)
+            if grad_reduce is None and source is not None and source.serves(
+                    graphdef, optimizer, loss_fn, plan.step_shardings):
+                step = source.step  # the planner's: lowering it again traces nothing
+            else:
+                step = jit_train_step(graphdef, optimizer, loss_fn, plan.step_shardings,
+                                      grad_reduce=grad_reduce)
             self._steps[key] = (step, optimizer)
             return step, optimizer
 

@@ -61,10 +61,12 @@ from scamp_jax.planning.reuse import lowered_fingerprint
 from scamp_jax.planning.train_step import (
     LossFn,
     StepShardings,
+    StepSource,
     abstract_state,
     default_loss,
     default_optimizer,
     make_train_step,
+    placed,
     split_model,
     stack_shardings,
 )
@@ -181,42 +183,6 @@ def hyperparam_arrays(
     return out
 
 
-def _same_shardings(a: StepShardings, b: StepShardings) -> bool:
-    if a is b:
-        return True
-    is_leaf = lambda x: isinstance(x, jax.sharding.Sharding)  # noqa: E731
-    trees = [(s.params, s.opt_state, s.rest, s.batch) for s in (a, b)]
-    flat = [jax.tree.flatten(t, is_leaf=is_leaf) for t in trees]
-    return flat[0][1] == flat[1][1] and all(
-        x == y for x, y in zip(flat[0][0], flat[1][0], strict=True))
-
-
-@dataclass(frozen=True, eq=False)
-class FusedStepSource:
-    """The jitted fused step the planner lowered and compiled, with what it was made of.
-
-    A group's run that would make the same step (`jit_fused_step` of the same graph definition,
-    optimizer object, loss function and shardings) takes this one instead: lowering it at the
-    run's state, whose shapes and shardings are the ones the planner lowered it at, is then
-    JAX's own cache hit (no second trace), and the run still compares the lowered program's
-    fingerprint with the planner's executable before running it.
-    """
-
-    step: jax.stages.Wrapped
-    graphdef: nnx.GraphDef
-    optimizer: optax.GradientTransformation
-    loss_fn: LossFn
-    shardings: StepShardings
-
-    def serves(self, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
-               loss_fn: LossFn, shardings: StepShardings) -> bool:
-        """True when ``jit_fused_step(graphdef, optimizer, loss_fn, shardings)`` would be this
-        step: the same optimizer object, an equal graph definition, loss function and
-        shardings (a false answer only costs the run its own trace)."""
-        return (optimizer is self.optimizer and loss_fn == self.loss_fn
-                and graphdef == self.graphdef and _same_shardings(shardings, self.shardings))
-
-
 # --------------------------------------------------------------------------- planning
 
 
@@ -243,8 +209,9 @@ class FusionPlan:
         on the plan's devices (`scamp_jax.planning.planner.CompiledStep`), for the group's run
         to take as is, or on other CPU devices to load onto its own
         (`scamp_jax.planning.reuse.ExecutableCache`); None: not kept (``compile_for_run=False``).
-      step_source: the jitted fused step the planner lowered (`FusedStepSource`), for a run
-        that would make the same step to take instead of tracing its own.
+      step_source: the jitted fused step the planner lowered (a
+        `scamp_jax.planning.train_step.StepSource` of `jit_fused_step`), for a run that would
+        make the same step to take instead of tracing its own.
     """
 
     plan: Plan
@@ -258,7 +225,7 @@ class FusionPlan:
     predicted_peak_bytes: int | None = None
     cached: bool = field(default=False, compare=False)
     compiled_step: CompiledStep | None = field(default=None, compare=False, repr=False)
-    step_source: FusedStepSource | None = field(default=None, compare=False, repr=False)
+    step_source: StepSource | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.predicted_peak_bytes is None:
@@ -377,11 +344,11 @@ class FusedStepCompiler:
             )
         stacked = stack_shardings(self.shardings)
         # Abstract arguments placed as the run's arrays are: the run's lowering of the same
-        # step is then JAX's cache hit (`FusedStepSource`).
-        params = _placed(stack_abstract(self.params, width), stacked.params)
-        opt_state = _placed(stack_abstract(self.opt_state, width), stacked.opt_state)
-        rest = _placed(stack_abstract(self.rest, width), stacked.rest)
-        batch = _placed(jax.tree.map(
+        # step is then JAX's cache hit (`StepSource`).
+        params = placed(stack_abstract(self.params, width), stacked.params)
+        opt_state = placed(stack_abstract(self.opt_state, width), stacked.opt_state)
+        rest = placed(stack_abstract(self.rest, width), stacked.rest)
+        batch = placed(jax.tree.map(
             lambda x: jax.ShapeDtypeStruct((width, batch_size, *x.shape[1:]), x.dtype),
             self.sample_batch,
         ), stacked.batch)
@@ -417,13 +384,6 @@ class FusedStepCompiler:
         if self.cache is not None:
             self.cache.put_peaks(self._width_key(width), {batch_size: _estimate_record(estimate)})
         return estimate
-
-
-def _placed(tree: PyTree, shardings: PyTree) -> PyTree:
-    """``tree``'s ``ShapeDtypeStruct``s with ``shardings`` (a tree, or one for every leaf)."""
-    if isinstance(shardings, jax.sharding.Sharding):
-        return jax.tree.map(lambda x: x.update(sharding=shardings), tree)
-    return jax.tree.map(lambda x, s: x.update(sharding=s), tree, shardings)
 
 
 def _largest_fitting(peak: Callable[[int], int], lo: int, cap: int, unit: int,
@@ -555,8 +515,8 @@ def plan_fusion(
         predicted_peak_bytes=held(width, batch),
         cached=cache is not None and compiler.compiled == 0,
         compiled_step=compiled_step,
-        step_source=FusedStepSource(compiler._step, compiler.graphdef, compiler.optimizer,
-                                    compiler.loss_fn, compiler.shardings),
+        step_source=StepSource(compiler._step, compiler.graphdef, compiler.optimizer,
+                               compiler.loss_fn, compiler.shardings),
     )
 
 

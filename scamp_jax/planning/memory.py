@@ -42,6 +42,7 @@ from scamp_jax.planning.train_step import (
     default_loss,
     default_optimizer,
     jit_train_step,
+    placed,
     split_model,
 )
 
@@ -286,8 +287,13 @@ class StepCompiler:
         if options is _DEFAULT_OPTIONS:
             options = self.compiler_options
         batch = with_batch_size(self.sample_batch, batch_size)
+        shardings = self.shardings
         start = time.perf_counter()
-        lowered = (step or self._step).lower(self.params, self.opt_state, self.rest, batch)
+        # Arguments placed as a run's arrays are: a run's lowering of the same jitted step is
+        # then JAX's cache hit (`scamp_jax.planning.train_step.StepSource`).
+        lowered = (step or self._step).lower(
+            placed(self.params, shardings.params), placed(self.opt_state, shardings.opt_state),
+            placed(self.rest, shardings.rest), placed(batch, shardings.batch))
         compiled = lowered.compile(options)
         seconds = time.perf_counter() - start
         stats = compiled.memory_analysis()

@@ -68,6 +68,7 @@ from scamp_jax.planning.reuse import lowered_fingerprint
 from scamp_jax.planning.train_step import (
     LossFn,
     StepShardings,
+    StepSource,
     abstract_state,
     default_optimizer,
     jit_train_step,
@@ -143,6 +144,10 @@ class Plan:
         None (CPU plans by default compile faster code-generation settings than a run wants;
         cached plans compile nothing).
       cached: True when the plan came from a `PlanCache` without compiling.
+      step_source: the jitted training step the planner lowered at ``batch_size`` (a
+        `scamp_jax.planning.train_step.StepSource` of `jit_train_step`), for a trial that would
+        make the same step to take instead of tracing its own; None for a plan that lowered
+        no step (cached or provisional).
       prefetch_bytes: per-device bytes of one training batch at ``batch_size``: the next batch
         is placed on the devices while the current step runs.
       eval_chunk: held-out samples per evaluation forward call (0: evaluation not planned).
@@ -180,6 +185,7 @@ class Plan:
     compiled_peaks: tuple[tuple[int, int], ...] = field(default=(), compare=False)
     compiled_step: CompiledStep | None = field(default=None, compare=False, repr=False)
     cached: bool = field(default=False, compare=False)
+    step_source: StepSource | None = field(default=None, compare=False, repr=False)
     prefetch_bytes: int = 0
     eval_chunk: int = 0
     eval_peak_bytes: int = 0
@@ -960,6 +966,8 @@ def plan_mesh(
             compiles=compiles,
             compiled_peaks=tuple((b, e.peak) for b, e in search.seen.items()),
             compiled_step=compiled_step,
+            step_source=None if shaped else StepSource(
+                step, compiler.graphdef, compiler.optimizer, compiler.loss_fn, shardings),
             prefetch_bytes=prefetch,
             eval_chunk=eval_plan.chunk if eval_plan else 0,
             eval_peak_bytes=eval_plan.peak_bytes if eval_plan else 0,

@@ -141,6 +141,59 @@ class StepShardings:
         return NamedSharding(self.mesh, PartitionSpec())
 
 
+def same_shardings(a: StepShardings, b: StepShardings) -> bool:
+    """True when ``a`` and ``b`` place every argument of the step the same way."""
+    if a is b:
+        return True
+    is_leaf = lambda x: isinstance(x, jax.sharding.Sharding)  # noqa: E731
+    trees = [(s.params, s.opt_state, s.rest, s.batch) for s in (a, b)]
+    flat = [jax.tree.flatten(t, is_leaf=is_leaf) for t in trees]
+    return flat[0][1] == flat[1][1] and all(
+        x == y for x, y in zip(flat[0][0], flat[1][0], strict=True))
+
+
+def placed(tree: PyTree, shardings: PyTree) -> PyTree:
+    """``tree``'s ``ShapeDtypeStruct``s with ``shardings`` (a tree, or one for every leaf).
+
+    Abstract arguments placed as a run's arrays are: a jitted step lowered at them is lowered
+    at the run's arguments too, so the run's lowering of the same step is JAX's cache hit
+    (`StepSource`).
+    """
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: x.update(sharding=shardings), tree)
+    return jax.tree.map(lambda x, s: x.update(sharding=s), tree, shardings)
+
+
+@dataclass(frozen=True, eq=False)
+class StepSource:
+    """A jitted training step the planner lowered and compiled, with what it was made of.
+
+    ``step`` is ``make(graphdef, optimizer, loss_fn, shardings)``, ``make`` being
+    `jit_train_step` (a trial's step, `scamp_jax.planning.planner.Plan.step_source`) or
+    `scamp_jax.planning.fusion.jit_fused_step` (a fused group's,
+    `scamp_jax.planning.fusion.FusionPlan.step_source`). A run that would make the same step
+    takes this one instead: the planner lowered it at abstract arguments placed as the run's
+    arrays are (`placed`), so the run's lowering is JAX's own cache hit (no second trace), and
+    the run still compares the lowered program's fingerprint with the planner's executable
+    before running it.
+    """
+
+    step: jax.stages.Wrapped
+    graphdef: nnx.GraphDef
+    optimizer: optax.GradientTransformation
+    loss_fn: LossFn
+    shardings: StepShardings
+
+    def serves(self, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
+               loss_fn: LossFn, shardings: StepShardings) -> bool:
+        """True when the run's own step of ``graphdef``, ``optimizer``, ``loss_fn`` and
+        ``shardings`` (made the same way) would be this step: the same optimizer object, an
+        equal graph definition, loss function and shardings (a false answer only costs the run
+        its own trace)."""
+        return (optimizer is self.optimizer and loss_fn == self.loss_fn
+                and graphdef == self.graphdef and same_shardings(shardings, self.shardings))
+
+
 def _stack_sharding(s: Any) -> Any:
     if not isinstance(s, NamedSharding):
         raise TypeError(f"fused shardings need NamedShardings, got {s!r}")
