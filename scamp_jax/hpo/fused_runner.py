@@ -51,6 +51,7 @@ from scamp_jax.planning.evaluation import EvalCompiler
 from scamp_jax.planning.fusion import (
     FusionPlan,
     hyperparam_arrays,
+    is_key,
     jit_fused_step,
     stack_batches,
     stack_shardings,
@@ -381,7 +382,7 @@ class FusedProgram:
         nothing, and the devices hold no copy of it."""
         if self._host is None:
             leaves = jax.tree.leaves(self.state)
-            self._host = jax.device_get([jax.random.key_data(x) if _is_key(x) else x
+            self._host = jax.device_get([jax.random.key_data(x) if is_key(x) else x
                                          for x in leaves])
         return self._host
 
@@ -395,7 +396,7 @@ class FusedProgram:
                            strict=True):
             one = jax.device_put(h[slot, ...], s)
             leaves.append(jax.random.wrap_key_data(one, impl=jax.random.key_impl(x))
-                          if _is_key(x) else one)
+                          if is_key(x) else one)
         return jax.tree.unflatten(jax.tree.structure(self.state), leaves)
 
     def reform(self, keep: np.ndarray) -> None:
@@ -415,12 +416,8 @@ class FusedProgram:
             return task.evaluate(nnx.merge(self.graphdef, params, rest))
 
 
-def _is_key(x: jax.Array) -> bool:
-    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
 def _stack_leaf(xs: Sequence[jax.Array]) -> jax.Array:
-    if jax.dtypes.issubdtype(xs[0].dtype, jax.dtypes.prng_key):
+    if is_key(xs[0]):
         data = jnp.stack([jax.random.key_data(x) for x in xs])
         return jax.random.wrap_key_data(data, impl=jax.random.key_impl(xs[0]))
     return jnp.stack(xs)

@@ -84,13 +84,14 @@ MEMBER_AXIS_DOC = "member"
 # --------------------------------------------------------------------------- the fused step
 
 
-def _is_key(x: Any) -> bool:
+def is_key(x: Any) -> bool:
+    """Whether ``x`` (an array or ``ShapeDtypeStruct``) holds typed PRNG keys."""
     return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _keep(active: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
     """``new`` where the member is active, else ``old`` (leading axis = members)."""
-    if _is_key(new):
+    if is_key(new):
         data = _keep(active, jax.random.key_data(new), jax.random.key_data(old))
         return jax.random.wrap_key_data(data, impl=jax.random.key_impl(new))
     mask = active.reshape((active.shape[0],) + (1,) * (new.ndim - 1))

@@ -461,13 +461,23 @@ class _Search:
         batch (`StepCompiler.traced_bytes_per_sample`) and the prefetched batch. An estimate,
         not a bound: the batch it names is compiled before anything is decided.
         """
-        compiler = self.compiler
-        room = self.usable - (compiler.state_bytes + 2 * compiler.params_bytes)
+        line = self.shape_line()
+        room = self.usable - line.fixed_bytes
         if room < 0:
             return 0
-        per_sample = compiler.traced_bytes_per_sample() + self.prefetch_per_sample
+        per_sample = line.bytes_per_sample + self.prefetch_per_sample
         best = cap if per_sample <= 0 else min(cap, int(room // per_sample))
         return best // self.unit * self.unit
+
+    def shape_line(self) -> MemoryModel:
+        """The step's peak against the batch from shapes alone (what `shape_guess` assumes,
+        without the prefetched batch): the persistent state, the gradients and one more
+        parameter-sized buffer, plus the traced backward residuals and the batch per sample."""
+        compiler = self.compiler
+        return MemoryModel(
+            fixed_bytes=float(compiler.state_bytes + 2 * compiler.params_bytes),
+            bytes_per_sample=compiler.traced_bytes_per_sample(), probe_batches=(),
+            probe_peaks=(), batch_multiple=compiler.data_parallel)
 
     def slope_below(self, batch: int) -> float:
         """Per-device bytes per global sample just above the compiled ``batch``, estimated
@@ -646,15 +656,11 @@ def _candidate_lines(search: _Search, lo: int | None, hi: int) -> list[MemoryMod
 
 
 def _shape_figures(search: _Search, batch: int) -> tuple[MemoryEstimate, MemoryModel]:
-    """The step's memory at ``batch`` and its line, estimated from shapes alone (what
-    `_Search.shape_guess` assumes): the persistent state, the gradients and one more
-    parameter-sized buffer, plus the traced backward residuals and the batch per sample. The
-    compiled figures (``temp``, ``argument``, ``output``, ``alias``) are 0: nothing was compiled.
-    """
-    compiler = search.compiler
-    fixed = compiler.state_bytes + 2 * compiler.params_bytes
-    per_sample = compiler.traced_bytes_per_sample()
-    peak = int(math.ceil(fixed + per_sample * batch))
+    """The step's memory at ``batch`` and its line from shapes alone (`_Search.shape_line`).
+    The compiled figures (``temp``, ``argument``, ``output``, ``alias``) are 0: nothing was
+    compiled."""
+    compiler, line = search.compiler, search.shape_line()
+    peak = line.predict(batch)
     inputs = sh.bytes_per_device(with_batch_size(compiler.sample_batch, batch),
                                  compiler.shardings.batch)
     estimate = MemoryEstimate(
@@ -663,9 +669,6 @@ def _shape_figures(search: _Search, batch: int) -> tuple[MemoryEstimate, MemoryM
         activations_and_temps=peak - compiler.state_bytes - inputs, peak=peak,
         temp=0, argument=0, output=0, alias=0,
     )
-    line = MemoryModel(fixed_bytes=float(fixed), bytes_per_sample=per_sample,
-                       probe_batches=(), probe_peaks=(),
-                       batch_multiple=compiler.data_parallel)
     return estimate, line
 
 
@@ -907,7 +910,7 @@ def plan_mesh(
             estimate, memory_model = _shape_figures(search, batch)
             compiled_step = None
         else:
-            batch = _exact_largest(search, (mp_cap // search.unit) * search.unit)
+            batch = _exact_largest(search, top)
             if batch is None and search.unit > dp:
                 # not even one multiple fits: the largest plain data-parallel batch instead
                 search.unit = dp
