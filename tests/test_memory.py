@@ -9,10 +9,10 @@ from flax import nnx
 
 from scamp_jax.planning.memory import (
     CPU_FAST_COMPILE,
-    CPU_ROUGH_COMPILE,
     ROUGH_TOLERANCE,
     MemoryModel,
     StepCompiler,
+    cpu_rough_options,
     default_step_shardings,
     estimate_memory,
     fit_memory_model,
@@ -118,12 +118,16 @@ def test_rough_cpu_compiles_are_far_inside_the_planners_tolerance(make, shape, m
     # Without the fusion emitters XLA fuses a few operations differently: the planner uses such
     # figures only to steer its search, and only where they are more than ROUGH_TOLERANCE of
     # the budget from the boundary. The difference seen is 0 or 512 bytes (SwinIR).
+    rough_options = cpu_rough_options()
+    if rough_options is None:
+        pytest.skip("this XLA has no rough CPU setting (no xla_cpu_use_fusion_emitters): "
+                    "the planner compiles every batch exactly")
     model = make()
     mesh = make_mesh(jax.devices()[: mesh_shape[0] * mesh_shape[1]], *mesh_shape)
     for batch_size in batches:
         batch = jax.ShapeDtypeStruct((batch_size, *shape), jnp.float32)
         exact = _compiled_peak(model, batch, mesh, CPU_FAST_COMPILE)
-        rough = _compiled_peak(model, batch, mesh, CPU_ROUGH_COMPILE)
+        rough = _compiled_peak(model, batch, mesh, rough_options)
         assert abs(rough - exact) <= min(4096, ROUGH_TOLERANCE * exact / 100)
 
 

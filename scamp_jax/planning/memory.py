@@ -18,7 +18,8 @@ On CPU, planning compiles use LLVM optimisation level 0 (``CPU_FAST_COMPILE``): 
 assignment, roughly half the compile time. The planner's guidance compiles (batches it only
 needs to place the fit/no-fit boundary, not to report) also turn off XLA's MLIR fusion emitters
 (``CPU_ROUGH_COMPILE``): 1.5-3x cheaper again, but XLA then fuses a few operations differently,
-so the figure is close, not equal (``ROUGH_TOLERANCE``).
+so the figure is close, not equal (``ROUGH_TOLERANCE``). XLA releases without that option
+(jax 0.12 and later) have no rough setting: every compile is exact there (``cpu_rough_options``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,28 @@ CPU_FAST_COMPILE: dict[str, str | bool] = {"xla_backend_optimization_level": "0"
 CPU_ROUGH_COMPILE: dict[str, str | bool] = {
     **CPU_FAST_COMPILE, "xla_cpu_use_fusion_emitters": False,
 }
+_rough_accepted: bool | None = None
+
+
+def cpu_rough_options() -> dict[str, str | bool] | None:
+    """``CPU_ROUGH_COMPILE`` where this XLA accepts its options, else None (no rough setting).
+
+    The legacy emitters' switch is gone from newer XLA releases, which reject an unknown option
+    at compile time; one tiny compile per process tells which kind this is.
+    """
+    global _rough_accepted
+    if _rough_accepted is None:
+        lowered = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((), "float32"))
+        try:
+            lowered.compile(dict(CPU_ROUGH_COMPILE))
+            _rough_accepted = True
+        except Exception as error:  # XlaRuntimeError: INVALID_ARGUMENT: No such compile option
+            if "No such compile option" not in str(error):
+                raise
+            _rough_accepted = False
+    return dict(CPU_ROUGH_COMPILE) if _rough_accepted else None
+
+
 #: Largest difference, as a fraction of the budget, that the planner allows between a rough and
 #: an exact peak: a rough figure within this of the usable bytes decides nothing (the planner
 #: compiles that batch exactly). Tests pin rough figures far inside it.
@@ -223,7 +246,7 @@ class StepCompiler:
         # on HLO before code generation), and level 0 halves compile time; a test pins equality.
         self.compiler_options = dict(CPU_FAST_COMPILE) if platforms == {"cpu"} else None
         #: options of rough (guidance-only) compiles; None where there is no cheaper setting
-        self.rough_options = dict(CPU_ROUGH_COMPILE) if platforms == {"cpu"} else None
+        self.rough_options = cpu_rough_options() if platforms == {"cpu"} else None
 
     def traced_bytes_per_sample(self) -> float:
         """Per-device bytes per global sample that the loss's backward pass keeps, from shapes.
