@@ -350,9 +350,9 @@ def _run(
     configure_cpu_devices(max(CPU_DEVICES, config.devices or 0))
     import jax
 
-    from scamp_jax._units import parse_bytes
     from scamp_jax.hpo.session import run_search
     from scamp_jax.planning import planner
+    from scamp_jax.planning.budget import Budget
 
     devices = planner.resolve_devices(pool_size(args, config, jax.devices()[0].platform))
     memory = config.memory_per_device
@@ -361,13 +361,12 @@ def _run(
     if memory is None and devices[0].platform == "cpu":
         fail(f"--preset {config.preset} takes each device's memory limit from the accelerator, "
              "and CPU devices have none; pass --memory-per-device, e.g. --memory-per-device 1GiB")
-    if memory is not None:
-        parse_bytes(memory)
-    budget = planner.resolve_budget(memory, devices)
+    budget = Budget.of_devices(devices, memory)  # the one place the budget is read
     space, task = make(config)  # reads the image folders: before any study exists
     # Compiles dominate short trials on CPU; a resumed study finds them on disk.
     jax.config.update("jax_compilation_cache_dir", str(Path(config.study_dir) / "jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     # Under mpirun with several ranks the same session spans them: rank 0 serves the study.
-    return run_search(space, task, config, devices=devices, memory_per_device=budget,
+    return run_search(space, task, config, devices=devices,
+                      memory_per_device=budget.memory_per_device,
                       live=not args.no_live, baseline=baseline, title=title)

@@ -62,6 +62,7 @@ from scamp_jax.hpo.trial import (
     fusion_cap,
 )
 from scamp_jax.planning import planner
+from scamp_jax.planning.budget import Budget
 from scamp_jax.planning.plan_cache import PlanCache
 from scamp_jax.scheduling.core import PlanOption, SchedulingCore, Start, TrialPlan
 from scamp_jax.scheduling.costs import attainable_flops
@@ -848,8 +849,9 @@ def new_core(policy: Any, devices: Sequence[Any], config: EngineConfig) -> Sched
     overlap = config.device_overlap
     if overlap is None:
         overlap = 1.0 if all(d.platform == "cpu" for d in devices) else 0.0
-    return SchedulingCore(policy, len(devices), config.memory_per_device, config.safety_margin,
-                          config.restart_seconds, peak_flops=peak,
+    budget = Budget.of_devices(devices, config.memory_per_device,
+                               safety_margin=config.safety_margin)
+    return SchedulingCore(policy, len(devices), budget, config.restart_seconds, peak_flops=peak,
                           max_running=max_running(config, devices), overlap=overlap)
 
 

@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from scamp_jax.hpo.checkpoint import TrialCheckpointer
-from scamp_jax.hpo.lifecycle import Lifecycle, MemberSpec, Schedule, stream
+from scamp_jax.hpo.lifecycle import Lifecycle, MemberSpec, Schedule, share_bytes, stream
 from scamp_jax.hpo.runner import (
     StepCache,
     _batches,
@@ -95,10 +95,7 @@ class GroupSpec:
         ``memory_per_device`` (less the member plan's safety margin). Training (fused step +
         prefetched batches) and evaluation (a member's forward + the stacked state + those
         batches) must fit in it."""
-        if self.booked_bytes is not None:
-            return int(self.booked_bytes)
-        margin = float(getattr(self.plan.plan, "safety_margin", 0.0))
-        return int(self.memory_per_device * (1.0 - margin))
+        return share_bytes(self.booked_bytes, self.memory_per_device, self.plan.plan)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ import numpy as np
 
 from scamp_jax.hpo.checkpoint import TrialCheckpointer
 from scamp_jax.hpo.trial import RunResult, TrialOutOfMemory, TrialStatus, ending
+from scamp_jax.planning.budget import Budget
 from scamp_jax.planning.evaluation import (
     EvalCompiler,
     EvalPlan,
@@ -138,6 +139,15 @@ class Program(Protocol):
 
     def evaluate_whole(self, slot: int, task: Task) -> Mapping[str, Any]:
         """The task's own ``evaluate`` of slot ``slot``'s model (tasks without chunks)."""
+
+
+def share_bytes(booked_bytes: int | None, memory_per_device: int, plan: Any) -> int:
+    """The bytes per device a run may hold: ``booked_bytes`` (its share of the ledger), else
+    the usable part of ``memory_per_device`` with ``plan``'s safety margin."""
+    if booked_bytes is not None:
+        return int(booked_bytes)
+    margin = float(getattr(plan, "safety_margin", 0.0))
+    return Budget(int(memory_per_device), margin).usable_bytes
 
 
 def resumable_step(checkpointer: TrialCheckpointer, steps: int) -> int | None:

@@ -27,7 +27,7 @@ import optax
 from flax import nnx
 
 from scamp_jax.hpo.checkpoint import TrialCheckpointer
-from scamp_jax.hpo.lifecycle import Lifecycle, MemberSpec, Schedule, stream
+from scamp_jax.hpo.lifecycle import Lifecycle, MemberSpec, Schedule, share_bytes, stream
 from scamp_jax.hpo.trial import OPTIMIZER_KEYS, RunResult, TrialStatus
 from scamp_jax.hpo.trial import TrialOutOfMemory as TrialOutOfMemory
 from scamp_jax.hpo.trial import is_oom_error as is_oom_error
@@ -86,10 +86,7 @@ class RunSpec:
 
     def share_bytes(self) -> int:
         """The bytes per device this trial may hold (see ``booked_bytes``)."""
-        if self.booked_bytes is not None:
-            return int(self.booked_bytes)
-        margin = float(getattr(self.plan, "safety_margin", 0.0))
-        return int(self.memory_per_device * (1.0 - margin))
+        return share_bytes(self.booked_bytes, self.memory_per_device, self.plan)
 
 
 #: AdamW's settings where a configuration leaves them out (optax's, with no weight decay).

@@ -436,10 +436,10 @@ def default_budget(memory_per_device: int | str | None, devices: Sequence[jax.De
     CPU devices report no memory limit; they split `CPU_MEMORY_SHARE` of the host's physical
     memory equally.
     """
-    from scamp_jax.planning import planner
+    from scamp_jax.planning.budget import Budget
 
     if memory_per_device is not None or any(d.platform != "cpu" for d in devices):
-        return planner.resolve_budget(memory_per_device, devices)
+        return Budget.of_devices(devices, memory_per_device).memory_per_device
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return int(CPU_MEMORY_SHARE * host) // len(devices)
 

@@ -20,8 +20,9 @@ Actions (from `decide`): `Start` a trial on device ids, `PlanOption` (plan a que
 more devices before it can start there); from `resizes`: `scamp_jax.scheduling.elastic.Resize`
 decisions; from `out_of_memory`: a `Replan` request (or None: the trial fails).
 
-The pool books each device's **usable** bytes, ``memory_per_device * (1 - safety_margin)``:
-the same share every plan is fitted into, so packed trials never book the safety margin.
+The pool books each device's **usable** bytes (`scamp_jax.planning.budget.Budget.usable_bytes`,
+the budget less its safety margin): the same share every plan is fitted into, so packed trials
+never book the safety margin.
 
 Costs. A trial's predicted seconds are ``steps * flops_per_step / rate``: ``flops_per_step`` from
 the compiled step's ``cost_analysis()`` (per device), ``rate`` the highest FLOP/s any trial was
@@ -42,6 +43,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from scamp_jax.planning.budget import Budget
 from scamp_jax.scheduling.costs import resized_seconds, shared_load
 from scamp_jax.scheduling.elastic import (
     Resize,
@@ -73,13 +75,6 @@ MAX_TAIL_QUEUED = 16
 
 #: Most running trials that plan may restart.
 MAX_TAIL_MOVERS = 8
-
-
-def usable_capacity(memory_per_device: int, safety_margin: float) -> int:
-    """Bytes per device the pool books: the budget less the safety margin (what plans fit)."""
-    if not 0 <= safety_margin < 1:
-        raise ValueError(f"safety_margin={safety_margin} must be in [0, 1)")
-    return int(memory_per_device * (1.0 - safety_margin))
 
 
 @dataclass(frozen=True)
@@ -178,9 +173,8 @@ class SchedulingCore:
     Args:
       policy: `ScampPolicy` or `FixedPolicy` (`scamp_jax.scheduling.placement`).
       devices: devices in the pool.
-      memory_per_device: the budget per device, bytes.
-      safety_margin: fraction of the budget held back for estimation error; the pool books
-        `usable_capacity` per device.
+      budget: the memory of each device (`scamp_jax.planning.budget.Budget`); the pool books
+        its ``usable_bytes`` per device.
       restart_seconds: predicted cost of a restart on more devices, seconds; None: the start-up
         time of the trial's current run.
       peak_flops: FLOP/s one device can attain (data sheet times an attained fraction), or None
@@ -197,8 +191,7 @@ class SchedulingCore:
 
     policy: object
     devices: int
-    memory_per_device: int
-    safety_margin: float = 0.1
+    budget: Budget
     restart_seconds: float | None = None
     peak_flops: float | None = None
     max_running: int | None = None
@@ -212,10 +205,10 @@ class SchedulingCore:
                 or self.max_running < 1):
             raise ValueError(f"max_running={self.max_running!r} must be a positive int or None")
         shared_load(1.0, self.overlap)  # raises on an overlap outside [0, 1]
-        self.capacity = usable_capacity(self.memory_per_device, self.safety_margin)
+        self.capacity = self.budget.usable_bytes
         self.pool = DevicePool([self.capacity] * self.devices)
         # Utilisation is reported against the whole memory, as a device monitor shows it.
-        self.usage = UsageRecorder([self.memory_per_device] * self.devices, t0=0.0)
+        self.usage = UsageRecorder([self.budget.memory_per_device] * self.devices, t0=0.0)
         self._queue: dict[int, TrialPlan] = {}
         self._waiting = RequestQueue()  # the queue's requests, indexed for the policy
         self._alike: dict[tuple[float | None, int], int] | None = None

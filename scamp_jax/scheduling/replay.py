@@ -43,6 +43,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from scamp_jax.planning.budget import Budget
 from scamp_jax.scheduling.core import PlanOption, SchedulingCore, TrialPlan
 from scamp_jax.scheduling.placement import FixedPolicy, ScampPolicy
 
@@ -137,8 +138,8 @@ def replay(results: Mapping[str, Any]) -> list[tuple[int, tuple[int, ...]]]:
     run of ``results`` (a parsed ``results.json``) through `SchedulingCore`: each start and each
     restart or move back on other devices."""
     run = run_section(results)
-    core = SchedulingCore(policy_of(run["policy_parts"]), int(run["pool_devices"]),
-                          int(run["memory_per_device"]), float(run["safety_margin"]),
+    budget = Budget(int(run["memory_per_device"]), float(run["safety_margin"]))
+    core = SchedulingCore(policy_of(run["policy_parts"]), int(run["pool_devices"]), budget,
                           run.get("restart_seconds"), peak_flops=run.get("peak_flops"),
                           max_running=run.get("max_running"),
                           overlap=float(run.get("overlap", 1.0)))

@@ -53,6 +53,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from scamp_jax._units import format_bytes
+from scamp_jax.planning.budget import Budget
 from scamp_jax.scheduling.booking import solo_bytes
 from scamp_jax.scheduling.core import PlanOption, SchedulingCore, Start, TrialPlan
 from scamp_jax.scheduling.costs import COMPUTE_EFFICIENCY, shared_load
@@ -166,6 +167,10 @@ class ClusterModel:
         return (f"overlap={self.overlap:g} (0: strict turns, 1: free overlap), "
                 f"planning {self.planning_seconds:g} s per trial, restart "
                 f"{self.restart_seconds:g} s")
+
+    def budget(self, safety_margin: float) -> Budget:
+        """Each device's memory as the engine books it, with ``safety_margin`` held back."""
+        return Budget(self.memory_per_device, safety_margin)
 
     def with_devices(self, devices: int) -> ClusterModel:
         """The same cluster with ``devices`` accelerators."""
@@ -429,7 +434,7 @@ def simulate(
         raise ValueError("simulate needs at least one trial profile")
     if lookahead is not None and lookahead < 1:
         raise ValueError(f"{lookahead=} must be at least 1 or None (all trials queued at once)")
-    core = SchedulingCore(policy, cluster.devices, cluster.memory_per_device, safety_margin,
+    core = SchedulingCore(policy, cluster.devices, cluster.budget(safety_margin),
                           cluster.restart_seconds,
                           peak_flops=cluster.peak_flops * cluster.compute_efficiency,
                           overlap=cluster.overlap)
@@ -888,7 +893,7 @@ def plan_profiles(
     ``fixed_batch_size`` for every trial (the engine picks the largest batch the largest candidate
     fits). Every trial trains ``samples`` samples.
     """
-    budget = int(cluster.memory_per_device * (1.0 - safety_margin))
+    budget = cluster.budget(safety_margin).usable_bytes
     out = []
     for key, cost in enumerate(costs):
         if isinstance(policy, FixedPolicy):
