@@ -7,12 +7,11 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
+from scamp_jax.planning.compile_options import CPU_FAST_COMPILE, cpu_rough_options
 from scamp_jax.planning.memory import (
-    CPU_FAST_COMPILE,
     ROUGH_TOLERANCE,
     MemoryModel,
     StepCompiler,
-    cpu_rough_options,
     default_step_shardings,
     estimate_memory,
     fit_memory_model,

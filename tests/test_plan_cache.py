@@ -324,16 +324,16 @@ def test_a_resumed_study_plans_without_compiling(tmp_path, monkeypatch):
     from rich.console import Console
 
     from scamp_jax.hpo.session import run_search
-    from scamp_jax.planning import planner
+    from scamp_jax.planning import batch_search
 
     calls: list[int] = []
-    real = planner.compile_step
+    real = batch_search.compile_step
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls.append(args[2])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(planner, "compile_step", counted)
+    monkeypatch.setattr(batch_search, "compile_step", counted)
     space = SearchSpace("conv", lambda t: {"width": 8, "learning_rate": t.suggest_float(
         "learning_rate", 1e-3, 1e-2, log=True)}, lambda c, rngs: ConvNet(c["width"], rngs))
     for trials in (1, 2):

@@ -63,6 +63,7 @@ from scamp_jax.hpo.trial import (
 )
 from scamp_jax.planning import planner
 from scamp_jax.planning.budget import Budget
+from scamp_jax.planning.compile_options import cpu_rough_options
 from scamp_jax.planning.plan_cache import PlanCache
 from scamp_jax.scheduling.core import PlanOption, SchedulingCore, Start, TrialPlan
 from scamp_jax.scheduling.costs import attainable_flops
@@ -681,6 +682,10 @@ class SearchEngine:
         self._launch = Launcher(self.space, self.task, self.config, self.devices,
                                 self.checkpoint_root, self.source.report, self.cache,
                                 workers=max(4, 4 * len(self.devices)))
+        if self.devices and self.devices[0].platform == "cpu":
+            # Which guidance compiles this XLA offers: a probe compile once per process, here
+            # rather than in the first plan (it is not an architecture's)
+            cpu_rough_options()
         # Planning compiles; planner threads overlap it with training and with each other.
         self._planner = cf.ThreadPoolExecutor(max_workers=self.config.planner_threads,
                                               thread_name_prefix="planner")

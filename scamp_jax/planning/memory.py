@@ -14,6 +14,7 @@ anyway (below that it is flat), so ``fit_memory_model`` compiles two probe sizes
 ``fixed_bytes + bytes_per_sample * batch`` and checks the fit with a third compile. The fit is
 within a few percent over a range of batches, but XLA changes strategy at some sizes (a jump of
 about 12% was seen on CPU), so the planner confirms its pick by compiling.
+The options of every compile are chosen in `scamp_jax.planning.compile_options`.
 On CPU, planning compiles use LLVM optimisation level 0 (``CPU_FAST_COMPILE``): same buffer
 assignment, roughly half the compile time. The planner's guidance compiles (batches it only
 needs to place the fit/no-fit boundary, not to report) also turn off XLA's MLIR fusion emitters
@@ -36,6 +37,12 @@ from jax.sharding import Mesh
 
 from scamp_jax._units import format_bytes
 from scamp_jax.planning import sharding as sh
+from scamp_jax.planning.compile_options import (
+    Purpose,
+    compile_options,
+    cpu_rough_options,
+    platform_of,
+)
 from scamp_jax.planning.train_step import (
     LossFn,
     StepShardings,
@@ -48,36 +55,6 @@ from scamp_jax.planning.train_step import (
 )
 
 PyTree = Any
-
-#: XLA options for planning compiles on CPU (see ``StepCompiler``).
-CPU_FAST_COMPILE: dict[str, str | bool] = {"xla_backend_optimization_level": "0"}
-#: XLA options for the planner's guidance compiles on CPU: the legacy elemental emitters instead
-#: of the MLIR fusion emitters (most of a CPU compile's time). XLA's fusion decisions change a
-#: little with them: peaks seen equal or 512 bytes above ``CPU_FAST_COMPILE``'s.
-CPU_ROUGH_COMPILE: dict[str, str | bool] = {
-    **CPU_FAST_COMPILE, "xla_cpu_use_fusion_emitters": False,
-}
-_rough_accepted: bool | None = None
-
-
-def cpu_rough_options() -> dict[str, str | bool] | None:
-    """``CPU_ROUGH_COMPILE`` where this XLA accepts its options, else None (no rough setting).
-
-    The legacy emitters' switch is gone from newer XLA releases, which reject an unknown option
-    at compile time; one tiny compile per process tells which kind this is.
-    """
-    global _rough_accepted
-    if _rough_accepted is None:
-        lowered = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((), "float32"))
-        try:
-            lowered.compile(dict(CPU_ROUGH_COMPILE))
-            _rough_accepted = True
-        except Exception as error:  # XlaRuntimeError: INVALID_ARGUMENT: No such compile option
-            if "No such compile option" not in str(error):
-                raise
-            _rough_accepted = False
-    return dict(CPU_ROUGH_COMPILE) if _rough_accepted else None
-
 
 #: Largest difference, as a fraction of the budget, that the planner allows between a rough and
 #: an exact peak: a rough figure within this of the usable bytes decides nothing (the planner
@@ -241,12 +218,16 @@ class StepCompiler:
         self.rest_bytes = sh.bytes_per_device(self.rest, shardings.rest)
         self._traced_per_sample: float | None = None
         self._step = jit_train_step(self.graphdef, self.optimizer, self.loss_fn, shardings)
-        platforms = {d.platform for d in mesh.devices.flat}
-        # On CPU the LLVM optimisation level changes code speed, not buffer assignment (done
-        # on HLO before code generation), and level 0 halves compile time; a test pins equality.
-        self.compiler_options = dict(CPU_FAST_COMPILE) if platforms == {"cpu"} else None
+        platform = platform_of(mesh.devices.flat)
+        #: options of guidance compiles (`scamp_jax.planning.compile_options`: on CPU LLVM
+        #: level 0, which changes code speed, not buffer assignment; on GPU no autotuning)
+        self.compiler_options = compile_options(platform, Purpose.GUIDE)
+        #: options of the compile of the planner's answer (on CPU the run's own)
+        self.answer_options = compile_options(platform, Purpose.ANSWER)
+        #: options of the run's own compile of the step
+        self.run_options = compile_options(platform, Purpose.RUN)
         #: options of rough (guidance-only) compiles; None where there is no cheaper setting
-        self.rough_options = cpu_rough_options() if platforms == {"cpu"} else None
+        self.rough_options = cpu_rough_options() if platform == "cpu" else None
 
     def traced_bytes_per_sample(self) -> float:
         """Per-device bytes per global sample that the loss's backward pass keeps, from shapes.

@@ -8,27 +8,25 @@ then the largest global batch that fits is found. "Fits" means the compiled per-
 allowance for memory XLA does not see); with an ``eval_task``, evaluation (forward pass at its
 planned chunk, optimizer state, prefetched batch) fits too (`Plan.predicted_peak_bytes`).
 
-The batch search lets the memory model choose each compile and the compiles decide: it starts at
-the batch the known points predict, or, for a new architecture, at the largest batch an estimate
-from shapes alone predicts to fit (the traced backward residuals per sample), compiled exactly as
-the answer; it moves by the line through the compiled points nearest the fit/no-fit boundary (one
-point: proportional to the bytes beyond the persistent state), and stops when it holds a batch
-that fits and the next multiple of the data-parallel degree does not (or the cap), either
-compiled or put over the budget by a line: the one between the two compiles that bracket the
-boundary, or, when nothing above the answer was compiled, the answer's figure plus the smallest
-slope estimated from below. Memory is only piecewise affine in the batch (flat at small batches,
-jumps where XLA changes strategy), so a prediction never decides a fit: the answer is always
-compiled, and when secant steps stall, bisection takes over. One compile for a new architecture
-whose first guess fits and whose next batch the line puts over the budget, two in the common
-case otherwise (the guess and the answer beside it); fewer when earlier compiles of the same
-program on the same mesh shape are known (``cache=``), none for a cached plan. On CPU only the
-batches the model predicts to be the answer are compiled exactly; the others (a step up that
-shows the answer is the largest) are rough compiles
-(``scamp_jax.planning.memory.CPU_ROUGH_COMPILE``, 1.5-3x cheaper, peaks within 512 bytes),
-trusted only further than ``ROUGH_TOLERANCE`` of the budget from the boundary and compiled again
-exactly otherwise, and always when one turns out to be the answer. Degrees whose
+The batch search (`scamp_jax.planning.batch_search`) lets the memory model choose each compile
+and the compiles decide; for a new architecture it first compiles the largest batch an estimate
+from shapes predicts to fit, as the answer: one compile when that guess fits and the line puts the
+next batch over the budget, one more when the guess was wrong. Fewer when earlier compiles of the
+same program on the same mesh shape are known (``cache=``), none for a cached plan. Degrees whose
 parameters and optimizer state alone exceed the budget are rejected from shapes, without
 compiling.
+
+Which compile is the run's (`scamp_jax.planning.compile_options`): on CPU the answer is compiled
+with the run's own XLA options, so it *is* the trial's executable (`Plan.compiled_step`), and
+the other points of the search at LLVM level 0; on GPUs every planning compile runs with XLA's
+autotuner off and the run compiles its own step, autotuned once per architecture (the
+persistent autotune cache keeps it, `scamp_jax.planning.compile_cache`).
+
+The evaluation (``eval_task``) is planned from shapes where they allow it: its chunk is chosen
+from the forward's jaxpr and compiled once, the chunk the trial runs
+(`scamp_jax.planning.evaluation.plan_eval`); only when the estimate of evaluating one sample per
+data-parallel group comes near the budget is that compiled before the batch search, to bound the
+batch.
 
 Planning only compiles: it allocates nothing and runs nothing on any device.
 """
@@ -48,14 +46,25 @@ from jax.sharding import Mesh, NamedSharding
 
 from scamp_jax._units import format_bytes
 from scamp_jax.planning import sharding as sh
+from scamp_jax.planning.batch_search import (
+    BatchSearch,
+    exact_largest,
+    local_fit,
+    shape_figures,
+)
 from scamp_jax.planning.budget import DEFAULT_SAFETY_MARGIN, Budget
-from scamp_jax.planning.evaluation import EvalCompiler, abstract_eval_inputs, plan_eval
+from scamp_jax.planning.compile_options import answer_is_runnable
+from scamp_jax.planning.evaluation import (
+    EVAL_SHAPE_MARGIN,
+    EvalCompiler,
+    abstract_eval_inputs,
+    plan_eval,
+)
 from scamp_jax.planning.memory import (
     ROUGH_TOLERANCE,
     MemoryEstimate,
     MemoryModel,
     StepCompiler,
-    affine_fit,
     default_step_shardings,
     with_batch_size,
 )
@@ -81,10 +90,6 @@ PyTree = Any
 
 #: Largest global batch considered when ``max_batch_size`` is not given.
 DEFAULT_BATCH_CAP = 1 << 16
-#: Safety loop bound for the batch search (secant steps, then bisection, converge far sooner).
-_MAX_SEARCH_COMPILES = 40
-#: Secant steps before the batch search falls back to bisection.
-_SECANT_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -355,321 +360,6 @@ def _check_sample_batch(sample_batch: PyTree) -> None:
             )
 
 
-def compile_step(
-    step: jax.stages.Wrapped,
-    compiler: StepCompiler,
-    batch_size: int,
-    options: dict[str, Any] | None,
-) -> tuple[MemoryEstimate, jax.stages.Compiled, jax.stages.Lowered]:
-    """Compile ``step`` (``compiler``'s training step) at global ``batch_size``; nothing runs.
-
-    Returns the per-device memory (`MemoryEstimate`, bytes), the executable and its lowering.
-    ``options`` are XLA compile options (None: defaults, what a training run compiles).
-    """
-    return compiler.compile(batch_size, options, step)
-
-
-@dataclass
-class _Search:
-    """Compiled peaks known so far for one mesh (mutable, private to one plan).
-
-    ``seen`` may start with points from a `PlanCache` (compiled earlier, same program and mesh
-    shape); ``compiles`` counts the compiles this search made. Batches in ``rough`` were compiled
-    with ``rough_options`` (cheaper, figures within ``tolerance`` bytes of exact ones): they guide
-    the search and decide fit or no fit only when their need is more than ``tolerance`` away from
-    ``usable``; otherwise, and for the answer, the batch is compiled exactly.
-    """
-
-    compiler: StepCompiler
-    usable: int
-    step: jax.stages.Wrapped
-    options: dict[str, Any] | None
-    seen: dict[int, MemoryEstimate] = field(default_factory=dict)
-    #: executable, lowering and whether it was compiled with default XLA options (run grade)
-    executables: dict[int, tuple[jax.stages.Compiled, jax.stages.Lowered, bool]] = field(
-        default_factory=dict
-    )
-    compiles: int = 0
-    #: per-device bytes of the prefetched next batch per global sample (exactly linear).
-    prefetch_per_sample: float = 0.0
-    #: compile the batches the memory model predicts to be the answer with default XLA options
-    #: (when ``options`` are faster ones), so that the answer's executable is the runner's.
-    run_grade_answers: bool = False
-    rough_options: dict[str, Any] | None = None
-    tolerance: int = 0
-    rough: set[int] = field(default_factory=set)
-    #: the batch step of the search: a multiple of the data-parallel degree (0: that degree).
-    unit: int = 0
-
-    def __post_init__(self) -> None:
-        self.unit = self.unit or self.compiler.data_parallel
-
-    def peak(self, batch: int, answer: bool = False) -> MemoryEstimate:
-        """The compiled memory at ``batch`` (compiled now if not known); ``answer``: the memory
-        model predicts ``batch`` to be the largest that fits (compiled exactly)."""
-        if batch not in self.seen:
-            if answer or self.rough_options is None:
-                self._compile(batch, exact=True, answer=answer)
-            else:
-                self._compile(batch, exact=False, answer=False)
-        return self.seen[batch]
-
-    def make_exact(self, batch: int, answer: bool = False) -> None:
-        """Compile a rough point again, exactly."""
-        if batch in self.rough:
-            self._compile(batch, exact=True, answer=answer)
-
-    def _compile(self, batch: int, exact: bool, answer: bool) -> None:
-        run_grade = exact and (self.options is None or (answer and self.run_grade_answers))
-        options = None if run_grade else self.options if exact else self.rough_options
-        estimate, compiled, lowered = compile_step(self.step, self.compiler, batch, options)
-        self.compiles += 1
-        self.seen[batch] = estimate
-        self.executables[batch] = (compiled, lowered, run_grade)
-        if exact:
-            self.rough.discard(batch)
-        else:
-            self.rough.add(batch)
-
-    def prefetch(self, batch: int) -> int:
-        return round(self.prefetch_per_sample * batch)
-
-    def shape_guess(self, cap: int) -> int:
-        """The largest multiple of the unit up to ``cap`` that fits by an estimate from shapes
-        alone (no compile; 0 if none): the persistent state, the gradients and one more
-        parameter-sized update buffer, plus per sample the traced backward residuals and the
-        batch (`StepCompiler.traced_bytes_per_sample`) and the prefetched batch. An estimate,
-        not a bound: the batch it names is compiled before anything is decided.
-        """
-        line = self.shape_line()
-        room = self.usable - line.fixed_bytes
-        if room < 0:
-            return 0
-        per_sample = line.bytes_per_sample + self.prefetch_per_sample
-        best = cap if per_sample <= 0 else min(cap, int(room // per_sample))
-        return best // self.unit * self.unit
-
-    def shape_line(self) -> MemoryModel:
-        """The step's peak against the batch from shapes alone (what `shape_guess` assumes,
-        without the prefetched batch): the persistent state, the gradients and one more
-        parameter-sized buffer, plus the traced backward residuals and the batch per sample."""
-        compiler = self.compiler
-        return MemoryModel(
-            fixed_bytes=float(compiler.state_bytes + 2 * compiler.params_bytes),
-            bytes_per_sample=compiler.traced_bytes_per_sample(), probe_batches=(),
-            probe_peaks=(), batch_multiple=compiler.data_parallel)
-
-    def slope_below(self, batch: int) -> float:
-        """Per-device bytes per global sample just above the compiled ``batch``, estimated
-        from below: the smallest of the line through ``batch`` and the next smaller compiled
-        batch, the one-point line (the bytes beyond the persistent state and the parameters
-        taken as proportional to the batch) and the traced slope from shapes (computed only
-        when the others leave it to decide). Memory grows faster, not slower, at larger
-        batches where XLA changes strategy (flat at small batches, then jumps up), so the
-        smallest of these tends to under-state the slope above ``batch``.
-        """
-        compiler = self.compiler
-        peak = self.seen[batch].peak
-        estimates = [(peak - compiler.state_bytes - compiler.params_bytes) / batch]
-        below = [b for b in self.seen if b < batch]
-        if below:
-            b0 = max(below)
-            estimates.append((peak - self.seen[b0].peak) / (batch - b0))
-        return min(estimates)
-
-    def need(self, batch: int) -> int:
-        """Per-device bytes of training at ``batch``: compiled peak + prefetched batch."""
-        return self.peak(batch).peak + self.prefetch(batch)
-
-    def fits(self, batch: int) -> bool:
-        """Whether ``batch`` fits (a rough point too close to call is compiled exactly)."""
-        need = self.need(batch)
-        if batch in self.rough and abs(need - self.usable) <= self.tolerance:
-            self.make_exact(batch)
-            need = self.need(batch)
-        return need <= self.usable
-
-    def affine(self, a: int, b: int) -> MemoryModel:
-        return affine_fit(self.seen[a], self.seen[b], self.compiler.data_parallel)
-
-    def bracket(self, cap: int) -> tuple[int | None, int]:
-        """``(lo, hi)``: the smallest known batch that does not fit (``cap + unit`` if none)
-        and the largest known multiple of ``unit`` below it that fits (None if none)."""
-        dp = self.unit
-        over = [b for b in list(self.seen) if b <= cap and not self.fits(b)]
-        hi = min(over, default=cap + dp)
-        under = [b for b in list(self.seen) if b < hi and b % dp == 0 and self.fits(b)]
-        return max(under, default=None), hi
-
-
-class _NoFit(Exception):
-    """Even one sample per data-parallel group does not fit this mesh."""
-
-
-def _largest_batch(search: _Search, cap: int) -> int:
-    """Largest multiple of the search's unit in ``[unit, cap]`` that fits, such that the next
-    one does not.
-
-    Each compile is chosen by the memory model through the known points (`_next_guess`); the
-    answer ``lo`` is returned only when ``lo`` fits and ``lo + unit`` (or a smaller batch) was
-    compiled and does not (or ``lo == cap``). Raises `_NoFit` when ``unit`` itself does not fit.
-    """
-    dp = search.unit
-    secant_steps = 0
-    while True:
-        lo, hi = search.bracket(cap)
-        if lo is not None and (hi - lo <= dp or _line_proves_largest(search, lo, hi)):
-            return lo
-        if lo is None and hi == dp:
-            raise _NoFit
-        if search.compiles >= _MAX_SEARCH_COMPILES:
-            raise RuntimeError(
-                f"batch search did not converge in {_MAX_SEARCH_COMPILES} compiles (fits at "
-                f"{lo}, not at {hi}); pass max_batch_size to bound it"
-            )
-        guess = None
-        answer = False
-        if secant_steps < _SECANT_STEPS:
-            secant_steps += len(search.seen) >= 2
-            guess = _model_guess(search, lo, hi, cap)
-            # A guess other than the step up from a fitting batch is the prediction of the
-            # answer: the first from shapes, later ones from the known points.
-            answer = guess is not None and (guess == cap or not search.seen or lo is None
-                                            or guess != lo + dp)
-        if guess is None:  # bisection
-            low = lo if lo is not None else 0
-            guess = max(dp, low + ((hi - low) // dp // 2) * dp)
-        search.peak(guess, answer)
-
-
-def _line_proves_largest(search: _Search, lo: int, hi: int) -> bool:
-    """Whether a line through compiled points puts the next batch up, ``lo + unit``, over the
-    usable bytes; ``lo`` is exact and fits.
-
-    With a compiled ``hi`` that does not fit, the line between the two; otherwise (``lo`` is
-    the largest batch compiled) the figure at ``lo`` plus the slope estimated from below
-    (`_Search.slope_below`), and the traced slope from shapes too. The step up is then not
-    compiled: the answer is compiled exactly (its figures are the plan's and it fits for
-    certain), and only its being the largest rests on the line. Memory is piecewise affine in
-    the batch, so a line errs where XLA changes strategy; the cost of such an error is a batch
-    a step or two smaller than the largest, never one that does not fit.
-    """
-    if lo in search.rough or lo not in search.seen:
-        return False
-    nxt = lo + search.unit
-    if hi in search.seen:
-        line = search.affine(lo, hi)
-        predicted = line.fixed_bytes + line.bytes_per_sample * nxt + search.prefetch(nxt)
-        return line.bytes_per_sample > 0 and predicted > search.usable
-    peak = search.seen[lo].peak
-
-    def over(slope: float) -> bool:
-        return slope > 0 and peak + slope * search.unit + search.prefetch(nxt) > search.usable
-
-    # the traced slope is the dearer estimate (two traces): only when the others agree
-    return over(search.slope_below(lo)) and over(search.compiler.traced_bytes_per_sample())
-
-
-def _exact_largest(search: _Search, cap: int) -> int | None:
-    """`_largest_batch` whose answer is compiled exactly (its figures are the plan's); None
-    when not even the search's unit fits."""
-    try:
-        while True:
-            batch = _largest_batch(search, cap)
-            if batch not in search.rough:
-                return batch
-            # the answer's figures are the plan's: compile it exactly, then look again
-            search.make_exact(batch, answer=True)
-    except _NoFit:
-        return None
-
-
-def _model_guess(search: _Search, lo: int | None, hi: int, cap: int) -> int | None:
-    """The next batch to compile as the memory model through the known points predicts it,
-    strictly inside ``(lo, hi)``, a multiple of the search's unit; None when the points say
-    nothing useful (then bisect)."""
-    dp = search.unit
-    seen = search.seen
-    low = lo if lo is not None else 0
-    if not seen:
-        # compiled exactly as the answer: one compile when it fits and the step up does not
-        return max(dp, search.shape_guess(cap))
-    if len(seen) == 1:
-        # One point: the bytes beyond the persistent state and the gradients taken as
-        # proportional to the batch (activations); exact when they dominate, as in
-        # convolutional and attention models, an over-estimate of the slope otherwise.
-        (b0, e0), = seen.items()
-        base = search.compiler.state_bytes + search.compiler.params_bytes
-        if e0.peak <= base:
-            return None
-        lines = [MemoryModel(
-            fixed_bytes=float(base), bytes_per_sample=(e0.peak - base) / b0,
-            probe_batches=(b0,), probe_peaks=(e0.peak,), batch_multiple=dp,
-        )]
-    else:
-        lines = _candidate_lines(search, lo, hi)
-    fallback = None
-    for line in lines:
-        if line.bytes_per_sample <= 0:
-            continue
-        # the prefetched batch adds its bytes per sample to the compiled slope
-        line = replace(line, bytes_per_sample=line.bytes_per_sample + search.prefetch_per_sample)
-        predicted = line.max_batch(search.usable, cap=cap) // dp * dp
-        if low + dp <= predicted <= hi - dp:
-            return predicted
-        if fallback is None:
-            fallback = min(max(predicted, low + dp), hi - dp)
-    return fallback
-
-
-def _candidate_lines(search: _Search, lo: int | None, hi: int) -> list[MemoryModel]:
-    """Pure lines (no floor), best first: through the two latest compiles (secant), the two
-    largest batches that fit (the local slope below the boundary), and the bracket's ends."""
-    order = list(search.seen)  # insertion order: cached points first, then compiles
-    pairs = [(order[-2], order[-1])]
-    fitting = sorted(b for b in search.seen if lo is not None and b <= lo)
-    if len(fitting) >= 2:
-        pairs.append((fitting[-2], fitting[-1]))
-    if lo is not None and hi in search.seen:
-        pairs.append((lo, hi))
-    return [replace(search.affine(a, b), floor_bytes=0.0) for a, b in pairs]
-
-
-def _shape_figures(search: _Search, batch: int) -> tuple[MemoryEstimate, MemoryModel]:
-    """The step's memory at ``batch`` and its line from shapes alone (`_Search.shape_line`).
-    The compiled figures (``temp``, ``argument``, ``output``, ``alias``) are 0: nothing was
-    compiled."""
-    compiler, line = search.compiler, search.shape_line()
-    peak = line.predict(batch)
-    inputs = sh.bytes_per_device(with_batch_size(compiler.sample_batch, batch),
-                                 compiler.shardings.batch)
-    estimate = MemoryEstimate(
-        batch_size=batch, params=compiler.params_bytes, grads=compiler.params_bytes,
-        opt_state=compiler.opt_state_bytes, rest=compiler.rest_bytes, inputs=inputs,
-        activations_and_temps=peak - compiler.state_bytes - inputs, peak=peak,
-        temp=0, argument=0, output=0, alias=0,
-    )
-    return estimate, line
-
-
-def _local_fit(search: _Search, lo: int, hi: int) -> MemoryModel:
-    """Affine model through the compiled points that bracket the fit/no-fit boundary."""
-    if hi in search.seen:
-        return search.affine(lo, hi)
-    below = sorted(b for b in search.seen if b <= lo)
-    if len(below) >= 2:
-        return search.affine(below[-2], below[-1])
-    only = search.seen[lo]
-    slope = max(0.0, search.slope_below(lo))  # one compile: the slope estimated from below
-    return MemoryModel(
-        fixed_bytes=only.peak - slope * lo,
-        bytes_per_sample=slope,
-        probe_batches=(lo,),
-        probe_peaks=(only.peak,),
-        batch_multiple=search.compiler.data_parallel,
-    )
-
-
 def plan_budget(
     memory_per_device: int | float | str | Budget | None,
     devices: Sequence[jax.Device],
@@ -753,21 +443,24 @@ def plan_mesh(
       cache: a `PlanCache`: a plan stored under the same key is returned without compiling, a
         new plan is stored, and compiled points of the same program and mesh shape seed the
         batch search (see `scamp_jax.planning.plan_cache`).
-      compile_for_run: keep the step compiled at the plan's batch with default XLA options as
-        ``plan.compiled_step`` for the runner (default True). On accelerators the search
-        compiles with default options anyway, so it is free. On CPU the search compiles with
-        fast code-generation settings (LLVM level 0: half the compile time, half-speed code);
-        with it, the batches the memory model predicts to be the answer are compiled with
-        default options instead, so a plan takes as many compiles as without it (the
-        answer's a slower, run-grade one) and a trial on the planned devices none
+      compile_for_run: keep the step compiled at the plan's batch with the run's XLA options as
+        ``plan.compiled_step`` for the runner (default True), where the planner's compile of
+        its answer can be the run's (`scamp_jax.planning.compile_options.answer_is_runnable`:
+        CPU and backends without planning options). On CPU the search compiles its other
+        points with fast code-generation settings (LLVM level 0: half the compile time,
+        half-speed code) and the batch the memory model predicts to be the answer with the
+        run's options, so a plan takes as many compiles as without it (the answer's a slower,
+        run-grade one) and a trial on the planned devices none
         (`scamp_jax.planning.reuse.ExecutableCache`); one more (run-grade) compile only when
-        the prediction missed. False: planning only, at the fast settings. A plan answered
-        by ``cache`` compiles nothing and has no compiled step.
+        the prediction missed. On GPUs the planner compiles without autotuning and keeps no
+        step: the run compiles its own, autotuned. False: planning only, at the planning
+        settings. A plan answered by ``cache`` compiles nothing and has no compiled step.
       eval_task: a task with the `scamp_jax.planning.evaluation.ChunkedEvalTask` methods: its
-      evaluation
-        forward is compiled on the same mesh and its chunk chosen (`Plan.eval_chunk`) so that
-        evaluating never needs more per device than training, unless one sample per
-        data-parallel group already does; None (or a task without them): not planned.
+        evaluation forward's chunk is chosen (`Plan.eval_chunk`) so that evaluating never
+        needs more per device than training, unless one sample per data-parallel group already
+        does, and compiled on the same mesh (`scamp_jax.planning.evaluation.plan_eval`: the
+        chunk from shapes, one compile unless they guessed too high); None (or a task without
+        them): not planned.
       batch_multiple: the batch is also a multiple of this (with the data-parallel degree:
         their least common multiple) when one such batch fits, so that a trial can later run on
         more devices with the same batch (a batch of 41 cannot be split over 2 or 4 devices;
@@ -797,6 +490,68 @@ def plan_mesh(
       DoesNotFitError: no degree fits even at one sample per data-parallel group.
       ValueError, TypeError: bad arguments (raised before any compile).
     """
+    request = _request(
+        model, sample_batch, devices, memory_per_device, optimizer, loss_fn, safety_margin,
+        max_batch_size, model_parallel, min_shard_elements, cache, compile_for_run, eval_task,
+        batch_multiple, allowance_bytes, provisional)
+    stored = _StoredPlans.of(request, cache)
+    if stored is not None and (record := stored.plan_record()) is not None:
+        return _plan_from_record(record, request)
+    best_need: tuple[int, str] | None = None
+    for mp in request.candidates:
+        if request.cap < request.n // mp:
+            continue
+        outcome = _plan_on_mesh(request, mp, stored)
+        if isinstance(outcome, Plan):
+            return outcome
+        best_need = outcome if best_need is None or outcome[0] < best_need[0] else best_need
+    assert best_need is not None
+    raise _does_not_fit(request, *best_need)
+
+
+@dataclass(frozen=True)
+class _Request:
+    """``plan_mesh``'s arguments, checked and resolved (nothing compiled yet)."""
+
+    model: nnx.Module
+    sample_batch: PyTree
+    devices: tuple[jax.Device, ...]
+    budget: Budget
+    optimizer: optax.GradientTransformation
+    loss_fn: LossFn | None
+    cap: int
+    candidates: tuple[int, ...]
+    model_parallel: int | None
+    min_shard_elements: int
+    batch_multiple: int
+    compile_for_run: bool
+    eval_task: Any
+    eval_groups: tuple[jax.ShapeDtypeStruct, ...] | None
+    provisional: bool
+    state: tuple[PyTree, PyTree, PyTree]
+    start: float
+
+    @property
+    def n(self) -> int:
+        """Devices planned on."""
+        return len(self.devices)
+
+    @property
+    def usable(self) -> int:
+        """Bytes per device the plan's compiled figures may fill (`Budget.plan_bytes`)."""
+        return self.budget.plan_bytes
+
+
+def _request(
+    model: nnx.Module, sample_batch: PyTree, devices: Sequence[jax.Device] | int | None,
+    memory_per_device: int | float | str | Budget | None,
+    optimizer: optax.GradientTransformation | None, loss_fn: LossFn | None,
+    safety_margin: float | None, max_batch_size: int | None, model_parallel: int | None,
+    min_shard_elements: int, cache: PlanCache | None, compile_for_run: bool | None,
+    eval_task: Any, batch_multiple: int, allowance_bytes: int | None, provisional: bool,
+) -> _Request:
+    """Check ``plan_mesh``'s arguments (raising before any compile) and resolve the devices,
+    the budget, the optimizer, the batch cap and the model-parallel degrees to try."""
     start = time.perf_counter()
     devs = resolve_devices(devices)
     n = len(devs)
@@ -812,12 +567,10 @@ def plan_mesh(
                 f"{model_parallel=} must divide the device count {n}; choose one of "
                 f"{_divisors(n)}"
             )
-        candidates = [model_parallel]
+        candidates = (model_parallel,)
     else:
-        candidates = _divisors(n)
+        candidates = tuple(_divisors(n))
     budget = plan_budget(memory_per_device, devs, safety_margin, allowance_bytes, cache)
-    usable, allowance = budget.plan_bytes, budget.allowance_bytes
-    safety_margin = budget.safety_margin
     optimizer = optimizer if optimizer is not None else default_optimizer()
     cap = max_batch_size if max_batch_size is not None else DEFAULT_BATCH_CAP
     if all(cap < n // mp for mp in candidates):
@@ -826,172 +579,216 @@ def plan_mesh(
             f"{[n // mp for mp in candidates]} on {n} devices; raise it to at least "
             f"{min(n // mp for mp in candidates)} or use fewer devices"
         )
-    params, opt_state, rest = abstract_state(model, optimizer)
     eval_groups = abstract_eval_inputs(eval_task) if eval_task is not None else None
-    key = None
-    if cache is not None:
-        signature = program_signature(model, sample_batch, optimizer, loss_fn)
-        identity = device_identity(devs)
+    return _Request(
+        model=model, sample_batch=sample_batch, devices=devs, budget=budget,
+        optimizer=optimizer, loss_fn=loss_fn, cap=cap, candidates=candidates,
+        model_parallel=model_parallel, min_shard_elements=min_shard_elements,
+        batch_multiple=batch_multiple,
+        compile_for_run=True if compile_for_run is None else bool(compile_for_run),
+        eval_task=eval_task, eval_groups=eval_groups, provisional=provisional,
+        state=abstract_state(model, optimizer), start=start)
+
+
+@dataclass(frozen=True)
+class _StoredPlans:
+    """What a `PlanCache` holds for one request: its plan, and compiled points per mesh."""
+
+    cache: PlanCache
+    signature: str
+    identity: dict[str, Any]
+    plan_key: str
+
+    @classmethod
+    def of(cls, request: _Request, cache: PlanCache | None) -> _StoredPlans | None:
+        if cache is None:
+            return None
+        budget, task, groups = request.budget, request.eval_task, request.eval_groups
+        signature = program_signature(request.model, request.sample_batch, request.optimizer,
+                                      request.loss_fn)
+        identity = device_identity(request.devices)
         key = cache_key({
             "kind": "plan", "signature": signature, "devices": identity,
-            "memory_per_device": budget.memory_per_device, "safety_margin": safety_margin,
-            "cap": cap,
-            "model_parallel": model_parallel, "min_shard_elements": min_shard_elements,
-            "batch_multiple": batch_multiple, "allowance": allowance,
-            "eval": None if not eval_groups else {
-                "forward": getattr(eval_task.eval_forward, "__qualname__", ""),
-                "inputs": [[list(x.shape), str(x.dtype)] for x in eval_groups],
+            "memory_per_device": budget.memory_per_device,
+            "safety_margin": budget.safety_margin, "cap": request.cap,
+            "model_parallel": request.model_parallel,
+            "min_shard_elements": request.min_shard_elements,
+            "batch_multiple": request.batch_multiple, "allowance": budget.allowance_bytes,
+            "eval": None if not groups else {
+                "forward": getattr(task.eval_forward, "__qualname__", ""),
+                "inputs": [[list(x.shape), str(x.dtype)] for x in groups],
             },
         })
-        record = cache.get_plan(key)
-        if record is not None:
-            return _plan_from_record(
-                record, devs, params, opt_state, rest, optimizer, budget, min_shard_elements,
-                start,
-            )
-    compiles = 0
-    best_need: tuple[int, str] | None = None
-    for mp in candidates:
-        dp = n // mp
-        if cap < dp:
-            continue
-        mesh = sh.make_mesh(devs, dp, mp)
-        shardings = default_step_shardings(
-            mesh, params, opt_state, rest, optimizer, min_shard_elements=min_shard_elements
-        )
-        compiler = StepCompiler(model, sample_batch, mesh, shardings, optimizer, loss_fn)
-        if compiler.state_bytes > usable:
-            need = (compiler.state_bytes, f"parameters + optimizer state at model_parallel={mp}")
-            best_need = need if best_need is None or need[0] < best_need[0] else best_need
-            continue
-        step = jit_train_step(compiler.graphdef, compiler.optimizer, compiler.loss_fn, shardings)
-        one_sample = sh.bytes_per_device(with_batch_size(sample_batch, dp), shardings.batch)
-        want_step = compile_for_run if compile_for_run is not None else True
-        search = _Search(compiler, usable, step, compiler.compiler_options,
-                         prefetch_per_sample=one_sample / dp, run_grade_answers=want_step,
-                         rough_options=compiler.rough_options,
+        return cls(cache, signature, identity, key)
+
+    def plan_record(self) -> dict[str, Any] | None:
+        return self.cache.get_plan(self.plan_key)
+
+    def peaks_key(self, request: _Request, dp: int, mp: int) -> str:
+        return cache_key({
+            "kind": "peaks", "signature": self.signature,
+            "devices": {**self.identity, "count": request.n}, "mesh": [dp, mp],
+            "min_shard_elements": request.min_shard_elements,
+        })
+
+    def seed(self, search: BatchSearch, key: str) -> None:
+        """Put the compiled points stored under ``key`` into ``search``."""
+        for b, r in sorted(self.cache.get_peaks(key).items()):
+            r = dict(r)
+            if r.pop("rough", False):
+                search.rough.add(b)
+            search.seen[b] = MemoryEstimate(**r)
+
+    def keep(self, search: BatchSearch, key: str, known: set[int], known_rough: set[int]
+             ) -> None:
+        """Store the points ``search`` compiled (new ones, and rough ones made exact)."""
+        self.cache.put_peaks(key, {
+            b: {**_estimate_record(e), "rough": b in search.rough}
+            for b, e in search.seen.items()
+            if b not in known or (b in known_rough and b not in search.rough)
+        })
+
+
+def _plan_on_mesh(request: _Request, mp: int, stored: _StoredPlans | None,
+                  compiled_eval_floor: bool = False, spent: int = 0) -> Plan | tuple[int, str]:
+    """The plan at model-parallel degree ``mp``, or ``(bytes needed, what)`` when nothing fits
+    it. ``compiled_eval_floor``: bound the batch by the compiled evaluation of one sample per
+    data-parallel group even where the shapes put it far inside the budget; ``spent``: compiles
+    made for this degree before."""
+    dp, usable = request.n // mp, request.usable
+    params, opt_state, rest = request.state
+    mesh = sh.make_mesh(request.devices, dp, mp)
+    shardings = default_step_shardings(mesh, params, opt_state, rest, request.optimizer,
+                                       min_shard_elements=request.min_shard_elements)
+    compiler = StepCompiler(request.model, request.sample_batch, mesh, shardings,
+                            request.optimizer, request.loss_fn)
+    if compiler.state_bytes > usable:
+        return compiler.state_bytes, f"parameters + optimizer state at model_parallel={mp}"
+    step = jit_train_step(compiler.graphdef, compiler.optimizer, compiler.loss_fn, shardings)
+    one_sample = sh.bytes_per_device(with_batch_size(request.sample_batch, dp), shardings.batch)
+    platform = request.devices[0].platform
+    want_step = request.compile_for_run and answer_is_runnable(platform)
+    search = BatchSearch(compiler, usable, step, prefetch_per_sample=one_sample / dp,
+                         run_grade_answers=want_step, rough_options=compiler.rough_options,
                          tolerance=int(ROUGH_TOLERANCE * usable))
-        mp_cap = (cap // dp) * dp
-        evaluator, eval_floor = None, 0
-        if eval_groups:
-            evaluator = EvalCompiler(compiler.graphdef, eval_task.eval_forward, params, rest,
-                                     shardings.params, shardings.rest, mesh)
-            eval_floor = evaluator.peak(dp, eval_groups) + compiler.opt_state_bytes
-            compiles += len(eval_groups)
-            # while evaluating, the prefetched batch stays too: it bounds the batch
-            room = usable - eval_floor
-            mp_cap = min(mp_cap, int(room // search.prefetch_per_sample) // dp * dp
-                         if search.prefetch_per_sample > 0 else mp_cap)
-            if mp_cap < dp:
-                need = (eval_floor + search.prefetch(dp),
-                        f"evaluation at {dp} sample(s) with model_parallel={mp}")
-                best_need = need if best_need is None or need[0] < best_need[0] else best_need
-                continue
-        peaks_key = None
-        if cache is not None:
-            peaks_key = cache_key({
-                "kind": "peaks", "signature": signature,
-                "devices": {**identity, "count": n}, "mesh": [dp, mp],
-                "min_shard_elements": min_shard_elements,
-            })
-            for b, r in sorted(cache.get_peaks(peaks_key).items()):
-                r = dict(r)
-                if r.pop("rough", False):
-                    search.rough.add(b)
-                search.seen[b] = MemoryEstimate(**r)
-        known = set(search.seen)
-        known_rough = set(search.rough)
-        search.unit = math.lcm(dp, batch_multiple)
-        if (mp_cap // search.unit) * search.unit < search.unit:
-            search.unit = dp  # the cap leaves no multiple: plain data-parallel steps
-        top = (mp_cap // search.unit) * search.unit
-        shaped = provisional and top >= search.unit and search.shape_guess(top) >= top
-        if shaped:
-            # The shapes put the cap in reach: no step compiled here (a fused group's
-            # compiled step checks the fit; a trial alone is planned again).
-            batch = top
-            estimate, memory_model = _shape_figures(search, batch)
-            compiled_step = None
-        else:
-            batch = _exact_largest(search, top)
-            if batch is None and search.unit > dp:
-                # not even one multiple fits: the largest plain data-parallel batch instead
-                search.unit = dp
-                batch = _exact_largest(search, mp_cap)
-            compiles += search.compiles
-            if cache is not None and peaks_key is not None:
-                cache.put_peaks(peaks_key, {
-                    b: {**_estimate_record(e), "rough": b in search.rough}
-                    for b, e in search.seen.items()
-                    if b not in known or (b in known_rough and b not in search.rough)
-                })
-            if batch is None:
-                need = (search.need(dp), f"peak at batch {dp} with model_parallel={mp}, "
-                        "prefetched batch included")
-                best_need = need if best_need is None or need[0] < best_need[0] else best_need
-                continue
-            _, hi = search.bracket((mp_cap // search.unit) * search.unit)
-            memory_model = _local_fit(search, batch, hi)
-            estimate = search.seen[batch]
-            compiled_step = None
-            if want_step:
-                if batch in search.executables and search.executables[batch][2]:
-                    executable, lowered, _ = search.executables[batch]
-                else:
-                    run_estimate, executable, lowered = compile_step(step, compiler, batch,
-                                                                     None)
-                    compiles += 1
-                    if run_estimate.peak != estimate.peak:
-                        # Code-generation settings are not meant to change buffer assignment;
-                        # if they do, the run's own figure is the one that must fit.
-                        estimate = run_estimate
-                compiled_step = CompiledStep(
-                    executable, lowered_fingerprint(lowered), tuple(d.id for d in devs)
-                )
-        prefetch = search.prefetch(batch)
-        eval_plan = None
-        if evaluator is not None:
-            eval_plan = plan_eval(evaluator, eval_groups, compiler.opt_state_bytes + prefetch,
-                                  estimate.peak + prefetch)
-            compiles += eval_plan.compiles
-        plan = Plan(
-            mesh=mesh,
-            data_parallel=dp,
-            model_parallel=mp,
-            param_shardings=shardings.params,
-            batch_sharding=shardings.batch,
-            step_shardings=shardings,
-            batch_size=batch,
-            peak_bytes_per_device=estimate.peak,
-            memory_per_device=budget.memory_per_device,
-            safety_margin=safety_margin,
-            estimate=estimate,
-            memory_model=memory_model,
-            devices=devs,
-            planning_seconds=time.perf_counter() - start,
-            compiles=compiles,
-            compiled_peaks=tuple((b, e.peak) for b, e in search.seen.items()),
-            compiled_step=compiled_step,
-            step_source=None if shaped else StepSource(
-                step, compiler.graphdef, compiler.optimizer, compiler.loss_fn, shardings),
-            prefetch_bytes=prefetch,
-            eval_chunk=eval_plan.chunk if eval_plan else 0,
-            eval_peak_bytes=eval_plan.peak_bytes if eval_plan else 0,
-            evaluator=evaluator if eval_plan else None,
-            allowance_bytes=allowance,
-            provisional=shaped,
-        )
-        if not shaped and cache is not None and key is not None and (
-                plan.predicted_peak_bytes - allowance <= usable):
-            cache.put_plan(key, _plan_record(plan))
-        return plan
-    assert best_need is not None
-    needed, what = best_need
-    raise DoesNotFitError(
-        f"{type(model).__name__} does not fit on {n} device(s): it needs at least "
-        f"{needed} bytes ({format_bytes(needed)}) per device ({what}) but {usable} bytes "
+    mp_cap = (request.cap // dp) * dp
+    groups, evaluator = request.eval_groups, None
+    if groups:
+        evaluator = EvalCompiler(compiler.graphdef, request.eval_task.eval_forward, params,
+                                 rest, shardings.params, shardings.rest, mesh)
+        floor = _eval_floor(evaluator, groups, compiler, search, mp_cap, compiled_eval_floor)
+        # while evaluating, the prefetched batch stays too: it bounds the batch
+        room = usable - floor
+        if search.prefetch_per_sample > 0:
+            mp_cap = min(mp_cap, int(room // search.prefetch_per_sample) // dp * dp)
+        if mp_cap < dp:
+            return (floor + search.prefetch(dp),
+                    f"evaluation at {dp} sample(s) with model_parallel={mp}")
+    peaks_key = None
+    if stored is not None:
+        peaks_key = stored.peaks_key(request, dp, mp)
+        stored.seed(search, peaks_key)
+    known, known_rough = set(search.seen), set(search.rough)
+    search.unit = math.lcm(dp, request.batch_multiple)
+    if (mp_cap // search.unit) * search.unit < search.unit:
+        search.unit = dp  # the cap leaves no multiple: plain data-parallel steps
+    top = (mp_cap // search.unit) * search.unit
+    shaped = request.provisional and top >= search.unit and search.shape_guess(top) >= top
+    compiled_step = None
+    if shaped:
+        # The shapes put the cap in reach: no step compiled here (a fused group's compiled
+        # step checks the fit; a trial alone is planned again).
+        batch: int | None = top
+        estimate, memory_model = shape_figures(search, top)
+    else:
+        batch = exact_largest(search, top)
+        if batch is None and search.unit > dp:
+            # not even one multiple fits: the largest plain data-parallel batch instead
+            search.unit = dp
+            batch = exact_largest(search, mp_cap)
+        if stored is not None and peaks_key is not None:
+            stored.keep(search, peaks_key, known, known_rough)
+        if batch is None:
+            return (search.need(dp), f"peak at batch {dp} with model_parallel={mp}, "
+                    "prefetched batch included")
+        _, hi = search.bracket((mp_cap // search.unit) * search.unit)
+        memory_model = local_fit(search, batch, hi)
+        estimate = search.seen[batch]
+        if want_step:
+            estimate, compiled_step = _run_step(search, batch, estimate)
+    assert batch is not None
+    prefetch = search.prefetch(batch)
+    eval_plan = None
+    compiles = spent + search.compiles
+    if evaluator is not None and groups:
+        eval_plan = plan_eval(evaluator, groups, compiler.opt_state_bytes + prefetch,
+                              estimate.peak + prefetch)
+        compiles += evaluator.compiled_chunks()
+        if eval_plan.total_bytes > usable and not compiled_eval_floor:
+            # the shapes put evaluating far inside the budget and the compile did not:
+            # plan again with the batch bounded by the compiled figure
+            return _plan_on_mesh(request, mp, stored, compiled_eval_floor=True, spent=compiles)
+    plan = Plan(
+        mesh=mesh, data_parallel=dp, model_parallel=mp, param_shardings=shardings.params,
+        batch_sharding=shardings.batch, step_shardings=shardings, batch_size=batch,
+        peak_bytes_per_device=estimate.peak,
+        memory_per_device=request.budget.memory_per_device,
+        safety_margin=request.budget.safety_margin, estimate=estimate,
+        memory_model=memory_model, devices=request.devices,
+        planning_seconds=time.perf_counter() - request.start, compiles=compiles,
+        compiled_peaks=tuple((b, e.peak) for b, e in search.seen.items()),
+        compiled_step=compiled_step,
+        step_source=None if shaped else StepSource(
+            step, compiler.graphdef, compiler.optimizer, compiler.loss_fn, shardings),
+        prefetch_bytes=prefetch,
+        eval_chunk=eval_plan.chunk if eval_plan else 0,
+        eval_peak_bytes=eval_plan.peak_bytes if eval_plan else 0,
+        evaluator=evaluator if eval_plan else None,
+        allowance_bytes=request.budget.allowance_bytes,
+        provisional=shaped,
+    )
+    if not shaped and stored is not None and (
+            plan.predicted_peak_bytes - plan.allowance_bytes <= usable):
+        stored.cache.put_plan(stored.plan_key, _plan_record(plan))
+    return plan
+
+
+def _eval_floor(evaluator: EvalCompiler, groups: Sequence[jax.ShapeDtypeStruct],
+                compiler: StepCompiler, search: BatchSearch, cap: int, compiled: bool) -> int:
+    """Per-device bytes of evaluating one sample per data-parallel group beside the optimizer
+    state: the shape estimate (`EvalCompiler.estimate` x `EVAL_SHAPE_MARGIN`) where it leaves
+    room for the prefetched batch at ``cap`` (then it does not bound the batch and nothing is
+    compiled), else (or when ``compiled``) the compiled forward's figure."""
+    dp = compiler.data_parallel
+    resident = compiler.opt_state_bytes
+    if not compiled:
+        shapes = int(evaluator.estimate(dp, groups) * EVAL_SHAPE_MARGIN) + resident
+        if shapes + search.prefetch(cap) <= search.usable:
+            return shapes
+    return evaluator.peak(dp, groups) + resident
+
+
+def _run_step(search: BatchSearch, batch: int, estimate: MemoryEstimate
+              ) -> tuple[MemoryEstimate, CompiledStep]:
+    """The run's executable at ``batch`` (`BatchSearch.run_grade`) and the figures the plan
+    keeps: the search's, unless the run's compile assigned buffers differently."""
+    run_estimate, executable, lowered, _ = search.run_grade(batch)
+    if run_estimate.peak != estimate.peak:
+        # Code-generation settings are not meant to change buffer assignment; if they do,
+        # the run's own figure is the one that must fit.
+        estimate = run_estimate
+    devices = tuple(d.id for d in search.compiler.mesh.devices.flat)
+    return estimate, CompiledStep(executable, lowered_fingerprint(lowered), devices)
+
+
+def _does_not_fit(request: _Request, needed: int, what: str) -> DoesNotFitError:
+    budget, usable = request.budget, request.usable
+    allowance = budget.allowance_bytes
+    return DoesNotFitError(
+        f"{type(request.model).__name__} does not fit on {request.n} device(s): it needs at "
+        f"least {needed} bytes ({format_bytes(needed)}) per device ({what}) but {usable} bytes "
         f"({format_bytes(usable)}) are available ({format_bytes(budget.memory_per_device)} "
-        f"less a {safety_margin:.0%} margin"
+        f"less a {budget.safety_margin:.0%} margin"
         + (f" and a {format_bytes(allowance)} allowance" if allowance else "")
         + "); use more devices, more memory_per_device, or a smaller model",
         bytes_needed=needed,
@@ -1023,23 +820,14 @@ def _plan_record(plan: Plan) -> dict[str, Any]:
     }
 
 
-def _plan_from_record(
-    record: dict[str, Any],
-    devs: tuple[jax.Device, ...],
-    params: PyTree,
-    opt_state: PyTree,
-    rest: PyTree,
-    optimizer: optax.GradientTransformation,
-    budget: Budget,
-    min_shard_elements: int,
-    start: float,
-) -> Plan:
-    """A cached plan on ``devs``: mesh and shardings rebuilt from the sharding rules."""
+def _plan_from_record(record: dict[str, Any], request: _Request) -> Plan:
+    """A cached plan on the request's devices: mesh and shardings rebuilt from the sharding
+    rules."""
     dp, mp = int(record["data_parallel"]), int(record["model_parallel"])
+    devs, budget = request.devices, request.budget
     mesh = sh.make_mesh(devs, dp, mp)
-    shardings = default_step_shardings(
-        mesh, params, opt_state, rest, optimizer, min_shard_elements=min_shard_elements
-    )
+    shardings = default_step_shardings(mesh, *request.state, request.optimizer,
+                                       min_shard_elements=request.min_shard_elements)
     estimate = MemoryEstimate(**record["estimate"])
     model = record["memory_model"]
     memory_model = MemoryModel(
@@ -1064,7 +852,7 @@ def _plan_from_record(
         estimate=estimate,
         memory_model=memory_model,
         devices=devs,
-        planning_seconds=time.perf_counter() - start,
+        planning_seconds=time.perf_counter() - request.start,
         compiles=0,
         compiled_peaks=tuple((int(b), int(p)) for b, p in record["compiled_peaks"]),
         cached=True,

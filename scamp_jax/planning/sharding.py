@@ -186,8 +186,10 @@ def opt_state_shardings(
         return sharding if tuple(leaf.shape) == tuple(param.shape) else replicated
 
     try:
+        # ``init`` traced, not run: an eager init computes its hyperparameters, a few
+        # compiles of tiny programs in every process
         return optax.tree_map_params(
-            optimizer,
+            lambda p: jax.eval_shape(optimizer.init, p),
             same_shape,
             opt_state,
             params,

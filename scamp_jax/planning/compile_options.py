@@ -1,0 +1,131 @@
+"""XLA options of every compile the project makes, by backend and purpose: the one place.
+
+A compile is made for one of these purposes (`Purpose`):
+
+- ``GUIDE``: a planning compile read only for its memory figures (`memory_analysis`), never run:
+  the batch search's points other than its answer, a fused group's points;
+- ``ANSWER``: the planner's compile of the batch it answers with;
+- ``RUN``: the training step a run trains with;
+- ``EVAL``: the evaluation forward (compiled once by the planner, run by the trial);
+- ``INIT``: a run's initial state (run once per run).
+
+Per backend:
+
+- CPU: guidance at LLVM optimisation level 0 (``CPU_FAST_COMPILE``: the same buffer assignment,
+  about half the compile time, half-speed code); the answer at XLA's defaults, so that it *is*
+  the run's executable (`answer_is_runnable`); the initial state at level 1
+  (``CPU_INIT_COMPILE``: the same values bit for bit as the default level, a third of its compile
+  time).
+- GPU: every planning compile with XLA's autotuner off (``GPU_PLANNING_COMPILE``): the autotuner
+  runs kernels at compile time, takes an exclusive lock on the GPU while it does, and would
+  stall the trials training beside the planner; the run's step is the one compile autotuned
+  (its results kept by the persistent autotune cache, `scamp_jax.planning.compile_cache`), so
+  the planner's answer is not the run's executable there. The evaluation forward runs rarely:
+  its one compile is the planner's, autotuning off.
+- other backends: XLA's defaults everywhere.
+
+The initial state is made on the host's CPU on every backend (`init_platform`), so a new
+architecture's initialisation never compiles for an accelerator.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from enum import Enum
+from typing import Any
+
+#: XLA options of CPU planning compiles: LLVM optimisation level 0 (buffer assignment is done on
+#: HLO before code generation, so the figures equal the default level's; a test pins it).
+CPU_FAST_COMPILE: dict[str, str | bool] = {"xla_backend_optimization_level": "0"}
+#: XLA options for the planner's guidance compiles on CPU where XLA still has the legacy
+#: elemental emitters: those instead of the MLIR fusion emitters (most of a CPU compile's time).
+#: XLA's fusion decisions change a little with them: peaks seen equal or 512 bytes above
+#: ``CPU_FAST_COMPILE``'s (`cpu_rough_options`).
+CPU_ROUGH_COMPILE: dict[str, str | bool] = {
+    **CPU_FAST_COMPILE, "xla_cpu_use_fusion_emitters": False,
+}
+#: XLA options of the initialisation's compile on CPU: it runs once per run, so its code speed
+#: hardly matters, while LLVM's default optimisation makes its compile the slowest of a trial
+#: (digits MLP: 2.7 CPU s at the default level, 0.58 at level 1, same values bit for bit; level
+#: 0 rounds about 4% of the weights differently in the last place).
+CPU_INIT_COMPILE: dict[str, str | bool] = {"xla_backend_optimization_level": "1"}
+#: XLA options of GPU planning compiles: no autotuning (kernels chosen by XLA's heuristics).
+GPU_PLANNING_COMPILE: dict[str, str | bool | int] = {"xla_gpu_autotune_level": 0}
+
+
+class Purpose(Enum):
+    """What a compile is for (see the module doc)."""
+
+    GUIDE = "guide"
+    ANSWER = "answer"
+    RUN = "run"
+    EVAL = "eval"
+    INIT = "init"
+
+
+def platform_of(devices: Iterable[Any]) -> str:
+    """The one platform of ``devices`` (``jax.Device``s), e.g. ``"cpu"`` or ``"gpu"``; raises
+    ``ValueError`` for an empty or mixed set."""
+    platforms = {str(d.platform) for d in devices}
+    if len(platforms) != 1:
+        raise ValueError(f"devices of one platform are compiled for together, got "
+                         f"{sorted(platforms) or 'none'}; pass devices of one platform")
+    return platforms.pop()
+
+
+def compile_options(platform: str, purpose: Purpose) -> dict[str, Any] | None:
+    """XLA options (``Lowered.compile``'s ``compiler_options``) of a ``purpose`` compile for
+    ``platform``; None: XLA's defaults. A new dict each call (callers may extend it)."""
+    if platform == "cpu":
+        if purpose is Purpose.GUIDE:
+            return dict(CPU_FAST_COMPILE)
+        if purpose is Purpose.INIT:
+            return dict(CPU_INIT_COMPILE)
+        return None
+    if platform in ("gpu", "cuda", "rocm") and purpose in (
+            Purpose.GUIDE, Purpose.ANSWER, Purpose.EVAL):
+        return dict(GPU_PLANNING_COMPILE)
+    return None
+
+
+def answer_is_runnable(platform: str) -> bool:
+    """Whether the planner's compile of its answer is the run's executable on ``platform``
+    (its options are the run's: CPU and backends without planning options)."""
+    return compile_options(platform, Purpose.ANSWER) == compile_options(platform, Purpose.RUN)
+
+
+def init_platform() -> str:
+    """The platform initial states are made on: the host's CPU (JAX always has it)."""
+    return "cpu"
+
+
+_rough_accepted: bool | None = None
+_rough_lock = threading.Lock()
+
+
+def cpu_rough_options() -> dict[str, str | bool] | None:
+    """``CPU_ROUGH_COMPILE`` where this XLA accepts its options, else None (no rough setting).
+
+    The legacy emitters' switch is gone from newer XLA releases (jax 0.12), which reject an
+    unknown option at compile time; one tiny compile per process tells which kind this is.
+    """
+    global _rough_accepted
+    with _rough_lock:
+        if _rough_accepted is None:
+            _rough_accepted = _accepts(CPU_ROUGH_COMPILE)
+    return dict(CPU_ROUGH_COMPILE) if _rough_accepted else None
+
+
+def _accepts(options: dict[str, Any]) -> bool:
+    """Whether this XLA takes ``options`` (one tiny compile)."""
+    import jax
+
+    lowered = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((), "float32"))
+    try:
+        lowered.compile(dict(options))
+    except Exception as error:  # XlaRuntimeError: INVALID_ARGUMENT: No such compile option
+        if "No such compile option" not in str(error):
+            raise
+        return False
+    return True
