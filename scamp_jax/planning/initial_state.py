@@ -10,10 +10,14 @@ its state here:
   the seed and the hyperparameters as arguments, so a run's initial state costs no compile once
   its architecture has started. ``make`` gives one run's state, ``make_group`` the stacked state
   of a fused group of ``K`` runs (a leading member axis; member ``i`` equals ``make`` with the
-  ``i``-th seed and hyperparameters, bit for bit). On CPU devices (slices of one host's memory)
-  the program is compiled once on the first devices of the platform and its result copied onto
-  the run's devices, so trials on other devices reuse the compile; elsewhere it is compiled for
-  the run's own devices, where the state is made directly.
+  ``i``-th seed and hyperparameters, bit for bit). The program is compiled for the host's CPU
+  (`scamp_jax.planning.compile_options.init_platform`) on every backend and its result copied
+  onto the run's devices: trials on other devices reuse the compile, an accelerator never
+  compiles an initialisation (on a GPU that compile cost about as much as the step's, with
+  XLA's autotuner holding the GPU meanwhile), and a seed gives the same initial state on every
+  backend. On CPU devices the host's mesh mirrors the run's (the platform's first devices);
+  elsewhere it is the host's first CPU device, the state made whole in host memory and split
+  onto the run's devices by the copy.
 - `abstract_initial_state`: the same state as ``jax.ShapeDtypeStruct``s carrying the shardings,
   the restore target of a resumed run (nothing is allocated).
 - `init_train_state`: a model's state made where it lives, without a cache.
@@ -35,16 +39,11 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from scamp_jax.planning.compile_options import Purpose, compile_options, init_platform
 from scamp_jax.planning.train_step import StepShardings, split_model, stack_shardings
 
 PyTree = Any
 Build = Callable[[nnx.Rngs], nnx.Module]
-
-#: XLA options of the initialisation's compile on CPU: it runs once per run, so its code speed
-#: hardly matters, while LLVM's default optimisation makes its compile the slowest of a trial
-#: (digits MLP: 2.7 CPU s at the default level, 0.58 at level 1, same values bit for bit; level
-#: 0 rounds about 4% of the weights differently in the last place).
-CPU_INIT_COMPILE: dict[str, str | bool] = {"xla_backend_optimization_level": "1"}
 
 
 def set_hyperparams(opt_state: PyTree, hyperparams: Mapping[str, Any]) -> PyTree:
@@ -110,9 +109,10 @@ def abstract_initial_state(
 class InitialStates:
     """Compiled initialisations by architecture, width and mesh shape (thread-safe).
 
-    ``misses`` counts the compiles, ``hits`` the states made without one. ``home_on_cpu``: on
-    CPU devices, compile once on the platform's first devices and copy the result onto the
-    run's devices (False: always compile for the run's own devices, nothing is transferred).
+    ``misses`` counts the compiles, ``hits`` the states made without one. ``home_on_cpu``:
+    compile for the host's CPU and copy the result onto the run's devices (see the module doc;
+    False: compile for the run's own devices, where the state is made directly: nothing is
+    transferred and no device holds more than its shards).
     """
 
     def __init__(self, home_on_cpu: bool = True) -> None:
@@ -170,14 +170,8 @@ class InitialStates:
               width: int | None) -> tuple[PyTree, PyTree, PyTree]:
         mesh = shardings.mesh
         devices = list(mesh.devices.flat)
-        platform = devices[0].platform
-        if platform == "cpu" and self.home_on_cpu:
-            # One host's memory: make it on the platform's first devices, copy it over.
-            home = jax.local_devices(backend=platform)[: len(devices)]
-            home_mesh = Mesh(np.asarray(home, dtype=object).reshape(mesh.devices.shape),
-                             mesh.axis_names, axis_types=mesh.axis_types)
-        else:
-            home_mesh = mesh
+        home_mesh = _home_mesh(mesh) if self.home_on_cpu else mesh
+        platform = home_mesh.devices.flat[0].platform
 
         def rehome(tree: PyTree) -> PyTree:
             return jax.tree.map(
@@ -209,7 +203,7 @@ class InitialStates:
                                            out_shardings=out).lower(
                             jax.ShapeDtypeStruct(seed_shape, jnp.int32),
                             {k: jax.ShapeDtypeStruct(seed_shape, jnp.float32) for k in names},
-                        ).compile(dict(CPU_INIT_COMPILE) if platform == "cpu" else None)
+                        ).compile(compile_options(platform, Purpose.INIT))
                     with self._lock:
                         self._compiled[key] = compiled
                         self.misses += 1
@@ -217,10 +211,23 @@ class InitialStates:
         replicated = NamedSharding(home_mesh, PartitionSpec())
         args = jax.device_put((seeds, {k: hyper[k] for k in names}), replicated)
         state = compiled(*args)
-        if home_ids == tuple(d.id for d in devices):
+        if list(home_mesh.devices.flat) == devices:
             return state
         # A copy onto the run's devices (the step donates params: never alias the home copy).
         return jax.device_put(state, target)
+
+
+def _home_mesh(mesh: Mesh) -> Mesh:
+    """The host CPU mesh an initial state for ``mesh`` is made on: on CPU devices the
+    platform's first devices in ``mesh``'s shape (one host's memory: the copy is a local one),
+    elsewhere the host's first CPU device, every axis of size 1."""
+    host = jax.local_devices(backend=init_platform())
+    size = mesh.devices.size
+    if mesh.devices.flat[0].platform == init_platform() and len(host) >= size:
+        home = np.asarray(host[:size], dtype=object).reshape(mesh.devices.shape)
+    else:
+        home = np.asarray(host[:1], dtype=object).reshape((1,) * mesh.devices.ndim)
+    return Mesh(home, mesh.axis_names, axis_types=mesh.axis_types)
 
 
 def init_train_state(
