@@ -363,9 +363,6 @@ def _run(
              "and CPU devices have none; pass --memory-per-device, e.g. --memory-per-device 1GiB")
     budget = Budget.of_devices(devices, memory)  # the one place the budget is read
     space, task = make(config)  # reads the image folders: before any study exists
-    # Compiles dominate short trials on CPU; a resumed study finds them on disk.
-    jax.config.update("jax_compilation_cache_dir", str(Path(config.study_dir) / "jax_cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     # Under mpirun with several ranks the same session spans them: rank 0 serves the study.
     return run_search(space, task, config, devices=devices,
                       memory_per_device=budget.memory_per_device,

@@ -7,7 +7,9 @@ study lives, its console, plan cache, live view and engine); `run_search` drives
 process, and hands over to the MPI session when launched by ``mpirun`` with several ranks.
 
 A run writes ``study.db`` (unless ``settings.storage`` names another database),
-``plans.sqlite`` (the plan cache, shared by every study in ``study_dir``), and in the study's
+``plans.sqlite`` (the plan cache, shared by every study in ``study_dir``), ``jax_cache/`` (the
+persistent compilation cache, `scamp_jax.planning.compile_cache`, shared likewise), and in the
+study's
 folder (``study_dir``, or ``study_dir/<study_name>`` for a study other than the space's default)
 ``checkpoints/``, ``results.json``, ``results.csv``, ``best_model/`` and the plots.
 """
@@ -215,6 +217,7 @@ class StudySession:
         """
         from scamp_jax.hpo.live import LiveView, PlainStream, RankStream, is_terminal
         from scamp_jax.hpo.overhead import OverheadRecorder
+        from scamp_jax.planning.compile_cache import study_compile_cache
 
         if engine is None:
             from scamp_jax.hpo.engine import SearchEngine as engine
@@ -237,8 +240,11 @@ class StudySession:
         warm(("orbax.checkpoint", "matplotlib", "matplotlib.figure",
               "matplotlib.backends.backend_agg"))
         freeze_lasting()  # the study, its storage and their modules last the whole run
-        # Where the time goes besides training: run.overhead in results.json.
-        with view, OverheadRecorder() as recorder:
+        # Every compile of the run is looked up in (and, by the study's owner, written to) the
+        # study's persistent compilation cache; where the time goes besides training:
+        # run.overhead in results.json.
+        with (study_compile_cache(self.study_dir, writer=self.rank == 0), view,
+              OverheadRecorder() as recorder):
             result = built.run()
         self.overhead = recorder.summary(result)
         return built, result

@@ -1,0 +1,83 @@
+"""Compiled programs that outlive a process: a study's persistent compilation cache.
+
+`study_compile_cache` points JAX's persistent compilation cache at a study's ``jax_cache``
+folder while a study runs, so every compile of the study (planning, the initial states, the
+evaluation forwards, the runs' steps, on every thread) is looked up there first and written
+there after: a resumed study, a second process or another MPI rank of it compiles nothing
+that one of them compiled before. JAX keys an entry by the lowered program, the XLA options
+of its compile (planning and run grades are separate entries), the devices' platform and
+assignment and the JAX and XLA versions, and stores the executable with its buffer
+assignment: an executable read back answers ``memory_analysis()`` as the compiled one did,
+so a planning compile found there is as good as one made.
+
+On GPUs JAX keeps XLA's autotuning results in the same folder
+(``xla_gpu_per_fusion_autotune_cache_dir``, `jax_persistent_cache_enable_xla_caches`): a run's
+step autotunes each fusion once per study, not once per process.
+
+One writer: only the process that owns the study (MPI rank 0) writes entries; the others read
+them and compile what is not there themselves (JAX writes an entry in place, so a second
+writer could hand a reader half a file; with ``filelock`` installed, JAX also takes a lock
+around every read and write, `FILE_LOCK_BYTES`). Every compile is written, however short: a
+resumed study should compile nothing it compiled before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+#: The folder of a study directory that holds the cache (beside ``plans.sqlite``).
+CACHE_DIRNAME = "jax_cache"
+#: Size bound (bytes) that turns on JAX's file lock around cache reads and writes (JAX locks
+#: only when it may evict, which needs a bound); far above any study's cache.
+FILE_LOCK_BYTES = 1 << 40
+#: `jax_persistent_cache_min_compile_time_secs` of a reader: it never writes.
+_NEVER = 1e12
+
+
+def cache_dir(study_dir: str | Path) -> Path:
+    """The persistent compilation cache folder of the study directory ``study_dir``."""
+    return Path(study_dir) / CACHE_DIRNAME
+
+
+def _settings(directory: Path, writer: bool) -> dict[str, Any]:
+    settings: dict[str, Any] = {
+        "jax_compilation_cache_dir": str(directory),
+        "jax_persistent_cache_min_compile_time_secs": 0.0 if writer else _NEVER,
+        "jax_persistent_cache_min_entry_size_bytes": -1,  # no size bound
+        # XLA's GPU autotune results beside the executables; a reader does not touch them
+        "jax_persistent_cache_enable_xla_caches": (
+            "xla_gpu_per_fusion_autotune_cache_dir" if writer else ""),
+    }
+    if importlib.util.find_spec("filelock") is not None:
+        settings["jax_compilation_cache_max_size"] = FILE_LOCK_BYTES
+    return settings
+
+
+@contextlib.contextmanager
+def study_compile_cache(study_dir: str | Path, *, writer: bool = True) -> Iterator[Path]:
+    """Use the persistent compilation cache of ``study_dir`` (its ``jax_cache`` folder) in this
+    process while the block runs; ``writer``: write new entries (the study's owner, MPI rank
+    0), else only read them. The previous settings come back afterwards. Yields the folder.
+    """
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    directory = cache_dir(study_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    settings = _settings(directory, writer)
+    before = {name: getattr(jax.config, name) for name in settings}
+    # JAX opens its cache once per process, at the first compile that uses it: start afresh so
+    # that this folder is the one opened (and again after, for the settings restored).
+    compilation_cache.reset_cache()
+    for name, value in settings.items():
+        jax.config.update(name, value)
+    try:
+        yield directory
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
