@@ -28,6 +28,7 @@ from scamp_jax.planning.compile_options import (
     answer_is_runnable,
     compile_options,
 )
+from scamp_jax.planning.compile_slots import COMPILE_SLOTS, CompileSlots
 from scamp_jax.planning.evaluation import EvalCompiler, abstract_eval_inputs, plan_eval
 from scamp_jax.planning.liveness import live_bytes
 from scamp_jax.planning.planner import plan_mesh
@@ -113,6 +114,8 @@ def test_a_study_compiles_one_step_and_one_evaluation_per_architecture_and_a_sec
     assert first["planning_compiles"] <= 2 * archs, first
     assert first["runner_step_compiles"] == 0 and first["evaluation_compiles"] == 0, first
     assert first["runner_init_compiles"] <= archs, first
+    # the engine's bound on compiles at once (its planner threads, 2) held, trials' included
+    assert 1 <= COMPILE_SLOTS.most <= 2
     assert _entries(tmp_path)
     # A second process of the study (another study in the same folder, the same
     # architectures): plans from plans.sqlite, every program from the persistent cache.
@@ -144,6 +147,36 @@ def test_a_reader_reads_the_cache_and_writes_nothing(tmp_path):
     assert again.total == 0 and sum(again.cache_hits.values()) == 1
     # and the settings of before come back: nothing is cached outside the block
     assert jax.config.jax_compilation_cache_dir is None
+
+
+def test_compile_slots_bound_the_compiles_running_at_once():
+    import threading
+
+    def compile_all(slots: CompileSlots, barrier: threading.Barrier | None) -> None:
+        def one(k: int) -> None:
+            lowered = jax.jit(lambda x: jnp.sin(x) * k).lower(
+                jax.ShapeDtypeStruct((k + 2, 3), jnp.float32))
+            with slots.slot():
+                if barrier is not None:
+                    barrier.wait(timeout=60)  # every thread inside at once
+                lowered.compile()
+
+        threads = [threading.Thread(target=one, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    free = CompileSlots()
+    compile_all(free, threading.Barrier(6))
+    assert free.most == 6  # no bound: all six at once
+    bounded = CompileSlots()
+    with bounded.limited(2):
+        compile_all(bounded, None)
+    assert 1 <= bounded.most <= 2 and bounded.limit == 0  # the bound is lifted after
+    with pytest.raises(ValueError, match="limit=0 must be an int >= 1"):
+        with bounded.limited(0):
+            pass
 
 
 def test_planning_options_per_backend():

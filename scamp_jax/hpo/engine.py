@@ -64,6 +64,7 @@ from scamp_jax.hpo.trial import (
 from scamp_jax.planning import planner
 from scamp_jax.planning.budget import Budget
 from scamp_jax.planning.compile_options import cpu_rough_options
+from scamp_jax.planning.compile_slots import COMPILE_SLOTS
 from scamp_jax.planning.plan_cache import PlanCache
 from scamp_jax.scheduling.core import PlanOption, SchedulingCore, Start, TrialPlan
 from scamp_jax.scheduling.costs import attainable_flops
@@ -108,7 +109,9 @@ class EngineConfig:
         which the study stops with `BudgetTooSmallError`.
       seed: base seed of initialisation and data streams.
       rank: process rank recorded with each trial (0 on a single host).
-      planner_threads: configurations planned at once (each plan is a few compiles).
+      planner_threads: configurations planned at once (each plan is a few compiles), and the
+        most XLA compiles the study runs at once, trials' own included
+        (`scamp_jax.planning.compile_slots`).
       grow_last_wave: in a study's last wave (nothing left to ask), let ScaMP start a queued
         trial data-parallel on 2x, 4x, ... its planned devices when they would otherwise idle
         (needs ``reference_batch``: a larger global batch then means fewer steps). None: on for
@@ -693,8 +696,10 @@ class SearchEngine:
             self.core, self.planning, len(self.devices), self._planner.submit,
             self.planning.core_plan, self._now)
         try:
-            while self._turn(lookahead):
-                pass
+            # as many compiles at once as planner threads, trial threads' own included
+            with COMPILE_SLOTS.limited(self.config.planner_threads):
+                while self._turn(lookahead):
+                    pass
         except BaseException as err:
             self._give_back(interrupted=isinstance(err, KeyboardInterrupt))
             raise

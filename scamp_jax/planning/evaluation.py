@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from scamp_jax.planning import sharding as sh
 from scamp_jax.planning.compile_options import Purpose, compile_options, platform_of
+from scamp_jax.planning.compile_slots import compile_slot
 from scamp_jax.planning.liveness import live_bytes
 from scamp_jax.planning.reuse import load_on_devices
 
@@ -149,8 +150,9 @@ class EvalCompiler:
             if self._compiled.get(key) is None:
                 x = jax.ShapeDtypeStruct((chunk, *sample.shape[1:]), sample.dtype)
                 with jax.set_mesh(self.mesh):
-                    self._compiled[key] = self._jitted.lower(self.params, self.rest,
-                                                             x).compile(self.options)
+                    lowered = self._jitted.lower(self.params, self.rest, x)
+                with compile_slot():
+                    self._compiled[key] = lowered.compile(self.options)
         return self._compiled[key]
 
     def compiled_chunks(self) -> int:

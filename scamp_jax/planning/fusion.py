@@ -47,6 +47,7 @@ from jax.sharding import NamedSharding
 from scamp_jax._units import format_bytes
 from scamp_jax.planning import sharding as sh
 from scamp_jax.planning.compile_options import Purpose, compile_options, platform_of
+from scamp_jax.planning.compile_slots import compile_slot
 from scamp_jax.planning.memory import MemoryEstimate
 from scamp_jax.planning.plan_cache import PlanCache, cache_key, device_identity, program_signature
 from scamp_jax.planning.planner import (
@@ -355,7 +356,8 @@ class FusedStepCompiler:
         active = jax.ShapeDtypeStruct((width,), jnp.bool_, sharding=self.shardings.replicated())
         start = time.perf_counter()
         lowered = self._step.lower(params, opt_state, rest, batch, active)
-        compiled = lowered.compile(None if run_grade else self.compiler_options)
+        with compile_slot():
+            compiled = lowered.compile(None if run_grade else self.compiler_options)
         seconds = time.perf_counter() - start
         if run_grade:
             self.run_grade[(width, batch_size)] = (compiled, lowered)

@@ -40,6 +40,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from scamp_jax.planning.compile_options import Purpose, compile_options, init_platform
+from scamp_jax.planning.compile_slots import compile_slot
 from scamp_jax.planning.train_step import StepShardings, split_model, stack_shardings
 
 PyTree = Any
@@ -199,11 +200,13 @@ class InitialStates:
                 if compiled is None:
                     seed_shape = () if width is None else (width,)
                     with jax.set_mesh(home_mesh):
-                        compiled = jax.jit(_init_fn(build, optimizer, width),
-                                           out_shardings=out).lower(
+                        lowered = jax.jit(_init_fn(build, optimizer, width),
+                                          out_shardings=out).lower(
                             jax.ShapeDtypeStruct(seed_shape, jnp.int32),
                             {k: jax.ShapeDtypeStruct(seed_shape, jnp.float32) for k in names},
-                        ).compile(compile_options(platform, Purpose.INIT))
+                        )
+                    with compile_slot():
+                        compiled = lowered.compile(compile_options(platform, Purpose.INIT))
                     with self._lock:
                         self._compiled[key] = compiled
                         self.misses += 1

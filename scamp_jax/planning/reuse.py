@@ -33,6 +33,8 @@ import numpy as np
 from jax.experimental import serialize_executable
 from jaxlib import xla_client
 
+from scamp_jax.planning.compile_slots import compile_slot
+
 PyTree = Any
 log = logging.getLogger(__name__)
 
@@ -193,7 +195,8 @@ class ExecutableCache:
                         self.moves += 1
                         self._compiled[key] = executable
                     return executable
-            executable = lowered.compile()
+            with compile_slot():
+                executable = lowered.compile()
             with self._lock:
                 self.misses += 1
                 self._compiled[key] = executable

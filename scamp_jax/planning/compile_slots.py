@@ -1,0 +1,79 @@
+"""At most a few XLA compiles at once in a process: compile work never starves running trials.
+
+A study compiles in several threads: the engine's planner threads (plans, fused groups), and
+the trial threads (a run's own step where the planner's is not the run's, as on GPUs where the
+run's step is the autotuned compile; initial states; evaluation chunks a plan did not make).
+Every one of these compiles takes a slot of `COMPILE_SLOTS` for the length of the XLA compile
+itself (`compile_slot`), so however many trials start at once, at most ``limit`` compiles run:
+the other cores stay with the trials already training (on a GPU host, their input pipelines
+and dispatch; XLA's autotuner also takes the GPU for itself while it runs). The engine sets the
+limit to its planner threads while it runs (`CompileSlots.limited`).
+
+A slot is the innermost thing a thread takes (never held while waiting for anything else), so
+it cannot deadlock with the caches' own locks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+#: Compiles at once when no engine has set a limit: no bound.
+UNBOUNDED = 0
+
+
+class CompileSlots:
+    """A resizable bound on concurrent compiles (``limit`` 0: no bound). Thread-safe."""
+
+    def __init__(self, limit: int = UNBOUNDED) -> None:
+        self._cond = threading.Condition()
+        self._limit = limit
+        self._busy = 0
+        #: most compiles seen at once (a check for tests and benchmarks)
+        self.most = 0
+
+    @property
+    def limit(self) -> int:
+        """Compiles allowed at once (0: no bound)."""
+        return self._limit
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[None]:
+        """Hold one slot while the block (one compile) runs; waits for a free one."""
+        with self._cond:
+            while self._limit and self._busy >= self._limit:
+                self._cond.wait()
+            self._busy += 1
+            self.most = max(self.most, self._busy)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy -= 1
+                self._cond.notify()
+
+    @contextlib.contextmanager
+    def limited(self, limit: int) -> Iterator[None]:
+        """Bound compiles to ``limit`` (>= 1) at once while the block runs; the bound before
+        comes back after it."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"{limit=} must be an int >= 1 (compiles at once)")
+        with self._cond:
+            before, self._limit = self._limit, limit
+            self.most = 0
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._limit = before
+                self._cond.notify_all()
+
+
+#: The process's compile slots (every compile of the project takes one).
+COMPILE_SLOTS = CompileSlots()
+
+
+def compile_slot() -> contextlib.AbstractContextManager[None]:
+    """``with compile_slot(): lowered.compile(...)``: one slot of `COMPILE_SLOTS`."""
+    return COMPILE_SLOTS.slot()
