@@ -475,9 +475,11 @@ def _cpu_seconds() -> float:
 def _context(out: Path, plan_cache: Path | None = None) -> Context:
     import jax
 
+    from scamp_jax import devices as _devices
+
     device = jax.devices()[0]
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    limit = int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+    stats = _devices.allocator_stats(device)
+    limit = stats["bytes_limit"] if stats and "bytes_limit" in stats else None
     return Context(platform=device.platform, device_kind=str(device.device_kind),
                    devices=len(jax.devices()), bytes_limit=limit,
                    device_bytes=int(limit / _allocator_fraction()) if limit else None, out=out,

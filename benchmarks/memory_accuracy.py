@@ -352,14 +352,14 @@ def measure_real_step(case: Case, devices: int, budget: str | None, *,
             raise
         return {**row, "oom": True, "compiled": None, "peak_in_use": None, "bytes_limit": None,
                 "error": str(err).splitlines()[0][:300]}
-    stats = [d.memory_stats() for d in plan.devices]
+    from scamp_jax import devices as _devices
+
+    stats = [_devices.allocator_stats(d) for d in plan.devices]
     measured = all(st and "peak_bytes_in_use" in st for st in stats)
     # What the driver sees this process hold on its first device (context, pool, workspaces),
-    # beside what the allocator holds: their difference is what no memory_stats() reports.
-    from scamp_jax.devices import process_device_bytes
-
+    # beside what the allocator holds: their difference is what no allocator statistic reports.
     first = stats[0] or {}
-    driver = process_device_bytes(plan.devices[0].id) if measured else None
+    driver = _devices.process_device_bytes(plan.devices[0].id) if measured else None
     pool = first.get("pool_bytes", first.get("bytes_reserved", first.get("bytes_in_use")))
     return {
         **row, "oom": False,

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from scamp_jax import devices as _devices
 from scamp_jax._units import format_bytes, parse_bytes
 
 #: Fraction of each device's pool held back when none is given (allocator rounding,
@@ -148,8 +149,9 @@ class Budget:
         """The budget of live ``devices`` (``jax.Device``s of one platform).
 
         ``memory_per_device``: bytes or a text like ``"2GiB"`` (parsed here, once); None: the
-        smallest ``bytes_limit`` the devices report (their allocator's pool on GPUs; CPU
-        devices report none and need it given).
+        smallest ``bytes_limit`` the devices' allocators report
+        (`scamp_jax.devices.allocator_stats`: the pool on GPUs; CPU devices report none and
+        need it given).
         """
         if not devices:
             raise ValueError("devices is empty; pass the devices the budget is for")
@@ -184,7 +186,7 @@ class Budget:
 def _smallest_limit(devices: Sequence[Any]) -> int:
     limits = []
     for d in devices:
-        stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+        stats = _devices.allocator_stats(d)  # the one reader, looked up at each call
         if not stats or "bytes_limit" not in stats:
             raise ValueError(
                 f"memory_per_device is required on {d.platform} devices, which report no memory "
