@@ -49,6 +49,7 @@ from scamp_jax.hpo.endings import Endings
 from scamp_jax.hpo.fused_engine import FusionService
 from scamp_jax.hpo.intake import BudgetTooSmallError, Intake
 from scamp_jax.hpo.launch import Launcher, Run
+from scamp_jax.hpo.out_of_memory import plan_again
 from scamp_jax.hpo.plan_service import PlanningService
 from scamp_jax.hpo.resizing import Restart, TailResizer
 from scamp_jax.hpo.runner import StepCache
@@ -670,7 +671,7 @@ class SearchEngine:
         self.endings = Endings(
             self.source, self.task.metric, self.config, self.core, self.records, self._now,
             self._decide, self._start, self._queue_planned,
-            lambda p, request: self._submit("replan", p, self.planning.plan_again, p, request),
+            lambda p, request: self._submit("replan", p, plan_again, self.planning, p, request),
             self._notify)
         self.intake.reset()
         self._siblings_due = 0  # siblings of the last proposal not asked yet
@@ -738,7 +739,7 @@ class SearchEngine:
             elif work.kind == "option":
                 self._option_planned(future, work.payload)
             elif work.kind == "replan":
-                self.endings.replanned(work.payload, future.result())
+                self.endings.oom.replanned(work.payload, future.result())
                 self._set_last_wave()
             elif work.kind == "run":
                 self.endings.run_ended(work.payload, future.result())

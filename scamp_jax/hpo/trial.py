@@ -31,6 +31,11 @@ OPTIMIZER_KEYS = ("learning_rate", "weight_decay", "b1", "b2")
 #: widest group ``fuse="auto"`` plans (the planner may choose fewer).
 AUTO_FUSION_CAP = 8
 _OOM_MARKERS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory", "OOM when allocating")
+#: XLA's GPU autotuner, when it cannot allocate its buffers while a step compiles: "Failed to
+#: get configs for 31 of 120 instructions ... allocate 3.40GiB" (it takes them from the same
+#: pool as the trials, under the same limit).
+_AUTOTUNE_FAILURE = "Failed to get configs"
+_ALLOCATION_WORDS = ("alloc", "memory", "RESOURCE_EXHAUSTED")
 #: Longest reason kept with a trial (the first line of an error, cut).
 _REASON_CHARS = 300
 
@@ -132,10 +137,13 @@ class RunResult:
 
 
 def is_oom_error(err: BaseException) -> bool:
-    """True for XLA out-of-memory errors (allocation failures at compile or run time)."""
+    """True for XLA out-of-memory errors: allocation failures at run time, and at compile time
+    (the autotuner's "Failed to get configs" when it could not allocate)."""
     if isinstance(err, TrialOutOfMemory | MemoryError):
         return True
     text = f"{type(err).__name__}: {err}"
+    if _AUTOTUNE_FAILURE in text and any(w in text for w in _ALLOCATION_WORDS):
+        return True
     return any(marker in text for marker in _OOM_MARKERS)
 
 

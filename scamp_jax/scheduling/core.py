@@ -12,13 +12,14 @@ Events (methods), each at a time ``now``:
 - `set_arrivals_pending`: whether more trials may still be planned (False: the last wave).
 - `step_measured`: a running trial's measured seconds per step (its pace).
 - `option_planned`: the plan of a larger device count the core asked for (`PlanOption`).
-- `finished` / `out_of_memory`: a run ended; its devices are free again.
+- `finished`: a run ended (out of memory too: `scamp_jax.hpo.out_of_memory` decides what
+  follows); its devices are free again.
 - `restarted` / `move_back`: a running trial moved to more devices, or back (its restart
-  failed before training); `requeue`: an out-of-memory trial planned again.
+  failed before training); `requeue`: a trial planned again waits with its new plan.
 
 Actions (from `decide`): `Start` a trial on device ids, `PlanOption` (plan a queued trial on
 more devices before it can start there); from `resizes`: `scamp_jax.scheduling.elastic.Resize`
-decisions; from `out_of_memory`: a `Replan` request (or None: the trial fails).
+decisions.
 
 The pool books each device's **usable** bytes (`scamp_jax.planning.budget.Budget.usable_bytes`,
 the budget less its safety margin): the same share every plan is fitted into, so packed trials
@@ -142,16 +143,6 @@ class PlanOption:
 
     key: int
     devices: int
-
-
-@dataclass(frozen=True)
-class Replan:
-    """Plan trial ``key`` again after an out-of-memory run: ``devices`` devices and a global
-    batch of at most ``max_batch``."""
-
-    key: int
-    devices: int
-    max_batch: int
 
 
 @dataclass
@@ -304,21 +295,6 @@ class SchedulingCore:
         self._expected.pop(key, None)
         self.pool.release(key)
         self.usage.finish(now, key)
-
-    def out_of_memory(self, now: float, key: int, bytes_needed: int | None, *,
-                      min_batch: int = 1, may_grow: bool = True) -> Replan | None:
-        """Trial ``key`` ran out of memory; free its devices and say how to plan it again.
-
-        With the measured peak ``bytes_needed`` (per device, bytes) the next batch cap scales
-        the failed batch by ``usable / bytes_needed`` (the peak grows at most linearly in the
-        batch, so this fits if anything does), and at most half of it; without it, half. A cap
-        below ``min_batch`` or the data-parallel degree moves the same batch to twice the
-        devices (``may_grow``, within the pool). None: no such plan (the trial fails).
-        """
-        plan = self._running[key].plan
-        self.finished(now, key)
-        return replan_after_oom(plan, bytes_needed, self.capacity, devices=self.devices,
-                                min_batch=min_batch, may_grow=may_grow)
 
     def requeue(self, now: float, plan: TrialPlan) -> None:
         """A re-planned trial waits again (its arrival kept)."""
@@ -739,25 +715,3 @@ class SchedulingCore:
         self._running[key] = _Running(plan, placement.device_ids, now)
         self._unfile(key)
 
-
-def replan_after_oom(plan: TrialPlan, bytes_needed: int | None, usable_bytes: int, *,
-                     devices: int, min_batch: int = 1, may_grow: bool = True) -> Replan | None:
-    """How to plan ``plan`` again after its run needed ``bytes_needed`` per device (measured;
-    None: unknown) where ``usable_bytes`` were booked, on a pool of ``devices`` devices.
-
-    The next batch cap scales the failed batch by ``usable_bytes / bytes_needed`` (a step's
-    peak grows at most linearly in the batch, so the cap errs small), and is at most half the
-    failed batch; without a measurement, half. A cap below ``min_batch`` or the data-parallel
-    degree moves the same batch to twice the devices (``may_grow``, within the pool). None: no
-    such plan (the trial fails).
-    """
-    batch, dp = plan.batch_size, plan.data_parallel
-    cap = batch // 2
-    if bytes_needed:
-        cap = min(cap, int(batch * usable_bytes / bytes_needed))
-    cap -= cap % dp
-    if cap >= max(dp, min_batch):
-        return Replan(plan.key, plan.devices, cap)
-    if may_grow and plan.devices * 2 <= devices:
-        return Replan(plan.key, plan.devices * 2, batch)
-    return None

@@ -219,7 +219,7 @@ def _apply(core: SchedulingCore, key: int, kind: str, data: tuple[Any, ...], now
     elif kind == "finished":
         core.finished(now, key)
     elif kind == "oom":
-        core.out_of_memory(now, key, data[0], min_batch=int(data[1]), may_grow=bool(data[2]))
+        core.finished(now, key)  # what follows (a re-plan) comes as its own events
     elif kind == "withdrawn":
         core.withdraw(key, int(data[0]))
     elif kind == "restarted":
