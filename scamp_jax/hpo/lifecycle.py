@@ -17,9 +17,12 @@ the fused one (the step vmapped over a member axis, with an ``active`` mask). Th
 3. the step loop: stop (checkpoint, ``interrupted``), step, prefetch, loss read-back (a
    non-finite loss ends that member ``failed``), intermediate evaluation reported to the pruner
    (``pruned``), checkpoints every ``checkpoint_every`` steps; a stopped member is masked and,
-   at the next evaluation, the group re-forms without it;
+   at the next evaluation, the group re-forms without it; after the first two steps the
+   allocator's peak on the run's devices is measured (`scamp_jax.hpo.calibration.measure_peak`)
+   and written to every member's status, where the search loop learns from it;
 4. the end: one checkpoint of the last step (never written twice: a step on disk is kept; a
-   group's members write theirs at once), the evaluation in chunks, ``complete``.
+   group's members write theirs at once), the evaluation in chunks, the allocator's peak
+   measured again, ``complete``.
 
 Every exception ends the members still running through one mapping (`scamp_jax.hpo.trial.ending`).
 """
@@ -37,6 +40,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from scamp_jax.hpo.calibration import measure_peak
 from scamp_jax.hpo.checkpoint import TrialCheckpointer
 from scamp_jax.hpo.trial import RunResult, TrialOutOfMemory, TrialStatus, ending
 from scamp_jax.planning.budget import Budget
@@ -232,6 +236,7 @@ class Lifecycle:
         self.slots = list(self.members)  # the members in the program's state, in order
         self.first = 0
         self.held_bytes: int | None = None
+        self.measured_bytes: int | None = None
         self.compile_seconds = 0.0
         self.widths: list[int] = []
         self.evaluation: EvalPlan | None = None
@@ -251,7 +256,7 @@ class Lifecycle:
                              metrics=dict(metrics or {}), reason=reason,
                              bytes_needed=bytes_needed, loss=m.status.loss,
                              checkpoint=checkpoint, resumed_from=self.first,
-                             held_bytes=self.held_bytes)
+                             held_bytes=self.held_bytes, measured_peak_bytes=self.measured_bytes)
 
     def _fail(self, m: _Member, err: BaseException) -> None:
         state, reason, needed = ending(err)
@@ -331,6 +336,8 @@ class Lifecycle:
             for slot, m in enumerate(self.slots):
                 if active[slot]:
                     m.status.step = done
+            if done == min(first + 2, schedule.steps):
+                self._measure(losses)
             if schedule.eval_every and done % schedule.eval_every == 0 and done < schedule.steps:
                 self._intermediate(done, active)
                 if active.any() and not active.all() and schedule.reform:
@@ -347,6 +354,18 @@ class Lifecycle:
         if first < schedule.steps:
             self._save(schedule.steps, active)
         self._finish(active)
+
+    def _measure(self, ready: Any = None) -> None:
+        """The allocator's peak on the run's devices, into every member's status (None: the
+        devices report nothing); ``ready``: arrays to wait for first (the last step's)."""
+        if ready is not None:
+            np.asarray(ready)  # the steps so far have run
+        peak = measure_peak(list(self.program.plan.mesh.devices.flat))
+        if peak is None:
+            return
+        self.measured_bytes = max(peak, self.measured_bytes or 0)
+        for m in self.members:
+            m.status.measured_peak_bytes = self.measured_bytes
 
     def _save(self, step: int, active: np.ndarray | None = None) -> None:
         if not self.schedule.save:
@@ -417,12 +436,19 @@ class Lifecycle:
 
     def _finish(self, active: np.ndarray) -> None:
         steps, metric = self.schedule.steps, self.task.metric
+        evaluated: dict[int, dict[str, float]] = {}
         for slot, m in enumerate(self.slots):
             if not active[slot]:
                 continue
             try:
                 m.status.state = "evaluating"
-                metrics = self._evaluate(slot)
+                evaluated[slot] = self._evaluate(slot)
+            except Exception as err:  # noqa: BLE001 - one member's failure ends that member
+                self._fail(m, err)
+        self._measure()  # evaluation included
+        for slot, metrics in evaluated.items():
+            m = self.slots[slot]
+            try:
                 if not math.isfinite(metrics[metric]):
                     raise FloatingPointError(f"{metric} is {metrics[metric]} after training")
             except Exception as err:  # noqa: BLE001 - one member's failure ends that member

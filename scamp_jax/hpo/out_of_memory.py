@@ -123,7 +123,8 @@ class OutOfMemory:
         self.replan(planned, request)
 
     def member_ended(self, planned: PlannedTrial) -> None:
-        """Event: ``planned``'s fused group ran out of memory; the member runs alone."""
+        """Event: ``planned``'s fused group ran out of memory (or does not fit once the learnt
+        allowance is booked); the member runs alone."""
         record = self.records[planned.number]
         record.solo_only, record.group, record.width = True, None, 1
         self.queue(planned)

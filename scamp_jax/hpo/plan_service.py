@@ -52,6 +52,10 @@ class PlanningService:
       max_running: most trials the engine runs at once (None: no cap); on CPU devices
         `smallest_fitting_plan` plans a trial on at least the devices its share of the host's
         cores gives it (`scamp_jax.scheduling.host.cpu_trial_devices`).
+
+    Attributes:
+      allowance: ``allowance() -> bytes``: the allowance every plan books now (the engine's
+        `scamp_jax.hpo.calibration.Calibration`); None: the planner's own (the plan cache's).
     """
 
     def __init__(self, space: Any, task: Any, config: Any, devices: Sequence[Any],
@@ -60,6 +64,7 @@ class PlanningService:
         self.space, self.task, self.config = space, task, config
         self.devices, self.plan_fn, self.batch_multiple = list(devices), plan_fn, batch_multiple
         self.may_grow, self.max_running = may_grow, max_running
+        self.allowance: Callable[[], int] | None = None
         self._plans: dict[Any, Any] = {}
         self._plans_lock = threading.Lock()
         self._key_locks: dict[Any, threading.Lock] = {}
@@ -102,6 +107,8 @@ class PlanningService:
             extra["compile_for_run"] = False
         if provisional:
             extra["provisional"] = True
+        if self.allowance is not None:
+            extra["allowance_bytes"] = self.allowance()
         return self.plan_fn(
             model,
             self.task.sample_batch(1),
@@ -200,7 +207,8 @@ class PlanningService:
             cap = self.fixed_batch_size() if max_batch is None else max_batch
         else:
             cap = self.config.max_batch_size if max_batch is None else max_batch
-        key = (graphdef, devices, cap, injected_keys(params), provisional)
+        allowance = self.allowance() if self.allowance is not None else None
+        key = (graphdef, devices, cap, injected_keys(params), provisional, allowance)
         # Several planner threads compile at once (XLA compiles outside the GIL); one lock per
         # architecture makes a second trial of it wait for the first plan instead of redoing it.
         with self._plans_lock:

@@ -104,6 +104,11 @@ class TrialStatus:
     first_step: int = 0
     #: times the engine restarted the trial on more devices (`scamp_jax.scheduling.elastic`).
     resizes: int = 0
+    #: bytes per device the ledger booked for the trial's (last) run, its group's for a member.
+    booked_bytes: int = 0
+    #: the allocator's peak per device where the trial ran, measured after its first steps and
+    #: at its end (`scamp_jax.hpo.calibration.measure_peak`), bytes; None: nothing reported.
+    measured_peak_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -120,7 +125,9 @@ class RunResult:
     peak per device of an ``oom`` run when known; ``held_bytes`` what the run holds per device at
     most, from its compiled programs (training step + prefetched batch, or evaluation + what
     stays resident), when measured; ``checkpoint`` the directory of the final checkpoint of a
-    complete run; ``resumed_from`` the checkpointed step training restarted from (0: none).
+    complete run; ``resumed_from`` the checkpointed step training restarted from (0: none);
+    ``measured_peak_bytes`` the allocator's peak on the run's devices, bytes (None: nothing
+    reported, as on CPU devices).
     """
 
     number: int
@@ -134,6 +141,7 @@ class RunResult:
     checkpoint: Path | None = None
     resumed_from: int = 0
     held_bytes: int | None = None
+    measured_peak_bytes: int | None = None
 
 
 def is_oom_error(err: BaseException) -> bool:

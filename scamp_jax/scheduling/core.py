@@ -15,7 +15,8 @@ Events (methods), each at a time ``now``:
 - `finished`: a run ended (out of memory too: `scamp_jax.hpo.out_of_memory` decides what
   follows); its devices are free again.
 - `restarted` / `move_back`: a running trial moved to more devices, or back (its restart
-  failed before training); `requeue`: a trial planned again waits with its new plan.
+  failed before training); `requeue`: a trial planned again waits with its new plan;
+  `unqueue`: a queued trial leaves the queue to be booked again (the allowance grew).
 
 Actions (from `decide`): `Start` a trial on device ids, `PlanOption` (plan a queued trial on
 more devices before it can start there); from `resizes`: `scamp_jax.scheduling.elastic.Resize`
@@ -300,6 +301,14 @@ class SchedulingCore:
         """A re-planned trial waits again (its arrival kept)."""
         self._options = {k: v for k, v in self._options.items() if k[0] != plan.key}
         self.planned(now, plan)
+
+    def unqueue(self, now: float, key: int) -> TrialPlan:
+        """Queued trial ``key`` leaves the queue (to be booked or planned again); its plan."""
+        self._at(now)
+        plan = self._queue.pop(key)
+        self._waiting.remove(key)
+        self._last_wave.pop(key, None)
+        return plan
 
     def restarted(self, now: float, key: int, device_ids: Sequence[int], plan: TrialPlan) -> bool:
         """Book running trial ``key`` on ``device_ids`` with ``plan`` (a restart on more
