@@ -8,12 +8,15 @@ solo program (the planner's step, optionally reduced over MPI ranks), `scamp_jax
 the fused one (the step vmapped over a member axis, with an ``active`` mask). The loop:
 
 1. resume: each member's newest checkpoint of at most ``steps`` steps (a group resumes only
-   members at the same step), the data streams advanced to it;
-2. the ledger check, before the first step, from the compiled programs on these devices: the
+   members at the same step), the data streams advanced to it (in host memory);
+2. the ledger check, before any of the run's arrays exist on its devices: the step and the
+   evaluation forward are compiled (on a GPU that includes XLA's autotuning, whose buffers come
+   from the same pool as the trials', so it runs while the pool is at its emptiest), and the
    step with the next batch prefetched beside it, and the evaluation forward at its chunk plus
    what stays resident (the optimizer state, for a group the whole stacked state, and the
-   prefetched batch) must fit the run's booked share; otherwise the run ends ``oom`` with the
-   measured bytes (`check_share`);
+   prefetched batch), must fit the run's booked share; otherwise the run ends ``oom`` with the
+   measured bytes (`check_share`). Only then is the state made (or restored) on the devices and
+   the first batch placed;
 3. the step loop: stop (checkpoint, ``interrupted``), step, prefetch, loss read-back (a
    non-finite loss ends that member ``failed``), intermediate evaluation reported to the pruner
    (``pruned``), checkpoints every ``checkpoint_every`` steps; a stopped member is masked and,
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import jax
 import numpy as np
 
 from scamp_jax.hpo.calibration import measure_peak
@@ -105,16 +109,22 @@ class Program(Protocol):
     plan: Any
     width: int
 
+    def prepare(self, members: Sequence[MemberSpec], first: int) -> None:
+        """Everything but the arrays: the step to compile, the state's and the batch's shapes
+        and shardings, every member's data stream advanced to step ``first`` with its next batch
+        in host memory. Nothing is placed on the devices."""
+
     def start(self, members: Sequence[MemberSpec], first: int,
               checkpointers: Sequence[TrialCheckpointer | None]) -> None:
-        """Build the state (or restore it at step ``first``), advance every member's data
-        stream to ``first`` and prefetch the next batch."""
+        """Make the state on the devices (or restore it at step ``first``) and place the batch
+        `prepare` drew."""
 
     def compile(self) -> int | None:
-        """Compile the step for the current width; its peak per device (None: unknown)."""
+        """Compile the step for the current width (from the shapes alone before `start`); its
+        peak per device (None: unknown)."""
 
     def prefetch_bytes(self) -> int:
-        """Bytes per device of the prefetched batch."""
+        """Bytes per device of the prefetched batch (known after `prepare`)."""
 
     def resident_bytes(self) -> int:
         """Bytes per device that stay resident beside the evaluation forward (it holds a
@@ -152,6 +162,19 @@ def share_bytes(booked_bytes: int | None, memory_per_device: int, plan: Any) -> 
         return int(booked_bytes)
     margin = float(getattr(plan, "safety_margin", 0.0))
     return Budget(int(memory_per_device), margin).usable_bytes
+
+
+def abstract_batch(batch: PyTree, sharding: Any) -> PyTree:
+    """``jax.ShapeDtypeStruct``s of host ``batch`` as `jax.device_put` will place it with
+    ``sharding`` (one for every leaf, or a tree of them): what a step compiles from before the
+    batch is on the devices."""
+    def spec(x: Any, s: Any) -> jax.ShapeDtypeStruct:
+        x = np.asarray(x)
+        return jax.ShapeDtypeStruct(x.shape, jax.dtypes.canonicalize_dtype(x.dtype), sharding=s)
+
+    if isinstance(sharding, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: spec(x, sharding), batch)
+    return jax.tree.map(spec, batch, sharding)
 
 
 def resumable_step(checkpointer: TrialCheckpointer, steps: int) -> int | None:
@@ -313,9 +336,10 @@ class Lifecycle:
     def _run(self) -> None:
         program, schedule = self.program, self.schedule
         self.first = first = self._resume()
-        program.start([m.spec for m in self.members], first,
-                      [m.checkpointer for m in self.members])
-        self._check()
+        specs = [m.spec for m in self.members]
+        program.prepare(specs, first)
+        self._check()  # compiled (and autotuned) before the run's arrays exist
+        program.start(specs, first, [m.checkpointer for m in self.members])
         now = time.monotonic()
         for m in self.members:  # the pace fields first: the engine reads them once it trains
             m.status.training_since, m.status.first_step = now, first
