@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from scamp_jax import devices as _devices
@@ -104,6 +104,21 @@ class Calibration:
             self.cache.put_allowance(self.budget.platform, self.budget.device_kind,
                                      {**seen, "source": "study"})
         return True
+
+    def learn(self, units: Mapping[int, Any], core: Any) -> bool:
+        """`observe` each running unit's new measurement (``units``: the engine's trial records
+        by unit key, whose status holds it) against the most ``core`` (the
+        `scamp_jax.scheduling.core.SchedulingCore`) booked on its devices; True when the
+        allowance grew."""
+        grew = False
+        for key, record in units.items():
+            peak = record.status.measured_peak_bytes
+            if peak is None or peak == record.calibrated or key not in core.running:
+                continue
+            record.calibrated = peak
+            booked = max(core.pool.high_water[d] for d in core.running[key])
+            grew |= self.observe(peak, booked, record.booked_allowance)
+        return grew
 
     def refresh(self, plan: Any) -> Any | None:
         """``plan`` booking the current allowance, or None when its figures and the allowance

@@ -584,15 +584,7 @@ class SearchEngine:
         """Event: running units measured the allocator's peak on their devices; an excess over
         the most the ledger booked there grows the allowance (`scamp_jax.hpo.calibration`),
         and every queued unit is then booked again with it."""
-        grew = False
-        for key, record in self._running().items():
-            peak = record.status.measured_peak_bytes
-            if peak is None or peak == record.calibrated or key not in self.core.running:
-                continue
-            record.calibrated = peak
-            booked = max(self.pool.high_water[d] for d in self.core.running[key])
-            grew |= self.calibration.observe(peak, booked, record.booked_allowance)
-        if not grew:
+        if not self.calibration.learn(self._running(), self.core):
             return
         now, waiting = self._now(), self.core.queued
         for key in waiting:  # all out first: none starts on its old booking meanwhile
