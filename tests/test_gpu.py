@@ -37,7 +37,7 @@ MEMORY_ERROR = 0.10
 
 
 def _python(code: str, timeout: float = 900) -> dict:
-    """Run ``code`` in a fresh process (deterministic GPU kernels, no preallocation); the last
+    """Run ``code`` in a fresh process (deterministic GPU kernels, the pool preallocated); the last
     line it prints is JSON."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("JAX_PLATFORMS", None)

@@ -23,9 +23,10 @@ from test_runner import Regression
 from test_study_lifecycle import ROOT, TESTS, child_env
 
 from scamp_jax.hpo.fused_engine import latest_checkpoint_step
+from scamp_jax.hpo.out_of_memory import next_request
 from scamp_jax.hpo.session import run_search
 from scamp_jax.planning.budget import Budget
-from scamp_jax.scheduling import SchedulingCore, TrialPlan, replan_after_oom
+from scamp_jax.scheduling import SchedulingCore, TrialPlan
 from scamp_jax.scheduling.costs import resized_seconds
 from scamp_jax.scheduling.placement import ScampPolicy
 from scamp_jax.scheduling.replay import recorded_placements, replay, units
@@ -193,12 +194,12 @@ def test_the_pool_books_usable_bytes_not_the_whole_budget() -> None:
 def test_an_out_of_memory_replan_scales_the_batch_by_the_measured_bytes() -> None:
     plan = TrialPlan(3, 0, 1, 40 * MIB, 10, batch_size=64)
     # Measured 4x the usable share: a quarter of the batch (not just half).
-    assert replan_after_oom(plan, 360 * MIB, 90 * MIB, devices=4).max_batch == 16
+    assert next_request(plan, 360 * MIB, 90 * MIB, devices=4).max_batch == 16
     # Unknown bytes: half.
-    assert replan_after_oom(plan, None, 90 * MIB, devices=4).max_batch == 32
+    assert next_request(plan, None, 90 * MIB, devices=4).max_batch == 32
     # Below the floor: the same batch on twice the devices; nowhere to grow: none.
-    assert replan_after_oom(plan, 360 * MIB, 90 * MIB, devices=4, min_batch=32).devices == 2
-    assert replan_after_oom(plan, 360 * MIB, 90 * MIB, devices=1, min_batch=32) is None
+    assert next_request(plan, 360 * MIB, 90 * MIB, devices=4, min_batch=32).devices == 2
+    assert next_request(plan, 360 * MIB, 90 * MIB, devices=1, min_batch=32) is None
 
 
 def test_busy_fractions_and_costs_come_from_measured_steps() -> None:
