@@ -19,6 +19,7 @@ from scamp_jax.hpo.fused_engine import latest_checkpoint_step
 from scamp_jax.hpo.runner import RunSpec, StepCache, make_optimizer, run_trial, trial_seed
 from scamp_jax.hpo.settings import SearchSettings
 from scamp_jax.hpo.study import SIBLING_OF, OptunaTrialSource, open_study
+from scamp_jax.planning.budget import Budget
 from scamp_jax.planning.compile_events import CompileCounter
 from scamp_jax.planning.fusion import plan_fusion
 from scamp_jax.planning.planner import plan_mesh
@@ -86,7 +87,7 @@ def _study(tmp_path, trials: int, fuse: int, steps: int = 30, budget: int = BUDG
                         sampler="random", pruner="none", seed=3)
     study = handle.study
     source = OptunaTrialSource(handle, SPACE, trials, root=tmp_path, **_fusion(fuse))
-    config = EngineConfig(steps=steps, memory_per_device=budget, max_batch_size=16, log_every=5,
+    config = EngineConfig(steps=steps, budget=Budget(budget), max_batch_size=16, log_every=5,
                           fuse=fuse, seed=5)
     engine = SearchEngine(SPACE, Regression(), source, config, devices=jax.devices()[:4],
                           checkpoint_root=tmp_path / "ckpt")
@@ -246,9 +247,9 @@ def test_without_fuse_nothing_is_grouped(tmp_path):
 
 def test_bad_fuse_values_are_refused():
     with pytest.raises(ValueError, match="fuse=0"):
-        EngineConfig(steps=1, memory_per_device=BUDGET, fuse=0)
+        EngineConfig(steps=1, budget=Budget(BUDGET), fuse=0)
     with pytest.raises(ValueError, match="'wide'"):
-        EngineConfig(steps=1, memory_per_device=BUDGET, fuse="wide")
+        EngineConfig(steps=1, budget=Budget(BUDGET), fuse="wide")
 
 
 class _CtrlC:
@@ -279,7 +280,7 @@ def test_an_interrupted_fused_study_resumes_its_members_and_keeps_finished_ones(
                             sampler="random", pruner="none", seed=3)
         study = handle.study
         source = OptunaTrialSource(handle, SPACE, trials, root=tmp_path, **_fusion(2))
-        config = EngineConfig(steps=steps, memory_per_device=BUDGET, max_batch_size=16,
+        config = EngineConfig(steps=steps, budget=Budget(BUDGET), max_batch_size=16,
                               log_every=50, checkpoint_every=200, fuse=2, seed=5)
         return study, source, SearchEngine(SPACE, Regression(), source, config,
                                            devices=jax.devices()[:1],

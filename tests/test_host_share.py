@@ -39,7 +39,7 @@ def test_the_core_keeps_trials_beyond_the_cap_queued_until_one_ends():
     with pytest.raises(ValueError, match="max_running"):
         SchedulingCore(ScampPolicy(), 4, Budget(100, 0.0), max_running=0)
     with pytest.raises(ValueError, match="max_running_trials"):
-        EngineConfig(steps=1, memory_per_device=100, max_running_trials=0)
+        EngineConfig(steps=1, budget=Budget(100), max_running_trials=0)
 
 
 def test_a_capped_study_runs_one_trial_at_a_time_and_records_the_cap(tmp_path):

@@ -213,10 +213,11 @@ def test_mpi_engine_defers_a_trial_whose_batch_floor_one_rank_cannot_hold():
 
     from scamp_jax.distributed.engine import MPISearchEngine
     from scamp_jax.hpo.engine import EngineConfig, TrialDeferred
+    from scamp_jax.planning.budget import Budget
     from scamp_jax.space import SearchSpace
 
     space = SearchSpace("mlp", lambda t: {}, lambda p, rngs: MLP(int(p["width"]), rngs))
-    config = EngineConfig(steps=4, memory_per_device=14000, max_batch_size=64,
+    config = EngineConfig(steps=4, budget=Budget(14000), max_batch_size=64,
                           min_batch_size=64)
     import jax
 
@@ -229,7 +230,7 @@ def test_mpi_engine_defers_a_trial_whose_batch_floor_one_rank_cannot_hold():
     assert span.peak_bytes_per_device < span.booked_bytes <= int(14000 * (1 - 0.1))
     # Without the floor the same configuration simply fits one device.
     local = MPISearchEngine(2, space, Regression(), source=None,
-                            config=EngineConfig(steps=4, memory_per_device=14000,
+                            config=EngineConfig(steps=4, budget=Budget(14000),
                                                 max_batch_size=64),
                             devices=jax.devices()[:1])
     assert 32 < local.plan({"width": 16}).batch_size < 64

@@ -146,8 +146,8 @@ class SpanningPlanningService(PlanningService):
                              ranks=self.ranks,
                              min_batch_size=self.config.min_batch_size or 1,
                              max_batch_size=max_batch,
-                             memory_per_device=self.config.memory_per_device,
-                             safety_margin=self.config.safety_margin,
+                             memory_per_device=self.config.need_budget().memory_per_device,
+                             safety_margin=self.config.need_budget().safety_margin,
                              reduction_bytes=mpi_mean_bytes((weights, loss)), local_error=err)
         raise TrialDeferred(f"spans {span.ranks} ranks (global batch {span.global_batch})", span)
 

@@ -249,7 +249,7 @@ def run_spanning_trials(
     finished: list[tuple[SpanningTrial, tuple[int, ...], RunResult]] = []
     # This rank's one device, booked as the engine books a lone trial's: its plan's bytes by the
     # byte rule, within the budget less the safety margin.
-    pool = DevicePool([Budget(config.memory_per_device, config.safety_margin).usable_bytes])
+    pool = DevicePool([config.need_budget().usable_bytes])
     for groups in assign_rounds(trials, size):
         if rank == 0:
             for trial, ranks in groups:
@@ -302,7 +302,7 @@ def _run_booked(trial: SpanningTrial, space: Any, task: Any, config: Any, sub: A
         params=trial.params,
         plan=plan,
         steps=config.steps_for(trial.plan.global_batch),
-        memory_per_device=config.memory_per_device,
+        memory_per_device=config.need_budget().memory_per_device,
         booked_bytes=trial.plan.booked_bytes,
         checkpoint_dir=checkpoint_root / trial.checkpoint_key if checkpoint_root else None,
         checkpoint_every=config.checkpoint_every,

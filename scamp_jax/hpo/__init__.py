@@ -7,8 +7,8 @@ from scamp_jax._lazy import exports as _exports
 _NAMES = {
     **dict.fromkeys(("StudySession", "run_search", "run_study", "default_budget"),
                     "scamp_jax.hpo.session"),
-    **dict.fromkeys(("SearchSettings",), "scamp_jax.hpo.settings"),
-    **dict.fromkeys(("BudgetTooSmallError", "EngineConfig", "SearchEngine", "SearchResult"),
+    **dict.fromkeys(("EngineConfig", "SearchSettings"), "scamp_jax.hpo.settings"),
+    **dict.fromkeys(("BudgetTooSmallError", "SearchEngine", "SearchResult"),
                     "scamp_jax.hpo.engine"),
     **dict.fromkeys(("load_model", "run_trial", "RunSpec", "RunResult"), "scamp_jax.hpo.runner"),
     **dict.fromkeys(("GroupResult", "GroupSpec", "MemberSpec", "architecture_signature",

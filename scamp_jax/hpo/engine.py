@@ -54,6 +54,7 @@ from scamp_jax.hpo.out_of_memory import plan_again
 from scamp_jax.hpo.plan_service import PlanningService
 from scamp_jax.hpo.resizing import Restart, TailResizer
 from scamp_jax.hpo.runner import StepCache
+from scamp_jax.hpo.settings import EngineConfig
 from scamp_jax.hpo.study.trials import AskedTrial, TrialOutcome, TrialSource
 from scamp_jax.hpo.trial import (
     PlannedTrial,
@@ -79,129 +80,6 @@ __all__ = ["BudgetTooSmallError", "EngineConfig", "PlanFn", "PlannedTrial", "Sea
 
 log = logging.getLogger(__name__)
 PlanFn = Callable[..., Any]
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """How the engine trains and places trials.
-
-    Attributes:
-      steps: training steps per trial (at ``reference_batch`` when that is set).
-      memory_per_device: device budget in bytes that plans and compiled steps must respect.
-      policy: ``"scamp"`` (memory-aware packing, planner's batch) or ``"fixed"`` (baseline).
-      devices_per_trial: devices every trial gets under the fixed policy.
-      max_batch_size: upper bound on any trial's global batch (None: as large as memory allows).
-      min_batch_size: smallest global batch a ScaMP plan may train with (None: any). A
-        configuration whose largest fitting batch on the whole pool is smaller does not fit
-        (under MPI it spans ranks instead, see `scamp_jax.distributed.engine`); out-of-memory
-        re-plans never halve a batch below it.
-      reference_batch: if set, a trial at global batch ``b`` trains
-        ``ceil(steps * reference_batch / b)`` steps, so every trial sees the same number of
-        samples whatever batch its plan allows.
-      fixed_batch_size: the fixed policy's one batch size; None: the largest batch the space's
-        ``largest`` candidate fits on ``devices_per_trial`` devices.
-      safety_margin: fraction of the budget the planner keeps free for estimation error.
-      checkpoint_every: steps between orbax checkpoints (0: only at the end).
-      eval_every: steps between intermediate evaluations reported to the pruner (0: none).
-      log_every: steps between loss read-backs.
-      max_replans: out-of-memory re-plans of one trial before it is failed.
-      lookahead: asked-but-unplaced trials to keep queued (None: number of devices); a fused
-        proposal's siblings are asked with it even past this.
-      nofit_limit: consecutive candidates that fit nowhere, with none fitting before, after
-        which the study stops with `BudgetTooSmallError`.
-      seed: base seed of initialisation and data streams.
-      rank: process rank recorded with each trial (0 on a single host).
-      planner_threads: configurations planned at once (each plan is a few compiles), and the
-        most XLA compiles the study runs at once, trials' own included
-        (`scamp_jax.planning.compile_slots`).
-      grow_last_wave: in a study's last wave (nothing left to ask), let ScaMP start a queued
-        trial data-parallel on 2x, 4x, ... its planned devices when they would otherwise idle
-        (needs ``reference_batch``: a larger global batch then means fewer steps). None: on for
-        accelerators, off for CPU devices, where ScaMP plans each trial from the start on the
-        devices its share of the host's cores gives it (`cpu_trial_devices` in
-        `scamp_jax.scheduling.host`, measured there); twice those devices gained about 1.1x
-        more, not worth a trial's extra compiles. The same switch lets ScaMP, once nothing is
-        queued or left to ask, stop a running trial at a checkpoint and restart it with the same
-        global batch on its devices plus idle ones (`scamp_jax.scheduling.elastic`; needs a
-        checkpoint root).
-      restart_seconds: predicted cost of such a restart (checkpoint, compile, restore),
-        seconds; None: the trial's own start-up time in its current run.
-      fuse: horizontal fusion (`scamp_jax.hpo.fused_engine`): None (off), ``K`` (queued trials of
-        one architecture train in fused groups of at most ``K``, as wide as fits) or
-        ``"auto"`` (as wide as fits, capped).
-      max_running_trials: most trials (or fused groups) training at once, the rest queued:
-        ``"auto"`` (on CPU devices, which share the host's cores, one per two cores as
-        measured in `scamp_jax.scheduling.host`; no cap on accelerators), a positive int, or
-        None (as many as the pool's memory holds).
-      device_overlap: how much trials sharing one device overlap, in [0, 1], for the
-        scheduling core's busy fractions (`scamp_jax.scheduling.costs.shared_load`; the cluster
-        simulator's ``ClusterModel.overlap``): 0, strict turns (JAX programs of several threads
-        on one GPU mostly take turns on its queue, so the last wave packs no trial beside a
-        measured one); 1, free overlap. None: 0 on accelerators, 1 on CPU devices, where
-        ``max_running_trials`` already bounds how many trials share the host's cores.
-    """
-
-    steps: int
-    memory_per_device: int
-    policy: str = "scamp"
-    devices_per_trial: int = 2
-    max_batch_size: int | None = None
-    min_batch_size: int | None = None
-    reference_batch: int | None = None
-    fixed_batch_size: int | None = None
-    safety_margin: float = 0.1
-    checkpoint_every: int = 0
-    eval_every: int = 0
-    log_every: int = 10
-    max_replans: int = 3
-    lookahead: int | None = None
-    nofit_limit: int = 3
-    seed: int = 0
-    rank: int = 0
-    planner_threads: int = 2
-    grow_last_wave: bool | None = None
-    restart_seconds: float | None = None
-    fuse: int | str | None = None
-    max_running_trials: int | str | None = "auto"
-    device_overlap: float | None = None
-
-    def __post_init__(self) -> None:
-        fusion_cap(self.fuse)  # raises on a bad value
-        if self.device_overlap is not None and not 0 <= self.device_overlap <= 1:
-            raise ValueError(f"device_overlap={self.device_overlap} must be in [0, 1] (0: "
-                             "strict turns on a device, 1: free overlap) or None")
-        cap = self.max_running_trials
-        if cap != "auto" and cap is not None and (
-                isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-            raise ValueError(f"max_running_trials={cap!r} must be 'auto', a positive int or "
-                             "None (no cap)")
-        if self.restart_seconds is not None and self.restart_seconds < 0:
-            raise ValueError(f"restart_seconds={self.restart_seconds} must be >= 0 or None")
-        if self.planner_threads < 1:
-            raise ValueError(f"planner_threads={self.planner_threads} must be at least 1")
-        if self.steps < 1:
-            raise ValueError(f"steps={self.steps} must be at least 1")
-        if self.memory_per_device <= 0:
-            raise ValueError(f"memory_per_device={self.memory_per_device} bytes must be positive")
-        if self.policy not in ("scamp", "fixed"):
-            raise ValueError(f"unknown policy {self.policy!r}; choose 'scamp' or 'fixed'")
-        if self.max_batch_size is not None and self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size={self.max_batch_size} must be at least 1 or None")
-        if self.min_batch_size is not None:
-            if self.min_batch_size < 1:
-                raise ValueError(
-                    f"min_batch_size={self.min_batch_size} must be at least 1 or None")
-            if self.max_batch_size is not None and self.min_batch_size > self.max_batch_size:
-                raise ValueError(
-                    f"min_batch_size={self.min_batch_size} exceeds max_batch_size="
-                    f"{self.max_batch_size}; raise the cap or lower the floor")
-
-    def steps_for(self, batch_size: int) -> int:
-        """Training steps of a trial at global ``batch_size`` (see ``reference_batch``)."""
-        if self.reference_batch is None:
-            return self.steps
-        return max(1, math.ceil(self.steps * self.reference_batch / batch_size))
-
 
 
 #: Handling order of work that finishes at once: plans by trial number, then runs.
@@ -415,11 +293,10 @@ class SearchEngine:
             space, task, cap, self.planning, config.steps_for, plan_cache)
         self.records: dict[int, TrialRecord] = {}
         self.intake = Intake(source, config.nofit_limit,
-                             (len(self.devices), config.memory_per_device),
+                             (len(self.devices), config.need_budget().memory_per_device),
                              lambda number: self.endings.tell_failed(number), on_notice)
         self._t0 = time.monotonic()
-        self.budget = Budget.of_devices(self.devices, config.memory_per_device,
-                                        safety_margin=config.safety_margin)
+        self.budget = config.budget_of(self.devices)
         #: the allowance learnt from the allocator (`scamp_jax.hpo.calibration`), booked by
         #: every plan made from now on
         self.calibration = Calibration(self.budget, plan_cache)
@@ -861,8 +738,8 @@ def scheduling_info(policy: Any, config: EngineConfig, core: SchedulingCore, gro
     else:
         parts["devices_per_trial"] = policy.devices_per_trial
     return {
-        "memory_per_device": config.memory_per_device,
-        "safety_margin": config.safety_margin,
+        "memory_per_device": config.need_budget().memory_per_device,
+        "safety_margin": config.need_budget().safety_margin,
         "usable_bytes_per_device": core.capacity,
         "peak_flops": core.peak_flops,
         "restart_seconds": config.restart_seconds,

@@ -305,7 +305,8 @@ class FusionService:
         return GroupSpec(
             group=unit.key, members=tuple(members), plan=fusion,
             steps=self.steps_for(int(fusion.batch_size)),
-            memory_per_device=config.memory_per_device, booked_bytes=booked_bytes(fusion),
+            memory_per_device=config.need_budget().memory_per_device,
+            booked_bytes=booked_bytes(fusion),
             checkpoint_every=config.checkpoint_every, eval_every=config.eval_every,
             log_every=config.log_every)
 

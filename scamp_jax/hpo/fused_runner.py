@@ -45,10 +45,10 @@ from scamp_jax.hpo.lifecycle import (
     share_bytes,
     stream,
 )
+from scamp_jax.hpo.program_key import ProgramKey
 from scamp_jax.hpo.runner import (
     StepCache,
     _batches,
-    architecture_key,
     make_optimizer,
     peak_bytes,
 )
@@ -328,7 +328,8 @@ class FusedProgram:
             self.state = self._restore(self.state, first, checkpointers)
         else:
             self.state = self.cache.initial_states.make_group(
-                architecture_key(self.graphdef, members[0].params), self.build, self.optimizer,
+                ProgramKey.of(self.graphdef, members[0].params).architecture, self.build,
+                self.optimizer,
                 self.plan.step_shardings, [m.seed for m in members], self.hyper)
         self.batch = jax.device_put(self._next, self.shardings.batch)
         del self._next

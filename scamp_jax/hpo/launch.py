@@ -64,7 +64,8 @@ class Launcher:
         spec = RunSpec(
             number=planned.number, params=planned.asked.params, plan=plan,
             steps=config.steps_for(int(plan.batch_size)),
-            memory_per_device=config.memory_per_device, booked_bytes=booked_bytes(plan),
+            memory_per_device=config.need_budget().memory_per_device,
+            booked_bytes=booked_bytes(plan),
             checkpoint_dir=self._checkpoint_dir(planned),
             checkpoint_every=config.checkpoint_every, eval_every=config.eval_every,
             log_every=config.log_every,

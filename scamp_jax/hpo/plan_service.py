@@ -25,7 +25,8 @@ from typing import Any
 
 from flax import nnx
 
-from scamp_jax.hpo.runner import injected_keys, make_optimizer
+from scamp_jax.hpo.program_key import ProgramKey
+from scamp_jax.hpo.runner import make_optimizer
 from scamp_jax.hpo.trial import PlannedTrial, TrialDeferred, booked_bytes
 from scamp_jax.planning import planner
 from scamp_jax.planning.evaluation import supports_chunked_eval
@@ -109,14 +110,15 @@ class PlanningService:
             extra["provisional"] = True
         if self.allowance is not None:
             extra["allowance_bytes"] = self.allowance()
+        budget = self.config.need_budget()
         return self.plan_fn(
             model,
             self.task.sample_batch(1),
             devices=self.devices[:n_devices],
-            memory_per_device=memory or self.config.memory_per_device,
+            memory_per_device=memory or budget.memory_per_device,
             optimizer=make_optimizer(params or {}),
             loss_fn=self.task.loss_fn,
-            safety_margin=self.config.safety_margin,
+            safety_margin=budget.safety_margin,
             max_batch_size=max_batch,
             **extra,
         )
@@ -208,7 +210,7 @@ class PlanningService:
         else:
             cap = self.config.max_batch_size if max_batch is None else max_batch
         allowance = self.allowance() if self.allowance is not None else None
-        key = (graphdef, devices, cap, injected_keys(params), provisional, allowance)
+        key = ProgramKey.of(graphdef, params).plan(devices, cap, provisional, allowance)
         # Several planner threads compile at once (XLA compiles outside the GIL); one lock per
         # architecture makes a second trial of it wait for the first plan instead of redoing it.
         with self._plans_lock:
@@ -245,7 +247,7 @@ class PlanningService:
         program before it is partitioned, so one figure serves every mesh. Cached per
         architecture, batch and injected hyperparameters: the CPU split (`fewest_devices`)
         and the plan's cost share one lowering when the plan reaches the cap."""
-        key = (split_model(model)[0], int(batch_size), injected_keys(params))
+        key = ProgramKey.of(split_model(model)[0], params).flops(batch_size)
         with self._plans_lock:
             if key in self._flops:
                 return self._flops[key]

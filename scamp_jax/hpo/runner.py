@@ -35,6 +35,7 @@ from scamp_jax.hpo.lifecycle import (
     share_bytes,
     stream,
 )
+from scamp_jax.hpo.program_key import ProgramKey, evaluation_key, injected_keys
 from scamp_jax.hpo.trial import OPTIMIZER_KEYS, RunResult, TrialStatus
 from scamp_jax.hpo.trial import TrialOutOfMemory as TrialOutOfMemory
 from scamp_jax.hpo.trial import is_oom_error as is_oom_error
@@ -102,12 +103,6 @@ ADAMW_DEFAULTS: dict[str, float] = {"learning_rate": 1e-3, "b1": 0.9, "b2": 0.99
                                     "weight_decay": 0.0}
 
 
-def injected_keys(params: Mapping[str, Any]) -> tuple[str, ...]:
-    """The optimizer hyperparameters a configuration makes data: the learning rate always,
-    and each of ``b1``, ``b2``, ``weight_decay`` the configuration sets."""
-    return tuple(k for k in OPTIMIZER_KEYS if k == "learning_rate" or k in params)
-
-
 def make_optimizer(params: Mapping[str, Any]) -> optax.GradientTransformation:
     """AdamW with the hyperparameters ``params`` sets injected as data (so trials of one
     architecture share a compile) and the others constants, as ``optax.adamw`` has them.
@@ -164,8 +159,8 @@ class StepCache:
         """The evaluation forward of ``task`` on ``plan``'s mesh (compiles kept per chunk):
         the planner's (``plan.evaluator``) on its devices; on others, one that loads the
         planner's compiled chunks onto them (CPU) or compiles its own."""
+        key = evaluation_key(graphdef, plan, task)
         devices = tuple(d.id for d in plan.mesh.devices.flat)
-        key = (graphdef, plan.mesh.devices.shape, devices, id(task))
         with self._lock:
             ready = getattr(plan, "evaluator", None)
             if ready is not None and not ready.serves(task.eval_forward, ready.device_ids):
@@ -186,12 +181,7 @@ class StepCache:
         """``(jitted step, optimizer)`` for this architecture, plan and gradient reduction,
         built once: the planner's own (``plan.step_source``) when it is the step this would
         build (its lowering at the trial's state is then JAX's cache hit), else a new one."""
-        devices = tuple(d.id for d in plan.mesh.devices.flat)
-        # A bound method is a new object on every access: key it by its function and owner.
-        owner = id(getattr(loss_fn, "__self__", None))
-        key = (graphdef, plan.mesh.devices.shape, devices, plan.batch_size,
-               getattr(loss_fn, "__func__", loss_fn), owner, grad_reduce,
-               injected_keys(params))
+        key = ProgramKey.of(graphdef, params).run_step(plan, loss_fn, grad_reduce)
         with self._lock:
             if key in self._steps:
                 self.hits += 1
@@ -207,14 +197,6 @@ class StepCache:
                                       grad_reduce=grad_reduce)
             self._steps[key] = (step, optimizer)
             return step, optimizer
-
-
-def architecture_key(graphdef: nnx.GraphDef, params: Mapping[str, Any]) -> Any:
-    """What trials of one architecture share (their initial state's compile): the model's
-    structure, its configuration less the optimizer's hyperparameters, and which of those are
-    injected (`injected_keys`: the optimizer state's structure)."""
-    return (graphdef, tuple(sorted((k, repr(v)) for k, v in params.items()
-                                   if k not in OPTIMIZER_KEYS)), injected_keys(params))
 
 
 def _initial_state(
@@ -239,7 +221,7 @@ def _initial_state(
         with jax.set_mesh(spec.plan.mesh):
             architecture = split_model(nnx.eval_shape(lambda: build(nnx.Rngs(seed))))[0]
     states = states if states is not None else InitialStates()
-    return states.make(architecture_key(architecture, spec.params), build, optimizer,
+    return states.make(ProgramKey.of(architecture, spec.params).architecture, build, optimizer,
                        spec.plan.step_shardings, seed, hyper)
 
 

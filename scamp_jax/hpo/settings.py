@@ -1,26 +1,30 @@
-"""How one study runs: `SearchSettings`, validated once, and the views the engine and the study
-read of it.
+"""How one study runs: one configuration object, validated once, from the command line down.
 
-`run_study`, the experiments' command lines (whose config extends `SearchSettings` with their own
-flags) and ``mpirun`` all hand the same dataclass to the study session
-(`scamp_jax.hpo.session`); nothing downstream reads a field by name with a default. The engine
-gets `SearchSettings.engine_config`, the study `SearchSettings.study_record` (what a rerun must
-repeat) and the trial source `SearchSettings.source_kwargs`.
+`EngineConfig` holds how the study's runs train and are placed (steps, batch bounds, policy,
+checkpoints, fusion, the device `Budget`, ...); `SearchSettings` is an `EngineConfig` plus the
+study's own settings (trials, storage, sampler, pruner, ...), and the experiments' config
+(``experiments._cli.HPOConfig``) a `SearchSettings` plus their flags. `run_study`, the command
+lines and ``mpirun`` all hand that one object to the study session (`scamp_jax.hpo.session`),
+which gives the engine the same object with the budget and the rank filled in
+(`SearchSettings.engine_config`): nothing is copied field by field on the way, and nothing
+downstream reads a field by name with a default. The study gets `SearchSettings.study_record`
+(what a rerun must repeat) and the trial source `SearchSettings.source_kwargs`.
 
 This module is a leaf: it imports neither JAX nor Optuna, so ``import scamp_jax`` stays light.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from scamp_jax.planning.budget import Budget
 from scamp_jax.scheduling.placement import POLICIES
 
 if TYPE_CHECKING:
-    from scamp_jax.hpo.engine import EngineConfig
     from scamp_jax.space import SearchSpace
 
 #: Optuna samplers by name (`scamp_jax.hpo.study.make_sampler`).
@@ -36,41 +40,46 @@ GRACE_PERIOD = 60
 
 
 @dataclass(frozen=True, kw_only=True)
-class SearchSettings:
-    """How one study runs: its size, training length, placement and Optuna set-up.
-
-    `scamp_jax.run_study` builds it from its arguments; the experiments' config
-    (``experiments._cli.HPOConfig``) extends it with their own flags. Invalid values raise
+class EngineConfig:
+    """How a study's runs train and are placed: what the engine, the planner's calls, the
+    launcher and the runs read (the base of `SearchSettings`). Invalid values raise
     ``ValueError`` naming the field and what to pass instead.
 
     Attributes:
-      trials: the study's total number of trials (a resumed study runs only the missing ones).
       steps: training steps per trial (at ``reference_batch`` when that is set).
-      study_dir: directory of the study database (``study.db``), checkpoints, results and plots;
-        running again on it resumes the study.
-      storage: SQLAlchemy URL of the study (None: the SQLite file ``study_dir/study.db``).
+      budget: the memory of each device of the pool (`scamp_jax.planning.budget.Budget`: the
+        pool, the safety margin, the allowance); the engine needs one (`SearchSettings`
+        get theirs from the session, `engine_config`).
       policy: ``"scamp"`` (pack trials by planned memory, each with the largest batch that fits)
         or ``"fixed"`` (the baseline: ``devices_per_trial`` devices and one batch for all).
       devices_per_trial: devices every trial gets under the fixed policy.
-      sampler: Optuna sampler, seeded: ``"tpe"``, ``"random"`` or ``"grid"`` (the search space's
-        grid; the study ends once every point ran, even short of ``trials``).
-      pruner: Optuna pruner fed by intermediate evaluations (``eval_every``): ``"median"``,
-        ``"halving"`` or ``"none"``.
-      seed: seed of the sampler, initialisation and data streams.
+      max_batch_size: cap on any trial's global batch (None: as large as memory allows).
+      min_batch_size: smallest global batch a ScaMP plan may train with (None: any). A
+        configuration whose largest fitting batch on the whole pool is smaller does not fit
+        (under MPI it spans ranks instead, see `scamp_jax.distributed.engine`); out-of-memory
+        re-plans never halve a batch below it.
       reference_batch: global batch that ``steps`` refers to; a trial whose plan allows batch
         ``b`` trains ``ceil(steps * reference_batch / b)`` steps, so every trial sees the same
         number of samples (None: every trial trains ``steps`` steps).
-      max_batch_size: cap on any trial's global batch (None: as large as memory allows).
-      min_batch_size: smallest global batch a trial may train with (None: any).
+      fixed_batch_size: the fixed policy's one batch size; None: the largest batch the space's
+        ``largest`` candidate fits on ``devices_per_trial`` devices.
       checkpoint_every: steps between checkpoints (0: only at the end).
       eval_every: steps between intermediate evaluations reported to the pruner (0: none).
-      initial_params: configurations a new study evaluates first (a warm start; the sampler
-        takes over after them).
+      log_every: steps between loss read-backs.
+      max_replans: out-of-memory re-plans of one trial before it is failed.
+      lookahead: asked-but-unplaced trials to keep queued (None: number of devices); a fused
+        proposal's siblings are asked with it even past this.
+      nofit_limit: consecutive candidates that fit nowhere, with none fitting before, after
+        which the study stops with `BudgetTooSmallError`.
+      seed: seed of the sampler, initialisation and data streams.
+      rank: the MPI rank recorded with each trial (0 on a single host).
+      planner_threads: configurations planned at once (each plan is a few compiles), and the
+        most XLA compiles the study runs at once, trials' own included
+        (`scamp_jax.planning.compile_slots`).
       elastic: ``"auto"``, ``"on"`` or ``"off"``: whether ScaMP puts devices that would idle at
-        the end of the study to work (`scamp_jax.hpo.engine.EngineConfig.grow_last_wave`; auto:
-        on accelerators, not on CPU devices).
-      study_name: name of the study in the storage (None: the search space's name); another
-        name starts a new study next to the others, its outputs in ``<study_dir>/<name>/``.
+        the end of the study to work (`grow_last_wave`).
+      restart_seconds: predicted cost of an elastic restart (checkpoint, compile, restore),
+        seconds; None: the trial's own start-up time in its current run.
       fuse: horizontal fusion (`scamp_jax.hpo.fused_engine`): None (off), ``K`` (after the sampler
         proposes a trial, up to ``K - 1`` siblings with its architecture are enqueued, and
         queued trials of one architecture train in fused groups of at most ``K``, as wide as
@@ -82,9 +91,131 @@ class SearchSettings:
         ``"auto"`` (on CPU devices, which share the host's cores, one per two cores, as
         measured in `scamp_jax.scheduling.host`; no cap on accelerators), a positive int, or
         None (as many as the pool's memory holds).
-      device_overlap: how much trials sharing one device overlap in the scheduling core's
-        busy fractions, in [0, 1] (`scamp_jax.hpo.engine.EngineConfig.device_overlap`; None:
-        0 on accelerators, 1 on CPU devices).
+      device_overlap: how much trials sharing one device overlap, in [0, 1], for the
+        scheduling core's busy fractions (`scamp_jax.scheduling.costs.shared_load`; the cluster
+        simulator's ``ClusterModel.overlap``): 0, strict turns (JAX programs of several threads
+        on one GPU mostly take turns on its queue, so the last wave packs no trial beside a
+        measured one); 1, free overlap. None: 0 on accelerators, 1 on CPU devices, where
+        ``max_running_trials`` already bounds how many trials share the host's cores.
+    """
+
+    steps: int
+    budget: Budget | None = None
+    policy: str = "scamp"
+    devices_per_trial: int = 2
+    max_batch_size: int | None = None
+    min_batch_size: int | None = None
+    reference_batch: int | None = None
+    fixed_batch_size: int | None = None
+    checkpoint_every: int = 0
+    eval_every: int = 0
+    log_every: int = 10
+    max_replans: int = 3
+    lookahead: int | None = None
+    nofit_limit: int = 3
+    seed: int = 0
+    rank: int = 0
+    planner_threads: int = 2
+    elastic: str = "auto"
+    restart_seconds: float | None = None
+    fuse: int | str | None = None
+    max_running_trials: int | str | None = "auto"
+    device_overlap: float | None = None
+
+    def __post_init__(self) -> None:
+        from scamp_jax.hpo.trial import fusion_cap
+
+        fusion_cap(self.fuse)  # raises on a bad value
+        for name in ("steps", "devices_per_trial", "log_every", "planner_threads"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("checkpoint_every", "eval_every", "max_replans", "nofit_limit", "rank"):
+            _check_int(name, getattr(self, name), minimum=0)
+        for name in ("reference_batch", "max_batch_size", "min_batch_size", "fixed_batch_size",
+                     "lookahead"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=1)
+        for name, choices in (("policy", POLICIES), ("elastic", tuple(ELASTIC))):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of "
+                                 f"{', '.join(map(repr, choices))}; pass one of them")
+        if self.budget is not None and not isinstance(self.budget, Budget):
+            raise TypeError(f"budget={self.budget!r} is not a Budget; pass "
+                            "scamp_jax.planning.Budget(bytes) or Budget.of_devices(devices, "
+                            "'2GiB')")
+        low, high = self.min_batch_size, self.max_batch_size
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"min_batch_size={low} is larger than max_batch_size={high}; "
+                             f"raise max_batch_size to at least {low} or lower min_batch_size")
+        cap = self.max_running_trials
+        if cap != "auto" and cap is not None and (
+                isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"max_running_trials={cap!r} must be 'auto', a positive int or "
+                             "None (no cap)")
+        if self.device_overlap is not None and not 0 <= self.device_overlap <= 1:
+            raise ValueError(f"device_overlap={self.device_overlap} must be in [0, 1] (0: trials "
+                             "on one device take turns, 1: they overlap freely) or None")
+        if self.restart_seconds is not None and self.restart_seconds < 0:
+            raise ValueError(f"restart_seconds={self.restart_seconds} must be >= 0 or None")
+
+    # -- derived --------------------------------------------------------------------------------
+    @property
+    def grow_last_wave(self) -> bool | None:
+        """``elastic`` as the engine reads it: True (``"on"``), False (``"off"``) or None
+        (``"auto"``: on for accelerators, off for CPU devices, where ScaMP plans each trial from
+        the start on the devices its share of the host's cores gives it, `cpu_trial_devices`
+        in `scamp_jax.scheduling.host`; twice those devices gained about 1.1x more, not worth a
+        trial's extra compiles). On, in a study's last wave a queued trial may start
+        data-parallel on 2x, 4x, ... its planned devices when they would otherwise idle (needs
+        ``reference_batch``), and once nothing is queued or left to ask a running trial may
+        restart from a checkpoint with the same global batch on its devices plus idle ones
+        (`scamp_jax.scheduling.elastic`; needs a checkpoint root)."""
+        return ELASTIC[self.elastic]
+
+    def need_budget(self) -> Budget:
+        """`budget`, or ``ValueError`` when none is set."""
+        if self.budget is None:
+            raise ValueError("the engine needs a device budget; pass budget=Budget(bytes) (or "
+                             "use SearchSettings.engine_config(memory_per_device))")
+        return self.budget
+
+    def budget_of(self, devices: Sequence[Any]) -> Budget:
+        """The budget of the live ``devices``: `budget`'s pool, margin and allowance with the
+        devices' platform and kind (`Budget.of_devices`)."""
+        budget = self.need_budget()
+        return Budget.of_devices(devices, budget.memory_per_device,
+                                 safety_margin=budget.safety_margin,
+                                 allowance_bytes=budget.allowance_bytes)
+
+    def steps_for(self, batch_size: int) -> int:
+        """Training steps of a trial at global ``batch_size`` (see ``reference_batch``)."""
+        if self.reference_batch is None:
+            return self.steps
+        return max(1, math.ceil(self.steps * self.reference_batch / batch_size))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSettings(EngineConfig):
+    """How one study runs: an `EngineConfig` (its runs' training and placement; here
+    ``checkpoint_every`` defaults to 50) plus the study's size, storage and Optuna set-up.
+
+    `scamp_jax.run_study` builds it from its arguments; the experiments' config
+    (``experiments._cli.HPOConfig``) extends it with their own flags. Invalid values raise
+    ``ValueError`` naming the field and what to pass instead.
+
+    Attributes:
+      trials: the study's total number of trials (a resumed study runs only the missing ones).
+      study_dir: directory of the study database (``study.db``), checkpoints, results and plots;
+        running again on it resumes the study.
+      storage: SQLAlchemy URL of the study (None: the SQLite file ``study_dir/study.db``).
+      sampler: Optuna sampler, seeded (with ``seed``): ``"tpe"``, ``"random"`` or ``"grid"``
+        (the search space's grid; the study ends once every point ran, even short of
+        ``trials``).
+      pruner: Optuna pruner fed by intermediate evaluations (``eval_every``): ``"median"``,
+        ``"halving"`` or ``"none"``.
+      initial_params: configurations a new study evaluates first (a warm start; the sampler
+        takes over after them).
+      study_name: name of the study in the storage (None: the search space's name); another
+        name starts a new study next to the others, its outputs in ``<study_dir>/<name>/``.
       heartbeat_interval, grace_period: seconds between a running trial's heartbeats, and
         without one after which its process counts as dead and the trial is retried.
       preset, space_variant: where the settings came from (an experiment's preset, the search
@@ -92,25 +223,13 @@ class SearchSettings:
     """
 
     trials: int
-    steps: int
+    checkpoint_every: int = 50
     study_dir: str | Path = "runs/study"
     storage: str | None = None
-    policy: str = "scamp"
-    devices_per_trial: int = 2
     sampler: str = "tpe"
     pruner: str = "median"
-    seed: int = 0
-    reference_batch: int | None = None
-    max_batch_size: int | None = None
-    min_batch_size: int | None = None
-    checkpoint_every: int = 50
-    eval_every: int = 0
     initial_params: tuple[Mapping[str, Any], ...] = ()
-    elastic: str = "auto"
     study_name: str | None = None
-    fuse: int | str | None = None
-    max_running_trials: int | str | None = "auto"
-    device_overlap: float | None = None
     heartbeat_interval: int = HEARTBEAT_INTERVAL
     grace_period: int = GRACE_PERIOD
     preset: str | None = None
@@ -124,26 +243,14 @@ class SearchSettings:
                 f"fuse={self.fuse!r} leaves each sibling's training hyperparameters to the "
                 "sampler, and sampler='grid' takes every parameter from its grid; use "
                 "sampler='tpe' or 'random' with fuse, or fuse=None with the grid")
-        for name in ("trials", "steps", "devices_per_trial", "heartbeat_interval"):
+        for name in ("trials", "heartbeat_interval"):
             _check_int(name, getattr(self, name), minimum=1)
+        super().__post_init__()
         _check_int("grace_period", self.grace_period, minimum=self.heartbeat_interval + 1)
-        for name in ("checkpoint_every", "eval_every"):
-            _check_int(name, getattr(self, name), minimum=0)
-        for name in ("reference_batch", "max_batch_size", "min_batch_size"):
-            if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), minimum=1)
-        for name, choices in (("policy", POLICIES), ("sampler", SAMPLERS),
-                              ("pruner", PRUNERS), ("elastic", tuple(ELASTIC))):
+        for name, choices in (("sampler", SAMPLERS), ("pruner", PRUNERS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of "
                                  f"{', '.join(map(repr, choices))}; pass one of them")
-        low, high = self.min_batch_size, self.max_batch_size
-        if low is not None and high is not None and low > high:
-            raise ValueError(f"min_batch_size={low} is larger than max_batch_size={high}; "
-                             f"raise max_batch_size to at least {low} or lower min_batch_size")
-        if self.device_overlap is not None and not 0 <= self.device_overlap <= 1:
-            raise ValueError(f"device_overlap={self.device_overlap} must be in [0, 1] (0: trials "
-                             "on one device take turns, 1: they overlap freely) or None")
         if self.study_name is not None and not self.study_name.strip():
             raise ValueError("study_name='' names no study; pass a name or None (the search "
                              "space's name)")
@@ -151,19 +258,13 @@ class SearchSettings:
                            tuple(dict(p) for p in self.initial_params))
 
     # -- views ----------------------------------------------------------------------------------
-    def engine_config(self, memory_per_device: int, *, rank: int = 0) -> EngineConfig:
-        """The engine's view: budget ``memory_per_device`` bytes per device; ``rank`` is the
-        MPI rank recorded with each trial."""
-        from scamp_jax.hpo.engine import EngineConfig
-
-        return EngineConfig(
-            steps=self.steps, memory_per_device=memory_per_device, policy=self.policy,
-            devices_per_trial=self.devices_per_trial, max_batch_size=self.max_batch_size,
-            min_batch_size=self.min_batch_size, reference_batch=self.reference_batch,
-            checkpoint_every=self.checkpoint_every, eval_every=self.eval_every, seed=self.seed,
-            rank=rank, grow_last_wave=ELASTIC[self.elastic], fuse=self.fuse,
-            max_running_trials=self.max_running_trials, device_overlap=self.device_overlap,
-        )
+    def engine_config(self, memory_per_device: int | Budget, *, rank: int = 0) -> SearchSettings:
+        """These settings as the engine reads them: with the budget (bytes per device, or a
+        `Budget`) and ``rank``, the MPI rank recorded with each trial. The same object
+        otherwise: nothing is copied field by field."""
+        budget = (memory_per_device if isinstance(memory_per_device, Budget)
+                  else Budget(int(memory_per_device)))
+        return replace(self, budget=budget, rank=rank)
 
     def study_record(self, space: SearchSpace, memory_per_device: int) -> dict[str, Any]:
         """What the study remembers and a rerun must repeat: space, preset, steps, seed and
