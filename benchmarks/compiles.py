@@ -1,0 +1,76 @@
+"""What planning a new architecture costs: CPU seconds and XLA compiles of one ``plan_mesh``.
+
+Plans one model of `benchmarks.memory_accuracy` in this (fresh) process, as the engine plans a
+trial's architecture, and prints one JSON line: the plan (mesh, batch, compiled peak), the CPU
+seconds of all threads (``time.process_time``: what it would take with a core to itself, the
+figure to compare on a shared machine), the wall seconds, and the compiles by function name
+(JAX's compile events, `scamp_jax.planning.compile_events.CompileCounter`). Only public
+``plan_mesh`` arguments are used, so the same file measures another checkout::
+
+    python -m benchmarks.compiles --case swinir                     # 8 CPU devices, 64 MiB
+    python -m benchmarks.compiles --case swinir --planning-only     # no run-grade answer
+    python -m benchmarks.compiles --case swinir_paper --devices 1 --memory-per-device 32GiB
+    PYTHONPATH=../other python ../this/benchmarks/compiles.py --case swinir   # another tree
+
+On a GPU the same command shows what planning costs with XLA's autotuner off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+
+def measure(case_name: str, devices: int | None, budget: str | None,
+            planning_only: bool) -> dict[str, Any]:
+    """Plan ``case_name`` once (``planning_only``: ``compile_for_run=False``); see the module
+    doc for the figures."""
+    import jax
+    from flax import nnx
+
+    from benchmarks.memory_accuracy import BY_NAME
+    from scamp_jax.planning.compile_events import CompileCounter
+    from scamp_jax.planning.planner import plan_mesh
+
+    case = BY_NAME[case_name]
+    model = nnx.eval_shape(lambda: case.build(nnx.Rngs(0)))
+    sample = case.sample()
+    n = devices or len(jax.devices())
+    wall, cpu = time.perf_counter(), time.process_time()
+    with CompileCounter() as count:
+        plan = plan_mesh(model, sample, devices=n, memory_per_device=budget or case.budget,
+                         compile_for_run=not planning_only)
+    return {
+        "case": case_name, "platform": jax.devices()[0].platform, "devices": n,
+        "planning_only": planning_only, "mesh": f"{plan.data_parallel}x{plan.model_parallel}",
+        "batch": plan.batch_size, "peak_bytes": plan.peak_bytes_per_device,
+        "cpu_s": round(time.process_time() - cpu, 3),
+        "wall_s": round(time.perf_counter() - wall, 3),
+        "compiles": dict(count.compiles), "plan_compiles": plan.compiles,
+        "run_grade_step": plan.compiled_step is not None,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", default="swinir",
+                        help="a model of benchmarks.memory_accuracy (swinir, swinir_small, "
+                        "swinir_paper, mlp, ...)")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="devices to plan on (default: all; on CPU the host is split into 8)")
+    parser.add_argument("--memory-per-device", default=None,
+                        help="budget per device (default: the case's)")
+    parser.add_argument("--planning-only", action="store_true",
+                        help="compile_for_run=False: no run-grade answer")
+    args = parser.parse_args(argv)
+    from scamp_jax.devices import configure_cpu_devices
+
+    configure_cpu_devices(8)
+    print(json.dumps(measure(args.case, args.devices, args.memory_per_device,
+                             args.planning_only)))
+
+
+if __name__ == "__main__":
+    main()
