@@ -235,8 +235,16 @@ class PlanningService:
     # ------------------------------------------------------------------------ cost analysis
     def step_flops(self, params: Mapping[str, Any], plan: Any) -> float | None:
         """FLOPs one device runs per training step of ``plan``: the step's total at the plan's
-        batch (`total_flops`) divided over the plan's devices; None if XLA gives no figure."""
-        total = self.total_flops(self.abstract(params), params, int(plan.batch_size))
+        batch divided over the plan's devices (the planner's own figure, `Plan.step_flops`,
+        else `total_flops`); None if XLA gives no figure."""
+        model = self.abstract(params)
+        total = getattr(plan, "step_flops", None)
+        if total is not None:
+            key = ProgramKey.of(split_model(model)[0], params).flops(int(plan.batch_size))
+            with self._plans_lock:
+                self._flops.setdefault(key, total)  # for a later trial's CPU split
+        else:
+            total = self.total_flops(model, params, int(plan.batch_size))
         return total / self.devices_of(plan) if total else None
 
     def total_flops(self, model: Any, params: Mapping[str, Any], batch_size: int

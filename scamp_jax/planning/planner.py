@@ -83,6 +83,7 @@ from scamp_jax.planning.train_step import (
     abstract_state,
     default_optimizer,
     jit_train_step,
+    lowered_flops,
 )
 from scamp_jax.scheduling.booking import solo_bytes
 
@@ -168,6 +169,9 @@ class Plan:
       provisional: the batch and figures are an estimate from shapes, not compiled
         (``plan_mesh(..., provisional=True)``): good for sizing a fused group, whose compiled
         step checks it, not for training alone.
+      step_flops: FLOPs of one training step at ``batch_size`` over all its devices, from XLA's
+        cost analysis of the planner's own lowering (`train_step.lowered_flops`); None when no
+        step was lowered at that batch (a cached or provisional plan).
 
     `predicted_peak_bytes` is the most a trial of this plan holds on a device at any time:
     training (compiled step + prefetched batch) or evaluation (forward pass + optimizer state +
@@ -199,6 +203,7 @@ class Plan:
     evaluator: Any = field(default=None, compare=False, repr=False)
     allowance_bytes: int = 0
     provisional: bool = field(default=False, compare=False)
+    step_flops: float | None = field(default=None, compare=False)
 
     @property
     def train_bytes(self) -> int:
@@ -746,6 +751,7 @@ def _plan_on_mesh(request: _Request, mp: int, stored: _StoredPlans | None,
         evaluator=evaluator if eval_plan else None,
         allowance_bytes=request.budget.allowance_bytes,
         provisional=shaped,
+        step_flops=None if shaped else lowered_flops(search.executables[batch][1]),
     )
     if not shaped and stored is not None and (
             plan.predicted_peak_bytes - plan.allowance_bytes <= usable):

@@ -298,8 +298,15 @@ def step_flops(
     graphdef = split_model(model)[0]
     state = abstract_state(model, optimizer)
     batch = jax.tree.map(_abstract, batch)
-    cost = jax.jit(make_train_step(graphdef, optimizer, loss_fn)).lower(*state, batch)
-    cost = cost.cost_analysis()
+    return lowered_flops(jax.jit(make_train_step(graphdef, optimizer, loss_fn)).lower(*state,
+                                                                                     batch))
+
+
+def lowered_flops(lowered: jax.stages.Lowered) -> float | None:
+    """FLOPs of a lowered program from XLA's ``cost_analysis()`` (before it is partitioned: the
+    total over the devices it runs on; sharding annotations do not change it); None if XLA
+    gives no figure."""
+    cost = lowered.cost_analysis()
     if isinstance(cost, list | tuple):
         cost = cost[0] if cost else {}
     flops = float((cost or {}).get("flops", 0.0))
