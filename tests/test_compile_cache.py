@@ -262,3 +262,66 @@ def test_a_plans_flops_come_from_its_own_lowering_and_equal_the_unsharded_steps(
         # (4,914,486 against 4,914,506 at one device)
         assert plan.step_flops == pytest.approx(
             step_flops(model, default_optimizer(), default_loss, batch), rel=1e-5)
+
+
+def _trial_on(device: int, plan: Any, task: Any, study_dir: Path) -> tuple[Any, tuple]:
+    """A fresh 'process' (JAX's in-memory caches cleared) running one trial of width 8 on CPU
+    device ``device`` under the study's persistent cache: its result and compiles."""
+    from scamp_jax.hpo.runner import RunSpec, StepCache, run_trial
+
+    space = SearchSpace("conv", lambda t: {"width": 8},
+                        lambda config, rngs: ConvNet(int(config["width"]), rngs))
+    jax.clear_caches()
+    spec = RunSpec(number=device, params={"width": 8, "learning_rate": 1e-2},
+                   plan=plan.with_devices(jax.devices()[device:device + 1]), steps=2,
+                   memory_per_device=16 * 2**20, seed=3)
+    with study_compile_cache(study_dir), CompileCounter() as count:
+        result = run_trial(spec, space, task, cache=StepCache())
+    assert result.state == "complete", result.reason
+    return result, (count.compiles["jit(step)"], count.compiles["jit(run)"],
+                    count.compiles["jit(init)"])
+
+
+def _conv_plan(task: Any, study_dir: Path | None = None) -> Any:
+    model = nnx.eval_shape(lambda: ConvNet(8, nnx.Rngs(0)))
+    kw: dict[str, Any] = dict(devices=jax.devices()[:1], memory_per_device="16MiB",
+                              optimizer=make_optimizer({}), loss_fn=task.loss_fn,
+                              max_batch_size=8, eval_task=task)
+    if study_dir is None:
+        return plan_mesh(model, task.sample_batch(1), **kw)
+    with study_compile_cache(study_dir):
+        return plan_mesh(model, task.sample_batch(1), **kw)
+
+
+def test_a_later_process_compiles_nothing_for_a_trial_on_the_devices_it_had(tmp_path):
+    """A plan from the plan cache has no compiled programs: the trial compiles its step, its
+    evaluation chunk and its initialisation; a later process's trial on the same device reads
+    all three from the persistent cache and ends as the first did."""
+    import dataclasses
+
+    task = Denoise()
+    cached = dataclasses.replace(_conv_plan(task), compiled_step=None, evaluator=None,
+                                 step_source=None)
+    first, compiled = _trial_on(1, cached, task, tmp_path)
+    again, none = _trial_on(1, cached, task, tmp_path)
+    assert compiled == (1, 1, 1) and none == (0, 0, 0)
+    assert first.metrics == again.metrics
+
+
+def test_an_executable_read_back_from_the_cache_is_compiled_again_rather_than_moved(tmp_path):
+    """XLA's CPU executables lose functions when one read back is serialized again, so the
+    planner's step found in the persistent cache is not moved onto a trial's other device: the
+    trial compiles its own there and trains as one given the planner's fresh executable."""
+    from scamp_jax.planning.reuse import read_back
+
+    task = Denoise()
+    fresh = _conv_plan(task, tmp_path)  # compiled, and written to the study's cache
+    assert not read_back(fresh.compiled_step.executable)
+    reference, moved = _trial_on(2, fresh, task, tmp_path / "elsewhere")
+    assert moved == (0, 0, 1)  # the planner's step and chunk loaded onto device 2
+    jax.clear_caches()
+    again = _conv_plan(task, tmp_path)  # a later process: read back, not compiled
+    assert read_back(again.compiled_step.executable) and again.evaluator is not None
+    result, own = _trial_on(2, again, task, tmp_path / "elsewhere")
+    assert own[:2] == (1, 1)  # its own step and chunk for device 2
+    assert result.metrics == reference.metrics

@@ -41,10 +41,9 @@ from scamp_jax.hpo.trial import TrialOutOfMemory as TrialOutOfMemory
 from scamp_jax.hpo.trial import is_oom_error as is_oom_error
 from scamp_jax.hpo.trial import trial_seed as trial_seed
 from scamp_jax.planning import sharding as sh
-from scamp_jax.planning.compile_slots import compile_slot
 from scamp_jax.planning.evaluation import EvalCompiler
 from scamp_jax.planning.initial_state import InitialStates, abstract_initial_state
-from scamp_jax.planning.reuse import ExecutableCache
+from scamp_jax.planning.reuse import ExecutableCache, compile_lowered
 from scamp_jax.planning.train_step import jit_train_step, split_model
 from scamp_jax.space import SearchSpace, Task
 
@@ -318,8 +317,7 @@ class SoloProgram:
             # the step), which the ahead-of-time executable does not take: run through the jit
             # wrapper, sized by its own compile.
             self.compiled = self.step_fn
-            with compile_slot():
-                return peak_bytes(lowered.compile())
+            return peak_bytes(compile_lowered(lowered))
         self.compiled = self.cache.executables.compiled(
             lowered, list(self.plan.mesh.devices.flat), ready)
         return peak_bytes(self.compiled)

@@ -24,8 +24,9 @@ Per backend:
   its one compile is the planner's, autotuning off.
 - other backends: XLA's defaults everywhere.
 
-The initial state is made on the host's CPU on every backend (`init_platform`), so a new
-architecture's initialisation never compiles for an accelerator.
+The initial state is made on the host's CPU on every backend
+(`scamp_jax.planning.initial_state`), so a new architecture's initialisation never compiles for
+an accelerator.
 """
 
 from __future__ import annotations
@@ -93,11 +94,6 @@ def answer_is_runnable(platform: str) -> bool:
     """Whether the planner's compile of its answer is the run's executable on ``platform``
     (its options are the run's: CPU and backends without planning options)."""
     return compile_options(platform, Purpose.ANSWER) == compile_options(platform, Purpose.RUN)
-
-
-def init_platform() -> str:
-    """The platform initial states are made on: the host's CPU (JAX always has it)."""
-    return "cpu"
 
 
 _rough_accepted: bool | None = None

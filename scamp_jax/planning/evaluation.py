@@ -31,9 +31,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from scamp_jax.planning import sharding as sh
 from scamp_jax.planning.compile_options import Purpose, compile_options, platform_of
-from scamp_jax.planning.compile_slots import compile_slot
 from scamp_jax.planning.liveness import live_bytes
-from scamp_jax.planning.reuse import load_on_devices
+from scamp_jax.planning.reuse import compile_lowered, load_on_devices
 
 PyTree = Any
 
@@ -151,8 +150,7 @@ class EvalCompiler:
                 x = jax.ShapeDtypeStruct((chunk, *sample.shape[1:]), sample.dtype)
                 with jax.set_mesh(self.mesh):
                     lowered = self._jitted.lower(self.params, self.rest, x)
-                with compile_slot():
-                    self._compiled[key] = lowered.compile(self.options)
+                self._compiled[key] = compile_lowered(lowered, self.options)
         return self._compiled[key]
 
     def compiled_chunks(self) -> int:

@@ -47,7 +47,6 @@ from jax.sharding import NamedSharding
 from scamp_jax._units import format_bytes
 from scamp_jax.planning import sharding as sh
 from scamp_jax.planning.compile_options import Purpose, compile_options, platform_of
-from scamp_jax.planning.compile_slots import compile_slot
 from scamp_jax.planning.memory import MemoryEstimate
 from scamp_jax.planning.plan_cache import PlanCache, cache_key, device_identity, program_signature
 from scamp_jax.planning.planner import (
@@ -58,7 +57,7 @@ from scamp_jax.planning.planner import (
     plan_mesh,
     resolve_devices,
 )
-from scamp_jax.planning.reuse import lowered_fingerprint
+from scamp_jax.planning.reuse import compile_lowered, lowered_fingerprint
 from scamp_jax.planning.train_step import (
     LossFn,
     StepShardings,
@@ -356,8 +355,7 @@ class FusedStepCompiler:
         active = jax.ShapeDtypeStruct((width,), jnp.bool_, sharding=self.shardings.replicated())
         start = time.perf_counter()
         lowered = self._step.lower(params, opt_state, rest, batch, active)
-        with compile_slot():
-            compiled = lowered.compile(None if run_grade else self.compiler_options)
+        compiled = compile_lowered(lowered, None if run_grade else self.compiler_options)
         seconds = time.perf_counter() - start
         if run_grade:
             self.run_grade[(width, batch_size)] = (compiled, lowered)

@@ -11,7 +11,7 @@ its state here:
   its architecture has started. ``make`` gives one run's state, ``make_group`` the stacked state
   of a fused group of ``K`` runs (a leading member axis; member ``i`` equals ``make`` with the
   ``i``-th seed and hyperparameters, bit for bit). The program is compiled for the host's CPU
-  (`scamp_jax.planning.compile_options.init_platform`) on every backend and its result copied
+  (`scamp_jax.planning.reuse.home_mesh`) on every backend and its result copied
   onto the run's devices: trials on other devices reuse the compile, an accelerator never
   compiles an initialisation (on a GPU that compile cost about as much as the step's, with
   XLA's autotuner holding the GPU meanwhile), and a seed gives the same initial state on every
@@ -37,10 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
-from scamp_jax.planning.compile_options import Purpose, compile_options, init_platform
-from scamp_jax.planning.compile_slots import compile_slot
+from scamp_jax.planning.compile_options import Purpose, compile_options
+from scamp_jax.planning.reuse import compile_lowered, home_mesh
 from scamp_jax.planning.train_step import StepShardings, split_model, stack_shardings
 
 PyTree = Any
@@ -171,12 +171,12 @@ class InitialStates:
               width: int | None) -> tuple[PyTree, PyTree, PyTree]:
         mesh = shardings.mesh
         devices = list(mesh.devices.flat)
-        home_mesh = _home_mesh(mesh) if self.home_on_cpu else mesh
-        platform = home_mesh.devices.flat[0].platform
+        home = home_mesh(mesh) if self.home_on_cpu else mesh
+        platform = home.devices.flat[0].platform
 
         def rehome(tree: PyTree) -> PyTree:
             return jax.tree.map(
-                lambda s: NamedSharding(home_mesh, s.spec, memory_kind=s.memory_kind), tree,
+                lambda s: NamedSharding(home, s.spec, memory_kind=s.memory_kind), tree,
                 is_leaf=lambda x: isinstance(x, NamedSharding))
 
         target = _state_shardings(shardings, width)
@@ -184,8 +184,8 @@ class InitialStates:
         names = tuple(sorted(hyper))
         specs = tuple(s.spec for s in jax.tree.leaves(
             out, is_leaf=lambda x: isinstance(x, NamedSharding)))
-        home_ids = tuple(d.id for d in home_mesh.devices.flat)
-        key = (architecture, width, home_ids, home_mesh.devices.shape, names, specs)
+        home_ids = tuple(d.id for d in home.devices.flat)
+        key = (architecture, width, home_ids, home.devices.shape, names, specs)
         with self._lock:
             compiled = self._compiled.get(key)
             if compiled is not None:
@@ -199,38 +199,24 @@ class InitialStates:
                         self.hits += 1
                 if compiled is None:
                     seed_shape = () if width is None else (width,)
-                    with jax.set_mesh(home_mesh):
+                    with jax.set_mesh(home):
                         lowered = jax.jit(_init_fn(build, optimizer, width),
                                           out_shardings=out).lower(
                             jax.ShapeDtypeStruct(seed_shape, jnp.int32),
                             {k: jax.ShapeDtypeStruct(seed_shape, jnp.float32) for k in names},
                         )
-                    with compile_slot():
-                        compiled = lowered.compile(compile_options(platform, Purpose.INIT))
+                    compiled = compile_lowered(lowered, compile_options(platform, Purpose.INIT))
                     with self._lock:
                         self._compiled[key] = compiled
                         self.misses += 1
         # explicit transfers of the arguments (replicated on the home mesh)
-        replicated = NamedSharding(home_mesh, PartitionSpec())
+        replicated = NamedSharding(home, PartitionSpec())
         args = jax.device_put((seeds, {k: hyper[k] for k in names}), replicated)
         state = compiled(*args)
-        if list(home_mesh.devices.flat) == devices:
+        if list(home.devices.flat) == devices:
             return state
         # A copy onto the run's devices (the step donates params: never alias the home copy).
         return jax.device_put(state, target)
-
-
-def _home_mesh(mesh: Mesh) -> Mesh:
-    """The host CPU mesh an initial state for ``mesh`` is made on: on CPU devices the
-    platform's first devices in ``mesh``'s shape (one host's memory: the copy is a local one),
-    elsewhere the host's first CPU device, every axis of size 1."""
-    host = jax.local_devices(backend=init_platform())
-    size = mesh.devices.size
-    if mesh.devices.flat[0].platform == init_platform() and len(host) >= size:
-        home = np.asarray(host[:size], dtype=object).reshape(mesh.devices.shape)
-    else:
-        home = np.asarray(host[:1], dtype=object).reshape((1,) * mesh.devices.ndim)
-    return Mesh(home, mesh.axis_names, axis_types=mesh.axis_types)
 
 
 def init_train_state(

@@ -43,7 +43,7 @@ from scamp_jax.planning.compile_options import (
     cpu_rough_options,
     platform_of,
 )
-from scamp_jax.planning.compile_slots import compile_slot
+from scamp_jax.planning.reuse import compile_lowered
 from scamp_jax.planning.train_step import (
     LossFn,
     StepShardings,
@@ -299,8 +299,7 @@ class StepCompiler:
         lowered = (step or self._step).lower(
             placed(self.params, shardings.params), placed(self.opt_state, shardings.opt_state),
             placed(self.rest, shardings.rest), placed(batch, shardings.batch))
-        with compile_slot():
-            compiled = lowered.compile(options)
+        compiled = compile_lowered(lowered, options)
         seconds = time.perf_counter() - start
         stats = compiled.memory_analysis()
         if stats is None:

@@ -751,7 +751,8 @@ def _plan_on_mesh(request: _Request, mp: int, stored: _StoredPlans | None,
         evaluator=evaluator if eval_plan else None,
         allowance_bytes=request.budget.allowance_bytes,
         provisional=shaped,
-        step_flops=None if shaped else lowered_flops(search.executables[batch][1]),
+        step_flops=(lowered_flops(search.executables[batch][1])
+                    if batch in search.executables else None),  # none: known from the cache
     )
     if not shaped and stored is not None and (
             plan.predicted_peak_bytes - plan.allowance_bytes <= usable):

@@ -11,11 +11,19 @@ initial states are compiled once per architecture too:
 An XLA executable is bound to the devices it was compiled for, so the cache keys by device ids.
 On CPU the same machine code serves any device: a program already compiled for other CPU devices
 (the planner's, or another trial's) is loaded onto the trial's devices (`load_on_devices`)
-instead of being compiled for them. In the main job a SwinIR step or evaluation chunk loads in
-0.4-0.5 s where its compile took 1-15 s (BENCHMARKS.md, "The main job"). JAX 0.10.2 has no
-public way to do this: its persistent compilation cache keys CPU programs by their device
-assignment too, and `jax.experimental.serialize_executable.deserialize_and_load` loads onto
-the devices the executable was compiled for.
+instead of being compiled for them. Only a program this process compiled moves: XLA's CPU
+executables lose functions when one that was itself read back (from the persistent compilation
+cache, `scamp_jax.planning.compile_cache`, or moved) is serialized again (jax 0.12: "Function
+... not found" at its first run), so every compile of the project goes through
+`compile_lowered`, which remembers those, and `load_on_devices` declines them (the trial
+compiles, or finds its own devices' program in the persistent cache, which keys a CPU program
+by its devices). In the main job a SwinIR step or evaluation chunk loads in 0.4-0.5 s where its
+compile took 1-15 s (BENCHMARKS.md, "The main job"). JAX has no public way to do this:
+`jax.experimental.serialize_executable.deserialize_and_load` loads onto the devices the
+executable was compiled for.
+
+`home_mesh` is the host CPU mesh that initial states are made on
+(`scamp_jax.planning.initial_state`).
 """
 
 from __future__ import annotations
@@ -31,8 +39,10 @@ from typing import Any
 import jax
 import numpy as np
 from jax.experimental import serialize_executable
+from jax.sharding import Mesh
 from jaxlib import xla_client
 
+from scamp_jax.planning.compile_events import CACHE_HIT_EVENT
 from scamp_jax.planning.compile_slots import compile_slot
 
 PyTree = Any
@@ -101,6 +111,66 @@ def _moving_unpickler() -> type | None:
 _MOVING_UNPICKLER: Any = None
 
 
+def home_mesh(mesh: Mesh) -> Mesh:
+    """The host CPU mesh that programs and initial states for ``mesh`` are made on: on CPU
+    devices the platform's first devices in ``mesh``'s shape (one host's memory: moving a
+    program or a state there is local), elsewhere the host's first CPU device, every axis of
+    size 1 (`scamp_jax.planning.initial_state`)."""
+    host = jax.local_devices(backend="cpu")
+    size = mesh.devices.size
+    if mesh.devices.flat[0].platform == "cpu" and len(host) >= size:
+        home = np.asarray(host[:size], dtype=object).reshape(mesh.devices.shape)
+    else:
+        home = np.asarray(host[:1], dtype=object).reshape((1,) * mesh.devices.ndim)
+    return Mesh(home, mesh.axis_names, axis_types=mesh.axis_types)
+
+
+#: Runtime executables read back rather than compiled here, by id (kept, so an id is not reused
+#: while listed): JAX's persistent-cache hits and `load_on_devices`' results.
+_READ_BACK: dict[int, Any] = {}
+_read_back_lock = threading.Lock()
+_hits = threading.local()
+_listening = False
+
+
+def _count_cache_hit(event: str, **kwargs: Any) -> None:
+    if event == CACHE_HIT_EVENT:  # recorded in the thread that asked for the compile
+        _hits.count = getattr(_hits, "count", 0) + 1
+
+
+def _mark_read_back(compiled: Any) -> None:
+    runtime = compiled.runtime_executable()
+    with _read_back_lock:
+        _READ_BACK[id(runtime)] = runtime
+
+
+def read_back(compiled: Any) -> bool:
+    """Whether ``compiled`` was read back (from the persistent cache, or moved) rather than
+    compiled by this process (`compile_lowered`)."""
+    with _read_back_lock:
+        return id(compiled.runtime_executable()) in _READ_BACK
+
+
+def compile_lowered(lowered: jax.stages.Lowered,
+                    options: dict[str, Any] | None = None) -> jax.stages.Compiled:
+    """``lowered.compile(options)`` in one of the study's compile slots
+    (`scamp_jax.planning.compile_slots`), remembering an executable JAX read back from the
+    persistent compilation cache instead of compiling it (`read_back`). Every compile of the
+    project goes through here."""
+    global _listening
+    if not _listening:
+        with _read_back_lock:
+            if not _listening:
+                jax.monitoring.register_event_listener(_count_cache_hit)
+                _listening = True
+    before = getattr(_hits, "count", 0)
+    with compile_slot():
+        compiled = lowered.compile(options)
+    if getattr(_hits, "count", 0) != before:
+        _mark_read_back(compiled)
+    return compiled
+
+
 def load_on_devices(compiled: jax.stages.Compiled, source_ids: Sequence[int],
                     devices: Sequence[jax.Device]) -> jax.stages.Compiled | None:
     """``compiled`` (compiled for the devices ``source_ids``, in mesh order) loaded onto
@@ -109,8 +179,9 @@ def load_on_devices(compiled: jax.stages.Compiled, source_ids: Sequence[int],
     computed there, bit for bit.
 
     None where that is not possible: another platform than `MOVABLE_PLATFORMS`, other
-    devices than the source's counterparts, or an executable JAX cannot serialize (closed-over
-    constants, host callbacks).
+    devices than the source's counterparts, an executable JAX cannot serialize (closed-over
+    constants, host callbacks), or one that was itself read back (`read_back`: XLA serializes
+    those again without all their functions).
     """
     start = time.perf_counter()
     devices = list(devices)
@@ -118,7 +189,7 @@ def load_on_devices(compiled: jax.stages.Compiled, source_ids: Sequence[int],
             or any(d.platform not in MOVABLE_PLATFORMS for d in devices)):
         return None
     unpickler = _moving_unpickler()
-    if unpickler is None:
+    if unpickler is None or read_back(compiled):
         return None
     try:
         payload, in_tree, out_tree = serialize_executable.serialize(compiled)
@@ -136,6 +207,7 @@ def load_on_devices(compiled: jax.stages.Compiled, source_ids: Sequence[int],
     except Exception as err:  # noqa: BLE001 - loading is an aid: the trial compiles instead
         log.info("executable not moved to devices %s: %s", [d.id for d in devices], err)
         return None
+    _mark_read_back(moved)
     jax.monitoring.record_event_duration_secs(EXECUTABLE_LOAD_EVENT,
                                               time.perf_counter() - start)
     return moved
@@ -195,8 +267,7 @@ class ExecutableCache:
                         self.moves += 1
                         self._compiled[key] = executable
                     return executable
-            with compile_slot():
-                executable = lowered.compile()
+            executable = compile_lowered(lowered)
             with self._lock:
                 self.misses += 1
                 self._compiled[key] = executable
