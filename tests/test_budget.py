@@ -107,3 +107,28 @@ def test_the_planner_the_core_and_the_simulator_book_the_same_usable_bytes() -> 
     assert plan.safety_margin == 0.25 and plan.memory_per_device == 8 * MIB
     with pytest.raises(ValueError, match="differs from the budget"):
         plan_mesh(model, sample, devices=1, memory_per_device=budget, safety_margin=0.1)
+
+
+def test_the_simulator_books_the_allowance_as_the_engine_does() -> None:
+    """A cluster with an allowance fits each trial's figures within the usable bytes less it
+    and books them plus it, the engine's rule for a plan made with that allowance."""
+    from scamp_jax.scheduling.placement import ScampPolicy
+    from scamp_jax.sim.simulator import ClusterModel, StepCostModel, plan_profiles
+
+    cost = StepCostModel(model_parallel=1, flops_fixed=1e9, flops_per_sample=1e8,
+                         bytes_fixed=1e6, bytes_per_sample=1e5, gradient_bytes=1e6,
+                         mp_comm_fixed=0.0, mp_comm_per_sample=0.0, kernels_per_step=10,
+                         memory_fixed=10 * MIB, memory_per_sample=MIB)
+    base = dict(name="t", devices=2, memory_per_device=100 * MIB, peak_flops=1e12,
+                mem_bandwidth=1e11, interconnect_bandwidth=1e10)
+    plain = ClusterModel(**base)
+    allowed = ClusterModel(**base, allowance_bytes=20 * MIB)
+    (a,) = plan_profiles([cost], plain, ScampPolicy(), samples=64, max_devices=2)
+    (b,) = plan_profiles([cost], allowed, ScampPolicy(), samples=64, max_devices=2)
+    budget = allowed.budget(0.1)
+    assert a.bytes_per_device <= budget.usable_bytes
+    assert b.batch_size < a.batch_size  # 20 MiB less to fit the step into
+    assert b.bytes_per_device == cost.peak_bytes(b.batch_size) + 20 * MIB <= budget.usable_bytes
+    assert b.alternatives and all(
+        alt.bytes_per_device == cost.peak_bytes(alt.batch_size // 2) + 20 * MIB
+        for alt in b.alternatives)

@@ -216,7 +216,7 @@ def fixed_baseline(
     candidate fits there within ``(1 - safety_margin)`` of device memory, capped by
     ``max_batch_size`` and a multiple of the device count (every candidate splits it over its
     data-parallel replicas)."""
-    usable = cluster.budget(safety_margin).usable_bytes
+    usable = cluster.budget(safety_margin).plan_bytes  # less the allowance, as the engine's plans
     k = fixed_devices if fixed_devices is not None else largest.model_parallel
     if k % largest.model_parallel:
         raise ValueError(f"--fixed-devices {k} must be a multiple of the largest candidate's "
