@@ -12,7 +12,7 @@ An XLA executable is bound to the devices it was compiled for, so the cache keys
 On CPU the same machine code serves any device: a program already compiled for other CPU devices
 (the planner's, or another trial's) is loaded onto the trial's devices (`load_on_devices`)
 instead of being compiled for them. In the main job a SwinIR step or evaluation chunk loads in
-0.4-0.5 s where its compile took 1-15 s (BENCHMARKS.md, "The main job"). JAX 0.10.2 has no
+0.4-0.5 s where its compile took 1-15 s (benchmarks/notes/main-job.md). JAX 0.10.2 has no
 public way to do this: its persistent compilation cache keys CPU programs by their device
 assignment too, and `jax.experimental.serialize_executable.deserialize_and_load` loads onto
 the devices the executable was compiled for.
