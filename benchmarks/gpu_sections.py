@@ -303,7 +303,8 @@ def _memory_row(label: str, point: str, r: dict[str, Any]) -> dict[str, Any]:
     return {
         "case": label, "point": point, "width": r["width"], "batch": r["batch"],
         "plan_batch": r["plan_batch"], "budget": r["budget"], "planned": r["planned"],
-        "booked": r.get("booked"), "compiled": r["compiled"], "measured": measured,
+        "booked": r.get("booked"), "allowance": r.get("allowance"), "compiled": r["compiled"],
+        "measured": measured,
         "oom": r["oom"], "oom_phase": r.get("oom_phase"), "error": r.get("error"),
         "bytes_limit": r.get("bytes_limit"), "allocator_env": r.get("allocator_env"),
         "phases": r.get("phases"), "outside_allocator_bytes": r.get("outside_allocator_bytes"),

@@ -289,7 +289,8 @@ def measure_real_step(case: Case, devices: int, budget: str | None, *,
     Returns a JSON-ready dict: ``batch`` (per member when fused), ``width``, ``plan_batch``,
     ``budget`` (bytes the plan was made for), ``planned`` (the planner's compiled peak per
     device at its batch, bytes), ``booked`` (what the scheduler books per device for the plan,
-    bytes: `Plan.predicted_peak_bytes`), ``compiled`` (the peak of the step that ran, from
+    bytes: `Plan.predicted_peak_bytes`, with ``allowance`` bytes for memory XLA does not see),
+    ``compiled`` (the peak of the step that ran, from
     ``memory_analysis``, bytes), ``peak_in_use`` (the largest ``peak_bytes_in_use`` over the
     devices after the steps, bytes, or None where devices report none, as on CPU),
     ``bytes_limit`` (None likewise), ``phases`` (`scamp_jax.devices.allocator_stats` of the first
@@ -322,6 +323,7 @@ def measure_real_step(case: Case, devices: int, budget: str | None, *,
                            "data_parallel": plan.data_parallel,
                            "planned": plan.peak_bytes_per_device,
                            "booked": plan.predicted_peak_bytes,
+                           "allowance": plan.allowance_bytes,
                            "budget": plan.memory_per_device, "safety_margin": safety_margin,
                            "allocator_env": {n: os.environ.get(n) for n in names}}
     phases: dict[str, Any] = {}
