@@ -127,7 +127,9 @@ class SuiteConfig:
 
 GPU = SuiteConfig(
     name="gpu",
-    shares={"memory": 0.30, "fusion": 0.20, "packing": 0.16, "determinism": 0.10,
+    # Planned from the first GPU run (2026-11-27, H200): a compile there took 5-7 s (autotuning
+    # included), a packed smoke study's planning 90-160 s; not yet timed in this form.
+    shares={"memory": 0.30, "fusion": 0.20, "packing": 0.18, "determinism": 0.08,
             "supernet": 0.10, "tests": 0.14},
     memory_cases=(
         MemoryCase("mlp", gpu_budget="512MiB"),
@@ -138,8 +140,8 @@ GPU = SuiteConfig(
         MemoryCase("swinir_paper", gpu_budget="32GiB", gpu_min_minutes=20),
     ),
     memory_parallel=4, memory_child_seconds=20,
-    oom_probes=6, oom_growth=1.25, oom_resolution=0.02,
-    packing_trials=8, packing_steps=100, packing_least_seconds=30,
+    oom_probes=5, oom_growth=1.25, oom_resolution=0.02,
+    packing_trials=4, packing_steps=50, packing_least_seconds=30,
     fusion_family="swinir", fusion_width=4, fusion_steps=100, fusion_batch=8,
     fusion_least_seconds=20,
     supernet_choices=4, supernet_subnets=32, supernet_max_stages=4, supernet_least_seconds=10,

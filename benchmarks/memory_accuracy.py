@@ -268,6 +268,9 @@ def _is_oom(err: BaseException) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
 
 
+#: JAX's GPU client reads the allocator's kind from it (``bfc`` by default; ``platform``,
+#: ``cuda_async``, ...): part of an allocator policy.
+ALLOCATOR_VAR = "XLA_PYTHON_CLIENT_ALLOCATOR"
 #: The phases of a measured run after which the allocator's statistics are read.
 PHASES = ("init", "compile", "step 1", "step 2")
 
@@ -318,7 +321,8 @@ def measure_real_step(case: Case, devices: int, budget: str | None, *,
                      memory_per_device=budget or (case.budget if on_cpu else None),
                      safety_margin=safety_margin, cache=PlanCache(cache) if cache else None)
     tx = default_optimizer()
-    names = (_devices.PREALLOCATE_VAR, _devices.MEM_FRACTION_VAR, _devices.OLD_MEM_FRACTION_VAR)
+    names = (_devices.PREALLOCATE_VAR, _devices.MEM_FRACTION_VAR, _devices.OLD_MEM_FRACTION_VAR,
+             ALLOCATOR_VAR)
     row: dict[str, Any] = {"model": case.name, "plan_batch": plan.batch_size, "width": 1,
                            "data_parallel": plan.data_parallel,
                            "planned": plan.peak_bytes_per_device,
@@ -412,11 +416,10 @@ def measure_in_child(name: str, devices: int, budget: str | None, *, batch: int 
     and a run out of memory leaves its process in doubt).
 
     ``allocator_env``: the allocator's variables for that process
-    (``XLA_PYTHON_CLIENT_PREALLOCATE``, ``XLA_CLIENT_MEM_FRACTION``, ...): with a mapping, the
-    allocator variables of this process are dropped and exactly these set, so that any policy
-    can be measured; None: inherited.
-    The row's ``allocator_env`` says what the child saw. ``timeout``: seconds before the child
-    is killed (`subprocess.TimeoutExpired`).
+    (``XLA_PYTHON_CLIENT_PREALLOCATE``, ``XLA_CLIENT_MEM_FRACTION``, `ALLOCATOR_VAR`): with a
+    mapping, the allocator variables of this process are dropped and exactly these set, so that
+    any policy can be measured; None: inherited. The row's ``allocator_env`` says what the
+    child saw. ``timeout``: seconds before the child is killed (`subprocess.TimeoutExpired`).
     """
     import os
 
@@ -430,7 +433,7 @@ def measure_in_child(name: str, devices: int, budget: str | None, *, batch: int 
     cmd += ["--plan-cache", cache] if cache else []
     env = dict(os.environ)
     if allocator_env is not None:
-        for var in (PREALLOCATE_VAR, MEM_FRACTION_VAR, OLD_MEM_FRACTION_VAR):
+        for var in (PREALLOCATE_VAR, MEM_FRACTION_VAR, OLD_MEM_FRACTION_VAR, ALLOCATOR_VAR):
             env.pop(var, None)
         env.update(allocator_env)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
