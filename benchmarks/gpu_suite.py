@@ -345,13 +345,15 @@ def write(report: dict[str, Any], out: Path, archive: Path | None = None) -> Non
 
 #: What goes into the archive (by suffix), the most useful first.
 ARCHIVE_SUFFIXES = (".json", ".md", ".txt", ".txtpb", ".pb", ".log", ".png", ".csv")
+#: Folders whose files stay out of the archive (model states: large, and not results).
+SKIPPED_FOLDERS = {"checkpoints", "best_model"}
 
 
 def pack(out: Path, archive: Path, limit: int = ARCHIVE_LIMIT) -> dict[str, Any]:
-    """Pack the results under ``out`` (files with `ARCHIVE_SUFFIXES`; no checkpoints or
-    databases) into the gzipped tar ``archive`` of at most ``limit`` bytes: files are added
-    smallest first within each priority (top-level and section records, environment, logs,
-    the rest); those that would pass the limit are left out and listed in ``MANIFEST.txt``."""
+    """Pack the results under ``out`` (files with `ARCHIVE_SUFFIXES`, none in `SKIPPED_FOLDERS`)
+    into the gzipped tar ``archive`` of at most ``limit`` bytes: files are added smallest first
+    within each priority (top-level and section records, environment, logs, the rest); those
+    that would pass the limit are left out and listed in ``MANIFEST.txt``."""
     def rank(p: Path) -> tuple[int, int]:
         rel = p.relative_to(out)
         first = rel.parts[0]
@@ -360,7 +362,7 @@ def pack(out: Path, archive: Path, limit: int = ARCHIVE_LIMIT) -> dict[str, Any]
         return order, p.stat().st_size
 
     files = sorted((p for p in out.rglob("*") if p.is_file() and p.suffix in ARCHIVE_SUFFIXES
-                    and "checkpoint" not in str(p.relative_to(out)).lower()), key=rank)
+                    and not set(p.relative_to(out).parts) & SKIPPED_FOLDERS), key=rank)
     archive.parent.mkdir(parents=True, exist_ok=True)
     kept, dropped = [], []
     buffer = io.BytesIO()
