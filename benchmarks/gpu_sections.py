@@ -444,6 +444,7 @@ def _fusion_row(cfg: Any, report: dict[str, Any], noise: dict[str, Any]) -> dict
 def packing_section(cfg: Any, ctx: Context, rec: Record) -> None:
     """The smoke SwinIR study on one device: ScaMP packing vs the fixed baseline, each policy
     in its own process (`benchmarks.hpo_makespan`)."""
+    rec.body.update(trials=cfg.packing_trials, steps=cfg.packing_steps)
     for policy in ("scamp", "fixed"):
         out = ctx.out / "packing" / policy
         cmd = [sys.executable, "-m", "benchmarks.hpo_makespan", "--family", "swinir",
@@ -514,6 +515,7 @@ def supernet_section(cfg: Any, ctx: Context, rec: Record) -> None:
             hashes[(name, offload)] = res.params_sha256
             rec.add_row({
                 "schedule": name, "offload": offload, "stages": stages,
+                "choices": cfg.supernet_choices, "params_sha256": res.params_sha256,
                 "wall_seconds": res.wall_seconds, "steady_seconds": res.steady_seconds,
                 "samples_per_second": res.samples_per_second,
                 "end_to_end_samples_per_second":
@@ -551,20 +553,24 @@ def determinism_section(cfg: Any, ctx: Context, rec: Record) -> None:
         f"--{DETERMINISTIC_FLAG}=true" in os.environ.get("XLA_FLAGS", ""))
     stages = stages_for(cfg, ctx)
     csp = []
+    start = time.perf_counter()
     for _ in range(2):
         _timeout(ctx, cfg.supernet_least_seconds)
         got = measure_schedules(cfg.supernet_choices, stages, cfg.supernet_subnets,
                                 schedules=("csp",))["results"]["csp"]
         csp.append((got.params_sha256, float(got.losses[-1])))
-    rec.add_row({"what": f"CSP pipeline ({stages} stage(s), {cfg.supernet_subnets} subnets)",
-                 "same_bytes": csp[0][0] == csp[1][0], "sha256": [c[0] for c in csp],
-                 "max_rel_diff": _rel(csp[1][1], csp[0][1])})
+    rec.add_row({"what": f"CSP pipeline ({stages} stage(s), {cfg.supernet_choices} choices)",
+                 "steps": cfg.supernet_subnets, "same_bytes": csp[0][0] == csp[1][0],
+                 "sha256": [c[0] for c in csp], "max_rel_diff": _rel(csp[1][1], csp[0][1]),
+                 "seconds": time.perf_counter() - start})
     _timeout(ctx, cfg.fusion_least_seconds)
+    start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gpu-suite-det-") as tmp:
         twice = trial_twice(cfg.fusion_family, cfg.trial_steps, cfg.fusion_batch, Path(tmp))
-    rec.add_row({"what": f"{cfg.fusion_family} trial ({cfg.trial_steps} steps)",
-                 "same_bytes": twice["same_bytes"], "max_rel_diff": twice["final_loss_rel_diff"],
-                 "runs": twice["runs"]})
+    rec.add_row({"what": f"{cfg.fusion_family} trial (batch {twice['batch']})",
+                 "steps": cfg.trial_steps, "same_bytes": twice["same_bytes"],
+                 "max_rel_diff": twice["final_loss_rel_diff"], "runs": twice["runs"],
+                 "seconds": time.perf_counter() - start})
 
 
 # --------------------------------------------------------------------------- gpu-marked tests
@@ -574,6 +580,7 @@ def tests_section(cfg: Any, ctx: Context, rec: Record) -> None:
     import re
 
     root = Path(__file__).resolve().parents[1]
+    rec.body["files"] = list(cfg.test_files)
     log = ctx.out / "logs" / "pytest_gpu.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(

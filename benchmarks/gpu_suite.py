@@ -295,6 +295,9 @@ def run_suite(cfg: SuiteConfig, out: Path, minutes: float, only: tuple[str, ...]
         "sizes": {k: v for k, v in dataclasses.asdict(cfg).items()
                   if k not in ("memory_cases", "name", "notes")},
         "memory_cases": [c.label for c in cfg.memory_cases],
+        "command": " ".join(["python -m benchmarks.gpu_suite", *sys.argv[1:]])
+        if Path(sys.argv[0]).name == "gpu_suite.py" else "python -m benchmarks.gpu_suite",
+        "out": str(out),
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(start)),
     }}
     env = _spawn("environment", cfg, out, min(cfg.environment_seconds, end - time.time()),
