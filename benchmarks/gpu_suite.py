@@ -246,23 +246,19 @@ def _spawn(name: str, cfg: SuiteConfig, out: Path, cap: float, plan_cache: Path 
     start = time.perf_counter()
     killed = False
     with (out / "logs" / f"{name}.log").open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, cwd=Path(__file__).resolve().parents[1])
+        # Its own process group (not session): stopping it stops its children too, and a
+        # runner that ends the driver's session still ends them.
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, process_group=0,
+                                cwd=Path(__file__).resolve().parents[1])
         try:
             code = proc.wait(timeout=cap)
         except subprocess.TimeoutExpired:
             killed = True
-            for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 30.0)):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            _stop(proc)
             code = proc.returncode
+        except BaseException:  # the driver itself is stopped: the section goes with it
+            _stop(proc)
+            raise
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
         body = json.loads(record.read_text())
@@ -280,6 +276,20 @@ def _spawn(name: str, cfg: SuiteConfig, out: Path, cap: float, plan_cache: Path 
     body["cpu_seconds"] = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     body["cap_seconds"] = cap
     return body
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to ``proc``'s process group, then SIGKILL if it is still there after 5 s."""
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 30.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def run_suite(cfg: SuiteConfig, out: Path, minutes: float, only: tuple[str, ...] = SECTIONS,
@@ -429,6 +439,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                      f"{','.join(SECTIONS)}")
     if args.cpu_smoke:
         os.environ["JAX_PLATFORMS"] = "cpu"  # the section processes inherit it
+    # SIGTERM ends the driver through SystemExit, so the running section is stopped too.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     cfg = dataclasses.replace(CPU_SMOKE if args.cpu_smoke else GPU, allocator=args.allocator)
     report = run_suite(cfg, args.out, args.minutes, only, args.plan_cache, args.archive)
     if "error" in report["meta"]:
