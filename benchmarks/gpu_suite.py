@@ -313,9 +313,9 @@ def run_suite(cfg: SuiteConfig, out: Path, minutes: float, only: tuple[str, ...]
     env = _spawn("environment", cfg, out, min(cfg.environment_seconds, end - time.time()),
                  plan_cache, minutes)
     report["meta"]["environment"] = env
-    devices = env.get("devices") or [{}]
-    report["meta"].update(platform=devices[0].get("platform"),
-                          device_kind=devices[0].get("device_kind"), devices=len(devices))
+    devices = env.get("devices") or [{"platform": "?", "device_kind": "? (no environment record)"}]
+    report["meta"].update(platform=devices[0]["platform"], device_kind=devices[0]["device_kind"],
+                          devices=len(devices))
     print(f"[gpu_suite] {cfg.name} on {len(devices)} x {devices[0].get('device_kind')}: "
           f"{len(only)} sections in {minutes:g} min", flush=True)
     if devices[0].get("platform") == "cpu" and cfg.name != CPU_SMOKE.name:

@@ -137,7 +137,7 @@ def test_a_failing_section_is_recorded_and_the_suite_goes_on(
     assert report["packing"]["status"] == "not run"
     written = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert set(gpu_suite.SECTIONS) <= set(written)
-    assert "failed: RuntimeError" in (tmp_path / "gpu_suite.md").read_text()
+    assert "**failed**: RuntimeError" in (tmp_path / "gpu_suite.md").read_text()
 
 
 def test_caps_share_the_time_left() -> None:
