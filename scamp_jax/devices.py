@@ -8,7 +8,7 @@ Every entry point (the experiments' CLI, ``run_study``, the benchmarks, MPI rank
   measures a child, two MPI ranks on one GPU) and hides what a trial really uses
   (``peak_bytes_in_use``). With preallocation off the allocator grows on demand up to its limit,
   ``memory_fraction`` of the device (XLA's default 0.75), and that limit is what the device
-  reports as ``memory_stats()['bytes_limit']``: the planner's default budget per device. The
+  reports as ``bytes_limit`` (`allocator_stats`): the planner's default budget per device. The
   allocator and the planner therefore agree on the budget whether or not a fraction is set.
 - ``XLA_CLIENT_MEM_FRACTION`` only when a fraction is asked for (``memory_fraction=``).
 
@@ -96,6 +96,33 @@ def configure_for_search(cpu_devices: int = 8) -> None:
     configure_cpu_devices(cpu_devices)
 
 
+#: Allocator statistics in bytes that `allocator_stats` always keeps where the backend reports
+#: them (XLA's BFC allocator on GPUs). ``pool_bytes`` is what the allocator holds from the device
+#: (with preallocation off it grows in regions and never shrinks), ``bytes_in_use`` what its live
+#: buffers occupy, ``largest_free_block_bytes`` the largest request the pool can serve without
+#: growing, ``bytes_limit`` its cap (device memory x the allocator's fraction).
+ALLOCATOR_KEYS = ("bytes_in_use", "peak_bytes_in_use", "pool_bytes", "largest_free_block_bytes",
+                  "bytes_limit")
+
+
+def allocator_stats(device: Any) -> dict[str, int] | None:
+    """The allocator's statistics of ``device`` now: name -> int, or None on CPU devices.
+
+    The one reader of ``device.memory_stats()``: callers read it as
+    ``scamp_jax.devices.allocator_stats`` at call time (not a copy bound at import), so that a
+    single replacement (a test's fake device memory) reaches them all. Keeps every non-negative
+    integer the backend reports (the backend writes -1 for a statistic it does not keep): on a
+    GPU the `ALLOCATOR_KEYS` (bytes) and others such as ``peak_pool_bytes`` (bytes) and
+    ``num_allocs`` (a count). None where the device reports no statistics (JAX's CPU devices).
+    """
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats:
+        return None
+    kept = {str(k): int(v) for k, v in stats.items()
+            if isinstance(v, int) and not isinstance(v, bool) and v >= 0}
+    return kept or None
+
+
 def peak_bytes_in_use(devices: Sequence[Any] | None = None) -> int | None:
     """The largest ``peak_bytes_in_use`` over ``devices`` (default: all JAX devices), bytes.
 
@@ -106,10 +133,10 @@ def peak_bytes_in_use(devices: Sequence[Any] | None = None) -> int | None:
 
     peaks = []
     for device in devices if devices is not None else jax.devices():
-        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        stats = allocator_stats(device)  # a module global: a replacement is seen here too
         if not stats or "peak_bytes_in_use" not in stats:
             return None
-        peaks.append(int(stats["peak_bytes_in_use"]))
+        peaks.append(stats["peak_bytes_in_use"])
     return max(peaks) if peaks else None
 
 
@@ -117,7 +144,7 @@ def process_device_bytes(device_index: int = 0) -> int | None:
     """Bytes this process holds on GPU ``device_index`` as the driver sees them, or None.
 
     Read from ``nvidia-smi --query-compute-apps`` (CUDA context, allocator pool, library
-    workspaces: everything, unlike ``memory_stats()``). None without ``nvidia-smi`` or when the
+    workspaces: everything, unlike `allocator_stats`). None without ``nvidia-smi`` or when the
     process is not listed (e.g. a container whose PIDs the driver does not see).
     """
     import shutil

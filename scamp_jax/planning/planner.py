@@ -45,6 +45,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from scamp_jax import devices as _devices
 from scamp_jax._units import format_bytes, parse_bytes
 from scamp_jax.planning import sharding as sh
 from scamp_jax.planning.evaluation import EvalCompiler, abstract_eval_inputs, plan_eval
@@ -332,20 +333,21 @@ def resolve_budget(
 ) -> int:
     """Per-device budget in bytes: the argument, or the smallest device limit on accelerators.
 
-    On a GPU (or any device whose ``memory_stats()`` has ``bytes_limit``) the default is the
-    smallest ``bytes_limit`` of ``devices``; the safety margin is applied on top by the planner.
+    On a GPU (or any device whose allocator reports ``bytes_limit``,
+    `scamp_jax.devices.allocator_stats`) the default is the smallest ``bytes_limit`` of
+    ``devices``; the safety margin is applied on top by the planner.
     """
     if memory_per_device is not None:
         return parse_bytes(memory_per_device)
     limits = []
     for d in devices:
-        stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+        stats = _devices.allocator_stats(d)
         if not stats or "bytes_limit" not in stats:
             raise ValueError(
                 f"memory_per_device is required on {d.platform} devices, which report no memory "
                 "limit; pass it, e.g. plan_mesh(model, batch, memory_per_device='2GiB')"
             )
-        limits.append(int(stats["bytes_limit"]))
+        limits.append(stats["bytes_limit"])
     return min(limits)
 
 
