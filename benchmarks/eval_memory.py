@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from scamp_jax.devices import configure_device_memory
 
-    configure_device_memory()  # before JAX starts: a GPU is not preallocated
+    configure_device_memory()  # before JAX starts: the allocator policy (one preallocated pool)
     row = measure(parse_bytes(args.memory_per_device), args.max_batch_size, args.eval_size)
     if args.json:
         print(json.dumps(row))

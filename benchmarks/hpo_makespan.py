@@ -189,10 +189,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         baseline = None
     from scamp_jax.hpo.session import run_search
     from scamp_jax.planning import planner
+    from scamp_jax.planning.budget import Budget
 
     devices = planner.resolve_devices(args.devices)
     memory = args.memory_per_device or get_config("smoke").memory_per_device
-    budget = planner.resolve_budget(memory, devices)
+    budget = Budget.of_devices(devices, memory).memory_per_device
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="hpo_makespan_"))
     rows = []
     for policy in policies:

@@ -345,29 +345,34 @@ def _run(
     baseline: str | None,
     title: str,
 ) -> dict[str, Any]:
-    from scamp_jax.devices import configure_cpu_devices
+    from scamp_jax._units import parse_bytes
+    from scamp_jax.devices import configure_cpu_devices, configure_device_memory
 
+    # The one reading of the budget. An explicit one is also each GPU's preallocated pool (the
+    # allocator policy, set before JAX starts); a preset's is for CPU devices only.
+    explicit = getattr(args, "memory_per_device", None) is not None
+    memory = (None if config.memory_per_device is None
+              else parse_bytes(config.memory_per_device))
+    configure_device_memory(pool_bytes=memory if explicit else None)
     configure_cpu_devices(max(CPU_DEVICES, config.devices or 0))
     import jax
 
-    from scamp_jax._units import parse_bytes
     from scamp_jax.hpo.session import run_search
     from scamp_jax.planning import planner
+    from scamp_jax.planning.budget import Budget
 
     devices = planner.resolve_devices(pool_size(args, config, jax.devices()[0].platform))
-    memory = config.memory_per_device
-    if getattr(args, "memory_per_device", None) is None and devices[0].platform != "cpu":
-        memory = None  # accelerators: the preset's CPU budget gives way to the device limit
+    if not explicit and devices[0].platform != "cpu":
+        memory = None  # accelerators: the preset's CPU budget gives way to the device's pool
     if memory is None and devices[0].platform == "cpu":
         fail(f"--preset {config.preset} takes each device's memory limit from the accelerator, "
              "and CPU devices have none; pass --memory-per-device, e.g. --memory-per-device 1GiB")
-    if memory is not None:
-        parse_bytes(memory)
-    budget = planner.resolve_budget(memory, devices)
+    budget = Budget.of_devices(devices, memory)
     space, task = make(config)  # reads the image folders: before any study exists
     # Compiles dominate short trials on CPU; a resumed study finds them on disk.
     jax.config.update("jax_compilation_cache_dir", str(Path(config.study_dir) / "jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     # Under mpirun with several ranks the same session spans them: rank 0 serves the study.
-    return run_search(space, task, config, devices=devices, memory_per_device=budget,
+    return run_search(space, task, config, devices=devices,
+                      memory_per_device=budget.memory_per_device,
                       live=not args.no_live, baseline=baseline, title=title)

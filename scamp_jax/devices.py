@@ -1,21 +1,50 @@
 """Device set-up for entry points, before JAX initialises a backend.
 
 Every entry point (the experiments' CLI, ``run_study``, the benchmarks, MPI ranks) goes through
-`configure_device_memory`, directly or through `configure_cpu_devices` / `configure_for_search`:
+`configure_device_memory`, directly or through `configure_cpu_devices` / `configure_for_search`.
+It sets XLA's GPU allocator so that a plan whose compiled peak fits the ledger's usable bytes
+does not run out of memory (the allocator policy). What XLA does, from its source
+(openxla/xla, ``xla/tsl/framework/bfc_allocator.cc``, ``xla/pjrt/gpu/gpu_helpers.cc``; the
+variables are read by ``generate_pjrt_gpu_plugin_options`` in jaxlib's ``xla_client.py``):
 
-- ``XLA_PYTHON_CLIENT_PREALLOCATE=false``: JAX's GPU client otherwise reserves 75% of each GPU's
-  memory when it starts, which leaves nothing for a second process on the same GPU (a parent that
-  measures a child, two MPI ranks on one GPU) and hides what a trial really uses
-  (``peak_bytes_in_use``). With preallocation off the allocator grows on demand up to its limit,
-  ``memory_fraction`` of the device (XLA's default 0.75), and that limit is what the device
-  reports as ``bytes_limit`` (`allocator_stats`): the planner's default budget per device. The
-  allocator and the planner therefore agree on the budget whether or not a fraction is set.
-- ``XLA_CLIENT_MEM_FRACTION`` only when a fraction is asked for (``memory_fraction=``).
+- The limit of the BFC allocator is ``total_memory * memory_fraction`` of the device
+  (``CreateBFCAllocator``: ``allocator_memory = total_memory * memory_fraction``), and
+  ``opts.allow_growth = !preallocate``.
+- With growth (preallocation off), the pool is built from regions: the first 2 MiB
+  (``curr_region_allocation_bytes_ = RoundedBytes(std::min(total_memory, size_t{2 << 20}))``),
+  each next one twice as large and at least the request (``Extend``: ``while (rounded_bytes >
+  curr_region_allocation_bytes_) curr_region_allocation_bytes_ *= 2``). Regions are never
+  merged (the device allocator does not coalesce) nor returned (``DeallocateFreeRegions`` only
+  with ``garbage_collection``, off by default), and one allocation must fit inside one region:
+  a 410 MiB step buffer needs a new region of 512 MiB or more beside the ones already held, so a
+  limit equal to the compiled peak fails (the MLP of the first GPU run: planned 471 MB, pool
+  1.08 GB, out of memory at a 512 MiB limit).
+- With preallocation the first allocation asks for the whole limit as one region
+  (``curr_region_allocation_bytes_ = RoundedBytes(total_memory)``): every chunk is cut from it,
+  and freed neighbours merge again. What is left is the chunk rounding: a free chunk less than
+  twice and less than 128 MiB larger than a request is handed out whole (``ShouldSplitChunk``,
+  ``max_internal_fragmentation_bytes_ = 128 << 20``), which ``peak_bytes_in_use`` counts; the
+  study learns it as the allowance (`scamp_jax.hpo.calibration`). Where the device has less
+  free memory than the limit, ``Extend`` backs off by 10% steps (``kBackpedalFactor = 0.9``):
+  `held_pool_bytes` reads the pool a process really got.
+- XLA's autotuner takes its buffers from the same pool while a step compiles: a run compiles
+  its step before it places its state (`scamp_jax.hpo.lifecycle`).
 
-A value the user already set in the environment is kept (``XLA_PYTHON_CLIENT_PREALLOCATE=true``
-restores JAX's behaviour; ``XLA_CLIENT_MEM_FRACTION=0.9`` or the older
-``XLA_PYTHON_CLIENT_MEM_FRACTION`` raises the limit, and with it the planner's budget). XLA reads
-these variables once, when JAX creates its GPU backend; on CPU they have no effect.
+The policy: **the process that trains on a GPU preallocates its pool as one region, and the
+pool is the budget the ledger books.** `configure_device_memory` sets
+``XLA_PYTHON_CLIENT_PREALLOCATE=true`` and ``XLA_CLIENT_MEM_FRACTION = pool / device memory``:
+the pool is ``pool_bytes`` (the study's ``--memory-per-device``), else the device's share for
+each of ``processes`` processes that use it (MPI ranks on one host) less what each holds outside
+its pool (`scamp_jax.planning.budget.pool_bytes`: the CUDA context and modules, about 650 MB per
+process on an H200). The device's memory is read with ``nvidia-smi`` before JAX starts; where it
+cannot be, the fraction stays XLA's (0.75, split between the processes). The planner's default
+budget is then the allocator's ``bytes_limit``, the pool itself. A process that only plans or
+orchestrates others on the same GPU (a benchmark's parent) passes ``preallocate=False``.
+
+A value the user already set in the environment is kept (``XLA_PYTHON_CLIENT_PREALLOCATE=false``
+returns to growth; ``XLA_CLIENT_MEM_FRACTION`` or the older ``XLA_PYTHON_CLIENT_MEM_FRACTION``
+sets the pool, and with it the planner's budget). XLA reads these variables once, when JAX
+creates its GPU backend; on CPU they have no effect.
 """
 
 from __future__ import annotations
@@ -30,18 +59,29 @@ PREALLOCATE_VAR = "XLA_PYTHON_CLIENT_PREALLOCATE"
 MEM_FRACTION_VAR = "XLA_CLIENT_MEM_FRACTION"
 #: The older spelling JAX still reads (setting both is an error in JAX).
 OLD_MEM_FRACTION_VAR = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+#: XLA's fraction of a GPU's memory when none is set (``GpuAllocatorConfig``).
+XLA_DEFAULT_FRACTION = 0.75
+#: Variables MPI launchers set to the number of ranks on this host.
+_LOCAL_RANKS_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
 
 
-def configure_device_memory(memory_fraction: float | None = None) -> dict[str, str]:
-    """Turn off GPU memory preallocation (and optionally cap the allocator) before JAX starts.
+def configure_device_memory(memory_fraction: float | None = None, *,
+                            pool_bytes: int | None = None, processes: int | None = None,
+                            preallocate: bool = True) -> dict[str, str]:
+    """Set XLA's GPU allocator by the policy of the module doc, before JAX starts.
 
-    Sets ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` unless the environment already sets it, and,
-    with ``memory_fraction``, ``XLA_CLIENT_MEM_FRACTION`` unless the environment already sets a
-    fraction (either spelling). See the module docstring for why and how to override it.
+    Sets ``XLA_PYTHON_CLIENT_PREALLOCATE`` (``true`` for a process that trains, ``false`` with
+    ``preallocate=False``) and ``XLA_CLIENT_MEM_FRACTION``, each unless the environment already
+    sets it (a fraction in either spelling).
 
     Args:
-      memory_fraction: share of each GPU's memory the allocator may use, in (0, 1]; the planner's
-        default budget per device follows it (``bytes_limit``). None: XLA's default (0.75).
+      memory_fraction: share of each GPU's memory the allocator's pool takes, in (0, 1].
+      pool_bytes: the pool per GPU, bytes (a study's budget per device); the fraction is this
+        over the device's memory (read with ``nvidia-smi``).
+      processes: processes that share each GPU (None: the MPI ranks on this host, when each
+        sees more than one GPU's worth; else 1); without ``pool_bytes`` or ``memory_fraction``
+        each gets an equal share less what it holds outside its pool.
+      preallocate: False for a process that only plans or starts others on the same GPU.
 
     Returns:
       The memory variables now in the environment (name -> value), for logs and tests.
@@ -49,14 +89,53 @@ def configure_device_memory(memory_fraction: float | None = None) -> dict[str, s
     if memory_fraction is not None and not 0.0 < memory_fraction <= 1.0:
         raise ValueError(
             f"{memory_fraction=} must be in (0, 1]: the share of each GPU's memory JAX may use; "
-            "e.g. 0.9, or None for XLA's default of 0.75"
-        )
-    os.environ.setdefault(PREALLOCATE_VAR, "false")
+            "e.g. 0.9, or None for the study's budget")
+    os.environ.setdefault(PREALLOCATE_VAR, "true" if preallocate else "false")
     user_fraction = MEM_FRACTION_VAR in os.environ or OLD_MEM_FRACTION_VAR in os.environ
-    if memory_fraction is not None and not user_fraction:
-        os.environ[MEM_FRACTION_VAR] = f"{memory_fraction:g}"
+    if not user_fraction:
+        fraction = memory_fraction
+        if fraction is None and preallocate:
+            fraction = pool_fraction(pool_bytes, processes if processes is not None
+                                     else processes_per_gpu())
+        if fraction is not None:
+            os.environ[MEM_FRACTION_VAR] = f"{fraction:.6g}"
     names = (PREALLOCATE_VAR, MEM_FRACTION_VAR, OLD_MEM_FRACTION_VAR)
     return {name: os.environ[name] for name in names if name in os.environ}
+
+
+def pool_fraction(pool_bytes: int | None, processes: int = 1,
+                  device_bytes: int | None = None) -> float | None:
+    """The ``XLA_CLIENT_MEM_FRACTION`` that makes one process's pool ``pool_bytes`` (or its
+    share of a GPU that ``processes`` processes use), on a GPU of ``device_bytes`` (None: read
+    with `gpu_memory_bytes`); None where nothing needs setting (XLA's default pool for one
+    process). Raises where the pool does not fit the device."""
+    from scamp_jax.planning.budget import GPU_OUTSIDE_POOL_BYTES
+    from scamp_jax.planning.budget import pool_bytes as share_of
+
+    if pool_bytes is None and processes <= 1:
+        return None
+    total = device_bytes if device_bytes is not None else gpu_memory_bytes()
+    if total is None:  # no nvidia-smi: XLA's share, split between the processes
+        return XLA_DEFAULT_FRACTION / processes if pool_bytes is None else None
+    pool = share_of(total, GPU_OUTSIDE_POOL_BYTES, processes) if pool_bytes is None else pool_bytes
+    if processes * (pool + GPU_OUTSIDE_POOL_BYTES) > total:
+        raise ValueError(
+            f"a pool of {pool} bytes for each of {processes} process(es), with "
+            f"{GPU_OUTSIDE_POOL_BYTES} bytes each outside it, exceeds the GPU's {total} bytes; "
+            f"pass a memory_per_device (--memory-per-device) of at most "
+            f"{total // processes - GPU_OUTSIDE_POOL_BYTES} bytes")
+    return pool / total
+
+
+def processes_per_gpu() -> int:
+    """Processes that may share each GPU of this host: the MPI ranks on it (from the
+    launcher's variables), unless ``CUDA_VISIBLE_DEVICES`` gives each rank one GPU; else 1."""
+    ranks = next((int(os.environ[v]) for v in _LOCAL_RANKS_VARS
+                  if os.environ.get(v, "").isdigit()), 1)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and len([v for v in visible.split(",") if v.strip()]) == 1:
+        return 1
+    return max(1, ranks)
 
 
 def configure_cpu_devices(count: int = 8) -> None:
@@ -164,3 +243,43 @@ def process_device_bytes(device_index: int = 0) -> int | None:
         if len(parts) == 2 and parts[0] == str(os.getpid()) and parts[1].isdigit():
             return int(parts[1]) << 20  # MiB
     return None
+
+
+def gpu_memory_bytes() -> int | None:
+    """The whole memory of the first GPU this process will see, bytes, read with ``nvidia-smi``
+    (so before JAX starts); None without ``nvidia-smi`` or a GPU."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip() or "0"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "-i", visible, "--query-gpu=memory.total",
+             "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30,
+        ).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return int(out[0].strip()) << 20 if out and out[0].strip().isdigit() else None  # MiB
+
+
+def held_pool_bytes(devices: Sequence[Any]) -> int | None:
+    """The smallest pool the allocators of ``devices`` hold once each has been used, bytes
+    (``pool_bytes``: with preallocation the one region they got, which is less than their
+    limit where the device had less free memory); None where they report none (CPU devices).
+
+    Places one 4-byte array on each device to make the allocator take its pool."""
+    import jax
+    import numpy as np
+
+    pools = []
+    for device in devices:
+        if allocator_stats(device) is None:  # the one reader: a module attribute
+            return None
+        jax.block_until_ready(jax.device_put(np.zeros(1, np.float32), device))
+        stats = allocator_stats(device) or {}
+        if "pool_bytes" not in stats:
+            return None
+        pools.append(int(stats["pool_bytes"]))
+    return min(pools) if pools else None

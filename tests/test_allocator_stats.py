@@ -10,7 +10,7 @@ import jax
 import pytest
 
 from scamp_jax import devices
-from scamp_jax.planning.planner import resolve_budget
+from scamp_jax.planning.budget import Budget
 
 
 class _ReportingDevice:
@@ -47,9 +47,9 @@ def test_every_reader_goes_through_the_module_attribute(monkeypatch: pytest.Monk
     """Replacing ``scamp_jax.devices.allocator_stats`` reaches the planner and the peak reader."""
     cpu = jax.devices()[:2]
     with pytest.raises(ValueError, match="memory_per_device is required"):
-        resolve_budget(None, cpu)
+        Budget.of_devices(cpu)
     fake = {cpu[0].id: {"bytes_limit": 6 << 30, "peak_bytes_in_use": 1 << 30},
             cpu[1].id: {"bytes_limit": 4 << 30, "peak_bytes_in_use": 3 << 30}}
     monkeypatch.setattr(devices, "allocator_stats", lambda d: fake[d.id])
-    assert resolve_budget(None, cpu) == 4 << 30
+    assert Budget.of_devices(cpu).memory_per_device == 4 << 30
     assert devices.peak_bytes_in_use(cpu) == 3 << 30

@@ -1,4 +1,5 @@
-"""Every entry point turns GPU preallocation off before JAX starts its backend.
+"""Every entry point sets the GPU allocator's policy (its pool preallocated as one region) before
+JAX starts its backend.
 
 Each entry point runs in its own process with a spy in place of JAX's backend factory
 (``jax._src.xla_bridge.backends``, private: the only way to stop a CPU-only process at the moment a
@@ -105,25 +106,67 @@ def backend_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in ENTRY_POINTS])
-def test_entry_point_disables_preallocation(name: str,
-                                            backend_env: dict[str, tuple[str, str]]) -> None:
-    """XLA_PYTHON_CLIENT_PREALLOCATE is false when the backend starts; no fraction is forced."""
+def test_entry_point_preallocates_its_pool(name: str,
+                                           backend_env: dict[str, tuple[str, str]]) -> None:
+    """XLA_PYTHON_CLIENT_PREALLOCATE is true when the backend starts; with no budget given and
+    no GPU to read (no nvidia-smi here), no fraction is forced."""
     out, err = backend_env[name]
     lines = [line for line in out.splitlines() if line.startswith(_MARK)]
     assert lines, f"{name} never started a JAX backend:\n{out[-2000:]}\n{err[-3000:]}"
     seen = json.loads(lines[0][len(_MARK):])
-    assert seen == {devices.PREALLOCATE_VAR: "false", devices.MEM_FRACTION_VAR: None}
+    assert seen == {devices.PREALLOCATE_VAR: "true", devices.MEM_FRACTION_VAR: None}
 
 
 def test_user_settings_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     """A value in the environment wins; a fraction is set only when asked for and valid."""
-    monkeypatch.setenv(devices.PREALLOCATE_VAR, "true")
+    monkeypatch.setenv(devices.PREALLOCATE_VAR, "false")
     monkeypatch.delenv(devices.MEM_FRACTION_VAR, raising=False)
     monkeypatch.delenv(devices.OLD_MEM_FRACTION_VAR, raising=False)
-    assert devices.configure_device_memory() == {devices.PREALLOCATE_VAR: "true"}
+    for name in devices._LOCAL_RANKS_VARS:
+        monkeypatch.delenv(name, raising=False)
+    assert devices.configure_device_memory() == {devices.PREALLOCATE_VAR: "false"}
     assert devices.configure_device_memory(0.5)[devices.MEM_FRACTION_VAR] == "0.5"
     monkeypatch.delenv(devices.MEM_FRACTION_VAR)
     monkeypatch.setenv(devices.OLD_MEM_FRACTION_VAR, "0.3")
     assert devices.MEM_FRACTION_VAR not in devices.configure_device_memory(0.9)
     with pytest.raises(ValueError, match="must be in"):
         devices.configure_device_memory(1.5)
+
+
+def test_the_pool_fraction_makes_the_preallocated_pool_the_budget(monkeypatch) -> None:
+    """``XLA_CLIENT_MEM_FRACTION`` is the pool over the device's memory (XLA's limit is total
+    memory times the fraction): the given budget, or each process's share less what it holds
+    outside its pool."""
+    from scamp_jax.planning.budget import GPU_OUTSIDE_POOL_BYTES
+
+    total = 143_771 * 2**20  # one H200
+    assert devices.pool_fraction(None, 1, total) is None  # one process, no budget: XLA's own
+    assert devices.pool_fraction(32 * 2**30, 1, total) == pytest.approx(32 * 2**30 / total)
+    two = devices.pool_fraction(None, 2, total)
+    assert two == pytest.approx((total // 2 - GPU_OUTSIDE_POOL_BYTES) / total)
+    with pytest.raises(ValueError, match="memory_per_device"):
+        devices.pool_fraction(80 * 2**30, 2, total)
+    # Without a GPU to read, ranks split XLA's default share.
+    monkeypatch.setattr(devices, "gpu_memory_bytes", lambda: None)
+    assert devices.pool_fraction(None, 4) == pytest.approx(devices.XLA_DEFAULT_FRACTION / 4)
+    assert devices.pool_fraction(2**30, 1) is None
+
+
+def test_ranks_on_one_host_share_its_gpus_unless_each_is_given_one(monkeypatch) -> None:
+    for name in devices._LOCAL_RANKS_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert devices.processes_per_gpu() == 1
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")
+    assert devices.processes_per_gpu() == 4
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
+    assert devices.processes_per_gpu() == 1
+
+
+def test_a_training_process_preallocates_the_budget_as_its_pool(monkeypatch) -> None:
+    for name in (devices.PREALLOCATE_VAR, devices.MEM_FRACTION_VAR, devices.OLD_MEM_FRACTION_VAR,
+                 *devices._LOCAL_RANKS_VARS):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(devices, "gpu_memory_bytes", lambda: 80 * 2**30)
+    got = devices.configure_device_memory(pool_bytes=20 * 2**30)
+    assert got == {devices.PREALLOCATE_VAR: "true", devices.MEM_FRACTION_VAR: "0.25"}

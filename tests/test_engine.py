@@ -354,14 +354,17 @@ def test_a_batch_floor_moves_a_plan_to_more_devices_and_bounds_replans():
     # Out of memory at run time: halving would go below the floor, so the re-plan doubles the
     # devices at the same batch instead.
     from scamp_jax.hpo.engine import PlannedTrial
-    from scamp_jax.hpo.runner import RunResult
+    from scamp_jax.hpo.out_of_memory import next_request, plan_again
     from scamp_jax.hpo.study import AskedTrial
 
     floored = engine(min_batch_size=24)
     planned = PlannedTrial(AskedTrial(0, ok(), "trial_0"), plan, 2, 0)
-    retry = floored.planning.oom_replan(planned, RunResult(0, "oom", 0, 0.0),
-                                        floored.core.capacity)
+    request = next_request(floored.planning.core_plan(planned), None, floored.core.capacity,
+                           devices=4, min_batch=24)
+    assert request is not None and (request.devices, request.max_batch) == (4, plan.batch_size)
+    retry = plan_again(floored.planning, planned, request)
     assert retry is not None and retry.devices == 4 and retry.plan.batch_size >= 24
+    assert retry.replans == 1
     # Nowhere enough: the floor is named in the reason.
     with pytest.raises(planner.DoesNotFitError, match="below min_batch_size=64"):
         engine(min_batch_size=64).plan(ok())

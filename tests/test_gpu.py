@@ -43,7 +43,7 @@ MEMORY_CASES = [(c.name, c.gpu_budget) for c in gpu_suite.GPU.memory_cases
 
 
 def _python(code: str, timeout: float = 900) -> dict:
-    """Run ``code`` in a fresh process (deterministic GPU kernels, no preallocation); the last
+    """Run ``code`` in a fresh process (deterministic GPU kernels, the pool preallocated); the last
     line it prints is JSON."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("JAX_PLATFORMS", None)

@@ -7,6 +7,7 @@ import pytest
 from test_engine import SPACE, Regression, config, make_source, ok
 
 from scamp_jax.hpo.engine import EngineConfig, SearchEngine
+from scamp_jax.planning.budget import Budget
 from scamp_jax.scheduling import SchedulingCore, TrialPlan, host
 from scamp_jax.scheduling.host import (
     CPU_SPLIT_FLOPS,
@@ -28,7 +29,7 @@ def test_the_default_is_one_trial_per_two_host_cores_on_cpu_and_none_on_accelera
 
 
 def test_the_core_keeps_trials_beyond_the_cap_queued_until_one_ends():
-    core = SchedulingCore(ScampPolicy(), 4, 100, 0.0, max_running=2)
+    core = SchedulingCore(ScampPolicy(), 4, Budget(100, 0.0), max_running=2)
     for key in range(3):
         core.planned(0.0, TrialPlan(key, key, 1, 10, 5))
     started = [a.key for a in core.decide(0.0)]
@@ -36,7 +37,7 @@ def test_the_core_keeps_trials_beyond_the_cap_queued_until_one_ends():
     core.finished(1.0, 0)
     assert [a.key for a in core.decide(1.0)] == [2]
     with pytest.raises(ValueError, match="max_running"):
-        SchedulingCore(ScampPolicy(), 4, 100, 0.0, max_running=0)
+        SchedulingCore(ScampPolicy(), 4, Budget(100, 0.0), max_running=0)
     with pytest.raises(ValueError, match="max_running_trials"):
         EngineConfig(steps=1, memory_per_device=100, max_running_trials=0)
 

@@ -136,6 +136,33 @@ def test_runner_reports_oom_with_measured_bytes_when_the_share_is_smaller():
     assert 0.0 <= ok.metrics["accuracy"] <= 1.0 and math.isfinite(ok.metrics["loss"])
 
 
+def test_a_run_compiles_before_its_arrays_exist(monkeypatch):
+    """The step is compiled from the state's shapes, before the state is made (on a GPU XLA's
+    autotuner takes its buffers from the pool then, at its emptiest), and a run whose programs
+    exceed its share ends out of memory without placing anything. The program's methods are
+    wrapped only to watch the order; they run unchanged."""
+    from scamp_jax.hpo.runner import SoloProgram
+
+    seen: list[tuple[str, bool]] = []
+    for name in ("compile", "start"):
+        real = getattr(SoloProgram, name)
+
+        def watched(self, *args, _real=real, _name=name):
+            placed = any(isinstance(x, jax.Array) for x in jax.tree.leaves(self.state))
+            seen.append((_name, placed))
+            return _real(self, *args)
+
+        monkeypatch.setattr(SoloProgram, name, watched)
+    plan = _plan().with_devices(jax.devices()[4:8])
+    base = dict(number=0, params=CONFIG, plan=plan, steps=2, memory_per_device=BUDGET)
+    short = run_trial(RunSpec(**base, booked_bytes=plan.peak_bytes_per_device), SPACE, _task())
+    assert short.state == "oom" and seen == [("compile", False)]  # nothing was placed
+    seen.clear()
+    ok = run_trial(RunSpec(**base, booked_bytes=plan.predicted_peak_bytes), SPACE, _task())
+    assert ok.state == "complete", ok.reason
+    assert seen == [("compile", False), ("start", False)]
+
+
 def test_restore_lands_on_the_plans_shardings_with_the_saved_values(tmp_path):
     saved_plan = _plan()
     params, opt_state, rest = _state(saved_plan, seed=5)

@@ -14,8 +14,8 @@ from scamp_jax.planning.planner import (
     DoesNotFitError,
     min_devices,
     min_devices_plan,
+    plan_budget,
     plan_mesh,
-    resolve_budget,
 )
 from scamp_jax.planning.sharding import (
     bytes_per_device,
@@ -226,6 +226,7 @@ def test_model_without_parameters_and_repeated_devices_fail_before_any_compile(n
 
 class _DeviceWithLimit:
     platform = "gpu"
+    device_kind = "NVIDIA H200"
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
@@ -236,8 +237,8 @@ class _DeviceWithLimit:
 
 def test_default_budget_is_the_smallest_device_limit():
     devices = [_DeviceWithLimit(80 * 2**30), _DeviceWithLimit(40 * 2**30)]
-    assert resolve_budget(None, devices) == 40 * 2**30
-    assert resolve_budget("3GiB", devices) == 3 * 2**30
+    assert plan_budget(None, devices).memory_per_device == 40 * 2**30
+    assert plan_budget("3GiB", devices).memory_per_device == 3 * 2**30
 
 
 def test_sharding_rules_for_dense_conv_attention_and_small_parameters():

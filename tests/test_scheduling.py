@@ -23,8 +23,10 @@ from test_runner import Regression
 from test_study_lifecycle import ROOT, TESTS, child_env
 
 from scamp_jax.hpo.fused_engine import latest_checkpoint_step
+from scamp_jax.hpo.out_of_memory import next_request
 from scamp_jax.hpo.session import run_search
-from scamp_jax.scheduling import SchedulingCore, TrialPlan, replan_after_oom, usable_capacity
+from scamp_jax.planning.budget import Budget
+from scamp_jax.scheduling import SchedulingCore, TrialPlan
 from scamp_jax.scheduling.costs import resized_seconds
 from scamp_jax.scheduling.placement import ScampPolicy
 from scamp_jax.scheduling.replay import recorded_placements, replay, units
@@ -153,7 +155,7 @@ def test_a_packed_study_never_books_a_device_above_its_usable_bytes(packed_study
     _, results = packed_study
     run = _run(results)
     usable = run["usable_bytes_per_device"]
-    assert usable == usable_capacity(run["memory_per_device"], run["safety_margin"])
+    assert usable == Budget(run["memory_per_device"], run["safety_margin"]).usable_bytes
     assert usable < run["memory_per_device"]
     assert run["policy_parts"]["policy"] == "scamp"
     assert all(t["state"] == "complete" and t["replans"] == 0 for t in results["trials"])
@@ -179,7 +181,7 @@ def test_a_packed_study_never_books_a_device_above_its_usable_bytes(packed_study
 
 
 def test_the_pool_books_usable_bytes_not_the_whole_budget() -> None:
-    core = SchedulingCore(ScampPolicy(), 1, 100 * MIB, 0.1)
+    core = SchedulingCore(ScampPolicy(), 1, Budget(100 * MIB, 0.1))
     assert core.pool.capacity == (90 * MIB,)
     core.planned(0.0, TrialPlan(0, 0, 1, 50 * MIB, 10))
     core.planned(0.0, TrialPlan(1, 1, 1, 45 * MIB, 10))
@@ -192,16 +194,16 @@ def test_the_pool_books_usable_bytes_not_the_whole_budget() -> None:
 def test_an_out_of_memory_replan_scales_the_batch_by_the_measured_bytes() -> None:
     plan = TrialPlan(3, 0, 1, 40 * MIB, 10, batch_size=64)
     # Measured 4x the usable share: a quarter of the batch (not just half).
-    assert replan_after_oom(plan, 360 * MIB, 90 * MIB, devices=4).max_batch == 16
+    assert next_request(plan, 360 * MIB, 90 * MIB, devices=4).max_batch == 16
     # Unknown bytes: half.
-    assert replan_after_oom(plan, None, 90 * MIB, devices=4).max_batch == 32
+    assert next_request(plan, None, 90 * MIB, devices=4).max_batch == 32
     # Below the floor: the same batch on twice the devices; nowhere to grow: none.
-    assert replan_after_oom(plan, 360 * MIB, 90 * MIB, devices=4, min_batch=32).devices == 2
-    assert replan_after_oom(plan, 360 * MIB, 90 * MIB, devices=1, min_batch=32) is None
+    assert next_request(plan, 360 * MIB, 90 * MIB, devices=4, min_batch=32).devices == 2
+    assert next_request(plan, 360 * MIB, 90 * MIB, devices=1, min_batch=32) is None
 
 
 def test_busy_fractions_and_costs_come_from_measured_steps() -> None:
-    core = SchedulingCore(ScampPolicy(), 2, 100 * MIB, 0.1)
+    core = SchedulingCore(ScampPolicy(), 2, Budget(100 * MIB, 0.1))
     core.planned(0.0, TrialPlan(0, 0, 1, MIB, 100, flops_per_step=1e9))
     core.planned(0.0, TrialPlan(1, 1, 1, MIB, 100, flops_per_step=4e9))
     assert core.busy_fraction(0) is None
@@ -218,14 +220,15 @@ def test_busy_fractions_and_costs_come_from_measured_steps() -> None:
 @pytest.mark.parametrize("overlap", [0.0, 0.5, 1.0])
 def test_the_core_books_the_load_of_its_device_overlap(overlap: float) -> None:
     # The booked busy fraction is the load the simulator charges: overlap * busy + (1 - overlap).
-    core = SchedulingCore(ScampPolicy(), 2, 100 * MIB, 0.1, peak_flops=1e11, overlap=overlap)
+    core = SchedulingCore(ScampPolicy(), 2, Budget(100 * MIB, 0.1), peak_flops=1e11,
+                          overlap=overlap)
     core.planned(0.0, TrialPlan(0, 0, 1, MIB, 100, flops_per_step=1e9))
     core.decide(0.0)
     core.step_measured(1.0, 0, 10, 0.04)  # a quarter of the attainable rate
     assert core.busy_fraction(0) == pytest.approx(0.25)
     assert core.snapshot().busy[0] == pytest.approx(overlap * 0.25 + 1 - overlap)
     with pytest.raises(ValueError, match="overlap=1.5 must be in"):
-        SchedulingCore(ScampPolicy(), 2, 100 * MIB, 0.1, overlap=1.5)
+        SchedulingCore(ScampPolicy(), 2, Budget(100 * MIB, 0.1), overlap=1.5)
 
 
 def test_a_restart_is_predicted_from_the_busy_part_and_the_time_since_the_last_measurement(
@@ -233,7 +236,7 @@ def test_a_restart_is_predicted_from_the_busy_part_and_the_time_since_the_last_m
     # One trial on one of four devices, measured at a quarter of the attainable rate: on p
     # devices its compute takes 1/p as long, the rest of its step (launch gaps, host work) as
     # long as now; and it kept training since its last measurement.
-    core = SchedulingCore(ScampPolicy(), 4, 100 * MIB, 0.1, restart_seconds=1.0,
+    core = SchedulingCore(ScampPolicy(), 4, Budget(100 * MIB, 0.1), restart_seconds=1.0,
                           peak_flops=1e11, overlap=1.0)
     core.planned(0.0, TrialPlan(0, 0, 1, MIB, 1000, flops_per_step=1e9))
     core.set_arrivals_pending(False)

@@ -44,9 +44,9 @@ from scamp_jax.hpo.runner import RunSpec, make_optimizer, run_trial
 from scamp_jax.hpo.study.trials import TrialOutcome
 from scamp_jax.hpo.trial import RunResult, TrialStatus, trial_seed
 from scamp_jax.planning import planner
+from scamp_jax.planning.budget import Budget
 from scamp_jax.planning.train_step import StepShardings
 from scamp_jax.scheduling.booking import booked_bytes
-from scamp_jax.scheduling.core import usable_capacity
 from scamp_jax.scheduling.placement import Placement, TrialRequest
 from scamp_jax.scheduling.pool import DevicePool
 
@@ -141,7 +141,7 @@ def span_plan(
         reduction (spanning ranks does not split a model), or the job has too few ranks; the
         message says what to change.
     """
-    usable = usable_capacity(memory_per_device, safety_margin)
+    usable = Budget(memory_per_device, safety_margin).usable_bytes
     # The plan's usable part (floor of memory * (1 - margin)) leaves the reduction room.
     memory = math.floor((usable - reduction_bytes) / (1.0 - safety_margin))
     try:
@@ -249,7 +249,7 @@ def run_spanning_trials(
     finished: list[tuple[SpanningTrial, tuple[int, ...], RunResult]] = []
     # This rank's one device, booked as the engine books a lone trial's: its plan's bytes by the
     # byte rule, within the budget less the safety margin.
-    pool = DevicePool([usable_capacity(config.memory_per_device, config.safety_margin)])
+    pool = DevicePool([Budget(config.memory_per_device, config.safety_margin).usable_bytes])
     for groups in assign_rounds(trials, size):
         if rank == 0:
             for trial, ranks in groups:

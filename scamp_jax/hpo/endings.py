@@ -2,13 +2,11 @@
 
 `Endings` is the loop's handler of the events a run's end brings (`scamp_jax.hpo.engine`):
 
-- a solo run that ran out of memory: the scheduling core frees its devices and answers with a
-  re-plan request (`scamp_jax.scheduling.core.Replan`, from the bytes the run measured), which
-  the planner threads carry out; with no request, or its re-plans used up, the trial fails;
+- a run that ran out of memory, solo or fused: `scamp_jax.hpo.out_of_memory` decides what
+  follows (a new plan, solo members, or the trial fails);
 - a solo run stopped for a restart on more devices: it starts again on them; a restarted run
   that failed before training a step goes back to the devices and plan it trained on;
-- a fused group: every member is told on its own; a group that ran out of memory sends its
-  members back to the queue as plain trials;
+- a fused group: every member is told on its own;
 - otherwise the trial is told to the study with its record (``results.json``); an interrupted
   one is given back (a re-run resumes it).
 """
@@ -21,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from scamp_jax.hpo.out_of_memory import OutOfMemory
 from scamp_jax.hpo.study.trials import TrialOutcome, TrialSource
 from scamp_jax.hpo.trial import PlannedTrial, RunResult
 from scamp_jax.scheduling.core import SchedulingCore
@@ -41,8 +40,12 @@ class Endings:
       decide: ``decide(now)``: let the core place what it can.
       start: ``start(placement, planned, now)``: start a solo run.
       queue: ``queue(planned)``: a planned trial waits for devices again.
-      replan: ``replan(planned, request)``: plan ``planned`` again in a planner thread.
+      replan: ``replan(planned, request)``: plan ``planned`` again in a planner thread
+        (`scamp_jax.hpo.out_of_memory.plan_again`).
       notify: something changed (the live view).
+
+    Attributes:
+      oom: the run's `scamp_jax.hpo.out_of_memory.OutOfMemory` handling.
     """
 
     def __init__(self, source: TrialSource, metric: str, config: Any, core: SchedulingCore,
@@ -54,7 +57,8 @@ class Endings:
                  notify: Callable[[], None]) -> None:
         self.source, self.metric, self.config, self.core = source, metric, config, core
         self.records, self.now, self.decide, self.start = records, now, decide, start
-        self.queue, self.replan, self.notify = queue, replan, notify
+        self.notify = notify
+        self.oom = OutOfMemory(config, core, records, replan, queue, self.report)
         #: how each trial of this run ended, in finishing order.
         self.outcomes: list[TrialOutcome] = []
 
@@ -69,19 +73,6 @@ class Endings:
         record = self.records[number]
         self.tell(TrialOutcome(number, "failed", reason=record.status.reason,
                                attrs=record.attrs(self.config.rank, 0.0)))
-
-    def replanned(self, planned: PlannedTrial, retry: PlannedTrial | None) -> None:
-        """Event: an out-of-memory trial's next plan is in (None: it fails)."""
-        record = self.records[planned.number]
-        oom, record.oom = record.oom, None
-        if retry is None:
-            assert oom is not None
-            self.report(planned, replace(oom, state="failed",
-                                          reason=record.status.reason + "; no smaller plan fits"))
-            return
-        log.info("trial %d out of memory (%s); re-planned", planned.number, record.status.reason)
-        record.status.replans = retry.replans
-        self.queue(retry)
 
     def run_ended(self, number: int, result: RunResult) -> None:
         """Event: trial ``number``'s solo run returned ``result``."""
@@ -113,17 +104,7 @@ class Endings:
         now = self.now()
         record.times["finished_at"] = now
         if result.state == "oom":
-            record.status.reason = result.reason
-            min_batch, may_grow = self.config.min_batch_size or 1, self.config.policy == "scamp"
-            record.log("oom", now, result.bytes_needed, min_batch, may_grow)
-            request = self.core.out_of_memory(now, number, result.bytes_needed,
-                                              min_batch=min_batch, may_grow=may_grow)
-            record.oom = result
-            if request is None or planned.replans >= self.config.max_replans:
-                self.replanned(planned, None)
-            else:
-                self.replan(planned, request)
-                record.status.state = "planning"
+            self.oom.run_ended(now, planned, result)
             self.decide(now)
             return
         record.log("finished", now)
@@ -148,8 +129,7 @@ class Endings:
                 record.times["pace"] = leader.times.get("pace", [])
             record.earlier_wall += r.wall_seconds
             if r.state == "oom":  # the group did not fit: its members run alone
-                record.solo_only, record.group, record.width = True, None, 1
-                self.queue(planned)
+                self.oom.member_ended(planned)
                 continue
             self.report(planned, r)
         self.decide(now)

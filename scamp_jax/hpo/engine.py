@@ -45,10 +45,12 @@ from typing import Any
 
 import jax
 
+from scamp_jax.hpo.calibration import Calibration
 from scamp_jax.hpo.endings import Endings
 from scamp_jax.hpo.fused_engine import FusionService
 from scamp_jax.hpo.intake import BudgetTooSmallError, Intake
 from scamp_jax.hpo.launch import Launcher, Run
+from scamp_jax.hpo.out_of_memory import plan_again
 from scamp_jax.hpo.plan_service import PlanningService
 from scamp_jax.hpo.resizing import Restart, TailResizer
 from scamp_jax.hpo.runner import StepCache
@@ -62,6 +64,7 @@ from scamp_jax.hpo.trial import (
     fusion_cap,
 )
 from scamp_jax.planning import planner
+from scamp_jax.planning.budget import Budget
 from scamp_jax.planning.plan_cache import PlanCache
 from scamp_jax.scheduling.core import PlanOption, SchedulingCore, Start, TrialPlan
 from scamp_jax.scheduling.costs import attainable_flops
@@ -230,7 +233,9 @@ class TrialRecord:
     ``next_pace``: steps at which its pace is next fed; ``earlier_wall``: seconds of its earlier
     runs (restarts); ``oom``: its out-of-memory result while it is re-planned; ``resizing`` /
     ``restarted``: a restart on more devices decided / started; ``group``, ``width``: its fused
-    group (None: alone); ``solo_only``: its group ran out of memory, it runs alone.
+    group (None: alone); ``solo_only``: its group ran out of memory, it runs alone;
+    ``booked_allowance``: the allowance its run's booking carries; ``calibrated``: the last
+    measured peak the loop learnt from (`scamp_jax.hpo.calibration`).
     """
 
     status: TrialStatus
@@ -248,6 +253,8 @@ class TrialRecord:
     group: int | None = None
     width: int = 1
     solo_only: bool = False
+    booked_allowance: int = 0
+    calibrated: int | None = None
 
     def show_plan(self, plan: Any) -> None:
         """Record ``plan``'s degrees, batch, booking and steps in the status."""
@@ -306,6 +313,8 @@ class TrialRecord:
             "wall_seconds": round(wall, 3),
             "replans": status.replans,
             "resizes": status.resizes,
+            "booked_bytes": status.booked_bytes,
+            "measured_peak_bytes": status.measured_peak_bytes,
             "rank": rank,
             "final_loss": None if math.isnan(status.loss) else status.loss,
             # Seconds since this run's start (full precision: they order the replay's events).
@@ -405,8 +414,14 @@ class SearchEngine:
                              (len(self.devices), config.memory_per_device),
                              lambda number: self.endings.tell_failed(number), on_notice)
         self._t0 = time.monotonic()
+        self.budget = Budget.of_devices(self.devices, config.memory_per_device,
+                                        safety_margin=config.safety_margin)
+        #: the allowance learnt from the allocator (`scamp_jax.hpo.calibration`), booked by
+        #: every plan made from now on
+        self.calibration = Calibration(self.budget, plan_cache)
+        self.planning.allowance = lambda: self.calibration.allowance_bytes
         #: the decisions (`scamp_jax.scheduling.SchedulingCore`); a fresh one per `run`.
-        self.core = new_core(self.policy, self.devices, self.config)
+        self.core = new_core(self.policy, self.devices, self.config, self.budget)
         self.pool, self.usage = self.core.pool, self.core.usage
 
     def make_planning(self) -> PlanningService:
@@ -520,8 +535,14 @@ class SearchEngine:
             self._queue_unit(members, fusion)
 
     def _queue_unit(self, members: tuple[PlannedTrial, ...], fusion: Any) -> None:
-        """Event: a group and its plan are decided; the scheduling core gets it as one trial."""
+        """Event: a group and its plan are decided; the scheduling core gets it as one trial
+        (booking the allowance learnt so far; its members run alone if that does not fit)."""
         assert self.fusion is not None
+        fusion = self.calibration.refresh(fusion)
+        if fusion is None:
+            for m in members:
+                self.endings.oom.member_ended(m)
+            return
         for m in members:
             record = self.records[m.number]
             record.group, record.width = members[0].number, len(members)
@@ -541,6 +562,11 @@ class SearchEngine:
             self._submit("verify", planned, self.planning.planned_with_cost,
                          planned.asked.params, planned.number)
             return
+        plan = self.calibration.refresh(planned.plan)  # the allowance learnt so far
+        if plan is None:
+            self.endings.oom.no_longer_fits(planned)
+            return
+        planned = replace(planned, plan=plan)
         record.status.state = "queued"
         record.show_plan(planned.plan)
         record.planned = planned
@@ -553,6 +579,25 @@ class SearchEngine:
             self.core.planned(now, tp)
         self._set_last_wave(now, decide=False)  # this may have been the last plan
         self._decide(now)
+
+    def _calibrate(self) -> None:
+        """Event: running units measured the allocator's peak on their devices; an excess over
+        the most the ledger booked there grows the allowance (`scamp_jax.hpo.calibration`),
+        and every queued unit is then booked again with it."""
+        if not self.calibration.learn(self._running(), self.core):
+            return
+        now, waiting = self._now(), self.core.queued
+        for key in waiting:  # all out first: none starts on its old booking meanwhile
+            self.core.unqueue(now, key)
+            self.records[key].log("unqueued", now)
+        for key in waiting:
+            unit = self.fusion.units.pop(key, None) if self.fusion is not None else None
+            if unit is not None:
+                self._queue_unit(unit.members, unit.fusion)
+                continue
+            planned, self.records[key].planned = self.records[key].planned, None
+            assert planned is not None
+            self._queue_planned(planned)
 
     def _verified(self, planned: PlannedTrial, future: cf.Future) -> None:
         """Event: the compiled plan of ``planned`` (provisional before) is in, or it fits
@@ -634,6 +679,8 @@ class SearchEngine:
         ``now``)."""
         record = self.records[planned.number]
         record.placed(now, placement.device_ids)
+        record.status.booked_bytes = self.pool.request_of(planned.number).bytes_per_device
+        record.booked_allowance = int(getattr(planned.plan, "allowance_bytes", 0))
         record.run = self._launch.solo(planned, placement.device_ids, record.status)
         self.work[record.run.future] = Work("run", planned.number)
 
@@ -647,6 +694,8 @@ class SearchEngine:
         records = [self.records[m.number] for m in unit.members]
         for record in records:
             record.placed(now, action.device_ids)
+            record.status.booked_bytes = self.pool.request_of(unit.key).bytes_per_device
+            record.booked_allowance = int(getattr(unit.fusion.plan, "allowance_bytes", 0))
         run = self._launch.group(unit, spec, [r.status for r in records])
         for record in records:
             record.run = run
@@ -662,14 +711,14 @@ class SearchEngine:
         self._t0 = time.monotonic()
         # Wall-clock start: which run of a resumed study a trial's record belongs to.
         self._run_started = round(time.time(), 6)
-        self.core = new_core(self.policy, self.devices, self.config)
+        self.core = new_core(self.policy, self.devices, self.config, self.budget)
         self.pool, self.usage = self.core.pool, self.core.usage
         self.records = {}
         self.work: dict[cf.Future, Work] = {}
         self.endings = Endings(
             self.source, self.task.metric, self.config, self.core, self.records, self._now,
             self._decide, self._start, self._queue_planned,
-            lambda p, request: self._submit("replan", p, self.planning.plan_again, p, request),
+            lambda p, request: self._submit("replan", p, plan_again, self.planning, p, request),
             self._notify)
         self.intake.reset()
         self._siblings_due = 0  # siblings of the last proposal not asked yet
@@ -718,6 +767,7 @@ class SearchEngine:
             self.intake.wait()
             return True
         self._feed_pace()
+        self._calibrate()
         if self.resizer is not None and self._last_wave_at is not None and not self.core.queued:
             self.resizer.tick({n: r for n, r in self._running().items() if r.group is None})
         self._notify()
@@ -728,6 +778,7 @@ class SearchEngine:
                 f"placement started none of {len(self.core.queued)} queued trials on an idle "
                 "pool; check the trials' device counts against the pool")
         done, _ = cf.wait(waiting, timeout=0.5, return_when=cf.FIRST_COMPLETED)
+        self._calibrate()  # runs that just ended measured their last peak
         for future in sorted((f for f in done if f in self.work),
                              key=lambda f: self.work[f].order()):
             work = self.work.pop(future)
@@ -737,7 +788,7 @@ class SearchEngine:
             elif work.kind == "option":
                 self._option_planned(future, work.payload)
             elif work.kind == "replan":
-                self.endings.replanned(work.payload, future.result())
+                self.endings.oom.replanned(work.payload, future.result())
                 self._set_last_wave()
             elif work.kind == "run":
                 self.endings.run_ended(work.payload, future.result())
@@ -783,6 +834,7 @@ class SearchEngine:
         return {**scheduling_info(self.policy, self.config, self.core, self._grow,
                                   self.checkpoint_root is not None,
                                   getattr(self, "_last_wave_at", None), len(self.devices)),
+                "allowance_bytes": self.calibration.by_kind,
                 "run_started": getattr(self, "_run_started", None)}
 
 
@@ -839,17 +891,17 @@ def engine_policy(config: EngineConfig, devices: int) -> Any:
     return FixedPolicy(config.devices_per_trial)
 
 
-def new_core(policy: Any, devices: Sequence[Any], config: EngineConfig) -> SchedulingCore:
-    """A scheduling core for a pool of ``devices``, ``config``'s budget and ``policy``. The
-    devices' attainable FLOP/s (`scamp_jax.scheduling.costs`) anchor the busy fractions where
-    the kind is known."""
+def new_core(policy: Any, devices: Sequence[Any], config: EngineConfig,
+             budget: Budget) -> SchedulingCore:
+    """A scheduling core for a pool of ``devices`` of ``budget`` each, under ``config`` and
+    ``policy``. The devices' attainable FLOP/s (`scamp_jax.scheduling.costs`) anchor the busy
+    fractions where the kind is known."""
     kinds = {d.device_kind for d in devices}
     peak = attainable_flops(kinds.pop()) if len(kinds) == 1 else None
     overlap = config.device_overlap
     if overlap is None:
         overlap = 1.0 if all(d.platform == "cpu" for d in devices) else 0.0
-    return SchedulingCore(policy, len(devices), config.memory_per_device, config.safety_margin,
-                          config.restart_seconds, peak_flops=peak,
+    return SchedulingCore(policy, len(devices), budget, config.restart_seconds, peak_flops=peak,
                           max_running=max_running(config, devices), overlap=overlap)
 
 

@@ -37,7 +37,14 @@ import numpy as np
 from flax import nnx
 
 from scamp_jax.hpo.checkpoint import TrialCheckpointer
-from scamp_jax.hpo.lifecycle import Lifecycle, MemberSpec, Schedule, stream
+from scamp_jax.hpo.lifecycle import (
+    Lifecycle,
+    MemberSpec,
+    Schedule,
+    abstract_batch,
+    share_bytes,
+    stream,
+)
 from scamp_jax.hpo.runner import (
     StepCache,
     _batches,
@@ -56,6 +63,7 @@ from scamp_jax.planning.fusion import (
     stack_batches,
     stack_shardings,
 )
+from scamp_jax.planning.initial_state import abstract_initial_state
 from scamp_jax.planning.train_step import split_model
 from scamp_jax.space import SearchSpace, Task
 
@@ -95,10 +103,7 @@ class GroupSpec:
         ``memory_per_device`` (less the member plan's safety margin). Training (fused step +
         prefetched batches) and evaluation (a member's forward + the stacked state + those
         batches) must fit in it."""
-        if self.booked_bytes is not None:
-            return int(self.booked_bytes)
-        margin = float(getattr(self.plan.plan, "safety_margin", 0.0))
-        return int(self.memory_per_device * (1.0 - margin))
+        return share_bytes(self.booked_bytes, self.memory_per_device, self.plan.plan)
 
 
 @dataclass(frozen=True)
@@ -293,24 +298,22 @@ class FusedProgram:
             is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
         self._host: list[np.ndarray] | None = None  # the state's leaves read out, once per step
 
-    def start(self, members: Sequence[MemberSpec], first: int,
-              checkpointers: Sequence[TrialCheckpointer | None]) -> None:
+    def prepare(self, members: Sequence[MemberSpec], first: int) -> None:
         plan = self.plan
         self.graphdef = _check_architecture(self.space, members, plan.mesh)
         configs = [m.params for m in members]
-        optimizer = make_optimizer(configs[0])
-        hyper = hyperparam_arrays(OPTIMIZER_KEYS, configs)
-        state = self.cache.initial_states.make_group(
-            architecture_key(self.graphdef, configs[0]),
-            lambda rngs: self.space.build(configs[0], rngs), optimizer,
-            plan.step_shardings, [m.seed for m in members], hyper)
-        if first:
-            state = self._restore(state, first, checkpointers)
-        self.state = state
+        self.optimizer = optimizer = make_optimizer(configs[0])
+        self.hyper = hyperparam_arrays(OPTIMIZER_KEYS, configs)
+        self.build = lambda rngs: self.space.build(configs[0], rngs)
+        # Shapes and shardings only until `start`: the fused step compiles from them.
+        self.state = abstract_initial_state(self.build, optimizer, plan.step_shardings,
+                                            tuple(sorted(self.hyper)), width=len(members))
         self._host = None
         batch_size = self.spec.plan.batch_size
         self.streams = [stream(_batches(self.task, batch_size, m.seed, None), first)
                         for m in members]
+        self._next = stack_batches([next(s) for s in self.streams])
+        self.batch = abstract_batch(self._next, self.shardings.batch)
         source = getattr(self.spec.plan, "step_source", None)
         if source is not None and source.serves(self.graphdef, optimizer, self.task.loss_fn,
                                                 plan.step_shardings):
@@ -318,7 +321,17 @@ class FusedProgram:
         else:
             self.step_fn = jit_fused_step(self.graphdef, optimizer, self.task.loss_fn,
                                           plan.step_shardings)
-        self.prefetch()
+
+    def start(self, members: Sequence[MemberSpec], first: int,
+              checkpointers: Sequence[TrialCheckpointer | None]) -> None:
+        if first:  # restored into the abstract state's shapes: the state exists once
+            self.state = self._restore(self.state, first, checkpointers)
+        else:
+            self.state = self.cache.initial_states.make_group(
+                architecture_key(self.graphdef, members[0].params), self.build, self.optimizer,
+                self.plan.step_shardings, [m.seed for m in members], self.hyper)
+        self.batch = jax.device_put(self._next, self.shardings.batch)
+        del self._next
 
     def _restore(self, state: tuple[PyTree, ...], step: int,
                  checkpointers: Sequence[TrialCheckpointer | None]) -> tuple[PyTree, ...]:
@@ -349,7 +362,7 @@ class FusedProgram:
         return self._active_device
 
     def compile(self) -> int | None:
-        mask = self._active(np.ones(self.width, bool))
+        mask = jax.ShapeDtypeStruct((self.width,), np.dtype(bool), sharding=self.replicated)
         lowered = self.step_fn.lower(*self.state, self.batch, mask)
         # The planner's run-grade fused step when it is this program on these devices (a group
         # of the planned width), else one compile shared by groups of the same program.

@@ -8,18 +8,24 @@ solo program (the planner's step, optionally reduced over MPI ranks), `scamp_jax
 the fused one (the step vmapped over a member axis, with an ``active`` mask). The loop:
 
 1. resume: each member's newest checkpoint of at most ``steps`` steps (a group resumes only
-   members at the same step), the data streams advanced to it;
-2. the ledger check, before the first step, from the compiled programs on these devices: the
+   members at the same step), the data streams advanced to it (in host memory);
+2. the ledger check, before any of the run's arrays exist on its devices: the step and the
+   evaluation forward are compiled (on a GPU that includes XLA's autotuning, whose buffers come
+   from the same pool as the trials', so it runs while the pool is at its emptiest), and the
    step with the next batch prefetched beside it, and the evaluation forward at its chunk plus
    what stays resident (the optimizer state, for a group the whole stacked state, and the
-   prefetched batch) must fit the run's booked share; otherwise the run ends ``oom`` with the
-   measured bytes (`check_share`);
+   prefetched batch), must fit the run's booked share; otherwise the run ends ``oom`` with the
+   measured bytes (`check_share`). Only then is the state made (or restored) on the devices and
+   the first batch placed;
 3. the step loop: stop (checkpoint, ``interrupted``), step, prefetch, loss read-back (a
    non-finite loss ends that member ``failed``), intermediate evaluation reported to the pruner
    (``pruned``), checkpoints every ``checkpoint_every`` steps; a stopped member is masked and,
-   at the next evaluation, the group re-forms without it;
+   at the next evaluation, the group re-forms without it; after the first two steps the
+   allocator's peak on the run's devices is measured (`scamp_jax.hpo.calibration.measure_peak`)
+   and written to every member's status, where the search loop learns from it;
 4. the end: one checkpoint of the last step (never written twice: a step on disk is kept; a
-   group's members write theirs at once), the evaluation in chunks, ``complete``.
+   group's members write theirs at once), the evaluation in chunks, the allocator's peak
+   measured again, ``complete``.
 
 Every exception ends the members still running through one mapping (`scamp_jax.hpo.trial.ending`).
 """
@@ -35,10 +41,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import jax
 import numpy as np
 
+from scamp_jax.hpo.calibration import measure_peak
 from scamp_jax.hpo.checkpoint import TrialCheckpointer
 from scamp_jax.hpo.trial import RunResult, TrialOutOfMemory, TrialStatus, ending
+from scamp_jax.planning.budget import Budget
 from scamp_jax.planning.evaluation import (
     EvalCompiler,
     EvalPlan,
@@ -100,16 +109,22 @@ class Program(Protocol):
     plan: Any
     width: int
 
+    def prepare(self, members: Sequence[MemberSpec], first: int) -> None:
+        """Everything but the arrays: the step to compile, the state's and the batch's shapes
+        and shardings, every member's data stream advanced to step ``first`` with its next batch
+        in host memory. Nothing is placed on the devices."""
+
     def start(self, members: Sequence[MemberSpec], first: int,
               checkpointers: Sequence[TrialCheckpointer | None]) -> None:
-        """Build the state (or restore it at step ``first``), advance every member's data
-        stream to ``first`` and prefetch the next batch."""
+        """Make the state on the devices (or restore it at step ``first``) and place the batch
+        `prepare` drew."""
 
     def compile(self) -> int | None:
-        """Compile the step for the current width; its peak per device (None: unknown)."""
+        """Compile the step for the current width (from the shapes alone before `start`); its
+        peak per device (None: unknown)."""
 
     def prefetch_bytes(self) -> int:
-        """Bytes per device of the prefetched batch."""
+        """Bytes per device of the prefetched batch (known after `prepare`)."""
 
     def resident_bytes(self) -> int:
         """Bytes per device that stay resident beside the evaluation forward (it holds a
@@ -138,6 +153,28 @@ class Program(Protocol):
 
     def evaluate_whole(self, slot: int, task: Task) -> Mapping[str, Any]:
         """The task's own ``evaluate`` of slot ``slot``'s model (tasks without chunks)."""
+
+
+def share_bytes(booked_bytes: int | None, memory_per_device: int, plan: Any) -> int:
+    """The bytes per device a run may hold: ``booked_bytes`` (its share of the ledger), else
+    the usable part of ``memory_per_device`` with ``plan``'s safety margin."""
+    if booked_bytes is not None:
+        return int(booked_bytes)
+    margin = float(getattr(plan, "safety_margin", 0.0))
+    return Budget(int(memory_per_device), margin).usable_bytes
+
+
+def abstract_batch(batch: PyTree, sharding: Any) -> PyTree:
+    """``jax.ShapeDtypeStruct``s of host ``batch`` as `jax.device_put` will place it with
+    ``sharding`` (one for every leaf, or a tree of them): what a step compiles from before the
+    batch is on the devices."""
+    def spec(x: Any, s: Any) -> jax.ShapeDtypeStruct:
+        x = np.asarray(x)
+        return jax.ShapeDtypeStruct(x.shape, jax.dtypes.canonicalize_dtype(x.dtype), sharding=s)
+
+    if isinstance(sharding, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: spec(x, sharding), batch)
+    return jax.tree.map(spec, batch, sharding)
 
 
 def resumable_step(checkpointer: TrialCheckpointer, steps: int) -> int | None:
@@ -222,6 +259,7 @@ class Lifecycle:
         self.slots = list(self.members)  # the members in the program's state, in order
         self.first = 0
         self.held_bytes: int | None = None
+        self.measured_bytes: int | None = None
         self.compile_seconds = 0.0
         self.widths: list[int] = []
         self.evaluation: EvalPlan | None = None
@@ -241,7 +279,7 @@ class Lifecycle:
                              metrics=dict(metrics or {}), reason=reason,
                              bytes_needed=bytes_needed, loss=m.status.loss,
                              checkpoint=checkpoint, resumed_from=self.first,
-                             held_bytes=self.held_bytes)
+                             held_bytes=self.held_bytes, measured_peak_bytes=self.measured_bytes)
 
     def _fail(self, m: _Member, err: BaseException) -> None:
         state, reason, needed = ending(err)
@@ -298,9 +336,10 @@ class Lifecycle:
     def _run(self) -> None:
         program, schedule = self.program, self.schedule
         self.first = first = self._resume()
-        program.start([m.spec for m in self.members], first,
-                      [m.checkpointer for m in self.members])
-        self._check()
+        specs = [m.spec for m in self.members]
+        program.prepare(specs, first)
+        self._check()  # compiled (and autotuned) before the run's arrays exist
+        program.start(specs, first, [m.checkpointer for m in self.members])
         now = time.monotonic()
         for m in self.members:  # the pace fields first: the engine reads them once it trains
             m.status.training_since, m.status.first_step = now, first
@@ -321,6 +360,8 @@ class Lifecycle:
             for slot, m in enumerate(self.slots):
                 if active[slot]:
                     m.status.step = done
+            if done == min(first + 2, schedule.steps):
+                self._measure(losses)
             if schedule.eval_every and done % schedule.eval_every == 0 and done < schedule.steps:
                 self._intermediate(done, active)
                 if active.any() and not active.all() and schedule.reform:
@@ -337,6 +378,18 @@ class Lifecycle:
         if first < schedule.steps:
             self._save(schedule.steps, active)
         self._finish(active)
+
+    def _measure(self, ready: Any = None) -> None:
+        """The allocator's peak on the run's devices, into every member's status (None: the
+        devices report nothing); ``ready``: arrays to wait for first (the last step's)."""
+        if ready is not None:
+            np.asarray(ready)  # the steps so far have run
+        peak = measure_peak(list(self.program.plan.mesh.devices.flat))
+        if peak is None:
+            return
+        self.measured_bytes = max(peak, self.measured_bytes or 0)
+        for m in self.members:
+            m.status.measured_peak_bytes = self.measured_bytes
 
     def _save(self, step: int, active: np.ndarray | None = None) -> None:
         if not self.schedule.save:
@@ -407,12 +460,19 @@ class Lifecycle:
 
     def _finish(self, active: np.ndarray) -> None:
         steps, metric = self.schedule.steps, self.task.metric
+        evaluated: dict[int, dict[str, float]] = {}
         for slot, m in enumerate(self.slots):
             if not active[slot]:
                 continue
             try:
                 m.status.state = "evaluating"
-                metrics = self._evaluate(slot)
+                evaluated[slot] = self._evaluate(slot)
+            except Exception as err:  # noqa: BLE001 - one member's failure ends that member
+                self._fail(m, err)
+        self._measure()  # evaluation included
+        for slot, metrics in evaluated.items():
+            m = self.slots[slot]
+            try:
                 if not math.isfinite(metrics[metric]):
                     raise FloatingPointError(f"{metric} is {metrics[metric]} after training")
             except Exception as err:  # noqa: BLE001 - one member's failure ends that member

@@ -9,9 +9,8 @@ planner threads (XLA compiles outside the GIL), never on the loop's thread:
 - `step_flops`: FLOPs per device of a plan's training step, from the step's total
   (`total_flops`: ``cost_analysis()`` of its lowering, no compile, one per architecture and
   batch), for the scheduling core's costs; `planned_with_cost` plans and costs
-  a trial and keeps its figure for `flops_of`;
-- `plan_again`: the plan after an out-of-memory run, at the batch the measured bytes allow
-  (a `scamp_jax.scheduling.core.Replan`).
+  a trial and keeps its figure for `flops_of` (`keep_cost`: the same for a plan made
+  elsewhere, an out-of-memory re-plan, `scamp_jax.hpo.out_of_memory.plan_again`).
 
 A subclass may override `smallest_fitting_plan` (the MPI engine hands configurations that fit
 no local device count to several ranks by raising `TrialDeferred`).
@@ -22,18 +21,17 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 from flax import nnx
 
 from scamp_jax.hpo.runner import injected_keys, make_optimizer
-from scamp_jax.hpo.trial import PlannedTrial, RunResult, TrialDeferred, booked_bytes
+from scamp_jax.hpo.trial import PlannedTrial, TrialDeferred, booked_bytes
 from scamp_jax.planning import planner
 from scamp_jax.planning.evaluation import supports_chunked_eval
 from scamp_jax.planning.memory import with_batch_size
 from scamp_jax.planning.train_step import split_model, step_flops
-from scamp_jax.scheduling.core import TrialPlan, replan_after_oom
+from scamp_jax.scheduling.core import TrialPlan
 from scamp_jax.scheduling.host import cpu_trial_devices
 
 log = logging.getLogger(__name__)
@@ -54,6 +52,10 @@ class PlanningService:
       max_running: most trials the engine runs at once (None: no cap); on CPU devices
         `smallest_fitting_plan` plans a trial on at least the devices its share of the host's
         cores gives it (`scamp_jax.scheduling.host.cpu_trial_devices`).
+
+    Attributes:
+      allowance: ``allowance() -> bytes``: the allowance every plan books now (the engine's
+        `scamp_jax.hpo.calibration.Calibration`); None: the planner's own (the plan cache's).
     """
 
     def __init__(self, space: Any, task: Any, config: Any, devices: Sequence[Any],
@@ -62,6 +64,7 @@ class PlanningService:
         self.space, self.task, self.config = space, task, config
         self.devices, self.plan_fn, self.batch_multiple = list(devices), plan_fn, batch_multiple
         self.may_grow, self.max_running = may_grow, max_running
+        self.allowance: Callable[[], int] | None = None
         self._plans: dict[Any, Any] = {}
         self._plans_lock = threading.Lock()
         self._key_locks: dict[Any, threading.Lock] = {}
@@ -104,6 +107,8 @@ class PlanningService:
             extra["compile_for_run"] = False
         if provisional:
             extra["provisional"] = True
+        if self.allowance is not None:
+            extra["allowance_bytes"] = self.allowance()
         return self.plan_fn(
             model,
             self.task.sample_batch(1),
@@ -202,7 +207,8 @@ class PlanningService:
             cap = self.fixed_batch_size() if max_batch is None else max_batch
         else:
             cap = self.config.max_batch_size if max_batch is None else max_batch
-        key = (graphdef, devices, cap, injected_keys(params), provisional)
+        allowance = self.allowance() if self.allowance is not None else None
+        key = (graphdef, devices, cap, injected_keys(params), provisional, allowance)
         # Several planner threads compile at once (XLA compiles outside the GIL); one lock per
         # architecture makes a second trial of it wait for the first plan instead of redoing it.
         with self._plans_lock:
@@ -262,9 +268,13 @@ class PlanningService:
     def planned_with_cost(self, params: Mapping[str, Any], number: int, **kw: Any) -> Any:
         """Plan (cached per architecture) and cost one configuration; runs in a planner thread."""
         plan = self.plan(params, **kw)
+        self.keep_cost(number, params, plan)
+        return plan
+
+    def keep_cost(self, number: int, params: Mapping[str, Any], plan: Any) -> None:
+        """Cost trial ``number``'s ``plan`` (configuration ``params``) for `flops_of`."""
         flops = self.step_flops(params, plan)
         self._flops_of[(number, self.devices_of(plan), int(plan.batch_size))] = flops
-        return plan
 
     def flops_of(self, number: int, plan: Any) -> float | None:
         """FLOPs per device per step of trial ``number`` on ``plan`` (None: not costed)."""
@@ -282,31 +292,3 @@ class PlanningService:
             batch_size=int(plan.batch_size),
             grow_bytes=int(plan.usable_bytes) if self.may_grow else 0,
         )
-
-    def oom_replan(self, planned: PlannedTrial, result: RunResult,
-                   capacity: int) -> PlannedTrial | None:
-        """The next plan of ``planned`` after its run ``result`` ran out of memory, planned at
-        once (the loop does the same in a planner thread): `replan_after_oom` from the measured
-        bytes and the pool's usable ``capacity`` per device, then the planner. None: no plan
-        fits or the re-plans are used up."""
-        if planned.replans >= self.config.max_replans:
-            return None
-        request = replan_after_oom(
-            self.core_plan(planned), result.bytes_needed, capacity,
-            devices=len(self.devices), min_batch=self.config.min_batch_size or 1,
-            may_grow=self.config.policy == "scamp")
-        return None if request is None else self.plan_again(planned, request)
-
-    def plan_again(self, planned: PlannedTrial, request: Any) -> PlannedTrial | None:
-        """Plan ``planned`` on ``request.devices`` devices at a batch of at most
-        ``request.max_batch`` (a `Replan`); None if nothing fits. Runs in a planner thread."""
-        model = self.abstract(planned.asked.params)
-        try:
-            new = self.call_planner(model, request.devices, request.max_batch,
-                                    params=planned.asked.params)
-        except planner.DoesNotFitError:
-            return None
-        flops = self.step_flops(planned.asked.params, new)
-        self._flops_of[(planned.number, self.devices_of(new), int(new.batch_size))] = flops
-        return replace(planned, plan=new, devices=self.devices_of(new),
-                       replans=planned.replans + 1)

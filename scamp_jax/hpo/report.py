@@ -37,7 +37,9 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
 
     Each row has `BASE_COLUMNS`, every name of ``metric_names`` (``None`` when a trial has no
     value for it), and ``rank``, ``replans``, ``resizes`` (restarts on more devices at the end
-    of a study), ``resumed_from``, ``reason``, ``checkpoint``.
+    of a study), ``resumed_from``, ``reason``, ``checkpoint``, ``booked_bytes`` (bytes per
+    device the ledger booked for its last run) and ``measured_peak_bytes`` (the allocator's
+    peak on its devices, bytes; None where nothing is reported, as on CPU devices).
     """
     rows = []
     for trial in study.get_trials(deepcopy=False):
@@ -68,6 +70,8 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
         row["resumed_from"] = attrs.get("resumed_from", 0)
         row["reason"] = attrs.get(FAIL_REASON, "")
         row["checkpoint"] = attrs.get("checkpoint")
+        row["booked_bytes"] = attrs.get("booked_bytes")
+        row["measured_peak_bytes"] = attrs.get("measured_peak_bytes")
         # Horizontal fusion: the fused group the trial trained in (None: alone) and its width.
         row["fused_group"] = attrs.get("fused_group")
         row["fusion_width"] = attrs.get("fusion_width", 1)

@@ -27,7 +27,14 @@ import optax
 from flax import nnx
 
 from scamp_jax.hpo.checkpoint import TrialCheckpointer
-from scamp_jax.hpo.lifecycle import Lifecycle, MemberSpec, Schedule, stream
+from scamp_jax.hpo.lifecycle import (
+    Lifecycle,
+    MemberSpec,
+    Schedule,
+    abstract_batch,
+    share_bytes,
+    stream,
+)
 from scamp_jax.hpo.trial import OPTIMIZER_KEYS, RunResult, TrialStatus
 from scamp_jax.hpo.trial import TrialOutOfMemory as TrialOutOfMemory
 from scamp_jax.hpo.trial import is_oom_error as is_oom_error
@@ -86,10 +93,7 @@ class RunSpec:
 
     def share_bytes(self) -> int:
         """The bytes per device this trial may hold (see ``booked_bytes``)."""
-        if self.booked_bytes is not None:
-            return int(self.booked_bytes)
-        margin = float(getattr(self.plan, "safety_margin", 0.0))
-        return int(self.memory_per_device * (1.0 - margin))
+        return share_bytes(self.booked_bytes, self.memory_per_device, self.plan)
 
 
 #: AdamW's settings where a configuration leaves them out (optax's, with no weight decay).
@@ -290,28 +294,35 @@ class SoloProgram:
         self.spec, self.space, self.task, self.cache = spec, space, task, cache
         self.plan = spec.plan
 
-    def start(self, members: Sequence[MemberSpec], first: int,
-              checkpointers: Sequence[TrialCheckpointer | None]) -> None:
+    def prepare(self, members: Sequence[MemberSpec], first: int) -> None:
         spec, plan, seed = self.spec, self.plan, self.spec.seed
         with jax.set_mesh(plan.mesh):
             self.graphdef = split_model(
                 nnx.eval_shape(lambda: self.space.build(spec.params, nnx.Rngs(seed))))[0]
-        self.step_fn, optimizer = self.cache.get(self.graphdef, plan, self.task.loss_fn,
-                                                 spec.params, spec.grad_reduce)
-        checkpointer = checkpointers[0]
+        self.step_fn, self.optimizer = self.cache.get(self.graphdef, plan, self.task.loss_fn,
+                                                      spec.params, spec.grad_reduce)
+        # Shapes and shardings only until `start`: the step compiles from them.
+        self.state = _initial_state(self.space, spec, self.optimizer, seed, abstract=True)
+        self.batches = stream(_batches(self.task, plan.batch_size, seed, spec.batch_share), first)
+        self._next = next(self.batches)
+        self.batch = abstract_batch(self._next, plan.batch_sharding)
+
+    def start(self, members: Sequence[MemberSpec], first: int,
+              checkpointers: Sequence[TrialCheckpointer | None]) -> None:
+        spec, checkpointer = self.spec, checkpointers[0]
         if first and checkpointer is not None:
             # Resume: restore straight into this placement's shardings (the devices may differ
             # from before); the target is abstract, so the state exists once, never a fresh
             # copy too.
-            target = _initial_state(self.space, spec, optimizer, seed, abstract=True)
+            target = self.state
             _, leaves = checkpointer.restore(jax.tree.leaves(target), first)
             self.state = jax.tree.unflatten(jax.tree.structure(target), leaves)
         else:
-            self.state = _initial_state(self.space, spec, optimizer, seed,
+            self.state = _initial_state(self.space, spec, self.optimizer, spec.seed,
                                         states=self.cache.initial_states,
                                         architecture=self.graphdef)
-        self.batches = stream(_batches(self.task, plan.batch_size, seed, spec.batch_share), first)
-        self.prefetch()
+        self.batch = jax.device_put(self._next, self.plan.batch_sharding)
+        del self._next
 
     def prefetch(self) -> None:
         self.batch = jax.device_put(next(self.batches), self.plan.batch_sharding)

@@ -18,6 +18,7 @@ import atexit
 import contextlib
 import functools
 import gc
+import logging
 import os
 import sys
 import time
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
 
     from scamp_jax.hpo.engine import SearchEngine, SearchResult
     from scamp_jax.hpo.study import OptunaTrialSource, StudyHandle, TrialSource
+
+log = logging.getLogger(__name__)
 
 #: Share of the host's physical memory that CPU devices (which report no limit) split between
 #: them when no ``memory_per_device`` is given.
@@ -330,6 +333,7 @@ def _run_search(space: SearchSpace, task: Task, settings: SearchSettings, **kwar
                 ) -> dict[str, Any]:
     from scamp_jax.distributed.mpi import launched_under_mpi
 
+    kwargs["memory_per_device"] = held_budget(kwargs["devices"], kwargs["memory_per_device"])
     if launched_under_mpi():
         from scamp_jax.distributed.engine import run_search_mpi
 
@@ -415,19 +419,40 @@ def run_study(
     except TypeError as err:
         raise TypeError(f"run_study: {err}; see scamp_jax.SearchSettings for the settings it "
                         "takes") from None
+    from scamp_jax._units import parse_bytes
     from scamp_jax.devices import configure_device_memory
     from scamp_jax.hpo.live import is_terminal
     from scamp_jax.planning import planner
 
-    # Preallocation off before the first device query (it starts JAX's backend); when the caller
-    # already started JAX, configure_for_search at the top of the script is what counts.
-    configure_device_memory()
+    # The allocator's pool set before the first device query (it starts JAX's backend); when
+    # the caller already started JAX, configure_for_search at the top of the script counts.
+    memory = None if memory_per_device is None else parse_bytes(memory_per_device)
+    configure_device_memory(pool_bytes=memory)
     pool = planner.resolve_devices(devices)
-    budget = default_budget(memory_per_device, pool)
+    budget = default_budget(memory, pool)
     return run_search(space, task, config, devices=pool, memory_per_device=budget,
                       live=is_terminal(sys.stdout) if live is None else live,
                       baseline=baseline,
                       title=space.name)
+
+
+def held_budget(devices: Sequence[jax.Device], memory_per_device: int) -> int:
+    """``memory_per_device``, or less where the GPU allocators preallocated smaller pools (the
+    device had less free memory than their limit, `scamp_jax.devices.held_pool_bytes`): plans
+    and the ledger must fit what the allocator really holds. Bytes."""
+    from scamp_jax import devices as device_setup
+
+    preallocated = os.environ.get(device_setup.PREALLOCATE_VAR, "").lower() in ("true", "1")
+    if not preallocated or any(d.platform != "gpu" for d in devices):
+        return memory_per_device  # XLA's GPU client preallocates; nothing else does
+    held = device_setup.held_pool_bytes(devices)
+    # The one region is the limit rounded down to the allocator's 256-byte unit.
+    if held is None or held >= memory_per_device - (1 << 20):
+        return memory_per_device
+    log.warning("the GPU allocator holds a pool of %d bytes, less than the budget of %d: the "
+                "study plans for the pool (another process holds the rest of the GPU)", held,
+                memory_per_device)
+    return held
 
 
 def default_budget(memory_per_device: int | str | None, devices: Sequence[jax.Device]) -> int:
@@ -436,10 +461,10 @@ def default_budget(memory_per_device: int | str | None, devices: Sequence[jax.De
     CPU devices report no memory limit; they split `CPU_MEMORY_SHARE` of the host's physical
     memory equally.
     """
-    from scamp_jax.planning import planner
+    from scamp_jax.planning.budget import Budget
 
     if memory_per_device is not None or any(d.platform != "cpu" for d in devices):
-        return planner.resolve_budget(memory_per_device, devices)
+        return Budget.of_devices(devices, memory_per_device).memory_per_device
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return int(CPU_MEMORY_SHARE * host) // len(devices)
 

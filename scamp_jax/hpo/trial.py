@@ -31,6 +31,11 @@ OPTIMIZER_KEYS = ("learning_rate", "weight_decay", "b1", "b2")
 #: widest group ``fuse="auto"`` plans (the planner may choose fewer).
 AUTO_FUSION_CAP = 8
 _OOM_MARKERS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory", "OOM when allocating")
+#: XLA's GPU autotuner, when it cannot allocate its buffers while a step compiles: "Failed to
+#: get configs for 31 of 120 instructions ... allocate 3.40GiB" (it takes them from the same
+#: pool as the trials, under the same limit).
+_AUTOTUNE_FAILURE = "Failed to get configs"
+_ALLOCATION_WORDS = ("alloc", "memory", "RESOURCE_EXHAUSTED")
 #: Longest reason kept with a trial (the first line of an error, cut).
 _REASON_CHARS = 300
 
@@ -99,6 +104,11 @@ class TrialStatus:
     first_step: int = 0
     #: times the engine restarted the trial on more devices (`scamp_jax.scheduling.elastic`).
     resizes: int = 0
+    #: bytes per device the ledger booked for the trial's (last) run, its group's for a member.
+    booked_bytes: int = 0
+    #: the allocator's peak per device where the trial ran, measured after its first steps and
+    #: at its end (`scamp_jax.hpo.calibration.measure_peak`), bytes; None: nothing reported.
+    measured_peak_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -115,7 +125,9 @@ class RunResult:
     peak per device of an ``oom`` run when known; ``held_bytes`` what the run holds per device at
     most, from its compiled programs (training step + prefetched batch, or evaluation + what
     stays resident), when measured; ``checkpoint`` the directory of the final checkpoint of a
-    complete run; ``resumed_from`` the checkpointed step training restarted from (0: none).
+    complete run; ``resumed_from`` the checkpointed step training restarted from (0: none);
+    ``measured_peak_bytes`` the allocator's peak on the run's devices, bytes (None: nothing
+    reported, as on CPU devices).
     """
 
     number: int
@@ -129,13 +141,17 @@ class RunResult:
     checkpoint: Path | None = None
     resumed_from: int = 0
     held_bytes: int | None = None
+    measured_peak_bytes: int | None = None
 
 
 def is_oom_error(err: BaseException) -> bool:
-    """True for XLA out-of-memory errors (allocation failures at compile or run time)."""
+    """True for XLA out-of-memory errors: allocation failures at run time, and at compile time
+    (the autotuner's "Failed to get configs" when it could not allocate)."""
     if isinstance(err, TrialOutOfMemory | MemoryError):
         return True
     text = f"{type(err).__name__}: {err}"
+    if _AUTOTUNE_FAILURE in text and any(w in text for w in _ALLOCATION_WORDS):
+        return True
     return any(marker in text for marker in _OOM_MARKERS)
 
 

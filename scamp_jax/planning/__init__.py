@@ -1,13 +1,14 @@
 """Planning: what a trial needs and how it is laid out, from compiled programs.
 
-The memory model and its compiles (`memory`), sharding rules (`sharding`), the
-training step (`train_step`), the planner (`planner`: `plan_mesh`) and its cache
-(`plan_cache`), evaluation chunking (`evaluation`) and fused groups (`fusion`).
+The memory of a device (`budget`), the memory model and its compiles (`memory`), sharding
+rules (`sharding`), the training step (`train_step`), the planner (`planner`: `plan_mesh`) and
+its cache (`plan_cache`), evaluation chunking (`evaluation`) and fused groups (`fusion`).
 """
 
 from scamp_jax._lazy import exports as _exports
 
 _NAMES = {
+    **dict.fromkeys(("Budget", "pool_bytes"), "scamp_jax.planning.budget"),
     **dict.fromkeys(("CompileCounter",), "scamp_jax.planning.compile_events"),
     **dict.fromkeys(("ChunkedEvalTask", "EvalPlan", "plan_eval"),
                     "scamp_jax.planning.evaluation"),
@@ -17,7 +18,7 @@ _NAMES = {
                     "scamp_jax.planning.memory"),
     **dict.fromkeys(("PlanCache",), "scamp_jax.planning.plan_cache"),
     **dict.fromkeys(("CompiledStep", "DoesNotFitError", "Plan", "plan_mesh", "min_devices",
-                     "min_devices_plan", "resolve_budget", "resolve_devices"),
+                     "min_devices_plan", "plan_budget", "resolve_devices"),
                     "scamp_jax.planning.planner"),
     **dict.fromkeys(("make_mesh", "param_partition_specs"), "scamp_jax.planning.sharding"),
     **dict.fromkeys(("StepShardings", "abstract_state", "default_loss", "default_optimizer",

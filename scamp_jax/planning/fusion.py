@@ -54,7 +54,6 @@ from scamp_jax.planning.planner import (
     Plan,
     _estimate_record,
     plan_mesh,
-    resolve_budget,
     resolve_devices,
 )
 from scamp_jax.planning.reuse import lowered_fingerprint
@@ -465,9 +464,8 @@ def plan_fusion(
         raise ValueError(f"{max_width=} must be a positive int (the most members in a group)")
     if plan is None:
         devs = resolve_devices(devices)
-        budget = resolve_budget(memory_per_device, devs)
         cap = batch_size if batch_size is not None else max_batch_size
-        plan = plan_mesh(model, sample_batch, devices=devs, memory_per_device=budget,
+        plan = plan_mesh(model, sample_batch, devices=devs, memory_per_device=memory_per_device,
                          optimizer=optimizer, loss_fn=loss_fn, safety_margin=safety_margin,
                          max_batch_size=cap, cache=cache)
     dp = plan.data_parallel

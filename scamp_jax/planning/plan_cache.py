@@ -18,10 +18,11 @@ directory then plans with zero compiles. Two kinds of records live in one SQLite
   and compiles only what they do not decide.
 
 - **allowances**, keyed by platform and device kind: bytes per device that a trial holds beyond
-  what XLA's buffer assignment reports (CUDA context, cuBLAS/cuDNN workspaces), measured on that
-  kind of device (``benchmarks.gpu_suite``: ``peak_bytes_in_use`` less the compiled figure, plus
-  what the driver sees outside the allocator) and added to every plan on it (`resolve_allowance`).
-  CPU devices have none: their allowance is always 0.
+  what XLA's buffer assignment reports (the allocator's rounding, library workspaces), measured
+  on that kind of device (a study's calibration, `scamp_jax.hpo.calibration`: the allocator's
+  ``peak_bytes_in_use`` beyond what the ledger booked; ``benchmarks.gpu_suite``) and added to
+  every plan on it (`resolve_allowance`). Devices whose allocator reports nothing (CPU devices)
+  never learn one, so theirs stays 0.
 
 A key that differs in any part is a different record: nothing is trusted across versions, budgets
 or devices. Writes are single SQLite transactions (``INSERT OR REPLACE``), safe for several
@@ -212,11 +213,6 @@ class PlanCache:
                 f"allowance record needs 'bytes' as a non-negative int (bytes per device), "
                 f"got {allowance!r}"
             )
-        if platform == "cpu" and allowance:
-            raise ValueError(
-                f"CPU devices have no allowance (XLA sees all their memory), got {allowance}; "
-                "store allowances measured on accelerators"
-            )
         text = json.dumps(dict(record), sort_keys=True)
         with self._lock, self._connect() as db:
             db.execute(
@@ -236,9 +232,9 @@ def resolve_allowance(
 ) -> int:
     """Bytes per device a plan on ``devices`` sets aside for memory XLA does not see.
 
-    ``allowance_bytes`` when given; else 0 on CPU devices (XLA's figure is all they use); else the
-    largest allowance stored in ``cache`` for the devices' kinds (0 when none has been measured:
-    the safety margin is then all that covers it).
+    ``allowance_bytes`` when given; else the largest allowance stored in ``cache`` for the
+    devices' kinds (0 when none has been measured, as on CPU devices, whose allocator reports
+    nothing: the safety margin is then all that covers it).
     """
     if allowance_bytes is not None:
         if isinstance(allowance_bytes, bool) or not isinstance(allowance_bytes, int) or (
@@ -246,7 +242,7 @@ def resolve_allowance(
             raise ValueError(f"{allowance_bytes=} must be a non-negative int (bytes per device)")
         return allowance_bytes
     platform = devices[0].platform
-    if platform == "cpu" or cache is None:
+    if cache is None:
         return 0
     found = [cache.get_allowance(platform, str(d.device_kind)) for d in devices]
     return max((int(r["bytes"]) for r in found if r is not None), default=0)

@@ -3,9 +3,10 @@
 ``plan_mesh`` tries model-parallel degrees in increasing order (the divisors of the device
 count); the first degree whose training step fits at one sample per data-parallel group wins, and
 then the largest global batch that fits is found. "Fits" means the compiled per-device peak
-(``scamp_jax.planning.memory``) plus the prefetched next batch is at most
-``memory_per_device * (1 - safety_margin)``; with an ``eval_task``, evaluation (forward pass at
-its planned chunk, optimizer state, prefetched batch) fits too (`Plan.predicted_peak_bytes`).
+(``scamp_jax.planning.memory``) plus the prefetched next batch is at most the budget's
+`scamp_jax.planning.budget.Budget.plan_bytes` (the pool less the safety margin and the
+allowance for memory XLA does not see); with an ``eval_task``, evaluation (forward pass at its
+planned chunk, optimizer state, prefetched batch) fits too (`Plan.predicted_peak_bytes`).
 
 The batch search lets the memory model choose each compile and the compiles decide: it starts at
 the batch the known points predict, or, for a new architecture, at the largest batch an estimate
@@ -45,9 +46,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from scamp_jax import devices as _devices
-from scamp_jax._units import format_bytes, parse_bytes
+from scamp_jax._units import format_bytes
 from scamp_jax.planning import sharding as sh
+from scamp_jax.planning.budget import DEFAULT_SAFETY_MARGIN, Budget
 from scamp_jax.planning.evaluation import EvalCompiler, abstract_eval_inputs, plan_eval
 from scamp_jax.planning.memory import (
     ROUGH_TOLERANCE,
@@ -217,9 +218,14 @@ class Plan:
                           opt_state=self.estimate.opt_state, allowance=self.allowance_bytes)
 
     @property
+    def budget(self) -> Budget:
+        """The budget the plan was made for (pool, margin and allowance per device)."""
+        return Budget(self.memory_per_device, self.safety_margin, self.allowance_bytes)
+
+    @property
     def usable_bytes(self) -> int:
         """Bytes per device that a plan may use: the budget less the safety margin."""
-        return usable_bytes(self.memory_per_device, self.safety_margin)
+        return self.budget.usable_bytes
 
     def describe(self) -> str:
         """A short human-readable table of the plan."""
@@ -289,11 +295,6 @@ class Plan:
         )
 
 
-def usable_bytes(memory_per_device: int, safety_margin: float) -> int:
-    """``floor(memory_per_device * (1 - safety_margin))``, bytes."""
-    return int(memory_per_device * (1.0 - safety_margin))
-
-
 def resolve_devices(devices: Sequence[jax.Device] | int | None) -> tuple[jax.Device, ...]:
     """The device tuple for ``devices``: all JAX devices, the first ``n`` of them, or the list."""
     if devices is None:
@@ -326,29 +327,6 @@ def _check_distinct(devices: Sequence[jax.Device]) -> None:
     ids = [d.id for d in devices]
     if len(set(ids)) != len(ids):
         raise ValueError(f"devices must be distinct, got ids {ids}")
-
-
-def resolve_budget(
-    memory_per_device: int | float | str | None, devices: Sequence[jax.Device]
-) -> int:
-    """Per-device budget in bytes: the argument, or the smallest device limit on accelerators.
-
-    On a GPU (or any device whose allocator reports ``bytes_limit``,
-    `scamp_jax.devices.allocator_stats`) the default is the smallest ``bytes_limit`` of
-    ``devices``; the safety margin is applied on top by the planner.
-    """
-    if memory_per_device is not None:
-        return parse_bytes(memory_per_device)
-    limits = []
-    for d in devices:
-        stats = _devices.allocator_stats(d)
-        if not stats or "bytes_limit" not in stats:
-            raise ValueError(
-                f"memory_per_device is required on {d.platform} devices, which report no memory "
-                "limit; pass it, e.g. plan_mesh(model, batch, memory_per_device='2GiB')"
-            )
-        limits.append(stats["bytes_limit"])
-    return min(limits)
 
 
 def _divisors(n: int) -> list[int]:
@@ -692,19 +670,41 @@ def _local_fit(search: _Search, lo: int, hi: int) -> MemoryModel:
     )
 
 
+def plan_budget(
+    memory_per_device: int | float | str | Budget | None,
+    devices: Sequence[jax.Device],
+    safety_margin: float | None = None,
+    allowance_bytes: int | None = None,
+    cache: PlanCache | None = None,
+) -> Budget:
+    """The `Budget` a plan on ``devices`` fits into (the one place ``plan_mesh`` reads it).
+
+    ``memory_per_device``: a `Budget` (used as it is, its margin and allowance included), bytes
+    or a text like ``"2GiB"``, or None (the devices' ``bytes_limit``). ``safety_margin``: None
+    for the Budget's own, else 0.1. ``allowance_bytes``: None for the Budget's own, or for the
+    allowance stored in ``cache`` for these devices' kind
+    (`scamp_jax.planning.plan_cache.resolve_allowance`).
+    """
+    if isinstance(memory_per_device, Budget):
+        budget = memory_per_device
+        if safety_margin is not None and safety_margin != budget.safety_margin:
+            raise ValueError(
+                f"{safety_margin=} differs from the budget's {budget.safety_margin}; pass the "
+                "margin in the Budget (Budget(..., safety_margin=...)) or leave it out")
+        return budget if allowance_bytes is None else budget.with_allowance(allowance_bytes)
+    margin = DEFAULT_SAFETY_MARGIN if safety_margin is None else safety_margin
+    budget = Budget.of_devices(devices, memory_per_device, safety_margin=margin)
+    # Memory outside XLA's buffer assignment, measured per device kind: booked with the plan.
+    return budget.with_allowance(resolve_allowance(allowance_bytes, devices, cache))
+
+
 def _validate_common(
     model: nnx.Module,
     sample_batch: PyTree,
-    safety_margin: float,
     max_batch_size: int | None,
 ) -> None:
     _check_model(model)
     _check_sample_batch(sample_batch)
-    if not 0.0 <= safety_margin < 1.0:
-        raise ValueError(
-            f"{safety_margin=} must be in [0, 1): it is the fraction of memory_per_device held "
-            "back, e.g. 0.1"
-        )
     if max_batch_size is not None and (
         isinstance(max_batch_size, bool)
         or not isinstance(max_batch_size, int)
@@ -718,10 +718,10 @@ def plan_mesh(
     sample_batch: PyTree,
     *,
     devices: Sequence[jax.Device] | int | None = None,
-    memory_per_device: int | float | str | None = None,
+    memory_per_device: int | float | str | Budget | None = None,
     optimizer: optax.GradientTransformation | None = None,
     loss_fn: LossFn | None = None,
-    safety_margin: float = 0.1,
+    safety_margin: float | None = None,
     max_batch_size: int | None = None,
     model_parallel: int | None = None,
     min_shard_elements: int = sh.MIN_SHARD_ELEMENTS,
@@ -739,12 +739,14 @@ def plan_mesh(
       sample_batch: arrays or ``ShapeDtypeStruct``s shaped ``(B, ...)``; only the per-sample
         shapes and dtypes are used (an array, or a tuple whose first element is the input).
       devices: a list of devices, a count (the first ``n`` of ``jax.devices()``), or None (all).
-      memory_per_device: budget per device, bytes or a string like ``"2GiB"``; default the
-        device's ``bytes_limit`` on GPUs; required on CPU.
+      memory_per_device: budget per device: a `scamp_jax.planning.budget.Budget` (with its
+        margin and allowance), bytes or a string like ``"2GiB"``; default the device's
+        ``bytes_limit`` on GPUs; required on CPU.
       optimizer: optax transformation (default Adam via ``optax.inject_hyperparams``).
       loss_fn: ``loss_fn(model, batch) -> scalar`` (default: mean squared output).
       safety_margin: fraction of ``memory_per_device`` held back (allocator fragmentation,
-        runtime buffers); a plan's compiled peak is at most ``memory_per_device * (1 - margin)``.
+        runtime buffers; None: the Budget's, else 0.1); a plan's compiled peak is at most the
+        budget's ``usable_bytes`` less the allowance (`Budget.plan_bytes`).
       max_batch_size: cap on the global batch (default ``DEFAULT_BATCH_CAP``).
       model_parallel: force this model-parallel degree (must divide the device count).
       min_shard_elements: parameters with fewer elements are replicated.
@@ -798,7 +800,7 @@ def plan_mesh(
     start = time.perf_counter()
     devs = resolve_devices(devices)
     n = len(devs)
-    _validate_common(model, sample_batch, safety_margin, max_batch_size)
+    _validate_common(model, sample_batch, max_batch_size)
     if isinstance(batch_multiple, bool) or not isinstance(batch_multiple, int) or (
             batch_multiple < 1):
         raise ValueError(f"{batch_multiple=} must be a positive int")
@@ -813,11 +815,9 @@ def plan_mesh(
         candidates = [model_parallel]
     else:
         candidates = _divisors(n)
-    budget = resolve_budget(memory_per_device, devs)
-    usable = usable_bytes(budget, safety_margin)
-    # Memory outside XLA's buffer assignment, measured per device kind: what the search may fit.
-    allowance = resolve_allowance(allowance_bytes, devs, cache)
-    usable -= allowance
+    budget = plan_budget(memory_per_device, devs, safety_margin, allowance_bytes, cache)
+    usable, allowance = budget.plan_bytes, budget.allowance_bytes
+    safety_margin = budget.safety_margin
     optimizer = optimizer if optimizer is not None else default_optimizer()
     cap = max_batch_size if max_batch_size is not None else DEFAULT_BATCH_CAP
     if all(cap < n // mp for mp in candidates):
@@ -834,7 +834,8 @@ def plan_mesh(
         identity = device_identity(devs)
         key = cache_key({
             "kind": "plan", "signature": signature, "devices": identity,
-            "memory_per_device": budget, "safety_margin": safety_margin, "cap": cap,
+            "memory_per_device": budget.memory_per_device, "safety_margin": safety_margin,
+            "cap": cap,
             "model_parallel": model_parallel, "min_shard_elements": min_shard_elements,
             "batch_multiple": batch_multiple, "allowance": allowance,
             "eval": None if not eval_groups else {
@@ -845,8 +846,8 @@ def plan_mesh(
         record = cache.get_plan(key)
         if record is not None:
             return _plan_from_record(
-                record, devs, params, opt_state, rest, optimizer, budget, safety_margin,
-                min_shard_elements, start, allowance,
+                record, devs, params, opt_state, rest, optimizer, budget, min_shard_elements,
+                start,
             )
     compiles = 0
     best_need: tuple[int, str] | None = None
@@ -962,7 +963,7 @@ def plan_mesh(
             step_shardings=shardings,
             batch_size=batch,
             peak_bytes_per_device=estimate.peak,
-            memory_per_device=budget,
+            memory_per_device=budget.memory_per_device,
             safety_margin=safety_margin,
             estimate=estimate,
             memory_model=memory_model,
@@ -989,9 +990,10 @@ def plan_mesh(
     raise DoesNotFitError(
         f"{type(model).__name__} does not fit on {n} device(s): it needs at least "
         f"{needed} bytes ({format_bytes(needed)}) per device ({what}) but {usable} bytes "
-        f"({format_bytes(usable)}) are available ({format_bytes(budget)} less a "
-        f"{safety_margin:.0%} margin); use more devices, more memory_per_device, or a smaller "
-        "model",
+        f"({format_bytes(usable)}) are available ({format_bytes(budget.memory_per_device)} "
+        f"less a {safety_margin:.0%} margin"
+        + (f" and a {format_bytes(allowance)} allowance" if allowance else "")
+        + "); use more devices, more memory_per_device, or a smaller model",
         bytes_needed=needed,
         bytes_available=usable,
     )
@@ -1028,11 +1030,9 @@ def _plan_from_record(
     opt_state: PyTree,
     rest: PyTree,
     optimizer: optax.GradientTransformation,
-    budget: int,
-    safety_margin: float,
+    budget: Budget,
     min_shard_elements: int,
     start: float,
-    allowance: int = 0,
 ) -> Plan:
     """A cached plan on ``devs``: mesh and shardings rebuilt from the sharding rules."""
     dp, mp = int(record["data_parallel"]), int(record["model_parallel"])
@@ -1059,8 +1059,8 @@ def _plan_from_record(
         step_shardings=shardings,
         batch_size=int(record["batch_size"]),
         peak_bytes_per_device=estimate.peak,
-        memory_per_device=budget,
-        safety_margin=safety_margin,
+        memory_per_device=budget.memory_per_device,
+        safety_margin=budget.safety_margin,
         estimate=estimate,
         memory_model=memory_model,
         devices=devs,
@@ -1071,7 +1071,7 @@ def _plan_from_record(
         prefetch_bytes=int(record.get("prefetch_bytes", 0)),
         eval_chunk=int(record.get("eval_chunk", 0)),
         eval_peak_bytes=int(record.get("eval_peak_bytes", 0)),
-        allowance_bytes=allowance,
+        allowance_bytes=budget.allowance_bytes,
     )
 
 
@@ -1091,7 +1091,8 @@ def min_devices_plan(
     (with the figures for the largest count) when no count works.
     """
     devs = resolve_devices(devices)
-    budget = resolve_budget(memory_per_device, devs)
+    budget = (memory_per_device if isinstance(memory_per_device, Budget)
+              else Budget.of_devices(devs, memory_per_device).memory_per_device)
     tried = sorted(set(counts)) if counts is not None else list(range(1, len(devs) + 1))
     if not tried or tried[0] < 1 or tried[-1] > len(devs):
         raise ValueError(

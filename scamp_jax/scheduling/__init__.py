@@ -8,8 +8,8 @@ HPO engine and the cluster simulator both drive it, and both form fused groups w
 from scamp_jax._lazy import exports as _exports
 
 _NAMES = {
-    **dict.fromkeys(("PlanOption", "Replan", "SchedulingCore", "Start", "TrialPlan",
-                     "replan_after_oom", "usable_capacity"), "scamp_jax.scheduling.core"),
+    **dict.fromkeys(("PlanOption", "SchedulingCore", "Start", "TrialPlan"),
+                    "scamp_jax.scheduling.core"),
     **dict.fromkeys(("FusionCandidate", "form_groups"), "scamp_jax.scheduling.grouping"),
     **dict.fromkeys(("DeviceOption", "FixedPolicy", "Placement", "PoolSnapshot", "ScampPolicy",
                      "TrialRequest", "check_feasible", "make_policy"),

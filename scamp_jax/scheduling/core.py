@@ -12,16 +12,19 @@ Events (methods), each at a time ``now``:
 - `set_arrivals_pending`: whether more trials may still be planned (False: the last wave).
 - `step_measured`: a running trial's measured seconds per step (its pace).
 - `option_planned`: the plan of a larger device count the core asked for (`PlanOption`).
-- `finished` / `out_of_memory`: a run ended; its devices are free again.
+- `finished`: a run ended (out of memory too: `scamp_jax.hpo.out_of_memory` decides what
+  follows); its devices are free again.
 - `restarted` / `move_back`: a running trial moved to more devices, or back (its restart
-  failed before training); `requeue`: an out-of-memory trial planned again.
+  failed before training); `requeue`: a trial planned again waits with its new plan;
+  `unqueue`: a queued trial leaves the queue to be booked again (the allowance grew).
 
 Actions (from `decide`): `Start` a trial on device ids, `PlanOption` (plan a queued trial on
 more devices before it can start there); from `resizes`: `scamp_jax.scheduling.elastic.Resize`
-decisions; from `out_of_memory`: a `Replan` request (or None: the trial fails).
+decisions.
 
-The pool books each device's **usable** bytes, ``memory_per_device * (1 - safety_margin)``:
-the same share every plan is fitted into, so packed trials never book the safety margin.
+The pool books each device's **usable** bytes (`scamp_jax.planning.budget.Budget.usable_bytes`,
+the budget less its safety margin): the same share every plan is fitted into, so packed trials
+never book the safety margin.
 
 Costs. A trial's predicted seconds are ``steps * flops_per_step / rate``: ``flops_per_step`` from
 the compiled step's ``cost_analysis()`` (per device), ``rate`` the highest FLOP/s any trial was
@@ -37,21 +40,23 @@ trial counts as fully busy (in the last wave, compute-aware sharing then keeps a
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from scamp_jax.planning.budget import Budget
 from scamp_jax.scheduling.costs import resized_seconds, shared_load
 from scamp_jax.scheduling.elastic import (
     Resize,
     RunningTrial,
     TailPlan,
-    TailTrial,
     place_steps,
     resizes,
+    running_tail,
     tail_plan,
 )
+from scamp_jax.scheduling.growth import GrowthOptions
+from scamp_jax.scheduling.pace import Paces, Run
 from scamp_jax.scheduling.placement import (
     DeviceOption,
     Placement,
@@ -73,13 +78,6 @@ MAX_TAIL_QUEUED = 16
 
 #: Most running trials that plan may restart.
 MAX_TAIL_MOVERS = 8
-
-
-def usable_capacity(memory_per_device: int, safety_margin: float) -> int:
-    """Bytes per device the pool books: the budget less the safety margin (what plans fit)."""
-    if not 0 <= safety_margin < 1:
-        raise ValueError(f"safety_margin={safety_margin} must be in [0, 1)")
-    return int(memory_per_device * (1.0 - safety_margin))
 
 
 @dataclass(frozen=True)
@@ -149,28 +147,6 @@ class PlanOption:
     devices: int
 
 
-@dataclass(frozen=True)
-class Replan:
-    """Plan trial ``key`` again after an out-of-memory run: ``devices`` devices and a global
-    batch of at most ``max_batch``."""
-
-    key: int
-    devices: int
-    max_batch: int
-
-
-@dataclass
-class _Running:
-    plan: TrialPlan
-    device_ids: tuple[int, ...]
-    started: float  # this run's start, seconds
-    seconds_per_step: float | None = None
-    step: int = 0  # steps done (of plan.steps) at the last measurement
-    measured_at: float = math.nan
-    training_since: float = math.nan  # when this run's first step began (its start-up ends)
-    predicted_end: float = math.inf  # until measured: when the plan that started it said
-
-
 @dataclass
 class SchedulingCore:
     """Queue, device pool and pace of a study's trials; decisions through ``policy``.
@@ -178,9 +154,8 @@ class SchedulingCore:
     Args:
       policy: `ScampPolicy` or `FixedPolicy` (`scamp_jax.scheduling.placement`).
       devices: devices in the pool.
-      memory_per_device: the budget per device, bytes.
-      safety_margin: fraction of the budget held back for estimation error; the pool books
-        `usable_capacity` per device.
+      budget: the memory of each device (`scamp_jax.planning.budget.Budget`); the pool books
+        its ``usable_bytes`` per device.
       restart_seconds: predicted cost of a restart on more devices, seconds; None: the start-up
         time of the trial's current run.
       peak_flops: FLOP/s one device can attain (data sheet times an attained fraction), or None
@@ -197,8 +172,7 @@ class SchedulingCore:
 
     policy: object
     devices: int
-    memory_per_device: int
-    safety_margin: float = 0.1
+    budget: Budget
     restart_seconds: float | None = None
     peak_flops: float | None = None
     max_running: int | None = None
@@ -212,34 +186,22 @@ class SchedulingCore:
                 or self.max_running < 1):
             raise ValueError(f"max_running={self.max_running!r} must be a positive int or None")
         shared_load(1.0, self.overlap)  # raises on an overlap outside [0, 1]
-        self.capacity = usable_capacity(self.memory_per_device, self.safety_margin)
+        self.capacity = self.budget.usable_bytes
         self.pool = DevicePool([self.capacity] * self.devices)
         # Utilisation is reported against the whole memory, as a device monitor shows it.
-        self.usage = UsageRecorder([self.memory_per_device] * self.devices, t0=0.0)
+        self.usage = UsageRecorder([self.budget.memory_per_device] * self.devices, t0=0.0)
         self._queue: dict[int, TrialPlan] = {}
         self._waiting = RequestQueue()  # the queue's requests, indexed for the policy
-        self._alike: dict[tuple[float | None, int], int] | None = None
-        # The measured running trials per (FLOPs per step, devices), as (start position, key)
-        # sorted, which `_measured_alike` reads; where each is filed; start positions.
-        self._measured: dict[tuple[float | None, int], list[tuple[int, int]]] = {}
-        self._filed: dict[int, tuple[tuple[float | None, int], tuple[int, int]]] = {}
-        self._position: dict[int, int] = {}
-        self._starts = 0
-        self._options: dict[tuple[int, int], TrialPlan] = {}  # planned larger device counts
-        self._asked: set[tuple[int, int]] = set()  # PlanOption sent, no answer yet
-        self._no_grow: set[tuple[int, int]] = set()  # counts whose plan did not fit
-        # Trials with an entry in ``_options`` or ``_no_grow``; the others share their growth
-        # options per (devices, grow bytes) in ``_plain_growth``.
-        self._touched: set[int] = set()
-        self._plain_growth: dict[tuple[int, int], tuple[DeviceOption, ...]] = {}
+        # The running trials, the best rate and the trials measured alike.
+        self.paces = Paces(self.peak_flops)
+        self._running = self.paces.runs
+        self.growth = GrowthOptions(self.devices, self.seconds)  # plans on more devices
         # The last-wave request built per queued trial, with its plan: kept while its cost,
         # busy fraction and options stay the same, so a long queue is not rebuilt per decision.
         self._last_wave: dict[int, tuple[TrialPlan, TrialRequest]] = {}
-        self._running: dict[int, _Running] = {}
         # Predicted end of a trial the tail plan starts or restarts, until it is measured.
         self._expected: dict[int, float] = {}
         self._arrivals_pending = True
-        self._rate: float | None = self.peak_flops  # attainable FLOP/s per device
         self.now = 0.0
 
     # ------------------------------------------------------------------------------- events
@@ -268,69 +230,36 @@ class SchedulingCore:
         """Running trial ``key`` has done ``step`` of its steps at ``seconds_per_step`` (measured
         over this run's training so far); ``training_since``: when its first step began."""
         self._at(now)
-        run = self._running.get(key)
-        if run is None or seconds_per_step <= 0:
-            return
-        if run.seconds_per_step == seconds_per_step and (
-                training_since is None or run.training_since == training_since):
-            # The same pace further on: no rate, busy fraction or alike trial changes.
-            run.step, run.measured_at = step, now
-            return
-        first = run.seconds_per_step is None
-        run.seconds_per_step, run.step, run.measured_at = float(seconds_per_step), step, now
-        if first:  # the trials measured alike change
-            signature = (run.plan.flops_per_step, run.plan.devices)
-            entry = (self._position[key], key)
-            bisect.insort(self._measured.setdefault(signature, []), entry)
-            self._filed[key] = (signature, entry)
-            self._alike = None
-        if training_since is not None:
-            run.training_since = float(training_since)
-        before = self._rate
-        if run.plan.flops_per_step:
-            rate = run.plan.flops_per_step / seconds_per_step
-            self._rate = rate if self._rate is None else max(self._rate, rate)
-        # Other trials' busy fractions change only with the best measured rate.
-        self._rebook_busy(None if self._rate != before else (key,))
+        changed = self.paces.step_measured(now, key, step, seconds_per_step, training_since)
+        if changed is not None:  # other busy fractions change only with the best rate
+            self._rebook_busy(None if changed else (key,))
 
     def option_planned(self, key: int, devices: int, plan: TrialPlan | None) -> None:
         """The plan of queued trial ``key`` on ``devices`` devices (None: it does not fit, the
         option is withdrawn)."""
-        self._asked.discard((key, devices))
-        self._touched.add(key)
-        if plan is None or plan.devices != devices:
-            self._no_grow.add((key, devices))
-        else:
-            self._options[(key, devices)] = plan
+        self.growth.answered(key, devices, plan)
 
     def finished(self, now: float, key: int) -> None:
         """Trial ``key``'s run ended (any state but a restart); its devices are free."""
         self._at(now)
         if self._running.pop(key, None) is not None:
-            self._unfile(key)
+            self.paces.unfile(key)
         self._expected.pop(key, None)
         self.pool.release(key)
         self.usage.finish(now, key)
 
-    def out_of_memory(self, now: float, key: int, bytes_needed: int | None, *,
-                      min_batch: int = 1, may_grow: bool = True) -> Replan | None:
-        """Trial ``key`` ran out of memory; free its devices and say how to plan it again.
-
-        With the measured peak ``bytes_needed`` (per device, bytes) the next batch cap scales
-        the failed batch by ``usable / bytes_needed`` (the peak grows at most linearly in the
-        batch, so this fits if anything does), and at most half of it; without it, half. A cap
-        below ``min_batch`` or the data-parallel degree moves the same batch to twice the
-        devices (``may_grow``, within the pool). None: no such plan (the trial fails).
-        """
-        plan = self._running[key].plan
-        self.finished(now, key)
-        return replan_after_oom(plan, bytes_needed, self.capacity, devices=self.devices,
-                                min_batch=min_batch, may_grow=may_grow)
-
     def requeue(self, now: float, plan: TrialPlan) -> None:
         """A re-planned trial waits again (its arrival kept)."""
-        self._options = {k: v for k, v in self._options.items() if k[0] != plan.key}
+        self.growth.forget(plan.key)
         self.planned(now, plan)
+
+    def unqueue(self, now: float, key: int) -> TrialPlan:
+        """Queued trial ``key`` leaves the queue (to be booked or planned again); its plan."""
+        self._at(now)
+        plan = self._queue.pop(key)
+        self._waiting.remove(key)
+        self._last_wave.pop(key, None)
+        return plan
 
     def restarted(self, now: float, key: int, device_ids: Sequence[int], plan: TrialPlan) -> bool:
         """Book running trial ``key`` on ``device_ids`` with ``plan`` (a restart on more
@@ -346,15 +275,14 @@ class SchedulingCore:
             self.withdraw(key, plan.devices)
             return False
         self.usage.move(now, placement, plan.bytes_per_device)
-        self._running[key] = _Running(plan, placement.device_ids, now,
+        self._running[key] = Run(plan, placement.device_ids, now,
                                       predicted_end=self._expected.pop(key, math.inf))
-        self._unfile(key)
+        self.paces.unfile(key)
         return True
 
     def withdraw(self, key: int, devices: int) -> None:
         """Never offer trial ``key`` on ``devices`` devices again (its plan failed there)."""
-        self._no_grow.add((key, devices))
-        self._touched.add(key)
+        self.growth.refuse(key, devices)
 
     # ------------------------------------------------------------------------------ queries
     @property
@@ -378,53 +306,12 @@ class SchedulingCore:
         return self.pool.snapshot()
 
     def seconds(self, plan: TrialPlan) -> float | None:
-        """Predicted solo seconds of ``plan`` (None without FLOPs)."""
-        if not plan.flops_per_step:
-            return None
-        # Before the first measurement: the same FLOPs per second for all, so the order of
-        # trials (all a policy compares) is already right; the unit is not.
-        return plan.steps * plan.flops_per_step / (self._rate or 1.0)
+        """Predicted solo seconds of ``plan`` (None without FLOPs; `Paces.seconds`)."""
+        return self.paces.seconds(plan)
 
     def busy_fraction(self, key: int) -> float | None:
         """Measured busy fraction of running trial ``key`` (None: not measured yet)."""
-        run = self._running.get(key)
-        if (run is None or run.seconds_per_step is None or not run.plan.flops_per_step
-                or self._rate is None):
-            return None
-        return min(1.0, run.plan.flops_per_step / self._rate / run.seconds_per_step)
-
-    def _measured_alike(self) -> dict[tuple[float | None, int], int]:
-        """Per (FLOPs per step, devices): the first running trial (in start order) measured
-        with them, for the busy fractions of queued trials (kept until a run starts its
-        measurements, restarts or ends)."""
-        if self._alike is None:
-            self._alike = {signature: entries[0][1]
-                           for signature, entries in self._measured.items()}
-        return self._alike
-
-    def _unfile(self, key: int) -> None:
-        """Running trial ``key`` ended or restarted: it is no longer measured as it was."""
-        self._alike = None
-        held = self._filed.pop(key, None)
-        if held is not None:
-            signature, entry = held
-            entries = self._measured[signature]
-            del entries[bisect.bisect_left(entries, entry)]
-            if not entries:
-                del self._measured[signature]
-
-    def _predicted_busy(self, plan: TrialPlan,
-                        alike: Mapping[tuple[float | None, int], int] | None = None
-                        ) -> float | None:
-        # A trial's busy fraction: its own measurement while it runs; queued, what a running
-        # trial of the same FLOPs per step on as many devices was measured at. Else unknown
-        # (None).
-        if plan.key in self._running:
-            return self.busy_fraction(plan.key)
-        if alike is None:
-            alike = self._measured_alike()
-        key = alike.get((plan.flops_per_step, plan.devices))
-        return None if key is None else self.busy_fraction(key)
+        return self.paces.busy_fraction(key)
 
     def _request(self, plan: TrialPlan, options: tuple[DeviceOption, ...] = (),
                  alike: Mapping[tuple[float | None, int], int] | None = None) -> TrialRequest:
@@ -432,7 +319,7 @@ class SchedulingCore:
         # wave joins only trials measured to leave compute spare.
         return TrialRequest(plan.key, plan.devices, plan.bytes_per_device, plan.arrival,
                             seconds=self.seconds(plan), options=options,
-                            busy_fraction=self._load(self._predicted_busy(plan, alike)))
+                            busy_fraction=self._load(self.paces.predicted_busy(plan, alike)))
 
     def _load(self, busy: float | None) -> float:
         """The busy fraction booked for a measured ``busy`` (None: unknown, fully busy)."""
@@ -442,8 +329,10 @@ class SchedulingCore:
                            alike: Mapping[tuple[float | None, int], int]) -> TrialRequest:
         """`_request` of queued ``plan`` with its growth options; the one built last time
         when it would be equal."""
-        options = self._growth_options(plan)
-        busy = self._predicted_busy(plan, alike)
+        grows = (plan.grow_bytes and not self._arrivals_pending
+                 and isinstance(self.policy, ScampPolicy) and self.policy.elastic)
+        options = self.growth.options(plan) if grows else ()
+        busy = self.paces.predicted_busy(plan, alike)
         held = self._last_wave.get(plan.key)
         if held is not None and held[0] is plan:
             request = held[1]
@@ -466,31 +355,6 @@ class SchedulingCore:
             if abs(old.busy_fraction - busy) > 1e-12:
                 self.pool.rebook_busy(key, busy)
 
-    def _growth_options(self, plan: TrialPlan) -> tuple[DeviceOption, ...]:
-        if (not plan.grow_bytes or self._arrivals_pending
-                or not isinstance(self.policy, ScampPolicy) or not self.policy.elastic):
-            return ()
-        if plan.key not in self._touched:
-            shape = (plan.devices, plan.grow_bytes)
-            shared = self._plain_growth.get(shape)
-            if shared is None:
-                shared = self._plain_growth[shape] = self._growth_of(plan)
-            return shared
-        return self._growth_of(plan)
-
-    def _growth_of(self, plan: TrialPlan) -> tuple[DeviceOption, ...]:
-        options = []
-        n = plan.devices * 2
-        while n <= self.devices:
-            if (plan.key, n) not in self._no_grow:
-                known = self._options.get((plan.key, n))
-                if known is not None:
-                    options.append(DeviceOption(n, known.bytes_per_device, self.seconds(known)))
-                else:  # not planned yet: the usable share bounds its peak; cost unknown
-                    options.append(DeviceOption(n, plan.grow_bytes, None))
-            n *= 2
-        return tuple(options)
-
     # ------------------------------------------------------------------------------ actions
     def decide(self, now: float) -> tuple[Start | PlanOption, ...]:
         """Trials to start now (booked in the pool) and larger plans to ask for.
@@ -508,7 +372,7 @@ class SchedulingCore:
             # with the one measured rate, so their order holds). A start books a fresh request.
             queue = self._waiting
         else:
-            alike = self._measured_alike()
+            alike = self.paces.alike()
             queue = [self._last_wave_request(p, alike) for p in self._queue.values()]
             plan = self._tail_plan(queue, None)
             if plan is not None:  # each on its planned count, without further growth
@@ -528,10 +392,9 @@ class SchedulingCore:
             plan = self._queue[placement.key]
             n = len(placement.device_ids)
             if n != plan.devices and isinstance(self.policy, ScampPolicy):
-                grown = self._options.get((plan.key, n))
+                grown = self.growth.plan(plan.key, n)
                 if grown is None:
-                    if (plan.key, n) not in self._asked:
-                        self._asked.add((plan.key, n))
+                    if self.growth.ask(plan.key, n):
                         actions.append(PlanOption(plan.key, n))
                     continue
                 plan = grown
@@ -544,11 +407,10 @@ class SchedulingCore:
             del self._queue[placement.key]
             self._last_wave.pop(placement.key, None)
             self._waiting.remove(placement.key)
-            self._running[plan.key] = _Running(plan, placement.device_ids, now,
+            self._running[plan.key] = Run(plan, placement.device_ids, now,
                                                predicted_end=self._expected.pop(plan.key,
                                                                                 math.inf))
-            self._position[plan.key] = self._starts
-            self._starts += 1
+            self.paces.started(plan.key)
             actions.append(Start(plan.key, placement.device_ids, plan))
         return tuple(actions)
 
@@ -579,7 +441,8 @@ class SchedulingCore:
                 continue
             views.append(RunningTrial(key, run.device_ids,
                                       self.pool.request_of(key).bytes_per_device,
-                                      self._remaining(run), restart_seconds=self._restart(run)))
+                                      run.remaining(self.now),
+                                      restart_seconds=run.restart(self.restart_seconds)))
         plan = self._tail_plan([], reshapes)
         if plan is not None:
             # The restarts the plan makes now; the others wait for the devices it counts on.
@@ -592,45 +455,26 @@ class SchedulingCore:
                 at, n = plan.restarts.get(view.key, (None, 0))
                 if at is None or at > 0:
                     continue
-                run = self._running[view.key]
                 self._expected[view.key] = now + plan.ends[view.key]
-                steps.append((view, [DeviceOption(
-                    n, run.plan.bytes_per_device,
-                    resized_seconds(view.remaining_seconds, self.busy_fraction(view.key),
-                                    run.plan.data_parallel * run.plan.model_parallel, n)
-                    + view.restart_seconds)]))
+                steps.append((view, [self._restart_option(view, n)]))
             return place_steps(snap.capacity, idle, snap.free, steps)
 
         def options_of(view: RunningTrial) -> tuple[DeviceOption, ...]:
-            key, remaining, restart = view.key, view.remaining_seconds, view.restart_seconds
-            run = self._running[key]
-            devices = run.plan.data_parallel * run.plan.model_parallel
-            busy = self.busy_fraction(key)
-            return tuple(
-                DeviceOption(n, run.plan.bytes_per_device,
-                             resized_seconds(remaining, busy, devices, n) + restart)
-                for n in reshapes[key] if n > len(run.device_ids)
-                and (key, n) not in self._no_grow)
+            return tuple(self._restart_option(view, n) for n in reshapes[view.key]
+                         if n > len(view.device_ids) and not self.growth.refused(view.key, n))
 
         # Options are built only for the trials the rule weighs (the longest running ones).
         return resizes(self.policy, self.pool.snapshot(), views, queue_empty=True,
                        arrivals_pending=False, options_of=options_of)
 
-    def _remaining(self, run: _Running) -> float:
-        """Predicted seconds until measured ``run`` ends where it is: the steps left at its
-        last measurement, less those trained since at its pace."""
-        remaining = run.seconds_per_step * max(0, run.plan.steps - run.step)
-        if not math.isnan(run.measured_at):
-            remaining = max(0.0, remaining - (self.now - run.measured_at))
-        return remaining
-
-    def _restart(self, run: _Running) -> float:
-        """Predicted seconds of a restart of ``run``: ``restart_seconds``, else the start-up
-        of its current run."""
-        if self.restart_seconds is not None:
-            return self.restart_seconds
-        since = run.training_since if not math.isnan(run.training_since) else run.started
-        return max(0.0, since - run.started)
+    def _restart_option(self, view: RunningTrial, devices: int) -> DeviceOption:
+        """Running trial ``view`` restarted on ``devices`` devices: its plan's bytes, and its
+        remaining seconds resized (`scamp_jax.scheduling.costs.resized_seconds`) plus the
+        restart."""
+        plan = self._running[view.key].plan
+        seconds = resized_seconds(view.remaining_seconds, self.busy_fraction(view.key),
+                                  plan.data_parallel * plan.model_parallel, devices)
+        return DeviceOption(devices, plan.bytes_per_device, seconds + view.restart_seconds)
 
     def _tail_plan(self, queue: Sequence[TrialRequest],
                    reshapes: Mapping[int, Sequence[int]] | None) -> TailPlan | None:
@@ -639,12 +483,9 @@ class SchedulingCore:
         a pool of mixed capacities, more trials than `MAX_TAIL_TRIALS` or `MAX_TAIL_QUEUED`
         allow, or more choices than `scamp_jax.scheduling.elastic.tail_plan` weighs.
 
-        ``queue``: the last wave's requests (with growth options). The running trials it may
-        restart are the longest measured ones (ties taken together, at most `MAX_TAIL_MOVERS`),
-        each on the counts ``reshapes`` gives (None: the data-parallel degrees that divide its
-        global batch, as the engine offers), each alone on its devices; every other running
-        trial frees its devices at its predicted end: from its measured pace, else the end
-        this plan predicted when it started or restarted it, else never."""
+        ``queue``: the last wave's requests (with growth options); the running trials it may
+        restart, on the counts ``reshapes`` gives, and when the others free their devices:
+        `scamp_jax.scheduling.elastic.running_tail` (at most `MAX_TAIL_MOVERS` restarts)."""
         policy = self.policy
         if (not isinstance(policy, ScampPolicy) or not policy.elastic
                 or not policy.resize_running or self._arrivals_pending
@@ -653,67 +494,28 @@ class SchedulingCore:
                 or len(set(self.pool.capacity)) != 1):
             return None
         snap = self.pool.snapshot()
-        occupants = snap.occupants
         idle = sum(1 for d in range(self.devices) if snap.is_empty(d) and not snap.exclusive[d])
         capacities = list(snap.capacity)
         queued = []
-        alike = self._measured_alike() if queue else {}
+        alike = self.paces.alike() if queue else {}
         for r in queue:
             c = ScampPolicy._choices(r, capacities, self.devices)
             if c is None or r.exclusive:
                 return None
             # The costs are compute at the best rate; a trial measured alike spends only its
             # busy fraction of a step computing, and on more devices only that part shrinks.
-            busy = self._predicted_busy(self._queue[r.key], alike)
+            busy = self.paces.predicted_busy(self._queue[r.key], alike)
             queued.append((r.key, tuple((o.devices, o.seconds / (busy or 1.0))
                                         for o in c if o.devices <= idle)))
         if sum(c[0][0] if c else idle + 1 for _, c in queued) > idle:
             return None  # not all can start now: the wave is not the last one to place
-        measured = sorted(((self._remaining(run), key) for key, run in self._running.items()
-                           if run.seconds_per_step is not None), reverse=True)
-        movers: list[TailTrial] = []
-        room = MAX_TAIL_MOVERS
-        i = 0
-        while i < len(measured):
-            j = i
-            while j < len(measured) and measured[j][0] == measured[i][0]:
-                j += 1
-            group = []
-            for remaining, key in measured[i:j]:
-                run = self._running[key]
-                if any(occupants[d] != 1 for d in run.device_ids):
-                    continue
-                dp, mp = run.plan.data_parallel, run.plan.model_parallel
-                counts = (reshapes.get(key, ()) if reshapes is not None else
-                          [p * mp for p in range(dp + 1, self.devices // mp + 1)
-                           if run.plan.batch_size % p == 0])
-                counts = tuple(n for n in counts if n > len(run.device_ids)
-                               and (key, n) not in self._no_grow)
-                if counts:
-                    group.append(TailTrial(key, len(run.device_ids), remaining,
-                                           self._restart(run), self.busy_fraction(key),
-                                           dp * mp, counts))
-            if len(movers) + len(group) > room:
-                break
-            movers += group
-            i = j
+        movers, frees = running_tail(
+            self._running, snap.occupants, self.devices, self.now, reshapes,
+            refused=self.growth.refused, busy=self.busy_fraction,
+            restart_seconds=self.restart_seconds, room=MAX_TAIL_MOVERS)
         if not movers and not queued:
             return None
-        moving = {m.key for m in movers}
-        ends: dict[int, float] = {}
-        for key, run in self._running.items():
-            if key in moving:
-                continue
-            end = (self._remaining(run) if run.seconds_per_step is not None
-                   else max(0.0, run.predicted_end - self.now))
-            for d in run.device_ids:
-                ends[d] = max(ends.get(d, 0.0), end)
-        frees: dict[float, int] = {}
-        for end in ends.values():
-            if end < math.inf:
-                frees[end] = frees.get(end, 0) + 1
-        return tail_plan(idle, queued, movers, sorted(frees.items()),
-                         min_gain=policy.min_resize_gain)
+        return tail_plan(idle, queued, movers, frees, min_gain=policy.min_resize_gain)
 
     def still_worth(self, key: int, devices: int) -> bool:
         """Whether restarting running trial ``key`` on ``devices`` devices still saves enough of
@@ -743,28 +545,6 @@ class SchedulingCore:
         placement = Placement(key, tuple(device_ids))
         self.pool.allocate(placement, self._request(plan))
         self.usage.move(now, placement, plan.bytes_per_device)
-        self._running[key] = _Running(plan, placement.device_ids, now)
-        self._unfile(key)
+        self._running[key] = Run(plan, placement.device_ids, now)
+        self.paces.unfile(key)
 
-
-def replan_after_oom(plan: TrialPlan, bytes_needed: int | None, usable_bytes: int, *,
-                     devices: int, min_batch: int = 1, may_grow: bool = True) -> Replan | None:
-    """How to plan ``plan`` again after its run needed ``bytes_needed`` per device (measured;
-    None: unknown) where ``usable_bytes`` were booked, on a pool of ``devices`` devices.
-
-    The next batch cap scales the failed batch by ``usable_bytes / bytes_needed`` (a step's
-    peak grows at most linearly in the batch, so the cap errs small), and is at most half the
-    failed batch; without a measurement, half. A cap below ``min_batch`` or the data-parallel
-    degree moves the same batch to twice the devices (``may_grow``, within the pool). None: no
-    such plan (the trial fails).
-    """
-    batch, dp = plan.batch_size, plan.data_parallel
-    cap = batch // 2
-    if bytes_needed:
-        cap = min(cap, int(batch * usable_bytes / bytes_needed))
-    cap -= cap % dp
-    if cap >= max(dp, min_batch):
-        return Replan(plan.key, plan.devices, cap)
-    if may_grow and plan.devices * 2 <= devices:
-        return Replan(plan.key, plan.devices * 2, batch)
-    return None

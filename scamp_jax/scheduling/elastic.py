@@ -26,9 +26,10 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import combinations_with_replacement, product
+from typing import Any
 
 from scamp_jax.scheduling.costs import resized_seconds
 from scamp_jax.scheduling.placement import DeviceOption, PoolSnapshot, ScampPolicy
@@ -468,3 +469,77 @@ class _TailSearch:
 def _alike(a: TailTrial, b: TailTrial) -> bool:
     return (a.devices, a.remaining, a.restart, a.busy, a.plan_devices, a.counts) == (
         b.devices, b.remaining, b.restart, b.busy, b.plan_devices, b.counts)
+
+
+def running_tail(runs: Mapping[int, Any], occupants: Sequence[int], devices: int, now: float,
+                 reshapes: Mapping[int, Sequence[int]] | None, *,
+                 refused: Callable[[int, int], bool], busy: Callable[[int], float | None],
+                 restart_seconds: float | None, room: int,
+                 ) -> tuple[list[TailTrial], list[tuple[float, int]]]:
+    """The running side of a `tail_plan`: the trials it may restart and when the others free
+    their devices.
+
+    ``runs``: the running trials (`scamp_jax.scheduling.pace.Run`) by key, on a pool of
+    ``devices`` devices with ``occupants`` trials on each, at ``now`` seconds. The movers are
+    the longest measured trials alone on their devices (`longest_movers`, at most ``room``),
+    each on the counts ``reshapes`` gives (None: the data-parallel degrees that divide its
+    global batch) less those ``refused(key, n)``; ``busy(key)`` is a trial's busy fraction.
+    Every other trial frees its devices at its predicted end: from its measured pace, else the
+    end predicted when it started, else never (`freed_devices`)."""
+    measured = sorted(((run.remaining(now), key) for key, run in runs.items()
+                       if run.seconds_per_step is not None), reverse=True)
+
+    def mover(remaining: float, key: int) -> TailTrial | None:
+        run = runs[key]
+        if any(occupants[d] != 1 for d in run.device_ids):
+            return None
+        dp, mp = run.plan.data_parallel, run.plan.model_parallel
+        counts = (reshapes.get(key, ()) if reshapes is not None else
+                  [p * mp for p in range(dp + 1, devices // mp + 1)
+                   if run.plan.batch_size % p == 0])
+        counts = tuple(n for n in counts if n > len(run.device_ids) and not refused(key, n))
+        return TailTrial(key, len(run.device_ids), remaining, run.restart(restart_seconds),
+                         busy(key), dp * mp, counts) if counts else None
+
+    movers = longest_movers(measured, mover, room)
+    moving = {m.key for m in movers}
+    ends = [(run.device_ids, run.remaining(now) if run.seconds_per_step is not None
+             else max(0.0, run.predicted_end - now))
+            for key, run in runs.items() if key not in moving]
+    return movers, freed_devices(ends)
+
+
+def longest_movers(measured: Sequence[tuple[float, int]],
+                   mover: Callable[[float, int], TailTrial | None],
+                   room: int) -> list[TailTrial]:
+    """The running trials a `tail_plan` may restart: from ``measured`` ``(remaining seconds,
+    key)``, longest first, those ``mover`` makes a `TailTrial` of (None: it cannot move),
+    trials of equal remaining time taken together or not at all, at most ``room`` of them."""
+    movers: list[TailTrial] = []
+    i = 0
+    while i < len(measured):
+        j = i
+        while j < len(measured) and measured[j][0] == measured[i][0]:
+            j += 1
+        group = [t for t in (mover(remaining, key) for remaining, key in measured[i:j])
+                 if t is not None]
+        if len(movers) + len(group) > room:
+            break
+        movers += group
+        i = j
+    return movers
+
+
+def freed_devices(ends: Sequence[tuple[Sequence[int], float]]) -> list[tuple[float, int]]:
+    """``[(seconds from now, devices freed then), ...]``, earliest first, from running trials'
+    ``(device ids, predicted end)``: a device is free once the last trial on it ends; one
+    that never ends (``inf``) frees nothing."""
+    last: dict[int, float] = {}
+    for ids, end in ends:
+        for d in ids:
+            last[d] = max(last.get(d, 0.0), end)
+    frees: dict[float, int] = {}
+    for end in last.values():
+        if end < math.inf:
+            frees[end] = frees.get(end, 0) + 1
+    return sorted(frees.items())

@@ -422,6 +422,34 @@ class _FreeIndex:
                 self.blocked[d] = True
                 self.blocked_ids.add(d)
 
+    def reservation_candidates(self, snapshot: PoolSnapshot, head: TrialRequest,
+                               needs_empty: bool) -> Iterable[int]:
+        """Devices among which a reservation for ``head``'s ``head.devices`` best lie: all of
+        them, or, on a pool of one capacity, a superset of the best that is small on a large
+        pool.
+
+        The head did not fit, so fewer than ``k = head.devices`` eligible devices hold its
+        bytes (sharing) or are empty (needing empty devices): those are kept. Among the others
+        the shortfall falls as the free budget rises, so within each occupancy level a device
+        with ``k`` devices of strictly larger budget ahead of it never makes the cut; the
+        devices held by exclusive trials are kept (their shortfall is their used memory)."""
+        capacity = snapshot.capacity
+        n = len(capacity)
+        if n <= 64 or min(capacity) != max(capacity):
+            return range(n)
+        k = head.devices
+        ids = set(self.blocked_ids)
+        ids.update(d for _, d in self.empty)
+        for lst in self.levels.values():
+            if len(lst) <= k:
+                ids.update(d for _, d in lst)
+                continue
+            threshold = lst[-k][0]
+            if not needs_empty:
+                threshold = min(threshold, head.bytes_per_device)
+            ids.update(d for _, d in lst[bisect.bisect_left(lst, (threshold, -1)):])
+        return sorted(ids)
+
 
 @dataclass(frozen=True)
 class ScampPolicy:
@@ -525,7 +553,7 @@ class ScampPolicy:
     ) -> tuple[int, ...]:
         needs_empty = self._needs_empty(head)
         candidates = []
-        for d in self._reservation_candidates(snapshot, index, head, needs_empty):
+        for d in index.reservation_candidates(snapshot, head, needs_empty):
             cap = snapshot.capacity[d]
             if cap < head.bytes_per_device:
                 continue
@@ -538,34 +566,6 @@ class ScampPolicy:
             candidates.append((shortfall, index.occupants[d], d))
         candidates.sort()
         return tuple(d for _, _, d in candidates[: head.devices])
-
-    @staticmethod
-    def _reservation_candidates(snapshot: PoolSnapshot, index: _FreeIndex, head: TrialRequest,
-                                needs_empty: bool) -> Iterable[int]:
-        """Devices among which `_reservation`'s ``head.devices`` best lie: all of them, or, on
-        a pool of one capacity, a superset of the best that is small on a large pool.
-
-        The head did not fit, so fewer than ``k = head.devices`` eligible devices hold its
-        bytes (sharing) or are empty (needing empty devices): those are kept. Among the others
-        the shortfall falls as the free budget rises, so within each occupancy level a device
-        with ``k`` devices of strictly larger budget ahead of it never makes the cut; the
-        devices held by exclusive trials are kept (their shortfall is their used memory)."""
-        capacity = snapshot.capacity
-        n = len(capacity)
-        if n <= 64 or min(capacity) != max(capacity):
-            return range(n)
-        k = head.devices
-        ids = set(index.blocked_ids)
-        ids.update(d for _, d in index.empty)
-        for lst in index.levels.values():
-            if len(lst) <= k:
-                ids.update(d for _, d in lst)
-                continue
-            threshold = lst[-k][0]
-            if not needs_empty:
-                threshold = min(threshold, head.bytes_per_device)
-            ids.update(d for _, d in lst[bisect.bisect_left(lst, (threshold, -1)):])
-        return sorted(ids)
 
     def _order(self, snapshot: PoolSnapshot, by_arrival: list[TrialRequest]
                ) -> list[TrialRequest]:

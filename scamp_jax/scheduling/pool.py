@@ -34,6 +34,9 @@ class DevicePool:
         self._exclusive = [False] * len(self.capacity)
         self._busy = [0.0] * len(self.capacity)
         self._running: dict[int, tuple[Placement, TrialRequest]] = {}
+        #: the most bytes ever booked on each device (the allocator's peak is a high-water
+        #: mark too: `scamp_jax.hpo.calibration` compares the two)
+        self.high_water = [0] * len(self.capacity)
         # (free bytes, id) of the devices no exclusive trial holds, sorted, by occupancy: what a
         # policy's index starts from (`PoolSnapshot.levels`), kept up to date per device.
         self._levels: dict[int, list[tuple[int, int]]] = {
@@ -120,6 +123,7 @@ class DevicePool:
         for d in ids:
             self._unlist(d)
             self._used[d] += request.bytes_per_device
+            self.high_water[d] = max(self.high_water[d], self._used[d])
             self._busy[d] += request.busy_fraction
             self._occupants[d] += 1
             self._exclusive[d] = exclusive

@@ -43,13 +43,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from scamp_jax.planning.budget import Budget
 from scamp_jax.scheduling.core import PlanOption, SchedulingCore, TrialPlan
 from scamp_jax.scheduling.placement import FixedPolicy, ScampPolicy
 
 # Events at one time are applied in this order before the core decides: the engine feeds a
 # plan, then (if it was the last one) the start of the last wave, at the same time stamp.
-_ORDER = {"planned": 0, "requeued": 0, "option": 0, "last_wave": 1, "pace": 2, "restarted": 3,
-          "withdrawn": 3, "moved_back": 3, "placed": 3, "oom": 4, "finished": 4}
+_ORDER = {"unqueued": 0, "planned": 0, "requeued": 0, "option": 0, "last_wave": 1, "pace": 2,
+          "restarted": 3, "withdrawn": 3, "moved_back": 3, "placed": 3, "oom": 4, "finished": 4}
 #: Events that end a run as the core sees it (its devices are free).
 _ENDS = ("oom", "finished")
 
@@ -137,8 +138,8 @@ def replay(results: Mapping[str, Any]) -> list[tuple[int, tuple[int, ...]]]:
     run of ``results`` (a parsed ``results.json``) through `SchedulingCore`: each start and each
     restart or move back on other devices."""
     run = run_section(results)
-    core = SchedulingCore(policy_of(run["policy_parts"]), int(run["pool_devices"]),
-                          int(run["memory_per_device"]), float(run["safety_margin"]),
+    budget = Budget(int(run["memory_per_device"]), float(run["safety_margin"]))
+    core = SchedulingCore(policy_of(run["policy_parts"]), int(run["pool_devices"]), budget,
                           run.get("restart_seconds"), peak_flops=run.get("peak_flops"),
                           max_running=run.get("max_running"),
                           overlap=float(run.get("overlap", 1.0)))
@@ -163,7 +164,8 @@ def replay(results: Mapping[str, Any]) -> list[tuple[int, tuple[int, ...]]]:
         """Schedule ``key``'s next recorded entry at its recorded offset from the one just
         applied at ``now``, unless it waits for the core's decision (a start)."""
         trial = trials[key]
-        if trial.at >= len(trial.timeline) or key in core.queued:
+        if trial.at >= len(trial.timeline) or (
+                key in core.queued and trial.timeline[trial.at][1] != "unqueued"):
             return
         before = trial.timeline[trial.at - 1][0]
         t, kind, data = trial.timeline[trial.at]
@@ -212,13 +214,16 @@ def _apply(core: SchedulingCore, key: int, kind: str, data: tuple[Any, ...], now
         core.planned(now, TrialPlan.from_dict(key, data[0]))
     elif kind == "requeued":
         core.requeue(now, TrialPlan.from_dict(key, data[0]))
+    elif kind == "unqueued":
+        if key in core.queued:
+            core.unqueue(now, key)
     elif kind == "pace":
         step, spu, since = data
         core.step_measured(now, key, step, spu, since)
     elif kind == "finished":
         core.finished(now, key)
     elif kind == "oom":
-        core.out_of_memory(now, key, data[0], min_batch=int(data[1]), may_grow=bool(data[2]))
+        core.finished(now, key)  # what follows (a re-plan) comes as its own events
     elif kind == "withdrawn":
         core.withdraw(key, int(data[0]))
     elif kind == "restarted":

@@ -53,6 +53,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from scamp_jax._units import format_bytes
+from scamp_jax.planning.budget import Budget
 from scamp_jax.scheduling.booking import solo_bytes
 from scamp_jax.scheduling.core import PlanOption, SchedulingCore, Start, TrialPlan
 from scamp_jax.scheduling.costs import COMPUTE_EFFICIENCY, shared_load
@@ -106,6 +107,9 @@ class ClusterModel:
       overlap: how much co-located trials overlap on one device, in [0, 1] (module docstring):
         0 = strict turns (the default, what JAX threads on one GPU mostly do until a GPU
         measurement calibrates it), 1 = free overlap of each other's idle time.
+      allowance_bytes: bytes per device every trial books beyond its compiled figures (the
+        allowance a study learns on this kind of device, `scamp_jax.hpo.calibration`); plans fit
+        the usable bytes less it, as the engine's do.
     """
 
     name: str
@@ -124,6 +128,7 @@ class ClusterModel:
     overlap: float = 0.0
     node_devices: int = 8
     network_bandwidth: float = 12.5 * 10**9
+    allowance_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("devices", "memory_per_device", "peak_flops", "mem_bandwidth",
@@ -166,6 +171,10 @@ class ClusterModel:
         return (f"overlap={self.overlap:g} (0: strict turns, 1: free overlap), "
                 f"planning {self.planning_seconds:g} s per trial, restart "
                 f"{self.restart_seconds:g} s")
+
+    def budget(self, safety_margin: float) -> Budget:
+        """Each device's memory as the engine books it, with ``safety_margin`` held back."""
+        return Budget(self.memory_per_device, safety_margin, self.allowance_bytes)
 
     def with_devices(self, devices: int) -> ClusterModel:
         """The same cluster with ``devices`` accelerators."""
@@ -429,7 +438,7 @@ def simulate(
         raise ValueError("simulate needs at least one trial profile")
     if lookahead is not None and lookahead < 1:
         raise ValueError(f"{lookahead=} must be at least 1 or None (all trials queued at once)")
-    core = SchedulingCore(policy, cluster.devices, cluster.memory_per_device, safety_margin,
+    core = SchedulingCore(policy, cluster.devices, cluster.budget(safety_margin),
                           cluster.restart_seconds,
                           peak_flops=cluster.peak_flops * cluster.compute_efficiency,
                           overlap=cluster.overlap)
@@ -888,17 +897,27 @@ def plan_profiles(
     ``fixed_batch_size`` for every trial (the engine picks the largest batch the largest candidate
     fits). Every trial trains ``samples`` samples.
     """
-    budget = int(cluster.memory_per_device * (1.0 - safety_margin))
+    budget = cluster.budget(safety_margin)
     out = []
     for key, cost in enumerate(costs):
         if isinstance(policy, FixedPolicy):
             if fixed_batch_size is None:
                 raise ValueError("the fixed policy needs fixed_batch_size (one batch for all)")
             profile = cost.profile(key, policy.devices_per_trial, fixed_batch_size, samples)
-        else:
-            profile = cost.planned_profile(key, budget_bytes=budget, samples=samples,
+        else:  # the compiled figures fit the usable bytes less the allowance
+            profile = cost.planned_profile(key, budget_bytes=budget.plan_bytes, samples=samples,
                                            max_batch_size=max_batch_size,
                                            max_devices=max_devices,
                                            batch_multiple=policy.batch_multiple)
-        out.append(profile)
+        out.append(booking_allowance(profile, budget.allowance_bytes))
     return out
+
+
+def booking_allowance(profile: TrialProfile, allowance_bytes: int) -> TrialProfile:
+    """``profile`` (and its alternatives) booking ``allowance_bytes`` more per device, as the
+    engine books a plan with its allowance (`scamp_jax.scheduling.booking.solo_bytes`)."""
+    if not allowance_bytes:
+        return profile
+    return replace(profile, bytes_per_device=profile.bytes_per_device + allowance_bytes,
+                   alternatives=tuple(booking_allowance(a, allowance_bytes)
+                                      for a in profile.alternatives))

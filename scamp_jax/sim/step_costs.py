@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from scamp_jax.planning.budget import Budget
 from scamp_jax.sim.simulator import ClusterModel, StepCostModel
 
 _COLLECTIVE = re.compile(
@@ -186,10 +187,10 @@ def plan_point(
     """
     import jax
 
-    from scamp_jax.planning.planner import plan_mesh, usable_bytes
+    from scamp_jax.planning.planner import plan_mesh
     from scamp_jax.scheduling.booking import booked_bytes
 
-    usable = usable_bytes(memory_per_device, safety_margin)
+    usable = Budget(memory_per_device, safety_margin).usable_bytes
     if cost.planned(usable, max_batch_size, batch_multiple) is not None:
         return cost
     plan = plan_mesh(model, sample_batch, devices=jax.devices()[:cost.model_parallel],
@@ -215,7 +216,7 @@ def fixed_baseline(
     candidate fits there within ``(1 - safety_margin)`` of device memory, capped by
     ``max_batch_size`` and a multiple of the device count (every candidate splits it over its
     data-parallel replicas)."""
-    usable = int(cluster.memory_per_device * (1.0 - safety_margin))
+    usable = cluster.budget(safety_margin).plan_bytes  # less the allowance, as the engine's plans
     k = fixed_devices if fixed_devices is not None else largest.model_parallel
     if k % largest.model_parallel:
         raise ValueError(f"--fixed-devices {k} must be a multiple of the largest candidate's "

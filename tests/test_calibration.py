@@ -1,0 +1,122 @@
+"""Calibration: the allocator's measured peak against the ledger's booking, learnt as an
+allowance that every later plan books (`scamp_jax.hpo.calibration`).
+
+CPU devices report no allocator statistics, so the study-level tests replace the one reader,
+``scamp_jax.devices.allocator_stats`` (a module attribute every caller looks up when it calls
+it), with one that reports a fixed peak: the one fault these tests cannot cause for real.
+Everything else (planning, booking, the runs, the plan cache, ``results.json``) is real.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import jax
+import pytest
+from rich.console import Console
+from test_engine import BUDGET, build, settings, suggest
+from test_runner import Regression
+
+from scamp_jax import devices
+from scamp_jax.hpo.calibration import Calibration, measure_peak, with_allowance
+from scamp_jax.hpo.session import run_search
+from scamp_jax.planning.budget import Budget
+from scamp_jax.planning.plan_cache import PlanCache
+from scamp_jax.planning.planner import plan_mesh
+from scamp_jax.space import SearchSpace
+
+MIB = 2**20
+
+
+def _fixed_reader(peak: int) -> Any:
+    """A stand-in for ``allocator_stats`` on CPU devices: every device reports ``peak``."""
+    return lambda device: {"peak_bytes_in_use": peak, "bytes_in_use": peak // 2}
+
+
+def test_the_peak_is_read_through_the_module_attribute(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = jax.devices()[:2]
+    assert measure_peak(cpu) is None  # CPU devices report nothing
+    reports = {cpu[0].id: {"peak_bytes_in_use": 5 * MIB}, cpu[1].id: {"peak_bytes_in_use": MIB}}
+    monkeypatch.setattr(devices, "allocator_stats", lambda d: reports[d.id])
+    assert measure_peak(cpu) == 5 * MIB
+
+
+def test_an_excess_over_the_booking_grows_the_allowance_and_is_stored(tmp_path) -> None:
+    cache = PlanCache(tmp_path / "plans.sqlite")
+    calibration = Calibration(Budget(64 * MIB, 0.1), cache)
+    assert calibration.allowance_bytes == 0
+    assert not calibration.observe(10 * MIB, 10 * MIB, 0)  # as booked: nothing to learn
+    assert calibration.observe(13 * MIB, 10 * MIB, 0)  # 3 MiB beyond the booking
+    assert calibration.allowance_bytes == 3 * MIB
+    # A booking that carried 3 MiB and was 1 MiB short: the allowance becomes 4 MiB.
+    assert calibration.observe(15 * MIB, 14 * MIB, 3 * MIB)
+    assert calibration.allowance_bytes == 4 * MIB
+    assert not calibration.observe(11 * MIB, 10 * MIB, 0)  # never shrinks
+    assert cache.get_allowance("cpu", "cpu")["bytes"] == 4 * MIB
+    # The next study on this plan cache starts from it.
+    assert Calibration(Budget(64 * MIB, 0.1), cache).allowance_bytes == 4 * MIB
+
+
+def test_a_plan_is_booked_with_the_allowance_or_planned_again() -> None:
+    from flax import nnx
+
+    model = nnx.eval_shape(lambda: build({"width": 16}, nnx.Rngs(0)))
+    plan = plan_mesh(model, Regression().sample_batch(1), devices=1, memory_per_device=BUDGET,
+                     max_batch_size=16, compile_for_run=False)
+    calibration = Calibration(Budget(BUDGET, 0.1))
+    calibration.allowance_bytes = 2 * MIB
+    booked = calibration.refresh(plan)
+    assert booked.allowance_bytes == 2 * MIB
+    assert booked.predicted_peak_bytes == plan.predicted_peak_bytes + 2 * MIB
+    assert with_allowance(booked, 2 * MIB) is booked
+    calibration.allowance_bytes = plan.usable_bytes  # no room left beside it
+    assert calibration.refresh(plan) is None
+
+
+def test_a_study_learns_the_allowance_books_it_later_and_finishes(tmp_path, monkeypatch) -> None:
+    """The reader reports more than any trial books: the first measured trial records it, the
+    device kind's allowance becomes the excess, every trial started after that books it, and
+    every trial completes."""
+    peak = 6 * MIB
+    monkeypatch.setattr(devices, "allocator_stats", _fixed_reader(peak))
+    space = SearchSpace("mlp-calibrated", lambda t: {**suggest(t), "kind": "ok"}, build)
+    run_search(space, Regression(), settings(str(tmp_path), trials=4, max_running_trials=1),
+               devices=jax.devices()[:2], memory_per_device=BUDGET, live=False,
+               console=Console(file=io.StringIO(), width=200))
+    results = json.loads((tmp_path / "results.json").read_text())
+    trials = sorted(results["trials"], key=lambda t: t["started_at"])
+    assert [t["state"] for t in trials] == ["complete"] * 4
+    assert all(t["measured_peak_bytes"] == peak for t in trials)
+    allowance = results["run"]["allowance_bytes"]["cpu"]
+    first = trials[0]
+    assert first["booked_bytes"] < peak
+    assert allowance >= peak - first["booked_bytes"] > 0
+    for later in trials[1:]:  # started after the first had measured: booked with it
+        assert later["booked_bytes"] >= allowance
+        assert later["booked_bytes"] <= results["run"]["usable_bytes_per_device"]
+    stored = PlanCache(tmp_path / "plans.sqlite").get_allowance("cpu", "cpu")
+    assert stored is not None and stored["bytes"] == allowance
+
+
+def test_a_fused_study_learns_from_its_groups_and_finishes(tmp_path, monkeypatch) -> None:
+    """A fused group measures and is calibrated by the same code as a solo trial: its members
+    record the group's booking and the measured peak, and every member completes."""
+    peak = 6 * MIB
+    monkeypatch.setattr(devices, "allocator_stats", _fixed_reader(peak))
+    space = SearchSpace("mlp-fused", lambda t: {**suggest(t), "kind": "ok"}, build)
+    run_search(space, Regression(), settings(str(tmp_path), trials=4, fuse=2,
+                                             max_running_trials=1),
+               devices=jax.devices()[:2], memory_per_device=BUDGET, live=False,
+               console=Console(file=io.StringIO(), width=200))
+    results = json.loads((tmp_path / "results.json").read_text())
+    trials = results["trials"]
+    assert [t["state"] for t in trials] == ["complete"] * 4
+    assert any(t["fused_group"] is not None for t in trials)
+    assert all(t["measured_peak_bytes"] == peak for t in trials)
+    allowance = results["run"]["allowance_bytes"]["cpu"]
+    assert allowance > 0
+    first = min(t["started_at"] for t in trials)
+    later = [t for t in trials if t["started_at"] > first]
+    assert later and all(t["booked_bytes"] >= allowance for t in later)
