@@ -271,11 +271,14 @@ def record_allowance(rows: list[dict[str, Any]], ctx: Context) -> dict[str, Any]
     """The allowance for memory XLA does not see on this device kind, stored in the plan cache.
 
     ``unseen_bytes``: the largest ``peak_bytes_in_use - compiled`` over the runs that did not run
-    out of memory (workspaces and buffers outside XLA's buffer assignment; 0 when XLA
-    over-estimates everywhere); ``context_bytes``: the largest part of the process's device memory
-    outside the allocator's pool (CUDA context, library handles) as the driver reports it (0 when
-    not measurable). ``bytes`` = their sum, what every later plan on this device kind adds
-    (`scamp_jax.planning.plan_cache.resolve_allowance`); the safety margin stays for the rest.
+    out of memory (workspaces, buffers outside XLA's buffer assignment and the allocator's chunk
+    rounding, all inside the pool; 0 when XLA over-estimates everywhere): ``bytes``, what every
+    later plan on this device kind adds (`scamp_jax.planning.plan_cache.resolve_allowance`); the
+    safety margin stays for the rest. ``context_bytes``: the largest part of the process's device
+    memory outside the allocator's pool (CUDA context, library handles) as the driver reports it
+    (0 when not measurable), recorded beside it but not booked: under the allocator policy
+    (`scamp_jax.devices`) the pool is sized with it already left out
+    (`scamp_jax.planning.budget.pool_bytes`), so booking it per trial would count it twice.
     """
     import jax
 
@@ -291,7 +294,7 @@ def record_allowance(rows: list[dict[str, Any]], ctx: Context) -> dict[str, Any]
     outside = [r["outside_allocator_bytes"] for r in rows
                if r.get("outside_allocator_bytes") is not None]
     context = max(outside) if outside else 0
-    record = {"bytes": unseen + context, "unseen_bytes": unseen, "context_bytes": context,
+    record = {"bytes": unseen, "unseen_bytes": unseen, "context_bytes": context,
               "context_measured": bool(outside), "runs": len(ran),
               "jax": jax.__version__, "measured": time.strftime("%Y-%m-%d", time.gmtime())}
     PlanCache(ctx.plan_cache).put_allowance(ctx.platform, ctx.device_kind, record)

@@ -51,6 +51,8 @@ from pathlib import Path
 from typing import Any
 
 SECTIONS = ("memory", "fusion", "packing", "determinism", "supernet", "tests")
+#: Sections whose process only launches others that train on the device.
+LAUNCHING_SECTIONS = frozenset({"memory", "packing", "tests"})
 #: Seconds kept at the end of the suite for the last report and archive.
 RESERVE_SECONDS = 15.0
 #: Seconds a section's process gets after its deadline to stop before it is killed.
@@ -119,7 +121,7 @@ class SuiteConfig:
     #: sections whose process asks for deterministic XLA kernels (their equalities need them);
     #: the others run as the study runs trials.
     deterministic_sections: tuple[str, ...] = ("determinism", "supernet")
-    allocator: str = "grow"  # `benchmarks.gpu_sections.ALLOCATOR_POLICIES`
+    allocator: str = "preallocate"  # `benchmarks.gpu_sections.ALLOCATOR_POLICIES`
     environment_seconds: float = 90.0  # cap of the environment record
     min_section_seconds: float = 15.0  # a section with a smaller cap is not started
     notes: dict[str, str] = field(default_factory=dict)
@@ -194,9 +196,18 @@ def run_section(name: str, cfg: SuiteConfig, out: Path, deadline: float,
         from scamp_jax.pipeline.determinism import use_deterministic_gpu_ops
 
         use_deterministic_gpu_ops()  # before JAX starts
-    from scamp_jax.devices import configure_cpu_devices
+    from scamp_jax import devices as _devices
 
-    configure_cpu_devices(8)  # 8 CPU devices for the rehearsal; preallocation off on GPUs
+    # A section that only launches processes which train (memory cases, the packing study, the
+    # tests) holds no pool of its own on the GPU: its children set theirs by the library's
+    # policy, from the environment as it was before this process started its backend.
+    launcher = name in LAUNCHING_SECTIONS
+    allocator_vars = (_devices.PREALLOCATE_VAR, _devices.MEM_FRACTION_VAR,
+                      _devices.OLD_MEM_FRACTION_VAR)
+    before = {k: os.environ.get(k) for k in allocator_vars}
+    if launcher:
+        _devices.configure_device_memory(preallocate=False)
+    _devices.configure_cpu_devices(8)  # 8 CPU devices for the rehearsal
     try:
         if name == "environment":
             from benchmarks.gpu_env import record_environment
@@ -205,7 +216,13 @@ def run_section(name: str, cfg: SuiteConfig, out: Path, deadline: float,
             rec.body["status"] = "ok"
             rec.save()
             return 0
-        ctx = gpu_sections.make_context(out, deadline, plan_cache)
+        ctx = gpu_sections.make_context(out, deadline, plan_cache)  # starts JAX's backend
+        if launcher:  # XLA has read the variables: the children see the environment as it was
+            for key, value in before.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
         if not ctx.on_cpu:
             cfg = dataclasses.replace(cfg, memory_cases=tuple(
                 dataclasses.replace(c, gpu_skip=f"needs a suite of {c.gpu_min_minutes:g} min")
@@ -414,9 +431,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--archive", type=Path, default=None,
                         help="also pack the results into this .tar.gz (at most 16 MiB) after "
                              "every section, with gpu_suite.json and .md beside it")
-    parser.add_argument("--allocator", default="grow", choices=sorted(ALLOCATOR_POLICIES),
+    parser.add_argument("--allocator", default="preallocate", choices=sorted(ALLOCATOR_POLICIES),
                         help="allocator policy of the memory section's capped runs "
-                             "(default grow: preallocation off, capped at the budget)")
+                             "(default preallocate: the library's policy, `scamp_jax.devices`, the "
+                             "budget taken up front as one region; grow: preallocation off, "
+                             "capped at the budget)")
     parser.add_argument("--plan-cache", type=Path, default=None,
                         help="plan cache (e.g. a study's plans.sqlite) that stores the allowance "
                              "the memory section measures (default: OUT/plans.sqlite)")
