@@ -268,27 +268,46 @@ def _is_oom(err: BaseException) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
 
 
+#: JAX's GPU client reads the allocator's kind from it (``bfc`` by default; ``platform``,
+#: ``cuda_async``, ...): part of an allocator policy.
+ALLOCATOR_VAR = "XLA_PYTHON_CLIENT_ALLOCATOR"
+#: The phases of a measured run after which the allocator's statistics are read.
+PHASES = ("init", "compile", "step 1", "step 2")
+
+
 def measure_real_step(case: Case, devices: int, budget: str | None, *,
                       batch: int | None = None, safety_margin: float = 0.1, fuse: int = 0,
                       cache: str | None = None) -> dict[str, Any]:
     """Two real training steps of ``case`` on its plan's devices, in this process.
 
-    Plans ``case`` (with ``safety_margin``; ``cache``: a plan-cache file, so repeated runs plan
-    without compiling), builds the state directly on the plan's shardings
-    (`scamp_jax.planning.initial_state.init_train_state`: no device holds an unsharded copy), and
-    runs two steps at ``batch`` (default: the plan's). With ``fuse=K`` the same for a fused group
-    sized by `plan_fusion` (the widest group up to ``K`` members, then the largest per-member
-    batch; ``batch``: per member). Returns a JSON-ready dict: ``batch`` (per member when fused),
-    ``width``, ``plan_batch``, ``planned`` (the planner's compiled peak per device at its batch),
-    ``compiled`` (the peak of the step that ran, from ``memory_analysis``), ``peak_in_use`` (the
-    largest ``peak_bytes_in_use`` over the devices after the steps, or None where devices report
-    none, as on CPU), ``bytes_limit`` (None likewise) and ``oom`` (the run ran out of memory;
-    the other measured fields are then None).
+    Plans ``case`` (with ``safety_margin``; ``budget`` None: the case's own budget on CPU, the
+    allocator's limit ``bytes_limit`` on a GPU; ``cache``: a plan-cache file, so repeated runs
+    plan without compiling), builds the state directly on the plan's shardings
+    (`scamp_jax.planning.initial_state.init_train_state`: no device holds an unsharded copy),
+    compiles the step once, and runs two steps at ``batch`` (default: the plan's), placing the
+    next batch on the devices before the second as a trial prefetches it. With ``fuse=K`` the
+    same for a fused group sized by `plan_fusion` (the widest group up to ``K`` members, then the
+    largest per-member batch; ``batch``: per member).
+
+    Returns a JSON-ready dict: ``batch`` (per member when fused), ``width``, ``plan_batch``,
+    ``budget`` (bytes the plan was made for), ``planned`` (the planner's compiled peak per
+    device at its batch, bytes), ``booked`` (what the scheduler books per device for the plan,
+    bytes: `Plan.predicted_peak_bytes`, with ``allowance`` bytes for memory XLA does not see),
+    ``compiled`` (the peak of the step that ran, from
+    ``memory_analysis``, bytes), ``peak_in_use`` (the largest ``peak_bytes_in_use`` over the
+    devices after the steps, bytes, or None where devices report none, as on CPU),
+    ``bytes_limit`` (None likewise), ``phases`` (`scamp_jax.devices.allocator_stats` of the first
+    device after each of `PHASES`, None on CPU), ``allocator_env`` (the allocator's variables as
+    this process saw them) and ``oom`` (the run ran out of memory, in ``oom_phase``; the
+    measured fields are then None).
     """
+    import os
+
     import jax
     import numpy as np
     from flax import nnx
 
+    from scamp_jax import devices as _devices
     from scamp_jax.planning.initial_state import InitialStates, init_train_state
     from scamp_jax.planning.plan_cache import PlanCache
     from scamp_jax.planning.planner import plan_mesh
@@ -296,64 +315,81 @@ def measure_real_step(case: Case, devices: int, budget: str | None, *,
 
     sample = case.sample()
     abstract = nnx.eval_shape(lambda: case.build(nnx.Rngs(0)))
-    plan = plan_mesh(abstract, sample, devices=devices, memory_per_device=budget or case.budget,
+    stats_device = jax.devices()[0]
+    on_cpu = stats_device.platform == "cpu"
+    plan = plan_mesh(abstract, sample, devices=devices,
+                     memory_per_device=budget or (case.budget if on_cpu else None),
                      safety_margin=safety_margin, cache=PlanCache(cache) if cache else None)
     tx = default_optimizer()
+    names = (_devices.PREALLOCATE_VAR, _devices.MEM_FRACTION_VAR, _devices.OLD_MEM_FRACTION_VAR,
+             ALLOCATOR_VAR)
     row: dict[str, Any] = {"model": case.name, "plan_batch": plan.batch_size, "width": 1,
                            "data_parallel": plan.data_parallel,
                            "planned": plan.peak_bytes_per_device,
-                           "budget": plan.memory_per_device, "safety_margin": safety_margin}
+                           "booked": plan.predicted_peak_bytes,
+                           "allowance": plan.allowance_bytes,
+                           "budget": plan.memory_per_device, "safety_margin": safety_margin,
+                           "allocator_env": {n: os.environ.get(n) for n in names}}
+    phases: dict[str, Any] = {}
     rng = np.random.default_rng(0)
     if fuse:
         from scamp_jax.planning.fusion import jit_fused_step, plan_fusion, stack_shardings
 
-        dp = plan.data_parallel
         group = plan_fusion(abstract, sample, max_width=fuse, plan=plan, optimizer=tx,
                             cache=PlanCache(cache) if cache else None)
         width, size = group.width, batch or group.batch_size
-        row.update(width=width, plan_batch=group.batch_size, planned=group.peak_bytes_per_device)
-        graphdef = split_model(abstract)[0]
-        step = jit_fused_step(graphdef, tx, default_loss, plan.step_shardings)
+        row.update(width=width, plan_batch=group.batch_size, planned=group.peak_bytes_per_device,
+                   booked=group.predicted_peak_bytes)
+        step = jit_fused_step(split_model(abstract)[0], tx, default_loss, plan.step_shardings)
         x = rng.normal(size=(width, size, *sample.shape[1:])).astype(sample.dtype)
-        active = np.ones((width,), bool)
+        batch_sharding = stack_shardings(plan.step_shardings).batch
+        active = (np.ones((width,), bool),)
 
-        def run() -> Any:
-            params, opt_state, rest = InitialStates(home_on_cpu=False).make_group(
+        def init() -> tuple[Any, ...]:
+            return InitialStates(home_on_cpu=False).make_group(
                 case.name, case.build, tx, plan.step_shardings, list(range(width)), {})
-            data = jax.device_put(x, stack_shardings(plan.step_shardings).batch)
-            for _ in range(2):
-                params, opt_state, rest, loss = step(params, opt_state, rest, data, active)
-            return loss, step.lower(params, opt_state, rest, data, active)
     else:
         from scamp_jax.planning.train_step import jit_train_step
 
         size = batch or plan.batch_size
         step = jit_train_step(split_model(abstract)[0], tx, default_loss, plan.step_shardings)
         x = rng.normal(size=(size, *sample.shape[1:])).astype(sample.dtype)
+        batch_sharding = plan.batch_sharding
+        active = ()
 
-        def run() -> Any:
-            graphdef, params, opt_state, rest = init_train_state(
-                lambda: case.build(nnx.Rngs(0)), tx, plan.step_shardings)
-            data = jax.device_put(x, plan.batch_sharding)
-            for _ in range(2):
-                params, opt_state, rest, loss = step(params, opt_state, rest, data)
-            return loss, step.lower(params, opt_state, rest, data)
+        def init() -> tuple[Any, ...]:
+            return init_train_state(lambda: case.build(nnx.Rngs(0)), tx,
+                                    plan.step_shardings)[1:]
 
     dp = plan.data_parallel
     if size % dp:
         raise ValueError(f"batch {size} is not a multiple of the plan's data-parallel degree "
                          f"{dp}; use {-(-size // dp) * dp}")
     row["batch"] = size
+    phase = PHASES[0]
     try:
-        loss, lowered = run()
+        state = init()
+        data = jax.device_put(x, batch_sharding)
+        jax.block_until_ready((state, data))
+        phases[phase] = _devices.allocator_stats(stats_device)
+        phase = PHASES[1]
+        compiled = step.lower(*state, data, *active).compile()
+        phases[phase] = _devices.allocator_stats(stats_device)
+        phase = PHASES[2]
+        *state, loss = compiled(*state, data, *active)
         jax.block_until_ready(loss)
+        phases[phase] = _devices.allocator_stats(stats_device)
+        phase = PHASES[3]
+        following = jax.device_put(x[::-1].copy(), batch_sharding)  # the prefetched batch
+        *state, loss = compiled(*state, data, *active)
+        jax.block_until_ready((loss, following))
+        phases[phase] = _devices.allocator_stats(stats_device)
     except Exception as err:  # XlaRuntimeError; RESOURCE_EXHAUSTED is the one expected
         if not _is_oom(err):
             raise
-        return {**row, "oom": True, "compiled": None, "peak_in_use": None, "bytes_limit": None,
+        return {**row, "oom": True, "oom_phase": phase, "phases": phases, "compiled": None,
+                "peak_in_use": None, "bytes_limit": None,
                 "error": str(err).splitlines()[0][:300]}
-    from scamp_jax import devices as _devices
-
     stats = [_devices.allocator_stats(d) for d in plan.devices]
     measured = all(st and "peak_bytes_in_use" in st for st in stats)
     # What the driver sees this process hold on its first device (context, pool, workspaces),
@@ -362,23 +398,32 @@ def measure_real_step(case: Case, devices: int, budget: str | None, *,
     driver = _devices.process_device_bytes(plan.devices[0].id) if measured else None
     pool = first.get("pool_bytes", first.get("bytes_reserved", first.get("bytes_in_use")))
     return {
-        **row, "oom": False,
+        **row, "oom": False, "phases": phases if measured else None,
         "driver_bytes": driver,
         "outside_allocator_bytes": driver - int(pool) if driver is not None and pool else None,
-        "compiled": _peak(lowered.compile().memory_analysis()),
-        "peak_in_use": max(int(st["peak_bytes_in_use"]) for st in stats) if measured else None,
-        "bytes_limit": min(int(st["bytes_limit"]) for st in stats)
+        "compiled": _peak(compiled.memory_analysis()),
+        "peak_in_use": max(st["peak_bytes_in_use"] for st in stats) if measured else None,
+        "bytes_limit": min(st["bytes_limit"] for st in stats)
         if measured and all("bytes_limit" in st for st in stats) else None,
     }
 
 
 def measure_in_child(name: str, devices: int, budget: str | None, *, batch: int | None = None,
                      safety_margin: float = 0.1, fuse: int = 0, cache: str | None = None,
-                     memory_fraction: float | None = None, timeout: float = 600) -> dict[str, Any]:
+                     allocator_env: dict[str, str] | None = None,
+                     timeout: float = 600) -> dict[str, Any]:
     """`measure_real_step` in a fresh process (the allocator's peak counter cannot be reset,
-    and a run out of memory leaves its process in doubt); ``memory_fraction`` caps that
-    process's allocator (`scamp_jax.devices.configure_device_memory`)."""
+    and a run out of memory leaves its process in doubt).
+
+    ``allocator_env``: the allocator's variables for that process
+    (``XLA_PYTHON_CLIENT_PREALLOCATE``, ``XLA_CLIENT_MEM_FRACTION``, `ALLOCATOR_VAR`): with a
+    mapping, the allocator variables of this process are dropped and exactly these set, so that
+    any policy can be measured; None: inherited. The row's ``allocator_env`` says what the
+    child saw. ``timeout``: seconds before the child is killed (`subprocess.TimeoutExpired`).
+    """
     import os
+
+    from scamp_jax.devices import MEM_FRACTION_VAR, OLD_MEM_FRACTION_VAR, PREALLOCATE_VAR
 
     cmd = [sys.executable, "-m", "benchmarks.memory_accuracy", "--child", name,
            "--devices", str(devices), "--safety-margin", str(safety_margin)]
@@ -387,11 +432,10 @@ def measure_in_child(name: str, devices: int, budget: str | None, *, batch: int 
     cmd += ["--fuse", str(fuse)] if fuse else []
     cmd += ["--plan-cache", cache] if cache else []
     env = dict(os.environ)
-    if memory_fraction is not None:
-        from scamp_jax.devices import MEM_FRACTION_VAR, OLD_MEM_FRACTION_VAR
-
-        env.pop(OLD_MEM_FRACTION_VAR, None)
-        env[MEM_FRACTION_VAR] = f"{memory_fraction:.6f}"
+    if allocator_env is not None:
+        for var in (PREALLOCATE_VAR, MEM_FRACTION_VAR, OLD_MEM_FRACTION_VAR, ALLOCATOR_VAR):
+            env.pop(var, None)
+        env.update(allocator_env)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode or not lines:
@@ -486,8 +530,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         row = measure(by_name[name], args.devices, args.memory_per_device, args.fuse)
         if on_gpu:
-            row["measured"] = measure_in_child(name, args.devices,
-                                               args.memory_per_device)["peak_in_use"]
+            row["measured"] = measure_in_child(
+                name, args.devices, args.memory_per_device or by_name[name].budget)["peak_in_use"]
         rows.append(row)
         print(f"# {name}: {row['plan_cpu_seconds']:.1f} CPU s to plan, {row['compiles']} "
               f"compiles; cached {row['cached_cpu_seconds']:.2f} CPU s, "

@@ -18,7 +18,7 @@ cache, `scamp_jax.planning.compile_cache`, or moved) is serialized again (jax 0.
 `compile_lowered`, which remembers those, and `load_on_devices` declines them (the trial
 compiles, or finds its own devices' program in the persistent cache, which keys a CPU program
 by its devices). In the main job a SwinIR step or evaluation chunk loads in 0.4-0.5 s where its
-compile took 1-15 s (BENCHMARKS.md, "The main job"). JAX has no public way to do this:
+compile took 1-15 s (benchmarks/notes/main-job.md). JAX has no public way to do this:
 `jax.experimental.serialize_executable.deserialize_and_load` loads onto the devices the
 executable was compiled for.
 

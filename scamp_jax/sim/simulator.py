@@ -207,7 +207,7 @@ CLUSTER_PRESETS: dict[str, ClusterModel] = {
 #: Attained bytes/s, one direction, of the link between MPI ranks on one CPU host (Open MPI over
 #: shared memory; mpi4jax all-reduce of float32 buffers of 16 MiB and more, 2 and 4 ranks),
 #: fitted by ``python -m benchmarks.mpi_comm --sizes ...`` on this project's 2-core host at a
-#: load average of about 14 (BENCHMARKS.md): the figure the ring model (`comm_seconds`) is
+#: load average of about 14 (benchmarks/notes/mpi.md): the figure the ring model (`comm_seconds`) is
 #: checked with on CPU, not a GPU interconnect's.
 CPU_MPI_LINK_BANDWIDTH: float = 0.098 * GB
 

@@ -1,0 +1,246 @@
+"""The GPU suite's report as Markdown, in the form BENCHMARKS.md's GPU section takes.
+
+One subsection per section, in the suite's order: a heading ``### GPU <section>``, one line
+``Run: DATE, DEVICE, COMMAND, OUT DIR`` (a section cut short at its time cap says so there), one
+table whose header row is `HEADERS`' (the same from run to run), and one paragraph of notes.
+A cell that was not measured reads "not yet measured".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+NOT_YET = "not yet measured"
+
+#: The header row of each section's table (BENCHMARKS.md's GPU section uses the same).
+HEADERS: dict[str, list[str]] = {
+    "memory": ["case", "budget", "planned batch", "compiled peak", "measured peak", "error",
+               "capped run result", "first batch that runs out"],
+    "fusion": ["family", "width", "steady step solo s", "steady step fused s", "steady_speedup",
+               "end-to-end speedup", "compile+planning s", "max first-step relative difference",
+               "noise floor"],
+    "packing": ["family", "trials", "steps", "packed trials/h", "one-at-a-time trials/h",
+                "ratio", "planning s"],
+    "determinism": ["program", "runs", "steps", "same bytes", "deterministic GPU ops",
+                    "seconds"],
+    "supernet": ["schedule", "choices", "stages", "offload", "samples/s", "vs sequential",
+                 "same bytes as sequential", "device weights"],
+    "tests": ["marker", "passed", "failed", "skipped", "seconds"],
+}
+
+
+def _b(x: Any) -> str:
+    from scamp_jax._units import format_bytes
+
+    return NOT_YET if x is None else format_bytes(int(x))
+
+
+def _p(x: Any) -> str:
+    return NOT_YET if x is None else f"{x:+.1f}%"
+
+
+def _f(x: Any, fmt: str = ".2f", unit: str = "") -> str:
+    return NOT_YET if x is None else format(x, fmt) + unit
+
+
+def table(name: str, rows: list[list[str]]) -> list[str]:
+    """A Markdown table under ``HEADERS[name]`` (a row of "not yet measured" when empty)."""
+    head = HEADERS[name]
+    rows = rows or [[NOT_YET] + [""] * (len(head) - 1)]
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+            *("| " + " | ".join(r) + " |" for r in rows), ""]
+
+
+def _run_line(meta: dict[str, Any], sec: dict[str, Any]) -> str:
+    command = meta.get("command", "python -m benchmarks.gpu_suite")
+    line = (f"Run: {meta['started'][:10]}, {meta.get('devices', '?')} x "
+            f"{meta.get('device_kind', '?')}, `{command}`, {meta.get('out', '?')}; "
+            f"{sec.get('seconds', 0):.0f} s of a "
+            f"{sec.get('cap_seconds', 0):.0f} s cap")
+    if sec.get("cut_short"):
+        reasons = sec.get("cut_reasons") or [sec.get("reason", "")]
+        line += "; **cut short**: " + "; ".join(r for r in reasons if r)
+    if sec.get("status") == "failed":
+        line += f"; **failed**: {sec.get('error')}"
+    return line + "."
+
+
+def markdown(report: dict[str, Any], sections: tuple[str, ...]) -> str:
+    """The report as Markdown: a heading with the device, then one subsection per section."""
+    meta = report["meta"]
+    lines = [f"## GPU suite: {meta.get('devices', '?')} x {meta.get('device_kind', '?')} "
+             f"({meta.get('platform', '?')}), {meta.get('minutes', '?')} min, "
+             f"started {meta['started']}", ""]
+    env = meta.get("environment") or {}
+    if env.get("packages"):
+        pk = env["packages"]
+        lines += [f"jax {pk.get('jax', '?')}, flax {pk.get('flax', '?')}, Python "
+                  f"{env.get('python', '?')}; XLA target description: "
+                  f"{env.get('target_config') or env.get('target_config_reason', '-')} "
+                  "(in the archive's environment/).", ""]
+    for name in sections:
+        sec = report.get(name)
+        if sec is None:
+            continue
+        lines += [f"### GPU {name}", "", _run_line(meta, sec), ""]
+        try:
+            body, notes = SECTION_TABLES[name](sec)
+        except (KeyError, TypeError, ZeroDivisionError) as err:  # a partial record
+            body, notes = table(name, []), [f"(table incomplete: {type(err).__name__}: {err})"]
+        lines += body
+        notes = [n for n in notes + [sec.get("note", "")] if n]
+        if notes:
+            lines += [" ".join(n[0].upper() + n[1:].rstrip(".") + "." for n in notes), ""]
+    return "\n".join(lines)
+
+
+def _oom_text(case: dict[str, Any]) -> str:
+    oom = case.get("first_oom_batch")
+    if isinstance(oom, int):
+        return (f"{oom:,} (planned / first {case['planned_over_first_oom']:.2f}; largest that "
+                f"ran {case['largest_ok_batch']:,})")
+    if "largest_ok_batch" in case:
+        return f"none up to {case['largest_ok_batch']:,} ({case['probes']} runs)"
+    if isinstance(oom, str):
+        return oom
+    return f"{NOT_YET} (cut short)" if case.get("cut_short") else NOT_YET
+
+
+def _run_text(r: dict[str, Any]) -> str:
+    if r["oom"]:
+        return f"out of memory in {r.get('oom_phase')} ({(r.get('error') or '')[:80]})"
+    return "ran" if r["point"].endswith("capped") and "uncapped" not in r["point"] else \
+        "ran uncapped"
+
+
+def _memory_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
+    by_case: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in sec.get("rows", []):
+        by_case.setdefault(r["case"], {})[r["point"]] = r
+    rows, booked, pools = [], [], []
+    for label, case in sec.get("cases", {}).items():
+        if case.get("skipped"):
+            rows.append([label, _b(case.get("budget")) if case.get("budget") else "-",
+                         f"{NOT_YET}: {case['skipped']}", "", "", "", "", ""])
+            continue
+        points = by_case.get(label, {})
+        capped, free = points.get("planned, capped"), points.get("planned, uncapped")
+        if capped is None:
+            why = case.get("cut_reason") or case.get("error") or ""
+            rows.append([label, _b(case.get("budget")), f"{NOT_YET} ({why})", "", "", "", "",
+                         ""])
+            continue
+        rows.append([label, _b(case.get("budget")), f"{capped['batch']:,}",
+                     _b(capped["compiled"]), _b(capped["measured"]), _p(capped["error_pct"]),
+                     _run_text(capped), _oom_text(case)])
+        if free is not None:
+            rows.append([f"{label}, uncapped", "XLA's default", f"{free['batch']:,}",
+                         _b(free["compiled"]), _b(free["measured"]), _p(free["error_pct"]),
+                         _run_text(free), ""])
+        if capped.get("booked_vs_measured_pct") is not None:
+            booked.append(f"{label} {_b(capped['booked'])} "
+                          f"({capped['booked_vs_measured_pct']:+.1f}%)")
+        if capped.get("phases"):
+            pools.append(f"{label} " + " / ".join(
+                _b((capped["phases"].get(p) or {}).get("pool_bytes"))
+                for p in ("init", "compile", "step 1", "step 2")))
+    notes = ["Error = (compiled - measured) / measured; planned batch and peaks at the planned, "
+             f"capped run; allocator policy {sec.get('allocator_policy', '?')}"]
+    if booked:
+        notes.append("Booked, vs measured: " + "; ".join(booked))
+    if pools:
+        notes.append("Allocator pool after init / compile / step 1 / step 2: " + "; ".join(pools))
+    probes = sum(1 for r in sec.get("rows", []) if r["point"].startswith("probe"))
+    if probes:
+        notes.append(f"{probes} bisection runs in gpu_suite.json")
+    allowance = sec.get("allowance") or {}
+    if "unseen_bytes" in allowance:
+        notes.append(f"Allowance for memory XLA does not see: {_b(allowance['bytes'])} = "
+                     f"{_b(allowance['unseen_bytes'])} unseen + {_b(allowance['context_bytes'])} "
+                     "outside the allocator")
+    return table("memory", rows), notes
+
+
+def _fusion_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
+    rows = [[r["family"], str(r["width"]), _f(r["steady_step_solo_s"], ".4f"),
+             _f(r["steady_step_fused_s"], ".4f"), _f(r["steady_speedup"], ".2f", "x"),
+             _f(r["end_to_end_speedup"], ".2f", "x") + f" ({r['unfused_seconds']:.1f} vs "
+             f"{r['fused_seconds']:.1f} s)", _f(r["compile_planning_s"], ".1f"),
+             _f(r["max_first_step_rel_diff"], ".1e"), _f(r["noise_floor_first_step"], ".1e")]
+            for r in sec.get("rows", [])]
+    notes = [f"{r['steps']} steps at batch {r['batch']}; fused vs solo final loss, largest "
+             f"relative difference {r['max_final_loss_rel_diff']:.1e} (noise floor, the same "
+             f"trial twice: {r['noise_floor_final_loss']:.1e}); solo steady step from the "
+             f"{r['steady_step_solo_source']}" for r in sec.get("rows", [])]
+    noise = sec.get("noise_floor")
+    if noise and not sec.get("rows"):
+        notes.append(f"Noise floor measured (the same trial twice): first step "
+                     f"{noise['first_loss_rel_diff']:.1e}, final loss "
+                     f"{noise['final_loss_rel_diff']:.1e}")
+    return table("fusion", rows), notes
+
+
+def _packing_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
+    by = {r["policy"]: r for r in sec.get("rows", [])}
+    packed, fixed = by.get("scamp"), by.get("fixed")
+    rows = []
+    if by:
+        first = next(iter(by.values()))
+        ratio = (packed["trials_per_hour"] / fixed["trials_per_hour"]
+                 if packed and fixed and fixed["trials_per_hour"] else None)
+        rows.append(["swinir (smoke)", str(first["trials"]), str(sec.get("steps", NOT_YET)),
+                     _f(packed and packed["trials_per_hour"], ".1f"),
+                     _f(fixed and fixed["trials_per_hour"], ".1f"), _f(ratio, ".2f", "x"),
+                     ", ".join(f"{r['planning_s']:.1f} {w}" for w, r in
+                               (("packed", packed), ("one at a time", fixed))
+                               if r and r.get("planning_s") is not None) or NOT_YET])
+    notes = [f"{r['policy']}: {r['end_to_end_s']:.1f} s end to end, runner compiles "
+             f"{_f(r.get('runner_compile_s'), '.1f', ' s')}, steady "
+             f"{_f(r.get('steady_step_s'), '.4f', ' s/step')}, mean memory use "
+             f"{100 * r['mean_memory_utilization']:.1f}%, peak in use "
+             f"{_b(r.get('peak_bytes_in_use'))}" for r in sec.get("rows", [])]
+    return table("packing", rows), notes
+
+
+def _supernet_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
+    seq = next((r for r in sec.get("rows", []) if r["schedule"] == "sequential"), None)
+    rows = [[r["schedule"], str(r.get("choices", NOT_YET)), str(r["stages"]),
+             "on" if r["offload"] else "off", f"{r['samples_per_second']:.1f}",
+             _f(seq and r["samples_per_second"] / seq["samples_per_second"], ".2f", "x"),
+             NOT_YET if seq is None else ("yes" if r["params_sha256"] == seq["params_sha256"]
+                                          else "no"),
+             _b(r["device_param_bytes"])] for r in sec.get("rows", [])]
+    notes = ["samples/s in steady state (ticks after the first); end to end: " + ", ".join(
+        f"{r['schedule']} offload {'on' if r['offload'] else 'off'} {r['wall_seconds']:.2f} s"
+        for r in sec.get("rows", []))] if sec.get("rows") else []
+    return table("supernet", rows), notes
+
+
+def _determinism_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
+    rows = [[r["what"], "2", str(r["steps"]), "yes" if r["same_bytes"] else "NO",
+             str(sec.get("deterministic_gpu_ops")), f"{r['seconds']:.1f}"]
+            for r in sec.get("rows", [])]
+    notes = [f"{r['what']}: largest relative difference of the final loss "
+             f"{r['max_rel_diff']:.1e}" for r in sec.get("rows", [])]
+    return table("determinism", rows), notes
+
+
+def _tests_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
+    got = sec.get("rows", [])
+    if not got:
+        return table("tests", []), []
+    count = {k: sum(1 for r in got if r["outcome"] in ks)
+             for k, ks in (("passed", ("passed", "xpass")), ("failed", ("failed", "error")),
+                           ("skipped", ("skipped", "xfail")))}
+    rows = [[f"gpu (`pytest -m gpu {' '.join(sec.get('files', []))}`)", str(count["passed"]),
+             str(count["failed"]), str(count["skipped"]),
+             f"{sum(r['seconds'] for r in got):.1f}"]]
+    failed = [r["test"].split("::")[-1] for r in got if r["outcome"] in ("failed", "error")]
+    return table("tests", rows), ([f"Failed: {', '.join(failed)}"] if failed else [])
+
+
+SECTION_TABLES: dict[str, Callable[[dict[str, Any]], tuple[list[str], list[str]]]] = {
+    "memory": _memory_md, "fusion": _fusion_md, "packing": _packing_md,
+    "determinism": _determinism_md, "supernet": _supernet_md, "tests": _tests_md,
+}
