@@ -5,10 +5,13 @@ folder while a study runs, so every compile of the study (planning, the initial 
 evaluation forwards, the runs' steps, on every thread) is looked up there first and written
 there after: a resumed study, a second process or another MPI rank of it compiles nothing
 that one of them compiled before. JAX keys an entry by the lowered program, the XLA options
-of its compile (planning and run grades are separate entries), the devices' platform and
-assignment and the JAX and XLA versions, and stores the executable with its buffer
-assignment: an executable read back answers ``memory_analysis()`` as the compiled one did,
-so a planning compile found there is as good as one made.
+of its compile (planning and run grades are separate entries), the devices' platform, the
+JAX and XLA versions and, on CPU (not on GPUs), the devices' assignment; it stores the
+executable with its buffer assignment: an executable read back answers ``memory_analysis()``
+as the compiled one did, so a planning compile found there is as good as one made. On CPU a
+trial that ran a program compiled for other devices and moved onto its own
+(`scamp_jax.planning.reuse.load_on_devices`) compiled nothing, so nothing was written for its
+devices: a later process's trial there compiles it (an executable read back cannot be moved).
 
 On GPUs JAX keeps XLA's autotuning results in the same folder
 (``xla_gpu_per_fusion_autotune_cache_dir``, `jax_persistent_cache_enable_xla_caches`): a run's
