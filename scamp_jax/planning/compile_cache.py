@@ -15,13 +15,15 @@ devices: a later process's trial there compiles it (an executable read back cann
 
 On GPUs JAX keeps XLA's autotuning results in the same folder
 (``xla_gpu_per_fusion_autotune_cache_dir``, `jax_persistent_cache_enable_xla_caches`): a run's
-step autotunes each fusion once per study, not once per process.
+step autotunes each fusion once per study, not once per process. JAX makes only its process 0
+of a ``jax.distributed`` job write those; MPI ranks of a study are each a process 0, so each
+reads and writes them (per fusion, XLA's own files).
 
-One writer: only the process that owns the study (MPI rank 0) writes entries; the others read
-them and compile what is not there themselves (JAX writes an entry in place, so a second
-writer could hand a reader half a file; with ``filelock`` installed, JAX also takes a lock
-around every read and write, `FILE_LOCK_BYTES`). Every compile is written, however short: a
-resumed study should compile nothing it compiled before.
+One writer of compiled programs: only the process that owns the study (MPI rank 0) writes
+entries; the others read them and compile what is not there themselves (JAX writes an entry in
+place, so a second writer could hand a reader half a file; with ``filelock`` installed, JAX also
+takes a lock around every read and write, `FILE_LOCK_BYTES`). Every compile is written, however
+short: a resumed study should compile nothing it compiled before.
 """
 
 from __future__ import annotations
@@ -51,9 +53,9 @@ def _settings(directory: Path, writer: bool) -> dict[str, Any]:
         "jax_compilation_cache_dir": str(directory),
         "jax_persistent_cache_min_compile_time_secs": 0.0 if writer else _NEVER,
         "jax_persistent_cache_min_entry_size_bytes": -1,  # no size bound
-        # XLA's GPU autotune results beside the executables; a reader does not touch them
-        "jax_persistent_cache_enable_xla_caches": (
-            "xla_gpu_per_fusion_autotune_cache_dir" if writer else ""),
+        # XLA's GPU autotune results beside the executables, for readers too: jax 0.10 hashes
+        # this folder into every entry's key, so a reader without it would find nothing
+        "jax_persistent_cache_enable_xla_caches": "xla_gpu_per_fusion_autotune_cache_dir",
     }
     if importlib.util.find_spec("filelock") is not None:
         settings["jax_compilation_cache_max_size"] = FILE_LOCK_BYTES
