@@ -234,7 +234,7 @@ def run_spanning_trials(
     Args:
       trials: every rank's deferred trials (the same list on every rank).
       space, task: the search space and task.
-      config: the `scamp_jax.hpo.engine.EngineConfig` (steps, budget, checkpointing, seed).
+      config: the `scamp_jax.hpo.settings.EngineConfig` (steps, budget, checkpointing, seed).
       comm: mpi4py communicator of all ranks.
       checkpoint_root: directory of the study's checkpoints (seen by every rank), or None.
       log: where rank 0 prints progress lines.

@@ -83,7 +83,7 @@ class OutOfMemory:
     """The loop's out-of-memory handling for one engine run (see the module doc).
 
     Args:
-      config: the engine's `scamp_jax.hpo.engine.EngineConfig` (``max_replans``,
+      config: the engine's `scamp_jax.hpo.settings.EngineConfig` (``max_replans``,
         ``min_batch_size``, ``policy``).
       core: this run's scheduling core.
       records: this run's `scamp_jax.hpo.engine.TrialRecord` per trial number.

@@ -43,7 +43,7 @@ class PlanningService:
 
     Args:
       space, task: the search space and the task (its sample batch, loss and evaluation).
-      config: the `scamp_jax.hpo.engine.EngineConfig` (budget, margin, batch bounds, policy).
+      config: the `scamp_jax.hpo.settings.EngineConfig` (budget, margin, batch bounds, policy).
       devices: the engine's device pool; a plan on ``n`` devices is made on its first ``n``.
       plan_fn: the planner (``planner.plan_mesh`` signature).
       batch_multiple: the placement policy's batch multiple (ScaMP: so a trial can later grow
