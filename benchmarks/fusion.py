@@ -28,6 +28,9 @@ What the report (``--json``) holds:
   evaluating are not in it. ``steady_cpu_speedup`` is the same ratio of process CPU seconds
   per step (every thread): the work, which other processes on a shared machine change less
   than the wall-clock time;
+- ``step_speedup``: the compiled steps alone, without the runner's host work around them
+  (drawing and stacking batches, dispatch, read-backs): ``K`` solo steps one after another
+  against one fused step, interleaved, ratio of the medians (``step_only``, `step_times`);
 - ``compile_and_planning_seconds``: what each way spends before its first step: planning (the
   member plan; the fused plan's compiles) and each run's start until its first training step
   (compile or load of the step, initial state, memory check);
@@ -267,6 +270,7 @@ def run(family: str, width: int, *, steps: int, batch: int, repeats: int, ray: b
             print(f"repeat {r}: {v:>10} {seconds:7.2f} s wall, {cpu[v][-1]:7.2f} s CPU",
                   flush=True)
     assert fused_result is not None and solo_results is not None
+    step_only = step_times(family, width, batch)
     metric = task.metric
     rows = []
     for i, (cfg, s, _) in enumerate(members):
@@ -286,6 +290,7 @@ def run(family: str, width: int, *, steps: int, batch: int, repeats: int, ray: b
         "steady_speedup": width * solo_step / fused_step,
         "steady_cpu_speedup": width * statistics.median(per_step_cpu["unfused"])
         / statistics.median(per_step_cpu["fused"]),
+        "step_speedup": step_only["step_speedup"], "step_only": step_only,
         "steady": {"log_every": log_every, "solo_step_seconds": _stats(per_step["unfused"]),
                    "fused_step_seconds": _stats(per_step["fused"]),
                    "solo_step_cpu_seconds": _stats(per_step_cpu["unfused"]),
@@ -377,6 +382,74 @@ def simulate(family: str, widths: Sequence[int], batch: int, seed: int = 0) -> d
             "kernels": list(costs.kernels), "gain": gains}
 
 
+def compiled_steps(family: str, width: int, batch: int, seed: int = 0,
+                   ) -> tuple[Any, list[tuple[Any, ...]], Any, tuple[Any, ...]]:
+    """``(solo step, [its arguments per member], fused step, its arguments)``: the members of
+    `member_configs` built from their seeds with their learning rates and one batch each from
+    their own streams, the solo step (`scamp_jax.planning.train_step.make_train_step`) and the
+    fused step of all of them (`scamp_jax.planning.fusion.make_fused_step`) compiled on the
+    default device. Nothing is donated, so the arguments can be used again."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from scamp_jax.hpo.runner import make_optimizer
+    from scamp_jax.planning.fusion import make_fused_step, stack_batches
+    from scamp_jax.planning.initial_state import set_hyperparams
+    from scamp_jax.planning.train_step import make_train_step, split_model
+
+    experiment = _experiment(family)
+    space, task = experiment.make_space_and_task(
+        dataclasses.replace(experiment.get_config("smoke"), seed=seed))
+    members = member_configs(family, width, seed)
+    optimizer = make_optimizer(members[0][0])
+    states = []
+    for cfg, s, _ in members:
+        graphdef, params, rest = split_model(space.build(cfg, nnx.Rngs(s)))
+        hyper = {"learning_rate": cfg["learning_rate"]}
+        states.append((params, set_hyperparams(optimizer.init(params), hyper), rest))
+    batches = [next(task.batches(batch, s)) for _, s, _ in members]
+    solo_args = [(*state, b) for state, b in zip(states, batches, strict=True)]
+    fused_args = (*jax.tree.map(lambda *xs: jnp.stack(xs), *states), stack_batches(batches),
+                  jnp.ones(width, bool))
+    solo = jax.jit(make_train_step(graphdef, optimizer, task.loss_fn)).lower(
+        *solo_args[0]).compile()
+    fused = jax.jit(make_fused_step(graphdef, optimizer, task.loss_fn)).lower(
+        *fused_args).compile()
+    return solo, solo_args, fused, fused_args
+
+
+def step_times(family: str, width: int, batch: int, rounds: int = 5,
+               calls: int = 5) -> dict[str, Any]:
+    """The compiled steps alone (`compiled_steps`), no runner around them: seconds of the
+    ``width`` solo steps one after another against one fused step, in interleaved rounds of
+    ``calls`` timed calls each (wall-clock and process CPU, min and median), and
+    ``step_speedup``, the ratio of the medians (solo steps over fused step)."""
+    import jax
+
+    solo, solo_args, fused, fused_args = compiled_steps(family, width, batch)
+    ways = {"solo": lambda: [solo(*a) for a in solo_args], "fused": lambda: fused(*fused_args)}
+    wall: dict[str, list[float]] = {k: [] for k in ways}
+    cpu: dict[str, list[float]] = {k: [] for k in ways}
+    for f in ways.values():
+        jax.block_until_ready(f())
+    for _ in range(rounds):
+        for name, f in ways.items():
+            for _ in range(calls):
+                t0, c0 = time.perf_counter(), time.process_time()
+                jax.block_until_ready(f())
+                wall[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+    out: dict[str, Any] = {f"{name}_seconds": _stats(wall[name]) for name in ways}
+    out.update({f"{name}_cpu_seconds": _stats(cpu[name]) for name in ways})
+    out["step_speedup"] = out["solo_seconds"]["median"] / out["fused_seconds"]["median"]
+    out["step_cpu_speedup"] = (out["solo_cpu_seconds"]["median"]
+                               / out["fused_cpu_seconds"]["median"])
+    return out
+
+
 def conv_forms(width: int = 4, batch: int = 8, side: int = 24,
                channels: tuple[int, int] = (24, 24),
                rounds: int = 5, calls: int = 7) -> dict[str, dict[str, float]]:
@@ -461,6 +534,13 @@ def _table(report: dict[str, Any], markdown: bool) -> None:
           f"{steady['fused_step_cpu_seconds']['median']:.4f}",
           f"{report['steady_cpu_speedup']:.2f}x", f"{prep['fused']['total_median']:.1f}"]],
         markdown)
+    only = report["step_only"]
+    print(f"compiled steps alone ({k} solo steps one after another against one fused step, "
+          f"medians): {only['solo_seconds']['median']:.4f} s against "
+          f"{only['fused_seconds']['median']:.4f} s wall, step_speedup "
+          f"{report['step_speedup']:.2f}x; CPU {only['solo_cpu_seconds']['median']:.4f} s "
+          f"against {only['fused_cpu_seconds']['median']:.4f} s, "
+          f"{only['step_cpu_speedup']:.2f}x")
     rows = []
     for v in sec:
         rows.append([v, f"{sec[v]['min']:.1f}", f"{sec[v]['median']:.1f}",

@@ -13,8 +13,8 @@ step's form (`scamp_jax.planning.member_ops.member_program` under ``jax.vmap``) 
 ``--trial``: the members of `benchmarks.fusion` (log-spaced learning rates, the study's seeds;
 at least 5 of them) trained for a whole trial four ways with the project's runners: solo
 (`scamp_jax.hpo.runner.run_trial`), solo again (is the solo run deterministic?), solo with one
-parameter one float32 ulp away at initialisation (the first element of the model's first
-parameter, nudged up: a rounding-sized change made once), and fused
+weight one float32 ulp away at initialisation (`nudged`: a rounding-sized change made once),
+and fused
 (`scamp_jax.hpo.fused_runner.run_fused_group`). Per member it reports the final loss and the
 held-out metric of each; the **fused gap** is ``|fused - solo|`` and the **noise floor** is
 ``|ulp - solo|``, the spread a last-bit perturbation of the solo run alone produces. A fused
@@ -99,18 +99,22 @@ def op_check(width: int = 4) -> dict[str, dict[str, tuple[float, float]]]:
 
 
 def nudged(space: Any) -> Any:
-    """``space`` whose models start with the first element of their first parameter (in the
-    order of ``nnx.state``'s paths) one float32 ulp larger: a rounding-sized perturbation."""
+    """``space`` whose models start with one weight one float32 ulp larger: a rounding-sized
+    perturbation. The weight is the largest in magnitude of the model's first ``kernel`` (in
+    the order of ``nnx.state``'s paths), so never a 0 whose next float32, a denormal, a CPU
+    flushes back to 0."""
     import jax.numpy as jnp
     from flax import nnx
 
     def build(config: Any, rngs: nnx.Rngs) -> nnx.Module:
         model = space.build(config, rngs)
-        _, var = next(iter(nnx.to_flat_state(nnx.state(model, nnx.Param))))
+        var = next(v for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+                   if path[-1] == "kernel")
         value = var.get_value()
-        first = (0,) * value.ndim
-        var.set_value(value.at[first].set(jnp.nextafter(value[first],
-                                                        jnp.asarray(jnp.inf, value.dtype))))
+        flat = value.reshape(-1)
+        at = jnp.argmax(jnp.abs(flat))
+        up = jnp.nextafter(flat[at], jnp.asarray(jnp.inf, value.dtype))
+        var.set_value(flat.at[at].set(up).reshape(value.shape))
         return model
 
     return dataclasses.replace(space, build=build)
