@@ -140,6 +140,10 @@ def run(family: str, width: int, *, steps: int, batch: int, repeats: int, ray: b
     """Measure the variants; returns the JSON-ready report (see the module docstring)."""
     import dataclasses
 
+    if steps < 3:
+        raise SystemExit(f"--steps {steps}: the steady state is timed between the second and "
+                         "later loss read-backs, so a trial needs at least 3 steps")
+
     import jax
     from flax import nnx
 

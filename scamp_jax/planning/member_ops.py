@@ -7,10 +7,13 @@ with per-member weights (every convolution of the training step, forward and bac
 per-member operand) JAX's batching rule (``_conv_general_dilated_batch_rule`` in
 ``jax/_src/lax/convolution.py``) folds the member axis into the feature axis and makes one
 *grouped* convolution (``feature_group_count = K``). That is one kernel on a GPU, but on
-XLA:CPU a grouped convolution is a slow path, and it needs the activations transposed to
-put the member axis beside the features and back (measured on 2 CPU cores, a 3x3 convolution
-24 -> 24 channels on 8 images of 24x24, forward and backward, 4 members: about 8x slower than
-the 4 convolutions of the members one after another; ``benchmarks/notes/fusion.md``).
+XLA:CPU a grouped convolution is a slow path, and it needs the activations transposed to put
+the member axis beside the features and back. On 2 CPU cores a 3x3 convolution 24 -> 24
+channels on 8 images of 24x24 per member, forward and backward, 4 members, took 2.7x the
+wall-clock time (median) of the members' 4 convolutions one after another; in the fused SwinIR
+step grouped convolutions held 64 of 177 ms of op time, where the 4 solo steps' convolutions
+held 22 of 146 (``python -m benchmarks.fusion --conv``, ``python -m benchmarks.fusion_profile
+--conv-form grouped``; ``benchmarks/notes/fusion.md``).
 
 `member_program` rewrites a member's function so that, under ``jax.vmap`` over members, each
 convolution with a per-member operand runs as:
@@ -27,6 +30,8 @@ convolution with a per-member operand runs as:
 Everything else in the step is batched by ``jax.vmap`` as before. The rewrite works on the
 step's jaxpr (``jax.make_jaxpr``), after differentiation, so the backward convolutions (input
 and weight gradients) are rewritten like the forward ones and the model code is untouched.
+Convolutions at the top level and inside nested ``jit`` calls are rewritten; one inside another
+higher-order primitive (``scan``, ``cond``, ``remat``) keeps ``jax.vmap``'s rule.
 
 The environment variable ``SCAMP_FUSED_CONVOLUTIONS`` (read when a program is traced) overrides
 the choice, to measure both forms on one platform: ``per_member`` or ``grouped`` everywhere,
