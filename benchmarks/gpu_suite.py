@@ -167,7 +167,7 @@ CPU_SMOKE = SuiteConfig(
     memory_parallel=2, memory_child_seconds=10,
     oom_probes=0, oom_growth=1.25, oom_resolution=0.02,
     packing_trials=2, packing_steps=1, packing_least_seconds=10,
-    fusion_family="vit", fusion_width=2, fusion_steps=2, fusion_batch=4,
+    fusion_family="vit", fusion_width=2, fusion_steps=3, fusion_batch=4,
     fusion_least_seconds=5,
     supernet_choices=2, supernet_subnets=4, supernet_max_stages=2, supernet_least_seconds=5,
     trial_steps=2,

@@ -101,7 +101,9 @@ def test_what_a_plan_without_the_gpu_needs_is_recorded(smoke: dict) -> None:
     assert env["status"] == "ok" and env["packages"]["jax"] and env["python"]
     assert env["target_config"] is None and "no XLA target" in env["target_config_reason"]
     files = {p.name for p in (smoke["out"] / "environment").iterdir()}
-    assert {"environment.json", "topology.pb", "jax_environment.txt"} <= files
+    assert {"environment.json", "jax_environment.txt"} <= files
+    # The serialized topology, or why this JAX could not serialize it (jax 0.10 on CPU).
+    assert ("topology.pb" in files) != ("topology_error" in env), env.get("topology_error")
 
 
 def test_results_come_back_as_one_small_archive(smoke: dict) -> None:
