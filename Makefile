@@ -1,5 +1,6 @@
-# Two entry points for a fresh machine; both create .venv in the checkout first.
-.PHONY: run test test-all lint docs
+# Two entry points for a fresh machine; both create .venv in the checkout first
+# (scripts/setup.sh: Python 3.12+ when one is installed).
+.PHONY: run test test-all test-oldest lint docs
 
 run:
 	scripts/setup.sh run
@@ -12,6 +13,17 @@ test:
 test-all:
 	scripts/setup.sh test
 	.venv/bin/python -m pytest -m "not gpu"
+
+# The lower-bound run: the oldest releases pyproject.toml declares (.ci/minimum-versions.txt) on
+# Python 3.11, in .venv-oldest, through the planner, memory, runner, CSP, study-storage and MPI
+# tests, the initial states' compile (its cheaper CPU options keep values there) and the SwinIR
+# parity tests (PyTorch's CPU build is installable there).
+LOWER_BOUND_TESTS = tests/test_planner.py tests/test_memory.py tests/test_runner.py \
+	tests/test_csp.py tests/test_study.py tests/test_mpi_local.py tests/test_mpi_runs.py \
+	tests/test_reuse.py tests/test_swinir_parity.py tests/test_packaging.py
+test-oldest:
+	scripts/setup.sh oldest
+	.venv-oldest/bin/python -m pytest $(LOWER_BOUND_TESTS)
 
 lint:
 	.venv/bin/ruff check scamp_jax search_spaces experiments benchmarks tests examples

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -32,3 +33,15 @@ def require_module(name: str, reason: str) -> ModuleType:
     except ImportError:
         unavailable(reason)
         raise
+
+
+def shared_data(name: str) -> Path:
+    """The data set ``name`` (a directory) in ``$SCAMP_DATA``, else in ``shared/data`` beside the
+    checkout; skips the test where it is absent, in CI too (a data set is not a package that the
+    CI set-up installs: a fresh clone elsewhere has none)."""
+    beside = Path(__file__).resolve().parents[2] / "shared" / "data"
+    root = Path(os.environ.get("SCAMP_DATA", beside))
+    path = root / name
+    if not path.is_dir():
+        pytest.skip(f"{name} not found at {path}: set SCAMP_DATA to the folder that holds it")
+    return path

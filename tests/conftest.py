@@ -1,11 +1,30 @@
-"""Test setup: eight CPU devices before JAX initialises, and the project's markers."""
+"""Test setup: eight CPU devices before JAX initialises, the project's markers, and a header
+line naming the Python and the releases of the stack under test."""
 
 from __future__ import annotations
 
 import os
+import platform
+from importlib import metadata
 
 # Must run before JAX initialises a backend: every test sees a pool of 8 CPU devices.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+
+# The distributions whose releases decide whether the suite passes (see BUILD.md's install
+# section); a missing optional one is reported as such.
+_STACK = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "optuna", "numpy", "mpi4py",
+          "mpi4jax", "torch")
+
+
+def pytest_report_header() -> str:
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    releases = ", ".join(f"{name} {version(name)}" for name in _STACK)
+    return f"stack: Python {platform.python_version()}, {releases}"

@@ -201,7 +201,9 @@ def test_run_search_writes_results_plots_and_best_model(tmp_path):
                       memory_per_device=BUDGET, live=False, baseline="zero_mse",
                       console=Console(file=out, width=200))
     assert frozen and min(frozen) > before
-    assert gc.get_freeze_count() == before == 0  # given back to the collector at the end
+    # given back to the collector at the end (Python 3.12.1 starts with objects already in
+    # the permanent generation: `before` need not be 0, and gc.unfreeze releases those too)
+    assert gc.get_freeze_count() == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert len(results["trials"]) == 3
     row = results["trials"][0]

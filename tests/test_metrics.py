@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
-from _requirements import unavailable
+from _requirements import shared_data
 from skimage.metrics import structural_similarity
 
 from search_spaces import metrics, sr_data
-
-SET5 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "set5"
 
 
 def test_rgb_to_y_bt601_range():
@@ -73,10 +70,9 @@ def test_metric_errors_name_the_problem():
 
 def test_set5_bicubic_x2_baseline():
     """Bicubic x2 on Set5 (MATLAB-made LR, our upscaling): literature 33.66-33.69 dB."""
-    if not SET5.is_dir():
-        unavailable(f"Set5 benchmark not found at {SET5} (the shared data beside the checkout)")
-    hrs = sr_data.load_image_dir(SET5 / "HR")
-    lrs = sr_data.load_image_dir(SET5 / "LR_bicubic_X2")
+    set5 = shared_data("set5")
+    hrs = sr_data.load_image_dir(set5 / "HR")
+    lrs = sr_data.load_image_dir(set5 / "LR_bicubic_X2")
     psnr, ssim = [], []
     for hr, lr in zip(hrs, lrs, strict=True):
         hr = sr_data.crop_to_multiple(hr, 2)

@@ -4,6 +4,7 @@ of the training step, launch command and install hints (no MPI process is starte
 from __future__ import annotations
 
 import builtins
+import json
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _requirements import require_module, unavailable
 from flax import nnx
 
 from scamp_jax.distributed import mpi as mpi_module
@@ -105,6 +107,45 @@ def test_missing_mpi4jax_raises_an_install_hint(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_mpi4jax)
     with pytest.raises(MPIUnavailableError, match=r"pip install 'scamp-jax\[mpi\]'"):
         mpi_module.import_mpi4jax()
+
+
+# Prints the warnings that mention mpi4jax while it is imported: "plain" (import mpi4jax),
+# "library" (import_mpi4jax) or "untested" (import_mpi4jax with no JAX release tested here).
+_IMPORT_WARNINGS = """
+import json, sys, warnings
+from scamp_jax.distributed import mpi
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    if sys.argv[1] == "plain":
+        import mpi4jax
+    else:
+        if sys.argv[1] == "untested":
+            mpi.MPI_TESTED_JAX = (-1, 0)
+        mpi.import_mpi4jax()
+print(json.dumps([str(w.message) for w in seen if "mpi4jax" in str(w.message)]))
+"""
+
+
+def test_mpi4jax_warns_about_the_jax_release_only_past_the_ones_tested_here():
+    require_module("mpi4py", "the mpi extra is not installed: pip install .[mpi]")
+    try:
+        mpi_module.import_mpi4jax()
+    except MPIUnavailableError:
+        unavailable("the mpi extra is not installed: pip install .[mpi]")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    env.pop("MPI4JAX_NO_WARN_JAX_VERSION", None)
+
+    def warnings_of(mode: str) -> list[str]:
+        proc = subprocess.run([sys.executable, "-c", _IMPORT_WARNINGS, mode], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout.splitlines()[-1])
+
+    plain = warnings_of("plain")
+    tested = tuple(jax.__version_info__[:2]) <= mpi_module.MPI_TESTED_JAX
+    assert warnings_of("library") == ([] if tested else plain)
+    # Past the tested releases the library hides nothing: what mpi4jax says, the user sees.
+    assert warnings_of("untested") == plain
 
 
 def test_mpirun_command_names_the_missing_launcher():

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
-from _requirements import unavailable
+from _requirements import shared_data
 from PIL import Image
 
 from search_spaces import sr_data
-
-SET5 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "set5"
 
 
 def test_default_split_is_real_disjoint_photos():
@@ -59,10 +55,9 @@ def test_imresize_shapes_constants_and_antialiasing():
 
 def test_downscale_matches_matlab_set5_lr():
     """Our degradation reproduces the MATLAB-made Set5 LR images to within 8-bit rounding."""
-    if not SET5.is_dir():
-        unavailable(f"Set5 benchmark not found at {SET5} (the shared data beside the checkout)")
-    hr = sr_data.load_image_dir(SET5 / "HR")[0]
-    lr = sr_data.load_image_dir(SET5 / "LR_bicubic_X2")[0]
+    set5 = shared_data("set5")
+    hr = sr_data.load_image_dir(set5 / "HR")[0]
+    lr = sr_data.load_image_dir(set5 / "LR_bicubic_X2")[0]
     ours = np.round(sr_data.bicubic_downscale(hr, 2) * 255)
     diff = np.abs(ours - np.round(lr * 255))
     assert ours.shape == lr.shape

@@ -14,7 +14,8 @@ Per backend:
 - CPU: guidance at LLVM optimisation level 0 (``CPU_FAST_COMPILE``: the same buffer assignment,
   about half the compile time, half-speed code); the answer at XLA's defaults, so that it *is*
   the run's executable (`answer_is_runnable`); the initial state at level 1
-  (``CPU_INIT_COMPILE``: about a fifth of the default level's compile time).
+  (``CPU_INIT_COMPILE``: about a fifth of the default level's compile time) where that keeps its
+  values (jax 0.10 and 0.11), else at XLA's defaults.
 - GPU: every planning compile with XLA's autotuner off (``GPU_PLANNING_COMPILE``): the autotuner
   runs kernels at compile time, takes an exclusive lock on the GPU while it does, and would
   stall the trials training beside the planner; the run's step is the one compile autotuned
@@ -48,10 +49,15 @@ CPU_ROUGH_COMPILE: dict[str, str | bool] = {
 #: XLA options of the initialisation's compile on CPU: it runs once per run, so its code speed
 #: hardly matters, while LLVM's default optimisation makes its compile the slowest of a trial
 #: (digits MLP on jax 0.10: 2.7 CPU s at the default level, 0.58 at level 1, same values bit for
-#: bit; level 0 rounds about 4% of the weights differently in the last place). On jax 0.12.0.1
-#: level 1 rounds 3 of a small MLP's 32 first-layer weights differently from the eagerly built
-#: model (tests/test_reuse.py); a seed still gives one initial state.
+#: bit; level 0 rounds about 4% of the weights differently in the last place). Used up to
+#: ``CPU_INIT_SAME_VALUES_THROUGH`` only.
 CPU_INIT_COMPILE: dict[str, str | bool] = {"xla_backend_optimization_level": "1"}
+#: Newest JAX release series, (major, minor), whose XLA computes the initial state at
+#: ``CPU_INIT_COMPILE`` bit for bit as at its defaults, as the eagerly built model has it
+#: (tests/test_reuse.py passes on jax 0.10.2 and 0.11.1; on 0.12.0.1 level 1 rounds 3 of a small
+#: MLP's 32 first-layer weights differently). Newer JAX compiles the initial state at XLA's
+#: defaults, so a seed's initial state stays the plain model's.
+CPU_INIT_SAME_VALUES_THROUGH = (0, 11)
 #: XLA options of GPU planning compiles: no autotuning (kernels chosen by XLA's heuristics).
 GPU_PLANNING_COMPILE: dict[str, str | bool | int] = {"xla_gpu_autotune_level": 0}
 
@@ -83,7 +89,7 @@ def compile_options(platform: str, purpose: Purpose) -> dict[str, Any] | None:
         if purpose is Purpose.GUIDE:
             return dict(CPU_FAST_COMPILE)
         if purpose is Purpose.INIT:
-            return dict(CPU_INIT_COMPILE)
+            return dict(CPU_INIT_COMPILE) if _init_level_keeps_values() else None
         return None
     if platform in ("gpu", "cuda", "rocm") and purpose in (
             Purpose.GUIDE, Purpose.ANSWER, Purpose.EVAL):
@@ -95,6 +101,14 @@ def answer_is_runnable(platform: str) -> bool:
     """Whether the planner's compile of its answer is the run's executable on ``platform``
     (its options are the run's: CPU and backends without planning options)."""
     return compile_options(platform, Purpose.ANSWER) == compile_options(platform, Purpose.RUN)
+
+
+def _init_level_keeps_values() -> bool:
+    """Whether ``CPU_INIT_COMPILE`` keeps the initial state's values on this JAX
+    (``CPU_INIT_SAME_VALUES_THROUGH``)."""
+    import jax
+
+    return tuple(jax.__version_info__[:2]) <= CPU_INIT_SAME_VALUES_THROUGH
 
 
 _rough_accepted: bool | None = None
@@ -121,7 +135,7 @@ def _accepts(options: dict[str, Any]) -> bool:
     lowered = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((), "float32"))
     try:
         lowered.compile(dict(options))
-    except Exception as error:  # XlaRuntimeError: INVALID_ARGUMENT: No such compile option
+    except jax.errors.JaxRuntimeError as error:  # INVALID_ARGUMENT: No such compile option: ...
         if "No such compile option" not in str(error):
             raise
         return False
