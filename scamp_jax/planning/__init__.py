@@ -21,6 +21,8 @@ _NAMES = {
                      "min_devices_plan", "plan_budget", "resolve_devices"),
                     "scamp_jax.planning.planner"),
     **dict.fromkeys(("make_mesh", "param_partition_specs"), "scamp_jax.planning.sharding"),
+    **dict.fromkeys(("GpuCompilerMissingError", "GpuSpec", "Target", "resolve_target"),
+                    "scamp_jax.planning.targets"),
     **dict.fromkeys(("StepShardings", "abstract_state", "default_loss", "default_optimizer",
                      "jit_train_step", "make_train_step", "place_train_state", "split_model"),
                     "scamp_jax.planning.train_step"),
