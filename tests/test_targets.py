@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -164,11 +165,10 @@ def test_the_plugins_own_dump_of_a_description_reads_back(tmp_path: Path) -> Non
 def test_plan_for_a_target_is_a_plan_and_cpu_plans_do_not_change() -> None:
     needs_gpu_compiler()
     model, sample = small_model()
-    cpu_before = plan_mesh(model, sample, devices=2, memory_per_device="4MiB",
-                           compile_for_run=False)
-    plan = plan_mesh(model, sample, devices=2, memory_per_device="4MiB", target="h100")
-    cpu_after = plan_mesh(model, sample, devices=2, memory_per_device="4MiB",
-                          compile_for_run=False)
+    kw = {"devices": 2, "memory_per_device": "64MiB", "max_batch_size": 256}
+    cpu_before = plan_mesh(model, sample, compile_for_run=False, **kw)
+    plan = plan_mesh(model, sample, target="h100", **kw)
+    cpu_after = plan_mesh(model, sample, compile_for_run=False, **kw)
     assert (cpu_after.batch_size, cpu_after.peak_bytes_per_device) == (
         cpu_before.batch_size, cpu_before.peak_bytes_per_device)
     assert {d.device_kind for d in plan.devices} == {"NVIDIA H100 80GB HBM3"}
@@ -180,8 +180,7 @@ def test_plan_for_a_target_is_a_plan_and_cpu_plans_do_not_change() -> None:
     assert compiler.compiler_options == targets.resolve_target("h100").compiler_options
     assert compiler.estimate(plan.batch_size).peak == plan.peak_bytes_per_device
     with pytest.raises(ValueError, match="compile_for_run=True needs devices that can run"):
-        plan_mesh(model, sample, devices=2, memory_per_device="4MiB", target="h100",
-                  compile_for_run=True)
+        plan_mesh(model, sample, target="h100", compile_for_run=True, **kw)
 
 
 def test_target_budget_defaults_to_its_bytes_limit_and_keys_apart_from_gpus() -> None:
@@ -230,7 +229,7 @@ def test_plan_only_prints_each_candidates_plan() -> None:
     needs_gpu_compiler()
     result = subprocess.run(
         [sys.executable, "-m", "experiments.swinir_hpo", "--preset", "smoke", "--plan-only",
-         "--target", "v100", "--devices", "4", "--trials", "2"],
+         "--target", "v100", "--devices", "4", "--trials", "2", "--max-batch-size", "2"],
         cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()
@@ -264,6 +263,43 @@ def test_gpus_own_description_reproduces_its_compile(tmp_path: Path) -> None:
         compiler = StepCompiler(model, sample, make_mesh(list(devices), 1, 1))
         peaks.append(compiler.compile(4096, options or compiler.compiler_options)[0].peak)
     assert peaks[0] == peaks[1]
+
+
+@pytest.mark.gpu
+def test_gpus_autotuning_cache_gives_a_target_its_kernels(tmp_path: Path) -> None:
+    """On a GPU: the MLP case compiled there with autotuning (its per-fusion results written to
+    a directory), then for the GPU's description in a process without a GPU reading that
+    directory: the same compiled peak."""
+    if jax.devices()[0].platform != "gpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
+    needs_gpu_compiler()
+    from jax._src.lib import xla_client
+
+    from benchmarks.memory_accuracy import BY_NAME
+    from scamp_jax.planning.sharding import make_mesh
+
+    cache, description = tmp_path / "autotune", tmp_path / "gpu.txtpb"
+    cache.mkdir()
+    description.write_text(
+        xla_client.get_topology_for_devices(jax.devices()[:1]).target_config)
+    model = nnx.eval_shape(lambda: BY_NAME["mlp"].build(nnx.Rngs(0)))
+    compiler = StepCompiler(model, BY_NAME["mlp"].sample(), make_mesh(jax.devices()[:1], 1, 1))
+    on_gpu = compiler.compile(9124, {"xla_gpu_per_fusion_autotune_cache_dir": str(cache)})[0]
+    code = (
+        "from flax import nnx\n"
+        "from benchmarks.memory_accuracy import BY_NAME\n"
+        "from scamp_jax.planning.memory import StepCompiler\n"
+        "from scamp_jax.planning.sharding import make_mesh\n"
+        "from scamp_jax.planning.targets import resolve_target\n"
+        f"t = resolve_target({str(description)!r}, autotune_cache={str(cache)!r})\n"
+        "m = nnx.eval_shape(lambda: BY_NAME['mlp'].build(nnx.Rngs(0)))\n"
+        "c = StepCompiler(m, BY_NAME['mlp'].sample(), make_mesh(list(t.devices(1)), 1, 1))\n"
+        "print(c.estimate(9124).peak)\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert int(result.stdout.split()[-1]) == on_gpu.peak
 
 
 def test_candidate_plan_rows_are_plain_data() -> None:
