@@ -81,7 +81,8 @@ def measure(case: str, target: str, budget: str, reference: tuple[int, int] | No
                    seconds=time.perf_counter() - wall, compiled=made.compiled_peaks)
     if reference is not None:
         batch, peak = reference
-        same = compiler.compile(batch, {**compiler.compiler_options, **(options or {})})[0]
+        same = compiler.compile(batch, {**(compiler.compiler_options or {}),
+                                         **(options or {})})[0]
         row.update(reference_batch=batch, reference_peak=peak, peak_at_reference_batch=same.peak)
     return row
 

@@ -367,7 +367,7 @@ def plan_only(
     configure_cpu_devices(max(CPU_DEVICES, config.devices or 0))
     import jax
 
-    from scamp_jax._units import format_bytes
+    from scamp_jax._units import format_bytes, parse_bytes
     from scamp_jax.hpo.preview import format_rows, plan_candidates
     from scamp_jax.planning import planner, targets
 
@@ -378,22 +378,34 @@ def plan_only(
     else:
         devices = planner.resolve_devices(pool_size(args, config, jax.devices()[0].platform))
         where = f"{len(devices)} x {devices[0].device_kind}"
-    memory = config.memory_per_device
-    if getattr(args, "memory_per_device", None) is None and devices[0].platform != "cpu":
-        memory = None  # GPUs: the preset's CPU budget gives way to the device limit
-    if memory is None and devices[0].platform == "cpu":
-        fail(f"--preset {config.preset} takes each device's memory limit from the accelerator, "
-             "and CPU devices have none; pass --memory-per-device, or --target with --devices")
-    budget = planner.resolve_budget(memory, devices)
+    budget = pool_budget(args, config, devices, None if config.memory_per_device is None
+                         else parse_bytes(config.memory_per_device))
     space, task = make(config)
     print(f"planning {config.trials} candidates of {space.name} on {where}, "
-          f"{format_bytes(budget)} per device ({budget} bytes)")
+          f"{format_bytes(budget.memory_per_device)} per device "
+          f"({budget.memory_per_device} bytes)")
     rows = plan_candidates(
         space, task, config, devices=devices, memory_per_device=budget, count=config.trials,
         on_plan=lambda row: print(f"  {row.describe()}", flush=True))
     print(format_rows(rows, params=sorted(space.grid)))
     return {"plan_only": True, "devices": len(devices), "device_kind": devices[0].device_kind,
-            "memory_per_device": budget, "candidates": [dataclasses.asdict(r) for r in rows]}
+            "memory_per_device": budget.memory_per_device,
+            "candidates": [dataclasses.asdict(r) for r in rows]}
+
+
+def pool_budget(args: argparse.Namespace, config: HPOConfig, devices: Sequence[Any],
+                memory: int | None) -> Any:
+    """The pool's `scamp_jax.planning.budget.Budget`: ``memory`` bytes per device (the
+    preset's or ``--memory-per-device``); on GPUs, real or a ``--target``'s, a preset's CPU
+    budget gives way to the device's own pool."""
+    from scamp_jax.planning.budget import Budget
+
+    if getattr(args, "memory_per_device", None) is None and devices[0].platform != "cpu":
+        memory = None
+    if memory is None and devices[0].platform == "cpu":
+        fail(f"--preset {config.preset} takes each device's memory limit from the accelerator, "
+             "and CPU devices have none; pass --memory-per-device, e.g. --memory-per-device 1GiB")
+    return Budget.of_devices(devices, memory)
 
 
 def pool_size(args: argparse.Namespace, config: HPOConfig, platform: str) -> int | None:
@@ -427,15 +439,9 @@ def _run(
 
     from scamp_jax.hpo.session import run_search
     from scamp_jax.planning import planner
-    from scamp_jax.planning.budget import Budget
 
     devices = planner.resolve_devices(pool_size(args, config, jax.devices()[0].platform))
-    if not explicit and devices[0].platform != "cpu":
-        memory = None  # accelerators: the preset's CPU budget gives way to the device's pool
-    if memory is None and devices[0].platform == "cpu":
-        fail(f"--preset {config.preset} takes each device's memory limit from the accelerator, "
-             "and CPU devices have none; pass --memory-per-device, e.g. --memory-per-device 1GiB")
-    budget = Budget.of_devices(devices, memory)
+    budget = pool_budget(args, config, devices, memory)
     space, task = make(config)  # reads the image folders: before any study exists
     # Under mpirun with several ranks the same session spans them: rank 0 serves the study.
     return run_search(space, task, config, devices=devices,

@@ -76,7 +76,7 @@ def plan_candidates(
     settings: Any,
     *,
     devices: Sequence[Any],
-    memory_per_device: int,
+    memory_per_device: Any,
     count: int,
     plan_fn: Callable[..., Any] | None = None,
     on_plan: Callable[[CandidatePlan], None] | None = None,
@@ -88,7 +88,7 @@ def plan_candidates(
       settings: the study's `scamp_jax.hpo.settings.SearchSettings` (sampler, seed, warm start,
         batch bounds, margin, policy).
       devices: the pool, real devices or a GPU target's compile-only ones.
-      memory_per_device: budget per device, bytes.
+      memory_per_device: the pool's `scamp_jax.planning.budget.Budget` (or bytes per device).
       count: how many candidates.
       plan_fn: the planner (default ``plan_mesh``).
       on_plan: called with each `CandidatePlan` as it is made (a progress line).

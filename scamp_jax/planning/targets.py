@@ -365,7 +365,7 @@ def _compile_only_devices(config: str, count: int) -> list[Any]:
         if _C_API is None:
             _C_API = xla_client.load_pjrt_plugin_dynamically("cuda", str(library))
     topology = xla_client.make_c_api_device_topology(_C_API, "", **options)
-    return list(topology._make_compile_only_devices())
+    return list(topology._make_compile_only_devices())  # type: ignore[attr-defined]
 
 
 _LOCK_PLUGIN = threading.Lock()
