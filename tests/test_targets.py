@@ -20,9 +20,11 @@ import pytest
 from flax import nnx
 
 from scamp_jax.planning import targets
+from scamp_jax.planning.budget import Budget
+from scamp_jax.planning.compile_options import Purpose, device_options
 from scamp_jax.planning.memory import StepCompiler
 from scamp_jax.planning.plan_cache import device_identity
-from scamp_jax.planning.planner import plan_mesh, resolve_budget
+from scamp_jax.planning.planner import plan_mesh
 from tests._requirements import unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,17 +75,6 @@ def test_required_targets_are_named_with_the_device_kind_jax_reports() -> None:
     assert kinds == {"h100": "NVIDIA H100 80GB HBM3", "a100-80gb": "NVIDIA A100-SXM4-80GB",
                      "a100-40gb": "NVIDIA A100-SXM4-40GB", "v100": "Tesla V100-SXM2-32GB"}
     assert targets.resolve_target("H100") == targets.resolve_target("h100")
-
-
-def test_bytes_limit_is_the_allocators_share_of_the_total(monkeypatch) -> None:
-    target = targets.resolve_target("v100")
-    monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
-    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
-    assert target.bytes_limit() == int(target.memory_bytes * 0.75)
-    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.5")
-    assert target.bytes_limit() == target.memory_bytes // 2
-    with pytest.raises(ValueError, match="memory_fraction=1.5 must be in"):
-        target.bytes_limit(1.5)
 
 
 def test_description_file_is_a_target(tmp_path: Path) -> None:
@@ -177,17 +168,22 @@ def test_plan_for_a_target_is_a_plan_and_cpu_plans_do_not_change() -> None:
     assert 0 < plan.predicted_peak_bytes <= plan.usable_bytes
     # the figure is the target's: the same step compiled for it at the plan's batch
     compiler = StepCompiler(model, sample, plan.mesh, plan.step_shardings)
-    assert compiler.compiler_options == targets.resolve_target("h100").compiler_options
+    assert compiler.compiler_options == device_options(plan.devices, Purpose.GUIDE)
+    assert compiler.compiler_options["xla_gpu_autotune_level"] == 0
+    assert compiler.compiler_options["xla_gpu_cuda_data_dir"] == str(targets.cuda_toolkit_dir())
     assert compiler.estimate(plan.batch_size).peak == plan.peak_bytes_per_device
-    with pytest.raises(ValueError, match="compile_for_run=True needs devices that can run"):
-        plan_mesh(model, sample, target="h100", compile_for_run=True, **kw)
+    # as on a GPU, the planner keeps no step for a runner: nothing runs on described devices
+    assert plan_mesh(model, sample, target="h100", compile_for_run=True,
+                     **kw).compiled_step is None
 
 
-def test_target_budget_defaults_to_its_bytes_limit_and_keys_apart_from_gpus() -> None:
+def test_target_budget_is_its_described_gpus_and_keys_apart_from_gpus() -> None:
     needs_gpu_compiler()
     target = targets.resolve_target("a100-40gb")
     devices = target.devices(1)
-    assert resolve_budget(None, devices) == target.bytes_limit()
+    budget = Budget.of_devices(devices)
+    assert budget == Budget.for_device("NVIDIA A100-SXM4-40GB", target.memory_bytes)
+    assert Budget.of_devices(devices, "20GiB").memory_per_device == 20 << 30
     identity = device_identity(devices)
     assert identity["device_kind"] == ["NVIDIA A100-SXM4-40GB"]
     assert "described" in identity  # a described GPU's plans are not a real GPU's
