@@ -2,7 +2,8 @@
 
 The memory of a device (`budget`), the memory model and its compiles (`memory`), sharding
 rules (`sharding`), the training step (`train_step`), the planner (`planner`: `plan_mesh`) and
-its cache (`plan_cache`), evaluation chunking (`evaluation`) and fused groups (`fusion`).
+its cache (`plan_cache`), evaluation chunking (`evaluation`), fused groups (`fusion`) and GPU
+targets planned for without the GPU (`targets`).
 """
 
 from scamp_jax._lazy import exports as _exports
