@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import os
 import signal
 import sys
 import tempfile
@@ -152,6 +153,15 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
                         "other values is refused")
     parser.add_argument("--no-live", action="store_true",
                         help="plain log lines instead of the live table")
+    parser.add_argument("--plan-only", action="store_true",
+                        help="plan the first --trials candidates a new study would draw (devices, "
+                        "model-parallel degree, batch, bytes per device, CPU seconds of "
+                        "planning) and stop: nothing trains and no study is stored")
+    parser.add_argument("--target", metavar="GPU|FILE",
+                        help="with --plan-only: plan for --devices GPUs of this kind, compiled "
+                        "here without one (h100, h200, a100-80gb, a100-40gb, v100, or a "
+                        "GpuTargetConfigProto text file; needs pip install "
+                        "'scamp-jax[gpu-plan]')")
 
 
 def config_from_args(args: argparse.Namespace, base: HPOConfig, study_dir: str) -> HPOConfig:
@@ -323,9 +333,79 @@ def run(
     needs no study runs before the study database is created.
     """
     with user_errors():
+        if getattr(args, "plan_only", False):
+            return plan_only(args, config, make)
+        if getattr(args, "target", None) is not None:
+            fail("--target plans for GPUs this machine does not have, which cannot train; add "
+                 "--plan-only, or leave --target out to train on this machine's devices")
         check_study_dir(config.study_dir)
         check_storage(config.storage, config.study_dir)
         return _run(args, config, make, baseline=baseline, title=title)
+
+
+def plan_only(
+    args: argparse.Namespace,
+    config: HPOConfig,
+    make: Callable[[HPOConfig], tuple[Any, Any]],
+) -> dict[str, Any]:
+    """``--plan-only``: plan the first ``--trials`` candidates of a new study on the pool (or on
+    ``--devices`` GPUs of ``--target``), print a table, train nothing
+    (`scamp_jax.hpo.preview.plan_candidates`)."""
+    target_name = getattr(args, "target", None)
+    if target_name is not None:
+        if args.devices is None:
+            fail(f"--target {target_name} needs --devices N: how many {target_name} GPUs to "
+                 "plan for, e.g. --devices 32")
+        # The target compiles on the CUDA plugin's compile-only devices; JAX itself stays on
+        # the CPU, so the plugin needs no CUDA libraries and a local GPU is left alone.
+        if "jax" in sys.modules:  # imported already: the variable is read, set the option
+            sys.modules["jax"].config.update("jax_platforms",
+                                             os.environ.get("JAX_PLATFORMS") or "cpu")
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from scamp_jax.devices import configure_cpu_devices
+
+    configure_cpu_devices(max(CPU_DEVICES, config.devices or 0))
+    import jax
+
+    from scamp_jax._units import format_bytes, parse_bytes
+    from scamp_jax.hpo.preview import format_rows, plan_candidates
+    from scamp_jax.planning import planner, targets
+
+    if target_name is not None:
+        target = targets.resolve_target(target_name)
+        devices = target.devices(args.devices)
+        where = f"{args.devices} x {target.device_kind} (described, compiled here)"
+    else:
+        devices = planner.resolve_devices(pool_size(args, config, jax.devices()[0].platform))
+        where = f"{len(devices)} x {devices[0].device_kind}"
+    budget = pool_budget(args, config, devices, None if config.memory_per_device is None
+                         else parse_bytes(config.memory_per_device))
+    space, task = make(config)
+    print(f"planning {config.trials} candidates of {space.name} on {where}, "
+          f"{format_bytes(budget.memory_per_device)} per device "
+          f"({budget.memory_per_device} bytes)")
+    rows = plan_candidates(
+        space, task, config, devices=devices, memory_per_device=budget, count=config.trials,
+        on_plan=lambda row: print(f"  {row.describe()}", flush=True))
+    print(format_rows(rows, params=sorted(space.grid)))
+    return {"plan_only": True, "devices": len(devices), "device_kind": devices[0].device_kind,
+            "memory_per_device": budget.memory_per_device,
+            "candidates": [dataclasses.asdict(r) for r in rows]}
+
+
+def pool_budget(args: argparse.Namespace, config: HPOConfig, devices: Sequence[Any],
+                memory: int | None) -> Any:
+    """The pool's `scamp_jax.planning.budget.Budget`: ``memory`` bytes per device (the
+    preset's or ``--memory-per-device``); on GPUs, real or a ``--target``'s, a preset's CPU
+    budget gives way to the device's own pool."""
+    from scamp_jax.planning.budget import Budget
+
+    if getattr(args, "memory_per_device", None) is None and devices[0].platform != "cpu":
+        memory = None
+    if memory is None and devices[0].platform == "cpu":
+        fail(f"--preset {config.preset} takes each device's memory limit from the accelerator, "
+             "and CPU devices have none; pass --memory-per-device, e.g. --memory-per-device 1GiB")
+    return Budget.of_devices(devices, memory)
 
 
 def pool_size(args: argparse.Namespace, config: HPOConfig, platform: str) -> int | None:
@@ -359,15 +439,9 @@ def _run(
 
     from scamp_jax.hpo.session import run_search
     from scamp_jax.planning import planner
-    from scamp_jax.planning.budget import Budget
 
     devices = planner.resolve_devices(pool_size(args, config, jax.devices()[0].platform))
-    if not explicit and devices[0].platform != "cpu":
-        memory = None  # accelerators: the preset's CPU budget gives way to the device's pool
-    if memory is None and devices[0].platform == "cpu":
-        fail(f"--preset {config.preset} takes each device's memory limit from the accelerator, "
-             "and CPU devices have none; pass --memory-per-device, e.g. --memory-per-device 1GiB")
-    budget = Budget.of_devices(devices, memory)
+    budget = pool_budget(args, config, devices, memory)
     space, task = make(config)  # reads the image folders: before any study exists
     # Under mpirun with several ranks the same session spans them: rank 0 serves the study.
     return run_search(space, task, config, devices=devices,

@@ -8,6 +8,7 @@ _NAMES = {
     **dict.fromkeys(("StudySession", "run_search", "run_study", "default_budget"),
                     "scamp_jax.hpo.session"),
     **dict.fromkeys(("EngineConfig", "SearchSettings"), "scamp_jax.hpo.settings"),
+    **dict.fromkeys(("CandidatePlan", "plan_candidates"), "scamp_jax.hpo.preview"),
     **dict.fromkeys(("BudgetTooSmallError", "SearchEngine", "SearchResult"),
                     "scamp_jax.hpo.engine"),
     **dict.fromkeys(("load_model", "run_trial", "RunSpec", "RunResult"), "scamp_jax.hpo.runner"),

@@ -2,7 +2,8 @@
 
 The memory of a device (`budget`), the memory model and its compiles (`memory`), sharding
 rules (`sharding`), the training step (`train_step`), the planner (`planner`: `plan_mesh`) and
-its cache (`plan_cache`), evaluation chunking (`evaluation`) and fused groups (`fusion`).
+its cache (`plan_cache`), evaluation chunking (`evaluation`), fused groups (`fusion`) and GPU
+targets planned for without the GPU (`targets`).
 """
 
 from scamp_jax._lazy import exports as _exports
@@ -21,6 +22,8 @@ _NAMES = {
                      "min_devices_plan", "plan_budget", "resolve_devices"),
                     "scamp_jax.planning.planner"),
     **dict.fromkeys(("make_mesh", "param_partition_specs"), "scamp_jax.planning.sharding"),
+    **dict.fromkeys(("GpuCompilerMissingError", "GpuSpec", "Target", "resolve_target"),
+                    "scamp_jax.planning.targets"),
     **dict.fromkeys(("StepShardings", "abstract_state", "default_loss", "default_optimizer",
                      "jit_train_step", "make_train_step", "place_train_state", "split_model"),
                     "scamp_jax.planning.train_step"),

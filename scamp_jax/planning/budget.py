@@ -151,10 +151,18 @@ class Budget:
         ``memory_per_device``: bytes or a text like ``"2GiB"`` (parsed here, once); None: the
         smallest ``bytes_limit`` the devices' allocators report
         (`scamp_jax.devices.allocator_stats`: the pool on GPUs; CPU devices report none and
-        need it given).
+        need it given). A GPU target's compile-only devices (`scamp_jax.planning.targets`)
+        have the budget of their described device (`for_device`).
         """
         if not devices:
             raise ValueError("devices is empty; pass the devices the budget is for")
+        from scamp_jax.planning.targets import target_of
+
+        target = target_of(devices)
+        if target is not None:  # a GPU described, not present: it reports no limit
+            return cls.for_device(target.device_kind, target.memory_bytes,
+                                  memory_per_device=memory_per_device,
+                                  safety_margin=safety_margin, allowance_bytes=allowance_bytes)
         platform = str(devices[0].platform)
         kinds = sorted({str(getattr(d, "device_kind", platform)) for d in devices})
         if memory_per_device is None:

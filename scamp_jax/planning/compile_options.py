@@ -23,6 +23,8 @@ Per backend:
   the planner's answer is not the run's executable there. The evaluation forward runs rarely:
   its one compile is the planner's, autotuning off.
 - other backends: XLA's defaults everywhere.
+- a GPU target, described and not present (`scamp_jax.planning.targets`): the GPU's options
+  with the target's own on top (`device_options`); nothing it compiles is run.
 
 The initial state is made on the host's CPU on every backend
 (`scamp_jax.planning.initial_state`), so a new architecture's initialisation never compiles for
@@ -95,6 +97,20 @@ def compile_options(platform: str, purpose: Purpose) -> dict[str, Any] | None:
             Purpose.GUIDE, Purpose.ANSWER, Purpose.EVAL):
         return dict(GPU_PLANNING_COMPILE)
     return None
+
+
+def device_options(devices: Iterable[Any], purpose: Purpose) -> dict[str, Any] | None:
+    """`compile_options` for the platform of ``devices``; on a GPU target's compile-only
+    devices (`scamp_jax.planning.targets`) with the target's own options on top (its toolkit,
+    no driver fallback, its autotuning cache)."""
+    from scamp_jax.planning.targets import target_of
+
+    devices = list(devices)
+    options = compile_options(platform_of(devices), purpose)
+    target = target_of(devices)
+    if target is None:
+        return options
+    return {**(options or {}), **target.compiler_options}
 
 
 def answer_is_runnable(platform: str) -> bool:

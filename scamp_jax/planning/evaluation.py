@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from scamp_jax.planning import sharding as sh
-from scamp_jax.planning.compile_options import Purpose, compile_options, platform_of
+from scamp_jax.planning.compile_options import Purpose, device_options
 from scamp_jax.planning.liveness import live_bytes
 from scamp_jax.planning.reuse import compile_lowered, load_on_devices
 
@@ -104,7 +104,7 @@ class EvalCompiler:
         #: per-device bytes of the parameters and other state the forward takes (from shapes)
         self.state_bytes = (sh.bytes_per_device(self.params, param_shardings)
                             + sh.bytes_per_device(self.rest, rest_shardings))
-        self.options = compile_options(platform_of(mesh.devices.flat), Purpose.EVAL)
+        self.options = device_options(mesh.devices.flat, Purpose.EVAL)
         self._live_per_sample: dict[tuple[tuple[int, ...], str], float] = {}
 
         def run(p: PyTree, r: PyTree, x: jax.Array) -> Any:

@@ -48,7 +48,7 @@ from jax.sharding import NamedSharding
 
 from scamp_jax._units import format_bytes
 from scamp_jax.planning import sharding as sh
-from scamp_jax.planning.compile_options import Purpose, compile_options, platform_of
+from scamp_jax.planning.compile_options import Purpose, device_options
 from scamp_jax.planning.member_ops import convolution_form, member_program
 from scamp_jax.planning.memory import MemoryEstimate
 from scamp_jax.planning.plan_cache import PlanCache, cache_key, device_identity, program_signature
@@ -285,7 +285,7 @@ class FusedStepCompiler:
         self.shardings = plan.step_shardings
         self.loss_fn = loss_fn if loss_fn is not None else default_loss
         self._step = jit_fused_step(self.graphdef, self.optimizer, self.loss_fn, self.shardings)
-        self.compiler_options = compile_options(platform_of(plan.devices), Purpose.GUIDE)
+        self.compiler_options = device_options(plan.devices, Purpose.GUIDE)
         self.seen: dict[tuple[int, int], MemoryEstimate] = {}
         self.asked: dict[tuple[int, int], int] = {}  # the points this search used: their peaks
         self.compiled = 0  # fused steps compiled by this object (points from the cache excluded)

@@ -39,8 +39,8 @@ from scamp_jax._units import format_bytes
 from scamp_jax.planning import sharding as sh
 from scamp_jax.planning.compile_options import (
     Purpose,
-    compile_options,
     cpu_rough_options,
+    device_options,
     platform_of,
 )
 from scamp_jax.planning.reuse import compile_lowered
@@ -220,13 +220,15 @@ class StepCompiler:
         self._traced_per_sample: float | None = None
         self._step = jit_train_step(self.graphdef, self.optimizer, self.loss_fn, shardings)
         platform = platform_of(mesh.devices.flat)
+        devices = list(mesh.devices.flat)
         #: options of guidance compiles (`scamp_jax.planning.compile_options`: on CPU LLVM
-        #: level 0, which changes code speed, not buffer assignment; on GPU no autotuning)
-        self.compiler_options = compile_options(platform, Purpose.GUIDE)
+        #: level 0, which changes code speed, not buffer assignment; on GPU no autotuning; a
+        #: GPU target's own on top)
+        self.compiler_options = device_options(devices, Purpose.GUIDE)
         #: options of the compile of the planner's answer (on CPU the run's own)
-        self.answer_options = compile_options(platform, Purpose.ANSWER)
+        self.answer_options = device_options(devices, Purpose.ANSWER)
         #: options of the run's own compile of the step
-        self.run_options = compile_options(platform, Purpose.RUN)
+        self.run_options = device_options(devices, Purpose.RUN)
         #: options of rough (guidance-only) compiles; None where there is no cheaper setting
         self.rough_options = cpu_rough_options() if platform == "cpu" else None
 

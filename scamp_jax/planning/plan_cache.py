@@ -48,6 +48,7 @@ from flax import nnx
 
 from scamp_jax._sqlite import write_ahead
 from scamp_jax.planning.memory import with_batch_size
+from scamp_jax.planning.targets import target_of
 from scamp_jax.planning.train_step import LossFn, abstract_state, default_loss, split_model
 
 PyTree = Any
@@ -104,12 +105,19 @@ def versions() -> dict[str, str]:
 
 
 def device_identity(devices: Sequence[jax.Device]) -> dict[str, Any]:
-    """Platform, device kind(s) and count of ``devices`` (not their ids: a plan moves)."""
-    return {
+    """Platform, device kind(s) and count of ``devices`` (not their ids: a plan moves); for a
+    GPU target's compile-only devices also ``described`` (its compiles take XLA's default
+    kernels, not the ones autotuning picks on the GPU: their figures are kept apart)."""
+    identity: dict[str, Any] = {
         "platform": devices[0].platform,
         "device_kind": sorted({str(d.device_kind) for d in devices}),
         "count": len(devices),
     }
+    target = target_of(devices)
+    if target is not None:
+        identity["described"] = {"autotune_cache": target.autotune_cache,
+                                 "config": hashlib.sha256(target.config.encode()).hexdigest()}
+    return identity
 
 
 def cache_key(parts: Mapping[str, Any]) -> str:

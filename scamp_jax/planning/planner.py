@@ -34,6 +34,7 @@ Planning only compiles: it allocates nothing and runs nothing on any device.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -76,6 +77,7 @@ from scamp_jax.planning.plan_cache import (
     resolve_allowance,
 )
 from scamp_jax.planning.reuse import lowered_fingerprint
+from scamp_jax.planning.targets import Target, resolve_target
 from scamp_jax.planning.train_step import (
     LossFn,
     StepShardings,
@@ -339,6 +341,16 @@ def _check_distinct(devices: Sequence[jax.Device]) -> None:
         raise ValueError(f"devices must be distinct, got ids {ids}")
 
 
+def _target_devices(target: str | os.PathLike[str] | Target, devices: Any
+                    ) -> tuple[jax.Device, ...]:
+    """``devices`` compile-only GPUs of ``target`` (`scamp_jax.planning.targets`)."""
+    if isinstance(devices, bool) or not isinstance(devices, int):
+        raise ValueError(
+            f"with target={target!r}, devices must be the number of GPUs to plan for, got "
+            f"{devices!r}; e.g. plan_mesh(model, batch, devices=8, target={target!r})")
+    return resolve_target(target).devices(devices)
+
+
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
@@ -426,6 +438,7 @@ def plan_mesh(
     batch_multiple: int = 1,
     allowance_bytes: int | None = None,
     provisional: bool = False,
+    target: str | os.PathLike[str] | Target | None = None,
 ) -> Plan:
     """Plan training of ``model`` on exactly ``devices``: mesh, shardings and largest batch.
 
@@ -490,11 +503,21 @@ def plan_mesh(
         (`scamp_jax.planning.fusion.plan_fusion`); a trial that trains alone on it must be
         planned again without it. When the shapes leave the cap out of reach, the batch is
         searched as usual and the plan is not provisional.
+      target: plan for GPUs this machine does not have: a name (``"h100"``, ``"a100-80gb"``,
+        ``"a100-40gb"``, ``"v100"``, ``"h200"``), a description file or a
+        `scamp_jax.planning.targets.Target`; ``devices`` is then how many. The step is
+        compiled for the target with its planning options (autotuning off: XLA's default
+        kernels) and the plan is a GPU plan of that kind, on compile-only devices
+        (``memory_per_device`` default: the described GPU's pool,
+        `scamp_jax.planning.budget.Budget.for_device`; no step kept, as on GPUs). Needs the
+        ``gpu-plan`` extra. Devices from ``Target.devices(n)`` plan the same without it.
 
     Raises:
       DoesNotFitError: no degree fits even at one sample per data-parallel group.
       ValueError, TypeError: bad arguments (raised before any compile).
     """
+    if target is not None:
+        devices = _target_devices(target, devices)
     request = _request(
         model, sample_batch, devices, memory_per_device, optimizer, loss_fn, safety_margin,
         max_batch_size, model_parallel, min_shard_elements, cache, compile_for_run, eval_task,

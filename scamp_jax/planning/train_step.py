@@ -305,8 +305,11 @@ def step_flops(
 def lowered_flops(lowered: jax.stages.Lowered) -> float | None:
     """FLOPs of a lowered program from XLA's ``cost_analysis()`` (before it is partitioned: the
     total over the devices it runs on; sharding annotations do not change it); None if XLA
-    gives no figure."""
-    cost = lowered.cost_analysis()
+    gives no figure (a GPU target's compile-only client has no cost analysis of lowerings)."""
+    try:
+        cost = lowered.cost_analysis()
+    except jax.errors.JaxRuntimeError:
+        return None
     if isinstance(cost, list | tuple):
         cost = cost[0] if cost else {}
     flops = float((cost or {}).get("flops", 0.0))

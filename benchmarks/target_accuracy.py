@@ -1,0 +1,152 @@
+"""GPU targets against a real GPU: memory cases planned here for a described GPU vs one's own.
+
+Run (needs ``pip install 'scamp-jax[gpu-plan]'``; no GPU)::
+
+    python -m benchmarks.target_accuracy --targets h100,h200        # ~15 CPU-minutes
+    python -m benchmarks.target_accuracy --targets v100 --only swinir_paper \\
+        --memory-per-device 32GiB                                   # the paper SwinIR
+
+For each case of `benchmarks.memory_accuracy` (``mlp`` at 512 MiB, ``vit`` at 1 GiB,
+``swinir_small`` at 2 GiB by default, margin 0.1, one device) and each target it plans with
+``plan_mesh(..., target=...)`` and prints the planned batch, its compiled peak, the compiled
+peak at the reference GPU's batch (like for like), their errors against the reference, the
+compiles and the CPU seconds of planning (this process and its ptxas runs). The reference is
+what one H200 planned with autotuning (``--reference``, default
+``../shared/gpu/2026-11-27-h200``, files ``mem_<case>_0.json``). ``--compile-options JSON``
+compiles the like-for-like point with other XLA options (a kernel choice autotuning might make,
+e.g. split-K). ``--markdown`` prints the table for ``benchmarks/notes/targets.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks._tables import print_table
+
+#: Budgets of the cases as the H200 run planned them.
+BUDGETS = {"mlp": "512MiB", "vit": "1GiB", "swinir_small": "2GiB", "swinir_paper": "32GiB"}
+#: The H200 run's files: ``shared/gpu/2026-11-27-h200`` beside the repository (or a worktree's
+#: parents).
+REFERENCE_NAME = Path("shared/gpu/2026-11-27-h200")
+
+
+def default_reference() -> Path:
+    """The first ``shared/gpu/2026-11-27-h200`` among this checkout's parent directories."""
+    for parent in Path(__file__).resolve().parents:
+        if (parent / REFERENCE_NAME).is_dir():
+            return parent / REFERENCE_NAME
+    return Path("..") / REFERENCE_NAME
+
+
+def reference_point(directory: Path, case: str) -> tuple[int, int] | None:
+    """``(batch, compiled peak bytes)`` the reference GPU planned for ``case`` (None: none)."""
+    path = directory / f"mem_{case}_0.json"
+    if not path.is_file():
+        return None
+    for row in json.loads(path.read_text())["rows"]:
+        if row.get("planned") is not None:
+            return int(row["plan_batch"]), int(row["planned"])
+    return None
+
+
+def measure(case: str, target: str, budget: str, reference: tuple[int, int] | None,
+            options: dict[str, Any] | None = None, plan: bool = True) -> dict[str, Any]:
+    """Plan ``case`` for one ``target`` device within ``budget`` (unless ``plan`` is False);
+    compile at the reference's batch too, with the target's options and ``options`` on top."""
+    from flax import nnx
+
+    from benchmarks.memory_accuracy import BY_NAME
+    from scamp_jax.hpo.preview import cpu_seconds
+    from scamp_jax.planning.memory import StepCompiler
+    from scamp_jax.planning.planner import plan_mesh
+    from scamp_jax.planning.sharding import make_mesh
+    from scamp_jax.planning.targets import resolve_target
+
+    spec = BY_NAME[case]
+    model = nnx.eval_shape(lambda: spec.build(nnx.Rngs(0)))
+    row: dict[str, Any] = {"case": case, "target": target, "budget": budget,
+                           "options": options or {}}
+    compiler = StepCompiler(model, spec.sample(),
+                            make_mesh(list(resolve_target(target).devices(1)), 1, 1))
+    if plan:
+        cpu, wall = cpu_seconds(), time.perf_counter()
+        made = plan_mesh(model, spec.sample(), devices=1, memory_per_device=budget,
+                         target=target)
+        row.update(batch=made.batch_size, peak=made.peak_bytes_per_device,
+                   compiles=made.compiles, cpu_seconds=cpu_seconds() - cpu,
+                   seconds=time.perf_counter() - wall, compiled=made.compiled_peaks)
+    if reference is not None:
+        batch, peak = reference
+        same = compiler.compile(batch, {**(compiler.compiler_options or {}),
+                                         **(options or {})})[0]
+        row.update(reference_batch=batch, reference_peak=peak, peak_at_reference_batch=same.peak)
+    return row
+
+
+def _pct(value: int, reference: int) -> str:
+    return f"{100 * (value - reference) / reference:+.1f}%"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse flags, plan every case for every target, print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--targets", default="h100", help="comma-separated target names")
+    parser.add_argument("--only", default="mlp,vit,swinir_small", help="comma-separated cases")
+    parser.add_argument("--memory-per-device", default=None,
+                        help="budget per device (default: each case's, as the H200 run had)")
+    parser.add_argument("--reference", type=Path, default=None,
+                        help="directory of the reference GPU's mem_<case>_0.json files")
+    parser.add_argument("--compile-options", type=json.loads, default=None, metavar="JSON",
+                        help="XLA options added to the compile at the reference's batch, e.g. "
+                        "'{\"xla_gpu_experimental_force_split_k\": 2}' (the plan keeps the "
+                        "target's own)")
+    parser.add_argument("--no-plan", action="store_true",
+                        help="only the compile at the reference's batch (e.g. with "
+                        "--compile-options)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    args = parser.parse_args(argv)
+
+    import os
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the target compiles need no CUDA libraries
+    rows = []
+    for case in args.only.split(","):
+        reference = reference_point(args.reference or default_reference(), case)
+        for target in args.targets.split(","):
+            row = measure(case, target, args.memory_per_device or BUDGETS[case], reference,
+                          args.compile_options, plan=not args.no_plan)
+            rows.append(row)
+            print(f"# {json.dumps(row)}", flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=1))
+    header = ["case", "target", "budget", "batch", "ref batch", "err", "peak", "ref peak",
+              "err", "peak at ref batch", "err", "compiles", "CPU s"]
+    table = []
+    for r in rows:
+        planned = "batch" in r
+
+        def cell(key: str, r: dict[str, Any] = r) -> str:
+            return f"{r[key]:,}" if key in r else "-"
+
+        def err(key: str, of: str, r: dict[str, Any] = r) -> str:
+            return _pct(r[key], r[of]) if key in r and of in r else "-"
+
+        table.append([
+            r["case"], r["target"], r["budget"], cell("batch"), cell("reference_batch"),
+            err("batch", "reference_batch"), cell("peak"), cell("reference_peak"),
+            err("peak", "reference_peak"), cell("peak_at_reference_batch"),
+            err("peak_at_reference_batch", "reference_peak"),
+            str(r["compiles"]) if planned else "-",
+            f"{r['cpu_seconds']:.1f}" if planned else "-",
+        ])
+    print_table("planned for a described GPU vs the reference GPU's own plan", header, table,
+                args.markdown)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""A study's plans without the study: what its first candidates would get on a device pool.
+
+`plan_candidates` draws configurations as a new study would (the study's seeded sampler, its
+warm-start configurations first) and plans each with the search's own planning service
+(`scamp_jax.hpo.plan_service.PlanningService`: the fewest devices that hold it, the
+model-parallel degree, the largest batch), then stops: nothing trains, no study is stored. On
+a GPU target's compile-only devices (`scamp_jax.planning.targets`) this sizes a search for a
+cluster from a machine without its GPUs (``python -m experiments.swinir_hpo --plan-only
+--target v100 --devices 32``).
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from scamp_jax._units import format_bytes
+
+
+@dataclass(frozen=True)
+class CandidatePlan:
+    """The plan of one sampled candidate (or why there is none).
+
+    Attributes:
+      number: the candidate's trial number in a new study.
+      params: its configuration.
+      devices: devices its plan trains on (0: it fits on no device count of the pool).
+      data_parallel, model_parallel: the plan's mesh degrees.
+      batch_size: the plan's global batch.
+      bytes_per_device: the plan's predicted peak per device (training or evaluation, with the
+        prefetched batch and the allowance), bytes.
+      usable_bytes: what a plan may book per device (the budget less the margin), bytes.
+      compiles: compiles the plan took (0: its architecture was planned before).
+      cpu_seconds: CPU seconds the plan took, this process and its children (the compiler's
+        ptxas runs) together.
+      seconds: wall-clock seconds the plan took.
+      error: why it has no plan (None: it has one).
+    """
+
+    number: int
+    params: Mapping[str, Any]
+    devices: int
+    data_parallel: int
+    model_parallel: int
+    batch_size: int
+    bytes_per_device: int
+    usable_bytes: int
+    compiles: int
+    cpu_seconds: float
+    seconds: float
+    error: str | None = None
+
+    def describe(self) -> str:
+        """One line: the plan, or why there is none."""
+        if not self.devices:
+            return f"trial {self.number}: no plan: {self.error}"
+        return (f"trial {self.number}: {self.devices} device(s), model-parallel "
+                f"{self.model_parallel}, batch {self.batch_size}, "
+                f"{format_bytes(self.bytes_per_device)} per device, {self.compiles} compiles, "
+                f"{self.cpu_seconds:.1f} CPU s")
+
+
+def cpu_seconds() -> float:
+    """CPU seconds this process and its finished children have used (user + system)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def plan_candidates(
+    space: Any,
+    task: Any,
+    settings: Any,
+    *,
+    devices: Sequence[Any],
+    memory_per_device: Any,
+    count: int,
+    plan_fn: Callable[..., Any] | None = None,
+    on_plan: Callable[[CandidatePlan], None] | None = None,
+) -> list[CandidatePlan]:
+    """Plan the first ``count`` candidates a new study of ``settings`` would draw.
+
+    Args:
+      space, task: the search space and the task (its sample batch, loss and evaluation).
+      settings: the study's `scamp_jax.hpo.settings.SearchSettings` (sampler, seed, warm start,
+        batch bounds, margin, policy).
+      devices: the pool, real devices or a GPU target's compile-only ones.
+      memory_per_device: the pool's `scamp_jax.planning.budget.Budget` (or bytes per device).
+      count: how many candidates.
+      plan_fn: the planner (default ``plan_mesh``).
+      on_plan: called with each `CandidatePlan` as it is made (a progress line).
+
+    Returns one `CandidatePlan` per candidate, in trial order; a candidate that fits on no
+    device count of the pool has ``devices=0`` and its ``error``.
+    """
+    import optuna
+
+    from scamp_jax.hpo.engine import engine_policy, max_running
+    from scamp_jax.hpo.plan_service import PlanningService
+    from scamp_jax.hpo.study.samplers import make_sampler
+    from scamp_jax.planning.planner import DoesNotFitError, plan_mesh
+
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"{count=} must be a positive int: how many candidates to plan")
+    config = settings.engine_config(memory_per_device)
+    devices = list(devices)
+    policy = engine_policy(config, len(devices))
+    service = PlanningService(space, task, config, devices, plan_fn or plan_mesh,
+                              getattr(policy, "batch_multiple", 1),
+                              max_running=max_running(config, devices))
+    previous = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        study = optuna.create_study(sampler=make_sampler(settings.sampler, settings.seed,
+                                                         space.grid))
+    finally:
+        optuna.logging.set_verbosity(previous)
+    for params in settings.initial_params:
+        study.enqueue_trial(dict(params))
+    rows, seen = [], set()
+    for _ in range(count):
+        trial = study.ask()
+        params = space.suggest(trial)
+        cpu, wall = cpu_seconds(), time.perf_counter()
+        try:
+            plan = service.plan(params, run_ready=False)
+        except DoesNotFitError as err:
+            row = CandidatePlan(trial.number, params, 0, 0, 0, 0, err.bytes_needed,
+                                err.bytes_available, 0, cpu_seconds() - cpu,
+                                time.perf_counter() - wall, str(err))
+        else:
+            # the service plans an architecture once: a later trial of it reuses that plan
+            new = id(plan) not in seen and not plan.cached
+            seen.add(id(plan))
+            row = CandidatePlan(
+                trial.number, params, service.devices_of(plan), plan.data_parallel,
+                plan.model_parallel, plan.batch_size, plan.predicted_peak_bytes,
+                plan.usable_bytes, plan.compiles if new else 0,
+                cpu_seconds() - cpu, time.perf_counter() - wall)
+        rows.append(row)
+        if on_plan is not None:
+            on_plan(row)
+    return rows
+
+
+#: `format_rows`'s columns: header and how a row shows it.
+_COLUMNS: tuple[tuple[str, Callable[[CandidatePlan], str]], ...] = (
+    ("trial", lambda r: str(r.number)),
+    ("devices", lambda r: str(r.devices) if r.devices else "-"),
+    ("mp", lambda r: str(r.model_parallel) if r.devices else "-"),
+    ("batch", lambda r: str(r.batch_size) if r.devices else "-"),
+    ("bytes/device", lambda r: (format_bytes(r.bytes_per_device) if r.devices
+                                else f"needs {format_bytes(r.bytes_per_device)}")),
+    ("compiles", lambda r: str(r.compiles)),
+    ("CPU-s", lambda r: f"{r.cpu_seconds:.1f}"),
+)
+
+
+def format_rows(rows: Sequence[CandidatePlan], params: Sequence[str] = ()) -> str:
+    """A plain-text table of ``rows``, with the configuration keys ``params`` as columns."""
+    header = [name for name, _ in _COLUMNS] + list(params)
+    body = [[show(r) for _, show in _COLUMNS] + [_value(r.params.get(k, "")) for k in params]
+            for r in rows]
+    widths = [max(len(str(x)) for x in column) for column in zip(header, *body, strict=True)]
+    return "\n".join("  ".join(str(x).rjust(w) for x, w in zip(line, widths, strict=True))
+                     for line in [header, *body])
+
+
+def _value(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
