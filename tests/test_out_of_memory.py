@@ -14,6 +14,7 @@ from scamp_jax.hpo.engine import SearchEngine
 from scamp_jax.hpo.study import FAIL_REASON
 from scamp_jax.hpo.trial import ending
 from scamp_jax.planning import planner
+from scamp_jax.planning.budget import Budget
 
 #: What compiling a step reported on a GPU when the autotuner could not allocate its buffers.
 AUTOTUNE_OOM = ("INTERNAL: Failed to get configs for 31 of 120 instructions; the first: "
@@ -62,7 +63,7 @@ def test_out_of_memory_replans_stop_at_max_replans(tmp_path) -> None:
         return dataclasses.replace(plan, peak_bytes_per_device=budget // 4, prefetch_bytes=0)
 
     study, source = make_source(tmp_path, [ok(32)])
-    cfg = config(memory_per_device=2 * 2**20, max_batch_size=1 << 16, steps=3, max_replans=1)
+    cfg = config(budget=Budget(2 * 2**20), max_batch_size=1 << 16, steps=3, max_replans=1)
     SearchEngine(SPACE, Regression(), source, cfg, devices=jax.devices()[:1],
                  plan_fn=optimistic).run()
     (trial,) = study.get_trials()
