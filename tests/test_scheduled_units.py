@@ -1,13 +1,14 @@
 """The scheduled units of the search loop: a solo trial and a fused group behind one interface.
 
 Contract tests run over both implementations (`SoloUnit`, `GroupUnit`) with the real planner,
-real compiles and real runs of `test_runner`'s MLP regression; the work items' order is
-checked as data.
+real compiles and real runs of `test_runner`'s MLP regression; the work items' order and the
+settings a study's devices decide (fusion by default on accelerators) are checked as data.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import functools
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,8 @@ from scamp_jax.hpo.launch import Launcher
 from scamp_jax.hpo.lifecycle import MemberSpec, Schedule
 from scamp_jax.hpo.plan_service import PlanningService
 from scamp_jax.hpo.runner import RunSpec, StepCache, make_optimizer
-from scamp_jax.hpo.settings import EngineConfig
+from scamp_jax.hpo.session import fusion_line
+from scamp_jax.hpo.settings import EngineConfig, SearchSettings
 from scamp_jax.hpo.study.trials import AskedTrial
 from scamp_jax.hpo.trial import PlannedTrial, TrialStatus, booked_bytes, trial_seed
 from scamp_jax.hpo.units import GroupUnit, SoloUnit
@@ -156,3 +158,38 @@ def test_work_done_at_once_is_handled_plans_first_then_runs():
     assert [w.arriving for w in items] == [False, False, False, False, True, True, True]
     assert [w.pending for w in items] == [False, True, True, False, True, True, True]
     assert [w.trials for w in items] == [(), (5, 6), (4,), (), (8,), (3,), (0,)]
+
+
+# ---------------------------------------------------------- settings the devices decide
+
+
+def _settings(**kw: Any) -> SearchSettings:
+    return SearchSettings(trials=16, steps=10, sampler="random", **kw)
+
+
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_trials_fuse_by_default_on_accelerators_and_say_why(platform):
+    requested = _settings()
+    settings = requested.on_platform(platform)
+    assert settings.fuse == "auto"
+    assert settings.source_kwargs()["siblings"] == 7  # a proposal's family fills a group
+    line = fusion_line(requested, settings, platform)
+    assert line is not None and "by default on " + platform in line
+    assert "one compute stream" in line and "--fuse 1" in line
+
+
+def test_cpu_devices_and_the_users_choice_keep_their_fusion_setting():
+    requested = _settings()
+    assert requested.on_platform("cpu") is requested and requested.fuse is None
+    assert fusion_line(requested, requested, "cpu") is None  # the CPU default says nothing
+    off = _settings(fuse=1)
+    assert off.on_platform("gpu").fuse == 1 and off.on_platform("gpu").source_kwargs() == {}
+    assert fusion_line(off, off, "gpu") == ("fusion: off (fuse=1): a gpu device runs one "
+                                            "compute stream, so trials packed side by side on "
+                                            "one take turns")
+    four = _settings(fuse=4)
+    assert four.on_platform("gpu").fuse == 4
+    assert fusion_line(four, four, "cpu").endswith("group of up to 4 (fuse=4)")
+    grid = dataclasses.replace(_settings(), sampler="grid")
+    assert grid.on_platform("gpu").fuse is None  # siblings leave parameters the grid sets
+    assert "the grid sampler" in fusion_line(grid, grid.on_platform("gpu"), "gpu")
