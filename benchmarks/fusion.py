@@ -1,8 +1,9 @@
-"""Fused vs unfused training of the same trials: trials per hour, compile included in both.
+"""Fused vs unfused training of the same trials: step time in steady state, compile and
+planning apart, trials per hour end to end, and whether a fused member trains as its solo run.
 
 The same ``K`` trials of one small architecture of a family (different learning rates and
 seeds, the study's per-trial seeds) are trained for the same steps at the same batch, with a
-final checkpoint and held-out evaluation each, in three ways:
+final checkpoint and held-out evaluation each, in these ways:
 
 - **fused**: one group (`scamp_jax.hpo.fused_runner.run_fused_group`) on one device, the group sized
   by `scamp_jax.planning.fusion.plan_fusion` (its compiles are counted in the fused time);
@@ -16,8 +17,28 @@ final checkpoint and held-out evaluation each, in three ways:
 
 Every timed variant starts from fresh jitted functions, so each pays its own compiles; the
 held-out evaluation's model function is compiled once before timing (both variants share it).
-Repeats run the variants interleaved, in rotating order, because the machine is shared; the
-report gives the min and median over repeats and each member's final loss solo and fused.
+Repeats run the variants interleaved, in rotating order, because the machine is shared.
+
+What the report (``--json``) holds:
+
+- ``steady_speedup``: ``K x`` the solo step time over the fused step time, both in steady state:
+  the wall-clock time between loss read-backs (every ``log_every`` steps, the first interval
+  of a run left out: it holds the first executions) divided by the steps between them, median
+  over every interval of every repeat (``steady``). Compiling, planning, initialising and
+  evaluating are not in it. ``steady_cpu_speedup`` is the same ratio of process CPU seconds
+  per step (every thread): the work, which other processes on a shared machine change less
+  than the wall-clock time;
+- ``step_speedup``: the compiled steps alone, without the runner's host work around them
+  (drawing and stacking batches, dispatch, read-backs): ``K`` solo steps one after another
+  against one fused step, interleaved, ratio of the medians (``step_only``, `step_times`);
+- ``compile_and_planning_seconds``: what each way spends before its first step: planning (the
+  member plan; the fused plan's compiles) and each run's start until its first training step
+  (compile or load of the step, initial state, memory check);
+- ``speedup``: end to end, compile included (``seconds``: min and median over repeats);
+- per member: ``first_step_rel_diff``, the relative difference between fused and solo of the
+  losses the first two steps report (step 1: the loss of the initial parameters; step 2: after
+  the first update, so the first step's gradients and update are in it), the larger of the two;
+  the final loss and held-out score of each way.
 
 Run::
 
@@ -74,10 +95,54 @@ def _experiment(family: str) -> Any:
     return experiment(family)
 
 
+#: Steps between loss read-backs in the timed runs: the steady-state clock ticks at them.
+LOG_EVERY = 5
+
+
+class ReadBacks:
+    """Every loss read-back of a run by member: ``(step, wall-clock seconds, process CPU
+    seconds, loss)`` (``time.perf_counter()``, ``time.process_time()``: every thread of the
+    process); an ``on_loss`` callback of the runners."""
+
+    def __init__(self) -> None:
+        self.marks: dict[int, list[tuple[int, float, float, float]]] = {}
+
+    def __call__(self, number: int, step: int, loss: float) -> None:
+        self.marks.setdefault(number, []).append(
+            (step, time.perf_counter(), time.process_time(), loss))
+
+    def losses(self, number: int) -> dict[int, float]:
+        """Member ``number``'s loss at every read-back step."""
+        return {step: loss for step, _, _, loss in self.marks.get(number, [])}
+
+    def step_seconds(self, numbers: Sequence[int], clock: int = 1) -> list[float]:
+        """Seconds per step (``clock`` 1: wall-clock, 2: process CPU) of every interval between
+        read-backs of members ``numbers``, the first interval of each left out (it holds the
+        run's first executions)."""
+        out = []
+        for number in numbers:
+            marks = self.marks.get(number, [])
+            for a, b in zip(marks[1:], marks[2:], strict=False):
+                out.append((b[clock] - a[clock]) / (b[0] - a[0]))
+        return out
+
+
+def _stats(values: Sequence[float]) -> dict[str, Any]:
+    return {"min": min(values), "median": statistics.median(values), "all": list(values)}
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
 def run(family: str, width: int, *, steps: int, batch: int, repeats: int, ray: bool,
         concurrent: bool, seed: int = 0) -> dict[str, Any]:
     """Measure the variants; returns the JSON-ready report (see the module docstring)."""
     import dataclasses
+
+    if steps < 3:
+        raise SystemExit(f"--steps {steps}: the steady state is timed between the second and "
+                         "later loss read-backs, so a trial needs at least 3 steps")
 
     import jax
     from flax import nnx
@@ -85,6 +150,7 @@ def run(family: str, width: int, *, steps: int, batch: int, repeats: int, ray: b
     from scamp_jax._units import parse_bytes
     from scamp_jax.hpo.fused_runner import GroupSpec, MemberSpec, run_fused_group
     from scamp_jax.hpo.runner import RunSpec, StepCache, make_optimizer, run_trial
+    from scamp_jax.hpo.trial import TrialStatus
     from scamp_jax.planning import planner
     from scamp_jax.planning.fusion import plan_fusion
 
@@ -97,8 +163,10 @@ def run(family: str, width: int, *, steps: int, batch: int, repeats: int, ray: b
     device = jax.devices()[:1]
     model = nnx.eval_shape(lambda: space.build(arch, nnx.Rngs(0)))
     kw = {"optimizer": make_optimizer({}), "loss_fn": task.loss_fn}
+    t0 = time.perf_counter()
     plan = planner.plan_mesh(model, task.sample_batch(1), devices=device,
                              memory_per_device=budget, max_batch_size=batch, **kw)
+    solo_planning = time.perf_counter() - t0
     if plan.batch_size != batch:
         raise SystemExit(f"--batch {batch} does not fit one trial in {hpo.memory_per_device}; "
                          f"the planner fits {plan.batch_size}: pass --batch {plan.batch_size}")
@@ -113,26 +181,43 @@ def run(family: str, width: int, *, steps: int, batch: int, repeats: int, ray: b
     if gplan.width < width:
         raise SystemExit(f"only {gplan.width} members fit {hpo.memory_per_device} at batch "
                          f"{batch}; lower --width or --batch")
+    log_every = LOG_EVERY if steps >= 3 * LOG_EVERY else 1
 
-    def fused(root: Path) -> tuple[float, Any]:
-        specs = tuple(MemberSpec(i, cfg, s, checkpoint_dir=root / "fused" / key)
+    def fused(root: Path | None, n_steps: int = steps, every: int = log_every,
+              ) -> tuple[float, Any, ReadBacks, list[float]]:
+        """Seconds, the `GroupResult`, its read-backs and [seconds to its first step]."""
+        specs = tuple(MemberSpec(i, cfg, s, checkpoint_dir=None if root is None
+                                 else root / "fused" / key)
                       for i, (cfg, s, key) in enumerate(members))
-        t0 = time.perf_counter()
-        result = run_fused_group(GroupSpec(0, specs, gplan, steps, budget), space, task)
-        return time.perf_counter() - t0, result
+        statuses = [TrialStatus(i, cfg) for i, (cfg, _, _) in enumerate(members)]
+        reads = ReadBacks()
+        t0, start = time.perf_counter(), time.monotonic()
+        result = run_fused_group(GroupSpec(0, specs, gplan, n_steps, budget, log_every=every),
+                                 space, task, on_loss=reads, statuses=statuses)
+        return (time.perf_counter() - t0, result, reads,
+                [statuses[0].training_since - start])
 
-    def solo_spec(i: int, root: Path, devices: Sequence[Any]) -> RunSpec:
+    def solo_spec(i: int, root: Path | None, devices: Sequence[Any], n_steps: int = steps,
+                  every: int = log_every) -> RunSpec:
         cfg, s, key = members[i]
-        return RunSpec(number=i, params=cfg, plan=plan.with_devices(devices), steps=steps,
-                       memory_per_device=budget, seed=s,
-                       checkpoint_dir=root / "unfused" / key)
+        return RunSpec(number=i, params=cfg, plan=plan.with_devices(devices), steps=n_steps,
+                       memory_per_device=budget, seed=s, log_every=every,
+                       checkpoint_dir=None if root is None else root / "unfused" / key)
 
-    def unfused(root: Path) -> tuple[float, list[Any]]:
+    def unfused(root: Path | None, n_steps: int = steps, every: int = log_every,
+                ) -> tuple[float, list[Any], ReadBacks, list[float]]:
+        """Seconds, the `RunResult`s, their read-backs and each trial's seconds to its first
+        step (the first trial compiles the step the others share)."""
         cache = StepCache()
+        reads = ReadBacks()
+        results, starts = [], []
         t0 = time.perf_counter()
-        results = [run_trial(solo_spec(i, root, device), space, task, cache=cache)
-                   for i in range(width)]
-        return time.perf_counter() - t0, results
+        for i in range(width):
+            status, start = TrialStatus(i, members[i][0]), time.monotonic()
+            results.append(run_trial(solo_spec(i, root, device, n_steps, every), space, task,
+                                     cache=cache, on_loss=reads, status=status))
+            starts.append(status.training_since - start)
+        return time.perf_counter() - t0, results, reads, starts
 
     def packed(root: Path) -> tuple[float, list[Any]]:
         cache = StepCache()
@@ -151,9 +236,13 @@ def run(family: str, width: int, *, steps: int, batch: int, repeats: int, ray: b
             t.join()
         return time.perf_counter() - t0, results
 
+    first = _first_steps(fused, unfused, width)
     variants = ["fused", "unfused"] + (["concurrent"] if concurrent else [])
     times: dict[str, list[float]] = {v: [] for v in variants}
     cpu: dict[str, list[float]] = {v: [] for v in variants}
+    per_step: dict[str, list[float]] = {"fused": [], "unfused": []}
+    per_step_cpu: dict[str, list[float]] = {"fused": [], "unfused": []}
+    starts: dict[str, list[float]] = {"fused": [], "unfused": []}
     fused_result = solo_results = None
     for r in range(repeats):
         order = variants[r % len(variants):] + variants[:r % len(variants)]
@@ -162,41 +251,64 @@ def run(family: str, width: int, *, steps: int, batch: int, repeats: int, ray: b
             with tempfile.TemporaryDirectory(prefix="fusion-bench-") as tmp:
                 root = Path(tmp)
                 if v == "fused":
-                    seconds, group = fused(root)
-                    bad = [m for m in group.members if m.state != "complete"]
+                    seconds, group, reads, start = fused(root)
+                    results = list(group.members)
                     fused_result = fused_result or group
+                    per_step[v] += reads.step_seconds([0])  # one clock: member 0's read-backs
+                    per_step_cpu[v] += reads.step_seconds([0], clock=2)
                 elif v == "unfused":
-                    seconds, results = unfused(root)
-                    bad = [m for m in results if m.state != "complete"]
+                    seconds, results, reads, start = unfused(root)
                     solo_results = solo_results or results
+                    per_step[v] += reads.step_seconds(range(width))
+                    per_step_cpu[v] += reads.step_seconds(range(width), clock=2)
                 else:
                     seconds, results = packed(root)
-                    bad = [m for m in results if m.state != "complete"]
+            bad = [m for m in results if m.state != "complete"]
             if bad:
                 raise SystemExit(f"{v} trial {bad[0].number} ended {bad[0].state}: "
                                  f"{bad[0].reason}")
+            if v in starts:
+                starts[v].append(sum(start))
             times[v].append(seconds)
             cpu[v].append(time.process_time() - c0)
             print(f"repeat {r}: {v:>10} {seconds:7.2f} s wall, {cpu[v][-1]:7.2f} s CPU",
                   flush=True)
     assert fused_result is not None and solo_results is not None
+    step_only = step_times(family, width, batch)
     metric = task.metric
     rows = []
     for i, (cfg, s, _) in enumerate(members):
         f, u = fused_result.members[i], solo_results[i]
         rows.append({"number": i, "learning_rate": cfg["learning_rate"], "seed": s,
+                     **first[i],
                      "solo_final_loss": u.loss, "fused_final_loss": f.loss,
-                     "loss_rel_diff": abs(f.loss - u.loss) / max(abs(u.loss), 1e-30),
+                     "loss_rel_diff": _rel(f.loss, u.loss),
                      f"solo_{metric}": u.metrics[metric], f"fused_{metric}": f.metrics[metric]})
+    solo_step = statistics.median(per_step["unfused"])
+    fused_step = statistics.median(per_step["fused"])
     out: dict[str, Any] = {
         "family": family, "width": width, "steps": steps, "batch_size": batch,
         "architecture": arch, "device": f"{jax.devices()[0].platform} x1",
         "memory_per_device": budget, "repeats": repeats, "members": rows,
+        "max_first_step_rel_diff": max(m["first_step_rel_diff"] for m in rows),
+        "steady_speedup": width * solo_step / fused_step,
+        "steady_cpu_speedup": width * statistics.median(per_step_cpu["unfused"])
+        / statistics.median(per_step_cpu["fused"]),
+        "step_speedup": step_only["step_speedup"], "step_only": step_only,
+        "steady": {"log_every": log_every, "solo_step_seconds": _stats(per_step["unfused"]),
+                   "fused_step_seconds": _stats(per_step["fused"]),
+                   "solo_step_cpu_seconds": _stats(per_step_cpu["unfused"]),
+                   "fused_step_cpu_seconds": _stats(per_step_cpu["fused"])},
+        "compile_and_planning_seconds": {
+            "solo": {"planning": solo_planning, "trials_to_first_step": _stats(starts["unfused"]),
+                     "total_median": solo_planning + statistics.median(starts["unfused"])},
+            "fused": {"planning": fusion_planning[0], "group_to_first_step": _stats(
+                starts["fused"]), "total_median": fusion_planning[0]
+                + statistics.median(starts["fused"])},
+        },
         "fused_seconds": min(times["fused"]), "unfused_seconds": min(times["unfused"]),
-        "seconds": {v: {"min": min(t), "median": statistics.median(t), "all": t}
-                    for v, t in times.items()},
-        "cpu_seconds": {v: {"min": min(t), "median": statistics.median(t), "all": t}
-                        for v, t in cpu.items()},
+        "seconds": {v: _stats(t) for v, t in times.items()},
+        "cpu_seconds": {v: _stats(t) for v, t in cpu.items()},
         "fusion_plan": {"width": gplan.width, "peak_bytes_per_device":
                         gplan.peak_bytes_per_device, "compiles": gplan.compiles,
                         "planning_seconds": fusion_planning[0],
@@ -213,6 +325,27 @@ def run(family: str, width: int, *, steps: int, batch: int, repeats: int, ray: b
             out["trials_per_hour"]["ray"] = 3600.0 * width / out["ray"]["elapsed_s"]
     else:
         out["ray"] = {"skipped": "not requested (pass --ray)"}
+    return out
+
+
+def _first_steps(fused: Any, unfused: Any, width: int) -> list[dict[str, float]]:
+    """Per member, fused against solo: the relative difference of the loss step 1 reports
+    (``initial_loss_rel_diff``: the initial parameters), of the loss step 2 reports
+    (``second_loss_rel_diff``: after the first update) and the larger of the two
+    (``first_step_rel_diff``). Two-step runs of both ways, every loss read back, no
+    checkpoints; not timed."""
+    _, group, fused_reads, _ = fused(None, 2, 1)
+    _, results, solo_reads, _ = unfused(None, 2, 1)
+    bad = [m for m in (*group.members, *results) if m.state != "complete"]
+    if bad:
+        raise SystemExit(f"trial {bad[0].number} of the two-step check ended {bad[0].state}: "
+                         f"{bad[0].reason}")
+    out = []
+    for i in range(width):
+        f, u = fused_reads.losses(i), solo_reads.losses(i)
+        initial, second = _rel(f[1], u[1]), _rel(f[2], u[2])
+        out.append({"initial_loss_rel_diff": initial, "second_loss_rel_diff": second,
+                    "first_step_rel_diff": max(initial, second)})
     return out
 
 
@@ -253,6 +386,120 @@ def simulate(family: str, widths: Sequence[int], batch: int, seed: int = 0) -> d
             "kernels": list(costs.kernels), "gain": gains}
 
 
+def compiled_steps(family: str, width: int, batch: int, seed: int = 0,
+                   ) -> tuple[Any, list[tuple[Any, ...]], Any, tuple[Any, ...]]:
+    """``(solo step, [its arguments per member], fused step, its arguments)``: the members of
+    `member_configs` built from their seeds with their learning rates and one batch each from
+    their own streams, the solo step (`scamp_jax.planning.train_step.make_train_step`) and the
+    fused step of all of them (`scamp_jax.planning.fusion.make_fused_step`) compiled on the
+    default device. Nothing is donated, so the arguments can be used again."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from scamp_jax.hpo.runner import make_optimizer
+    from scamp_jax.planning.fusion import make_fused_step, stack_batches
+    from scamp_jax.planning.initial_state import set_hyperparams
+    from scamp_jax.planning.train_step import make_train_step, split_model
+
+    experiment = _experiment(family)
+    space, task = experiment.make_space_and_task(
+        dataclasses.replace(experiment.get_config("smoke"), seed=seed))
+    members = member_configs(family, width, seed)
+    optimizer = make_optimizer(members[0][0])
+    states = []
+    for cfg, s, _ in members:
+        graphdef, params, rest = split_model(space.build(cfg, nnx.Rngs(s)))
+        hyper = {"learning_rate": cfg["learning_rate"]}
+        states.append((params, set_hyperparams(optimizer.init(params), hyper), rest))
+    batches = [next(task.batches(batch, s)) for _, s, _ in members]
+    solo_args = [(*state, b) for state, b in zip(states, batches, strict=True)]
+    fused_args = (*jax.tree.map(lambda *xs: jnp.stack(xs), *states), stack_batches(batches),
+                  jnp.ones(width, bool))
+    solo = jax.jit(make_train_step(graphdef, optimizer, task.loss_fn)).lower(
+        *solo_args[0]).compile()
+    fused = jax.jit(make_fused_step(graphdef, optimizer, task.loss_fn)).lower(
+        *fused_args).compile()
+    return solo, solo_args, fused, fused_args
+
+
+def step_times(family: str, width: int, batch: int, rounds: int = 5,
+               calls: int = 5) -> dict[str, Any]:
+    """The compiled steps alone (`compiled_steps`), no runner around them: seconds of the
+    ``width`` solo steps one after another against one fused step, in interleaved rounds of
+    ``calls`` timed calls each (wall-clock and process CPU, min and median), and
+    ``step_speedup``, the ratio of the medians (solo steps over fused step)."""
+    import jax
+
+    solo, solo_args, fused, fused_args = compiled_steps(family, width, batch)
+    ways = {"solo": lambda: [solo(*a) for a in solo_args], "fused": lambda: fused(*fused_args)}
+    wall: dict[str, list[float]] = {k: [] for k in ways}
+    cpu: dict[str, list[float]] = {k: [] for k in ways}
+    for f in ways.values():
+        jax.block_until_ready(f())
+    for _ in range(rounds):
+        for name, f in ways.items():
+            for _ in range(calls):
+                t0, c0 = time.perf_counter(), time.process_time()
+                jax.block_until_ready(f())
+                wall[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+    out: dict[str, Any] = {f"{name}_seconds": _stats(wall[name]) for name in ways}
+    out.update({f"{name}_cpu_seconds": _stats(cpu[name]) for name in ways})
+    out["step_speedup"] = out["solo_seconds"]["median"] / out["fused_seconds"]["median"]
+    out["step_cpu_speedup"] = (out["solo_cpu_seconds"]["median"]
+                               / out["fused_cpu_seconds"]["median"])
+    return out
+
+
+def conv_forms(width: int = 4, batch: int = 8, side: int = 24,
+               channels: tuple[int, int] = (24, 24),
+               rounds: int = 5, calls: int = 7) -> dict[str, dict[str, float]]:
+    """Seconds of one 3x3 convolution's forward and backward (input and weight gradients) for
+    ``width`` members with their own weights, three ways: each member's alone one after another
+    (``solo x K``), ``jax.vmap`` (JAX's rule: one grouped convolution) and the fused step's form
+    (`scamp_jax.planning.member_ops.member_program` under ``jax.vmap``). Interleaved rounds of
+    ``calls`` timed calls each; min and median wall-clock and process CPU seconds per call."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+
+    from scamp_jax.planning.member_ops import member_program
+
+    rng = np.random.default_rng(0)
+    cin, cout = channels
+    x = jnp.asarray(rng.normal(size=(width, batch, side, side, cin)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(width, 3, 3, cin, cout)) / np.sqrt(9 * cin), jnp.float32)
+
+    def loss(x: jax.Array, w: jax.Array) -> jax.Array:
+        y = lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jnp.abs(y).mean()
+
+    step = jax.value_and_grad(loss, argnums=(0, 1))
+    one, plain, member = (jax.jit(step), jax.jit(jax.vmap(step)),
+                          jax.jit(jax.vmap(member_program(step))))
+    ways = {"solo x K": lambda: [one(x[i], w[i]) for i in range(width)],
+            "vmap (grouped)": lambda: plain(x, w), "fused step's form": lambda: member(x, w)}
+    wall: dict[str, list[float]] = {k: [] for k in ways}
+    cpu: dict[str, list[float]] = {k: [] for k in ways}
+    for f in ways.values():
+        jax.block_until_ready(f())
+    for _ in range(rounds):
+        for name, f in ways.items():
+            for _ in range(calls):
+                t0, c0 = time.perf_counter(), time.process_time()
+                jax.block_until_ready(f())
+                wall[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+    return {name: {"wall_min": min(wall[name]), "wall_median": statistics.median(wall[name]),
+                   "cpu_min": min(cpu[name]), "cpu_median": statistics.median(cpu[name])}
+            for name in ways}
+
+
 def _ray(family: str, members: Sequence[tuple[dict[str, Any], int, str]], steps: int,
          batch: int, budget: int, seed: int, metric: str, direction: str) -> dict[str, Any]:
     from benchmarks.ray_baseline import RayTrialSpec, import_ray, run_ray_baseline
@@ -274,6 +521,30 @@ def _table(report: dict[str, Any], markdown: bool) -> None:
 
     sec, tph = report["seconds"], report["trials_per_hour"]
     cpu = report["cpu_seconds"]
+    steady, prep = report["steady"], report["compile_and_planning_seconds"]
+    k = report["width"]
+    solo_step = steady["solo_step_seconds"]["median"]
+    fused_step = steady["fused_step_seconds"]["median"]
+    print_table(
+        f"{report['family']}: steady state, seconds per step (median of the intervals between "
+        f"read-backs every {steady['log_every']} steps) and what comes before the first step",
+        ["way", "step s", "per member s", "steady speedup", "CPU s per step",
+         "CPU speedup", "planning + to first step s"],
+        [["unfused (one at a time)", f"{solo_step:.4f}", f"{solo_step:.4f}", "1.00x",
+          f"{steady['solo_step_cpu_seconds']['median']:.4f}", "1.00x",
+          f"{prep['solo']['total_median']:.1f}"],
+         [f"fused ({k} members)", f"{fused_step:.4f}", f"{fused_step / k:.4f}",
+          f"{report['steady_speedup']:.2f}x",
+          f"{steady['fused_step_cpu_seconds']['median']:.4f}",
+          f"{report['steady_cpu_speedup']:.2f}x", f"{prep['fused']['total_median']:.1f}"]],
+        markdown)
+    only = report["step_only"]
+    print(f"compiled steps alone ({k} solo steps one after another against one fused step, "
+          f"medians): {only['solo_seconds']['median']:.4f} s against "
+          f"{only['fused_seconds']['median']:.4f} s wall, step_speedup "
+          f"{report['step_speedup']:.2f}x; CPU {only['solo_cpu_seconds']['median']:.4f} s "
+          f"against {only['fused_cpu_seconds']['median']:.4f} s, "
+          f"{only['step_cpu_speedup']:.2f}x")
     rows = []
     for v in sec:
         rows.append([v, f"{sec[v]['min']:.1f}", f"{sec[v]['median']:.1f}",
@@ -288,7 +559,7 @@ def _table(report: dict[str, Any], markdown: bool) -> None:
     plan = report["fusion_plan"]
     print_table(
         f"{report['family']}: {report['width']} trials x {report['steps']} steps, batch "
-        f"{report['batch_size']}, {report['repeats']} repeats (sizing the group: "
+        f"{report['batch_size']}, {report['repeats']} repeats, end to end (sizing the group: "
         f"{plan['compiles']} compiles, {plan['planning_seconds']:.1f} s wall, "
         f"{plan['planning_cpu_seconds']:.1f} s CPU, not in the fused time)",
         ["variant", "min s", "median s", "median CPU s", "trials/h (median)",
@@ -296,11 +567,13 @@ def _table(report: dict[str, Any], markdown: bool) -> None:
     metric = next(k[len("solo_"):] for k in report["members"][0]
                   if k.startswith("solo_") and k != "solo_final_loss")
     print_table(
-        "members: final loss and held-out score, solo vs fused",
-        ["lr", "solo loss", "fused loss", "rel diff", f"solo {metric}", f"fused {metric}"],
-        [[f"{m['learning_rate']:.2e}", f"{m['solo_final_loss']:.6f}",
-          f"{m['fused_final_loss']:.6f}", f"{m['loss_rel_diff']:.1e}",
-          f"{m['solo_' + metric]:.4f}", f"{m['fused_' + metric]:.4f}"]
+        "members: first two steps' losses, final loss and held-out score, solo vs fused",
+        ["lr", "first step rel diff", "solo loss", "fused loss", "rel diff", f"solo {metric}",
+         f"fused {metric}"],
+        [[f"{m['learning_rate']:.2e}", f"{m['first_step_rel_diff']:.1e}",
+          f"{m['solo_final_loss']:.6f}", f"{m['fused_final_loss']:.6f}",
+          f"{m['loss_rel_diff']:.1e}", f"{m['solo_' + metric]:.4f}",
+          f"{m['fused_' + metric]:.4f}"]
          for m in report["members"]], markdown)
 
 
@@ -319,6 +592,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--markdown", action="store_true", help="Markdown tables")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON report here")
+    p.add_argument("--conv-form", choices=("auto", "per_member", "grouped"), default=None,
+                   help="how the fused step runs per-member convolutions (sets "
+                        "SCAMP_FUSED_CONVOLUTIONS; auto: member by member on CPU, one grouped "
+                        "convolution elsewhere)")
+    p.add_argument("--conv", action="store_true",
+                   help="only time one 3x3 convolution's forms: solo x K, vmap (grouped), the "
+                        "fused step's (trains nothing)")
     p.add_argument("--simulate", action="store_true",
                    help="only the modelled gain vs width on the simulator's cluster presets "
                         "(compiles, trains nothing)")
@@ -326,10 +606,32 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.width < 1 or args.repeats < 1:
         p.error(f"--width {args.width} and --repeats {args.repeats} must be at least 1")
 
+    if args.conv_form is not None:
+        import os
+
+        from scamp_jax.planning.member_ops import FORM_VARIABLE
+
+        os.environ[FORM_VARIABLE] = args.conv_form
     from scamp_jax.devices import configure_cpu_devices
 
     configure_cpu_devices(CPU_DEVICES)
     d = DEFAULTS[args.family]
+    if args.conv:
+        from benchmarks._tables import print_table
+
+        forms = conv_forms(args.width, args.batch or DEFAULTS["swinir"]["batch"])
+        base = forms["solo x K"]
+        print_table(
+            f"one 3x3 convolution 24 -> 24 on {args.batch or DEFAULTS['swinir']['batch']} "
+            f"images of 24x24 per member, forward and backward, {args.width} members: "
+            "seconds per call (all members)",
+            ["form", "wall min", "wall median", "CPU min", "CPU median", "median vs solo x K"],
+            [[name, f"{f['wall_min']:.4f}", f"{f['wall_median']:.4f}", f"{f['cpu_min']:.4f}",
+              f"{f['cpu_median']:.4f}", f"{f['wall_median'] / base['wall_median']:.2f}x"]
+             for name, f in forms.items()], args.markdown)
+        if args.json:
+            print(json.dumps(forms, indent=2))
+        return forms
     if args.simulate:
         widths = sorted({1, 2, args.width, 2 * args.width})
         report = simulate(args.family, widths, args.batch or d["batch"])

@@ -363,3 +363,107 @@ def test_a_group_runs_the_planners_fused_step_without_compiling_it_again():
     for run in runs[1:]:
         assert run.losses == runs[0].losses
         assert [m.metrics for m in run.members] == [m.metrics for m in runs[0].members]
+
+
+# --------------------------------------------------------------------------- every family
+
+
+def _family(name: str) -> tuple[Any, Any, list[tuple[Any, ...]]]:
+    """``(build(rngs), loss_fn, [batch of step 1, batch of step 2] per member)`` of a small
+    model of each family, with three members' own data."""
+    import numpy as np
+
+    if name == "mlp":
+        task = Regression()
+        streams = [task.batches(16, seed) for seed in range(3)]
+        return (lambda rngs: SPACE.build({"width": 16}, rngs), task.loss_fn,
+                [[next(s) for _ in range(2)] for s in streams])
+    if name == "vit":
+        from search_spaces import vit
+
+        task = vit.SyntheticClassificationTask(image_size=16, num_classes=5, eval_size=8)
+        streams = [task.batches(8, seed) for seed in range(3)]
+        return (lambda rngs: vit.ViT(image_size=16, patch_size=4, num_classes=5, embed_dim=16,
+                                     depth=1, num_heads=2, mlp_ratio=2.0, rngs=rngs),
+                task.loss_fn, [[next(s) for _ in range(2)] for s in streams])
+    from search_spaces import swinir
+    from search_spaces.sr_task import l1_loss
+
+    rng = np.random.default_rng(0)  # a shifted window (8 > 4) and every convolution kind
+    batches = [[(rng.uniform(size=(2, 8, 8, 3)).astype(np.float32),
+                 rng.uniform(size=(2, 16, 16, 3)).astype(np.float32)) for _ in range(2)]
+               for _ in range(3)]
+    return (lambda rngs: swinir.SwinIR(img_size=8, embed_dim=12, depths=(2,), num_heads=(3,),
+                                       window_size=4, mlp_ratio=1.0, upscale=2,
+                                       upsampler="pixelshuffledirect", rngs=rngs),
+            l1_loss, batches)
+
+
+@pytest.mark.parametrize("family", ["mlp", "vit", "swinir"])
+def test_first_fused_steps_equal_the_solo_steps(family: str) -> None:
+    """Members with their own seeds, learning rates and data: the losses of the first two fused
+    steps (the initial parameters; after the first update) equal each solo step's within 1e-6
+    relative."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from scamp_jax.planning.fusion import make_fused_step, stack_batches
+    from scamp_jax.planning.initial_state import set_hyperparams
+    from scamp_jax.planning.train_step import make_train_step, split_model
+
+    build, loss_fn, batches = _family(family)
+    lrs = (1e-3, 3e-3, 1e-2)
+    optimizer = make_optimizer({"learning_rate": lrs[0]})
+    states = []
+    for seed, lr in enumerate(lrs):
+        graphdef, params, rest = split_model(build(nnx.Rngs(seed)))
+        opt_state = set_hyperparams(optimizer.init(params), {"learning_rate": lr})
+        states.append((params, opt_state, rest))
+    solo = jax.jit(make_train_step(graphdef, optimizer, loss_fn))
+    fused = jax.jit(make_fused_step(graphdef, optimizer, loss_fn))
+    solo_losses = []
+    for i, state in enumerate(states):
+        p, o, r = jax.tree.map(jnp.copy, state)
+        losses = []
+        for batch in batches[i]:
+            p, o, r, loss = solo(p, o, r, batch)
+            losses.append(float(loss))
+        solo_losses.append(losses)
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+    active = jnp.ones(len(lrs), bool)
+    fused_losses = []
+    for t in range(2):
+        *stacked, losses = fused(*stacked, stack_batches([b[t] for b in batches]), active)
+        fused_losses.append(np.asarray(losses))
+    worst = max(rel(float(fused_losses[t][i]), solo_losses[i][t])
+                for i in range(len(lrs)) for t in range(2))
+    assert worst <= 1e-6, (family, worst, fused_losses, solo_losses)
+    assert len({round(v[1], 7) for v in solo_losses}) == len(lrs)  # the members differ
+
+
+def test_a_fused_swinir_step_has_no_grouped_convolution_on_cpu_and_one_per_conv_elsewhere():
+    """On CPU every convolution of the fused step (forward, input and weight gradients) runs
+    once per member, as its solo run's; lowered for a GPU each is one grouped convolution."""
+    import re
+
+    from scamp_jax.planning.fusion import make_fused_step, stack_abstract
+    from scamp_jax.planning.train_step import abstract_state, split_model
+
+    build, loss_fn, batches = _family("swinir")
+    model = nnx.eval_shape(lambda: build(nnx.Rngs(0)))
+    optimizer = make_optimizer({"learning_rate": 1e-3})
+    width = 3
+    args = [stack_abstract(t, width) for t in abstract_state(model, optimizer)]
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((width, *x.shape), x.dtype),
+                         batches[0][0])
+    active = jax.ShapeDtypeStruct((width,), bool)
+    graphdef = split_model(model)[0]
+    traced = jax.jit(make_fused_step(graphdef, optimizer, loss_fn)).trace(*args, batch, active)
+
+    def groups(platform: str) -> list[int]:
+        text = traced.lower(lowering_platforms=(platform,)).as_text()
+        return [int(n) for n in re.findall(r"feature_group_count = (\d+)", text)]
+
+    cpu, gpu = groups("cpu"), groups("cuda")
+    assert cpu and set(cpu) == {1}, cpu
+    assert set(gpu) == {width} and len(cpu) == width * len(gpu), (cpu, gpu)

@@ -18,7 +18,9 @@ The fused step is ``jax.vmap`` of the project's own training step
 
 Because every member's computation is the solo step's, a member trained in a group follows its
 solo run: same initial parameters (same seed), same batches, same updates, up to the rounding of
-vmapped kernels (the test measures it).
+vmapped kernels (the test measures it). Convolutions are the one operation run differently from
+``jax.vmap``'s own rule: on CPU one per member, each the solo run's, elsewhere one grouped
+convolution (`scamp_jax.planning.member_ops` says why).
 
 Planning (`plan_fusion`) sizes a group as the planner sizes a trial: from compiling the fused
 step on abstract arguments and reading XLA's memory analysis: the widest ``K`` (up to a cap) that
@@ -47,6 +49,7 @@ from jax.sharding import NamedSharding
 from scamp_jax._units import format_bytes
 from scamp_jax.planning import sharding as sh
 from scamp_jax.planning.compile_options import Purpose, compile_options, platform_of
+from scamp_jax.planning.member_ops import convolution_form, member_program
 from scamp_jax.planning.memory import MemoryEstimate
 from scamp_jax.planning.plan_cache import PlanCache, cache_key, device_identity, program_signature
 from scamp_jax.planning.planner import (
@@ -100,7 +103,7 @@ def _keep(active: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
 
 #: Part of every cached fused point's key: bumped when the fused step's program changes, so a
 #: plan cache never answers with the memory of an older fused step.
-FUSED_STEP_VERSION = 1
+FUSED_STEP_VERSION = 2
 
 
 def make_fused_step(
@@ -108,17 +111,18 @@ def make_fused_step(
     optimizer: optax.GradientTransformation,
     loss_fn: LossFn = default_loss,
 ) -> FusedStep:
-    """The pure fused step: `make_train_step`'s step vmapped over the leading member axis.
-
-    A vmapped convolution becomes a grouped one, whose weight gradients may sum in another
-    order than the solo step's (``benchmarks/fusion_precision.py`` measures the difference).
+    """The pure fused step: `make_train_step`'s step vmapped over the leading member axis, its
+    convolutions run by `scamp_jax.planning.member_ops.member_program` (on CPU one per member,
+    the solo step's own; elsewhere one grouped convolution). Every other operation is
+    ``jax.vmap``'s, so a member's losses match its solo run's to float rounding
+    (``python -m benchmarks.fusion_precision --ops`` measures it op by op).
 
     ``fused(params, opt_state, rest, batch, active)`` takes every state leaf stacked ``(K, ...)``,
     every batch leaf ``(K, B, ...)`` and ``active`` a ``(K,)`` bool array, and returns the updated
     ``(params, opt_state, rest)`` (inactive members unchanged) and the ``(K,)`` float32 losses
     before the update (an inactive member's loss is computed but means nothing).
     """
-    vstep = jax.vmap(make_train_step(graphdef, optimizer, loss_fn))
+    vstep = jax.vmap(member_program(make_train_step(graphdef, optimizer, loss_fn)))
 
     def fused(params: PyTree, opt_state: PyTree, rest: PyTree, batch: PyTree,
               active: jax.Array):
@@ -296,6 +300,7 @@ class FusedStepCompiler:
                                  is_leaf=lambda x: isinstance(x, NamedSharding))
             self._cache_parts = {
                 "kind": "fused_peaks", "fused_step": FUSED_STEP_VERSION,
+                "convolutions": convolution_form(),
                 "signature": program_signature(model, sample_batch, self.optimizer, loss_fn),
                 "devices": device_identity(plan.devices),
                 "mesh": [plan.data_parallel, plan.model_parallel],
