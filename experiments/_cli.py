@@ -316,16 +316,19 @@ def run(
     *,
     baseline: str | None,
     title: str,
+    preset_for: Callable[[str], HPOConfig] | None = None,
 ) -> dict[str, Any]:
     """Check the flags, set up devices, build ``(space, task) = make(config)``, run the study.
 
+    ``preset_for(platform)``: the settings for a pool of that platform's devices, once the
+    pool is known (an experiment's preset for accelerators; None: ``config`` everywhere).
     User errors exit with status 2 and a one-line message (`user_errors`); every check that
     needs no study runs before the study database is created.
     """
     with user_errors():
         check_study_dir(config.study_dir)
         check_storage(config.storage, config.study_dir)
-        return _run(args, config, make, baseline=baseline, title=title)
+        return _run(args, config, make, baseline=baseline, title=title, preset_for=preset_for)
 
 
 def pool_size(args: argparse.Namespace, config: HPOConfig, platform: str) -> int | None:
@@ -344,6 +347,7 @@ def _run(
     *,
     baseline: str | None,
     title: str,
+    preset_for: Callable[[str], HPOConfig] | None = None,
 ) -> dict[str, Any]:
     from scamp_jax._units import parse_bytes
     from scamp_jax.devices import configure_cpu_devices, configure_device_memory
@@ -362,6 +366,8 @@ def _run(
     from scamp_jax.planning.budget import Budget
 
     devices = planner.resolve_devices(pool_size(args, config, jax.devices()[0].platform))
+    if preset_for is not None:
+        config = preset_for(devices[0].platform)  # the preset for these devices, flags on top
     if not explicit and devices[0].platform != "cpu":
         memory = None  # accelerators: the preset's CPU budget gives way to the device's pool
     if memory is None and devices[0].platform == "cpu":
