@@ -326,31 +326,37 @@ def run(
     *,
     baseline: str | None,
     title: str,
+    preset_for: Callable[[str], HPOConfig] | None = None,
 ) -> dict[str, Any]:
     """Check the flags, set up devices, build ``(space, task) = make(config)``, run the study.
 
+    ``preset_for(platform)``: the settings for a pool of that platform's devices, once the
+    pool is known (an experiment's preset for accelerators; None: ``config`` everywhere).
     User errors exit with status 2 and a one-line message (`user_errors`); every check that
     needs no study runs before the study database is created.
     """
     with user_errors():
         if getattr(args, "plan_only", False):
-            return plan_only(args, config, make)
+            return plan_only(args, config, make, preset_for=preset_for)
         if getattr(args, "target", None) is not None:
             fail("--target plans for GPUs this machine does not have, which cannot train; add "
                  "--plan-only, or leave --target out to train on this machine's devices")
         check_study_dir(config.study_dir)
         check_storage(config.storage, config.study_dir)
-        return _run(args, config, make, baseline=baseline, title=title)
+        return _run(args, config, make, baseline=baseline, title=title, preset_for=preset_for)
 
 
 def plan_only(
     args: argparse.Namespace,
     config: HPOConfig,
     make: Callable[[HPOConfig], tuple[Any, Any]],
+    *,
+    preset_for: Callable[[str], HPOConfig] | None = None,
 ) -> dict[str, Any]:
     """``--plan-only``: plan the first ``--trials`` candidates of a new study on the pool (or on
     ``--devices`` GPUs of ``--target``), print a table, train nothing
-    (`scamp_jax.hpo.preview.plan_candidates`)."""
+    (`scamp_jax.hpo.preview.plan_candidates`); ``preset_for`` as in `run`, for the planned
+    devices' platform."""
     target_name = getattr(args, "target", None)
     if target_name is not None:
         if args.devices is None:
@@ -378,6 +384,8 @@ def plan_only(
     else:
         devices = planner.resolve_devices(pool_size(args, config, jax.devices()[0].platform))
         where = f"{len(devices)} x {devices[0].device_kind}"
+    if preset_for is not None:
+        config = preset_for(devices[0].platform)
     budget = pool_budget(args, config, devices, None if config.memory_per_device is None
                          else parse_bytes(config.memory_per_device))
     space, task = make(config)
@@ -424,6 +432,7 @@ def _run(
     *,
     baseline: str | None,
     title: str,
+    preset_for: Callable[[str], HPOConfig] | None = None,
 ) -> dict[str, Any]:
     from scamp_jax._units import parse_bytes
     from scamp_jax.devices import configure_cpu_devices, configure_device_memory
@@ -441,6 +450,8 @@ def _run(
     from scamp_jax.planning import planner
 
     devices = planner.resolve_devices(pool_size(args, config, jax.devices()[0].platform))
+    if preset_for is not None:
+        config = preset_for(devices[0].platform)  # the preset for these devices, flags on top
     budget = pool_budget(args, config, devices, memory)
     space, task = make(config)  # reads the image folders: before any study exists
     # Under mpirun with several ranks the same session spans them: rank 0 serves the study.

@@ -23,6 +23,7 @@ and ``fusion_width`` are in the results (under ``mpirun`` each rank fuses its ow
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,19 +35,31 @@ PRESETS = ("smoke", "default", "paper")
 CPU_POOL_DEVICES = 2
 
 
+#: The default preset on accelerators (`accelerator_default`): trials (a warm start and two
+#: fused families of 8 proposals' siblings, minus one), each trial's batch cap, the batch its
+#: steps refer to and its training samples.
+ACCEL_TRIALS = 16
+ACCEL_BATCH_CAP = 1024
+ACCEL_REFERENCE_BATCH = 64
+ACCEL_SAMPLES = 64_000
+
+
 #: A small model and learning rate that beat bicubic within the default preset's 4,000 training
 #: samples on CPU; a new default study evaluates it first (a warm start), then TPE explores.
 WARM_START = {"embed_dim": 24, "num_groups": 1, "group_depth": 2, "num_heads": 2,
               "window_size": 8, "mlp_ratio": 2.0, "learning_rate": 3e-3}
 
 
-def get_config(preset: str = "default") -> HPOConfig:
-    """The experiment's settings for ``preset`` (``"smoke"``, ``"default"`` or ``"paper"``).
+def get_config(preset: str = "default", platform: str = "cpu") -> HPOConfig:
+    """The experiment's settings for ``preset`` (``"smoke"``, ``"default"`` or ``"paper"``) on a
+    pool of ``platform`` devices (``jax.Device.platform``; the command line passes its pool's).
 
     On CPU every trial's batch is capped (compute per trial stays small on 2 cores); the
     planner still decides each trial's devices, model-parallel degree, batch up to the cap and
-    predicted memory.
+    predicted memory. On accelerators the default preset is `accelerator_default`.
     """
+    if preset == "default" and platform != "cpu":
+        return accelerator_default()
     if preset == "smoke":
         return HPOConfig(preset="smoke", trials=3, steps=100, reference_batch=8,
                          max_batch_size=8, devices=None, memory_per_device="1GiB",
@@ -70,6 +83,30 @@ def get_config(preset: str = "default") -> HPOConfig:
                          checkpoint_every=1000, eval_every=5000, pruner="median",
                          study_dir=STUDY_DIR, space_variant="paper", devices_per_trial=4)
     raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+
+
+def accelerator_default() -> HPOConfig:
+    """The default preset on accelerators: every device of the backend, each with the pool the
+    allocator policy gives it (`scamp_jax.devices`: the device's own memory), and each trial's
+    batch the largest its device holds up to ACCEL_BATCH_CAP, where the CPU preset caps it at 4.
+
+    A study on accelerators fuses by default (`SearchSettings.on_platform`): the sampler's
+    proposals come with siblings of their architecture, up to 8 trained as one vmapped step
+    on one device, so a device's memory fills with groups rather than with trials that take
+    turns on its one compute stream. ``reference_batch`` keeps the samples per trial at
+    ACCEL_SAMPLES whatever batch a trial's memory allows (fewer, larger steps).
+    """
+    return HPOConfig(preset="default", trials=ACCEL_TRIALS,
+                     steps=ACCEL_SAMPLES // ACCEL_REFERENCE_BATCH,
+                     reference_batch=ACCEL_REFERENCE_BATCH, max_batch_size=ACCEL_BATCH_CAP,
+                     devices=None, memory_per_device=None, checkpoint_every=100,
+                     study_dir=STUDY_DIR, pruner="none", initial_params=(WARM_START,))
+
+
+def config_for(args: argparse.Namespace, platform: str = "cpu") -> HPOConfig:
+    """The command line's settings: its flags on top of ``--preset`` for a pool of
+    ``platform`` devices."""
+    return config_from_args(args, get_config(args.preset, platform), STUDY_DIR)
 
 
 def make_space_and_task(config: HPOConfig) -> tuple[Any, Any]:
@@ -109,8 +146,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Parse flags, run the study, write the report; returns the run summary."""
     args = parser().parse_args(argv)
-    config = config_from_args(args, get_config(args.preset), STUDY_DIR)
-    return run(args, config, make_space_and_task, baseline="bicubic_psnr", title="SwinIR HPO")
+    return run(args, config_for(args), make_space_and_task, baseline="bicubic_psnr",
+               title="SwinIR HPO", preset_for=functools.partial(config_for, args))
 
 
 if __name__ == "__main__":

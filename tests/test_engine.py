@@ -359,11 +359,12 @@ def test_a_batch_floor_moves_a_plan_to_more_devices_and_bounds_replans():
     from scamp_jax.hpo.engine import PlannedTrial
     from scamp_jax.hpo.out_of_memory import next_request, plan_again
     from scamp_jax.hpo.study import AskedTrial
+    from scamp_jax.hpo.units import SoloUnit
 
     floored = engine(min_batch_size=24)
     planned = PlannedTrial(AskedTrial(0, ok(), "trial_0"), plan, 2, 0)
-    request = next_request(floored.planning.core_plan(planned), None, floored.core.capacity,
-                           devices=4, min_batch=24)
+    request = next_request(SoloUnit(planned).trial_plan(floored.planning), None,
+                           floored.core.capacity, devices=4, min_batch=24)
     assert request is not None and (request.devices, request.max_batch) == (4, plan.batch_size)
     retry = plan_again(floored.planning, planned, request)
     assert retry is not None and retry.devices == 4 and retry.plan.batch_size >= 24

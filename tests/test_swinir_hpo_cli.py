@@ -88,6 +88,42 @@ def test_presets_are_typed_and_distinct():
         swinir_hpo.get_config("x")
 
 
+def test_the_default_preset_takes_each_trials_batch_from_memory_on_accelerators():
+    """On accelerators the default preset caps no batch at the CPU's 4: every GPU with its own
+    pool, batches up to a large cap, the same samples per trial at any batch, fusion by default;
+    the CPU default stays as it was. The platform is an input: no GPU needed."""
+    cpu = swinir_hpo.get_config("default")
+    assert swinir_hpo.get_config("default", platform="cpu") == cpu
+    assert (cpu.trials, cpu.steps, cpu.reference_batch, cpu.max_batch_size, cpu.devices,
+            cpu.memory_per_device, cpu.max_running_trials, cpu.fuse) == (
+        6, 1000, 4, 4, swinir_hpo.CPU_POOL_DEVICES, "32MiB", None, None)
+    for platform in ("gpu", "tpu"):
+        accel = swinir_hpo.get_config("default", platform=platform)
+        assert accel.preset == "default" and accel.study_dir == cpu.study_dir
+        assert (accel.devices, accel.memory_per_device) == (None, None)  # every device, its pool
+        assert accel.max_batch_size >= 256 * cpu.max_batch_size
+        # Samples per trial whatever batch its memory allows, more than on CPU.
+        samples = accel.steps * accel.reference_batch
+        assert samples >= 10 * cpu.steps * cpu.reference_batch
+        assert accel.steps_for(accel.max_batch_size) * accel.max_batch_size >= samples
+        assert accel.max_running_trials == "auto"  # no cap on accelerators
+        assert accel.initial_params == cpu.initial_params
+        fused = accel.on_platform(platform)
+        assert fused.fuse == "auto" and fused.source_kwargs()["siblings"] == 7
+    for preset in ("smoke", "paper"):
+        assert swinir_hpo.get_config(preset, platform="gpu") == swinir_hpo.get_config(preset)
+
+
+def test_flags_apply_on_top_of_the_preset_for_the_pools_platform():
+    args = swinir_hpo.parser().parse_args(["--max-batch-size", "16", "--fuse", "1"])
+    gpu = swinir_hpo.config_for(args, "gpu")
+    assert (gpu.max_batch_size, gpu.fuse, gpu.memory_per_device) == (16, 1, None)
+    assert gpu.on_platform("gpu").fuse == 1  # --fuse 1 keeps fusion off on a GPU
+    assert swinir_hpo.config_for(args, "cpu").memory_per_device == "32MiB"
+    default = swinir_hpo.config_for(swinir_hpo.parser().parse_args([]), "gpu")
+    assert default == swinir_hpo.accelerator_default()
+
+
 @pytest.mark.parametrize("argv, platform, pool", [
     ([], "cpu", swinir_hpo.CPU_POOL_DEVICES), ([], "gpu", None),
     (["--devices", "3"], "cpu", 3), (["--devices", "3"], "gpu", 3),

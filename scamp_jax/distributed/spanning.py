@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +40,10 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from scamp_jax.hpo.lifecycle import MemberSpec, Schedule
 from scamp_jax.hpo.runner import RunSpec, make_optimizer, run_trial
 from scamp_jax.hpo.study.trials import TrialOutcome
-from scamp_jax.hpo.trial import RunResult, TrialStatus, trial_seed
+from scamp_jax.hpo.trial import RunResult, TrialStatus
 from scamp_jax.planning import planner
 from scamp_jax.planning.budget import Budget
 from scamp_jax.planning.train_step import StepShardings
@@ -297,22 +298,12 @@ def _run_booked(trial: SpanningTrial, space: Any, task: Any, config: Any, sub: A
     from scamp_jax.distributed.data_parallel import mpi_mean
 
     plan = one_device_plan(space, trial.params, trial.plan.batch_per_rank, jax.local_devices()[0])
-    spec = RunSpec(
-        number=trial.number,
-        params=trial.params,
-        plan=plan,
-        steps=config.steps_for(trial.plan.global_batch),
-        memory_per_device=config.need_budget().memory_per_device,
-        booked_bytes=trial.plan.booked_bytes,
-        checkpoint_dir=checkpoint_root / trial.checkpoint_key if checkpoint_root else None,
-        checkpoint_every=config.checkpoint_every,
-        eval_every=0,
-        log_every=config.log_every,
-        seed=trial_seed(config.seed, trial.checkpoint_key),
-        grad_reduce=mpi_mean(sub),
-        batch_share=(index, parts),
-        save_checkpoints=index == 0,
-    )
+    # No intermediate evaluations (the ranks would each report); one rank writes checkpoints.
+    schedule = replace(Schedule.of(config, trial.plan.global_batch, trial.plan.booked_bytes),
+                       eval_every=0, save=index == 0)
+    spec = RunSpec.of(MemberSpec.of(trial, config.seed, checkpoint_root), plan, schedule,
+                      config.need_budget().memory_per_device, grad_reduce=mpi_mean(sub),
+                      batch_share=(index, parts))
     return run_trial(spec, space, task, status=TrialStatus(trial.number, trial.params))
 
 

@@ -8,11 +8,13 @@
   that failed before training a step goes back to the devices and plan it trained on;
 - a fused group: every member is told on its own;
 - otherwise the trial is told to the study with its record (``results.json``); an interrupted
-  one is given back (a re-run resumes it).
+  one is given back (a re-run resumes it), as are all unfinished trials when the engine stops
+  (`Endings.give_back`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -22,8 +24,8 @@ from typing import Any
 from scamp_jax.hpo.out_of_memory import OutOfMemory
 from scamp_jax.hpo.study.trials import TrialOutcome, TrialSource
 from scamp_jax.hpo.trial import PlannedTrial, RunResult
+from scamp_jax.hpo.units import SoloUnit
 from scamp_jax.scheduling.core import SchedulingCore
-from scamp_jax.scheduling.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ class Endings:
       records: this run's `scamp_jax.hpo.engine.TrialRecord` per trial number.
       now: seconds since this run began.
       decide: ``decide(now)``: let the core place what it can.
-      start: ``start(placement, planned, now)``: start a solo run.
+      start: ``start(unit, device_ids, now)``: start a unit's run on the pool's devices.
       queue: ``queue(planned)``: a planned trial waits for devices again.
       replan: ``replan(planned, request)``: plan ``planned`` again in a planner thread
         (`scamp_jax.hpo.out_of_memory.plan_again`).
@@ -51,7 +53,7 @@ class Endings:
     def __init__(self, source: TrialSource, metric: str, config: Any, core: SchedulingCore,
                  records: Mapping[int, Any], now: Callable[[], float],
                  decide: Callable[[float], None],
-                 start: Callable[[Placement, PlannedTrial, float], None],
+                 start: Callable[[SoloUnit, Sequence[int], float], None],
                  queue: Callable[[PlannedTrial], None],
                  replan: Callable[[PlannedTrial, Any], None],
                  notify: Callable[[], None]) -> None:
@@ -85,7 +87,7 @@ class Endings:
         if restart is not None and result.state == "interrupted":
             record.status.resizes += 1
             record.restarted = replace(restart, since=time.monotonic())
-            self.start(restart.placement, restart.grown, self.now())
+            self.start(SoloUnit(restart.grown), restart.placement.device_ids, self.now())
             return
         restart, record.restarted = record.restarted, None
         if (restart is not None and result.state in ("oom", "failed")
@@ -99,7 +101,7 @@ class Endings:
             self.core.move_back(now, number, restart.old_placement.device_ids,
                                 restart.old_plan)
             record.show_plan(restart.before.plan)
-            self.start(restart.old_placement, restart.before, now)
+            self.start(SoloUnit(restart.before), restart.old_placement.device_ids, now)
             return
         now = self.now()
         record.times["finished_at"] = now
@@ -133,6 +135,24 @@ class Endings:
                 continue
             self.report(planned, r)
         self.decide(now)
+
+    def give_back(self, runs: Sequence[Any], waiting: Sequence[int],
+                  notice: Callable[[str], None] | None = None) -> None:
+        """Stop ``runs`` (`scamp_jax.hpo.launch.Run`: they checkpoint at their next step) and
+        give their members and the trials ``waiting`` (planned, queued or held, not running)
+        back to the study, each once: whatever a stopped run says, its trials are unfinished.
+        ``notice``: told what happens to the running trials (a Ctrl-C's user)."""
+        for run in runs:
+            run.stop.set()
+        if notice is not None and runs:
+            trials = sum(len(run.members) for run in runs)  # a fused group's members each
+            notice(f"stopping: {trials} running trial(s) end at their next step (with a "
+                   "checkpoint where checkpoints are on) and go back to the study, where a "
+                   "re-run resumes them; Ctrl-C again stops at once")
+        cf.wait([run.future for run in runs])
+        running = [m.number for run in runs for m in run.members]
+        for number in dict.fromkeys([*running, *waiting]):  # once each
+            self.source.interrupt(number)
 
     def report(self, planned: PlannedTrial, result: RunResult) -> None:
         """Tell the study how ``planned`` ended (an interrupted one is given back)."""

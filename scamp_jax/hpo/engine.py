@@ -9,23 +9,27 @@ actions out; the cluster simulator drives the same core). This module is the loo
 2. plan each one in the planner threads (`planner.plan_mesh`, cached per architecture): device
    count, model-parallel degree, the largest batch that fits, the predicted peak per device, and
    the step's FLOPs per device from ``cost_analysis()`` of the lowered step;
-3. feed the core its events: a plan ready, a run's measured seconds per step, a run ended, the
-   last wave begun; the core books the pool (usable bytes per device) and answers with trials to
-   start on device ids, or larger plans to compile first (last-wave growth);
-4. run each started trial in a worker thread on its own sub-mesh (`runner.run_trial`);
-5. when a trial ends, tell the study. An out-of-memory trial is re-planned in the planner
+3. feed the core its events: a unit planned, a run's measured seconds per step, a run ended,
+   the last wave begun; the core books the pool (usable bytes per device) and answers with
+   units to start on device ids, or larger plans to compile first (last-wave growth);
+4. run each started unit in a worker thread on its own sub-mesh (`scamp_jax.hpo.units`);
+5. when a unit ends, tell the study. An out-of-memory trial is re-planned in the planner
    threads (never on this loop's thread) at a batch scaled by the bytes its run measured, or on
-   twice the devices, and queued again;
+   twice the devices, and queued again (`scamp_jax.hpo.out_of_memory`);
 6. at the end of the study, on accelerators, restart running trials from a checkpoint on the
-   devices that fell idle, with the same global batch (the core's `resizes`);
-7. with ``EngineConfig.fuse``, group planned trials of one architecture into fused groups, each
-   one scheduled unit (`scamp_jax.hpo.fused_engine`).
+   devices that fell idle, with the same global batch (the core's `resizes`).
+
+What the core schedules is a *unit* (`scamp_jax.hpo.units.Unit`): a solo trial or a fused group
+of trials of one architecture, each of which owns its queueing, run spec, start and end. How
+asked trials become units is the engine's `scamp_jax.hpo.units.UnitKind`, chosen once from
+``EngineConfig.fuse``: `scamp_jax.hpo.units.SoloTrials` or the grouping service
+`scamp_jax.hpo.fused_engine.FusionService`.
 
 The engine is composed, not mixed: it holds a `PlanningService` (plans, their cache and costs,
-in the planner threads), a `FusionService` (grouping, with ``fuse``) and a `TailResizer`
-(restarts at the end, on accelerators), and while it runs one `TrialRecord` per trial (its
-status, plan while queued, run, timeline, restarts) and one map of the work in flight (`Work`:
-plans, re-plans, runs, groups being sized).
+in the planner threads), its unit kind and a `TailResizer` (restarts at the end, on
+accelerators), and while it runs one `TrialRecord` per trial (`scamp_jax.hpo.record`), the
+queued units by key and the work in flight (`scamp_jax.hpo.work.Work`: plans, re-plans, runs,
+groups being sized, each with the handler of its end).
 
 Each trial's record (``results.json``) holds what the core was fed, so a finished study can be
 replayed through it (`scamp_jax.scheduling.replay`).
@@ -35,8 +39,8 @@ replayed through it (`scamp_jax.scheduling.replay`).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -45,34 +49,30 @@ from typing import Any
 
 import jax
 
+from scamp_jax.hpo import work
 from scamp_jax.hpo.calibration import Calibration
 from scamp_jax.hpo.endings import Endings
 from scamp_jax.hpo.fused_engine import FusionService
 from scamp_jax.hpo.intake import BudgetTooSmallError, Intake
-from scamp_jax.hpo.launch import Launcher, Run
+from scamp_jax.hpo.launch import Launcher
 from scamp_jax.hpo.out_of_memory import plan_again
 from scamp_jax.hpo.plan_service import PlanningService
-from scamp_jax.hpo.resizing import Restart, TailResizer
+from scamp_jax.hpo.record import TrialRecord
+from scamp_jax.hpo.resizing import TailResizer
 from scamp_jax.hpo.runner import StepCache
 from scamp_jax.hpo.settings import EngineConfig
 from scamp_jax.hpo.study.trials import AskedTrial, TrialOutcome, TrialSource
-from scamp_jax.hpo.trial import (
-    PlannedTrial,
-    RunResult,
-    TrialDeferred,
-    TrialStatus,
-    booked_bytes,
-    fusion_cap,
-)
+from scamp_jax.hpo.trial import PlannedTrial, TrialDeferred, TrialStatus, fusion_cap
+from scamp_jax.hpo.units import SoloTrials, SoloUnit, Unit, UnitKind
 from scamp_jax.planning import planner
 from scamp_jax.planning.budget import Budget
 from scamp_jax.planning.compile_options import cpu_rough_options
 from scamp_jax.planning.compile_slots import COMPILE_SLOTS
 from scamp_jax.planning.plan_cache import PlanCache
-from scamp_jax.scheduling.core import PlanOption, SchedulingCore, Start, TrialPlan
+from scamp_jax.scheduling.core import PlanOption, SchedulingCore
 from scamp_jax.scheduling.costs import attainable_flops
 from scamp_jax.scheduling.host import default_max_running
-from scamp_jax.scheduling.placement import FixedPolicy, Placement, ScampPolicy, make_policy
+from scamp_jax.scheduling.placement import FixedPolicy, ScampPolicy, make_policy
 from scamp_jax.space import SearchSpace, Task
 
 __all__ = ["BudgetTooSmallError", "EngineConfig", "PlanFn", "PlannedTrial", "SearchEngine",
@@ -80,138 +80,6 @@ __all__ = ["BudgetTooSmallError", "EngineConfig", "PlanFn", "PlannedTrial", "Sea
 
 log = logging.getLogger(__name__)
 PlanFn = Callable[..., Any]
-
-
-#: Handling order of work that finishes at once: plans by trial number, then runs.
-_ORDER = {"plan": 0, "option": 1, "replan": 2, "verify": 2, "run": 3, "group": 3, "size": 3}
-
-
-@dataclass(frozen=True)
-class Work:
-    """What a future in flight is: ``plan`` (an `AskedTrial` being planned), ``option`` (a
-    `PlanOption`), ``replan`` (a `PlannedTrial` after out of memory), ``run`` / ``group`` (the
-    key of a running unit), ``size`` (the members of a group sized at its own width) or
-    ``verify`` (a `PlannedTrial` whose provisional plan is planned again to train alone)."""
-
-    kind: str
-    payload: Any
-
-    def order(self) -> tuple[int, int]:
-        """Sort key among futures done at once (a fixed order, whatever finished first)."""
-        p = self.payload
-        key = {"plan": lambda: p.number, "replan": lambda: p.number,
-               "verify": lambda: p.number, "option": lambda: p.key,
-               "run": lambda: p, "group": lambda: p}.get(self.kind, lambda: -1)()
-        return _ORDER[self.kind], key
-
-
-@dataclass
-class TrialRecord:
-    """Everything the search loop knows of one trial while it runs (one record per trial).
-
-    ``planned``: its plan while it waits in the core's queue; ``grown``: its plans on more
-    devices the core asked for (by device count); ``run``: the unit it runs in; ``times``: its
-    timeline (planned/started/finished, placements, measured paces, the core's plan);
-    ``next_pace``: steps at which its pace is next fed; ``earlier_wall``: seconds of its earlier
-    runs (restarts); ``oom``: its out-of-memory result while it is re-planned; ``resizing`` /
-    ``restarted``: a restart on more devices decided / started; ``group``, ``width``: its fused
-    group (None: alone); ``solo_only``: its group ran out of memory, it runs alone;
-    ``booked_allowance``: the allowance its run's booking carries; ``calibrated``: the last
-    measured peak the loop learnt from (`scamp_jax.hpo.calibration`).
-    """
-
-    status: TrialStatus
-    asked: AskedTrial
-    steps_for: Callable[[int], int] = lambda batch: 0
-    planned: PlannedTrial | None = None
-    grown: dict[int, Any] = field(default_factory=dict)
-    run: Run | None = None
-    times: dict[str, Any] = field(default_factory=lambda: {"placements": [], "pace": []})
-    next_pace: int = 2
-    earlier_wall: float = 0.0
-    oom: RunResult | None = None
-    resizing: Restart | None = None
-    restarted: Restart | None = None
-    group: int | None = None
-    width: int = 1
-    solo_only: bool = False
-    booked_allowance: int = 0
-    calibrated: int | None = None
-
-    def show_plan(self, plan: Any) -> None:
-        """Record ``plan``'s degrees, batch, booking and steps in the status."""
-        status = self.status
-        status.model_parallel = int(plan.model_parallel)
-        status.batch_size = int(plan.batch_size)
-        status.predicted_peak_bytes = booked_bytes(plan)
-        status.steps = self.steps_for(status.batch_size)
-
-    def queued(self, now: float, plan: TrialPlan, kind: str = "planned") -> None:
-        """Event: the scheduling core holds this trial (or its group, keyed by it) as ``plan``
-        (``kind``: ``"planned"``, or ``"requeued"`` after an out-of-memory re-plan)."""
-        self.times.setdefault("planned_at", now)
-        self.times["plan"] = plan.as_dict()
-        self.log(kind, now, plan.as_dict())
-
-    def log(self, kind: str, now: float, *data: Any) -> None:
-        """Record an event the scheduling core was fed for this trial (or its group):
-        ``[kind, seconds since the run's start, *data]`` (`scamp_jax.scheduling.replay`)."""
-        self.times.setdefault("core", []).append([kind, now, *data])
-
-    def placed(self, now: float, device_ids: Sequence[int]) -> None:
-        """Event: a run of this trial starts at ``now`` on ``device_ids``."""
-        self.status.devices = tuple(device_ids)
-        self.status.state = "starting"
-        self.times.setdefault("started_at", now)
-        self.times["placements"].append([now, list(device_ids)])
-        self.next_pace = 2
-
-    def pace(self, t0: float) -> tuple[float, int, float, float] | None:
-        """``(now, step, seconds per step, since)`` of this trial's run, seconds since ``t0``,
-        at 2, 4, 8, ... steps into the run (so a long study records a few dozen measurements
-        per trial); None when no measurement is due."""
-        status = self.status
-        done = status.step - status.first_step
-        if status.state != "training" or done < max(2, self.next_pace):
-            return None
-        if math.isnan(status.training_since):
-            return None
-        self.next_pace = 2 * done
-        mono = time.monotonic()
-        pace = (mono - t0, status.step, (mono - status.training_since) / done,
-                status.training_since - t0)
-        self.times["pace"].append(list(pace))
-        return pace
-
-    def attrs(self, rank: int, wall: float) -> dict[str, Any]:
-        """The trial's attributes in the study (its ``results.json`` record)."""
-        status, times = self.status, self.times
-        return {
-            "devices": list(status.devices),
-            "model_parallel": status.model_parallel,
-            "batch_size": status.batch_size,
-            "predicted_peak_bytes": status.predicted_peak_bytes,
-            "steps": status.step,
-            "wall_seconds": round(wall, 3),
-            "replans": status.replans,
-            "resizes": status.resizes,
-            "booked_bytes": status.booked_bytes,
-            "measured_peak_bytes": status.measured_peak_bytes,
-            "rank": rank,
-            "final_loss": None if math.isnan(status.loss) else status.loss,
-            # Seconds since this run's start (full precision: they order the replay's events).
-            "asked_at": times.get("asked_at"),
-            "planned_at": times.get("planned_at"),
-            "started_at": times.get("started_at"),
-            "finished_at": times.get("finished_at"),
-            "placements": times.get("placements", []),
-            "pace": times.get("pace", []),
-            "plan": times.get("plan"),
-            "fused_group": self.group,
-            "fusion_width": self.width,
-            "core_events": times.get("core", []),
-            "run_started": times.get("run_started"),
-        }
 
 
 @dataclass(frozen=True)
@@ -260,8 +128,9 @@ class SearchEngine:
         ``""`` when that wait is over.
 
     The engine holds a `PlanningService` (``planning``; `make_planning` builds it, a subclass
-    may return its own), a `FusionService` (``fusion``, None without ``config.fuse``) and, while
-    it runs, one `TrialRecord` per trial (``records``) and the work in flight (`Work`).
+    may return its own), its `UnitKind` (``kind``: `SoloTrials`, or a `FusionService` with
+    ``config.fuse``) and, while it runs, one `TrialRecord` per trial (``records``), the queued
+    units (``queue``) and the work in flight (`scamp_jax.hpo.work.Work`).
     """
 
     def __init__(
@@ -289,8 +158,9 @@ class SearchEngine:
         self.cache = StepCache()
         self.planning = self.make_planning()
         cap = fusion_cap(config.fuse)
-        self.fusion = None if cap is None else FusionService(
-            space, task, cap, self.planning, config.steps_for, plan_cache)
+        #: how asked trials become units: chosen once
+        self.kind: UnitKind = SoloTrials(self.planning) if cap is None else FusionService(
+            space, task, cap, self.planning, self.checkpoint_root, plan_cache)
         self.records: dict[int, TrialRecord] = {}
         self.intake = Intake(source, config.nofit_limit,
                              (len(self.devices), config.need_budget().memory_per_device),
@@ -330,11 +200,6 @@ class SearchEngine:
         order (the caller runs them, e.g. across MPI ranks)."""
         return self.intake.deferred
 
-    @property
-    def statuses(self) -> dict[int, TrialStatus]:
-        """Every trial's live status, by number."""
-        return {n: r.status for n, r in self.records.items()}
-
     # ---------------------------------------------------------------------------- the loop
     def _now(self) -> float:
         return time.monotonic() - self._t0
@@ -342,245 +207,10 @@ class SearchEngine:
     def _notify(self) -> None:
         if self.on_update is not None:
             statuses = [r.status for r in self.records.values()]
-            groups = {n: (r.group, r.width) for n, r in self.records.items() if r.group is not None}
-            self.on_update(statuses, self.pool, **({"groups": groups} if self.fusion else {}))
+            self.on_update(statuses, self.pool, **self.kind.view(self.records))
 
-    def _submit(self, kind: str, payload: Any, fn: Callable[..., Any], *args: Any,
-                **kw: Any) -> None:
-        self.work[self._planner.submit(fn, *args, **kw)] = Work(kind, payload)
-
-    def _in_flight(self, *kinds: str) -> list[Any]:
-        return [w.payload for w in self.work.values() if w.kind in kinds]
-
-    def _ask(self) -> bool:
-        """Ask for one configuration and start planning it; False when there is none now."""
-        asked = self.intake.ask()
-        if asked is None:
-            return False
-        # The source hands a proposal's held siblings to this engine next (a queued retry may
-        # come first: then one sibling fewer is asked past the lookahead).
-        self._siblings_due = asked.siblings or max(0, self._siblings_due - 1)
-        record = self.records.setdefault(
-            asked.number, TrialRecord(TrialStatus(asked.number, asked.params), asked,
-                                      self.config.steps_for))
-        record.status.state = "planning"
-        record.times.setdefault("asked_at", self._now())
-        record.times["run_started"] = self._run_started
-        if self.fusion is not None:
-            ckpt = self.checkpoint_root / asked.checkpoint_key if self.checkpoint_root else None
-            self._submit("plan", asked, self.fusion.prepare, asked.params, asked.number, ckpt,
-                         self.fusion.family_width(asked))
-        else:
-            self._submit("plan", asked, self.planning.planned_with_cost, asked.params,
-                         asked.number)
-        self._notify()
-        return True
-
-    def _enqueue(self, asked: AskedTrial, future: cf.Future) -> None:
-        """Event: trial ``asked``'s plan is in (or it does not fit, or it is deferred)."""
-        plan = self.intake.sort(asked, future, self.records[asked.number].status)
-        if plan is None:
-            self._notify()
-            return
-        # Arrival is the ask order, so placement stays first-come first-served whatever order
-        # the plans finish in.
-        self._admit(PlannedTrial(asked, plan, PlanningService.devices_of(plan), asked.number))
-
-    def _admit(self, planned: PlannedTrial) -> None:
-        """Event: ``planned`` is planned; it waits for a group (fusion) or for devices."""
-        record = self.records[planned.number]
-        if self.fusion is None or record.solo_only:
-            self._queue_planned(planned)
-            return
-        record.status.state = "grouping"
-        record.show_plan(planned.plan)
-        # Grouped by the loop's next `_form_groups`, after it has asked for more trials (the
-        # members this one may wait for).
-        self.fusion.admit(planned)
-
-    def _form_groups(self) -> None:
-        """Hand the groups the grouping service decides to the scheduling core."""
-        if self.fusion is None:
-            return
-        planning = self._in_flight("plan")
-        stalled = not planning and (self.intake.exhausted or not self._running())
-        formed = self.fusion.form((a.params for a in planning), stalled)
-        for planned in formed.alone:
-            self.records[planned.number].group, self.records[planned.number].width = None, 1
-            self._queue_planned(planned)
-        for members in formed.to_size:
-            # A group narrower than its architecture's plan is sized at its own width first,
-            # so it books what it holds.
-            self._submit("size", members, self.fusion.narrower, members)
-        for members, fusion in formed.units:
-            self._queue_unit(members, fusion)
-
-    def _queue_unit(self, members: tuple[PlannedTrial, ...], fusion: Any) -> None:
-        """Event: a group and its plan are decided; the scheduling core gets it as one trial
-        (booking the allowance learnt so far; its members run alone if that does not fit)."""
-        assert self.fusion is not None
-        fusion = self.calibration.refresh(fusion)
-        if fusion is None:
-            for m in members:
-                self.endings.oom.member_ended(m)
-            return
-        for m in members:
-            record = self.records[m.number]
-            record.group, record.width = members[0].number, len(members)
-            record.status.state = "queued"
-        tp = self.fusion.queue(members, fusion)
-        now = self._now()  # per group: queueing a trial above fed the core a later time
-        self.records[tp.key].queued(now, tp)
-        self.core.planned(now, tp)
-        self._decide(now)
-
-    def _queue_planned(self, planned: PlannedTrial) -> None:
-        """Event: ``planned`` waits for devices (a provisional plan, made for a fused group,
-        is planned again first: a trial trains alone only on a compiled plan)."""
-        record = self.records[planned.number]
-        if getattr(planned.plan, "provisional", False):
-            record.status.state = "planning"
-            self._submit("verify", planned, self.planning.planned_with_cost,
-                         planned.asked.params, planned.number)
-            return
-        plan = self.calibration.refresh(planned.plan)  # the allowance learnt so far
-        if plan is None:
-            self.endings.oom.no_longer_fits(planned)
-            return
-        planned = replace(planned, plan=plan)
-        record.status.state = "queued"
-        record.show_plan(planned.plan)
-        record.planned = planned
-        now = self._now()
-        tp = self.planning.core_plan(planned)
-        record.queued(now, tp, "requeued" if planned.replans else "planned")
-        if planned.replans:
-            self.core.requeue(now, tp)
-        else:
-            self.core.planned(now, tp)
-        self._set_last_wave(now, decide=False)  # this may have been the last plan
-        self._decide(now)
-
-    def _calibrate(self) -> None:
-        """Event: running units measured the allocator's peak on their devices; an excess over
-        the most the ledger booked there grows the allowance (`scamp_jax.hpo.calibration`),
-        and every queued unit is then booked again with it."""
-        if not self.calibration.learn(self._running(), self.core):
-            return
-        now, waiting = self._now(), self.core.queued
-        for key in waiting:  # all out first: none starts on its old booking meanwhile
-            self.core.unqueue(now, key)
-            self.records[key].log("unqueued", now)
-        for key in waiting:
-            unit = self.fusion.units.pop(key, None) if self.fusion is not None else None
-            if unit is not None:
-                self._queue_unit(unit.members, unit.fusion)
-                continue
-            planned, self.records[key].planned = self.records[key].planned, None
-            assert planned is not None
-            self._queue_planned(planned)
-
-    def _verified(self, planned: PlannedTrial, future: cf.Future) -> None:
-        """Event: the compiled plan of ``planned`` (provisional before) is in, or it fits
-        nowhere alone (then it ends as a misfit does)."""
-        plan = self.intake.sort(planned.asked, future, self.records[planned.number].status)
-        if plan is not None:
-            self._queue_planned(replace(planned, plan=plan,
-                                        devices=PlanningService.devices_of(plan)))
-        self._set_last_wave()
-
-    def _set_last_wave(self, now: float | None = None, decide: bool = True) -> None:
-        """Event: nothing more to ask or plan (the study's last wave), at ``now`` (the time of
-        the event that made it so: the replay applies both before deciding)."""
-        last = (self.intake.exhausted
-                and not self._in_flight("plan", "replan", "size", "verify")
-                and not (self.fusion is not None and self.fusion.forming))
-        if last and self._last_wave_at is None:
-            self._last_wave_at = self._now() if now is None else now
-            self.core.set_arrivals_pending(False)
-            if decide:
-                self._decide(self._last_wave_at)
-
-    def _running(self) -> dict[int, TrialRecord]:
-        """The records of the running units (solo trials and groups' leaders), by key."""
-        return {n: r for n, r in self.records.items()
-                if r.run is not None and r.run.key == n}
-
-    def _feed_pace(self) -> None:
-        """Events: measured seconds per step of the running trials (`TrialRecord.pace`)."""
-        for number in list(self.core.running):
-            pace = self.records[number].pace(self._t0)
-            if pace is not None:
-                self.core.step_measured(pace[0], number, *pace[1:])
-                self._decide(pace[0])
-
-    def _decide(self, now: float) -> None:
-        """Ask the core what to start at ``now`` (the time of the event just fed) and act."""
-        for action in self.core.decide(now):
-            if isinstance(action, PlanOption):
-                planned = self.records[action.key].planned
-                assert planned is not None
-                self.records[action.key].log("option_asked", now, action.devices)
-                self._submit("option", action, self.planning.planned_with_cost,
-                             planned.asked.params, action.key, devices=action.devices)
-                continue
-            if self.fusion is not None and action.key in self.fusion.units:
-                self._start_group(action, now)
-                continue
-            record = self.records[action.key]
-            planned, record.planned = record.planned, None
-            assert planned is not None
-            if action.plan.devices != planned.devices:
-                plan = record.grown.pop(action.plan.devices)
-                record.show_plan(plan)
-                planned = replace(planned, plan=plan, devices=action.plan.devices)
-            self._start(Placement(action.key, action.device_ids), planned, now)
-
-    def _option_planned(self, future: cf.Future, action: PlanOption) -> None:
-        """Event: the plan of a queued trial on more devices is in (or did not fit)."""
-        try:
-            plan = future.result()
-        except (planner.DoesNotFitError, TrialDeferred):
-            plan = None
-        record = self.records[action.key]
-        if record.planned is None:
-            return
-        tp = None
-        if plan is not None and PlanningService.devices_of(plan) == action.devices:
-            grown = replace(record.planned, plan=plan, devices=action.devices)
-            record.grown[action.devices] = plan
-            tp = self.planning.core_plan(grown)
-        now = self._now()
-        record.log("option", now, action.devices, None if tp is None else tp.as_dict())
-        self.core.option_planned(action.key, action.devices, tp)
-        self._decide(now)
-
-    def _start(self, placement: Placement, planned: PlannedTrial, now: float) -> None:
-        """Start a run of ``planned`` on ``placement``'s devices (booked in the core at
-        ``now``)."""
-        record = self.records[planned.number]
-        record.placed(now, placement.device_ids)
-        record.status.booked_bytes = self.pool.request_of(planned.number).bytes_per_device
-        record.booked_allowance = int(getattr(planned.plan, "allowance_bytes", 0))
-        record.run = self._launch.solo(planned, placement.device_ids, record.status)
-        self.work[record.run.future] = Work("run", planned.number)
-
-    def _start_group(self, action: Start, now: float) -> None:
-        """Start the group ``action.key`` on its placement's devices."""
-        assert self.fusion is not None
-        unit = self.fusion.units.pop(action.key)
-        ids = action.device_ids[: unit.members[0].devices]
-        spec = self.fusion.group_spec(unit, [self.devices[i] for i in ids], self.config,
-                                      self.checkpoint_root)
-        records = [self.records[m.number] for m in unit.members]
-        for record in records:
-            record.placed(now, action.device_ids)
-            record.status.booked_bytes = self.pool.request_of(unit.key).bytes_per_device
-            record.booked_allowance = int(getattr(unit.fusion.plan, "allowance_bytes", 0))
-        run = self._launch.group(unit, spec, [r.status for r in records])
-        for record in records:
-            record.run = run
-        self.work[run.future] = Work("group", unit.key)
+    def _submit(self, item: work.Work, fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
+        self.work[self._planner.submit(fn, *args, **kw)] = item
 
     def run(self) -> SearchResult:
         """Run trials until the study has its total; returns this run's usage figures.
@@ -595,17 +225,19 @@ class SearchEngine:
         self.core = new_core(self.policy, self.devices, self.config, self.budget)
         self.pool, self.usage = self.core.pool, self.core.usage
         self.records = {}
-        self.work: dict[cf.Future, Work] = {}
+        self.queue: dict[int, Unit] = {}  # the units in the core's queue, by key
+        self.work: dict[cf.Future, work.Work] = {}
         self.endings = Endings(
             self.source, self.task.metric, self.config, self.core, self.records, self._now,
-            self._decide, self._start, self._queue_planned,
-            lambda p, request: self._submit("replan", p, plan_again, self.planning, p, request),
+            self._decide, self._start, lambda planned: self._queue(SoloUnit(planned)),
+            lambda p, request: self._submit(
+                work.replanning(p.number, lambda f: self._replanned(p, f)),
+                plan_again, self.planning, p, request),
             self._notify)
         self.intake.reset()
         self._siblings_due = 0  # siblings of the last proposal not asked yet
         self._last_wave_at: float | None = None
-        if self.fusion is not None:
-            self.fusion.reset()
+        self.kind.reset()
         lookahead = self.config.lookahead or len(self.devices)
         self._launch = Launcher(self.space, self.task, self.config, self.devices,
                                 self.checkpoint_root, self.source.report, self.cache,
@@ -619,7 +251,7 @@ class SearchEngine:
                                               thread_name_prefix="planner")
         self.resizer = None if not (self._grow and self.checkpoint_root) else TailResizer(
             self.core, self.planning, len(self.devices), self._planner.submit,
-            self.planning.core_plan, self._now)
+            lambda planned: SoloUnit(planned).trial_plan(self.planning), self._now)
         try:
             # as many compiles at once as planner threads, trial threads' own included
             with COMPILE_SLOTS.limited(self.config.planner_threads):
@@ -641,14 +273,13 @@ class SearchEngine:
         # decided and planned once for the family, and its group waits for all of them.
         while (self.intake.may_ask()
                and (self._siblings_due > 0 or len(self.core.queued)
-                    + len(self._in_flight("plan", "replan")) < lookahead)):
+                    + sum(w.arriving for w in self.work.values()) < lookahead)):
             if not self._ask():
                 self._siblings_due = 0
                 break
-        self._form_groups()
+        self._form()
         self._set_last_wave()
-        forming = self.fusion is not None and bool(self.fusion.forming)
-        if not (self.core.queued or self.work or forming):
+        if not (self.core.queued or self.work or self.kind.forming):
             if self.intake.exhausted:
                 return False
             self.intake.wait()
@@ -668,50 +299,199 @@ class SearchEngine:
         self._calibrate()  # runs that just ended measured their last peak
         for future in sorted((f for f in done if f in self.work),
                              key=lambda f: self.work[f].order()):
-            work = self.work.pop(future)
-            if work.kind == "plan":
-                self._enqueue(work.payload, future)
-                self._set_last_wave()  # if its plan did not queue it
-            elif work.kind == "option":
-                self._option_planned(future, work.payload)
-            elif work.kind == "replan":
-                self.endings.oom.replanned(work.payload, future.result())
-                self._set_last_wave()
-            elif work.kind == "run":
-                self.endings.run_ended(work.payload, future.result())
-            elif work.kind == "group":
-                self.endings.group_ended(work.payload, future.result().members)
-            elif work.kind == "size":
-                self._queue_unit(work.payload, future.result())
-                self._set_last_wave()  # if that was the last group being sized
-            elif work.kind == "verify":
-                self._verified(work.payload, future)
+            self.work.pop(future).done(future)
         self._notify()
         return True
 
+    # ------------------------------------------------------------------------ admission
+    def _ask(self) -> bool:
+        """Ask for one configuration and start planning it; False when there is none now."""
+        asked = self.intake.ask()
+        if asked is None:
+            return False
+        # The source hands a proposal's held siblings to this engine next (a queued retry may
+        # come first: then one sibling fewer is asked past the lookahead).
+        self._siblings_due = asked.siblings or max(0, self._siblings_due - 1)
+        record = self.records.setdefault(
+            asked.number, TrialRecord(TrialStatus(asked.number, asked.params), asked,
+                                      self.config.steps_for))
+        record.status.state = "planning"
+        record.times.setdefault("asked_at", self._now())
+        record.times["run_started"] = self._run_started
+        self._submit(work.planning(asked.number, asked.params,
+                                   lambda f: self._planned(asked, f)),
+                     self.kind.plan_job(asked))
+        self._notify()
+        return True
+
+    def _planned(self, asked: AskedTrial, future: cf.Future) -> None:
+        """Event: trial ``asked``'s plan is in (or it does not fit, or it is deferred); the
+        unit kind queues it or holds it for a group."""
+        record = self.records[asked.number]
+        plan = self.intake.sort(asked, future, record.status)
+        if plan is None:
+            self._notify()
+        else:
+            # Arrival is the ask order, so placement stays first-come first-served whatever
+            # order the plans finish in.
+            planned = PlannedTrial(asked, plan, PlanningService.devices_of(plan), asked.number)
+            unit = self.kind.admit(planned, record)
+            if unit is not None:
+                self._queue(unit)
+        self._set_last_wave()  # if its plan did not queue it
+
+    def _form(self) -> None:
+        """Queue the units the unit kind forms of the trials it holds (fused groups)."""
+        planning = [w.params for w in self.work.values() if w.params is not None]
+        stalled = not planning and (self.intake.exhausted or not self._running())
+        formed = self.kind.form(planning, stalled, self.records)
+        for numbers, job in formed.sizing:
+            self._submit(work.sizing(numbers, self._sized), job)
+        for unit in formed.units:
+            self._queue(unit)
+
+    def _sized(self, future: cf.Future) -> None:
+        """Event: a group is sized at its own width."""
+        self._queue(future.result())
+        self._set_last_wave()  # if that was the last group being sized
+
+    def _queue(self, unit: Unit) -> None:
+        """Event: ``unit`` waits for devices, booking the allowance learnt so far (a
+        provisional plan, made for a fused group, is planned again first: a trial trains
+        alone only on a compiled plan)."""
+        if unit.provisional:
+            planned = unit.members[0]
+            self.records[planned.number].status.state = "planning"
+            self._submit(work.verifying(planned.number, lambda f: self._verified(planned, f)),
+                         self.planning.planned_with_cost, planned.asked.params, planned.number)
+            return
+        fresh = unit.booked_with(self.calibration)
+        if fresh is None:
+            unit.misfit(self.endings.oom)
+            return
+        event = fresh.queued(self.records)
+        self.queue[fresh.key] = fresh
+        now = self._now()
+        tp = fresh.trial_plan(self.planning)
+        self.records[fresh.key].queued(now, tp, event)
+        if event == "requeued":
+            self.core.requeue(now, tp)
+        else:
+            self.core.planned(now, tp)
+        self._set_last_wave(now, decide=False)  # this may have been the last plan
+        self._decide(now)
+
+    def _verified(self, planned: PlannedTrial, future: cf.Future) -> None:
+        """Event: the compiled plan of ``planned`` (provisional before) is in, or it fits
+        nowhere alone (then it ends as a misfit does)."""
+        plan = self.intake.sort(planned.asked, future, self.records[planned.number].status)
+        if plan is not None:
+            self._queue(SoloUnit(replace(planned, plan=plan,
+                                         devices=PlanningService.devices_of(plan))))
+        self._set_last_wave()
+
+    def _replanned(self, planned: PlannedTrial, future: cf.Future) -> None:
+        """Event: ``planned``'s next plan is in (`scamp_jax.hpo.out_of_memory`)."""
+        self.endings.oom.replanned(planned, future.result())
+        self._set_last_wave()
+
+    def _calibrate(self) -> None:
+        """Event: running units measured the allocator's peak on their devices; an excess over
+        the most the ledger booked there grows the allowance (`scamp_jax.hpo.calibration`),
+        and every queued unit is then booked again with it."""
+        if not self.calibration.learn(self._running(), self.core):
+            return
+        now, waiting = self._now(), self.core.queued
+        for key in waiting:  # all out first: none starts on its old booking meanwhile
+            self.core.unqueue(now, key)
+            self.records[key].log("unqueued", now)
+        for key in waiting:
+            self._queue(self.queue.pop(key))
+
+    def _set_last_wave(self, now: float | None = None, decide: bool = True) -> None:
+        """Event: nothing more to ask or plan (the study's last wave), at ``now`` (the time of
+        the event that made it so: the replay applies both before deciding)."""
+        last = (self.intake.exhausted and not any(w.pending for w in self.work.values())
+                and not self.kind.forming)
+        if last and self._last_wave_at is None:
+            self._last_wave_at = self._now() if now is None else now
+            self.core.set_arrivals_pending(False)
+            if decide:
+                self._decide(self._last_wave_at)
+
+    # ---------------------------------------------------------------------------- running
+    def _running(self) -> dict[int, TrialRecord]:
+        """The records of the running units (solo trials and groups' leaders), by key."""
+        return {n: r for n, r in self.records.items()
+                if r.run is not None and r.run.key == n}
+
+    def _feed_pace(self) -> None:
+        """Events: measured seconds per step of the running trials (`TrialRecord.pace`)."""
+        for number in list(self.core.running):
+            pace = self.records[number].pace(self._t0)
+            if pace is not None:
+                self.core.step_measured(pace[0], number, *pace[1:])
+                self._decide(pace[0])
+
+    def _decide(self, now: float) -> None:
+        """Ask the core what to start at ``now`` (the time of the event just fed) and act."""
+        for action in self.core.decide(now):
+            record = self.records[action.key]
+            if isinstance(action, PlanOption):
+                planned = self.queue[action.key].members[0]
+                record.log("option_asked", now, action.devices)
+                self._submit(work.option(action.key, functools.partial(self._option, action)),
+                             self.planning.planned_with_cost, planned.asked.params, action.key,
+                             devices=action.devices)
+                continue
+            unit = self.queue.pop(action.key)
+            if action.plan.devices != unit.devices:
+                plan = record.grown.pop(action.plan.devices)
+                record.show_plan(plan)
+                unit = unit.grown(plan, action.plan.devices)
+            self._start(unit, action.device_ids, now)
+
+    def _option(self, action: PlanOption, future: cf.Future) -> None:
+        """Event: the plan of a queued trial on more devices is in (or did not fit)."""
+        try:
+            plan = future.result()
+        except (planner.DoesNotFitError, TrialDeferred):
+            plan = None
+        unit = self.queue.get(action.key)
+        if unit is None:
+            return
+        record, tp = self.records[action.key], None
+        if plan is not None and PlanningService.devices_of(plan) == action.devices:
+            record.grown[action.devices] = plan
+            tp = unit.grown(plan, action.devices).trial_plan(self.planning)
+        now = self._now()
+        record.log("option", now, action.devices, None if tp is None else tp.as_dict())
+        self.core.option_planned(action.key, action.devices, tp)
+        self._decide(now)
+
+    def _start(self, unit: Unit, device_ids: Sequence[int], now: float) -> None:
+        """Start ``unit`` on the pool's devices ``device_ids`` (booked in the core at
+        ``now``)."""
+        records = [self.records[m.number] for m in unit.members]
+        booked = self.pool.request_of(unit.key).bytes_per_device
+        for record in records:
+            record.placed(now, device_ids)
+            record.status.booked_bytes = booked
+            record.booked_allowance = unit.allowance
+        run = unit.start(self._launch, device_ids, [r.status for r in records])
+        for record in records:
+            record.run = run
+        self.work[run.future] = work.running(
+            unit.key, lambda f: unit.ended(self.endings, f.result()))
+
     def _give_back(self, interrupted: bool = False) -> None:
-        """On an interrupt: stop every run (they checkpoint) and give every unfinished trial
-        of this engine back to the study (whatever a stopped run says, its trial is
-        unfinished). ``interrupted``: by Ctrl-C, which the user is told what happens to."""
+        """On an interrupt (``interrupted``: by Ctrl-C): every run stops (they checkpoint) and
+        every unfinished trial of this engine goes back to the study (`Endings.give_back`)."""
         runs = [r.run for r in self._running().values() if r.run is not None]
-        for run in runs:
-            run.stop.set()
-        if interrupted and runs and self.on_notice is not None:
-            trials = sum(len(run.members) for run in runs)  # a fused group's members each
-            self.on_notice(f"stopping: {trials} running trial(s) end at their next step "
-                           "(with a checkpoint where checkpoints are on) and go back to the "
-                           "study, where a re-run resumes them; Ctrl-C again stops at once")
-        cf.wait([run.future for run in runs])
-        waiting = [m.number for run in runs for m in run.members]
-        for work in self.work.values():
-            if work.kind in ("plan", "replan", "verify"):
-                waiting.append(work.payload.number)
-            elif work.kind == "size":
-                waiting.extend(m.number for m in work.payload)
-        waiting += [*self.core.queued, *(self.fusion.waiting() if self.fusion else ()),
-                    *(asked.number for asked, _ in self.deferred)]
-        for number in dict.fromkeys(waiting):  # once each: a queued group's key is a member's
-            self.source.interrupt(number)
+        waiting = [n for w in self.work.values() for n in w.trials]
+        waiting += [m.number for unit in self.queue.values() for m in unit.members]
+        waiting += [*self.kind.waiting(), *(asked.number for asked, _ in self.deferred)]
+        self.endings.give_back(runs, waiting, self.on_notice if interrupted else None)
         self._planner.shutdown(wait=True, cancel_futures=True)
         self._launch.close()
 
@@ -723,7 +503,6 @@ class SearchEngine:
                                   getattr(self, "_last_wave_at", None), len(self.devices)),
                 "allowance_bytes": self.calibration.by_kind,
                 "run_started": getattr(self, "_run_started", None)}
-
 
 def scheduling_info(policy: Any, config: EngineConfig, core: SchedulingCore, grow: bool,
                     checkpoints: bool, last_wave_at: float | None, devices: int,

@@ -1,8 +1,8 @@
 """Fused groups in the search loop: trials of one architecture trained as one scheduled unit.
 
-`FusionService` is the grouping service that `scamp_jax.hpo.engine.SearchEngine` holds when
-``EngineConfig.fuse`` is set (it plans through the engine's `PlanningService`). With it the
-engine:
+`FusionService` is the `scamp_jax.hpo.units.UnitKind` that `scamp_jax.hpo.engine.SearchEngine`
+holds when ``EngineConfig.fuse`` is set (it plans through the engine's `PlanningService`). With
+it the engine:
 
 1. plans each asked trial as usual and, in the planner threads (never on the loop's thread),
    also its architecture signature (`scamp_jax.hpo.fused_runner.architecture_signature`), the step
@@ -15,13 +15,14 @@ engine:
    proposed has its siblings (same architecture, training hyperparameters from the sampler)
    enqueued by the study (`scamp_jax.hpo.study.OptunaTrialSource`'s ``siblings``), and its group
    waits for them while they are being asked and planned;
-3. hands a group of two or more to the scheduling core as one trial: its key is the group id
+3. hands a group of two or more to the scheduling core as one unit
+   (`scamp_jax.hpo.units.GroupUnit`): its key is the group id
    (the smallest member number), its bytes per device the fused plan's predicted peak
    (`scamp_jax.planning.fusion.FusionPlan.predicted_peak_bytes`, never more than the usable bytes)
    at the group's own width: a group narrower than the widest that fits (the last of a family,
    a resumed group) is sized again at its width in a planner thread first (compiled, or from the
    plan cache), so it books what it holds; its FLOPs per step are ``width`` times a member's; a
-   group of one is queued as a plain trial;
+   group of one is queued as a plain trial (`scamp_jax.hpo.units.SoloUnit`);
 4. runs a started group with `scamp_jax.hpo.fused_runner.run_fused_group`: each member reports,
    is pruned (masked, then the group re-forms without it) and is told on its own, and
    checkpoints in its own directory (a restarted study resumes it, alone or in a group of
@@ -35,30 +36,22 @@ handed; rank 0's study server hands a proposal's siblings to the proposal's rank
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scamp_jax.hpo.fused_runner import (
-    GroupSpec,
-    MemberSpec,
-    architecture_signature,
-    signature_key,
-)
+from scamp_jax.hpo.fused_runner import architecture_signature, signature_key
 from scamp_jax.hpo.plan_service import PlanningService
 from scamp_jax.hpo.runner import make_optimizer
-from scamp_jax.hpo.trial import (
-    OPTIMIZER_KEYS,
-    PlannedTrial,
-    booked_bytes,
-    trial_seed,
-)
+from scamp_jax.hpo.study.trials import AskedTrial
+from scamp_jax.hpo.trial import OPTIMIZER_KEYS, PlannedTrial
 from scamp_jax.hpo.trial import fusion_cap as fusion_cap
+from scamp_jax.hpo.units import Formed, GroupUnit, SoloUnit, Unit
 from scamp_jax.planning import planner
 from scamp_jax.planning.fusion import FusionPlan, plan_fusion
-from scamp_jax.scheduling.core import TrialPlan
 from scamp_jax.scheduling.grouping import FusionCandidate, form_groups
 
 
@@ -83,40 +76,23 @@ class MemberInfo:
     fusion: FusionPlan | None  # None: it cannot be fused (runs alone)
 
 
-@dataclass(frozen=True)
-class Unit:
-    """A group queued in the scheduling core as one trial (key: its smallest member number)."""
-
-    key: int
-    members: tuple[PlannedTrial, ...]
-    fusion: FusionPlan
-
-
-@dataclass
-class Formed:
-    """What one `FusionService.form` decided: trials to queue alone, groups ready for the
-    scheduling core, and groups narrower than their plan to size at their own width first."""
-
-    alone: list[PlannedTrial] = field(default_factory=list)
-    units: list[tuple[tuple[PlannedTrial, ...], FusionPlan]] = field(default_factory=list)
-    to_size: list[tuple[PlannedTrial, ...]] = field(default_factory=list)
-
-
 class FusionService:
-    """Fused groups for the search loop (see the module doc).
+    """Fused groups for the search loop, the `scamp_jax.hpo.units.UnitKind` with ``fuse`` (see
+    the module doc).
 
     Args:
       space, task: the search space and the task.
       cap: the most members of a group (`scamp_jax.hpo.trial.fusion_cap`).
       planning: the engine's planning service (member plans and their costs).
-      steps_for: ``steps_for(batch) -> steps`` (`EngineConfig.steps_for`).
+      checkpoint_root: the per-trial checkpoint directories' root, where a trial's resume step
+        is found (None: no checkpoints).
       plan_cache: where fused plans are stored and looked up (None: planned every run).
     """
 
     def __init__(self, space: Any, task: Any, cap: int, planning: PlanningService,
-                 steps_for: Callable[[int], int], plan_cache: Any = None) -> None:
+                 checkpoint_root: Path | None = None, plan_cache: Any = None) -> None:
         self.space, self.task, self.cap, self.planning = space, task, cap, planning
-        self.steps_for, self.plan_cache = steps_for, plan_cache
+        self.checkpoint_root, self.plan_cache = checkpoint_root, plan_cache
         self._lock = threading.Lock()
         self._signatures: dict[str, Any] = {}
         self._plans: dict[Any, FusionPlan | None] = {}
@@ -127,10 +103,14 @@ class FusionService:
 
     def reset(self) -> None:
         """Forget the grouping state of a previous run (plans stay cached)."""
-        self.forming: dict[int, PlannedTrial] = {}
+        self._forming: dict[int, PlannedTrial] = {}  # planned trials waiting for a group
         self._awaiting: dict[int, int] = {}  # proposed trial -> siblings not planned yet
         self._family: dict[int, int] = {}  # trial -> the proposed trial it shares an arch with
-        self.units: dict[int, Unit] = {}
+
+    @property
+    def forming(self) -> bool:
+        """Planned trials wait for their group."""
+        return bool(self._forming)
 
     def family_width(self, asked: Any) -> int | None:
         """(Loop thread, when ``asked`` is asked.) How many trials share its architecture by
@@ -227,8 +207,21 @@ class FusionService:
             return self._info.get(number)
 
     # ------------------------------------------------------------------ loop thread
-    def admit(self, planned: PlannedTrial) -> None:
-        """Event: ``planned`` is planned; it waits in the forming buffer."""
+    def plan_job(self, asked: AskedTrial) -> Callable[[], Any]:
+        """(Loop thread.) The planner thread's job for ``asked``: `prepare` it for a group of
+        at most its `family_width`."""
+        root = self.checkpoint_root
+        return functools.partial(self.prepare, asked.params, asked.number,
+                                 root / asked.checkpoint_key if root is not None else None,
+                                 self.family_width(asked))
+
+    def admit(self, planned: PlannedTrial, record: Any) -> Unit | None:
+        """Event: ``planned`` is planned; it waits in the forming buffer (``record``: its
+        `scamp_jax.hpo.record.TrialRecord`), unless its group ran out of memory before."""
+        if record.solo_only:
+            return SoloUnit(planned)
+        record.status.state = "grouping"
+        record.show_plan(planned.plan)
         asked = planned.asked
         if asked.siblings:
             self._awaiting[asked.number] = self._awaiting.get(asked.number, 0) + asked.siblings
@@ -238,20 +231,23 @@ class FusionService:
             self._family[asked.number] = asked.sibling_of
             if self._awaiting.get(asked.sibling_of, 0) > 0:
                 self._awaiting[asked.sibling_of] -= 1
-        self.forming[planned.number] = planned
+        self._forming[planned.number] = planned
+        return None  # grouped by a later `form`, after the loop has asked for more trials
 
-    def form(self, planning: Iterable[Mapping[str, Any]], stalled: bool) -> Formed:
-        """Decide the groups of the forming buffer (`form_groups`).
+    def form(self, planning: Iterable[Mapping[str, Any]], stalled: bool,
+             records: Mapping[int, Any] | None = None) -> Formed:
+        """Decide the groups of the forming buffer (`form_groups`): trials alone and full
+        groups to queue, narrower groups to size at their own width first (`narrower`).
 
         ``planning``: configurations being planned now (members on their way); ``stalled``:
         nothing could bring more members (nothing being planned, asked or run): the last
         group of each architecture goes as it is.
         """
         formed = Formed()
-        if not self.forming:
+        if not self._forming:
             return formed
         candidates, keys = [], {}
-        for number, planned in self.forming.items():
+        for number, planned in self._forming.items():
             info = self.info(number)
             width = info.fusion.width if info is not None and info.fusion is not None else 1
             keys[number] = (None, number) if info is None else (info.signature, info.resume_step)
@@ -261,55 +257,33 @@ class FusionService:
         # nothing could bring them any more.
         archs = {_arch_text(p) for p in planning}
         expecting = set() if stalled else {
-            keys[n] for n, p in self.forming.items()
+            keys[n] for n, p in self._forming.items()
             if self._awaiting.get(self._family.get(n, n), 0) > 0
             or _arch_text(p.asked.params) in archs}
+        groups: list[Unit] = []
         for group in form_groups(candidates, expecting=expecting):
-            members = tuple(self.forming.pop(n) for n in group)
+            members = tuple(self._forming.pop(n) for n in group)
             info = self.info(group[0])
             if len(members) == 1 or info is None or info.fusion is None:
-                formed.alone.extend(members)
+                formed.units.extend(SoloUnit(m) for m in members)
             elif len(members) < info.fusion.width:
-                formed.to_size.append(members)
+                # A group narrower than its architecture's plan books what it holds.
+                formed.sizing.append((tuple(m.number for m in members),
+                                      functools.partial(self._sized, members)))
             else:
-                formed.units.append((members, info.fusion))
+                groups.append(GroupUnit(members, info.fusion))
+        formed.units.extend(groups)  # after the trials alone, as they were decided
         return formed
 
-    def queue(self, members: tuple[PlannedTrial, ...], fusion: FusionPlan) -> TrialPlan:
-        """Hold the group of ``members`` on ``fusion`` until it starts; the scheduling core's
-        view of it: one trial booking the group's bytes, ``width`` times a member's FLOPs."""
-        unit = Unit(members[0].number, members, fusion)
-        self.units[unit.key] = unit
-        first = members[0]
-        plan = first.plan
-        flops = self.planning.flops_of(first.number, plan)
-        return TrialPlan(
-            key=unit.key, arrival=min(m.arrival for m in members), devices=first.devices,
-            bytes_per_device=booked_bytes(fusion),
-            steps=self.steps_for(int(plan.batch_size)),
-            flops_per_step=None if flops is None else flops * len(members),
-            data_parallel=int(plan.data_parallel), model_parallel=int(plan.model_parallel),
-            batch_size=int(plan.batch_size), grow_bytes=0)
-
-    def group_spec(self, unit: Unit, devices: list[Any], config: Any,
-                   checkpoint_root: Path | None) -> GroupSpec:
-        """What the group ``unit`` runs on ``devices`` (the engine's ``config`` gives the
-        steps, intervals, budget and seed)."""
-        fusion = unit.fusion.with_devices(devices)
-        members = []
-        for planned in unit.members:
-            key = planned.asked.checkpoint_key
-            members.append(MemberSpec(planned.number, planned.asked.params,
-                                      trial_seed(config.seed, key),
-                                      checkpoint_root / key if checkpoint_root else None))
-        return GroupSpec(
-            group=unit.key, members=tuple(members), plan=fusion,
-            steps=self.steps_for(int(fusion.batch_size)),
-            memory_per_device=config.need_budget().memory_per_device,
-            booked_bytes=booked_bytes(fusion),
-            checkpoint_every=config.checkpoint_every, eval_every=config.eval_every,
-            log_every=config.log_every)
+    def _sized(self, members: tuple[PlannedTrial, ...]) -> Unit:
+        """(Planner thread.) The group of ``members`` on its plan at its own width."""
+        return GroupUnit(members, self.narrower(members))
 
     def waiting(self) -> list[int]:
-        """Trials in a forming or queued group (given back to the study on an interrupt)."""
-        return [*self.forming, *(m.number for u in self.units.values() for m in u.members)]
+        """Trials in the forming buffer (given back to the study on an interrupt)."""
+        return list(self._forming)
+
+    def view(self, records: Mapping[int, Any]) -> dict[str, Any]:
+        """The live view's ``groups``: ``{trial number: (group id, width)}`` of fused trials."""
+        return {"groups": {n: (r.group, r.width) for n, r in records.items()
+                           if r.group is not None}}

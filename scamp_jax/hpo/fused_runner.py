@@ -97,6 +97,23 @@ class GroupSpec:
     reform: bool = True
     booked_bytes: int | None = None
 
+    @classmethod
+    def of(cls, group: int, members: tuple[MemberSpec, ...], plan: FusionPlan,
+           schedule: Schedule, memory_per_device: int) -> GroupSpec:
+        """The spec of ``members`` trained as group ``group`` on ``plan`` by ``schedule`` (its
+        ``share_bytes`` is the booked share), with a device budget of ``memory_per_device``
+        bytes."""
+        return cls(group=group, members=members, plan=plan, steps=schedule.steps,
+                   memory_per_device=memory_per_device,
+                   checkpoint_every=schedule.checkpoint_every, eval_every=schedule.eval_every,
+                   log_every=schedule.log_every, reform=schedule.reform,
+                   booked_bytes=schedule.share_bytes)
+
+    def schedule(self) -> Schedule:
+        """How long the group trains and what it does on the way (the lifecycle's schedule)."""
+        return Schedule(self.steps, self.share_bytes(), self.checkpoint_every, self.eval_every,
+                        self.log_every, reform=self.reform)
+
     def share_bytes(self) -> int:
         """The bytes per device the group may hold: ``booked_bytes`` (its share of the device
         ledger, e.g. the fused plan's ``predicted_peak_bytes``), else the usable part of
@@ -253,11 +270,9 @@ def run_fused_group(
             f"{len(spec.members)} members exceed the plan's width {spec.plan.width}; "
             "split them into groups of at most that many"
         )
-    schedule = Schedule(spec.steps, spec.share_bytes(), spec.checkpoint_every, spec.eval_every,
-                        spec.log_every, reform=spec.reform)
     program = FusedProgram(spec, space, task, cache or StepCache())
-    run = Lifecycle(program, spec.members, schedule, task, statuses=statuses, report=report,
-                    on_loss=on_loss, stop=stop)
+    run = Lifecycle(program, spec.members, spec.schedule(), task, statuses=statuses,
+                    report=report, on_loss=on_loss, stop=stop)
     plan = spec.plan.plan
     for m in run.members:
         m.status.devices = tuple(d.id for d in plan.devices)

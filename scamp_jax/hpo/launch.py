@@ -1,10 +1,12 @@
-"""Starting runs for the search loop: a solo trial or a fused group, in a worker thread.
+"""Starting runs for the search loop: a unit's run spec in a worker thread.
 
-`Launcher` turns a placement decided by the scheduling core into a run: the plan moved onto the
-placed devices, the run's spec (steps, intervals, the booked share, checkpoint directory, seed)
-and a worker thread running the one trial lifecycle (`scamp_jax.hpo.runner.run_trial` for a solo
-trial, `scamp_jax.hpo.fused_runner.run_fused_group` for a group). JAX dispatch is asynchronous
-and each run owns disjoint devices, so several runs train at once.
+`Launcher` holds what every run of a study shares: the study's `EngineConfig`, the device pool
+that placements index, the checkpoints' root, the pruner's report and the compiled-step cache.
+A scheduled unit (`scamp_jax.hpo.units`: a solo trial or a fused group) builds its run spec from
+it (`member`, `schedule`: the one reading of the configuration for a run) and starts the one
+trial lifecycle in a worker thread (`scamp_jax.hpo.runner.run_trial` for a solo trial,
+`scamp_jax.hpo.fused_runner.run_fused_group` for a group). JAX dispatch is asynchronous and each
+run owns disjoint devices, so several runs train at once.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scamp_jax.hpo.fused_runner import run_fused_group
-from scamp_jax.hpo.runner import RunSpec, StepCache, run_trial
-from scamp_jax.hpo.trial import PlannedTrial, TrialStatus, booked_bytes, trial_seed
+from scamp_jax.hpo.lifecycle import MemberSpec, Schedule
+from scamp_jax.hpo.runner import StepCache
+from scamp_jax.hpo.trial import PlannedTrial
 
 
 @dataclass(frozen=True)
@@ -52,37 +54,31 @@ class Launcher:
         self.checkpoint_root, self.report, self.cache = checkpoint_root, report, cache
         self.executor = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="trial")
 
-    def _checkpoint_dir(self, planned: PlannedTrial) -> Path | None:
-        root = self.checkpoint_root
-        return root / planned.asked.checkpoint_key if root is not None else None
+    @property
+    def memory_per_device(self) -> int:
+        """The study's budget per device, bytes."""
+        return int(self.config.need_budget().memory_per_device)
 
-    def solo(self, planned: PlannedTrial, device_ids: Sequence[int], status: TrialStatus) -> Run:
-        """Start ``planned`` on the pool's devices ``device_ids`` (its first ``devices``)."""
-        ids = device_ids[: planned.devices]
-        plan = planned.plan.with_devices([self.devices[i] for i in ids])
-        config = self.config
-        spec = RunSpec(
-            number=planned.number, params=planned.asked.params, plan=plan,
-            steps=config.steps_for(int(plan.batch_size)),
-            memory_per_device=config.need_budget().memory_per_device,
-            booked_bytes=booked_bytes(plan),
-            checkpoint_dir=self._checkpoint_dir(planned),
-            checkpoint_every=config.checkpoint_every, eval_every=config.eval_every,
-            log_every=config.log_every,
-            seed=trial_seed(config.seed, planned.asked.checkpoint_key),
-        )
-        stop = threading.Event()
-        future = self.executor.submit(run_trial, spec, self.space, self.task, report=self.report,
-                                      status=status, stop=stop, cache=self.cache)
-        return Run(planned.number, (planned,), stop, future)
+    def devices_at(self, device_ids: Sequence[int]) -> list[Any]:
+        """The pool's devices at the indices ``device_ids``."""
+        return [self.devices[i] for i in device_ids]
 
-    def group(self, unit: Any, spec: Any, statuses: Sequence[TrialStatus]) -> Run:
-        """Start the fused group ``unit`` (a `scamp_jax.hpo.fused_engine.Unit`) as ``spec``."""
+    def member(self, planned: PlannedTrial) -> MemberSpec:
+        """``planned`` as a run's member (its seed and checkpoint directory)."""
+        return MemberSpec.of(planned.asked, self.config.seed, self.checkpoint_root)
+
+    def schedule(self, batch_size: int, share_bytes: int) -> Schedule:
+        """A run's schedule at a global batch of ``batch_size``, holding ``share_bytes``."""
+        return Schedule.of(self.config, batch_size, share_bytes)
+
+    def start(self, fn: Callable[..., Any], spec: Any, key: int,
+              members: tuple[PlannedTrial, ...], **kw: Any) -> Run:
+        """Run ``fn(spec, space, task, report=..., stop=..., cache=..., **kw)`` (`run_trial` or
+        `run_fused_group`) in a worker thread, as unit ``key`` of ``members``."""
         stop = threading.Event()
-        future = self.executor.submit(run_fused_group, spec, self.space, self.task,
-                                      report=self.report, statuses=statuses, stop=stop,
-                                      cache=self.cache)
-        return Run(unit.key, unit.members, stop, future)
+        future = self.executor.submit(fn, spec, self.space, self.task, report=self.report,
+                                      stop=stop, cache=self.cache, **kw)
+        return Run(key, members, stop, future)
 
     def close(self) -> None:
         """Wait for every run and release the worker threads."""

@@ -46,7 +46,7 @@ import numpy as np
 
 from scamp_jax.hpo.calibration import measure_peak
 from scamp_jax.hpo.checkpoint import TrialCheckpointer
-from scamp_jax.hpo.trial import RunResult, TrialOutOfMemory, TrialStatus, ending
+from scamp_jax.hpo.trial import RunResult, TrialOutOfMemory, TrialStatus, ending, trial_seed
 from scamp_jax.planning.budget import Budget
 from scamp_jax.planning.evaluation import (
     EvalCompiler,
@@ -79,6 +79,16 @@ class MemberSpec:
     seed: int = 0
     checkpoint_dir: Path | None = None
 
+    @classmethod
+    def of(cls, trial: Any, seed: int, checkpoint_root: Path | None) -> MemberSpec:
+        """The member a study's ``trial`` (its ``number``, ``params`` and ``checkpoint_key``)
+        is in a run: its seed from the study's ``seed`` (`trial_seed`, which a re-run of an
+        interrupted trial shares) and its checkpoint directory under ``checkpoint_root`` (None:
+        no checkpoints). The one place a study's trial becomes a run's member."""
+        key = trial.checkpoint_key
+        return cls(trial.number, trial.params, trial_seed(seed, key),
+                   checkpoint_root / key if checkpoint_root is not None else None)
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -97,6 +107,15 @@ class Schedule:
     log_every: int = 10
     save: bool = True
     reform: bool = True
+
+    @classmethod
+    def of(cls, config: Any, batch_size: int, share_bytes: int) -> Schedule:
+        """A study's run at a global batch of ``batch_size`` that may hold ``share_bytes`` per
+        device: its steps (`scamp_jax.hpo.settings.EngineConfig.steps_for`) and intervals from
+        ``config``, the study's `EngineConfig`. The one place a run's schedule is read from
+        the study's configuration."""
+        return cls(config.steps_for(int(batch_size)), int(share_bytes), config.checkpoint_every,
+                   config.eval_every, config.log_every)
 
 
 class Program(Protocol):

@@ -27,12 +27,11 @@ from flax import nnx
 
 from scamp_jax.hpo.program_key import ProgramKey
 from scamp_jax.hpo.runner import make_optimizer
-from scamp_jax.hpo.trial import PlannedTrial, TrialDeferred, booked_bytes
+from scamp_jax.hpo.trial import TrialDeferred
 from scamp_jax.planning import planner
 from scamp_jax.planning.evaluation import supports_chunked_eval
 from scamp_jax.planning.memory import with_batch_size
 from scamp_jax.planning.train_step import split_model, step_flops
-from scamp_jax.scheduling.core import TrialPlan
 from scamp_jax.scheduling.host import cpu_trial_devices
 
 log = logging.getLogger(__name__)
@@ -49,7 +48,8 @@ class PlanningService:
       batch_multiple: the placement policy's batch multiple (ScaMP: so a trial can later grow
         with the same batch).
       may_grow: a queued trial may start on more devices than planned (the last wave's growth):
-        its `core_plan` offers the usable bytes per device to grow into.
+        what the scheduling core is fed of it (`scamp_jax.hpo.units.SoloUnit.trial_plan`)
+        offers the usable bytes per device to grow into.
       max_running: most trials the engine runs at once (None: no cap); on CPU devices
         `smallest_fitting_plan` plans a trial on at least the devices its share of the host's
         cores gives it (`scamp_jax.scheduling.host.cpu_trial_devices`).
@@ -289,16 +289,3 @@ class PlanningService:
     def flops_of(self, number: int, plan: Any) -> float | None:
         """FLOPs per device per step of trial ``number`` on ``plan`` (None: not costed)."""
         return self._flops_of.get((number, self.devices_of(plan), int(plan.batch_size)))
-
-    def core_plan(self, planned: PlannedTrial) -> TrialPlan:
-        """``planned`` as the scheduling core sees it: devices, booked bytes, steps, FLOPs."""
-        plan = planned.plan
-        return TrialPlan(
-            key=planned.number, arrival=planned.arrival, devices=planned.devices,
-            bytes_per_device=booked_bytes(plan),
-            steps=self.config.steps_for(int(plan.batch_size)),
-            flops_per_step=self.flops_of(planned.number, plan),
-            data_parallel=int(plan.data_parallel), model_parallel=int(plan.model_parallel),
-            batch_size=int(plan.batch_size),
-            grow_bytes=int(plan.usable_bytes) if self.may_grow else 0,
-        )

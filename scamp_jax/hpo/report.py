@@ -75,8 +75,9 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
         # Horizontal fusion: the fused group the trial trained in (None: alone) and its width.
         row["fused_group"] = attrs.get("fused_group")
         row["fusion_width"] = attrs.get("fusion_width", 1)
-        # Scheduling record (seconds since the run's first start; see `SearchEngine._attrs`):
-        # what `python -m benchmarks.simulate_cluster --replay` feeds the scheduling core.
+        # Scheduling record (seconds since the run's first start; see
+        # `scamp_jax.hpo.record.TrialRecord.attrs`): what
+        # `python -m benchmarks.simulate_cluster --replay` feeds the scheduling core.
         for name in ("planned_at", "started_at", "finished_at", "placements", "pace", "plan",
                      "core_events", "run_started"):
             row[name] = attrs.get(name)

@@ -92,9 +92,30 @@ class RunSpec:
     save_checkpoints: bool = True
     booked_bytes: int | None = None
 
+    @classmethod
+    def of(cls, member: MemberSpec, plan: Any, schedule: Schedule, memory_per_device: int,
+           **extra: Any) -> RunSpec:
+        """The spec of ``member`` trained on ``plan`` by ``schedule`` (its ``share_bytes`` is
+        the booked share), with a device budget of ``memory_per_device`` bytes; ``extra``: the
+        fields of a trial spanning MPI ranks (``grad_reduce``, ``batch_share``)."""
+        return cls(number=member.number, params=member.params, plan=plan, steps=schedule.steps,
+                   memory_per_device=memory_per_device, checkpoint_dir=member.checkpoint_dir,
+                   checkpoint_every=schedule.checkpoint_every, eval_every=schedule.eval_every,
+                   log_every=schedule.log_every, seed=member.seed,
+                   save_checkpoints=schedule.save, booked_bytes=schedule.share_bytes, **extra)
+
     def share_bytes(self) -> int:
         """The bytes per device this trial may hold (see ``booked_bytes``)."""
         return share_bytes(self.booked_bytes, self.memory_per_device, self.plan)
+
+    def member(self) -> MemberSpec:
+        """The trial as the lifecycle's one member."""
+        return MemberSpec(self.number, self.params, self.seed, self.checkpoint_dir)
+
+    def schedule(self) -> Schedule:
+        """How long the run trains and what it does on the way (the lifecycle's schedule)."""
+        return Schedule(self.steps, self.share_bytes(), self.checkpoint_every, self.eval_every,
+                        self.log_every, save=self.save_checkpoints)
 
 
 #: AdamW's settings where a configuration leaves them out (optax's, with no weight decay).
@@ -254,13 +275,10 @@ def run_trial(
     Returns:
       A `RunResult`; every exception is turned into a ``failed`` or ``oom`` result.
     """
-    member = MemberSpec(spec.number, spec.params, spec.seed, spec.checkpoint_dir)
-    schedule = Schedule(spec.steps, spec.share_bytes(), spec.checkpoint_every, spec.eval_every,
-                        spec.log_every, save=spec.save_checkpoints)
     program = SoloProgram(spec, space, task, cache or StepCache())
     status = status or TrialStatus(spec.number, spec.params)
-    run = Lifecycle(program, [member], schedule, task, statuses=[status], report=report,
-                    on_loss=on_loss, stop=stop)
+    run = Lifecycle(program, [spec.member()], spec.schedule(), task, statuses=[status],
+                    report=report, on_loss=on_loss, stop=stop)
     return run.run()[0]
 
 

@@ -121,8 +121,12 @@ class StudySession:
         from scamp_jax.planning.plan_cache import PlanCache
         from scamp_jax.planning.planner import plan_mesh
 
-        self.space, self.task, self.settings = space, task, settings
+        self.space, self.task = space, task
         self.devices, self.memory_per_device = list(devices), int(memory_per_device)
+        #: the settings as given, and as the study runs them on these devices
+        #: (`SearchSettings.on_platform`: fusion by default on accelerators)
+        self.requested = settings
+        self.settings = settings.on_platform(self.platform)
         self.live, self.baseline, self.title = live, baseline, title
         self.rank, self.ranks = rank, ranks
         self.study_name = settings.study_name or space.name
@@ -188,6 +192,14 @@ class StudySession:
         self.say(f"study {self.study_name!r} in {self.out_dir}: {finished} of "
                  f"{self.settings.trials} trials finished before this run{ranks}")
         self.say_pool()
+        line = fusion_line(self.requested, self.settings, self.platform)
+        if line is not None:
+            self.say(line)
+
+    @property
+    def platform(self) -> str:
+        """The platform of the pool's devices (``"cpu"``, ``"gpu"``, ...)."""
+        return self.devices[0].platform if self.devices else "cpu"
 
     def say_pool(self) -> None:
         """The pool line: ``pool: ...`` in one process; with several ranks every rank says its
@@ -440,6 +452,30 @@ def run_study(
                       live=is_terminal(sys.stdout) if live is None else live,
                       baseline=baseline,
                       title=space.name)
+
+
+def fusion_line(requested: SearchSettings, settings: SearchSettings, platform: str
+                ) -> str | None:
+    """The opening line on fusion of a study ``requested`` with these settings and run with
+    ``settings`` (`SearchSettings.on_platform`) on ``platform`` devices; None on CPU devices
+    without fusion (nothing to say)."""
+    from scamp_jax.hpo.trial import fusion_cap
+
+    cap = fusion_cap(settings.fuse)
+    stream = (f"a {platform} device runs one compute stream, so trials packed side by side on "
+              "one take turns")
+    if cap is not None and requested.fuse is None:
+        return (f"fusion: trials of one architecture on one device train as one vmapped group "
+                f"of up to {cap}, by default on {platform} devices: {stream}, and a group is "
+                "one program that fills it (fuse=1 or --fuse 1 turns it off)")
+    if cap is not None:
+        return (f"fusion: trials of one architecture on one device train as one vmapped group "
+                f"of up to {cap} (fuse={settings.fuse!r})")
+    if platform == "cpu":
+        return None
+    why = "the grid sampler sets every parameter" if settings.sampler == "grid" else (
+        f"fuse={settings.fuse!r}")
+    return f"fusion: off ({why}): {stream}"
 
 
 def held_budget(devices: Sequence[jax.Device], memory_per_device: int) -> int:

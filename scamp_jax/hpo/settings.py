@@ -80,13 +80,15 @@ class EngineConfig:
         the end of the study to work (`grow_last_wave`).
       restart_seconds: predicted cost of an elastic restart (checkpoint, compile, restore),
         seconds; None: the trial's own start-up time in its current run.
-      fuse: horizontal fusion (`scamp_jax.hpo.fused_engine`): None (off), ``K`` (after the sampler
-        proposes a trial, up to ``K - 1`` siblings with its architecture are enqueued, and
-        queued trials of one architecture train in fused groups of at most ``K``, as wide as
-        the planner fits) or ``"auto"`` (the planner's widest fitting group, capped). Siblings
-        change the search: a proposal's family takes ``K`` of the study's trials, so a study of
-        at most ``K`` trials tries one architecture (its first proposal's) with ``K`` draws of
-        the training hyperparameters (``"auto"``: ``K`` is `scamp_jax.hpo.trial.AUTO_FUSION_CAP`).
+      fuse: horizontal fusion (`scamp_jax.hpo.fused_engine`): ``K`` (after the sampler proposes
+        a trial, up to ``K - 1`` siblings with its architecture are enqueued, and queued trials
+        of one architecture train in fused groups of at most ``K``, as wide as the planner
+        fits), ``"auto"`` (the planner's widest fitting group, capped), 1 (off) or None (the
+        devices decide, `SearchSettings.on_platform`: ``"auto"`` on accelerators, off on CPU
+        devices; the engine itself reads None as off). Siblings change the search: a
+        proposal's family takes ``K`` of the study's trials, so a study of at most ``K``
+        trials tries one architecture (its first proposal's) with ``K`` draws of the training
+        hyperparameters (``"auto"``: ``K`` is `scamp_jax.hpo.trial.AUTO_FUSION_CAP`).
       max_running_trials: most trials (or fused groups) training at once, the rest queued:
         ``"auto"`` (on CPU devices, which share the host's cores, one per two cores, as
         measured in `scamp_jax.scheduling.host`; no cap on accelerators), a positive int, or
@@ -258,6 +260,19 @@ class SearchSettings(EngineConfig):
                            tuple(dict(p) for p in self.initial_params))
 
     # -- views ----------------------------------------------------------------------------------
+    def on_platform(self, platform: str) -> SearchSettings:
+        """These settings for a pool of ``platform`` devices (``jax.Device.platform``:
+        ``"cpu"``, ``"gpu"``, ``"tpu"``): the one place a setting is decided by the devices.
+
+        ``fuse`` left unset (None) becomes ``"auto"`` on accelerators: a device runs every
+        executable on its one compute stream (XLA's ``local_device_state.h``), so trials packed
+        side by side on one take turns, while a fused group of them is one program that fills
+        it. It stays off on CPU devices, and under the grid sampler (which sets every parameter
+        a sibling would leave to the sampler). A ``fuse`` the user set (1: off) is kept."""
+        if self.fuse is None and platform != "cpu" and self.sampler != "grid":
+            return replace(self, fuse="auto")
+        return self
+
     def engine_config(self, memory_per_device: int | Budget, *, rank: int = 0) -> SearchSettings:
         """These settings as the engine reads them: with the budget (bytes per device, or a
         `Budget`) and ``rank``, the MPI rank recorded with each trial. The same object

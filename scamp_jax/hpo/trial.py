@@ -176,8 +176,9 @@ def ending(err: BaseException) -> tuple[str, str, int | None]:
 def fusion_cap(fuse: int | str | None) -> int | None:
     """The most members per group for ``EngineConfig.fuse`` (None: fusion off).
 
-    ``fuse`` is None (off), an int ``K >= 1`` (at most ``K``; 1 is off) or ``"auto"`` (the
-    widest that fits, at most `AUTO_FUSION_CAP`).
+    ``fuse`` is an int ``K >= 1`` (at most ``K``; 1 is off), ``"auto"`` (the widest that fits,
+    at most `AUTO_FUSION_CAP`) or None (off here; in a study the devices decide first,
+    `scamp_jax.hpo.settings.SearchSettings.on_platform`).
     """
     if fuse is None:
         return None
