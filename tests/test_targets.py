@@ -307,3 +307,43 @@ def test_candidate_plan_rows_are_plain_data() -> None:
     assert table[0].split() == ["trial", "devices", "mp", "batch", "bytes/device", "compiles",
                                 "CPU-s", "embed_dim"]
     assert table[1].split()[:4] == ["0", "1", "1", "64"]
+
+
+def test_a_product_without_a_default_kernel_compiles_with_cublas_kernels(caplog):
+    """A SwinIR's window attention at batch 1024 for an H200 has a product of a transposed
+    operand for which XLA has no default Triton tiling without autotuning ("Failed to get
+    configs"); every compile of the project then takes cuBLAS kernels for it and says so."""
+    needs_gpu_compiler()
+    from jax.sharding import SingleDeviceSharding
+
+    from scamp_jax.planning.reuse import compile_lowered
+
+    device = targets.resolve_target("h200").devices(1)[0]
+    sharding = SingleDeviceSharding(device)
+    x = jax.ShapeDtypeStruct((1024, 6, 4, 6, 4, 48), jnp.float32, sharding=sharding)
+    w = jax.ShapeDtypeStruct((48, 48), jnp.float32, sharding=sharding)
+    lowered = jax.jit(lambda x, w: x.transpose(0, 1, 3, 2, 4, 5).reshape(-1, 48) @ w).lower(x, w)
+    options = device_options([device], Purpose.GUIDE)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="does not support a default config"):
+        lowered.compile(options)  # XLA alone
+    with caplog.at_level("WARNING", logger="scamp_jax.planning.reuse"):
+        compiled = compile_lowered(lowered, options)
+    assert compiled.memory_analysis().output_size_in_bytes == 589824 * 48 * 4
+    assert "no default kernel configuration" in caplog.text
+
+
+def test_only_a_missing_default_kernel_is_compiled_again():
+    from scamp_jax.planning.compile_options import without_default_kernels
+
+    missing = RuntimeError("INTERNAL: Failed to get configs for: 2 out of 25 instructions. "
+                           "UNIMPLEMENTED: TritonBackend does not support a default config.")
+    assert without_default_kernels({"a": 1}, missing) == {"a": 1,
+                                                          "xla_gpu_enable_triton_gemm": False}
+    assert without_default_kernels({"xla_gpu_enable_triton_gemm": False}, missing) is None
+    oom = RuntimeError("Failed to get configs for: 31 out of 120 instructions ... could not "
+                       "allocate 3.40GiB; TritonBackend does not support a default config")
+    assert without_default_kernels(None, oom) is None  # an out-of-memory for the ledger
+    assert without_default_kernels(None, RuntimeError("INTERNAL: something else")) is None
+    one = RuntimeError("INTERNAL: No supported config found for HLO: %gemm_fusion_dot.17 ... "
+                       "UNIMPLEMENTED: TritonBackend does not support a default config.")
+    assert without_default_kernels(None, one) == {"xla_gpu_enable_triton_gemm": False}

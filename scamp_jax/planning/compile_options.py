@@ -113,6 +113,35 @@ def device_options(devices: Iterable[Any], purpose: Purpose) -> dict[str, Any] |
     return {**(options or {}), **target.compiler_options}
 
 
+#: How XLA's GPU compiler says that a fusion got no kernel configuration: without autotuning
+#: (planning compiles, GPU targets) each matrix-product fusion takes one default Triton tiling,
+#: and for some no default compiles, e.g. a SwinIR's f32[589824,48] product of a transposed
+#: operand at batch 1024 for a described H200 ("Failed to get configs for: 2 out of 25
+#: instructions ... TritonBackend does not support a default config"; for one fusion alone
+#: "No supported config found for HLO ...").
+NO_DEFAULT_KERNEL = "does not support a default config"
+NO_CONFIG = ("Failed to get configs", "No supported config found")
+#: The option that retry turns off: XLA's Triton matrix products (cuBLAS kernels instead).
+TRITON_GEMM = "xla_gpu_enable_triton_gemm"
+
+
+def without_default_kernels(options: dict[str, Any] | None,
+                            err: BaseException) -> dict[str, Any] | None:
+    """The options to compile again with when ``err`` says a fusion had no default kernel
+    configuration (`NO_DEFAULT_KERNEL`): ``options`` with XLA's Triton matrix products off, so
+    that those products take cuBLAS kernels. None for any other error, for an allocation
+    failure (the autotuner out of memory: an out-of-memory for the ledger), and where Triton
+    matrix products are off already."""
+    text = str(err)
+    if NO_DEFAULT_KERNEL not in text or not any(marker in text for marker in NO_CONFIG):
+        return None
+    if "alloc" in text or "RESOURCE_EXHAUSTED" in text:
+        return None
+    if (options or {}).get(TRITON_GEMM) is False:
+        return None
+    return {**(options or {}), TRITON_GEMM: False}
+
+
 def answer_is_runnable(platform: str) -> bool:
     """Whether the planner's compile of its answer is the run's executable on ``platform``
     (its options are the run's: CPU and backends without planning options)."""

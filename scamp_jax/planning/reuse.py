@@ -43,6 +43,7 @@ from jax.sharding import Mesh
 from jaxlib import xla_client
 
 from scamp_jax.planning.compile_events import CACHE_HIT_EVENT
+from scamp_jax.planning.compile_options import without_default_kernels
 from scamp_jax.planning.compile_slots import compile_slot
 
 PyTree = Any
@@ -156,7 +157,9 @@ def compile_lowered(lowered: jax.stages.Lowered,
     """``lowered.compile(options)`` in one of the study's compile slots
     (`scamp_jax.planning.compile_slots`), remembering an executable JAX read back from the
     persistent compilation cache instead of compiling it (`read_back`). Every compile of the
-    project goes through here."""
+    project goes through here. A GPU compile in which a fusion got no default kernel
+    configuration is compiled again without Triton matrix products
+    (`scamp_jax.planning.compile_options.without_default_kernels`)."""
     global _listening
     if not _listening:
         with _read_back_lock:
@@ -165,7 +168,16 @@ def compile_lowered(lowered: jax.stages.Lowered,
                 _listening = True
     before = getattr(_hits, "count", 0)
     with compile_slot():
-        compiled = lowered.compile(options)
+        try:
+            compiled = lowered.compile(options)
+        except jax.errors.JaxRuntimeError as err:
+            retry = without_default_kernels(options, err)
+            if retry is None:
+                raise
+            log.warning("a fusion got no default kernel configuration (%s); compiling again "
+                        "with XLA's Triton matrix products off (cuBLAS kernels)",
+                        str(err).splitlines()[0][:160])
+            compiled = lowered.compile(retry)
     if getattr(_hits, "count", 0) != before:
         _mark_read_back(compiled)
     return compiled
