@@ -70,6 +70,8 @@ ENTRY_POINTS = [
     ("hpo_makespan", ["benchmarks.hpo_makespan", "--out", "{tmp}/makespan"], {}),
     ("fusion", ["benchmarks.fusion"], {}),
     ("fusion_precision", ["benchmarks.fusion_precision", "--ops"], {}),
+    ("fusion_profile", ["benchmarks.fusion_profile"], {}),
+    ("compiles", ["benchmarks.compiles"], {}),
     ("supernet_pipeline", ["benchmarks.supernet_pipeline"], {}),
     ("eval_memory", ["benchmarks.eval_memory"], {}),
     # The suite's driver starts no backend: each section's process does (here the first one).
