@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 
 def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]],
@@ -19,3 +22,14 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]
     print("  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
     for row in rows:
         print("  ".join(x.rjust(w) for x, w in zip(row, widths, strict=True)))
+
+
+def emit_report(report: dict[str, Any], *, print_json: bool, out: Path | None) -> None:
+    """A benchmark's JSON report: printed when ``print_json`` (``--json``), written to ``out``
+    (``--out``, its folder made) when given."""
+    text = json.dumps(report, indent=2)
+    if print_json:
+        print(text)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)

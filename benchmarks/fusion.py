@@ -49,7 +49,6 @@ Run::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import threading
@@ -425,16 +424,13 @@ def compiled_steps(family: str, width: int, batch: int, seed: int = 0,
     return solo, solo_args, fused, fused_args
 
 
-def step_times(family: str, width: int, batch: int, rounds: int = 5,
-               calls: int = 5) -> dict[str, Any]:
-    """The compiled steps alone (`compiled_steps`), no runner around them: seconds of the
-    ``width`` solo steps one after another against one fused step, in interleaved rounds of
-    ``calls`` timed calls each (wall-clock and process CPU, min and median), and
-    ``step_speedup``, the ratio of the medians (solo steps over fused step)."""
+def _timed_rounds(ways: dict[str, Any], rounds: int,
+                  calls: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Wall-clock and process CPU seconds of each of ``ways`` (name -> a call returning JAX
+    arrays), after one untimed call each, in ``rounds`` interleaved rounds of ``calls`` timed
+    calls per way; each call waits for its arrays."""
     import jax
 
-    solo, solo_args, fused, fused_args = compiled_steps(family, width, batch)
-    ways = {"solo": lambda: [solo(*a) for a in solo_args], "fused": lambda: fused(*fused_args)}
     wall: dict[str, list[float]] = {k: [] for k in ways}
     cpu: dict[str, list[float]] = {k: [] for k in ways}
     for f in ways.values():
@@ -446,6 +442,19 @@ def step_times(family: str, width: int, batch: int, rounds: int = 5,
                 jax.block_until_ready(f())
                 wall[name].append(time.perf_counter() - t0)
                 cpu[name].append(time.process_time() - c0)
+    return wall, cpu
+
+
+def step_times(family: str, width: int, batch: int, rounds: int = 5,
+               calls: int = 5) -> dict[str, Any]:
+    """The compiled steps alone (`compiled_steps`), no runner around them: seconds of the
+    ``width`` solo steps one after another against one fused step, in interleaved rounds of
+    ``calls`` timed calls each (wall-clock and process CPU, min and median), and
+    ``step_speedup``, the ratio of the medians (solo steps over fused step)."""
+
+    solo, solo_args, fused, fused_args = compiled_steps(family, width, batch)
+    ways = {"solo": lambda: [solo(*a) for a in solo_args], "fused": lambda: fused(*fused_args)}
+    wall, cpu = _timed_rounds(ways, rounds, calls)
     out: dict[str, Any] = {f"{name}_seconds": _stats(wall[name]) for name in ways}
     out.update({f"{name}_cpu_seconds": _stats(cpu[name]) for name in ways})
     out["step_speedup"] = out["solo_seconds"]["median"] / out["fused_seconds"]["median"]
@@ -484,17 +493,7 @@ def conv_forms(width: int = 4, batch: int = 8, side: int = 24,
                           jax.jit(jax.vmap(member_program(step))))
     ways = {"solo x K": lambda: [one(x[i], w[i]) for i in range(width)],
             "vmap (grouped)": lambda: plain(x, w), "fused step's form": lambda: member(x, w)}
-    wall: dict[str, list[float]] = {k: [] for k in ways}
-    cpu: dict[str, list[float]] = {k: [] for k in ways}
-    for f in ways.values():
-        jax.block_until_ready(f())
-    for _ in range(rounds):
-        for name, f in ways.items():
-            for _ in range(calls):
-                t0, c0 = time.perf_counter(), time.process_time()
-                jax.block_until_ready(f())
-                wall[name].append(time.perf_counter() - t0)
-                cpu[name].append(time.process_time() - c0)
+    wall, cpu = _timed_rounds(ways, rounds, calls)
     return {name: {"wall_min": min(wall[name]), "wall_median": statistics.median(wall[name]),
                    "cpu_min": min(cpu[name]), "cpu_median": statistics.median(cpu[name])}
             for name in ways}
@@ -612,6 +611,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         from scamp_jax.planning.member_ops import FORM_VARIABLE
 
         os.environ[FORM_VARIABLE] = args.conv_form
+    from benchmarks._tables import emit_report
     from scamp_jax.devices import configure_cpu_devices
 
     configure_cpu_devices(CPU_DEVICES)
@@ -629,8 +629,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             [[name, f"{f['wall_min']:.4f}", f"{f['wall_median']:.4f}", f"{f['cpu_min']:.4f}",
               f"{f['cpu_median']:.4f}", f"{f['wall_median'] / base['wall_median']:.2f}x"]
              for name, f in forms.items()], args.markdown)
-        if args.json:
-            print(json.dumps(forms, indent=2))
+        emit_report(forms, print_json=args.json, out=args.out)
         return forms
     if args.simulate:
         widths = sorted({1, 2, args.width, 2 * args.width})
@@ -643,18 +642,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             ["cluster", *(f"K={k}" for k in widths)],
             [[name, *(f"{g[k]:.2f}x" for k in widths)] for name, g in report["gain"].items()],
             args.markdown)
-        if args.json:
-            print(json.dumps(report, indent=2))
+        emit_report(report, print_json=args.json, out=args.out)
         return report
     report = run(args.family, args.width, steps=args.steps or d["steps"],
                  batch=args.batch or d["batch"], repeats=args.repeats, ray=args.ray,
                  concurrent=not args.no_concurrent)
     _table(report, args.markdown)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
+    emit_report(report, print_json=args.json, out=args.out)
     return report
 
 

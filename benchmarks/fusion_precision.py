@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -236,6 +235,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     p.add_argument("--json", action="store_true", help="print the --trial report as JSON")
     p.add_argument("--out", type=Path, default=None, help="also write the --trial JSON here")
     args = p.parse_args(argv)
+    from benchmarks._tables import emit_report
     from scamp_jax.devices import configure_cpu_devices
 
     configure_cpu_devices(CPU_DEVICES)
@@ -248,11 +248,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     d = DEFAULTS[args.family]
     report = trial_check(args.family, args.width or 5, args.steps or d["steps"], d["batch"])
     _print_trial(report)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
+    emit_report(report, print_json=args.json, out=args.out)
     return report
 
 

@@ -34,18 +34,10 @@ from scamp_jax.planning.liveness import live_bytes
 from scamp_jax.planning.planner import plan_mesh
 from scamp_jax.planning.train_step import abstract_state, split_model
 from scamp_jax.space import SearchSpace
+from tests._models import CHANNELS, ConvNet
 
-SIDE, CHANNELS = 12, 3
+SIDE = 12
 F32 = 4
-
-
-class ConvNet(nnx.Module):
-    def __init__(self, width: int, rngs: nnx.Rngs) -> None:
-        self.a = nnx.Conv(CHANNELS, width, (3, 3), rngs=rngs)
-        self.b = nnx.Conv(width, CHANNELS, (3, 3), rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.b(nnx.gelu(self.a(x)))
 
 
 class Denoise:

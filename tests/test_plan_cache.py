@@ -29,21 +29,11 @@ from scamp_jax.planning.train_step import (
     jit_train_step,
 )
 from scamp_jax.space import SearchSpace
+from tests._models import CHANNELS, ConvNet
 
-SIDE, CHANNELS = 16, 3
+SIDE = 16
 SAMPLE = jax.ShapeDtypeStruct((1, SIDE, SIDE, CHANNELS), jnp.float32)
 BUDGET = "24MiB"
-
-
-class ConvNet(nnx.Module):
-    """Two 3x3 convolutions: activations, not parameters, dominate training memory."""
-
-    def __init__(self, width: int, rngs: nnx.Rngs) -> None:
-        self.a = nnx.Conv(CHANNELS, width, (3, 3), rngs=rngs)
-        self.b = nnx.Conv(width, CHANNELS, (3, 3), rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.b(nnx.gelu(self.a(x)))
 
 
 def _abstract(width: int = 32) -> ConvNet:
