@@ -33,3 +33,13 @@ def emit_report(report: dict[str, Any], *, print_json: bool, out: Path | None) -
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
+
+
+def rel_diff(a: float, b: float) -> float:
+    """|a - b| relative to b (b = 0 counts as 1e-30)."""
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def pct_text(value: float, reference: float) -> str:
+    """``value`` against ``reference`` as a signed percentage with one decimal, e.g. ``+3.0%``."""
+    return f"{100.0 * (value - reference) / reference:+.1f}%"

@@ -57,6 +57,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks._tables import rel_diff
+
 CPU_DEVICES = 8
 
 #: One small architecture per family (the group's), and the steps and batch the trials train.
@@ -128,10 +130,6 @@ class ReadBacks:
 
 def _stats(values: Sequence[float]) -> dict[str, Any]:
     return {"min": min(values), "median": statistics.median(values), "all": list(values)}
-
-
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-30)
 
 
 def run(family: str, width: int, *, steps: int, batch: int, repeats: int, ray: bool,
@@ -281,7 +279,7 @@ def run(family: str, width: int, *, steps: int, batch: int, repeats: int, ray: b
         rows.append({"number": i, "learning_rate": cfg["learning_rate"], "seed": s,
                      **first[i],
                      "solo_final_loss": u.loss, "fused_final_loss": f.loss,
-                     "loss_rel_diff": _rel(f.loss, u.loss),
+                     "loss_rel_diff": rel_diff(f.loss, u.loss),
                      f"solo_{metric}": u.metrics[metric], f"fused_{metric}": f.metrics[metric]})
     solo_step = statistics.median(per_step["unfused"])
     fused_step = statistics.median(per_step["fused"])
@@ -342,7 +340,7 @@ def _first_steps(fused: Any, unfused: Any, width: int) -> list[dict[str, float]]
     out = []
     for i in range(width):
         f, u = fused_reads.losses(i), solo_reads.losses(i)
-        initial, second = _rel(f[1], u[1]), _rel(f[2], u[2])
+        initial, second = rel_diff(f[1], u[1]), rel_diff(f[2], u[2])
         out.append({"initial_loss_rel_diff": initial, "second_loss_rel_diff": second,
                     "first_step_rel_diff": max(initial, second)})
     return out

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks._tables import rel_diff
+
 NOT_ON_CPU = "not measurable on CPU: CPU devices report no allocator statistics or limit"
 
 
@@ -81,12 +83,12 @@ class Record:
 
 def allocator_fraction() -> float:
     """The fraction of device memory this process's allocator may use (XLA's default 0.75)."""
-    from scamp_jax.devices import MEM_FRACTION_VAR, OLD_MEM_FRACTION_VAR
+    from scamp_jax.devices import MEM_FRACTION_VAR, OLD_MEM_FRACTION_VAR, XLA_DEFAULT_FRACTION
 
     for name in (MEM_FRACTION_VAR, OLD_MEM_FRACTION_VAR):
         if os.environ.get(name):
             return float(os.environ[name])
-    return 0.75
+    return XLA_DEFAULT_FRACTION
 
 
 def make_context(out: Path, deadline: float, plan_cache: Path | None = None) -> Context:
@@ -106,10 +108,6 @@ def make_context(out: Path, deadline: float, plan_cache: Path | None = None) -> 
 
 def _pct(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else 100.0 * (a - b) / b
-
-
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-30)
 
 
 def _timeout(ctx: Context, least: float) -> float:
@@ -390,8 +388,8 @@ def trial_twice(family: str, steps: int, batch: int, root: Path) -> dict[str, An
                      "checkpoint_sha256": _checkpoint_sha256(root / f"run{i}")})
     a, b = runs
     return {"family": family, "steps": steps, "batch": plan.batch_size, "planning_s": planning_s,
-            "runs": runs, "first_loss_rel_diff": _rel(b["first_loss"], a["first_loss"]),
-            "final_loss_rel_diff": _rel(b["loss"], a["loss"]),
+            "runs": runs, "first_loss_rel_diff": rel_diff(b["first_loss"], a["first_loss"]),
+            "final_loss_rel_diff": rel_diff(b["loss"], a["loss"]),
             "same_bytes": a["checkpoint_sha256"] == b["checkpoint_sha256"]
             and a["loss"] == b["loss"]}
 
@@ -564,7 +562,7 @@ def determinism_section(cfg: Any, ctx: Context, rec: Record) -> None:
         csp.append((got.params_sha256, float(got.losses[-1])))
     rec.add_row({"what": f"CSP pipeline ({stages} stage(s), {cfg.supernet_choices} choices)",
                  "steps": cfg.supernet_subnets, "same_bytes": csp[0][0] == csp[1][0],
-                 "sha256": [c[0] for c in csp], "max_rel_diff": _rel(csp[1][1], csp[0][1]),
+                 "sha256": [c[0] for c in csp], "max_rel_diff": rel_diff(csp[1][1], csp[0][1]),
                  "seconds": time.perf_counter() - start})
     _timeout(ctx, cfg.fusion_least_seconds)
     start = time.perf_counter()

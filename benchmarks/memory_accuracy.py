@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks._tables import pct_text
+
 
 @dataclass(frozen=True)
 class Case:
@@ -263,11 +265,6 @@ def _measure_fused(model: Any, sample: Any, plan: Any, fuse: int,
     return row
 
 
-def _is_oom(err: BaseException) -> bool:
-    text = str(err)
-    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
-
-
 #: JAX's GPU client reads the allocator's kind from it (``bfc`` by default; ``platform``,
 #: ``cuda_async``, ...): part of an allocator policy.
 ALLOCATOR_VAR = "XLA_PYTHON_CLIENT_ALLOCATOR"
@@ -385,7 +382,9 @@ def measure_real_step(case: Case, devices: int, budget: str | None, *,
         jax.block_until_ready((loss, following))
         phases[phase] = _devices.allocator_stats(stats_device)
     except Exception as err:  # XlaRuntimeError; RESOURCE_EXHAUSTED is the one expected
-        if not _is_oom(err):
+        from scamp_jax.hpo.trial import is_oom_error  # the engine's reading of an error
+
+        if not is_oom_error(err):
             raise
         return {**row, "oom": True, "oom_phase": phase, "phases": phases, "compiled": None,
                 "peak_in_use": None, "bytes_limit": None,
@@ -444,10 +443,6 @@ def measure_in_child(name: str, devices: int, budget: str | None, *, batch: int 
     return json.loads(lines[-1])
 
 
-def _pct(a: int, b: int) -> str:
-    return f"{100.0 * (a - b) / b:+.1f}%"
-
-
 def render(rows: list[dict[str, Any]], markdown: bool) -> str:
     """The results as an aligned text table or a markdown table."""
     from scamp_jax._units import format_bytes
@@ -466,7 +461,7 @@ def render(rows: list[dict[str, Any]], markdown: bool) -> str:
     for r in rows:
         line = [r["model"], f"{r['params']:,}", r["mesh"], str(r["batch"]),
                 format_bytes(r["planned"]), format_bytes(r["compiled"]),
-                _pct(r["planned"], r["compiled"]), f"{r['plan_seconds']:.1f}",
+                pct_text(r["planned"], r["compiled"]), f"{r['plan_seconds']:.1f}",
                 f"{r['plan_cpu_seconds']:.1f}", str(r["compiles"]),
                 f"{r['cached_cpu_seconds']:.2f}", str(r["cached_compiles"]),
                 f"{r['ready_cpu_seconds']:.1f}", str(r["ready_compiles"])]
@@ -476,7 +471,7 @@ def render(rows: list[dict[str, Any]], markdown: bool) -> str:
                      str(r["fused_cached_compiles"])]
         if gpu:
             m = r.get("measured")
-            line += [format_bytes(m) if m else "-", _pct(r["planned"], m) if m else "-"]
+            line += [format_bytes(m) if m else "-", pct_text(r["planned"], m) if m else "-"]
         table.append(line)
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._tables import print_table
+from benchmarks._tables import pct_text, print_table
 
 #: Budgets of the cases as the H200 run planned them.
 BUDGETS = {"mlp": "512MiB", "vit": "1GiB", "swinir_small": "2GiB", "swinir_paper": "32GiB"}
@@ -87,10 +87,6 @@ def measure(case: str, target: str, budget: str, reference: tuple[int, int] | No
     return row
 
 
-def _pct(value: int, reference: int) -> str:
-    return f"{100 * (value - reference) / reference:+.1f}%"
-
-
 def main(argv: list[str] | None = None) -> None:
     """Parse flags, plan every case for every target, print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -134,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
             return f"{r[key]:,}" if key in r else "-"
 
         def err(key: str, of: str, r: dict[str, Any] = r) -> str:
-            return _pct(r[key], r[of]) if key in r and of in r else "-"
+            return pct_text(r[key], r[of]) if key in r and of in r else "-"
 
         table.append([
             r["case"], r["target"], r["budget"], cell("batch"), cell("reference_batch"),

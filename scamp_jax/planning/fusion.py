@@ -286,6 +286,7 @@ class FusedStepCompiler:
         self.loss_fn = loss_fn if loss_fn is not None else default_loss
         self._step = jit_fused_step(self.graphdef, self.optimizer, self.loss_fn, self.shardings)
         self.compiler_options = device_options(plan.devices, Purpose.GUIDE)
+        self.run_options = device_options(plan.devices, Purpose.RUN)  # run-grade compiles
         self.seen: dict[tuple[int, int], MemoryEstimate] = {}
         self.asked: dict[tuple[int, int], int] = {}  # the points this search used: their peaks
         self.compiled = 0  # fused steps compiled by this object (points from the cache excluded)
@@ -360,7 +361,8 @@ class FusedStepCompiler:
         active = jax.ShapeDtypeStruct((width,), jnp.bool_, sharding=self.shardings.replicated())
         start = time.perf_counter()
         lowered = self._step.lower(params, opt_state, rest, batch, active)
-        compiled = compile_lowered(lowered, None if run_grade else self.compiler_options)
+        options = self.run_options if run_grade else self.compiler_options
+        compiled = compile_lowered(lowered, options)
         seconds = time.perf_counter() - start
         if run_grade:
             self.run_grade[(width, batch_size)] = (compiled, lowered)

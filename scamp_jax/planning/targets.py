@@ -284,13 +284,6 @@ def target_of(devices: Sequence[Any]) -> Target | None:
     return _BY_CLIENT[client][1]
 
 
-def target_compiler_options(devices: Sequence[Any]) -> dict[str, Any] | None:
-    """The compile options of ``devices``' target (`Target.compiler_options`), None for real
-    devices: what every compiler of the planner passes for compile-only devices."""
-    target = target_of(devices)
-    return None if target is None else target.compiler_options
-
-
 def _compile_only(device: Any) -> bool:
     client = getattr(device, "client", None)
     return getattr(client, "runtime_type", "") == "compile_only_runtime"
