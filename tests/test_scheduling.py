@@ -248,3 +248,17 @@ def test_a_restart_is_predicted_from_the_busy_part_and_the_time_since_the_last_m
     # On two devices it would save under the minimum gain (10% of 26 s): not an option taken.
     assert resized_seconds(26.0, 0.25, 1, 2) + 1.0 > 0.9 * 26
     assert resized_seconds(26.0, None, 1, 4) == pytest.approx(6.5)  # unknown: linear
+
+
+def test_a_trial_taken_out_of_the_queue_loses_its_plans_on_more_devices():
+    """Taken out to be booked again (a larger allowance learned), a queued trial's plans on
+    more devices were booked the old way: the core forgets them, as on a re-plan."""
+    core = SchedulingCore(ScampPolicy(), 4, Budget(100 * MIB, 0.1))
+    plan = TrialPlan(0, 0, 1, 40 * MIB, 10, grow_bytes=80 * MIB)
+    core.planned(0.0, plan)
+    core.option_planned(0, 2, TrialPlan(0, 0, 2, 30 * MIB, 10))
+    assert core.growth.plan(0, 2) is not None
+    assert core.unqueue(1.0, 0) == plan
+    assert core.growth.plan(0, 2) is None
+    core.planned(1.0, plan)  # queued again: the option is asked for afresh
+    assert core.growth.ask(0, 2)

@@ -323,6 +323,8 @@ def spanning_outcome(trial: SpanningTrial, ranks: tuple[int, ...], result: RunRe
         "batch_size": trial.plan.global_batch,
         "batch_per_rank": trial.plan.batch_per_rank,
         "predicted_peak_bytes": trial.plan.booked_bytes,
+        "booked_bytes": trial.plan.booked_bytes,  # recorded as every trial's (results.json)
+        "measured_peak_bytes": result.measured_peak_bytes,
         "held_bytes": result.held_bytes,
         "steps": result.steps,
         "wall_seconds": round(result.wall_seconds, 3),

@@ -254,11 +254,14 @@ class SchedulingCore:
         self.planned(now, plan)
 
     def unqueue(self, now: float, key: int) -> TrialPlan:
-        """Queued trial ``key`` leaves the queue (to be booked or planned again); its plan."""
+        """Queued trial ``key`` leaves the queue (to be booked again, e.g. with a larger learned
+        allowance); its plan. Its plans on more devices go with it: they were booked the old
+        way, and it is asked for them again once it is queued again (as `requeue` does)."""
         self._at(now)
         plan = self._queue.pop(key)
         self._waiting.remove(key)
         self._last_wave.pop(key, None)
+        self.growth.forget(key)
         return plan
 
     def restarted(self, now: float, key: int, device_ids: Sequence[int], plan: TrialPlan) -> bool:
