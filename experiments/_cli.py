@@ -370,7 +370,9 @@ def plan_only(
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from scamp_jax.devices import configure_cpu_devices
 
-    configure_cpu_devices(max(CPU_DEVICES, config.devices or 0))
+    # With a target the planned devices are its compile-only ones, not CPU devices.
+    configure_cpu_devices(CPU_DEVICES if target_name is not None
+                          else max(CPU_DEVICES, config.devices or 0))
     import jax
 
     from scamp_jax._units import format_bytes, parse_bytes

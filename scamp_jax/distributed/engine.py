@@ -142,12 +142,13 @@ class SpanningPlanningService(PlanningService):
                 raise
             weights, _, _ = abstract_state(model, make_optimizer(params or {}))
             loss = jax.ShapeDtypeStruct((), jnp.float32)
+            budget = self.config.need_budget()
             span = span_plan(functools.partial(self.call_planner, params=params), model,
                              ranks=self.ranks,
                              min_batch_size=self.config.min_batch_size or 1,
                              max_batch_size=max_batch,
-                             memory_per_device=self.config.need_budget().memory_per_device,
-                             safety_margin=self.config.need_budget().safety_margin,
+                             memory_per_device=budget.memory_per_device,
+                             safety_margin=budget.safety_margin,
                              reduction_bytes=mpi_mean_bytes((weights, loss)), local_error=err)
         raise TrialDeferred(f"spans {span.ranks} ranks (global batch {span.global_batch})", span)
 

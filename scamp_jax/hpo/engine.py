@@ -344,7 +344,7 @@ class SearchEngine:
         """Queue the units the unit kind forms of the trials it holds (fused groups)."""
         planning = [w.params for w in self.work.values() if w.params is not None]
         stalled = not planning and (self.intake.exhausted or not self._running())
-        formed = self.kind.form(planning, stalled, self.records)
+        formed = self.kind.form(planning, stalled)
         for numbers, job in formed.sizing:
             self._submit(work.sizing(numbers, self._sized), job)
         for unit in formed.units:
@@ -516,9 +516,10 @@ def scheduling_info(policy: Any, config: EngineConfig, core: SchedulingCore, gro
         parts["resize_running"] = policy.resize_running and grow and checkpoints
     else:
         parts["devices_per_trial"] = policy.devices_per_trial
+    budget = config.need_budget()
     return {
-        "memory_per_device": config.need_budget().memory_per_device,
-        "safety_margin": config.need_budget().safety_margin,
+        "memory_per_device": budget.memory_per_device,
+        "safety_margin": budget.safety_margin,
         "usable_bytes_per_device": core.capacity,
         "peak_flops": core.peak_flops,
         "restart_seconds": config.restart_seconds,

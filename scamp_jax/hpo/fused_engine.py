@@ -234,8 +234,7 @@ class FusionService:
         self._forming[planned.number] = planned
         return None  # grouped by a later `form`, after the loop has asked for more trials
 
-    def form(self, planning: Iterable[Mapping[str, Any]], stalled: bool,
-             records: Mapping[int, Any] | None = None) -> Formed:
+    def form(self, planning: Iterable[Mapping[str, Any]], stalled: bool) -> Formed:
         """Decide the groups of the forming buffer (`form_groups`): trials alone and full
         groups to queue, narrower groups to size at their own width first (`narrower`).
 

@@ -262,8 +262,7 @@ class UnitKind(Protocol):
         """Event: ``planned`` is planned (``record``: its `scamp_jax.hpo.record.TrialRecord`);
         the unit to queue now, or None when it waits for a group."""
 
-    def form(self, planning: Iterable[Mapping[str, Any]], stalled: bool,
-             records: Mapping[int, Any]) -> Formed:
+    def form(self, planning: Iterable[Mapping[str, Any]], stalled: bool) -> Formed:
         """The units held trials make now (``planning``: configurations being planned;
         ``stalled``: nothing could bring more members)."""
 
@@ -293,8 +292,7 @@ class SoloTrials:
     def admit(self, planned: PlannedTrial, record: Any) -> Unit | None:
         return SoloUnit(planned)
 
-    def form(self, planning: Iterable[Mapping[str, Any]], stalled: bool,
-             records: Mapping[int, Any]) -> Formed:
+    def form(self, planning: Iterable[Mapping[str, Any]], stalled: bool) -> Formed:
         return Formed()
 
     def waiting(self) -> list[int]:
