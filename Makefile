@@ -20,7 +20,7 @@ test-all:
 # parity tests (PyTorch's CPU build is installable there).
 LOWER_BOUND_TESTS = tests/test_planner.py tests/test_memory.py tests/test_runner.py \
 	tests/test_csp.py tests/test_study.py tests/test_mpi_local.py tests/test_mpi_runs.py \
-	tests/test_reuse.py tests/test_swinir_parity.py tests/test_packaging.py
+	tests/test_reuse.py tests/test_host_init.py tests/test_swinir_parity.py tests/test_packaging.py
 test-oldest:
 	scripts/setup.sh oldest
 	.venv-oldest/bin/python -m pytest $(LOWER_BOUND_TESTS)

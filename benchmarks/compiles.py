@@ -1,10 +1,13 @@
 """What planning a new architecture costs: CPU seconds and XLA compiles of one ``plan_mesh``.
 
 Plans one model of `benchmarks.memory_accuracy` in this (fresh) process, as the engine plans a
-trial's architecture, and prints one JSON line: the plan (mesh, batch, compiled peak), the CPU
-seconds of all threads (``time.process_time``: what it would take with a core to itself, the
-figure to compare on a shared machine), the wall seconds, and the compiles by function name
-(JAX's compile events, `scamp_jax.planning.compile_events.CompileCounter`). Only public
+trial's architecture, then makes a run's initial state on the plan (`InitialStates`, as a
+trial's first run of the architecture does), and prints one JSON line: the plan (mesh, batch,
+compiled peak), the CPU seconds of all threads (``time.process_time``: what it would take with
+a core to itself, the figure to compare on a shared machine), the wall seconds, and the
+compiles by function name (JAX's compile events,
+`scamp_jax.planning.compile_events.CompileCounter`), each for the plan and for the initial
+state (``init_*``). Only public
 ``plan_mesh`` arguments are used, so the same file measures another checkout::
 
     python -m benchmarks.compiles --case swinir                     # 8 CPU devices, 64 MiB
@@ -32,7 +35,9 @@ def measure(case_name: str, devices: int | None, budget: str | None,
 
     from benchmarks.memory_accuracy import BY_NAME
     from scamp_jax.planning.compile_events import CompileCounter
+    from scamp_jax.planning.initial_state import InitialStates
     from scamp_jax.planning.planner import plan_mesh
+    from scamp_jax.planning.train_step import default_optimizer
 
     case = BY_NAME[case_name]
     model = nnx.eval_shape(lambda: case.build(nnx.Rngs(0)))
@@ -42,14 +47,22 @@ def measure(case_name: str, devices: int | None, budget: str | None,
     with CompileCounter() as count:
         plan = plan_mesh(model, sample, devices=n, memory_per_device=budget or case.budget,
                          compile_for_run=not planning_only)
+    plan_cpu, plan_wall = time.process_time() - cpu, time.perf_counter() - wall
+    wall, cpu = time.perf_counter(), time.process_time()
+    with CompileCounter() as init_count:
+        state = InitialStates().make(case_name, case.build, default_optimizer(),
+                                     plan.step_shardings, 0, {})
+        jax.block_until_ready(state)
     return {
         "case": case_name, "platform": jax.devices()[0].platform, "devices": n,
         "planning_only": planning_only, "mesh": f"{plan.data_parallel}x{plan.model_parallel}",
         "batch": plan.batch_size, "peak_bytes": plan.peak_bytes_per_device,
-        "cpu_s": round(time.process_time() - cpu, 3),
-        "wall_s": round(time.perf_counter() - wall, 3),
+        "cpu_s": round(plan_cpu, 3), "wall_s": round(plan_wall, 3),
         "compiles": dict(count.compiles), "plan_compiles": plan.compiles,
         "run_grade_step": plan.compiled_step is not None,
+        "init_cpu_s": round(time.process_time() - cpu, 3),
+        "init_wall_s": round(time.perf_counter() - wall, 3),
+        "init_compiles": dict(init_count.compiles),
     }
 
 

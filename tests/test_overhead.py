@@ -85,6 +85,10 @@ def test_a_study_records_where_its_time_went(tmp_path):
     writes = sum(r["steps"] // every + (1 if r["steps"] % every else 0)
                  for r in results["trials"] if r["state"] == "complete")
     assert overhead["checkpoint_writes"] == writes > 0
+    # every trial's initial state computed with NumPy, none compiled
+    complete = sum(r["state"] == "complete" for r in results["trials"])
+    assert overhead["host_initial_states"] >= complete > 0
+    assert overhead["runner_init_compiles"] == 0 and overhead["host_initial_state_s"] > 0
 
 
 def test_a_study_process_exits_without_the_collectors_last_passes(tmp_path):

@@ -1,7 +1,7 @@
 """Trials of a planned architecture compile no training step and no initialisation of their own:
-the planner's run-grade step runs as is (on other CPU devices, loaded there), and one compiled
-initialisation (the seed an argument) serves every trial. Compiles are counted from JAX's compile
-events."""
+the planner's run-grade step runs as is (on other CPU devices, loaded there), and the
+initialisation, traced once per architecture (the seed an argument), is computed with NumPy for
+every trial (`scamp_jax.planning.host_init`). Compiles are counted from JAX's compile events."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def _run(plan: Any, devices: list[jax.Device], seed: int, lr: float,
     return count
 
 
-def test_trials_of_a_planned_architecture_compile_no_step_and_one_initialisation():
+def test_trials_of_a_planned_architecture_compile_no_step_and_no_initialisation():
     task = Classify()
     model = nnx.eval_shape(lambda: SPACE.build({"width": 32}, nnx.Rngs(0)))
     devices = jax.devices()
@@ -93,7 +93,7 @@ def test_trials_of_a_planned_architecture_compile_no_step_and_one_initialisation
     cache = StepCache()
     first = _run(plan, devices[:1], seed=1, lr=1e-2, cache=cache)
     assert first.compiles["jit(step)"] == 0  # the planner's executable
-    assert first.compiles["jit(init)"] == 1
+    assert first.compiles["jit(init)"] == 0  # computed with NumPy
     # Another seed and learning rate on another device: the planner's executable is loaded
     # there (the same machine code), nothing is compiled.
     other = _run(plan, devices[1:2], seed=2, lr=3e-3, cache=cache)
@@ -216,7 +216,29 @@ def test_without_jax_s_private_unpickler_a_program_is_not_moved_and_a_trial_comp
                                   np.tanh(np.ones((4, 4), np.float32)))
 
 
-def test_one_compiled_initialisation_equals_building_the_model_with_each_seed():
+#: How far a float of the NumPy initialisation may be from JAX's jitted one: units in the last
+#: place of the leaf's largest magnitude. The random bits are the same; XLA's ``erf_inv`` (the
+#: normal initialisers) is its own float32 approximation and it contracts ``a * b + c`` into one
+#: rounding, NumPy rounds each operation once (`host_init`): 4-6 units measured on the MLPs,
+#: ViT and SwinIRs of `benchmarks.memory_accuracy`.
+ULPS_OF_LEAF = 8
+
+
+def assert_initialisations_agree(got: Any, want: Any) -> None:
+    """Integers and keys equal; floats within `ULPS_OF_LEAF` of the leaf's largest magnitude."""
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        if jax.dtypes.issubdtype(w.dtype, jax.dtypes.prng_key):
+            g, w = jax.random.key_data(g), jax.random.key_data(w)
+        g, w = np.asarray(g), np.asarray(w)
+        assert (g.shape, g.dtype) == (w.shape, w.dtype)
+        if np.issubdtype(w.dtype, np.floating) and w.size:
+            np.testing.assert_allclose(
+                g, w, rtol=0, atol=ULPS_OF_LEAF * np.spacing(np.abs(w).max()))
+        else:
+            np.testing.assert_array_equal(g, w)
+
+
+def test_one_traced_initialisation_makes_each_seeds_model_without_a_compile():
     states = InitialStates()
     plan = plan_mesh(nnx.eval_shape(lambda: MLP(8, nnx.Rngs(0))),
                      jax.ShapeDtypeStruct((1, 16), jnp.float32), devices=jax.devices()[2:4],
@@ -224,21 +246,55 @@ def test_one_compiled_initialisation_equals_building_the_model_with_each_seed():
                      max_batch_size=8, compile_for_run=False)
     optimizer = make_optimizer({})
     for seed, lr in ((0, 1e-2), (7, 3e-4)):
-        params, opt_state, rest = states.make(
-            "mlp8", lambda rngs: MLP(8, rngs), optimizer, plan.step_shardings, seed,
-            {"learning_rate": lr})
+        with CompileCounter() as count:
+            params, opt_state, rest = states.make(
+                "mlp8", lambda rngs: MLP(8, rngs), optimizer, plan.step_shardings, seed,
+                {"learning_rate": lr})
+        assert count.compiles["jit(init)"] == 0
         _, want, _ = split_model(MLP(8, nnx.Rngs(seed)))
-        for got, exp in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(exp))
+        assert_initialisations_agree(params, want)
         assert {d.id for d in jax.tree.leaves(params)[0].devices()} == {2, 3}
         assert float(opt_state.hyperparams["learning_rate"]) == np.float32(lr)
-    assert (states.misses, states.hits) == (1, 1)
+        again = states.make("mlp8", lambda rngs: MLP(8, rngs), optimizer,
+                            plan.step_shardings, seed, {"learning_rate": lr})
+        for a, b in zip(jax.tree.leaves(again), jax.tree.leaves((params, opt_state, rest)),
+                        strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert (states.misses, states.hits, states.compiles) == (1, 3, 0)
 
 
-def test_a_fused_groups_members_are_the_solo_states_and_groups_share_one_compile():
+class Orthogonal(nnx.Module):
+    """A layer whose initialiser takes a QR decomposition (no NumPy rule: compiled)."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.kernel = nnx.Param(nnx.initializers.orthogonal()(rngs.params(), (16, 4)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x @ self.kernel
+
+
+def test_an_initialisation_with_an_operation_numpy_lacks_is_compiled_once():
+    states = InitialStates()
+    plan = plan_mesh(nnx.eval_shape(lambda: Orthogonal(nnx.Rngs(0))),
+                     jax.ShapeDtypeStruct((1, 16), jnp.float32), devices=jax.devices()[:1],
+                     memory_per_device="8MiB", optimizer=make_optimizer({}),
+                     max_batch_size=8, compile_for_run=False)
+    optimizer = make_optimizer({})
+    with CompileCounter() as count:
+        for seed in (1, 2):
+            params, _, _ = states.make("orthogonal", Orthogonal, optimizer,
+                                       plan.step_shardings, seed, {"learning_rate": 1e-3})
+            want = jax.jit(lambda s: split_model(Orthogonal(nnx.Rngs(jax.random.key(s))))[1])(seed)
+            for got, exp in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(exp))
+    assert count.compiles["jit(init)"] == 1
+    assert (states.misses, states.hits, states.compiles) == (1, 1, 1)
+
+
+def test_a_fused_groups_members_are_the_solo_states_and_groups_compile_nothing():
     """One builder for solo runs and fused groups: member i of a group is, bit for bit, the
-    solo state of seed i and its hyperparameters, and a second group of the same architecture
-    and width (other seeds, other devices) compiles nothing."""
+    solo state of seed i and its hyperparameters, and groups of any width, seeds and devices
+    share one traced initialisation and compile nothing."""
     states = InitialStates()
     plan = plan_mesh(nnx.eval_shape(lambda: MLP(8, nnx.Rngs(0))),
                      jax.ShapeDtypeStruct((1, 16), jnp.float32), devices=jax.devices()[:2],
@@ -261,8 +317,8 @@ def test_a_fused_groups_members_are_the_solo_states_and_groups_share_one_compile
                     if jax.dtypes.issubdtype(got.dtype, jax.dtypes.prng_key):
                         got, want = jax.random.key_data(got), jax.random.key_data(want)
                     np.testing.assert_array_equal(np.asarray(got)[i], np.asarray(want))
-    assert count.compiles["jit(init)"] == 2  # one per width (group, solo), not per group
-    assert (states.misses, states.hits) == (2, 4)
+    assert count.compiles["jit(init)"] == 0
+    assert (states.misses, states.hits, states.compiles) == (1, 5, 0)
     with np.testing.assert_raises(ValueError):
         states.make_group("mlp8", build, optimizer, shardings, [1, 2], {"learning_rate": [1.0]})
 

@@ -150,10 +150,12 @@ def test_learning_rate_reaches_the_optimizer():
 
 
 def test_a_trial_trains_bit_for_bit_as_a_plain_optax_adamw_loop():
-    """The same trial written as a plain NNX loop with ``optax.adamw(lr)``: same metric to the
-    last bit (only the learning rate is data in the trial; injected b1/b2 would change Adam's
-    ``1 - b`` terms in float32)."""
+    """The same trial written as a plain NNX loop with ``optax.adamw(lr)`` from the trial's
+    initial model (`initial_model`): same metric to the last bit (only the learning rate is data
+    in the trial; injected b1/b2 would change Adam's ``1 - b`` terms in float32)."""
     import optax
+
+    from scamp_jax.planning.initial_state import initial_model
 
     config = {"width": 16, "learning_rate": 1e-2}
     plan = make_plan(config, jax.devices()[:1])
@@ -163,7 +165,7 @@ def test_a_trial_trains_bit_for_bit_as_a_plain_optax_adamw_loop():
                        on_loss=lambda number, step, loss: losses.append((number, step, loss)))
     assert result.state == "complete", result.reason
 
-    model = build(config, nnx.Rngs(7))
+    model = initial_model(lambda rngs: build(config, rngs), 7)
     optimizer = nnx.Optimizer(model, optax.adamw(1e-2, weight_decay=0.0), wrt=nnx.Param)
 
     @nnx.jit

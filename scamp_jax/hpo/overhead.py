@@ -3,7 +3,8 @@
 `OverheadRecorder` listens to `jax.monitoring` while a study runs: JAX reports every trace,
 lowering and backend compile with the jitted function's name, on the thread that does it, and
 the project reports its own timed sections the same way (`record_section`: checkpoint writes;
-executables loaded onto other devices instead of compiled, `scamp_jax.planning.reuse`;
+executables loaded onto other devices instead of compiled, `scamp_jax.planning.reuse`; initial
+states computed with NumPy, `scamp_jax.planning.initial_state`;
 the report and its plots, written after ``results.json``, are added to it afterwards by the
 study session). Compiles are attributed by thread: the engine's planner threads
 (``planner*``) plan, its trial threads (``trial*``) run trials, and within a trial the training
@@ -32,6 +33,7 @@ from typing import Any
 import jax
 
 from scamp_jax.planning.compile_events import BACKEND_COMPILE_EVENT, CACHE_HIT_EVENT
+from scamp_jax.planning.initial_state import HOST_INIT_EVENT
 from scamp_jax.planning.reuse import EXECUTABLE_LOAD_EVENT
 
 TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
@@ -158,6 +160,9 @@ class OverheadRecorder:
             # executables loaded onto other devices instead of compiled (any thread)
             out["executable_loads"] = int(self.sections_n.get(EXECUTABLE_LOAD_EVENT, 0))
             out["executable_load_s"] = round(self.sections_s.get(EXECUTABLE_LOAD_EVENT, 0.0), 3)
+            # initial states computed with NumPy, not compiled (any thread)
+            out["host_initial_states"] = int(self.sections_n.get(HOST_INIT_EVENT, 0))
+            out["host_initial_state_s"] = round(self.sections_s.get(HOST_INIT_EVENT, 0.0), 3)
             out["checkpoint_writes"] = int(self.sections_n.get(CHECKPOINT_SAVE, 0))
             out["checkpoint_s"] = round(self.sections_s.get(CHECKPOINT_SAVE, 0.0)
                                         + self.sections_s.get(CHECKPOINT_WAIT, 0.0), 3)

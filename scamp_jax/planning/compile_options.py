@@ -7,7 +7,8 @@ A compile is made for one of these purposes (`Purpose`):
 - ``ANSWER``: the planner's compile of the batch it answers with;
 - ``RUN``: the training step a run trains with;
 - ``EVAL``: the evaluation forward (compiled once by the planner, run by the trial);
-- ``INIT``: a run's initial state (run once per run).
+- ``INIT``: a run's initial state where NumPy cannot compute it (run once per run; the others
+  are computed without a compile, `scamp_jax.planning.host_init`).
 
 Per backend:
 
@@ -26,9 +27,9 @@ Per backend:
 - a GPU target, described and not present (`scamp_jax.planning.targets`): the GPU's options
   with the target's own on top (`device_options`); nothing it compiles is run.
 
-The initial state is made on the host's CPU on every backend
-(`scamp_jax.planning.initial_state`), so a new architecture's initialisation never compiles for
-an accelerator.
+The initial state is made on the host on every backend, with NumPy or, failing that, compiled
+for the host's CPU (`scamp_jax.planning.initial_state`), so a new architecture's initialisation
+never compiles for an accelerator.
 """
 
 from __future__ import annotations

@@ -6,29 +6,33 @@ optimizer state of those parameters with the run's hyperparameters written into 
 ``optax.inject_hyperparams`` optimizer keeps them as data). Everything that starts a run makes
 its state here:
 
-- `InitialStates`: one compiled initialisation per architecture, group width and mesh shape, with
-  the seed and the hyperparameters as arguments, so a run's initial state costs no compile once
-  its architecture has started. ``make`` gives one run's state, ``make_group`` the stacked state
-  of a fused group of ``K`` runs (a leading member axis; member ``i`` equals ``make`` with the
-  ``i``-th seed and hyperparameters, bit for bit). The program is compiled for the host's CPU
-  (`scamp_jax.planning.reuse.home_mesh`) on every backend and its result copied
-  onto the run's devices: trials on other devices reuse the compile, an accelerator never
-  compiles an initialisation (on a GPU that compile cost about as much as the step's, with
-  XLA's autotuner holding the GPU meanwhile), and a seed gives the same initial state on every
-  backend. On CPU devices the host's mesh mirrors the run's (the platform's first devices);
-  elsewhere it is the host's first CPU device, the state made whole in host memory and split
-  onto the run's devices by the copy.
+- `InitialStates`: one initialisation program per architecture, with the seed and the
+  hyperparameters as arguments. The program is traced once and computed with NumPy on the host
+  (`scamp_jax.planning.host_init`: JAX's random bits bit for bit, no compile at all), then each
+  shard is copied onto the run's devices, so a new architecture's initial state costs a trace,
+  not a compile, on every backend, and a seed gives the same state on every machine, backend
+  and JAX release. ``make`` gives one run's state, ``make_group`` the stacked state of a fused
+  group of ``K`` runs (a leading member axis; member ``i`` equals ``make`` with the ``i``-th
+  seed and hyperparameters, bit for bit: the members are made one by one). An initialisation
+  with an operation NumPy has no rule for (e.g. an orthogonal initialiser's QR decomposition)
+  is compiled instead, once per architecture, group width and mesh shape, for the host's CPU
+  (`scamp_jax.planning.reuse.home_mesh`) on every backend, and its result copied onto the
+  run's devices (on CPU devices the host's mesh mirrors the run's).
 - `abstract_initial_state`: the same state as ``jax.ShapeDtypeStruct``s carrying the shardings,
   the restore target of a resumed run (nothing is allocated).
-- `init_train_state`: a model's state made where it lives, without a cache.
+- `init_train_state`: a model's state compiled and made where it lives, without a cache.
+- `initial_model`: the model a run of a seed starts from, to train in a loop of one's own.
 
-The state is created inside ``jax.jit`` with the state's shardings as output shardings, so no
-device ever holds a whole unsharded copy of a sharded parameter.
+No path ever puts a whole unsharded copy of a sharded parameter on a device: NumPy's result
+is copied shard by shard, and a compiled program has the state's shardings as its output
+shardings.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -39,12 +43,16 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from scamp_jax.planning import host_init
 from scamp_jax.planning.compile_options import Purpose, compile_options
 from scamp_jax.planning.reuse import compile_lowered, home_mesh
 from scamp_jax.planning.train_step import StepShardings, split_model, stack_shardings
 
 PyTree = Any
 Build = Callable[[nnx.Rngs], nnx.Module]
+#: `jax.monitoring` duration event of each initial state made with NumPy (its trace, if new,
+#: and its evaluation; no compile event is recorded for it: `scamp_jax.hpo.overhead` reports it).
+HOST_INIT_EVENT = "/scamp_jax/initial_state/host"
 
 
 def set_hyperparams(opt_state: PyTree, hyperparams: Mapping[str, Any]) -> PyTree:
@@ -108,21 +116,24 @@ def abstract_initial_state(
 
 
 class InitialStates:
-    """Compiled initialisations by architecture, width and mesh shape (thread-safe).
+    """Initialisation programs by architecture (thread-safe; see the module doc).
 
-    ``misses`` counts the compiles, ``hits`` the states made without one. ``home_on_cpu``:
-    compile for the host's CPU and copy the result onto the run's devices (see the module doc;
-    False: compile for the run's own devices, where the state is made directly: nothing is
-    transferred and no device holds more than its shards).
+    ``misses`` counts the programs made (traced, or compiled where NumPy lacks a rule),
+    ``hits`` the states made from one made before, ``compiles`` the compiled ones.
+    ``home_on_cpu``: make the state on the host (with NumPy, or compiled for the host's CPU
+    where NumPy lacks a rule) and copy it onto the run's devices; False: compile for the run's
+    own devices, where the state is made directly: nothing is transferred and no device holds
+    more than its shards (`init_train_state`).
     """
 
     def __init__(self, home_on_cpu: bool = True) -> None:
         self.home_on_cpu = home_on_cpu
         self._lock = threading.Lock()
         self._key_locks: dict[Any, threading.Lock] = {}
-        self._compiled: dict[Any, Any] = {}
+        self._programs: dict[Any, Any] = {}
         self.hits = 0
         self.misses = 0
+        self.compiles = 0
 
     def make(
         self,
@@ -137,7 +148,8 @@ class InitialStates:
         the optimizer state, placed with ``shardings``.
 
         ``architecture`` is a hashable key of what ``build`` makes (equal keys: the same
-        program, whatever the seed); the values equal a jitted ``build(nnx.Rngs(seed))``.
+        program, whatever the seed); the values are `initial_model`'s, within a few units in
+        the last place of a jitted ``build(nnx.Rngs(seed))`` (`scamp_jax.planning.host_init`).
         """
         seeds = _check_seeds([seed])[0]
         hyper = {k: np.float32(v) for k, v in hyperparams.items()}
@@ -172,6 +184,20 @@ class InitialStates:
         mesh = shardings.mesh
         devices = list(mesh.devices.flat)
         home = home_mesh(mesh) if self.home_on_cpu else mesh
+        target = _state_shardings(shardings, width)
+        names = tuple(sorted(hyper))
+        start = time.perf_counter()
+        host = _UNSUPPORTED
+        if self.home_on_cpu:
+            host, made = self._program(("host", architecture, names),
+                                       lambda: _HostProgram.trace(build, optimizer, names, home))
+        if host is not _UNSUPPORTED:
+            self._count(made)
+            state = host.make(seeds, hyper, width)
+            jax.monitoring.record_event_duration_secs(HOST_INIT_EVENT,
+                                                      time.perf_counter() - start)
+            # A copy of each shard onto the run's devices (nothing unsharded on a device).
+            return jax.device_put(state, target)
         platform = home.devices.flat[0].platform
 
         def rehome(tree: PyTree) -> PyTree:
@@ -179,36 +205,26 @@ class InitialStates:
                 lambda s: NamedSharding(home, s.spec, memory_kind=s.memory_kind), tree,
                 is_leaf=lambda x: isinstance(x, NamedSharding))
 
-        target = _state_shardings(shardings, width)
         out = rehome(target)
-        names = tuple(sorted(hyper))
         specs = tuple(s.spec for s in jax.tree.leaves(
             out, is_leaf=lambda x: isinstance(x, NamedSharding)))
         home_ids = tuple(d.id for d in home.devices.flat)
-        key = (architecture, width, home_ids, home.devices.shape, names, specs)
-        with self._lock:
-            compiled = self._compiled.get(key)
-            if compiled is not None:
-                self.hits += 1
-            key_lock = self._key_locks.setdefault(key, threading.Lock())
-        if compiled is None:
-            with key_lock:
-                with self._lock:
-                    compiled = self._compiled.get(key)
-                    if compiled is not None:
-                        self.hits += 1
-                if compiled is None:
-                    seed_shape = () if width is None else (width,)
-                    with jax.set_mesh(home):
-                        lowered = jax.jit(_init_fn(build, optimizer, width),
-                                          out_shardings=out).lower(
-                            jax.ShapeDtypeStruct(seed_shape, jnp.int32),
-                            {k: jax.ShapeDtypeStruct(seed_shape, jnp.float32) for k in names},
-                        )
-                    compiled = compile_lowered(lowered, compile_options(platform, Purpose.INIT))
-                    with self._lock:
-                        self._compiled[key] = compiled
-                        self.misses += 1
+
+        def compile_init() -> Any:
+            seed_shape = () if width is None else (width,)
+            with jax.set_mesh(home):
+                lowered = jax.jit(_init_fn(build, optimizer, width), out_shardings=out).lower(
+                    jax.ShapeDtypeStruct(seed_shape, jnp.int32),
+                    {k: jax.ShapeDtypeStruct(seed_shape, jnp.float32) for k in names},
+                )
+            with self._lock:
+                self.compiles += 1
+            return compile_lowered(lowered, compile_options(platform, Purpose.INIT))
+
+        compiled, made = self._program(
+            ("compiled", architecture, width, home_ids, home.devices.shape, names, specs),
+            compile_init)
+        self._count(made)
         # explicit transfers of the arguments (replicated on the home mesh)
         replicated = NamedSharding(home, PartitionSpec())
         args = jax.device_put((seeds, {k: hyper[k] for k in names}), replicated)
@@ -217,6 +233,80 @@ class InitialStates:
             return state
         # A copy onto the run's devices (the step donates params: never alias the home copy).
         return jax.device_put(state, target)
+
+    def _program(self, key: Any, make: Callable[[], Any]) -> tuple[Any, bool]:
+        """The program cached under ``key`` and whether this call made it (with ``make``; one
+        thread per key makes it, the others wait for it)."""
+        with self._lock:
+            program = self._programs.get(key)
+            if program is not None:
+                return program, False
+            key_lock = self._key_locks.setdefault(key, threading.Lock())
+        with key_lock:
+            with self._lock:
+                program = self._programs.get(key)
+            if program is not None:
+                return program, False
+            program = make()
+            with self._lock:
+                self._programs[key] = program
+        return program, True
+
+    def _count(self, made: bool) -> None:
+        with self._lock:
+            if made:
+                self.misses += 1
+            else:
+                self.hits += 1
+
+
+#: `InitialStates`' cache entry for an initialisation NumPy cannot evaluate (compiled instead).
+_UNSUPPORTED = object()
+
+
+class _HostProgram:
+    """A model's initialisation traced once (``seed, hyper -> state``) and evaluated with NumPy
+    (`scamp_jax.planning.host_init`): no compile, the same values for every run of a seed."""
+
+    def __init__(self, closed: Any, out_tree: Any, keys: Sequence[bool]) -> None:
+        self.closed, self.out_tree, self.keys = closed, out_tree, tuple(keys)
+
+    @staticmethod
+    def trace(build: Build, optimizer: optax.GradientTransformation, names: Sequence[str],
+              home: jax.sharding.Mesh | None) -> Any:
+        """The program of ``build``'s initialisation (traced under ``home``, the mesh the
+        compiled one would run on, if any), or `_UNSUPPORTED` where an operation of it has no
+        NumPy rule (`host_init.unsupported`)."""
+        with jax.set_mesh(home) if home is not None else contextlib.nullcontext():
+            closed, shapes = jax.make_jaxpr(_init_fn(build, optimizer, None), return_shape=True)(
+                jax.ShapeDtypeStruct((), jnp.int32),
+                {k: jax.ShapeDtypeStruct((), jnp.float32) for k in names})
+        if host_init.unsupported(closed) is not None:
+            return _UNSUPPORTED
+        leaves, out_tree = jax.tree.flatten(shapes)
+        keys = [jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key) for s in leaves]
+        return _HostProgram(closed, out_tree, keys)
+
+    def make(self, seeds: np.ndarray, hyper: Mapping[str, np.ndarray],
+             width: int | None) -> PyTree:
+        """The state of one seed (``width`` None) or the stacked states of ``width`` seeds,
+        each member made alone (so member ``i`` is the solo state of ``seeds[i]``)."""
+        names = sorted(hyper)
+
+        def one(i: int | None) -> list[np.ndarray]:
+            seed = seeds if i is None else seeds[i]
+            values = [np.float32(hyper[k] if i is None else hyper[k][i]) for k in names]
+            return host_init.evaluate(self.closed, np.int32(seed), *values)
+
+        if width is None:
+            leaves = one(None)
+        else:
+            members = [one(i) for i in range(width)]
+            leaves = [np.stack(column) for column in zip(*members, strict=True)]
+        leaves = [jax.random.wrap_key_data(leaf, impl="threefry2x32") if key
+                  else np.asarray(leaf, order="C") for leaf, key in zip(leaves, self.keys,
+                                                                        strict=True)]
+        return jax.tree.unflatten(self.out_tree, leaves)
 
 
 def init_train_state(
@@ -229,9 +319,26 @@ def init_train_state(
     ``build`` (e.g. ``lambda: Model(..., rngs=nnx.Rngs(0))``) runs inside ``jax.jit`` with the
     state's shardings as output shardings, so every parameter is initialised where it lives: no
     device ever holds a whole unsharded copy (unlike building eagerly, which puts the model on
-    the default device, and `place_train_state`). Nothing moves between devices.
+    the default device, and `place_train_state`). Nothing moves between devices or from the
+    host (a run's `InitialStates` computes its state on the host instead, without a compile).
     """
     graphdef = split_model(nnx.eval_shape(build))[0]
     params, opt_state, rest = InitialStates(home_on_cpu=False).make(
         None, lambda rngs: build(), optimizer, shardings, 0, {})
     return graphdef, params, opt_state, rest
+
+
+def initial_model(build: Build, seed: int) -> nnx.Module:
+    """The model a run of ``build`` with ``seed`` starts from, bit for bit (the parameters and
+    other state `InitialStates` makes for it), on the default device: e.g. to train a trial's
+    configuration in a loop of one's own. ``build(nnx.Rngs(seed))`` itself gives values within a
+    few units in the last place of these (see `scamp_jax.planning.host_init`)."""
+    graphdef = split_model(nnx.eval_shape(lambda: build(nnx.Rngs(0))))[0]
+    init = _init_fn(build, optax.identity(), None)
+    seed = _check_seeds([seed])[0]
+    program = _HostProgram.trace(build, optax.identity(), (), None)
+    if program is _UNSUPPORTED:
+        params, _, rest = jax.jit(init)(seed, {})
+    else:
+        params, _, rest = jax.device_put(program.make(seed, {}, None))
+    return nnx.merge(graphdef, params, rest)

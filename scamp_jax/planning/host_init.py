@@ -1,0 +1,375 @@
+"""A run's initial state computed on the host with NumPy: no XLA compile for a new architecture.
+
+Making a model's initial state is a pure function of its seed: random bits, a few elementwise
+transforms (`jax.random`'s distributions), constants and zeros (the optimizer state). XLA
+compiles that program like any other; for a SwinIR of the main job's space the compile cost
+about half of its training step's, once per new architecture, and a GPU study paid it too (on
+the host's CPU). This module evaluates the same program, traced once to a jaxpr, with NumPy
+instead: nothing is compiled, and the result is copied onto the run's devices.
+
+What it promises:
+
+- the keys and random bits are JAX's, bit for bit: Threefry-2x32 in the partitionable
+  counter layout (`jax_threefry_partitionable`, JAX's default), for ``random_seed``,
+  ``random_fold_in``, ``random_split`` and ``random_bits``;
+- every float operation is computed once and rounded once: ``+ - * /``, ``sqrt``, ``max``,
+  comparisons and bit casts as IEEE does them, transcendental functions (``erf_inv`` of the
+  normal initialisers, ``erf``, ``exp``, ...) in float64 and rounded to float32. XLA computes
+  the same program with its own approximations of those functions and contracts ``a * b + c``
+  into one fused multiply-add, so the values agree with a jitted ``build(nnx.Rngs(seed))``
+  to a few units in the last place, not bit for bit (as XLA's results at two optimisation
+  levels do not);
+- the same inputs give the same values on every machine and backend, and a fused group's
+  member ``i`` is the solo state of its seed bit for bit (the group is made member by member).
+
+`supported` tells whether every operation of a jaxpr has a rule here; a program with any other
+(e.g. a QR decomposition of an orthogonal initialiser) is compiled instead
+(`scamp_jax.planning.initial_state.InitialStates`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+
+#: The string of a Threefry-2x32 key's dtype in a jaxpr (JAX's default key implementation).
+THREEFRY_KEY = "key<fry>"
+_KS_PARITY = np.uint32(0x1BD11BDA)
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def threefry2x32(k1: np.ndarray, k2: np.ndarray, x1: np.ndarray,
+                 x2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The Threefry-2x32 hash (20 rounds) of counters ``(x1, x2)`` under keys ``(k1, k2)``,
+    broadcast together; uint32 arithmetic wraps as XLA's does."""
+    k1, k2, x1, x2 = (np.asarray(a, np.uint32) for a in (k1, k2, x1, x2))
+    ks = (k1, k2, k1 ^ k2 ^ _KS_PARITY)
+    with np.errstate(over="ignore"):
+        shape = np.broadcast_shapes(k1.shape, k2.shape, x1.shape, x2.shape)
+        a = np.broadcast_to(x1 + ks[0], shape).copy()
+        b = np.broadcast_to(x2 + ks[1], shape).copy()
+        for group in range(5):
+            for r in _ROTATIONS[group % 2]:
+                a += b
+                b = (b << np.uint32(r)) | (b >> np.uint32(32 - r))
+                b ^= a
+            a += ks[(group + 1) % 3]
+            b += ks[(group + 2) % 3] + np.uint32(group + 1)
+    return a, b
+
+
+def _iota_2x32(shape: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The row-major index of every element of ``shape`` as (high, low) uint32 words."""
+    index = np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.uint64).reshape(shape)
+    return (index >> np.uint64(32)).astype(np.uint32), (index & np.uint64(0xFFFFFFFF)).astype(
+        np.uint32)
+
+
+def _keys(keys: np.ndarray, ndim: int) -> tuple[np.ndarray, np.ndarray]:
+    """The two words of keys ``(*S, 2)``, shaped to broadcast against ``ndim`` more axes."""
+    pad = (1,) * ndim
+    return keys[..., 0].reshape(keys.shape[:-1] + pad), keys[..., 1].reshape(
+        keys.shape[:-1] + pad)
+
+
+def random_seed(seeds: np.ndarray) -> np.ndarray:
+    """Keys ``(*S, 2)`` of integer seeds ``S`` (a 32-bit seed is the key's low word)."""
+    seeds = np.asarray(seeds)
+    if seeds.dtype.itemsize > 4:
+        wide = seeds.astype(np.uint64)
+        high = (wide >> np.uint64(32)).astype(np.uint32)
+    else:
+        high = np.zeros(seeds.shape, np.uint32)
+    return np.stack([high, seeds.astype(np.uint32)], axis=-1)
+
+
+def random_fold_in(keys: np.ndarray, msgs: np.ndarray) -> np.ndarray:
+    """``jax.random.fold_in``: each key hashed with the counter ``(0, msg)``."""
+    msgs = np.asarray(msgs).astype(np.uint32)
+    shape = np.broadcast_shapes(keys.shape[:-1], msgs.shape)
+    keys = np.broadcast_to(keys, shape + (2,))
+    a, b = threefry2x32(keys[..., 0], keys[..., 1], np.zeros(shape, np.uint32),
+                        np.broadcast_to(msgs, shape))
+    return np.stack([a, b], axis=-1)
+
+
+def random_split(keys: np.ndarray, shape: Sequence[int]) -> np.ndarray:
+    """``jax.random.split``: keys ``(*S, *shape, 2)``, one per index of ``shape``."""
+    k1, k2 = _keys(keys, len(shape))
+    a, b = threefry2x32(k1, k2, *_iota_2x32(shape))
+    return np.stack([a, b], axis=-1)
+
+
+def random_bits(keys: np.ndarray, bit_width: int, shape: Sequence[int]) -> np.ndarray:
+    """``jax.random.bits``: unsigned words ``(*S, *shape)`` of ``bit_width`` bits per key."""
+    k1, k2 = _keys(keys, len(shape))
+    a, b = threefry2x32(k1, k2, *_iota_2x32(shape))
+    if bit_width == 64:
+        return (a.astype(np.uint64) << np.uint64(32)) | b.astype(np.uint64)
+    bits = a ^ b
+    return bits if bit_width == 32 else bits.astype(np.dtype(f"uint{bit_width}"))
+
+
+# --- rules ----------------------------------------------------------------------------------
+
+def _wide(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+    """A transcendental function computed in float64 (rounded once to the result's dtype)."""
+    def rule(x: np.ndarray, **_: Any) -> np.ndarray:
+        return fn(np.asarray(x, np.float64))
+    return rule
+
+
+def _int_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Integer division rounding toward zero (XLA's), not NumPy's floor."""
+    quotient = np.abs(a) // np.abs(b)
+    return np.where((a < 0) != (b < 0), -quotient, quotient)
+
+
+def _div(a: np.ndarray, b: np.ndarray, **_: Any) -> np.ndarray:
+    if np.issubdtype(np.result_type(a, b), np.integer):
+        return _int_div(a, b)
+    return np.divide(a, b)
+
+
+def _shift(kind: str):
+    """A shift (``left``, ``right`` logical, ``arithmetic`` right) whose amounts outside
+    ``[0, width)`` give 0, or the sign for an arithmetic one (XLA's rule)."""
+    def rule(x: np.ndarray, s: np.ndarray, **_: Any) -> np.ndarray:
+        x = np.asarray(x)
+        bits = x.dtype.itemsize * 8
+        signed, unsigned = np.dtype(f"int{bits}"), np.dtype(f"uint{bits}")
+        s = np.asarray(s).astype(np.int64)
+        inside = (s >= 0) & (s < bits)
+        amount = np.where(inside, s, 0)
+        if kind == "arithmetic":
+            v = x.astype(signed)
+            past = np.where(v < 0, -1, 0).astype(signed)
+            out = np.where(inside, np.right_shift(v, amount.astype(signed)), past)
+        else:
+            v = x.astype(unsigned)
+            op = np.left_shift if kind == "left" else np.right_shift
+            out = np.where(inside, op(v, amount.astype(unsigned)), np.zeros((), unsigned))
+        return out.astype(x.dtype)
+    return rule
+
+
+def _broadcast_in_dim(x: np.ndarray, *, shape: Sequence[int],
+                      broadcast_dimensions: Sequence[int], **_: Any) -> np.ndarray:
+    x = np.asarray(x)
+    expanded = [1] * len(shape)
+    for axis, dim in zip(broadcast_dimensions, x.shape, strict=True):
+        expanded[axis] = dim
+    return np.broadcast_to(x.reshape(expanded), tuple(shape))
+
+
+def _iota(*, dtype: Any, shape: Sequence[int], dimension: int, **_: Any) -> np.ndarray:
+    line = np.arange(shape[dimension], dtype=np.dtype(dtype))
+    expanded = [1] * len(shape)
+    expanded[dimension] = shape[dimension]
+    return np.broadcast_to(line.reshape(expanded), tuple(shape))
+
+
+def _slice(x: np.ndarray, *, start_indices: Sequence[int], limit_indices: Sequence[int],
+           strides: Sequence[int] | None, **_: Any) -> np.ndarray:
+    steps = strides or (1,) * len(start_indices)
+    return x[tuple(slice(a, b, s) for a, b, s in zip(start_indices, limit_indices, steps,
+                                                      strict=True))]
+
+
+def _select_n(which: np.ndarray, *cases: np.ndarray, **_: Any) -> np.ndarray:
+    which = np.asarray(which)
+    if which.dtype == np.bool_:
+        return np.where(which, cases[1], cases[0]) if len(cases) == 2 else cases[0]
+    return np.choose(which.astype(np.int64), np.broadcast_arrays(*cases))
+
+
+def _bitcast(x: np.ndarray, *, new_dtype: Any, **_: Any) -> np.ndarray:
+    x = np.asarray(x, order="C")
+    new = np.dtype(new_dtype)
+    if new.itemsize != x.dtype.itemsize:
+        raise NotImplementedError("bit casts between widths")
+    return x.view(new)
+
+
+def _clamp(lo: np.ndarray, x: np.ndarray, hi: np.ndarray, **_: Any) -> np.ndarray:
+    return np.minimum(np.maximum(x, lo), hi)
+
+
+def _reduce(fn: Callable[..., np.ndarray]):
+    def rule(x: np.ndarray, *, axes: Sequence[int], **_: Any) -> np.ndarray:
+        return fn(x, axis=tuple(axes))
+    return rule
+
+
+def _identity(x: np.ndarray, **_: Any) -> np.ndarray:
+    return x
+
+
+def _threefry_rule(k1: np.ndarray, k2: np.ndarray, x1: np.ndarray, x2: np.ndarray,
+                   **_: Any) -> tuple[np.ndarray, np.ndarray]:
+    return threefry2x32(k1, k2, x1, x2)
+
+
+def _special(name: str) -> Callable[[np.ndarray], np.ndarray]:
+    def fn(x: np.ndarray) -> np.ndarray:
+        from scipy import special
+
+        return getattr(special, name)(x)
+    return fn
+
+
+def _binary(fn: Callable[[np.ndarray, np.ndarray], np.ndarray]):
+    def rule(a: np.ndarray, b: np.ndarray, **_: Any) -> np.ndarray:
+        return fn(a, b)
+    return rule
+
+
+def _unary(fn: Callable[[np.ndarray], np.ndarray]):
+    def rule(x: np.ndarray, **_: Any) -> np.ndarray:
+        return fn(x)
+    return rule
+
+
+#: NumPy rules of the operations an initialisation uses, by primitive name; each takes the
+#: operands (keys as uint32 ``(..., 2)``) and the equation's parameters.
+RULES: dict[str, Callable[..., Any]] = {
+    "add": _binary(np.add), "sub": _binary(np.subtract), "mul": _binary(np.multiply),
+    "div": _div, "rem": _binary(np.fmod), "max": _binary(np.maximum),
+    "min": _binary(np.minimum),
+    "nextafter": _binary(np.nextafter),
+    "and": _binary(np.bitwise_and), "or": _binary(np.bitwise_or),
+    "xor": _binary(np.bitwise_xor), "not": _unary(np.invert),
+    "eq": _binary(np.equal), "ne": _binary(np.not_equal), "lt": _binary(np.less),
+    "le": _binary(np.less_equal), "gt": _binary(np.greater), "ge": _binary(np.greater_equal),
+    "neg": _unary(np.negative), "abs": _unary(np.abs), "sign": _unary(np.sign),
+    "floor": _unary(np.floor), "ceil": _unary(np.ceil), "sqrt": _unary(np.sqrt),
+    "integer_pow": lambda x, *, y, **_: np.power(x, y),
+    "square": _unary(np.square),
+    "rsqrt": _wide(lambda x: 1.0 / np.sqrt(x)), "exp": _wide(np.exp), "log": _wide(np.log),
+    "log1p": _wide(np.log1p), "expm1": _wide(np.expm1), "tanh": _wide(np.tanh),
+    "sin": _wide(np.sin), "cos": _wide(np.cos),
+    "logistic": _wide(lambda x: 1.0 / (1.0 + np.exp(-x))),
+    "erf": _wide(_special("erf")), "erfc": _wide(_special("erfc")),
+    "erf_inv": _wide(_special("erfinv")),
+    "shift_left": _shift("left"), "shift_right_logical": _shift("right"),
+    "shift_right_arithmetic": _shift("arithmetic"),
+    "convert_element_type": lambda x, *, new_dtype, **_: np.asarray(x).astype(
+        np.dtype(new_dtype)),
+    "bitcast_convert_type": _bitcast,
+    "broadcast_in_dim": _broadcast_in_dim,
+    "reshape": lambda x, *, new_sizes, dimensions=None, **_: np.reshape(x, tuple(new_sizes)),
+    "squeeze": lambda x, *, dimensions, **_: np.squeeze(x, axis=tuple(dimensions)),
+    "transpose": lambda x, *, permutation, **_: np.transpose(x, tuple(permutation)),
+    "concatenate": lambda *xs, dimension, **_: np.concatenate(xs, axis=dimension),
+    "slice": _slice, "iota": _iota, "select_n": _select_n, "clamp": _clamp,
+    "reduce_sum": _reduce(np.sum), "reduce_max": _reduce(np.max),
+    "reduce_min": _reduce(np.min),
+    "stop_gradient": _identity, "copy": _identity,
+    "sharding_constraint": _identity, "reshard": _identity, "mesh_cast": _identity,
+    "pvary": _identity,
+    "random_seed": lambda seeds, **_: random_seed(seeds),
+    "random_fold_in": lambda keys, msgs, **_: random_fold_in(keys, msgs),
+    "random_split": lambda keys, *, shape, **_: random_split(keys, shape),
+    "random_bits": lambda keys, *, bit_width, shape, **_: random_bits(keys, bit_width, shape),
+    "random_wrap": lambda data, **_: np.asarray(data, np.uint32),
+    "random_unwrap": _identity,
+    "threefry2x32": _threefry_rule,
+    "iota_2x32_shape": lambda *, shape, **_: _iota_2x32(shape),
+}
+#: Call-like primitives whose body (a closed jaxpr in ``params[name]``) is evaluated in place.
+CALLS: dict[str, str] = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
+                         "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
+                         "custom_vjp_call": "call_jaxpr", "remat": "jaxpr",
+                         "checkpoint": "jaxpr"}
+#: Primitives on keys: their key operands and results must be Threefry-2x32 keys.
+_KEY_RULES = {"random_seed", "random_fold_in", "random_split", "random_bits", "random_wrap",
+              "random_unwrap"}
+
+
+def _is_key(aval: Any) -> bool:
+    return jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key)
+
+
+def _sub_jaxpr(eqn: Any) -> Any:
+    body = eqn.params[CALLS[eqn.primitive.name]]
+    return body if isinstance(body, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(body, ())
+
+
+def unsupported(closed: Any) -> str | None:
+    """The first reason ``closed`` (a `jax.extend.core.ClosedJaxpr`) cannot be evaluated here
+    (an operation without a rule, a key of another implementation, the non-partitionable
+    Threefry layout, an effect), or None when it can."""
+    if not jax.config.jax_threefry_partitionable:
+        return "jax_threefry_partitionable is off"
+    if closed.jaxpr.effects:
+        return f"effects {closed.jaxpr.effects}"
+    for eqn in closed.jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in CALLS:
+            reason = unsupported(_sub_jaxpr(eqn))
+            if reason is not None:
+                return reason
+            continue
+        if name not in RULES:
+            return f"no rule for {name!r}"
+        for var in list(eqn.invars) + list(eqn.outvars):
+            aval = getattr(var, "aval", None)
+            if aval is not None and _is_key(aval) and str(aval.dtype) != THREEFRY_KEY:
+                return f"{name} on keys of type {aval.dtype}"
+    return None
+
+
+def evaluate(closed: Any, *args: Any) -> list[np.ndarray]:
+    """The outputs of ``closed`` on ``args`` (flat, as its inputs), computed with NumPy; keys
+    are uint32 ``(..., 2)`` arrays. Raises ``NotImplementedError`` where `unsupported` would
+    have said why."""
+    reason = unsupported(closed)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
+        return _eval(closed.jaxpr, [np.asarray(c) for c in closed.consts],
+                     [np.asarray(a) for a in args])
+
+
+def _eval(jaxpr: Any, consts: list[np.ndarray], args: list[np.ndarray]) -> list[np.ndarray]:
+    env: dict[Any, np.ndarray] = {}
+
+    def read(var: Any) -> np.ndarray:
+        if isinstance(var, jcore.Literal):
+            return np.asarray(var.val, dtype=np.dtype(var.aval.dtype))
+        return env[var]
+
+    for var, value in zip(jaxpr.constvars, consts, strict=True):
+        env[var] = value
+    for var, value in zip(jaxpr.invars, args, strict=True):
+        env[var] = value
+    for eqn in jaxpr.eqns:
+        operands = [read(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        if name in CALLS:
+            body = _sub_jaxpr(eqn)
+            outs = _eval(body.jaxpr, [np.asarray(c) for c in body.consts], operands)
+        else:
+            result = RULES[name](*operands, **eqn.params)
+            outs = list(result) if eqn.primitive.multiple_results else [result]
+        for var, value in zip(eqn.outvars, outs, strict=True):
+            if isinstance(var, jcore.DropVar):
+                continue
+            env[var] = _as_aval(np.asarray(value), var.aval, name)
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _as_aval(value: np.ndarray, aval: Any, name: str) -> np.ndarray:
+    """``value`` in ``aval``'s dtype, its shape checked (a rule's error is never silent)."""
+    if _is_key(aval):
+        shape, value = tuple(aval.shape) + (2,), value.astype(np.uint32, copy=False)
+    else:
+        shape, value = tuple(aval.shape), value.astype(np.dtype(aval.dtype), copy=False)
+    if value.shape != shape:
+        raise RuntimeError(f"the NumPy rule of {name} gave shape {value.shape}, "
+                           f"the jaxpr says {shape}")
+    return value
