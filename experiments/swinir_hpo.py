@@ -40,7 +40,8 @@ CPU_POOL_DEVICES = 2
 #: steps refer to and its training samples. The cap is sized so that fused groups fill a GPU:
 #: planned for a described H200 here (`--plan-only --target h200 --devices 1`), the space's
 #: first six candidates book 3.3-14.7 GiB each at batch 4,096 (0.8-3.7 GiB at 1,024), so a
-#: group of 8 of one architecture books 26-118 GiB of the 139.75 GiB pool.
+#: group of 8 of one architecture books 26-118 GiB; a process alone on an H200 holds XLA's pool
+#: of 105.3 GiB (75%), so the planner gives the largest candidates smaller batches or groups.
 ACCEL_TRIALS = 16
 ACCEL_BATCH_CAP = 4096
 ACCEL_REFERENCE_BATCH = 1024

@@ -109,15 +109,14 @@ def pool_fraction(pool_bytes: int | None, processes: int = 1,
     share of a GPU that ``processes`` processes use), on a GPU of ``device_bytes`` (None: read
     with `gpu_memory_bytes`); None where nothing needs setting (XLA's default pool for one
     process). Raises where the pool does not fit the device."""
-    from scamp_jax.planning.budget import GPU_OUTSIDE_POOL_BYTES
-    from scamp_jax.planning.budget import pool_bytes as share_of
+    from scamp_jax.planning.budget import GPU_OUTSIDE_POOL_BYTES, default_pool_bytes
 
     if pool_bytes is None and processes <= 1:
-        return None
+        return None  # XLA's own pool: default_pool_bytes of one process
     total = device_bytes if device_bytes is not None else gpu_memory_bytes()
     if total is None:  # no nvidia-smi: XLA's share, split between the processes
         return XLA_DEFAULT_FRACTION / processes if pool_bytes is None else None
-    pool = share_of(total, GPU_OUTSIDE_POOL_BYTES, processes) if pool_bytes is None else pool_bytes
+    pool = default_pool_bytes(total, processes) if pool_bytes is None else pool_bytes
     if processes * (pool + GPU_OUTSIDE_POOL_BYTES) > total:
         raise ValueError(
             f"a pool of {pool} bytes for each of {processes} process(es), with "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import pytest
 
+from scamp_jax.devices import XLA_DEFAULT_FRACTION
 from scamp_jax.planning.budget import GPU_OUTSIDE_POOL_BYTES, Budget, pool_bytes
 
 MIB = 2**20
@@ -55,8 +56,8 @@ def test_the_default_pool_is_the_smallest_device_limit() -> None:
 def test_a_described_device_needs_no_live_device() -> None:
     """A target (kind and total memory) gives the pool each process may hold."""
     total = 143_771 * MIB
-    one = Budget.for_device("NVIDIA H200", total)
-    assert one.memory_per_device == total - GPU_OUTSIDE_POOL_BYTES
+    one = Budget.for_device("NVIDIA H200", total)  # what one process alone holds there
+    assert one.memory_per_device == int(total * XLA_DEFAULT_FRACTION)
     assert one.memory_fraction == pytest.approx(one.memory_per_device / total)
     two = Budget.for_device("NVIDIA H200", total, processes=2)
     assert two.memory_per_device == total // 2 - GPU_OUTSIDE_POOL_BYTES

@@ -57,6 +57,18 @@ def pool_bytes(device_bytes: int, outside_pool_bytes: int, processes: int = 1) -
     return share
 
 
+def default_pool_bytes(device_bytes: int, processes: int = 1,
+                       outside_pool_bytes: int = GPU_OUTSIDE_POOL_BYTES) -> int:
+    """The pool a training process holds on a device of ``device_bytes`` when no budget is
+    given, bytes: XLA's own fraction for a process alone on it (none is set,
+    `scamp_jax.devices.pool_fraction`), an equal share less what each holds outside its pool
+    for ``processes`` sharing it (`pool_bytes`). The one rule of a real run's pool and of a
+    described device's (`Budget.for_device`)."""
+    if processes <= 1:
+        return int(int(device_bytes) * _devices.XLA_DEFAULT_FRACTION)
+    return pool_bytes(device_bytes, outside_pool_bytes, processes)
+
+
 @dataclass(frozen=True)
 class Budget:
     """What a trial may book per device (see the module doc). Frozen; sizes in bytes.
@@ -180,12 +192,12 @@ class Budget:
                    safety_margin: float = DEFAULT_SAFETY_MARGIN,
                    allowance_bytes: int = 0) -> Budget:
         """The budget of a described device (no device needs to be present): its kind and
-        whole memory ``device_bytes``. The pool is ``memory_per_device`` when given, else the
-        device's share for one of ``processes`` processes less what each holds outside its
-        pool (`pool_bytes`)."""
+        whole memory ``device_bytes``. The pool is ``memory_per_device`` when given, else what
+        a training process would hold there, one of ``processes`` on the device
+        (`default_pool_bytes`: the same rule as a run's)."""
         total = parse_bytes(device_bytes)
-        memory = (pool_bytes(total, outside_pool_bytes, processes) if memory_per_device is None
-                  else parse_bytes(memory_per_device))
+        memory = (default_pool_bytes(total, processes, outside_pool_bytes)
+                  if memory_per_device is None else parse_bytes(memory_per_device))
         return cls(memory, safety_margin=safety_margin, allowance_bytes=allowance_bytes,
                    platform=platform, device_kind=device_kind, device_bytes=total,
                    outside_pool_bytes=outside_pool_bytes)
