@@ -33,9 +33,10 @@ variables are read by ``generate_pjrt_gpu_plugin_options`` in jaxlib's ``xla_cli
 The policy: **the process that trains on a GPU preallocates its pool as one region, and the
 pool is the budget the ledger books.** `configure_device_memory` sets
 ``XLA_PYTHON_CLIENT_PREALLOCATE=true`` and ``XLA_CLIENT_MEM_FRACTION = pool / device memory``:
-the pool is ``pool_bytes`` (the study's ``--memory-per-device``), else the device's share for
-each of ``processes`` processes that use it (MPI ranks on one host) less what each holds outside
-its pool (`scamp_jax.planning.budget.pool_bytes`: the CUDA context and modules, about 650 MB per
+the pool is ``pool_bytes`` (the study's ``--memory-per-device``), else, for a process alone on
+the device, XLA's own 75% (no fraction is set), and for ``processes`` processes that share it
+(MPI ranks on one host) an equal share less what each holds outside its pool
+(`scamp_jax.planning.budget.default_pool_bytes`: the CUDA context and modules, about 650 MB per
 process on an H200). The device's memory is read with ``nvidia-smi`` before JAX starts; where it
 cannot be, the fraction stays XLA's (0.75, split between the processes). The planner's default
 budget is then the allocator's ``bytes_limit``, the pool itself. A process that only plans or
@@ -80,7 +81,8 @@ def configure_device_memory(memory_fraction: float | None = None, *,
         over the device's memory (read with ``nvidia-smi``).
       processes: processes that share each GPU (None: the MPI ranks on this host, when each
         sees more than one GPU's worth; else 1); without ``pool_bytes`` or ``memory_fraction``
-        each gets an equal share less what it holds outside its pool.
+        several get an equal share each less what each holds outside its pool, one alone
+        XLA's own pool.
       preallocate: False for a process that only plans or starts others on the same GPU.
 
     Returns:

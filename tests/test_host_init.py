@@ -77,3 +77,63 @@ def test_initial_model_is_the_plain_model_to_a_few_units_in_the_last_place():
     build = BY_NAME["vit"].build
     model = initial_model(build, 3)
     assert_initialisations_agree(nnx.state(model), nnx.state(build(nnx.Rngs(3))))
+
+
+def _same(got: np.ndarray, want: np.ndarray) -> bool:
+    """Equal bit for bit (a NaN's payload aside)."""
+    got, want = np.ascontiguousarray(got), np.ascontiguousarray(want)
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return False
+    if got.dtype.kind != "f":
+        return bool(np.array_equal(got, want))
+    nan = np.isnan(want)
+    return bool(np.array_equal(np.isnan(got), nan) and np.array_equal(
+        np.where(nan, 0, got).view(np.uint8), np.where(nan, 0, want).view(np.uint8)))
+
+
+_INT = np.array([np.iinfo(np.int32).min, 7, np.iinfo(np.int32).min, -7, 7, -7], np.int32)
+_BY = np.array([2, 0, 3, 2, -2, 0], np.int32)
+_FLOATS = np.array([np.nan, 3e9, np.inf, -np.inf, -3.7, 2.9, -1e10, -0.0], np.float32)
+_ZEROS = (np.array([-0.0, 0.0, np.nan, -1.0, 2.0], np.float32),
+          np.array([0.0, -0.0, 1.0, np.nan, 2.0], np.float32))
+EDGES = {
+    "integer division": (jax.lax.div, (_INT, _BY)),
+    "integer remainder": (jax.lax.rem, (_INT, _BY)),
+    "unsigned by zero": (lambda a, b: (jax.lax.div(a, b), jax.lax.rem(a, b)),
+                         (np.array([7, 0, 5], np.uint32), np.array([0, 0, 2], np.uint32))),
+    "float to int32": (lambda x: jax.lax.convert_element_type(x, jnp.int32), (_FLOATS,)),
+    "float to uint8": (lambda x: jax.lax.convert_element_type(x, jnp.uint8), (_FLOATS,)),
+    "integer powers": (lambda x: [jax.lax.integer_pow(x, y) for y in (3, 5, -2, 0)],
+                       (np.array([7.77, 1.3, -2.5, 0.0], np.float32),)),
+    "sign of zeros": (jax.lax.sign, (_ZEROS[0],)),
+    "max and min of zeros": (lambda a, b: (jax.lax.max(a, b), jax.lax.min(a, b)), _ZEROS),
+    "subnormals flushed": (lambda x: (jax.nn.sigmoid(x), x * x),
+                           (np.array([-100.0, 1e-20, 3.0], np.float32),)),
+    "split, unstack, rev, any": (
+        lambda x: (*jnp.split(x, 2), *x.reshape(2, 2), x[::-1], jnp.any(x > 1)),
+        (np.arange(4, dtype=np.float32),)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EDGES))
+def test_rules_follow_xla_at_the_edges(case):
+    fn, args = EDGES[case]
+    closed = jax.make_jaxpr(fn)(*args)
+    assert host_init.unsupported(closed) is None
+    want = jax.tree.leaves(jax.jit(fn)(*args))
+    for got, expected in zip(host_init.evaluate(closed, *args), want, strict=True):
+        assert _same(got, np.asarray(expected)), (case, got, expected)
+
+
+def test_a_key_the_program_closes_over_and_a_bit_cast_across_widths():
+    key = jax.random.key(11)
+
+    def draw(s):
+        return jax.random.normal(jax.random.fold_in(key, s), (4,))
+
+    closed = jax.make_jaxpr(draw)(jnp.int32(0))
+    got = host_init.evaluate(closed, np.int32(3))[0]
+    np.testing.assert_allclose(got, np.asarray(jax.jit(draw)(3)), rtol=0, atol=1e-6)
+    widths = jax.make_jaxpr(lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8))(
+        jnp.ones(2, jnp.uint32))
+    assert "width" in host_init.unsupported(widths)

@@ -379,3 +379,22 @@ def test_evaluation_is_compiled_once_per_architecture_and_chunk_by_the_planner()
             assert running.compiles["jit(run)"] >= 1 and running.compiles["jit(step)"] == 1
     assert results[0].metrics == results[1].metrics
     assert len(losses[0]) == 3 and losses[0] == losses[1]
+
+
+def test_an_optimizer_of_another_state_under_one_architecture_key_gets_its_own_program():
+    import optax
+
+    states = InitialStates()
+    build = lambda rngs: MLP(8, rngs)  # noqa: E731
+    adam = make_optimizer({})
+    sgd = optax.inject_hyperparams(optax.sgd)(learning_rate=1e-2)
+    for optimizer in (adam, sgd):
+        plan = plan_mesh(nnx.eval_shape(lambda: MLP(8, nnx.Rngs(0))),
+                         jax.ShapeDtypeStruct((1, 16), jnp.float32), devices=jax.devices()[:1],
+                         memory_per_device="8MiB", optimizer=optimizer, max_batch_size=8,
+                         compile_for_run=False)
+        _, opt_state, _ = states.make("mlp8", build, optimizer, plan.step_shardings, 3,
+                                      {"learning_rate": 1e-3})
+        want = jax.eval_shape(optimizer.init, split_model(MLP(8, nnx.Rngs(3)))[1])
+        assert jax.tree.structure(opt_state) == jax.tree.structure(want)
+    assert (states.misses, states.compiles) == (2, 0)

@@ -132,7 +132,8 @@ def make_optimizer(params: Mapping[str, Any]) -> optax.GradientTransformation:
     ``b1`` or ``b2`` is a float32 array, so Adam's ``1 - b1`` and ``1 - b2`` are computed in
     float32 (``1 - float32(0.999)`` is 1.3e-5 off ``0.001``) where ``optax.adamw(lr)`` folds
     them from Python floats; with the constants a trial trains bit for bit as a plain
-    ``optax.adamw(lr)`` loop does (``tests/test_runner.py``).
+    ``optax.adamw(lr)`` loop from the trial's initial model does
+    (`scamp_jax.planning.initial_state.initial_model`, ``tests/test_runner.py``).
     """
     return _adamw(injected_keys(params))
 
@@ -169,7 +170,7 @@ class StepCache:
         self._lock = threading.Lock()
         self._steps: dict[Any, tuple[Any, optax.GradientTransformation]] = {}
         self._evaluators: dict[Any, EvalCompiler] = {}
-        #: compiled steps and initialisations, shared by trials of one architecture
+        #: compiled steps and traced initialisations, shared by trials of one architecture
         self.executables, self.initial_states = ExecutableCache(), InitialStates()
         self.hits = 0
         self.misses = 0
@@ -223,9 +224,9 @@ def _initial_state(
     space: SearchSpace, spec: RunSpec, optimizer: optax.GradientTransformation, seed: int,
     abstract: bool = False, states: InitialStates | None = None, architecture: Any = None,
 ) -> tuple[Any, Any, Any]:
-    """Parameters, optimizer state and other state created directly on the plan's devices
-    (`scamp_jax.planning.initial_state`; ``states``: the compiles shared by trials of one
-    architecture, ``architecture`` its graphdef).
+    """Parameters, optimizer state and other state placed on the plan's devices
+    (`scamp_jax.planning.initial_state`; ``states``: the initialisation programs shared by
+    trials of one architecture, ``architecture`` its graphdef).
 
     ``abstract``: ``ShapeDtypeStruct``s carrying the plan's shardings instead (nothing is
     allocated), the restore target of a resumed trial.

@@ -7,9 +7,9 @@ A `Budget` holds what decides how many bytes a trial may book on a device:
   no pool and take a share of the host's memory);
 - ``device_bytes`` and ``outside_pool_bytes``: the device's whole memory and what a process
   holds on it outside the pool (CUDA context, loaded modules: about 650 MB per process on an
-  H200 with jax 0.11.2), which size the pool when it is not given
-  (`pool_bytes`: the device split between the processes that share it, less each one's part
-  outside its pool);
+  H200 with jax 0.11.2), which size the pool when it is not given (`default_pool_bytes`:
+  XLA's 75% for a process alone on the device, else the device split between the processes
+  that share it, less each one's part outside its pool, `pool_bytes`);
 - ``safety_margin``: the fraction of the pool held back for what is still unknown;
 - ``allowance_bytes``: what a trial holds beyond XLA's compiled figures on this kind of device
   (learned from the allocator's statistics, `scamp_jax.hpo.calibration`, and kept in the plan

@@ -58,8 +58,8 @@ CPU_INIT_COMPILE: dict[str, str | bool] = {"xla_backend_optimization_level": "1"
 #: Newest JAX release series, (major, minor), whose XLA computes the initial state at
 #: ``CPU_INIT_COMPILE`` bit for bit as at its defaults, as the eagerly built model has it
 #: (tests/test_reuse.py passes on jax 0.10.2 and 0.11.1; on 0.12.0.1 level 1 rounds 3 of a small
-#: MLP's 32 first-layer weights differently). Newer JAX compiles the initial state at XLA's
-#: defaults, so a seed's initial state stays the plain model's.
+#: MLP's 32 first-layer weights differently). Newer JAX compiles an initial state NumPy cannot
+#: compute (`scamp_jax.planning.host_init`) at XLA's defaults, the plain jitted model's values.
 CPU_INIT_SAME_VALUES_THROUGH = (0, 11)
 #: XLA options of GPU planning compiles: no autotuning (kernels chosen by XLA's heuristics).
 GPU_PLANNING_COMPILE: dict[str, str | bool | int] = {"xla_gpu_autotune_level": 0}

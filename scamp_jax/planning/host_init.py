@@ -12,19 +12,21 @@ What it promises:
 - the keys and random bits are JAX's, bit for bit: Threefry-2x32 in the partitionable
   counter layout (`jax_threefry_partitionable`, JAX's default), for ``random_seed``,
   ``random_fold_in``, ``random_split`` and ``random_bits``;
-- every float operation is computed once and rounded once: ``+ - * /``, ``sqrt``, ``max``,
-  comparisons and bit casts as IEEE does them, transcendental functions (``erf_inv`` of the
-  normal initialisers, ``erf``, ``exp``, ...) in float64 and rounded to float32. XLA computes
-  the same program with its own approximations of those functions and contracts ``a * b + c``
-  into one fused multiply-add, so the values agree with a jitted ``build(nnx.Rngs(seed))``
-  to a few units in the last place, not bit for bit (as XLA's results at two optimisation
-  levels do not);
+- every float operation is computed once and rounded once: ``+ - * /``, ``sqrt``,
+  comparisons and bit casts as IEEE does them, integer arithmetic, conversions, ``max``/``min``
+  of signed zeros, integer powers (by XLA's repeated squaring) and flushed subnormals as XLA's
+  CPU does them (`RULES`; ``tests/test_host_init.py`` checks the edges), transcendental
+  functions (``erf_inv`` of the normal initialisers, ``erf``, ``exp``, ...) in float64 and
+  rounded to float32. XLA computes those functions with its own float32 approximations and
+  contracts ``a * b + c`` into one fused multiply-add, so the values agree with a jitted
+  ``build(nnx.Rngs(seed))`` to a few units in the last place, not bit for bit (as XLA's
+  results at two optimisation levels do not);
 - the same inputs give the same values on every machine and backend, and a fused group's
   member ``i`` is the solo state of its seed bit for bit (the group is made member by member).
 
-`supported` tells whether every operation of a jaxpr has a rule here; a program with any other
-(e.g. a QR decomposition of an orthogonal initialiser) is compiled instead
-(`scamp_jax.planning.initial_state.InitialStates`).
+`unsupported` tells why a jaxpr cannot be evaluated here (None: it can); a program with an
+operation without a rule (e.g. a QR decomposition of an orthogonal initialiser, a matrix
+product, ``argmax``) is compiled instead (`scamp_jax.planning.initial_state.InitialStates`).
 """
 
 from __future__ import annotations
@@ -146,15 +148,82 @@ def _wide(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
 
 
 def _int_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Integer division rounding toward zero (XLA's), not NumPy's floor."""
-    quotient = np.abs(a) // np.abs(b)
-    return np.where((a < 0) != (b < 0), -quotient, quotient)
+    """Integer division rounding toward zero, ``x / 0`` giving -1 (all ones unsigned) and
+    ``INT_MIN / -1`` wrapping, as XLA's CPU does."""
+    a, b = np.broadcast_arrays(np.asarray(a), np.asarray(b))
+    safe = np.where(b == 0, 1, b).astype(b.dtype)
+    quotient = a // safe  # floor; toward zero below
+    remainder = a - quotient * safe
+    if np.issubdtype(a.dtype, np.signedinteger):
+        quotient = quotient + ((remainder != 0) & ((a < 0) != (safe < 0)))
+    return np.where(b == 0, np.asarray(-1).astype(a.dtype), quotient).astype(a.dtype)
 
 
 def _div(a: np.ndarray, b: np.ndarray, **_: Any) -> np.ndarray:
     if np.issubdtype(np.result_type(a, b), np.integer):
         return _int_div(a, b)
     return np.divide(a, b)
+
+
+def _rem(a: np.ndarray, b: np.ndarray, **_: Any) -> np.ndarray:
+    """C's remainder (the dividend's sign); ``x % 0`` is ``x`` for integers (XLA's)."""
+    if np.issubdtype(np.result_type(a, b), np.integer):
+        a, b = np.broadcast_arrays(np.asarray(a), np.asarray(b))
+        safe = np.where(b == 0, 1, b).astype(b.dtype)
+        return np.where(b == 0, a, a - _int_div(a, safe) * safe).astype(a.dtype)
+    return np.fmod(a, b)
+
+
+def _max(a: np.ndarray, b: np.ndarray, **_: Any) -> np.ndarray:
+    """XLA's maximum: NaN if either is NaN, and +0 above -0."""
+    if not np.issubdtype(np.result_type(a, b), np.floating):
+        return np.maximum(a, b)
+    return np.where(a == b, np.where(np.signbit(a), b, a),
+                    np.where(np.isnan(a) | (a > b), a, b))
+
+
+def _min(a: np.ndarray, b: np.ndarray, **_: Any) -> np.ndarray:
+    """XLA's minimum: NaN if either is NaN, and -0 below +0."""
+    if not np.issubdtype(np.result_type(a, b), np.floating):
+        return np.minimum(a, b)
+    return np.where(a == b, np.where(np.signbit(a), a, b),
+                    np.where(np.isnan(a) | (a < b), a, b))
+
+
+def _convert(x: np.ndarray, *, new_dtype: Any, **_: Any) -> np.ndarray:
+    """``convert_element_type``: floats to integers round toward zero and saturate at the
+    type's limits, NaN gives 0 (XLA's); other conversions as NumPy casts."""
+    x, new = np.asarray(x), np.dtype(new_dtype)
+    if np.issubdtype(x.dtype, np.floating) and np.issubdtype(new, np.integer):
+        info = np.iinfo(new)
+        wide = np.nan_to_num(np.trunc(x.astype(np.float64)), nan=0.0, posinf=np.inf,
+                             neginf=-np.inf)
+        return np.clip(wide, info.min, info.max).astype(new)
+    if new == np.bool_:
+        return x != 0
+    return x.astype(new)
+
+
+def _integer_pow(x: np.ndarray, *, y: int, **_: Any) -> np.ndarray:
+    """``x ** y`` by XLA's repeated squaring (the same products in the same order), the
+    reciprocal for a negative ``y``."""
+    x = np.asarray(x)
+    power, result, base = abs(int(y)), None, x
+    while power:
+        if power & 1:
+            result = base if result is None else result * base
+        power >>= 1
+        if power:
+            base = base * base
+    out = np.ones_like(x) if result is None else result
+    return np.reciprocal(out) if y < 0 else out
+
+
+def _sign(x: np.ndarray, **_: Any) -> np.ndarray:
+    """The sign, keeping a zero's own sign (and NaN) for floats."""
+    if np.issubdtype(np.asarray(x).dtype, np.floating):
+        return np.where((x == 0) | np.isnan(x), x, np.sign(x))
+    return np.sign(x)
 
 
 def _shift(kind: str):
@@ -260,16 +329,15 @@ def _unary(fn: Callable[[np.ndarray], np.ndarray]):
 #: operands (keys as uint32 ``(..., 2)``) and the equation's parameters.
 RULES: dict[str, Callable[..., Any]] = {
     "add": _binary(np.add), "sub": _binary(np.subtract), "mul": _binary(np.multiply),
-    "div": _div, "rem": _binary(np.fmod), "max": _binary(np.maximum),
-    "min": _binary(np.minimum),
+    "div": _div, "rem": _rem, "max": _max, "min": _min,
     "nextafter": _binary(np.nextafter),
     "and": _binary(np.bitwise_and), "or": _binary(np.bitwise_or),
     "xor": _binary(np.bitwise_xor), "not": _unary(np.invert),
     "eq": _binary(np.equal), "ne": _binary(np.not_equal), "lt": _binary(np.less),
     "le": _binary(np.less_equal), "gt": _binary(np.greater), "ge": _binary(np.greater_equal),
-    "neg": _unary(np.negative), "abs": _unary(np.abs), "sign": _unary(np.sign),
+    "neg": _unary(np.negative), "abs": _unary(np.abs), "sign": _sign,
     "floor": _unary(np.floor), "ceil": _unary(np.ceil), "sqrt": _unary(np.sqrt),
-    "integer_pow": lambda x, *, y, **_: np.power(x, y),
+    "integer_pow": _integer_pow,
     "square": _unary(np.square),
     "rsqrt": _wide(lambda x: 1.0 / np.sqrt(x)), "exp": _wide(np.exp), "log": _wide(np.log),
     "log1p": _wide(np.log1p), "expm1": _wide(np.expm1), "tanh": _wide(np.tanh),
@@ -279,17 +347,20 @@ RULES: dict[str, Callable[..., Any]] = {
     "erf_inv": _wide(_special("erfinv")),
     "shift_left": _shift("left"), "shift_right_logical": _shift("right"),
     "shift_right_arithmetic": _shift("arithmetic"),
-    "convert_element_type": lambda x, *, new_dtype, **_: np.asarray(x).astype(
-        np.dtype(new_dtype)),
+    "convert_element_type": _convert,
     "bitcast_convert_type": _bitcast,
     "broadcast_in_dim": _broadcast_in_dim,
     "reshape": lambda x, *, new_sizes, dimensions=None, **_: np.reshape(x, tuple(new_sizes)),
     "squeeze": lambda x, *, dimensions, **_: np.squeeze(x, axis=tuple(dimensions)),
     "transpose": lambda x, *, permutation, **_: np.transpose(x, tuple(permutation)),
     "concatenate": lambda *xs, dimension, **_: np.concatenate(xs, axis=dimension),
+    "split": lambda x, *, sizes, axis, **_: np.split(
+        x, np.cumsum([int(n) for n in sizes])[:-1], axis=axis),
+    "unstack": lambda x, *, axis, **_: [np.take(x, i, axis=axis) for i in range(x.shape[axis])],
+    "rev": lambda x, *, dimensions, **_: np.flip(x, axis=tuple(dimensions)),
     "slice": _slice, "iota": _iota, "select_n": _select_n, "clamp": _clamp,
     "reduce_sum": _reduce(np.sum), "reduce_max": _reduce(np.max),
-    "reduce_min": _reduce(np.min),
+    "reduce_min": _reduce(np.min), "reduce_or": _reduce(np.any), "reduce_and": _reduce(np.all),
     "stop_gradient": _identity, "copy": _identity,
     "sharding_constraint": _identity, "reshard": _identity, "mesh_cast": _identity,
     "pvary": _identity,
@@ -305,8 +376,12 @@ RULES: dict[str, Callable[..., Any]] = {
 #: Call-like primitives whose body (a closed jaxpr in ``params[name]``) is evaluated in place.
 CALLS: dict[str, str] = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
                          "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
-                         "custom_vjp_call": "call_jaxpr", "remat": "jaxpr",
+                         "custom_vjp_call": "call_jaxpr", "remat2": "jaxpr",
                          "checkpoint": "jaxpr"}
+#: Float arithmetic whose subnormal results XLA's CPU gives as zero (flush to zero).
+_FLUSHED = {"add", "sub", "mul", "div", "rem", "integer_pow", "square", "sqrt", "rsqrt", "exp",
+            "log", "log1p", "expm1", "tanh", "sin", "cos", "logistic", "erf", "erfc", "erf_inv",
+            "convert_element_type", "reduce_sum"}
 #: Primitives on keys: their key operands and results must be Threefry-2x32 keys.
 _KEY_RULES = {"random_seed", "random_fold_in", "random_split", "random_bits", "random_wrap",
               "random_unwrap"}
@@ -338,6 +413,10 @@ def unsupported(closed: Any) -> str | None:
             continue
         if name not in RULES:
             return f"no rule for {name!r}"
+        if name == "bitcast_convert_type" and (
+                np.dtype(eqn.params["new_dtype"]).itemsize
+                != np.dtype(eqn.invars[0].aval.dtype).itemsize):
+            return "a bit cast between widths"
         for var in list(eqn.invars) + list(eqn.outvars):
             aval = getattr(var, "aval", None)
             if aval is not None and _is_key(aval) and str(aval.dtype) != THREEFRY_KEY:
@@ -353,8 +432,15 @@ def evaluate(closed: Any, *args: Any) -> list[np.ndarray]:
     if reason is not None:
         raise NotImplementedError(reason)
     with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
-        return _eval(closed.jaxpr, [np.asarray(c) for c in closed.consts],
-                     [np.asarray(a) for a in args])
+        return _eval(closed.jaxpr, [_host(c) for c in closed.consts], [_host(a) for a in args])
+
+
+def _host(value: Any) -> np.ndarray:
+    """``value`` as a NumPy array; a JAX key array as its key data (uint32 ``(..., 2)``)."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return np.asarray(jax.random.key_data(value))
+    return np.asarray(value)
 
 
 def _eval(jaxpr: Any, consts: list[np.ndarray], args: list[np.ndarray]) -> list[np.ndarray]:
@@ -374,7 +460,7 @@ def _eval(jaxpr: Any, consts: list[np.ndarray], args: list[np.ndarray]) -> list[
         name = eqn.primitive.name
         if name in CALLS:
             body = _sub_jaxpr(eqn)
-            outs = _eval(body.jaxpr, [np.asarray(c) for c in body.consts], operands)
+            outs = _eval(body.jaxpr, [_host(c) for c in body.consts], operands)
         else:
             result = RULES[name](*operands, **eqn.params)
             outs = list(result) if eqn.primitive.multiple_results else [result]
@@ -386,11 +472,17 @@ def _eval(jaxpr: Any, consts: list[np.ndarray], args: list[np.ndarray]) -> list[
 
 
 def _as_aval(value: np.ndarray, aval: Any, name: str) -> np.ndarray:
-    """``value`` in ``aval``'s dtype, its shape checked (a rule's error is never silent)."""
+    """``value`` in ``aval``'s dtype, its shape checked (a rule's error is never silent), a
+    float arithmetic result's subnormals flushed to zero (XLA's CPU runs with them off)."""
     if _is_key(aval):
         shape, value = tuple(aval.shape) + (2,), value.astype(np.uint32, copy=False)
     else:
         shape, value = tuple(aval.shape), value.astype(np.dtype(aval.dtype), copy=False)
+        if name in _FLUSHED and np.issubdtype(value.dtype, np.floating) and value.size:
+            tiny = np.finfo(value.dtype).tiny
+            if np.any((value != 0) & (np.abs(value) < tiny)):
+                value = np.where(np.abs(value) < tiny, np.copysign(0, value), value).astype(
+                    value.dtype)
     if value.shape != shape:
         raise RuntimeError(f"the NumPy rule of {name} gave shape {value.shape}, "
                            f"the jaxpr says {shape}")

@@ -10,12 +10,13 @@ its state here:
   hyperparameters as arguments. The program is traced once and computed with NumPy on the host
   (`scamp_jax.planning.host_init`: JAX's random bits bit for bit, no compile at all), then each
   shard is copied onto the run's devices, so a new architecture's initial state costs a trace,
-  not a compile, on every backend, and a seed gives the same state on every machine, backend
-  and JAX release. ``make`` gives one run's state, ``make_group`` the stacked state of a fused
-  group of ``K`` runs (a leading member axis; member ``i`` equals ``make`` with the ``i``-th
-  seed and hyperparameters, bit for bit: the members are made one by one). An initialisation
-  with an operation NumPy has no rule for (e.g. an orthogonal initialiser's QR decomposition)
-  is compiled instead, once per architecture, group width and mesh shape, for the host's CPU
+  not a compile, on every backend, and a seed gives the same state on every machine and
+  backend, whatever XLA's version or options. ``make`` gives one run's state, ``make_group``
+  the stacked state of a fused group of ``K`` runs (a leading member axis; member ``i`` equals
+  ``make`` with the ``i``-th seed and hyperparameters, bit for bit: with NumPy the members are
+  made one by one, compiled the group is the vmapped program). An initialisation with an
+  operation NumPy has no rule for (e.g. an orthogonal initialiser's QR decomposition) is
+  compiled instead, once per architecture, group width and mesh shape, for the host's CPU
   (`scamp_jax.planning.reuse.home_mesh`) on every backend, and its result copied onto the
   run's devices (on CPU devices the host's mesh mirrors the run's).
 - `abstract_initial_state`: the same state as ``jax.ShapeDtypeStruct``s carrying the shardings,
@@ -147,8 +148,9 @@ class InitialStates:
         """``(params, opt_state, rest)`` of ``build(nnx.Rngs(seed))`` with ``hyperparams`` in
         the optimizer state, placed with ``shardings``.
 
-        ``architecture`` is a hashable key of what ``build`` makes (equal keys: the same
-        program, whatever the seed); the values are `initial_model`'s, within a few units in
+        ``architecture`` is a hashable key of what ``build`` and ``optimizer`` make (equal
+        keys: the same program, whatever the seed and the named hyperparameters; the engine's
+        program keys are such keys); the values are `initial_model`'s, within a few units in
         the last place of a jitted ``build(nnx.Rngs(seed))`` (`scamp_jax.planning.host_init`).
         """
         seeds = _check_seeds([seed])[0]
@@ -189,15 +191,24 @@ class InitialStates:
         start = time.perf_counter()
         host = _UNSUPPORTED
         if self.home_on_cpu:
-            host, made = self._program(("host", architecture, names),
-                                       lambda: _HostProgram.trace(build, optimizer, names, home))
+            # the state's tree apart from its shardings: an optimizer of another state tree
+            # under the same architecture key gets its own program
+            tree = jax.tree.structure(target, is_leaf=lambda x: isinstance(x, NamedSharding))
+            host_key = ("host", architecture, names, tree)
+            host, made = self._program(
+                host_key, lambda: _HostProgram.trace(build, optimizer, names, home))
         if host is not _UNSUPPORTED:
-            self._count(made)
-            state = host.make(seeds, hyper, width)
-            jax.monitoring.record_event_duration_secs(HOST_INIT_EVENT,
-                                                      time.perf_counter() - start)
-            # A copy of each shard onto the run's devices (nothing unsharded on a device).
-            return jax.device_put(state, target)
+            try:
+                state = host.make(seeds, hyper, width)
+            except NotImplementedError:  # a rule that declined these values: compile instead
+                with self._lock:
+                    self._programs[host_key] = _UNSUPPORTED
+            else:
+                self._count(made)
+                jax.monitoring.record_event_duration_secs(HOST_INIT_EVENT,
+                                                          time.perf_counter() - start)
+                # A copy of each shard onto the run's devices (nothing unsharded on a device).
+                return jax.device_put(state, target)
         platform = home.devices.flat[0].platform
 
         def rehome(tree: PyTree) -> PyTree:
@@ -217,9 +228,10 @@ class InitialStates:
                     jax.ShapeDtypeStruct(seed_shape, jnp.int32),
                     {k: jax.ShapeDtypeStruct(seed_shape, jnp.float32) for k in names},
                 )
+            compiled = compile_lowered(lowered, compile_options(platform, Purpose.INIT))
             with self._lock:
                 self.compiles += 1
-            return compile_lowered(lowered, compile_options(platform, Purpose.INIT))
+            return compiled
 
         compiled, made = self._program(
             ("compiled", architecture, width, home_ids, home.devices.shape, names, specs),
@@ -330,15 +342,16 @@ def init_train_state(
 
 def initial_model(build: Build, seed: int) -> nnx.Module:
     """The model a run of ``build`` with ``seed`` starts from, bit for bit (the parameters and
-    other state `InitialStates` makes for it), on the default device: e.g. to train a trial's
-    configuration in a loop of one's own. ``build(nnx.Rngs(seed))`` itself gives values within a
-    few units in the last place of these (see `scamp_jax.planning.host_init`)."""
-    graphdef = split_model(nnx.eval_shape(lambda: build(nnx.Rngs(0))))[0]
-    init = _init_fn(build, optax.identity(), None)
-    seed = _check_seeds([seed])[0]
-    program = _HostProgram.trace(build, optax.identity(), (), None)
-    if program is _UNSUPPORTED:
-        params, _, rest = jax.jit(init)(seed, {})
-    else:
-        params, _, rest = jax.device_put(program.make(seed, {}, None))
-    return nnx.merge(graphdef, params, rest)
+    other state `InitialStates` makes for it), on the host's first CPU device: e.g. to train a
+    trial's configuration in a loop of one's own. ``build(nnx.Rngs(seed))`` itself gives values
+    within a few units in the last place of these (see `scamp_jax.planning.host_init`)."""
+    from scamp_jax.planning.memory import default_step_shardings
+    from scamp_jax.planning.sharding import make_mesh
+    from scamp_jax.planning.train_step import abstract_state
+
+    model = nnx.eval_shape(lambda: build(nnx.Rngs(0)))
+    optimizer = optax.identity()
+    mesh = make_mesh(jax.local_devices(backend="cpu")[:1], 1, 1)
+    shardings = default_step_shardings(mesh, *abstract_state(model, optimizer), optimizer)
+    params, _, rest = InitialStates().make(None, build, optimizer, shardings, seed, {})
+    return nnx.merge(split_model(model)[0], params, rest)

@@ -5,7 +5,7 @@ its state), so what they compile is the same program. `ExecutableCache` holds th
 step's executable per program (the fingerprint of its lowering) and devices: the planner's own
 run-grade executable (`Plan.compiled_step`) is taken when it is the same program on the same
 devices; otherwise the first trial on those devices compiles it and later ones run it. (Their
-initial states are compiled once per architecture too:
+initial states are traced once per architecture and computed without a compile:
 `scamp_jax.planning.initial_state.InitialStates`.)
 
 An XLA executable is bound to the devices it was compiled for, so the cache keys by device ids.
