@@ -19,7 +19,7 @@ from tests.test_reuse import assert_initialisations_agree
 
 
 @pytest.mark.parametrize("seed", [0, 1, 12345, 2**31 - 1])
-@pytest.mark.parametrize("shape", [(), (1,), (3,), (5, 7), (2, 3, 4), (300, 700)])
+@pytest.mark.parametrize("shape", [(), (1,), (3,), (5, 7), (2, 3, 4), (300, 700), (1024, 1100)])
 def test_keys_and_random_bits_are_jaxs_bit_for_bit(seed, shape):
     def draw(s):
         key = jax.random.fold_in(jax.random.key(s), 7)

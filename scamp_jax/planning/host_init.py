@@ -31,7 +31,9 @@ product, ``argmax``) is compiled instead (`scamp_jax.planning.initial_state.Init
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -42,15 +44,17 @@ from jax.extend import core as jcore
 THREEFRY_KEY = "key<fry>"
 _KS_PARITY = np.uint32(0x1BD11BDA)
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
-#: Elements hashed at a time by `threefry2x32`.
+#: Elements hashed at a time by `threefry2x32`, and the fewest blocks worth a thread.
 _BLOCK = 1 << 16
+_THREAD_BLOCKS = 8
 
 
 def threefry2x32(k1: np.ndarray, k2: np.ndarray, x1: np.ndarray,
                  x2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The Threefry-2x32 hash (20 rounds) of counters ``(x1, x2)`` under keys ``(k1, k2)``,
     broadcast together; uint32 arithmetic wraps as XLA's does. Computed in place, a block of
-    `_BLOCK` elements at a time (the block stays in the CPU's cache through the 20 rounds)."""
+    `_BLOCK` elements at a time (the block stays in the CPU's cache through the 20 rounds), the
+    blocks shared among the host's cores (NumPy releases the interpreter's lock)."""
     k1, k2, x1, x2 = (np.asarray(a, np.uint32) for a in (k1, k2, x1, x2))
     shape = np.broadcast_shapes(k1.shape, k2.shape, x1.shape, x2.shape)
     n = int(np.prod(shape, dtype=np.int64))
@@ -61,29 +65,45 @@ def threefry2x32(k1: np.ndarray, k2: np.ndarray, x1: np.ndarray,
     keys = [flat(k) for k in (k1, k2, k1 ^ k2 ^ _KS_PARITY)]
     c1, c2 = flat(x1), flat(x2)
     a, b = np.empty(n, np.uint32), np.empty(n, np.uint32)
-    spare = np.empty(min(_BLOCK, n), np.uint32)
-    with np.errstate(over="ignore"):
-        for lo in range(0, n, _BLOCK):
-            hi = min(n, lo + _BLOCK)
 
-            def part(v: np.ndarray) -> np.ndarray:
-                return v if v.ndim == 0 else v[lo:hi]  # noqa: B023 - used in this iteration
+    def blocks(first: int, last: int) -> None:
+        spare = np.empty(_BLOCK, np.uint32)
+        with np.errstate(over="ignore"):
+            for lo in range(first, last, _BLOCK):
+                hi = min(last, lo + _BLOCK)
+                ks = [k if k.ndim == 0 else k[lo:hi] for k in keys]
+                x, y, t = a[lo:hi], b[lo:hi], spare[:hi - lo]
+                np.add(c1 if c1.ndim == 0 else c1[lo:hi], ks[0], out=x)
+                np.add(c2 if c2.ndim == 0 else c2[lo:hi], ks[1], out=y)
+                for group in range(5):
+                    for r in _ROTATIONS[group % 2]:
+                        x += y
+                        np.left_shift(y, np.uint32(r), out=t)
+                        y >>= np.uint32(32 - r)
+                        y |= t
+                        y ^= x
+                    x += ks[(group + 1) % 3]
+                    y += ks[(group + 2) % 3]
+                    y += np.uint32(group + 1)
 
-            ks = [part(k) for k in keys]
-            x, y, t = a[lo:hi], b[lo:hi], spare[:hi - lo]
-            np.add(part(c1), ks[0], out=x)
-            np.add(part(c2), ks[1], out=y)
-            for group in range(5):
-                for r in _ROTATIONS[group % 2]:
-                    x += y
-                    np.left_shift(y, np.uint32(r), out=t)
-                    y >>= np.uint32(32 - r)
-                    y |= t
-                    y ^= x
-                x += ks[(group + 1) % 3]
-                y += ks[(group + 2) % 3]
-                y += np.uint32(group + 1)
+    workers = min(_workers(), -(-n // (_THREAD_BLOCKS * _BLOCK)))
+    if workers <= 1:
+        blocks(0, n)
+    else:
+        share = -(-n // workers // _BLOCK) * _BLOCK
+        with ThreadPoolExecutor(workers) as pool:
+            for done in [pool.submit(blocks, lo, min(n, lo + share))
+                         for lo in range(0, n, share)]:
+                done.result()
     return a.reshape(shape), b.reshape(shape)
+
+
+def _workers() -> int:
+    """Threads `threefry2x32` may use: the cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def _iota_2x32(shape: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
