@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from scamp_jax._once import OncePerKey
 from scamp_jax.hpo.fused_runner import architecture_signature, signature_key
 from scamp_jax.hpo.plan_service import PlanningService
 from scamp_jax.hpo.runner import make_optimizer
@@ -95,8 +96,8 @@ class FusionService:
         self.checkpoint_root, self.plan_cache = checkpoint_root, plan_cache
         self._lock = threading.Lock()
         self._signatures: dict[str, Any] = {}
-        self._plans: dict[Any, FusionPlan | None] = {}
-        self._plan_locks: dict[Any, threading.Lock] = {}
+        # planner threads with one family's members plan it once
+        self._plans: OncePerKey[FusionPlan | None] = OncePerKey()
         self._info: dict[int, MemberInfo] = {}
         self._family_widths: dict[int, int] = {}  # proposed trial -> 1 + its siblings
         self.reset()
@@ -166,18 +167,10 @@ class FusionService:
         width = self.cap if width is None else min(width, self.cap)
         key = (signature, tuple(d.id for d in plan.devices), int(plan.batch_size), width,
                bool(getattr(plan, "provisional", False)))
-        with self._lock:
-            if key in self._plans:
-                return self._plans[key]
-            key_lock = self._plan_locks.setdefault(key, threading.Lock())
-        with key_lock:  # planner threads with one family's members plan it once
-            with self._lock:
-                if key in self._plans:
-                    return self._plans[key]
-            return self._plan_fusion(params, plan, width, key)
+        return self._plans.get(key, lambda: self._plan_fusion(params, plan, width))[0]
 
-    def _plan_fusion(self, params: Mapping[str, Any], plan: Any, width: int,
-                     key: Any) -> FusionPlan | None:
+    def _plan_fusion(self, params: Mapping[str, Any], plan: Any,
+                     width: int) -> FusionPlan | None:
         try:
             fusion: FusionPlan | None = plan_fusion(
                 self.planning.abstract(params), self.task.sample_batch(1), max_width=width,
@@ -187,8 +180,6 @@ class FusionService:
             fusion = None  # e.g. a fake plan in tests, or one member does not fit fused
         if fusion is not None and fusion.width < 2:
             fusion = None
-        with self._lock:
-            self._plans[key] = fusion
         return fusion
 
     def narrower(self, members: tuple[PlannedTrial, ...]) -> FusionPlan:

@@ -25,6 +25,7 @@ from typing import Any
 
 from flax import nnx
 
+from scamp_jax._once import OncePerKey
 from scamp_jax.hpo.program_key import ProgramKey
 from scamp_jax.hpo.runner import make_optimizer
 from scamp_jax.hpo.trial import TrialDeferred
@@ -66,14 +67,13 @@ class PlanningService:
         self.devices, self.plan_fn, self.batch_multiple = list(devices), plan_fn, batch_multiple
         self.may_grow, self.max_running = may_grow, max_running
         self.allowance: Callable[[], int] | None = None
-        self._plans: dict[Any, Any] = {}
-        self._plans_lock = threading.Lock()
-        self._key_locks: dict[Any, threading.Lock] = {}
+        #: plans (or `TrialDeferred`) by program key
+        self._plans: OncePerKey[Any] = OncePerKey()
         self._fixed_lock = threading.Lock()
         self._fixed_batch: int | None = self.config.fixed_batch_size
         #: FLOPs per device per step by (architecture, dp, mp, batch), and by (trial, devices,
         #: batch) for the plans handed to the core.
-        self._flops: dict[Any, float | None] = {}
+        self._flops: OncePerKey[float | None] = OncePerKey()
         self._flops_of: dict[tuple[int, int, int], float | None] = {}
 
     @staticmethod
@@ -211,23 +211,18 @@ class PlanningService:
             cap = self.config.max_batch_size if max_batch is None else max_batch
         allowance = self.allowance() if self.allowance is not None else None
         key = ProgramKey.of(graphdef, params).plan(devices, cap, provisional, allowance)
+        def make() -> Any:
+            try:
+                if devices is not None:
+                    return self.call_planner(model, devices, cap, run_ready=run_ready,
+                                             params=params, provisional=provisional)
+                return self.smallest_fitting_plan(model, cap, run_ready, params, provisional)
+            except TrialDeferred as deferred:
+                return deferred  # a property of the architecture, like a plan
+
         # Several planner threads compile at once (XLA compiles outside the GIL); one lock per
         # architecture makes a second trial of it wait for the first plan instead of redoing it.
-        with self._plans_lock:
-            key_lock = self._key_locks.setdefault(key, threading.Lock())
-        with key_lock:
-            if key not in self._plans:
-                try:
-                    if devices is not None:
-                        self._plans[key] = self.call_planner(
-                            model, devices, cap, run_ready=run_ready, params=params,
-                            provisional=provisional)
-                    else:
-                        self._plans[key] = self.smallest_fitting_plan(model, cap, run_ready,
-                                                                      params, provisional)
-                except TrialDeferred as deferred:
-                    self._plans[key] = deferred  # a property of the architecture, like a plan
-            plan = self._plans[key]
+        plan = self._plans.get(key, make)[0]
         if isinstance(plan, TrialDeferred):
             raise TrialDeferred(str(plan), plan.payload)
         return plan
@@ -241,8 +236,7 @@ class PlanningService:
         total = getattr(plan, "step_flops", None)
         if total is not None:
             key = ProgramKey.of(split_model(model)[0], params).flops(int(plan.batch_size))
-            with self._plans_lock:
-                self._flops.setdefault(key, total)  # for a later trial's CPU split
+            self._flops.get(key, lambda: total)  # for a later trial's CPU split
         else:
             total = self.total_flops(model, params, int(plan.batch_size))
         return total / self.devices_of(plan) if total else None
@@ -256,24 +250,17 @@ class PlanningService:
         architecture, batch and injected hyperparameters: the CPU split (`fewest_devices`)
         and the plan's cost share one lowering when the plan reaches the cap."""
         key = ProgramKey.of(split_model(model)[0], params).flops(batch_size)
-        with self._plans_lock:
-            if key in self._flops:
-                return self._flops[key]
-            # Trials of one architecture planned at once (a fused family) lower it once.
-            key_lock = self._key_locks.setdefault(("flops", key), threading.Lock())
-        with key_lock:
-            with self._plans_lock:
-                if key in self._flops:
-                    return self._flops[key]
+
+        def make() -> float | None:
             try:
-                total = step_flops(model, make_optimizer(params), self.task.loss_fn,
-                                   with_batch_size(self.task.sample_batch(1), int(batch_size)))
+                return step_flops(model, make_optimizer(params), self.task.loss_fn,
+                                  with_batch_size(self.task.sample_batch(1), int(batch_size)))
             except Exception as err:  # noqa: BLE001 - a cost is only an aid
                 log.info("no cost analysis for %s: %s", type(model).__name__, err)
-                total = None
-            with self._plans_lock:
-                self._flops[key] = total
-        return total
+                return None
+
+        # Trials of one architecture planned at once (a fused family) lower it once.
+        return self._flops.get(key, make)[0]
 
     def planned_with_cost(self, params: Mapping[str, Any], number: int, **kw: Any) -> Any:
         """Plan (cached per architecture) and cost one configuration; runs in a planner thread."""

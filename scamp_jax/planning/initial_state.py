@@ -44,6 +44,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from scamp_jax._once import OncePerKey
 from scamp_jax.planning import host_init
 from scamp_jax.planning.compile_options import Purpose, compile_options
 from scamp_jax.planning.reuse import compile_lowered, home_mesh
@@ -130,8 +131,7 @@ class InitialStates:
     def __init__(self, home_on_cpu: bool = True) -> None:
         self.home_on_cpu = home_on_cpu
         self._lock = threading.Lock()
-        self._key_locks: dict[Any, threading.Lock] = {}
-        self._programs: dict[Any, Any] = {}
+        self._programs: OncePerKey[Any] = OncePerKey()
         self.hits = 0
         self.misses = 0
         self.compiles = 0
@@ -195,14 +195,13 @@ class InitialStates:
             # under the same architecture key gets its own program
             tree = jax.tree.structure(target, is_leaf=lambda x: isinstance(x, NamedSharding))
             host_key = ("host", architecture, names, tree)
-            host, made = self._program(
+            host, made = self._programs.get(
                 host_key, lambda: _HostProgram.trace(build, optimizer, names, home))
         if host is not _UNSUPPORTED:
             try:
                 state = host.make(seeds, hyper, width)
             except NotImplementedError:  # a rule that declined these values: compile instead
-                with self._lock:
-                    self._programs[host_key] = _UNSUPPORTED
+                self._programs.set(host_key, _UNSUPPORTED)
             else:
                 self._count(made)
                 jax.monitoring.record_event_duration_secs(HOST_INIT_EVENT,
@@ -233,7 +232,7 @@ class InitialStates:
                 self.compiles += 1
             return compiled
 
-        compiled, made = self._program(
+        compiled, made = self._programs.get(
             ("compiled", architecture, width, home_ids, home.devices.shape, names, specs),
             compile_init)
         self._count(made)
@@ -245,24 +244,6 @@ class InitialStates:
             return state
         # A copy onto the run's devices (the step donates params: never alias the home copy).
         return jax.device_put(state, target)
-
-    def _program(self, key: Any, make: Callable[[], Any]) -> tuple[Any, bool]:
-        """The program cached under ``key`` and whether this call made it (with ``make``; one
-        thread per key makes it, the others wait for it)."""
-        with self._lock:
-            program = self._programs.get(key)
-            if program is not None:
-                return program, False
-            key_lock = self._key_locks.setdefault(key, threading.Lock())
-        with key_lock:
-            with self._lock:
-                program = self._programs.get(key)
-            if program is not None:
-                return program, False
-            program = make()
-            with self._lock:
-                self._programs[key] = program
-        return program, True
 
     def _count(self, made: bool) -> None:
         with self._lock:

@@ -42,6 +42,7 @@ from jax.experimental import serialize_executable
 from jax.sharding import Mesh
 from jaxlib import xla_client
 
+from scamp_jax._once import OncePerKey
 from scamp_jax.planning.compile_events import CACHE_HIT_EVENT
 from scamp_jax.planning.compile_options import without_default_kernels
 from scamp_jax.planning.compile_slots import compile_slot
@@ -235,8 +236,8 @@ class ExecutableCache:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._key_locks: dict[tuple[str, tuple[int, ...]], threading.Lock] = {}
-        self._compiled: dict[tuple[str, tuple[int, ...]], Any] = {}
+        #: (executable, how it came: "ready", "moved" or "compiled") by (fingerprint, devices)
+        self._compiled: OncePerKey[tuple[Any, str]] = OncePerKey()
         self.hits = 0
         self.moves = 0
         self.misses = 0
@@ -253,34 +254,25 @@ class ExecutableCache:
         key = (fingerprint, tuple(d.id for d in devices))
         if ready is not None and ready.fingerprint != fingerprint:
             ready = None
-        with self._lock:
-            if key in self._compiled:
-                self.hits += 1
-                return self._compiled[key]
+
+        def make() -> tuple[Any, str]:
             if ready is not None and tuple(ready.device_ids) == key[1]:
-                self.hits += 1
-                self._compiled[key] = ready.executable
-                return ready.executable
-            key_lock = self._key_locks.setdefault(key, threading.Lock())
-        with key_lock:
-            with self._lock:
-                if key in self._compiled:
-                    self.hits += 1
-                    return self._compiled[key]
-                sources = [(ids, executable) for (fp, ids), executable in self._compiled.items()
-                           if fp == fingerprint]
+                return ready.executable, "ready"
+            sources = [(ids, executable) for (fp, ids), (executable, _) in
+                       self._compiled.items() if fp == fingerprint]
             if ready is not None:
                 sources.insert(0, (tuple(ready.device_ids), ready.executable))
             for ids, source in sources:
-                executable = load_on_devices(source, ids, devices)
-                if executable is not None:
-                    with self._lock:
-                        self.hits += 1
-                        self.moves += 1
-                        self._compiled[key] = executable
-                    return executable
-            executable = compile_lowered(lowered)
-            with self._lock:
+                moved = load_on_devices(source, ids, devices)
+                if moved is not None:
+                    return moved, "moved"
+            return compile_lowered(lowered), "compiled"
+
+        (executable, how), made = self._compiled.get(key, make)
+        with self._lock:
+            if made and how == "compiled":
                 self.misses += 1
-                self._compiled[key] = executable
-            return executable
+            else:
+                self.hits += 1
+                self.moves += made and how == "moved"
+        return executable
