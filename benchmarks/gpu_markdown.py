@@ -196,7 +196,8 @@ def _packing_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
                                (("packed", packed), ("one at a time", fixed))
                                if r and r.get("planning_s") is not None) or NOT_YET])
     notes = [f"{r['policy']}: {r['end_to_end_s']:.1f} s end to end, runner compiles "
-             f"{_f(r.get('runner_compile_s'), '.1f', ' s')}, steady "
+             f"{_f(r.get('runner_compile_s'), '.1f', ' s')}, initial states on the host "
+             f"{_f(r.get('host_initial_state_s'), '.1f', ' s')}, steady "
              f"{_f(r.get('steady_step_s'), '.4f', ' s/step')}, mean memory use "
              f"{100 * r['mean_memory_utilization']:.1f}%, peak in use "
              f"{_b(r.get('peak_bytes_in_use'))}" for r in sec.get("rows", [])]

@@ -481,7 +481,8 @@ def packing_section(cfg: Any, ctx: Context, rec: Record) -> None:
 
 
 def _study_pace(results: Path) -> dict[str, Any]:
-    """Steady seconds per step (median over trials) and compile seconds of a finished study."""
+    """Steady seconds per step (median over trials), compile seconds and the seconds of the
+    initial states made on the host (no compile) of a finished study."""
     import statistics
 
     data = json.loads(results.read_text())
@@ -491,7 +492,8 @@ def _study_pace(results: Path) -> dict[str, Any]:
                     if k.endswith("_compile_s") and not k.startswith("planning"))
     return {"steady_step_s": statistics.median(paces) if paces else None,
             "runner_compile_s": compile_s,
-            "planning_compile_s": overhead.get("planning_compile_s")}
+            "planning_compile_s": overhead.get("planning_compile_s"),
+            "host_initial_state_s": overhead.get("host_initial_state_s")}
 
 
 # --------------------------------------------------------------------------- supernet

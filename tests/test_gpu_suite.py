@@ -94,6 +94,10 @@ def test_equalities_hold_where_measured(smoke: dict) -> None:
     for row in report["supernet"]["rows"]:
         assert row["samples_per_second"] > 0 and row["wall_seconds"] > 0
         assert (row["host_to_device_bytes"] > 0) == row["offload"]
+    packing = report["packing"].get("rows", [])
+    assert packing or report["packing"].get("cut_short")
+    for row in packing:  # initial states made on the host, not compiled
+        assert row["host_initial_state_s"] > 0
 
 
 def test_what_a_plan_without_the_gpu_needs_is_recorded(smoke: dict) -> None:

@@ -299,11 +299,8 @@ def _select_n(which: np.ndarray, *cases: np.ndarray, **_: Any) -> np.ndarray:
 
 
 def _bitcast(x: np.ndarray, *, new_dtype: Any, **_: Any) -> np.ndarray:
-    x = np.asarray(x, order="C")
-    new = np.dtype(new_dtype)
-    if new.itemsize != x.dtype.itemsize:
-        raise NotImplementedError("bit casts between widths")
-    return x.view(new)
+    """The same bits as another type of the same width (`unsupported` declines other widths)."""
+    return np.asarray(x, order="C").view(np.dtype(new_dtype))
 
 
 def _clamp(lo: np.ndarray, x: np.ndarray, hi: np.ndarray, **_: Any) -> np.ndarray:
@@ -402,9 +399,6 @@ CALLS: dict[str, str] = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_j
 _FLUSHED = {"add", "sub", "mul", "div", "rem", "integer_pow", "square", "sqrt", "rsqrt", "exp",
             "log", "log1p", "expm1", "tanh", "sin", "cos", "logistic", "erf", "erfc", "erf_inv",
             "convert_element_type", "reduce_sum"}
-#: Primitives on keys: their key operands and results must be Threefry-2x32 keys.
-_KEY_RULES = {"random_seed", "random_fold_in", "random_split", "random_bits", "random_wrap",
-              "random_unwrap"}
 
 
 def _is_key(aval: Any) -> bool:
