@@ -212,3 +212,59 @@ def test_conv_and_attention_parameters_are_split_in_the_compiled_step():
     halved = (4 * 64 * 64 + 2 * 64 * 256) * F32 // 2
     assert whole.params - split.params == halved
     assert split.peak < whole.peak
+
+
+#: Calls of the counting models below (each call is one trace of their forward pass).
+_TRACES = {"n": 0}
+
+
+class CountedMLP(MLP):
+    def __call__(self, x: jax.Array) -> jax.Array:
+        _TRACES["n"] += 1
+        return super().__call__(x)
+
+
+class BranchOnBatch(CountedMLP):
+    """``int()`` of the batch size: its code needs a concrete batch."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return super().__call__(x.reshape(int(x.shape[0]), -1))
+
+
+def _differenced_slope(compiler: StepCompiler) -> float:
+    """The traced slope the long way: the backward residuals and the batch at one and two
+    samples per data-parallel group, differenced (per device, per global sample)."""
+    dp = compiler.data_parallel
+
+    def total(n: int) -> int:
+        batch = with_batch_size(compiler.sample_batch, n)
+
+        def residuals(params, x):
+            def loss(p):
+                return default_loss(nnx.merge(compiler.graphdef, p, compiler.rest, copy=True), x)
+
+            return jax.vjp(loss, params)[1]
+
+        leaves = jax.tree.leaves(jax.eval_shape(residuals, compiler.params, batch)) + [
+            *jax.tree.leaves(batch)]
+        return sum(x.size * x.dtype.itemsize for x in leaves)
+
+    return (total(2 * dp) - total(dp)) / dp / dp
+
+
+@pytest.mark.parametrize("kind", [CountedMLP, BranchOnBatch])
+@pytest.mark.parametrize("mesh_shape", [(1, 1), (4, 1)])
+def test_the_traced_slope_takes_one_trace_and_equals_two_traces_differenced(kind, mesh_shape):
+    model = nnx.eval_shape(lambda: kind(32, 256, nnx.Rngs(0)))
+    mesh = make_mesh(jax.devices()[:mesh_shape[0] * mesh_shape[1]], *mesh_shape)
+    compiler = StepCompiler(model, jnp.zeros((1, 32)), mesh)
+    _TRACES["n"] = 0
+    slope = compiler.traced_bytes_per_sample()
+    traces = _TRACES["n"]
+    assert compiler.traced_bytes_per_sample() == slope and _TRACES["n"] == traces  # kept
+    assert slope == _differenced_slope(compiler) > 0
+    symbolic = hasattr(jax.export, "symbolic_dim_bounds")  # jax 0.11 and later
+    if kind is CountedMLP:
+        assert traces == (1 if symbolic else 2)
+    else:  # the symbolic trace stops at the branch (before the count), then two concrete ones
+        assert traces == 2

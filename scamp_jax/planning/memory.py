@@ -25,14 +25,17 @@ so the figure is close, not equal (``ROUGH_TOLERANCE``). XLA releases without th
 
 from __future__ import annotations
 
+import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
 import optax
 from flax import nnx
+from jax import export
 from jax.sharding import Mesh
 
 from scamp_jax._units import format_bytes
@@ -56,6 +59,7 @@ from scamp_jax.planning.train_step import (
 )
 
 PyTree = Any
+log = logging.getLogger(__name__)
 
 #: Largest difference, as a fraction of the budget, that the planner allows between a rough and
 #: an exact peak: a rough figure within this of the usable bytes decides nothing (the planner
@@ -178,6 +182,31 @@ def with_batch_size(sample_batch: PyTree, batch_size: int) -> PyTree:
     )
 
 
+def _growth_per_group(total: Callable[[Any], Any], dp: int) -> int | None:
+    """``total(2 * dp) - total(dp)`` from one trace: ``total`` (bytes of a traced program's
+    values against its global batch) at the symbolic batch ``dp * b``, ``1 <= b <= 2``, whose
+    bounds (``jax.export.symbolic_dim_bounds``) are its figures at ``b = 1`` and ``b = 2``
+    (sizes only grow with the batch). None where this JAX has no such bounds (before 0.11)
+    or the model's code needs a concrete batch (a Python branch on it, ``int()`` of it); then
+    the caller traces twice."""
+    bounds = getattr(export, "symbolic_dim_bounds", None)
+    if bounds is None:
+        return None
+    (b,) = export.symbolic_shape("b", constraints=("b <= 2",))
+    try:
+        size = total(dp * b)
+    except Exception as err:  # noqa: BLE001 - any failure of the model's code: trace concretely
+        log.debug("no trace at a symbolic batch (%s: %s); tracing at two batches",
+                  type(err).__name__, err)
+        return None
+    if not export.is_symbolic_dim(size):
+        return 0
+    low, high = bounds(size)
+    if high is None or not math.isfinite(high):
+        return None
+    return int(high) - int(low)
+
+
 #: `StepCompiler.compile`'s default: the compiler's own options.
 _DEFAULT_OPTIONS = object()
 
@@ -235,12 +264,14 @@ class StepCompiler:
     def traced_bytes_per_sample(self) -> float:
         """Per-device bytes per global sample that the loss's backward pass keeps, from shapes.
 
-        The residuals of ``jax.vjp`` of the loss (what autodiff saves for the backward pass),
-        traced with ``jax.eval_shape`` at one and two samples per data-parallel group and
-        differenced, plus the batch itself; nothing is compiled. An estimate of the compiled
-        slope, not a bound: XLA fuses some of these intermediates away (a transformer's
-        compiled slope is 0.76x this figure) and adds backward-pass temporaries of its own
-        (the small SwinIR's compiled slope is 0.96-1.25x it). Traced once per compiler.
+        The residuals of ``jax.vjp`` of the loss (what autodiff saves for the backward pass)
+        and the batch itself, over one more sample per data-parallel group: traced once with
+        ``jax.eval_shape`` at a symbolic batch (`_growth_per_group`), or at one and two samples
+        per group and differenced where the model's code needs a concrete batch; nothing is
+        compiled. An estimate of the compiled slope, not a bound: XLA fuses some of these
+        intermediates away (a transformer's compiled slope is 0.76x this figure) and adds
+        backward-pass temporaries of its own (the small SwinIR's compiled slope is 0.96-1.25x
+        it). Traced once per compiler.
         """
         if self._traced_per_sample is not None:
             return self._traced_per_sample
@@ -253,13 +284,18 @@ class StepCompiler:
 
             return jax.vjp(loss, params)[1]
 
-        def total(batch_size: int) -> int:
+        def total(batch_size: Any) -> Any:
+            """Bytes of the residuals and the batch at ``batch_size`` samples (an int, or a
+            polynomial in a symbolic batch)."""
             batch = with_batch_size(self.sample_batch, batch_size)
             out = jax.eval_shape(residuals, self.params, self.rest, batch)
             leaves = jax.tree.leaves(out) + jax.tree.leaves(batch)
             return sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)
 
-        self._traced_per_sample = max(0.0, (total(2 * dp) - total(dp)) / dp / dp)
+        growth = _growth_per_group(total, dp)
+        if growth is None:
+            growth = total(2 * dp) - total(dp)
+        self._traced_per_sample = max(0.0, growth / dp / dp)
         return self._traced_per_sample
 
     @property

@@ -85,7 +85,7 @@ from scamp_jax.planning.train_step import (
     abstract_state,
     default_optimizer,
     jit_train_step,
-    lowered_flops,
+    compiled_flops,
 )
 from scamp_jax.scheduling.booking import solo_bytes
 
@@ -172,8 +172,9 @@ class Plan:
         (``plan_mesh(..., provisional=True)``): good for sizing a fused group, whose compiled
         step checks it, not for training alone.
       step_flops: FLOPs of one training step at ``batch_size`` over all its devices, from XLA's
-        cost analysis of the planner's own lowering (`train_step.lowered_flops`); None when no
-        step was lowered at that batch (a cached or provisional plan).
+        cost analysis of the planner's own executable at that batch (per device, times the
+        devices: `train_step.compiled_flops`), kept with a cached plan; None when no step was
+        compiled at that batch (a provisional plan, a plan cached without it).
 
     `predicted_peak_bytes` is the most a trial of this plan holds on a device at any time:
     training (compiled step + prefetched batch) or evaluation (forward pass + optimizer state +
@@ -774,8 +775,8 @@ def _plan_on_mesh(request: _Request, mp: int, stored: _StoredPlans | None,
         evaluator=evaluator if eval_plan else None,
         allowance_bytes=request.budget.allowance_bytes,
         provisional=shaped,
-        step_flops=(lowered_flops(search.executables[batch][1])
-                    if batch in search.executables else None),  # none: known from the cache
+        step_flops=(compiled_flops(search.executables[batch][0], mesh.size)
+                    if batch in search.executables else None),  # none: peaks from the cache
     )
     if not shaped and stored is not None and (
             plan.predicted_peak_bytes - plan.allowance_bytes <= usable):
@@ -847,6 +848,7 @@ def _plan_record(plan: Plan) -> dict[str, Any]:
         "prefetch_bytes": plan.prefetch_bytes,
         "eval_chunk": plan.eval_chunk,
         "eval_peak_bytes": plan.eval_peak_bytes,
+        "step_flops": plan.step_flops,
     }
 
 
@@ -890,6 +892,7 @@ def _plan_from_record(record: dict[str, Any], request: _Request) -> Plan:
         eval_chunk=int(record.get("eval_chunk", 0)),
         eval_peak_bytes=int(record.get("eval_peak_bytes", 0)),
         allowance_bytes=budget.allowance_bytes,
+        step_flops=record.get("step_flops"),
     )
 
 
