@@ -267,7 +267,8 @@ def _line_proves_largest(search: BatchSearch, lo: int, hi: int) -> bool:
     def over(slope: float) -> bool:
         return slope > 0 and peak + slope * search.unit + search.prefetch(nxt) > search.usable
 
-    # the traced slope is the dearer estimate (two traces): only when the others agree
+    # the traced slope is the dearer estimate (a trace of the backward pass): only when the
+    # others agree
     return over(search.slope_below(lo)) and over(search.compiler.traced_bytes_per_sample())
 
 
