@@ -25,6 +25,19 @@ from typing import Any
 from benchmarks._tables import rel_diff
 
 NOT_ON_CPU = "not measurable on CPU: CPU devices report no allocator statistics or limit"
+#: The folder of the suite's output where the memory cases' runs keep XLA's autotuning results
+#: (``xla_gpu_per_fusion_autotune_cache_dir``): with the GPU's description
+#: (``environment/target_config.txtpb``) it makes a plan on a machine without the GPU take the
+#: kernels the GPU chose (``python -m benchmarks.target_accuracy --targets FILE
+#: --autotune-cache DIR``, `scamp_jax.planning.targets.resolve_target`).
+AUTOTUNE_DIRNAME = "autotune"
+AUTOTUNE_FLAG = "--xla_gpu_per_fusion_autotune_cache_dir"
+
+
+def with_xla_flag(flags: str, flag: str, value: str) -> str:
+    """``XLA_FLAGS`` text ``flags`` with ``flag=value`` set (an earlier setting replaced)."""
+    kept = [f for f in flags.split() if f != flag and not f.startswith(flag + "=")]
+    return " ".join([*kept, f"{flag}={value}"])
 
 
 @dataclass(frozen=True)
@@ -160,6 +173,15 @@ def memory_section(cfg: Any, ctx: Context, rec: Record) -> None:
         "the planner's budget is the allocator's limit (bytes_limit); measured = "
         "peak_bytes_in_use after two steps, a fresh process per row; "
         "error = (compiled - measured) / measured"))
+    if not ctx.on_cpu:
+        # The runs' steps are autotuned (the planner's compiles are not): their choices per
+        # fusion go to OUT/autotune for plans of this GPU made elsewhere. The cases' processes
+        # inherit the flag; this process has compiled nothing.
+        autotune = ctx.out / AUTOTUNE_DIRNAME
+        autotune.mkdir(parents=True, exist_ok=True)
+        os.environ["XLA_FLAGS"] = with_xla_flag(os.environ.get("XLA_FLAGS", ""),
+                                                AUTOTUNE_FLAG, str(autotune))
+        rec.body["autotune_cache"] = AUTOTUNE_DIRNAME
     rec.save()
     with ThreadPoolExecutor(max_workers=cfg.memory_parallel) as pool:
         for future in [pool.submit(_memory_case, cfg, ctx, rec, c) for c in cfg.memory_cases]:

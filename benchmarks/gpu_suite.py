@@ -16,7 +16,9 @@ the time that is left (`SuiteConfig.shares`), so time a section does not use goe
 - **memory**: each case planned with the allocator capped at the planner's budget (the planner
   reads its budget from the allocator, ``bytes_limit``), one row uncapped, the allocator's
   statistics after init, compile, step 1 and step 2, and the first batch that really runs out
-  of memory, by bisection; cases run as parallel processes (memory is per process);
+  of memory, by bisection; cases run as parallel processes (memory is per process); their
+  runs' autotuned kernel choices are kept in ``OUT/autotune`` for plans of this GPU made
+  without it (`benchmarks.target_accuracy`);
 - **fusion**: the noise floor (one trial run twice, the same program), then a fused group vs its
   members one after another (`benchmarks.fusion`): end to end and steady state;
 - **packing**: ScaMP packing vs the fixed baseline on one device (`benchmarks.hpo_makespan`);
@@ -377,22 +379,32 @@ def write(report: dict[str, Any], out: Path, archive: Path | None = None) -> Non
 ARCHIVE_SUFFIXES = (".json", ".md", ".txt", ".txtpb", ".pb", ".log", ".png", ".csv")
 #: Folders whose files stay out of the archive (model states: large, and not results).
 SKIPPED_FOLDERS = {"checkpoints", "best_model"}
+#: Top-level folders packed whatever their files' suffixes: XLA's autotuning results of the
+#: memory section (`benchmarks.gpu_sections.AUTOTUNE_DIRNAME`; small text files whose naming
+#: is XLA's).
+WHOLE_FOLDERS = {"autotune"}
 
 
 def pack(out: Path, archive: Path, limit: int = ARCHIVE_LIMIT) -> dict[str, Any]:
-    """Pack the results under ``out`` (files with `ARCHIVE_SUFFIXES`, none in `SKIPPED_FOLDERS`)
-    into the gzipped tar ``archive`` of at most ``limit`` bytes: files are added smallest first
-    within each priority (top-level and section records, environment, logs, the rest); those
-    that would pass the limit are left out and listed in ``MANIFEST.txt``."""
+    """Pack the results under ``out`` (files with `ARCHIVE_SUFFIXES` and every file of
+    `WHOLE_FOLDERS`, none in `SKIPPED_FOLDERS`) into the gzipped tar ``archive`` of at most
+    ``limit`` bytes: files are added smallest first within each priority (top-level and
+    section records, environment and autotuning results, logs, the rest); those that would
+    pass the limit are left out and listed in ``MANIFEST.txt``."""
     def rank(p: Path) -> tuple[int, int]:
         rel = p.relative_to(out)
         first = rel.parts[0]
-        order = (0 if len(rel.parts) == 1 else 1 if first in ("sections", "environment")
+        order = (0 if len(rel.parts) == 1
+                 else 1 if first in ("sections", "environment", *WHOLE_FOLDERS)
                  else 2 if first == "logs" else 3)
         return order, p.stat().st_size
 
-    files = sorted((p for p in out.rglob("*") if p.is_file() and p.suffix in ARCHIVE_SUFFIXES
-                    and not set(p.relative_to(out).parts) & SKIPPED_FOLDERS), key=rank)
+    def wanted(p: Path) -> bool:
+        parts = p.relative_to(out).parts
+        return (p.is_file() and not set(parts) & SKIPPED_FOLDERS
+                and (p.suffix in ARCHIVE_SUFFIXES or parts[0] in WHOLE_FOLDERS))
+
+    files = sorted((p for p in out.rglob("*") if wanted(p)), key=rank)
     archive.parent.mkdir(parents=True, exist_ok=True)
     kept, dropped = [], []
     buffer = io.BytesIO()

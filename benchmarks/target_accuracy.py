@@ -15,6 +15,15 @@ what one H200 planned with autotuning (``--reference``, default
 ``../shared/gpu/2026-11-27-h200``, files ``mem_<case>_0.json``). ``--compile-options JSON``
 compiles the like-for-like point with other XLA options (a kernel choice autotuning might make,
 e.g. split-K). ``--markdown`` prints the table for ``benchmarks/notes/targets.md``.
+
+After a GPU suite (`benchmarks.gpu_suite`, results in ``OUT``), the GPU's own description and
+kernel choices::
+
+    python -m benchmarks.target_accuracy --targets OUT/environment/target_config.txtpb \
+        --reference OUT --autotune-cache OUT/autotune
+
+compares plans made here with that GPU's autotuning results against its runs' autotuned
+compiles; without ``--autotune-cache``, against its plans (autotuning off there too).
 """
 
 from __future__ import annotations
@@ -42,21 +51,43 @@ def default_reference() -> Path:
     return Path("..") / REFERENCE_NAME
 
 
-def reference_point(directory: Path, case: str) -> tuple[int, int] | None:
-    """``(batch, compiled peak bytes)`` the reference GPU planned for ``case`` (None: none)."""
+#: The memory section's row of a case's plan in a GPU suite's results (`benchmarks.gpu_suite`).
+SUITE_PLAN_POINT = "planned, capped"
+
+
+def reference_point(directory: Path, case: str, autotuned: bool = False
+                    ) -> tuple[int, int] | None:
+    """``(batch, compiled peak bytes)`` the reference GPU planned for ``case`` (None: none).
+
+    ``directory`` holds either the first H200 run's ``mem_<case>_0.json`` (its planner
+    autotuned: the plan's peak) or a GPU suite's results (``sections/memory.json``): there the
+    plan's peak comes from a compile with autotuning off, the run's (``compiled``, the same
+    batch) from the autotuned compile; ``autotuned`` takes the run's, the figure a plan with
+    that GPU's autotuning results (``--autotune-cache``) compiles."""
     path = directory / f"mem_{case}_0.json"
-    if not path.is_file():
+    if path.is_file():
+        for row in json.loads(path.read_text())["rows"]:
+            if row.get("planned") is not None:
+                return int(row["plan_batch"]), int(row["planned"])
         return None
-    for row in json.loads(path.read_text())["rows"]:
-        if row.get("planned") is not None:
-            return int(row["plan_batch"]), int(row["planned"])
+    suite = directory / "sections" / "memory.json"
+    if not suite.is_file():
+        return None
+    for row in json.loads(suite.read_text()).get("rows", []):
+        if row.get("case") == case and row.get("point") == SUITE_PLAN_POINT:
+            peak = row.get("compiled") if autotuned else row.get("planned")
+            if peak is not None:
+                return int(row["plan_batch"]), int(peak)
     return None
 
 
 def measure(case: str, target: str, budget: str, reference: tuple[int, int] | None,
-            options: dict[str, Any] | None = None, plan: bool = True) -> dict[str, Any]:
+            options: dict[str, Any] | None = None, plan: bool = True,
+            autotune_cache: Path | None = None) -> dict[str, Any]:
     """Plan ``case`` for one ``target`` device within ``budget`` (unless ``plan`` is False);
-    compile at the reference's batch too, with the target's options and ``options`` on top."""
+    compile at the reference's batch too, with the target's options and ``options`` on top.
+    ``autotune_cache``: XLA's autotuning results recorded on the GPU of the target's
+    description (`scamp_jax.planning.targets.resolve_target`)."""
     from flax import nnx
 
     from benchmarks.memory_accuracy import BY_NAME
@@ -69,13 +100,15 @@ def measure(case: str, target: str, budget: str, reference: tuple[int, int] | No
     spec = BY_NAME[case]
     model = nnx.eval_shape(lambda: spec.build(nnx.Rngs(0)))
     row: dict[str, Any] = {"case": case, "target": target, "budget": budget,
-                           "options": options or {}}
-    compiler = StepCompiler(model, spec.sample(),
-                            make_mesh(list(resolve_target(target).devices(1)), 1, 1))
+                           "options": options or {},
+                           "autotune_cache": None if autotune_cache is None
+                           else str(autotune_cache)}
+    described = resolve_target(target, autotune_cache=autotune_cache)
+    compiler = StepCompiler(model, spec.sample(), make_mesh(list(described.devices(1)), 1, 1))
     if plan:
         cpu, wall = cpu_seconds(), time.perf_counter()
         made = plan_mesh(model, spec.sample(), devices=1, memory_per_device=budget,
-                         target=target)
+                         target=described)
         row.update(batch=made.batch_size, peak=made.peak_bytes_per_device,
                    compiles=made.compiles, cpu_seconds=cpu_seconds() - cpu,
                    seconds=time.perf_counter() - wall, compiled=made.compiled_peaks)
@@ -90,12 +123,19 @@ def measure(case: str, target: str, budget: str, reference: tuple[int, int] | No
 def main(argv: list[str] | None = None) -> None:
     """Parse flags, plan every case for every target, print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--targets", default="h100", help="comma-separated target names")
+    parser.add_argument("--targets", default="h100",
+                        help="comma-separated target names or description files (e.g. a GPU "
+                        "suite's environment/target_config.txtpb)")
     parser.add_argument("--only", default="mlp,vit,swinir_small", help="comma-separated cases")
     parser.add_argument("--memory-per-device", default=None,
                         help="budget per device (default: each case's, as the H200 run had)")
     parser.add_argument("--reference", type=Path, default=None,
-                        help="directory of the reference GPU's mem_<case>_0.json files")
+                        help="the reference GPU's results: a directory of mem_<case>_0.json "
+                        "files or a GPU suite's output (sections/memory.json)")
+    parser.add_argument("--autotune-cache", type=Path, default=None,
+                        help="XLA's autotuning results recorded on the reference GPU (a GPU "
+                        "suite's autotune/ folder): compile with its kernels, and compare "
+                        "with its runs' autotuned peaks")
     parser.add_argument("--compile-options", type=json.loads, default=None, metavar="JSON",
                         help="XLA options added to the compile at the reference's batch, e.g. "
                         "'{\"xla_gpu_experimental_force_split_k\": 2}' (the plan keeps the "
@@ -112,10 +152,12 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the target compiles need no CUDA libraries
     rows = []
     for case in args.only.split(","):
-        reference = reference_point(args.reference or default_reference(), case)
+        reference = reference_point(args.reference or default_reference(), case,
+                                    autotuned=args.autotune_cache is not None)
         for target in args.targets.split(","):
             row = measure(case, target, args.memory_per_device or BUDGETS[case], reference,
-                          args.compile_options, plan=not args.no_plan)
+                          args.compile_options, plan=not args.no_plan,
+                          autotune_cache=args.autotune_cache)
             rows.append(row)
             print(f"# {json.dumps(row)}", flush=True)
     if args.json is not None:

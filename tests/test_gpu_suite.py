@@ -180,10 +180,24 @@ def test_the_archive_leaves_out_what_passes_its_limit(tmp_path: Path) -> None:
     (out / "logs" / "big.log").write_bytes(os.urandom(200_000))  # incompressible
     (out / "packing" / "checkpoints").mkdir(parents=True)
     (out / "packing" / "checkpoints" / "state.json").write_text("{}")
+    # XLA's autotuning results are packed whatever XLA names them; elsewhere, not
+    (out / "autotune").mkdir()
+    (out / "autotune" / "f3a9.textproto").write_text("autotune result")
+    (out / "packing" / "other.textproto").write_text("not a result")
     got = gpu_suite.pack(out, tmp_path / "r.tar.gz", limit=150_000)
     assert got["left_out"] == ["logs/big.log"] and got["bytes"] <= 150_000
     with tarfile.open(tmp_path / "r.tar.gz") as tar:
         names = set(tar.getnames())
         manifest = tar.extractfile("suite/MANIFEST.txt").read().decode()
-    assert names == {"suite/gpu_suite.json", "suite/MANIFEST.txt"}
+    assert names == {"suite/gpu_suite.json", "suite/autotune/f3a9.textproto",
+                     "suite/MANIFEST.txt"}
     assert "logs/big.log" in manifest.split("left out")[1]
+
+
+def test_the_autotune_folder_is_set_in_xla_flags_once() -> None:
+    from benchmarks.gpu_sections import AUTOTUNE_FLAG, with_xla_flag
+
+    assert with_xla_flag("", AUTOTUNE_FLAG, "/o/autotune") == f"{AUTOTUNE_FLAG}=/o/autotune"
+    flags = f"--xla_gpu_deterministic_ops=true {AUTOTUNE_FLAG}=/old"
+    assert with_xla_flag(flags, AUTOTUNE_FLAG, "/o/a") == (
+        f"--xla_gpu_deterministic_ops=true {AUTOTUNE_FLAG}=/o/a")

@@ -8,6 +8,7 @@ instead). The descriptions, names and errors are checked everywhere.
 from __future__ import annotations
 
 import dataclasses
+import json
 import importlib.util
 import os
 import subprocess
@@ -347,3 +348,42 @@ def test_only_a_missing_default_kernel_is_compiled_again():
     one = RuntimeError("INTERNAL: No supported config found for HLO: %gemm_fusion_dot.17 ... "
                        "UNIMPLEMENTED: TritonBackend does not support a default config.")
     assert without_default_kernels(None, one) == {"xla_gpu_enable_triton_gemm": False}
+
+
+def _suite_memory(out: Path, rows: list[dict]) -> Path:
+    (out / "sections").mkdir(parents=True)
+    (out / "sections" / "memory.json").write_text(json.dumps({"rows": rows}))
+    return out
+
+
+def test_a_gpu_suites_plans_and_runs_are_references(tmp_path: Path) -> None:
+    from benchmarks.target_accuracy import reference_point
+
+    out = _suite_memory(tmp_path / "suite", [
+        {"case": "vit fused x4", "point": "planned, capped", "plan_batch": 9,
+         "planned": 1, "compiled": 2},
+        {"case": "mlp", "point": "probe batch 12000", "plan_batch": 9124,
+         "planned": 3, "compiled": 4},
+        {"case": "mlp", "point": "planned, capped", "plan_batch": 9124,
+         "planned": 423_905_592, "compiled": 470_623_032},
+    ])
+    # the plan's compile had autotuning off; the run's at the same batch had it on
+    assert reference_point(out, "mlp") == (9124, 423_905_592)
+    assert reference_point(out, "mlp", autotuned=True) == (9124, 470_623_032)
+    assert reference_point(out, "vit") is None
+    assert reference_point(tmp_path / "nothing", "mlp") is None
+
+
+def test_an_empty_autotuning_cache_leaves_a_targets_default_kernels(tmp_path: Path) -> None:
+    """A cache without the program's fusions: XLA takes its default kernels, as without one
+    (with one recorded on the GPU: `test_gpus_autotuning_cache_gives_a_target_its_kernels`)."""
+    needs_gpu_compiler()
+    from benchmarks.target_accuracy import measure
+
+    (tmp_path / "autotune").mkdir()
+    reference = (512, 1)
+    plain = measure("mlp", "h200", "512MiB", reference, plan=False)
+    cached = measure("mlp", "h200", "512MiB", reference, plan=False,
+                     autotune_cache=tmp_path / "autotune")
+    assert cached["autotune_cache"] == str(tmp_path / "autotune")
+    assert cached["peak_at_reference_batch"] == plain["peak_at_reference_batch"] > 0
