@@ -6,6 +6,8 @@ every trial (`scamp_jax.planning.host_init`). Compiles are counted from JAX's co
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -189,6 +191,14 @@ def test_a_sharded_executable_loads_onto_other_devices_device_for_device():
     np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
     assert [(s.device.id, s.index[0].start) for s in y.addressable_shards] == [(5, 0), (4, 4)]
     assert load_on_devices(source, [0, 1], devices[4:5]) is None  # another count
+    # a moved executable is marked read back (never moved again) only while something holds it
+    from scamp_jax.planning.reuse import read_back
+
+    assert read_back(moved) and not read_back(source)
+    held = weakref.ref(moved)
+    del moved, total, y
+    gc.collect()
+    assert held() is None
 
 
 def test_without_jax_s_private_unpickler_a_program_is_not_moved_and_a_trial_compiles(

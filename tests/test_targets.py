@@ -8,8 +8,8 @@ instead). The descriptions, names and errors are checked everywhere.
 from __future__ import annotations
 
 import dataclasses
-import json
 import importlib.util
+import json
 import os
 import subprocess
 import sys

@@ -8,9 +8,10 @@ planner threads (XLA compiles outside the GIL), never on the loop's thread:
   one call site: `call_planner`), cached per architecture in memory;
 - `step_flops`: FLOPs per device of a plan's training step, from the step's total (the
   plan's own, from its executable, else `total_flops`: ``cost_analysis()`` of the step's
-  lowering, no compile, one per architecture and batch), for the scheduling core's costs; `planned_with_cost` plans and costs
-  a trial and keeps its figure for `flops_of` (`keep_cost`: the same for a plan made
-  elsewhere, an out-of-memory re-plan, `scamp_jax.hpo.out_of_memory.plan_again`).
+  lowering, no compile, one per architecture and batch), for the scheduling core's costs;
+  `planned_with_cost` plans and costs a trial and keeps its figure for `flops_of`
+  (`keep_cost`: the same for a plan made elsewhere, an out-of-memory re-plan,
+  `scamp_jax.hpo.out_of_memory.plan_again`).
 
 A subclass may override `smallest_fitting_plan` (the MPI engine hands configurations that fit
 no local device count to several ranks by raising `TrialDeferred`).

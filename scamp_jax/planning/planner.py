@@ -83,9 +83,9 @@ from scamp_jax.planning.train_step import (
     StepShardings,
     StepSource,
     abstract_state,
+    compiled_flops,
     default_optimizer,
     jit_train_step,
-    compiled_flops,
 )
 from scamp_jax.scheduling.booking import solo_bytes
 

@@ -33,6 +33,7 @@ import io
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -127,9 +128,10 @@ def home_mesh(mesh: Mesh) -> Mesh:
     return Mesh(home, mesh.axis_names, axis_types=mesh.axis_types)
 
 
-#: Runtime executables read back rather than compiled here, by id (kept, so an id is not reused
-#: while listed): JAX's persistent-cache hits and `load_on_devices`' results.
-_READ_BACK: dict[int, Any] = {}
+#: Executables read back rather than compiled here: JAX's persistent-cache hits and
+#: `load_on_devices`' results. Weak: an executable nothing else holds any more (a finished
+#: architecture's) is freed, device memory and all, and leaves the set.
+_READ_BACK: weakref.WeakSet[jax.stages.Compiled] = weakref.WeakSet()
 _read_back_lock = threading.Lock()
 _hits = threading.local()
 _listening = False
@@ -140,17 +142,16 @@ def _count_cache_hit(event: str, **kwargs: Any) -> None:
         _hits.count = getattr(_hits, "count", 0) + 1
 
 
-def _mark_read_back(compiled: Any) -> None:
-    runtime = compiled.runtime_executable()
+def _mark_read_back(compiled: jax.stages.Compiled) -> None:
     with _read_back_lock:
-        _READ_BACK[id(runtime)] = runtime
+        _READ_BACK.add(compiled)
 
 
-def read_back(compiled: Any) -> bool:
+def read_back(compiled: jax.stages.Compiled) -> bool:
     """Whether ``compiled`` was read back (from the persistent cache, or moved) rather than
     compiled by this process (`compile_lowered`)."""
     with _read_back_lock:
-        return id(compiled.runtime_executable()) in _READ_BACK
+        return compiled in _READ_BACK
 
 
 def compile_lowered(lowered: jax.stages.Lowered,
