@@ -389,14 +389,13 @@ def pack(out: Path, archive: Path, limit: int = ARCHIVE_LIMIT) -> dict[str, Any]
     """Pack the results under ``out`` (files with `ARCHIVE_SUFFIXES` and every file of
     `WHOLE_FOLDERS`, none in `SKIPPED_FOLDERS`) into the gzipped tar ``archive`` of at most
     ``limit`` bytes: files are added smallest first within each priority (top-level and
-    section records, environment and autotuning results, logs, the rest); those that would
+    section records, environment, autotuning results, logs, the rest); those that would
     pass the limit are left out and listed in ``MANIFEST.txt``."""
     def rank(p: Path) -> tuple[int, int]:
         rel = p.relative_to(out)
         first = rel.parts[0]
-        order = (0 if len(rel.parts) == 1
-                 else 1 if first in ("sections", "environment", *WHOLE_FOLDERS)
-                 else 2 if first == "logs" else 3)
+        order = (0 if len(rel.parts) == 1 else 1 if first in ("sections", "environment")
+                 else 2 if first in WHOLE_FOLDERS else 3 if first == "logs" else 4)
         return order, p.stat().st_size
 
     def wanted(p: Path) -> bool:

@@ -267,6 +267,10 @@ def test_a_plans_flops_come_from_its_own_executable_and_a_cached_plan_keeps_them
         again = plan_mesh(model, sample, **kw)
         assert again.cached and again.compiles == 0
         assert again.step_flops == plan.step_flops
+        # another budget: the batch's peaks come from the cache, the run's step is compiled
+        other = plan_mesh(model, sample, **{**kw, "memory_per_device": "17MiB"})
+        assert not other.cached and other.compiled_step is not None
+        assert other.step_flops == compiled_flops(other.compiled_step.executable, devices)
 
 
 def _trial_on(device: int, plan: Any, task: Any, study_dir: Path) -> tuple[Any, tuple]:

@@ -231,6 +231,15 @@ class BranchOnBatch(CountedMLP):
         return super().__call__(x.reshape(int(x.shape[0]), -1))
 
 
+class PadsTheBatch(CountedMLP):
+    """Pads the batch to a multiple of 8: its sizes hold ``mod`` of the batch, whose bounds
+    JAX gives loosely."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = jnp.pad(x, ((0, (-x.shape[0]) % 8), (0, 0)))
+        return super().__call__(x)
+
+
 def _differenced_slope(compiler: StepCompiler) -> float:
     """The traced slope the long way: the backward residuals and the batch at one and two
     samples per data-parallel group, differenced (per device, per global sample)."""
@@ -268,3 +277,22 @@ def test_the_traced_slope_takes_one_trace_and_equals_two_traces_differenced(kind
         assert traces == (1 if symbolic else 2)
     else:  # the symbolic trace stops at the branch (before the count), then two concrete ones
         assert traces == 2
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 1), (4, 1)])
+def test_sizes_not_plainly_growing_with_the_batch_are_traced_twice(mesh_shape, monkeypatch):
+    """Padding to a multiple of 8: the symbolic trace's sizes hold ``mod``, so the slope comes
+    from two concrete traces (at one sample per group the padding adds 7 or 4 samples, at two
+    6 or 0); the same where JAX has no symbolic bounds (jax 0.10)."""
+    mesh = make_mesh(jax.devices()[:mesh_shape[0] * mesh_shape[1]], *mesh_shape)
+    model = nnx.eval_shape(lambda: PadsTheBatch(32, 256, nnx.Rngs(0)))
+    compiler = StepCompiler(model, jnp.zeros((1, 32)), mesh)
+    _TRACES["n"] = 0
+    assert compiler.traced_bytes_per_sample() == _differenced_slope(compiler)
+    assert _TRACES["n"] == (3 if hasattr(jax.export, "symbolic_dim_bounds") else 2) + 2
+    monkeypatch.delattr(jax.export, "symbolic_dim_bounds", raising=False)
+    plain = StepCompiler(nnx.eval_shape(lambda: CountedMLP(32, 256, nnx.Rngs(0))),
+                         jnp.zeros((1, 32)), mesh)
+    _TRACES["n"] = 0
+    assert plain.traced_bytes_per_sample() == _differenced_slope(plain) > 0
+    assert _TRACES["n"] == 2 + 2  # two traces, then the oracle's two

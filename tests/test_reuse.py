@@ -192,13 +192,29 @@ def test_a_sharded_executable_loads_onto_other_devices_device_for_device():
     assert [(s.device.id, s.index[0].start) for s in y.addressable_shards] == [(5, 0), (4, 4)]
     assert load_on_devices(source, [0, 1], devices[4:5]) is None  # another count
     # a moved executable is marked read back (never moved again) only while something holds it
-    from scamp_jax.planning.reuse import read_back
+    from scamp_jax.planning import reuse
 
-    assert read_back(moved) and not read_back(source)
+    assert reuse.read_back(moved) and not reuse.read_back(source)
+    marked = len(reuse._READ_BACK)
     held = weakref.ref(moved)
     del moved, total, y
     gc.collect()
-    assert held() is None
+    assert held() is None and len(reuse._READ_BACK) == marked - 1
+
+
+def test_another_wrapper_of_an_executable_read_back_is_read_back_too():
+    """JAX hands a second compile of one lowering the executable it already holds, in a new
+    ``Compiled`` and with no cache event: that one is read back as well."""
+    from scamp_jax.planning import reuse
+
+    lowered = jax.jit(lambda x: x * 3 + 1).lower(jnp.ones((4,)))
+    first = lowered.compile()
+    reuse._mark_read_back(first)
+    second = lowered.compile()
+    assert second is not first
+    assert second.runtime_executable() is first.runtime_executable()
+    assert reuse.read_back(second)
+    assert not reuse.read_back(jax.jit(lambda x: x * 5).lower(jnp.ones((4,))).compile())
 
 
 def test_without_jax_s_private_unpickler_a_program_is_not_moved_and_a_trial_compiles(

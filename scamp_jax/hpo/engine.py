@@ -8,7 +8,8 @@ actions out; the cluster simulator drives the same core). This module is the loo
    its seconds, and the loop ends only once the source answers ``None``;
 2. plan each one in the planner threads (`planner.plan_mesh`, cached per architecture): device
    count, model-parallel degree, the largest batch that fits, the predicted peak per device, and
-   the step's FLOPs per device from ``cost_analysis()`` of the lowered step;
+   the step's FLOPs per device from ``cost_analysis()`` of the plan's compiled step (of the
+   lowered step where the plan compiled none);
 3. feed the core its events: a unit planned, a run's measured seconds per step, a run ended,
    the last wave begun; the core books the pool (usable bytes per device) and answers with
    units to start on device ids, or larger plans to compile first (last-wave growth);

@@ -233,13 +233,9 @@ class PlanningService:
         """FLOPs one device runs per training step of ``plan``: the step's total at the plan's
         batch divided over the plan's devices (the planner's own figure, `Plan.step_flops`,
         else `total_flops`); None if XLA gives no figure."""
-        model = self.abstract(params)
         total = getattr(plan, "step_flops", None)
-        if total is not None:
-            key = ProgramKey.of(split_model(model)[0], params).flops(int(plan.batch_size))
-            self._flops.get(key, lambda: total)  # for a later trial's CPU split
-        else:
-            total = self.total_flops(model, params, int(plan.batch_size))
+        if total is None:
+            total = self.total_flops(self.abstract(params), params, int(plan.batch_size))
         return total / self.devices_of(plan) if total else None
 
     def total_flops(self, model: Any, params: Mapping[str, Any], batch_size: int
@@ -248,8 +244,9 @@ class PlanningService:
         a global batch of ``batch_size``, over all the devices it runs on: XLA's
         ``cost_analysis()`` of the lowered step (traced, not compiled), which counts the
         program before it is partitioned, so one figure serves every mesh. Cached per
-        architecture, batch and injected hyperparameters: the CPU split (`fewest_devices`)
-        and the plan's cost share one lowering when the plan reaches the cap."""
+        architecture, batch and injected hyperparameters: the CPU split (`fewest_devices`) of
+        trials of one architecture lowers it once, and a plan without figures of its own
+        (`step_flops`) at the same batch takes it."""
         key = ProgramKey.of(split_model(model)[0], params).flops(batch_size)
 
         def make() -> float | None:

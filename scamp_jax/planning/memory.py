@@ -185,26 +185,43 @@ def with_batch_size(sample_batch: PyTree, batch_size: int) -> PyTree:
 def _growth_per_group(total: Callable[[Any], Any], dp: int) -> int | None:
     """``total(2 * dp) - total(dp)`` from one trace: ``total`` (bytes of a traced program's
     values against its global batch) at the symbolic batch ``dp * b``, ``1 <= b <= 2``, whose
-    bounds (``jax.export.symbolic_dim_bounds``) are its figures at ``b = 1`` and ``b = 2``
-    (sizes only grow with the batch). None where this JAX has no such bounds (before 0.11)
-    or the model's code needs a concrete batch (a Python branch on it, ``int()`` of it); then
-    the caller traces twice."""
+    bounds (``jax.export.symbolic_dim_bounds``) are its figures at ``b = 1`` and ``b = 2`` when
+    it is a polynomial in ``b`` with no negative coefficient (`_plain_polynomial`: sizes
+    that only grow with the batch). None, and the caller traces twice, where this JAX has no
+    such bounds (jax 0.10.2 has none, 0.11.2 has), the model's code needs a concrete batch (a
+    Python branch on an inequality of it, ``int()`` of it), or the sizes hold ``mod``,
+    ``floordiv``, ``max`` or a negative term (padding the batch to a multiple, say), whose
+    bounds JAX gives loosely. A model that compares the batch for equality traces the branch
+    a batch of ``dp * b`` takes for ``b`` unknown (JAX decides ``==`` as "not provably
+    equal")."""
     bounds = getattr(export, "symbolic_dim_bounds", None)
     if bounds is None:
         return None
     (b,) = export.symbolic_shape("b", constraints=("b <= 2",))
     try:
         size = total(dp * b)
+        if not export.is_symbolic_dim(size):
+            return 0
+        if not _plain_polynomial(size):
+            return None
+        low, high = bounds(size)
     except Exception as err:  # noqa: BLE001 - any failure of the model's code: trace concretely
         log.debug("no trace at a symbolic batch (%s: %s); tracing at two batches",
                   type(err).__name__, err)
         return None
-    if not export.is_symbolic_dim(size):
-        return 0
-    low, high = bounds(size)
-    if high is None or not math.isfinite(high):
-        return None
-    return int(high) - int(low)
+    if not all(isinstance(x, int) for x in (low, high)):
+        return None  # an infinite bound: not a figure
+    return high - low
+
+
+def _plain_polynomial(expr: Any) -> bool:
+    """Whether the symbolic dimension expression ``expr`` is a polynomial with no negative
+    coefficient and no ``mod``, ``floordiv``, ``max``, ``min`` (JAX has no public accessor of
+    an expression's terms; its text, e.g. ``"137822208*b + 249776"``, names each operation as
+    a function and each negative term with a minus sign). Its bounds over ``1 <= b <= 2`` are
+    then its values at the ends."""
+    text = str(expr)
+    return "(" not in text and "-" not in text
 
 
 #: `StepCompiler.compile`'s default: the compiler's own options.

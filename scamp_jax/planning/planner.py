@@ -173,8 +173,10 @@ class Plan:
         step checks it, not for training alone.
       step_flops: FLOPs of one training step at ``batch_size`` over all its devices, from XLA's
         cost analysis of the planner's own executable at that batch (per device, times the
-        devices: `train_step.compiled_flops`), kept with a cached plan; None when no step was
-        compiled at that batch (a provisional plan, a plan cached without it).
+        devices: `train_step.compiled_flops`; replicated work counts on every device), kept
+        with a cached plan; None when this plan compiled no step at that batch (a provisional
+        plan; the batch's figures from the plan cache's peaks and no run-grade step) or was
+        cached without it.
 
     `predicted_peak_bytes` is the most a trial of this plan holds on a device at any time:
     training (compiled step + prefetched batch) or evaluation (forward pass + optimizer state +
@@ -775,8 +777,7 @@ def _plan_on_mesh(request: _Request, mp: int, stored: _StoredPlans | None,
         evaluator=evaluator if eval_plan else None,
         allowance_bytes=request.budget.allowance_bytes,
         provisional=shaped,
-        step_flops=(compiled_flops(search.executables[batch][0], mesh.size)
-                    if batch in search.executables else None),  # none: peaks from the cache
+        step_flops=_answer_flops(search, batch, compiled_step),
     )
     if not shaped and stored is not None and (
             plan.predicted_peak_bytes - plan.allowance_bytes <= usable):
@@ -797,6 +798,20 @@ def _eval_floor(evaluator: EvalCompiler, groups: Sequence[jax.ShapeDtypeStruct],
         if shapes + search.prefetch(cap) <= search.usable:
             return shapes
     return evaluator.peak(dp, groups) + resident
+
+
+def _answer_flops(search: BatchSearch, batch: int, compiled_step: CompiledStep | None
+                  ) -> float | None:
+    """FLOPs over the mesh of the step at ``batch`` from an executable of it this plan holds:
+    the run's (``compiled_step``) or the search's; None where neither exists (a provisional
+    plan; figures from the plan cache's peaks and no run-grade step)."""
+    if compiled_step is not None:
+        executable = compiled_step.executable
+    elif batch in search.executables:
+        executable = search.executables[batch][0]
+    else:
+        return None
+    return compiled_flops(executable, search.compiler.mesh.size)
 
 
 def _run_step(search: BatchSearch, batch: int, estimate: MemoryEstimate

@@ -149,9 +149,13 @@ def _mark_read_back(compiled: jax.stages.Compiled) -> None:
 
 def read_back(compiled: jax.stages.Compiled) -> bool:
     """Whether ``compiled`` was read back (from the persistent cache, or moved) rather than
-    compiled by this process (`compile_lowered`)."""
+    compiled by this process (`compile_lowered`): itself, or another ``Compiled`` around the
+    same runtime executable (JAX hands a second compile of a lowering already compiled the
+    executable it keeps, in a new wrapper, with no cache event)."""
+    runtime = compiled.runtime_executable()
     with _read_back_lock:
-        return compiled in _READ_BACK
+        return compiled in _READ_BACK or any(
+            marked.runtime_executable() is runtime for marked in _READ_BACK)
 
 
 def compile_lowered(lowered: jax.stages.Lowered,
