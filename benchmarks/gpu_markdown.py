@@ -20,6 +20,8 @@ HEADERS: dict[str, list[str]] = {
     "fusion": ["family", "width", "steady step solo s", "steady step fused s", "steady_speedup",
                "end-to-end speedup", "compile+planning s", "max first-step relative difference",
                "noise floor"],
+    "mainjob": ["trials finished", "steps", "study s", "compile s (share)",
+                "pool booked peak / mean", "batches", "fused trials", "best PSNR vs bicubic"],
     "packing": ["family", "trials", "steps", "packed trials/h", "one-at-a-time trials/h",
                 "ratio", "planning s"],
     "determinism": ["program", "runs", "steps", "same bytes", "deterministic GPU ops",
@@ -204,6 +206,30 @@ def _packing_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
     return table("packing", rows), notes
 
 
+def _mainjob_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
+    def pct(x: Any) -> str:
+        return NOT_YET if x is None else f"{100 * x:.1f}%"
+
+    rows = []
+    for r in sec.get("rows", []):
+        share = (NOT_YET if r.get("compile_s") is None
+                 else f"{r['compile_s']:.1f} ({pct(r.get('compile_share'))})")
+        best = (NOT_YET if r.get("best") is None
+                else f"{r['best']:.3f} vs {_f(r.get('bicubic'), '.3f')} dB")
+        rows.append([f"{r['trials_finished']} of {r['trials']}", str(sec.get("steps", NOT_YET)),
+                     _f(r.get("study_s"), ".1f"), share,
+                     f"{pct(r.get('peak_memory_utilization'))} / "
+                     f"{pct(r.get('mean_memory_utilization'))}",
+                     ", ".join(map(str, r.get("batch_sizes") or [])) or NOT_YET,
+                     str(r.get("fused_trials", NOT_YET)), best])
+    notes = [f"`{sec['command']}`; compile s: every compile's seconds in `run.overhead` "
+             "(summed over threads), its share of the study's seconds"] if sec.get(
+        "command") else []
+    if any(r.get("interrupted") for r in sec.get("rows", [])):
+        notes.append("stopped at the section's time: finished trials only, no usage figures")
+    return table("mainjob", rows), notes
+
+
 def _supernet_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
     seq = next((r for r in sec.get("rows", []) if r["schedule"] == "sequential"), None)
     rows = [[r["schedule"], str(r.get("choices", NOT_YET)), str(r["stages"]),
@@ -242,6 +268,6 @@ def _tests_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
 
 
 SECTION_TABLES: dict[str, Callable[[dict[str, Any]], tuple[list[str], list[str]]]] = {
-    "memory": _memory_md, "fusion": _fusion_md, "packing": _packing_md,
+    "memory": _memory_md, "fusion": _fusion_md, "mainjob": _mainjob_md, "packing": _packing_md,
     "determinism": _determinism_md, "supernet": _supernet_md, "tests": _tests_md,
 }

@@ -518,6 +518,73 @@ def _study_pace(results: Path) -> dict[str, Any]:
             "host_initial_state_s": overhead.get("host_initial_state_s")}
 
 
+# --------------------------------------------------------------------------- main job
+
+def mainjob_section(cfg: Any, ctx: Context, rec: Record) -> None:
+    """The main job as a user runs it (``python -m experiments.swinir_hpo``: the default
+    preset of the platform, on GPUs each trial's batch from memory and families fused),
+    shortened to ``cfg.mainjob_trials`` trials of ``cfg.mainjob_steps`` steps (at the preset's
+    reference batch) so that it ends inside the section: the study's seconds, its compiles
+    and their share of it, the pool's memory booked (peak and mean), the batches and fused
+    trials, and the best PSNR against bicubic. Past the section's time the study is stopped
+    as a user stops it (SIGTERM: running trials checkpointed, finished ones reported)."""
+    out = ctx.out / "mainjob"
+    cmd = [sys.executable, "-m", "experiments.swinir_hpo", "--study-dir", str(out),
+           "--no-live", "--trials", str(cfg.mainjob_trials), "--steps", str(cfg.mainjob_steps)]
+    rec.body.update(command=" ".join(["python", *cmd[1:]]), trials=cfg.mainjob_trials,
+                    steps=cfg.mainjob_steps)
+    rec.save()
+    timeout = _timeout(ctx, cfg.mainjob_least_seconds)
+    reserve = min(45.0, timeout / 4)  # to checkpoint and report when stopped
+    out.mkdir(parents=True, exist_ok=True)
+    with (out.parent / "mainjob.log").open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            code = proc.wait(timeout=timeout - reserve)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # the CLI's SIGTERM: checkpoint, report what finished
+            try:
+                code = proc.wait(timeout=reserve - 2.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = proc.wait()
+            rec.cut(f"the study was stopped at the section's time ({timeout - reserve:.0f} s)")
+    results = out / "results.json"
+    if not results.is_file():
+        if rec.body.get("cut_short"):
+            return  # stopped before it reported anything: the cut says so
+        raise RuntimeError(f"the main job wrote no results.json (exit {code}); see "
+                           "mainjob.log")
+    rec.add_row(mainjob_row(json.loads(results.read_text())))
+    if code and not rec.body.get("cut_short"):
+        raise RuntimeError(f"the main job exited {code}; see mainjob.log")
+
+
+def mainjob_row(data: dict[str, Any]) -> dict[str, Any]:
+    """What the section reports of a main job's ``results.json``."""
+    run = data.get("run") or {}
+    usage, overhead = run.get("usage") or {}, run.get("overhead") or {}
+    trials = data.get("trials", [])
+    done = [t for t in trials if t.get("state") == "complete"]
+    compile_s = sum(v for k, v in overhead.items() if k.endswith("_compile_s"))
+    elapsed = run.get("elapsed_s")
+    best = next((t for t in trials if t.get("number") == data.get("best")), None)
+    metric = data.get("metric", "psnr")
+    return {
+        "trials_finished": len(done), "trials": len(trials), "study_s": elapsed,
+        "interrupted": bool(run.get("interrupted")),
+        "compile_s": compile_s if overhead else None,
+        "compile_share": compile_s / elapsed if overhead and elapsed else None,
+        "planning_compiles": overhead.get("planning_compiles"),
+        "peak_memory_utilization": usage.get("peak_memory_utilization"),
+        "mean_memory_utilization": usage.get("mean_memory_utilization"),
+        "batch_sizes": sorted({int(t["batch_size"]) for t in done if t.get("batch_size")}),
+        "fused_trials": sum(1 for t in done if t.get("fused_group") is not None),
+        "best": None if best is None else best.get(metric),
+        "bicubic": None if best is None else best.get("bicubic_" + metric),
+    }
+
+
 # --------------------------------------------------------------------------- supernet
 
 def stages_for(cfg: Any, ctx: Context) -> int:
@@ -646,6 +713,7 @@ def tests_section(cfg: Any, ctx: Context, rec: Record) -> None:
 
 
 RUNNERS: dict[str, Callable[[Any, Context, Record], None]] = {
-    "memory": memory_section, "fusion": fusion_section, "packing": packing_section,
-    "determinism": determinism_section, "supernet": supernet_section, "tests": tests_section,
+    "memory": memory_section, "fusion": fusion_section, "mainjob": mainjob_section,
+    "packing": packing_section, "determinism": determinism_section,
+    "supernet": supernet_section, "tests": tests_section,
 }

@@ -21,6 +21,10 @@ the time that is left (`SuiteConfig.shares`), so time a section does not use goe
   without it (`benchmarks.target_accuracy`);
 - **fusion**: the noise floor (one trial run twice, the same program), then a fused group vs its
   members one after another (`benchmarks.fusion`): end to end and steady state;
+- **mainjob**: the main job as a user runs it (``python -m experiments.swinir_hpo``, the
+  platform's default preset: on GPUs batches from memory, families fused), shortened to a few
+  trials and steps: its compile seconds against the study's, the pool's memory booked, the
+  best PSNR against bicubic;
 - **packing**: ScaMP packing vs the fixed baseline on one device (`benchmarks.hpo_makespan`);
 - **determinism**: the CSP pipeline twice and one trial twice give the same bytes;
 - **supernet**: CSP vs GPipe vs sequential samples/s, offload on and off;
@@ -52,9 +56,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("memory", "fusion", "packing", "determinism", "supernet", "tests")
+SECTIONS = ("memory", "fusion", "mainjob", "packing", "determinism", "supernet", "tests")
 #: Sections whose process only launches others that train on the device.
-LAUNCHING_SECTIONS = frozenset({"memory", "packing", "tests"})
+LAUNCHING_SECTIONS = frozenset({"memory", "mainjob", "packing", "tests"})
 #: Seconds kept at the end of the suite for the last report and archive.
 RESERVE_SECONDS = 15.0
 #: Seconds a section's process gets after its deadline to stop before it is killed.
@@ -114,6 +118,9 @@ class SuiteConfig:
     fusion_steps: int
     fusion_batch: int
     fusion_least_seconds: float
+    mainjob_trials: int  # the main job's trials (the warm start, then fused families on GPUs)
+    mainjob_steps: int  # its steps per trial at the preset's reference batch
+    mainjob_least_seconds: float
     supernet_choices: int
     supernet_subnets: int
     supernet_max_stages: int
@@ -133,8 +140,8 @@ GPU = SuiteConfig(
     name="gpu",
     # Planned from the first GPU run (2026-11-27, H200): a compile there took 5-7 s (autotuning
     # included), a packed smoke study's planning 90-160 s; not yet timed in this form.
-    shares={"memory": 0.30, "fusion": 0.20, "packing": 0.18, "determinism": 0.08,
-            "supernet": 0.10, "tests": 0.14},
+    shares={"memory": 0.26, "fusion": 0.17, "mainjob": 0.16, "packing": 0.14,
+            "determinism": 0.07, "supernet": 0.08, "tests": 0.12},
     memory_cases=(
         MemoryCase("mlp", gpu_budget="512MiB"),
         MemoryCase("vit", gpu_budget="1GiB"),
@@ -148,6 +155,9 @@ GPU = SuiteConfig(
     packing_trials=4, packing_steps=50, packing_least_seconds=30,
     fusion_family="swinir", fusion_width=4, fusion_steps=100, fusion_batch=8,
     fusion_least_seconds=20,
+    # the warm start and one family of 8 siblings; 100 steps at the reference batch of 1,024
+    # (25 at 4,096): the compiles and the memory booked, a tenth of the preset's training
+    mainjob_trials=9, mainjob_steps=100, mainjob_least_seconds=60,
     supernet_choices=4, supernet_subnets=32, supernet_max_stages=4, supernet_least_seconds=10,
     trial_steps=50,
 )
@@ -171,6 +181,7 @@ CPU_SMOKE = SuiteConfig(
     packing_trials=2, packing_steps=1, packing_least_seconds=10,
     fusion_family="vit", fusion_width=2, fusion_steps=3, fusion_batch=4,
     fusion_least_seconds=5,
+    mainjob_trials=2, mainjob_steps=20, mainjob_least_seconds=20,
     supernet_choices=2, supernet_subnets=4, supernet_max_stages=2, supernet_least_seconds=5,
     trial_steps=2,
     environment_seconds=60.0, min_section_seconds=10.0,

@@ -201,3 +201,17 @@ def test_the_autotune_folder_is_set_in_xla_flags_once() -> None:
     flags = f"--xla_gpu_deterministic_ops=true {AUTOTUNE_FLAG}=/old"
     assert with_xla_flag(flags, AUTOTUNE_FLAG, "/o/a") == (
         f"--xla_gpu_deterministic_ops=true {AUTOTUNE_FLAG}=/o/a")
+
+
+def test_the_main_job_reports_its_compile_share_and_booking(smoke: dict) -> None:
+    """The rehearsal's main job (the CPU preset, 2 trials of 20 steps) reports what the GPU
+    targets read: compile seconds against the study's and the pool booked."""
+    section = smoke["report"]["mainjob"]
+    if section["status"] == "cut short" and not section["rows"]:
+        pytest.skip(f"the main job was cut short: {section.get('cut_reasons')}")
+    row = section["rows"][0]
+    results = json.loads((smoke["out"] / "mainjob" / "results.json").read_text())
+    assert row == gpu_sections.mainjob_row(results)
+    assert row["trials"] == 2 and row["batch_sizes"] and row["compile_s"] > 0
+    assert 0 < row["peak_memory_utilization"] <= 1 and row["planning_compiles"] >= 1
+    assert row["compile_share"] == row["compile_s"] / row["study_s"]
