@@ -153,7 +153,8 @@ GPU = SuiteConfig(
     memory_parallel=4, memory_child_seconds=20,
     oom_probes=5, oom_growth=1.25, oom_resolution=0.02,
     packing_trials=4, packing_steps=50, packing_least_seconds=30,
-    fusion_family="swinir", fusion_width=4, fusion_steps=100, fusion_batch=8,
+    # a group of 8 small SwinIRs against the 8 one after another: the fusion target's form
+    fusion_family="swinir", fusion_width=8, fusion_steps=100, fusion_batch=8,
     fusion_least_seconds=20,
     # the warm start and one family of 8 siblings; 100 steps at the reference batch of 1,024
     # (25 at 4,096): the compiles and the memory booked, a tenth of the preset's training
