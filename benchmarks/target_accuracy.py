@@ -146,6 +146,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     args = parser.parse_args(argv)
+    if args.reference is not None and not args.reference.is_dir():
+        parser.error(f"--reference {args.reference}: no such directory; pass a directory of "
+                     "mem_<case>_0.json files or a GPU suite's output")
+    if args.autotune_cache is not None and not args.autotune_cache.is_dir():
+        parser.error(f"--autotune-cache {args.autotune_cache}: no such directory; pass the "
+                     "autotune/ folder of a GPU suite's output")
 
     import os
 
@@ -154,6 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     for case in args.only.split(","):
         reference = reference_point(args.reference or default_reference(), case,
                                     autotuned=args.autotune_cache is not None)
+        if reference is None:
+            print(f"# no reference figures for {case} in "
+                  f"{args.reference or default_reference()}: planned here only", flush=True)
         for target in args.targets.split(","):
             row = measure(case, target, args.memory_per_device or BUDGETS[case], reference,
                           args.compile_options, plan=not args.no_plan,

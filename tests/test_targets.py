@@ -387,3 +387,13 @@ def test_an_empty_autotuning_cache_leaves_a_targets_default_kernels(tmp_path: Pa
                      autotune_cache=tmp_path / "autotune")
     assert cached["autotune_cache"] == str(tmp_path / "autotune")
     assert cached["peak_at_reference_batch"] == plain["peak_at_reference_batch"] > 0
+
+
+def test_target_accuracy_names_a_missing_reference_or_cache(tmp_path: Path, capsys) -> None:
+    from benchmarks import target_accuracy
+
+    for flag in ("--reference", "--autotune-cache"):
+        with pytest.raises(SystemExit) as exit_:
+            target_accuracy.main([flag, str(tmp_path / "missing")])
+        assert exit_.value.code == 2
+        assert f"{flag} {tmp_path / 'missing'}: no such directory" in capsys.readouterr().err
