@@ -72,8 +72,9 @@ class PlanningService:
         self._plans: OncePerKey[Any] = OncePerKey()
         self._fixed_lock = threading.Lock()
         self._fixed_batch: int | None = self.config.fixed_batch_size
-        #: FLOPs per device per step by (architecture, dp, mp, batch), and by (trial, devices,
-        #: batch) for the plans handed to the core.
+        #: FLOPs of the lowered step over all its devices by (architecture, injected
+        #: hyperparameters, batch) (`total_flops`), and per device by (trial, devices, batch)
+        #: for the plans handed to the core.
         self._flops: OncePerKey[float | None] = OncePerKey()
         self._flops_of: dict[tuple[int, int, int], float | None] = {}
 

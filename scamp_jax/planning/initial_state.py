@@ -198,16 +198,12 @@ class InitialStates:
             host, made = self._programs.get(
                 host_key, lambda: _HostProgram.trace(build, optimizer, names, home))
         if host is not _UNSUPPORTED:
-            try:
-                state = host.make(seeds, hyper, width)
-            except NotImplementedError:  # a rule that declined these values: compile instead
-                self._programs.set(host_key, _UNSUPPORTED)
-            else:
-                self._count(made)
-                jax.monitoring.record_event_duration_secs(HOST_INIT_EVENT,
-                                                          time.perf_counter() - start)
-                # A copy of each shard onto the run's devices (nothing unsharded on a device).
-                return jax.device_put(state, target)
+            state = host.make(seeds, hyper, width)
+            self._count(made)
+            jax.monitoring.record_event_duration_secs(HOST_INIT_EVENT,
+                                                      time.perf_counter() - start)
+            # A copy of each shard onto the run's devices (nothing unsharded on a device).
+            return jax.device_put(state, target)
         platform = home.devices.flat[0].platform
 
         def rehome(tree: PyTree) -> PyTree:
@@ -289,7 +285,7 @@ class _HostProgram:
         def one(i: int | None) -> list[np.ndarray]:
             seed = seeds if i is None else seeds[i]
             values = [np.float32(hyper[k] if i is None else hyper[k][i]) for k in names]
-            return host_init.evaluate(self.closed, np.int32(seed), *values)
+            return host_init.evaluate(self.closed, np.int32(seed), *values, checked=True)
 
         if width is None:
             leaves = one(None)
