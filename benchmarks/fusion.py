@@ -31,6 +31,12 @@ What the report (``--json``) holds:
 - ``step_speedup``: the compiled steps alone, without the runner's host work around them
   (drawing and stacking batches, dispatch, read-backs): ``K`` solo steps one after another
   against one fused step, interleaved, ratio of the medians (``step_only``, `step_times`);
+- ``wide_speedup``: the same ``K`` solo steps against one solo step at ``K`` times the batch
+  (member 0's model), timed in the same rounds: what this device gains from running the
+  members' work as operations ``K`` times wider, with one set of weights. A reference for
+  ``step_speedup``, not a bound: a fused step also updates ``K`` sets of weights, and runs
+  some operations member by member (convolutions on CPU), which can be faster or slower than
+  one wide operation;
 - ``compile_and_planning_seconds``: what each way spends before its first step: planning (the
   member plan; the fused plan's compiles) and each run's start until its first training step
   (compile or load of the step, initial state, memory check);
@@ -133,8 +139,9 @@ def _stats(values: Sequence[float]) -> dict[str, Any]:
 
 
 def run(family: str, width: int, *, steps: int, batch: int, repeats: int, ray: bool,
-        concurrent: bool, seed: int = 0) -> dict[str, Any]:
-    """Measure the variants; returns the JSON-ready report (see the module docstring)."""
+        concurrent: bool, seed: int = 0, wide: bool = True) -> dict[str, Any]:
+    """Measure the variants; returns the JSON-ready report (see the module docstring).
+    ``wide=False``: no ``wide_speedup`` (one compile less)."""
     import dataclasses
 
     if steps < 3:
@@ -271,7 +278,8 @@ def run(family: str, width: int, *, steps: int, batch: int, repeats: int, ray: b
             print(f"repeat {r}: {v:>10} {seconds:7.2f} s wall, {cpu[v][-1]:7.2f} s CPU",
                   flush=True)
     assert fused_result is not None and solo_results is not None
-    step_only = step_times(family, width, batch)
+    step_only = step_times(family, width, batch,
+                           ways=tuple(STEP_WAYS) if wide else ("fused",))
     metric = task.metric
     rows = []
     for i, (cfg, s, _) in enumerate(members):
@@ -291,7 +299,8 @@ def run(family: str, width: int, *, steps: int, batch: int, repeats: int, ray: b
         "steady_speedup": width * solo_step / fused_step,
         "steady_cpu_speedup": width * statistics.median(per_step_cpu["unfused"])
         / statistics.median(per_step_cpu["fused"]),
-        "step_speedup": step_only["step_speedup"], "step_only": step_only,
+        "step_speedup": step_only["step_speedup"],
+        "wide_speedup": step_only.get("wide_speedup"), "step_only": step_only,
         "steady": {"log_every": log_every, "solo_step_seconds": _stats(per_step["unfused"]),
                    "fused_step_seconds": _stats(per_step["fused"]),
                    "solo_step_cpu_seconds": _stats(per_step_cpu["unfused"]),
@@ -383,13 +392,14 @@ def simulate(family: str, widths: Sequence[int], batch: int, seed: int = 0) -> d
             "kernels": list(costs.kernels), "gain": gains}
 
 
-def compiled_steps(family: str, width: int, batch: int, seed: int = 0,
+def compiled_steps(family: str, width: int, batch: int, seed: int = 0, fused: bool = True,
                    ) -> tuple[Any, list[tuple[Any, ...]], Any, tuple[Any, ...]]:
     """``(solo step, [its arguments per member], fused step, its arguments)``: the members of
     `member_configs` built from their seeds with their learning rates and one batch each from
     their own streams, the solo step (`scamp_jax.planning.train_step.make_train_step`) and the
-    fused step of all of them (`scamp_jax.planning.fusion.make_fused_step`) compiled on the
-    default device. Nothing is donated, so the arguments can be used again."""
+    fused step of all of them (`scamp_jax.planning.fusion.make_fused_step`; ``fused=False``:
+    None, nothing compiled) compiled on the default device. Nothing is donated, so the
+    arguments can be used again."""
     import dataclasses
 
     import jax
@@ -417,9 +427,11 @@ def compiled_steps(family: str, width: int, batch: int, seed: int = 0,
                   jnp.ones(width, bool))
     solo = jax.jit(make_train_step(graphdef, optimizer, task.loss_fn)).lower(
         *solo_args[0]).compile()
-    fused = jax.jit(make_fused_step(graphdef, optimizer, task.loss_fn)).lower(
+    if not fused:
+        return solo, solo_args, None, fused_args
+    step = jax.jit(make_fused_step(graphdef, optimizer, task.loss_fn)).lower(
         *fused_args).compile()
-    return solo, solo_args, fused, fused_args
+    return solo, solo_args, step, fused_args
 
 
 def _timed_rounds(ways: dict[str, Any], rounds: int,
@@ -443,21 +455,36 @@ def _timed_rounds(ways: dict[str, Any], rounds: int,
     return wall, cpu
 
 
-def step_times(family: str, width: int, batch: int, rounds: int = 5,
-               calls: int = 5) -> dict[str, Any]:
-    """The compiled steps alone (`compiled_steps`), no runner around them: seconds of the
-    ``width`` solo steps one after another against one fused step, in interleaved rounds of
-    ``calls`` timed calls each (wall-clock and process CPU, min and median), and
-    ``step_speedup``, the ratio of the medians (solo steps over fused step)."""
+#: What `step_times` can time against the ``K`` solo steps: the fused step, one solo step at
+#: ``K`` times the batch, and the names of their ratios in the report.
+STEP_WAYS = {"fused": "step_speedup", "wide": "wide_speedup"}
 
-    solo, solo_args, fused, fused_args = compiled_steps(family, width, batch)
-    ways = {"solo": lambda: [solo(*a) for a in solo_args], "fused": lambda: fused(*fused_args)}
-    wall, cpu = _timed_rounds(ways, rounds, calls)
-    out: dict[str, Any] = {f"{name}_seconds": _stats(wall[name]) for name in ways}
-    out.update({f"{name}_cpu_seconds": _stats(cpu[name]) for name in ways})
-    out["step_speedup"] = out["solo_seconds"]["median"] / out["fused_seconds"]["median"]
-    out["step_cpu_speedup"] = (out["solo_cpu_seconds"]["median"]
-                               / out["fused_cpu_seconds"]["median"])
+
+def step_times(family: str, width: int, batch: int, rounds: int = 5, calls: int = 5,
+               ways: Sequence[str] = tuple(STEP_WAYS)) -> dict[str, Any]:
+    """The compiled steps alone (`compiled_steps`), no runner around them: seconds of the
+    ``width`` solo steps one after another against each of ``ways``: ``fused``, one fused
+    step; ``wide``, one solo step at ``width`` times the batch; in interleaved rounds of
+    ``calls`` timed calls each (wall-clock and process CPU, min and median); the ratios of
+    the medians, solo steps over each way (`STEP_WAYS`: ``step_speedup``,
+    ``wide_speedup``; ``*_cpu_speedup`` of CPU seconds; see the module doc)."""
+
+    solo, solo_args, fused, fused_args = compiled_steps(family, width, batch,
+                                                        fused="fused" in ways)
+    timed: dict[str, Any] = {"solo": lambda: [solo(*a) for a in solo_args]}
+    if "fused" in ways:
+        timed["fused"] = lambda: fused(*fused_args)
+    if "wide" in ways:
+        wide, wide_args, _, _ = compiled_steps(family, 1, width * batch, fused=False)
+        timed["wide"] = lambda: wide(*wide_args[0])
+    wall, cpu = _timed_rounds(timed, rounds, calls)
+    out: dict[str, Any] = {f"{name}_seconds": _stats(wall[name]) for name in timed}
+    out.update({f"{name}_cpu_seconds": _stats(cpu[name]) for name in timed})
+    for way in ways:
+        key = STEP_WAYS[way].removesuffix("_speedup")
+        out[f"{key}_speedup"] = out["solo_seconds"]["median"] / out[f"{way}_seconds"]["median"]
+        out[f"{key}_cpu_speedup"] = (out["solo_cpu_seconds"]["median"]
+                                     / out[f"{way}_cpu_seconds"]["median"])
     return out
 
 
@@ -542,6 +569,10 @@ def _table(report: dict[str, Any], markdown: bool) -> None:
           f"{report['step_speedup']:.2f}x; CPU {only['solo_cpu_seconds']['median']:.4f} s "
           f"against {only['fused_cpu_seconds']['median']:.4f} s, "
           f"{only['step_cpu_speedup']:.2f}x")
+    if report["wide_speedup"] is not None:
+        print(f"as one wide step (the {k} solo steps against one solo step at {k} times the "
+              f"batch, {only['wide_seconds']['median']:.4f} s): wide_speedup "
+              f"{report['wide_speedup']:.2f}x (CPU {only['wide_cpu_speedup']:.2f}x)")
     rows = []
     for v in sec:
         rows.append([v, f"{sec[v]['min']:.1f}", f"{sec[v]['median']:.1f}",

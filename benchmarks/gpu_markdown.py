@@ -18,8 +18,8 @@ HEADERS: dict[str, list[str]] = {
     "memory": ["case", "budget", "planned batch", "compiled peak", "measured peak", "error",
                "capped run result", "first batch that runs out"],
     "fusion": ["family", "width", "steady step solo s", "steady step fused s", "steady_speedup",
-               "end-to-end speedup", "compile+planning s", "max first-step relative difference",
-               "noise floor"],
+               "step alone", "one step at K x batch", "end-to-end speedup", "compile+planning s",
+               "max first-step relative difference", "noise floor"],
     "mainjob": ["trials finished", "steps", "study s", "compile s (share)",
                 "pool booked peak / mean", "batches", "fused trials", "best PSNR vs bicubic"],
     "packing": ["family", "trials", "steps", "packed trials/h", "one-at-a-time trials/h",
@@ -167,6 +167,7 @@ def _memory_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
 def _fusion_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
     rows = [[r["family"], str(r["width"]), _f(r["steady_step_solo_s"], ".4f"),
              _f(r["steady_step_fused_s"], ".4f"), _f(r["steady_speedup"], ".2f", "x"),
+             _f(r.get("step_speedup"), ".2f", "x"), _f(r.get("wide_speedup"), ".2f", "x"),
              _f(r["end_to_end_speedup"], ".2f", "x") + f" ({r['unfused_seconds']:.1f} vs "
              f"{r['fused_seconds']:.1f} s)", _f(r["compile_planning_s"], ".1f"),
              _f(r["max_first_step_rel_diff"], ".1e"), _f(r["noise_floor_first_step"], ".1e")]

@@ -38,6 +38,9 @@ from benchmarks._tables import pct_text, print_table
 
 #: Budgets of the cases as the H200 run planned them.
 BUDGETS = {"mlp": "512MiB", "vit": "1GiB", "swinir_small": "2GiB", "swinir_paper": "32GiB"}
+#: ``--memory-per-device`` for the target's default pool (`Budget.for_device`: what a training
+#: process alone on that GPU holds), e.g. 23.81 GiB of a 32 GB V100.
+POOL = "pool"
 #: The H200 run's files: ``shared/gpu/2026-11-27-h200`` beside the repository (or a worktree's
 #: parents).
 REFERENCE_NAME = Path("shared/gpu/2026-11-27-h200")
@@ -107,7 +110,8 @@ def measure(case: str, target: str, budget: str, reference: tuple[int, int] | No
     compiler = StepCompiler(model, spec.sample(), make_mesh(list(described.devices(1)), 1, 1))
     if plan:
         cpu, wall = cpu_seconds(), time.perf_counter()
-        made = plan_mesh(model, spec.sample(), devices=1, memory_per_device=budget,
+        made = plan_mesh(model, spec.sample(), devices=1,
+                         memory_per_device=None if budget == POOL else budget,
                          target=described)
         row.update(batch=made.batch_size, peak=made.peak_bytes_per_device,
                    compiles=made.compiles, cpu_seconds=cpu_seconds() - cpu,
@@ -128,7 +132,9 @@ def main(argv: list[str] | None = None) -> None:
                         "suite's environment/target_config.txtpb)")
     parser.add_argument("--only", default="mlp,vit,swinir_small", help="comma-separated cases")
     parser.add_argument("--memory-per-device", default=None,
-                        help="budget per device (default: each case's, as the H200 run had)")
+                        help="budget per device, e.g. 2GiB, or 'pool': what a training "
+                        "process alone on the target GPU holds (default: each case's, as the "
+                        "H200 run had)")
     parser.add_argument("--reference", type=Path, default=None,
                         help="the reference GPU's results: a directory of mem_<case>_0.json "
                         "files or a GPU suite's output (sections/memory.json)")

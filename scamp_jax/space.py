@@ -47,6 +47,9 @@ class Task(Protocol):
     metric: str
     #: ``"maximize"`` or ``"minimize"`` for `metric`.
     direction: str
+    # Optional: ``parallel_streams = True`` says that streams of different seeds share no
+    # mutable state, so that a fused group may draw its members' batches at once on several
+    # threads (`scamp_jax.hpo.member_streams`); without it they are drawn one after another.
 
     def sample_batch(self, batch_size: int) -> tuple[jax.ShapeDtypeStruct, ...]:
         """Abstract ``(inputs, targets)`` of a global batch of ``batch_size`` (for planning)."""
@@ -90,6 +93,9 @@ class FunctionTask:
       sample_batch: ``sample_batch(batch_size) -> tuple of jax.ShapeDtypeStruct`` for planning
         (None: the shapes and device dtypes of the first batch of ``batches(1, 0)``, with the
         leading axis set to ``batch_size``).
+      parallel_streams: True when streams of different seeds share no mutable state (each its
+        own generator, shared data read only): a fused group then draws its members' batches
+        at once on several threads. Default False: one after another.
     """
 
     metric: str
@@ -98,6 +104,7 @@ class FunctionTask:
     batches: Callable[[int, int], Iterator[tuple[np.ndarray, ...]]]
     evaluate: Callable[[nnx.Module], Mapping[str, float]]
     sample_batch: Callable[[int], tuple[jax.ShapeDtypeStruct, ...]] | None = None
+    parallel_streams: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.metric, str) or not self.metric:

@@ -219,27 +219,63 @@ class PatchSampler:
                     f"image {i} is {im.shape[0]}x{im.shape[1]}, smaller than {hr_patch=}; "
                     "use a smaller patch or drop the image"
                 )
-        self.lr = [bicubic_downscale(im, scale) for im in self.hr]
+        self.lr = [np.ascontiguousarray(bicubic_downscale(im, scale)) for im in self.hr]
+        self.hr = [np.ascontiguousarray(im) for im in self.hr]
         # Sample images in proportion to their area, so every pixel is equally likely.
         area = np.array([im.shape[0] * im.shape[1] for im in self.hr], np.float64)
         self._p = area / area.sum()
         self._rng = np.random.default_rng(seed)
+        # Where a patch may start (LR rows, columns) and every patch of each image as a view.
+        self._starts = np.array([(im.shape[0] - self.lr_patch + 1, im.shape[1] - self.lr_patch + 1)
+                                 for im in self.lr], np.int64)
+        self._lr_patches = [_patches(im, self.lr_patch) for im in self.lr]
+        self._hr_patches = [_patches(im, hr_patch) for im in self.hr]
 
     def batch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """``n`` patches: LR (n, p, p, 3) and HR (n, p * scale, p * scale, 3) float32."""
-        lp, s = self.lr_patch, self.scale
+        """``n`` patches: LR (n, p, p, 3) and HR (n, p * scale, p * scale, 3) float32.
+
+        Per patch: its image (in proportion to area), its row and column, its symmetry, drawn
+        in that order from the sampler's generator (one ``integers`` call with a bound per
+        draw gives what as many scalar calls would, and leaves the generator where they would:
+        `tests/test_sr_data.py` holds it to a loop of scalar calls); the copies are made for
+        all patches of one image and symmetry at once.
+        """
+        lp, s, rng = self.lr_patch, self.scale, self._rng
+        picks = rng.choice(len(self.hr), size=n, p=self._p)
+        bounds = np.empty((n, 3), np.int64)
+        bounds[:, :2] = self._starts[picks]
+        bounds[:, 2] = 8
+        ys, xs, ts = rng.integers(0, bounds).T
         lr_out = np.empty((n, lp, lp, 3), np.float32)
         hr_out = np.empty((n, lp * s, lp * s, 3), np.float32)
-        picks = self._rng.choice(len(self.hr), size=n, p=self._p)
-        for k, i in enumerate(picks):
-            lr = self.lr[i]
-            y = int(self._rng.integers(0, lr.shape[0] - lp + 1))
-            x = int(self._rng.integers(0, lr.shape[1] - lp + 1))
-            lr_p = lr[y : y + lp, x : x + lp]
-            hr_p = self.hr[i][y * s : (y + lp) * s, x * s : (x + lp) * s]
-            t = int(self._rng.integers(0, 8))
-            lr_out[k], hr_out[k] = dihedral(lr_p, t), dihedral(hr_p, t)
+        for i in np.unique(picks):
+            mine = picks == i
+            for t in np.unique(ts[mine]):
+                at = np.flatnonzero(mine & (ts == t))
+                y, x = ys[at], xs[at]
+                _place(lr_out, at, self._lr_patches[i][y, x * 3], int(t))
+                _place(hr_out, at, self._hr_patches[i][y * s, x * s * 3], int(t))
         return lr_out, hr_out
+
+
+#: One RGB float32 pixel as a single item: symmetries move pixels, not channels.
+_PIXEL = np.dtype((np.void, 12))
+
+
+def _patches(img: np.ndarray, size: int) -> np.ndarray:
+    """Every ``size`` x ``size`` patch of contiguous RGB ``img`` (H, W, 3) as a view (no copy),
+    indexed ``[row, 3 * column]``: each is (size, 3 * size), its rows contiguous."""
+    h, w, c = img.shape
+    return np.lib.stride_tricks.sliding_window_view(img.reshape(h, w * c), (size, size * c))
+
+
+def _place(out: np.ndarray, at: np.ndarray, patches: np.ndarray, t: int) -> None:
+    """``out[at] = dihedral(patch, t)`` for each of ``patches`` (m, p, 3 * p), in one copy of
+    whole pixels."""
+    n, p = out.shape[0], out.shape[1]
+    pixels = patches.view(_PIXEL)  # (m, p, p)
+    turned = np.rot90(pixels, k=t // 2, axes=(1, 2))
+    out.reshape(n, p, 3 * p).view(_PIXEL)[at] = turned[:, :, ::-1] if t % 2 else turned
 
 
 def dihedral(img: np.ndarray, t: int) -> np.ndarray:

@@ -68,6 +68,9 @@ class SRTask:
 
     metric = "psnr"
     direction = "maximize"
+    #: streams of different seeds share only the read-only images: a fused group draws its
+    #: members' batches at once (`scamp_jax.hpo.member_streams`)
+    parallel_streams = True
 
     def __init__(
         self,

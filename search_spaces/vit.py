@@ -148,6 +148,9 @@ class SyntheticClassificationTask:
 
     metric = "accuracy"
     direction = "maximize"
+    #: streams of different seeds share only the read-only templates: a fused group draws its
+    #: members' batches at once (`scamp_jax.hpo.member_streams`)
+    parallel_streams = True
 
     def __init__(
         self,

@@ -88,6 +88,10 @@ def test_equalities_hold_where_measured(smoke: dict) -> None:
     for row in report["fusion"]["rows"]:
         assert row["max_final_loss_rel_diff"] < 1e-3
         assert row["end_to_end_speedup"] > 0 and row["compile_planning_s"] > 0
+        # the steady steps are benchmarks.fusion's own, the step alone and one wide step too
+        assert row["steady_step_solo_source"] == "fusion" and row["steady_step_fused_s"] > 0
+        assert row["step_speedup"] > 0
+        assert row["wide_speedup"] is None or row["wide_speedup"] > 0
     if "csp_equals_sequential" in report["supernet"]:
         assert report["supernet"]["csp_equals_sequential"]
     assert all(row["same_bytes"] for row in report["determinism"]["rows"])

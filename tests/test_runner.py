@@ -50,6 +50,7 @@ class Regression:
 
     metric = "mse"
     direction = "minimize"
+    parallel_streams = True  # each stream its own generator: fused groups draw at once
 
     def __init__(self) -> None:
         rng = np.random.default_rng(0)

@@ -89,3 +89,35 @@ def test_patch_sampler_pairs_are_aligned_and_reproducible():
         sr_data.PatchSampler(images, scale=3, hr_patch=20)
     with pytest.raises(ValueError, match="smaller than hr_patch"):
         sr_data.PatchSampler(images, scale=2, hr_patch=48)
+
+
+def _patches_one_at_a_time(sampler: sr_data.PatchSampler, n: int) -> tuple[np.ndarray, ...]:
+    """Patches as a per-patch loop draws them: image, then row, column and symmetry of each
+    patch with one scalar draw apiece (the reference `PatchSampler.batch` must equal)."""
+    lp, s, rng = sampler.lr_patch, sampler.scale, sampler._rng
+    lr_out = np.empty((n, lp, lp, 3), np.float32)
+    hr_out = np.empty((n, lp * s, lp * s, 3), np.float32)
+    for k, i in enumerate(rng.choice(len(sampler.hr), size=n, p=sampler._p)):
+        lr = sampler.lr[i]
+        y = int(rng.integers(0, lr.shape[0] - lp + 1))
+        x = int(rng.integers(0, lr.shape[1] - lp + 1))
+        t = int(rng.integers(0, 8))
+        lr_out[k] = sr_data.dihedral(lr[y:y + lp, x:x + lp], t)
+        hr_out[k] = sr_data.dihedral(sampler.hr[i][y * s:(y + lp) * s, x * s:(x + lp) * s], t)
+    return lr_out, hr_out
+
+
+def test_batches_equal_patches_drawn_one_at_a_time():
+    """Batches of every size, one after another, are what the per-patch loop gives from the
+    same seed, pixel for pixel, and leave the generator where it leaves it: an image as large
+    as the patch (one place to start), odd sizes, a crop of a larger array."""
+    rng = np.random.default_rng(1)
+    wide = rng.uniform(size=(70, 90, 3)).astype(np.float32)
+    images = [rng.uniform(size=(61, 75, 3)).astype(np.float32), wide[5:29, 3:57],
+              rng.uniform(size=(24, 24, 3)).astype(np.float32)]
+    fast = sr_data.PatchSampler(images, scale=2, hr_patch=24, seed=5)
+    slow = sr_data.PatchSampler(images, scale=2, hr_patch=24, seed=5)
+    for n in (1, 7, 64, 300):
+        for ours, reference in zip(fast.batch(n), _patches_one_at_a_time(slow, n), strict=True):
+            np.testing.assert_array_equal(ours, reference)
+        assert fast._rng.bit_generator.state == slow._rng.bit_generator.state

@@ -45,6 +45,7 @@ from scamp_jax.hpo.lifecycle import (
     share_bytes,
     stream,
 )
+from scamp_jax.hpo.member_streams import StackedStreams, parallel_streams
 from scamp_jax.hpo.program_key import ProgramKey
 from scamp_jax.hpo.runner import (
     StepCache,
@@ -60,7 +61,6 @@ from scamp_jax.planning.fusion import (
     hyperparam_arrays,
     is_key,
     jit_fused_step,
-    stack_batches,
     stack_shardings,
 )
 from scamp_jax.planning.initial_state import abstract_initial_state
@@ -325,9 +325,10 @@ class FusedProgram:
                                             tuple(sorted(self.hyper)), width=len(members))
         self._host = None
         batch_size = self.spec.plan.batch_size
-        self.streams = [stream(_batches(self.task, batch_size, m.seed, None), first)
-                        for m in members]
-        self._next = stack_batches([next(s) for s in self.streams])
+        self.streams = StackedStreams(
+            [stream(_batches(self.task, batch_size, m.seed, None), first) for m in members],
+            parallel_streams(self.task))
+        self._next = self.streams.draw()
         self.batch = abstract_batch(self._next, self.shardings.batch)
         source = getattr(self.spec.plan, "step_source", None)
         if source is not None and source.serves(self.graphdef, optimizer, self.task.loss_fn,
@@ -368,7 +369,7 @@ class FusedProgram:
         return jax.tree.unflatten(treedef, stacked)
 
     def prefetch(self) -> None:
-        batch = stack_batches([next(s) for s in self.streams])
+        batch = self.streams.draw()
         self.batch = jax.device_put(batch, self.shardings.batch)
 
     def _active(self, active: np.ndarray) -> jax.Array:
@@ -434,7 +435,7 @@ class FusedProgram:
                       _take(self.state[1], keep, shard.opt_state),
                       _take(self.state[2], keep, shard.rest))
         self.batch = _take(self.batch, keep, shard.batch)
-        self.streams = [self.streams[i] for i in keep]
+        self.streams.keep(keep)
         self.width = len(keep)
         self._sent = None
         self._host = None

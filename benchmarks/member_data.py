@@ -1,0 +1,101 @@
+"""The host's data work per step of a fused group: the members' batches drawn and stacked.
+
+A fused group's step takes every member's next batch, drawn from the member's own stream and
+stacked on a member axis in host memory before it goes to the device. At the accelerator
+preset's batches that is no small work (eight SwinIR members at 4,096 patches of 48 pixels:
+1.1 GB a step), and a GPU can finish the step before the host has the next batch. This times,
+for ``--width`` members of a family's task at ``--batch``, in interleaved rounds:
+
+- ``one member``: one member's next batch (``next`` of its stream);
+- ``in turn``: every member's next batch one after another, stacked with ``np.stack``;
+- ``at once``: `scamp_jax.hpo.member_streams.StackedStreams`, what a fused group runs: each
+  member's batch drawn into its slot of the stacked batch on the data threads, where the task
+  allows it (``parallel_streams``).
+
+Only a task's public ``batches`` is used for the first two, so the same file measures another
+checkout (``at once`` is left out where it has no `StackedStreams`)::
+
+    python -m benchmarks.member_data --family swinir --width 8 --batch 4096
+    PYTHONPATH=../other python benchmarks/member_data.py --family swinir --width 8 --batch 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def _task(family: str) -> Any:
+    if family == "swinir":
+        from search_spaces.sr_task import SRTask
+
+        return SRTask(scale=2, hr_patch=48)
+    from search_spaces.vit import SyntheticClassificationTask
+
+    return SyntheticClassificationTask()
+
+
+def measure(family: str, width: int, batch: int, repeats: int) -> dict[str, Any]:
+    """Seconds per draw of each way (min and median over ``repeats`` interleaved rounds)."""
+    import jax
+    import numpy as np
+
+    task = _task(family)
+    one = task.batches(batch, 0)
+    turn = [task.batches(batch, seed) for seed in range(width)]
+    ways: dict[str, Callable[[], Any]] = {
+        "one member": lambda: next(one),
+        "in turn": lambda: jax.tree.map(lambda *xs: np.stack(xs), *[next(s) for s in turn]),
+    }
+    try:
+        from scamp_jax.hpo.member_streams import StackedStreams, parallel_streams
+    except ImportError:
+        parallel = None
+    else:
+        parallel = parallel_streams(task)
+        stacked = StackedStreams([task.batches(batch, seed) for seed in range(width)], parallel)
+        ways["at once"] = stacked.draw
+    for draw in ways.values():  # first draws: shapes learned, pages touched
+        draw()
+    seconds: dict[str, list[float]] = {name: [] for name in ways}
+    for _ in range(repeats):
+        for name, draw in ways.items():
+            t0 = time.perf_counter()
+            draw()
+            seconds[name].append(time.perf_counter() - t0)
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(next(one)))
+    return {"family": family, "width": width, "batch": batch, "repeats": repeats,
+            "cores": os.cpu_count(), "bytes_per_member": nbytes, "parallel_streams": parallel,
+            "seconds": {name: {"min": min(v), "median": statistics.median(v)}
+                        for name, v in seconds.items()}}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Parse flags, measure, print a table (and the JSON with ``--json``)."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.member_data", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", choices=("swinir", "vit"), default="swinir")
+    p.add_argument("--width", type=int, default=8, help="members in the group")
+    p.add_argument("--batch", type=int, default=4096, help="samples per member per step")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = p.parse_args(argv)
+    report = measure(args.family, args.width, args.batch, args.repeats)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return report
+    mb = report["bytes_per_member"] / 1e6
+    print(f"{args.family}: {args.width} members x batch {args.batch} ({mb:.1f} MB a member), "
+          f"{report['cores']} cores, parallel_streams={report['parallel_streams']}")
+    for name, s in report["seconds"].items():
+        print(f"  {name:>10}: {1e3 * s['min']:8.1f} ms min, {1e3 * s['median']:8.1f} ms median")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""A fused group's data: the members' streams drawn into one stacked batch, at once or in turn."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from scamp_jax import FunctionTask
+from scamp_jax.hpo.member_streams import StackedStreams, parallel_streams
+
+
+def _stream(seed: int, batch: int = 5, threads: set[str] | None = None) -> Iterator[tuple]:
+    rng = np.random.default_rng(seed)
+    while True:
+        if threads is not None:
+            threads.add(threading.current_thread().name)
+        x = rng.normal(size=(batch, 3)).astype(np.float32)
+        yield x, {"label": rng.integers(0, 10, size=batch).astype(np.int32)}
+
+
+def _in_turn(streams: list[Iterator[tuple]]) -> tuple:
+    batches = [next(s) for s in streams]
+    return (np.stack([b[0] for b in batches]),
+            {"label": np.stack([b[1]["label"] for b in batches])})
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_each_member_gets_its_own_streams_batches_in_order(parallel: bool) -> None:
+    """Stacked draws, at once or in turn, are each member's stream in step order, also after
+    the group re-forms without a member."""
+    threads: set[str] = set()
+    stacked = StackedStreams([_stream(s, threads=threads) for s in (3, 1, 4, 1)], parallel)
+    reference = [_stream(s) for s in (3, 1, 4, 1)]
+    for step in range(6):
+        if step == 3:
+            stacked.keep([2, 0])
+            reference = [reference[2], reference[0]]
+        got, want = stacked.draw(), _in_turn(reference)
+        assert got[0].shape == (len(reference), 5, 3) and got[1]["label"].dtype == np.int32
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1]["label"], want[1]["label"])
+    # at once: after the first draw (which learns the shapes) on the data threads
+    assert any(t.startswith("member-data") for t in threads) == parallel
+
+
+def test_a_member_whose_batches_change_shape_is_named() -> None:
+    def changing(seed: int) -> Iterator[np.ndarray]:
+        yield np.zeros((4, 2), np.float32)
+        yield np.zeros((3, 2), np.float32)
+
+    stacked = StackedStreams([changing(0), changing(1)], parallel=True)
+    stacked.draw()
+    with pytest.raises(ValueError, match=r"member 0's stream gave a batch of \[\(3, 2\)\]"):
+        stacked.draw()
+
+
+def test_tasks_say_whether_their_streams_may_be_drawn_at_once() -> None:
+    from search_spaces.sr_task import SRTask
+    from search_spaces.vit import SyntheticClassificationTask
+
+    assert SRTask.parallel_streams and SyntheticClassificationTask.parallel_streams
+    kw = dict(metric="m", direction="minimize", loss_fn=lambda m, b: 0.0,
+              batches=lambda b, s: _stream(s, b), evaluate=lambda m: {"m": 0.0})
+    assert not parallel_streams(FunctionTask(**kw))  # unless the task says so
+    assert parallel_streams(FunctionTask(**kw, parallel_streams=True))
+    assert not parallel_streams(object())
