@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from scamp_jax import FunctionTask
+from scamp_jax.hpo import member_streams
 from scamp_jax.hpo.member_streams import StackedStreams, parallel_streams
 
 
@@ -28,9 +30,11 @@ def _in_turn(streams: list[Iterator[tuple]]) -> tuple:
 
 
 @pytest.mark.parametrize("parallel", [True, False])
-def test_each_member_gets_its_own_streams_batches_in_order(parallel: bool) -> None:
+def test_each_member_gets_its_own_streams_batches_in_order(parallel: bool,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Stacked draws, at once or in turn, are each member's stream in step order, also after
     the group re-forms without a member."""
+    monkeypatch.setattr(member_streams, "PARALLEL_MIN_SECONDS", 0.0)  # these draws are tiny
     threads: set[str] = set()
     stacked = StackedStreams([_stream(s, threads=threads) for s in (3, 1, 4, 1)], parallel)
     reference = [_stream(s) for s in (3, 1, 4, 1)]
@@ -42,16 +46,39 @@ def test_each_member_gets_its_own_streams_batches_in_order(parallel: bool) -> No
         assert got[0].shape == (len(reference), 5, 3) and got[1]["label"].dtype == np.int32
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1]["label"], want[1]["label"])
-    # at once: after the first draw (which learns the shapes) on the data threads
+    # at once: from the third draw (the first two, in turn, start the streams and time them)
+    assert stacked.at_once == parallel
     assert any(t.startswith("member-data") for t in threads) == parallel
 
 
-def test_a_member_whose_batches_change_shape_is_named() -> None:
+def test_draws_too_quick_to_hand_to_threads_stay_in_turn() -> None:
+    """At `PARALLEL_MIN_SECONDS` and above a member's draw goes to the data threads; below it
+    the hand-off would cost more than the draw."""
+    stacked = StackedStreams([_stream(s) for s in range(3)], parallel=True)
+    for _ in range(4):
+        stacked.draw()
+    assert not stacked.at_once
+
+    def slow(seed: int) -> Iterator[np.ndarray]:
+        for x in _stream(seed):
+            time.sleep(member_streams.PARALLEL_MIN_SECONDS)
+            yield x
+
+    stacked = StackedStreams([slow(s) for s in range(3)], parallel=True)
+    for _ in range(3):
+        stacked.draw()
+    assert stacked.at_once
+
+
+def test_a_member_whose_batches_change_shape_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(member_streams, "PARALLEL_MIN_SECONDS", 0.0)
+
     def changing(seed: int) -> Iterator[np.ndarray]:
-        yield np.zeros((4, 2), np.float32)
+        yield from (np.zeros((4, 2), np.float32), np.zeros((4, 2), np.float32))
         yield np.zeros((3, 2), np.float32)
 
     stacked = StackedStreams([changing(0), changing(1)], parallel=True)
+    stacked.draw()
     stacked.draw()
     with pytest.raises(ValueError, match=r"member 0's stream gave a batch of \[\(3, 2\)\]"):
         stacked.draw()

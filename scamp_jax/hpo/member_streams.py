@@ -3,7 +3,9 @@
 A fused step takes every member's next batch at once. Drawn one member after another on the
 thread that dispatches the steps, the host's data work grows with the group: eight SwinIR
 members at a batch of 4,096 draw 141 MB each per step, and on a GPU the step can be done
-before the host is. When the task says its streams share nothing (`parallel_streams`), each
+before the host is. When the task says its streams share nothing (`parallel_streams`) and one
+member's batch takes long enough to draw that handing it to another thread pays
+(`PARALLEL_MIN_SECONDS`, judged on the second draw: the first starts the streams), each
 member's batch is drawn and copied into its slot of the stacked batch on a thread of a shared
 pool, so a group's draws take about one member's time where the host has a core per member;
 NumPy's copies and random draws release the interpreter lock. A member's stream is advanced by
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -22,6 +25,12 @@ import jax
 import numpy as np
 
 PyTree = Any
+
+#: Seconds one member's batch must take to draw, in turn, for the members to be drawn at once:
+#: below it, handing each draw to a thread costs more than it saves (on 2 cores: 4 SwinIR
+#: members at batch 8, 0.3 ms a draw, took 2.7 ms at once against 1.5 ms in turn; 4 ViT
+#: members at batch 32, 1.2 ms a draw, 3.9 ms against 5.0 ms; `benchmarks.member_data`).
+PARALLEL_MIN_SECONDS = 1e-3
 
 #: The attribute by which a task says that its streams of different seeds share no mutable
 #: state, so that a run may draw several of them at once on different threads.
@@ -55,7 +64,8 @@ class StackedStreams:
     Args:
       streams: one endless iterator of batches (pytrees of numpy arrays with equal shapes
         across members) per member.
-      parallel: draw the members' batches on the shared data threads (see the module doc);
+      parallel: the streams may be drawn at once on the shared data threads (see the module
+        doc: from the third draw, where a member's draw takes `PARALLEL_MIN_SECONDS` or more);
         False: one after another on the calling thread.
     """
 
@@ -63,7 +73,10 @@ class StackedStreams:
         if not streams:
             raise ValueError("a fused group needs at least one member's stream")
         self.streams = list(streams)
-        self.parallel = parallel and len(self.streams) > 1
+        self.parallel = parallel
+        #: draws so far; from the third, ``at_once`` says how they are made
+        self.draws = 0
+        self.at_once = False
         self._treedef: Any = None
         self._leaves: list[tuple[tuple[int, ...], np.dtype]] = []
 
@@ -72,8 +85,13 @@ class StackedStreams:
 
     def draw(self) -> PyTree:
         """Every member's next batch, stacked: leaves ``(K, B, ...)``."""
-        if not self.parallel or self._treedef is None:
+        self.draws += 1
+        if not self.at_once or len(self.streams) < 2:
+            start = time.perf_counter()
             batches = [next(s) for s in self.streams]
+            if self.draws == 2:
+                each = (time.perf_counter() - start) / len(self.streams)
+                self.at_once = self.parallel and each >= PARALLEL_MIN_SECONDS
             stacked = jax.tree.map(lambda *xs: np.stack(xs), *batches)
             leaves, self._treedef = jax.tree.flatten(stacked)
             self._leaves = [(x.shape[1:], x.dtype) for x in leaves]
@@ -100,4 +118,3 @@ class StackedStreams:
     def keep(self, index: Sequence[int] | np.ndarray) -> None:
         """Keep only the streams of slots ``index`` (in that order)."""
         self.streams = [self.streams[int(i)] for i in index]
-        self.parallel = self.parallel and len(self.streams) > 1
