@@ -398,8 +398,8 @@ def compiled_steps(family: str, width: int, batch: int, seed: int = 0, fused: bo
     `member_configs` built from their seeds with their learning rates and one batch each from
     their own streams, the solo step (`scamp_jax.planning.train_step.make_train_step`) and the
     fused step of all of them (`scamp_jax.planning.fusion.make_fused_step`; ``fused=False``:
-    None, nothing compiled) compiled on the default device. Nothing is donated, so the
-    arguments can be used again."""
+    None and no arguments, nothing stacked or compiled) compiled on the default device. Nothing
+    is donated, so the arguments can be used again."""
     import dataclasses
 
     import jax
@@ -423,12 +423,12 @@ def compiled_steps(family: str, width: int, batch: int, seed: int = 0, fused: bo
         states.append((params, set_hyperparams(optimizer.init(params), hyper), rest))
     batches = [next(task.batches(batch, s)) for _, s, _ in members]
     solo_args = [(*state, b) for state, b in zip(states, batches, strict=True)]
-    fused_args = (*jax.tree.map(lambda *xs: jnp.stack(xs), *states), stack_batches(batches),
-                  jnp.ones(width, bool))
     solo = jax.jit(make_train_step(graphdef, optimizer, task.loss_fn)).lower(
         *solo_args[0]).compile()
     if not fused:
-        return solo, solo_args, None, fused_args
+        return solo, solo_args, None, ()
+    fused_args = (*jax.tree.map(lambda *xs: jnp.stack(xs), *states), stack_batches(batches),
+                  jnp.ones(width, bool))
     step = jax.jit(make_fused_step(graphdef, optimizer, task.loss_fn)).lower(
         *fused_args).compile()
     return solo, solo_args, step, fused_args
@@ -469,6 +469,8 @@ def step_times(family: str, width: int, batch: int, rounds: int = 5, calls: int 
     the medians, solo steps over each way (`STEP_WAYS`: ``step_speedup``,
     ``wide_speedup``; ``*_cpu_speedup`` of CPU seconds; see the module doc)."""
 
+    if isinstance(ways, str) or not set(ways) <= set(STEP_WAYS):
+        raise ValueError(f"ways={ways!r}: pass a sequence of {sorted(STEP_WAYS)}")
     solo, solo_args, fused, fused_args = compiled_steps(family, width, batch,
                                                         fused="fused" in ways)
     timed: dict[str, Any] = {"solo": lambda: [solo(*a) for a in solo_args]}

@@ -437,8 +437,8 @@ def fusion_section(cfg: Any, ctx: Context, rec: Record) -> None:
     rec.body["fusion"] = report
     row = _fusion_row(cfg, report, noise)
     rec.add_row(row)
-    # One member's step at K times the batch last: one more compile, which the section's
-    # time may not hold; the row above is kept either way.
+    # One member's step at K times the batch last: two more compiles (the solo step again and
+    # the wide one), which the section's time may not hold; the row above is kept either way.
     _timeout(ctx, cfg.fusion_least_seconds)
     wide = fusion.step_times(cfg.fusion_family, cfg.fusion_width, cfg.fusion_batch,
                              ways=("wide",))

@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
+    for name in ("width", "batch", "repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} {getattr(args, name)}: pass a positive count")
     report = measure(args.family, args.width, args.batch, args.repeats)
     if args.json:
         print(json.dumps(report, indent=1))

@@ -225,11 +225,9 @@ class PatchSampler:
         area = np.array([im.shape[0] * im.shape[1] for im in self.hr], np.float64)
         self._p = area / area.sum()
         self._rng = np.random.default_rng(seed)
-        # Where a patch may start (LR rows, columns) and every patch of each image as a view.
+        # Where a patch may start in each image: LR rows, columns.
         self._starts = np.array([(im.shape[0] - self.lr_patch + 1, im.shape[1] - self.lr_patch + 1)
                                  for im in self.lr], np.int64)
-        self._lr_patches = [_patches(im, self.lr_patch) for im in self.lr]
-        self._hr_patches = [_patches(im, hr_patch) for im in self.hr]
 
     def batch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """``n`` patches: LR (n, p, p, 3) and HR (n, p * scale, p * scale, 3) float32.
@@ -250,11 +248,14 @@ class PatchSampler:
         hr_out = np.empty((n, lp * s, lp * s, 3), np.float32)
         for i in np.unique(picks):
             mine = picks == i
+            # views of every patch, made here (not kept: a copy or pickle of the sampler would
+            # write each window out in full)
+            lr_patches, hr_patches = _patches(self.lr[i], lp), _patches(self.hr[i], lp * s)
             for t in np.unique(ts[mine]):
                 at = np.flatnonzero(mine & (ts == t))
                 y, x = ys[at], xs[at]
-                _place(lr_out, at, self._lr_patches[i][y, x * 3], int(t))
-                _place(hr_out, at, self._hr_patches[i][y * s, x * s * 3], int(t))
+                _place(lr_out, at, lr_patches[y, x * 3], int(t))
+                _place(hr_out, at, hr_patches[y * s, x * s * 3], int(t))
         return lr_out, hr_out
 
 

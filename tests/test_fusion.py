@@ -77,8 +77,13 @@ MEMBERS = [({"width": 16, "learning_rate": lr}, seed)
            for lr, seed in ((1e-3, 11), (3e-3, 22), (1e-2, 33), (3e-2, 44))]
 
 
-def test_fused_members_match_their_solo_runs():
-    """Four members (different learning rates and seeds) follow their solo runs step by step."""
+@pytest.mark.parametrize("at_once", [False, True], ids=["data in turn", "data at once"])
+def test_fused_members_match_their_solo_runs(at_once: bool, monkeypatch: pytest.MonkeyPatch):
+    """Four members (different learning rates and seeds) follow their solo runs step by step,
+    their batches drawn in turn or at once on the data threads (`member_streams`)."""
+    from scamp_jax.hpo import member_streams
+
+    monkeypatch.setattr(member_streams, "PARALLEL_MIN_SECONDS", 0.0 if at_once else 60.0)
     steps = 40
     plan = make_plan({"width": 16}, jax.devices()[:1], max_batch=16)
     gplan = group_plan(plan, 4)

@@ -51,13 +51,15 @@ def test_each_member_gets_its_own_streams_batches_in_order(parallel: bool,
     assert any(t.startswith("member-data") for t in threads) == parallel
 
 
-def test_draws_too_quick_to_hand_to_threads_stay_in_turn() -> None:
+def test_draws_too_quick_to_hand_to_threads_stay_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
     """At `PARALLEL_MIN_SECONDS` and above a member's draw goes to the data threads; below it
     the hand-off would cost more than the draw."""
-    stacked = StackedStreams([_stream(s) for s in range(3)], parallel=True)
-    for _ in range(4):
-        stacked.draw()
-    assert not stacked.at_once
+    with monkeypatch.context() as patch:
+        patch.setattr(member_streams, "PARALLEL_MIN_SECONDS", 60.0)  # no draw here is that slow
+        stacked = StackedStreams([_stream(s) for s in range(3)], parallel=True)
+        for _ in range(4):
+            stacked.draw()
+        assert not stacked.at_once
 
     def slow(seed: int) -> Iterator[np.ndarray]:
         for x in _stream(seed):
@@ -80,7 +82,7 @@ def test_a_member_whose_batches_change_shape_is_named(monkeypatch: pytest.Monkey
     stacked = StackedStreams([changing(0), changing(1)], parallel=True)
     stacked.draw()
     stacked.draw()
-    with pytest.raises(ValueError, match=r"member 0's stream gave a batch of \[\(3, 2\)\]"):
+    with pytest.raises(ValueError, match=r"member 0's stream gave a batch of \[\(\(3, 2\), "):
         stacked.draw()
 
 
@@ -94,3 +96,45 @@ def test_tasks_say_whether_their_streams_may_be_drawn_at_once() -> None:
     assert not parallel_streams(FunctionTask(**kw))  # unless the task says so
     assert parallel_streams(FunctionTask(**kw, parallel_streams=True))
     assert not parallel_streams(object())
+
+
+def test_a_failing_member_leaves_no_stream_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error of one member's stream is raised once every other member's draw has ended, so
+    no stream is advanced after `draw` has given up (the group ends, or draws again)."""
+    monkeypatch.setattr(member_streams, "PARALLEL_MIN_SECONDS", 0.0)
+    drawn = [0, 0]
+
+    def stream(slot: int) -> Iterator[np.ndarray]:
+        for step in range(10):
+            if slot == 0 and step == 2:
+                raise RuntimeError("member 0's data is broken")
+            if slot == 1 and step == 2:
+                time.sleep(0.2)
+            drawn[slot] += 1
+            yield np.full((2,), step, np.float32)
+
+    stacked = StackedStreams([stream(0), stream(1)], parallel=True)
+    stacked.draw()
+    stacked.draw()
+    with pytest.raises(RuntimeError, match="member 0's data is broken"):
+        stacked.draw()
+    assert drawn == [2, 3]  # member 1's third draw had ended when the error came out
+    stacked.keep([1])
+    np.testing.assert_array_equal(stacked.draw(), [[3.0, 3.0]])
+    assert drawn == [2, 4]
+
+
+def test_a_member_whose_batches_change_dtype_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At once, a batch is copied into the stacked batch of the first draws' dtype: a member
+    whose dtype changes is refused, not cast (in turn, ``np.stack`` would promote it)."""
+    monkeypatch.setattr(member_streams, "PARALLEL_MIN_SECONDS", 0.0)
+
+    def changing(seed: int) -> Iterator[np.ndarray]:
+        yield from (np.zeros(3, np.float32), np.zeros(3, np.float32))
+        yield np.full(3, 0.1, np.float64)
+
+    stacked = StackedStreams([changing(0), changing(1)], parallel=True)
+    stacked.draw()
+    stacked.draw()
+    with pytest.raises(ValueError, match="float64.*float32"):
+        stacked.draw()

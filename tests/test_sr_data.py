@@ -121,3 +121,19 @@ def test_batches_equal_patches_drawn_one_at_a_time():
         for ours, reference in zip(fast.batch(n), _patches_one_at_a_time(slow, n), strict=True):
             np.testing.assert_array_equal(ours, reference)
         assert fast._rng.bit_generator.state == slow._rng.bit_generator.state
+
+
+def test_a_sampler_copies_and_pickles_at_the_size_of_its_images():
+    """The patch views a batch reads are made per batch, not kept: a copy or pickle of the
+    sampler (a task sent to another process) holds its images, not every window of them."""
+    import copy
+    import pickle
+
+    rng = np.random.default_rng(2)
+    images = [rng.uniform(size=(96, 96, 3)).astype(np.float32)]
+    sampler = sr_data.PatchSampler(images, scale=2, hr_patch=24, seed=0)
+    held = sum(im.nbytes for im in sampler.hr + sampler.lr)
+    assert len(pickle.dumps(sampler)) < 2 * held
+    twin = copy.deepcopy(sampler)
+    for a, b in zip(twin.batch(5), sampler.batch(5), strict=True):
+        np.testing.assert_array_equal(a, b)

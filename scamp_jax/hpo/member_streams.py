@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import jax
@@ -48,11 +48,12 @@ _POOL_LOCK = threading.Lock()
 
 
 def _pool() -> ThreadPoolExecutor:
-    """The process's pool of data threads (one per core), shared by every fused group."""
+    """The process's pool of data threads (one per core it may run on), shared by every fused
+    group."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1,
+            _POOL = ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0)) or 1,
                                        thread_name_prefix="member-data")
         return _POOL
 
@@ -99,6 +100,7 @@ class StackedStreams:
         width = len(self.streams)
         out = [np.empty((width, *shape), dtype) for shape, dtype in self._leaves]
         jobs = [_pool().submit(self._fill, slot, out) for slot in range(width)]
+        wait(jobs)  # every stream at rest before an error leaves here: none is advanced later
         for job in jobs:
             job.result()
         return jax.tree.unflatten(self._treedef, out)
@@ -107,11 +109,14 @@ class StackedStreams:
         """Draw member ``slot``'s next batch into its slot of ``out`` (a data thread)."""
         leaves, treedef = jax.tree.flatten(next(self.streams[slot]))
         if treedef != self._treedef or any(
-                np.shape(x) != shape for x, (shape, _) in zip(leaves, self._leaves, strict=True)):
+                np.shape(x) != shape or np.asarray(x).dtype != dtype
+                for x, (shape, dtype) in zip(leaves, self._leaves, strict=True)):
+            got = [(np.shape(x), str(np.asarray(x).dtype)) for x in leaves]
+            want = [(shape, str(dtype)) for shape, dtype in self._leaves]
             raise ValueError(
-                f"member {slot}'s stream gave a batch of {[np.shape(x) for x in leaves]} "
-                f"({treedef}); the group's batches are {[s for s, _ in self._leaves]} "
-                f"({self._treedef}): a task's batches must keep their structure and shapes")
+                f"member {slot}'s stream gave a batch of {got} ({treedef}); the group's batches "
+                f"are {want} ({self._treedef}): a task's batches must keep their structure, "
+                "shapes and dtypes")
         for target, x in zip(out, leaves, strict=True):
             target[slot] = x
 
