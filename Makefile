@@ -16,11 +16,13 @@ test-all:
 
 # The lower-bound run: the oldest releases pyproject.toml declares (.ci/minimum-versions.txt) on
 # Python 3.11, in .venv-oldest, through the planner, memory, runner, CSP, study-storage and MPI
-# tests, the initial states' compile (its cheaper CPU options keep values there) and the SwinIR
-# parity tests (PyTorch's CPU build is installable there).
+# tests, the initial states' compile (its cheaper CPU options keep values there), the SwinIR
+# parity tests (PyTorch's CPU build is installable there) and the SR patches and fused groups'
+# data (one NumPy call of bounded draws equals the scalar calls on the oldest NumPy too).
 LOWER_BOUND_TESTS = tests/test_planner.py tests/test_memory.py tests/test_runner.py \
 	tests/test_csp.py tests/test_study.py tests/test_mpi_local.py tests/test_mpi_runs.py \
-	tests/test_reuse.py tests/test_host_init.py tests/test_swinir_parity.py tests/test_packaging.py
+	tests/test_reuse.py tests/test_host_init.py tests/test_swinir_parity.py tests/test_packaging.py \
+	tests/test_sr_data.py tests/test_member_streams.py
 test-oldest:
 	scripts/setup.sh oldest
 	.venv-oldest/bin/python -m pytest $(LOWER_BOUND_TESTS)
