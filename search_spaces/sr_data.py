@@ -12,7 +12,10 @@ interpolation upward and gives the bicubic baseline.
 from __future__ import annotations
 
 import math
+import os
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -236,7 +239,8 @@ class PatchSampler:
         in that order from the sampler's generator (one ``integers`` call with a bound per
         draw gives what as many scalar calls would, and leaves the generator where they would:
         `tests/test_sr_data.py` holds it to a loop of scalar calls); the copies are made for
-        all patches of one image and symmetry at once.
+        all patches of one image and symmetry at once, in a large batch on the host's cores
+        (they write apart: the same bytes in any order).
         """
         lp, s, rng = self.lr_patch, self.scale, self._rng
         picks = rng.choice(len(self.hr), size=n, p=self._p)
@@ -246,6 +250,7 @@ class PatchSampler:
         ys, xs, ts = rng.integers(0, bounds).T
         lr_out = np.empty((n, lp, lp, 3), np.float32)
         hr_out = np.empty((n, lp * s, lp * s, 3), np.float32)
+        copies = []
         for i in np.unique(picks):
             mine = picks == i
             # views of every patch, made here (not kept: a copy or pickle of the sampler would
@@ -254,9 +259,31 @@ class PatchSampler:
             for t in np.unique(ts[mine]):
                 at = np.flatnonzero(mine & (ts == t))
                 y, x = ys[at], xs[at]
-                _place(lr_out, at, lr_patches[y, x * 3], int(t))
-                _place(hr_out, at, hr_patches[y * s, x * s * 3], int(t))
+                copies.append((lr_out, at, lr_patches, (y, x * 3), int(t)))
+                copies.append((hr_out, at, hr_patches, (y * s, x * s * 3), int(t)))
+        if n >= _PATCHES_ON_THREADS:
+            for done in [_copy_pool().submit(_place, *c) for c in copies]:
+                done.result()
+        else:
+            for c in copies:
+                _place(*c)
         return lr_out, hr_out
+
+
+#: Patches of a batch from which its copies are spread over the host's cores (below it a
+#: thread's hand-off costs more than the copies it takes over).
+_PATCHES_ON_THREADS = 256
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _copy_pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0)) or 1,
+                                       thread_name_prefix="patch-copies")
+        return _POOL
 
 
 #: One RGB float32 pixel as a single item: symmetries move pixels, not channels.
@@ -270,11 +297,12 @@ def _patches(img: np.ndarray, size: int) -> np.ndarray:
     return np.lib.stride_tricks.sliding_window_view(img.reshape(h, w * c), (size, size * c))
 
 
-def _place(out: np.ndarray, at: np.ndarray, patches: np.ndarray, t: int) -> None:
-    """``out[at] = dihedral(patch, t)`` for each of ``patches`` (m, p, 3 * p), in one copy of
-    whole pixels."""
+def _place(out: np.ndarray, at: np.ndarray, patches: np.ndarray, where: tuple[np.ndarray, ...],
+           t: int) -> None:
+    """``out[at] = dihedral(patch, t)`` for each patch ``patches[where]`` (m, p, 3 * p; a view
+    of every patch, `_patches`), gathered and turned in one copy of whole pixels each."""
     n, p = out.shape[0], out.shape[1]
-    pixels = patches.view(_PIXEL)  # (m, p, p)
+    pixels = patches[where].view(_PIXEL)  # (m, p, p)
     turned = np.rot90(pixels, k=t // 2, axes=(1, 2))
     out.reshape(n, p, 3 * p).view(_PIXEL)[at] = turned[:, :, ::-1] if t % 2 else turned
 
