@@ -12,7 +12,6 @@ interpolation upward and gives the bicubic baseline.
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -278,11 +277,13 @@ _POOL_LOCK = threading.Lock()
 
 
 def _copy_pool() -> ThreadPoolExecutor:
+    """The process's threads for patch copies, one per core it may run on."""
+    from scamp_jax.scheduling.host import host_cores
+
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0)) or 1,
-                                       thread_name_prefix="patch-copies")
+            _POOL = ThreadPoolExecutor(max_workers=host_cores(), thread_name_prefix="patch-copies")
         return _POOL
 
 

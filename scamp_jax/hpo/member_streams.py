@@ -14,7 +14,6 @@ one thread at a time, in step order, so every member sees exactly the batches of
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -23,6 +22,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from scamp_jax.scheduling.host import host_cores
 
 PyTree = Any
 
@@ -53,7 +54,7 @@ def _pool() -> ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0)) or 1,
+            _POOL = ThreadPoolExecutor(max_workers=host_cores(),
                                        thread_name_prefix="member-data")
         return _POOL
 

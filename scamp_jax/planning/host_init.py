@@ -31,7 +31,6 @@ product, ``argmax``) is compiled instead (`scamp_jax.planning.initial_state.Init
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -39,6 +38,8 @@ from typing import Any
 import jax
 import numpy as np
 from jax.extend import core as jcore
+
+from scamp_jax.scheduling.host import host_cores
 
 #: The string of a Threefry-2x32 key's dtype in a jaxpr (JAX's default key implementation).
 THREEFRY_KEY = "key<fry>"
@@ -86,7 +87,7 @@ def threefry2x32(k1: np.ndarray, k2: np.ndarray, x1: np.ndarray,
                     y += ks[(group + 2) % 3]
                     y += np.uint32(group + 1)
 
-    workers = min(_workers(), -(-n // (_THREAD_BLOCKS * _BLOCK)))
+    workers = min(host_cores(), -(-n // (_THREAD_BLOCKS * _BLOCK)))
     if workers <= 1:
         blocks(0, n)
     else:
@@ -96,14 +97,6 @@ def threefry2x32(k1: np.ndarray, k2: np.ndarray, x1: np.ndarray,
                          for lo in range(0, n, share)]:
                 done.result()
     return a.reshape(shape), b.reshape(shape)
-
-
-def _workers() -> int:
-    """Threads `threefry2x32` may use: the cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def _iota_2x32(shape: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
