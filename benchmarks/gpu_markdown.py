@@ -21,7 +21,8 @@ HEADERS: dict[str, list[str]] = {
                "step alone", "one step at K x batch", "end-to-end speedup", "compile+planning s",
                "max first-step relative difference", "noise floor"],
     "mainjob": ["trials finished", "steps", "study s", "compile s (share)",
-                "pool booked peak / mean", "batches", "fused trials", "best PSNR vs bicubic"],
+                "pool booked peak / mean", "batches", "fused trials",
+                "fused step s / host data s", "best PSNR vs bicubic"],
     "packing": ["family", "trials", "steps", "packed trials/h", "one-at-a-time trials/h",
                 "ratio", "planning s"],
     "determinism": ["program", "runs", "steps", "same bytes", "deterministic GPU ops",
@@ -222,10 +223,15 @@ def _mainjob_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
                      f"{pct(r.get('peak_memory_utilization'))} / "
                      f"{pct(r.get('mean_memory_utilization'))}",
                      ", ".join(map(str, r.get("batch_sizes") or [])) or NOT_YET,
-                     str(r.get("fused_trials", NOT_YET)), best])
+                     str(r.get("fused_trials", NOT_YET)),
+                     f"{_f(r.get('fused_step_s'), '.3f')} / {_f(r.get('host_data_s'), '.3f')}",
+                     best])
     notes = [f"`{sec['command']}`; compile s: every compile's seconds in `run.overhead` "
-             "(summed over threads), its share of the study's seconds"] if sec.get(
-        "command") else []
+             "(summed over threads), its share of the study's seconds; fused step: the fused "
+             "trials' last pace (median); host data: one step's batches of a fused group of "
+             f"{(sec.get('rows') or [{}])[0].get('host_data', NOT_YET)} "
+             "(members x batch) as the runner draws them, before the study "
+             "(`benchmarks.member_data`)"] if sec.get("command") else []
     if any(r.get("interrupted") for r in sec.get("rows", [])):
         notes.append("stopped at the section's time: finished trials only, no usage figures")
     return table("mainjob", rows), notes

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -542,8 +543,16 @@ def mainjob_section(cfg: Any, ctx: Context, rec: Record) -> None:
     shortened to ``cfg.mainjob_trials`` trials of ``cfg.mainjob_steps`` steps (at the preset's
     reference batch) so that it ends inside the section: the study's seconds, its compiles
     and their share of it, the pool's memory booked (peak and mean), the batches and fused
-    trials, and the best PSNR against bicubic. Past the section's time the study is stopped
-    as a user stops it (SIGTERM: running trials checkpointed, finished ones reported)."""
+    trials, their steady step, and the best PSNR against bicubic; before it, what the host's
+    data takes per step of the preset's widest fused group (`benchmarks.member_data`), to
+    hold against the fused step. Past the section's time the study is stopped as a user stops
+    it (SIGTERM: running trials checkpointed, finished ones reported)."""
+    from benchmarks import member_data
+
+    width, batch = cfg.mainjob_data
+    _timeout(ctx, cfg.mainjob_least_seconds)
+    data = member_data.measure("swinir", width, batch, repeats=2)
+    rec.body["member_data"] = data
     out = ctx.out / "mainjob"
     cmd = [sys.executable, "-m", "experiments.swinir_hpo", "--study-dir", str(out),
            "--no-live", "--trials", str(cfg.mainjob_trials), "--steps", str(cfg.mainjob_steps)]
@@ -571,7 +580,9 @@ def mainjob_section(cfg: Any, ctx: Context, rec: Record) -> None:
             return  # stopped before it reported anything: the cut says so
         raise RuntimeError(f"the main job wrote no results.json (exit {code}); see "
                            "mainjob.log")
-    rec.add_row(mainjob_row(json.loads(results.read_text())))
+    rec.add_row({**mainjob_row(json.loads(results.read_text())),
+                 "host_data_s": data["seconds"]["runner"]["median"],
+                 "host_data": f"{width} x {batch}"})
     if code and not rec.body.get("cut_short"):
         raise RuntimeError(f"the main job exited {code}; see mainjob.log")
 
@@ -586,6 +597,13 @@ def mainjob_row(data: dict[str, Any]) -> dict[str, Any]:
     elapsed = run.get("elapsed_s")
     best = next((t for t in trials if t.get("number") == data.get("best")), None)
     metric = data.get("metric", "psnr")
+
+    def step_s(fused: bool) -> float | None:
+        """Median over the finished trials of their last pace figure, seconds a step."""
+        steps = [t["pace"][-1][2] for t in done if t.get("pace")
+                 and (t.get("fused_group") is not None) == fused]
+        return statistics.median(steps) if steps else None
+
     return {
         "trials_finished": len(done), "trials": len(trials), "study_s": elapsed,
         "interrupted": bool(run.get("interrupted")),
@@ -596,6 +614,7 @@ def mainjob_row(data: dict[str, Any]) -> dict[str, Any]:
         "mean_memory_utilization": usage.get("mean_memory_utilization"),
         "batch_sizes": sorted({int(t["batch_size"]) for t in done if t.get("batch_size")}),
         "fused_trials": sum(1 for t in done if t.get("fused_group") is not None),
+        "fused_step_s": step_s(True), "solo_step_s": step_s(False),
         "best": None if best is None else best.get(metric),
         "bicubic": None if best is None else best.get("bicubic_" + metric),
     }

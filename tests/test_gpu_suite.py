@@ -215,7 +215,11 @@ def test_the_main_job_reports_its_compile_share_and_booking(smoke: dict) -> None
         pytest.skip(f"the main job was cut short: {section.get('cut_reasons')}")
     row = section["rows"][0]
     results = json.loads((smoke["out"] / "mainjob" / "results.json").read_text())
-    assert row == gpu_sections.mainjob_row(results)
+    assert {k: row[k] for k in gpu_sections.mainjob_row(results)} == gpu_sections.mainjob_row(
+        results)
+    # the host's data per step of the widest fused group, timed before the study
+    assert row["host_data_s"] > 0 and row["host_data"] == "2 x 256"
+    assert row["solo_step_s"] > 0
     assert row["trials"] == 2 and row["batch_sizes"] and row["compile_s"] > 0
     assert 0 < row["peak_memory_utilization"] <= 1 and row["planning_compiles"] >= 1
     assert row["compile_share"] == row["compile_s"] / row["study_s"]
