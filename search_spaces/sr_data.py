@@ -277,7 +277,9 @@ _POOL_LOCK = threading.Lock()
 
 
 def _copy_pool() -> ThreadPoolExecutor:
-    """The process's threads for patch copies, one per core it may run on."""
+    """The process's threads for patch copies, one per core it may run on: a pool of their
+    own, since the threads that draw a fused group's batches (`scamp_jax.hpo.member_streams`)
+    wait on these copies and would otherwise wait on themselves."""
     from scamp_jax.scheduling.host import host_cores
 
     global _POOL

@@ -82,9 +82,6 @@ class StackedStreams:
         self._treedef: Any = None
         self._leaves: list[tuple[tuple[int, ...], np.dtype]] = []
 
-    def __len__(self) -> int:
-        return len(self.streams)
-
     def draw(self) -> PyTree:
         """Every member's next batch, stacked: leaves ``(K, B, ...)``."""
         self.draws += 1
