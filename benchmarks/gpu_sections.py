@@ -551,8 +551,12 @@ def mainjob_section(cfg: Any, ctx: Context, rec: Record) -> None:
 
     width, batch = cfg.mainjob_data
     _timeout(ctx, cfg.mainjob_least_seconds)
-    data = member_data.measure("swinir", width, batch, repeats=2)
-    rec.body["member_data"] = data
+    try:
+        data: dict[str, Any] | None = member_data.measure("swinir", width, batch, repeats=2)
+        rec.body["member_data"] = data
+    except Exception as err:  # noqa: BLE001 - the study below is the section's point
+        data = None
+        rec.body["member_data_error"] = f"{type(err).__name__}: {err}"
     out = ctx.out / "mainjob"
     cmd = [sys.executable, "-m", "experiments.swinir_hpo", "--study-dir", str(out),
            "--no-live", "--trials", str(cfg.mainjob_trials), "--steps", str(cfg.mainjob_steps)]
@@ -581,7 +585,7 @@ def mainjob_section(cfg: Any, ctx: Context, rec: Record) -> None:
         raise RuntimeError(f"the main job wrote no results.json (exit {code}); see "
                            "mainjob.log")
     rec.add_row({**mainjob_row(json.loads(results.read_text())),
-                 "host_data_s": data["seconds"]["runner"]["median"],
+                 "host_data_s": data["seconds"]["runner"]["median"] if data else None,
                  "host_data": f"{width} x {batch}"})
     if code and not rec.body.get("cut_short"):
         raise RuntimeError(f"the main job exited {code}; see mainjob.log")
