@@ -124,6 +124,9 @@ class SuiteConfig:
     #: (members, batch) of the host's data per fused step timed before the main job
     #: (`benchmarks.member_data`): the preset's widest group at its batch cap
     mainjob_data: tuple[int, int]
+    #: seconds that timing takes at most (it is left out where the study would not keep
+    #: ``mainjob_least_seconds`` after it)
+    mainjob_data_seconds: float
     supernet_choices: int
     supernet_subnets: int
     supernet_max_stages: int
@@ -162,6 +165,7 @@ GPU = SuiteConfig(
     # the warm start and one family of 8 siblings; 100 steps at the reference batch of 1,024
     # (25 at 4,096): the compiles and the memory booked, a tenth of the preset's training
     mainjob_trials=9, mainjob_steps=100, mainjob_least_seconds=60, mainjob_data=(8, 4096),
+    mainjob_data_seconds=30,
     supernet_choices=4, supernet_subnets=32, supernet_max_stages=4, supernet_least_seconds=10,
     trial_steps=50,
 )
@@ -186,6 +190,7 @@ CPU_SMOKE = SuiteConfig(
     fusion_family="vit", fusion_width=2, fusion_steps=3, fusion_batch=4,
     fusion_least_seconds=5,
     mainjob_trials=2, mainjob_steps=20, mainjob_least_seconds=20, mainjob_data=(2, 256),
+    mainjob_data_seconds=5,
     supernet_choices=2, supernet_subnets=4, supernet_max_stages=2, supernet_least_seconds=5,
     trial_steps=2,
     environment_seconds=60.0, min_section_seconds=10.0,

@@ -41,6 +41,15 @@ def _task(family: str) -> Any:
     return SyntheticClassificationTask()
 
 
+def _cores() -> int | None:
+    """The cores this process may run on (what the data threads are sized by)."""
+    try:
+        from scamp_jax.scheduling.host import host_cores
+    except ImportError:  # a checkout without it
+        return os.cpu_count()
+    return host_cores()
+
+
 def measure(family: str, width: int, batch: int, repeats: int) -> dict[str, Any]:
     """Seconds per draw of each way (min and median over ``repeats`` interleaved rounds)."""
     import jax
@@ -53,7 +62,9 @@ def measure(family: str, width: int, batch: int, repeats: int) -> dict[str, Any]
         "one member": lambda: next(one),
         "in turn": lambda: jax.tree.map(lambda *xs: np.stack(xs), *[next(s) for s in turn]),
     }
+    warm = 2
     try:
+        from scamp_jax.hpo import member_streams
         from scamp_jax.hpo.member_streams import StackedStreams, parallel_streams
     except ImportError:
         parallel, stacked = None, None
@@ -61,7 +72,8 @@ def measure(family: str, width: int, batch: int, repeats: int) -> dict[str, Any]
         parallel = parallel_streams(task)
         stacked = StackedStreams([task.batches(batch, seed) for seed in range(width)], parallel)
         ways["runner"] = stacked.draw
-    for _ in range(2):  # first draws: streams started, pages touched, the runner's choice made
+        warm = 1 + getattr(member_streams, "TIMED_DRAWS", 1)
+    for _ in range(warm):  # first draws: streams started, pages touched, the runner's choice made
         for draw in ways.values():
             draw()
     seconds: dict[str, list[float]] = {name: [] for name in ways}
@@ -72,7 +84,7 @@ def measure(family: str, width: int, batch: int, repeats: int) -> dict[str, Any]
             seconds[name].append(time.perf_counter() - t0)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(next(one)))
     return {"family": family, "width": width, "batch": batch, "repeats": repeats,
-            "cores": os.cpu_count(), "bytes_per_member": nbytes, "parallel_streams": parallel,
+            "cores": _cores(), "bytes_per_member": nbytes, "parallel_streams": parallel,
             "at_once": None if stacked is None else stacked.at_once,
             "seconds": {name: {"min": min(v), "median": statistics.median(v)}
                         for name, v in seconds.items()}}

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from scamp_jax.hpo.settings import ELASTIC, PRUNERS, SAMPLERS, SearchSettings
+from scamp_jax.hpo.settings import ELASTIC, GRACE_PERIOD, PRUNERS, SAMPLERS, SearchSettings
 from scamp_jax.scheduling.placement import POLICIES
 
 #: CPU devices the entry points split the host into (the default device pool on CPU).
@@ -200,6 +200,28 @@ def _terminate(signum: int, frame: Any) -> None:
     raise Terminated
 
 
+class _CtrlC:
+    """SIGINT for the command line: the first Ctrl-C raises ``KeyboardInterrupt`` (the study
+    stops its trials at their next step and gives them back); a second one stops the process
+    at once, without the interpreter's shutdown (which would wait for the trials' threads and
+    meet their checkpoint writes half done). The study's database is left consistent (each of
+    its writes is a transaction); trials that were running stay running until their heartbeat
+    lapses, then a re-run resumes them from their last checkpoints."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.count == 1:
+            raise KeyboardInterrupt
+        print("\nstopped at once: finished trials are in the study; run the same command to "
+              "resume the others from their last checkpoints (once their heartbeat lapses, "
+              f"about {GRACE_PERIOD} s)", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(130)
+
+
 def check_study_dir(path: str | Path) -> None:
     """Exit 2 unless ``--study-dir`` is (or can become) a writable directory; creates nothing."""
     path = Path(path)
@@ -294,6 +316,7 @@ def user_errors() -> Iterator[None]:
     from sqlalchemy.exc import SQLAlchemyError
 
     previous = signal.signal(signal.SIGTERM, _terminate)
+    previous_int = signal.signal(signal.SIGINT, _CtrlC())
     try:
         yield
     except Terminated:
@@ -317,6 +340,7 @@ def user_errors() -> Iterator[None]:
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
 
 
 def run(

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -190,6 +191,18 @@ def bicubic_upscale(img: np.ndarray, scale: int) -> np.ndarray:
     return imresize(img, float(scale))
 
 
+def _as_rgb(img: Any, index: int) -> np.ndarray:
+    """Image ``index`` as float32 (H, W, 3): a grey one ((H, W) or (H, W, 1)) with its channel
+    repeated; any other shape is refused."""
+    img = np.asarray(img, np.float32)
+    if img.ndim == 2:
+        img = img[:, :, None]
+    if img.ndim != 3 or img.shape[2] not in (1, 3):
+        raise ValueError(f"image {index} has shape {img.shape}; PatchSampler takes RGB images "
+                         "(H, W, 3) or grey ones (H, W) / (H, W, 1)")
+    return np.repeat(img, 3, axis=2) if img.shape[2] == 1 else img
+
+
 class PatchSampler:
     """Random aligned (LR, HR) training patches with the 8 dihedral augmentations.
 
@@ -198,7 +211,8 @@ class PatchSampler:
     ``hr_patch // scale``, then one of the 8 flips/rotations applied to both.
 
     Args:
-      images: HR images (H, W, 3) float32 in [0, 1], each at least ``hr_patch`` on both sides.
+      images: HR images (H, W, 3) float32 in [0, 1], each at least ``hr_patch`` on both sides
+        (a grey image, (H, W) or (H, W, 1), is taken as RGB with three equal channels).
       scale: SR factor; ``hr_patch`` must be a multiple of it.
       hr_patch: HR patch side in pixels.
       seed: seed of the sampler's generator (same seed, same stream of batches).
@@ -214,7 +228,7 @@ class PatchSampler:
         if not images:
             raise ValueError("PatchSampler needs at least one image")
         self.scale, self.hr_patch, self.lr_patch = scale, hr_patch, hr_patch // scale
-        self.hr = [crop_to_multiple(np.asarray(im, np.float32), scale) for im in images]
+        self.hr = [crop_to_multiple(_as_rgb(im, i), scale) for i, im in enumerate(images)]
         for i, im in enumerate(self.hr):
             if min(im.shape[:2]) < hr_patch:
                 raise ValueError(

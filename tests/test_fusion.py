@@ -84,6 +84,10 @@ def test_fused_members_match_their_solo_runs(at_once: bool, monkeypatch: pytest.
     from scamp_jax.hpo import member_streams
 
     monkeypatch.setattr(member_streams, "PARALLEL_MIN_SECONDS", 0.0 if at_once else 60.0)
+    handed: list[int] = []  # members' draws made on the data threads
+    fill = member_streams.StackedStreams._fill
+    monkeypatch.setattr(member_streams.StackedStreams, "_fill",
+                        lambda self, slot, out: (handed.append(slot), fill(self, slot, out)))
     steps = 40
     plan = make_plan({"width": 16}, jax.devices()[:1], max_batch=16)
     gplan = group_plan(plan, 4)
@@ -91,6 +95,7 @@ def test_fused_members_match_their_solo_runs(at_once: bool, monkeypatch: pytest.
     members = tuple(MemberSpec(i, cfg, seed) for i, (cfg, seed) in enumerate(MEMBERS))
     group = run_fused_group(GroupSpec(7, members, gplan, steps, BUDGET, log_every=1),
                             SPACE, Regression())
+    assert bool(handed) == at_once
     cache = StepCache()
     worst = 0.0
     for i, (cfg, seed) in enumerate(MEMBERS):

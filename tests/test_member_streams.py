@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +24,10 @@ def _stream(seed: int, batch: int = 5, threads: set[str] | None = None) -> Itera
         yield x, {"label": rng.integers(0, 10, size=batch).astype(np.int32)}
 
 
+#: draws made in turn before a group's streams may be drawn at once
+WARM = 1 + member_streams.TIMED_DRAWS
+
+
 def _in_turn(streams: list[Iterator[tuple]]) -> tuple:
     batches = [next(s) for s in streams]
     return (np.stack([b[0] for b in batches]),
@@ -38,15 +43,15 @@ def test_each_member_gets_its_own_streams_batches_in_order(parallel: bool,
     threads: set[str] = set()
     stacked = StackedStreams([_stream(s, threads=threads) for s in (3, 1, 4, 1)], parallel)
     reference = [_stream(s) for s in (3, 1, 4, 1)]
-    for step in range(6):
-        if step == 3:
+    for step in range(WARM + 3):
+        if step == WARM + 1:
             stacked.keep([2, 0])
             reference = [reference[2], reference[0]]
         got, want = stacked.draw(), _in_turn(reference)
         assert got[0].shape == (len(reference), 5, 3) and got[1]["label"].dtype == np.int32
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1]["label"], want[1]["label"])
-    # at once: from the third draw (the first two, in turn, start the streams and time them)
+    # at once: after WARM draws (in turn: the first starts the streams, the others are timed)
     assert stacked.at_once == parallel
     assert any(t.startswith("member-data") for t in threads) == parallel
 
@@ -57,7 +62,7 @@ def test_draws_too_quick_to_hand_to_threads_stay_in_turn(monkeypatch: pytest.Mon
     with monkeypatch.context() as patch:
         patch.setattr(member_streams, "PARALLEL_MIN_SECONDS", 60.0)  # no draw here is that slow
         stacked = StackedStreams([_stream(s) for s in range(3)], parallel=True)
-        for _ in range(4):
+        for _ in range(WARM + 1):
             stacked.draw()
         assert not stacked.at_once
 
@@ -67,7 +72,7 @@ def test_draws_too_quick_to_hand_to_threads_stay_in_turn(monkeypatch: pytest.Mon
             yield x
 
     stacked = StackedStreams([slow(s) for s in range(3)], parallel=True)
-    for _ in range(3):
+    for _ in range(WARM):
         stacked.draw()
     assert stacked.at_once
 
@@ -76,12 +81,12 @@ def test_a_member_whose_batches_change_shape_is_named(monkeypatch: pytest.Monkey
     monkeypatch.setattr(member_streams, "PARALLEL_MIN_SECONDS", 0.0)
 
     def changing(seed: int) -> Iterator[np.ndarray]:
-        yield from (np.zeros((4, 2), np.float32), np.zeros((4, 2), np.float32))
+        yield from (np.zeros((4, 2), np.float32) for _ in range(WARM))
         yield np.zeros((3, 2), np.float32)
 
     stacked = StackedStreams([changing(0), changing(1)], parallel=True)
-    stacked.draw()
-    stacked.draw()
+    for _ in range(WARM):
+        stacked.draw()
     with pytest.raises(ValueError, match=r"member 0's stream gave a batch of \[\(\(3, 2\), "):
         stacked.draw()
 
@@ -105,23 +110,69 @@ def test_a_failing_member_leaves_no_stream_running(monkeypatch: pytest.MonkeyPat
     drawn = [0, 0]
 
     def stream(slot: int) -> Iterator[np.ndarray]:
-        for step in range(10):
-            if slot == 0 and step == 2:
+        for step in range(WARM + 10):
+            if slot == 0 and step == WARM:
                 raise RuntimeError("member 0's data is broken")
-            if slot == 1 and step == 2:
+            if slot == 1 and step == WARM:
                 time.sleep(0.2)
             drawn[slot] += 1
             yield np.full((2,), step, np.float32)
 
     stacked = StackedStreams([stream(0), stream(1)], parallel=True)
-    stacked.draw()
-    stacked.draw()
+    for _ in range(WARM):
+        stacked.draw()
     with pytest.raises(RuntimeError, match="member 0's data is broken"):
         stacked.draw()
-    assert drawn == [2, 3]  # member 1's third draw had ended when the error came out
+    assert drawn == [WARM, WARM + 1]  # member 1's draw had ended when the error came out
     stacked.keep([1])
-    np.testing.assert_array_equal(stacked.draw(), [[3.0, 3.0]])
-    assert drawn == [2, 4]
+    np.testing.assert_array_equal(stacked.draw(), [[WARM + 1.0, WARM + 1.0]])
+    assert drawn == [WARM, WARM + 2]
+
+
+def test_every_failing_member_is_named_and_an_interruption_waits_for_the_draws(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two members failing in one draw: the first slot's error is raised with a note naming
+    the other. Ctrl-C while the members draw comes out once the draws running have ended, and
+    no member's draw starts after it (the group's streams rest; a resumed run makes new ones
+    from its checkpoint's step)."""
+    monkeypatch.setattr(member_streams, "PARALLEL_MIN_SECONDS", 0.0)
+
+    def stream(slot: int) -> Iterator[np.ndarray]:
+        for step in range(WARM + 1):
+            yield np.full((2,), step, np.float32)
+        raise ValueError(f"member {slot} ran dry")
+
+    stacked = StackedStreams([stream(0), stream(1), stream(2)], parallel=True)
+    for _ in range(WARM + 1):
+        stacked.draw()
+    with pytest.raises(ValueError, match="member 0 ran dry") as caught:
+        stacked.draw()
+    notes = getattr(caught.value, "__notes__", [])
+    assert [n.split(":")[0] for n in notes] == ["member 1's draw failed too",
+                                                "member 2's draw failed too"]
+
+    # A real Ctrl-C: member 0's data thread sends SIGINT to the process while the members
+    # draw; Python raises it in the main thread, which is waiting for them.
+    ended: list[int] = []
+
+    def slow(slot: int) -> Iterator[np.ndarray]:
+        for step in range(WARM + 5):
+            if step == WARM:
+                if slot == 0:
+                    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+                time.sleep(0.3)
+                ended.append(slot)
+            yield np.full((2,), step, np.float32)
+
+    stacked = StackedStreams([slow(0), slow(1)], parallel=True)
+    for _ in range(WARM):
+        stacked.draw()
+    with pytest.raises(KeyboardInterrupt):
+        stacked.draw()
+    when_raised = list(ended)
+    time.sleep(0.6)
+    # member 0's draw had ended when the interruption came out, and no draw ran after it
+    assert 0 in when_raised and ended == when_raised
 
 
 def test_a_member_whose_batches_change_dtype_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,11 +181,52 @@ def test_a_member_whose_batches_change_dtype_is_named(monkeypatch: pytest.Monkey
     monkeypatch.setattr(member_streams, "PARALLEL_MIN_SECONDS", 0.0)
 
     def changing(seed: int) -> Iterator[np.ndarray]:
-        yield from (np.zeros(3, np.float32), np.zeros(3, np.float32))
+        yield from (np.zeros(3, np.float32) for _ in range(WARM))
         yield np.full(3, 0.1, np.float64)
 
     stacked = StackedStreams([changing(0), changing(1)], parallel=True)
-    stacked.draw()
-    stacked.draw()
+    for _ in range(WARM):
+        stacked.draw()
     with pytest.raises(ValueError, match="float64.*float32"):
         stacked.draw()
+
+
+def test_patch_copies_inside_the_data_threads_finish_with_one_thread_each(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fused group of SR samplers drawing 256 patches or more (their copies go to a pool of
+    their own, `search_spaces.sr_data`) at once on the data threads: with one thread in each
+    pool nothing waits on itself, and each member gets its solo stream's patches."""
+    from scamp_jax.scheduling import host
+    from search_spaces import sr_data
+
+    monkeypatch.setattr(member_streams, "PARALLEL_MIN_SECONDS", 0.0)
+    monkeypatch.setattr(host, "host_cores", lambda: 1)
+    monkeypatch.setattr(member_streams, "host_cores", lambda: 1)
+    monkeypatch.setattr(member_streams, "_POOL", None)
+    monkeypatch.setattr(sr_data, "_POOL", None)
+    n = sr_data._PATCHES_ON_THREADS
+    rng = np.random.default_rng(6)
+    images = [rng.uniform(size=(40, 52, 3)).astype(np.float32) for _ in range(2)]
+
+    def patches(seed: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        sampler = sr_data.PatchSampler(images, scale=2, hr_patch=16, seed=seed)
+        while True:
+            yield sampler.batch(n)
+
+    before = {t.ident for t in threading.enumerate()}
+    stacked = StackedStreams([patches(s) for s in (1, 2, 3)], parallel=True)
+    reference = [patches(s) for s in (1, 2, 3)]
+    try:
+        for _ in range(WARM + 2):
+            got, want = stacked.draw(), [next(r) for r in reference]
+            for k, (lr, hr) in enumerate(want):
+                np.testing.assert_array_equal(got[0][k], lr)
+                np.testing.assert_array_equal(got[1][k], hr)
+        assert stacked.at_once
+        started = [t for t in threading.enumerate() if t.ident not in before
+                   and t.name.startswith(("member-data", "patch-copies"))]
+        assert sorted(t.name.split("_")[0] for t in started) == ["member-data", "patch-copies"]
+    finally:
+        for module in (member_streams, sr_data):
+            if module._POOL is not None:
+                module._POOL.shutdown()

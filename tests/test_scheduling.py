@@ -262,3 +262,37 @@ def test_a_trial_taken_out_of_the_queue_loses_its_plans_on_more_devices():
     assert core.growth.plan(0, 2) is None
     core.planned(1.0, plan)  # queued again: the option is asked for afresh
     assert core.growth.ask(0, 2)
+
+
+def test_a_second_ctrl_c_stops_at_once_and_cleanly(tmp_path: Path) -> None:
+    """Ctrl-C, then Ctrl-C again while the study gives its trials back: the process ends at
+    once with exit status 130 and one line saying how to resume, no traceback (the
+    interpreter's shutdown, which would meet the trials' threads half done, is skipped)."""
+    study_dir = tmp_path / "twice"
+    command = [sys.executable, "-c", FUSED_DRIVER.format(tests=str(TESTS)), str(study_dir)]
+    proc = subprocess.Popen(command, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    root = study_dir / "checkpoints"
+    deadline = time.monotonic() + 240
+    lines: list[str] = []
+    try:
+        while not (root.is_dir() and any(latest_checkpoint_step(p) > 0 for p in root.iterdir())):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"no checkpoint before the run ended or in 240 s:\n"
+                            f"{proc.communicate()[0]}")
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)  # as Ctrl-C
+        assert proc.stdout is not None
+        for line in proc.stdout:  # until the study says it is stopping its trials
+            lines.append(line)
+            if "stopping: " in line:
+                proc.send_signal(signal.SIGINT)  # Ctrl-C again
+                break
+        out = "".join(lines) + proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, out
+    assert "stopped at once: " in out and "Traceback" not in out, out

@@ -91,6 +91,22 @@ def test_patch_sampler_pairs_are_aligned_and_reproducible():
         sr_data.PatchSampler(images, scale=2, hr_patch=48)
 
 
+def test_grey_images_are_sampled_as_rgb_and_other_shapes_refused():
+    """A grey image, (H, W) or (H, W, 1), gives the patches of its RGB version with three equal
+    channels; an image of two or four channels is refused with its index."""
+    rng = np.random.default_rng(4)
+    grey = rng.uniform(size=(40, 44)).astype(np.float32)
+    rgb = np.repeat(grey[:, :, None], 3, axis=2)
+    want = sr_data.PatchSampler([rgb], scale=2, hr_patch=24, seed=1).batch(6)
+    for form in (grey, grey[:, :, None]):
+        got = sr_data.PatchSampler([form], scale=2, hr_patch=24, seed=1).batch(6)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+    for channels in (2, 4):
+        with pytest.raises(ValueError, match=rf"image 1 has shape \(40, 44, {channels}\)"):
+            sr_data.PatchSampler([rgb, np.zeros((40, 44, channels), np.float32)], 2, 24)
+
+
 def _patches_one_at_a_time(sampler: sr_data.PatchSampler, n: int) -> tuple[np.ndarray, ...]:
     """Patches as a per-patch loop draws them: image, then row, column and symmetry of each
     patch with one scalar draw apiece (the reference `PatchSampler.batch` must equal)."""

@@ -362,3 +362,37 @@ def test_siblings_one_process_holds_count_in_another(tmp_path):
     assert lead.siblings == 1 and third.remaining() == 0
     third.tell(TrialOutcome(lead.number, "complete", value=1.0))
     assert third.remaining() == 1 and third.ask().sibling_of is None
+
+
+@pytest.mark.parametrize("stopped_at", ["queueing the retry", "failing the trial"])
+def test_a_stop_inside_an_interruption_loses_no_trial(tmp_path, monkeypatch, stopped_at):
+    """A second Ctrl-C while a trial is being failed as interrupted (its retry queued and the
+    trial failed: two writes) leaves exactly one retry of it after a restart, whichever write
+    it cut short. The stop is raised where it would land, as the KeyboardInterrupt a second
+    Ctrl-C raises (a test cannot time a real one between two database writes)."""
+    src = source(tmp_path, 3, heartbeat=1)
+    done = src.ask()
+    src.tell(TrialOutcome(done.number, "complete", value=2.0))
+    cut = src.ask()
+
+    def stop(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(src.study, "add_trial" if stopped_at == "queueing the retry" else "tell",
+                        stop)
+    with pytest.raises(KeyboardInterrupt):
+        src.interrupt(cut.number)
+    monkeypatch.undo()
+    src.close()  # the process ends here: its heartbeat stops
+    time.sleep(5)  # past the 3 s grace period
+    again = source(tmp_path, 3, heartbeat=1)
+    trials = again.study.get_trials()
+    assert trials[cut.number].state == TrialState.FAIL
+    assert [t.number for t in trials if retried_from(t) == cut.number] == [len(trials) - 1]
+    rerun = again.ask()
+    assert dict(rerun.params) == dict(cut.params) and rerun.checkpoint_key == cut.checkpoint_key
+    again.tell(TrialOutcome(rerun.number, "complete", value=1.0))
+    last = again.ask()
+    assert retried_from(again.study.get_trials()[last.number]) is None  # a new proposal
+    again.tell(TrialOutcome(last.number, "complete", value=3.0))
+    assert again.ask() is None and again.finished() == 3

@@ -5,7 +5,8 @@ thread that dispatches the steps, the host's data work grows with the group: eig
 members at a batch of 4,096 draw 141 MB each per step, and on a GPU the step can be done
 before the host is. When the task says its streams share nothing (`parallel_streams`) and one
 member's batch takes long enough to draw that handing it to another thread pays
-(`PARALLEL_MIN_SECONDS`, judged on the second draw: the first starts the streams), each
+(`PARALLEL_MIN_SECONDS`, the median of `TIMED_DRAWS` draws after the first, which starts
+the streams), each
 member's batch is drawn and copied into its slot of the stacked batch on a thread of a shared
 pool, so a group's draws take about one member's time where the host has a core per member;
 NumPy's copies and random draws release the interpreter lock. A member's stream is advanced by
@@ -17,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import jax
@@ -28,10 +29,16 @@ from scamp_jax.scheduling.host import host_cores
 PyTree = Any
 
 #: Seconds one member's batch must take to draw, in turn, for the members to be drawn at once:
-#: below it, handing each draw to a thread costs more than it saves (on 2 cores: 4 SwinIR
-#: members at batch 8, 0.3 ms a draw, took 2.7 ms at once against 1.5 ms in turn; 4 ViT
-#: members at batch 32, 1.2 ms a draw, 3.9 ms against 5.0 ms; `benchmarks.member_data`).
-PARALLEL_MIN_SECONDS = 1e-3
+#: below it, the hand-off to threads and the draws' own Python work (which holds the interpreter
+#: lock) leave nothing to gain. On 2 cores (`benchmarks.member_data --width 4`, medians, load 3-4):
+#: ViT at batch 32 (1.3 ms a draw) 5.4-5.6 ms at once against 5.0-5.2 ms in turn; SwinIR
+#: patches at 32 (1.3 ms) 5.7 against 5.3 ms, at 128 (3.3 ms) 14.4 against 14.0 ms, at 512
+#: (11 ms) 55 against 65 ms, at 1,024 (21 ms) 97 against 131 ms.
+PARALLEL_MIN_SECONDS = 5e-3
+
+#: Draws timed, in turn, after the first, whose median decides whether the members are drawn at
+#: once (one draw alone may meet the first steps on the same cores).
+TIMED_DRAWS = 3
 
 #: The attribute by which a task says that its streams of different seeds share no mutable
 #: state, so that a run may draw several of them at once on different threads.
@@ -59,6 +66,43 @@ def _pool() -> ThreadPoolExecutor:
         return _POOL
 
 
+class _Handoff:
+    """The jobs of one draw made at once. `close` keeps any job from starting after it and
+    waits for those running, also through an interruption (e.g. Ctrl-C, raised once they have
+    ended), so no stream is advanced once `StackedStreams.draw` has left."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._running = 0
+        self._open = True
+
+    def run(self, fill: Any, slot: int, out: list[np.ndarray]) -> None:
+        with self._cond:
+            if not self._open:
+                return  # the draw was given up before this member's turn: its stream rests
+            self._running += 1
+        try:
+            fill(slot, out)
+        finally:
+            with self._cond:
+                self._running -= 1
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        interrupted: BaseException | None = None
+        while True:
+            try:
+                with self._cond:
+                    self._open = False
+                    while self._running:
+                        self._cond.wait()
+                break
+            except BaseException as err:  # noqa: BLE001 (raised once the jobs have ended)
+                interrupted = interrupted or err
+        if interrupted is not None:
+            raise interrupted
+
+
 class StackedStreams:
     """The members' streams of a fused group, in slot order; `draw` gives their next batches
     stacked on a leading member axis (numpy, host memory).
@@ -67,8 +111,8 @@ class StackedStreams:
       streams: one endless iterator of batches (pytrees of numpy arrays with equal shapes
         across members) per member.
       parallel: the streams may be drawn at once on the shared data threads (see the module
-        doc: from the third draw, where a member's draw takes `PARALLEL_MIN_SECONDS` or more);
-        False: one after another on the calling thread.
+        doc: after the first `TIMED_DRAWS` + 1 draws, where a member's draw takes
+        `PARALLEL_MIN_SECONDS` or more); False: one after another on the calling thread.
     """
 
     def __init__(self, streams: Sequence[Iterator[PyTree]], parallel: bool) -> None:
@@ -76,9 +120,10 @@ class StackedStreams:
             raise ValueError("a fused group needs at least one member's stream")
         self.streams = list(streams)
         self.parallel = parallel
-        #: draws so far; from the third, ``at_once`` says how they are made
+        #: draws so far; after the first `TIMED_DRAWS` + 1, ``at_once`` says how they are made
         self.draws = 0
         self.at_once = False
+        self._times: list[float] = []  # seconds per member of the timed draws
         self._treedef: Any = None
         self._leaves: list[tuple[tuple[int, ...], np.dtype]] = []
 
@@ -88,19 +133,32 @@ class StackedStreams:
         if not self.at_once or len(self.streams) < 2:
             start = time.perf_counter()
             batches = [next(s) for s in self.streams]
-            if self.draws == 2:
-                each = (time.perf_counter() - start) / len(self.streams)
-                self.at_once = self.parallel and each >= PARALLEL_MIN_SECONDS
+            if 2 <= self.draws <= 1 + TIMED_DRAWS:
+                self._times.append((time.perf_counter() - start) / len(self.streams))
+                if self.draws == 1 + TIMED_DRAWS:
+                    self.at_once = (self.parallel
+                                    and float(np.median(self._times)) >= PARALLEL_MIN_SECONDS)
             stacked = jax.tree.map(lambda *xs: np.stack(xs), *batches)
             leaves, self._treedef = jax.tree.flatten(stacked)
             self._leaves = [(x.shape[1:], x.dtype) for x in leaves]
             return stacked
         width = len(self.streams)
         out = [np.empty((width, *shape), dtype) for shape, dtype in self._leaves]
-        jobs = [_pool().submit(self._fill, slot, out) for slot in range(width)]
-        wait(jobs)  # every stream at rest before an error leaves here: none is advanced later
-        for job in jobs:
-            job.result()
+        handoff = _Handoff()
+        jobs: list[Future[None]] = []
+        try:
+            for slot in range(width):
+                jobs.append(_pool().submit(handoff.run, self._fill, slot, out))
+            wait(jobs)  # a failing member's error is raised after every other member's draw
+        finally:
+            handoff.close()  # interrupted: the draws running end first, the others never start
+        errors = [(slot, job.exception()) for slot, job in enumerate(jobs)
+                  if job.exception() is not None]
+        if errors:
+            first = errors[0][1]
+            for slot, other in errors[1:]:
+                first.add_note(f"member {slot}'s draw failed too: {other!r}")
+            raise first
         return jax.tree.unflatten(self._treedef, out)
 
     def _fill(self, slot: int, out: list[np.ndarray]) -> None:

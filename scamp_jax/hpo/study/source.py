@@ -377,16 +377,28 @@ class OptunaTrialSource:
                 self.lost.append(outcome.number)  # failed as stale; its retry owns the slot
 
     def interrupt(self, number: int) -> None:
-        """Fail a live trial as interrupted and queue its parameters under its checkpoint key."""
+        """Fail a live trial as interrupted and queue its parameters under its checkpoint key.
+
+        The retry is queued first: a process stopped before the trial is failed (a second
+        Ctrl-C) leaves the trial ``RUNNING`` with its retry queued, and the heartbeat fails it
+        later without queueing it again (`retry_callback`); the other order would leave a
+        failed trial that nothing retries.
+        """
         with self._lock:
             trial = self._live.pop(number, None)
-            self._ids.pop(number, None)
+            trial_id = self._ids.pop(number, None)
             if trial is None:
                 return
             try:
                 trial.set_user_attr(FAIL_REASON, INTERRUPTED)
-                frozen = self.study.tell(trial, state=TrialState.FAIL)
+                frozen = (self._storage.get_trial(trial_id)
+                          if self._storage is not None and trial_id is not None else
+                          next(t for t in self.study.get_trials(deepcopy=False)
+                               if t.number == number))
+                if frozen.state != TrialState.RUNNING:
+                    return  # failed as stale by another process, which queued it again
+                with quiet_optuna():
+                    retry_callback()(self.study, frozen)
+                self.study.tell(trial, state=TrialState.FAIL)
             except optuna.exceptions.UpdateFinishedTrialError:
                 return  # failed as stale by another process, which queued it again
-            with quiet_optuna():
-                retry_callback()(self.study, frozen)

@@ -51,9 +51,26 @@ def quiet_optuna() -> Iterator[None]:
         yield
 
 
+class _RetryOnce(optuna.storages.RetryHeartbeatStaleTrialCallback):
+    """Optuna's retry of a failed trial, left out where the study already holds a retry of it.
+
+    An interrupted trial's retry is queued before the trial is failed (`OptunaTrialSource.
+    interrupt`), so that a process stopped between the two writes loses nothing; the trial
+    then stays ``RUNNING`` until its heartbeat goes stale, and is not queued a second time.
+    """
+
+    def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        for other in study.get_trials(deepcopy=False):
+            if trial.number in self.retry_history(other):
+                return
+        super().__call__(study, trial)
+
+
 def retry_callback() -> optuna.storages.RetryHeartbeatStaleTrialCallback:
+    """Optuna's callback that queues a failed trial again (its parameters, attributes and a
+    record of the trials it retries), once per trial."""
     with quiet_optuna():
-        return optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=None)
+        return _RetryOnce(max_retry=None)
 
 
 def retried_from(trial: FrozenTrial) -> int | None:
