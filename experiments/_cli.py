@@ -115,7 +115,8 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
                         help="placement: 'scamp' packs trials by planned memory (default), "
                         "'fixed' gives each trial --devices-per-trial devices and one batch size")
     parser.add_argument("--devices-per-trial", type=positive_int,
-                        help="devices per trial under --policy fixed")
+                        help="devices per trial under --policy fixed, which it needs (default: "
+                        "2; --preset paper 4)")
     parser.add_argument("--elastic", choices=tuple(ELASTIC),
                         help="at the end of the study, let ScaMP put devices that would idle to "
                         "work: queued trials start on more devices, running ones restart from a "
@@ -177,6 +178,10 @@ def config_from_args(args: argparse.Namespace, base: HPOConfig, study_dir: str) 
     if overrides.get("max_running_trials") == "none":  # --max-running-trials none: no cap
         overrides["max_running_trials"] = None
     overrides["study_dir"] = args.study_dir or study_dir
+    if "devices_per_trial" in overrides and overrides.get("policy", base.policy) != "fixed":
+        fail(f"--devices-per-trial {overrides['devices_per_trial']} applies to --policy fixed "
+             "only (the default policy, scamp, chooses each trial's devices from its memory); "
+             "add --policy fixed, or leave --devices-per-trial out")
     try:
         return dataclasses.replace(base, **overrides)
     except ValueError as err:  # SearchSettings names the field: name its flag too
@@ -270,6 +275,9 @@ def check_storage(url: str | None, study_dir: str | Path) -> None:
         if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
             return
         database = Path(parsed.database)
+        if not database.parent.is_dir():
+            fail(f"--storage {url!r}: the folder {str(database.parent)!r} of its database file "
+                 "does not exist; create it, or pass a path in an existing folder")
     else:
         database = Path(study_dir) / "study.db"
     if database.is_file():
@@ -383,6 +391,12 @@ def plan_only(
     devices' platform."""
     target_name = getattr(args, "target", None)
     if target_name is not None:
+        from scamp_jax.planning import targets
+
+        try:  # a name or file that is no target first: before asking how many
+            targets.resolve_target(target_name)
+        except ValueError as err:
+            fail(f"--target: {err}")
         if args.devices is None:
             fail(f"--target {target_name} needs --devices N: how many {target_name} GPUs to "
                  "plan for, e.g. --devices 32")

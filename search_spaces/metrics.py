@@ -71,7 +71,11 @@ def psnr_y(sr: np.ndarray, hr: np.ndarray, border: int = 0, *, quantize: bool = 
     return float(values.mean())
 
 
-def _gaussian_window(size: int = 11, sigma: float = 1.5) -> np.ndarray:
+#: Side of SSIM's Gaussian window (pixels): the least an image has after its border crop.
+SSIM_WINDOW = 11
+
+
+def _gaussian_window(size: int = SSIM_WINDOW, sigma: float = 1.5) -> np.ndarray:
     x = np.arange(size) - (size - 1) / 2.0
     g = np.exp(-(x**2) / (2.0 * sigma**2))
     return g / g.sum()
@@ -105,6 +109,7 @@ def ssim_y(sr: np.ndarray, hr: np.ndarray, border: int = 0, *, quantize: bool = 
     SSIM over the N images (1.0 for identical images).
     """
     ys, yh = _prepare(sr, hr, border, quantize)
-    if min(ys.shape[1:3]) < 11:
-        raise ValueError(f"SSIM needs at least 11x11 pixels after the border crop, got {ys.shape}")
+    if min(ys.shape[1:3]) < SSIM_WINDOW:
+        raise ValueError(f"SSIM needs at least {SSIM_WINDOW}x{SSIM_WINDOW} pixels after the "
+                         f"border crop, got {ys.shape}")
     return float(np.mean([_ssim_single(a, b) for a, b in zip(ys, yh, strict=True)]))

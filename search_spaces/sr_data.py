@@ -68,16 +68,20 @@ def bundled_images(names: Sequence[str] = BUNDLED_TRAIN + BUNDLED_EVAL) -> list[
     return [_to_float_rgb(_bundled(n)) for n in names]
 
 
-def load_image_dir(path: str | Path, min_size: int | None = None) -> list[np.ndarray]:
+def load_image_dir(path: str | Path, min_size: int | None = None,
+                   needs: str = "the training patch") -> list[np.ndarray]:
     """Every image file in folder ``path`` (sorted by name) as HxWx3 float32 in [0, 1].
 
     Grey images are repeated to 3 channels and alpha is dropped. Raises ``ValueError`` naming
     the file for a file that is not a readable image, or (``min_size``, pixels) an image whose
-    shorter side is smaller than ``min_size``.
+    shorter side is smaller than ``min_size`` (what ``needs`` that size, for the message).
     """
     from PIL import Image, UnidentifiedImageError
 
     folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(f"image folder {str(folder)!r} is a file; pass the directory "
+                                 "that holds the images")
     if not folder.is_dir():
         raise FileNotFoundError(f"image folder {str(folder)!r} does not exist; pass a directory")
     files = sorted(p for p in folder.iterdir() if p.suffix.lower() in _IMAGE_SUFFIXES)
@@ -98,8 +102,8 @@ def load_image_dir(path: str | Path, min_size: int | None = None) -> list[np.nda
         height, width = images[-1].shape[:2]
         if min_size is not None and min(height, width) < min_size:
             raise ValueError(
-                f"{str(f)!r} is {height}x{width} pixels, smaller than the {min_size}-pixel "
-                f"training patch; remove it from {str(folder)!r} or use larger images"
+                f"{str(f)!r} is {height}x{width} pixels, smaller than the {min_size} pixels "
+                f"{needs} needs; remove it from {str(folder)!r} or use larger images"
             )
     return images
 

@@ -88,7 +88,10 @@ class SRTask:
         )
         train_images = (default_train if train_dir is None
                         else sr_data.load_image_dir(train_dir, min_size=hr_patch))
-        eval_images = default_eval if eval_dir is None else sr_data.load_image_dir(eval_dir)
+        # held-out scores crop a border of `scale` pixels and need SSIM's window inside it
+        least = -(-(metrics.SSIM_WINDOW + 2 * scale) // scale) * scale
+        eval_images = default_eval if eval_dir is None else sr_data.load_image_dir(
+            eval_dir, min_size=least, needs=f"a held-out score at x{scale}")
         self._sampler = sr_data.PatchSampler(train_images, scale, hr_patch, seed=0)
         self.eval_hr = [_centre_crop(im, eval_size, scale) for im in eval_images]
         self.eval_lr = [sr_data.bicubic_downscale(im, scale) for im in self.eval_hr]

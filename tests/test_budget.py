@@ -133,3 +133,23 @@ def test_the_simulator_books_the_allowance_as_the_engine_does() -> None:
     assert b.alternatives and all(
         alt.bytes_per_device == cost.peak_bytes(alt.batch_size // 2) + 20 * MIB
         for alt in b.alternatives)
+
+
+def test_cpu_devices_holding_more_than_the_host_are_warned_of_once(caplog) -> None:
+    """CPU devices report no limit, so a budget given for them is taken as it is; where the
+    pool's devices together would hold more than the host's physical memory, the user is
+    warned (once per budget) with the most each device can have."""
+    import os
+
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    devices = jax.devices()[:2]
+    with caplog.at_level("WARNING", logger="scamp_jax.planning.budget"):
+        Budget.of_devices(devices, host // 2 - MIB)  # fits the host together: nothing said
+        assert not caplog.records
+        too_much = host // 2 + 7 * MIB
+        for _ in range(2):
+            assert Budget.of_devices(devices, too_much).memory_per_device == too_much
+            Budget.of_devices(devices[:1], too_much)  # a subset of the pool: not again
+    assert len(caplog.records) == 1
+    message = caplog.records[0].getMessage()
+    assert "2 CPU device(s)" in message and "more than this host's memory" in message

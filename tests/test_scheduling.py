@@ -117,6 +117,7 @@ def resumed_fused_study(tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
     first = json.loads((study_dir / "results.json").read_text())
     assert [run["interrupted"] for run in first["runs"]] == [True], first["runs"]
     assert len(first["trials"]) < 4, first["trials"]  # trials were left to resume
+    assert first["runs"][0]["trials_this_run"] == len(first["trials"])
     run_fused_study(str(study_dir))
     return json.loads((study_dir / "results.json").read_text())
 
@@ -158,6 +159,9 @@ def test_a_packed_study_never_books_a_device_above_its_usable_bytes(packed_study
     assert usable == Budget(run["memory_per_device"], run["safety_margin"]).usable_bytes
     assert usable < run["memory_per_device"]
     assert run["policy_parts"]["policy"] == "scamp"
+    # on CPU devices the last wave does not grow (--elastic auto), and the record says so
+    assert run["policy_parts"]["elastic"] is False
+    assert run["policy_parts"]["grow_last_wave"] is False
     assert all(t["state"] == "complete" and t["replans"] == 0 for t in results["trials"])
     # Sweep each device's bookings over time: distinct trials only, at their booked bytes.
     peak_trials = 0

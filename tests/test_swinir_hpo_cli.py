@@ -256,6 +256,32 @@ def test_bad_training_images_are_named(tmp_path):
     assert not (study / "study.db").exists()
 
 
+def test_image_folders_that_cannot_serve_are_named(tmp_path):
+    """A training folder that is a file, and a held-out image too small to score at x2 (SSIM's
+    11-pixel window inside a 2-pixel border needs 16 pixels): each error names the path."""
+    from PIL import Image
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    study = tmp_path / "s"
+    _one_line_error(cli("--train-dir", str(afile), "--study-dir", str(study)), "afile",
+                    "is a file")
+    held = tmp_path / "held"
+    held.mkdir()
+    Image.new("RGB", (64, 64)).save(held / "fine.png")
+    Image.new("RGB", (15, 40)).save(held / "small.png")
+    _one_line_error(cli("--eval-dir", str(held), "--study-dir", str(study)), "small.png",
+                    "40x15 pixels", "held-out score at x2")
+    assert not (study / "study.db").exists()
+
+
+def test_devices_per_trial_needs_the_fixed_policy(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        swinir_hpo.main(["--devices-per-trial", "3"])
+    assert exit_info.value.code == 2
+    assert "--devices-per-trial 3 applies to --policy fixed only" in capsys.readouterr().err
+
+
 def test_sigterm_exits_143_and_ctrl_c_130(capsys):
     import signal
 

@@ -153,9 +153,8 @@ class SearchEngine:
         self.devices = list(devices if devices is not None else jax.devices())
         self.checkpoint_root = Path(checkpoint_root) if checkpoint_root else None
         self.plan_fn = plan_fn or planner.plan_mesh
-        self.policy: Any = engine_policy(config, len(self.devices))
-        grow = config.grow_last_wave
-        self._grow = grow if grow is not None else any(d.platform != "cpu" for d in self.devices)
+        self._grow = grows_last_wave(config, self.devices)
+        self.policy: Any = engine_policy(config, len(self.devices), self._grow)
         self.cache = StepCache()
         self.planning = self.make_planning()
         cap = fusion_cap(config.fuse)
@@ -548,10 +547,19 @@ def search_result(policy: str, end: float, usage: Any, outcomes: Sequence[TrialO
     )
 
 
-def engine_policy(config: EngineConfig, devices: int) -> Any:
-    """The placement policy of ``config`` on a pool of ``devices``."""
+def grows_last_wave(config: EngineConfig, devices: Sequence[Any]) -> bool:
+    """Whether the study's last wave may put idle devices to work (``--elastic``): as
+    ``config`` says, else (auto) on accelerators and not on CPU devices, which share one host's
+    cores."""
+    grow = config.grow_last_wave
+    return grow if grow is not None else any(d.platform != "cpu" for d in devices)
+
+
+def engine_policy(config: EngineConfig, devices: int, grow: bool = True) -> Any:
+    """The placement policy of ``config`` on a pool of ``devices``; ``grow``: the last wave
+    may grow (`grows_last_wave`), else ScaMP's elastic steps are off."""
     if config.policy != "fixed":
-        return make_policy("scamp")
+        return make_policy("scamp", elastic=grow)
     if config.devices_per_trial > devices:
         raise ValueError(
             f"devices_per_trial={config.devices_per_trial} exceeds the pool of {devices} "

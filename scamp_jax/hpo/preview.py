@@ -98,7 +98,7 @@ def plan_candidates(
     """
     import optuna
 
-    from scamp_jax.hpo.engine import engine_policy, max_running
+    from scamp_jax.hpo.engine import engine_policy, grows_last_wave, max_running
     from scamp_jax.hpo.plan_service import PlanningService
     from scamp_jax.hpo.study.samplers import make_sampler
     from scamp_jax.planning.planner import DoesNotFitError, plan_mesh
@@ -107,7 +107,7 @@ def plan_candidates(
         raise ValueError(f"{count=} must be a positive int: how many candidates to plan")
     config = settings.engine_config(memory_per_device)
     devices = list(devices)
-    policy = engine_policy(config, len(devices))
+    policy = engine_policy(config, len(devices), grows_last_wave(config, devices))
     service = PlanningService(space, task, config, devices, plan_fn or plan_mesh,
                               getattr(policy, "batch_multiple", 1),
                               max_running=max_running(config, devices))

@@ -304,14 +304,15 @@ class StudySession:
             report.add_run_overhead(self.out_dir, {"report_s": overhead["report_s"]})
         return {**run_info, "best": report.best_record(records, metric, direction)}
 
-    def report_interrupted(self, study: optuna.Study, elapsed_s: float) -> None:
+    def report_interrupted(self, study: optuna.Study, elapsed_s: float,
+                           trials_this_run: int | None = None) -> None:
         """``results.json``/``.csv`` of an interrupted run: every finished trial, and this run
-        appended to the runs (no plots; the next run draws them)."""
+        appended to the runs (no plots; the next run draws them) with the trials it finished."""
         from scamp_jax.hpo import report
 
         run_info = {"policy": self.settings.policy, "devices": len(self.devices),
                     "memory_per_device": self.memory_per_device, "interrupted": True,
-                    "elapsed_s": elapsed_s}
+                    "elapsed_s": elapsed_s, "trials_this_run": trials_this_run}
         report.write_results(self.out_dir, report.trial_records(study, self._metrics()),
                              metric=self.task.metric, direction=self.task.direction,
                              run=run_info)
@@ -358,13 +359,15 @@ def _run_search(space: SearchSpace, task: Task, settings: SearchSettings, **kwar
         return run_search_mpi(space, task, settings, session=StudySession, **kwargs)
     session = StudySession(space, task, settings, **kwargs)
     source = session.trial_source(session.open())
-    session.greet(source.finished(), source.recovered)
+    finished_before = source.finished()
+    session.greet(finished_before, source.recovered)
     started = time.monotonic()
     try:
         _, result = session.run_engine(source)
     except KeyboardInterrupt:
         # The record grows on an interrupt too: finished trials and this run's wall time.
-        session.report_interrupted(source.study, time.monotonic() - started)
+        session.report_interrupted(source.study, time.monotonic() - started,
+                                   source.finished() - finished_before)
         raise
     finally:
         source.close()

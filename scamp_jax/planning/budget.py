@@ -28,12 +28,16 @@ smallest ``bytes_limit`` the devices report) or from a described device that is 
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from scamp_jax import devices as _devices
 from scamp_jax._units import format_bytes, parse_bytes
+
+log = logging.getLogger(__name__)
 
 #: Fraction of each device's pool held back when none is given (allocator rounding,
 #: runtime buffers, what the allowance has not learnt yet).
@@ -181,6 +185,8 @@ class Budget:
             memory = _smallest_limit(devices)
         else:
             memory = parse_bytes(memory_per_device)
+        if platform == "cpu":
+            _above_host(len(devices), memory)
         return cls(memory, safety_margin=safety_margin, allowance_bytes=allowance_bytes,
                    platform=platform, device_kind=",".join(kinds),
                    outside_pool_bytes=0 if platform == "cpu" else GPU_OUTSIDE_POOL_BYTES)
@@ -213,3 +219,25 @@ def _smallest_limit(devices: Sequence[Any]) -> int:
                 "limit; pass it, e.g. plan_mesh(model, batch, memory_per_device='2GiB')")
         limits.append(int(stats["bytes_limit"]))
     return min(limits)
+
+
+_WARNED_ABOVE_HOST: set[int] = set()
+
+
+def _above_host(count: int, memory_per_device: int) -> None:
+    """Warn (once per process and memory per device: the pool's devices come first, then
+    subsets of them) where ``count`` CPU devices of ``memory_per_device``
+    bytes hold more than the host's physical memory: plans that fill them would run the host
+    out of memory."""
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return  # no such figure on this system
+    if count * memory_per_device <= host or memory_per_device in _WARNED_ABOVE_HOST:
+        return
+    _WARNED_ABOVE_HOST.add(memory_per_device)
+    log.warning("%d CPU device(s) of %s hold %s, more than this host's memory (%s): trials "
+                "planned to fill them would run the host out of memory; pass a memory per "
+                "device of at most %s", count, format_bytes(memory_per_device),
+                format_bytes(count * memory_per_device), format_bytes(host),
+                format_bytes(host // count))

@@ -247,7 +247,12 @@ def resolve_target(target: str | os.PathLike[str] | Target,
             "file; pass one of those names or the path of a GpuTargetConfigProto text file "
             "(on a GPU: jax._src.lib.xla_client.get_topology_for_devices(jax.devices())"
             ".target_config)")
-    return parse_target_config(path.read_text(), name=str(path), autotune_cache=cache)
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise ValueError(f"target={str(path)!r} is not a text file; a description file is a "
+                         "GpuTargetConfigProto in text form (.txtpb)") from None
+    return parse_target_config(text, name=str(path), autotune_cache=cache)
 
 
 def parse_target_config(text: str, *, name: str = "target",
