@@ -220,10 +220,15 @@ class _CtrlC:
         self.count += 1
         if self.count == 1:
             raise KeyboardInterrupt
-        print("\nstopped at once: finished trials are in the study; run the same command to "
-              "resume the others from their last checkpoints (once their heartbeat lapses, "
-              f"about {GRACE_PERIOD} s)", file=sys.stderr, flush=True)
-        sys.stdout.flush()
+        # Straight to the file descriptor, no flush: the handler may have cut into a write of
+        # the live view or a print (their streams hold locks); a terminal gets its cursor back
+        # from the live view.
+        shown = "\x1b[?25h" if sys.__stderr__ is not None and sys.__stderr__.isatty() else ""
+        message = (f"{shown}\nstopped at once: finished trials are in the study; run the same "
+                   "command to resume the others from their last checkpoints (once their "
+                   f"heartbeat lapses, about {GRACE_PERIOD} s)\n")
+        with contextlib.suppress(OSError):
+            os.write(2, message.encode())
         os._exit(130)
 
 

@@ -396,3 +396,21 @@ def test_a_stop_inside_an_interruption_loses_no_trial(tmp_path, monkeypatch, sto
     assert retried_from(again.study.get_trials()[last.number]) is None  # a new proposal
     again.tell(TrialOutcome(last.number, "complete", value=3.0))
     assert again.ask() is None and again.finished() == 3
+
+
+def test_a_retry_holds_no_siblings_of_its_trial(tmp_path):
+    """A proposal interrupted while siblings were held for it: its retry is no proposal, so it
+    does not carry the held count that other processes would book as taken slots once it
+    runs (the siblings stay held here, for the proposal's asker)."""
+    from scamp_jax.hpo.study import HELD_SIBLINGS, OptunaTrialSource
+
+    study = open_study("toy", study_dir=tmp_path, sampler="tpe", seed=0, grid=SPACE.grid)
+    src = OptunaTrialSource(study, SPACE, 6, poll_seconds=0.2, siblings=2,
+                            training_keys=("learning_rate",))
+    proposal = src.ask()
+    assert proposal.siblings == 2
+    assert src.study.get_trials()[proposal.number].user_attrs[HELD_SIBLINGS] == 2
+    src.interrupt(proposal.number)
+    retry = next(t for t in src.study.get_trials() if retried_from(t) == proposal.number)
+    assert HELD_SIBLINGS not in retry.user_attrs
+    assert src.remaining() == 6 - 2  # nothing runs; the two siblings are still held here

@@ -299,6 +299,21 @@ def test_sigterm_exits_143_and_ctrl_c_130(capsys):
         signal.getsignal(signal.SIGTERM))
 
 
+def test_the_record_is_replaced_whole(tmp_path):
+    """results.json and results.csv are written beside themselves and renamed over the old
+    ones (a process stopped mid-write leaves the old record, not a cut one): no part files
+    stay, and the new record is read back whole."""
+    from scamp_jax.hpo import report
+
+    row = {"number": 0, "params": {}, "state": "complete", "mse": 1.0}
+    for elapsed in (3.0, 5.0):
+        report.write_results(tmp_path, [row], metric="mse", direction="minimize",
+                             run={"elapsed_s": elapsed})
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".part")]
+    assert [r["elapsed_s"] for r in report.read_runs(tmp_path)] == [3.0, 5.0]
+    assert (tmp_path / "results.csv").read_text().splitlines()[1].startswith("0,")
+
+
 def test_the_record_only_grows(tmp_path):
     from scamp_jax.hpo import report
     row = {"number": 0, "params": {}, "state": "complete", "mse": 1.0}

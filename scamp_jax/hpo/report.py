@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import io
 import json
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -143,20 +145,34 @@ def _write_results(study_dir: Path, records: Sequence[Mapping[str, Any]], metric
         "run": runs[-1] if runs else {},
     }
     json_path = study_dir / "results.json"
-    json_path.write_text(json.dumps(payload, indent=2, default=_jsonable))
+    _replace_text(json_path, json.dumps(payload, indent=2, default=_jsonable))
     columns = list(BASE_COLUMNS)
     for row in records:
         columns += [k for k in row if k not in columns]
     csv_path = study_dir / "results.csv"
-    with csv_path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns)
-        writer.writeheader()
-        for row in records:
-            writer.writerow({
-                k: json.dumps(v, default=_jsonable) if isinstance(v, dict | list) else v
-                for k, v in row.items()
-            })
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=columns)
+    writer.writeheader()
+    for row in records:
+        writer.writerow({
+            k: json.dumps(v, default=_jsonable) if isinstance(v, dict | list) else v
+            for k, v in row.items()
+        })
+    _replace_text(csv_path, text.getvalue())
     return json_path, csv_path
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: a new file beside it, then renamed over
+    it, so a process stopped at any point (a second Ctrl-C) leaves the old record or the new
+    one, never a cut one (whose runs the next run would not find)."""
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        with part.open("w", newline="") as handle:
+            handle.write(text)
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
 
 
 def add_run_overhead(study_dir: str | Path, extra: Mapping[str, Any]) -> None:
@@ -173,7 +189,7 @@ def add_run_overhead(study_dir: str | Path, extra: Mapping[str, Any]) -> None:
             return
         runs[-1].setdefault("overhead", {}).update(extra)
         payload["run"] = runs[-1]
-        path.write_text(json.dumps(payload, indent=2, default=_jsonable))
+        _replace_text(path, json.dumps(payload, indent=2, default=_jsonable))
 
 
 def read_runs(study_dir: str | Path) -> list[dict[str, Any]]:

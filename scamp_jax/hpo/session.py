@@ -359,15 +359,13 @@ def _run_search(space: SearchSpace, task: Task, settings: SearchSettings, **kwar
         return run_search_mpi(space, task, settings, session=StudySession, **kwargs)
     session = StudySession(space, task, settings, **kwargs)
     source = session.trial_source(session.open())
-    finished_before = source.finished()
-    session.greet(finished_before, source.recovered)
+    session.greet(source.finished(), source.recovered)
     started = time.monotonic()
     try:
         _, result = session.run_engine(source)
     except KeyboardInterrupt:
         # The record grows on an interrupt too: finished trials and this run's wall time.
-        session.report_interrupted(source.study, time.monotonic() - started,
-                                   source.finished() - finished_before)
+        session.report_interrupted(source.study, time.monotonic() - started, source.told)
         raise
     finally:
         source.close()

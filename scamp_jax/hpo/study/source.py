@@ -123,9 +123,11 @@ class OptunaTrialSource:
         self.recovered: list[int] = []
         #: live trials another process failed as stale (their results were dropped).
         self.lost: list[int] = []
+        #: trials this source has told (finished here: complete, pruned or failed)
+        self.told = 0
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
-        with self._lock:
+        with self._lock, self._ask_lock():  # retries are queued under the ask lock
             if recover_running:
                 self._recover_running()
             self._fail_stale()
@@ -152,8 +154,11 @@ class OptunaTrialSource:
         """Fail every ``RUNNING`` trial (public ``tell``) and queue a retry of each."""
         for trial in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             try:
-                frozen = self.study.tell(trial.number, state=TrialState.FAIL)
+                frozen = self.study.tell(trial.number, state=TrialState.FAIL,
+                                         skip_if_finished=True)
             except optuna.exceptions.UpdateFinishedTrialError:
+                continue  # finished meanwhile by its own process
+            if frozen.state != TrialState.FAIL:
                 continue  # finished meanwhile by its own process
             with quiet_optuna():
                 retry_callback()(self.study, frozen)
@@ -355,6 +360,7 @@ class OptunaTrialSource:
     def tell(self, outcome: TrialOutcome) -> None:
         """Store the outcome (state, value, reason, attributes) of a live trial."""
         with self._lock:
+            self.told += 1
             self._drop_held(outcome.number)
             trial = self._live.pop(outcome.number)
             self._ids.pop(outcome.number, None)
@@ -372,7 +378,9 @@ class OptunaTrialSource:
                     "failed": TrialState.FAIL,
                 }[outcome.state]
                 value = outcome.value if outcome.state == "complete" else None
-                self.study.tell(trial, value, state=state)
+                told = self.study.tell(trial, value, state=state, skip_if_finished=True)
+                if told.state != state:  # failed as stale meanwhile: its retry owns the slot
+                    self.lost.append(outcome.number)
             except optuna.exceptions.UpdateFinishedTrialError:
                 self.lost.append(outcome.number)  # failed as stale; its retry owns the slot
 
@@ -384,7 +392,7 @@ class OptunaTrialSource:
         later without queueing it again (`retry_callback`); the other order would leave a
         failed trial that nothing retries.
         """
-        with self._lock:
+        with self._lock, self._ask_lock():  # as `ask`: no other process queues it meanwhile
             trial = self._live.pop(number, None)
             trial_id = self._ids.pop(number, None)
             if trial is None:
@@ -399,6 +407,6 @@ class OptunaTrialSource:
                     return  # failed as stale by another process, which queued it again
                 with quiet_optuna():
                     retry_callback()(self.study, frozen)
-                self.study.tell(trial, state=TrialState.FAIL)
+                self.study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
             except optuna.exceptions.UpdateFinishedTrialError:
                 return  # failed as stale by another process, which queued it again

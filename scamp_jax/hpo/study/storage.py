@@ -5,6 +5,7 @@ processes."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import time
 import warnings
@@ -19,6 +20,7 @@ from optuna.trial import FrozenTrial
 
 from scamp_jax.hpo.settings import GRACE_PERIOD, HEARTBEAT_INTERVAL
 from scamp_jax.hpo.study.samplers import make_pruner, make_sampler
+from scamp_jax.hpo.study.trials import HELD_SIBLINGS
 
 #: study user attribute holding the settings the study was created with (see `open_study`).
 SETTINGS_KEY = "settings"
@@ -57,12 +59,18 @@ class _RetryOnce(optuna.storages.RetryHeartbeatStaleTrialCallback):
     An interrupted trial's retry is queued before the trial is failed (`OptunaTrialSource.
     interrupt`), so that a process stopped between the two writes loses nothing; the trial
     then stays ``RUNNING`` until its heartbeat goes stale, and is not queued a second time.
+    Callers hold the study's ask lock (`StudyHandle.ask_lock`), so that two processes do not
+    both find no retry and both queue one. The retry does not carry the count of siblings
+    held for the trial (`HELD_SIBLINGS`): it is no proposal, and holds none.
     """
 
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
         for other in study.get_trials(deepcopy=False):
             if trial.number in self.retry_history(other):
                 return
+        if HELD_SIBLINGS in trial.user_attrs:  # siblings are held for a proposal, not a retry
+            trial = copy.copy(trial)
+            trial.user_attrs = {k: v for k, v in trial.user_attrs.items() if k != HELD_SIBLINGS}
         super().__call__(study, trial)
 
 
