@@ -5,12 +5,12 @@ thread that dispatches the steps, the host's data work grows with the group: eig
 members at a batch of 4,096 draw 141 MB each per step, and on a GPU the step can be done
 before the host is. When the task says its streams share nothing (`parallel_streams`) and one
 member's batch takes long enough to draw that handing it to another thread pays
-(`PARALLEL_MIN_SECONDS`, the median of `TIMED_DRAWS` draws after the first, which starts
-the streams), each
-member's batch is drawn and copied into its slot of the stacked batch on a thread of a shared
-pool, so a group's draws take about one member's time where the host has a core per member;
-NumPy's copies and random draws release the interpreter lock. A member's stream is advanced by
-one thread at a time, in step order, so every member sees exactly the batches of its solo run.
+(`PARALLEL_MIN_SECONDS`, the median of `TIMED_DRAWS` draws after the first, which starts the
+streams), each member's batch is drawn and copied into its slot of the stacked batch on a
+thread of a shared pool, so a group's draws take about one member's time where the host has a
+core per member; NumPy's copies and random draws release the interpreter lock. A member's
+stream is advanced by one thread at a time, in step order, so every member sees exactly the
+batches of its solo run.
 """
 
 from __future__ import annotations
@@ -152,8 +152,8 @@ class StackedStreams:
             wait(jobs)  # a failing member's error is raised after every other member's draw
         finally:
             handoff.close()  # interrupted: the draws running end first, the others never start
-        errors = [(slot, job.exception()) for slot, job in enumerate(jobs)
-                  if job.exception() is not None]
+        errors = [(slot, err) for slot, job in enumerate(jobs)
+                  if (err := job.exception()) is not None]
         if errors:
             first = errors[0][1]
             for slot, other in errors[1:]:
