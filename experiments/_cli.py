@@ -411,6 +411,7 @@ def plan_only(
             sys.modules["jax"].config.update("jax_platforms",
                                              os.environ.get("JAX_PLATFORMS") or "cpu")
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        targets.quiet_compiler_log()  # before JAX starts its backends and loads the plugin
     from scamp_jax.devices import configure_cpu_devices
 
     # With a target the planned devices are its compile-only ones, not CPU devices.

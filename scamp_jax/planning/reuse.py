@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import re
 import threading
 import time
 import weakref
@@ -180,13 +181,19 @@ def compile_lowered(lowered: jax.stages.Lowered,
             retry = without_default_kernels(options, err)
             if retry is None:
                 raise
-            log.warning("a fusion got no default kernel configuration (%s); compiling again "
-                        "with XLA's Triton matrix products off (cuBLAS kernels)",
-                        str(err).splitlines()[0][:160])
+            log.warning("%s got no default kernel configuration; compiling again with XLA's "
+                        "Triton matrix products off (cuBLAS kernels)", _fusions_without(err))
             compiled = lowered.compile(retry)
     if getattr(_hits, "count", 0) != before:
         _mark_read_back(compiled)
     return compiled
+
+
+def _fusions_without(err: BaseException) -> str:
+    """Which fusions ``err`` says got no kernel configuration: "2 of 25 fusions" from XLA's
+    "Failed to get configs for: 2 out of 25 instructions", else "a fusion"."""
+    found = re.search(r"Failed to get configs for: (\d+) out of (\d+) instructions", str(err))
+    return f"{found[1]} of {found[2]} fusions" if found else "a fusion"
 
 
 def load_on_devices(compiled: jax.stages.Compiled, source_ids: Sequence[int],

@@ -31,7 +31,10 @@ Requirements (the ``gpu-plan`` extra, ``pip install 'scamp-jax[gpu-plan]'``): JA
 compiler wheel ``nvidia-cuda-nvcc-cu12``, whose ``ptxas`` (compute capability 7.0 to 12.0)
 and ``libdevice`` the compile needs; no driver, CUDA runtime, cuBLAS or cuDNN. The plugin is
 loaded on the first `Target.devices` call: importing this module, or planning on CPU devices,
-touches nothing of it.
+touches nothing of it. Without a GPU the plugin's compiler logs an ERROR with a fusion's whole
+HLO wherever a product has no default kernel (the compile then takes cuBLAS kernels:
+`scamp_jax.planning.reuse.compile_lowered`); `quiet_compiler_log`, called before JAX starts
+(``--plan-only --target`` does), keeps those lines off the terminal.
 """
 
 from __future__ import annotations
@@ -361,6 +364,7 @@ def _compile_only_devices(config: str, count: int) -> list[Any]:
     with _LOCK_PLUGIN:
         global _C_API
         if _C_API is None:
+            quiet_compiler_log()
             _C_API = xla_client.load_pjrt_plugin_dynamically("cuda", str(library))
     topology = xla_client.make_c_api_device_topology(_C_API, "", **options)
     return list(topology._make_compile_only_devices())  # type: ignore[attr-defined]
@@ -368,6 +372,22 @@ def _compile_only_devices(config: str, count: int) -> list[Any]:
 
 _LOCK_PLUGIN = threading.Lock()
 _C_API: Any = None
+
+#: The C++ log level (`TF_CPP_MIN_LOG_LEVEL`) for the CUDA plugin's compiles without a GPU:
+#: FATAL only. There its compiler logs an ERROR, with the whole fusion's HLO, for every matrix
+#: product that has no default Triton kernel, a condition the compile reports in its status
+#: too and `scamp_jax.planning.reuse.compile_lowered` handles (about 150 lines for six SwinIRs
+#: of the accelerator preset).
+PLUGIN_LOG_LEVEL = "3"
+
+
+def quiet_compiler_log() -> None:
+    """Set `PLUGIN_LOG_LEVEL` for the rest of the process where the level is unset or JAX's
+    default, 1 (``TF_CPP_MIN_LOG_LEVEL=0`` keeps the compiler's log). The plugin reads the
+    level when it loads: when JAX starts its backends (``JAX_PLATFORMS=cpu``, which
+    ``--plan-only --target`` sets, calls this first) or at a target's first devices here."""
+    if os.environ.get("TF_CPP_MIN_LOG_LEVEL") in (None, "1"):  # "1": set by `import jax`
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = PLUGIN_LOG_LEVEL
 
 
 def _field(text: str, name: str, where: str, default: int | None = None) -> int:
