@@ -246,6 +246,31 @@ def process_device_bytes(device_index: int = 0) -> int | None:
     return None
 
 
+#: Where a container's memory limit is read (cgroup v2, then v1); "max" or a figure above
+#: the physical memory means none.
+CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max",
+                        "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def host_memory_bytes() -> int | None:
+    """The memory this process's host gives it, bytes: the physical memory, or the container's
+    (cgroup) limit where that is less; None where the system reports neither. What CPU
+    devices share (their default budget, and the check that they hold no more than it)."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+    for path in CGROUP_MEMORY_LIMITS:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < memory:
+            memory = int(text)
+    return memory
+
+
 def gpu_memory_bytes() -> int | None:
     """The whole memory of the first GPU this process will see, bytes, read with ``nvidia-smi``
     (so before JAX starts); None without ``nvidia-smi`` or a GPU."""

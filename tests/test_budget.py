@@ -139,9 +139,9 @@ def test_cpu_devices_holding_more_than_the_host_are_warned_of_once(caplog) -> No
     """CPU devices report no limit, so a budget given for them is taken as it is; where the
     pool's devices together would hold more than the host's physical memory, the user is
     warned (once per budget) with the most each device can have."""
-    import os
+    from scamp_jax.devices import host_memory_bytes
 
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    host = host_memory_bytes()
     devices = jax.devices()[:2]
     with caplog.at_level("WARNING", logger="scamp_jax.planning.budget"):
         Budget.of_devices(devices, host // 2 - MIB)  # fits the host together: nothing said
@@ -153,3 +153,25 @@ def test_cpu_devices_holding_more_than_the_host_are_warned_of_once(caplog) -> No
     assert len(caplog.records) == 1
     message = caplog.records[0].getMessage()
     assert "2 CPU device(s)" in message and "more than this host's memory" in message
+
+
+def test_a_containers_memory_limit_is_the_hosts_memory(tmp_path, monkeypatch) -> None:
+    """In a container the host's memory is its cgroup's limit where that is less than the
+    physical memory. The kernel's limit file is replaced by a file of the test's (a container
+    limit cannot be set from inside this one); "max" and figures above the physical memory
+    are no limit."""
+    import os
+
+    from scamp_jax import devices as device_setup
+
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = tmp_path / "memory.max"
+    monkeypatch.setattr(device_setup, "CGROUP_MEMORY_LIMITS",
+                        (str(tmp_path / "absent"), str(limit)))
+    for text, expected in (("max\n", physical), (f"{physical * 2}\n", physical),
+                           (f"{physical // 3}\n", physical // 3)):
+        limit.write_text(text)
+        assert device_setup.host_memory_bytes() == expected
+    from scamp_jax.hpo.session import CPU_MEMORY_SHARE, default_budget
+
+    assert default_budget(None, jax.devices()[:2]) == int(CPU_MEMORY_SHARE * (physical // 3)) // 2

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -150,9 +149,10 @@ def test_run_study_rejects_a_bad_setting_before_opening_a_study(tmp_path):
 
 
 def test_cpu_devices_default_to_a_share_of_host_memory():
+    from scamp_jax.devices import host_memory_bytes
     from scamp_jax.hpo.session import CPU_MEMORY_SHARE, default_budget
 
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    host = host_memory_bytes()
     devices = jax.devices()[:4]
     assert default_budget(None, devices) == int(CPU_MEMORY_SHARE * host) // 4
     assert default_budget("1GiB", devices) == 2**30

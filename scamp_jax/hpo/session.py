@@ -41,8 +41,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Share of the host's physical memory that CPU devices (which report no limit) split between
-#: them when no ``memory_per_device`` is given.
+#: Share of the host's memory (physical, or a container's limit) that CPU devices (which
+#: report no limit) split between them when no ``memory_per_device`` is given.
 CPU_MEMORY_SHARE = 0.5
 
 
@@ -412,7 +412,7 @@ def run_study(
       devices: the device pool: a list of JAX devices, a count (the first ``n``), or None (all).
       memory_per_device: budget per device in bytes or as text (``"2GiB"``). None: the device
         limit on accelerators; on CPU devices, which report none, an equal share of
-        `CPU_MEMORY_SHARE` of the host's physical memory.
+        `CPU_MEMORY_SHARE` of the host's memory (physical, or a container's limit).
       live: a live table of devices and trials (None: when stdout is a terminal,
         `scamp_jax.hpo.live.is_terminal`; False: log lines).
       baseline: a second score of ``task.evaluate`` to print beside the metric (e.g. a trivial
@@ -501,14 +501,18 @@ def held_budget(devices: Sequence[jax.Device], memory_per_device: int) -> int:
 def default_budget(memory_per_device: int | str | None, devices: Sequence[jax.Device]) -> int:
     """Per-device budget in bytes: the argument, the accelerators' limit, or a share of the host.
 
-    CPU devices report no memory limit; they split `CPU_MEMORY_SHARE` of the host's physical
-    memory equally.
+    CPU devices report no memory limit; they split `CPU_MEMORY_SHARE` of the host's memory
+    (`scamp_jax.devices.host_memory_bytes`: physical, or a container's limit) equally.
     """
+    from scamp_jax.devices import host_memory_bytes
     from scamp_jax.planning.budget import Budget
 
     if memory_per_device is not None or any(d.platform != "cpu" for d in devices):
         return Budget.of_devices(devices, memory_per_device).memory_per_device
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    host = host_memory_bytes()
+    if host is None:
+        raise ValueError("this system reports no memory size for its CPU devices; pass "
+                         "memory_per_device (--memory-per-device), e.g. '1GiB'")
     return int(CPU_MEMORY_SHARE * host) // len(devices)
 
 

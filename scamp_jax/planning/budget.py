@@ -29,7 +29,6 @@ smallest ``bytes_limit`` the devices report) or from a described device that is 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -227,11 +226,10 @@ _WARNED_ABOVE_HOST: set[int] = set()
 def _above_host(count: int, memory_per_device: int) -> None:
     """Warn (once per process and memory per device: the pool's devices come first, then
     subsets of them) where ``count`` CPU devices of ``memory_per_device``
-    bytes hold more than the host's physical memory: plans that fill them would run the host
-    out of memory."""
-    try:
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, OSError, ValueError):
+    bytes hold more than the host's memory (`scamp_jax.devices.host_memory_bytes`: physical,
+    or a container's limit): plans that fill them would run the host out of memory."""
+    host = _devices.host_memory_bytes()
+    if host is None:
         return  # no such figure on this system
     if count * memory_per_device <= host or memory_per_device in _WARNED_ABOVE_HOST:
         return
