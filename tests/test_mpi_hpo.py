@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -515,6 +516,35 @@ def test_a_killed_rank_stops_the_job_and_the_same_command_resumes_the_study(
     assert all(r in (INTERRUPTED, None) for n, s, r in stored if s != "COMPLETE")
     results = _results(tmp_path)
     assert sorted(t["number"] for t in results["trials"]) == sorted(complete)
+
+
+@pytest.mark.mpi
+def test_an_interrupted_mpi_run_is_recorded_with_the_trials_it_finished(tmp_path, _needs_mpi):
+    """Ctrl-C on ``mpirun`` (Open MPI ends the ranks with SIGTERM, which the command line
+    takes as an interruption): rank 0 appends the run to ``results.json``, interrupted, with
+    the trials every rank told, as a single process does."""
+    from test_mpi_runs import launcher, mpi_env
+
+    cmd = [*launcher(2), sys.executable, str(SCRIPT), "--no-live", "--study-dir",
+           str(tmp_path / "study"), "--trials", "6", "--steps", "1500"]
+    proc = subprocess.Popen(cmd, env=mpi_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:  # the first trial told, then Ctrl-C
+            lines.append(line)
+            if " complete " in line:
+                proc.send_signal(signal.SIGINT)
+                break
+        output = "".join(lines) + proc.stdout.read()
+        assert proc.wait(timeout=120) != 0, output
+    finally:
+        proc.kill()
+    complete = {n for n, s, _ in _stored_trials(tmp_path) if s == "COMPLETE"}
+    assert complete, output
+    run = _results(tmp_path)["runs"][-1]
+    assert run["interrupted"] and run["ranks"] == 2, run
+    assert run["trials_this_run"] == len(complete), (run, complete)
 
 
 @pytest.mark.mpi

@@ -274,9 +274,16 @@ def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any
     else:
         session.say_pool()
     source = RemoteTrialSource(client)
-    # The barrier: every rank asks from the start, so work spreads over all of them.
-    engine, result = session.run_engine(source, engine=functools.partial(MPISearchEngine, size),
-                                        before=comm.Barrier)
+    started = time.monotonic()
+    try:
+        # The barrier: every rank asks from the start, so work spreads over all of them.
+        engine, result = session.run_engine(
+            source, engine=functools.partial(MPISearchEngine, size), before=comm.Barrier)
+    except KeyboardInterrupt:
+        if server is not None:  # rank 0 records the run, as a single process does
+            session.report_interrupted(server.source.study, time.monotonic() - started,
+                                       server.source.told, ranks=size)
+        raise
     source.close()
     summary = {"rank": rank, **run_summary(result, len(devices), memory_per_device),
                "deferred": len(engine.deferred)}

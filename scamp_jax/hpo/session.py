@@ -305,14 +305,15 @@ class StudySession:
         return {**run_info, "best": report.best_record(records, metric, direction)}
 
     def report_interrupted(self, study: optuna.Study, elapsed_s: float,
-                           trials_this_run: int | None = None) -> None:
+                           trials_this_run: int | None = None, **run: Any) -> None:
         """``results.json``/``.csv`` of an interrupted run: every finished trial, and this run
-        appended to the runs (no plots; the next run draws them) with the trials it finished."""
+        appended to the runs (no plots; the next run draws them) with the trials it finished
+        and ``run``'s entries (``ranks`` under MPI, where ``devices`` are rank 0's)."""
         from scamp_jax.hpo import report
 
         run_info = {"policy": self.settings.policy, "devices": len(self.devices),
                     "memory_per_device": self.memory_per_device, "interrupted": True,
-                    "elapsed_s": elapsed_s, "trials_this_run": trials_this_run}
+                    "elapsed_s": elapsed_s, "trials_this_run": trials_this_run, **run}
         report.write_results(self.out_dir, report.trial_records(study, self._metrics()),
                              metric=self.task.metric, direction=self.task.direction,
                              run=run_info)
