@@ -118,6 +118,11 @@ def resumed_fused_study(tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
     assert [run["interrupted"] for run in first["runs"]] == [True], first["runs"]
     assert len(first["trials"]) < 4, first["trials"]  # trials were left to resume
     assert first["runs"][0]["trials_this_run"] == len(first["trials"])
+    # Its figures up to the Ctrl-C: the pool's memory booked and where the time went.
+    interrupted = first["runs"][0]
+    assert interrupted["usage"]["peak_memory_utilization"] > 0, interrupted
+    assert interrupted["overhead"]["planning_compiles"] >= 1, interrupted
+    assert interrupted["timeline"]["intervals"], interrupted
     run_fused_study(str(study_dir))
     return json.loads((study_dir / "results.json").read_text())
 

@@ -263,6 +263,11 @@ class SearchEngine:
         self._planner.shutdown(wait=True)
         self._launch.close()
         self.intake.finish()
+        return self.result_so_far()
+
+    def result_so_far(self) -> SearchResult:
+        """This run's figures up to now (its usage, timeline, outcomes): what `run` returns,
+        and, after an interrupt, what the record of the interrupted run keeps."""
         return search_result(self.policy.name, self._now(), self.usage, self.endings.outcomes,
                              self.cache, self.scheduling_info())
 

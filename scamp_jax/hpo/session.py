@@ -141,6 +141,8 @@ class StudySession:
         self.plan_fn = plan_fn or functools.partial(plan_mesh, cache=self.plan_cache)
         #: ``run.overhead`` of the last `run_engine` (`scamp_jax.hpo.overhead`), None before
         self.overhead: dict[str, Any] | None = None
+        #: the engine's figures when its run was interrupted (`run_engine`), else None
+        self.interrupted_result: Any = None
         if console is None:
             from scamp_jax.hpo.live import RankStream, is_terminal
 
@@ -258,9 +260,15 @@ class StudySession:
         # Every compile of the run is looked up in (and, by the study's owner, written to) the
         # study's persistent compilation cache; where the time goes besides training:
         # run.overhead in results.json.
-        with (study_compile_cache(self.study_dir, writer=self.rank == 0), view,
-              OverheadRecorder() as recorder):
-            result = built.run()
+        recorder = OverheadRecorder()
+        try:
+            with study_compile_cache(self.study_dir, writer=self.rank == 0), view, recorder:
+                result = built.run()
+        except KeyboardInterrupt:
+            # the interrupted run's record keeps its figures so far (`report_interrupted`)
+            self.interrupted_result = built.result_so_far()
+            self.overhead = recorder.summary(self.interrupted_result)
+            raise
         self.overhead = recorder.summary(result)
         return built, result
 
@@ -307,13 +315,22 @@ class StudySession:
     def report_interrupted(self, study: optuna.Study, elapsed_s: float,
                            trials_this_run: int | None = None, **run: Any) -> None:
         """``results.json``/``.csv`` of an interrupted run: every finished trial, and this run
-        appended to the runs (no plots; the next run draws them) with the trials it finished
-        and ``run``'s entries (``ranks`` under MPI, where ``devices`` are rank 0's)."""
+        appended to the runs (no plots; the next run draws them) with the trials it finished,
+        its figures up to the interrupt where the engine had started (usage, timeline,
+        overhead: `run_engine`) and ``run``'s entries (``ranks`` under MPI, where ``devices``
+        and the usage are rank 0's)."""
         from scamp_jax.hpo import report
 
-        run_info = {"policy": self.settings.policy, "devices": len(self.devices),
-                    "memory_per_device": self.memory_per_device, "interrupted": True,
-                    "elapsed_s": elapsed_s, "trials_this_run": trials_this_run, **run}
+        run_info: dict[str, Any] = {"policy": self.settings.policy,
+                                    "devices": len(self.devices),
+                                    "memory_per_device": self.memory_per_device}
+        if self.interrupted_result is not None:
+            run_info.update(report.run_summary(self.interrupted_result, len(self.devices),
+                                               self.memory_per_device))
+        if self.overhead is not None:
+            run_info["overhead"] = self.overhead
+        run_info.update(interrupted=True, elapsed_s=elapsed_s, trials_this_run=trials_this_run,
+                        **run)
         report.write_results(self.out_dir, report.trial_records(study, self._metrics()),
                              metric=self.task.metric, direction=self.task.direction,
                              run=run_info)
