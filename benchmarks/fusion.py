@@ -59,7 +59,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -139,9 +139,12 @@ def _stats(values: Sequence[float]) -> dict[str, Any]:
 
 
 def run(family: str, width: int, *, steps: int, batch: int, repeats: int, ray: bool,
-        concurrent: bool, seed: int = 0, wide: bool = True) -> dict[str, Any]:
+        concurrent: bool, seed: int = 0, wide: bool = True,
+        progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Measure the variants; returns the JSON-ready report (see the module docstring).
-    ``wide=False``: no ``wide_speedup`` (one compile less)."""
+    ``wide=False``: no ``wide_speedup`` (one compile less). ``progress``: called with what is
+    measured so far (`partial`'s figures) after the first steps and after each timed run, so
+    a caller stopped part way keeps them."""
     import dataclasses
 
     if steps < 3:
@@ -241,6 +244,8 @@ def run(family: str, width: int, *, steps: int, batch: int, repeats: int, ray: b
         return time.perf_counter() - t0, results
 
     first = _first_steps(fused, unfused, width)
+    if progress is not None:
+        progress(partial(width, first, {}, {}, fusion_planning[0], solo_planning))
     variants = ["fused", "unfused"] + (["concurrent"] if concurrent else [])
     times: dict[str, list[float]] = {v: [] for v in variants}
     cpu: dict[str, list[float]] = {v: [] for v in variants}
@@ -277,6 +282,9 @@ def run(family: str, width: int, *, steps: int, batch: int, repeats: int, ray: b
             cpu[v].append(time.process_time() - c0)
             print(f"repeat {r}: {v:>10} {seconds:7.2f} s wall, {cpu[v][-1]:7.2f} s CPU",
                   flush=True)
+            if progress is not None:
+                progress(partial(width, first, times, per_step, fusion_planning[0],
+                                 solo_planning))
     assert fused_result is not None and solo_results is not None
     step_only = step_times(family, width, batch,
                            ways=tuple(STEP_WAYS) if wide else ("fused",))
@@ -332,6 +340,25 @@ def run(family: str, width: int, *, steps: int, batch: int, repeats: int, ray: b
     else:
         out["ray"] = {"skipped": "not requested (pass --ray)"}
     return out
+
+
+def partial(width: int, first: Sequence[Mapping[str, float]],
+            times: Mapping[str, Sequence[float]], per_step: Mapping[str, Sequence[float]],
+            fusion_planning_s: float, solo_planning_s: float) -> dict[str, Any]:
+    """What `run` has measured so far: the members' first-step differences, each timed
+    variant's seconds, and, once both ways have run, the end-to-end and steady speed-ups
+    (``None`` until then)."""
+    fused, unfused = times.get("fused") or [], times.get("unfused") or []
+    solo_steps, fused_steps = per_step.get("unfused") or [], per_step.get("fused") or []
+    return {
+        "width": width,
+        "max_first_step_rel_diff": max(m["first_step_rel_diff"] for m in first),
+        "seconds": {v: list(t) for v, t in times.items()},
+        "fusion_planning_s": fusion_planning_s, "solo_planning_s": solo_planning_s,
+        "end_to_end_speedup": min(unfused) / min(fused) if fused and unfused else None,
+        "steady_speedup": width * statistics.median(solo_steps) / statistics.median(fused_steps)
+        if solo_steps and fused_steps else None,
+    }
 
 
 def _first_steps(fused: Any, unfused: Any, width: int) -> list[dict[str, float]]:

@@ -30,6 +30,8 @@ HEADERS: dict[str, list[str]] = {
     "supernet": ["schedule", "choices", "stages", "offload", "samples/s", "vs sequential",
                  "same bytes as sequential", "device weights"],
     "tests": ["marker", "passed", "failed", "skipped", "seconds"],
+    "compiles": ["case", "budget", "plan", "wall s", "CPU s", "compiles", "batch",
+                 "compiled peak"],
 }
 
 
@@ -89,7 +91,7 @@ def markdown(report: dict[str, Any], sections: tuple[str, ...]) -> str:
         lines += [f"### GPU {name}", "", _run_line(meta, sec), ""]
         try:
             body, notes = SECTION_TABLES[name](sec)
-        except (KeyError, TypeError, ZeroDivisionError) as err:  # a partial record
+        except Exception as err:  # noqa: BLE001 - a partial record; the others still print
             body, notes = table(name, []), [f"(table incomplete: {type(err).__name__}: {err})"]
         lines += body
         notes = [n for n in notes + [sec.get("note", "")] if n]
@@ -171,17 +173,20 @@ def _fusion_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
              _f(r.get("step_speedup"), ".2f", "x"), _f(r.get("wide_speedup"), ".2f", "x"),
              _f(r["end_to_end_speedup"], ".2f", "x") + f" ({r['unfused_seconds']:.1f} vs "
              f"{r['fused_seconds']:.1f} s)", _f(r["compile_planning_s"], ".1f"),
-             _f(r["max_first_step_rel_diff"], ".1e"), _f(r["noise_floor_first_step"], ".1e")]
+             _f(r["max_first_step_rel_diff"], ".1e"), _f(r.get("noise_floor_first_step"), ".1e")]
             for r in sec.get("rows", [])]
     notes = [f"{r['steps']} steps at batch {r['batch']}; fused vs solo final loss, largest "
              f"relative difference {r['max_final_loss_rel_diff']:.1e} (noise floor, the same "
-             f"trial twice: {r['noise_floor_final_loss']:.1e}); solo steady step from the "
-             f"{r['steady_step_solo_source']}" for r in sec.get("rows", [])]
-    noise = sec.get("noise_floor")
-    if noise and not sec.get("rows"):
-        notes.append(f"Noise floor measured (the same trial twice): first step "
-                     f"{noise['first_loss_rel_diff']:.1e}, final loss "
-                     f"{noise['final_loss_rel_diff']:.1e}")
+             f"trial twice: {_f(r.get('noise_floor_final_loss'), '.1e')})"
+             for r in sec.get("rows", [])]
+    so_far = sec.get("fusion_so_far")
+    if so_far and not sec.get("rows"):  # cut short inside benchmarks.fusion
+        done = ", ".join(f"{v} {t[0]:.1f} s" for v, t in so_far["seconds"].items() if t)
+        notes.append(f"Measured before the cut ({so_far['width']} members): largest first-step "
+                     f"difference {so_far['max_first_step_rel_diff']:.1e}; timed runs: "
+                     f"{done or 'none'}; end to end "
+                     f"{_f(so_far.get('end_to_end_speedup'), '.2f', 'x')}, steady "
+                     f"{_f(so_far.get('steady_speedup'), '.2f', 'x')}")
     return table("fusion", rows), notes
 
 
@@ -230,11 +235,27 @@ def _mainjob_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
              "(summed over threads), its share of the study's seconds; fused step: the fused "
              "trials' last pace (median); host data: one step's batches of a fused group of "
              f"{(sec.get('rows') or [{}])[0].get('host_data', NOT_YET)} "
-             "(members x batch) as the runner draws them, before the study "
+             "(members x batch) as the runner draws them, after the study "
              "(`benchmarks.member_data`)"] if sec.get("command") else []
     if any(r.get("interrupted") for r in sec.get("rows", [])):
-        notes.append("stopped at the section's time: finished trials only, no usage figures")
+        notes.append("stopped at the section's time: finished trials, usage and compiles up "
+                     "to the stop")
     return table("mainjob", rows), notes
+
+
+def _compiles_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
+    rows = []
+    for r in sec.get("rows", []):
+        if r.get("unfinished_s") is not None:
+            rows.append([r["case"], r["budget"], r["form"], f"did not finish in "
+                         f"{r['unfinished_s']:.0f} s", "", "", "", ""])
+            continue
+        rows.append([r["case"], r["budget"], r["form"], _f(r.get("wall_s"), ".1f"),
+                     _f(r.get("cpu_s"), ".1f"), str(r.get("plan_compiles", NOT_YET)),
+                     f"{r.get('batch', NOT_YET)}", _b(r.get("peak_bytes"))])
+    return table("compiles", rows), (["`python -m benchmarks.compiles --case CASE --devices 1 "
+                                      "--memory-per-device BUDGET [--planning-only]`, a fresh "
+                                      "process each"] if rows else [])
 
 
 def _supernet_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
@@ -267,7 +288,9 @@ def _tests_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
     count = {k: sum(1 for r in got if r["outcome"] in ks)
              for k, ks in (("passed", ("passed", "xpass")), ("failed", ("failed", "error")),
                            ("skipped", ("skipped", "xfail")))}
-    rows = [[f"gpu (`pytest -m gpu {' '.join(sec.get('files', []))}`)", str(count["passed"]),
+    keyword = f" -k '{sec['keyword']}'" if sec.get("keyword") else ""
+    rows = [[f"gpu (`pytest -m gpu {' '.join(sec.get('files', []))}{keyword}`)",
+             str(count["passed"]),
              str(count["failed"]), str(count["skipped"]),
              f"{sum(r['seconds'] for r in got):.1f}"]]
     failed = [r["test"].split("::")[-1] for r in got if r["outcome"] in ("failed", "error")]
@@ -277,4 +300,5 @@ def _tests_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
 SECTION_TABLES: dict[str, Callable[[dict[str, Any]], tuple[list[str], list[str]]]] = {
     "memory": _memory_md, "fusion": _fusion_md, "mainjob": _mainjob_md, "packing": _packing_md,
     "determinism": _determinism_md, "supernet": _supernet_md, "tests": _tests_md,
+    "compiles": _compiles_md,
 }

@@ -420,24 +420,33 @@ def trial_twice(family: str, steps: int, batch: int, root: Path) -> dict[str, An
 # --------------------------------------------------------------------------- fusion
 
 def fusion_section(cfg: Any, ctx: Context, rec: Record) -> None:
-    """The noise floor (one trial twice), then fused vs one after another, the same trials:
-    end to end and in steady state, compile and planning apart."""
+    """Fused vs one after another, the same trials (`benchmarks.fusion`): end to end and in
+    steady state, compile and planning apart, what it measured saved as it goes; then the
+    noise floor (one trial twice) and one member's step at K times the batch, as time
+    allows."""
     import tempfile
 
     from benchmarks import fusion
 
+    def keep(partial: dict[str, Any]) -> None:
+        rec.body["fusion_so_far"] = partial
+        rec.save()
+
+    _timeout(ctx, cfg.fusion_least_seconds)
+    report = fusion.run(cfg.fusion_family, cfg.fusion_width, steps=cfg.fusion_steps,
+                        batch=cfg.fusion_batch, repeats=1, ray=False, concurrent=False,
+                        wide=False, progress=keep)
+    rec.body["fusion"] = report
+    row = _fusion_row(cfg, report)
+    rec.add_row(row)
+    # The noise floor: the fused-vs-solo gap above against one trial run twice.
     _timeout(ctx, cfg.fusion_least_seconds)
     with tempfile.TemporaryDirectory(prefix="gpu-suite-noise-") as tmp:
         noise = trial_twice(cfg.fusion_family, cfg.fusion_steps, cfg.fusion_batch, Path(tmp))
     rec.body["noise_floor"] = noise
+    row.update(noise_floor_first_step=noise["first_loss_rel_diff"],
+               noise_floor_final_loss=noise["final_loss_rel_diff"])
     rec.save()
-    _timeout(ctx, cfg.fusion_least_seconds)
-    report = fusion.run(cfg.fusion_family, cfg.fusion_width, steps=cfg.fusion_steps,
-                        batch=cfg.fusion_batch, repeats=1, ray=False, concurrent=False,
-                        wide=False)
-    rec.body["fusion"] = report
-    row = _fusion_row(cfg, report, noise)
-    rec.add_row(row)
     # One member's step at K times the batch last: two more compiles (the solo step again and
     # the wide one), which the section's time may not hold; the row above is kept either way.
     _timeout(ctx, cfg.fusion_least_seconds)
@@ -452,34 +461,30 @@ def fusion_section(cfg: Any, ctx: Context, rec: Record) -> None:
     rec.save()
 
 
-def _fusion_row(cfg: Any, report: dict[str, Any], noise: dict[str, Any]) -> dict[str, Any]:
-    """One row of the fusion table. The steady steps (medians), ``steady_speedup``,
-    ``step_speedup``, ``wide_speedup`` and the members' ``first_step_rel_diff`` are
-    `benchmarks.fusion`'s where it reports them; the solo steady step otherwise the noise
-    floor's trial's."""
+def _fusion_row(cfg: Any, report: dict[str, Any]) -> dict[str, Any]:
+    """One row of the fusion table: the steady steps (medians), ``steady_speedup``,
+    ``step_speedup``, ``wide_speedup`` (later) and the members' ``first_step_rel_diff``, as
+    `benchmarks.fusion` reports them; the noise floor's figures are added once measured."""
     members = report["members"]
     firsts = [m["first_step_rel_diff"] for m in members if "first_step_rel_diff" in m]
     steady = report.get("steady") or {}
-    solo = (steady.get("solo_step_seconds") or {}).get("median")
-    fused = (steady.get("fused_step_seconds") or {}).get("median")
     return {
         "family": cfg.fusion_family, "width": cfg.fusion_width, "steps": cfg.fusion_steps,
         "batch": cfg.fusion_batch,
-        "steady_step_solo_s": solo if solo is not None else noise["runs"][1]["steady_step_s"],
-        "steady_step_solo_source": "fusion" if solo is not None else "noise-floor trial",
-        "steady_step_fused_s": fused,
+        "steady_step_solo_s": (steady.get("solo_step_seconds") or {}).get("median"),
+        "steady_step_fused_s": (steady.get("fused_step_seconds") or {}).get("median"),
         "steady_speedup": report.get("steady_speedup"),
         "step_speedup": report.get("step_speedup"),
         "wide_speedup": report.get("wide_speedup"),
         "end_to_end_speedup": report["speedup"]["min"],
+        "trials_per_hour": report.get("trials_per_hour"),
         "fused_seconds": report["seconds"]["fused"]["min"],
         "unfused_seconds": report["seconds"]["unfused"]["min"],
         "compile_planning_s": report["fused_compile_seconds"]
         + report["fusion_plan"]["planning_seconds"],
         "max_first_step_rel_diff": max(firsts) if firsts else None,
         "max_final_loss_rel_diff": max(m["loss_rel_diff"] for m in members),
-        "noise_floor_first_step": noise["first_loss_rel_diff"],
-        "noise_floor_final_loss": noise["final_loss_rel_diff"],
+        "noise_floor_first_step": None, "noise_floor_final_loss": None,
     }
 
 
@@ -547,24 +552,13 @@ def mainjob_section(cfg: Any, ctx: Context, rec: Record) -> None:
     shortened to ``cfg.mainjob_trials`` trials of ``cfg.mainjob_steps`` steps (at the preset's
     reference batch) so that it ends inside the section: the study's seconds, its compiles
     and their share of it, the pool's memory booked (peak and mean), the batches and fused
-    trials, their steady step, and the best PSNR against bicubic; before it, what the host's
-    data takes per step of the preset's widest fused group (`benchmarks.member_data`), to
-    hold against the fused step. Past the section's time the study is stopped as a user stops
-    it (SIGTERM: running trials checkpointed, finished ones reported)."""
+    trials, their steady step, and the best PSNR against bicubic. Past the section's time the
+    study is stopped as a user stops it (SIGTERM: running trials checkpointed; the record
+    keeps finished trials and the figures up to the stop). After it, as time allows, what the
+    host's data takes per step of the preset's widest fused group (`benchmarks.member_data`),
+    to hold against the fused step."""
     from benchmarks import member_data
 
-    width, batch = cfg.mainjob_data
-    data: dict[str, Any] | None = None
-    if _timeout(ctx, cfg.mainjob_least_seconds) < (cfg.mainjob_least_seconds
-                                                   + cfg.mainjob_data_seconds):
-        # the study is the section's point: its time is not spent on the draws
-        rec.body["member_data_error"] = "not measured: the section's time is left to the study"
-    else:
-        try:
-            data = member_data.measure("swinir", width, batch, repeats=2)
-            rec.body["member_data"] = data
-        except Exception as err:  # noqa: BLE001 - the study below is the section's point
-            rec.body["member_data_error"] = f"{type(err).__name__}: {err}"
     out = ctx.out / "mainjob"
     cmd = [sys.executable, "-m", "experiments.swinir_hpo", "--study-dir", str(out),
            "--no-live", "--trials", str(cfg.mainjob_trials), "--steps", str(cfg.mainjob_steps)]
@@ -592,11 +586,25 @@ def mainjob_section(cfg: Any, ctx: Context, rec: Record) -> None:
             return  # stopped before it reported anything: the cut says so
         raise RuntimeError(f"the main job wrote no results.json (exit {code}); see "
                            "mainjob.log")
-    rec.add_row({**mainjob_row(json.loads(results.read_text())),
-                 "host_data_s": data["seconds"]["runner"]["median"] if data else None,
-                 "host_data": f"{width} x {batch}"})
+    width, batch = cfg.mainjob_data
+    row = {**mainjob_row(json.loads(results.read_text())), "host_data_s": None,
+           "host_data": f"{width} x {batch}"}
+    rec.add_row(row)
     if code and not rec.body.get("cut_short"):
         raise RuntimeError(f"the main job exited {code}; see mainjob.log")
+    left = ctx.left()
+    if left < cfg.mainjob_data_seconds:
+        rec.body["member_data_error"] = (f"not measured: {left:.0f} s left after the study, "
+                                         f"less than {cfg.mainjob_data_seconds:.0f} s")
+    else:
+        try:
+            data = member_data.measure("swinir", width, batch, repeats=2)
+        except Exception as err:  # noqa: BLE001 - the study above is the section's point
+            rec.body["member_data_error"] = f"{type(err).__name__}: {err}"
+        else:
+            rec.body["member_data"] = data
+            row["host_data_s"] = data["seconds"]["runner"]["median"]
+    rec.save()
 
 
 def mainjob_row(data: dict[str, Any]) -> dict[str, Any]:
@@ -715,7 +723,8 @@ def determinism_section(cfg: Any, ctx: Context, rec: Record) -> None:
 # --------------------------------------------------------------------------- gpu-marked tests
 
 def tests_section(cfg: Any, ctx: Context, rec: Record) -> None:
-    """``pytest -m gpu tests/test_gpu.py``; each test's outcome recorded as it finishes."""
+    """``pytest -m gpu`` of ``cfg.test_files`` (``-k cfg.test_keyword``); each test's outcome
+    recorded as it finishes."""
     import re
 
     root = Path(__file__).resolve().parents[1]
@@ -728,6 +737,9 @@ def tests_section(cfg: Any, ctx: Context, rec: Record) -> None:
         env["JAX_PLATFORMS"] = "cuda"
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider",
            "--durations=0", *cfg.test_files]
+    if cfg.test_keyword:
+        cmd += ["-k", cfg.test_keyword]
+        rec.body["keyword"] = cfg.test_keyword
     result = re.compile(r"^(tests/\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")
     start = time.perf_counter()
     timeout = _timeout(ctx, 10.0)
@@ -759,7 +771,46 @@ def tests_section(cfg: Any, ctx: Context, rec: Record) -> None:
     rec.save()
 
 
+# --------------------------------------------------------------------------- compiles
+
+def compiles_section(cfg: Any, ctx: Context, rec: Record) -> None:
+    """What planning a new architecture costs here (`benchmarks.compiles`, a fresh process per
+    plan: JAX's in-process caches empty, no persistent cache): for each of
+    ``cfg.compiles_cases`` (case, budget, planning only) the wall and CPU seconds, compiles,
+    batch and compiled peak, or how long it ran without finishing."""
+    root = Path(__file__).resolve().parents[1]
+    for case, budget, planning_only in cfg.compiles_cases:
+        form = "planning only" if planning_only else "run-ready"
+        cmd = [sys.executable, "-m", "benchmarks.compiles", "--case", case, "--devices", "1"]
+        if budget is not None:
+            cmd += ["--memory-per-device", budget]
+        if planning_only:
+            cmd.append("--planning-only")
+        row: dict[str, Any] = {"case": case, "budget": budget or "the case's", "form": form}
+        try:
+            timeout = _timeout(ctx, cfg.compiles_least_seconds)
+        except OutOfTime as err:
+            rec.cut(f"{case} {form}: {err}")
+            return
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            row["unfinished_s"] = time.perf_counter() - start
+            rec.add_row(row)
+            rec.cut(f"{case} {form} did not finish in {row['unfinished_s']:.0f} s")
+            return
+        if proc.returncode:
+            raise RuntimeError(f"benchmarks.compiles --case {case} exited {proc.returncode}: "
+                               f"{proc.stderr.strip()[-1500:]}")
+        row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+        row["process_s"] = time.perf_counter() - start
+        rec.add_row(row)
+
+
 RUNNERS: dict[str, Callable[[Any, Context, Record], None]] = {
+    "compiles": compiles_section,
     "memory": memory_section, "fusion": fusion_section, "mainjob": mainjob_section,
     "packing": packing_section, "determinism": determinism_section,
     "supernet": supernet_section, "tests": tests_section,

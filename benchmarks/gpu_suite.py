@@ -2,33 +2,39 @@
 
 Run::
 
-    python -m benchmarks.gpu_suite --out runs/suite                    # one GPU, 8 minutes
-    python -m benchmarks.gpu_suite --out runs/suite --minutes 20       # longer: more cases
+    python -m benchmarks.gpu_suite --out runs/suite                    # one GPU, 9 minutes
+    python -m benchmarks.gpu_suite --out runs/suite --minutes 20       # longer: every section
     python -m benchmarks.gpu_suite --out /tmp/suite --cpu-smoke --minutes 4   # CPU rehearsal
 
 On a bare GPU machine with the bundle of ``scripts/gpu_bundle.sh``: ``bash BUNDLE/run.sh OUT``.
 
-The suite ends inside ``--minutes`` (default 8). First it records what a later plan without the
-GPU needs (`benchmarks.gpu_env`: versions, ``nvidia-smi``, XLA's target description); then it
-runs the sections in order of value, each in its own process with its own time cap, a share of
-the time that is left (`SuiteConfig.shares`), so time a section does not use goes to the next:
+The suite ends inside ``--minutes`` (default 9). First it records what a later plan without the
+GPU needs (`benchmarks.gpu_env`: versions, ``nvidia-smi``, XLA's target description, in the
+archive at once); then it runs the sections in order of value, each in its own process with
+its own time cap, a share of the time that is left (`SuiteConfig.shares`), so time a section
+does not use goes to the next:
 
+- **mainjob**: the main job as a user runs it (``python -m experiments.swinir_hpo``, the
+  platform's default preset: on GPUs batches from memory, families fused), shortened to a few
+  trials and steps: its compile seconds against the study's, the pool's memory booked, the
+  best PSNR against bicubic (stopped at its time, the record keeps its figures so far);
+- **fusion**: a fused group vs its members one after another (`benchmarks.fusion`): end to
+  end and steady state, saved as it is measured; then the noise floor (one trial run twice,
+  the same program) and one member's step at K times the batch;
 - **memory**: each case planned with the allocator capped at the planner's budget (the planner
   reads its budget from the allocator, ``bytes_limit``), one row uncapped, the allocator's
   statistics after init, compile, step 1 and step 2, and the first batch that really runs out
   of memory, by bisection; cases run as parallel processes (memory is per process); their
   runs' autotuned kernel choices are kept in ``OUT/autotune`` for plans of this GPU made
   without it (`benchmarks.target_accuracy`);
-- **fusion**: the noise floor (one trial run twice, the same program), then a fused group vs its
-  members one after another (`benchmarks.fusion`): end to end and steady state;
-- **mainjob**: the main job as a user runs it (``python -m experiments.swinir_hpo``, the
-  platform's default preset: on GPUs batches from memory, families fused), shortened to a few
-  trials and steps: its compile seconds against the study's, the pool's memory booked, the
-  best PSNR against bicubic;
-- **packing**: ScaMP packing vs the fixed baseline on one device (`benchmarks.hpo_makespan`);
-- **determinism**: the CSP pipeline twice and one trial twice give the same bytes;
-- **supernet**: CSP vs GPipe vs sequential samples/s, offload on and off;
-- **tests**: ``pytest -m gpu tests/test_gpu.py``.
+- **tests**: ``pytest -m gpu`` of ``tests/test_gpu.py`` and ``tests/test_targets.py``
+  (those the other sections measure left out, `SuiteConfig.test_keyword`);
+- **compiles**: what planning a new architecture costs (`benchmarks.compiles`: the paper's
+  SwinIR for a 32 GiB device), a fresh process per plan;
+- in suites of 20 minutes or more, or named with ``--only``: **packing** (ScaMP packing vs the
+  fixed baseline on one device, `benchmarks.hpo_makespan`), **determinism** (the CSP pipeline
+  twice and one trial twice give the same bytes) and **supernet** (CSP vs GPipe vs
+  sequential samples/s, offload on and off).
 
 A section that reaches its cap is stopped (its process group killed) and recorded with
 ``cut_short: true`` and what it had measured; one that fails records its error and the suite
@@ -56,9 +62,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("memory", "fusion", "mainjob", "packing", "determinism", "supernet", "tests")
+#: In order of what the open questions need from a short GPU slot: the main job's booking and
+#: compile share, fused SwinIR against one trial at a time, the allocator and the kernels a
+#: plan without the GPU needs, the GPU's own tests, what planning costs; then, in suites of
+#: `SuiteConfig.section_min_minutes`, the measurements of questions already answered.
+SECTIONS = ("mainjob", "fusion", "memory", "tests", "compiles", "packing", "determinism",
+            "supernet")
 #: Sections whose process only launches others that train on the device.
-LAUNCHING_SECTIONS = frozenset({"memory", "mainjob", "packing", "tests"})
+LAUNCHING_SECTIONS = frozenset({"memory", "mainjob", "packing", "tests", "compiles"})
 #: Seconds kept at the end of the suite for the last report and archive.
 RESERVE_SECONDS = 15.0
 #: Seconds a section's process gets after its deadline to stop before it is killed.
@@ -132,7 +143,14 @@ class SuiteConfig:
     supernet_max_stages: int
     supernet_least_seconds: float
     trial_steps: int  # the determinism section's trial
-    test_files: tuple[str, ...] = ("tests/test_gpu.py",)
+    #: (case of `benchmarks.memory_accuracy`, budget, planning only) planned by the compiles
+    #: section, each in a fresh process
+    compiles_cases: tuple[tuple[str, str | None, bool], ...] = ()
+    compiles_least_seconds: float = 20.0
+    test_files: tuple[str, ...] = ("tests/test_gpu.py", "tests/test_targets.py")
+    test_keyword: str = ""  # pytest -k of the tests section ("": every gpu test of the files)
+    #: sections that run only in a suite of at least this many minutes, or named in --only
+    section_min_minutes: dict[str, float] = field(default_factory=dict)
     #: sections whose process asks for deterministic XLA kernels (their equalities need them);
     #: the others run as the study runs trials.
     deterministic_sections: tuple[str, ...] = ("determinism", "supernet")
@@ -145,9 +163,12 @@ class SuiteConfig:
 GPU = SuiteConfig(
     name="gpu",
     # Planned from the first GPU run (2026-11-27, H200): a compile there took 5-7 s (autotuning
-    # included), a packed smoke study's planning 90-160 s; not yet timed in this form.
-    shares={"memory": 0.26, "fusion": 0.17, "mainjob": 0.16, "packing": 0.14,
-            "determinism": 0.07, "supernet": 0.08, "tests": 0.12},
+    # included), a packed smoke study's planning 90-160 s, a fused group of 4 small SwinIRs
+    # x 200 steps about 100 s with its planning; not yet timed in this form. In 9 minutes:
+    # about 160 s for the main job, 140 fusion, 80 memory, 55 tests, 65 compiles.
+    shares={"mainjob": 0.32, "fusion": 0.28, "memory": 0.16, "tests": 0.11, "compiles": 0.13,
+            "packing": 0.14, "determinism": 0.07, "supernet": 0.08},
+    section_min_minutes={"packing": 20, "determinism": 20, "supernet": 20},
     memory_cases=(
         MemoryCase("mlp", gpu_budget="512MiB"),
         MemoryCase("vit", gpu_budget="1GiB"),
@@ -157,7 +178,7 @@ GPU = SuiteConfig(
         MemoryCase("swinir_paper", gpu_budget="32GiB", gpu_min_minutes=20),
     ),
     memory_parallel=4, memory_child_seconds=20,
-    oom_probes=5, oom_growth=1.25, oom_resolution=0.02,
+    oom_probes=2, oom_growth=1.25, oom_resolution=0.02,
     packing_trials=4, packing_steps=50, packing_least_seconds=30,
     # a group of 8 small SwinIRs against the 8 one after another: the fusion target's form
     fusion_family="swinir", fusion_width=8, fusion_steps=100, fusion_batch=8,
@@ -168,6 +189,12 @@ GPU = SuiteConfig(
     mainjob_data_seconds=30,
     supernet_choices=4, supernet_subnets=32, supernet_max_stages=4, supernet_least_seconds=10,
     trial_steps=50,
+    # the paper's SwinIR for a 32 GiB device (the issue: planned in under a minute), planning
+    # only first, then the run-ready plan (its step autotuned)
+    compiles_cases=(("swinir_paper", "32GiB", True), ("swinir_paper", "32GiB", False)),
+    compiles_least_seconds=30,
+    # the memory section measures the allocator-capped plans; a packed study: packing's
+    test_keyword="not allocator_capped and not packed_study",
 )
 
 _SHORT = ("not in the CPU rehearsal, to keep it short: the MLP and the fused ViT group rehearse "
@@ -193,6 +220,7 @@ CPU_SMOKE = SuiteConfig(
     mainjob_data_seconds=5,
     supernet_choices=2, supernet_subnets=4, supernet_max_stages=2, supernet_least_seconds=5,
     trial_steps=2,
+    compiles_cases=(("swinir", "64MiB", True),), compiles_least_seconds=10,
     environment_seconds=60.0, min_section_seconds=10.0,
 )
 CONFIGS = {c.name: c for c in (GPU, CPU_SMOKE)}
@@ -331,11 +359,22 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             continue
 
 
+def gated(cfg: SuiteConfig, minutes: float, only: tuple[str, ...] = SECTIONS,
+          explicit: bool = False) -> dict[str, str]:
+    """The sections of ``only`` this suite leaves out, with why: those of
+    `SuiteConfig.section_min_minutes` in a shorter suite, unless named (``explicit``)."""
+    return {name: f"runs in a suite of {cfg.section_min_minutes[name]:g} min or more, or "
+                  f"with --only {name}"
+            for name in only if not explicit and cfg.section_min_minutes.get(name, 0) > minutes}
+
+
 def run_suite(cfg: SuiteConfig, out: Path, minutes: float, only: tuple[str, ...] = SECTIONS,
-              plan_cache: Path | None = None, archive: Path | None = None) -> dict[str, Any]:
-    """Record the environment, then run the sections of ``only`` in order, each in its own
-    process with a cap from the time left; write the JSON and Markdown (and ``archive``) after
-    each. Ends within ``minutes``."""
+              plan_cache: Path | None = None, archive: Path | None = None,
+              explicit: bool = False) -> dict[str, Any]:
+    """Record the environment, then run the sections of ``only`` in order (less those `gated`
+    leaves out; ``explicit``: ``only`` was named by the user), each in its own process with a
+    cap from the time left; write the JSON and Markdown (and ``archive``) after each. Ends
+    within ``minutes``."""
     start = time.time()
     end = start + 60.0 * minutes - RESERVE_SECONDS
     out.mkdir(parents=True, exist_ok=True)
@@ -352,6 +391,7 @@ def run_suite(cfg: SuiteConfig, out: Path, minutes: float, only: tuple[str, ...]
     env = _spawn("environment", cfg, out, min(cfg.environment_seconds, end - time.time()),
                  plan_cache, minutes)
     report["meta"]["environment"] = env
+    left_out = gated(cfg, minutes, only, explicit)
     devices = env.get("devices") or [{"platform": "?", "device_kind": "? (no environment record)"}]
     report["meta"].update(platform=devices[0]["platform"], device_kind=devices[0]["device_kind"],
                           devices=len(devices))
@@ -360,10 +400,12 @@ def run_suite(cfg: SuiteConfig, out: Path, minutes: float, only: tuple[str, ...]
     if devices[0].get("platform") == "cpu" and cfg.name != CPU_SMOKE.name:
         report["meta"]["error"] = ("JAX sees only CPU devices: pass --cpu-smoke for the CPU "
                                    "rehearsal, or install a GPU backend (BUILD.md)")
-    pending = tuple(s for s in SECTIONS if s in only)
+    pending = tuple(s for s in SECTIONS if s in only and s not in left_out)
+    write(report, out, archive)  # the environment (the GPU's description) comes back first
     for name in SECTIONS:
-        if name not in only:
-            report[name] = {"status": "not run", "reason": "not selected (--only)"}
+        if name not in only or name in left_out:
+            report[name] = {"status": "not run",
+                            "reason": left_out.get(name, "not selected (--only)")}
             continue
         cap = section_cap(cfg, name, pending, end - time.time())
         pending = pending[1:]
@@ -388,7 +430,11 @@ def write(report: dict[str, Any], out: Path, archive: Path | None = None) -> Non
     from benchmarks.gpu_markdown import markdown
 
     (out / "gpu_suite.json").write_text(json.dumps(report, indent=1, default=str))
-    (out / "gpu_suite.md").write_text(markdown(report, SECTIONS))
+    try:
+        text = markdown(report, SECTIONS)
+    except Exception as err:  # noqa: BLE001 - the JSON above holds every figure
+        text = f"(no Markdown: {type(err).__name__}: {err}; the figures are in gpu_suite.json)\n"
+    (out / "gpu_suite.md").write_text(text)
     if archive is not None:
         pack(out, archive)
         for name in ("gpu_suite.json", "gpu_suite.md"):
@@ -455,8 +501,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path,
                         help="directory of gpu_suite.json, gpu_suite.md, logs and records")
-    parser.add_argument("--minutes", type=float, default=8.0,
-                        help="the suite ends within this many minutes (default 8)")
+    parser.add_argument("--minutes", type=float, default=9.0,
+                        help="the suite ends within this many minutes (default 9: a device "
+                             "command's 10 with the wheels' install; packing, determinism and "
+                             "supernet need 20 or --only)")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="the same code on 8 CPU devices with tiny sizes")
     parser.add_argument("--archive", type=Path, default=None,
@@ -477,7 +525,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.minutes <= 0:
-        parser.error(f"--minutes {args.minutes}: must be positive, e.g. --minutes 8")
+        parser.error(f"--minutes {args.minutes}: must be positive, e.g. --minutes 9")
     if args.section is not None:
         cfg = dataclasses.replace(CONFIGS[args.config], allocator=args.allocator)
         sys.exit(run_section(args.section, cfg, args.out, args.deadline, args.plan_cache,
@@ -492,7 +540,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     # SIGTERM ends the driver through SystemExit, so the running section is stopped too.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     cfg = dataclasses.replace(CPU_SMOKE if args.cpu_smoke else GPU, allocator=args.allocator)
-    report = run_suite(cfg, args.out, args.minutes, only, args.plan_cache, args.archive)
+    explicit = any(a == "--only" or a.startswith("--only=") for a in (argv or sys.argv[1:]))
+    report = run_suite(cfg, args.out, args.minutes, only, args.plan_cache, args.archive,
+                       explicit)
     if "error" in report["meta"]:
         sys.exit(report["meta"]["error"])
     return report

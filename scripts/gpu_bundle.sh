@@ -4,7 +4,7 @@
 #                 dependencies (SQLAlchemy, alembic, Mako, MarkupSafe, colorlog, tqdm) and
 #                 pytest-timeout (the project's pytest settings name its option)
 #   DIR/project/  the project at HEAD (git archive), DIR/PROJECT_COMMIT its commit
-#   DIR/run.sh    the one command: bash DIR/run.sh OUT [suite flags, e.g. --minutes 8]
+#   DIR/run.sh    the one command: bash DIR/run.sh OUT [suite flags, e.g. --minutes 9]
 #                 installs the wheels into DIR/site (pip --no-index --target), runs
 #                 python -m benchmarks.gpu_suite, and leaves in OUT gpu_suite.tar.gz (every
 #                 result, at most 16 MiB), gpu_suite.json, gpu_suite.md and run.log.
@@ -42,10 +42,10 @@ git -C "$ROOT" rev-parse HEAD > "$DIR/PROJECT_COMMIT"
 cat > "$DIR/run.sh" <<'EOF'
 #!/usr/bin/env bash
 # bash run.sh OUT [suite flags]: install the wheels beside this script (no network) and run
-# python -m benchmarks.gpu_suite (default 8 minutes); results in OUT.
+# python -m benchmarks.gpu_suite (default 9 minutes); results in OUT.
 set -uo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
-OUT="${1:?usage: bash run.sh OUT [--minutes 8] [--cpu-smoke] ...}"; shift
+OUT="${1:?usage: bash run.sh OUT [--minutes 9] [--cpu-smoke] ...}"; shift
 PY="${PYTHON:-python3}"
 mkdir -p "$OUT"
 export PIP_NO_INDEX=1

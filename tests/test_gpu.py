@@ -57,9 +57,10 @@ def _python(code: str, timeout: float = 900) -> dict:
 
 
 def _capped_row(name: str, budget: str) -> dict:
-    """`measure_in_child` with the child's allocator capped at ``budget`` (preallocation off),
-    its planner's budget read from that allocator."""
-    from benchmarks.gpu_sections import allocator_fraction, grow_policy
+    """`measure_in_child` with the child's allocator capped at ``budget`` by the library's
+    policy (the pool taken up front, `benchmarks.gpu_sections.preallocate_policy`), its
+    planner's budget read from that allocator."""
+    from benchmarks.gpu_sections import allocator_fraction, preallocate_policy
     from benchmarks.memory_accuracy import measure_in_child
     from scamp_jax import devices
     from scamp_jax._units import parse_bytes
@@ -68,7 +69,8 @@ def _capped_row(name: str, budget: str) -> dict:
     assert stats and "bytes_limit" in stats, stats
     device_bytes = int(stats["bytes_limit"] / allocator_fraction())
     return measure_in_child(name, 1, None,
-                            allocator_env=grow_policy(parse_bytes(budget), device_bytes))
+                            allocator_env=preallocate_policy(parse_bytes(budget),
+                                                             device_bytes))
 
 
 @pytest.mark.parametrize(("name", "budget"), MEMORY_CASES)
@@ -98,14 +100,18 @@ def test_a_packed_study_on_one_gpu_runs_without_running_out_of_memory(tmp_path: 
         assert "memory" not in (trial.get("reason") or "").lower(), trial
 
 
-def test_fused_members_match_their_solo_runs() -> None:
+def test_fused_members_first_steps_equal_their_solo_runs() -> None:
+    """Fused training is the same training: every member's first loss equals its solo run's
+    within 1e-6 relative (later steps part ways as any two runs a last bit apart do:
+    `benchmarks.fusion_precision`)."""
     report = _python("""
         import json
         from benchmarks import fusion
-        r = fusion.run("swinir", 2, steps=20, batch=8, repeats=1, ray=False, concurrent=False)
-        print(json.dumps([m["loss_rel_diff"] for m in r["members"]]))
+        r = fusion.run("swinir", 2, steps=3, batch=8, repeats=1, ray=False, concurrent=False,
+                       wide=False)
+        print(json.dumps([m["first_step_rel_diff"] for m in r["members"]]))
     """)
-    assert max(report) < 1e-3
+    assert max(report) <= 1e-6, report
 
 
 def test_csp_equals_sequential_bitwise_with_deterministic_ops() -> None:
