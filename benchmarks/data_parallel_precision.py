@@ -70,9 +70,9 @@ def compare(seed: int, learning_rate: float, steps: int) -> list[dict[str, Any]]
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.data_parallel_precision",
                                 description=__doc__.splitlines()[0])
-    p.add_argument("--seed", type=int, default=3)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=3, help="seed of the model and data (default 3)")
+    p.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
+    p.add_argument("--steps", type=int, default=1000, help="training steps (default 1000)")
     args = p.parse_args(argv)
     from scamp_jax.devices import configure_cpu_devices
 

@@ -58,11 +58,13 @@ def measure(memory_per_device: int, max_batch_size: int, eval_size: int) -> dict
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--memory-per-device", default="1GiB")
-    parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument("--memory-per-device", default="1GiB",
+                        help="budget per device of the plans (default 1GiB)")
+    parser.add_argument("--max-batch-size", type=int, default=8,
+                        help="cap of each plan's training batch (default 8)")
     parser.add_argument("--eval-size", type=int, default=128,
                         help="HR side of the held-out centre crops (SRTask's default)")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
     from scamp_jax.devices import configure_device_memory
 

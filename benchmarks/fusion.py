@@ -638,11 +638,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Parse flags, measure, print a table (and the JSON with ``--json``)."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.fusion", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", choices=sorted(ARCHITECTURES), default="vit")
-    p.add_argument("--width", type=int, default=4, help="trials in the group (K)")
-    p.add_argument("--steps", type=int, default=None, help="training steps per trial")
-    p.add_argument("--batch", type=int, default=None, help="samples per trial per step")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats per variant")
+    p.add_argument("--family", choices=sorted(ARCHITECTURES), default="vit",
+                   help="model family of the trials (default vit)")
+    p.add_argument("--width", type=int, default=4, help="trials in the group, K (default 4)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="training steps per trial (default: the family's, "
+                        + ", ".join(f"{f} {d['steps']}" for f, d in sorted(DEFAULTS.items()))
+                        + ")")
+    p.add_argument("--batch", type=int, default=None,
+                   help="samples per trial per step (default: the family's, "
+                        + ", ".join(f"{f} {d['batch']}" for f, d in sorted(DEFAULTS.items()))
+                        + ")")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="interleaved repeats per variant (default 3)")
     p.add_argument("--no-concurrent", action="store_true",
                    help="skip the concurrent unfused variant")
     p.add_argument("--ray", action="store_true", help="also run the trials under Ray Tune")

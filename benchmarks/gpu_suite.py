@@ -442,7 +442,7 @@ def write(report: dict[str, Any], out: Path, archive: Path | None = None) -> Non
 
 
 #: What goes into the archive (by suffix), the most useful first.
-ARCHIVE_SUFFIXES = (".json", ".md", ".txt", ".txtpb", ".pb", ".log", ".png", ".csv")
+ARCHIVE_SUFFIXES = (".json", ".md", ".txt", ".txtpb", ".pb", ".log", ".png", ".csv", ".sqlite")
 #: Folders whose files stay out of the archive (model states: large, and not results).
 SKIPPED_FOLDERS = {"checkpoints", "best_model"}
 #: Top-level folders packed whatever their files' suffixes: XLA's autotuning results of the

@@ -61,10 +61,14 @@ def placement_hash(result: SimResult) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--devices", type=int, default=2000)
-    parser.add_argument("--trials", type=int, default=8000)
-    parser.add_argument("--policy", choices=("scamp", "fixed", "both"), default="both")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--devices", type=int, default=2000,
+                        help="simulated V100-16GB devices in the cluster (default 2000)")
+    parser.add_argument("--trials", type=int, default=8000,
+                        help="synthetic trials to place (default 8000)")
+    parser.add_argument("--policy", choices=("scamp", "fixed", "both"), default="both",
+                        help="placement policy to simulate (default both, side by side)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the synthetic trials' sizes and lengths (default 0)")
     args = parser.parse_args(argv)
     if args.devices < 1 or args.trials < 1:
         parser.error("--devices and --trials must be positive")

@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
                         "H200 run had)")
     parser.add_argument("--reference", type=Path, default=None,
                         help="the reference GPU's results: a directory of mem_<case>_0.json "
-                        "files or a GPU suite's output (sections/memory.json)")
+                        "files or a GPU suite's output (sections/memory.json); default: the "
+                        "first shared/gpu/2026-11-27-h200 above this checkout, if any")
     parser.add_argument("--autotune-cache", type=Path, default=None,
                         help="XLA's autotuning results recorded on the reference GPU (a GPU "
                         "suite's autotune/ folder): compile with its kernels, and compare "

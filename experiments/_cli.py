@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -191,6 +192,18 @@ def config_from_args(args: argparse.Namespace, base: HPOConfig, study_dir: str) 
         raise
 
 
+#: The library's keywords a message tells the user to pass, and their flags here.
+_FLAG_OF = {"memory_per_device": "--memory-per-device", "max_batch_size": "--max-batch-size",
+            "devices_per_trial": "--devices-per-trial"}
+
+
+def as_flags(message: str) -> str:
+    """``message`` with "pass memory_per_device ..." (the library's keyword) as the command
+    line's flag: "pass --memory-per-device ..."."""
+    return re.sub(r"\bpass\s+(" + "|".join(_FLAG_OF) + r")\b",
+                  lambda m: f"pass {_FLAG_OF[m[1]]}", message)
+
+
 def fail(message: str) -> None:
     """Print ``error: message`` to stderr and exit with status 2 (as argparse does)."""
     print(f"error: {message}", file=sys.stderr)
@@ -346,7 +359,7 @@ def user_errors() -> Iterator[None]:
              "or restore the database from a copy")
     except (ValueError, TypeError, FileNotFoundError, NotADirectoryError,
             PermissionError) as err:
-        fail(str(err))
+        fail(as_flags(str(err)))
     except Exception as err:
         if type(err).__name__ in ("BudgetTooSmallError", "MPIUnavailableError"):
             fail(str(err))

@@ -52,11 +52,28 @@ def make_space_and_task(config: HPOConfig) -> tuple[Any, Any]:
     return space, task
 
 
+def _presets_text() -> str:
+    """What each preset sets (``--help``'s epilog), from `get_config` itself."""
+    parts = []
+    for name in PRESETS:
+        c = get_config(name)
+        memory = (f"{c.memory_per_device} per device" if c.memory_per_device
+                  else "each device's own memory")
+        parts.append(f"{name}: {c.trials} trials of {c.steps:,} steps, {memory}, batches up "
+                     f"to {c.max_batch_size:,}")
+    configs = [get_config(name) for name in PRESETS]
+    return ("Presets (--preset; flags override them): " + "; ".join(parts) + ". Every preset "
+            "uses every device (--devices) and --max-running-trials "
+            f"{configs[0].max_running_trials}; --policy fixed gives each trial "
+            + ", ".join(str(c.devices_per_trial) for c in configs) + " devices.")
+
+
 def parser() -> argparse.ArgumentParser:
     """The command-line flags (``--help`` lists them)."""
     p = argparse.ArgumentParser(
         prog="python -m experiments.vit_synthetic",
         description="ScaMP's synthetic training benchmark: memory-aware HPO over ViTs.",
+        epilog=_presets_text(),
     )
     add_flags(p, PRESETS, STUDY_DIR)
     return p

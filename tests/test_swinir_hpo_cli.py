@@ -330,3 +330,14 @@ def test_the_record_only_grows(tmp_path):
     intervals, memory, elapsed = report.combined_timeline(payload["runs"])
     assert intervals == [[(0, 0.0, 10.0, 5), (1, 14.0, 16.0, 5)]] and elapsed == 16.0
     assert memory == ([0.0, 10.0, 14.0, 16.0], [0.5, 0.0, 0.25, 0.0])
+
+
+def test_errors_name_the_command_lines_flags_not_the_librarys_keywords() -> None:
+    from experiments._cli import as_flags
+
+    message = "the device's 79.65 GiB; pass memory_per_device of at most 79.00 GiB"
+    assert as_flags(message) == "the device's 79.65 GiB; pass --memory-per-device of at most " \
+                                "79.00 GiB"
+    assert as_flags("pass max_batch_size to bound it") == "pass --max-batch-size to bound it"
+    kept = "plan_mesh(model, batch, memory_per_device='2GiB')"  # not an instruction to pass
+    assert as_flags(kept) == kept

@@ -97,6 +97,25 @@ def test_unknown_target_and_bad_files_are_named(tmp_path: Path) -> None:
         targets.resolve_target(bad)
     with pytest.raises(ValueError, match="autotune_cache=.* is not a directory"):
         targets.resolve_target("h100", autotune_cache=tmp_path / "missing")
+    with pytest.raises(ValueError, match=r"missing\.txtpb': no such file \(missing\)"):
+        targets.resolve_target(str(tmp_path / "missing.txtpb"))
+    # Older than the CUDA 12 compiler compiles for: XLA would fall back to the driver, and
+    # with none the process would crash.
+    kepler = tmp_path / "k80.txtpb"
+    kepler.write_text(targets.GPUS["h100"].target_config().replace("major: 9 minor: 0",
+                                                                  "major: 3 minor: 7"))
+    with pytest.raises(ValueError, match=r"compute capability 3\.7 is older than"):
+        targets.resolve_target(kepler)
+
+
+def test_a_description_the_plugin_cannot_read_is_named(tmp_path: Path) -> None:
+    needs_gpu_compiler()
+    broken = tmp_path / "broken.txtpb"
+    broken.write_text(targets.GPUS["h100"].target_config().replace("core_count:",
+                                                                  "core_count 132 x:"))
+    with pytest.raises(ValueError, match=r"broken\.txtpb: the CUDA plugin cannot use this "
+                                         r"target description: .*TF_CPP_MIN_LOG_LEVEL=0"):
+        targets.resolve_target(broken).devices(1)
 
 
 def test_missing_compiler_names_the_install_command(monkeypatch) -> None:

@@ -355,7 +355,16 @@ def shape_figures(search: BatchSearch, batch: int) -> tuple[MemoryEstimate, Memo
 
 
 def local_fit(search: BatchSearch, lo: int, hi: int) -> MemoryModel:
-    """Affine model through the compiled points that bracket the fit/no-fit boundary."""
+    """Affine model of the compiled peaks up to the answer ``lo``: the secant from the
+    smallest compiled batch below it whose peak is lower, so that a step in the peaks between
+    two neighbouring batches (other kernels, or XLA rematerialising, at one batch and not the
+    next) does not become the slope (a ViT planned for an H100 between 25,300 and 25,302
+    samples: 398 MiB a sample, against 2.3 MiB over the search); through the bracket
+    ``(lo, hi)`` where nothing lies below."""
+    below = sorted(b for b in search.seen if b < lo
+                   and search.seen[b].peak < search.seen[lo].peak)
+    if below:
+        return search.affine(below[0], lo)
     if hi in search.seen:
         return search.affine(lo, hi)
     below = sorted(b for b in search.seen if b <= lo)

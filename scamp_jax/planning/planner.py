@@ -175,8 +175,9 @@ class Plan:
         cost analysis of the planner's own executable at that batch (per device, times the
         devices: `train_step.compiled_flops`; replicated work counts on every device), kept
         with a cached plan; None when this plan compiled no step at that batch (a provisional
-        plan; the batch's figures from the plan cache's peaks and no run-grade step) or was
-        cached without it.
+        plan; the batch's figures from the plan cache's peaks and no run-grade step), was
+        cached without it, or was compiled for a GPU target (XLA gives compile-only
+        executables no cost analysis).
 
     `predicted_peak_bytes` is the most a trial of this plan holds on a device at any time:
     training (compiled step + prefetched batch) or evaluation (forward pass + optimizer state +
@@ -486,15 +487,6 @@ def plan_mesh(
         their least common multiple) when one such batch fits, so that a trial can later run on
         more devices with the same batch (a batch of 41 cannot be split over 2 or 4 devices;
         one of 40 can). Default 1: any multiple of the data-parallel degree.
-
-    Every plan counts the prefetched next batch: the step's compiled peak plus one batch
-    (and, with ``eval_task``, the evaluation's bytes) fit within the usable bytes.
-
-    Returns:
-      A ``Plan`` with the smallest model-parallel degree that fits and the largest global batch
-      (a multiple of the data-parallel degree) whose compiled peak fits, such that the next
-      multiple does not fit (unless the cap is reached).
-
       allowance_bytes: bytes per device held back for memory XLA does not see (added to the
         plan's predicted peak); None: the allowance measured for these devices' kind and stored
         in ``cache`` (0 on CPU, or when none was measured).
@@ -514,6 +506,14 @@ def plan_mesh(
         (``memory_per_device`` default: the described GPU's pool,
         `scamp_jax.planning.budget.Budget.for_device`; no step kept, as on GPUs). Needs the
         ``gpu-plan`` extra. Devices from ``Target.devices(n)`` plan the same without it.
+
+    Every plan counts the prefetched next batch: the step's compiled peak plus one batch
+    (and, with ``eval_task``, the evaluation's bytes) fit within the usable bytes.
+
+    Returns:
+      A ``Plan`` with the smallest model-parallel degree that fits and the largest global batch
+      (a multiple of the data-parallel degree) whose compiled peak fits, such that the next
+      multiple does not fit (unless the cap is reached).
 
     Raises:
       DoesNotFitError: no degree fits even at one sample per data-parallel group.

@@ -212,7 +212,7 @@ class Target:
         key = (self.config, self.autotune_cache, count)
         with _LOCK:
             if key not in _DEVICES:
-                devices = tuple(_compile_only_devices(self.config, count))
+                devices = tuple(_compile_only_devices(self.config, count, self.name))
                 _DEVICES[key] = devices
                 _BY_CLIENT[id(devices[0].client)] = (devices[0].client, self)
             return _DEVICES[key]
@@ -244,6 +244,11 @@ def resolve_target(target: str | os.PathLike[str] | Target,
         return Target(text.lower(), spec.device_kind, spec.memory_bytes,
                       spec.compute_capability, spec.target_config(), cache)
     path = Path(text)
+    if not path.is_file() and (path.suffix or os.sep in text):  # meant as a file
+        what = "a folder" if path.is_dir() else "missing"
+        raise ValueError(f"target={text!r}: no such file ({what}); pass the path of a "
+                         "GpuTargetConfigProto text file, or one of the known GPUs "
+                         f"({', '.join(TARGETS)})")
     if not path.is_file():
         raise ValueError(
             f"target={text!r} is neither a known GPU ({', '.join(TARGETS)}) nor a description "
@@ -258,6 +263,12 @@ def resolve_target(target: str | os.PathLike[str] | Target,
     return parse_target_config(text, name=str(path), autotune_cache=cache)
 
 
+#: The oldest compute capability a target may have: what the CUDA 12 ``ptxas`` of the
+#: ``gpu-plan`` extra compiles for (sm_50). For an older one XLA falls back to the driver,
+#: and with no driver the process crashes (a described compute capability 3.7, checked).
+OLDEST_COMPUTE_CAPABILITY = (5, 0)
+
+
 def parse_target_config(text: str, *, name: str = "target",
                         autotune_cache: str | None = None) -> Target:
     """A `Target` from a ``GpuTargetConfigProto`` in text form (its device kind is
@@ -269,6 +280,11 @@ def parse_target_config(text: str, *, name: str = "target",
     # proto3 text leaves out zeros: a GPU's own dump of compute capability 9.0 has no minor
     major = _field(capability.group(1), "major", name)
     minor = _field(capability.group(1), "minor", name, default=0)
+    if (major, minor) < OLDEST_COMPUTE_CAPABILITY:
+        raise ValueError(
+            f"{name}: compute capability {major}.{minor} is older than the CUDA 12 compiler "
+            "of the gpu-plan extra can compile for ({}.{} and newer); plan for a newer GPU"
+            .format(*OLDEST_COMPUTE_CAPABILITY))
     memory = _field(text, "device_memory_size", name)
     kind = re.search(r'device_description_str:\s*"((?:[^"\\]|\\.)*)"', text)
     return Target(name, kind.group(1) if kind else "", memory, (major, minor), text,
@@ -344,8 +360,9 @@ def _plugin_library() -> Path:
         f"jax-cuda13-pjrt, the version of jax), which is not installed; {INSTALL_HINT}")
 
 
-def _compile_only_devices(config: str, count: int) -> list[Any]:
-    """Compile-only CUDA devices of description ``config``, from JAX's CUDA plugin."""
+def _compile_only_devices(config: str, count: int, name: str = "target") -> list[Any]:
+    """Compile-only CUDA devices of description ``config`` (of target ``name``, for errors),
+    from JAX's CUDA plugin."""
     from jax._src.lib import xla_client
     from jax.experimental import topologies
 
@@ -359,15 +376,24 @@ def _compile_only_devices(config: str, count: int) -> list[Any]:
         # machine unless JAX_PLATFORMS leaves CUDA out. A topology needs none of them.
         pass
     except Exception as error:  # JaxRuntimeError: the plugin rejected the description
-        raise ValueError(f"the CUDA plugin cannot use this target description: {error}; "
-                         "check the file against GpuTargetConfigProto") from error
+        raise _rejected(name, error) from error
     with _LOCK_PLUGIN:
         global _C_API
         if _C_API is None:
             quiet_compiler_log()
             _C_API = xla_client.load_pjrt_plugin_dynamically("cuda", str(library))
-    topology = xla_client.make_c_api_device_topology(_C_API, "", **options)
+    try:
+        topology = xla_client.make_c_api_device_topology(_C_API, "", **options)
+    except Exception as error:  # as above
+        raise _rejected(name, error) from error
     return list(topology._make_compile_only_devices())  # type: ignore[attr-defined]
+
+
+def _rejected(name: str, error: BaseException) -> ValueError:
+    return ValueError(f"{name}: the CUDA plugin cannot use this target description: "
+                      f"{str(error).splitlines()[0]}; check it against GpuTargetConfigProto "
+                      "(TF_CPP_MIN_LOG_LEVEL=0 shows the line and column where parsing "
+                      "failed)")
 
 
 _LOCK_PLUGIN = threading.Lock()
