@@ -246,9 +246,10 @@ def _mainjob_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
 def _compiles_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
     rows = []
     for r in sec.get("rows", []):
-        if r.get("unfinished_s") is not None:
-            rows.append([r["case"], r["budget"], r["form"], f"did not finish in "
-                         f"{r['unfinished_s']:.0f} s", "", "", "", ""])
+        if r.get("unfinished_s") is not None or r.get("error"):
+            what = (f"did not finish in {r['unfinished_s']:.0f} s" if r.get("error") is None
+                    else f"failed: {r['error'][:120]}")
+            rows.append([r["case"], r["budget"], r["form"], what, "", "", "", ""])
             continue
         rows.append([r["case"], r["budget"], r["form"], _f(r.get("wall_s"), ".1f"),
                      _f(r.get("cpu_s"), ".1f"), str(r.get("plan_compiles", NOT_YET)),

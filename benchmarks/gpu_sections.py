@@ -441,11 +441,16 @@ def fusion_section(cfg: Any, ctx: Context, rec: Record) -> None:
     rec.add_row(row)
     # The noise floor: the fused-vs-solo gap above against one trial run twice.
     _timeout(ctx, cfg.fusion_least_seconds)
-    with tempfile.TemporaryDirectory(prefix="gpu-suite-noise-") as tmp:
-        noise = trial_twice(cfg.fusion_family, cfg.fusion_steps, cfg.fusion_batch, Path(tmp))
-    rec.body["noise_floor"] = noise
-    row.update(noise_floor_first_step=noise["first_loss_rel_diff"],
-               noise_floor_final_loss=noise["final_loss_rel_diff"])
+    try:
+        with tempfile.TemporaryDirectory(prefix="gpu-suite-noise-") as tmp:
+            noise = trial_twice(cfg.fusion_family, cfg.fusion_steps, cfg.fusion_batch,
+                                Path(tmp))
+    except Exception as err:  # noqa: BLE001 - the fused row above is the section's point
+        rec.body["noise_floor_error"] = f"{type(err).__name__}: {err}"
+    else:
+        rec.body["noise_floor"] = noise
+        row.update(noise_floor_first_step=noise["first_loss_rel_diff"],
+                   noise_floor_final_loss=noise["final_loss_rel_diff"])
     rec.save()
     # One member's step at K times the batch last: two more compiles (the solo step again and
     # the wide one), which the section's time may not hold; the row above is kept either way.
@@ -801,11 +806,11 @@ def compiles_section(cfg: Any, ctx: Context, rec: Record) -> None:
             rec.add_row(row)
             rec.cut(f"{case} {form} did not finish in {row['unfinished_s']:.0f} s")
             return
-        if proc.returncode:
-            raise RuntimeError(f"benchmarks.compiles --case {case} exited {proc.returncode}: "
-                               f"{proc.stderr.strip()[-1500:]}")
-        row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
         row["process_s"] = time.perf_counter() - start
+        if proc.returncode:  # said in its row; the next plan is still measured
+            row["error"] = (f"exited {proc.returncode}: {proc.stderr.strip()[-1500:]}")
+        else:
+            row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
         rec.add_row(row)
 
 

@@ -132,11 +132,10 @@ class SuiteConfig:
     mainjob_trials: int  # the main job's trials (the warm start, then fused families on GPUs)
     mainjob_steps: int  # its steps per trial at the preset's reference batch
     mainjob_least_seconds: float
-    #: (members, batch) of the host's data per fused step timed before the main job
+    #: (members, batch) of the host's data per fused step timed after the main job
     #: (`benchmarks.member_data`): the preset's widest group at its batch cap
     mainjob_data: tuple[int, int]
-    #: seconds that timing takes at most (it is left out where the study would not keep
-    #: ``mainjob_least_seconds`` after it)
+    #: seconds that timing takes at most (left out where the study left less)
     mainjob_data_seconds: float
     supernet_choices: int
     supernet_subnets: int
@@ -147,7 +146,8 @@ class SuiteConfig:
     #: section, each in a fresh process
     compiles_cases: tuple[tuple[str, str | None, bool], ...] = ()
     compiles_least_seconds: float = 20.0
-    test_files: tuple[str, ...] = ("tests/test_gpu.py", "tests/test_targets.py")
+    #: the GPU's own checks of plans made without it first, then the other GPU tests
+    test_files: tuple[str, ...] = ("tests/test_targets.py", "tests/test_gpu.py")
     test_keyword: str = ""  # pytest -k of the tests section ("": every gpu test of the files)
     #: sections that run only in a suite of at least this many minutes, or named in --only
     section_min_minutes: dict[str, float] = field(default_factory=dict)
@@ -193,8 +193,9 @@ GPU = SuiteConfig(
     # only first, then the run-ready plan (its step autotuned)
     compiles_cases=(("swinir_paper", "32GiB", True), ("swinir_paper", "32GiB", False)),
     compiles_least_seconds=30,
-    # the memory section measures the allocator-capped plans; a packed study: packing's
-    test_keyword="not allocator_capped and not packed_study",
+    # what the memory (allocator-capped plans) and fusion (first steps) sections measure;
+    # the packed study last, as time allows
+    test_keyword="not allocator_capped and not fused_members",
 )
 
 _SHORT = ("not in the CPU rehearsal, to keep it short: the MLP and the fused ViT group rehearse "
@@ -518,8 +519,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--plan-cache", type=Path, default=None,
                         help="plan cache (e.g. a study's plans.sqlite) that stores the allowance "
                              "the memory section measures (default: OUT/plans.sqlite)")
-    parser.add_argument("--only", default=",".join(SECTIONS),
-                        help=f"comma-separated sections (default: all of {','.join(SECTIONS)})")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated sections, run whatever the suite's minutes "
+                             f"(default: {','.join(SECTIONS)}, those of 20 minutes only in "
+                             "suites that long)")
     parser.add_argument("--section", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--config", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
@@ -530,7 +533,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         cfg = dataclasses.replace(CONFIGS[args.config], allocator=args.allocator)
         sys.exit(run_section(args.section, cfg, args.out, args.deadline, args.plan_cache,
                              args.minutes))
-    only = tuple(s for s in args.only.split(",") if s)
+    explicit = args.only is not None
+    only = tuple(s for s in (args.only or ",".join(SECTIONS)).split(",") if s)
     unknown = sorted(set(only) - set(SECTIONS))
     if unknown or not only:
         parser.error(f"--only {args.only!r}: unknown section(s) {unknown}; choose from "
@@ -540,7 +544,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     # SIGTERM ends the driver through SystemExit, so the running section is stopped too.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     cfg = dataclasses.replace(CPU_SMOKE if args.cpu_smoke else GPU, allocator=args.allocator)
-    explicit = any(a == "--only" or a.startswith("--only=") for a in (argv or sys.argv[1:]))
     report = run_suite(cfg, args.out, args.minutes, only, args.plan_cache, args.archive,
                        explicit)
     if "error" in report["meta"]:

