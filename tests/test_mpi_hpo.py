@@ -502,7 +502,11 @@ def test_a_killed_rank_stops_the_job_and_the_same_command_resumes_the_study(
     # The launcher names the dead rank (Open MPI: "mpirun noticed that process rank 1 with PID
     # ... exited on signal 9 (Killed)").
     assert "process rank 1 " in output
-    assert not (tmp_path / "study" / "results.json").exists()
+    # mpirun ends rank 0 with SIGTERM, which records the run as interrupted unless it is
+    # killed first; nothing is recorded as a finished run
+    record = tmp_path / "study" / "results.json"
+    if record.exists():
+        assert all(run["interrupted"] for run in json.loads(record.read_text())["runs"])
     before = {n for n, s, _ in _stored_trials(tmp_path) if s == "COMPLETE"}
     assert before, "rank 1 told one trial before it died"
 
