@@ -39,6 +39,10 @@ BUNDLED_TRAIN = ("astronaut", "coffee", "hubble_deep_field", "immunohistochemist
 BUNDLED_EVAL = ("chelsea", "rocket")
 
 
+#: PIL's modes of 16-bit grey images (a 16-bit PNG opens as "I;16" or as 32-bit "I").
+_SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16B", "I;16L", "I;16N", "I"})
+
+
 def _to_float_rgb(arr: np.ndarray) -> np.ndarray:
     arr = np.asarray(arr)
     if arr.ndim == 2:
@@ -93,7 +97,11 @@ def load_image_dir(path: str | Path, min_size: int | None = None,
     for f in files:
         try:
             with Image.open(f) as im:
-                images.append(_to_float_rgb(np.asarray(im.convert("RGB"))))
+                if im.mode in _SIXTEEN_BIT_MODES:  # convert("RGB") would clip them to 255
+                    samples = np.clip(np.asarray(im), 0, 65535).astype(np.uint16)
+                    images.append(_to_float_rgb(samples))
+                else:
+                    images.append(_to_float_rgb(np.asarray(im.convert("RGB"))))
         except (UnidentifiedImageError, OSError) as err:
             raise ValueError(
                 f"{str(f)!r} is not a readable image ({type(err).__name__}: {err}); remove it "

@@ -396,6 +396,9 @@ def test_study_split_across_two_ranks_records_every_trial_once_with_its_rank(
     assert sorted(numbers) == [0, 1, 2, 3]  # each trial exactly once
     assert all(t["state"] == "complete" and t["mse"] is not None for t in results["trials"])
     assert {t["rank"] for t in results["trials"]} == {0, 1}  # both ranks ran work
+    # every rank's call returns the study's record, best trial included
+    assert f"rank 1 returned best trial {results['best']}" in proc.stdout, proc.stdout[-2000:]
+    assert f"rank 0 returned best trial {results['best']}" in proc.stdout
     # Checkpoint paths are stored relative to the study, so a copied folder still finds them.
     stored = [t["checkpoint"] for t in results["trials"]]
     assert all(c and not Path(c).is_absolute() for c in stored), stored

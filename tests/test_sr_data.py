@@ -10,6 +10,19 @@ from PIL import Image
 from search_spaces import sr_data
 
 
+def test_sixteen_bit_grey_pngs_keep_their_values(tmp_path):
+    """A 16-bit grey PNG (PIL mode "I;16") is scaled by 65,535; PIL's conversion to RGB would
+    clip every sample above 255 to white."""
+    ramp = np.linspace(787, 64185, 6 * 7).reshape(6, 7).astype(np.uint16)
+    Image.fromarray(ramp).save(tmp_path / "deep.png")  # uint16: mode "I;16"
+    with Image.open(tmp_path / "deep.png") as im:
+        assert im.mode in ("I;16", "I")  # what PIL makes of the file
+    (image,) = sr_data.load_image_dir(tmp_path)
+    assert image.shape == (6, 7, 3) and image.dtype == np.float32
+    np.testing.assert_allclose(image[..., 0], ramp / 65535.0, rtol=1e-6)
+    assert np.array_equal(image[..., 0], image[..., 2])
+
+
 def test_default_split_is_real_disjoint_photos():
     train, held = sr_data.default_split()
     assert len(train) == 6 and len(held) == 2

@@ -230,12 +230,13 @@ def run_search_mpi(
         not import it, so the session and the MPI layer do not import each other).
 
     Returns:
-      on rank 0, the ``run`` section of ``results.json`` plus ``best``; on other ranks this
-      rank's run summary. The ``run`` section has ``ranks``, ``devices`` (all ranks together),
-      ``elapsed_s`` (the slowest rank plus the spanning trials), ``trials_this_run`` (all
-      ranks), ``spanning_trials``/``spanning_s`` (trials that spanned ranks, and their time),
-      ``timeline`` (every rank's devices, rank 0's first: `scamp_jax.hpo.report.ranks_timeline`,
-      which the plots draw), ``usage`` (every rank's local trials, `combined_usage`) and
+      on every rank, the ``run`` section of ``results.json`` plus ``best``, as rank 0 wrote
+      it (each rank's own summary is under ``per_rank``). The ``run`` section has ``ranks``,
+      ``devices`` (all ranks together), ``elapsed_s`` (the slowest rank plus the spanning
+      trials), ``trials_this_run`` (all ranks), ``spanning_trials``/``spanning_s`` (trials
+      that spanned ranks, and their time), ``timeline`` (every rank's devices, rank 0's first:
+      `scamp_jax.hpo.report.ranks_timeline`, which the plots draw), ``usage`` (every rank's
+      local trials, `combined_usage`) and
       ``per_rank`` (each rank's summary with its ``usage``).
 
     Raises:
@@ -316,7 +317,7 @@ def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any
         raise
     summaries = comm.gather(summary, root=0)
     if server is None:
-        return summary
+        return comm.bcast(None, root=0)  # rank 0's record, once written
     for trial, ranks, outcome_of in finished:
         outcome = spanning_outcome(trial, ranks, outcome_of, task.metric)
         server.tell(outcome.number, outcome.value, _OPTUNA_STATE[outcome.state],
@@ -335,4 +336,4 @@ def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any
         "spanning_s": spanning_s,
         "per_rank": summaries,
     }
-    return session.report(server.source, run_info)
+    return comm.bcast(session.report(server.source, run_info), root=0)

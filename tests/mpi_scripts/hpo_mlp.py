@@ -65,7 +65,12 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         engine.RemoteTrialSource.tell = tell_then_die  # type: ignore[method-assign]
-    run(args, config, make_space_and_task, baseline=None, title="MLP HPO")
+    result = run(args, config, make_space_and_task, baseline=None, title="MLP HPO")
+    best = (result or {}).get("best") or {}
+    from mpi4py import MPI
+
+    print(f"rank {MPI.COMM_WORLD.Get_rank()} returned best trial {best.get('number')}",
+          flush=True)
 
 
 if __name__ == "__main__":
