@@ -644,3 +644,33 @@ def test_a_fused_study_killed_under_mpirun_resumes_to_exactly_its_trials(tmp_pat
     assert len(complete) == 8
     assert all(r in (INTERRUPTED, None) for n, s, r in stored if s != "COMPLETE")
     assert sorted(t["number"] for t in _results(tmp_path)["trials"]) == sorted(complete)
+
+
+def test_a_trial_that_spans_ranks_shows_the_budget_holds_candidates():
+    """A candidate deferred to span ranks fits the pool (on several ranks), so a candidate
+    that fits nowhere fails alone, as in one process, instead of stopping the study as a
+    budget too small for any candidate (which aborted the MPI job with the spanning trials
+    unrun)."""
+    import concurrent.futures as cf
+    from types import SimpleNamespace
+
+    from scamp_jax.hpo.intake import Intake
+    from scamp_jax.hpo.trial import TrialDeferred, TrialStatus
+    from scamp_jax.planning.planner import DoesNotFitError
+
+    def done(error: Exception) -> cf.Future:
+        future: cf.Future = cf.Future()
+        future.set_exception(error)
+        return future
+
+    for order in ((0, 2), (2, 0)):  # the deferral before the misfit, and after it
+        told: list[int] = []
+        intake = Intake(SimpleNamespace(interrupt=told.append), nofit_limit=2,
+                        pool=(1, 40 << 20), tell_failed=told.append)
+        for number in order:
+            error = (TrialDeferred("spans 2 ranks", None) if number == 0
+                     else DoesNotFitError("one sample needs 41 MiB", 1, 40 << 20))
+            assert intake.sort(SimpleNamespace(number=number), done(error),
+                               TrialStatus(number, {})) is None
+        intake.finish()  # no BudgetTooSmallError
+        assert told == [2] and [a.number for a, _ in intake.deferred] == [0]

@@ -101,6 +101,7 @@ class Intake:
         except TrialDeferred as deferred:
             status.state, status.reason = "deferred", str(deferred)
             self.deferred.append((asked, deferred))
+            self._fits()  # on several ranks it fits: the budget holds candidates
             return None
         except planner.DoesNotFitError as err:
             status.state, status.reason = "failed", f"does not fit: {err}"
@@ -116,12 +117,16 @@ class Intake:
             status.state, status.reason = "failed", ending(err)[1]
             self.tell_failed(asked.number)
             return None
+        self._fits()
+        return plan
+
+    def _fits(self) -> None:
+        """A candidate fits (here, or spanning ranks): misfits held back until then fail."""
         if not self.ever_fit:
             self.ever_fit = True
             for number, _ in self.nofit:
                 self.tell_failed(number)
             self.nofit.clear()
-        return plan
 
     def finish(self) -> None:
         """At the end of a run: raise `BudgetTooSmallError` if only misfits came."""
