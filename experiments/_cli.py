@@ -53,6 +53,16 @@ class HPOConfig(SearchSettings):
     train_dir: str | None = None
     eval_dir: str | None = None
 
+    def study_record(self, space: Any, memory_per_device: int) -> dict[str, Any]:
+        """`SearchSettings.study_record` plus the image folders where they are given (their
+        absolute paths): a study scored on one held-out set is not resumed on another."""
+        record = super().study_record(space, memory_per_device)
+        for key in ("train_dir", "eval_dir"):
+            folder = getattr(self, key)
+            if folder is not None:
+                record[key] = str(Path(folder).resolve())
+        return record
+
 
 def _int_at_least(text: str, minimum: int, what: str) -> int:
     try:

@@ -341,3 +341,34 @@ def test_errors_name_the_command_lines_flags_not_the_librarys_keywords() -> None
     assert as_flags("pass max_batch_size to bound it") == "pass --max-batch-size to bound it"
     kept = "plan_mesh(model, batch, memory_per_device='2GiB')"  # not an instruction to pass
     assert as_flags(kept) == kept
+
+
+def test_a_study_scored_on_other_images_is_not_resumed_on_these(tmp_path):
+    """The image folders are part of what a study remembers (where given): a rerun on another
+    held-out set, or on the bundled one, is refused as a changed seed is; a study that never
+    named folders is unchanged."""
+    from experiments._cli import HPOConfig
+    from scamp_jax.hpo.study import StudySettingsError, open_study
+    from scamp_jax.space import SearchSpace
+
+    space = SearchSpace("s", lambda t: {}, lambda p, r: None)
+    mine = HPOConfig(preset="smoke", trials=1, steps=1, devices=1, memory_per_device="1GiB",
+                     eval_dir=str(tmp_path / "eval"))
+    record = mine.study_record(space, 1 << 30)
+    assert record["eval_dir"] == str((tmp_path / "eval").resolve()) and "train_dir" not in record
+    open_study("s", study_dir=tmp_path, settings=record)
+    bundled = HPOConfig(preset="smoke", trials=1, steps=1, devices=1, memory_per_device="1GiB")
+    with pytest.raises(StudySettingsError, match="--eval-dir"):
+        open_study("s", study_dir=tmp_path, settings=bundled.study_record(space, 1 << 30))
+    open_study("s", study_dir=tmp_path, settings=record)  # the same folders: resumed
+
+
+def test_a_study_name_cannot_lead_out_of_the_study_dir():
+    from experiments._cli import HPOConfig
+
+    for name in ("../escape", "a/b", ".."):
+        with pytest.raises(ValueError, match="may hold no '/'"):
+            HPOConfig(preset="smoke", trials=1, steps=1, devices=1, memory_per_device="1GiB",
+                      study_name=name)
+    HPOConfig(preset="smoke", trials=1, steps=1, devices=1, memory_per_device="1GiB",
+              study_name="swinir-2")

@@ -256,6 +256,12 @@ class SearchSettings(EngineConfig):
         if self.study_name is not None and not self.study_name.strip():
             raise ValueError("study_name='' names no study; pass a name or None (the search "
                              "space's name)")
+        if self.study_name is not None and (
+                "/" in self.study_name or "\\" in self.study_name
+                or self.study_name in (".", "..")):
+            raise ValueError(f"study_name={self.study_name!r}: a study's results go to a "
+                             "folder of that name in study_dir, so it may hold no '/' or "
+                             "'\\' and be no '.' or '..'; pass e.g. 'swinir-2'")
         object.__setattr__(self, "initial_params",
                            tuple(dict(p) for p in self.initial_params))
 
