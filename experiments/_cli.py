@@ -293,8 +293,11 @@ def check_storage(url: str | None, study_dir: str | Path) -> None:
             fail(f"--storage {url!r}: {parsed.drivername!r} is not a supported database; pass "
                  f"a URL like {example}")
         except ModuleNotFoundError as err:
+            # module -> the package that provides it, where the names differ
+            package = {"MySQLdb": "mysqlclient"}.get(
+                err.name or "", err.name)
             extra = ("pip install 'scamp-jax[postgres]'" if (err.name or "").startswith("psycopg")
-                     else f"pip install {err.name}")
+                     else f"pip install {package}")
             fail(f"--storage {url!r} needs the database driver {err.name!r}, which is not "
                  f"installed; {extra}")
         except (ArgumentError, TypeError, ValueError) as err:
