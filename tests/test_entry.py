@@ -169,3 +169,19 @@ def test_entry_point_names_the_flag_of_a_bad_setting(capsys):
     err = capsys.readouterr().err
     assert "min_batch_size=64 is larger than max_batch_size=8" in err
     assert "(--min-batch-size)" in err
+
+
+def test_a_budget_too_small_for_any_candidate_leaves_the_study_free_to_start_again(tmp_path):
+    """The error advises a larger budget; a study in which nothing ran takes it (its settings
+    were those of the run that fitted nothing), while one with a finished trial keeps its own."""
+    from scamp_jax.hpo.engine import BudgetTooSmallError
+
+    kw = dict(steps=5, study_dir=tmp_path, live=False, max_batch_size=8)
+    with pytest.raises(BudgetTooSmallError, match="raise --memory-per-device"):
+        scamp_jax.run_study(SPACE, function_task(), trials=2, memory_per_device="1KiB", **kw)
+    done = scamp_jax.run_study(SPACE, function_task(), trials=2, memory_per_device="64MiB", **kw)
+    assert done["trials_this_run"] == 2
+    from scamp_jax.hpo.study import StudySettingsError
+
+    with pytest.raises(StudySettingsError, match="memory-per-device"):
+        scamp_jax.run_study(SPACE, function_task(), trials=3, memory_per_device="1KiB", **kw)

@@ -63,8 +63,10 @@ from scamp_jax.distributed.spanning import (
 )
 from scamp_jax.distributed.study import StudyClient, shared_study
 from scamp_jax.hpo.engine import SearchEngine, TrialDeferred
+from scamp_jax.hpo.intake import BudgetTooSmallError
 from scamp_jax.hpo.plan_service import PlanningService
 from scamp_jax.hpo.runner import make_optimizer
+from scamp_jax.hpo.study.storage import forget_settings_if_unused
 from scamp_jax.hpo.study.trials import AskedTrial, AskLater, TrialOutcome
 from scamp_jax.planning import planner
 from scamp_jax.planning.train_step import abstract_state
@@ -314,6 +316,10 @@ def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any
     except KeyboardInterrupt:
         if server is not None:  # rank 0 records the run, as a single process does
             _record_interrupted(session, server, result, time.monotonic() - started, size)
+        raise
+    except BudgetTooSmallError:
+        if server is not None:  # as a single process: a larger budget may start it anew
+            forget_settings_if_unused(server.source.study)
         raise
     summaries = comm.gather(summary, root=0)
     if server is None:

@@ -373,6 +373,8 @@ def run_search(
 def _run_search(space: SearchSpace, task: Task, settings: SearchSettings, **kwargs: Any
                 ) -> dict[str, Any]:
     from scamp_jax.distributed.mpi import launched_under_mpi
+    from scamp_jax.hpo.intake import BudgetTooSmallError
+    from scamp_jax.hpo.study.storage import forget_settings_if_unused
 
     kwargs["memory_per_device"] = held_budget(kwargs["devices"], kwargs["memory_per_device"])
     if launched_under_mpi():
@@ -385,6 +387,10 @@ def _run_search(space: SearchSpace, task: Task, settings: SearchSettings, **kwar
     started = time.monotonic()
     try:
         _, result = session.run_engine(source)
+    except BudgetTooSmallError:
+        # nothing ran: the rerun the error advises (a larger budget) may start the study anew
+        forget_settings_if_unused(source.study)
+        raise
     except KeyboardInterrupt:
         # The record grows on an interrupt too: finished trials and this run's wall time.
         session.report_interrupted(source.study, time.monotonic() - started, source.told)

@@ -240,6 +240,20 @@ def _check_settings(study: optuna.Study, settings: Mapping[str, Any]) -> None:
         )
 
 
+def forget_settings_if_unused(study: optuna.Study) -> bool:
+    """Forget the settings ``study`` was created with where no trial of it ever ran (none
+    complete, pruned or running; those there are only the misfits a budget too small for any
+    candidate gave back), so that a rerun with a larger budget, as that error advises, starts
+    it with its own settings. True where they were forgotten."""
+    used = study.get_trials(deepcopy=False, states=(
+        optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED,
+        optuna.trial.TrialState.RUNNING))
+    if used or study.user_attrs.get(SETTINGS_KEY) is None:
+        return False
+    study.set_user_attr(SETTINGS_KEY, None)
+    return True
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
