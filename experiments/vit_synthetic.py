@@ -54,14 +54,11 @@ def make_space_and_task(config: HPOConfig) -> tuple[Any, Any]:
 
 def _presets_text() -> str:
     """What each preset sets (``--help``'s epilog), from `get_config` itself."""
-    parts = []
-    for name in PRESETS:
-        c = get_config(name)
-        memory = (f"{c.memory_per_device} per device" if c.memory_per_device
-                  else "each device's own memory")
-        parts.append(f"{name}: {c.trials} trials of {c.steps:,} steps, {memory}, batches up "
-                     f"to {c.max_batch_size:,}")
     configs = [get_config(name) for name in PRESETS]
+    parts = [f"{c.preset}: {c.trials} trials of {c.steps:,} steps, "
+             + (f"{c.memory_per_device} per device" if c.memory_per_device
+                else "each device's own memory")
+             + f", batches up to {c.max_batch_size:,}" for c in configs]
     return ("Presets (--preset; flags override them): " + "; ".join(parts) + ". Every preset "
             "uses every device (--devices) and --max-running-trials "
             f"{configs[0].max_running_trials}; --policy fixed gives each trial "
