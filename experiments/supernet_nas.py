@@ -66,6 +66,16 @@ SCHEDULES = ("csp", "gpipe", "sequential")
 MAX_CPU_STAGES = 16
 
 
+def cpu_devices(stages: int) -> int:
+    """The CPU devices a run of ``stages`` pipeline stages makes in its process: at least 8,
+    one per stage up to `MAX_CPU_STAGES`. One process and every MPI rank (which runs its stage
+    on its first device) make the same number, because XLA's CPU compiler splits loops into
+    parallel tasks by the number of devices in the process (the ``outer_dimension_partitions``
+    of a compiled loop), and a different split rounds the default preset's training
+    differently (1, 4, 8 and 16 devices: four weight hashes after 8 subnets)."""
+    return min(max(8, stages), MAX_CPU_STAGES)
+
+
 def get_config(preset: str = "default"):
     """The experiment's `NASConfig` for ``preset`` (``smoke``, ``default`` or ``paper``)."""
     from search_spaces.supernet_nas import NASConfig
@@ -197,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
 
     use_deterministic_gpu_ops()  # bit-identical schedules on GPUs too (before JAX starts)
     try:
-        configure_cpu_devices(min(max(8, config.stages), MAX_CPU_STAGES))
+        configure_cpu_devices(cpu_devices(config.stages))
     except RuntimeError:
         pass  # JAX already started (a notebook, a test): its devices are used as they are.
     check_devices(config.stages, p)
@@ -207,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
 
 
 def _main_mpi(config, args: argparse.Namespace, p: argparse.ArgumentParser) -> dict | None:
-    """``--mpi``: one stage per rank, one CPU device per process; rank 0 writes the results."""
+    """``--mpi``: one stage per rank (on its first device); rank 0 writes the results."""
     from scamp_jax.distributed.mpi import launched_under_mpi, world
 
     if not launched_under_mpi():
@@ -219,14 +229,16 @@ def _main_mpi(config, args: argparse.Namespace, p: argparse.ArgumentParser) -> d
     from scamp_jax.devices import configure_cpu_devices
     from scamp_jax.pipeline.determinism import use_deterministic_gpu_ops
 
-    use_deterministic_gpu_ops()  # ranks must agree bit for bit with a single process
-    try:
-        configure_cpu_devices(1)
-    except RuntimeError:
-        pass  # JAX already started: its devices are used as they are.
-    w = world()
+    w = world()  # MPI only: JAX has not started
     if args.stages is None:
         config = dataclasses.replace(config, stages=w.size)
+    use_deterministic_gpu_ops()  # ranks must agree bit for bit with a single process
+    try:
+        # the single process's CPU devices, though a rank runs its stage on the first: XLA's
+        # CPU programs round by the process's device count (`cpu_devices`)
+        configure_cpu_devices(cpu_devices(config.stages))
+    except RuntimeError:
+        pass  # JAX already started: its devices are used as they are.
     check_config(config, p)
     from search_spaces.supernet_nas import run_nas_mpi
 

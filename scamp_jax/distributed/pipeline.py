@@ -255,7 +255,9 @@ def train_supernet_mpi(
     defaults to the communicator's size (and must equal it). ``comm`` is the mpi4py
     communicator (default ``MPI.COMM_WORLD``). Returns the same `TrainResult` on every rank,
     bit-identical in ``losses`` and ``params_sha256`` to ``train_supernet(...,
-    num_stages=size)`` in one process.
+    num_stages=size)`` in one process; on CPU, when each rank's process has as many CPU devices
+    as that one (`scamp_jax.devices.configure_cpu_devices`): XLA's CPU compiler splits loops
+    into parallel tasks by the process's device count, and another split rounds differently.
     """
     mpi = import_mpi4py()
     comm = mpi.COMM_WORLD if comm is None else comm

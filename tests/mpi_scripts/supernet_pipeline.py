@@ -39,10 +39,12 @@ def main() -> None:
     args = p.parse_args()
 
     from scamp_jax.devices import configure_cpu_devices
-    from scamp_jax.distributed.mpi import launched_under_mpi
+    from scamp_jax.distributed.mpi import launched_under_mpi, world
 
     mpi = launched_under_mpi()
-    configure_cpu_devices(1 if mpi else args.stages)
+    # as many CPU devices per process either way: XLA's CPU compiler splits loops by the
+    # process's device count (experiments.supernet_nas.cpu_devices)
+    configure_cpu_devices(args.stages or world().size)
 
     import numpy as np
 
@@ -63,7 +65,6 @@ def main() -> None:
     )
     rank, comm, memory, traced = 0, None, None, None
     if mpi:
-        from scamp_jax.distributed.mpi import world
         from scamp_jax.distributed.pipeline import MPIPipelineExecutor, train_supernet_mpi
 
         w = world()
