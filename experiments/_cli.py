@@ -372,7 +372,8 @@ def user_errors() -> Iterator[None]:
              "or restore the database from a copy")
     except (ValueError, TypeError, FileNotFoundError, NotADirectoryError,
             PermissionError) as err:
-        fail(as_flags(str(err)))
+        as_command_line = getattr(err, "as_command_line", None)  # StudySettingsError
+        fail(as_command_line() if as_command_line else as_flags(str(err)))
     except Exception as err:
         if type(err).__name__ in ("BudgetTooSmallError", "MPIUnavailableError"):
             fail(str(err))

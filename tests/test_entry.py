@@ -183,5 +183,5 @@ def test_a_budget_too_small_for_any_candidate_leaves_the_study_free_to_start_aga
     assert done["trials_this_run"] == 2
     from scamp_jax.hpo.study import StudySettingsError
 
-    with pytest.raises(StudySettingsError, match="memory-per-device"):
+    with pytest.raises(StudySettingsError, match="memory_per_device=67108864"):
         scamp_jax.run_study(SPACE, function_task(), trials=3, memory_per_device="1KiB", **kw)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 from typing import Any
@@ -242,9 +243,15 @@ def test_a_study_refuses_other_settings(tmp_path):
                 "memory_per_device": 2**30}
     open_study("toy", study_dir=tmp_path, settings=settings)
     open_study("toy", study_dir=tmp_path, settings=settings)  # the same settings resume it
-    with pytest.raises(StudySettingsError, match=r"created with --steps 150, this run asks for "
-                       r"--steps 100; rerun with --steps 150, or pass --study-name toy-2"):
+    with pytest.raises(StudySettingsError, match=r"created with steps=150, this run asks for "
+                       r"steps=100; run it with steps=150, or pass study_name='toy-2'") as err:
         open_study("toy", study_dir=tmp_path, settings={**settings, "steps": 100})
+    # the experiments' command lines say it in their flags; the error survives a pickle
+    assert err.value.as_command_line() == (
+        "study 'toy' was created with --steps 150, this run asks for --steps 100; rerun with "
+        "--steps 150, or pass --study-name toy-2 to start a new study")
+    again = pickle.loads(pickle.dumps(err.value))
+    assert str(again) == str(err.value) and again.stored == {"steps": 150}
     open_study("toy-2", study_dir=tmp_path, settings={**settings, "steps": 100})
 
 

@@ -358,7 +358,7 @@ def test_a_study_scored_on_other_images_is_not_resumed_on_these(tmp_path):
     assert record["eval_dir"] == str((tmp_path / "eval").resolve()) and "train_dir" not in record
     open_study("s", study_dir=tmp_path, settings=record)
     bundled = HPOConfig(preset="smoke", trials=1, steps=1, devices=1, memory_per_device="1GiB")
-    with pytest.raises(StudySettingsError, match="--eval-dir"):
+    with pytest.raises(StudySettingsError, match="eval_dir="):
         open_study("s", study_dir=tmp_path, settings=bundled.study_record(space, 1 << 30))
     open_study("s", study_dir=tmp_path, settings=record)  # the same folders: resumed
 

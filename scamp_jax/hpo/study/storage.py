@@ -27,7 +27,32 @@ SETTINGS_KEY = "settings"
 
 
 class StudySettingsError(ValueError):
-    """An existing study was created with other settings than this run asks for."""
+    """An existing study was created with other settings than this run asks for.
+
+    ``study_name``; ``stored`` and ``wanted``: the differing settings, as the study has them
+    and as this run asks. The message names them as keywords (``steps=150``);
+    `as_command_line` as the experiments' flags (``--steps 150``).
+    """
+
+    def __init__(self, study_name: str, stored: Mapping[str, Any], wanted: Mapping[str, Any]):
+        self.study_name, self.stored, self.wanted = study_name, dict(stored), dict(wanted)
+        was = ", ".join(f"{k}={v!r}" for k, v in self.stored.items())
+        now = ", ".join(f"{k}={v!r}" for k, v in self.wanted.items())
+        super().__init__(
+            f"study {study_name!r} was created with {was}, this run asks for {now}; run it with "
+            f"{was}, or pass study_name={study_name + '-2'!r} to start a new study"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled whole (MPI ranks, processes)
+        return type(self), (self.study_name, self.stored, self.wanted)
+
+    def as_command_line(self) -> str:
+        """The message in the experiments' flags."""
+        was = ", ".join(f"{_flag(k)} {v}" for k, v in self.stored.items())
+        now = ", ".join(f"{_flag(k)} {v}" for k, v in self.wanted.items())
+        return (f"study {self.study_name!r} was created with {was}, this run asks for {now}; "
+                f"rerun with {was}, or pass --study-name {self.study_name}-2 to start a new "
+                "study")
 
 
 def storage_url(study_dir: str | Path, storage: str | None = None) -> str:
@@ -232,12 +257,8 @@ def _check_settings(study: optuna.Study, settings: Mapping[str, Any]) -> None:
         return
     differ = [k for k in sorted(set(stored) | set(wanted)) if stored.get(k) != wanted.get(k)]
     if differ:
-        was = ", ".join(f"{_flag(k)} {stored.get(k)}" for k in differ)
-        now = ", ".join(f"{_flag(k)} {wanted.get(k)}" for k in differ)
-        raise StudySettingsError(
-            f"study {study.study_name!r} was created with {was}, this run asks for {now}; "
-            f"rerun with {was}, or pass --study-name {study.study_name}-2 to start a new study"
-        )
+        raise StudySettingsError(study.study_name, {k: stored.get(k) for k in differ},
+                                 {k: wanted.get(k) for k in differ})
 
 
 def forget_settings_if_unused(study: optuna.Study) -> bool:
