@@ -313,6 +313,9 @@ def plot_results(
                            color=cmap(trial % 20), edgecolor="black", linewidth=0.3)
             ax.text(start, device - 0.4 + 0.8 * offset, f" {trial}", fontsize=6, va="bottom")
     ax.set_yticks(range(len(intervals)))
+    # each device's row spans its whole memory, so a bar's height reads as its share (with one
+    # device an axis fitted to the bars would stretch any of them to the full height)
+    ax.set_ylim(-0.5, max(len(intervals), 1) - 0.5)
     ax.set_xlim(left=0)
     ax.set_ylabel("device")
     ax.set_xlabel("seconds")
