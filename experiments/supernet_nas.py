@@ -67,13 +67,23 @@ MAX_CPU_STAGES = 16
 
 
 def cpu_devices(stages: int) -> int:
-    """The CPU devices a run of ``stages`` pipeline stages makes in its process: at least 8,
-    one per stage up to `MAX_CPU_STAGES`. One process and every MPI rank (which runs its stage
-    on its first device) make the same number, because XLA's CPU compiler splits loops into
-    parallel tasks by the number of devices in the process (the ``outer_dimension_partitions``
-    of a compiled loop), and a different split rounds the default preset's training
-    differently (1, 4, 8 and 16 devices: four weight hashes after 8 subnets)."""
+    """The CPU devices a run of ``stages`` pipeline stages makes in its process, and the size
+    of XLA's CPU worker pool: at least 8, one per stage up to `MAX_CPU_STAGES`. One process
+    and every MPI rank (which runs its stage on its first device) make the same, whatever
+    cores each may use, because XLA's CPU convolutions split their work by the pool's size
+    and round differently with another split
+    (`scamp_jax.pipeline.determinism.use_fixed_cpu_threads`; on 2 cores, 1, 4, 8 and 16
+    devices trained the default preset to four weight hashes after 8 subnets)."""
     return min(max(8, stages), MAX_CPU_STAGES)
+
+
+def _same_bits_everywhere(stages: int) -> None:
+    """Before JAX starts: deterministic GPU kernels and a CPU worker pool of `cpu_devices`
+    threads, so that CSP, sequential, a rerun and the MPI ranks compute the same bits."""
+    from scamp_jax.pipeline.determinism import use_deterministic_gpu_ops, use_fixed_cpu_threads
+
+    use_deterministic_gpu_ops()
+    use_fixed_cpu_threads(cpu_devices(stages))
 
 
 def get_config(preset: str = "default"):
@@ -203,9 +213,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     if args.mpi:
         return _main_mpi(config, args, p)
     check_config(config, p)
-    from scamp_jax.pipeline.determinism import use_deterministic_gpu_ops
-
-    use_deterministic_gpu_ops()  # bit-identical schedules on GPUs too (before JAX starts)
+    _same_bits_everywhere(config.stages)
     try:
         configure_cpu_devices(cpu_devices(config.stages))
     except RuntimeError:
@@ -227,15 +235,13 @@ def _main_mpi(config, args: argparse.Namespace, p: argparse.ArgumentParser) -> d
             "(install the extra first: pip install 'scamp-jax[mpi]')"
         )
     from scamp_jax.devices import configure_cpu_devices
-    from scamp_jax.pipeline.determinism import use_deterministic_gpu_ops
 
     w = world()  # MPI only: JAX has not started
     if args.stages is None:
         config = dataclasses.replace(config, stages=w.size)
-    use_deterministic_gpu_ops()  # ranks must agree bit for bit with a single process
+    _same_bits_everywhere(config.stages)  # ranks agree bit for bit with a single process
     try:
-        # the single process's CPU devices, though a rank runs its stage on the first: XLA's
-        # CPU programs round by the process's device count (`cpu_devices`)
+        # the single process's CPU devices, though a rank runs its stage on the first
         configure_cpu_devices(cpu_devices(config.stages))
     except RuntimeError:
         pass  # JAX already started: its devices are used as they are.

@@ -255,9 +255,10 @@ def train_supernet_mpi(
     defaults to the communicator's size (and must equal it). ``comm`` is the mpi4py
     communicator (default ``MPI.COMM_WORLD``). Returns the same `TrainResult` on every rank,
     bit-identical in ``losses`` and ``params_sha256`` to ``train_supernet(...,
-    num_stages=size)`` in one process; on CPU, when each rank's process has as many CPU devices
-    as that one (`scamp_jax.devices.configure_cpu_devices`): XLA's CPU compiler splits loops
-    into parallel tasks by the process's device count, and another split rounds differently.
+    num_stages=size)`` in one process; on CPU, when every process's XLA worker pool has the same
+    size (`scamp_jax.pipeline.use_fixed_cpu_threads`, and no more CPU devices than it): XLA's
+    CPU convolutions split their work by that size, which follows the cores a process may use
+    (``mpirun`` binds ranks to cores), and another split rounds differently.
     """
     mpi = import_mpi4py()
     comm = mpi.COMM_WORLD if comm is None else comm

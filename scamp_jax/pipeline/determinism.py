@@ -1,10 +1,15 @@
-"""Deterministic GPU kernels where the pipeline promises bit-identical results.
+"""Deterministic kernels where the pipeline promises bit-identical results.
 
 CSP, GPipe and sequential runs, the single-process and the MPI executors, and repeated runs are
-compared bit for bit. On CPU XLA's kernels are deterministic; on GPUs some (scatter-adds,
-reductions in some fusions, autotuned convolutions) are not unless XLA is told to use
-deterministic ones with ``--xla_gpu_deterministic_ops=true``. XLA reads ``XLA_FLAGS`` once, when
-JAX creates its GPU backend, so `use_deterministic_gpu_ops` must run before the first array.
+compared bit for bit. On GPUs some kernels (scatter-adds, reductions in some fusions, autotuned
+convolutions) are not deterministic unless XLA is told to use deterministic ones with
+``--xla_gpu_deterministic_ops=true`` (`use_deterministic_gpu_ops`). On CPU every kernel is
+deterministic within a process, but XLA's CPU convolutions split their work by the size of the
+process's worker pool, ``max(PJRT_NPROC`` (else ``NPROC``, else the CPUs the process may run
+on)``, CPU devices)``, and round differently with another split: two processes with other core
+counts, pinning (``mpirun`` binds each rank to cores) or device counts train to other bits
+(`use_fixed_cpu_threads`). XLA reads both settings once, when JAX creates its backends, so
+these must run before the first array.
 """
 
 from __future__ import annotations
@@ -44,4 +49,29 @@ def use_deterministic_gpu_ops() -> bool:
     if not gpu_backend_installed():
         return False
     os.environ["XLA_FLAGS"] = f"{flags} --{DETERMINISTIC_FLAG}=true".strip()
+    return True
+
+
+#: The variable XLA's CPU client sizes its worker pool from, before ``NPROC`` and the CPUs.
+CPU_THREADS_VARIABLE = "PJRT_NPROC"
+
+
+def use_fixed_cpu_threads(threads: int) -> bool:
+    """Size XLA's CPU worker pool by ``threads`` instead of the CPUs this process may use.
+
+    XLA's CPU convolutions split their work by the pool's size, ``max(PJRT_NPROC`` (else the
+    process's CPUs)``, CPU devices)``, and a different split rounds differently: the same
+    training in a process pinned to one core, in one that may use two, and in an MPI rank
+    (``mpirun`` binds ranks to cores) ends in different weights. Processes that set the same
+    ``threads`` and make at most that many CPU devices compute the same bits whatever cores
+    they run on; their CPU kernels then use at most ``threads`` threads at once. Sets
+    ``PJRT_NPROC`` unless it is set already (the user's value is kept). Call before JAX
+    creates its CPU backend. Returns whether the pool now has ``threads`` threads' size set.
+    """
+    if threads < 1:
+        raise ValueError(f"{threads=} must be at least 1")
+    current = os.environ.get(CPU_THREADS_VARIABLE)
+    if current is not None:
+        return current.strip() == str(threads)
+    os.environ[CPU_THREADS_VARIABLE] = str(threads)
     return True

@@ -6,7 +6,11 @@ evaluation forwards, the runs' steps, on every thread) is looked up there first 
 there after: a resumed study, a second process or another MPI rank of it compiles nothing
 that one of them compiled before. JAX keys an entry by the lowered program, the XLA options
 of its compile (planning and run grades are separate entries), the devices' platform, the
-JAX and XLA versions and, on CPU (not on GPUs), the devices' assignment; it stores the
+JAX and XLA versions and, on CPU (not on GPUs), the devices' assignment and the layout of the
+process's CPU devices (a process with another number of CPU devices, e.g. a study resumed with
+another ``--devices``, compiles its own; the worker pool's size, ``PJRT_NPROC`` or the host's
+cores, is not in the key, and XLA's CPU convolutions split their work by the running process's
+pool whichever process compiled them, `scamp_jax.pipeline.determinism`); it stores the
 executable with its buffer assignment: an executable read back answers ``memory_analysis()``
 as the compiled one did, so a planning compile found there is as good as one made. On CPU a
 trial that ran a program compiled for other devices and moved onto its own

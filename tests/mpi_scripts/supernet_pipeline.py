@@ -40,10 +40,12 @@ def main() -> None:
 
     from scamp_jax.devices import configure_cpu_devices
     from scamp_jax.distributed.mpi import launched_under_mpi, world
+    from scamp_jax.pipeline.determinism import use_fixed_cpu_threads
 
     mpi = launched_under_mpi()
-    # as many CPU devices per process either way: XLA's CPU compiler splits loops by the
-    # process's device count (experiments.supernet_nas.cpu_devices)
+    # the same CPU worker pool and devices per process either way, whatever cores mpirun binds
+    # a rank to: XLA's CPU convolutions split their work by the pool's size
+    use_fixed_cpu_threads(8)
     configure_cpu_devices(args.stages or world().size)
 
     import numpy as np
