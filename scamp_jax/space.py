@@ -64,7 +64,9 @@ class Task(Protocol):
         ...
 
     def evaluate(self, model: nnx.Module) -> dict[str, float]:
-        """Held-out scores; must contain `metric` (and may add baselines, e.g. ``bicubic_psnr``)."""
+        """Held-out scores; must contain `metric` (and may add baselines, e.g. ``bicubic_psnr``).
+        ``model`` is a copy in evaluation mode (``model.eval()``: dropout off, batch norm on its
+        running averages)."""
         ...
 
 
@@ -90,6 +92,8 @@ class FunctionTask:
       batches: ``batches(batch_size, seed) -> iterator``: an endless, seeded stream of tuples of
         numpy arrays whose leading axis is ``batch_size`` (e.g. ``(inputs, labels)``).
       evaluate: ``evaluate(model) -> {name: float}``: held-out scores; must contain ``metric``.
+        ``model`` comes in evaluation mode (``model.eval()`` was called on a copy: dropout off,
+        batch norm on its running averages).
       sample_batch: ``sample_batch(batch_size) -> tuple of jax.ShapeDtypeStruct`` for planning
         (None: the shapes and device dtypes of the first batch of ``batches(1, 0)``, with the
         leading axis set to ``batch_size``).

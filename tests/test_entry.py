@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optuna
 import pytest
+from flax import nnx
 from optuna.trial import TrialState
 from test_runner import SPACE, Regression
 
@@ -185,3 +186,35 @@ def test_a_budget_too_small_for_any_candidate_leaves_the_study_free_to_start_aga
 
     with pytest.raises(StudySettingsError, match="memory_per_device=67108864"):
         scamp_jax.run_study(SPACE, function_task(), trials=3, memory_per_device="1KiB", **kw)
+
+
+class _DropoutMLP(nnx.Module):
+    def __init__(self, width: int, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(8, width, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+        self.out = nnx.Linear(width, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.dropout(jax.nn.relu(self.hidden(x))))
+
+
+@pytest.mark.parametrize("fuse", [None, 2])
+def test_a_task_evaluates_its_model_in_evaluation_mode(tmp_path, fuse):
+    """Dropout is off (batch norm would use its running averages) when a task's ``evaluate``
+    scores a model, solo and in a fused group, as in the planned forward; training keeps it on."""
+    reference = Regression()
+    modes = []
+
+    def evaluate(model):
+        modes.append(model.dropout.deterministic)
+        return reference.evaluate(model)
+
+    task = scamp_jax.FunctionTask(metric="mse", direction="minimize",
+                                  loss_fn=reference.loss_fn, batches=reference.batches,
+                                  evaluate=evaluate)
+    space = scamp_jax.SearchSpace("dropout-mlp", lambda t: {"width": 16},
+                                  lambda config, rngs: _DropoutMLP(config["width"], rngs))
+    done = scamp_jax.run_study(space, task, trials=2, steps=3, study_dir=tmp_path, live=False,
+                               memory_per_device="64MiB", max_batch_size=8, fuse=fuse,
+                               sampler="random")
+    assert done["trials_this_run"] == 2 and modes and all(modes), modes

@@ -42,6 +42,7 @@ from scamp_jax.hpo.lifecycle import (
     MemberSpec,
     Schedule,
     abstract_batch,
+    evaluate_model,
     share_bytes,
     stream,
 )
@@ -442,8 +443,7 @@ class FusedProgram:
 
     def evaluate_whole(self, slot: int, task: Task) -> Mapping[str, Any]:
         params, _, rest = self.member(slot)
-        with jax.set_mesh(self.plan.mesh):
-            return task.evaluate(nnx.merge(self.graphdef, params, rest))
+        return evaluate_model(task, self.graphdef, params, rest, self.plan.mesh)
 
 
 def _stack_leaf(xs: Sequence[jax.Array]) -> jax.Array:

@@ -174,6 +174,19 @@ class Program(Protocol):
         """The task's own ``evaluate`` of slot ``slot``'s model (tasks without chunks)."""
 
 
+def evaluate_model(task: Task, graphdef: Any, params: Any, rest: Any, mesh: Any
+                   ) -> Mapping[str, Any]:
+    """The task's own ``evaluate`` of the model of ``params`` and ``rest`` on ``mesh``, in
+    evaluation mode (``model.eval()``: dropout off, batch norm on its running averages), as
+    the planned forward runs it; the trained state is untouched (a merged copy is set)."""
+    from flax import nnx
+
+    with jax.set_mesh(mesh):
+        model = nnx.merge(graphdef, params, rest)
+        model.eval()
+        return task.evaluate(model)
+
+
 def share_bytes(booked_bytes: int | None, memory_per_device: int, plan: Any) -> int:
     """The bytes per device a run may hold: ``booked_bytes`` (its share of the ledger), else
     the usable part of ``memory_per_device`` with ``plan``'s safety margin."""

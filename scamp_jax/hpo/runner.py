@@ -32,6 +32,7 @@ from scamp_jax.hpo.lifecycle import (
     MemberSpec,
     Schedule,
     abstract_batch,
+    evaluate_model,
     share_bytes,
     stream,
 )
@@ -367,8 +368,7 @@ class SoloProgram:
 
     def evaluate_whole(self, slot: int, task: Task) -> Mapping[str, Any]:
         params, _, rest = self.state
-        with jax.set_mesh(self.plan.mesh):
-            return task.evaluate(nnx.merge(self.graphdef, params, rest))
+        return evaluate_model(task, self.graphdef, params, rest, self.plan.mesh)
 
 
 def _batches(task: Task, batch_size: int, seed: int,
