@@ -218,3 +218,23 @@ def test_a_task_evaluates_its_model_in_evaluation_mode(tmp_path, fuse):
                                memory_per_device="64MiB", max_batch_size=8, fuse=fuse,
                                sampler="random")
     assert done["trials_this_run"] == 2 and modes and all(modes), modes
+
+
+def test_a_study_at_its_total_says_why_a_rerun_runs_nothing(tmp_path, capsys):
+    """Trials that failed for their own reason (here: no study metric) count towards the total:
+    a rerun after the fix runs nothing and says so, and how to run more."""
+    reference = Regression()
+    broken = scamp_jax.FunctionTask(metric="mse", direction="minimize",
+                                    loss_fn=reference.loss_fn, batches=reference.batches,
+                                    evaluate=lambda model: {"error": 1.0})
+    kw = dict(trials=2, steps=2, study_dir=tmp_path, live=False, memory_per_device="64MiB",
+              max_batch_size=8)
+    scamp_jax.run_study(SPACE, broken, **kw)
+    capsys.readouterr()
+    again = scamp_jax.run_study(SPACE, function_task(), **kw)
+    out = capsys.readouterr().out
+    assert again["trials_this_run"] == 0
+    assert "2 of 2 trials finished before this run (2 of them failed" in out, out
+    assert "nothing left to run: the study has its 2 trials; raise the number of trials" in out
+    more = scamp_jax.run_study(SPACE, function_task(), **{**kw, "trials": 3})
+    assert more["trials_this_run"] == 1

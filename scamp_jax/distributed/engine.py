@@ -288,7 +288,7 @@ def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any
     # Rank 0 owns the study; every rank asks it for work through the same kind of source.
     client, server = shared_study(lambda: session.trial_source(session.open()), comm)
     if server is not None:
-        session.greet(server.finished_before, server.stale_failed)  # with rank 0's pool line
+        session.greet(server.source)  # with rank 0's pool line
     else:
         session.say_pool()
     source = RemoteTrialSource(client)

@@ -185,14 +185,22 @@ class StudySession:
         return OptunaTrialSource(handle, self.space, self.settings.trials, root=self.out_dir,
                                  **self.settings.source_kwargs(), **kwargs)
 
-    def greet(self, finished: int, recovered: Sequence[int]) -> None:
-        """The opening lines: trials of stopped processes queued again, and how far it got."""
+    def greet(self, source: Any) -> None:
+        """The opening lines: trials of stopped processes queued again, how far the study got
+        (``source``: its `OptunaTrialSource`), and why a study at its total runs nothing."""
+        recovered, finished, total = source.recovered, source.finished(), self.settings.trials
         if recovered:
             self.say(f"resuming: trials {sorted(recovered)} of a stopped process are queued "
                      "again")
         ranks = f"; {self.ranks} ranks" if self.ranks > 1 else ""
-        self.say(f"study {self.study_name!r} in {self.out_dir}: {finished} of "
-                 f"{self.settings.trials} trials finished before this run{ranks}")
+        failed = source.failed_for_good() if finished else 0
+        failures = (f" ({failed} of them failed, each for its reason in results.csv, and "
+                    "count towards the total)" if failed else "")
+        self.say(f"study {self.study_name!r} in {self.out_dir}: {finished} of {total} trials "
+                 f"finished before this run{failures}{ranks}")
+        if finished >= total:
+            self.say(f"nothing left to run: the study has its {total} trials; raise the number "
+                     "of trials to run more of it, or give another study name to start anew")
         self.say_pool()
         line = fusion_line(self.requested, self.settings, self.platform)
         if line is not None:
@@ -383,7 +391,7 @@ def _run_search(space: SearchSpace, task: Task, settings: SearchSettings, **kwar
         return run_search_mpi(space, task, settings, session=StudySession, **kwargs)
     session = StudySession(space, task, settings, **kwargs)
     source = session.trial_source(session.open())
-    session.greet(source.finished(), source.recovered)
+    session.greet(source)
     started = time.monotonic()
     try:
         _, result = session.run_engine(source)

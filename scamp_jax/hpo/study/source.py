@@ -233,6 +233,11 @@ class OptunaTrialSource:
         """Trials that count towards the total (complete, pruned, failed for their own reason)."""
         return self._counts()[0]
 
+    def failed_for_good(self) -> int:
+        """Of `finished`, the trials that failed for a reason of their own (not retried)."""
+        return sum(t.state == TrialState.FAIL and _counts_towards_total(t)
+                   for t in self.study.get_trials(deepcopy=False, states=(TrialState.FAIL,)))
+
     def remaining(self) -> int:
         """Trials still to ask: the total minus finished and running ones (of every process)
         and the siblings held here."""
