@@ -56,9 +56,14 @@ task = scamp_jax.FunctionTask(
 
 if __name__ == "__main__":
     flags = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    flags.add_argument("--trials", type=int, default=6)
-    flags.add_argument("--steps", type=int, default=200)
-    flags.add_argument("--study-dir", default="runs/digits")
+    flags.add_argument("--trials", type=int, default=6,
+                       help="trials the study runs in all (default 6; a rerun resumes it)")
+    flags.add_argument("--steps", type=int, default=200,
+                       help="training steps per trial at the reference batch of 32 (a trial "
+                            "planned a larger batch takes fewer; default 200)")
+    flags.add_argument("--study-dir", default="runs/digits",
+                       help="where the study, checkpoints, results and plots go "
+                            "(default runs/digits)")
     args = flags.parse_args()
     result = scamp_jax.run_study(space, task, trials=args.trials, steps=args.steps,
                                  study_dir=args.study_dir, memory_per_device="32MiB",

@@ -168,9 +168,9 @@ def configure_cpu_devices(count: int = 8) -> None:
 def configure_for_search(cpu_devices: int = 8) -> None:
     """Environment for an entry point that runs several trials per device.
 
-    Splits the CPU into ``cpu_devices`` JAX devices and turns off JAX's up-front reservation of
-    75% of each GPU's memory, which would leave nothing for a second trial packed onto the same
-    GPU (both through `configure_cpu_devices`, which calls `configure_device_memory`). A value the
+    Splits the CPU into ``cpu_devices`` JAX devices and sets XLA's GPU allocator by the
+    module's policy (`configure_device_memory`: one preallocated pool per GPU, from which the
+    study books every trial packed onto it), both through `configure_cpu_devices`. A value the
     user already set is kept. Call before JAX initialises a backend.
     """
     configure_cpu_devices(cpu_devices)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -198,7 +200,8 @@ def no_compiles(monkeypatch):
         ({"memory_per_device": 0}, ValueError, "positive"),
         ({"memory_per_device": "0GiB"}, ValueError, "positive"),
         ({"devices": 0}, ValueError, "devices=0 must be between 1 and the 8"),
-        ({"devices": 9}, ValueError, "devices=9 must be between 1 and the 8"),
+        ({"devices": 9}, ValueError, r"devices=9 must be between 1 and the 8 available cpu "
+         r"devices; .*scamp_jax.configure_cpu_devices\(n\) before JAX starts"),
         ({"devices": True}, TypeError, "device count"),
         ({"devices": []}, ValueError, "empty"),
         ({"model_parallel": 3}, ValueError, r"model_parallel=3 must divide the device count 8"),
@@ -217,11 +220,27 @@ def test_bad_arguments_fail_before_any_compile(no_compiles, kwargs, error, match
 def test_model_without_parameters_and_repeated_devices_fail_before_any_compile(no_compiles):
     with pytest.raises(ValueError, match="no nnx.Param"):
         plan_mesh(NoParams(), SAMPLE, devices=2, memory_per_device=BUDGET)
+    with pytest.raises(TypeError, match="model must be an nnx.Module instance, got a function"):
+        plan_mesh(lambda x: x, SAMPLE, devices=2, memory_per_device=BUDGET)
+    with pytest.raises(TypeError, match="got the class NoParams; build it"):
+        plan_mesh(NoParams, SAMPLE, devices=2, memory_per_device=BUDGET)
     d = jax.devices()[0]
     with pytest.raises(ValueError, match="distinct"):
         plan_mesh(_model(), SAMPLE, devices=[d, d], memory_per_device=BUDGET)
     with pytest.raises(ValueError, match="leading sample axis"):
         plan_mesh(_model(), jnp.zeros(()), devices=2, memory_per_device=BUDGET)
+
+
+def test_a_sample_batch_the_model_cannot_take_says_what_was_traced():
+    """JAX's shape error names the product, not the input: a note names the batch's shapes
+    and what to check; the error stays JAX's."""
+    with pytest.raises(TypeError, match="dot_general") as err:
+        plan_mesh(_model(), jax.ShapeDtypeStruct((1, 64), jnp.float32), devices=2,
+                  memory_per_device=BUDGET)
+    note = " ".join(getattr(err.value, "__notes__", []))
+    assert re.search(r"while tracing the loss of the model on a batch of \[\(\d+, 64\) "
+                     r"float32\]", note), note
+    assert "leading batch axis" in note
 
 
 class _DeviceWithLimit:

@@ -25,10 +25,11 @@ so the figure is close, not equal (``ROUGH_TOLERANCE``). XLA releases without th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -214,6 +215,22 @@ def _growth_per_group(total: Callable[[Any], Any], dp: int) -> int | None:
     return high - low
 
 
+@contextlib.contextmanager
+def tracing_note(batch: PyTree) -> Iterator[None]:
+    """Add to a ``TypeError`` or ``ValueError`` raised while the loss is traced on ``batch``
+    (JAX's shape errors name the operation, not the input) a note with the batch's shapes and
+    what to check; the error's type and message are kept."""
+    try:
+        yield
+    except (TypeError, ValueError) as err:
+        shapes = ", ".join(f"{tuple(x.shape)} {x.dtype}" for x in jax.tree.leaves(batch))
+        err.add_note(
+            f"(raised while tracing the loss of the model on a batch of [{shapes}]: check that "
+            "the sample batch has a leading batch axis and then one sample's shape as the "
+            "model takes it, and that the loss is loss_fn(model, batch) -> scalar)")
+        raise
+
+
 def _plain_polynomial(expr: Any) -> bool:
     """Whether the symbolic dimension expression ``expr`` is a polynomial with no negative
     coefficient and no ``mod``, ``floordiv``, ``max``, ``min`` (JAX has no public accessor of
@@ -311,7 +328,8 @@ class StepCompiler:
 
         growth = _growth_per_group(total, dp)
         if growth is None:
-            growth = total(2 * dp) - total(dp)
+            with tracing_note(with_batch_size(self.sample_batch, dp)):
+                growth = total(2 * dp) - total(dp)
         self._traced_per_sample = max(0.0, growth / dp / dp)
         return self._traced_per_sample
 
@@ -351,9 +369,11 @@ class StepCompiler:
         start = time.perf_counter()
         # Arguments placed as a run's arrays are: a run's lowering of the same jitted step is
         # then JAX's cache hit (`scamp_jax.planning.train_step.StepSource`).
-        lowered = (step or self._step).lower(
-            placed(self.params, shardings.params), placed(self.opt_state, shardings.opt_state),
-            placed(self.rest, shardings.rest), placed(batch, shardings.batch))
+        with tracing_note(batch):
+            lowered = (step or self._step).lower(
+                placed(self.params, shardings.params),
+                placed(self.opt_state, shardings.opt_state),
+                placed(self.rest, shardings.rest), placed(batch, shardings.batch))
         compiled = compile_lowered(lowered, options)
         seconds = time.perf_counter() - start
         stats = compiled.memory_analysis()

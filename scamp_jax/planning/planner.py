@@ -324,9 +324,13 @@ def resolve_devices(devices: Sequence[jax.Device] | int | None) -> tuple[jax.Dev
     if isinstance(devices, int):
         available = jax.devices()
         if not 1 <= devices <= len(available):
+            more = (" (to split the CPU into more devices, call "
+                    "scamp_jax.configure_cpu_devices(n) before JAX starts)"
+                    if available[0].platform == "cpu" else "")
             raise ValueError(
                 f"devices={devices} must be between 1 and the {len(available)} available "
-                f"{available[0].platform} devices; pass a count in that range or a device list"
+                f"{available[0].platform} devices; pass a count in that range or a device "
+                f"list{more}"
             )
         return tuple(available[:devices])
     result = tuple(devices)
@@ -360,6 +364,14 @@ def _divisors(n: int) -> list[int]:
 
 
 def _check_model(model: nnx.Module) -> None:
+    if not isinstance(model, nnx.Module):
+        what = (f"the class {model.__name__}" if isinstance(model, type)
+                else f"a {type(model).__name__}")
+        raise TypeError(
+            f"model must be an nnx.Module instance, got {what}; build it, e.g. "
+            "nnx.eval_shape(lambda: MyModel(..., rngs=nnx.Rngs(0))) (shapes only, nothing "
+            "allocated)"
+        )
     params = nnx.state(model, nnx.Param)
     if not jax.tree.leaves(params):
         raise ValueError(
