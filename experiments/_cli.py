@@ -202,16 +202,21 @@ def config_from_args(args: argparse.Namespace, base: HPOConfig, study_dir: str) 
         raise
 
 
-#: The library's keywords a message tells the user to pass, and their flags here.
+#: The library's keywords a message tells the user to pass or raise, and their flags here.
 _FLAG_OF = {"memory_per_device": "--memory-per-device", "max_batch_size": "--max-batch-size",
-            "devices_per_trial": "--devices-per-trial"}
+            "devices_per_trial": "--devices-per-trial", "devices": "--devices"}
 
 
 def as_flags(message: str) -> str:
-    """``message`` with "pass memory_per_device ..." (the library's keyword) as the command
-    line's flag: "pass --memory-per-device ..."."""
-    return re.sub(r"\bpass\s+(" + "|".join(_FLAG_OF) + r")\b",
-                  lambda m: f"pass {_FLAG_OF[m[1]]}", message)
+    """``message`` with "pass memory_per_device ..." or "raise memory_per_device or devices"
+    (the library's keywords) as the command line's flags: "pass --memory-per-device ...",
+    "raise --memory-per-device or --devices"."""
+    names = "|".join(_FLAG_OF)
+    message = re.sub(rf"\b(raise)\s+({names}) or ({names})\b",
+                     lambda m: f"{m[1]} {_FLAG_OF[m[2]]} or {_FLAG_OF[m[3]]}", message)
+    alone = "|".join(k for k in _FLAG_OF if k != "devices")  # "pass devices of one ..."
+    return re.sub(rf"\b(pass|raise)\s+({alone})\b", lambda m: f"{m[1]} {_FLAG_OF[m[2]]}",
+                  message)
 
 
 def fail(message: str) -> None:
@@ -376,7 +381,7 @@ def user_errors() -> Iterator[None]:
         fail(as_command_line() if as_command_line else as_flags(str(err)))
     except Exception as err:
         if type(err).__name__ in ("BudgetTooSmallError", "MPIUnavailableError"):
-            fail(str(err))
+            fail(as_flags(str(err)))
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -149,7 +149,7 @@ def test_budget_too_small_for_any_candidate_stops_without_spending_trials(tmp_pa
     study, source = make_source(tmp_path, [ok(16), ok(32), ok(16, 3e-3)], n_trials=3)
     cfg = config(budget=Budget(512))
     engine = SearchEngine(SPACE, Regression(), source, cfg, devices=jax.devices()[:2])
-    with pytest.raises(BudgetTooSmallError, match="raise --memory-per-device"):
+    with pytest.raises(BudgetTooSmallError, match="raise memory_per_device or devices"):
         engine.run()
     assert source.finished() == 0  # the asked trials were put back for a run with more memory
     waiting = study.get_trials(states=(TrialState.WAITING,))

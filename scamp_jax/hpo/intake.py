@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from scamp_jax._units import format_bytes
 from scamp_jax.hpo.study.trials import AskedTrial, AskLater, TrialSource
 from scamp_jax.hpo.trial import TrialDeferred, TrialStatus, ending
 from scamp_jax.planning import planner
@@ -141,6 +142,6 @@ class Intake:
         self.nofit.clear()
         raise BudgetTooSmallError(
             f"none of the first {count} candidates fits the pool of {self.pool[0]} devices with "
-            f"{self.pool[1]} bytes each (last: {err}); raise --memory-per-device or --devices, "
-            "or shrink the search space"
+            f"{format_bytes(self.pool[1])} each (last: {err}); raise memory_per_device or "
+            "devices, or shrink the search space"
         ) from err
