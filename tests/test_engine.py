@@ -318,7 +318,8 @@ def test_a_run_with_trials_of_its_own_also_reruns_a_dead_process_trial(tmp_path)
                  checkpoint_root=tmp_path / "ckpt", on_notice=notices.append).run()
     source.close()
     # While it waited with nothing of its own to run, the user was told for what; then not.
-    assert notices[0].startswith(f"waiting for trial(s) [{lost.number}] of another process")
+    assert notices[0].startswith(f"waiting for trial(s) [{lost.number}], marked running by "
+                                 "another process")
     assert notices[-1] == "" and len(notices) == 2
     trials = study.get_trials()
     complete = [t for t in trials if t.state == TrialState.COMPLETE]

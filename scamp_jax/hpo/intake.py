@@ -88,9 +88,9 @@ class Intake:
         if self.on_notice is not None and later is not None and later.trials != self.noticed:
             self.noticed = later.trials
             self.on_notice(
-                f"waiting for trial(s) {list(later.trials)} of another process: they finish "
-                "there, or are run again here once their heartbeat is stale (a process that "
-                "died)")
+                f"waiting for trial(s) {list(later.trials)}, marked running by another "
+                "process or by one that was stopped hard (a second Ctrl-C, a kill): they "
+                "finish there, or are run again here once their heartbeat is stale")
         time.sleep(max(0.0, self.ask_at - time.monotonic()))
 
     def sort(self, asked: AskedTrial, future: cf.Future, status: TrialStatus) -> Any | None:
