@@ -172,6 +172,13 @@ def check_config(config, p: argparse.ArgumentParser) -> None:
             f"stage holds the same number of layers); pass --layers {up} or --stages one of "
             f"{', '.join(map(str, fits))}"
         )
+    space = config.choices ** config.layers
+    if config.eval_subnets > space:
+        p.error(
+            f"--eval-subnets {config.eval_subnets} is more than the {space} different subnets "
+            f"of --choices {config.choices} in --layers {config.layers}; pass --eval-subnets "
+            f"{space} or fewer"
+        )
     if config.schedule == "gpipe" and config.batch_size % config.microbatches:
         p.error(
             f"--batch-size {config.batch_size} is not a multiple of --microbatches "

@@ -187,6 +187,28 @@ def sample_subnets(num: int, config: SupernetConfig, seed: int, start: int = 0) 
     return [Subnet(start + i, tuple(int(c) for c in picks[start + i])) for i in range(num)]
 
 
+def distinct_subnets(num: int, config: SupernetConfig, seed: int) -> list[Subnet]:
+    """``num`` different subnets (every choice tuple once), ids ``0 .. num - 1``: the draws of
+    `sample_subnets` with ``seed`` in their order, a repeat replaced by the generator's next
+    new draw, so that where the first ``num`` draws differ these are those draws. Raises
+    ``ValueError`` when the space holds fewer than ``num`` subnets."""
+    space = config.num_choices ** config.num_layers
+    if num > space:
+        raise ValueError(
+            f"{num} different subnets asked of a supernet of {space} ({config.num_choices} "
+            f"choices in each of {config.num_layers} layers); ask at most {space}")
+    rng = np.random.default_rng(seed)
+    seen: dict[tuple[int, ...], None] = {}
+    size = num
+    while len(seen) < num:
+        for row in rng.integers(0, config.num_choices, size=(size, config.num_layers)):
+            seen.setdefault(tuple(int(c) for c in row), None)
+            if len(seen) == num:
+                break
+        size = num - len(seen)
+    return [Subnet(i, choices) for i, choices in enumerate(seen)]
+
+
 def _trunc_normal(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> np.ndarray:
     """Normal(0, std) truncated to two standard deviations (as SwinIR's ``trunc_normal_``)."""
     out = rng.standard_normal(shape)

@@ -27,7 +27,13 @@ from jax import lax
 
 from scamp_jax.pipeline.stage import OptimizerSpec
 from scamp_jax.pipeline.trainer import TrainResult, train_supernet
-from search_spaces.supernet import SupernetConfig, SupernetLayout, sample_subnets, subnet_labels
+from search_spaces.supernet import (
+    SupernetConfig,
+    SupernetLayout,
+    distinct_subnets,
+    sample_subnets,
+    subnet_labels,
+)
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -327,8 +333,8 @@ def evaluate_and_save(
 
     console = console or Console(quiet=True)
     eval_lr, eval_hr = held_out_images(config)
-    candidates = [
-        s.choices for s in sample_subnets(config.eval_subnets, config.supernet, config.seed + 1)
+    candidates = [  # each subnet once: a repeat would rank the same weights twice
+        s.choices for s in distinct_subnets(config.eval_subnets, config.supernet, config.seed + 1)
     ]
     started = time.perf_counter()
     scores = evaluate_subnets(layout, result.blocks, result.shared, candidates, eval_lr, eval_hr)
@@ -403,7 +409,7 @@ def _print_tables(console: Any, config: NASConfig, result: TrainResult, summary:
         title=f"held-out PSNR (Y, dB); bicubic {summary['bicubic_psnr']:.2f}, stem and head "
               f"alone {summary['stem_head_psnr']:.2f}"
     )
-    table.add_column("subnet", justify="right")
+    table.add_column("candidate", justify="right")  # of this evaluation, not of training
     table.add_column("ops")
     table.add_column("PSNR", justify="right")
     ranked = sorted(summary["evaluation"], key=lambda e: -e["psnr"])

@@ -145,3 +145,23 @@ def test_shared_warm_up_trains_the_network_every_fresh_subnet_computes():
     np.testing.assert_array_equal(same, shared)
     with pytest.raises(ValueError, match="steps=-1 must be >= 0"):
         warm_up_shared(zeroed, shared, lr, hr, steps=-1, optimizer=OptimizerSpec())
+
+
+def test_evaluation_candidates_are_distinct_and_keep_the_draws_they_can():
+    """Ranked candidates differ (a repeat would rank the same weights twice); the first draws
+    are kept where they differ, so a run without repeats ranks what it ranked before."""
+    from search_spaces.supernet import SupernetConfig, distinct_subnets, sample_subnets
+
+    small = SupernetConfig(num_layers=2, num_choices=4, width=8, scale=2, window_size=4)
+    drawn = [s.choices for s in sample_subnets(50, small, 1)]
+    assert len(set(drawn)) < 50  # 50 draws of 16 subnets repeat
+    chosen = [s.choices for s in distinct_subnets(16, small, 1)]
+    assert sorted(chosen) == sorted({(a, b) for a in range(4) for b in range(4)})
+    kept = list(dict.fromkeys(drawn[:16]))  # the first 16 draws, each once, in their order
+    assert chosen[:len(kept)] == kept
+    big = SupernetConfig(num_layers=8, num_choices=12, width=8, scale=2, window_size=4)
+    first = [s.choices for s in sample_subnets(12, big, 1)]
+    assert len(set(first)) == 12
+    assert [s.choices for s in distinct_subnets(12, big, 1)] == first
+    with pytest.raises(ValueError, match="ask at most 16"):
+        distinct_subnets(17, small, 1)

@@ -23,6 +23,9 @@ CASES = [
     (["--stages", "-1"], "--stages -1 must be at least 1; pass e.g. --stages 4"),
     (["--schedule", "gpipe", "--batch-size", "6", "--microbatches", "4"],
      "--batch-size 6 is not a multiple of --microbatches 4; pass --batch-size 4"),
+    (["--preset", "smoke", "--layers", "2", "--stages", "2", "--eval-subnets", "17"],
+     "--eval-subnets 17 is more than the 16 different subnets of --choices 4 in --layers 2; "
+     "pass --eval-subnets 16 or fewer"),
     # 16 CPU devices at most on a CPU-only machine (MAX_CPU_STAGES), fewer GPUs elsewhere.
     (["--stages", "100", "--layers", "100"],
      r"--stages 100 needs one device per stage but there are \d+ \w+ devices; pass --stages "
