@@ -48,3 +48,8 @@ def format_bytes(count: float) -> str:
             return f"{sign}{count:.0f} {unit}" if unit == "B" else f"{sign}{count:.2f} {unit}"
         count /= 1024
     raise AssertionError("unreachable")
+
+
+def counted(n: int, noun: str) -> str:
+    """``"1 compile"``, ``"2 compiles"``: ``n`` and ``noun``, plural unless ``n`` is 1."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"

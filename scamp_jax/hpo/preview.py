@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scamp_jax._units import format_bytes
+from scamp_jax._units import counted, format_bytes
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,8 @@ class CandidatePlan:
             return f"trial {self.number}: no plan: {self.error}"
         return (f"trial {self.number}: {self.devices} device(s), model-parallel "
                 f"{self.model_parallel}, batch {self.batch_size}, "
-                f"{format_bytes(self.bytes_per_device)} per device, {self.compiles} compiles, "
+                f"{format_bytes(self.bytes_per_device)} per device, "
+                f"{counted(self.compiles, 'compile')}, "
                 f"{self.cpu_seconds:.1f} CPU s")
 
 

@@ -290,6 +290,7 @@ def plot_results(
     if baseline and any(r.get(baseline) is not None for r in done):
         ref = [r[baseline] for r in done if r.get(baseline) is not None]
         ax.axhline(sum(ref) / len(ref), ls="--", color="gray", label=baseline)
+    ax.xaxis.get_major_locator().set_params(integer=True)  # trial numbers, no halves
     ax.set_xlabel("trial number")
     ax.set_ylabel(metric)
     ax.set_title(f"{metric} of each complete trial")

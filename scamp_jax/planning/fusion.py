@@ -46,7 +46,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from scamp_jax._units import format_bytes
+from scamp_jax._units import counted, format_bytes
 from scamp_jax.planning import sharding as sh
 from scamp_jax.planning.compile_options import Purpose, device_options
 from scamp_jax.planning.member_ops import convolution_form, member_program
@@ -257,7 +257,7 @@ class FusionPlan:
                 f"{len(self.plan.devices)} device(s) (data {self.plan.data_parallel} x model "
                 f"{self.plan.model_parallel}): peak {format_bytes(self.peak_bytes_per_device)} of "
                 f"{format_bytes(self.usable_bytes)} usable per device; "
-                f"{self.compiles} compiles, {self.planning_seconds:.2f} s")
+                f"{counted(self.compiles, 'compile')}, {self.planning_seconds:.2f} s")
 
 
 class FusedStepCompiler:

@@ -45,7 +45,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from scamp_jax._units import format_bytes
+from scamp_jax._units import counted, format_bytes
 from scamp_jax.planning import sharding as sh
 from scamp_jax.planning.batch_search import (
     BatchSearch,
@@ -265,7 +265,7 @@ class Plan:
             ("  inputs", format_bytes(e.inputs)),
             ("  activations+temps", format_bytes(e.activations_and_temps)),
             ("bytes per sample", format_bytes(self.memory_model.bytes_per_sample)),
-            ("planning", f"{self.planning_seconds:.2f} s, {self.compiles} compiles"),
+            ("planning", f"{self.planning_seconds:.2f} s, {counted(self.compiles, 'compile')}"),
         ]
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
