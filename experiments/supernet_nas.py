@@ -104,14 +104,31 @@ def get_config(preset: str = "default"):
     raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
 
 
+def _presets_text() -> str:
+    """What each preset sets (``--help``'s epilog), from `get_config` itself."""
+    parts = []
+    for name in PRESETS:
+        c = get_config(name)
+        parts.append(
+            f"{name}: {c.stages} stages, {c.layers} layers x {c.choices} choices, width "
+            f"{c.width}, {c.subnets:,} subnets of batch {c.batch_size} ({c.hr_patch}-pixel HR "
+            f"patches), Adam {c.learning_rate:g}, shared warm-up {c.shared_warmup}, "
+            f"{c.eval_subnets} subnets ranked")
+    return ("Presets (--preset; flags override them): " + "; ".join(parts) + ". Every preset: "
+            "--schedule csp, --offload, --no-train-shared, --seed 0.")
+
+
 def parser() -> argparse.ArgumentParser:
     """The command-line flags (``--help`` lists them)."""
     p = argparse.ArgumentParser(
         prog="python -m experiments.supernet_nas",
         description="Train a weight-sharing SR supernet with pipelined subnets, rank subnets.",
+        epilog=_presets_text(),
     )
     p.add_argument("--preset", choices=PRESETS, default="default",
-                   help="size preset: smoke (about a minute), default (minutes), paper (GPUs)")
+                   help="size preset: smoke (about a minute; no warm-up, so its subnets "
+                        "need not beat bicubic), default (minutes), paper (GPUs); the epilog "
+                        "lists their sizes")
     p.add_argument("--schedule", choices=SCHEDULES,
                    help="pipeline schedule: csp (several subnets in flight), gpipe "
                         "(microbatched, flush per subnet) or sequential (one subnet at a time)")
