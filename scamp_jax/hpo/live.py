@@ -138,9 +138,10 @@ class LiveView:
                 continue
             self._last_state[s.number] = s.state
             elapsed = time.monotonic() - self._t0
-            line = (f"[{elapsed:7.1f}s] trial {s.number:>3} {s.state:<11} "
-                    f"devices={list(s.devices)} mp={s.model_parallel} batch={s.batch_size} "
-                    f"step={s.step}/{s.steps}")
+            line = f"[{elapsed:7.1f}s] trial {s.number:>3} {s.state:<11}"
+            if s.devices or s.batch_size:  # planned: before it, nothing to show but its state
+                line += (f" devices={list(s.devices)} mp={s.model_parallel} "
+                         f"batch={s.batch_size} step={s.step}/{s.steps}")
             if s.number in self._groups:
                 group, width = self._groups[s.number]
                 line += f" group={group} width={width}"
