@@ -39,6 +39,17 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 
+def _console(quiet: bool) -> Console:
+    """The run's console: a terminal's own width, a log's `scamp_jax.hpo.live.LOG_WIDTH`."""
+    import sys
+
+    from rich.console import Console
+
+    from scamp_jax.hpo.live import LOG_WIDTH, is_terminal
+
+    return Console(quiet=quiet, width=None if is_terminal(sys.stdout) else LOG_WIDTH)
+
+
 @dataclasses.dataclass(frozen=True)
 class NASConfig:
     """One supernet NAS run.
@@ -243,9 +254,8 @@ def run_nas(config: NASConfig, *, json_path: str | None = None, show: bool = Tru
     ``bicubic_psnr``, ``stem_head_psnr`` (`stem_head_psnr`), ``best``, ``eval_seconds`` and the
     warm-up's ``warmup_steps``, ``warmup_seconds`` and ``warmup_losses``.
     """
-    from rich.console import Console
 
-    console = Console(quiet=not show)
+    console = _console(quiet=not show)
     layout, result, warmup = train_for_nas(config, console=console)
     return evaluate_and_save(
         config, layout, result, json_path=json_path, console=console, extra=warmup
@@ -395,9 +405,13 @@ def _print_tables(console: Any, config: NASConfig, result: TrainResult, summary:
 
     from scamp_jax._units import format_bytes
 
-    train = Table(title=f"training: {config.schedule}, {config.stages} stages")
-    for col in ("ticks", "utilisation", "ideal util.", "device params", "supernet params",
-                "wall s", "samples/s"):
+    train = Table(
+        title=f"training: {config.schedule}, {config.stages} stages",
+        caption="params with their optimizer state: on the devices, the blocks of the subnets "
+                "in flight on every stage (window slots) and the stem and head; in the whole "
+                "supernet, each block once (a small supernet can hold less than the windows)")
+    for col in ("ticks", "utilisation", "ideal util.", "params on devices",
+                "params of supernet", "wall s", "samples/s"):
         train.add_column(col, justify="right")
     train.add_row(
         str(result.ticks), f"{result.stage_utilization:.3f}", f"{result.ideal_utilization:.3f}",
@@ -475,8 +489,6 @@ def run_nas_mpi(
     """
     import functools
 
-    from rich.console import Console
-
     from scamp_jax.distributed.mpi import world
     from scamp_jax.distributed.pipeline import train_supernet_mpi
 
@@ -486,7 +498,7 @@ def run_nas_mpi(
             f"stages={config.stages} but {w.size} MPI ranks; the MPI pipeline runs one stage per "
             f"rank: launch with mpirun -n {config.stages} or pass --stages {w.size}"
         )
-    console = Console(quiet=not show or not w.is_root)
+    console = _console(quiet=not show or not w.is_root)
     console.print(f"one pipeline stage per MPI rank: {w.size} ranks")
     layout, result, warmup = train_for_nas(
         config, train_fn=functools.partial(train_supernet_mpi, comm=w.comm), console=console

@@ -23,6 +23,11 @@ from scamp_jax.hpo.trial import TrialStatus
 _ACTIVE = ("compiling", "training", "evaluating", "starting", "resizing")
 
 
+#: Columns of what a study or experiment prints to a log (no terminal): wide plain lines and
+#: tables instead of rich's 80 columns.
+LOG_WIDTH = 160
+
+
 def is_terminal(stream: Any) -> bool:
     """Whether ``stream`` is a terminal a table can be drawn on: it says it is a tty, and one
     that reports a size. Open MPI gives each rank's stdout a pseudo-terminal of 0 columns,

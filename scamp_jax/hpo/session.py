@@ -144,14 +144,14 @@ class StudySession:
         #: the engine's figures when its run was interrupted (`run_engine`), else None
         self.interrupted_result: Any = None
         if console is None:
-            from scamp_jax.hpo.live import RankStream, is_terminal
+            from scamp_jax.hpo.live import LOG_WIDTH, RankStream, is_terminal
 
             # Logs (no terminal, or a rank's size-less one) get wide plain lines instead of a
             # table squeezed into 80 columns with colour codes.
             out: Any = None if rank == 0 else RankStream(rank)  # None: stdout when printing
             terminal = rank == 0 and is_terminal(sys.stdout)
             console = Console(file=out, soft_wrap=True, force_terminal=terminal,
-                              width=None if terminal else 160)
+                              width=None if terminal else LOG_WIDTH)
         self.console = console
 
     def say(self, line: str) -> None:
