@@ -219,6 +219,14 @@ def as_flags(message: str) -> str:
                   message)
 
 
+def in_flags(err: BaseException) -> str:
+    """A library error as the command line says it: its `as_command_line` where it has one
+    (`scamp_jax.hpo.study.StudySettingsError`), else its message with the library's keywords
+    as flags (`as_flags`)."""
+    as_command_line = getattr(err, "as_command_line", None)
+    return as_command_line() if as_command_line else as_flags(str(err))
+
+
 def fail(message: str) -> None:
     """Print ``error: message`` to stderr and exit with status 2 (as argparse does)."""
     print(f"error: {message}", file=sys.stderr)
@@ -359,10 +367,13 @@ def user_errors() -> Iterator[None]:
     """
     from sqlalchemy.exc import SQLAlchemyError
 
+    from scamp_jax._errors import worded_by
+
     previous = signal.signal(signal.SIGTERM, _terminate)
     previous_int = signal.signal(signal.SIGINT, _CtrlC())
     try:
-        yield
+        with worded_by(in_flags):  # also how a failing MPI rank says it before the job ends
+            yield
     except Terminated:
         print("terminated: finished trials are in the study and results.json; run the same "
               "command to resume", file=sys.stderr)
@@ -377,11 +388,10 @@ def user_errors() -> Iterator[None]:
              "or restore the database from a copy")
     except (ValueError, TypeError, FileNotFoundError, NotADirectoryError,
             PermissionError) as err:
-        as_command_line = getattr(err, "as_command_line", None)  # StudySettingsError
-        fail(as_command_line() if as_command_line else as_flags(str(err)))
+        fail(in_flags(err))
     except Exception as err:
-        if type(err).__name__ in ("BudgetTooSmallError", "MPIUnavailableError"):
-            fail(as_flags(str(err)))
+        if type(err).__name__ == "MPIUnavailableError":
+            fail(in_flags(err))
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -78,12 +78,25 @@ def cpu_devices(stages: int) -> int:
 
 
 def _same_bits_everywhere(stages: int) -> None:
-    """Before JAX starts: deterministic GPU kernels and a CPU worker pool of `cpu_devices`
-    threads, so that CSP, sequential, a rerun and the MPI ranks compute the same bits."""
-    from scamp_jax.pipeline.determinism import use_deterministic_gpu_ops, use_fixed_cpu_threads
+    """Before JAX starts, so that CSP, sequential, a rerun and the MPI ranks compute the same
+    bits: deterministic GPU kernels where JAX would run on a GPU; otherwise `cpu_devices` CPU
+    devices and a CPU worker pool of as many threads (on GPUs the variable would also size
+    the GPU client's own thread pools, and the CPU does not train). Where JAX has started
+    already (a notebook, a test) its devices and pool are used as they are."""
+    from scamp_jax.devices import configure_cpu_devices
+    from scamp_jax.pipeline.determinism import (
+        gpu_backend_installed,
+        use_deterministic_gpu_ops,
+        use_fixed_cpu_threads,
+    )
 
     use_deterministic_gpu_ops()
-    use_fixed_cpu_threads(cpu_devices(stages))
+    try:
+        configure_cpu_devices(cpu_devices(stages))
+    except RuntimeError:
+        return  # JAX already started: its devices and pool are used as they are
+    if not gpu_backend_installed():
+        use_fixed_cpu_threads(cpu_devices(stages))
 
 
 def get_config(preset: str = "default"):
@@ -222,7 +235,6 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     """Parse flags, set up devices, run `search_spaces.supernet_nas.run_nas`; return it."""
     p = parser()
     args = p.parse_args(argv)
-    from scamp_jax.devices import configure_cpu_devices
 
     config = get_config(args.preset)
     overrides = {
@@ -238,10 +250,6 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
         return _main_mpi(config, args, p)
     check_config(config, p)
     _same_bits_everywhere(config.stages)
-    try:
-        configure_cpu_devices(cpu_devices(config.stages))
-    except RuntimeError:
-        pass  # JAX already started (a notebook, a test): its devices are used as they are.
     check_devices(config.stages, p)
     from search_spaces.supernet_nas import run_nas
 
@@ -258,17 +266,12 @@ def _main_mpi(config, args: argparse.Namespace, p: argparse.ArgumentParser) -> d
             f"mpirun -n {config.stages} python -m experiments.supernet_nas --mpi "
             "(install the extra first: pip install 'scamp-jax[mpi]')"
         )
-    from scamp_jax.devices import configure_cpu_devices
 
     w = world()  # MPI only: JAX has not started
     if args.stages is None:
         config = dataclasses.replace(config, stages=w.size)
-    _same_bits_everywhere(config.stages)  # ranks agree bit for bit with a single process
-    try:
-        # the single process's CPU devices, though a rank runs its stage on the first
-        configure_cpu_devices(cpu_devices(config.stages))
-    except RuntimeError:
-        pass  # JAX already started: its devices are used as they are.
+    # the single process's CPU devices and pool, though a rank runs its stage on the first
+    _same_bits_everywhere(config.stages)
     check_config(config, p)
     from search_spaces.supernet_nas import run_nas_mpi
 

@@ -424,7 +424,8 @@ def test_study_split_across_two_ranks_records_every_trial_once_with_its_rank(
     # leaves the finished trials as they were.
     again = _launch(tmp_path, 2, "--trials", "4", "--steps", "30")
     assert again.returncode != 0
-    assert "steps=20" in again.stderr and "study_name=" in again.stderr, again.stderr
+    # in the command line's words, as in one process (not the library's steps=20)
+    assert "--steps 20" in again.stderr and "--study-name" in again.stderr, again.stderr
     assert [s for _, s, _ in _stored_trials(tmp_path)] == ["COMPLETE"] * 4
     # --study-name means what it means in one process: a new study of that name in the same
     # storage, its outputs in --study-dir/NAME; the first study is left as it was.

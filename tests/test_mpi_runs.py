@@ -24,11 +24,13 @@ pytestmark = pytest.mark.mpi
 
 
 def mpi_env() -> dict[str, str]:
-    """Environment of an MPI child: CPU JAX with one device per rank, quiet Open MPI."""
+    """Environment of an MPI child: CPU JAX, each process choosing its own devices and worker
+    pool (XLA_FLAGS and PJRT_NPROC of the pytest process dropped), quiet Open MPI."""
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
     # Each rank sets its own device count; drop the 8 devices of the pytest process.
     env.pop("XLA_FLAGS", None)
+    env.pop("PJRT_NPROC", None)
     env["PYTHONPATH"] = str(ROOT)
     return env
 
@@ -122,8 +124,9 @@ def test_a_rank_that_dies_stops_the_pipeline_instead_of_hanging(tmp_path: Path) 
 
 @pytest.mark.slow
 def test_supernet_experiment_under_mpirun_matches_the_single_process_run(tmp_path: Path) -> None:
-    # The default preset's sizes (width 16): XLA's CPU compiler splits its loops by the number
-    # of devices in the process, and a rank with one device trained to another weight hash.
+    # The default preset's sizes (width 16): XLA's CPU convolutions split their work by the
+    # process's worker pool, and a rank with one device (a pool of 2 here, 8 in the single
+    # process) trained to another weight hash.
     flags = ["--subnets", "8", "--shared-warmup", "0", "--eval-subnets", "1", "--quiet"]
     single = launch(["-m", "experiments.supernet_nas", *flags, "--json",
                      str(tmp_path / "s.json")], None, timeout=300)

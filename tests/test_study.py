@@ -244,7 +244,8 @@ def test_a_study_refuses_other_settings(tmp_path):
     open_study("toy", study_dir=tmp_path, settings=settings)
     open_study("toy", study_dir=tmp_path, settings=settings)  # the same settings resume it
     with pytest.raises(StudySettingsError, match=r"created with steps=150, this run asks for "
-                       r"steps=100; run it with steps=150, or pass study_name='toy-2'") as err:
+                       r"steps=100; repeat the study's settings to resume it, or pass "
+                       r"study_name='toy-2'") as err:
         open_study("toy", study_dir=tmp_path, settings={**settings, "steps": 100})
     # the experiments' command lines say it in their flags; the error survives a pickle
     assert err.value.as_command_line() == (

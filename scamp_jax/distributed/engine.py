@@ -53,6 +53,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from scamp_jax._errors import worded
 from scamp_jax.distributed.data_parallel import mpi_mean_bytes
 from scamp_jax.distributed.mpi import import_mpi4py
 from scamp_jax.distributed.spanning import (
@@ -256,7 +257,8 @@ def run_search_mpi(
     except KeyboardInterrupt:
         raise  # the engine already gave its running trials back; a re-run resumes them
     except BaseException as err:  # noqa: BLE001 - any failure must end every rank, not hang them
-        print(f"rank {rank} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        # worded as the entry point words errors (a command line: its flags)
+        print(f"rank {rank} failed: {worded(err)}", file=sys.stderr, flush=True)
         comm.Abort(2 if isinstance(err, ValueError) else 1)
         raise
 

@@ -258,7 +258,8 @@ def train_supernet_mpi(
     num_stages=size)`` in one process; on CPU, when every process's XLA worker pool has the same
     size (`scamp_jax.pipeline.use_fixed_cpu_threads`, and no more CPU devices than it): XLA's
     CPU convolutions split their work by that size, which follows the cores a process may use
-    (``mpirun`` binds ranks to cores), and another split rounds differently.
+    (Open MPI's ``mpirun`` binds ranks to cores or sockets), and another split rounds
+    differently.
     """
     mpi = import_mpi4py()
     comm = mpi.COMM_WORLD if comm is None else comm

@@ -178,11 +178,12 @@ def evaluate_model(task: Task, graphdef: Any, params: Any, rest: Any, mesh: Any
                    ) -> Mapping[str, Any]:
     """The task's own ``evaluate`` of the model of ``params`` and ``rest`` on ``mesh``, in
     evaluation mode (``model.eval()``: dropout off, batch norm on its running averages), as
-    the planned forward runs it; the trained state is untouched (a merged copy is set)."""
+    the planned forward runs it, on a copy: what ``evaluate`` sets on it (a mode, a variable)
+    never reaches the state training goes on from."""
     from flax import nnx
 
     with jax.set_mesh(mesh):
-        model = nnx.merge(graphdef, params, rest)
+        model = nnx.merge(graphdef, params, rest, copy=True)
         model.eval()
         return task.evaluate(model)
 

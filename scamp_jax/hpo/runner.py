@@ -388,7 +388,9 @@ def load_model(
     """The trained model saved in a trial's checkpoint step directory (e.g. ``best_model/``).
 
     ``params`` is the trial's configuration (``best_model/trial.json`` holds it). The model is
-    rebuilt from ``space`` and its parameters and other state are read back on the default device.
+    rebuilt from ``space`` and its parameters and other state are read back on the default
+    device. It comes in evaluation mode, as the study scored it (``model.eval()``: dropout
+    off, batch norm on its running averages); call ``model.train()`` to train it further.
     """
     import orbax.checkpoint as ocp
 
@@ -410,4 +412,6 @@ def load_model(
         jax.tree.structure((weights, make_optimizer(params).init(weights), rest)),
         from_storable(leaves, like),
     )
-    return nnx.merge(graphdef, weights, rest)
+    model = nnx.merge(graphdef, weights, rest)
+    model.eval()
+    return model

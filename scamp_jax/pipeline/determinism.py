@@ -7,9 +7,9 @@ convolutions) are not deterministic unless XLA is told to use deterministic ones
 deterministic within a process, but XLA's CPU convolutions split their work by the size of the
 process's worker pool, ``max(PJRT_NPROC`` (else ``NPROC``, else the CPUs the process may run
 on)``, CPU devices)``, and round differently with another split: two processes with other core
-counts, pinning (``mpirun`` binds each rank to cores) or device counts train to other bits
-(`use_fixed_cpu_threads`). XLA reads both settings once, when JAX creates its backends, so
-these must run before the first array.
+counts, binding (Open MPI's ``mpirun`` binds a rank to a core or a socket) or device counts
+train to other bits (`use_fixed_cpu_threads`). XLA reads both settings once, when JAX creates
+its backends, so these must run before the first array.
 """
 
 from __future__ import annotations
@@ -62,11 +62,13 @@ def use_fixed_cpu_threads(threads: int) -> bool:
     XLA's CPU convolutions split their work by the pool's size, ``max(PJRT_NPROC`` (else the
     process's CPUs)``, CPU devices)``, and a different split rounds differently: the same
     training in a process pinned to one core, in one that may use two, and in an MPI rank
-    (``mpirun`` binds ranks to cores) ends in different weights. Processes that set the same
-    ``threads`` and make at most that many CPU devices compute the same bits whatever cores
-    they run on; their CPU kernels then use at most ``threads`` threads at once. Sets
-    ``PJRT_NPROC`` unless it is set already (the user's value is kept). Call before JAX
-    creates its CPU backend. Returns whether the pool now has ``threads`` threads' size set.
+    (``mpirun`` binds ranks to cores or sockets) ends in different weights. Processes that set
+    the same ``threads`` and make at most that many CPU devices compute the same bits whatever
+    cores they run on; their CPU kernels then use at most ``threads`` threads at once (on a
+    larger host, fewer than it has). Sets ``PJRT_NPROC`` unless it is set already (the user's
+    value is kept). XLA's GPU client sizes its own thread pools from the same variable, so a
+    process that trains on GPUs leaves it alone. Call before JAX creates its backends. Returns
+    whether the pool's size is now ``threads``.
     """
     if threads < 1:
         raise ValueError(f"{threads=} must be at least 1")

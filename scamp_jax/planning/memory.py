@@ -215,19 +215,29 @@ def _growth_per_group(total: Callable[[Any], Any], dp: int) -> int | None:
     return high - low
 
 
+#: What a shape error while the loss is traced asks the user to check (`tracing_note`).
+_TRACING_ADVICE = ("check that the sample batch has a leading batch axis and then one sample's "
+                   "shape as the model takes it, and that the loss is loss_fn(model, batch) -> "
+                   "scalar")
+
+
 @contextlib.contextmanager
 def tracing_note(batch: PyTree) -> Iterator[None]:
-    """Add to a ``TypeError`` or ``ValueError`` raised while the loss is traced on ``batch``
-    (JAX's shape errors name the operation, not the input) a note with the batch's shapes and
-    what to check; the error's type and message are kept."""
+    """Name ``batch``'s shapes in a ``TypeError`` or ``ValueError`` raised while the loss is
+    traced on it (JAX's shape errors name the operation, not the input): a plain one is raised
+    again, of its type, as ``traced on a batch of [...]: <message>`` (a trial's failure reason
+    and a command line's error show it) with what to check as a note; another keeps its
+    message and gets both as a note."""
     try:
         yield
     except (TypeError, ValueError) as err:
         shapes = ", ".join(f"{tuple(x.shape)} {x.dtype}" for x in jax.tree.leaves(batch))
-        err.add_note(
-            f"(raised while tracing the loss of the model on a batch of [{shapes}]: check that "
-            "the sample batch has a leading batch axis and then one sample's shape as the "
-            "model takes it, and that the loss is loss_fn(model, batch) -> scalar)")
+        where = f"traced on a batch of [{shapes}]"
+        if type(err) in (TypeError, ValueError):
+            named = type(err)(f"{where}: {err}")
+            named.add_note(f"({_TRACING_ADVICE})")
+            raise named from err
+        err.add_note(f"({where}: {_TRACING_ADVICE})")
         raise
 
 
@@ -328,8 +338,10 @@ class StepCompiler:
 
         growth = _growth_per_group(total, dp)
         if growth is None:
+            with tracing_note(with_batch_size(self.sample_batch, 2 * dp)):
+                larger = total(2 * dp)
             with tracing_note(with_batch_size(self.sample_batch, dp)):
-                growth = total(2 * dp) - total(dp)
+                growth = larger - total(dp)
         self._traced_per_sample = max(0.0, growth / dp / dp)
         return self._traced_per_sample
 

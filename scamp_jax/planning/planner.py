@@ -326,7 +326,7 @@ def resolve_devices(devices: Sequence[jax.Device] | int | None) -> tuple[jax.Dev
         if not 1 <= devices <= len(available):
             more = (" (to split the CPU into more devices, call "
                     "scamp_jax.configure_cpu_devices(n) before JAX starts)"
-                    if available[0].platform == "cpu" else "")
+                    if available[0].platform == "cpu" and devices > len(available) else "")
             raise ValueError(
                 f"devices={devices} must be between 1 and the {len(available)} available "
                 f"{available[0].platform} devices; pass a count in that range or a device "

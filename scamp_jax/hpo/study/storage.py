@@ -39,8 +39,9 @@ class StudySettingsError(ValueError):
         was = ", ".join(f"{k}={v!r}" for k, v in self.stored.items())
         now = ", ".join(f"{k}={v!r}" for k, v in self.wanted.items())
         super().__init__(
-            f"study {study_name!r} was created with {was}, this run asks for {now}; run it with "
-            f"{was}, or pass study_name={study_name + '-2'!r} to start a new study"
+            f"study {study_name!r} was created with {was}, this run asks for {now}; repeat the "
+            f"study's settings to resume it, or pass study_name={study_name + '-2'!r} to start "
+            "a new study"
         )
 
     def __reduce__(self) -> tuple[Any, ...]:  # pickled whole (MPI ranks, processes)
