@@ -68,5 +68,6 @@ if __name__ == "__main__":
     result = scamp_jax.run_study(space, task, trials=args.trials, steps=args.steps,
                                  study_dir=args.study_dir, memory_per_device="32MiB",
                                  reference_batch=32, max_batch_size=128)
-    best = result["best"]
-    print(f"best: trial {best['number']} {best['params']} accuracy {best['accuracy']:.3f}")
+    best = result["best"]  # None while no trial has completed
+    if best is not None:
+        print(f"best: trial {best['number']} {best['params']} accuracy {best['accuracy']:.3f}")

@@ -152,6 +152,11 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
                         help="steps between intermediate evaluations reported to the pruner "
                         "(0: off)")
     parser.add_argument("--seed", type=int, help="seed of the sampler, initialisation and data")
+    parser.add_argument("--failure-limit", type=non_negative_int, metavar="N",
+                        help="stop the study when the first N trials of a run to end all raise "
+                        "the same error (a bug in the task, not the configurations); they go "
+                        "back to the study and the next run trains them again (default 3; 0: "
+                        "never stop, for a space that fails some configurations on purpose)")
     parser.add_argument("--study-dir", default=None,
                         help=f"directory of the study database, checkpoints, results and plots "
                         f"(default {study_dir}); running again on it resumes the study")
@@ -182,7 +187,7 @@ def config_from_args(args: argparse.Namespace, base: HPOConfig, study_dir: str) 
     for name in ("trials", "steps", "devices", "memory_per_device", "policy", "devices_per_trial",
                  "max_batch_size", "min_batch_size", "elastic",
                  "sampler", "pruner", "eval_every", "seed", "storage", "train_dir", "eval_dir",
-                 "study_name", "fuse", "max_running_trials"):
+                 "study_name", "fuse", "max_running_trials", "failure_limit"):
         value = getattr(args, name, None)
         if value is not None:
             overrides[name] = value
@@ -204,7 +209,8 @@ def config_from_args(args: argparse.Namespace, base: HPOConfig, study_dir: str) 
 
 #: The library's keywords a message tells the user to pass or raise, and their flags here.
 _FLAG_OF = {"memory_per_device": "--memory-per-device", "max_batch_size": "--max-batch-size",
-            "devices_per_trial": "--devices-per-trial", "devices": "--devices"}
+            "devices_per_trial": "--devices-per-trial", "devices": "--devices",
+            "failure_limit": "--failure-limit"}
 
 
 def as_flags(message: str) -> str:
@@ -358,7 +364,8 @@ def root_cause(err: BaseException) -> BaseException:
 
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
-    """Turn user mistakes into one line and exit status 2; Ctrl-C exits 130, SIGTERM 143.
+    """Turn user mistakes into one line and exit status 2; Ctrl-C exits 130, SIGTERM 143, a
+    study stopped by its trials' repeated error (`scamp_jax.RepeatedFailureError`) 1.
 
     Catches the library's error types for bad input (``ValueError``, ``TypeError``,
     ``FileNotFoundError``, `scamp_jax.hpo.engine.BudgetTooSmallError`, a missing MPI, a damaged or
@@ -368,6 +375,7 @@ def user_errors() -> Iterator[None]:
     from sqlalchemy.exc import SQLAlchemyError
 
     from scamp_jax._errors import worded_by
+    from scamp_jax.hpo.failures import RepeatedFailureError
 
     previous = signal.signal(signal.SIGTERM, _terminate)
     previous_int = signal.signal(signal.SIGINT, _CtrlC())
@@ -382,6 +390,9 @@ def user_errors() -> Iterator[None]:
         print("interrupted: finished trials are in the study and results.json; run the same "
               "command to resume", file=sys.stderr)
         raise SystemExit(130) from None
+    except RepeatedFailureError as err:  # the task's error, not the command line's
+        print(f"error: {in_flags(err)}", file=sys.stderr)
+        raise SystemExit(1) from None
     except SQLAlchemyError as err:
         cause = getattr(err, "orig", None) or root_cause(err)
         fail(f"the study database cannot be used ({cause}); check --storage and --study-dir, "

@@ -29,6 +29,7 @@ _NAMES = {
     "replay_study": "scamp_jax.sim.measured",
     "BudgetTooSmallError": "scamp_jax.hpo.engine",
     "StudySettingsError": "scamp_jax.hpo.study",
+    "RepeatedFailureError": "scamp_jax.hpo.failures",
     # planning one trial
     "plan_mesh": "scamp_jax.planning.planner",
     "Plan": "scamp_jax.planning.planner",

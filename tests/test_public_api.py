@@ -15,7 +15,7 @@ EXPECTED = {
     # a whole study, and what it returns
     "run_study", "run_search", "SearchSettings", "SearchSpace", "Task", "FunctionTask",
     "ChunkedEvalTask", "open_study", "load_model", "replay_study", "BudgetTooSmallError",
-    "StudySettingsError",
+    "StudySettingsError", "RepeatedFailureError",
     # planning one trial
     "plan_mesh", "Plan", "DoesNotFitError", "PlanCache", "estimate_memory", "MemoryEstimate",
     # devices and sizes

@@ -11,6 +11,7 @@ _NAMES = {
     **dict.fromkeys(("CandidatePlan", "plan_candidates"), "scamp_jax.hpo.preview"),
     **dict.fromkeys(("BudgetTooSmallError", "SearchEngine", "SearchResult"),
                     "scamp_jax.hpo.engine"),
+    "RepeatedFailureError": "scamp_jax.hpo.failures",
     **dict.fromkeys(("load_model", "run_trial", "RunSpec", "RunResult"), "scamp_jax.hpo.runner"),
     **dict.fromkeys(("GroupResult", "GroupSpec", "MemberSpec", "architecture_signature",
                      "run_fused_group"), "scamp_jax.hpo.fused_runner"),

@@ -9,7 +9,8 @@
 - a fused group: every member is told on its own;
 - otherwise the trial is told to the study with its record (``results.json``); an interrupted
   one is given back (a re-run resumes it), as are all unfinished trials when the engine stops
-  (`Endings.give_back`).
+  (`Endings.give_back`); while a run's first trials fail with one error, their failures are held
+  back, and given back too if they reach the limit (`scamp_jax.hpo.failures`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from scamp_jax.hpo.failures import RepeatedFailures
 from scamp_jax.hpo.out_of_memory import OutOfMemory
 from scamp_jax.hpo.study.trials import TrialOutcome, TrialSource
 from scamp_jax.hpo.trial import PlannedTrial, RunResult
@@ -61,13 +63,31 @@ class Endings:
         self.records, self.now, self.decide, self.start = records, now, decide, start
         self.notify = notify
         self.oom = OutOfMemory(config, core, records, replan, queue, self.report)
+        #: the guard against a run's first trials all failing alike
+        self.failures = RepeatedFailures(config.failure_limit, self._told, source.interrupt)
         #: how each trial of this run ended, in finishing order.
         self.outcomes: list[TrialOutcome] = []
 
     def tell(self, outcome: TrialOutcome) -> None:
-        """Tell the study how a trial ended."""
+        """Tell the study how a trial ended (a failure may be held back first:
+        `scamp_jax.hpo.failures`)."""
+        if not self.failures.hold(outcome):
+            self._told(outcome)
+        self.notify()
+
+    def _told(self, outcome: TrialOutcome) -> None:
         self.source.tell(outcome)
         self.outcomes.append(outcome)
+
+    def check_failures(self) -> None:
+        """Raise `RepeatedFailureError` once the run's first trials all failed alike (the
+        engine then stops, `give_back`)."""
+        if self.failures.tripped:
+            raise self.failures.error()
+
+    def finish(self) -> None:
+        """The run ended: failures still held back are told as they are."""
+        self.failures.release()
         self.notify()
 
     def tell_failed(self, number: int) -> None:
@@ -150,6 +170,10 @@ class Endings:
                    "checkpoint where checkpoints are on) and go back to the study, where a "
                    "re-run resumes them; Ctrl-C again stops at once")
         cf.wait([run.future for run in runs])
+        if self.failures.tripped:
+            self.failures.give_back_held()
+        else:
+            self.failures.release()  # they failed; the interrupt does not change that
         running = [m.number for run in runs for m in run.members]
         for number in dict.fromkeys([*running, *waiting]):  # once each
             self.source.interrupt(number)
@@ -161,12 +185,13 @@ class Endings:
             self.source.interrupt(planned.number)
             return
         wall, record.earlier_wall = record.earlier_wall, 0.0
+        record.status.state = result.state
+        record.status.reason = result.reason
+        record.status.traceback = result.traceback
         attrs = record.attrs(self.config.rank, wall)
         attrs["metrics"] = dict(result.metrics)
         attrs["checkpoint"] = str(result.checkpoint) if result.checkpoint else None
         attrs["resumed_from"] = result.resumed_from
-        record.status.state = result.state
-        record.status.reason = result.reason
         metric = result.metrics.get(self.metric)
         self.tell(TrialOutcome(planned.number, result.state,
                                 value=metric if result.state == "complete" else None,

@@ -215,7 +215,10 @@ class SearchEngine:
     def run(self) -> SearchResult:
         """Run trials until the study has its total; returns this run's usage figures.
 
-        Raises `BudgetTooSmallError` if no candidate fits the pool. On ``KeyboardInterrupt``
+        Raises `BudgetTooSmallError` if no candidate fits the pool, and
+        `scamp_jax.hpo.failures.RepeatedFailureError` when the run's first trials all fail with
+        one error (``config.failure_limit`` of them; they go back to the study). On
+        ``KeyboardInterrupt``
         running trials are checkpointed and marked interrupted (a re-run resumes them), then the
         interrupt propagates; finished trials are already in the study.
         """
@@ -262,6 +265,7 @@ class SearchEngine:
             raise
         self._planner.shutdown(wait=True)
         self._launch.close()
+        self.endings.finish()
         self.intake.finish()
         return self.result_so_far()
 
@@ -305,6 +309,7 @@ class SearchEngine:
         for future in sorted((f for f in done if f in self.work),
                              key=lambda f: self.work[f].order()):
             self.work.pop(future).done(future)
+        self.endings.check_failures()  # the first trials all failed alike: stop
         self._notify()
         return True
 

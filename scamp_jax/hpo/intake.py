@@ -19,7 +19,7 @@ from typing import Any
 
 from scamp_jax._units import format_bytes
 from scamp_jax.hpo.study.trials import AskedTrial, AskLater, TrialSource
-from scamp_jax.hpo.trial import TrialDeferred, TrialStatus, ending
+from scamp_jax.hpo.trial import TrialDeferred, TrialStatus, ending, failure_traceback
 from scamp_jax.planning import planner
 
 
@@ -116,6 +116,7 @@ class Intake:
             return None
         except Exception as err:  # noqa: BLE001 - a candidate that cannot even be built
             status.state, status.reason = "failed", ending(err)[1]
+            status.traceback = failure_traceback(err)
             self.tell_failed(asked.number)
             return None
         self._fits()

@@ -46,7 +46,14 @@ import numpy as np
 
 from scamp_jax.hpo.calibration import measure_peak
 from scamp_jax.hpo.checkpoint import TrialCheckpointer
-from scamp_jax.hpo.trial import RunResult, TrialOutOfMemory, TrialStatus, ending, trial_seed
+from scamp_jax.hpo.trial import (
+    RunResult,
+    TrialOutOfMemory,
+    TrialStatus,
+    ending,
+    failure_traceback,
+    trial_seed,
+)
 from scamp_jax.planning.budget import Budget
 from scamp_jax.planning.evaluation import (
     EvalCompiler,
@@ -302,21 +309,23 @@ class Lifecycle:
 
     def _end(self, m: _Member, state: str, reason: str = "",
              metrics: Mapping[str, float] | None = None, checkpoint: Path | None = None,
-             bytes_needed: int | None = None) -> None:
+             bytes_needed: int | None = None, traceback: str = "") -> None:
         if m.result is not None:
             return
         m.status.state = state
         if reason:
             m.status.reason = reason
+        m.status.traceback = traceback
         m.result = RunResult(m.spec.number, state, m.status.step, time.monotonic() - self.start,
-                             metrics=dict(metrics or {}), reason=reason,
+                             metrics=dict(metrics or {}), reason=reason, traceback=traceback,
                              bytes_needed=bytes_needed, loss=m.status.loss,
                              checkpoint=checkpoint, resumed_from=self.first,
                              held_bytes=self.held_bytes, measured_peak_bytes=self.measured_bytes)
 
     def _fail(self, m: _Member, err: BaseException) -> None:
         state, reason, needed = ending(err)
-        self._end(m, state, reason, bytes_needed=needed)
+        self._end(m, state, reason, bytes_needed=needed,
+                  traceback=failure_traceback(err) if state == "failed" else "")
 
     # ---- the run
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from scamp_jax.hpo.failures import TRACEBACK
 from scamp_jax.hpo.launch import Run
 from scamp_jax.hpo.resizing import Restart
 from scamp_jax.hpo.study.trials import AskedTrial
@@ -126,4 +127,6 @@ class TrialRecord:
             "fusion_width": self.width,
             "core_events": times.get("core", []),
             "run_started": times.get("run_started"),
+            # the exception's traceback of a trial that raised (`scamp_jax.hpo.failures`)
+            **({TRACEBACK: status.traceback} if status.traceback else {}),
         }

@@ -23,6 +23,7 @@ from optuna.trial import TrialState
 
 from scamp_jax._units import format_bytes
 from scamp_jax.hpo.checkpoint import copy_checkpoint
+from scamp_jax.hpo.failures import TRACEBACK
 from scamp_jax.hpo.study import FAIL_REASON, INTERRUPTED
 
 #: columns every results row has, in CSV order (task metrics follow).
@@ -41,7 +42,8 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
     value for it), and ``rank``, ``replans``, ``resizes`` (restarts on more devices at the end
     of a study), ``resumed_from``, ``reason``, ``checkpoint``, ``booked_bytes`` (bytes per
     device the ledger booked for its last run) and ``measured_peak_bytes`` (the allocator's
-    peak on its devices, bytes; None where nothing is reported, as on CPU devices).
+    peak on its devices, bytes; None where nothing is reported, as on CPU devices); a trial that
+    failed by raising also has ``traceback``, which ``results.csv`` leaves out.
     """
     rows = []
     for trial in study.get_trials(deepcopy=False):
@@ -71,6 +73,8 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
         row["resizes"] = attrs.get("resizes", 0)
         row["resumed_from"] = attrs.get("resumed_from", 0)
         row["reason"] = attrs.get(FAIL_REASON, "")
+        if attrs.get(TRACEBACK):  # a trial that raised: results.json only (not the CSV)
+            row[TRACEBACK] = attrs[TRACEBACK]
         row["checkpoint"] = attrs.get("checkpoint")
         row["booked_bytes"] = attrs.get("booked_bytes")
         row["measured_peak_bytes"] = attrs.get("measured_peak_bytes")
@@ -148,7 +152,7 @@ def _write_results(study_dir: Path, records: Sequence[Mapping[str, Any]], metric
     _replace_text(json_path, json.dumps(payload, indent=2, default=_jsonable))
     columns = list(BASE_COLUMNS)
     for row in records:
-        columns += [k for k in row if k not in columns]
+        columns += [k for k in row if k not in columns and k != TRACEBACK]
     csv_path = study_dir / "results.csv"
     text = io.StringIO(newline="")
     writer = csv.DictWriter(text, fieldnames=columns)
@@ -156,7 +160,7 @@ def _write_results(study_dir: Path, records: Sequence[Mapping[str, Any]], metric
     for row in records:
         writer.writerow({
             k: json.dumps(v, default=_jsonable) if isinstance(v, dict | list) else v
-            for k, v in row.items()
+            for k, v in row.items() if k != TRACEBACK
         })
     _replace_text(csv_path, text.getvalue())
     return json_path, csv_path
@@ -372,7 +376,8 @@ def verdict(records: Sequence[Mapping[str, Any]], metric: str, direction: str,
     best = best_record(records, metric, direction)
     if best is None:
         failed = sum(r["state"] == "failed" for r in records)
-        return f"no trial completed ({failed} failed); see the 'reason' column of results.csv"
+        return (f"no trial completed ({failed} failed); see the 'reason' column of "
+                "results.csv (and the traceback of a trial that raised in results.json)")
     line = f"best trial {best['number']}: {metric} {best[metric]:.5g}"
     if baseline and best.get(baseline) is not None:
         gain = best[metric] - best[baseline]

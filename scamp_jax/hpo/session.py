@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from scamp_jax._lazy import warm
+from scamp_jax.hpo.failures import RepeatedFailureError
 from scamp_jax.hpo.settings import SearchSettings
 from scamp_jax.space import SearchSpace, Task
 
@@ -272,7 +273,7 @@ class StudySession:
         try:
             with study_compile_cache(self.study_dir, writer=self.rank == 0), view, recorder:
                 result = built.run()
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, RepeatedFailureError):
             # the interrupted run's record keeps its figures so far (`report_interrupted`);
             # an interrupt before the engine set itself up has none
             try:
@@ -399,9 +400,11 @@ def _run_search(space: SearchSpace, task: Task, settings: SearchSettings, **kwar
         # nothing ran: the rerun the error advises (a larger budget) may start the study anew
         forget_settings_if_unused(source.study)
         raise
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, RepeatedFailureError) as err:
         # The record grows on an interrupt too: finished trials and this run's wall time.
-        session.report_interrupted(source.study, time.monotonic() - started, source.told)
+        session.report_interrupted(source.study, time.monotonic() - started, source.told,
+                                   **({"stopped": "repeated failures"}
+                                      if isinstance(err, RepeatedFailureError) else {}))
         raise
     finally:
         source.close()
@@ -466,6 +469,9 @@ def run_study(
       ValueError: a setting out of range (the message names it and what to pass).
       TypeError: a keyword that is not a `SearchSettings` field.
       scamp_jax.BudgetTooSmallError: no candidate fits the devices' memory.
+      scamp_jax.RepeatedFailureError: the run's first trials all raised the same error (a bug
+        in the task; ``failure_limit`` of them, 3 by default): they went back to the study,
+        and the message ends with the last one's traceback.
     """
     if "initial_params" in settings:
         settings["initial_params"] = tuple(settings["initial_params"])

@@ -71,6 +71,11 @@ class EngineConfig:
         proposal's siblings are asked with it even past this.
       nofit_limit: consecutive candidates that fit nowhere, with none fitting before, after
         which the study stops with `BudgetTooSmallError`.
+      failure_limit: runs whose trials raise the same error (exception, message and place),
+        the first of a study's run to end, after which the study stops with
+        `scamp_jax.hpo.failures.RepeatedFailureError` and they go back to the study: a bug in
+        the task fails every trial alike (0: never stop; a space that fails some
+        configurations on purpose by raising).
       seed: seed of the sampler, initialisation and data streams.
       rank: the MPI rank recorded with each trial (0 on a single host).
       planner_threads: configurations planned at once (each plan is a few compiles), and the
@@ -115,6 +120,7 @@ class EngineConfig:
     max_replans: int = 3
     lookahead: int | None = None
     nofit_limit: int = 3
+    failure_limit: int = 3
     seed: int = 0
     rank: int = 0
     planner_threads: int = 2
@@ -130,7 +136,8 @@ class EngineConfig:
         fusion_cap(self.fuse)  # raises on a bad value
         for name in ("steps", "devices_per_trial", "log_every", "planner_threads"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("checkpoint_every", "eval_every", "max_replans", "nofit_limit", "rank"):
+        for name in ("checkpoint_every", "eval_every", "max_replans", "nofit_limit",
+                     "failure_limit", "rank"):
             _check_int(name, getattr(self, name), minimum=0)
         for name in ("reference_batch", "max_batch_size", "min_batch_size", "fixed_batch_size",
                      "lookahead"):

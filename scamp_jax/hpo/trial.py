@@ -14,6 +14,7 @@ trial lifecycle all depend on it and never on each other's modules.
 from __future__ import annotations
 
 import math
+import sysconfig
 import traceback
 import zlib
 from collections.abc import Mapping
@@ -38,6 +39,12 @@ _AUTOTUNE_FAILURE = "Failed to get configs"
 _ALLOCATION_WORDS = ("alloc", "memory", "RESOURCE_EXHAUSTED")
 #: Longest reason kept with a trial (the first line of an error, cut).
 _REASON_CHARS = 300
+#: Longest traceback kept with a failed trial (its last characters: the innermost frames).
+TRACEBACK_CHARS = 20_000
+#: Where installed packages and Python's own modules live: frames there are not the user's.
+_LIBRARY_DIRS = tuple(sorted({str(Path(p)) for key in ("stdlib", "platstdlib", "purelib",
+                                                        "platlib")
+                              if (p := sysconfig.get_paths().get(key))}))
 
 
 class TrialOutOfMemory(RuntimeError):
@@ -98,6 +105,8 @@ class TrialStatus:
     metric: float = math.nan
     replans: int = 0
     reason: str = ""
+    #: the traceback of the exception that failed the trial ("" for any other ending).
+    traceback: str = ""
     #: ``time.monotonic()`` when this run's first training step began (after compile, restore),
     #: and the step it began at: the engine's measure of the trial's pace.
     training_since: float = math.nan
@@ -127,7 +136,8 @@ class RunResult:
     stays resident), when measured; ``checkpoint`` the directory of the final checkpoint of a
     complete run; ``resumed_from`` the checkpointed step training restarted from (0: none);
     ``measured_peak_bytes`` the allocator's peak on the run's devices, bytes (None: nothing
-    reported, as on CPU devices).
+    reported, as on CPU devices); ``traceback`` the traceback of the exception that failed it
+    (`failure_traceback`; "" for any other ending, a non-finite loss included).
     """
 
     number: int
@@ -136,6 +146,7 @@ class RunResult:
     wall_seconds: float
     metrics: Mapping[str, float] = field(default_factory=dict)
     reason: str = ""
+    traceback: str = ""
     bytes_needed: int | None = None
     loss: float = math.nan
     checkpoint: Path | None = None
@@ -168,9 +179,34 @@ def ending(err: BaseException) -> tuple[str, str, int | None]:
     if is_oom_error(err):
         return ("oom", f"out of memory: {err}".splitlines()[0][:_REASON_CHARS],
                 getattr(err, "bytes_needed", None))
-    frame = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
-    where = f" (at {Path(frame.filename).name}:{frame.lineno})" if frame else ""
-    return "failed", first_line + where, None
+    return "failed", first_line + _where(err), None
+
+
+def _where(err: BaseException) -> str:
+    """`` (at file.py:LINE)``: where ``err`` was raised in the user's code, the innermost frame
+    outside installed packages and Python's own modules (a task's ``evaluate``, not the NumPy
+    or JAX function it called), else the innermost frame; "" without a traceback."""
+    frames = traceback.extract_tb(err.__traceback__) if err.__traceback__ else []
+    if not frames:
+        return ""
+    own = [f for f in frames if not _in_library(f.filename)]
+    frame = (own or frames)[-1]
+    return f" (at {Path(frame.filename).name}:{frame.lineno})"
+
+
+def _in_library(filename: str) -> bool:
+    if filename.startswith("<"):  # <frozen ...>, <string>
+        return True
+    parts = Path(filename).parts
+    return ("site-packages" in parts or "dist-packages" in parts
+            or filename.startswith(_LIBRARY_DIRS))
+
+
+def failure_traceback(err: BaseException) -> str:
+    """The traceback of ``err`` as Python prints it (its causes included), kept with a trial
+    that it failed: at most `TRACEBACK_CHARS`, the innermost end where it is longer."""
+    text = "".join(traceback.format_exception(err))
+    return text if len(text) <= TRACEBACK_CHARS else "...\n" + text[-TRACEBACK_CHARS:]
 
 
 def fusion_cap(fuse: int | str | None) -> int | None:

@@ -1,0 +1,155 @@
+"""Trials that raise: where the reason points, the traceback they keep, and the study that stops
+when its first trials all raise the same error (`scamp_jax.hpo.failures`).
+
+Real studies of the MLP of ``test_runner`` in SQLite storage; the error is a real bug in a
+task's ``evaluate``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import optuna
+import pytest
+from test_runner import SPACE, Regression
+
+import scamp_jax
+from scamp_jax.hpo.failures import RepeatedFailures
+from scamp_jax.hpo.study import FAIL_REASON, INTERRUPTED, storage_url
+from scamp_jax.hpo.study.trials import TrialOutcome
+from scamp_jax.hpo.trial import ending, failure_traceback
+
+
+def _task(evaluate=None) -> scamp_jax.FunctionTask:
+    reference = Regression()
+    return scamp_jax.FunctionTask(metric="mse", direction="minimize",
+                                  loss_fn=reference.loss_fn, batches=reference.batches,
+                                  evaluate=evaluate or reference.evaluate)
+
+
+def _mislabelled(model) -> dict[str, float]:
+    """A task's bug: held-out labels of the wrong length (NumPy raises in its own code)."""
+    reference = Regression()
+    prediction = np.asarray(model(reference.x_eval))
+    labels = np.broadcast_to(reference.y_eval[:5], prediction.shape)
+    return {"mse": float(((prediction - labels) ** 2).mean())}
+
+
+KW = dict(steps=2, live=False, memory_per_device="64MiB", max_batch_size=8, sampler="random")
+
+
+def test_a_failures_reason_points_at_the_users_line_and_keeps_its_traceback():
+    try:
+        _mislabelled(lambda x: np.zeros((len(x), 1), np.float32))
+    except ValueError as err:
+        state, reason, _ = ending(err)
+        text = failure_traceback(err)
+    assert state == "failed"
+    assert reason.startswith("ValueError: operands could not be broadcast together")
+    # the line of this file, not NumPy's, where the exception was raised
+    assert reason.endswith("(at test_failures.py:36)"), reason
+    assert "numpy" in text.split("in _mislabelled")[1], text  # NumPy's frames follow
+    assert text.startswith("Traceback (most recent call last):") and "in _mislabelled" in text
+
+
+@pytest.mark.parametrize("fuse", [None, 2])
+def test_a_study_whose_first_trials_raise_alike_stops_and_loses_none_of_them(tmp_path, fuse):
+    """A bug in ``evaluate`` fails every trial alike: the study stops after three (solo or in
+    fused groups), gives them back with the running ones, and the run after the fix trains
+    every trial of the study's total, their configurations first."""
+    with pytest.raises(scamp_jax.RepeatedFailureError) as caught:
+        scamp_jax.run_study(SPACE, _task(_mislabelled), trials=5, study_dir=tmp_path,
+                            fuse=fuse, **KW)
+    err = caught.value
+    # three runs: solo, three or four trials (two may end in one turn); fused, 2 x 2 + 1
+    assert 3 <= len(err.trials) <= (4 if fuse is None else 6), err.trials
+    assert "(at test_failures.py:36)" in err.reason
+    message = str(err)
+    assert "all failed with the same error: ValueError: operands could not be broadcast" in message
+    assert "pass failure_limit=0" in message and "in _mislabelled" in message  # its traceback
+    study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
+    failed = [t for t in study.trials if t.state == optuna.trial.TrialState.FAIL]
+    assert failed and all(t.user_attrs[FAIL_REASON] == INTERRUPTED for t in failed)
+    given_back = {tuple(sorted(t.params.items())) for t in failed}
+    record = json.loads((tmp_path / "results.json").read_text())
+    assert record["trials"] == [] and record["run"]["stopped"] == "repeated failures"
+
+    done = scamp_jax.run_study(SPACE, _task(), trials=5, study_dir=tmp_path, fuse=fuse, **KW)
+    assert done["trials_this_run"] == 5
+    completed = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(completed) == 5
+    assert given_back <= {tuple(sorted(t.params.items())) for t in completed}
+
+
+def test_with_no_limit_every_trial_fails_with_its_traceback_in_results_json(tmp_path):
+    done = scamp_jax.run_study(SPACE, _task(_mislabelled), trials=4, study_dir=tmp_path,
+                               failure_limit=0, **KW)
+    assert done["trials_this_run"] == 4 and done["best"] is None
+    rows = json.loads((tmp_path / "results.json").read_text())["trials"]
+    assert [r["state"] for r in rows] == ["failed"] * 4
+    assert all("in _mislabelled" in r["traceback"] for r in rows)
+    with open(tmp_path / "results.csv", newline="") as handle:
+        table = list(csv.DictReader(handle))
+    assert "traceback" not in table[0] and "(at test_failures.py:36)" in table[0]["reason"]
+
+
+def _outcome(number: int, state: str = "failed", reason: str = "E: x (at t.py:1)",
+             raised: bool = True) -> TrialOutcome:
+    return TrialOutcome(number, state, value=1.0 if state == "complete" else None,
+                        reason=reason if state == "failed" else "",
+                        attrs={"traceback": "Traceback ..."} if raised else {})
+
+
+def test_only_alike_raised_failures_before_any_success_are_held():
+    told, given = [], []
+    guard = RepeatedFailures(3, lambda o: told.append(o.number), given.append)
+    assert guard.hold(_outcome(0)) and guard.hold(_outcome(1))
+    # another error breaks the streak: the two are told as the failures they are
+    assert guard.hold(_outcome(2, reason="E: y (at t.py:2)")) and told == [0, 1]
+    # a failure without an exception (a non-finite loss) is the configuration's own
+    assert not guard.hold(_outcome(3, reason="loss is nan", raised=False)) and told == [0, 1, 2]
+    assert guard.hold(_outcome(4)) and guard.hold(_outcome(5)) and not guard.tripped
+    assert guard.hold(_outcome(6)) and guard.tripped
+    assert guard.error().trials == (4, 5, 6)
+    guard.give_back_held()
+    assert given == [4, 5, 6] and told == [0, 1, 2]
+
+
+def test_a_fused_groups_members_count_as_one_run():
+    guard = RepeatedFailures(2, lambda o: None, lambda n: None)
+    group = [TrialOutcome(n, "failed", reason="E: x", attrs={"traceback": "T", "fused_group": 7})
+             for n in (7, 8, 9)]
+    assert all(guard.hold(o) for o in group) and not guard.tripped
+    assert guard.hold(_outcome(10, reason="E: x")) and guard.tripped
+
+
+def test_a_completed_trial_turns_the_guard_off_for_the_run():
+    told = []
+    guard = RepeatedFailures(2, lambda o: told.append(o.number), lambda n: None)
+    assert guard.hold(_outcome(0))
+    assert not guard.hold(_outcome(1, "complete")) and told == [0]
+    assert not any(guard.hold(_outcome(n)) for n in (2, 3, 4)) and not guard.tripped
+    off = RepeatedFailures(0, lambda o: None, lambda n: None)
+    assert not off.hold(_outcome(0)) and not off.tripped
+
+
+def test_the_command_line_says_the_error_with_its_flag_and_exits_1(capsys):
+    from experiments._cli import user_errors
+
+    with pytest.raises(SystemExit) as stop, user_errors():
+        raise scamp_jax.RepeatedFailureError([0, 1, 2], "E: x (at t.py:1)", "Traceback ...")
+    assert stop.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: trials 0, 1 and 2, the first of this run to end")
+    assert "pass --failure-limit=0" in err and err.rstrip().endswith("Traceback ...")
+
+
+def test_the_error_survives_pickling():
+    import pickle
+
+    err = scamp_jax.RepeatedFailureError([3, 4], "E: x", "tb")
+    back = pickle.loads(pickle.dumps(err))
+    assert (back.trials, back.reason, back.traceback, str(back)) == (
+        err.trials, err.reason, err.traceback, str(err))
