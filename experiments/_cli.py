@@ -166,8 +166,8 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
     parser.add_argument("--study-name",
                         help="name of the study in the storage (default: the search space's); "
                         "another name starts a new study, its outputs in --study-dir/NAME. "
-                        "A study keeps its preset, steps, seed and memory budget: a rerun with "
-                        "other values is refused")
+                        "A study keeps its preset, steps, seed, memory budget and image "
+                        "folders: a rerun with other values is refused")
     parser.add_argument("--no-live", action="store_true",
                         help="plain log lines instead of the live table")
     parser.add_argument("--plan-only", action="store_true",

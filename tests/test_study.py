@@ -253,6 +253,14 @@ def test_a_study_refuses_other_settings(tmp_path):
         "--steps 150, or pass --study-name toy-2 to start a new study")
     again = pickle.loads(pickle.dumps(err.value))
     assert str(again) == str(err.value) and again.stored == {"steps": 150}
+    # a setting the study has none of, and a budget in the units the flag takes
+    other = StudySettingsError("toy", {"eval_dir": None, "memory_per_device": 2**30},
+                               {"eval_dir": "/data/eval", "memory_per_device": 3 * 2**29})
+    assert other.as_command_line() == (
+        "study 'toy' was created with no --eval-dir, --memory-per-device 1GiB, this run asks "
+        "for --eval-dir /data/eval, --memory-per-device 1536MiB; rerun with "
+        "--memory-per-device 1GiB and without --eval-dir, or pass --study-name toy-2 to start a "
+        "new study")
     open_study("toy-2", study_dir=tmp_path, settings={**settings, "steps": 100})
 
 

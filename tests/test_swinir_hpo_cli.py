@@ -314,6 +314,46 @@ def test_the_record_is_replaced_whole(tmp_path):
     assert (tmp_path / "results.csv").read_text().splitlines()[1].startswith("0,")
 
 
+@pytest.mark.parametrize("damage", ['{"runs": [{"elapsed_s": 3.0}', "[1, 2]"])
+def test_a_damaged_record_is_kept_aside_with_a_warning(tmp_path, caplog, damage):
+    """A results.json that is no record (cut on disk, edited) is moved aside, not written over
+    unseen: its earlier runs' figures stay readable, and the new record starts afresh."""
+    from scamp_jax.hpo import report
+
+    (tmp_path / "results.json").write_text(damage)
+    row = {"number": 0, "params": {}, "state": "complete", "mse": 1.0}
+    report.write_results(tmp_path, [row], metric="mse", direction="minimize",
+                         run={"elapsed_s": 5.0})
+    aside = list(tmp_path.glob("results.damaged-*.json"))
+    assert len(aside) == 1 and aside[0].read_text() == damage
+    assert "is not a results record" in caplog.text and aside[0].name in caplog.text
+    assert [r["elapsed_s"] for r in report.read_runs(tmp_path)] == [5.0]
+
+
+def test_the_best_trials_read_on_a_narrow_terminal():
+    """On 80 columns the summary's cells would be cut to nothing: it is lines of text there,
+    with every figure and parameter; a wide console gets the table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from scamp_jax.hpo import report
+
+    row = {"number": 3, "state": "complete", "devices": [0, 1], "model_parallel": 1,
+           "batch_size": 4, "predicted_peak_bytes": 2**20, "steps": 1000, "wall_seconds": 12.3,
+           "psnr": 32.0867, "bicubic_psnr": 31.655,
+           "params": {"embed_dim": 36, "num_heads": 3, "window_size": 4, "mlp_ratio": 2.0,
+                      "learning_rate": 3.12e-4}}
+    kw = dict(metric="psnr", direction="maximize", baseline="bicubic_psnr")
+    assert isinstance(report.summary_table([row], **kw, width=160), Table)
+    console = Console(width=80, record=True)
+    console.print(report.summary_table([row], **kw, width=80))
+    text = console.export_text()
+    assert max(map(len, text.splitlines())) <= 80
+    for shown in ("trial 3: psnr 32.087 (bicubic_psnr 31.655)", "batch 4", "1.00 MiB/device",
+                  "embed_dim=36", "learning_rate=3.12e-04"):
+        assert shown in " ".join(text.split()), text
+
+
 def test_the_record_only_grows(tmp_path):
     from scamp_jax.hpo import report
     row = {"number": 0, "params": {}, "state": "complete", "mse": 1.0}

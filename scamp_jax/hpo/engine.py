@@ -50,6 +50,7 @@ from typing import Any
 
 import jax
 
+from scamp_jax._signals import stops_held
 from scamp_jax.hpo import work
 from scamp_jax.hpo.calibration import Calibration
 from scamp_jax.hpo.endings import Endings
@@ -314,6 +315,7 @@ class SearchEngine:
         return True
 
     # ------------------------------------------------------------------------ admission
+    @stops_held()  # from the study's ask until the trial is listed: a Ctrl-C gives it back
     def _ask(self) -> bool:
         """Ask for one configuration and start planning it; False when there is none now."""
         asked = self.intake.ask()

@@ -13,7 +13,9 @@ import contextlib
 import csv
 import io
 import json
+import logging
 import os
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ BASE_COLUMNS = (
     "number", "params", "devices", "model_parallel", "batch_size", "predicted_peak_bytes",
     "state", "steps", "wall_seconds",
 )
+log = logging.getLogger(__name__)
 _STATES = {TrialState.COMPLETE: "complete", TrialState.PRUNED: "pruned", TrialState.FAIL: "failed"}
 
 
@@ -137,7 +140,7 @@ def _locked(path: Path) -> Iterator[None]:
 def _write_results(study_dir: Path, records: Sequence[Mapping[str, Any]], metric: str,
                    direction: str, run: Mapping[str, Any] | None) -> tuple[Path, Path]:
     best = best_record(records, metric, direction)
-    runs = read_runs(study_dir)
+    runs = read_runs(study_dir, keep_damaged=True)
     if run is not None:
         runs.append(dict(run))
     payload = {
@@ -196,15 +199,27 @@ def add_run_overhead(study_dir: str | Path, extra: Mapping[str, Any]) -> None:
         _replace_text(path, json.dumps(payload, indent=2, default=_jsonable))
 
 
-def read_runs(study_dir: str | Path) -> list[dict[str, Any]]:
-    """The ``runs`` recorded in ``<study_dir>/results.json`` (oldest first; [] if none)."""
+def read_runs(study_dir: str | Path, *, keep_damaged: bool = False) -> list[dict[str, Any]]:
+    """The ``runs`` recorded in ``<study_dir>/results.json`` (oldest first; [] if none).
+
+    A file that is not such a record (edited, or damaged on disk: this module only ever
+    replaces it whole) has no runs; with ``keep_damaged`` (before a new record is written over
+    it) it is moved aside to ``results.damaged-<time>.json`` with a warning, so the earlier
+    runs' figures are not lost unseen (the study itself still has every trial)."""
     path = Path(study_dir) / "results.json"
     if not path.is_file():
         return []
     try:
         payload = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return []  # a file cut short by a crash: the study itself still has every trial
+        if not isinstance(payload, dict):
+            raise ValueError(f"a JSON {type(payload).__name__}, not an object")
+    except ValueError as err:  # json.JSONDecodeError included
+        if keep_damaged:
+            aside = path.with_name(f"results.damaged-{time.strftime('%Y%m%d-%H%M%S')}.json")
+            os.replace(path, aside)
+            log.warning("%s is not a results record (%s): moved to %s; this run's record "
+                        "starts a new file with the study's trials", path, err, aside.name)
+        return []
     if "runs" in payload:
         return list(payload["runs"])
     return [payload["run"]] if payload.get("run") else []
@@ -348,20 +363,59 @@ def plot_results(
 
 def summary_table(
     records: Sequence[Mapping[str, Any]], metric: str, direction: str, *,
-    baseline: str | None = None, top: int = 5,
+    baseline: str | None = None, top: int = 5, width: int | None = None,
 ) -> Any:
-    """A rich ``Table`` of the ``top`` best complete trials, best first."""
+    """A rich ``Table`` of the ``top`` best complete trials, best first; where it is wider than
+    ``width`` columns (a narrow terminal, which would cut its cells to nothing), the same as
+    lines of text that wrap: each trial's figures, then its parameters."""
+    from rich.console import Console, Group
+    from rich.text import Text
+
+    done = _best(records, metric, direction)[:top]
+    table = _summary_table(done, metric, baseline)
+    # the table reads while its params column (which wraps) keeps room for a few of them
+    others = Console(width=10_000).measure(_summary_table(done, metric, baseline, params=False))
+    if width is None or others.maximum + _PARAMS_WIDTH <= width:
+        return table
+    lines = [Text(f"best trials by {metric}", style="italic")]
+    for r in done:
+        score = f"{metric} {r[metric]:.5g}"
+        if baseline and r.get(baseline) is not None:
+            score += f" ({baseline} {r[baseline]:.5g})"
+        peak = format_bytes(r["predicted_peak_bytes"] or 0).replace(" ", "\u00a0")  # one word
+        lines.append(Text(
+            f"trial {r['number']}: {score}; {len(r['devices'])} device(s), mp "
+            f"{r['model_parallel']}, batch {r['batch_size']}, {peak}/device, {r['steps']} "
+            f"steps, {r['wall_seconds']:.1f} s"))
+        lines.append(Text("  " + _params(r), style="dim"))
+    return Group(*lines)
+
+
+def _best(records: Sequence[Mapping[str, Any]], metric: str,
+          direction: str) -> list[Mapping[str, Any]]:
+    done = [r for r in records if r["state"] == "complete" and r.get(metric) is not None]
+    return sorted(done, key=lambda r: r[metric], reverse=direction == "maximize")
+
+
+def _params(row: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={_short(v)}" for k, v in row["params"].items())
+
+
+#: the narrowest params column the summary table is drawn with (else: lines of text)
+_PARAMS_WIDTH = 32
+
+
+def _summary_table(done: Sequence[Mapping[str, Any]], metric: str, baseline: str | None,
+                   params: bool = True) -> Any:
     from rich.table import Table
 
-    done = [r for r in records if r["state"] == "complete" and r.get(metric) is not None]
-    done.sort(key=lambda r: r[metric], reverse=direction == "maximize")
     table = Table(title=f"best trials by {metric}")
     for name in ("trial", "params", "devices", "mp", "batch", "peak/device", "steps", "seconds",
                  metric, *([baseline] if baseline else [])):
         table.add_column(name)
-    for r in done[:top]:
-        params = ", ".join(f"{k}={_short(v)}" for k, v in r["params"].items())
-        cells = [str(r["number"]), params, str(len(r["devices"])), str(r["model_parallel"]),
+    for r in done:
+        shown = _params(r) if params else ""
+        cells = [str(r["number"]), shown, str(len(r["devices"])), str(r["model_parallel"]),
                  str(r["batch_size"]), format_bytes(r["predicted_peak_bytes"] or 0),
                  str(r["steps"]), f"{r['wall_seconds']:.1f}", f"{r[metric]:.5g}"]
         if baseline:

@@ -312,7 +312,8 @@ class StudySession:
                             intervals=intervals, memory_series=memory_series,
                             elapsed_s=elapsed, capacity_bytes=self.memory_per_device)
         self.console.print(report.summary_table(records, metric, direction,
-                                                baseline=self.baseline))
+                                                baseline=self.baseline,
+                                                width=self.console.width))
         self.say(report.verdict(records, metric, direction, self.baseline))
         usage = run_info["usage"]
         self.say(f"this run: {run_info['elapsed_s']:.1f} s, mean memory utilisation "

@@ -14,6 +14,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from scamp_jax._signals import stops_held
 from scamp_jax.hpo.settings import HEARTBEAT_INTERVAL
 from scamp_jax.hpo.study.storage import StudyHandle, quiet_optuna, retried_from, retry_callback
 from scamp_jax.hpo.study.trials import (
@@ -362,6 +363,7 @@ class OptunaTrialSource:
                 return True
             return trial.should_prune()
 
+    @stops_held()  # a Ctrl-C never splits its writes (`scamp_jax._signals`)
     def tell(self, outcome: TrialOutcome) -> None:
         """Store the outcome (state, value, reason, attributes) of a live trial."""
         with self._lock:
@@ -389,6 +391,7 @@ class OptunaTrialSource:
             except optuna.exceptions.UpdateFinishedTrialError:
                 self.lost.append(outcome.number)  # failed as stale; its retry owns the slot
 
+    @stops_held()  # a Ctrl-C never splits its writes (`scamp_jax._signals`)
     def interrupt(self, number: int) -> None:
         """Fail a live trial as interrupted and queue its parameters under its checkpoint key.
 

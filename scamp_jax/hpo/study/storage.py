@@ -48,12 +48,17 @@ class StudySettingsError(ValueError):
         return type(self), (self.study_name, self.stored, self.wanted)
 
     def as_command_line(self) -> str:
-        """The message in the experiments' flags."""
-        was = ", ".join(f"{_flag(k)} {v}" for k, v in self.stored.items())
-        now = ", ".join(f"{_flag(k)} {v}" for k, v in self.wanted.items())
+        """The message in the experiments' flags (a setting the study has none of, e.g. no
+        image folder: "no --eval-dir", and the rerun is "without --eval-dir"; a memory budget
+        in the units the flag takes)."""
+        was = ", ".join(_as_flag(k, v) for k, v in self.stored.items())
+        now = ", ".join(_as_flag(k, v) for k, v in self.wanted.items())
+        again = [_as_flag(k, v) for k, v in self.stored.items() if v is not None]
+        left = [_flag(k) for k, v in self.stored.items() if v is None]
+        rerun = " and ".join([f"with {', '.join(again)}"] * bool(again)
+                             + [f"without {', '.join(left)}"] * bool(left))
         return (f"study {self.study_name!r} was created with {was}, this run asks for {now}; "
-                f"rerun with {was}, or pass --study-name {self.study_name}-2 to start a new "
-                "study")
+                f"rerun {rerun}, or pass --study-name {self.study_name}-2 to start a new study")
 
 
 def storage_url(study_dir: str | Path, storage: str | None = None) -> str:
@@ -278,6 +283,17 @@ def forget_settings_if_unused(study: optuna.Study) -> bool:
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _as_flag(name: str, value: Any) -> str:
+    """``name=value`` of a study's record as the command line gives it."""
+    if value is None:
+        return f"no {_flag(name)}"
+    if name == "memory_per_device" and isinstance(value, int) and value > 0:
+        for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+            if value % size == 0:
+                return f"{_flag(name)} {value // size}{unit}"
+    return f"{_flag(name)} {value}"
 
 
 class AskLock:

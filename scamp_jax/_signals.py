@@ -1,0 +1,79 @@
+"""Stops held off while a study's bookkeeping runs, so a Ctrl-C never splits it.
+
+A trial is asked in several writes (Optuna creates it, its heartbeat starts, the sampler draws
+its parameters, the engine lists it): a ``KeyboardInterrupt`` raised between two of them leaves
+a trial running in the study that no one gives back, and a re-run waits for its heartbeat to
+lapse. `stops_held` holds SIGINT and SIGTERM while such a step runs on the main thread and
+delivers them, to the handlers that were installed, once it is done: the step completes, then
+the stop goes on as before. A second signal while one is held is delivered at once, with the
+held one first, so pressing Ctrl-C twice still stops a command at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+_HELD = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def stops_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM while the block runs (see the module doc); a no-op off the main
+    thread, where no signal handler runs, and inside another `stops_held`."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in _HELD}
+    if any(isinstance(h, _Holder) for h in previous.values()):  # an outer block holds them
+        yield
+        return
+    holder = _Holder(previous)
+    installed = [s for s, h in previous.items() if h is not None]  # None: not set from Python
+    for s in installed:
+        signal.signal(s, holder)
+    try:
+        yield
+    finally:
+        holder.restore()
+        holder.deliver()
+
+
+class _Holder:
+    """The handler while stops are held: it keeps the first signal and delivers it with a
+    second one."""
+
+    def __init__(self, previous: dict[int, Any]) -> None:
+        self.previous = previous
+        self.pending: list[tuple[int, Any]] = []
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.pending.append((signum, frame))
+        if len(self.pending) > 1:  # stopped again while held: at once
+            self.restore()
+            self.deliver()
+
+    def restore(self) -> None:
+        for s, handler in self.previous.items():
+            if handler is not None and signal.getsignal(s) is self:
+                signal.signal(s, handler)
+
+    def deliver(self) -> None:
+        """Each pending signal to its previous handler, in order; the first exception one of
+        them raises (``KeyboardInterrupt``) is raised once all are delivered."""
+        pending, self.pending = self.pending, []
+        raised: BaseException | None = None
+        for signum, frame in pending:
+            handler = self.previous[signum]
+            try:
+                if callable(handler):
+                    handler(signum, frame)
+                elif handler == signal.SIG_DFL:
+                    signal.raise_signal(signum)  # the default action: it ends the process
+            except BaseException as err:  # noqa: BLE001 - raised below, after the others
+                raised = raised or err
+        if raised is not None:
+            raise raised

@@ -1,0 +1,89 @@
+"""A stop (Ctrl-C, SIGTERM) never splits a study's bookkeeping: `scamp_jax._signals.stops_held`,
+with real signals sent to this process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import optuna
+import pytest
+from test_runner import SPACE, Regression
+
+import scamp_jax
+from scamp_jax._signals import stops_held
+from scamp_jax.hpo.study import storage_url
+from scamp_jax.space import SearchSpace
+
+
+def test_a_stop_inside_the_block_comes_after_it():
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with stops_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("the rest of the block")
+    assert done == ["the rest of the block"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_second_stop_is_delivered_at_once_after_the_first():
+    calls = []
+
+    def handler(signum, frame):
+        calls.append(signum)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        with pytest.raises(KeyboardInterrupt), stops_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert calls == []  # held
+            os.kill(os.getpid(), signal.SIGINT)  # the first is delivered, then this one
+            calls.append("not reached")
+        assert calls == [signal.SIGTERM]  # the SIGINT went to Python's handler, which raised
+        assert signal.getsignal(signal.SIGTERM) is handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_off_the_main_thread_nothing_is_held():
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(_in_block()))
+    thread.start()
+    thread.join()
+    assert seen == [signal.default_int_handler]
+
+
+def _in_block():
+    with stops_held():
+        return signal.getsignal(signal.SIGINT)
+
+
+def test_a_ctrl_c_while_a_trial_is_asked_gives_it_back(tmp_path):
+    """Ctrl-C while the sampler draws the second trial (here the space's ``suggest`` sends the
+    SIGINT to this process): the trial is asked whole and given back with the first, so the
+    study holds no trial left running, and the next run completes them at once."""
+    sent = []
+
+    def suggest(trial):
+        params = SPACE.suggest(trial)
+        if trial.number == 1 and not sent:
+            os.kill(os.getpid(), signal.SIGINT)
+            sent.append(trial.number)
+        return params
+
+    space = SearchSpace(SPACE.name, suggest, SPACE.build, largest=SPACE.largest)
+    reference = Regression()
+    task = scamp_jax.FunctionTask(metric="mse", direction="minimize", loss_fn=reference.loss_fn,
+                                  batches=reference.batches, evaluate=reference.evaluate)
+    kw = dict(trials=3, steps=2, study_dir=tmp_path, live=False, memory_per_device="64MiB",
+              max_batch_size=8, sampler="random")
+    with pytest.raises(KeyboardInterrupt):
+        scamp_jax.run_study(space, task, **kw)
+    study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
+    states = [t.state for t in study.trials]
+    assert sent and optuna.trial.TrialState.RUNNING not in states, states
+    done = scamp_jax.run_study(space, task, **kw)  # no trial to wait for: a heartbeat's minute
+    assert done["trials_this_run"] == 3
