@@ -84,6 +84,15 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0, "0 (off) or more")
 
 
+def study_name(text: str) -> str:
+    """argparse type of ``--study-name``: a name (left out: the search space's)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "an empty name names no study; pass a name, or leave --study-name out for the "
+            "search space's name")
+    return text
+
+
 def fusion_width(text: str) -> int | str:
     """argparse type of ``--fuse``: ``auto`` or an integer >= 1."""
     if text == "auto":
@@ -163,7 +172,7 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
     parser.add_argument("--storage",
                         help="SQLAlchemy URL of the study (default: sqlite file in --study-dir); "
                         "e.g. postgresql+psycopg://user@host/db (pip install scamp-jax[postgres])")
-    parser.add_argument("--study-name",
+    parser.add_argument("--study-name", type=study_name,
                         help="name of the study in the storage (default: the search space's); "
                         "another name starts a new study, its outputs in --study-dir/NAME. "
                         "A study keeps its preset, steps, seed, memory budget and image "
@@ -184,10 +193,7 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
 def config_from_args(args: argparse.Namespace, base: HPOConfig, study_dir: str) -> HPOConfig:
     """``base`` with every flag the user set applied on top."""
     overrides = {}
-    for name in ("trials", "steps", "devices", "memory_per_device", "policy", "devices_per_trial",
-                 "max_batch_size", "min_batch_size", "elastic",
-                 "sampler", "pruner", "eval_every", "seed", "storage", "train_dir", "eval_dir",
-                 "study_name", "fuse", "max_running_trials", "failure_limit"):
+    for name in _FLAGGED:
         value = getattr(args, name, None)
         if value is not None:
             overrides[name] = value
@@ -200,29 +206,34 @@ def config_from_args(args: argparse.Namespace, base: HPOConfig, study_dir: str) 
              "add --policy fixed, or leave --devices-per-trial out")
     try:
         return dataclasses.replace(base, **overrides)
-    except ValueError as err:  # SearchSettings names the field: name its flag too
-        field = str(err).split("=", 1)[0]
-        flag = f" (--{field.replace('_', '-')})" if field in overrides else ""
-        fail(f"{err}{flag}")
+    except ValueError as err:  # SearchSettings names the field: in_flags names its flag
+        fail(in_flags(err))
         raise
 
 
-#: The library's keywords a message tells the user to pass or raise, and their flags here.
-_FLAG_OF = {"memory_per_device": "--memory-per-device", "max_batch_size": "--max-batch-size",
-            "devices_per_trial": "--devices-per-trial", "devices": "--devices",
-            "failure_limit": "--failure-limit"}
+#: The settings the HPO command lines take as flags (``--max-batch-size`` for
+#: ``max_batch_size``), applied over the preset by `config_from_args`.
+_FLAGGED = ("trials", "steps", "devices", "memory_per_device", "policy", "devices_per_trial",
+            "max_batch_size", "min_batch_size", "elastic", "sampler", "pruner", "eval_every",
+            "seed", "storage", "train_dir", "eval_dir", "study_name", "fuse",
+            "max_running_trials", "failure_limit")
+_FLAG_OF = {name: "--" + name.replace("_", "-") for name in _FLAGGED}
 
 
 def as_flags(message: str) -> str:
-    """``message`` with "pass memory_per_device ..." or "raise memory_per_device or devices"
-    (the library's keywords) as the command line's flags: "pass --memory-per-device ...",
-    "raise --memory-per-device or --devices"."""
+    """``message`` with the library's keywords as the command line's flags: "pass
+    memory_per_device ..." or "raise memory_per_device or devices" become "pass
+    --memory-per-device ...", "raise --memory-per-device or --devices", and a setting's value
+    "min_batch_size=64" becomes "--min-batch-size 64" (not inside a call such as
+    "plan_mesh(model, memory_per_device='2GiB')")."""
     names = "|".join(_FLAG_OF)
-    message = re.sub(rf"\b(raise)\s+({names}) or ({names})\b",
+    message = re.sub(rf"(?<!, )(?<![(\w.])\b({names})=('[^']*'|[^\s,;)]+)",
+                     lambda m: f"{_FLAG_OF[m[1]]} {m[2]}", message)
+    message = re.sub(rf"\b(raise|lower)\s+({names}) or ({names})\b",
                      lambda m: f"{m[1]} {_FLAG_OF[m[2]]} or {_FLAG_OF[m[3]]}", message)
-    alone = "|".join(k for k in _FLAG_OF if k != "devices")  # "pass devices of one ..."
-    return re.sub(rf"\b(pass|raise)\s+({alone})\b", lambda m: f"{m[1]} {_FLAG_OF[m[2]]}",
-                  message)
+    alone = "|".join(k for k in _FLAG_OF if k not in ("devices", "trials", "steps", "seed"))
+    return re.sub(rf"\b(pass|raise|lower)\s+({alone})\b",  # not "pass devices of one ..."
+                  lambda m: f"{m[1]} {_FLAG_OF[m[2]]}", message)
 
 
 def in_flags(err: BaseException) -> str:
@@ -243,13 +254,10 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM (a scheduler's kill), stopping the study like Ctrl-C does."""
 
 
-def _terminate(signum: int, frame: Any) -> None:
-    raise Terminated
-
-
 class _CtrlC:
-    """SIGINT for the command line: the first Ctrl-C raises ``KeyboardInterrupt`` (the study
-    stops its trials at their next step and gives them back); a second one stops the process
+    """SIGINT and SIGTERM for the command line: the first Ctrl-C raises ``KeyboardInterrupt``
+    (the study stops its trials at their next step and gives them back), the first SIGTERM
+    `Terminated`, which does the same; a second signal of either kind stops the process
     at once, without the interpreter's shutdown (which would wait for the trials' threads and
     meet their checkpoint writes half done). The study's database is left consistent (each of
     its writes is a transaction); trials that were running stay running until their heartbeat
@@ -261,7 +269,7 @@ class _CtrlC:
     def __call__(self, signum: int, frame: Any) -> None:
         self.count += 1
         if self.count == 1:
-            raise KeyboardInterrupt
+            raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
         # Straight to the file descriptor, no flush: the handler may have cut into a write of
         # the live view or a print (their streams hold locks); a terminal gets its cursor back
         # from the live view.
@@ -271,7 +279,7 @@ class _CtrlC:
                    f"heartbeat lapses, about {GRACE_PERIOD} s)\n")
         with contextlib.suppress(OSError):
             os.write(2, message.encode())
-        os._exit(130)
+        os._exit(128 + signum)
 
 
 def check_study_dir(path: str | Path) -> None:
@@ -370,15 +378,17 @@ def user_errors() -> Iterator[None]:
     Catches the library's error types for bad input (``ValueError``, ``TypeError``,
     ``FileNotFoundError``, `scamp_jax.hpo.engine.BudgetTooSmallError`, a missing MPI, a damaged or
     unreachable database) and prints ``error: <message>`` without a traceback. Installs the
-    SIGTERM handler. Any entry point (an argparse-based ``main``) can wrap its body in it.
+    SIGINT and SIGTERM handler (`_CtrlC`). Any entry point (an argparse-based ``main``) can
+    wrap its body in it.
     """
     from sqlalchemy.exc import SQLAlchemyError
 
     from scamp_jax._errors import worded_by
     from scamp_jax.hpo.failures import RepeatedFailureError
 
-    previous = signal.signal(signal.SIGTERM, _terminate)
-    previous_int = signal.signal(signal.SIGINT, _CtrlC())
+    stop = _CtrlC()  # one count: a Ctrl-C after a SIGTERM stops at once too
+    previous = signal.signal(signal.SIGTERM, stop)
+    previous_int = signal.signal(signal.SIGINT, stop)
     try:
         with worded_by(in_flags):  # also how a failing MPI rank says it before the job ends
             yield
@@ -472,7 +482,7 @@ def plan_only(
                           else max(CPU_DEVICES, config.devices or 0))
     import jax
 
-    from scamp_jax._units import format_bytes, parse_bytes
+    from scamp_jax._units import counted, format_bytes, parse_bytes
     from scamp_jax.hpo.preview import format_rows, plan_candidates
     from scamp_jax.planning import planner, targets
 
@@ -488,7 +498,7 @@ def plan_only(
     budget = pool_budget(args, config, devices, None if config.memory_per_device is None
                          else parse_bytes(config.memory_per_device))
     space, task = make(config)
-    print(f"planning {config.trials} candidates of {space.name} on {where}, "
+    print(f"planning {counted(config.trials, 'candidate')} of {space.name} on {where}, "
           f"{format_bytes(budget.memory_per_device)} per device "
           f"({budget.memory_per_device} bytes)")
     rows = plan_candidates(

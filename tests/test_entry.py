@@ -110,6 +110,11 @@ def test_run_study_runs_then_resumes_only_the_missing_trials(tmp_path):
     model = scamp_jax.load_model(tmp_path / "best_model", SPACE, best["params"])
     assert best["number"] == second["best"]["number"]
     assert function_task().evaluate(model)["mse"] == pytest.approx(best["mse"], rel=1e-6)
+    # another trial's params build another model: said so, with where the right ones are
+    other = {**best["params"], "width": 48 if best["params"]["width"] != 48 else 16}
+    with pytest.raises(ValueError, match=r"does not hold the model that space 'mlp' builds "
+                       r"from params=.*best_model/trial.json holds them"):
+        scamp_jax.load_model(tmp_path / "best_model", SPACE, other)
 
 
 def test_run_study_fuses_trials_of_one_architecture(tmp_path):
@@ -168,8 +173,8 @@ def test_entry_point_names_the_flag_of_a_bad_setting(capsys):
                             "--max-batch-size", "8"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "min_batch_size=64 is larger than max_batch_size=8" in err
-    assert "(--min-batch-size)" in err
+    assert ("--min-batch-size 64 is larger than --max-batch-size 8; raise --max-batch-size to "
+            "at least 64 or lower --min-batch-size") in err
 
 
 def test_a_budget_too_small_for_any_candidate_leaves_the_study_free_to_start_again(tmp_path):

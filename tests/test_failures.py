@@ -143,7 +143,8 @@ def test_the_command_line_says_the_error_with_its_flag_and_exits_1(capsys):
     assert stop.value.code == 1
     err = capsys.readouterr().err
     assert err.startswith("error: trials 0, 1 and 2, the first of this run to end")
-    assert "pass --failure-limit=0" in err and err.rstrip().endswith("Traceback ...")
+    assert "pass --failure-limit 0 (or a larger one)" in err
+    assert err.rstrip().endswith("Traceback ...")
 
 
 def test_the_error_survives_pickling():
@@ -153,3 +154,19 @@ def test_the_error_survives_pickling():
     back = pickle.loads(pickle.dumps(err))
     assert (back.trials, back.reason, back.traceback, str(back)) == (
         err.trials, err.reason, err.traceback, str(err))
+
+
+def test_a_finite_batch_stream_fails_its_trial_saying_so(tmp_path):
+    reference = Regression()
+
+    def three_batches(batch_size, seed):  # the guide says endless; this one is not
+        stream = reference.batches(batch_size, seed)
+        for _ in range(3):
+            yield next(stream)
+
+    task = scamp_jax.FunctionTask(metric="mse", direction="minimize", loss_fn=reference.loss_fn,
+                                  batches=three_batches, evaluate=reference.evaluate)
+    scamp_jax.run_study(SPACE, task, trials=1, study_dir=tmp_path, **{**KW, "steps": 5})
+    [row] = json.loads((tmp_path / "results.json").read_text())["trials"]
+    assert row["state"] == "failed" and "ended after 3 batch(es); it must yield batches for as " \
+        "long as it is asked" in row["reason"], row["reason"]

@@ -282,6 +282,33 @@ def test_devices_per_trial_needs_the_fixed_policy(capsys):
     assert "--devices-per-trial 3 applies to --policy fixed only" in capsys.readouterr().err
 
 
+def test_an_empty_study_name_is_refused_with_the_way_out(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        swinir_hpo.main(["--study-name", " "])
+    assert exit_info.value.code == 2
+    assert "leave --study-name out for the search space's name" in capsys.readouterr().err
+
+
+def test_a_ctrl_c_while_a_sigterm_stops_the_study_stops_at_once(tmp_path):
+    """The study's stop notice says "Ctrl-C again stops at once": after a SIGTERM too."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import os, signal, time\n"
+            "from experiments._cli import Terminated, user_errors\n"
+            "with user_errors():\n"
+            "    try:\n"
+            "        os.kill(os.getpid(), signal.SIGTERM); time.sleep(5)\n"
+            "    except Terminated:\n"
+            "        os.kill(os.getpid(), signal.SIGINT); time.sleep(5)\n")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 128 + signal.SIGINT, done.stderr
+    assert "stopped at once" in done.stderr
+
+
 def test_sigterm_exits_143_and_ctrl_c_130(capsys):
     import signal
 
@@ -381,6 +408,12 @@ def test_errors_name_the_command_lines_flags_not_the_librarys_keywords() -> None
     assert as_flags("pass max_batch_size to bound it") == "pass --max-batch-size to bound it"
     kept = "plan_mesh(model, batch, memory_per_device='2GiB')"  # not an instruction to pass
     assert as_flags(kept) == kept
+    assert as_flags("min_batch_size=64 is larger than max_batch_size=16; raise max_batch_size "
+                    "to at least 64 or lower min_batch_size") == (
+        "--min-batch-size 64 is larger than --max-batch-size 16; raise --max-batch-size to at "
+        "least 64 or lower --min-batch-size")
+    assert as_flags("study_name='a/b': ...; pass e.g. 'swinir-2'") == (
+        "--study-name 'a/b': ...; pass e.g. 'swinir-2'")
 
 
 def test_a_study_scored_on_other_images_is_not_resumed_on_these(tmp_path):

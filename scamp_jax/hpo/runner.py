@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -373,13 +374,38 @@ class SoloProgram:
 
 def _batches(task: Task, batch_size: int, seed: int,
              share: tuple[int, int] | None) -> Iterator[Any]:
-    """The task's batch stream, or this process's contiguous part of a global stream."""
+    """The task's batch stream, or this process's contiguous part of a global stream; a stream
+    that ends is an error that says so (a run draws as many batches as it trains steps, and
+    more after a restart)."""
+    drawn = 0
     if share is None:
-        yield from task.batches(batch_size, seed)
-        return
-    index, parts = share
-    for batch in task.batches(batch_size * parts, seed):
-        yield jax.tree.map(lambda x: x[index * batch_size : (index + 1) * batch_size], batch)
+        for drawn, batch in enumerate(task.batches(batch_size, seed), 1):  # noqa: B007
+            yield batch
+    else:
+        index, parts = share
+        for drawn, batch in enumerate(task.batches(batch_size * parts, seed), 1):  # noqa: B007
+            yield jax.tree.map(lambda x: x[index * batch_size : (index + 1) * batch_size], batch)
+    raise ValueError(f"the task's batches({batch_size * (share[1] if share else 1)}, {seed}) "
+                     f"ended after {drawn} batch(es); it must yield batches for as long as it "
+                     "is asked (e.g. draw them in a `while True:` loop)")
+
+
+def _stored_shapes(checkpointer: Any, item: Path) -> list[tuple[int, ...]] | None:
+    """The shapes of the arrays a checkpoint item holds, in order, from its metadata (None
+    where this orbax words its metadata otherwise: the restore then checks them itself)."""
+    absl = logging.getLogger("absl")  # orbax warns of the step metadata a trial's item lacks
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        meta = checkpointer.metadata(item)
+        tree = getattr(meta, "item_metadata", meta)
+        tree = getattr(tree, "tree", tree)
+        arrays = jax.tree.leaves(tree, is_leaf=lambda a: hasattr(a, "shape"))
+        return [tuple(a.shape) for a in arrays]
+    except Exception:  # noqa: BLE001 - a check before the restore, never a new failure
+        return None
+    finally:
+        absl.setLevel(level)
 
 
 def load_model(
@@ -406,8 +432,21 @@ def load_model(
     model = space.build(params, nnx.Rngs(seed))
     graphdef, weights, rest = split_model(model)
     like = jax.tree.leaves((weights, make_optimizer(params).init(weights), rest))
+    storable = to_storable(like)
     with ocp.StandardCheckpointer() as checkpointer:
-        leaves = checkpointer.restore(item, to_storable(like))
+        stored = _stored_shapes(checkpointer, item)
+        built = [tuple(np.shape(x)) for x in jax.tree.leaves(storable)]
+        if stored is not None and stored != built:
+            differ = next((i for i, (a, b) in enumerate(zip(stored, built, strict=False))
+                           if a != b), min(len(stored), len(built)))
+            found = (f"array {differ} is {stored[differ]} there, {built[differ]} here"
+                     if differ < min(len(stored), len(built)) else
+                     f"{len(stored)} arrays there, {len(built)} here")
+            raise ValueError(
+                f"the checkpoint in {directory} does not hold the model that space "
+                f"{space.name!r} builds from params={dict(params)!r} ({found}); pass the params "
+                "of the trial that saved it (best_model/trial.json holds them)")
+        leaves = checkpointer.restore(item, storable)
     weights, _, rest = jax.tree.unflatten(
         jax.tree.structure((weights, make_optimizer(params).init(weights), rest)),
         from_storable(leaves, like),

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from scamp_jax._lazy import warm
+from scamp_jax._units import counted
 from scamp_jax.hpo.failures import RepeatedFailureError
 from scamp_jax.hpo.settings import SearchSettings
 from scamp_jax.space import SearchSpace, Task
@@ -200,8 +201,9 @@ class StudySession:
         self.say(f"study {self.study_name!r} in {self.out_dir}: {finished} of {total} trials "
                  f"finished before this run{failures}{ranks}")
         if finished >= total:
-            self.say(f"nothing left to run: the study has its {total} trials; raise the number "
-                     "of trials to run more of it, or give another study name to start anew")
+            self.say(f"nothing left to run: the study has its {counted(total, 'trial')}; raise "
+                     "the number of trials to run more of it, or give another study name to "
+                     "start anew")
         self.say_pool()
         line = fusion_line(self.requested, self.settings, self.platform)
         if line is not None:
