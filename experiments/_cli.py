@@ -124,7 +124,9 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
                         f"max({CPU_DEVICES}, this) devices)")
     parser.add_argument("--memory-per-device",
                         help="memory budget per device, e.g. '1GiB', '512MiB' (default: the "
-                        "preset's on CPU, the device limit on GPUs)")
+                        "preset's on CPU; on GPUs, and with --target, the pool JAX's allocator "
+                        "takes on the card: 75%% of its memory for a process alone on it, "
+                        "XLA's default)")
     parser.add_argument("--max-batch-size", type=positive_int,
                         help="cap on every trial's global batch (default: the preset's)")
     parser.add_argument("--min-batch-size", type=positive_int,
@@ -330,7 +332,11 @@ def check_storage(url: str | None, study_dir: str | Path) -> None:
         except (ArgumentError, TypeError, ValueError) as err:
             fail(f"--storage {url!r} is not a usable database URL ({err}); pass one like "
                  f"{example}")
-        if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
+            fail(f"--storage {url!r} keeps the study in this process's memory: it is gone when "
+                 "the command ends, so running it again cannot resume the study; pass a file, "
+                 f"{example.split(' or ')[0]}, or leave --storage out (--study-dir/study.db)")
+        if parsed.get_backend_name() != "sqlite":
             return
         database = Path(parsed.database)
         if not database.parent.is_dir():
