@@ -164,10 +164,12 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
                         "(0: off)")
     parser.add_argument("--seed", type=int, help="seed of the sampler, initialisation and data")
     parser.add_argument("--failure-limit", type=non_negative_int, metavar="N",
-                        help="stop the study when the first N trials of a run to end all raise "
-                        "the same error (a bug in the task, not the configurations); they go "
-                        "back to the study and the next run trains them again (default 3; 0: "
-                        "never stop, for a space that fails some configurations on purpose)")
+                        help="stop the study when trials of N runs (a fused group is one) "
+                        "raise the same error, the same exception at the same place, one after "
+                        "another and before any trial of the run completed: a bug in the task, "
+                        "not the configurations; they go back to the study and the next run "
+                        "trains them again (default 3; 0: never stop, for a space that fails "
+                        "some configurations on purpose)")
     parser.add_argument("--study-dir", default=None,
                         help=f"directory of the study database, checkpoints, results and plots "
                         f"(default {study_dir}); running again on it resumes the study")
@@ -229,7 +231,7 @@ def as_flags(message: str) -> str:
     "min_batch_size=64" becomes "--min-batch-size 64" (not inside a call such as
     "plan_mesh(model, memory_per_device='2GiB')")."""
     names = "|".join(_FLAG_OF)
-    message = re.sub(rf"(?<!, )(?<![(\w.])\b({names})=('[^']*'|[^\s,;)]+)",
+    message = re.sub(rf"(?<!, )(?<![(\w.\-&?/])\b({names})=('[^']*'|[^\s,;)]+)",
                      lambda m: f"{_FLAG_OF[m[1]]} {m[2]}", message)
     message = re.sub(rf"\b(raise|lower)\s+({names}) or ({names})\b",
                      lambda m: f"{m[1]} {_FLAG_OF[m[2]]} or {_FLAG_OF[m[3]]}", message)
@@ -259,19 +261,25 @@ class Terminated(KeyboardInterrupt):
 class _CtrlC:
     """SIGINT and SIGTERM for the command line: the first Ctrl-C raises ``KeyboardInterrupt``
     (the study stops its trials at their next step and gives them back), the first SIGTERM
-    `Terminated`, which does the same; a second signal of either kind stops the process
-    at once, without the interpreter's shutdown (which would wait for the trials' threads and
-    meet their checkpoint writes half done). The study's database is left consistent (each of
-    its writes is a transaction); trials that were running stay running until their heartbeat
-    lapses, then a re-run resumes them from their last checkpoints."""
+    `Terminated`, which does the same (a repeated SIGTERM, as schedulers send, is ignored); a
+    Ctrl-C after either stops the process at once, without the interpreter's shutdown (which
+    would wait for the trials' threads and meet their checkpoint writes half done). The
+    study's database is left consistent (each of its writes is a transaction); trials that
+    were running stay running until their heartbeat lapses, then a re-run resumes them from
+    their last checkpoints."""
 
     def __init__(self) -> None:
         self.count = 0
 
     def __call__(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGTERM:
+            if self.count:  # a scheduler's repeated SIGTERM: the study is stopping already
+                return
+            self.count = 1
+            raise Terminated
         self.count += 1
         if self.count == 1:
-            raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+            raise KeyboardInterrupt
         # Straight to the file descriptor, no flush: the handler may have cut into a write of
         # the live view or a print (their streams hold locks); a terminal gets its cursor back
         # from the live view.
@@ -407,7 +415,7 @@ def user_errors() -> Iterator[None]:
               "command to resume", file=sys.stderr)
         raise SystemExit(130) from None
     except RepeatedFailureError as err:  # the task's error, not the command line's
-        print(f"error: {in_flags(err)}", file=sys.stderr)
+        print(f"error: {err.as_command_line()}", file=sys.stderr)  # its traceback verbatim
         raise SystemExit(1) from None
     except SQLAlchemyError as err:
         cause = getattr(err, "orig", None) or root_cause(err)

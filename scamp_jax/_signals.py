@@ -32,10 +32,10 @@ def stops_held() -> Iterator[None]:
         yield
         return
     holder = _Holder(previous)
-    installed = [s for s, h in previous.items() if h is not None]  # None: not set from Python
-    for s in installed:
-        signal.signal(s, holder)
     try:
+        for s, handler in previous.items():
+            if handler is not None:  # None: not set from Python, left alone
+                signal.signal(s, holder)
         yield
     finally:
         holder.restore()

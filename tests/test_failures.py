@@ -67,9 +67,12 @@ def test_a_study_whose_first_trials_raise_alike_stops_and_loses_none_of_them(tmp
     assert 3 <= len(err.trials) <= (4 if fuse is None else 6), err.trials
     assert "(at test_failures.py:36)" in err.reason
     message = str(err)
-    assert "all failed with the same error: ValueError: operands could not be broadcast" in message
+    assert ("all failed with the same error, and no trial of this run completed: ValueError: "
+            "operands could not be broadcast") in message
     assert "pass failure_limit=0" in message and "in _mislabelled" in message  # its traceback
     study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
+    states = [t.state for t in study.trials]
+    assert optuna.trial.TrialState.RUNNING not in states, states  # nothing left to a heartbeat
     failed = [t for t in study.trials if t.state == optuna.trial.TrialState.FAIL]
     assert failed and all(t.user_attrs[FAIL_REASON] == INTERRUPTED for t in failed)
     given_back = {tuple(sorted(t.params.items())) for t in failed}
@@ -106,15 +109,33 @@ def test_only_alike_raised_failures_before_any_success_are_held():
     told, given = [], []
     guard = RepeatedFailures(3, lambda o: told.append(o.number), given.append)
     assert guard.hold(_outcome(0)) and guard.hold(_outcome(1))
-    # another error breaks the streak: the two are told as the failures they are
+    # an error raised elsewhere breaks the streak: the two are told as the failures they are
     assert guard.hold(_outcome(2, reason="E: y (at t.py:2)")) and told == [0, 1]
-    # a failure without an exception (a non-finite loss) is the configuration's own
-    assert not guard.hold(_outcome(3, reason="loss is nan", raised=False)) and told == [0, 1, 2]
-    assert guard.hold(_outcome(4)) and guard.hold(_outcome(5)) and not guard.tripped
-    assert guard.hold(_outcome(6)) and guard.tripped
-    assert guard.error().trials == (4, 5, 6)
+    # a failure without an exception (a non-finite loss) is the configuration's own: told,
+    # and the streak goes on
+    assert not guard.hold(_outcome(3, reason="loss is nan", raised=False)) and told == [0, 1]
+    # the same exception at the same place with another message (a trial's batch size in it)
+    assert guard.hold(_outcome(4, reason="E: batch 8 (at t.py:2)")) and not guard.tripped
+    assert guard.hold(_outcome(5, reason="E: batch 16 (at t.py:2)")) and guard.tripped
+    assert guard.error().trials == (2, 4, 5)
     guard.give_back_held()
-    assert given == [4, 5, 6] and told == [0, 1, 2]
+    assert given == [2, 4, 5] and told == [0, 1]
+
+
+def test_a_stop_while_held_failures_are_told_leaves_the_rest_held():
+    told = []
+
+    def tell(outcome):
+        told.append(outcome.number)
+        raise KeyboardInterrupt  # the stop lands after the first write
+
+    given = []
+    guard = RepeatedFailures(3, tell, given.append)
+    assert guard.hold(_outcome(0)) and guard.hold(_outcome(1))
+    with pytest.raises(KeyboardInterrupt):
+        guard.release()
+    guard.give_back_held()  # what the engine's stop does next
+    assert told == [0] and given == [1]
 
 
 def test_a_fused_groups_members_count_as_one_run():
@@ -142,9 +163,41 @@ def test_the_command_line_says_the_error_with_its_flag_and_exits_1(capsys):
         raise scamp_jax.RepeatedFailureError([0, 1, 2], "E: x (at t.py:1)", "Traceback ...")
     assert stop.value.code == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: trials 0, 1 and 2, the first of this run to end")
-    assert "pass --failure-limit 0 (or a larger one)" in err
+    assert err.startswith("error: trials 0, 1 and 2 all failed with the same error")
+    assert "pass --failure-limit 0 (or a larger limit)" in err
     assert err.rstrip().endswith("Traceback ...")
+
+
+def test_a_traceback_in_the_error_is_not_reworded_as_flags(capsys):
+    from experiments._cli import user_errors
+
+    with pytest.raises(SystemExit), user_errors():
+        raise scamp_jax.RepeatedFailureError([0, 1], "E: seed=3 (at t.py:1)",
+                                             "  train(steps=200, seed=1)\nE: seed=3")
+    err = capsys.readouterr().err
+    assert "train(steps=200, seed=1)" in err and "E: seed=3 (at t.py:1)" in err
+
+
+def test_a_ctrl_c_gives_held_failures_back(tmp_path):
+    """A Ctrl-C while the first trials fail alike (perhaps the user saw the bug): the held
+    failures go back to the study with the running trials, none is counted as failed."""
+    import os
+    import signal
+
+    calls = []
+
+    def evaluate(model):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return _mislabelled(model)
+
+    with pytest.raises(KeyboardInterrupt):
+        scamp_jax.run_study(SPACE, _task(evaluate), trials=4, study_dir=tmp_path, **KW)
+    study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
+    assert calls and all(t.state != optuna.trial.TrialState.RUNNING for t in study.trials)
+    assert all(t.user_attrs.get(FAIL_REASON) == INTERRUPTED for t in study.trials
+               if t.state == optuna.trial.TrialState.FAIL)
 
 
 def test_the_error_survives_pickling():

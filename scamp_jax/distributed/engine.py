@@ -36,10 +36,11 @@ proposal (`scamp_jax.distributed.study`), and each rank's engine fuses only its 
 them as on one host. Trials that span ranks are never fused.
 
 Faults: an exception on any rank prints ``rank R failed: ...`` and aborts the whole job
-(``MPI_Abort``); a rank that dies makes ``mpirun`` end the job and name the rank. Trials that
-were running stay ``RUNNING`` in the storage; running the same command again fails them as
-interrupted, enqueues their parameters under their checkpoint keys and completes the study
-without losing any finished trial.
+(``MPI_Abort``), as does a rank whose own trials all failed alike (its
+`scamp_jax.hpo.failures` guard: each rank's engine keeps one); a rank that dies makes
+``mpirun`` end the job and name the rank. Trials that were running stay ``RUNNING`` in the
+storage; running the same command again fails them as interrupted, enqueues their parameters
+under their checkpoint keys and completes the study without losing any finished trial.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from scamp_jax.distributed.spanning import (
 )
 from scamp_jax.distributed.study import StudyClient, shared_study
 from scamp_jax.hpo.engine import SearchEngine, TrialDeferred
+from scamp_jax.hpo.failures import RepeatedFailureError
 from scamp_jax.hpo.intake import BudgetTooSmallError
 from scamp_jax.hpo.plan_service import PlanningService
 from scamp_jax.hpo.runner import make_optimizer
@@ -259,6 +261,10 @@ def run_search_mpi(
     except BaseException as err:  # noqa: BLE001 - any failure must end every rank, not hang them
         # worded as the entry point words errors (a command line: its flags)
         print(f"rank {rank} failed: {worded(err)}", file=sys.stderr, flush=True)
+        if isinstance(err, RepeatedFailureError):  # this rank's guard: the others are cut off
+            print(f"rank {rank} stopped the job: the trials the other ranks were running are "
+                  "run again when the same command runs again, once their heartbeat lapses "
+                  "(about a minute)", file=sys.stderr, flush=True)
         comm.Abort(2 if isinstance(err, ValueError) else 1)
         raise
 

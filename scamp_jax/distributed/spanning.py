@@ -40,6 +40,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from scamp_jax.hpo.failures import TRACEBACK
 from scamp_jax.hpo.lifecycle import MemberSpec, Schedule
 from scamp_jax.hpo.runner import RunSpec, make_optimizer, run_trial
 from scamp_jax.hpo.study.trials import TrialOutcome
@@ -336,6 +337,7 @@ def spanning_outcome(trial: SpanningTrial, ranks: tuple[int, ...], result: RunRe
         "checkpoint": str(result.checkpoint) if result.checkpoint else None,
         "resumed_from": result.resumed_from,
         "spanned_ranks": len(ranks),
+        **({TRACEBACK: result.traceback} if result.traceback else {}),
     }
     return TrialOutcome(trial.number, state,
                         value=result.metrics.get(metric) if state == "complete" else None,

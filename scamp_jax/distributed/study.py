@@ -51,6 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from scamp_jax._signals import stops_held
 from scamp_jax.distributed.mpi import import_mpi4py
 from scamp_jax.hpo.study import AskLater, OptunaTrialSource, TrialOutcome
 
@@ -269,6 +270,7 @@ class StudyClient:
         base = mpi.COMM_WORLD if comm is None else comm
         return cls(base.Get_rank(), None, base.Dup())
 
+    @stops_held()  # a Ctrl-C between the request and its reply would leave the reply unread
     def _call(self, kind: str, body: Any) -> tuple[Any, ...]:
         with self._call_lock:
             if self._closed:

@@ -10,7 +10,7 @@
 - otherwise the trial is told to the study with its record (``results.json``); an interrupted
   one is given back (a re-run resumes it), as are all unfinished trials when the engine stops
   (`Endings.give_back`); while a run's first trials fail with one error, their failures are held
-  back, and given back too if they reach the limit (`scamp_jax.hpo.failures`).
+  back, and given back with the others when the engine stops (`scamp_jax.hpo.failures`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from scamp_jax._signals import stops_held
 from scamp_jax.hpo.failures import RepeatedFailures
 from scamp_jax.hpo.out_of_memory import OutOfMemory
 from scamp_jax.hpo.study.trials import TrialOutcome, TrialSource
@@ -68,6 +69,7 @@ class Endings:
         #: how each trial of this run ended, in finishing order.
         self.outcomes: list[TrialOutcome] = []
 
+    @stops_held()  # the held failures and this outcome are told whole (`scamp_jax._signals`)
     def tell(self, outcome: TrialOutcome) -> None:
         """Tell the study how a trial ended (a failure may be held back first:
         `scamp_jax.hpo.failures`)."""
@@ -85,6 +87,7 @@ class Endings:
         if self.failures.tripped:
             raise self.failures.error()
 
+    @stops_held()
     def finish(self) -> None:
         """The run ended: failures still held back are told as they are."""
         self.failures.release()
@@ -169,14 +172,19 @@ class Endings:
             notice(f"stopping: {trials} running trial(s) end at their next step (with a "
                    "checkpoint where checkpoints are on) and go back to the study, where a "
                    "re-run resumes them; Ctrl-C again stops at once")
-        cf.wait([run.future for run in runs])
-        if self.failures.tripped:
+        stopped: KeyboardInterrupt | None = None
+        try:
+            cf.wait([run.future for run in runs])
+        except KeyboardInterrupt as err:  # stopped while waiting: the trials still go back
+            stopped = err
+        with stops_held():  # every trial goes back, then a stop goes on
+            # held failures may be a bug's (a Ctrl-C may be the user who saw it): retried
             self.failures.give_back_held()
-        else:
-            self.failures.release()  # they failed; the interrupt does not change that
-        running = [m.number for run in runs for m in run.members]
-        for number in dict.fromkeys([*running, *waiting]):  # once each
-            self.source.interrupt(number)
+            running = [m.number for run in runs for m in run.members]
+            for number in dict.fromkeys([*running, *waiting]):  # once each
+                self.source.interrupt(number)
+        if stopped is not None:
+            raise stopped
 
     def report(self, planned: PlannedTrial, result: RunResult) -> None:
         """Tell the study how ``planned`` ended (an interrupted one is given back)."""

@@ -54,6 +54,7 @@ from scamp_jax._signals import stops_held
 from scamp_jax.hpo import work
 from scamp_jax.hpo.calibration import Calibration
 from scamp_jax.hpo.endings import Endings
+from scamp_jax.hpo.failures import RepeatedFailureError
 from scamp_jax.hpo.fused_engine import FusionService
 from scamp_jax.hpo.intake import BudgetTooSmallError, Intake
 from scamp_jax.hpo.launch import Launcher
@@ -262,7 +263,7 @@ class SearchEngine:
                 while self._turn(lookahead):
                     pass
         except BaseException as err:
-            self._give_back(interrupted=isinstance(err, KeyboardInterrupt))
+            self._give_back(interrupted=isinstance(err, KeyboardInterrupt | RepeatedFailureError))
             raise
         self._planner.shutdown(wait=True)
         self._launch.close()
@@ -497,8 +498,9 @@ class SearchEngine:
             unit.key, lambda f: unit.ended(self.endings, f.result()))
 
     def _give_back(self, interrupted: bool = False) -> None:
-        """On an interrupt (``interrupted``: by Ctrl-C): every run stops (they checkpoint) and
-        every unfinished trial of this engine goes back to the study (`Endings.give_back`)."""
+        """When the engine stops: every run stops (they checkpoint) and every unfinished trial
+        of this engine goes back to the study (`Endings.give_back`); ``interrupted`` (a Ctrl-C,
+        or the study's repeated failures): the user is told what happens meanwhile."""
         runs = [r.run for r in self._running().values() if r.run is not None]
         waiting = [n for w in self.work.values() for n in w.trials]
         waiting += [m.number for unit in self.queue.values() for m in unit.members]

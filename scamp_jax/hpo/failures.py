@@ -4,19 +4,22 @@ A deterministic bug in a task (its ``evaluate``, its loss, its data, a model's c
 trial the same way, each after its whole training: left alone, a study spends all its trials
 on it. `RepeatedFailures` watches how a run's trials end. Until one of them completes (or is
 pruned), the failures that come with an exception (a traceback) are held back from the study
-while they repeat one error (the same reason: exception, message and place). Once the held
-trials come from ``failure_limit`` runs (`scamp_jax.hpo.settings.EngineConfig.failure_limit`; a
-fused group's members are one run), the engine stops its other trials and raises
-`RepeatedFailureError`, and the held trials go back to the study as interrupted ones do: the
-run after the fix trains them again (from their checkpoints) instead of counting them as
-failed. A trial that completes, a failure for another reason and the end of the run tell the
-held trials to the study as the failures they are; a failure without an exception (a loss that
-turned non-finite, a configuration that fits nowhere) is the configuration's own and is never
-held. A space that fails some configurations on purpose, by raising, sets ``failure_limit=0``.
+while they repeat one error: the same exception raised at the same place (the message may
+differ, e.g. by a trial's batch size). Once the held trials come from ``failure_limit`` runs
+(`scamp_jax.hpo.settings.EngineConfig.failure_limit`; a fused group's members are one run),
+the engine stops its other trials and raises `RepeatedFailureError`, and the held trials go
+back to the study as interrupted ones do: the run after the fix trains them again (from their
+checkpoints) instead of counting them as failed; a Ctrl-C gives them back too. A trial that
+completes, a failure raised elsewhere and the end of the run tell the held trials to the study
+as the failures they are. A failure without an exception (a loss that turned non-finite, a
+configuration that fits nowhere) is the configuration's own: it is told at once and leaves the
+held ones as they are. A space that fails some configurations on purpose, by raising, sets
+``failure_limit=0``. Under MPI every rank's engine keeps its own guard.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -28,39 +31,54 @@ TRACEBACK = "traceback"
 
 
 class RepeatedFailureError(RuntimeError):
-    """The first trials of a study's run all failed with the same error, e.g. a bug in the
-    task; they went back to the study, and the next run trains them again.
+    """A study's run stopped because its trials all failed with the same error, none having
+    completed, e.g. a bug in the task; they went back to the study, and the next run trains
+    them again.
 
     Attributes:
       trials: the numbers of the trials that failed alike.
-      reason: their one reason (``Type: message (at file.py:LINE)``).
+      reason: the reason of the last of them (``Type: message (at file.py:LINE)``).
       traceback: the traceback of the last of them.
     """
 
     def __init__(self, trials: Sequence[int], reason: str, traceback: str) -> None:
         self.trials, self.reason, self.traceback = tuple(trials), reason, traceback
-        super().__init__(self._message())
+        super().__init__(self._message("failure_limit=0"))
 
-    def _message(self) -> str:
+    def _message(self, no_limit: str) -> str:
         *first, last = self.trials
         named = f"{', '.join(map(str, first))} and {last}" if first else str(last)
-        return (f"trials {named}, the first of this run to end, all failed with the same error: "
-                f"{self.reason}. That looks like a bug in the task, not in these "
-                "configurations, so the study stopped; its trials that were running and these "
-                f"{len(self.trials)} went back to it, and a rerun trains them again. Fix the "
-                "error and run again; if some configurations fail on purpose, pass "
-                "failure_limit=0 (or a larger one). The last trial's traceback:\n"
+        return (f"trials {named} all failed with the same error, and no trial of this run "
+                f"completed: {self.reason}. That looks like a bug in the task, not in these "
+                "configurations, so the study stopped; these trials and those that were "
+                "running went back to it, and a rerun trains them again. Fix the error and run "
+                f"again; if some configurations fail on purpose, pass {no_limit} (or a larger "
+                "limit). The last trial's traceback:\n"
                 f"{self.traceback.rstrip()}")
 
-    def __reduce__(self) -> tuple:  # picklable: an MPI rank's error goes to rank 0
+    def as_command_line(self) -> str:
+        """The message with its advice in the command lines' flags (the reason and the
+        traceback as they are)."""
+        return self._message("--failure-limit 0")
+
+    def __reduce__(self) -> tuple:  # picklable whole, as the library's other errors
         return type(self), (self.trials, self.reason, self.traceback)
+
+
+def failure_key(reason: str) -> str:
+    """What makes two raised failures "the same error": the exception's type and where it was
+    raised (``ValueError (at task.py:42)``), or the whole reason where it has no place."""
+    kind = reason.split(":", 1)[0]
+    place = re.search(r" \(at [^()]*\)$", reason)
+    return f"{kind}{place[0]}" if place else reason
 
 
 class RepeatedFailures:
     """The guard of one engine run (see the module doc).
 
     Args:
-      limit: failures with one reason, none completed before, that stop the study (0: never).
+      limit: runs whose trials failed alike, none completed before, that stop the study
+        (0: never).
       tell: tells the study how a trial ended.
       give_back: gives a live trial back to the study (it runs again on the next run).
     """
@@ -83,14 +101,16 @@ class RepeatedFailures:
 
     def hold(self, outcome: TrialOutcome) -> bool:
         """Whether ``outcome`` is held back from the study (else the caller tells it); a
-        completed trial, or a failure of another kind, first tells the held ones."""
+        completed trial, or a failure raised elsewhere, first tells the held ones."""
         if self.off:
             return False
-        if outcome.state != "failed" or not outcome.attrs.get(TRACEBACK):
-            self.off = outcome.state in ("complete", "pruned")
+        if outcome.state in ("complete", "pruned"):
+            self.off = True
             self.release()
             return False
-        if self.held and self.held[0].reason != outcome.reason:
+        if outcome.state != "failed" or not outcome.attrs.get(TRACEBACK):
+            return False  # the configuration's own failure: told, the streak goes on
+        if self.held and failure_key(self.held[0].reason) != failure_key(outcome.reason):
             self.release()
         self.held.append(outcome)
         return True
@@ -102,14 +122,12 @@ class RepeatedFailures:
                                     str(last.attrs.get(TRACEBACK, "")))
 
     def release(self) -> None:
-        """Tell the held failures to the study as they are (the end of a run that did not
-        trip, or a streak broken)."""
-        held, self.held = self.held, []
-        for outcome in held:
-            self._tell(outcome)
+        """Tell the held failures to the study as they are (the end of a run, a streak
+        broken), one at a time: a stop between two leaves the rest held."""
+        while self.held:
+            self._tell(self.held.pop(0))
 
     def give_back_held(self) -> None:
-        """Give the held trials back to the study (the run tripped): the next run retries them."""
-        held, self.held = self.held, []
-        for outcome in held:
-            self._give_back(outcome.number)
+        """Give the held trials back to the study (a stop): the next run retries them."""
+        while self.held:
+            self._give_back(self.held.pop(0).number)

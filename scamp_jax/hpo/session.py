@@ -472,9 +472,9 @@ def run_study(
       ValueError: a setting out of range (the message names it and what to pass).
       TypeError: a keyword that is not a `SearchSettings` field.
       scamp_jax.BudgetTooSmallError: no candidate fits the devices' memory.
-      scamp_jax.RepeatedFailureError: the run's first trials all raised the same error (a bug
-        in the task; ``failure_limit`` of them, 3 by default): they went back to the study,
-        and the message ends with the last one's traceback.
+      scamp_jax.RepeatedFailureError: trials raised the same error before any completed (a
+        bug in the task; those of ``failure_limit`` runs, 3 by default): they went back to the
+        study, and the message ends with the last one's traceback.
     """
     if "initial_params" in settings:
         settings["initial_params"] = tuple(settings["initial_params"])

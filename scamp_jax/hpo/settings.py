@@ -71,8 +71,9 @@ class EngineConfig:
         proposal's siblings are asked with it even past this.
       nofit_limit: consecutive candidates that fit nowhere, with none fitting before, after
         which the study stops with `BudgetTooSmallError`.
-      failure_limit: runs whose trials raise the same error (exception, message and place),
-        the first of a study's run to end, after which the study stops with
+      failure_limit: runs (a fused group is one) whose trials raise the same error (the same
+        exception at the same place) one after another, none of the run's trials having
+        completed, after which the study stops with
         `scamp_jax.hpo.failures.RepeatedFailureError` and they go back to the study: a bug in
         the task fails every trial alike (0: never stop; a space that fails some
         configurations on purpose by raising).
