@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from scamp_jax._signals import Terminated as Terminated  # SIGTERM's stop, as Ctrl-C's
 from scamp_jax.hpo.settings import ELASTIC, GRACE_PERIOD, PRUNERS, SAMPLERS, SearchSettings
 from scamp_jax.scheduling.placement import POLICIES
 
@@ -168,8 +169,8 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
                         "raise the same error, the same exception at the same place, one after "
                         "another and before any trial of the run completed: a bug in the task, "
                         "not the configurations; they go back to the study and the next run "
-                        "trains them again (default 3; 0: never stop, for a space that fails "
-                        "some configurations on purpose)")
+                        "trains them from the start (default 3; 0: never stop, for a space "
+                        "that fails some configurations on purpose)")
     parser.add_argument("--study-dir", default=None,
                         help=f"directory of the study database, checkpoints, results and plots "
                         f"(default {study_dir}); running again on it resumes the study")
@@ -252,10 +253,6 @@ def fail(message: str) -> None:
     """Print ``error: message`` to stderr and exit with status 2 (as argparse does)."""
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler's kill), stopping the study like Ctrl-C does."""
 
 
 class _CtrlC:

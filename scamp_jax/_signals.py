@@ -20,6 +20,34 @@ from typing import Any
 _HELD = (signal.SIGINT, signal.SIGTERM)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's stop), stopping a study as Ctrl-C does (`sigterm_stops`)."""
+
+
+@contextlib.contextmanager
+def sigterm_stops() -> Iterator[None]:
+    """While the block runs on the main thread, SIGTERM raises `Terminated`, so a study stops
+    as on Ctrl-C (its running trials checkpoint and go back to the study) instead of dying
+    with them running; a repeated SIGTERM is ignored while it stops. Only where SIGTERM has
+    its default action: a handler the program installed is left alone."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL):
+        yield
+        return
+    sent = []
+
+    def stop(signum: int, frame: Any) -> None:
+        if not sent:  # once: the stop then runs its course
+            sent.append(signum)
+            raise Terminated
+
+    try:
+        signal.signal(signal.SIGTERM, stop)
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 @contextlib.contextmanager
 def stops_held() -> Iterator[None]:
     """Hold SIGINT and SIGTERM while the block runs (see the module doc); a no-op off the main

@@ -78,9 +78,14 @@ def test_a_study_whose_first_trials_raise_alike_stops_and_loses_none_of_them(tmp
     given_back = {tuple(sorted(t.params.items())) for t in failed}
     record = json.loads((tmp_path / "results.json").read_text())
     assert record["trials"] == [] and record["run"]["stopped"] == "repeated failures"
+    stored = record["run"]["failures"]  # the error is kept with the run, as the trials' are
+    assert stored["trials"] == list(err.trials) and "in _mislabelled" in stored["traceback"]
 
     done = scamp_jax.run_study(SPACE, _task(), trials=5, study_dir=tmp_path, fuse=fuse, **KW)
     assert done["trials_this_run"] == 5
+    # what they trained under the bug is not resumed: every trial trained from step 0
+    rows = json.loads((tmp_path / "results.json").read_text())["trials"]
+    assert [r["resumed_from"] for r in rows] == [0] * 5
     completed = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(completed) == 5
     assert given_back <= {tuple(sorted(t.params.items())) for t in completed}
@@ -223,3 +228,31 @@ def test_a_finite_batch_stream_fails_its_trial_saying_so(tmp_path):
     [row] = json.loads((tmp_path / "results.json").read_text())["trials"]
     assert row["state"] == "failed" and "ended after 3 batch(es); it must yield batches for as " \
         "long as it is asked" in row["reason"], row["reason"]
+
+
+def test_non_finite_losses_are_the_configurations_own_and_never_stop_the_study(tmp_path):
+    reference = Regression()
+    task = scamp_jax.FunctionTask(
+        metric="mse", direction="minimize", batches=reference.batches,
+        evaluate=reference.evaluate,
+        loss_fn=lambda model, batch: reference.loss_fn(model, batch) * np.float32("nan"))
+    done = scamp_jax.run_study(SPACE, task, trials=4, study_dir=tmp_path, **KW)
+    rows = json.loads((tmp_path / "results.json").read_text())["trials"]
+    assert done["trials_this_run"] == 4 and [r["state"] for r in rows] == ["failed"] * 4
+    assert all(r["reason"].startswith("FloatingPointError: loss is nan") and "traceback" not in r
+               for r in rows)
+
+
+def test_a_resume_from_another_models_checkpoint_says_what_to_do(tmp_path):
+    import jax.numpy as jnp
+
+    from scamp_jax.hpo.checkpoint import TrialCheckpointer
+
+    saved = TrialCheckpointer(tmp_path / "trial_0")
+    saved.save(3, {"w": jnp.zeros((4, 2))})
+    saved.close()
+    again = TrialCheckpointer(tmp_path / "trial_0")
+    with pytest.raises(ValueError, match=r"(?s)holds another model's state than this trial "
+                       r"builds .*delete .*trial_0 to train the trial from scratch"):
+        again.restore({"w": jnp.zeros((4, 2)), "b": jnp.zeros((2,))})
+    again.close()

@@ -87,3 +87,70 @@ def test_a_ctrl_c_while_a_trial_is_asked_gives_it_back(tmp_path):
     assert sent and optuna.trial.TrialState.RUNNING not in states, states
     done = scamp_jax.run_study(space, task, **kw)  # no trial to wait for: a heartbeat's minute
     assert done["trials_this_run"] == 3
+
+
+def _space_that(raises_at: int, action) -> SearchSpace:
+    def suggest(trial):
+        params = SPACE.suggest(trial)
+        if trial.number == raises_at:
+            action(params)
+        return params
+
+    return SearchSpace(SPACE.name, suggest, SPACE.build, largest=SPACE.largest)
+
+
+def _regression_task():
+    reference = Regression()
+    return scamp_jax.FunctionTask(metric="mse", direction="minimize", loss_fn=reference.loss_fn,
+                                  batches=reference.batches, evaluate=reference.evaluate)
+
+
+def test_a_sigterm_stops_a_library_study_as_ctrl_c_does(tmp_path):
+    """A scheduler's SIGTERM to a script calling run_study: its trials go back to the study
+    (none left running for a heartbeat to find), and SIGTERM's default action is back after."""
+    sent = []
+
+    def terminate(params):
+        if not sent:
+            os.kill(os.getpid(), signal.SIGTERM)
+            sent.append(True)
+
+    kw = dict(trials=3, steps=2, study_dir=tmp_path, live=False, memory_per_device="64MiB",
+              max_batch_size=8, sampler="random")
+    from scamp_jax._signals import Terminated
+
+    with pytest.raises(Terminated):
+        scamp_jax.run_study(_space_that(1, terminate), _regression_task(), **kw)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
+    assert sent and optuna.trial.TrialState.RUNNING not in [t.state for t in study.trials]
+
+
+def test_a_space_that_prunes_in_suggest_rejects_those_configurations(tmp_path):
+    def prune(params):
+        raise optuna.TrialPruned(f"width {params['width']} is not wanted")
+
+    done = scamp_jax.run_study(_space_that(1, prune), _regression_task(), trials=3, steps=2,
+                               study_dir=tmp_path, live=False, memory_per_device="64MiB",
+                               max_batch_size=8, sampler="random")
+    study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
+    states = [t.state.name for t in study.trials]
+    assert states == ["COMPLETE", "PRUNED", "COMPLETE"], states
+    assert done["trials_this_run"] == 2  # trained; the pruned one counts in the study's total
+    assert "pruned by the search space's suggest: width" in study.trials[1].user_attrs[
+        "fail_reason"]
+
+
+def test_a_bug_in_suggest_stops_the_study_and_leaves_no_trial_running(tmp_path):
+    def bug(params):
+        raise KeyError("depth")
+
+    kw = dict(trials=3, steps=2, study_dir=tmp_path, live=False, memory_per_device="64MiB",
+              max_batch_size=8, sampler="random")
+    with pytest.raises(KeyError, match="depth"):
+        scamp_jax.run_study(_space_that(1, bug), _regression_task(), **kw)
+    study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
+    assert optuna.trial.TrialState.RUNNING not in [t.state for t in study.trials]
+    first = sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+    done = scamp_jax.run_study(SPACE, _regression_task(), **kw)  # fixed: the whole total runs
+    assert first + done["trials_this_run"] == 3  # the closed trial is not counted

@@ -123,7 +123,17 @@ class TrialCheckpointer:
             )
         self.wait()
         target = to_storable(_abstract(like))
-        stored = self._manager.restore(step, args=self._ocp.args.StandardRestore(target))
+        try:
+            stored = self._manager.restore(step, args=self._ocp.args.StandardRestore(target))
+        except ValueError as err:  # orbax's words: tree structures, shapes
+            found = "\n".join(line for line in str(err).rstrip().splitlines()
+                              if "partial_restore" not in line)  # orbax's own argument
+            raise ValueError(
+                f"the checkpoint {self.directory / str(step)} holds another model's state than "
+                "this trial builds (did the search space's model or optimizer change since it "
+                f"was saved?); delete {self.directory} to train the trial from scratch. "
+                f"orbax: {found}"
+            ) from err
         return step, from_storable(stored, like)
 
     def step_directory(self, step: int) -> Path:

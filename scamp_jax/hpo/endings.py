@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from scamp_jax._signals import stops_held
@@ -48,6 +50,7 @@ class Endings:
       replan: ``replan(planned, request)``: plan ``planned`` again in a planner thread
         (`scamp_jax.hpo.out_of_memory.plan_again`).
       notify: something changed (the live view).
+      checkpoint_root: where the trials' checkpoints are (None: none are written).
 
     Attributes:
       oom: the run's `scamp_jax.hpo.out_of_memory.OutOfMemory` handling.
@@ -59,10 +62,10 @@ class Endings:
                  start: Callable[[SoloUnit, Sequence[int], float], None],
                  queue: Callable[[PlannedTrial], None],
                  replan: Callable[[PlannedTrial, Any], None],
-                 notify: Callable[[], None]) -> None:
+                 notify: Callable[[], None], checkpoint_root: Path | None = None) -> None:
         self.source, self.metric, self.config, self.core = source, metric, config, core
         self.records, self.now, self.decide, self.start = records, now, decide, start
-        self.notify = notify
+        self.notify, self.checkpoint_root = notify, checkpoint_root
         self.oom = OutOfMemory(config, core, records, replan, queue, self.report)
         #: the guard against a run's first trials all failing alike
         self.failures = RepeatedFailures(config.failure_limit, self._told, source.interrupt)
@@ -178,13 +181,25 @@ class Endings:
         except KeyboardInterrupt as err:  # stopped while waiting: the trials still go back
             stopped = err
         with stops_held():  # every trial goes back, then a stop goes on
+            tripped = self.failures.tripped
+            held = [o.number for o in self.failures.held]
             # held failures may be a bug's (a Ctrl-C may be the user who saw it): retried
             self.failures.give_back_held()
             running = [m.number for run in runs for m in run.members]
             for number in dict.fromkeys([*running, *waiting]):  # once each
                 self.source.interrupt(number)
+            if tripped and stopped is None:
+                # A bug in the task: what these trials trained under it is not resumed (the
+                # runs have ended; trials that waited keep their earlier checkpoints).
+                for number in dict.fromkeys([*held, *running]):
+                    self._discard_checkpoints(number)
         if stopped is not None:
             raise stopped
+
+    def _discard_checkpoints(self, number: int) -> None:
+        record = self.records.get(number)
+        if self.checkpoint_root is not None and record is not None:
+            shutil.rmtree(self.checkpoint_root / record.asked.checkpoint_key, ignore_errors=True)
 
     def report(self, planned: PlannedTrial, result: RunResult) -> None:
         """Tell the study how ``planned`` ended (an interrupted one is given back)."""

@@ -238,7 +238,7 @@ class SearchEngine:
             lambda p, request: self._submit(
                 work.replanning(p.number, lambda f: self._replanned(p, f)),
                 plan_again, self.planning, p, request),
-            self._notify)
+            self._notify, self.checkpoint_root)
         self.intake.reset()
         self._siblings_due = 0  # siblings of the last proposal not asked yet
         self._last_wave_at: float | None = None

@@ -8,8 +8,10 @@ while they repeat one error: the same exception raised at the same place (the me
 differ, e.g. by a trial's batch size). Once the held trials come from ``failure_limit`` runs
 (`scamp_jax.hpo.settings.EngineConfig.failure_limit`; a fused group's members are one run),
 the engine stops its other trials and raises `RepeatedFailureError`, and the held trials go
-back to the study as interrupted ones do: the run after the fix trains them again (from their
-checkpoints) instead of counting them as failed; a Ctrl-C gives them back too. A trial that
+back to the study as interrupted ones do, with those that were running: the run after the fix
+trains them again from the start (what they trained under the bug is deleted, not resumed)
+instead of counting them as failed; a Ctrl-C gives held trials back too (with their
+checkpoints). A trial that
 completes, a failure raised elsewhere and the end of the run tell the held trials to the study
 as the failures they are. A failure without an exception (a loss that turned non-finite, a
 configuration that fits nowhere) is the configuration's own: it is told at once and leaves the
@@ -33,7 +35,7 @@ TRACEBACK = "traceback"
 class RepeatedFailureError(RuntimeError):
     """A study's run stopped because its trials all failed with the same error, none having
     completed, e.g. a bug in the task; they went back to the study, and the next run trains
-    them again.
+    them again from the start.
 
     Attributes:
       trials: the numbers of the trials that failed alike.
@@ -51,9 +53,9 @@ class RepeatedFailureError(RuntimeError):
         return (f"trials {named} all failed with the same error, and no trial of this run "
                 f"completed: {self.reason}. That looks like a bug in the task, not in these "
                 "configurations, so the study stopped; these trials and those that were "
-                "running went back to it, and a rerun trains them again. Fix the error and run "
-                f"again; if some configurations fail on purpose, pass {no_limit} (or a larger "
-                "limit). The last trial's traceback:\n"
+                "running went back to it, and a rerun trains them again from the start. Fix the "
+                f"error and run again; if some configurations fail on purpose, pass {no_limit} "
+                "(or a larger limit). The last trial's traceback:\n"
                 f"{self.traceback.rstrip()}")
 
     def as_command_line(self) -> str:

@@ -324,8 +324,11 @@ class Lifecycle:
 
     def _fail(self, m: _Member, err: BaseException) -> None:
         state, reason, needed = ending(err)
+        # a raised error keeps its traceback; one made here (a non-finite loss or metric) is
+        # the configuration's own, with none (`scamp_jax.hpo.failures` holds it apart)
+        raised = state == "failed" and err.__traceback__ is not None
         self._end(m, state, reason, bytes_needed=needed,
-                  traceback=failure_traceback(err) if state == "failed" else "")
+                  traceback=failure_traceback(err) if raised else "")
 
     # ---- the run
 
@@ -515,10 +518,12 @@ class Lifecycle:
         for slot, metrics in evaluated.items():
             m = self.slots[slot]
             try:
-                if not math.isfinite(metrics[metric]):
-                    raise FloatingPointError(f"{metric} is {metrics[metric]} after training")
+                finite = math.isfinite(metrics[metric])
             except Exception as err:  # noqa: BLE001 - one member's failure ends that member
-                self._fail(m, err)
+                self._fail(m, err)  # no such metric, or not a number: the task's error
+                continue
+            if not finite:
+                self._fail(m, FloatingPointError(f"{metric} is {metrics[metric]} after training"))
                 continue
             m.status.metric = metrics[metric]
             saved = m.checkpointer is not None and self.schedule.save

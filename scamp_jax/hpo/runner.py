@@ -424,6 +424,10 @@ def load_model(
 
     directory = Path(directory).resolve()
     item = directory / "default"
+    if not directory.exists():
+        raise FileNotFoundError(f"{directory} does not exist; pass a study's best_model "
+                                "directory (<study_dir>/best_model) or a checkpoint step "
+                                "directory (<study_dir>/checkpoints/<key>/<step>)")
     if not item.is_dir():
         raise FileNotFoundError(
             f"{directory} is not a checkpoint step directory (no 'default' item); pass e.g. "

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from scamp_jax._lazy import warm
+from scamp_jax._signals import sigterm_stops
 from scamp_jax._units import counted
 from scamp_jax.hpo.failures import RepeatedFailureError
 from scamp_jax.hpo.settings import SearchSettings
@@ -376,7 +377,7 @@ def run_search(
     score printed beside the metric (e.g. ``"bicubic_psnr"``). Returns the ``results.json``
     payload's ``run`` section plus ``best`` (a results row or None).
     """
-    with lasting_frozen():
+    with lasting_frozen(), sigterm_stops():  # a scheduler's SIGTERM stops it as Ctrl-C does
         return _run_search(space, task, settings, devices=devices,
                            memory_per_device=memory_per_device, live=live, baseline=baseline,
                            title=title, plan_fn=plan_fn, console=console)
@@ -405,9 +406,11 @@ def _run_search(space: SearchSpace, task: Task, settings: SearchSettings, **kwar
         raise
     except (KeyboardInterrupt, RepeatedFailureError) as err:
         # The record grows on an interrupt too: finished trials and this run's wall time.
+        stopped = {"stopped": "repeated failures", "failures": {
+            "trials": list(err.trials), "reason": err.reason, "traceback": err.traceback,
+        }} if isinstance(err, RepeatedFailureError) else {}
         session.report_interrupted(source.study, time.monotonic() - started, source.told,
-                                   **({"stopped": "repeated failures"}
-                                      if isinstance(err, RepeatedFailureError) else {}))
+                                   **stopped)
         raise
     finally:
         source.close()

@@ -51,6 +51,10 @@ def _relative(path: str, root: Path) -> str:
         return path
 
 
+#: `OptunaTrialSource._ask_once`'s answer when the space's ``suggest`` pruned the trial
+_REJECTED = object()
+
+
 class OptunaTrialSource:
     """`TrialSource` over an Optuna study; safe to call from several threads and processes.
 
@@ -284,7 +288,19 @@ class OptunaTrialSource:
         (JSON-serialisable) are stored with the trial. While trials this source did not hand
         out are running, a study with a heartbeat answers `AskLater`: they may finish, or go
         stale (their retries are then asked). ``None``: every other trial is finished.
+
+        A space's ``suggest`` that raises ``optuna.TrialPruned`` rejects the configuration: the
+        trial is stored pruned (it counts, as Optuna counts it) and the next one is asked. Any
+        other exception from ``suggest`` (a bug in the space) is raised, its trial closed first
+        (failed, neither counted nor retried), so nothing is left running in the study.
         """
+        while True:
+            asked = self._ask_once(attrs, asker)
+            if asked is not _REJECTED:
+                return asked  # type: ignore[return-value]
+
+    def _ask_once(self, attrs: Mapping[str, Any] | None,
+                  asker: Hashable) -> AskedTrial | AskLater | None | object:
         with self._lock:
             with self._ask_lock():
                 self._fail_stale()
@@ -318,7 +334,15 @@ class OptunaTrialSource:
                 self._start_heartbeat(trial.number)
                 # Suggest under the lock: another process counting the grid's points taken
                 # sees this trial's parameters.
-                asked = self._suggest(trial, attrs or {})
+                try:
+                    asked = self._suggest(trial, attrs or {})
+                except optuna.TrialPruned as err:
+                    self._close_unsuggested(trial, TrialState.PRUNED,
+                                            f"pruned by the search space's suggest: {err}")
+                    return _REJECTED
+                except BaseException:
+                    self._close_unsuggested(trial, TrialState.FAIL, INTERRUPTED)
+                    raise
                 if proposed and self.siblings:
                     room = self.n_trials - finished - running - 1 - held
                     count = max(0, min(self.siblings, room))
@@ -329,6 +353,14 @@ class OptunaTrialSource:
                     self._record_held(asked.number)
                     asked = replace(asked, siblings=count)
             return asked
+
+    def _close_unsuggested(self, trial: optuna.Trial, state: TrialState, reason: str) -> None:
+        """End a trial whose ``suggest`` raised (``reason``: its `FAIL_REASON`)."""
+        self._ids.pop(trial.number, None)  # no more heartbeats
+        self._live.pop(trial.number, None)
+        with quiet_optuna():
+            trial.set_user_attr(FAIL_REASON, reason)
+            self.study.tell(trial, state=state, skip_if_finished=True)
 
     def _ask(self) -> optuna.Trial:
         with quiet_optuna():
