@@ -5,8 +5,9 @@ its parameters, the engine lists it): a ``KeyboardInterrupt`` raised between two
 a trial running in the study that no one gives back, and a re-run waits for its heartbeat to
 lapse. `stops_held` holds SIGINT and SIGTERM while such a step runs on the main thread and
 delivers them, to the handlers that were installed, once it is done: the step completes, then
-the stop goes on as before. A second signal while one is held is delivered at once, with the
-held one first, so pressing Ctrl-C twice still stops a command at once.
+the stop goes on as before. A Ctrl-C while a signal is held is delivered at once, with the
+held one first, so pressing Ctrl-C twice still stops a command at once; a repeated SIGTERM is
+held as one.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def sigterm_stops() -> Iterator[None]:
         signal.signal(signal.SIGTERM, stop)
         yield
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if signal.getsignal(signal.SIGTERM) is stop:  # not one installed meanwhile
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @contextlib.contextmanager
@@ -79,8 +81,10 @@ class _Holder:
         self.pending: list[tuple[int, Any]] = []
 
     def __call__(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGTERM and any(s == signum for s, _ in self.pending):
+            return  # a scheduler's repeated SIGTERM: one is held already
         self.pending.append((signum, frame))
-        if len(self.pending) > 1:  # stopped again while held: at once
+        if signum == signal.SIGINT and len(self.pending) > 1:  # Ctrl-C again: at once
             self.restore()
             self.deliver()
 

@@ -252,7 +252,7 @@ def test_a_resume_from_another_models_checkpoint_says_what_to_do(tmp_path):
     saved.save(3, {"w": jnp.zeros((4, 2))})
     saved.close()
     again = TrialCheckpointer(tmp_path / "trial_0")
-    with pytest.raises(ValueError, match=r"(?s)holds another model's state than this trial "
-                       r"builds .*delete .*trial_0 to train the trial from scratch"):
+    with pytest.raises(ValueError, match=r"(?s)cannot be read as the state this trial builds "
+                       r".*delete .*trial_0 to train the trial from scratch"):
         again.restore({"w": jnp.zeros((4, 2)), "b": jnp.zeros((2,))})
     again.close()

@@ -48,6 +48,19 @@ def test_a_second_stop_is_delivered_at_once_after_the_first():
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_a_repeated_sigterm_is_held_as_one():
+    calls = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    try:
+        with stops_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's second: not a second stop
+            done = "the block ran to its end"
+        assert done and calls == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_off_the_main_thread_nothing_is_held():
     seen = []
     thread = threading.Thread(target=lambda: seen.append(_in_block()))
@@ -152,5 +165,9 @@ def test_a_bug_in_suggest_stops_the_study_and_leaves_no_trial_running(tmp_path):
     study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
     assert optuna.trial.TrialState.RUNNING not in [t.state for t in study.trials]
     first = sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+    closed = study.trials[1]  # its suggest raised
+    assert closed.state == optuna.trial.TrialState.FAIL
     done = scamp_jax.run_study(SPACE, _regression_task(), **kw)  # fixed: the whole total runs
     assert first + done["trials_this_run"] == 3  # the closed trial is not counted
+    completed = [t.params for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert closed.params in completed  # its configuration was queued again, not lost

@@ -129,9 +129,10 @@ class TrialCheckpointer:
             found = "\n".join(line for line in str(err).rstrip().splitlines()
                               if "partial_restore" not in line)  # orbax's own argument
             raise ValueError(
-                f"the checkpoint {self.directory / str(step)} holds another model's state than "
-                "this trial builds (did the search space's model or optimizer change since it "
-                f"was saved?); delete {self.directory} to train the trial from scratch. "
+                f"the checkpoint {self.directory / str(step)} cannot be read as the state this "
+                "trial builds (did the search space's model or optimizer change since it was "
+                f"saved, or is it damaged?); delete {self.directory} to train the trial from "
+                "scratch. "
                 f"orbax: {found}"
             ) from err
         return step, from_storable(stored, like)

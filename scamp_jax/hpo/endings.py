@@ -163,11 +163,14 @@ class Endings:
         self.decide(now)
 
     def give_back(self, runs: Sequence[Any], waiting: Sequence[int],
-                  notice: Callable[[str], None] | None = None) -> None:
+                  notice: Callable[[str], None] | None = None, discard: bool = False) -> None:
         """Stop ``runs`` (`scamp_jax.hpo.launch.Run`: they checkpoint at their next step) and
-        give their members and the trials ``waiting`` (planned, queued or held, not running)
-        back to the study, each once: whatever a stopped run says, its trials are unfinished.
-        ``notice``: told what happens to the running trials (a Ctrl-C's user)."""
+        give their members, the failures held back (`scamp_jax.hpo.failures`) and the trials
+        ``waiting`` (planned, queued or held, not running) back to the study, each once:
+        whatever a stopped run says, its trials are unfinished. ``notice``: told what happens
+        to the running trials (a Ctrl-C's user). ``discard`` (the run's trials failed alike:
+        a bug in the task): the checkpoints of the held and the running trials are deleted
+        first, so that the next run trains them from the start."""
         for run in runs:
             run.stop.set()
         if notice is not None and runs:
@@ -181,25 +184,38 @@ class Endings:
         except KeyboardInterrupt as err:  # stopped while waiting: the trials still go back
             stopped = err
         with stops_held():  # every trial goes back, then a stop goes on
-            tripped = self.failures.tripped
-            held = [o.number for o in self.failures.held]
+            running = [m.number for run in runs for m in run.members]
+            if discard and stopped is None:
+                # A bug in the task: what these trials trained under it is not resumed. The
+                # runs have ended; it goes before the trials go back, where another process
+                # could ask their retries; trials that waited keep their earlier checkpoints.
+                for number in dict.fromkeys([*(o.number for o in self.failures.held),
+                                             *running]):
+                    self._discard_checkpoints(number)
             # held failures may be a bug's (a Ctrl-C may be the user who saw it): retried
             self.failures.give_back_held()
-            running = [m.number for run in runs for m in run.members]
             for number in dict.fromkeys([*running, *waiting]):  # once each
                 self.source.interrupt(number)
-            if tripped and stopped is None:
-                # A bug in the task: what these trials trained under it is not resumed (the
-                # runs have ended; trials that waited keep their earlier checkpoints).
-                for number in dict.fromkeys([*held, *running]):
-                    self._discard_checkpoints(number)
         if stopped is not None:
             raise stopped
 
     def _discard_checkpoints(self, number: int) -> None:
+        """Delete trial ``number``'s checkpoints, while it is still this process's trial."""
         record = self.records.get(number)
-        if self.checkpoint_root is not None and record is not None:
-            shutil.rmtree(self.checkpoint_root / record.asked.checkpoint_key, ignore_errors=True)
+        live = getattr(self.source, "is_live", None)  # another process may have retried it
+        if (self.checkpoint_root is None or record is None
+                or (live is not None and not live(number))):
+            return
+        root = self.checkpoint_root.resolve()
+        directory = (root / record.asked.checkpoint_key).resolve()
+        if root not in directory.parents or not directory.is_dir():
+            return
+        try:
+            shutil.rmtree(directory)
+        except OSError as err:
+            log.warning("trial %d: its checkpoints in %s could not be deleted (%s); delete "
+                        "them before the next run, which would resume them", number,
+                        directory, err)
 
     def report(self, planned: PlannedTrial, result: RunResult) -> None:
         """Tell the study how ``planned`` ended (an interrupted one is given back)."""

@@ -263,7 +263,8 @@ class SearchEngine:
                 while self._turn(lookahead):
                     pass
         except BaseException as err:
-            self._give_back(interrupted=isinstance(err, KeyboardInterrupt | RepeatedFailureError))
+            self._give_back(interrupted=isinstance(err, KeyboardInterrupt | RepeatedFailureError),
+                            discard=isinstance(err, RepeatedFailureError))
             raise
         self._planner.shutdown(wait=True)
         self._launch.close()
@@ -497,15 +498,17 @@ class SearchEngine:
         self.work[run.future] = work.running(
             unit.key, lambda f: unit.ended(self.endings, f.result()))
 
-    def _give_back(self, interrupted: bool = False) -> None:
+    def _give_back(self, interrupted: bool = False, discard: bool = False) -> None:
         """When the engine stops: every run stops (they checkpoint) and every unfinished trial
         of this engine goes back to the study (`Endings.give_back`); ``interrupted`` (a Ctrl-C,
-        or the study's repeated failures): the user is told what happens meanwhile."""
+        or the study's repeated failures): the user is told what happens meanwhile;
+        ``discard``: what the trials trained under a bug is deleted (`Endings.give_back`)."""
         runs = [r.run for r in self._running().values() if r.run is not None]
         waiting = [n for w in self.work.values() for n in w.trials]
         waiting += [m.number for unit in self.queue.values() for m in unit.members]
         waiting += [*self.kind.waiting(), *(asked.number for asked, _ in self.deferred)]
-        self.endings.give_back(runs, waiting, self.on_notice if interrupted else None)
+        self.endings.give_back(runs, waiting, self.on_notice if interrupted else None,
+                               discard=discard)
         self._planner.shutdown(wait=True, cancel_futures=True)
         self._launch.close()
 

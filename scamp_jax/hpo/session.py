@@ -478,6 +478,9 @@ def run_study(
       scamp_jax.RepeatedFailureError: trials raised the same error before any completed (a
         bug in the task; those of ``failure_limit`` runs, 3 by default): they went back to the
         study, and the message ends with the last one's traceback.
+      KeyboardInterrupt: Ctrl-C, or SIGTERM where the program has no handler of its own (as
+        ``scamp_jax._signals.Terminated``): the running trials checkpointed and went back to
+        the study; calling it again resumes them.
     """
     if "initial_params" in settings:
         settings["initial_params"] = tuple(settings["initial_params"])

@@ -291,8 +291,9 @@ class OptunaTrialSource:
 
         A space's ``suggest`` that raises ``optuna.TrialPruned`` rejects the configuration: the
         trial is stored pruned (it counts, as Optuna counts it) and the next one is asked. Any
-        other exception from ``suggest`` (a bug in the space) is raised, its trial closed first
-        (failed, neither counted nor retried), so nothing is left running in the study.
+        other exception from ``suggest`` (a bug in the space) is raised, its trial given back
+        first as an interrupted one (not counted; its parameters so far queued again), so
+        nothing is left running in the study.
         """
         while True:
             asked = self._ask_once(attrs, asker)
@@ -355,11 +356,19 @@ class OptunaTrialSource:
             return asked
 
     def _close_unsuggested(self, trial: optuna.Trial, state: TrialState, reason: str) -> None:
-        """End a trial whose ``suggest`` raised (``reason``: its `FAIL_REASON`)."""
-        self._ids.pop(trial.number, None)  # no more heartbeats
+        """End a trial whose ``suggest`` raised (``reason``: its `FAIL_REASON`). A failed one
+        is queued again first, as an interrupted trial is: a retry, a warm start or a grid
+        point it came from is asked again on the next run, not lost."""
+        trial_id = self._ids.pop(trial.number, None)  # no more heartbeats
         self._live.pop(trial.number, None)
         with quiet_optuna():
             trial.set_user_attr(FAIL_REASON, reason)
+            if state == TrialState.FAIL:
+                frozen = (self._storage.get_trial(trial_id)
+                          if self._storage is not None and trial_id is not None else
+                          next(t for t in self.study.get_trials(deepcopy=False)
+                               if t.number == trial.number))
+                retry_callback()(self.study, frozen)
             self.study.tell(trial, state=state, skip_if_finished=True)
 
     def _ask(self) -> optuna.Trial:
