@@ -175,9 +175,11 @@ class Endings:
             run.stop.set()
         if notice is not None and runs:
             trials = sum(len(run.members) for run in runs)  # a fused group's members each
-            notice(f"stopping: {trials} running trial(s) end at their next step (with a "
-                   "checkpoint where checkpoints are on) and go back to the study, where a "
-                   "re-run resumes them; Ctrl-C again stops at once")
+            after = ("a re-run trains them from the start (what they trained under the error "
+                     "is deleted)" if discard else
+                     "a re-run resumes them (with a checkpoint where checkpoints are on)")
+            notice(f"stopping: {trials} running trial(s) end at their next step and go back to "
+                   f"the study, where {after}; Ctrl-C again stops at once")
         stopped: KeyboardInterrupt | None = None
         try:
             cf.wait([run.future for run in runs])
