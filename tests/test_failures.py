@@ -256,3 +256,27 @@ def test_a_resume_from_another_models_checkpoint_says_what_to_do(tmp_path):
                        r".*delete .*trial_0 to train the trial from scratch"):
         again.restore({"w": jnp.zeros((4, 2)), "b": jnp.zeros((2,))})
     again.close()
+
+
+def test_a_space_whose_build_prunes_rejects_those_configurations(tmp_path):
+    """``optuna.TrialPruned`` from ``build`` rejects the configuration, as from ``suggest``:
+    stored pruned with the space's reason, and it neither stops nor blinds the failure guard."""
+    from scamp_jax.space import SearchSpace
+
+    def build(config, rngs):
+        if config["width"] == 16:
+            raise optuna.TrialPruned("width 16 is not built here")
+        return SPACE.build(config, rngs)
+
+    space = SearchSpace(SPACE.name, SPACE.suggest, build, largest=SPACE.largest)
+    scamp_jax.run_study(space, _task(), trials=6, study_dir=tmp_path, **KW)
+    study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
+    ended = {t.number: (t.params["width"], t.state.name) for t in study.trials}
+    assert any(state == "PRUNED" for _, state in ended.values()), ended
+    assert all((state == "PRUNED") == (width == 16) for width, state in ended.values()), ended
+    pruned = [t for t in study.trials if t.state.name == "PRUNED"]
+    assert all("pruned by the search space's build: width 16" in t.user_attrs[FAIL_REASON]
+               for t in pruned)
+    guard = RepeatedFailures(2, lambda o: None, lambda n: None)
+    assert not guard.hold(TrialOutcome(0, "pruned", attrs={"steps": 0}))  # rejected: not run
+    assert not guard.off

@@ -97,9 +97,11 @@ class Endings:
         self.notify()
 
     def tell_failed(self, number: int) -> None:
-        """Tell the study that trial ``number`` failed before it ran (its status says why)."""
+        """Tell the study that trial ``number`` failed before it ran, or was rejected by the
+        space (pruned), as its status says, with its reason."""
         record = self.records[number]
-        self.tell(TrialOutcome(number, "failed", reason=record.status.reason,
+        state = "pruned" if record.status.state == "pruned" else "failed"
+        self.tell(TrialOutcome(number, state, reason=record.status.reason,
                                attrs=record.attrs(self.config.rank, 0.0)))
 
     def run_ended(self, number: int, result: RunResult) -> None:

@@ -106,12 +106,13 @@ class RepeatedFailures:
         completed trial, or a failure raised elsewhere, first tells the held ones."""
         if self.off:
             return False
-        if outcome.state in ("complete", "pruned"):
-            self.off = True
+        trained = outcome.state == "pruned" and outcome.attrs.get("steps")  # by the pruner
+        if outcome.state == "complete" or trained:
+            self.off = True  # it trained and was scored: the task works
             self.release()
             return False
         if outcome.state != "failed" or not outcome.attrs.get(TRACEBACK):
-            return False  # the configuration's own failure: told, the streak goes on
+            return False  # the configuration's own ending (rejected, misfit, non-finite): told
         if self.held and failure_key(self.held[0].reason) != failure_key(outcome.reason):
             self.release()
         self.held.append(outcome)

@@ -7,7 +7,8 @@ study has all its trials) and decides what becomes of a trial whose plan does no
 a plan: a `TrialDeferred` trial is listed for the caller, a candidate that cannot be built fails,
 and one that fits nowhere fails too, except that until one candidate has fitted the misfits are
 held back, so that a budget too small for any candidate stops the study
-(`BudgetTooSmallError`) without spending its trials.
+(`BudgetTooSmallError`) without spending its trials; one whose build raises
+``optuna.TrialPruned`` is rejected by the space: told pruned.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import concurrent.futures as cf
 import time
 from collections.abc import Callable
 from typing import Any
+
+import optuna
 
 from scamp_jax._units import format_bytes
 from scamp_jax.hpo.study.trials import AskedTrial, AskLater, TrialSource
@@ -113,6 +116,10 @@ class Intake:
             self.nofit.append((asked.number, status.reason))
             if len(self.nofit) >= self.nofit_limit:
                 self.budget_too_small(err)
+            return None
+        except optuna.TrialPruned as err:  # the space's build rejects this configuration
+            status.state, status.reason = "pruned", f"pruned by the search space's build: {err}"
+            self.tell_failed(asked.number)
             return None
         except Exception as err:  # noqa: BLE001 - a candidate that cannot even be built
             status.state, status.reason = "failed", ending(err)[1]
