@@ -73,8 +73,8 @@ def stops_held() -> Iterator[None]:
 
 
 class _Holder:
-    """The handler while stops are held: it keeps the first signal and delivers it with a
-    second one."""
+    """The handler while stops are held: it keeps the signals (a repeated SIGTERM as one)
+    and delivers them at once on a Ctrl-C that follows another signal."""
 
     def __init__(self, previous: dict[int, Any]) -> None:
         self.previous = previous

@@ -1,22 +1,22 @@
 """A study's first trials all failing with one error: a bug in the task, and the study stops.
 
 A deterministic bug in a task (its ``evaluate``, its loss, its data, a model's code) fails every
-trial the same way, each after its whole training: left alone, a study spends all its trials
-on it. `RepeatedFailures` watches how a run's trials end. Until one of them completes (or is
-pruned), the failures that come with an exception (a traceback) are held back from the study
-while they repeat one error: the same exception raised at the same place (the message may
+trial the same way, each after its whole training: left alone, a study spends all its trials on
+it. `RepeatedFailures` watches how a run's trials end. Until one of them completes (or is pruned
+after training), the failures that come with an exception (a traceback) are held back from the
+study while they repeat one error: the same exception raised at the same place (the message may
 differ, e.g. by a trial's batch size). Once the held trials come from ``failure_limit`` runs
-(`scamp_jax.hpo.settings.EngineConfig.failure_limit`; a fused group's members are one run),
-the engine stops its other trials and raises `RepeatedFailureError`, and the held trials go
-back to the study as interrupted ones do, with those that were running: the run after the fix
-trains them again from the start (what they trained under the bug is deleted, not resumed)
-instead of counting them as failed; a Ctrl-C gives held trials back too (with their
-checkpoints). A trial that
-completes, a failure raised elsewhere and the end of the run tell the held trials to the study
-as the failures they are. A failure without an exception (a loss that turned non-finite, a
-configuration that fits nowhere) is the configuration's own: it is told at once and leaves the
-held ones as they are. A space that fails some configurations on purpose, by raising, sets
-``failure_limit=0``. Under MPI every rank's engine keeps its own guard.
+(`scamp_jax.hpo.settings.EngineConfig.failure_limit`; a fused group's members are one run), the
+engine stops its other trials and raises `RepeatedFailureError`, and the held trials go back to
+the study as interrupted ones do, with those that were running: the run after the fix trains
+them again from the start (what they trained under the bug is deleted, not resumed) instead of
+counting them as failed; a Ctrl-C gives held trials back too (with their checkpoints). A trial
+that completes, a failure raised elsewhere and the end of the run tell the held trials to the
+study as the failures they are. A failure without an exception (a loss that turned non-finite, a
+configuration that fits nowhere) and a configuration the space rejects (``optuna.TrialPruned``
+from its build) are the configuration's own: told at once, they leave the held ones as they are.
+A space that fails some configurations on purpose, by raising, sets ``failure_limit=0``. Under
+MPI every rank's engine keeps its own guard.
 """
 
 from __future__ import annotations

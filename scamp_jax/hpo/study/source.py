@@ -361,15 +361,25 @@ class OptunaTrialSource:
         point it came from is asked again on the next run, not lost."""
         trial_id = self._ids.pop(trial.number, None)  # no more heartbeats
         self._live.pop(trial.number, None)
-        with quiet_optuna():
-            trial.set_user_attr(FAIL_REASON, reason)
-            if state == TrialState.FAIL:
-                frozen = (self._storage.get_trial(trial_id)
-                          if self._storage is not None and trial_id is not None else
-                          next(t for t in self.study.get_trials(deepcopy=False)
-                               if t.number == trial.number))
-                retry_callback()(self.study, frozen)
+        trial.set_user_attr(FAIL_REASON, reason)
+        if state == TrialState.FAIL:
+            self._fail_with_retry(trial, trial_id)
+        else:
             self.study.tell(trial, state=state, skip_if_finished=True)
+
+    def _fail_with_retry(self, trial: optuna.Trial, trial_id: int | None) -> None:
+        """Queue ``trial``'s parameters again under its checkpoint key, then fail it (see
+        `interrupt` for the order); nothing where another process failed it as stale already
+        (that one queued its retry)."""
+        frozen = (self._storage.get_trial(trial_id)
+                  if self._storage is not None and trial_id is not None else
+                  next(t for t in self.study.get_trials(deepcopy=False)
+                       if t.number == trial.number))
+        if frozen.state != TrialState.RUNNING:
+            return
+        with quiet_optuna():
+            retry_callback()(self.study, frozen)
+        self.study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
 
     def _ask(self) -> optuna.Trial:
         with quiet_optuna():
@@ -448,14 +458,6 @@ class OptunaTrialSource:
                 return
             try:
                 trial.set_user_attr(FAIL_REASON, INTERRUPTED)
-                frozen = (self._storage.get_trial(trial_id)
-                          if self._storage is not None and trial_id is not None else
-                          next(t for t in self.study.get_trials(deepcopy=False)
-                               if t.number == number))
-                if frozen.state != TrialState.RUNNING:
-                    return  # failed as stale by another process, which queued it again
-                with quiet_optuna():
-                    retry_callback()(self.study, frozen)
-                self.study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+                self._fail_with_retry(trial, trial_id)
             except optuna.exceptions.UpdateFinishedTrialError:
                 return  # failed as stale by another process, which queued it again
