@@ -42,8 +42,10 @@ def _centre_crop(img: np.ndarray, size: int | None, scale: int) -> np.ndarray:
 
 
 def _is_training(model: nnx.Module) -> bool:
+    """Whether a module of ``model`` is in training mode (``deterministic`` False: dropout,
+    stochastic depth)."""
     for _, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.Dropout) and not node.deterministic:
+        if isinstance(node, nnx.Module) and getattr(node, "deterministic", True) is False:
             return True
     return False
 

@@ -8,7 +8,8 @@ attribute names of the official PyTorch implementation (``attn.qkv``, ``norm1``,
 
 Numerics follow the official model: LayerNorm epsilon 1e-5, exact (erf) GELU, shift mask value
 -100, a window that collapses to the whole input when the configured resolution is not larger than
-the window, LeakyReLU 0.2 in the ``3conv`` residual connection.
+the window, LeakyReLU 0.2 in the ``3conv`` residual connection. Stochastic depth is drawn once per
+forward pass for every block (`StochasticDepth`) and handed down to the blocks.
 """
 
 from __future__ import annotations
@@ -164,6 +165,55 @@ def shift_attention_mask(h: int, w: int, window_size: int, shift_size: int) -> n
     return mask
 
 
+class StochasticDepth(nnx.Module):
+    """Stochastic depth: per-sample drop of residual branches, every branch from one draw.
+
+    Each residual branch ``i`` of a network (a SwinIR block has two: attention and MLP) is dropped
+    for a sample with probability ``rates[i]`` and otherwise divided by ``1 - rates[i]``, as
+    timm's ``DropPath`` in the official model does, one branch at a time. Here one random draw
+    decides every branch: one ``nnx.Dropout`` per branch puts two random-number
+    generators per branch into the compiled training step (72 for the paper's 36 blocks), which
+    doubles the compile time of the step (the paper SwinIR's for a V100, batch 8: 37.0 CPU s with
+    them, 18.6 with one draw, 17.5 with none; ``benchmarks/notes/compiles.md``).
+
+    Call: ``keep = stochastic_depth(batch)``: float32 (len(rates), batch), a kept branch's keep
+    probability ``1 - rate`` for a sample and 0 for a dropped one (`drop_branch` applies it);
+    None in evaluation mode (``model.eval()``) and when every rate is 0 (nothing to drop).
+    Draws from the ``dropout`` stream of the ``rngs`` it was built with.
+    """
+
+    def __init__(self, rates: Sequence[float], *, rngs: nnx.Rngs):
+        self.rates = tuple(float(r) for r in rates)
+        for r in self.rates:
+            if not 0.0 <= r < 1.0:
+                raise ValueError(f"stochastic depth rate {r} is not in [0, 1)")
+        self.deterministic = False
+        self.rngs = rngs["dropout"].fork() if any(self.rates) else None
+
+    def __call__(self, batch: int) -> jax.Array | None:
+        if self.deterministic or self.rngs is None:
+            return None
+        keep = np.broadcast_to(1.0 - np.asarray(self.rates, np.float32)[:, None],
+                               (len(self.rates), batch))
+        draw = jax.random.uniform(self.rngs(), (len(self.rates), batch), jnp.float32)
+        return jnp.where(draw < keep, keep, 0.0)
+
+
+def drop_branch(y: jax.Array, keep: jax.Array | None) -> jax.Array:
+    """A residual branch ``y`` (B, ...) with `StochasticDepth`'s per-sample ``keep`` (B,) applied
+    (None: kept whole): a sample's branch divided by its keep probability, or 0 where dropped.
+
+    Divided, as ``nnx.Dropout`` does, not multiplied by the inverse: a product feeding the
+    residual sum may be contracted into a fused multiply-add in one compiled program and not
+    in another (a fused group's and its solo run's), which changes the last bits.
+    """
+    if keep is None:
+        return y
+    keep = keep.reshape((-1,) + (1,) * (y.ndim - 1)).astype(y.dtype)
+    kept = keep > 0
+    return jnp.where(kept, y / jnp.where(kept, keep, 1), 0)
+
+
 class Mlp(nnx.Module):
     """Two-layer feed-forward block with exact GELU: (..., C) -> (..., C)."""
 
@@ -297,7 +347,9 @@ class SwinTransformerBlock(nnx.Module):
         window collapse of `effective_window`. Other sizes run too (mask computed per size).
       num_heads, window_size, shift_size: attention heads, window side, cyclic shift (0 or ws/2).
       mlp_ratio: hidden width of the MLP relative to ``dim`` (``int(dim * mlp_ratio)``).
-      drop, attn_drop: dropout rates; drop_path: stochastic-depth rate (per sample, training only).
+      drop, attn_drop: dropout rates; drop_path: stochastic-depth rate of both residual branches
+        (kept as ``drop_path``; what is dropped comes with the call, drawn by the model's
+        `StochasticDepth` from these rates).
     """
 
     def __init__(
@@ -334,18 +386,16 @@ class SwinTransformerBlock(nnx.Module):
             proj_drop=drop,
             rngs=rngs,
         )
-        # Stochastic depth = dropout of the whole residual branch per sample.
-        self.drop_path = (
-            nnx.Dropout(drop_path, broadcast_dims=(1, 2), rngs=rngs) if drop_path > 0 else None
-        )
+        if not 0.0 <= drop_path < 1.0:
+            raise ValueError(f"{drop_path=} is not a stochastic-depth rate in [0, 1)")
+        self.drop_path = float(drop_path)
         self.norm2 = layer_norm(dim, rngs=rngs)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop, rngs=rngs)
 
-    def _branch(self, x: jax.Array) -> jax.Array:
-        return x if self.drop_path is None else self.drop_path(x)
-
-    def __call__(self, x: jax.Array, x_size: tuple[int, int]) -> jax.Array:
-        """x: (B, H*W, C) tokens of an (H, W) = ``x_size`` map, H and W window multiples."""
+    def __call__(self, x: jax.Array, x_size: tuple[int, int],
+                 drop: jax.Array | None = None) -> jax.Array:
+        """x: (B, H*W, C) tokens of an (H, W) = ``x_size`` map, H and W window multiples;
+        ``drop``: None, or (2, B) `StochasticDepth` draws of the attention and MLP branches."""
         h, w = x_size
         b, _, c = x.shape
         ws, shift = self.window_size, self.shift_size
@@ -358,8 +408,9 @@ class SwinTransformerBlock(nnx.Module):
         y = window_reverse(windows.reshape(-1, ws, ws, c), ws, h, w)
         if shift:
             y = jnp.roll(y, (shift, shift), axis=(1, 2))
-        x = x + self._branch(y.reshape(b, h * w, c))
-        return x + self._branch(self.mlp(self.norm2(x)))
+        attn_drop, mlp_drop = (None, None) if drop is None else (drop[0], drop[1])
+        x = x + drop_branch(y.reshape(b, h * w, c), attn_drop)
+        return x + drop_branch(self.mlp(self.norm2(x)), mlp_drop)
 
 
 class BasicLayer(nnx.Module):
@@ -404,10 +455,16 @@ class BasicLayer(nnx.Module):
             ]
         )
 
-    def __call__(self, x: jax.Array, x_size: tuple[int, int]) -> jax.Array:
-        """x: (B, H*W, C) -> (B, H*W, C)."""
-        for blk in self.blocks:
-            x = blk(x, x_size)
+    def branch_rates(self) -> tuple[float, ...]:
+        """Stochastic-depth rates of the blocks' residual branches, two per block in order."""
+        return tuple(r for blk in self.blocks for r in (blk.drop_path, blk.drop_path))
+
+    def __call__(self, x: jax.Array, x_size: tuple[int, int],
+                 drop: jax.Array | None = None) -> jax.Array:
+        """x: (B, H*W, C) -> (B, H*W, C); ``drop``: None, or `StochasticDepth` draws
+        (2 * depth, B) in the order of `branch_rates`."""
+        for i, blk in enumerate(self.blocks):
+            x = blk(x, x_size, None if drop is None else drop[2 * i : 2 * i + 2])
         return x
 
 
@@ -469,10 +526,16 @@ class RSTB(nnx.Module):
         )
         self.conv = residual_conv(dim, resi_connection, rngs=rngs)
 
-    def __call__(self, x: jax.Array, x_size: tuple[int, int]) -> jax.Array:
-        """x: (B, H*W, C) with (H, W) = ``x_size`` -> (B, H*W, C)."""
+    def branch_rates(self) -> tuple[float, ...]:
+        """Stochastic-depth rates of its blocks' residual branches (`BasicLayer.branch_rates`)."""
+        return self.residual_group.branch_rates()
+
+    def __call__(self, x: jax.Array, x_size: tuple[int, int],
+                 drop: jax.Array | None = None) -> jax.Array:
+        """x: (B, H*W, C) with (H, W) = ``x_size`` -> (B, H*W, C); ``drop``: None, or
+        `StochasticDepth` draws (2 * depth, B) in the order of `branch_rates`."""
         b, _, c = x.shape
-        y = self.residual_group(x, x_size).reshape(b, x_size[0], x_size[1], c)
+        y = self.residual_group(x, x_size, drop).reshape(b, x_size[0], x_size[1], c)
         return self.conv(y).reshape(b, -1, c) + x
 
 

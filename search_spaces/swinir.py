@@ -29,6 +29,7 @@ from search_spaces.swin_blocks import (
     Mlp,
     PatchEmbed,
     PixelShuffle,
+    StochasticDepth,
     SwinTransformerBlock,
     WindowAttention,
     conv2d,
@@ -52,6 +53,7 @@ __all__ = [
     "Mlp",
     "PatchEmbed",
     "PixelShuffle",
+    "StochasticDepth",
     "SwinIR",
     "SwinTransformerBlock",
     "WindowAttention",
@@ -220,6 +222,12 @@ class SwinIR(nnx.Module):
             self.conv_last = conv2d(NUM_FEAT, in_chans, 3, rngs=rngs)
         else:
             self.conv_last = conv2d(embed_dim, in_chans, 3, rngs=rngs)
+        # Every block's two residual branches drawn at once (see StochasticDepth). Built last:
+        # its stream is forked from ``rngs`` after every weight is drawn, so the initial
+        # weights do not depend on the stochastic-depth rate.
+        self.stochastic_depth = StochasticDepth(
+            [r for layer in self.layers for r in layer.branch_rates()], rngs=rngs
+        )
 
     def padded_size(self, h: int, w: int) -> tuple[int, int]:
         """(H, W) after reflect padding to a multiple of ``window_size`` (pixels)."""
@@ -251,8 +259,12 @@ class SwinIR(nnx.Module):
             x = x + self.absolute_pos_embed[...]
         if self.pos_drop is not None:
             x = self.pos_drop(x)
+        drop = self.stochastic_depth(x.shape[0])
+        start = 0
         for layer in self.layers:
-            x = layer(x, x_size)
+            end = start + len(layer.branch_rates())
+            x = layer(x, x_size, None if drop is None else drop[start:end])
+            start = end
         return patch_unembed(self.norm(x), x_size)
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -116,6 +116,55 @@ def test_eval_is_deterministic_and_train_uses_drop_path():
     assert not np.allclose(c, d)
 
 
+def test_stochastic_depth_drops_each_branch_per_sample_at_its_rate():
+    sd = sw.StochasticDepth([0.0, 0.25, 0.5], rngs=nnx.Rngs(0))
+    keep = np.asarray(sd(20_000))
+    assert keep.shape == (3, 20_000) and keep.dtype == np.float32
+    np.testing.assert_array_equal(keep[0], 1.0)  # rate 0: always kept, divided by 1
+    for row, rate in ((1, 0.25), (2, 0.5)):
+        assert set(np.unique(keep[row]).tolist()) == {0.0, 1.0 - rate}
+        assert abs((keep[row] == 0).mean() - rate) < 0.015  # 5 standard deviations
+    # branches are drawn independently, and every call draws anew
+    assert abs(np.corrcoef(keep[1] == 0, keep[2] == 0)[0, 1]) < 0.03
+    assert not np.array_equal(np.asarray(sd(64)), np.asarray(sd(64)))
+    sd.eval()
+    assert sd(4) is None
+    assert sw.StochasticDepth([0.0, 0.0], rngs=nnx.Rngs(0))(4) is None
+    with pytest.raises(ValueError, match="not in"):
+        sw.StochasticDepth([1.0], rngs=nnx.Rngs(0))
+
+
+def test_a_block_drops_the_branches_of_the_samples_its_draws_say():
+    blk = sw.SwinTransformerBlock(8, (4, 4), 2, window_size=4, shift_size=2, drop_path=0.5,
+                                  rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 16, 8)), jnp.float32)
+    whole = blk(x, (4, 4))
+    # sample 0: both branches dropped; 1: both kept (divided by 0.5); 2: the MLP branch dropped
+    keep = jnp.asarray([[0.0, 0.5, 1.0], [0.0, 0.5, 0.0]], jnp.float32)
+    out = blk(x, (4, 4), keep)
+    np.testing.assert_array_equal(out[0], x[0])
+    attn_only = blk(x, (4, 4), jnp.asarray([[1.0] * 3, [0.0] * 3], jnp.float32))
+    np.testing.assert_allclose(out[2], attn_only[2], rtol=1e-6, atol=1e-6)
+    assert not np.allclose(out[2], whole[2]) and not np.allclose(out[1], whole[1])
+    # a dropped branch passes no gradient to the weights, and nothing is NaN
+    grads = nnx.grad(lambda b: b(x[:1], (4, 4), keep[:, :1]).sum())(blk)
+    assert all(np.all(np.asarray(g) == 0) for g in jax.tree.leaves(grads))
+    model = _tiny(upsampler="pixelshuffledirect", upscale=2, drop_path_rate=0.5, depths=(2, 2),
+                  num_heads=(3, 3))
+    rates = np.linspace(0.0, 0.5, 4)
+    np.testing.assert_allclose(model.stochastic_depth.rates, np.repeat(rates, 2))
+    assert [blk.drop_path for layer in model.layers
+            for blk in layer.residual_group.blocks] == pytest.approx(rates.tolist())
+
+
+def test_the_initial_weights_do_not_depend_on_the_stochastic_depth_rate():
+    with_sd = split_model(_tiny(upsampler="pixelshuffle", drop_path_rate=0.3, depths=(2, 2),
+                                num_heads=(3, 3)))[1]
+    without = split_model(_tiny(upsampler="pixelshuffle", drop_path_rate=0.0, depths=(2, 2),
+                                num_heads=(3, 3)))[1]
+    jax.tree.map(np.testing.assert_array_equal, with_sd, without)
+
+
 def test_lightweight_x2_parameter_count_matches_paper():
     abstract = nnx.eval_shape(
         lambda: sw.SwinIR(
