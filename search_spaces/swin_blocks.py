@@ -171,13 +171,15 @@ class StochasticDepth(nnx.Module):
     Each residual branch ``i`` of a network (a SwinIR block has two: attention and MLP) is dropped
     for a sample with probability ``rates[i]`` and otherwise divided by ``1 - rates[i]``, as
     timm's ``DropPath`` in the official model does, one branch at a time. Here one random draw
-    decides every branch: one ``nnx.Dropout`` per branch puts two random-number
-    generators per branch into the compiled training step (72 for the paper's 36 blocks), which
-    doubles the compile time of the step (the paper SwinIR's for a V100, batch 8: 37.0 CPU s with
-    them, 18.6 with one draw, 17.5 with none; ``benchmarks/notes/compiles.md``).
+    decides every branch. One ``nnx.Dropout`` per block, called for each of its two branches,
+    puts two random draws per block into the compiled training step (70 for the paper's 36
+    blocks, the first of rate 0), which doubled the step's compile time for a GPU (the paper
+    SwinIR's for a V100, batch 8: 37.0 CPU s with them, 18.6 with one draw, 17.5 with none; on
+    this project's CPU target at batch 2: 25.0, 20.0 and 9.6; ``benchmarks/notes/compiles.md``).
 
     Call: ``keep = stochastic_depth(batch)``: float32 (len(rates), batch), a kept branch's keep
-    probability ``1 - rate`` for a sample and 0 for a dropped one (`drop_branch` applies it);
+    probability ``1 - rate`` for a sample and 0 for a dropped one (`drop_branch` applies it; a
+    rate of 1 always drops its branch);
     None in evaluation mode (``model.eval()``) and when every rate is 0 (nothing to drop).
     Draws from the ``dropout`` stream of the ``rngs`` it was built with.
     """
@@ -185,8 +187,8 @@ class StochasticDepth(nnx.Module):
     def __init__(self, rates: Sequence[float], *, rngs: nnx.Rngs):
         self.rates = tuple(float(r) for r in rates)
         for r in self.rates:
-            if not 0.0 <= r < 1.0:
-                raise ValueError(f"stochastic depth rate {r} is not in [0, 1)")
+            if not 0.0 <= r <= 1.0:
+                raise ValueError(f"stochastic depth rate {r} is not in [0, 1]")
         self.deterministic = False
         self.rngs = rngs["dropout"].fork() if any(self.rates) else None
 
@@ -209,9 +211,9 @@ def drop_branch(y: jax.Array, keep: jax.Array | None) -> jax.Array:
     """
     if keep is None:
         return y
-    keep = keep.reshape((-1,) + (1,) * (y.ndim - 1)).astype(y.dtype)
-    kept = keep > 0
-    return jnp.where(kept, y / jnp.where(kept, keep, 1), 0)
+    keep = keep.reshape((-1,) + (1,) * (y.ndim - 1))
+    kept = keep > 0  # before any cast: a small keep probability may round to 0 in float16
+    return jnp.where(kept, y / jnp.where(kept, keep, 1).astype(y.dtype), 0).astype(y.dtype)
 
 
 class Mlp(nnx.Module):
@@ -349,7 +351,7 @@ class SwinTransformerBlock(nnx.Module):
       mlp_ratio: hidden width of the MLP relative to ``dim`` (``int(dim * mlp_ratio)``).
       drop, attn_drop: dropout rates; drop_path: stochastic-depth rate of both residual branches
         (kept as ``drop_path``; what is dropped comes with the call, drawn by the model's
-        `StochasticDepth` from these rates).
+        `StochasticDepth` from these rates: a block called without it, alone, drops nothing).
     """
 
     def __init__(
@@ -386,8 +388,8 @@ class SwinTransformerBlock(nnx.Module):
             proj_drop=drop,
             rngs=rngs,
         )
-        if not 0.0 <= drop_path < 1.0:
-            raise ValueError(f"{drop_path=} is not a stochastic-depth rate in [0, 1)")
+        if not 0.0 <= drop_path <= 1.0:
+            raise ValueError(f"{drop_path=} is not a stochastic-depth rate in [0, 1]")
         self.drop_path = float(drop_path)
         self.norm2 = layer_norm(dim, rngs=rngs)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop, rngs=rngs)

@@ -123,15 +123,25 @@ def test_stochastic_depth_drops_each_branch_per_sample_at_its_rate():
     np.testing.assert_array_equal(keep[0], 1.0)  # rate 0: always kept, divided by 1
     for row, rate in ((1, 0.25), (2, 0.5)):
         assert set(np.unique(keep[row]).tolist()) == {0.0, 1.0 - rate}
-        assert abs((keep[row] == 0).mean() - rate) < 0.015  # 5 standard deviations
+        assert abs((keep[row] == 0).mean() - rate) < 0.015  # over 4 standard deviations
     # branches are drawn independently, and every call draws anew
     assert abs(np.corrcoef(keep[1] == 0, keep[2] == 0)[0, 1]) < 0.03
     assert not np.array_equal(np.asarray(sd(64)), np.asarray(sd(64)))
     sd.eval()
     assert sd(4) is None
     assert sw.StochasticDepth([0.0, 0.0], rngs=nnx.Rngs(0))(4) is None
+    np.testing.assert_array_equal(np.asarray(sw.StochasticDepth([1.0], rngs=nnx.Rngs(0))(8)), 0.0)
     with pytest.raises(ValueError, match="not in"):
-        sw.StochasticDepth([1.0], rngs=nnx.Rngs(0))
+        sw.StochasticDepth([1.5], rngs=nnx.Rngs(0))
+    # a kept branch is divided by its keep probability, a dropped one is 0, in float16 too
+    y = jnp.asarray(np.random.default_rng(1).normal(size=(3, 5, 4)), jnp.float32)
+    keep = jnp.asarray([0.8, 0.0, 1e-6], jnp.float32)
+    out = sw.drop_branch(y, keep)
+    np.testing.assert_array_equal(out[0], y[0] / np.float32(0.8))
+    np.testing.assert_array_equal(out[1], 0.0)
+    np.testing.assert_array_equal(out[2], y[2] / np.float32(1e-6))
+    half = sw.drop_branch(y.astype(jnp.float16), keep)
+    assert half.dtype == jnp.float16 and bool(jnp.all(half[2] != 0))
 
 
 def test_a_block_drops_the_branches_of_the_samples_its_draws_say():
