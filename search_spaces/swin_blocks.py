@@ -179,9 +179,9 @@ class StochasticDepth(nnx.Module):
 
     Call: ``keep = stochastic_depth(batch)``: float32 (len(rates), batch), a kept branch's keep
     probability ``1 - rate`` for a sample and 0 for a dropped one (`drop_branch` applies it; a
-    rate of 1 always drops its branch);
-    None in evaluation mode (``model.eval()``) and when every rate is 0 (nothing to drop).
-    Draws from the ``dropout`` stream of the ``rngs`` it was built with.
+    rate of 1 always drops its branch); None in evaluation mode (``model.eval()``) and when
+    every rate is 0 (nothing to drop). Draws from the ``dropout`` stream of the ``rngs`` it was
+    built with.
     """
 
     def __init__(self, rates: Sequence[float], *, rngs: nnx.Rngs):
@@ -205,9 +205,9 @@ def drop_branch(y: jax.Array, keep: jax.Array | None) -> jax.Array:
     """A residual branch ``y`` (B, ...) with `StochasticDepth`'s per-sample ``keep`` (B,) applied
     (None: kept whole): a sample's branch divided by its keep probability, or 0 where dropped.
 
-    Divided, as ``nnx.Dropout`` does, not multiplied by the inverse: a product feeding the
-    residual sum may be contracted into a fused multiply-add in one compiled program and not
-    in another (a fused group's and its solo run's), which changes the last bits.
+    Divided inside a ``where``, as ``nnx.Dropout`` computes it: for a GPU that compiles cheaper
+    than a multiplication by ``1 / keep`` or 0 (the paper SwinIR's step for a V100, batch 8:
+    18.6 against 22.0 CPU s; ``benchmarks/notes/compiles.md``).
     """
     if keep is None:
         return y
