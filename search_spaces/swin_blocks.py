@@ -195,10 +195,9 @@ class StochasticDepth(nnx.Module):
     def __call__(self, batch: int) -> jax.Array | None:
         if self.deterministic or self.rngs is None:
             return None
-        keep = np.broadcast_to(1.0 - np.asarray(self.rates, np.float32)[:, None],
-                               (len(self.rates), batch))
+        keep = 1.0 - np.asarray(self.rates, np.float32)[:, None]  # broadcast: a symbolic batch
         draw = jax.random.uniform(self.rngs(), (len(self.rates), batch), jnp.float32)
-        return jnp.where(draw < keep, keep, 0.0)
+        return jnp.where(draw < keep, keep, np.float32(0.0))
 
 
 def drop_branch(y: jax.Array, keep: jax.Array | None) -> jax.Array:

@@ -175,6 +175,20 @@ def test_the_initial_weights_do_not_depend_on_the_stochastic_depth_rate():
     jax.tree.map(np.testing.assert_array_equal, with_sd, without)
 
 
+def test_stochastic_depth_traces_at_a_symbolic_batch():
+    """The planner's estimate from shapes traces a training step once, at a symbolic batch
+    (`scamp_jax.planning.memory`): the draws take the batch as a dimension, not a number."""
+    model = _tiny(upsampler="pixelshuffledirect", upscale=2, drop_path_rate=0.5)
+    graphdef, state = nnx.split(model)
+    (b,) = jax.export.symbolic_shape("b")
+
+    def forward(state, x):
+        return nnx.merge(graphdef, state)(x)
+
+    out = jax.eval_shape(forward, state, jax.ShapeDtypeStruct((b, 4, 4, 3), jnp.float32))
+    assert out.shape == (b, 8, 8, 3)
+
+
 def test_lightweight_x2_parameter_count_matches_paper():
     abstract = nnx.eval_shape(
         lambda: sw.SwinIR(
