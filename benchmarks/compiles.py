@@ -12,6 +12,7 @@ state (``init_*``). Only public
 
     python -m benchmarks.compiles --case swinir                     # 8 CPU devices, 64 MiB
     python -m benchmarks.compiles --case swinir --planning-only     # no run-grade answer
+    python -m benchmarks.compiles --case swinir --save-softmax-output   # the search space's
     python -m benchmarks.compiles --case swinir_paper --devices 1 --memory-per-device 32GiB
     PYTHONPATH=../other python ../this/benchmarks/compiles.py --case swinir   # another tree
 
@@ -27,9 +28,10 @@ from typing import Any
 
 
 def measure(case_name: str, devices: int | None, budget: str | None,
-            planning_only: bool) -> dict[str, Any]:
-    """Plan ``case_name`` once (``planning_only``: ``compile_for_run=False``); see the module
-    doc for the figures."""
+            planning_only: bool, save_softmax_output: bool = False) -> dict[str, Any]:
+    """Plan ``case_name`` once (``planning_only``: ``compile_for_run=False``;
+    ``save_softmax_output``: the search spaces' attention softmax, not the case's reference
+    program, `benchmarks.memory_accuracy.Case`); see the module doc for the figures."""
     import jax
     from flax import nnx
 
@@ -40,7 +42,7 @@ def measure(case_name: str, devices: int | None, budget: str | None,
     from scamp_jax.planning.train_step import default_optimizer
 
     case = BY_NAME[case_name]
-    model = nnx.eval_shape(lambda: case.build(nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: case.build(nnx.Rngs(0), save_softmax_output))
     sample = case.sample()
     n = devices or len(jax.devices())
     wall, cpu = time.perf_counter(), time.process_time()
@@ -55,7 +57,8 @@ def measure(case_name: str, devices: int | None, budget: str | None,
         jax.block_until_ready(state)
     return {
         "case": case_name, "platform": jax.devices()[0].platform, "devices": n,
-        "planning_only": planning_only, "mesh": f"{plan.data_parallel}x{plan.model_parallel}",
+        "planning_only": planning_only, "save_softmax_output": save_softmax_output,
+        "mesh": f"{plan.data_parallel}x{plan.model_parallel}",
         "batch": plan.batch_size, "peak_bytes": plan.peak_bytes_per_device,
         "cpu_s": round(plan_cpu, 3), "wall_s": round(plan_wall, 3),
         "compiles": dict(count.compiles), "plan_compiles": plan.compiles,
@@ -77,12 +80,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="budget per device (default: the case's)")
     parser.add_argument("--planning-only", action="store_true",
                         help="compile_for_run=False: no run-grade answer")
+    parser.add_argument("--save-softmax-output", action="store_true",
+                        help="the attention softmax of the search spaces' models (keeps its "
+                        "output only), not the case's reference program (JAX's default)")
     args = parser.parse_args(argv)
     from scamp_jax.devices import configure_cpu_devices
 
     configure_cpu_devices(8)
     print(json.dumps(measure(args.case, args.devices, args.memory_per_device,
-                             args.planning_only)))
+                             args.planning_only, args.save_softmax_output)))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from search_spaces.softmax import softmax_derivative
+
 #: Value added to the attention logits of token pairs from different image regions after the
 #: cyclic shift (the official model uses -100, not -inf, so a fully masked row stays finite).
 MASK_VALUE = -100.0
@@ -294,6 +296,8 @@ class WindowAttention(nnx.Module):
         )
         self.attn_drop = nnx.Dropout(attn_drop, rngs=rngs) if attn_drop > 0 else None
         self.proj_drop = nnx.Dropout(proj_drop, rngs=rngs) if proj_drop > 0 else None
+        #: the softmax keeps only its output for the backward pass (`search_spaces.softmax`)
+        self.save_softmax_output = True
 
     def relative_position_bias(self) -> jax.Array:
         """Bias added to the logits: (num_heads, N, N)."""
@@ -322,7 +326,8 @@ class WindowAttention(nnx.Module):
             attn = attn.reshape(bw // n_win, n_win, self.num_heads, n, n)
             attn = attn + jnp.asarray(mask)[None, :, None]
             attn = attn.reshape(bw, self.num_heads, n, n)
-        attn = jax.nn.softmax(attn, axis=-1)
+        with softmax_derivative(self.save_softmax_output):
+            attn = jax.nn.softmax(attn, axis=-1)
         if self.attn_drop is not None:
             attn = self.attn_drop(attn)
         x = self.proj((attn @ v).transpose(0, 2, 1, 3))  # (B*nW, N, heads, hd) -> (B*nW, N, C)

@@ -19,6 +19,7 @@ import optax
 from flax import nnx
 
 from scamp_jax.space import Config, SearchSpace
+from search_spaces.softmax import softmax_derivative
 
 __all__ = [
     "SyntheticClassification",
@@ -53,12 +54,16 @@ class ViTBlock(nnx.Module):
         self.fc1 = nnx.Linear(dim, hidden, kernel_init=_INIT, rngs=rngs)
         self.fc2 = nnx.Linear(hidden, dim, kernel_init=_INIT, rngs=rngs)
         self.drop = nnx.Dropout(dropout, rngs=rngs) if dropout > 0 else None
+        #: the attention softmax keeps only its output for the backward pass
+        #: (`search_spaces.softmax`)
+        self.save_softmax_output = True
 
     def _dropped(self, x: jax.Array) -> jax.Array:
         return x if self.drop is None else self.drop(x)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self._dropped(self.attn(self.norm1(x)))
+        with softmax_derivative(self.save_softmax_output):
+            x = x + self._dropped(self.attn(self.norm1(x)))
         y = self.fc2(jax.nn.gelu(self.fc1(self.norm2(x)), approximate=False))
         return x + self._dropped(y)
 

@@ -11,6 +11,7 @@ from flax import nnx
 
 from scamp_jax.planning.train_step import split_model
 from search_spaces import swinir as sw
+from tests._residuals import saved_residuals
 
 TINY = dict(embed_dim=12, depths=(2,), num_heads=(3,), mlp_ratio=1.0, window_size=4)
 
@@ -187,6 +188,37 @@ def test_stochastic_depth_traces_at_a_symbolic_batch():
 
     out = jax.eval_shape(forward, state, jax.ShapeDtypeStruct((b, 4, 4, 3), jnp.float32))
     assert out.shape == (b, 8, 8, 3)
+
+
+def _attention_residuals(save_output: bool) -> list[tuple[tuple[int, ...], str]]:
+    attn = sw.WindowAttention(8, 4, 2, rngs=nnx.Rngs(0))
+    attn.set_attributes(save_softmax_output=save_output)
+    graphdef, params = nnx.split(attn)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 16, 8)), jnp.float32)
+    return saved_residuals(lambda p, v: nnx.merge(graphdef, p)(v).sum(), params, x)
+
+
+def test_window_attention_keeps_only_the_softmax_output_for_the_backward_pass():
+    """JAX's default derivative of ``exp(x - max) / sum`` keeps the exponentials and the
+    output; the attention's softmax keeps the output only (`search_spaces.softmax`), the same
+    forward values and gradients within rounding."""
+    weights = (3, 2, 16, 16)  # windows, heads, tokens, tokens
+    kept = [note for shape, note in _attention_residuals(True) if shape == weights]
+    default = [note for shape, note in _attention_residuals(False) if shape == weights]
+    assert len(kept) == 1 and "custom_jvp" in kept[0]
+    assert len(default) == 2 and any("exp" in note for note in default)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 16, 8)), jnp.float32)
+    mask = jnp.asarray(sw.shift_attention_mask(8, 8, 4, 2))[:3]
+
+    def run(save_output: bool):
+        attn = sw.WindowAttention(8, 4, 2, rngs=nnx.Rngs(0))
+        attn.set_attributes(save_softmax_output=save_output)
+        return attn(x, mask), nnx.grad(lambda m: (m(x, mask) ** 2).sum())(attn)
+
+    (out, grads), (out0, grads0) = run(True), run(False)
+    np.testing.assert_array_equal(out, out0)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 grads, grads0)
 
 
 def test_lightweight_x2_parameter_count_matches_paper():

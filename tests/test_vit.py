@@ -12,6 +12,7 @@ from flax import nnx
 from search_spaces import vit
 from search_spaces.sr_task import train
 from search_spaces.swinir import count_params
+from tests._residuals import saved_residuals
 
 
 def test_logits_shape_and_token_count():
@@ -75,3 +76,26 @@ def test_vit_learns_the_synthetic_task():
     after = history[-1]
     assert before["accuracy"] < 0.5
     assert after["accuracy"] > 0.9 and after["loss"] < before["loss"]
+
+
+def test_attention_keeps_only_the_softmax_output_for_the_backward_pass():
+    """The block's attention softmax keeps its output only (`search_spaces.softmax`), not
+    also its exponentials as JAX's default derivative does; same values, gradients within
+    rounding."""
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 16)), jnp.float32)
+
+    def block(save_output: bool) -> vit.ViTBlock:
+        b = vit.ViTBlock(16, 2, 2.0, rngs=nnx.Rngs(0))
+        b.set_attributes(save_softmax_output=save_output)
+        return b
+
+    def weights_saved(b: vit.ViTBlock) -> list[str]:
+        graphdef, params = nnx.split(b)
+        saved = saved_residuals(lambda p: nnx.merge(graphdef, p)(x).sum(), params)
+        return [note for shape, note in saved if shape[-2:] == (5, 5)]  # (..., heads, 5, 5)
+
+    assert len(weights_saved(block(True))) == 1
+    assert len(weights_saved(block(False))) == 2
+    np.testing.assert_array_equal(block(True)(x), block(False)(x))
+    grads = [nnx.grad(lambda m: (m(x) ** 2).sum())(block(s)) for s in (True, False)]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), *grads)
