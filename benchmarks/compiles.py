@@ -42,7 +42,9 @@ def measure(case_name: str, devices: int | None, budget: str | None,
     from scamp_jax.planning.train_step import default_optimizer
 
     case = BY_NAME[case_name]
-    model = nnx.eval_shape(lambda: case.build(nnx.Rngs(0), save_softmax_output))
+    # one argument unless asked: a checkout before `Case.build` took the rule measures too
+    model = nnx.eval_shape(lambda: case.build(nnx.Rngs(0), True) if save_softmax_output
+                           else case.build(nnx.Rngs(0)))
     sample = case.sample()
     n = devices or len(jax.devices())
     wall, cpu = time.perf_counter(), time.process_time()

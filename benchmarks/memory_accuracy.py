@@ -60,6 +60,8 @@ class Case:
 
     def build(self, rngs: Any, save_softmax_output: bool = False) -> Any:
         model = self.make(rngs)
+        # the MLP and the transformer (flax's attention, JAX's default rule) have no such
+        # attribute: one program each
         model.set_attributes(save_softmax_output=save_softmax_output, raise_if_not_found=False)
         return model
 

@@ -9,9 +9,10 @@ sample falls by 20-27% for the small SwinIRs and 20% for the ViT on CPU, 20% and
 H100 (``benchmarks/notes/memory.md``). The forward values are the same.
 
 A module with a ``save_softmax_output`` attribute picks its rule at trace time; ``False``
-builds the program JAX's default makes (the figures a GPU recorded before the search spaces
-changed their rule were compiled that way: `benchmarks.memory_accuracy` keeps its cases on it):
-``model.set_attributes(save_softmax_output=False, raise_if_not_found=False)``.
+builds the program JAX's default makes:
+``model.set_attributes(save_softmax_output=False, raise_if_not_found=False)``
+(`benchmarks.memory_accuracy` builds its cases so: its recorded GPU figures are of that
+program).
 """
 
 from __future__ import annotations

@@ -198,6 +198,27 @@ def test_live_bytes_follows_the_values_an_interpreter_holds():
     assert live_bytes(jaxpr) == 3 * size
 
 
+def test_live_bytes_walks_a_custom_derivatives_body_inline():
+    """A function with a custom derivative runs its body inline: its input is freed at its
+    last use inside, as the same expression written out is."""
+
+    @jax.custom_vjp
+    def scaled(x: jax.Array) -> jax.Array:
+        return jnp.tanh(x * 2.0) + 1.0
+
+    scaled.defvjp(lambda x: (scaled(x), x), lambda x, g: (g,))
+    x = jax.ShapeDtypeStruct((32, 32), jnp.float32)
+    plain = live_bytes(jax.make_jaxpr(lambda v: jnp.tanh((v + 1.0) * 2.0) + 1.0)(x))
+    assert live_bytes(jax.make_jaxpr(lambda v: scaled(v + 1.0))(x)) == plain == 2 * 32 * 32 * F32
+    figures = set()
+    for save_output in (True, False):
+        with jax.softmax_custom_jvp(save_output):  # a custom_jvp_call, or the expression
+            jaxpr = jax.make_jaxpr(lambda v: jax.nn.softmax(v * 2.0))(x)
+        assert any(e.primitive.name == "custom_jvp_call" for e in jaxpr.eqns) == save_output
+        figures.add(live_bytes(jaxpr))
+    assert max(figures) - min(figures) <= 8  # the same arrays (a scalar's bytes apart)
+
+
 def test_the_evaluation_is_planned_from_shapes_with_one_compile_that_the_run_uses():
     task = Denoise()
     model = nnx.eval_shape(lambda: ConvNet(8, nnx.Rngs(0)))

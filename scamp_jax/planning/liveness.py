@@ -3,7 +3,10 @@
 `live_bytes` walks a jaxpr's equations in order, as an interpreter would run them: a value is
 held from the equation that makes it to the last one that reads it, and an equation's own
 outputs and the most its inner programs (a ``pjit``, a ``cond``'s branches, a loop's body) hold
-count while it runs. Its inputs are the caller's and are not counted. The figure is an estimate
+count while it runs. Its inputs are the caller's and are not counted. A function with a custom
+derivative (``custom_jvp_call``, ``custom_vjp_call``: ``jax.nn.softmax`` under
+``jax.softmax_custom_jvp``, say) runs its body inline, as it is lowered: its equations are
+walked as the caller's, so that its input is freed at its last use inside. The figure is an estimate
 of what XLA's compiled program needs beyond its arguments, not a bound: XLA fuses most
 intermediates away and reuses buffers (it needs less), but may also copy for layouts and keep
 values longer where it reorders (it needs more): the evaluation forward of three small SwinIRs
@@ -37,26 +40,57 @@ def _inner(eqn: Any) -> Iterator[Any]:
                 yield item
 
 
+#: Equations whose body runs inline once lowered (a function with a custom derivative, in the
+#: primal computation), and the parameter that holds the body.
+_INLINE_BODY = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+                "custom_vjp_call_jaxpr": "fun_jaxpr"}
+
+
+def _inline_body(eqn: Any) -> Any:
+    """The body an equation runs inline (a ``Jaxpr``), or None."""
+    body = eqn.params.get(_INLINE_BODY.get(eqn.primitive.name, ""))
+    return getattr(body, "jaxpr", body) if body is not None else None
+
+
+def _steps(jaxpr: Any, names: dict[Any, Any], inputs: set[Any]) -> Iterator[
+        tuple[list[Any], list[Any], list[Any]]]:
+    """``jaxpr``'s equations as ``(inputs, outputs, inner programs)``, inline bodies walked in
+    their place: ``names`` maps a body's variables to those of its caller (updated with the
+    caller's names of a body's outputs); a body's constants go into ``inputs``."""
+    for eqn in jaxpr.eqns:
+        ins = [names.get(v, v) for v in eqn.invars if isinstance(v, jex_core.Var)]
+        body = _inline_body(eqn)
+        if body is None:
+            yield ins, list(eqn.outvars), list(_inner(eqn))
+            continue
+        inner = dict(zip(body.invars, ins, strict=False))
+        inputs.update(body.constvars)
+        yield from _steps(body, inner, inputs)
+        for made, out in zip(body.outvars, eqn.outvars, strict=False):
+            if isinstance(made, jex_core.Var):
+                names[out] = inner.get(made, made)
+
+
 def live_bytes(jaxpr: Any) -> int:
     """Most bytes ``jaxpr`` (a ``Jaxpr`` or ``ClosedJaxpr``) holds at once beyond its inputs,
     run equation by equation in order (see the module doc)."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    names: dict[Any, Any] = {}
+    inputs = set(jaxpr.invars) | set(jaxpr.constvars)
+    steps = list(_steps(jaxpr, names, inputs))
     last_use: dict[Any, int] = {}
-    for i, eqn in enumerate(jaxpr.eqns):
-        for var in eqn.invars:
-            if isinstance(var, jex_core.Var):
-                last_use[var] = i
-    end = len(jaxpr.eqns)
+    for i, (ins, _, _) in enumerate(steps):
+        for var in ins:
+            last_use[var] = i
     for var in jaxpr.outvars:
         if isinstance(var, jex_core.Var):
-            last_use[var] = end
-    inputs = set(jaxpr.invars) | set(jaxpr.constvars)
+            last_use[names.get(var, var)] = len(steps)
     held = peak = 0
-    for i, eqn in enumerate(jaxpr.eqns):
-        running = max((live_bytes(inner) for inner in _inner(eqn)), default=0)
-        peak = max(peak, held + running + sum(_bytes(v) for v in eqn.outvars))
-        held += sum(_bytes(v) for v in eqn.outvars if last_use.get(v, -1) > i)
-        for var in {v for v in eqn.invars if isinstance(v, jex_core.Var)}:
+    for i, (ins, outs, inner) in enumerate(steps):
+        running = max((live_bytes(program) for program in inner), default=0)
+        peak = max(peak, held + running + sum(_bytes(v) for v in outs))
+        held += sum(_bytes(v) for v in outs if last_use.get(v, -1) > i)
+        for var in set(ins):
             if last_use.get(var) == i and var not in inputs:
                 held -= _bytes(var)
     return peak
