@@ -257,6 +257,24 @@ def test_plan_only_prints_each_candidates_plan() -> None:
     assert all(int(row.split()[3]) >= 1 for row in rows)  # a batch for each
 
 
+def test_a_targets_unoptimised_code_books_what_optimised_code_books() -> None:
+    """Nothing compiled for a target runs, so its code is generated without optimisation; the
+    buffers are assigned before code generation, so every figure is the optimised compile's."""
+    needs_gpu_compiler()
+    from scamp_jax.planning.sharding import make_mesh
+
+    target = targets.resolve_target("h100")
+    model, sample = small_model()
+    compiler = StepCompiler(model, sample, make_mesh(list(target.devices(1)), 1, 1))
+    options = compiler.compiler_options
+    assert all(options[k] == v for k, v in targets.UNOPTIMISED_CODE.items())
+    optimised = {k: v for k, v in options.items() if k not in targets.UNOPTIMISED_CODE}
+    figures = [compiler.compile(batch, opts)[0] for batch in (64, 4096)
+               for opts in (options, optimised)]
+    assert [(f.temp, f.peak) for f in figures[:2]] == [(figures[0].temp, figures[0].peak)] * 2
+    assert [(f.temp, f.peak) for f in figures[2:]] == [(figures[2].temp, figures[2].peak)] * 2
+
+
 @pytest.mark.gpu
 def test_gpus_own_description_reproduces_its_compile(tmp_path: Path) -> None:
     """On a GPU: the GPU's description, compiled here as a target, gives the GPU's own figure

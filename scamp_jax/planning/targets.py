@@ -160,6 +160,11 @@ GPUS: dict[str, GpuSpec] = {
 TARGETS = tuple(sorted(GPUS))
 
 
+#: XLA options of a target's compiles for code generation without optimisation (`Target`).
+UNOPTIMISED_CODE: dict[str, Any] = {"xla_backend_optimization_level": 0,
+                                    "xla_gpu_disable_gpuasm_optimizations": True}
+
+
 @dataclass(frozen=True)
 class Target:
     """A GPU described, not present: what plans for it compile with.
@@ -193,11 +198,15 @@ class Target:
         ``nvidia-cuda-nvcc-cu12`` wheel, and an error instead of the driver-compilation
         fallback when ptxas cannot compile for the target (with no driver that fallback
         crashes the process). With ``autotune_cache``: XLA's default level 4, so that every
-        fusion's recorded choice is read from the cache as the GPU made it.
+        fusion's recorded choice is read from the cache as the GPU made it. Nothing compiled
+        for a target runs, so its kernels' code is generated unoptimised (LLVM level 0, ptxas
+        without optimisation): buffers are assigned before code generation, so the figures are
+        an optimised compile's, for 5-15% less compile time (``benchmarks/notes/targets.md``).
         """
         return {
             "xla_gpu_cuda_data_dir": str(cuda_toolkit_dir()),
             "xla_gpu_unsafe_fallback_to_driver_on_ptxas_not_found": False,
+            **UNOPTIMISED_CODE,
             **({"xla_gpu_autotune_level": 0} if self.autotune_cache is None else {
                 "xla_gpu_autotune_level": 4,
                 "xla_gpu_per_fusion_autotune_cache_dir": self.autotune_cache}),
