@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import jax
+import optuna
 import pytest
 from flax import nnx
 from optuna.trial import TrialState
@@ -24,6 +25,7 @@ from scamp_jax.planning.compile_events import CompileCounter
 from scamp_jax.planning.fusion import plan_fusion
 from scamp_jax.planning.planner import plan_mesh
 from scamp_jax.scheduling.grouping import FusionCandidate, form_groups
+from scamp_jax.space import SearchSpace
 
 BUDGET = 64 * 2**20
 
@@ -232,6 +234,71 @@ def test_a_trial_left_alone_in_a_fused_study_trains_on_a_compiled_plan(tmp_path)
                              seed=trial_seed(5, trial.user_attrs["checkpoint_key"])),
                      SPACE, Regression(), cache=StepCache())
     assert solo.metrics["mse"] == trial.value
+
+
+def test_a_sibling_the_space_rejects_is_not_waited_for(tmp_path):
+    """--fuse 3: a proposal, a sibling whose ``suggest`` raises ``TrialPruned``
+    (the study stores it pruned; the engine never sees it), the other sibling, and a last
+    proposal of another width. The proposal's group of two starts as soon as its two members
+    are planned, on the trial source's word that no sibling is held any more; before, it
+    could wait for a sibling that would never come until nothing else ran (here: until the
+    other trial ended)."""
+    rejected: list[int] = []
+
+    def suggest(trial):
+        sibling_of = trial.user_attrs.get(SIBLING_OF)
+        if sibling_of is not None and not rejected:
+            rejected.append(trial.number)
+            raise optuna.TrialPruned("the space refuses this learning rate")
+        return SPACE.suggest(trial)
+
+    space = SearchSpace("mlp", suggest, SPACE.build)
+    # seed 1: the proposals' widths differ (checked below), so the last one is not a member
+    handle = open_study("mlp-fused", study_dir=tmp_path, direction="minimize",
+                        sampler="random", pruner="none", seed=1)
+    source = OptunaTrialSource(handle, space, 4, root=tmp_path, **_fusion(3))
+    config = EngineConfig(steps=100, budget=Budget(BUDGET), max_batch_size=16, log_every=5,
+                          fuse=3, seed=5)
+    engine = SearchEngine(space, Regression(), source, config, devices=jax.devices()[:4],
+                          checkpoint_root=tmp_path / "ckpt")
+    result = engine.run()
+    source.close()
+    trials = handle.study.get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.PRUNED,
+                                         TrialState.COMPLETE, TrialState.COMPLETE]
+    assert [t.params["width"] for t in trials if t.params] == [64, 64, 32]
+    assert [t.user_attrs.get("fused_group") for t in trials] == [0, None, 0, None]
+    assert source.held_siblings(0) == 0
+    spans = {key: (start, end) for device in result.intervals for key, start, end, _ in device}
+    assert spans[0][0] < spans[3][1], spans  # the group did not wait for trial 3 to end
+
+
+def test_a_group_waits_only_for_siblings_the_study_still_holds():
+    """The forming rule of a fused study: a proposal's group (widest plan: 3) is held while
+    the trial source still holds one of its siblings, and goes at its own width once the
+    source holds none (that sibling was rejected, given up or is planned), though fewer
+    members were planned than the proposal had siblings."""
+    from types import SimpleNamespace
+
+    from scamp_jax.hpo.fused_engine import FusionService, MemberInfo
+    from scamp_jax.hpo.study import AskedTrial
+    from scamp_jax.hpo.trial import PlannedTrial
+
+    held = {0: 1}
+    service = FusionService(SPACE, Regression(), 3, planning=None,
+                            held_siblings=lambda proposal: held.get(proposal, 0))
+    record = SimpleNamespace(solo_only=False, status=SimpleNamespace(state=None),
+                             show_plan=lambda plan: None)
+    asked = [AskedTrial(0, {"width": 16, "learning_rate": 1e-3}, "trial_0", siblings=2),
+             AskedTrial(2, {"width": 16, "learning_rate": 2e-3}, "trial_2", sibling_of=0)]
+    for a in asked:
+        service._info[a.number] = MemberInfo("mlp-16", 0, SimpleNamespace(width=3))
+        assert service.admit(PlannedTrial(a, None, 1, a.number), record) is None
+    formed = service.form([], stalled=False)
+    assert not formed.units and not formed.sizing and service.forming  # one sibling is held
+    held[0] = 0
+    formed = service.form([], stalled=False)
+    assert [numbers for numbers, _ in formed.sizing] == [(0, 2)] and not service.forming
 
 
 def test_without_fuse_nothing_is_grouped(tmp_path):

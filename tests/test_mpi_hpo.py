@@ -319,9 +319,11 @@ def test_study_server_hands_a_proposals_siblings_only_to_its_rank(tmp_path):
     extra = server.ask(1)  # one slot left besides a's sibling: a proposal without siblings
     assert extra.sibling_of is None and extra.siblings == 0
     assert server.ask(1) is None  # the last slot is a's sibling, held for rank 0
+    assert server.held_siblings(a.number) == 1 and server.held_siblings(b.number) == 0
     assert a.number not in [t.number for t in (b, b_sib, retry, extra)]
     a_sib = server.ask(0)
     assert a_sib.sibling_of == a.number and a_sib.params["width"] == a.params["width"]
+    assert server.held_siblings(a.number) == 0
     assert server.ask(0) is None
     for item in (b, b_sib, retry, extra, a_sib):
         server.tell(item.number, 1.0)

@@ -362,11 +362,12 @@ def test_siblings_one_process_holds_count_in_another(tmp_path):
     first, second = fused(3), fused(3)
     proposal = first.ask()
     assert proposal.siblings == 1 and second.remaining() == 1
+    assert first.held_siblings(proposal.number) == 1 and second.held_siblings(proposal.number) == 0
     other = second.ask()  # the last free slot: no room for a sibling of its own
     assert other.siblings == 0 and other.sibling_of is None
     assert isinstance(second.ask(), AskLater) and second.remaining() == 0
     sibling = first.ask()
-    assert sibling.sibling_of == proposal.number
+    assert sibling.sibling_of == proposal.number and first.held_siblings(proposal.number) == 0
     assert sibling.params["width"] == proposal.params["width"]
     assert isinstance(first.ask(), AskLater)  # the other process's trial may still need a retry
     for src, t in ((first, proposal), (first, sibling), (second, other)):
@@ -375,8 +376,9 @@ def test_siblings_one_process_holds_count_in_another(tmp_path):
     # A proposal told finished gives up its unasked siblings: their slots are free again.
     third = fused(5)
     lead = third.ask()
-    assert lead.siblings == 1 and third.remaining() == 0
+    assert lead.siblings == 1 and third.remaining() == 0 and third.held_siblings(lead.number) == 1
     third.tell(TrialOutcome(lead.number, "complete", value=1.0))
+    assert third.held_siblings(lead.number) == 0
     assert third.remaining() == 1 and third.ask().sibling_of is None
 
 

@@ -120,6 +120,10 @@ class RemoteTrialSource:
         """Give a started trial back: failed as interrupted and enqueued again on rank 0."""
         self.client.interrupt(number)
 
+    def held_siblings(self, proposal: int) -> int:
+        """Siblings of trial ``proposal`` rank 0 still holds for this rank."""
+        return self.client.held_siblings(proposal)
+
     def close(self) -> None:
         """Tell rank 0 that this rank asks, reports and tells nothing more."""
         self.client.close()

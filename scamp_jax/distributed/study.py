@@ -16,6 +16,8 @@ request (worker -> rank 0)                           answer (rank 0 -> worker)
 ``("tell", (number, value, state[, attrs, reason]))``  ``("told",)``
 ``("interrupt", number)``                            ``("interrupted",)``
 ``("remaining", None)``                              ``("remaining", count)``
+``("held", proposal)``                               ``("held", count)``: siblings of trial
+                                                     ``proposal`` not handed out yet
 ``("bye", None)``                                    ``("bye",)`` (the worker is finished)
 ==================================================  =============================================
 
@@ -128,6 +130,10 @@ class StudyServer:
         """Trials still to hand out before the study reaches ``n_trials``."""
         return self.source.remaining()
 
+    def held_siblings(self, proposal: int) -> int:
+        """Siblings of trial ``proposal`` still held for its rank, not handed out yet."""
+        return self.source.held_siblings(proposal)
+
     def ask(self, rank: int) -> WorkItem | AskLater | None:
         """Next trial for ``rank`` (a queued re-run first, then its held siblings), or None once
         ``n_trials`` are finished, handed out or held for other ranks. `AskLater`: nothing now,
@@ -237,6 +243,8 @@ class StudyServer:
             return ("interrupted",)
         if kind == "remaining":
             return ("remaining", self.remaining())
+        if kind == "held":
+            return ("held", self.held_siblings(int(body)))
         if kind == "bye":
             self._open_workers -= 1
             return ("bye",)
@@ -338,6 +346,12 @@ class StudyClient:
         if self._server is not None:
             return self._server.remaining()
         return int(self._call("remaining", None)[1])
+
+    def held_siblings(self, proposal: int) -> int:
+        """Siblings of trial ``proposal`` rank 0 still holds for this rank (not handed out)."""
+        if self._server is not None:
+            return self._server.held_siblings(proposal)
+        return int(self._call("held", int(proposal))[1])
 
     def close(self) -> None:
         """Tell rank 0 this rank needs nothing more (after ``ask(keep_open=True)``)."""

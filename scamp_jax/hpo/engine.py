@@ -162,7 +162,8 @@ class SearchEngine:
         cap = fusion_cap(config.fuse)
         #: how asked trials become units: chosen once
         self.kind: UnitKind = SoloTrials(self.planning) if cap is None else FusionService(
-            space, task, cap, self.planning, self.checkpoint_root, plan_cache)
+            space, task, cap, self.planning, self.checkpoint_root, plan_cache,
+            getattr(source, "held_siblings", None))
         self.records: dict[int, TrialRecord] = {}
         self.intake = Intake(source, config.nofit_limit,
                              (len(self.devices), config.need_budget().memory_per_device),

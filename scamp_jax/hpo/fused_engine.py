@@ -14,7 +14,8 @@ it the engine:
    `scamp_jax.scheduling.grouping.form_groups` which ones go together; a trial the sampler
    proposed has its siblings (same architecture, training hyperparameters from the sampler)
    enqueued by the study (`scamp_jax.hpo.study.OptunaTrialSource`'s ``siblings``), and its group
-   waits for them while they are being asked and planned;
+   waits for them while the study still holds them (``held_siblings``) or they are being
+   planned: a sibling that the space rejects, or whose plan fails, is not waited for;
 3. hands a group of two or more to the scheduling core as one unit
    (`scamp_jax.hpo.units.GroupUnit`): its key is the group id
    (the smallest member number), its bytes per device the fused plan's predicted peak
@@ -88,12 +89,17 @@ class FusionService:
       checkpoint_root: the per-trial checkpoint directories' root, where a trial's resume step
         is found (None: no checkpoints).
       plan_cache: where fused plans are stored and looked up (None: planned every run).
+      held_siblings: ``held_siblings(proposal)``, the siblings of trial ``proposal`` the
+        study holds and has not handed out yet (the trial source's
+        `scamp_jax.hpo.study.TrialSource.held_siblings`; None: none are ever held).
     """
 
     def __init__(self, space: Any, task: Any, cap: int, planning: PlanningService,
-                 checkpoint_root: Path | None = None, plan_cache: Any = None) -> None:
+                 checkpoint_root: Path | None = None, plan_cache: Any = None,
+                 held_siblings: Callable[[int], int] | None = None) -> None:
         self.space, self.task, self.cap, self.planning = space, task, cap, planning
         self.checkpoint_root, self.plan_cache = checkpoint_root, plan_cache
+        self.held_siblings = held_siblings or (lambda proposal: 0)
         self._lock = threading.Lock()
         self._signatures: dict[str, Any] = {}
         # planner threads with one family's members plan it once
@@ -105,7 +111,6 @@ class FusionService:
     def reset(self) -> None:
         """Forget the grouping state of a previous run (plans stay cached)."""
         self._forming: dict[int, PlannedTrial] = {}  # planned trials waiting for a group
-        self._awaiting: dict[int, int] = {}  # proposed trial -> siblings not planned yet
         self._family: dict[int, int] = {}  # trial -> the proposed trial it shares an arch with
 
     @property
@@ -214,14 +219,8 @@ class FusionService:
         record.status.state = "grouping"
         record.show_plan(planned.plan)
         asked = planned.asked
-        if asked.siblings:
-            self._awaiting[asked.number] = self._awaiting.get(asked.number, 0) + asked.siblings
-        if asked.siblings or asked.sibling_of is None:
-            self._family[asked.number] = asked.number
-        else:
-            self._family[asked.number] = asked.sibling_of
-            if self._awaiting.get(asked.sibling_of, 0) > 0:
-                self._awaiting[asked.sibling_of] -= 1
+        self._family[asked.number] = asked.number if asked.sibling_of is None \
+            else asked.sibling_of
         self._forming[planned.number] = planned
         return None  # grouped by a later `form`, after the loop has asked for more trials
 
@@ -242,14 +241,15 @@ class FusionService:
             width = info.fusion.width if info is not None and info.fusion is not None else 1
             keys[number] = (None, number) if info is None else (info.signature, info.resume_step)
             candidates.append(FusionCandidate(number, keys[number], planned.arrival, width))
-        # Members on their way: siblings not planned yet, or trials of the same architecture
-        # being planned (e.g. a resumed group's members). Hold the last group for them, unless
-        # nothing could bring them any more.
+        # Members on their way: trials of the same architecture being planned (siblings
+        # asked, a resumed group's members), or siblings the study still holds (not asked
+        # yet). Hold the last group for them, unless nothing could bring them any more. A
+        # sibling the space rejected, or whose plan failed, is neither.
         archs = {_arch_text(p) for p in planning}
         expecting = set() if stalled else {
             keys[n] for n, p in self._forming.items()
-            if self._awaiting.get(self._family.get(n, n), 0) > 0
-            or _arch_text(p.asked.params) in archs}
+            if _arch_text(p.asked.params) in archs
+            or self.held_siblings(self._family.get(n, n)) > 0}
         groups: list[Unit] = []
         for group in form_groups(candidates, expecting=expecting):
             members = tuple(self._forming.pop(n) for n in group)

@@ -229,6 +229,13 @@ class OptunaTrialSource:
         with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
             trial.set_user_attr(HELD_SIBLINGS, count)
 
+    def held_siblings(self, proposal: int) -> int:
+        """Siblings of ``proposal`` still held (for any asker) and not handed out: a sibling
+        asked, rejected by the space's ``suggest``, or given up (the proposal ended, its asker
+        was released) is no longer held."""
+        with self._lock:
+            return sum(of == proposal for held in self._held.values() for of, _ in held)
+
     def _drop_held(self, proposal: int) -> None:
         """Give up the siblings still held for ``proposal`` (it ended: nothing to fuse with)."""
         for asker, held in list(self._held.items()):

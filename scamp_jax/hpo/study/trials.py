@@ -121,4 +121,10 @@ class TrialSource(Protocol):
         """Mark a started trial as interrupted and queue its configuration to run again."""
         ...
 
+    def held_siblings(self, proposal: int) -> int:
+        """Siblings of trial ``proposal`` held for this asker and not handed out yet (0 once
+        every one was asked, rejected by the space's ``suggest`` or given up). A fused group
+        waits for them; a source without siblings answers 0."""
+        ...
+
 
