@@ -174,6 +174,8 @@ GPU = SuiteConfig(
         MemoryCase("vit", gpu_budget="1GiB"),
         MemoryCase("swinir_small", gpu_budget="2GiB"),
         MemoryCase("vit", fuse=4, gpu_budget="1GiB"),
+        # the search space's program of the same SwinIR (its softmax keeps the output only)
+        MemoryCase("swinir_small_so", gpu_budget="2GiB"),
         # Planning did not finish in 487 s on an H200 (2026-11-27): only in a long suite.
         MemoryCase("swinir_paper", gpu_budget="32GiB", gpu_min_minutes=20),
     ),
@@ -209,6 +211,7 @@ CPU_SMOKE = SuiteConfig(
         MemoryCase("vit", fuse=2, cpu_budget="64MiB"),
         MemoryCase("vit", cpu_skip=_SHORT),
         MemoryCase("swinir_small", cpu_skip=_SHORT),
+        MemoryCase("swinir_small_so", cpu_skip=_SHORT),
         # Its compiles take minutes on CPU: it rehearses a case cut short at the section's cap.
         MemoryCase("swinir_paper", cpu_budget="8GiB"),
     ),

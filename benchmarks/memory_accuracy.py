@@ -50,15 +50,21 @@ class Case:
     softmax takes JAX's default derivative (``save_softmax_output=False``, the program the H200
     of 2026-11-27 compiled), while the search spaces' models keep only the softmax's output
     (`search_spaces.softmax`); ``build(rngs, save_softmax_output=True)`` builds the search
-    spaces' program.
+    spaces' program, and a case with ``softmax_output`` (``swinir_small_so``: the small
+    space's largest SwinIR as the space trains it) builds it unless told otherwise.
     """
 
     name: str
     make: Callable[[Any], Any]
     sample: Callable[[], Any]  # -> ShapeDtypeStruct tree with leading axis 1
     budget: str
+    #: the rule ``build`` takes when not told: False (JAX's default) but for the cases that
+    #: measure the search spaces' program
+    softmax_output: bool = False
 
-    def build(self, rngs: Any, save_softmax_output: bool = False) -> Any:
+    def build(self, rngs: Any, save_softmax_output: bool | None = None) -> Any:
+        if save_softmax_output is None:
+            save_softmax_output = self.softmax_output
         model = self.make(rngs)
         # the MLP and the transformer (flax's attention, JAX's default rule) have no such
         # attribute: one program each
@@ -167,6 +173,8 @@ CASES: tuple[Case, ...] = (
 EXTRA_CASES: tuple[Case, ...] = (
     Case("swinir_small", _swinir_small, _shape(1, 24, 24, 3), "256MiB"),
     Case("swinir_paper", _swinir_paper, _shape(1, 64, 64, 3), "8GiB"),
+    # the same model as the search space trains it: its attention softmax keeps its output only
+    Case("swinir_small_so", _swinir_small, _shape(1, 24, 24, 3), "256MiB", softmax_output=True),
 )
 BY_NAME = {c.name: c for c in CASES + EXTRA_CASES}
 

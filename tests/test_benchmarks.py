@@ -261,3 +261,22 @@ def test_the_ring_check_predicts_with_the_simulators_communication_model():
     # The tolerance and the fit cover messages of check_from and up only.
     assert worst == pytest.approx(abs(sent / 1e8 / 0.3 - 1))
     assert fitted == pytest.approx(sent / 0.3)
+
+
+def test_the_search_spaces_swinir_case_builds_the_program_the_space_trains() -> None:
+    """``swinir_small_so`` is ``swinir_small`` with the search space's attention softmax (it
+    keeps its output only), unless told otherwise; the reference cases keep JAX's default."""
+    from flax import nnx
+
+    from benchmarks.memory_accuracy import BY_NAME
+    from search_spaces.swin_blocks import WindowAttention
+
+    def rules(model: Any) -> set[bool]:
+        return {m.save_softmax_output for _, m in nnx.iter_graph(model)
+                if isinstance(m, WindowAttention)}
+
+    case, reference = BY_NAME["swinir_small_so"], BY_NAME["swinir_small"]
+    assert case.make is reference.make and case.sample().shape == reference.sample().shape
+    assert rules(nnx.eval_shape(lambda: case.build(nnx.Rngs(0)))) == {True}
+    assert rules(nnx.eval_shape(lambda: case.build(nnx.Rngs(0), False))) == {False}
+    assert rules(nnx.eval_shape(lambda: reference.build(nnx.Rngs(0)))) == {False}
