@@ -7,6 +7,7 @@ import threading
 import time
 from typing import Any
 
+import optuna
 import pytest
 from optuna.trial import TrialState
 
@@ -325,6 +326,30 @@ def test_a_grid_covers_every_point_before_the_study_ends(tmp_path):
     assert src.ask() is None and src.finished() == 4
     # A rerun of the finished grid, even asking for more, has nothing to do.
     assert grid_source(tmp_path, 8, seed=5).ask() is None
+
+
+def test_a_grid_point_the_space_rejects_in_suggest_is_done(tmp_path):
+    """A point whose ``suggest`` raises ``optuna.TrialPruned`` before drawing every value is
+    stored pruned with part of its parameters; it is a visited point of the grid all the same,
+    so the study ends after the four points, not by asking duplicates up to its total."""
+    def suggest_refusing(trial: Any) -> dict[str, Any]:
+        width = trial.suggest_categorical("width", [8, 16])
+        if width == 16:
+            raise optuna.TrialPruned("width 16 is refused")
+        return {"width": width,
+                "learning_rate": trial.suggest_categorical("learning_rate", [1e-3, 1e-2])}
+
+    space = SearchSpace("toy", suggest_refusing, build=lambda c, r: None, grid=GRID4.grid)
+    study = open_study("toy", study_dir=tmp_path, sampler="grid", seed=0, grid=space.grid)
+    src = OptunaTrialSource(study, space, 8)
+    asked = []
+    while (a := src.ask()) is not None:
+        asked.append(a)
+        src.tell(TrialOutcome(a.number, "complete", value=1.0))
+    assert sorted(map(point, asked)) == [(8, 1e-3), (8, 1e-2)]
+    trials = study.study.get_trials()
+    assert len(trials) == 4 and src.grid_done()
+    assert sorted(t.state.name for t in trials) == ["COMPLETE", "COMPLETE", "PRUNED", "PRUNED"]
 
 
 def test_a_grid_reruns_an_interrupted_point_and_only_it(tmp_path):

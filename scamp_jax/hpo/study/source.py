@@ -273,8 +273,15 @@ class OptunaTrialSource:
 
     def grid_done(self, trials: Sequence[FrozenTrial] | None = None) -> bool:
         """Whether the study's grid has no point left for a new trial: every point is running
-        or finished and no trial waits (a queued retry still runs). False for other samplers."""
-        if self.grid_points is None:
+        or finished and no trial waits (a queued retry still runs). False for other samplers.
+
+        A point is taken by a trial that holds its values, or by one the grid sampler drew it
+        for (Optuna's ``grid_id`` system attribute, with this grid as its ``search_space``):
+        a trial whose ``suggest`` raised ``optuna.TrialPruned`` before drawing every value
+        holds part of its point, and the point is visited all the same.
+        """
+        points = self.grid_points
+        if points is None:
             return False
         if trials is None:
             trials = self.study.get_trials(deepcopy=False)
@@ -282,8 +289,13 @@ class OptunaTrialSource:
             return False
         keys = sorted(self.space.grid)
         taken = {tuple(t.params.get(k) for k in keys) for t in trials}
-        return all(point in taken
-                   for point in itertools.product(*(self.space.grid[k] for k in keys)))
+        if all(point in taken
+               for point in itertools.product(*(self.space.grid[k] for k in keys))):
+            return True
+        grid = {k: list(self.space.grid[k]) for k in keys}
+        drawn = {t.system_attrs.get("grid_id") for t in trials
+                 if t.system_attrs.get("search_space") == grid}
+        return len(drawn - {None}) >= points
 
     # -- ask-and-tell ---------------------------------------------------------------------------
     def ask(self, attrs: Mapping[str, Any] | None = None, *,
