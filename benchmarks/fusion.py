@@ -50,6 +50,10 @@ Run::
 
     python -m benchmarks.fusion --family vit --width 4 --json
     python -m benchmarks.fusion --family swinir --width 4 --repeats 3 --ray --markdown
+    python -m benchmarks.fusion --family swinir --width 8 --kernels --target h100   # no GPU
+
+``--kernels`` only compiles: the kernels one solo step and the fused step launch
+(`kernel_counts`), on this machine's device or a described GPU.
 """
 
 from __future__ import annotations
@@ -461,6 +465,83 @@ def compiled_steps(family: str, width: int, batch: int, seed: int = 0, fused: bo
     return solo, solo_args, step, fused_args
 
 
+def kernel_counts(family: str, width: int, batch: int, target: str | None = None,
+                  ) -> dict[str, Any]:
+    """Kernels one training step launches: a member's solo step against the fused step of
+    ``width`` members, each member at ``batch`` samples, compiled (nothing runs) on this
+    machine's first device or, with ``target``, for a described GPU
+    (`scamp_jax.planning.targets`, autotuning off as every target compile). Counted as the
+    simulator counts them (`scamp_jax.sim.sim_fusion.entry_kernels`: the compiled entry
+    computation's instructions other than parameters, constants, tuple accesses and
+    bitcasts), with their kinds (fusion kinds, custom calls by target). A launch-bound step
+    (small members, a GPU) gains up to the ratio of ``width`` x solo kernels to fused ones."""
+    import collections
+    import re
+
+    import jax
+    from flax import nnx
+    from jax.sharding import SingleDeviceSharding
+
+    from scamp_jax.hpo.runner import make_optimizer
+    from scamp_jax.planning.compile_options import Purpose, device_options
+    from scamp_jax.planning.fusion import make_fused_step
+    from scamp_jax.planning.train_step import make_train_step, split_model
+    from scamp_jax.sim.sim_fusion import entry_kernels
+
+    experiment = _experiment(family)
+    space, task = experiment.make_space_and_task(experiment.get_config("smoke"))
+    config = member_configs(family, width)[0][0]
+    graphdef, params, rest = split_model(nnx.eval_shape(lambda: space.build(config,
+                                                                            nnx.Rngs(0))))
+    optimizer = make_optimizer(config)
+    opt_state = jax.eval_shape(optimizer.init, params)
+    sample = jax.tree.map(lambda x: jax.ShapeDtypeStruct((batch, *x.shape[1:]), x.dtype),
+                          task.sample_batch(1))
+    if target is None:
+        device = jax.devices()[0]
+        options = device_options([device], Purpose.RUN)
+    else:
+        from scamp_jax.planning.targets import resolve_target
+
+        device = resolve_target(target).devices(1)[0]
+        options = device_options([device], Purpose.GUIDE)
+    sharding = SingleDeviceSharding(device)
+
+    def placed(tree: Any, members: int = 0) -> Any:
+        lead = (members,) if members else ()
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct((*lead, *x.shape), x.dtype,
+                                                           sharding=sharding), tree)
+
+    state = (params, opt_state, rest, sample)
+    solo = jax.jit(make_train_step(graphdef, optimizer, task.loss_fn)).lower(
+        *placed(state)).compile(options)
+    fused = jax.jit(make_fused_step(graphdef, optimizer, task.loss_fn)).lower(
+        *placed(state, width), placed(jax.ShapeDtypeStruct((width,), bool))).compile(options)
+
+    def kinds(text: str) -> dict[str, int]:
+        entry = text[text.index("ENTRY"):]
+        counts: collections.Counter[str] = collections.Counter()
+        for line in entry[:entry.find("\n}")].splitlines()[1:]:
+            if "=" not in line:
+                continue
+            op = re.search(r"\s([a-z][a-z0-9\-]*)\(", line.split("=", 1)[1])
+            name = op.group(1) if op else "?"
+            detail = re.search(r'custom_call_target="([^"]+)"|kind=(k\w+)', line)
+            if name in ("fusion", "custom-call") and detail:
+                name += ":" + (detail.group(1) or detail.group(2))
+            if name not in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast"):
+                counts[name] += 1
+        return dict(counts.most_common())
+
+    report = {"family": family, "width": width, "batch": batch,
+              "device": target or device.platform,
+              "solo_kernels": entry_kernels(solo.as_text()),
+              "fused_kernels": entry_kernels(fused.as_text()),
+              "solo_kinds": kinds(solo.as_text()), "fused_kinds": kinds(fused.as_text())}
+    report["launch_bound_gain"] = width * report["solo_kernels"] / report["fused_kernels"]
+    return report
+
+
 def _timed_rounds(ways: dict[str, Any], rounds: int,
                   calls: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Wall-clock and process CPU seconds of each of ``ways`` (name -> a call returning JAX
@@ -664,6 +745,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--conv", action="store_true",
                    help="only time one 3x3 convolution's forms: solo x K, vmap (grouped), the "
                         "fused step's (trains nothing)")
+    p.add_argument("--kernels", action="store_true",
+                   help="only count the kernels a solo step and the fused step launch, "
+                        "compiled here (trains nothing)")
+    p.add_argument("--target", default=None, metavar="GPU|FILE",
+                   help="with --kernels: compile for this described GPU (h100, h200, "
+                        "a100-80gb, a100-40gb, v100 or a GpuTargetConfigProto file; needs "
+                        "pip install 'scamp-jax[gpu-plan]')")
     p.add_argument("--simulate", action="store_true",
                    help="only the modelled gain vs width on the simulator's cluster presets "
                         "(compiles, trains nothing)")
@@ -697,6 +785,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
              for name, f in forms.items()], args.markdown)
         emit_report(forms, print_json=args.json, out=args.out)
         return forms
+    if args.target is not None and not args.kernels:
+        p.error("--target needs --kernels")
+    if args.kernels:
+        from benchmarks._tables import print_table
+
+        report = kernel_counts(args.family, args.width, args.batch or d["batch"], args.target)
+        names = sorted(set(report["solo_kinds"]) | set(report["fused_kinds"]),
+                       key=lambda k: -report["fused_kinds"].get(k, 0))
+        print_table(
+            f"{args.family}, batch {report['batch']} per member, compiled for "
+            f"{report['device']}: kernels per step, one member solo against {args.width} "
+            f"fused (launch-bound gain {report['launch_bound_gain']:.2f}x)",
+            ["kernel", "solo", f"fused x{args.width}"],
+            [["all", str(report["solo_kernels"]), str(report["fused_kernels"])]]
+            + [[k, str(report["solo_kinds"].get(k, 0)), str(report["fused_kinds"].get(k, 0))]
+               for k in names], args.markdown)
+        emit_report(report, print_json=args.json, out=args.out)
+        return report
     if args.simulate:
         widths = sorted({1, 2, args.width, 2 * args.width})
         report = simulate(args.family, widths, args.batch or d["batch"])
