@@ -377,13 +377,13 @@ class SchedulingCore:
         else:
             alike = self.paces.alike()
             queue = [self._last_wave_request(p, alike) for p in self._queue.values()]
-            plan = self._tail_plan(queue, None)
-            if plan is not None:  # each on its planned count, without further growth
+            tail = self._tail_plan(queue, None)
+            if tail is not None:  # each on its planned count, without further growth
                 # The study's end planned as a whole: each trial starts on its planned count,
                 # and the devices kept idle wait for the running trials' restarts.
-                queue = [r if plan.degrees[r.key] == r.devices
-                         else r.placed_as(plan.degrees[r.key]) for r in queue]
-                self._expected.update((key, now + plan.ends[key]) for key in plan.degrees)
+                queue = [r if tail.degrees[r.key] == r.devices
+                         else r.placed_as(tail.degrees[r.key]) for r in queue]
+                self._expected.update((key, now + tail.ends[key]) for key in tail.degrees)
                 queue = [replace(r, options=()) for r in queue]
         placements = self.policy.decide(self.pool.snapshot(), queue,
                                         arrivals_pending=self._arrivals_pending)
