@@ -473,11 +473,9 @@ def kernel_counts(family: str, width: int, batch: int, target: str | None = None
     (`scamp_jax.planning.targets`, autotuning off as every target compile). Counted as the
     simulator counts them (`scamp_jax.sim.sim_fusion.entry_kernels`: the compiled entry
     computation's instructions other than parameters, constants, tuple accesses and
-    bitcasts), with their kinds (fusion kinds, custom calls by target). A launch-bound step
-    (small members, a GPU) gains up to the ratio of ``width`` x solo kernels to fused ones."""
-    import collections
-    import re
-
+    bitcasts), with their kinds (`scamp_jax.sim.sim_fusion.entry_kernel_kinds`). A
+    launch-bound step (small members, a GPU) gains up to the ratio of ``width`` x solo
+    kernels to fused ones."""
     import jax
     from flax import nnx
     from jax.sharding import SingleDeviceSharding
@@ -486,7 +484,7 @@ def kernel_counts(family: str, width: int, batch: int, target: str | None = None
     from scamp_jax.planning.compile_options import Purpose, device_options
     from scamp_jax.planning.fusion import make_fused_step
     from scamp_jax.planning.train_step import make_train_step, split_model
-    from scamp_jax.sim.sim_fusion import entry_kernels
+    from scamp_jax.sim.sim_fusion import entry_kernel_kinds, entry_kernels
 
     experiment = _experiment(family)
     space, task = experiment.make_space_and_task(experiment.get_config("smoke"))
@@ -518,26 +516,12 @@ def kernel_counts(family: str, width: int, batch: int, target: str | None = None
     fused = jax.jit(make_fused_step(graphdef, optimizer, task.loss_fn)).lower(
         *placed(state, width), placed(jax.ShapeDtypeStruct((width,), bool))).compile(options)
 
-    def kinds(text: str) -> dict[str, int]:
-        entry = text[text.index("ENTRY"):]
-        counts: collections.Counter[str] = collections.Counter()
-        for line in entry[:entry.find("\n}")].splitlines()[1:]:
-            if "=" not in line:
-                continue
-            op = re.search(r"\s([a-z][a-z0-9\-]*)\(", line.split("=", 1)[1])
-            name = op.group(1) if op else "?"
-            detail = re.search(r'custom_call_target="([^"]+)"|kind=(k\w+)', line)
-            if name in ("fusion", "custom-call") and detail:
-                name += ":" + (detail.group(1) or detail.group(2))
-            if name not in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast"):
-                counts[name] += 1
-        return dict(counts.most_common())
-
     report = {"family": family, "width": width, "batch": batch,
               "device": target or device.platform,
               "solo_kernels": entry_kernels(solo.as_text()),
               "fused_kernels": entry_kernels(fused.as_text()),
-              "solo_kinds": kinds(solo.as_text()), "fused_kinds": kinds(fused.as_text())}
+              "solo_kinds": entry_kernel_kinds(solo.as_text()),
+              "fused_kinds": entry_kernel_kinds(fused.as_text())}
     report["launch_bound_gain"] = width * report["solo_kernels"] / report["fused_kernels"]
     return report
 
@@ -758,6 +742,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if args.width < 1 or args.repeats < 1:
         p.error(f"--width {args.width} and --repeats {args.repeats} must be at least 1")
+    if args.target is not None and not args.kernels:
+        p.error("--target needs --kernels")
 
     if args.conv_form is not None:
         import os
@@ -785,8 +771,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
              for name, f in forms.items()], args.markdown)
         emit_report(forms, print_json=args.json, out=args.out)
         return forms
-    if args.target is not None and not args.kernels:
-        p.error("--target needs --kernels")
     if args.kernels:
         from benchmarks._tables import print_table
 

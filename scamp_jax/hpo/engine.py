@@ -163,7 +163,7 @@ class SearchEngine:
         #: how asked trials become units: chosen once
         self.kind: UnitKind = SoloTrials(self.planning) if cap is None else FusionService(
             space, task, cap, self.planning, self.checkpoint_root, plan_cache,
-            getattr(source, "held_siblings", None))
+            source.held_siblings)
         self.records: dict[int, TrialRecord] = {}
         self.intake = Intake(source, config.nofit_limit,
                              (len(self.devices), config.need_budget().memory_per_device),
@@ -241,7 +241,7 @@ class SearchEngine:
                 plan_again, self.planning, p, request),
             self._notify, self.checkpoint_root)
         self.intake.reset()
-        self._siblings_due = 0  # siblings of the last proposal not asked yet
+        self._proposal: int | None = None  # the last proposal with siblings held for it
         self._last_wave_at: float | None = None
         self.kind.reset()
         lookahead = self.config.lookahead or len(self.devices)
@@ -282,13 +282,14 @@ class SearchEngine:
     def _turn(self, lookahead: int) -> bool:
         """One turn of the loop: ask, group, wait for the next events and handle them; False
         once the study has nothing more for this engine."""
-        # A proposal's siblings are asked with it, past the lookahead: their architecture is
-        # decided and planned once for the family, and its group waits for all of them.
+        # A proposal's siblings are asked with it, past the lookahead, while the study holds
+        # any: their architecture is decided and planned once for the family, and its group
+        # waits for those still held or being planned.
         while (self.intake.may_ask()
-               and (self._siblings_due > 0 or len(self.core.queued)
+               and (self._siblings_due() > 0 or len(self.core.queued)
                     + sum(w.arriving for w in self.work.values()) < lookahead)):
             if not self._ask():
-                self._siblings_due = 0
+                self._proposal = None
                 break
         self._form()
         self._set_last_wave()
@@ -324,9 +325,8 @@ class SearchEngine:
         asked = self.intake.ask()
         if asked is None:
             return False
-        # The source hands a proposal's held siblings to this engine next (a queued retry may
-        # come first: then one sibling fewer is asked past the lookahead).
-        self._siblings_due = asked.siblings or max(0, self._siblings_due - 1)
+        if asked.siblings:  # the source hands its held siblings to this engine next
+            self._proposal = asked.number
         record = self.records.setdefault(
             asked.number, TrialRecord(TrialStatus(asked.number, asked.params), asked,
                                       self.config.steps_for))
@@ -338,6 +338,16 @@ class SearchEngine:
                      self.kind.plan_job(asked))
         self._notify()
         return True
+
+    def _siblings_due(self) -> int:
+        """Siblings of the last proposal the study still holds for this engine (a sibling it
+        rejected, or gave up, is not due)."""
+        if self._proposal is None:
+            return 0
+        due = self.source.held_siblings(self._proposal)
+        if not due:
+            self._proposal = None
+        return due
 
     def _planned(self, asked: AskedTrial, future: cf.Future) -> None:
         """Event: trial ``asked``'s plan is in (or it does not fit, or it is deferred); the

@@ -91,7 +91,8 @@ class FusionService:
       plan_cache: where fused plans are stored and looked up (None: planned every run).
       held_siblings: ``held_siblings(proposal)``, the siblings of trial ``proposal`` the
         study holds and has not handed out yet (the trial source's
-        `scamp_jax.hpo.study.TrialSource.held_siblings`; None: none are ever held).
+        `scamp_jax.hpo.study.TrialSource.held_siblings`; None: none are ever held); asked
+        only for proposals that had siblings, once per family each time groups are formed.
     """
 
     def __init__(self, space: Any, task: Any, cap: int, planning: PlanningService,
@@ -246,10 +247,18 @@ class FusionService:
         # yet). Hold the last group for them, unless nothing could bring them any more. A
         # sibling the space rejected, or whose plan failed, is neither.
         archs = {_arch_text(p) for p in planning}
+        held: dict[int, bool] = {}  # proposal with siblings -> whether the study holds any
+
+        def holds(family: int) -> bool:
+            if family not in self._family_widths:  # no sibling was ever held for it
+                return False
+            if family not in held:
+                held[family] = self.held_siblings(family) > 0
+            return held[family]
+
         expecting = set() if stalled else {
             keys[n] for n, p in self._forming.items()
-            if _arch_text(p.asked.params) in archs
-            or self.held_siblings(self._family.get(n, n)) > 0}
+            if _arch_text(p.asked.params) in archs or holds(self._family.get(n, n))}
         groups: list[Unit] = []
         for group in form_groups(candidates, expecting=expecting):
             members = tuple(self._forming.pop(n) for n in group)

@@ -17,6 +17,7 @@ simulated study can schedule a group as one trial and credit it ``K`` finished t
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,22 +39,35 @@ _NOT_KERNELS = frozenset({
 _OP = re.compile(r"\s([a-z][a-z0-9\-]*)\(")
 
 
+#: What tells kernels of one instruction kind apart: a fusion's kind, a custom call's target.
+_DETAIL = re.compile(r'custom_call_target="([^"]+)"|kind=(k\w+)')
+
+
 def entry_kernels(hlo_text: str) -> int:
     """Kernels launched by the entry computation of compiled HLO text (one per instruction
     that is not a parameter, constant, tuple access or bitcast)."""
+    return sum(entry_kernel_kinds(hlo_text).values())
+
+
+def entry_kernel_kinds(hlo_text: str) -> dict[str, int]:
+    """`entry_kernels` by kind, most first: the instruction's opcode, with a fusion's kind or
+    a custom call's target after a colon (``fusion:kLoop``, ``custom-call:__cudnn$convForward``)."""
     start = hlo_text.find("ENTRY")
     if start < 0:
         raise ValueError("the HLO text has no ENTRY computation; pass compiled.as_text()")
     entry = hlo_text[start:]
     end = entry.find("\n}")
-    count = 0
+    kinds: Counter[str] = Counter()
     for line in entry[: end if end >= 0 else len(entry)].splitlines()[1:]:
         if "=" not in line:
             continue
         match = _OP.search(line.split("=", 1)[1])
-        if match is not None and match.group(1) not in _NOT_KERNELS:
-            count += 1
-    return count
+        if match is None or match.group(1) in _NOT_KERNELS:
+            continue
+        kind = match.group(1)
+        detail = _DETAIL.search(line) if kind in ("fusion", "custom-call") else None
+        kinds[kind if detail is None else f"{kind}:{detail.group(1) or detail.group(2)}"] += 1
+    return dict(kinds.most_common())
 
 
 @dataclass(frozen=True)

@@ -225,16 +225,19 @@ class OptunaTrialSource:
         trial = self._live.get(proposal)
         if trial is None:
             return
-        count = sum(of == proposal for held in self._held.values() for of, _ in held)
         with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
-            trial.set_user_attr(HELD_SIBLINGS, count)
+            trial.set_user_attr(HELD_SIBLINGS, self._held_for(proposal))
+
+    def _held_for(self, proposal: int) -> int:
+        """(Under ``_lock``.) Siblings of ``proposal`` held here, for any asker."""
+        return sum(of == proposal for held in self._held.values() for of, _ in held)
 
     def held_siblings(self, proposal: int) -> int:
         """Siblings of ``proposal`` still held (for any asker) and not handed out: a sibling
         asked, rejected by the space's ``suggest``, or given up (the proposal ended, its asker
-        was released) is no longer held."""
+        was released or found the study full) is no longer held."""
         with self._lock:
-            return sum(of == proposal for held in self._held.values() for of, _ in held)
+            return self._held_for(proposal)
 
     def _drop_held(self, proposal: int) -> None:
         """Give up the siblings still held for ``proposal`` (it ended: nothing to fuse with)."""
@@ -275,10 +278,12 @@ class OptunaTrialSource:
         """Whether the study's grid has no point left for a new trial: every point is running
         or finished and no trial waits (a queued retry still runs). False for other samplers.
 
-        A point is taken by a trial that holds its values, or by one the grid sampler drew it
-        for (Optuna's ``grid_id`` system attribute, with this grid as its ``search_space``):
-        a trial whose ``suggest`` raised ``optuna.TrialPruned`` before drawing every value
-        holds part of its point, and the point is visited all the same.
+        Done when trials hold the values of every point, or when the grid sampler drew every
+        point (Optuna's ``grid_id`` system attribute of trials with this grid as their
+        ``search_space``): a trial whose ``suggest`` raised ``optuna.TrialPruned`` before
+        drawing every value holds part of its point, visited all the same. (A grid with both,
+        a rejected point and one taken by an enqueued trial the sampler did not draw, ends
+        one duplicate trial late.)
         """
         points = self.grid_points
         if points is None:
@@ -350,7 +355,11 @@ class OptunaTrialSource:
                 if trial is None:
                     foreign = [t.number for t in trials
                                if t.state == TrialState.RUNNING and t.number not in self._live]
-                    return when_full(foreign, self.has_liveness, self.poll_seconds)
+                    answer = when_full(foreign, self.has_liveness, self.poll_seconds)
+                    if answer is None and mine:  # the asker is done: its siblings are free
+                        for proposal in {of for of, _ in self._held.pop(asker)}:
+                            self._record_held(proposal)
+                    return answer
                 self._start_heartbeat(trial.number)
                 # Suggest under the lock: another process counting the grid's points taken
                 # sees this trial's parameters.

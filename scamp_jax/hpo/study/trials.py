@@ -122,9 +122,10 @@ class TrialSource(Protocol):
         ...
 
     def held_siblings(self, proposal: int) -> int:
-        """Siblings of trial ``proposal`` held for this asker and not handed out yet (0 once
-        every one was asked, rejected by the space's ``suggest`` or given up). A fused group
-        waits for them; a source without siblings answers 0."""
+        """Siblings of trial ``proposal`` the source holds and has not handed out yet (0 once
+        every one was asked, rejected by the space's ``suggest`` or given up). The engine asks
+        them past its lookahead and a fused group waits for them; a source without siblings
+        answers 0."""
         ...
 
 
