@@ -35,11 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._tables import pct_text, print_table
+from benchmarks.gpu_suite import GPU
 
-#: Budgets of the cases as the GPU suite plans them (the H200 run of 2026-11-27: all but
-#: ``swinir_small_so``, the search space's program of ``swinir_small``).
-BUDGETS = {"mlp": "512MiB", "vit": "1GiB", "swinir_small": "2GiB", "swinir_small_so": "2GiB",
-           "swinir_paper": "32GiB"}
+#: Budgets of the cases as the GPU suite plans them alone (`benchmarks.gpu_suite.GPU`'s memory
+#: cases; the H200 run of 2026-11-27 had all but ``swinir_small_so``, the search space's
+#: program of ``swinir_small``).
+BUDGETS = {c.name: c.gpu_budget for c in GPU.memory_cases if not c.fuse}
 #: ``--memory-per-device`` for the target's default pool (`Budget.for_device`: what a training
 #: process alone on that GPU holds), e.g. 23.81 GiB of a 32 GB V100.
 POOL = "pool"
