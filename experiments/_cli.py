@@ -187,7 +187,8 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
     parser.add_argument("--plan-only", action="store_true",
                         help="plan the first --trials candidates a new study would draw (devices, "
                         "model-parallel degree, batch, bytes per device, CPU seconds of "
-                        "planning) and stop: nothing trains and no study is stored")
+                        "planning; with --fuse, each architecture's fused group and its bytes "
+                        "per device) and stop: nothing trains and no study is stored")
     parser.add_argument("--target", metavar="GPU|FILE",
                         help="with --plan-only: plan for --devices GPUs of this kind, compiled "
                         "here without one (h100, h200, a100-80gb, a100-40gb, v100, or a "
@@ -512,6 +513,10 @@ def plan_only(
     print(f"planning {counted(config.trials, 'candidate')} of {space.name} on {where}, "
           f"{format_bytes(budget.memory_per_device)} per device "
           f"({budget.memory_per_device} bytes)")
+    if config.fuse is None and config.on_platform(devices[0].platform).fuse is not None:
+        print("  a study on these devices trains trials of one architecture as fused groups "
+              "(--fuse auto); below, each trial alone: add --fuse auto (or a width) to size "
+              "the groups too (more compiles)")
     rows = plan_candidates(
         space, task, config, devices=devices, memory_per_device=budget, count=config.trials,
         on_plan=lambda row: print(f"  {row.describe()}", flush=True))

@@ -6,6 +6,7 @@ The study tests use a real Optuna study in SQLite, the real planner and real com
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import jax
@@ -389,3 +390,32 @@ def test_the_fuse_flag_takes_a_width_or_auto(capsys):
         swinir_hpo.parser().parse_args(["--fuse", "0"])
     assert exit_info.value.code == 2
     assert "--fuse: 0 must be at least 1 (1: no fusion), or auto" in capsys.readouterr().err
+
+
+def test_plans_without_a_study_size_each_architectures_fused_group_as_the_engine_does():
+    """`plan_candidates` (``--plan-only``) with ``fuse``: each candidate's row holds its
+    architecture's widest fused group on its plan, the same group the engine's rule sizes
+    (`plan_fusion` on that plan and batch), and what the group books per device."""
+    from scamp_jax.hpo.preview import format_rows, plan_candidates
+
+    settings = SearchSettings(trials=2, steps=1, fuse=3, sampler="random", max_batch_size=16,
+                              seed=3)
+    rows = plan_candidates(SPACE, Regression(), settings, devices=jax.devices()[:1],
+                           memory_per_device=BUDGET, count=2)
+    task = Regression()
+    for row in rows:
+        plan = make_plan(row.params, jax.devices()[:1], max_batch=16)
+        assert (row.batch_size, row.bytes_per_device) == (plan.batch_size,
+                                                          plan.predicted_peak_bytes)
+        model = nnx.eval_shape(lambda p=row.params: SPACE.build(p, nnx.Rngs(0)))
+        group = plan_fusion(model, task.sample_batch(1), max_width=3, plan=plan,
+                            batch_size=plan.batch_size, optimizer=make_optimizer(row.params),
+                            loss_fn=task.loss_fn)
+        assert (row.fusion_width, row.group_bytes_per_device) == (group.width,
+                                                                  group.predicted_peak_bytes)
+        assert row.fusion_width == 3 and row.compiles >= 1
+    assert "x3" in format_rows(rows).splitlines()[1].split()
+    # without fuse on CPU devices nothing is grouped
+    solo = plan_candidates(SPACE, Regression(), dataclasses.replace(settings, fuse=None),
+                           devices=jax.devices()[:1], memory_per_device=BUDGET, count=1)
+    assert solo[0].fusion_width == 1 and solo[0].group_bytes_per_device == 0

@@ -255,6 +255,9 @@ def test_plan_only_prints_each_candidates_plan() -> None:
     rows = lines[lines.index(header) + 1:]
     assert [row.split()[0] for row in rows] == ["0", "1"]
     assert all(int(row.split()[3]) >= 1 for row in rows)  # a batch for each
+    # a GPU target's study fuses (auto): the plan says so and how to size the groups here
+    assert "add --fuse auto (or a width) to size the groups too" in result.stdout
+    assert "fused" in header.split() and all(row.split()[6] == "-" for row in rows)
 
 
 def test_a_targets_unoptimised_code_books_what_optimised_code_books() -> None:

@@ -149,13 +149,7 @@ class FusionService:
         # when the shapes leave the cap out of reach and the batch is searched.
         plan = self.planning.planned_with_cost(params, number, run_ready=width is None,
                                                provisional=True)
-        arch = _arch_text(params)
-        with self._lock:
-            signature = self._signatures.get(arch)
-        if signature is None:
-            signature = signature_key(architecture_signature(self.space, params))
-            with self._lock:
-                self._signatures[arch] = signature
+        signature = self.signature(params)
         fusion = self.fusion_plan(params, plan, signature, width)
         if fusion is None and getattr(plan, "provisional", False):
             plan = self.planning.planned_with_cost(params, number)
@@ -164,6 +158,18 @@ class FusionService:
         with self._lock:
             self._info[number] = info
         return plan
+
+    def signature(self, params: Mapping[str, Any]) -> str:
+        """(Any thread.) The architecture signature key of ``params`` (`signature_key`),
+        computed once per architecture."""
+        arch = _arch_text(params)
+        with self._lock:
+            signature = self._signatures.get(arch)
+        if signature is None:
+            signature = signature_key(architecture_signature(self.space, params))
+            with self._lock:
+                self._signatures[arch] = signature
+        return signature
 
     def fusion_plan(self, params: Mapping[str, Any], plan: Any, signature: Any,
                     width: int | None = None) -> FusionPlan | None:

@@ -6,7 +6,11 @@ warm-start configurations first) and plans each with the search's own planning s
 model-parallel degree, the largest batch), then stops: nothing trains, no study is stored. On
 a GPU target's compile-only devices (`scamp_jax.planning.targets`) this sizes a search for a
 cluster from a machine without its GPUs (``python -m experiments.swinir_hpo --plan-only
---target v100 --devices 32``).
+--target v100 --devices 32``). With ``fuse`` set, each new architecture's fused group is sized
+too, by the engine's own rule (`scamp_jax.hpo.fused_engine.FusionService.fusion_plan`): how
+many members train as one step on the candidate's devices and what the group books per
+device. (A study on accelerators fuses unless told otherwise, `SearchSettings.on_platform`;
+sizing its groups costs the fused compiles a study would make, so it is asked for here.)
 """
 
 from __future__ import annotations
@@ -33,11 +37,15 @@ class CandidatePlan:
       bytes_per_device: the plan's predicted peak per device (training or evaluation, with the
         prefetched batch and the allowance), bytes.
       usable_bytes: what a plan may book per device (the budget less the margin), bytes.
-      compiles: compiles the plan took (0: its architecture was planned before).
+      compiles: compiles the plan took (0: its architecture was planned before), its fused
+        group's included.
       cpu_seconds: CPU seconds the plan took, this process and its children (the compiler's
         ptxas runs) together.
       seconds: wall-clock seconds the plan took.
       error: why it has no plan (None: it has one).
+      fusion_width: members of the widest fused group of its architecture on its plan (1: the
+        study would not fuse it, or two members do not fit).
+      group_bytes_per_device: what that group books per device, bytes (0: no group).
     """
 
     number: int
@@ -52,14 +60,18 @@ class CandidatePlan:
     cpu_seconds: float
     seconds: float
     error: str | None = None
+    fusion_width: int = 1
+    group_bytes_per_device: int = 0
 
     def describe(self) -> str:
         """One line: the plan, or why there is none."""
         if not self.devices:
             return f"trial {self.number}: no plan: {self.error}"
+        group = (f", fused x{self.fusion_width}: {format_bytes(self.group_bytes_per_device)} "
+                 "per device" if self.fusion_width > 1 else "")
         return (f"trial {self.number}: {self.devices} device(s), model-parallel "
                 f"{self.model_parallel}, batch {self.batch_size}, "
-                f"{format_bytes(self.bytes_per_device)} per device, "
+                f"{format_bytes(self.bytes_per_device)} per device{group}, "
                 f"{counted(self.compiles, 'compile')}, "
                 f"{self.cpu_seconds:.1f} CPU s")
 
@@ -95,23 +107,29 @@ def plan_candidates(
       on_plan: called with each `CandidatePlan` as it is made (a progress line).
 
     Returns one `CandidatePlan` per candidate, in trial order; a candidate that fits on no
-    device count of the pool has ``devices=0`` and its ``error``.
+    device count of the pool has ``devices=0`` and its ``error``. With ``settings.fuse``, its
+    architecture's widest fused group on its plan is sized as the engine sizes it
+    (``fusion_width``, ``group_bytes_per_device``).
     """
     import optuna
 
     from scamp_jax.hpo.engine import engine_policy, grows_last_wave, max_running
+    from scamp_jax.hpo.fused_engine import FusionService
     from scamp_jax.hpo.plan_service import PlanningService
     from scamp_jax.hpo.study.samplers import make_sampler
+    from scamp_jax.hpo.trial import fusion_cap
     from scamp_jax.planning.planner import DoesNotFitError, plan_mesh
 
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"{count=} must be a positive int: how many candidates to plan")
-    config = settings.engine_config(memory_per_device)
     devices = list(devices)
+    config = settings.engine_config(memory_per_device)
     policy = engine_policy(config, len(devices), grows_last_wave(config, devices))
     service = PlanningService(space, task, config, devices, plan_fn or plan_mesh,
                               getattr(policy, "batch_multiple", 1),
                               max_running=max_running(config, devices))
+    cap = fusion_cap(config.fuse)
+    fusion = None if cap is None else FusionService(space, task, cap, service)
     previous = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
@@ -136,11 +154,16 @@ def plan_candidates(
             # the service plans an architecture once: a later trial of it reuses that plan
             new = id(plan) not in seen and not plan.cached
             seen.add(id(plan))
+            group = None if fusion is None else fusion.fusion_plan(
+                params, plan, fusion.signature(params))
             row = CandidatePlan(
                 trial.number, params, service.devices_of(plan), plan.data_parallel,
                 plan.model_parallel, plan.batch_size, plan.predicted_peak_bytes,
-                plan.usable_bytes, plan.compiles if new else 0,
-                cpu_seconds() - cpu, time.perf_counter() - wall)
+                plan.usable_bytes,
+                (plan.compiles + (group.compiles if group is not None else 0)) if new else 0,
+                cpu_seconds() - cpu, time.perf_counter() - wall,
+                fusion_width=1 if group is None else group.width,
+                group_bytes_per_device=0 if group is None else group.predicted_peak_bytes)
         rows.append(row)
         if on_plan is not None:
             on_plan(row)
@@ -155,6 +178,9 @@ _COLUMNS: tuple[tuple[str, Callable[[CandidatePlan], str]], ...] = (
     ("batch", lambda r: str(r.batch_size) if r.devices else "-"),
     ("bytes/device", lambda r: (format_bytes(r.bytes_per_device) if r.devices
                                 else f"needs {format_bytes(r.bytes_per_device)}")),
+    ("fused", lambda r: f"x{r.fusion_width}" if r.fusion_width > 1 else "-"),
+    ("group bytes/device", lambda r: (format_bytes(r.group_bytes_per_device)
+                                      if r.fusion_width > 1 else "-")),
     ("compiles", lambda r: str(r.compiles)),
     ("CPU-s", lambda r: f"{r.cpu_seconds:.1f}"),
 )
