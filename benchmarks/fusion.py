@@ -731,7 +731,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         "fused step's (trains nothing)")
     p.add_argument("--kernels", action="store_true",
                    help="only count the kernels a solo step and the fused step launch, "
-                        "compiled here (trains nothing)")
+                        "compiled here (trains nothing); with --target, the launch-bound "
+                        "gain: K x solo kernels / fused kernels, the most a group gains where "
+                        "a step's time is its kernel launches (small members on a GPU)")
     p.add_argument("--target", default=None, metavar="GPU|FILE",
                    help="with --kernels: compile for this described GPU (h100, h200, "
                         "a100-80gb, a100-40gb, v100 or a GpuTargetConfigProto file; needs "
@@ -777,10 +779,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         report = kernel_counts(args.family, args.width, args.batch or d["batch"], args.target)
         names = sorted(set(report["solo_kinds"]) | set(report["fused_kinds"]),
                        key=lambda k: -report["fused_kinds"].get(k, 0))
+        gain = ("" if args.target is None else
+                f" (launch-bound gain {report['launch_bound_gain']:.2f}x: {args.width} x solo "
+                "kernels / fused kernels)")
         print_table(
             f"{args.family}, batch {report['batch']} per member, compiled for "
             f"{report['device']}: kernels per step, one member solo against {args.width} "
-            f"fused (launch-bound gain {report['launch_bound_gain']:.2f}x)",
+            f"fused{gain}",
             ["kernel", "solo", f"fused x{args.width}"],
             [["all", str(report["solo_kernels"]), str(report["fused_kernels"])]]
             + [[k, str(report["solo_kinds"].get(k, 0)), str(report["fused_kinds"].get(k, 0))]

@@ -141,6 +141,7 @@ def test_a_finished_grid_ends_the_study_with_one_line(tmp_path, capsys):
                                  sampler="grid", live=False)
     assert result["trials_this_run"] == 4
     out = capsys.readouterr().out
+    assert "grid sampler: 4 points; the study ends with the grid, after 4 of its 6 trials" in out
     assert out.count("the grid's 4 points are done; 4 of 6 trials ran") == 1
     study = optuna.load_study(study_name=space.name, storage=storage_url(tmp_path))
     points = {(t.params["width"], t.params["learning_rate"]) for t in study.get_trials()}

@@ -189,7 +189,8 @@ def test_cpu_devices_and_the_users_choice_keep_their_fusion_setting():
                                             "one take turns")
     four = _settings(fuse=4)
     assert four.on_platform("gpu").fuse == 4
-    assert fusion_line(four, four, "cpu").endswith("group of up to 4 (fuse=4)")
+    assert fusion_line(four, four, "cpu").endswith(
+        "group of up to 4 on their plan's devices (fuse=4)")
     grid = dataclasses.replace(_settings(), sampler="grid")
     assert grid.on_platform("gpu").fuse is None  # siblings leave parameters the grid sets
     assert "the grid sampler" in fusion_line(grid, grid.on_platform("gpu"), "gpu")

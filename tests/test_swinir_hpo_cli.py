@@ -389,6 +389,31 @@ def test_the_best_trials_read_on_a_narrow_terminal():
         assert shown in " ".join(text.split()), text
 
 
+def test_the_best_trials_show_each_fused_members_group():
+    """A study with fused groups shows each trial's group (its id and width) in the summary,
+    as a table and as lines of text; a study without them has no group column."""
+    from rich.console import Console
+
+    from scamp_jax.hpo import report
+
+    base = {"state": "complete", "devices": [0], "model_parallel": 1, "batch_size": 8,
+            "predicted_peak_bytes": 2**20, "steps": 10, "wall_seconds": 1.0,
+            "params": {"width": 16}}
+    rows = [{**base, "number": 0, "mse": 0.5, "fused_group": 0, "fusion_width": 2},
+            {**base, "number": 1, "mse": 0.4, "fused_group": 0, "fusion_width": 2},
+            {**base, "number": 2, "mse": 0.6, "fused_group": None, "fusion_width": 1}]
+
+    def shown(records, width):
+        console = Console(width=width, record=True)
+        console.print(report.summary_table(records, "mse", "minimize", width=width))
+        return " ".join(console.export_text().split())
+
+    wide = shown(rows, 200)
+    assert "group" in wide and "0 x2" in wide and " - " in wide
+    assert "trial 1 (fused group 0 x2): mse 0.4" in shown(rows, 60)
+    assert "group" not in shown([{**base, "number": 2, "mse": 0.6}], 200)
+
+
 def test_the_record_only_grows(tmp_path):
     from scamp_jax.hpo import report
     row = {"number": 0, "params": {}, "state": "complete", "mse": 1.0}

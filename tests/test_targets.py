@@ -257,7 +257,7 @@ def test_plan_only_prints_each_candidates_plan() -> None:
     assert all(int(row.split()[3]) >= 1 for row in rows)  # a batch for each
     # a GPU target's study fuses (auto): the plan says so and how to size the groups here
     assert "add --fuse auto (or a width) to size the groups too" in result.stdout
-    assert "fused" in header.split() and all(row.split()[6] == "-" for row in rows)
+    assert "fused" not in header.split()
 
 
 def test_a_targets_unoptimised_code_books_what_optimised_code_books() -> None:
@@ -370,7 +370,7 @@ def test_a_product_without_a_default_kernel_compiles_with_cublas_kernels(caplog)
     with caplog.at_level("WARNING", logger="scamp_jax.planning.reuse"):
         compiled = compile_lowered(lowered, options)
     assert compiled.memory_analysis().output_size_in_bytes == 589824 * 48 * 4
-    assert "no default kernel configuration" in caplog.text
+    assert "no default kernel for a matrix-product kernel" in caplog.text
 
 
 _NO_DEFAULT_KERNEL_SCRIPT = """
@@ -408,8 +408,8 @@ def test_a_target_compile_says_a_missing_default_kernel_in_one_line() -> None:
     assert "Could not get config for HLO" in stderr["loud"]  # XLA's log, JAX's default level
     assert "Could not get config" not in stderr["quiet"]
     assert stderr["quiet"].strip().splitlines() == [
-        "a fusion got no default kernel configuration; compiling again with XLA's Triton "
-        "matrix products off (cuBLAS kernels)"]
+        "XLA found no default kernel for a matrix-product kernel of this GPU compile; "
+        "compiling it again with cuBLAS matrix products instead of Triton's"]
 
 
 def test_only_a_missing_default_kernel_is_compiled_again():

@@ -186,10 +186,17 @@ _COLUMNS: tuple[tuple[str, Callable[[CandidatePlan], str]], ...] = (
 )
 
 
+#: Columns shown where a row has a fused group.
+_FUSED_COLUMNS = ("fused", "group bytes/device")
+
+
 def format_rows(rows: Sequence[CandidatePlan], params: Sequence[str] = ()) -> str:
-    """A plain-text table of ``rows``, with the configuration keys ``params`` as columns."""
-    header = [name for name, _ in _COLUMNS] + list(params)
-    body = [[show(r) for _, show in _COLUMNS] + [_value(r.params.get(k, "")) for k in params]
+    """A plain-text table of ``rows``, with the configuration keys ``params`` as columns (the
+    fused group's columns where a row has one)."""
+    fused = any(r.fusion_width > 1 for r in rows)
+    columns = [(name, show) for name, show in _COLUMNS if fused or name not in _FUSED_COLUMNS]
+    header = [name for name, _ in columns] + list(params)
+    body = [[show(r) for _, show in columns] + [_value(r.params.get(k, "")) for k in params]
             for r in rows]
     widths = [max(len(str(x)) for x in column) for column in zip(header, *body, strict=True)]
     return "\n".join("  ".join(str(x).rjust(w) for x, w in zip(line, widths, strict=True))

@@ -383,8 +383,9 @@ def summary_table(
         if baseline and r.get(baseline) is not None:
             score += f" ({baseline} {r[baseline]:.5g})"
         peak = format_bytes(r["predicted_peak_bytes"] or 0).replace(" ", "\u00a0")  # one word
+        group = "" if r.get("fused_group") is None else f" (fused group {_group(r)})"
         lines.append(Text(
-            f"trial {r['number']}: {score}; {len(r['devices'])} device(s), mp "
+            f"trial {r['number']}{group}: {score}; {len(r['devices'])} device(s), mp "
             f"{r['model_parallel']}, batch {r['batch_size']}, {peak}/device, {r['steps']} "
             f"steps, {r['wall_seconds']:.1f} s"))
         lines.append(Text("  " + _params(r), style="dim"))
@@ -410,18 +411,27 @@ def _summary_table(done: Sequence[Mapping[str, Any]], metric: str, baseline: str
     from rich.table import Table
 
     table = Table(title=f"best trials by {metric}")
-    for name in ("trial", "params", "devices", "mp", "batch", "peak/device", "steps", "seconds",
-                 metric, *([baseline] if baseline else [])):
+    fused = any(r.get("fused_group") is not None for r in done)
+    for name in ("trial", *(["group"] if fused else []), "params", "devices", "mp", "batch",
+                 "peak/device", "steps", "seconds", metric, *([baseline] if baseline else [])):
         table.add_column(name)
     for r in done:
         shown = _params(r) if params else ""
-        cells = [str(r["number"]), shown, str(len(r["devices"])), str(r["model_parallel"]),
+        cells = [str(r["number"]), *([_group(r)] if fused else []), shown,
+                 str(len(r["devices"])), str(r["model_parallel"]),
                  str(r["batch_size"]), format_bytes(r["predicted_peak_bytes"] or 0),
                  str(r["steps"]), f"{r['wall_seconds']:.1f}", f"{r[metric]:.5g}"]
         if baseline:
             cells.append("" if r.get(baseline) is None else f"{r[baseline]:.5g}")
         table.add_row(*cells)
     return table
+
+
+def _group(row: Mapping[str, Any]) -> str:
+    """A fused member's group (its id, the smallest member number) and width, e.g. ``0 x4``;
+    ``-`` for a trial that trained alone."""
+    group = row.get("fused_group")
+    return "-" if group is None else f"{group} x{row.get('fusion_width', '?')}"
 
 
 def verdict(records: Sequence[Mapping[str, Any]], metric: str, direction: str,

@@ -201,6 +201,11 @@ class StudySession:
                     "count towards the total)" if failed else "")
         self.say(f"study {self.study_name!r} in {self.out_dir}: {finished} of {total} trials "
                  f"finished before this run{failures}{ranks}")
+        points = getattr(source, "grid_points", None)
+        if points is not None:
+            more = (f"; the study ends with the grid, after {points} of its {total} trials"
+                    if points < total else "")
+            self.say(f"grid sampler: {counted(points, 'point')}{more}")
         if finished >= total:
             self.say(f"nothing left to run: the study has its {counted(total, 'trial')}; raise "
                      "the number of trials to run more of it, or give another study name to "
@@ -517,12 +522,12 @@ def fusion_line(requested: SearchSettings, settings: SearchSettings, platform: s
     stream = (f"a {platform} device runs one compute stream, so trials packed side by side on "
               "one take turns")
     if cap is not None and requested.fuse is None:
-        return (f"fusion: trials of one architecture on one device train as one vmapped group "
-                f"of up to {cap}, by default on {platform} devices: {stream}, and a group is "
-                "one program that fills it (fuse=1 or --fuse 1 turns it off)")
+        return (f"fusion: trials of one architecture train as one vmapped group of up to {cap} "
+                f"on their plan's devices, by default on {platform} devices: {stream}, and a "
+                "group is one program that fills it (fuse=1 or --fuse 1 turns it off)")
     if cap is not None:
-        return (f"fusion: trials of one architecture on one device train as one vmapped group "
-                f"of up to {cap} (fuse={settings.fuse!r})")
+        return (f"fusion: trials of one architecture train as one vmapped group of up to {cap} "
+                f"on their plan's devices (fuse={settings.fuse!r})")
     if platform == "cpu":
         return None
     why = "the grid sampler sets every parameter" if settings.sampler == "grid" else (

@@ -181,8 +181,9 @@ def compile_lowered(lowered: jax.stages.Lowered,
             retry = without_default_kernels(options, err)
             if retry is None:
                 raise
-            log.warning("%s got no default kernel configuration; compiling again with XLA's "
-                        "Triton matrix products off (cuBLAS kernels)", _fusions_without(err))
+            log.warning("XLA found no default kernel for %s of this GPU compile; compiling "
+                        "it again with cuBLAS matrix products instead of Triton's",
+                        _fusions_without(err))
             compiled = lowered.compile(retry)
     if getattr(_hits, "count", 0) != before:
         _mark_read_back(compiled)
@@ -190,10 +191,12 @@ def compile_lowered(lowered: jax.stages.Lowered,
 
 
 def _fusions_without(err: BaseException) -> str:
-    """Which fusions ``err`` says got no kernel configuration: "2 of 25 fusions" from XLA's
-    "Failed to get configs for: 2 out of 25 instructions", else "a fusion"."""
+    """Which of XLA's fused kernels ``err`` says got no configuration: "2 of 25 matrix-product
+    kernels" from XLA's "Failed to get configs for: 2 out of 25 instructions", else "a
+    matrix-product kernel"."""
     found = re.search(r"Failed to get configs for: (\d+) out of (\d+) instructions", str(err))
-    return f"{found[1]} of {found[2]} fusions" if found else "a fusion"
+    return (f"{found[1]} of {found[2]} matrix-product kernels" if found
+            else "a matrix-product kernel")
 
 
 def load_on_devices(compiled: jax.stages.Compiled, source_ids: Sequence[int],
