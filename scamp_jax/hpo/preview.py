@@ -163,7 +163,8 @@ def plan_candidates(
                 (plan.compiles + (group.compiles if group is not None else 0)) if new else 0,
                 cpu_seconds() - cpu, time.perf_counter() - wall,
                 fusion_width=1 if group is None else group.width,
-                group_bytes_per_device=0 if group is None else group.predicted_peak_bytes)
+                group_bytes_per_device=0 if group is None else int(group.predicted_peak_bytes
+                                                                   or 0))
         rows.append(row)
         if on_plan is not None:
             on_plan(row)
