@@ -513,6 +513,9 @@ def plan_only(
     print(f"planning {counted(config.trials, 'candidate')} of {space.name} on {where}, "
           f"{format_bytes(budget.memory_per_device)} per device "
           f"({budget.memory_per_device} bytes)")
+    if config.max_batch_size:
+        print(f"  batches of at most {config.max_batch_size} samples (--max-batch-size); a "
+              "smaller one is what memory holds")
     if config.fuse is None and config.on_platform(devices[0].platform).fuse is not None:
         print("  a study on these devices trains trials of one architecture as fused groups "
               "(--fuse auto); below, each trial alone: add --fuse auto (or a width) to size "

@@ -91,6 +91,8 @@ def test_description_file_is_a_target(tmp_path: Path) -> None:
 def test_unknown_target_and_bad_files_are_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"target='h300' is neither a known GPU \(a100-40gb, "):
         targets.resolve_target("h300")
+    with pytest.raises(ValueError, match="file; did you mean a100-40gb or a100-80gb[?] pass"):
+        targets.resolve_target("A100")
     bad = tmp_path / "rocm.txtpb"
     bad.write_text('gpu_device_info { rocm_compute_capability { gcn_arch_name: "gfx90a" } }')
     with pytest.raises(ValueError, match="no cuda_compute_capability"):
@@ -257,6 +259,7 @@ def test_plan_only_prints_each_candidates_plan() -> None:
     assert all(int(row.split()[3]) >= 1 for row in rows)  # a batch for each
     # a GPU target's study fuses (auto): the plan says so and how to size the groups here
     assert "add --fuse auto (or a width) to size the groups too" in result.stdout
+    assert "batches of at most 2 samples (--max-batch-size)" in result.stdout
     assert "fused" not in header.split()
 
 

@@ -259,10 +259,12 @@ def resolve_target(target: str | os.PathLike[str] | Target,
                          "GpuTargetConfigProto text file, or one of the known GPUs "
                          f"({', '.join(TARGETS)})")
     if not path.is_file():
+        close = [name for name in TARGETS if name.startswith(text.lower())]
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
         raise ValueError(
             f"target={text!r} is neither a known GPU ({', '.join(TARGETS)}) nor a description "
-            "file; pass one of those names or the path of a GpuTargetConfigProto text file "
-            "(on a GPU: jax._src.lib.xla_client.get_topology_for_devices(jax.devices())"
+            f"file; {hint}pass one of those names or the path of a GpuTargetConfigProto text "
+            "file (on a GPU: jax._src.lib.xla_client.get_topology_for_devices(jax.devices())"
             ".target_config)")
     try:
         text = path.read_text()
