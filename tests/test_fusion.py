@@ -20,7 +20,12 @@ from scamp_jax.hpo.fused_runner import GroupSpec, MemberSpec, run_fused_group
 from scamp_jax.hpo.overhead import TRACE_EVENT
 from scamp_jax.hpo.runner import RunSpec, StepCache, TrialStatus, make_optimizer, run_trial
 from scamp_jax.planning import planner
-from scamp_jax.planning.fusion import FusedStepCompiler, FusionPlan, plan_fusion
+from scamp_jax.planning.fusion import (
+    FusedStepCompiler,
+    FusionPlan,
+    group_held_bytes,
+    plan_fusion,
+)
 from scamp_jax.planning.plan_cache import PlanCache
 
 #: relative tolerance of fused against solo (loss curve and held-out score).
@@ -221,20 +226,38 @@ def _member_of_width_64() -> tuple[Any, Regression, dict[str, Any], Any, int, in
     return model, task, kw, member, one, two
 
 
-def test_width_is_the_widest_that_fits_by_compiled_memory():
-    """The planner's width: the fused step fits at it (compiled) and not at one more member."""
+@pytest.mark.parametrize("members, width", [(2.5, 2), (5.5, 5), (11.5, None)])
+def test_width_is_the_widest_that_fits_by_compiled_memory(members: float, width: int | None):
+    """The planner's width: the fused step fits at it (compiled) and not at one more member;
+    the first width tried is the line through the solo plan and the cap, so the search costs
+    the cap, that width and one more member."""
     model, task, kw, member, one, two = _member_of_width_64()
     per_member = two - one
     assert per_member > 0
-    # A budget for about 5.5 members: the planner must find 5 of at most 16.
-    budget = int((one + 4.5 * per_member) / 0.9)
+    # A budget for about ``members`` members: the planner must find ``width`` of at most 16
+    # (wide groups hold a little more than the line through one and two members says).
+    budget = int((one + (members - 1) * per_member) / 0.9)
     member = dataclasses.replace(member, memory_per_device=budget)
     fp = plan_fusion(model, task.sample_batch(1), max_width=16, plan=member, batch_size=256, **kw)
     peaks = {(k, b): p for k, b, p in fp.compiled_peaks}
-    assert fp.peak_bytes_per_device <= fp.usable_bytes
-    assert (fp.width + 1, 256) in peaks and peaks[(fp.width + 1, 256)] > fp.usable_bytes
-    assert fp.width == 5
-    assert fp.compiles <= 6
+    assert fp.predicted_peak_bytes <= fp.usable_bytes
+    # one more member is over: what the group would hold (the step, prefetched batches, an
+    # evaluation beside the stacked state), compiled again here
+    wider = FusedStepCompiler(model, task.sample_batch(1), member, **kw).estimate(fp.width + 1, 256)
+    assert wider.peak == peaks[(fp.width + 1, 256)]
+    assert group_held_bytes(wider, member, fp.width + 1, 256) > fp.usable_bytes
+    assert fp.width == (width or fp.width)
+    assert list(peaks) == [(16, 256), (fp.width, 256), (fp.width + 1, 256)]
+    assert fp.compiles == 3
+
+
+def test_a_group_of_one_member_that_does_not_fit_says_so():
+    """A budget below one fused member: a clear error with what one member needs."""
+    model, task, kw, member, one, _ = _member_of_width_64()
+    member = dataclasses.replace(member, memory_per_device=int(0.8 * one / 0.9))
+    with pytest.raises(planner.DoesNotFitError, match="one fused member needs") as err:
+        plan_fusion(model, task.sample_batch(1), max_width=4, plan=member, batch_size=256, **kw)
+    assert err.value.bytes_needed >= one > err.value.bytes_available
 
 
 def test_batch_is_sized_after_the_width():

@@ -34,6 +34,7 @@ searches of the same program on the same mesh and shardings.
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -416,6 +417,41 @@ def _largest_fitting(peak: Callable[[int], int], lo: int, cap: int, unit: int,
     return lo
 
 
+def _widest_group(peak: Callable[..., int], cap: int, usable: int, solo: int | None) -> int:
+    """The widest group whose ``peak`` (bytes at ``k`` members) fits ``usable``, given that
+    ``cap`` members do not (compiled); 0 when not even one member fits.
+
+    A group's memory is close to affine in its width, so the first width tried is where the
+    line through one member and the cap crosses the budget, one member taken from ``solo``
+    (what the member plan holds alone, compiled for solo training: a guide, never a decision)
+    or, without it, as the cap's share. While a width does not fit, the next comes from the line
+    through it and the cap; once one fits, `_largest_fitting` brackets the answer. Every
+    decision is a compiled point: a guess that lands costs two compiles (the width, and one
+    more member to show it is the widest), where starting from one member cost three or more.
+    The first guess is compiled as the answer (``peak(k, True)``: as a run compiles it, where
+    the caller keeps the answer's executable), since it usually is.
+    """
+    top = peak(cap)
+    # one member: the solo figure, unless it says nothing (a cap figure no larger than it)
+    one = solo if solo is not None and 0 < solo < top else top / cap
+    if cap == 1:
+        return 0
+    slope = (top - one) / (cap - 1)
+    width = cap - 1 if slope <= 0 else int(1 + (usable - one) // slope)
+    width = min(max(width, 1), cap - 1)
+    hi = cap
+    peak(width, True)
+    while peak(width) > usable:
+        if width == 1:
+            return 0
+        hi = width
+        over, at_hi = peak(width), peak(cap)
+        step = (at_hi - over) / (cap - width) if cap > width else 0.0
+        below = width - (math.ceil((over - usable) / step) if step > 0 else width // 2)
+        width = min(max(below, 1), width - 1)
+    return _largest_fitting(peak, width, hi, 1, usable)
+
+
 def plan_fusion(
     model: nnx.Module,
     sample_batch: PyTree,
@@ -492,18 +528,25 @@ def plan_fusion(
         return group_held_bytes(compiler.estimate(width, batch, run_grade), plan, width, batch)
 
     first_batch = batch_size if batch_size is not None else dp
-    # The cap usually fits (small candidates): then one compile decides the width, and with a
-    # fixed batch it is the answer (compiled as the run compiles it when it is kept for it).
-    if held(max_width, first_batch, compile_for_run and batch_size is not None) <= usable:
+    # With a fixed batch, a point the search takes for the answer is compiled as the run
+    # compiles it, when the answer's executable is kept for the run.
+    run_grade = compile_for_run and batch_size is not None
+    # The cap usually fits (small candidates): then one compile decides the width.
+    if held(max_width, first_batch, run_grade) <= usable:
         width = max_width
-    elif (one := held(1, first_batch)) > usable:
-        raise DoesNotFitError(
-            f"one fused member needs {one} bytes ({format_bytes(one)}) per device at "
-            f"batch {first_batch} but {usable} ({format_bytes(usable)}) are usable; use more "
-            "devices or more memory_per_device",
-            bytes_needed=one, bytes_available=usable)
     else:
-        width = _largest_fitting(lambda k: held(k, first_batch), 1, max_width, 1, usable)
+        solo = None  # one member as the member plan holds it, where it planned this batch
+        if plan.batch_size == first_batch and not getattr(plan, "provisional", False):
+            solo = group_held_bytes(plan.estimate, plan, 1, first_batch)
+        width = _widest_group(lambda k, answer=False: held(k, first_batch, answer and run_grade),
+                              max_width, usable, solo)
+        if width == 0:
+            one = held(1, first_batch)
+            raise DoesNotFitError(
+                f"one fused member needs {one} bytes ({format_bytes(one)}) per device at "
+                f"batch {first_batch} but {usable} ({format_bytes(usable)}) are usable; use "
+                "more devices or more memory_per_device",
+                bytes_needed=one, bytes_available=usable)
     batch = first_batch
     if batch_size is None:
         batch = _largest_fitting(lambda b: held(width, b), dp, plan.batch_size, dp, usable)
