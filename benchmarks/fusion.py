@@ -734,10 +734,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         "compiled here (trains nothing); with --target, the launch-bound "
                         "gain: K x solo kernels / fused kernels, the most a group gains where "
                         "a step's time is its kernel launches (small members on a GPU)")
+    from scamp_jax.planning.targets import TARGETS, resolve_target
+
     p.add_argument("--target", default=None, metavar="GPU|FILE",
-                   help="with --kernels: compile for this described GPU (h100, h200, "
-                        "a100-80gb, a100-40gb, v100 or a GpuTargetConfigProto file; needs "
-                        "pip install 'scamp-jax[gpu-plan]')")
+                   help=f"with --kernels: compile for this described GPU ({', '.join(TARGETS)} "
+                        "or a GpuTargetConfigProto file; needs pip install "
+                        "'scamp-jax[gpu-plan]')")
     p.add_argument("--simulate", action="store_true",
                    help="only the modelled gain vs width on the simulator's cluster presets "
                         "(compiles, trains nothing)")
@@ -746,6 +748,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         p.error(f"--width {args.width} and --repeats {args.repeats} must be at least 1")
     if args.target is not None and not args.kernels:
         p.error("--target needs --kernels")
+    if args.target is not None:
+        try:
+            resolve_target(args.target)
+        except ValueError as err:
+            p.error(f"--target: {err}")
 
     if args.conv_form is not None:
         import os

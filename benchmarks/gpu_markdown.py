@@ -84,6 +84,8 @@ def markdown(report: dict[str, Any], sections: tuple[str, ...]) -> str:
                   f"{env.get('python', '?')}; XLA target description: "
                   f"{env.get('target_config') or env.get('target_config_reason', '-')} "
                   "(in the archive's environment/).", ""]
+    if meta.get("error"):  # nothing was measured: say why once, above the empty tables
+        lines += [f"**No section ran**: {meta['error']}.", ""]
     for name in sections:
         sec = report.get(name)
         if sec is None:

@@ -414,7 +414,8 @@ def run_suite(cfg: SuiteConfig, out: Path, minutes: float, only: tuple[str, ...]
         cap = section_cap(cfg, name, pending, end - time.time())
         pending = pending[1:]
         if "error" in report["meta"] or cap < cfg.min_section_seconds:
-            report[name] = {"status": "not run", "cut_short": True, "rows": [], "cap_seconds": cap,
+            report[name] = {"status": "not run", "cut_short": "error" not in report["meta"],
+                            "rows": [], "cap_seconds": cap,
                             "reason": report["meta"].get("error")
                             or f"{cap:.0f} s left for it, less than "
                                f"{cfg.min_section_seconds:.0f} s"}
@@ -506,9 +507,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--out", required=True, type=Path,
                         help="directory of gpu_suite.json, gpu_suite.md, logs and records")
     parser.add_argument("--minutes", type=float, default=9.0,
-                        help="the suite ends within this many minutes (default 9: a device "
-                             "command's 10 with the wheels' install; packing, determinism and "
-                             "supernet need 20 or --only)")
+                        help="the suite ends within this many minutes (default 9: a 10-minute "
+                             "slot on a lent GPU, less a minute to install the wheels; the "
+                             "packing, determinism and supernet sections run from 20 minutes, "
+                             "or when named in --only)")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="the same code on 8 CPU devices with tiny sizes")
     parser.add_argument("--archive", type=Path, default=None,
@@ -524,7 +526,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                              "the memory section measures (default: OUT/plans.sqlite)")
     parser.add_argument("--only", default=None,
                         help="comma-separated sections, run whatever the suite's minutes "
-                             f"(default: {','.join(SECTIONS)}, those of 20 minutes only in "
+                             f"(default: {', '.join(SECTIONS)}; those of 20 minutes only in "
                              "suites that long)")
     parser.add_argument("--section", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--config", default=None, help=argparse.SUPPRESS)

@@ -65,11 +65,13 @@ class HPOConfig(SearchSettings):
         return record
 
 
-def _int_at_least(text: str, minimum: int, what: str) -> int:
+def _int_at_least(text: str, minimum: int, what: str, words: str = "") -> int:
+    """``text`` as an int of at least ``minimum`` (``what`` says the bound, ``words`` the other
+    values the flag takes, for the error)."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer{words}") from None
     if value < minimum:
         raise argparse.ArgumentTypeError(f"{value} must be {what}")
     return value
@@ -98,7 +100,7 @@ def fusion_width(text: str) -> int | str:
     """argparse type of ``--fuse``: ``auto`` or an integer >= 1."""
     if text == "auto":
         return "auto"
-    return _int_at_least(text, 1, "at least 1 (1: no fusion), or auto")
+    return _int_at_least(text, 1, "at least 1 (1: no fusion), or auto", " or auto")
 
 
 def running_cap(text: str) -> int | str:
@@ -106,7 +108,7 @@ def running_cap(text: str) -> int | str:
     >= 1."""
     if text in ("auto", "none"):
         return text
-    return _int_at_least(text, 1, "at least 1, or auto, or none")
+    return _int_at_least(text, 1, "at least 1, or auto, or none", ", auto or none")
 
 
 def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir: str) -> None:
@@ -118,7 +120,10 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
                         help="total trials of the study; a resumed study runs only the "
                         "missing ones")
     parser.add_argument("--steps", type=positive_int,
-                        help="training steps per trial at the preset's reference batch size")
+                        help="training steps per trial at the preset's reference batch size: "
+                        "a trial whose plan gives it batch b trains steps x reference / b "
+                        "steps, so every trial sees as many samples (--plan-only shows each "
+                        "trial's steps)")
     parser.add_argument("--devices", type=positive_int,
                         help="how many of the backend's devices form the pool (default: the "
                         "preset's on CPU, all on GPUs; on CPU the host is split into "
@@ -189,11 +194,12 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
                         "model-parallel degree, batch, bytes per device, CPU seconds of "
                         "planning; with --fuse, each architecture's fused group and its bytes "
                         "per device) and stop: nothing trains and no study is stored")
+    from scamp_jax.planning.targets import TARGETS
+
     parser.add_argument("--target", metavar="GPU|FILE",
                         help="with --plan-only: plan for --devices GPUs of this kind, compiled "
-                        "here without one (h100, h200, a100-80gb, a100-40gb, v100, or a "
-                        "GpuTargetConfigProto text file; needs pip install "
-                        "'scamp-jax[gpu-plan]')")
+                        f"here without one ({', '.join(TARGETS)}, or a GpuTargetConfigProto "
+                        "text file; needs pip install 'scamp-jax[gpu-plan]')")
 
 
 def config_from_args(args: argparse.Namespace, base: HPOConfig, study_dir: str) -> HPOConfig:

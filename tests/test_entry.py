@@ -242,5 +242,9 @@ def test_a_study_at_its_total_says_why_a_rerun_runs_nothing(tmp_path, capsys):
     assert again["trials_this_run"] == 0
     assert "2 of 2 trials finished before this run (2 of them failed" in out, out
     assert "nothing left to run: the study has its 2 trials; raise the number of trials" in out
+    # nothing ran: no pool line, and the record of runs keeps the first run only
+    assert "pool:" not in out and "this run trained nothing" in out, out
+    assert len(json.loads((tmp_path / "results.json").read_text())["runs"]) == 1
     more = scamp_jax.run_study(SPACE, function_task(), **{**kw, "trials": 3})
     assert more["trials_this_run"] == 1
+    assert len(json.loads((tmp_path / "results.json").read_text())["runs"]) == 2

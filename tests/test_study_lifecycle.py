@@ -106,6 +106,8 @@ def test_sigterm_checkpoints_writes_results_and_a_rerun_appends(tmp_path, capsys
     assert payload["runs"][0]["elapsed_s"] > 0
     finished = [r["number"] for r in payload["trials"]]
     assert finished, payload
+    # the trials SIGTERM stopped (running, or asked and waiting for devices)
+    stopped = sorted(t.number for t in _trials(study_dir) if t.state == TrialState.FAIL)
 
     with pytest.raises(SystemExit) as refused, user_errors():
         run_search(SPACE, Regression(), _settings(study_dir, steps=30),
@@ -122,6 +124,14 @@ def test_sigterm_checkpoints_writes_results_and_a_rerun_appends(tmp_path, capsys
     payload = json.loads((study_dir / "results.json").read_text())
     assert len(payload["runs"]) == 2 and not payload["runs"][1].get("interrupted")
     assert len(payload["trials"]) == 2
+    # the rerun says which stopped trials it runs again, and the results say which row is whose
+    said = [line for line in again.stdout.splitlines() if "stopped by an earlier run" in line]
+    assert len(said) == (1 if stopped else 0), again.stdout
+    if stopped:
+        named = f"trial {stopped[0]}," if len(stopped) == 1 else f"trials {stopped},"
+        assert named in said[0], said
+    assert sorted(r["retry_of"] for r in payload["trials"] if r["retry_of"] is not None) \
+        == stopped
     assert set(finished) <= {r["number"] for r in payload["trials"]}
     for row in payload["trials"]:  # relative to the study, so a copied folder finds them
         assert row["checkpoint"] and not Path(row["checkpoint"]).is_absolute()

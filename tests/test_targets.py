@@ -345,12 +345,17 @@ def test_gpus_autotuning_cache_gives_a_target_its_kernels(tmp_path: Path) -> Non
 def test_candidate_plan_rows_are_plain_data() -> None:
     from scamp_jax.hpo.preview import CandidatePlan, format_rows
 
-    row = CandidatePlan(0, {"embed_dim": 60}, 1, 1, 1, 64, 3 << 30, 28 << 30, 2, 41.5, 44.0)
+    row = CandidatePlan(0, {"embed_dim": 60}, 1, 1, 1, 64, 3 << 30, 28 << 30, 2, 41.5, 44.0,
+                        steps=500)
+    again = dataclasses.replace(row, number=1, compiles=0, planned_with=0)
     assert dataclasses.asdict(row)["batch_size"] == 64
-    table = format_rows([row], params=["embed_dim"]).splitlines()
-    assert table[0].split() == ["trial", "devices", "mp", "batch", "bytes/device", "compiles",
-                                "CPU-s", "embed_dim"]
-    assert table[1].split()[:4] == ["0", "1", "1", "64"]
+    table = format_rows([row, again], params=["embed_dim"]).splitlines()
+    assert table[0].split() == ["trial", "devices", "mp", "batch", "steps", "bytes/device",
+                                "compiles", "CPU-s", "embed_dim"]
+    assert table[1].split()[:5] == ["0", "1", "1", "64", "500"]
+    assert "0 (trial 0)" in table[2]  # a plan reused from trial 0: nothing compiled for it
+    assert "batch 64 x 500 steps" in row.describe()
+    assert "the plan of trial 0 (the same architecture)" in again.describe()
 
 
 def test_a_product_without_a_default_kernel_compiles_with_cublas_kernels(caplog):

@@ -105,7 +105,8 @@ class RemoteTrialSource:
             return item
         return AskedTrial(item.number, dict(item.params),
                           item.checkpoint_key or f"trial_{item.number}",
-                          siblings=item.siblings, sibling_of=item.sibling_of)
+                          siblings=item.siblings, sibling_of=item.sibling_of,
+                          retry_of=item.retry_of)
 
     def report(self, number: int, step: int, value: float) -> bool:
         """Record ``value`` at ``step`` in rank 0's study; True if the pruner stops the trial."""

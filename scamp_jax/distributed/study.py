@@ -7,7 +7,7 @@ in a background thread of rank 0 and answers the other ranks' messages (mpi4py, 
 request (worker -> rank 0)                           answer (rank 0 -> worker)
 ==================================================  =============================================
 ``("ask", None)``                                    ``("trial", number, params, checkpoint_key,
-                                                     siblings, sibling_of)``, ``("later",
+                                                     siblings, sibling_of, retry_of)``, ``("later",
                                                      seconds, trials)`` (ask again then) or
                                                      ``("done",)`` (the worker is finished)
 ``("ask", "more")``                                  the same, but ``"done"`` does not finish the
@@ -69,14 +69,15 @@ _OUTCOME = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed"}
 class WorkItem:
     """A trial handed to a rank: its Optuna ``number``, the suggested ``params`` and the
     ``checkpoint_key`` (directory name of its checkpoints; a re-run keeps its predecessor's), and
-    as in `scamp_jax.hpo.study.AskedTrial` the ``siblings`` enqueued for it (fusion) and the
-    trial it is a ``sibling_of``."""
+    as in `scamp_jax.hpo.study.AskedTrial` the ``siblings`` enqueued for it (fusion), the
+    trial it is a ``sibling_of`` and the trial it is a ``retry_of``."""
 
     number: int
     params: dict[str, Any]
     checkpoint_key: str = ""
     siblings: int = 0
     sibling_of: int | None = None
+    retry_of: int | None = None
 
 
 class StudyServer:
@@ -145,7 +146,7 @@ class StudyServer:
             self.source.release(rank)
             return None
         return WorkItem(asked.number, dict(asked.params), asked.checkpoint_key,
-                        asked.siblings, asked.sibling_of)
+                        asked.siblings, asked.sibling_of, asked.retry_of)
 
     def report(self, number: int, step: int, value: float) -> bool:
         """Record an intermediate ``value`` at ``step``; returns the pruner's verdict."""
@@ -232,7 +233,7 @@ class StudyServer:
                     self._open_workers -= 1
                 return ("done",)
             return ("trial", item.number, item.params, item.checkpoint_key, item.siblings,
-                    item.sibling_of)
+                    item.sibling_of, item.retry_of)
         if kind == "report":
             return ("pruned", self.report(*body))
         if kind == "tell":

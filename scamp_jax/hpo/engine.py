@@ -328,7 +328,8 @@ class SearchEngine:
         if asked.siblings:  # the source hands its held siblings to this engine next
             self._proposal = asked.number
         record = self.records.setdefault(
-            asked.number, TrialRecord(TrialStatus(asked.number, asked.params), asked,
+            asked.number, TrialRecord(TrialStatus(asked.number, asked.params,
+                                                  retry_of=asked.retry_of), asked,
                                       self.config.steps_for))
         record.status.state = "planning"
         record.times.setdefault("asked_at", self._now())

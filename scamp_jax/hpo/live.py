@@ -141,12 +141,17 @@ class LiveView:
         for s in self._statuses:
             if self._last_state.get(s.number) == s.state:
                 continue
+            first = s.number not in self._last_state
             self._last_state[s.number] = s.state
             elapsed = time.monotonic() - self._t0
             line = f"[{elapsed:7.1f}s] trial {s.number:>3} {s.state:<11}"
+            if first and s.retry_of is not None:
+                line += f" (trial {s.retry_of} again: the last run stopped it)"
             if s.devices or s.batch_size:  # planned: before it, nothing to show but its state
                 line += (f" devices={list(s.devices)} mp={s.model_parallel} "
                          f"batch={s.batch_size} step={s.step}/{s.steps}")
+                if s.state == "training" and s.first_step:
+                    line += f" (resumed from its checkpoint at step {s.first_step})"
             if s.number in self._groups:
                 group, width = self._groups[s.number]
                 line += f" group={group} width={width}"

@@ -37,8 +37,8 @@ class CandidatePlan:
       bytes_per_device: the plan's predicted peak per device (training or evaluation, with the
         prefetched batch and the allowance), bytes.
       usable_bytes: what a plan may book per device (the budget less the margin), bytes.
-      compiles: compiles the plan took (0: its architecture was planned before), its fused
-        group's included.
+      compiles: compiles the plan took (0: its architecture was planned before, for trial
+        ``planned_with``), its fused group's included.
       cpu_seconds: CPU seconds the plan took, this process and its children (the compiler's
         ptxas runs) together.
       seconds: wall-clock seconds the plan took.
@@ -46,6 +46,10 @@ class CandidatePlan:
       fusion_width: members of the widest fused group of its architecture on its plan (1: the
         study would not fuse it, or two members do not fit).
       group_bytes_per_device: what that group books per device, bytes (0: no group).
+      steps: training steps the trial takes at its batch (the study's steps at its reference
+        batch, scaled: `EngineConfig.steps_for`; 0: no plan).
+      planned_with: the earlier trial whose plan of the same architecture this one reuses
+        (None: planned here).
     """
 
     number: int
@@ -62,6 +66,8 @@ class CandidatePlan:
     error: str | None = None
     fusion_width: int = 1
     group_bytes_per_device: int = 0
+    steps: int = 0
+    planned_with: int | None = None
 
     def describe(self) -> str:
         """One line: the plan, or why there is none."""
@@ -69,10 +75,11 @@ class CandidatePlan:
             return f"trial {self.number}: no plan: {self.error}"
         group = (f", fused x{self.fusion_width}: {format_bytes(self.group_bytes_per_device)} "
                  "per device" if self.fusion_width > 1 else "")
+        cost = (f"{counted(self.compiles, 'compile')}" if self.planned_with is None else
+                f"the plan of trial {self.planned_with} (the same architecture)")
         return (f"trial {self.number}: {self.devices} device(s), model-parallel "
-                f"{self.model_parallel}, batch {self.batch_size}, "
-                f"{format_bytes(self.bytes_per_device)} per device{group}, "
-                f"{counted(self.compiles, 'compile')}, "
+                f"{self.model_parallel}, batch {self.batch_size} x {self.steps} steps, "
+                f"{format_bytes(self.bytes_per_device)} per device{group}, {cost}, "
                 f"{self.cpu_seconds:.1f} CPU s")
 
 
@@ -139,7 +146,8 @@ def plan_candidates(
         optuna.logging.set_verbosity(previous)
     for params in settings.initial_params:
         study.enqueue_trial(dict(params))
-    rows, seen = [], set()
+    rows: list[CandidatePlan] = []
+    seen: dict[int, int] = {}  # plans made here -> the trial they were made for
     for _ in range(count):
         trial = study.ask()
         params = space.suggest(trial)
@@ -153,7 +161,7 @@ def plan_candidates(
         else:
             # the service plans an architecture once: a later trial of it reuses that plan
             new = id(plan) not in seen and not plan.cached
-            seen.add(id(plan))
+            seen.setdefault(id(plan), trial.number)
             group = None if fusion is None else fusion.fusion_plan(
                 params, plan, fusion.signature(params))
             row = CandidatePlan(
@@ -164,7 +172,9 @@ def plan_candidates(
                 cpu_seconds() - cpu, time.perf_counter() - wall,
                 fusion_width=1 if group is None else group.width,
                 group_bytes_per_device=0 if group is None else int(group.predicted_peak_bytes
-                                                                   or 0))
+                                                                   or 0),
+                steps=config.steps_for(plan.batch_size),
+                planned_with=None if new or plan.cached else seen[id(plan)])
         rows.append(row)
         if on_plan is not None:
             on_plan(row)
@@ -177,12 +187,14 @@ _COLUMNS: tuple[tuple[str, Callable[[CandidatePlan], str]], ...] = (
     ("devices", lambda r: str(r.devices) if r.devices else "-"),
     ("mp", lambda r: str(r.model_parallel) if r.devices else "-"),
     ("batch", lambda r: str(r.batch_size) if r.devices else "-"),
+    ("steps", lambda r: str(r.steps) if r.devices else "-"),
     ("bytes/device", lambda r: (format_bytes(r.bytes_per_device) if r.devices
                                 else f"needs {format_bytes(r.bytes_per_device)}")),
     ("fused", lambda r: f"x{r.fusion_width}" if r.fusion_width > 1 else "-"),
     ("group bytes/device", lambda r: (format_bytes(r.group_bytes_per_device)
                                       if r.fusion_width > 1 else "-")),
-    ("compiles", lambda r: str(r.compiles)),
+    ("compiles", lambda r: str(r.compiles) if r.planned_with is None
+     else f"0 (trial {r.planned_with})"),
     ("CPU-s", lambda r: f"{r.cpu_seconds:.1f}"),
 )
 

@@ -26,7 +26,7 @@ from optuna.trial import TrialState
 from scamp_jax._units import format_bytes
 from scamp_jax.hpo.checkpoint import copy_checkpoint
 from scamp_jax.hpo.failures import TRACEBACK
-from scamp_jax.hpo.study import FAIL_REASON, INTERRUPTED
+from scamp_jax.hpo.study import FAIL_REASON, INTERRUPTED, retried_from
 
 #: columns every results row has, in CSV order (task metrics follow).
 BASE_COLUMNS = (
@@ -43,7 +43,9 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
 
     Each row has `BASE_COLUMNS`, every name of ``metric_names`` (``None`` when a trial has no
     value for it), and ``rank``, ``replans``, ``resizes`` (restarts on more devices at the end
-    of a study), ``resumed_from``, ``reason``, ``checkpoint``, ``booked_bytes`` (bytes per
+    of a study), ``retry_of`` (the trial this one ran again after a run stopped it, from that
+    trial's checkpoints if it had any; None: a first attempt), ``resumed_from`` (the step its
+    training resumed from; 0: none), ``reason``, ``checkpoint``, ``booked_bytes`` (bytes per
     device the ledger booked for its last run) and ``measured_peak_bytes`` (the allocator's
     peak on its devices, bytes; None where nothing is reported, as on CPU devices); a trial that
     failed by raising also has ``traceback``, which ``results.csv`` leaves out.
@@ -74,6 +76,7 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
         row["rank"] = attrs.get("rank", 0)
         row["replans"] = attrs.get("replans", 0)
         row["resizes"] = attrs.get("resizes", 0)
+        row["retry_of"] = retried_from(trial)
         row["resumed_from"] = attrs.get("resumed_from", 0)
         row["reason"] = attrs.get(FAIL_REASON, "")
         if attrs.get(TRACEBACK):  # a trial that raised: results.json only (not the CSV)
@@ -321,6 +324,9 @@ def plot_results(
 
     fig, ax = plt.subplots(figsize=(8, 0.4 * max(len(intervals), 1) + 1.5))
     cmap = plt.get_cmap("tab20")
+    for device in range(len(intervals)):  # each device's row: its whole memory, outlined
+        ax.axhspan(device - 0.4, device + 0.4, facecolor="0.96", edgecolor="0.75",
+                   linewidth=0.5, zorder=0)
     for device, spans in enumerate(intervals):
         for i, (trial, start, end, nbytes) in enumerate(spans):
             # Trials sharing a device are stacked within its row in proportion to their memory
@@ -331,7 +337,7 @@ def plot_results(
             ax.broken_barh([(start, end - start)],
                            (device - 0.4 + 0.8 * offset, 0.8 * max(share, 0.1)),
                            color=cmap(trial % 20), edgecolor="black", linewidth=0.3)
-            ax.text(start, device - 0.4 + 0.8 * offset, f" {trial}", fontsize=6, va="bottom")
+            ax.text(start, device - 0.4 + 0.8 * offset, f" {trial}", fontsize=7, va="bottom")
     ax.set_yticks(range(len(intervals)))
     # each device's row spans its whole memory, so a bar's height reads as its share (with one
     # device an axis fitted to the bars would stretch any of them to the full height)

@@ -156,6 +156,8 @@ class StudySession:
             console = Console(file=out, soft_wrap=True, force_terminal=terminal,
                               width=None if terminal else LOG_WIDTH)
         self.console = console
+        #: the study had all its trials when this run opened it (`greet`)
+        self.nothing_to_run = False
 
     def say(self, line: str) -> None:
         """Print one plain line on the session's console."""
@@ -195,6 +197,15 @@ class StudySession:
         if recovered:
             self.say(f"resuming: trials {sorted(recovered)} of a stopped process are queued "
                      "again")
+        stopped = source.requeued()
+        if len(stopped) == 1:
+            self.say(f"resuming: trial {stopped[0]}, stopped by an earlier run, runs again "
+                     "under a new number, from its checkpoints if it has any (results.csv: "
+                     "retry_of)")
+        elif stopped:
+            self.say(f"resuming: trials {stopped}, stopped by an earlier run, run again under "
+                     "new numbers, from their checkpoints where they have any (results.csv: "
+                     "retry_of)")
         ranks = f"; {self.ranks} ranks" if self.ranks > 1 else ""
         failed = source.failed_for_good() if finished else 0
         failures = (f" ({failed} of them failed, each for its reason in results.csv, and "
@@ -206,10 +217,12 @@ class StudySession:
             more = (f"; the study ends with the grid, after {points} of its {total} trials"
                     if points < total else "")
             self.say(f"grid sampler: {counted(points, 'point')}{more}")
-        if finished >= total:
+        self.nothing_to_run = finished >= total
+        if self.nothing_to_run:
             self.say(f"nothing left to run: the study has its {counted(total, 'trial')}; raise "
                      "the number of trials to run more of it, or give another study name to "
                      "start anew")
+            return
         self.say_pool()
         line = fusion_line(self.requested, self.settings, self.platform)
         if line is not None:
@@ -223,8 +236,18 @@ class StudySession:
     def say_pool(self) -> None:
         """The pool line: ``pool: ...`` in one process; with several ranks every rank says its
         own, ``pool of rank R: ...`` (each rank trains on its own devices)."""
+        from scamp_jax.hpo.engine import max_running
+        from scamp_jax.scheduling.host import host_cores
+
         who = f" of rank {self.rank}" if self.ranks > 1 else ""
-        self.say(f"pool{who}: {self.pool_description()}")
+        line = f"pool{who}: {self.pool_description()}"
+        cap = max_running(self.settings.engine_config(self.memory_per_device), self.devices)
+        if cap is not None and cap < len(self.devices):  # trials wait with devices free
+            why = (f" (--max-running-trials auto: {host_cores()} CPU cores)"
+                   if self.settings.max_running_trials == "auto" else "")
+            line += f"; at most {counted(cap, 'trial')} {'trains' if cap == 1 else 'train'} " \
+                    f"at once{why}"
+        self.say(line)
 
     def pool_description(self) -> str:
         """The devices trials run on, e.g. ``2 cpu devices of 32.0 MiB (of 8 on this host)``;
@@ -311,8 +334,10 @@ class StudySession:
             self.say(note)
         metric, direction = self.task.metric, self.task.direction
         records = report.trial_records(source.study, self._metrics())
+        # a rerun of a full study trains nothing: the record of runs is left as it was
+        idle = self.nothing_to_run and not source.told
         report.write_results(self.out_dir, records, metric=metric, direction=direction,
-                             run=run_info)
+                             run=None if idle else run_info)
         report.save_best_model(self.out_dir, records, metric, direction)
         intervals, memory_series, elapsed = report.combined_timeline(
             report.read_runs(self.out_dir))
@@ -324,10 +349,14 @@ class StudySession:
                                                 width=self.console.width))
         self.say(report.verdict(records, metric, direction, self.baseline))
         usage = run_info["usage"]
-        self.say(f"this run: {run_info['elapsed_s']:.1f} s, mean memory utilisation "
-                 f"{100 * usage['mean_memory_utilization']:.1f}%, idle device-seconds "
-                 f"{usage['idle_device_seconds']:.1f}; results in {self.out_dir}")
-        if self.overhead is not None:  # the report and plots, added once they are written
+        if idle:
+            self.say(f"this run trained nothing; results in {self.out_dir}")
+        else:
+            self.say(f"this run: {run_info['elapsed_s']:.1f} s, mean memory utilisation "
+                     f"{100 * usage['mean_memory_utilization']:.1f}%, idle device-seconds "
+                     f"{usage['idle_device_seconds']:.1f}; results in {self.out_dir}")
+        # the report and plots, added once they are written
+        if self.overhead is not None and not idle:
             overhead = run_info["overhead"]
             overhead["report_s"] = round(overhead.get("report_s", 0.0)
                                          + time.perf_counter() - report_start, 3)

@@ -118,6 +118,8 @@ class TrialStatus:
     #: the allocator's peak per device where the trial ran, measured after its first steps and
     #: at its end (`scamp_jax.hpo.calibration.measure_peak`), bytes; None: nothing reported.
     measured_peak_bytes: int | None = None
+    #: the trial this one runs again after a run stopped it (`AskedTrial.retry_of`; None: none).
+    retry_of: int | None = None
 
 
 @dataclass(frozen=True)

@@ -155,6 +155,15 @@ class OptunaTrialSource:
                                                          states=(TrialState.RUNNING,))}
         self.recovered.extend(sorted(before - after - set(self._live)))
 
+    def requeued(self) -> list[int]:
+        """Trials an earlier run stopped (Ctrl-C, or a process found dead other than by this
+        source: see ``recovered``) whose retries wait in the study: their numbers. Each retry
+        runs under a new number from its original's checkpoints."""
+        with self._lock:
+            waiting = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        origins = {retried_from(t) for t in waiting} - {None} - set(self.recovered)
+        return sorted(o for o in origins if o is not None)
+
     def _recover_running(self) -> None:
         """Fail every ``RUNNING`` trial (public ``tell``) and queue a retry of each."""
         for trial in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
@@ -417,17 +426,18 @@ class OptunaTrialSource:
         params = self.space.suggest(trial)  # first: a trial killed before it has no params
         for name, value in attrs.items():
             trial.set_user_attr(name, value)
+        origin = None
+        if self._storage is not None and trial.number in self._ids:
+            origin = retried_from(self._storage.get_trial(self._ids[trial.number]))
         key = trial.user_attrs.get(CHECKPOINT_KEY)
         if key is None:
-            origin = None
-            if self._storage is not None and trial.number in self._ids:
-                origin = retried_from(self._storage.get_trial(self._ids[trial.number]))
             key = f"trial_{trial.number if origin is None else origin}"
             trial.set_user_attr(CHECKPOINT_KEY, key)
         self._live[trial.number] = trial
         sibling_of = trial.user_attrs.get(SIBLING_OF)
         return AskedTrial(trial.number, dict(params), key,
-                          sibling_of=None if sibling_of is None else int(sibling_of))
+                          sibling_of=None if sibling_of is None else int(sibling_of),
+                          retry_of=origin)
 
     def report(self, number: int, step: int, value: float) -> bool:
         """Record ``value`` at ``step`` for trial ``number``; True if the pruner stops it.

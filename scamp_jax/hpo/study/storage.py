@@ -236,14 +236,22 @@ def open_study(
     url = storage_url(study_dir, storage)
     rdb = open_storage(study_dir, url, heartbeat_interval=heartbeat_interval,
                        grace_period=grace_period)
-    study = optuna.create_study(
-        storage=rdb,
-        study_name=study_name,
-        direction="maximize" if direction == "maximize" else "minimize",
-        sampler=make_sampler(sampler, seed, grid),
-        pruner=make_pruner(pruner, warmup_steps=warmup_steps),
-        load_if_exists=True,
-    )
+    # Optuna's own "A new study created" / "Using an existing study" note says less than the
+    # caller's opening lines (how many trials the study holds): kept at its debug level only.
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(max(verbosity, optuna.logging.WARNING)
+                                 if verbosity > optuna.logging.DEBUG else verbosity)
+    try:
+        study = optuna.create_study(
+            storage=rdb,
+            study_name=study_name,
+            direction="maximize" if direction == "maximize" else "minimize",
+            sampler=make_sampler(sampler, seed, grid),
+            pruner=make_pruner(pruner, warmup_steps=warmup_steps),
+            load_if_exists=True,
+        )
+    finally:
+        optuna.logging.set_verbosity(verbosity)
     if study.direction.name.lower() != direction:
         raise ValueError(
             f"study {study_name!r} in the storage was created to {study.direction.name.lower()} "

@@ -32,6 +32,8 @@ class AskedTrial:
         next (fusion; see `OptunaTrialSource`'s ``siblings``); 0 for any other trial.
       sibling_of: number of the trial whose architecture this one shares as a sibling
         (None: the sampler or a user chose it).
+      retry_of: number of the trial this one runs again, where a run stopped it (Ctrl-C, a
+        dead process) and it resumes from that trial's checkpoints (None: a first attempt).
     """
 
     number: int
@@ -39,6 +41,7 @@ class AskedTrial:
     checkpoint_key: str
     siblings: int = 0
     sibling_of: int | None = None
+    retry_of: int | None = None
 
 
 @dataclass(frozen=True)
