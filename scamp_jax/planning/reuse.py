@@ -136,6 +136,8 @@ _READ_BACK: weakref.WeakSet[jax.stages.Compiled] = weakref.WeakSet()
 _read_back_lock = threading.Lock()
 _hits = threading.local()
 _listening = False
+#: a compile retried without Triton matrix products was said at warning level (once a process)
+_retry_said = False
 
 
 def _count_cache_hit(event: str, **kwargs: Any) -> None:
@@ -181,9 +183,13 @@ def compile_lowered(lowered: jax.stages.Lowered,
             retry = without_default_kernels(options, err)
             if retry is None:
                 raise
-            log.warning("XLA found no default kernel for %s of this GPU compile; compiling "
-                        "it again with cuBLAS matrix products instead of Triton's",
-                        _fusions_without(err))
+            global _retry_said
+            with _read_back_lock:
+                first, _retry_said = not _retry_said, True
+            log.log(logging.WARNING if first else logging.DEBUG,
+                    "XLA found no default kernel for %s of this GPU compile; compiling it again "
+                    "with cuBLAS matrix products instead of Triton's%s", _fusions_without(err),
+                    " (later compiles that do the same say so at debug level)" if first else "")
             compiled = lowered.compile(retry)
     if getattr(_hits, "count", 0) != before:
         _mark_read_back(compiled)
