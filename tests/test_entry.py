@@ -147,6 +147,14 @@ def test_a_finished_grid_ends_the_study_with_one_line(tmp_path, capsys):
     points = {(t.params["width"], t.params["learning_rate"]) for t in study.get_trials()}
     assert len(study.get_trials()) == 4 and len(points) == 4
     assert {t.state for t in study.get_trials()} == {TrialState.COMPLETE}
+    # a rerun of the finished grid says why it runs nothing and adds no run to the record
+    again = scamp_jax.run_study(space, function_task(), trials=6, steps=5, study_dir=tmp_path,
+                                devices=2, memory_per_device="64MiB", max_batch_size=16,
+                                sampler="grid", live=False)
+    out = capsys.readouterr().out
+    assert again["trials_this_run"] == 0
+    assert "nothing left to run: the study has visited every point of its grid" in out, out
+    assert len(json.loads((tmp_path / "results.json").read_text())["runs"]) == 1
 
 
 def test_run_study_rejects_a_bad_setting_before_opening_a_study(tmp_path):
@@ -242,8 +250,11 @@ def test_a_study_at_its_total_says_why_a_rerun_runs_nothing(tmp_path, capsys):
     assert again["trials_this_run"] == 0
     assert "2 of 2 trials finished before this run (2 of them failed" in out, out
     assert "nothing left to run: the study has its 2 trials; raise the number of trials" in out
-    # nothing ran: no pool line, and the record of runs keeps the first run only
-    assert "pool:" not in out and "this run trained nothing" in out, out
+    # nothing ran: the opening lines end with why, and the record of runs keeps the first run
+    lines = out.splitlines()
+    assert lines.index(next(x for x in lines if x.startswith("pool:"))) + 1 == lines.index(
+        next(x for x in lines if x.startswith("nothing left to run"))), out
+    assert "this run trained nothing" in out, out
     assert len(json.loads((tmp_path / "results.json").read_text())["runs"]) == 1
     more = scamp_jax.run_study(SPACE, function_task(), **{**kw, "trials": 3})
     assert more["trials_this_run"] == 1

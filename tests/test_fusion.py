@@ -246,9 +246,24 @@ def test_width_is_the_widest_that_fits_by_compiled_memory(members: float, width:
     wider = FusedStepCompiler(model, task.sample_batch(1), member, **kw).estimate(fp.width + 1, 256)
     assert wider.peak == peaks[(fp.width + 1, 256)]
     assert group_held_bytes(wider, member, fp.width + 1, 256) > fp.usable_bytes
-    assert fp.width == (width or fp.width)
-    assert list(peaks) == [(16, 256), (fp.width, 256), (fp.width + 1, 256)]
-    assert fp.compiles == 3
+    if width is not None:
+        assert fp.width == width
+    # the cap first, then never one member alone: the line's width and one more, where it
+    # lands (3 compiles here), one more where the line misses by one
+    assert next(iter(peaks)) == (16, 256) and (1, 256) not in peaks
+    assert fp.compiles <= 4
+
+
+def test_a_narrower_group_kept_for_its_run_costs_no_compile_more():
+    """As a study plans it (``compile_for_run``, the trial's batch): the width the line
+    predicts is compiled as the run compiles it, so the group's executable is that compile."""
+    model, task, kw, member, one, two = _member_of_width_64()
+    budget = int((one + 4.5 * (two - one)) / 0.9)
+    member = dataclasses.replace(member, memory_per_device=budget)
+    fp = plan_fusion(model, task.sample_batch(1), max_width=16, plan=member, batch_size=256,
+                     compile_for_run=True, **kw)
+    assert fp.width == 5 and fp.compiled_step is not None
+    assert fp.compiles <= 4  # the cap, the width, one more member (before: 6 with the run's)
 
 
 def test_a_group_of_one_member_that_does_not_fit_says_so():
@@ -258,6 +273,29 @@ def test_a_group_of_one_member_that_does_not_fit_says_so():
     with pytest.raises(planner.DoesNotFitError, match="one fused member needs") as err:
         plan_fusion(model, task.sample_batch(1), max_width=4, plan=member, batch_size=256, **kw)
     assert err.value.bytes_needed >= one > err.value.bytes_available
+
+
+def test_a_study_asks_for_two_members_at_least_and_never_compiles_one():
+    """``min_width=2`` (a study's: one member trains alone): a budget for one and a half
+    members is a clear error after the cap and two members, one member never compiled."""
+    model, task, kw, member, one, two = _member_of_width_64()
+    member = dataclasses.replace(member, memory_per_device=int((one + 0.5 * (two - one)) / 0.9))
+    compiled = []
+    original = FusedStepCompiler.estimate
+
+    def estimate(self: FusedStepCompiler, width: int, batch: int, run_grade: bool = False):
+        compiled.append(width)
+        return original(self, width, batch, run_grade)
+
+    with pytest.MonkeyPatch.context() as patch, \
+            pytest.raises(planner.DoesNotFitError, match="a fused group of 2 members needs"):
+        patch.setattr(FusedStepCompiler, "estimate", estimate)
+        plan_fusion(model, task.sample_batch(1), max_width=8, plan=member, batch_size=256,
+                    min_width=2, **kw)
+    assert sorted(set(compiled)) == [2, 8]
+    with pytest.raises(ValueError, match="min_width"):
+        plan_fusion(model, task.sample_batch(1), max_width=2, plan=member, batch_size=256,
+                    min_width=3, **kw)
 
 
 def test_batch_is_sized_after_the_width():

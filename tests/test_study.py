@@ -140,6 +140,27 @@ def test_failed_and_pruned_trials_count_but_interrupted_ones_do_not(tmp_path):
     assert again.checkpoint_key == c.checkpoint_key == f"trial_{c.number}"
 
 
+def test_a_retry_names_the_attempt_that_was_stopped_and_is_announced_once(tmp_path):
+    """Trial 0 is interrupted (its retry 1 is queued); a second process asks 1 and dies
+    with it running; a third, owning the study (``recover_running``), fails 1 and queues its
+    retry 2. Retry 2 runs trial 1 again (the attempt stopped, not the chain's first) from trial
+    0's checkpoints, and the third process counts trial 1 once: as recovered, not requeued."""
+    src = source(tmp_path, 2)
+    first = src.ask()
+    src.interrupt(first.number)
+    assert source(tmp_path, 2).requeued() == [first.number]  # what a rerun announces
+    second = source(tmp_path, 2)
+    retry = second.ask()
+    assert retry.retry_of == first.number and retry.checkpoint_key == first.checkpoint_key
+    second.close()  # dies with the retry running
+    third = OptunaTrialSource(open_study("toy", study_dir=tmp_path, grid=SPACE.grid), SPACE, 2,
+                              poll_seconds=0.2, recover_running=True)
+    assert third.recovered == [retry.number] and third.requeued() == []
+    again = third.ask()
+    assert again.retry_of == retry.number and again.checkpoint_key == first.checkpoint_key
+    assert dict(again.params) == dict(first.params)
+
+
 def test_trials_of_a_dead_process_are_retried_after_the_grace_period(tmp_path):
     src = source(tmp_path, 3, heartbeat=1)
     done = src.ask()

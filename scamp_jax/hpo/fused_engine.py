@@ -187,9 +187,10 @@ class FusionService:
             fusion: FusionPlan | None = plan_fusion(
                 self.planning.abstract(params), self.task.sample_batch(1), max_width=width,
                 plan=plan, batch_size=int(plan.batch_size), optimizer=make_optimizer(params),
-                loss_fn=self.task.loss_fn, cache=self.plan_cache, compile_for_run=True)
+                loss_fn=self.task.loss_fn, cache=self.plan_cache, compile_for_run=True,
+                min_width=min(2, width))
         except (planner.DoesNotFitError, TypeError, ValueError):
-            fusion = None  # e.g. a fake plan in tests, or one member does not fit fused
+            fusion = None  # e.g. a fake plan in tests, or two members do not fit fused
         if fusion is not None and fusion.width < 2:
             fusion = None
         return fusion

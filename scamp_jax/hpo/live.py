@@ -146,7 +146,7 @@ class LiveView:
             elapsed = time.monotonic() - self._t0
             line = f"[{elapsed:7.1f}s] trial {s.number:>3} {s.state:<11}"
             if first and s.retry_of is not None:
-                line += f" (trial {s.retry_of} again: the last run stopped it)"
+                line += f" (trial {s.retry_of} again: an earlier run stopped it)"
             if s.devices or s.batch_size:  # planned: before it, nothing to show but its state
                 line += (f" devices={list(s.devices)} mp={s.model_parallel} "
                          f"batch={s.batch_size} step={s.step}/{s.steps}")

@@ -125,6 +125,7 @@ def plan_candidates(
     from scamp_jax.hpo.plan_service import PlanningService
     from scamp_jax.hpo.study.samplers import make_sampler
     from scamp_jax.hpo.trial import fusion_cap
+    from scamp_jax.planning.compile_events import CompileCounter
     from scamp_jax.planning.planner import DoesNotFitError, plan_mesh
 
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
@@ -160,21 +161,24 @@ def plan_candidates(
                                 time.perf_counter() - wall, str(err))
         else:
             # the service plans an architecture once: a later trial of it reuses that plan
-            new = id(plan) not in seen and not plan.cached
-            seen.setdefault(id(plan), trial.number)
-            group = None if fusion is None else fusion.fusion_plan(
-                params, plan, fusion.signature(params))
+            first = seen.setdefault(id(plan), trial.number)
+            new = first == trial.number and not plan.cached
+            group, group_compiles = None, 0
+            if fusion is not None:  # its compiles counted whether or not a group fits
+                with CompileCounter() as counted_compiles:
+                    group = fusion.fusion_plan(params, plan, fusion.signature(params))
+                group_compiles = counted_compiles.total
             row = CandidatePlan(
                 trial.number, params, service.devices_of(plan), plan.data_parallel,
                 plan.model_parallel, plan.batch_size, plan.predicted_peak_bytes,
                 plan.usable_bytes,
-                (plan.compiles + (group.compiles if group is not None else 0)) if new else 0,
+                plan.compiles + group_compiles if new else 0,
                 cpu_seconds() - cpu, time.perf_counter() - wall,
                 fusion_width=1 if group is None else group.width,
                 group_bytes_per_device=0 if group is None else int(group.predicted_peak_bytes
                                                                    or 0),
                 steps=config.steps_for(plan.batch_size),
-                planned_with=None if new or plan.cached else seen[id(plan)])
+                planned_with=None if first == trial.number else first)
         rows.append(row)
         if on_plan is not None:
             on_plan(row)

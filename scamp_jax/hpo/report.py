@@ -26,7 +26,7 @@ from optuna.trial import TrialState
 from scamp_jax._units import format_bytes
 from scamp_jax.hpo.checkpoint import copy_checkpoint
 from scamp_jax.hpo.failures import TRACEBACK
-from scamp_jax.hpo.study import FAIL_REASON, INTERRUPTED, retried_from
+from scamp_jax.hpo.study import FAIL_REASON, INTERRUPTED, stopped_attempt
 
 #: columns every results row has, in CSV order (task metrics follow).
 BASE_COLUMNS = (
@@ -76,7 +76,7 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
         row["rank"] = attrs.get("rank", 0)
         row["replans"] = attrs.get("replans", 0)
         row["resizes"] = attrs.get("resizes", 0)
-        row["retry_of"] = retried_from(trial)
+        row["retry_of"] = stopped_attempt(trial)
         row["resumed_from"] = attrs.get("resumed_from", 0)
         row["reason"] = attrs.get(FAIL_REASON, "")
         if attrs.get(TRACEBACK):  # a trial that raised: results.json only (not the CSV)

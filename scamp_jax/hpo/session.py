@@ -192,12 +192,15 @@ class StudySession:
 
     def greet(self, source: Any) -> None:
         """The opening lines: trials of stopped processes queued again, how far the study got
-        (``source``: its `OptunaTrialSource`), and why a study at its total runs nothing."""
+        (``source``: its `OptunaTrialSource`), the pool, and why a study at its total (or at
+        the end of its grid) runs nothing."""
         recovered, finished, total = source.recovered, source.finished(), self.settings.trials
-        if recovered:
+        grid_done = source.grid_done()
+        self.nothing_to_run = finished >= total or grid_done
+        stopped = [] if self.nothing_to_run else source.requeued()
+        if recovered and not self.nothing_to_run:
             self.say(f"resuming: trials {sorted(recovered)} of a stopped process are queued "
                      "again")
-        stopped = source.requeued()
         if len(stopped) == 1:
             self.say(f"resuming: trial {stopped[0]}, stopped by an earlier run, runs again "
                      "under a new number, from its checkpoints if it has any (results.csv: "
@@ -217,13 +220,14 @@ class StudySession:
             more = (f"; the study ends with the grid, after {points} of its {total} trials"
                     if points < total else "")
             self.say(f"grid sampler: {counted(points, 'point')}{more}")
-        self.nothing_to_run = finished >= total
-        if self.nothing_to_run:
-            self.say(f"nothing left to run: the study has its {counted(total, 'trial')}; raise "
-                     "the number of trials to run more of it, or give another study name to "
-                     "start anew")
-            return
         self.say_pool()
+        if self.nothing_to_run:
+            more = (f"has its {counted(total, 'trial')}; raise the number of trials to run "
+                    "more of it, or" if finished >= total else
+                    "has visited every point of its grid;")
+            self.say(f"nothing left to run: the study {more} give another study name to start "
+                     "anew")
+            return
         line = fusion_line(self.requested, self.settings, self.platform)
         if line is not None:
             self.say(line)
@@ -237,16 +241,17 @@ class StudySession:
         """The pool line: ``pool: ...`` in one process; with several ranks every rank says its
         own, ``pool of rank R: ...`` (each rank trains on its own devices)."""
         from scamp_jax.hpo.engine import max_running
-        from scamp_jax.scheduling.host import host_cores
+        from scamp_jax.scheduling.host import CPU_CORES_PER_TRIAL, host_cores
 
         who = f" of rank {self.rank}" if self.ranks > 1 else ""
         line = f"pool{who}: {self.pool_description()}"
         cap = max_running(self.settings.engine_config(self.memory_per_device), self.devices)
         if cap is not None and cap < len(self.devices):  # trials wait with devices free
-            why = (f" (--max-running-trials auto: {host_cores()} CPU cores)"
-                   if self.settings.max_running_trials == "auto" else "")
-            line += f"; at most {counted(cap, 'trial')} {'trains' if cap == 1 else 'train'} " \
-                    f"at once{why}"
+            why = (f" (auto: one per {CPU_CORES_PER_TRIAL} of the host's {host_cores()} CPU "
+                   "cores)" if self.settings.max_running_trials == "auto" else "")
+            units = ("trial or fused group" if cap == 1 else "trials or fused groups") \
+                if self.settings.fuse else ("trial" if cap == 1 else "trials")
+            line += f"; at most {cap} {units} {'trains' if cap == 1 else 'train'} at once{why}"
         self.say(line)
 
     def pool_description(self) -> str:

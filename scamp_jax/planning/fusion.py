@@ -417,9 +417,11 @@ def _largest_fitting(peak: Callable[[int], int], lo: int, cap: int, unit: int,
     return lo
 
 
-def _widest_group(peak: Callable[..., int], cap: int, usable: int, solo: int | None) -> int:
+def _widest_group(peak: Callable[..., int], cap: int, usable: int, solo: int | None,
+                  floor: int = 1) -> int:
     """The widest group whose ``peak`` (bytes at ``k`` members) fits ``usable``, given that
-    ``cap`` members do not (compiled); 0 when not even one member fits.
+    ``cap`` members do not (compiled); 0 when not even ``floor`` members fit (narrower groups
+    are not compiled: the caller has no use for them).
 
     A group's memory is close to affine in its width, so the first width tried is where the
     line through one member and the cap crosses the budget, one member taken from ``solo``
@@ -429,26 +431,27 @@ def _widest_group(peak: Callable[..., int], cap: int, usable: int, solo: int | N
     decision is a compiled point: a guess that lands costs two compiles (the width, and one
     more member to show it is the widest), where starting from one member cost three or more.
     The first guess is compiled as the answer (``peak(k, True)``: as a run compiles it, where
-    the caller keeps the answer's executable), since it usually is.
+    the caller keeps the answer's executable), since it usually is, unless it is one member (a
+    group of one is no group: a study trains that member alone).
     """
     top = peak(cap)
     # one member: the solo figure, unless it says nothing (a cap figure no larger than it)
     one = solo if solo is not None and 0 < solo < top else top / cap
-    if cap == 1:
+    if cap <= floor:
         return 0
     slope = (top - one) / (cap - 1)
     width = cap - 1 if slope <= 0 else int(1 + (usable - one) // slope)
-    width = min(max(width, 1), cap - 1)
+    width = min(max(width, floor), cap - 1)
     hi = cap
-    peak(width, True)
+    peak(width, width > 1)
     while peak(width) > usable:
-        if width == 1:
+        if width == floor:
             return 0
         hi = width
         over, at_hi = peak(width), peak(cap)
         step = (at_hi - over) / (cap - width) if cap > width else 0.0
         below = width - (math.ceil((over - usable) / step) if step > 0 else width // 2)
-        width = min(max(below, 1), width - 1)
+        width = min(max(below, floor), width - 1)
     return _largest_fitting(peak, width, hi, 1, usable)
 
 
@@ -467,6 +470,7 @@ def plan_fusion(
     plan: Plan | None = None,
     cache: PlanCache | None = None,
     compile_for_run: bool = False,
+    min_width: int = 1,
 ) -> FusionPlan:
     """Size a fused group of ``model``: the widest group up to ``max_width``, then its batch.
 
@@ -486,12 +490,15 @@ def plan_fusion(
         planned again (a resumed study, another process) compiles nothing.
       compile_for_run: keep the answer's fused step compiled with default XLA options as
         ``compiled_step`` for the group's run (which then compiles no step on the planned
-        devices). With a fixed ``batch_size`` the first point tried (``max_width``, usually the
-        answer) is compiled so at once, so a group that fits at the cap costs one compile, not
-        a planning compile and then the run's; otherwise the answer is compiled once more. An
-        answer from the plan cache is not compiled (the run compiles it).
+        devices). With a fixed ``batch_size`` the points likely to be the answer (``max_width``,
+        and where that does not fit the width its line predicts, if more than one) are
+        compiled so at once, so a group that fits at the cap costs one compile, not a planning
+        compile and then the run's; otherwise the answer is compiled once more. An answer from
+        the plan cache is not compiled (the run compiles it).
         On CPU a run-grade compile is slower than the planning ones (LLVM level 0), so leave
         it off when the plan only informs (a simulator, a cost model).
+      min_width: the narrowest group wanted (a study's is 2: one member trains alone); when
+        not even that many fit, `DoesNotFitError` without compiling narrower groups.
 
     Returns:
       A `FusionPlan`: the widest ``K <= max_width`` whose compiled fused step fits at
@@ -499,12 +506,15 @@ def plan_fusion(
       per-member batch at that ``K``.
 
     Raises:
-      DoesNotFitError: not even one member fits at that batch.
+      DoesNotFitError: not even ``min_width`` members (one by default) fit at that batch.
       ValueError: bad arguments.
     """
     start = time.perf_counter()
     if isinstance(max_width, bool) or not isinstance(max_width, int) or max_width < 1:
         raise ValueError(f"{max_width=} must be a positive int (the most members in a group)")
+    if not 1 <= min_width <= max_width:
+        raise ValueError(f"{min_width=} must be between 1 and {max_width=} (the fewest and the "
+                         "most members wanted in a group)")
     if plan is None:
         devs = resolve_devices(devices)
         cap = batch_size if batch_size is not None else max_batch_size
@@ -539,14 +549,16 @@ def plan_fusion(
         if plan.batch_size == first_batch and not getattr(plan, "provisional", False):
             solo = group_held_bytes(plan.estimate, plan, 1, first_batch)
         width = _widest_group(lambda k, answer=False: held(k, first_batch, answer and run_grade),
-                              max_width, usable, solo)
+                              max_width, usable, solo, min_width)
         if width == 0:
-            one = held(1, first_batch)
+            need = held(min_width, first_batch)
+            who = ("one fused member needs" if min_width == 1 else
+                   f"a fused group of {min_width} members needs")
             raise DoesNotFitError(
-                f"one fused member needs {one} bytes ({format_bytes(one)}) per device at "
-                f"batch {first_batch} but {usable} ({format_bytes(usable)}) are usable; use "
-                "more devices or more memory_per_device",
-                bytes_needed=one, bytes_available=usable)
+                f"{who} {need} bytes ({format_bytes(need)}) per device at batch {first_batch} "
+                f"but {usable} ({format_bytes(usable)}) are usable; use more devices or more "
+                "memory_per_device",
+                bytes_needed=need, bytes_available=usable)
     batch = first_batch
     if batch_size is None:
         batch = _largest_fitting(lambda b: held(width, b), dp, plan.batch_size, dp, usable)

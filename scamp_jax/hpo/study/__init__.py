@@ -43,6 +43,7 @@ from scamp_jax.hpo.study.storage import StudySettingsError as StudySettingsError
 from scamp_jax.hpo.study.storage import open_storage as open_storage
 from scamp_jax.hpo.study.storage import open_study as open_study
 from scamp_jax.hpo.study.storage import retried_from as retried_from
+from scamp_jax.hpo.study.storage import stopped_attempt as stopped_attempt
 from scamp_jax.hpo.study.storage import storage_url as storage_url
 from scamp_jax.hpo.study.trials import CHECKPOINT_KEY as CHECKPOINT_KEY
 from scamp_jax.hpo.study.trials import FAIL_REASON as FAIL_REASON
@@ -77,6 +78,7 @@ __all__ = [
     "open_storage",
     "open_study",
     "retried_from",
+    "stopped_attempt",
     "sampler_seed",
     "storage_url",
     "when_full",

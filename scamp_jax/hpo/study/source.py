@@ -16,7 +16,13 @@ from optuna.trial import FrozenTrial, TrialState
 
 from scamp_jax._signals import stops_held
 from scamp_jax.hpo.settings import HEARTBEAT_INTERVAL
-from scamp_jax.hpo.study.storage import StudyHandle, quiet_optuna, retried_from, retry_callback
+from scamp_jax.hpo.study.storage import (
+    StudyHandle,
+    quiet_optuna,
+    retried_from,
+    retry_callback,
+    stopped_attempt,
+)
 from scamp_jax.hpo.study.trials import (
     CHECKPOINT_KEY,
     FAIL_REASON,
@@ -161,8 +167,8 @@ class OptunaTrialSource:
         runs under a new number from its original's checkpoints."""
         with self._lock:
             waiting = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-        origins = {retried_from(t) for t in waiting} - {None} - set(self.recovered)
-        return sorted(o for o in origins if o is not None)
+        stopped = {stopped_attempt(t) for t in waiting} - {None} - set(self.recovered)
+        return sorted(n for n in stopped if n is not None)
 
     def _recover_running(self) -> None:
         """Fail every ``RUNNING`` trial (public ``tell``) and queue a retry of each."""
@@ -426,18 +432,20 @@ class OptunaTrialSource:
         params = self.space.suggest(trial)  # first: a trial killed before it has no params
         for name, value in attrs.items():
             trial.set_user_attr(name, value)
-        origin = None
-        if self._storage is not None and trial.number in self._ids:
-            origin = retried_from(self._storage.get_trial(self._ids[trial.number]))
+        # its record of the trials it retries (Optuna keeps it with the stored trial)
+        frozen = (self._storage.get_trial(self._ids[trial.number])
+                  if self._storage is not None and trial.number in self._ids
+                  else self.study.get_trials(deepcopy=False)[trial.number])
         key = trial.user_attrs.get(CHECKPOINT_KEY)
         if key is None:
+            origin = retried_from(frozen)
             key = f"trial_{trial.number if origin is None else origin}"
             trial.set_user_attr(CHECKPOINT_KEY, key)
         self._live[trial.number] = trial
         sibling_of = trial.user_attrs.get(SIBLING_OF)
         return AskedTrial(trial.number, dict(params), key,
                           sibling_of=None if sibling_of is None else int(sibling_of),
-                          retry_of=origin)
+                          retry_of=stopped_attempt(frozen))
 
     def report(self, number: int, step: int, value: float) -> bool:
         """Record ``value`` at ``step`` for trial ``number``; True if the pruner stops it.

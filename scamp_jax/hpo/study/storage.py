@@ -113,9 +113,18 @@ def retry_callback() -> optuna.storages.RetryHeartbeatStaleTrialCallback:
 
 
 def retried_from(trial: FrozenTrial) -> int | None:
-    """Number of the original trial that ``trial`` retries (None: not a retry)."""
+    """Number of the original trial that ``trial`` retries (None: not a retry): the first of a
+    chain of retries, whose checkpoint directory every retry of the chain keeps."""
     with quiet_optuna():
         return optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(trial)
+
+
+def stopped_attempt(trial: FrozenTrial) -> int | None:
+    """Number of the trial that ``trial`` runs again (None: not a retry): the attempt a run
+    stopped, the last of its chain of retries (`retried_from` is the first)."""
+    with quiet_optuna():
+        history = optuna.storages.RetryHeartbeatStaleTrialCallback.retry_history(trial)
+    return history[-1] if history else None
 
 
 def open_storage(
