@@ -323,7 +323,7 @@ def check_storage(url: str | None, study_dir: str | Path) -> None:
         from sqlalchemy.engine import make_url
         from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
-        example = "e.g. sqlite:///runs/study.db or postgresql+psycopg://user@host/db"
+        example = "sqlite:///runs/study.db or postgresql+psycopg://user@host/db"
         try:
             parsed = make_url(url)
         except ArgumentError:

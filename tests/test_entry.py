@@ -130,6 +130,9 @@ def test_run_study_fuses_trials_of_one_architecture(tmp_path):
     assert trials[0]["fused_group"] is not None
     assert trials[0]["fused_group"] == trials[1]["fused_group"]
     assert [t["fusion_width"] for t in trials] == [2, 2]
+    # every member's timeline has its group's plan and start (the group's events: its key's)
+    assert all(t["planned_at"] is not None and t["started_at"] >= t["planned_at"]
+               for t in trials)
 
 
 def test_a_finished_grid_ends_the_study_with_one_line(tmp_path, capsys):
@@ -255,6 +258,18 @@ def test_a_study_at_its_total_says_why_a_rerun_runs_nothing(tmp_path, capsys):
     assert lines.index(next(x for x in lines if x.startswith("pool:"))) + 1 == lines.index(
         next(x for x in lines if x.startswith("nothing left to run"))), out
     assert "this run trained nothing" in out, out
+    assert len(json.loads((tmp_path / "results.json").read_text())["runs"]) == 1
+    # A Ctrl-C while such a rerun sets its engine up adds no run either. (Faked: a rerun with
+    # nothing to train is over before a real signal could be timed to land in it.)
+    from scamp_jax.hpo.session import StudySession
+
+    def interrupted(self, source):
+        raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(StudySession, "run_engine", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            scamp_jax.run_study(SPACE, function_task(), **kw)
     assert len(json.loads((tmp_path / "results.json").read_text())["runs"]) == 1
     more = scamp_jax.run_study(SPACE, function_task(), **{**kw, "trials": 3})
     assert more["trials_this_run"] == 1

@@ -478,3 +478,21 @@ def test_a_retry_holds_no_siblings_of_its_trial(tmp_path):
     retry = next(t for t in src.study.get_trials() if retried_from(t) == proposal.number)
     assert HELD_SIBLINGS not in retry.user_attrs
     assert src.remaining() == 6 - 2  # nothing runs; the two siblings are still held here
+
+
+def test_opening_a_study_leaves_optunas_creation_note_to_our_opening_lines(tmp_path, capfd):
+    """Optuna's "A new study created" / "Using an existing study" note is dropped while a study
+    opens (the session's opening lines say more), on that thread only: Optuna's verbosity is
+    not changed, and a study created elsewhere is still announced."""
+    before = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.INFO)  # Optuna's default
+    try:
+        open_study("toy", study_dir=tmp_path)
+        open_study("toy", study_dir=tmp_path)  # the existing one
+        assert optuna.logging.get_verbosity() == optuna.logging.INFO
+        err = capfd.readouterr().err
+        assert "A new study created" not in err and "Using an existing study" not in err, err
+        optuna.create_study()
+        assert "A new study created in memory" in capfd.readouterr().err
+    finally:
+        optuna.logging.set_verbosity(before)

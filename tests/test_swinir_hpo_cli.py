@@ -203,6 +203,8 @@ def test_study_dir_that_is_not_writable_is_rejected():
     ("postgresql+nosuchdriver://u@h/db", "is not a supported database"),
     ("postgresql+pg8000://u@h/db", "needs the database driver 'pg8000'"),
     ("sqlite://", "running it again cannot resume the study"),
+    # found only when the study opens: /proc takes no new file, even from root
+    ("sqlite:////proc/scamp_study.db", "'/proc/scamp_study.db' cannot be created"),
 ])
 def test_bad_storage_url_is_rejected_before_a_study_exists(tmp_path, url, needle):
     _one_line_error(cli("--storage", url, "--study-dir", str(tmp_path / "s")), "--storage",

@@ -400,6 +400,8 @@ class SearchEngine:
         now = self._now()
         tp = fresh.trial_plan(self.planning)
         self.records[fresh.key].queued(now, tp, event)
+        for member in fresh.members:  # a group's events are its key's; its plan is everyone's
+            self.records[member.number].times.setdefault("planned_at", now)
         if event == "requeued":
             self.core.requeue(now, tp)
         else:

@@ -124,6 +124,7 @@ def plan_candidates(
     from scamp_jax.hpo.fused_engine import FusionService
     from scamp_jax.hpo.plan_service import PlanningService
     from scamp_jax.hpo.study.samplers import make_sampler
+    from scamp_jax.hpo.study.storage import quiet_study_creation
     from scamp_jax.hpo.trial import fusion_cap
     from scamp_jax.planning.compile_events import CompileCounter
     from scamp_jax.planning.planner import DoesNotFitError, plan_mesh
@@ -138,13 +139,9 @@ def plan_candidates(
                               max_running=max_running(config, devices))
     cap = fusion_cap(config.fuse)
     fusion = None if cap is None else FusionService(space, task, cap, service)
-    previous = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    try:
+    with quiet_study_creation():
         study = optuna.create_study(sampler=make_sampler(settings.sampler, settings.seed,
                                                          space.grid))
-    finally:
-        optuna.logging.set_verbosity(previous)
     for params in settings.initial_params:
         study.enqueue_trial(dict(params))
     rows: list[CandidatePlan] = []

@@ -371,7 +371,8 @@ class StudySession:
     def report_interrupted(self, study: optuna.Study, elapsed_s: float,
                            trials_this_run: int | None = None, **run: Any) -> None:
         """``results.json``/``.csv`` of an interrupted run: every finished trial, and this run
-        appended to the runs (no plots; the next run draws them) with the trials it finished,
+        appended to the runs (no plots; the next run draws them; none where the study had all
+        its trials when the run opened it and the run finished none) with the trials it finished,
         its figures up to the interrupt where the engine had started (usage, timeline,
         overhead: `run_engine`) and ``run``'s entries (``ranks`` under MPI, where ``devices``
         and the usage are rank 0's)."""
@@ -387,9 +388,11 @@ class StudySession:
             run_info["overhead"] = self.overhead
         run_info.update(interrupted=True, elapsed_s=elapsed_s, trials_this_run=trials_this_run,
                         **run)
+        # an interrupted rerun of a full study trained nothing either: no run is added
+        idle = self.nothing_to_run and not trials_this_run
         report.write_results(self.out_dir, report.trial_records(study, self._metrics()),
                              metric=self.task.metric, direction=self.task.direction,
-                             run=run_info)
+                             run=None if idle else run_info)
 
     def _metrics(self) -> list[str]:
         return [self.task.metric] + ([self.baseline] if self.baseline else [])

@@ -126,12 +126,20 @@ def cache_key(parts: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
+def _create_tables(db: sqlite3.Connection) -> None:
+    db.execute("CREATE TABLE IF NOT EXISTS plans (key TEXT PRIMARY KEY, record TEXT)")
+    db.execute("CREATE TABLE IF NOT EXISTS peaks (key TEXT, batch INTEGER, record TEXT, "
+               "PRIMARY KEY (key, batch))")
+    db.execute("CREATE TABLE IF NOT EXISTS allowances (platform TEXT, device_kind TEXT, "
+               "record TEXT, PRIMARY KEY (platform, device_kind))")
+
+
 class PlanCache:
     """Plans and compiled peaks in a SQLite file (see the module docstring).
 
     Args:
-      path: the database file (created with its parent directory), e.g.
-        ``<study_dir>/plans.sqlite``.
+      path: the database file, e.g. ``<study_dir>/plans.sqlite``, created with its parent
+        directory when the cache is first used (a study that fails to open leaves nothing).
 
     Attributes:
       hits, misses: plan lookups answered and not answered by this object, in this process.
@@ -139,28 +147,25 @@ class PlanCache:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        self._created = False
         self.hits = 0
         self.misses = 0
-        with self._connect() as db:
-            db.execute("CREATE TABLE IF NOT EXISTS plans (key TEXT PRIMARY KEY, record TEXT)")
-            db.execute(
-                "CREATE TABLE IF NOT EXISTS peaks (key TEXT, batch INTEGER, record TEXT, "
-                "PRIMARY KEY (key, batch))"
-            )
-            db.execute(
-                "CREATE TABLE IF NOT EXISTS allowances (platform TEXT, device_kind TEXT, "
-                "record TEXT, PRIMARY KEY (platform, device_kind))"
-            )
 
     @contextlib.contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
         # A connection per call: sqlite3 connections are not shared across threads, and a
         # short-lived one never holds a lock between calls. ``with db`` commits (or rolls back).
+        # Every caller holds ``self._lock``, so the file and its tables are made once.
+        if not self._created:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_S)
         write_ahead(db)  # a plan's few commits do not each wait for the disk
         try:
+            if not self._created:
+                with db:
+                    _create_tables(db)
+                self._created = True
             with db:
                 yield db
         finally:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
+import threading
 import time
 import warnings
 import zlib
@@ -195,6 +197,12 @@ def _create_sqlite_file(url: str) -> bool:
             return True
     except FileExistsError:
         return False
+    except OSError as err:  # a folder that is not there, or not writable
+        kind = type(err) if isinstance(err, (FileNotFoundError, NotADirectoryError)) \
+            else PermissionError
+        raise kind(f"the study database {parsed.database!r} cannot be created "
+                   f"({err.strerror or err}); pass storage as a database file in a folder "
+                   "this process can write to") from err
 
 
 @dataclass(frozen=True)
@@ -215,6 +223,40 @@ class StudyHandle:
     def name(self) -> str:
         """The study's name in the storage."""
         return self.study.study_name
+
+
+class _StudyCreationNote(logging.Filter):
+    """Drops Optuna's "A new study created" / "Using an existing study" note on the threads
+    inside `quiet_study_creation` (the caller's opening lines say more: how many trials the
+    study holds); Optuna's other messages, and every other thread's, pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quiet = threading.local()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not getattr(self.quiet, "on", False) or record.levelno > logging.INFO:
+            return True
+        message = record.getMessage()
+        return not message.startswith(("A new study created", "Using an existing study"))
+
+
+_CREATION_NOTE = _StudyCreationNote()
+for _name in ("optuna.study.study", "optuna.storages._rdb.storage",
+              "optuna.storages._in_memory", "optuna.storages.journal._storage"):
+    logging.getLogger(_name).addFilter(_CREATION_NOTE)  # the loggers that say it (Optuna 4-5)
+
+
+@contextlib.contextmanager
+def quiet_study_creation() -> Iterator[None]:
+    """Within the block, on this thread, Optuna's study-creation note is not logged (at
+    Optuna's debug verbosity it is: a user who asked for Optuna's details gets them)."""
+    before = getattr(_CREATION_NOTE.quiet, "on", False)
+    _CREATION_NOTE.quiet.on = optuna.logging.get_verbosity() > optuna.logging.DEBUG
+    try:
+        yield
+    finally:
+        _CREATION_NOTE.quiet.on = before
 
 
 def open_study(
@@ -245,12 +287,7 @@ def open_study(
     url = storage_url(study_dir, storage)
     rdb = open_storage(study_dir, url, heartbeat_interval=heartbeat_interval,
                        grace_period=grace_period)
-    # Optuna's own "A new study created" / "Using an existing study" note says less than the
-    # caller's opening lines (how many trials the study holds): kept at its debug level only.
-    verbosity = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(max(verbosity, optuna.logging.WARNING)
-                                 if verbosity > optuna.logging.DEBUG else verbosity)
-    try:
+    with quiet_study_creation():
         study = optuna.create_study(
             storage=rdb,
             study_name=study_name,
@@ -259,8 +296,6 @@ def open_study(
             pruner=make_pruner(pruner, warmup_steps=warmup_steps),
             load_if_exists=True,
         )
-    finally:
-        optuna.logging.set_verbosity(verbosity)
     if study.direction.name.lower() != direction:
         raise ValueError(
             f"study {study_name!r} in the storage was created to {study.direction.name.lower()} "
