@@ -35,7 +35,7 @@ def sigterm_stops() -> Iterator[None]:
             or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL):
         yield
         return
-    sent = []
+    sent: list[int] = []
 
     def stop(signum: int, frame: Any) -> None:
         if not sent:  # once: the stop then runs its course
@@ -57,7 +57,7 @@ def stops_held() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {s: signal.getsignal(s) for s in _HELD}
+    previous: dict[int, Any] = {s: signal.getsignal(s) for s in _HELD}
     if any(isinstance(h, _Holder) for h in previous.values()):  # an outer block holds them
         yield
         return

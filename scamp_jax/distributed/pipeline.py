@@ -20,7 +20,7 @@ exits without ``MPI_Finalize``), so a broken pipeline stops instead of hanging i
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Unpack
 
 import jax
@@ -134,7 +134,7 @@ class MPIPipelineExecutor(StageExecutor):
             )
         return act_in, grad_in
 
-    def _compile(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    def _compile(self) -> tuple[jax.stages.Wrapped, jax.stages.Wrapped]:
         spec, layout = self.spec, self.layout
 
         def compute(state: State, ins: jax.Array, lr: jax.Array, hr: jax.Array, stage: jax.Array):

@@ -245,6 +245,7 @@ def check_share(share: int, step_peak: int | None, prefetch: int, task: Task,
     chosen = None
     if supports_chunked_eval(task):
         groups = abstract_eval_inputs(task)
+        assert groups is not None  # None only for a task without chunked evaluation
         forward = evaluator()
         chunk = int(getattr(plan, "eval_chunk", 0) or 0)
         if chunk:
@@ -473,7 +474,9 @@ class Lifecycle:
         """The task's scores of slot ``slot``: the planned forward in chunks on the run's
         devices, or the task's own ``evaluate`` for a task without chunks."""
         task = self.task
+        metrics: Mapping[str, Any]
         if self.evaluation is not None:
+            assert supports_chunked_eval(task)  # only such a task's evaluation is planned
             params, _, rest = self.program.member(slot)
             outputs = self.program.evaluator().run(self.evaluation.chunk, params, rest,
                                                    task.eval_inputs())

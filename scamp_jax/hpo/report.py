@@ -312,7 +312,9 @@ def plot_results(
     if baseline and any(r.get(baseline) is not None for r in done):
         ref = [r[baseline] for r in done if r.get(baseline) is not None]
         ax.axhline(sum(ref) / len(ref), ls="--", color="gray", label=baseline)
-    ax.xaxis.get_major_locator().set_params(integer=True)  # trial numbers, no halves
+    # Trial numbers, no halves. The axis' locator is an AutoLocator, whose set_params takes
+    # ``integer``; matplotlib's stub types it as a Locator, whose set_params takes nothing.
+    ax.xaxis.get_major_locator().set_params(integer=True)  # type: ignore[call-arg]
     ax.set_xlabel("trial number")
     ax.set_ylabel(metric)
     ax.set_title(f"{metric} of each complete trial")

@@ -282,8 +282,11 @@ class StudySession:
         from scamp_jax.planning.compile_cache import study_compile_cache
 
         if engine is None:
-            from scamp_jax.hpo.engine import SearchEngine as engine
-        title, stream = self.title, None if self.live else PlainStream()
+            from scamp_jax.hpo.engine import SearchEngine
+
+            engine = SearchEngine
+        title = self.title
+        stream: Any = None if self.live else PlainStream()  # None: stdout
         if self.ranks > 1:  # every rank's log lines say whose they are; rank 0 may be live
             title = f"{self.title} (rank {self.rank} of {self.ranks})"
             live = self.live and self.rank == 0 and is_terminal(sys.stdout)

@@ -12,7 +12,6 @@ The state layout, initialisation, export, byte counts and the tick loop are thos
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Unpack
 
 import jax
@@ -74,7 +73,7 @@ class PipelineExecutor(StageExecutor):
         return NamedSharding(self.mesh, P("stage"), memory_kind=kind)
 
     # -- compiled tick ----------------------------------------------------------------------
-    def _compile(self) -> Callable[..., tuple[State, jax.Array]]:
+    def _compile(self) -> jax.stages.Wrapped:
         spec, layout = self.spec, self.layout
         s_count = spec.num_stages
         forward_perm = [(i, i + 1) for i in range(s_count - 1)]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 import jax
 import numpy as np
@@ -54,7 +54,7 @@ class ChunkedEvalTask(Protocol):
         ...
 
 
-def supports_chunked_eval(task: Any) -> bool:
+def supports_chunked_eval(task: Any) -> TypeGuard[ChunkedEvalTask]:
     """True if ``task`` has the `ChunkedEvalTask` methods."""
     return isinstance(task, ChunkedEvalTask)
 

@@ -456,7 +456,9 @@ def _eval(jaxpr: Any, consts: list[np.ndarray], args: list[np.ndarray]) -> list[
 
     def read(var: Any) -> np.ndarray:
         if isinstance(var, jcore.Literal):
-            return np.asarray(var.val, dtype=np.dtype(var.aval.dtype))
+            # a literal's aval is a ShapedArray, which JAX annotates as its base AbstractValue
+            dtype = var.aval.dtype  # type: ignore[attr-defined]
+            return np.asarray(var.val, dtype=np.dtype(dtype))
         return env[var]
 
     for var, value in zip(jaxpr.constvars, consts, strict=True):

@@ -35,7 +35,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +52,8 @@ from scamp_jax.planning.train_step import StepShardings, split_model, stack_shar
 
 PyTree = Any
 Build = Callable[[nnx.Rngs], nnx.Module]
+#: a hyperparameter's value: a scalar for one seed, ``(width,)`` values for a group's members
+Hyper = np.float32 | np.ndarray
 #: `jax.monitoring` duration event of each initial state made with NumPy (its trace, if new,
 #: and its evaluation; no compile event is recorded for it: `scamp_jax.hpo.overhead` reports it).
 HOST_INIT_EVENT = "/scamp_jax/initial_state/host"
@@ -181,7 +183,7 @@ class InitialStates:
                           hyper, width)
 
     def _make(self, architecture: Any, build: Build, optimizer: optax.GradientTransformation,
-              shardings: StepShardings, seeds: np.ndarray, hyper: Mapping[str, np.ndarray],
+              shardings: StepShardings, seeds: np.ndarray, hyper: Mapping[str, Hyper],
               width: int | None) -> tuple[PyTree, PyTree, PyTree]:
         mesh = shardings.mesh
         devices = list(mesh.devices.flat)
@@ -197,7 +199,7 @@ class InitialStates:
             host_key = ("host", architecture, names, tree)
             host, made = self._programs.get(
                 host_key, lambda: _HostProgram.trace(build, optimizer, names, home))
-        if host is not _UNSUPPORTED:
+        if isinstance(host, _HostProgram):  # not `_UNSUPPORTED`
             state = host.make(seeds, hyper, width)
             self._count(made)
             jax.monitoring.record_event_duration_secs(HOST_INIT_EVENT,
@@ -276,7 +278,7 @@ class _HostProgram:
         keys = [jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key) for s in leaves]
         return _HostProgram(closed, out_tree, keys)
 
-    def make(self, seeds: np.ndarray, hyper: Mapping[str, np.ndarray],
+    def make(self, seeds: np.ndarray, hyper: Mapping[str, Hyper],
              width: int | None) -> PyTree:
         """The state of one seed (``width`` None) or the stacked states of ``width`` seeds,
         each member made alone (so member ``i`` is the solo state of ``seeds[i]``)."""
@@ -284,9 +286,12 @@ class _HostProgram:
 
         def one(i: int | None) -> list[np.ndarray]:
             seed = seeds if i is None else seeds[i]
-            values = [np.float32(hyper[k] if i is None else hyper[k][i]) for k in names]
+            # a group's (``i`` not None) values are arrays of one value per member
+            values = [np.float32(hyper[k] if i is None else cast(np.ndarray, hyper[k])[i])
+                      for k in names]
             return host_init.evaluate(self.closed, np.int32(seed), *values, checked=True)
 
+        leaves: list[Any]  # NumPy arrays, then the state's leaves (key arrays among them)
         if width is None:
             leaves = one(None)
         else:

@@ -25,7 +25,7 @@ from jax.extend import core as jex_core
 def _bytes(var: Any) -> int:
     aval = getattr(var, "aval", None)
     shape = getattr(aval, "shape", None)
-    if shape is None:
+    if aval is None or shape is None:
         return 0
     return math.prod(shape) * aval.dtype.itemsize
 

@@ -610,7 +610,7 @@ def _request(
                 f"{model_parallel=} must divide the device count {n}; choose one of "
                 f"{_divisors(n)}"
             )
-        candidates = (model_parallel,)
+        candidates: tuple[int, ...] = (model_parallel,)
     else:
         candidates = tuple(_divisors(n))
     budget = plan_budget(memory_per_device, devs, safety_margin, allowance_bytes, cache)

@@ -229,6 +229,7 @@ def load_on_devices(compiled: jax.stages.Compiled, source_ids: Sequence[int],
         payload, in_tree, out_tree = serialize_executable.serialize(compiled)
         mapping = {int(i): d for i, d in zip(source_ids, devices, strict=True)}
         executable = compiled.runtime_executable()
+        assert executable is not None  # `MOVABLE_PLATFORMS`' executables have one
         # a one-process CPU executable's local devices: its device assignment's order
         assigned = [d.id for d in executable.local_devices()]
         if executable.client is not devices[0].client or sorted(assigned) != sorted(mapping):

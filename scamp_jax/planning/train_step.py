@@ -148,7 +148,8 @@ def same_shardings(a: StepShardings, b: StepShardings) -> bool:
     is_leaf = lambda x: isinstance(x, jax.sharding.Sharding)  # noqa: E731
     trees = [(s.params, s.opt_state, s.rest, s.batch) for s in (a, b)]
     flat = [jax.tree.flatten(t, is_leaf=is_leaf) for t in trees]
-    return flat[0][1] == flat[1][1] and all(
+    # jaxlib ships no stub for PyTreeDef (the tree structures), so mypy cannot compare them
+    return flat[0][1] == flat[1][1] and all(  # type: ignore[operator]
         x == y for x, y in zip(flat[0][0], flat[1][0], strict=True))
 
 

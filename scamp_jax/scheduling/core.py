@@ -60,6 +60,7 @@ from scamp_jax.scheduling.pace import Paces, Run
 from scamp_jax.scheduling.placement import (
     DeviceOption,
     Placement,
+    Policy,
     PoolSnapshot,
     ScampPolicy,
     TrialRequest,
@@ -170,7 +171,7 @@ class SchedulingCore:
         overlap, the measured busy fraction). The cluster simulator's `ClusterModel.overlap`.
     """
 
-    policy: object
+    policy: Policy
     devices: int
     budget: Budget
     restart_seconds: float | None = None
@@ -508,8 +509,12 @@ class SchedulingCore:
             # The costs are compute at the best rate; a trial measured alike spends only its
             # busy fraction of a step computing, and on more devices only that part shrinks.
             busy = self.paces.predicted_busy(self._queue[r.key], alike)
-            queued.append((r.key, tuple((o.devices, o.seconds / (busy or 1.0))
-                                        for o in c if o.devices <= idle)))
+            fits = []
+            for o in c:
+                if o.devices <= idle:
+                    assert o.seconds is not None  # `ScampPolicy._choices` costs every option
+                    fits.append((o.devices, o.seconds / (busy or 1.0)))
+            queued.append((r.key, tuple(fits)))
         if sum(c[0][0] if c else idle + 1 for _, c in queued) > idle:
             return None  # not all can start now: the wave is not the last one to place
         movers, frees = running_tail(

@@ -148,7 +148,9 @@ def resizes(
     def worth_it(r: RunningTrial, o: DeviceOption) -> bool:
         # Saves enough, fits the trial's own devices (what it frees there plus their free
         # memory) and enough idle devices hold it.
-        return (o.seconds <= (1.0 - policy.min_resize_gain) * r.remaining_seconds
+        seconds = o.seconds
+        assert seconds is not None  # restart options are costed (`RunningTrial.options`)
+        return (seconds <= (1.0 - policy.min_resize_gain) * r.remaining_seconds
                 and all(free[d] + r.bytes_per_device >= o.bytes_per_device
                         for d in r.device_ids)
                 and len(idle) - bisect.bisect_left(idle_capacity, o.bytes_per_device)
@@ -191,14 +193,15 @@ def resizes(
                     continue
                 if o.devices - devices > surplus:
                     break
+                assert o.seconds is not None  # costed: `worth_it` kept it
                 if o.seconds < -neg:
-                    move = o
+                    move, seconds = o, o.seconds
                     break
             if move is None:
                 continue  # it cannot move now, nor later with less surplus
             surplus -= move.devices - devices
             taken.setdefault(r.key, []).append(move)
-            heapq.heappush(moved, (-move.seconds, i, move.devices))
+            heapq.heappush(moved, (-seconds, i, move.devices))
         return taken, surplus
 
     def wait_is_sooner(r: RunningTrial, o: DeviceOption, freeing: list[float],
@@ -217,9 +220,10 @@ def resizes(
         own = len(r.device_ids)
         extra = o.devices - own + surplus
         restart = r.restart_seconds
+        assert o.seconds is not None  # restart options are costed (`RunningTrial.options`)
 
-        def end(p: DeviceOption, w: float) -> float:
-            return w + (p.seconds - restart) * (rest - w) / rest + restart
+        def end(seconds: float, w: float) -> float:
+            return w + (seconds - restart) * (rest - w) / rest + restart
 
         for p in offered[r.key]:
             if p.devices <= o.devices:
@@ -228,13 +232,15 @@ def resizes(
             first = 1 if need <= 0 else need * sharing
             if first > last:
                 continue
-            ends = (end(p, freeing[first - 1]), end(p, freeing[last - 1]))
+            assert p.seconds is not None  # as every restart option
+            ends = (end(p.seconds, freeing[first - 1]), end(p.seconds, freeing[last - 1]))
             if min(ends) < o.seconds:
                 return True
             slack = 1e-9 * (abs(o.seconds) + abs(p.seconds) + abs(restart) + rest
                             + abs(freeing[last - 1]))
             if min(ends) - o.seconds <= slack and any(
-                    end(p, freeing[count - 1]) < o.seconds for count in range(first + 1, last)):
+                    end(p.seconds, freeing[count - 1]) < o.seconds
+                    for count in range(first + 1, last)):
                 return True
         return False
 
@@ -446,12 +452,12 @@ class _TailSearch:
             return True
         if i == len(self.movers):
             if worst < self.best:
-                moved = [(m, c) for m, c in zip(self.movers, self.chosen, strict=True)
-                         if c[0] is not None]
+                moved = [(m, t, n, e) for m, (t, n, e) in zip(self.movers, self.chosen, strict=True)
+                         if t is not None]
                 self.best = worst
                 self.plan = TailPlan(worst, dict(self.degrees),
-                                     {m.key: (t, n) for m, (t, n, _) in moved},
-                                     {**self.ends, **{m.key: e for m, (_, _, e) in moved}})
+                                     {m.key: (t, n) for m, t, n, _ in moved},
+                                     {**self.ends, **{m.key: e for m, _, _, e in moved}})
             return True
         for j, o in enumerate(self.options[i]):
             if max(worst, o[2]) >= self.best:

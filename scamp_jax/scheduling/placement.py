@@ -235,12 +235,15 @@ def _smallest(capacity: Sequence[int]) -> int:
 class Policy(Protocol):
     """What the engine and the simulator need from a placement policy."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """Its name, as `make_policy` takes it (``"scamp"``, ``"fixed"``)."""
+        ...
 
     def decide(
         self,
         snapshot: PoolSnapshot,
-        queue: Sequence[TrialRequest],
+        queue: Sequence[TrialRequest] | RequestQueue,
         *,
         arrivals_pending: bool = True,
     ) -> tuple[Placement, ...]:
@@ -255,7 +258,7 @@ class Policy(Protocol):
         ...
 
 
-def _ordered(queue: Sequence[TrialRequest]) -> list[TrialRequest]:
+def _ordered(queue: Iterable[TrialRequest]) -> list[TrialRequest]:
     """Queue in arrival order, ties by key. (A key queued twice is caught by `DevicePool`.)"""
     return sorted(queue, key=_ARRIVAL_ORDER)
 
@@ -610,8 +613,9 @@ class ScampPolicy:
             budget = (1.0 + self.growth_tolerance) * c[0].devices * (c[0].seconds or 0.0)
             pick = 0
             for i, o in enumerate(c):
-                if (o.devices in costed and o.seconds < c[pick].seconds
-                        and o.devices * o.seconds <= budget):
+                seconds, fastest = o.seconds, c[pick].seconds
+                assert seconds is not None and fastest is not None  # costed by `_choices`
+                if o.devices in costed and seconds < fastest and o.devices * seconds <= budget:
                     pick = i
             if pick:
                 o = c[pick]
@@ -654,7 +658,7 @@ class ScampPolicy:
     def decide(
         self,
         snapshot: PoolSnapshot,
-        queue: Sequence[TrialRequest],
+        queue: Sequence[TrialRequest] | RequestQueue,
         *,
         arrivals_pending: bool = True,
     ) -> tuple[Placement, ...]:
@@ -871,7 +875,7 @@ class FixedPolicy:
     def decide(
         self,
         snapshot: PoolSnapshot,
-        queue: Sequence[TrialRequest],
+        queue: Sequence[TrialRequest] | RequestQueue,
         *,
         arrivals_pending: bool = True,
     ) -> tuple[Placement, ...]:
@@ -937,9 +941,11 @@ def _grow_into_surplus(chosen: dict[int, int], choices: dict[int, tuple[DeviceOp
             for j in range(i + 1, len(c)):
                 if c[j].devices - c[i].devices > surplus:
                     break
-                if c[j].seconds < c[i].seconds:
-                    if best is None or c[i].seconds > best[0]:
-                        best = (c[i].seconds, key, j)
+                shorter, seconds = c[j].seconds, c[i].seconds
+                assert shorter is not None and seconds is not None  # costed by `_choices`
+                if shorter < seconds:
+                    if best is None or seconds > best[0]:
+                        best = (seconds, key, j)
                     break
         if best is None:
             break

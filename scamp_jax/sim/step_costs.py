@@ -129,7 +129,10 @@ def measure_cost(
         compiled = lowered.compile(compiler.compiler_options)
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
-        kernels, comm = hlo_kernels_and_collectives(compiled.as_text(), model_parallel)
+        text = compiled.as_text()
+        # XLA gives both on CPU, GPU and TPU (`sim_fusion.measure_fused_costs` checks it)
+        assert cost is not None and text is not None
+        kernels, comm = hlo_kernels_and_collectives(text, model_parallel)
         rows.append((float(cost["flops"]), float(cost["bytes accessed"]), comm, kernels))
     prefetch_per_sample = sh.bytes_per_device(with_batch_size(sample_batch, 1),
                                               compiler.shardings.batch)
@@ -149,13 +152,13 @@ def measure_cost(
 
     flops = fit(f1, f2)
     traffic = fit(m1, m2)
-    comm = fit(c1, c2)
+    mp_comm = fit(c1, c2)
     cost_model = StepCostModel(
         model_parallel=model_parallel,
         flops_fixed=flops[0], flops_per_sample=flops[1],
         bytes_fixed=traffic[0], bytes_per_sample=traffic[1],
         gradient_bytes=float(compiler.params_bytes),
-        mp_comm_fixed=comm[0], mp_comm_per_sample=comm[1],
+        mp_comm_fixed=mp_comm[0], mp_comm_per_sample=mp_comm[1],
         kernels_per_step=k1,
         memory_fixed=memory.fixed_bytes, memory_per_sample=memory.bytes_per_sample,
         memory_floor=memory.floor_bytes,
