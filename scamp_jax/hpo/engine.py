@@ -615,4 +615,6 @@ def new_core(policy: Any, devices: Sequence[Any], config: EngineConfig,
 def max_running(config: EngineConfig, devices: Sequence[Any]) -> int | None:
     """Most trials running at once under ``config`` on ``devices`` (None: no cap)."""
     cap = config.max_running_trials
-    return default_max_running(devices) if cap == "auto" else cap
+    if isinstance(cap, str):  # "auto", the one word `EngineConfig` takes
+        return default_max_running(devices)
+    return cap
