@@ -60,9 +60,10 @@ def table(name: str, rows: list[list[str]]) -> list[str]:
 def _run_line(meta: dict[str, Any], sec: dict[str, Any]) -> str:
     command = meta.get("command", "python -m benchmarks.gpu_suite")
     line = (f"Run: {meta['started'][:10]}, {meta.get('devices', '?')} x "
-            f"{meta.get('device_kind', '?')}, `{command}`, {meta.get('out', '?')}; "
-            f"{sec.get('seconds', 0):.0f} s of a "
-            f"{sec.get('cap_seconds', 0):.0f} s cap")
+            f"{meta.get('device_kind', '?')}, `{command}`, {meta.get('out', '?')}; ")
+    if sec.get("status") == "not run" and not sec.get("cut_short"):
+        return line + f"**not run**: {sec.get('reason') or 'not selected'}."
+    line += f"{sec.get('seconds', 0):.0f} s of a {sec.get('cap_seconds', 0):.0f} s cap"
     if sec.get("cut_short"):
         reasons = sec.get("cut_reasons") or [sec.get("reason", "")]
         line += "; **cut short**: " + "; ".join(r for r in reasons if r)
@@ -181,6 +182,10 @@ def _fusion_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
              f"relative difference {r['max_final_loss_rel_diff']:.1e} (noise floor, the same "
              f"trial twice: {_f(r.get('noise_floor_final_loss'), '.1e')})"
              for r in sec.get("rows", [])]
+    notes += [f"The fused step alone with {r['other_form'].replace('_', ' ')} convolutions: "
+              f"{_f(r['other_form_step_speedup'], '.2f', 'x')} of the solo steps (this "
+              f"platform's own form: {_f(r.get('step_speedup'), '.2f', 'x')})"
+              for r in sec.get("rows", []) if r.get("other_form")]
     so_far = sec.get("fusion_so_far")
     if so_far and not sec.get("rows"):  # cut short inside benchmarks.fusion
         done = ", ".join(f"{v} {t[0]:.1f} s" for v, t in so_far["seconds"].items() if t)

@@ -9,6 +9,7 @@ finish in time, records ``cut_short`` and stops. Sizes come from `benchmarks.gpu
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -464,12 +465,52 @@ def fusion_section(cfg: Any, ctx: Context, rec: Record) -> None:
         rec.body["wide"] = wide
         row["wide_speedup"] = wide["wide_speedup"]
     rec.save()
+    # The fused step with its convolutions in the form the platform does not take by default
+    # (`scamp_jax.planning.member_ops`: grouped on a GPU, member by member on CPU), against
+    # the same solo steps: which form a fused group should run here.
+    _timeout(ctx, cfg.fusion_least_seconds)
+    other = other_convolution_form(ctx.platform)
+    try:
+        with convolution_form(other):
+            alt = fusion.step_times(cfg.fusion_family, cfg.fusion_width, cfg.fusion_batch,
+                                    ways=("fused",))
+    except Exception as err:  # noqa: BLE001 - the fused row above is the section's point
+        rec.body["other_form_error"] = f"{type(err).__name__}: {err}"
+    else:
+        rec.body["other_form"] = {"form": other, **alt}
+        row["other_form"] = other
+        row["other_form_step_speedup"] = alt["step_speedup"]
+    rec.save()
+
+
+def other_convolution_form(platform: str) -> str:
+    """The form of a fused program's per-member convolutions that ``platform`` does not run
+    by default (`scamp_jax.planning.member_ops`: member by member on CPU, grouped elsewhere)."""
+    return "grouped" if platform == "cpu" else "per_member"
+
+
+@contextlib.contextmanager
+def convolution_form(form: str) -> Iterator[None]:
+    """Programs traced inside run fused convolutions in ``form`` (``SCAMP_FUSED_CONVOLUTIONS``;
+    the variable as it was afterwards)."""
+    from scamp_jax.planning.member_ops import FORM_VARIABLE
+
+    before = os.environ.get(FORM_VARIABLE)
+    os.environ[FORM_VARIABLE] = form
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(FORM_VARIABLE, None)
+        else:
+            os.environ[FORM_VARIABLE] = before
 
 
 def _fusion_row(cfg: Any, report: dict[str, Any]) -> dict[str, Any]:
     """One row of the fusion table: the steady steps (medians), ``steady_speedup``,
     ``step_speedup``, ``wide_speedup`` (later) and the members' ``first_step_rel_diff``, as
-    `benchmarks.fusion` reports them; the noise floor's figures are added once measured."""
+    `benchmarks.fusion` reports them; the noise floor's and the other convolution form's
+    figures are added once measured."""
     members = report["members"]
     firsts = [m["first_step_rel_diff"] for m in members if "first_step_rel_diff" in m]
     steady = report.get("steady") or {}
@@ -490,6 +531,7 @@ def _fusion_row(cfg: Any, report: dict[str, Any]) -> dict[str, Any]:
         "max_first_step_rel_diff": max(firsts) if firsts else None,
         "max_final_loss_rel_diff": max(m["loss_rel_diff"] for m in members),
         "noise_floor_first_step": None, "noise_floor_final_loss": None,
+        "other_form": None, "other_form_step_speedup": None,
     }
 
 

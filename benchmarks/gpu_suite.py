@@ -20,7 +20,9 @@ does not use goes to the next:
   best PSNR against bicubic (stopped at its time, the record keeps its figures so far);
 - **fusion**: a fused group vs its members one after another (`benchmarks.fusion`): end to
   end and steady state, saved as it is measured; then the noise floor (one trial run twice,
-  the same program) and one member's step at K times the batch;
+  the same program), one member's step at K times the batch and, as time allows, the fused
+  step with its convolutions in the other form (member by member on a GPU), which says which
+  form a fused group should run there;
 - **memory**: each case planned with the allocator capped at the planner's budget (the planner
   reads its budget from the allocator, ``bytes_limit``), one row uncapped, the allocator's
   statistics after init, compile, step 1 and step 2, and the first batch that really runs out

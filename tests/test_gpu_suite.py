@@ -149,7 +149,9 @@ def test_a_failing_section_is_recorded_and_the_suite_goes_on(
     assert report["packing"]["status"] == "not run"
     written = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert set(gpu_suite.SECTIONS) <= set(written)
-    assert "**failed**: RuntimeError" in (tmp_path / "gpu_suite.md").read_text()
+    md = (tmp_path / "gpu_suite.md").read_text()
+    assert "**failed**: RuntimeError" in md
+    assert "**not run**: not selected (--only)." in md  # the sections left out say so
 
 
 def test_caps_share_the_time_left() -> None:
