@@ -29,10 +29,10 @@ import json
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from experiments._cli import CPU_DEVICES, positive_int
+from experiments._cli import CPU_DEVICES, HPOConfig, positive_int
 
 
 def _trial(space: Any, task: Any, params: dict[str, Any], devices: Sequence[Any],
@@ -106,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[int, int, int], list[f
 
         space, task = _space_and_task("digits")
     else:
+        get_config: Callable[[str], HPOConfig]  # swinir_hpo's takes a platform too
         if args.family == "swinir":
             from experiments.swinir_hpo import get_config, make_space_and_task
         else:

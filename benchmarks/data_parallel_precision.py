@@ -53,17 +53,22 @@ def compare(seed: int, learning_rate: float, steps: int) -> list[dict[str, Any]]
         losses: list[float] = []
         spec = RunSpec(number=0, params=params, plan=plans[devices], steps=steps,
                        memory_per_device=budget, seed=seed, log_every=1)
-        result = run_trial(spec, space, task,
-                           on_loss=lambda number, step, loss, into=losses: into.append(loss))
+
+        def on_loss(number: int, step: int, loss: float, into: list[float] = losses) -> None:
+            into.append(loss)
+
+        result = run_trial(spec, space, task, on_loss=on_loss)
         curve = np.asarray(losses)
         base = curve if base is None else base
         rel = np.abs(curve - base) / np.abs(base)
         off = np.flatnonzero(rel > 1e-5)
         first = int(off[0]) + 1 if off.size else None
+        # numpy 2.5's stubs (for Python 3.12+) lose ndarray.max's no-axis overloads under
+        # mypy's python_version 3.11: any array's max() is an error there
+        before = rel[: (first or len(rel) + 1) - 1].max(initial=0.0)  # type: ignore[call-overload]
         records.append({"devices": devices, "ulps": ulps, "data_parallel":
                         int(plans[devices].data_parallel), "psnr": result.metrics.get("psnr"),
-                        "loss": curve[-1], "first_off": first,
-                        "before": float(rel[: (first or len(rel) + 1) - 1].max(initial=0.0))})
+                        "loss": curve[-1], "first_off": first, "before": float(before)})
     return records
 
 

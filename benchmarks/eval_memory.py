@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 import jax
 from flax import nnx
@@ -25,7 +26,7 @@ from search_spaces import swinir
 from search_spaces.sr_task import SRTask
 
 
-def measure(memory_per_device: int, max_batch_size: int, eval_size: int) -> dict[str, int]:
+def measure(memory_per_device: int, max_batch_size: int, eval_size: int) -> dict[str, Any]:
     """Per-device bytes of training and evaluation for the small space's largest SwinIR."""
     space = swinir.space("small")
     task = SRTask(scale=2, eval_size=eval_size)
@@ -37,6 +38,7 @@ def measure(memory_per_device: int, max_batch_size: int, eval_size: int) -> dict
     params, _, rest = abstract_state(model, optimizer)
     graphdef = nnx.split(model)[0]
     groups = abstract_eval_inputs(task)
+    assert groups is not None  # SRTask has chunked evaluation
     evaluator = EvalCompiler(graphdef, task.eval_forward, params, rest,
                              plan.step_shardings.params, plan.step_shardings.rest, plan.mesh)
     whole = max(g.shape[0] for g in groups)

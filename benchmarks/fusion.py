@@ -516,12 +516,15 @@ def kernel_counts(family: str, width: int, batch: int, target: str | None = None
     fused = jax.jit(make_fused_step(graphdef, optimizer, task.loss_fn)).lower(
         *placed(state, width), placed(jax.ShapeDtypeStruct((width,), bool))).compile(options)
 
-    report = {"family": family, "width": width, "batch": batch,
-              "device": target or device.platform,
-              "solo_kernels": entry_kernels(solo.as_text()),
-              "fused_kernels": entry_kernels(fused.as_text()),
-              "solo_kinds": entry_kernel_kinds(solo.as_text()),
-              "fused_kinds": entry_kernel_kinds(fused.as_text())}
+    solo_text, fused_text = solo.as_text(), fused.as_text()
+    # XLA gives the HLO text on CPU, GPU and TPU (`sim_fusion.measure_fused_costs` checks it)
+    assert solo_text is not None and fused_text is not None
+    report: dict[str, Any] = {"family": family, "width": width, "batch": batch,
+                              "device": target or device.platform,
+                              "solo_kernels": entry_kernels(solo_text),
+                              "fused_kernels": entry_kernels(fused_text),
+                              "solo_kinds": entry_kernel_kinds(solo_text),
+                              "fused_kinds": entry_kernel_kinds(fused_text)}
     report["launch_bound_gain"] = width * report["solo_kernels"] / report["fused_kernels"]
     return report
 

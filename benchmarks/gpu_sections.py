@@ -393,15 +393,18 @@ def trial_twice(family: str, steps: int, batch: int, root: Path) -> dict[str, An
                              optimizer=make_optimizer({}), loss_fn=task.loss_fn)
     planning_s = time.perf_counter() - t0
     cache = StepCache()
-    runs = []
+    runs: list[dict[str, Any]] = []
     for i in range(2):
         losses: list[tuple[int, float, float]] = []
         spec = RunSpec(number=0, params=config, plan=plan, steps=steps, memory_per_device=budget,
                        seed=seed, checkpoint_dir=root / f"run{i}", log_every=1)
         t0 = time.perf_counter()
-        result = run_trial(spec, space, task, cache=cache,
-                           on_loss=lambda n, s, v, into=losses: into.append(
-                               (s, v, time.perf_counter())))
+
+        def on_loss(n: int, s: int, v: float,
+                    into: list[tuple[int, float, float]] = losses) -> None:
+            into.append((s, v, time.perf_counter()))
+
+        result = run_trial(spec, space, task, cache=cache, on_loss=on_loss)
         wall = time.perf_counter() - t0
         if result.state != "complete":
             raise RuntimeError(f"{family} trial run {i} ended {result.state}: {result.reason}")

@@ -25,11 +25,11 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments._cli import CPU_DEVICES, positive_int
+from experiments._cli import CPU_DEVICES, HPOConfig, positive_int
 
 
 class TimedPlanner:
@@ -181,6 +181,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     from scamp_jax.devices import configure_cpu_devices, peak_bytes_in_use
 
     configure_cpu_devices(max(CPU_DEVICES, args.devices or 0))
+    get_config: Callable[[str], HPOConfig]  # swinir_hpo's takes a platform too
     if args.family == "swinir":
         from experiments.swinir_hpo import get_config, make_space_and_task
         baseline = "bicubic_psnr"
@@ -252,6 +253,7 @@ def _ray_rows(args: argparse.Namespace, root: Path, budget: int, pool: int,
 
 
 def _family_config(family: str) -> Any:
+    get_config: Callable[[str], HPOConfig]  # swinir_hpo's takes a platform too
     if family == "swinir":
         from experiments.swinir_hpo import get_config
     else:

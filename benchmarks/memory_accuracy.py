@@ -362,7 +362,7 @@ def measure_real_step(case: Case, devices: int, budget: str | None, *,
         step = jit_fused_step(split_model(abstract)[0], tx, default_loss, plan.step_shardings)
         x = rng.normal(size=(width, size, *sample.shape[1:])).astype(sample.dtype)
         batch_sharding = stack_shardings(plan.step_shardings).batch
-        active = (np.ones((width,), bool),)
+        active: tuple[np.ndarray, ...] = (np.ones((width,), bool),)
 
         def init() -> tuple[Any, ...]:
             return InitialStates(home_on_cpu=False).make_group(
@@ -413,6 +413,7 @@ def measure_real_step(case: Case, devices: int, budget: str | None, *,
                 "error": str(err).splitlines()[0][:300]}
     stats = [_devices.allocator_stats(d) for d in plan.devices]
     measured = all(st and "peak_bytes_in_use" in st for st in stats)
+    read = [st for st in stats if st]  # stats itself where measured (no None in it)
     # What the driver sees this process hold on its first device (context, pool, workspaces),
     # beside what the allocator holds: their difference is what no allocator statistic reports.
     first = stats[0] or {}
@@ -423,9 +424,9 @@ def measure_real_step(case: Case, devices: int, budget: str | None, *,
         "driver_bytes": driver,
         "outside_allocator_bytes": driver - int(pool) if driver is not None and pool else None,
         "compiled": _peak(compiled.memory_analysis()),
-        "peak_in_use": max(st["peak_bytes_in_use"] for st in stats) if measured else None,
-        "bytes_limit": min(st["bytes_limit"] for st in stats)
-        if measured and all("bytes_limit" in st for st in stats) else None,
+        "peak_in_use": max(st["peak_bytes_in_use"] for st in read) if measured else None,
+        "bytes_limit": min(st["bytes_limit"] for st in read)
+        if measured and all("bytes_limit" in st for st in read) else None,
     }
 
 

@@ -119,7 +119,7 @@ class CostTable:
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
-        self.entries: dict[str, dict[str, float]] = {}
+        self.entries: dict[str, dict[str, Any]] = {}  # a cost model's fields, as JSON
         if path is not None and path.exists():
             self.entries = json.loads(path.read_text())
         self.compile_seconds = 0.0
@@ -135,7 +135,7 @@ class CostTable:
             self._write()
         fields = {k: v for k, v in self.entries[key].items() if k != "compile_seconds"}
         fields["plans"] = tuple(tuple(int(x) for x in p) for p in fields.get("plans", ()))
-        return StepCostModel(**fields)  # type: ignore[arg-type]
+        return StepCostModel(**fields)
 
     def put(self, key: str, cost: StepCostModel, seconds: float = 0.0) -> None:
         """Store ``cost`` under ``key`` (an entry `get` made), adding ``seconds`` of compiles."""
@@ -197,12 +197,13 @@ def cost_candidates(
         mp = 1
         while mp <= len(jax.devices()):
             key = _arch_key(search, variant, graphdef, mp)
-            cost = table.get(
-                key,
-                lambda mp=mp, model=model: measure_cost(
+
+            def make(mp: int = mp, model: Any = model) -> tuple[StepCostModel, float]:
+                return measure_cost(
                     model, sample_batch, optimizer=optimizer, loss_fn=loss_fn, model_parallel=mp,
-                    eval_task=task),
-            )
+                    eval_task=task)
+
+            cost = table.get(key, make)
             if cost.peak_bytes(1) <= usable:
                 start = time.perf_counter()
                 planned = plan_point(model, sample_batch, cost, optimizer=optimizer,
@@ -314,8 +315,9 @@ def fused_cost_models(
             log(f"  fused costs of {dict(config)} at batch {local}, widths {widths}: "
                 f"{seconds:.1f} s")
         entry = {k: v for k, v in table.entries[sig].items() if k != "compile_seconds"}
-        models[sig] = FusedCostModel(**{k: tuple(v) if isinstance(v, list) else v
-                                        for k, v in entry.items()})
+        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                                  for k, v in entry.items()}
+        models[sig] = FusedCostModel(**fields)
     return signatures, models
 
 
@@ -430,9 +432,13 @@ def validate(run_dir: Path, table: CostTable, log: Callable[[str], None]) -> dic
             model = nnx.eval_shape(lambda rec=rec: space.build(rec["params"], nnx.Rngs(0)))
             mp = int(rec["model_parallel"] or 1)
             key = _arch_key("swinir", "validate", split_model(model)[0], mp)
-            cost = table.get(key, lambda model=model, mp=mp: measure_cost(
-                model, task.sample_batch(1), optimizer=optimizer, loss_fn=task.loss_fn,
-                model_parallel=mp))
+
+            def make(model: Any = model, mp: int = mp) -> tuple[StepCostModel, float]:
+                return measure_cost(
+                    model, task.sample_batch(1), optimizer=optimizer, loss_fn=task.loss_fn,
+                    model_parallel=mp)
+
+            cost = table.get(key, make)
             batch, steps = int(rec["batch_size"]), int(rec["steps"])
             profile = cost.profile(rec["number"], len(rec["devices"]), batch, batch * steps)
             # The engine compiles each trial's step on the host before training: busy work.
@@ -562,8 +568,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_cpu_devices(8)
     log = lambda line: print(line, file=sys.stderr)  # noqa: E731
     if args.validate is not None:
-        figures = validate(args.validate, CostTable(args.cache), log)
-        for name, value in figures.items():
+        summary = validate(args.validate, CostTable(args.cache), log)
+        for name, value in summary.items():
             print(f"{name}={value:.3f}")
         return 0
     cluster = cluster_preset(args.device, devices=args.devices)

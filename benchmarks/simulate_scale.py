@@ -18,10 +18,10 @@ import argparse
 import hashlib
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from scamp_jax.scheduling.placement import FixedPolicy, ScampPolicy
+from scamp_jax.scheduling.placement import FixedPolicy, Policy, ScampPolicy
 from scamp_jax.sim.simulator import SimResult, TrialProfile, cluster_preset, simulate
 
 SAFETY_MARGIN = 0.1
@@ -74,7 +74,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error("--devices and --trials must be positive")
     cluster = cluster_preset("v100-16gb", devices=args.devices)
     profiles = synthetic_profiles(args.devices, args.trials, args.seed)
-    runs = []
+    runs: list[tuple[Policy, list[TrialProfile],
+                     Callable[[TrialProfile], Sequence[TrialProfile]] | None]] = []
     if args.policy in ("scamp", "both"):
         runs.append((ScampPolicy(), profiles, _restarts))
     if args.policy in ("fixed", "both"):

@@ -50,7 +50,7 @@ class HPOConfig(SearchSettings):
     devices: int | None
     memory_per_device: str | None
     study_dir: str | Path = "runs/hpo"
-    space_variant: str | None = "small"
+    space_variant: str = "small"
     train_dir: str | None = None
     eval_dir: str | None = None
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import DTypeLike
 
 from search_spaces.softmax import softmax_derivative
 
@@ -46,7 +47,7 @@ def torch_conv_kernel_init() -> nnx.Initializer:
 def _torch_conv_bias_init(fan_in: int) -> nnx.Initializer:
     bound = 1.0 / math.sqrt(fan_in)
 
-    def init(key: jax.Array, shape: Sequence[int], dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    def init(key: jax.Array, shape: Sequence[int], dtype: DTypeLike = jnp.float32) -> jax.Array:
         return jax.random.uniform(key, shape, dtype, -bound, bound)
 
     return init
@@ -159,7 +160,7 @@ def shift_attention_mask(h: int, w: int, window_size: int, shift_size: int) -> n
         for ws in bounds:
             region[hs, ws] = label
             label += 1
-    win = region.reshape(h // window_size, window_size, w // window_size, window_size)
+    win: np.ndarray = region.reshape(h // window_size, window_size, w // window_size, window_size)
     win = win.transpose(0, 2, 1, 3).reshape(-1, window_size * window_size)
     diff = win[:, None, :] - win[:, :, None]
     mask = np.where(diff != 0, MASK_VALUE, 0.0).astype(np.float32)
@@ -336,7 +337,7 @@ class WindowAttention(nnx.Module):
         return x
 
 
-def effective_window(input_resolution: tuple[int, int], window_size: int, shift_size: int):
+def effective_window(input_resolution: tuple[int, ...], window_size: int, shift_size: int):
     """(window, shift) a block really uses: the official model stops partitioning (one window
     of side min(resolution), no shift) when the configured resolution is not above the window."""
     if min(input_resolution) <= window_size:

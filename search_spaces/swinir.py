@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -337,7 +337,8 @@ def _torch_names(model: nnx.Module) -> dict[str, tuple[nnx.Variable, str]]:
                 continue
             parts.append(str(seg))
             parent = node
-            node = node[seg] if isinstance(seg, int) else getattr(node, seg)
+            # a path's segments are ints (indices) and attribute names
+            node = node[seg] if isinstance(seg, int) else getattr(node, cast(str, seg))
         leaf = parts[-1]
         if isinstance(parent, nnx.Conv):
             kind = "conv"

@@ -22,7 +22,7 @@ import json
 import statistics
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 
 def read_results(study_dir: str | Path) -> dict[str, Any]:
@@ -58,11 +58,18 @@ def restart_delays(trial: Mapping[str, Any]) -> list[float]:
     return out
 
 
-def engine_figures(results: Mapping[str, Any]) -> dict[str, float]:
+class EngineFigures(TypedDict, total=False):
+    """`engine_figures`' answer: `scamp_jax.sim.simulator.ClusterModel` fields, in seconds."""
+
+    planning_seconds: float
+    restart_seconds: float
+
+
+def engine_figures(results: Mapping[str, Any]) -> EngineFigures:
     """``{"planning_seconds": s, "restart_seconds": s}`` measured by a study (module docstring);
     a figure it did not measure is absent."""
     trials = results.get("trials") or []
-    out: dict[str, float] = {}
+    out: EngineFigures = {}
     planned = [float(t["planned_at"]) for t in trials if t.get("planned_at") is not None]
     if planned:
         out["planning_seconds"] = max(0.0, min(planned))
