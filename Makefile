@@ -29,6 +29,7 @@ test-oldest:
 
 lint:
 	.venv/bin/ruff check scamp_jax search_spaces experiments benchmarks tests examples
+	.venv/bin/mypy scamp_jax search_spaces experiments benchmarks examples
 
 # API reference from the docstrings (pdoc) in docs/api/; any pdoc warning fails the build.
 PDOC_MODULES = scamp_jax scamp_jax.planning scamp_jax.scheduling scamp_jax.hpo scamp_jax.sim scamp_jax.pipeline scamp_jax.distributed

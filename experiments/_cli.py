@@ -22,7 +22,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from scamp_jax._signals import Terminated as Terminated  # SIGTERM's stop, as Ctrl-C's
 from scamp_jax.hpo.settings import ELASTIC, GRACE_PERIOD, PRUNERS, SAMPLERS, SearchSettings
@@ -256,7 +256,7 @@ def in_flags(err: BaseException) -> str:
     return as_command_line() if as_command_line else as_flags(str(err))
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     """Print ``error: message`` to stderr and exit with status 2 (as argparse does)."""
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
@@ -350,6 +350,7 @@ def check_storage(url: str | None, study_dir: str | Path) -> None:
                  f"{example.split(' or ')[0]}, or leave --storage out (--study-dir/study.db)")
         if parsed.get_backend_name() != "sqlite":
             return
+        assert parsed.database is not None  # an in-memory one failed above
         database = Path(parsed.database)
         if not database.parent.is_dir():
             fail(f"--storage {url!r}: the folder {str(database.parent)!r} of its database file "
