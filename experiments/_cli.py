@@ -97,17 +97,26 @@ def study_name(text: str) -> str:
 
 
 def fusion_width(text: str) -> int | str:
-    """argparse type of ``--fuse``: ``auto`` or an integer >= 1."""
-    if text == "auto":
+    """argparse type of ``--fuse``: ``auto`` (any case) or an integer from 1 to
+    `scamp_jax.hpo.trial.MAX_FUSION_CAP`."""
+    from scamp_jax.hpo.trial import MAX_FUSION_CAP
+
+    if text.strip().lower() == "auto":
         return "auto"
-    return _int_at_least(text, 1, "at least 1 (1: no fusion), or auto", " or auto")
+    value = _int_at_least(text, 1, "at least 1 (1: no fusion), or auto", " or auto")
+    if value > MAX_FUSION_CAP:
+        raise argparse.ArgumentTypeError(
+            f"{value} members per group is more than {MAX_FUSION_CAP}, the most one fused "
+            f"program holds (its compile grows with the group); pass at most {MAX_FUSION_CAP}, "
+            "or auto")
+    return value
 
 
 def running_cap(text: str) -> int | str:
     """argparse type of ``--max-running-trials``: ``auto``, ``none`` (no cap) or an integer
     >= 1."""
-    if text in ("auto", "none"):
-        return text
+    if text.strip().lower() in ("auto", "none"):
+        return text.strip().lower()
     return _int_at_least(text, 1, "at least 1, or auto, or none", ", auto or none")
 
 
@@ -155,8 +164,9 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
                         "enqueue up to K-1 sibling trials with it (their learning rates left to "
                         "the sampler) and train queued trials of one architecture as one fused, "
                         "vmapped step of up to K members, as wide as the planner fits in memory; "
-                        "each member stays its own trial. 'auto': the planner's widest fitting "
-                        "group, at most 8 (default: off)")
+                        "each member stays its own trial; K is at most 64, and at most "
+                        "--trials. 'auto': the planner's widest fitting group, at most 8 "
+                        "(default: auto on GPUs, off on CPU devices)")
     parser.add_argument("--max-running-trials", type=running_cap, metavar="N|auto|none",
                         help="most trials (or fused groups) training at once, the rest queued: "
                         "'auto' is one per two host cores on CPU devices, which share the "
@@ -390,20 +400,23 @@ def root_cause(err: BaseException) -> BaseException:
 
 
 @contextlib.contextmanager
-def user_errors() -> Iterator[None]:
+def user_errors(resumable: bool = True) -> Iterator[None]:
     """Turn user mistakes into one line and exit status 2; Ctrl-C exits 130, SIGTERM 143, a
     study stopped by its trials' repeated error (`scamp_jax.RepeatedFailureError`) 1.
+    ``resumable``: the command runs a study, which a rerun resumes (else it stores nothing,
+    as ``--plan-only``, and its Ctrl-C says so).
 
     Catches the library's error types for bad input (``ValueError``, ``TypeError``,
-    ``FileNotFoundError``, `scamp_jax.hpo.engine.BudgetTooSmallError`, a missing MPI, a damaged or
-    unreachable database) and prints ``error: <message>`` without a traceback. Installs the
-    SIGINT and SIGTERM handler (`_CtrlC`). Any entry point (an argparse-based ``main``) can
-    wrap its body in it.
+    ``FileNotFoundError``, `scamp_jax.hpo.engine.BudgetTooSmallError`, a missing MPI or GPU
+    compiler, a damaged or unreachable database) and prints ``error: <message>`` without a
+    traceback. Installs the SIGINT and SIGTERM handler (`_CtrlC`). Any entry point (an
+    argparse-based ``main``) can wrap its body in it.
     """
     from sqlalchemy.exc import SQLAlchemyError
 
     from scamp_jax._errors import worded_by
     from scamp_jax.hpo.failures import RepeatedFailureError
+    from scamp_jax.planning.targets import GpuCompilerMissingError
 
     stop = _CtrlC()  # one count: a Ctrl-C after a SIGTERM stops at once too
     previous = signal.signal(signal.SIGTERM, stop)
@@ -411,14 +424,14 @@ def user_errors() -> Iterator[None]:
     try:
         with worded_by(in_flags):  # also how a failing MPI rank says it before the job ends
             yield
-    except Terminated:
-        print("terminated: finished trials are in the study and results.json; run the same "
-              "command to resume", file=sys.stderr)
-        raise SystemExit(128 + signal.SIGTERM) from None
-    except KeyboardInterrupt:
-        print("interrupted: finished trials are in the study and results.json; run the same "
-              "command to resume", file=sys.stderr)
-        raise SystemExit(130) from None
+    except (Terminated, KeyboardInterrupt) as err:
+        word = "terminated" if isinstance(err, Terminated) else "interrupted"
+        print(f"{word}: finished trials are in the study and results.json; run the same "
+              "command to resume" if resumable else
+              f"{word}: nothing was stored (planning stores no study); run the same command to "
+              "plan again", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGTERM if isinstance(err, Terminated) else 130) \
+            from None
     except RepeatedFailureError as err:  # the task's error, not the command line's
         print(f"error: {err.as_command_line()}", file=sys.stderr)  # its traceback verbatim
         raise SystemExit(1) from None
@@ -427,7 +440,7 @@ def user_errors() -> Iterator[None]:
         fail(f"the study database cannot be used ({cause}); check --storage and --study-dir, "
              "or restore the database from a copy")
     except (ValueError, TypeError, FileNotFoundError, NotADirectoryError,
-            PermissionError) as err:
+            PermissionError, GpuCompilerMissingError) as err:
         fail(in_flags(err))
     except Exception as err:
         if type(err).__name__ == "MPIUnavailableError":
@@ -454,7 +467,7 @@ def run(
     User errors exit with status 2 and a one-line message (`user_errors`); every check that
     needs no study runs before the study database is created.
     """
-    with user_errors():
+    with user_errors(resumable=not getattr(args, "plan_only", False)):
         if getattr(args, "plan_only", False):
             return plan_only(args, config, make, preset_for=preset_for)
         if getattr(args, "target", None) is not None:

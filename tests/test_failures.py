@@ -183,6 +183,19 @@ def test_a_traceback_in_the_error_is_not_reworded_as_flags(capsys):
     assert "train(steps=200, seed=1)" in err and "E: seed=3 (at t.py:1)" in err
 
 
+def test_a_ctrl_c_says_whether_a_rerun_resumes(capsys):
+    """A study's Ctrl-C points at the rerun that resumes it; planning alone (--plan-only)
+    stored nothing, and says so."""
+    from experiments._cli import user_errors
+
+    for resumable, said in ((True, "run the same command to resume"),
+                            (False, "nothing was stored (planning stores no study)")):
+        with pytest.raises(SystemExit) as stop, user_errors(resumable=resumable):
+            raise KeyboardInterrupt
+        assert stop.value.code == 130
+        assert said in capsys.readouterr().err
+
+
 def test_a_ctrl_c_gives_held_failures_back(tmp_path):
     """A Ctrl-C while the first trials fail alike (perhaps the user saw the bug): the held
     failures go back to the study with the running trials, none is counted as failed."""

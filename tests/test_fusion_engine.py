@@ -80,16 +80,17 @@ def test_every_candidate_is_in_exactly_one_group_of_one_signature():
 # ------------------------------------------------------------------------ a fused study
 
 
-def _fusion(fuse: int) -> dict:
-    """The trial source's sibling arguments for ``fuse``, as a study session passes them."""
-    return SearchSettings(trials=1, steps=1, fuse=fuse, sampler="random").source_kwargs()
+def _fusion(fuse: int, trials: int = 64) -> dict:
+    """The trial source's sibling arguments for ``fuse``, as a study session of ``trials``
+    passes them."""
+    return SearchSettings(trials=trials, steps=1, fuse=fuse, sampler="random").source_kwargs()
 
 
 def _study(tmp_path, trials: int, fuse: int, steps: int = 30, budget: int = BUDGET):
     handle = open_study("mlp-fused", study_dir=tmp_path, direction="minimize",
                         sampler="random", pruner="none", seed=3)
     study = handle.study
-    source = OptunaTrialSource(handle, SPACE, trials, root=tmp_path, **_fusion(fuse))
+    source = OptunaTrialSource(handle, SPACE, trials, root=tmp_path, **_fusion(fuse, trials))
     config = EngineConfig(steps=steps, budget=Budget(budget), max_batch_size=16, log_every=5,
                           fuse=fuse, seed=5)
     engine = SearchEngine(SPACE, Regression(), source, config, devices=jax.devices()[:4],
@@ -257,7 +258,7 @@ def test_a_sibling_the_space_rejects_is_not_waited_for(tmp_path):
     # seed 1: the proposals' widths differ (checked below), so the last one is not a member
     handle = open_study("mlp-fused", study_dir=tmp_path, direction="minimize",
                         sampler="random", pruner="none", seed=1)
-    source = OptunaTrialSource(handle, space, 4, root=tmp_path, **_fusion(3))
+    source = OptunaTrialSource(handle, space, 4, root=tmp_path, **_fusion(3, 4))
     config = EngineConfig(steps=100, budget=Budget(BUDGET), max_batch_size=16, log_every=5,
                           fuse=3, seed=5)
     engine = SearchEngine(space, Regression(), source, config, devices=jax.devices()[:4],
@@ -317,6 +318,17 @@ def test_bad_fuse_values_are_refused():
         EngineConfig(steps=1, budget=Budget(BUDGET), fuse=0)
     with pytest.raises(ValueError, match="'wide'"):
         EngineConfig(steps=1, budget=Budget(BUDGET), fuse="wide")
+    with pytest.raises(ValueError, match="fuse=1000 asks for groups of more than 64 trials"):
+        EngineConfig(steps=1, budget=Budget(BUDGET), fuse=1000)
+
+
+def test_a_group_is_never_wider_than_the_study():
+    """A width above the study's trials is the study's trials: no wider group is asked for,
+    planned or compiled (the width search starts at its cap)."""
+    settings = SearchSettings(steps=1, trials=3, fuse=6)
+    assert settings.fuse == 3 and settings.source_kwargs()["siblings"] == 2
+    assert SearchSettings(steps=1, trials=1, fuse=6).fuse == 1  # one trial: nothing to fuse
+    assert SearchSettings(steps=1, trials=3, fuse="auto").fuse == "auto"
 
 
 class _CtrlC:
@@ -346,7 +358,7 @@ def test_an_interrupted_fused_study_resumes_its_members_and_keeps_finished_ones(
         handle = open_study("mlp-fused", study_dir=tmp_path, direction="minimize",
                             sampler="random", pruner="none", seed=3)
         study = handle.study
-        source = OptunaTrialSource(handle, SPACE, trials, root=tmp_path, **_fusion(2))
+        source = OptunaTrialSource(handle, SPACE, trials, root=tmp_path, **_fusion(2, trials))
         config = EngineConfig(steps=steps, budget=Budget(BUDGET), max_batch_size=16,
                               log_every=50, checkpoint_every=200, fuse=2, seed=5)
         return study, source, SearchEngine(SPACE, Regression(), source, config,
@@ -383,13 +395,20 @@ def test_the_fuse_flag_takes_a_width_or_auto(capsys):
 
     args = swinir_hpo.parser().parse_args(["--preset", "smoke", "--fuse", "auto"])
     assert config_from_args(args, swinir_hpo.get_config("smoke"), "runs/x").fuse == "auto"
-    args = swinir_hpo.parser().parse_args(["--fuse", "4"])
-    assert config_from_args(args, swinir_hpo.get_config("smoke"), "runs/x").fuse == 4
+    args = swinir_hpo.parser().parse_args(["--fuse", "2"])
+    assert config_from_args(args, swinir_hpo.get_config("smoke"), "runs/x").fuse == 2
+    args = swinir_hpo.parser().parse_args(["--fuse", "4"])  # the smoke study has 3 trials
+    assert config_from_args(args, swinir_hpo.get_config("smoke"), "runs/x").fuse == 3
     assert swinir_hpo.get_config("smoke").fuse is None  # off unless asked for
     with pytest.raises(SystemExit) as exit_info:
         swinir_hpo.parser().parse_args(["--fuse", "0"])
     assert exit_info.value.code == 2
     assert "--fuse: 0 must be at least 1 (1: no fusion), or auto" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        swinir_hpo.parser().parse_args(["--fuse", "1000"])
+    assert "--fuse: 1000 members per group is more than 64" in capsys.readouterr().err
+    args = swinir_hpo.parser().parse_args(["--fuse", "AUTO"])  # any case
+    assert config_from_args(args, swinir_hpo.get_config("smoke"), "runs/x").fuse == "auto"
 
 
 def test_plans_without_a_study_size_each_architectures_fused_group_as_the_engine_does():
@@ -398,7 +417,7 @@ def test_plans_without_a_study_size_each_architectures_fused_group_as_the_engine
     (`plan_fusion` on that plan and batch), and what the group books per device."""
     from scamp_jax.hpo.preview import format_rows, plan_candidates
 
-    settings = SearchSettings(trials=2, steps=1, fuse=3, sampler="random", max_batch_size=16,
+    settings = SearchSettings(trials=3, steps=1, fuse=3, sampler="random", max_batch_size=16,
                               seed=3)
     rows = plan_candidates(SPACE, Regression(), settings, devices=jax.devices()[:1],
                            memory_per_device=BUDGET, count=2)
@@ -415,6 +434,11 @@ def test_plans_without_a_study_size_each_architectures_fused_group_as_the_engine
                                                                   group.predicted_peak_bytes)
         assert row.fusion_width == 3 and row.compiles >= 1
     assert "x3" in format_rows(rows).splitlines()[1].split()
+    # a study of 2 trials fuses 2 at most, "auto" or not
+    two = plan_candidates(SPACE, Regression(), dataclasses.replace(settings, trials=2,
+                                                                   fuse="auto"),
+                          devices=jax.devices()[:1], memory_per_device=BUDGET, count=1)
+    assert two[0].fusion_width == 2
     # without fuse on CPU devices nothing is grouped
     solo = plan_candidates(SPACE, Regression(), dataclasses.replace(settings, fuse=None),
                            devices=jax.devices()[:1], memory_per_device=BUDGET, count=1)

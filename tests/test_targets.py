@@ -131,6 +131,24 @@ def test_missing_compiler_names_the_install_command(monkeypatch) -> None:
         fresh.devices(1)
 
 
+def test_cli_says_a_missing_compiler_in_one_line(monkeypatch, tmp_path, capsys) -> None:
+    # The same mock as above: the command line's error, not a traceback.
+    from experiments import swinir_hpo
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(targets.importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("jax_plugins") else real(name, *a))
+    description = tmp_path / "gpu.txtpb"  # a description no earlier test compiled for
+    description.write_text(targets.GPUS["h100"].target_config() + "# the cli's\n")
+    with pytest.raises(SystemExit) as stop:
+        swinir_hpo.main(["--plan-only", "--target", str(description), "--devices", "1",
+                         "--trials", "1", "--no-live", "--study-dir", str(tmp_path / "s")])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: compiling for a GPU target needs JAX's CUDA plugin"), err
+    assert "pip install 'scamp-jax[gpu-plan]'" in err and "Traceback" not in err
+
+
 def test_target_needs_a_device_count() -> None:
     model, sample = small_model()
     with pytest.raises(ValueError, match="devices must be the number of GPUs to plan for"):

@@ -163,7 +163,9 @@ def plan_candidates(
             group, group_compiles = None, 0
             if fusion is not None:  # its compiles counted whether or not a group fits
                 with CompileCounter() as counted_compiles:
-                    group = fusion.fusion_plan(params, plan, fusion.signature(params))
+                    # a study's group holds its trials at most (as `family_width` in one)
+                    group = fusion.fusion_plan(params, plan, fusion.signature(params),
+                                               settings.trials)
                 group_compiles = counted_compiles.total
             row = CandidatePlan(
                 trial.number, params, service.devices_of(plan), plan.data_parallel,

@@ -272,6 +272,9 @@ class SearchSettings(EngineConfig):
                              "'\\' and be no '.' or '..'; pass e.g. 'swinir-2'")
         object.__setattr__(self, "initial_params",
                            tuple(dict(p) for p in self.initial_params))
+        if isinstance(self.fuse, int) and self.fuse > self.trials:
+            # a group holds trials of this study: no wider group is asked, planned or compiled
+            object.__setattr__(self, "fuse", self.trials)
 
     # -- views ----------------------------------------------------------------------------------
     def on_platform(self, platform: str) -> SearchSettings:

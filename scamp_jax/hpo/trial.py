@@ -31,6 +31,10 @@ from scamp_jax.scheduling.booking import booked_bytes as booked_bytes
 OPTIMIZER_KEYS = ("learning_rate", "weight_decay", "b1", "b2")
 #: widest group ``fuse="auto"`` plans (the planner may choose fewer).
 AUTO_FUSION_CAP = 8
+#: widest group any ``fuse`` asks for: the group's compile grows with its width (on CPU a fused
+#: step runs each member's convolutions apart; 1,000 small SwinIRs took 10 minutes and 7 GB of
+#: host memory to compile), and a device that holds more members trains them no faster
+MAX_FUSION_CAP = 64
 _OOM_MARKERS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory", "OOM when allocating")
 #: XLA's GPU autotuner, when it cannot allocate its buffers while a step compiles: "Failed to
 #: get configs for 31 of 120 instructions ... allocate 3.40GiB" (it takes them from the same
@@ -214,9 +218,9 @@ def failure_traceback(err: BaseException) -> str:
 def fusion_cap(fuse: int | str | None) -> int | None:
     """The most members per group for ``EngineConfig.fuse`` (None: fusion off).
 
-    ``fuse`` is an int ``K >= 1`` (at most ``K``; 1 is off), ``"auto"`` (the widest that fits,
-    at most `AUTO_FUSION_CAP`) or None (off here; in a study the devices decide first,
-    `scamp_jax.hpo.settings.SearchSettings.on_platform`).
+    ``fuse`` is an int ``1 <= K <=`` `MAX_FUSION_CAP` (at most ``K``; 1 is off), ``"auto"``
+    (the widest that fits, at most `AUTO_FUSION_CAP`) or None (off here; in a study the
+    devices decide first, `scamp_jax.hpo.settings.SearchSettings.on_platform`).
     """
     if fuse is None:
         return None
@@ -225,6 +229,10 @@ def fusion_cap(fuse: int | str | None) -> int | None:
     if isinstance(fuse, bool) or not isinstance(fuse, int) or fuse < 1:
         raise ValueError(f"fuse={fuse!r} must be a positive int (the most trials per fused "
                          "group), 'auto' or None; e.g. --fuse 4 or --fuse auto")
+    if fuse > MAX_FUSION_CAP:
+        raise ValueError(f"fuse={fuse} asks for groups of more than {MAX_FUSION_CAP} trials, the "
+                         "most one fused program holds (its compile grows with the group); pass "
+                         f"fuse={AUTO_FUSION_CAP}, fuse='auto' or at most {MAX_FUSION_CAP}")
     return fuse if fuse > 1 else None
 
 
