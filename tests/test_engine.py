@@ -269,6 +269,36 @@ def test_live_view_logs_state_changes_without_a_terminal():
     assert lines[2].endswith("s] waiting for trial(s) [4] of another process")
 
 
+def test_a_log_shows_a_training_trial_advance_at_growing_intervals(monkeypatch):
+    """Without a terminal a training trial gets a progress line 30 s after its last line, then
+    60, 120, 240 and every 300 s (the clock is faked: the waits are minutes)."""
+    import io
+
+    from scamp_jax.hpo import live
+    from scamp_jax.hpo.runner import TrialStatus
+
+    clock = [1000.0]
+    monkeypatch.setattr(live.time, "monotonic", lambda: clock[0])
+    stream = io.StringIO()
+    status = TrialStatus(3, {"width": 16}, state="training", batch_size=8, steps=10_000,
+                         training_since=1000.0, first_step=100, step=100)
+    view = live.LiveView([BUDGET], "mse", stream=stream)
+    printed = []
+    for t in range(0, 1200, 5):  # the engine updates the view twice a second; here every 5 s
+        clock[0] = 1000.0 + t
+        status.step, status.loss = 100 + 2 * t, 1.0 / (1 + t)
+        view.update([status])
+        if len(stream.getvalue().splitlines()) > len(printed):
+            printed.append(t)
+    assert printed == [0, 30, 90, 210, 450, 750, 1050]  # waits 30, 60, 120, 240, 300, 300
+    line = stream.getvalue().splitlines()[1]
+    assert "trial   3 training    step=160/10000 (2%) loss=0.03226, 2 steps/s" in line, line
+    assert line.endswith("about 82 min left"), line
+    status.state = "complete"
+    view.update([status])
+    assert "complete" in stream.getvalue().splitlines()[-1]
+
+
 def test_ctrl_c_checkpoints_running_trials_and_a_new_run_resumes_them(tmp_path):
     study, source = make_source(tmp_path, [ok(16), ok(32)])
     cfg = config(steps=100, checkpoint_every=10, log_every=10)

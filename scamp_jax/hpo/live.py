@@ -4,7 +4,9 @@ On a terminal it is a rich ``Live`` display refreshed a few times a second: one 
 (memory reserved, trials on it) and one per trial (config, devices, model-parallel degree, batch,
 step, loss, metric, state, and the fused group it trains in: ``g<id>x<width>``). When stdout is
 not a terminal (CI, a log file, a rank under ``mpirun``: `is_terminal`) it prints one plain
-line per state change instead, so logs stay readable.
+line per state change instead, so logs stay readable, and while a trial trains a progress line
+(step, loss, pace, time left) after 30 s, then after twice as long each time up to every 5
+minutes: a cluster's log of long trials shows they advance without growing by the second.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ _ACTIVE = ("compiling", "training", "evaluating", "starting", "resizing")
 #: Columns of what a study or experiment prints to a log (no terminal): wide plain lines and
 #: tables instead of rich's 80 columns.
 LOG_WIDTH = 160
+#: Seconds from a training trial's last plain line to its first progress line, and the most
+#: between two (each wait twice the last, `LiveView`)
+PROGRESS_FIRST_S, PROGRESS_MOST_S = 30.0, 300.0
 
 
 def is_terminal(stream: Any) -> bool:
@@ -53,6 +58,15 @@ def _fmt_params(params: Mapping[str, Any], width: int = 48) -> str:
 
 def _fmt_float(value: float, digits: int = 4) -> str:
     return "" if math.isnan(value) else f"{value:.{digits}g}"
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` for a person: ``45 s``, ``12 min``, ``3.5 h``."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def _fmt_group(group: tuple[int, int] | None) -> str:
@@ -84,6 +98,9 @@ class LiveView:
         self._used: list[int] = [0] * len(self.capacity)
         self._occupants: list[list[int | str]] = [[] for _ in self.capacity]
         self._last_state: dict[int, str] = {}
+        #: per trial: when its last plain line was printed, and the wait for its next
+        #: progress line
+        self._last_line: dict[int, tuple[float, float]] = {}
         self._groups: dict[int, tuple[int, int]] = {}
         self._live: Any = None
         self._t0 = time.monotonic()
@@ -138,12 +155,15 @@ class LiveView:
             print(f"[{elapsed:7.1f}s] {text}", file=self.stream, flush=True)
 
     def _log_changes(self) -> None:
+        now = time.monotonic()
         for s in self._statuses:
             if self._last_state.get(s.number) == s.state:
+                self._log_progress(s, now)
                 continue
             first = s.number not in self._last_state
             self._last_state[s.number] = s.state
-            elapsed = time.monotonic() - self._t0
+            self._last_line[s.number] = (now, PROGRESS_FIRST_S)
+            elapsed = now - self._t0
             line = f"[{elapsed:7.1f}s] trial {s.number:>3} {s.state:<11}"
             if first and s.retry_of is not None:
                 line += f" (trial {s.retry_of} again: an earlier run stopped it)"
@@ -162,6 +182,25 @@ class LiveView:
             if s.reason and s.state in ("failed", "pruned", "oom", "deferred"):
                 line += f" ({s.reason[:120]})"
             print(line, file=self.stream, flush=True)
+
+    def _log_progress(self, s: TrialStatus, now: float) -> None:
+        """A training trial's progress line, when its wait since its last line is over."""
+        last, wait = self._last_line.get(s.number, (now, PROGRESS_FIRST_S))
+        if s.state != "training" or now - last < wait:
+            return
+        self._last_line[s.number] = (now, min(2 * wait, PROGRESS_MOST_S))
+        line = f"[{now - self._t0:7.1f}s] trial {s.number:>3} {s.state:<11} step={s.step}/{s.steps}"
+        if s.steps:
+            line += f" ({100 * s.step / s.steps:.0f}%)"
+        if not math.isnan(s.loss):
+            line += f" loss={s.loss:.4g}"
+        done, seconds = s.step - s.first_step, now - s.training_since
+        if done > 0 and seconds > 0:
+            pace = done / seconds
+            line += f", {pace:.3g} steps/s"
+            if s.steps > s.step:
+                line += f", about {_duration((s.steps - s.step) / pace)} left"
+        print(line, file=self.stream, flush=True)
 
     def render(self) -> Any:
         """The rich renderable: a device table above a trial table."""
