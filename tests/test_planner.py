@@ -227,6 +227,18 @@ def test_model_without_parameters_and_repeated_devices_fail_before_any_compile(n
         plan_mesh(_model(), SAMPLE, devices=[d, d], memory_per_device=BUDGET)
     with pytest.raises(ValueError, match="leading sample axis"):
         plan_mesh(_model(), jnp.zeros(()), devices=2, memory_per_device=BUDGET)
+    # one sample's arrays without the batch axis: their first sizes differ
+    with pytest.raises(ValueError, match=r"disagree on their leading \(sample\) axis: "
+                       r"\(32, 32, 3\), \(64, 64, 3\); .* x\[None\] for one sample"):
+        plan_mesh(_model(), (jnp.zeros((32, 32, 3)), jnp.zeros((64, 64, 3))), devices=2,
+                  memory_per_device=BUDGET)
+
+
+def test_the_default_loss_names_a_dict_batch():
+    with pytest.raises(TypeError, match=r"default_loss takes a batch that is an array or a "
+                       r"tuple \(inputs, \.\.\.\), not a dict of \['x'\]; pass a loss"):
+        plan_mesh(_model(), {"x": jax.ShapeDtypeStruct((1, 64), jnp.float32)}, devices=2,
+                  memory_per_device=BUDGET)
 
 
 def test_a_sample_batch_the_model_cannot_take_says_what_was_traced():

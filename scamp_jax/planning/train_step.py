@@ -16,7 +16,7 @@ lives in ``opt_state`` and one compiled step serves every trial of an architectu
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,11 @@ def default_loss(model: nnx.Module, batch: Any) -> jax.Array:
     throughput matters. ``batch`` is an array of inputs ``(B, ...)`` or a tuple whose first element
     is the inputs; other elements (targets) are ignored.
     """
+    if isinstance(batch, Mapping):
+        raise TypeError(
+            f"default_loss takes a batch that is an array or a tuple (inputs, ...), not a "
+            f"{type(batch).__name__} of {sorted(map(str, batch))}; pass a loss of your own, "
+            "loss_fn=lambda model, batch: ... -> scalar")
     out = model(batch_inputs(batch))
     leaves = jax.tree.leaves(out)
     if not leaves:
