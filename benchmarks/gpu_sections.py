@@ -611,7 +611,9 @@ def mainjob_section(cfg: Any, ctx: Context, rec: Record) -> None:
 
     out = ctx.out / "mainjob"
     cmd = [sys.executable, "-m", "experiments.swinir_hpo", "--study-dir", str(out),
-           "--no-live", "--trials", str(cfg.mainjob_trials), "--steps", str(cfg.mainjob_steps)]
+           "--no-live", "--trials", str(cfg.mainjob_trials), "--steps", str(cfg.mainjob_steps),
+           # a checkpoint at each trial's end only (short trials: the preset's 1 in 100 steps)
+           "--checkpoint-every", "0"]
     rec.body.update(command=" ".join(["python", *cmd[1:]]), trials=cfg.mainjob_trials,
                     steps=cfg.mainjob_steps)
     rec.save()

@@ -178,6 +178,10 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
     parser.add_argument("--eval-every", type=non_negative_int,
                         help="steps between intermediate evaluations reported to the pruner "
                         "(0: off)")
+    parser.add_argument("--checkpoint-every", type=non_negative_int, metavar="N",
+                        help="steps between a trial's checkpoints, which a stopped study resumes "
+                        "from (0: only at the end; default: the preset's, scaled with --steps so "
+                        "a trial writes as many)")
     parser.add_argument("--seed", type=int, help="seed of the sampler, initialisation and data")
     parser.add_argument("--failure-limit", type=non_negative_int, metavar="N",
                         help="stop the study when trials of N runs (a fused group is one) "
@@ -221,6 +225,10 @@ def config_from_args(args: argparse.Namespace, base: HPOConfig, study_dir: str) 
             overrides[name] = value
     if overrides.get("max_running_trials") == "none":  # --max-running-trials none: no cap
         overrides["max_running_trials"] = None
+    if "steps" in overrides and "checkpoint_every" not in overrides and base.checkpoint_every:
+        # as many checkpoints per trial as the preset writes (25 of 100 steps: every 250 of 1000)
+        overrides["checkpoint_every"] = max(
+            1, round(base.checkpoint_every * overrides["steps"] / base.steps))
     overrides["study_dir"] = args.study_dir or study_dir
     if "devices_per_trial" in overrides and overrides.get("policy", base.policy) != "fixed":
         fail(f"--devices-per-trial {overrides['devices_per_trial']} applies to --policy fixed "
@@ -238,7 +246,7 @@ def config_from_args(args: argparse.Namespace, base: HPOConfig, study_dir: str) 
 _FLAGGED = ("trials", "steps", "devices", "memory_per_device", "policy", "devices_per_trial",
             "max_batch_size", "min_batch_size", "elastic", "sampler", "pruner", "eval_every",
             "seed", "storage", "train_dir", "eval_dir", "study_name", "fuse",
-            "max_running_trials", "failure_limit")
+            "max_running_trials", "failure_limit", "checkpoint_every")
 _FLAG_OF = {name: "--" + name.replace("_", "-") for name in _FLAGGED}
 
 

@@ -58,7 +58,8 @@ def _start(study_dir: Path, cli: bool = False, trials: int = TRIALS,
     if cli:
         # Eight devices per trial under the fixed policy: trials run one after another.
         command = ["-m", "experiments.swinir_hpo", "--preset", "smoke", "--trials", str(TRIALS),
-                   "--steps", "200", "--policy", "fixed", "--devices-per-trial", "8",
+                   "--steps", "200", "--checkpoint-every", "25", "--policy", "fixed",
+                   "--devices-per-trial", "8",
                    "--sampler", "random", "--study-dir", str(study_dir), "--no-live"]
     else:
         command = ["-c", DRIVER.format(tests=str(TESTS), trials=trials, steps=steps,

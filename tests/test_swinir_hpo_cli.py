@@ -124,6 +124,20 @@ def test_flags_apply_on_top_of_the_preset_for_the_pools_platform():
     assert default == swinir_hpo.accelerator_default()
 
 
+def test_checkpoints_keep_their_number_per_trial_when_steps_change():
+    """The smoke preset checkpoints every 25 of its 100 steps: with --steps 1000 every 250
+    (four writes a trial, not forty), unless --checkpoint-every says otherwise."""
+    def config(*flags):
+        return swinir_hpo.config_for(swinir_hpo.parser().parse_args(["--preset", "smoke",
+                                                                     *flags]))
+
+    assert config().checkpoint_every == 25
+    assert config("--steps", "1000").checkpoint_every == 250
+    assert config("--steps", "10").checkpoint_every == 2
+    assert config("--steps", "1000", "--checkpoint-every", "0").checkpoint_every == 0
+    assert config("--checkpoint-every", "7").checkpoint_every == 7
+
+
 @pytest.mark.parametrize("argv, platform, pool", [
     ([], "cpu", swinir_hpo.CPU_POOL_DEVICES), ([], "gpu", None),
     (["--devices", "3"], "cpu", 3), (["--devices", "3"], "gpu", 3),
