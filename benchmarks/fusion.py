@@ -747,8 +747,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                    help="only the modelled gain vs width on the simulator's cluster presets "
                         "(compiles, trains nothing)")
     args = p.parse_args(argv)
-    if args.width < 1 or args.repeats < 1:
-        p.error(f"--width {args.width} and --repeats {args.repeats} must be at least 1")
+    for flag, value in (("--width", args.width), ("--repeats", args.repeats)):
+        if value < 1:
+            p.error(f"{flag} {value} must be at least 1")
     if args.target is not None and not args.kernels:
         p.error("--target needs --kernels")
     if args.target is not None:

@@ -14,7 +14,12 @@ scamp_jax.configure_for_search(4)  # on CPU: split the host into 4 devices befor
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+
+try:
+    from sklearn.datasets import load_digits
+except ModuleNotFoundError:  # the one package this example adds to scamp-jax's
+    raise SystemExit("this example reads scikit-learn's bundled digits: pip install -e "
+                     "'.[examples]' (or pip install scikit-learn), then run it again") from None
 
 x, y = load_digits(return_X_y=True)  # 1797 images of 8x8 pixels, labels 0-9
 x, y = (x / 16).astype(np.float32), y.astype(np.int32)

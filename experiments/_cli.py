@@ -199,8 +199,9 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
     parser.add_argument("--study-name", type=study_name,
                         help="name of the study in the storage (default: the search space's); "
                         "another name starts a new study, its outputs in --study-dir/NAME. "
-                        "A study keeps its preset, steps, seed, memory budget and image "
-                        "folders: a rerun with other values is refused")
+                        "A study keeps its preset, steps, seed and memory budget (and its "
+                        "image folders, --train-dir and --eval-dir, where the experiment takes "
+                        "them): a rerun with other values is refused")
     parser.add_argument("--no-live", action="store_true",
                         help="plain log lines instead of the live table")
     parser.add_argument("--plan-only", action="store_true",
@@ -214,6 +215,24 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
                         help="with --plan-only: plan for --devices GPUs of this kind, compiled "
                         f"here without one ({', '.join(TARGETS)}, or a GpuTargetConfigProto "
                         "text file; needs pip install 'scamp-jax[gpu-plan]')")
+
+
+def preset_text(name: str, c: HPOConfig) -> str:
+    """What preset ``c`` sets, for ``--help``'s epilog: ``name: 6 trials of 1,000 steps, ...``
+    (read from the config itself, so help and preset cannot disagree)."""
+    devices = f"{c.devices} devices" if c.devices else "every device"
+    memory = (f"{c.memory_per_device} each" if c.memory_per_device
+              else "each with its own memory")
+    cap = c.max_running_trials
+    running = ("no cap on running trials" if cap is None else
+               f"--max-running-trials {cap}" if isinstance(cap, str) else f"at most {cap} running")
+    pruning = (f"pruner {c.pruner} (evaluations every {c.eval_every:,} steps)"
+               if c.pruner != "none" and c.eval_every else "no pruning")
+    steps = f"{c.steps:,} steps" + (f" at batch {c.reference_batch:,}" if c.reference_batch
+                                     else "")
+    return (f"{name}: {c.trials} trials of {steps}, {devices} ({memory}), batches up "
+            f"to {c.max_batch_size:,}, sampler {c.sampler}, {pruning}, a checkpoint every "
+            f"{c.checkpoint_every:,} steps, {running}, seed {c.seed}")
 
 
 def config_from_args(args: argparse.Namespace, base: HPOConfig, study_dir: str) -> HPOConfig:
@@ -497,6 +516,8 @@ def plan_only(
     ``--devices`` GPUs of ``--target``), print a table, train nothing
     (`scamp_jax.hpo.preview.plan_candidates`); ``preset_for`` as in `run`, for the planned
     devices' platform."""
+    if config.storage is not None:  # unused here, but the study command it plans may take it
+        check_storage(config.storage, config.study_dir)
     target_name = getattr(args, "target", None)
     if target_name is not None:
         from scamp_jax.planning import targets

@@ -260,12 +260,10 @@ def _main_mpi(config, args: argparse.Namespace, p: argparse.ArgumentParser) -> d
     """``--mpi``: one stage per rank (on its first device); rank 0 writes the results."""
     from scamp_jax.distributed.mpi import launched_under_mpi, world
 
-    if not launched_under_mpi():
-        raise SystemExit(
-            "--mpi needs an MPI launcher with one rank per pipeline stage, e.g. "
-            f"mpirun -n {config.stages} python -m experiments.supernet_nas --mpi "
-            "(install the extra first: pip install 'scamp-jax[mpi]')"
-        )
+    if not launched_under_mpi():  # a usage error: argparse's exit status 2 and format
+        p.error("--mpi needs an MPI launcher with one rank per pipeline stage, e.g. "
+                f"mpirun -n {config.stages} python -m experiments.supernet_nas --mpi "
+                "(install the extra first: pip install 'scamp-jax[mpi]')")
 
     w = world()  # MPI only: JAX has not started
     if args.stages is None:

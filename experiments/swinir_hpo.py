@@ -27,7 +27,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from experiments._cli import HPOConfig, add_flags, config_from_args, run
+from experiments._cli import HPOConfig, add_flags, config_from_args, preset_text, run
 
 STUDY_DIR = "runs/swinir_hpo"
 PRESETS = ("smoke", "default", "paper")
@@ -124,19 +124,26 @@ def make_space_and_task(config: HPOConfig) -> tuple[Any, Any]:
     return space, task
 
 
+def _presets_text() -> str:
+    """What each preset sets (``--help``'s epilog), from `get_config` itself."""
+    parts = [preset_text("smoke", get_config("smoke")),
+             preset_text("default on CPU devices", get_config("default")),
+             preset_text("default on GPUs", get_config("default", platform="gpu"))
+             + ", each architecture's trials fused (--fuse auto)",
+             preset_text("paper", get_config("paper"))]
+    return ("Presets (--preset; flags override them): " + "; ".join(parts) + ". A trial's "
+            "batch is the largest its memory holds up to the cap, and its steps scale so that "
+            "every trial sees as many samples (--steps); on CPU the default pool's memory "
+            "decides how many trials train at once, packed several to a device.")
+
+
 def parser() -> argparse.ArgumentParser:
     """The command-line flags (``--help`` lists them)."""
     p = argparse.ArgumentParser(
         prog="python -m experiments.swinir_hpo",
         description="Memory-aware parallel hyperparameter search over SwinIR "
         "(x2 super-resolution).",
-        epilog="Defaults of --preset default on a CPU-only machine: 6 trials of 1,000 steps, "
-        f"a pool of {CPU_POOL_DEVICES} CPU devices (--devices) of 32 MiB each "
-        "(--memory-per-device), every trial's batch the largest up to 4 that its device holds "
-        "(--max-batch-size), and no cap on running trials (--max-running-trials none): the "
-        "pool's memory decides how many train at once, packed several to a device. On GPUs "
-        "the pool is every GPU with its own memory limit. The other presets use every device "
-        "and --max-running-trials auto.",
+        epilog=_presets_text(),
     )
     add_flags(p, PRESETS, STUDY_DIR)
     p.add_argument("--train-dir",

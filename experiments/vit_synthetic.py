@@ -19,7 +19,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from experiments._cli import HPOConfig, add_flags, config_from_args, run
+from experiments._cli import HPOConfig, add_flags, config_from_args, preset_text, run
 
 STUDY_DIR = "runs/vit_synthetic"
 PRESETS = ("smoke", "default", "paper")
@@ -54,15 +54,11 @@ def make_space_and_task(config: HPOConfig) -> tuple[Any, Any]:
 
 def _presets_text() -> str:
     """What each preset sets (``--help``'s epilog), from `get_config` itself."""
-    configs = [get_config(name) for name in PRESETS]
-    parts = [f"{c.preset}: {c.trials} trials of {c.steps:,} steps, "
-             + (f"{c.memory_per_device} per device" if c.memory_per_device
-                else "each device's own memory")
-             + f", batches up to {c.max_batch_size:,}" for c in configs]
-    return ("Presets (--preset; flags override them): " + "; ".join(parts) + ". Every preset "
-            "uses every device (--devices) and --max-running-trials "
-            f"{configs[0].max_running_trials}; --policy fixed gives each trial "
-            + ", ".join(str(c.devices_per_trial) for c in configs) + " devices.")
+    return ("Presets (--preset; flags override them): "
+            + "; ".join(preset_text(name, get_config(name)) for name in PRESETS)
+            + ". --policy fixed gives each trial "
+            + ", ".join(str(get_config(name).devices_per_trial) for name in PRESETS)
+            + " devices.")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -434,8 +434,13 @@ def _print_tables(console: Any, config: NASConfig, result: TrainResult, summary:
     best = summary["best"]
     console.print(
         f"best subnet: {best['ops']} at {best['psnr']:.2f} dB "
-        f"({best['psnr'] - summary['bicubic_psnr']:+.2f} dB over bicubic)"
+        f"({_against_bicubic(best['psnr'] - summary['bicubic_psnr'])})"
     )
+
+
+def _against_bicubic(gain: float) -> str:
+    """A PSNR difference to bicubic's in words: ``0.42 dB above bicubic``."""
+    return f"{abs(gain):.2f} dB {'above' if gain >= 0 else 'below'} bicubic"
 
 
 def save_plot(summary: dict, path: Path) -> None:

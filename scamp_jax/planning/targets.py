@@ -254,8 +254,8 @@ def resolve_target(target: str | os.PathLike[str] | Target,
                       spec.compute_capability, spec.target_config(), cache)
     path = Path(text)
     if not path.is_file() and (path.suffix or os.sep in text):  # meant as a file
-        what = "a folder" if path.is_dir() else "missing"
-        raise ValueError(f"target={text!r}: no such file ({what}); pass the path of a "
+        what = "is a folder, not a file" if path.is_dir() else "does not exist"
+        raise ValueError(f"target={text!r} {what}; pass the path of a "
                          "GpuTargetConfigProto text file, or one of the known GPUs "
                          f"({', '.join(TARGETS)})")
     if not path.is_file():
