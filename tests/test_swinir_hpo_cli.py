@@ -446,6 +446,11 @@ def test_the_record_only_grows(tmp_path):
     intervals, memory, elapsed = report.combined_timeline(payload["runs"])
     assert intervals == [[(0, 0.0, 10.0, 5), (1, 14.0, 16.0, 5)]] and elapsed == 16.0
     assert memory == ([0.0, 10.0, 14.0, 16.0], [0.5, 0.0, 0.25, 0.0])
+    assert report.run_starts(payload["runs"]) == [0.0, 10.0, 14.0]  # marked on the plots
+    paths = report.plot_results(tmp_path, [row], metric="mse", intervals=intervals,
+                                memory_series=memory, elapsed_s=elapsed, capacity_bytes=10,
+                                run_starts=report.run_starts(payload["runs"]))
+    assert all(p.stat().st_size > 0 for p in paths)
 
 
 def test_errors_name_the_command_lines_flags_not_the_librarys_keywords() -> None:

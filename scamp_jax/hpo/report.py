@@ -255,6 +255,23 @@ def combined_timeline(
     return intervals, ((times, fractions) if times else None), offset
 
 
+def run_starts(runs: Sequence[Mapping[str, Any]]) -> list[float]:
+    """Where each run begins on `combined_timeline`'s time axis (0.0 for the first)."""
+    starts, offset = [], 0.0
+    for run in runs:
+        starts.append(offset)
+        offset += float(run.get("elapsed_s") or 0.0)
+    return starts
+
+
+def _mark_runs(ax: Any, starts: Sequence[float]) -> None:
+    """A dashed line where each later run of a resumed study begins, labelled ``run N``."""
+    for n, start in enumerate(starts[1:], start=2):
+        ax.axvline(start, ls="--", color="0.4", linewidth=0.8, zorder=3)
+        ax.annotate(f" run {n}", (start, 1.0), xycoords=("data", "axes fraction"),
+                    fontsize=7, va="top", color="0.3")
+
+
 def _jsonable(value: Any) -> Any:
     if hasattr(value, "item"):
         return value.item()
@@ -289,6 +306,7 @@ def plot_results(
     memory_series: tuple[Sequence[float], Sequence[float]] | None = None,
     elapsed_s: float | None = None,
     capacity_bytes: int | None = None,
+    run_starts: Sequence[float] = (),
 ) -> list[Path]:
     """Write the plots as PNG files in ``study_dir`` and return their paths.
 
@@ -297,6 +315,9 @@ def plot_results(
     - ``device_timeline.png``: which trial held which device when (``intervals``: per device,
       ``(trial, start_s, end_s, bytes)``);
     - ``memory_utilization.png``: reserved fraction of the pool's memory over time.
+
+    ``run_starts``: where each run of a resumed study begins on the time axis
+    (`run_starts`); both time plots mark the later ones.
     """
     import matplotlib
 
@@ -345,6 +366,7 @@ def plot_results(
     # device an axis fitted to the bars would stretch any of them to the full height)
     ax.set_ylim(-0.5, max(len(intervals), 1) - 0.5)
     ax.set_xlim(left=0)
+    _mark_runs(ax, run_starts)
     ax.set_ylabel("device")
     ax.set_xlabel("seconds")
     ax.set_title("device occupancy (bar height: share of the device's memory)")
@@ -359,6 +381,7 @@ def plot_results(
         fractions = list(memory_series[1]) + ([memory_series[1][-1]] if elapsed_s else [])
         ax.step(times, [100 * f for f in fractions], where="post")
     ax.set_ylim(0, 105)
+    _mark_runs(ax, run_starts)
     ax.set_xlabel("seconds")
     ax.set_ylabel("reserved memory (% of pool)")
     ax.set_title("aggregate memory utilisation")
@@ -525,6 +548,7 @@ __all__ = [
     "write_results",
     "read_runs",
     "combined_timeline",
+    "run_starts",
     "run_summary",
     "ranks_timeline",
 ]

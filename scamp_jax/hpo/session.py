@@ -347,11 +347,12 @@ class StudySession:
         report.write_results(self.out_dir, records, metric=metric, direction=direction,
                              run=None if idle else run_info)
         report.save_best_model(self.out_dir, records, metric, direction)
-        intervals, memory_series, elapsed = report.combined_timeline(
-            report.read_runs(self.out_dir))
+        runs = report.read_runs(self.out_dir)
+        intervals, memory_series, elapsed = report.combined_timeline(runs)
         report.plot_results(self.out_dir, records, metric=metric, baseline=self.baseline,
                             intervals=intervals, memory_series=memory_series,
-                            elapsed_s=elapsed, capacity_bytes=self.memory_per_device)
+                            elapsed_s=elapsed, capacity_bytes=self.memory_per_device,
+                            run_starts=report.run_starts(runs))
         self.console.print(report.summary_table(records, metric, direction,
                                                 baseline=self.baseline,
                                                 width=self.console.width))
