@@ -9,7 +9,6 @@ finish in time, records ``cut_short`` and stops. Sizes come from `benchmarks.gpu
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -18,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -468,13 +467,15 @@ def fusion_section(cfg: Any, ctx: Context, rec: Record) -> None:
         rec.body["wide"] = wide
         row["wide_speedup"] = wide["wide_speedup"]
     rec.save()
-    # The fused step with its convolutions in the form the platform does not take by default
-    # (`scamp_jax.planning.member_ops`: grouped on a GPU, member by member on CPU), against
-    # the same solo steps: which form a fused group should run here.
+    # The fused step with its convolutions in the form the rows above did not run
+    # (`scamp_jax.planning.member_ops`: by default grouped on a GPU, member by member on CPU),
+    # against the same solo steps: which form a fused group should run here.
+    from scamp_jax.planning.member_ops import forced_form, form_on
+
     _timeout(ctx, cfg.fusion_least_seconds)
-    other = other_convolution_form(ctx.platform)
+    other = "grouped" if form_on(ctx.platform) == "per_member" else "per_member"
     try:
-        with convolution_form(other):
+        with forced_form(other):
             alt = fusion.step_times(cfg.fusion_family, cfg.fusion_width, cfg.fusion_batch,
                                     ways=("fused",))
     except Exception as err:  # noqa: BLE001 - the fused row above is the section's point
@@ -484,29 +485,6 @@ def fusion_section(cfg: Any, ctx: Context, rec: Record) -> None:
         row["other_form"] = other
         row["other_form_step_speedup"] = alt["step_speedup"]
     rec.save()
-
-
-def other_convolution_form(platform: str) -> str:
-    """The form of a fused program's per-member convolutions that ``platform`` does not run
-    by default (`scamp_jax.planning.member_ops`: member by member on CPU, grouped elsewhere)."""
-    return "grouped" if platform == "cpu" else "per_member"
-
-
-@contextlib.contextmanager
-def convolution_form(form: str) -> Iterator[None]:
-    """Programs traced inside run fused convolutions in ``form`` (``SCAMP_FUSED_CONVOLUTIONS``;
-    the variable as it was afterwards)."""
-    from scamp_jax.planning.member_ops import FORM_VARIABLE
-
-    before = os.environ.get(FORM_VARIABLE)
-    os.environ[FORM_VARIABLE] = form
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(FORM_VARIABLE, None)
-        else:
-            os.environ[FORM_VARIABLE] = before
 
 
 def _fusion_row(cfg: Any, report: dict[str, Any]) -> dict[str, Any]:
@@ -612,7 +590,8 @@ def mainjob_section(cfg: Any, ctx: Context, rec: Record) -> None:
     out = ctx.out / "mainjob"
     cmd = [sys.executable, "-m", "experiments.swinir_hpo", "--study-dir", str(out),
            "--no-live", "--trials", str(cfg.mainjob_trials), "--steps", str(cfg.mainjob_steps),
-           # a checkpoint at each trial's end only (short trials: the preset's 1 in 100 steps)
+           # a checkpoint at each trial's end only, as the preset's every 100 steps gave these
+           # trials before --steps scaled it (which would write one every 10 here)
            "--checkpoint-every", "0"]
     rec.body.update(command=" ".join(["python", *cmd[1:]]), trials=cfg.mainjob_trials,
                     steps=cfg.mainjob_steps)

@@ -99,16 +99,15 @@ def study_name(text: str) -> str:
 def fusion_width(text: str) -> int | str:
     """argparse type of ``--fuse``: ``auto`` (any case) or an integer from 1 to
     `scamp_jax.hpo.trial.MAX_FUSION_CAP`."""
-    from scamp_jax.hpo.trial import MAX_FUSION_CAP
+    from scamp_jax.hpo.trial import fusion_cap
 
     if text.strip().lower() == "auto":
         return "auto"
     value = _int_at_least(text, 1, "at least 1 (1: no fusion), or auto", " or auto")
-    if value > MAX_FUSION_CAP:
-        raise argparse.ArgumentTypeError(
-            f"{value} members per group is more than {MAX_FUSION_CAP}, the most one fused "
-            f"program holds (its compile grows with the group); pass at most {MAX_FUSION_CAP}, "
-            "or auto")
+    try:
+        fusion_cap(value)  # the library's bounds, said as flags
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(as_flags(str(err))) from None
     return value
 
 
@@ -230,9 +229,11 @@ def preset_text(name: str, c: HPOConfig) -> str:
                if c.pruner != "none" and c.eval_every else "no pruning")
     steps = f"{c.steps:,} steps" + (f" at batch {c.reference_batch:,}" if c.reference_batch
                                      else "")
+    checkpoints = (f"a checkpoint every {c.checkpoint_every:,} steps" if c.checkpoint_every
+                   else "a checkpoint at the end only")
     return (f"{name}: {c.trials} trials of {steps}, {devices} ({memory}), batches up "
-            f"to {c.max_batch_size:,}, sampler {c.sampler}, {pruning}, a checkpoint every "
-            f"{c.checkpoint_every:,} steps, {running}, seed {c.seed}")
+            f"to {c.max_batch_size:,}, sampler {c.sampler}, {pruning}, {checkpoints}, "
+            f"{running}, seed {c.seed}")
 
 
 def config_from_args(args: argparse.Namespace, base: HPOConfig, study_dir: str) -> HPOConfig:
@@ -352,9 +353,11 @@ def check_study_dir(path: str | Path) -> None:
              "directory you can write to")
 
 
-def check_storage(url: str | None, study_dir: str | Path) -> None:
+def check_storage(url: str | None, study_dir: str | Path, *, here: bool = True) -> None:
     """Exit 2 if ``--storage`` is not a usable database URL, its driver is missing, or the
-    study's SQLite database is damaged; connects to nothing else and creates nothing."""
+    study's SQLite database is damaged; connects to nothing else and creates nothing.
+    ``here=False`` (a command that only plans, perhaps for a machine with its own driver and
+    folders): the URL's form only."""
     if url is not None:
         import sqlalchemy
         from sqlalchemy.engine import make_url
@@ -365,6 +368,8 @@ def check_storage(url: str | None, study_dir: str | Path) -> None:
             parsed = make_url(url)
         except ArgumentError:
             fail(f"--storage {url!r} is not a database URL; pass one like {example}")
+        if not here:
+            return
         try:
             sqlalchemy.create_engine(parsed)  # loads dialect and driver; connects to nothing
         except NoSuchModuleError:
@@ -516,8 +521,8 @@ def plan_only(
     ``--devices`` GPUs of ``--target``), print a table, train nothing
     (`scamp_jax.hpo.preview.plan_candidates`); ``preset_for`` as in `run`, for the planned
     devices' platform."""
-    if config.storage is not None:  # unused here, but the study command it plans may take it
-        check_storage(config.storage, config.study_dir)
+    if config.storage is not None:  # unused here; a study it plans for may take it elsewhere
+        check_storage(config.storage, config.study_dir, here=False)
     target_name = getattr(args, "target", None)
     if target_name is not None:
         from scamp_jax.planning import targets

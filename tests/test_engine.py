@@ -297,6 +297,19 @@ def test_a_log_shows_a_training_trial_advance_at_growing_intervals(monkeypatch):
     status.state = "complete"
     view.update([status])
     assert "complete" in stream.getvalue().splitlines()[-1]
+    # a fused group steps as one: one progress line names its members
+    members = [TrialStatus(n, {"width": 16}, state="training", batch_size=8, steps=100,
+                           training_since=clock[0], step=0) for n in (5, 6)]
+    groups = {5: (2, 2), 6: (2, 2)}
+    view.update(members, groups=groups)
+    before = len(stream.getvalue().splitlines())
+    clock[0] += 31
+    for m in members:
+        m.step = 31
+    view.update(members, groups=groups)
+    new_lines = stream.getvalue().splitlines()[before:]
+    assert len(new_lines) == 1 and "trials 5, 6 (group 2) training    step=31/100" in \
+        new_lines[0], new_lines
 
 
 def test_ctrl_c_checkpoints_running_trials_and_a_new_run_resumes_them(tmp_path):

@@ -329,6 +329,8 @@ def test_a_group_is_never_wider_than_the_study():
     assert settings.fuse == 3 and settings.source_kwargs()["siblings"] == 2
     assert SearchSettings(steps=1, trials=1, fuse=6).fuse == 1  # one trial: nothing to fuse
     assert SearchSettings(steps=1, trials=3, fuse="auto").fuse == "auto"
+    # lowered first: one trial under the grid sampler fuses nothing, which the grid allows
+    assert SearchSettings(steps=1, trials=1, fuse=4, sampler="grid").fuse == 1
 
 
 class _CtrlC:
@@ -406,7 +408,8 @@ def test_the_fuse_flag_takes_a_width_or_auto(capsys):
     assert "--fuse: 0 must be at least 1 (1: no fusion), or auto" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         swinir_hpo.parser().parse_args(["--fuse", "1000"])
-    assert "--fuse: 1000 members per group is more than 64" in capsys.readouterr().err
+    assert "--fuse: --fuse 1000 asks for groups of more than 64 trials" in \
+        capsys.readouterr().err
     args = swinir_hpo.parser().parse_args(["--fuse", "AUTO"])  # any case
     assert config_from_args(args, swinir_hpo.get_config("smoke"), "runs/x").fuse == "auto"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import re
 
 import jax
@@ -101,6 +102,23 @@ def test_the_environment_can_choose_one_form_everywhere(monkeypatch: pytest.Monk
     monkeypatch.setenv(FORM_VARIABLE, "sometimes")
     with pytest.raises(ValueError, match="SCAMP_FUSED_CONVOLUTIONS='sometimes'"):
         _groups("cpu")
+
+
+def test_a_form_forced_for_a_block_is_undone_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from scamp_jax.planning.member_ops import forced_form, form_on
+
+    monkeypatch.delenv(FORM_VARIABLE, raising=False)
+    assert (form_on("cpu"), form_on("gpu")) == ("per_member", "grouped")
+    with forced_form("grouped"):
+        assert set(_groups("cpu")) == {WIDTH} and form_on("cpu") == "grouped"
+    assert set(_groups("cpu")) == {1} and FORM_VARIABLE not in os.environ
+    monkeypatch.setenv(FORM_VARIABLE, "per_member")
+    with forced_form("grouped"):
+        assert form_on("gpu") == "grouped"
+    assert os.environ[FORM_VARIABLE] == "per_member" and form_on("gpu") == "per_member"
+    with pytest.raises(ValueError, match="form='sometimes' is not one of"), \
+            forced_form("sometimes"):
+        pass
 
 
 def test_per_member_on_cpu_batches_any_array_function() -> None:

@@ -234,11 +234,21 @@ def test_model_without_parameters_and_repeated_devices_fail_before_any_compile(n
                   memory_per_device=BUDGET)
 
 
-def test_the_default_loss_names_a_dict_batch():
-    with pytest.raises(TypeError, match=r"default_loss takes a batch that is an array or a "
-                       r"tuple \(inputs, \.\.\.\), not a dict of \['x'\]; pass a loss"):
-        plan_mesh(_model(), {"x": jax.ShapeDtypeStruct((1, 64), jnp.float32)}, devices=2,
-                  memory_per_device=BUDGET)
+def test_the_default_loss_names_a_dict_batch_its_model_cannot_take():
+    sample = {"x": SAMPLE}
+    with pytest.raises(TypeError, match=r"default_loss passes the model its batch, here a dict "
+                       r"of \['x'\], which it could not take \(.*\); pass a loss of your own"):
+        plan_mesh(_model(), sample, devices=2, memory_per_device=BUDGET)
+
+    class TakesADict(nnx.Module):  # a model that reads its inputs from the dict plans as ever
+        def __init__(self) -> None:
+            self.inner = _model()
+
+        def __call__(self, batch):
+            return self.inner(batch["x"])
+
+    plan = plan_mesh(nnx.eval_shape(TakesADict), sample, devices=2, memory_per_device=BUDGET)
+    assert plan.batch_size >= 1
 
 
 def test_a_sample_batch_the_model_cannot_take_says_what_was_traced():

@@ -494,5 +494,25 @@ def test_opening_a_study_leaves_optunas_creation_note_to_our_opening_lines(tmp_p
         assert "A new study created" not in err and "Using an existing study" not in err, err
         optuna.create_study()
         assert "A new study created in memory" in capfd.readouterr().err
+        # while one thread opens a study quietly, another thread's new study is announced
+        from scamp_jax.hpo.study.storage import quiet_study_creation
+
+        inside, done = threading.Event(), threading.Event()
+
+        def quiet() -> None:
+            with quiet_study_creation():
+                assert optuna.logging.get_verbosity() == optuna.logging.INFO
+                optuna.create_study(study_name="quiet")
+                inside.set()
+                done.wait(timeout=60)
+
+        thread = threading.Thread(target=quiet)
+        thread.start()
+        assert inside.wait(timeout=60)
+        optuna.create_study(study_name="loud")  # while the other thread is inside its block
+        done.set()
+        thread.join(timeout=60)
+        err = capfd.readouterr().err
+        assert "with name: loud" in err and "with name: quiet" not in err, err
     finally:
         optuna.logging.set_verbosity(before)

@@ -30,6 +30,8 @@ CASES = [
     (["--stages", "100", "--layers", "100"],
      r"--stages 100 needs one device per stage but there are \d+ \w+ devices; pass --stages "
      r"\d+ or fewer"),
+    # a usage error like the others, not a failure: without mpirun there is one process
+    (["--mpi"], "--mpi needs an MPI launcher with one rank per pipeline stage, e.g. mpirun -n 4"),
 ]
 
 

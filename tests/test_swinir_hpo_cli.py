@@ -449,8 +449,15 @@ def test_the_record_only_grows(tmp_path):
     assert report.run_starts(payload["runs"]) == [0.0, 10.0, 14.0]  # marked on the plots
     paths = report.plot_results(tmp_path, [row], metric="mse", intervals=intervals,
                                 memory_series=memory, elapsed_s=elapsed, capacity_bytes=10,
-                                run_starts=report.run_starts(payload["runs"]))
+                                run_marks=report.run_starts(payload["runs"]))
     assert all(p.stat().st_size > 0 for p in paths)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    report._mark_runs(ax, report.run_starts(payload["runs"]))  # the later runs, named
+    assert [line.get_xdata()[0] for line in ax.lines] == [10.0, 14.0]
+    assert [t.get_text() for t in ax.texts] == [" run 2", " run 3"]
+    plt.close(fig)
 
 
 def test_errors_name_the_command_lines_flags_not_the_librarys_keywords() -> None:

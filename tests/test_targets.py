@@ -131,22 +131,31 @@ def test_missing_compiler_names_the_install_command(monkeypatch) -> None:
         fresh.devices(1)
 
 
-def test_cli_says_a_missing_compiler_in_one_line(monkeypatch, tmp_path, capsys) -> None:
-    # The same mock as above: the command line's error, not a traceback.
-    from experiments import swinir_hpo
+_NO_PLUGIN = """
+import importlib.util, sys
+real = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a: None if name.startswith("jax_plugins") \\
+    else real(name, *a)
+from experiments import swinir_hpo
+swinir_hpo.main(sys.argv[1:])
+"""
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(targets.importlib.util, "find_spec",
-                        lambda name, *a: None if name.startswith("jax_plugins") else real(name, *a))
-    description = tmp_path / "gpu.txtpb"  # a description no earlier test compiled for
-    description.write_text(targets.GPUS["h100"].target_config() + "# the cli's\n")
-    with pytest.raises(SystemExit) as stop:
-        swinir_hpo.main(["--plan-only", "--target", str(description), "--devices", "1",
-                         "--trials", "1", "--no-live", "--study-dir", str(tmp_path / "s")])
-    assert stop.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: compiling for a GPU target needs JAX's CUDA plugin"), err
-    assert "pip install 'scamp-jax[gpu-plan]'" in err and "Traceback" not in err
+
+def test_cli_says_a_missing_compiler_in_one_line(tmp_path) -> None:
+    # The same mock as above, in a process of its own (the command line sets up JAX's devices):
+    # the command line's error, not a traceback.
+    description = tmp_path / "gpu.txtpb"
+    description.write_text(targets.GPUS["h100"].target_config())
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_PLUGIN, "--plan-only", "--target", str(description),
+         "--devices", "1", "--trials", "1", "--no-live", "--study-dir", str(tmp_path / "s")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: compiling for a GPU target needs JAX's CUDA plugin"), \
+        proc.stderr
+    assert "pip install 'scamp-jax[gpu-plan]'" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_target_needs_a_device_count() -> None:

@@ -98,9 +98,9 @@ class LiveView:
         self._used: list[int] = [0] * len(self.capacity)
         self._occupants: list[list[int | str]] = [[] for _ in self.capacity]
         self._last_state: dict[int, str] = {}
-        #: per trial: when its last plain line was printed, and the wait for its next
-        #: progress line
-        self._last_line: dict[int, tuple[float, float]] = {}
+        #: per trial (per fused group: ``("g", id)``): when its last plain line was printed,
+        #: and the wait for its next progress line
+        self._last_line: dict[Any, tuple[float, float]] = {}
         self._groups: dict[int, tuple[int, int]] = {}
         self._live: Any = None
         self._t0 = time.monotonic()
@@ -162,7 +162,7 @@ class LiveView:
                 continue
             first = s.number not in self._last_state
             self._last_state[s.number] = s.state
-            self._last_line[s.number] = (now, PROGRESS_FIRST_S)
+            self._last_line[self._progress_key(s)] = (now, PROGRESS_FIRST_S)
             elapsed = now - self._t0
             line = f"[{elapsed:7.1f}s] trial {s.number:>3} {s.state:<11}"
             if first and s.retry_of is not None:
@@ -183,16 +183,27 @@ class LiveView:
                 line += f" ({s.reason[:120]})"
             print(line, file=self.stream, flush=True)
 
+    def _progress_key(self, s: TrialStatus) -> Any:
+        """Whose progress line ``s``'s is: its own, or its fused group's (one for all)."""
+        group = self._groups.get(s.number)
+        return s.number if group is None else ("g", group[0])
+
     def _log_progress(self, s: TrialStatus, now: float) -> None:
-        """A training trial's progress line, when its wait since its last line is over."""
-        last, wait = self._last_line.get(s.number, (now, PROGRESS_FIRST_S))
+        """A training trial's (or its fused group's) progress line, when its wait since its
+        last line is over."""
+        key = self._progress_key(s)
+        last, wait = self._last_line.get(key, (now, PROGRESS_FIRST_S))
         if s.state != "training" or now - last < wait:
             return
-        self._last_line[s.number] = (now, min(2 * wait, PROGRESS_MOST_S))
-        line = f"[{now - self._t0:7.1f}s] trial {s.number:>3} {s.state:<11} step={s.step}/{s.steps}"
+        self._last_line[key] = (now, min(2 * wait, PROGRESS_MOST_S))
+        who = f"trial {s.number:>3}"
+        if isinstance(key, tuple):  # the group steps as one: its members in one line
+            members = sorted(n for n, (g, _) in self._groups.items() if g == key[1])
+            who = f"trials {', '.join(map(str, members))} (group {key[1]})"
+        line = f"[{now - self._t0:7.1f}s] {who} {s.state:<11} step={s.step}/{s.steps}"
         if s.steps:
             line += f" ({100 * s.step / s.steps:.0f}%)"
-        if not math.isnan(s.loss):
+        if not math.isnan(s.loss) and not isinstance(key, tuple):  # a member's own: its lines
             line += f" loss={s.loss:.4g}"
         done, seconds = s.step - s.first_step, now - s.training_since
         if done > 0 and seconds > 0:

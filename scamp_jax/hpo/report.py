@@ -239,20 +239,19 @@ def combined_timeline(
     intervals: list[list[tuple[int, float, float, int]]] = []
     times: list[float] = []
     fractions: list[float] = []
-    offset = 0.0
-    for run in runs:
+    for run, offset in zip(runs, run_starts(runs), strict=True):
         timeline = run.get("timeline") or {}
         for device, spans in enumerate(timeline.get("intervals") or []):
             while len(intervals) <= device:
                 intervals.append([])
             intervals[device] += [(int(t), offset + s, offset + e, int(b)) for t, s, e, b in spans]
         series = timeline.get("memory_series")
-        start = offset
-        offset += float(run.get("elapsed_s") or 0.0)
+        end = offset + float(run.get("elapsed_s") or 0.0)
         if series and series[0]:
-            times += [start + t for t in series[0]] + [offset]
+            times += [offset + t for t in series[0]] + [end]
             fractions += list(series[1]) + [0.0]  # the pool is empty between runs
-    return intervals, ((times, fractions) if times else None), offset
+    total = sum(float(run.get("elapsed_s") or 0.0) for run in runs)
+    return intervals, ((times, fractions) if times else None), total
 
 
 def run_starts(runs: Sequence[Mapping[str, Any]]) -> list[float]:
@@ -306,7 +305,7 @@ def plot_results(
     memory_series: tuple[Sequence[float], Sequence[float]] | None = None,
     elapsed_s: float | None = None,
     capacity_bytes: int | None = None,
-    run_starts: Sequence[float] = (),
+    run_marks: Sequence[float] = (),
 ) -> list[Path]:
     """Write the plots as PNG files in ``study_dir`` and return their paths.
 
@@ -316,7 +315,7 @@ def plot_results(
       ``(trial, start_s, end_s, bytes)``);
     - ``memory_utilization.png``: reserved fraction of the pool's memory over time.
 
-    ``run_starts``: where each run of a resumed study begins on the time axis
+    ``run_marks``: where each run of a resumed study begins on the time axis
     (`run_starts`); both time plots mark the later ones.
     """
     import matplotlib
@@ -366,7 +365,7 @@ def plot_results(
     # device an axis fitted to the bars would stretch any of them to the full height)
     ax.set_ylim(-0.5, max(len(intervals), 1) - 0.5)
     ax.set_xlim(left=0)
-    _mark_runs(ax, run_starts)
+    _mark_runs(ax, run_marks)
     ax.set_ylabel("device")
     ax.set_xlabel("seconds")
     ax.set_title("device occupancy (bar height: share of the device's memory)")
@@ -381,7 +380,7 @@ def plot_results(
         fractions = list(memory_series[1]) + ([memory_series[1][-1]] if elapsed_s else [])
         ax.step(times, [100 * f for f in fractions], where="post")
     ax.set_ylim(0, 105)
-    _mark_runs(ax, run_starts)
+    _mark_runs(ax, run_marks)
     ax.set_xlabel("seconds")
     ax.set_ylabel("reserved memory (% of pool)")
     ax.set_title("aggregate memory utilisation")

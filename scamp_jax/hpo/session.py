@@ -352,7 +352,7 @@ class StudySession:
         report.plot_results(self.out_dir, records, metric=metric, baseline=self.baseline,
                             intervals=intervals, memory_series=memory_series,
                             elapsed_s=elapsed, capacity_bytes=self.memory_per_device,
-                            run_starts=report.run_starts(runs))
+                            run_marks=report.run_starts(runs))
         self.console.print(report.summary_table(records, metric, direction,
                                                 baseline=self.baseline,
                                                 width=self.console.width))

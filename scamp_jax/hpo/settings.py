@@ -91,7 +91,9 @@ class EngineConfig:
         of one architecture train in fused groups of at most ``K``, as wide as the planner
         fits), ``"auto"`` (the planner's widest fitting group, capped), 1 (off) or None (the
         devices decide, `SearchSettings.on_platform`: ``"auto"`` on accelerators, off on CPU
-        devices; the engine itself reads None as off). Siblings change the search: a
+        devices; the engine itself reads None as off). ``K`` is at most
+        `scamp_jax.hpo.trial.MAX_FUSION_CAP` (64), and a study's `SearchSettings` lowers it to
+        its ``trials`` (a group holds trials of the study). Siblings change the search: a
         proposal's family takes ``K`` of the study's trials, so a study of at most ``K``
         trials tries one architecture (its first proposal's) with ``K`` draws of the training
         hyperparameters (``"auto"``: ``K`` is `scamp_jax.hpo.trial.AUTO_FUSION_CAP`).
@@ -248,6 +250,11 @@ class SearchSettings(EngineConfig):
     def __post_init__(self) -> None:
         from scamp_jax.hpo.trial import fusion_cap
 
+        fuse, trials = self.fuse, self.trials
+        if (isinstance(fuse, int) and isinstance(trials, int) and not isinstance(fuse, bool)
+                and not isinstance(trials, bool) and 1 <= trials < fuse):
+            # a group holds trials of this study: no wider group is asked, planned or compiled
+            object.__setattr__(self, "fuse", trials)
         if fusion_cap(self.fuse) is not None and self.sampler == "grid":  # raises on a bad fuse
             raise ValueError(
                 f"fuse={self.fuse!r} leaves each sibling's training hyperparameters to the "
@@ -272,9 +279,6 @@ class SearchSettings(EngineConfig):
                              "'\\' and be no '.' or '..'; pass e.g. 'swinir-2'")
         object.__setattr__(self, "initial_params",
                            tuple(dict(p) for p in self.initial_params))
-        if isinstance(self.fuse, int) and self.fuse > self.trials:
-            # a group holds trials of this study: no wider group is asked, planned or compiled
-            object.__setattr__(self, "fuse", self.trials)
 
     # -- views ----------------------------------------------------------------------------------
     def on_platform(self, platform: str) -> SearchSettings:

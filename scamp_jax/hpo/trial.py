@@ -232,7 +232,7 @@ def fusion_cap(fuse: int | str | None) -> int | None:
     if fuse > MAX_FUSION_CAP:
         raise ValueError(f"fuse={fuse} asks for groups of more than {MAX_FUSION_CAP} trials, the "
                          "most one fused program holds (its compile grows with the group); pass "
-                         f"fuse={AUTO_FUSION_CAP}, fuse='auto' or at most {MAX_FUSION_CAP}")
+                         f"at most {MAX_FUSION_CAP}: fuse={AUTO_FUSION_CAP} or fuse='auto', say")
     return fuse if fuse > 1 else None
 
 

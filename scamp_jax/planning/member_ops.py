@@ -40,8 +40,9 @@ the choice, to measure both forms on one platform: ``per_member`` or ``grouped``
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -65,6 +66,32 @@ def convolution_form() -> str:
     if form not in FORMS:
         raise ValueError(f"{FORM_VARIABLE}={form!r} is not one of {FORMS}; unset it for 'auto'")
     return form
+
+
+def form_on(platform: str) -> str:
+    """The form fused programs traced now run on ``platform`` (``"per_member"`` or
+    ``"grouped"``): `convolution_form`, with ``auto`` resolved."""
+    form = convolution_form()
+    if form != "auto":
+        return form
+    return "per_member" if platform == "cpu" else "grouped"
+
+
+@contextlib.contextmanager
+def forced_form(form: str) -> Iterator[None]:
+    """Within the block, programs traced run fused convolutions in ``form`` (one of `FORMS`;
+    ``SCAMP_FUSED_CONVOLUTIONS`` as it was afterwards): to measure both forms in one process."""
+    if form not in FORMS:
+        raise ValueError(f"form={form!r} is not one of {FORMS}")
+    before = os.environ.get(FORM_VARIABLE)
+    os.environ[FORM_VARIABLE] = form
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(FORM_VARIABLE, None)
+        else:
+            os.environ[FORM_VARIABLE] = before
 
 
 def _stack(outs: Sequence[PyTree]) -> PyTree:

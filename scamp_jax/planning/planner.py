@@ -391,7 +391,7 @@ def _check_sample_batch(sample_batch: PyTree) -> None:
                 f"every sample_batch leaf needs a leading sample axis, got {leaf!r}; "
                 "pass arrays or jax.ShapeDtypeStruct shaped (batch, ...)"
             )
-    sizes = sorted({int(leaf.shape[0]) for leaf in leaves})
+    sizes = {str(leaf.shape[0]) for leaf in leaves}  # a symbolic size too
     if len(sizes) > 1:  # the leaves share the batch axis: one without it is read as one
         shapes = ", ".join(str(tuple(leaf.shape)) for leaf in leaves)
         raise ValueError(

@@ -48,12 +48,16 @@ def default_loss(model: nnx.Module, batch: Any) -> jax.Array:
     throughput matters. ``batch`` is an array of inputs ``(B, ...)`` or a tuple whose first element
     is the inputs; other elements (targets) are ignored.
     """
-    if isinstance(batch, Mapping):
+    try:
+        out = model(batch_inputs(batch))
+    except Exception as err:
+        if not isinstance(batch, Mapping):
+            raise
+        # a model that takes the dict itself trains as it is; one that does not is told why
         raise TypeError(
-            f"default_loss takes a batch that is an array or a tuple (inputs, ...), not a "
-            f"{type(batch).__name__} of {sorted(map(str, batch))}; pass a loss of your own, "
-            "loss_fn=lambda model, batch: ... -> scalar")
-    out = model(batch_inputs(batch))
+            f"default_loss passes the model its batch, here a {type(batch).__name__} of "
+            f"{sorted(map(str, batch))}, which it could not take ({type(err).__name__}: {err}); "
+            "pass a loss of your own, loss_fn=lambda model, batch: ... -> scalar") from err
     leaves = jax.tree.leaves(out)
     if not leaves:
         raise ValueError("the model returned no arrays; default_loss needs an array output")

@@ -152,7 +152,7 @@ def open_storage(
             f"{heartbeat_interval=} s must be at least 1 and {grace_period=} s longer than it"
         )
     url = storage_url(study_dir, storage)
-    created = _create_sqlite_file(url)
+    created = _create_sqlite_file(url, storage is not None)
     for attempt in range(attempts):
         try:
             with quiet_optuna():
@@ -184,9 +184,11 @@ def open_storage(
     raise AssertionError("unreachable")
 
 
-def _create_sqlite_file(url: str) -> bool:
+def _create_sqlite_file(url: str, storage_given: bool = True) -> bool:
     """Create the SQLite database file of ``url`` if there is none; True if this call made it
-    (exclusive creation: of processes opening a new study at once, one gets True)."""
+    (exclusive creation: of processes opening a new study at once, one gets True).
+    ``storage_given``: the URL is the caller's ``storage`` (else the study directory's file),
+    which the error for a file that cannot be made names."""
     from sqlalchemy.engine import make_url
 
     parsed = make_url(url)
@@ -197,12 +199,11 @@ def _create_sqlite_file(url: str) -> bool:
             return True
     except FileExistsError:
         return False
-    except OSError as err:  # a folder that is not there, or not writable
-        kind = type(err) if isinstance(err, (FileNotFoundError, NotADirectoryError)) \
-            else PermissionError
-        raise kind(f"the study database {parsed.database!r} cannot be created "
-                   f"({err.strerror or err}); pass storage as a database file in a folder "
-                   "this process can write to") from err
+    except OSError as err:  # a folder that is not there or not writable, a full disk, ...
+        fix = ("pass storage as a database file in a folder this process can write to"
+               if storage_given else "pass a study_dir this process can write to")
+        raise type(err)(f"the study database {parsed.database!r} cannot be created "
+                        f"({err.strerror or err}); {fix}") from err
 
 
 @dataclass(frozen=True)
