@@ -72,7 +72,7 @@ def get_config(preset: str = "default", platform: str = "cpu") -> HPOConfig:
         # On CPU: a pool of 2 devices of 32 MiB, sized to the small space: its candidates book
         # 5-23 MiB at batch 4, the largest ones more, so the planner lowers their batch (to 1
         # for the space's largest). No cap on running trials: the pool's memory decides how
-        # many train at once, packed by planned memory (up to 4 measured, two to a device), so
+        # many train at once, packed by planned memory (up to 5 measured, three on a device), so
         # the memory plot shows what the trials hold together. 4,000 samples per trial, as 1,000
         # steps of 4: more updates than 500 of 8 at the same cost per sample. On GPUs the
         # pool is every GPU with its own memory limit (`experiments._cli.run`).
