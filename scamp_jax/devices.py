@@ -92,6 +92,7 @@ def configure_device_memory(memory_fraction: float | None = None, *,
         raise ValueError(
             f"{memory_fraction=} must be in (0, 1]: the share of each GPU's memory JAX may use; "
             "e.g. 0.9, or None for the study's budget")
+    cpu_without_gpu_driver()
     os.environ.setdefault(PREALLOCATE_VAR, "true" if preallocate else "false")
     user_fraction = MEM_FRACTION_VAR in os.environ or OLD_MEM_FRACTION_VAR in os.environ
     if not user_fraction:
@@ -103,6 +104,39 @@ def configure_device_memory(memory_fraction: float | None = None, *,
             os.environ[MEM_FRACTION_VAR] = f"{fraction:.6g}"
     names = (PREALLOCATE_VAR, MEM_FRACTION_VAR, OLD_MEM_FRACTION_VAR)
     return {name: os.environ[name] for name in names if name in os.environ}
+
+
+#: JAX's CUDA plugins (``jax-cuda12-plugin``, ``jax-cuda13-plugin``), as JAX finds them.
+_CUDA_PLUGINS = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
+
+
+def cpu_without_gpu_driver() -> bool:
+    """Keep JAX on the CPU, without its CUDA plugin's start-up error, where a CUDA plugin is
+    installed but no GPU driver loads (``libcuda.so.1``): e.g. the ``gpu-plan`` extra on a
+    machine without a GPU. JAX would stay on the CPU there anyway, after printing the
+    plugin's failed start-up check (``Jax plugin configuration error ... Unable to load
+    cuDNN``, a traceback of some 20 lines); planning for a GPU target loads the plugin itself
+    (`scamp_jax.planning.targets`). Sets ``JAX_PLATFORMS=cpu`` (and JAX's option where JAX is
+    imported) unless ``JAX_PLATFORMS`` is set. Returns whether it did."""
+    import ctypes
+    import importlib.util
+
+    if "JAX_PLATFORMS" in os.environ:
+        return False
+    try:
+        if not any(importlib.util.find_spec(name) for name in _CUDA_PLUGINS):
+            return False
+    except ModuleNotFoundError:  # no jax_plugins package at all
+        return False
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return False  # a driver: JAX starts its GPU backend as usual
+    except OSError:
+        pass
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    if "jax" in sys.modules:  # imported: JAX read the variable already (no effect once started)
+        sys.modules["jax"].config.update("jax_platforms", "cpu")
+    return True
 
 
 def pool_fraction(pool_bytes: int | None, processes: int = 1,

@@ -66,6 +66,7 @@ ENTRY_POINTS = [
                       "--out-dir", "{tmp}/nas"], {}),
     ("run_study", ["{tmp}/run_study.py", "{tmp}/study"], {}),
     ("digits_example", ["examples/digits.py"], {}),
+    ("plan_and_train_example", ["examples/plan_and_train.py"], {}),
     ("memory_accuracy", ["benchmarks.memory_accuracy", "--only", "mlp"], {}),
     ("hpo_makespan", ["benchmarks.hpo_makespan", "--out", "{tmp}/makespan"], {}),
     ("fusion", ["benchmarks.fusion"], {}),
@@ -172,3 +173,37 @@ def test_a_training_process_preallocates_the_budget_as_its_pool(monkeypatch) -> 
     monkeypatch.setattr(devices, "gpu_memory_bytes", lambda: 80 * 2**30)
     got = devices.configure_device_memory(pool_bytes=20 * 2**30)
     assert got == {devices.PREALLOCATE_VAR: "true", devices.MEM_FRACTION_VAR: "0.25"}
+
+
+def test_a_cuda_plugin_without_a_driver_stays_quietly_on_the_cpu() -> None:
+    """The ``gpu-plan`` extra's CUDA plugin on a machine with no GPU driver: an entry point's
+    set-up keeps JAX on the CPU without the plugin's failed start-up check (a traceback on
+    stderr), and a ``JAX_PLATFORMS`` the user set is kept."""
+    import ctypes
+    import importlib.util
+
+    if not any(importlib.util.find_spec(name) for name in devices._CUDA_PLUGINS):
+        pytest.skip("no CUDA plugin installed (the gpu-plan extra)")
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        pytest.skip("a GPU driver loads here: JAX starts its GPU backend as usual")
+    except OSError:
+        pass
+    script = ("import os, scamp_jax; scamp_jax.configure_cpu_devices(2); import jax; "
+              "print(os.environ.get('JAX_PLATFORMS'), jax.devices()[0].platform, "
+              "jax.device_count())")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["cpu", "cpu", "2"]
+    assert "plugin configuration error" not in proc.stderr, proc.stderr
+    # without the set-up JAX prints the plugin's failed check, which is what it replaces
+    bare = subprocess.run([sys.executable, "-c", "import jax; print(jax.devices()[0].platform)"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bare.stdout.split() == ["cpu"]
+    assert "plugin configuration error" in bare.stderr
+    kept = subprocess.run([sys.executable, "-c", script], env={**env, "JAX_PLATFORMS": "cpu,cuda"},
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert kept.stdout.split()[:1] == ["cpu,cuda"]

@@ -1,4 +1,4 @@
-"""The guide's example runs unchanged from the checkout, and Optuna's dashboard shows its study.
+"""The examples run unchanged from the checkout, and Optuna's dashboard shows the guide's study.
 
 ``examples/digits.py`` is started as a user would start it (a fresh process, its own device
 set-up), with fewer trials and steps; then ``optuna-dashboard`` serves the study database on
@@ -52,6 +52,18 @@ def test_digits_example_runs_a_study_and_reports_the_best_trial(digits_study):
     assert f"accuracy {best['accuracy']:.3f}" in out
     assert best["accuracy"] > 0.2  # ten classes: chance is 0.1
     assert (study_dir / "best_model" / "trial.json").is_file()
+
+
+def test_plan_and_train_example_trains_with_its_plan():
+    """``examples/plan_and_train.py``: a user's own model planned, then trained in the user's
+    loop on the plan's devices with its shardings; the loss falls."""
+    proc = subprocess.run([sys.executable, "examples/plan_and_train.py", "--steps", "20"],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "mesh (data x model)" in proc.stdout and proc.stderr == ""
+    last = proc.stdout.strip().splitlines()[-1]
+    first, final = (float(x) for x in last.split("loss ")[1].split(" in ")[0].split(" -> "))
+    assert final < 0.5 * first, last
 
 
 def _free_port() -> int:

@@ -254,11 +254,62 @@ def test_the_default_loss_names_a_dict_batch_its_model_cannot_take():
 def test_a_sample_batch_the_model_cannot_take_says_what_was_traced():
     """JAX's shape error names the product, not the input: a note names the batch's shapes
     and what to check; the error stays JAX's."""
-    with pytest.raises(TypeError, match=r"^traced on a batch of \[\(\d+, 64\) float32\]: "
-                       r".*dot_general") as err:
+    with pytest.raises(TypeError, match=r"^traced on a batch of \d+ samples, each "
+                       r"\[\(64,\) float32\]: .*dot_general") as err:
         plan_mesh(_model(), jax.ShapeDtypeStruct((1, 64), jnp.float32), devices=2,
                   memory_per_device=BUDGET)
     assert "leading batch axis" in " ".join(getattr(err.value, "__notes__", []))
+
+
+def test_a_model_in_evaluation_mode_is_planned_with_a_warning():
+    """``model.eval()`` (e.g. a loaded model) turns dropout off: its training step holds less
+    than training mode's, so the plan says so; a model in training mode plans silently (the
+    tests turn warnings into errors)."""
+    model = _model()
+    model.eval()
+    with pytest.warns(UserWarning,
+                      match=r"MLP is in evaluation mode .* call model.train\(\)") as seen:
+        plan_mesh(model, SAMPLE, devices=2, memory_per_device=BUDGET, max_batch_size=8)
+    assert seen[0].filename == __file__  # pointed at the caller of plan_mesh
+
+
+def test_the_default_loss_names_a_tuple_batch_its_model_takes_more_of():
+    class TwoInputs(nnx.Module):
+        def __init__(self) -> None:
+            self.inner = _model()
+
+        def __call__(self, x, z):
+            return self.inner(x) + z
+
+    with pytest.raises(TypeError, match=r"default_loss passes the model the first of its "
+                       r"batch's 3 elements .* TwoInputs does not take one input .*'z'.*; pass "
+                       r"a loss of your own"):
+        plan_mesh(nnx.eval_shape(TwoInputs), (SAMPLE, SAMPLE, SAMPLE), devices=2,
+                  memory_per_device=BUDGET)
+
+
+def test_a_sample_too_large_for_a_device_is_told_apart_from_weights_too_large():
+    """Weights that fit with a sample that does not: the advice names the sample's size, not
+    more devices alone."""
+    with pytest.raises(DoesNotFitError, match=r"peak at batch 1 .* one sample per data-parallel "
+                       r"group is the least .* smaller inputs") as info:
+        plan_mesh(_model(), jax.ShapeDtypeStruct((1, 4096, 128), jnp.float32), devices=2,
+                  memory_per_device="8MiB")
+    assert "parameters + optimizer state" not in str(info.value)
+    with pytest.raises(DoesNotFitError, match=r"parameters \+ optimizer state .* use more "
+                       r"devices \(model parallelism splits the weights\)"):
+        plan_mesh(_model(), SAMPLE, devices=1, memory_per_device="1MiB")
+
+
+def test_a_float64_numpy_batch_is_counted_as_the_float32_arrays_jax_makes_of_it():
+    """Without 64-bit mode JAX holds NumPy's float64 as float32: the prefetched batch and the
+    plan are those of a float32 batch."""
+    as_numpy = plan_mesh(_model(), np.zeros((1, 128)), devices=2, memory_per_device=BUDGET)
+    as_f32 = plan_mesh(_model(), SAMPLE, devices=2, memory_per_device=BUDGET)
+    assert as_numpy.prefetch_bytes == as_f32.prefetch_bytes == (
+        as_f32.batch_size // as_f32.data_parallel * 128 * 4)
+    assert (as_numpy.batch_size, as_numpy.peak_bytes_per_device) == (
+        as_f32.batch_size, as_f32.peak_bytes_per_device)
 
 
 class _DeviceWithLimit:

@@ -169,7 +169,9 @@ class MemoryModel:
 
 
 def with_batch_size(sample_batch: PyTree, batch_size: int) -> PyTree:
-    """``ShapeDtypeStruct`` tree of ``sample_batch``, each leading axis set to ``batch_size``."""
+    """``ShapeDtypeStruct`` tree of ``sample_batch``, each leading axis set to ``batch_size``,
+    in the dtypes JAX gives such arrays (NumPy's float64 becomes float32 unless 64-bit mode is
+    on), so that the batch's bytes are those the devices hold."""
     leaves = jax.tree.leaves(sample_batch)
     if not leaves:
         raise ValueError("the sample batch has no arrays; pass an array or a tuple of arrays")
@@ -180,8 +182,10 @@ def with_batch_size(sample_batch: PyTree, batch_size: int) -> PyTree:
                 "pass arrays shaped (batch, ...)"
             )
     return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((batch_size, *x.shape[1:]), x.dtype), sample_batch
-    )
+        lambda x: jax.ShapeDtypeStruct(
+            (batch_size, *x.shape[1:]),
+            jax.dtypes.canonicalize_dtype(x.dtype, allow_extended_dtype=True)),
+        sample_batch)
 
 
 def _growth_per_group(total: Callable[[Any], Any], dp: int) -> int | None:
@@ -226,14 +230,21 @@ _TRACING_ADVICE = ("check that the sample batch has a leading batch axis and the
 def tracing_note(batch: PyTree) -> Iterator[None]:
     """Name ``batch``'s shapes in a ``TypeError`` or ``ValueError`` raised while the loss is
     traced on it (JAX's shape errors name the operation, not the input): a plain one is raised
-    again, of its type, as ``traced on a batch of [...]: <message>`` (a trial's failure reason
+    again, of its type, as ``traced on a batch of N samples, each [...]: <message>`` (one
+    sample's shapes: the planner traces at batch sizes of its own; a trial's failure reason
     and a command line's error show it) with what to check as a note; another keeps its
     message and gets both as a note."""
     try:
         yield
     except (TypeError, ValueError) as err:
-        shapes = ", ".join(f"{tuple(x.shape)} {x.dtype}" for x in jax.tree.leaves(batch))
-        where = f"traced on a batch of [{shapes}]"
+        leaves = jax.tree.leaves(batch)
+        sizes = {x.shape[0] if x.shape else None for x in leaves}
+        if len(sizes) == 1 and None not in sizes:
+            shapes = ", ".join(f"{tuple(x.shape[1:])} {x.dtype}" for x in leaves)
+            where = f"traced on a batch of {sizes.pop()} samples, each [{shapes}]"
+        else:
+            shapes = ", ".join(f"{tuple(x.shape)} {x.dtype}" for x in leaves)
+            where = f"traced on a batch of [{shapes}]"
         if type(err) in (TypeError, ValueError):
             named = type(err)(f"{where}: {err}")
             named.add_note(f"({_TRACING_ADVICE})")

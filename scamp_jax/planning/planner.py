@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -381,6 +382,23 @@ def _check_model(model: nnx.Module) -> None:
         )
 
 
+def _warn_evaluation_mode(model: nnx.Module) -> None:
+    """Warn where every layer of ``model`` with a mode is in evaluation mode (``model.eval()``:
+    dropout off, batch norm on its running averages, e.g. a model `scamp_jax.load_model`
+    returned): the plan is of a training step in that mode, which can hold far less than
+    training mode does. A model that mixes modes is taken as meant."""
+    modes = [value for _, module in nnx.iter_modules(model)
+             for name in ("deterministic", "use_running_average")
+             if isinstance(value := getattr(module, name, None), bool)]
+    if modes and all(modes):
+        warnings.warn(
+            f"{type(model).__name__} is in evaluation mode (model.eval(): dropout off, batch "
+            "norm on its running averages), so the plan is of training in that mode, which can "
+            "hold much less memory than training mode; call model.train() before planning a "
+            "model that trains in training mode", UserWarning,
+            stacklevel=5)  # plan_mesh's caller
+
+
 def _check_sample_batch(sample_batch: PyTree) -> None:
     leaves = jax.tree.leaves(sample_batch)
     if not leaves:
@@ -434,6 +452,7 @@ def _validate_common(
     max_batch_size: int | None,
 ) -> None:
     _check_model(model)
+    _warn_evaluation_mode(model)
     _check_sample_batch(sample_batch)
     if max_batch_size is not None and (
         isinstance(max_batch_size, bool)
@@ -547,7 +566,7 @@ def plan_mesh(
     stored = _StoredPlans.of(request, cache)
     if stored is not None and (record := stored.plan_record()) is not None:
         return _plan_from_record(record, request)
-    best_need: tuple[int, str] | None = None
+    best_need: tuple[int, str, str] | None = None
     for mp in request.candidates:
         if request.cap < request.n // mp:
             continue
@@ -700,11 +719,12 @@ class _StoredPlans:
 
 
 def _plan_on_mesh(request: _Request, mp: int, stored: _StoredPlans | None,
-                  compiled_eval_floor: bool = False, spent: int = 0) -> Plan | tuple[int, str]:
-    """The plan at model-parallel degree ``mp``, or ``(bytes needed, what)`` when nothing fits
-    it. ``compiled_eval_floor``: bound the batch by the compiled evaluation of one sample per
-    data-parallel group even where the shapes put it far inside the budget; ``spent``: compiles
-    made for this degree before."""
+                  compiled_eval_floor: bool = False, spent: int = 0
+                  ) -> Plan | tuple[int, str, str]:
+    """The plan at model-parallel degree ``mp``, or ``(bytes needed, what, advice)`` when
+    nothing fits it (``advice``: a key of `_ADVICE`). ``compiled_eval_floor``: bound the batch
+    by the compiled evaluation of one sample per data-parallel group even where the shapes put
+    it far inside the budget; ``spent``: compiles made for this degree before."""
     dp, usable = request.n // mp, request.usable
     params, opt_state, rest = request.state
     mesh = sh.make_mesh(request.devices, dp, mp)
@@ -713,7 +733,8 @@ def _plan_on_mesh(request: _Request, mp: int, stored: _StoredPlans | None,
     compiler = StepCompiler(request.model, request.sample_batch, mesh, shardings,
                             request.optimizer, request.loss_fn)
     if compiler.state_bytes > usable:
-        return compiler.state_bytes, f"parameters + optimizer state at model_parallel={mp}"
+        return (compiler.state_bytes, f"parameters + optimizer state at model_parallel={mp}",
+                "state")
     step = jit_train_step(compiler.graphdef, compiler.optimizer, compiler.loss_fn, shardings)
     one_sample = sh.bytes_per_device(with_batch_size(request.sample_batch, dp), shardings.batch)
     platform = request.devices[0].platform
@@ -733,7 +754,7 @@ def _plan_on_mesh(request: _Request, mp: int, stored: _StoredPlans | None,
             mp_cap = min(mp_cap, int(room // search.prefetch_per_sample) // dp * dp)
         if mp_cap < dp:
             return (floor + search.prefetch(dp),
-                    f"evaluation at {dp} sample(s) with model_parallel={mp}")
+                    f"evaluation at {dp} sample(s) with model_parallel={mp}", "evaluation")
     peaks_key = None
     if stored is not None:
         peaks_key = stored.peaks_key(request, dp, mp)
@@ -760,7 +781,7 @@ def _plan_on_mesh(request: _Request, mp: int, stored: _StoredPlans | None,
             stored.keep(search, peaks_key, known, known_rough)
         if batch is None:
             return (search.need(dp), f"peak at batch {dp} with model_parallel={mp}, "
-                    "prefetched batch included")
+                    "prefetched batch included", "sample")
         _, hi = search.bracket((mp_cap // search.unit) * search.unit)
         memory_model = local_fit(search, batch, hi)
         estimate = search.seen[batch]
@@ -846,7 +867,21 @@ def _run_step(search: BatchSearch, batch: int, estimate: MemoryEstimate
     return estimate, CompiledStep(executable, lowered_fingerprint(lowered), devices)
 
 
-def _does_not_fit(request: _Request, needed: int, what: str) -> DoesNotFitError:
+#: What a `DoesNotFitError` suggests, by what did not fit at the degree that needed least.
+_ADVICE = {
+    "state": "use more devices (model parallelism splits the weights), more "
+             "memory_per_device, or a smaller model",
+    "sample": "one sample per data-parallel group is the least a device trains on: use more "
+              "memory_per_device, smaller inputs, blocks rematerialised in the backward pass "
+              "(nnx.remat), or a smaller model; more devices help only as far as model "
+              "parallelism splits the activations",
+    "evaluation": "the evaluation of one sample per data-parallel group does not fit beside "
+                  "the optimizer state: use more memory_per_device, smaller held-out inputs, "
+                  "or a smaller model",
+}
+
+
+def _does_not_fit(request: _Request, needed: int, what: str, advice: str) -> DoesNotFitError:
     budget, usable = request.budget, request.usable
     allowance = budget.allowance_bytes
     return DoesNotFitError(
@@ -855,7 +890,7 @@ def _does_not_fit(request: _Request, needed: int, what: str) -> DoesNotFitError:
         f"({format_bytes(usable)}) are available ({format_bytes(budget.memory_per_device)} "
         f"less a {budget.safety_margin:.0%} margin"
         + (f" and a {format_bytes(allowance)} allowance" if allowance else "")
-        + "); use more devices, more memory_per_device, or a smaller model",
+        + f"); {_ADVICE[advice]}",
         bytes_needed=needed,
         bytes_available=usable,
     )

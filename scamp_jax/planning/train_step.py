@@ -16,6 +16,7 @@ lives in ``opt_state`` and one compiled step serves every trial of an architectu
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -48,8 +49,20 @@ def default_loss(model: nnx.Module, batch: Any) -> jax.Array:
     throughput matters. ``batch`` is an array of inputs ``(B, ...)`` or a tuple whose first element
     is the inputs; other elements (targets) are ignored.
     """
+    inputs = batch_inputs(batch)
+    if isinstance(batch, tuple | list) and len(batch) > 1:
+        try:  # the rest of the batch is dropped: a model that wants more is told so
+            inspect.signature(model).bind(inputs)
+        except TypeError as err:
+            raise TypeError(
+                f"default_loss passes the model the first of its batch's {len(batch)} elements "
+                f"and ignores the rest (targets), but {type(model).__name__} does not take one "
+                f"input ({err}); pass a loss of your own, loss_fn=lambda model, batch: "
+                "... -> scalar") from None
+        except ValueError:  # no signature to read: the call says
+            pass
     try:
-        out = model(batch_inputs(batch))
+        out = model(inputs)
     except Exception as err:
         if not isinstance(batch, Mapping):
             raise
