@@ -258,9 +258,13 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
 
 def _main_mpi(config, args: argparse.Namespace, p: argparse.ArgumentParser) -> dict | None:
     """``--mpi``: one stage per rank (on its first device); rank 0 writes the results."""
-    from scamp_jax.distributed.mpi import launched_under_mpi, world
+    from scamp_jax.distributed.mpi import launched_under_mpi, launcher_ranks, world
 
-    if not launched_under_mpi():  # a usage error: argparse's exit status 2 and format
+    if launcher_ranks() == 1:  # a usage error: argparse's exit status 2 and format
+        p.error("--mpi under an MPI launcher of one rank: the pipeline runs one stage per rank; "
+                f"launch one per stage (mpirun -n {config.stages} ...) or drop --mpi to run "
+                "every stage in this process")
+    if not launched_under_mpi():
         p.error("--mpi needs an MPI launcher with one rank per pipeline stage, e.g. "
                 f"mpirun -n {config.stages} python -m experiments.supernet_nas --mpi "
                 "(install the extra first: pip install 'scamp-jax[mpi]')")

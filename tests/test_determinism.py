@@ -25,6 +25,19 @@ def test_the_users_value_is_kept(monkeypatch) -> None:
     assert __import__("os").environ["XLA_FLAGS"] == "--xla_gpu_deterministic_ops=false"
 
 
+def test_the_users_value_is_read_as_xla_reads_it(monkeypatch) -> None:
+    """A bare boolean flag is true in XLA, so are ``True`` and ``1``; the last one wins."""
+    monkeypatch.setattr(determinism, "gpu_backend_installed", lambda: True)
+    for flags, on in [("--xla_gpu_deterministic_ops", True),
+                      ("--xla_gpu_deterministic_ops=True --xla_foo=1", True),
+                      ("--xla_gpu_deterministic_ops=1", True),
+                      ("--xla_gpu_deterministic_ops=true --xla_gpu_deterministic_ops=false",
+                       False)]:
+        monkeypatch.setenv("XLA_FLAGS", flags)
+        assert determinism.use_deterministic_gpu_ops() is on, flags
+        assert __import__("os").environ["XLA_FLAGS"] == flags  # kept as the user wrote it
+
+
 def test_cpu_only_platforms_are_not_gpu(monkeypatch) -> None:
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     assert not determinism.gpu_backend_installed()

@@ -111,14 +111,20 @@ def test_two_rank_data_parallel_trial_matches_single_process_loss_curve(tmp_path
     assert len(hashes) == 2 and hashes[0] == hashes[1], "replicas diverged"
 
 
-def test_a_rank_that_dies_stops_the_pipeline_instead_of_hanging(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("fault", "said"), [
+    ("--die-at-tick", "rank 1 exits at tick 4"),
+    # an exception: the rank would still finalize MPI as it exits; the pipeline aborts the job
+    ("--raise-at-tick", "rank 1 failed: RuntimeError: rank 1 raises at tick 4"),
+])
+def test_a_rank_that_dies_stops_the_pipeline_instead_of_hanging(tmp_path: Path, fault: str,
+                                                                said: str) -> None:
     # The surviving rank blocks in a receive from the dead one; the launcher must end the job
     # (a hang would raise TimeoutExpired here) and report the failed rank's exit status.
-    proc = launch([str(SCRIPTS / "supernet_pipeline.py"), "--die-at-tick", "4", "--out",
+    proc = launch([str(SCRIPTS / "supernet_pipeline.py"), fault, "4", "--out",
                    str(tmp_path / "m")], 2, timeout=300)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert "rank 1 exits at tick 4" in output
+    assert said in output
     assert not (tmp_path / "m").exists()
 
 
@@ -162,6 +168,19 @@ def test_study_split_across_three_ranks_records_every_trial_once_with_its_rank(
     assert all(t["value"] == (t["x"] - 2.0) ** 2 for t in trials)
     assert all(t["steps"] == [0, 1] for t in trials)  # reports reached rank 0's study
     assert {t["rank"] for t in trials} == {0, 1, 2}
+
+
+def test_a_request_longer_than_mpi4pys_default_receive_buffer_reaches_the_study(
+    tmp_path: Path,
+) -> None:
+    """A tell of 100,000 bytes (a failed trial's traceback and records can pass 32 KiB, the
+    buffer mpi4py's ``irecv`` receives into without one): rank 0 receives it whole."""
+    proc = _study(tmp_path, 2, 4, "--seconds", "0", "--note-bytes", "100000")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    trials = _trials(tmp_path)
+    assert sorted(t["number"] for t in trials) == list(range(4))
+    assert all(t["state"] == "COMPLETE" and t["note_bytes"] == 100000 for t in trials)
+    assert {t["rank"] for t in trials} == {0, 1}
 
 
 def test_study_restarted_after_a_rank_died_resumes_without_losing_finished_trials(

@@ -275,7 +275,8 @@ def test_errors_name_the_fix():
     small = PipelineExecutor(_layout(), num_stages=2, microbatch_size=2, lr_side=4,
                              window_slots=1, act_slots=1, grad_slots=1)
     with pytest.raises(ValueError, match="slots"):
-        train_supernet(_layout(), subnets, lr, hr, schedule="csp", num_stages=2, executor=small)
+        train_supernet(_layout(), subnets, lr, hr, schedule="csp", num_stages=2, offload=False,
+                       executor=small)
     assert jax.device_count() >= 4
 
 
@@ -319,6 +320,20 @@ def test_experiment_smoke_run_writes_results(tmp_path):
     assert written["best"]["psnr"] > 20.0
 
 
+def test_an_executor_built_for_other_training_is_refused():
+    """The update rule is the executor's and the schedule the arguments': an executor that
+    trains the stem and head under a CSP schedule that overlaps subnets on them would no
+    longer train as sequential training does, so the mismatch is an error."""
+    subnets, lr, hr = _data(0)
+    with pytest.raises(ValueError, match=r"built for other training: train_shared=False \(the "
+                       r"executor's: True\)"):
+        train_supernet(_layout(), subnets, lr, hr, schedule="csp", num_stages=2, offload=False,
+                       executor=_executor(2, False, True))
+    with pytest.raises(ValueError, match=r"offload=True \(the executor's: False\)"):
+        train_supernet(_layout(), subnets, lr, hr, schedule="csp", num_stages=2,
+                       executor=_executor(2, False, False))
+
+
 def test_ticks_in_flight_bound_changes_nothing_but_the_wait():
     # The default bound (4 ticks ahead of the host) against an unbounded queue and a bound of 1:
     # the same ops in the same order, so the same bits.
@@ -330,7 +345,7 @@ def test_ticks_in_flight_bound_changes_nothing_but_the_wait():
             act_slots=6, grad_slots=6, max_in_flight=bound)
         assert executor.max_in_flight == bound
         results.append(train_supernet(_layout(), subnets, lr, hr, schedule="csp", num_stages=2,
-                                      seed=0, executor=executor))
+                                      seed=0, offload=False, executor=executor))
     assert _executor(2, False, False).max_in_flight == 4
     for result in results:
         _assert_identical(result, _train("csp", 2, False, False, 0))

@@ -54,3 +54,20 @@ def test_bad_sizes_exit_2_with_one_line_naming_the_flag(flags, message, tmp_path
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert not (tmp_path / "out").exists()  # nothing written before the check
     assert time.monotonic() - started < 60  # fails fast, no compile
+
+
+def test_mpi_under_a_launcher_of_one_rank_says_to_launch_one_per_stage(tmp_path) -> None:
+    """``mpirun -n 1 ... --mpi`` (the launcher's variables of one rank): not "needs a launcher"
+    but how many to launch, exit 2, before MPI or JAX start."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.supernet_nas", "--mpi", "--out-dir",
+         str(tmp_path / "out"), "--quiet"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**env, "OMPI_COMM_WORLD_SIZE": "1"},
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith(
+        "--mpi under an MPI launcher of one rank: the pipeline runs one stage per rank; launch "
+        "one per stage (mpirun -n 4 ...) or drop --mpi to run every stage in this process")
+    assert not (tmp_path / "out").exists()

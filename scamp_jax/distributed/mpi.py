@@ -26,24 +26,28 @@ MPI_TESTED_JAX = (0, 12)
 # The start of mpi4jax's warning (mpi4jax/_src/jax_compat.py, 0.9.x); re.match-ed.
 _MPI4JAX_JAX_WARNING = r"\s*The latest supported JAX version with this release of mpi4jax is"
 
-# Variables that MPI launchers set in every rank's environment (Open MPI, MPICH/Hydra, PMIx, Slurm).
-_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
-
-
 class MPIUnavailableError(ImportError):
     """mpi4py or mpi4jax is not installed; the message says how to install them."""
 
 
-def launched_under_mpi() -> bool:
-    """True when this process was started by an MPI launcher with more than one rank.
-
-    Reads only environment variables, so it is safe to call before importing mpi4py (importing
-    mpi4py initialises MPI, which a plain single-process run should not do).
-    """
+def launcher_ranks() -> int | None:
+    """The ranks an MPI launcher started this process among (Open MPI's, MPICH/Hydra's, or
+    PMIx's under Slurm, where a PMIx rank without ``SLURM_NTASKS`` counts as several), or None
+    when no launcher started it. Reads only environment variables, so it is safe to call
+    before importing mpi4py (importing mpi4py initialises MPI, which a plain single-process run
+    should not do)."""
     for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
         if name in os.environ:
-            return int(os.environ[name]) > 1
-    return "PMIX_RANK" in os.environ and int(os.environ.get("SLURM_NTASKS", "2")) > 1
+            return int(os.environ[name])
+    if "PMIX_RANK" in os.environ:
+        return int(os.environ.get("SLURM_NTASKS", "2"))
+    return None
+
+
+def launched_under_mpi() -> bool:
+    """True when this process was started by an MPI launcher with more than one rank
+    (`launcher_ranks`)."""
+    return (launcher_ranks() or 1) > 1
 
 
 def import_mpi4py() -> Any:

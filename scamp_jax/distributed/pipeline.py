@@ -14,12 +14,16 @@ processes, typically on different hosts:
   every rank returns the same `TrainResult` (same ``params_sha256`` as the single-process run).
 
 A rank that dies makes ``mpirun`` abort every other rank (Open MPI's default for a process that
-exits without ``MPI_Finalize``), so a broken pipeline stops instead of hanging in a receive.
+exits without ``MPI_Finalize``), so a broken pipeline stops instead of hanging in a receive. A
+rank whose `train_supernet_mpi` raises (a bug, an out-of-memory on its device, a signal to that
+process alone) would still finalize MPI as it exits, leaving the others waiting in their next
+receive: it prints ``rank R failed: ...`` and aborts the job (``MPI_Abort``) instead.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Sequence
 from typing import Any, Unpack
 
@@ -29,6 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
+from scamp_jax._errors import worded
 from scamp_jax.distributed.mpi import import_mpi4jax, import_mpi4py
 from scamp_jax.pipeline.executor_base import DEVICE_KIND, StageExecutor, StageSizes, memory_stats
 from scamp_jax.pipeline.model import StageModel
@@ -264,7 +269,12 @@ def train_supernet_mpi(
     mpi = import_mpi4py()
     comm = mpi.COMM_WORLD if comm is None else comm
     options.setdefault("num_stages", comm.Get_size())
-    return train_supernet(
-        layout, subnets, lr_batches, hr_batches,
-        executor=functools.partial(MPIPipelineExecutor, comm=comm), **options,
-    )
+    try:
+        return train_supernet(
+            layout, subnets, lr_batches, hr_batches,
+            executor=functools.partial(MPIPipelineExecutor, comm=comm), **options,
+        )
+    except BaseException as err:  # noqa: BLE001 - one rank's failure must end every rank
+        print(f"rank {comm.Get_rank()} failed: {worded(err)}", file=sys.stderr, flush=True)
+        comm.Abort(2 if isinstance(err, ValueError) else 1)
+        raise

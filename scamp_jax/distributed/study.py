@@ -210,12 +210,13 @@ class StudyServer:
         try:
             while self._open_workers > 0:
                 status = mpi.Status()
-                req = self.comm.irecv(source=mpi.ANY_SOURCE, tag=REQUEST_TAG)
-                while True:
-                    done, msg = req.test(status)
-                    if done:
-                        break
+                # A matched probe, then a receive of that message at its own size: mpi4py's
+                # irecv without a buffer receives into 32 KiB, and a longer request (a failed
+                # trial's tell with its traceback) would overrun it.
+                while (matched := self.comm.improbe(source=mpi.ANY_SOURCE, tag=REQUEST_TAG,
+                                                    status=status)) is None:
                     time.sleep(self.poll_seconds)
+                msg = matched.recv()
                 self.comm.send(self._answer(status.Get_source(), msg), status.Get_source(),
                                tag=REPLY_TAG)
         except BaseException as err:  # surfaced by join(); the thread must not die silently

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 
 DETERMINISTIC_FLAG = "xla_gpu_deterministic_ops"
 _GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
@@ -44,8 +45,11 @@ def use_deterministic_gpu_ops() -> bool:
     whether the flag is now set to true.
     """
     flags = os.environ.get("XLA_FLAGS", "")
-    if DETERMINISTIC_FLAG in flags:
-        return f"--{DETERMINISTIC_FLAG}=true" in flags
+    # XLA's flag parser: a bare boolean flag is true, and so are "true" and "1" (any case); the
+    # last occurrence wins
+    values = re.findall(rf"--{DETERMINISTIC_FLAG}(?:=(\S*))?(?:\s|$)", flags)
+    if values:
+        return values[-1].lower() in ("", "true", "1")
     if not gpu_backend_installed():
         return False
     os.environ["XLA_FLAGS"] = f"{flags} --{DETERMINISTIC_FLAG}=true".strip()

@@ -14,7 +14,7 @@ import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import jax
 import numpy as np
@@ -177,6 +177,19 @@ def build_executor(
     )
 
 
+def _check_reused_executor(executor: StageExecutor, **wanted: Any) -> None:
+    """Refuse an executor compiled for other training than ``wanted`` (its `StageSpec`): the
+    update rule is the executor's, while the schedule and its causality check follow the
+    arguments, so a mismatch (e.g. an executor that trains the stem and head under a schedule
+    that lets subnets overlap on them) would no longer train as sequential training does."""
+    differ = [f"{name}={value!r} (the executor's: {getattr(executor.spec, name)!r})"
+              for name, value in wanted.items() if getattr(executor.spec, name) != value]
+    if differ:
+        raise ValueError(
+            f"the executor passed was built for other training: {', '.join(differ)}; pass the "
+            "arguments it was built with, or an ExecutorFactory to build one for these")
+
+
 def train_supernet(
     layout: StageModel,
     subnets: Sequence[Sequence[int]],
@@ -234,7 +247,11 @@ def train_supernet(
     ideal = ideal_schedule(subnets, bounds, max_inflight=max_inflight)
     program = build_program(sched, subnets, bounds, prefetch_ahead=prefetch_ahead)
     start = time.perf_counter()
-    if not isinstance(executor, StageExecutor):
+    if isinstance(executor, StageExecutor):
+        _check_reused_executor(executor, train_shared=train_shared, offload=offload,
+                               optimizer=optimizer or OptimizerSpec(),
+                               num_microbatches=m_count)
+    else:
         executor = build_executor(
             layout, [program], num_stages=num_stages, batch_size=batch,
             lr_side=lr_batches.shape[2], num_microbatches=m_count, train_shared=train_shared,

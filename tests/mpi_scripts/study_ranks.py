@@ -28,6 +28,8 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=0.2, help="time one evaluation takes")
     p.add_argument("--out", required=True)
     p.add_argument("--die-rank", type=int, help="this rank exits (status 3) in its 2nd trial")
+    p.add_argument("--note-bytes", type=int, default=0,
+                   help="each tell carries a user attribute 'note' of this many characters")
     args = p.parse_args()
 
     import optuna
@@ -65,14 +67,16 @@ def main() -> None:
         for step in range(2):
             time.sleep(args.seconds / 2)
             client.report(item.number, step, objective(item.params["x"]) + 1.0 - step)
-        client.tell(item.number, objective(item.params["x"]))
+        attrs = {"note": "n" * args.note_bytes} if args.note_bytes else None
+        client.tell(item.number, objective(item.params["x"]), attrs=attrs)
     if server is not None:
         server.join(timeout=120)
         trials = [
             {"number": t.number, "state": t.state.name, "value": t.value,
              # x is None for a trial the dead job asked but had not suggested yet
              "x": t.params.get("x"), "rank": t.user_attrs.get("rank"),
-             "steps": sorted(t.intermediate_values)}
+             "steps": sorted(t.intermediate_values),
+             "note_bytes": len(t.user_attrs.get("note", ""))}
             for t in server.study.get_trials(deepcopy=False)
         ]
         Path(args.out).write_text(json.dumps({

@@ -36,6 +36,8 @@ def main() -> None:
                    help="report compiled_memory of the stage step and train on that compile")
     p.add_argument("--die-at-tick", type=int,
                    help="the last rank exits with status 3 after this tick (fault test)")
+    p.add_argument("--raise-at-tick", type=int,
+                   help="the last rank raises an exception after this tick (fault test)")
     args = p.parse_args()
 
     from scamp_jax.devices import configure_cpu_devices
@@ -77,6 +79,8 @@ def main() -> None:
             if rank == w.size - 1 and t == args.die_at_tick:
                 print(f"rank {rank} exits at tick {t}", flush=True)
                 os._exit(3)
+            if rank == w.size - 1 and t == args.raise_at_tick:
+                raise RuntimeError(f"rank {rank} raises at tick {t}")
 
         kwargs["on_tick"] = on_tick
         run = functools.partial(train_supernet_mpi, layout, subnets, lr, hr)
