@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import signal
 import sqlite3
 import subprocess
@@ -484,6 +485,26 @@ def test_a_trial_too_big_for_one_rank_spans_two_and_equals_the_single_process_ru
         alone = run_trial(spec, space, Regression())
         assert alone.state == "complete", alone.reason
         assert alone.metrics["mse"] == pytest.approx(t["mse"], rel=1e-5)
+
+
+@pytest.mark.mpi
+def test_a_spanning_trial_that_fails_on_one_rank_ends_the_job_instead_of_hanging(
+    tmp_path, _needs_mpi
+):
+    """Rank 1's data fails at its fourth batch of a trial that spans ranks 0 and 1: rank 0 waits
+    in the next step's gradient reduction for rank 1, which nothing but the job's end stops.
+    Rank 1 waits a while for its group, then aborts the job, saying why."""
+    proc = _launch(tmp_path, 2, "--trials", "1", "--devices", "1", "--memory-per-device",
+                   "14000", "--min-batch-size", "64", "--max-batch-size", "64",
+                   "--steps", "80", "--fail-rank", "1", "--fail-after", "3",
+                   "--end-together-seconds", "5",
+                   timeout=200)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    assert "spans ranks [0, 1]" in proc.stdout
+    assert re.search(r"rank 1 failed: trial 0, which spans ranks, ended failed on this rank "
+                     r"\(.*rank 1's data fails at batch 3.*\) while the other ranks of its group "
+                     r"train on", output), output
 
 
 @pytest.mark.mpi

@@ -25,12 +25,17 @@ it); a trial that fits on one rank never spans.
 Limits: one device per rank takes part (mpi4jax runs once per process, not per device of a
 sharded computation); a model that needs model parallelism to fit one device cannot span ranks
 and fails with a message saying so; spanning trials are not pruned (their intermediate values
-would reach the study only after the fact).
+would reach the study only after the fact). A spanning trial that fails on one of its ranks
+(its data, an out-of-memory on that rank's device) ends the job, as an exception on a rank
+does under MPI (`_end_together`): the group's other ranks wait for that rank in the step's
+gradient reduction, which nothing else ends; the same command resumes the study.
 """
 
 from __future__ import annotations
 
 import math
+import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -266,6 +271,7 @@ def run_spanning_trials(
             # The group's communicator is not freed: mpi4jax keeps handles to communicators it
             # has seen, and a freed one would be invalid under a later step.
             result = _run_on_group(trial, space, task, config, sub, checkpoint_root, pool)
+            _end_together(sub, trial, result, rank)
             if rank != ranks[0]:
                 result = None  # the group's first rank speaks for it
         gathered = comm.gather(result, root=0)
@@ -280,6 +286,36 @@ def run_spanning_trials(
                     + (f": {task.metric}={value:.4g}" if value is not None else "")
                     + (f" ({result.reason})" if result.reason else ""))
     return finished
+
+
+#: Seconds a rank whose part of a spanning trial ended other than complete (failed, out of
+#: memory, interrupted) waits for the rest of its group before it ends the job: they may be
+#: waiting for it in the step's gradient reduction, which nothing else can end.
+END_TOGETHER_SECONDS = 60.0
+
+
+def _end_together(sub: Any, trial: SpanningTrial, result: RunResult, rank: int) -> None:
+    """Wait until every rank of the group has ended its part of ``trial``. A rank whose part
+    ended other than complete waits `END_TOGETHER_SECONDS` at most: the others, still
+    training, wait in the next step's reduction for a contribution that never comes, so it
+    prints ``rank R failed: ...`` and aborts the job (``MPI_Abort``); running the same command
+    again resumes the study, the trial from its last checkpoint."""
+    if sub.Get_size() == 1:
+        return
+    arrived = sub.Ibarrier()
+    if result.state == "complete":
+        arrived.Wait()
+        return
+    deadline = time.monotonic() + END_TOGETHER_SECONDS
+    while not arrived.Test():
+        if time.monotonic() > deadline:
+            print(f"rank {rank} failed: trial {trial.number}, which spans ranks, ended "
+                  f"{result.state} on this rank ({result.reason or 'no reason given'}) while the "
+                  "other ranks of its group train on, waiting for this rank in the step's "
+                  "gradient reduction; ending the job (the same command resumes the study)",
+                  file=sys.stderr, flush=True)
+            sub.Abort(1)
+        time.sleep(0.05)
 
 
 def _run_on_group(trial: SpanningTrial, space: Any, task: Any, config: Any, sub: Any,

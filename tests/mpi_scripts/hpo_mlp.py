@@ -46,6 +46,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     add_flags(p, ("tiny",), "runs/mlp_hpo")
     p.add_argument("--die-rank", type=int, help="this rank kills itself after its first tell")
+    p.add_argument("--fail-rank", type=int,
+                   help="this rank's training batches raise after --fail-after of a trial's")
+    p.add_argument("--fail-after", type=int, default=3)
+    p.add_argument("--end-together-seconds", type=float,
+                   help="how long a rank whose part of a spanning trial failed waits")
     args = p.parse_args()
     # A dead job's trials are retried 10 s after their last heartbeat (every 2 s), not 60 s.
     base = HPOConfig(preset="tiny", trials=4, steps=20, reference_batch=8, max_batch_size=8,
@@ -65,7 +70,29 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         engine.RemoteTrialSource.tell = tell_then_die  # type: ignore[method-assign]
-    result = run(args, config, make_space_and_task, baseline=None, title="MLP HPO")
+    if args.end_together_seconds is not None:
+        from scamp_jax.distributed import spanning
+
+        spanning.END_TOGETHER_SECONDS = args.end_together_seconds
+    make = make_space_and_task
+    if args.fail_rank is not None:
+        from mpi4py import MPI
+
+        def make(config: HPOConfig) -> tuple[Any, Any]:
+            space, task = make_space_and_task(config)
+            if MPI.COMM_WORLD.Get_rank() == args.fail_rank:
+                batches = task.batches
+
+                def failing(batch_size: int, seed: int) -> Any:
+                    for i, batch in enumerate(batches(batch_size, seed)):
+                        if i == args.fail_after:
+                            raise RuntimeError(f"rank {args.fail_rank}'s data fails at batch {i}")
+                        yield batch
+
+                task.batches = failing
+            return space, task
+
+    result = run(args, config, make, baseline=None, title="MLP HPO")
     best = (result or {}).get("best") or {}
     from mpi4py import MPI
 
