@@ -77,6 +77,32 @@ def test_planner_falls_back_to_any_batch_when_no_multiple_fits() -> None:
         planner.plan_mesh(model, sample, devices=1, memory_per_device="4MiB", batch_multiple=0)
 
 
+@pytest.mark.parametrize(("first", "budget"), [(1, 562_000), (4, 500_000)])
+def test_a_plan_cache_of_points_under_another_batch_multiple_plans_as_a_fresh_search(
+        tmp_path, first: int, budget: int) -> None:
+    """A plan cache holds the compiled points of one mesh whatever the batch multiple: a
+    smallest point over the budget that is no multiple of the next search's unit (or below
+    it) still gives that search's own answer, the plan a search without the cache makes."""
+    from scamp_jax.planning.plan_cache import PlanCache
+
+    class Mlp(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.l1, self.l2 = nnx.Linear(64, 256, rngs=rngs), nnx.Linear(256, 64, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return self.l2(nnx.relu(self.l1(x)))
+
+    model = nnx.eval_shape(lambda: Mlp(nnx.Rngs(0)))
+    sample = (jax.ShapeDtypeStruct((1, 64), jnp.float32),)
+    kw = {"devices": 1, "memory_per_device": budget, "safety_margin": 0.0}
+    cache = PlanCache(tmp_path / "plans.sqlite")
+    planner.plan_mesh(model, sample, batch_multiple=first, cache=cache, **kw)
+    for multiple in (4, 16):
+        cached = planner.plan_mesh(model, sample, batch_multiple=multiple, cache=cache, **kw)
+        fresh = planner.plan_mesh(model, sample, batch_multiple=multiple, **kw)
+        assert cached.batch_size == fresh.batch_size, (multiple, cached.compiled_peaks)
+
+
 def test_the_engine_plans_with_the_policy_batch_multiple(tmp_path) -> None:
     seen: list[tuple[int, int]] = []
 

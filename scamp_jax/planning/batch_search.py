@@ -30,6 +30,8 @@ from scamp_jax.planning.memory import (
 
 #: Safety loop bound for the batch search (secant steps, then bisection, converge far sooner).
 _MAX_SEARCH_COMPILES = 40
+#: Safety bound on the search's rounds, each of which compiles a batch not compiled before.
+_MAX_SEARCH_ROUNDS = 4 * _MAX_SEARCH_COMPILES
 #: Secant steps before the batch search falls back to bisection.
 _SECANT_STEPS = 8
 
@@ -214,11 +216,14 @@ def _largest_batch(search: BatchSearch, cap: int) -> int:
     """
     dp = search.unit
     secant_steps = 0
-    while True:
+    for _ in range(_MAX_SEARCH_ROUNDS):
+        # ``hi``, the smallest batch known not to fit, need not be a multiple of the unit (a
+        # point compiled under another batch multiple, from the plan cache): the candidates
+        # are the multiples strictly between ``lo`` and it
         lo, hi = search.bracket(cap)
         if lo is not None and (hi - lo <= dp or _line_proves_largest(search, lo, hi)):
             return lo
-        if lo is None and hi == dp:
+        if lo is None and hi <= dp:  # memory grows with the batch: the unit does not fit
             raise _NoFit
         if search.compiles >= _MAX_SEARCH_COMPILES:
             raise RuntimeError(
@@ -239,8 +244,16 @@ def _largest_batch(search: BatchSearch, cap: int) -> int:
                                             or search.rough_options is None)
         if guess is None:  # bisection
             low = lo if lo is not None else 0
-            guess = max(dp, low + ((hi - low) // dp // 2) * dp)
+            candidates = (_top(hi, dp) - low) // dp  # at least one: lo + dp < hi
+            guess = low + (candidates + 1) // 2 * dp
         search.peak(guess, answer)
+    raise RuntimeError(f"batch search made no progress in {_MAX_SEARCH_ROUNDS} rounds (fits at "
+                       f"{lo}, not at {hi}); pass max_batch_size to bound it")
+
+
+def _top(hi: int, unit: int) -> int:
+    """The largest multiple of ``unit`` strictly below ``hi``."""
+    return (hi - 1) // unit * unit
 
 
 def _line_proves_largest(search: BatchSearch, lo: int, hi: int) -> bool:
@@ -253,7 +266,8 @@ def _line_proves_largest(search: BatchSearch, lo: int, hi: int) -> bool:
     compiled: the answer is compiled exactly (its figures are the plan's and it fits for
     certain), and only its being the largest rests on the line. Memory is piecewise affine in
     the batch, so a line errs where XLA changes strategy; the cost of such an error is a batch
-    a step or two smaller than the largest, never one that does not fit.
+    smaller than the largest (a step or two where memory is affine near the budget, more where
+    it bends between the points, e.g. flat and then rising), never one that does not fit.
     """
     if lo in search.rough or lo not in search.seen:
         return False
@@ -317,10 +331,10 @@ def _model_guess(search: BatchSearch, lo: int | None, hi: int, cap: int) -> int 
         # the prefetched batch adds its bytes per sample to the compiled slope
         line = replace(line, bytes_per_sample=line.bytes_per_sample + search.prefetch_per_sample)
         predicted = line.max_batch(search.usable, cap=cap) // dp * dp
-        if low + dp <= predicted <= hi - dp:
+        if low + dp <= predicted <= _top(hi, dp):
             return predicted
         if fallback is None:
-            fallback = min(max(predicted, low + dp), hi - dp)
+            fallback = min(max(predicted, low + dp), _top(hi, dp))
     return fallback
 
 

@@ -551,7 +551,10 @@ def plan_mesh(
     Returns:
       A ``Plan`` with the smallest model-parallel degree that fits and the largest global batch
       (a multiple of the data-parallel degree) whose compiled peak fits, such that the next
-      multiple does not fit (unless the cap is reached).
+      multiple does not fit (unless the cap is reached): compiled, or put over the budget by a
+      line through compiled points where the search stops without compiling it
+      (`scamp_jax.planning.batch_search`), which leaves a smaller batch than the largest where
+      memory bends between those points; never a batch that does not fit.
 
     Raises:
       DoesNotFitError: no degree fits even at one sample per data-parallel group.
