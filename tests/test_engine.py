@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
+import time
 from typing import Any
 
 import jax
@@ -336,6 +338,59 @@ def test_ctrl_c_checkpoints_running_trials_and_a_new_run_resumes_them(tmp_path):
     assert sorted(t.params["width"] for t in complete) == [16, 32]
     # The trial that reached step 30 restarts from its Ctrl-C checkpoint, not from scratch.
     assert max(t.user_attrs["resumed_from"] for t in complete) >= 30
+
+
+def test_ctrl_c_gives_back_a_misfit_held_until_a_candidate_fits(tmp_path):
+    """Until one candidate fits, a misfit is held back (the budget may be wrong, not it): a
+    Ctrl-C then gives it back to the study with the rest, not left running."""
+    study, source = make_source(tmp_path, [ok(32), ok(16)])
+
+    def plan_fn(model: Any, sample: Any, **kw: Any) -> Any:
+        if model.hidden.kernel.shape[1] == 32:
+            raise planner.DoesNotFitError("does not fit here", 10**9, 10)
+        time.sleep(2)  # the misfit is held back before this one is planned
+        return planner.plan_mesh(model, sample, **kw)
+
+    def ctrl_c(statuses: Any, pool: Any, **kw: Any) -> None:
+        if any(s.number == 0 and s.state == "failed" for s in statuses):
+            raise KeyboardInterrupt
+
+    engine = SearchEngine(SPACE, Regression(), source, config(steps=5, nofit_limit=3),
+                          devices=jax.devices()[:1], checkpoint_root=tmp_path / "ckpt",
+                          plan_fn=plan_fn, on_update=ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        engine.run()
+    source.close()
+    trials = study.get_trials()
+    assert not [t.number for t in trials if t.state == TrialState.RUNNING]
+    assert trials[0].user_attrs.get(FAIL_REASON) == "interrupted"
+
+
+def test_a_trial_resumed_at_another_batch_trains_from_the_start(tmp_path):
+    """Stopped at step 20 of 40 at batch 16, then run again where its batch is 4 (a smaller cap;
+    an out-of-memory re-plan does the same): its checkpoints' steps are of batch 16, so it
+    trains its 160 steps at batch 4 from the start, the samples it promises, not 20 x 16 +
+    140 x 4; the checkpoints it leaves are of batch 4."""
+    study, source = make_source(tmp_path, [ok(16)])
+    cfg = config(steps=40, reference_batch=16, max_batch_size=16, checkpoint_every=10,
+                 log_every=10)
+
+    def stop_at_20(statuses: Any, pool: Any, **kw: Any) -> None:
+        if any(s.step >= 20 for s in statuses):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        SearchEngine(SPACE, Regression(), source, cfg, devices=jax.devices()[:1],
+                     checkpoint_root=tmp_path / "ckpt", on_update=stop_at_20).run()
+    source.close()
+    again = OptunaTrialSource(study, SPACE, 1)
+    SearchEngine(SPACE, Regression(), again, dataclasses.replace(cfg, max_batch_size=4),
+                 devices=jax.devices()[:1], checkpoint_root=tmp_path / "ckpt").run()
+    (done,) = study.get_trials(states=(TrialState.COMPLETE,))
+    attrs = done.user_attrs
+    assert (attrs["batch_size"], attrs["steps"], attrs["resumed_from"]) == (4, 160, 0)
+    (directory,) = (tmp_path / "ckpt").iterdir()
+    assert json.loads((directory / "batch.json").read_text()) == {"batch_size": 4}
 
 
 def test_a_run_with_trials_of_its_own_also_reruns_a_dead_process_trial(tmp_path):

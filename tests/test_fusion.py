@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 from test_runner import BUDGET, SPACE, Regression, make_plan
 
+from scamp_jax.hpo.fused_engine import latest_checkpoint_step
 from scamp_jax.hpo.fused_runner import GroupSpec, MemberSpec, run_fused_group
 from scamp_jax.hpo.overhead import TRACE_EVENT
 from scamp_jax.hpo.runner import RunSpec, StepCache, TrialStatus, make_optimizer, run_trial
@@ -191,6 +192,26 @@ def test_member_checkpoint_resumes_solo_and_in_a_group(tmp_path):
                                 checkpoint_dir=tmp_path / "m0"), SPACE, Regression(),
                         cache=cache)
     assert resumed.state == "complete" and resumed.resumed_from == steps
+
+
+def test_a_member_stopped_before_its_first_step_groups_with_one_never_run(tmp_path):
+    """A run stopped before its first step (a Ctrl-C while it compiled) checkpoints step 0,
+    the initial state: it resumes in a group with a member that has no checkpoint, both from
+    step 0, as the engine groups them (`latest_checkpoint_step` says 0 for both)."""
+    plan = make_plan({"width": 16}, jax.devices()[:1], max_batch=16)
+    (cfg0, seed0), (cfg1, seed1) = MEMBERS[:2]
+    stop = threading.Event()
+    stop.set()
+    first = run_trial(RunSpec(0, cfg0, plan, 10, BUDGET, seed=seed0,
+                              checkpoint_dir=tmp_path / "m0"), SPACE, Regression(), stop=stop)
+    assert first.state == "interrupted" and (tmp_path / "m0" / "0").is_dir()
+    assert latest_checkpoint_step(tmp_path / "m0") == latest_checkpoint_step(tmp_path / "m1")
+    members = (MemberSpec(0, cfg0, seed0, checkpoint_dir=tmp_path / "m0"),
+               MemberSpec(1, cfg1, seed1, checkpoint_dir=tmp_path / "m1"))
+    group = run_fused_group(GroupSpec(0, members, group_plan(plan, 4), 10, BUDGET), SPACE,
+                            Regression())
+    assert [(r.state, r.resumed_from) for r in group.members] == [("complete", 0)] * 2, [
+        r.reason for r in group.members]
 
 
 def test_members_of_another_architecture_are_refused():

@@ -71,3 +71,31 @@ def test_out_of_memory_replans_stop_at_max_replans(tmp_path) -> None:
     assert trial.user_attrs["replans"] == 1
     assert "no smaller plan fits" in trial.user_attrs[FAIL_REASON]
     assert trial.user_attrs[FAIL_REASON].startswith("out of memory")
+
+
+def test_a_replan_that_raises_fails_its_trial_and_the_study_goes_on(tmp_path) -> None:
+    """The first plan's run is out of memory; planning the trial again raises (a compile error,
+    here raised by the planner stand-in after the first plan): that trial fails saying so, and
+    the study's other trial completes, none left running."""
+    calls: list[int] = []
+
+    def failing_again(model: Any, sample: Any, **kw: Any) -> Any:
+        budget = kw["memory_per_device"]
+        if model.hidden.kernel.shape[1] == 16:
+            return planner.plan_mesh(model, sample, **kw)
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("INTERNAL: the compile of the re-plan failed")
+        plan = planner.plan_mesh(model, sample, **{**kw, "memory_per_device": 8 * budget})
+        return dataclasses.replace(plan, peak_bytes_per_device=budget // 4, prefetch_bytes=0)
+
+    study, source = make_source(tmp_path, [ok(32), ok(16)])
+    cfg = config(budget=Budget(2 * 2**20), max_batch_size=1 << 16, steps=3)
+    SearchEngine(SPACE, Regression(), source, cfg, devices=jax.devices()[:1],
+                 plan_fn=failing_again).run()
+    first, second = study.get_trials()
+    assert first.state == TrialState.FAIL and len(calls) == 2
+    assert first.user_attrs[FAIL_REASON].startswith("out of memory")
+    assert ("; planning it again failed: RuntimeError: INTERNAL: the compile of the re-plan "
+            "failed") in first.user_attrs[FAIL_REASON]
+    assert second.state == TrialState.COMPLETE

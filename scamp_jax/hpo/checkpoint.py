@@ -14,6 +14,7 @@ state once (no freshly initialised copy beside the restored one).
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,31 @@ class TrialCheckpointer:
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._saved: set[int] = set()  # steps saved by this checkpointer (written or in flight)
+
+    #: The global batch the checkpoints were trained at, beside them (``{"batch_size": B}``).
+    BATCH_FILE = "batch.json"
+
+    def batch_size(self) -> int | None:
+        """The global batch this directory's checkpoints were trained at (None: not recorded,
+        e.g. checkpoints written before it was)."""
+        try:
+            return int(json.loads((self.directory / self.BATCH_FILE).read_text())["batch_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def record_batch(self, batch_size: int) -> None:
+        """Record the global batch the checkpoints of this directory are trained at."""
+        path = self.directory / self.BATCH_FILE
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps({"batch_size": int(batch_size)}))
+        partial.replace(path)  # a reader sees the old record or the new one
+
+    def discard(self) -> None:
+        """Delete every checkpoint of this directory (the trial trains from the start)."""
+        self.wait()
+        for step in self._manager.all_steps():
+            self._manager.delete(step)
+        self._saved.clear()
 
     def latest_step(self) -> int | None:
         """Step of the newest complete checkpoint, or ``None`` if there is none (a save still

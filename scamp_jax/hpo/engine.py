@@ -65,7 +65,7 @@ from scamp_jax.hpo.resizing import TailResizer
 from scamp_jax.hpo.runner import StepCache
 from scamp_jax.hpo.settings import EngineConfig
 from scamp_jax.hpo.study.trials import AskedTrial, TrialOutcome, TrialSource
-from scamp_jax.hpo.trial import PlannedTrial, TrialDeferred, TrialStatus, fusion_cap
+from scamp_jax.hpo.trial import PlannedTrial, TrialDeferred, TrialStatus, ending, fusion_cap
 from scamp_jax.hpo.units import SoloTrials, SoloUnit, Unit, UnitKind
 from scamp_jax.planning import planner
 from scamp_jax.planning.budget import Budget
@@ -313,7 +313,12 @@ class SearchEngine:
         self._calibrate()  # runs that just ended measured their last peak
         for future in sorted((f for f in done if f in self.work),
                              key=lambda f: self.work[f].order()):
-            self.work.pop(future).done(future)
+            item = self.work.pop(future)
+            try:
+                item.done(future)
+            except BaseException:
+                self.work[future] = item  # its trials go back to the study with the rest
+                raise
         self.endings.check_failures()  # the first trials all failed alike: stop
         self._notify()
         return True
@@ -419,8 +424,13 @@ class SearchEngine:
         self._set_last_wave()
 
     def _replanned(self, planned: PlannedTrial, future: cf.Future) -> None:
-        """Event: ``planned``'s next plan is in (`scamp_jax.hpo.out_of_memory`)."""
-        self.endings.oom.replanned(planned, future.result())
+        """Event: ``planned``'s next plan is in (`scamp_jax.hpo.out_of_memory`), or planning
+        it failed (a compile error: the trial fails, the study goes on)."""
+        try:
+            retry, error = future.result(), None
+        except Exception as err:  # noqa: BLE001 - one trial's plan must not stop the study
+            retry, error = None, err
+        self.endings.oom.replanned(planned, retry, error)
         self._set_last_wave()
 
     def _calibrate(self) -> None:
@@ -485,6 +495,10 @@ class SearchEngine:
             plan = future.result()
         except (planner.DoesNotFitError, TrialDeferred):
             plan = None
+        except Exception as err:  # noqa: BLE001 - an option is an offer: the trial waits as is
+            log.warning("trial %d: planning it on %d devices failed (%s); it keeps its plan",
+                        action.key, action.devices, ending(err)[1])
+            plan = None
         unit = self.queue.get(action.key)
         if unit is None:
             return
@@ -521,6 +535,7 @@ class SearchEngine:
         waiting = [n for w in self.work.values() for n in w.trials]
         waiting += [m.number for unit in self.queue.values() for m in unit.members]
         waiting += [*self.kind.waiting(), *(asked.number for asked, _ in self.deferred)]
+        waiting += self.intake.held_back()
         self.endings.give_back(runs, waiting, self.on_notice if interrupted else None,
                                discard=discard)
         self._planner.shutdown(wait=True, cancel_futures=True)

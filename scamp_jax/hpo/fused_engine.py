@@ -38,6 +38,7 @@ handed; rank 0's study server hands a proposal's siblings to the proposal's rank
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -49,12 +50,14 @@ from scamp_jax.hpo.fused_runner import architecture_signature, signature_key
 from scamp_jax.hpo.plan_service import PlanningService
 from scamp_jax.hpo.runner import make_optimizer
 from scamp_jax.hpo.study.trials import AskedTrial
-from scamp_jax.hpo.trial import OPTIMIZER_KEYS, PlannedTrial
+from scamp_jax.hpo.trial import OPTIMIZER_KEYS, PlannedTrial, ending
 from scamp_jax.hpo.trial import fusion_cap as fusion_cap
 from scamp_jax.hpo.units import Formed, GroupUnit, SoloUnit, Unit
 from scamp_jax.planning import planner
 from scamp_jax.planning.fusion import FusionPlan, plan_fusion
 from scamp_jax.scheduling.grouping import FusionCandidate, form_groups
+
+log = logging.getLogger(__name__)
 
 
 def latest_checkpoint_step(directory: Path | None) -> int:
@@ -191,6 +194,10 @@ class FusionService:
                 min_width=min(2, width))
         except (planner.DoesNotFitError, TypeError, ValueError):
             fusion = None  # e.g. a fake plan in tests, or two members do not fit fused
+        except Exception as err:  # noqa: BLE001 - e.g. a compile error: the members train alone
+            log.warning("sizing a fused group of %s failed (%s); its trials train alone",
+                        dict(params), ending(err)[1])
+            fusion = None
         if fusion is not None and fusion.width < 2:
             fusion = None
         return fusion

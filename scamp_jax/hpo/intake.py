@@ -137,6 +137,13 @@ class Intake:
                 self.tell_failed(number)
             self.nofit.clear()
 
+    def held_back(self) -> list[int]:
+        """The misfits held back until a candidate fits, no longer held (a stop gives them
+        back to the study with the rest: not their fault)."""
+        numbers = [number for number, _ in self.nofit]
+        self.nofit.clear()
+        return numbers
+
     def finish(self) -> None:
         """At the end of a run: raise `BudgetTooSmallError` if only misfits came."""
         if self.nofit:

@@ -32,6 +32,7 @@ Every exception ends the members still running through one mapping (`scamp_jax.h
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -63,6 +64,8 @@ from scamp_jax.planning.evaluation import (
     supports_chunked_eval,
 )
 from scamp_jax.space import Task
+
+log = logging.getLogger(__name__)
 
 PyTree = Any
 #: ``(params, opt_state, rest)`` of one member.
@@ -352,18 +355,34 @@ class Lifecycle:
 
     def _resume(self) -> int:
         steps = {}
+        batch = int(self.program.plan.batch_size)
         for m in self.members:
             if m.spec.checkpoint_dir is not None:
                 m.checkpointer = TrialCheckpointer(m.spec.checkpoint_dir)
                 steps[m.spec.number] = resumable_step(m.checkpointer, self.schedule.steps)
+                kept = m.checkpointer.batch_size()
+                if steps[m.spec.number] is not None and kept is not None and kept != batch:
+                    # Its steps are of another batch (a re-plan after an out-of-memory, a rerun
+                    # with another cap): resumed, the trial would train other samples than it
+                    # promises, so it trains from the start at this run's batch.
+                    log.warning("trial %d: its checkpoints were trained at batch %d and this run's "
+                                "batch is %d; it trains from the start", m.spec.number, kept,
+                                batch)
+                    steps[m.spec.number] = None
+                    if self.schedule.save:
+                        m.checkpointer.discard()
+                if self.schedule.save:
+                    m.checkpointer.record_batch(batch)
             else:
                 steps[m.spec.number] = None
-        found = set(steps.values())
+        # A step-0 checkpoint (a run stopped before its first step) holds the initial state,
+        # which a member without one builds alike: both start at step 0.
+        found = {step or 0 for step in steps.values()}
         if len(found) != 1:
             raise ValueError(
                 f"group members have checkpoints at different steps {steps}; a group resumes "
                 "only members at the same step: run the others in their own groups")
-        return found.pop() or 0
+        return found.pop()
 
     def _compile(self) -> int | None:
         t0 = time.monotonic()

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from scamp_jax.hpo.trial import PlannedTrial, RunResult
+from scamp_jax.hpo.trial import PlannedTrial, RunResult, ending
 from scamp_jax.planning import planner
 from scamp_jax.scheduling.core import SchedulingCore, TrialPlan
 
@@ -139,15 +139,18 @@ class OutOfMemory:
         self.replan(planned, Replan(planned.number, planned.devices,
                                     int(planned.plan.batch_size), counted=False))
 
-    def replanned(self, planned: PlannedTrial, retry: PlannedTrial | None) -> None:
-        """Event: the next plan of ``planned`` is in (None: none fits, or none was tried)."""
+    def replanned(self, planned: PlannedTrial, retry: PlannedTrial | None,
+                  error: BaseException | None = None) -> None:
+        """Event: the next plan of ``planned`` is in (None: none fits, or none was tried, or
+        planning raised ``error``)."""
         record = self.records[planned.number]
         ended, record.oom = record.oom, None
         assert ended is not None
         if retry is None:
             reason = ended.reason or record.status.reason
-            self.report(planned, replace(ended, state="failed",
-                                         reason=reason + "; no smaller plan fits"))
+            why = ("; no smaller plan fits" if error is None
+                   else f"; planning it again failed: {ending(error)[1]}")
+            self.report(planned, replace(ended, state="failed", reason=reason + why))
             return
         log.info("trial %d re-planned (%s)", planned.number, ended.reason)
         record.status.replans = retry.replans
