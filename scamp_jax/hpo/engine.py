@@ -313,12 +313,15 @@ class SearchEngine:
         self._calibrate()  # runs that just ended measured their last peak
         for future in sorted((f for f in done if f in self.work),
                              key=lambda f: self.work[f].order()):
-            item = self.work.pop(future)
-            try:
-                item.done(future)
-            except BaseException:
-                self.work[future] = item  # its trials go back to the study with the rest
-                raise
+            # an event is handled whole: a Ctrl-C between a run's end and its tell (or a
+            # trial's start and its listing as running) would lose its trial to both
+            with stops_held():
+                item = self.work.pop(future)
+                try:
+                    item.done(future)
+                except BaseException:
+                    self.work[future] = item  # its trials go back to the study with the rest
+                    raise
         self.endings.check_failures()  # the first trials all failed alike: stop
         self._notify()
         return True
@@ -471,6 +474,7 @@ class SearchEngine:
                 self.core.step_measured(pace[0], number, *pace[1:])
                 self._decide(pace[0])
 
+    @stops_held()  # from a unit's pop off the queue until its run is listed
     def _decide(self, now: float) -> None:
         """Ask the core what to start at ``now`` (the time of the event just fed) and act."""
         for action in self.core.decide(now):
@@ -511,6 +515,7 @@ class SearchEngine:
         self.core.option_planned(action.key, action.devices, tp)
         self._decide(now)
 
+    @stops_held()  # until the run is listed as running: a Ctrl-C then gives it back
     def _start(self, unit: Unit, device_ids: Sequence[int], now: float) -> None:
         """Start ``unit`` on the pool's devices ``device_ids`` (booked in the core at
         ``now``)."""
