@@ -1,10 +1,11 @@
-"""Test setup: eight CPU devices before JAX initialises, the project's markers, and a header
-line naming the Python and the releases of the stack under test."""
+"""Test setup: eight CPU devices before JAX initialises, Ctrl-C as Python sets it, the
+project's markers, and a header line naming the Python and the releases of the stack under test."""
 
 from __future__ import annotations
 
 import os
 import platform
+import signal
 from importlib import metadata
 
 # Must run before JAX initialises a backend: every test sees a pool of 8 CPU devices.
@@ -12,6 +13,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+
+# The tests of Ctrl-C deliver SIGINT to this process: a shell that started it in the background
+# (``cmd &`` without job control) had it ignored, and Python then leaves it ignored.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The distributions whose releases decide whether the suite passes (see BUILD.md's install
 # section); a missing optional one is reported as such.
