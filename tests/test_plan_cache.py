@@ -201,6 +201,35 @@ def test_signature_ignores_injected_hyperparameters_but_not_the_program():
     assert adam != program_signature(model, wider, default_optimizer())
 
 
+def test_signature_tells_rematerialisation_policies_apart_by_what_they_save():
+    """JAX prints a checkpoint policy as ``<function ... at 0xXXXXXXXXXXXX>``: policies that
+    save other names must still have other signatures (they hold other residuals), and the
+    same policy made twice the same one (what describes it holds no address)."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    class Remat(nnx.Module):
+        def __init__(self, names: tuple[str, ...], rngs: nnx.Rngs) -> None:
+            self.a, self.b = nnx.Linear(8, 32, rngs=rngs), nnx.Linear(32, 8, rngs=rngs)
+            self.names = names
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            def block(a: nnx.Linear, b: nnx.Linear, y: jax.Array) -> jax.Array:
+                h = checkpoint_name(jnp.tanh(a(y)), "h")
+                return b(checkpoint_name(jnp.sin(h), "s"))
+
+            policy = jax.checkpoint_policies.save_only_these_names(*self.names)
+            return nnx.remat(block, policy=policy)(self.a, self.b, x)
+
+    sample = jax.ShapeDtypeStruct((1, 8), jnp.float32)
+
+    def signature(*names: str) -> str:
+        model = nnx.eval_shape(lambda: Remat(names, nnx.Rngs(0)))
+        return program_signature(model, sample, default_optimizer())
+
+    assert signature("h") != signature("s")
+    assert signature("h") == signature("h")
+
+
 _WRITER = """
 import sys
 from scamp_jax.planning.plan_cache import PlanCache

@@ -88,14 +88,53 @@ def program_signature(
         for path, leaf in jax.tree_util.tree_leaves_with_path((params, opt_state, rest))
     ]
     digest = hashlib.sha256()
+    traced = jax.make_jaxpr(forward)(params, rest, batch)
+    # JAX prints a function in a jaxpr (a rematerialisation policy) without what it does; a
+    # program without one keeps the signature it had before policies were described
+    policies = _functions_in(traced)
     for text in (
-        str(jax.make_jaxpr(forward)(params, rest, batch)),
+        str(traced),
+        *(["\n".join(policies)] if policies else []),
         str(jax.make_jaxpr(optimizer.update)(params, opt_state, params)),
         "\n".join(paths),
     ):
         digest.update(text.encode())
         digest.update(b"\0")
     return digest.hexdigest()
+
+
+def _functions_in(jaxpr: Any) -> list[str]:
+    """The rematerialisation policies of ``jaxpr``'s equations (``jax.checkpoint``'s
+    ``policy``), inner jaxprs included, each as its qualified name and the values it closes
+    over (``save_only_these_names("a")`` and ``("b")`` differ only there): a jaxpr's text shows
+    a function as ``<function ... at 0xXXXXXXXXXXXX>`` whatever it does. Other functions in
+    equations (JAX's own thunks) are left out: what they close over differs by process."""
+    found: list[str] = []
+
+    def describe(fn: Any) -> str:
+        cells = []
+        for cell in getattr(fn, "__closure__", None) or ():
+            value = cell.cell_contents
+            cells.append(repr(sorted(map(repr, value)) if isinstance(value, set | frozenset)
+                              else value))
+        name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
+        return f"{name}({', '.join(cells)})"
+
+    def visit(value: Any) -> None:
+        inner = getattr(value, "jaxpr", value)  # a closed jaxpr's own jaxpr
+        if hasattr(inner, "eqns"):
+            for eqn in inner.eqns:
+                for name, param in eqn.params.items():
+                    if name == "policy" and callable(param):
+                        found.append(describe(param))
+                    else:
+                        visit(param)
+        elif isinstance(value, tuple | list):
+            for item in value:
+                visit(item)
+
+    visit(jaxpr)
+    return found
 
 
 def versions() -> dict[str, str]:
