@@ -214,6 +214,35 @@ def test_a_member_stopped_before_its_first_step_groups_with_one_never_run(tmp_pa
         r.reason for r in group.members]
 
 
+def test_a_member_whose_checkpoints_are_of_another_batch_groups_as_one_never_run(tmp_path):
+    """Checkpoints trained at another batch are set aside (the trial trains from the start):
+    the engine keys such a member by step 0 (`latest_checkpoint_step` at the group's batch),
+    so it groups with members that start there, not with those resuming at its old step."""
+    wide = make_plan({"width": 16}, jax.devices()[:1], max_batch=16)
+    narrow = make_plan({"width": 16}, jax.devices()[:1], max_batch=8)
+    assert (wide.batch_size, narrow.batch_size) == (16, 8)
+    (cfg0, seed0), (cfg1, seed1), (cfg2, seed2) = MEMBERS[:3]
+    for number, cfg, seed, plan in ((0, cfg0, seed0, wide), (1, cfg1, seed1, narrow)):
+        stop = threading.Event()
+
+        def halt(_: int, step: int, __: float, stop: threading.Event = stop) -> None:
+            if step == 4:
+                stop.set()
+
+        run = run_trial(RunSpec(number, cfg, plan, 10, BUDGET, seed=seed, log_every=1,
+                                checkpoint_dir=tmp_path / f"m{number}"), SPACE, Regression(),
+                        stop=stop, on_loss=halt)
+        assert run.state == "interrupted" and run.steps == 4, run.reason
+    resume = {n: latest_checkpoint_step(tmp_path / f"m{n}", 16) for n in range(3)}
+    assert resume == {0: 4, 1: 0, 2: 0}
+    members = (MemberSpec(1, cfg1, seed1, checkpoint_dir=tmp_path / "m1"),
+               MemberSpec(2, cfg2, seed2, checkpoint_dir=tmp_path / "m2"))
+    group = run_fused_group(GroupSpec(0, members, group_plan(wide, 4), 10, BUDGET), SPACE,
+                            Regression())
+    assert [(r.state, r.resumed_from) for r in group.members] == [("complete", 0)] * 2, [
+        r.reason for r in group.members]
+
+
 def test_members_of_another_architecture_are_refused():
     plan = make_plan({"width": 16}, jax.devices()[:1], max_batch=16)
     members = (MemberSpec(0, {"width": 16, "learning_rate": 1e-2}),

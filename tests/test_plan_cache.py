@@ -5,6 +5,7 @@ not lookups), and every plan's batch is checked by independent compiles."""
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from flax import nnx
 
 from scamp_jax.hpo.runner import RunSpec, StepCache, make_optimizer, run_trial
 from scamp_jax.planning.compile_events import CompileCounter
-from scamp_jax.planning.plan_cache import PlanCache, program_signature
+from scamp_jax.planning.plan_cache import PlanCache, function_identity, program_signature
 from scamp_jax.planning.planner import plan_mesh
 from scamp_jax.planning.train_step import (
     abstract_state,
@@ -199,6 +200,59 @@ def test_signature_ignores_injected_hyperparameters_but_not_the_program():
                                      lambda m, x: jnp.mean(m(x)))
     wider = jax.ShapeDtypeStruct((1, SIDE, 2 * SIDE, CHANNELS), jnp.float32)
     assert adam != program_signature(model, wider, default_optimizer())
+
+
+class _WithForward:
+    """A task whose evaluation forward is ``forward`` (a lambda, as a user may set one)."""
+
+    def __init__(self, task: Any, forward: Any) -> None:
+        self._task, self.eval_forward = task, forward
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._task, name)
+
+    def eval_inputs(self) -> Any:  # what the planner looks for on the class
+        return self._task.eval_inputs()
+
+    def score(self, outputs: Any) -> Any:
+        return self._task.score(outputs)
+
+
+def test_evaluation_forwards_are_told_apart_by_what_they_compute(tmp_path):
+    def plain(m, x):
+        return m(x)
+
+    def scaled(m, x):
+        return m(x) * 2.0
+
+    assert function_identity(plain) != function_identity(scaled)
+    assert function_identity(lambda m, x: m(x)) != function_identity(lambda m, x: m(x) * 2.0)
+    assert function_identity(lambda m, x: m(x)) == function_identity(lambda m, x: m(x))
+    # Two tasks differing only in their forward, as two lambdas of one name: two plans.
+    from search_spaces import vit
+
+    task = vit.SyntheticClassification(image_size=8, num_classes=4, eval_size=16, seed=3)
+    model = nnx.eval_shape(lambda: vit.ViT(image_size=8, patch_size=4, num_classes=4,
+                                           embed_dim=16, depth=1, num_heads=2,
+                                           rngs=nnx.Rngs(0)))
+    path = tmp_path / "plans.sqlite"
+    for forward in (lambda m, x: m(x), lambda m, x: jnp.tile(m(x), 64)):
+        cache = PlanCache(path)
+        plan_mesh(model, task.sample_batch(1), devices=2, memory_per_device=BUDGET,
+                  loss_fn=task.loss_fn, max_batch_size=8, cache=cache,
+                  eval_task=_WithForward(task, forward))
+        assert (cache.hits, cache.misses) == (0, 1)
+
+
+def test_a_functions_identity_is_the_same_in_another_process():
+    code = ("from scamp_jax.planning.plan_cache import function_identity\n"
+            "def pick(m, x):\n"
+            "    return m(x) if x in {'a', 'b', 'c', 'd'} else 0.5\n"
+            "print(function_identity(pick))")
+    seen = {subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                           text=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+            for seed in ("1", "2", "3")}
+    assert len(seen) == 1 and seen.pop().startswith("__main__.pick:")
 
 
 def test_signature_tells_rematerialisation_policies_apart_by_what_they_save():

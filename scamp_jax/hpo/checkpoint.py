@@ -64,6 +64,25 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(describe, tree)
 
 
+def recorded_batch(directory: str | Path) -> int | None:
+    """The global batch the checkpoints in ``directory`` were trained at (None: not recorded,
+    e.g. checkpoints written before it was, or no directory)."""
+    try:
+        path = Path(directory) / TrialCheckpointer.BATCH_FILE
+        return int(json.loads(path.read_text())["batch_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def trains_from_start(kept_batch: int | None, batch_size: int) -> bool:
+    """Whether checkpoints trained at ``kept_batch`` (None: not recorded) are set aside in a run
+    at ``batch_size``: their steps are of another batch (a re-plan after an out-of-memory, a
+    rerun with another cap), so a trial resumed from them would train other samples than it
+    promises; it trains from the start instead. One rule for a trial alone and for grouping
+    members by the step they resume at."""
+    return kept_batch is not None and kept_batch != batch_size
+
+
 class TrialCheckpointer:
     """Save and restore one trial's training state with orbax.
 
@@ -94,10 +113,7 @@ class TrialCheckpointer:
     def batch_size(self) -> int | None:
         """The global batch this directory's checkpoints were trained at (None: not recorded,
         e.g. checkpoints written before it was)."""
-        try:
-            return int(json.loads((self.directory / self.BATCH_FILE).read_text())["batch_size"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+        return recorded_batch(self.directory)
 
     def record_batch(self, batch_size: int) -> None:
         """Record the global batch the checkpoints of this directory are trained at."""

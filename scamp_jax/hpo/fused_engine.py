@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from scamp_jax._once import OncePerKey
+from scamp_jax.hpo.checkpoint import recorded_batch, trains_from_start
 from scamp_jax.hpo.fused_runner import architecture_signature, signature_key
 from scamp_jax.hpo.plan_service import PlanningService
 from scamp_jax.hpo.runner import make_optimizer
@@ -60,9 +61,13 @@ from scamp_jax.scheduling.grouping import FusionCandidate, form_groups
 log = logging.getLogger(__name__)
 
 
-def latest_checkpoint_step(directory: Path | None) -> int:
-    """Newest checkpointed step in a trial's checkpoint directory (0: none)."""
+def latest_checkpoint_step(directory: Path | None, batch_size: int | None = None) -> int:
+    """Newest checkpointed step in a trial's checkpoint directory (0: none, or, given the
+    ``batch_size`` it would train at, checkpoints of another batch: it trains from the start,
+    `scamp_jax.hpo.checkpoint.trains_from_start`)."""
     if directory is None or not directory.is_dir():
+        return 0
+    if batch_size is not None and trains_from_start(recorded_batch(directory), batch_size):
         return 0
     return max((int(p.name) for p in directory.iterdir() if p.name.isdigit()), default=0)
 
@@ -157,7 +162,9 @@ class FusionService:
         if fusion is None and getattr(plan, "provisional", False):
             plan = self.planning.planned_with_cost(params, number)
             fusion = self.fusion_plan(params, plan, signature, width)
-        info = MemberInfo(signature, latest_checkpoint_step(checkpoint_dir), fusion)
+        resume = latest_checkpoint_step(
+            checkpoint_dir, int(plan.batch_size) if fusion is None else fusion.batch_size)
+        info = MemberInfo(signature, resume, fusion)
         with self._lock:
             self._info[number] = info
         return plan

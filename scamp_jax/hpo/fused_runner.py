@@ -303,6 +303,7 @@ class FusedProgram:
                  cache: StepCache) -> None:
         self.spec, self.space, self.task, self.cache = spec, space, task, cache
         self.plan = spec.plan.plan
+        self.batch_size = int(spec.plan.batch_size)  # a member's, the group's own plan's
         self.shardings = stack_shardings(self.plan.step_shardings)
         self.replicated = self.plan.step_shardings.replicated()
         self.width = len(spec.members)

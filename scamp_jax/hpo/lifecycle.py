@@ -46,7 +46,7 @@ import jax
 import numpy as np
 
 from scamp_jax.hpo.calibration import measure_peak
-from scamp_jax.hpo.checkpoint import TrialCheckpointer
+from scamp_jax.hpo.checkpoint import TrialCheckpointer, trains_from_start
 from scamp_jax.hpo.trial import (
     RunResult,
     TrialOutOfMemory,
@@ -131,11 +131,13 @@ class Schedule:
 class Program(Protocol):
     """What the lifecycle needs of a solo or a fused training step on a run's devices.
 
-    ``plan`` is a member's plan (mesh, shardings, ``batch_size``, optional ``eval_chunk``);
-    ``width`` the members in the state now (slots, in order).
+    ``plan`` is a member's plan (mesh, shardings, optional ``eval_chunk``); ``batch_size`` the
+    samples a member trains on per step (what its checkpoints record); ``width`` the members
+    in the state now (slots, in order).
     """
 
     plan: Any
+    batch_size: int
     width: int
 
     def prepare(self, members: Sequence[MemberSpec], first: int) -> None:
@@ -355,16 +357,13 @@ class Lifecycle:
 
     def _resume(self) -> int:
         steps = {}
-        batch = int(self.program.plan.batch_size)
+        batch = int(self.program.batch_size)
         for m in self.members:
             if m.spec.checkpoint_dir is not None:
                 m.checkpointer = TrialCheckpointer(m.spec.checkpoint_dir)
                 steps[m.spec.number] = resumable_step(m.checkpointer, self.schedule.steps)
                 kept = m.checkpointer.batch_size()
-                if steps[m.spec.number] is not None and kept is not None and kept != batch:
-                    # Its steps are of another batch (a re-plan after an out-of-memory, a rerun
-                    # with another cap): resumed, the trial would train other samples than it
-                    # promises, so it trains from the start at this run's batch.
+                if steps[m.spec.number] is not None and trains_from_start(kept, batch):
                     log.warning("trial %d: its checkpoints were trained at batch %d and this run's "
                                 "batch is %d; it trains from the start", m.spec.number, kept,
                                 batch)

@@ -296,6 +296,7 @@ class SoloProgram:
     def __init__(self, spec: RunSpec, space: SearchSpace, task: Task, cache: StepCache) -> None:
         self.spec, self.space, self.task, self.cache = spec, space, task, cache
         self.plan = spec.plan
+        self.batch_size = int(spec.plan.batch_size)
 
     def prepare(self, members: Sequence[MemberSpec], first: int) -> None:
         spec, plan, seed = self.spec, self.plan, self.spec.seed

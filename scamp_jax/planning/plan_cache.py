@@ -8,7 +8,8 @@ directory then plans with zero compiles. Two kinds of records live in one SQLite
   (`program_signature`: a hash of the traced loss and optimizer update, so the model's
   computation, its shapes and dtypes, the loss and the optimizer all count), the platform,
   device kind and device count, the budget (bytes per device, safety margin, batch cap), a
-  forced model-parallel degree, the sharding threshold, and the JAX and jaxlib versions and
+  forced model-parallel degree, the sharding threshold, the evaluation planned with it (its
+  forward by `function_identity`, its input shapes), and the JAX and jaxlib versions and
   ``XLA_FLAGS``. A cached plan holds the decision (degrees, batch, compiled peaks); the mesh
   and shardings are rebuilt from the project's sharding rules, which are a function of the
   shapes and the model-parallel degree.
@@ -37,7 +38,7 @@ import json
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,50 @@ def _functions_in(jaxpr: Any) -> list[str]:
 
     visit(jaxpr)
     return found
+
+
+def function_identity(fn: Callable[..., Any]) -> str:
+    """``fn`` as a plan key holds it (a task's ``eval_forward``): its module, qualified name and
+    a digest of its code, with the plain values it closes over (numbers, strings, and tuples of
+    them), so that two lambdas, or two classes of one name in two modules, are told apart by
+    what they compute; stable across processes (no addresses). A bound method is its
+    function: what its instance holds enters only through the shapes it hands the planner."""
+    func = getattr(fn, "__func__", fn)
+    name = (f"{getattr(func, '__module__', '')}."
+            f"{getattr(func, '__qualname__', type(func).__qualname__)}")
+    code = getattr(func, "__code__", None)
+    if code is None:  # a callable object, a builtin: its name is all that is stable
+        return name
+    digest = hashlib.sha256()
+    _digest_code(code, digest)
+    for cell in getattr(func, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if _plain(value):
+            digest.update(repr(value).encode())
+        digest.update(b"\0")
+    return f"{name}:{digest.hexdigest()[:16]}"
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, tuple | list):
+        return all(map(_plain, value))
+    return value is None or isinstance(value, bool | int | float | str | bytes)
+
+
+def _digest_code(code: Any, digest: Any) -> None:
+    digest.update(code.co_code)
+    digest.update(repr(code.co_names).encode())
+    for const in code.co_consts:  # inner functions' code by content, not by address
+        if hasattr(const, "co_code"):
+            _digest_code(const, digest)
+        elif isinstance(const, frozenset):  # ``x in {"a", "b"}``: its order is the hash seed's
+            digest.update(repr(sorted(map(repr, const))).encode())
+        else:
+            digest.update(repr(const).encode())
+        digest.update(b"\0")
 
 
 def versions() -> dict[str, str]:

@@ -74,6 +74,7 @@ from scamp_jax.planning.plan_cache import (
     PlanCache,
     cache_key,
     device_identity,
+    function_identity,
     program_signature,
     resolve_allowance,
 )
@@ -687,7 +688,7 @@ class _StoredPlans:
             "min_shard_elements": request.min_shard_elements,
             "batch_multiple": request.batch_multiple, "allowance": budget.allowance_bytes,
             "eval": None if not groups else {
-                "forward": getattr(task.eval_forward, "__qualname__", ""),
+                "forward": function_identity(task.eval_forward),
                 "inputs": [[list(x.shape), str(x.dtype)] for x in groups],
             },
         })
