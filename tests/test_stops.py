@@ -118,6 +118,32 @@ def _regression_task():
                                   batches=reference.batches, evaluate=reference.evaluate)
 
 
+def test_a_trial_that_completes_while_the_study_stops_is_told_complete(tmp_path):
+    """A Ctrl-C while a trial evaluates (here its ``evaluate`` sends the SIGINT, then returns):
+    the stop finds a run that ended complete, and the study keeps its score; it is not given
+    back to be trained again."""
+    sent = []
+    reference = Regression()
+
+    def evaluate(model):
+        if not sent:
+            os.kill(os.getpid(), signal.SIGINT)
+            sent.append(True)
+        return reference.evaluate(model)
+
+    task = scamp_jax.FunctionTask(metric="mse", direction="minimize", loss_fn=reference.loss_fn,
+                                  batches=reference.batches, evaluate=evaluate)
+    kw = dict(trials=2, steps=2, study_dir=tmp_path, live=False, memory_per_device="64MiB",
+              max_batch_size=8, sampler="random", max_running_trials=1)
+    with pytest.raises(KeyboardInterrupt):
+        scamp_jax.run_study(SPACE, task, **kw)
+    study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
+    first = study.trials[0]
+    assert sent and first.state == optuna.trial.TrialState.COMPLETE, first.state
+    assert first.value is not None and first.value >= 0
+    assert optuna.trial.TrialState.RUNNING not in [t.state for t in study.trials]
+
+
 def test_a_sigterm_stops_a_library_study_as_ctrl_c_does(tmp_path):
     """A scheduler's SIGTERM to a script calling run_study: its trials go back to the study
     (none left running for a heartbeat to find), and SIGTERM's default action is back after."""

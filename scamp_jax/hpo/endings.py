@@ -168,11 +168,12 @@ class Endings:
                   notice: Callable[[str], None] | None = None, discard: bool = False) -> None:
         """Stop ``runs`` (`scamp_jax.hpo.launch.Run`: they checkpoint at their next step) and
         give their members, the failures held back (`scamp_jax.hpo.failures`) and the trials
-        ``waiting`` (planned, queued or held, not running) back to the study, each once:
-        whatever a stopped run says, its trials are unfinished. ``notice``: told what happens
-        to the running trials (a Ctrl-C's user). ``discard`` (the run's trials failed alike:
-        a bug in the task): the checkpoints of the held and the running trials are deleted
-        first, so that the next run trains them from the start."""
+        ``waiting`` (planned, queued or held, not running) back to the study, each once; a
+        member whose run ended complete or pruned before the stop reached it is told as such
+        (`_tell_finished`), any other ending of a stopped run is unfinished. ``notice``: told
+        what happens to the running trials (a Ctrl-C's user). ``discard`` (the run's trials
+        failed alike: a bug in the task): the checkpoints of the held and the running trials
+        are deleted first, so that the next run trains them from the start."""
         for run in runs:
             run.stop.set()
         if notice is not None and runs:
@@ -188,7 +189,7 @@ class Endings:
         except KeyboardInterrupt as err:  # stopped while waiting: the trials still go back
             stopped = err
         with stops_held():  # every trial goes back, then a stop goes on
-            running = [m.number for run in runs for m in run.members]
+            running = self._tell_finished(runs)
             if discard and stopped is None:
                 # A bug in the task: what these trials trained under it is not resumed. The
                 # runs have ended; it goes before the trials go back, where another process
@@ -202,6 +203,33 @@ class Endings:
                 self.source.interrupt(number)
         if stopped is not None:
             raise stopped
+
+    def _tell_finished(self, runs: Sequence[Any]) -> list[int]:
+        """Tell the study the members of ``runs`` that ended complete or pruned before the stop
+        reached them (a run that had just finished, or finished its evaluation meanwhile: its
+        result stands); the numbers of the others, which go back."""
+        now, unfinished = self.now(), []
+        for run in runs:
+            future = run.future
+            result = future.result() if future.done() and future.exception() is None else None
+            results = getattr(result, "members", None) or (result,)
+            if len(results) != len(run.members):  # a run that ended without a result
+                results = (None,) * len(run.members)
+            told = 0
+            for planned, r in zip(run.members, results, strict=True):
+                if r is None or r.state not in ("complete", "pruned"):
+                    unfinished.append(planned.number)
+                    continue
+                record = self.records[planned.number]
+                record.run = None
+                record.earlier_wall += r.wall_seconds
+                record.times["finished_at"] = now
+                self.report(planned, r)
+                told += 1
+            if told == len(run.members):
+                self.records[run.key].log("finished", now)
+                self.core.finished(now, run.key)
+        return unfinished
 
     def _discard_checkpoints(self, number: int) -> None:
         """Delete trial ``number``'s checkpoints, while it is still this process's trial."""
