@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import functools
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +129,35 @@ def test_a_unit_runs_the_schedule_the_study_config_gives(tmp_path, which):
         spec = launcher.member(member)
         assert spec == MemberSpec(member.number, member.asked.params, trial_seed(7, key),
                                   Path(tmp_path) / key)
+
+
+class _AllAtOnce(Regression):
+    """Each run's data stream starts only once ``n`` runs are training at once."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.together = threading.Barrier(n, timeout=60)
+
+    def batches(self, batch_size: int, seed: int) -> Any:
+        self.together.wait()
+        yield from super().batches(batch_size, seed)
+
+
+def test_a_launcher_runs_every_unit_it_starts_at_once_however_many():
+    """Twelve solo trials started on one device all train together (a thread each): a run
+    left waiting for a thread would hold its booked devices idle (the scheduling core's
+    placements are the only cap)."""
+    _, solo, _ = _units()
+    n = 12
+    launcher = Launcher(SPACE, _AllAtOnce(n), CONFIG, jax.devices()[:1], None,
+                        lambda *a: False, StepCache())
+    units = [SoloUnit(dataclasses.replace(solo.planned, asked=dataclasses.replace(
+        solo.planned.asked, number=i, checkpoint_key=f"trial_{i}"))) for i in range(n)]
+    runs = [u.start(launcher, [0], [TrialStatus(i, u.planned.asked.params)])
+            for i, u in enumerate(units)]
+    results = [run.future.result() for run in runs]
+    launcher.close()
+    assert [r.state for r in results] == ["complete"] * n, [r.reason for r in results]
 
 
 def test_run_specs_carry_the_one_schedule_and_member_they_are_built_from():

@@ -246,8 +246,7 @@ class SearchEngine:
         self.kind.reset()
         lookahead = self.config.lookahead or len(self.devices)
         self._launch = Launcher(self.space, self.task, self.config, self.devices,
-                                self.checkpoint_root, self.source.report, self.cache,
-                                workers=max(4, 4 * len(self.devices)))
+                                self.checkpoint_root, self.source.report, self.cache)
         if self.devices and self.devices[0].platform == "cpu":
             # Which guidance compiles this XLA offers: a probe compile once per process, here
             # rather than in the first plan (it is not an architecture's)

@@ -34,6 +34,11 @@ class Run:
     future: cf.Future
 
 
+#: Threads a launcher may make, one per run at once: far above what memory lets a pool run
+#: (the thread pool makes them only as runs start).
+RUN_THREADS = 4096
+
+
 class Launcher:
     """Starts runs on the engine's devices (see the module doc).
 
@@ -44,15 +49,18 @@ class Launcher:
       checkpoint_root: the per-trial checkpoint directories' root (None: no checkpoints).
       report: ``report(number, step, value) -> prune?`` (the study's pruner).
       cache: the compiled-step cache runs share.
-      workers: worker threads.
+      workers: the most runs at once (a thread each, made as runs start); the default
+        `RUN_THREADS` leaves the scheduling core's placements the only cap: a run started
+        beyond the threads would wait for one while its devices stay booked and idle.
     """
 
     def __init__(self, space: Any, task: Any, config: Any, devices: Sequence[Any],
                  checkpoint_root: Path | None, report: Callable[[int, int, float], bool],
-                 cache: StepCache, workers: int) -> None:
+                 cache: StepCache, workers: int | None = None) -> None:
         self.space, self.task, self.config, self.devices = space, task, config, devices
         self.checkpoint_root, self.report, self.cache = checkpoint_root, report, cache
-        self.executor = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="trial")
+        self.executor = cf.ThreadPoolExecutor(max_workers=workers or RUN_THREADS,
+                                              thread_name_prefix="trial")
 
     @property
     def memory_per_device(self) -> int:
