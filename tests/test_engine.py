@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import os
+import signal
 import time
 from typing import Any
 
@@ -375,14 +377,25 @@ def test_a_trial_resumed_at_another_batch_trains_from_the_start(tmp_path):
     cfg = config(steps=40, reference_batch=16, max_batch_size=16, checkpoint_every=10,
                  log_every=10)
 
-    def stop_at_20(statuses: Any, pool: Any, **kw: Any) -> None:
-        if any(s.step >= 20 for s in statuses):
-            raise KeyboardInterrupt
+    class StopAt20(Regression):
+        """A Ctrl-C as the trial draws its batch of step 20, then a pause in which the stop
+        reaches the run (its steps take a millisecond: it would end first)."""
+
+        def batches(self, batch_size: int, seed: int) -> Any:
+            for i, batch in enumerate(super().batches(batch_size, seed)):
+                if i == 20:
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(2)
+                yield batch
 
     with pytest.raises(KeyboardInterrupt):
-        SearchEngine(SPACE, Regression(), source, cfg, devices=jax.devices()[:1],
-                     checkpoint_root=tmp_path / "ckpt", on_update=stop_at_20).run()
+        SearchEngine(SPACE, StopAt20(), source, cfg, devices=jax.devices()[:1],
+                     checkpoint_root=tmp_path / "ckpt").run()
     source.close()
+    (stopped,) = (tmp_path / "ckpt").iterdir()
+    kept = sorted(int(p.name) for p in stopped.iterdir() if p.name.isdigit())
+    assert kept and 0 < kept[-1] < 40, kept
+    assert json.loads((stopped / "batch.json").read_text()) == {"batch_size": 16}
     again = OptunaTrialSource(study, SPACE, 1)
     SearchEngine(SPACE, Regression(), again, dataclasses.replace(cfg, max_batch_size=4),
                  devices=jax.devices()[:1], checkpoint_root=tmp_path / "ckpt").run()
