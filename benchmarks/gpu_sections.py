@@ -183,14 +183,23 @@ def memory_section(cfg: Any, ctx: Context, rec: Record) -> None:
         os.environ["XLA_FLAGS"] = with_xla_flag(os.environ.get("XLA_FLAGS", ""),
                                                 AUTOTUNE_FLAG, str(autotune))
         rec.body["autotune_cache"] = AUTOTUNE_DIRNAME
+    # The allowance from the rows so far, after each case: a section stopped at its cap keeps
+    # (and has stored) what its finished cases measured.
+    rec.body["allowance"] = record_allowance([], ctx)
     rec.save()
+
+    def case_then_allowance(case: Any) -> None:
+        _memory_case(cfg, ctx, rec, case)
+        with rec.lock:
+            rec.body["allowance"] = record_allowance(rec.body["rows"], ctx)
+            rec.save()
+
     with ThreadPoolExecutor(max_workers=cfg.memory_parallel) as pool:
-        for future in [pool.submit(_memory_case, cfg, ctx, rec, c) for c in cfg.memory_cases]:
+        for future in [pool.submit(case_then_allowance, c) for c in cfg.memory_cases]:
             future.result()
     if any(c.get("cut_short") for c in rec.body["cases"].values()):
         rec.cut("memory cases cut short: " + ", ".join(
             k for k, c in rec.body["cases"].items() if c.get("cut_short")))
-    rec.body["allowance"] = record_allowance(rec.body["rows"], ctx)
     rec.save()
 
 

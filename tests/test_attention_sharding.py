@@ -103,7 +103,7 @@ def _compiled_step_hlo(model: nnx.Module, batch: tuple) -> str:
     return step.lower(params, opt_state, rest, batch).compile().as_text()
 
 
-@pytest.mark.parametrize("family", ["vit", "swinir"])
+@pytest.mark.parametrize("family", [pytest.param("vit", marks=pytest.mark.slow), "swinir"])
 def test_compiled_step_at_model_parallel_2_has_no_all_to_all(family):
     if family == "vit":
         model = _vit(4)

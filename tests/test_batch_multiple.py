@@ -77,7 +77,8 @@ def test_planner_falls_back_to_any_batch_when_no_multiple_fits() -> None:
         planner.plan_mesh(model, sample, devices=1, memory_per_device="4MiB", batch_multiple=0)
 
 
-@pytest.mark.parametrize(("first", "budget"), [(1, 562_000), (4, 500_000)])
+@pytest.mark.parametrize(("first", "budget"), [pytest.param(1, 562_000, marks=pytest.mark.slow),
+                                               (4, 500_000)])
 def test_a_plan_cache_of_points_under_another_batch_multiple_plans_as_a_fresh_search(
         tmp_path, first: int, budget: int) -> None:
     """A plan cache holds the compiled points of one mesh whatever the batch multiple: a

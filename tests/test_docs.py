@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from _requirements import require_module
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,6 +21,7 @@ def _pdoc_modules() -> list[str]:
     return match.group(1).split()
 
 
+@pytest.mark.slow  # run with -m slow (README: Tests)
 def test_api_reference_builds_without_warnings(tmp_path):
     require_module("pdoc", "pdoc (the `docs` extra) is not installed")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}

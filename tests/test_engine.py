@@ -506,6 +506,7 @@ def test_last_wave_trial_grows_onto_idle_devices_only_where_that_can_help(tmp_pa
         assert_replays(result, study)
 
 
+@pytest.mark.slow  # run with -m slow (README: Tests)
 def test_a_running_trial_restarts_on_idle_devices_with_the_same_result(tmp_path):
     """In the tail a lone trial on 1 of 4 devices is stopped at a checkpoint and restarted on
     more devices with the same global batch; it ends as the same trial would unresized."""

@@ -585,6 +585,7 @@ def test_first_fused_steps_equal_the_solo_steps(family: str) -> None:
     assert len({round(v, 7) for v in from_fused}) == len(lrs)  # the members differ
 
 
+@pytest.mark.slow  # run with -m slow (README: Tests)
 def test_fused_swinir_members_draw_their_own_stochastic_depth_as_solo():
     """In training mode each member of a fused forward pass drops the branches its solo run
     drops (its own random stream), before and after a fused training step: the outputs agree to

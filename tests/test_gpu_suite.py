@@ -42,10 +42,12 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict:
             "seconds": seconds, "stdout": proc.stdout}
 
 
+@pytest.mark.slow  # run with -m slow (README: Tests)
 def test_the_rehearsal_ends_inside_its_minutes(smoke: dict) -> None:
     assert smoke["seconds"] < 60 * MINUTES + SLACK_S, smoke["stdout"]
 
 
+@pytest.mark.slow  # run with -m slow (README: Tests)
 @pytest.mark.parametrize("name", gpu_suite.SECTIONS)
 def test_every_section_is_recorded_whole_or_cut_short(name: str, smoke: dict) -> None:
     section = smoke["report"][name]
@@ -63,6 +65,7 @@ def test_every_section_is_recorded_whole_or_cut_short(name: str, smoke: dict) ->
     assert "| " + " | ".join(gpu_markdown.HEADERS[name]) + " |" in md
 
 
+@pytest.mark.slow  # run with -m slow (README: Tests)
 def test_memory_is_cut_short_with_what_it_measured(smoke: dict) -> None:
     """The paper SwinIR cannot be planned within the cap on CPU: the section is cut short and
     keeps the cases that finished; nothing CPU cannot measure is filled in."""
@@ -80,6 +83,7 @@ def test_memory_is_cut_short_with_what_it_measured(smoke: dict) -> None:
     assert memory["allowance"]["bytes"] == 0 and not memory["allowance"]["stored"]
 
 
+@pytest.mark.slow  # run with -m slow (README: Tests)
 def test_equalities_hold_where_measured(smoke: dict) -> None:
     report = smoke["report"]
     noise = report["fusion"].get("noise_floor")
@@ -108,6 +112,7 @@ def test_equalities_hold_where_measured(smoke: dict) -> None:
         assert row["host_initial_state_s"] > 0
 
 
+@pytest.mark.slow  # run with -m slow (README: Tests)
 def test_what_a_plan_without_the_gpu_needs_is_recorded(smoke: dict) -> None:
     env = smoke["report"]["meta"]["environment"]
     assert env["status"] == "ok" and env["packages"]["jax"] and env["python"]
@@ -118,6 +123,7 @@ def test_what_a_plan_without_the_gpu_needs_is_recorded(smoke: dict) -> None:
     assert ("topology.pb" in files) != ("topology_error" in env), env.get("topology_error")
 
 
+@pytest.mark.slow  # run with -m slow (README: Tests)
 def test_results_come_back_as_one_small_archive(smoke: dict) -> None:
     archive = smoke["archive"]
     assert archive.stat().st_size <= gpu_suite.ARCHIVE_LIMIT
@@ -187,6 +193,7 @@ def test_a_short_gpu_suite_spends_its_minutes_on_the_open_questions() -> None:
     assert gpu_suite.section_cap(cfg, "fusion", kept[1:], left - mainjob) >= 120.0
 
 
+@pytest.mark.slow  # run with -m slow (README: Tests)
 def test_the_compiles_section_records_each_plans_cost(smoke: dict) -> None:
     section = smoke["report"]["compiles"]
     if section["status"] != "ok":
@@ -244,6 +251,7 @@ def test_the_autotune_folder_is_set_in_xla_flags_once() -> None:
         f"--xla_gpu_deterministic_ops=true {AUTOTUNE_FLAG}=/o/a")
 
 
+@pytest.mark.slow  # run with -m slow (README: Tests)
 def test_the_main_job_reports_its_compile_share_and_booking(smoke: dict) -> None:
     """The rehearsal's main job (the CPU preset, 2 trials of 20 steps) reports what the GPU
     targets read: compile seconds against the study's and the pool booked."""

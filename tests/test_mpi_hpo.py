@@ -388,6 +388,7 @@ def _needs_mpi() -> None:
     require_module("mpi4py", "the mpi extra is not installed: pip install .[mpi]")
 
 
+@pytest.mark.slow  # run with -m slow (README: Tests)
 @pytest.mark.mpi
 def test_study_split_across_two_ranks_records_every_trial_once_with_its_rank(
     tmp_path, _needs_mpi
@@ -487,6 +488,7 @@ def test_a_trial_too_big_for_one_rank_spans_two_and_equals_the_single_process_ru
         assert alone.metrics["mse"] == pytest.approx(t["mse"], rel=1e-5)
 
 
+@pytest.mark.slow  # run with -m slow (README: Tests)
 @pytest.mark.mpi
 def test_a_spanning_trial_that_fails_on_one_rank_ends_the_job_instead_of_hanging(
     tmp_path, _needs_mpi
@@ -507,6 +509,7 @@ def test_a_spanning_trial_that_fails_on_one_rank_ends_the_job_instead_of_hanging
                      r"train on", output), output
 
 
+@pytest.mark.slow  # run with -m slow (README: Tests)
 @pytest.mark.mpi
 def test_study_split_across_four_ranks_records_every_trial_once(tmp_path, _needs_mpi):
     proc = _launch(tmp_path, 4, "--trials", "6", "--steps", "10", timeout=400)
@@ -518,6 +521,7 @@ def test_study_split_across_four_ranks_records_every_trial_once(tmp_path, _needs
     assert {t["rank"] for t in trials} <= {0, 1, 2, 3} and len({t["rank"] for t in trials}) >= 2
 
 
+@pytest.mark.slow  # run with -m slow (README: Tests)
 @pytest.mark.mpi
 def test_a_killed_rank_stops_the_job_and_the_same_command_resumes_the_study(
     tmp_path, _needs_mpi
@@ -549,6 +553,7 @@ def test_a_killed_rank_stops_the_job_and_the_same_command_resumes_the_study(
     assert sorted(t["number"] for t in results["trials"]) == sorted(complete)
 
 
+@pytest.mark.slow  # run with -m slow (README: Tests)
 @pytest.mark.mpi
 def test_an_interrupted_mpi_run_is_recorded_with_the_trials_it_finished(tmp_path, _needs_mpi):
     """Ctrl-C on ``mpirun`` (Open MPI ends the ranks with SIGTERM, which the command line

@@ -112,7 +112,7 @@ def test_two_rank_data_parallel_trial_matches_single_process_loss_curve(tmp_path
 
 
 @pytest.mark.parametrize(("fault", "said"), [
-    ("--die-at-tick", "rank 1 exits at tick 4"),
+    pytest.param("--die-at-tick", "rank 1 exits at tick 4", marks=pytest.mark.slow),
     # an exception: the rank would still finalize MPI as it exits; the pipeline aborts the job
     ("--raise-at-tick", "rank 1 failed: RuntimeError: rank 1 raises at tick 4"),
 ])

@@ -139,7 +139,7 @@ REFERENCE_ATOL = 5e-7
 
 
 @pytest.mark.parametrize("stages", [2, 4])
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, *(pytest.param(s, marks=pytest.mark.slow) for s in (1, 2))])
 def test_pipeline_matches_independent_optax_reference(seed, stages):
     """Independent check of the math: a plain single-device loop on the Flax modules with
     per-block ``optax.adam`` (no code of the stage executor) trains the same subnets.
@@ -334,6 +334,7 @@ def test_an_executor_built_for_other_training_is_refused():
                        executor=_executor(2, False, False))
 
 
+@pytest.mark.slow  # run with -m slow (README: Tests)
 def test_ticks_in_flight_bound_changes_nothing_but_the_wait():
     # The default bound (4 ticks ahead of the host) against an unbounded queue and a bound of 1:
     # the same ops in the same order, so the same bits.
@@ -441,6 +442,7 @@ def _stage_tick_hlo(spec, stage: int, row: np.ndarray, executor: PipelineExecuto
     ).compile().as_text()
 
 
+@pytest.mark.slow  # run with -m slow (README: Tests)
 def test_idle_tick_moves_nothing_between_host_store_and_device():
     """With the supernet in host memory, a stage-tick that fetches no block and applies no
     update compiles to a program that never reads or writes the store: from the compiled HLO,

@@ -76,6 +76,7 @@ def postgres_url() -> Iterator[str]:
         shutil.rmtree(data, ignore_errors=True)
 
 
+@pytest.mark.slow  # run with -m slow (README: Tests)
 def test_two_processes_share_a_postgresql_study(tmp_path, postgres_url):
     study_dir = tmp_path / "study"  # checkpoints and results; the study is in the server
     procs = [_start(study_dir, trials=4, steps=60, storage=postgres_url) for _ in range(2)]

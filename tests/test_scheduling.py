@@ -127,6 +127,7 @@ def resumed_fused_study(tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
     return json.loads((study_dir / "results.json").read_text())
 
 
+@pytest.mark.slow  # run with -m slow (README: Tests)
 def test_replay_of_a_resumed_fused_study_makes_the_same_placements(resumed_fused_study) -> None:
     results = resumed_fused_study
     assert len(results["runs"]) == 2  # stopped, then resumed

@@ -88,6 +88,7 @@ def test_l1_loss_and_train_records(small_task):
         train(model, small_task, steps=0, batch_size=2)
 
 
+@pytest.mark.slow  # run with -m slow (README: Tests)
 def test_data_parallel_swinir_trains_and_evaluates_as_on_one_device(tmp_path):
     """A SwinIR trial split over 2 devices ('data') computes what one device does: the same
     losses step by step and, from the same weights, the same held-out outputs through the

@@ -157,6 +157,7 @@ def test_unreadable_memory_size_is_rejected(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # run with -m slow (README: Tests)
 def test_budget_too_small_for_any_candidate_is_rejected(tmp_path):
     result = cli("--preset", "smoke", "--memory-per-device", "64KiB", "--study-dir",
                  str(tmp_path), "--no-live")

@@ -521,6 +521,7 @@ def test_target_accuracy_names_a_missing_reference_or_cache(tmp_path: Path, caps
         assert f"{flag} {tmp_path / 'missing'}: no such directory" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # run with -m slow (README: Tests)
 def test_the_fused_step_for_a_gpu_launches_no_more_kernels_than_a_solo_step() -> None:
     """Compiled for a described H100, the fused step of 4 ViT members launches no more
     kernels than one member's solo step (vmap widens kernels, it does not add them), so a
