@@ -151,13 +151,10 @@ class Endings:
         leader.log("finished", now)
         self.core.finished(now, key)
         for planned, r in zip(run.members, results, strict=True):
-            record = self.records[planned.number]
-            record.run = None
-            record.times["finished_at"] = now
+            record = self._run_over(planned.number, r, now)
             if planned.number != key:  # the group's scheduling record is the leader's
                 record.times["plan"] = leader.times.get("plan")
                 record.times["pace"] = leader.times.get("pace", [])
-            record.earlier_wall += r.wall_seconds
             if r.state == "oom":  # the group did not fit: its members run alone
                 self.oom.member_ended(planned)
                 continue
@@ -204,6 +201,15 @@ class Endings:
         if stopped is not None:
             raise stopped
 
+    def _run_over(self, number: int, result: RunResult, now: float) -> Any:
+        """Trial ``number``'s run ended with ``result`` at ``now``: its record (returned) holds
+        no run and counts the run's wall time."""
+        record = self.records[number]
+        record.run = None
+        record.times["finished_at"] = now
+        record.earlier_wall += result.wall_seconds
+        return record
+
     def _tell_finished(self, runs: Sequence[Any]) -> list[int]:
         """Tell the study the members of ``runs`` that ended complete or pruned before the stop
         reached them (a run that had just finished, or finished its evaluation meanwhile: its
@@ -220,10 +226,7 @@ class Endings:
                 if r is None or r.state not in ("complete", "pruned"):
                     unfinished.append(planned.number)
                     continue
-                record = self.records[planned.number]
-                record.run = None
-                record.earlier_wall += r.wall_seconds
-                record.times["finished_at"] = now
+                self._run_over(planned.number, r, now)
                 self.report(planned, r)
                 told += 1
             if told == len(run.members):
