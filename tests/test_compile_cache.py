@@ -236,6 +236,38 @@ def test_the_evaluation_is_planned_from_shapes_with_one_compile_that_the_run_use
     assert fresh.peak(plan.eval_chunk, groups) == plan.eval_peak_bytes  # the compiled figure
 
 
+def test_trials_evaluating_at_once_on_a_shared_evaluator_compile_its_chunk_once():
+    """Trials of one architecture share an evaluator (`StepCache.evaluator`); two that reach
+    their evaluation together get one compile of the chunk, the second waiting for the first."""
+    import threading
+
+    task = Denoise()
+    model = nnx.eval_shape(lambda: ConvNet(8, nnx.Rngs(0)))
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    from scamp_jax.planning.memory import default_step_shardings
+
+    params, opt_state, rest = abstract_state(model, make_optimizer({}))
+    shardings = default_step_shardings(mesh, params, opt_state, rest, make_optimizer({}))
+    evaluator = EvalCompiler(split_model(model)[0], task.eval_forward, params, rest,
+                             shardings.params, shardings.rest, mesh)
+    sample = abstract_eval_inputs(task)[0]
+    together = threading.Barrier(2, timeout=60)
+    got: list[Any] = []
+
+    def evaluate() -> None:
+        together.wait()
+        got.append(evaluator.compiled(6, sample))
+
+    with CompileCounter() as count:
+        threads = [threading.Thread(target=evaluate) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    assert len(got) == 2 and got[0] is got[1]
+    assert count.compiles["jit(run)"] == 1
+
+
 def test_a_shape_guess_too_high_costs_one_more_evaluation_compile():
     # A budget between the forward's compiled peak at 2 and at 6 samples, and a shape
     # estimate that believes 6 fit (a stand-in: the real estimate errs this far only for

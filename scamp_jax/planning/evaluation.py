@@ -20,6 +20,7 @@ outside this accounting).
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeGuard, runtime_checkable
@@ -118,6 +119,9 @@ class EvalCompiler:
             out_shardings=self.input_sharding,
         )
         self._compiled: dict[tuple[int, tuple[int, ...], str], Any] = {}
+        # Trials of one architecture share an evaluator (`scamp_jax.hpo.runner.StepCache`) and
+        # may evaluate at once: one of them compiles a chunk, the others wait for it.
+        self._lock = threading.RLock()
 
     @property
     def device_ids(self) -> tuple[int, ...]:
@@ -141,17 +145,18 @@ class EvalCompiler:
                 f"{self.data_parallel}"
             )
         key = (chunk, tuple(sample.shape[1:]), str(sample.dtype))
-        if key not in self._compiled:
-            source = self.source
-            if source is not None and key in source._compiled:
-                self._compiled[key] = load_on_devices(
-                    source._compiled[key], source.device_ids, list(self.mesh.devices.flat))
-            if self._compiled.get(key) is None:
-                x = jax.ShapeDtypeStruct((chunk, *sample.shape[1:]), sample.dtype)
-                with jax.set_mesh(self.mesh):
-                    lowered = self._jitted.lower(self.params, self.rest, x)
-                self._compiled[key] = compile_lowered(lowered, self.options)
-        return self._compiled[key]
+        with self._lock:
+            if key not in self._compiled:
+                source = self.source
+                if source is not None and key in source._compiled:
+                    self._compiled[key] = load_on_devices(
+                        source._compiled[key], source.device_ids, list(self.mesh.devices.flat))
+                if self._compiled.get(key) is None:
+                    x = jax.ShapeDtypeStruct((chunk, *sample.shape[1:]), sample.dtype)
+                    with jax.set_mesh(self.mesh):
+                        lowered = self._jitted.lower(self.params, self.rest, x)
+                    self._compiled[key] = compile_lowered(lowered, self.options)
+            return self._compiled[key]
 
     def compiled_chunks(self) -> int:
         """Chunks (one per chunk size and group shape) compiled or loaded so far."""
@@ -175,13 +180,14 @@ class EvalCompiler:
         """Per-device bytes per global sample the forward holds at once (``live_bytes`` of its
         jaxpr at ``dp`` samples, over ``dp`` samples and ``dp`` devices), traced once."""
         key = (tuple(group.shape[1:]), str(group.dtype))
-        if key not in self._live_per_sample:
-            dp = self.data_parallel
-            x = jax.ShapeDtypeStruct((dp, *group.shape[1:]), group.dtype)
-            with jax.set_mesh(self.mesh):
-                traced = self._jitted.trace(self.params, self.rest, x)
-            self._live_per_sample[key] = live_bytes(traced.jaxpr) / dp / dp
-        return self._live_per_sample[key]
+        with self._lock:
+            if key not in self._live_per_sample:
+                dp = self.data_parallel
+                x = jax.ShapeDtypeStruct((dp, *group.shape[1:]), group.dtype)
+                with jax.set_mesh(self.mesh):
+                    traced = self._jitted.trace(self.params, self.rest, x)
+                self._live_per_sample[key] = live_bytes(traced.jaxpr) / dp / dp
+            return self._live_per_sample[key]
 
     def peak(self, chunk: int, groups: Sequence[jax.ShapeDtypeStruct]) -> int:
         """Largest compiled peak per device (bytes) over the groups at ``chunk`` samples."""
