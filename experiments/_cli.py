@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from scamp_jax._signals import Terminated as Terminated  # SIGTERM's stop, as Ctrl-C's
+from scamp_jax._signals import interruptible, left_behind
 from scamp_jax.hpo.settings import ELASTIC, GRACE_PERIOD, PRUNERS, SAMPLERS, SearchSettings
 from scamp_jax.scheduling.placement import POLICIES
 
@@ -462,8 +463,12 @@ def user_errors(resumable: bool = True) -> Iterator[None]:
               "command to resume" if resumable else
               f"{word}: nothing was stored (planning stores no study); run the same command to "
               "plan again", file=sys.stderr)
-        raise SystemExit(128 + signal.SIGTERM if isinstance(err, Terminated) else 130) \
-            from None
+        code = 128 + signal.SIGTERM if isinstance(err, Terminated) else 130
+        if left_behind():  # a compile still runs: end without the interpreter's shutdown
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        raise SystemExit(code) from None
     except RepeatedFailureError as err:  # the task's error, not the command line's
         print(f"error: {err.as_command_line()}", file=sys.stderr)  # its traceback verbatim
         raise SystemExit(1) from None
@@ -574,9 +579,11 @@ def plan_only(
         print("  a study on these devices trains trials of one architecture as fused groups "
               "(--fuse auto); below, each trial alone: add --fuse auto (or a width) to size "
               "the groups too (more compiles)")
-    rows = plan_candidates(
+    # Planned on a thread of its own, so that a Ctrl-C stops the command at once, not when a
+    # compile (minutes for a large model and a GPU target) returns.
+    rows = interruptible(lambda: plan_candidates(
         space, task, config, devices=devices, memory_per_device=budget, count=config.trials,
-        on_plan=lambda row: print(f"  {row.describe()}", flush=True))
+        on_plan=lambda row: print(f"  {row.describe()}", flush=True)), name="plan-only")
     print(format_rows(rows, params=sorted(space.grid)))
     return {"plan_only": True, "devices": len(devices), "device_kind": devices[0].device_kind,
             "memory_per_device": budget.memory_per_device,

@@ -15,10 +15,11 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 _HELD = (signal.SIGINT, signal.SIGTERM)
+_T = TypeVar("_T")
 
 
 class Terminated(KeyboardInterrupt):
@@ -48,6 +49,52 @@ def sigterm_stops() -> Iterator[None]:
     finally:
         if signal.getsignal(signal.SIGTERM) is stop:  # not one installed meanwhile
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+_RUNNING: list[threading.Event] = []  # set when the work `interruptible` left is done
+
+
+def left_behind() -> bool:
+    """Whether work that `interruptible` was stopped waiting for still runs. The process must
+    then end with ``os._exit``: the interpreter's shutdown runs XLA's destructors under a
+    compile still running in it (a crash, exit status 139)."""
+    return any(not done.is_set() for done in _RUNNING)
+
+
+def interruptible(work: Callable[[], _T], name: str = "work") -> _T:
+    """``work()`` on a daemon thread while the calling (main) thread waits for it: a signal
+    handler's exception (Ctrl-C's ``KeyboardInterrupt``) is raised in the main thread at once,
+    where it would wait until a compile running there returned (XLA holds the thread; a paper
+    SwinIR's compile for a GPU target takes minutes). ``work``'s own exception is raised here;
+    off the main thread ``work`` runs in place.
+
+    A stop leaves ``work`` running: it must store nothing a stop could leave half written
+    (planning without a study does not), and the process then ends with ``os._exit``
+    (`left_behind`)."""
+    if threading.current_thread() is not threading.main_thread():
+        return work()
+    result: list[_T] = []
+    failed: list[BaseException] = []
+    done = threading.Event()
+
+    def body() -> None:
+        try:
+            result.append(work())
+        except BaseException as err:  # noqa: BLE001 - raised in the waiting thread
+            failed.append(err)
+        finally:
+            done.set()
+
+    _RUNNING.append(done)
+    threading.Thread(target=body, name=name, daemon=True).start()
+    # An event's wait with a timeout lets signal handlers run between waits (a thread's join
+    # interrupted by one marks the thread stopped while it runs).
+    while not done.wait(0.1):
+        pass
+    _RUNNING.remove(done)
+    if failed:
+        raise failed[0]
+    return result[0]
 
 
 @contextlib.contextmanager
