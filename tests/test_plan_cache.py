@@ -177,16 +177,22 @@ def test_cached_plan_is_rebuilt_without_compiling_and_equals_the_first(tmp_path)
         {"optimizer": optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)},
         {"loss_fn": lambda m, x: jnp.mean(jnp.abs(m(x)))},
         {"model": 16},
+        {"release": "99.0.0"},
     ],
-    ids=["budget", "margin", "max-batch", "device-count", "optimizer", "loss", "architecture"],
+    ids=["budget", "margin", "max-batch", "device-count", "optimizer", "loss", "architecture",
+         "scamp-jax-release"],
 )
-def test_any_key_part_changing_is_a_miss(tmp_path, change):
+def test_any_key_part_changing_is_a_miss(tmp_path, monkeypatch, change):
     path = tmp_path / "plans.sqlite"
     # a cap of two samples per data-parallel group keeps each plan to one compile
     base: dict[str, Any] = {"devices": 4, "memory_per_device": BUDGET, "max_batch_size": 8}
     plan_mesh(_abstract(), SAMPLE, cache=PlanCache(path), **base)
     cache = PlanCache(path)
     width = change.pop("model", 32)
+    if "release" in change:  # another release of scamp-jax plans anew
+        import scamp_jax
+
+        monkeypatch.setattr(scamp_jax, "__version__", change.pop("release"))
     plan = plan_mesh(_abstract(width), SAMPLE, cache=cache, **(base | change))
     assert (cache.hits, cache.misses) == (0, 1) and not plan.cached and len(cache) == 2
 

@@ -9,8 +9,8 @@ directory then plans with zero compiles. Two kinds of records live in one SQLite
   computation, its shapes and dtypes, the loss and the optimizer all count), the platform,
   device kind and device count, the budget (bytes per device, safety margin, batch cap), a
   forced model-parallel degree, the sharding threshold, the evaluation planned with it (its
-  forward by `function_identity`, its input shapes), and the JAX and jaxlib versions and
-  ``XLA_FLAGS``. A cached plan holds the decision (degrees, batch, compiled peaks); the mesh
+  forward by `function_identity`, its input shapes), the JAX, jaxlib and scamp-jax versions
+  and ``XLA_FLAGS``. A cached plan holds the decision (degrees, batch, compiled peaks); the mesh
   and shardings are rebuilt from the project's sharding rules, which are a function of the
   shapes and the model-parallel degree.
 - **peaks**: every compiled ``(batch, memory)`` point of a program on a mesh shape (keyed by the
@@ -183,9 +183,12 @@ def _digest_code(code: Any, digest: Any) -> None:
 
 
 def versions() -> dict[str, str]:
-    """What a compiled figure depends on besides the program: JAX, jaxlib and ``XLA_FLAGS``."""
+    """What a compiled figure depends on besides the program: JAX, jaxlib, ``XLA_FLAGS`` and the
+    scamp-jax release that planned it (its planner's rules and the programs it compiles)."""
+    import scamp_jax
+
     return {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
-            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "scamp_jax": scamp_jax.__version__}
 
 
 def device_identity(devices: Sequence[jax.Device]) -> dict[str, Any]:
