@@ -6,13 +6,18 @@ run:
 	scripts/setup.sh run
 	.venv/bin/python -m experiments.swinir_hpo
 
+# Tests run in TEST_WORKERS processes (pytest-xdist; each test in one of them, whole, so the
+# tests that start processes of their own or send signals run as they do alone); 1: in this one.
+TEST_WORKERS ?= 2
+PYTEST_WORKERS = $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
+
 test:
 	scripts/setup.sh test
-	.venv/bin/python -m pytest
+	.venv/bin/python -m pytest $(PYTEST_WORKERS)
 
 test-all:
 	scripts/setup.sh test
-	.venv/bin/python -m pytest -m "not gpu"
+	.venv/bin/python -m pytest $(PYTEST_WORKERS) -m "not gpu"
 
 # The lower-bound run: the oldest releases pyproject.toml declares (.ci/minimum-versions.txt) on
 # Python 3.11, in .venv-oldest, through the planner, memory, runner, CSP, study-storage and MPI
@@ -25,7 +30,7 @@ LOWER_BOUND_TESTS = tests/test_planner.py tests/test_memory.py tests/test_runner
 	tests/test_sr_data.py tests/test_member_streams.py
 test-oldest:
 	scripts/setup.sh oldest
-	.venv-oldest/bin/python -m pytest $(LOWER_BOUND_TESTS)
+	.venv-oldest/bin/python -m pytest $(PYTEST_WORKERS) $(LOWER_BOUND_TESTS)
 
 lint:
 	.venv/bin/ruff check scamp_jax search_spaces experiments benchmarks tests examples

@@ -199,7 +199,8 @@ def test_a_sharded_executable_loads_onto_other_devices_device_for_device():
     held = weakref.ref(moved)
     del moved, total, y
     gc.collect()
-    assert held() is None and len(reuse._READ_BACK) == marked - 1
+    # (other tests' executables freed by the same collection may leave the set too)
+    assert held() is None and len(reuse._READ_BACK) <= marked - 1
 
 
 def test_another_wrapper_of_an_executable_read_back_is_read_back_too():
