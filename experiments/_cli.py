@@ -311,6 +311,9 @@ class _CtrlC:
     were running stay running until their heartbeat lapses, then a re-run resumes them from
     their last checkpoints."""
 
+    #: a second Ctrl-C ends the process (`scamp_jax.hpo.endings.Endings.give_back` says so)
+    ends_process = True
+
     def __init__(self) -> None:
         self.count = 0
 

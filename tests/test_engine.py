@@ -324,10 +324,17 @@ def test_ctrl_c_checkpoints_running_trials_and_a_new_run_resumes_them(tmp_path):
         if any(s.step >= 30 for s in statuses):
             raise KeyboardInterrupt
 
+    notices: list[str] = []
     engine = SearchEngine(SPACE, Regression(), source, cfg, devices=jax.devices()[:2],
-                          checkpoint_root=tmp_path / "ckpt", on_update=ctrl_c_at_step_30)
+                          checkpoint_root=tmp_path / "ckpt", on_update=ctrl_c_at_step_30,
+                          on_notice=notices.append)
     with pytest.raises(KeyboardInterrupt):
         engine.run()
+    # Python's own Ctrl-C handler: a second one raises at once, the process still waits for
+    # the trials' threads (the command line's handler ends it at once, and says so)
+    assert any(n.startswith("stopping: 2 running trial(s)") and n.endswith(
+        "Ctrl-C again stops waiting for them (the trials' threads still end at their next "
+        "step)") for n in notices), notices
     trials = study.get_trials()
     assert [t.user_attrs.get(FAIL_REASON) for t in trials[:2]] == ["interrupted"] * 2
     assert len(study.get_trials(states=(TrialState.WAITING,))) == 2
@@ -506,7 +513,6 @@ def test_last_wave_trial_grows_onto_idle_devices_only_where_that_can_help(tmp_pa
         assert_replays(result, study)
 
 
-@pytest.mark.slow  # run with -m slow (README: Tests)
 def test_a_running_trial_restarts_on_idle_devices_with_the_same_result(tmp_path):
     """In the tail a lone trial on 1 of 4 devices is stopped at a checkpoint and restarted on
     more devices with the same global batch; it ends as the same trial would unresized."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import shutil
+import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -33,6 +34,16 @@ from scamp_jax.hpo.units import SoloUnit
 from scamp_jax.scheduling.core import SchedulingCore
 
 log = logging.getLogger(__name__)
+
+
+def _again() -> str:
+    """What a second Ctrl-C does: a command line's handler (``ends_process``, the experiments'
+    ``_CtrlC``) ends the process at once; Python's own raises ``KeyboardInterrupt`` at once,
+    but a script's interpreter waits for the trials' threads, which end at their next step."""
+    if getattr(signal.getsignal(signal.SIGINT), "ends_process", False):
+        return "Ctrl-C again stops at once"
+    return ("Ctrl-C again stops waiting for them (the trials' threads still end at their next "
+            "step)")
 
 
 class Endings:
@@ -179,7 +190,7 @@ class Endings:
                      "is deleted)" if discard else
                      "a re-run resumes them (with a checkpoint where checkpoints are on)")
             notice(f"stopping: {trials} running trial(s) end at their next step and go back to "
-                   f"the study, where {after}; Ctrl-C again stops at once")
+                   f"the study, where {after}; {_again()}")
         stopped: KeyboardInterrupt | None = None
         try:
             cf.wait([run.future for run in runs])

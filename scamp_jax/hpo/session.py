@@ -526,7 +526,9 @@ def run_study(
         study, and the message ends with the last one's traceback.
       KeyboardInterrupt: Ctrl-C, or SIGTERM where the program has no handler of its own (as
         ``scamp_jax._signals.Terminated``): the running trials checkpointed and went back to
-        the study; calling it again resumes them.
+        the study; calling it again resumes them. A second Ctrl-C while they stop raises at
+        once; their threads still end at their next step (a script's interpreter waits for
+        them before it exits).
     """
     if "initial_params" in settings:
         settings["initial_params"] = tuple(settings["initial_params"])
