@@ -69,7 +69,6 @@ def test_a_group_is_one_scheduled_trial_and_memory_decides_the_gain():
     assert fused.makespan_s < 0.55 * alone.makespan_s
 
 
-@pytest.mark.slow  # run with -m slow (README: Tests)
 def test_the_simulator_books_what_the_engine_books_for_a_trial_and_a_fused_group():
     """One byte rule: a simulated trial and a simulated fused group book exactly the bytes the
     engine books for the same plan (step + prefetched batch + evaluation; the fused group
