@@ -468,8 +468,9 @@ def user_errors(resumable: bool = True) -> Iterator[None]:
               "plan again", file=sys.stderr)
         code = 128 + signal.SIGTERM if isinstance(err, Terminated) else 130
         if left_behind():  # a compile still runs: end without the interpreter's shutdown
-            sys.stdout.flush()
-            sys.stderr.flush()
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(OSError, ValueError):  # a closed pipe, a closed file
+                    stream.flush()
             os._exit(code)
         raise SystemExit(code) from None
     except RepeatedFailureError as err:  # the task's error, not the command line's

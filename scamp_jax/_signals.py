@@ -58,7 +58,8 @@ def left_behind() -> bool:
     """Whether work that `interruptible` was stopped waiting for still runs. The process must
     then end with ``os._exit``: the interpreter's shutdown runs XLA's destructors under a
     compile still running in it (a crash, exit status 139)."""
-    return any(not done.is_set() for done in _RUNNING)
+    _RUNNING[:] = [done for done in _RUNNING if not done.is_set()]
+    return bool(_RUNNING)
 
 
 def interruptible(work: Callable[[], _T], name: str = "work") -> _T:
@@ -85,8 +86,14 @@ def interruptible(work: Callable[[], _T], name: str = "work") -> _T:
         finally:
             done.set()
 
+    worker = threading.Thread(target=body, name=name, daemon=True)
     _RUNNING.append(done)
-    threading.Thread(target=body, name=name, daemon=True).start()
+    try:
+        worker.start()
+    except BaseException:
+        if worker.ident is None:  # never started: nothing is left running
+            _RUNNING.remove(done)
+        raise
     # An event's wait with a timeout lets signal handlers run between waits (a thread's join
     # interrupted by one marks the thread stopped while it runs).
     while not done.wait(0.1):

@@ -333,8 +333,8 @@ def test_ctrl_c_checkpoints_running_trials_and_a_new_run_resumes_them(tmp_path):
     # Python's own Ctrl-C handler: a second one raises at once, the process still waits for
     # the trials' threads (the command line's handler ends it at once, and says so)
     assert any(n.startswith("stopping: 2 running trial(s)") and n.endswith(
-        "Ctrl-C again stops waiting for them (the trials' threads still end at their next "
-        "step)") for n in notices), notices
+        "Ctrl-C again stops waiting for them (a script's process still ends only once their "
+        "steps and any compile under way have)") for n in notices), notices
     trials = study.get_trials()
     assert [t.user_attrs.get(FAIL_REASON) for t in trials[:2]] == ["interrupted"] * 2
     assert len(study.get_trials(states=(TrialState.WAITING,))) == 2

@@ -88,15 +88,24 @@ def test_a_ctrl_c_while_interruptible_work_compiles_stops_the_wait_at_once():
                for i in range(20)]  # a compile of a few seconds on 2 cores
     lowered = jax.jit(jax.grad(_layers)).lower(weights, jax.ShapeDtypeStruct((8, 16),
                                                                              jnp.float32))
-    compiled_at = []
+    compiled_at: list[float] = []
+
+    def ctrl_c() -> None:
+        if not compiled_at:  # never after the compile: it would land outside this test
+            os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Timer(0.3, ctrl_c)
 
     def plan() -> None:
-        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        timer.start()
         lowered.compile()
         compiled_at.append(time.monotonic())
 
-    with pytest.raises(KeyboardInterrupt):
-        interruptible(plan)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            interruptible(plan)
+    finally:
+        timer.cancel()
     stopped_at = time.monotonic()
     assert left_behind()  # the compile runs on
     while left_behind():

@@ -36,14 +36,15 @@ from scamp_jax.scheduling.core import SchedulingCore
 log = logging.getLogger(__name__)
 
 
-def _again() -> str:
-    """What a second Ctrl-C does: a command line's handler (``ends_process``, the experiments'
-    ``_CtrlC``) ends the process at once; Python's own raises ``KeyboardInterrupt`` at once,
-    but a script's interpreter waits for the trials' threads, which end at their next step."""
+def second_ctrl_c() -> str:
+    """What a second Ctrl-C does, by the SIGINT handler installed: a command line's
+    (``ends_process``, the experiments' ``_CtrlC``) ends the process at once; Python's own
+    raises ``KeyboardInterrupt`` at once, but a script's interpreter then waits for the
+    threads still running (the trials', which end at their next step, and compiles)."""
     if getattr(signal.getsignal(signal.SIGINT), "ends_process", False):
         return "Ctrl-C again stops at once"
-    return ("Ctrl-C again stops waiting for them (the trials' threads still end at their next "
-            "step)")
+    return ("Ctrl-C again stops waiting for them (a script's process still ends only once "
+            "their steps and any compile under way have)")
 
 
 class Endings:
@@ -190,7 +191,7 @@ class Endings:
                      "is deleted)" if discard else
                      "a re-run resumes them (with a checkpoint where checkpoints are on)")
             notice(f"stopping: {trials} running trial(s) end at their next step and go back to "
-                   f"the study, where {after}; {_again()}")
+                   f"the study, where {after}; {second_ctrl_c()}")
         stopped: KeyboardInterrupt | None = None
         try:
             cf.wait([run.future for run in runs])

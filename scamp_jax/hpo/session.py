@@ -527,8 +527,8 @@ def run_study(
       KeyboardInterrupt: Ctrl-C, or SIGTERM where the program has no handler of its own (as
         ``scamp_jax._signals.Terminated``): the running trials checkpointed and went back to
         the study; calling it again resumes them. A second Ctrl-C while they stop raises at
-        once; their threads still end at their next step (a script's interpreter waits for
-        them before it exits).
+        once; their threads still end at their next step, and compiles under way run to
+        their end (a script's interpreter waits for both before it exits).
     """
     if "initial_params" in settings:
         settings["initial_params"] = tuple(settings["initial_params"])

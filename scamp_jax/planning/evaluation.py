@@ -121,7 +121,7 @@ class EvalCompiler:
         self._compiled: dict[tuple[int, tuple[int, ...], str], Any] = {}
         # Trials of one architecture share an evaluator (`scamp_jax.hpo.runner.StepCache`) and
         # may evaluate at once: one of them compiles a chunk, the others wait for it.
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
 
     @property
     def device_ids(self) -> tuple[int, ...]:
@@ -145,6 +145,9 @@ class EvalCompiler:
                 f"{self.data_parallel}"
             )
         key = (chunk, tuple(sample.shape[1:]), str(sample.dtype))
+        ready = self._compiled.get(key)
+        if ready is not None:
+            return ready
         with self._lock:
             if key not in self._compiled:
                 source = self.source
@@ -180,6 +183,9 @@ class EvalCompiler:
         """Per-device bytes per global sample the forward holds at once (``live_bytes`` of its
         jaxpr at ``dp`` samples, over ``dp`` samples and ``dp`` devices), traced once."""
         key = (tuple(group.shape[1:]), str(group.dtype))
+        known = self._live_per_sample.get(key)
+        if known is not None:
+            return known
         with self._lock:
             if key not in self._live_per_sample:
                 dp = self.data_parallel

@@ -184,7 +184,9 @@ def _digest_code(code: Any, digest: Any) -> None:
 
 def versions() -> dict[str, str]:
     """What a compiled figure depends on besides the program: JAX, jaxlib, ``XLA_FLAGS`` and the
-    scamp-jax release that planned it (its planner's rules and the programs it compiles)."""
+    release number of the scamp-jax that planned it (``scamp_jax.__version__``: a new release's
+    planner and programs start a cache of their own; a change to stored records between
+    releases bumps `SCHEMA_VERSION`)."""
     import scamp_jax
 
     return {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
