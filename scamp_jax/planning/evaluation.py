@@ -20,7 +20,6 @@ outside this accounting).
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeGuard, runtime_checkable
@@ -30,6 +29,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from scamp_jax._once import OncePerKey
 from scamp_jax.planning import sharding as sh
 from scamp_jax.planning.compile_options import Purpose, device_options
 from scamp_jax.planning.liveness import live_bytes
@@ -106,7 +106,7 @@ class EvalCompiler:
         self.state_bytes = (sh.bytes_per_device(self.params, param_shardings)
                             + sh.bytes_per_device(self.rest, rest_shardings))
         self.options = device_options(mesh.devices.flat, Purpose.EVAL)
-        self._live_per_sample: dict[tuple[tuple[int, ...], str], float] = {}
+        self._live_per_sample: OncePerKey[float] = OncePerKey()
 
         def run(p: PyTree, r: PyTree, x: jax.Array) -> Any:
             model = nnx.merge(graphdef, p, r)
@@ -118,10 +118,9 @@ class EvalCompiler:
             in_shardings=(param_shardings, rest_shardings, self.input_sharding),
             out_shardings=self.input_sharding,
         )
-        self._compiled: dict[tuple[int, tuple[int, ...], str], Any] = {}
         # Trials of one architecture share an evaluator (`scamp_jax.hpo.runner.StepCache`) and
         # may evaluate at once: one of them compiles a chunk, the others wait for it.
-        self._lock = threading.Lock()
+        self._compiled: OncePerKey[Any] = OncePerKey()
 
     @property
     def device_ids(self) -> tuple[int, ...]:
@@ -145,21 +144,20 @@ class EvalCompiler:
                 f"{self.data_parallel}"
             )
         key = (chunk, tuple(sample.shape[1:]), str(sample.dtype))
-        ready = self._compiled.get(key)
-        if ready is not None:
-            return ready
-        with self._lock:
-            if key not in self._compiled:
-                source = self.source
-                if source is not None and key in source._compiled:
-                    self._compiled[key] = load_on_devices(
-                        source._compiled[key], source.device_ids, list(self.mesh.devices.flat))
-                if self._compiled.get(key) is None:
-                    x = jax.ShapeDtypeStruct((chunk, *sample.shape[1:]), sample.dtype)
-                    with jax.set_mesh(self.mesh):
-                        lowered = self._jitted.lower(self.params, self.rest, x)
-                    self._compiled[key] = compile_lowered(lowered, self.options)
-            return self._compiled[key]
+
+        def make() -> Any:
+            source = self.source
+            theirs = None if source is None else dict(source._compiled.items()).get(key)
+            if source is not None and theirs is not None:
+                moved = load_on_devices(theirs, source.device_ids, list(self.mesh.devices.flat))
+                if moved is not None:
+                    return moved
+            x = jax.ShapeDtypeStruct((chunk, *sample.shape[1:]), sample.dtype)
+            with jax.set_mesh(self.mesh):
+                lowered = self._jitted.lower(self.params, self.rest, x)
+            return compile_lowered(lowered, self.options)
+
+        return self._compiled.get(key, make)[0]
 
     def compiled_chunks(self) -> int:
         """Chunks (one per chunk size and group shape) compiled or loaded so far."""
@@ -183,17 +181,15 @@ class EvalCompiler:
         """Per-device bytes per global sample the forward holds at once (``live_bytes`` of its
         jaxpr at ``dp`` samples, over ``dp`` samples and ``dp`` devices), traced once."""
         key = (tuple(group.shape[1:]), str(group.dtype))
-        known = self._live_per_sample.get(key)
-        if known is not None:
-            return known
-        with self._lock:
-            if key not in self._live_per_sample:
-                dp = self.data_parallel
-                x = jax.ShapeDtypeStruct((dp, *group.shape[1:]), group.dtype)
-                with jax.set_mesh(self.mesh):
-                    traced = self._jitted.trace(self.params, self.rest, x)
-                self._live_per_sample[key] = live_bytes(traced.jaxpr) / dp / dp
-            return self._live_per_sample[key]
+
+        def make() -> float:
+            dp = self.data_parallel
+            x = jax.ShapeDtypeStruct((dp, *group.shape[1:]), group.dtype)
+            with jax.set_mesh(self.mesh):
+                traced = self._jitted.trace(self.params, self.rest, x)
+            return live_bytes(traced.jaxpr) / dp / dp
+
+        return self._live_per_sample.get(key, make)[0]
 
     def peak(self, chunk: int, groups: Sequence[jax.ShapeDtypeStruct]) -> int:
         """Largest compiled peak per device (bytes) over the groups at ``chunk`` samples."""
