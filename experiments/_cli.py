@@ -217,6 +217,13 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
                         "text file; needs pip install 'scamp-jax[gpu-plan]')")
 
 
+STOPPING_TEXT = (
+    "Stopping and resuming: Ctrl-C (or SIGTERM) stops the running trials at their next step "
+    "with a checkpoint and exits with status 130 (143 for SIGTERM); a second Ctrl-C stops at "
+    "once. The same command run again keeps every finished trial and resumes the stopped ones "
+    "from their checkpoints once their heartbeat lapses (about a minute).")
+
+
 def preset_text(name: str, c: HPOConfig) -> str:
     """What preset ``c`` sets, for ``--help``'s epilog: ``name: 6 trials of 1,000 steps, ...``
     (read from the config itself, so help and preset cannot disagree)."""

@@ -27,7 +27,14 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from experiments._cli import HPOConfig, add_flags, config_from_args, preset_text, run
+from experiments._cli import (
+    STOPPING_TEXT,
+    HPOConfig,
+    add_flags,
+    config_from_args,
+    preset_text,
+    run,
+)
 
 STUDY_DIR = "runs/swinir_hpo"
 PRESETS = ("smoke", "default", "paper")
@@ -134,7 +141,7 @@ def _presets_text() -> str:
     return ("Presets (--preset; flags override them): " + "; ".join(parts) + ". A trial's "
             "batch is the largest its memory holds up to the cap, and its steps scale so that "
             "every trial sees as many samples (--steps); on CPU the default pool's memory "
-            "decides how many trials train at once, packed several to a device.")
+            "decides how many trials train at once, packed several to a device. " + STOPPING_TEXT)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -19,7 +19,14 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from experiments._cli import HPOConfig, add_flags, config_from_args, preset_text, run
+from experiments._cli import (
+    STOPPING_TEXT,
+    HPOConfig,
+    add_flags,
+    config_from_args,
+    preset_text,
+    run,
+)
 
 STUDY_DIR = "runs/vit_synthetic"
 PRESETS = ("smoke", "default", "paper")
@@ -58,7 +65,7 @@ def _presets_text() -> str:
             + "; ".join(preset_text(name, get_config(name)) for name in PRESETS)
             + ". --policy fixed gives each trial "
             + ", ".join(str(get_config(name).devices_per_trial) for name in PRESETS)
-            + " devices.")
+            + " devices. " + STOPPING_TEXT)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -10,6 +10,7 @@ import gc
 import json
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -20,6 +21,7 @@ from optuna.trial import TrialState
 from test_runner import MLP, Regression
 
 from scamp_jax.hpo.engine import BudgetTooSmallError, EngineConfig, SearchEngine
+from scamp_jax.hpo.failures import RepeatedFailureError
 from scamp_jax.hpo.settings import SearchSettings
 from scamp_jax.hpo.study import FAIL_REASON, OptunaTrialSource, open_study
 from scamp_jax.planning import planner
@@ -347,6 +349,40 @@ def test_ctrl_c_checkpoints_running_trials_and_a_new_run_resumes_them(tmp_path):
     assert sorted(t.params["width"] for t in complete) == [16, 32]
     # The trial that reached step 30 restarts from its Ctrl-C checkpoint, not from scratch.
     assert max(t.user_attrs["resumed_from"] for t in complete) >= 30
+
+
+def test_a_stop_for_repeated_failures_tells_what_a_ctrl_c_would_do_not_a_second_one(tmp_path):
+    """Three trials fail alike while a fourth trains: the run stops on its own, and its notice
+    about the running trial speaks of a first Ctrl-C (no one pressed one)."""
+    study, source = make_source(tmp_path, [ok(32), ok(16), ok(16, 3e-3), ok(16, 1e-3)])
+    training = threading.Event()  # trial 0 trains: the others' failures may come
+
+    class NarrowFails(Regression):
+        """A task's bug: its evaluation raises for the narrow models, once trial 0 trains."""
+
+        def evaluate(self, model: Any) -> dict[str, float]:
+            if model.hidden.out_features == 16:
+                training.wait(timeout=120)
+                raise ValueError("a bug in evaluate")
+            return super().evaluate(model)
+
+    def watch(statuses: Any, pool: Any) -> None:
+        if any(s.number == 0 and s.state == "training" for s in statuses):
+            training.set()
+
+    notices: list[str] = []
+    engine = SearchEngine(SPACE, NarrowFails(), source,
+                          config(steps=100_000, eval_every=10, failure_limit=3),
+                          devices=jax.devices()[:4], checkpoint_root=tmp_path / "ckpt",
+                          on_update=watch, on_notice=notices.append)
+    with pytest.raises(RepeatedFailureError):
+        engine.run()
+    stopping = [n for n in notices if n.startswith("stopping: 1 running trial(s)")]
+    assert len(stopping) == 1, notices
+    assert "a re-run trains them from the start" in stopping[0]
+    assert stopping[0].endswith("a Ctrl-C stops waiting for them (a script's process still "
+                                "ends only once their steps and any compile under way have)")
+    assert study.get_trials()[0].user_attrs.get(FAIL_REASON) == "interrupted"
 
 
 def test_ctrl_c_gives_back_a_misfit_held_until_a_candidate_fits(tmp_path):

@@ -29,6 +29,9 @@ def test_help_explains_every_flag():
     text = swinir_hpo.parser().format_help()
     for flag in FLAGS:
         assert flag in text
+    flat = " ".join(text.split())
+    assert "Ctrl-C (or SIGTERM) stops the running trials" in flat  # how to stop and resume
+    assert "status 130 (143 for SIGTERM)" in flat
 
 
 @pytest.mark.parametrize("flag, value", [("--policy", "x"), ("--sampler", "x"),

@@ -36,14 +36,16 @@ from scamp_jax.scheduling.core import SchedulingCore
 log = logging.getLogger(__name__)
 
 
-def second_ctrl_c() -> str:
-    """What a second Ctrl-C does, by the SIGINT handler installed: a command line's
+def second_ctrl_c(pressed: bool = True) -> str:
+    """What a (second) Ctrl-C does, by the SIGINT handler installed: a command line's
     (``ends_process``, the experiments' ``_CtrlC``) ends the process at once; Python's own
     raises ``KeyboardInterrupt`` at once, but a script's interpreter then waits for the
-    threads still running (the trials', which end at their next step, and compiles)."""
+    threads still running (the trials', which end at their next step, and compiles).
+    ``pressed``: the stop was a Ctrl-C's ("Ctrl-C again"), not the run's own ("a Ctrl-C")."""
+    ctrl_c = "Ctrl-C again" if pressed else "a Ctrl-C"
     if getattr(signal.getsignal(signal.SIGINT), "ends_process", False):
-        return "Ctrl-C again stops at once"
-    return ("Ctrl-C again stops waiting for them (a script's process still ends only once "
+        return f"{ctrl_c} stops at once"
+    return (f"{ctrl_c} stops waiting for them (a script's process still ends only once "
             "their steps and any compile under way have)")
 
 
@@ -191,7 +193,7 @@ class Endings:
                      "is deleted)" if discard else
                      "a re-run resumes them (with a checkpoint where checkpoints are on)")
             notice(f"stopping: {trials} running trial(s) end at their next step and go back to "
-                   f"the study, where {after}; {second_ctrl_c()}")
+                   f"the study, where {after}; {second_ctrl_c(pressed=not discard)}")
         stopped: KeyboardInterrupt | None = None
         try:
             cf.wait([run.future for run in runs])
