@@ -7,7 +7,9 @@ The study tests use a real Optuna study in SQLite, the real planner and real com
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
+import signal
 
 import jax
 import optuna
@@ -389,6 +391,35 @@ def test_an_interrupted_fused_study_resumes_its_members_and_keeps_finished_ones(
     assert any(t.user_attrs["fused_group"] is not None for t in resumed)
     # Every member interrupted after a checkpoint resumed from it.
     assert saved and saved <= {t.user_attrs["checkpoint_key"] for t in resumed}
+
+
+def test_a_ctrl_c_while_groups_are_queued_gives_every_member_back(tmp_path):
+    """A Ctrl-C that lands while the engine queues the groups it formed (the trials have left
+    the forming buffer, not all are queued yet) reaches the loop once every group is queued:
+    every trial goes back to the study, none is left running for a heartbeat to find."""
+    study, source, engine = _study(tmp_path, trials=4, fuse=2, steps=10)
+    form, queue, forming = engine._form, engine._queue, []
+
+    def form_and_watch() -> None:
+        forming.append(True)
+        try:
+            form()
+        finally:
+            forming.pop()
+
+    def queue_with_a_ctrl_c(unit) -> None:
+        if forming and not getattr(engine, "pressed", False):
+            engine.pressed = True
+            os.kill(os.getpid(), signal.SIGINT)  # the user's Ctrl-C, at this moment
+        queue(unit)
+
+    engine._form, engine._queue = form_and_watch, queue_with_a_ctrl_c
+    with pytest.raises(KeyboardInterrupt):
+        engine.run()
+    source.close()
+    assert getattr(engine, "pressed", False), "no group was formed"
+    trials = study.get_trials()
+    assert [t.number for t in trials if t.state == TrialState.RUNNING] == []
 
 
 def test_the_fuse_flag_takes_a_width_or_auto(capsys):

@@ -373,8 +373,11 @@ class SearchEngine:
                 self._queue(unit)
         self._set_last_wave()  # if its plan did not queue it
 
+    @stops_held()
     def _form(self) -> None:
-        """Queue the units the unit kind forms of the trials it holds (fused groups)."""
+        """Queue the units the unit kind forms of the trials it holds (fused groups); a stop
+        waits until every unit formed is queued or being sized (the trials have left the
+        kind's buffer: a stop between two would leave the others in no list it gives back)."""
         planning = [w.params for w in self.work.values() if w.params is not None]
         stalled = not planning and (self.intake.exhausted or not self._running())
         formed = self.kind.form(planning, stalled)
@@ -435,6 +438,7 @@ class SearchEngine:
         self.endings.oom.replanned(planned, retry, error)
         self._set_last_wave()
 
+    @stops_held()  # from a unit's pop off the queue until it is queued again
     def _calibrate(self) -> None:
         """Event: running units measured the allocator's peak on their devices; an excess over
         the most the ledger booked there grows the allowance (`scamp_jax.hpo.calibration`),
