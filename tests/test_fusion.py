@@ -16,8 +16,10 @@ import pytest
 from flax import nnx
 from test_runner import BUDGET, SPACE, Regression, make_plan
 
+from scamp_jax.hpo.checkpoint import TrialCheckpointer
 from scamp_jax.hpo.fused_engine import latest_checkpoint_step
 from scamp_jax.hpo.fused_runner import GroupSpec, MemberSpec, run_fused_group
+from scamp_jax.hpo.lifecycle import resumable_step
 from scamp_jax.hpo.overhead import TRACE_EVENT
 from scamp_jax.hpo.runner import RunSpec, StepCache, TrialStatus, make_optimizer, run_trial
 from scamp_jax.planning import planner
@@ -212,6 +214,30 @@ def test_a_member_stopped_before_its_first_step_groups_with_one_never_run(tmp_pa
                             Regression())
     assert [(r.state, r.resumed_from) for r in group.members] == [("complete", 0)] * 2, [
         r.reason for r in group.members]
+
+
+def test_a_member_is_grouped_by_the_step_its_run_resumes_at_not_its_newest(tmp_path):
+    """A rerun with fewer steps than its trials' checkpoints (a smaller --steps): each resumes
+    at its newest checkpoint of at most the run's steps, and the engine groups it by that step
+    (two members whose newest is step 8 but who resume at 4 and 5 are not one group)."""
+    plan = make_plan({"width": 16}, jax.devices()[:1], max_batch=16)
+    for number, every in ((0, 4), (1, 5)):
+        cfg, seed = MEMBERS[number]
+        stop = threading.Event()
+
+        def halt(_: int, step: int, __: float, stop: threading.Event = stop) -> None:
+            if step == 8:
+                stop.set()
+
+        run = run_trial(RunSpec(number, cfg, plan, 20, BUDGET, seed=seed, log_every=1,
+                                checkpoint_every=every, checkpoint_dir=tmp_path / f"m{number}"),
+                        SPACE, Regression(), stop=stop, on_loss=halt)
+        assert run.state == "interrupted" and run.steps == 8, run.reason
+    for number, resumes in ((0, 4), (1, 5)):
+        directory = tmp_path / f"m{number}"
+        assert latest_checkpoint_step(directory, 16) == 8  # any run's steps
+        assert resumable_step(TrialCheckpointer(directory), 6) == resumes
+        assert latest_checkpoint_step(directory, 16, steps=6) == resumes
 
 
 def test_a_member_whose_checkpoints_are_of_another_batch_groups_as_one_never_run(tmp_path):

@@ -74,6 +74,19 @@ def recorded_batch(directory: str | Path) -> int | None:
         return None
 
 
+def newest_step(directory: str | Path, steps: int | None = None) -> int | None:
+    """The newest step checkpointed in ``directory`` of at most ``steps`` (None: any), read
+    from its step folders (None: none). One rule for the step a trial resumes at
+    (`scamp_jax.hpo.lifecycle.resumable_step`) and the step the engine groups it by: a
+    checkpoint of a longer run (more steps than this one asks for) holds weights trained past
+    ``steps``, and resuming from it would report a longer training as this one."""
+    try:
+        saved = [int(p.name) for p in Path(directory).iterdir() if p.name.isdigit()]
+    except OSError:  # no directory: nothing saved
+        return None
+    return max((s for s in saved if steps is None or s <= steps), default=None)
+
+
 def trains_from_start(kept_batch: int | None, batch_size: int) -> bool:
     """Whether checkpoints trained at ``kept_batch`` (None: not recorded) are set aside in a run
     at ``batch_size``: their steps are of another batch (a re-plan after an out-of-memory, a

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from scamp_jax._once import OncePerKey
-from scamp_jax.hpo.checkpoint import recorded_batch, trains_from_start
+from scamp_jax.hpo.checkpoint import newest_step, recorded_batch, trains_from_start
 from scamp_jax.hpo.fused_runner import architecture_signature, signature_key
 from scamp_jax.hpo.plan_service import PlanningService
 from scamp_jax.hpo.runner import make_optimizer
@@ -61,15 +61,18 @@ from scamp_jax.scheduling.grouping import FusionCandidate, form_groups
 log = logging.getLogger(__name__)
 
 
-def latest_checkpoint_step(directory: Path | None, batch_size: int | None = None) -> int:
-    """Newest checkpointed step in a trial's checkpoint directory (0: none, or, given the
-    ``batch_size`` it would train at, checkpoints of another batch: it trains from the start,
+def latest_checkpoint_step(directory: Path | None, batch_size: int | None = None,
+                           steps: int | None = None) -> int:
+    """The step a trial's checkpoints resume it at, by which the engine groups it: the newest
+    checkpointed step of at most ``steps`` (the run's; None: any), as the run resumes it
+    (`scamp_jax.hpo.checkpoint.newest_step`); 0: none, or, given the ``batch_size`` it would
+    train at, checkpoints of another batch (it trains from the start,
     `scamp_jax.hpo.checkpoint.trains_from_start`)."""
     if directory is None or not directory.is_dir():
         return 0
     if batch_size is not None and trains_from_start(recorded_batch(directory), batch_size):
         return 0
-    return max((int(p.name) for p in directory.iterdir() if p.name.isdigit()), default=0)
+    return newest_step(directory, steps) or 0
 
 
 def _arch_text(params: Mapping[str, Any]) -> str:
@@ -162,8 +165,9 @@ class FusionService:
         if fusion is None and getattr(plan, "provisional", False):
             plan = self.planning.planned_with_cost(params, number)
             fusion = self.fusion_plan(params, plan, signature, width)
-        resume = latest_checkpoint_step(
-            checkpoint_dir, int(plan.batch_size) if fusion is None else fusion.batch_size)
+        batch = int(plan.batch_size) if fusion is None else fusion.batch_size
+        resume = latest_checkpoint_step(checkpoint_dir, batch,
+                                        self.planning.config.steps_for(batch))
         info = MemberInfo(signature, resume, fusion)
         with self._lock:
             self._info[number] = info

@@ -46,7 +46,7 @@ import jax
 import numpy as np
 
 from scamp_jax.hpo.calibration import measure_peak
-from scamp_jax.hpo.checkpoint import TrialCheckpointer, trains_from_start
+from scamp_jax.hpo.checkpoint import TrialCheckpointer, newest_step, trains_from_start
 from scamp_jax.hpo.trial import (
     RunResult,
     TrialOutOfMemory,
@@ -223,16 +223,12 @@ def abstract_batch(batch: PyTree, sharding: Any) -> PyTree:
 
 
 def resumable_step(checkpointer: TrialCheckpointer, steps: int) -> int | None:
-    """Newest checkpointed step of at most ``steps`` (None: none).
-
-    A checkpoint of a longer run (more steps than this one asks for) holds weights trained
-    past ``steps``; resuming from it would report a longer training as this one.
-    """
+    """Newest checkpointed step of at most ``steps`` (None: none;
+    `scamp_jax.hpo.checkpoint.newest_step`)."""
     latest = checkpointer.latest_step()
     if latest is None or latest <= steps:
         return latest
-    saved = (int(p.name) for p in checkpointer.directory.iterdir() if p.name.isdigit())
-    return max((s for s in saved if s <= steps), default=None)
+    return newest_step(checkpointer.directory, steps)
 
 
 def check_share(share: int, step_peak: int | None, prefetch: int, task: Task,
