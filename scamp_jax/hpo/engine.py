@@ -256,7 +256,8 @@ class SearchEngine:
                                               thread_name_prefix="planner")
         self.resizer = None if not (self._grow and self.checkpoint_root) else TailResizer(
             self.core, self.planning, len(self.devices), self._planner.submit,
-            lambda planned: SoloUnit(planned).trial_plan(self.planning), self._now)
+            lambda planned: SoloUnit(planned).trial_plan(self.planning), self._now,
+            self.calibration.refresh)
         try:
             # as many compiles at once as planner threads, trial threads' own included
             with COMPILE_SLOTS.limited(self.config.planner_threads):
@@ -510,6 +511,8 @@ class SearchEngine:
         if unit is None:
             return
         record, tp = self.records[action.key], None
+        if plan is not None and PlanningService.devices_of(plan) == action.devices:
+            plan = self.calibration.refresh(plan)  # the allowance learnt while it compiled
         if plan is not None and PlanningService.devices_of(plan) == action.devices:
             record.grown[action.devices] = plan
             tp = unit.grown(plan, action.devices).trial_plan(self.planning)

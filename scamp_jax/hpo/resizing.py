@@ -51,13 +51,17 @@ class TailResizer:
       submit: ``submit(fn, *args, **kw) -> Future`` on the engine's planner threads.
       trial_plan: ``trial_plan(planned) -> TrialPlan``, a plan as the core sees it.
       now: seconds since the engine's run began.
+      refresh: ``refresh(plan)``: ``plan`` booking the allowance learnt so far, None when it
+        then exceeds the usable bytes (`scamp_jax.hpo.calibration.Calibration.refresh`): a
+        restart's plan was asked with the allowance of its time.
     """
 
     def __init__(self, core: SchedulingCore, planning: PlanningService, devices: int,
                  submit: Callable[..., cf.Future], trial_plan: Callable[[PlannedTrial], TrialPlan],
-                 now: Callable[[], float]) -> None:
+                 now: Callable[[], float],
+                 refresh: Callable[[Any], Any | None] = lambda plan: plan) -> None:
         self.core, self.planning, self.devices = core, planning, devices
-        self.submit, self.trial_plan, self.now = submit, trial_plan, now
+        self.submit, self.trial_plan, self.now, self.refresh = submit, trial_plan, now, refresh
         self.plans: dict[cf.Future, Resize] = {}
 
     def futures(self) -> list[cf.Future]:
@@ -99,6 +103,8 @@ class TailResizer:
         except Exception as err:  # noqa: BLE001 - no plan for that count: the trial runs on
             log.info("trial %d: no plan on %d devices at batch %d (%s)", r.key, n, batch, err)
             plan = None
+        if plan is not None:
+            plan = self.refresh(plan)  # the allowance learnt while it compiled
         if (plan is None or PlanningService.devices_of(plan) != n
                 or int(plan.batch_size) != batch):
             record.log("withdrawn", self.now(), n)
