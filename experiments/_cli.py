@@ -20,6 +20,7 @@ import re
 import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -591,10 +592,23 @@ def plan_only(
               "(--fuse auto); below, each trial alone: add --fuse auto (or a width) to size "
               "the groups too (more compiles)")
     # Planned on a thread of its own, so that a Ctrl-C stops the command at once, not when a
-    # compile (minutes for a large model and a GPU target) returns.
-    rows = interruptible(lambda: plan_candidates(
-        space, task, config, devices=devices, memory_per_device=budget, count=config.trials,
-        on_plan=lambda row: print(f"  {row.describe()}", flush=True)), name="plan-only")
+    # compile (minutes for a large model and a GPU target) returns; once stopped, a plan the
+    # thread finishes is not printed after the command's last words.
+    printing, stopped = threading.Lock(), threading.Event()
+
+    def show(row: Any) -> None:
+        with printing:
+            if not stopped.is_set():
+                print(f"  {row.describe()}", flush=True)
+
+    try:
+        rows = interruptible(lambda: plan_candidates(
+            space, task, config, devices=devices, memory_per_device=budget,
+            count=config.trials, on_plan=show), name="plan-only")
+    except BaseException:
+        with printing:
+            stopped.set()
+        raise
     print(format_rows(rows, params=sorted(space.grid)))
     return {"plan_only": True, "devices": len(devices), "device_kind": devices[0].device_kind,
             "memory_per_device": budget.memory_per_device,
