@@ -276,7 +276,7 @@ _FLAGGED = ("trials", "steps", "devices", "memory_per_device", "policy", "device
             "max_batch_size", "min_batch_size", "elastic", "sampler", "pruner", "eval_every",
             "seed", "storage", "train_dir", "eval_dir", "study_name", "fuse",
             "max_running_trials", "failure_limit", "checkpoint_every")
-_FLAG_OF = {name: "--" + name.replace("_", "-") for name in _FLAGGED}
+_FLAG_OF = {name: "--" + name.replace("_", "-") for name in (*_FLAGGED, "study_dir")}
 
 
 def as_flags(message: str) -> str:
@@ -291,8 +291,8 @@ def as_flags(message: str) -> str:
     message = re.sub(rf"\b(raise|lower)\s+({names}) or ({names})\b",
                      lambda m: f"{m[1]} {_FLAG_OF[m[2]]} or {_FLAG_OF[m[3]]}", message)
     alone = "|".join(k for k in _FLAG_OF if k not in ("devices", "trials", "steps", "seed"))
-    return re.sub(rf"\b(pass|raise|lower)\s+({alone})\b",  # not "pass devices of one ..."
-                  lambda m: f"{m[1]} {_FLAG_OF[m[2]]}", message)
+    return re.sub(rf"\b(pass|raise|lower)\s+(another\s+)?({alone})\b",  # not "pass devices of"
+                  lambda m: f"{m[1]} {m[2] or ''}{_FLAG_OF[m[3]]}", message)
 
 
 def in_flags(err: BaseException) -> str:

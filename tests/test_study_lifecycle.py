@@ -136,3 +136,30 @@ def test_sigterm_checkpoints_writes_results_and_a_rerun_appends(tmp_path, capsys
     for row in payload["trials"]:  # relative to the study, so a copied folder finds them
         assert row["checkpoint"] and not Path(row["checkpoint"]).is_absolute()
         assert (study_dir / row["checkpoint"]).is_dir()
+
+
+def test_a_second_spaces_default_study_is_refused_the_first_ones_outputs(tmp_path):
+    """Two spaces' default studies in one study_dir would both keep their outputs at its top
+    level (results, ``checkpoints/trial_N``): the second is refused before it stores anything,
+    the first's results stay whole, and with a name of its own it runs in a folder of its own."""
+    import scamp_jax
+    from scamp_jax.space import SearchSpace
+
+    kw = dict(trials=1, steps=2, study_dir=tmp_path, devices=1, memory_per_device="64MiB",
+              max_batch_size=8, sampler="random", live=False)
+    scamp_jax.run_study(SPACE, Regression(), **kw)
+    before = (tmp_path / "results.json").read_text()
+    other = SearchSpace("mlp-other", SPACE.suggest, SPACE.build)
+    with pytest.raises(ValueError, match=(
+            f"{tmp_path} holds the outputs of study 'mlp' .*study 'mlp-other' "
+            "would write over them: pass another study_dir, or study_name='mlp-other-2'")):
+        scamp_jax.run_study(other, Regression(), **kw)
+    assert (tmp_path / "results.json").read_text() == before
+    storage = storage_url(tmp_path)
+    assert "mlp-other" not in optuna.get_all_study_names(storage)
+    done = scamp_jax.run_study(other, Regression(), study_name="mlp-other-2", **kw)
+    assert done["trials_this_run"] == 1
+    assert (tmp_path / "mlp-other-2" / "results.json").is_file()
+    assert (tmp_path / "results.json").read_text() == before
+    scamp_jax.run_study(SPACE, Regression(), **{**kw, "trials": 2})  # the first resumes there
+    assert len(json.loads((tmp_path / "results.json").read_text())["trials"]) == 2

@@ -11,7 +11,10 @@ A run writes ``study.db`` (unless ``settings.storage`` names another database),
 persistent compilation cache, `scamp_jax.planning.compile_cache`, shared likewise), and in the
 study's
 folder (``study_dir``, or ``study_dir/<study_name>`` for a study other than the space's default)
-``checkpoints/``, ``results.json``, ``results.csv``, ``best_model/`` and the plots.
+``checkpoints/``, ``results.json``, ``results.csv``, ``best_model/`` and the plots. The
+study whose folder is ``study_dir`` itself names itself in ``outputs.json`` there, and another
+space's default study is refused that folder (`claim_outputs`): its results and checkpoints
+would land on the first one's.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import atexit
 import contextlib
 import functools
 import gc
+import json
 import logging
 import os
 import sys
@@ -90,6 +94,39 @@ def freeze_lasting() -> None:
     """Inside `lasting_frozen`: freeze what was made since (the opened study, the engine)."""
     if _lasting:
         gc.freeze()
+
+
+#: In a study directory: the study whose outputs are at its top level (`claim_outputs`).
+OUTPUTS_FILE = "outputs.json"
+
+
+def claim_outputs(study_dir: Path, study_name: str) -> None:
+    """Make ``study_dir``'s top level the outputs of study ``study_name`` (its results,
+    checkpoints, best model and plots), or raise ``ValueError`` when another study's are there:
+    a space's default study keeps its outputs at the top of ``study_dir``, so a second space's
+    default study in the same folder would overwrite the first one's results and resume its
+    trials from the other model's checkpoints (``checkpoints/trial_N``)."""
+    path = study_dir / OUTPUTS_FILE
+    try:
+        owner = json.loads(path.read_text())["study"]
+    except FileNotFoundError:
+        owner = None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path} does not say whose outputs {study_dir} holds ({err}); "
+                         f"write {{\"study\": \"NAME\"}} into it, or pass another "
+                         "study_dir") from None
+    if owner is None:
+        study_dir.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps({"study": study_name}) + "\n")
+        partial.replace(path)
+        return
+    if owner != study_name:
+        raise ValueError(
+            f"{study_dir} holds the outputs of study {owner!r} (results, "
+            f"checkpoints, best model); study {study_name!r} would write over them: pass "
+            f"another study_dir, or study_name={study_name + '-2'!r} to keep its outputs in "
+            f"{study_dir / (study_name + '-2')}")
 
 
 class StudySession:
@@ -170,6 +207,8 @@ class StudySession:
         from scamp_jax.hpo.study import open_study
 
         s = self.settings
+        if self.out_dir == self.study_dir:
+            claim_outputs(self.study_dir, self.study_name)
         handle = open_study(
             self.study_name, study_dir=self.study_dir, storage=s.storage,
             direction=self.task.direction, sampler=s.sampler, pruner=s.pruner, seed=s.seed,
