@@ -163,3 +163,19 @@ def test_a_second_spaces_default_study_is_refused_the_first_ones_outputs(tmp_pat
     assert (tmp_path / "results.json").read_text() == before
     scamp_jax.run_study(SPACE, Regression(), **{**kw, "trials": 2})  # the first resumes there
     assert len(json.loads((tmp_path / "results.json").read_text())["trials"]) == 2
+
+
+def test_a_fixed_policy_wider_than_the_pool_is_refused_before_the_study_is_stored(tmp_path):
+    """``devices_per_trial`` larger than the pool: refused with the way out, and nothing is
+    stored, so the corrected run starts the study with its own settings."""
+    import scamp_jax
+
+    kw = dict(trials=1, steps=2, study_dir=tmp_path, devices=2, memory_per_device="64MiB",
+              max_batch_size=8, sampler="random", live=False, policy="fixed")
+    with pytest.raises(ValueError, match=r"devices_per_trial=4 exceeds the pool of 2 devices; "
+                       r"lower devices_per_trial to 2 or less, or pass devices=4"):
+        scamp_jax.run_study(SPACE, Regression(), devices_per_trial=4, **kw)
+    assert not (tmp_path / "study.db").exists()
+    done = scamp_jax.run_study(SPACE, Regression(), devices_per_trial=2,
+                               **{**kw, "steps": 3})
+    assert done["trials_this_run"] == 1

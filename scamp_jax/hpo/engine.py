@@ -617,11 +617,20 @@ def engine_policy(config: EngineConfig, devices: int, grow: bool = True) -> Any:
     may grow (`grows_last_wave`), else ScaMP's elastic steps are off."""
     if config.policy != "fixed":
         return make_policy("scamp", elastic=grow)
-    if config.devices_per_trial > devices:
+    check_pool(config, devices)
+    return FixedPolicy(config.devices_per_trial)
+
+
+def check_pool(config: EngineConfig, devices: int) -> None:
+    """Raise ``ValueError`` where ``config`` cannot place a trial on a pool of ``devices``
+    (``policy="fixed"`` with more devices per trial than the pool has); a study checks it
+    before it is opened (`scamp_jax.hpo.session.StudySession`), so a refused run stores
+    nothing."""
+    if config.policy == "fixed" and config.devices_per_trial > devices:
         raise ValueError(
             f"devices_per_trial={config.devices_per_trial} exceeds the pool of {devices} "
-            "devices; lower it or pass more devices")
-    return FixedPolicy(config.devices_per_trial)
+            f"devices; lower devices_per_trial to {devices} or less, or pass "
+            f"devices={config.devices_per_trial} (a larger pool)")
 
 
 def new_core(policy: Any, devices: Sequence[Any], config: EngineConfig,

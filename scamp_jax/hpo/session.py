@@ -167,6 +167,9 @@ class StudySession:
         #: (`SearchSettings.on_platform`: fusion by default on accelerators)
         self.requested = settings
         self.settings = settings.on_platform(self.platform)
+        from scamp_jax.hpo.engine import check_pool
+
+        check_pool(self.settings, len(self.devices))  # before the study stores its settings
         self.live, self.baseline, self.title = live, baseline, title
         self.rank, self.ranks = rank, ranks
         self.study_name = settings.study_name or space.name
