@@ -659,8 +659,9 @@ def mainjob_row(data: dict[str, Any]) -> dict[str, Any]:
     metric = data.get("metric", "psnr")
 
     def step_s(fused: bool) -> float | None:
-        """Median over the finished trials of their last pace figure, seconds a step."""
-        steps = [t["pace"][-1][2] for t in done if t.get("pace")
+        """Median over the finished trials of their seconds a training step (``step_seconds``:
+        every trial that trained all its steps has one, however short)."""
+        steps = [t["step_seconds"] for t in done if t.get("step_seconds")
                  and (t.get("fused_group") is not None) == fused]
         return statistics.median(steps) if steps else None
 

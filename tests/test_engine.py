@@ -89,6 +89,7 @@ def test_trials_run_concurrently_and_are_told(tmp_path):
         assert t.user_attrs["rank"] == 0
         assert 0 < t.user_attrs["predicted_peak_bytes"] <= BUDGET
         assert t.value == t.user_attrs["metrics"]["mse"]
+        assert 0 < t.user_attrs["step_seconds"] < t.user_attrs["wall_seconds"] / 30
     # Two different trials overlapped in time (a multi-device trial's intervals on its several
     # devices are one span, not concurrency).
     spans = {key: (s, e) for device in result.intervals for key, s, e, _ in device}

@@ -125,6 +125,9 @@ def test_a_fused_study_finishes_exactly_its_trials_with_members_equal_to_solo_ru
         assert len({t.params["learning_rate"] for t in members}) == len(members)
         assert len({t.user_attrs["devices"][0] for t in members}) == 1
         assert max(t.user_attrs["predicted_peak_bytes"] for t in members) <= BUDGET * 0.9
+        # the group's seconds a step, each member's
+        assert len({t.user_attrs["step_seconds"] for t in members}) == 1
+        assert members[0].user_attrs["step_seconds"] > 0
     # A member's result is its solo run's: same seed, plan, batch and steps.
     member = next(t for ms in groups.values() for t in ms)
     plan = make_plan(member.params, jax.devices()[:1], max_batch=16)

@@ -436,6 +436,9 @@ class Lifecycle:
                     and done < schedule.steps):
                 self._save(done, active)
         if first < schedule.steps:
+            seconds = (time.monotonic() - now) / (schedule.steps - first)  # losses read back
+            for m in self.slots:
+                m.status.step_seconds = seconds
             self._save(schedule.steps, active)
         self._finish(active)
 

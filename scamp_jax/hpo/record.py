@@ -109,6 +109,7 @@ class TrialRecord:
             "predicted_peak_bytes": status.predicted_peak_bytes,
             "steps": status.step,
             "wall_seconds": round(wall, 3),
+            "step_seconds": status.step_seconds,
             "replans": status.replans,
             "resizes": status.resizes,
             "booked_bytes": status.booked_bytes,

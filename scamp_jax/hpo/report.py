@@ -47,7 +47,9 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
     trial's checkpoints if it had any; None: a first attempt), ``resumed_from`` (the step its
     training resumed from; 0: none), ``reason``, ``checkpoint``, ``booked_bytes`` (bytes per
     device the ledger booked for its last run) and ``measured_peak_bytes`` (the allocator's
-    peak on its devices, bytes; None where nothing is reported, as on CPU devices); a trial that
+    peak on its devices, bytes; None where nothing is reported, as on CPU devices),
+    ``step_seconds`` (seconds a training step took over its last run, for a run that trained all
+    its steps, `scamp_jax.hpo.trial.TrialStatus.step_seconds`); a trial that
     failed by raising also has ``traceback``, which ``results.csv`` leaves out.
     """
     rows = []
@@ -84,6 +86,7 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
         row["checkpoint"] = attrs.get("checkpoint")
         row["booked_bytes"] = attrs.get("booked_bytes")
         row["measured_peak_bytes"] = attrs.get("measured_peak_bytes")
+        row["step_seconds"] = attrs.get("step_seconds")
         # Horizontal fusion: the fused group the trial trained in (None: alone) and its width.
         row["fused_group"] = attrs.get("fused_group")
         row["fusion_width"] = attrs.get("fusion_width", 1)

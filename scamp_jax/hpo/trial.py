@@ -124,6 +124,10 @@ class TrialStatus:
     measured_peak_bytes: int | None = None
     #: the trial this one runs again after a run stopped it (`AskedTrial.retry_of`; None: none).
     retry_of: int | None = None
+    #: seconds a training step took over this run's last training (from ``training_since`` to
+    #: the last step's loss read back; checkpoints and intermediate evaluations included), for
+    #: a run that trained all its steps; a fused member's is its group's. None: not measured.
+    step_seconds: float | None = None
 
 
 @dataclass(frozen=True)
