@@ -69,10 +69,17 @@ if __name__ == "__main__":
     flags.add_argument("--study-dir", default="runs/digits",
                        help="where the study, checkpoints, results and plots go "
                             "(default runs/digits)")
+    flags.add_argument("--study-name",
+                       help="a new study beside the first (its outputs in --study-dir/NAME): "
+                            "a study keeps its --steps, so other steps need a name of their own")
     args = flags.parse_args()
-    result = scamp_jax.run_study(space, task, trials=args.trials, steps=args.steps,
-                                 study_dir=args.study_dir, memory_per_device="32MiB",
-                                 reference_batch=32, max_batch_size=128)
+    try:
+        result = scamp_jax.run_study(space, task, trials=args.trials, steps=args.steps,
+                                     study_dir=args.study_dir, study_name=args.study_name,
+                                     memory_per_device="32MiB", reference_batch=32,
+                                     max_batch_size=128)
+    except ValueError as err:  # a bad setting, or a study that was created with other steps
+        raise SystemExit(f"error: {err}") from None
     best = result["best"]  # None while no trial has completed
     if best is not None:
         print(f"best: trial {best['number']} {best['params']} accuracy {best['accuracy']:.3f}")

@@ -55,8 +55,12 @@ def main() -> None:
     optimizer = optax.adam(1e-2)
     sample = (jax.ShapeDtypeStruct((1, SIDE, SIDE, 1), np.float32),  # one sample's shapes
               jax.ShapeDtypeStruct((1,), np.int32))
-    plan = scamp_jax.plan_mesh(model, sample, devices=4, memory_per_device=args.memory_per_device,
-                               optimizer=optimizer, loss_fn=loss_fn, max_batch_size=512)
+    try:
+        plan = scamp_jax.plan_mesh(model, sample, devices=4,
+                                   memory_per_device=args.memory_per_device,
+                                   optimizer=optimizer, loss_fn=loss_fn, max_batch_size=512)
+    except ValueError as err:  # a budget that holds no batch (DoesNotFitError), a bad size
+        raise SystemExit(f"error: {err}") from None
     print(plan.describe())
 
     # The step the planner compiled, and the model's state on the plan's devices.
