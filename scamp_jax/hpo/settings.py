@@ -140,7 +140,7 @@ class EngineConfig:
         for name in ("steps", "devices_per_trial", "log_every", "planner_threads"):
             _check_int(name, getattr(self, name), minimum=1)
         for name in ("checkpoint_every", "eval_every", "max_replans", "nofit_limit",
-                     "failure_limit", "rank"):
+                     "failure_limit", "rank", "seed"):
             _check_int(name, getattr(self, name), minimum=0)
         for name in ("reference_batch", "max_batch_size", "min_batch_size", "fixed_batch_size",
                      "lookahead"):
