@@ -346,22 +346,23 @@ class _CtrlC:
         os._exit(128 + signum)
 
 
-def check_study_dir(path: str | Path) -> None:
-    """Exit 2 unless ``--study-dir`` is (or can become) a writable directory; creates nothing."""
+def check_study_dir(path: str | Path, flag: str = "--study-dir") -> None:
+    """Exit 2 unless ``path`` (given as ``flag``) is (or can become) a writable directory;
+    creates nothing."""
     path = Path(path)
     existing = path
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if path.exists() and not path.is_dir():
-        fail(f"--study-dir {str(path)!r} is a file; pass a directory (it is created if missing)")
+        fail(f"{flag} {str(path)!r} is a file; pass a directory (it is created if missing)")
     if not existing.is_dir():
-        fail(f"--study-dir {str(path)!r} is inside {str(existing)!r}, which is a file; pass a "
+        fail(f"{flag} {str(path)!r} is inside {str(existing)!r}, which is a file; pass a "
              "directory")
     try:  # a real write: permissions, read-only mounts and root's exceptions all count
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError:
-        fail(f"--study-dir {str(path)!r} is not writable ({str(existing)!r} is not); pass a "
+        fail(f"{flag} {str(path)!r} is not writable ({str(existing)!r} is not); pass a "
              "directory you can write to")
 
 
@@ -444,11 +445,12 @@ def root_cause(err: BaseException) -> BaseException:
 
 
 @contextlib.contextmanager
-def user_errors(resumable: bool = True) -> Iterator[None]:
+def user_errors(resumable: bool = True, stopped: str | None = None) -> Iterator[None]:
     """Turn user mistakes into one line and exit status 2; Ctrl-C exits 130, SIGTERM 143, a
     study stopped by its trials' repeated error (`scamp_jax.RepeatedFailureError`) 1.
     ``resumable``: the command runs a study, which a rerun resumes (else it stores nothing,
-    as ``--plan-only``, and its Ctrl-C says so).
+    as ``--plan-only``, and its Ctrl-C says so); ``stopped``: what a stop leaves, said after
+    "interrupted: " instead (another command's).
 
     Catches the library's error types for bad input (``ValueError``, ``TypeError``,
     ``FileNotFoundError``, `scamp_jax.hpo.engine.BudgetTooSmallError`, a missing MPI or GPU
@@ -470,10 +472,11 @@ def user_errors(resumable: bool = True) -> Iterator[None]:
             yield
     except (Terminated, KeyboardInterrupt) as err:
         word = "terminated" if isinstance(err, Terminated) else "interrupted"
-        print(f"{word}: finished trials are in the study and results.json; run the same "
-              "command to resume" if resumable else
-              f"{word}: nothing was stored (planning stores no study); run the same command to "
-              "plan again", file=sys.stderr)
+        left = stopped or (
+            "finished trials are in the study and results.json; run the same command to resume"
+            if resumable else
+            "nothing was stored (planning stores no study); run the same command to plan again")
+        print(f"{word}: {left}", file=sys.stderr)
         code = 128 + signal.SIGTERM if isinstance(err, Terminated) else 130
         if left_behind():  # a compile still runs: end without the interpreter's shutdown
             for stream in (sys.stdout, sys.stderr):

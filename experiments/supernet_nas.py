@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Sequence
+from pathlib import Path
 
 PRESETS = ("smoke", "default", "paper")
 SCHEDULES = ("csp", "gpipe", "sequential")
@@ -217,6 +218,19 @@ def check_config(config, p: argparse.ArgumentParser) -> None:
         )
 
 
+def check_outputs(config, args: argparse.Namespace) -> None:
+    """Exit 2 before anything trains unless the results' folder (``--out-dir``) and the JSON
+    summary's (``--json``) can be written; creates nothing."""
+    from experiments._cli import check_study_dir, fail
+
+    check_study_dir(config.out_dir, "--out-dir")
+    if args.json is not None:
+        if Path(args.json).is_dir():
+            fail(f"--json {args.json!r} is a directory; pass a file name, e.g. "
+                 f"{str(Path(args.json) / 'results.json')!r}")
+        check_study_dir(Path(args.json).parent, "--json's folder")
+
+
 def check_devices(stages: int, p: argparse.ArgumentParser) -> None:
     """Exit with a one-line error unless JAX has at least ``stages`` devices (one per stage)."""
     import jax
@@ -232,10 +246,18 @@ def check_devices(stages: int, p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> dict | None:
-    """Parse flags, set up devices, run `search_spaces.supernet_nas.run_nas`; return it."""
+    """Parse flags, set up devices, run `search_spaces.supernet_nas.run_nas`; return it. Bad
+    input and a stop end in one line (`experiments._cli.user_errors`)."""
+    from experiments._cli import user_errors
+
     p = parser()
     args = p.parse_args(argv)
+    with user_errors(stopped="nothing was written (a run trains the supernet from its start); "
+                             "run the same command to train again"):
+        return _main(p, args)
 
+
+def _main(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict | None:
     config = get_config(args.preset)
     overrides = {
         "schedule": args.schedule, "stages": args.stages, "layers": args.layers,
@@ -246,6 +268,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
         "eval_subnets": args.eval_subnets, "out_dir": args.out_dir,
     }
     config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
+    check_outputs(config, args)
     if args.mpi:
         return _main_mpi(config, args, p)
     check_config(config, p)

@@ -71,3 +71,22 @@ def test_mpi_under_a_launcher_of_one_rank_says_to_launch_one_per_stage(tmp_path)
         "--mpi under an MPI launcher of one rank: the pipeline runs one stage per rank; launch "
         "one per stage (mpirun -n 4 ...) or drop --mpi to run every stage in this process")
     assert not (tmp_path / "out").exists()
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_training(tmp_path) -> None:
+    """An ``--out-dir`` that is a file, a ``--json`` that is a folder: one line, exit 2, before
+    the supernet trains (the results of a whole run would be lost at its end)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    (tmp_path / "a-file").write_text("")
+    for flags, message in (
+            (["--out-dir", str(tmp_path / "a-file")],
+             f"--out-dir {str(tmp_path / 'a-file')!r} is a file; pass a directory"),
+            (["--out-dir", str(tmp_path / "out"), "--json", str(tmp_path)],
+             f"--json {str(tmp_path)!r} is a directory; pass a file name")):
+        proc = subprocess.run(
+            [sys.executable, "-m", "experiments.supernet_nas", "--preset", "smoke", *flags,
+             "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {message}")
+        assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert not (tmp_path / "out").exists()
