@@ -167,6 +167,27 @@ def test_run_study_rejects_a_bad_setting_before_opening_a_study(tmp_path):
     assert not (tmp_path / "study.db").exists()
 
 
+@pytest.mark.parametrize("bad, error, message", [
+    ({"space": "a-name"}, TypeError, "space='a-name' is not a SearchSpace; build one with "
+     r"scamp_jax.SearchSpace\(name, suggest, build\)"),
+    ({"task": "a-name"}, TypeError, "task='a-name' has no metric, direction, sample_batch, "
+     "batches, loss_fn, evaluate: pass a Task"),
+    ({"storage": "not a url"}, ValueError, "storage='not a url' is not a database URL; pass "
+     "one like sqlite:///runs/study.db"),
+    ({"study_dir": "a-file"}, ValueError, "study_dir='.*a-file' is a file; pass a directory"),
+])
+def test_run_study_names_a_bad_argument_and_writes_nothing(tmp_path, bad, error, message):
+    (tmp_path / "a-file").write_text("")
+    kw = {"space": SPACE, "task": function_task(), "trials": 1, "steps": 2,
+          "study_dir": tmp_path / "study", "devices": 1, "memory_per_device": "64MiB",
+          "live": False, **bad}
+    if "study_dir" in bad:
+        kw["study_dir"] = tmp_path / bad["study_dir"]
+    with pytest.raises(error, match=message):
+        scamp_jax.run_study(kw.pop("space"), kw.pop("task"), **kw)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
 def test_cpu_devices_default_to_a_share_of_host_memory():
     from scamp_jax.devices import host_memory_bytes
     from scamp_jax.hpo.session import CPU_MEMORY_SHARE, default_budget

@@ -96,6 +96,42 @@ def freeze_lasting() -> None:
         gc.freeze()
 
 
+#: What a task has (`scamp_jax.space.Task`), checked before a study opens.
+TASK_PARTS = ("metric", "direction", "sample_batch", "batches", "loss_fn", "evaluate")
+
+
+def check_space_and_task(space: Any, task: Any) -> None:
+    """Raise ``TypeError`` naming what is wrong where ``space`` is no `SearchSpace` or
+    ``task`` lacks a part of a `scamp_jax.space.Task`, before a study is opened."""
+    if not isinstance(space, SearchSpace):
+        raise TypeError(f"space={space!r} is not a SearchSpace; build one with "
+                        "scamp_jax.SearchSpace(name, suggest, build)")
+    missing = [name for name in TASK_PARTS if not hasattr(task, name)]
+    if missing:
+        raise TypeError(f"task={task!r} has no {', '.join(missing)}: pass a Task (its metric, "
+                        "direction, sample_batch, batches, loss_fn and evaluate); "
+                        "scamp_jax.FunctionTask(...) builds one from plain functions")
+
+
+def check_study_place(study_dir: str | Path, storage: str | None) -> None:
+    """Raise ``ValueError`` where ``study_dir`` is a file or ``storage`` is no database URL,
+    before anything is written there."""
+    path = Path(study_dir)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"study_dir={str(study_dir)!r} is a file; pass a directory (it is "
+                         "created if missing)")
+    if storage:
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError
+
+        try:
+            make_url(storage)
+        except ArgumentError:
+            raise ValueError(f"storage={storage!r} is not a database URL; pass one like "
+                             "sqlite:///runs/study.db or postgresql+psycopg://user@host/db, "
+                             "or none for a study.db in study_dir") from None
+
+
 #: In a study directory: the study whose outputs are at its top level (`claim_outputs`).
 OUTPUTS_FILE = "outputs.json"
 
@@ -156,6 +192,8 @@ class StudySession:
         if not isinstance(settings, SearchSettings):
             raise TypeError(f"settings={settings!r} is not a SearchSettings; build one with "
                             "scamp_jax.SearchSettings(trials=..., steps=..., ...)")
+        check_space_and_task(space, task)
+        check_study_place(settings.study_dir, settings.storage)
         from rich.console import Console
 
         from scamp_jax.planning.plan_cache import PlanCache
@@ -574,6 +612,7 @@ def run_study(
     """
     if "initial_params" in settings:
         settings["initial_params"] = tuple(settings["initial_params"])
+    check_space_and_task(space, task)
     try:
         config = SearchSettings(trials=trials, steps=steps, study_dir=study_dir, **settings)
     except TypeError as err:
