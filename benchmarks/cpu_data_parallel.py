@@ -158,4 +158,7 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[int, int, int], list[f
 
 
 if __name__ == "__main__":
-    main()
+    from experiments._cli import user_errors
+
+    with user_errors(stopped="the benchmark stopped; what it printed is what it measured"):
+        main()

@@ -262,4 +262,7 @@ def _family_config(family: str) -> Any:
 
 
 if __name__ == "__main__":
-    main()
+    from experiments._cli import user_errors
+
+    with user_errors(stopped="the benchmark stopped; what it printed is what it measured"):
+        main()

@@ -559,4 +559,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from experiments._cli import user_errors
+
+    with user_errors(stopped="the benchmark stopped; what it printed is what it measured"):
+        main()

@@ -467,4 +467,7 @@ def _ring_check(args: argparse.Namespace, sizes: Sequence[int], env: dict[str, s
 
 
 if __name__ == "__main__":
-    main()
+    from experiments._cli import user_errors
+
+    with user_errors(stopped="the benchmark stopped; what it printed is what it measured"):
+        main()

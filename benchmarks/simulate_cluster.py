@@ -732,4 +732,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from experiments._cli import user_errors
+
+    with user_errors(stopped="the benchmark stopped; what it printed is what it measured"):
+        raise SystemExit(main())

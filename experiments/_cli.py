@@ -491,8 +491,8 @@ def user_errors(resumable: bool = True, stopped: str | None = None) -> Iterator[
         cause = getattr(err, "orig", None) or root_cause(err)
         fail(f"the study database cannot be used ({cause}); check --storage and --study-dir, "
              "or restore the database from a copy")
-    except (ValueError, TypeError, FileNotFoundError, NotADirectoryError,
-            PermissionError, GpuCompilerMissingError) as err:
+    except (ValueError, TypeError, FileNotFoundError, FileExistsError, NotADirectoryError,
+            IsADirectoryError, PermissionError, GpuCompilerMissingError) as err:
         fail(in_flags(err))
     except Exception as err:
         if type(err).__name__ == "MPIUnavailableError":

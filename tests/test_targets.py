@@ -534,3 +534,18 @@ def test_the_fused_step_for_a_gpu_launches_no_more_kernels_than_a_solo_step() ->
     assert 0 < gpu["fused_kernels"] <= gpu["solo_kernels"], gpu
     assert sum(gpu["fused_kinds"].values()) == gpu["fused_kernels"]
     assert any(k.startswith("custom-call:__cudnn") for k in gpu["fused_kinds"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["benchmarks.target_accuracy", "--targets", "nosuch"],
+     "error: target='nosuch' is neither a known GPU"),
+    (["benchmarks.hpo_makespan", "--trials", "1", "--memory-per-device", "lots"],
+     "error: cannot read memory size 'lots'"),
+])
+def test_a_benchmarks_bad_input_ends_in_one_line(argv, message):
+    """The benchmarks' command lines end bad input as the experiments' do: one line, exit 2."""
+    proc = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr
+    assert "Traceback" not in proc.stderr

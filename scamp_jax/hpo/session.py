@@ -116,9 +116,12 @@ def check_space_and_task(space: Any, task: Any) -> None:
 def check_study_place(study_dir: str | Path, storage: str | None) -> None:
     """Raise ``ValueError`` where ``study_dir`` is a file or ``storage`` is no database URL,
     before anything is written there."""
-    path = Path(study_dir)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"study_dir={str(study_dir)!r} is a file; pass a directory (it is "
+    path = existing = Path(study_dir)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"is inside {str(existing)!r}, a file"
+        raise ValueError(f"study_dir={str(study_dir)!r} {where}; pass a directory (it is "
                          "created if missing)")
     if storage:
         from sqlalchemy.engine import make_url
