@@ -78,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[int, int, int], list[f
     """Time each layout at each batch; returns seconds per trial-step of every round, by
     (devices per trial, trials at once, global batch)."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.cpu_data_parallel",
-                                description=__doc__)
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", choices=("swinir", "vit", "digits"), default="swinir",
                    help="smoke SwinIR, smoke ViT or the MLP of examples/digits.py")
     p.add_argument("--config", choices=("largest", "smallest"), default="largest",

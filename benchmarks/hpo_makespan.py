@@ -141,7 +141,8 @@ def format_table(rows: Sequence[dict[str, Any]], markdown: bool) -> str:
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """Run both policies and print the comparison; returns the two rows."""
-    p = argparse.ArgumentParser(prog="python -m benchmarks.hpo_makespan", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.hpo_makespan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", choices=("swinir", "vit"), default="swinir",
                    help="model family: SwinIR super-resolution or ViT synthetic classification")
     p.add_argument("--trials", type=positive_int, default=6, help="trials per policy")

@@ -121,8 +121,11 @@ def running_cap(text: str) -> int | str:
     return _int_at_least(text, 1, "at least 1, or auto, or none", ", auto or none")
 
 
-def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir: str) -> None:
-    """The flags every HPO entry point takes; unset flags keep the preset's value."""
+def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir: str,
+              image_folders: bool = False) -> None:
+    """The flags every HPO entry point takes; unset flags keep the preset's value.
+    ``image_folders``: the experiment takes ``--train-dir`` and ``--eval-dir`` (which a study
+    keeps too)."""
     parser.add_argument("--preset", default="default", choices=list(presets),
                         help="size of the search: 'smoke' finishes in a few minutes on 2 CPU "
                         "cores, 'default' in about five, 'paper' is cluster-sized")
@@ -200,9 +203,10 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
     parser.add_argument("--study-name", type=study_name,
                         help="name of the study in the storage (default: the search space's); "
                         "another name starts a new study, its outputs in --study-dir/NAME. "
-                        "A study keeps its preset, steps, seed and memory budget (and its "
-                        "image folders, --train-dir and --eval-dir, where the experiment takes "
-                        "them): a rerun with other values is refused")
+                        "A study keeps its preset, steps, seed and memory budget"
+                        + (" (and its image folders, --train-dir and --eval-dir)"
+                           if image_folders else "")
+                        + ": a rerun with other values is refused")
     parser.add_argument("--no-live", action="store_true",
                         help="plain log lines instead of the live table")
     parser.add_argument("--plan-only", action="store_true",
@@ -291,7 +295,7 @@ def as_flags(message: str) -> str:
     message = re.sub(rf"\b(raise|lower)\s+({names}) or ({names})\b",
                      lambda m: f"{m[1]} {_FLAG_OF[m[2]]} or {_FLAG_OF[m[3]]}", message)
     alone = "|".join(k for k in _FLAG_OF if k not in ("devices", "trials", "steps", "seed"))
-    return re.sub(rf"\b(pass|raise|lower)\s+(another\s+)?({alone})\b",  # not "pass devices of"
+    return re.sub(rf"\b(pass|raise|lower|more)\s+(another\s+)?({alone})\b",  # not "pass devices"
                   lambda m: f"{m[1]} {m[2] or ''}{_FLAG_OF[m[3]]}", message)
 
 

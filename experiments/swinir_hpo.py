@@ -152,7 +152,7 @@ def parser() -> argparse.ArgumentParser:
         "(x2 super-resolution).",
         epilog=_presets_text(),
     )
-    add_flags(p, PRESETS, STUDY_DIR)
+    add_flags(p, PRESETS, STUDY_DIR, image_folders=True)
     p.add_argument("--train-dir",
                    help="directory of training images (default: scikit-image's photographs)")
     p.add_argument("--eval-dir",

@@ -473,6 +473,8 @@ def test_errors_name_the_command_lines_flags_not_the_librarys_keywords() -> None
     assert as_flags("pass max_batch_size to bound it") == "pass --max-batch-size to bound it"
     assert as_flags("pass another study_dir, or study_name='a-2'") == (
         "pass another --study-dir, or --study-name 'a-2'")
+    assert as_flags("use more devices, more memory_per_device, or a smaller model") == (
+        "use more devices, more --memory-per-device, or a smaller model")
     kept = "plan_mesh(model, batch, memory_per_device='2GiB')"  # not an instruction to pass
     assert as_flags(kept) == kept
     assert as_flags("min_batch_size=64 is larger than max_batch_size=16; raise max_batch_size "

@@ -276,7 +276,7 @@ class SearchSettings(EngineConfig):
                 or self.study_name in (".", "..")):
             raise ValueError(f"study_name={self.study_name!r}: a study's results go to a "
                              "folder of that name in study_dir, so it may hold no '/' or "
-                             "'\\' and be no '.' or '..'; pass e.g. 'swinir-2'")
+                             "'\\' and be no '.' or '..'; pass e.g. 'study-2'")
         object.__setattr__(self, "initial_params",
                            tuple(dict(p) for p in self.initial_params))
 
