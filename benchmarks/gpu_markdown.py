@@ -240,7 +240,8 @@ def _mainjob_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
                      best])
     notes = [f"`{sec['command']}`; compile s: every compile's seconds in `run.overhead` "
              "(summed over threads), its share of the study's seconds; fused step: the fused "
-             "trials' last pace (median); host data: one step's batches of a fused group of "
+             "trials' seconds a step over their runs (`step_seconds`, median); host data: one "
+             "step's batches of a fused group of "
              f"{(sec.get('rows') or [{}])[0].get('host_data', NOT_YET)} "
              "(members x batch) as the runner draws them, after the study "
              "(`benchmarks.member_data`)"] if sec.get("command") else []

@@ -589,9 +589,10 @@ def mainjob_section(cfg: Any, ctx: Context, rec: Record) -> None:
     shortened to ``cfg.mainjob_trials`` trials of ``cfg.mainjob_steps`` steps (at the preset's
     reference batch) so that it ends inside the section: the study's seconds, its compiles
     and their share of it, the pool's memory booked (peak and mean), the batches and fused
-    trials, their steady step, and the best PSNR against bicubic. Past the section's time the
-    study is stopped as a user stops it (SIGTERM: running trials checkpointed; the record
-    keeps finished trials and the figures up to the stop). After it, as time allows, what the
+    trials, their seconds a step (`step_seconds`), and the best PSNR against bicubic. Past the
+    section's time the study is stopped as a user stops it (SIGTERM: running trials
+    checkpointed; the record keeps finished trials and the figures up to the stop). After it,
+    as time allows, what the
     host's data takes per step of the preset's widest fused group (`benchmarks.member_data`),
     to hold against the fused step."""
     from benchmarks import member_data

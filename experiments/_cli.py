@@ -19,7 +19,6 @@ import os
 import re
 import signal
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -326,8 +325,10 @@ class _CtrlC:
     #: a second Ctrl-C ends the process (`scamp_jax.hpo.endings.Endings.give_back` says so)
     ends_process = True
 
-    def __init__(self) -> None:
+    def __init__(self, at_once: str | None = None) -> None:
         self.count = 0
+        #: what a stop at once leaves, for a command that runs no study (None: a study's words)
+        self.at_once = at_once
 
     def __call__(self, signum: int, frame: Any) -> None:
         if signum == signal.SIGTERM:
@@ -342,9 +343,10 @@ class _CtrlC:
         # the live view or a print (their streams hold locks); a terminal gets its cursor back
         # from the live view.
         shown = "\x1b[?25h" if sys.__stderr__ is not None and sys.__stderr__.isatty() else ""
-        message = (f"{shown}\nstopped at once: finished trials are in the study; run the same "
-                   "command to resume the others from their last checkpoints (once their "
-                   f"heartbeat lapses, about {GRACE_PERIOD} s)\n")
+        left = self.at_once or (
+            "finished trials are in the study; run the same command to resume the others from "
+            f"their last checkpoints (once their heartbeat lapses, about {GRACE_PERIOD} s)")
+        message = f"{shown}\nstopped at once: {left}\n"
         with contextlib.suppress(OSError):
             os.write(2, message.encode())
         os._exit(128 + signum)
@@ -352,22 +354,13 @@ class _CtrlC:
 
 def check_study_dir(path: str | Path, flag: str = "--study-dir") -> None:
     """Exit 2 unless ``path`` (given as ``flag``) is (or can become) a writable directory;
-    creates nothing."""
-    path = Path(path)
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if path.exists() and not path.is_dir():
-        fail(f"{flag} {str(path)!r} is a file; pass a directory (it is created if missing)")
-    if not existing.is_dir():
-        fail(f"{flag} {str(path)!r} is inside {str(existing)!r}, which is a file; pass a "
-             "directory")
-    try:  # a real write: permissions, read-only mounts and root's exceptions all count
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError:
-        fail(f"{flag} {str(path)!r} is not writable ({str(existing)!r} is not); pass a "
-             "directory you can write to")
+    creates nothing (`scamp_jax.hpo.session.check_directory`)."""
+    from scamp_jax.hpo.session import check_directory
+
+    try:
+        check_directory(path, flag)
+    except ValueError as err:
+        fail(str(err))
 
 
 def check_storage(url: str | None, study_dir: str | Path, *, here: bool = True) -> None:
@@ -468,7 +461,10 @@ def user_errors(resumable: bool = True, stopped: str | None = None) -> Iterator[
     from scamp_jax.hpo.failures import RepeatedFailureError
     from scamp_jax.planning.targets import GpuCompilerMissingError
 
-    stop = _CtrlC()  # one count: a Ctrl-C after a SIGTERM stops at once too
+    if stopped is None and not resumable:
+        stopped = ("nothing was stored (planning stores no study); run the same command to plan "
+                   "again")
+    stop = _CtrlC(stopped)  # one count: a Ctrl-C after a SIGTERM stops at once too
     previous = signal.signal(signal.SIGTERM, stop)
     previous_int = signal.signal(signal.SIGINT, stop)
     try:
@@ -476,10 +472,8 @@ def user_errors(resumable: bool = True, stopped: str | None = None) -> Iterator[
             yield
     except (Terminated, KeyboardInterrupt) as err:
         word = "terminated" if isinstance(err, Terminated) else "interrupted"
-        left = stopped or (
-            "finished trials are in the study and results.json; run the same command to resume"
-            if resumable else
-            "nothing was stored (planning stores no study); run the same command to plan again")
+        left = stopped or ("finished trials are in the study and results.json; run the same "
+                           "command to resume")
         print(f"{word}: {left}", file=sys.stderr)
         code = 128 + signal.SIGTERM if isinstance(err, Terminated) else 130
         if left_behind():  # a compile still runs: end without the interpreter's shutdown

@@ -219,6 +219,7 @@ def test_a_budget_too_small_for_any_candidate_leaves_the_study_free_to_start_aga
     kw = dict(steps=5, study_dir=tmp_path, live=False, max_batch_size=8)
     with pytest.raises(BudgetTooSmallError, match="raise memory_per_device or devices"):
         scamp_jax.run_study(SPACE, function_task(), trials=2, memory_per_device="1KiB", **kw)
+    assert not (tmp_path / "outputs.json").exists()  # the folder is any study's again
     done = scamp_jax.run_study(SPACE, function_task(), trials=2, memory_per_device="64MiB", **kw)
     assert done["trials_this_run"] == 2
     from scamp_jax.hpo.study import StudySettingsError

@@ -156,6 +156,36 @@ def test_a_command_stopped_while_work_it_left_compiles_exits_130_not_a_crash():
         assert "compiled" not in proc.stdout
 
 
+_TWO_CTRL_C = """
+import os, signal, sys, time
+sys.path.insert(0, {root!r})
+from experiments._cli import user_errors
+
+with user_errors({kw}):
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+    except KeyboardInterrupt:  # the command's stop under way: Ctrl-C again
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+"""
+
+
+@pytest.mark.parametrize("kw, says", [
+    ("", "stopped at once: finished trials are in the study"),
+    ("resumable=False", "stopped at once: nothing was stored (planning stores no study)"),
+    ("stopped='the benchmark stopped'", "stopped at once: the benchmark stopped"),
+])
+def test_a_second_ctrl_c_says_what_this_command_leaves(kw, says):
+    """Ctrl-C twice: the process ends at once (130), saying what the command it ran leaves: a
+    study's trials, a plan (nothing), or a command's own words (a benchmark's)."""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", _TWO_CTRL_C.format(root=str(root), kw=kw)],
+                          cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(says), proc.stderr
+
+
 def _in_block():
     with stops_held():
         return signal.getsignal(signal.SIGINT)

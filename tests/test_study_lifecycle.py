@@ -179,3 +179,51 @@ def test_a_fixed_policy_wider_than_the_pool_is_refused_before_the_study_is_store
     done = scamp_jax.run_study(SPACE, Regression(), devices_per_trial=2,
                                **{**kw, "steps": 3})
     assert done["trials_this_run"] == 1
+
+
+def _claim(args: tuple[str, str, object]) -> str:
+    from scamp_jax.hpo.session import claim_outputs
+
+    study_dir, name, barrier = args
+    barrier.wait()
+    try:
+        claim_outputs(Path(study_dir), name)
+    except ValueError:
+        return "refused"
+    return "claimed"
+
+
+@pytest.mark.parametrize("names", [("a", "a"), ("a", "b")])
+def test_processes_claiming_a_folder_at_once_agree_on_its_owner(tmp_path, names):
+    """Two processes claim one study folder at the same moment (released by a barrier), many
+    times: of one study both go on, of two studies exactly one does, and the file names it."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process running JAX
+    with ctx.Manager() as manager, ctx.Pool(2) as pool:
+        for i in range(20):
+            barrier = manager.Barrier(2)
+            folder = tmp_path / str(i)
+            got = pool.map(_claim, [(str(folder), name, barrier) for name in names])
+            owner = json.loads((folder / "outputs.json").read_text())["study"]
+            if names[0] == names[1]:
+                assert got == ["claimed", "claimed"]
+            else:
+                assert sorted(got) == ["claimed", "refused"], got
+                assert owner == names[got.index("claimed")]
+            assert [p.name for p in folder.iterdir()] == ["outputs.json"]  # no partial left
+
+
+def test_outputs_from_before_studies_named_themselves_are_kept_for_their_study(tmp_path):
+    """A folder with results and checkpoints but no outputs.json (an older release's): the
+    study the storage holds claims it; a study it does not hold is refused."""
+    from scamp_jax.hpo.session import claim_outputs
+
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "results.json").write_text("{}")
+    with pytest.raises(ValueError, match="holds the outputs of another study .*study 'b' "
+                       "would write over them"):
+        claim_outputs(tmp_path, "b", lambda: ["a"])
+    assert not (tmp_path / "outputs.json").exists()
+    claim_outputs(tmp_path, "a", lambda: ["a"])
+    assert json.loads((tmp_path / "outputs.json").read_text()) == {"study": "a"}

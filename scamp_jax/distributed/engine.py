@@ -69,7 +69,6 @@ from scamp_jax.hpo.failures import RepeatedFailureError
 from scamp_jax.hpo.intake import BudgetTooSmallError
 from scamp_jax.hpo.plan_service import PlanningService
 from scamp_jax.hpo.runner import make_optimizer
-from scamp_jax.hpo.study.storage import forget_settings_if_unused
 from scamp_jax.hpo.study.trials import AskedTrial, AskLater, TrialOutcome
 from scamp_jax.planning import planner
 from scamp_jax.planning.train_step import abstract_state
@@ -332,7 +331,7 @@ def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any
         raise
     except BudgetTooSmallError:
         if server is not None:  # as a single process: a larger budget may start it anew
-            forget_settings_if_unused(server.source.study)
+            session.forget_if_unused(server.source.study)
         raise
     summaries = comm.gather(summary, root=0)
     if server is None:

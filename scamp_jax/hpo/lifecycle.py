@@ -437,8 +437,9 @@ class Lifecycle:
                 self._save(done, active)
         if first < schedule.steps:
             seconds = (time.monotonic() - now) / (schedule.steps - first)  # losses read back
-            for m in self.slots:
-                m.status.step_seconds = seconds
+            for slot, m in enumerate(self.slots):
+                if active[slot]:  # trained all its steps (not a member that failed)
+                    m.status.step_seconds = seconds
             self._save(schedule.steps, active)
         self._finish(active)
 

@@ -27,10 +27,11 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from scamp_jax._lazy import warm
 from scamp_jax._signals import sigterm_stops
@@ -113,16 +114,30 @@ def check_space_and_task(space: Any, task: Any) -> None:
                         "scamp_jax.FunctionTask(...) builds one from plain functions")
 
 
-def check_study_place(study_dir: str | Path, storage: str | None) -> None:
-    """Raise ``ValueError`` where ``study_dir`` is a file or ``storage`` is no database URL,
-    before anything is written there."""
-    path = existing = Path(study_dir)
+def check_directory(path: str | Path, name: str = "study_dir") -> None:
+    """Raise ``ValueError`` unless ``path`` (the setting ``name``, or a flag such as
+    ``--out-dir``) is, or can become, a directory this process can write to; creates nothing."""
+    path = existing = Path(path)
+    said = f"{name} {str(path)!r}" if name.startswith("-") else f"{name}={str(path)!r}"
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{said} is a file; pass a directory (it is created if missing)")
     if not existing.is_dir():
-        where = "is a file" if existing == path else f"is inside {str(existing)!r}, a file"
-        raise ValueError(f"study_dir={str(study_dir)!r} {where}; pass a directory (it is "
-                         "created if missing)")
+        raise ValueError(f"{said} is inside {str(existing)!r}, which is a file; pass a "
+                         "directory")
+    try:  # a real write: permissions, read-only mounts and root's exceptions all count
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError:
+        raise ValueError(f"{said} is not writable ({str(existing)!r} is not); pass a "
+                         "directory you can write to") from None
+
+
+def check_study_place(study_dir: str | Path, storage: str | None) -> None:
+    """Raise ``ValueError`` where ``study_dir`` cannot be written (`check_directory`) or
+    ``storage`` is no database URL, before anything is written there."""
+    check_directory(study_dir)
     if storage:
         from sqlalchemy.engine import make_url
         from sqlalchemy.exc import ArgumentError
@@ -139,33 +154,68 @@ def check_study_place(study_dir: str | Path, storage: str | None) -> None:
 OUTPUTS_FILE = "outputs.json"
 
 
-def claim_outputs(study_dir: Path, study_name: str) -> None:
-    """Make ``study_dir``'s top level the outputs of study ``study_name`` (its results,
-    checkpoints, best model and plots), or raise ``ValueError`` when another study's are there:
-    a space's default study keeps its outputs at the top of ``study_dir``, so a second space's
-    default study in the same folder would overwrite the first one's results and resume its
-    trials from the other model's checkpoints (``checkpoints/trial_N``)."""
-    path = study_dir / OUTPUTS_FILE
+def _outputs_owner(path: Path) -> str | None:
+    """The study ``path`` (an `OUTPUTS_FILE`) names; None: no such file."""
     try:
-        owner = json.loads(path.read_text())["study"]
+        return str(json.loads(path.read_text())["study"])
     except FileNotFoundError:
-        owner = None
+        return None
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{path} does not say whose outputs {study_dir} holds ({err}); "
-                         f"write {{\"study\": \"NAME\"}} into it, or pass another "
-                         "study_dir") from None
-    if owner is None:
-        study_dir.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial")
-        partial.write_text(json.dumps({"study": study_name}) + "\n")
-        partial.replace(path)
-        return
-    if owner != study_name:
+        raise ValueError(f"{path} does not say whose outputs {path.parent} holds ({err}); "
+                         "write {\"study\": \"NAME\"} into it, or pass another study_dir"
+                         ) from None
+
+
+def claim_outputs(study_dir: Path, study_name: str,
+                  stored: Callable[[], Collection[str]] = tuple) -> None:
+    """Make ``study_dir``'s top level the outputs of study ``study_name`` (its results,
+    checkpoints, best model and plots; named in `OUTPUTS_FILE`), or raise ``ValueError`` when
+    they are another study's: a space's default study keeps its outputs at the top of
+    ``study_dir``, so a second space's default study in the same folder would overwrite the
+    first one's results and resume its trials from the other model's checkpoints
+    (``checkpoints/trial_N``). Outputs written before studies named themselves (results or
+    checkpoints, no `OUTPUTS_FILE`) are this study's only where ``stored()`` (the names of
+    the studies in its storage) has it. Safe for processes that claim at once: the first
+    name written stays."""
+    def refuse(owner: str) -> NoReturn:
         raise ValueError(
-            f"{study_dir} holds the outputs of study {owner!r} (results, "
-            f"checkpoints, best model); study {study_name!r} would write over them: pass "
-            f"another study_dir, or study_name={study_name + '-2'!r} to keep its outputs in "
+            f"{study_dir} holds the outputs of {owner} (results, checkpoints, best model); "
+            f"study {study_name!r} would write over them: pass another study_dir, or "
+            f"study_name={study_name + '-2'!r} to keep its outputs in "
             f"{study_dir / (study_name + '-2')}")
+
+    path = study_dir / OUTPUTS_FILE
+    owner = _outputs_owner(path)
+    if owner is None:
+        earlier = (study_dir / "results.json").exists() or (study_dir / "checkpoints").is_dir()
+        if earlier and study_name not in stored():
+            refuse("another study (written before studies named themselves in "
+                   f"{OUTPUTS_FILE})")
+        study_dir.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(dir=study_dir, prefix=".outputs-", suffix=".partial")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps({"study": study_name}) + "\n")
+            os.link(partial, path)  # whole or not at all; the first claim stays
+            return
+        except FileExistsError:  # another process claimed it meanwhile
+            owner = _outputs_owner(path)
+        finally:
+            os.unlink(partial)
+    if owner != study_name:
+        refuse(f"study {owner!r}")
+
+
+def release_outputs(study_dir: Path, study_name: str) -> bool:
+    """Undo `claim_outputs` of study ``study_name`` where it wrote no outputs yet (no results,
+    no checkpoints): a run that stored nothing leaves the folder to any study. True where the
+    claim was removed."""
+    path = study_dir / OUTPUTS_FILE
+    if ((study_dir / "results.json").exists() or (study_dir / "checkpoints").is_dir()
+            or _outputs_owner(path) != study_name):
+        return False
+    path.unlink(missing_ok=True)
+    return True
 
 
 class StudySession:
@@ -252,7 +302,13 @@ class StudySession:
 
         s = self.settings
         if self.out_dir == self.study_dir:
-            claim_outputs(self.study_dir, self.study_name)
+            import optuna
+
+            from scamp_jax.hpo.study import storage_url
+
+            url = storage_url(self.study_dir, s.storage)
+            claim_outputs(self.study_dir, self.study_name,
+                          lambda: optuna.get_all_study_names(url))
         handle = open_study(
             self.study_name, study_dir=self.study_dir, storage=s.storage,
             direction=self.task.direction, sampler=s.sampler, pruner=s.pruner, seed=s.seed,
@@ -264,6 +320,15 @@ class StudySession:
             for params in s.initial_params:
                 handle.study.enqueue_trial(dict(params), skip_if_exists=True)
         return handle
+
+    def forget_if_unused(self, study: optuna.Study) -> None:
+        """Where no trial of ``study`` ever ran (a budget too small for any candidate), forget
+        its settings and its claim on ``study_dir``'s outputs, so that the rerun the error
+        advises (or another study) starts afresh."""
+        from scamp_jax.hpo.study.storage import forget_settings_if_unused
+
+        if forget_settings_if_unused(study) and self.out_dir == self.study_dir:
+            release_outputs(self.study_dir, self.study_name)
 
     def trial_source(self, handle: StudyHandle, **kwargs: Any) -> OptunaTrialSource:
         """The ask-and-tell source over the opened study (``kwargs``: more `OptunaTrialSource`
@@ -516,8 +581,6 @@ def _run_search(space: SearchSpace, task: Task, settings: SearchSettings, **kwar
                 ) -> dict[str, Any]:
     from scamp_jax.distributed.mpi import launched_under_mpi
     from scamp_jax.hpo.intake import BudgetTooSmallError
-    from scamp_jax.hpo.study.storage import forget_settings_if_unused
-
     kwargs["memory_per_device"] = held_budget(kwargs["devices"], kwargs["memory_per_device"])
     if launched_under_mpi():
         from scamp_jax.distributed.engine import run_search_mpi
@@ -531,7 +594,7 @@ def _run_search(space: SearchSpace, task: Task, settings: SearchSettings, **kwar
         _, result = session.run_engine(source)
     except BudgetTooSmallError:
         # nothing ran: the rerun the error advises (a larger budget) may start the study anew
-        forget_settings_if_unused(source.study)
+        session.forget_if_unused(source.study)
         raise
     except (KeyboardInterrupt, RepeatedFailureError) as err:
         # The record grows on an interrupt too: finished trials and this run's wall time.
@@ -582,7 +645,9 @@ def run_study(
       trials: total trials of the study.
       steps: training steps per trial (at ``reference_batch`` when that is set).
       study_dir: directory of ``study.db`` (the Optuna study, SQLite), ``checkpoints/``,
-        ``results.json``, ``results.csv``, ``best_model/`` and the plots.
+        ``results.json``, ``results.csv``, ``best_model/`` and the plots, and of
+        ``outputs.json``, which names the study whose outputs those are (`claim_outputs`);
+        another ``study_name`` keeps its outputs in ``study_dir/NAME``.
       devices: the device pool: a list of JAX devices, a count (the first ``n``), or None (all).
       memory_per_device: budget per device in bytes or as text (``"2GiB"``). None: the device
         limit on accelerators; on CPU devices, which report none, an equal share of
@@ -601,8 +666,11 @@ def run_study(
       metric, ...) or None when no trial completed.
 
     Raises:
-      ValueError: a setting out of range (the message names it and what to pass).
-      TypeError: a keyword that is not a `SearchSettings` field.
+      ValueError: a setting out of range, a ``study_dir`` that cannot be written or holds
+        another study's outputs, a ``storage`` that is no database URL, a fixed policy wider
+        than the pool (the message names it and what to pass).
+      TypeError: a keyword that is not a `SearchSettings` field, a ``space`` that is no
+        `SearchSpace`, a ``task`` without a `Task`'s parts.
       scamp_jax.BudgetTooSmallError: no candidate fits the devices' memory.
       scamp_jax.RepeatedFailureError: trials raised the same error before any completed (a
         bug in the task; those of ``failure_limit`` runs, 3 by default): they went back to the
