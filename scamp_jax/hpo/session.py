@@ -167,7 +167,7 @@ def _outputs_owner(path: Path) -> str | None:
 
 
 def claim_outputs(study_dir: Path, study_name: str,
-                  stored: Callable[[], Collection[str]] = tuple) -> None:
+                  stored: Callable[[], Collection[str]] = tuple, write: bool = True) -> None:
     """Make ``study_dir``'s top level the outputs of study ``study_name`` (its results,
     checkpoints, best model and plots; named in `OUTPUTS_FILE`), or raise ``ValueError`` when
     they are another study's: a space's default study keeps its outputs at the top of
@@ -176,7 +176,8 @@ def claim_outputs(study_dir: Path, study_name: str,
     (``checkpoints/trial_N``). Outputs written before studies named themselves (results or
     checkpoints, no `OUTPUTS_FILE`) are this study's only where ``stored()`` (the names of
     the studies in its storage) has it. Safe for processes that claim at once: the first
-    name written stays."""
+    name written stays. ``write=False``: only refuse (before the study is opened; nothing is
+    written)."""
     def refuse(owner: str) -> NoReturn:
         raise ValueError(
             f"{study_dir} holds the outputs of {owner} (results, checkpoints, best model); "
@@ -191,6 +192,8 @@ def claim_outputs(study_dir: Path, study_name: str,
         if earlier and study_name not in stored():
             refuse("another study (written before studies named themselves in "
                    f"{OUTPUTS_FILE})")
+        if not write:
+            return
         study_dir.mkdir(parents=True, exist_ok=True)
         fd, partial = tempfile.mkstemp(dir=study_dir, prefix=".outputs-", suffix=".partial")
         try:
@@ -301,14 +304,9 @@ class StudySession:
         from scamp_jax.hpo.study import open_study
 
         s = self.settings
-        if self.out_dir == self.study_dir:
-            import optuna
-
-            from scamp_jax.hpo.study import storage_url
-
-            url = storage_url(self.study_dir, s.storage)
-            claim_outputs(self.study_dir, self.study_name,
-                          lambda: optuna.get_all_study_names(url))
+        top = self.out_dir == self.study_dir
+        if top:  # refused before the study is stored; claimed once it opened
+            claim_outputs(self.study_dir, self.study_name, self._stored_names, write=False)
         handle = open_study(
             self.study_name, study_dir=self.study_dir, storage=s.storage,
             direction=self.task.direction, sampler=s.sampler, pruner=s.pruner, seed=s.seed,
@@ -316,10 +314,20 @@ class StudySession:
             settings=s.study_record(self.space, self.memory_per_device),
             heartbeat_interval=s.heartbeat_interval, grace_period=s.grace_period,
         )
+        if top:
+            claim_outputs(self.study_dir, self.study_name, self._stored_names)
         if not handle.study.get_trials(deepcopy=False):
             for params in s.initial_params:
                 handle.study.enqueue_trial(dict(params), skip_if_exists=True)
         return handle
+
+    def _stored_names(self) -> list[str]:
+        """The names of the studies in this study's storage."""
+        import optuna
+
+        from scamp_jax.hpo.study import storage_url
+
+        return optuna.get_all_study_names(storage_url(self.study_dir, self.settings.storage))
 
     def forget_if_unused(self, study: optuna.Study) -> None:
         """Where no trial of ``study`` ever ran (a budget too small for any candidate), forget
