@@ -548,6 +548,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                      f"{','.join(SECTIONS)}")
     if args.cpu_smoke:
         os.environ["JAX_PLATFORMS"] = "cpu"  # the section processes inherit it
+    # A section's error keeps its traceback in the section's log: the logs are all that a GPU
+    # slot brings back to debug it with.
+    from experiments._cli import TRACEBACK_VARIABLE
+
+    os.environ.setdefault(TRACEBACK_VARIABLE, "1")
     # SIGTERM ends the driver through SystemExit, so the running section is stopped too.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     cfg = dataclasses.replace(CPU_SMOKE if args.cpu_smoke else GPU, allocator=args.allocator)

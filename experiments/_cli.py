@@ -20,6 +20,7 @@ import re
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -306,6 +307,27 @@ def in_flags(err: BaseException) -> str:
     return as_command_line() if as_command_line else as_flags(str(err))
 
 
+#: Set to ``1`` to print the traceback of every error the command lines end in one line (the GPU
+#: suite sets it for its sections, whose logs are all a GPU slot brings back).
+TRACEBACK_VARIABLE = "SCAMP_TRACEBACK"
+
+_OWN_CODE = tuple(str(Path(__file__).resolve().parents[1] / name) + os.sep
+                  for name in ("scamp_jax", "experiments", "benchmarks", "search_spaces",
+                               "examples"))
+
+
+def raised_by_a_check(err: BaseException) -> bool:
+    """Whether ``err`` was raised in this project's own code, where a ``ValueError`` or
+    ``TypeError`` is one of its worded checks, and not inside JAX, NumPy, Optuna or the
+    standard library, where it most likely marks a bug that only its traceback locates."""
+    frame = err.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    if frame is None:
+        return True
+    return os.path.abspath(frame.tb_frame.f_code.co_filename).startswith(_OWN_CODE)
+
+
 def fail(message: str) -> NoReturn:
     """Print ``error: message`` to stderr and exit with status 2 (as argparse does)."""
     print(f"error: {message}", file=sys.stderr)
@@ -452,7 +474,9 @@ def user_errors(resumable: bool = True, stopped: str | None = None) -> Iterator[
     Catches the library's error types for bad input (``ValueError``, ``TypeError``,
     ``FileNotFoundError``, `scamp_jax.hpo.engine.BudgetTooSmallError`, a missing MPI or GPU
     compiler, a damaged or unreachable database) and prints ``error: <message>`` without a
-    traceback. Installs the SIGINT and SIGTERM handler (`_CtrlC`). Any entry point (an
+    traceback; a ``ValueError`` or ``TypeError`` raised outside the project's code (in JAX,
+    say: not a check of ours, likely a bug) keeps its traceback above that line, as does any
+    error with ``SCAMP_TRACEBACK=1`` in the environment (`TRACEBACK_VARIABLE`). Installs the SIGINT and SIGTERM handler (`_CtrlC`). Any entry point (an
     argparse-based ``main``) can wrap its body in it.
     """
     from sqlalchemy.exc import SQLAlchemyError
@@ -491,6 +515,9 @@ def user_errors(resumable: bool = True, stopped: str | None = None) -> Iterator[
              "or restore the database from a copy")
     except (ValueError, TypeError, FileNotFoundError, FileExistsError, NotADirectoryError,
             IsADirectoryError, PermissionError, GpuCompilerMissingError) as err:
+        if os.environ.get(TRACEBACK_VARIABLE) == "1" or (
+                isinstance(err, (ValueError, TypeError)) and not raised_by_a_check(err)):
+            traceback.print_exception(err, file=sys.stderr)  # where it was raised
         fail(in_flags(err))
     except Exception as err:
         if type(err).__name__ == "MPIUnavailableError":

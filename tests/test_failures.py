@@ -183,6 +183,37 @@ def test_a_traceback_in_the_error_is_not_reworded_as_flags(capsys):
     assert "train(steps=200, seed=1)" in err and "E: seed=3 (at t.py:1)" in err
 
 
+def test_a_bug_keeps_its_traceback_and_a_check_ends_in_one_line(capsys, monkeypatch):
+    """A ``ValueError`` raised inside NumPy (not a check of ours: most likely a bug) keeps the
+    traceback that locates it above the one line; the project's own check is one line, unless
+    ``SCAMP_TRACEBACK=1`` asks for every traceback (as the GPU suite's sections do)."""
+    import numpy as np
+
+    from experiments._cli import TRACEBACK_VARIABLE, user_errors
+    from scamp_jax._units import parse_bytes
+
+    monkeypatch.delenv(TRACEBACK_VARIABLE, raising=False)
+    with pytest.raises(SystemExit) as stop, user_errors():
+        np.zeros(3).reshape(2, 2)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2
+    assert err.startswith("Traceback (most recent call last):")
+    assert "np.zeros(3).reshape(2, 2)" in err
+    assert err.rstrip().splitlines()[-1].startswith("error: cannot reshape array of size 3")
+
+    with pytest.raises(SystemExit) as stop, user_errors():
+        parse_bytes("lots")
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1
+
+    monkeypatch.setenv(TRACEBACK_VARIABLE, "1")
+    with pytest.raises(SystemExit), user_errors():
+        parse_bytes("lots")
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):") and "parse_bytes" in err
+    assert err.rstrip().splitlines()[-1].startswith("error: ")
+
+
 def test_a_ctrl_c_says_whether_a_rerun_resumes(capsys):
     """A study's Ctrl-C points at the rerun that resumes it; planning alone (--plan-only)
     stored nothing, and says so."""
