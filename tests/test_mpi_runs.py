@@ -234,3 +234,8 @@ def test_mpi_stage_step_memory_matches_the_single_process_stage_and_is_the_compi
     assert multi["traced_after_compile"] == single["traced_after_compile"] == 0
     assert multi["params_sha256"] == single["params_sha256"]
     assert multi["losses"] == single["losses"]
+    # Open after the run it was passed to; closed, each rank's communicator is freed and the
+    # executor refuses another run with a message that says why.
+    for before, refused, after in multi["closed"]:
+        assert before is False and after is True
+        assert refused.startswith("this MPIPipelineExecutor was closed")

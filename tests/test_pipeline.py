@@ -334,6 +334,28 @@ def test_an_executor_built_for_other_training_is_refused():
                        executor=_executor(2, False, False))
 
 
+def test_train_supernet_closes_the_executor_it_built_and_not_one_it_was_passed():
+    """What a run builds from a factory it releases (an MPI executor's communicator); an
+    executor passed in stays open for the caller's next run."""
+    closes = []
+
+    class Recorded(PipelineExecutor):
+        def close(self) -> None:
+            closes.append(self)
+            super().close()
+
+    subnets, lr, hr = _data(0)
+    built = train_supernet(_layout(), subnets, lr, hr, schedule="csp", num_stages=2, seed=0,
+                           offload=False, executor=Recorded)
+    assert len(closes) == 1 and isinstance(closes[0], Recorded)
+    _assert_identical(built, _train("csp", 2, False, False, 0))
+    passed = Recorded(_layout(), num_stages=2, microbatch_size=BATCH, lr_side=SIDE,
+                      window_slots=6, act_slots=6, grad_slots=6)
+    train_supernet(_layout(), subnets, lr, hr, schedule="csp", num_stages=2, seed=0,
+                   offload=False, executor=passed)
+    assert closes == [closes[0]]
+
+
 @pytest.mark.slow  # run with -m slow (README: Tests)
 def test_ticks_in_flight_bound_changes_nothing_but_the_wait():
     # The default bound (4 ticks ahead of the host) against an unbounded queue and a bound of 1:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Unpack
 
 import jax
@@ -37,7 +37,7 @@ from scamp_jax._errors import worded
 from scamp_jax.distributed.mpi import import_mpi4jax, import_mpi4py
 from scamp_jax.pipeline.executor_base import DEVICE_KIND, StageExecutor, StageSizes, memory_stats
 from scamp_jax.pipeline.model import StageModel
-from scamp_jax.pipeline.program import NUM_FIELDS
+from scamp_jax.pipeline.program import NUM_FIELDS, TickProgram
 from scamp_jax.pipeline.stage import State, receive, stage_tick
 from scamp_jax.pipeline.trainer import TrainOptions, TrainResult, train_supernet
 
@@ -107,6 +107,24 @@ class MPIPipelineExecutor(StageExecutor):
 
     def _sum_over_stages(self, counts: dict[str, int]) -> dict[str, int]:
         return {k: int(self.comm.allreduce(v)) for k, v in counts.items()}
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close` released the pipeline's communicator (the executor runs no more)."""
+        return self._jax_comm is None
+
+    def close(self) -> None:
+        """Free the communicator the stages' messages travel on (collective; idempotent)."""
+        if self._jax_comm is not None:
+            self._jax_comm.Free()
+            self._jax_comm = None
+
+    def run(self, state: State, program: TickProgram, lr_data: np.ndarray, hr_data: np.ndarray,
+            on_tick: Callable[[int, int], None] | None = None) -> tuple[State, np.ndarray]:
+        if self._jax_comm is None:
+            raise RuntimeError("this MPIPipelineExecutor was closed (its communicator is "
+                               "freed); build another one, or pass train_supernet a factory")
+        return super().run(state, program, lr_data, hr_data, on_tick)
 
     def _last_stage_losses(self, losses: list[jax.Array]) -> np.ndarray:
         last_rank = self.spec.num_stages - 1

@@ -371,6 +371,12 @@ class StageExecutor(abc.ABC):
             per_subnet[last[done, COL["subnet"]]] += per_tick[done]
         return state, (per_subnet / self.spec.num_microbatches).astype(np.float32)
 
+    def close(self) -> None:
+        """Release what the executor holds besides its arrays (collective, as ``run``): an MPI
+        executor's communicator. `scamp_jax.pipeline.trainer.train_supernet` closes an executor
+        it built; one passed to it stays open for reuse. Nothing here."""
+        return None
+
     def _check_program(self, program: TickProgram, lr_data: np.ndarray) -> None:
         need = (program.window_slots, program.act_slots, program.grad_slots)
         if any(n > have for n, have in zip(need, self.slots, strict=True)):

@@ -247,6 +247,7 @@ def train_supernet(
     ideal = ideal_schedule(subnets, bounds, max_inflight=max_inflight)
     program = build_program(sched, subnets, bounds, prefetch_ahead=prefetch_ahead)
     start = time.perf_counter()
+    built = not isinstance(executor, StageExecutor)  # closed here once the run ends
     if isinstance(executor, StageExecutor):
         _check_reused_executor(executor, train_shared=train_shared, offload=offload,
                                optimizer=optimizer or OptimizerSpec(),
@@ -278,6 +279,8 @@ def train_supernet(
     end = time.perf_counter()
     exported = executor.export(state)
     memory = executor.resident_bytes(state)
+    if built:  # collective on every rank alike; a failed run ends its MPI job instead
+        executor.close()
     steady = end - first_tick_done[0] if first_tick_done else 0.0
     per_tick = steady / max(1, sched.ticks - 1)
     return TrainResult(

@@ -9,7 +9,9 @@ the two outputs bit for bit.
 
 With ``--memory`` the script first compiles the stage step with ``compiled_memory`` (every
 stage's figures go to the JSON, every rank's under MPI), then trains on that executor and
-records how often its jitted stage step was traced afterwards (0: the run used that compile).
+records how often its jitted stage step was traced afterwards (0: the run used that compile),
+then closes it and tries to train on it again (an MPI executor refuses: its communicator is
+freed).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def main() -> None:
         schedule=args.schedule, seed=3, offload=args.offload, train_shared=args.train_shared,
         num_microbatches=2, optimizer=OptimizerSpec("adam", 1e-2),
     )
-    rank, comm, memory, traced = 0, None, None, None
+    rank, comm, memory, traced, closed_per_rank = 0, None, None, None, None
     if mpi:
         from scamp_jax.distributed.pipeline import MPIPipelineExecutor, train_supernet_mpi
 
@@ -109,6 +111,17 @@ def main() -> None:
         traced = stage_step._cache_size()
         if comm is not None:
             traced = max(comm.allgather(traced))
+        # train_supernet leaves an executor passed to it open; closing it frees the MPI
+        # executor's communicator, after which it refuses to run
+        closed = [getattr(ex, "closed", None)]
+        ex.close()
+        try:
+            train_supernet(layout, subnets, lr, hr, num_stages=stages, executor=ex, **kwargs)
+            closed.append("ran after close")
+        except RuntimeError as err:
+            closed.append(str(err))
+        closed.append(getattr(ex, "closed", None))
+        closed_per_rank = comm.allgather(closed) if comm is not None else [closed]
     else:
         result = run(**kwargs)
     if rank == 0:
@@ -121,6 +134,7 @@ def main() -> None:
             "host_param_bytes": result.host_param_bytes,
             "memory": memory,
             "traced_after_compile": traced,
+            "closed": closed_per_rank,
         }))
 
 
