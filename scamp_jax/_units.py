@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {
@@ -22,6 +23,8 @@ def parse_bytes(value: int | float | str) -> int:
     """
     if isinstance(value, bool):
         raise TypeError(f"memory size must be a byte count or a string like '2GiB', got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"memory size must be a finite byte count, got {value!r}")
     if isinstance(value, int | float):
         count = int(value)
     elif isinstance(value, str):
@@ -31,7 +34,11 @@ def parse_bytes(value: int | float | str) -> int:
                 f"cannot read memory size {value!r}: use a number of bytes or a number with a "
                 "unit, e.g. '2GiB', '512MiB', '16GB'"
             )
-        count = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+        scaled = float(match.group(1)) * _UNITS[match.group(2).lower()]
+        if not math.isfinite(scaled):
+            raise ValueError(f"cannot read memory size {value!r}: it is beyond any memory; "
+                             "use e.g. '2GiB', '512MiB', '16GB'")
+        count = int(scaled)
     else:
         raise TypeError(f"memory size must be a byte count or a string like '2GiB', got {value!r}")
     if count <= 0:

@@ -164,9 +164,17 @@ def pool_fraction(pool_bytes: int | None, processes: int = 1,
 
 def processes_per_gpu() -> int:
     """Processes that may share each GPU of this host: the MPI ranks on it (from the
-    launcher's variables), unless ``CUDA_VISIBLE_DEVICES`` gives each rank one GPU; else 1."""
-    ranks = next((int(os.environ[v]) for v in _LOCAL_RANKS_VARS
-                  if os.environ.get(v, "").isdigit()), 1)
+    launcher's variables), unless ``CUDA_VISIBLE_DEVICES`` gives each rank one GPU; else 1.
+
+    Only a process an MPI launcher started counts its host's ranks
+    (`scamp_jax.distributed.mpi.launcher_ranks`): a single process inside a batch job whose
+    allocation has several tasks per node (``SLURM_NTASKS_PER_NODE``) has its GPUs to itself."""
+    from scamp_jax.distributed.mpi import launcher_ranks
+
+    if launcher_ranks() is None:
+        return 1
+    ranks = next((int(os.environ[v].split("(")[0]) for v in _LOCAL_RANKS_VARS
+                  if os.environ.get(v, "").split("(")[0].isdigit()), 1)  # Slurm's "4(x2)"
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and len([v for v in visible.split(",") if v.strip()]) == 1:
         return 1
@@ -178,7 +186,7 @@ def configure_cpu_devices(count: int = 8) -> None:
 
     Must be called before JAX initialises a backend (before the first ``jax.devices()`` or array).
     The device count only affects the CPU platform: on a GPU machine JAX still picks the GPUs by
-    default, with preallocation off (`configure_device_memory`).
+    default, each with one preallocated pool (`configure_device_memory`'s policy).
     """
     if count < 1:
         raise ValueError(f"{count=} must be at least 1")
@@ -254,11 +262,21 @@ def peak_bytes_in_use(devices: Sequence[Any] | None = None) -> int | None:
     return max(peaks) if peaks else None
 
 
+def _driver_index(device_index: int) -> str:
+    """The GPU ``nvidia-smi -i`` names for this process's GPU ``device_index``: the entry of
+    ``CUDA_VISIBLE_DEVICES`` (an index or a UUID, which ``-i`` takes too) that CUDA numbers
+    ``device_index``, else the index itself."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+               if v.strip()]
+    return visible[device_index] if device_index < len(visible) else str(device_index)
+
+
 def process_device_bytes(device_index: int = 0) -> int | None:
     """Bytes this process holds on GPU ``device_index`` as the driver sees them, or None.
 
     Read from ``nvidia-smi --query-compute-apps`` (CUDA context, allocator pool, library
-    workspaces: everything, unlike `allocator_stats`). None without ``nvidia-smi`` or when the
+    workspaces: everything, unlike `allocator_stats`) for the GPU that ``CUDA_VISIBLE_DEVICES``
+    numbers ``device_index`` here. None without ``nvidia-smi`` or when the
     process is not listed (e.g. a container whose PIDs the driver does not see).
     """
     import shutil
@@ -268,7 +286,8 @@ def process_device_bytes(device_index: int = 0) -> int | None:
         return None
     try:
         out = subprocess.run(
-            ["nvidia-smi", "-i", str(device_index), "--query-compute-apps=pid,used_memory",
+            ["nvidia-smi", "-i", _driver_index(device_index),
+             "--query-compute-apps=pid,used_memory",
              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30,
         ).stdout
     except (OSError, subprocess.SubprocessError):
@@ -313,10 +332,9 @@ def gpu_memory_bytes() -> int | None:
 
     if shutil.which("nvidia-smi") is None:
         return None
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip() or "0"
     try:
         out = subprocess.run(
-            ["nvidia-smi", "-i", visible, "--query-gpu=memory.total",
+            ["nvidia-smi", "-i", _driver_index(0), "--query-gpu=memory.total",
              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30,
         ).stdout.strip().splitlines()
     except (OSError, subprocess.SubprocessError):

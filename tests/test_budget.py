@@ -46,6 +46,17 @@ def test_a_text_budget_is_parsed_once_from_live_devices() -> None:
         Budget.of_devices(cpu, "lots")
 
 
+def test_a_memory_size_beyond_any_float_is_a_value_error() -> None:
+    """What the command lines word in one line: ``--memory-per-device 1e999`` is a
+    ValueError like any unreadable size, not an OverflowError's traceback."""
+    from scamp_jax._units import parse_bytes
+
+    assert parse_bytes("1e3KiB") == 1000 * 1024
+    for value in ("1e999", "1e308TiB", float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="memory size"):
+            parse_bytes(value)
+
+
 def test_the_default_pool_is_the_smallest_device_limit() -> None:
     budget = Budget.of_devices([_Gpu(80 * GIB), _Gpu(40 * GIB)])
     assert budget.memory_per_device == 40 * GIB

@@ -156,14 +156,33 @@ def test_the_pool_fraction_makes_the_preallocated_pool_the_budget(monkeypatch) -
 
 
 def test_ranks_on_one_host_share_its_gpus_unless_each_is_given_one(monkeypatch) -> None:
-    for name in devices._LOCAL_RANKS_VARS:
+    for name in (*devices._LOCAL_RANKS_VARS, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert devices.processes_per_gpu() == 1
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "8")
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")
     assert devices.processes_per_gpu() == 4
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
     assert devices.processes_per_gpu() == 1
+
+
+def test_a_process_no_launcher_started_has_the_gpus_of_its_batch_job_to_itself(
+        monkeypatch) -> None:
+    """``sbatch --ntasks-per-node=4`` sets SLURM_NTASKS_PER_NODE for every process of the
+    job: a plain ``python -m experiments.swinir_hpo`` there is still one process per GPU,
+    while ranks ``srun`` starts through PMI share them (Slurm's ``4(x2)`` form read too)."""
+    for name in (*devices._LOCAL_RANKS_VARS, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK",
+                 "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")
+    assert devices.processes_per_gpu() == 1
+    monkeypatch.setattr(devices, "gpu_memory_bytes", lambda: 80 * 2**30)
+    assert devices.pool_fraction(None, devices.processes_per_gpu()) is None  # XLA's own pool
+    monkeypatch.setenv("PMI_SIZE", "8")
+    assert devices.processes_per_gpu() == 4
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4(x2)")
+    assert devices.processes_per_gpu() == 4
 
 
 def test_a_training_process_preallocates_the_budget_as_its_pool(monkeypatch) -> None:
@@ -207,3 +226,32 @@ def test_a_cuda_plugin_without_a_driver_stays_quietly_on_the_cpu() -> None:
     kept = subprocess.run([sys.executable, "-c", script], env={**env, "JAX_PLATFORMS": "cpu,cuda"},
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert kept.stdout.split()[:1] == ["cpu,cuda"]
+
+
+def test_the_driver_is_asked_about_the_gpu_cuda_numbers_for_this_process(
+        monkeypatch, tmp_path) -> None:
+    """``CUDA_VISIBLE_DEVICES=3,1``: this process's GPU 0 is the driver's GPU 3 and its GPU 1
+    the driver's 1. With no GPU here, a stand-in ``nvidia-smi`` on PATH records the GPU it is
+    asked about and answers as the real one does (a mock: the driver cannot be run here)."""
+    import os
+    import sys
+
+    asked = tmp_path / "asked"
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        f"#!{sys.executable}\n"
+        "import os, sys\n"
+        f"open({str(asked)!r}, 'a').write(sys.argv[sys.argv.index('-i') + 1] + '\\n')\n"
+        "if any(a.startswith('--query-compute-apps') for a in sys.argv):\n"
+        "    print(f'{os.getppid()}, 512')\n"
+        "else:\n"
+        "    print('81559')\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert devices.gpu_memory_bytes() == 81559 << 20
+    assert devices.process_device_bytes(0) == 512 << 20
+    assert devices.process_device_bytes(1) == 512 << 20
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    devices.process_device_bytes(1)
+    assert asked.read_text().split() == ["3", "3", "1", "1"]

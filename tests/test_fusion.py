@@ -351,6 +351,23 @@ def test_a_group_of_one_member_that_does_not_fit_says_so():
     assert err.value.bytes_needed >= one > err.value.bytes_available
 
 
+def test_a_batch_above_the_member_plan_says_whether_memory_or_its_cap_stops_it():
+    """A fixed batch the member plan did not reach: where memory stops it, the error says
+    what that batch needs (above what is usable); where the plan's own max_batch_size did,
+    it says to plan the member for that batch instead."""
+    model, task, kw, member, _, _ = _member_of_width_64()
+    with pytest.raises(ValueError, match=r"batch_size=512 is above the member plan's batch "
+                       r"256, its max_batch_size; plan the member with max_batch_size=512") as e:
+        plan_fusion(model, task.sample_batch(1), max_width=2, plan=member, batch_size=512, **kw)
+    assert not isinstance(e.value, planner.DoesNotFitError)
+    tight = dataclasses.replace(
+        member, memory_per_device=int(member.memory_model.predict(384) / 0.9))
+    with pytest.raises(planner.DoesNotFitError, match="a single member needs more") as err:
+        plan_fusion(model, task.sample_batch(1), max_width=2, plan=tight, batch_size=512, **kw)
+    assert err.value.bytes_needed == member.memory_model.predict(512)
+    assert err.value.bytes_needed > err.value.bytes_available == tight.usable_bytes
+
+
 def test_a_study_asks_for_two_members_at_least_and_never_compiles_one():
     """``min_width=2`` (a study's: one member trains alone): a budget for one and a half
     members is a clear error after the cap and two members, one member never compiled."""

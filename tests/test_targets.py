@@ -226,6 +226,35 @@ def test_plan_for_a_target_is_a_plan_and_cpu_plans_do_not_change() -> None:
                      **kw).compiled_step is None
 
 
+def test_a_fused_group_for_a_gpu_is_planned_with_the_autotuner_off_and_keeps_no_step(
+        ) -> None:
+    """As a study sizes a group (``compile_for_run``, the trial's batch): on a GPU the
+    planner's compiles keep XLA's autotuner off, which holds the GPU while it runs, and keep
+    no executable; the group's run compiles its step, autotuned once, as a solo run does."""
+    from scamp_jax.planning.fusion import FusedStepCompiler, plan_fusion
+
+    needs_gpu_compiler()
+    model, sample = small_model()
+    member = plan_mesh(model, sample, target="h100", devices=1, memory_per_device="64MiB",
+                       max_batch_size=64)
+    seen: list[dict | None] = []
+    original = FusedStepCompiler.estimate
+
+    def estimate(self, width, batch, run_grade=False):
+        before = self.compiled
+        out = original(self, width, batch, run_grade)
+        if self.compiled > before:
+            seen.append(self.run_options if run_grade else self.compiler_options)
+        return out
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(FusedStepCompiler, "estimate", estimate)
+        fused = plan_fusion(model, sample, max_width=4, plan=member, batch_size=64,
+                            compile_for_run=True)
+    assert fused.width == 4 and fused.compiled_step is None
+    assert seen and all(options and options["xla_gpu_autotune_level"] == 0 for options in seen)
+
+
 def test_target_budget_is_its_described_gpus_and_keys_apart_from_gpus() -> None:
     needs_gpu_compiler()
     target = targets.resolve_target("a100-40gb")

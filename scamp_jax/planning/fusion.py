@@ -49,7 +49,12 @@ from jax.sharding import NamedSharding
 
 from scamp_jax._units import counted, format_bytes
 from scamp_jax.planning import sharding as sh
-from scamp_jax.planning.compile_options import Purpose, device_options
+from scamp_jax.planning.compile_options import (
+    Purpose,
+    answer_is_runnable,
+    device_options,
+    platform_of,
+)
 from scamp_jax.planning.member_ops import convolution_form, member_program
 from scamp_jax.planning.memory import MemoryEstimate
 from scamp_jax.planning.plan_cache import PlanCache, cache_key, device_identity, program_signature
@@ -496,7 +501,9 @@ def plan_fusion(
         compile and then the run's; otherwise the answer is compiled once more. An answer from
         the plan cache is not compiled (the run compiles it).
         On CPU a run-grade compile is slower than the planning ones (LLVM level 0), so leave
-        it off when the plan only informs (a simulator, a cost model).
+        it off when the plan only informs (a simulator, a cost model). On GPUs (and GPU
+        targets) it keeps nothing: every planning compile there is made with the autotuner off
+        (`scamp_jax.planning.compile_options`), and the run compiles its step, autotuned.
       min_width: the narrowest group wanted (a study's is 2: one member trains alone); when
         not even that many fit, `DoesNotFitError` without compiling narrower groups.
 
@@ -526,11 +533,18 @@ def plan_fusion(
         raise ValueError(f"{batch_size=} must be a positive multiple of the data-parallel degree "
                          f"{dp}; use {max(1, -(-batch_size // dp)) * dp}")
     if batch_size is not None and batch_size > plan.batch_size:
+        need = plan.memory_model.predict(batch_size)  # the member plan's fit at that batch
+        if need <= plan.usable_bytes:  # the plan stopped at its max_batch_size, not memory
+            raise ValueError(
+                f"{batch_size=} is above the member plan's batch {plan.batch_size}, its "
+                f"max_batch_size; plan the member with max_batch_size={batch_size} (or pass "
+                "no plan), or lower the batch")
         raise DoesNotFitError(
-            f"a single member needs more than the budget at {batch_size=}: the member plan fits "
-            f"at most {plan.batch_size} samples; lower the batch to {plan.batch_size} or use "
-            "more devices",
-            bytes_needed=plan.peak_bytes_per_device, bytes_available=plan.usable_bytes)
+            f"a single member needs more than the budget at {batch_size=}: about {need} bytes "
+            f"({format_bytes(need)}) per device, of which {plan.usable_bytes} are usable; the "
+            f"member plan fits at most {plan.batch_size} samples; lower the batch to "
+            f"{plan.batch_size} or use more devices",
+            bytes_needed=need, bytes_available=plan.usable_bytes)
     usable = plan.usable_bytes
     compiler = FusedStepCompiler(model, sample_batch, plan, optimizer, loss_fn, cache=cache)
 
@@ -539,8 +553,11 @@ def plan_fusion(
 
     first_batch = batch_size if batch_size is not None else dp
     # With a fixed batch, a point the search takes for the answer is compiled as the run
-    # compiles it, when the answer's executable is kept for the run.
-    run_grade = compile_for_run and batch_size is not None
+    # compiles it, when the answer's executable is kept for the run: where planning and the
+    # run compile alike (CPU). On GPUs every planning compile keeps the autotuner off, and the
+    # group's run compiles its own step, autotuned once, as a solo plan's run does.
+    keep_step = compile_for_run and answer_is_runnable(platform_of(plan.devices))
+    run_grade = keep_step and batch_size is not None
     # The cap usually fits (small candidates): then one compile decides the width.
     if held(max_width, first_batch, run_grade) <= usable:
         width = max_width
@@ -562,7 +579,7 @@ def plan_fusion(
     batch = first_batch
     if batch_size is None:
         batch = _largest_fitting(lambda b: held(width, b), dp, plan.batch_size, dp, usable)
-    estimate = compiler.estimate(width, batch, compile_for_run)
+    estimate = compiler.estimate(width, batch, keep_step)
     compiled_step = None
     if (width, batch) in compiler.run_grade:
         executable, lowered = compiler.run_grade[(width, batch)]
