@@ -316,6 +316,42 @@ def test_an_initialisation_with_an_operation_numpy_lacks_is_compiled_once():
     assert (states.misses, states.hits, states.compiles) == (1, 1, 1)
 
 
+def test_without_a_cpu_backend_states_are_made_on_the_runs_own_devices(monkeypatch):
+    """``JAX_PLATFORMS=cuda`` starts JAX without its CPU backend, where asking for CPU devices
+    raises: a trial's state is then made on its own devices, the same values, and
+    `initial_model` takes the first device. This machine has only CPUs, so JAX's answer for
+    a missing backend is stood in for (its RuntimeError, as ``jax._src.xla_bridge`` says it)."""
+    from scamp_jax.planning import reuse
+    from scamp_jax.planning.initial_state import initial_model
+
+    plan = plan_mesh(nnx.eval_shape(lambda: MLP(8, nnx.Rngs(0))),
+                     jax.ShapeDtypeStruct((1, 16), jnp.float32), devices=jax.devices()[2:4],
+                     memory_per_device="8MiB", optimizer=make_optimizer({}),
+                     max_batch_size=8, compile_for_run=False)
+    optimizer = make_optimizer({})
+    with_cpu = InitialStates().make("mlp8", lambda rngs: MLP(8, rngs), optimizer,
+                                    plan.step_shardings, 3, {"learning_rate": 1e-3})
+    local_devices = jax.local_devices
+
+    def no_cpu_backend(*args: Any, backend: Any = None, **kw: Any) -> list[jax.Device]:
+        if backend == "cpu":
+            raise RuntimeError("Unknown backend cpu requested, but no platforms that are "
+                               "instances of cpu are present. Platforms present are: cuda")
+        return local_devices(*args, backend=backend, **kw)
+
+    monkeypatch.setattr(jax, "local_devices", no_cpu_backend)
+    assert reuse.host_cpu_devices() == []
+    assert reuse.home_mesh(plan.mesh) is plan.mesh
+    without = InitialStates().make("mlp8", lambda rngs: MLP(8, rngs), optimizer,
+                                   plan.step_shardings, 3, {"learning_rate": 1e-3})
+    for a, b in zip(jax.tree.leaves(without), jax.tree.leaves(with_cpu), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert a.sharding == b.sharding
+    model = initial_model(lambda rngs: MLP(8, rngs), 3)
+    np.testing.assert_array_equal(np.asarray(model.hidden.kernel[...]),
+                                  np.asarray(jax.tree.leaves(with_cpu[0])[1]))
+
+
 def test_a_fused_groups_members_are_the_solo_states_and_groups_compile_nothing():
     """One builder for solo runs and fused groups: member i of a group is, bit for bit, the
     solo state of seed i and its hyperparameters, and groups of any width, seeds and devices

@@ -47,7 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from scamp_jax._once import OncePerKey
 from scamp_jax.planning import host_init
 from scamp_jax.planning.compile_options import Purpose, compile_options
-from scamp_jax.planning.reuse import compile_lowered, home_mesh
+from scamp_jax.planning.reuse import compile_lowered, home_mesh, host_cpu_devices
 from scamp_jax.planning.train_step import StepShardings, split_model, stack_shardings
 
 PyTree = Any
@@ -324,16 +324,17 @@ def init_train_state(
 
 def initial_model(build: Build, seed: int) -> nnx.Module:
     """The model a run of ``build`` with ``seed`` starts from, bit for bit (the parameters and
-    other state `InitialStates` makes for it), on the host's first CPU device: e.g. to train a
-    trial's configuration in a loop of one's own. ``build(nnx.Rngs(seed))`` itself gives values
-    within a few units in the last place of these (see `scamp_jax.planning.host_init`)."""
+    other state `InitialStates` makes for it), on the host's first CPU device (the first
+    device where JAX has no CPU backend): e.g. to train a trial's configuration in a loop of
+    one's own. ``build(nnx.Rngs(seed))`` itself gives values within a few units in the last
+    place of these (see `scamp_jax.planning.host_init`)."""
     from scamp_jax.planning.memory import default_step_shardings
     from scamp_jax.planning.sharding import make_mesh
     from scamp_jax.planning.train_step import abstract_state
 
     model = nnx.eval_shape(lambda: build(nnx.Rngs(0)))
     optimizer = optax.identity()
-    mesh = make_mesh(jax.local_devices(backend="cpu")[:1], 1, 1)
+    mesh = make_mesh((host_cpu_devices() or jax.local_devices())[:1], 1, 1)
     shardings = default_step_shardings(mesh, *abstract_state(model, optimizer), optimizer)
     params, _, rest = InitialStates().make(None, build, optimizer, shardings, seed, {})
     return nnx.merge(split_model(model)[0], params, rest)

@@ -115,12 +115,24 @@ def _moving_unpickler() -> type | None:
 _MOVING_UNPICKLER: Any = None
 
 
+def host_cpu_devices() -> list[jax.Device]:
+    """This process's CPU devices; none where JAX started without its CPU backend (e.g.
+    ``JAX_PLATFORMS=cuda``, which leaves it out)."""
+    try:
+        return list(jax.local_devices(backend="cpu"))
+    except RuntimeError:  # "Unknown backend cpu requested, but no platforms ... are present"
+        return []
+
+
 def home_mesh(mesh: Mesh) -> Mesh:
     """The host CPU mesh that programs and initial states for ``mesh`` are made on: on CPU
     devices the platform's first devices in ``mesh``'s shape (one host's memory: moving a
     program or a state there is local), elsewhere the host's first CPU device, every axis of
-    size 1 (`scamp_jax.planning.initial_state`)."""
-    host = jax.local_devices(backend="cpu")
+    size 1 (`scamp_jax.planning.initial_state`); ``mesh`` itself where JAX has no CPU backend
+    (`host_cpu_devices`), so the state is made on the run's own devices."""
+    host = host_cpu_devices()
+    if not host:
+        return mesh
     size = mesh.devices.size
     if mesh.devices.flat[0].platform == "cpu" and len(host) >= size:
         home = np.asarray(host[:size], dtype=object).reshape(mesh.devices.shape)
