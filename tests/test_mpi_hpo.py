@@ -184,6 +184,22 @@ def test_span_plan_books_the_reduction_through_the_byte_rule_within_the_margin()
                   local_error=ValueError("too big for one rank"))
 
 
+def test_span_plan_keeps_the_global_batch_within_its_cap():
+    """Four samples fit a device and the study wants 10 or 11: three ranks would train 12 and
+    four 12 or 8, so the group grows until an equal share each lands in the range (5 ranks of
+    2 samples); where none does within the job, the error says so."""
+    from scamp_jax.planning import planner
+
+    span = span_plan(_planner_fitting(4)[0], None, ranks=16, min_batch_size=10,
+                     max_batch_size=11, local_error=ValueError("too big"), **_BUDGET)
+    assert (span.ranks, span.batch_per_rank, span.global_batch) == (5, 2, 10)
+    with pytest.raises(planner.DoesNotFitError,
+                       match="no group of 3 to 4 ranks trains a global batch between "
+                             "min_batch_size=10 and max_batch_size=11: widen that range"):
+        span_plan(_planner_fitting(4)[0], None, ranks=4, min_batch_size=10,
+                  max_batch_size=11, local_error=ValueError("too big"), **_BUDGET)
+
+
 def test_span_plan_says_what_to_change_when_a_trial_cannot_span():
     from scamp_jax.planning import planner
     with pytest.raises(planner.DoesNotFitError, match="needs 4 ranks but the job has 2"):
@@ -507,6 +523,26 @@ def test_a_spanning_trial_that_fails_on_one_rank_ends_the_job_instead_of_hanging
     assert re.search(r"rank 1 failed: trial 0, which spans ranks, ended failed on this rank "
                      r"\(.*rank 1's data fails at batch 3.*\) while the other ranks of its group "
                      r"train on", output), output
+
+
+@pytest.mark.slow  # run with -m slow (README: Tests)
+@pytest.mark.mpi
+def test_a_spanning_trial_whose_evaluation_fails_on_another_rank_is_recorded_failed(
+    tmp_path, _needs_mpi
+):
+    """Rank 1's final evaluation of a trial that spans ranks 0 and 1 fails after the last
+    gradient reduction, so no rank waits for it: the study records the trial failed with
+    rank 1's reason, not complete from rank 0's part alone."""
+    proc = _launch(tmp_path, 2, "--trials", "1", "--devices", "1", "--memory-per-device",
+                   "14000", "--min-batch-size", "64", "--max-batch-size", "64",
+                   "--fail-eval-rank", "1", "--failure-limit", "0", timeout=200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "spans ranks [0, 1]" in proc.stdout
+    (trial,) = _results(tmp_path)["trials"]
+    assert trial["state"] == "failed", trial
+    assert "rank 1 of its group" in trial["reason"], trial
+    assert "rank 1's evaluation fails" in trial["reason"], trial
+    assert [s for _, s, _ in _stored_trials(tmp_path)] == ["FAIL"]
 
 
 @pytest.mark.slow  # run with -m slow (README: Tests)

@@ -145,8 +145,9 @@ def span_plan(
 
     Raises:
       planner.DoesNotFitError: the model does not fit one device at batch 1 beside the
-        reduction (spanning ranks does not split a model), or the job has too few ranks; the
-        message says what to change.
+        reduction (spanning ranks does not split a model), the job has too few ranks, or no
+        group of them trains an equal share each within ``min_batch_size`` and
+        ``max_batch_size``; the message says what to change.
     """
     usable = Budget(memory_per_device, safety_margin).usable_bytes
     # The plan's usable part (floor of memory * (1 - margin)) leaves the reduction room.
@@ -175,8 +176,24 @@ def span_plan(
             "--memory-per-device",
             booked_bytes(one, step_extra=reduction_bytes), usable,
         )
-    per_rank = fits if max_batch_size is None else min(fits, max_batch_size // need)
-    per_rank = max(per_rank, math.ceil(min_batch_size / need))
+
+    def shares(n: int) -> tuple[int, int]:  # each of n ranks' fewest and most samples
+        most = fits if max_batch_size is None else min(fits, max_batch_size // n)
+        return math.ceil(min_batch_size / n), most
+
+    first = need
+    while need <= ranks and shares(need)[0] > shares(need)[1]:
+        need += 1  # every rank trains the same share: n x share must lie in [min, max]
+    if need > ranks:
+        raise planner.DoesNotFitError(
+            f"{local_error}. Spanning ranks, one device fits a batch of {fits} beside the "
+            f"gradient reduction and every rank trains the same share, so no group of "
+            f"{first} to {ranks} ranks trains a global batch between min_batch_size="
+            f"{min_batch_size} and max_batch_size={max_batch_size}: widen that range, or "
+            "raise --memory-per-device",
+            booked_bytes(one, step_extra=reduction_bytes), usable,
+        )
+    per_rank = shares(need)[1]
     if per_rank < fits:  # book the plan of the batch that runs
         one = call_planner(model, 1, per_rank, memory)
     booked = booked_bytes(one, step_extra=reduction_bytes)
@@ -272,6 +289,7 @@ def run_spanning_trials(
             # has seen, and a freed one would be invalid under a later step.
             result = _run_on_group(trial, space, task, config, sub, checkpoint_root, pool)
             _end_together(sub, trial, result, rank)
+            result = _group_result(sub, result)
             if rank != ranks[0]:
                 result = None  # the group's first rank speaks for it
         gathered = comm.gather(result, root=0)
@@ -316,6 +334,24 @@ def _end_together(sub: Any, trial: SpanningTrial, result: RunResult, rank: int) 
                   file=sys.stderr, flush=True)
             sub.Abort(1)
         time.sleep(0.05)
+
+
+def _group_result(sub: Any, result: RunResult) -> RunResult:
+    """The result the group's first rank reports for it (collective over the group): its own,
+    unless another rank's part ended other than complete after the last reduction (its final
+    evaluation failed, say), whose state and reason it then takes."""
+    if sub.Get_size() == 1:
+        return result
+    parts = sub.allgather((result.state, result.reason))
+    if result.state != "complete":
+        return result
+    other = next(((i, state, reason) for i, (state, reason) in enumerate(parts)
+                  if state != "complete"), None)
+    if other is None:
+        return result
+    index, state, reason = other
+    return replace(result, state=state,
+                   reason=f"rank {index} of its group: {reason or 'no reason given'}")
 
 
 def _run_on_group(trial: SpanningTrial, space: Any, task: Any, config: Any, sub: Any,

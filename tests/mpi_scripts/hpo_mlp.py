@@ -49,6 +49,8 @@ def main() -> None:
     p.add_argument("--fail-rank", type=int,
                    help="this rank's training batches raise after --fail-after of a trial's")
     p.add_argument("--fail-after", type=int, default=3)
+    p.add_argument("--fail-eval-rank", type=int,
+                   help="this rank's evaluation of a trial raises (after its last step)")
     p.add_argument("--end-together-seconds", type=float,
                    help="how long a rank whose part of a spanning trial failed waits")
     args = p.parse_args()
@@ -90,6 +92,20 @@ def main() -> None:
                         yield batch
 
                 task.batches = failing
+            return space, task
+
+    if args.fail_eval_rank is not None:
+        from mpi4py import MPI
+
+        made = make
+
+        def make(config: HPOConfig) -> tuple[Any, Any]:
+            space, task = made(config)
+            if MPI.COMM_WORLD.Get_rank() == args.fail_eval_rank:
+                def evaluate(model: Any) -> dict[str, float]:
+                    raise RuntimeError(f"rank {args.fail_eval_rank}'s evaluation fails")
+
+                task.evaluate = evaluate
             return space, task
 
     result = run(args, config, make, baseline=None, title="MLP HPO")
