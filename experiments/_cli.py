@@ -476,8 +476,9 @@ def user_errors(resumable: bool = True, stopped: str | None = None) -> Iterator[
     compiler, a damaged or unreachable database) and prints ``error: <message>`` without a
     traceback; a ``ValueError`` or ``TypeError`` raised outside the project's code (in JAX,
     say: not a check of ours, likely a bug) keeps its traceback above that line, as does any
-    error with ``SCAMP_TRACEBACK=1`` in the environment (`TRACEBACK_VARIABLE`). Installs the SIGINT and SIGTERM handler (`_CtrlC`). Any entry point (an
-    argparse-based ``main``) can wrap its body in it.
+    error with ``SCAMP_TRACEBACK=1`` in the environment (`TRACEBACK_VARIABLE`). Installs the
+    SIGINT and SIGTERM handler (`_CtrlC`). Any entry point (an argparse-based ``main``) can
+    wrap its body in it.
     """
     from sqlalchemy.exc import SQLAlchemyError
 

@@ -260,3 +260,49 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path):
     # The final checkpoint holds the trained model.
     model = load_model(second.checkpoint, SPACE, config)
     assert Regression().evaluate(model)["mse"] == pytest.approx(second.metrics["mse"], rel=1e-5)
+
+
+class DropoutMLP(nnx.Module):
+    """`MLP` with dropout on its hidden layer (random numbers drawn in training)."""
+
+    def __init__(self, width: int, rngs: nnx.Rngs) -> None:
+        self.hidden = nnx.Linear(IN, width, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.out = nnx.Linear(width, OUT, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.out(self.drop(jnp.tanh(self.hidden(x))))
+
+
+class HalvesAlike(Regression):
+    """Every global batch is one half drawn twice: both parts of a two-way share see the same
+    samples, so what tells their losses apart is what each draws at random."""
+
+    def batches(self, batch_size: int, seed: int) -> Iterator[tuple[np.ndarray, ...]]:
+        for x, y in super().batches(batch_size // 2, seed):
+            yield np.concatenate([x, x]), np.concatenate([y, y])
+
+
+@pytest.mark.parametrize("model", [MLP, DropoutMLP])
+def test_each_part_of_a_spanning_trial_draws_its_own_dropout_masks(model):
+    """The ranks of a spanning trial train on parts of one global batch: with dropout each
+    part draws its own masks (as one process draws them for the whole batch), not part 0's
+    masks for its sample i; without random numbers the two parts train alike."""
+    from scamp_jax.distributed.spanning import one_device_plan
+
+    space = SearchSpace("mlp", lambda t: {}, lambda p, rngs: model(16, rngs))
+    params = {"width": 16, "learning_rate": 1e-2}
+    losses = {}
+    for index in (0, 1):
+        plan = one_device_plan(space, params, 8, jax.devices()[0])
+        spec = RunSpec(0, params, plan, steps=4, memory_per_device=1 << 30, seed=5,
+                       log_every=1, batch_share=(index, 2))
+        losses[index] = []
+        result = run_trial(spec, space, HalvesAlike(),
+                           on_loss=lambda number, step, loss, i=index: losses[i].append(loss))
+        assert result.state == "complete", result.reason
+    assert len(losses[0]) == 4
+    if model is MLP:
+        assert losses[0] == losses[1]
+    else:
+        assert all(a != b for a, b in zip(losses[0], losses[1], strict=True)), losses

@@ -12,7 +12,11 @@ ranks), so reducing the loss alone would leave each rank with only its own gradi
 
 Equal to the single-process run on the whole batch up to float32 reassociation: the mean over
 B samples becomes the mean over ranks of means over B / ranks samples, which adds the same
-numbers in another order (differences of a few units in the last place per step).
+numbers in another order (differences of a few units in the last place per step). That holds
+for training without random numbers; a model that draws them (dropout, drop-path) draws
+independent masks on each rank (a study's spanning trials fold the rank's share into its keys,
+`scamp_jax.hpo.runner.own_random_streams`), the same distribution as one process but other
+bits. Batch statistics (batch norm) are each rank's own.
 
 One local device per rank: mpi4jax's calls run once per process, not once per device of a
 sharded computation, so the step's mesh must have exactly one device (`check_one_device`).

@@ -7,7 +7,8 @@ devices together hold that batch, each rank training a whole replica of the mode
 on its share of every global batch. The gradients and the loss are averaged over those ranks by
 ``mpi4jax.allreduce`` inside the jitted step (`scamp_jax.distributed.data_parallel.mpi_mean`),
 so every replica applies the same update and the run equals training on the whole batch in one
-process up to float32 reassociation.
+process up to float32 reassociation (a model that draws random numbers in training, dropout
+or drop-path, draws each rank's own: `scamp_jax.hpo.runner.own_random_streams`).
 
 A spanning trial is booked as a lone trial is: its one-device plan is made for the budget less
 the reduction's buffers (`scamp_jax.distributed.data_parallel.mpi_mean_bytes`, which the

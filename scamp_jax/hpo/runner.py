@@ -70,7 +70,8 @@ class RunSpec:
         trial that spans ranks (`scamp_jax.distributed.data_parallel.mpi_mean`); None: no reduction.
       batch_share: ``(index, parts)``: this process trains on part ``index`` of ``parts`` equal
         contiguous parts of every global batch of ``plan.batch_size * parts`` samples (each
-        rank of a spanning trial draws the same global stream); None: the whole batch.
+        rank of a spanning trial draws the same global stream), and draws its own random
+        numbers in training (dropout, drop-path: `own_random_streams`); None: the whole batch.
       save_checkpoints: write checkpoints (a spanning trial's ranks all restore from the same
         directory, one of them writes it).
       booked_bytes: bytes per device the trial's placement reserved (its share of the device
@@ -325,6 +326,8 @@ class SoloProgram:
             self.state = _initial_state(self.space, spec, self.optimizer, spec.seed,
                                         states=self.cache.initial_states,
                                         architecture=self.graphdef)
+        if spec.batch_share is not None:  # after a restore too: rank 0's keys are stored
+            self.state = own_random_streams(self.state, spec.batch_share[0])
         self.batch = jax.device_put(self._next, self.plan.batch_sharding)
         del self._next
 
@@ -371,6 +374,26 @@ class SoloProgram:
     def evaluate_whole(self, slot: int, task: Task) -> Mapping[str, Any]:
         params, _, rest = self.state
         return evaluate_model(task, self.graphdef, params, rest, self.plan.mesh)
+
+
+def own_random_streams(state: tuple[Any, Any, Any], index: int) -> tuple[Any, Any, Any]:
+    """``(params, opt_state, rest)`` with the model's random keys (NNX's ``RngKey``s in
+    ``rest``) folded with ``index``, the part of the global batch this process trains, so that
+    the ranks of a spanning trial draw independent dropout and drop-path masks for their
+    samples, as one process does for the whole batch, rather than each rank sample ``i`` the
+    mask of rank 0's sample ``i``. Part 0 keeps its keys (a run in one process), and a key is
+    fixed through a run (NNX counts the draws beside it), so folding the keys a resumed run
+    restores (part 0's, the part that saves) gives each part the keys it trained with."""
+    if index == 0:
+        return state
+    params, opt_state, rest = state
+
+    def fold(x: Any) -> Any:
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.fold_in(x, index)
+        return x
+
+    return params, opt_state, jax.tree.map(fold, rest)
 
 
 def _batches(task: Task, batch_size: int, seed: int,
