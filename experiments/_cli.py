@@ -595,7 +595,7 @@ def plan_only(
     import jax
 
     from scamp_jax._units import counted, format_bytes, parse_bytes
-    from scamp_jax.hpo.preview import format_rows, plan_candidates
+    from scamp_jax.hpo.preview import ESTIMATE_NOTE, format_rows, plan_candidates
     from scamp_jax.planning import planner, targets
 
     if target_name is not None:
@@ -639,9 +639,12 @@ def plan_only(
             stopped.set()
         raise
     print(format_rows(rows, params=sorted(space.grid)))
+    if any(r.step_seconds is not None for r in rows):
+        print(f"  ({ESTIMATE_NOTE})")
     return {"plan_only": True, "devices": len(devices), "device_kind": devices[0].device_kind,
             "memory_per_device": budget.memory_per_device,
-            "candidates": [dataclasses.asdict(r) for r in rows]}
+            "candidates": [{**dataclasses.asdict(r), "device_hours": r.device_hours}
+                           for r in rows]}
 
 
 def pool_budget(args: argparse.Namespace, config: HPOConfig, devices: Sequence[Any],

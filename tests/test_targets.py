@@ -224,6 +224,15 @@ def test_plan_for_a_target_is_a_plan_and_cpu_plans_do_not_change() -> None:
     # as on a GPU, the planner keeps no step for a runner: nothing runs on described devices
     assert plan_mesh(model, sample, target="h100", compile_for_run=True,
                      **kw).compiled_step is None
+    # the least time a step takes there: its FLOPs per device at what an H100 attains (the
+    # scheduler's figure); none for CPU devices, whose share of the host is not fixed
+    from scamp_jax.hpo.preview import compute_seconds
+    from scamp_jax.scheduling.costs import attainable_flops
+
+    h100 = plan.devices[0].device_kind
+    assert compute_seconds(2e12, h100) == pytest.approx(2e12 / attainable_flops(h100))
+    assert compute_seconds(2e12, cpu_after.devices[0].device_kind) is None
+    assert compute_seconds(None, h100) is None
 
 
 def test_a_fused_group_for_a_gpu_is_planned_with_the_autotuner_off_and_keeps_no_step(
@@ -310,13 +319,20 @@ def test_plan_only_prints_each_candidates_plan() -> None:
     assert lines[0].startswith("planning 2 candidates of swinir-small on 4 x Tesla V100-SXM2")
     header = next(line for line in lines if line.split()[:4] == ["trial", "devices", "mp",
                                                                  "batch"])
-    rows = lines[lines.index(header) + 1:]
+    rows = lines[lines.index(header) + 1:lines.index(header) + 3]
     assert [row.split()[0] for row in rows] == ["0", "1"]
     assert all(int(row.split()[3]) >= 1 for row in rows)  # a batch for each
     # a GPU target's study fuses (auto): the plan says so and how to size the groups here
     assert "add --fuse auto (or a width) to size the groups too" in result.stdout
     assert "batches of at most 2 samples (--max-batch-size)" in result.stdout
     assert "fused" not in header.split()
+    # how long a step and a trial take there at least, and what that figure is
+    assert header.split()[7:11] == ["CPU-s", "s/step", "at", "least"], header
+    assert "device-h" in header.split()
+    columns = header.index("device-h")
+    assert all(float(row[columns - 6:columns + 8].split()[-1]) > 0 for row in rows), rows
+    assert "(s/step at least: each step's FLOPs at the FLOP/s a device of this kind attains" \
+        in result.stdout
 
 
 def test_a_targets_unoptimised_code_books_what_optimised_code_books() -> None:
@@ -412,6 +428,11 @@ def test_candidate_plan_rows_are_plain_data() -> None:
     assert "0 (trial 0)" in table[2]  # a plan reused from trial 0: nothing compiled for it
     assert "batch 64 x 500 steps" in row.describe()
     assert "the plan of trial 0 (the same architecture)" in again.describe()
+    timed = dataclasses.replace(row, devices=4, step_seconds=0.018)
+    assert timed.device_hours == pytest.approx(0.018 * 500 * 4 / 3600)
+    header = format_rows([timed, row]).splitlines()[0]
+    assert header.split()[-4:] == ["s/step", "at", "least", "device-h"]
+    assert format_rows([timed]).splitlines()[1].split()[-2:] == ["0.018", "0.01"]
 
 
 def test_a_product_without_a_default_kernel_compiles_with_cublas_kernels(caplog):

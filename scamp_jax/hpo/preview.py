@@ -50,6 +50,9 @@ class CandidatePlan:
         batch, scaled: `EngineConfig.steps_for`; 0: no plan).
       planned_with: the earlier trial whose plan of the same architecture this one reuses
         (None: planned here).
+      step_seconds: the least time one training step can take on its devices
+        (`compute_seconds`: its FLOPs at what a device of the pool's kind attains); None
+        where the kind's FLOP/s are not known (CPU devices) or the plan has no FLOP count.
     """
 
     number: int
@@ -68,6 +71,15 @@ class CandidatePlan:
     group_bytes_per_device: int = 0
     steps: int = 0
     planned_with: int | None = None
+    step_seconds: float | None = None
+
+    @property
+    def device_hours(self) -> float | None:
+        """``step_seconds`` times the trial's steps and devices, in device-hours (a lower
+        bound of what the trial costs on its devices, as ``step_seconds`` is)."""
+        if self.step_seconds is None or not self.devices:
+            return None
+        return self.step_seconds * self.steps * self.devices / 3600.0
 
     def describe(self) -> str:
         """One line: the plan, or why there is none."""
@@ -81,6 +93,27 @@ class CandidatePlan:
                 f"{self.model_parallel}, batch {self.batch_size} x {self.steps} steps, "
                 f"{format_bytes(self.bytes_per_device)} per device{group}, {cost}, "
                 f"{self.cpu_seconds:.1f} CPU s")
+
+
+#: What `format_rows`' estimate columns mean, for a line under the table.
+ESTIMATE_NOTE = ("s/step at least: each step's FLOPs at the FLOP/s a device of this kind attains "
+                 "(half its data sheet's float32 peak, the figure the scheduler paces trials "
+                 "by); memory traffic, kernel launches and communication only add to it. "
+                 "device-h: that times the trial's steps and devices")
+
+
+def compute_seconds(flops_per_device: float | None, device_kind: str) -> float | None:
+    """The least time one training step takes on a device of ``device_kind`` that runs
+    ``flops_per_device`` of it (`scamp_jax.hpo.plan_service.PlanningService.step_flops`, the
+    engine's figure): those FLOPs at what the kind attains
+    (`scamp_jax.scheduling.costs.attainable_flops`, the figure the scheduling core paces
+    trials by). None where either is unknown (CPU devices)."""
+    from scamp_jax.scheduling.costs import attainable_flops
+
+    attained = attainable_flops(device_kind)
+    if not flops_per_device or attained is None:
+        return None
+    return flops_per_device / attained
 
 
 def cpu_seconds() -> float:
@@ -146,6 +179,13 @@ def plan_candidates(
         study.enqueue_trial(dict(params))
     rows: list[CandidatePlan] = []
     seen: dict[int, int] = {}  # plans made here -> the trial they were made for
+    kind = str(devices[0].device_kind)
+
+    def timed(params: Mapping[str, Any], plan: Any) -> float | None:
+        if compute_seconds(1.0, kind) is None:  # no FLOP/s for this kind: lower nothing
+            return None
+        return compute_seconds(service.step_flops(params, plan), kind)
+
     for _ in range(count):
         trial = study.ask()
         params = space.suggest(trial)
@@ -177,7 +217,8 @@ def plan_candidates(
                 group_bytes_per_device=0 if group is None else int(group.predicted_peak_bytes
                                                                    or 0),
                 steps=config.steps_for(plan.batch_size),
-                planned_with=None if first == trial.number else first)
+                planned_with=None if first == trial.number else first,
+                step_seconds=timed(params, plan))
         rows.append(row)
         if on_plan is not None:
             on_plan(row)
@@ -199,24 +240,39 @@ _COLUMNS: tuple[tuple[str, Callable[[CandidatePlan], str]], ...] = (
     ("compiles", lambda r: str(r.compiles) if r.planned_with is None
      else f"0 (trial {r.planned_with})"),
     ("CPU-s", lambda r: f"{r.cpu_seconds:.1f}"),
+    ("s/step at least", lambda r: _figure(r.step_seconds)),
+    ("device-h", lambda r: _figure(r.device_hours)),
 )
 
 
 #: Columns shown where a row has a fused group.
 _FUSED_COLUMNS = ("fused", "group bytes/device")
+#: Columns shown where a row has a time estimate (`ESTIMATE_NOTE`).
+_ESTIMATE_COLUMNS = ("s/step at least", "device-h")
 
 
 def format_rows(rows: Sequence[CandidatePlan], params: Sequence[str] = ()) -> str:
     """A plain-text table of ``rows``, with the configuration keys ``params`` as columns (the
-    fused group's columns where a row has one)."""
+    fused group's columns where a row has one, the time estimate's where a row has one:
+    `ESTIMATE_NOTE`)."""
     fused = any(r.fusion_width > 1 for r in rows)
-    columns = [(name, show) for name, show in _COLUMNS if fused or name not in _FUSED_COLUMNS]
+    timed = any(r.step_seconds is not None for r in rows)
+    columns = [(name, show) for name, show in _COLUMNS
+               if (fused or name not in _FUSED_COLUMNS)
+               and (timed or name not in _ESTIMATE_COLUMNS)]
     header = [name for name, _ in columns] + list(params)
     body = [[show(r) for _, show in columns] + [_value(r.params.get(k, "")) for k in params]
             for r in rows]
     widths = [max(len(str(x)) for x in column) for column in zip(header, *body, strict=True)]
     return "\n".join("  ".join(str(x).rjust(w) for x, w in zip(line, widths, strict=True))
                      for line in [header, *body])
+
+
+def _figure(value: float | None) -> str:
+    """Three significant digits without an exponent where one is readable, '-' for none."""
+    if value is None:
+        return "-"
+    return f"{value:.3g}" if value >= 1e-3 else f"{value:.1e}"
 
 
 def _value(value: Any) -> str:
