@@ -118,6 +118,34 @@ def test_run_study_runs_then_resumes_only_the_missing_trials(tmp_path):
         scamp_jax.load_model(tmp_path / "best_model", SPACE, other)
 
 
+def test_the_results_keep_the_configuration_suggest_made_not_only_what_optuna_drew(tmp_path):
+    """A ``suggest`` that adds constants (a learning rate it does not search, a depth): the
+    results, the best model's record and the README's ``load_model`` take the whole
+    configuration, which its ``build`` needs."""
+    from test_runner import MLP
+
+    def suggest(trial):
+        return {"width": trial.suggest_categorical("width", [16, 32]), "depth": 1,
+                "learning_rate": 1e-2, "note": {"kind": "constant"}}
+
+    def build(config, rngs):
+        assert config["depth"] == 1 and config["note"] == {"kind": "constant"}
+        return MLP(int(config["width"]), rngs)
+
+    space = scamp_jax.SearchSpace("mlp-constants", suggest, build)
+    result = scamp_jax.run_study(space, function_task(), trials=2, steps=3, study_dir=tmp_path,
+                                 devices=2, memory_per_device="64MiB", max_batch_size=16,
+                                 sampler="random", live=False)
+    trials = json.loads((tmp_path / "results.json").read_text())["trials"]
+    assert [list(t["params"]) for t in trials] == [["width", "depth", "learning_rate",
+                                                     "note"]] * 2
+    assert result["best"]["params"]["depth"] == 1
+    assert "depth" in (tmp_path / "results.csv").read_text().splitlines()[1]
+    best = json.loads((tmp_path / "best_model" / "trial.json").read_text())
+    model = scamp_jax.load_model(tmp_path / "best_model", space, best["params"])
+    assert function_task().evaluate(model)["mse"] == pytest.approx(best["mse"], rel=1e-6)
+
+
 def test_run_study_fuses_trials_of_one_architecture(tmp_path):
     result = scamp_jax.run_study(SPACE, function_task(), trials=2, steps=5, study_dir=tmp_path,
                                  devices=2, memory_per_device="64MiB", max_batch_size=16,

@@ -27,6 +27,7 @@ from scamp_jax._units import format_bytes
 from scamp_jax.hpo.checkpoint import copy_checkpoint
 from scamp_jax.hpo.failures import TRACEBACK
 from scamp_jax.hpo.study import FAIL_REASON, INTERRUPTED, stopped_attempt
+from scamp_jax.hpo.study.trials import configuration
 
 #: columns every results row has, in CSV order (task metrics follow).
 BASE_COLUMNS = (
@@ -62,7 +63,7 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
         metrics = dict(attrs.get("metrics") or {})
         row: dict[str, Any] = {
             "number": trial.number,
-            "params": dict(trial.params),
+            "params": configuration(trial.params, attrs),
             "devices": list(attrs.get("devices", [])),
             "model_parallel": attrs.get("model_parallel"),
             "batch_size": attrs.get("batch_size"),

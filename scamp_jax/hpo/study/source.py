@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import math
 import threading
 from collections.abc import Hashable, Mapping, Sequence
@@ -25,6 +26,7 @@ from scamp_jax.hpo.study.storage import (
 )
 from scamp_jax.hpo.study.trials import (
     CHECKPOINT_KEY,
+    CONFIGURATION,
     FAIL_REASON,
     HELD_SIBLINGS,
     INTERRUPTED,
@@ -432,6 +434,9 @@ class OptunaTrialSource:
         params = self.space.suggest(trial)  # first: a trial killed before it has no params
         for name, value in attrs.items():
             trial.set_user_attr(name, value)
+        whole = _stored_configuration(params, trial.params)
+        if whole is not None:
+            trial.set_user_attr(CONFIGURATION, whole)
         # its record of the trials it retries (Optuna keeps it with the stored trial)
         frozen = (self._storage.get_trial(self._ids[trial.number])
                   if self._storage is not None and trial.number in self._ids
@@ -507,3 +512,20 @@ class OptunaTrialSource:
                 self._fail_with_retry(trial, trial_id)
             except optuna.exceptions.UpdateFinishedTrialError:
                 return  # failed as stale by another process, which queued it again
+
+
+def _stored_configuration(params: Mapping[str, Any],
+                          drawn: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What `CONFIGURATION` stores for a trial: the whole configuration where ``suggest``
+    returned keys Optuna did not draw (None: Optuna's ``params`` are all of it). A value JSON
+    cannot hold (the storage's format) is left out; the rebuild then names the missing key."""
+    if all(k in drawn for k in params):
+        return None
+    whole = {}
+    for key, value in params.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            continue
+        whole[key] = value
+    return whole
