@@ -146,6 +146,20 @@ def test_the_results_keep_the_configuration_suggest_made_not_only_what_optuna_dr
     assert function_task().evaluate(model)["mse"] == pytest.approx(best["mse"], rel=1e-6)
 
 
+def test_an_evaluate_that_returns_a_number_is_told_what_to_return(tmp_path):
+    reference = Regression()
+    task = scamp_jax.FunctionTask(metric="mse", direction="minimize",
+                                  loss_fn=reference.loss_fn, batches=reference.batches,
+                                  evaluate=lambda model: 0.5)
+    scamp_jax.run_study(SPACE, task, trials=1, steps=2, study_dir=tmp_path, devices=2,
+                        memory_per_device="64MiB", max_batch_size=16, sampler="random",
+                        live=False)
+    [trial] = json.loads((tmp_path / "results.json").read_text())["trials"]
+    assert trial["state"] == "failed"
+    assert ("task.evaluate returned float 0.5; it must return a dict of scores that holds the "
+            "study metric, e.g. {'mse': value}") in trial["reason"], trial["reason"]
+
+
 def test_run_study_fuses_trials_of_one_architecture(tmp_path):
     result = scamp_jax.run_study(SPACE, function_task(), trials=2, steps=5, study_dir=tmp_path,
                                  devices=2, memory_per_device="64MiB", max_batch_size=16,

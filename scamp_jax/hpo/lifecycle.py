@@ -501,6 +501,11 @@ class Lifecycle:
             metrics = task.score(outputs)
         else:
             metrics = self.program.evaluate_whole(slot, task)
+        if not isinstance(metrics, Mapping):
+            where = "task.score" if self.evaluation is not None else "task.evaluate"
+            raise TypeError(
+                f"{where} returned {type(metrics).__name__} {metrics!r}; it must return a dict "
+                f"of scores that holds the study metric, e.g. {{{task.metric!r}: value}}")
         if task.metric not in metrics:
             raise KeyError(
                 f"task.evaluate returned {sorted(metrics)} without the study metric "
