@@ -179,13 +179,16 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
     parser.add_argument("--sampler", choices=SAMPLERS, help="Optuna sampler (seeded)")
     parser.add_argument("--pruner", choices=PRUNERS,
                         help="Optuna pruner fed by intermediate evaluations (--eval-every)")
-    parser.add_argument("--eval-every", type=non_negative_int,
-                        help="steps between intermediate evaluations reported to the pruner "
-                        "(0: off)")
+    parser.add_argument("--eval-every", type=non_negative_int, metavar="N",
+                        help="steps between intermediate evaluations reported to the pruner, "
+                        "counted as --steps are, at the preset's reference batch (a trial at "
+                        "another batch is evaluated after as many samples; 0: off; default: "
+                        "the preset's, scaled with --steps)")
     parser.add_argument("--checkpoint-every", type=non_negative_int, metavar="N",
                         help="steps between a trial's checkpoints, which a stopped study resumes "
-                        "from (0: only at the end; default: the preset's, scaled with --steps so "
-                        "a trial writes as many)")
+                        "from, counted as --steps are (a trial at another batch writes as many; "
+                        "0: only at the end; default: the preset's, scaled with --steps so a "
+                        "trial writes as many)")
     parser.add_argument("--seed", type=int, help="seed of the sampler, initialisation and data")
     parser.add_argument("--failure-limit", type=non_negative_int, metavar="N",
                         help="stop the study when trials of N runs (a fused group is one) "
@@ -239,7 +242,9 @@ def preset_text(name: str, c: HPOConfig) -> str:
     running = ("no cap on running trials" if cap is None else
                f"--max-running-trials {cap}" if isinstance(cap, str) else f"at most {cap} running")
     pruning = (f"pruner {c.pruner} (evaluations every {c.eval_every:,} steps)"
-               if c.pruner != "none" and c.eval_every else "no pruning")
+               if c.pruner != "none" and c.eval_every and c.eval_every < c.steps else
+               f"no pruning (pruner {c.pruner} without an evaluation before the last step: "
+               "pass --eval-every below --steps)" if c.pruner != "none" else "no pruning")
     steps = f"{c.steps:,} steps" + (f" at batch {c.reference_batch:,}" if c.reference_batch
                                      else "")
     checkpoints = (f"a checkpoint every {c.checkpoint_every:,} steps" if c.checkpoint_every
@@ -258,10 +263,12 @@ def config_from_args(args: argparse.Namespace, base: HPOConfig, study_dir: str) 
             overrides[name] = value
     if overrides.get("max_running_trials") == "none":  # --max-running-trials none: no cap
         overrides["max_running_trials"] = None
-    if "steps" in overrides and "checkpoint_every" not in overrides and base.checkpoint_every:
-        # as many checkpoints per trial as the preset writes (25 of 100 steps: every 250 of 1000)
-        overrides["checkpoint_every"] = max(
-            1, round(base.checkpoint_every * overrides["steps"] / base.steps))
+    for every in ("checkpoint_every", "eval_every"):
+        if "steps" in overrides and every not in overrides and getattr(base, every):
+            # as many checkpoints and evaluations per trial as the preset makes (25 of 100
+            # steps: every 250 of 1000)
+            overrides[every] = max(1, round(getattr(base, every) * overrides["steps"]
+                                            / base.steps))
     overrides["study_dir"] = args.study_dir or study_dir
     if "devices_per_trial" in overrides and overrides.get("policy", base.policy) != "fixed":
         fail(f"--devices-per-trial {overrides['devices_per_trial']} applies to --policy fixed "
@@ -699,6 +706,10 @@ def _run(
     if preset_for is not None:
         config = preset_for(devices[0].platform)  # the preset for these devices, flags on top
     budget = pool_budget(args, config, devices, memory)
+    if config.pruner != "none" and not 0 < config.eval_every < config.steps:
+        print(f"note: --pruner {config.pruner} prunes nothing in this study: no trial is "
+              "evaluated before its last step; pass --eval-every below --steps "
+              f"({config.steps:,})", flush=True)
     space, task = make(config)  # reads the image folders: before any study exists
     # Under mpirun with several ranks the same session spans them: rank 0 serves the study.
     return run_search(space, task, config, devices=devices,

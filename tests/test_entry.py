@@ -64,6 +64,7 @@ def test_function_task_checks_its_functions():
     ({"elastic": "yes"}, "elastic='yes' is not one of 'auto', 'on', 'off'"),
     ({"min_batch_size": 64, "max_batch_size": 16}, "raise max_batch_size to at least 64"),
     ({"fuse": 4, "sampler": "grid"}, "sampler='grid' takes every parameter from its grid"),
+    ({"fuse": "auto", "sampler": "grid"}, "sampler=random with fuse, or fuse=1 .no fused"),
     ({"device_overlap": 1.5}, r"device_overlap=1.5 must be in \[0, 1\]"),
 ])
 def test_settings_name_the_bad_value_and_the_fix(kw, message):

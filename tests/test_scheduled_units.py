@@ -160,11 +160,40 @@ def test_a_launcher_runs_every_unit_it_starts_at_once_however_many():
     assert [r.state for r in results] == ["complete"] * n, [r.reason for r in results]
 
 
+def test_a_trial_of_another_batch_checkpoints_and_is_evaluated_after_as_many_samples():
+    """``checkpoint_every`` and ``eval_every`` count steps at the reference batch, as
+    ``steps`` does: a trial at twice that batch trains half the steps, writes as many
+    checkpoints, is evaluated as often, and the pruner hears each evaluation at the reference
+    step (trials of any batch compared after as many samples)."""
+    config = dataclasses.replace(CONFIG, steps=40, reference_batch=32, checkpoint_every=20,
+                                 eval_every=10)
+    at_reference = Schedule.of(config, 32, 1)
+    assert (at_reference.steps, at_reference.checkpoint_every, at_reference.eval_every) == (
+        40, 20, 10)
+    double = Schedule.of(config, 64, 1)
+    assert (double.steps, double.checkpoint_every, double.eval_every) == (20, 10, 5)
+    assert [double.reported_step(d) for d in (5, 10, 15)] == [10, 20, 30]
+    assert [at_reference.reported_step(d) for d in (10, 20, 30)] == [10, 20, 30]
+    half = Schedule.of(config, 16, 1)
+    assert (half.steps, half.checkpoint_every, half.eval_every) == (80, 40, 20)
+    # carried through the specs a run is made from
+    _, solo, group = _units()
+    member = MemberSpec.of(solo.planned.asked, 7, None)
+    assert RunSpec.of(member, solo.planned.plan, double, BUDGET).schedule() == double
+    members = tuple(MemberSpec.of(m.asked, 7, None) for m in group.members)
+    assert GroupSpec.of(4, members, group.fusion, double, BUDGET).schedule() == double
+    # without a reference batch every trial trains the steps and intervals as given
+    fixed = Schedule.of(dataclasses.replace(config, reference_batch=None), 64, 1)
+    assert (fixed.steps, fixed.checkpoint_every, fixed.eval_every) == (40, 20, 10)
+    assert fixed.reported_step(10) == 10
+
+
 def test_run_specs_carry_the_one_schedule_and_member_they_are_built_from():
     _, solo, group = _units()
     plan = solo.planned.plan
     schedule = Schedule.of(CONFIG, int(plan.batch_size), 12345)
-    assert schedule == Schedule(CONFIG.steps_for(int(plan.batch_size)), 12345, 6, 0, 3)
+    assert schedule == Schedule(CONFIG.steps_for(int(plan.batch_size)), 12345,
+                                CONFIG.interval_for(6, int(plan.batch_size)), 0, 3)
     member = MemberSpec.of(solo.planned.asked, 7, None)
     spec = RunSpec.of(member, plan, schedule, BUDGET)
     assert (spec.member(), spec.schedule(), spec.share_bytes()) == (member, schedule, 12345)

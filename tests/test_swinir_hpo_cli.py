@@ -246,6 +246,25 @@ def test_damaged_study_database_names_the_cause(tmp_path):
                     "--study-dir")
 
 
+def test_steps_scale_the_presets_evaluations_and_an_idle_pruner_is_said():
+    """``--steps`` keeps the paper preset's evaluations per trial (as its checkpoints); a
+    pruner with no evaluation before the last step prunes nothing, and the preset's line says
+    so with the flag that changes it."""
+    from experiments._cli import config_from_args, preset_text
+
+    paper = swinir_hpo.get_config("paper")
+    args = swinir_hpo.parser().parse_args(["--preset", "paper", "--steps", "5000"])
+    config = config_from_args(args, paper, "runs/x")
+    assert config.eval_every == round(paper.eval_every * 5000 / paper.steps)
+    assert config.checkpoint_every == round(paper.checkpoint_every * 5000 / paper.steps)
+    assert f"pruner median (evaluations every {config.eval_every:,} steps)" in \
+        preset_text("paper", config)
+    args = swinir_hpo.parser().parse_args(["--preset", "smoke", "--pruner", "median"])
+    smoke = config_from_args(args, swinir_hpo.get_config("smoke"), "runs/x")
+    assert ("no pruning (pruner median without an evaluation before the last step: pass "
+            "--eval-every below --steps)") in preset_text("smoke", smoke)
+
+
 def test_eval_every_must_not_be_negative(capsys):
     with pytest.raises(SystemExit) as exit_info:
         swinir_hpo.main(["--eval-every", "-5"])

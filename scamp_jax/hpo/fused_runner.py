@@ -85,6 +85,7 @@ class GroupSpec:
         intermediate evaluations (0: none) and loss read-backs, as for `RunSpec`.
       reform: re-form the group without stopped members at the next evaluation (one compile
         per new width) instead of only masking them.
+      report_every: as for `RunSpec` (the step the pruner hears per evaluation).
     """
 
     group: int
@@ -97,6 +98,7 @@ class GroupSpec:
     log_every: int = 10
     reform: bool = True
     booked_bytes: int | None = None
+    report_every: int = 0
 
     @classmethod
     def of(cls, group: int, members: tuple[MemberSpec, ...], plan: FusionPlan,
@@ -108,12 +110,12 @@ class GroupSpec:
                    memory_per_device=memory_per_device,
                    checkpoint_every=schedule.checkpoint_every, eval_every=schedule.eval_every,
                    log_every=schedule.log_every, reform=schedule.reform,
-                   booked_bytes=schedule.share_bytes)
+                   booked_bytes=schedule.share_bytes, report_every=schedule.report_every)
 
     def schedule(self) -> Schedule:
         """How long the group trains and what it does on the way (the lifecycle's schedule)."""
         return Schedule(self.steps, self.share_bytes(), self.checkpoint_every, self.eval_every,
-                        self.log_every, reform=self.reform)
+                        self.log_every, reform=self.reform, report_every=self.report_every)
 
     def share_bytes(self) -> int:
         """The bytes per device the group may hold: ``booked_bytes`` (its share of the device

@@ -117,15 +117,29 @@ class Schedule:
     log_every: int = 10
     save: bool = True
     reform: bool = True
+    #: the step the pruner hears at the k-th evaluation is ``k * report_every`` (a study's
+    #: ``eval_every`` at its reference batch, so trials of any batch are compared after as
+    #: many samples); 0: the run's own step
+    report_every: int = 0
 
     @classmethod
     def of(cls, config: Any, batch_size: int, share_bytes: int) -> Schedule:
         """A study's run at a global batch of ``batch_size`` that may hold ``share_bytes`` per
-        device: its steps (`scamp_jax.hpo.settings.EngineConfig.steps_for`) and intervals from
-        ``config``, the study's `EngineConfig`. The one place a run's schedule is read from
-        the study's configuration."""
-        return cls(config.steps_for(int(batch_size)), int(share_bytes), config.checkpoint_every,
-                   config.eval_every, config.log_every)
+        device: its steps (`scamp_jax.hpo.settings.EngineConfig.steps_for`) and intervals
+        (`scamp_jax.hpo.settings.EngineConfig.interval_for`) from ``config``, the study's
+        `EngineConfig`. The one place a run's schedule is read from the study's
+        configuration."""
+        batch = int(batch_size)
+        return cls(config.steps_for(batch), int(share_bytes),
+                   config.interval_for(config.checkpoint_every, batch),
+                   config.interval_for(config.eval_every, batch), config.log_every,
+                   report_every=config.eval_every)
+
+    def reported_step(self, done: int) -> int:
+        """The step the pruner hears for an evaluation after ``done`` steps of this run."""
+        if not self.report_every or not self.eval_every:
+            return done
+        return done // self.eval_every * self.report_every
 
 
 class Program(Protocol):
@@ -524,7 +538,8 @@ class Lifecycle:
                 self._fail(m, err)
                 continue
             m.status.metric = value
-            if self.report is not None and self.report(m.spec.number, done, value):
+            reported = self.schedule.reported_step(done)
+            if self.report is not None and self.report(m.spec.number, reported, value):
                 active[slot] = False
                 self._end(m, "pruned", f"pruned at step {done} ({metric}={value:.4g})",
                           metrics={metric: value})

@@ -78,6 +78,8 @@ class RunSpec:
         ledger, e.g. the plan's ``predicted_peak_bytes``); None: the usable part of
         ``memory_per_device`` (less the plan's safety margin). Training (step + prefetched
         batch) and evaluation (forward + optimizer state + prefetched batch) must fit in it.
+      report_every: the step the pruner hears at the k-th intermediate evaluation is
+        ``k * report_every`` (`scamp_jax.hpo.lifecycle.Schedule.report_every`); 0: the run's.
     """
 
     number: int
@@ -94,6 +96,7 @@ class RunSpec:
     batch_share: tuple[int, int] | None = None
     save_checkpoints: bool = True
     booked_bytes: int | None = None
+    report_every: int = 0
 
     @classmethod
     def of(cls, member: MemberSpec, plan: Any, schedule: Schedule, memory_per_device: int,
@@ -105,7 +108,8 @@ class RunSpec:
                    memory_per_device=memory_per_device, checkpoint_dir=member.checkpoint_dir,
                    checkpoint_every=schedule.checkpoint_every, eval_every=schedule.eval_every,
                    log_every=schedule.log_every, seed=member.seed,
-                   save_checkpoints=schedule.save, booked_bytes=schedule.share_bytes, **extra)
+                   save_checkpoints=schedule.save, booked_bytes=schedule.share_bytes,
+                   report_every=schedule.report_every, **extra)
 
     def share_bytes(self) -> int:
         """The bytes per device this trial may hold (see ``booked_bytes``)."""
@@ -118,7 +122,8 @@ class RunSpec:
     def schedule(self) -> Schedule:
         """How long the run trains and what it does on the way (the lifecycle's schedule)."""
         return Schedule(self.steps, self.share_bytes(), self.checkpoint_every, self.eval_every,
-                        self.log_every, save=self.save_checkpoints)
+                        self.log_every, save=self.save_checkpoints,
+                        report_every=self.report_every)
 
 
 #: AdamW's settings where a configuration leaves them out (optax's, with no weight decay).

@@ -63,8 +63,10 @@ class EngineConfig:
         number of samples (None: every trial trains ``steps`` steps).
       fixed_batch_size: the fixed policy's one batch size; None: the largest batch the space's
         ``largest`` candidate fits on ``devices_per_trial`` devices.
-      checkpoint_every: steps between checkpoints (0: only at the end).
-      eval_every: steps between intermediate evaluations reported to the pruner (0: none).
+      checkpoint_every: steps between checkpoints (0: only at the end), at
+        ``reference_batch`` (scaled for a trial's batch as its steps are: `interval_for`).
+      eval_every: steps between intermediate evaluations reported to the pruner (0: none), at
+        ``reference_batch`` (scaled alike; the pruner hears the reference step).
       log_every: steps between loss read-backs.
       max_replans: out-of-memory re-plans of one trial before it is failed.
       lookahead: asked-but-unplaced trials to keep queued (None: number of devices); a fused
@@ -204,6 +206,15 @@ class EngineConfig:
             return self.steps
         return max(1, math.ceil(self.steps * self.reference_batch / batch_size))
 
+    def interval_for(self, every: int, batch_size: int) -> int:
+        """``every`` steps at ``reference_batch`` (``checkpoint_every``, ``eval_every``) as
+        steps of a trial at global ``batch_size``, scaled as `steps_for` scales its steps: a
+        trial of any batch writes as many checkpoints and is evaluated as often, after as
+        many samples. 0 (none) stays 0."""
+        if not every or self.reference_batch is None:
+            return every
+        return max(1, round(every * self.reference_batch / batch_size))
+
 
 @dataclass(frozen=True, kw_only=True)
 class SearchSettings(EngineConfig):
@@ -259,7 +270,8 @@ class SearchSettings(EngineConfig):
             raise ValueError(
                 f"fuse={self.fuse!r} leaves each sibling's training hyperparameters to the "
                 "sampler, and sampler='grid' takes every parameter from its grid; use "
-                "sampler='tpe' or 'random' with fuse, or fuse=None with the grid")
+                "sampler=tpe or sampler=random with fuse, or fuse=1 (no fused groups) with the "
+                "grid")
         for name in ("trials", "heartbeat_interval"):
             _check_int(name, getattr(self, name), minimum=1)
         super().__post_init__()
