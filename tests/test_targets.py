@@ -264,6 +264,34 @@ def test_a_fused_group_for_a_gpu_is_planned_with_the_autotuner_off_and_keeps_no_
     assert seen and all(options and options["xla_gpu_autotune_level"] == 0 for options in seen)
 
 
+def test_a_script_that_plans_for_a_target_prints_no_plugin_start_up_error() -> None:
+    """A plain script (no entry point's set-up) that plans for a target on a machine without
+    a GPU driver: no traceback of the CUDA plugin's failed start-up on stderr."""
+    import ctypes
+
+    needs_gpu_compiler()
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        pytest.skip("a GPU driver loads here: JAX starts its GPU backend as usual")
+    except OSError:
+        pass
+    script = ("import jax, jax.numpy as jnp\n"
+              "from flax import nnx\n"
+              "from scamp_jax import plan_mesh\n"
+              "model = nnx.eval_shape(lambda: nnx.Linear(64, 64, rngs=nnx.Rngs(0)))\n"
+              "plan = plan_mesh(model, jax.ShapeDtypeStruct((1, 64), jnp.float32), devices=2,\n"
+              "                 memory_per_device='1GiB', target='h100', max_batch_size=64)\n"
+              "print(plan.batch_size, plan.devices[0].device_kind)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[0] == "64" and "H100" in proc.stdout
+    assert "plugin configuration error" not in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_target_budget_is_its_described_gpus_and_keys_apart_from_gpus() -> None:
     needs_gpu_compiler()
     target = targets.resolve_target("a100-40gb")

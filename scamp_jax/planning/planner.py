@@ -353,7 +353,13 @@ def _check_distinct(devices: Sequence[jax.Device]) -> None:
 
 def _target_devices(target: str | os.PathLike[str] | Target, devices: Any
                     ) -> tuple[jax.Device, ...]:
-    """``devices`` compile-only GPUs of ``target`` (`scamp_jax.planning.targets`)."""
+    """``devices`` compile-only GPUs of ``target`` (`scamp_jax.planning.targets`). On a
+    machine whose CUDA plugin has no driver to start with, JAX's backends are kept to the CPU
+    first (`scamp_jax.devices.cpu_without_gpu_driver`), where they have not started yet: the
+    plugin's failed start-up would print a traceback the plan does not need."""
+    from scamp_jax.devices import cpu_without_gpu_driver
+
+    cpu_without_gpu_driver()
     if isinstance(devices, bool) or not isinstance(devices, int):
         raise ValueError(
             f"with target={target!r}, devices must be the number of GPUs to plan for, got "
