@@ -325,6 +325,12 @@ def test_a_study_at_its_total_says_why_a_rerun_runs_nothing(tmp_path, capsys):
         next(x for x in lines if x.startswith("nothing left to run"))), out
     assert "this run trained nothing" in out, out
     assert len(json.loads((tmp_path / "results.json").read_text())["runs"]) == 1
+    # asked for fewer trials than it has: said as it is, not "2 of 1"
+    scamp_jax.run_study(SPACE, function_task(), **{**kw, "trials": 1})
+    out = capsys.readouterr().out
+    assert "2 trials finished before this run, more than the 1 asked for now" in out, out
+    assert ("nothing left to run: the study has 2 finished trials, at least the 1 trial asked "
+            "for; raise the number of trials") in out, out
     # A Ctrl-C while such a rerun sets its engine up adds no run either. (Faked: a rerun with
     # nothing to train is over before a real signal could be timed to land in it.)
     from scamp_jax.hpo.session import StudySession

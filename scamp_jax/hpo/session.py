@@ -369,8 +369,10 @@ class StudySession:
         failed = source.failed_for_good() if finished else 0
         failures = (f" ({failed} of them failed, each for its reason in results.csv, and "
                     "count towards the total)" if failed else "")
-        self.say(f"study {self.study_name!r} in {self.out_dir}: {finished} of {total} trials "
-                 f"finished before this run{failures}{ranks}")
+        past = (f"{finished} of {total} trials finished before this run" if finished <= total
+                else f"{finished} trials finished before this run, more than the {total} asked "
+                     "for now")
+        self.say(f"study {self.study_name!r} in {self.out_dir}: {past}{failures}{ranks}")
         points = getattr(source, "grid_points", None)
         if points is not None:
             more = (f"; the study ends with the grid, after {points} of its {total} trials"
@@ -378,7 +380,10 @@ class StudySession:
             self.say(f"grid sampler: {counted(points, 'point')}{more}")
         self.say_pool()
         if self.nothing_to_run:
-            more = (f"has its {counted(total, 'trial')}; raise the number of trials to run "
+            more = (f"has {counted(finished, 'finished trial')}, at least the "
+                    f"{counted(total, 'trial')} asked for; raise the number of trials to run "
+                    "more of it, or" if finished > total else
+                    f"has its {counted(total, 'trial')}; raise the number of trials to run "
                     "more of it, or" if finished >= total else
                     "has visited every point of its grid;")
             self.say(f"nothing left to run: the study {more} give another study name to start "
