@@ -635,7 +635,7 @@ def plan_only(
     def show(row: Any) -> None:
         with printing:
             if not stopped.is_set():
-                print(f"  {row.describe()}", flush=True)
+                print(f"  {as_flags(row.describe())}", flush=True)
 
     try:
         rows = interruptible(lambda: plan_candidates(
@@ -648,6 +648,9 @@ def plan_only(
     print(format_rows(rows, params=sorted(space.grid)))
     if any(r.step_seconds is not None for r in rows):
         print(f"  ({ESTIMATE_NOTE})")
+    if not any(r.devices for r in rows):
+        fail(f"none of the {counted(len(rows), 'candidate')} fits this pool (each one's "
+             "reason above); a study of them would train nothing")
     return {"plan_only": True, "devices": len(devices), "device_kind": devices[0].device_kind,
             "memory_per_device": budget.memory_per_device,
             "candidates": [{**dataclasses.asdict(r), "device_hours": r.device_hours}

@@ -170,6 +170,18 @@ def test_budget_too_small_for_any_candidate_is_rejected(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def test_plan_only_with_no_candidate_that_fits_says_so_in_flags_and_exits_2(tmp_path):
+    result = cli("--preset", "smoke", "--plan-only", "--trials", "2", "--memory-per-device",
+                 "1KiB", "--study-dir", str(tmp_path))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "trial 1: no plan: SwinIR does not fit" in result.stdout
+    assert "more --memory-per-device" in result.stdout and "memory_per_device" not in \
+        result.stdout
+    assert ("error: none of the 2 candidates fits this pool (each one's reason above)"
+            in result.stderr)
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.slow
 def test_smoke_preset_runs_end_to_end(tmp_path):
     """The smoke preset trains real SwinIR candidates and writes the full report (minutes)."""
