@@ -469,7 +469,13 @@ def test_plans_without_a_study_size_each_architectures_fused_group_as_the_engine
                             loss_fn=task.loss_fn)
         assert (row.fusion_width, row.group_bytes_per_device) == (group.width,
                                                                   group.predicted_peak_bytes)
-        assert row.fusion_width == 3 and row.compiles >= 1
+        assert row.fusion_width == 3
+    # as a study asks them: the proposal, then a sibling of its architecture whose learning
+    # rate the sampler draws, planned with the proposal's plan (nothing compiled for it)
+    assert rows[0].compiles >= 1 and rows[0].planned_with is None
+    assert rows[1].params["width"] == rows[0].params["width"]
+    assert rows[1].params["learning_rate"] != rows[0].params["learning_rate"]
+    assert (rows[1].planned_with, rows[1].compiles) == (0, 0)
     assert "x3" in format_rows(rows).splitlines()[1].split()
     # a study of 2 trials fuses 2 at most, "auto" or not
     two = plan_candidates(SPACE, Regression(), dataclasses.replace(settings, trials=2,

@@ -177,6 +177,11 @@ def plan_candidates(
                                                          space.grid))
     for params in settings.initial_params:
         study.enqueue_trial(dict(params))
+    # With fused groups a study holds siblings of each proposal (its architecture, the
+    # sampler's training hyperparameters) and hands them out next
+    # (`scamp_jax.hpo.study.OptunaTrialSource`'s ``siblings``): the same trials here.
+    siblings = settings.source_kwargs() if fusion is not None else {}
+    held: list[dict[str, Any]] = []
     rows: list[CandidatePlan] = []
     seen: dict[int, int] = {}  # plans made here -> the trial they were made for
     kind = str(devices[0].device_kind)
@@ -187,8 +192,15 @@ def plan_candidates(
         return compute_seconds(service.step_flops(params, plan), kind)
 
     for _ in range(count):
+        proposal = not held
+        if not proposal:
+            study.enqueue_trial(held.pop(0), skip_if_exists=False)
         trial = study.ask()
         params = space.suggest(trial)
+        if proposal:
+            keys = siblings.get("training_keys", ())
+            held = [{k: v for k, v in trial.params.items() if k not in keys}
+                    for _ in range(siblings.get("siblings", 0))]
         cpu, wall = cpu_seconds(), time.perf_counter()
         try:
             plan = service.plan(params, run_ready=False)
