@@ -461,7 +461,10 @@ def test_the_best_trials_show_each_fused_members_group():
 
     wide = shown(rows, 200)
     assert "group" in wide and "0 x2" in wide and " - " in wide
-    assert "trial 1 (fused group 0 x2): mse 0.4" in shown(rows, 60)
+    assert "peak/device (of its group)" in wide  # a member's peak is its group's
+    narrow = shown(rows, 60)
+    assert "trial 1 (fused group 0 x2): mse 0.4" in narrow
+    assert "1.00 MiB/device for its group" in narrow
     assert "group" not in shown([{**base, "number": 2, "mse": 0.6}], 200)
 
 

@@ -42,8 +42,9 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
     """One row per finished trial of ``study`` (attempts that were stopped or whose process
     died, since run again, are left out).
 
-    Each row has `BASE_COLUMNS`, every name of ``metric_names`` (``None`` when a trial has no
-    value for it), and ``rank``, ``replans``, ``resizes`` (restarts on more devices at the end
+    Each row has `BASE_COLUMNS` (a fused member's ``predicted_peak_bytes`` is its group's,
+    what the ledger booked for the ``fusion_width`` members it trained with), every name of
+    ``metric_names`` (``None`` when a trial has no value for it), and ``rank``, ``replans``, ``resizes`` (restarts on more devices at the end
     of a study), ``retry_of`` (the trial this one ran again after a run stopped it, from that
     trial's checkpoints if it had any; None: a first attempt), ``resumed_from`` (the step its
     training resumed from; 0: none), ``reason``, ``checkpoint``, ``booked_bytes`` (bytes per
@@ -420,7 +421,8 @@ def summary_table(
         group = "" if r.get("fused_group") is None else f" (fused group {_group(r)})"
         lines.append(Text(
             f"trial {r['number']}{group}: {score}; {len(r['devices'])} device(s), mp "
-            f"{r['model_parallel']}, batch {r['batch_size']}, {peak}/device, {r['steps']} "
+            f"{r['model_parallel']}, batch {r['batch_size']}, {peak}/device"
+            f"{'' if r.get('fused_group') is None else ' for its group'}, {r['steps']} "
             f"steps, {r['wall_seconds']:.1f} s"))
         lines.append(Text("  " + _params(r), style="dim"))
     return Group(*lines)
@@ -446,8 +448,10 @@ def _summary_table(done: Sequence[Mapping[str, Any]], metric: str, baseline: str
 
     table = Table(title=f"best trials by {metric}")
     fused = any(r.get("fused_group") is not None for r in done)
+    # a fused member's peak is its group's (what was booked for the group it trained in)
+    peak = "peak/device (of its group)" if fused else "peak/device"
     for name in ("trial", *(["group"] if fused else []), "params", "devices", "mp", "batch",
-                 "peak/device", "steps", "seconds", metric, *([baseline] if baseline else [])):
+                 peak, "steps", "seconds", metric, *([baseline] if baseline else [])):
         table.add_column(name)
     for r in done:
         shown = _params(r) if params else ""
