@@ -73,6 +73,9 @@ if __name__ == "__main__":
                        help="a new study beside the first (its outputs in --study-dir/NAME): "
                             "a study keeps its --steps, so other steps need a name of their own")
     args = flags.parse_args()
+    for flag, value in (("--trials", args.trials), ("--steps", args.steps)):
+        if value < 1:
+            flags.error(f"{flag} {value}: pass 1 or more")
     try:
         result = scamp_jax.run_study(space, task, trials=args.trials, steps=args.steps,
                                      study_dir=args.study_dir, study_name=args.study_name,

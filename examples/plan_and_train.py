@@ -43,12 +43,21 @@ def loss_fn(model: Classifier, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(model(images), labels).mean()
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
 def main() -> None:
     flags = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    flags.add_argument("--width", type=int, default=64, help="convolution channels (default 64)")
+    flags.add_argument("--width", type=positive, default=64,
+                       help="convolution channels (default 64)")
     flags.add_argument("--memory-per-device", default="4MiB",
                        help="memory budget per device (default 4MiB)")
-    flags.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+    flags.add_argument("--steps", type=positive, default=30, help="training steps (default 30)")
     args = flags.parse_args()
 
     model = Classifier(args.width, nnx.Rngs(0))
@@ -59,7 +68,10 @@ def main() -> None:
         plan = scamp_jax.plan_mesh(model, sample, devices=4,
                                    memory_per_device=args.memory_per_device,
                                    optimizer=optimizer, loss_fn=loss_fn, max_batch_size=512)
-    except ValueError as err:  # a budget that holds no batch (DoesNotFitError), a bad size
+    except scamp_jax.DoesNotFitError as err:  # a budget that holds no batch: the flag to raise
+        raise SystemExit(f"error: {err}; here: raise --memory-per-device or lower --width "
+                         "(the example plans for 4 devices)") from None
+    except ValueError as err:  # an unreadable size
         raise SystemExit(f"error: {err}") from None
     print(plan.describe())
 

@@ -66,6 +66,20 @@ def test_plan_and_train_example_trains_with_its_plan():
     assert final < 0.5 * first, last
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["examples/plan_and_train.py", "--steps", "0"], "argument --steps: 0 must be at least 1"),
+    (["examples/plan_and_train.py", "--width", "-3"], "argument --width: -3 must be at least 1"),
+    (["examples/plan_and_train.py", "--memory-per-device", "10KiB"],
+     "here: raise --memory-per-device or lower --width"),
+    (["examples/digits.py", "--trials", "0"], "error: --trials 0: pass 1 or more"),
+])
+def test_an_examples_bad_flag_ends_in_one_line_naming_it(argv, said):
+    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0 and said in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
