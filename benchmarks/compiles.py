@@ -72,7 +72,8 @@ def measure(case_name: str, devices: int | None, budget: str | None,
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.compiles", description=__doc__.splitlines()[0])
     parser.add_argument("--case", default="swinir",
                         help="a model of benchmarks.memory_accuracy (swinir, swinir_small, "
                         "swinir_paper, mlp, ...)")

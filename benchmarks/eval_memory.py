@@ -59,7 +59,8 @@ def measure(memory_per_device: int, max_batch_size: int, eval_size: int) -> dict
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.eval_memory", description=__doc__.splitlines()[0])
     parser.add_argument("--memory-per-device", default="1GiB",
                         help="budget per device of the plans (default 1GiB)")
     parser.add_argument("--max-batch-size", type=int, default=8,

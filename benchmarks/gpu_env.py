@@ -132,3 +132,8 @@ def record_environment(directory: Path) -> dict[str, Any]:
     (directory / "jax_environment.txt").write_text(info or "")
     (directory / "environment.json").write_text(json.dumps(env, indent=1, default=str))
     return env
+
+
+if __name__ == "__main__":
+    raise SystemExit("benchmarks.gpu_env is a part of the GPU suite, not a command: run "
+                     "python -m benchmarks.gpu_suite --help")

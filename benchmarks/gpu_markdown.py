@@ -311,3 +311,8 @@ SECTION_TABLES: dict[str, Callable[[dict[str, Any]], tuple[list[str], list[str]]
     "determinism": _determinism_md, "supernet": _supernet_md, "tests": _tests_md,
     "compiles": _compiles_md,
 }
+
+
+if __name__ == "__main__":
+    raise SystemExit("benchmarks.gpu_markdown is a part of the GPU suite, not a command: run "
+                     "python -m benchmarks.gpu_suite --help")

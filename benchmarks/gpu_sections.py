@@ -857,3 +857,8 @@ RUNNERS: dict[str, Callable[[Any, Context, Record], None]] = {
     "packing": packing_section, "determinism": determinism_section,
     "supernet": supernet_section, "tests": tests_section,
 }
+
+
+if __name__ == "__main__":
+    raise SystemExit("benchmarks.gpu_sections is a part of the GPU suite, not a command: run "
+                     "python -m benchmarks.gpu_suite --help")

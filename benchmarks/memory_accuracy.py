@@ -507,7 +507,8 @@ def render(rows: list[dict[str, Any]], markdown: bool) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse flags, measure every selected model, print the table."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.memory_accuracy", description=__doc__.splitlines()[0])
     parser.add_argument("--memory-per-device", default=None,
                         help="budget per device, e.g. 64MiB (default: each model's own)")
     parser.add_argument("--devices", type=int, default=None,

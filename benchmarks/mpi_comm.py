@@ -338,7 +338,8 @@ COMM_HEADER = ["ranks", "global batch", "gradients / tensors", "local-only ms",
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse flags; measure under MPI, or re-launch under ``mpirun`` for each ``--ranks``."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.mpi_comm", description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4],
                         help="rank counts to launch (ignored when already under mpirun)")
     parser.add_argument("--per-rank-batch", type=int, default=4, help="samples per rank")

@@ -300,7 +300,8 @@ def _fuse_value(text: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=[*FAMILIES, "all"], default="digits",
                         help="which study to run both ways (default: digits, the README's guide)")
     parser.add_argument("--repeats", type=int, default=3,

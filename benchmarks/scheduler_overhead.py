@@ -96,7 +96,8 @@ def measure(
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse flags, measure both policies, print the table."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.scheduler_overhead", description=__doc__.split("\n")[0])
     parser.add_argument("--devices", type=int, default=1024, help="devices in the pool")
     parser.add_argument("--queued", type=int, default=10_000, help="trials kept in the queue")
     parser.add_argument("--decisions", type=int, default=200, help="timed decisions per policy")

@@ -470,6 +470,7 @@ def _row(result: SimResult) -> dict[str, float]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags, cost the candidates, simulate, print the comparison."""
     parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.simulate_cluster",
         description="Simulate a search on a GPU cluster with the real placement code."
     )
     parser.add_argument("--devices", type=int, default=32, help="accelerators in the cluster")

@@ -60,7 +60,8 @@ def placement_hash(result: SimResult) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.simulate_scale", description=__doc__.split("\n")[0])
     parser.add_argument("--devices", type=int, default=2000,
                         help="simulated V100-16GB devices in the cluster (default 2000)")
     parser.add_argument("--trials", type=int, default=8000,

@@ -118,7 +118,8 @@ def trained_psnr(seeds: list[int], steps: int, config: dict[str, Any]) -> list[d
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.softmax_derivative", description=__doc__.splitlines()[0])
     parser.add_argument("--case", default="swinir_small",
                         help="a model of benchmarks.memory_accuracy (default swinir_small)")
     parser.add_argument("--target", default=None,

@@ -397,7 +397,8 @@ def fair_rows(
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse flags, print the three tables."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.supernet_pipeline", description=__doc__.split("\n")[0])
     parser.add_argument("--measure", choices=("default", "all", "none"), default="default",
                         help="measured runs: C=12, S=4 (default, about 2 minutes), every "
                              "(C, S) (slow), or none")

@@ -129,7 +129,8 @@ def measure(case: str, target: str, budget: str, reference: tuple[int, int] | No
 
 def main(argv: list[str] | None = None) -> None:
     """Parse flags, plan every case for every target, print the table."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.target_accuracy", description=__doc__.splitlines()[0])
     parser.add_argument("--targets", default="h100",
                         help="comma-separated target names or description files (e.g. a GPU "
                         "suite's environment/target_config.txtpb)")
