@@ -184,15 +184,19 @@ _AT_LEAST_ONE = (
 _AT_LEAST_ZERO = (("shared_warmup", "--shared-warmup", 1000),)
 
 
-def check_config(config, p: argparse.ArgumentParser) -> None:
+def check_config(config, p: argparse.ArgumentParser, preset=None) -> None:
     """Exit with a one-line error (``p.error``, exit status 2) naming the flag and the fix when
-    the sizes of ``config`` cannot be trained; nothing is built or compiled before."""
+    the sizes of ``config`` cannot be trained; nothing is built or compiled before. The fix
+    suggests ``preset``'s value of the flag (the preset the command runs), else the default
+    preset's."""
     for field, flag, example in _AT_LEAST_ONE:
         value = getattr(config, field)
         if value < 1:
+            example = max(1, getattr(preset, field, example))
             p.error(f"{flag} {value} must be at least 1; pass e.g. {flag} {example}")
     for field, flag, example in _AT_LEAST_ZERO:
         value = getattr(config, field)
+        example = max(0, getattr(preset, field, example))
         if value < 0:
             p.error(f"{flag} {value} must be at least 0 (0: none); pass e.g. {flag} {example}")
     if config.layers % config.stages:
@@ -271,7 +275,7 @@ def _main(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict | None:
     check_outputs(config, args)
     if args.mpi:
         return _main_mpi(config, args, p)
-    check_config(config, p)
+    check_config(config, p, get_config(args.preset))
     _same_bits_everywhere(config.stages)
     check_devices(config.stages, p)
     from search_spaces.supernet_nas import run_nas
@@ -297,7 +301,7 @@ def _main_mpi(config, args: argparse.Namespace, p: argparse.ArgumentParser) -> d
         config = dataclasses.replace(config, stages=w.size)
     # the single process's CPU devices and pool, though a rank runs its stage on the first
     _same_bits_everywhere(config.stages)
-    check_config(config, p)
+    check_config(config, p, get_config(args.preset))
     from search_spaces.supernet_nas import run_nas_mpi
 
     return run_nas_mpi(config, json_path=args.json, show=not args.quiet, mpi_world=w)

@@ -463,6 +463,7 @@ def save_plot(summary: dict, path: Path) -> None:
     scores = [e["psnr"] for e in summary["evaluation"]]
     ax2.bar(range(len(scores)), scores, color="tab:blue")
     ax2.axhline(summary["bicubic_psnr"], color="tab:red", ls="--", label="bicubic")
+    ax2.xaxis.get_major_locator().set_params(integer=True)  # type: ignore[call-arg]
     ax2.set_xlabel("evaluated subnet")
     ax2.set_ylabel("PSNR Y (dB)")
     lo = min(min(scores), summary["bicubic_psnr"])

@@ -19,6 +19,8 @@ CASES = [
      "--layers 8 is not a multiple of --stages 3 (every stage holds the same number of "
      "layers); pass --layers 9 or --stages one of 1, 2, 4, 8"),
     (["--width", "0"], "--width 0 must be at least 1; pass e.g. --width 16"),
+    (["--preset", "smoke", "--subnets", "0"],  # the run's preset's value
+     "--subnets 0 must be at least 1; pass e.g. --subnets 24"),
     (["--shared-warmup", "-5"],
      "--shared-warmup -5 must be at least 0 (0: none); pass e.g. --shared-warmup 1000"),
     (["--stages", "-1"], "--stages -1 must be at least 1; pass e.g. --stages 4"),
