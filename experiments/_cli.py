@@ -236,8 +236,8 @@ def preset_text(name: str, c: HPOConfig) -> str:
     """What preset ``c`` sets, for ``--help``'s epilog: ``name: 6 trials of 1,000 steps, ...``
     (read from the config itself, so help and preset cannot disagree)."""
     devices = f"{c.devices} devices" if c.devices else "every device"
-    memory = (f"{c.memory_per_device} each" if c.memory_per_device
-              else "each with its own memory")
+    memory = (f"{c.memory_per_device} each on CPU devices, a GPU's own pool on GPUs"
+              if c.memory_per_device else "each with its own memory")
     cap = c.max_running_trials
     running = ("no cap on running trials" if cap is None else
                f"--max-running-trials {cap}" if isinstance(cap, str) else f"at most {cap} running")
@@ -302,8 +302,13 @@ def as_flags(message: str) -> str:
     message = re.sub(rf"\b(raise|lower)\s+({names}) or ({names})\b",
                      lambda m: f"{m[1]} {_FLAG_OF[m[2]]} or {_FLAG_OF[m[3]]}", message)
     alone = "|".join(k for k in _FLAG_OF if k not in ("devices", "trials", "steps", "seed"))
-    return re.sub(rf"\b(pass|raise|lower|more)\s+(another\s+)?({alone})\b",  # not "pass devices"
-                  lambda m: f"{m[1]} {m[2] or ''}{_FLAG_OF[m[3]]}", message)
+    message = re.sub(rf"\b(pass|raise|lower|more)\s+(another\s+)?({alone})\b",  # not "pass devices"
+                     lambda m: f"{m[1]} {m[2] or ''}{_FLAG_OF[m[3]]}", message)
+    # a keyword of two words or more where a sentence names it ("a folder in study_dir"),
+    # unambiguous as a flag, not inside a call nor as a keyword argument
+    joined = "|".join(k for k in _FLAG_OF if "_" in k)
+    return re.sub(rf"(?<!, )(?<![(\w.\-&?/])\b({joined})\b(?![=(\w])",
+                  lambda m: _FLAG_OF[m[1]], message)
 
 
 def in_flags(err: BaseException) -> str:

@@ -3,7 +3,7 @@
 Run (on a CPU-only machine the host split into 8 CPU devices, of which the default preset pools
 2; the GPUs on a GPU machine)::
 
-    python -m experiments.swinir_hpo                  # 3-5 min on 2 busy CPU cores
+    python -m experiments.swinir_hpo                  # 4-6 min on 2 CPU cores
     python -m experiments.swinir_hpo --preset smoke   # a few minutes
     python -m experiments.swinir_hpo --policy fixed   # the fixed-resources baseline
     mpirun -n 2 python -m experiments.swinir_hpo --preset smoke   # one study across 2 ranks

@@ -91,7 +91,8 @@ def load_image_dir(path: str | Path, min_size: int | None = None,
     files = sorted(p for p in folder.iterdir() if p.suffix.lower() in _IMAGE_SUFFIXES)
     if not files:
         raise ValueError(
-            f"no images ({', '.join(sorted(_IMAGE_SUFFIXES))}) in {str(folder)!r}"
+            f"no images ({', '.join(sorted(_IMAGE_SUFFIXES))}) in {str(folder)!r}; pass a "
+            "folder that holds some, or leave the flag out for the built-in images"
         )
     images = []
     for f in files:

@@ -517,6 +517,8 @@ def test_errors_name_the_command_lines_flags_not_the_librarys_keywords() -> None
         "least 64 or lower --min-batch-size")
     assert as_flags("study_name='a/b': ...; pass e.g. 'swinir-2'") == (
         "--study-name 'a/b': ...; pass e.g. 'swinir-2'")
+    assert as_flags("a folder of that name in study_dir, so it may hold no '/'") == (
+        "a folder of that name in --study-dir, so it may hold no '/'")
 
 
 def test_a_study_scored_on_other_images_is_not_resumed_on_these(tmp_path):
