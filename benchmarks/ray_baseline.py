@@ -138,6 +138,7 @@ def train_config(config: dict[str, Any]) -> None:
     from ray import tune
 
     from scamp_jax.hpo.runner import RunSpec, make_optimizer, run_trial, trial_seed
+    from scamp_jax.hpo.settings import EngineConfig
     from scamp_jax.planning import planner
 
     spec = RayTrialSpec(**config["spec"])
@@ -156,11 +157,14 @@ def train_config(config: dict[str, Any]) -> None:
         raise RuntimeError(f"trial {spec.number}: the planner gives batch {plan.batch_size} on "
                            f"{s['devices_per_trial']} devices, the fixed run trained "
                            f"{spec.batch_size}; rerun with the same budget and devices per trial")
+    engine = EngineConfig(steps=spec.steps, reference_batch=s.get("reference_batch"))
     run = RunSpec(
         number=spec.number, params=spec.params, plan=plan, steps=spec.steps,
         memory_per_device=s["memory_per_device"],
         checkpoint_dir=Path(s["out"]) / "checkpoints" / spec.checkpoint_key,
-        checkpoint_every=s["checkpoint_every"], eval_every=s["eval_every"],
+        # the intervals a study's run of this batch takes (`EngineConfig.interval_for`)
+        checkpoint_every=engine.interval_for(s["checkpoint_every"], spec.batch_size),
+        eval_every=engine.interval_for(s["eval_every"], spec.batch_size),
         seed=trial_seed(s["seed"], spec.checkpoint_key),
     )
     result = run_trial(run, space, task)
@@ -185,6 +189,7 @@ def run_ray_baseline(
     direction: str = "maximize",
     checkpoint_every: int = 0,
     eval_every: int = 0,
+    reference_batch: int | None = None,
     safety_margin: float = 0.1,
 ) -> dict[str, Any]:
     """Run ``specs`` through ``ray.tune.Tuner`` with ``devices_per_trial`` JAX devices each.
@@ -220,6 +225,7 @@ def run_ray_baseline(
         "family": family, "memory_per_device": int(memory_per_device),
         "devices_per_trial": devices_per_trial, "seed": seed, "safety_margin": safety_margin,
         "checkpoint_every": checkpoint_every, "eval_every": eval_every, "out": str(out),
+        "reference_batch": reference_batch,
     }
     trainable = tune.with_resources(train_config, {"cpu": 1, "jax_device": devices_per_trial})
     tuner = tune.Tuner(

@@ -467,6 +467,14 @@ def _row(result: SimResult) -> dict[str, float]:
     }
 
 
+def _seed(text: str) -> int:
+    """argparse type of ``--seed``: an integer >= 0 (what Optuna's and NumPy's seeds take)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags, cost the candidates, simulate, print the comparison."""
     parser = argparse.ArgumentParser(
@@ -527,7 +535,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "a trial can restart on 2 or 4 devices with the same batch (1: any)")
     parser.add_argument("--safety-margin", type=float, default=0.1,
                         help="fraction of device memory plans keep free")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled study")
+    parser.add_argument("--seed", type=_seed, default=0, help="seed of the sampled study")
     parser.add_argument("--cache", type=Path, default=Path("runs/simulate_cluster_costs.json"),
                         help="JSON cache of per-architecture costs")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")

@@ -307,7 +307,7 @@ def as_flags(message: str) -> str:
     # a keyword of two words or more where a sentence names it ("a folder in study_dir"),
     # unambiguous as a flag, not inside a call nor as a keyword argument
     joined = "|".join(k for k in _FLAG_OF if "_" in k)
-    return re.sub(rf"(?<!, )(?<![(\w.\-&?/])\b({joined})\b(?![=(\w])",
+    return re.sub(rf"(?<!, )(?<![(\w.\-&?/<])\b({joined})\b(?![=(\w>])",
                   lambda m: _FLAG_OF[m[1]], message)
 
 
@@ -323,21 +323,27 @@ def in_flags(err: BaseException) -> str:
 #: suite sets it for its sections, whose logs are all a GPU slot brings back).
 TRACEBACK_VARIABLE = "SCAMP_TRACEBACK"
 
-_OWN_CODE = tuple(str(Path(__file__).resolve().parents[1] / name) + os.sep
+_OWN_CODE = tuple(os.path.realpath(Path(__file__).resolve().parents[1] / name) + os.sep
                   for name in ("scamp_jax", "experiments", "benchmarks", "search_spaces",
                                "examples"))
+#: JAX's note on an error whose traceback it cut at its own frames (``jax._src.traceback_util``,
+#: the default filtering): the error was raised inside JAX, wherever the cut traceback ends.
+_JAX_CUT_FRAMES = "JAX has removed its internal frames"
 
 
 def raised_by_a_check(err: BaseException) -> bool:
     """Whether ``err`` was raised in this project's own code, where a ``ValueError`` or
     ``TypeError`` is one of its worded checks, and not inside JAX, NumPy, Optuna or the
     standard library, where it most likely marks a bug that only its traceback locates."""
+    if any(_JAX_CUT_FRAMES in note for note in getattr(err, "__notes__", ())) or \
+            type(err.__cause__).__name__ == "UnfilteredStackTrace":
+        return False
     frame = err.__traceback__
     while frame is not None and frame.tb_next is not None:
         frame = frame.tb_next
     if frame is None:
         return True
-    return os.path.abspath(frame.tb_frame.f_code.co_filename).startswith(_OWN_CODE)
+    return os.path.realpath(frame.tb_frame.f_code.co_filename).startswith(_OWN_CODE)
 
 
 def fail(message: str) -> NoReturn:
@@ -714,7 +720,10 @@ def _run(
     if preset_for is not None:
         config = preset_for(devices[0].platform)  # the preset for these devices, flags on top
     budget = pool_budget(args, config, devices, memory)
-    if config.pruner != "none" and not 0 < config.eval_every < config.steps:
+    from scamp_jax.distributed.mpi import launcher_rank
+
+    if config.pruner != "none" and not 0 < config.eval_every < config.steps and \
+            launcher_rank() == 0:  # once for the job
         print(f"note: --pruner {config.pruner} prunes nothing in this study: no trial is "
               "evaluated before its last step; pass --eval-every below --steps "
               f"({config.steps:,})", flush=True)

@@ -157,7 +157,7 @@ def pool_fraction(pool_bytes: int | None, processes: int = 1,
         raise ValueError(
             f"a pool of {pool} bytes for each of {processes} process(es), with "
             f"{GPU_OUTSIDE_POOL_BYTES} bytes each outside it, exceeds the GPU's {total} bytes; "
-            f"pass a memory_per_device (--memory-per-device) of at most "
+            f"pass a memory_per_device of at most "
             f"{total // processes - GPU_OUTSIDE_POOL_BYTES} bytes")
     return pool / total
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 
 import numpy as np
 import optuna
@@ -212,6 +213,30 @@ def test_a_bug_keeps_its_traceback_and_a_check_ends_in_one_line(capsys, monkeypa
     err = capsys.readouterr().err
     assert err.startswith("Traceback (most recent call last):") and "parse_bytes" in err
     assert err.rstrip().splitlines()[-1].startswith("error: ")
+
+
+def test_an_error_jax_raised_counts_as_a_bug_where_its_cut_traceback_ends_in_our_code():
+    """JAX cuts its own frames off an error's traceback: a shape error from a model of
+    ``search_spaces/`` traced by ``jit`` then seems to end in the project's code. JAX's note
+    on the error says where it was raised, so it keeps its traceback."""
+    import jax
+    import jax.numpy as jnp
+
+    from experiments._cli import raised_by_a_check
+
+    source = "def step(x):\n    return jax.jit(lambda a: a @ a)(x)\n"
+    ours = Path(__file__).resolve().parents[1] / "search_spaces" / "model_under_test.py"
+    scope = {"jax": jax}
+    exec(compile(source, str(ours), "exec"), scope)  # a function as if defined in the project
+    with pytest.raises(TypeError) as raised:
+        scope["step"](jnp.zeros((2, 3)))
+    assert not raised_by_a_check(raised.value)
+    try:  # the project's own check, raised in its code, is one
+        from scamp_jax._units import parse_bytes
+
+        parse_bytes("lots")
+    except ValueError as err:
+        assert raised_by_a_check(err)
 
 
 def test_a_ctrl_c_says_whether_a_rerun_resumes(capsys):

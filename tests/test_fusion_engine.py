@@ -477,6 +477,15 @@ def test_plans_without_a_study_size_each_architectures_fused_group_as_the_engine
     assert rows[1].params["learning_rate"] != rows[0].params["learning_rate"]
     assert (rows[1].planned_with, rows[1].compiles) == (0, 0)
     assert "x3" in format_rows(rows).splitlines()[1].split()
+    # a warm start is asked first and alone, as a study asks it: the first proposal after it
+    # has the siblings
+    warm = {"width": 64, "learning_rate": 0.01}
+    started = plan_candidates(SPACE, Regression(), dataclasses.replace(
+        settings, initial_params=(warm,)), devices=jax.devices()[:1],
+        memory_per_device=BUDGET, count=3)
+    assert started[0].params == warm
+    assert started[2].params["width"] == started[1].params["width"]
+    assert started[2].params["learning_rate"] != started[1].params["learning_rate"]
     # a study of 2 trials fuses 2 at most, "auto" or not
     two = plan_candidates(SPACE, Regression(), dataclasses.replace(settings, trials=2,
                                                                    fuse="auto"),

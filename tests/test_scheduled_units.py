@@ -176,6 +176,13 @@ def test_a_trial_of_another_batch_checkpoints_and_is_evaluated_after_as_many_sam
     assert [at_reference.reported_step(d) for d in (10, 20, 30)] == [10, 20, 30]
     half = Schedule.of(config, 16, 1)
     assert (half.steps, half.checkpoint_every, half.eval_every) == (80, 40, 20)
+    assert [d for d in range(1, 81) if half.evaluates_at(d)] == [20, 40, 60]  # not the last
+    # where a trial's batch does not divide the interval's samples, each evaluation comes at
+    # the first step that has trained them, and the pruner hears the reference step
+    odd = Schedule.of(dataclasses.replace(config, eval_every=5), 128, 1)  # 4 reference steps
+    assert [d for d in range(1, odd.steps) if odd.evaluates_at(d)] == [2, 3, 4, 5, 7, 8, 9]
+    assert [odd.reported_step(d) for d in (2, 3, 4, 5, 7)] == [5, 10, 15, 20, 25]
+    assert all(odd.reported_step(d) <= d * 128 // 32 for d in range(1, odd.steps))
     # carried through the specs a run is made from
     _, solo, group = _units()
     member = MemberSpec.of(solo.planned.asked, 7, None)

@@ -44,6 +44,15 @@ def launcher_ranks() -> int | None:
     return None
 
 
+def launcher_rank() -> int:
+    """This process's rank as its MPI launcher numbered it (Open MPI's, MPICH/Hydra's or
+    PMIx's variable), 0 where no launcher started it; from the environment, before mpi4py."""
+    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
 def launched_under_mpi() -> bool:
     """True when this process was started by an MPI launcher with more than one rank
     (`launcher_ranks`)."""

@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,7 @@ class GroupSpec:
     reform: bool = True
     booked_bytes: int | None = None
     report_every: int = 0
+    evaluations_per_step: Fraction = Fraction(0)
 
     @classmethod
     def of(cls, group: int, members: tuple[MemberSpec, ...], plan: FusionPlan,
@@ -110,12 +112,14 @@ class GroupSpec:
                    memory_per_device=memory_per_device,
                    checkpoint_every=schedule.checkpoint_every, eval_every=schedule.eval_every,
                    log_every=schedule.log_every, reform=schedule.reform,
-                   booked_bytes=schedule.share_bytes, report_every=schedule.report_every)
+                   booked_bytes=schedule.share_bytes, report_every=schedule.report_every,
+                   evaluations_per_step=schedule.evaluations_per_step)
 
     def schedule(self) -> Schedule:
         """How long the group trains and what it does on the way (the lifecycle's schedule)."""
         return Schedule(self.steps, self.share_bytes(), self.checkpoint_every, self.eval_every,
-                        self.log_every, reform=self.reform, report_every=self.report_every)
+                        self.log_every, reform=self.reform, report_every=self.report_every,
+                        evaluations_per_step=self.evaluations_per_step)
 
     def share_bytes(self) -> int:
         """The bytes per device the group may hold: ``booked_bytes`` (its share of the device

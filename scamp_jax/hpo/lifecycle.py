@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -117,10 +118,13 @@ class Schedule:
     log_every: int = 10
     save: bool = True
     reform: bool = True
-    #: the step the pruner hears at the k-th evaluation is ``k * report_every`` (a study's
-    #: ``eval_every`` at its reference batch, so trials of any batch are compared after as
-    #: many samples); 0: the run's own step
+    #: with a reference batch: the k-th evaluation comes at the first step that has trained
+    #: ``k`` evaluation intervals' samples at the reference batch (``evaluations_per_step``:
+    #: the run's batch over those samples), and the pruner hears it as step
+    #: ``k * report_every`` (the study's ``eval_every``), so trials of any batch are compared
+    #: after as many samples; 0: every ``eval_every`` steps, heard as the run's own step
     report_every: int = 0
+    evaluations_per_step: Fraction = Fraction(0)
 
     @classmethod
     def of(cls, config: Any, batch_size: int, share_bytes: int) -> Schedule:
@@ -130,16 +134,34 @@ class Schedule:
         `EngineConfig`. The one place a run's schedule is read from the study's
         configuration."""
         batch = int(batch_size)
+        scaled = config.reference_batch is not None and config.eval_every > 0
         return cls(config.steps_for(batch), int(share_bytes),
                    config.interval_for(config.checkpoint_every, batch),
                    config.interval_for(config.eval_every, batch), config.log_every,
-                   report_every=config.eval_every)
+                   report_every=config.eval_every if scaled else 0,
+                   evaluations_per_step=(Fraction(batch, config.eval_every
+                                                  * config.reference_batch)
+                                         if scaled else Fraction(0)))
+
+    def evaluations_by(self, done: int) -> int:
+        """Intermediate evaluations due after ``done`` steps of this run (none where
+        ``eval_every`` is 0: evaluations off)."""
+        if not self.eval_every:
+            return 0
+        if self.evaluations_per_step:
+            return math.floor(done * self.evaluations_per_step)
+        return done // self.eval_every
+
+    def evaluates_at(self, done: int) -> bool:
+        """Whether an intermediate evaluation comes after ``done`` steps (never at the last:
+        the final evaluation scores it)."""
+        return 0 < done < self.steps and self.evaluations_by(done) > self.evaluations_by(done - 1)
 
     def reported_step(self, done: int) -> int:
         """The step the pruner hears for an evaluation after ``done`` steps of this run."""
-        if not self.report_every or not self.eval_every:
+        if not self.evaluations_per_step:
             return done
-        return done // self.eval_every * self.report_every
+        return self.evaluations_by(done) * self.report_every
 
 
 class Program(Protocol):
@@ -436,7 +458,7 @@ class Lifecycle:
                     m.status.step = done
             if done == min(first + 2, schedule.steps):
                 self._measure(losses)
-            if schedule.eval_every and done % schedule.eval_every == 0 and done < schedule.steps:
+            if schedule.evaluates_at(done):
                 self._intermediate(done, active)
                 if active.any() and not active.all() and schedule.reform:
                     keep = np.flatnonzero(active)

@@ -191,15 +191,17 @@ def plan_candidates(
             return None
         return compute_seconds(service.step_flops(params, plan), kind)
 
+    waiting = len(settings.initial_params)  # asked first, as the study does, without siblings
     for _ in range(count):
-        proposal = not held
-        if not proposal:
+        proposal = not held and not waiting
+        if held and not waiting:
             study.enqueue_trial(held.pop(0), skip_if_exists=False)
+        waiting = max(0, waiting - 1)
         trial = study.ask()
         params = space.suggest(trial)
         if proposal:
             keys = siblings.get("training_keys", ())
-            held = [{k: v for k, v in trial.params.items() if k not in keys}
+            held = [{k: v for k, v in params.items() if k not in keys}
                     for _ in range(siblings.get("siblings", 0))]
         cpu, wall = cpu_seconds(), time.perf_counter()
         try:

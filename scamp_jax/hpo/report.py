@@ -42,17 +42,17 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
     """One row per finished trial of ``study`` (attempts that were stopped or whose process
     died, since run again, are left out).
 
-    Each row has `BASE_COLUMNS` (a fused member's ``predicted_peak_bytes`` is its group's,
-    what the ledger booked for the ``fusion_width`` members it trained with), every name of
-    ``metric_names`` (``None`` when a trial has no value for it), and ``rank``, ``replans``, ``resizes`` (restarts on more devices at the end
-    of a study), ``retry_of`` (the trial this one ran again after a run stopped it, from that
-    trial's checkpoints if it had any; None: a first attempt), ``resumed_from`` (the step its
-    training resumed from; 0: none), ``reason``, ``checkpoint``, ``booked_bytes`` (bytes per
-    device the ledger booked for its last run) and ``measured_peak_bytes`` (the allocator's
-    peak on its devices, bytes; None where nothing is reported, as on CPU devices),
-    ``step_seconds`` (seconds a training step took over its last run, for a run that trained all
-    its steps, `scamp_jax.hpo.trial.TrialStatus.step_seconds`); a trial that
-    failed by raising also has ``traceback``, which ``results.csv`` leaves out.
+    Each row has `BASE_COLUMNS` (a fused member's ``predicted_peak_bytes`` is its group's, what
+    the ledger booked for the ``fusion_width`` members it trained with), every name of
+    ``metric_names`` (``None`` when a trial has no value for it), and ``rank``, ``replans``,
+    ``resizes`` (restarts on more devices at the end of a study), ``retry_of`` (the trial this
+    one ran again after a run stopped it, from that trial's checkpoints if it had any; None: a
+    first attempt), ``resumed_from`` (the step its training resumed from; 0: none), ``reason``,
+    ``checkpoint``, ``booked_bytes`` (bytes per device the ledger booked for its last run) and
+    ``measured_peak_bytes`` (the allocator's peak on its devices, bytes; None where nothing is
+    reported, as on CPU devices), ``step_seconds`` (seconds a training step took over its last
+    run, for a run that trained all its steps, `scamp_jax.hpo.trial.TrialStatus.step_seconds`);
+    a trial that failed by raising also has ``traceback``, which ``results.csv`` leaves out.
     """
     rows = []
     for trial in study.get_trials(deepcopy=False):

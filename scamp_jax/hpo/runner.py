@@ -19,6 +19,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,7 @@ class RunSpec:
     save_checkpoints: bool = True
     booked_bytes: int | None = None
     report_every: int = 0
+    evaluations_per_step: Fraction = Fraction(0)
 
     @classmethod
     def of(cls, member: MemberSpec, plan: Any, schedule: Schedule, memory_per_device: int,
@@ -109,7 +111,8 @@ class RunSpec:
                    checkpoint_every=schedule.checkpoint_every, eval_every=schedule.eval_every,
                    log_every=schedule.log_every, seed=member.seed,
                    save_checkpoints=schedule.save, booked_bytes=schedule.share_bytes,
-                   report_every=schedule.report_every, **extra)
+                   report_every=schedule.report_every,
+                   evaluations_per_step=schedule.evaluations_per_step, **extra)
 
     def share_bytes(self) -> int:
         """The bytes per device this trial may hold (see ``booked_bytes``)."""
@@ -123,7 +126,8 @@ class RunSpec:
         """How long the run trains and what it does on the way (the lifecycle's schedule)."""
         return Schedule(self.steps, self.share_bytes(), self.checkpoint_every, self.eval_every,
                         self.log_every, save=self.save_checkpoints,
-                        report_every=self.report_every)
+                        report_every=self.report_every,
+                        evaluations_per_step=self.evaluations_per_step)
 
 
 #: AdamW's settings where a configuration leaves them out (optax's, with no weight decay).
@@ -394,7 +398,8 @@ def own_random_streams(state: tuple[Any, Any, Any], index: int) -> tuple[Any, An
     params, opt_state, rest = state
 
     def fold(x: Any) -> Any:
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        dtype = getattr(x, "dtype", None)
+        if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
             return jax.random.fold_in(x, index)
         return x
 

@@ -533,7 +533,10 @@ def plan_fusion(
         raise ValueError(f"{batch_size=} must be a positive multiple of the data-parallel degree "
                          f"{dp}; use {max(1, -(-batch_size // dp)) * dp}")
     if batch_size is not None and batch_size > plan.batch_size:
-        need = plan.memory_model.predict(batch_size)  # the member plan's fit at that batch
+        # the member plan's fit at that batch, with its prefetched batch and allowance
+        need = (plan.memory_model.predict(batch_size)
+                + -(-int(plan.prefetch_bytes) * batch_size // max(1, plan.batch_size))
+                + int(plan.allowance_bytes))
         if need <= plan.usable_bytes:  # the plan stopped at its max_batch_size, not memory
             raise ValueError(
                 f"{batch_size=} is above the member plan's batch {plan.batch_size}, its "

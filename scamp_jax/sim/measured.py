@@ -30,7 +30,11 @@ def read_results(study_dir: str | Path) -> dict[str, Any]:
     path = Path(study_dir) / "results.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; pass the directory of a finished study")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not a readable results.json ({err}); pass the directory "
+                         "of a study whose run finished writing it") from None
 
 
 def replay_study(study_dir: str | Path) -> list[tuple[int, tuple[int, ...]]]:
