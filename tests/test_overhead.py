@@ -80,10 +80,13 @@ def test_a_study_records_where_its_time_went(tmp_path):
     assert overhead["planning_compiles"] >= 1  # the planner threads compiled the steps
     assert overhead["elapsed_s"] == pytest.approx(results["run"]["elapsed_s"], abs=1e-3)
     assert 0 <= overhead["idle_waiting_for_plans_device_s"] <= 4 * overhead["elapsed_s"]
-    # every checkpoint write: each multiple of checkpoint_every, and the end if not one
-    every = config.checkpoint_every
-    writes = sum(r["steps"] // every + (1 if r["steps"] % every else 0)
-                 for r in results["trials"] if r["state"] == "complete")
+    # every checkpoint write: each multiple of the trial's checkpoint interval
+    # (checkpoint_every at the reference batch, scaled for its batch), and the end if not one
+    def writes_of(r):
+        every = config.interval_for(config.checkpoint_every, r["batch_size"])
+        return r["steps"] // every + (1 if r["steps"] % every else 0)
+
+    writes = sum(writes_of(r) for r in results["trials"] if r["state"] == "complete")
     assert overhead["checkpoint_writes"] == writes > 0
     # every trial's initial state computed with NumPy, none compiled
     complete = sum(r["state"] == "complete" for r in results["trials"])
