@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import json
-from pathlib import Path
 
 import numpy as np
 import optuna
@@ -219,6 +218,8 @@ def test_an_error_jax_raised_counts_as_a_bug_where_its_cut_traceback_ends_in_our
     """JAX cuts its own frames off an error's traceback: a shape error from a model of
     ``search_spaces/`` traced by ``jit`` then seems to end in the project's code. JAX's note
     on the error says where it was raised, so it keeps its traceback."""
+    from pathlib import Path
+
     import jax
     import jax.numpy as jnp
 
