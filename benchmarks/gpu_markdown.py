@@ -22,7 +22,8 @@ HEADERS: dict[str, list[str]] = {
                "max first-step relative difference", "noise floor"],
     "mainjob": ["trials finished", "steps", "study s", "compile s (share)",
                 "pool booked peak / mean", "batches", "fused trials",
-                "fused step s / host data s", "best PSNR vs bicubic"],
+                "fused step s / host data s", "solo step s (x its least)",
+                "best PSNR vs bicubic"],
     "packing": ["family", "trials", "steps", "packed trials/h", "one-at-a-time trials/h",
                 "ratio", "planning s"],
     "determinism": ["program", "runs", "steps", "same bytes", "deterministic GPU ops",
@@ -237,6 +238,8 @@ def _mainjob_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
                      ", ".join(map(str, r.get("batch_sizes") or [])) or NOT_YET,
                      str(r.get("fused_trials", NOT_YET)),
                      f"{_f(r.get('fused_step_s'), '.3f')} / {_f(r.get('host_data_s'), '.3f')}",
+                     f"{_f(r.get('solo_step_s'), '.3f')} "
+                     f"({_f(r.get('solo_step_over_least'), '.1f', 'x')})",
                      best])
     notes = [f"`{sec['command']}`; compile s: every compile's seconds in `run.overhead` "
              "(summed over threads), its share of the study's seconds; fused step: the fused "
@@ -244,7 +247,9 @@ def _mainjob_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
              "step's batches of a fused group of "
              f"{(sec.get('rows') or [{}])[0].get('host_data', NOT_YET)} "
              "(members x batch) as the runner draws them, after the study "
-             "(`benchmarks.member_data`)"] if sec.get("command") else []
+             "(`benchmarks.member_data`); solo step: the solo trials' (median), times the "
+             "least a step takes by its FLOPs at the FLOP/s the engine paces trials by (what "
+             "`--plan-only` says for a GPU target)"] if sec.get("command") else []
     if any(r.get("interrupted") for r in sec.get("rows", [])):
         notes.append("stopped at the section's time: finished trials, usage and compiles up "
                      "to the stop")

@@ -666,6 +666,16 @@ def mainjob_row(data: dict[str, Any]) -> dict[str, Any]:
                  and (t.get("fused_group") is not None) == fused]
         return statistics.median(steps) if steps else None
 
+    # The least a solo step takes, as `--plan-only` says it for a GPU target
+    # (`scamp_jax.hpo.preview.compute_seconds`): the plan's FLOPs per device at the FLOP/s the
+    # engine paced trials by (``run.peak_flops``; None on CPU devices), beside the measured step.
+    peak = run.get("peak_flops")
+    pairs = []
+    for t in done:
+        flops = (t.get("plan") or {}).get("flops_per_step")
+        if peak and flops and t.get("step_seconds") and t.get("fused_group") is None:
+            pairs.append((flops / peak, t["step_seconds"]))
+
     return {
         "trials_finished": len(done), "trials": len(trials), "study_s": elapsed,
         "interrupted": bool(run.get("interrupted")),
@@ -677,6 +687,8 @@ def mainjob_row(data: dict[str, Any]) -> dict[str, Any]:
         "batch_sizes": sorted({int(t["batch_size"]) for t in done if t.get("batch_size")}),
         "fused_trials": sum(1 for t in done if t.get("fused_group") is not None),
         "fused_step_s": step_s(True), "solo_step_s": step_s(False),
+        "solo_least_step_s": statistics.median(f for f, _ in pairs) if pairs else None,
+        "solo_step_over_least": statistics.median(m / f for f, m in pairs) if pairs else None,
         "best": None if best is None else best.get(metric),
         "bicubic": None if best is None else best.get("bicubic_" + metric),
     }

@@ -251,6 +251,26 @@ def test_the_autotune_folder_is_set_in_xla_flags_once() -> None:
         f"--xla_gpu_deterministic_ops=true {AUTOTUNE_FLAG}=/o/a")
 
 
+def test_the_main_job_sets_a_solo_steps_least_time_beside_the_measured_one() -> None:
+    """On a GPU the engine paces trials by the kind's attainable FLOP/s (``run.peak_flops``):
+    the row sets the least a solo step takes by that figure (what ``--plan-only`` says for a
+    GPU target) beside the step measured, so a slot checks the estimate. A fused member and
+    a trial without a step time are left out; on CPU devices (no peak) there is none."""
+    def trial(flops, seconds, group=None):
+        return {"state": "complete", "batch_size": 4, "step_seconds": seconds,
+                "fused_group": group, "plan": {"flops_per_step": flops}}
+
+    results = {"run": {"peak_flops": 1e12, "elapsed_s": 10.0},
+               "trials": [trial(2e9, 0.02), trial(4e9, 0.02), trial(8e9, 0.5, group=0),
+                          trial(3e9, None)]}
+    row = gpu_sections.mainjob_row(results)
+    assert row["solo_least_step_s"] == pytest.approx(0.003)  # median of 2 ms and 4 ms
+    assert row["solo_step_over_least"] == pytest.approx(7.5)  # median of 10x and 5x
+    results["run"]["peak_flops"] = None
+    row = gpu_sections.mainjob_row(results)
+    assert row["solo_least_step_s"] is None and row["solo_step_over_least"] is None
+
+
 @pytest.mark.slow  # run with -m slow (README: Tests)
 def test_the_main_job_reports_its_compile_share_and_booking(smoke: dict) -> None:
     """The rehearsal's main job (the CPU preset, 2 trials of 20 steps) reports what the GPU
