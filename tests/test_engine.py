@@ -319,6 +319,25 @@ def test_a_log_shows_a_training_trial_advance_at_growing_intervals(monkeypatch):
         new_lines[0], new_lines
 
 
+class BothTrain(Regression):
+    """Each trial's data waits before its second batch, drawn during its first step, until the
+    other trial has drawn its own: from then on both train at once, however long one of them
+    took to compile on a loaded machine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.both = threading.Barrier(2)
+
+    def batches(self, batch_size: int, seed: int) -> Any:
+        stream = super().batches(batch_size, seed)
+        yield next(stream)
+        try:
+            self.both.wait(timeout=120)
+        except threading.BrokenBarrierError:
+            pass  # a stream drawn again (a restart) trains on alone
+        yield from stream
+
+
 def test_ctrl_c_checkpoints_running_trials_and_a_new_run_resumes_them(tmp_path):
     study, source = make_source(tmp_path, [ok(16), ok(32)])
     cfg = config(steps=100, checkpoint_every=10, log_every=10)
@@ -328,7 +347,7 @@ def test_ctrl_c_checkpoints_running_trials_and_a_new_run_resumes_them(tmp_path):
             raise KeyboardInterrupt
 
     notices: list[str] = []
-    engine = SearchEngine(SPACE, Regression(), source, cfg, devices=jax.devices()[:2],
+    engine = SearchEngine(SPACE, BothTrain(), source, cfg, devices=jax.devices()[:2],
                           checkpoint_root=tmp_path / "ckpt", on_update=ctrl_c_at_step_30,
                           on_notice=notices.append)
     with pytest.raises(KeyboardInterrupt):
