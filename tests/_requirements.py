@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -45,3 +47,28 @@ def shared_data(name: str) -> Path:
     if not path.is_dir():
         pytest.skip(f"{name} not found at {path}: set SCAMP_DATA to the folder that holds it")
     return path
+
+
+def without_gpu_driver() -> None:
+    """Skip where a GPU driver loads (``libcuda.so.1``): JAX starts its GPU backend as usual
+    there, so a test of what happens without one has nothing to check."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return
+    pytest.skip("a GPU driver loads here: JAX starts its GPU backend as usual")
+
+
+def fresh_python(script: str, timeout: float,
+                 **variables: str) -> subprocess.CompletedProcess[str]:
+    """``python -c script`` in the checkout as a user's own process starts it: no
+    ``JAX_PLATFORMS`` or ``XLA_FLAGS`` of the test run (unless ``variables`` set them), the
+    project on ``PYTHONPATH``."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env["PYTHONPATH"] = str(root)
+    env.update(variables)
+    return subprocess.run([sys.executable, "-c", script], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=timeout)

@@ -198,33 +198,25 @@ def test_a_cuda_plugin_without_a_driver_stays_quietly_on_the_cpu() -> None:
     """The ``gpu-plan`` extra's CUDA plugin on a machine with no GPU driver: an entry point's
     set-up keeps JAX on the CPU without the plugin's failed start-up check (a traceback on
     stderr), and a ``JAX_PLATFORMS`` the user set is kept."""
-    import ctypes
     import importlib.util
+
+    from tests._requirements import fresh_python, without_gpu_driver
 
     if not any(importlib.util.find_spec(name) for name in devices._CUDA_PLUGINS):
         pytest.skip("no CUDA plugin installed (the gpu-plan extra)")
-    try:
-        ctypes.CDLL("libcuda.so.1")
-        pytest.skip("a GPU driver loads here: JAX starts its GPU backend as usual")
-    except OSError:
-        pass
+    without_gpu_driver()
     script = ("import os, scamp_jax; scamp_jax.configure_cpu_devices(2); import jax; "
               "print(os.environ.get('JAX_PLATFORMS'), jax.devices()[0].platform, "
               "jax.device_count())")
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = fresh_python(script, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["cpu", "cpu", "2"]
     assert "plugin configuration error" not in proc.stderr, proc.stderr
     # without the set-up JAX prints the plugin's failed check, which is what it replaces
-    bare = subprocess.run([sys.executable, "-c", "import jax; print(jax.devices()[0].platform)"],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    bare = fresh_python("import jax; print(jax.devices()[0].platform)", timeout=120)
     assert bare.stdout.split() == ["cpu"]
     assert "plugin configuration error" in bare.stderr
-    kept = subprocess.run([sys.executable, "-c", script], env={**env, "JAX_PLATFORMS": "cpu,cuda"},
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    kept = fresh_python(script, timeout=120, JAX_PLATFORMS="cpu,cuda")
     assert kept.stdout.split()[:1] == ["cpu,cuda"]
 
 

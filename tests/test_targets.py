@@ -26,7 +26,7 @@ from scamp_jax.planning.compile_options import Purpose, device_options
 from scamp_jax.planning.memory import StepCompiler
 from scamp_jax.planning.plan_cache import device_identity
 from scamp_jax.planning.planner import plan_mesh
-from tests._requirements import unavailable
+from tests._requirements import fresh_python, unavailable, without_gpu_driver
 
 ROOT = Path(__file__).resolve().parents[1]
 #: What one H200 compiled for the memory cases (`../shared/gpu/2026-11-27-h200/mem_*.json`,
@@ -267,14 +267,8 @@ def test_a_fused_group_for_a_gpu_is_planned_with_the_autotuner_off_and_keeps_no_
 def test_a_script_that_plans_for_a_target_prints_no_plugin_start_up_error() -> None:
     """A plain script (no entry point's set-up) that plans for a target on a machine without
     a GPU driver: no traceback of the CUDA plugin's failed start-up on stderr."""
-    import ctypes
-
     needs_gpu_compiler()
-    try:
-        ctypes.CDLL("libcuda.so.1")
-        pytest.skip("a GPU driver loads here: JAX starts its GPU backend as usual")
-    except OSError:
-        pass
+    without_gpu_driver()
     script = ("import jax, jax.numpy as jnp\n"
               "from flax import nnx\n"
               "from scamp_jax import plan_mesh\n"
@@ -282,10 +276,7 @@ def test_a_script_that_plans_for_a_target_prints_no_plugin_start_up_error() -> N
               "plan = plan_mesh(model, jax.ShapeDtypeStruct((1, 64), jnp.float32), devices=2,\n"
               "                 memory_per_device='1GiB', target='h100', max_batch_size=64)\n"
               "print(plan.batch_size, plan.devices[0].device_kind)\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = fresh_python(script, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split()[0] == "64" and "H100" in proc.stdout
     assert "plugin configuration error" not in proc.stderr, proc.stderr
