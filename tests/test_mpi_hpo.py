@@ -477,6 +477,10 @@ def test_a_trial_too_big_for_one_rank_spans_two_and_equals_the_single_process_ru
     assert all(t["rank"] == [0, 1] and t["batch_size"] == 64 for t in trials)
     assert results["run"]["spanning_trials"] == 2 and results["run"]["trials_this_run"] == 2
     assert [s for _, s, _ in _stored_trials(tmp_path)] == ["COMPLETE"] * 2
+    # The communicator the shared study duplicated is freed on every rank before the spanning
+    # trials run, and rank 0 still records them.
+    for rank in (0, 1):
+        assert f"rank {rank} study communicator freed: True" in proc.stdout, proc.stdout[-2000:]
     # Each rank booked its share with the margin, and what the run measured (the compiled
     # step with the reduction and the prefetched batch, the evaluation) stayed within it.
     held = _stored_user_attr(tmp_path, "held_bytes")

@@ -207,6 +207,24 @@ def test_nan_loss_fails_with_reason():
     assert "loss is nan" in result.reason
 
 
+def test_a_metric_that_turns_non_finite_between_loss_read_backs_fails_and_is_not_reported():
+    """The loss is read back every ``log_every`` steps; an evaluation in between that scores
+    NaN ends the trial failed, as a NaN score after training does, instead of handing the NaN
+    to the pruner (Optuna's median pruner prunes on it: a diverged trial recorded pruned)."""
+    config = {"width": 16, "learning_rate": 1e-2, "poison": True}
+    plan = make_plan({"width": 16}, jax.devices()[:1])
+    heard: list[tuple[int, float]] = []
+
+    def report(number: int, step: int, value: float) -> bool:
+        heard.append((step, value))
+        return True  # a pruner that would stop it at once
+
+    result = run_trial(spec(config, plan, steps=20, eval_every=5, log_every=10), SPACE,
+                       Regression(), report=report)
+    assert result.state == "failed" and "mse is nan at step 5" in result.reason, result.reason
+    assert heard == []
+
+
 def test_build_error_fails_with_reason():
     config = {"width": 16, "learning_rate": 1e-2, "broken": True}
     plan = make_plan({"width": 16}, jax.devices()[:1])

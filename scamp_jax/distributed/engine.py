@@ -63,7 +63,7 @@ from scamp_jax.distributed.spanning import (
     span_plan,
     spanning_outcome,
 )
-from scamp_jax.distributed.study import StudyClient, shared_study
+from scamp_jax.distributed.study import StudyClient, release_study, shared_study
 from scamp_jax.hpo.engine import SearchEngine, TrialDeferred
 from scamp_jax.hpo.failures import RepeatedFailureError
 from scamp_jax.hpo.intake import BudgetTooSmallError
@@ -319,6 +319,8 @@ def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any
         deferred = [SpanningTrial(asked.number, dict(asked.params), asked.checkpoint_key,
                                   err.payload, rank) for asked, err in engine.deferred]
         spanning = [t for part in comm.allgather(deferred) for t in part]
+        # Past the gather no rank sends the study a message: its communicator goes.
+        release_study(client, server)
         start = time.monotonic()
         finished = run_spanning_trials(
             spanning, space, task, engine.config, comm,

@@ -363,6 +363,26 @@ class StudyClient:
         self._closed = True
 
 
+def release_study(client: StudyClient, server: StudyServer | None) -> None:
+    """Free the communicator the shared study duplicated, on every rank (collective, like
+    `shared_study`): call it on each rank once rank 0's ``server.join()`` has returned and every
+    other rank's client is closed, so that no study message is in flight. Afterwards the server
+    still records trials (``tell``) but serves no rank, and a remote client refuses requests."""
+    mpi = import_mpi4py()
+    if server is not None:
+        if server._thread is not None and server._thread.is_alive():
+            raise RuntimeError("release_study before the study server finished serving: "
+                               "call server.join() first")
+        comm, server.comm = server.comm, mpi.COMM_NULL
+    else:
+        if not client._closed:
+            raise RuntimeError(f"release_study before rank {client.rank}'s study client was "
+                               "closed: call client.close() (or ask until None) first")
+        comm, client._comm = client._comm, mpi.COMM_NULL
+    if comm is not None and comm != mpi.COMM_NULL:
+        comm.Free()
+
+
 def shared_study(
     make_source: Callable[[], OptunaTrialSource],
     comm: Any = None,

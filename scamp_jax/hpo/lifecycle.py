@@ -559,6 +559,10 @@ class Lifecycle:
                 active[slot] = False
                 self._fail(m, err)
                 continue
+            if not math.isfinite(value):  # diverged between loss read-backs: failed, as at the end
+                active[slot] = False
+                self._fail(m, FloatingPointError(f"{metric} is {value} at step {done}"))
+                continue
             m.status.metric = value
             reported = self.schedule.reported_step(done)
             if self.report is not None and self.report(m.spec.number, reported, value):

@@ -108,12 +108,26 @@ def main() -> None:
                 task.evaluate = evaluate
             return space, task
 
+    # The study's client and server of this rank, kept to look at once the run returned.
+    from scamp_jax.distributed import engine as mpi_engine
+
+    shared, made_study = mpi_engine.shared_study, []
+
+    def keep_shared_study(*a: Any, **kw: Any) -> Any:
+        made_study.append(shared(*a, **kw))
+        return made_study[-1]
+
+    mpi_engine.shared_study = keep_shared_study
     result = run(args, config, make, baseline=None, title="MLP HPO")
     best = (result or {}).get("best") or {}
     from mpi4py import MPI
 
     print(f"rank {MPI.COMM_WORLD.Get_rank()} returned best trial {best.get('number')}",
           flush=True)
+    for client, server in made_study:
+        held = client._comm if server is None else server.comm
+        print(f"rank {MPI.COMM_WORLD.Get_rank()} study communicator freed: "
+              f"{held is None or held == MPI.COMM_NULL}", flush=True)
 
 
 if __name__ == "__main__":
