@@ -307,6 +307,35 @@ def test_a_group_waits_only_for_siblings_the_study_still_holds():
     assert [numbers for numbers, _ in formed.sizing] == [(0, 2)] and not service.forming
 
 
+def test_trials_that_set_other_optimizer_hyperparameters_are_not_fused_together(tmp_path):
+    """A group's members hold the optimizer hyperparameters they set as data, so a trial with
+    ``weight_decay`` and one without cannot share a program although their architecture is
+    one: they train apart, and the trials that set the same keys are fused."""
+    def suggest(trial: optuna.Trial) -> dict:
+        params = {"width": trial.suggest_categorical("width", [16]),
+                  "learning_rate": trial.suggest_float("learning_rate", 1e-3, 3e-2, log=True)}
+        if trial.suggest_categorical("decay", [True, False]):
+            params["weight_decay"] = trial.suggest_float("weight_decay", 1e-5, 1e-3, log=True)
+        return params
+
+    space = SearchSpace("mlp-decay", suggest, SPACE.build)
+    handle = open_study("decay", study_dir=tmp_path, direction="minimize", sampler="random",
+                        pruner="none", seed=0)
+    for decay, lr in ((False, 1e-2), (True, 1e-2), (True, 2e-2)):
+        handle.study.enqueue_trial({"width": 16, "learning_rate": lr, "decay": decay,
+                                    **({"weight_decay": 1e-4} if decay else {})})
+    source = OptunaTrialSource(handle, space, 3, root=tmp_path)
+    config = EngineConfig(steps=5, budget=Budget(BUDGET), max_batch_size=16, log_every=5,
+                          fuse=2)
+    SearchEngine(space, Regression(), source, config, devices=jax.devices()[:2],
+                 checkpoint_root=tmp_path / "ckpt").run()
+    source.close()
+    trials = handle.study.get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3, [
+        t.user_attrs.get("fail_reason") for t in trials]
+    assert [t.user_attrs["fused_group"] for t in trials] == [None, 1, 1]
+
+
 def test_without_fuse_nothing_is_grouped(tmp_path):
     study, source, engine = _study(tmp_path, trials=2, fuse=1)
     engine.run()

@@ -99,3 +99,36 @@ def test_a_replan_that_raises_fails_its_trial_and_the_study_goes_on(tmp_path) ->
     assert ("; planning it again failed: RuntimeError: INTERNAL: the compile of the re-plan "
             "failed") in first.user_attrs[FAIL_REASON]
     assert second.state == TrialState.COMPLETE
+
+
+def test_a_replan_never_goes_below_the_batch_floor_and_grows_instead() -> None:
+    """A queued trial is planned again at most at its batch once the allowance learned while
+    the study ran is booked (`OutOfMemory.no_longer_fits`). Where what fits on its devices is
+    below ``min_batch_size``, the plan moves to twice the devices (ScaMP, within the pool), or
+    there is none; it never trains below the floor."""
+    from test_runner import SPACE as MLP_SPACE
+    from test_runner import Regression as MLPRegression
+
+    from scamp_jax.hpo.out_of_memory import Replan, plan_again
+    from scamp_jax.hpo.plan_service import PlanningService
+    from scamp_jax.hpo.study.trials import AskedTrial
+    from scamp_jax.hpo.trial import PlannedTrial
+
+    params = {"width": 64, "learning_rate": 1e-2}
+    got = {}
+    for pool in (1, 2):
+        cfg = config(budget=Budget(2 * 2**20), min_batch_size=64, max_batch_size=1 << 14)
+        planning = PlanningService(MLP_SPACE, MLPRegression(), cfg, jax.devices()[:pool],
+                                   planner.plan_mesh)
+        first = planning.plan(params, devices=1)
+        planned = PlannedTrial(AskedTrial(0, params, "trial_0"), first, 1, 0)
+        # what the allowance leaves of a device: 86 samples fit on one, then 53 and 36
+        for left in (60_000, 40_000, 30_000):
+            planning.allowance = lambda held=first.usable_bytes - left: held
+            again = plan_again(planning, planned,
+                               Replan(0, 1, int(first.batch_size), counted=False))
+            got[pool, left] = (None if again is None
+                               else (int(again.plan.batch_size), again.devices))
+    assert got[1, 60_000] == got[2, 60_000] == (86, 1)
+    assert got[1, 40_000] is None and got[1, 30_000] is None  # below 64 on its only device
+    assert got[2, 40_000] == (106, 2) and got[2, 30_000] == (72, 2)

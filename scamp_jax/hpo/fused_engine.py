@@ -49,6 +49,7 @@ from scamp_jax._once import OncePerKey
 from scamp_jax.hpo.checkpoint import newest_step, recorded_batch, trains_from_start
 from scamp_jax.hpo.fused_runner import architecture_signature, signature_key
 from scamp_jax.hpo.plan_service import PlanningService
+from scamp_jax.hpo.program_key import injected_keys
 from scamp_jax.hpo.runner import make_optimizer
 from scamp_jax.hpo.study.trials import AskedTrial
 from scamp_jax.hpo.trial import OPTIMIZER_KEYS, PlannedTrial, ending
@@ -174,8 +175,10 @@ class FusionService:
         return plan
 
     def signature(self, params: Mapping[str, Any]) -> str:
-        """(Any thread.) The architecture signature key of ``params`` (`signature_key`),
-        computed once per architecture."""
+        """(Any thread.) The key of the fused program ``params`` can join: its architecture's
+        signature (`signature_key`, computed once per architecture) and the optimizer
+        hyperparameters it sets (`injected_keys`), which a group's members hold as data, so
+        every member must set the same ones."""
         arch = _arch_text(params)
         with self._lock:
             signature = self._signatures.get(arch)
@@ -183,7 +186,7 @@ class FusionService:
             signature = signature_key(architecture_signature(self.space, params))
             with self._lock:
                 self._signatures[arch] = signature
-        return signature
+        return f"{signature} {','.join(injected_keys(params))}"
 
     def fusion_plan(self, params: Mapping[str, Any], plan: Any, signature: Any,
                     width: int | None = None) -> FusionPlan | None:

@@ -67,13 +67,23 @@ def next_request(plan: TrialPlan, bytes_needed: int | None, usable_bytes: int, *
 def plan_again(planning: Any, planned: PlannedTrial, request: Replan) -> PlannedTrial | None:
     """``planned`` planned on ``request.devices`` devices at a batch of at most
     ``request.max_batch`` by the engine's `scamp_jax.hpo.plan_service.PlanningService`, costed
-    as a new plan; None if nothing fits. Runs in a planner thread."""
+    as a new plan; None if nothing fits. A plan below ``min_batch_size`` does not count: the
+    same request moves to twice the devices where the policy grows trials (ScaMP, within the
+    pool), as `next_request` does. Runs in a planner thread."""
     params = planned.asked.params
-    try:
-        new = planning.call_planner(planning.abstract(params), request.devices,
-                                    request.max_batch, params=params)
-    except planner.DoesNotFitError:
-        return None
+    config, devices = planning.config, request.devices
+    floor = config.min_batch_size or 1
+    while True:
+        try:
+            new = planning.call_planner(planning.abstract(params), devices,
+                                        request.max_batch, params=params)
+        except planner.DoesNotFitError:
+            return None
+        if new.batch_size >= floor:
+            break
+        if config.policy != "scamp" or devices * 2 > len(planning.devices):
+            return None
+        devices *= 2
     planning.keep_cost(planned.number, params, new)
     return replace(planned, plan=new, devices=planning.devices_of(new),
                    replans=planned.replans + int(request.counted))
