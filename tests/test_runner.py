@@ -225,6 +225,26 @@ def test_a_metric_that_turns_non_finite_between_loss_read_backs_fails_and_is_not
     assert heard == []
 
 
+def test_a_part_of_a_spanning_trial_records_the_global_batch_its_checkpoints_hold(tmp_path):
+    """A process that trains part 0 of 2 of every global batch (a trial spanning MPI ranks)
+    checkpoints the global batch, which its data stream and step counts follow, not its part:
+    a retry at another global batch with the same part trains from the start, and one at the
+    same global batch resumes."""
+    from scamp_jax.hpo.checkpoint import recorded_batch
+
+    config = {"width": 16, "learning_rate": 1e-2}
+    plan = make_plan(config, jax.devices()[:1], max_batch=8)
+    assert plan.batch_size == 8
+    directory = tmp_path / "trial_0"
+    first = run_trial(spec(config, plan, steps=10, checkpoint_dir=directory,
+                           checkpoint_every=5, batch_share=(0, 2)), SPACE, Regression())
+    assert first.state == "complete" and recorded_batch(directory) == 16
+    alone = run_trial(spec(config, plan, steps=20, checkpoint_dir=directory), SPACE,
+                      Regression())  # the whole global batch of 8 in this process
+    assert alone.state == "complete" and alone.resumed_from == 0
+    assert recorded_batch(directory) == 8
+
+
 def test_build_error_fails_with_reason():
     config = {"width": 16, "learning_rate": 1e-2, "broken": True}
     plan = make_plan({"width": 16}, jax.devices()[:1])

@@ -306,7 +306,10 @@ class SoloProgram:
     def __init__(self, spec: RunSpec, space: SearchSpace, task: Task, cache: StepCache) -> None:
         self.spec, self.space, self.task, self.cache = spec, space, task, cache
         self.plan = spec.plan
-        self.batch_size = int(spec.plan.batch_size)
+        # What a member trains on per step, as its checkpoints record it: a spanning trial's
+        # global batch, of which this process trains one part.
+        parts = 1 if spec.batch_share is None else spec.batch_share[1]
+        self.batch_size = int(spec.plan.batch_size) * parts
 
     def prepare(self, members: Sequence[MemberSpec], first: int) -> None:
         spec, plan, seed = self.spec, self.plan, self.spec.seed
