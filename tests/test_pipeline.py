@@ -278,6 +278,14 @@ def test_errors_name_the_fix():
         train_supernet(_layout(), subnets, lr, hr, schedule="csp", num_stages=2, offload=False,
                        executor=small)
     assert jax.device_count() >= 4
+    # A choice out of range would train a clamped candidate and lose its update; a negative
+    # one would be scheduled as a block of its own: both are refused before anything compiles.
+    layers, choices = _layout().num_layers, _layout().num_choices
+    for bad, says in (((choices,) * layers, f"picks {choices}; .* from 0 to {choices - 1}"),
+                      ((-1,) * layers, "picks -1"), ((0,) * (layers + 1), "choices for")):
+        with pytest.raises(ValueError, match=says):
+            train_supernet(_layout(), [subnets[0], bad, *subnets[2:]], lr, hr, schedule="csp",
+                           num_stages=2, offload=False)
 
 
 def test_experiment_presets_and_flags():

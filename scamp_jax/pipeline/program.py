@@ -15,6 +15,7 @@ Slots are assigned greedily (lowest free index), so buffer sizes follow from the
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -131,7 +132,10 @@ def build_program(
         spans.sort()
         # Subnets resident at once without prefetching ahead; each tick of look-ahead can add
         # one more (one prefetch per tick), which bounds the window.
-        overlap = max(sum(f <= first <= l for f, l, _ in spans) for first, _, _ in spans)
+        # (At each span's first tick: spans begun by then less spans ended before it.)
+        begins, ends = [f for f, _, _ in spans], sorted(last for _, last, _ in spans)
+        overlap = max(bisect.bisect_right(begins, first) - bisect.bisect_left(ends, first)
+                      for first, _, _ in spans)
         capacity = overlap + prefetch_ahead
         slots = _Slots()
         written: dict[tuple[int, int], int] = {}  # block (local layer, choice) -> write-back tick

@@ -56,6 +56,23 @@ class TrainOptions(TypedDict, total=False):
     on_tick: Callable[[int, int], None] | None
 
 
+def check_subnets(subnets: Sequence[Sequence[int]], num_layers: int, num_choices: int) -> None:
+    """Raise `ValueError` unless every subnet picks one candidate ``0 <= c < num_choices`` for
+    each of ``num_layers`` layers. (The stage step reads a candidate with an index it clamps
+    and writes it back where the index wraps, so a choice out of range would train another
+    candidate and lose its update, and the schedule would order it as a block of its own.)"""
+    for i, subnet in enumerate(subnets):
+        choices = list(subnet)
+        if len(choices) != num_layers:
+            raise ValueError(f"subnet {i} has {len(choices)} choices for {num_layers} layers; "
+                             "give one candidate index per layer")
+        bad = [c for c in choices
+               if not isinstance(c, (int, np.integer)) or not 0 <= int(c) < num_choices]
+        if bad:
+            raise ValueError(f"subnet {i} {tuple(choices)} picks {bad[0]!r}; a layer's choice is "
+                             f"a candidate index from 0 to {num_choices - 1}")
+
+
 def make_schedule(
     name: str,
     subnets: Sequence[Sequence[int]],
@@ -238,6 +255,7 @@ def train_supernet(
     n, batch = lr_batches.shape[:2]
     if n != len(subnets):
         raise ValueError(f"{len(subnets)} subnets but {n} batches; pass one batch per subnet")
+    check_subnets(subnets, layout.num_layers, layout.num_choices)
     bounds = split_layers(layout.num_layers, num_stages)
     m_count = num_microbatches if schedule == "gpipe" else 1
     sched = make_schedule(
