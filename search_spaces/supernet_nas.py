@@ -495,7 +495,7 @@ def run_nas_mpi(
     """
     import functools
 
-    from scamp_jax.distributed.mpi import world
+    from scamp_jax.distributed.mpi import failures_end_every_rank, world
     from scamp_jax.distributed.pipeline import train_supernet_mpi
 
     w = mpi_world or world()
@@ -506,9 +506,13 @@ def run_nas_mpi(
         )
     console = _console(quiet=not show or not w.is_root)
     console.print(f"one pipeline stage per MPI rank: {w.size} ranks")
-    layout, result, warmup = train_for_nas(
-        config, train_fn=functools.partial(train_supernet_mpi, comm=w.comm), console=console
-    )
+    # The data and the warm-up come before training's collectives: a rank that fails there
+    # (its photographs missing, out of memory) ends the job rather than leaving the others
+    # waiting for it.
+    with failures_end_every_rank(w.comm):
+        layout, result, warmup = train_for_nas(
+            config, train_fn=functools.partial(train_supernet_mpi, comm=w.comm), console=console
+        )
     if not w.is_root:
         return None
     extra = {**warmup, "mpi_ranks": w.size, "stage_ranks": list(range(w.size))}

@@ -128,6 +128,19 @@ def test_a_rank_that_dies_stops_the_pipeline_instead_of_hanging(tmp_path: Path, 
     assert not (tmp_path / "m").exists()
 
 
+def test_a_rank_that_fails_before_the_pipeline_trains_ends_the_job(tmp_path: Path) -> None:
+    # Rank 1 fails while it draws its patches, before any collective of the pipeline: the
+    # other rank would wait for it forever in the executor's set-up; the job ends instead.
+    proc = launch([str(SCRIPTS / "supernet_nas_rank_fails.py"), "--preset", "smoke",
+                   "--stages", "2", "--layers", "2", "--choices", "2", "--subnets", "2",
+                   "--eval-subnets", "1", "--quiet", "--json", str(tmp_path / "m.json")], 2,
+                  timeout=240)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    assert "rank 1 failed: rank 1 cannot read its training photographs" in output, output
+    assert not (tmp_path / "m.json").exists()
+
+
 @pytest.mark.slow
 def test_supernet_experiment_under_mpirun_matches_the_single_process_run(tmp_path: Path) -> None:
     # The default preset's sizes (width 16): XLA's CPU convolutions split their work by the

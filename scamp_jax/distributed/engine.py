@@ -54,9 +54,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from scamp_jax._errors import worded
 from scamp_jax.distributed.data_parallel import mpi_mean_bytes
-from scamp_jax.distributed.mpi import import_mpi4py
+from scamp_jax.distributed.mpi import end_every_rank, import_mpi4py
 from scamp_jax.distributed.spanning import (
     SpanningTrial,
     run_spanning_trials,
@@ -264,12 +263,10 @@ def run_search_mpi(
         raise  # the engine already gave its running trials back; a re-run resumes them
     except BaseException as err:  # noqa: BLE001 - any failure must end every rank, not hang them
         # worded as the entry point words errors (a command line: its flags)
-        print(f"rank {rank} failed: {worded(err)}", file=sys.stderr, flush=True)
-        if isinstance(err, RepeatedFailureError):  # this rank's guard: the others are cut off
-            print(f"rank {rank} stopped the job: the trials the other ranks were running are "
-                  "run again when the same command runs again, once their heartbeat lapses "
-                  "(about a minute)", file=sys.stderr, flush=True)
-        comm.Abort(2 if isinstance(err, ValueError) else 1)
+        end_every_rank(comm, err, note=(
+            "stopped the job: the trials the other ranks were running are run again when the "
+            "same command runs again, once their heartbeat lapses (about a minute)"
+            if isinstance(err, RepeatedFailureError) else ""))  # this rank's guard stopped it
         raise
 
 

@@ -5,8 +5,11 @@ mpi4py and mpi4jax are optional (the ``mpi`` extra): single-host use never impor
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -133,3 +136,27 @@ def mpirun_command(ranks: int, launcher: str = "mpirun") -> list[str]:
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             cmd.append("--allow-run-as-root")
     return cmd
+
+
+def end_every_rank(comm: Any, err: BaseException, note: str = "") -> None:
+    """Say on stderr that this rank failed with ``err`` (worded as the entry points word
+    errors), and ``note``, then abort the job through ``comm``, so that the other ranks do not
+    wait forever in a collective this rank will never reach (exit status 2 for a
+    `ValueError`, a usage error; else 1)."""
+    from scamp_jax._errors import worded
+
+    print(f"rank {comm.Get_rank()} failed: {worded(err)}", file=sys.stderr, flush=True)
+    if note:
+        print(f"rank {comm.Get_rank()} {note}", file=sys.stderr, flush=True)
+    comm.Abort(2 if isinstance(err, ValueError) else 1)
+
+
+@contextlib.contextmanager
+def failures_end_every_rank(comm: Any) -> Iterator[None]:
+    """Code that every rank runs together: an exception on one rank (Ctrl-C included) ends the
+    whole job through `end_every_rank` instead of leaving the others blocked."""
+    try:
+        yield
+    except BaseException as err:  # noqa: BLE001 - one rank's failure must end every rank
+        end_every_rank(comm, err)
+        raise

@@ -23,7 +23,6 @@ receive: it prints ``rank R failed: ...`` and aborts the job (``MPI_Abort``) ins
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any, Unpack
 
@@ -33,8 +32,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from scamp_jax._errors import worded
-from scamp_jax.distributed.mpi import import_mpi4jax, import_mpi4py
+from scamp_jax.distributed.mpi import failures_end_every_rank, import_mpi4jax, import_mpi4py
 from scamp_jax.pipeline.executor_base import DEVICE_KIND, StageExecutor, StageSizes, memory_stats
 from scamp_jax.pipeline.model import StageModel
 from scamp_jax.pipeline.program import NUM_FIELDS, TickProgram
@@ -287,12 +285,8 @@ def train_supernet_mpi(
     mpi = import_mpi4py()
     comm = mpi.COMM_WORLD if comm is None else comm
     options.setdefault("num_stages", comm.Get_size())
-    try:
+    with failures_end_every_rank(comm):
         return train_supernet(
             layout, subnets, lr_batches, hr_batches,
             executor=functools.partial(MPIPipelineExecutor, comm=comm), **options,
         )
-    except BaseException as err:  # noqa: BLE001 - one rank's failure must end every rank
-        print(f"rank {comm.Get_rank()} failed: {worded(err)}", file=sys.stderr, flush=True)
-        comm.Abort(2 if isinstance(err, ValueError) else 1)
-        raise
