@@ -362,6 +362,18 @@ def test_train_supernet_closes_the_executor_it_built_and_not_one_it_was_passed()
     train_supernet(_layout(), subnets, lr, hr, schedule="csp", num_stages=2, seed=0,
                    offload=False, executor=passed)
     assert closes == [closes[0]]
+    # A cache of executors keeps what it builds: two runs on one executor, closed by the
+    # cache's own close (an MPI executor would otherwise refuse the second run).
+    from scamp_jax.pipeline.budget import ExecutorCache
+
+    cache = ExecutorCache(Recorded)
+    for _ in range(2):
+        again = train_supernet(_layout(), subnets, lr, hr, schedule="csp", num_stages=2,
+                               seed=0, offload=False, executor=cache)
+        _assert_identical(again, built)
+    assert (cache.built, cache.hits, len(closes)) == (1, 1, 1)
+    cache.close()
+    assert len(closes) == 2 and closes[1] is not closes[0]
 
 
 @pytest.mark.slow  # run with -m slow (README: Tests)

@@ -82,6 +82,10 @@ class ExecutorCache:
     cache compile every distinct stage step once. An executor keeps no training state between
     runs (`init_state` makes a fresh one), so sharing it is safe.
 
+    The cache owns what it builds: `scamp_jax.pipeline.trainer.train_supernet` leaves them open
+    (``keeps_executors``), and `close` closes them all (collective for MPI executors: every rank
+    calls it at the same point), so one MPI executor serves every run it fits.
+
     Args:
       factory: builds an executor on a miss (default `PipelineExecutor`; e.g.
         ``functools.partial(PipelineExecutor, max_in_flight=4)``).
@@ -90,9 +94,13 @@ class ExecutorCache:
       built: executors the factory built (misses); ``hits``: calls answered from the cache.
     """
 
+    #: `train_supernet` does not close what this factory returns (the cache closes it).
+    keeps_executors = True
+
     def __init__(self, factory: ExecutorFactory = PipelineExecutor):
         self.factory = factory
         self._executors: dict[tuple[int, Hashable], tuple[StageModel, StageExecutor]] = {}
+        self._uncached: list[StageExecutor] = []
         self.built = 0
         self.hits = 0
 
@@ -101,9 +109,10 @@ class ExecutorCache:
         key = (id(model), tuple(sorted(sizes.items())))
         try:
             hash(key)
-        except TypeError:  # e.g. a list of devices: build without caching
+        except TypeError:  # e.g. a list of devices: build without caching (closed by `close`)
             self.built += 1
-            return self.factory(model, **sizes)
+            self._uncached.append(self.factory(model, **sizes))
+            return self._uncached[-1]
         if key in self._executors:
             self.hits += 1
         else:
@@ -111,6 +120,14 @@ class ExecutorCache:
             self._executors[key] = (model, self.factory(model, **sizes))
             self.built += 1
         return self._executors[key][1]
+
+    def close(self) -> None:
+        """Close every executor the cache built and forget them (collective, as each
+        executor's own ``close``); the cache builds anew afterwards."""
+        executors = [e for _, e in self._executors.values()] + self._uncached
+        self._executors, self._uncached = {}, []
+        for executor in executors:
+            executor.close()
 
 
 def _window_slot_bytes(executor: StageExecutor) -> int:

@@ -245,9 +245,10 @@ def train_supernet(
       initial_weights: ``(blocks (L, C, P), shared (P_shared,))`` to start from, e.g. with a
         warmed-up stem and head (default ``layout.init(seed)``); optimizer state starts at zero
         either way.
-      executor: a compiled executor to reuse (its buffers must fit this run's program), or an
-        `ExecutorFactory` that `build_executor` calls to build one sized for this run (default
-        `PipelineExecutor`).
+      executor: a compiled executor to reuse (its buffers must fit this run's program; left
+        open), or an `ExecutorFactory` that `build_executor` calls to build one sized for this
+        run (default `PipelineExecutor`; closed when the run ends, unless the factory keeps
+        what it builds, as `scamp_jax.pipeline.budget.ExecutorCache` does).
       on_tick: progress callback ``on_tick(tick, total_ticks)``.
     Returns:
       the `TrainResult`.
@@ -265,7 +266,9 @@ def train_supernet(
     ideal = ideal_schedule(subnets, bounds, max_inflight=max_inflight)
     program = build_program(sched, subnets, bounds, prefetch_ahead=prefetch_ahead)
     start = time.perf_counter()
-    built = not isinstance(executor, StageExecutor)  # closed here once the run ends
+    # Closed here once the run ends, unless a factory keeps what it builds (`ExecutorCache`).
+    built = not isinstance(executor, StageExecutor) and not getattr(
+        executor, "keeps_executors", False)
     if isinstance(executor, StageExecutor):
         _check_reused_executor(executor, train_shared=train_shared, offload=offload,
                                optimizer=optimizer or OptimizerSpec(),
