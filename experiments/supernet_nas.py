@@ -184,11 +184,13 @@ _AT_LEAST_ONE = (
 _AT_LEAST_ZERO = (("shared_warmup", "--shared-warmup", 1000),)
 
 
-def check_config(config, p: argparse.ArgumentParser, preset=None) -> None:
+def check_config(config, p: argparse.ArgumentParser, preset=None, ranks: int | None = None
+                 ) -> None:
     """Exit with a one-line error (``p.error``, exit status 2) naming the flag and the fix when
     the sizes of ``config`` cannot be trained; nothing is built or compiled before. The fix
     suggests ``preset``'s value of the flag (the preset the command runs), else the default
-    preset's."""
+    preset's. ``ranks``: the stages are the MPI launcher's ranks (``--mpi``), which the fix
+    names instead of ``--stages``."""
     for field, flag, example in _AT_LEAST_ONE:
         value = getattr(config, field)
         if value < 1:
@@ -202,6 +204,14 @@ def check_config(config, p: argparse.ArgumentParser, preset=None) -> None:
     if config.layers % config.stages:
         fits = [s for s in range(1, config.layers + 1) if config.layers % s == 0]
         up = -(-config.layers // config.stages) * config.stages
+        if ranks is not None:
+            launch = [s for s in fits if s > 1]  # --mpi refuses one rank
+            p.error(
+                f"--layers {config.layers} is not a multiple of the {ranks} MPI ranks (one "
+                f"pipeline stage each, every stage holds the same number of layers); pass "
+                f"--layers {up}" + (f" or launch {' or '.join(map(str, launch))} ranks "
+                                    f"(mpirun -n {launch[0]} ...)" if launch else "")
+            )
         p.error(
             f"--layers {config.layers} is not a multiple of --stages {config.stages} (every "
             f"stage holds the same number of layers); pass --layers {up} or --stages one of "
@@ -301,7 +311,8 @@ def _main_mpi(config, args: argparse.Namespace, p: argparse.ArgumentParser) -> d
         config = dataclasses.replace(config, stages=w.size)
     # the single process's CPU devices and pool, though a rank runs its stage on the first
     _same_bits_everywhere(config.stages)
-    check_config(config, p, get_config(args.preset))
+    check_config(config, p, get_config(args.preset),
+                 ranks=w.size if args.stages is None else None)
     from search_spaces.supernet_nas import run_nas_mpi
 
     return run_nas_mpi(config, json_path=args.json, show=not args.quiet, mpi_world=w)

@@ -92,3 +92,24 @@ def test_outputs_that_cannot_be_written_are_refused_before_training(tmp_path) ->
         assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {message}")
         assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert not (tmp_path / "out").exists()
+
+
+
+def test_under_mpi_a_layer_count_the_ranks_do_not_divide_names_the_launch(capsys) -> None:
+    """With ``--mpi`` and no ``--stages`` the stages are the launcher's ranks: the fix is
+    another ``mpirun -n`` (more than one rank: ``--mpi`` refuses one) or ``--layers``, not
+    ``--stages``."""
+    import argparse
+    import dataclasses
+
+    from experiments.supernet_nas import check_config, get_config
+
+    p = argparse.ArgumentParser(prog="python -m experiments.supernet_nas")
+    config = dataclasses.replace(get_config("smoke"), layers=4, stages=3)
+    with pytest.raises(SystemExit) as exited:
+        check_config(config, p, get_config("smoke"), ranks=3)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "python -m experiments.supernet_nas: error: --layers 4 is not a multiple of the 3 MPI "
+        "ranks (one pipeline stage each, every stage holds the same number of layers); pass "
+        "--layers 6 or launch 2 or 4 ranks (mpirun -n 2 ...)")
