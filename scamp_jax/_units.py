@@ -26,7 +26,7 @@ def parse_bytes(value: int | float | str) -> int:
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"memory size must be a finite byte count, got {value!r}")
     if isinstance(value, int | float):
-        count = int(value)
+        count = _whole_bytes(value, value)
     elif isinstance(value, str):
         match = _PATTERN.match(value)
         if match is None or match.group(2).lower() not in _UNITS:
@@ -38,12 +38,23 @@ def parse_bytes(value: int | float | str) -> int:
         if not math.isfinite(scaled):
             raise ValueError(f"cannot read memory size {value!r}: it is beyond any memory; "
                              "use e.g. '2GiB', '512MiB', '16GB'")
-        count = int(scaled)
+        count = (_whole_bytes(scaled, value, match.group(1))
+                 if _UNITS[match.group(2).lower()] == 1 else int(scaled))
     else:
         raise TypeError(f"memory size must be a byte count or a string like '2GiB', got {value!r}")
     if count <= 0:
         raise ValueError(f"memory size must be positive, got {value!r}")
     return count
+
+
+def _whole_bytes(count: float, value: object, number: object = None) -> int:
+    """``count`` bytes (given as ``value``, whose figure is ``number``), which must be whole:
+    a fraction of a byte is a size whose unit was left out."""
+    if count != int(count):
+        number = value if number is None else number
+        raise ValueError(f"memory size {value!r} is not a whole number of bytes; did you leave "
+                         f"out its unit? e.g. '{number}GiB' or '{number}GB'")
+    return int(count)
 
 
 def format_bytes(count: float) -> str:

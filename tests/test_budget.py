@@ -82,7 +82,7 @@ def test_a_described_device_needs_no_live_device() -> None:
 
 @pytest.mark.parametrize("bad", [dict(memory_per_device=0), dict(memory_per_device="1GiB"),
                                  dict(safety_margin=1.0), dict(safety_margin=-0.1),
-                                 dict(allowance_bytes=-1)])
+                                 dict(allowance_bytes=-1), dict(memory_per_device=1)])
 def test_invalid_budgets_name_the_value(bad: dict) -> None:
     kwargs = {"memory_per_device": GIB, **bad}
     name = next(iter(bad))

@@ -271,6 +271,27 @@ def test_a_budget_too_small_for_any_candidate_leaves_the_study_free_to_start_aga
         scamp_jax.run_study(SPACE, function_task(), trials=3, memory_per_device="1KiB", **kw)
 
 
+def test_a_run_that_fails_before_any_trial_ran_leaves_the_study_free_to_start_again(
+        tmp_path, monkeypatch):
+    """Whatever stops a run before any trial ran (here a full disk as the engine starts: a
+    fault made up here, none can be caused for real) leaves no settings behind, so the rerun,
+    with other settings, is not refused as a change of the study."""
+    from scamp_jax.hpo.session import StudySession
+
+    kw = dict(steps=5, study_dir=tmp_path, live=False, max_batch_size=8)
+    run_engine = StudySession.run_engine
+
+    def full_disk(self, *a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(StudySession, "run_engine", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        scamp_jax.run_study(SPACE, function_task(), trials=2, memory_per_device="32MiB", **kw)
+    monkeypatch.setattr(StudySession, "run_engine", run_engine)
+    done = scamp_jax.run_study(SPACE, function_task(), trials=2, memory_per_device="64MiB", **kw)
+    assert done["trials_this_run"] == 2
+
+
 class _DropoutMLP(nnx.Module):
     def __init__(self, width: int, rngs: nnx.Rngs):
         self.hidden = nnx.Linear(8, width, rngs=rngs)

@@ -160,6 +160,21 @@ def test_unreadable_memory_size_is_rejected(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(("size", "says"), [
+    ("1.5", "error: memory size '1.5' is not a whole number of bytes; did you leave out its "
+            "unit? e.g. '1.5GiB' or '1.5GB'"),
+    ("1", "error: --memory-per-device 1 (1 B) leaves nothing to book once the safety margin of "
+          "10% is held back; pass a size with its unit, e.g. '2GiB'")])
+def test_a_size_without_its_unit_is_refused_before_the_study_is_made(tmp_path, size, says):
+    """A forgotten unit is said in one line, and the study folder stays empty, so the command
+    with the size meant is not refused as a change of the study's settings."""
+    result = cli("--preset", "smoke", "--memory-per-device", size, "--study-dir",
+                 str(tmp_path / "s"), "--no-live")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines()[-1] == says, result.stderr
+    assert not (tmp_path / "s").exists() or not any((tmp_path / "s").iterdir())
+
+
 @pytest.mark.slow  # run with -m slow (README: Tests)
 def test_budget_too_small_for_any_candidate_is_rejected(tmp_path):
     result = cli("--preset", "smoke", "--memory-per-device", "64KiB", "--study-dir",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from scamp_jax._units import format_bytes, parse_bytes
@@ -36,9 +38,20 @@ def test_parse_bytes_rejects_unreadable_strings_with_the_value_in_the_message(ba
         parse_bytes(bad)
 
 
-@pytest.mark.parametrize("bad", [0, -5, "0GiB", 0.4])
+@pytest.mark.parametrize("bad", [0, -5, "0GiB", "0 B"])
 def test_parse_bytes_rejects_sizes_that_are_not_positive(bad):
     with pytest.raises(ValueError, match="positive"):
+        parse_bytes(bad)
+
+
+@pytest.mark.parametrize(("bad", "figure"), [(1.5, "1.5"), ("1.5", "1.5"), ("0.4 B", "0.4"),
+                                             (0.4, "0.4")])
+def test_a_fraction_of_a_byte_is_a_size_whose_unit_was_left_out(bad, figure):
+    """``--memory-per-device 1.5`` (meant: 1.5 GiB) is not one byte: the error names the units
+    it may have meant."""
+    with pytest.raises(ValueError, match=re.escape(
+            f"not a whole number of bytes; did you leave out its unit? e.g. '{figure}GiB' or "
+            f"'{figure}GB'")):
         parse_bytes(bad)
 
 

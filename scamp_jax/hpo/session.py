@@ -593,7 +593,6 @@ def run_search(
 def _run_search(space: SearchSpace, task: Task, settings: SearchSettings, **kwargs: Any
                 ) -> dict[str, Any]:
     from scamp_jax.distributed.mpi import launched_under_mpi
-    from scamp_jax.hpo.intake import BudgetTooSmallError
     kwargs["memory_per_device"] = held_budget(kwargs["devices"], kwargs["memory_per_device"])
     if launched_under_mpi():
         from scamp_jax.distributed.engine import run_search_mpi
@@ -605,10 +604,6 @@ def _run_search(space: SearchSpace, task: Task, settings: SearchSettings, **kwar
     started = time.monotonic()
     try:
         _, result = session.run_engine(source)
-    except BudgetTooSmallError:
-        # nothing ran: the rerun the error advises (a larger budget) may start the study anew
-        session.forget_if_unused(source.study)
-        raise
     except (KeyboardInterrupt, RepeatedFailureError) as err:
         # The record grows on an interrupt too: finished trials and this run's wall time.
         stopped = {"stopped": "repeated failures", "failures": {
@@ -616,6 +611,11 @@ def _run_search(space: SearchSpace, task: Task, settings: SearchSettings, **kwar
         }} if isinstance(err, RepeatedFailureError) else {}
         session.report_interrupted(source.study, time.monotonic() - started, source.told,
                                    **stopped)
+        raise
+    except Exception:
+        # Where no trial ever ran (a budget too small for any candidate, a pool or a plan
+        # that could not be made), the rerun the error advises may start the study anew.
+        session.forget_if_unused(source.study)
         raise
     finally:
         source.close()

@@ -104,6 +104,11 @@ class Budget:
             raise ValueError(
                 f"safety_margin={self.safety_margin} must be in [0, 1): it is the fraction of "
                 "memory_per_device held back, e.g. 0.1")
+        if self.usable_bytes < 1:
+            raise ValueError(
+                f"memory_per_device={m} ({format_bytes(m)}) leaves nothing to book once the "
+                f"safety margin of {self.safety_margin:.0%} is held back; pass a size with its "
+                "unit, e.g. '2GiB'")
         a = self.allowance_bytes
         if isinstance(a, bool) or not isinstance(a, int) or a < 0:
             raise ValueError(f"allowance_bytes={a!r} must be a non-negative int (bytes per "
