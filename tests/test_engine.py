@@ -371,6 +371,35 @@ def test_ctrl_c_checkpoints_running_trials_and_a_new_run_resumes_them(tmp_path):
     assert max(t.user_attrs["resumed_from"] for t in complete) >= 30
 
 
+def test_a_ctrl_c_while_a_plan_compiles_says_what_it_waits_for(tmp_path):
+    """Nothing trains yet and a plan is compiling (slow here: it waits 3 s first, as a large
+    model's compile would): the stop says it waits for that compile, instead of a silence
+    that reads as a hang, and the trial goes back to the study."""
+    study, source = make_source(tmp_path, [ok(16)])
+    compiling = threading.Event()
+
+    def slow_plan(*args: Any, **kwargs: Any) -> Any:
+        compiling.set()
+        time.sleep(3)
+        return planner.plan_mesh(*args, **kwargs)
+
+    def ctrl_c_while_compiling(statuses: Any, pool: Any) -> None:
+        if compiling.is_set():
+            raise KeyboardInterrupt
+
+    notices: list[str] = []
+    engine = SearchEngine(SPACE, Regression(), source, config(steps=10),
+                          devices=jax.devices()[:1], plan_fn=slow_plan,
+                          on_update=ctrl_c_while_compiling, on_notice=notices.append)
+    with pytest.raises(KeyboardInterrupt):
+        engine.run()
+    assert any(n.startswith("stopping: waiting for 1 plan under way to finish compiling (the "
+                            "trials are back in the study); Ctrl-C again") for n in notices), \
+        notices
+    trials = study.get_trials()
+    assert trials and {t.user_attrs.get(FAIL_REASON) for t in trials} == {"interrupted"}
+
+
 def test_a_stop_for_repeated_failures_tells_what_a_ctrl_c_would_do_not_a_second_one(tmp_path):
     """Three trials fail alike while a fourth trains: the run stops on its own, and its notice
     about the running trial speaks of a first Ctrl-C (no one pressed one)."""

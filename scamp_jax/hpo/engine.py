@@ -51,9 +51,10 @@ from typing import Any
 import jax
 
 from scamp_jax._signals import stops_held
+from scamp_jax._units import counted
 from scamp_jax.hpo import work
 from scamp_jax.hpo.calibration import Calibration
-from scamp_jax.hpo.endings import Endings
+from scamp_jax.hpo.endings import Endings, second_ctrl_c
 from scamp_jax.hpo.failures import RepeatedFailureError
 from scamp_jax.hpo.fused_engine import FusionService
 from scamp_jax.hpo.intake import BudgetTooSmallError, Intake
@@ -549,6 +550,13 @@ class SearchEngine:
         waiting += self.intake.held_back()
         self.endings.give_back(runs, waiting, self.on_notice if interrupted else None,
                                discard=discard)
+        # Plans under way cannot be cut short (a compile runs to its end); said, as a long
+        # compile's silence would read as a hang. Those not begun are cancelled.
+        compiling = sum(1 for future in self.work if future.running())
+        if interrupted and compiling and self.on_notice is not None:
+            self.on_notice(f"stopping: waiting for {counted(compiling, 'plan')} under way to "
+                           "finish compiling (the trials are back in the study); "
+                           f"{second_ctrl_c()}")
         self._planner.shutdown(wait=True, cancel_futures=True)
         self._launch.close()
 
