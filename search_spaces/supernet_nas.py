@@ -358,9 +358,8 @@ def evaluate_and_save(
     summary["eval_seconds"] = time.perf_counter() - started
     summary.update(extra or {})
     _print_tables(console, config, result, summary)
-    out = Path(config.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = Path(json_path) if json_path else out / "results.json"
+    # Only the folder the results go to is made (``json_path``'s, else ``config.out_dir``).
+    path = Path(json_path) if json_path else Path(config.out_dir) / "results.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=2))
     plot = path.with_suffix(".png")

@@ -308,12 +308,13 @@ def test_experiment_presets_and_flags():
 
 
 @pytest.mark.slow
-def test_experiment_smoke_run_writes_results(tmp_path):
+def test_experiment_smoke_run_writes_results(tmp_path, monkeypatch):
     import json
 
     from experiments import supernet_nas
 
-    out = tmp_path / "run.json"
+    monkeypatch.chdir(tmp_path)  # where the default --out-dir (runs/supernet_nas) would go
+    out = tmp_path / "json" / "run.json"
     summary = supernet_nas.main(
         ["--preset", "smoke", "--subnets", "8", "--eval-subnets", "2", "--json", str(out),
          "--quiet"]
@@ -326,6 +327,7 @@ def test_experiment_smoke_run_writes_results(tmp_path):
     assert len(written["losses"]) == 8 and written == json.loads(json.dumps(summary))
     assert out.with_suffix(".png").exists()
     assert written["best"]["psnr"] > 20.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["json"]  # no empty --out-dir made
 
 
 def test_an_executor_built_for_other_training_is_refused():
