@@ -170,8 +170,15 @@ def training_batches(config: NASConfig) -> tuple[np.ndarray, np.ndarray]:
 
     train, _ = default_split()
     sampler = PatchSampler(train, 2, config.hr_patch, seed=config.seed)
-    pairs = [sampler.batch(config.batch_size) for _ in range(config.subnets)]
-    return np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
+    # Each batch is written into its row as drawn: the patches are held once, not as a list of
+    # batches and a stacked copy of it too.
+    lr_0, hr_0 = sampler.batch(config.batch_size)
+    lr = np.empty((config.subnets, *lr_0.shape), lr_0.dtype)
+    hr = np.empty((config.subnets, *hr_0.shape), hr_0.dtype)
+    lr[0], hr[0] = lr_0, hr_0
+    for i in range(1, config.subnets):
+        lr[i], hr[i] = sampler.batch(config.batch_size)
+    return lr, hr
 
 
 def held_out_images(config: NASConfig) -> tuple[list[np.ndarray], list[np.ndarray]]:
