@@ -425,6 +425,33 @@ def test_an_interrupted_fused_study_resumes_its_members_and_keeps_finished_ones(
     assert saved and saved <= {t.user_attrs["checkpoint_key"] for t in resumed}
 
 
+def test_a_member_that_diverged_before_a_ctrl_c_stays_failed_and_the_rest_go_back(tmp_path):
+    """Two members of one architecture train fused; one's learning rate makes its loss NaN at
+    its first read-back while the other trains on. A Ctrl-C after that gives the training
+    member back, and records the diverged one failed: a rerun would only diverge again."""
+    space = SearchSpace("mlp-lr", lambda t: {
+        "width": 16, "learning_rate": t.suggest_float("learning_rate", 1e-3, 1e21, log=True)},
+        SPACE.build)
+    handle = open_study("diverged", study_dir=tmp_path, direction="minimize",
+                        sampler="random", pruner="none", seed=0)
+    for lr in (1e-2, 1e20):
+        handle.study.enqueue_trial({"learning_rate": lr})
+    source = OptunaTrialSource(handle, space, 2, root=tmp_path)
+    config = EngineConfig(steps=1000, budget=Budget(BUDGET), max_batch_size=16, log_every=5,
+                          checkpoint_every=200, fuse=2)
+    engine = SearchEngine(space, Regression(), source, config, devices=jax.devices()[:1],
+                          checkpoint_root=tmp_path / "ckpt", on_update=_CtrlC(50))
+    with pytest.raises(KeyboardInterrupt):
+        engine.run()
+    source.close()
+    trained, diverged = handle.study.get_trials()[:2]
+    assert trained.user_attrs["fail_reason"] == "interrupted"
+    assert diverged.state == TrialState.FAIL and diverged.user_attrs["fused_group"] == 0
+    assert diverged.user_attrs["fail_reason"].startswith("FloatingPointError: loss is nan")
+    waiting = handle.study.get_trials(states=(TrialState.WAITING,))
+    assert [t.params["learning_rate"] for t in waiting] == [1e-2]  # only it runs again
+
+
 def test_a_ctrl_c_while_groups_are_queued_gives_every_member_back(tmp_path):
     """A Ctrl-C that lands while the engine queues the groups it formed (the trials have left
     the forming buffer, not all are queued yet) reaches the loop once every group is queued:

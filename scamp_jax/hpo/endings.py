@@ -225,9 +225,12 @@ class Endings:
         return record
 
     def _tell_finished(self, runs: Sequence[Any]) -> list[int]:
-        """Tell the study the members of ``runs`` that ended complete or pruned before the stop
-        reached them (a run that had just finished, or finished its evaluation meanwhile: its
-        result stands); the numbers of the others, which go back."""
+        """Tell the study the members of ``runs`` that ended before the stop reached them: a
+        run that had just finished, or finished its evaluation meanwhile, and a fused member
+        whose loss or score turned non-finite while its group trained on (the configuration's
+        own ending, which a rerun would only repeat): their results stand. Return the numbers
+        of the others, which go back (a failure that raised may be a bug the user stopped to
+        fix, so it is tried again)."""
         now, unfinished = self.now(), []
         for run in runs:
             future = run.future
@@ -237,7 +240,9 @@ class Endings:
                 results = (None,) * len(run.members)
             told = 0
             for planned, r in zip(run.members, results, strict=True):
-                if r is None or r.state not in ("complete", "pruned"):
+                ended = r is not None and (r.state in ("complete", "pruned")
+                                           or (r.state == "failed" and not r.traceback))
+                if not ended:
                     unfinished.append(planned.number)
                     continue
                 self._run_over(planned.number, r, now)
