@@ -40,14 +40,11 @@ if TYPE_CHECKING:
 
 
 def _console(quiet: bool) -> Console:
-    """The run's console: a terminal's own width, a log's `scamp_jax.hpo.live.LOG_WIDTH`."""
-    import sys
+    """The run's console (`scamp_jax.hpo.live.log_console`): a terminal's own width and
+    colours, a log's (or an MPI rank's) plain lines of `scamp_jax.hpo.live.LOG_WIDTH`."""
+    from scamp_jax.hpo.live import log_console
 
-    from rich.console import Console
-
-    from scamp_jax.hpo.live import LOG_WIDTH, is_terminal
-
-    return Console(quiet=quiet, width=None if is_terminal(sys.stdout) else LOG_WIDTH)
+    return log_console(quiet=quiet)
 
 
 @dataclasses.dataclass(frozen=True)

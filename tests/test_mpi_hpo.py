@@ -68,6 +68,30 @@ def test_a_pseudo_terminal_without_a_size_is_not_a_terminal_to_draw_on():
     assert not is_terminal(io.StringIO())
 
 
+def test_the_supernet_experiment_logs_plain_lines_to_a_ranks_pseudo_terminal(monkeypatch):
+    """The supernet experiment's console is the study's (`log_console`): on a rank's size-less
+    pseudo-terminal it writes no colour or cursor codes, on a terminal window it draws."""
+    import os
+    import struct
+    import termios
+
+    from search_spaces.supernet_nas import _console
+
+    leader, follower = os.openpty()
+    with os.fdopen(leader, "rb", buffering=0) as screen, os.fdopen(follower, "w") as tty:
+        monkeypatch.setattr(sys, "stdout", tty)
+        _console(quiet=False).print("[bold]supernet[/bold]: 4 layers")
+        tty.flush()
+        written = screen.read(4096)
+        assert b"supernet: 4 layers" in written and b"\x1b[" not in written, written
+        import fcntl
+
+        fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+        _console(quiet=False).print("[bold]supernet[/bold]")
+        tty.flush()
+        assert b"\x1b[1m" in screen.read(4096)
+
+
 def test_ranks_timeline_puts_every_ranks_devices_in_one_pool():
     from scamp_jax.distributed.engine import combined_usage
     from scamp_jax.hpo.report import ranks_timeline

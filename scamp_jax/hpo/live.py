@@ -46,6 +46,17 @@ def is_terminal(stream: Any) -> bool:
         return True
 
 
+def log_console(file: Any = None, *, quiet: bool = False) -> Any:
+    """A rich ``Console`` on ``file`` (None: stdout when printing) that draws on a terminal
+    (`is_terminal`: its own width, colours) and writes a log, a pipe or a rank's size-less
+    pseudo-terminal as wide plain lines (`LOG_WIDTH`, no colour codes)."""
+    from rich.console import Console
+
+    terminal = is_terminal(sys.stdout if file is None else file)
+    return Console(file=file, quiet=quiet, soft_wrap=True, force_terminal=terminal,
+                   width=None if terminal else LOG_WIDTH)
+
+
 def _fmt_params(params: Mapping[str, Any], width: int = 48) -> str:
     parts = []
     for key, value in params.items():

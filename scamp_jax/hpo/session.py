@@ -250,7 +250,6 @@ class StudySession:
                             "scamp_jax.SearchSettings(trials=..., steps=..., ...)")
         check_space_and_task(space, task)
         check_study_place(settings.study_dir, settings.storage)
-        from rich.console import Console
 
         from scamp_jax.planning.plan_cache import PlanCache
         from scamp_jax.planning.planner import plan_mesh
@@ -281,14 +280,11 @@ class StudySession:
         #: the engine's figures when its run was interrupted (`run_engine`), else None
         self.interrupted_result: Any = None
         if console is None:
-            from scamp_jax.hpo.live import LOG_WIDTH, RankStream, is_terminal
+            from scamp_jax.hpo.live import RankStream, log_console
 
             # Logs (no terminal, or a rank's size-less one) get wide plain lines instead of a
             # table squeezed into 80 columns with colour codes.
-            out: Any = None if rank == 0 else RankStream(rank)  # None: stdout when printing
-            terminal = rank == 0 and is_terminal(sys.stdout)
-            console = Console(file=out, soft_wrap=True, force_terminal=terminal,
-                              width=None if terminal else LOG_WIDTH)
+            console = log_console(None if rank == 0 else RankStream(rank))
         self.console = console
         #: the study had all its trials when this run opened it (`greet`)
         self.nothing_to_run = False
