@@ -190,6 +190,36 @@ def test_a_packed_study_never_books_a_device_above_its_usable_bytes(packed_study
     assert 3 * max(t["plan"]["bytes_per_device"] for t in results["trials"]) <= BUDGET
 
 
+def test_a_group_that_ran_out_of_memory_leaves_each_member_its_own_paces() -> None:
+    """A fused group's paces are copied to its members when it ends; members that then run
+    alone (the group ran out of memory) each record their own paces, which the replay reads
+    as that trial's timeline: one member's must not land in another's. The group's end is
+    fed to `Endings.group_ended` with the records the engine keeps; the core, the study and
+    the out-of-memory queue are stand-ins that only record what they are told."""
+    from types import SimpleNamespace
+
+    from scamp_jax.hpo.endings import Endings
+    from scamp_jax.hpo.record import TrialRecord
+    from scamp_jax.hpo.study.trials import AskedTrial
+    from scamp_jax.hpo.trial import RunResult, TrialStatus
+
+    records = {n: TrialRecord(TrialStatus(n, {}), AskedTrial(n, {}, f"trial_{n}"))
+               for n in (0, 1)}
+    records[0].times["pace"].append([2.0, 2, 0.5, 1.0])  # the group's, on its leader's record
+    members = [SimpleNamespace(number=0), SimpleNamespace(number=1)]
+    records[0].run = records[1].run = SimpleNamespace(members=members)
+    alone: list[int] = []
+    endings = object.__new__(Endings)
+    endings.records, endings.now, endings.decide = records, lambda: 5.0, lambda now: None
+    endings.core = SimpleNamespace(finished=lambda now, key: None)
+    endings.oom = SimpleNamespace(member_ended=lambda planned: alone.append(planned.number))
+    endings.report = lambda planned, result: None
+    endings.group_ended(0, [RunResult(0, "oom", 3, 1.0), RunResult(1, "oom", 3, 1.0)])
+    assert alone == [0, 1] and records[1].times["pace"] == [[2.0, 2, 0.5, 1.0]]
+    records[1].times["pace"].append([7.0, 2, 0.9, 5.5])  # member 1 alone
+    assert records[0].times["pace"] == [[2.0, 2, 0.5, 1.0]]
+
+
 def test_the_pool_books_usable_bytes_not_the_whole_budget() -> None:
     core = SchedulingCore(ScampPolicy(), 1, Budget(100 * MIB, 0.1))
     assert core.pool.capacity == (90 * MIB,)

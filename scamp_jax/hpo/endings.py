@@ -168,7 +168,8 @@ class Endings:
             record = self._run_over(planned.number, r, now)
             if planned.number != key:  # the group's scheduling record is the leader's
                 record.times["plan"] = leader.times.get("plan")
-                record.times["pace"] = leader.times.get("pace", [])
+                # a copy: a member that runs alone later records its own paces there
+                record.times["pace"] = list(leader.times.get("pace", []))
             if r.state == "oom":  # the group did not fit: its members run alone
                 self.oom.member_ended(planned)
                 continue
