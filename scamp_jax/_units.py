@@ -19,7 +19,8 @@ def parse_bytes(value: int | float | str) -> int:
 
     Binary units (KiB, MiB, GiB, TiB, and the bare K/M/G/T) are powers of 1024, decimal units
     (KB, MB, GB, TB) powers of 1000. Raises ``ValueError`` naming the value for anything else,
-    and for a count that is not positive.
+    for a count that is not positive, and for a fraction of a byte below 1 KiB (a size whose
+    unit was left out: ``1.5`` is not 1 byte); a larger fraction is cut off.
     """
     if isinstance(value, bool):
         raise TypeError(f"memory size must be a byte count or a string like '2GiB', got {value!r}")
@@ -48,12 +49,16 @@ def parse_bytes(value: int | float | str) -> int:
 
 
 def _whole_bytes(count: float, value: object, number: object = None) -> int:
-    """``count`` bytes (given as ``value``, whose figure is ``number``), which must be whole:
-    a fraction of a byte is a size whose unit was left out."""
-    if count != int(count):
-        number = value if number is None else number
-        raise ValueError(f"memory size {value!r} is not a whole number of bytes; did you leave "
-                         f"out its unit? e.g. '{number}GiB' or '{number}GB'")
+    """``count`` bytes (given as ``value``, whose figure is ``number``; None: a number without
+    a unit) as a whole number: a fraction is cut off, except below 1 KiB, where a size with a
+    fraction of a byte is one whose unit was left out (``1.5``, meant as 1.5 GiB)."""
+    if count != int(count) and count < 1024:
+        advice = ("did you leave out its unit? e.g. "
+                  f"'{value if number is None else number}GiB' or "
+                  f"'{value if number is None else number}GB'"
+                  if number is None or str(value).strip() == str(number) else
+                  "give it in a larger unit, e.g. GiB")
+        raise ValueError(f"memory size {value!r} is not a whole number of bytes; {advice}")
     return int(count)
 
 

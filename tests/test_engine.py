@@ -400,6 +400,41 @@ def test_a_ctrl_c_while_a_plan_compiles_says_what_it_waits_for(tmp_path):
     assert trials and {t.user_attrs.get(FAIL_REASON) for t in trials} == {"interrupted"}
 
 
+def test_a_stop_for_repeated_failures_while_a_plan_compiles_speaks_of_a_first_ctrl_c(tmp_path):
+    """The study stops on its own (three trials failed alike) while the wide trial's plan is
+    still compiling (held here until the stop has said so): no one pressed Ctrl-C, so the
+    notice speaks of a first one."""
+    study, source = make_source(tmp_path, [ok(32), ok(16), ok(16, 3e-3), ok(16, 1e-3)])
+    said = threading.Event()
+
+    class NarrowFails(Regression):
+        def evaluate(self, model: Any) -> dict[str, float]:
+            if model.hidden.out_features == 16:
+                raise ValueError("a bug in evaluate")
+            return super().evaluate(model)
+
+    def held_plan(model: Any, *args: Any, **kwargs: Any) -> Any:
+        if model.hidden.kernel.shape[1] == 32:
+            said.wait(timeout=120)
+        return planner.plan_mesh(model, *args, **kwargs)
+
+    notices: list[str] = []
+
+    def notice(line: str) -> None:
+        notices.append(line)
+        if "finish compiling" in line:
+            said.set()
+
+    engine = SearchEngine(SPACE, NarrowFails(), source,
+                          config(steps=100_000, eval_every=10, failure_limit=3),
+                          devices=jax.devices()[:4], checkpoint_root=tmp_path / "ckpt",
+                          plan_fn=held_plan, on_notice=notice)
+    with pytest.raises(RepeatedFailureError):
+        engine.run()
+    compiling = [n for n in notices if "finish compiling" in n]
+    assert len(compiling) == 1 and "a Ctrl-C stops waiting for them" in compiling[0], notices
+
+
 def test_a_stop_for_repeated_failures_tells_what_a_ctrl_c_would_do_not_a_second_one(tmp_path):
     """Three trials fail alike while a fourth trains: the run stops on its own, and its notice
     about the running trial speaks of a first Ctrl-C (no one pressed one)."""

@@ -292,6 +292,41 @@ def test_a_run_that_fails_before_any_trial_ran_leaves_the_study_free_to_start_ag
     assert done["trials_this_run"] == 2
 
 
+def test_a_run_that_fails_after_trials_trained_keeps_the_studys_settings(tmp_path, monkeypatch):
+    """Trials that trained and went back to the study (a Ctrl-C, here raised where the view
+    updates, as a user's lands) keep their checkpoints: a later run that fails before asking
+    (a full disk, made up here) must not free the study for other settings, under which those
+    checkpoints would be resumed."""
+    from scamp_jax.hpo import live
+    from scamp_jax.hpo.session import StudySession
+    from scamp_jax.hpo.study import StudySettingsError
+
+    kw = dict(study_dir=tmp_path, live=False, max_batch_size=8, memory_per_device="64MiB",
+              trials=2, checkpoint_every=10)
+    update = live.LiveView.update
+
+    def ctrl_c_at_step_30(self, statuses, *args, **kwargs):
+        if any(s.step >= 30 for s in statuses):
+            raise KeyboardInterrupt
+        return update(self, statuses, *args, **kwargs)
+
+    monkeypatch.setattr(live.LiveView, "update", ctrl_c_at_step_30)
+    with pytest.raises(KeyboardInterrupt):
+        scamp_jax.run_study(SPACE, function_task(), steps=400, **kw)
+    monkeypatch.setattr(live.LiveView, "update", update)
+
+    def full_disk(self, *a, **k):
+        raise OSError(28, "No space left on device")
+
+    run_engine = StudySession.run_engine
+    monkeypatch.setattr(StudySession, "run_engine", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        scamp_jax.run_study(SPACE, function_task(), steps=400, **kw)
+    monkeypatch.setattr(StudySession, "run_engine", run_engine)
+    with pytest.raises(StudySettingsError, match="steps=400"):
+        scamp_jax.run_study(SPACE, function_task(), steps=40, **kw)
+
+
 class _DropoutMLP(nnx.Module):
     def __init__(self, width: int, rngs: nnx.Rngs):
         self.hidden = nnx.Linear(8, width, rngs=rngs)

@@ -44,15 +44,18 @@ def test_parse_bytes_rejects_sizes_that_are_not_positive(bad):
         parse_bytes(bad)
 
 
-@pytest.mark.parametrize(("bad", "figure"), [(1.5, "1.5"), ("1.5", "1.5"), ("0.4 B", "0.4"),
-                                             (0.4, "0.4")])
-def test_a_fraction_of_a_byte_is_a_size_whose_unit_was_left_out(bad, figure):
+@pytest.mark.parametrize(("bad", "advice"), [
+    (1.5, "did you leave out its unit? e.g. '1.5GiB' or '1.5GB'"),
+    ("1.5", "did you leave out its unit? e.g. '1.5GiB' or '1.5GB'"),
+    (0.4, "did you leave out its unit? e.g. '0.4GiB' or '0.4GB'"),
+    ("0.4 B", "give it in a larger unit, e.g. GiB")])
+def test_a_fraction_of_a_byte_is_a_size_whose_unit_was_left_out(bad, advice):
     """``--memory-per-device 1.5`` (meant: 1.5 GiB) is not one byte: the error names the units
-    it may have meant."""
+    it may have meant. A larger fraction (a size computed, e.g. 0.9 of a GiB) is cut off."""
     with pytest.raises(ValueError, match=re.escape(
-            f"not a whole number of bytes; did you leave out its unit? e.g. '{figure}GiB' or "
-            f"'{figure}GB'")):
+            f"memory size {bad!r} is not a whole number of bytes; {advice}")):
         parse_bytes(bad)
+    assert parse_bytes(0.9 * 2**30) == 966_367_641 and parse_bytes("1024.5") == 1024
 
 
 @pytest.mark.parametrize("bad", [True, None, [1], b"1GiB"])

@@ -65,6 +65,7 @@ from scamp_jax.distributed.spanning import (
 from scamp_jax.distributed.study import StudyClient, release_study, shared_study
 from scamp_jax.hpo.engine import SearchEngine, TrialDeferred
 from scamp_jax.hpo.failures import RepeatedFailureError
+from scamp_jax.hpo.intake import BudgetTooSmallError
 from scamp_jax.hpo.plan_service import PlanningService
 from scamp_jax.hpo.runner import make_optimizer
 from scamp_jax.hpo.study.trials import AskedTrial, AskLater, TrialOutcome
@@ -327,10 +328,10 @@ def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any
         if server is not None:  # rank 0 records the run, as a single process does
             _record_interrupted(session, server, result, time.monotonic() - started, size)
         raise
-    except RepeatedFailureError:
-        raise  # trials ran (and failed): the study keeps its settings, as in one process
-    except Exception:
-        if server is not None:  # as a single process: where no trial ran, it may start anew
+    except Exception as err:
+        # as a single process: only misfits came, or no trial was asked: it may start anew
+        if server is not None and (isinstance(err, BudgetTooSmallError)
+                                   or not server.source.study.get_trials(deepcopy=False)):
             session.forget_if_unused(server.source.study)
         raise
     summaries = comm.gather(summary, root=0)

@@ -556,7 +556,7 @@ class SearchEngine:
         if interrupted and compiling and self.on_notice is not None:
             self.on_notice(f"stopping: waiting for {counted(compiling, 'plan')} under way to "
                            "finish compiling (the trials are back in the study); "
-                           f"{second_ctrl_c()}")
+                           f"{second_ctrl_c(pressed=not discard)}")
         self._planner.shutdown(wait=True, cancel_futures=True)
         self._launch.close()
 

@@ -158,7 +158,9 @@ class OutOfMemory:
         assert ended is not None
         if retry is None:
             reason = ended.reason or record.status.reason
-            why = ("; no smaller plan fits" if error is None
+            floor = self.config.min_batch_size or 1
+            at_least = f" at a batch of at least min_batch_size={floor}" if floor > 1 else ""
+            why = (f"; no smaller plan fits{at_least}" if error is None
                    else f"; planning it again failed: {ending(error)[1]}")
             self.report(planned, replace(ended, state="failed", reason=reason + why))
             return

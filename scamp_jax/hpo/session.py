@@ -589,6 +589,7 @@ def run_search(
 def _run_search(space: SearchSpace, task: Task, settings: SearchSettings, **kwargs: Any
                 ) -> dict[str, Any]:
     from scamp_jax.distributed.mpi import launched_under_mpi
+    from scamp_jax.hpo.intake import BudgetTooSmallError
     kwargs["memory_per_device"] = held_budget(kwargs["devices"], kwargs["memory_per_device"])
     if launched_under_mpi():
         from scamp_jax.distributed.engine import run_search_mpi
@@ -608,10 +609,11 @@ def _run_search(space: SearchSpace, task: Task, settings: SearchSettings, **kwar
         session.report_interrupted(source.study, time.monotonic() - started, source.told,
                                    **stopped)
         raise
-    except Exception:
-        # Where no trial ever ran (a budget too small for any candidate, a pool or a plan
-        # that could not be made), the rerun the error advises may start the study anew.
-        session.forget_if_unused(source.study)
+    except Exception as err:
+        # A budget too small for any candidate (only misfits came), or a run that failed
+        # before it asked for a trial: the rerun the error advises may start the study anew.
+        if isinstance(err, BudgetTooSmallError) or not source.study.get_trials(deepcopy=False):
+            session.forget_if_unused(source.study)
         raise
     finally:
         source.close()
