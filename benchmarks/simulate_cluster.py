@@ -559,10 +559,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.batch_multiple < 1:
         parser.error("--batch-multiple must be >= 1")
     if args.replay is not None:
-        from scamp_jax.scheduling.replay import as_json
-        from scamp_jax.sim.measured import replay_study
+        from scamp_jax.scheduling.replay import as_json, run_section
+        from scamp_jax.sim.measured import read_results, replay_study
 
         placements = replay_study(args.replay)
+        ranks = int(run_section(read_results(args.replay)).get("ranks") or 1)
+        if ranks > 1:  # each rank's engine schedules its own devices with its own core
+            print(f"note: a study of {ranks} MPI ranks; this replays rank 0's scheduling (its "
+                  "devices and trials) only", file=sys.stderr)
         if args.json:
             print(as_json(placements))
         else:
@@ -634,7 +638,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("--overlap must be in [0, 1]")
         cluster = dataclasses.replace(cluster, overlap=args.overlap)
     usable = int(cluster.memory_per_device * (1.0 - args.safety_margin))
-    max_devices = args.max_trial_devices or cluster.devices
+    max_devices = args.max_trial_devices  # 0: no restart on more devices either
 
     def reshape(profile: TrialProfile) -> tuple[TrialProfile, ...]:
         return costs[profile.key].restart_profiles(profile, budget_bytes=usable,

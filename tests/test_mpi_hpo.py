@@ -459,6 +459,15 @@ def test_study_split_across_two_ranks_records_every_trial_once_with_its_rank(
     assert results["run"]["usage"]["peak_memory_utilization"] == max(timeline["memory_series"][1])
     assert [s for _, s, _ in _stored_trials(tmp_path)] == ["COMPLETE"] * 4
     assert "[rank 1]" in proc.stdout  # rank 1 logs plain lines under its rank
+    # Each rank schedules its own devices: a replay of the study says it covers rank 0's.
+    replayed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.simulate_cluster", "--replay",
+         str(tmp_path / "study")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert replayed.returncode == 0, replayed.stderr
+    assert ("note: a study of 2 MPI ranks; this replays rank 0's scheduling (its devices and "
+            "trials) only") in replayed.stderr
+    rank_0 = {t["number"] for t in results["trials"] if t["rank"] == 0}
+    assert {int(line.split()[1].rstrip(":")) for line in replayed.stdout.splitlines()} == rank_0
     # Rank 0's stdout is Open MPI's size-less pseudo-terminal: plain lines and a wide table,
     # no colour codes; every rank names its own pool.
     assert "\x1b[" not in proc.stdout, proc.stdout
