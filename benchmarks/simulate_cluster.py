@@ -411,6 +411,7 @@ def validate(run_dir: Path, table: CostTable, log: Callable[[str], None]) -> dic
     from experiments.swinir_hpo import get_config, make_space_and_task
     from scamp_jax._units import parse_bytes
     from scamp_jax.planning.train_step import default_optimizer, split_model
+    from scamp_jax.scheduling.replay import run_section
 
     rows = json.loads((run_dir / "hpo_makespan.json").read_text())
     measured = {row["policy"]: float(row["end_to_end_s"]) for row in rows}
@@ -424,7 +425,10 @@ def validate(run_dir: Path, table: CostTable, log: Callable[[str], None]) -> dic
     optimizer = default_optimizer()
     out: dict[str, float] = {}
     for policy_name in ("scamp", "fixed"):
-        records = json.loads((run_dir / policy_name / "results.json").read_text())["trials"]
+        results = json.loads((run_dir / policy_name / "results.json").read_text())
+        records = results["trials"]
+        # the engine's cap on trials running at once (on CPU devices: the host's cores / 2)
+        max_running = run_section(results).get("max_running")
         profiles = []
         for rec in sorted(records, key=lambda r: r["number"]):
             if rec["state"] != "complete" or not rec["devices"]:
@@ -448,7 +452,8 @@ def validate(run_dir: Path, table: CostTable, log: Callable[[str], None]) -> dic
         if not profiles:
             raise ValueError(f"{run_dir / policy_name} has no completed trials to replay")
         policy = (FixedPolicy(profiles[0].devices) if policy_name == "fixed" else ScampPolicy())
-        result = simulate(profiles, cluster, policy, safety_margin=0.1)  # the engine's default
+        result = simulate(profiles, cluster, policy, safety_margin=0.1,  # the engine's default
+                          max_running=max_running)
         out[f"measured_s_{policy_name}"] = measured[policy_name]
         out[f"simulated_s_{policy_name}"] = result.makespan_s
     out["measured_ratio"] = out["measured_s_fixed"] / out["measured_s_scamp"]

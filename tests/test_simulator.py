@@ -43,6 +43,18 @@ def test_setup_seconds_come_before_the_steps() -> None:
     assert result.trials[0].solo_seconds == pytest.approx(9.0)
 
 
+def test_the_engines_cap_on_running_trials_holds_in_the_simulation() -> None:
+    """On CPU devices the engine runs at most the host's cores over two trials at once
+    (``run.max_running``); the simulation of such a study keeps the same cap, so four one-device
+    trials on a two-device pool run one after another under a cap of 1 and two at a time
+    under a cap of 2."""
+    trials = [TrialProfile(k, 1, GIB, 1, 1e12, 0, 0, 4) for k in range(4)]  # 4 s alone
+    spans = {cap: sorted(x for t in simulate(trials, TOY, ScampPolicy(), max_running=cap).trials
+                         for x in (t.start_s, t.end_s)) for cap in (None, 1, 2)}
+    assert spans[1] == pytest.approx([0, 4, 4, 8, 8, 12, 12, 16])
+    assert spans[2] == spans[None] == pytest.approx([0, 0, 4, 4, 4, 4, 8, 8])
+
+
 def _hand_example() -> list[TrialProfile]:
     return [
         # A: 2 s steps, busy half of each (1 s compute, 1 s launch gaps), 10 steps -> 20 s alone.

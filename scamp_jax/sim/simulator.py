@@ -404,6 +404,7 @@ def simulate(
     lookahead: int | None = None,
     reshape: Callable[[TrialProfile], Sequence[TrialProfile]] | None = None,
     safety_margin: float = 0.0,
+    max_running: int | None = None,
 ) -> SimResult:
     """Run ``profiles`` (arriving in list order) on ``cluster`` under ``policy``.
 
@@ -429,6 +430,9 @@ def simulate(
         done and trains nothing for ``cluster.restart_seconds``.
       safety_margin: fraction of each device's memory the pool does not book (the engine's
         `EngineConfig.safety_margin`; the profiles' plans must fit the rest).
+      max_running: most trials running at once (the engine's cap, ``run.max_running`` of a
+        study's ``results.json``: on CPU devices, the host's cores over two); None: as many as
+        the pool holds.
 
     Raises ``ValueError`` if a profile can never fit the cluster, or if the policy would give a
     trial another device count than its profile was costed for (build the fixed baseline's
@@ -441,7 +445,7 @@ def simulate(
     core = SchedulingCore(policy, cluster.devices, cluster.budget(safety_margin),
                           cluster.restart_seconds,
                           peak_flops=cluster.peak_flops * cluster.compute_efficiency,
-                          overlap=cluster.overlap)
+                          max_running=max_running, overlap=cluster.overlap)
     usable = core.capacity
     by_key: dict[int, TrialProfile] = {}
     for profile in profiles:
