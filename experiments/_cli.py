@@ -404,70 +404,17 @@ def check_study_dir(path: str | Path, flag: str = "--study-dir") -> None:
 
 
 def check_storage(url: str | None, study_dir: str | Path, *, here: bool = True) -> None:
-    """Exit 2 if ``--storage`` is not a usable database URL, its driver is missing, or the
-    study's SQLite database is damaged; connects to nothing else and creates nothing.
-    ``here=False`` (a command that only plans, perhaps for a machine with its own driver and
-    folders): the URL's form only."""
-    if url is not None:
-        import sqlalchemy
-        from sqlalchemy.engine import make_url
-        from sqlalchemy.exc import ArgumentError, NoSuchModuleError
-
-        example = "sqlite:///runs/study.db or postgresql+psycopg://user@host/db"
-        try:
-            parsed = make_url(url)
-        except ArgumentError:
-            fail(f"--storage {url!r} is not a database URL; pass one like {example}")
-        if not here:
-            return
-        try:
-            sqlalchemy.create_engine(parsed)  # loads dialect and driver; connects to nothing
-        except NoSuchModuleError:
-            fail(f"--storage {url!r}: {parsed.drivername!r} is not a supported database; pass "
-                 f"a URL like {example}")
-        except ModuleNotFoundError as err:
-            # module -> the package that provides it, where the names differ
-            package = {"MySQLdb": "mysqlclient"}.get(
-                err.name or "", err.name)
-            extra = ("pip install 'scamp-jax[postgres]'" if (err.name or "").startswith("psycopg")
-                     else f"pip install {package}")
-            fail(f"--storage {url!r} needs the database driver {err.name!r}, which is not "
-                 f"installed; {extra}")
-        except (ArgumentError, TypeError, ValueError) as err:
-            fail(f"--storage {url!r} is not a usable database URL ({err}); pass one like "
-                 f"{example}")
-        if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
-            fail(f"--storage {url!r} keeps the study in this process's memory: it is gone when "
-                 "the command ends, so running it again cannot resume the study; pass a file, "
-                 f"{example.split(' or ')[0]}, or leave --storage out (--study-dir/study.db)")
-        if parsed.get_backend_name() != "sqlite":
-            return
-        assert parsed.database is not None  # an in-memory one failed above
-        database = Path(parsed.database)
-        if not database.parent.is_dir():
-            fail(f"--storage {url!r}: the folder {str(database.parent)!r} of its database file "
-                 "does not exist; create it, or pass a path in an existing folder")
-    else:
-        database = Path(study_dir) / "study.db"
-    if database.is_file():
-        problem = _sqlite_problem(database)
-        if problem:
-            fail(f"the study database {str(database)!r} is damaged ({problem}); restore it from "
-                 "a copy, or pass another --study-dir or --storage to start afresh")
-
-
-def _sqlite_problem(path: Path) -> str | None:
-    """What SQLite says is wrong with the database file at ``path`` (None: nothing)."""
-    import sqlite3
+    """Exit 2 if ``--storage`` is not a usable database URL, its driver is missing, it keeps
+    the study in memory (a rerun could not resume it), or the study's SQLite database is
+    damaged (`scamp_jax.hpo.study.storage.check_storage`); connects to nothing else and creates
+    nothing. ``here=False`` (a command that only plans, perhaps for a machine with its own
+    driver and folders): the URL's form only."""
+    from scamp_jax.hpo.study.storage import check_storage as check
 
     try:
-        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
-            rows = conn.execute("PRAGMA quick_check").fetchall()
-    except sqlite3.DatabaseError as err:
-        return str(err)
-    if rows and rows[0][0] != "ok":
-        return f"database disk image is malformed: {rows[0][0]}"
-    return None
+        check(url, study_dir, said="--storage", here=here, in_memory=False)
+    except ValueError as err:
+        fail(str(err))
 
 
 def root_cause(err: BaseException) -> BaseException:

@@ -217,6 +217,10 @@ def test_run_study_rejects_a_bad_setting_before_opening_a_study(tmp_path):
      "batches, loss_fn, evaluate: pass a Task"),
     ({"storage": "not a url"}, ValueError, "storage='not a url' is not a database URL; pass "
      "one like sqlite:///runs/study.db"),
+    ({"storage": "postgresql+pg8000://u@h/db"}, ValueError, "storage='postgresql.pg8000://u@h/db' "
+     "needs the database driver 'pg8000', which is not installed; pip install pg8000"),
+    ({"storage": "sqlite:///no-such-folder/x/study.db"}, ValueError, "the folder "
+     "'no-such-folder/x' of its database file does not exist"),
     ({"study_dir": "a-file"}, ValueError, "study_dir='.*a-file' is a file; pass a directory"),
 ])
 def test_run_study_names_a_bad_argument_and_writes_nothing(tmp_path, bad, error, message):
@@ -229,6 +233,18 @@ def test_run_study_names_a_bad_argument_and_writes_nothing(tmp_path, bad, error,
     with pytest.raises(error, match=message):
         scamp_jax.run_study(kw.pop("space"), kw.pop("task"), **kw)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_run_study_refuses_a_damaged_study_database_and_changes_nothing(tmp_path):
+    # the library checks the study's place as the experiments' flags do (one check)
+    damaged = b"SQLite format 3\x00" + b"\xff" * 4000
+    (tmp_path / "study.db").write_bytes(damaged)
+    with pytest.raises(ValueError, match=r"the study database '.*study.db' is damaged \(.*\); "
+                       "restore it from a copy, or pass another study_dir or storage"):
+        scamp_jax.run_study(SPACE, function_task(), trials=1, steps=2, study_dir=tmp_path,
+                            devices=1, memory_per_device="64MiB", live=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["study.db"]
+    assert (tmp_path / "study.db").read_bytes() == damaged
 
 
 def test_cpu_devices_default_to_a_share_of_host_memory():

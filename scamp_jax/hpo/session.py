@@ -136,18 +136,12 @@ def check_directory(path: str | Path, name: str = "study_dir") -> None:
 
 def check_study_place(study_dir: str | Path, storage: str | None) -> None:
     """Raise ``ValueError`` where ``study_dir`` cannot be written (`check_directory`) or
-    ``storage`` is no database URL, before anything is written there."""
-    check_directory(study_dir)
-    if storage:
-        from sqlalchemy.engine import make_url
-        from sqlalchemy.exc import ArgumentError
+    ``storage`` is no usable database URL, or the study's SQLite file is damaged
+    (`scamp_jax.hpo.study.storage.check_storage`), before anything is written there."""
+    from scamp_jax.hpo.study.storage import check_storage
 
-        try:
-            make_url(storage)
-        except ArgumentError:
-            raise ValueError(f"storage={storage!r} is not a database URL; pass one like "
-                             "sqlite:///runs/study.db or postgresql+psycopg://user@host/db, "
-                             "or none for a study.db in study_dir") from None
+    check_directory(study_dir)
+    check_storage(storage or None, study_dir)
 
 
 #: In a study directory: the study whose outputs are at its top level (`claim_outputs`).

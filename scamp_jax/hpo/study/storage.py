@@ -72,6 +72,86 @@ def storage_url(study_dir: str | Path, storage: str | None = None) -> str:
     return f"sqlite:///{path / 'study.db'}"
 
 
+STORAGE_EXAMPLE = "sqlite:///runs/study.db or postgresql+psycopg://user@host/db"
+
+
+def check_storage(url: str | None, study_dir: str | Path, *, said: str = "storage",
+                  here: bool = True, in_memory: bool = True) -> None:
+    """Raise ``ValueError`` if ``url`` (None: ``study_dir``'s ``study.db``) is no usable
+    database URL, its driver is not installed, the folder of its SQLite file does not exist,
+    or the study's SQLite database is damaged; connects to no server and creates nothing.
+
+    ``said``: how the message names the URL (``storage``: "storage='...'"; a flag such as
+    ``--storage``: "--storage '...'"). ``here=False`` (a command that only plans, perhaps for a
+    machine with its own driver and folders): the URL's form only. ``in_memory=False``: also
+    refuse an SQLite database in the process's memory, which a rerun cannot resume.
+    """
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    database = Path(study_dir) / "study.db"
+    if url is not None:
+        import sqlalchemy
+
+        who = f"{said} {url!r}" if said.startswith("-") else f"{said}={url!r}"
+        try:
+            parsed = make_url(url)
+        except ArgumentError:
+            raise ValueError(f"{who} is not a database URL; pass one like {STORAGE_EXAMPLE}"
+                             + ("" if said.startswith("-") else ", or none for a study.db in "
+                                "study_dir")) from None
+        if not here:
+            return
+        try:
+            sqlalchemy.create_engine(parsed)  # loads dialect and driver; connects to nothing
+        except NoSuchModuleError:
+            raise ValueError(f"{who}: {parsed.drivername!r} is not a supported database; "
+                             f"pass a URL like {STORAGE_EXAMPLE}") from None
+        except ModuleNotFoundError as err:
+            # module -> the package that provides it, where the names differ
+            package = {"MySQLdb": "mysqlclient"}.get(err.name or "", err.name)
+            extra = ("pip install 'scamp-jax[postgres]'"
+                     if (err.name or "").startswith("psycopg") else f"pip install {package}")
+            raise ValueError(f"{who} needs the database driver {err.name!r}, which is not "
+                             f"installed; {extra}") from None
+        except (ArgumentError, TypeError, ValueError) as err:
+            raise ValueError(f"{who} is not a usable database URL ({err}); pass one like "
+                             f"{STORAGE_EXAMPLE}") from None
+        if parsed.get_backend_name() != "sqlite":
+            return
+        if parsed.database in (None, "", ":memory:"):
+            if in_memory:
+                return
+            raise ValueError(
+                f"{who} keeps the study in this process's memory: it is gone when the command "
+                "ends, so running it again cannot resume the study; pass a file, "
+                f"{STORAGE_EXAMPLE.split(' or ')[0]}, or leave {said} out "
+                f"({'--study-dir' if said.startswith('-') else 'study_dir'}/study.db)")
+        database = Path(parsed.database)
+        if not database.parent.is_dir():
+            raise ValueError(f"{who}: the folder {str(database.parent)!r} of its database file "
+                             "does not exist; create it, or pass a path in an existing folder")
+    problem = sqlite_problem(database) if database.is_file() else None
+    if problem:
+        place = "--study-dir" if said.startswith("-") else "study_dir"
+        raise ValueError(f"the study database {str(database)!r} is damaged ({problem}); restore "
+                         f"it from a copy, or pass another {place} or {said} to start afresh")
+
+
+def sqlite_problem(path: Path) -> str | None:
+    """What SQLite says is wrong with the database file at ``path`` (None: nothing)."""
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+            rows = conn.execute("PRAGMA quick_check").fetchall()
+    except sqlite3.DatabaseError as err:
+        return str(err)
+    if rows and rows[0][0] != "ok":
+        return f"database disk image is malformed: {rows[0][0]}"
+    return None
+
+
 @contextlib.contextmanager
 def quiet_optuna() -> Iterator[None]:
     """Silence Optuna's notes about its heartbeat API (experimental; meant for ``optimize``).
