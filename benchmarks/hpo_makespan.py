@@ -157,7 +157,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--devices-per-trial", type=positive_int, default=2,
                    help="devices per trial of the fixed baseline")
     p.add_argument("--seed", type=int, default=0, help="seed shared by both runs")
-    p.add_argument("--out", default=None, help="keep both studies here (default: a temp dir)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="keep the studies here, each in DIR/<policy> (DIR/ray for --ray), "
+                   "which each run empties first: a resumed study would skew its time "
+                   "(default: a temporary folder)")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
     p.add_argument("--policies", default="scamp,fixed",
                    help="comma-separated policies to run, in order (default: scamp,fixed)")
