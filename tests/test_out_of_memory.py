@@ -73,6 +73,29 @@ def test_out_of_memory_replans_stop_at_max_replans(tmp_path) -> None:
     assert trial.user_attrs[FAIL_REASON].startswith("out of memory")
 
 
+def test_a_replan_refused_by_the_batch_floor_names_it(tmp_path) -> None:
+    """The run is out of memory (its plan claims a quarter of the budget for a step that needs
+    far more); what would fit is below ``min_batch_size`` and the pool has no second device to
+    grow onto, so the trial fails, and its reason names the floor."""
+    def optimistic(model: Any, sample: Any, **kw: Any) -> Any:
+        budget = kw["memory_per_device"]
+        plan = planner.plan_mesh(model, sample, **{**kw, "memory_per_device": 8 * budget})
+        return dataclasses.replace(plan, peak_bytes_per_device=budget // 4, prefetch_bytes=0)
+
+    study, source = make_source(tmp_path, [ok(32)])
+    cfg = config(budget=Budget(2 * 2**20), min_batch_size=1 << 15, max_batch_size=1 << 16,
+                 steps=3, max_replans=3)
+    SearchEngine(SPACE, Regression(), source, cfg, devices=jax.devices()[:1],
+                 plan_fn=optimistic).run()
+    (trial,) = study.get_trials()
+    assert trial.state == TrialState.FAIL
+    assert trial.user_attrs["replans"] == 0
+    reason = trial.user_attrs[FAIL_REASON]
+    assert reason.startswith("out of memory"), reason
+    assert reason.endswith("; no smaller plan fits at a batch of at least min_batch_size=32768"), \
+        reason
+
+
 def test_a_replan_that_raises_fails_its_trial_and_the_study_goes_on(tmp_path) -> None:
     """The first plan's run is out of memory; planning the trial again raises (a compile error,
     here raised by the planner stand-in after the first plan): that trial fails saying so, and
