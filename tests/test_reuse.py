@@ -459,3 +459,43 @@ def test_an_optimizer_of_another_state_under_one_architecture_key_gets_its_own_p
         want = jax.eval_shape(optimizer.init, split_model(MLP(8, nnx.Rngs(3)))[1])
         assert jax.tree.structure(opt_state) == jax.tree.structure(want)
     assert (states.misses, states.compiles) == (2, 0)
+
+
+class Bare(nnx.Module):
+    """A module that keeps its width in its arrays only: every width has one graph
+    definition."""
+
+    def __init__(self, width: int, rngs: nnx.Rngs) -> None:
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (16, width)) / 4)
+        self.v = nnx.Param(jax.random.normal(rngs.params(), (width, 4)) / 4)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.tanh(x @ self.w) @ self.v
+
+
+def test_sizes_of_one_graph_definition_get_their_own_plans_steps_and_evaluators():
+    from scamp_jax.hpo.plan_service import PlanningService
+    from scamp_jax.hpo.program_key import ProgramKey, evaluation_key, state_shapes
+    from scamp_jax.hpo.settings import EngineConfig
+    from scamp_jax.planning.budget import Budget
+
+    space = SearchSpace("bare", lambda trial: {"width": 16},
+                        lambda config, rngs: Bare(int(config["width"]), rngs))
+    small, large = ({"width": w, "learning_rate": 1e-3} for w in (16, 4096))
+    models = [nnx.eval_shape(lambda c=c: space.build(c, nnx.Rngs(0))) for c in (small, large)]
+    assert split_model(models[0])[0] == split_model(models[1])[0]  # the case: one graph
+    cfg = EngineConfig(steps=4, budget=Budget(64 * 2**20), max_batch_size=1 << 14)
+    planning = PlanningService(space, Classify(), cfg, jax.devices()[:1], plan_mesh)
+    plans = [planning.plan(c, devices=1) for c in (small, large)]
+    alone = PlanningService(space, Classify(), cfg, jax.devices()[:1], plan_mesh).plan(
+        large, devices=1)
+    assert plans[1] is not plans[0]
+    assert plans[1].batch_size == alone.batch_size < plans[0].batch_size
+    assert plans[1].estimate.params == alone.estimate.params > plans[0].estimate.params
+    # the run's step and the evaluation are keyed by the state's shapes too
+    keys = [ProgramKey.of(split_model(m)[0], c, state_shapes(m)).run_step(plans[0], Classify)
+            for m, c in zip(models, (small, large), strict=True)]
+    assert keys[0] != keys[1]
+    evals = [evaluation_key(split_model(m)[0], plans[0], Classify, split_model(m)[1:])
+             for m in models]
+    assert evals[0] != evals[1]

@@ -33,7 +33,7 @@ from scamp_jax.hpo.trial import TrialDeferred
 from scamp_jax.planning import planner
 from scamp_jax.planning.evaluation import supports_chunked_eval
 from scamp_jax.planning.memory import with_batch_size
-from scamp_jax.planning.train_step import split_model, step_flops
+from scamp_jax.planning.train_step import step_flops
 from scamp_jax.scheduling.host import cpu_trial_devices
 
 log = logging.getLogger(__name__)
@@ -194,8 +194,9 @@ class PlanningService:
         """Plan one configuration: fewest devices that hold it, largest batch (``max_batch`` cap).
 
         Under the fixed policy the device count is ``devices_per_trial`` and the batch the
-        policy's one batch size. Plans are cached per architecture (the graph definition), so
-        trials that differ only in optimizer hyperparameters are planned once.
+        policy's one batch size. Plans are cached per architecture (the graph definition and its
+        state's shapes, `ProgramKey.of_model`), so trials that differ only in optimizer
+        hyperparameters are planned once.
         Raises ``planner.DoesNotFitError`` if the configuration fits on no device count, and
         `TrialDeferred` (cached like a plan) if a subclass hands the architecture elsewhere.
         ``run_ready=False`` (a trial that will train fused): the planner keeps no run-grade step
@@ -204,7 +205,6 @@ class PlanningService:
         (`planner.plan_mesh`'s ``provisional``), cached apart from compiled plans.
         """
         model = self.abstract(params)
-        graphdef = split_model(model)[0]
         cap: int | None
         if self.config.policy == "fixed":
             devices = self.config.devices_per_trial
@@ -212,7 +212,7 @@ class PlanningService:
         else:
             cap = self.config.max_batch_size if max_batch is None else max_batch
         allowance = self.allowance() if self.allowance is not None else None
-        key = ProgramKey.of(graphdef, params).plan(devices, cap, provisional, allowance)
+        key = ProgramKey.of_model(model, params).plan(devices, cap, provisional, allowance)
         def make() -> Any:
             try:
                 if devices is not None:
@@ -248,7 +248,7 @@ class PlanningService:
         architecture, batch and injected hyperparameters: the CPU split (`fewest_devices`) of
         trials of one architecture lowers it once, and a plan without figures of its own
         (`step_flops`) at the same batch takes it."""
-        key = ProgramKey.of(split_model(model)[0], params).flops(batch_size)
+        key = ProgramKey.of_model(model, params).flops(batch_size)
 
         def make() -> float | None:
             try:

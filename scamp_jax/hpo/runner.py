@@ -38,7 +38,12 @@ from scamp_jax.hpo.lifecycle import (
     share_bytes,
     stream,
 )
-from scamp_jax.hpo.program_key import ProgramKey, evaluation_key, injected_keys
+from scamp_jax.hpo.program_key import (
+    ProgramKey,
+    evaluation_key,
+    injected_keys,
+    state_shapes,
+)
 from scamp_jax.hpo.trial import OPTIMIZER_KEYS, RunResult, TrialStatus
 from scamp_jax.hpo.trial import TrialOutOfMemory as TrialOutOfMemory
 from scamp_jax.hpo.trial import is_oom_error as is_oom_error
@@ -192,7 +197,7 @@ class StepCache:
         """The evaluation forward of ``task`` on ``plan``'s mesh (compiles kept per chunk):
         the planner's (``plan.evaluator``) on its devices; on others, one that loads the
         planner's compiled chunks onto them (CPU) or compiles its own."""
-        key = evaluation_key(graphdef, plan, task)
+        key = evaluation_key(graphdef, plan, task, (params, rest))
         devices = tuple(d.id for d in plan.mesh.devices.flat)
         with self._lock:
             ready = getattr(plan, "evaluator", None)
@@ -210,11 +215,13 @@ class StepCache:
     def get(
         self, graphdef: nnx.GraphDef, plan: Any, loss_fn: Callable[..., Any], params: Any,
         grad_reduce: Callable[[Any], Any] | None = None,
+        shapes: tuple[tuple[tuple[int, ...], str], ...] = (),
     ) -> tuple[Any, optax.GradientTransformation]:
-        """``(jitted step, optimizer)`` for this architecture, plan and gradient reduction,
+        """``(jitted step, optimizer)`` for this architecture (``graphdef`` and its state's
+        ``shapes``, `scamp_jax.hpo.program_key.state_shapes`), plan and gradient reduction,
         built once: the planner's own (``plan.step_source``) when it is the step this would
         build (its lowering at the trial's state is then JAX's cache hit), else a new one."""
-        key = ProgramKey.of(graphdef, params).run_step(plan, loss_fn, grad_reduce)
+        key = ProgramKey.of(graphdef, params, shapes).run_step(plan, loss_fn, grad_reduce)
         with self._lock:
             if key in self._steps:
                 self.hits += 1
@@ -314,10 +321,11 @@ class SoloProgram:
     def prepare(self, members: Sequence[MemberSpec], first: int) -> None:
         spec, plan, seed = self.spec, self.plan, self.spec.seed
         with jax.set_mesh(plan.mesh):
-            self.graphdef = split_model(
-                nnx.eval_shape(lambda: self.space.build(spec.params, nnx.Rngs(seed))))[0]
+            model = nnx.eval_shape(lambda: self.space.build(spec.params, nnx.Rngs(seed)))
+        self.graphdef = split_model(model)[0]
         self.step_fn, self.optimizer = self.cache.get(self.graphdef, plan, self.task.loss_fn,
-                                                      spec.params, spec.grad_reduce)
+                                                      spec.params, spec.grad_reduce,
+                                                      state_shapes(model))
         # Shapes and shardings only until `start`: the step compiles from them.
         self.state = _initial_state(self.space, spec, self.optimizer, seed, abstract=True)
         self.batches = stream(_batches(self.task, plan.batch_size, seed, spec.batch_share), first)
