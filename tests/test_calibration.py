@@ -59,6 +59,24 @@ def test_an_excess_over_the_booking_grows_the_allowance_and_is_stored(tmp_path) 
     assert Calibration(Budget(64 * MIB, 0.1), cache).allowance_bytes == 4 * MIB
 
 
+def test_a_pool_of_two_kinds_learns_an_allowance_each_kinds_plans_read(tmp_path) -> None:
+    """A pool of two GPU kinds (named together by its budget) stores what it learns under each
+    kind, which is where a plan on any of its devices looks (`resolve_allowance`). The two
+    devices are stand-ins with a platform and a kind: no such pool is here."""
+    from types import SimpleNamespace
+
+    from scamp_jax.planning.plan_cache import resolve_allowance
+
+    kinds = ("NVIDIA A100-SXM4-40GB", "NVIDIA A100-SXM4-80GB")
+    cache = PlanCache(tmp_path / "plans.sqlite")
+    budget = Budget(40 * 2**30, 0.1, platform="gpu", device_kind=",".join(kinds))
+    assert Calibration(budget, cache).observe(30 * 2**30, 29 * 2**30, 0)
+    pool = [SimpleNamespace(platform="gpu", device_kind=kind) for kind in kinds]
+    assert resolve_allowance(None, pool, cache) == 2**30
+    assert resolve_allowance(None, pool[1:], cache) == 2**30
+    assert Calibration(budget, cache).allowance_bytes == 2**30
+
+
 def test_a_plan_is_booked_with_the_allowance_or_planned_again() -> None:
     from flax import nnx
 

@@ -171,6 +171,32 @@ def test_compile_slots_bound_the_compiles_running_at_once():
             pass
 
 
+def test_a_higher_bound_lets_waiting_compiles_start_at_once():
+    import threading
+
+    slots = CompileSlots()
+    started, release = threading.Semaphore(0), threading.Event()
+
+    def hold() -> None:
+        with slots.slot():
+            started.release()
+            release.wait(timeout=60)
+
+    with slots.limited(1):
+        threads = [threading.Thread(target=hold) for _ in range(4)]
+        for t in threads:
+            t.start()
+        assert started.acquire(timeout=30)  # one runs, three wait
+        assert not started.acquire(timeout=0.3)
+        with slots.limited(4):  # room for all: the three start without a release
+            for _ in range(3):
+                assert started.acquire(timeout=30)
+            release.set()
+            for t in threads:
+                t.join(timeout=30)
+    assert slots.most == 4 and slots.limit == 0
+
+
 def test_planning_options_per_backend():
     assert compile_options("cpu", Purpose.GUIDE) == {"xla_backend_optimization_level": "0"}
     assert compile_options("cpu", Purpose.ANSWER) is None is compile_options("cpu", Purpose.RUN)

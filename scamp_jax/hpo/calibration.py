@@ -76,10 +76,14 @@ class Calibration:
     def __init__(self, budget: Budget, cache: Any = None) -> None:
         self.budget, self.cache = budget, cache
         self._lock = threading.Lock()
-        stored = (cache.get_allowance(budget.platform, budget.device_kind) if cache is not None
-                  else None)
-        self.allowance_bytes = max(budget.allowance_bytes,
-                                   int(stored["bytes"]) if stored else 0)
+        #: a pool of several kinds names them all (`Budget.for_devices`); the allowance is
+        #: read and stored per kind, as a plan on some of the devices reads it
+        #: (`scamp_jax.planning.plan_cache.resolve_allowance`)
+        self.kinds = budget.device_kind.split(",")
+        stored = ([cache.get_allowance(budget.platform, kind) for kind in self.kinds]
+                  if cache is not None else [])
+        self.allowance_bytes = max([budget.allowance_bytes,
+                                    *(int(r["bytes"]) for r in stored if r is not None)])
         self.observations: list[dict[str, int]] = []
 
     @property
@@ -101,8 +105,8 @@ class Calibration:
                     "booked_bytes": int(booked_bytes), "booked_allowance": int(booked_allowance)}
             self.observations.append(seen)
         if self.cache is not None:
-            self.cache.put_allowance(self.budget.platform, self.budget.device_kind,
-                                     {**seen, "source": "study"})
+            for kind in self.kinds:
+                self.cache.put_allowance(self.budget.platform, kind, {**seen, "source": "study"})
         return True
 
     def learn(self, units: Mapping[int, Any], core: Any) -> bool:

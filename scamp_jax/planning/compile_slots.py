@@ -51,7 +51,7 @@ class CompileSlots:
         finally:
             with self._cond:
                 self._busy -= 1
-                self._cond.notify()
+                self._cond.notify_all()  # waiters under any bound see the room
 
     @contextlib.contextmanager
     def limited(self, limit: int) -> Iterator[None]:
@@ -62,6 +62,7 @@ class CompileSlots:
         with self._cond:
             before, self._limit = self._limit, limit
             self.most = 0
+            self._cond.notify_all()  # a higher bound lets waiting compiles start now
         try:
             yield
         finally:
