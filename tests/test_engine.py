@@ -609,8 +609,9 @@ def test_a_batch_floor_moves_a_plan_to_more_devices_and_bounds_replans():
     assert retry is not None and retry.devices == 4 and retry.plan.batch_size >= 24
     assert retry.replans == 1
     # Nowhere enough: the floor is named in the reason.
-    with pytest.raises(planner.DoesNotFitError, match="below min_batch_size=64"):
+    with pytest.raises(planner.DoesNotFitError, match="below min_batch_size=64") as refused:
         engine(min_batch_size=64).plan(ok())
+    assert refused.value.bytes_needed > refused.value.bytes_available > 0
     with pytest.raises(ValueError, match="min_batch_size=32 is larger than max_batch_size=16"):
         config(max_batch_size=16, min_batch_size=32)
 

@@ -170,8 +170,11 @@ class PlanningService:
                 f"{type(model).__name__} fits at most a global batch of {plan.batch_size} on "
                 f"{n} device(s), below min_batch_size={floor}; use more devices, more "
                 "memory_per_device, or a lower min_batch_size",
-                bytes_needed=int(plan.peak_bytes_per_device * floor / max(plan.batch_size, 1)),
-                bytes_available=int(plan.usable_bytes),
+                # as the planner's own error counts them: the step and its prefetched batch
+                # at the floor, against what the margin and the allowance leave
+                bytes_needed=int(plan.memory_model.predict(floor)
+                                 + -(-int(plan.prefetch_bytes) * floor // max(1, plan.batch_size))),
+                bytes_available=int(plan.usable_bytes) - int(plan.allowance_bytes),
             )
         assert last_error is not None
         raise last_error
