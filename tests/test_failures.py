@@ -316,15 +316,18 @@ def test_non_finite_losses_are_the_configurations_own_and_never_stop_the_study(t
 def test_a_resume_from_another_models_checkpoint_says_what_to_do(tmp_path):
     import jax.numpy as jnp
 
-    from scamp_jax.hpo.checkpoint import TrialCheckpointer
+    from scamp_jax.hpo.checkpoint import CheckpointUnreadable, TrialCheckpointer
 
     saved = TrialCheckpointer(tmp_path / "trial_0")
     saved.save(3, {"w": jnp.zeros((4, 2))})
     saved.close()
     again = TrialCheckpointer(tmp_path / "trial_0")
-    with pytest.raises(ValueError, match=r"(?s)cannot be read as the state this trial builds "
-                       r".*delete .*trial_0 to train the trial from scratch"):
+    with pytest.raises(CheckpointUnreadable, match=r"(?s)the checkpoint .*trial_0/3 cannot be "
+                       r"read as the state this trial builds \(is it damaged, or did the search "
+                       r"space's model or optimizer change since it was saved\?\); orbax: "
+                       ) as refused:
         again.restore({"w": jnp.zeros((4, 2)), "b": jnp.zeros((2,))})
+    assert (refused.value.directory, refused.value.step) == ((tmp_path / "trial_0").resolve(), 3)
     again.close()
 
 

@@ -175,6 +175,78 @@ def test_a_checkpoint_of_more_steps_is_not_reported_as_fewer(tmp_path):
     assert Regression().evaluate(model)["mse"] == pytest.approx(clean.metrics["mse"], rel=1e-5)
 
 
+def _damage(step_dir: Path) -> None:
+    """Delete a checkpoint's array data (what a disk that lost the file's blocks leaves)."""
+    import shutil
+
+    data = [p for p in (step_dir / "default").iterdir()
+            if p.name == "d" or p.name.startswith("ocdbt.process_")]
+    assert data, sorted(p.name for p in (step_dir / "default").iterdir())
+    for p in data:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+# A failed read leaves tensorstore's other reads of the checkpoint to finish on orbax's closed
+# event loop, which Python reports as unraisable "Event loop is closed" errors.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_damaged_checkpoint_is_set_aside_and_the_trial_resumes_from_the_one_before(
+        tmp_path, caplog):
+    """The newest checkpoint lost its data: the run sets it aside (nothing deleted) and
+    resumes from the one before, ending where an uninterrupted run ends; with every
+    checkpoint damaged it trains from the start. The trial never fails for a damaged file."""
+    import logging
+    import threading
+
+    import jax
+    from test_runner import SPACE, Regression, make_plan, spec
+
+    from scamp_jax.hpo.runner import run_trial
+
+    config = {"width": 32, "learning_rate": 1e-2}
+    plan = make_plan(config, jax.devices()[:2])
+    clean = run_trial(spec(config, plan, steps=40, checkpoint_dir=tmp_path / "clean",
+                           checkpoint_every=10), SPACE, Regression())
+    assert clean.state == "complete", clean.reason
+
+    def interrupted(directory: Path) -> None:
+        stop = threading.Event()
+
+        def report(number: int, step: int, value: float) -> bool:
+            if step == 35:
+                stop.set()  # stopped after the step-30 checkpoint: it saves step 35 too
+            return False
+
+        run = run_trial(spec(config, plan, steps=40, checkpoint_dir=directory,
+                             checkpoint_every=10, eval_every=5), SPACE, Regression(),
+                        report=report, stop=stop)
+        assert run.state == "interrupted", run.reason
+        assert sorted(p.name for p in directory.iterdir() if p.name.isdigit()) == ["30", "35"]
+
+    trial = tmp_path / "trial_0"
+    interrupted(trial)
+    _damage(trial / "35")
+    with caplog.at_level(logging.WARNING, logger="scamp_jax.hpo.lifecycle"):
+        resumed = run_trial(spec(config, plan, steps=40, checkpoint_dir=trial,
+                                 checkpoint_every=10), SPACE, Regression())
+    assert resumed.state == "complete", resumed.reason
+    assert resumed.resumed_from == 30
+    assert resumed.metrics["mse"] == pytest.approx(clean.metrics["mse"], rel=1e-5)
+    assert (tmp_path / "trial_0.unreadable" / "35" / "default").is_dir()  # kept, aside
+    assert "trial 0: the checkpoint" in caplog.text and "cannot be read" in caplog.text
+    assert "set aside in" in caplog.text
+
+    again = tmp_path / "trial_1"
+    interrupted(again)
+    _damage(again / "30")
+    _damage(again / "35")
+    fresh = run_trial(spec(config, plan, steps=40, checkpoint_dir=again, checkpoint_every=10),
+                      SPACE, Regression())
+    assert fresh.state == "complete", fresh.reason
+    assert fresh.resumed_from == 0
+    assert fresh.metrics["mse"] == pytest.approx(clean.metrics["mse"], rel=1e-5)
+    assert sorted(p.name for p in (tmp_path / "trial_1.unreadable").iterdir()) == ["30", "35"]
+
+
 def test_two_processes_finish_one_study_together(tmp_path):
     """Two processes started on one SQLite study run exactly its trials, each number once."""
     study_dir = tmp_path / "study"

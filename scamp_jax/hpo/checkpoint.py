@@ -96,6 +96,36 @@ def trains_from_start(kept_batch: int | None, batch_size: int) -> bool:
     return kept_batch is not None and kept_batch != batch_size
 
 
+class CheckpointUnreadable(ValueError):
+    """The checkpoint of ``step`` in ``directory`` cannot be read as the state the trial
+    builds: damaged (a file missing or cut short), or saved by another model or optimizer."""
+
+    def __init__(self, message: str, directory: Path, step: int) -> None:
+        super().__init__(message)
+        self.directory, self.step = Path(directory), int(step)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled whole (MPI ranks, processes)
+        return type(self), (str(self), self.directory, self.step)
+
+
+#: Where `set_aside` moves a trial's unreadable checkpoints: beside its directory, with this
+#: suffix (``checkpoints/trial_3.unreadable/28``).
+UNREADABLE_SUFFIX = ".unreadable"
+
+
+def set_aside(directory: str | Path, step: int) -> Path:
+    """Move the checkpoint of ``step`` out of the trial's ``directory`` (into
+    ``<directory>.unreadable/<step>``, replacing an earlier one there): the trial then resumes
+    from an older checkpoint, or from the start, and nothing is deleted. Returns where it is."""
+    directory = Path(directory)
+    aside = directory.with_name(directory.name + UNREADABLE_SUFFIX) / str(int(step))
+    aside.parent.mkdir(parents=True, exist_ok=True)
+    if aside.exists():
+        shutil.rmtree(aside)
+    (directory / str(int(step))).rename(aside)
+    return aside
+
+
 class TrialCheckpointer:
     """Save and restore one trial's training state with orbax.
 
@@ -169,7 +199,8 @@ class TrialCheckpointer:
         """Read the checkpoint at ``step`` (default: newest) shaped and sharded like ``like``.
 
         ``like`` is a pytree of arrays or ``jax.ShapeDtypeStruct`` with shardings. Returns
-        ``(step, state)``. Raises ``FileNotFoundError`` if the directory holds no checkpoint.
+        ``(step, state)``. Raises ``FileNotFoundError`` if the directory holds no checkpoint,
+        `CheckpointUnreadable` if that step's cannot be read as ``like``.
         """
         step = self.latest_step() if step is None else step
         if step is None:
@@ -180,15 +211,15 @@ class TrialCheckpointer:
         target = to_storable(_abstract(like))
         try:
             stored = self._manager.restore(step, args=self._ocp.args.StandardRestore(target))
-        except ValueError as err:  # orbax's words: tree structures, shapes
+        except (ValueError, OSError) as err:  # orbax's words: tree structures, shapes, files
             found = "\n".join(line for line in str(err).rstrip().splitlines()
                               if "partial_restore" not in line)  # orbax's own argument
-            raise ValueError(
+            found = found.split(" [tensorstore_spec")[0]  # the reader's whole JSON spec
+            raise CheckpointUnreadable(
                 f"the checkpoint {self.directory / str(step)} cannot be read as the state this "
-                "trial builds (did the search space's model or optimizer change since it was "
-                f"saved, or is it damaged?); delete {self.directory} to train the trial from "
-                "scratch. "
-                f"orbax: {found}"
+                "trial builds (is it damaged, or did the search space's model or optimizer "
+                f"change since it was saved?); orbax: {type(err).__name__}: {found}",
+                self.directory, step,
             ) from err
         return step, from_storable(stored, like)
 

@@ -47,7 +47,13 @@ import jax
 import numpy as np
 
 from scamp_jax.hpo.calibration import measure_peak
-from scamp_jax.hpo.checkpoint import TrialCheckpointer, newest_step, trains_from_start
+from scamp_jax.hpo.checkpoint import (
+    CheckpointUnreadable,
+    TrialCheckpointer,
+    newest_step,
+    set_aside,
+    trains_from_start,
+)
 from scamp_jax.hpo.trial import (
     RunResult,
     TrialOutOfMemory,
@@ -429,13 +435,38 @@ class Lifecycle:
             schedule.share_bytes, peak, program.prefetch_bytes(), self.task, program.evaluator,
             program.resident_bytes(), program.plan)
 
+    def _start(self) -> int:
+        """Resume, prepare, check and start the run; the step it starts at. A checkpoint that
+        cannot be read is set aside (`set_aside`, with a warning) and the run starts again
+        from the next older one, or from the start: a damaged file costs the steps since the
+        checkpoint before it, never the trial. A part of a trial spanning MPI ranks that
+        does not write checkpoints leaves that to the part that does, and fails instead."""
+        program, schedule = self.program, self.schedule
+        specs = [m.spec for m in self.members]
+        while True:
+            self.first = first = self._resume()
+            program.prepare(specs, first)
+            self._check()  # compiled (and autotuned) before the run's arrays exist
+            try:
+                program.start(specs, first, [m.checkpointer for m in self.members])
+                return first
+            except CheckpointUnreadable as err:
+                if not schedule.save:
+                    raise
+                for m in self.members:
+                    if m.checkpointer is not None:
+                        m.checkpointer.close()
+                aside = set_aside(err.directory, err.step)
+                number = next((m.spec.number for m in self.members
+                               if m.spec.checkpoint_dir is not None
+                               and Path(m.spec.checkpoint_dir).resolve() == err.directory),
+                              self.members[0].spec.number)
+                log.warning("trial %d: %s; it is set aside in %s and the trial resumes from "
+                            "an older checkpoint, or from the start", number, err, aside)
+
     def _run(self) -> None:
         program, schedule = self.program, self.schedule
-        self.first = first = self._resume()
-        specs = [m.spec for m in self.members]
-        program.prepare(specs, first)
-        self._check()  # compiled (and autotuned) before the run's arrays exist
-        program.start(specs, first, [m.checkpointer for m in self.members])
+        first = self._start()
         now = time.monotonic()
         for m in self.members:  # the pace fields first: the engine reads them once it trains
             m.status.training_since, m.status.first_step = now, first
