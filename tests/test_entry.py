@@ -308,6 +308,23 @@ def test_a_run_that_fails_before_any_trial_ran_leaves_the_study_free_to_start_ag
     assert done["trials_this_run"] == 2
 
 
+def test_a_study_whose_database_was_deleted_is_not_made_again_over_its_outputs(tmp_path):
+    """A new study of the same name would resume trial N from the deleted study's
+    ``checkpoints/trial_N`` (another configuration): the run is refused and nothing changes."""
+    kw = dict(steps=5, study_dir=tmp_path, live=False, max_batch_size=8,
+              memory_per_device="64MiB", checkpoint_every=5)
+    scamp_jax.run_study(SPACE, function_task(), trials=2, **kw)
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert kept
+    for db in tmp_path.glob("study.db*"):
+        db.unlink()
+    with pytest.raises(ValueError, match=r"holds the checkpoints and results.json of an earlier "
+                       r"study 'mlp', which its storage does not have \(was its study.db "
+                       r"deleted, or another storage given\?\)"):
+        scamp_jax.run_study(SPACE, function_task(), trials=2, seed=1, **kw)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == kept
+
+
 def test_a_run_that_fails_after_trials_trained_keeps_the_studys_settings(tmp_path, monkeypatch):
     """Trials that trained and went back to the study (a Ctrl-C, here raised where the view
     updates, as a user's lands) keep their checkpoints: a later run that fails before asking

@@ -203,6 +203,26 @@ def claim_outputs(study_dir: Path, study_name: str,
         refuse(f"study {owner!r}")
 
 
+def check_outputs_have_their_study(out_dir: Path, study_name: str,
+                                   stored: Callable[[], Collection[str]]) -> None:
+    """Raise ``ValueError`` where ``out_dir`` holds a study's checkpoints or results while the
+    storage (``stored()``: the names of its studies) has no study ``study_name``: its database
+    was deleted or another ``storage`` was given, and a new study of that name would resume its
+    trial numbers from the earlier study's checkpoints (``checkpoints/trial_N``, other
+    configurations) and write its results over theirs."""
+    checkpoints = out_dir / "checkpoints"
+    held = [name for name, there in (
+        ("checkpoints", checkpoints.is_dir() and any(checkpoints.iterdir())),
+        ("results.json", (out_dir / "results.json").exists())) if there]
+    if not held or study_name in stored():
+        return
+    raise ValueError(
+        f"{out_dir} holds the {' and '.join(held)} of an earlier study {study_name!r}, which its "
+        "storage does not have (was its study.db deleted, or another storage given?); a new "
+        "study would resume its trials from the earlier study's checkpoints: restore that "
+        "database, pass another study_dir, or move those outputs away to start afresh")
+
+
 def release_outputs(study_dir: Path, study_name: str) -> bool:
     """Undo `claim_outputs` of study ``study_name`` where it wrote no outputs yet (no results,
     no checkpoints): a run that stored nothing leaves the folder to any study. True where the
@@ -297,6 +317,7 @@ class StudySession:
         top = self.out_dir == self.study_dir
         if top:  # refused before the study is stored; claimed once it opened
             claim_outputs(self.study_dir, self.study_name, self._stored_names, write=False)
+        check_outputs_have_their_study(self.out_dir, self.study_name, self._stored_names)
         handle = open_study(
             self.study_name, study_dir=self.study_dir, storage=s.storage,
             direction=self.task.direction, sampler=s.sampler, pruner=s.pruner, seed=s.seed,
