@@ -283,6 +283,13 @@ def test_a_study_refuses_other_settings(tmp_path):
         "for --eval-dir /data/eval, --memory-per-device 1536MiB; rerun with "
         "--memory-per-device 1GiB and without --eval-dir, or pass --study-name toy-2 to start a "
         "new study")
+    # the space has no flag: the preset that picks it is what a rerun repeats
+    preset = StudySettingsError("toy", {"space": "swinir-small/small", "preset": "smoke"},
+                                {"space": "swinir-paper/paper", "preset": "paper"})
+    assert preset.as_command_line() == (
+        "study 'toy' was created with the search space swinir-small/small, --preset smoke, this "
+        "run asks for the search space swinir-paper/paper, --preset paper; rerun with --preset "
+        "smoke, or pass --study-name toy-2 to start a new study")
     open_study("toy-2", study_dir=tmp_path, settings={**settings, "steps": 100})
 
 

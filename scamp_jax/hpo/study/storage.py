@@ -55,7 +55,8 @@ class StudySettingsError(ValueError):
         in the units the flag takes)."""
         was = ", ".join(_as_flag(k, v) for k, v in self.stored.items())
         now = ", ".join(_as_flag(k, v) for k, v in self.wanted.items())
-        again = [_as_flag(k, v) for k, v in self.stored.items() if v is not None]
+        again = [_as_flag(k, v) for k, v in self.stored.items()
+                 if v is not None and not (k == "space" and "preset" in self.stored)]
         left = [_flag(k) for k, v in self.stored.items() if v is None]
         rerun = " and ".join([f"with {', '.join(again)}"] * bool(again)
                              + [f"without {', '.join(left)}"] * bool(left))
@@ -419,7 +420,10 @@ def _flag(name: str) -> str:
 
 
 def _as_flag(name: str, value: Any) -> str:
-    """``name=value`` of a study's record as the command line gives it."""
+    """``name=value`` of a study's record as the command line gives it (the search space has
+    no flag of its own: an experiment's ``--preset`` picks it)."""
+    if name == "space":
+        return f"the search space {value}"
     if value is None:
         return f"no {_flag(name)}"
     if name == "memory_per_device" and isinstance(value, int) and value > 0:
