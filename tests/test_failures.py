@@ -300,6 +300,24 @@ def test_a_finite_batch_stream_fails_its_trial_saying_so(tmp_path):
         "long as it is asked" in row["reason"], row["reason"]
 
 
+def test_a_stream_of_other_batch_sizes_fails_its_trial_saying_so(tmp_path):
+    reference = Regression()
+
+    def capped(batch_size, seed):  # at most 3 samples, whatever the plan asked for
+        for x, y in reference.batches(batch_size, seed):
+            yield x[:3], y[:3]
+
+    task = scamp_jax.FunctionTask(metric="mse", direction="minimize", loss_fn=reference.loss_fn,
+                                  batches=capped, evaluate=reference.evaluate)
+    scamp_jax.run_study(SPACE, task, trials=1, study_dir=tmp_path, **{**KW, "steps": 5})
+    [row] = json.loads((tmp_path / "results.json").read_text())["trials"]
+    assert row["state"] == "failed" and row["batch_size"] > 3, row
+    assert (f"task.batches({row['batch_size']}, " in row["reason"]
+            and "yielded a batch whose array 0 has shape (3, " in row["reason"]
+            and f"must hold the {row['batch_size']} samples asked for on its leading axis"
+            in row["reason"]), row["reason"]
+
+
 def test_non_finite_losses_are_the_configurations_own_and_never_stop_the_study(tmp_path):
     reference = Regression()
     task = scamp_jax.FunctionTask(

@@ -417,6 +417,20 @@ def own_random_streams(state: tuple[Any, Any, Any], index: int) -> tuple[Any, An
     return params, opt_state, jax.tree.map(fold, rest)
 
 
+def _of_size(batch: Any, batch_size: int, seed: int) -> Any:
+    """``batch`` if every array of it holds ``batch_size`` samples on its leading axis, else a
+    `ValueError`: a stream of other sizes would train other batches than the plan's (which
+    the study books and reports), or run out of memory at a size it never planned."""
+    for i, leaf in enumerate(jax.tree.leaves(batch)):
+        shape = tuple(getattr(leaf, "shape", ()))
+        if not shape or shape[0] != batch_size:
+            raise ValueError(
+                f"task.batches({batch_size}, {seed}) yielded a batch whose array {i} has shape "
+                f"{shape}; every array of a batch must hold the {batch_size} samples asked for "
+                "on its leading axis (the plan's batch, which the study books and reports)")
+    return batch
+
+
 def _batches(task: Task, batch_size: int, seed: int,
              share: tuple[int, int] | None) -> Iterator[Any]:
     """The task's batch stream, or this process's contiguous part of a global stream; a stream
@@ -425,10 +439,11 @@ def _batches(task: Task, batch_size: int, seed: int,
     drawn = 0
     if share is None:
         for drawn, batch in enumerate(task.batches(batch_size, seed), 1):  # noqa: B007
-            yield batch
+            yield _of_size(batch, batch_size, seed)
     else:
         index, parts = share
         for drawn, batch in enumerate(task.batches(batch_size * parts, seed), 1):  # noqa: B007
+            batch = _of_size(batch, batch_size * parts, seed)
             yield jax.tree.map(lambda x: x[index * batch_size : (index + 1) * batch_size], batch)
     raise ValueError(f"the task's batches({batch_size * (share[1] if share else 1)}, {seed}) "
                      f"ended after {drawn} batch(es); it must yield batches for as long as it "
