@@ -247,6 +247,23 @@ def test_run_study_refuses_a_damaged_study_database_and_changes_nothing(tmp_path
     assert (tmp_path / "study.db").read_bytes() == damaged
 
 
+def test_run_study_refuses_a_damaged_plan_cache_naming_it(tmp_path):
+    (tmp_path / "plans.sqlite").write_bytes(b"not a database" * 100)
+    with pytest.raises(ValueError, match=r"the plan cache '.*plans.sqlite' is damaged \(file is "
+                       r"not a database\); it holds plans only: delete it"):
+        scamp_jax.run_study(SPACE, function_task(), trials=1, steps=2, study_dir=tmp_path,
+                            devices=1, memory_per_device="64MiB", live=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plans.sqlite"]
+    from scamp_jax.planning.plan_cache import PlanCache
+
+    with pytest.raises(ValueError, match=r"the plan cache '.*plans.sqlite' cannot be used \(file "
+                       r"is not a database\); it holds plans only"):
+        PlanCache(tmp_path / "plans.sqlite").get_allowance("cpu", "cpu")
+    with pytest.raises(ValueError, match=r"the plan cache '.*' cannot be used \(unable to open "
+                       r"database file\)"):
+        PlanCache(tmp_path).get_allowance("cpu", "cpu")  # a folder, not a file
+
+
 def test_cpu_devices_default_to_a_share_of_host_memory():
     from scamp_jax.devices import host_memory_bytes
     from scamp_jax.hpo.session import CPU_MEMORY_SHARE, default_budget

@@ -248,17 +248,30 @@ class PlanCache:
         # Every caller holds ``self._lock``, so the file and its tables are made once.
         if not self._created:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        db = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_S)
-        write_ahead(db)  # a plan's few commits do not each wait for the disk
         try:
-            if not self._created:
-                with db:
-                    _create_tables(db)
-                self._created = True
+            db = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_S)
+        except sqlite3.DatabaseError as err:
+            raise self._unusable(err) from None
+        try:
+            try:
+                write_ahead(db)  # a plan's few commits do not each wait for the disk
+                if not self._created:
+                    with db:
+                        _create_tables(db)
+            except sqlite3.DatabaseError as err:
+                if "locked" in str(err):
+                    raise
+                raise self._unusable(err) from None
+            self._created = True
             with db:
                 yield db
         finally:
             db.close()
+
+    def _unusable(self, err: sqlite3.DatabaseError) -> ValueError:
+        return ValueError(
+            f"the plan cache {str(self.path)!r} cannot be used ({err}); it holds plans only: "
+            "delete it (plans are compiled again), or pass another path")
 
     def get_plan(self, key: str) -> dict[str, Any] | None:
         """The plan record stored under ``key``, or None (counted in ``hits``/``misses``)."""
