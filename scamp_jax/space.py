@@ -39,6 +39,15 @@ class SearchSpace:
     grid: Mapping[str, Sequence[Any]] = field(default_factory=dict)
     largest: Config = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"SearchSpace name={self.name!r} must be a non-empty string")
+        for what, fn, example in (("suggest", self.suggest, "suggest(trial) -> dict"),
+                                  ("build", self.build, "build(config, rngs) -> nnx.Module")):
+            if not callable(fn):
+                raise TypeError(f"SearchSpace {what}={fn!r} is not callable; pass a function "
+                                f"{example}")
+
 
 class Task(Protocol):
     """What candidates train on and how they are scored. Arrays are NHWC float32 for images."""

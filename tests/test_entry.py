@@ -204,6 +204,22 @@ def test_a_finished_grid_ends_the_study_with_one_line(tmp_path, capsys):
     assert len(json.loads((tmp_path / "results.json").read_text())["runs"]) == 1
 
 
+def test_a_search_space_names_what_is_wrong_with_it(tmp_path):
+    with pytest.raises(TypeError, match=r"SearchSpace suggest=None is not callable; pass a "
+                       r"function suggest\(trial\) -> dict"):
+        scamp_jax.SearchSpace("mlp", None, SPACE.build)
+    with pytest.raises(TypeError, match=r"SearchSpace build=None is not callable"):
+        scamp_jax.SearchSpace("mlp", SPACE.suggest, None)
+    with pytest.raises(TypeError, match=r"SearchSpace name=3 must be a non-empty string"):
+        scamp_jax.SearchSpace(3, SPACE.suggest, SPACE.build)
+    listing = scamp_jax.SearchSpace("mlp", lambda trial: [trial.suggest_int("width", 8, 16)],
+                                    SPACE.build)
+    with pytest.raises(TypeError, match=r"space.suggest returned list \[\d+\]; it must return "
+                       r"a dict of the trial's configuration"):
+        scamp_jax.run_study(listing, function_task(), trials=1, steps=2, study_dir=tmp_path,
+                            devices=1, memory_per_device="64MiB", live=False)
+
+
 def test_run_study_rejects_a_bad_setting_before_opening_a_study(tmp_path):
     with pytest.raises(ValueError, match="steps=0 must be an integer >= 1"):
         scamp_jax.run_study(SPACE, function_task(), trials=1, steps=0, study_dir=tmp_path)

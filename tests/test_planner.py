@@ -207,6 +207,14 @@ def no_compiles(monkeypatch):
         ({"safety_margin": 1.0}, ValueError, "safety_margin"),
         ({"max_batch_size": 0}, ValueError, "max_batch_size"),
         ({"model_parallel": 1, "max_batch_size": 4}, ValueError, "smaller than every"),
+        ({"optimizer": "adam"}, TypeError, r"optimizer='adam' is not an optax "
+         r"GradientTransformation; pass one, e.g. optimizer=optax.adamw\(1e-3\)"),
+        ({"cache": "runs/plans.sqlite"}, TypeError, r"cache='runs/plans.sqlite' is not a "
+         r"PlanCache; pass cache=scamp_jax.PlanCache\('runs/plans.sqlite'\)"),
+        ({"safety_margin": "0.1"}, TypeError, r"safety_margin='0.1' must be a number"),
+        ({"min_shard_elements": -1}, ValueError, "min_shard_elements=-1 must be an int >= 0"),
+        ({"provisional": "yes"}, TypeError, "provisional='yes' must be True or False"),
+        ({"compile_for_run": "no"}, TypeError, "compile_for_run='no' must be True or False"),
     ],
 )
 def test_bad_arguments_fail_before_any_compile(no_compiles, kwargs, error, match):

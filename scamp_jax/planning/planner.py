@@ -638,6 +638,23 @@ def _request(
     if isinstance(batch_multiple, bool) or not isinstance(batch_multiple, int) or (
             batch_multiple < 1):
         raise ValueError(f"{batch_multiple=} must be a positive int")
+    if optimizer is not None and not (callable(getattr(optimizer, "init", None))
+                                      and callable(getattr(optimizer, "update", None))):
+        raise TypeError(f"optimizer={optimizer!r} is not an optax GradientTransformation; pass "
+                        "one, e.g. optimizer=optax.adamw(1e-3), or none for Adam")
+    if cache is not None and not isinstance(cache, PlanCache):
+        hint = (f"scamp_jax.PlanCache({str(cache)!r})" if isinstance(cache, (str, os.PathLike))
+                else "scamp_jax.PlanCache(path)")
+        raise TypeError(f"cache={cache!r} is not a PlanCache; pass cache={hint}")
+    if safety_margin is not None and (isinstance(safety_margin, bool)
+                                      or not isinstance(safety_margin, (int, float))):
+        raise TypeError(f"safety_margin={safety_margin!r} must be a number, e.g. 0.1 (10%)")
+    if isinstance(min_shard_elements, bool) or not isinstance(min_shard_elements, int) or (
+            min_shard_elements < 0):
+        raise ValueError(f"{min_shard_elements=} must be an int >= 0 (elements)")
+    for name, flag in (("provisional", provisional), ("compile_for_run", compile_for_run)):
+        if flag is not None and not isinstance(flag, bool):
+            raise TypeError(f"{name}={flag!r} must be True or False")
     if model_parallel is not None:
         if isinstance(model_parallel, bool) or not isinstance(model_parallel, int):
             raise TypeError(f"model_parallel must be an int, got {model_parallel!r}")

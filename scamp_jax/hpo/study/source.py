@@ -432,6 +432,10 @@ class OptunaTrialSource:
 
     def _suggest(self, trial: optuna.Trial, attrs: Mapping[str, Any]) -> AskedTrial:
         params = self.space.suggest(trial)  # first: a trial killed before it has no params
+        if not isinstance(params, Mapping):
+            raise TypeError(f"space.suggest returned {type(params).__name__} {params!r}; it must "
+                            "return a dict of the trial's configuration, e.g. {'width': "
+                            "trial.suggest_int('width', 16, 64)}")
         for name, value in attrs.items():
             trial.set_user_attr(name, value)
         whole = _stored_configuration(params, trial.params)
