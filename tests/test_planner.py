@@ -125,6 +125,10 @@ def test_two_real_steps_with_the_remapped_plan_keep_shardings(plan):
     assert moved.batch_size == plan.batch_size and moved.estimate == plan.estimate
     model = MLP(128, 1024, nnx.Rngs(0))
     tx = default_optimizer()
+    with pytest.raises(TypeError, match=r"place_train_state needs a real model with arrays, and "
+                       r"this one is abstract \(from nnx.eval_shape"):
+        place_train_state(nnx.eval_shape(lambda: MLP(128, 1024, nnx.Rngs(0))), tx,
+                          moved.step_shardings)
     graphdef, params, opt_state, rest = place_train_state(model, tx, moved.step_shardings)
     step = jit_train_step(
         graphdef, tx, lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), moved.step_shardings)

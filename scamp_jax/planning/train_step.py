@@ -302,6 +302,11 @@ def place_train_state(
     it never exists whole on one device.
     """
     graphdef, params, rest = split_model(model)
+    if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(params)):
+        raise TypeError(
+            "place_train_state needs a real model with arrays, and this one is abstract (from "
+            "nnx.eval_shape, as plan_mesh takes it); build the model itself, e.g. "
+            "MyModel(..., rngs=nnx.Rngs(0)), and place that")
     # device_put may reuse the source buffer as one shard of a replicated array (even with
     # may_alias=False on jax 0.10), and donating that array would delete the model's own
     # buffer, so copy first.
