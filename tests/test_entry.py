@@ -223,6 +223,10 @@ def test_a_search_space_names_what_is_wrong_with_it(tmp_path):
 def test_run_study_rejects_a_bad_setting_before_opening_a_study(tmp_path):
     with pytest.raises(ValueError, match="steps=0 must be an integer >= 1"):
         scamp_jax.run_study(SPACE, function_task(), trials=1, steps=0, study_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"max_batch_size=np.int64\(32\) must be a Python int; "
+                       r"pass max_batch_size=int\(...\)"):
+        scamp_jax.run_study(SPACE, function_task(), trials=1, steps=2, study_dir=tmp_path,
+                            max_batch_size=np.int64(32))
     assert not (tmp_path / "study.db").exists()
 
 

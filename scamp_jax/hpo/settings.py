@@ -16,6 +16,7 @@ This module is a leaf: it imports neither JAX nor Optuna, so ``import scamp_jax`
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -338,6 +339,9 @@ class SearchSettings(EngineConfig):
 
 
 def _check_int(name: str, value: Any, *, minimum: int) -> None:
+    if (isinstance(value, numbers.Integral) and not isinstance(value, (bool, int))
+            and int(value) >= minimum):
+        raise ValueError(f"{name}={value!r} must be a Python int; pass {name}=int(...)")
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an integer >= {minimum}; pass e.g. "
                          f"{name}={max(minimum, 1)}")

@@ -34,6 +34,7 @@ Planning only compiles: it allocates nothing and runs nothing on any device.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import time
 import warnings
@@ -621,6 +622,13 @@ class _Request:
         return self.budget.plan_bytes
 
 
+def _plain_int(value: Any) -> Any:
+    """``value`` as a Python int where it is another integer type (NumPy's), else itself."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+        return int(value)
+    return value
+
+
 def _request(
     model: nnx.Module, sample_batch: PyTree, devices: Sequence[jax.Device] | int | None,
     memory_per_device: int | float | str | Budget | None,
@@ -632,6 +640,10 @@ def _request(
     """Check ``plan_mesh``'s arguments (raising before any compile) and resolve the devices,
     the budget, the optimizer, the batch cap and the model-parallel degrees to try."""
     start = time.perf_counter()
+    # NumPy's integers (a count or size from an array) are the ints they hold
+    devices, memory_per_device, max_batch_size, model_parallel, batch_multiple = (
+        _plain_int(x) for x in (devices, memory_per_device, max_batch_size, model_parallel,
+                                batch_multiple))
     devs = resolve_devices(devices)
     n = len(devs)
     _validate_common(model, sample_batch, max_batch_size)
