@@ -318,6 +318,18 @@ def test_a_stream_of_other_batch_sizes_fails_its_trial_saying_so(tmp_path):
             in row["reason"]), row["reason"]
 
 
+def test_a_score_that_is_no_number_fails_its_trial_naming_it(tmp_path):
+    reference = Regression()
+    task = scamp_jax.FunctionTask(metric="mse", direction="minimize", loss_fn=reference.loss_fn,
+                                  batches=reference.batches,
+                                  evaluate=lambda model: {"mse": "low"})
+    scamp_jax.run_study(SPACE, task, trials=1, study_dir=tmp_path, **{**KW, "steps": 3})
+    [row] = json.loads((tmp_path / "results.json").read_text())["trials"]
+    assert row["state"] == "failed", row
+    assert row["reason"].startswith("TypeError: task.evaluate returned 'mse': 'low'; every "
+                                    "score must be one number"), row["reason"]
+
+
 def test_non_finite_losses_are_the_configurations_own_and_never_stop_the_study(tmp_path):
     reference = Regression()
     task = scamp_jax.FunctionTask(

@@ -568,16 +568,23 @@ class Lifecycle:
             metrics = task.score(outputs)
         else:
             metrics = self.program.evaluate_whole(slot, task)
+        where = "task.score" if self.evaluation is not None else "task.evaluate"
         if not isinstance(metrics, Mapping):
-            where = "task.score" if self.evaluation is not None else "task.evaluate"
             raise TypeError(
                 f"{where} returned {type(metrics).__name__} {metrics!r}; it must return a dict "
                 f"of scores that holds the study metric, e.g. {{{task.metric!r}: value}}")
         if task.metric not in metrics:
             raise KeyError(
-                f"task.evaluate returned {sorted(metrics)} without the study metric "
+                f"{where} returned {sorted(metrics)} without the study metric "
                 f"{task.metric!r}")
-        return {k: float(np.asarray(v)) for k, v in metrics.items()}
+        scores = {}
+        for key, value in metrics.items():
+            try:
+                scores[key] = float(np.asarray(value))
+            except (TypeError, ValueError):
+                raise TypeError(f"{where} returned {key!r}: {value!r}; every score must be one "
+                                "number (a float, or an array of one element)") from None
+        return scores
 
     def _intermediate(self, done: int, active: np.ndarray) -> None:
         metric = self.task.metric
