@@ -284,6 +284,25 @@ def test_run_study_refuses_a_damaged_plan_cache_naming_it(tmp_path):
         PlanCache(tmp_path).get_allowance("cpu", "cpu")  # a folder, not a file
 
 
+def test_a_rerun_with_a_lower_total_says_which_retries_wait(tmp_path, capsys):
+    """Three trials stopped by an earlier run; a rerun with a total of 1 runs one retry and
+    says that the other two stay queued."""
+    from scamp_jax.hpo.study import OptunaTrialSource, open_study
+
+    earlier = OptunaTrialSource(open_study("mlp", study_dir=tmp_path, direction="minimize"),
+                                SPACE, 3)
+    for trial in [earlier.ask() for _ in range(3)]:
+        earlier.interrupt(trial.number)
+    earlier.close()
+    scamp_jax.run_study(SPACE, function_task(), trials=1, steps=2, study_dir=tmp_path,
+                        devices=1, memory_per_device="64MiB", live=False)
+    out = capsys.readouterr().out
+    assert "resuming: trials [0, 1, 2], stopped by an earlier run, run again" in out, out
+    assert ("only 1 more trial runs before the study reaches its 1, so at most 1 of these 3 "
+            "retries run now; the others stay queued in the study for a run with a larger "
+            "total") in out, out
+
+
 def test_cpu_devices_default_to_a_share_of_host_memory():
     from scamp_jax.devices import host_memory_bytes
     from scamp_jax.hpo.session import CPU_MEMORY_SHARE, default_budget

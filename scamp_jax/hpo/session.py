@@ -382,6 +382,13 @@ class StudySession:
             self.say(f"resuming: trials {stopped}, stopped by an earlier run, run again under "
                      "new numbers, from their checkpoints where they have any (results.csv: "
                      "retry_of)")
+        queued = len(stopped) + (len(recovered) if not self.nothing_to_run else 0)
+        room = max(0, total - finished)
+        if queued > room:
+            self.say(f"only {room} more {'trial runs' if room == 1 else 'trials run'} before "
+                     f"the study reaches its {total}, so at most {room} of these "
+                     f"{queued} retries run now; the others stay queued in the study for a "
+                     "run with a larger total")
         ranks = f"; {self.ranks} ranks" if self.ranks > 1 else ""
         failed = source.failed_for_good() if finished else 0
         failures = (f" ({failed} of them failed, each for its reason in results.csv, and "
