@@ -306,7 +306,8 @@ def test_median_pruner_stops_a_trial_behind_the_others(tmp_path):
 
 def test_direction_mismatch_is_reported(tmp_path):
     open_study("toy", study_dir=tmp_path, direction="maximize")
-    with pytest.raises(ValueError, match="created to maximize"):
+    with pytest.raises(ValueError, match=r"created to maximize its objective, not to minimize; "
+                       r"a study keeps its direction: open it with direction='maximize'"):
         open_study("toy", study_dir=tmp_path, direction="minimize")
 
 

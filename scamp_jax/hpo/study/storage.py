@@ -381,7 +381,9 @@ def open_study(
     if study.direction.name.lower() != direction:
         raise ValueError(
             f"study {study_name!r} in the storage was created to {study.direction.name.lower()} "
-            f"its objective, not to {direction}; use another --study-dir or --storage"
+            f"its objective, not to {direction}; a study keeps its direction: open it with "
+            f"direction={study.direction.name.lower()!r} (the task's direction), or start "
+            "another study (another study name, study directory or storage)"
         )
     if settings is not None:
         _check_settings(study, settings)
