@@ -269,3 +269,7 @@ def test_two_processes_finish_one_study_together(tmp_path):
     assert len(runs) == 2  # each process appended its own run
     assert sum(r["trials_this_run"] for r in runs) == 4
     assert all(r["trials_this_run"] >= 1 for r in runs), runs  # both did work
+    # each process's report time went to its own run, whichever wrote the file last
+    assert len({r["run_id"] for r in runs}) == 2
+    assert all(r["overhead"]["report_s"] > 0 for r in runs), [r["overhead"] for r in runs]
+

@@ -190,9 +190,11 @@ def _replace_text(path: Path, text: str) -> None:
         part.unlink(missing_ok=True)
 
 
-def add_run_overhead(study_dir: str | Path, extra: Mapping[str, Any]) -> None:
-    """Merge ``extra`` into the last run's ``overhead`` in ``study_dir/results.json``: what is
-    measured after the file was written (the report and its plots)."""
+def add_run_overhead(study_dir: str | Path, run_id: str, extra: Mapping[str, Any]) -> None:
+    """Merge ``extra`` into the ``overhead`` of the run ``run_id`` in
+    ``study_dir/results.json``: what is measured after the file was written (the report and
+    its plots). By its id, not as the last run: another process on the study may have added
+    its own run meanwhile."""
     study_dir = Path(study_dir)
     path = study_dir / "results.json"
     with _locked(study_dir / "results.lock"):
@@ -200,9 +202,10 @@ def add_run_overhead(study_dir: str | Path, extra: Mapping[str, Any]) -> None:
             return
         payload = json.loads(path.read_text())
         runs = payload.get("runs") or []
-        if not runs:
+        mine = [run for run in runs if run.get("run_id") == run_id]
+        if not mine:
             return
-        runs[-1].setdefault("overhead", {}).update(extra)
+        mine[0].setdefault("overhead", {}).update(extra)
         payload["run"] = runs[-1]
         _replace_text(path, json.dumps(payload, indent=2, default=_jsonable))
 

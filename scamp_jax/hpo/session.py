@@ -29,6 +29,7 @@ import os
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -527,8 +528,10 @@ class StudySession:
             self.say(note)
         metric, direction = self.task.metric, self.task.direction
         records = report.trial_records(source.study, self._metrics())
-        # a rerun of a full study trains nothing: the record of runs is left as it was
-        idle = self.nothing_to_run and not source.told
+        # a run that told no trial (a rerun of a full study, or a second process on a study
+        # whose trials another process took) leaves the record of runs as it was
+        idle = not source.told
+        run_info = {**run_info, "run_id": uuid.uuid4().hex}  # its entry, for what comes later
         report.write_results(self.out_dir, records, metric=metric, direction=direction,
                              run=None if idle else run_info)
         report.save_best_model(self.out_dir, records, metric, direction)
@@ -554,7 +557,8 @@ class StudySession:
             overhead = run_info["overhead"]
             overhead["report_s"] = round(overhead.get("report_s", 0.0)
                                          + time.perf_counter() - report_start, 3)
-            report.add_run_overhead(self.out_dir, {"report_s": overhead["report_s"]})
+            report.add_run_overhead(self.out_dir, run_info["run_id"],
+                                    {"report_s": overhead["report_s"]})
         return {**run_info, "best": report.best_record(records, metric, direction)}
 
     def report_interrupted(self, study: optuna.Study, elapsed_s: float,
