@@ -303,6 +303,16 @@ def test_a_rerun_with_a_lower_total_says_which_retries_wait(tmp_path, capsys):
             "total") in out, out
 
 
+def test_a_trials_devices_are_recorded_by_their_jax_ids(tmp_path):
+    done = scamp_jax.run_study(SPACE, function_task(), trials=1, steps=2, study_dir=tmp_path,
+                               devices=[jax.devices()[3]], memory_per_device="64MiB",
+                               live=False)
+    assert done["best"]["devices"] == [3]
+    [row] = json.loads((tmp_path / "results.json").read_text())["trials"]
+    assert row["devices"] == [3]
+    assert [ids for _, ids in row["placements"]] == [[0]]  # the pool's own positions
+
+
 def test_cpu_devices_default_to_a_share_of_host_memory():
     from scamp_jax.devices import host_memory_bytes
     from scamp_jax.hpo.session import CPU_MEMORY_SHARE, default_budget

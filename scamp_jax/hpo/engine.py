@@ -529,7 +529,7 @@ class SearchEngine:
         records = [self.records[m.number] for m in unit.members]
         booked = self.pool.request_of(unit.key).bytes_per_device
         for record in records:
-            record.placed(now, device_ids)
+            record.placed(now, device_ids, [self.devices[i].id for i in device_ids])
             record.status.booked_bytes = booked
             record.booked_allowance = unit.allowance
         run = unit.start(self._launch, device_ids, [r.status for r in records])

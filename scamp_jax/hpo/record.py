@@ -74,9 +74,12 @@ class TrialRecord:
         ``[kind, seconds since the run's start, *data]`` (`scamp_jax.scheduling.replay`)."""
         self.times.setdefault("core", []).append([kind, now, *data])
 
-    def placed(self, now: float, device_ids: Sequence[int]) -> None:
-        """Event: a run of this trial starts at ``now`` on ``device_ids``."""
-        self.status.devices = tuple(device_ids)
+    def placed(self, now: float, device_ids: Sequence[int], jax_ids: Sequence[int]) -> None:
+        """Event: a run of this trial starts at ``now`` on the pool's devices ``device_ids``
+        (positions in the pool, as the scheduling core and its replay count them), whose
+        JAX ids (``jax.Device.id``, what the trial's record and the live view show) are
+        ``jax_ids``."""
+        self.status.devices = tuple(jax_ids)
         self.status.state = "starting"
         self.times.setdefault("started_at", now)
         self.times["placements"].append([now, list(device_ids)])
