@@ -313,6 +313,13 @@ def test_a_trials_devices_are_recorded_by_their_jax_ids(tmp_path):
     assert [ids for _, ids in row["placements"]] == [[0]]  # the pool's own positions
 
 
+def test_a_baseline_that_is_no_score_is_named(tmp_path, capsys):
+    scamp_jax.run_study(SPACE, function_task(), trials=1, steps=2, study_dir=tmp_path,
+                        devices=1, memory_per_device="64MiB", live=False, baseline="nope")
+    out = capsys.readouterr().out
+    assert "note: baseline 'nope' is none of the scores the trials returned (mse" in out, out
+
+
 def test_cpu_devices_default_to_a_share_of_host_memory():
     from scamp_jax.devices import host_memory_bytes
     from scamp_jax.hpo.session import CPU_MEMORY_SHARE, default_budget

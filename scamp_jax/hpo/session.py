@@ -545,6 +545,12 @@ class StudySession:
                                                 baseline=self.baseline,
                                                 width=self.console.width))
         self.say(report.verdict(records, metric, direction, self.baseline))
+        scored = [t.user_attrs["metrics"] for t in source.study.get_trials(deepcopy=False)
+                  if t.user_attrs.get("metrics")]
+        if self.baseline and scored and not any(self.baseline in m for m in scored):
+            names = sorted({name for m in scored for name in m})
+            self.say(f"note: baseline {self.baseline!r} is none of the scores the trials "
+                     f"returned ({', '.join(names)}), so it shows nothing; pass one of them")
         usage = run_info["usage"]
         if idle:
             self.say(f"this run trained nothing; results in {self.out_dir}")
