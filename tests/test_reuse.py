@@ -442,6 +442,21 @@ def test_evaluation_is_compiled_once_per_architecture_and_chunk_by_the_planner()
     assert len(losses[0]) == 3 and losses[0] == losses[1]
 
 
+def test_held_out_inputs_in_float64_are_planned_as_the_float32_the_devices_hold():
+    class InFloat64(ClassifyInChunks):
+        def eval_inputs(self) -> list[np.ndarray]:
+            return [x.astype(np.float64) for x in super().eval_inputs()]
+
+    model = nnx.eval_shape(lambda: SPACE.build({"width": 32}, nnx.Rngs(0)))
+    chunks = []
+    for task in (ClassifyInChunks(), InFloat64()):  # no JAX warning of a truncated dtype
+        plan = plan_mesh(model, task.sample_batch(1), devices=jax.devices()[:1],
+                         memory_per_device="8MiB", optimizer=make_optimizer({}),
+                         loss_fn=task.loss_fn, max_batch_size=32, eval_task=task)
+        chunks.append((plan.eval_chunk, plan.eval_peak_bytes))
+    assert chunks[0] == chunks[1]
+
+
 def test_an_optimizer_of_another_state_under_one_architecture_key_gets_its_own_program():
     import optax
 

@@ -61,10 +61,14 @@ def supports_chunked_eval(task: Any) -> TypeGuard[ChunkedEvalTask]:
 
 
 def abstract_eval_inputs(task: Any) -> tuple[jax.ShapeDtypeStruct, ...] | None:
-    """``ShapeDtypeStruct`` of every group of ``task.eval_inputs()``, or None if unsupported."""
+    """``ShapeDtypeStruct`` of every group of ``task.eval_inputs()`` in the dtypes JAX gives
+    such arrays (NumPy's float64 becomes float32 unless 64-bit mode is on), or None if
+    unsupported."""
     if not supports_chunked_eval(task):
         return None
-    return tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in task.eval_inputs())
+    return tuple(jax.ShapeDtypeStruct(
+        x.shape, jax.dtypes.canonicalize_dtype(x.dtype, allow_extended_dtype=True))
+        for x in task.eval_inputs())
 
 
 class EvalCompiler:
