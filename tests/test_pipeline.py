@@ -530,3 +530,55 @@ def test_idle_tick_moves_nothing_between_host_store_and_device():
         jax.ShapeDtypeStruct((2, BATCH, 2 * SIDE, 2 * SIDE, 3), np.float32, sharding=sh),
     ).compile().as_text()
     assert _store_readers(real) == {"conditional"}
+
+
+@pytest.mark.parametrize("schedule", ["csp", "sequential"])
+@pytest.mark.parametrize(("stages", "offload", "shared"), [
+    *FAST[1:], pytest.param(4, True, True, marks=pytest.mark.slow)])
+def test_training_in_segments_equals_one_run(schedule, stages, offload, shared):
+    """Subnets [0, k) and then [k, N) from the first call's weights and optimizer state
+    (`TrainResult.state`) train exactly as [0, N) in one call: the same losses and weights bit
+    for bit, the stem and head's optimizer state included when they train."""
+    from scamp_jax.pipeline import SupernetState
+
+    subnets, lr, hr = _data(0)
+    whole = _train(schedule, stages, offload, shared, 0)
+    run = functools.partial(
+        train_supernet, _layout(), schedule=schedule, num_stages=stages, offload=offload,
+        train_shared=shared, executor=_executor(stages, offload, shared))
+    k = 2
+    first = run(subnets[:k], lr[:k], hr[:k], seed=0)
+    assert isinstance(first.state, SupernetState)
+    assert int(first.optimizer["shared_step"]) == (k if shared else 0)
+    assert first.optimizer["block_steps"].sum() == k * CONFIG.num_layers
+    second = run(subnets[k:], lr[k:], hr[k:], seed=99, initial_state=first.state)
+    np.testing.assert_array_equal(np.concatenate([first.losses, second.losses]), whole.losses)
+    np.testing.assert_array_equal(second.blocks, whole.blocks)
+    np.testing.assert_array_equal(second.shared, whole.shared)
+    assert second.params_sha256 == whole.params_sha256
+    assert second.optimizer.keys() == whole.optimizer.keys()
+    for key, value in whole.optimizer.items():
+        np.testing.assert_array_equal(second.optimizer[key], value, err_msg=key)
+    # Without the optimizer state the second part trains otherwise.
+    cold = run(subnets[k:], lr[k:], hr[k:], initial_weights=(first.blocks, first.shared))
+    assert cold.params_sha256 != whole.params_sha256
+
+
+def test_an_optimizer_state_that_does_not_fit_is_refused():
+    subnets, lr, hr = _data(0)
+    state = _train("csp", 2, True, False, 0).state
+    executor = _executor(2, True, False)
+    blocks, shared = state.blocks, state.shared
+    with pytest.raises(ValueError, match="missing shared_step"):
+        executor.init_state(blocks, shared, {k: v for k, v in state.optimizer.items()
+                                             if k != "shared_step"})
+    with pytest.raises(ValueError, match="'block_steps' of shape"):
+        executor.init_state(blocks, shared, {**state.optimizer, "block_steps": np.zeros(3)})
+    sgd = PipelineExecutor(_layout(), num_stages=2, microbatch_size=BATCH, lr_side=SIDE,
+                           window_slots=2, act_slots=2, grad_slots=2,
+                           optimizer=OptimizerSpec("sgd"))
+    with pytest.raises(ValueError, match="unexpected blocks_m, blocks_v, shared_m, shared_v"):
+        sgd.init_state(blocks, shared, state.optimizer)
+    with pytest.raises(ValueError, match="not both"):
+        train_supernet(_layout(), subnets, lr, hr, num_stages=2, initial_state=state,
+                       initial_weights=(blocks, shared), executor=executor)

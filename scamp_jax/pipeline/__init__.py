@@ -23,7 +23,7 @@ _NAMES = {
                      "validate_schedule",),
                     "scamp_jax.pipeline.schedules"),
     **dict.fromkeys(("OptimizerSpec", "StageSpec", "stage_tick",), "scamp_jax.pipeline.stage"),
-    **dict.fromkeys(("SCHEDULES", "TrainResult", "build_executor", "make_schedule",
+    **dict.fromkeys(("SCHEDULES", "SupernetState", "TrainResult", "build_executor", "make_schedule",
                      "params_sha256", "split_microbatches", "supernet_state_bytes",
                      "train_supernet",),
                     "scamp_jax.pipeline.trainer"),

@@ -248,12 +248,47 @@ class StageExecutor(abc.ABC):
         out["store"] = jax.tree.map(lambda _: self._sharding(store_kind), shapes["store"])
         return out
 
-    def init_state(self, blocks: np.ndarray, shared: np.ndarray) -> State:
+    def optimizer_keys(self) -> tuple[str, ...]:
+        """The keys of the optimizer state `export` returns and `init_state` takes:
+        ``blocks_<field>`` and ``shared_<field>`` per optimizer field besides the weights (Adam's
+        ``m``, ``v``; none for SGD), ``block_steps`` and ``shared_step``."""
+        fields = self.spec.optimizer.fields[1:]
+        return (*(f"blocks_{f}" for f in fields), "block_steps",
+                *(f"shared_{f}" for f in fields), "shared_step")
+
+    def _check_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
+        lay, c = self.layout, self.spec.num_choices
+        wanted = set(self.optimizer_keys())
+        given = set(state) - {"blocks", "shared"}  # an `export` may be passed as it is
+        if given != wanted:
+            missing, extra = sorted(wanted - given), sorted(given - wanted)
+            raise ValueError(
+                f"the optimizer state does not fit this executor's {self.spec.optimizer.name} "
+                f"optimizer: {'missing ' + ', '.join(missing) if missing else ''}"
+                f"{'; ' if missing and extra else ''}"
+                f"{'unexpected ' + ', '.join(extra) if extra else ''}; pass what export() (or "
+                "TrainResult.optimizer) of an executor with the same optimizer returned")
+        shapes = {"block_steps": (lay.num_layers, c), "shared_step": ()}
+        for key in wanted - set(shapes):
+            shapes[key] = ((lay.num_layers, c, lay.block_size) if key.startswith("blocks_")
+                           else (lay.shared_size,))
+        for key, shape in shapes.items():
+            if np.shape(state[key]) != shape:
+                raise ValueError(
+                    f"optimizer state {key!r} of shape {np.shape(state[key])} does not match the "
+                    f"layout's {shape}; pass the state export() returned for this supernet")
+
+    def init_state(
+        self, blocks: np.ndarray, shared: np.ndarray,
+        optimizer_state: dict[str, np.ndarray] | None = None,
+    ) -> State:
         """State of the local stages holding supernet weights ``blocks`` (L, C, P) and
         ``shared`` (P_shared,).
 
-        Every process passes the whole supernet. Optimizer moments and step counts start at
-        zero; the window and buffers are empty.
+        Every process passes the whole supernet. ``optimizer_state``: the optimizer fields
+        `export` returned (`optimizer_keys`; e.g. ``TrainResult.optimizer``), so that training
+        continues where that state was exported exactly as if it had not stopped; default:
+        optimizer moments and step counts start at zero. The window and buffers start empty.
         """
         spec, shapes = self.spec, self.state_shapes()
         s, n, c = spec.num_stages, spec.layers_per_stage, spec.num_choices
@@ -263,32 +298,58 @@ class StageExecutor(abc.ABC):
                 f"weights of shape {blocks.shape} / {shared.shape} do not match the layout "
                 f"{expected} / {(self.layout.shared_size,)}; build them with layout.init(seed)"
             )
+        if optimizer_state is not None:
+            self._check_optimizer_state(optimizer_state)
         host = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), shapes)
         # Candidate c (the last) stays zero: it is the slot of layers a subnet leaves unused.
         host["store"]["p"][..., :c, :] = self._local(blocks.reshape(s, n, c, -1))
         host["shared"]["p"][...] = self._local(np.broadcast_to(shared, (s, shared.size)))
+        if optimizer_state is not None:
+            stem = self.layout.stem_size
+            for f in spec.optimizer.fields[1:]:
+                host["store"][f][..., :c, :] = self._local(
+                    np.asarray(optimizer_state[f"blocks_{f}"], np.float32).reshape(s, n, c, -1))
+                # As training leaves them: the stem's moments on the first stage, the head's on
+                # the last, zero elsewhere (no other stage has a gradient for them).
+                moments = np.asarray(optimizer_state[f"shared_{f}"], np.float32)
+                per_stage = np.zeros((s, shared.size), np.float32)
+                per_stage[0, :stem] = moments[:stem]
+                per_stage[-1, stem:] = moments[stem:]
+                host["shared"][f][...] = self._local(per_stage)
+            host["store"]["t"][..., :c] = self._local(
+                np.asarray(optimizer_state["block_steps"], np.int32).reshape(s, n, c))
+            # Every stage counts the shared updates alike (zero-gradient ones included).
+            host["shared"]["t"][...] = self._local(
+                np.full(s, optimizer_state["shared_step"], np.int32))
         return jax.tree.map(jax.device_put, host, self.state_shardings())
 
     def export(self, state: State) -> dict[str, np.ndarray]:
         """The whole supernet's weights and optimizer state as numpy arrays in layout shapes.
 
         Collective when stages live in several processes (each must call it). Returns
-        ``{"blocks": (L, C, P), "shared": (P_shared,), "blocks_<field>": ..., "block_steps":
-        (L, C)}``; the stem comes from stage 0 and the head from the last stage.
+        ``{"blocks": (L, C, P), "shared": (P_shared,), "blocks_<field>": (L, C, P),
+        "block_steps": (L, C), "shared_<field>": (P_shared,), "shared_step": ()}`` (fields: the
+        optimizer's besides the weights, `optimizer_keys`); the stem and its optimizer state
+        come from stage 0, the head and its from the last stage. ``init_state(blocks, shared,
+        optimizer_state=export(state))`` continues training from there.
         """
         spec, lay = self.spec, self.layout
         c, stem, layers = spec.num_choices, lay.stem_size, lay.num_layers
         local = {k: np.asarray(v) for k, v in state["store"].items()}
-        local["shared_p"] = np.asarray(state["shared"]["p"])
+        for k in (*spec.optimizer.fields, "t"):
+            local[f"shared_{k}"] = np.asarray(state["shared"][k])
         stages = self._gather_stages(local)
         shared_p = stages["shared_p"]
         out = {
             "blocks": stages["p"][:, :, :c].reshape(layers, c, -1),
             "shared": np.concatenate([shared_p[0, :stem], shared_p[-1, stem:]]),
             "block_steps": stages["t"][:, :, :c].reshape(layers, c),
+            "shared_step": np.asarray(stages["shared_t"][0], np.int32),
         }
         for f in spec.optimizer.fields[1:]:
             out[f"blocks_{f}"] = stages[f][:, :, :c].reshape(layers, c, -1)
+            field = stages[f"shared_{f}"]
+            out[f"shared_{f}"] = np.concatenate([field[0, :stem], field[-1, stem:]])
         return out
 
     def planned_bytes(self) -> dict[str, int]:

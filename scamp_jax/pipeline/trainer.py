@@ -53,6 +53,7 @@ class TrainOptions(TypedDict, total=False):
     max_inflight: int | None
     prefetch_ahead: int
     initial_weights: tuple[np.ndarray, np.ndarray] | None
+    initial_state: SupernetState | None
     on_tick: Callable[[int, int], None] | None
 
 
@@ -123,6 +124,26 @@ def params_sha256(blocks: np.ndarray, shared: np.ndarray) -> str:
 
 
 @dataclass(frozen=True)
+class SupernetState:
+    """The supernet's weights with their optimizer state: where `train_supernet` stopped
+    (`TrainResult.state`) and where it can continue (its ``initial_state``).
+
+    Training subnets ``[0, k)``, then ``[k, N)`` from the first run's ``state``, computes the
+    same losses and weights, bit for bit, as training ``[0, N)`` in one call.
+
+    Attributes:
+      blocks: (L, C, P) block weights; shared: (P_shared,) stem and head weights.
+      optimizer: the optimizer state as `StageExecutor.export` returns it
+        (`StageExecutor.optimizer_keys`: ``blocks_<field>`` (L, C, P), ``block_steps`` (L, C),
+        ``shared_<field>`` (P_shared,), ``shared_step`` ()).
+    """
+
+    blocks: np.ndarray
+    shared: np.ndarray
+    optimizer: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
 class TrainResult:
     """Outcome of `train_supernet`.
 
@@ -130,6 +151,8 @@ class TrainResult:
       schedule: schedule name.
       losses: (N,) training loss per subnet in sequence-id order.
       blocks: (L, C, P) final block weights; shared: (P_shared,) final stem and head weights.
+      optimizer: their final optimizer state (`SupernetState.optimizer`); `state` holds all
+        three, to continue training from (``train_supernet(..., initial_state=result.state)``).
       params_sha256: `params_sha256` of the final weights.
       ticks, stage_utilization: schedule length and busy stage-ticks / (S x ticks).
       ideal_ticks, ideal_utilization: the same pipeline without CSP stalls (one subnet per
@@ -147,6 +170,7 @@ class TrainResult:
     losses: np.ndarray
     blocks: np.ndarray
     shared: np.ndarray
+    optimizer: dict[str, np.ndarray]
     params_sha256: str
     ticks: int
     stage_utilization: float
@@ -159,6 +183,11 @@ class TrainResult:
     wall_seconds: float
     steady_seconds: float
     samples_per_second: float
+
+    @property
+    def state(self) -> SupernetState:
+        """The final weights and optimizer state, for ``train_supernet(initial_state=...)``."""
+        return SupernetState(self.blocks, self.shared, self.optimizer)
 
 
 def build_executor(
@@ -223,6 +252,7 @@ def train_supernet(
     max_inflight: int | None = None,
     prefetch_ahead: int = 1,
     initial_weights: tuple[np.ndarray, np.ndarray] | None = None,
+    initial_state: SupernetState | None = None,
     executor: StageExecutor | ExecutorFactory | None = None,
     on_tick: Callable[[int, int], None] | None = None,
 ) -> TrainResult:
@@ -243,8 +273,11 @@ def train_supernet(
       max_inflight: CSP's cap on subnets in flight (default S).
       prefetch_ahead: ticks a subnet's blocks may be fetched before its first forward.
       initial_weights: ``(blocks (L, C, P), shared (P_shared,))`` to start from, e.g. with a
-        warmed-up stem and head (default ``layout.init(seed)``); optimizer state starts at zero
-        either way.
+        warmed-up stem and head (default ``layout.init(seed)``); optimizer state starts at zero.
+      initial_state: weights and optimizer state to continue from (a previous run's
+        `TrainResult.state`, or one restored from a checkpoint), instead of
+        ``initial_weights``: training ``subnets[:k]``, then ``subnets[k:]`` from the first
+        run's state, equals training ``subnets`` in one call, bit for bit.
       executor: a compiled executor to reuse (its buffers must fit this run's program; left
         open), or an `ExecutorFactory` that `build_executor` calls to build one sized for this
         run (default `PipelineExecutor`; closed when the run ends, unless the factory keeps
@@ -254,6 +287,9 @@ def train_supernet(
       the `TrainResult`.
     """
     n, batch = lr_batches.shape[:2]
+    if initial_weights is not None and initial_state is not None:
+        raise ValueError("pass initial_weights (optimizer state from zero) or initial_state "
+                         "(weights with their optimizer state), not both")
     if n != len(subnets):
         raise ValueError(f"{len(subnets)} subnets but {n} batches; pass one batch per subnet")
     check_subnets(subnets, layout.num_layers, layout.num_choices)
@@ -287,8 +323,12 @@ def train_supernet(
         if on_tick is not None:
             on_tick(t, total)
 
-    blocks0, shared0 = layout.init(seed) if initial_weights is None else initial_weights
-    state = executor.init_state(blocks0, shared0)
+    if initial_state is not None:
+        state = executor.init_state(initial_state.blocks, initial_state.shared,
+                                    optimizer_state=initial_state.optimizer)
+    else:
+        blocks0, shared0 = layout.init(seed) if initial_weights is None else initial_weights
+        state = executor.init_state(blocks0, shared0)
     state, losses = executor.run(
         state,
         program,
@@ -309,6 +349,7 @@ def train_supernet(
         losses=losses,
         blocks=exported["blocks"],
         shared=exported["shared"],
+        optimizer={k: v for k, v in exported.items() if k not in ("blocks", "shared")},
         params_sha256=params_sha256(exported["blocks"], exported["shared"]),
         ticks=sched.ticks,
         stage_utilization=sched.utilization,
