@@ -168,6 +168,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", help="directory of results.json and results.png "
                                      "(default runs/supernet_nas)")
     p.add_argument("--json", help="write the JSON summary here (the plot goes next to it)")
+    p.add_argument("--checkpoint-every", type=int, metavar="N",
+                   help="train in segments of N subnets and save a checkpoint (orbax) in "
+                        "<out-dir>/checkpoint after each (default 100; 0: none). Run the same "
+                        "command again after a stop (Ctrl-C, kill) to resume from it, with the "
+                        "losses and weights hash of a run that never stopped; a finished run "
+                        "deletes it, so running it again trains from the start")
+    p.add_argument("--fresh", action="store_true",
+                   help="discard the checkpoint of an unfinished run in --out-dir and train "
+                        "from the start")
     p.add_argument("--quiet", action="store_true", help="no progress or tables")
     p.add_argument("--mpi", action="store_true",
                    help="one pipeline stage per MPI rank (launch with mpirun -n <stages>; "
@@ -181,7 +190,8 @@ _AT_LEAST_ONE = (
     ("batch_size", "--batch-size", 8), ("microbatches", "--microbatches", 4),
     ("eval_subnets", "--eval-subnets", 12),
 )
-_AT_LEAST_ZERO = (("shared_warmup", "--shared-warmup", 1000),)
+_AT_LEAST_ZERO = (("shared_warmup", "--shared-warmup", 1000),
+                  ("checkpoint_every", "--checkpoint-every", 100))
 
 
 def check_config(config, p: argparse.ArgumentParser, preset=None, ranks: int | None = None
@@ -245,6 +255,20 @@ def check_outputs(config, args: argparse.Namespace) -> None:
         check_study_dir(Path(args.json).parent, "--json's folder")
 
 
+def check_checkpoint(config, args: argparse.Namespace) -> None:
+    """Exit 2 before anything trains when ``--out-dir`` holds the checkpoint of an unfinished
+    run with other settings (unless ``--fresh`` discards it), naming what differs."""
+    from experiments._cli import fail
+    from search_spaces.supernet_nas import NASCheckpoint
+
+    if args.fresh:
+        return
+    try:
+        NASCheckpoint(config).check()
+    except ValueError as err:
+        fail(str(err))
+
+
 def check_devices(stages: int, p: argparse.ArgumentParser) -> None:
     """Exit with a one-line error unless JAX has at least ``stages`` devices (one per stage)."""
     import jax
@@ -266,9 +290,20 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
 
     p = parser()
     args = p.parse_args(argv)
-    with user_errors(stopped="nothing was written (a run trains the supernet from its start); "
-                             "run the same command to train again"):
+    with user_errors(stopped=_stopped_words(args)):
         return _main(p, args)
+
+
+def _stopped_words(args: argparse.Namespace) -> str:
+    """What a stop (Ctrl-C, SIGTERM) leaves, for ``interrupted: ...``."""
+    config = get_config(args.preset)
+    every = config.checkpoint_every if args.checkpoint_every is None else args.checkpoint_every
+    if every <= 0:
+        return ("nothing was written (without checkpoints a run trains the supernet from its "
+                "start); run the same command to train again")
+    where = Path(args.out_dir or config.out_dir) / "checkpoint"
+    return (f"the last checkpoint (saved every {every} subnets) is in {where}; run the same "
+            "command to resume from it")
 
 
 def _main(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict | None:
@@ -280,6 +315,7 @@ def _main(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict | None:
         "train_shared": args.train_shared, "shared_warmup": args.shared_warmup,
         "offload": args.offload,
         "eval_subnets": args.eval_subnets, "out_dir": args.out_dir,
+        "checkpoint_every": args.checkpoint_every,
     }
     config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
     check_outputs(config, args)
@@ -288,9 +324,10 @@ def _main(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict | None:
     check_config(config, p, get_config(args.preset))
     _same_bits_everywhere(config.stages)
     check_devices(config.stages, p)
+    check_checkpoint(config, args)
     from search_spaces.supernet_nas import run_nas
 
-    return run_nas(config, json_path=args.json, show=not args.quiet)
+    return run_nas(config, json_path=args.json, show=not args.quiet, fresh=args.fresh)
 
 
 def _main_mpi(config, args: argparse.Namespace, p: argparse.ArgumentParser) -> dict | None:
@@ -313,9 +350,11 @@ def _main_mpi(config, args: argparse.Namespace, p: argparse.ArgumentParser) -> d
     _same_bits_everywhere(config.stages)
     check_config(config, p, get_config(args.preset),
                  ranks=w.size if args.stages is None else None)
+    check_checkpoint(config, args)
     from search_spaces.supernet_nas import run_nas_mpi
 
-    return run_nas_mpi(config, json_path=args.json, show=not args.quiet, mpi_world=w)
+    return run_nas_mpi(config, json_path=args.json, show=not args.quiet, mpi_world=w,
+                       fresh=args.fresh)
 
 
 if __name__ == "__main__":

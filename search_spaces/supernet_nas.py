@@ -6,16 +6,28 @@ search's photographs (one batch per subnet, in sequence-id order), train with th
 baseline beside it), and write a JSON summary and a PNG plot (`evaluate_and_save`). `run_nas` does
 both in one process; `run_nas_mpi` does both with one stage per MPI rank.
 
+Training goes in segments of ``checkpoint_every`` subnets, each continuing from the previous
+one's weights and optimizer state (`scamp_jax.pipeline.SupernetState`), which changes no bit of
+the result. After every segment but the last, the state, the losses so far and the settings
+that must match are saved with orbax under ``<out_dir>/checkpoint`` (`NASCheckpoint`); the same
+run started again resumes from there and ends with the losses and weights of a run that never
+stopped. A finished run deletes its checkpoint once its results are written.
+
 The pipeline itself (`scamp_jax.pipeline`) knows nothing of super-resolution: the supernet
 (`search_spaces.supernet.SupernetLayout`) is the `scamp_jax.pipeline.StageModel` it trains.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
+import shutil
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,8 +37,15 @@ import numpy as np
 import optax
 from jax import lax
 
+from scamp_jax.pipeline.executor import PipelineExecutor
+from scamp_jax.pipeline.executor_base import StageExecutor
 from scamp_jax.pipeline.stage import OptimizerSpec
-from scamp_jax.pipeline.trainer import TrainResult, train_supernet
+from scamp_jax.pipeline.trainer import (
+    ExecutorFactory,
+    SupernetState,
+    TrainResult,
+    train_supernet,
+)
 from search_spaces.supernet import (
     SupernetConfig,
     SupernetLayout,
@@ -76,7 +95,11 @@ class NASConfig:
       zero_init_residual: every candidate block starts as the identity
         (`search_spaces.supernet.SupernetConfig.zero_init_residual`).
       seed: seed of weights, subnets and patches.
-      out_dir: where ``results.json`` and ``results.png`` go.
+      out_dir: where ``results.json`` and ``results.png`` go, and the checkpoint
+        (``checkpoint/``) while the run is unfinished.
+      checkpoint_every: subnets per training segment; a checkpoint is saved after each but the
+        last (0: one segment, no checkpoint). Segments drain the pipeline at their ends (a few
+        ticks each) and change no bit of the result.
     """
 
     preset: str = "default"
@@ -98,12 +121,237 @@ class NASConfig:
     zero_init_residual: bool = True
     seed: int = 0
     out_dir: str = "runs/supernet_nas"
+    checkpoint_every: int = 100
 
     @property
     def supernet(self) -> SupernetConfig:
         """The supernet's sizes (x2 super-resolution, attention windows of 4)."""
         return SupernetConfig(self.layers, self.choices, self.width, scale=2, window_size=4,
                               zero_init_residual=self.zero_init_residual)
+
+
+#: `NASConfig` fields a checkpoint must share with the run resuming it (the others, such as
+#: ``out_dir``, ``checkpoint_every`` and the evaluation's, do not change what is trained).
+RESUME_FIELDS = ("preset", "schedule", "stages", "layers", "choices", "width", "subnets",
+                 "batch_size", "hr_patch", "microbatches", "learning_rate", "train_shared",
+                 "shared_warmup", "offload", "zero_init_residual", "seed")
+#: How the command line sets each of `RESUME_FIELDS` (the preset alone sets the rest).
+_FLAGS = {"batch_size": "--batch-size", "train_shared": "--train-shared",
+          "shared_warmup": "--shared-warmup", "offload": "--offload"}
+
+
+def resume_settings(config: NASConfig) -> dict[str, Any]:
+    """The settings a checkpoint of ``config`` records and a resuming run must match."""
+    return {name: getattr(config, name) for name in RESUME_FIELDS}
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """A run's saved progress: ``state`` after ``done`` subnets, their ``losses``, the
+    warm-up's record and the figures of the segments trained so far."""
+
+    done: int
+    state: SupernetState
+    losses: np.ndarray
+    warmup: dict[str, Any]
+    segments: list[dict[str, Any]]
+    resumed_at: list[int]
+
+
+class NASCheckpoint:
+    """The orbax checkpoint of an unfinished supernet NAS run, ``<out_dir>/checkpoint``.
+
+    One step is kept, named by the subnets trained; it holds the weights, their optimizer
+    state and the losses so far (arrays), and beside them (JSON) the `resume_settings`, the
+    warm-up's record and each segment's figures. Saves are synchronous: a save that a stop
+    interrupts leaves orbax's temporary folder, which no later run reads, and the previous step.
+    """
+
+    def __init__(self, config: NASConfig) -> None:
+        self.config = config
+        self.directory = (Path(config.out_dir) / "checkpoint").resolve()
+        self._manager: Any = None
+
+    def _open(self, create: bool) -> Any:
+        if self._manager is None:
+            import orbax.checkpoint as ocp  # only for runs that checkpoint
+            from orbax.checkpoint import checkpoint_managers
+
+            options = ocp.CheckpointManagerOptions(
+                preservation_policy=checkpoint_managers.LatestN(1),
+                enable_async_checkpointing=False, create=create,
+            )
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
+        return self._manager
+
+    def latest(self) -> int | None:
+        """Subnets trained by the saved step, or None when there is none."""
+        if not self.directory.is_dir():
+            return None
+        return self._open(create=False).latest_step()
+
+    def check(self) -> int | None:
+        """Subnets trained by the saved step (None: nothing saved), reading only its settings;
+        raises `ValueError` as `load` when the checkpoint is another run's."""
+        import orbax.checkpoint as ocp
+
+        step = self.latest()
+        if step is not None:
+            meta = self._open(create=False).restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+            self._check_settings(meta.get("settings", {}))
+        return step
+
+    def load(self) -> Resume | None:
+        """The saved progress (None: nothing saved). Raises `ValueError` in one line, naming
+        what differs and how to start afresh, when the checkpoint is another run's."""
+        import orbax.checkpoint as ocp
+
+        step = self.latest()
+        if step is None:
+            return None
+        manager = self._open(create=False)
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        self._check_settings(meta.get("settings", {}))
+        stored = manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore())).state
+        state = SupernetState(np.asarray(stored["blocks"]), np.asarray(stored["shared"]),
+                              {k: np.asarray(v) for k, v in stored["optimizer"].items()})
+        return Resume(done=int(meta["done"]), state=state,
+                      losses=np.asarray(stored["losses"], np.float32), warmup=meta["warmup"],
+                      segments=list(meta["segments"]), resumed_at=list(meta["resumed_at"]))
+
+    def _check_settings(self, saved: dict[str, Any]) -> None:
+        wanted = resume_settings(self.config)
+        differ = [
+            f"{_FLAGS.get(name, '--' + name.replace('_', '-'))} {saved.get(name)!r} there, "
+            f"{value!r} here"
+            for name, value in wanted.items() if saved.get(name) != value
+        ]
+        if differ:
+            raise ValueError(
+                f"{self.directory} holds an unfinished run with other settings "
+                f"({'; '.join(differ)}); run that command again to resume it, or pass another "
+                "--out-dir, or --fresh to discard it and train from the start")
+
+    def save(self, state: SupernetState, losses: np.ndarray, *, warmup: dict[str, Any],
+             segments: list[dict[str, Any]], resumed_at: list[int]) -> None:
+        """Save the progress after ``len(losses)`` subnets (on disk when this returns)."""
+        import orbax.checkpoint as ocp
+
+        done = len(losses)
+        tree = {"blocks": state.blocks, "shared": state.shared,
+                "optimizer": dict(state.optimizer), "losses": np.asarray(losses, np.float32)}
+        meta = {"settings": resume_settings(self.config), "done": done, "warmup": warmup,
+                "segments": segments, "resumed_at": resumed_at}
+        manager = self._open(create=True)
+        with _stops_held():
+            manager.save(done, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)), force=True)
+            manager.wait_until_finished()
+
+    def discard(self) -> None:
+        """Delete the checkpoint (and ``out_dir`` if that leaves it empty)."""
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = None
+        shutil.rmtree(self.directory, ignore_errors=True)
+        try:
+            self.directory.parent.rmdir()  # only if empty: results may be elsewhere (--json)
+        except OSError:
+            pass
+
+
+@contextlib.contextmanager
+def _stops_held() -> Iterator[None]:
+    """Hold a Ctrl-C or SIGTERM that arrives during the block and deliver it once the block
+    ends, so that a stop never leaves a save half written (outside the main thread, where no
+    handler can be set: nothing held)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[tuple[int, Any]] = []
+    stops = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda signum, frame: held.append((signum, frame)))
+                for sig in stops}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for signum, frame in held:
+            handler = previous[signum]
+            if callable(handler):
+                handler(signum, frame)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(signum)
+
+
+class _GrowingExecutor:
+    """An `ExecutorFactory` that hands every training segment the same compiled executor while
+    the segment's program fits its buffers, and builds a larger one (closing the old one) only
+    when a program needs more slots; `close` closes the last."""
+
+    keeps_executors = True  # `train_supernet` leaves it open
+    _SLOTS = ("window_slots", "act_slots", "grad_slots")
+
+    def __init__(self, factory: ExecutorFactory) -> None:
+        self.factory = factory
+        self.executor: StageExecutor | None = None
+        self._sizes: dict[str, Any] = {}
+        self.built = 0
+
+    def __call__(self, model: Any, **sizes: Any) -> StageExecutor:
+        same = {k: v for k, v in sizes.items() if k not in self._SLOTS}
+        old = self._sizes
+        if self.executor is not None and same == {k: v for k, v in old.items()
+                                                  if k not in self._SLOTS}:
+            if all(sizes[k] <= old[k] for k in self._SLOTS):
+                return self.executor
+            sizes = {**sizes, **{k: max(sizes[k], old[k]) for k in self._SLOTS}}
+        self.close()
+        self.executor, self._sizes = self.factory(model, **sizes), sizes
+        self.built += 1
+        return self.executor
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.close()
+            self.executor = None
+
+
+def combine_results(parts: list[dict[str, Any]], last: TrainResult, losses: np.ndarray
+                    ) -> TrainResult:
+    """One `TrainResult` of a run trained in segments: the last segment's weights and state,
+    every segment's losses, and ticks, times and rates summed over the segments' figures
+    (`segment_figures`)."""
+    ticks = sum(p["ticks"] for p in parts)
+    ideal = sum(p["ideal_ticks"] for p in parts)
+    seconds = sum(p["samples"] / p["samples_per_second"] for p in parts
+                  if p["samples_per_second"] > 0)
+    return dataclasses.replace(
+        last, losses=np.asarray(losses, np.float32), ticks=ticks,
+        stage_utilization=sum(p["stage_utilization"] * p["ticks"] for p in parts) / ticks,
+        ideal_ticks=ideal,
+        ideal_utilization=sum(p["ideal_utilization"] * p["ideal_ticks"] for p in parts) / ideal,
+        device_param_bytes=max(p["device_param_bytes"] for p in parts),
+        host_param_bytes=max(p["host_param_bytes"] for p in parts),
+        activation_bytes=max(p["activation_bytes"] for p in parts),
+        wall_seconds=sum(p["wall_seconds"] for p in parts),
+        steady_seconds=sum(p["steady_seconds"] for p in parts),
+        samples_per_second=sum(p["samples"] for p in parts) / seconds if seconds else 0.0,
+    )
+
+
+def segment_figures(result: TrainResult, start: int, samples: int) -> dict[str, Any]:
+    """What `combine_results` needs of one segment's result (JSON-ready)."""
+    return {
+        "first": start, "subnets": len(result.losses), "samples": samples,
+        **{k: getattr(result, k) for k in (
+            "ticks", "stage_utilization", "ideal_ticks", "ideal_utilization",
+            "device_param_bytes", "host_param_bytes", "activation_bytes", "wall_seconds",
+            "steady_seconds", "samples_per_second")},
+    }
 
 
 def warm_up_shared(
@@ -242,69 +490,120 @@ def stem_head_psnr(
 
 #: Trains the supernet: called like `train_supernet` (layout, subnets, LR and HR batches, then
 #: keywords ``schedule``, ``num_stages``, ``seed``, ``offload``, ``train_shared``,
-#: ``num_microbatches``, ``optimizer``, ``initial_weights``, ``on_tick``).
+#: ``num_microbatches``, ``optimizer``, ``initial_weights`` or ``initial_state``, ``executor``,
+#: ``on_tick``).
 TrainFn = Callable[..., TrainResult]
 
 
-def run_nas(config: NASConfig, *, json_path: str | None = None, show: bool = True) -> dict:
+def run_nas(config: NASConfig, *, json_path: str | None = None, show: bool = True,
+            fresh: bool = False) -> dict:
     """Train the supernet, rank ``config.eval_subnets`` subnets by held-out PSNR, save results.
 
     Held-out images are the SwinIR search's evaluation photographs (`held_out_images`).
+    Training resumes from ``<out_dir>/checkpoint`` when an unfinished run of the same settings
+    left one (``fresh``: discard it and train from the start), and deletes it once the results
+    are written.
 
     Returns the summary written to JSON: ``losses`` (per subnet, sequence-id order),
     ``params_sha256``, ``ticks``, ``stage_utilization``, ``ideal_ticks``, ``ideal_utilization``,
     ``device_param_bytes``, ``host_param_bytes``, ``supernet_param_bytes``, ``wall_seconds``,
     ``samples_per_second``, ``evaluation`` (subnet, ops, PSNR per evaluated subnet),
-    ``bicubic_psnr``, ``stem_head_psnr`` (`stem_head_psnr`), ``best``, ``eval_seconds`` and the
-    warm-up's ``warmup_steps``, ``warmup_seconds`` and ``warmup_losses``.
+    ``bicubic_psnr``, ``stem_head_psnr`` (`stem_head_psnr`), ``best``, ``eval_seconds``, the
+    warm-up's ``warmup_steps``, ``warmup_seconds`` and ``warmup_losses``, and the training
+    segments' ``segments`` (figures of each) and ``resumed_at`` (subnets done at each resume).
+    Ticks, times and rates sum over the segments, of every process that trained them.
     """
 
     console = _console(quiet=not show)
-    layout, result, warmup = train_for_nas(config, console=console)
-    return evaluate_and_save(
-        config, layout, result, json_path=json_path, console=console, extra=warmup
+    layout, result, extra = train_for_nas(config, console=console, fresh=fresh)
+    summary = evaluate_and_save(
+        config, layout, result, json_path=json_path, console=console, extra=extra
     )
+    NASCheckpoint(config).discard()
+    return summary
 
 
 def train_for_nas(
-    config: NASConfig, *, train_fn: TrainFn = train_supernet, console: Console | None = None
+    config: NASConfig, *, train_fn: TrainFn = train_supernet,
+    executor_class: ExecutorFactory = PipelineExecutor, console: Console | None = None,
+    fresh: bool = False, comm: Any = None,
 ) -> tuple[SupernetLayout, TrainResult, dict[str, Any]]:
     """Warm up the stem and head (`warm_up_shared`, ``config.shared_warmup`` steps), then train
     the supernet of ``config`` on its subnets and training patches through the pipeline (the
     first half of `run_nas`), with a progress bar on ``console`` (default: none shown).
 
-    ``train_fn`` trains (default `train_supernet`; the MPI pipeline passes its own). Returns
-    ``(layout, result, warmup)`` with ``warmup`` = ``{"warmup_steps", "warmup_seconds",
-    "warmup_losses"}`` (the warm-up's steps, its wall time in seconds and per-step losses).
+    Training goes in segments of ``config.checkpoint_every`` subnets (all at once for 0), each
+    from the previous one's `SupernetState` on one compiled executor, and a `NASCheckpoint`
+    is saved after each segment but the last. A checkpoint of the same settings found at the
+    start is resumed (its warm-up is not redone: the saved weights hold its result); one of
+    other settings is refused (`ValueError`); ``fresh`` discards it first.
+
+    ``train_fn`` trains (default `train_supernet`) on executors of ``executor_class``
+    (default `PipelineExecutor`; the MPI pipeline passes its own and its ``comm``, whose rank 0
+    alone writes the checkpoint, while every rank reads it). Returns ``(layout, result,
+    extra)`` with ``extra`` = ``{"warmup_steps", "warmup_seconds", "warmup_losses",
+    "checkpoint_every", "segments", "resumed_at"}`` (the warm-up's steps, its wall time in
+    seconds and per-step losses; the figures of each training segment and the subnets done
+    where a run resumed).
     """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     console = console or Console(quiet=True)
+    root = comm is None or comm.Get_rank() == 0
     cfg = config.supernet
     layout = SupernetLayout(cfg)
-    subnets = [s.choices for s in sample_subnets(config.subnets, cfg, config.seed)]
+    n = config.subnets
+    subnets = [s.choices for s in sample_subnets(n, cfg, config.seed)]
     lr, hr = training_batches(config)
     optimizer = OptimizerSpec("adam", config.learning_rate)
     console.print(
         f"supernet: {cfg.num_layers} layers x {cfg.num_choices} candidates "
         f"({', '.join(o.label for o in cfg.ops)}), width {cfg.width}, "
-        f"{layout.param_count():,} weights; {config.subnets} subnets x batch "
+        f"{layout.param_count():,} weights; {n} subnets x batch "
         f"{config.batch_size}; schedule {config.schedule} on {config.stages} stages, "
         f"offload {'on' if config.offload else 'off'}; stem and head: "
         f"{config.shared_warmup} warm-up steps, "
         f"{'trained' if config.train_shared else 'frozen'} in the pipeline"
     )
-    blocks0, shared0 = layout.init(config.seed)
-    started = time.perf_counter()
-    shared0, warm_losses = warm_up_shared(
-        layout, shared0, lr, hr, steps=config.shared_warmup, optimizer=optimizer
-    )
-    warmup = {
-        "warmup_steps": config.shared_warmup,
-        "warmup_seconds": time.perf_counter() - started,
-        "warmup_losses": [float(x) for x in warm_losses],
-    }
+    checkpoint = NASCheckpoint(config)
+    if fresh and root:
+        checkpoint.discard()
+    if comm is not None:
+        comm.barrier()  # the checkpoint is gone for every rank before any reads it
+    resume = checkpoint.load()  # also with checkpoint_every 0: it continues, saving no more
+    if comm is not None:
+        seen = comm.allgather(None if resume is None else resume.done)
+        if len(set(seen)) > 1:
+            raise ValueError(
+                f"the MPI ranks see different checkpoints in {checkpoint.directory} (subnets "
+                f"done per rank: {seen}); give every rank the same --out-dir on a shared file "
+                "system, or pass --fresh to train from the start")
+    state: SupernetState | None = None
+    losses: list[np.ndarray] = []
+    segments: list[dict[str, Any]] = []
+    resumed_at: list[int] = []
+    if resume is not None:
+        console.print(f"resuming from subnet {resume.done} of {n} ({checkpoint.directory})")
+        state, losses, warmup = resume.state, [resume.losses], resume.warmup
+        segments, resumed_at = resume.segments, [*resume.resumed_at, resume.done]
+        blocks0 = shared0 = None
+    else:
+        blocks0, shared0 = layout.init(config.seed)
+        started = time.perf_counter()
+        shared0, warm_losses = warm_up_shared(
+            layout, shared0, lr, hr, steps=config.shared_warmup, optimizer=optimizer
+        )
+        warmup = {
+            "warmup_steps": config.shared_warmup,
+            "warmup_seconds": time.perf_counter() - started,
+            "warmup_losses": [float(x) for x in warm_losses],
+        }
+    done = resume.done if resume is not None else 0
+    every = config.checkpoint_every or n
+    if config.checkpoint_every and done == 0 and n > every:
+        console.print(f"checkpoints every {every} subnets in {checkpoint.directory}")
+    executor = _GrowingExecutor(executor_class)
     with Progress(
         "[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
         TimeElapsedColumn(), console=console, transient=False,
@@ -314,13 +613,35 @@ def train_for_nas(
         def on_tick(t: int, total: int) -> None:
             progress.update(task, completed=t + 1, total=total)
 
-        result = train_fn(
-            layout, subnets, lr, hr, schedule=config.schedule, num_stages=config.stages,
-            seed=config.seed, offload=config.offload, train_shared=config.train_shared,
-            num_microbatches=config.microbatches, optimizer=optimizer,
-            initial_weights=(blocks0, shared0), on_tick=on_tick,
-        )
-    return layout, result, warmup
+        result = None
+        for first in range(done, n, every):
+            last = min(first + every, n)
+            if last - first < n:
+                progress.update(task, description=f"training ({config.schedule}, subnets "
+                                f"{first}-{last - 1} of {n}, ticks)", completed=0, total=None)
+            start = {"initial_state": state} if state is not None else {
+                "initial_weights": (blocks0, shared0)}
+            result = train_fn(
+                layout, subnets[first:last], lr[first:last], hr[first:last],
+                schedule=config.schedule, num_stages=config.stages, seed=config.seed,
+                offload=config.offload, train_shared=config.train_shared,
+                num_microbatches=config.microbatches, optimizer=optimizer,
+                executor=executor, on_tick=on_tick, **start,
+            )
+            state = result.state
+            losses.append(result.losses)
+            segments.append(segment_figures(result, first, (last - first) * config.batch_size))
+            if last < n and config.checkpoint_every and root:
+                checkpoint.save(state, np.concatenate(losses), warmup=warmup,
+                                segments=segments, resumed_at=resumed_at)
+    executor.close()
+    if result is None:  # the checkpoint held every subnet (a run stopped while finishing)
+        raise ValueError(f"{checkpoint.directory} holds a finished run; pass --fresh to train "
+                         "again")
+    combined = combine_results(segments, result, np.concatenate(losses))
+    extra = {**warmup, "checkpoint_every": config.checkpoint_every, "segments": segments,
+             "resumed_at": resumed_at}
+    return layout, combined, extra
 
 
 def evaluate_and_save(
@@ -484,7 +805,7 @@ def save_plot(summary: dict, path: Path) -> None:
 
 def run_nas_mpi(
     config: NASConfig, *, json_path: str | None = None, show: bool = True,
-    mpi_world: Any = None,
+    mpi_world: Any = None, fresh: bool = False,
 ) -> dict[str, Any] | None:
     """`run_nas` with pipeline stage ``s`` on MPI rank ``s`` (collective).
 
@@ -494,12 +815,11 @@ def run_nas_mpi(
     and the ``stage_ranks``. ``losses`` and ``params_sha256`` equal those of the single-process
     run with the same number of stages. ``config.stages`` must equal the number of ranks
     (``mpi_world``: a `scamp_jax.distributed.World`, default the MPI world). Returns the summary
-    on rank 0 and None on the other ranks (which only train).
+    on rank 0 and None on the other ranks (which only train). Checkpoints as `run_nas`: rank 0
+    writes them from the gathered state, every rank reads one to resume.
     """
-    import functools
-
     from scamp_jax.distributed.mpi import failures_end_every_rank, world
-    from scamp_jax.distributed.pipeline import train_supernet_mpi
+    from scamp_jax.distributed.pipeline import MPIPipelineExecutor
 
     w = mpi_world or world()
     if config.stages != w.size:
@@ -514,11 +834,14 @@ def run_nas_mpi(
     # waiting for it.
     with failures_end_every_rank(w.comm):
         layout, result, warmup = train_for_nas(
-            config, train_fn=functools.partial(train_supernet_mpi, comm=w.comm), console=console
+            config, executor_class=functools.partial(MPIPipelineExecutor, comm=w.comm),
+            console=console, fresh=fresh, comm=w.comm,
         )
     if not w.is_root:
         return None
     extra = {**warmup, "mpi_ranks": w.size, "stage_ranks": list(range(w.size))}
-    return evaluate_and_save(
+    summary = evaluate_and_save(
         config, layout, result, json_path=json_path, console=console, extra=extra
     )
+    NASCheckpoint(config).discard()
+    return summary

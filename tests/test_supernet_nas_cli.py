@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -113,3 +114,82 @@ def test_under_mpi_a_layer_count_the_ranks_do_not_divide_names_the_launch(capsys
         "python -m experiments.supernet_nas: error: --layers 4 is not a multiple of the 3 MPI "
         "ranks (one pipeline stage each, every stage holds the same number of layers); pass "
         "--layers 6 or launch 2 or 4 ranks (mpirun -n 2 ...)")
+
+
+def _cli_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+
+
+def test_a_checkpoint_of_other_settings_is_refused_in_one_line(tmp_path) -> None:
+    """A rerun whose settings differ from the unfinished run's checkpoint in ``--out-dir``:
+    one line naming what differs and how to start afresh, exit 2, the checkpoint kept."""
+    import dataclasses
+
+    import numpy as np
+
+    from experiments.supernet_nas import get_config
+    from scamp_jax.pipeline import SupernetState
+    from search_spaces.supernet_nas import NASCheckpoint
+
+    out = tmp_path / "out"
+    config = dataclasses.replace(get_config("smoke"), out_dir=str(out))
+    state = SupernetState(np.zeros((4, 4, 3), np.float32), np.zeros(5, np.float32),
+                          {"block_steps": np.ones((4, 4), np.int32)})
+    NASCheckpoint(config).save(state, np.ones(3, np.float32), warmup={}, segments=[],
+                               resumed_at=[])
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.supernet_nas", "--preset", "smoke", "--seed", "1",
+         "--schedule", "sequential", "--out-dir", str(out), "--quiet"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=_cli_env())
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {out.resolve() / 'checkpoint'} holds an unfinished run with other settings "
+        "(--schedule 'csp' there, 'sequential' here; --seed 0 there, 1 here); run that command "
+        "again to resume it, or pass another --out-dir, or --fresh to discard it and train "
+        "from the start")
+    assert "Traceback" not in proc.stderr
+    assert NASCheckpoint(config).latest() == 3
+
+
+@pytest.mark.slow  # three smoke runs, about two minutes on 2 shared cores
+def test_a_run_stopped_by_ctrl_c_resumes_to_the_uninterrupted_result(tmp_path) -> None:
+    """SIGINT after the first checkpoint, then the same command: it says where it resumes and
+    ends with the losses and weights hash of a run that never stopped (one segment, no
+    checkpoint); the finished run leaves no checkpoint behind."""
+    import json
+
+    def command(out: Path, every: int) -> list[str]:
+        return [sys.executable, "-m", "experiments.supernet_nas", "--preset", "smoke",
+                "--subnets", "8", "--eval-subnets", "1", "--checkpoint-every", str(every),
+                "--out-dir", str(out)]
+
+    out = tmp_path / "resumed"
+    proc = subprocess.Popen(command(out, 3) + ["--quiet"], cwd=ROOT, env=_cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (out / "checkpoint" / "3").is_dir():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == (
+        f"interrupted: the last checkpoint (saved every 3 subnets) is in {out / 'checkpoint'}; "
+        "run the same command to resume from it")
+    assert not (out / "results.json").exists()
+
+    resumed = subprocess.run(command(out, 3), cwd=ROOT, env=_cli_env(), capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert re.search(r"resuming from subnet [36] of 8", resumed.stdout), resumed.stdout
+    assert not (out / "checkpoint").exists()
+
+    whole = subprocess.run(command(tmp_path / "whole", 0) + ["--quiet"], cwd=ROOT,
+                           env=_cli_env(), capture_output=True, text=True, timeout=300)
+    assert whole.returncode == 0, whole.stderr
+    a = json.loads((out / "results.json").read_text())
+    b = json.loads((tmp_path / "whole" / "results.json").read_text())
+    assert a["params_sha256"] == b["params_sha256"] and a["losses"] == b["losses"]
+    assert a["resumed_at"] in ([3], [6]) and b["resumed_at"] == []
+    assert [s["subnets"] for s in a["segments"]] == [3, 3, 2] and len(b["segments"]) == 1
+    assert a["ticks"] > b["ticks"]  # each segment drains the pipeline
