@@ -13,6 +13,23 @@ for ``csp`` and ``sequential``), then a results table ranks the evaluated subnet
 next to bicubic upscaling. ``results.json`` and ``results.png`` go to ``--out-dir`` (or next to
 ``--json``).
 
+Stopping and resuming: training goes in segments of ``--checkpoint-every`` subnets (default 100,
+a few minutes at most on the default preset; 0: one segment), each continuing from the previous
+one's weights and optimizer state, and after each segment but the last the weights, optimizer
+state, losses so far and the settings that must match (preset, sizes, schedule, stages, seed,
+learning rate, warm-up, ...) are saved with orbax in ``<out-dir>/checkpoint``. After a Ctrl-C,
+SIGTERM or kill, run the same command: it says ``resuming from subnet k of N`` and continues (the
+warm-up is not redone: its result is in the saved weights); its ``losses`` and ``params_sha256``
+equal those of a run that never stopped, and ``ticks``, ``wall_seconds`` and the rates in
+``results.json`` sum every segment, those of the stopped process included (``segments`` lists
+them, ``resumed_at`` the subnets done at each resume). A checkpoint of other settings in the same
+``--out-dir`` is refused in one line naming what differs; pass another ``--out-dir``, or
+``--fresh`` to discard it. A finished run deletes its checkpoint once the results are written, so
+the same command run again trains from the start. Under ``--mpi`` rank 0 writes the checkpoint
+and every rank reads it. Each segment drains the pipeline at its end: the default preset's CSP
+run takes 1470 ticks in 4 segments instead of 1454 in one (the figures below are of one
+segment).
+
 The default preset first trains the stem and head alone (``--shared-warmup 1000`` Adam steps on
 one device, every block starting as the identity, a few seconds), then freezes them and trains
 the blocks through the pipeline. Frozen shared weights leave CSP free to overlap subnets; trained
@@ -170,10 +187,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the JSON summary here (the plot goes next to it)")
     p.add_argument("--checkpoint-every", type=int, metavar="N",
                    help="train in segments of N subnets and save a checkpoint (orbax) in "
-                        "<out-dir>/checkpoint after each (default 100; 0: none). Run the same "
-                        "command again after a stop (Ctrl-C, kill) to resume from it, with the "
-                        "losses and weights hash of a run that never stopped; a finished run "
-                        "deletes it, so running it again trains from the start")
+                        "<out-dir>/checkpoint after each (default 100; 0: none, though an "
+                        "unfinished run's checkpoint is still resumed). Run the same command "
+                        "again after a stop (Ctrl-C, kill) to resume from it, with the losses "
+                        "and weights hash of a run that never stopped; a finished run deletes "
+                        "it, so running it again trains from the start")
     p.add_argument("--fresh", action="store_true",
                    help="discard the checkpoint of an unfinished run in --out-dir and train "
                         "from the start")
@@ -299,8 +317,8 @@ def _stopped_words(args: argparse.Namespace) -> str:
     config = get_config(args.preset)
     every = config.checkpoint_every if args.checkpoint_every is None else args.checkpoint_every
     if every <= 0:
-        return ("nothing was written (without checkpoints a run trains the supernet from its "
-                "start); run the same command to train again")
+        return ("no checkpoint was saved (--checkpoint-every 0); run the same command to train "
+                "again")
     where = Path(args.out_dir or config.out_dir) / "checkpoint"
     return (f"the last checkpoint (saved every {every} subnets) is in {where}; run the same "
             "command to resume from it")

@@ -280,7 +280,7 @@ def _stops_held() -> Iterator[None]:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for signum, frame in held:
-            handler = previous[signum]
+            handler = previous[signal.Signals(signum)]
             if callable(handler):
                 handler(signum, frame)
             elif handler == signal.SIG_DFL:
