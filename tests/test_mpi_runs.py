@@ -160,6 +160,39 @@ def test_supernet_experiment_under_mpirun_matches_the_single_process_run(tmp_pat
     assert b["evaluation"] == a["evaluation"]
 
 
+@pytest.mark.slow
+def test_supernet_experiment_stopped_in_one_process_resumes_under_mpirun(tmp_path: Path) -> None:
+    # A single-process run stopped by Ctrl-C after its first checkpoint, then the same flags
+    # under mpirun --mpi in the same --out-dir: every rank reads the checkpoint, rank 0 writes
+    # the next one, and the result is the uninterrupted single-process run's.
+    import signal
+    import time
+
+    flags = ["--subnets", "8", "--shared-warmup", "0", "--eval-subnets", "1", "--quiet"]
+    whole = launch(["-m", "experiments.supernet_nas", *flags, "--checkpoint-every", "0",
+                    "--json", str(tmp_path / "s.json")], None, timeout=300)
+    assert whole.returncode == 0, whole.stderr
+    out = tmp_path / "out"
+    resumable = [*flags, "--checkpoint-every", "3", "--out-dir", str(out)]
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.supernet_nas", *resumable],
+                            env=mpi_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (out / "checkpoint" / "3").is_dir():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    multi = launch(["-m", "experiments.supernet_nas", "--mpi", *resumable], 4, timeout=300)
+    assert multi.returncode == 0, multi.stderr
+    a = json.loads((tmp_path / "s.json").read_text())
+    b = json.loads((out / "results.json").read_text())
+    assert b["mpi_ranks"] == 4 and b["resumed_at"] in ([3], [6])
+    assert b["params_sha256"] == a["params_sha256"] and b["losses"] == a["losses"]
+    assert not (out / "checkpoint").exists()
+
+
 def _study(tmp_path: Path, ranks: int, trials: int, *extra: str) -> subprocess.CompletedProcess:
     return launch([str(SCRIPTS / "study_ranks.py"), "--storage",
                    f"sqlite:///{tmp_path / 'study.db'}", "--trials", str(trials), "--out",
