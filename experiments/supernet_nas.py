@@ -27,8 +27,9 @@ them, ``resumed_at`` the subnets done at each resume). A checkpoint of other set
 ``--fresh`` to discard it. A finished run deletes its checkpoint once the results are written, so
 the same command run again trains from the start. Under ``--mpi`` rank 0 writes the checkpoint
 and every rank reads it. Each segment drains the pipeline at its end: the default preset's CSP
-run takes 1470 ticks in 4 segments instead of 1454 in one (the figures below are of one
-segment).
+run takes 1470 ticks in 4 segments instead of 1454 in one, and on 2 shared cores the whole
+process 92 s instead of 87 s (three saves; later segments reuse the compiled tick), with the same
+``params_sha256`` (the figures below are of one segment).
 
 The default preset first trains the stem and head alone (``--shared-warmup 1000`` Adam steps on
 one device, every block starting as the identity, a few seconds), then freezes them and trains

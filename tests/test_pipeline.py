@@ -582,3 +582,28 @@ def test_an_optimizer_state_that_does_not_fit_is_refused():
     with pytest.raises(ValueError, match="not both"):
         train_supernet(_layout(), subnets, lr, hr, num_stages=2, initial_state=state,
                        initial_weights=(blocks, shared), executor=executor)
+
+
+def test_segments_share_one_executor_until_a_program_needs_more_slots():
+    """The experiment's segments reuse the compiled executor while their programs fit it and
+    build one with the larger slots (closing the old) only when a program needs more."""
+    from search_spaces.supernet_nas import _GrowingExecutor
+
+    class Built:
+        def __init__(self, model, **sizes):
+            self.sizes, self.closed = sizes, False
+
+        def close(self):
+            self.closed = True
+
+    factory = _GrowingExecutor(Built)
+    base = {"num_stages": 2, "window_slots": 3, "act_slots": 2, "grad_slots": 2}
+    first = factory(None, **base)
+    assert factory(None, **{**base, "window_slots": 2}) is first
+    grown = factory(None, **{**base, "act_slots": 4})
+    assert grown is not first and first.closed and factory.built == 2
+    assert grown.sizes == {**base, "act_slots": 4}
+    other = factory(None, **{**base, "num_stages": 4, "window_slots": 1})
+    assert other.sizes["window_slots"] == 1 and grown.closed  # other sizes: built as asked
+    factory.close()
+    assert other.closed and factory.executor is None
