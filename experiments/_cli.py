@@ -365,7 +365,7 @@ class _CtrlC:
     #: a second Ctrl-C ends the process (`scamp_jax.hpo.endings.Endings.give_back` says so)
     ends_process = True
 
-    def __init__(self, at_once: str | None = None) -> None:
+    def __init__(self, at_once: str | Callable[[], str] | None = None) -> None:
         self.count = 0
         #: what a stop at once leaves, for a command that runs no study (None: a study's words)
         self.at_once = at_once
@@ -383,7 +383,7 @@ class _CtrlC:
         # the live view or a print (their streams hold locks); a terminal gets its cursor back
         # from the live view.
         shown = "\x1b[?25h" if sys.__stderr__ is not None and sys.__stderr__.isatty() else ""
-        left = self.at_once or (
+        left = (self.at_once() if callable(self.at_once) else self.at_once) or (
             "finished trials are in the study; run the same command to resume the others from "
             f"their last checkpoints (once their heartbeat lapses, about {GRACE_PERIOD} s)")
         message = f"{shown}\nstopped at once: {left}\n"
@@ -429,7 +429,8 @@ def root_cause(err: BaseException) -> BaseException:
 
 
 @contextlib.contextmanager
-def user_errors(resumable: bool = True, stopped: str | None = None) -> Iterator[None]:
+def user_errors(resumable: bool = True,
+                stopped: str | Callable[[], str] | None = None) -> Iterator[None]:
     """Turn user mistakes into one line and exit status 2; Ctrl-C exits 130, SIGTERM 143, a
     study stopped by its trials' repeated error (`scamp_jax.RepeatedFailureError`) 1.
     ``resumable``: the command runs a study, which a rerun resumes (else it stores nothing,
@@ -462,8 +463,9 @@ def user_errors(resumable: bool = True, stopped: str | None = None) -> Iterator[
             yield
     except (Terminated, KeyboardInterrupt) as err:
         word = "terminated" if isinstance(err, Terminated) else "interrupted"
-        left = stopped or ("finished trials are in the study and results.json; run the same "
-                           "command to resume")
+        left = (stopped() if callable(stopped) else stopped) or (
+            "finished trials are in the study and results.json; run the same command to "
+            "resume")
         print(f"{word}: {left}", file=sys.stderr)
         code = 128 + signal.SIGTERM if isinstance(err, Terminated) else 130
         if left_behind():  # a compile still runs: end without the interpreter's shutdown

@@ -13,22 +13,23 @@ for ``csp`` and ``sequential``), then a results table ranks the evaluated subnet
 next to bicubic upscaling. ``results.json`` and ``results.png`` go to ``--out-dir`` (or next to
 ``--json``).
 
-Stopping and resuming: training goes in segments of ``--checkpoint-every`` subnets (default 100,
-a few minutes at most on the default preset; 0: one segment), each continuing from the previous
-one's weights and optimizer state, and after each segment but the last the weights, optimizer
-state, losses so far and the settings that must match (preset, sizes, schedule, stages, seed,
-learning rate, warm-up, ...) are saved with orbax in ``<out-dir>/checkpoint``. After a Ctrl-C,
+Stopping and resuming: training goes in segments of ``--checkpoint-every`` subnets (default 100, a
+few minutes at most on the default preset; 0: one segment), each continuing from the previous one's
+weights and optimizer state, and after each segment but the last the weights, optimizer state,
+losses so far and the settings that must match (preset, sizes, schedule, stages, seed, learning
+rate, warm-up, ...) are saved with orbax in ``<out-dir>/checkpoint`` (with ``--json PATH`` and no
+``--out-dir``: ``PATH.checkpoint``, so runs with their own JSON files share none). After a Ctrl-C,
 SIGTERM or kill, run the same command: it says ``resuming from subnet k of N`` and continues (the
 warm-up is not redone: its result is in the saved weights); its ``losses`` and ``params_sha256``
 equal those of a run that never stopped, and ``ticks``, ``wall_seconds`` and the rates in
-``results.json`` sum every segment, those of the stopped process included (``segments`` lists
-them, ``resumed_at`` the subnets done at each resume). A checkpoint of other settings in the same
+``results.json`` sum every segment, those of the stopped process included (``segments`` lists them,
+``resumed_at`` the subnets done at each resume). A checkpoint of other settings in the same
 ``--out-dir`` is refused in one line naming what differs; pass another ``--out-dir``, or
 ``--fresh`` to discard it. A finished run deletes its checkpoint once the results are written, so
-the same command run again trains from the start. Under ``--mpi`` rank 0 writes the checkpoint
-and every rank reads it. Each segment drains the pipeline at its end: the default preset's CSP
-run takes 1470 ticks in 4 segments instead of 1454 in one, and on 2 shared cores the whole
-process 92 s instead of 87 s (three saves; later segments reuse the compiled tick), with the same
+the same command run again trains from the start. Under ``--mpi`` rank 0 writes the checkpoint and
+every rank reads it. Each segment drains the pipeline at its end: the default preset's CSP run
+takes 1470 ticks in 4 segments instead of 1454 in one, and on 2 shared cores the whole process 92 s
+instead of 87 s (three saves; later segments reuse the compiled tick), with the same
 ``params_sha256`` (the figures below are of one segment).
 
 The default preset first trains the stem and head alone (``--shared-warmup 1000`` Adam steps on
@@ -75,7 +76,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 PRESETS = ("smoke", "default", "paper")
@@ -188,7 +189,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the JSON summary here (the plot goes next to it)")
     p.add_argument("--checkpoint-every", type=int, metavar="N",
                    help="train in segments of N subnets and save a checkpoint (orbax) in "
-                        "<out-dir>/checkpoint after each (default 100; 0: none, though an "
+                        "<out-dir>/checkpoint (with --json PATH alone: PATH.checkpoint) after "
+                        "each segment but the last (default 100; 0: none, though an "
                         "unfinished run's checkpoint is still resumed). Run the same command "
                         "again after a stop (Ctrl-C, kill) to resume from it, with the losses "
                         "and weights hash of a run that never stopped; a finished run deletes "
@@ -313,16 +315,30 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
         return _main(p, args)
 
 
-def _stopped_words(args: argparse.Namespace) -> str:
-    """What a stop (Ctrl-C, SIGTERM) leaves, for ``interrupted: ...``."""
+def checkpoint_dir(args: argparse.Namespace) -> str | None:
+    """Where a run's checkpoint goes: beside ``--json PATH`` (``PATH.checkpoint``) when results
+    go there and not to an ``--out-dir``, so runs with their own JSON files share none; else
+    None (``<out-dir>/checkpoint``)."""
+    if args.json is not None and args.out_dir is None:
+        return str(Path(args.json).with_suffix(".checkpoint"))
+    return None
+
+
+def _stopped_words(args: argparse.Namespace) -> Callable[[], str]:
+    """What a stop (Ctrl-C, SIGTERM) leaves, for ``interrupted: ...``: worded when the stop
+    comes, by whether a checkpoint is there."""
     config = get_config(args.preset)
-    every = config.checkpoint_every if args.checkpoint_every is None else args.checkpoint_every
-    if every <= 0:
-        return ("no checkpoint was saved (--checkpoint-every 0); run the same command to train "
-                "again")
-    where = Path(args.out_dir or config.out_dir) / "checkpoint"
-    return (f"the last checkpoint (saved every {every} subnets) is in {where}; run the same "
-            "command to resume from it")
+    where = Path(checkpoint_dir(args) or Path(args.out_dir or config.out_dir) / "checkpoint")
+
+    def words() -> str:
+        saved = where.is_dir() and any(p.name.isdigit() for p in where.iterdir())
+        if not saved:
+            return ("no checkpoint was saved yet (one is saved after each segment of "
+                    "--checkpoint-every subnets but the last); run the same command to train "
+                    "again")
+        return f"the last checkpoint is in {where}; run the same command to resume from it"
+
+    return words
 
 
 def _main(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict | None:
@@ -337,6 +353,7 @@ def _main(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict | None:
         "checkpoint_every": args.checkpoint_every,
     }
     config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
+    config = dataclasses.replace(config, checkpoint_dir=checkpoint_dir(args))
     check_outputs(config, args)
     if args.mpi:
         return _main_mpi(config, args, p)

@@ -19,15 +19,12 @@ The pipeline itself (`scamp_jax.pipeline`) knows nothing of super-resolution: th
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
 import shutil
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +34,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from scamp_jax._signals import stops_held
 from scamp_jax.pipeline.executor import PipelineExecutor
 from scamp_jax.pipeline.executor_base import StageExecutor
 from scamp_jax.pipeline.stage import OptimizerSpec
@@ -100,6 +98,9 @@ class NASConfig:
       checkpoint_every: subnets per training segment; a checkpoint is saved after each but the
         last (0: one segment, no checkpoint). Segments drain the pipeline at their ends (a few
         ticks each) and change no bit of the result.
+      checkpoint_dir: where the checkpoint goes (None: ``<out_dir>/checkpoint``; the
+        experiment's ``--json PATH`` puts it beside that file, ``PATH.checkpoint``, so runs
+        with their own JSON files never share one).
     """
 
     preset: str = "default"
@@ -122,6 +123,13 @@ class NASConfig:
     seed: int = 0
     out_dir: str = "runs/supernet_nas"
     checkpoint_every: int = 100
+    checkpoint_dir: str | None = None
+
+    @property
+    def checkpoint_path(self) -> Path:
+        """Where an unfinished run's checkpoint is (``checkpoint_dir``, default
+        ``<out_dir>/checkpoint``)."""
+        return Path(self.checkpoint_dir or Path(self.out_dir) / "checkpoint")
 
     @property
     def supernet(self) -> SupernetConfig:
@@ -169,7 +177,7 @@ class NASCheckpoint:
 
     def __init__(self, config: NASConfig) -> None:
         self.config = config
-        self.directory = (Path(config.out_dir) / "checkpoint").resolve()
+        self.directory = config.checkpoint_path.resolve()
         self._manager: Any = None
 
     def _open(self, create: bool) -> Any:
@@ -245,7 +253,7 @@ class NASCheckpoint:
         meta = {"settings": resume_settings(self.config), "done": done, "warmup": warmup,
                 "segments": segments, "resumed_at": resumed_at}
         manager = self._open(create=True)
-        with _stops_held():
+        with stops_held():  # a Ctrl-C or SIGTERM waits for the save to be whole
             manager.save(done, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)), force=True)
             manager.wait_until_finished()
@@ -260,31 +268,6 @@ class NASCheckpoint:
             self.directory.parent.rmdir()  # only if empty: results may be elsewhere (--json)
         except OSError:
             pass
-
-
-@contextlib.contextmanager
-def _stops_held() -> Iterator[None]:
-    """Hold a Ctrl-C or SIGTERM that arrives during the block and deliver it once the block
-    ends, so that a stop never leaves a save half written (outside the main thread, where no
-    handler can be set: nothing held)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held: list[tuple[int, Any]] = []
-    stops = (signal.SIGINT, signal.SIGTERM)
-    previous = {sig: signal.signal(sig, lambda signum, frame: held.append((signum, frame)))
-                for sig in stops}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        for signum, frame in held:
-            handler = previous[signal.Signals(signum)]
-            if callable(handler):
-                handler(signum, frame)
-            elif handler == signal.SIG_DFL:
-                signal.raise_signal(signum)
 
 
 class _GrowingExecutor:

@@ -174,8 +174,8 @@ def test_a_run_stopped_by_ctrl_c_resumes_to_the_uninterrupted_result(tmp_path) -
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1] == (
-        f"interrupted: the last checkpoint (saved every 3 subnets) is in {out / 'checkpoint'}; "
-        "run the same command to resume from it")
+        f"interrupted: the last checkpoint is in {out / 'checkpoint'}; run the same command to "
+        "resume from it")
     assert not (out / "results.json").exists()
 
     resumed = subprocess.run(command(out, 3), cwd=ROOT, env=_cli_env(), capture_output=True,
@@ -193,3 +193,20 @@ def test_a_run_stopped_by_ctrl_c_resumes_to_the_uninterrupted_result(tmp_path) -
     assert a["resumed_at"] in ([3], [6]) and b["resumed_at"] == []
     assert [s["subnets"] for s in a["segments"]] == [3, 3, 2] and len(b["segments"]) == 1
     assert a["ticks"] > b["ticks"]  # each segment drains the pipeline
+
+
+def test_a_json_runs_checkpoint_is_its_own_and_a_stop_says_whether_one_was_saved(tmp_path):
+    """Runs that write their own ``--json`` files keep their checkpoints beside them, never in
+    a shared ``runs/supernet_nas/checkpoint``; a stop before the first save says none was
+    saved, one after it where it is."""
+    from experiments import supernet_nas as cli
+
+    args = cli.parser().parse_args(["--preset", "smoke", "--json", str(tmp_path / "seq.json")])
+    assert cli.checkpoint_dir(args) == str(tmp_path / "seq.checkpoint")
+    words = cli._stopped_words(args)
+    assert words().startswith("no checkpoint was saved yet (one is saved after each segment")
+    (tmp_path / "seq.checkpoint" / "3").mkdir(parents=True)
+    assert words() == (f"the last checkpoint is in {tmp_path / 'seq.checkpoint'}; run the same "
+                       "command to resume from it")
+    both = cli.parser().parse_args(["--json", str(tmp_path / "a.json"), "--out-dir", "o"])
+    assert cli.checkpoint_dir(both) is None  # results and checkpoint in --out-dir
