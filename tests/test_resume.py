@@ -247,6 +247,33 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_trial_resumes_from_the_one_be
     assert sorted(p.name for p in (tmp_path / "trial_1.unreadable").iterdir()) == ["30", "35"]
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # as above
+def test_a_fused_groups_damaged_member_checkpoint_fails_no_member(tmp_path):
+    """A group of two stopped at step 8; member 0's checkpoint is damaged. The group resumes
+    from the newest step both members keep (here none but the start) and both complete."""
+    import threading
+
+    import jax
+    from test_fusion import MEMBERS, group_plan
+    from test_runner import BUDGET, SPACE, Regression, make_plan
+
+    from scamp_jax.hpo.fused_runner import GroupSpec, MemberSpec, run_fused_group
+
+    plan = make_plan({"width": 16}, jax.devices()[:1], max_batch=16)
+    members = tuple(MemberSpec(i, cfg, seed, checkpoint_dir=tmp_path / f"m{i}")
+                    for i, (cfg, seed) in enumerate(MEMBERS[:2]))
+    group = GroupSpec(2, members, group_plan(plan, 4), 20, BUDGET, log_every=1)
+    stop = threading.Event()
+    first = run_fused_group(group, SPACE, Regression(), stop=stop,
+                            on_loss=lambda number, step, loss: step == 8 and stop.set())
+    assert [r.state for r in first.members] == ["interrupted"] * 2
+    _damage(tmp_path / "m0" / "8")
+    again = run_fused_group(group, SPACE, Regression())
+    assert [(r.state, r.resumed_from) for r in again.members] == [("complete", 0)] * 2, [
+        r.reason for r in again.members]
+    assert (tmp_path / "m0.unreadable" / "8").is_dir()
+
+
 def test_two_processes_finish_one_study_together(tmp_path):
     """Two processes started on one SQLite study run exactly its trials, each number once."""
     study_dir = tmp_path / "study"

@@ -80,11 +80,17 @@ def newest_step(directory: str | Path, steps: int | None = None) -> int | None:
     (`scamp_jax.hpo.lifecycle.resumable_step`) and the step the engine groups it by: a
     checkpoint of a longer run (more steps than this one asks for) holds weights trained past
     ``steps``, and resuming from it would report a longer training as this one."""
+    return max(saved_steps(directory, steps), default=None)
+
+
+def saved_steps(directory: str | Path, steps: int | None = None) -> set[int]:
+    """The steps of at most ``steps`` (None: any) checkpointed in ``directory``, read from its
+    step folders (empty: none)."""
     try:
-        saved = [int(p.name) for p in Path(directory).iterdir() if p.name.isdigit()]
+        saved = {int(p.name) for p in Path(directory).iterdir() if p.name.isdigit()}
     except OSError:  # no directory: nothing saved
-        return None
-    return max((s for s in saved if steps is None or s <= steps), default=None)
+        return set()
+    return {s for s in saved if steps is None or s <= steps}
 
 
 def trains_from_start(kept_batch: int | None, batch_size: int) -> bool:

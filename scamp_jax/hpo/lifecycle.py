@@ -51,6 +51,7 @@ from scamp_jax.hpo.checkpoint import (
     CheckpointUnreadable,
     TrialCheckpointer,
     newest_step,
+    saved_steps,
     set_aside,
     trains_from_start,
 )
@@ -345,6 +346,7 @@ class Lifecycle:
         self.held_bytes: int | None = None
         self.measured_bytes: int | None = None
         self.compile_seconds = 0.0
+        self._set_aside = False  # a checkpoint of this run's members was set aside (`_start`)
         self.widths: list[int] = []
         self.evaluation: EvalPlan | None = None
         self.start = time.monotonic()
@@ -415,6 +417,16 @@ class Lifecycle:
         # A step-0 checkpoint (a run stopped before its first step) holds the initial state,
         # which a member without one builds alike: both start at step 0.
         found = {step or 0 for step in steps.values()}
+        if len(found) != 1 and self._set_aside:
+            # one member's newest checkpoint was set aside (unreadable): the group resumes
+            # from the newest step every member keeps (each keeps its last two), or the start
+            held = [saved_steps(m.checkpointer.directory, self.schedule.steps)
+                    if m.checkpointer is not None and steps[m.spec.number] else {0}
+                    for m in self.members]
+            common = max(set.intersection(*held) | {0})
+            log.warning("group of trials %s resumes from step %d, the newest step every "
+                        "member has a checkpoint of", sorted(steps), common)
+            return common
         if len(found) != 1:
             raise ValueError(
                 f"group members have checkpoints at different steps {steps}; a group resumes "
@@ -457,6 +469,7 @@ class Lifecycle:
                     if m.checkpointer is not None:
                         m.checkpointer.close()
                 aside = set_aside(err.directory, err.step)
+                self._set_aside = True
                 number = next((m.spec.number for m in self.members
                                if m.spec.checkpoint_dir is not None
                                and Path(m.spec.checkpoint_dir).resolve() == err.directory),
