@@ -114,8 +114,11 @@ class Schedule:
 
     ``share_bytes``: the bytes per device the run may hold (its booked share of the ledger).
     ``save``: write checkpoints (the ranks of a trial spanning MPI ranks all restore from one
-    directory, one of them writes it). ``reform``: re-form a group without its stopped members
-    at the next evaluation (one compile per new width) instead of only masking them.
+    directory, one of them writes it). ``shared``: the checkpoints are read by other processes
+    too (such a trial's parts): one that cannot be read fails the run on every part alike,
+    rather than one part setting it aside under the others. ``reform``: re-form a group
+    without its stopped members at the next evaluation (one compile per new width) instead of
+    only masking them.
     """
 
     steps: int
@@ -124,6 +127,7 @@ class Schedule:
     eval_every: int = 0
     log_every: int = 10
     save: bool = True
+    shared: bool = False
     reform: bool = True
     #: with a reference batch: the k-th evaluation comes at the first step that has trained
     #: ``k`` evaluation intervals' samples at the reference batch (``evaluations_per_step``:
@@ -451,8 +455,9 @@ class Lifecycle:
         """Resume, prepare, check and start the run; the step it starts at. A checkpoint that
         cannot be read is set aside (`set_aside`, with a warning) and the run starts again
         from the next older one, or from the start: a damaged file costs the steps since the
-        checkpoint before it, never the trial. A part of a trial spanning MPI ranks that
-        does not write checkpoints leaves that to the part that does, and fails instead."""
+        checkpoint before it, never the trial. The parts of a trial spanning MPI ranks
+        (``schedule.shared``) fail alike instead: each reads the same checkpoint, and one
+        part moving it would pull it from under the others."""
         program, schedule = self.program, self.schedule
         specs = [m.spec for m in self.members]
         while True:
@@ -463,7 +468,7 @@ class Lifecycle:
                 program.start(specs, first, [m.checkpointer for m in self.members])
                 return first
             except CheckpointUnreadable as err:
-                if not schedule.save:
+                if not schedule.save or schedule.shared:
                     raise
                 for m in self.members:
                     if m.checkpointer is not None:

@@ -131,6 +131,7 @@ class RunSpec:
         """How long the run trains and what it does on the way (the lifecycle's schedule)."""
         return Schedule(self.steps, self.share_bytes(), self.checkpoint_every, self.eval_every,
                         self.log_every, save=self.save_checkpoints,
+                        shared=self.batch_share is not None,
                         report_every=self.report_every,
                         evaluations_per_step=self.evaluations_per_step)
 
