@@ -198,9 +198,10 @@ def no_compiles(monkeypatch):
 
 def test_numpy_integers_are_the_ints_they_hold():
     as_ints = plan_mesh(_model(), SAMPLE, devices=np.int64(2), memory_per_device=np.int64(2**21),
-                        max_batch_size=np.int32(16), model_parallel=np.int64(2))
+                        max_batch_size=np.int32(16), model_parallel=np.int64(2),
+                        min_shard_elements=np.int64(0), safety_margin=np.float32(0.1))
     plain = plan_mesh(_model(), SAMPLE, devices=2, memory_per_device=2**21, max_batch_size=16,
-                      model_parallel=2)
+                      model_parallel=2, min_shard_elements=0, safety_margin=float(np.float32(0.1)))
     assert (as_ints.batch_size, as_ints.data_parallel) == (plain.batch_size, plain.data_parallel)
 
 

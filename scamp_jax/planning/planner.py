@@ -641,9 +641,10 @@ def _request(
     the budget, the optimizer, the batch cap and the model-parallel degrees to try."""
     start = time.perf_counter()
     # NumPy's integers (a count or size from an array) are the ints they hold
-    devices, memory_per_device, max_batch_size, model_parallel, batch_multiple = (
-        _plain_int(x) for x in (devices, memory_per_device, max_batch_size, model_parallel,
-                                batch_multiple))
+    devices, memory_per_device, max_batch_size, model_parallel, batch_multiple, \
+        min_shard_elements = (_plain_int(x) for x in (
+            devices, memory_per_device, max_batch_size, model_parallel, batch_multiple,
+            min_shard_elements))
     devs = resolve_devices(devices)
     n = len(devs)
     _validate_common(model, sample_batch, max_batch_size)
@@ -658,9 +659,10 @@ def _request(
         hint = (f"scamp_jax.PlanCache({str(cache)!r})" if isinstance(cache, (str, os.PathLike))
                 else "scamp_jax.PlanCache(path)")
         raise TypeError(f"cache={cache!r} is not a PlanCache; pass cache={hint}")
-    if safety_margin is not None and (isinstance(safety_margin, bool)
-                                      or not isinstance(safety_margin, (int, float))):
-        raise TypeError(f"safety_margin={safety_margin!r} must be a number, e.g. 0.1 (10%)")
+    if safety_margin is not None:
+        if isinstance(safety_margin, bool) or not isinstance(safety_margin, numbers.Real):
+            raise TypeError(f"safety_margin={safety_margin!r} must be a number, e.g. 0.1 (10%)")
+        safety_margin = float(safety_margin)
     if isinstance(min_shard_elements, bool) or not isinstance(min_shard_elements, int) or (
             min_shard_elements < 0):
         raise ValueError(f"{min_shard_elements=} must be an int >= 0 (elements)")
