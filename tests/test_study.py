@@ -524,3 +524,20 @@ def test_opening_a_study_leaves_optunas_creation_note_to_our_opening_lines(tmp_p
         assert "with name: loud" in err and "with name: quiet" not in err, err
     finally:
         optuna.logging.set_verbosity(before)
+
+
+def test_a_study_database_another_process_is_writing_is_not_called_damaged(tmp_path):
+    import sqlite3
+
+    from scamp_jax.hpo.study.storage import check_storage
+
+    writer = sqlite3.connect(tmp_path / "study.db", isolation_level=None)
+    writer.execute("CREATE TABLE t (x)")
+    writer.execute("BEGIN EXCLUSIVE")  # a writer in the middle of a commit
+    writer.execute("INSERT INTO t VALUES (1)")
+    check_storage(None, tmp_path)  # no error: busy is no damage
+    writer.execute("COMMIT")
+    writer.close()
+    (tmp_path / "study.db").write_bytes(b"SQLite format 3\x00" + b"\xff" * 4000)
+    with pytest.raises(ValueError, match="is damaged"):
+        check_storage(None, tmp_path)

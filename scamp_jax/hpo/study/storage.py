@@ -140,13 +140,17 @@ def check_storage(url: str | None, study_dir: str | Path, *, said: str = "storag
 
 
 def sqlite_problem(path: Path) -> str | None:
-    """What SQLite says is wrong with the database file at ``path`` (None: nothing)."""
+    """What SQLite says is wrong with the database file at ``path`` (None: nothing, or the
+    file is busy: another process writing it, as processes sharing a study do, is no damage)."""
     import sqlite3
 
     try:
-        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True,
+                                                timeout=1.0)) as conn:
             rows = conn.execute("PRAGMA quick_check").fetchall()
     except sqlite3.DatabaseError as err:
+        if "locked" in str(err) or "busy" in str(err):
+            return None
         return str(err)
     if rows and rows[0][0] != "ok":
         return f"database disk image is malformed: {rows[0][0]}"
