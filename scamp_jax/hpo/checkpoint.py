@@ -217,7 +217,9 @@ class TrialCheckpointer:
         target = to_storable(_abstract(like))
         try:
             stored = self._manager.restore(step, args=self._ocp.args.StandardRestore(target))
-        except (ValueError, OSError) as err:  # orbax's words: tree structures, shapes, files
+        # orbax's words: tree structures, shapes, files missing (not a disk that failed to
+        # answer, or a permission: those are not the checkpoint's own and stay as they are)
+        except (ValueError, FileNotFoundError) as err:
             found = "\n".join(line for line in str(err).rstrip().splitlines()
                               if "partial_restore" not in line)  # orbax's own argument
             found = found.split(" [tensorstore_spec")[0]  # the reader's whole JSON spec
