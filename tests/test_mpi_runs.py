@@ -165,8 +165,7 @@ def test_supernet_experiment_stopped_in_one_process_resumes_under_mpirun(tmp_pat
     # A single-process run stopped by Ctrl-C after its first checkpoint, then the same flags
     # under mpirun --mpi in the same --out-dir: every rank reads the checkpoint, rank 0 writes
     # the next one, and the result is the uninterrupted single-process run's.
-    import signal
-    import time
+    from test_supernet_nas_cli import ctrl_c_after_checkpoint
 
     flags = ["--subnets", "8", "--shared-warmup", "0", "--eval-subnets", "1", "--quiet"]
     whole = launch(["-m", "experiments.supernet_nas", *flags, "--checkpoint-every", "0",
@@ -174,16 +173,8 @@ def test_supernet_experiment_stopped_in_one_process_resumes_under_mpirun(tmp_pat
     assert whole.returncode == 0, whole.stderr
     out = tmp_path / "out"
     resumable = [*flags, "--checkpoint-every", "3", "--out-dir", str(out)]
-    proc = subprocess.Popen([sys.executable, "-m", "experiments.supernet_nas", *resumable],
-                            env=mpi_env(), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while not (out / "checkpoint" / "3").is_dir():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
+    ctrl_c_after_checkpoint([sys.executable, "-m", "experiments.supernet_nas", *resumable],
+                            mpi_env(), out / "checkpoint")
     multi = launch(["-m", "experiments.supernet_nas", "--mpi", *resumable], 4, timeout=300)
     assert multi.returncode == 0, multi.stderr
     a = json.loads((tmp_path / "s.json").read_text())

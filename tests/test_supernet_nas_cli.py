@@ -151,6 +151,22 @@ def test_a_checkpoint_of_other_settings_is_refused_in_one_line(tmp_path) -> None
     assert NASCheckpoint(config).latest() == 3
 
 
+def ctrl_c_after_checkpoint(command: list[str], env: dict[str, str], checkpoint: Path,
+                            step: int = 3) -> str:
+    """Run ``command`` until ``checkpoint`` holds ``step``, then send it a Ctrl-C (SIGINT);
+    its stderr, once it exited 130."""
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (checkpoint / str(step)).is_dir():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    return err
+
+
 @pytest.mark.slow  # three smoke runs, about two minutes on 2 shared cores
 def test_a_run_stopped_by_ctrl_c_resumes_to_the_uninterrupted_result(tmp_path) -> None:
     """SIGINT after the first checkpoint, then the same command: it says where it resumes and
@@ -164,15 +180,7 @@ def test_a_run_stopped_by_ctrl_c_resumes_to_the_uninterrupted_result(tmp_path) -
                 "--out-dir", str(out)]
 
     out = tmp_path / "resumed"
-    proc = subprocess.Popen(command(out, 3) + ["--quiet"], cwd=ROOT, env=_cli_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while not (out / "checkpoint" / "3").is_dir():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
+    err = ctrl_c_after_checkpoint(command(out, 3) + ["--quiet"], _cli_env(), out / "checkpoint")
     assert err.strip().splitlines()[-1] == (
         f"interrupted: the last checkpoint is in {out / 'checkpoint'}; run the same command to "
         "resume from it")
