@@ -284,10 +284,13 @@ def check_checkpoint(config, args: argparse.Namespace) -> None:
 
     if args.fresh:
         return
+    checkpoint = NASCheckpoint(config)
     try:
-        NASCheckpoint(config).check()
+        checkpoint.check()
     except ValueError as err:
         fail(str(err))
+    finally:
+        checkpoint.close()
 
 
 def check_devices(stages: int, p: argparse.ArgumentParser) -> None:

@@ -258,11 +258,15 @@ class NASCheckpoint:
                 state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)), force=True)
             manager.wait_until_finished()
 
-    def discard(self) -> None:
-        """Delete the checkpoint (and ``out_dir`` if that leaves it empty)."""
+    def close(self) -> None:
+        """Release orbax's checkpoint manager (opened again when needed)."""
         if self._manager is not None:
             self._manager.close()
             self._manager = None
+
+    def discard(self) -> None:
+        """Delete the checkpoint (and ``out_dir`` if that leaves it empty)."""
+        self.close()
         shutil.rmtree(self.directory, ignore_errors=True)
         try:
             self.directory.parent.rmdir()  # only if empty: results may be elsewhere (--json)
@@ -618,6 +622,7 @@ def train_for_nas(
                 checkpoint.save(state, np.concatenate(losses), warmup=warmup,
                                 segments=segments, resumed_at=resumed_at)
     executor.close()
+    checkpoint.close()
     if result is None:  # the checkpoint held every subnet (a run stopped while finishing)
         raise ValueError(f"{checkpoint.directory} holds a finished run; pass --fresh to train "
                          "again")
