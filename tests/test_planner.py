@@ -166,6 +166,17 @@ def test_max_batch_size_and_forced_model_parallel():
     assert (forced.model_parallel, forced.data_parallel, forced.batch_size) == (2, 2, 8)
 
 
+def test_a_cap_below_the_device_count_says_which_meshes_it_skips(caplog):
+    small = nnx.eval_shape(lambda: MLP(16, 64, nnx.Rngs(0)))
+    sample = jax.ShapeDtypeStruct((1, 16), jnp.float32)
+    with caplog.at_level("INFO", logger="scamp_jax.planning.planner"):
+        plan = plan_mesh(small, sample, devices=4, memory_per_device="1GiB", max_batch_size=3,
+                         compile_for_run=False)
+    assert (plan.data_parallel, plan.model_parallel, plan.batch_size) == (2, 2, 2)
+    assert ("max_batch_size=3 is below the 4 data-parallel groups of a 4 x 1 mesh "
+            "(data x model): that mesh is skipped") in caplog.text
+
+
 def test_does_not_fit_error_states_needed_and_available_bytes():
     with pytest.raises(DoesNotFitError) as info:
         plan_mesh(_model(), SAMPLE, devices=8, memory_per_device="64KiB", safety_margin=0.0)

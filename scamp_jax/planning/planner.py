@@ -33,6 +33,7 @@ Planning only compiles: it allocates nothing and runs nothing on any device.
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import os
@@ -93,6 +94,8 @@ from scamp_jax.planning.train_step import (
 from scamp_jax.scheduling.booking import solo_bytes
 
 PyTree = Any
+
+log = logging.getLogger(__name__)
 
 #: Largest global batch considered when ``max_batch_size`` is not given.
 DEFAULT_BATCH_CAP = 1 << 16
@@ -505,7 +508,10 @@ def plan_mesh(
       safety_margin: fraction of ``memory_per_device`` held back (allocator fragmentation,
         runtime buffers; None: the Budget's, else 0.1); a plan's compiled peak is at most the
         budget's ``usable_bytes`` less the allowance (`Budget.plan_bytes`).
-      max_batch_size: cap on the global batch (default ``DEFAULT_BATCH_CAP``).
+      max_batch_size: cap on the global batch (default ``DEFAULT_BATCH_CAP``). A cap below
+        the device count leaves room for fewer data-parallel groups than devices: meshes with
+        more groups than the cap are skipped (logged at INFO level), so the plan may be
+        model-parallel where the model would fit one sample per device.
       model_parallel: force this model-parallel degree (must divide the device count).
       min_shard_elements: parameters with fewer elements are replicated.
       cache: a `PlanCache`: a plan stored under the same key is returned without compiling, a
@@ -580,6 +586,9 @@ def plan_mesh(
     best_need: tuple[int, str, str] | None = None
     for mp in request.candidates:
         if request.cap < request.n // mp:
+            log.info("max_batch_size=%d is below the %d data-parallel groups of a %d x %d mesh "
+                     "(data x model): that mesh is skipped", request.cap, request.n // mp,
+                     request.n // mp, mp)
             continue
         outcome = _plan_on_mesh(request, mp, stored)
         if isinstance(outcome, Plan):
