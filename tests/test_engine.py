@@ -495,11 +495,13 @@ def test_ctrl_c_gives_back_a_misfit_held_until_a_candidate_fits(tmp_path):
     assert trials[0].user_attrs.get(FAIL_REASON) == "interrupted"
 
 
-def test_a_trial_resumed_at_another_batch_trains_from_the_start(tmp_path):
+@pytest.mark.parametrize("recorded", [True, False], ids=["batch recorded", "batch.json lost"])
+def test_a_trial_resumed_at_another_batch_trains_from_the_start(tmp_path, recorded):
     """Stopped at step 20 of 40 at batch 16, then run again where its batch is 4 (a smaller cap;
     an out-of-memory re-plan does the same): its checkpoints' steps are of batch 16, so it
     trains its 160 steps at batch 4 from the start, the samples it promises, not 20 x 16 +
-    140 x 4; the checkpoints it leaves are of batch 4."""
+    140 x 4; the checkpoints it leaves are of batch 4. Checkpoints whose batch is not recorded
+    (``batch.json`` removed, or never written) may be of any batch: they are set aside alike."""
     study, source = make_source(tmp_path, [ok(16)])
     cfg = config(steps=40, reference_batch=16, max_batch_size=16, checkpoint_every=10,
                  log_every=10)
@@ -523,6 +525,8 @@ def test_a_trial_resumed_at_another_batch_trains_from_the_start(tmp_path):
     kept = sorted(int(p.name) for p in stopped.iterdir() if p.name.isdigit())
     assert kept and 0 < kept[-1] < 40, kept
     assert json.loads((stopped / "batch.json").read_text()) == {"batch_size": 16}
+    if not recorded:
+        (stopped / "batch.json").unlink()
     again = OptunaTrialSource(study, SPACE, 1)
     SearchEngine(SPACE, Regression(), again, dataclasses.replace(cfg, max_batch_size=4),
                  devices=jax.devices()[:1], checkpoint_root=tmp_path / "ckpt").run()

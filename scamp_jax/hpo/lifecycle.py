@@ -408,9 +408,11 @@ class Lifecycle:
                 steps[m.spec.number] = resumable_step(m.checkpointer, self.schedule.steps)
                 kept = m.checkpointer.batch_size()
                 if steps[m.spec.number] is not None and trains_from_start(kept, batch):
-                    log.warning("trial %d: its checkpoints were trained at batch %d and this run's "
-                                "batch is %d; it trains from the start", m.spec.number, kept,
-                                batch)
+                    trained = (f"were trained at batch {kept}" if kept is not None else
+                               f"do not record the batch they were trained at (no "
+                               f"{TrialCheckpointer.BATCH_FILE})")
+                    log.warning("trial %d: its checkpoints %s and this run's batch is %d; it "
+                                "trains from the start", m.spec.number, trained, batch)
                     steps[m.spec.number] = None
                     if self.schedule.save:
                         m.checkpointer.discard()
