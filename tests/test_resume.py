@@ -300,3 +300,60 @@ def test_two_processes_finish_one_study_together(tmp_path):
     assert len({r["run_id"] for r in runs}) == 2
     assert all(r["overhead"]["report_s"] > 0 for r in runs), [r["overhead"] for r in runs]
 
+
+
+SAVER = """
+import json, sys, time
+from pathlib import Path
+from scamp_jax.hpo.report import save_best_model
+
+records = json.loads(Path({records!r}).read_text())
+print("ready", flush=True)
+while not Path({go!r}).exists():
+    time.sleep(0.01)
+until = time.monotonic() + 2
+while time.monotonic() < until:
+    save_best_model({study_dir!r}, records, "mse", "minimize")
+"""
+
+
+def test_processes_saving_the_best_model_at_once_leave_the_best_whole(tmp_path):
+    """Two processes of one study write ``best_model`` at once, over and over: one from the
+    study's trials, one from an older view without the best trial (its records read before
+    that trial finished). Neither fails, and ``best_model`` is left holding the best trial's
+    checkpoint with its own ``trial.json``, not the older view's worse one, nor parts of
+    both."""
+    from test_runner import SPACE, Regression
+
+    from scamp_jax.hpo.report import best_record, trial_records
+    from scamp_jax.hpo.runner import load_model
+
+    study_dir = tmp_path / "study"
+    proc = _start(study_dir, trials=2, steps=60)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    records = trial_records(_study(study_dir), ["mse"])
+    best = best_record(records, "mse", "minimize")
+    assert best is not None and len({r["mse"] for r in records}) == 2, records
+    views = {"fresh": records, "stale": [r for r in records if r["number"] != best["number"]]}
+    go = tmp_path / "go"
+    savers = []
+    for name, view in views.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(view))
+        code = SAVER.format(records=str(tmp_path / f"{name}.json"), go=str(go),
+                            study_dir=str(study_dir))
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+        savers.append(subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True))
+    for saver in savers:
+        assert saver.stdout.readline().strip() == "ready"
+    go.touch()  # both save from here on, at once
+    for saver in savers:
+        out, _ = saver.communicate(timeout=120)
+        assert saver.returncode == 0, out
+    saved = json.loads((study_dir / "best_model" / "trial.json").read_text())
+    assert (saved["number"], saved["mse"]) == (best["number"], best["mse"])
+    assert [p.name for p in study_dir.iterdir() if "best_model" in p.name] == ["best_model"]
+    model = load_model(study_dir / "best_model", SPACE, saved["params"])
+    assert Regression().evaluate(model)["mse"] == pytest.approx(best["mse"], rel=1e-5)

@@ -15,6 +15,7 @@ import io
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -288,19 +289,49 @@ def _jsonable(value: Any) -> Any:
 def save_best_model(
     study_dir: str | Path, records: Sequence[Mapping[str, Any]], metric: str, direction: str
 ) -> Path | None:
-    """Copy the best trial's final checkpoint to ``<study_dir>/best_model``; its path or None."""
+    """Copy the best trial's final checkpoint to ``<study_dir>/best_model``; its path or None.
+
+    Processes sharing the study save in turn, and one whose records lack a better trial that
+    another already saved (its records read before that trial finished) leaves that one in
+    place. The copy and its ``trial.json`` are made beside ``best_model`` and then put in its
+    place, so ``best_model`` never holds parts of two trials.
+    """
     best = best_record(records, metric, direction)
     if best is None or not best.get("checkpoint"):
         return None
-    source = Path(study_dir) / best["checkpoint"]  # relative to the study (or absolute)
+    study_dir = Path(study_dir)
+    source = study_dir / best["checkpoint"]  # relative to the study (or absolute)
     if not source.is_dir():
         return None
-    target = copy_checkpoint(source, Path(study_dir) / "best_model")
-    (target / "trial.json").write_text(json.dumps(
-        {"number": best["number"], "params": best["params"], metric: best[metric]},
-        indent=2, default=_jsonable,
-    ))
+    target = study_dir / "best_model"
+    with _locked(study_dir / "results.lock"):
+        saved = _saved_best(target, metric)
+        if saved is not None and best_record([best, saved], metric, direction) is saved:
+            return target  # a better trial's, saved by a process that saw it finish
+        part, old = target.with_name(".best_model.part"), target.with_name(".best_model.old")
+        copy_checkpoint(source, part)
+        (part / "trial.json").write_text(json.dumps(
+            {"number": best["number"], "params": best["params"], metric: best[metric]},
+            indent=2, default=_jsonable,
+        ))
+        if old.exists():
+            shutil.rmtree(old)
+        if target.exists():
+            target.rename(old)
+        part.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+def _saved_best(directory: Path, metric: str) -> dict[str, Any] | None:
+    """The ``trial.json`` of the best model saved in ``directory`` as a complete record with
+    ``metric`` (None: none saved, or without that metric)."""
+    try:
+        saved = json.loads((directory / "trial.json").read_text())
+        value = float(saved[metric])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return {**saved, "state": "complete", metric: value}
 
 
 def plot_results(
