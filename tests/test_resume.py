@@ -272,6 +272,7 @@ def test_a_fused_groups_damaged_member_checkpoint_fails_no_member(tmp_path):
     assert [(r.state, r.resumed_from) for r in again.members] == [("complete", 0)] * 2, [
         r.reason for r in again.members]
     assert (tmp_path / "m0.unreadable" / "8").is_dir()
+    assert again.widths == (2,)  # the retry after setting the checkpoint aside is no re-form
 
 
 def test_two_processes_finish_one_study_together(tmp_path):

@@ -443,7 +443,8 @@ class Lifecycle:
         t0 = time.monotonic()
         peak = self.program.compile()
         self.compile_seconds += time.monotonic() - t0
-        self.widths.append(self.program.width)
+        if not self.widths or self.widths[-1] != self.program.width:  # a start or a re-form,
+            self.widths.append(self.program.width)  # not a start tried again
         return peak
 
     def _check(self) -> None:
