@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -232,6 +233,9 @@ def check_config(config, p: argparse.ArgumentParser, preset=None, ranks: int | N
         example = max(0, getattr(preset, field, example))
         if value < 0:
             p.error(f"{flag} {value} must be at least 0 (0: none); pass e.g. {flag} {example}")
+    if config.seed < 0:
+        p.error(f"--seed {config.seed} must be at least 0; pass e.g. --seed "
+                f"{max(0, getattr(preset, 'seed', 0))}")
     if config.layers % config.stages:
         fits = [s for s in range(1, config.layers + 1) if config.layers % s == 0]
         up = -(-config.layers // config.stages) * config.stages
@@ -383,8 +387,16 @@ def _main_mpi(config, args: argparse.Namespace, p: argparse.ArgumentParser) -> d
                 "(install the extra first: pip install 'scamp-jax[mpi]')")
 
     w = world()  # MPI only: JAX has not started
+    if not w.is_root:
+        # the checks below read only the flags and the rank count, so they come out alike on
+        # every rank: rank 0 says why, the others exit with the same status
+        p.print_usage = lambda file=None: None  # type: ignore[method-assign]
+        p.exit = lambda status=0, message=None: sys.exit(status)  # type: ignore[method-assign]
     if args.stages is None:
         config = dataclasses.replace(config, stages=w.size)
+    elif args.stages != w.size:
+        p.error(f"--stages {args.stages} but {w.size} MPI ranks: the pipeline runs one stage "
+                f"per rank; launch with mpirun -n {args.stages} or pass --stages {w.size}")
     # the single process's CPU devices and pool, though a rank runs its stage on the first
     _same_bits_everywhere(config.stages)
     check_config(config, p, get_config(args.preset),

@@ -148,6 +148,18 @@ _FLAGS = {"batch_size": "--batch-size", "train_shared": "--train-shared",
           "shared_warmup": "--shared-warmup", "offload": "--offload"}
 
 
+def _differs(name: str, there: Any, here: Any) -> str:
+    """How a setting of a checkpoint differs from this run's, in the command's words: a switch
+    as ``--offload there, --no-offload here``, a value as ``--seed 0 there, 1 here``."""
+    flag = _FLAGS.get(name, "--" + name.replace("_", "-"))
+    if isinstance(there, bool) and isinstance(here, bool):
+        def switch(on: bool) -> str:
+            return flag if on else "--no-" + flag[2:]
+
+        return f"{switch(there)} there, {switch(here)} here"
+    return f"{flag} {there!r} there, {here!r} here"
+
+
 def resume_settings(config: NASConfig) -> dict[str, Any]:
     """The settings a checkpoint of ``config`` records and a resuming run must match."""
     return {name: getattr(config, name) for name in RESUME_FIELDS}
@@ -231,11 +243,8 @@ class NASCheckpoint:
 
     def _check_settings(self, saved: dict[str, Any]) -> None:
         wanted = resume_settings(self.config)
-        differ = [
-            f"{_FLAGS.get(name, '--' + name.replace('_', '-'))} {saved.get(name)!r} there, "
-            f"{value!r} here"
-            for name, value in wanted.items() if saved.get(name) != value
-        ]
+        differ = [_differs(name, saved.get(name), value)
+                  for name, value in wanted.items() if saved.get(name) != value]
         if differ:
             raise ValueError(
                 f"{self.directory} holds an unfinished run with other settings "
@@ -812,7 +821,7 @@ def run_nas_mpi(
     w = mpi_world or world()
     if config.stages != w.size:
         raise ValueError(
-            f"stages={config.stages} but {w.size} MPI ranks; the MPI pipeline runs one stage per "
+            f"--stages {config.stages} but {w.size} MPI ranks; the MPI pipeline runs one stage per "
             f"rank: launch with mpirun -n {config.stages} or pass --stages {w.size}"
         )
     console = _console(quiet=not show or not w.is_root)

@@ -141,6 +141,18 @@ def test_a_rank_that_fails_before_the_pipeline_trains_ends_the_job(tmp_path: Pat
     assert not (tmp_path / "m.json").exists()
 
 
+def test_supernet_experiment_names_a_stage_count_other_than_the_ranks_once(tmp_path: Path
+                                                                          ) -> None:
+    proc = launch(["-m", "experiments.supernet_nas", "--mpi", "--preset", "smoke", "--stages",
+                   "4", "--out-dir", str(tmp_path / "out"), "--quiet"], 2, timeout=120)
+    assert proc.returncode != 0
+    said = ("error: --stages 4 but 2 MPI ranks: the pipeline runs one stage per rank; launch "
+            "with mpirun -n 4 or pass --stages 2")
+    assert proc.stderr.count(said) == 1, proc.stderr  # rank 0's, not one per rank
+    assert proc.stderr.count("usage:") == 1 and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_supernet_experiment_under_mpirun_matches_the_single_process_run(tmp_path: Path) -> None:
     # The default preset's sizes (width 16): XLA's CPU convolutions split their work by the

@@ -25,6 +25,9 @@ CASES = [
     (["--shared-warmup", "-5"],
      "--shared-warmup -5 must be at least 0 (0: none); pass e.g. --shared-warmup 1000"),
     (["--stages", "-1"], "--stages -1 must be at least 1; pass e.g. --stages 4"),
+    (["--seed", "-1"], "--seed -1 must be at least 0; pass e.g. --seed 0"),
+    # not the working directory, which Path("") is
+    (["--out-dir", ""], """--out-dir '' is empty; pass a directory ("." for this one)"""),
     (["--schedule", "gpipe", "--batch-size", "6", "--microbatches", "4"],
      "--batch-size 6 is not a multiple of --microbatches 4; pass --batch-size 4"),
     (["--preset", "smoke", "--layers", "2", "--stages", "2", "--eval-subnets", "17"],
@@ -46,9 +49,9 @@ def test_bad_sizes_exit_2_with_one_line_naming_the_flag(flags, message, tmp_path
     # As a shell starts it: once another test has initialised MPI in this process, MPI's own
     # variables sit in the environment a child inherits, and would read as a launcher's.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.supernet_nas", *flags, "--out-dir",
-         str(tmp_path / "out"), "--quiet"],
+    proc = subprocess.run(  # a case's own --out-dir comes last, so it wins
+        [sys.executable, "-m", "experiments.supernet_nas", "--out-dir", str(tmp_path / "out"),
+         *flags, "--quiet"],
         cwd=ROOT, capture_output=True, text=True, timeout=120, env=env,
     )
     assert proc.returncode == 2, proc.stderr
@@ -139,12 +142,13 @@ def test_a_checkpoint_of_other_settings_is_refused_in_one_line(tmp_path) -> None
                                resumed_at=[])
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.supernet_nas", "--preset", "smoke", "--seed", "1",
-         "--schedule", "sequential", "--out-dir", str(out), "--quiet"],
+         "--schedule", "sequential", "--no-offload", "--out-dir", str(out), "--quiet"],
         cwd=ROOT, capture_output=True, text=True, timeout=120, env=_cli_env())
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: {out.resolve() / 'checkpoint'} holds an unfinished run with other settings "
-        "(--schedule 'csp' there, 'sequential' here; --seed 0 there, 1 here); run that command "
+        "(--schedule 'csp' there, 'sequential' here; --offload there, --no-offload here; "
+        "--seed 0 there, 1 here); run that command "
         "again to resume it, or pass another --out-dir, or --fresh to discard it and train "
         "from the start")
     assert "Traceback" not in proc.stderr

@@ -118,8 +118,10 @@ def check_space_and_task(space: Any, task: Any) -> None:
 def check_directory(path: str | Path, name: str = "study_dir") -> None:
     """Raise ``ValueError`` unless ``path`` (the setting ``name``, or a flag such as
     ``--out-dir``) is, or can become, a directory this process can write to; creates nothing."""
-    path = existing = Path(path)
     said = f"{name} {str(path)!r}" if name.startswith("-") else f"{name}={str(path)!r}"
+    if not str(path).strip():  # Path("") is the working directory
+        raise ValueError(f"{said} is empty; pass a directory (\".\" for this one)")
+    path = existing = Path(path)
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if path.exists() and not path.is_dir():
