@@ -269,7 +269,7 @@ def config_from_args(args: argparse.Namespace, base: HPOConfig, study_dir: str) 
             # steps: every 250 of 1000)
             overrides[every] = max(1, round(getattr(base, every) * overrides["steps"]
                                             / base.steps))
-    overrides["study_dir"] = args.study_dir or study_dir
+    overrides["study_dir"] = study_dir if args.study_dir is None else args.study_dir
     if "devices_per_trial" in overrides and overrides.get("policy", base.policy) != "fixed":
         fail(f"--devices-per-trial {overrides['devices_per_trial']} applies to --policy fixed "
              "only (the default policy, scamp, chooses each trial's devices from its memory); "

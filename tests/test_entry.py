@@ -242,13 +242,14 @@ def test_run_study_rejects_a_bad_setting_before_opening_a_study(tmp_path):
     ({"storage": "sqlite:///no-such-folder/x/study.db"}, ValueError, "the folder "
      "'no-such-folder/x' of its database file does not exist"),
     ({"study_dir": "a-file"}, ValueError, "study_dir='.*a-file' is a file; pass a directory"),
+    ({"study_dir": ""}, ValueError, "study_dir='' is empty; pass a directory"),
 ])
 def test_run_study_names_a_bad_argument_and_writes_nothing(tmp_path, bad, error, message):
     (tmp_path / "a-file").write_text("")
     kw = {"space": SPACE, "task": function_task(), "trials": 1, "steps": 2,
           "study_dir": tmp_path / "study", "devices": 1, "memory_per_device": "64MiB",
           "live": False, **bad}
-    if "study_dir" in bad:
+    if bad.get("study_dir"):  # a folder of tmp_path; "" stays as it is
         kw["study_dir"] = tmp_path / bad["study_dir"]
     with pytest.raises(error, match=message):
         scamp_jax.run_study(kw.pop("space"), kw.pop("task"), **kw)

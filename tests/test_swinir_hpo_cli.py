@@ -237,6 +237,10 @@ def test_study_dir_that_is_a_file_is_rejected_before_anything_is_created(tmp_pat
     _one_line_error(cli("--study-dir", str(target / "sub")), "--study-dir", "is a file")
 
 
+def test_an_empty_study_dir_is_refused_not_taken_for_the_default_or_this_folder():
+    _one_line_error(cli("--study-dir", ""), "--study-dir '' is empty; pass a directory")
+
+
 def test_study_dir_that_is_not_writable_is_rejected():
     # /proc refuses new files even to root, so this holds whoever runs the tests.
     _one_line_error(cli("--study-dir", "/proc/scamp_study"), "--study-dir", "not writable")
