@@ -607,3 +607,39 @@ def test_segments_share_one_executor_until_a_program_needs_more_slots():
     assert other.sizes["window_slots"] == 1 and grown.closed  # other sizes: built as asked
     factory.close()
     assert other.closed and factory.executor is None
+
+
+def _slice_hr(lr, hr):
+    return lr, hr[:-1]
+
+
+def _wrong_scale(lr, hr):
+    return lr, np.zeros((*hr.shape[:2], 3 * SIDE, 3 * SIDE, 3), np.float32)
+
+
+def _no_samples(lr, hr):
+    return lr[:, :0], hr[:, :0]
+
+
+def _one_channel(lr, hr):
+    return lr[..., :1], hr[..., :1]
+
+
+@pytest.mark.parametrize(("malform", "says"), [
+    (_slice_hr, rf"hr_batches holds {N - 1} batches but lr_batches {N}; pass one HR batch per "
+                r"LR batch"),
+    (_wrong_scale, r"hr_batches' images are \(12, 12, 3\) but the supernet turns LR images of "
+                   r"\(4, 4, 3\) into \(8, 8, 3\); pass HR targets of that shape"),
+    (_no_samples, r"lr_batches' batches hold 0 samples; pass at least one sample per batch"),
+    (_one_channel, r"lr_batches' images of \(4, 4, 1\) do not fit the supernet's input "
+                   r"\(.*\); pass images with the channels it takes"),
+], ids=["hr_short", "hr_wrong_scale", "no_samples", "one_channel"])
+def test_malformed_batches_are_refused_before_anything_compiles(malform, says):
+    from scamp_jax.planning.compile_events import CompileCounter
+
+    layout, (subnets, lr, hr) = _layout(), _data(0)
+    lr, hr = malform(lr, hr)
+    with CompileCounter() as compiles, pytest.raises(ValueError, match=says):
+        train_supernet(layout, subnets, lr, hr, schedule="csp", num_stages=2, offload=False)
+    assert compiles.total == 0, compiles.compiles
+

@@ -74,6 +74,41 @@ def check_subnets(subnets: Sequence[Sequence[int]], num_layers: int, num_choices
                              f"a candidate index from 0 to {num_choices - 1}")
 
 
+def check_batches(layout: StageModel, lr_batches: np.ndarray, hr_batches: np.ndarray) -> None:
+    """Raise `ValueError` unless ``hr_batches`` holds one batch of targets per LR batch, of the
+    same number of samples (at least one), each of the shape the supernet turns an LR image
+    into, and the supernet takes the LR images (their channels). Shapes only: the stem and head
+    are traced abstractly (`jax.eval_shape`), nothing is compiled."""
+    if lr_batches.ndim != 5 or hr_batches.ndim != 5:
+        raise ValueError(
+            f"lr_batches of shape {lr_batches.shape} and hr_batches of shape {hr_batches.shape}; "
+            "pass (N, B, height, width, channels) arrays of images, one batch per subnet")
+    n, batch, side = lr_batches.shape[0], lr_batches.shape[1], lr_batches.shape[2]
+    if len(hr_batches) != n:
+        raise ValueError(f"hr_batches holds {len(hr_batches)} batches but lr_batches {n}; pass "
+                         "one HR batch per LR batch")
+    if batch == 0:
+        raise ValueError("lr_batches' batches hold 0 samples; pass at least one sample per batch")
+    if hr_batches.shape[1] != batch:
+        raise ValueError(f"hr_batches' batches hold {hr_batches.shape[1]} samples but "
+                         f"lr_batches' {batch}; pass the targets of every LR sample")
+    image, target = tuple(lr_batches.shape[2:]), tuple(hr_batches.shape[2:])
+    shared = jax.ShapeDtypeStruct((layout.shared_size,), np.float32)
+    inputs = jax.ShapeDtypeStruct((1, *image), np.float32)
+    try:
+        jax.eval_shape(layout.apply_stem, shared, inputs)
+        features = jax.ShapeDtypeStruct(layout.feature_shape(1, side), np.float32)
+        output = jax.eval_shape(layout.apply_head, shared, features, inputs)
+    except (TypeError, ValueError) as err:
+        reason = str(err).split("\n", 1)[0]
+        raise ValueError(f"lr_batches' images of {image} do not fit the supernet's input "
+                         f"({reason}); pass images with the channels it takes") from err
+    if tuple(output.shape[1:]) != target:
+        raise ValueError(
+            f"hr_batches' images are {target} but the supernet turns LR images of {image} into "
+            f"{tuple(output.shape[1:])}; pass HR targets of that shape")
+
+
 def make_schedule(
     name: str,
     subnets: Sequence[Sequence[int]],
@@ -292,6 +327,7 @@ def train_supernet(
                          "(weights with their optimizer state), not both")
     if n != len(subnets):
         raise ValueError(f"{len(subnets)} subnets but {n} batches; pass one batch per subnet")
+    check_batches(layout, lr_batches, hr_batches)
     check_subnets(subnets, layout.num_layers, layout.num_choices)
     bounds = split_layers(layout.num_layers, num_stages)
     m_count = num_microbatches if schedule == "gpipe" else 1
