@@ -287,8 +287,11 @@ class StageExecutor(abc.ABC):
 
         Every process passes the whole supernet. ``optimizer_state``: the optimizer fields
         `export` returned (`optimizer_keys`; e.g. ``TrainResult.optimizer``), so that training
-        continues where that state was exported exactly as if it had not stopped; default:
-        optimizer moments and step counts start at zero. The window and buffers start empty.
+        continues where that state was exported exactly as if it had not stopped, on an
+        executor of the same stage count (the weights depend on it: the order of some
+        floating-point sums follows the stages; the state does not record it, so another count
+        is not refused but does not reproduce the run that did not stop); default: optimizer
+        moments and step counts start at zero. The window and buffers start empty.
         """
         spec, shapes = self.spec, self.state_shapes()
         s, n, c = spec.num_stages, spec.layers_per_stage, spec.num_choices

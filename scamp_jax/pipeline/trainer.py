@@ -164,7 +164,11 @@ class SupernetState:
     (`TrainResult.state`) and where it can continue (its ``initial_state``).
 
     Training subnets ``[0, k)``, then ``[k, N)`` from the first run's ``state``, computes the
-    same losses and weights, bit for bit, as training ``[0, N)`` in one call.
+    same losses and weights, bit for bit, as training ``[0, N)`` in one call, when both runs
+    have the same ``num_stages``. The weights depend on the stage count (the order of some
+    floating-point sums follows the stages, so another count may change their last bits), and a
+    state does not record it: continuing under another ``num_stages`` trains on, but does not
+    reproduce the one-call run.
 
     Attributes:
       blocks: (L, C, P) block weights; shared: (P_shared,) stem and head weights.
@@ -299,7 +303,9 @@ def train_supernet(
       lr_batches: (N, B, h, w, 3) float32 LR inputs, batch i for subnet i.
       hr_batches: (N, B, r h, r w, 3) float32 HR targets.
       schedule: one of `SCHEDULES`.
-      num_stages: S pipeline stages (one device each).
+      num_stages: S pipeline stages (one device each). The final weights depend on it (the
+        order of some floating-point sums follows the stages): runs are bit-identical at the
+        same stage count.
       seed: weight initialisation seed.
       offload: keep the whole supernet (weights and optimizer state) in host memory.
       train_shared: train the stem and head too (serialises CSP on the first and last stage).
@@ -312,7 +318,9 @@ def train_supernet(
       initial_state: weights and optimizer state to continue from (a previous run's
         `TrainResult.state`, or one restored from a checkpoint), instead of
         ``initial_weights``: training ``subnets[:k]``, then ``subnets[k:]`` from the first
-        run's state, equals training ``subnets`` in one call, bit for bit.
+        run's state, equals training ``subnets`` in one call, bit for bit, when both runs have
+        the same ``num_stages`` (a state does not record its stage count; under another one
+        the run trains on but does not reproduce the one-call run).
       executor: a compiled executor to reuse (its buffers must fit this run's program; left
         open), or an `ExecutorFactory` that `build_executor` calls to build one sized for this
         run (default `PipelineExecutor`; closed when the run ends, unless the factory keeps
