@@ -7,8 +7,10 @@ Each test launches a script of ``tests/mpi_scripts`` once as a plain process and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -125,6 +127,45 @@ def test_a_rank_that_dies_stops_the_pipeline_instead_of_hanging(tmp_path: Path, 
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert said in output
+    assert not (tmp_path / "m").exists()
+
+
+def launch_bounded(args: list[str], ranks: int, timeout: float) -> tuple[int, str]:
+    """`launch` under ``mpirun -n ranks`` in a session of its own; a job still running after
+    ``timeout`` seconds is killed whole (mpirun and its ranks) and fails the test as a hang.
+    Returns the exit status and the output."""
+    cmd = [*launcher(ranks), sys.executable, *args]
+    proc = subprocess.Popen(cmd, env=mpi_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        in_session = subprocess.run(["ps", "-o", "pid=", "-s", str(proc.pid)],
+                                    capture_output=True, text=True).stdout.split()
+        for pid in in_session:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"the job still ran after {timeout} s (a hang); its output:\n{output}")
+    return proc.returncode, output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("disagree", "said"), [
+    ("subnets", "ranks disagree on the subnets: rank 1's differ from rank 0's; pass the same "
+                "subnets, batches and settings on every rank"),
+    ("seed", "ranks disagree on the settings (seed): rank 1's differ from rank 0's"),
+], ids=["subnets", "seed"])
+def test_ranks_that_pass_different_arguments_are_refused_instead_of_hanging(
+    tmp_path: Path, disagree: str, said: str,
+) -> None:
+    # Other subnets give each rank another schedule: the ranks would wait for each other's
+    # messages forever. Every rank refuses, with the same error, before anything trains.
+    returncode, output = launch_bounded(
+        [str(SCRIPTS / "supernet_pipeline.py"), "--disagree", disagree, "--out",
+         str(tmp_path / "m")], 2, timeout=150)
+    assert returncode != 0, output
+    assert output.count(f"ValueError: {said}") == 2, output
     assert not (tmp_path / "m").exists()
 
 

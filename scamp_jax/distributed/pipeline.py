@@ -23,6 +23,8 @@ receive: it prints ``rank R failed: ...`` and aborts the job (``MPI_Abort``) ins
 from __future__ import annotations
 
 import functools
+import hashlib
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, Unpack
 
@@ -37,7 +39,12 @@ from scamp_jax.pipeline.executor_base import DEVICE_KIND, StageExecutor, StageSi
 from scamp_jax.pipeline.model import StageModel
 from scamp_jax.pipeline.program import NUM_FIELDS, TickProgram
 from scamp_jax.pipeline.stage import State, receive, stage_tick
-from scamp_jax.pipeline.trainer import TrainOptions, TrainResult, train_supernet
+from scamp_jax.pipeline.trainer import (
+    SupernetState,
+    TrainOptions,
+    TrainResult,
+    train_supernet,
+)
 
 # Message tags of the two shifts of a tick, so an activation can never be taken for a gradient.
 _ACT_TAG, _GRAD_TAG = 11, 12
@@ -259,6 +266,75 @@ class MPIPipelineExecutor(StageExecutor):
         return {**state, **buffers}, loss
 
 
+def _digest(value: Any) -> str:
+    """A short digest of an argument: arrays by shape, dtype and contents, containers by their
+    items, anything else by its ``repr``."""
+    sha = hashlib.sha256()
+
+    def add(v: Any) -> None:
+        if isinstance(v, np.ndarray | jax.Array):
+            a = np.ascontiguousarray(v)
+            sha.update(f"array{a.shape}{a.dtype.str}".encode())
+            sha.update(a.reshape(-1).view(np.uint8))
+        elif isinstance(v, dict):
+            for k in sorted(v):
+                sha.update(f"key{k!r}".encode())
+                add(v[k])
+        elif isinstance(v, list | tuple):
+            sha.update(f"seq{len(v)}".encode())
+            for item in v:
+                add(item)
+        elif isinstance(v, SupernetState):
+            add((v.blocks, v.shared, v.optimizer))
+        else:
+            sha.update(f"{type(v).__name__}:{v!r}".encode())
+
+    add(value)
+    return sha.hexdigest()[:32]
+
+
+def _arguments_of_every_rank(
+    layout: StageModel, subnets: Sequence[Sequence[int]], lr_batches: np.ndarray,
+    hr_batches: np.ndarray, options: TrainOptions,
+) -> dict[str, str]:
+    """Digests of what every rank must pass alike, by the name the error gives it: the
+    supernet's sizes, the subnets, the batches and each setting (a default counts as passed;
+    ``on_tick`` may differ)."""
+    defaults = inspect.signature(train_supernet).parameters
+    settings = {name: options.get(name, defaults[name].default)
+                for name in TrainOptions.__annotations__ if name != "on_tick"}
+    sizes = [getattr(layout, a) for a in ("num_layers", "num_choices", "block_size",
+                                          "shared_size", "stem_size")]
+    return {
+        "the supernet": _digest([type(layout).__name__, *sizes]),
+        "the subnets": _digest([[int(c) if isinstance(c, int | np.integer) else repr(c)
+                                 for c in subnet] for subnet in subnets]),
+        "the LR batches": _digest(np.asarray(lr_batches)),
+        "the HR batches": _digest(np.asarray(hr_batches)),
+        **{f"setting {name}": _digest(value) for name, value in settings.items()},
+    }
+
+
+def _check_ranks_agree(comm: Any, digests: dict[str, str]) -> None:
+    """Raise the same `ValueError` on every rank unless every rank passed the same
+    ``digests`` (collective): the error names what differs and the first rank it differs on.
+    Ranks that trained on different subnets or settings would run different tick programs and
+    wait for each other's messages forever."""
+    every = comm.allgather(digests)
+    differ = [part for part in every[0] if any(d.get(part) != every[0][part] for d in every)]
+    if not differ:
+        return
+    rank = next(r for r, d in enumerate(every) if any(d.get(p) != every[0][p] for p in differ))
+    parts = [p for p in differ if not p.startswith("setting ")]
+    settings = [p.removeprefix("setting ") for p in differ if p.startswith("setting ")]
+    if settings:
+        parts.append(f"the settings ({', '.join(settings)})")
+    what = parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
+    raise ValueError(
+        f"ranks disagree on {what}: rank {rank}'s differ from rank 0's; pass the same subnets, "
+        "batches and settings on every rank (e.g. drawn from the same seed)")
+
+
 def train_supernet_mpi(
     layout: StageModel,
     subnets: Sequence[Sequence[int]],
@@ -274,9 +350,13 @@ def train_supernet_mpi(
     the same seed). ``options`` are `train_supernet`'s keywords (`TrainOptions`: ``schedule``,
     ``num_stages``, ``seed``, ``offload``, ...) with its defaults, except that ``num_stages``
     defaults to the communicator's size (and must equal it). ``comm`` is the mpi4py
-    communicator (default ``MPI.COMM_WORLD``). Returns the same `TrainResult` on every rank,
-    bit-identical in ``losses`` and ``params_sha256`` to ``train_supernet(...,
-    num_stages=size)`` in one process; on CPU, when every process's XLA worker pool has the same
+    communicator (default ``MPI.COMM_WORLD``). Before anything trains, the ranks compare
+    digests of their arguments (the supernet's sizes, the subnets, the batches' shapes, dtypes
+    and contents, and every setting except ``on_tick``): where they differ, every rank raises the
+    same `ValueError` naming what differs (ranks running different schedules would wait for
+    each other forever). Returns the same `TrainResult` on every rank, bit-identical in
+    ``losses`` and ``params_sha256`` to ``train_supernet(..., num_stages=size)`` in one
+    process; on CPU, when every process's XLA worker pool has the same
     size (`scamp_jax.pipeline.use_fixed_cpu_threads`, and no more CPU devices than it): XLA's
     CPU convolutions split their work by that size, which follows the cores a process may use
     (Open MPI's ``mpirun`` binds ranks to cores or sockets), and another split rounds
@@ -285,6 +365,9 @@ def train_supernet_mpi(
     mpi = import_mpi4py()
     comm = mpi.COMM_WORLD if comm is None else comm
     options.setdefault("num_stages", comm.Get_size())
+    with failures_end_every_rank(comm):
+        digests = _arguments_of_every_rank(layout, subnets, lr_batches, hr_batches, options)
+    _check_ranks_agree(comm, digests)
     with failures_end_every_rank(comm):
         return train_supernet(
             layout, subnets, lr_batches, hr_batches,

@@ -2,7 +2,7 @@
 
 Under ``mpirun -n S`` every rank holds one stage (`train_supernet_mpi`); run as a plain process
 with ``--stages S`` it uses the single-process executor on S CPU devices. The MPI tests compare
-the two outputs bit for bit.
+the two outputs bit for bit. With ``--disagree`` rank 1 passes other arguments than rank 0.
 
     python tests/mpi_scripts/supernet_pipeline.py --stages 2 --out single.json
     mpirun -n 2 python tests/mpi_scripts/supernet_pipeline.py --out mpi.json
@@ -40,6 +40,8 @@ def main() -> None:
                    help="the last rank exits with status 3 after this tick (fault test)")
     p.add_argument("--raise-at-tick", type=int,
                    help="the last rank raises an exception after this tick (fault test)")
+    p.add_argument("--disagree", choices=("subnets", "seed"),
+                   help="rank 1 draws other subnets, or passes another seed (argument test)")
     args = p.parse_args()
 
     from scamp_jax.devices import configure_cpu_devices
@@ -75,6 +77,10 @@ def main() -> None:
 
         w = world()
         rank, comm, stages = w.rank, w.comm, w.size
+        if args.disagree == "subnets" and rank == 1:
+            subnets = [s.choices for s in sample_subnets(n, config, 4)]
+        if args.disagree == "seed" and rank == 1:
+            kwargs["seed"] = 4
         factory = functools.partial(MPIPipelineExecutor, comm=comm)
 
         def on_tick(t: int, total: int) -> None:
