@@ -388,8 +388,9 @@ def _main_mpi(config, args: argparse.Namespace, p: argparse.ArgumentParser) -> d
 
     w = world()  # MPI only: JAX has not started
     if not w.is_root:
-        # the checks below read only the flags and the rank count, so they come out alike on
-        # every rank: rank 0 says why, the others exit with the same status
+        # the parser's errors below (``p.error``) follow from the flags and the rank count
+        # alone, so they come out alike on every rank: rank 0 says why, the others exit with
+        # the same status (`check_checkpoint`'s reads of the disk still speak on every rank)
         p.print_usage = lambda file=None: None  # type: ignore[method-assign]
         p.exit = lambda status=0, message=None: sys.exit(status)  # type: ignore[method-assign]
     if args.stages is None:

@@ -146,11 +146,16 @@ RESUME_FIELDS = ("preset", "schedule", "stages", "layers", "choices", "width", "
 #: How the command line sets each of `RESUME_FIELDS` (the preset alone sets the rest).
 _FLAGS = {"batch_size": "--batch-size", "train_shared": "--train-shared",
           "shared_warmup": "--shared-warmup", "offload": "--offload"}
+#: Of `RESUME_FIELDS`, those no flag sets.
+_PRESET_ONLY = ("hr_patch", "learning_rate", "zero_init_residual")
 
 
 def _differs(name: str, there: Any, here: Any) -> str:
     """How a setting of a checkpoint differs from this run's, in the command's words: a switch
-    as ``--offload there, --no-offload here``, a value as ``--seed 0 there, 1 here``."""
+    as ``--offload there, --no-offload here``, a value as ``--seed 0 there, 1 here``, a setting
+    only the preset sets as ``the preset's hr_patch 48 there, 64 here``."""
+    if name in _PRESET_ONLY:
+        return f"the preset's {name} {there!r} there, {here!r} here"
     flag = _FLAGS.get(name, "--" + name.replace("_", "-"))
     if isinstance(there, bool) and isinstance(here, bool):
         def switch(on: bool) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -349,6 +350,7 @@ def test_processes_saving_the_best_model_at_once_leave_the_best_whole(tmp_path):
                                        text=True))
     for saver in savers:
         assert saver.stdout.readline().strip() == "ready"
+    shutil.rmtree(study_dir / "best_model")  # the study's own save: either may write first
     go.touch()  # both save from here on, at once
     for saver in savers:
         out, _ = saver.communicate(timeout=120)
@@ -358,3 +360,38 @@ def test_processes_saving_the_best_model_at_once_leave_the_best_whole(tmp_path):
     assert [p.name for p in study_dir.iterdir() if "best_model" in p.name] == ["best_model"]
     model = load_model(study_dir / "best_model", SPACE, saved["params"])
     assert Regression().evaluate(model)["mse"] == pytest.approx(best["mse"], rel=1e-5)
+
+
+def test_a_saved_best_model_is_kept_while_better_and_its_checkpoint_is_in_the_study(tmp_path):
+    """The rules of one save, with step folders of marked files (the save copies folders; the
+    test above copies real checkpoints)."""
+    from scamp_jax.hpo.report import save_best_model
+
+    def trial(number: int, mse: float) -> dict:
+        step = tmp_path / "checkpoints" / f"trial_{number}" / "10"
+        step.mkdir(parents=True)
+        (step / "weights").write_text(f"trial {number}")
+        return {"number": number, "state": "complete", "mse": mse, "params": {"n": number},
+                "checkpoint": f"checkpoints/trial_{number}/10"}
+
+    worse, better = trial(0, 0.5), trial(1, 0.1)
+    saved = tmp_path / "best_model"
+
+    def holds() -> tuple[str, int]:
+        return ((saved / "weights").read_text(),
+                json.loads((saved / "trial.json").read_text())["number"])
+
+    save_best_model(tmp_path, [worse, better], "mse", "minimize")
+    assert holds() == ("trial 1", 1)
+    # records read before trial 1 finished leave its model in place
+    save_best_model(tmp_path, [worse], "mse", "minimize")
+    assert holds() == ("trial 1", 1)
+    # a save stopped between its two renames: the next puts the model it replaced back first
+    saved.rename(tmp_path / ".best_model.old")
+    save_best_model(tmp_path, [worse], "mse", "minimize")
+    assert holds() == ("trial 1", 1)
+    # trial 1's checkpoint moved out of the study (to start afresh): its copy is replaced
+    shutil.move(tmp_path / "checkpoints" / "trial_1", tmp_path / "elsewhere")
+    save_best_model(tmp_path, [worse], "mse", "minimize")
+    assert holds() == ("trial 0", 0)
+    assert [p.name for p in tmp_path.iterdir() if "best_model" in p.name] == ["best_model"]

@@ -94,11 +94,11 @@ def saved_steps(directory: str | Path, steps: int | None = None) -> set[int]:
 
 
 def trains_from_start(kept_batch: int | None, batch_size: int) -> bool:
-    """Whether checkpoints trained at ``kept_batch`` (None: not recorded) are set aside in a run
+    """Whether checkpoints trained at ``kept_batch`` (None: not recorded) are discarded in a run
     at ``batch_size``: their steps are of another batch (a re-plan after an out-of-memory, a
     rerun with another cap), so a trial resumed from them would train other samples than it
     promises; it trains from the start instead. Checkpoints whose batch is not recorded
-    (``batch.json`` removed, or written before it was) may be of any batch, and are set aside
+    (``batch.json`` removed, or written before it was) may be of any batch, and are discarded
     alike. One rule for a trial alone and for grouping members by the step they resume at."""
     return kept_batch != batch_size
 

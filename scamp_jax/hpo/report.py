@@ -293,8 +293,10 @@ def save_best_model(
 
     Processes sharing the study save in turn, and one whose records lack a better trial that
     another already saved (its records read before that trial finished) leaves that one in
-    place. The copy and its ``trial.json`` are made beside ``best_model`` and then put in its
-    place, so ``best_model`` never holds parts of two trials.
+    place, while that trial's checkpoint is still in the study (a ``best_model`` left by a study
+    whose checkpoints were moved away is replaced). The copy and its ``trial.json`` are made
+    beside ``best_model`` and then put in its place, so ``best_model`` never holds parts of two
+    trials; a save stopped between the two renames is undone by the next.
     """
     best = best_record(records, metric, direction)
     if best is None or not best.get("checkpoint"):
@@ -304,14 +306,17 @@ def save_best_model(
     if not source.is_dir():
         return None
     target = study_dir / "best_model"
+    part, old = target.with_name(".best_model.part"), target.with_name(".best_model.old")
     with _locked(study_dir / "results.lock"):
-        saved = _saved_best(target, metric)
+        if old.is_dir() and not target.exists():
+            old.rename(target)  # a save stopped between its renames: the model it replaced
+        saved = _saved_best(target, study_dir, metric)
         if saved is not None and best_record([best, saved], metric, direction) is saved:
             return target  # a better trial's, saved by a process that saw it finish
-        part, old = target.with_name(".best_model.part"), target.with_name(".best_model.old")
         copy_checkpoint(source, part)
         (part / "trial.json").write_text(json.dumps(
-            {"number": best["number"], "params": best["params"], metric: best[metric]},
+            {"number": best["number"], "params": best["params"], metric: best[metric],
+             "checkpoint": best["checkpoint"]},
             indent=2, default=_jsonable,
         ))
         if old.exists():
@@ -323,13 +328,17 @@ def save_best_model(
     return target
 
 
-def _saved_best(directory: Path, metric: str) -> dict[str, Any] | None:
+def _saved_best(directory: Path, study_dir: Path, metric: str) -> dict[str, Any] | None:
     """The ``trial.json`` of the best model saved in ``directory`` as a complete record with
-    ``metric`` (None: none saved, or without that metric)."""
+    ``metric``, while the checkpoint it was copied from is still in ``study_dir`` (None: none
+    saved, without that metric or its checkpoint, or from another study)."""
     try:
         saved = json.loads((directory / "trial.json").read_text())
         value = float(saved[metric])
+        checkpoint = study_dir / saved["checkpoint"]
     except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not checkpoint.is_dir():
         return None
     return {**saved, "state": "complete", metric: value}
 
