@@ -325,21 +325,41 @@ def host_memory_bytes() -> int | None:
 
 
 def gpu_memory_bytes() -> int | None:
-    """The whole memory of the first GPU this process will see, bytes, read with ``nvidia-smi``
-    (so before JAX starts); None without ``nvidia-smi`` or a GPU."""
+    """The memory of the first GPU this process will see as CUDA reports it, bytes: the total
+    XLA's pool fraction multiplies (`pool_fraction`). Read with ``nvidia-smi`` (so before JAX
+    starts) as its total less what the driver and firmware reserve (``memory.reserved``, which
+    CUDA does not count: on the H200 of ``../shared/gpu/2026-11-27-h200/`` XLA's pool was
+    its fraction of 143,160 MiB, where ``nvidia-smi`` gives a total of 143,771); its total
+    alone where the driver does not report the reserve. None without ``nvidia-smi`` or a
+    GPU."""
+    for fields in ("memory.total,memory.reserved", "memory.total"):
+        row = _query_gpu(fields)
+        if row is not None:
+            return (row[0] - sum(row[1:])) << 20  # MiB
+    return None
+
+
+def _query_gpu(fields: str) -> list[int] | None:
+    """``nvidia-smi``'s whole numbers ``fields`` (comma-separated) of this process's first GPU;
+    None where it cannot say (no ``nvidia-smi``, an unknown field, "[N/A]")."""
     import shutil
     import subprocess
 
     if shutil.which("nvidia-smi") is None:
         return None
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "-i", _driver_index(0), "--query-gpu=memory.total",
-             "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30,
-        ).stdout.strip().splitlines()
+        proc = subprocess.run(
+            ["nvidia-smi", "-i", _driver_index(0), f"--query-gpu={fields}",
+             "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
-    return int(out[0].strip()) << 20 if out and out[0].strip().isdigit() else None  # MiB
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        return None
+    values = [v.strip() for v in lines[0].split(",")]
+    if len(values) != fields.count(",") + 1 or not all(v.isdigit() for v in values):
+        return None
+    return [int(v) for v in values]
 
 
 def held_pool_bytes(devices: Sequence[Any]) -> int | None:

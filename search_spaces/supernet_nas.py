@@ -26,7 +26,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,7 @@ from scamp_jax.pipeline.stage import OptimizerSpec
 from scamp_jax.pipeline.trainer import (
     ExecutorFactory,
     SupernetState,
+    TrainOptions,
     TrainResult,
     train_supernet,
 )
@@ -601,6 +602,19 @@ def train_for_nas(
             "warmup_losses": [float(x) for x in warm_losses],
         }
     done = resume.done if resume is not None else 0
+    settings: dict[str, Any] = {
+        "schedule": config.schedule, "num_stages": config.stages, "seed": config.seed,
+        "offload": config.offload, "train_shared": config.train_shared,
+        "num_microbatches": config.microbatches, "optimizer": optimizer}
+    if comm is not None:
+        # Each rank drew its own patches and warmed its own stem up: ranks that differ there
+        # (another copy of the photographs on another host) would train apart or wait forever.
+        from scamp_jax.distributed.pipeline import check_ranks_pass_the_same
+
+        start: dict[str, Any] = ({"initial_state": state} if state is not None else
+                                 {"initial_weights": (blocks0, shared0)})
+        check_ranks_pass_the_same(comm, layout, subnets[done:], lr[done:], hr[done:],
+                                  cast(TrainOptions, {**settings, **start}))
     every = config.checkpoint_every or n
     if config.checkpoint_every and done == 0 and n > every:
         console.print(f"checkpoints every {every} subnets in {checkpoint.directory}")
@@ -624,10 +638,7 @@ def train_for_nas(
                 "initial_weights": (blocks0, shared0)}
             result = train_fn(
                 layout, subnets[first:last], lr[first:last], hr[first:last],
-                schedule=config.schedule, num_stages=config.stages, seed=config.seed,
-                offload=config.offload, train_shared=config.train_shared,
-                num_microbatches=config.microbatches, optimizer=optimizer,
-                executor=executor, on_tick=on_tick, **start,
+                **settings, executor=executor, on_tick=on_tick, **start,
             )
             state = result.state
             losses.append(result.losses)
@@ -811,14 +822,17 @@ def run_nas_mpi(
 ) -> dict[str, Any] | None:
     """`run_nas` with pipeline stage ``s`` on MPI rank ``s`` (collective).
 
-    Every rank draws the same subnets and patches (same seed) and trains its stage through
-    `scamp_jax.distributed.train_supernet_mpi`; rank 0 then evaluates the subnets, prints the
-    tables and writes ``results.json`` / ``results.png`` as `run_nas` does, plus ``mpi_ranks``
-    and the ``stage_ranks``. ``losses`` and ``params_sha256`` equal those of the single-process
-    run with the same number of stages. ``config.stages`` must equal the number of ranks
-    (``mpi_world``: a `scamp_jax.distributed.World`, default the MPI world). Returns the summary
-    on rank 0 and None on the other ranks (which only train). Checkpoints as `run_nas`: rank 0
-    writes them from the gathered state, every rank reads one to resume.
+    Every rank draws the same subnets and patches (same seed), warms the stem and head up alike,
+    and trains its stage on a `scamp_jax.distributed.MPIPipelineExecutor`; ranks whose patches,
+    subnets or starting weights differ (another copy of the photographs on one host) are
+    refused before training, with one `ValueError` naming what differs
+    (`scamp_jax.distributed.check_ranks_pass_the_same`). Rank 0 then evaluates the subnets,
+    prints the tables and writes ``results.json`` / ``results.png`` as `run_nas` does, plus
+    ``mpi_ranks`` and the ``stage_ranks``. ``losses`` and ``params_sha256`` equal those of the
+    single-process run with the same number of stages. ``config.stages`` must equal the number
+    of ranks (``mpi_world``: a `scamp_jax.distributed.World`, default the MPI world). Returns
+    the summary on rank 0 and None on the other ranks (which only train). Checkpoints as
+    `run_nas`: rank 0 writes them from the gathered state, every rank reads one to resume.
     """
     from scamp_jax.distributed.mpi import failures_end_every_rank, world
     from scamp_jax.distributed.pipeline import MPIPipelineExecutor

@@ -237,13 +237,36 @@ def test_the_driver_is_asked_about_the_gpu_cuda_numbers_for_this_process(
         "if any(a.startswith('--query-compute-apps') for a in sys.argv):\n"
         "    print(f'{os.getppid()}, 512')\n"
         "else:\n"
-        "    print('81559')\n")
+        "    print('81559, 551')\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
-    assert devices.gpu_memory_bytes() == 81559 << 20
+    assert devices.gpu_memory_bytes() == (81559 - 551) << 20  # what CUDA counts
     assert devices.process_device_bytes(0) == 512 << 20
     assert devices.process_device_bytes(1) == 512 << 20
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     devices.process_device_bytes(1)
     assert asked.read_text().split() == ["3", "3", "1", "1"]
+
+
+@pytest.mark.parametrize("reserved", ["unknown field", "[N/A]"])
+def test_a_driver_that_does_not_report_its_reserve_gives_the_gpus_total(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reserved: str,
+) -> None:
+    """Drivers before ``memory.reserved`` refuse the field (exit status 2); others may answer
+    "[N/A]": the GPU's memory is then ``nvidia-smi``'s total (a stand-in ``nvidia-smi``, as
+    above)."""
+    import os
+    import sys
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        f"#!{sys.executable}\n"
+        "import sys\n"
+        "if any(a == '--query-gpu=memory.total,memory.reserved' for a in sys.argv):\n"
+        + ("    print('Field \"memory.reserved\" is not a valid field to query.')\n"
+           "    sys.exit(2)\n" if reserved == "unknown field" else "    print('32510, [N/A]')\n")
+        + "print('32510')\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert devices.gpu_memory_bytes() == 32510 << 20

@@ -172,13 +172,27 @@ def test_ranks_that_pass_different_arguments_are_refused_instead_of_hanging(
 def test_a_rank_that_fails_before_the_pipeline_trains_ends_the_job(tmp_path: Path) -> None:
     # Rank 1 fails while it draws its patches, before any collective of the pipeline: the
     # other rank would wait for it forever in the executor's set-up; the job ends instead.
-    proc = launch([str(SCRIPTS / "supernet_nas_rank_fails.py"), "--preset", "smoke",
+    proc = launch([str(SCRIPTS / "supernet_nas_rank_fault.py"), "fails", "--preset", "smoke",
                    "--stages", "2", "--layers", "2", "--choices", "2", "--subnets", "2",
                    "--eval-subnets", "1", "--quiet", "--json", str(tmp_path / "m.json")], 2,
                   timeout=240)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output
     assert "rank 1 failed: rank 1 cannot read its training photographs" in output, output
+    assert not (tmp_path / "m.json").exists()
+
+
+def test_a_rank_whose_photographs_differ_is_refused_before_the_pipeline_trains(
+        tmp_path: Path) -> None:
+    # The experiment's ranks each draw their own patches: a rank whose copy of the photographs
+    # differs in one pixel would train its stage on other targets (no error, another result).
+    returncode, output = launch_bounded(
+        [str(SCRIPTS / "supernet_nas_rank_fault.py"), "differs", "--preset", "smoke",
+         "--stages", "2", "--layers", "2", "--choices", "2", "--subnets", "2",
+         "--eval-subnets", "1", "--quiet", "--json", str(tmp_path / "m.json")], 2, timeout=240)
+    assert returncode != 0, output
+    assert ("failed: ranks disagree on the HR batches: rank 1's differ from rank "
+            "0's") in output, output
     assert not (tmp_path / "m.json").exists()
 
 

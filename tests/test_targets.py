@@ -283,6 +283,15 @@ def test_a_script_that_plans_for_a_target_prints_no_plugin_start_up_error() -> N
     assert "Traceback" not in proc.stderr, proc.stderr
 
 
+def test_a_described_h200s_default_pool_is_the_pool_xla_held_on_a_real_one() -> None:
+    # XLA multiplies its pool fraction by CUDA's total, which leaves out what the driver
+    # reserves: planning from nvidia-smi's total booked 460 MiB above the real H200's pool.
+    spec = targets.GPUS["h200"]
+    budget = Budget.for_device(spec.device_kind, spec.memory_bytes)
+    # `bytes_limit` at XLA's defaults (`../shared/gpu/2026-11-27-h200/nocap_mem_*.json`)
+    assert abs(budget.memory_per_device - 112_583_507_968) <= 4 << 20
+
+
 def test_target_budget_is_its_described_gpus_and_keys_apart_from_gpus() -> None:
     needs_gpu_compiler()
     target = targets.resolve_target("a100-40gb")

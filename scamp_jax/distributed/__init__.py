@@ -23,7 +23,7 @@ _NAMES = {
     **dict.fromkeys(("MPIUnavailableError", "World", "import_mpi4jax", "import_mpi4py",
                      "launched_under_mpi", "mpirun_command", "world",),
                     "scamp_jax.distributed.mpi"),
-    **dict.fromkeys(("MPIPipelineExecutor", "train_supernet_mpi",),
+    **dict.fromkeys(("MPIPipelineExecutor", "check_ranks_pass_the_same", "train_supernet_mpi",),
                     "scamp_jax.distributed.pipeline"),
     **dict.fromkeys(("SpanPlan", "run_spanning_trials",), "scamp_jax.distributed.spanning"),
     **dict.fromkeys(("StudyClient", "StudyServer", "WorkItem", "shared_study",),

@@ -3,7 +3,8 @@
 `MPIPipelineExecutor` is a drop-in for `scamp_jax.pipeline.executor.PipelineExecutor` (same
 ``init_state`` / ``run`` / ``export`` / ``resident_bytes``), so ``train_supernet(...,
 executor=MPIPipelineExecutor(...))`` trains through a pipeline whose stages live in different
-processes, typically on different hosts:
+processes, typically on different hosts (`train_supernet_mpi` does that after
+`check_ranks_pass_the_same`: ranks that pass other subnets would wait for each other forever):
 
 - rank ``s`` owns stage ``s`` on its first local device (one process per host or per GPU);
 - every tick each rank runs the very same per-stage function as the single-process executor
@@ -335,6 +336,21 @@ def _check_ranks_agree(comm: Any, digests: dict[str, str]) -> None:
         "batches and settings on every rank (e.g. drawn from the same seed)")
 
 
+def check_ranks_pass_the_same(
+    comm: Any, layout: StageModel, subnets: Sequence[Sequence[int]], lr_batches: np.ndarray,
+    hr_batches: np.ndarray, options: TrainOptions,
+) -> None:
+    """Collective: raise the same `ValueError` on every rank unless every rank of ``comm``
+    passes the same supernet sizes, subnets, batches (shapes, dtypes and contents) and
+    `train_supernet` settings (``options``, starting weights or state included; ``on_tick``
+    may differ). Every MPI pipeline runs it before it trains: `train_supernet_mpi`, and the
+    supernet experiment's ``--mpi`` (`search_spaces.supernet_nas.train_for_nas`), whose
+    ranks each draw their patches and warm their stem up themselves."""
+    with failures_end_every_rank(comm):
+        digests = _arguments_of_every_rank(layout, subnets, lr_batches, hr_batches, options)
+    _check_ranks_agree(comm, digests)
+
+
 def train_supernet_mpi(
     layout: StageModel,
     subnets: Sequence[Sequence[int]],
@@ -365,9 +381,7 @@ def train_supernet_mpi(
     mpi = import_mpi4py()
     comm = mpi.COMM_WORLD if comm is None else comm
     options.setdefault("num_stages", comm.Get_size())
-    with failures_end_every_rank(comm):
-        digests = _arguments_of_every_rank(layout, subnets, lr_batches, hr_batches, options)
-    _check_ranks_agree(comm, digests)
+    check_ranks_pass_the_same(comm, layout, subnets, lr_batches, hr_batches, options)
     with failures_end_every_rank(comm):
         return train_supernet(
             layout, subnets, lr_batches, hr_batches,

@@ -39,11 +39,17 @@ class StageModel(Protocol):
       stem_size: floats of the stem (the first ``stem_size`` entries of the shared vector).
     """
 
-    num_layers: int
-    num_choices: int
-    block_size: int
-    shared_size: int
-    stem_size: int
+    # read-only: a layout may compute them (`search_spaces.supernet_nas.SupernetLayout`)
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_choices(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def shared_size(self) -> int: ...
+    @property
+    def stem_size(self) -> int: ...
 
     def init(self, seed: int) -> tuple[np.ndarray, np.ndarray]:
         """Initial ``(blocks (L, C, P), shared (P_shared,))`` float32 numpy arrays."""

@@ -70,7 +70,9 @@ class GpuSpec:
         .device_kind``), e.g. ``"NVIDIA H100 80GB HBM3"``.
       compute_capability: (major, minor), e.g. (9, 0).
       sm_count: streaming multiprocessors.
-      memory_bytes: total device memory as the driver reports it (``nvidia-smi``), bytes.
+      memory_bytes: total device memory as CUDA reports it (the ``device_memory_size`` of
+        XLA's description of the real GPU, and the total XLA's pool fraction multiplies), bytes:
+        ``nvidia-smi``'s total less what the driver and firmware reserve.
       memory_bandwidth: peak memory bandwidth, bytes per second.
       l2_cache_bytes: L2 cache, bytes.
       shared_memory_per_sm: shared memory per SM, bytes.
@@ -129,29 +131,33 @@ class GpuSpec:
 
 _KIB, _MIB, _GB = 1024, 1024 * 1024, 10**9
 #: GPUs by name, from NVIDIA's data sheets and CUDA programming guide (per compute capability:
-#: shared memory, registers, threads per SM). ``memory_bytes`` is what the driver reports as
-#: the total (``nvidia-smi``, MiB); for the H200 the figure measured on one
-#: (``../shared/gpu/2026-11-27-h200/``: 150,754,820,096 bytes).
+#: shared memory, registers, threads per SM). ``memory_bytes`` is CUDA's total, which depends a
+#: little on the driver (what it reserves): the smallest seen in descriptions recorded on real
+#: GPUs (XLA and JAX projects' target configurations; 84,929,347,584 to 84,978,434,048 bytes for
+#: the H100), for the H200 the one measured (``../shared/gpu/2026-11-27-h200/``: XLA's pool at
+#: fraction 0.3 was 45,034,242,048 bytes of 150,114,140,160, where ``nvidia-smi`` gives
+#: 150,754,820,096), for the A100 80GB the total a PyTorch process reported. Planning with
+#: ``nvidia-smi``'s total instead booked a default pool 460 MiB above the H200's real one.
 GPUS: dict[str, GpuSpec] = {
-    "v100": GpuSpec("Tesla V100-SXM2-32GB", (7, 0), sm_count=80, memory_bytes=32510 * _MIB,
+    "v100": GpuSpec("Tesla V100-SXM2-32GB", (7, 0), sm_count=80, memory_bytes=34_072_559_616,
                     memory_bandwidth=900 * _GB, l2_cache_bytes=6 * _MIB,
                     shared_memory_per_sm=96 * _KIB, shared_memory_per_block_optin=96 * _KIB,
                     fp32_cores_per_sm=64, clock_ghz=1.53),
     "a100-40gb": GpuSpec("NVIDIA A100-SXM4-40GB", (8, 0), sm_count=108,
-                         memory_bytes=40960 * _MIB, memory_bandwidth=1555 * _GB,
+                         memory_bytes=42_331_013_120, memory_bandwidth=1555 * _GB,
                          l2_cache_bytes=40 * _MIB, shared_memory_per_sm=164 * _KIB,
                          shared_memory_per_block_optin=163 * _KIB, fp32_cores_per_sm=64,
                          clock_ghz=1.41),
     "a100-80gb": GpuSpec("NVIDIA A100-SXM4-80GB", (8, 0), sm_count=108,
-                         memory_bytes=81920 * _MIB, memory_bandwidth=2039 * _GB,
+                         memory_bytes=85_056_798_720, memory_bandwidth=2039 * _GB,
                          l2_cache_bytes=40 * _MIB, shared_memory_per_sm=164 * _KIB,
                          shared_memory_per_block_optin=163 * _KIB, fp32_cores_per_sm=64,
                          clock_ghz=1.41),
-    "h100": GpuSpec("NVIDIA H100 80GB HBM3", (9, 0), sm_count=132, memory_bytes=81559 * _MIB,
+    "h100": GpuSpec("NVIDIA H100 80GB HBM3", (9, 0), sm_count=132, memory_bytes=84_929_347_584,
                     memory_bandwidth=3352 * _GB, l2_cache_bytes=50 * _MIB,
                     shared_memory_per_sm=228 * _KIB, shared_memory_per_block_optin=227 * _KIB,
                     fp32_cores_per_sm=128, clock_ghz=1.98),
-    "h200": GpuSpec("NVIDIA H200", (9, 0), sm_count=132, memory_bytes=150_754_820_096,
+    "h200": GpuSpec("NVIDIA H200", (9, 0), sm_count=132, memory_bytes=150_114_140_160,
                     memory_bandwidth=4800 * _GB, l2_cache_bytes=50 * _MIB,
                     shared_memory_per_sm=228 * _KIB, shared_memory_per_block_optin=227 * _KIB,
                     fp32_cores_per_sm=128, clock_ghz=1.98),
