@@ -37,9 +37,10 @@ the pool is ``pool_bytes`` (the study's ``--memory-per-device``), else, for a pr
 the device, XLA's own 75% (no fraction is set), and for ``processes`` processes that share it
 (MPI ranks on one host) an equal share less what each holds outside its pool
 (`scamp_jax.planning.budget.default_pool_bytes`: the CUDA context and modules, about 650 MB per
-process on an H200). The device's memory is read with ``nvidia-smi`` before JAX starts; where it
-cannot be, the fraction stays XLA's (0.75, split between the processes). The planner's default
-budget is then the allocator's ``bytes_limit``, the pool itself. A process that only plans or
+process on an H200). The device's memory is read with ``nvidia-smi`` before JAX starts, as CUDA
+counts it (`gpu_memory_bytes`); where it cannot be, the fraction stays XLA's (0.75, split
+between the processes). The planner's default budget is then the allocator's ``bytes_limit``,
+the pool itself. A process that only plans or
 orchestrates others on the same GPU (a benchmark's parent) passes ``preallocate=False``.
 
 A value the user already set in the environment is kept (``XLA_PYTHON_CLIENT_PREALLOCATE=false``

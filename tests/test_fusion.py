@@ -302,6 +302,20 @@ def _member_of_width_64() -> tuple[Any, Regression, dict[str, Any], Any, int, in
     return model, task, kw, member, one, two
 
 
+def test_a_budget_with_its_own_margin_plans_a_group_as_it_plans_a_member():
+    # plan_fusion passed a margin of 0.1 on, and refused every Budget of another one
+    from scamp_jax.planning.budget import Budget, parse_bytes
+
+    model, task, kw, _, _, _ = _member_of_width_64()
+    budget = Budget(parse_bytes(BUDGET), safety_margin=0.2)
+    group = plan_fusion(model, task.sample_batch(1), max_width=2, devices=jax.devices()[:1],
+                        memory_per_device=budget, max_batch_size=64, **kw)
+    assert group.plan.usable_bytes == budget.usable_bytes
+    with pytest.raises(ValueError, match="differs from the budget's 0.2"):
+        plan_fusion(model, task.sample_batch(1), max_width=2, devices=jax.devices()[:1],
+                    memory_per_device=budget, safety_margin=0.1, max_batch_size=64, **kw)
+
+
 @pytest.mark.parametrize("members, width", [(2.5, 2), (5.5, 5), (11.5, None)])
 def test_width_is_the_widest_that_fits_by_compiled_memory(members: float, width: int | None):
     """The planner's width: the fused step fits at it (compiled) and not at one more member;
@@ -354,10 +368,12 @@ def test_a_group_of_one_member_that_does_not_fit_says_so():
 def test_a_batch_above_the_member_plan_says_whether_memory_or_its_cap_stops_it():
     """A fixed batch the member plan did not reach: where memory stops it, the error says
     what that batch needs (above what is usable); where the plan's own max_batch_size did,
-    it says to plan the member for that batch instead."""
+    it says to plan the member for that batch instead (passing no plan does: with a batch,
+    the member is planned at that batch)."""
     model, task, kw, member, _, _ = _member_of_width_64()
     with pytest.raises(ValueError, match=r"batch_size=512 is above the member plan's batch "
-                       r"256, its max_batch_size; plan the member with max_batch_size=512") as e:
+                       r"256, which stopped below what memory allows \(at its max_batch_size "
+                       r"or batch_multiple.*pass no plan to plan the member at 512") as e:
         plan_fusion(model, task.sample_batch(1), max_width=2, plan=member, batch_size=512, **kw)
     assert not isinstance(e.value, planner.DoesNotFitError)
     tight = dataclasses.replace(

@@ -250,6 +250,42 @@ def test_evaluation_forwards_are_told_apart_by_what_they_compute(tmp_path):
         assert (cache.hits, cache.misses) == (0, 1)
 
 
+class _TiledTask:
+    """A task whose evaluation tiles the model's output ``reps`` times: tasks of this one class
+    evaluate programs of other sizes."""
+
+    def __init__(self, task: Any, reps: int) -> None:
+        self._task, self.reps = task, reps
+
+    def eval_inputs(self) -> Any:
+        return self._task.eval_inputs()
+
+    def eval_forward(self, model: Any, x: Any) -> Any:
+        return jnp.tile(model(x), (1, self.reps))
+
+    def score(self, outputs: Any) -> Any:
+        return self._task.score(outputs)
+
+
+def test_tasks_of_one_class_whose_evaluations_differ_get_their_own_plans(tmp_path):
+    # The key held a bound method's function alone: the second task took the first's
+    # evaluation chunk, for outputs 64 times larger.
+    from search_spaces import vit
+
+    task = vit.SyntheticClassification(image_size=8, num_classes=4, eval_size=16, seed=3)
+    model = nnx.eval_shape(lambda: vit.ViT(image_size=8, patch_size=4, num_classes=4,
+                                           embed_dim=16, depth=1, num_heads=2,
+                                           rngs=nnx.Rngs(0)))
+    kw = {"devices": 2, "memory_per_device": BUDGET, "loss_fn": task.loss_fn,
+          "max_batch_size": 8}
+    cache = PlanCache(tmp_path / "plans.sqlite")
+    plans = [plan_mesh(model, task.sample_batch(1), cache=cache, eval_task=_TiledTask(task, r),
+                       **kw) for r in (1, 64, 1)]
+    assert (cache.hits, cache.misses) == (1, 2) and plans[2].cached
+    alone = plan_mesh(model, task.sample_batch(1), eval_task=_TiledTask(task, 64), **kw)
+    assert plans[1].eval_peak_bytes == alone.eval_peak_bytes > plans[0].eval_peak_bytes
+
+
 def test_a_functions_identity_is_the_same_in_another_process():
     code = ("from scamp_jax.planning.plan_cache import function_identity\n"
             "def pick(m, x):\n"

@@ -235,6 +235,20 @@ def test_plan_for_a_target_is_a_plan_and_cpu_plans_do_not_change() -> None:
     assert compute_seconds(None, h100) is None
 
 
+def test_the_fewest_described_gpus_are_planned_for_the_target() -> None:
+    # min_devices_plan took this machine's CPU devices first, and refused them for the target
+    needs_gpu_compiler()
+    from scamp_jax.planning.planner import min_devices, min_devices_plan
+
+    model, sample = small_model()
+    count, plan = min_devices_plan(model, sample, devices=2, target="h100",
+                                   memory_per_device="64MiB", max_batch_size=256)
+    assert count == 1 and {d.device_kind for d in plan.devices} == {"NVIDIA H100 80GB HBM3"}
+    assert min_devices(model, sample, devices=2, target="h100", max_batch_size=256) == 1
+    with pytest.raises(ValueError, match="devices must be the number of GPUs"):
+        min_devices_plan(model, sample, devices=jax.devices()[:2], target="h100")
+
+
 def test_a_fused_group_for_a_gpu_is_planned_with_the_autotuner_off_and_keeps_no_step(
         ) -> None:
     """As a study sizes a group (``compile_for_run``, the trial's batch): on a GPU the

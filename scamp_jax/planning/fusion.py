@@ -469,7 +469,7 @@ def plan_fusion(
     memory_per_device: int | float | str | None = None,
     optimizer: optax.GradientTransformation | None = None,
     loss_fn: LossFn | None = None,
-    safety_margin: float = 0.1,
+    safety_margin: float | None = None,
     batch_size: int | None = None,
     max_batch_size: int | None = None,
     plan: Plan | None = None,
@@ -537,11 +537,12 @@ def plan_fusion(
         need = (plan.memory_model.predict(batch_size)
                 + -(-int(plan.prefetch_bytes) * batch_size // max(1, plan.batch_size))
                 + int(plan.allowance_bytes))
-        if need <= plan.usable_bytes:  # the plan stopped at its max_batch_size, not memory
+        if need <= plan.usable_bytes:  # the plan stopped below what memory allows
             raise ValueError(
-                f"{batch_size=} is above the member plan's batch {plan.batch_size}, its "
-                f"max_batch_size; plan the member with max_batch_size={batch_size} (or pass "
-                "no plan), or lower the batch")
+                f"{batch_size=} is above the member plan's batch {plan.batch_size}, which "
+                "stopped below what memory allows (at its max_batch_size or batch_multiple, "
+                "or where its evaluation's prefetched batch fits); pass no plan to plan the "
+                f"member at {batch_size}, or lower the batch to {plan.batch_size}")
         raise DoesNotFitError(
             f"a single member needs more than the budget at {batch_size=}: about {need} bytes "
             f"({format_bytes(need)}) per device, of which {plan.usable_bytes} are usable; the "

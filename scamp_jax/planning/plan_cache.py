@@ -143,7 +143,9 @@ def function_identity(fn: Callable[..., Any]) -> str:
     a digest of its code, with the plain values it closes over (numbers, strings, and tuples of
     them), so that two lambdas, or two classes of one name in two modules, are told apart by
     what they compute; stable across processes (no addresses). A bound method is its
-    function: what its instance holds enters only through the shapes it hands the planner."""
+    function with the plain values its instance holds (a task's scale, its number of flipped
+    copies: two tasks of one class that differ there evaluate other programs); what else an
+    instance holds enters only through the shapes it hands the planner."""
     func = getattr(fn, "__func__", fn)
     name = (f"{getattr(func, '__module__', '')}."
             f"{getattr(func, '__qualname__', type(func).__qualname__)}")
@@ -160,6 +162,10 @@ def function_identity(fn: Callable[..., Any]) -> str:
         if _plain(value):
             digest.update(repr(value).encode())
         digest.update(b"\0")
+    held = getattr(getattr(fn, "__self__", None), "__dict__", None)
+    for key, value in sorted((held or {}).items()):
+        if _plain(value):
+            digest.update(f"{key}={value!r}\0".encode())
     return f"{name}:{digest.hexdigest()[:16]}"
 
 

@@ -126,7 +126,11 @@ class DoesNotFitError(ValueError):
 
     Attributes:
       bytes_needed: the smallest per-device peak found, in bytes (over model-parallel degrees).
-      bytes_available: the usable bytes per device (``memory_per_device`` less the margin).
+      bytes_available: the bytes per device it had to fit in. Their difference is the
+        shortfall; what each holds depends on the raiser: `plan_mesh` counts neither with the
+        allowance (``bytes_available`` is `scamp_jax.planning.budget.Budget.plan_bytes`, the
+        pool less the margin and the allowance), `scamp_jax.planning.fusion.plan_fusion`
+        both with it (``bytes_available`` is the pool less the margin).
     """
 
     def __init__(self, message: str, bytes_needed: int, bytes_available: int) -> None:
@@ -1027,10 +1031,12 @@ def min_devices_plan(
     """The fewest devices (a prefix of ``devices``) on which a plan exists, and that plan.
 
     ``counts`` restricts the device counts tried (default ``1 .. len(devices)``, increasing),
-    e.g. powers of two. Other keyword arguments go to ``plan_mesh``. Raises ``DoesNotFitError``
-    (with the figures for the largest count) when no count works.
+    e.g. powers of two. Other keyword arguments go to ``plan_mesh``; with its ``target``,
+    ``devices`` is how many of the described GPUs there are, as for ``plan_mesh``. Raises
+    ``DoesNotFitError`` (with the figures for the largest count) when no count works.
     """
-    devs = resolve_devices(devices)
+    target = plan_kwargs.pop("target", None)
+    devs = resolve_devices(devices) if target is None else _target_devices(target, devices)
     budget = (memory_per_device if isinstance(memory_per_device, Budget)
               else Budget.of_devices(devs, memory_per_device).memory_per_device)
     tried = sorted(set(counts)) if counts is not None else list(range(1, len(devs) + 1))
