@@ -5,7 +5,7 @@
 - ``environment.json``: Python and package versions, JAX's devices and their attributes, the
   XLA and JAX variables in force, and the names of the files below;
 - ``nvidia-smi.txt``: ``nvidia-smi`` and a CSV of the GPU's name, memory (MiB), driver,
-  compute capability and clocks (MHz);
+  compute capability and clocks (MHz), and one of its total and reserved memory (MiB);
 - ``target_config.txtpb``: XLA's description of the GPU as a compile target
   (``xla_client.get_topology_for_devices(jax.devices()).target_config``, a
   ``GpuTargetConfigProto`` in text form), what ``--xla_gpu_target_config_filename`` and
@@ -53,7 +53,10 @@ def _nvidia_smi() -> str | None:
     if shutil.which("nvidia-smi") is None:
         return None
     parts = []
-    for args in ([], [f"--query-gpu={_SMI_QUERY}", "--format=csv"]):
+    # the reserve apart (a driver without the field refuses the whole query): with XLA's
+    # description of the GPU it checks `scamp_jax.devices.gpu_memory_bytes`'s total
+    for args in ([], [f"--query-gpu={_SMI_QUERY}", "--format=csv"],
+                 ["--query-gpu=memory.total,memory.reserved", "--format=csv"]):
         try:
             proc = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True,
                                   timeout=60)
