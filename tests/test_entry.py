@@ -147,6 +147,42 @@ def test_the_results_keep_the_configuration_suggest_made_not_only_what_optuna_dr
     assert function_task().evaluate(model)["mse"] == pytest.approx(best["mse"], rel=1e-6)
 
 
+def test_a_configuration_with_values_json_cannot_hold_is_said_and_loads_again(
+        tmp_path, caplog, monkeypatch):
+    """``suggest`` derives a function and a NumPy number from what it draws: the study cannot
+    store them (it stores JSON) and says so once; the README's ``load_model`` derives them
+    again through ``suggest`` (it raised ``KeyError`` in ``build``)."""
+    import logging
+
+    import numpy as np
+    from test_runner import MLP
+
+    def suggest(trial):
+        width = trial.suggest_categorical("width", [16, 32])
+        return {"width": width, "learning_rate": 1e-2, "activation": np.tanh,
+                "hidden": np.int64(width) * 2}
+
+    def build(config, rngs):
+        assert config["activation"] is np.tanh and config["hidden"] == 2 * config["width"]
+        return MLP(int(config["width"]), rngs)
+
+    from scamp_jax.hpo.study import source
+
+    monkeypatch.setattr(source, "_UNSTORED", set())  # said once per process: not said yet
+    space = scamp_jax.SearchSpace("mlp-derived", suggest, build)
+    with caplog.at_level(logging.WARNING, logger="scamp_jax.hpo.study.source"):
+        scamp_jax.run_study(space, function_task(), trials=2, steps=3, study_dir=tmp_path,
+                            devices=2, memory_per_device="64MiB", max_batch_size=16,
+                            sampler="random", live=False)
+    said = [r.getMessage() for r in caplog.records if "is not stored" in r.getMessage()]
+    assert len(said) == 1 and "'activation' (ufunc)" in said[0], said
+    best = json.loads((tmp_path / "best_model" / "trial.json").read_text())
+    assert "activation" not in best["params"]
+    assert best["params"]["hidden"] == 2 * best["params"]["width"]  # NumPy's, as a number
+    model = scamp_jax.load_model(tmp_path / "best_model", space, best["params"])
+    assert function_task().evaluate(model)["mse"] == pytest.approx(best["mse"], rel=1e-6)
+
+
 def test_an_evaluate_that_returns_a_number_is_told_what_to_return(tmp_path):
     reference = Regression()
     task = scamp_jax.FunctionTask(metric="mse", direction="minimize",

@@ -436,6 +436,30 @@ def test_siblings_one_process_holds_count_in_another(tmp_path):
     assert third.remaining() == 1 and third.ask().sibling_of is None
 
 
+def test_siblings_of_a_configuration_with_derived_values_share_its_architecture(tmp_path):
+    # The siblings were queued with suggest's whole configuration: Optuna stores a queued
+    # trial's parameters as JSON, and a derived function or NumPy value ended the study.
+    import numpy as np
+
+    def derived(trial: optuna.Trial) -> dict[str, Any]:
+        width = trial.suggest_categorical("width", [8, 16, 32])
+        return {"width": width, "learning_rate": trial.suggest_float("learning_rate", 1e-3, 1e-1),
+                "activation": np.tanh, "hidden": np.int64(width) * 2}
+
+    space = SearchSpace("derived", derived, build=lambda c, r: None)
+    handle = open_study("derived", study_dir=tmp_path, sampler="random", seed=0)
+    src = OptunaTrialSource(handle, space, 3, poll_seconds=0.2, siblings=2,
+                            training_keys=("learning_rate",))
+    proposal = src.ask()
+    siblings = [src.ask(), src.ask()]
+    assert proposal.siblings == 2 and {s.sibling_of for s in siblings} == {proposal.number}
+    for s in siblings:
+        assert (s.params["width"], s.params["hidden"]) == (proposal.params["width"],
+                                                         proposal.params["hidden"])
+        assert s.params["activation"] is np.tanh
+    assert len({t.params["learning_rate"] for t in (proposal, *siblings)}) == 3
+
+
 @pytest.mark.parametrize("stopped_at", ["queueing the retry", "failing the trial"])
 def test_a_stop_inside_an_interruption_loses_no_trial(tmp_path, monkeypatch, stopped_at):
     """A second Ctrl-C while a trial is being failed as interrupted (its retry queued and the

@@ -469,6 +469,19 @@ def _stored_shapes(checkpointer: Any, item: Path) -> list[tuple[int, ...]] | Non
         absl.setLevel(level)
 
 
+def _derived_again(space: SearchSpace, params: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` with what ``space.suggest`` derives from them added (its values win over
+    stored copies: a tuple the study stored as a list is a tuple again); ``params`` alone
+    where ``suggest`` cannot take them (they name other parameters, or it prunes them)."""
+    import optuna
+
+    try:
+        derived = space.suggest(optuna.trial.FixedTrial(dict(params)))
+    except (ValueError, KeyError, TypeError, optuna.TrialPruned):
+        return dict(params)
+    return {**params, **derived} if isinstance(derived, Mapping) else dict(params)
+
+
 def load_model(
     directory: str | Path, space: SearchSpace, params: Mapping[str, Any], seed: int = 0
 ) -> nnx.Module:
@@ -476,8 +489,12 @@ def load_model(
 
     ``params`` is the trial's configuration (``best_model/trial.json`` holds it). The model is
     rebuilt from ``space`` and its parameters and other state are read back on the default
-    device. It comes in evaluation mode, as the study scored it (``model.eval()``: dropout
-    off, batch norm on its running averages); call ``model.train()`` to train it further.
+    device. Where ``space.suggest`` derives values from the parameters it draws (a function
+    chosen by name, a NumPy number: the study stores only what JSON holds), they are derived
+    again by calling it on ``params`` (`optuna.trial.FixedTrial`); ``params`` it cannot take
+    are built as given. It comes in evaluation mode, as the study scored it
+    (``model.eval()``: dropout off, batch norm on its running averages); call
+    ``model.train()`` to train it further.
     """
     import orbax.checkpoint as ocp
 
@@ -494,6 +511,7 @@ def load_model(
             f"{directory} is not a checkpoint step directory (no 'default' item); pass e.g. "
             "<study_dir>/best_model or <study_dir>/checkpoints/<key>/<step>"
         )
+    params = _derived_again(space, params)
     model = space.build(params, nnx.Rngs(seed))
     graphdef, weights, rest = split_model(model)
     like = jax.tree.leaves((weights, make_optimizer(params).init(weights), rest))

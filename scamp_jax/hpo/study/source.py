@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import math
 import threading
 from collections.abc import Hashable, Mapping, Sequence
@@ -12,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
@@ -37,6 +39,8 @@ from scamp_jax.hpo.study.trials import (
     when_full,
 )
 from scamp_jax.space import SearchSpace
+
+log = logging.getLogger(__name__)
 
 
 def _counts_towards_total(trial: FrozenTrial) -> bool:
@@ -392,7 +396,9 @@ class OptunaTrialSource:
                 if proposed and self.siblings:
                     room = self.n_trials - finished - running - 1 - held
                     count = max(0, min(self.siblings, room))
-                    fixed = {k: v for k, v in asked.params.items()
+                    # the sampler's parameters, not suggest's whole configuration: what
+                    # suggest derives from them (a function, a NumPy value) it derives again
+                    fixed = {k: v for k, v in trial.params.items()
                              if k not in self.training_keys}
                     self._held.setdefault(asker, []).extend(
                         (asked.number, dict(fixed)) for _ in range(count))
@@ -522,14 +528,29 @@ def _stored_configuration(params: Mapping[str, Any],
                           drawn: Mapping[str, Any]) -> dict[str, Any] | None:
     """What `CONFIGURATION` stores for a trial: the whole configuration where ``suggest``
     returned keys Optuna did not draw (None: Optuna's ``params`` are all of it). A value JSON
-    cannot hold (the storage's format) is left out; the rebuild then names the missing key."""
+    cannot hold (the storage's format; NumPy scalars are stored as Python numbers) is left
+    out, said once per key: `load_model` derives
+    it again through ``suggest`` from the parameters Optuna drew."""
     if all(k in drawn for k in params):
         return None
     whole = {}
     for key, value in params.items():
+        if isinstance(value, np.generic):  # a NumPy number or flag: stored as Python's
+            value = value.item()
         try:
             json.dumps(value)
         except (TypeError, ValueError):
+            if key not in _UNSTORED:
+                _UNSTORED.add(key)
+                log.warning(
+                    "the configuration's %r (%s) is not stored with its trials (the study "
+                    "stores JSON): results show the parameters Optuna drew, and "
+                    "scamp_jax.load_model derives %r again through the space's suggest",
+                    key, type(value).__name__, key)
             continue
         whole[key] = value
     return whole
+
+
+#: Configuration keys `_stored_configuration` said it leaves out (once each per process).
+_UNSTORED: set[str] = set()
