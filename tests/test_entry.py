@@ -183,6 +183,21 @@ def test_a_configuration_with_values_json_cannot_hold_is_said_and_loads_again(
     assert function_task().evaluate(model)["mse"] == pytest.approx(best["mse"], rel=1e-6)
 
 
+def test_a_rerun_scoring_another_metric_is_refused_and_keeps_the_study(tmp_path):
+    reference = Regression()
+    kw = dict(trials=1, steps=2, study_dir=tmp_path, devices=2, memory_per_device="64MiB",
+              max_batch_size=16, sampler="random", live=False)
+    scamp_jax.run_study(SPACE, function_task(), **kw)
+    other = scamp_jax.FunctionTask(
+        metric="mae", direction="minimize", loss_fn=reference.loss_fn,
+        batches=reference.batches,
+        evaluate=lambda model: {"mae": 1.0, **reference.evaluate(model)})
+    with pytest.raises(ValueError, match="scores its trials by 'mse', not 'mae'"):
+        scamp_jax.run_study(SPACE, other, **{**kw, "trials": 2})
+    again = scamp_jax.run_study(SPACE, function_task(), **{**kw, "trials": 2})
+    assert again["trials_this_run"] == 1
+
+
 def test_an_evaluate_that_returns_a_number_is_told_what_to_return(tmp_path):
     reference = Regression()
     task = scamp_jax.FunctionTask(metric="mse", direction="minimize",

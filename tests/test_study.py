@@ -311,6 +311,18 @@ def test_direction_mismatch_is_reported(tmp_path):
         open_study("toy", study_dir=tmp_path, direction="minimize")
 
 
+def test_a_study_keeps_the_metric_its_values_are(tmp_path):
+    # A rerun scoring another metric stored its values beside the first metric's: Optuna's
+    # best trial and the sampler then compared accuracies with errors.
+    open_study("toy", study_dir=tmp_path, direction="maximize")  # made before it was kept
+    open_study("toy", study_dir=tmp_path, direction="maximize", metric="accuracy")
+    open_study("toy", study_dir=tmp_path, direction="maximize", metric="accuracy")
+    open_study("toy", study_dir=tmp_path, direction="maximize")  # a caller that does not say
+    with pytest.raises(ValueError, match=r"study 'toy' in the storage scores its trials by "
+                       r"'accuracy', not 'error'; a study keeps its metric"):
+        open_study("toy", study_dir=tmp_path, direction="maximize", metric="error")
+
+
 def test_outcome_validation():
     with pytest.raises(ValueError, match="state='done' is not a trial outcome"):
         TrialOutcome(0, "done")

@@ -329,7 +329,8 @@ class StudySession:
         check_outputs_have_their_study(self.out_dir, self.study_name, self._stored_names)
         handle = open_study(
             self.study_name, study_dir=self.study_dir, storage=s.storage,
-            direction=self.task.direction, sampler=s.sampler, pruner=s.pruner, seed=s.seed,
+            direction=self.task.direction, metric=self.task.metric, sampler=s.sampler,
+            pruner=s.pruner, seed=s.seed,
             grid=self.space.grid, warmup_steps=s.eval_every,
             settings=s.study_record(self.space, self.memory_per_device),
             heartbeat_interval=s.heartbeat_interval, grace_period=s.grace_period,

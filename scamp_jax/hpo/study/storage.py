@@ -26,6 +26,8 @@ from scamp_jax.hpo.study.trials import HELD_SIBLINGS
 
 #: study user attribute holding the settings the study was created with (see `open_study`).
 SETTINGS_KEY = "settings"
+#: study user attribute holding the name of the score its trials' values are (`open_study`).
+METRIC_KEY = "metric"
 
 
 class StudySettingsError(ValueError):
@@ -359,14 +361,18 @@ def open_study(
     settings: Mapping[str, Any] | None = None,
     heartbeat_interval: int = HEARTBEAT_INTERVAL,
     grace_period: int = GRACE_PERIOD,
+    metric: str | None = None,
 ) -> StudyHandle:
     """Create the study, or load it if ``study_name`` already exists in the storage.
 
     ``settings`` (JSON-serialisable, e.g. space, preset, steps, seed, budget) are stored with a
     new study; loading a study created with other values raises `StudySettingsError` naming
     each difference. ``heartbeat_interval`` and ``grace_period`` (seconds) set its liveness
-    (see the package doc). Raises ``ValueError`` if the study was created with another
-    direction. Returns the `StudyHandle` (study, storage, ask lock).
+    (see the package doc). ``metric``: the name of the score the trials' values are, stored
+    with the study (a study opened before it was stored takes it). Raises ``ValueError`` if
+    the study was created with another direction or scores another metric: its stored values,
+    its best trial and its sampler's model would mix two scores. Returns the `StudyHandle`
+    (study, storage, ask lock).
     """
     if direction not in ("maximize", "minimize"):
         raise ValueError(f"direction={direction!r} must be 'maximize' or 'minimize'")
@@ -389,6 +395,16 @@ def open_study(
             f"direction={study.direction.name.lower()!r} (the task's direction), or start "
             "another study (another study name, study directory or storage)"
         )
+    if metric is not None:
+        scored = study.user_attrs.get(METRIC_KEY)
+        if scored is None:
+            study.set_user_attr(METRIC_KEY, metric)
+        elif scored != metric:
+            raise ValueError(
+                f"study {study_name!r} in the storage scores its trials by {scored!r}, not "
+                f"{metric!r}; a study keeps its metric (its values and its best trial are "
+                f"{scored!r}'s): score the task by {scored!r}, or start another study "
+                "(another study name, study directory or storage)")
     if settings is not None:
         _check_settings(study, settings)
     return StudyHandle(study, rdb, AskLock(url, study_name))
