@@ -294,6 +294,12 @@ def test_run_study_rejects_a_bad_setting_before_opening_a_study(tmp_path):
      "'no-such-folder/x' of its database file does not exist"),
     ({"study_dir": "a-file"}, ValueError, "study_dir='.*a-file' is a file; pass a directory"),
     ({"study_dir": ""}, ValueError, "study_dir='' is empty; pass a directory"),
+    # a warm start suggest refuses was queued again on every later run, even without it
+    ({"initial_params": [{"width": 12}]}, ValueError, r"initial_params\[0\] = \{'width': 12\}: "
+     r"the space's suggest cannot take it \(.*12.*\); pass values it can draw"),
+    ({"initial_params": [{"width": 16}, {"widht": 16}]}, ValueError,
+     r"initial_params\[1\] = \{'widht': 16\} names 'widht', which the space's suggest neither "
+     r"draws nor returns \(it draws \['learning_rate', 'width'\]\); check the spelling"),
 ])
 def test_run_study_names_a_bad_argument_and_writes_nothing(tmp_path, bad, error, message):
     (tmp_path / "a-file").write_text("")

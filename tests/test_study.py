@@ -323,6 +323,19 @@ def test_a_study_keeps_the_metric_its_values_are(tmp_path):
         open_study("toy", study_dir=tmp_path, direction="maximize", metric="error")
 
 
+def test_a_warm_start_outside_a_drawn_range_is_kept_and_said(caplog):
+    import logging
+
+    from scamp_jax.hpo.study.source import check_initial_params
+
+    with caplog.at_level(logging.WARNING, logger="scamp_jax.hpo.study.source"):
+        check_initial_params(SPACE, [{"width": 8, "learning_rate": 0.5}])
+        check_initial_params(SPACE, [{"width": 8}])  # the rest is the sampler's
+    [said] = [r.getMessage() for r in caplog.records]
+    assert said.startswith("initial_params[0] = {'width': 8, 'learning_rate': 0.5}: Fixed "
+                           "parameter learning_rate with value 0.5 is out of range"), said
+
+
 def test_outcome_validation():
     with pytest.raises(ValueError, match="state='done' is not a trial outcome"):
         TrialOutcome(0, "done")

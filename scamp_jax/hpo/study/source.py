@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import threading
+import warnings
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -22,6 +23,7 @@ from scamp_jax.hpo.settings import HEARTBEAT_INTERVAL
 from scamp_jax.hpo.study.storage import (
     StudyHandle,
     quiet_optuna,
+    quiet_study_creation,
     retried_from,
     retry_callback,
     stopped_attempt,
@@ -554,3 +556,36 @@ def _stored_configuration(params: Mapping[str, Any],
 
 #: Configuration keys `_stored_configuration` said it leaves out (once each per process).
 _UNSTORED: set[str] = set()
+
+
+def check_initial_params(space: SearchSpace, initial: Sequence[Mapping[str, Any]]) -> None:
+    """Raise `ValueError`, naming the configuration, unless each of a warm start's
+    ``initial`` configurations is one ``space.suggest`` takes: a value it cannot draw (not one
+    of a categorical's choices) and a key it neither draws nor returns (a misspelling) are
+    refused before the study stores them (a queued configuration that ``suggest`` refuses
+    would be queued again on every run). A value outside a range ``suggest`` draws from is
+    kept, as Optuna keeps it, and said. Keys left out are drawn by the sampler."""
+    for i, params in enumerate(initial):
+        where = f"initial_params[{i}] = {dict(params)!r}"
+        with quiet_study_creation(), quiet_optuna():
+            study = optuna.create_study()  # in memory: what the study's first ask would do
+        study.enqueue_trial(dict(params))
+        trial = study.ask()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                returned = space.suggest(trial)
+            except optuna.TrialPruned:  # suggest rejects it: the study records it pruned
+                continue
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"{where}: the space's suggest cannot take it ({err}); pass "
+                                 "values it can draw") from None
+        taken = set(trial.params) | set(returned if isinstance(returned, Mapping) else ())
+        unknown = sorted(set(params) - taken)
+        if unknown:
+            raise ValueError(
+                f"{where} names {', '.join(map(repr, unknown))}, which the space's suggest "
+                f"neither draws nor returns (it draws {sorted(trial.params)}); check the "
+                "spelling")
+        for warning in caught:
+            log.warning("%s: %s", where, warning.message)
