@@ -198,6 +198,28 @@ def test_a_rerun_scoring_another_metric_is_refused_and_keeps_the_study(tmp_path)
     assert again["trials_this_run"] == 1
 
 
+def test_results_with_scores_that_are_not_finite_are_strict_json(tmp_path):
+    # A finite metric beside an auxiliary score that diverged wrote a bare NaN and Infinity,
+    # which strict readers (jq, JSON.parse) refuse for the whole file.
+    reference = Regression()
+    task = scamp_jax.FunctionTask(
+        metric="mse", direction="minimize", loss_fn=reference.loss_fn,
+        batches=reference.batches,
+        evaluate=lambda model: {**reference.evaluate(model), "r2": float("nan"),
+                                "worst": float("inf")})
+    scamp_jax.run_study(SPACE, task, trials=1, steps=2, study_dir=tmp_path, devices=2,
+                        memory_per_device="64MiB", max_batch_size=16, sampler="random",
+                        live=False)
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    [trial] = json.loads((tmp_path / "results.json").read_text(),
+                         parse_constant=refuse)["trials"]
+    assert trial["r2"] is None and trial["worst"] is None and math.isfinite(trial["mse"])
+    json.loads((tmp_path / "best_model" / "trial.json").read_text(), parse_constant=refuse)
+
+
 def test_an_evaluate_that_returns_a_number_is_told_what_to_return(tmp_path):
     reference = Regression()
     task = scamp_jax.FunctionTask(metric="mse", direction="minimize",

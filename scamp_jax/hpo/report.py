@@ -14,6 +14,7 @@ import csv
 import io
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -161,7 +162,7 @@ def _write_results(study_dir: Path, records: Sequence[Mapping[str, Any]], metric
         "run": runs[-1] if runs else {},
     }
     json_path = study_dir / "results.json"
-    _replace_text(json_path, json.dumps(payload, indent=2, default=_jsonable))
+    _replace_text(json_path, _dumps(payload, indent=2))
     columns = list(BASE_COLUMNS)
     for row in records:
         columns += [k for k in row if k not in columns and k != TRACEBACK]
@@ -171,7 +172,7 @@ def _write_results(study_dir: Path, records: Sequence[Mapping[str, Any]], metric
     writer.writeheader()
     for row in records:
         writer.writerow({
-            k: json.dumps(v, default=_jsonable) if isinstance(v, dict | list) else v
+            k: _dumps(v) if isinstance(v, dict | list) else v
             for k, v in row.items() if k != TRACEBACK
         })
     _replace_text(csv_path, text.getvalue())
@@ -208,7 +209,7 @@ def add_run_overhead(study_dir: str | Path, run_id: str, extra: Mapping[str, Any
             return
         mine[0].setdefault("overhead", {}).update(extra)
         payload["run"] = runs[-1]
-        _replace_text(path, json.dumps(payload, indent=2, default=_jsonable))
+        _replace_text(path, _dumps(payload, indent=2))
 
 
 def read_runs(study_dir: str | Path, *, keep_damaged: bool = False) -> list[dict[str, Any]]:
@@ -286,6 +287,26 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def _finite(value: Any) -> Any:
+    """``value`` with every float that is not finite (a score that diverged) as None: JSON
+    has no NaN or infinity, and strict readers (``jq``, a browser's ``JSON.parse``) refuse a
+    file that holds them."""
+    if hasattr(value, "item") and not isinstance(value, dict | list | tuple):
+        value = value.item()  # a NumPy or JAX scalar
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _dumps(value: Any, **kwargs: Any) -> str:
+    """``value`` as strict JSON (`_finite`; other objects as `_jsonable` gives them)."""
+    return json.dumps(_finite(value), allow_nan=False, default=_jsonable, **kwargs)
+
+
 def save_best_model(
     study_dir: str | Path, records: Sequence[Mapping[str, Any]], metric: str, direction: str
 ) -> Path | None:
@@ -314,10 +335,10 @@ def save_best_model(
         if saved is not None and best_record([best, saved], metric, direction) is saved:
             return target  # a better trial's, saved by a process that saw it finish
         copy_checkpoint(source, part)
-        (part / "trial.json").write_text(json.dumps(
+        (part / "trial.json").write_text(_dumps(
             {"number": best["number"], "params": best["params"], metric: best[metric],
              "checkpoint": best["checkpoint"]},
-            indent=2, default=_jsonable,
+            indent=2,
         ))
         if old.exists():
             shutil.rmtree(old)
