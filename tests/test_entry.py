@@ -322,6 +322,10 @@ def test_run_study_rejects_a_bad_setting_before_opening_a_study(tmp_path):
     ({"initial_params": [{"width": 16}, {"widht": 16}]}, ValueError,
      r"initial_params\[1\] = \{'widht': 16\} names 'widht', which the space's suggest neither "
      r"draws nor returns \(it draws \['learning_rate', 'width'\]\); check the spelling"),
+    ({"space": scamp_jax.SearchSpace("mlp", SPACE.suggest, SPACE.build,
+                                     grid={"width": [16, 32]}), "sampler": "grid"}, ValueError,
+     r"the search space's grid gives values for \['width'\], but suggest also draws a "
+     r"parameter it lacks \(.*learning_rate.*\); give SearchSpace\(grid=...\) the values"),
 ])
 def test_run_study_names_a_bad_argument_and_writes_nothing(tmp_path, bad, error, message):
     (tmp_path / "a-file").write_text("")

@@ -157,7 +157,7 @@ def plan_candidates(
     from scamp_jax.hpo.fused_engine import FusionService
     from scamp_jax.hpo.plan_service import PlanningService
     from scamp_jax.hpo.study.samplers import make_sampler
-    from scamp_jax.hpo.study.source import check_initial_params
+    from scamp_jax.hpo.study.source import check_grid, check_initial_params
     from scamp_jax.hpo.study.storage import quiet_study_creation
     from scamp_jax.hpo.trial import fusion_cap
     from scamp_jax.planning.compile_events import CompileCounter
@@ -176,7 +176,8 @@ def plan_candidates(
     with quiet_study_creation():
         study = optuna.create_study(sampler=make_sampler(settings.sampler, settings.seed,
                                                          space.grid))
-    check_initial_params(space, settings.initial_params)  # as the study checks them
+    check_grid(space, settings.sampler, settings.seed)  # as the study checks them
+    check_initial_params(space, settings.initial_params)
     for params in settings.initial_params:
         study.enqueue_trial(dict(params))
     # With fused groups a study holds siblings of each proposal (its architecture, the

@@ -321,9 +321,10 @@ class StudySession:
         """Create or resume the study (only the process that owns it calls this); a new study
         first gets ``settings.initial_params`` queued (a warm start)."""
         from scamp_jax.hpo.study import open_study
-        from scamp_jax.hpo.study.source import check_initial_params
+        from scamp_jax.hpo.study.source import check_grid, check_initial_params
 
         s = self.settings
+        check_grid(self.space, s.sampler, s.seed)
         check_initial_params(self.space, s.initial_params)
         top = self.out_dir == self.study_dir
         if top:  # refused before the study is stored; claimed once it opened

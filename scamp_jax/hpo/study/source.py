@@ -589,3 +589,29 @@ def check_initial_params(space: SearchSpace, initial: Sequence[Mapping[str, Any]
                 "spelling")
         for warning in caught:
             log.warning("%s: %s", where, warning.message)
+
+
+def check_grid(space: SearchSpace, sampler: str, seed: int) -> None:
+    """Under ``sampler="grid"``, raise `ValueError` where the space's grid lacks a parameter
+    its ``suggest`` draws (found on the grid's first point: a parameter drawn only on other
+    branches of ``suggest`` is found when a trial draws it), before the study stores a trial
+    (each run's first trial failed on it, and was queued again)."""
+    if sampler != "grid":
+        return
+    from scamp_jax.hpo.study.samplers import make_sampler
+
+    with quiet_study_creation(), quiet_optuna():
+        study = optuna.create_study(sampler=make_sampler("grid", seed, space.grid))
+    trial = study.ask()
+    try:
+        space.suggest(trial)
+    except optuna.TrialPruned:
+        return
+    except ValueError as err:
+        if "not found in the given grid" not in str(err):
+            raise
+        grid = sorted(space.grid or {})
+        raise ValueError(
+            f"the search space's grid gives values for {grid}, but suggest also draws a "
+            f"parameter it lacks ({err}); give SearchSpace(grid=...) the values of every "
+            "parameter suggest draws") from None
