@@ -20,10 +20,11 @@ from flax import nnx
 from optuna.trial import TrialState
 from test_runner import MLP, Regression
 
+from scamp_jax.hpo.checkpoint import newest_step
 from scamp_jax.hpo.engine import BudgetTooSmallError, EngineConfig, SearchEngine
 from scamp_jax.hpo.failures import RepeatedFailureError
 from scamp_jax.hpo.settings import SearchSettings
-from scamp_jax.hpo.study import FAIL_REASON, OptunaTrialSource, open_study
+from scamp_jax.hpo.study import CHECKPOINT_KEY, FAIL_REASON, OptunaTrialSource, open_study
 from scamp_jax.planning import planner
 from scamp_jax.planning.budget import Budget
 from scamp_jax.scheduling.replay import recorded_placements, replay
@@ -322,11 +323,13 @@ def test_a_log_shows_a_training_trial_advance_at_growing_intervals(monkeypatch):
 class BothTrain(Regression):
     """Each trial's data waits before its second batch, drawn during its first step, until the
     other trial has drawn its own: from then on both train at once, however long one of them
-    took to compile on a loaded machine."""
+    took to compile on a loaded machine. Each later batch comes ``pace`` seconds after the one
+    before (a step about as slow as a larger model's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pace: float = 0.0) -> None:
         super().__init__()
         self.both = threading.Barrier(2)
+        self.pace = pace
 
     def batches(self, batch_size: int, seed: int) -> Any:
         stream = super().batches(batch_size, seed)
@@ -335,19 +338,24 @@ class BothTrain(Regression):
             self.both.wait(timeout=120)
         except threading.BrokenBarrierError:
             pass  # a stream drawn again (a restart) trains on alone
-        yield from stream
+        for batch in stream:
+            yield batch
+            time.sleep(self.pace)
 
 
 def test_ctrl_c_checkpoints_running_trials_and_a_new_run_resumes_them(tmp_path):
     study, source = make_source(tmp_path, [ok(16), ok(32)])
-    cfg = config(steps=100, checkpoint_every=10, log_every=10)
+    # No periodic checkpoint before the end (step 100): only the Ctrl-C's save can resume them.
+    # The steps are paced (20 a second) so that the engine, which looks every 0.5 s, sees one
+    # at step 30 well before they end.
+    cfg = config(steps=100, checkpoint_every=0, log_every=10)
 
     def ctrl_c_at_step_30(statuses: Any, pool: Any) -> None:
         if any(s.step >= 30 for s in statuses):
             raise KeyboardInterrupt
 
     notices: list[str] = []
-    engine = SearchEngine(SPACE, BothTrain(), source, cfg, devices=jax.devices()[:2],
+    engine = SearchEngine(SPACE, BothTrain(pace=0.05), source, cfg, devices=jax.devices()[:2],
                           checkpoint_root=tmp_path / "ckpt", on_update=ctrl_c_at_step_30,
                           on_notice=notices.append)
     with pytest.raises(KeyboardInterrupt):
@@ -361,14 +369,20 @@ def test_ctrl_c_checkpoints_running_trials_and_a_new_run_resumes_them(tmp_path):
     assert [t.user_attrs.get(FAIL_REASON) for t in trials[:2]] == ["interrupted"] * 2
     assert len(study.get_trials(states=(TrialState.WAITING,))) == 2
     assert source.finished() == 0
+    # The step each trial's Ctrl-C checkpoint holds (None: it saved nothing).
+    saved = {t.user_attrs[CHECKPOINT_KEY]: newest_step(tmp_path / "ckpt" /
+                                                      t.user_attrs[CHECKPOINT_KEY])
+             for t in trials[:2]}
+    assert max(step or 0 for step in saved.values()) >= 30, saved
 
     again = OptunaTrialSource(study, SPACE, 2)
     SearchEngine(SPACE, Regression(), again, cfg, devices=jax.devices()[:2],
                  checkpoint_root=tmp_path / "ckpt").run()
     complete = study.get_trials(states=(TrialState.COMPLETE,))
     assert sorted(t.params["width"] for t in complete) == [16, 32]
-    # The trial that reached step 30 restarts from its Ctrl-C checkpoint, not from scratch.
-    assert max(t.user_attrs["resumed_from"] for t in complete) >= 30
+    # Each trial restarts from its Ctrl-C checkpoint, not from scratch.
+    assert {t.user_attrs[CHECKPOINT_KEY]: t.user_attrs["resumed_from"]
+            for t in complete} == {key: step or 0 for key, step in saved.items()}
 
 
 def test_a_ctrl_c_while_a_plan_compiles_says_what_it_waits_for(tmp_path):

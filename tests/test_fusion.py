@@ -1,4 +1,4 @@
-"""Horizontal fusion: a fused member trains exactly as its solo run; groups are sized by compiling.
+"""Horizontal fusion: a fused member trains as its solo run (to `RTOL`); groups sized by compiling.
 
 The solo reference is the project's own trial runner (`scamp_jax.hpo.runner.run_trial`) on the same
 member plan; the candidates are `test_runner`'s MLP regression (and a small ViT).
@@ -31,7 +31,8 @@ from scamp_jax.planning.fusion import (
 )
 from scamp_jax.planning.plan_cache import PlanCache
 
-#: relative tolerance of fused against solo (loss curve and held-out score).
+#: relative tolerance of fused against solo (loss curve and held-out score): the fused step
+#: reassociates float32 sums, so the bits differ (measured worst: about 1e-6).
 RTOL = 1e-5
 
 

@@ -128,16 +128,18 @@ def test_a_fused_study_finishes_exactly_its_trials_with_members_equal_to_solo_ru
         # the group's seconds a step, each member's
         assert len({t.user_attrs["step_seconds"] for t in members}) == 1
         assert members[0].user_attrs["step_seconds"] > 0
-    # A member's result is its solo run's: same seed, plan, batch and steps.
-    member = next(t for ms in groups.values() for t in ms)
-    plan = make_plan(member.params, jax.devices()[:1], max_batch=16)
-    solo = run_trial(RunSpec(member.number, member.params, plan, 10, BUDGET,
-                             seed=trial_seed(5, member.user_attrs["checkpoint_key"])),
-                     SPACE, Regression(), cache=StepCache())
-    assert solo.state == "complete"
-    rel = abs(solo.metrics["mse"] - member.value) / abs(solo.metrics["mse"])
-    print(f"fused member vs solo: relative difference {rel:.3g}")
-    assert rel <= 1e-5
+    # Every member's result is its solo run's: same seed, params, plan, batch and steps. The
+    # leader alone would not see a member trained with the leader's seed or learning rate.
+    cache = StepCache()
+    for member in (t for ms in groups.values() for t in ms):
+        plan = make_plan(member.params, jax.devices()[:1], max_batch=16)
+        solo = run_trial(RunSpec(member.number, member.params, plan, 10, BUDGET,
+                                 seed=trial_seed(5, member.user_attrs["checkpoint_key"])),
+                         SPACE, Regression(), cache=cache)
+        assert solo.state == "complete"
+        rel = abs(solo.metrics["mse"] - member.value) / abs(solo.metrics["mse"])
+        print(f"fused member {member.number} vs solo: relative difference {rel:.3g}")
+        assert rel <= 1e-5, (member.number, rel)
 
 
 def test_a_narrower_group_books_its_own_width_not_the_widest(tmp_path):
@@ -369,16 +371,18 @@ def test_a_group_is_never_wider_than_the_study():
 
 class _CtrlC:
     """``on_update`` that presses Ctrl-C (raises KeyboardInterrupt on the loop's thread, where
-    a real one lands) once a fused member has trained ``step`` steps."""
+    a real one lands) once a fused member has trained ``step`` steps and ``complete`` trials
+    have finished."""
 
-    def __init__(self, step: int) -> None:
-        self.step, self.fired = step, False
+    def __init__(self, step: int, complete: int = 0) -> None:
+        self.step, self.complete, self.fired = step, complete, False
 
     def __call__(self, statuses, pool, groups=None) -> None:
         if self.fired or not groups:
             return
-        if any(s.number in groups and s.state == "training" and s.step >= self.step
-               for s in statuses):
+        if sum(s.state == "complete" for s in statuses) >= self.complete and any(
+                s.number in groups and s.state == "training" and s.step >= self.step
+                for s in statuses):
             self.fired = True
             raise KeyboardInterrupt
 
@@ -387,7 +391,8 @@ def test_an_interrupted_fused_study_resumes_its_members_and_keeps_finished_ones(
     """Ctrl-C during a group: members checkpoint and go back to the study; the same command
     again resumes them from their checkpoints (as a group again) and ends with exactly the
     study's trials; trials finished before stay as they were."""
-    # Long enough that the loop (which looks at least every 0.5 s) sees a group training.
+    # Long enough that the loop (which looks at least every 0.5 s) sees a group training. The
+    # two groups train one after the other, and the Ctrl-C comes once the first has finished.
     steps, trials = 1000, 4
 
     def engine(on_update=None):
@@ -396,19 +401,21 @@ def test_an_interrupted_fused_study_resumes_its_members_and_keeps_finished_ones(
         study = handle.study
         source = OptunaTrialSource(handle, SPACE, trials, root=tmp_path, **_fusion(2, trials))
         config = EngineConfig(steps=steps, budget=Budget(BUDGET), max_batch_size=16,
-                              log_every=50, checkpoint_every=200, fuse=2, seed=5)
+                              log_every=50, checkpoint_every=200, fuse=2, seed=5,
+                              max_running_trials=1)
         return study, source, SearchEngine(SPACE, Regression(), source, config,
                                            devices=jax.devices()[:1],
                                            checkpoint_root=tmp_path / "ckpt",
                                            on_update=on_update)
 
-    study, source, first = engine(_CtrlC(10))
+    study, source, first = engine(_CtrlC(10, complete=2))
     with pytest.raises(KeyboardInterrupt):
         first.run()
     source.close()
     before = {t.number: t.value for t in study.get_trials() if t.state == TrialState.COMPLETE}
     interrupted = [t for t in study.get_trials() if t.state == TrialState.FAIL]
     assert interrupted, "nothing was running at the interrupt"
+    assert len(before) == 2, before  # the first group's, which the rerun must leave alone
     saved = {t.user_attrs["checkpoint_key"] for t in interrupted
              if latest_checkpoint_step(tmp_path / "ckpt" / t.user_attrs["checkpoint_key"])}
     study, source, second = engine()

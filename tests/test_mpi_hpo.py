@@ -522,7 +522,7 @@ def test_a_trial_too_big_for_one_rank_spans_two_and_equals_the_single_process_ru
         # Recorded as a trial on one rank is (CPU devices report no allocator peak).
         assert t["booked_bytes"] == t["predicted_peak_bytes"] and t["measured_peak_bytes"] is None
 
-    # The same trials in this process on one device with the whole batch of 8: the held-out
+    # The same trials in this process on one device with the whole batch of 64: the held-out
     # MSE agrees to float32 reassociation (the global mean becomes a mean of two rank means).
     import jax
     from test_runner import MLP, Regression

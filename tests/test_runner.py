@@ -282,19 +282,23 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path):
     stop = threading.Event()
 
     def report(number: int, step: int, value: float) -> bool:
-        if step == 20:
-            stop.set()  # the engine's Ctrl-C, seen by the runner before step 21
+        if step == 25:
+            stop.set()  # the engine's Ctrl-C, seen by the runner before step 26
         return False
 
+    # Step 25 is between the periodic checkpoints (20, 30): only the save at the stop holds it.
     first = run_trial(spec(config, plan, steps=40, checkpoint_dir=tmp_path / "b",
-                           checkpoint_every=10, eval_every=10), SPACE, Regression(),
+                           checkpoint_every=10, eval_every=5), SPACE, Regression(),
                       report=report, stop=stop)
-    assert (first.state, first.steps) == ("interrupted", 20), first.reason
+    assert (first.state, first.steps) == ("interrupted", 25), first.reason
     moved = plan.with_devices(jax.devices()[4:6])
     second = run_trial(spec(config, moved, steps=40, checkpoint_dir=tmp_path / "b",
                             checkpoint_every=10), SPACE, Regression())
     assert second.state == "complete", second.reason
-    assert second.metrics["mse"] == pytest.approx(whole.metrics["mse"], rel=1e-5)
+    # It restarted from the stop's checkpoint (20 would be a stop that saved nothing, 0 a run
+    # that ignored its checkpoints), and the same steps give the same bits.
+    assert second.resumed_from == 25
+    assert second.metrics["mse"] == whole.metrics["mse"], (second.metrics, whole.metrics)
     # The final checkpoint holds the trained model.
     model = load_model(second.checkpoint, SPACE, config)
     assert Regression().evaluate(model)["mse"] == pytest.approx(second.metrics["mse"], rel=1e-5)

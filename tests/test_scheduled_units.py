@@ -113,6 +113,14 @@ def test_a_unit_runs_the_schedule_the_study_config_gives(tmp_path, which):
     unit = solo if which == "solo" else group
     launcher = Launcher(SPACE, Regression(), CONFIG, jax.devices()[:1], Path(tmp_path),
                         lambda *a: False, StepCache(), workers=1)
+    started = []  # the spec the unit's run was started with (what its members train by)
+    start = launcher.start
+
+    def recording(fn: Any, spec: Any, *args: Any, **kw: Any) -> Any:
+        started.append(spec)
+        return start(fn, spec, *args, **kw)
+
+    launcher.start = recording
     statuses = [TrialStatus(m.number, m.asked.params) for m in unit.members]
     run = unit.start(launcher, [0], statuses)
     result = run.future.result()
@@ -122,13 +130,19 @@ def test_a_unit_runs_the_schedule_the_study_config_gives(tmp_path, which):
     steps = CONFIG.steps_for(batch)
     assert (batch, steps) == (16, 6)  # 12 steps of the reference batch of 8
     assert (run.key, run.members) == (unit.key, unit.members)
-    for member, r in zip(unit.members, results, strict=True):
+    [spec] = started
+    assert spec.steps == steps
+    # Each member as the run got it (a group member with its leader's seed or learning rate
+    # would train as another trial).
+    ran = list(spec.members) if which == "group" else [
+        MemberSpec(spec.number, spec.params, spec.seed, spec.checkpoint_dir)]
+    for member, r, got in zip(unit.members, results, ran, strict=True):
         assert (r.number, r.state, r.steps) == (member.number, "complete", steps)
         key = member.asked.checkpoint_key
         assert r.checkpoint is not None and r.checkpoint.parent == Path(tmp_path) / key
-        spec = launcher.member(member)
-        assert spec == MemberSpec(member.number, member.asked.params, trial_seed(7, key),
-                                  Path(tmp_path) / key)
+        assert got == MemberSpec(member.number, member.asked.params, trial_seed(7, key),
+                                 Path(tmp_path) / key)
+    assert len({got.seed for got in ran}) == len(ran)  # no two members share a seed
 
 
 class _AllAtOnce(Regression):

@@ -19,6 +19,7 @@ from test_runner import SPACE, Regression
 
 import scamp_jax
 from scamp_jax._signals import interruptible, left_behind, stops_held
+from scamp_jax.hpo.runner import load_model
 from scamp_jax.hpo.study import storage_url
 from scamp_jax.space import SearchSpace
 
@@ -257,7 +258,10 @@ def test_a_trial_that_completes_while_the_study_stops_is_told_complete(tmp_path)
     study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
     first = study.trials[0]
     assert sent and first.state == optuna.trial.TrialState.COMPLETE, first.state
-    assert first.value is not None and first.value >= 0
+    # its score is its trained model's (not a placeholder): the saved model scores it again
+    assert first.value is not None and first.value == first.user_attrs["metrics"]["mse"]
+    model = load_model(tmp_path / first.user_attrs["checkpoint"], SPACE, first.params)
+    assert reference.evaluate(model)["mse"] == pytest.approx(first.value, rel=1e-5)
     assert optuna.trial.TrialState.RUNNING not in [t.state for t in study.trials]
 
 

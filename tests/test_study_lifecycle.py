@@ -2,8 +2,9 @@
 
 A process runs a study (the MLP stand-in of ``test_runner`` through `run_search`, inside the
 entry points' error handler `experiments._cli.user_errors`), is stopped with SIGTERM once a trial
-has finished, is rerun with other steps (refused, the record untouched; in this process, through
-the same handler), then rerun with the same settings to the end. The record only grows.
+has finished and the other has trained a while, is rerun with other steps (refused, the record
+untouched; in this process, through the same handler), then rerun with the same settings to the
+end, where the stopped trial resumes from the checkpoint SIGTERM saved. The record only grows.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from optuna.trial import TrialState
 from test_runner import SPACE, Regression
 
 from experiments._cli import user_errors
+from scamp_jax.hpo.checkpoint import newest_step
 from scamp_jax.hpo.session import run_search
 from scamp_jax.hpo.settings import SearchSettings
-from scamp_jax.hpo.study import storage_url
+from scamp_jax.hpo.study import CHECKPOINT_KEY, storage_url
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,10 +54,12 @@ TESTS = ROOT / "tests"
 
 #: The study: two trials, one at a time (fixed policy, two devices each). A trial of a planned
 #: architecture compiles nothing, so the second trial is all training: long enough that SIGTERM,
-#: sent once the first has finished, lands inside it.
+#: sent once the first has finished and the second has reported its first evaluation (step
+#: 1000), lands inside it. No checkpoint before a trial's end: a stopped trial's only one is
+#: the one SIGTERM saved.
 STEPS = 6000
 SETTINGS = {"trials": 2, "max_batch_size": 16, "policy": "fixed", "devices_per_trial": 2,
-            "sampler": "random", "pruner": "none", "checkpoint_every": 1000}
+            "sampler": "random", "pruner": "none", "checkpoint_every": 0, "eval_every": 1000}
 
 
 def _settings(study_dir: str | Path, steps: int) -> SearchSettings:
@@ -92,9 +96,10 @@ def test_sigterm_checkpoints_writes_results_and_a_rerun_appends(tmp_path, capsys
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
-        if (study_dir / "study.db").exists() and any(
-                t.state == TrialState.COMPLETE for t in _trials(study_dir)):
-            break
+        trials = _trials(study_dir) if (study_dir / "study.db").exists() else []
+        if any(t.state == TrialState.COMPLETE for t in trials) and any(
+                t.state == TrialState.RUNNING and t.intermediate_values for t in trials):
+            break  # one finished and the other trains
         time.sleep(0.5)
     assert proc.poll() is None, "the study ended before SIGTERM"
     proc.send_signal(signal.SIGTERM)
@@ -106,8 +111,12 @@ def test_sigterm_checkpoints_writes_results_and_a_rerun_appends(tmp_path, capsys
     assert payload["runs"][0]["elapsed_s"] > 0
     finished = [r["number"] for r in payload["trials"]]
     assert finished, payload
-    # the trials SIGTERM stopped (running, or asked and waiting for devices)
+    # the trial SIGTERM stopped (the one training), and the step of the checkpoint it saved
     stopped = sorted(t.number for t in _trials(study_dir) if t.state == TrialState.FAIL)
+    assert len(stopped) == 1, _trials(study_dir)
+    [key] = [t.user_attrs[CHECKPOINT_KEY] for t in _trials(study_dir) if t.number in stopped]
+    saved = newest_step(study_dir / "checkpoints" / key)
+    assert saved is not None and saved >= 1000, saved  # past its first evaluation
 
     with pytest.raises(SystemExit) as refused, user_errors():
         run_search(SPACE, Regression(), _settings(study_dir, steps=30),
@@ -126,12 +135,11 @@ def test_sigterm_checkpoints_writes_results_and_a_rerun_appends(tmp_path, capsys
     assert len(payload["trials"]) == 2
     # the rerun says which stopped trials it runs again, and the results say which row is whose
     said = [line for line in again.stdout.splitlines() if "stopped by an earlier run" in line]
-    assert len(said) == (1 if stopped else 0), again.stdout
-    if stopped:
-        named = f"trial {stopped[0]}," if len(stopped) == 1 else f"trials {stopped},"
-        assert named in said[0], said
-    assert sorted(r["retry_of"] for r in payload["trials"] if r["retry_of"] is not None) \
-        == stopped
+    assert len(said) == 1, again.stdout
+    assert f"trial {stopped[0]}," in said[0], said
+    # its retry trained on from the SIGTERM's checkpoint, not from the start
+    assert [(r["retry_of"], r["resumed_from"]) for r in payload["trials"]
+            if r["retry_of"] is not None] == [(stopped[0], saved)]
     assert set(finished) <= {r["number"] for r in payload["trials"]}
     for row in payload["trials"]:  # relative to the study, so a copied folder finds them
         assert row["checkpoint"] and not Path(row["checkpoint"]).is_absolute()
