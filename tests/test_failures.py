@@ -318,6 +318,27 @@ def test_a_stream_of_other_batch_sizes_fails_its_trial_saying_so(tmp_path):
             in row["reason"]), row["reason"]
 
 
+def test_a_batch_of_other_samples_fails_its_trial_naming_the_shapes(tmp_path):
+    # A later batch of 7 features where the step was compiled for 8 met JAX's "argument types
+    # differ ... enable_x64 mode" error, whose first line (the reason) cut the shapes off.
+    reference = Regression()
+
+    def narrower_third(batch_size, seed):
+        for i, (x, y) in enumerate(reference.batches(batch_size, seed)):
+            yield (x[:, :7], y) if i == 2 else (x, y)
+
+    task = scamp_jax.FunctionTask(metric="mse", direction="minimize", loss_fn=reference.loss_fn,
+                                  batches=narrower_third, evaluate=reference.evaluate)
+    scamp_jax.run_study(SPACE, task, trials=1, study_dir=tmp_path, **{**KW, "steps": 5})
+    [row] = json.loads((tmp_path / "results.json").read_text())["trials"]
+    b = row["batch_size"]
+    assert row["state"] == "failed" and (
+        f"task.batches({b}, " in row["reason"]
+        and f"yielded a batch whose array 0 has shape ({b}, 7), samples of shape (7,); the "
+        "task's sample_batch gives them the shape (8,), which the step was planned and "
+        "compiled for" in row["reason"]), row["reason"]
+
+
 def test_a_score_that_is_no_number_fails_its_trial_naming_it(tmp_path):
     reference = Regression()
     task = scamp_jax.FunctionTask(metric="mse", direction="minimize", loss_fn=reference.loss_fn,

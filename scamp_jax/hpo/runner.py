@@ -418,18 +418,42 @@ def own_random_streams(state: tuple[Any, Any, Any], index: int) -> tuple[Any, An
     return params, opt_state, jax.tree.map(fold, rest)
 
 
-def _of_size(batch: Any, batch_size: int, seed: int) -> Any:
-    """``batch`` if every array of it holds ``batch_size`` samples on its leading axis, else a
-    `ValueError`: a stream of other sizes would train other batches than the plan's (which
-    the study books and reports), or run out of memory at a size it never planned."""
-    for i, leaf in enumerate(jax.tree.leaves(batch)):
+def _of_size(batch: Any, batch_size: int, seed: int,
+             samples: Sequence[tuple[int, ...]] | None = None) -> Any:
+    """``batch`` if every array of it holds ``batch_size`` samples on its leading axis, of the
+    shapes ``samples`` (one sample's shape per array, the task's ``sample_batch``; None: not
+    checked), else a `ValueError`: a stream of other sizes would train other batches than the
+    plan's (which the study books and reports), or run out of memory at a size it never
+    planned; samples of another shape would meet a step compiled for the planned ones (JAX's
+    error then speaks of argument types and x64 modes)."""
+    leaves = jax.tree.leaves(batch)
+    for i, leaf in enumerate(leaves):
         shape = tuple(getattr(leaf, "shape", ()))
         if not shape or shape[0] != batch_size:
             raise ValueError(
                 f"task.batches({batch_size}, {seed}) yielded a batch whose array {i} has shape "
                 f"{shape}; every array of a batch must hold the {batch_size} samples asked for "
                 "on its leading axis (the plan's batch, which the study books and reports)")
+        if samples is not None and i < len(samples) and shape[1:] != samples[i]:
+            raise ValueError(
+                f"task.batches({batch_size}, {seed}) yielded a batch whose array {i} has shape "
+                f"{shape}, samples of shape {shape[1:]}; the task's sample_batch gives them the "
+                f"shape {samples[i]}, which the step was planned and compiled for")
+    if samples is not None and len(leaves) != len(samples):
+        raise ValueError(
+            f"task.batches({batch_size}, {seed}) yielded a batch of {len(leaves)} arrays; the "
+            f"task's sample_batch has {len(samples)}, which the step was planned and compiled "
+            "for")
     return batch
+
+
+def _sample_shapes(task: Task) -> list[tuple[int, ...]] | None:
+    """One sample's shape per array of ``task``'s batches (its ``sample_batch``); None where
+    it gives none."""
+    try:
+        return [tuple(leaf.shape[1:]) for leaf in jax.tree.leaves(task.sample_batch(1))]
+    except (AttributeError, TypeError, ValueError):
+        return None
 
 
 def _batches(task: Task, batch_size: int, seed: int,
@@ -438,13 +462,14 @@ def _batches(task: Task, batch_size: int, seed: int,
     that ends is an error that says so (a run draws as many batches as it trains steps, and
     more after a restart)."""
     drawn = 0
+    samples = _sample_shapes(task)
     if share is None:
         for drawn, batch in enumerate(task.batches(batch_size, seed), 1):  # noqa: B007
-            yield _of_size(batch, batch_size, seed)
+            yield _of_size(batch, batch_size, seed, samples)
     else:
         index, parts = share
         for drawn, batch in enumerate(task.batches(batch_size * parts, seed), 1):  # noqa: B007
-            batch = _of_size(batch, batch_size * parts, seed)
+            batch = _of_size(batch, batch_size * parts, seed, samples)
             yield jax.tree.map(lambda x: x[index * batch_size : (index + 1) * batch_size], batch)
     raise ValueError(f"the task's batches({batch_size * (share[1] if share else 1)}, {seed}) "
                      f"ended after {drawn} batch(es); it must yield batches for as long as it "
