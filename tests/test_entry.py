@@ -220,6 +220,23 @@ def test_results_with_scores_that_are_not_finite_are_strict_json(tmp_path):
     json.loads((tmp_path / "best_model" / "trial.json").read_text(), parse_constant=refuse)
 
 
+def test_a_configuration_suggest_prunes_is_said(tmp_path, capsys):
+    # it counts as Optuna counts it, but nothing trains it: it had no line of its own
+    def suggest(trial):
+        width = trial.suggest_categorical("width", [16, 32])
+        if width == 16:
+            raise optuna.TrialPruned("width 16 is refused")
+        return {"width": width, "learning_rate": 1e-2}
+
+    space = scamp_jax.SearchSpace("mlp-refusing", suggest, SPACE.build,
+                                  grid={"width": [16, 32], "learning_rate": [1e-2]})
+    scamp_jax.run_study(space, function_task(), trials=2, steps=2, study_dir=tmp_path,
+                        devices=2, memory_per_device="64MiB", max_batch_size=16,
+                        sampler="grid", live=False)
+    out = capsys.readouterr().out
+    assert "pruned by the search space's suggest: width 16 is refused" in out, out
+
+
 def test_an_evaluate_that_returns_a_number_is_told_what_to_return(tmp_path):
     reference = Regression()
     task = scamp_jax.FunctionTask(metric="mse", direction="minimize",

@@ -70,6 +70,11 @@ class Intake:
         """The next trial; None when there is none now (the study is full: ``exhausted``, or
         the source said to ask again later: ``ask_at``)."""
         asked = self.source.ask()
+        rejected = getattr(self.source, "rejected", None)  # the Optuna source's; none remote
+        while rejected:
+            line = rejected.pop(0)
+            if self.on_notice is not None:
+                self.on_notice(line)
         if isinstance(asked, AskLater):
             self.ask_at = time.monotonic() + asked.seconds
             self.later = asked

@@ -123,6 +123,9 @@ class OptunaTrialSource:
                 "ask together; open the study with open_study(...) or use siblings=0")
         self.siblings = int(siblings)
         self.training_keys = frozenset(training_keys)
+        #: a line per trial ``suggest`` pruned (it counts, but nothing trains it), for the
+        #: engine to say (`scamp_jax.hpo.intake.Intake.ask` takes them)
+        self.rejected: list[str] = []
         self.study: optuna.Study = handle.study if handle else study  # type: ignore[assignment]
         self.space = space
         self.n_trials = n_trials
@@ -391,6 +394,9 @@ class OptunaTrialSource:
                 except optuna.TrialPruned as err:
                     self._close_unsuggested(trial, TrialState.PRUNED,
                                             f"pruned by the search space's suggest: {err}")
+                    self.rejected.append(
+                        f"trial {trial.number} pruned by the search space's suggest"
+                        + (f": {err}" if str(err) else " (it raised optuna.TrialPruned)"))
                     return _REJECTED
                 except BaseException:
                     self._close_unsuggested(trial, TrialState.FAIL, INTERRUPTED)
