@@ -237,6 +237,22 @@ def test_a_configuration_suggest_prunes_is_said(tmp_path, capsys):
     assert "pruned by the search space's suggest: width 16 is refused" in out, out
 
 
+def test_a_batch_that_scales_a_trial_down_to_a_few_steps_is_said(tmp_path, caplog):
+    # reference_batch with the planner's default cap: a trial at batch 65,536 trained one
+    # step, with nothing said
+    import logging
+
+    from scamp_jax.hpo.settings import EngineConfig
+
+    config = EngineConfig(steps=20, reference_batch=32)
+    with caplog.at_level(logging.WARNING, logger="scamp_jax.hpo.settings"):
+        assert config.steps_for(64) == 10 and not caplog.records
+        assert config.steps_for(65536) == config.steps_for(65536) == 1
+    [said] = [r.getMessage() for r in caplog.records]
+    assert said.startswith("a trial at batch 65536 trains 1 step(s) (steps=20 at "
+                           "reference_batch=32, scaled to its batch); pass max_batch_size")
+
+
 def test_an_evaluate_that_returns_a_number_is_told_what_to_return(tmp_path):
     reference = Regression()
     task = scamp_jax.FunctionTask(metric="mse", direction="minimize",

@@ -15,6 +15,7 @@ This module is a leaf: it imports neither JAX nor Optuna, so ``import scamp_jax`
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 from collections.abc import Mapping, Sequence
@@ -205,7 +206,10 @@ class EngineConfig:
         """Training steps of a trial at global ``batch_size`` (see ``reference_batch``)."""
         if self.reference_batch is None:
             return self.steps
-        return max(1, math.ceil(self.steps * self.reference_batch / batch_size))
+        steps = max(1, math.ceil(self.steps * self.reference_batch / batch_size))
+        if steps < min(self.steps, FEW_STEPS):
+            _say_few_steps(steps, batch_size, self.steps, self.reference_batch)
+        return steps
 
     def interval_for(self, every: int, batch_size: int) -> int:
         """``every`` steps at ``reference_batch`` (``checkpoint_every``, ``eval_every``) as
@@ -215,6 +219,23 @@ class EngineConfig:
         if not every or self.reference_batch is None:
             return every
         return max(1, round(every * self.reference_batch / batch_size))
+
+
+#: Fewer training steps than this, where ``reference_batch`` scaled a trial's steps down to
+#: them, are said (once per batch): a batch as large as memory allows may be far larger than
+#: the data (the planner's default cap is 65,536 samples).
+FEW_STEPS = 10
+_SAID_FEW: set[tuple[int, int, int]] = set()
+
+
+def _say_few_steps(steps: int, batch: int, reference_steps: int, reference_batch: int) -> None:
+    if (batch, reference_steps, reference_batch) in _SAID_FEW:
+        return
+    _SAID_FEW.add((batch, reference_steps, reference_batch))
+    logging.getLogger(__name__).warning(
+        "a trial at batch %d trains %d step(s) (steps=%d at reference_batch=%d, scaled to its "
+        "batch); pass max_batch_size to keep its batch, and its steps, nearer the reference",
+        batch, steps, reference_steps, reference_batch)
 
 
 @dataclass(frozen=True, kw_only=True)
