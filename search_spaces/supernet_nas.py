@@ -596,6 +596,8 @@ def train_for_nas(
         shared0, warm_losses = warm_up_shared(
             layout, shared0, lr, hr, steps=config.shared_warmup, optimizer=optimizer
         )
+        if comm is not None:  # rank 0's warm-up for every rank: one truth, whatever kernels
+            shared0 = comm.bcast(np.asarray(shared0) if root else None, root=0)
         warmup = {
             "warmup_steps": config.shared_warmup,
             "warmup_seconds": time.perf_counter() - started,
@@ -607,8 +609,8 @@ def train_for_nas(
         "offload": config.offload, "train_shared": config.train_shared,
         "num_microbatches": config.microbatches, "optimizer": optimizer}
     if comm is not None:
-        # Each rank drew its own patches and warmed its own stem up: ranks that differ there
-        # (another copy of the photographs on another host) would train apart or wait forever.
+        # Each rank drew its own patches and subnets: ranks that differ there (another copy
+        # of the photographs on another host) would train apart or wait forever.
         from scamp_jax.distributed.pipeline import check_ranks_pass_the_same
 
         start: dict[str, Any] = ({"initial_state": state} if state is not None else
@@ -822,9 +824,10 @@ def run_nas_mpi(
 ) -> dict[str, Any] | None:
     """`run_nas` with pipeline stage ``s`` on MPI rank ``s`` (collective).
 
-    Every rank draws the same subnets and patches (same seed), warms the stem and head up alike,
-    and trains its stage on a `scamp_jax.distributed.MPIPipelineExecutor`; ranks whose patches,
-    subnets or starting weights differ (another copy of the photographs on one host) are
+    Every rank draws the same subnets and patches (same seed), takes rank 0's warm-up of the
+    stem and head, and trains its stage on a `scamp_jax.distributed.MPIPipelineExecutor`;
+    ranks whose patches, subnets or starting weights differ (another copy of the photographs
+    on one host) are
     refused before training, with one `ValueError` naming what differs
     (`scamp_jax.distributed.check_ranks_pass_the_same`). Rank 0 then evaluates the subnets,
     prints the tables and writes ``results.json`` / ``results.png`` as `run_nas` does, plus

@@ -237,12 +237,16 @@ def test_a_configuration_suggest_prunes_is_said(tmp_path, capsys):
     assert "pruned by the search space's suggest: width 16 is refused" in out, out
 
 
-def test_a_batch_that_scales_a_trial_down_to_a_few_steps_is_said(tmp_path, caplog):
+def test_a_batch_that_scales_a_trial_down_to_a_few_steps_is_said(tmp_path, caplog,
+                                                                 monkeypatch):
     # reference_batch with the planner's default cap: a trial at batch 65,536 trained one
     # step, with nothing said
     import logging
 
+    from scamp_jax.hpo import settings
     from scamp_jax.hpo.settings import EngineConfig
+
+    monkeypatch.setattr(settings, "_SAID_FEW", set())  # said once per process: not said yet
 
     config = EngineConfig(steps=20, reference_batch=32)
     with caplog.at_level(logging.WARNING, logger="scamp_jax.hpo.settings"):

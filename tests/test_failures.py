@@ -334,9 +334,9 @@ def test_a_batch_of_other_samples_fails_its_trial_naming_the_shapes(tmp_path):
     b = row["batch_size"]
     assert row["state"] == "failed" and (
         f"task.batches({b}, " in row["reason"]
-        and f"yielded a batch whose array 0 has shape ({b}, 7), samples of shape (7,); the "
-        "task's sample_batch gives them the shape (8,), which the step was planned and "
-        "compiled for" in row["reason"]), row["reason"]
+        and f"yielded a batch whose array 0 has shape ({b}, 7), samples of shape (7,); its "
+        "first batch's had the shape (8,), which the step was compiled for: every batch of a "
+        "stream must hold samples of one shape" in row["reason"]), row["reason"]
 
 
 def test_a_score_that_is_no_number_fails_its_trial_naming_it(tmp_path):

@@ -286,6 +286,21 @@ def test_tasks_of_one_class_whose_evaluations_differ_get_their_own_plans(tmp_pat
     assert plans[1].eval_peak_bytes == alone.eval_peak_bytes > plans[0].eval_peak_bytes
 
 
+def test_a_methods_identity_holds_the_instance_values_it_reads_only():
+    # a counter the evaluation does not read would give every trial another plan key
+    class Counting:
+        def __init__(self, reps: int) -> None:
+            self.reps, self.calls = reps, 0
+
+        def eval_forward(self, model: Any, x: Any) -> Any:
+            return jnp.tile(model(x), (1, self.reps))
+
+    one, again, other = Counting(1), Counting(1), Counting(64)
+    again.calls = 7
+    assert function_identity(one.eval_forward) == function_identity(again.eval_forward)
+    assert function_identity(one.eval_forward) != function_identity(other.eval_forward)
+
+
 def test_a_functions_identity_is_the_same_in_another_process():
     code = ("from scamp_jax.planning.plan_cache import function_identity\n"
             "def pick(m, x):\n"

@@ -321,6 +321,11 @@ def test_a_study_keeps_the_metric_its_values_are(tmp_path):
     with pytest.raises(ValueError, match=r"study 'toy' in the storage scores its trials by "
                        r"'accuracy', not 'error'; a study keeps its metric"):
         open_study("toy", study_dir=tmp_path, direction="maximize", metric="error")
+    # a rerun refused for its settings stores no metric in a study that had none
+    open_study("old", study_dir=tmp_path, settings={"steps": 10})
+    with pytest.raises(StudySettingsError):
+        open_study("old", study_dir=tmp_path, settings={"steps": 20}, metric="error")
+    open_study("old", study_dir=tmp_path, settings={"steps": 10}, metric="accuracy")
 
 
 def test_a_warm_start_outside_a_drawn_range_is_kept_and_said(caplog):
@@ -468,7 +473,8 @@ def test_siblings_of_a_configuration_with_derived_values_share_its_architecture(
 
     def derived(trial: optuna.Trial) -> dict[str, Any]:
         width = trial.suggest_categorical("width", [8, 16, 32])
-        return {"width": width, "learning_rate": trial.suggest_float("learning_rate", 1e-3, 1e-1),
+        # a training key derived from a parameter of another name: the sampler's for each
+        return {"width": width, "learning_rate": 10 ** trial.suggest_float("log10_lr", -3, -1),
                 "activation": np.tanh, "hidden": np.int64(width) * 2}
 
     space = SearchSpace("derived", derived, build=lambda c, r: None)

@@ -72,7 +72,7 @@ class Intake:
         asked = self.source.ask()
         rejected = getattr(self.source, "rejected", None)  # the Optuna source's; none remote
         while rejected:
-            line = rejected.pop(0)
+            line = rejected.popleft()
             if self.on_notice is not None:
                 self.on_notice(line)
         if isinstance(asked, AskLater):

@@ -421,10 +421,10 @@ def own_random_streams(state: tuple[Any, Any, Any], index: int) -> tuple[Any, An
 def _of_size(batch: Any, batch_size: int, seed: int,
              samples: Sequence[tuple[int, ...]] | None = None) -> Any:
     """``batch`` if every array of it holds ``batch_size`` samples on its leading axis, of the
-    shapes ``samples`` (one sample's shape per array, the task's ``sample_batch``; None: not
+    shapes ``samples`` (one sample's shape per array, the stream's first batch's; None: not
     checked), else a `ValueError`: a stream of other sizes would train other batches than the
     plan's (which the study books and reports), or run out of memory at a size it never
-    planned; samples of another shape would meet a step compiled for the planned ones (JAX's
+    planned; samples of another shape would meet a step compiled for the first batch's (JAX's
     error then speaks of argument types and x64 modes)."""
     leaves = jax.tree.leaves(batch)
     for i, leaf in enumerate(leaves):
@@ -437,23 +437,19 @@ def _of_size(batch: Any, batch_size: int, seed: int,
         if samples is not None and i < len(samples) and shape[1:] != samples[i]:
             raise ValueError(
                 f"task.batches({batch_size}, {seed}) yielded a batch whose array {i} has shape "
-                f"{shape}, samples of shape {shape[1:]}; the task's sample_batch gives them the "
-                f"shape {samples[i]}, which the step was planned and compiled for")
+                f"{shape}, samples of shape {shape[1:]}; its first batch's had the shape "
+                f"{samples[i]}, which the step was compiled for: every batch of a stream must "
+                "hold samples of one shape")
     if samples is not None and len(leaves) != len(samples):
         raise ValueError(
-            f"task.batches({batch_size}, {seed}) yielded a batch of {len(leaves)} arrays; the "
-            f"task's sample_batch has {len(samples)}, which the step was planned and compiled "
-            "for")
+            f"task.batches({batch_size}, {seed}) yielded a batch of {len(leaves)} arrays; its "
+            f"first batch had {len(samples)}, which the step was compiled for")
     return batch
 
 
-def _sample_shapes(task: Task) -> list[tuple[int, ...]] | None:
-    """One sample's shape per array of ``task``'s batches (its ``sample_batch``); None where
-    it gives none."""
-    try:
-        return [tuple(leaf.shape[1:]) for leaf in jax.tree.leaves(task.sample_batch(1))]
-    except (AttributeError, TypeError, ValueError):
-        return None
+def _sample_shapes(batch: Any) -> list[tuple[int, ...]]:
+    """One sample's shape per array of ``batch``."""
+    return [tuple(getattr(leaf, "shape", ()))[1:] for leaf in jax.tree.leaves(batch)]
 
 
 def _batches(task: Task, batch_size: int, seed: int,
@@ -461,15 +457,16 @@ def _batches(task: Task, batch_size: int, seed: int,
     """The task's batch stream, or this process's contiguous part of a global stream; a stream
     that ends is an error that says so (a run draws as many batches as it trains steps, and
     more after a restart)."""
-    drawn = 0
-    samples = _sample_shapes(task)
+    drawn, samples = 0, None
     if share is None:
         for drawn, batch in enumerate(task.batches(batch_size, seed), 1):  # noqa: B007
             yield _of_size(batch, batch_size, seed, samples)
+            samples = samples or _sample_shapes(batch)
     else:
         index, parts = share
         for drawn, batch in enumerate(task.batches(batch_size * parts, seed), 1):  # noqa: B007
             batch = _of_size(batch, batch_size * parts, seed, samples)
+            samples = samples or _sample_shapes(batch)
             yield jax.tree.map(lambda x: x[index * batch_size : (index + 1) * batch_size], batch)
     raise ValueError(f"the task's batches({batch_size * (share[1] if share else 1)}, {seed}) "
                      f"ended after {drawn} batch(es); it must yield batches for as long as it "
@@ -495,16 +492,20 @@ def _stored_shapes(checkpointer: Any, item: Path) -> list[tuple[int, ...]] | Non
 
 
 def _derived_again(space: SearchSpace, params: Mapping[str, Any]) -> dict[str, Any]:
-    """``params`` with what ``space.suggest`` derives from them added (its values win over
-    stored copies: a tuple the study stored as a list is a tuple again); ``params`` alone
-    where ``suggest`` cannot take them (they name other parameters, or it prunes them)."""
+    """``params`` with the keys it lacks that ``space.suggest`` derives from them (what the
+    study could not store); a stored value is kept. ``params`` alone where ``suggest`` cannot
+    take them (they name other parameters, or it prunes them)."""
+    import warnings
+
     import optuna
 
     try:
-        derived = space.suggest(optuna.trial.FixedTrial(dict(params)))
+        with warnings.catch_warnings():  # a value outside a drawn range: stored, so kept
+            warnings.simplefilter("ignore")
+            derived = space.suggest(optuna.trial.FixedTrial(dict(params)))
     except (ValueError, KeyError, TypeError, optuna.TrialPruned):
         return dict(params)
-    return {**params, **derived} if isinstance(derived, Mapping) else dict(params)
+    return {**derived, **params} if isinstance(derived, Mapping) else dict(params)
 
 
 def load_model(
@@ -514,12 +515,12 @@ def load_model(
 
     ``params`` is the trial's configuration (``best_model/trial.json`` holds it). The model is
     rebuilt from ``space`` and its parameters and other state are read back on the default
-    device. Where ``space.suggest`` derives values from the parameters it draws (a function
-    chosen by name, a NumPy number: the study stores only what JSON holds), they are derived
-    again by calling it on ``params`` (`optuna.trial.FixedTrial`); ``params`` it cannot take
-    are built as given. It comes in evaluation mode, as the study scored it
-    (``model.eval()``: dropout off, batch norm on its running averages); call
-    ``model.train()`` to train it further.
+    device. Where ``space.suggest`` derives values from the parameters it draws that the
+    study could not store (a function chosen by name: it stores what JSON holds), the keys
+    ``params`` lacks are derived again by calling it on ``params``
+    (`optuna.trial.FixedTrial`); ``params`` it cannot take are built as given. It comes in
+    evaluation mode, as the study scored it (``model.eval()``: dropout off, batch norm on its
+    running averages); call ``model.train()`` to train it further.
     """
     import orbax.checkpoint as ocp
 

@@ -143,9 +143,10 @@ def function_identity(fn: Callable[..., Any]) -> str:
     a digest of its code, with the plain values it closes over (numbers, strings, and tuples of
     them), so that two lambdas, or two classes of one name in two modules, are told apart by
     what they compute; stable across processes (no addresses). A bound method is its
-    function with the plain values its instance holds (a task's scale, its number of flipped
-    copies: two tasks of one class that differ there evaluate other programs); what else an
-    instance holds enters only through the shapes it hands the planner."""
+    function with the plain values of its instance that it reads (a task's scale, its number
+    of flipped copies: two tasks of one class that differ there evaluate other programs; a
+    counter it does not read leaves the key alone); what else an instance holds enters only
+    through the shapes it hands the planner."""
     func = getattr(fn, "__func__", fn)
     name = (f"{getattr(func, '__module__', '')}."
             f"{getattr(func, '__qualname__', type(func).__qualname__)}")
@@ -163,10 +164,20 @@ def function_identity(fn: Callable[..., Any]) -> str:
             digest.update(repr(value).encode())
         digest.update(b"\0")
     held = getattr(getattr(fn, "__self__", None), "__dict__", None)
+    read = _names_read(code)
     for key, value in sorted((held or {}).items()):
-        if _plain(value):
+        if key in read and _plain(value):  # what this function reads, not a counter elsewhere
             digest.update(f"{key}={value!r}\0".encode())
     return f"{name}:{digest.hexdigest()[:16]}"
+
+
+def _names_read(code: Any) -> set[str]:
+    """The attribute and global names ``code`` and the functions defined in it use."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _names_read(const)
+    return names
 
 
 def _plain(value: Any) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import json
@@ -124,8 +125,9 @@ class OptunaTrialSource:
         self.siblings = int(siblings)
         self.training_keys = frozenset(training_keys)
         #: a line per trial ``suggest`` pruned (it counts, but nothing trains it), for the
-        #: engine to say (`scamp_jax.hpo.intake.Intake.ask` takes them)
-        self.rejected: list[str] = []
+        #: engine to say (`scamp_jax.hpo.intake.Intake.ask` takes them; the last 64 are kept
+        #: where none takes them, a study served to MPI ranks)
+        self.rejected: collections.deque[str] = collections.deque(maxlen=64)
         self.study: optuna.Study = handle.study if handle else study  # type: ignore[assignment]
         self.space = space
         self.n_trials = n_trials
@@ -404,10 +406,12 @@ class OptunaTrialSource:
                 if proposed and self.siblings:
                     room = self.n_trials - finished - running - 1 - held
                     count = max(0, min(self.siblings, room))
-                    # the sampler's parameters, not suggest's whole configuration: what
-                    # suggest derives from them (a function, a NumPy value) it derives again
+                    # the sampler's parameters that are keys of the configuration (what
+                    # suggest derives, a function or a NumPy value, it derives again, and a
+                    # parameter a training key is derived from, e.g. a log10_lr, stays the
+                    # sampler's), not suggest's whole configuration, which Optuna stores
                     fixed = {k: v for k, v in trial.params.items()
-                             if k not in self.training_keys}
+                             if k in asked.params and k not in self.training_keys}
                     self._held.setdefault(asker, []).extend(
                         (asked.number, dict(fixed)) for _ in range(count))
                     self._record_held(asked.number)
@@ -570,7 +574,9 @@ def check_initial_params(space: SearchSpace, initial: Sequence[Mapping[str, Any]
     of a categorical's choices) and a key it neither draws nor returns (a misspelling) are
     refused before the study stores them (a queued configuration that ``suggest`` refuses
     would be queued again on every run). A value outside a range ``suggest`` draws from is
-    kept, as Optuna keeps it, and said. Keys left out are drawn by the sampler."""
+    kept, as Optuna keeps it, and said. Keys left out are drawn by the sampler. ``suggest``
+    runs once per configuration, on a scratch study in memory (a ``suggest`` that keeps state
+    of its own between calls sees that call)."""
     for i, params in enumerate(initial):
         where = f"initial_params[{i}] = {dict(params)!r}"
         with quiet_study_creation(), quiet_optuna():

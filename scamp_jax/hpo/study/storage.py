@@ -395,18 +395,17 @@ def open_study(
             f"direction={study.direction.name.lower()!r} (the task's direction), or start "
             "another study (another study name, study directory or storage)"
         )
-    if metric is not None:
-        scored = study.user_attrs.get(METRIC_KEY)
-        if scored is None:
-            study.set_user_attr(METRIC_KEY, metric)
-        elif scored != metric:
-            raise ValueError(
-                f"study {study_name!r} in the storage scores its trials by {scored!r}, not "
-                f"{metric!r}; a study keeps its metric (its values and its best trial are "
-                f"{scored!r}'s): score the task by {scored!r}, or start another study "
-                "(another study name, study directory or storage)")
+    scored = study.user_attrs.get(METRIC_KEY)
+    if metric is not None and scored is not None and scored != metric:
+        raise ValueError(
+            f"study {study_name!r} in the storage scores its trials by {scored!r}, not "
+            f"{metric!r}; a study keeps its metric (its values and its best trial are "
+            f"{scored!r}'s): score the task by {scored!r}, or start another study "
+            "(another study name, study directory or storage)")
     if settings is not None:
         _check_settings(study, settings)
+    if metric is not None and scored is None:  # stored once nothing refused the run
+        study.set_user_attr(METRIC_KEY, metric)
     return StudyHandle(study, rdb, AskLock(url, study_name))
 
 
@@ -427,13 +426,14 @@ def forget_settings_if_unused(study: optuna.Study) -> bool:
     """Forget the settings ``study`` was created with where no trial of it ever ran (none
     complete, pruned or running; those there are only the misfits a budget too small for any
     candidate gave back), so that a rerun with a larger budget, as that error advises, starts
-    it with its own settings. True where they were forgotten."""
+    it with its own settings (and metric). True where they were forgotten."""
     used = study.get_trials(deepcopy=False, states=(
         optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED,
         optuna.trial.TrialState.RUNNING))
     if used or study.user_attrs.get(SETTINGS_KEY) is None:
         return False
     study.set_user_attr(SETTINGS_KEY, None)
+    study.set_user_attr(METRIC_KEY, None)
     return True
 
 
