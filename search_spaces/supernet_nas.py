@@ -827,8 +827,7 @@ def run_nas_mpi(
     Every rank draws the same subnets and patches (same seed), takes rank 0's warm-up of the
     stem and head, and trains its stage on a `scamp_jax.distributed.MPIPipelineExecutor`;
     ranks whose patches, subnets or starting weights differ (another copy of the photographs
-    on one host) are
-    refused before training, with one `ValueError` naming what differs
+    on one host) are refused before training, with one `ValueError` naming what differs
     (`scamp_jax.distributed.check_ranks_pass_the_same`). Rank 0 then evaluates the subnets,
     prints the tables and writes ``results.json`` / ``results.png`` as `run_nas` does, plus
     ``mpi_ranks`` and the ``stage_ranks``. ``losses`` and ``params_sha256`` equal those of the

@@ -345,7 +345,7 @@ def check_ranks_pass_the_same(
     `train_supernet` settings (``options``, starting weights or state included; ``on_tick``
     may differ). Every MPI pipeline runs it before it trains: `train_supernet_mpi`, and the
     supernet experiment's ``--mpi`` (`search_spaces.supernet_nas.train_for_nas`), whose
-    ranks each draw their patches and warm their stem up themselves."""
+    ranks each draw their own patches and subnets (and take rank 0's warm-up)."""
     with failures_end_every_rank(comm):
         digests = _arguments_of_every_rank(layout, subnets, lr_batches, hr_batches, options)
     _check_ranks_agree(comm, digests)

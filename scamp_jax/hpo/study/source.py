@@ -541,8 +541,8 @@ def _stored_configuration(params: Mapping[str, Any],
     """What `CONFIGURATION` stores for a trial: the whole configuration where ``suggest``
     returned keys Optuna did not draw (None: Optuna's ``params`` are all of it). A value JSON
     cannot hold (the storage's format; NumPy scalars are stored as Python numbers) is left
-    out, said once per key: `load_model` derives
-    it again through ``suggest`` from the parameters Optuna drew."""
+    out, said once per key: `load_model` derives it again through ``suggest`` from the
+    parameters Optuna drew."""
     if all(k in drawn for k in params):
         return None
     whole = {}
@@ -579,10 +579,7 @@ def check_initial_params(space: SearchSpace, initial: Sequence[Mapping[str, Any]
     of its own between calls sees that call)."""
     for i, params in enumerate(initial):
         where = f"initial_params[{i}] = {dict(params)!r}"
-        with quiet_study_creation(), quiet_optuna():
-            study = optuna.create_study()  # in memory: what the study's first ask would do
-        study.enqueue_trial(dict(params))
-        trial = study.ask()
+        trial = _scratch_trial(params=params)  # what the study's first ask would give
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
@@ -612,9 +609,7 @@ def check_grid(space: SearchSpace, sampler: str, seed: int) -> None:
         return
     from scamp_jax.hpo.study.samplers import make_sampler
 
-    with quiet_study_creation(), quiet_optuna():
-        study = optuna.create_study(sampler=make_sampler("grid", seed, space.grid))
-    trial = study.ask()
+    trial = _scratch_trial(make_sampler("grid", seed, space.grid))
     try:
         space.suggest(trial)
     except optuna.TrialPruned:
@@ -627,3 +622,14 @@ def check_grid(space: SearchSpace, sampler: str, seed: int) -> None:
             f"the search space's grid gives values for {grid}, but suggest also draws a "
             f"parameter it lacks ({err}); give SearchSpace(grid=...) the values of every "
             "parameter suggest draws") from None
+
+
+def _scratch_trial(sampler: optuna.samplers.BaseSampler | None = None,
+                   params: Mapping[str, Any] | None = None) -> optuna.Trial:
+    """A trial of a study in memory (with ``params`` queued first), on which a space's
+    ``suggest`` is tried before the real study stores anything."""
+    with quiet_study_creation(), quiet_optuna():
+        study = optuna.create_study(sampler=sampler)
+    if params is not None:
+        study.enqueue_trial(dict(params))
+    return study.ask()
