@@ -205,3 +205,47 @@ def test_prefetch_runs_ahead_when_allowed():
     pf_late = np.argwhere(late.column("prefetch_slot") >= 0)[:, 0].sum()
     pf_early = np.argwhere(early.column("prefetch_slot") >= 0)[:, 0].sum()
     assert pf_early < pf_late
+
+
+@pytest.mark.parametrize("cap", [1, 2, 3])
+def test_csp_max_inflight_bounds_the_subnets_started_on_stage_0(cap):
+    from scamp_jax.pipeline.csp import csp_schedule, split_layers
+    from scamp_jax.pipeline.schedules import (
+        BACKWARD,
+        FORWARD,
+        sequential_schedule,
+        validate_schedule,
+    )
+
+    subnets = [(i % 5,) * 8 for i in range(12)]  # mostly disjoint: CSP would overlap S of them
+    bounds = split_layers(8, 4)
+    sched = csp_schedule(subnets, bounds, max_inflight=cap)
+    validate_schedule(sched)
+    ticks = sched.op_ticks()
+    for t in range(sched.ticks):
+        inflight = [b for b in range(12)
+                    if ticks[(b, 0, FORWARD, 0)] <= t <= ticks[(b, 0, BACKWARD, 0)]]
+        assert len(inflight) <= cap, (t, inflight)
+    if cap == 1:  # documented: 1 gives sequential order
+        assert sched.ticks == sequential_schedule(12, 4).ticks
+
+
+def test_a_window_slot_is_free_again_right_after_its_write_back():
+    """Sequential without look-ahead: one subnet resident per stage at a time; CSP's window is
+    the peak count of subnets between their prefetch and their write-back on a stage."""
+    from scamp_jax.pipeline.csp import csp_schedule, split_layers
+    from scamp_jax.pipeline.program import build_program
+    from scamp_jax.pipeline.schedules import BACKWARD, FORWARD, sequential_schedule
+
+    subnets = [(i % 3,) * 4 for i in range(6)]
+    bounds = split_layers(4, 2)
+    assert build_program(sequential_schedule(6, 2), subnets, bounds,
+                         prefetch_ahead=0).window_slots == 1
+    sched = csp_schedule(subnets, bounds)
+    prog = build_program(sched, subnets, bounds, prefetch_ahead=0)
+    ticks = sched.op_ticks()
+    for s in range(2):
+        spans = [(ticks[(b, s, FORWARD, 0)], ticks[(b, s, BACKWARD, 0)]) for b in range(6)]
+        peak = max(sum(f <= t <= last for f, last in spans) for t in range(sched.ticks))
+        used = {int(x) for x in prog.column("window_slot")[:, s][prog.column("kind")[:, s] > 0]}
+        assert len(used) == peak

@@ -308,3 +308,25 @@ def test_the_tail_plan_ends_a_long_queued_trial_early_to_restart_the_longest_one
     assert plan.makespan == pytest.approx(max(m.end(*plan.restarts[m.key])
                                               for m in pair + trio))
     assert plan.makespan < 320
+
+
+def test_trials_sharing_a_device_do_not_both_grow_past_its_memory():
+    from scamp_jax.scheduling.elastic import Resize, RunningTrial, place_steps, resizes
+    from scamp_jax.scheduling.placement import DeviceOption, Placement, ScampPolicy, TrialRequest
+
+    pool = DevicePool([8 * GIB] * 3)
+    for key in (0, 1):
+        pool.allocate(Placement(key, (0,)), TrialRequest(key, 1, 3 * GIB, key))
+    a = RunningTrial(0, (0,), 3 * GIB, 100.0, (DeviceOption(2, 5 * GIB, 50.0),))
+    b = RunningTrial(1, (0,), 3 * GIB, 90.0, (DeviceOption(2, 5 * GIB, 45.0),))
+    out = resizes(ScampPolicy(), pool.snapshot(), [a, b], queue_empty=True,
+                  arrivals_pending=False)
+    assert out == (Resize(0, (0, 1), DeviceOption(2, 5 * GIB, 50.0)),)
+    for r in out:  # applying them in order fits the pool
+        pool.release(r.key)
+        pool.allocate(Placement(r.key, r.device_ids),
+                      TrialRequest(r.key, len(r.device_ids), r.option.bytes_per_device, 0))
+    # place_steps alone: the second trial's own device no longer holds its new plan.
+    steps = [(a, [a.options[0]]), (b, [b.options[0]])]
+    assert [r.key for r in place_steps((8 * GIB,) * 3, [1, 2], [2 * GIB, 8 * GIB, 8 * GIB],
+                                       steps)] == [0]

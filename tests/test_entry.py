@@ -481,6 +481,31 @@ def test_a_budget_too_small_for_any_candidate_leaves_the_study_free_to_start_aga
         scamp_jax.run_study(SPACE, function_task(), trials=3, memory_per_device="1KiB", **kw)
 
 
+def test_a_rerun_whose_first_candidates_do_not_fit_fails_them_and_finishes_the_study(
+        tmp_path):
+    """Once a study trained trials at its budget (which it stores, so a rerun cannot raise
+    it), a misfit in a later run is the configuration's own: it fails for good and the run
+    goes on, where it was given back and asked first by every rerun, each stopping with
+    `BudgetTooSmallError`."""
+    def suggest(trial: optuna.Trial) -> dict:
+        return {"width": trial.suggest_categorical("width", [16, 300_000]),
+                "learning_rate": trial.suggest_float("learning_rate", 1e-3, 3e-2, log=True)}
+
+    space = scamp_jax.SearchSpace("mlp", suggest, SPACE.build)
+    kw = dict(steps=2, study_dir=tmp_path, live=False, max_batch_size=8, devices=1,
+              memory_per_device="2MiB", sampler="random")
+    first = [{"width": 16, "learning_rate": 1e-2}, {"width": 16, "learning_rate": 2e-2},
+             *({"width": 300_000, "learning_rate": lr} for lr in (1e-2, 2e-2, 3e-3))]
+    assert scamp_jax.run_study(space, function_task(), trials=2, initial_params=first,
+                               **kw)["trials_this_run"] == 2
+    done = scamp_jax.run_study(space, function_task(), trials=6, **kw)
+    rows = json.loads((tmp_path / "results.json").read_text())["trials"]
+    misfits = [r for r in rows if r["params"]["width"] == 300_000]
+    assert len(misfits) == 3 and all(r["state"] == "failed" for r in misfits), misfits
+    assert all(r["reason"].startswith("does not fit") for r in misfits), misfits
+    assert len(rows) == 6 and done["trials_this_run"] == 4
+
+
 def test_a_run_that_fails_before_any_trial_ran_leaves_the_study_free_to_start_again(
         tmp_path, monkeypatch):
     """Whatever stops a run before any trial ran (here a full disk as the engine starts: a

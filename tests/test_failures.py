@@ -103,6 +103,33 @@ def test_with_no_limit_every_trial_fails_with_its_traceback_in_results_json(tmp_
     assert "traceback" not in table[0] and "(at test_failures.py:36)" in table[0]["reason"]
 
 
+def test_an_error_of_the_users_suggest_keeps_the_finished_trials_in_results_json(tmp_path):
+    """A bug in ``suggest`` that ends the run after trials finished: the error goes on, and
+    ``results.json`` / ``results.csv`` hold those trials and the run, with why it stopped."""
+    calls = []
+
+    def suggest(trial: optuna.Trial) -> dict:
+        calls.append(trial.number)
+        if len(calls) == 4:
+            raise ZeroDivisionError("a bug in suggest")
+        return SPACE.suggest(trial)
+
+    space = scamp_jax.SearchSpace("mlp", suggest, SPACE.build)
+    with pytest.raises(ZeroDivisionError, match="a bug in suggest"):
+        scamp_jax.run_study(space, _task(), trials=6, study_dir=tmp_path, devices=1,
+                            max_running_trials=1, **KW)
+    study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
+    complete = [t.number for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(complete) == 3, [t.state for t in study.trials]
+    record = json.loads((tmp_path / "results.json").read_text())
+    assert [r["number"] for r in record["trials"] if r["state"] == "complete"] == complete
+    run = record["run"]
+    assert run["stopped"] == "error" and run["interrupted"] is True
+    assert run["error"].startswith("ZeroDivisionError: a bug in suggest (at test_failures.py:")
+    with open(tmp_path / "results.csv", newline="") as handle:
+        assert len([r for r in csv.DictReader(handle) if r["state"] == "complete"]) == 3
+
+
 def _outcome(number: int, state: str = "failed", reason: str = "E: x (at t.py:1)",
              raised: bool = True) -> TrialOutcome:
     return TrialOutcome(number, state, value=1.0 if state == "complete" else None,
@@ -251,6 +278,44 @@ def test_a_ctrl_c_says_whether_a_rerun_resumes(capsys):
             raise KeyboardInterrupt
         assert stop.value.code == 130
         assert said in capsys.readouterr().err
+
+
+def test_a_trial_that_completes_while_the_guard_stops_the_run_leaves_the_failures_retried(
+        tmp_path):
+    """The guard trips while another trial is in its final evaluation, which completes while
+    the run stops: that trial is kept complete, and the failures go back to the study as the
+    error says (a completion told during the stop would have told them failed for good)."""
+    import threading
+    import time
+
+    reference = Regression()
+    failed = []
+    three_failed = threading.Event()
+
+    def evaluate(model) -> dict[str, float]:
+        if model.hidden.kernel.shape[1] == 64:  # the slow trial: evaluating while it trips
+            three_failed.wait(timeout=120)
+            time.sleep(3)
+            return reference.evaluate(model)
+        failed.append(1)
+        if len(failed) >= 3:
+            three_failed.set()
+        raise ValueError("a bug in evaluate")
+
+    first = [{"width": 64, "learning_rate": 1e-2},
+             *({"width": 16, "learning_rate": lr} for lr in (1e-3, 2e-3, 3e-3))]
+    with pytest.raises(scamp_jax.RepeatedFailureError) as caught:
+        scamp_jax.run_study(SPACE, _task(evaluate), trials=4, study_dir=tmp_path, devices=4,
+                            initial_params=first, max_running_trials=4, **KW)
+    assert sorted(caught.value.trials) == [1, 2, 3]
+    study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
+    states = {t.number: (t.state, t.user_attrs.get(FAIL_REASON)) for t in study.trials}
+    assert states[0][0] == optuna.trial.TrialState.COMPLETE, states
+    for number in (1, 2, 3):
+        assert states[number] == (optuna.trial.TrialState.FAIL, INTERRUPTED), states
+    done = scamp_jax.run_study(SPACE, _task(), trials=4, study_dir=tmp_path, devices=4,
+                               initial_params=first, max_running_trials=4, **KW)
+    assert done["trials_this_run"] == 3  # the three given back, trained again
 
 
 def test_a_ctrl_c_gives_held_failures_back(tmp_path):

@@ -20,6 +20,7 @@ from test_runner import SPACE, Regression, make_plan
 
 from scamp_jax.hpo.engine import EngineConfig, SearchEngine
 from scamp_jax.hpo.fused_engine import latest_checkpoint_step
+from scamp_jax.hpo.lifecycle import MemberSpec
 from scamp_jax.hpo.runner import RunSpec, StepCache, make_optimizer, run_trial, trial_seed
 from scamp_jax.hpo.settings import SearchSettings
 from scamp_jax.hpo.study import SIBLING_OF, OptunaTrialSource, open_study
@@ -338,6 +339,63 @@ def test_trials_that_set_other_optimizer_hyperparameters_are_not_fused_together(
     assert [t.user_attrs["fused_group"] for t in trials] == [None, 1, 1]
 
 
+def test_trials_whose_build_reads_another_value_are_not_fused_together(tmp_path):
+    """A value ``build`` reads that no graph holds (an initialisation scale) makes trials of
+    one program differ: a group builds its members with one configuration, so they train
+    apart, each as its solo run, and the trials that share every value but the optimizer's
+    are fused."""
+    def suggest(trial: optuna.Trial) -> dict:
+        return {"width": 16,
+                "init_scale": trial.suggest_categorical("init_scale", [0.1, 3.0]),
+                "learning_rate": trial.suggest_float("learning_rate", 1e-3, 3e-2, log=True)}
+
+    def build(config: dict, rngs: nnx.Rngs) -> nnx.Module:
+        model = SPACE.build({"width": config["width"]}, rngs)
+        model.hidden.kernel.set_value(model.hidden.kernel.get_value() * config["init_scale"])
+        return model
+
+    space = SearchSpace("mlp-scaled", suggest, build)
+    handle = open_study("scaled", study_dir=tmp_path, direction="minimize", sampler="random",
+                        pruner="none", seed=0)
+    for scale, lr in ((0.1, 1e-2), (3.0, 1e-2), (0.1, 2e-2), (3.0, 2e-2), (0.1, 3e-3)):
+        handle.study.enqueue_trial({"init_scale": scale, "learning_rate": lr})
+    source = OptunaTrialSource(handle, space, 5, root=tmp_path)
+    config = EngineConfig(steps=5, budget=Budget(BUDGET), max_batch_size=16, log_every=5,
+                          fuse=2, seed=5)
+    SearchEngine(space, Regression(), source, config, devices=jax.devices()[:2],
+                 checkpoint_root=tmp_path / "ckpt").run()
+    source.close()
+    trials = handle.study.get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 5, [
+        t.user_attrs.get("fail_reason") for t in trials]
+    groups: dict[int, set] = {}
+    for t in trials:
+        if t.user_attrs["fused_group"] is not None:
+            groups.setdefault(t.user_attrs["fused_group"], set()).add(t.params["init_scale"])
+    assert len(groups) >= 1 and all(len(scales) == 1 for scales in groups.values()), groups
+    cache = StepCache()
+    for t in trials:
+        params = {"width": 16, **t.params}
+        plan = make_plan(params, jax.devices()[:1], max_batch=16)
+        solo = run_trial(RunSpec(t.number, params, plan, 5, BUDGET,
+                                 seed=trial_seed(5, t.user_attrs["checkpoint_key"])),
+                         space, Regression(), cache=cache)
+        rel = abs(solo.metrics["mse"] - t.value) / abs(solo.metrics["mse"])
+        assert rel <= 1e-5, (t.number, t.params, rel)
+
+
+def test_a_group_of_members_that_differ_in_a_value_build_reads_is_refused(tmp_path):
+    """`run_fused_group` refuses members that differ but for their optimizer
+    hyperparameters, naming the key, rather than build them all from the first."""
+    from scamp_jax.hpo.fused_runner import _check_architecture
+
+    members = [MemberSpec(0, {"width": 16, "init_scale": 0.1, "learning_rate": 1e-2}, seed=0),
+               MemberSpec(1, {"width": 16, "init_scale": 3.0, "learning_rate": 2e-2}, seed=1)]
+    mesh = make_plan({"width": 16}, jax.devices()[:1], max_batch=16).mesh
+    with pytest.raises(ValueError, match=r"differs from trial 0 .* in init_scale; a fused group"):
+        _check_architecture(SPACE, members, mesh)
+
+
 def test_without_fuse_nothing_is_grouped(tmp_path):
     study, source, engine = _study(tmp_path, trials=2, fuse=1)
     engine.run()
@@ -558,3 +616,8 @@ def test_plans_without_a_study_size_each_architectures_fused_group_as_the_engine
     solo = plan_candidates(SPACE, Regression(), dataclasses.replace(settings, fuse=None),
                            devices=jax.devices()[:1], memory_per_device=BUDGET, count=1)
     assert solo[0].fusion_width == 1 and solo[0].group_bytes_per_device == 0
+
+
+def test_groups_of_mixed_widths_take_the_smallest_width():
+    waiting = [FusionCandidate(k, "a", arrival=k, width=w) for k, w in enumerate((3, 2, 3, 3))]
+    assert form_groups(waiting) == ((0, 1), (2, 3))

@@ -336,7 +336,10 @@ def test_study_server_stores_checkpoint_paths_relative_to_the_study(tmp_path):
 def test_study_server_requeues_trials_a_dead_job_left_running(tmp_path):
     study, server, source = _local_source(tmp_path, n_trials=2)
     done, held = source.ask(), source.ask()
+    assert server._answer(1, ("trained", None)) == ("trained", False)
     source.tell(TrialOutcome(done.number, "complete", value=1.0))
+    # the study's budget held a candidate: a later misfit is its own (`Intake`), on any rank
+    assert server._answer(1, ("trained", None)) == ("trained", True) and source.trained_any()
     # `held` stays RUNNING, as when the rank running it is killed. The same command again:
     study2, server2, source2 = _local_source(tmp_path, n_trials=2)
     assert server2.stale_failed == [held.number] and server2.finished_before == 1
@@ -580,6 +583,28 @@ def test_a_spanning_trial_whose_evaluation_fails_on_another_rank_is_recorded_fai
     assert "rank 1 of its group" in trial["reason"], trial
     assert "rank 1's evaluation fails" in trial["reason"], trial
     assert [s for _, s, _ in _stored_trials(tmp_path)] == ["FAIL"]
+
+
+@pytest.mark.slow  # run with -m slow (README: Tests)
+@pytest.mark.mpi
+def test_a_rank_whose_guard_stops_the_job_records_the_run_as_one_process_does(
+    tmp_path, _needs_mpi
+):
+    """Rank 0's evaluation raises on every trial: its repeated-failure guard stops the job,
+    and ``results.json`` records the run, its error and the finished trials (rank 0 ended
+    with the error, where an interrupt alone had been recorded)."""
+    proc = _launch(tmp_path, 2, "--trials", "10", "--steps", "10", "--fail-eval-rank", "0",
+                   timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    assert "all failed with the same error" in output, output
+    results = _results(tmp_path)
+    run = results["run"]
+    assert run["stopped"] == "repeated failures" and run["ranks"] == 2, run
+    assert len(run["failures"]["trials"]) >= 3
+    assert "rank 0's evaluation fails" in run["failures"]["reason"]
+    complete = sorted(n for n, s, _ in _stored_trials(tmp_path) if s == "COMPLETE")
+    assert sorted(t["number"] for t in results["trials"] if t["state"] == "complete") == complete
 
 
 @pytest.mark.slow  # run with -m slow (README: Tests)

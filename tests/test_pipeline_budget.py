@@ -72,3 +72,37 @@ def test_a_cache_compiles_each_distinct_stage_step_once_across_plans() -> None:
     assert again == dataclasses.replace(first, compiles=0)
     assert ex_again is ex and cache.built == 2
     assert ex.is_compiled(*_shapes(4)) and not ex.is_compiled(*_shapes(2))
+
+
+def test_plan_steps_down_where_the_linear_fit_overestimates_the_batch():
+    """The compiled tick's bytes jump at a batch of 6 (e.g. XLA picks another algorithm): the fit
+    from batches 1 and 4 predicts 10, and the check against the compiled figure steps down. (The
+    executor is a stand-in whose bytes are a formula: nothing compiles.)"""
+    from types import SimpleNamespace
+
+    class Fake:
+        def __init__(self, model, **sizes):
+            self.sizes = sizes
+
+        def is_compiled(self, *shapes):
+            return False
+
+        def compiled_memory(self, input_shape, target_shape):
+            mb = input_shape[0]
+            return {"device_bytes": 1000 + 100 * mb + (10_000 if mb >= 6 else 0)
+                    + 4 * self.sizes["window_slots"]}
+
+        _stage_prefix = (2,)
+
+        def state_shapes(self):
+            import jax
+            w = self.sizes["window_slots"]
+            return {"window": {"p": jax.ShapeDtypeStruct((2, w, 1, 1), np.float32)}}
+
+    subnets = [(0, 1), (1, 0), (0, 0), (1, 1)]
+    plan, ex, _ = plan_schedule(
+        SimpleNamespace(num_layers=2), subnets, lambda mb: ((mb, 4, 4, 3), (mb, 8, 8, 3)),
+        schedule="csp", num_stages=2, budget_bytes=2100, lr_side=4, executor_class=Fake,
+        max_prefetch_ahead=0)
+    assert plan.device_bytes <= plan.budget_bytes
+    assert plan.batch_size == 5 and ex.sizes["microbatch_size"] == 5

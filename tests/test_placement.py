@@ -481,3 +481,28 @@ def test_indexed_decisions_equal_the_brute_force_rule(case) -> None:
                 pool.allocate(placement, queue.remove(placement.key))
             for done in sorted(pool.running)[:finishes]:
                 pool.release(done)
+
+
+def test_release_frees_the_bytes_of_a_trial_that_shared_its_device():
+    from scamp_jax.scheduling.placement import Placement, TrialRequest
+
+    pool = DevicePool([10 * GIB] * 2)
+    pool.allocate(Placement(1, (0,)), TrialRequest(1, 1, 6 * GIB, arrival=0))
+    pool.allocate(Placement(2, (0,)), TrialRequest(2, 1, 3 * GIB, arrival=1))
+    pool.release(1)
+    snap = pool.snapshot()
+    assert snap.used == (3 * GIB, 0)
+    assert dict(snap.levels)[1] == ((7 * GIB, 0),)
+    pool.allocate(Placement(3, (0,)), TrialRequest(3, 1, 7 * GIB, arrival=2))  # exactly fits
+    assert pool.snapshot().used == (10 * GIB, 0)
+
+
+def test_fixed_policy_head_blocks_on_a_pool_of_mixed_capacities():
+    from scamp_jax.scheduling.placement import FixedPolicy, Placement, TrialRequest
+
+    pool = DevicePool([60, 100])
+    pool.allocate(Placement(100, (1,)), TrialRequest(100, 1, 10, arrival=-1, exclusive=True))
+    queue = [TrialRequest(0, 1, 80, arrival=0), TrialRequest(1, 1, 50, arrival=1)]
+    # The head needs the 100-byte device (busy); the 50-byte trial would fit device 0 but
+    # must not overtake it (strict FIFO).
+    assert FixedPolicy(1).decide(pool.snapshot(), queue) == ()

@@ -336,3 +336,15 @@ def test_a_second_ctrl_c_stops_at_once_and_cleanly(tmp_path: Path) -> None:
             proc.wait()
     assert proc.returncode == 130, out
     assert "stopped at once: " in out and "Traceback" not in out, out
+
+
+def test_an_option_planned_on_another_device_count_is_refused():
+    from scamp_jax.planning.budget import Budget
+    from scamp_jax.scheduling import SchedulingCore, TrialPlan
+    from scamp_jax.scheduling.placement import ScampPolicy
+
+    mib = 2**20
+    core = SchedulingCore(ScampPolicy(), 4, Budget(100 * mib, 0.1))
+    core.planned(0.0, TrialPlan(0, 0, 1, 40 * mib, 10, grow_bytes=80 * mib))
+    core.option_planned(0, 4, TrialPlan(0, 0, 2, 30 * mib, 10))  # the planner fell back to 2
+    assert core.growth.plan(0, 4) is None and core.growth.refused(0, 4)

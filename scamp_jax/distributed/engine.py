@@ -46,7 +46,6 @@ under their checkpoint keys and completes the study without losing any finished 
 from __future__ import annotations
 
 import functools
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -65,7 +64,6 @@ from scamp_jax.distributed.spanning import (
 from scamp_jax.distributed.study import StudyClient, release_study, shared_study
 from scamp_jax.hpo.engine import SearchEngine, TrialDeferred
 from scamp_jax.hpo.failures import RepeatedFailureError
-from scamp_jax.hpo.intake import BudgetTooSmallError
 from scamp_jax.hpo.plan_service import PlanningService
 from scamp_jax.hpo.runner import make_optimizer
 from scamp_jax.hpo.study.trials import AskedTrial, AskLater, TrialOutcome
@@ -122,6 +120,10 @@ class RemoteTrialSource:
     def held_siblings(self, proposal: int) -> int:
         """Siblings of trial ``proposal`` rank 0 still holds for this rank."""
         return self.client.held_siblings(proposal)
+
+    def trained_any(self) -> bool:
+        """Whether a trial of the study trained, in any run (rank 0's study)."""
+        return self.client.trained_any()
 
     def close(self) -> None:
         """Tell rank 0 that this rank asks, reports and tells nothing more."""
@@ -270,19 +272,15 @@ def run_search_mpi(
         raise
 
 
-def _record_interrupted(session: Any, server: Any, result: Any, elapsed_s: float,
-                        ranks: int) -> None:
-    """Rank 0's record of an interrupted run (`StudySession.report_interrupted`): its engine's
-    figures, up to the interrupt or, when it came while rank 0 waited for the other ranks,
-    the whole of its own run; a failure to write it is said and the interrupt goes on."""
+def _record_stopped(session: Any, server: Any, result: Any, elapsed_s: float,
+                    ranks: int, err: BaseException) -> None:
+    """Rank 0's record of a run ``err`` stopped (`StudySession.record_ending`): its engine's
+    figures, up to the stop or, when it came while rank 0 waited for the other ranks, the
+    whole of its own run."""
     if session.interrupted_result is None and result is not None:
         session.interrupted_result = result
-    try:
-        session.report_interrupted(server.source.study, elapsed_s, server.source.told,
-                                   ranks=ranks)
-    except Exception as err:  # noqa: BLE001 - the interrupt, not this, ends the job
-        print(f"rank 0 could not record the interrupted run: {type(err).__name__}: {err}",
-              file=sys.stderr, flush=True)
+    session.record_ending(server.source.study, elapsed_s, server.source.told, err,
+                          ranks=ranks)
 
 
 def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any,
@@ -324,15 +322,9 @@ def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any
             checkpoint_root=session.out_dir / "checkpoints",
             log=session.say) if spanning else []
         spanning_s = time.monotonic() - start
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Exception) as err:
         if server is not None:  # rank 0 records the run, as a single process does
-            _record_interrupted(session, server, result, time.monotonic() - started, size)
-        raise
-    except Exception as err:
-        # as a single process: only misfits came, or no trial was asked: it may start anew
-        if server is not None and (isinstance(err, BudgetTooSmallError)
-                                   or not server.source.study.get_trials(deepcopy=False)):
-            session.forget_if_unused(server.source.study)
+            _record_stopped(session, server, result, time.monotonic() - started, size, err)
         raise
     summaries = comm.gather(summary, root=0)
     if server is None:

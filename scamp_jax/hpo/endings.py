@@ -201,16 +201,17 @@ class Endings:
         except KeyboardInterrupt as err:  # stopped while waiting: the trials still go back
             stopped = err
         with stops_held():  # every trial goes back, then a stop goes on
+            # held failures may be a bug's (a Ctrl-C may be the user who saw it): retried,
+            # also when a run told complete below would have told them failed
+            held = self.failures.take_held()
             running = self._tell_finished(runs)
             if discard and stopped is None:
                 # A bug in the task: what these trials trained under it is not resumed. The
                 # runs have ended; it goes before the trials go back, where another process
                 # could ask their retries; trials that waited keep their earlier checkpoints.
-                for number in dict.fromkeys([*(o.number for o in self.failures.held),
-                                             *running]):
+                for number in dict.fromkeys([*(o.number for o in held), *running]):
                     self._discard_checkpoints(number)
-            # held failures may be a bug's (a Ctrl-C may be the user who saw it): retried
-            self.failures.give_back_held()
+            self.failures.give_back_held(held)
             for number in dict.fromkeys([*running, *waiting]):  # once each
                 self.source.interrupt(number)
         if stopped is not None:

@@ -130,7 +130,16 @@ class RepeatedFailures:
         while self.held:
             self._tell(self.held.pop(0))
 
-    def give_back_held(self) -> None:
-        """Give the held trials back to the study (a stop): the next run retries them."""
-        while self.held:
-            self._give_back(self.held.pop(0).number)
+    def take_held(self) -> list[TrialOutcome]:
+        """The held failures, no longer held (a stop takes them first, so that a trial told
+        complete while it stops cannot tell them failed: `give_back_held`)."""
+        held, self.held = self.held, []
+        return held
+
+    def give_back_held(self, held: list[TrialOutcome] | None = None) -> None:
+        """Give the held trials (or ``held``, `take_held`'s) back to the study (a stop): the
+        next run retries them."""
+        if held is None:
+            held = self.held
+        while held:
+            self._give_back(held.pop(0).number)

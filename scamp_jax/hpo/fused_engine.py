@@ -52,7 +52,7 @@ from scamp_jax.hpo.plan_service import PlanningService
 from scamp_jax.hpo.program_key import injected_keys
 from scamp_jax.hpo.runner import make_optimizer
 from scamp_jax.hpo.study.trials import AskedTrial
-from scamp_jax.hpo.trial import OPTIMIZER_KEYS, PlannedTrial, ending
+from scamp_jax.hpo.trial import PlannedTrial, ending, model_config
 from scamp_jax.hpo.trial import fusion_cap as fusion_cap
 from scamp_jax.hpo.units import Formed, GroupUnit, SoloUnit, Unit
 from scamp_jax.planning import planner
@@ -76,18 +76,21 @@ def latest_checkpoint_step(directory: Path | None, batch_size: int | None = None
     return newest_step(directory, steps) or 0
 
 
-def _arch_text(params: Mapping[str, Any]) -> str:
-    """The architecture part of a configuration (every key but the optimizer's), as text."""
-    return repr(sorted((k, repr(v)) for k, v in params.items() if k not in OPTIMIZER_KEYS))
-
-
 @dataclass(frozen=True)
 class MemberInfo:
-    """What grouping needs of a planned trial (found in a planner thread)."""
+    """What grouping needs of a planned trial (found in a planner thread).
+
+    ``signature`` is the program's key (`FusionService.signature`), which sizes the group;
+    ``config`` the rest of the configuration (`scamp_jax.hpo.trial.model_config`): members of
+    a group share both, as the group builds its members' initial state with one ``build`` of
+    the configuration (which may read any of its values, e.g. an initialisation scale no graph
+    holds).
+    """
 
     signature: Any
     resume_step: int
     fusion: FusionPlan | None  # None: it cannot be fused (runs alone)
+    config: tuple[tuple[str, str], ...] = ()
 
 
 class FusionService:
@@ -114,7 +117,7 @@ class FusionService:
         self.checkpoint_root, self.plan_cache = checkpoint_root, plan_cache
         self.held_siblings = held_siblings or (lambda proposal: 0)
         self._lock = threading.Lock()
-        self._signatures: dict[str, Any] = {}
+        self._signatures: dict[tuple[tuple[str, str], ...], Any] = {}
         # planner threads with one family's members plan it once
         self._plans: OncePerKey[FusionPlan | None] = OncePerKey()
         self._info: dict[int, MemberInfo] = {}
@@ -169,7 +172,7 @@ class FusionService:
         batch = int(plan.batch_size) if fusion is None else fusion.batch_size
         resume = latest_checkpoint_step(checkpoint_dir, batch,
                                         self.planning.config.steps_for(batch))
-        info = MemberInfo(signature, resume, fusion)
+        info = MemberInfo(signature, resume, fusion, model_config(params))
         with self._lock:
             self._info[number] = info
         return plan
@@ -179,7 +182,7 @@ class FusionService:
         signature (`signature_key`, computed once per architecture) and the optimizer
         hyperparameters it sets (`injected_keys`), which a group's members hold as data, so
         every member must set the same ones."""
-        arch = _arch_text(params)
+        arch = model_config(params)
         with self._lock:
             signature = self._signatures.get(arch)
         if signature is None:
@@ -268,13 +271,14 @@ class FusionService:
         for number, planned in self._forming.items():
             info = self.info(number)
             width = info.fusion.width if info is not None and info.fusion is not None else 1
-            keys[number] = (None, number) if info is None else (info.signature, info.resume_step)
+            keys[number] = ((None, number) if info is None else
+                           (info.signature, info.config, info.resume_step))
             candidates.append(FusionCandidate(number, keys[number], planned.arrival, width))
         # Members on their way: trials of the same architecture being planned (siblings
         # asked, a resumed group's members), or siblings the study still holds (not asked
         # yet). Hold the last group for them, unless nothing could bring them any more. A
         # sibling the space rejected, or whose plan failed, is neither.
-        archs = {_arch_text(p) for p in planning}
+        archs = {model_config(p) for p in planning}
         held: dict[int, bool] = {}  # proposal with siblings -> whether the study holds any
 
         def holds(family: int) -> bool:
@@ -286,7 +290,7 @@ class FusionService:
 
         expecting = set() if stalled else {
             keys[n] for n, p in self._forming.items()
-            if _arch_text(p.asked.params) in archs or holds(self._family.get(n, n))}
+            if model_config(p.asked.params) in archs or holds(self._family.get(n, n))}
         groups: list[Unit] = []
         for group in form_groups(candidates, expecting=expecting):
             members = tuple(self._forming.pop(n) for n in group)

@@ -55,7 +55,7 @@ from scamp_jax.hpo.runner import (
     make_optimizer,
     peak_bytes,
 )
-from scamp_jax.hpo.trial import OPTIMIZER_KEYS, RunResult, TrialStatus
+from scamp_jax.hpo.trial import OPTIMIZER_KEYS, RunResult, TrialStatus, model_config
 from scamp_jax.planning import sharding as sh
 from scamp_jax.planning.evaluation import EvalCompiler
 from scamp_jax.planning.fusion import (
@@ -207,22 +207,23 @@ def signature_key(signature: tuple[Any, Any]) -> str:
 
 def _check_architecture(space: SearchSpace, members: Sequence[MemberSpec],
                         mesh: jax.sharding.Mesh) -> nnx.GraphDef:
-    """The members' common graph definition; raises if any member builds another program."""
-    signatures = []
-    built: dict[str, Any] = {}  # configurations equal but for optimizer keys build once
-    for m in members:
-        arch = repr(sorted((k, repr(v)) for k, v in m.params.items() if k not in OPTIMIZER_KEYS))
-        if arch not in built:
-            built[arch] = architecture_signature(space, m.params, mesh)
-        signatures.append(built[arch])
-    for m, g in zip(members[1:], signatures[1:], strict=True):
-        if signature_key(g) != signature_key(signatures[0]):
+    """The members' common graph definition; raises if any member builds another program,
+    or sets another value than the first member for a key that is not an optimizer's: the
+    group builds every member's initial state with the first member's configuration, and
+    ``build`` may read any of its values (an initialisation scale changes no graph)."""
+    first = members[0]
+    arch = model_config(first.params)
+    for m in members[1:]:
+        other = model_config(m.params)
+        if other != arch:
+            keys = sorted({k for k, _ in set(arch) ^ set(other)})
             raise ValueError(
-                f"trial {m.number} ({dict(m.params)}) builds another architecture than trial "
-                f"{members[0].number} ({dict(members[0].params)}); a fused group holds trials "
-                "of one architecture only: run it in its own group"
+                f"trial {m.number} ({dict(m.params)}) differs from trial {first.number} "
+                f"({dict(first.params)}) in {', '.join(keys)}; a fused group holds trials of one "
+                "configuration but for their optimizer hyperparameters "
+                f"({', '.join(OPTIMIZER_KEYS)}): run it in its own group"
             )
-    return signatures[0][0]
+    return architecture_signature(space, first.params, mesh)[0]
 
 
 def _take(tree: PyTree, index: np.ndarray, shardings: PyTree) -> PyTree:

@@ -35,8 +35,9 @@ class Intake:
 
     Args:
       source: the study's trial source.
-      nofit_limit: consecutive candidates that fit nowhere, with none fitting before, after
-        which the study stops with `BudgetTooSmallError`.
+      nofit_limit: consecutive candidates that fit nowhere, with none fitting before (in this
+        run, nor a trial of the study trained in an earlier one), after which the study stops
+        with `BudgetTooSmallError`.
       pool: ``(devices, bytes per device)`` of the pool, for that error's message.
       tell_failed: ``tell_failed(number)`` tells the study that trial ``number`` failed (its
         status holds the reason).
@@ -52,6 +53,7 @@ class Intake:
         #: trials whose plan raised `TrialDeferred`: ``(asked, exception)``, in planning order.
         self.deferred: list[tuple[AskedTrial, TrialDeferred]] = []
         self.ever_fit = False
+        self._trained: bool | None = None  # `_trained_before`, once asked
         self.nofit: list[tuple[int, str]] = []
         self.reset()
 
@@ -114,6 +116,8 @@ class Intake:
             return None
         except planner.DoesNotFitError as err:
             status.state, status.reason = "failed", f"does not fit: {err}"
+            if not self.ever_fit and self._trained_before():
+                self._fits()  # an earlier run trained trials at the study's budget
             if self.ever_fit:
                 self.tell_failed(asked.number)
                 return None
@@ -133,6 +137,15 @@ class Intake:
             return None
         self._fits()
         return plan
+
+    def _trained_before(self) -> bool:
+        """Whether the study trained a trial in an earlier run (asked once, at the first
+        misfit): its budget, a stored setting, holds candidates, so a misfit is the
+        configuration's own and not given back to be asked first on every rerun."""
+        if self._trained is None:
+            trained_any = getattr(self.source, "trained_any", None)  # a source of one's own
+            self._trained = bool(trained_any()) if trained_any is not None else False
+        return self._trained
 
     def _fits(self) -> None:
         """A candidate fits (here, or spanning ranks): misfits held back until then fail."""

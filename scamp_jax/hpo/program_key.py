@@ -29,7 +29,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from scamp_jax.hpo.trial import OPTIMIZER_KEYS
+from scamp_jax.hpo.trial import OPTIMIZER_KEYS, model_config
 from scamp_jax.planning.train_step import split_model
 
 
@@ -74,10 +74,7 @@ class ProgramKey:
            shapes: tuple[tuple[tuple[int, ...], str], ...] = ()) -> ProgramKey:
         """The key of configuration ``params`` whose model has ``graphdef`` (and its state
         ``shapes``, `state_shapes`: where a key is made from the model itself, `of_model`)."""
-        return cls(graphdef,
-                   tuple(sorted((k, repr(v)) for k, v in params.items()
-                                if k not in OPTIMIZER_KEYS)),
-                   injected_keys(params), shapes)
+        return cls(graphdef, model_config(params), injected_keys(params), shapes)
 
     @classmethod
     def of_model(cls, model: nnx.Module, params: Mapping[str, Any]) -> ProgramKey:

@@ -504,9 +504,9 @@ class StudySession:
         try:
             with study_compile_cache(self.study_dir, writer=self.rank == 0), view, recorder:
                 result = built.run()
-        except (KeyboardInterrupt, RepeatedFailureError):
-            # the interrupted run's record keeps its figures so far (`report_interrupted`);
-            # an interrupt before the engine set itself up has none
+        except (KeyboardInterrupt, Exception):
+            # the stopped run's record keeps its figures so far (`record_ending`); a stop
+            # before the engine set itself up has none
             try:
                 self.interrupted_result = built.result_so_far()
                 self.overhead = recorder.summary(self.interrupted_result)
@@ -599,6 +599,33 @@ class StudySession:
                              metric=self.task.metric, direction=self.task.direction,
                              run=None if idle else run_info)
 
+    def record_ending(self, study: optuna.Study, elapsed_s: float,
+                      trials_this_run: int | None, err: BaseException, **run: Any) -> None:
+        """The record of a run that ``err`` ended: every finished trial in ``results.json`` /
+        ``.csv`` and this run, with why it stopped (`report_interrupted`), for an interrupt,
+        the repeated-failure guard (its trials and error) or any other error (a bug in the
+        search space's ``suggest``, the storage's). A study where no trial ever ran (a budget
+        too small for any candidate, a run that failed before it asked a trial) forgets its
+        settings instead (`forget_if_unused`), so the rerun the error advises starts anew. A
+        failure to write the record is said; ``err`` goes on either way (``run``: more
+        entries of the run, e.g. ``ranks``)."""
+        from scamp_jax.hpo.intake import BudgetTooSmallError
+        from scamp_jax.hpo.trial import ending
+
+        if isinstance(err, RepeatedFailureError):
+            run.update(stopped="repeated failures", failures={
+                "trials": list(err.trials), "reason": err.reason, "traceback": err.traceback})
+        elif not isinstance(err, KeyboardInterrupt):
+            if isinstance(err, BudgetTooSmallError) or not study.get_trials(deepcopy=False):
+                self.forget_if_unused(study)
+                return
+            run.update(stopped="error", error=ending(err)[1])
+        try:
+            self.report_interrupted(study, elapsed_s, trials_this_run, **run)
+        except Exception as failure:  # noqa: BLE001 - the run's own error, not this, ends it
+            print(f"could not record the stopped run in {self.out_dir}: "
+                  f"{type(failure).__name__}: {failure}", file=sys.stderr, flush=True)
+
     def _metrics(self) -> list[str]:
         return [self.task.metric] + ([self.baseline] if self.baseline else [])
 
@@ -633,7 +660,6 @@ def run_search(
 def _run_search(space: SearchSpace, task: Task, settings: SearchSettings, **kwargs: Any
                 ) -> dict[str, Any]:
     from scamp_jax.distributed.mpi import launched_under_mpi
-    from scamp_jax.hpo.intake import BudgetTooSmallError
     kwargs["memory_per_device"] = held_budget(kwargs["devices"], kwargs["memory_per_device"])
     if launched_under_mpi():
         from scamp_jax.distributed.engine import run_search_mpi
@@ -645,19 +671,9 @@ def _run_search(space: SearchSpace, task: Task, settings: SearchSettings, **kwar
     started = time.monotonic()
     try:
         _, result = session.run_engine(source)
-    except (KeyboardInterrupt, RepeatedFailureError) as err:
-        # The record grows on an interrupt too: finished trials and this run's wall time.
-        stopped = {"stopped": "repeated failures", "failures": {
-            "trials": list(err.trials), "reason": err.reason, "traceback": err.traceback,
-        }} if isinstance(err, RepeatedFailureError) else {}
-        session.report_interrupted(source.study, time.monotonic() - started, source.told,
-                                   **stopped)
-        raise
-    except Exception as err:
-        # A budget too small for any candidate (only misfits came), or a run that failed
-        # before it asked for a trial: the rerun the error advises may start the study anew.
-        if isinstance(err, BudgetTooSmallError) or not source.study.get_trials(deepcopy=False):
-            session.forget_if_unused(source.study)
+    except (KeyboardInterrupt, Exception) as err:
+        # The record grows on a stop too: finished trials and this run's wall time.
+        session.record_ending(source.study, time.monotonic() - started, source.told, err)
         raise
     finally:
         source.close()

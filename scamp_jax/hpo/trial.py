@@ -29,6 +29,14 @@ from scamp_jax.scheduling.booking import booked_bytes as booked_bytes
 
 #: keys of a configuration that are optimizer hyperparameters, not architecture.
 OPTIMIZER_KEYS = ("learning_rate", "weight_decay", "b1", "b2")
+
+
+def model_config(params: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """Every key of configuration ``params`` but the optimizer's (`OPTIMIZER_KEYS`) with its
+    value as text, sorted: what trials that share a model's program and initial state share
+    (``build`` may read any of it)."""
+    return tuple(sorted((k, repr(v)) for k, v in params.items() if k not in OPTIMIZER_KEYS))
+
 #: widest group ``fuse="auto"`` plans (the planner may choose fewer).
 AUTO_FUSION_CAP = 8
 #: widest group any ``fuse`` asks for: the group's compile grows with its width (on CPU a fused

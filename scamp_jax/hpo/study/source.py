@@ -272,6 +272,14 @@ class OptunaTrialSource:
         for asker, held in list(self._held.items()):
             self._held[asker] = [(of, fixed) for of, fixed in held if of != proposal]
 
+    def trained_any(self) -> bool:
+        """Whether a trial of the study trained (complete, or pruned after steps) in any run:
+        the study's budget, which it stores, holds candidates."""
+        trials = self.study.get_trials(deepcopy=False,
+                                       states=(TrialState.COMPLETE, TrialState.PRUNED))
+        return any(t.state == TrialState.COMPLETE or t.user_attrs.get("steps")
+                   for t in trials)
+
     def finished(self) -> int:
         """Trials that count towards the total (complete, pruned, failed for their own reason)."""
         return self._counts()[0]

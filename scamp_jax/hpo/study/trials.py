@@ -138,6 +138,11 @@ class TrialSource(Protocol):
         """Mark a started trial as interrupted and queue its configuration to run again."""
         ...
 
+    def trained_any(self) -> bool:
+        """Whether a trial of the study trained in any run (so its budget holds candidates,
+        and a misfit is the configuration's own)."""
+        ...
+
     def held_siblings(self, proposal: int) -> int:
         """Siblings of trial ``proposal`` the source holds and has not handed out yet (0 once
         every one was asked, rejected by the space's ``suggest`` or given up). The engine asks
