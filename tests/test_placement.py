@@ -232,6 +232,12 @@ def _decide_and_check(policy, pool, queue, allowed, pending=True):
     queue = [r for r in queue if r.key not in started]
     snap = pool.snapshot()
     assert all(u <= c for u, c in zip(snap.used, snap.capacity, strict=True))
+    # the books are the running trials' bytes, device by device (a release frees its own)
+    booked = [0] * len(snap.capacity)
+    for key, placement in pool.running.items():
+        for d in placement.device_ids:
+            booked[d] += pool.request_of(key).bytes_per_device
+    assert list(snap.used) == booked
     if not pool.running and queue:
         pytest.fail(f"idle pool left {queue[0]} waiting")
     return queue
