@@ -189,6 +189,37 @@ def _damage(step_dir: Path) -> None:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # as below
+@pytest.mark.parametrize("damage", ["cut short", "overwritten"])
+def test_a_checkpoint_whose_data_is_cut_short_or_overwritten_is_unreadable(tmp_path, damage):
+    """Data cut short (a disk that filled up, a copy that stopped) or overwritten: orbax wraps
+    TensorStore's error in a bare ``Exception``, which the restore names `CheckpointUnreadable`
+    (so the trial sets it aside and resumes from the one before) with TensorStore's words."""
+    import jax
+    import jax.numpy as jnp
+
+    from scamp_jax.hpo.checkpoint import CheckpointUnreadable, TrialCheckpointer
+
+    state = {"w": jnp.arange(200_000, dtype=jnp.float32).reshape(400, 500), "b": jnp.ones(7)}
+    saved = TrialCheckpointer(tmp_path)
+    saved.save(5, state)
+    saved.close()
+    files = [p for p in (tmp_path / "5" / "default").rglob("*") if p.is_file()
+             and "d" in p.relative_to(tmp_path / "5" / "default").parts]
+    largest = max(files, key=lambda p: p.stat().st_size)
+    size = largest.stat().st_size
+    if damage == "cut short":
+        os.truncate(largest, size // 2)
+    else:
+        largest.write_bytes(os.urandom(size))
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        state)
+    with pytest.raises(CheckpointUnreadable, match=r"cannot be read .* orbax: ValueError: "
+                       r"[A-Z_]+: Error reading") as caught:
+        TrialCheckpointer(tmp_path).restore(like)
+    assert caught.value.step == 5 and "TensorStore details" not in str(caught.value)
+
+
 # A failed read leaves tensorstore's other reads of the checkpoint to finish on orbax's closed
 # event loop, which Python reports as unraisable "Event loop is closed" errors.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")

@@ -218,9 +218,10 @@ class TrialCheckpointer:
         target = to_storable(_abstract(like))
         try:
             stored = self._manager.restore(step, args=self._ocp.args.StandardRestore(target))
-        # orbax's words: tree structures, shapes, files missing (not a disk that failed to
-        # answer, or a permission: those are not the checkpoint's own and stay as they are)
-        except (ValueError, FileNotFoundError) as err:
+        except Exception as raised:  # noqa: BLE001 - re-raised unless the checkpoint's own
+            err = _checkpoints_own(raised)
+            if err is None:
+                raise
             found = "\n".join(line for line in str(err).rstrip().splitlines()
                               if "partial_restore" not in line)  # orbax's own argument
             found = found.split(" [tensorstore_spec")[0]  # the reader's whole JSON spec
@@ -240,6 +241,22 @@ class TrialCheckpointer:
         """Wait for the saves to be on disk, then release the manager's resources."""
         self.wait()
         self._manager.close()
+
+
+def _checkpoints_own(err: BaseException | None) -> BaseException | None:
+    """The error of ``err``'s chain that says the checkpoint itself cannot be read as asked,
+    or None. Orbax's words for that are `ValueError` (tree structures, shapes) and
+    `FileNotFoundError` (files missing); data cut short or overwritten is a `ValueError` of
+    TensorStore (``OUT_OF_RANGE``, ``FAILED_PRECONDITION``: "Error reading ... in OCDBT
+    database") that orbax wraps in a bare `Exception` ("Encountered error while reading array
+    index"). A disk that failed to answer or a permission is not the checkpoint's own."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, ValueError | FileNotFoundError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def copy_checkpoint(source: str | Path, destination: str | Path) -> Path:
