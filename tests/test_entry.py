@@ -506,6 +506,30 @@ def test_a_rerun_whose_first_candidates_do_not_fit_fails_them_and_finishes_the_s
     assert len(rows) == 6 and done["trials_this_run"] == 4
 
 
+def test_a_rerun_on_fewer_devices_than_its_trials_trained_on_may_still_be_too_small(tmp_path):
+    """The study trained its candidates model-parallel on 4 devices; a rerun on 1 device, where
+    none fits, stops as a budget too small for any candidate (its misfits go back to the
+    study) rather than fail the study's remaining trials for good."""
+    from scamp_jax.hpo.engine import BudgetTooSmallError
+
+    def suggest(trial: optuna.Trial) -> dict:
+        return {"width": trial.suggest_categorical("width", [20_000]),
+                "learning_rate": trial.suggest_float("learning_rate", 1e-3, 3e-2, log=True)}
+
+    space = scamp_jax.SearchSpace("mlp", suggest, SPACE.build)
+    kw = dict(steps=2, study_dir=tmp_path, live=False, max_batch_size=8,
+              memory_per_device="2MiB", sampler="random")
+    assert scamp_jax.run_study(space, function_task(), trials=2, devices=4,
+                               **kw)["trials_this_run"] == 2
+    rows = json.loads((tmp_path / "results.json").read_text())["trials"]
+    assert all(r["model_parallel"] >= 2 for r in rows), rows
+    with pytest.raises(BudgetTooSmallError, match="none of the first 3 candidates fits the "
+                       "pool of 1 devices"):
+        scamp_jax.run_study(space, function_task(), trials=6, devices=1, **kw)
+    rows = json.loads((tmp_path / "results.json").read_text())["trials"]
+    assert [r["state"] for r in rows] == ["complete"] * 2  # none failed for good
+
+
 def test_a_run_that_fails_before_any_trial_ran_leaves_the_study_free_to_start_again(
         tmp_path, monkeypatch):
     """Whatever stops a run before any trial ran (here a full disk as the engine starts: a

@@ -130,6 +130,22 @@ def test_an_error_of_the_users_suggest_keeps_the_finished_trials_in_results_json
         assert len([r for r in csv.DictReader(handle) if r["state"] == "complete"]) == 3
 
 
+def test_an_error_of_suggest_before_any_trial_ran_writes_nothing_and_keeps_no_settings(
+        tmp_path):
+    """``suggest`` raises on the study's first trial: nothing ran, so no results are written
+    and the study keeps no settings: the rerun after the fix may change them."""
+    def suggest(trial: optuna.Trial) -> dict:
+        raise ZeroDivisionError("a bug in suggest")
+
+    space = scamp_jax.SearchSpace("mlp", suggest, SPACE.build)
+    with pytest.raises(ZeroDivisionError, match="a bug in suggest"):
+        scamp_jax.run_study(space, _task(), trials=2, study_dir=tmp_path, devices=1, **KW)
+    assert not (tmp_path / "results.json").exists()
+    done = scamp_jax.run_study(SPACE, _task(), trials=2, study_dir=tmp_path, devices=1,
+                               **{**KW, "steps": 3})
+    assert done["trials_this_run"] == 2
+
+
 def _outcome(number: int, state: str = "failed", reason: str = "E: x (at t.py:1)",
              raised: bool = True) -> TrialOutcome:
     return TrialOutcome(number, state, value=1.0 if state == "complete" else None,
@@ -290,13 +306,15 @@ def test_a_trial_that_completes_while_the_guard_stops_the_run_leaves_the_failure
 
     reference = Regression()
     failed = []
-    three_failed = threading.Event()
+    slow_evaluating, three_failed = threading.Event(), threading.Event()
 
     def evaluate(model) -> dict[str, float]:
         if model.hidden.kernel.shape[1] == 64:  # the slow trial: evaluating while it trips
+            slow_evaluating.set()  # past its last step: the stop no longer reaches it
             three_failed.wait(timeout=120)
-            time.sleep(3)
+            time.sleep(3)  # the guard trips and the run stops meanwhile (milliseconds)
             return reference.evaluate(model)
+        slow_evaluating.wait(timeout=120)  # the others fail once it evaluates
         failed.append(1)
         if len(failed) >= 3:
             three_failed.set()

@@ -384,6 +384,30 @@ def test_trials_whose_build_reads_another_value_are_not_fused_together(tmp_path)
         assert rel <= 1e-5, (t.number, t.params, rel)
 
 
+def test_a_family_whose_choices_are_numpy_numbers_trains_as_one_group(tmp_path):
+    """A categorical of NumPy numbers: the sampler hands the proposal its choice
+    (``np.float64(2.0)``), the study's storage hands its siblings the JSON value (``2.0``);
+    they are one configuration, and the family trains as one group."""
+    import numpy as np
+
+    import scamp_jax
+    from scamp_jax.hpo.study import storage_url
+
+    ratios = list(np.array([2.0, 4.0]))
+
+    def suggest(trial: optuna.Trial) -> dict:
+        return {"width": 16, "ratio": trial.suggest_categorical("ratio", ratios),
+                "learning_rate": trial.suggest_float("learning_rate", 1e-3, 3e-2, log=True)}
+
+    space = SearchSpace("np", suggest, lambda c, rngs: SPACE.build({"width": 16}, rngs))
+    scamp_jax.run_study(space, Regression(), trials=4, steps=2, study_dir=tmp_path,
+                        live=False, devices=1, memory_per_device="64MiB", max_batch_size=8,
+                        sampler="random", fuse=4)
+    study = optuna.load_study(study_name="np", storage=storage_url(tmp_path))
+    assert [(t.user_attrs["fused_group"], t.user_attrs["fusion_width"])
+            for t in study.trials] == [(0, 4)] * 4
+
+
 def test_a_group_of_members_that_differ_in_a_value_build_reads_is_refused(tmp_path):
     """`run_fused_group` refuses members that differ but for their optimizer
     hyperparameters, naming the key, rather than build them all from the first."""

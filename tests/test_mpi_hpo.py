@@ -336,10 +336,12 @@ def test_study_server_stores_checkpoint_paths_relative_to_the_study(tmp_path):
 def test_study_server_requeues_trials_a_dead_job_left_running(tmp_path):
     study, server, source = _local_source(tmp_path, n_trials=2)
     done, held = source.ask(), source.ask()
-    assert server._answer(1, ("trained", None)) == ("trained", False)
-    source.tell(TrialOutcome(done.number, "complete", value=1.0))
-    # the study's budget held a candidate: a later misfit is its own (`Intake`), on any rank
-    assert server._answer(1, ("trained", None)) == ("trained", True) and source.trained_any()
+    assert server._answer(1, ("trained", 1)) == ("trained", False)
+    source.tell(TrialOutcome(done.number, "complete", value=1.0, attrs={"devices": [0, 1]}))
+    # the study's budget held a candidate on 2 devices: on a pool of 2 (not 1) a later misfit
+    # is its own (`Intake`), on any rank
+    assert server._answer(1, ("trained", 2)) == ("trained", True) and source.trained_any(2)
+    assert server._answer(1, ("trained", 1)) == ("trained", False)
     # `held` stays RUNNING, as when the rank running it is killed. The same command again:
     study2, server2, source2 = _local_source(tmp_path, n_trials=2)
     assert server2.stale_failed == [held.number] and server2.finished_before == 1

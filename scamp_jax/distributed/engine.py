@@ -121,9 +121,10 @@ class RemoteTrialSource:
         """Siblings of trial ``proposal`` rank 0 still holds for this rank."""
         return self.client.held_siblings(proposal)
 
-    def trained_any(self) -> bool:
-        """Whether a trial of the study trained, in any run (rank 0's study)."""
-        return self.client.trained_any()
+    def trained_any(self, devices: int) -> bool:
+        """Whether a trial of the study trained on at most ``devices`` devices, in any run
+        (rank 0's study)."""
+        return self.client.trained_any(devices)
 
     def close(self) -> None:
         """Tell rank 0 that this rank asks, reports and tells nothing more."""

@@ -18,8 +18,9 @@ request (worker -> rank 0)                           answer (rank 0 -> worker)
 ``("remaining", None)``                              ``("remaining", count)``
 ``("held", proposal)``                               ``("held", count)``: siblings of trial
                                                      ``proposal`` not handed out yet
-``("trained", None)``                                ``("trained", bool)``: whether a trial of
-                                                     the study trained, in any run
+``("trained", devices)``                             ``("trained", bool)``: whether a trial of
+                                                     the study trained on at most ``devices``
+                                                     devices, in any run
 ``("bye", None)``                                    ``("bye",)`` (the worker is finished)
 ==================================================  =============================================
 
@@ -137,9 +138,9 @@ class StudyServer:
         """Siblings of trial ``proposal`` still held for its rank, not handed out yet."""
         return self.source.held_siblings(proposal)
 
-    def trained_any(self) -> bool:
-        """Whether a trial of the study trained, in any run."""
-        return self.source.trained_any()
+    def trained_any(self, devices: int) -> bool:
+        """Whether a trial of the study trained on at most ``devices`` devices, in any run."""
+        return self.source.trained_any(devices)
 
     def ask(self, rank: int) -> WorkItem | AskLater | None:
         """Next trial for ``rank`` (a queued re-run first, then its held siblings), or None once
@@ -254,7 +255,7 @@ class StudyServer:
         if kind == "held":
             return ("held", self.held_siblings(int(body)))
         if kind == "trained":
-            return ("trained", self.trained_any())
+            return ("trained", self.trained_any(int(body)))
         if kind == "bye":
             self._open_workers -= 1
             return ("bye",)
@@ -363,11 +364,12 @@ class StudyClient:
             return self._server.held_siblings(proposal)
         return int(self._call("held", int(proposal))[1])
 
-    def trained_any(self) -> bool:
-        """Whether a trial of the study trained, in any run (`OptunaTrialSource.trained_any`)."""
+    def trained_any(self, devices: int) -> bool:
+        """Whether a trial of the study trained on at most ``devices`` devices, in any run
+        (`OptunaTrialSource.trained_any`)."""
         if self._server is not None:
-            return self._server.trained_any()
-        return bool(self._call("trained", None)[1])
+            return self._server.trained_any(devices)
+        return bool(self._call("trained", int(devices))[1])
 
     def close(self) -> None:
         """Tell rank 0 this rank needs nothing more (after ``ask(keep_open=True)``)."""

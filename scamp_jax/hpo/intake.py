@@ -139,12 +139,15 @@ class Intake:
         return plan
 
     def _trained_before(self) -> bool:
-        """Whether the study trained a trial in an earlier run (asked once, at the first
-        misfit): its budget, a stored setting, holds candidates, so a misfit is the
-        configuration's own and not given back to be asked first on every rerun."""
+        """Whether the study trained a trial on at most this pool's devices in an earlier run
+        (asked once, at the first misfit): this pool of its budget (a stored setting) holds
+        candidates, so a misfit is the configuration's own and not given back to be asked
+        first on every rerun. A smaller pool than the study trained on is not known to hold
+        any: its misfits may still mean the pool is wrong."""
         if self._trained is None:
             trained_any = getattr(self.source, "trained_any", None)  # a source of one's own
-            self._trained = bool(trained_any()) if trained_any is not None else False
+            self._trained = (bool(trained_any(self.pool[0])) if trained_any is not None
+                             else False)
         return self._trained
 
     def _fits(self) -> None:

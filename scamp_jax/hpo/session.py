@@ -604,19 +604,22 @@ class StudySession:
         """The record of a run that ``err`` ended: every finished trial in ``results.json`` /
         ``.csv`` and this run, with why it stopped (`report_interrupted`), for an interrupt,
         the repeated-failure guard (its trials and error) or any other error (a bug in the
-        search space's ``suggest``, the storage's). A study where no trial ever ran (a budget
-        too small for any candidate, a run that failed before it asked a trial) forgets its
-        settings instead (`forget_if_unused`), so the rerun the error advises starts anew. A
+        search space's ``suggest``, the storage's). A run that a budget too small for any
+        candidate stopped, or any error before a trial of the study ever ran
+        (`scamp_jax.hpo.study.storage.ever_ran`), writes nothing, and a study where none ever
+        ran forgets its settings (`forget_if_unused`), so the rerun the error advises starts
+        anew. A
         failure to write the record is said; ``err`` goes on either way (``run``: more
         entries of the run, e.g. ``ranks``)."""
         from scamp_jax.hpo.intake import BudgetTooSmallError
+        from scamp_jax.hpo.study.storage import ever_ran
         from scamp_jax.hpo.trial import ending
 
         if isinstance(err, RepeatedFailureError):
             run.update(stopped="repeated failures", failures={
                 "trials": list(err.trials), "reason": err.reason, "traceback": err.traceback})
         elif not isinstance(err, KeyboardInterrupt):
-            if isinstance(err, BudgetTooSmallError) or not study.get_trials(deepcopy=False):
+            if isinstance(err, BudgetTooSmallError) or not ever_ran(study):
                 self.forget_if_unused(study)
                 return
             run.update(stopped="error", error=ending(err)[1])

@@ -73,8 +73,9 @@ class EngineConfig:
       max_replans: out-of-memory re-plans of one trial before it is failed.
       lookahead: asked-but-unplaced trials to keep queued (None: number of devices); a fused
         proposal's siblings are asked with it even past this.
-      nofit_limit: consecutive candidates that fit nowhere, with none fitting before, after
-        which the study stops with `BudgetTooSmallError`.
+      nofit_limit: consecutive candidates that fit nowhere, with none fitting before (in this
+        run, nor a trial of the study trained on at most this pool's devices in an earlier
+        one), after which the study stops with `BudgetTooSmallError`.
       failure_limit: runs (a fused group is one) whose trials raise the same error (the same
         exception at the same place) one after another, none of the run's trials having
         completed, after which the study stops with
@@ -92,7 +93,8 @@ class EngineConfig:
         seconds; None: the trial's own start-up time in its current run.
       fuse: horizontal fusion (`scamp_jax.hpo.fused_engine`): ``K`` (after the sampler proposes
         a trial, up to ``K - 1`` siblings with its architecture are enqueued, and queued trials
-        of one architecture train in fused groups of at most ``K``, as wide as the planner
+        of one architecture (configurations equal but for their optimizer hyperparameters)
+        train in fused groups of at most ``K``, as wide as the planner
         fits), ``"auto"`` (the planner's widest fitting group, capped), 1 (off) or None (the
         devices decide, `SearchSettings.on_platform`: ``"auto"`` on accelerators, off on CPU
         devices; the engine itself reads None as off). ``K`` is at most

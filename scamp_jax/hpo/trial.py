@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from scamp_jax.hpo.study.trials import AskedTrial
 
 # the one byte rule, re-exported for the engine's modules
@@ -34,8 +36,11 @@ OPTIMIZER_KEYS = ("learning_rate", "weight_decay", "b1", "b2")
 def model_config(params: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
     """Every key of configuration ``params`` but the optimizer's (`OPTIMIZER_KEYS`) with its
     value as text, sorted: what trials that share a model's program and initial state share
-    (``build`` may read any of it)."""
-    return tuple(sorted((k, repr(v)) for k, v in params.items() if k not in OPTIMIZER_KEYS))
+    (``build`` may read any of it). A NumPy scalar reads as its Python value: a sampler hands
+    out a categorical's own choice (``np.float64(2.0)``), the study's storage the JSON value
+    (``2.0``) to the siblings enqueued with it."""
+    return tuple(sorted((k, repr(v.item() if isinstance(v, np.generic) else v))
+                        for k, v in params.items() if k not in OPTIMIZER_KEYS))
 
 #: widest group ``fuse="auto"`` plans (the planner may choose fewer).
 AUTO_FUSION_CAP = 8

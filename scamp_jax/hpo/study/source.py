@@ -272,12 +272,14 @@ class OptunaTrialSource:
         for asker, held in list(self._held.items()):
             self._held[asker] = [(of, fixed) for of, fixed in held if of != proposal]
 
-    def trained_any(self) -> bool:
-        """Whether a trial of the study trained (complete, or pruned after steps) in any run:
-        the study's budget, which it stores, holds candidates."""
+    def trained_any(self, devices: int) -> bool:
+        """Whether a trial of the study trained (complete, or pruned after steps) on at most
+        ``devices`` devices, in any run: a pool of that many devices of the study's budget
+        (which it stores) holds a candidate."""
         trials = self.study.get_trials(deepcopy=False,
                                        states=(TrialState.COMPLETE, TrialState.PRUNED))
-        return any(t.state == TrialState.COMPLETE or t.user_attrs.get("steps")
+        return any((t.state == TrialState.COMPLETE or t.user_attrs.get("steps"))
+                   and 0 < len(t.user_attrs.get("devices") or ()) <= devices
                    for t in trials)
 
     def finished(self) -> int:

@@ -422,15 +422,20 @@ def _check_settings(study: optuna.Study, settings: Mapping[str, Any]) -> None:
                                  {k: wanted.get(k) for k in differ})
 
 
-def forget_settings_if_unused(study: optuna.Study) -> bool:
-    """Forget the settings ``study`` was created with where no trial of it ever ran (none
-    complete, pruned or running; those there are only the misfits a budget too small for any
-    candidate gave back), so that a rerun with a larger budget, as that error advises, starts
-    it with its own settings (and metric). True where they were forgotten."""
-    used = study.get_trials(deepcopy=False, states=(
+def ever_ran(study: optuna.Study) -> bool:
+    """Whether a trial of ``study`` ever ran: one complete, pruned or running (others are
+    only given back, such as the misfits of a budget too small for any candidate, or a
+    trial whose ``suggest`` raised)."""
+    return bool(study.get_trials(deepcopy=False, states=(
         optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED,
-        optuna.trial.TrialState.RUNNING))
-    if used or study.user_attrs.get(SETTINGS_KEY) is None:
+        optuna.trial.TrialState.RUNNING)))
+
+
+def forget_settings_if_unused(study: optuna.Study) -> bool:
+    """Forget the settings ``study`` was created with where no trial of it ever ran
+    (`ever_ran`), so that a rerun with a larger budget, as that error advises, starts it with
+    its own settings (and metric). True where they were forgotten."""
+    if ever_ran(study) or study.user_attrs.get(SETTINGS_KEY) is None:
         return False
     study.set_user_attr(SETTINGS_KEY, None)
     study.set_user_attr(METRIC_KEY, None)

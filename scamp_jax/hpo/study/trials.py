@@ -138,9 +138,10 @@ class TrialSource(Protocol):
         """Mark a started trial as interrupted and queue its configuration to run again."""
         ...
 
-    def trained_any(self) -> bool:
-        """Whether a trial of the study trained in any run (so its budget holds candidates,
-        and a misfit is the configuration's own)."""
+    def trained_any(self, devices: int) -> bool:
+        """Whether a trial of the study trained on at most ``devices`` devices in any run (so
+        such a pool of its budget holds candidates, and a misfit is the configuration's
+        own)."""
         ...
 
     def held_siblings(self, proposal: int) -> int:
