@@ -270,14 +270,20 @@ def test_a_member_whose_checkpoints_are_of_another_batch_groups_as_one_never_run
         r.reason for r in group.members]
 
 
-def test_members_of_another_architecture_are_refused():
+@pytest.mark.parametrize("other", [{"width": 32}, {"width": 16, "init_scale": 3.0}])
+def test_members_of_another_configuration_are_refused(other):
+    """A group builds its members with one configuration: members that differ but for their
+    optimizer hyperparameters (another architecture, or a value only ``build`` reads) fail,
+    naming the key, rather than train as the first member's model."""
     plan = make_plan({"width": 16}, jax.devices()[:1], max_batch=16)
     members = (MemberSpec(0, {"width": 16, "learning_rate": 1e-2}),
-               MemberSpec(1, {"width": 32, "learning_rate": 1e-2}))
+               MemberSpec(1, {**other, "learning_rate": 2e-2}))
     group = run_fused_group(GroupSpec(0, members, group_plan(plan, 4), 5, BUDGET), SPACE,
                             Regression())
     assert [r.state for r in group.members] == ["failed"] * 2
-    assert "another architecture" in group.members[0].reason
+    key = "width" if other["width"] != 16 else "init_scale"
+    assert f"differs from trial 0 ({{'width': 16, 'learning_rate': 0.01}}) in {key}; a fused " \
+        "group holds trials of one configuration" in group.members[0].reason
 
 
 def test_a_diverging_member_fails_alone():

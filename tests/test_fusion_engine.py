@@ -20,7 +20,6 @@ from test_runner import SPACE, Regression, make_plan
 
 from scamp_jax.hpo.engine import EngineConfig, SearchEngine
 from scamp_jax.hpo.fused_engine import latest_checkpoint_step
-from scamp_jax.hpo.lifecycle import MemberSpec
 from scamp_jax.hpo.runner import RunSpec, StepCache, make_optimizer, run_trial, trial_seed
 from scamp_jax.hpo.settings import SearchSettings
 from scamp_jax.hpo.study import SIBLING_OF, OptunaTrialSource, open_study
@@ -406,18 +405,6 @@ def test_a_family_whose_choices_are_numpy_numbers_trains_as_one_group(tmp_path):
     study = optuna.load_study(study_name="np", storage=storage_url(tmp_path))
     assert [(t.user_attrs["fused_group"], t.user_attrs["fusion_width"])
             for t in study.trials] == [(0, 4)] * 4
-
-
-def test_a_group_of_members_that_differ_in_a_value_build_reads_is_refused(tmp_path):
-    """`run_fused_group` refuses members that differ but for their optimizer
-    hyperparameters, naming the key, rather than build them all from the first."""
-    from scamp_jax.hpo.fused_runner import _check_architecture
-
-    members = [MemberSpec(0, {"width": 16, "init_scale": 0.1, "learning_rate": 1e-2}, seed=0),
-               MemberSpec(1, {"width": 16, "init_scale": 3.0, "learning_rate": 2e-2}, seed=1)]
-    mesh = make_plan({"width": 16}, jax.devices()[:1], max_batch=16).mesh
-    with pytest.raises(ValueError, match=r"differs from trial 0 .* in init_scale; a fused group"):
-        _check_architecture(SPACE, members, mesh)
 
 
 def test_without_fuse_nothing_is_grouped(tmp_path):

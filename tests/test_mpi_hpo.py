@@ -611,6 +611,51 @@ def test_a_rank_whose_guard_stops_the_job_records_the_run_as_one_process_does(
 
 @pytest.mark.slow  # run with -m slow (README: Tests)
 @pytest.mark.mpi
+def test_ranks_started_with_other_settings_are_refused_before_the_study_stores_them(
+    tmp_path, _needs_mpi
+):
+    """One job whose second rank was given other flags (a wrapper script per host, a typo):
+    every rank refuses it, naming what differs, before a trial is asked, where each rank
+    trained the study's trials with its own steps and batch."""
+    from test_mpi_runs import launcher, mpi_env
+
+    base = launcher(1)  # [mpirun, -n, 1, its options...]: one program per rank (MPMD)
+    script = [sys.executable, str(SCRIPT), "--no-live", "--study-dir", str(tmp_path / "study"),
+              "--trials", "4"]
+    cmd = [base[0], *base[3:], "-n", "1", *script, "--steps", "10", ":",
+           "-n", "1", *script, "--steps", "30", "--max-batch-size", "4"]
+    proc = subprocess.run(cmd, env=mpi_env(), cwd=ROOT, capture_output=True, text=True,
+                          timeout=240)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    # (the command line's words: ``--steps 30`` for ``steps=30``)
+    assert re.search(r"rank 1 was started with --steps 30; --max-batch-size 4; .*where rank 0 "
+                     r"has --steps 10; --max-batch-size 8", output), output
+    assert "start every rank with the same command" in output
+    assert not (tmp_path / "study" / "results.json").exists()
+    assert _stored_trials(tmp_path) == [] if (tmp_path / "study" / "study.db").exists() else True
+
+
+@pytest.mark.slow  # run with -m slow (README: Tests)
+@pytest.mark.mpi
+def test_an_error_rank_0_meets_answering_another_rank_ends_the_job_saying_it(
+    tmp_path, _needs_mpi
+):
+    """The search space's ``suggest`` raises while rank 0 asks a trial for rank 1 (in its
+    study server's thread): rank 1 raises it and ends the job saying it and where it came
+    from, where rank 0 aborted the job without a word."""
+    proc = _launch(tmp_path, 2, "--trials", "4", "--steps", "10", "--fail-suggest-served",
+                   timeout=240)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    assert "rank 1 failed: suggest fails for trial" in output, output
+    assert re.search(r"rank 1: raised on rank 0 while it answered rank 1's 'ask' request: "
+                     r"RuntimeError: suggest fails for trial \d+ \(at hpo_mlp\.py:\d+\)",
+                     output), output
+
+
+@pytest.mark.slow  # run with -m slow (README: Tests)
+@pytest.mark.mpi
 def test_study_split_across_four_ranks_records_every_trial_once(tmp_path, _needs_mpi):
     proc = _launch(tmp_path, 4, "--trials", "6", "--steps", "10", timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr

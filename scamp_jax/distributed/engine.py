@@ -273,6 +273,38 @@ def run_search_mpi(
         raise
 
 
+#: Settings each rank may set for itself: its own pool (devices, how its trials share them) and
+#: its own output; every other field of the settings shapes the study's trials.
+PER_RANK_SETTINGS = frozenset({
+    "rank", "devices", "devices_per_trial", "budget", "memory_per_device", "max_running_trials",
+    "device_overlap", "lookahead", "planner_threads", "log_every", "elastic",
+    "restart_seconds",
+})
+
+
+def check_ranks_share_settings(comm: Any, settings: Any, memory_per_device: int) -> None:
+    """Collective: raise the same `ValueError` on every rank unless every rank of ``comm`` was
+    started with the same settings (every field of ``settings``, a `SearchSettings` or an
+    experiment's extension of it, but `PER_RANK_SETTINGS`) and the same budget per device
+    (bytes, however it was written). Ranks of other steps, seeds, batch bounds or presets
+    would each train the study's trials their own way while it records rank 0's."""
+    import dataclasses
+
+    mine = {f.name: repr(getattr(settings, f.name)) for f in dataclasses.fields(settings)
+            if f.name not in PER_RANK_SETTINGS}
+    mine["memory_per_device"] = repr(int(memory_per_device))
+    every = comm.allgather(mine)
+    for rank, theirs in enumerate(every[1:], start=1):
+        differ = [k for k in every[0] if theirs.get(k) != every[0][k]]
+        if differ:
+            # "; ": a command line says each as its flag (``--steps 30``)
+            theirs_text = "; ".join(f"{k}={theirs.get(k)}" for k in differ)
+            ours = "; ".join(f"{k}={every[0][k]}" for k in differ)
+            raise ValueError(
+                f"rank {rank} was started with {theirs_text} where rank 0 has {ours}: start "
+                "every rank with the same command (each may differ in its own devices only)")
+
+
 def _record_stopped(session: Any, server: Any, result: Any, elapsed_s: float,
                     ranks: int, err: BaseException) -> None:
     """Rank 0's record of a run ``err`` stopped (`StudySession.record_ending`): its engine's
@@ -290,6 +322,7 @@ def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any
          size: int) -> dict[str, Any]:
     from scamp_jax.hpo.report import ranks_timeline, run_summary
 
+    check_ranks_share_settings(comm, settings, memory_per_device)
     session = session_class(space, task, settings, devices=devices,
                            memory_per_device=memory_per_device, live=live, baseline=baseline,
                            title=title, plan_fn=plan_fn, console=console, rank=rank, ranks=size)

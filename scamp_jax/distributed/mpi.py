@@ -140,12 +140,14 @@ def mpirun_command(ranks: int, launcher: str = "mpirun") -> list[str]:
 
 def end_every_rank(comm: Any, err: BaseException, note: str = "") -> None:
     """Say on stderr that this rank failed with ``err`` (worded as the entry points word
-    errors), and ``note``, then abort the job through ``comm``, so that the other ranks do not
-    wait forever in a collective this rank will never reach (exit status 2 for a
-    `ValueError`, a usage error; else 1)."""
+    errors, with its notes), and ``note``, then abort the job through ``comm``, so that the
+    other ranks do not wait forever in a collective this rank will never reach (exit status 2
+    for a `ValueError`, a usage error; else 1)."""
     from scamp_jax._errors import worded
 
     print(f"rank {comm.Get_rank()} failed: {worded(err)}", file=sys.stderr, flush=True)
+    for said in getattr(err, "__notes__", ()):  # e.g. where rank 0 raised it for this rank
+        print(f"rank {comm.Get_rank()}: {said}", file=sys.stderr, flush=True)
     if note:
         print(f"rank {comm.Get_rank()} {note}", file=sys.stderr, flush=True)
     comm.Abort(2 if isinstance(err, ValueError) else 1)

@@ -50,6 +50,8 @@ forever for a server that is gone.
 
 from __future__ import annotations
 
+import pickle
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -223,11 +225,18 @@ class StudyServer:
                 while (matched := self.comm.improbe(source=mpi.ANY_SOURCE, tag=REQUEST_TAG,
                                                     status=status)) is None:
                     time.sleep(self.poll_seconds)
-                msg = matched.recv()
-                self.comm.send(self._answer(status.Get_source(), msg), status.Get_source(),
-                               tag=REPLY_TAG)
+                msg, asker = matched.recv(), status.Get_source()
+                try:
+                    answer = self._answer(asker, msg)
+                except Exception as err:  # noqa: BLE001 - e.g. the space's suggest raised
+                    # The asking rank raises it and ends the job saying it (rank 0 would
+                    # abort silently from this thread).
+                    answer = ("error", _sendable(err, asker, msg[0]))
+                self.comm.send(answer, asker, tag=REPLY_TAG)
         except BaseException as err:  # surfaced by join(); the thread must not die silently
             self._error = err
+            print(f"rank 0's study server failed: {type(err).__name__}: {err}",
+                  file=sys.stderr, flush=True)
             self.comm.Abort(1)
 
     def _answer(self, rank: int, msg: tuple[str, Any]) -> tuple[Any, ...]:
@@ -260,6 +269,22 @@ class StudyServer:
             self._open_workers -= 1
             return ("bye",)
         raise ValueError(f"unknown study request {kind!r} from rank {rank}")
+
+
+def _sendable(err: Exception, rank: int, kind: str) -> Exception:
+    """``err``, raised on rank 0 while it answered ``rank``'s ``kind`` request, as that rank
+    raises it: itself where it pickles (its type and words kept: a `ValueError` is still a
+    usage error), else a `RuntimeError` with its words; a note says where it came from."""
+    from scamp_jax.hpo.trial import ending
+
+    where = ending(err)[1]
+    try:
+        pickle.loads(pickle.dumps(err))
+    except Exception:  # noqa: BLE001 - an exception of the user's that does not pickle
+        err = RuntimeError(where)
+    err.add_note(f"raised on rank 0 while it answered rank {rank}'s {kind!r} request: "
+                 f"{where}")
+    return err
 
 
 class StudyClient:
@@ -298,7 +323,10 @@ class StudyClient:
                     f"a {kind!r} request must come before close()"
                 )
             self._comm.send((kind, body), 0, tag=REQUEST_TAG)
-            return self._comm.recv(source=0, tag=REPLY_TAG)
+            answer = self._comm.recv(source=0, tag=REPLY_TAG)
+        if answer[0] == "error":  # rank 0 raised it while it answered (`_sendable`)
+            raise answer[1]
+        return answer
 
     def ask(self, *, keep_open: bool = False) -> WorkItem | AskLater | None:
         """The next trial to run, or None when the study needs no more.

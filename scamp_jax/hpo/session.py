@@ -605,10 +605,11 @@ class StudySession:
         ``.csv`` and this run, with why it stopped (`report_interrupted`), for an interrupt,
         the repeated-failure guard (its trials and error) or any other error (a bug in the
         search space's ``suggest``, the storage's). A run that a budget too small for any
-        candidate stopped, or any error before a trial of the study ever ran
-        (`scamp_jax.hpo.study.storage.ever_ran`), writes nothing, and a study where none ever
-        ran forgets its settings (`forget_if_unused`), so the rerun the error advises starts
-        anew. A
+        candidate stopped, or any error while no trial of the study ran
+        (`scamp_jax.hpo.study.storage.ever_ran`) nor one of this run ended, writes nothing; a
+        study of no trials, or of a budget too small, forgets its settings where no trial ran
+        (`forget_if_unused`), so the rerun the error advises starts anew (trials that trained
+        and went back keep them: their checkpoints resume under them). A
         failure to write the record is said; ``err`` goes on either way (``run``: more
         entries of the run, e.g. ``ranks``)."""
         from scamp_jax.hpo.intake import BudgetTooSmallError
@@ -619,9 +620,11 @@ class StudySession:
             run.update(stopped="repeated failures", failures={
                 "trials": list(err.trials), "reason": err.reason, "traceback": err.traceback})
         elif not isinstance(err, KeyboardInterrupt):
-            if isinstance(err, BudgetTooSmallError) or not ever_ran(study):
+            if isinstance(err, BudgetTooSmallError) or not study.get_trials(deepcopy=False):
                 self.forget_if_unused(study)
                 return
+            if not ever_ran(study) and not trials_this_run:
+                return  # nothing ran (its first suggest raised): nothing to record
             run.update(stopped="error", error=ending(err)[1])
         try:
             self.report_interrupted(study, elapsed_s, trials_this_run, **run)

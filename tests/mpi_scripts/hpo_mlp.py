@@ -51,6 +51,8 @@ def main() -> None:
     p.add_argument("--fail-after", type=int, default=3)
     p.add_argument("--fail-eval-rank", type=int,
                    help="this rank's evaluation of a trial raises (after its last step)")
+    p.add_argument("--fail-suggest-served", action="store_true",
+                   help="the space's suggest raises when rank 0 runs it for another rank's ask")
     p.add_argument("--end-together-seconds", type=float,
                    help="how long a rank whose part of a spanning trial failed waits")
     args = p.parse_args()
@@ -107,6 +109,23 @@ def main() -> None:
 
                 task.evaluate = evaluate
             return space, task
+
+    if args.fail_suggest_served:
+        import dataclasses
+        import threading
+
+        served = make
+
+        def make(config: HPOConfig) -> tuple[Any, Any]:
+            space, task = served(config)
+            suggest = space.suggest
+
+            def failing(trial: Any) -> Any:
+                if threading.current_thread().name == "study-server":
+                    raise RuntimeError(f"suggest fails for trial {trial.number}")
+                return suggest(trial)
+
+            return dataclasses.replace(space, suggest=failing), task
 
     # The study's client and server of this rank, kept to look at once the run returned.
     from scamp_jax.distributed import engine as mpi_engine
