@@ -279,10 +279,15 @@ class NASCheckpoint:
             self._manager.close()
             self._manager = None
 
-    def discard(self) -> None:
-        """Delete the checkpoint (and ``out_dir`` if that leaves it empty)."""
+    def discard(self, *, folder: bool = True) -> None:
+        """Delete the checkpoint and, with ``folder`` (a run's end), the folder that holds it
+        if that leaves it empty (an ``out_dir`` made for it while the results went elsewhere,
+        ``--json``), never the working directory; a ``--fresh`` start removes no folder (it
+        is still empty, where the results will go)."""
         self.close()
         shutil.rmtree(self.directory, ignore_errors=True)
+        if not folder or self.directory.parent == Path.cwd().resolve():
+            return
         try:
             self.directory.parent.rmdir()  # only if empty: results may be elsewhere (--json)
         except OSError:
@@ -570,7 +575,7 @@ def train_for_nas(
     )
     checkpoint = NASCheckpoint(config)
     if fresh and root:
-        checkpoint.discard()
+        checkpoint.discard(folder=False)
     if comm is not None:
         comm.barrier()  # the checkpoint is gone for every rank before any reads it
     resume = checkpoint.load()  # also with checkpoint_every 0: it continues, saving no more

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import signal
 import sqlite3
@@ -652,6 +653,44 @@ def test_an_error_rank_0_meets_answering_another_rank_ends_the_job_saying_it(
     assert re.search(r"rank 1: raised on rank 0 while it answered rank 1's 'ask' request: "
                      r"RuntimeError: suggest fails for trial \d+ \(at hpo_mlp\.py:\d+\)",
                      output), output
+
+
+@pytest.mark.slow  # run with -m slow (README: Tests)
+@pytest.mark.mpi
+def test_a_stop_signal_to_one_rank_ends_the_job_instead_of_hanging_it(tmp_path, _needs_mpi):
+    """SIGTERM to rank 1's process alone (not to mpirun): rank 1 gives its trials back and
+    stops, rank 0 trains on and waits for it for ever, rank 1 for rank 0 in MPI's exit. The
+    stopped rank ends the job once it is still up after its wait, and the same command then
+    finishes the study."""
+    from test_mpi_runs import launcher, mpi_env
+
+    cmd = [*launcher(2), sys.executable, str(SCRIPT), "--no-live", "--study-dir",
+           str(tmp_path / "study"), "--trials", "4", "--steps", "20000",
+           "--stopped-job-seconds", "5"]
+    proc = subprocess.Popen(cmd, env=mpi_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines, pid = [], None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("rank 1 pid "):
+                pid = int(line.split()[-1])
+            if pid is not None and re.search(r"\[rank 1\].* training .*step=\d+/", line):
+                os.kill(pid, signal.SIGTERM)
+                break
+        lines.extend(proc.stdout)  # to the job's end
+        proc.wait(timeout=180)
+    finally:
+        proc.kill()  # (a job that hangs never closes its output: the test's own timeout)
+    output = "".join(lines)
+    assert pid is not None and proc.returncode != 0, output
+    assert "rank 1: the job did not end within 5 s of this rank's stop" in output, output
+    done = _launch(tmp_path, 2, "--trials", "4", "--steps", "20000", timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(t["number"] for t in _results(tmp_path)["trials"]
+                  if t["state"] == "complete") == sorted(
+        n for n, s, _ in _stored_trials(tmp_path) if s == "COMPLETE")
+    assert len([1 for _, s, _ in _stored_trials(tmp_path) if s == "COMPLETE"]) == 4
 
 
 @pytest.mark.slow  # run with -m slow (README: Tests)

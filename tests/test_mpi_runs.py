@@ -251,6 +251,34 @@ def test_supernet_experiment_stopped_in_one_process_resumes_under_mpirun(tmp_pat
     assert not (out / "checkpoint").exists()
 
 
+def test_a_rank_that_is_stopped_ends_the_job_saying_it_stopped_not_failed(capsys) -> None:
+    """`end_every_rank` with a Ctrl-C (or SIGTERM's `Terminated`): the rank says it stopped
+    and how to resume, and ends the job with 130 (143), where it said "rank 2 failed: " with
+    nothing after it and ended with 1, as a crash. (A stand-in communicator records the
+    abort: a real one ends this process.)"""
+    from scamp_jax._signals import Terminated
+    from scamp_jax.distributed.mpi import end_every_rank
+
+    class Communicator:
+        aborted: list[int] = []
+
+        def Get_rank(self) -> int:  # noqa: N802 - mpi4py's name
+            return 2
+
+        def Abort(self, code: int) -> None:  # noqa: N802 - mpi4py's name
+            self.aborted.append(code)
+
+    comm = Communicator()
+    end_every_rank(comm, KeyboardInterrupt())
+    end_every_rank(comm, Terminated())
+    end_every_rank(comm, ValueError("--stages 3 does not divide 8 layers"))
+    err = capsys.readouterr().err.splitlines()
+    assert comm.aborted == [130, 143, 2]
+    assert err[:2] == [f"rank 2 stopped ({what}): what the job saved stays; run the same "
+                       "command to resume" for what in ("Ctrl-C", "SIGTERM")]
+    assert err[2].startswith("rank 2 failed: ") and "--stages 3" in err[2]
+
+
 def _study(tmp_path: Path, ranks: int, trials: int, *extra: str) -> subprocess.CompletedProcess:
     return launch([str(SCRIPTS / "study_ranks.py"), "--storage",
                    f"sqlite:///{tmp_path / 'study.db'}", "--trials", str(trials), "--out",

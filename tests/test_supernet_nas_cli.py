@@ -155,6 +155,37 @@ def test_a_checkpoint_of_other_settings_is_refused_in_one_line(tmp_path) -> None
     assert NASCheckpoint(config).latest() == 3
 
 
+def test_discarding_a_checkpoint_never_removes_the_working_directory(tmp_path, monkeypatch):
+    """``--json out.json --fresh`` from an empty folder: the checkpoint is ``./out.checkpoint``
+    and its folder the working directory, which a discard (``--fresh``'s, before training, or
+    the run's end) leaves in place, where it removed it while empty and the results then had
+    nowhere to go. A folder made for the checkpoint alone still goes once empty."""
+    import dataclasses
+
+    import numpy as np
+
+    from experiments.supernet_nas import get_config
+    from scamp_jax.pipeline import SupernetState
+    from search_spaces.supernet_nas import NASCheckpoint
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    config = dataclasses.replace(get_config("smoke"), checkpoint_dir="out.checkpoint")
+    NASCheckpoint(config).discard(folder=False)  # --fresh, nothing saved yet
+    state = SupernetState(np.zeros((4, 4, 3), np.float32), np.zeros(5, np.float32),
+                          {"block_steps": np.ones((4, 4), np.int32)})
+    NASCheckpoint(config).save(state, np.ones(3, np.float32), warmup={}, segments=[],
+                               resumed_at=[])
+    NASCheckpoint(config).discard()  # the run's end
+    assert work.is_dir() and not (work / "out.checkpoint").exists()
+    made = dataclasses.replace(config, checkpoint_dir=str(tmp_path / "made" / "checkpoint"))
+    NASCheckpoint(made).save(state, np.ones(3, np.float32), warmup={}, segments=[],
+                             resumed_at=[])
+    NASCheckpoint(made).discard()
+    assert not (tmp_path / "made").exists()
+
+
 def ctrl_c_after_checkpoint(command: list[str], env: dict[str, str], checkpoint: Path,
                             step: int = 3) -> str:
     """Run ``command`` until ``checkpoint`` holds ``step``, then send it a Ctrl-C (SIGINT);

@@ -263,7 +263,11 @@ def run_search_mpi(
         return _run(session, space, task, settings, devices, memory_per_device, live, baseline,
                     title, plan_fn, console, comm, rank, size)
     except KeyboardInterrupt:
-        raise  # the engine already gave its running trials back; a re-run resumes them
+        # The engine already gave its running trials back; a re-run resumes them. A stop that
+        # reached this rank alone (a signal to its process, not to mpirun) would leave it and
+        # the others waiting for each other for ever: the job ends if it is still up later.
+        end_job_later(comm, STOPPED_JOB_SECONDS)
+        raise
     except BaseException as err:  # noqa: BLE001 - any failure must end every rank, not hang them
         # worded as the entry point words errors (a command line: its flags)
         end_every_rank(comm, err, note=(
@@ -271,6 +275,33 @@ def run_search_mpi(
             "same command runs again, once their heartbeat lapses (about a minute)"
             if isinstance(err, RepeatedFailureError) else ""))  # this rank's guard stopped it
         raise
+
+
+#: Seconds a rank that was stopped (Ctrl-C, SIGTERM) gives the job to end after its own trials
+#: went back (the other ranks stop at their next step) before it ends the job itself.
+STOPPED_JOB_SECONDS = 120.0
+
+
+def end_job_later(comm: Any, seconds: float) -> None:
+    """As this process exits (after a stop), wait up to ``seconds`` for every rank of
+    ``comm`` to exit too (a barrier each stopped rank enters at its exit), then abort the job
+    (exit status 130): ranks that were never stopped (a signal to one rank's process, not to
+    mpirun) would wait for this one for ever, and it for them in ``MPI_Finalize``."""
+    import atexit
+    import sys
+
+    def wait_or_end() -> None:  # before MPI's own exit (atexit runs the last one first)
+        request, deadline = comm.Ibarrier(), time.monotonic() + seconds
+        while not request.Test():
+            if time.monotonic() > deadline:
+                print(f"rank {comm.Get_rank()}: the job did not end within {seconds:g} s of "
+                      "this rank's stop (were the other ranks stopped? signal mpirun, not one "
+                      "rank): ending it; the same command resumes the study",
+                      file=sys.stderr, flush=True)
+                comm.Abort(130)
+            time.sleep(0.05)
+
+    atexit.register(wait_or_end)
 
 
 #: Settings each rank may set for itself: its own pool (devices, how its trials share them) and

@@ -142,9 +142,17 @@ def end_every_rank(comm: Any, err: BaseException, note: str = "") -> None:
     """Say on stderr that this rank failed with ``err`` (worded as the entry points word
     errors, with its notes), and ``note``, then abort the job through ``comm``, so that the
     other ranks do not wait forever in a collective this rank will never reach (exit status 2
-    for a `ValueError`, a usage error; else 1)."""
+    for a `ValueError`, a usage error; else 1). A stop (Ctrl-C, or SIGTERM as
+    `scamp_jax._signals.Terminated`) is said as one and ends it with 130 or 143."""
     from scamp_jax._errors import worded
+    from scamp_jax._signals import Terminated
 
+    if isinstance(err, KeyboardInterrupt):  # a stop, not a failure: mpirun's status says which
+        code, what = (143, "SIGTERM") if isinstance(err, Terminated) else (130, "Ctrl-C")
+        print(f"rank {comm.Get_rank()} stopped ({what}): what the job saved stays; run the "
+              "same command to resume", file=sys.stderr, flush=True)
+        comm.Abort(code)
+        return
     print(f"rank {comm.Get_rank()} failed: {worded(err)}", file=sys.stderr, flush=True)
     for said in getattr(err, "__notes__", ()):  # e.g. where rank 0 raised it for this rank
         print(f"rank {comm.Get_rank()}: {said}", file=sys.stderr, flush=True)

@@ -53,6 +53,8 @@ def main() -> None:
                    help="this rank's evaluation of a trial raises (after its last step)")
     p.add_argument("--fail-suggest-served", action="store_true",
                    help="the space's suggest raises when rank 0 runs it for another rank's ask")
+    p.add_argument("--stopped-job-seconds", type=float,
+                   help="how long a stopped rank waits for the job to end before it ends it")
     p.add_argument("--end-together-seconds", type=float,
                    help="how long a rank whose part of a spanning trial failed waits")
     args = p.parse_args()
@@ -74,6 +76,13 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         engine.RemoteTrialSource.tell = tell_then_die  # type: ignore[method-assign]
+    from mpi4py import MPI
+
+    print(f"rank {MPI.COMM_WORLD.Get_rank()} pid {os.getpid()}", flush=True)
+    if args.stopped_job_seconds is not None:
+        from scamp_jax.distributed import engine as stopped
+
+        stopped.STOPPED_JOB_SECONDS = args.stopped_job_seconds
     if args.end_together_seconds is not None:
         from scamp_jax.distributed import spanning
 
