@@ -10,6 +10,7 @@ are grouped, and the install hint when mpi4py is missing.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -634,7 +635,7 @@ def test_ranks_started_with_other_settings_are_refused_before_the_study_stores_t
                      r"has --steps 10; --max-batch-size 8", output), output
     assert "start every rank with the same command" in output
     assert not (tmp_path / "study" / "results.json").exists()
-    assert _stored_trials(tmp_path) == [] if (tmp_path / "study" / "study.db").exists() else True
+    assert not (tmp_path / "study" / "study.db").exists() or _stored_trials(tmp_path) == []
 
 
 @pytest.mark.slow  # run with -m slow (README: Tests)
@@ -668,7 +669,7 @@ def test_a_stop_signal_to_one_rank_ends_the_job_instead_of_hanging_it(tmp_path, 
            str(tmp_path / "study"), "--trials", "4", "--steps", "20000",
            "--stopped-job-seconds", "5"]
     proc = subprocess.Popen(cmd, env=mpi_env(), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines, pid = [], None
     try:
         for line in proc.stdout:
@@ -680,8 +681,9 @@ def test_a_stop_signal_to_one_rank_ends_the_job_instead_of_hanging_it(tmp_path, 
                 break
         lines.extend(proc.stdout)  # to the job's end
         proc.wait(timeout=180)
-    finally:
-        proc.kill()  # (a job that hangs never closes its output: the test's own timeout)
+    finally:  # mpirun and its ranks (a job that hangs never closes its output)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
     output = "".join(lines)
     assert pid is not None and proc.returncode != 0, output
     assert "rank 1: the job did not end within 5 s of this rank's stop" in output, output

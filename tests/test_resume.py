@@ -220,6 +220,40 @@ def test_a_checkpoint_whose_data_is_cut_short_or_overwritten_is_unreadable(tmp_p
     assert caught.value.step == 5 and "TensorStore details" not in str(caught.value)
 
 
+def test_only_the_checkpoints_own_errors_make_it_unreadable():
+    """What sets a checkpoint aside: orbax's words for it (`ValueError`, `FileNotFoundError`)
+    and TensorStore's damaged-data codes under orbax's bare ``Exception``. A permission, a disk
+    that fails to answer, or an error raised while another was handled is not the
+    checkpoint's own: it fails the trial as it is, where setting each checkpoint aside in turn
+    would restart the trial from step 0. (The errors are made here: TensorStore's cannot be
+    caused for real as root, which reads any file.)"""
+    from scamp_jax.hpo.checkpoint import _checkpoints_own
+
+    def wrapped(cause: BaseException) -> Exception:
+        try:
+            try:
+                raise cause
+            except BaseException as err:
+                raise Exception("Encountered error while reading array index") from err
+        except Exception as wrapper:  # noqa: BLE001 - orbax's type
+            return wrapper
+
+    damaged = ValueError('OUT_OF_RANGE: Error reading "w/0.0" in OCDBT database')
+    assert _checkpoints_own(wrapped(damaged)) is damaged
+    assert _checkpoints_own(wrapped(ValueError("DATA_LOSS: checksum mismatch"))) is not None
+    assert _checkpoints_own(wrapped(ValueError("PERMISSION_DENIED: open failed"))) is None
+    assert _checkpoints_own(wrapped(ValueError("UNAVAILABLE: I/O error"))) is None
+    try:
+        try:
+            raise ValueError("FAILED_PRECONDITION: handled elsewhere")
+        except ValueError:
+            raise OSError(5, "Input/output error") from None
+    except OSError as disk:
+        assert _checkpoints_own(disk) is None
+    shapes = ValueError("Requested shape (4, 6) does not match the stored (4, 8)")
+    assert _checkpoints_own(shapes) is shapes
+
+
 # A failed read leaves tensorstore's other reads of the checkpoint to finish on orbax's closed
 # event loop, which Python reports as unraisable "Event loop is closed" errors.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")

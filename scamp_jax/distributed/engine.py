@@ -53,6 +53,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from scamp_jax._signals import Terminated
 from scamp_jax.distributed.data_parallel import mpi_mean_bytes
 from scamp_jax.distributed.mpi import end_every_rank, import_mpi4py
 from scamp_jax.distributed.spanning import (
@@ -230,7 +231,8 @@ def run_search_mpi(
       space, task, settings: as for `run_search` (``settings.trials`` is the study's total over
         all ranks).
       devices: this rank's device pool.
-      memory_per_device: budget per device in bytes (the same on every rank).
+      memory_per_device: budget per device in bytes (this rank's: a device limit the ranks of
+        a host share may come to other bytes on other ranks).
       plan_fn: the planner (default ``plan_mesh`` with the study's shared ``plans.sqlite``).
       live: rank 0 shows the live table when its stdout is a terminal that reports a size
         (`scamp_jax.hpo.live.is_terminal`; Open MPI's ranks get one of 0 columns, so they log);
@@ -262,11 +264,11 @@ def run_search_mpi(
                             "(scamp_jax.run_study and run_search pass it)")
         return _run(session, space, task, settings, devices, memory_per_device, live, baseline,
                     title, plan_fn, console, comm, rank, size)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         # The engine already gave its running trials back; a re-run resumes them. A stop that
         # reached this rank alone (a signal to its process, not to mpirun) would leave it and
         # the others waiting for each other for ever: the job ends if it is still up later.
-        end_job_later(comm, STOPPED_JOB_SECONDS)
+        end_job_later(comm, STOPPED_JOB_SECONDS, 143 if isinstance(stop, Terminated) else 130)
         raise
     except BaseException as err:  # noqa: BLE001 - any failure must end every rank, not hang them
         # worded as the entry point words errors (a command line: its flags)
@@ -282,11 +284,12 @@ def run_search_mpi(
 STOPPED_JOB_SECONDS = 120.0
 
 
-def end_job_later(comm: Any, seconds: float) -> None:
+def end_job_later(comm: Any, seconds: float, code: int = 130) -> None:
     """As this process exits (after a stop), wait up to ``seconds`` for every rank of
     ``comm`` to exit too (a barrier each stopped rank enters at its exit), then abort the job
-    (exit status 130): ranks that were never stopped (a signal to one rank's process, not to
-    mpirun) would wait for this one for ever, and it for them in ``MPI_Finalize``."""
+    (exit status ``code``: 130 for Ctrl-C, 143 for SIGTERM): ranks that were never stopped
+    (a signal to one rank's process, not to mpirun) would wait for this one for ever, and it
+    for them in ``MPI_Finalize``."""
     import atexit
     import sys
 
@@ -298,7 +301,7 @@ def end_job_later(comm: Any, seconds: float) -> None:
                       "this rank's stop (were the other ranks stopped? signal mpirun, not one "
                       "rank): ending it; the same command resumes the study",
                       file=sys.stderr, flush=True)
-                comm.Abort(130)
+                comm.Abort(code)
             time.sleep(0.05)
 
     atexit.register(wait_or_end)
@@ -307,23 +310,23 @@ def end_job_later(comm: Any, seconds: float) -> None:
 #: Settings each rank may set for itself: its own pool (devices, how its trials share them) and
 #: its own output; every other field of the settings shapes the study's trials.
 PER_RANK_SETTINGS = frozenset({
-    "rank", "devices", "devices_per_trial", "budget", "memory_per_device", "max_running_trials",
-    "device_overlap", "lookahead", "planner_threads", "log_every", "elastic",
-    "restart_seconds",
+    "rank", "devices", "devices_per_trial", "budget", "max_running_trials", "device_overlap",
+    "lookahead", "planner_threads", "log_every", "elastic", "restart_seconds",
 })
 
 
-def check_ranks_share_settings(comm: Any, settings: Any, memory_per_device: int) -> None:
+def check_ranks_share_settings(comm: Any, settings: Any) -> None:
     """Collective: raise the same `ValueError` on every rank unless every rank of ``comm`` was
-    started with the same settings (every field of ``settings``, a `SearchSettings` or an
-    experiment's extension of it, but `PER_RANK_SETTINGS`) and the same budget per device
-    (bytes, however it was written). Ranks of other steps, seeds, batch bounds or presets
-    would each train the study's trials their own way while it records rank 0's."""
+    started with the same settings: every field of ``settings`` (a `SearchSettings`, or an
+    experiment's extension of it with its flags as given, ``--memory-per-device`` among them)
+    but `PER_RANK_SETTINGS`. Ranks of other steps, seeds, batch bounds or presets would each
+    train the study's trials their own way while it records rank 0's. (The bytes each rank's
+    budget comes to may differ: a device limit shared by the ranks of one host, a pool the
+    allocator gave smaller.)"""
     import dataclasses
 
     mine = {f.name: repr(getattr(settings, f.name)) for f in dataclasses.fields(settings)
             if f.name not in PER_RANK_SETTINGS}
-    mine["memory_per_device"] = repr(int(memory_per_device))
     every = comm.allgather(mine)
     for rank, theirs in enumerate(every[1:], start=1):
         differ = [k for k in every[0] if theirs.get(k) != every[0][k]]
@@ -353,7 +356,7 @@ def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any
          size: int) -> dict[str, Any]:
     from scamp_jax.hpo.report import ranks_timeline, run_summary
 
-    check_ranks_share_settings(comm, settings, memory_per_device)
+    check_ranks_share_settings(comm, settings)
     session = session_class(space, task, settings, devices=devices,
                            memory_per_device=memory_per_device, live=live, baseline=baseline,
                            title=title, plan_fn=plan_fn, console=console, rank=rank, ranks=size)

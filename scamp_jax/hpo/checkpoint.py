@@ -243,19 +243,24 @@ class TrialCheckpointer:
         self._manager.close()
 
 
-def _checkpoints_own(err: BaseException | None) -> BaseException | None:
-    """The error of ``err``'s chain that says the checkpoint itself cannot be read as asked,
-    or None. Orbax's words for that are `ValueError` (tree structures, shapes) and
-    `FileNotFoundError` (files missing); data cut short or overwritten is a `ValueError` of
-    TensorStore (``OUT_OF_RANGE``, ``FAILED_PRECONDITION``: "Error reading ... in OCDBT
-    database") that orbax wraps in a bare `Exception` ("Encountered error while reading array
-    index"). A disk that failed to answer or a permission is not the checkpoint's own."""
-    seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, ValueError | FileNotFoundError):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
+#: TensorStore's status codes for data that is not what its metadata says: cut short
+#: (``OUT_OF_RANGE``), overwritten (``FAILED_PRECONDITION``: a codec that cannot decode it),
+#: or failing its checksum (``DATA_LOSS``); not a permission, an unavailable disk or an I/O
+#: error, which are not the checkpoint's own.
+_DAMAGED_DATA = ("OUT_OF_RANGE", "FAILED_PRECONDITION", "DATA_LOSS")
+
+
+def _checkpoints_own(err: BaseException) -> BaseException | None:
+    """``err`` where it says the checkpoint itself cannot be read as asked, else None. Orbax's
+    words for that are `ValueError` (tree structures, shapes) and `FileNotFoundError` (files
+    missing); data cut short or overwritten is a `ValueError` of TensorStore with a damaged
+    data code (`_DAMAGED_DATA`: "OUT_OF_RANGE: Error reading ... in OCDBT database") that
+    orbax raises from a bare `Exception` ("Encountered error while reading array index")."""
+    if isinstance(err, ValueError | FileNotFoundError):
+        return err
+    cause = err.__cause__ if type(err) is Exception else None  # orbax's wrapper alone
+    if isinstance(cause, ValueError) and str(cause).split(":", 1)[0] in _DAMAGED_DATA:
+        return cause
     return None
 
 
