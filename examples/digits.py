@@ -82,7 +82,9 @@ if __name__ == "__main__":
                                      memory_per_device="32MiB", reference_batch=32,
                                      max_batch_size=128)
     except ValueError as err:  # a bad setting, or a study that was created with other steps
-        raise SystemExit(f"error: {err}") from None
+        # the study's refusal in this script's flags (--steps, --study-name)
+        as_command_line = getattr(err, "as_command_line", None)
+        raise SystemExit(f"error: {as_command_line() if as_command_line else err}") from None
     best = result["best"]  # None while no trial has completed
     if best is not None:
         print(f"best: trial {best['number']} {best['params']} accuracy {best['accuracy']:.3f}")

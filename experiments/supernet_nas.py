@@ -278,6 +278,11 @@ def check_outputs(config, args: argparse.Namespace) -> None:
             fail(f"--json {args.json!r} is a directory; pass a file name, e.g. "
                  f"{str(Path(args.json) / 'results.json')!r}")
         check_study_dir(Path(args.json).parent, "--json's folder")
+        suffix = Path(args.json).suffix
+        if suffix in (".png", ".checkpoint"):  # the plot's, or the checkpoint's, name
+            fail(f"--json {args.json!r}: the {'plot' if suffix == '.png' else 'checkpoint'} "
+                 f"beside it takes that name; pass a name ending in .json, e.g. "
+                 f"{str(Path(args.json).with_suffix('.json'))!r}")
 
 
 def check_checkpoint(config, args: argparse.Namespace) -> None:

@@ -54,6 +54,20 @@ def test_digits_example_runs_a_study_and_reports_the_best_trial(digits_study):
     assert (study_dir / "best_model" / "trial.json").is_file()
 
 
+def test_digits_example_says_a_study_of_other_steps_in_its_own_flags(digits_study):
+    """A rerun with other ``--steps`` is refused in the script's flags (``--steps``,
+    ``--study-name``), where it said ``study_name='digits-mlp-2'``, the library's keyword."""
+    study_dir, _ = digits_study
+    proc = subprocess.run(
+        [sys.executable, "examples/digits.py", "--trials", "2", "--steps", "21",
+         "--study-dir", str(study_dir)],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert proc.stderr.strip() == (
+        "error: study 'digits-mlp' was created with --steps 20, this run asks for --steps 21; "
+        "rerun with --steps 20, or pass --study-name digits-mlp-2 to start a new study")
+
+
 def test_plan_and_train_example_trains_with_its_plan():
     """``examples/plan_and_train.py``: a user's own model planned, then trained in the user's
     loop on the plan's devices with its shardings; the loss falls."""

@@ -37,6 +37,11 @@ CASES = [
     (["--stages", "100", "--layers", "100"],
      r"--stages 100 needs one device per stage but there are \d+ \w+ devices; pass --stages "
      r"\d+ or fewer"),
+    # the plot and the checkpoint beside the JSON take its name with their own suffix
+    (["--json", "out.png"], "--json 'out.png': the plot beside it takes that name; pass a "
+     "name ending in .json, e.g. 'out.json'"),
+    (["--json", "run.checkpoint"], "--json 'run.checkpoint': the checkpoint beside it takes "
+     "that name; pass a name ending in .json, e.g. 'run.json'"),
     # a usage error like the others, not a failure: without mpirun there is one process
     (["--mpi"], "--mpi needs an MPI launcher with one rank per pipeline stage, e.g. mpirun -n 4"),
 ]
