@@ -78,19 +78,11 @@ def latest_checkpoint_step(directory: Path | None, batch_size: int | None = None
 
 @dataclass(frozen=True)
 class MemberInfo:
-    """What grouping needs of a planned trial (found in a planner thread).
-
-    ``signature`` is the program's key (`FusionService.signature`), which sizes the group;
-    ``config`` the rest of the configuration (`scamp_jax.hpo.trial.model_config`): members of
-    a group share both, as the group builds its members' initial state with one ``build`` of
-    the configuration (which may read any of its values, e.g. an initialisation scale no graph
-    holds).
-    """
+    """What grouping needs of a planned trial (found in a planner thread)."""
 
     signature: Any
     resume_step: int
     fusion: FusionPlan | None  # None: it cannot be fused (runs alone)
-    config: tuple[tuple[str, str], ...] = ()
 
 
 class FusionService:
@@ -172,7 +164,7 @@ class FusionService:
         batch = int(plan.batch_size) if fusion is None else fusion.batch_size
         resume = latest_checkpoint_step(checkpoint_dir, batch,
                                         self.planning.config.steps_for(batch))
-        info = MemberInfo(signature, resume, fusion, model_config(params))
+        info = MemberInfo(signature, resume, fusion)
         with self._lock:
             self._info[number] = info
         return plan
@@ -271,8 +263,12 @@ class FusionService:
         for number, planned in self._forming.items():
             info = self.info(number)
             width = info.fusion.width if info is not None and info.fusion is not None else 1
+            # Members share the program (its signature sizes the group) and the rest of the
+            # configuration (`model_config`): the group builds every member's initial state
+            # with one ``build`` of it, which may read any value (an initialisation scale).
             keys[number] = ((None, number) if info is None else
-                           (info.signature, info.config, info.resume_step))
+                           (info.signature, model_config(planned.asked.params),
+                            info.resume_step))
             candidates.append(FusionCandidate(number, keys[number], planned.arrival, width))
         # Members on their way: trials of the same architecture being planned (siblings
         # asked, a resumed group's members), or siblings the study still holds (not asked
