@@ -513,7 +513,8 @@ def test_a_member_that_diverged_before_a_ctrl_c_stays_failed_and_the_rest_go_bac
     for lr in (1e-2, 1e20):
         handle.study.enqueue_trial({"learning_rate": lr})
     source = OptunaTrialSource(handle, space, 2, root=tmp_path)
-    config = EngineConfig(steps=1000, budget=Budget(BUDGET), max_batch_size=16, log_every=5,
+    # steps to spare: on a fast machine 1,000 steps ended before an update saw step 50
+    config = EngineConfig(steps=20_000, budget=Budget(BUDGET), max_batch_size=16, log_every=5,
                           checkpoint_every=200, fuse=2)
     engine = SearchEngine(space, Regression(), source, config, devices=jax.devices()[:1],
                           checkpoint_root=tmp_path / "ckpt", on_update=_CtrlC(50))
