@@ -167,6 +167,58 @@ def test_a_pruned_member_stops_and_the_others_match_their_solo_runs(tmp_path):
     assert (tmp_path / "group.json").is_file()
 
 
+class DataFailsFor(Regression):
+    """`Regression` whose stream of seed ``seed`` raises when it is asked for batch ``at``
+    (counted from 0: the batch of step ``at + 1``)."""
+
+    def __init__(self, seed: int, at: int) -> None:
+        super().__init__()
+        self.bad_seed, self.at = seed, at
+
+    def batches(self, batch_size: int, seed: int):
+        for drawn, batch in enumerate(super().batches(batch_size, seed)):
+            if seed == self.bad_seed and drawn == self.at:
+                raise OSError(f"the data of seed {seed} cannot be read")
+            yield batch
+
+
+@pytest.mark.parametrize("at_once", [False, True], ids=["data in turn", "data at once"])
+def test_a_member_whose_data_fails_fails_alone_and_the_others_match_their_solo_runs(
+        at_once: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One member's stream raising mid-run ends that member ``failed`` with its error, as its
+    solo run would end; its siblings train on with their own batches, re-form without it at
+    the next evaluation, and end as their solo runs do."""
+    from scamp_jax.hpo import member_streams
+
+    monkeypatch.setattr(member_streams, "PARALLEL_MIN_SECONDS", 0.0 if at_once else 60.0)
+    steps, every, at = 20, 10, 7
+    plan = make_plan({"width": 16}, jax.devices()[:1], max_batch=16)
+    members = tuple(MemberSpec(20 + i, cfg, seed) for i, (cfg, seed) in enumerate(MEMBERS[:3]))
+    task = DataFailsFor(MEMBERS[1][1], at)
+    statuses = [TrialStatus(m.number, m.params) for m in members]
+    group = run_fused_group(
+        GroupSpec(2, members, group_plan(plan, 4), steps, BUDGET, eval_every=every,
+                  log_every=1), SPACE, task, statuses=statuses)
+    states = [r.state for r in group.members]
+    assert states == ["complete", "failed", "complete"], [r.reason for r in group.members]
+    broken = group.members[1]
+    assert "cannot be read" in broken.reason and "OSError" in broken.traceback
+    # as its solo run ends: the draw for step ``at + 1`` fails, with the same steps told
+    alone = run_trial(RunSpec(number=0, params=MEMBERS[1][0], plan=plan, steps=steps,
+                              memory_per_device=BUDGET, seed=MEMBERS[1][1], log_every=1),
+                      SPACE, task, cache=StepCache())
+    assert alone.state == "failed" and alone.reason == broken.reason
+    assert broken.steps == alone.steps > 0
+    assert group.widths == (3, 2)  # re-formed without it at the evaluation
+    cache = StepCache()
+    for i in (0, 2):
+        ref, curve = solo(dict(MEMBERS[i][0]), MEMBERS[i][1], plan, steps, cache)
+        assert [s for s, _ in group.losses[i]] == [s for s, _ in curve]
+        for (_, a), (_, b) in zip(group.losses[i], curve, strict=True):
+            assert rel(a, b) <= RTOL
+        assert rel(group.members[i].metrics["mse"], ref.metrics["mse"]) <= RTOL
+
+
 def test_member_checkpoint_resumes_solo_and_in_a_group(tmp_path):
     """A member's checkpoint is its solo run's: an interrupted group resumes to the same end."""
     steps = 20

@@ -87,8 +87,11 @@ def test_a_member_whose_batches_change_shape_is_named(monkeypatch: pytest.Monkey
     stacked = StackedStreams([changing(0), changing(1)], parallel=True)
     for _ in range(WARM):
         stacked.draw()
+    stacked.draw()
+    failed = stacked.take_failed()
+    assert sorted(failed) == [0, 1]
     with pytest.raises(ValueError, match=r"member 0's stream gave a batch of \[\(\(3, 2\), "):
-        stacked.draw()
+        raise failed[0]
 
 
 def test_tasks_say_whether_their_streams_may_be_drawn_at_once() -> None:
@@ -103,10 +106,14 @@ def test_tasks_say_whether_their_streams_may_be_drawn_at_once() -> None:
     assert not parallel_streams(object())
 
 
-def test_a_failing_member_leaves_no_stream_running(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An error of one member's stream is raised once every other member's draw has ended, so
-    no stream is advanced after `draw` has given up (the group ends, or draws again)."""
-    monkeypatch.setattr(member_streams, "PARALLEL_MIN_SECONDS", 0.0)
+@pytest.mark.parametrize("at_once", [True, False], ids=["at once", "in turn"])
+def test_a_failing_member_is_out_and_the_others_draw_on(at_once: bool,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error of one member's stream is that member's (`take_failed`, once): its slot holds
+    zeros from then on and its stream is never drawn again, while every other member's draw
+    of that step is kept, so each goes on with its solo run's batches; once the group is
+    re-formed without it, the others' slots move up."""
+    monkeypatch.setattr(member_streams, "PARALLEL_MIN_SECONDS", 0.0 if at_once else 60.0)
     drawn = [0, 0]
 
     def stream(slot: int) -> Iterator[np.ndarray]:
@@ -121,20 +128,47 @@ def test_a_failing_member_leaves_no_stream_running(monkeypatch: pytest.MonkeyPat
     stacked = StackedStreams([stream(0), stream(1)], parallel=True)
     for _ in range(WARM):
         stacked.draw()
-    with pytest.raises(RuntimeError, match="member 0's data is broken"):
-        stacked.draw()
-    assert drawn == [WARM, WARM + 1]  # member 1's draw had ended when the error came out
+    assert stacked.take_failed() == {}
+    np.testing.assert_array_equal(stacked.draw(), [[0.0, 0.0], [WARM, WARM]])
+    assert drawn == [WARM, WARM + 1]  # member 1's draw had ended when `draw` returned
+    failed = stacked.take_failed()
+    assert list(failed) == [0] and "member 0's data is broken" in str(failed[0])
+    assert stacked.take_failed() == {}  # said once
+    np.testing.assert_array_equal(stacked.draw(), [[0.0, 0.0], [WARM + 1, WARM + 1]])
+    assert drawn == [WARM, WARM + 2] and stacked.take_failed() == {}
     stacked.keep([1])
-    np.testing.assert_array_equal(stacked.draw(), [[WARM + 1.0, WARM + 1.0]])
-    assert drawn == [WARM, WARM + 2]
+    np.testing.assert_array_equal(stacked.draw(), [[WARM + 2.0, WARM + 2.0]])
+    assert drawn == [WARM, WARM + 3]
 
 
-def test_every_failing_member_is_named_and_an_interruption_waits_for_the_draws(
+def test_a_member_whose_first_draw_fails_is_out_and_no_batch_at_all_raises() -> None:
+    """The first draw sets the group's shapes from the first batch that comes; a member that
+    has none is out from the start. Where no member has one, the group cannot start: the
+    first member's error is raised, naming the others'."""
+    def stream(slot: int, fails: bool) -> Iterator[np.ndarray]:
+        if fails:
+            raise OSError(f"member {slot}'s files are missing")
+        yield from (np.full((2,), 10 * slot + step, np.float32) for step in range(9))
+
+    stacked = StackedStreams([stream(0, True), stream(1, False), stream(2, False)],
+                             parallel=False)
+    np.testing.assert_array_equal(stacked.draw(), [[0, 0], [10, 10], [20, 20]])
+    assert list(stacked.take_failed()) == [0]
+    np.testing.assert_array_equal(stacked.draw(), [[0, 0], [11, 11], [21, 21]])
+
+    stacked = StackedStreams([stream(0, True), stream(1, True)], parallel=False)
+    with pytest.raises(OSError, match="member 0's files are missing") as caught:
+        stacked.draw()
+    assert [n.split(":")[0] for n in getattr(caught.value, "__notes__", [])] == [
+        "member 1's first draw failed too"]
+
+
+def test_every_failing_member_is_out_and_an_interruption_waits_for_the_draws(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two members failing in one draw: the first slot's error is raised with a note naming
-    the other. Ctrl-C while the members draw comes out once the draws running have ended, and
-    no member's draw starts after it (the group's streams rest; a resumed run makes new ones
-    from its checkpoint's step)."""
+    """Every member failing in one draw: each is out with its own error. Ctrl-C while the
+    members draw comes out once the draws running have ended, and no member's draw starts
+    after it (the group's streams rest; a resumed run makes new ones from its checkpoint's
+    step)."""
     monkeypatch.setattr(member_streams, "PARALLEL_MIN_SECONDS", 0.0)
 
     def stream(slot: int) -> Iterator[np.ndarray]:
@@ -145,11 +179,10 @@ def test_every_failing_member_is_named_and_an_interruption_waits_for_the_draws(
     stacked = StackedStreams([stream(0), stream(1), stream(2)], parallel=True)
     for _ in range(WARM + 1):
         stacked.draw()
-    with pytest.raises(ValueError, match="member 0 ran dry") as caught:
-        stacked.draw()
-    notes = getattr(caught.value, "__notes__", [])
-    assert [n.split(":")[0] for n in notes] == ["member 1's draw failed too",
-                                                "member 2's draw failed too"]
+    np.testing.assert_array_equal(stacked.draw(), np.zeros((3, 2)))
+    failed = stacked.take_failed()
+    assert {slot: str(err) for slot, err in failed.items()} == {
+        slot: f"member {slot} ran dry" for slot in range(3)}
 
     # A real Ctrl-C: member 0's data thread sends SIGINT to the process while the members
     # draw; Python raises it in the main thread, which is waiting for them.
@@ -187,8 +220,11 @@ def test_a_member_whose_batches_change_dtype_is_named(monkeypatch: pytest.Monkey
     stacked = StackedStreams([changing(0), changing(1)], parallel=True)
     for _ in range(WARM):
         stacked.draw()
+    assert stacked.draw().dtype == np.float32
+    failed = stacked.take_failed()
+    assert sorted(failed) == [0, 1]
     with pytest.raises(ValueError, match="float64.*float32"):
-        stacked.draw()
+        raise failed[1]
 
 
 def test_patch_copies_inside_the_data_threads_finish_with_one_thread_each(

@@ -381,6 +381,9 @@ class FusedProgram:
         batch = self.streams.draw()
         self.batch = jax.device_put(batch, self.shardings.batch)
 
+    def take_failed(self) -> dict[int, BaseException]:
+        return self.streams.take_failed()
+
     def _active(self, active: np.ndarray) -> jax.Array:
         if self._sent is None or not np.array_equal(self._sent, active):
             self._sent = active.copy()

@@ -218,6 +218,12 @@ class Program(Protocol):
     def prefetch(self) -> None:
         """Put the next batch on the devices."""
 
+    def take_failed(self) -> Mapping[int, BaseException]:
+        """The slots whose data stream failed since the last call (`prepare` and `prefetch`
+        draw), each with its error, once: those members end ``failed`` as their solo runs
+        would, the others train on. A program of one member raises its stream's error
+        instead (the run ends)."""
+
     def member(self, slot: int) -> MemberState:
         """Slot ``slot``'s state, on the plan's shardings."""
 
@@ -493,6 +499,7 @@ class Lifecycle:
             m.status.training_since, m.status.first_step = now, first
             m.status.state, m.status.step = "training", first
         active = np.ones(program.width, bool)
+        self._data_failed(active)
         for step in range(first, schedule.steps):
             if self.stop is not None and self.stop.is_set():
                 self._save(step)
@@ -503,6 +510,7 @@ class Lifecycle:
             done = step + 1
             if done < schedule.steps:
                 program.prefetch()
+                self._data_failed(active)
             if done % schedule.log_every == 0 or done == schedule.steps:
                 self._read_losses(losses, done, active)
             for slot, m in enumerate(self.slots):
@@ -530,6 +538,14 @@ class Lifecycle:
                     m.status.step_seconds = seconds
             self._save(schedule.steps, active)
         self._finish(active)
+
+    def _data_failed(self, active: np.ndarray) -> None:
+        """End the members whose data stream failed (`Program.take_failed`); their slots stay
+        in the step, masked, until the group re-forms."""
+        for slot, err in self.program.take_failed().items():
+            if active[slot]:
+                active[slot] = False
+                self._fail(self.slots[slot], err)
 
     def _measure(self, ready: Any = None) -> None:
         """The allocator's peak on the run's devices, into every member's status (None: the

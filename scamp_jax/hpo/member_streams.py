@@ -107,6 +107,11 @@ class StackedStreams:
     """The members' streams of a fused group, in slot order; `draw` gives their next batches
     stacked on a leading member axis (numpy, host memory).
 
+    A member whose stream raises (or gives a batch of another structure, shape or dtype) is
+    out of the group's data from then on, as a solo run of it would end: its slot holds zeros
+    in this and every later draw, `take_failed` gives its error once, and the other members
+    draw on, each its solo run's batches.
+
     Args:
       streams: one endless iterator of batches (pytrees of numpy arrays with equal shapes
         across members) per member.
@@ -126,44 +131,99 @@ class StackedStreams:
         self._times: list[float] = []  # seconds per member of the timed draws
         self._treedef: Any = None
         self._leaves: list[tuple[tuple[int, ...], np.dtype]] = []
+        self._dead: set[int] = set()  # slots whose stream failed: zeros from then on
+        self._failed: dict[int, BaseException] = {}  # failures `take_failed` has not given
 
     def draw(self) -> PyTree:
-        """Every member's next batch, stacked: leaves ``(K, B, ...)``."""
+        """Every member's next batch, stacked: leaves ``(K, B, ...)``. Raises only where no
+        member's batch was ever drawn (the first draw, every stream failing: the first
+        member's error) or for an interruption."""
         self.draws += 1
-        if not self.at_once or len(self.streams) < 2:
+        width = len(self.streams)
+        live = [slot for slot in range(width) if slot not in self._dead]
+        if self._treedef is None:
+            return self._first_draw(live)
+        out = [np.empty((width, *shape), dtype) for shape, dtype in self._leaves]
+        for slot in self._dead:
+            for target in out:
+                target[slot] = 0
+        if not self.at_once or len(live) < 2:
             start = time.perf_counter()
-            batches = [next(s) for s in self.streams]
-            if 2 <= self.draws <= 1 + TIMED_DRAWS:
-                self._times.append((time.perf_counter() - start) / len(self.streams))
+            for slot in live:
+                try:
+                    self._place(slot, next(self.streams[slot]), out)
+                except Exception as err:  # noqa: BLE001 - that member's own ending
+                    self._fail(slot, err, out)
+            if live and 2 <= self.draws <= 1 + TIMED_DRAWS:
+                self._times.append((time.perf_counter() - start) / len(live))
                 if self.draws == 1 + TIMED_DRAWS:
                     self.at_once = (self.parallel
                                     and float(np.median(self._times)) >= PARALLEL_MIN_SECONDS)
-            stacked = jax.tree.map(lambda *xs: np.stack(xs), *batches)
-            leaves, self._treedef = jax.tree.flatten(stacked)
-            self._leaves = [(x.shape[1:], x.dtype) for x in leaves]
-            return stacked
-        width = len(self.streams)
-        out = [np.empty((width, *shape), dtype) for shape, dtype in self._leaves]
+            return jax.tree.unflatten(self._treedef, out)
         handoff = _Handoff()
-        jobs: list[Future[None]] = []
+        jobs: list[tuple[int, Future[None]]] = []
         try:
-            for slot in range(width):
-                jobs.append(_pool().submit(handoff.run, self._fill, slot, out))
-            wait(jobs)  # a failing member's error is raised after every other member's draw
+            for slot in live:
+                jobs.append((slot, _pool().submit(handoff.run, self._fill, slot, out)))
+            wait([job for _, job in jobs])  # every member's draw ends before this returns
         finally:
             handoff.close()  # interrupted: the draws running end first, the others never start
-        errors = [(slot, err) for slot, job in enumerate(jobs)
-                  if (err := job.exception()) is not None]
-        if errors:
-            first = errors[0][1]
-            for slot, other in errors[1:]:
-                first.add_note(f"member {slot}'s draw failed too: {other!r}")
-            raise first
+        for slot, job in jobs:
+            failure = job.exception()
+            if failure is not None and not isinstance(failure, Exception):
+                raise failure  # an interruption in a data thread stops the run, as on this one
+            if failure is not None:
+                self._fail(slot, failure, out)
         return jax.tree.unflatten(self._treedef, out)
 
+    def _first_draw(self, live: list[int]) -> PyTree:
+        """The first draw, in turn: the first member's batch that comes sets the group's
+        structure, shapes and dtypes."""
+        batches: dict[int, PyTree] = {}
+        errors: dict[int, BaseException] = {}
+        for slot in live:
+            try:
+                batches[slot] = next(self.streams[slot])
+            except Exception as err:  # noqa: BLE001 - that member's own ending
+                errors[slot] = err
+        if not batches:
+            first = next(iter(errors.values()))
+            for slot, other in list(errors.items())[1:]:
+                first.add_note(f"member {slot}'s first draw failed too: {other!r}")
+            raise first  # no member has a batch: the group cannot start
+        leaves, self._treedef = jax.tree.flatten(next(iter(batches.values())))
+        self._leaves = [(np.shape(x), np.asarray(x).dtype) for x in leaves]
+        width = len(self.streams)
+        out = [np.zeros((width, *shape), dtype) for shape, dtype in self._leaves]
+        for slot, error in errors.items():
+            self._fail(slot, error, out)
+        for slot, batch in batches.items():
+            try:
+                self._place(slot, batch, out)
+            except Exception as err:  # noqa: BLE001 - that member's own ending
+                self._fail(slot, err, out)
+        return jax.tree.unflatten(self._treedef, out)
+
+    def _fail(self, slot: int, err: BaseException, out: list[np.ndarray]) -> None:
+        """Member ``slot``'s stream failed with ``err``: zeros in its slot from now on."""
+        self._dead.add(slot)
+        self._failed[slot] = err
+        for target in out:
+            target[slot] = 0
+
+    def take_failed(self) -> dict[int, BaseException]:
+        """The slots whose stream failed since the last call, with their errors (each once)."""
+        failed, self._failed = self._failed, {}
+        return failed
+
     def _fill(self, slot: int, out: list[np.ndarray]) -> None:
-        """Draw member ``slot``'s next batch into its slot of ``out`` (a data thread)."""
-        leaves, treedef = jax.tree.flatten(next(self.streams[slot]))
+        """Draw member ``slot``'s next batch into its slot of ``out`` (on a data thread)."""
+        self._place(slot, next(self.streams[slot]), out)
+
+    def _place(self, slot: int, batch: PyTree, out: list[np.ndarray]) -> None:
+        """Member ``slot``'s ``batch`` into its slot of ``out``, checked against the group's
+        structure, shapes and dtypes."""
+        leaves, treedef = jax.tree.flatten(batch)
         if treedef != self._treedef or any(
                 np.shape(x) != shape or np.asarray(x).dtype != dtype
                 for x, (shape, dtype) in zip(leaves, self._leaves, strict=True)):
@@ -178,4 +238,8 @@ class StackedStreams:
 
     def keep(self, index: Sequence[int] | np.ndarray) -> None:
         """Keep only the streams of slots ``index`` (in that order)."""
-        self.streams = [self.streams[int(i)] for i in index]
+        index = [int(i) for i in index]
+        self.streams = [self.streams[i] for i in index]
+        self._dead = {new for new, old in enumerate(index) if old in self._dead}
+        self._failed = {new: self._failed[old] for new, old in enumerate(index)
+                        if old in self._failed}

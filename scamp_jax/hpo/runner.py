@@ -355,6 +355,9 @@ class SoloProgram:
     def prefetch(self) -> None:
         self.batch = jax.device_put(next(self.batches), self.plan.batch_sharding)
 
+    def take_failed(self) -> dict[int, BaseException]:
+        return {}  # the stream's error ended the run where it was raised
+
     def compile(self) -> int | None:
         lowered = self.step_fn.lower(*self.state, self.batch)
         ready = getattr(self.plan, "compiled_step", None)
