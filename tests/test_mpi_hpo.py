@@ -770,6 +770,53 @@ def test_an_interrupted_mpi_run_is_recorded_with_the_trials_it_finished(tmp_path
     assert 1 <= run["trials_this_run"] <= len(complete), (run, complete)
 
 
+@pytest.mark.slow  # run with -m slow (README: Tests)
+@pytest.mark.mpi
+def test_a_stop_while_trials_span_ranks_keeps_the_finished_ones_and_gives_back_the_rest(
+    tmp_path, _needs_mpi
+):
+    """Two trials too big for one rank span ranks 0 and 1 in two rounds; Ctrl-C on
+    ``mpirun`` once the first has ended. The study holds it complete (recorded as its round
+    ended, not once every round had run) and the second given back (failed as interrupted,
+    queued again), not running until its heartbeat lapses; the same command finishes the
+    study with the second alone."""
+    from test_mpi_runs import launcher, mpi_env
+
+    flags = ["--trials", "2", "--devices", "1", "--memory-per-device", "14000",
+             "--min-batch-size", "64", "--max-batch-size", "64", "--steps", "4000",
+             "--checkpoint-every", "500"]
+    cmd = [*launcher(2), sys.executable, str(SCRIPT), "--no-live", "--study-dir",
+           str(tmp_path / "study"), *flags]
+    proc = subprocess.Popen(cmd, env=mpi_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:  # the first spanning trial told, then Ctrl-C
+            lines.append(line)
+            if re.search(r"trial \d+ complete on ranks \[0, 1\]", line):
+                proc.send_signal(signal.SIGINT)
+                break
+        output = "".join(lines) + proc.stdout.read()
+        assert proc.wait(timeout=120) != 0, output
+    finally:
+        proc.kill()
+    first = int(re.search(r"trial (\d+) complete on ranks", output).group(1))
+    stored = {n: (s, r) for n, s, r in _stored_trials(tmp_path)}
+    assert stored[first][0] == "COMPLETE", (stored, output)
+    others = {n: v for n, v in stored.items() if n != first}
+    assert "RUNNING" not in {s for s, _ in others.values()}, (stored, output)
+    assert ("FAIL", "interrupted") in others.values(), (stored, output)
+    assert "WAITING" in {s for s, _ in others.values()}, (stored, output)
+
+    again = _launch(tmp_path, 2, *flags, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"trial {first} " not in again.stdout  # not run again
+    results = _results(tmp_path)
+    assert len(results["trials"]) == 2 and all(t["state"] == "complete"
+                                               for t in results["trials"]), results["trials"]
+    assert results["run"]["spanning_trials"] == 1
+
+
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_swinir_smoke_study_under_mpirun_records_every_trial_once(tmp_path, _needs_mpi):

@@ -46,6 +46,7 @@ under their checkpoint keys and completes the study without losing any finished 
 from __future__ import annotations
 
 import functools
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -53,7 +54,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from scamp_jax._signals import Terminated
+from scamp_jax._signals import Terminated, stops_held
 from scamp_jax.distributed.data_parallel import mpi_mean_bytes
 from scamp_jax.distributed.mpi import end_every_rank, import_mpi4py
 from scamp_jax.distributed.spanning import (
@@ -339,6 +340,19 @@ def check_ranks_share_settings(comm: Any, settings: Any) -> None:
                 "every rank with the same command (each may differ in its own devices only)")
 
 
+def _give_back_spanning(server: Any, numbers: Sequence[int]) -> None:
+    """Give the spanning trials a stop left unfinished back to the study at once (failed as
+    interrupted, queued again under their checkpoint keys), as a single process gives back
+    its running trials, rather than leaving them running until their heartbeat lapses."""
+    with stops_held():  # every one goes back, then the stop goes on
+        for number in numbers:
+            try:
+                server.interrupt(number)
+            except Exception as failure:  # noqa: BLE001 - the stop, not this, ends the run
+                print(f"could not give trial {number} back to the study: "
+                      f"{type(failure).__name__}: {failure}", file=sys.stderr, flush=True)
+
+
 def _record_stopped(session: Any, server: Any, result: Any, elapsed_s: float,
                     ranks: int, err: BaseException) -> None:
     """Rank 0's record of a run ``err`` stopped (`StudySession.record_ending`): its engine's
@@ -369,6 +383,17 @@ def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any
     source = RemoteTrialSource(client)
     started = time.monotonic()
     result = None
+    spanning: list[SpanningTrial] = []
+    told: set[int] = set()
+
+    def tell_spanning(trial: SpanningTrial, ranks: tuple[int, ...], outcome_of: Any) -> None:
+        """Rank 0 records a spanning trial as its round ends (a stop later keeps it)."""
+        assert server is not None
+        outcome = spanning_outcome(trial, ranks, outcome_of, task.metric)
+        server.tell(outcome.number, outcome.value, _OPTUNA_STATE[outcome.state],
+                    dict(outcome.attrs), outcome.reason)
+        told.add(trial.number)
+
     try:
         # The barrier: every rank asks from the start, so work spreads over all of them.
         engine, result = session.run_engine(
@@ -387,20 +412,17 @@ def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any
         start = time.monotonic()
         finished = run_spanning_trials(
             spanning, space, task, engine.config, comm,
-            checkpoint_root=session.out_dir / "checkpoints",
-            log=session.say) if spanning else []
+            checkpoint_root=session.out_dir / "checkpoints", log=session.say,
+            on_finished=tell_spanning if server is not None else None) if spanning else []
         spanning_s = time.monotonic() - start
     except (KeyboardInterrupt, Exception) as err:
         if server is not None:  # rank 0 records the run, as a single process does
+            _give_back_spanning(server, [t.number for t in spanning if t.number not in told])
             _record_stopped(session, server, result, time.monotonic() - started, size, err)
         raise
     summaries = comm.gather(summary, root=0)
     if server is None:
         return comm.bcast(None, root=0)  # rank 0's record, once written
-    for trial, ranks, outcome_of in finished:
-        outcome = spanning_outcome(trial, ranks, outcome_of, task.metric)
-        server.tell(outcome.number, outcome.value, _OPTUNA_STATE[outcome.state],
-                    dict(outcome.attrs), outcome.reason)
     # The report's plots and usage figures cover every rank's devices, rank 0's first.
     timeline = ranks_timeline([s.pop("timeline") for s in summaries],
                               [s["devices"] for s in summaries])

@@ -253,6 +253,7 @@ def run_spanning_trials(
     *,
     checkpoint_root: Path | None,
     log: Callable[[str], None] = print,
+    on_finished: Callable[[SpanningTrial, tuple[int, ...], RunResult], None] | None = None,
 ) -> list[tuple[SpanningTrial, tuple[int, ...], RunResult]]:
     """Run the deferred ``trials`` across the ranks of ``comm`` (collective: call on every rank).
 
@@ -263,6 +264,8 @@ def run_spanning_trials(
       comm: mpi4py communicator of all ranks.
       checkpoint_root: directory of the study's checkpoints (seen by every rank), or None.
       log: where rank 0 prints progress lines.
+      on_finished: called on rank 0 with ``(trial, ranks, result)`` as each round's trials
+        end (the study records each then, not once every round has run).
 
     Returns:
       on rank 0, ``(trial, ranks, result)`` for every trial in finishing order; elsewhere ``[]``.
@@ -304,6 +307,8 @@ def run_spanning_trials(
                     f"{result.wall_seconds:.1f} s"
                     + (f": {task.metric}={value:.4g}" if value is not None else "")
                     + (f" ({result.reason})" if result.reason else ""))
+                if on_finished is not None:
+                    on_finished(trial, ranks, result)
     return finished
 
 
