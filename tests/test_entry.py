@@ -603,6 +603,43 @@ def test_a_run_that_fails_after_trials_trained_keeps_the_studys_settings(tmp_pat
         scamp_jax.run_study(SPACE, function_task(), steps=40, **kw)
 
 
+def test_a_too_small_rerun_keeps_the_settings_of_trials_that_trained_and_went_back(
+        tmp_path, monkeypatch):
+    """Trials that trained model-parallel on 4 devices and went back at a Ctrl-C keep their
+    checkpoints; a rerun on 1 device, where no candidate fits, stops as too small but must not
+    forget the study's settings, or the next run could resume those checkpoints under others."""
+    from scamp_jax.hpo import live
+    from scamp_jax.hpo.engine import BudgetTooSmallError
+    from scamp_jax.hpo.study import StudySettingsError
+
+    def suggest(trial: optuna.Trial) -> dict:
+        return {"width": trial.suggest_categorical("width", [20_000]),
+                "learning_rate": trial.suggest_float("learning_rate", 1e-3, 3e-2, log=True)}
+
+    space = scamp_jax.SearchSpace("mlp", suggest, SPACE.build)
+    kw = dict(study_dir=tmp_path, live=False, max_batch_size=8, memory_per_device="2MiB",
+              sampler="random", trials=2, checkpoint_every=5)
+    update = live.LiveView.update
+
+    def ctrl_c_at_step_10(self, statuses, *args, **kwargs):
+        if any(s.step >= 10 for s in statuses):
+            raise KeyboardInterrupt
+        return update(self, statuses, *args, **kwargs)
+
+    monkeypatch.setattr(live.LiveView, "update", ctrl_c_at_step_10)
+    with pytest.raises(KeyboardInterrupt):
+        scamp_jax.run_study(space, function_task(), steps=400, devices=4, **kw)
+    monkeypatch.setattr(live.LiveView, "update", update)
+    study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
+    assert {t.state for t in study.trials} <= {optuna.trial.TrialState.FAIL,
+                                               optuna.trial.TrialState.WAITING}
+    assert any((tmp_path / "checkpoints").iterdir())
+    with pytest.raises(BudgetTooSmallError):
+        scamp_jax.run_study(space, function_task(), steps=400, devices=1, **kw)
+    with pytest.raises(StudySettingsError, match="steps=400"):
+        scamp_jax.run_study(space, function_task(), steps=40, devices=4, **kw)
+
+
 class _DropoutMLP(nnx.Module):
     def __init__(self, width: int, rngs: nnx.Rngs):
         self.hidden = nnx.Linear(8, width, rngs=rngs)

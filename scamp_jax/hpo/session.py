@@ -356,11 +356,25 @@ class StudySession:
     def forget_if_unused(self, study: optuna.Study) -> None:
         """Where no trial of ``study`` ever ran (a budget too small for any candidate), forget
         its settings and its claim on ``study_dir``'s outputs, so that the rerun the error
-        advises (or another study) starts afresh."""
+        advises (or another study) starts afresh. A study whose trials trained and went back
+        (a stop) keeps them while their checkpoints are kept: a rerun resumes those under
+        the study's settings."""
         from scamp_jax.hpo.study.storage import forget_settings_if_unused
 
+        if self._checkpoints_kept(study):
+            return
         if forget_settings_if_unused(study) and self.out_dir == self.study_dir:
             release_outputs(self.study_dir, self.study_name)
+
+    def _checkpoints_kept(self, study: optuna.Study) -> bool:
+        """Whether a trial of ``study`` has a checkpoint in this study's outputs."""
+        from scamp_jax.hpo.checkpoint import saved_steps
+        from scamp_jax.hpo.study import CHECKPOINT_KEY
+
+        root = self.out_dir / "checkpoints"
+        return root.is_dir() and any(
+            saved_steps(root / str(t.user_attrs[CHECKPOINT_KEY]))
+            for t in study.get_trials(deepcopy=False) if t.user_attrs.get(CHECKPOINT_KEY))
 
     def trial_source(self, handle: StudyHandle, **kwargs: Any) -> OptunaTrialSource:
         """The ask-and-tell source over the opened study (``kwargs``: more `OptunaTrialSource`
