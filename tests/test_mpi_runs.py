@@ -277,6 +277,15 @@ def test_a_rank_that_is_stopped_ends_the_job_saying_it_stopped_not_failed(capsys
     assert err[:2] == [f"rank 2 stopped ({what}): what the job saved stays; run the same "
                        "command to resume" for what in ("Ctrl-C", "SIGTERM")]
     assert err[2].startswith("rank 2 failed: ") and "--stages 3" in err[2]
+    # A library call that keeps nothing says so instead of advising a resume
+    # (`train_supernet_mpi`).
+    from scamp_jax.distributed.mpi import failures_end_every_rank
+
+    with pytest.raises(KeyboardInterrupt), failures_end_every_rank(
+            comm, stopped="this call saves nothing; its training is lost"):
+        raise KeyboardInterrupt
+    assert capsys.readouterr().err.splitlines() == [
+        "rank 2 stopped (Ctrl-C): this call saves nothing; its training is lost"]
 
 
 def _study(tmp_path: Path, ranks: int, trials: int, *extra: str) -> subprocess.CompletedProcess:

@@ -138,19 +138,25 @@ def mpirun_command(ranks: int, launcher: str = "mpirun") -> list[str]:
     return cmd
 
 
-def end_every_rank(comm: Any, err: BaseException, note: str = "") -> None:
+#: What `end_every_rank` says of a stop where the job keeps what it saved (a study, an
+#: experiment with its checkpoint).
+RESUMABLE = "what the job saved stays; run the same command to resume"
+
+
+def end_every_rank(comm: Any, err: BaseException, note: str = "",
+                   stopped: str = RESUMABLE) -> None:
     """Say on stderr that this rank failed with ``err`` (worded as the entry points word
     errors, with its notes), and ``note``, then abort the job through ``comm``, so that the
     other ranks do not wait forever in a collective this rank will never reach (exit status 2
     for a `ValueError`, a usage error; else 1). A stop (Ctrl-C, or SIGTERM as
-    `scamp_jax._signals.Terminated`) is said as one and ends it with 130 or 143."""
+    `scamp_jax._signals.Terminated`) is said as one, with ``stopped`` (what of the job is
+    kept), and ends it with 130 or 143."""
     from scamp_jax._errors import worded
     from scamp_jax._signals import Terminated
 
     if isinstance(err, KeyboardInterrupt):  # a stop, not a failure: mpirun's status says which
         code, what = (143, "SIGTERM") if isinstance(err, Terminated) else (130, "Ctrl-C")
-        print(f"rank {comm.Get_rank()} stopped ({what}): what the job saved stays; run the "
-              "same command to resume", file=sys.stderr, flush=True)
+        print(f"rank {comm.Get_rank()} stopped ({what}): {stopped}", file=sys.stderr, flush=True)
         comm.Abort(code)
         return
     print(f"rank {comm.Get_rank()} failed: {worded(err)}", file=sys.stderr, flush=True)
@@ -162,11 +168,12 @@ def end_every_rank(comm: Any, err: BaseException, note: str = "") -> None:
 
 
 @contextlib.contextmanager
-def failures_end_every_rank(comm: Any) -> Iterator[None]:
+def failures_end_every_rank(comm: Any, stopped: str = RESUMABLE) -> Iterator[None]:
     """Code that every rank runs together: an exception on one rank (Ctrl-C included) ends the
-    whole job through `end_every_rank` instead of leaving the others blocked."""
+    whole job through `end_every_rank` (``stopped``: what it says a stop keeps) instead of
+    leaving the others blocked."""
     try:
         yield
     except BaseException as err:  # noqa: BLE001 - one rank's failure must end every rank
-        end_every_rank(comm, err)
+        end_every_rank(comm, err, stopped=stopped)
         raise

@@ -382,7 +382,7 @@ def train_supernet_mpi(
     comm = mpi.COMM_WORLD if comm is None else comm
     options.setdefault("num_stages", comm.Get_size())
     check_ranks_pass_the_same(comm, layout, subnets, lr_batches, hr_batches, options)
-    with failures_end_every_rank(comm):
+    with failures_end_every_rank(comm, stopped="this call saves nothing; its training is lost"):
         return train_supernet(
             layout, subnets, lr_batches, hr_batches,
             executor=functools.partial(MPIPipelineExecutor, comm=comm), **options,
