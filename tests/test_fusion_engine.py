@@ -383,6 +383,21 @@ def test_trials_whose_build_reads_another_value_are_not_fused_together(tmp_path)
         assert rel <= 1e-5, (t.number, t.params, rel)
 
 
+def test_a_configuration_reads_numpy_values_as_their_python_values():
+    """What groups trials (`model_config`): a NumPy scalar or 0-d array is its Python value;
+    the optimizer's keys are left out, other values are not."""
+    import numpy as np
+
+    from scamp_jax.hpo.trial import model_config
+
+    python = model_config({"width": 2.0, "flag": True, "learning_rate": 1e-3})
+    assert model_config({"width": np.float64(2.0), "flag": np.bool_(True),
+                         "learning_rate": 3e-3}) == python
+    assert model_config({"width": np.array(2.0), "flag": np.array(True)}) == python
+    assert model_config({"width": 3.0, "flag": True}) != python
+    assert model_config({"width": np.array([2.0]), "flag": True}) != python
+
+
 def test_a_family_whose_choices_are_numpy_numbers_trains_as_one_group(tmp_path):
     """A categorical of NumPy numbers: the sampler hands the proposal its choice
     (``np.float64(2.0)``), the study's storage hands its siblings the JSON value (``2.0``);

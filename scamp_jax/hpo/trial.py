@@ -36,11 +36,18 @@ OPTIMIZER_KEYS = ("learning_rate", "weight_decay", "b1", "b2")
 def model_config(params: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
     """Every key of configuration ``params`` but the optimizer's (`OPTIMIZER_KEYS`) with its
     value as text, sorted: what trials that share a model's program and initial state share
-    (``build`` may read any of it). A NumPy scalar reads as its Python value: a sampler hands
-    out a categorical's own choice (``np.float64(2.0)``), the study's storage the JSON value
-    (``2.0``) to the siblings enqueued with it."""
-    return tuple(sorted((k, repr(v.item() if isinstance(v, np.generic) else v))
+    (``build`` may read any of it). A NumPy scalar (or 0-d array) reads as its Python value: a
+    sampler hands out a categorical's own choice (``np.float64(2.0)``), the study's storage
+    the JSON value (``2.0``) to the siblings enqueued with it."""
+    return tuple(sorted((k, repr(_python_value(v)))
                         for k, v in params.items() if k not in OPTIMIZER_KEYS))
+
+
+def _python_value(value: Any) -> Any:
+    """``value`` as Python's own number or flag where it is NumPy's (a scalar or a 0-d array)."""
+    if isinstance(value, np.generic) or (isinstance(value, np.ndarray) and value.ndim == 0):
+        return value.item()
+    return value
 
 #: widest group ``fuse="auto"`` plans (the planner may choose fewer).
 AUTO_FUSION_CAP = 8
