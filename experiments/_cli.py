@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import logging
 import os
 import re
 import signal
@@ -311,6 +312,41 @@ def as_flags(message: str) -> str:
                   lambda m: _FLAG_OF[m[1]], message)
 
 
+class _WarningsInFlags(logging.Handler):
+    """Words the library's warnings with the command line's flags (`as_flags`), in the record
+    itself, so that the handlers after it (the root logger's, where a package configured
+    one) print them so worded; where no other handler would print it, it prints the message
+    on stderr, as Python does with a warning nothing handles."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            record.msg, record.args = as_flags(record.getMessage()), None
+            if not self._printed_by_others(record):
+                print(self.format(record), file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 - logging's own rule: a failed message never raises
+            self.handleError(record)
+
+    def _printed_by_others(self, record: logging.LogRecord) -> bool:
+        logger: logging.Logger | None = logging.getLogger(record.name)
+        while logger is not None:
+            if any(h is not self and record.levelno >= h.level for h in logger.handlers):
+                return True
+            logger = logger.parent if logger.propagate else None
+        return False
+
+
+def say_warnings_in_flags() -> None:
+    """Word the library's warnings (``scamp_jax``'s loggers) in the command line's flags for
+    the rest of this process (once, however often it is called)."""
+    logger = logging.getLogger("scamp_jax")
+    if not any(isinstance(h, _WarningsInFlags) for h in logger.handlers):
+        logger.addHandler(_WarningsInFlags())
+
+
 def in_flags(err: BaseException) -> str:
     """A library error as the command line says it: its `as_command_line` where it has one
     (`scamp_jax.hpo.study.StudySettingsError`), else its message with the library's keywords
@@ -512,6 +548,7 @@ def run(
     User errors exit with status 2 and a one-line message (`user_errors`); every check that
     needs no study runs before the study database is created.
     """
+    say_warnings_in_flags()
     with user_errors(resumable=not getattr(args, "plan_only", False)):
         if getattr(args, "plan_only", False):
             return plan_only(args, config, make, preset_for=preset_for)

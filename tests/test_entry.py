@@ -253,8 +253,8 @@ def test_a_batch_that_scales_a_trial_down_to_a_few_steps_is_said(tmp_path, caplo
         assert config.steps_for(64) == 10 and not caplog.records
         assert config.steps_for(65536) == config.steps_for(65536) == 1
     [said] = [r.getMessage() for r in caplog.records]
-    assert said.startswith("a trial at batch 65536 trains 1 step(s) (steps=20 at "
-                           "reference_batch=32, scaled to its batch); pass max_batch_size")
+    assert said.startswith("a trial at batch 65536 trains 1 step(s), as steps=20 at a batch of "
+                           "32 (the reference batch) scaled to its batch; pass max_batch_size")
 
 
 def test_an_evaluate_that_returns_a_number_is_told_what_to_return(tmp_path):

@@ -517,6 +517,22 @@ def test_the_record_only_grows(tmp_path):
     plt.close(fig)
 
 
+def test_the_librarys_warnings_name_the_command_lines_flags(tmp_path) -> None:
+    """A warning of the library under a command line (a batch that scales the steps down to
+    a few) says the flag to pass, not the library's keyword, and says it once."""
+    script = ROOT / "tests" / "mpi_scripts" / "hpo_mlp.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--no-live", "--study-dir", str(tmp_path / "study"),
+         "--trials", "1", "--devices", "1", "--min-batch-size", "64", "--max-batch-size", "64",
+         "--steps", "20"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    said = [line for line in proc.stderr.splitlines() if "trains 3 step(s)" in line]
+    assert len(said) == 1 and said[0].endswith(
+        "a trial at batch 64 trains 3 step(s), as --steps 20 at a batch of 8 (the reference "
+        "batch) scaled to its batch; pass --max-batch-size to keep its batch, and its steps, "
+        "nearer the reference"), proc.stderr
+
+
 def test_errors_name_the_command_lines_flags_not_the_librarys_keywords() -> None:
     from experiments._cli import as_flags
 

@@ -235,8 +235,9 @@ def _say_few_steps(steps: int, batch: int, reference_steps: int, reference_batch
         return
     _SAID_FEW.add((batch, reference_steps, reference_batch))
     logging.getLogger(__name__).warning(
-        "a trial at batch %d trains %d step(s) (steps=%d at reference_batch=%d, scaled to its "
-        "batch); pass max_batch_size to keep its batch, and its steps, nearer the reference",
+        "a trial at batch %d trains %d step(s), as steps=%d at a batch of %d (the reference "
+        "batch) scaled to its batch; pass max_batch_size to keep its batch, and its steps, "
+        "nearer the reference",
         batch, steps, reference_steps, reference_batch)
 
 
