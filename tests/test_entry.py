@@ -566,6 +566,7 @@ def test_a_study_whose_database_was_deleted_is_not_made_again_over_its_outputs(t
                        r"deleted, or another storage given\?\)"):
         scamp_jax.run_study(SPACE, function_task(), trials=2, seed=1, **kw)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == kept
+    assert not list(tmp_path.glob("study.db*"))  # the refusal made no new database
 
 
 def test_a_run_that_fails_after_trials_trained_keeps_the_studys_settings(tmp_path, monkeypatch):

@@ -346,12 +346,12 @@ class StudySession:
         return handle
 
     def _stored_names(self) -> list[str]:
-        """The names of the studies in this study's storage."""
-        import optuna
-
+        """The names of the studies in this study's storage (none, and nothing made, where its
+        SQLite file does not exist)."""
         from scamp_jax.hpo.study import storage_url
+        from scamp_jax.hpo.study.storage import stored_study_names
 
-        return optuna.get_all_study_names(storage_url(self.study_dir, self.settings.storage))
+        return stored_study_names(storage_url(self.study_dir, self.settings.storage))
 
     def forget_if_unused(self, study: optuna.Study) -> None:
         """Where no trial of ``study`` ever ran (a budget too small for any candidate), forget

@@ -78,6 +78,19 @@ def storage_url(study_dir: str | Path, storage: str | None = None) -> str:
 STORAGE_EXAMPLE = "sqlite:///runs/study.db or postgresql+psycopg://user@host/db"
 
 
+def stored_study_names(url: str) -> list[str]:
+    """The names of the studies in the storage at ``url``; an SQLite file that does not exist
+    holds none and is not made (Optuna's storage would create it)."""
+    import optuna
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if (parsed.get_backend_name() == "sqlite" and parsed.database
+            and parsed.database != ":memory:" and not Path(parsed.database).exists()):
+        return []
+    return optuna.get_all_study_names(url)
+
+
 def check_storage(url: str | None, study_dir: str | Path, *, said: str = "storage",
                   here: bool = True, in_memory: bool = True) -> None:
     """Raise ``ValueError`` if ``url`` (None: ``study_dir``'s ``study.db``) is no usable
