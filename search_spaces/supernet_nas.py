@@ -34,6 +34,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from scamp_jax._files import write_whole
 from scamp_jax._signals import stops_held
 from scamp_jax.pipeline.executor import PipelineExecutor
 from scamp_jax.pipeline.executor_base import StageExecutor
@@ -706,7 +707,7 @@ def evaluate_and_save(
     # Only the folder the results go to is made (``json_path``'s, else ``config.out_dir``).
     path = Path(json_path) if json_path else Path(config.out_dir) / "results.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary, indent=2))
+    write_whole(path, json.dumps(summary, indent=2))  # a stop leaves no cut file
     plot = path.with_suffix(".png")
     save_plot(summary, plot)
     console.print(f"wrote {path} and {plot}")

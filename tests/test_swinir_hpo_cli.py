@@ -404,6 +404,20 @@ def test_sigterm_exits_143_and_ctrl_c_130(capsys):
         signal.getsignal(signal.SIGTERM))
 
 
+def test_a_file_written_whole_is_the_old_one_or_the_new_one(tmp_path):
+    """`write_whole` (the study's record, the supernet experiment's results): a write that
+    fails half-way (here text the file's encoding cannot hold, after a first part it can)
+    leaves the old file as it was and no part file."""
+    from scamp_jax._files import write_whole
+
+    path = tmp_path / "results.json"
+    write_whole(path, '{"old": 1}')
+    with pytest.raises(UnicodeEncodeError):
+        write_whole(path, '{"new": "' + "x" * 100_000 + "\ud800" + '"}')
+    assert path.read_text() == '{"old": 1}'
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
+
+
 def test_the_record_is_replaced_whole(tmp_path):
     """results.json and results.csv are written beside themselves and renamed over the old
     ones (a process stopped mid-write leaves the old record, not a cut one): no part files

@@ -25,6 +25,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from scamp_jax._files import write_whole
 from scamp_jax._units import format_bytes
 from scamp_jax.hpo.checkpoint import copy_checkpoint
 from scamp_jax.hpo.failures import TRACEBACK
@@ -162,7 +163,7 @@ def _write_results(study_dir: Path, records: Sequence[Mapping[str, Any]], metric
         "run": runs[-1] if runs else {},
     }
     json_path = study_dir / "results.json"
-    _replace_text(json_path, _dumps(payload, indent=2))
+    write_whole(json_path, _dumps(payload, indent=2))
     columns = list(BASE_COLUMNS)
     for row in records:
         columns += [k for k in row if k not in columns and k != TRACEBACK]
@@ -175,21 +176,8 @@ def _write_results(study_dir: Path, records: Sequence[Mapping[str, Any]], metric
             k: _dumps(v) if isinstance(v, dict | list) else v
             for k, v in row.items() if k != TRACEBACK
         })
-    _replace_text(csv_path, text.getvalue())
+    write_whole(csv_path, text.getvalue())
     return json_path, csv_path
-
-
-def _replace_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all: a new file beside it, then renamed over
-    it, so a process stopped at any point (a second Ctrl-C) leaves the old record or the new
-    one, never a cut one (whose runs the next run would not find)."""
-    part = path.with_name(f".{path.name}.{os.getpid()}.part")
-    try:
-        with part.open("w", newline="") as handle:
-            handle.write(text)
-        os.replace(part, path)
-    finally:
-        part.unlink(missing_ok=True)
 
 
 def add_run_overhead(study_dir: str | Path, run_id: str, extra: Mapping[str, Any]) -> None:
@@ -209,7 +197,7 @@ def add_run_overhead(study_dir: str | Path, run_id: str, extra: Mapping[str, Any
             return
         mine[0].setdefault("overhead", {}).update(extra)
         payload["run"] = runs[-1]
-        _replace_text(path, _dumps(payload, indent=2))
+        write_whole(path, _dumps(payload, indent=2))
 
 
 def read_runs(study_dir: str | Path, *, keep_damaged: bool = False) -> list[dict[str, Any]]:
