@@ -187,7 +187,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-subnets", type=int, help="subnets ranked on held-out patches")
     p.add_argument("--out-dir", help="directory of results.json and results.png "
                                      "(default runs/supernet_nas)")
-    p.add_argument("--json", help="write the JSON summary here (the plot goes next to it)")
+    p.add_argument("--json", metavar="PATH.json",
+                   help="write the JSON summary here, a name ending in .json (the plot "
+                        "PATH.png and, until the run ends, its checkpoint PATH.checkpoint go "
+                        "next to it)")
     p.add_argument("--checkpoint-every", type=int, metavar="N",
                    help="train in segments of N subnets and save a checkpoint (orbax) in "
                         "<out-dir>/checkpoint (with --json PATH alone: PATH.checkpoint) after "
@@ -283,6 +286,11 @@ def check_outputs(config, args: argparse.Namespace) -> None:
             fail(f"--json {args.json!r}: the {'plot' if suffix == '.png' else 'checkpoint'} "
                  f"beside it takes that name; pass a name ending in .json, e.g. "
                  f"{str(Path(args.json).with_suffix('.json'))!r}")
+        if suffix != ".json":  # the plot and the checkpoint beside it take its stem
+            same = str(Path(args.json).with_suffix(".json"))
+            fail(f"--json {args.json!r}: the plot and the checkpoint beside it take the name "
+                 f"without its ending, which a run writing {same!r} would share; pass a name "
+                 f"ending in .json, e.g. {same!r}")
 
 
 def check_checkpoint(config, args: argparse.Namespace) -> None:

@@ -42,6 +42,10 @@ CASES = [
      "name ending in .json, e.g. 'out.json'"),
     (["--json", "run.checkpoint"], "--json 'run.checkpoint': the checkpoint beside it takes "
      "that name; pass a name ending in .json, e.g. 'run.json'"),
+    (["--json", "d/a.txt"], "--json 'd/a.txt': the plot and the checkpoint beside it take the "
+     "name without its ending, which a run writing 'd/a.json' would share; pass a name ending "
+     "in .json, e.g. 'd/a.json'"),
+    (["--json", "results"], "--json 'results': the plot and the checkpoint beside it take"),
     # a usage error like the others, not a failure: without mpirun there is one process
     (["--mpi"], "--mpi needs an MPI launcher with one rank per pipeline stage, e.g. mpirun -n 4"),
 ]
