@@ -130,6 +130,39 @@ def test_an_error_of_the_users_suggest_keeps_the_finished_trials_in_results_json
         assert len([r for r in csv.DictReader(handle) if r["state"] == "complete"]) == 3
 
 
+def test_a_tell_the_storage_refuses_leaves_the_trial_given_back_not_running(tmp_path,
+                                                                         monkeypatch):
+    """The storage refuses to record a finished trial (a database that fails as the run
+    tells: made up here, as root a database file cannot be made read-only). The error ends
+    the run, and the trial goes back to the study with the others (failed as interrupted,
+    its retry queued), not left running until its heartbeat lapses; the rerun finishes it."""
+    import sqlalchemy.exc
+
+    tell = optuna.Study.tell
+    refused: list[int] = []
+
+    def refuse_the_second_tell(self, trial, *args, **kwargs):
+        number = trial if isinstance(trial, int) else trial.number
+        if kwargs.get("state") == optuna.trial.TrialState.COMPLETE and number == 1:
+            refused.append(number)
+            raise sqlalchemy.exc.OperationalError("UPDATE trials", {}, Exception("disk I/O error"))
+        return tell(self, trial, *args, **kwargs)
+
+    monkeypatch.setattr(optuna.Study, "tell", refuse_the_second_tell)
+    with pytest.raises(sqlalchemy.exc.OperationalError, match="disk I/O error"):
+        scamp_jax.run_study(SPACE, _task(), trials=3, study_dir=tmp_path, devices=1,
+                            max_running_trials=1, **KW)
+    monkeypatch.setattr(optuna.Study, "tell", tell)
+    assert refused == [1]
+    study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
+    states = {t.number: (t.state, t.user_attrs.get(FAIL_REASON)) for t in study.trials}
+    assert states[0] == (optuna.trial.TrialState.COMPLETE, None), states
+    assert states[1] == (optuna.trial.TrialState.FAIL, INTERRUPTED), states
+    assert optuna.trial.TrialState.RUNNING not in {s for s, _ in states.values()}, states
+    done = scamp_jax.run_study(SPACE, _task(), trials=3, study_dir=tmp_path, devices=1, **KW)
+    assert done["trials_this_run"] == 2
+
+
 def test_an_error_of_suggest_before_any_trial_ran_writes_nothing(tmp_path):
     """``suggest`` raises on the study's first trial: nothing ran, so no results are written,
     and the rerun after the fix trains the study's trials."""

@@ -85,6 +85,9 @@ class Endings:
         self.failures = RepeatedFailures(config.failure_limit, self._told, source.interrupt)
         #: how each trial of this run ended, in finishing order.
         self.outcomes: list[TrialOutcome] = []
+        #: trials whose ending the study refused to store (the error ended the run): they go
+        #: back to it with the others (`give_back`)
+        self.untold: list[int] = []
 
     @stops_held()  # the held failures and this outcome are told whole (`scamp_jax._signals`)
     def tell(self, outcome: TrialOutcome) -> None:
@@ -95,7 +98,11 @@ class Endings:
         self.notify()
 
     def _told(self, outcome: TrialOutcome) -> None:
-        self.source.tell(outcome)
+        try:
+            self.source.tell(outcome)
+        except BaseException:
+            self.untold.append(outcome.number)
+            raise
         self.outcomes.append(outcome)
 
     def check_failures(self) -> None:
@@ -212,7 +219,8 @@ class Endings:
                 for number in dict.fromkeys([*(o.number for o in held), *running]):
                     self._discard_checkpoints(number)
             self.failures.give_back_held(held)
-            for number in dict.fromkeys([*running, *waiting]):  # once each
+            untold, self.untold = self.untold, []
+            for number in dict.fromkeys([*running, *waiting, *untold]):  # once each
                 self.source.interrupt(number)
         if stopped is not None:
             raise stopped

@@ -499,12 +499,13 @@ class OptunaTrialSource:
 
     @stops_held()  # a Ctrl-C never splits its writes (`scamp_jax._signals`)
     def tell(self, outcome: TrialOutcome) -> None:
-        """Store the outcome (state, value, reason, attributes) of a live trial."""
+        """Store the outcome (state, value, reason, attributes) of a live trial. Where the
+        storage refuses it, the trial stays live (its error goes on), so that the run's end
+        gives it back (`interrupt`) instead of leaving it running until its heartbeat lapses."""
         with self._lock:
-            self.told += 1
             self._drop_held(outcome.number)
             trial = self._live.pop(outcome.number)
-            self._ids.pop(outcome.number, None)
+            trial_id = self._ids.pop(outcome.number, None)
             try:
                 for key, value in outcome.attrs.items():
                     if key == "checkpoint" and value and self.root is not None:
@@ -524,6 +525,12 @@ class OptunaTrialSource:
                     self.lost.append(outcome.number)
             except optuna.exceptions.UpdateFinishedTrialError:
                 self.lost.append(outcome.number)  # failed as stale; its retry owns the slot
+            except BaseException:
+                self._live[outcome.number] = trial
+                if trial_id is not None:
+                    self._ids[outcome.number] = trial_id
+                raise
+            self.told += 1
 
     @stops_held()  # a Ctrl-C never splits its writes (`scamp_jax._signals`)
     def interrupt(self, number: int) -> None:
