@@ -213,6 +213,11 @@ def test_plan_for_a_target_is_a_plan_and_cpu_plans_do_not_change() -> None:
         cpu_before.batch_size, cpu_before.peak_bytes_per_device)
     assert {d.device_kind for d in plan.devices} == {"NVIDIA H100 80GB HBM3"}
     assert plan.data_parallel * plan.model_parallel == 2
+    # the budget it was made for keeps the target's platform, kind and memory
+    budget = plan.budget
+    assert (budget.platform, budget.device_kind) == ("gpu", "NVIDIA H100 80GB HBM3")
+    assert budget.device_bytes == targets.resolve_target("h100").memory_bytes
+    assert (budget.memory_per_device, budget.usable_bytes) == (64 << 20, plan.usable_bytes)
     assert plan.compiled_step is None and plan.compiles >= 1
     assert 0 < plan.predicted_peak_bytes <= plan.usable_bytes
     # the figure is the target's: the same step compiled for it at the plan's batch

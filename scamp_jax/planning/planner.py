@@ -181,6 +181,9 @@ class Plan:
       provisional: the batch and figures are an estimate from shapes, not compiled
         (``plan_mesh(..., provisional=True)``): good for sizing a fused group, whose compiled
         step checks it, not for training alone.
+      device_budget: the `Budget` the plan was made with, for its devices' platform, kind and
+        memory (`budget` gives it with this plan's own pool, margin and allowance); None for
+        a plan made by hand.
       step_flops: FLOPs of one training step at ``batch_size`` over all its devices, from XLA's
         cost analysis of the planner's own executable at that batch (per device, times the
         devices: `train_step.compiled_flops`; replicated work counts on every device), kept
@@ -220,6 +223,7 @@ class Plan:
     allowance_bytes: int = 0
     provisional: bool = field(default=False, compare=False)
     step_flops: float | None = field(default=None, compare=False)
+    device_budget: Budget | None = field(default=None, compare=False, repr=False)
 
     @property
     def train_bytes(self) -> int:
@@ -245,8 +249,12 @@ class Plan:
 
     @property
     def budget(self) -> Budget:
-        """The budget the plan was made for (pool, margin and allowance per device)."""
-        return Budget(self.memory_per_device, self.safety_margin, self.allowance_bytes)
+        """The budget the plan was made for: this plan's pool, margin and allowance per
+        device, with its devices' platform, kind and memory (``device_budget``)."""
+        if self.device_budget is None:
+            return Budget(self.memory_per_device, self.safety_margin, self.allowance_bytes)
+        return replace(self.device_budget, memory_per_device=self.memory_per_device,
+                       safety_margin=self.safety_margin, allowance_bytes=self.allowance_bytes)
 
     @property
     def usable_bytes(self) -> int:
@@ -870,6 +878,7 @@ def _plan_on_mesh(request: _Request, mp: int, stored: _StoredPlans | None,
         eval_peak_bytes=eval_plan.peak_bytes if eval_plan else 0,
         evaluator=evaluator if eval_plan else None,
         allowance_bytes=request.budget.allowance_bytes,
+        device_budget=request.budget,
         provisional=shaped,
         step_flops=_answer_flops(search, batch, compiled_step),
     )
@@ -1015,6 +1024,7 @@ def _plan_from_record(record: dict[str, Any], request: _Request) -> Plan:
         eval_chunk=int(record.get("eval_chunk", 0)),
         eval_peak_bytes=int(record.get("eval_peak_bytes", 0)),
         allowance_bytes=budget.allowance_bytes,
+        device_budget=budget,
         step_flops=record.get("step_flops"),
     )
 
