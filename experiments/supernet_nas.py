@@ -172,7 +172,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--width", type=int, help="feature channels of the supernet")
     p.add_argument("--subnets", type=int, help="subnets trained (one batch each)")
     p.add_argument("--batch-size", type=int, help="patches per subnet batch")
-    p.add_argument("--microbatches", type=int, help="microbatches per batch under gpipe")
+    p.add_argument("--microbatches", type=int,
+                   help="microbatches per batch under --schedule gpipe (only there)")
     p.add_argument("--seed", type=int, help="seed of weights, subnets and patches")
     p.add_argument("--shared-warmup", type=int,
                    help="Adam steps training the stem and head alone before the pipeline "
@@ -374,6 +375,10 @@ def _main(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict | None:
     }
     config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
     config = dataclasses.replace(config, checkpoint_dir=checkpoint_dir(args))
+    if args.microbatches is not None and config.schedule != "gpipe":
+        p.error(f"--microbatches {args.microbatches} applies to --schedule gpipe only (--schedule "
+                f"{config.schedule} trains each subnet's whole batch at once); leave it out, or "
+                "pass --schedule gpipe")
     check_outputs(config, args)
     if args.mpi:
         return _main_mpi(config, args, p)

@@ -42,6 +42,10 @@ CASES = [
      "name ending in .json, e.g. 'out.json'"),
     (["--json", "run.checkpoint"], "--json 'run.checkpoint': the checkpoint beside it takes "
      "that name; pass a name ending in .json, e.g. 'run.json'"),
+    # a flag of another schedule is refused, not ignored
+    (["--schedule", "csp", "--microbatches", "3"], "--microbatches 3 applies to --schedule "
+     "gpipe only (--schedule csp trains each subnet's whole batch at once); leave it out, or "
+     "pass --schedule gpipe"),
     (["--json", "d/a.txt"], "--json 'd/a.txt': the plot and the checkpoint beside it take the "
      "name without its ending, which a run writing 'd/a.json' would share; pass a name ending "
      "in .json, e.g. 'd/a.json'"),
