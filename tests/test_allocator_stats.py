@@ -53,34 +53,3 @@ def test_every_reader_goes_through_the_module_attribute(monkeypatch: pytest.Monk
     monkeypatch.setattr(devices, "allocator_stats", lambda d: fake[d.id])
     assert Budget.of_devices(cpu).memory_per_device == 4 << 30
     assert devices.peak_bytes_in_use(cpu) == 3 << 30
-
-
-def test_a_budget_above_the_allocators_pool_is_said(monkeypatch: pytest.MonkeyPatch,
-                                                     caplog: pytest.LogCaptureFixture) -> None:
-    """A budget per GPU above the pool its allocator holds (``bytes_limit``) is said once,
-    with the most to pass; within the rounding of a pool the budget set, nothing is said.
-    (Stand-in GPU devices: this machine has none.)"""
-    import logging
-
-    from scamp_jax.planning import budget as budget_module
-
-    class Gpu(_ReportingDevice):
-        device_kind = "NVIDIA H200"
-
-        def __init__(self, id: int, **stats: int) -> None:  # noqa: A002 - a device's name
-            super().__init__(**stats)
-            self.id = id
-
-    gpus = [Gpu(0, bytes_limit=100 << 30), Gpu(1, bytes_limit=120 << 30)]
-    with caplog.at_level(logging.WARNING, logger="scamp_jax.planning.budget"):
-        assert Budget.of_devices(gpus, "100GiB").memory_per_device == 100 << 30
-        Budget.of_devices(gpus, (100 << 30) + (100 << 20))  # the pool's rounding: within 1%
-        assert not caplog.records
-        Budget.of_devices(gpus, "140GiB")
-        Budget.of_devices(gpus, "140GiB")
-    [said] = [r.getMessage() for r in caplog.records]
-    assert said == ("memory_per_device 140.00 GiB is more than the 100.00 GiB pool the "
-                    "allocator holds on each of these gpu devices (its bytes_limit): trials "
-                    "planned to fill it would run out of memory; pass memory_per_device of at "
-                    "most 100.00 GiB, or none to plan for the pool")
-    budget_module._WARNED_ABOVE_POOL.clear()

@@ -191,8 +191,6 @@ class Budget:
             memory = parse_bytes(memory_per_device)
         if platform == "cpu":
             _above_host(len(devices), memory)
-        elif memory_per_device is not None:
-            _above_pool(devices, memory)
         return cls(memory, safety_margin=safety_margin, allowance_bytes=allowance_bytes,
                    platform=platform, device_kind=",".join(kinds),
                    outside_pool_bytes=0 if platform == "cpu" else GPU_OUTSIDE_POOL_BYTES)
@@ -228,34 +226,6 @@ def _smallest_limit(devices: Sequence[Any]) -> int:
 
 
 _WARNED_ABOVE_HOST: set[int] = set()
-
-
-#: How far a budget may pass the pool the allocator reports before it is said: the pool a
-#: budget sets is a fraction of the device's memory, written with 6 significant digits
-#: (`scamp_jax.devices.configure_device_memory`), so the two differ by a few hundred KB.
-POOL_TOLERANCE = 0.01
-_WARNED_ABOVE_POOL: set[tuple[int, int]] = set()
-
-
-def _above_pool(devices: Sequence[Any], memory_per_device: int) -> None:
-    """Warn (once per process, budget and pool) where ``memory_per_device`` is more than the
-    pool the devices' allocators report (``bytes_limit``, the smallest; devices that report
-    none are not checked): XLA allocates no more than that, so trials planned to fill the
-    budget would run out of memory."""
-    limits = [int(stats["bytes_limit"]) for d in devices
-              if (stats := _devices.allocator_stats(d)) and "bytes_limit" in stats]
-    if not limits:
-        return
-    limit = min(limits)
-    key = (memory_per_device, limit)
-    if memory_per_device <= limit * (1 + POOL_TOLERANCE) or key in _WARNED_ABOVE_POOL:
-        return
-    _WARNED_ABOVE_POOL.add(key)
-    log.warning("memory_per_device %s is more than the %s pool the allocator holds on each "
-                "of these %s devices (its bytes_limit): trials planned to fill it would run "
-                "out of memory; pass memory_per_device of at most %s, or none to plan for the "
-                "pool", format_bytes(memory_per_device), format_bytes(limit),
-                devices[0].platform, format_bytes(limit))
 
 
 def _above_host(count: int, memory_per_device: int) -> None:
