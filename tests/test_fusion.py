@@ -219,6 +219,29 @@ def test_a_member_whose_data_fails_fails_alone_and_the_others_match_their_solo_r
         assert rel(group.members[i].metrics["mse"], ref.metrics["mse"]) <= RTOL
 
 
+def test_a_resumed_member_whose_data_fails_as_it_is_advanced_fails_alone(tmp_path):
+    """A group stopped at step 8 resumes: each member's stream is advanced to step 8 first,
+    and member 1's fails on the way (its data gone meanwhile). That member fails alone, as its
+    solo run would; its siblings resume and finish."""
+    steps = 20
+    plan = make_plan({"width": 16}, jax.devices()[:1], max_batch=16)
+    members = tuple(MemberSpec(i, cfg, seed, checkpoint_dir=tmp_path / f"m{i}")
+                    for i, (cfg, seed) in enumerate(MEMBERS[:3]))
+    spec = GroupSpec(2, members, group_plan(plan, 4), steps, BUDGET, log_every=1)
+    stop = threading.Event()
+
+    def stop_at_step_8(number: int, step: int, loss: float) -> None:
+        if step == 8:
+            stop.set()
+
+    first = run_fused_group(spec, SPACE, Regression(), stop=stop, on_loss=stop_at_step_8)
+    assert [r.state for r in first.members] == ["interrupted"] * 3
+    again = run_fused_group(spec, SPACE, DataFailsFor(MEMBERS[1][1], 5))
+    assert [r.state for r in again.members] == ["complete", "failed", "complete"], [
+        r.reason for r in again.members]
+    assert "cannot be read" in again.members[1].reason
+
+
 def test_member_checkpoint_resumes_solo_and_in_a_group(tmp_path):
     """A member's checkpoint is its solo run's: an interrupted group resumes to the same end."""
     steps = 20

@@ -674,7 +674,12 @@ class Lifecycle:
 
 
 def stream(batches: Iterator[Any], skip: int) -> Iterator[Any]:
-    """``batches`` advanced by ``skip`` (the stream an uninterrupted run would be at)."""
-    for _ in range(skip):
-        next(batches)
-    return batches
+    """``batches`` advanced by ``skip`` (the stream an uninterrupted run would be at), at its
+    first draw: a stream that fails on the way fails where a member's draws fail (a fused
+    group's member alone, `scamp_jax.hpo.member_streams`)."""
+    def advanced() -> Iterator[Any]:
+        for _ in range(skip):
+            next(batches)
+        yield from batches
+
+    return advanced()
