@@ -163,6 +163,35 @@ def test_a_tell_the_storage_refuses_leaves_the_trial_given_back_not_running(tmp_
     assert done["trials_this_run"] == 2
 
 
+def test_a_held_failure_the_storage_refuses_at_the_runs_end_goes_back(tmp_path, monkeypatch):
+    """A failure held back from the study (`RepeatedFailures`) is told as the run ends; the
+    storage refuses that tell once (made up here, as above). The error ends the run and the
+    trial goes back to the study, not left running until its heartbeat lapses."""
+    import sqlalchemy.exc
+
+    def broken(model):
+        raise ValueError("a bug in evaluate")
+
+    tell = optuna.Study.tell
+    refused: list[int] = []
+
+    def refuse_the_first_failure(self, trial, *args, **kwargs):
+        if kwargs.get("state") == optuna.trial.TrialState.FAIL and not refused:
+            refused.append(1)
+            raise sqlalchemy.exc.OperationalError("UPDATE trials", {}, Exception("disk I/O error"))
+        return tell(self, trial, *args, **kwargs)
+
+    monkeypatch.setattr(optuna.Study, "tell", refuse_the_first_failure)
+    with pytest.raises(sqlalchemy.exc.OperationalError, match="disk I/O error"):
+        scamp_jax.run_study(SPACE, _task(broken), trials=1, study_dir=tmp_path, devices=1,
+                            max_running_trials=1, **KW)
+    monkeypatch.setattr(optuna.Study, "tell", tell)
+    study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
+    states = {t.number: (t.state, t.user_attrs.get(FAIL_REASON)) for t in study.trials}
+    assert states[0] == (optuna.trial.TrialState.FAIL, INTERRUPTED), states
+    assert optuna.trial.TrialState.RUNNING not in {s for s, _ in states.values()}, states
+
+
 def test_an_error_of_suggest_before_any_trial_ran_writes_nothing(tmp_path):
     """``suggest`` raises on the study's first trial: nothing ran, so no results are written,
     and the rerun after the fix trains the study's trials."""

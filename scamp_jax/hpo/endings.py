@@ -82,7 +82,7 @@ class Endings:
         self.notify, self.checkpoint_root = notify, checkpoint_root
         self.oom = OutOfMemory(config, core, records, replan, queue, self.report)
         #: the guard against a run's first trials all failing alike
-        self.failures = RepeatedFailures(config.failure_limit, self._told, source.interrupt)
+        self.failures = RepeatedFailures(config.failure_limit, self._told, self._interrupt)
         #: how each trial of this run ended, in finishing order.
         self.outcomes: list[TrialOutcome] = []
         #: trials whose ending the study refused to store (the error ended the run): they go
@@ -221,7 +221,7 @@ class Endings:
             self.failures.give_back_held(held)
             untold, self.untold = self.untold, []
             for number in dict.fromkeys([*running, *waiting, *untold]):  # once each
-                self.source.interrupt(number)
+                self._interrupt(number)
         if stopped is not None:
             raise stopped
 
@@ -233,6 +233,15 @@ class Endings:
         record.times["finished_at"] = now
         record.earlier_wall += result.wall_seconds
         return record
+
+    def _interrupt(self, number: int) -> None:
+        """Give trial ``number`` back to the study; where the study refuses (its storage
+        failing), say so and go on with the others: the heartbeat gives that one back."""
+        try:
+            self.source.interrupt(number)
+        except Exception as err:  # noqa: BLE001 - the others still go back
+            log.warning("could not give trial %d back to the study (%s: %s); a rerun retries "
+                        "it once its heartbeat lapses", number, type(err).__name__, err)
 
     def _tell_finished(self, runs: Sequence[Any]) -> list[int]:
         """Tell the study the members of ``runs`` that ended before the stop reached them: a
@@ -256,7 +265,13 @@ class Endings:
                     unfinished.append(planned.number)
                     continue
                 self._run_over(planned.number, r, now)
-                self.report(planned, r)
+                try:
+                    self.report(planned, r)
+                except Exception as err:  # noqa: BLE001 - the study refused it: it goes back
+                    log.warning("the study did not record trial %d's ending (%s: %s); it goes "
+                                "back", planned.number, type(err).__name__, err)
+                    unfinished.append(planned.number)
+                    continue
                 told += 1
             if told == len(run.members):
                 self.records[run.key].log("finished", now)

@@ -270,7 +270,12 @@ class SearchEngine:
             raise
         self._planner.shutdown(wait=True)
         self._launch.close()
-        self.endings.finish()
+        try:
+            self.endings.finish()
+        except BaseException:
+            # the study refused a held failure's tell: it, and those still held, go back
+            self.endings.give_back([], [])
+            raise
         self.intake.finish()
         return self.result_so_far()
 
