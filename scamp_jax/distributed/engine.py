@@ -382,7 +382,7 @@ def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any
         session.say_pool()
     source = RemoteTrialSource(client)
     started = time.monotonic()
-    result = None
+    result = engine = None
     spanning: list[SpanningTrial] = []
     told: set[int] = set()
 
@@ -417,7 +417,11 @@ def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any
         spanning_s = time.monotonic() - start
     except (KeyboardInterrupt, Exception) as err:
         if server is not None:  # rank 0 records the run, as a single process does
-            _give_back_spanning(server, [t.number for t in spanning if t.number not in told])
+            # the trials that wait to span ranks: every rank's once gathered, before that
+            # rank 0's own (the others' wait for their heartbeat to lapse)
+            waiting = ([t.number for t in spanning] if spanning else
+                       [asked.number for asked, _ in getattr(engine, "deferred", ())])
+            _give_back_spanning(server, [n for n in waiting if n not in told])
             _record_stopped(session, server, result, time.monotonic() - started, size, err)
         raise
     summaries = comm.gather(summary, root=0)

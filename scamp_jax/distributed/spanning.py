@@ -302,13 +302,13 @@ def run_spanning_trials(
             for trial, ranks in groups:
                 result = by_number[trial.number]
                 finished.append((trial, ranks, result))
+                if on_finished is not None:  # recorded, then said
+                    on_finished(trial, ranks, result)
                 value = result.metrics.get(task.metric)
                 log(f"trial {trial.number} {result.state} on ranks {list(ranks)} in "
                     f"{result.wall_seconds:.1f} s"
                     + (f": {task.metric}={value:.4g}" if value is not None else "")
                     + (f" ({result.reason})" if result.reason else ""))
-                if on_finished is not None:
-                    on_finished(trial, ranks, result)
     return finished
 
 
