@@ -156,6 +156,16 @@ def test_a_member_whose_first_draw_fails_is_out_and_no_batch_at_all_raises() -> 
     assert list(stacked.take_failed()) == [0]
     np.testing.assert_array_equal(stacked.draw(), [[0, 0], [11, 11], [21, 21]])
 
+    # a member whose batches are of another shape than the others' is the one out, whatever
+    # its slot
+    def shaped(rows: int) -> Iterator[np.ndarray]:
+        while True:
+            yield np.ones((rows, 2), np.float32)
+
+    stacked = StackedStreams([shaped(3), shaped(2), shaped(2)], parallel=False)
+    assert stacked.draw().shape == (3, 2, 2)
+    assert list(stacked.take_failed()) == [0]
+
     stacked = StackedStreams([stream(0, True), stream(1, True)], parallel=False)
     with pytest.raises(OSError, match="member 0's files are missing") as caught:
         stacked.draw()

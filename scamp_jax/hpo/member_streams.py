@@ -177,8 +177,9 @@ class StackedStreams:
         return jax.tree.unflatten(self._treedef, out)
 
     def _first_draw(self, live: list[int]) -> PyTree:
-        """The first draw, in turn: the first member's batch that comes sets the group's
-        structure, shapes and dtypes."""
+        """The first draw, in turn: the structure, shapes and dtypes most members' batches
+        have (the first member's among equals) are the group's; a member whose batch has
+        others is out."""
         batches: dict[int, PyTree] = {}
         errors: dict[int, BaseException] = {}
         for slot in live:
@@ -191,8 +192,8 @@ class StackedStreams:
             for slot, other in list(errors.items())[1:]:
                 first.add_note(f"member {slot}'s first draw failed too: {other!r}")
             raise first  # no member has a batch: the group cannot start
-        leaves, self._treedef = jax.tree.flatten(next(iter(batches.values())))
-        self._leaves = [(np.shape(x), np.asarray(x).dtype) for x in leaves]
+        kinds = [_kind(batch) for batch in batches.values()]
+        self._treedef, self._leaves = max(kinds, key=kinds.count)  # first among the most
         width = len(self.streams)
         out = [np.zeros((width, *shape), dtype) for shape, dtype in self._leaves]
         for slot, error in errors.items():
@@ -243,3 +244,9 @@ class StackedStreams:
         self._dead = {new for new, old in enumerate(index) if old in self._dead}
         self._failed = {new: self._failed[old] for new, old in enumerate(index)
                         if old in self._failed}
+
+
+def _kind(batch: PyTree) -> tuple[Any, list[tuple[tuple[int, ...], np.dtype]]]:
+    """A batch's structure and its leaves' shapes and dtypes."""
+    leaves, treedef = jax.tree.flatten(batch)
+    return treedef, [(np.shape(x), np.asarray(x).dtype) for x in leaves]
