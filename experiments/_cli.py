@@ -339,12 +339,20 @@ class _WarningsInFlags(logging.Handler):
         return False
 
 
-def say_warnings_in_flags() -> None:
-    """Word the library's warnings (``scamp_jax``'s loggers) in the command line's flags for
-    the rest of this process (once, however often it is called)."""
+@contextlib.contextmanager
+def warnings_in_flags() -> Iterator[None]:
+    """Word the library's warnings (``scamp_jax``'s loggers) in the command line's flags while
+    the command runs."""
     logger = logging.getLogger("scamp_jax")
-    if not any(isinstance(h, _WarningsInFlags) for h in logger.handlers):
-        logger.addHandler(_WarningsInFlags())
+    if any(isinstance(h, _WarningsInFlags) for h in logger.handlers):
+        yield  # an outer command's
+        return
+    handler = _WarningsInFlags()
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
 
 
 def in_flags(err: BaseException) -> str:
@@ -548,8 +556,7 @@ def run(
     User errors exit with status 2 and a one-line message (`user_errors`); every check that
     needs no study runs before the study database is created.
     """
-    say_warnings_in_flags()
-    with user_errors(resumable=not getattr(args, "plan_only", False)):
+    with warnings_in_flags(), user_errors(resumable=not getattr(args, "plan_only", False)):
         if getattr(args, "plan_only", False):
             return plan_only(args, config, make, preset_for=preset_for)
         if getattr(args, "target", None) is not None:
