@@ -22,9 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from scamp_jax.hpo.study.trials import AskedTrial
+from scamp_jax.hpo.study.trials import AskedTrial, python_value
 
 # the one byte rule, re-exported for the engine's modules
 from scamp_jax.scheduling.booking import booked_bytes as booked_bytes
@@ -39,15 +37,8 @@ def model_config(params: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
     (``build`` may read any of it). A NumPy scalar (or 0-d array) reads as its Python value: a
     sampler hands out a categorical's own choice (``np.float64(2.0)``), the study's storage
     the JSON value (``2.0``) to the siblings enqueued with it."""
-    return tuple(sorted((k, repr(_python_value(v)))
+    return tuple(sorted((k, repr(python_value(v)))
                         for k, v in params.items() if k not in OPTIMIZER_KEYS))
-
-
-def _python_value(value: Any) -> Any:
-    """``value`` as Python's own number or flag where it is NumPy's (a scalar or a 0-d array)."""
-    if isinstance(value, np.generic) or (isinstance(value, np.ndarray) and value.ndim == 0):
-        return value.item()
-    return value
 
 #: widest group ``fuse="auto"`` plans (the planner may choose fewer).
 AUTO_FUSION_CAP = 8

@@ -15,7 +15,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
@@ -39,6 +38,7 @@ from scamp_jax.hpo.study.trials import (
     AskedTrial,
     AskLater,
     TrialOutcome,
+    python_value,
     when_full,
 )
 from scamp_jax.space import SearchSpace
@@ -564,8 +564,7 @@ def _stored_configuration(params: Mapping[str, Any],
         return None
     whole = {}
     for key, value in params.items():
-        if isinstance(value, np.generic):  # a NumPy number or flag: stored as Python's
-            value = value.item()
+        value = python_value(value)  # a NumPy number or flag: stored as Python's
         try:
             json.dumps(value)
         except (TypeError, ValueError):

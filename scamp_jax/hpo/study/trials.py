@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 #: user attribute naming the checkpoint directory a trial writes to (shared by its re-runs).
 CHECKPOINT_KEY = "checkpoint_key"
 #: user attribute holding why a trial failed.
@@ -152,3 +154,11 @@ class TrialSource(Protocol):
         ...
 
 
+
+
+def python_value(value: Any) -> Any:
+    """``value`` as Python's own number or flag where it is NumPy's (a scalar or a 0-d array):
+    what a study stores and how trials' configurations compare."""
+    if isinstance(value, np.generic) or (isinstance(value, np.ndarray) and value.ndim == 0):
+        return value.item()
+    return value
