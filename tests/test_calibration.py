@@ -174,3 +174,52 @@ def test_a_plan_on_more_devices_answered_after_the_allowance_grew_books_it(tmp_p
     assert trial.state.name == "COMPLETE"
     assert len(trial.user_attrs["devices"]) == 4  # it started on the plan asked for
     assert trial.user_attrs["booked_bytes"] >= learnt
+
+
+def test_learning_compares_the_peak_with_the_most_booked_on_any_of_the_units_devices() -> None:
+    """A unit on two devices whose ledger booked 10 and 12 MiB there: a measured peak of 12 MiB
+    (the allocator's largest over the devices) is what was booked, not 2 MiB beyond it."""
+    from types import SimpleNamespace
+
+    calibration = Calibration(Budget(64 * MIB, 0.1))
+    record = SimpleNamespace(status=SimpleNamespace(measured_peak_bytes=12 * MIB),
+                             calibrated=None, booked_allowance=0)
+    core = SimpleNamespace(running={7: (0, 1)},
+                           pool=SimpleNamespace(high_water=[10 * MIB, 12 * MIB]))
+    assert not calibration.learn({7: record}, core)
+    assert calibration.allowance_bytes == 0 and record.calibrated == 12 * MIB
+    record.status.measured_peak_bytes = 13 * MIB  # 1 MiB beyond the most booked
+    assert calibration.learn({7: record}, core)
+    assert calibration.allowance_bytes == MIB
+
+
+def test_a_plan_whose_booking_fills_the_usable_bytes_exactly_is_kept() -> None:
+    from flax import nnx
+
+    from scamp_jax.scheduling.booking import booked_bytes
+
+    model = nnx.eval_shape(lambda: build({"width": 16}, nnx.Rngs(0)))
+    plan = plan_mesh(model, Regression().sample_batch(1), devices=1, memory_per_device=BUDGET,
+                     max_batch_size=16, compile_for_run=False)
+    calibration = Calibration(Budget(BUDGET, 0.1))
+    # the allowance that makes the plan's booking the usable bytes to the byte
+    calibration.allowance_bytes = calibration.budget.usable_bytes - booked_bytes(plan)
+    assert calibration.allowance_bytes > 0
+    booked = calibration.refresh(plan)
+    assert booked is not None and booked_bytes(booked) == calibration.budget.usable_bytes
+    calibration.allowance_bytes += 1  # one byte more does not fit
+    assert calibration.refresh(plan) is None
+
+
+def test_a_plan_keeps_an_allowance_larger_than_the_one_learnt() -> None:
+    """A plan made with a larger allowance than the study has learnt (given by the user, or
+    read from the plan cache by a plan on other devices) is not booked with less."""
+    from flax import nnx
+
+    model = nnx.eval_shape(lambda: build({"width": 16}, nnx.Rngs(0)))
+    plan = plan_mesh(model, Regression().sample_batch(1), devices=1, memory_per_device=BUDGET,
+                     max_batch_size=16, compile_for_run=False, allowance_bytes=MIB)
+    assert plan.allowance_bytes == MIB
+    calibration = Calibration(Budget(BUDGET, 0.1))
+    assert calibration.allowance_bytes == 0
+    assert calibration.refresh(plan).allowance_bytes == MIB

@@ -413,3 +413,15 @@ def test_an_executable_read_back_from_the_cache_is_compiled_again_rather_than_mo
     result, own = _trial_on(2, again, task, tmp_path / "elsewhere")
     assert own[:2] == (1, 1)  # its own step and chunk for device 2
     assert result.metrics == reference.metrics
+
+
+@pytest.mark.parametrize(("version", "level_one"), [((0, 10, 2), True), ((0, 11, 2), True),
+                                                    ((0, 12, 0), False)])
+def test_the_initial_states_compile_is_at_level_one_through_jax_0_11(monkeypatch, version,
+                                                                       level_one) -> None:
+    """``CPU_INIT_SAME_VALUES_THROUGH`` is the newest series at level 1, itself included."""
+    from scamp_jax.planning.compile_options import CPU_INIT_COMPILE
+
+    monkeypatch.setattr(jax, "__version_info__", version)
+    options = compile_options("cpu", Purpose.INIT)
+    assert options == (CPU_INIT_COMPILE if level_one else None)

@@ -323,3 +323,30 @@ def test_a_plans_memory_model_takes_its_slope_over_the_search_not_a_step_at_the_
     search.seen = alone
     search.affine = lambda a, b: affine_fit(alone[a], alone[b], 2)
     assert local_fit(search, 25300, 25302).probe_batches == (25300, 25302)
+
+
+def test_memory_model_max_batch_fits_a_budget_equal_to_the_floor():
+    """A budget of exactly the floor (the flat part's peak) fits the batches the floor covers:
+    ``predict(b) <= budget`` is the rule, at equality too."""
+    m = MemoryModel(fixed_bytes=100.0, bytes_per_sample=10.0, probe_batches=(8, 32),
+                    probe_peaks=(180, 420), batch_multiple=4, floor_bytes=180.0)
+    assert m.predict(8) == 180
+    assert m.max_batch(180) == 8
+    assert m.max_batch(1000) == 88 and m.predict(88) <= 1000 < m.predict(92)
+
+
+def test_an_affine_fit_is_floored_at_its_smaller_batchs_peak():
+    """Below its smaller batch a fitted model is flat at that batch's peak (XLA fits small
+    batches' activations into buffers it needs anyway), in either order of the estimates.
+    Stand-ins with a batch size and a peak, as `affine_fit` reads them."""
+    from types import SimpleNamespace
+
+    from scamp_jax.planning.memory import affine_fit
+
+    small = SimpleNamespace(batch_size=8, peak=1000)
+    large = SimpleNamespace(batch_size=32, peak=1960)
+    model = affine_fit(large, small, 4)
+    assert (model.fixed_bytes, model.bytes_per_sample, model.floor_bytes) == (680.0, 40.0, 1000.0)
+    assert model.predict(4) == 1000  # the floor, not the line's 840
+    assert model.predict(16) == 1320
+    assert model.max_batch(999) == 0  # below the floor nothing fits

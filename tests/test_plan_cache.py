@@ -537,3 +537,35 @@ def test_a_fused_group_books_its_member_plans_allowance_once():
     without = group_held_bytes(estimate, plan, 4, 8)
     plan.allowance_bytes = 700
     assert group_held_bytes(estimate, plan, 4, 8) == without + 700
+
+
+def test_a_plan_on_devices_of_two_kinds_books_the_larger_allowance(tmp_path) -> None:
+    """Each kind's stored allowance is what one of its devices holds beyond XLA's figures; a
+    mesh over both kinds must book the larger on every device (a stand-in pool of two kinds,
+    as in tests/test_calibration.py)."""
+    from types import SimpleNamespace
+
+    from scamp_jax.planning.plan_cache import resolve_allowance
+
+    cache = PlanCache(tmp_path / "plans.sqlite")
+    kinds = ("NVIDIA A100-SXM4-40GB", "NVIDIA A100-SXM4-80GB")
+    cache.put_allowance("gpu", kinds[0], {"bytes": 1 << 30})
+    cache.put_allowance("gpu", kinds[1], {"bytes": 3 << 30})
+    pool = [SimpleNamespace(platform="gpu", device_kind=kind) for kind in kinds]
+    assert resolve_allowance(None, pool, cache) == 3 << 30
+    assert resolve_allowance(None, pool[:1], cache) == 1 << 30
+    assert resolve_allowance(None, pool, None) == 0  # no cache: nothing measured
+    assert resolve_allowance(5, pool, cache) == 5  # given: taken as it is
+
+
+def test_xla_flags_are_part_of_every_key(monkeypatch) -> None:
+    """XLA_FLAGS change what XLA compiles (a GPU's memory limit, a CPU's device count, a pass
+    turned off): a plan or a peak compiled under other flags is another record."""
+    from scamp_jax.planning.plan_cache import cache_key, versions
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    key = cache_key({"kind": "plan"})
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
+                                    "--xla_gpu_enable_triton_gemm=false")
+    assert cache_key({"kind": "plan"}) != key
+    assert versions()["xla_flags"].endswith("--xla_gpu_enable_triton_gemm=false")

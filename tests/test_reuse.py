@@ -514,3 +514,18 @@ def test_sizes_of_one_graph_definition_get_their_own_plans_steps_and_evaluators(
     evals = [evaluation_key(split_model(m)[0], plans[0], Classify, split_model(m)[1:])
              for m in models]
     assert evals[0] != evals[1]
+
+
+def test_a_mesh_over_all_the_hosts_cpu_devices_is_its_own_home() -> None:
+    """A CPU mesh over as many devices as the host has (the conftest's 8) is made on those
+    devices in its shape, not on one device."""
+    from scamp_jax.planning import reuse
+    from scamp_jax.planning.sharding import make_mesh
+
+    host = reuse.host_cpu_devices()
+    mesh = make_mesh(host, len(host) // 2, 2)
+    home = reuse.home_mesh(mesh)
+    assert home.devices.shape == mesh.devices.shape
+    assert [d.id for d in home.devices.flat] == [d.id for d in host]
+    smaller = reuse.home_mesh(make_mesh(host[:4], 2, 2))
+    assert [d.id for d in smaller.devices.flat] == [d.id for d in host[:4]]

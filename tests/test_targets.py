@@ -646,3 +646,34 @@ def test_a_benchmarks_bad_input_ends_in_one_line(argv, message):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_targets_autotuning_cache_gives_it_devices_options_and_plans_of_its_own(
+        tmp_path: Path) -> None:
+    """The same description with and without an autotuning cache: two sets of compile-only
+    devices, each naming its own Target, so that compiles on the cached one read the cache
+    (XLA's level 4 with the cache's directory, not the planning level 0) and its plans and
+    peaks are keyed apart from the defaults'. A100 80GB: no other test makes its devices with
+    a cache."""
+    needs_gpu_compiler()
+    (tmp_path / "autotune").mkdir()
+    plain = targets.resolve_target("a100-80gb")
+    cached = targets.resolve_target("a100-80gb", autotune_cache=tmp_path / "autotune")
+    first, second = plain.devices(1), cached.devices(1)  # the plain ones first
+    assert targets.target_of(first) == plain and targets.target_of(second) == cached
+    options = device_options(second, Purpose.GUIDE)
+    assert options["xla_gpu_autotune_level"] == 4
+    assert options["xla_gpu_per_fusion_autotune_cache_dir"] == str(tmp_path / "autotune")
+    assert device_options(first, Purpose.GUIDE)["xla_gpu_autotune_level"] == 0
+    assert device_identity(first) != device_identity(second)
+    assert (device_identity(second)["described"]["autotune_cache"]
+            == str(tmp_path / "autotune"))
+
+
+def test_the_oldest_compute_capability_ptxas_compiles_for_is_a_target() -> None:
+    maxwell = targets.GPUS["h100"].target_config().replace("major: 9 minor: 0",
+                                                            "major: 5 minor: 0")
+    target = targets.parse_target_config(maxwell, name="sm_50")
+    assert target.compute_capability == targets.OLDEST_COMPUTE_CAPABILITY == (5, 0)
+    with pytest.raises(ValueError, match=r"compute capability 3\.7 is older than"):
+        targets.parse_target_config(maxwell.replace("major: 5 minor: 0", "major: 3 minor: 7"))
