@@ -192,6 +192,76 @@ def test_a_held_failure_the_storage_refuses_at_the_runs_end_goes_back(tmp_path, 
     assert optuna.trial.TrialState.RUNNING not in {s for s, _ in states.values()}, states
 
 
+def test_a_refused_tell_at_the_runs_end_gives_back_the_misfits_held_too(tmp_path, monkeypatch):
+    """At the run's end one failure is held back (its ``build`` raised) and one candidate that
+    fits nowhere is held by the intake; the storage refuses the held failure's tell (made up,
+    as above). Every trial of the run goes back: none is left running."""
+    import sqlalchemy.exc
+
+    def suggest(trial: optuna.Trial) -> dict:
+        if trial.number == 0:
+            return {"width": 16, "learning_rate": 1e-2, "broken": True}
+        return {"width": 4_000_000, "learning_rate": 1e-2}  # fits on no device
+
+    space = scamp_jax.SearchSpace("mlp", suggest, SPACE.build)
+    tell = optuna.Study.tell
+    refused: list[int] = []
+
+    def refuse_the_first_failure(self, trial, *args, **kwargs):
+        if kwargs.get("state") == optuna.trial.TrialState.FAIL and not refused:
+            refused.append(1)
+            raise sqlalchemy.exc.OperationalError("UPDATE trials", {}, Exception("disk I/O error"))
+        return tell(self, trial, *args, **kwargs)
+
+    monkeypatch.setattr(optuna.Study, "tell", refuse_the_first_failure)
+    with pytest.raises(sqlalchemy.exc.OperationalError, match="disk I/O error"):
+        scamp_jax.run_study(space, _task(), trials=2, study_dir=tmp_path, devices=1,
+                            max_running_trials=1, **KW)
+    monkeypatch.setattr(optuna.Study, "tell", tell)
+    assert refused
+    study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
+    states = {t.number: (t.state, t.user_attrs.get(FAIL_REASON)) for t in study.trials}
+    assert optuna.trial.TrialState.RUNNING not in {s for s, _ in states.values()}, states
+    assert states[1] == (optuna.trial.TrialState.FAIL, INTERRUPTED), states
+
+
+def test_a_stop_gives_every_trial_back_though_the_study_refuses_one(tmp_path, monkeypatch):
+    """Ctrl-C while two trials train; the storage refuses to fail the first one given back
+    (made up, as above). It is said, and the other still goes back, not left running."""
+    from scamp_jax.hpo import live
+
+    tell = optuna.Study.tell
+    refused: list[int] = []
+
+    def refuse_the_first_give_back(self, trial, *args, **kwargs):
+        if kwargs.get("state") == optuna.trial.TrialState.FAIL and not refused:
+            refused.append(trial if isinstance(trial, int) else trial.number)
+            raise sqlalchemy.exc.OperationalError("UPDATE trials", {}, Exception("disk I/O error"))
+        return tell(self, trial, *args, **kwargs)
+
+    import sqlalchemy.exc
+
+    update = live.LiveView.update
+
+    def ctrl_c_when_both_train(self, statuses, *args, **kwargs):
+        if sum(s.step >= 5 for s in statuses) >= 2:
+            monkeypatch.setattr(optuna.Study, "tell", refuse_the_first_give_back)
+            raise KeyboardInterrupt
+        return update(self, statuses, *args, **kwargs)
+
+    monkeypatch.setattr(live.LiveView, "update", ctrl_c_when_both_train)
+    with pytest.raises(KeyboardInterrupt):
+        scamp_jax.run_study(SPACE, _task(), trials=2, study_dir=tmp_path, devices=2,
+                            max_running_trials=2, **{**KW, "steps": 5000})
+    monkeypatch.setattr(optuna.Study, "tell", tell)
+    monkeypatch.setattr(live.LiveView, "update", update)
+    assert len(refused) == 1
+    study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
+    states = {t.number: (t.state, t.user_attrs.get(FAIL_REASON)) for t in study.trials}
+    other = 1 - refused[0]
+    assert states[other] == (optuna.trial.TrialState.FAIL, INTERRUPTED), states
+
+
 def test_an_error_of_suggest_before_any_trial_ran_writes_nothing(tmp_path):
     """``suggest`` raises on the study's first trial: nothing ran, so no results are written,
     and the rerun after the fix trains the study's trials."""

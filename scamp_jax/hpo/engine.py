@@ -273,8 +273,9 @@ class SearchEngine:
         try:
             self.endings.finish()
         except BaseException:
-            # the study refused a held failure's tell: it, and those still held, go back
-            self.endings.give_back([], [])
+            # the study refused a held failure's tell: it, those still held and every trial
+            # still waiting here (misfits held back, deferred ones) go back
+            self._give_back()
             raise
         self.intake.finish()
         return self.result_so_far()
