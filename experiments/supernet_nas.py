@@ -287,7 +287,7 @@ def check_outputs(config, args: argparse.Namespace) -> None:
             fail(f"--json {args.json!r}: the {'plot' if suffix == '.png' else 'checkpoint'} "
                  f"beside it takes that name; pass a name ending in .json, e.g. "
                  f"{str(Path(args.json).with_suffix('.json'))!r}")
-        if suffix.lower() != ".json":  # the plot and the checkpoint beside it take its stem
+        if suffix != ".json":  # the plot and the checkpoint beside it take its stem (r.JSON: r)
             same = str(Path(args.json).with_suffix(".json"))
             fail(f"--json {args.json!r}: the plot and the checkpoint beside it take the name "
                  f"without its ending, which a run writing {same!r} would share; pass a name "
