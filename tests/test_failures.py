@@ -130,34 +130,59 @@ def test_an_error_of_the_users_suggest_keeps_the_finished_trials_in_results_json
         assert len([r for r in csv.DictReader(handle) if r["state"] == "complete"]) == 3
 
 
+class _StorageRefuses:
+    """Optuna's ``Study.tell`` that raises the database's error once, for the first tell of
+    ``state`` (and trial ``number``, where given): a storage failing as a run tells. Made up:
+    as root a database file cannot be made read-only. ``refused``: the trials refused."""
+
+    def __init__(self, monkeypatch, state, number: int | None = None) -> None:
+        self.monkeypatch, self.state, self.number = monkeypatch, state, number
+        self.tell = optuna.Study.tell
+        self.refused: list[int] = []
+
+    def __enter__(self) -> _StorageRefuses:
+        def tell(study, trial, *args, **kwargs):  # a function: Optuna's Study binds it
+            return self._tell(study, trial, *args, **kwargs)
+
+        self.monkeypatch.setattr(optuna.Study, "tell", tell)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.monkeypatch.setattr(optuna.Study, "tell", self.tell)
+
+    def _tell(self, study, trial, *args, **kwargs):
+        import sqlalchemy.exc
+
+        number = trial if isinstance(trial, int) else trial.number
+        if (kwargs.get("state") == self.state and not self.refused
+                and self.number in (None, number)):
+            self.refused.append(number)
+            raise sqlalchemy.exc.OperationalError("UPDATE trials", {}, Exception("disk I/O error"))
+        return self.tell(study, trial, *args, **kwargs)
+
+
+def _states(tmp_path) -> dict[int, tuple[optuna.trial.TrialState, str | None]]:
+    study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
+    return {t.number: (t.state, t.user_attrs.get(FAIL_REASON)) for t in study.trials}
+
+
+_REFUSED = "disk I/O error"
+_GIVEN_BACK = (optuna.trial.TrialState.FAIL, INTERRUPTED)
+
+
 def test_a_tell_the_storage_refuses_leaves_the_trial_given_back_not_running(tmp_path,
                                                                          monkeypatch):
-    """The storage refuses to record a finished trial (a database that fails as the run
-    tells: made up here, as root a database file cannot be made read-only). The error ends
-    the run, and the trial goes back to the study with the others (failed as interrupted,
-    its retry queued), not left running until its heartbeat lapses; the rerun finishes it."""
-    import sqlalchemy.exc
-
-    tell = optuna.Study.tell
-    refused: list[int] = []
-
-    def refuse_the_second_tell(self, trial, *args, **kwargs):
-        number = trial if isinstance(trial, int) else trial.number
-        if kwargs.get("state") == optuna.trial.TrialState.COMPLETE and number == 1:
-            refused.append(number)
-            raise sqlalchemy.exc.OperationalError("UPDATE trials", {}, Exception("disk I/O error"))
-        return tell(self, trial, *args, **kwargs)
-
-    monkeypatch.setattr(optuna.Study, "tell", refuse_the_second_tell)
-    with pytest.raises(sqlalchemy.exc.OperationalError, match="disk I/O error"):
+    """The storage refuses to record a finished trial (`_StorageRefuses`). The error ends the
+    run, and the trial goes back to the study with the others (failed as interrupted, its
+    retry queued), not left running until its heartbeat lapses; the rerun finishes it."""
+    with _StorageRefuses(monkeypatch, optuna.trial.TrialState.COMPLETE, 1) as storage, \
+            pytest.raises(Exception, match=_REFUSED):
         scamp_jax.run_study(SPACE, _task(), trials=3, study_dir=tmp_path, devices=1,
                             max_running_trials=1, **KW)
-    monkeypatch.setattr(optuna.Study, "tell", tell)
-    assert refused == [1]
-    study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
-    states = {t.number: (t.state, t.user_attrs.get(FAIL_REASON)) for t in study.trials}
+    assert storage.refused == [1]
+    states = _states(tmp_path)
     assert states[0] == (optuna.trial.TrialState.COMPLETE, None), states
-    assert states[1] == (optuna.trial.TrialState.FAIL, INTERRUPTED), states
+    assert states[1] == _GIVEN_BACK, states
     assert optuna.trial.TrialState.RUNNING not in {s for s, _ in states.values()}, states
     done = scamp_jax.run_study(SPACE, _task(), trials=3, study_dir=tmp_path, devices=1, **KW)
     assert done["trials_this_run"] == 2
@@ -165,87 +190,51 @@ def test_a_tell_the_storage_refuses_leaves_the_trial_given_back_not_running(tmp_
 
 def test_a_held_failure_the_storage_refuses_at_the_runs_end_goes_back(tmp_path, monkeypatch):
     """A failure held back from the study (`RepeatedFailures`) is told as the run ends; the
-    storage refuses that tell once (made up here, as above). The error ends the run and the
-    trial goes back to the study, not left running until its heartbeat lapses."""
-    import sqlalchemy.exc
-
+    storage refuses that tell. The error ends the run and the trial goes back to the study,
+    not left running until its heartbeat lapses."""
     def broken(model):
         raise ValueError("a bug in evaluate")
 
-    tell = optuna.Study.tell
-    refused: list[int] = []
-
-    def refuse_the_first_failure(self, trial, *args, **kwargs):
-        if kwargs.get("state") == optuna.trial.TrialState.FAIL and not refused:
-            refused.append(1)
-            raise sqlalchemy.exc.OperationalError("UPDATE trials", {}, Exception("disk I/O error"))
-        return tell(self, trial, *args, **kwargs)
-
-    monkeypatch.setattr(optuna.Study, "tell", refuse_the_first_failure)
-    with pytest.raises(sqlalchemy.exc.OperationalError, match="disk I/O error"):
+    with _StorageRefuses(monkeypatch, optuna.trial.TrialState.FAIL), \
+            pytest.raises(Exception, match=_REFUSED):
         scamp_jax.run_study(SPACE, _task(broken), trials=1, study_dir=tmp_path, devices=1,
                             max_running_trials=1, **KW)
-    monkeypatch.setattr(optuna.Study, "tell", tell)
-    study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
-    states = {t.number: (t.state, t.user_attrs.get(FAIL_REASON)) for t in study.trials}
-    assert states[0] == (optuna.trial.TrialState.FAIL, INTERRUPTED), states
+    states = _states(tmp_path)
+    assert states[0] == _GIVEN_BACK, states
     assert optuna.trial.TrialState.RUNNING not in {s for s, _ in states.values()}, states
 
 
 def test_a_refused_tell_at_the_runs_end_gives_back_the_misfits_held_too(tmp_path, monkeypatch):
     """At the run's end one failure is held back (its ``build`` raised) and one candidate that
-    fits nowhere is held by the intake; the storage refuses the held failure's tell (made up,
-    as above). Every trial of the run goes back: none is left running."""
-    import sqlalchemy.exc
-
+    fits nowhere is held by the intake; the storage refuses the held failure's tell. Every
+    trial of the run goes back: none is left running."""
     def suggest(trial: optuna.Trial) -> dict:
         if trial.number == 0:
             return {"width": 16, "learning_rate": 1e-2, "broken": True}
         return {"width": 4_000_000, "learning_rate": 1e-2}  # fits on no device
 
     space = scamp_jax.SearchSpace("mlp", suggest, SPACE.build)
-    tell = optuna.Study.tell
-    refused: list[int] = []
-
-    def refuse_the_first_failure(self, trial, *args, **kwargs):
-        if kwargs.get("state") == optuna.trial.TrialState.FAIL and not refused:
-            refused.append(1)
-            raise sqlalchemy.exc.OperationalError("UPDATE trials", {}, Exception("disk I/O error"))
-        return tell(self, trial, *args, **kwargs)
-
-    monkeypatch.setattr(optuna.Study, "tell", refuse_the_first_failure)
-    with pytest.raises(sqlalchemy.exc.OperationalError, match="disk I/O error"):
+    with _StorageRefuses(monkeypatch, optuna.trial.TrialState.FAIL) as storage, \
+            pytest.raises(Exception, match=_REFUSED):
         scamp_jax.run_study(space, _task(), trials=2, study_dir=tmp_path, devices=1,
                             max_running_trials=1, **KW)
-    monkeypatch.setattr(optuna.Study, "tell", tell)
-    assert refused
-    study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
-    states = {t.number: (t.state, t.user_attrs.get(FAIL_REASON)) for t in study.trials}
+    assert storage.refused == [0]
+    states = _states(tmp_path)
     assert optuna.trial.TrialState.RUNNING not in {s for s, _ in states.values()}, states
-    assert states[1] == (optuna.trial.TrialState.FAIL, INTERRUPTED), states
+    assert states[1] == _GIVEN_BACK, states
 
 
 def test_a_stop_gives_every_trial_back_though_the_study_refuses_one(tmp_path, monkeypatch):
-    """Ctrl-C while two trials train; the storage refuses to fail the first one given back
-    (made up, as above). It is said, and the other still goes back, not left running."""
+    """Ctrl-C while two trials train; the storage refuses to fail the first one given back.
+    It is said, and the other still goes back, not left running."""
     from scamp_jax.hpo import live
 
-    tell = optuna.Study.tell
-    refused: list[int] = []
-
-    def refuse_the_first_give_back(self, trial, *args, **kwargs):
-        if kwargs.get("state") == optuna.trial.TrialState.FAIL and not refused:
-            refused.append(trial if isinstance(trial, int) else trial.number)
-            raise sqlalchemy.exc.OperationalError("UPDATE trials", {}, Exception("disk I/O error"))
-        return tell(self, trial, *args, **kwargs)
-
-    import sqlalchemy.exc
-
     update = live.LiveView.update
+    storage = _StorageRefuses(monkeypatch, optuna.trial.TrialState.FAIL)
 
     def ctrl_c_when_both_train(self, statuses, *args, **kwargs):
         if sum(s.step >= 5 for s in statuses) >= 2:
-            monkeypatch.setattr(optuna.Study, "tell", refuse_the_first_give_back)
+            storage.__enter__()  # from the stop on
             raise KeyboardInterrupt
         return update(self, statuses, *args, **kwargs)
 
@@ -253,13 +242,11 @@ def test_a_stop_gives_every_trial_back_though_the_study_refuses_one(tmp_path, mo
     with pytest.raises(KeyboardInterrupt):
         scamp_jax.run_study(SPACE, _task(), trials=2, study_dir=tmp_path, devices=2,
                             max_running_trials=2, **{**KW, "steps": 5000})
-    monkeypatch.setattr(optuna.Study, "tell", tell)
+    storage.__exit__()
     monkeypatch.setattr(live.LiveView, "update", update)
-    assert len(refused) == 1
-    study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
-    states = {t.number: (t.state, t.user_attrs.get(FAIL_REASON)) for t in study.trials}
-    other = 1 - refused[0]
-    assert states[other] == (optuna.trial.TrialState.FAIL, INTERRUPTED), states
+    assert len(storage.refused) == 1
+    states = _states(tmp_path)
+    assert states[1 - storage.refused[0]] == _GIVEN_BACK, states
 
 
 def test_an_error_of_suggest_before_any_trial_ran_writes_nothing(tmp_path):
