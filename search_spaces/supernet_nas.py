@@ -141,21 +141,23 @@ class NASConfig:
 
 
 #: `NASConfig` fields a checkpoint must share with the run resuming it (the others, such as
-#: ``out_dir``, ``checkpoint_every`` and the evaluation's, do not change what is trained).
+#: ``out_dir``, ``checkpoint_every`` and the evaluation's, do not change what is trained;
+#: ``offload`` moves the supernet between host and devices and changes no bit of it,
+#: ``microbatches`` counts under gpipe only: `resume_settings`).
 RESUME_FIELDS = ("preset", "schedule", "stages", "layers", "choices", "width", "subnets",
                  "batch_size", "hr_patch", "microbatches", "learning_rate", "train_shared",
-                 "shared_warmup", "offload", "zero_init_residual", "seed")
+                 "shared_warmup", "zero_init_residual", "seed")
 #: How the command line sets each of `RESUME_FIELDS` (the preset alone sets the rest).
 _FLAGS = {"batch_size": "--batch-size", "train_shared": "--train-shared",
-          "shared_warmup": "--shared-warmup", "offload": "--offload"}
+          "shared_warmup": "--shared-warmup"}
 #: Of `RESUME_FIELDS`, those no flag sets.
 _PRESET_ONLY = ("hr_patch", "learning_rate", "zero_init_residual")
 
 
 def _differs(name: str, there: Any, here: Any) -> str:
     """How a setting of a checkpoint differs from this run's, in the command's words: a switch
-    as ``--offload there, --no-offload here``, a value as ``--seed 0 there, 1 here``, a setting
-    only the preset sets as ``the preset's hr_patch 48 there, 64 here``."""
+    as ``--train-shared there, --no-train-shared here``, a value as ``--seed 0 there, 1
+    here``, a setting only the preset sets as ``the preset's hr_patch 48 there, 64 here``."""
     if name in _PRESET_ONLY:
         return f"the preset's {name} {there!r} there, {here!r} here"
     flag = _FLAGS.get(name, "--" + name.replace("_", "-"))
@@ -168,8 +170,10 @@ def _differs(name: str, there: Any, here: Any) -> str:
 
 
 def resume_settings(config: NASConfig) -> dict[str, Any]:
-    """The settings a checkpoint of ``config`` records and a resuming run must match."""
-    return {name: getattr(config, name) for name in RESUME_FIELDS}
+    """The settings a checkpoint of ``config`` records and a resuming run must match (the
+    microbatches only where the schedule splits batches into them: gpipe)."""
+    return {name: getattr(config, name) for name in RESUME_FIELDS
+            if name != "microbatches" or config.schedule == "gpipe"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -138,7 +138,8 @@ def _cli_env() -> dict[str, str]:
 
 def test_a_checkpoint_of_other_settings_is_refused_in_one_line(tmp_path) -> None:
     """A rerun whose settings differ from the unfinished run's checkpoint in ``--out-dir``:
-    one line naming what differs and how to start afresh, exit 2, the checkpoint kept."""
+    one line naming what differs and how to start afresh, exit 2, the checkpoint kept.
+    ``--no-offload`` is not among them: it moves the supernet, not a bit of what trains."""
     import dataclasses
 
     import numpy as np
@@ -155,13 +156,14 @@ def test_a_checkpoint_of_other_settings_is_refused_in_one_line(tmp_path) -> None
                                resumed_at=[])
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.supernet_nas", "--preset", "smoke", "--seed", "1",
-         "--schedule", "sequential", "--no-offload", "--out-dir", str(out), "--quiet"],
+         "--schedule", "sequential", "--no-offload", "--train-shared", "--out-dir", str(out),
+         "--quiet"],
         cwd=ROOT, capture_output=True, text=True, timeout=120, env=_cli_env())
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: {out.resolve() / 'checkpoint'} holds an unfinished run with other settings "
-        "(--schedule 'csp' there, 'sequential' here; --offload there, --no-offload here; "
-        "--seed 0 there, 1 here); run that command "
+        "(--schedule 'csp' there, 'sequential' here; --no-train-shared there, --train-shared "
+        "here; --seed 0 there, 1 here); run that command "
         "again to resume it, or pass another --out-dir, or --fresh to discard it and train "
         "from the start")
     assert "Traceback" not in proc.stderr
@@ -216,10 +218,14 @@ def ctrl_c_after_checkpoint(command: list[str], env: dict[str, str], checkpoint:
 
 
 @pytest.mark.slow  # three smoke runs, about two minutes on 2 shared cores
-def test_a_run_stopped_by_ctrl_c_resumes_to_the_uninterrupted_result(tmp_path) -> None:
-    """SIGINT after the first checkpoint, then the same command: it says where it resumes and
-    ends with the losses and weights hash of a run that never stopped (one segment, no
-    checkpoint); the finished run leaves no checkpoint behind."""
+@pytest.mark.parametrize("resume_flags", [[], ["--no-offload"]],
+                         ids=["the same command", "without offload"])
+def test_a_run_stopped_by_ctrl_c_resumes_to_the_uninterrupted_result(tmp_path, resume_flags
+                                                                     ) -> None:
+    """SIGINT after the first checkpoint, then the same command (or one that keeps the
+    supernet on the devices, which changes no bit): it says where it resumes and ends with
+    the losses and weights hash of a run that never stopped (one segment, no checkpoint);
+    the finished run leaves no checkpoint behind."""
     import json
 
     def command(out: Path, every: int) -> list[str]:
@@ -234,8 +240,8 @@ def test_a_run_stopped_by_ctrl_c_resumes_to_the_uninterrupted_result(tmp_path) -
         "resume from it")
     assert not (out / "results.json").exists()
 
-    resumed = subprocess.run(command(out, 3), cwd=ROOT, env=_cli_env(), capture_output=True,
-                             text=True, timeout=300)
+    resumed = subprocess.run(command(out, 3) + resume_flags, cwd=ROOT, env=_cli_env(),
+                             capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert re.search(r"resuming from subnet [36] of 8", resumed.stdout), resumed.stdout
     assert not (out / "checkpoint").exists()
