@@ -24,7 +24,8 @@ warm-up is not redone: its result is in the saved weights); its ``losses`` and `
 equal those of a run that never stopped, and ``ticks``, ``wall_seconds`` and the rates in
 ``results.json`` sum every segment, those of the stopped process included (``segments`` lists them,
 ``resumed_at`` the subnets done at each resume). A checkpoint of other settings in the same
-``--out-dir`` is refused in one line naming what differs; pass another ``--out-dir``, or
+``--out-dir`` is refused in one line naming what differs (``--offload`` or ``--no-offload`` may
+differ: it changes where the supernet lives, not a bit of it); pass another ``--out-dir``, or
 ``--fresh`` to discard it. A finished run deletes its checkpoint once the results are written, so
 the same command run again trains from the start. Under ``--mpi`` rank 0 writes the checkpoint and
 every rank reads it. Each segment drains the pipeline at its end: the default preset's CSP run
