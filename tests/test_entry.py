@@ -569,28 +569,36 @@ def test_a_study_whose_database_was_deleted_is_not_made_again_over_its_outputs(t
     assert not list(tmp_path.glob("study.db*"))  # the refusal made no new database
 
 
+def _ctrl_c_at_step(monkeypatch, step: int, run) -> None:
+    """``run()`` stopped by a Ctrl-C once a trial reaches ``step`` (raised where the view
+    updates, as a user's lands); the view as it was afterwards."""
+    from scamp_jax.hpo import live
+
+    update = live.LiveView.update
+
+    def ctrl_c(self, statuses, *args, **kwargs):
+        if any(s.step >= step for s in statuses):
+            raise KeyboardInterrupt
+        return update(self, statuses, *args, **kwargs)
+
+    monkeypatch.setattr(live.LiveView, "update", ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    monkeypatch.setattr(live.LiveView, "update", update)
+
+
 def test_a_run_that_fails_after_trials_trained_keeps_the_studys_settings(tmp_path, monkeypatch):
     """Trials that trained and went back to the study (a Ctrl-C, here raised where the view
     updates, as a user's lands) keep their checkpoints: a later run that fails before asking
     (a full disk, made up here) must not free the study for other settings, under which those
     checkpoints would be resumed."""
-    from scamp_jax.hpo import live
     from scamp_jax.hpo.session import StudySession
     from scamp_jax.hpo.study import StudySettingsError
 
     kw = dict(study_dir=tmp_path, live=False, max_batch_size=8, memory_per_device="64MiB",
               trials=2, checkpoint_every=10)
-    update = live.LiveView.update
-
-    def ctrl_c_at_step_30(self, statuses, *args, **kwargs):
-        if any(s.step >= 30 for s in statuses):
-            raise KeyboardInterrupt
-        return update(self, statuses, *args, **kwargs)
-
-    monkeypatch.setattr(live.LiveView, "update", ctrl_c_at_step_30)
-    with pytest.raises(KeyboardInterrupt):
-        scamp_jax.run_study(SPACE, function_task(), steps=400, **kw)
-    monkeypatch.setattr(live.LiveView, "update", update)
+    _ctrl_c_at_step(monkeypatch, 30,
+                    lambda: scamp_jax.run_study(SPACE, function_task(), steps=400, **kw))
 
     def full_disk(self, *a, **k):
         raise OSError(28, "No space left on device")
@@ -609,7 +617,6 @@ def test_a_too_small_rerun_keeps_the_settings_of_trials_that_trained_and_went_ba
     """Trials that trained model-parallel on 4 devices and went back at a Ctrl-C keep their
     checkpoints; a rerun on 1 device, where no candidate fits, stops as too small but must not
     forget the study's settings, or the next run could resume those checkpoints under others."""
-    from scamp_jax.hpo import live
     from scamp_jax.hpo.engine import BudgetTooSmallError
     from scamp_jax.hpo.study import StudySettingsError
 
@@ -620,17 +627,8 @@ def test_a_too_small_rerun_keeps_the_settings_of_trials_that_trained_and_went_ba
     space = scamp_jax.SearchSpace("mlp", suggest, SPACE.build)
     kw = dict(study_dir=tmp_path, live=False, max_batch_size=8, memory_per_device="2MiB",
               sampler="random", trials=2, checkpoint_every=5)
-    update = live.LiveView.update
-
-    def ctrl_c_at_step_10(self, statuses, *args, **kwargs):
-        if any(s.step >= 10 for s in statuses):
-            raise KeyboardInterrupt
-        return update(self, statuses, *args, **kwargs)
-
-    monkeypatch.setattr(live.LiveView, "update", ctrl_c_at_step_10)
-    with pytest.raises(KeyboardInterrupt):
-        scamp_jax.run_study(space, function_task(), steps=400, devices=4, **kw)
-    monkeypatch.setattr(live.LiveView, "update", update)
+    _ctrl_c_at_step(monkeypatch, 10, lambda: scamp_jax.run_study(
+        space, function_task(), steps=400, devices=4, **kw))
     study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
     assert {t.state for t in study.trials} <= {optuna.trial.TrialState.FAIL,
                                                optuna.trial.TrialState.WAITING}

@@ -414,6 +414,27 @@ def _launch(tmp_path: Path, ranks: int, *flags: str, timeout: float = 240):
                           timeout=timeout)
 
 
+def _ctrl_c_when(cmd: list[str], said: str) -> str:
+    """Run ``cmd`` (an ``mpirun``) until a line of its output matches ``said``, then send it a
+    Ctrl-C; its whole output, once it ended with a non-zero status."""
+    from test_mpi_runs import mpi_env
+
+    proc = subprocess.Popen(cmd, env=mpi_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if re.search(said, line):
+                proc.send_signal(signal.SIGINT)
+                break
+        output = "".join(lines) + proc.stdout.read()
+        assert proc.wait(timeout=120) != 0, output
+    finally:
+        proc.kill()
+    return output
+
+
 def _stored_trials(tmp_path: Path) -> list[tuple[int, str, str | None]]:
     """(number, state, fail reason) of every trial in the study's SQLite storage."""
     con = sqlite3.connect(tmp_path / "study" / "study.db")
@@ -745,23 +766,11 @@ def test_an_interrupted_mpi_run_is_recorded_with_the_trials_it_finished(tmp_path
     """Ctrl-C on ``mpirun`` (Open MPI ends the ranks with SIGTERM, which the command line
     takes as an interruption): rank 0 appends the run to ``results.json``, interrupted, with
     the trials every rank told, as a single process does."""
-    from test_mpi_runs import launcher, mpi_env
+    from test_mpi_runs import launcher
 
     cmd = [*launcher(2), sys.executable, str(SCRIPT), "--no-live", "--study-dir",
            str(tmp_path / "study"), "--trials", "6", "--steps", "1500"]
-    proc = subprocess.Popen(cmd, env=mpi_env(), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        lines = []
-        for line in proc.stdout:  # the first trial told, then Ctrl-C
-            lines.append(line)
-            if " complete " in line:
-                proc.send_signal(signal.SIGINT)
-                break
-        output = "".join(lines) + proc.stdout.read()
-        assert proc.wait(timeout=120) != 0, output
-    finally:
-        proc.kill()
+    output = _ctrl_c_when(cmd, " complete ")  # the first trial told
     complete = {n for n, s, _ in _stored_trials(tmp_path) if s == "COMPLETE"}
     assert complete, output
     run = _results(tmp_path)["runs"][-1]
@@ -780,26 +789,14 @@ def test_a_stop_while_trials_span_ranks_keeps_the_finished_ones_and_gives_back_t
     ended, not once every round had run) and the second given back (failed as interrupted,
     queued again), not running until its heartbeat lapses; the same command finishes the
     study with the second alone."""
-    from test_mpi_runs import launcher, mpi_env
+    from test_mpi_runs import launcher
 
     flags = ["--trials", "2", "--devices", "1", "--memory-per-device", "14000",
              "--min-batch-size", "64", "--max-batch-size", "64", "--steps", "4000",
              "--checkpoint-every", "500"]
     cmd = [*launcher(2), sys.executable, str(SCRIPT), "--no-live", "--study-dir",
            str(tmp_path / "study"), *flags]
-    proc = subprocess.Popen(cmd, env=mpi_env(), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        lines = []
-        for line in proc.stdout:  # the first spanning trial told, then Ctrl-C
-            lines.append(line)
-            if re.search(r"trial \d+ complete on ranks \[0, 1\]", line):
-                proc.send_signal(signal.SIGINT)
-                break
-        output = "".join(lines) + proc.stdout.read()
-        assert proc.wait(timeout=120) != 0, output
-    finally:
-        proc.kill()
+    output = _ctrl_c_when(cmd, r"trial \d+ complete on ranks \[0, 1\]")  # the first spanning
     first = int(re.search(r"trial (\d+) complete on ranks", output).group(1))
     stored = {n: (s, r) for n, s, r in _stored_trials(tmp_path)}
     assert stored[first][0] == "COMPLETE", (stored, output)
