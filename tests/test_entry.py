@@ -376,6 +376,20 @@ def test_run_study_names_a_bad_argument_and_writes_nothing(tmp_path, bad, error,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
 
+def test_a_database_file_given_in_a_new_study_dir_needs_no_folder_made_first(tmp_path):
+    """``--study-dir $SCRATCH/s --storage sqlite:///$SCRATCH/s/study.db`` on a fresh scratch
+    folder: the run makes the study directory, so the database file's folder is no reason to
+    refuse it (a folder nothing makes still is: `test_run_study_names_a_bad_argument...`)."""
+    import optuna
+
+    study_dir = tmp_path / "scratch" / "study"
+    url = f"sqlite:///{study_dir / 'study.db'}"
+    scamp_jax.run_study(SPACE, function_task(), trials=1, steps=2, study_dir=study_dir,
+                        storage=url, devices=1, memory_per_device="64MiB", live=False)
+    summaries = optuna.get_all_study_summaries(url)
+    assert [s.n_trials for s in summaries] == [1]
+
+
 def test_run_study_refuses_a_damaged_study_database_and_changes_nothing(tmp_path):
     # the library checks the study's place as the experiments' flags do (one check)
     damaged = b"SQLite format 3\x00" + b"\xff" * 4000

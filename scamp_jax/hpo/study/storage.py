@@ -94,8 +94,9 @@ def stored_study_names(url: str) -> list[str]:
 def check_storage(url: str | None, study_dir: str | Path, *, said: str = "storage",
                   here: bool = True, in_memory: bool = True) -> None:
     """Raise ``ValueError`` if ``url`` (None: ``study_dir``'s ``study.db``) is no usable
-    database URL, its driver is not installed, the folder of its SQLite file does not exist,
-    or the study's SQLite database is damaged; connects to no server and creates nothing.
+    database URL, its driver is not installed, the folder of its SQLite file does not exist
+    and is not ``study_dir`` (which the run makes), or the study's SQLite database is damaged;
+    connects to no server and creates nothing.
 
     ``said``: how the message names the URL (``storage``: "storage='...'"; a flag such as
     ``--storage``: "--storage '...'"). ``here=False`` (a command that only plans, perhaps for a
@@ -144,7 +145,8 @@ def check_storage(url: str | None, study_dir: str | Path, *, said: str = "storag
                 f"{STORAGE_EXAMPLE.split(' or ')[0]}, or leave {said} out "
                 f"({'--study-dir' if said.startswith('-') else 'study_dir'}/study.db)")
         database = Path(parsed.database)
-        if not database.parent.is_dir():
+        # The run makes ``study_dir``: a database file in it needs no folder made beforehand.
+        if not database.parent.is_dir() and database.parent.resolve() != Path(study_dir).resolve():
             raise ValueError(f"{who}: the folder {str(database.parent)!r} of its database file "
                              "does not exist; create it, or pass a path in an existing folder")
     problem = sqlite_problem(database) if database.is_file() else None
@@ -252,6 +254,7 @@ def open_storage(
             f"{heartbeat_interval=} s must be at least 1 and {grace_period=} s longer than it"
         )
     url = storage_url(study_dir, storage)
+    Path(study_dir).mkdir(parents=True, exist_ok=True)  # a database file given in it, too
     created = _create_sqlite_file(url, storage is not None)
     for attempt in range(attempts):
         try:
