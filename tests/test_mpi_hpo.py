@@ -21,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import optuna
 import pytest
 from _requirements import require_module
 
@@ -280,13 +281,16 @@ def test_mpi_engine_defers_a_trial_whose_batch_floor_one_rank_cannot_hold():
     assert 32 < local.plan({"width": 16}).batch_size < 64
 
 
-def _local_source(tmp_path: Path, n_trials: int, root: Path | None = None, **fusion):
+def _local_source(tmp_path: Path, n_trials: int, root: Path | None = None,
+                  prune: tuple[int, ...] = (), **fusion):
     require_module("mpi4py", "the mpi extra is not installed: pip install .[mpi]")
     from scamp_jax.distributed.study import StudyClient, StudyServer
 
     handle = open_study("s", study_dir=tmp_path, sampler="random", seed=0)
 
     def suggest(trial):
+        if trial.number in prune:
+            raise optuna.TrialPruned(f"trial {trial.number} is refused")
         if fusion:  # an architecture (width) and a training hyperparameter (x) for siblings
             return {"width": trial.suggest_categorical("width", [8, 16, 32]),
                     "x": trial.suggest_float("x", 0.0, 1.0)}
@@ -319,6 +323,24 @@ def test_remote_source_tells_attributes_and_requeues_an_interrupted_trial(tmp_pa
     assert trials[second.number].user_attrs[FAIL_REASON] == INTERRUPTED
     assert trials[again.number].user_attrs[FAIL_REASON] == "diverged"
     assert source.remaining() == 0 and source.ask() is None
+
+
+def test_a_configuration_suggest_prunes_is_said_by_the_rank_that_asked(tmp_path):
+    """Rank 0 runs every rank's ``suggest``: the line of a trial it pruned goes back with the
+    answer to the rank that asked, whose engine says it as one process's does
+    (`tests/test_entry.py::test_a_configuration_suggest_prunes_is_said`)."""
+    study, server, source = _local_source(tmp_path, n_trials=4, prune=(0, 2))
+    answer = server._answer(1, ("ask", "more"))  # rank 1's request, as its message arrives
+    assert answer[0] == "trial" and answer[1] == 1
+    assert answer[-1] == ["trial 0 pruned by the search space's suggest: trial 0 is refused"]
+    asked = source.ask()  # rank 0's own, through its local client
+    assert asked is not None and asked.number == 3
+    assert source.take_rejected() == [
+        "trial 2 pruned by the search space's suggest: trial 2 is refused"]
+    assert source.take_rejected() == [] and server._answer(1, ("ask", "more")) == ("done", [])
+    assert [t.state for t in study.get_trials()] == [
+        optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.RUNNING,
+        optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.RUNNING]
 
 
 def test_study_server_stores_checkpoint_paths_relative_to_the_study(tmp_path):
@@ -512,7 +534,6 @@ def test_study_split_across_two_ranks_records_every_trial_once_with_its_rank(
     # storage, its outputs in --study-dir/NAME; the first study is left as it was.
     named = _launch(tmp_path, 2, "--trials", "2", "--steps", "30", "--study-name", "b")
     assert named.returncode == 0, named.stdout + named.stderr
-    import optuna
 
     storage = f"sqlite:///{tmp_path / 'study' / 'study.db'}"
     studies = {s.study_name: s.n_trials for s in optuna.get_all_study_summaries(storage)}
@@ -657,6 +678,22 @@ def test_ranks_started_with_other_settings_are_refused_before_the_study_stores_t
     assert "start every rank with the same command" in output
     assert not (tmp_path / "study" / "results.json").exists()
     assert not (tmp_path / "study" / "study.db").exists() or _stored_trials(tmp_path) == []
+
+
+@pytest.mark.slow  # run with -m slow (README: Tests)
+@pytest.mark.mpi
+def test_a_configuration_suggest_prunes_is_said_under_mpirun(tmp_path, _needs_mpi):
+    """The line one process says for a trial the space's ``suggest`` pruned, said once by
+    the rank that asked for it, whichever it is."""
+    proc = _launch(tmp_path, 2, "--trials", "4", "--steps", "10", "--prune-trial", "1")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    said = re.findall(r"trial 1 pruned by the search space's suggest: trial 1 is refused",
+                      output)
+    assert len(said) == 1, output
+    # it counts, as Optuna counts it
+    assert [s for _, s, _ in _stored_trials(tmp_path)] == [
+        "COMPLETE", "PRUNED", "COMPLETE", "COMPLETE"]
 
 
 @pytest.mark.slow  # run with -m slow (README: Tests)

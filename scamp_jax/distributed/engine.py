@@ -106,6 +106,11 @@ class RemoteTrialSource:
                           siblings=item.siblings, sibling_of=item.sibling_of,
                           retry_of=item.retry_of)
 
+    def take_rejected(self) -> list[str]:
+        """The lines of the trials the space's ``suggest`` pruned for this rank (rank 0 ran
+        it), for this rank's engine to say, as one process's engine says them."""
+        return self.client.take_rejected()
+
     def report(self, number: int, step: int, value: float) -> bool:
         """Record ``value`` at ``step`` in rank 0's study; True if the pruner stops the trial."""
         return self.client.report(number, step, float(value))

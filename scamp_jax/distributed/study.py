@@ -157,6 +157,11 @@ class StudyServer:
         return WorkItem(asked.number, dict(asked.params), asked.checkpoint_key,
                         asked.siblings, asked.sibling_of, asked.retry_of)
 
+    def take_rejected(self, rank: int) -> list[str]:
+        """The lines of the trials the space's ``suggest`` pruned while ``rank`` asked (see
+        `OptunaTrialSource.take_rejected`), for that rank's engine to say."""
+        return self.source.take_rejected(rank)
+
     def report(self, number: int, step: int, value: float) -> bool:
         """Record an intermediate ``value`` at ``step``; returns the pruner's verdict."""
         self._check(number)
@@ -241,16 +246,17 @@ class StudyServer:
 
     def _answer(self, rank: int, msg: tuple[str, Any]) -> tuple[Any, ...]:
         kind, body = msg
-        if kind == "ask":
+        if kind == "ask":  # each answer ends with the lines of trials suggest pruned
             item = self.ask(rank)
+            rejected = self.take_rejected(rank)
             if isinstance(item, AskLater):
-                return ("later", item.seconds, item.trials)
+                return ("later", item.seconds, item.trials, rejected)
             if item is None:
                 if body != "more":  # a plain asker is finished once the study is full
                     self._open_workers -= 1
-                return ("done",)
+                return ("done", rejected)
             return ("trial", item.number, item.params, item.checkpoint_key, item.siblings,
-                    item.sibling_of, item.retry_of)
+                    item.sibling_of, item.retry_of, rejected)
         if kind == "report":
             return ("pruned", self.report(*body))
         if kind == "tell":
@@ -296,6 +302,7 @@ class StudyClient:
 
     def __init__(self, rank: int, server: StudyServer | None, comm: Any):
         self.rank, self._server, self._comm = rank, server, comm
+        self._rejected: list[str] = []  # `take_rejected`
         # Trial threads report concurrently; one request-answer pair at a time keeps each
         # answer with its request (answers carry no request id).
         self._call_lock = threading.Lock()
@@ -339,17 +346,25 @@ class StudyClient:
         while True:
             if self._server is not None:
                 item = self._server.ask(self.rank)
+                self._rejected += self._server.take_rejected(self.rank)
             else:
                 answer = self._call("ask", "more" if keep_open else None)
+                self._rejected += answer[-1]
                 if answer[0] == "done":
                     if not keep_open:
                         self._closed = True
                     return None
                 item = (AskLater(float(answer[1]), tuple(answer[2])) if answer[0] == "later"
-                        else WorkItem(*answer[1:]))
+                        else WorkItem(*answer[1:-1]))
             if not isinstance(item, AskLater) or keep_open:
                 return item
             time.sleep(item.seconds)
+
+    def take_rejected(self) -> list[str]:
+        """The lines of the trials the space's ``suggest`` pruned while this rank asked, not
+        taken before (rank 0 ran ``suggest``; its answers carry them)."""
+        lines, self._rejected = self._rejected, []
+        return lines
 
     def report(self, number: int, step: int, value: float) -> bool:
         """Report an intermediate value; True when the trial should be pruned."""

@@ -72,9 +72,8 @@ class Intake:
         """The next trial; None when there is none now (the study is full: ``exhausted``, or
         the source said to ask again later: ``ask_at``)."""
         asked = self.source.ask()
-        rejected = getattr(self.source, "rejected", None)  # the Optuna source's; none remote
-        while rejected:
-            line = rejected.popleft()
+        take_rejected = getattr(self.source, "take_rejected", None)  # a stand-in may lack it
+        for line in take_rejected() if take_rejected is not None else ():
             if self.on_notice is not None:
                 self.on_notice(line)
         if isinstance(asked, AskLater):

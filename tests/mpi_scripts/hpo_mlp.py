@@ -53,6 +53,8 @@ def main() -> None:
                    help="this rank's evaluation of a trial raises (after its last step)")
     p.add_argument("--fail-suggest-served", action="store_true",
                    help="the space's suggest raises when rank 0 runs it for another rank's ask")
+    p.add_argument("--prune-trial", type=int,
+                   help="the space's suggest prunes this trial (optuna.TrialPruned)")
     p.add_argument("--stopped-job-seconds", type=float,
                    help="how long a stopped rank waits for the job to end before it ends it")
     p.add_argument("--end-together-seconds", type=float,
@@ -135,6 +137,24 @@ def main() -> None:
                 return suggest(trial)
 
             return dataclasses.replace(space, suggest=failing), task
+
+    if args.prune_trial is not None:
+        import dataclasses
+
+        import optuna
+
+        unpruned = make
+
+        def make(config: HPOConfig) -> tuple[Any, Any]:
+            space, task = unpruned(config)
+            suggest = space.suggest
+
+            def pruning(trial: Any) -> Any:
+                if trial.number == args.prune_trial:
+                    raise optuna.TrialPruned(f"trial {trial.number} is refused")
+                return suggest(trial)
+
+            return dataclasses.replace(space, suggest=pruning), task
 
     # The study's client and server of this rank, kept to look at once the run returned.
     from scamp_jax.distributed import engine as mpi_engine

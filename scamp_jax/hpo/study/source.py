@@ -124,10 +124,9 @@ class OptunaTrialSource:
                 "ask together; open the study with open_study(...) or use siblings=0")
         self.siblings = int(siblings)
         self.training_keys = frozenset(training_keys)
-        #: a line per trial ``suggest`` pruned (it counts, but nothing trains it), for the
-        #: engine to say (`scamp_jax.hpo.intake.Intake.ask` takes them; the last 64 are kept
-        #: where none takes them, a study served to MPI ranks)
-        self.rejected: collections.deque[str] = collections.deque(maxlen=64)
+        #: per asker, a line per trial ``suggest`` pruned (it counts, but nothing trains it)
+        #: for that asker's engine to say (`take_rejected`; the last 64 are kept)
+        self._rejected: dict[Hashable, collections.deque[str]] = {}
         self.study: optuna.Study = handle.study if handle else study  # type: ignore[assignment]
         self.space = space
         self.n_trials = n_trials
@@ -341,6 +340,13 @@ class OptunaTrialSource:
         return len(drawn - {None}) >= points
 
     # -- ask-and-tell ---------------------------------------------------------------------------
+    def take_rejected(self, asker: Hashable = None) -> list[str]:
+        """The lines, oldest first, of the trials ``suggest`` pruned while ``asker`` asked,
+        not taken before: for its engine to say (`scamp_jax.hpo.intake.Intake.ask`)."""
+        with self._lock:
+            lines = self._rejected.pop(asker, ())
+        return list(lines)
+
     def ask(self, attrs: Mapping[str, Any] | None = None, *,
             asker: Hashable = None) -> AskedTrial | AskLater | None:
         """Next configuration; `AskLater` or ``None`` once the total is reached (`when_full`).
@@ -406,7 +412,7 @@ class OptunaTrialSource:
                 except optuna.TrialPruned as err:
                     self._close_unsuggested(trial, TrialState.PRUNED,
                                             f"pruned by the search space's suggest: {err}")
-                    self.rejected.append(
+                    self._rejected.setdefault(asker, collections.deque(maxlen=64)).append(
                         f"trial {trial.number} pruned by the search space's suggest"
                         + (f": {err}" if str(err) else " (it raised optuna.TrialPruned)"))
                     return _REJECTED
