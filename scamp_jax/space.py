@@ -48,6 +48,17 @@ class SearchSpace:
                 raise TypeError(f"SearchSpace {what}={fn!r} is not callable; pass a function "
                                 f"{example}")
 
+    def model(self, config: Config, rngs: nnx.Rngs) -> nnx.Module:
+        """``build(config, rngs)``, checked to be an ``nnx.Module`` (what every trial, plan
+        and evaluation builds its model with)."""
+        model = self.build(config, rngs)
+        if not isinstance(model, nnx.Module):
+            raise TypeError(
+                f"search space {self.name!r}: build(config, rngs) returned a "
+                f"{type(model).__name__}, not an nnx.Module; it must construct the model, e.g. "
+                "return MyModel(config['width'], rngs=rngs)")
+        return model
+
 
 class Task(Protocol):
     """What candidates train on and how they are scored. Arrays are NHWC float32 for images."""

@@ -52,6 +52,9 @@ def test_a_memory_size_beyond_any_float_is_a_value_error() -> None:
     from scamp_jax._units import parse_bytes
 
     assert parse_bytes("1e3KiB") == 1000 * 1024
+    for value in (-5, "0", "-1GiB", "-0.5 MB", "0GiB"):  # a sign read as a sign, as in -5
+        with pytest.raises(ValueError, match=f"memory size must be positive, got {value!r}"):
+            parse_bytes(value)
     for value in ("1e999", "1e308TiB", float("inf"), float("nan")):
         with pytest.raises(ValueError, match="memory size"):
             parse_bytes(value)

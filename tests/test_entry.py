@@ -376,6 +376,18 @@ def test_run_study_names_a_bad_argument_and_writes_nothing(tmp_path, bad, error,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
 
+def test_a_build_that_returns_no_nnx_module_fails_its_trial_saying_so(tmp_path):
+    """Where JAX said a function "is not a valid JAX type" at a line of the planner."""
+    space = scamp_jax.SearchSpace("not-a-model", SPACE.suggest, lambda c, rngs: (lambda x: x))
+    scamp_jax.run_study(space, function_task(), trials=1, steps=2, study_dir=tmp_path,
+                        devices=1, memory_per_device="64MiB", live=False)
+    [trial] = json.loads((tmp_path / "results.json").read_text())["trials"]
+    assert trial["state"] == "failed"
+    assert trial["reason"].startswith(
+        "TypeError: search space 'not-a-model': build(config, rngs) returned a function, not "
+        "an nnx.Module; it must construct the model"), trial["reason"]
+
+
 def test_a_database_file_given_in_a_new_study_dir_needs_no_folder_made_first(tmp_path):
     """``--study-dir $SCRATCH/s --storage sqlite:///$SCRATCH/s/study.db`` on a fresh scratch
     folder: the run makes the study directory, so the database file's folder is no reason to
@@ -412,10 +424,11 @@ def test_run_study_refuses_a_damaged_plan_cache_naming_it(tmp_path):
     from scamp_jax.planning.plan_cache import PlanCache
 
     with pytest.raises(ValueError, match=r"the plan cache '.*plans.sqlite' cannot be used \(file "
-                       r"is not a database\); it holds plans only"):
+                       r"is not a database\); a plan cache holds plans only: if this file is "
+                       "one, delete it"):
         PlanCache(tmp_path / "plans.sqlite").get_allowance("cpu", "cpu")
-    with pytest.raises(ValueError, match=r"the plan cache '.*' cannot be used \(unable to open "
-                       r"database file\)"):
+    with pytest.raises(ValueError, match=r"the plan cache '.*' is a folder; pass a file path, "
+                       r"e.g. '.*plans.sqlite'"):
         PlanCache(tmp_path).get_allowance("cpu", "cpu")  # a folder, not a file
 
 

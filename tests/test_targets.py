@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -97,6 +98,17 @@ def test_unknown_target_and_bad_files_are_named(tmp_path: Path) -> None:
     bad.write_text('gpu_device_info { rocm_compute_capability { gcn_arch_name: "gfx90a" } }')
     with pytest.raises(ValueError, match="no cuda_compute_capability"):
         targets.resolve_target(bad)
+    # Counts XLA's GPU compiler sizes kernels by: 0 (or none) planned 10x the real peak
+    for count in ("device_memory_size", "core_count", "memory_bandwidth"):
+        zero = tmp_path / f"zero_{count}.txtpb"
+        zero.write_text(re.sub(rf"{count}: \d+", f"{count}: 0",
+                               targets.GPUS["h100"].target_config()))
+        with pytest.raises(ValueError, match=rf"zero_{count}\.txtpb: the description's "
+                           rf"gpu_device_info gives no positive {count}; describe the GPU's own"):
+            targets.resolve_target(zero)
+    with pytest.raises(ValueError, match=r"target='' is neither a known GPU \(.*\) nor a "
+                       r"description file; pass one of those names"):
+        targets.resolve_target("")  # no "did you mean" every name
     with pytest.raises(ValueError, match="autotune_cache=.* is not a directory"):
         targets.resolve_target("h100", autotune_cache=tmp_path / "missing")
     with pytest.raises(ValueError, match=r"missing\.txtpb' does not exist; pass the path"):
@@ -113,8 +125,8 @@ def test_unknown_target_and_bad_files_are_named(tmp_path: Path) -> None:
 def test_a_description_the_plugin_cannot_read_is_named(tmp_path: Path) -> None:
     needs_gpu_compiler()
     broken = tmp_path / "broken.txtpb"
-    broken.write_text(targets.GPUS["h100"].target_config().replace("core_count:",
-                                                                  "core_count 132 x:"))
+    broken.write_text(targets.GPUS["h100"].target_config().replace("l2_cache_size:",
+                                                                  "l2_cache_size 132 x:"))
     with pytest.raises(ValueError, match=r"broken\.txtpb: the CUDA plugin cannot use this "
                                          r"target description: .*TF_CPP_MIN_LOG_LEVEL=0"):
         targets.resolve_target(broken).devices(1)

@@ -209,7 +209,7 @@ def one_device_plan(space: Any, params: Mapping[str, Any], batch_per_rank: int,
     """A `OneDevicePlan` for ``params`` on ``device`` (every leaf replicated on it)."""
     from scamp_jax.distributed.data_parallel import one_device_shardings
 
-    model = nnx.eval_shape(lambda: space.build(params, nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: space.model(params, nnx.Rngs(0)))
     shardings = one_device_shardings(model, make_optimizer(params), device)
     return OneDevicePlan(mesh=shardings.mesh, step_shardings=shardings,
                          batch_sharding=shardings.batch, batch_size=batch_per_rank,

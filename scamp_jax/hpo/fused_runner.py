@@ -183,7 +183,7 @@ def architecture_signature(space: SearchSpace, params: Mapping[str, Any],
     optimizer hyperparameters; an engine groups queued trials by it.
     """
     def build() -> tuple[Any, Any]:
-        abstract = nnx.eval_shape(lambda: space.build(params, nnx.Rngs(0)))
+        abstract = nnx.eval_shape(lambda: space.model(params, nnx.Rngs(0)))
         return split_model(abstract)[0], jax.tree.map(lambda x: (x.shape, x.dtype),
                                                       nnx.state(abstract))
 
@@ -328,7 +328,7 @@ class FusedProgram:
         configs = [m.params for m in members]
         self.optimizer = optimizer = make_optimizer(configs[0])
         self.hyper = hyperparam_arrays(OPTIMIZER_KEYS, configs)
-        self.build = lambda rngs: self.space.build(configs[0], rngs)
+        self.build = lambda rngs: self.space.model(configs[0], rngs)
         # Shapes and shardings only until `start`: the fused step compiles from them.
         self.state = abstract_initial_state(self.build, optimizer, plan.step_shardings,
                                             tuple(sorted(self.hyper)), width=len(members))

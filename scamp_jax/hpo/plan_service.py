@@ -86,7 +86,7 @@ class PlanningService:
     # ----------------------------------------------------------------------------- planning
     def abstract(self, params: Mapping[str, Any]) -> Any:
         """The abstract model of ``params`` (``nnx.eval_shape``: nothing allocated)."""
-        return nnx.eval_shape(lambda: self.space.build(params, nnx.Rngs(0)))
+        return nnx.eval_shape(lambda: self.space.model(params, nnx.Rngs(0)))
 
     def call_planner(
         self, model: Any, n_devices: int, max_batch: int | None, memory: int | None = None,

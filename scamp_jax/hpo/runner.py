@@ -254,7 +254,7 @@ def _initial_state(
     hyper = {k: spec.params[k] for k in OPTIMIZER_KEYS if k in spec.params}
 
     def build(rngs: nnx.Rngs) -> nnx.Module:
-        return space.build(spec.params, rngs)
+        return space.model(spec.params, rngs)
 
     if abstract:
         return abstract_initial_state(build, optimizer, spec.plan.step_shardings, tuple(hyper))
@@ -322,7 +322,7 @@ class SoloProgram:
     def prepare(self, members: Sequence[MemberSpec], first: int) -> None:
         spec, plan, seed = self.spec, self.plan, self.spec.seed
         with jax.set_mesh(plan.mesh):
-            model = nnx.eval_shape(lambda: self.space.build(spec.params, nnx.Rngs(seed)))
+            model = nnx.eval_shape(lambda: self.space.model(spec.params, nnx.Rngs(seed)))
         self.graphdef = split_model(model)[0]
         self.step_fn, self.optimizer = self.cache.get(self.graphdef, plan, self.task.loss_fn,
                                                       spec.params, spec.grad_reduce,
@@ -541,7 +541,7 @@ def load_model(
             "<study_dir>/best_model or <study_dir>/checkpoints/<key>/<step>"
         )
     params = _derived_again(space, params)
-    model = space.build(params, nnx.Rngs(seed))
+    model = space.model(params, nnx.Rngs(seed))
     graphdef, weights, rest = split_model(model)
     like = jax.tree.leaves((weights, make_optimizer(params).init(weights), rest))
     storable = to_storable(like)

@@ -286,9 +286,13 @@ class PlanCache:
             db.close()
 
     def _unusable(self, err: sqlite3.DatabaseError) -> ValueError:
+        if self.path.is_dir():  # a folder may hold anything: never advise deleting it
+            return ValueError(f"the plan cache {str(self.path)!r} is a folder; pass a file "
+                              f"path, e.g. {str(self.path / 'plans.sqlite')!r}")
         return ValueError(
-            f"the plan cache {str(self.path)!r} cannot be used ({err}); it holds plans only: "
-            "delete it (plans are compiled again), or pass another path")
+            f"the plan cache {str(self.path)!r} cannot be used ({err}); a plan cache holds "
+            "plans only: if this file is one, delete it (plans are compiled again), else pass "
+            "another path")
 
     def get_plan(self, key: str) -> dict[str, Any] | None:
         """The plan record stored under ``key``, or None (counted in ``hits``/``misses``)."""

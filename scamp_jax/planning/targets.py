@@ -265,7 +265,7 @@ def resolve_target(target: str | os.PathLike[str] | Target,
                          "GpuTargetConfigProto text file, or one of the known GPUs "
                          f"({', '.join(TARGETS)})")
     if not path.is_file():
-        close = [name for name in TARGETS if name.startswith(text.lower())]
+        close = [name for name in TARGETS if text and name.startswith(text.lower())]
         hint = f"did you mean {' or '.join(close)}? " if close else ""
         raise ValueError(
             f"target={text!r} is neither a known GPU ({', '.join(TARGETS)}) nor a description "
@@ -303,6 +303,14 @@ def parse_target_config(text: str, *, name: str = "target",
             "of the gpu-plan extra can compile for ({}.{} and newer); plan for a newer GPU"
             .format(*OLDEST_COMPUTE_CAPABILITY))
     memory = _field(text, "device_memory_size", name)
+    # What XLA's GPU compiler sizes kernels and fusions by: a count of 0 (or none: proto3 text
+    # leaves out zeros) plans nonsense (a peak 10x the real GPU's for core_count 0).
+    for count in ("device_memory_size", "core_count", "threads_per_warp",
+                  "threads_per_block_limit", "memory_bandwidth"):
+        if _field(text, count, name, default=0) <= 0:
+            raise ValueError(f"{name}: the description's gpu_device_info gives no positive "
+                             f"{count}; describe the GPU's own (e.g. as a GPU writes it: "
+                             "jax's get_topology_for_devices(...).target_config)")
     kind = re.search(r'device_description_str:\s*"((?:[^"\\]|\\.)*)"', text)
     return Target(name, kind.group(1) if kind else "", memory, (major, minor), text,
                   autotune_cache)
