@@ -330,3 +330,103 @@ def test_trials_sharing_a_device_do_not_both_grow_past_its_memory():
     steps = [(a, [a.options[0]]), (b, [b.options[0]])]
     assert [r.key for r in place_steps((8 * GIB,) * 3, [1, 2], [2 * GIB, 8 * GIB, 8 * GIB],
                                        steps)] == [0]
+
+
+def test_an_idle_device_that_holds_exactly_the_new_plan_counts() -> None:
+    # The new plan needs all 8 GiB of a device: trial 0's own device holds it once it frees its
+    # 1 GiB, and the idle device holds exactly that much.
+    pool = _pool(2, {0: ((0,), GIB)})
+    trial = RunningTrial(0, (0,), GIB, 100.0, (DeviceOption(2, 8 * GIB, 50.0),))
+    assert _tail(ScampPolicy(), pool, [trial]) == (
+        Resize(0, (0, 1), DeviceOption(2, 8 * GIB, 50.0)),)
+
+
+def test_a_device_frees_only_when_the_last_trial_on_it_ends() -> None:
+    # As in the waiting test: trial 0 (500 s left, 60 s restart) could restart on 2 devices
+    # now (310 s), or wait 80 s for 12 devices and restart on 8 (192.5 s). But devices 1-12
+    # also hold another trial: they do not come free when trials 1-6 end, so it restarts now.
+    def options(rest: float) -> tuple[DeviceOption, ...]:
+        return tuple(DeviceOption(n, GIB, rest / n + 60.0) for n in range(2, 9))
+
+    soon = [RunningTrial(k, (2 * k - 1, 2 * k), GIB, 80.0) for k in range(1, 7)]
+    long = RunningTrial(0, (0,), GIB, 500.0, options(500.0), restart_seconds=60.0)
+    busy = RunningTrial(7, (13, 14), GIB, 900.0)
+    below = {0: ((0,), GIB), 7: ((13, 14), GIB), **{r.key: (r.device_ids, GIB) for r in soon}}
+    # Nothing else on devices 1-12: it waits for them (the waiting test's case).
+    assert _tail(ScampPolicy(), _pool(16, below), [long, *soon, busy]) == ()
+    # A measured trial on devices 1-12 ending after trial 0: they free at its end, too late.
+    sharer = RunningTrial(8, tuple(range(1, 13)), GIB, 900.0)
+    pool = _pool(16, {**below, 8: (sharer.device_ids, GIB)})
+    assert [(r.key, r.option.devices) for r in _tail(ScampPolicy(), pool,
+                                                     [long, *soon, busy, sharer])] == [(0, 2)]
+    # A trial not measured (not among ``running``) on devices 1-12: they never count as freed.
+    assert [(r.key, r.option.devices) for r in _tail(ScampPolicy(), pool,
+                                                     [long, *soon, busy])] == [(0, 2)]
+
+
+def test_the_tail_plan_restarts_a_mover_on_the_devices_another_mover_frees() -> None:
+    # No idle device: trial 1 (100 s left) restarts on 2 devices when trial 2 (20 s left, the
+    # shorter mover, decided after it) ends and frees its device: 20 + 80 / 2 = 60 s.
+    first = TailTrial(1, devices=1, remaining=100.0, restart=0.0, busy=1.0, plan_devices=1,
+                      counts=(2,))
+    second = TailTrial(2, devices=1, remaining=20.0, restart=0.0, busy=1.0, plan_devices=1,
+                       counts=(2,))
+    plan = tail_plan(0, [], [first, second], [])
+    assert plan is not None
+    assert plan.restarts == {1: (20.0, 2)} and plan.makespan == pytest.approx(60.0)
+
+
+def test_the_tail_movers_are_the_longest_that_fit_the_room() -> None:
+    from scamp_jax.scheduling.elastic import longest_movers
+
+    def mover(remaining: float, key: int) -> TailTrial:
+        return TailTrial(key, 1, remaining, 0.0, 1.0, 1, (2,))
+
+    measured = [(30.0, 3), (20.0, 1), (20.0, 2), (10.0, 4)]
+    assert [m.key for m in longest_movers(measured, mover, 3)] == [3, 1, 2]
+    # Trials of equal remaining time go together or not at all.
+    assert [m.key for m in longest_movers(measured, mover, 2)] == [3]
+    assert [m.key for m in longest_movers(measured, mover, 4)] == [3, 1, 2, 4]
+
+
+def test_a_trial_that_never_ends_frees_no_device() -> None:
+    from scamp_jax.scheduling.elastic import freed_devices
+
+    assert freed_devices([((0, 1), float("inf")), ((2,), 5.0), ((1, 3), 7.0)]) == [
+        (5.0, 1), (7.0, 1)]
+
+
+def test_a_trial_waits_when_the_surplus_it_leaves_and_devices_freed_soon_reach_a_larger_option(
+) -> None:
+    # Trial 0 on device 0 (500 s left, 60 s restart) may restart on 2 devices (310 s) or 4
+    # (185 s); devices 2-3 idle. Now it reaches 2, leaving one idle device that 4 cannot use.
+    # Trial 1 frees device 1 in 80 s: with the idle device left that makes 4, restarting at
+    # 80 s ends in 80 + 125 * 420 / 500 + 60 = 245 s < 310 s: it waits.
+    long = RunningTrial(0, (0,), GIB, 500.0, (DeviceOption(2, GIB, 310.0),
+                                               DeviceOption(4, GIB, 185.0)),
+                        restart_seconds=60.0)
+    soon = RunningTrial(1, (1,), GIB, 80.0)
+    pool = _pool(4, {0: ((0,), GIB), 1: ((1,), GIB)})
+    assert _tail(ScampPolicy(), pool, [long, soon]) == ()
+    # A later end too (trial 2 at 400 s, restarting then would end at 485 s) does not hide the
+    # sooner one.
+    later = RunningTrial(2, (4,), GIB, 400.0)
+    pool = _pool(5, {0: ((0,), GIB), 1: ((1,), GIB), 2: ((4,), GIB)})
+    assert _tail(ScampPolicy(), pool, [long, soon, later]) == ()
+    # Without trial 1 nothing frees soon enough: it restarts on 2 now.
+    pool = _pool(4, {0: ((0,), GIB), 2: ((1,), GIB)})
+    assert [(r.key, r.option.devices) for r in _tail(
+        ScampPolicy(), pool, [long, RunningTrial(2, (1,), GIB, 400.0)])] == [(0, 2)]
+
+
+def test_devices_of_a_trial_that_restarts_now_do_not_count_as_freed_soon() -> None:
+    # Trial 0 (as in the waiting test above: 2 devices now, 310 s; 4 devices, 185 s) and trial
+    # 1 on devices 1-4 (80 s left; 60 s on 5) both restart now on the two idle devices. Trial
+    # 1's devices do not come free at 80 s, since it restarts on them: trial 0 does not wait.
+    long = RunningTrial(0, (0,), GIB, 500.0, (DeviceOption(2, GIB, 310.0),
+                                               DeviceOption(4, GIB, 185.0)),
+                        restart_seconds=60.0)
+    soon = RunningTrial(1, (1, 2, 3, 4), GIB, 80.0, (DeviceOption(5, GIB, 60.0),))
+    pool = _pool(7, {0: ((0,), GIB), 1: ((1, 2, 3, 4), GIB)})
+    assert [(r.key, r.device_ids) for r in _tail(ScampPolicy(), pool, [long, soon])] == [
+        (0, (0, 5)), (1, (1, 2, 3, 4, 6))]

@@ -512,3 +512,43 @@ def test_fixed_policy_head_blocks_on_a_pool_of_mixed_capacities():
     # The head needs the 100-byte device (busy); the 50-byte trial would fit device 0 but
     # must not overtake it (strict FIFO).
     assert FixedPolicy(1).decide(pool.snapshot(), queue) == ()
+
+
+def test_a_device_of_exactly_the_trials_bytes_holds_it_on_a_pool_of_mixed_capacities():
+    from scamp_jax.scheduling.placement import TrialRequest, check_feasible
+
+    check_feasible(TrialRequest(0, 1, 100, arrival=0), [60, 100])  # fits device 1 exactly
+    with pytest.raises(ValueError, match="only 1 device"):
+        check_feasible(TrialRequest(0, 2, 100, arrival=0), [60, 100])
+
+
+def test_only_the_head_gets_a_reservation_not_a_longer_trial_that_fails_before_it():
+    from scamp_jax.scheduling.placement import Placement, TrialRequest
+
+    # Both devices have 40 bytes free. The longer trial 1 (90 bytes) comes first in the order
+    # but is not the head: it gets no reservation, so the head (30 bytes) takes the best fit,
+    # device 0, as it would on its own.
+    pool = DevicePool([100, 100])
+    for key, device in ((10, 0), (11, 1)):
+        pool.allocate(Placement(key, (device,)), TrialRequest(key, 1, 60, arrival=-1))
+    queue = [TrialRequest(0, 1, 30, arrival=0, seconds=1.0),
+             TrialRequest(1, 1, 90, arrival=1, seconds=10.0)]
+    for pending in (False, True):  # compute-aware, and memory alone (the indexed walk)
+        assert ScampPolicy().decide(pool.snapshot(), queue, arrivals_pending=pending) == (
+            Placement(0, (0,)),)
+
+
+def test_no_trial_backfills_onto_the_devices_reserved_for_an_exclusive_head():
+    from scamp_jax.scheduling.placement import Placement, TrialRequest
+
+    # The exclusive head (20 bytes) needs an empty device: device 0 is reserved for it (its
+    # trial's 60 bytes drain first, ties to the lower id). Trial 1 (10 bytes) would fit
+    # there best, but joining it would delay the head: it backfills onto device 1.
+    pool = DevicePool([100, 100])
+    for key, device in ((10, 0), (11, 1)):
+        pool.allocate(Placement(key, (device,)), TrialRequest(key, 1, 60, arrival=-1))
+    queue = [TrialRequest(0, 1, 20, arrival=0, exclusive=True),
+             TrialRequest(1, 1, 10, arrival=1)]
+    for pending in (False, True):  # compute-aware, and memory alone (the indexed walk)
+        assert ScampPolicy().decide(pool.snapshot(), queue, arrivals_pending=pending) == (
+            Placement(1, (1,)),)

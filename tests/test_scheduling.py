@@ -348,3 +348,58 @@ def test_an_option_planned_on_another_device_count_is_refused():
     core.planned(0.0, TrialPlan(0, 0, 1, 40 * mib, 10, grow_bytes=80 * mib))
     core.option_planned(0, 4, TrialPlan(0, 0, 2, 30 * mib, 10))  # the planner fell back to 2
     assert core.growth.plan(0, 4) is None and core.growth.refused(0, 4)
+
+
+def test_one_step_resizes_skip_a_refused_count_and_restart_only_onto_idle_devices():
+    """Trials 0 and 2 share device 0 (so the study's end is not planned as a whole: the one-step
+    rules decide); once trial 1 ends, device 1 idles and the longer of them, ties to the first,
+    restarts on both. A device count refused for trial 0 (its restart there failed) is not
+    offered again: trial 2 takes the idle device instead. A restart fits only on the trial's
+    own devices followed by idle ones."""
+    core = SchedulingCore(ScampPolicy(), 2, Budget(100 * MIB, 0.1), restart_seconds=1.0,
+                          peak_flops=1e11)
+    for key in range(3):
+        core.planned(0.0, TrialPlan(key, key, 1, MIB, 1000, flops_per_step=1e9))
+    core.decide(0.0)
+    core.set_arrivals_pending(False)
+    assert core.running == {0: (0,), 1: (1,), 2: (0,)}
+    for key in (0, 2):
+        core.step_measured(10.0, key, 100, 0.01)  # fully busy, 9 s left
+    assert not core.restart_fits(0, (0, 1))  # trial 1 still runs on device 1
+    core.finished(10.0, 1)
+    assert core.restart_fits(0, (0, 1)) and not core.restart_fits(0, (1, 0))
+    reshapes = {0: (2,), 2: (2,)}
+    assert [(r.key, r.device_ids) for r in core.resizes(10.0, reshapes)] == [(0, (0, 1))]
+    core.withdraw(0, 2)
+    assert [(r.key, r.device_ids) for r in core.resizes(10.0, reshapes)] == [(2, (0, 1))]
+
+
+def test_no_running_trial_restarts_onto_devices_a_queued_trial_waits_for():
+    """Trial 1 needs all four devices and waits for trial 0's: the three idle devices are kept
+    for it, not given to trial 0 (a restart there would only delay trial 1)."""
+    core = SchedulingCore(ScampPolicy(), 4, Budget(100 * MIB, 0.1), restart_seconds=1.0,
+                          peak_flops=1e11)
+    core.planned(0.0, TrialPlan(0, 0, 1, MIB, 1000, flops_per_step=1e9))
+    core.decide(0.0)
+    core.planned(1.0, TrialPlan(1, 1, 4, MIB, 1000, flops_per_step=1e9, data_parallel=4))
+    core.set_arrivals_pending(False)
+    assert core.decide(1.0) == () and core.queued == (1,)
+    core.step_measured(10.0, 0, 100, 0.01)  # fully busy, 9 s left: 4 devices would save 6 s
+    assert core.resizes(10.0, {0: (2, 4)}) == ()
+    core.finished(12.0, 0)
+    assert [a.key for a in core.decide(12.0)] == [1]
+
+
+def test_a_last_wave_that_fills_the_idle_devices_exactly_is_planned_with_the_tail():
+    """One idle device, one queued trial on one device: the study's end is planned as a whole
+    (nothing can start later), so the trial starts with its predicted end (5 s of work at the
+    measured rate), which the tail plan counts on until its pace is measured."""
+    core = SchedulingCore(ScampPolicy(), 2, Budget(100 * MIB, 0.1), restart_seconds=1.0,
+                          peak_flops=1e11)
+    core.planned(0.0, TrialPlan(0, 0, 1, MIB, 1000, flops_per_step=1e9))
+    core.decide(0.0)
+    core.step_measured(10.0, 0, 100, 0.01)
+    core.planned(10.0, TrialPlan(1, 1, 1, MIB, 500, flops_per_step=1e9))
+    core.set_arrivals_pending(False)
+    assert [(a.key, a.device_ids) for a in core.decide(10.0)] == [(1, (1,))]
+    assert core.paces.runs[1].predicted_end == pytest.approx(15.0)
