@@ -614,6 +614,40 @@ def _ctrl_c_at_step(monkeypatch, step: int, run) -> None:
     monkeypatch.setattr(live.LiveView, "update", update)
 
 
+def test_a_stopped_runs_record_counts_the_devices_idle_while_its_trials_were_planned(
+        tmp_path, monkeypatch):
+    """The wait for plans of a run a Ctrl-C ended: its trials went back to the study untold,
+    and the figure, taken from the told trials alone, read 0.0."""
+    _ctrl_c_at_step(monkeypatch, 30, lambda: scamp_jax.run_study(
+        SPACE, function_task(), steps=400, study_dir=tmp_path, live=False, max_batch_size=8,
+        memory_per_device="64MiB", devices=2, trials=2, checkpoint_every=10))
+    [run] = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert run["interrupted"] and run["trials_this_run"] == 0
+    overhead = run["overhead"]
+    # both devices idle at least while the first plan compiled (a planning compile, at least)
+    assert 0 < overhead["idle_waiting_for_plans_device_s"] <= 2 * overhead["elapsed_s"]
+
+
+def test_a_resumed_trials_row_counts_the_seconds_of_the_attempt_a_stop_ended(
+        tmp_path, monkeypatch):
+    """A trial stopped at step 30 and resumed by the next run: its row reached step 400 in
+    the seconds of both attempts, where it showed the resumed attempt's alone."""
+    kw = dict(study_dir=tmp_path, live=False, max_batch_size=8, memory_per_device="64MiB",
+              devices=1, trials=1, checkpoint_every=10, steps=400)
+    _ctrl_c_at_step(monkeypatch, 30, lambda: scamp_jax.run_study(SPACE, function_task(), **kw))
+    scamp_jax.run_study(SPACE, function_task(), **kw)
+    study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
+    stopped, resumed = study.trials
+    assert stopped.state == optuna.trial.TrialState.FAIL and resumed.state.is_finished()
+    first, second = stopped.user_attrs["wall_seconds"], resumed.user_attrs["wall_seconds"]
+    assert first > 0 and second > 0
+    [row] = json.loads((tmp_path / "results.json").read_text())["trials"]
+    assert (row["number"], row["retry_of"], row["steps"]) == (1, 0, 400)
+    assert row["resumed_from"] >= 30
+    assert row["wall_seconds"] == pytest.approx(first + second, abs=2e-3)
+    assert 0 <= row["asked_at"] <= row["planned_at"] <= row["started_at"]
+
+
 def test_a_run_that_fails_after_trials_trained_keeps_the_studys_settings(tmp_path, monkeypatch):
     """Trials that trained and went back to the study (a Ctrl-C, here raised where the view
     updates, as a user's lands) keep their checkpoints: a later run that fails before asking

@@ -32,6 +32,20 @@ def test_idle_waiting_counts_idle_devices_only_while_a_plan_is_awaited_and_none_
     assert idle_waiting_for_plans(intervals, trials, max_running=2) == pytest.approx(8.0)
 
 
+def test_idle_waiting_counts_no_more_devices_than_the_awaited_plans_take():
+    """Eight devices idle while one trial's plan for two of them compiles (0-2 s): a ready
+    plan would have started on two, so 4 device-seconds, not 16; two trials of two and three
+    devices awaited under a cap of one running trial: the larger, three."""
+    intervals = [[(0, 2.0, 10.0, 1)], [(0, 2.0, 10.0, 1)], *[[] for _ in range(6)]]
+    one = [{"asked_at": 0.0, "planned_at": 2.0, "started_at": 2.0, "devices": 2}]
+    assert idle_waiting_for_plans(intervals, one) == pytest.approx(4.0)
+    assert idle_waiting_for_plans(intervals, [{**one[0], "devices": None}]) == pytest.approx(16.0)
+    two = [*one, {"asked_at": 0.0, "planned_at": 1.0, "started_at": 10.0, "devices": 3}]
+    # 0-1: both awaited, room for one (cap 1, nothing runs): 3 devices; 1-2: trial 1 queued
+    assert idle_waiting_for_plans(intervals, two, max_running=1) == pytest.approx(3.0)
+    assert idle_waiting_for_plans(intervals, two) == pytest.approx(5.0)
+
+
 def test_compiles_and_sections_are_attributed_by_thread_and_name():
     import threading
 

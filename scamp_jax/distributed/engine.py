@@ -120,9 +120,10 @@ class RemoteTrialSource:
         self.client.tell(outcome.number, outcome.value, _OPTUNA_STATE[outcome.state],
                          dict(outcome.attrs), outcome.reason)
 
-    def interrupt(self, number: int) -> None:
-        """Give a started trial back: failed as interrupted and enqueued again on rank 0."""
-        self.client.interrupt(number)
+    def interrupt(self, number: int, wall_seconds: float = 0.0) -> None:
+        """Give a started trial back: failed as interrupted and enqueued again on rank 0
+        (``wall_seconds``: what its runs took so far)."""
+        self.client.interrupt(number, wall_seconds)
 
     def held_siblings(self, proposal: int) -> int:
         """Siblings of trial ``proposal`` rank 0 still holds for this rank."""

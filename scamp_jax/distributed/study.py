@@ -9,12 +9,14 @@ request (worker -> rank 0)                           answer (rank 0 -> worker)
 ``("ask", None)``                                    ``("trial", number, params, checkpoint_key,
                                                      siblings, sibling_of, retry_of)``, ``("later",
                                                      seconds, trials)`` (ask again then) or
-                                                     ``("done",)`` (the worker is finished)
+                                                     ``("done",)`` (the worker is finished);
+                                                     each ends with the lines of the trials
+                                                     ``suggest`` pruned for this worker
 ``("ask", "more")``                                  the same, but ``"done"`` does not finish the
                                                      worker: it still reports and tells
 ``("report", (number, step, value))``                ``("pruned", should_prune)``
 ``("tell", (number, value, state[, attrs, reason]))``  ``("told",)``
-``("interrupt", number)``                            ``("interrupted",)``
+``("interrupt", (number, wall_seconds))``            ``("interrupted",)``
 ``("remaining", None)``                              ``("remaining", count)``
 ``("held", proposal)``                               ``("held", count)``: siblings of trial
                                                      ``proposal`` not handed out yet
@@ -185,10 +187,11 @@ class StudyServer:
                                       value if state == "COMPLETE" else None, reason,
                                       dict(attrs or {})))
 
-    def interrupt(self, number: int) -> None:
+    def interrupt(self, number: int, wall_seconds: float = 0.0) -> None:
         """Fail a handed-out trial as interrupted (it does not count towards ``n_trials``) and
-        queue its parameters under its checkpoint key, so a later ask re-runs it."""
-        self.source.interrupt(number)
+        queue its parameters under its checkpoint key, so a later ask re-runs it
+        (``wall_seconds``: `OptunaTrialSource.interrupt`)."""
+        self.source.interrupt(number, wall_seconds)
 
     def _check(self, number: int) -> None:
         if not self.source.is_live(number):
@@ -263,7 +266,7 @@ class StudyServer:
             self.tell(*body)
             return ("told",)
         if kind == "interrupt":
-            self.interrupt(body)
+            self.interrupt(*body)
             return ("interrupted",)
         if kind == "remaining":
             return ("remaining", self.remaining())
@@ -388,12 +391,13 @@ class StudyClient:
         self._call("tell", (number, None if value is None else float(value), state,
                             dict(attrs or {}), reason))
 
-    def interrupt(self, number: int) -> None:
-        """Give a started trial back unfinished: failed as interrupted and enqueued again."""
+    def interrupt(self, number: int, wall_seconds: float = 0.0) -> None:
+        """Give a started trial back unfinished: failed as interrupted and enqueued again
+        (``wall_seconds``: what its runs took so far)."""
         if self._server is not None:
-            self._server.interrupt(number)
+            self._server.interrupt(number, wall_seconds)
             return
-        self._call("interrupt", number)
+        self._call("interrupt", (number, float(wall_seconds)))
 
     def remaining(self) -> int:
         """Trials the study has still to hand out (to any rank)."""

@@ -236,9 +236,12 @@ class Endings:
 
     def _interrupt(self, number: int) -> None:
         """Give trial ``number`` back to the study; where the study refuses (its storage
-        failing), say so and go on with the others: the heartbeat gives that one back."""
+        failing), say so and go on with the others: the heartbeat gives that one back. The
+        seconds its runs took in this run go with it (its retry's record adds them)."""
+        record = self.records.get(number)
+        wall = 0.0 if record is None else record.earlier_wall
         try:
-            self.source.interrupt(number)
+            self.source.interrupt(number, wall_seconds=wall)
         except Exception as err:  # noqa: BLE001 - the others still go back
             log.warning("could not give trial %d back to the study (%s: %s); a rerun retries "
                         "it once its heartbeat lapses", number, type(err).__name__, err)
@@ -262,6 +265,8 @@ class Endings:
                 ended = r is not None and (r.state in ("complete", "pruned")
                                            or (r.state == "failed" and not r.traceback))
                 if not ended:
+                    if r is not None:  # stopped: its seconds go back with it
+                        self.records[planned.number].earlier_wall += r.wall_seconds
                     unfinished.append(planned.number)
                     continue
                 self._run_over(planned.number, r, now)
@@ -299,10 +304,10 @@ class Endings:
     def report(self, planned: PlannedTrial, result: RunResult) -> None:
         """Tell the study how ``planned`` ended (an interrupted one is given back)."""
         record = self.records[planned.number]
-        if result.state == "interrupted":
-            self.source.interrupt(planned.number)
-            return
         wall, record.earlier_wall = record.earlier_wall, 0.0
+        if result.state == "interrupted":
+            self.source.interrupt(planned.number, wall_seconds=wall)
+            return
         record.status.state = result.state
         record.status.reason = result.reason
         record.status.traceback = result.traceback

@@ -97,6 +97,9 @@ class SearchResult:
       memory_series: ``(times_s, fractions)`` of reserved memory over time.
       intervals: per device, ``(trial number, start_s, end_s, bytes)`` of every trial it held.
       outcomes: how each trial of this run ended, in finishing order.
+      trial_times: ``asked_at``, ``planned_at`` and ``started_at`` (seconds on the clock of
+        ``intervals``; None where not reached), and the ``devices`` of its plan (None: none of
+        its own, e.g. a fused group's member), of every trial this run asked, ended or not.
       compile_cache: ``{"hits": n, "misses": m}`` of the shared step cache.
       scheduling: `SearchEngine.scheduling_info` (budget, booked share, policy parts, when the
         last wave began), what a replay of the run needs besides the trials' records.
@@ -108,6 +111,7 @@ class SearchResult:
     memory_series: tuple[tuple[float, ...], tuple[float, ...]]
     intervals: tuple[tuple[tuple[int, float, float, int], ...], ...]
     outcomes: tuple[TrialOutcome, ...]
+    trial_times: tuple[Mapping[str, float | None], ...] = ()
     compile_cache: Mapping[str, int] = field(default_factory=dict)
     scheduling: Mapping[str, Any] = field(default_factory=dict)
 
@@ -284,7 +288,8 @@ class SearchEngine:
         """This run's figures up to now (its usage, timeline, outcomes): what `run` returns,
         and, after an interrupt, what the record of the interrupted run keeps."""
         return search_result(self.policy.name, self._now(), self.usage, self.endings.outcomes,
-                             self.cache, self.scheduling_info())
+                             self.cache, self.scheduling_info(),
+                             [r.times for r in self.records.values()])
 
     def _turn(self, lookahead: int) -> bool:
         """One turn of the loop: ask, group, wait for the next events and handle them; False
@@ -603,8 +608,10 @@ def scheduling_info(policy: Any, config: EngineConfig, core: SchedulingCore, gro
 
 
 def search_result(policy: str, end: float, usage: Any, outcomes: Sequence[TrialOutcome],
-                  cache: StepCache, scheduling: Mapping[str, Any]) -> SearchResult:
-    """A run's `SearchResult` from its usage recorder at ``end`` (seconds since its start)."""
+                  cache: StepCache, scheduling: Mapping[str, Any],
+                  times: Sequence[Mapping[str, Any]] = ()) -> SearchResult:
+    """A run's `SearchResult` from its usage recorder at ``end`` (seconds since its start);
+    ``times``: the `TrialRecord.times` of the trials it asked."""
     intervals = tuple(
         tuple((iv.key, iv.start, float(iv.end if iv.end is not None else end), iv.bytes)
               for iv in device)
@@ -613,7 +620,10 @@ def search_result(policy: str, end: float, usage: Any, outcomes: Sequence[TrialO
     return SearchResult(
         policy=policy, elapsed_s=end, usage=usage.summary(end),
         memory_series=usage.memory_utilization_series(), intervals=intervals,
-        outcomes=tuple(outcomes), compile_cache={"hits": cache.hits, "misses": cache.misses},
+        outcomes=tuple(outcomes),
+        trial_times=tuple({**{k: t.get(k) for k in ("asked_at", "planned_at", "started_at")},
+                           "devices": (t.get("plan") or {}).get("devices")} for t in times),
+        compile_cache={"hits": cache.hits, "misses": cache.misses},
         scheduling=scheduling,
     )
 

@@ -170,7 +170,7 @@ class OverheadRecorder:
         if result is not None:
             out["elapsed_s"] = round(float(result.elapsed_s), 3)
             out["idle_waiting_for_plans_device_s"] = round(idle_waiting_for_plans(
-                result.intervals, [o.attrs for o in result.outcomes],
+                result.intervals, result.trial_times,
                 max_running=(getattr(result, "scheduling", None) or {}).get("max_running")),
                 3)
         return out
@@ -182,38 +182,51 @@ def idle_waiting_for_plans(intervals: Sequence[Sequence[Sequence[float]]],
     """Device-seconds during which a device held no trial while some trial was being planned
     (asked, plan not ready), no planned trial waited for devices and fewer than
     ``max_running`` trials (or fused groups) ran: a ready plan could have started then. With
-    the engine's running cap reached, idle devices wait for the cap, not for a plan.
+    the engine's running cap reached, idle devices wait for the cap, not for a plan; of the
+    idle devices, only as many count as the trials being planned would have taken (the most
+    devices of as many of them as the cap leaves room for).
 
     ``intervals``: per device, ``(trial, start_s, end_s, bytes)`` of every trial it held (a
     fused group under its key); ``trials``: per trial, ``asked_at``, ``planned_at`` and
     ``started_at`` (seconds on the same clock; a trial without ``asked_at`` counts as asked at
-    0); ``max_running``: the engine's cap on running trials (None: no cap).
+    0) and the ``devices`` of its plan (None or missing: any number); ``max_running``: the
+    engine's cap on running trials (None: no cap).
     """
-    planning, queued = [], []
+    planning: list[tuple[float, float, int | None]] = []
+    queued: list[tuple[float, float]] = []
     for t in trials:
         planned, started = t.get("planned_at"), t.get("started_at")
         if planned is None:
             continue
-        planning.append((float(t.get("asked_at") or 0.0), float(planned)))
+        devices = t.get("devices")
+        planning.append((float(t.get("asked_at") or 0.0), float(planned),
+                         None if devices is None else int(devices)))
         if started is not None:
             queued.append((float(planned), float(started)))
     if not planning:
         return 0.0
-    times = sorted({x for span in planning + queued for x in span}
+    times = sorted({x for s, e, _ in planning for x in (s, e)}
+                   | {x for span in queued for x in span}
                    | {float(iv[i]) for device in intervals for iv in device for i in (1, 2)})
     total = 0.0
     for a, b in zip(times, times[1:], strict=False):
         if b <= a:
             continue
         mid = (a + b) / 2
-        if not any(s <= mid < e for s, e in planning) or any(s <= mid < e for s, e in queued):
+        awaited = [n for s, e, n in planning if s <= mid < e]
+        if not awaited or any(s <= mid < e for s, e in queued):
             continue
+        room = len(awaited)
         if max_running is not None:
             running = {iv[0] for device in intervals for iv in device
                        if float(iv[1]) <= mid < float(iv[2])}
-            if len(running) >= max_running:
+            room = min(room, max_running - len(running))
+            if room <= 0:
                 continue
         idle = sum(1 for device in intervals
                    if not any(float(iv[1]) <= mid < float(iv[2]) for iv in device))
+        known = [n for n in awaited if n is not None]
+        if len(known) == len(awaited):
+            idle = min(idle, sum(sorted(known, reverse=True)[:room]))
         total += idle * (b - a)
     return total

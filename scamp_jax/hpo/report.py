@@ -29,7 +29,8 @@ from scamp_jax._files import write_whole
 from scamp_jax._units import format_bytes
 from scamp_jax.hpo.checkpoint import copy_checkpoint
 from scamp_jax.hpo.failures import TRACEBACK
-from scamp_jax.hpo.study import FAIL_REASON, INTERRUPTED, stopped_attempt
+from scamp_jax.hpo.study import FAIL_REASON, INTERRUPTED
+from scamp_jax.hpo.study.storage import earlier_attempts
 from scamp_jax.hpo.study.trials import configuration
 
 #: columns every results row has, in CSV order (task metrics follow).
@@ -46,7 +47,10 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
     died, since run again, are left out).
 
     Each row has `BASE_COLUMNS` (a fused member's ``predicted_peak_bytes`` is its group's, what
-    the ledger booked for the ``fusion_width`` members it trained with), every name of
+    the ledger booked for the ``fusion_width`` members it trained with; ``steps``: the step
+    its training reached; ``wall_seconds``: what its runs took, over every attempt of it that a
+    stop ended too, where its retry resumed them; an attempt whose process died is not known),
+    every name of
     ``metric_names`` (``None`` when a trial has no value for it), and ``rank``, ``replans``,
     ``resizes`` (restarts on more devices at the end of a study), ``retry_of`` (the trial this
     one ran again after a run stopped it, from that trial's checkpoints if it had any; None: a
@@ -58,7 +62,9 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
     a trial that failed by raising also has ``traceback``, which ``results.csv`` leaves out.
     """
     rows = []
-    for trial in study.get_trials(deepcopy=False):
+    trials = study.get_trials(deepcopy=False)
+    by_number = {t.number: t for t in trials}
+    for trial in trials:
         if trial.state not in _STATES:
             continue
         attrs = trial.user_attrs
@@ -76,6 +82,11 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
             "steps": attrs.get("steps"),
             "wall_seconds": attrs.get("wall_seconds"),
         }
+        earlier = earlier_attempts(trial)
+        if earlier and row["wall_seconds"] is not None:  # the attempts stops ended, too
+            row["wall_seconds"] = round(row["wall_seconds"] + sum(
+                by_number[n].user_attrs.get("wall_seconds") or 0.0
+                for n in earlier if n in by_number), 3)
         for name in metric_names:
             row[name] = metrics.get(name)
         for name, value in metrics.items():
@@ -83,7 +94,7 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
         row["rank"] = attrs.get("rank", 0)
         row["replans"] = attrs.get("replans", 0)
         row["resizes"] = attrs.get("resizes", 0)
-        row["retry_of"] = stopped_attempt(trial)
+        row["retry_of"] = earlier[-1] if earlier else None
         row["resumed_from"] = attrs.get("resumed_from", 0)
         row["reason"] = attrs.get(FAIL_REASON, "")
         if attrs.get(TRACEBACK):  # a trial that raised: results.json only (not the CSV)
@@ -98,8 +109,8 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
         # Scheduling record (seconds since the run's first start; see
         # `scamp_jax.hpo.record.TrialRecord.attrs`): what
         # `python -m benchmarks.simulate_cluster --replay` feeds the scheduling core.
-        for name in ("planned_at", "started_at", "finished_at", "placements", "pace", "plan",
-                     "core_events", "run_started"):
+        for name in ("asked_at", "planned_at", "started_at", "finished_at", "placements",
+                     "pace", "plan", "core_events", "run_started"):
             row[name] = attrs.get(name)
         rows.append(row)
     return rows

@@ -539,8 +539,10 @@ class OptunaTrialSource:
             self.told += 1
 
     @stops_held()  # a Ctrl-C never splits its writes (`scamp_jax._signals`)
-    def interrupt(self, number: int) -> None:
-        """Fail a live trial as interrupted and queue its parameters under its checkpoint key.
+    def interrupt(self, number: int, wall_seconds: float = 0.0) -> None:
+        """Fail a live trial as interrupted and queue its parameters under its checkpoint key;
+        ``wall_seconds`` (what its runs took, if it ran) are stored with it, for its retry's
+        record (`scamp_jax.hpo.report.trial_records`).
 
         The retry is queued first: a process stopped before the trial is failed (a second
         Ctrl-C) leaves the trial ``RUNNING`` with its retry queued, and the heartbeat fails it
@@ -553,6 +555,8 @@ class OptunaTrialSource:
             if trial is None:
                 return
             try:
+                if wall_seconds > 0:
+                    trial.set_user_attr("wall_seconds", round(float(wall_seconds), 3))
                 trial.set_user_attr(FAIL_REASON, INTERRUPTED)
                 self._fail_with_retry(trial, trial_id)
             except optuna.exceptions.UpdateFinishedTrialError:

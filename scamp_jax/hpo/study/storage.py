@@ -226,9 +226,14 @@ def retried_from(trial: FrozenTrial) -> int | None:
 def stopped_attempt(trial: FrozenTrial) -> int | None:
     """Number of the trial that ``trial`` runs again (None: not a retry): the attempt a run
     stopped, the last of its chain of retries (`retried_from` is the first)."""
-    with quiet_optuna():
-        history = optuna.storages.RetryHeartbeatStaleTrialCallback.retry_history(trial)
+    history = earlier_attempts(trial)
     return history[-1] if history else None
+
+
+def earlier_attempts(trial: FrozenTrial) -> list[int]:
+    """Numbers of the trials that ``trial`` runs again, first to last (empty: none)."""
+    with quiet_optuna():
+        return list(optuna.storages.RetryHeartbeatStaleTrialCallback.retry_history(trial))
 
 
 def open_storage(
@@ -254,7 +259,7 @@ def open_storage(
             f"{heartbeat_interval=} s must be at least 1 and {grace_period=} s longer than it"
         )
     url = storage_url(study_dir, storage)
-    Path(study_dir).mkdir(parents=True, exist_ok=True)  # a database file given in it, too
+    _make_study_dir_of(url, study_dir)
     created = _create_sqlite_file(url, storage is not None)
     for attempt in range(attempts):
         try:
@@ -285,6 +290,17 @@ def open_storage(
                 raise
             time.sleep(0.2 * (attempt + 1))
     raise AssertionError("unreachable")
+
+
+def _make_study_dir_of(url: str, study_dir: str | Path) -> None:
+    """Make ``study_dir`` if the SQLite file of ``url`` is in it (`check_storage` lets such a
+    database's folder be missing: the run makes it); nothing for any other database."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if (parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:")
+            and Path(parsed.database).parent.resolve() == Path(study_dir).resolve()):
+        Path(study_dir).mkdir(parents=True, exist_ok=True)
 
 
 def _create_sqlite_file(url: str, storage_given: bool = True) -> bool:

@@ -136,8 +136,9 @@ class TrialSource(Protocol):
         """Record how a trial ended."""
         ...
 
-    def interrupt(self, number: int) -> None:
-        """Mark a started trial as interrupted and queue its configuration to run again."""
+    def interrupt(self, number: int, wall_seconds: float = 0.0) -> None:
+        """Mark a started trial as interrupted and queue its configuration to run again;
+        ``wall_seconds``: what its runs took so far (its retry's record adds them)."""
         ...
 
     def trained_any(self, devices: int) -> bool:
