@@ -573,8 +573,9 @@ def _study_pace(results: Path) -> dict[str, Any]:
     data = json.loads(results.read_text())
     paces = [t["pace"][-1][2] for t in data.get("trials", []) if t.get("pace")]
     overhead = (data.get("run") or {}).get("overhead") or {}
-    compile_s = sum(v for k, v in overhead.items()
-                    if k.endswith("_compile_s") and not k.startswith("planning"))
+    compile_s = sum(v for k, v in overhead.items()  # compiled, or read from the cache
+                    if k.endswith(("_compile_s", "_cache_load_s"))
+                    and not k.startswith("planning"))
     return {"steady_step_s": statistics.median(paces) if paces else None,
             "runner_compile_s": compile_s,
             "planning_compile_s": overhead.get("planning_compile_s"),
@@ -654,7 +655,8 @@ def mainjob_row(data: dict[str, Any]) -> dict[str, Any]:
     usage, overhead = run.get("usage") or {}, run.get("overhead") or {}
     trials = data.get("trials", [])
     done = [t for t in trials if t.get("state") == "complete"]
-    compile_s = sum(v for k, v in overhead.items() if k.endswith("_compile_s"))
+    compile_s = sum(v for k, v in overhead.items()  # compiled, or read from the cache
+                    if k.endswith(("_compile_s", "_cache_load_s")))
     elapsed = run.get("elapsed_s")
     best = next((t for t in trials if t.get("number") == data.get("best")), None)
     metric = data.get("metric", "psnr")

@@ -102,8 +102,8 @@ def test_trials_run_concurrently_and_are_told(tmp_path):
     # One compile per architecture and device set: trials of one width on the same devices
     # reuse the first one's step.
     compiled = {(t.params["width"], tuple(t.user_attrs["devices"])) for t in trials}
-    assert result.compile_cache["misses"] == len(compiled)
-    assert result.compile_cache["hits"] == 4 - len(compiled)
+    assert result.step_cache["misses"] == len(compiled)
+    assert result.step_cache["hits"] == 4 - len(compiled)
 
 
 def test_failing_trials_are_isolated(tmp_path):

@@ -626,6 +626,9 @@ def test_a_stopped_runs_record_counts_the_devices_idle_while_its_trials_were_pla
     overhead = run["overhead"]
     # both devices idle at least while the first plan compiled (a planning compile, at least)
     assert 0 < overhead["idle_waiting_for_plans_device_s"] <= 2 * overhead["elapsed_s"]
+    # one clock for the run, its usage and its overhead (the run's was the caller's)
+    assert run["elapsed_s"] == pytest.approx(overhead["elapsed_s"], abs=1e-3)
+    assert run["elapsed_s"] == pytest.approx(run["usage"]["elapsed_s"], abs=1e-3)
 
 
 def test_a_resumed_trials_row_counts_the_seconds_of_the_attempt_a_stop_ended(
@@ -646,6 +649,28 @@ def test_a_resumed_trials_row_counts_the_seconds_of_the_attempt_a_stop_ended(
     assert row["resumed_from"] >= 30
     assert row["wall_seconds"] == pytest.approx(first + second, abs=2e-3)
     assert 0 <= row["asked_at"] <= row["planned_at"] <= row["started_at"]
+
+
+def test_a_trials_step_seconds_leave_its_checkpoints_out(tmp_path, monkeypatch):
+    """Four checkpoints in ten steps, each held 0.5 s longer (a slow disk, made up here): the
+    step time, which counted them (0.2 s a step at least), is the steps' own."""
+    import time
+
+    from scamp_jax.hpo.checkpoint import TrialCheckpointer
+
+    save = TrialCheckpointer.save
+
+    def slow_save(self, *args, **kwargs):
+        time.sleep(0.5)
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(TrialCheckpointer, "save", slow_save)
+    scamp_jax.run_study(SPACE, function_task(), trials=1, steps=10, study_dir=tmp_path,
+                        live=False, max_batch_size=8, memory_per_device="64MiB", devices=1,
+                        checkpoint_every=2)
+    [row] = json.loads((tmp_path / "results.json").read_text())["trials"]
+    assert row["steps"] == 10 and row["wall_seconds"] > 2.5  # 5 saves, the last one's too
+    assert 0 < row["step_seconds"] < 0.1
 
 
 def test_a_run_that_fails_after_trials_trained_keeps_the_studys_settings(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ import io
 import json
 
 import jax
+import numpy as np
 import pytest
 from test_engine import BUDGET, Regression, build, settings, suggest
 
@@ -75,6 +76,44 @@ def test_compiles_and_sections_are_attributed_by_thread_and_name():
     assert summary["executable_loads"] == 1 and summary["executable_load_s"] > 0
     step(jax.numpy.ones(9))  # outside the block: not counted
     assert recorder.summary()["runner_step_compiles"] == 2
+
+
+def test_a_checkpoints_compiles_and_cache_loads_are_counted_apart(tmp_path):
+    """What compiles while a trial writes a checkpoint (orbax's slices) is the checkpoint's,
+    not the runner's, where it was counted in both; a program read from the persistent cache
+    is a load, not a compile, and its seconds are the load's."""
+    import threading
+
+    from scamp_jax.hpo.overhead import CHECKPOINT_SAVE
+    from scamp_jax.planning.compile_cache import study_compile_cache
+
+    @jax.jit
+    def piece(x):
+        return x[1:3] * 2.0
+
+    def save():
+        leaf = np.ones(11, np.float32)
+        with timed_section(CHECKPOINT_SAVE):
+            piece(leaf)
+
+    step = jax.jit(lambda x: jax.numpy.tanh(x) * 3.0 + 1.0)
+    x = jax.ShapeDtypeStruct((13, 3), jax.numpy.float32)
+    with study_compile_cache(tmp_path):
+        step.lower(x).compile()  # written to the study's cache
+    jax.clear_caches()
+    with OverheadRecorder() as recorder:
+        saver = threading.Thread(target=save, name="trial_0")
+        saver.start()
+        saver.join()
+        with study_compile_cache(tmp_path, writer=False):
+            loader = threading.Thread(target=lambda: step.lower(x).compile(), name="planner_0")
+            loader.start()
+            loader.join()
+    summary = recorder.summary()
+    assert summary["checkpoint_compiles"] == 1 and summary["checkpoint_compile_s"] > 0
+    assert summary["runner_other_compiles"] == 0 and summary["checkpoint_writes"] == 1
+    assert (summary["planning_compiles"], summary["planning_compile_s"]) == (0, 0.0)
+    assert summary["planning_cache_loads"] == 1 and summary["planning_cache_load_s"] > 0
 
 
 def test_a_study_records_where_its_time_went(tmp_path):

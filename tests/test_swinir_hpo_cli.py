@@ -473,6 +473,20 @@ def test_the_best_trials_read_on_a_narrow_terminal():
         assert shown in " ".join(text.split()), text
 
 
+def test_the_verdicts_gain_is_the_difference_of_the_figures_it_shows():
+    """29.501 against 31.655 read -2.153 (from the unrounded scores): the line adds up as read,
+    and whether the best beats its baseline is decided on the scores themselves."""
+    from scamp_jax.hpo import report
+
+    row = {"number": 2, "state": "complete", "psnr": 29.50139, "bicubic_psnr": 31.65480}
+    line = report.verdict([row], "psnr", "maximize", "bicubic_psnr")
+    assert line == ("best trial 2: psnr 29.501 vs bicubic_psnr 31.655 (-2.154, does not beat "
+                    "the baseline)")
+    close = {**row, "psnr": 31.65482}  # above the baseline by less than the figures show
+    assert report.verdict([close], "psnr", "maximize", "bicubic_psnr").endswith(
+        "(+2e-05, beats the baseline)")
+
+
 def test_the_best_trials_show_each_fused_members_group():
     """A study with fused groups shows each trial's group (its id and width) in the summary,
     as a table and as lines of text; a study without them has no group column."""

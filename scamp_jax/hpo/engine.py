@@ -92,7 +92,9 @@ class SearchResult:
 
     Attributes:
       policy: placement policy name.
-      elapsed_s: wall seconds from the first ask to the last trial's end.
+      elapsed_s: wall seconds of the engine's run, from its start (before its first ask) to
+        its end (after the last trial's, its planners shut down); the process's start-up and
+        the report are ``run.overhead``'s ``startup_s`` and ``report_s``.
       usage: `UsageRecorder.summary` figures (memory utilisation, idle device-seconds, ...).
       memory_series: ``(times_s, fractions)`` of reserved memory over time.
       intervals: per device, ``(trial number, start_s, end_s, bytes)`` of every trial it held.
@@ -100,7 +102,10 @@ class SearchResult:
       trial_times: ``asked_at``, ``planned_at`` and ``started_at`` (seconds on the clock of
         ``intervals``; None where not reached), and the ``devices`` of its plan (None: none of
         its own, e.g. a fused group's member), of every trial this run asked, ended or not.
-      compile_cache: ``{"hits": n, "misses": m}`` of the shared step cache.
+      step_cache: ``{"hits": n, "misses": m}`` of the process's cache of trials' jitted steps
+        (`scamp_jax.hpo.runner.StepCache`: a trial of an architecture, plan and devices seen
+        before takes its step); not JAX's persistent compilation cache, whose loads
+        ``run.overhead`` counts.
       scheduling: `SearchEngine.scheduling_info` (budget, booked share, policy parts, when the
         last wave began), what a replay of the run needs besides the trials' records.
     """
@@ -112,7 +117,7 @@ class SearchResult:
     intervals: tuple[tuple[tuple[int, float, float, int], ...], ...]
     outcomes: tuple[TrialOutcome, ...]
     trial_times: tuple[Mapping[str, float | None], ...] = ()
-    compile_cache: Mapping[str, int] = field(default_factory=dict)
+    step_cache: Mapping[str, int] = field(default_factory=dict)
     scheduling: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -623,7 +628,7 @@ def search_result(policy: str, end: float, usage: Any, outcomes: Sequence[TrialO
         outcomes=tuple(outcomes),
         trial_times=tuple({**{k: t.get(k) for k in ("asked_at", "planned_at", "started_at")},
                            "devices": (t.get("plan") or {}).get("devices")} for t in times),
-        compile_cache={"hits": cache.hits, "misses": cache.misses},
+        step_cache={"hits": cache.hits, "misses": cache.misses},
         scheduling=scheduling,
     )
 

@@ -500,6 +500,7 @@ class Lifecycle:
             m.status.state, m.status.step = "training", first
         active = np.ones(program.width, bool)
         self._data_failed(active)
+        aside = 0.0  # seconds of the loop spent on checkpoints and intermediate evaluations
         for step in range(first, schedule.steps):
             if self.stop is not None and self.stop.is_set():
                 self._save(step)
@@ -519,7 +520,9 @@ class Lifecycle:
             if done == min(first + 2, schedule.steps):
                 self._measure(losses)
             if schedule.evaluates_at(done):
+                began = time.monotonic()
                 self._intermediate(done, active)
+                aside += time.monotonic() - began
                 if active.any() and not active.all() and schedule.reform:
                     keep = np.flatnonzero(active)
                     program.reform(keep)
@@ -530,9 +533,12 @@ class Lifecycle:
                 return
             if (schedule.checkpoint_every and done % schedule.checkpoint_every == 0
                     and done < schedule.steps):
+                began = time.monotonic()
                 self._save(done, active)
+                aside += time.monotonic() - began
         if first < schedule.steps:
-            seconds = (time.monotonic() - now) / (schedule.steps - first)  # losses read back
+            # the steps' own seconds (losses read back), not the checkpoints' or evaluations'
+            seconds = (time.monotonic() - now - aside) / (schedule.steps - first)
             for slot, m in enumerate(self.slots):
                 if active[slot]:  # trained all its steps (not a member that failed)
                     m.status.step_seconds = seconds

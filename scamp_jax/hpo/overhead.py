@@ -9,9 +9,16 @@ the report and its plots, written after ``results.json``, are added to it afterw
 study session). Compiles are attributed by thread: the engine's planner threads
 (``planner*``) plan, its trial threads (``trial*``) run trials, and within a trial the training
 step (``jit(step)``; a fused group's ``jit(fused)``), the initial state (``jit(init)``) and the
-evaluation forward (``jit(run)``) are told apart by name. Compile seconds are summed over
-threads, so with threads compiling at once they can exceed the wall-clock time; so are the
-checkpoint seconds (a fused group's members save at once, each save counted whole).
+evaluation forward (``jit(run)``) are told apart by name, and what compiles while a
+checkpoint is written (orbax's slices of sharded arrays) is the checkpoint's. A planner thread
+compiles a new architecture's step and evaluation at the plan's batch, and the trials run
+those executables: in a fresh study ``planning`` holds them, and ``runner_step`` and
+``evaluation`` only what a trial compiled itself. Per part: ``compiles`` and ``compile_s``
+(XLA's compiles), ``cache_loads`` and ``cache_load_s`` (executables read from the persistent
+compilation cache instead), ``trace_s`` (tracing and lowering to MLIR). Seconds are summed
+over threads, so with threads compiling at once they can exceed the wall-clock time; so are
+the checkpoint seconds (a fused group's members save at once, each save counted whole), which
+include the checkpoint's compiles.
 
 The summary also has the time from the process's start to the study's (the interpreter, the
 imports and the script's own set-up) and the device-seconds during which whole devices stood
@@ -44,6 +51,10 @@ CHECKPOINT_SAVE = "/scamp_jax/checkpoint/save"
 CHECKPOINT_WAIT = "/scamp_jax/checkpoint/wait"
 _RUNNER_PARTS = {"jit(step)": "runner_step", "jit(fused)": "runner_step",
                  "jit(init)": "runner_init", "jit(run)": "evaluation"}
+PARTS = ("planning", "runner_step", "runner_init", "evaluation", "checkpoint", "runner_other",
+         "other")
+#: the timed section each thread is in (`timed_section`), for the compiles inside it
+_SECTION = threading.local()
 
 
 def record_section(event: str, seconds: float) -> None:
@@ -58,13 +69,17 @@ class timed_section:  # noqa: N801 - used like a function: ``with timed_section(
     def __init__(self, event: str) -> None:
         self.event = event
         self.start = 0.0
+        self.outer: str | None = None
 
     def __enter__(self) -> timed_section:
+        self.outer = getattr(_SECTION, "event", None)
+        _SECTION.event = self.event
         self.start = time.perf_counter()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        _SECTION.event = self.outer
         record_section(self.event, time.perf_counter() - self.start)
 
 
@@ -79,6 +94,8 @@ def process_age_seconds() -> float | None:
 
 
 def _part(thread: str, fun_name: str) -> str:
+    if getattr(_SECTION, "event", None) in (CHECKPOINT_SAVE, CHECKPOINT_WAIT):
+        return "checkpoint"
     if thread.startswith("planner"):
         return "planning"
     if thread.startswith("trial"):
@@ -99,6 +116,8 @@ class OverheadRecorder:
         self._hit = threading.local()
         self.compiles: dict[str, int] = defaultdict(int)
         self.compile_s: dict[str, float] = defaultdict(float)
+        self.cache_loads: dict[str, int] = defaultdict(int)
+        self.cache_load_s: dict[str, float] = defaultdict(float)
         self.trace_s: dict[str, float] = defaultdict(float)
         self.sections_s: dict[str, float] = defaultdict(float)
         self.sections_n: dict[str, int] = defaultdict(int)
@@ -125,9 +144,12 @@ class OverheadRecorder:
             if event == BACKEND_COMPILE_EVENT:
                 hit = getattr(self._hit, "value", False)
                 self._hit.value = False
-                self.compile_s[part] += duration_secs
-                if not hit:
+                if hit:  # read from the persistent compilation cache, not compiled
+                    self.cache_loads[part] += 1
+                    self.cache_load_s[part] += duration_secs
+                else:
                     self.compiles[part] += 1
+                    self.compile_s[part] += duration_secs
             else:
                 self.trace_s[part] += duration_secs
 
@@ -152,10 +174,11 @@ class OverheadRecorder:
             out: dict[str, Any] = {
                 "startup_s": None if self.startup_s is None else round(self.startup_s, 3),
             }
-            for part in ("planning", "runner_step", "runner_init", "evaluation",
-                         "runner_other", "other"):
+            for part in PARTS:
                 out[f"{part}_compiles"] = int(self.compiles.get(part, 0))
                 out[f"{part}_compile_s"] = round(self.compile_s.get(part, 0.0), 3)
+                out[f"{part}_cache_loads"] = int(self.cache_loads.get(part, 0))
+                out[f"{part}_cache_load_s"] = round(self.cache_load_s.get(part, 0.0), 3)
                 out[f"{part}_trace_s"] = round(self.trace_s.get(part, 0.0), 3)
             # executables loaded onto other devices instead of compiled (any thread)
             out["executable_loads"] = int(self.sections_n.get(EXECUTABLE_LOAD_EVENT, 0))

@@ -450,8 +450,8 @@ def plot_results(
     ax.set_ylim(0, 105)
     _mark_runs(ax, run_marks)
     ax.set_xlabel("seconds")
-    ax.set_ylabel("reserved memory (% of pool)")
-    ax.set_title("aggregate memory utilisation")
+    ax.set_ylabel("booked memory (% of pool)")
+    ax.set_title("memory the running trials' plans book on the pool")
     fig.tight_layout()
     paths.append(study_dir / "memory_utilization.png")
     fig.savefig(paths[-1], dpi=100)
@@ -547,7 +547,11 @@ def verdict(records: Sequence[Mapping[str, Any]], metric: str, direction: str,
     if baseline and best.get(baseline) is not None:
         gain = best[metric] - best[baseline]
         better = gain > 0 if direction == "maximize" else gain < 0
-        line += (f" vs {baseline} {best[baseline]:.5g} ({gain:+.4g}, "
+        # the difference of the two figures as shown, so the line adds up as read (the
+        # scores' own where the figures show none)
+        shown = float(f"{best[metric]:.5g}") - float(f"{best[baseline]:.5g}")
+        difference = f"{shown:+.4g}" if shown or not gain else f"{gain:+.2g}"
+        line += (f" vs {baseline} {best[baseline]:.5g} ({difference}, "
                  f"{'beats' if better else 'does not beat'} the baseline)")
     return line
 
@@ -571,7 +575,7 @@ def run_summary(result: Any, devices: int, memory_per_device: int) -> dict[str, 
         "memory_per_device": memory_per_device,
         "elapsed_s": result.elapsed_s,
         "usage": dict(result.usage),
-        "compile_cache": dict(result.compile_cache),
+        "step_cache": dict(result.step_cache),
         "trials_this_run": len(result.outcomes),
         "timeline": {
             "intervals": [[list(span) for span in spans] for spans in result.intervals],

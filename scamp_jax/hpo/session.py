@@ -575,9 +575,11 @@ class StudySession:
         if idle:
             self.say(f"this run trained nothing; results in {self.out_dir}")
         else:
-            self.say(f"this run: {run_info['elapsed_s']:.1f} s, mean memory utilisation "
-                     f"{100 * usage['mean_memory_utilization']:.1f}%, idle device-seconds "
-                     f"{usage['idle_device_seconds']:.1f}; results in {self.out_dir}")
+            # booked: what the plans reserve on the pool's devices, not a measured use
+            self.say(f"this run: {run_info['elapsed_s']:.1f} s, mean memory booked "
+                     f"{100 * usage['mean_memory_utilization']:.1f}% of the pool, idle "
+                     f"device-seconds {usage['idle_device_seconds']:.1f}; results in "
+                     f"{self.out_dir}")
         # the report and plots, added once they are written
         if self.overhead is not None and not idle:
             overhead = run_info["overhead"]
@@ -605,8 +607,9 @@ class StudySession:
                                                self.memory_per_device))
         if self.overhead is not None:
             run_info["overhead"] = self.overhead
-        run_info.update(interrupted=True, elapsed_s=elapsed_s, trials_this_run=trials_this_run,
-                        **run)
+        # the engine's clock where it had started, the clock of the run's usage and timeline
+        run_info.setdefault("elapsed_s", elapsed_s)
+        run_info.update(interrupted=True, trials_this_run=trials_this_run, **run)
         # an interrupted rerun of a full study trained nothing either: no run is added
         idle = self.nothing_to_run and not trials_this_run
         report.write_results(self.out_dir, report.trial_records(study, self._metrics()),

@@ -136,8 +136,9 @@ class TrialStatus:
     #: the trial this one runs again after a run stopped it (`AskedTrial.retry_of`; None: none).
     retry_of: int | None = None
     #: seconds a training step took over this run's last training (from ``training_since`` to
-    #: the last step's loss read back; checkpoints and intermediate evaluations included), for
-    #: a run that trained all its steps; a fused member's is its group's. None: not measured.
+    #: the last step's loss read back, less the checkpoints and intermediate evaluations
+    #: between), for a run that trained all its steps; a fused member's is its group's. None:
+    #: not measured.
     step_seconds: float | None = None
 
 
