@@ -223,3 +223,27 @@ def test_a_plan_keeps_an_allowance_larger_than_the_one_learnt() -> None:
     calibration = Calibration(Budget(BUDGET, 0.1))
     assert calibration.allowance_bytes == 0
     assert calibration.refresh(plan).allowance_bytes == MIB
+
+
+def test_a_runs_measured_peak_is_read_again_after_its_final_evaluation(monkeypatch) -> None:
+    """A run reads the allocator's peak after its first two steps and again after its final
+    evaluation (whose forward may hold more than training did): it records the larger. The
+    reader reports a peak that grows at each reading."""
+    from test_runner import SPACE, make_plan, spec
+
+    from scamp_jax.hpo.runner import TrialStatus, run_trial
+
+    config = {"width": 16, "learning_rate": 1e-2}
+    plan = make_plan(config, jax.devices()[:1])
+    readings: list[int] = []
+
+    def growing(device: Any) -> dict[str, int]:
+        readings.append((len(readings) + 1) * MIB)
+        return {"peak_bytes_in_use": readings[-1]}
+
+    monkeypatch.setattr(devices, "allocator_stats", growing)
+    status = TrialStatus(0, config)
+    result = run_trial(spec(config, plan, steps=5), SPACE, Regression(), status=status)
+    assert result.state == "complete", result.reason
+    assert len(readings) == 2  # after step 2 and after the final evaluation
+    assert result.measured_peak_bytes == status.measured_peak_bytes == 2 * MIB

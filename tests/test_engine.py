@@ -589,10 +589,14 @@ def test_a_trial_behind_the_others_is_pruned_from_its_intermediate_evaluations(t
     study, source = make_source(tmp_path, configs, pruner="median", warmup_steps=5)
     # One device, one trial at a time: the first two finish before the third is judged.
     cfg = config(policy="fixed", devices_per_trial=1, steps=40, eval_every=10)
-    SearchEngine(SPACE, Regression(), source, cfg, devices=jax.devices()[:1]).run()
+    result = SearchEngine(SPACE, Regression(), source, cfg, devices=jax.devices()[:1]).run()
     trials = study.get_trials()
     assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.COMPLETE,
                                          TrialState.PRUNED]
+    # The run's outcomes carry a value for a complete trial only: the score a pruned one was
+    # stopped at is no result (the study stores none either).
+    assert [(o.state, o.value is None) for o in result.outcomes] == [
+        ("complete", False), ("complete", False), ("pruned", True)]
     assert trials[2].user_attrs["steps"] < 40
     assert "pruned at step" in trials[2].user_attrs[FAIL_REASON]
     assert source.finished() == 3

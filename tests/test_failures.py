@@ -453,6 +453,44 @@ def test_a_trial_that_completes_while_the_guard_stops_the_run_leaves_the_failure
     assert done["trials_this_run"] == 3  # the three given back, trained again
 
 
+def test_a_ctrl_c_while_the_guard_waits_for_the_runs_keeps_every_checkpoint(tmp_path):
+    """The guard trips (three trials failed alike) and waits for a trial still evaluating; a
+    Ctrl-C meanwhile stops the wait. The runs may not have ended, so nothing of theirs is
+    deleted: every trial keeps its checkpoint (the trials go back to the study)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    reference = Regression()
+    failed = []
+    slow_evaluating, three_failed = threading.Event(), threading.Event()
+
+    def evaluate(model) -> dict[str, float]:
+        if model.hidden.kernel.shape[1] == 64:  # the slow trial: evaluating while it trips
+            slow_evaluating.set()
+            three_failed.wait(timeout=120)
+            time.sleep(1)  # the guard trips and waits for this run meanwhile
+            os.kill(os.getpid(), signal.SIGINT)  # the user's Ctrl-C during that wait
+            time.sleep(2)
+            return reference.evaluate(model)
+        slow_evaluating.wait(timeout=120)  # the others fail once it evaluates
+        failed.append(1)
+        if len(failed) >= 3:
+            three_failed.set()
+        raise ValueError("a bug in evaluate")
+
+    first = [{"width": 64, "learning_rate": 1e-2},
+             *({"width": 16, "learning_rate": lr} for lr in (1e-3, 2e-3, 3e-3))]
+    with pytest.raises(KeyboardInterrupt):
+        scamp_jax.run_study(SPACE, _task(evaluate), trials=4, study_dir=tmp_path, devices=4,
+                            initial_params=first, max_running_trials=4, **KW)
+    kept = [p for p in (tmp_path / "checkpoints").iterdir() if p.is_dir()]
+    assert len(kept) == 4, sorted(p.name for p in kept)
+    study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
+    assert all(t.state != optuna.trial.TrialState.RUNNING for t in study.trials)
+
+
 def test_a_ctrl_c_gives_held_failures_back(tmp_path):
     """A Ctrl-C while the first trials fail alike (perhaps the user saw the bug): the held
     failures go back to the study with the running trials, none is counted as failed."""

@@ -167,6 +167,55 @@ def test_a_pruned_member_stops_and_the_others_match_their_solo_runs(tmp_path):
     assert (tmp_path / "group.json").is_file()
 
 
+def test_without_reform_a_pruned_member_stays_masked_and_the_group_keeps_its_width():
+    """``reform=False``: a member pruned at an evaluation is only masked (its losses stop
+    there); the group keeps its width, compiling no narrower step, and the others train on
+    as their solo runs."""
+    steps, every = 20, 10
+    plan = make_plan({"width": 16}, jax.devices()[:1], max_batch=16)
+    members = tuple(MemberSpec(10 + i, cfg, seed) for i, (cfg, seed) in enumerate(MEMBERS[:3]))
+    group = run_fused_group(
+        GroupSpec(1, members, group_plan(plan, 4), steps, BUDGET, eval_every=every,
+                  log_every=5, reform=False),
+        SPACE, Regression(), report=lambda number, step, value: number == 11 and step == every)
+    assert [r.state for r in group.members] == ["complete", "pruned", "complete"], [
+        r.reason for r in group.members]
+    assert group.widths == (3,)  # masked, never re-formed
+    assert [s for s, _ in group.losses[1]] == [5, 10]
+    assert [s for s, _ in group.losses[0]] == [5, 10, 15, 20]
+    cache = StepCache()
+    for i in (0, 2):
+        ref, _ = solo(dict(MEMBERS[i][0]), MEMBERS[i][1], plan, steps, cache)
+        assert rel(group.members[i].metrics["mse"], ref.metrics["mse"]) <= RTOL
+
+
+def test_a_checkpoint_at_the_step_a_group_re_forms_holds_each_members_own_state(tmp_path):
+    """A member pruned at an evaluation that is also a checkpoint step: the group re-forms
+    without it, then saves; each member's checkpoint of that step holds its own state (its
+    solo run's checkpoint of that step), not the slot's it had before the re-form."""
+    from scamp_jax.hpo.runner import load_model
+
+    steps, every = 10, 5
+    plan = make_plan({"width": 16}, jax.devices()[:1], max_batch=16)
+    members = tuple(MemberSpec(10 + i, cfg, seed, checkpoint_dir=tmp_path / f"m{i}")
+                    for i, (cfg, seed) in enumerate(MEMBERS[:3]))
+    group = run_fused_group(
+        GroupSpec(1, members, group_plan(plan, 4), steps, BUDGET, eval_every=every,
+                  checkpoint_every=every, log_every=5),
+        SPACE, Regression(), report=lambda number, step, value: number == 11 and step == every)
+    assert [r.state for r in group.members] == ["complete", "pruned", "complete"]
+    assert group.widths == (3, 2)
+    cache = StepCache()
+    for i in (0, 2):
+        config, seed = dict(MEMBERS[i][0]), MEMBERS[i][1]
+        solo(config, seed, plan, steps, cache, checkpoint_dir=tmp_path / f"solo{i}",
+             checkpoint_every=every)
+        fused = Regression().evaluate(load_model(tmp_path / f"m{i}" / str(every), SPACE, config))
+        alone = Regression().evaluate(load_model(tmp_path / f"solo{i}" / str(every), SPACE,
+                                                 config))
+        assert rel(fused["mse"], alone["mse"]) <= RTOL, (i, fused, alone)
+
+
 class DataFailsFor(Regression):
     """`Regression` whose stream of seed ``seed`` raises when it is asked for batch ``at``
     (counted from 0: the batch of step ``at + 1``)."""

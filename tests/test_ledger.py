@@ -3,6 +3,7 @@ on its own mesh, and a restore that lands on the plan's shardings; a fused group
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -105,6 +106,32 @@ def test_eval_is_chunked_to_fit_and_equals_the_unchunked_evaluation():
     single = jax.device_put(jax.tree.map(np.asarray, (params, rest)), jax.devices()[0])
     reference = task.evaluate(nnx.merge(graphdef, *single))
     assert task.score(chunked) == pytest.approx(reference, rel=1e-5)
+
+
+def test_an_evaluation_chunk_the_run_chooses_holds_the_prefetched_batch_beside_it():
+    """Where the plan chose no evaluation chunk, the run chooses one (`plan_eval`) with the
+    optimizer state and the prefetched batch resident beside the forward, as beside the plan's
+    chunk: a share that holds the smallest chunk's forward and the optimizer state but not
+    that batch too is out of memory (a step whose peak is unknown checks evaluation alone)."""
+    from scamp_jax.hpo.lifecycle import check_share
+    from scamp_jax.hpo.trial import TrialOutOfMemory
+
+    plan, task = dataclasses.replace(_plan(), eval_chunk=0, evaluator=None), _task()
+    params, opt_state, rest = _state(plan)
+    graphdef = split_model(nnx.eval_shape(lambda: _build(CONFIG, nnx.Rngs(0))))[0]
+    evaluator = EvalCompiler(graphdef, task.eval_forward, params, rest,
+                             plan.step_shardings.params, plan.step_shardings.rest, plan.mesh)
+    resident = sh.bytes_per_device(opt_state, plan.step_shardings.opt_state)
+    prefetch = plan.prefetch_bytes
+    assert resident > 0 and prefetch > 0
+    smallest = evaluator.peak(plan.data_parallel, abstract_eval_inputs(task))
+    fits = smallest + resident + prefetch
+    with pytest.raises(TrialOutOfMemory) as short:
+        check_share(fits - 1, None, prefetch, task, lambda: evaluator, resident, plan)
+    assert short.value.bytes_needed == fits
+    chosen, held = check_share(fits, None, prefetch, task, lambda: evaluator, resident, plan)
+    assert chosen is not None and chosen.resident_bytes == resident + prefetch
+    assert held == chosen.total_bytes <= fits
 
 
 def test_eval_inputs_are_placed_on_the_trials_devices():

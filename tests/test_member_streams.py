@@ -141,6 +141,29 @@ def test_a_failing_member_is_out_and_the_others_draw_on(at_once: bool,
     assert drawn == [WARM, WARM + 3]
 
 
+def test_a_failed_members_slot_holds_zeros_in_every_later_draw() -> None:
+    """A later draw is made in fresh memory (the arrays of consumed draws are free again):
+    the slot of a member whose stream failed is zeros in it, never what that memory held."""
+    def stream(slot: int) -> Iterator[np.ndarray]:
+        step = 0
+        while True:
+            step += 1
+            if slot == 0 and step == 3:
+                raise RuntimeError("member 0's data is broken")
+            yield np.full((4, 3), step, np.float32)
+
+    stacked = StackedStreams([stream(0), stream(1)], parallel=False)
+    held = [stacked.draw(), stacked.draw()]  # steps 1 and 2: no slot holds zeros
+    held.append(stacked.draw())  # member 0 fails at step 3
+    assert list(stacked.take_failed()) == [0]
+    for step in range(4, 10):
+        held.pop(0)  # a step consumed it: its memory is free for the next draw
+        later = stacked.draw()
+        np.testing.assert_array_equal(later[0], np.zeros((4, 3), np.float32))
+        np.testing.assert_array_equal(later[1], np.full((4, 3), step, np.float32))
+        held.append(later)
+
+
 def test_a_member_whose_first_draw_fails_is_out_and_no_batch_at_all_raises() -> None:
     """The first draw sets the group's shapes from the first batch that comes; a member that
     has none is out from the start. Where no member has one, the group cannot start: the

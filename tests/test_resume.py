@@ -7,6 +7,7 @@ written a checkpoint, and is run again on the same study directory.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -316,6 +317,30 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_trial_resumes_from_the_one_be
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # as above
+def test_a_damaged_checkpoint_a_spanning_trials_parts_share_fails_the_part_and_stays(tmp_path):
+    """A part of a trial spanning MPI ranks (``batch_share``) reads a checkpoint the other
+    parts read too: a damaged one fails the part, saying it cannot be read, and stays where it
+    is (no part moves it from under the others); nothing trains on from an older one."""
+    import jax
+    from test_runner import SPACE, Regression, make_plan, spec
+
+    from scamp_jax.hpo.runner import run_trial
+
+    config = {"width": 16, "learning_rate": 1e-2}
+    plan = make_plan(config, jax.devices()[:1], max_batch=8)
+    trial = tmp_path / "trial_0"
+    first = run_trial(spec(config, plan, steps=10, checkpoint_dir=trial, checkpoint_every=5,
+                           batch_share=(0, 2)), SPACE, Regression())
+    assert first.state == "complete", first.reason
+    _damage(trial / "10")
+    part = run_trial(spec(config, plan, steps=20, checkpoint_dir=trial, checkpoint_every=5,
+                          batch_share=(0, 2)), SPACE, Regression())
+    assert part.state == "failed" and "cannot be read" in part.reason, part.reason
+    assert not (tmp_path / "trial_0.unreadable").exists()
+    assert sorted(p.name for p in trial.iterdir() if p.name.isdigit()) == ["10", "5"]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # as above
 def test_a_fused_groups_damaged_member_checkpoint_fails_no_member(tmp_path):
     """A group of two stopped at step 8; member 0's checkpoint is damaged. The group resumes
     from the newest step both members keep (here none but the start) and both complete."""
@@ -341,6 +366,39 @@ def test_a_fused_groups_damaged_member_checkpoint_fails_no_member(tmp_path):
         r.reason for r in again.members]
     assert (tmp_path / "m0.unreadable" / "8").is_dir()
     assert again.widths == (2,)  # the retry after setting the checkpoint aside is no re-form
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # as above
+def test_a_fused_group_with_a_damaged_member_checkpoint_resumes_from_the_newest_common_step(
+        tmp_path):
+    """A group of two checkpointing every 4 steps is stopped at step 8; member 0's step-8
+    checkpoint is damaged. Both keep step 4: the group resumes from there (not from the
+    start), and both complete as a group never stopped does."""
+    import threading
+
+    import jax
+    from test_fusion import MEMBERS, group_plan
+    from test_runner import BUDGET, SPACE, Regression, make_plan
+
+    from scamp_jax.hpo.fused_runner import GroupSpec, MemberSpec, run_fused_group
+
+    plan = make_plan({"width": 16}, jax.devices()[:1], max_batch=16)
+    members = tuple(MemberSpec(i, cfg, seed, checkpoint_dir=tmp_path / f"m{i}")
+                    for i, (cfg, seed) in enumerate(MEMBERS[:2]))
+    group = GroupSpec(2, members, group_plan(plan, 4), 12, BUDGET, checkpoint_every=4,
+                      log_every=1)
+    stop = threading.Event()
+    first = run_fused_group(group, SPACE, Regression(), stop=stop,
+                            on_loss=lambda number, step, loss: step == 8 and stop.set())
+    assert [(r.state, r.steps) for r in first.members] == [("interrupted", 8)] * 2
+    _damage(tmp_path / "m0" / "8")
+    again = run_fused_group(group, SPACE, Regression())
+    assert [(r.state, r.resumed_from) for r in again.members] == [("complete", 4)] * 2, [
+        r.reason for r in again.members]
+    assert (tmp_path / "m0.unreadable" / "8").is_dir()
+    whole = run_fused_group(dataclasses.replace(group, members=tuple(
+        dataclasses.replace(m, checkpoint_dir=None) for m in members)), SPACE, Regression())
+    assert [r.metrics for r in again.members] == [r.metrics for r in whole.members]
 
 
 def test_two_processes_finish_one_study_together(tmp_path):

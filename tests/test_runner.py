@@ -207,6 +207,19 @@ def test_nan_loss_fails_with_reason():
     assert "loss is nan" in result.reason
 
 
+def test_the_last_steps_loss_is_read_back_where_the_steps_are_no_multiple_of_the_interval():
+    """Losses are read back every ``log_every`` steps and at the last step: a run of 7 steps
+    read every 5 hears steps 5 and 7, and its result carries step 7's loss."""
+    config = {"width": 16, "learning_rate": 1e-2}
+    plan = make_plan(config, jax.devices()[:1])
+    heard: list[tuple[int, float]] = []
+    result = run_trial(spec(config, plan, steps=7, log_every=5), SPACE, Regression(),
+                       on_loss=lambda number, step, loss: heard.append((step, loss)))
+    assert result.state == "complete", result.reason
+    assert [step for step, _ in heard] == [5, 7]
+    assert result.loss == heard[-1][1]
+
+
 def test_a_metric_that_turns_non_finite_between_loss_read_backs_fails_and_is_not_reported():
     """The loss is read back every ``log_every`` steps; an evaluation in between that scores
     NaN ends the trial failed, as a NaN score after training does, instead of handing the NaN
@@ -243,6 +256,29 @@ def test_a_part_of_a_spanning_trial_records_the_global_batch_its_checkpoints_hol
                       Regression())  # the whole global batch of 8 in this process
     assert alone.state == "complete" and alone.resumed_from == 0
     assert recorded_batch(directory) == 8
+
+
+def test_a_trial_that_trains_from_the_start_at_another_batch_checkpoints_what_it_trained(
+        tmp_path):
+    """Checkpoints of another batch are deleted when a trial trains from the start: its
+    checkpoints (and the final one its result names) then hold the model it trained at this
+    batch, and a rerun resumes that one, never the other batch's state at the same step."""
+    config = {"width": 16, "learning_rate": 1e-2}
+    plan = make_plan(config, jax.devices()[:1], max_batch=8)
+    directory = tmp_path / "trial_0"
+    other = run_trial(spec(config, plan, steps=10, checkpoint_dir=directory,
+                           checkpoint_every=5, batch_share=(0, 2)), SPACE, Regression())
+    assert other.state == "complete", other.reason  # steps 5 and 10 at a global batch of 16
+    alone = run_trial(spec(config, plan, steps=10, checkpoint_dir=directory,
+                           checkpoint_every=5), SPACE, Regression())
+    assert alone.state == "complete" and alone.resumed_from == 0, alone.reason
+    assert alone.metrics["mse"] != other.metrics["mse"]  # another batch trains another model
+    model = load_model(alone.checkpoint, SPACE, config)
+    assert Regression().evaluate(model)["mse"] == pytest.approx(alone.metrics["mse"], rel=1e-5)
+    again = run_trial(spec(config, plan, steps=10, checkpoint_dir=directory), SPACE,
+                      Regression())
+    assert again.state == "complete" and again.resumed_from == 10, again.reason
+    assert again.metrics["mse"] == alone.metrics["mse"]
 
 
 def test_build_error_fails_with_reason():
@@ -302,6 +338,26 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path):
     # The final checkpoint holds the trained model.
     model = load_model(second.checkpoint, SPACE, config)
     assert Regression().evaluate(model)["mse"] == pytest.approx(second.metrics["mse"], rel=1e-5)
+
+
+def test_a_trial_stopped_after_its_first_step_resumes_from_that_step(tmp_path):
+    """A stop after step 1 checkpoints step 1, and the rerun restores it (its one step is
+    not lost to a fresh start at step 1): it ends as the uninterrupted run does."""
+    import threading
+
+    config = {"width": 16, "learning_rate": 1e-2}
+    plan = make_plan(config, jax.devices()[:1])
+    whole = run_trial(spec(config, plan, steps=5), SPACE, Regression())
+    assert whole.state == "complete", whole.reason
+    stop = threading.Event()
+    first = run_trial(spec(config, plan, steps=5, checkpoint_dir=tmp_path / "t", log_every=1),
+                      SPACE, Regression(), stop=stop,
+                      on_loss=lambda number, step, loss: step == 1 and stop.set())
+    assert (first.state, first.steps) == ("interrupted", 1), first.reason
+    second = run_trial(spec(config, plan, steps=5, checkpoint_dir=tmp_path / "t"), SPACE,
+                       Regression())
+    assert second.state == "complete" and second.resumed_from == 1, second.reason
+    assert second.metrics["mse"] == whole.metrics["mse"]
 
 
 class DropoutMLP(nnx.Module):
