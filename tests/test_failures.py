@@ -511,6 +511,9 @@ def test_a_ctrl_c_gives_held_failures_back(tmp_path):
     assert calls and all(t.state != optuna.trial.TrialState.RUNNING for t in study.trials)
     assert all(t.user_attrs.get(FAIL_REASON) == INTERRUPTED for t in study.trials
                if t.state == optuna.trial.TrialState.FAIL)
+    # each trial that trained (and evaluated) goes back with its seconds, for its retry's row
+    trained = [t for t in study.trials if t.user_attrs.get("wall_seconds", 0) > 0]
+    assert len(trained) >= len(calls), [t.user_attrs for t in study.trials]
 
 
 def test_the_error_survives_pickling():

@@ -343,6 +343,22 @@ def test_a_configuration_suggest_prunes_is_said_by_the_rank_that_asked(tmp_path)
         optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.RUNNING]
 
 
+def test_an_interrupt_from_another_rank_stores_its_seconds_and_queues_the_retry(tmp_path):
+    """Rank 1's ``("interrupt", (number, wall_seconds))`` as its message arrives: the trial
+    fails as interrupted with its seconds (for its retry's row), and its retry is queued
+    without them."""
+    study, server, source = _local_source(tmp_path, n_trials=1)
+    answer = server._answer(1, ("ask", "more"))
+    assert server._answer(1, ("interrupt", (answer[1], 4.25))) == ("interrupted",)
+    stopped = study.trials[answer[1]]
+    assert stopped.state == optuna.trial.TrialState.FAIL
+    assert (stopped.user_attrs[FAIL_REASON], stopped.user_attrs["wall_seconds"]) == (
+        INTERRUPTED, 4.25)
+    retry = source.ask()
+    assert retry.retry_of == answer[1]
+    assert "wall_seconds" not in study.trials[retry.number].user_attrs
+
+
 def test_study_server_stores_checkpoint_paths_relative_to_the_study(tmp_path):
     study, server, source = _local_source(tmp_path, n_trials=2, root=tmp_path)
     inside, outside = source.ask(), source.ask()

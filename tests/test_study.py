@@ -101,6 +101,28 @@ def test_samplers_are_reproducible_with_a_seed(tmp_path, sampler):
     assert len({tuple(sorted(p.items())) for p in runs[0]}) > 1
 
 
+def test_a_rows_seconds_add_each_stopped_attempts_once(tmp_path):
+    """A trial stopped after 5 s, its retry given back before it ran, the next retry done in
+    2 s: its row took 7 s. A retry does not take its attempt's seconds, which the row would
+    count twice."""
+    from scamp_jax.hpo.report import trial_records
+    from scamp_jax.hpo.study import OptunaTrialSource, TrialOutcome, open_study
+
+    source = OptunaTrialSource(open_study("s", study_dir=tmp_path), SearchSpace(
+        "s", lambda t: {"x": t.suggest_float("x", 0.0, 1.0)}, build=lambda c, r: None), 1)
+    first = source.ask()
+    source.interrupt(first.number, wall_seconds=5.0)
+    unrun = source.ask()
+    assert unrun.retry_of == first.number
+    source.interrupt(unrun.number)  # given back before it ran: no seconds of its own
+    last = source.ask()
+    source.tell(TrialOutcome(last.number, "complete", value=0.5, attrs={"wall_seconds": 2.0}))
+    [row] = trial_records(source.study)
+    assert (row["number"], row["retry_of"], row["wall_seconds"]) == (last.number, unrun.number,
+                                                                     7.0)
+    source.close()
+
+
 def test_unknown_names_are_rejected_with_the_choices():
     with pytest.raises(ValueError, match="unknown sampler 'x'; choose one of tpe, random, grid"):
         make_sampler("x", 0)

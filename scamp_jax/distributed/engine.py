@@ -367,7 +367,7 @@ def _record_stopped(session: Any, server: Any, result: Any, elapsed_s: float,
     if session.interrupted_result is None and result is not None:
         session.interrupted_result = result
     session.record_ending(server.source.study, elapsed_s, server.source.told, err,
-                          ranks=ranks)
+                          beyond_engine=True, ranks=ranks)
 
 
 def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any,

@@ -7,11 +7,11 @@ in a background thread of rank 0 and answers the other ranks' messages (mpi4py, 
 request (worker -> rank 0)                           answer (rank 0 -> worker)
 ==================================================  =============================================
 ``("ask", None)``                                    ``("trial", number, params, checkpoint_key,
-                                                     siblings, sibling_of, retry_of)``, ``("later",
-                                                     seconds, trials)`` (ask again then) or
-                                                     ``("done",)`` (the worker is finished);
-                                                     each ends with the lines of the trials
-                                                     ``suggest`` pruned for this worker
+                                                     siblings, sibling_of, retry_of, lines)``,
+                                                     ``("later", seconds, trials, lines)`` (ask
+                                                     again then) or ``("done", lines)`` (the
+                                                     worker is finished); ``lines``: those of
+                                                     the trials ``suggest`` pruned for it
 ``("ask", "more")``                                  the same, but ``"done"`` does not finish the
                                                      worker: it still reports and tells
 ``("report", (number, step, value))``                ``("pruned", should_prune)``

@@ -88,6 +88,9 @@ class Endings:
         #: trials whose ending the study refused to store (the error ended the run): they go
         #: back to it with the others (`give_back`)
         self.untold: list[int] = []
+        #: wall seconds of trials reported but not told yet (a failure held back, a tell the
+        #: study refused): they go back with them where they are given back (`_interrupt`)
+        self._untold_wall: dict[int, float] = {}
 
     @stops_held()  # the held failures and this outcome are told whole (`scamp_jax._signals`)
     def tell(self, outcome: TrialOutcome) -> None:
@@ -103,6 +106,7 @@ class Endings:
         except BaseException:
             self.untold.append(outcome.number)
             raise
+        self._untold_wall.pop(outcome.number, None)
         self.outcomes.append(outcome)
 
     def check_failures(self) -> None:
@@ -239,7 +243,8 @@ class Endings:
         failing), say so and go on with the others: the heartbeat gives that one back. The
         seconds its runs took in this run go with it (its retry's record adds them)."""
         record = self.records.get(number)
-        wall = 0.0 if record is None else record.earlier_wall
+        wall = ((0.0 if record is None else record.earlier_wall)
+                + self._untold_wall.pop(number, 0.0))
         try:
             self.source.interrupt(number, wall_seconds=wall)
         except Exception as err:  # noqa: BLE001 - the others still go back
@@ -308,6 +313,7 @@ class Endings:
         if result.state == "interrupted":
             self.source.interrupt(planned.number, wall_seconds=wall)
             return
+        self._untold_wall[planned.number] = wall  # until the study holds it (`_told`)
         record.status.state = result.state
         record.status.reason = result.reason
         record.status.traceback = result.traceback

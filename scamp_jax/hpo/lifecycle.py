@@ -520,7 +520,7 @@ class Lifecycle:
             if done == min(first + 2, schedule.steps):
                 self._measure(losses)
             if schedule.evaluates_at(done):
-                began = time.monotonic()
+                began = _after(losses)
                 self._intermediate(done, active)
                 aside += time.monotonic() - began
                 if active.any() and not active.all() and schedule.reform:
@@ -533,7 +533,7 @@ class Lifecycle:
                 return
             if (schedule.checkpoint_every and done % schedule.checkpoint_every == 0
                     and done < schedule.steps):
-                began = time.monotonic()
+                began = _after(losses)
                 self._save(done, active)
                 aside += time.monotonic() - began
         if first < schedule.steps:
@@ -689,3 +689,10 @@ def stream(batches: Iterator[Any], skip: int) -> Iterator[Any]:
         yield from batches
 
     return advanced()
+
+
+def _after(steps: Any) -> float:
+    """The time once ``steps`` (the last step's losses) have run: what a checkpoint or an
+    evaluation takes from then is theirs, not the steps' they would wait for."""
+    jax.block_until_ready(steps)
+    return time.monotonic()

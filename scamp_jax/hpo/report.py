@@ -48,8 +48,9 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
 
     Each row has `BASE_COLUMNS` (a fused member's ``predicted_peak_bytes`` is its group's, what
     the ledger booked for the ``fusion_width`` members it trained with; ``steps``: the step
-    its training reached; ``wall_seconds``: what its runs took, over every attempt of it that a
-    stop ended too, where its retry resumed them; an attempt whose process died is not known),
+    its training reached; ``wall_seconds``: what its runs took, over every earlier attempt of
+    it that a stop ended too, whether or not its checkpoints were resumed; an attempt whose
+    process died is not known),
     every name of
     ``metric_names`` (``None`` when a trial has no value for it), and ``rank``, ``replans``,
     ``resizes`` (restarts on more devices at the end of a study), ``retry_of`` (the trial this

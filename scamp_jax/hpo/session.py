@@ -590,13 +590,14 @@ class StudySession:
         return {**run_info, "best": report.best_record(records, metric, direction)}
 
     def report_interrupted(self, study: optuna.Study, elapsed_s: float,
-                           trials_this_run: int | None = None, **run: Any) -> None:
+                           trials_this_run: int | None = None, *, beyond_engine: bool = False,
+                           **run: Any) -> None:
         """``results.json``/``.csv`` of an interrupted run: every finished trial, and this run
         appended to the runs (no plots; the next run draws them; none where the study had all
         its trials when the run opened it and the run finished none) with the trials it finished,
         its figures up to the interrupt where the engine had started (usage, timeline,
         overhead: `run_engine`) and ``run``'s entries (``ranks`` under MPI, where ``devices``
-        and the usage are rank 0's)."""
+        and the usage are rank 0's); ``elapsed_s``: see `record_ending`."""
         from scamp_jax.hpo import report
 
         run_info: dict[str, Any] = {"policy": self.settings.policy,
@@ -608,7 +609,8 @@ class StudySession:
         if self.overhead is not None:
             run_info["overhead"] = self.overhead
         # the engine's clock where it had started, the clock of the run's usage and timeline
-        run_info.setdefault("elapsed_s", elapsed_s)
+        if beyond_engine or "elapsed_s" not in run_info:
+            run_info["elapsed_s"] = elapsed_s
         run_info.update(interrupted=True, trials_this_run=trials_this_run, **run)
         # an interrupted rerun of a full study trained nothing either: no run is added
         idle = self.nothing_to_run and not trials_this_run
@@ -617,7 +619,8 @@ class StudySession:
                              run=None if idle else run_info)
 
     def record_ending(self, study: optuna.Study, elapsed_s: float,
-                      trials_this_run: int | None, err: BaseException, **run: Any) -> None:
+                      trials_this_run: int | None, err: BaseException, *,
+                      beyond_engine: bool = False, **run: Any) -> None:
         """The record of a run that ``err`` ended: every finished trial in ``results.json`` /
         ``.csv`` and this run, with why it stopped (`report_interrupted`), for an interrupt,
         the repeated-failure guard (its trials and error) or any other error (a bug in the
@@ -628,7 +631,9 @@ class StudySession:
         (`forget_if_unused`), so the rerun the error advises starts anew (trials that trained
         and went back keep them: their checkpoints resume under them). A
         failure to write the record is said; ``err`` goes on either way (``run``: more
-        entries of the run, e.g. ``ranks``)."""
+        entries of the run, e.g. ``ranks``). ``elapsed_s`` is the run's where the engine had
+        not started, or with ``beyond_engine`` (an MPI run: the other ranks' and the spanning
+        trials' time too); else the engine's own clock, that of its usage and overhead."""
         from scamp_jax.hpo.intake import BudgetTooSmallError
         from scamp_jax.hpo.study.storage import ever_ran
         from scamp_jax.hpo.trial import ending
@@ -644,7 +649,8 @@ class StudySession:
                 return  # nothing ran (its first suggest raised): nothing to record
             run.update(stopped="error", error=ending(err)[1])
         try:
-            self.report_interrupted(study, elapsed_s, trials_this_run, **run)
+            self.report_interrupted(study, elapsed_s, trials_this_run,
+                                    beyond_engine=beyond_engine, **run)
         except Exception as failure:  # noqa: BLE001 - the run's own error, not this, ends it
             print(f"could not record the stopped run in {self.out_dir}: "
                   f"{type(failure).__name__}: {failure}", file=sys.stderr, flush=True)

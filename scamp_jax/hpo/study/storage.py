@@ -196,16 +196,22 @@ class _RetryOnce(optuna.storages.RetryHeartbeatStaleTrialCallback):
     then stays ``RUNNING`` until its heartbeat goes stale, and is not queued a second time.
     Callers hold the study's ask lock (`StudyHandle.ask_lock`), so that two processes do not
     both find no retry and both queue one. The retry does not carry the count of siblings
-    held for the trial (`HELD_SIBLINGS`): it is no proposal, and holds none.
+    held for the trial (`HELD_SIBLINGS`): it is no proposal, and holds none; nor the trial's
+    ``wall_seconds``, which are that attempt's (a row adds every attempt's,
+    `scamp_jax.hpo.report.trial_records`).
     """
+
+    #: attributes of a trial its retry does not take
+    NOT_CARRIED = (HELD_SIBLINGS, "wall_seconds")
 
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
         for other in study.get_trials(deepcopy=False):
             if trial.number in self.retry_history(other):
                 return
-        if HELD_SIBLINGS in trial.user_attrs:  # siblings are held for a proposal, not a retry
+        if any(name in trial.user_attrs for name in self.NOT_CARRIED):
             trial = copy.copy(trial)
-            trial.user_attrs = {k: v for k, v in trial.user_attrs.items() if k != HELD_SIBLINGS}
+            trial.user_attrs = {k: v for k, v in trial.user_attrs.items()
+                                if k not in self.NOT_CARRIED}
         super().__call__(study, trial)
 
 
