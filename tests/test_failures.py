@@ -413,13 +413,11 @@ def test_a_ctrl_c_says_whether_a_rerun_resumes(capsys):
         assert said in capsys.readouterr().err
 
 
-def test_a_trial_that_completes_while_the_guard_stops_the_run_leaves_the_failures_retried(
-        tmp_path):
-    """The guard trips while another trial is in its final evaluation, which completes while
-    the run stops: that trial is kept complete, and the failures go back to the study as the
-    error says (a completion told during the stop would have told them failed for good)."""
+def _three_fail_while_one_evaluates(meanwhile):
+    """An ``evaluate`` under which three trials (width 16) fail alike while the fourth (width
+    64, past its last step: a stop no longer reaches it) is evaluating, and calls
+    ``meanwhile()`` once they have; and the four trials' configurations, that one first."""
     import threading
-    import time
 
     reference = Regression()
     failed = []
@@ -427,9 +425,9 @@ def test_a_trial_that_completes_while_the_guard_stops_the_run_leaves_the_failure
 
     def evaluate(model) -> dict[str, float]:
         if model.hidden.kernel.shape[1] == 64:  # the slow trial: evaluating while it trips
-            slow_evaluating.set()  # past its last step: the stop no longer reaches it
+            slow_evaluating.set()
             three_failed.wait(timeout=120)
-            time.sleep(3)  # the guard trips and the run stops meanwhile (milliseconds)
+            meanwhile()
             return reference.evaluate(model)
         slow_evaluating.wait(timeout=120)  # the others fail once it evaluates
         failed.append(1)
@@ -439,6 +437,18 @@ def test_a_trial_that_completes_while_the_guard_stops_the_run_leaves_the_failure
 
     first = [{"width": 64, "learning_rate": 1e-2},
              *({"width": 16, "learning_rate": lr} for lr in (1e-3, 2e-3, 3e-3))]
+    return evaluate, first
+
+
+def test_a_trial_that_completes_while_the_guard_stops_the_run_leaves_the_failures_retried(
+        tmp_path):
+    """The guard trips while another trial is in its final evaluation, which completes while
+    the run stops: that trial is kept complete, and the failures go back to the study as the
+    error says (a completion told during the stop would have told them failed for good)."""
+    import time
+
+    # the guard trips and the run stops meanwhile (milliseconds)
+    evaluate, first = _three_fail_while_one_evaluates(lambda: time.sleep(3))
     with pytest.raises(scamp_jax.RepeatedFailureError) as caught:
         scamp_jax.run_study(SPACE, _task(evaluate), trials=4, study_dir=tmp_path, devices=4,
                             initial_params=first, max_running_trials=4, **KW)
@@ -459,29 +469,14 @@ def test_a_ctrl_c_while_the_guard_waits_for_the_runs_keeps_every_checkpoint(tmp_
     deleted: every trial keeps its checkpoint (the trials go back to the study)."""
     import os
     import signal
-    import threading
     import time
 
-    reference = Regression()
-    failed = []
-    slow_evaluating, three_failed = threading.Event(), threading.Event()
+    def ctrl_c_while_the_guard_waits() -> None:
+        time.sleep(1)  # the guard trips and waits for this run meanwhile
+        os.kill(os.getpid(), signal.SIGINT)  # the user's Ctrl-C during that wait
+        time.sleep(2)
 
-    def evaluate(model) -> dict[str, float]:
-        if model.hidden.kernel.shape[1] == 64:  # the slow trial: evaluating while it trips
-            slow_evaluating.set()
-            three_failed.wait(timeout=120)
-            time.sleep(1)  # the guard trips and waits for this run meanwhile
-            os.kill(os.getpid(), signal.SIGINT)  # the user's Ctrl-C during that wait
-            time.sleep(2)
-            return reference.evaluate(model)
-        slow_evaluating.wait(timeout=120)  # the others fail once it evaluates
-        failed.append(1)
-        if len(failed) >= 3:
-            three_failed.set()
-        raise ValueError("a bug in evaluate")
-
-    first = [{"width": 64, "learning_rate": 1e-2},
-             *({"width": 16, "learning_rate": lr} for lr in (1e-3, 2e-3, 3e-3))]
+    evaluate, first = _three_fail_while_one_evaluates(ctrl_c_while_the_guard_waits)
     with pytest.raises(KeyboardInterrupt):
         scamp_jax.run_study(SPACE, _task(evaluate), trials=4, study_dir=tmp_path, devices=4,
                             initial_params=first, max_running_trials=4, **KW)
