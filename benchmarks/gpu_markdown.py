@@ -241,8 +241,9 @@ def _mainjob_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
                      f"{_f(r.get('solo_step_s'), '.3f')} "
                      f"({_f(r.get('solo_step_over_least'), '.1f', 'x')})",
                      best])
-    notes = [f"`{sec['command']}`; compile s: every compile's seconds in `run.overhead` "
-             "(summed over threads), its share of the study's seconds; fused step: the fused "
+    notes = [f"`{sec['command']}`; compile s: every compile's and cache load's seconds in "
+             "`run.overhead` (summed over threads), its share of the study's seconds; fused "
+             "step: the fused "
              "trials' seconds a step over their runs (`step_seconds`, median); host data: one "
              "step's batches of a fused group of "
              f"{(sec.get('rows') or [{}])[0].get('host_data', NOT_YET)} "
