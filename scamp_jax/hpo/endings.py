@@ -88,9 +88,6 @@ class Endings:
         #: trials whose ending the study refused to store (the error ended the run): they go
         #: back to it with the others (`give_back`)
         self.untold: list[int] = []
-        #: wall seconds of trials reported but not told yet (a failure held back, a tell the
-        #: study refused): they go back with them where they are given back (`_interrupt`)
-        self._untold_wall: dict[int, float] = {}
 
     @stops_held()  # the held failures and this outcome are told whole (`scamp_jax._signals`)
     def tell(self, outcome: TrialOutcome) -> None:
@@ -106,7 +103,9 @@ class Endings:
         except BaseException:
             self.untold.append(outcome.number)
             raise
-        self._untold_wall.pop(outcome.number, None)
+        record = self.records.get(outcome.number)
+        if record is not None:  # its seconds are the study's now; until then they go back
+            record.earlier_wall = 0.0  # with it where it is given back (`_interrupt`)
         self.outcomes.append(outcome)
 
     def check_failures(self) -> None:
@@ -243,8 +242,7 @@ class Endings:
         failing), say so and go on with the others: the heartbeat gives that one back. The
         seconds its runs took in this run go with it (its retry's record adds them)."""
         record = self.records.get(number)
-        wall = ((0.0 if record is None else record.earlier_wall)
-                + self._untold_wall.pop(number, 0.0))
+        wall = 0.0 if record is None else record.earlier_wall
         try:
             self.source.interrupt(number, wall_seconds=wall)
         except Exception as err:  # noqa: BLE001 - the others still go back
@@ -309,11 +307,11 @@ class Endings:
     def report(self, planned: PlannedTrial, result: RunResult) -> None:
         """Tell the study how ``planned`` ended (an interrupted one is given back)."""
         record = self.records[planned.number]
-        wall, record.earlier_wall = record.earlier_wall, 0.0
+        wall = record.earlier_wall  # cleared once the study holds the outcome (`_told`)
         if result.state == "interrupted":
+            record.earlier_wall = 0.0
             self.source.interrupt(planned.number, wall_seconds=wall)
             return
-        self._untold_wall[planned.number] = wall  # until the study holds it (`_told`)
         record.status.state = result.state
         record.status.reason = result.reason
         record.status.traceback = result.traceback

@@ -50,9 +50,8 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
     the ledger booked for the ``fusion_width`` members it trained with; ``steps``: the step
     its training reached; ``wall_seconds``: what its runs took, over every earlier attempt of
     it that a stop ended too, whether or not its checkpoints were resumed; an attempt whose
-    process died is not known),
-    every name of
-    ``metric_names`` (``None`` when a trial has no value for it), and ``rank``, ``replans``,
+    process died is not known), every name of ``metric_names`` (``None`` when a trial has no
+    value for it), and ``rank``, ``replans``,
     ``resizes`` (restarts on more devices at the end of a study), ``retry_of`` (the trial this
     one ran again after a run stopped it, from that trial's checkpoints if it had any; None: a
     first attempt), ``resumed_from`` (the step its training resumed from; 0: none), ``reason``,
