@@ -221,6 +221,46 @@ def test_a_checkpoint_whose_data_is_cut_short_or_overwritten_is_unreadable(tmp_p
     assert caught.value.step == 5 and "TensorStore details" not in str(caught.value)
 
 
+def test_a_replicated_state_is_checkpointed_with_no_compile_and_reads_either_way(tmp_path):
+    """A data-parallel trial's state (each array on every device of its mesh) is written whole
+    from one replica: its save compiles nothing, where orbax's default (replica-parallel) cut
+    each array into slices on the devices, a program compiled per shape. Each checkpoint, and
+    one orbax's standard handler wrote (the handler of earlier versions), restores onto other
+    devices as it was saved."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from scamp_jax.hpo.checkpoint import TrialCheckpointer
+    from scamp_jax.hpo.overhead import OverheadRecorder
+
+    def replicated(devices):
+        return NamedSharding(Mesh(np.array(devices), ("data",)), PartitionSpec())
+
+    here, there = replicated(jax.devices()[:4]), replicated(jax.devices()[4:8])
+    state = {f"w{n}": jax.device_put(np.arange(n * 640, dtype=np.float32).reshape(n * 8, 80),
+                                     here) for n in range(1, 6)}
+    like = {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=there) for k, x in state.items()}
+    with OverheadRecorder() as recorder:
+        saved = TrialCheckpointer(tmp_path / "trial_0")
+        saved.save(3, state)
+        saved.close()
+    summary = recorder.summary()
+    assert summary["checkpoint_writes"] == 1 and summary["checkpoint_compiles"] == 0
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True)
+    with ocp.CheckpointManager(tmp_path / "earlier", options=options) as standard:
+        standard.save(4, args=ocp.args.StandardSave(state))
+    for directory, step in ((tmp_path / "trial_0", 3), (tmp_path / "earlier", 4)):
+        read = TrialCheckpointer(directory)
+        assert read.restore(like)[0] == step
+        restored = read.restore(like)[1]
+        read.close()
+        for k, x in state.items():
+            assert restored[k].sharding == there
+            np.testing.assert_array_equal(np.asarray(restored[k]), np.asarray(x))
+
+
 def test_only_the_checkpoints_own_errors_make_it_unreadable():
     """What sets a checkpoint aside: orbax's words for it (`ValueError`, `FileNotFoundError`)
     and TensorStore's damaged-data codes under orbax's bare ``Exception``. A permission, a disk
