@@ -47,6 +47,8 @@ class HPOConfig(SearchSettings):
       space_variant: the model family's search-space variant (``"small"``, ``"paper"``, ...).
       train_dir: directory of training images (None: the task's built-in images).
       eval_dir: directory of held-out images (None: the task's built-in held-out set).
+      test_dir: directory of test images the best model is tested on (None: the task's
+        built-in test set); not kept by the study, as no trial's score depends on it.
     """
 
     preset: str
@@ -56,6 +58,7 @@ class HPOConfig(SearchSettings):
     space_variant: str = "small"
     train_dir: str | None = None
     eval_dir: str | None = None
+    test_dir: str | None = None
 
     def study_record(self, space: Any, memory_per_device: int) -> dict[str, Any]:
         """`SearchSettings.study_record` plus the image folders where they are given (their
@@ -286,7 +289,7 @@ def config_from_args(args: argparse.Namespace, base: HPOConfig, study_dir: str) 
 #: ``max_batch_size``), applied over the preset by `config_from_args`.
 _FLAGGED = ("trials", "steps", "devices", "memory_per_device", "policy", "devices_per_trial",
             "max_batch_size", "min_batch_size", "elastic", "sampler", "pruner", "eval_every",
-            "seed", "storage", "train_dir", "eval_dir", "study_name", "fuse",
+            "seed", "storage", "train_dir", "eval_dir", "test_dir", "study_name", "fuse",
             "max_running_trials", "failure_limit", "checkpoint_every")
 _FLAG_OF = {name: "--" + name.replace("_", "-") for name in (*_FLAGGED, "study_dir")}
 

@@ -127,7 +127,8 @@ def make_space_and_task(config: HPOConfig) -> tuple[Any, Any]:
 
     hr_patch = 48
     space = swinir.space(config.space_variant, scale=2, hr_patch=hr_patch)
-    task = SRTask(scale=2, hr_patch=hr_patch, train_dir=config.train_dir, eval_dir=config.eval_dir)
+    task = SRTask(scale=2, hr_patch=hr_patch, train_dir=config.train_dir, eval_dir=config.eval_dir,
+                  test_dir=config.test_dir)
     return space, task
 
 
@@ -156,8 +157,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--train-dir",
                    help="directory of training images (default: scikit-image's photographs)")
     p.add_argument("--eval-dir",
-                   help="directory of held-out HR images for PSNR "
-                   "(default: the task's held-out set)")
+                   help="directory of held-out HR images for PSNR, which trials are scored and "
+                   "chosen by (default: the task's held-out set)")
+    p.add_argument("--test-dir",
+                   help="directory of HR images the best model is tested on at the end, which "
+                   "no trial is chosen by (default: the task's test set, scikit-image's camera "
+                   "and coins)")
     return p
 
 

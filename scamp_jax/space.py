@@ -70,6 +70,10 @@ class Task(Protocol):
     # Optional: ``parallel_streams = True`` says that streams of different seeds share no
     # mutable state, so that a fused group may draw its members' batches at once on several
     # threads (`scamp_jax.hpo.member_streams`); without it they are drawn one after another.
+    # Optional: ``test(model) -> {name: float}``, scores on data no trial is chosen by (a test
+    # split). A study chooses its best trial by `evaluate`'s held-out scores, so that score is
+    # optimistic; at the end of each run the best model (``best_model/``) is tested once more
+    # and its ``test`` scores printed beside them and kept in ``results.json`` (``"test"``).
 
     def sample_batch(self, batch_size: int) -> tuple[jax.ShapeDtypeStruct, ...]:
         """Abstract ``(inputs, targets)`` of a global batch of ``batch_size`` (for planning)."""
@@ -120,6 +124,9 @@ class FunctionTask:
       parallel_streams: True when streams of different seeds share no mutable state (each its
         own generator, shared data read only): a fused group then draws its members' batches
         at once on several threads. Default False: one after another.
+      test: ``test(model) -> {name: float}``: scores on test data that no trial is chosen by,
+        taken of the study's best model at the end of each run (the held-out scores chose it,
+        so they flatter it); model as for ``evaluate``. None (the default): no test.
     """
 
     metric: str
@@ -129,6 +136,7 @@ class FunctionTask:
     evaluate: Callable[[nnx.Module], Mapping[str, float]]
     sample_batch: Callable[[int], tuple[jax.ShapeDtypeStruct, ...]] | None = None
     parallel_streams: bool = False
+    test: Callable[[nnx.Module], Mapping[str, float]] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.metric, str) or not self.metric:
@@ -136,7 +144,9 @@ class FunctionTask:
                              "score evaluate returns, e.g. metric='accuracy'")
         if self.direction not in ("maximize", "minimize"):
             raise ValueError(f"direction={self.direction!r} must be 'maximize' or 'minimize'")
-        for name in ("loss_fn", "batches", "evaluate"):
+        for name in ("loss_fn", "batches", "evaluate", "test"):
+            if name == "test" and self.test is None:
+                continue
             if not callable(getattr(self, name)):
                 raise TypeError(f"{name}={getattr(self, name)!r} is not callable; pass a "
                                 f"function (see FunctionTask's docstring for its signature)")

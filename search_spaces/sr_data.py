@@ -25,6 +25,7 @@ __all__ = [
     "bicubic_downscale",
     "bicubic_upscale",
     "bundled_images",
+    "bundled_test_images",
     "default_split",
     "imresize",
     "load_image_dir",
@@ -37,6 +38,9 @@ _IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp"}
 BUNDLED_TRAIN = ("astronaut", "coffee", "hubble_deep_field", "immunohistochemistry",
                  "motorcycle_left", "retina")
 BUNDLED_EVAL = ("chelsea", "rocket")
+#: Photographs for the test of a study's best model (`SRTask.test`): grey, so their Y channel is
+#: all there is, and neither trained on nor used to choose a trial.
+BUNDLED_TEST = ("camera", "coins")
 
 
 #: PIL's modes of 16-bit grey images (a 16-bit PNG opens as "I;16" or as 32-bit "I").
@@ -120,6 +124,12 @@ def load_image_dir(path: str | Path, min_size: int | None = None,
 def default_split() -> tuple[list[np.ndarray], list[np.ndarray]]:
     """(train, eval) bundled photographs: 6 for training, 2 held out (chelsea, rocket)."""
     return bundled_images(BUNDLED_TRAIN), bundled_images(BUNDLED_EVAL)
+
+
+def bundled_test_images() -> list[np.ndarray]:
+    """The bundled photographs a study's best model is tested on (camera, coins): in neither
+    set of `default_split`."""
+    return bundled_images(BUNDLED_TEST)
 
 
 def _cubic(x: np.ndarray) -> np.ndarray:

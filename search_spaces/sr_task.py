@@ -55,6 +55,50 @@ def _predict(model: nnx.Module, lr: jax.Array) -> jax.Array:
     return model(lr)
 
 
+class _Scored:
+    """Centre crops of HR images, their bicubic-downscaled inputs, and bicubic's scores on
+    them: the images a task scores a model on (the held-out ones, or the test ones)."""
+
+    def __init__(self, images: list[np.ndarray], size: int | None, scale: int) -> None:
+        self.scale = scale
+        self.hr = [_centre_crop(im, size, scale) for im in images]
+        self.lr = [sr_data.bicubic_downscale(im, scale) for im in self.hr]
+        bicubic = [sr_data.bicubic_upscale(lr, scale) for lr in self.lr]
+        self.baseline = {
+            "bicubic_psnr": float(np.mean(
+                [metrics.psnr_y(b, h, scale) for b, h in zip(bicubic, self.hr, strict=True)])),
+            "bicubic_ssim": float(np.mean(
+                [metrics.ssim_y(b, h, scale) for b, h in zip(bicubic, self.hr, strict=True)])),
+        }
+        # Same-size crops go through the model as one batch (one compile, one call).
+        self.stackable = len({im.shape for im in self.lr}) == 1
+
+    def inputs(self) -> list[np.ndarray]:
+        """The LR images as equal-shape groups: one (n, h, w, 3) stack, or one per image."""
+        if self.stackable:
+            return [np.stack(self.lr)]
+        return [lr[None] for lr in self.lr]
+
+    def predict(self, model: nnx.Module) -> list[np.ndarray]:
+        """``model``'s outputs for the LR images, in eval mode, clipped to [0, 1]."""
+        was_training = _is_training(model)
+        model.eval()
+        try:
+            outs = [o for group in self.inputs()
+                    for o in np.asarray(_predict(model, jnp.asarray(group)))]
+        finally:
+            if was_training:
+                model.train()
+        return [np.clip(o, 0.0, 1.0) for o in outs]
+
+    def scores(self, outs: list[np.ndarray]) -> dict[str, float]:
+        psnr = np.mean([metrics.psnr_y(o, h, self.scale) for o, h in
+                        zip(outs, self.hr, strict=True)])
+        ssim = np.mean([metrics.ssim_y(o, h, self.scale) for o, h in
+                        zip(outs, self.hr, strict=True)])
+        return {"psnr": float(psnr), "ssim": float(ssim), **self.baseline}
+
+
 class SRTask:
     """Super-resolution by ``scale`` (the `scamp_jax.space.Task` protocol).
 
@@ -63,9 +107,12 @@ class SRTask:
       hr_patch: HR training patch side in pixels (multiple of ``scale``); LR patches are
         ``hr_patch // scale``.
       train_dir: folder of HR training images; None uses the bundled scikit-image photographs.
-      eval_dir: folder of held-out HR images; None uses the bundled held-out photographs.
-      eval_size: side of the centre crop of every held-out image, HR pixels (None: whole
-        images, scored one by one). The default keeps evaluation near a second on a CPU.
+      eval_dir: folder of held-out HR images, which trials are scored and chosen by; None uses
+        the bundled held-out photographs.
+      test_dir: folder of HR images the study's best model is tested on (`test`), which no
+        trial is chosen by; None uses the bundled test photographs.
+      eval_size: side of the centre crop of every held-out and test image, HR pixels (None:
+        whole images, scored one by one). The default keeps evaluation near a second on a CPU.
     """
 
     metric = "psnr"
@@ -81,6 +128,7 @@ class SRTask:
         train_dir: str | Path | None = None,
         eval_dir: str | Path | None = None,
         eval_size: int | None = 128,
+        test_dir: str | Path | None = None,
     ):
         if hr_patch % scale:
             raise ValueError(f"{hr_patch=} must be a multiple of {scale=}")
@@ -90,24 +138,17 @@ class SRTask:
         )
         train_images = (default_train if train_dir is None
                         else sr_data.load_image_dir(train_dir, min_size=hr_patch))
-        # held-out scores crop a border of `scale` pixels and need SSIM's window inside it
+        # scores crop a border of `scale` pixels and need SSIM's window inside it
         least = -(-(metrics.SSIM_WINDOW + 2 * scale) // scale) * scale
         eval_images = default_eval if eval_dir is None else sr_data.load_image_dir(
             eval_dir, min_size=least, needs=f"a held-out score at x{scale}")
+        test_images = (sr_data.bundled_test_images() if test_dir is None else
+                       sr_data.load_image_dir(test_dir, min_size=least,
+                                              needs=f"a test score at x{scale}"))
         self._sampler = sr_data.PatchSampler(train_images, scale, hr_patch, seed=0)
-        self.eval_hr = [_centre_crop(im, eval_size, scale) for im in eval_images]
-        self.eval_lr = [sr_data.bicubic_downscale(im, scale) for im in self.eval_hr]
-        bicubic = [sr_data.bicubic_upscale(lr, scale) for lr in self.eval_lr]
-        self._baseline = {
-            "bicubic_psnr": float(np.mean(
-                [metrics.psnr_y(b, h, scale) for b, h in zip(bicubic, self.eval_hr, strict=True)]
-            )),
-            "bicubic_ssim": float(np.mean(
-                [metrics.ssim_y(b, h, scale) for b, h in zip(bicubic, self.eval_hr, strict=True)]
-            )),
-        }
-        # Same-size crops go through the model as one batch (one compile, one call).
-        self._stackable = len({im.shape for im in self.eval_lr}) == 1
+        self._held_out = _Scored(eval_images, eval_size, scale)
+        self._test = _Scored(test_images, eval_size, scale)
+        self.eval_hr, self.eval_lr = self._held_out.hr, self._held_out.lr
 
     @property
     def lr_patch(self) -> int:
@@ -135,19 +176,7 @@ class SRTask:
 
     def predict(self, model: nnx.Module) -> list[np.ndarray]:
         """Model outputs for the held-out LR images, in eval mode, clipped to [0, 1]."""
-        was_training = _is_training(model)
-        model.eval()
-        try:
-            if self._stackable:
-                out = np.asarray(_predict(model, jnp.asarray(np.stack(self.eval_lr))))
-                outs = list(out)
-            else:
-                outs = [np.asarray(_predict(model, jnp.asarray(lr[None])))[0]
-                        for lr in self.eval_lr]
-        finally:
-            if was_training:
-                model.train()
-        return [np.clip(o, 0.0, 1.0) for o in outs]
+        return self._held_out.predict(model)
 
     def evaluate(self, model: nnx.Module) -> dict[str, float]:
         """Held-out Y-channel scores (border = scale).
@@ -155,13 +184,17 @@ class SRTask:
         Returns ``psnr`` (dB) and ``ssim`` of the model, ``bicubic_psnr`` and ``bicubic_ssim``
         of bicubic upscaling on the same images.
         """
-        return self._scores(self.predict(model))
+        return self._held_out.scores(self.predict(model))
+
+    def test(self, model: nnx.Module) -> dict[str, float]:
+        """`evaluate`'s scores on the test images (``test_dir``), which no trial is chosen by:
+        the study's best model was chosen by its held-out score, which its test score
+        checks."""
+        return self._test.scores(self._test.predict(model))
 
     def eval_inputs(self) -> list[np.ndarray]:
         """Held-out LR images as equal-shape groups: one (n, h, w, 3) stack, or one per image."""
-        if self._stackable:
-            return [np.stack(self.eval_lr)]
-        return [lr[None] for lr in self.eval_lr]
+        return self._held_out.inputs()
 
     def eval_forward(self, model: nnx.Module, x: jax.Array) -> jax.Array:
         """The SR output of an eval-mode ``model`` for LR images ``x`` (B, h, w, 3)."""
@@ -170,14 +203,7 @@ class SRTask:
     def score(self, outputs: list[np.ndarray]) -> dict[str, float]:
         """`evaluate`'s scores from the outputs of every group of `eval_inputs`."""
         outs = [np.clip(o, 0.0, 1.0) for group in outputs for o in np.asarray(group)]
-        return self._scores(outs)
-
-    def _scores(self, outs: list[np.ndarray]) -> dict[str, float]:
-        psnr = np.mean([metrics.psnr_y(o, h, self.scale) for o, h in
-                        zip(outs, self.eval_hr, strict=True)])
-        ssim = np.mean([metrics.ssim_y(o, h, self.scale) for o, h in
-                        zip(outs, self.eval_hr, strict=True)])
-        return {"psnr": float(psnr), "ssim": float(ssim), **self._baseline}
+        return self._held_out.scores(outs)
 
 
 def train(

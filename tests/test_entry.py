@@ -800,3 +800,66 @@ def test_a_study_at_its_total_says_why_a_rerun_runs_nothing(tmp_path, capsys):
     more = scamp_jax.run_study(SPACE, function_task(), **{**kw, "trials": 3})
     assert more["trials_this_run"] == 1
     assert len(json.loads((tmp_path / "results.json").read_text())["runs"]) == 2
+
+
+def test_a_tasks_test_scores_the_best_model_on_data_no_trial_was_chosen_by(tmp_path, capsys):
+    """A task with ``test`` has the study's best model tested at the end of a run: on other
+    data than the held-out scores that chose it. The scores are the model's (recomputed here
+    from ``best_model/``), printed under the best trial's line and kept in ``results.json`` and
+    ``best_model/trial.json``; a rerun that trains nothing tests the same model again."""
+    reference = Regression()
+    rng = np.random.default_rng(7)
+    x_test = rng.normal(size=(64, reference.w.shape[0])).astype(np.float32)
+    y_test = np.sin(x_test @ reference.w)
+    tested = []
+
+    def test(model):
+        tested.append(model)
+        pred = np.asarray(model(jnp.asarray(x_test)))
+        return {"mse": float(np.mean((pred - y_test) ** 2)),
+                "zero_mse": float(np.mean(y_test**2))}
+
+    task = dataclasses.replace(function_task(), test=test)
+    kw = dict(trials=2, steps=10, study_dir=tmp_path, memory_per_device="64MiB",
+              max_batch_size=16, sampler="random", live=False, baseline="zero_mse")
+    done = scamp_jax.run_study(SPACE, task, **kw)
+    best = json.loads((tmp_path / "best_model" / "trial.json").read_text())
+    model = scamp_jax.load_model(tmp_path / "best_model", SPACE, best["params"])
+    again = test(model)
+    assert len(tested) == 2 and again["mse"] != best["mse"]  # other data than the held-out
+    assert done["test"] == {"trial": best["number"], **again}
+    assert best["test"] == again
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["test"] == done["test"] and results["best"] == best["number"]
+    said = capsys.readouterr().out
+    lines = said.splitlines()
+    first = lines.index(next(line for line in lines if line.startswith("best trial ")))
+    assert lines[first].startswith(f"best trial {best['number']}: mse {best['mse']:.5g} vs ")
+    assert lines[first + 1].startswith(
+        f"  tested on data no trial was chosen by (the task's test): mse {again['mse']:.5g} "
+        f"vs zero_mse {again['zero_mse']:.5g} (")
+    rerun = scamp_jax.run_study(SPACE, task, **kw)
+    assert rerun["trials_this_run"] == 0 and len(tested) == 3
+    assert rerun["test"] == done["test"]
+
+
+def test_a_test_that_fails_is_said_and_the_study_keeps_its_results(tmp_path, capsys):
+    """A ``test`` that raises at the end of the study is said with what it must return; every
+    trial's results and the best model are written, and no test scores are claimed."""
+    def test(model):
+        raise KeyError("x_test")
+
+    task = dataclasses.replace(function_task(), test=test)
+    done = scamp_jax.run_study(SPACE, task, trials=2, steps=5, study_dir=tmp_path,
+                               memory_per_device="64MiB", max_batch_size=16, live=False,
+                               sampler="random")
+    assert done["trials_this_run"] == 2 and done["test"] is None
+    said = capsys.readouterr().out
+    assert (f"note: the task's test of the best model (trial {done['best']['number']}, in "
+            f"{tmp_path / 'best_model'}) raised KeyError: 'x_test'; the study's results are "
+            "written") in said
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert "test" not in results and len(results["trials"]) == 2
+    assert "test" not in json.loads((tmp_path / "best_model" / "trial.json").read_text())
+    with pytest.raises(TypeError, match=r"test=3 is not callable"):
+        dataclasses.replace(function_task(), test=3)

@@ -32,6 +32,15 @@ def test_default_split_is_real_disjoint_photos():
         assert im.std() > 0.05  # a photograph, not a flat image
     shapes = {im.shape for im in train}
     assert not shapes & {im.shape for im in held}
+    # the best model's test photographs: grey (as RGB), in neither set
+    test = sr_data.bundled_test_images()
+    assert len(test) == 2 and not set(sr_data.BUNDLED_TEST) & set(
+        sr_data.BUNDLED_TRAIN + sr_data.BUNDLED_EVAL)
+    for im in test:
+        assert im.shape[-1] == 3 and np.array_equal(im[..., 0], im[..., 2])
+        assert min(im.shape[:2]) >= 256 and im.std() > 0.05
+        assert not any(im.shape == other.shape and np.allclose(im, other)
+                       for other in train + held)
 
 
 def test_load_image_dir_reads_grey_rgba_and_sorts(tmp_path):

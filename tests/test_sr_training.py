@@ -19,6 +19,7 @@ from scamp_jax.planning.train_step import (
     place_train_state,
     split_model,
 )
+from search_spaces.sr_data import bicubic_upscale
 from search_spaces.sr_task import SRTask, l1_loss, train
 from search_spaces.swinir import SwinIR
 
@@ -73,6 +74,31 @@ def test_evaluate_reports_model_and_bicubic_scores(small_task):
     assert scores["psnr"] < scores["bicubic_psnr"]  # untrained
     # evaluate() scores in eval mode and hands the model back in the mode it was in.
     assert not model.stochastic_depth.deterministic
+
+
+def test_the_test_scores_other_images_than_the_held_out_ones(tmp_path):
+    """`SRTask.test` scores a model as `evaluate` does, on the test images (``test_dir``):
+    bicubic upscaling as the model scores bicubic's own baseline there, and the held-out
+    scores stay the held-out images'. A test image too small to score is refused up front."""
+    class Bicubic(nnx.Module):  # the task's own bicubic upscaling, on the host
+        def __call__(self, lr):
+            out = jax.ShapeDtypeStruct((lr.shape[0], 2 * lr.shape[1], 2 * lr.shape[2], 3),
+                                       lr.dtype)
+            return jax.pure_callback(lambda x: np.stack(
+                [bicubic_upscale(np.asarray(im), 2) for im in x]).astype(np.float32), out, lr)
+
+    task = SRTask(scale=2, hr_patch=16, train_dir=_write_photos(tmp_path / "train", 3, 48, 0),
+                  eval_dir=_write_photos(tmp_path / "eval", 2, 40, 1),
+                  test_dir=_write_photos(tmp_path / "test", 3, 36, 5), eval_size=32)
+    held, tested = task.evaluate(Bicubic()), task.test(Bicubic())
+    assert set(tested) == set(held) == {"psnr", "ssim", "bicubic_psnr", "bicubic_ssim"}
+    assert tested["psnr"] == pytest.approx(tested["bicubic_psnr"], abs=1e-4)
+    assert held["psnr"] == pytest.approx(held["bicubic_psnr"], abs=1e-4)
+    assert abs(tested["bicubic_psnr"] - held["bicubic_psnr"]) > 0.1  # other images
+    (tmp_path / "tiny").mkdir()
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "tiny" / "a.png")
+    with pytest.raises(ValueError, match=r"smaller than the 16 pixels a test score at x2 needs"):
+        SRTask(scale=2, hr_patch=16, test_dir=tmp_path / "tiny")
 
 
 def test_l1_loss_and_train_records(small_task):

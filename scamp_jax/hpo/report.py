@@ -139,7 +139,9 @@ def write_results(
 
     ``results.json`` is ``{"metric", "direction", "best", "trials": [...], "runs": [...],
     "run": ...}``: ``run`` (this run's figures: policy, elapsed seconds, usage, timeline) is
-    appended to the ``runs`` of earlier runs already in the file and repeated as ``run``.
+    appended to the ``runs`` of earlier runs already in the file and repeated as ``run``. Where
+    the model in ``best_model/`` was tested (`record_test`), ``"test"`` holds its trial's number
+    and its test scores.
     """
     study_dir = Path(study_dir)
     study_dir.mkdir(parents=True, exist_ok=True)
@@ -173,6 +175,9 @@ def _write_results(study_dir: Path, records: Sequence[Mapping[str, Any]], metric
         "runs": runs,
         "run": runs[-1] if runs else {},
     }
+    tested = saved_test(study_dir)
+    if tested is not None:
+        payload["test"] = tested
     json_path = study_dir / "results.json"
     write_whole(json_path, _dumps(payload, indent=2))
     columns = list(BASE_COLUMNS)
@@ -363,6 +368,40 @@ def _saved_best(directory: Path, study_dir: Path, metric: str) -> dict[str, Any]
     return {**saved, "state": "complete", metric: value}
 
 
+def record_test(study_dir: str | Path, number: int, scores: Mapping[str, float]) -> bool:
+    """Write the test ``scores`` of trial ``number``'s model into ``best_model/trial.json``
+    and ``results.json`` (``"test"``); False, writing nothing, where ``best_model/`` holds
+    another trial's model by now (another process saved a better one)."""
+    study_dir = Path(study_dir)
+    saved = study_dir / "best_model" / "trial.json"
+    with _locked(study_dir / "results.lock"):
+        try:
+            record = json.loads(saved.read_text())
+        except (OSError, ValueError):
+            return False
+        if not isinstance(record, dict) or record.get("number") != number:
+            return False
+        record["test"] = dict(scores)
+        write_whole(saved, _dumps(record, indent=2))
+        results = study_dir / "results.json"
+        if results.is_file():
+            payload = json.loads(results.read_text())
+            payload["test"] = {"trial": number, **scores}
+            write_whole(results, _dumps(payload, indent=2))
+    return True
+
+
+def saved_test(study_dir: str | Path) -> dict[str, Any] | None:
+    """``{"trial": number, **scores}``: the test scores of the model in ``best_model/`` (None:
+    none saved, or not tested)."""
+    try:
+        record = json.loads((Path(study_dir) / "best_model" / "trial.json").read_text())
+        scores = dict(record["test"])
+        return {"trial": int(record["number"]), **scores}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def plot_results(
     study_dir: str | Path,
     records: Sequence[Mapping[str, Any]],
@@ -536,24 +575,35 @@ def _group(row: Mapping[str, Any]) -> str:
 
 
 def verdict(records: Sequence[Mapping[str, Any]], metric: str, direction: str,
-            baseline: str | None) -> str:
-    """One line: the best trial's metric against its baseline (e.g. bicubic PSNR)."""
+            baseline: str | None, test: Mapping[str, Any] | None = None) -> str:
+    """The best trial's metric against its baseline (e.g. bicubic PSNR), and where its model
+    was tested (``test``: `saved_test`'s record), a second line: the same on the test data."""
     best = best_record(records, metric, direction)
     if best is None:
         failed = sum(r["state"] == "failed" for r in records)
         return (f"no trial completed ({failed} failed); see the 'reason' column of "
                 "results.csv (and the traceback of a trial that raised in results.json)")
-    line = f"best trial {best['number']}: {metric} {best[metric]:.5g}"
-    if baseline and best.get(baseline) is not None:
-        gain = best[metric] - best[baseline]
-        better = gain > 0 if direction == "maximize" else gain < 0
-        # the difference of the two figures as shown, so the line adds up as read (the
-        # scores' own where the figures show none)
-        shown = float(f"{best[metric]:.5g}") - float(f"{best[baseline]:.5g}")
-        difference = f"{shown:+.4g}" if shown or not gain else f"{gain:+.2g}"
-        line += (f" vs {baseline} {best[baseline]:.5g} ({difference}, "
-                 f"{'beats' if better else 'does not beat'} the baseline)")
+    line = (f"best trial {best['number']}: {metric} {best[metric]:.5g}"
+            + _against(best, metric, direction, baseline))
+    if test is not None and test.get("trial") == best["number"] and test.get(metric) is not None:
+        line += (f"\n  tested on data no trial was chosen by (the task's test): {metric} "
+                 f"{test[metric]:.5g}" + _against(test, metric, direction, baseline))
     return line
+
+
+def _against(scores: Mapping[str, Any], metric: str, direction: str,
+             baseline: str | None) -> str:
+    """" vs BASELINE B (+D, beats the baseline)" for ``scores`` holding both (else "")."""
+    if not baseline or scores.get(baseline) is None:
+        return ""
+    gain = scores[metric] - scores[baseline]
+    better = gain > 0 if direction == "maximize" else gain < 0
+    # the difference of the two figures as shown, so the line adds up as read (the scores'
+    # own where the figures show none)
+    shown = float(f"{scores[metric]:.5g}") - float(f"{scores[baseline]:.5g}")
+    difference = f"{shown:+.4g}" if shown or not gain else f"{gain:+.2g}"
+    return (f" vs {baseline} {scores[baseline]:.5g} ({difference}, "
+            f"{'beats' if better else 'does not beat'} the baseline)")
 
 
 def _short(value: Any) -> str:
@@ -615,7 +665,9 @@ def ranks_timeline(timelines: Sequence[Mapping[str, Any]],
 __all__ = [
     "best_record",
     "plot_results",
+    "record_test",
     "save_best_model",
+    "saved_test",
     "summary_table",
     "trial_records",
     "verdict",

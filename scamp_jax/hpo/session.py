@@ -552,9 +552,11 @@ class StudySession:
         # whose trials another process took) leaves the record of runs as it was
         idle = not source.told
         run_info = {**run_info, "run_id": uuid.uuid4().hex}  # its entry, for what comes later
+        # the best model first: the results then say whose test they hold (none until tested)
+        saved = report.save_best_model(self.out_dir, records, metric, direction)
         report.write_results(self.out_dir, records, metric=metric, direction=direction,
                              run=None if idle else run_info)
-        report.save_best_model(self.out_dir, records, metric, direction)
+        tested = self._test_best(saved)
         runs = report.read_runs(self.out_dir)
         intervals, memory_series, elapsed = report.combined_timeline(runs)
         report.plot_results(self.out_dir, records, metric=metric, baseline=self.baseline,
@@ -564,7 +566,7 @@ class StudySession:
         self.console.print(report.summary_table(records, metric, direction,
                                                 baseline=self.baseline,
                                                 width=self.console.width))
-        self.say(report.verdict(records, metric, direction, self.baseline))
+        self.say(report.verdict(records, metric, direction, self.baseline, tested))
         scored = [t.user_attrs["metrics"] for t in source.study.get_trials(deepcopy=False)
                   if t.user_attrs.get("metrics")]
         if self.baseline and scored and not any(self.baseline in m for m in scored):
@@ -587,7 +589,34 @@ class StudySession:
                                          + time.perf_counter() - report_start, 3)
             report.add_run_overhead(self.out_dir, run_info["run_id"],
                                     {"report_s": overhead["report_s"]})
-        return {**run_info, "best": report.best_record(records, metric, direction)}
+        return {**run_info, "best": report.best_record(records, metric, direction),
+                "test": tested}
+
+    def _test_best(self, saved: Path | None) -> dict[str, Any] | None:
+        """The task's ``test`` scores of the model saved in ``best_model/`` (``saved``), as
+        `report.saved_test` reads them back: scores on data no trial was chosen by, written to
+        its ``trial.json`` and ``results.json``. None where the task has no ``test`` or no model
+        is saved; a test that fails is said, and the study's results stand as written."""
+        from scamp_jax.hpo import report
+        from scamp_jax.hpo.runner import load_model
+
+        test = getattr(self.task, "test", None)
+        if test is None or saved is None:
+            return None
+        record = json.loads((saved / "trial.json").read_text())
+        number = int(record["number"])
+        try:
+            scores = test(load_model(saved, self.space, record["params"]))
+            scores = {str(k): float(v) for k, v in dict(scores).items()}
+        except Exception as err:  # noqa: BLE001 - the study is done: said, and kept
+            self.say(f"note: the task's test of the best model (trial {number}, in {saved}) "
+                     f"raised {type(err).__name__}: {err}; the study's results are written. "
+                     "It must return {name: float}, as evaluate does (load_model(...) gives "
+                     "the model to try it on)")
+            return None
+        if not report.record_test(self.out_dir, number, scores):
+            return None  # another process saved a better model meanwhile: its test is its own
+        return {"trial": number, **scores}
 
     def report_interrupted(self, study: optuna.Study, elapsed_s: float,
                            trials_this_run: int | None = None, *, beyond_engine: bool = False,
