@@ -383,11 +383,12 @@ def record_test(study_dir: str | Path, number: int, scores: Mapping[str, float])
             return False
         record["test"] = dict(scores)
         write_whole(saved, _dumps(record, indent=2))
-        results = study_dir / "results.json"
-        if results.is_file():
-            payload = json.loads(results.read_text())
-            payload["test"] = {"trial": number, **scores}
-            write_whole(results, _dumps(payload, indent=2))
+        try:
+            payload = json.loads((study_dir / "results.json").read_text())
+        except (OSError, ValueError):  # none yet, or damaged: the next write reads trial.json
+            return True
+        payload["test"] = {"trial": number, **scores}
+        write_whole(study_dir / "results.json", _dumps(payload, indent=2))
     return True
 
 

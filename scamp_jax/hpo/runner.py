@@ -541,9 +541,13 @@ def load_model(
             "<study_dir>/best_model or <study_dir>/checkpoints/<key>/<step>"
         )
     params = _derived_again(space, params)
-    model = space.model(params, nnx.Rngs(seed))
+    # built abstract: every value is read from the checkpoint, so none is computed (a model
+    # built for real costs a compile per initialiser, seconds for a SwinIR on CPU)
+    model = nnx.eval_shape(lambda: space.model(params, nnx.Rngs(seed)))
     graphdef, weights, rest = split_model(model)
-    like = jax.tree.leaves((weights, make_optimizer(params).init(weights), rest))
+    on = jax.device_put(np.zeros((), np.float32)).sharding  # the default device
+    like = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on) for x in jax.tree.leaves(
+        (weights, jax.eval_shape(make_optimizer(params).init, weights), rest))]
     storable = to_storable(like)
     with ocp.StandardCheckpointer() as checkpointer:
         stored = _stored_shapes(checkpointer, item)
@@ -560,7 +564,8 @@ def load_model(
                 "of the trial that saved it (best_model/trial.json holds them)")
         leaves = checkpointer.restore(item, storable)
     weights, _, rest = jax.tree.unflatten(
-        jax.tree.structure((weights, make_optimizer(params).init(weights), rest)),
+        jax.tree.structure((weights, jax.eval_shape(make_optimizer(params).init, weights),
+                            rest)),
         from_storable(leaves, like),
     )
     model = nnx.merge(graphdef, weights, rest)
