@@ -231,6 +231,8 @@ def _mainjob_md(sec: dict[str, Any]) -> tuple[list[str], list[str]]:
                  else f"{r['compile_s']:.1f} ({pct(r.get('compile_share'))})")
         best = (NOT_YET if r.get("best") is None
                 else f"{r['best']:.3f} vs {_f(r.get('bicubic'), '.3f')} dB")
+        if r.get("test") is not None:  # the best model on images no trial was chosen by
+            best += f"; test {r['test']:.3f} vs {_f(r.get('test_bicubic'), '.3f')}"
         rows.append([f"{r['trials_finished']} of {r['trials']}", str(sec.get("steps", NOT_YET)),
                      _f(r.get("study_s"), ".1f"), share,
                      f"{pct(r.get('peak_memory_utilization'))} / "

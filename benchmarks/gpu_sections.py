@@ -660,6 +660,9 @@ def mainjob_row(data: dict[str, Any]) -> dict[str, Any]:
     elapsed = run.get("elapsed_s")
     best = next((t for t in trials if t.get("number") == data.get("best")), None)
     metric = data.get("metric", "psnr")
+    tested = data.get("test") or {}
+    if best is None or tested.get("trial") != best.get("number"):
+        tested = {}
 
     def step_s(fused: bool) -> float | None:
         """Median over the finished trials of their seconds a training step (``step_seconds``:
@@ -693,6 +696,8 @@ def mainjob_row(data: dict[str, Any]) -> dict[str, Any]:
         "solo_step_over_least": statistics.median(m / f for f, m in pairs) if pairs else None,
         "best": None if best is None else best.get(metric),
         "bicubic": None if best is None else best.get("bicubic_" + metric),
+        # the best model tested on images no trial was chosen by (where the run tested it)
+        "test": tested.get(metric), "test_bicubic": tested.get("bicubic_" + metric),
     }
 
 

@@ -271,6 +271,21 @@ def test_the_main_job_sets_a_solo_steps_least_time_beside_the_measured_one() -> 
     assert row["solo_least_step_s"] is None and row["solo_step_over_least"] is None
 
 
+def test_the_main_job_row_holds_the_best_models_test_scores() -> None:
+    """The row keeps the best trial's held-out score and, where the run tested its model on
+    images no trial was chosen by, the test score beside bicubic's; a test of another trial's
+    model (the best changed since) is not the best's."""
+    best = {"number": 3, "state": "complete", "psnr": 32.1, "bicubic_psnr": 31.7}
+    results = {"metric": "psnr", "best": 3, "run": {"elapsed_s": 10.0}, "trials": [best],
+               "test": {"trial": 3, "psnr": 29.0, "bicubic_psnr": 28.1}}
+    row = gpu_sections.mainjob_row(results)
+    assert (row["best"], row["bicubic"], row["test"], row["test_bicubic"]) == (
+        32.1, 31.7, 29.0, 28.1)
+    results["test"]["trial"] = 2
+    row = gpu_sections.mainjob_row(results)
+    assert row["test"] is None and row["test_bicubic"] is None
+
+
 @pytest.mark.slow  # run with -m slow (README: Tests)
 def test_the_main_job_reports_its_compile_share_and_booking(smoke: dict) -> None:
     """The rehearsal's main job (the CPU preset, 2 trials of 20 steps) reports what the GPU
