@@ -148,7 +148,8 @@ def run_scamp(family: Family, study_dir: Path, fuse: str | None = None,
 
 def run_plain(family: Family, study_dir: Path, seed: int = SEED) -> dict[str, Any]:
     """The study as a plain Optuna loop: one device, one trial after another, each trial with
-    the initialisation and data seed scamp-jax gives it."""
+    the initialisation and data seed scamp-jax gives it; the best model kept in memory and,
+    where the task has a ``test``, tested at the end, as scamp-jax tests its best model."""
     import jax
     import optax
     import optuna
@@ -159,6 +160,7 @@ def run_plain(family: Family, study_dir: Path, seed: int = SEED) -> dict[str, An
 
     space, task = _space_and_task(family.name)
     study_dir.mkdir(parents=True, exist_ok=True)
+    kept: dict[str, Any] = {}  # the best model so far and its score
 
     def objective(trial: optuna.Trial) -> float:
         config = space.suggest(trial)
@@ -180,7 +182,11 @@ def run_plain(family: Family, study_dir: Path, seed: int = SEED) -> dict[str, An
         loss.block_until_ready()
         if hasattr(model, "eval"):
             model.eval()
-        return float(task.evaluate(model)[task.metric])
+        value = float(task.evaluate(model)[task.metric])
+        if not kept or (value > kept["value"] if task.direction == "maximize"
+                        else value < kept["value"]):
+            kept.update(value=value, model=model)
+        return value
 
     study = optuna.create_study(
         study_name=family.name, storage=f"sqlite:///{study_dir / 'study.db'}",
@@ -189,8 +195,10 @@ def run_plain(family: Family, study_dir: Path, seed: int = SEED) -> dict[str, An
     study.optimize(objective, n_trials=family.trials)
     values = {str(t.number): [t.params, t.value] for t in study.trials
               if t.state == optuna.trial.TrialState.COMPLETE}
+    test = getattr(task, "test", None)
+    tested = test(kept["model"]) if test is not None and kept else None
     return {"best": study.best_value, "metric": task.metric, "batch": family.batch,
-            "overhead": None, "values": values}
+            "overhead": None, "values": values, "test": tested}
 
 
 def _way(text: str) -> tuple[str, str | None]:

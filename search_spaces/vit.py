@@ -143,7 +143,8 @@ class SyntheticClassificationTask:
 
     Each class owns a fixed random smooth template; a sample is its template at a random
     contrast plus Gaussian noise, so the task is learnable but not trivial. Metric:
-    ``accuracy`` on ``eval_size`` fixed held-out samples (maximize).
+    ``accuracy`` on ``eval_size`` fixed held-out samples (maximize); `test` scores as many
+    other samples, which no trial is chosen by.
 
     Args:
       image_size, in_chans, num_classes: image side (pixels), channels, classes.
@@ -176,6 +177,8 @@ class SyntheticClassificationTask:
         big = np.repeat(np.repeat(coarse, reps, axis=1), reps, axis=2)
         self.templates = big[:, :image_size, :image_size].astype(np.float32)
         self._eval = self._draw(rng, eval_size, float64_noise=True)
+        # a stream of its own (neither the held-out nor a training one): drawn as the held-out
+        self._test = self._draw(np.random.default_rng([seed, 2]), eval_size, float64_noise=True)
 
     def _draw(self, rng: np.random.Generator, n: int, *, float64_noise: bool = False
               ) -> tuple[np.ndarray, np.ndarray]:
@@ -217,6 +220,11 @@ class SyntheticClassificationTask:
         images, _ = self._eval
         return self.score([np.asarray(_logits(model, jnp.asarray(images)))])
 
+    def test(self, model: nnx.Module) -> dict[str, float]:
+        """`evaluate`'s scores on the test samples, which no trial is chosen by."""
+        images, labels = self._test
+        return _scores(np.asarray(_logits(model, jnp.asarray(images))), labels)
+
     def eval_inputs(self) -> list[np.ndarray]:
         """The held-out images, one group (eval_size, H, W, C)."""
         return [self._eval[0]]
@@ -227,10 +235,13 @@ class SyntheticClassificationTask:
 
     def score(self, outputs: list[np.ndarray]) -> dict[str, float]:
         """`evaluate`'s scores from the held-out logits (the one group of `eval_inputs`)."""
-        labels = self._eval[1]
-        logits = np.asarray(outputs[0])
-        loss = optax.softmax_cross_entropy_with_integer_labels(jnp.asarray(logits), labels).mean()
-        return {"accuracy": float((logits.argmax(-1) == labels).mean()), "loss": float(loss)}
+        return _scores(np.asarray(outputs[0]), self._eval[1])
+
+
+def _scores(logits: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+    """``accuracy`` and mean cross-entropy ``loss`` of ``logits`` against ``labels``."""
+    loss = optax.softmax_cross_entropy_with_integer_labels(jnp.asarray(logits), labels).mean()
+    return {"accuracy": float((logits.argmax(-1) == labels).mean()), "loss": float(loss)}
 
 
 #: Shorter name for `SyntheticClassificationTask`.

@@ -863,3 +863,84 @@ def test_a_test_that_fails_is_said_and_the_study_keeps_its_results(tmp_path, cap
     assert "test" not in json.loads((tmp_path / "best_model" / "trial.json").read_text())
     with pytest.raises(TypeError, match=r"test=3 is not callable"):
         dataclasses.replace(function_task(), test=3)
+
+
+class _HeldBack:
+    """The regression task with its test split as an attribute named ``test``."""
+
+    def __init__(self) -> None:
+        self._task = Regression()
+        self.test = (self._task.x_eval, self._task.y_eval)
+
+    def __getattr__(self, name):
+        return getattr(self._task, name)
+
+
+def test_a_task_whose_test_is_no_function_is_refused_before_the_study(tmp_path):
+    with pytest.raises(TypeError, match=r"the task's test is a tuple, not callable; it must "
+                       r"be a method test\(model\) -> \{name: float\}"):
+        scamp_jax.run_study(SPACE, _HeldBack(), trials=1, steps=2, study_dir=tmp_path,
+                            live=False)
+    assert not (tmp_path / "study.db").exists()
+
+
+@pytest.mark.parametrize("returned, said", [
+    ({"zero_mse": 1.0}, "task.test returned ['zero_mse'] without the study metric 'mse'"),
+    ({"mse": "low"}, "task.test returned 'mse': 'low'; every score must be one number"),
+    ({"mse": 0.5, "trial": 99}, "task.test returned a score named 'trial'; name it otherwise"),
+    (0.5, "task.test returned float 0.5; it must return a dict of scores that holds the study "
+          "metric"),
+])
+def test_a_test_that_returns_no_scores_is_not_kept(tmp_path, capsys, returned, said):
+    """A ``test`` must return what ``evaluate`` returns: a dict of numbers with the metric
+    (and no score named ``trial``, the key that says whose scores they are). Anything else is
+    said, with what it must return, and no test scores are claimed."""
+    task = dataclasses.replace(function_task(), test=lambda model: returned)
+    done = scamp_jax.run_study(SPACE, task, trials=1, steps=2, study_dir=tmp_path,
+                               memory_per_device="64MiB", max_batch_size=16, live=False)
+    assert done["trials_this_run"] == 1 and done["test"] is None
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"note: the test of the best model (trial 0, in {tmp_path / 'best_model'}) is not " \
+           f"kept: {said}" in out
+    assert "test" not in json.loads((tmp_path / "results.json").read_text())
+
+
+def test_the_test_in_the_results_is_the_best_trials_and_a_failed_copy_keeps_the_run(
+        tmp_path):
+    """``results.json`` holds a test only of its best trial's model: once a later trial is
+    better, the earlier model's test is not claimed for it, even where the later model cannot
+    be saved (here a file stands where its copy goes: a full disk's stand-in); and the run's
+    record is written before the copy, so that failure loses no run."""
+    scores = iter([{"mse": 0.5}, {"mse": 0.25}])
+    first = dataclasses.replace(function_task(), test=lambda model: next(scores))
+    kw = dict(steps=3, study_dir=tmp_path, memory_per_device="64MiB", max_batch_size=16,
+              live=False, sampler="random")
+    done = scamp_jax.run_study(SPACE, first, trials=1, **kw)
+    assert done["test"] == {"trial": 0, "mse": 0.5}
+    better = dataclasses.replace(function_task(), evaluate=lambda model: {"mse": -1.0},
+                                 test=lambda model: next(scores))
+    (tmp_path / ".best_model.part").write_text("in the way")
+    with pytest.raises(NotADirectoryError):
+        scamp_jax.run_study(SPACE, better, trials=2, **kw)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["best"] == 1 and len(results["runs"]) == 2 and "test" not in results
+    assert json.loads((tmp_path / "best_model" / "trial.json").read_text())["number"] == 0
+    (tmp_path / ".best_model.part").unlink()
+    rerun = scamp_jax.run_study(SPACE, better, trials=2, **kw)
+    assert rerun["trials_this_run"] == 0 and rerun["test"] == {"trial": 1, "mse": 0.25}
+
+
+def test_a_best_model_whose_checkpoints_were_removed_is_still_tested(tmp_path):
+    """``best_model/`` is a copy: with the study's ``checkpoints/`` removed, a rerun still
+    tests the model there when it is the best trial's."""
+    import shutil
+
+    tested = []
+    task = dataclasses.replace(function_task(),
+                               test=lambda model: tested.append(1) or {"mse": 0.5})
+    kw = dict(trials=1, steps=3, study_dir=tmp_path, memory_per_device="64MiB",
+              max_batch_size=16, live=False)
+    scamp_jax.run_study(SPACE, task, **kw)
+    shutil.rmtree(tmp_path / "checkpoints", ignore_errors=True)
+    again = scamp_jax.run_study(SPACE, task, **kw)
+    assert len(tested) == 2 and again["test"] == {"trial": 0, "mse": 0.5}

@@ -67,6 +67,25 @@ def test_synthetic_task_batches_are_seeded_and_shaped():
     assert a[0].shape == (4, 8, 8, 3) and set(a[1]) <= {0, 1, 2}
 
 
+def test_the_synthetic_tasks_test_samples_are_other_samples():
+    """`test` scores samples of a stream of their own: neither the held-out samples (drawn as
+    before, so a resumed study's scores compare) nor a training stream's."""
+    task = vit.SyntheticClassification(image_size=8, num_classes=3, eval_size=16)
+    again = vit.SyntheticClassification(image_size=8, num_classes=3, eval_size=16)
+    np.testing.assert_array_equal(task.eval_inputs()[0], again.eval_inputs()[0])
+
+    class Constant(nnx.Module):  # every sample called class 1, whatever it shows
+        def __call__(self, x):
+            return jnp.tile(jnp.array([0.0, 1.0, 0.0]), (x.shape[0], 1))
+
+    test, held = task.test(Constant()), task.evaluate(Constant())
+    images, labels = task._test
+    assert test["accuracy"] == float(np.mean(labels == 1))
+    assert not np.array_equal(images, task.eval_inputs()[0])
+    assert not np.array_equal(images, next(task.batches(16, seed=0))[0])
+    assert set(test) == set(held) == {"accuracy", "loss"}
+
+
 def test_vit_learns_the_synthetic_task():
     task = vit.SyntheticClassification(image_size=8, num_classes=4, eval_size=128, noise=1.0)
     model = vit.ViT(image_size=8, patch_size=4, num_classes=4, embed_dim=16, depth=1,

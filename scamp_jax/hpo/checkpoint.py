@@ -142,8 +142,10 @@ def array_handler(ocp: Any) -> Any:
     device by a program compiled for every array shape and sharding: a data-parallel trial of
     ~200 arrays compiled ~50 of them at its first save (1.3-2.8 s on CPU, a GPU compile each
     on a GPU). Orbax itself leaves it off where ``JAX_PLATFORMS`` names a GPU, so a GPU run
-    that does not set it paid them. One host writes a trial's checkpoint either way; the
-    files are the same, so checkpoints of either kind restore with either handler."""
+    that does not set it paid them. One host writes a trial's checkpoint either way. The
+    files differ in their chunks (one per array here, one per replica's slice there) and in
+    orbax's per-array metadata (not written here: keys are stored as raw data, `to_storable`),
+    and either handler restores checkpoints of either kind."""
     import numpy as np
 
     handlers = ocp.type_handlers

@@ -284,6 +284,26 @@ def resumable_step(checkpointer: TrialCheckpointer, steps: int) -> int | None:
     return newest_step(checkpointer.directory, steps)
 
 
+def checked_scores(metrics: Any, where: str, metric: str) -> dict[str, float]:
+    """``metrics`` (what ``where``, e.g. ``task.evaluate``, returned) as ``{name: float}``;
+    ``TypeError`` or ``KeyError`` saying what it must return where it is no dict of numbers
+    holding ``metric``. One rule for a trial's scores and the best model's test."""
+    if not isinstance(metrics, Mapping):
+        raise TypeError(
+            f"{where} returned {type(metrics).__name__} {metrics!r}; it must return a dict "
+            f"of scores that holds the study metric, e.g. {{{metric!r}: value}}")
+    if metric not in metrics:
+        raise KeyError(f"{where} returned {sorted(metrics)} without the study metric {metric!r}")
+    scores = {}
+    for key, value in metrics.items():
+        try:
+            scores[key] = float(np.asarray(value))
+        except (TypeError, ValueError):
+            raise TypeError(f"{where} returned {key!r}: {value!r}; every score must be one "
+                            "number (a float, or an array of one element)") from None
+    return scores
+
+
 def check_share(share: int, step_peak: int | None, prefetch: int, task: Task,
                 evaluator: Callable[[], EvalCompiler], resident: int, plan: Any,
                 ) -> tuple[EvalPlan | None, int | None]:
@@ -612,22 +632,7 @@ class Lifecycle:
         else:
             metrics = self.program.evaluate_whole(slot, task)
         where = "task.score" if self.evaluation is not None else "task.evaluate"
-        if not isinstance(metrics, Mapping):
-            raise TypeError(
-                f"{where} returned {type(metrics).__name__} {metrics!r}; it must return a dict "
-                f"of scores that holds the study metric, e.g. {{{task.metric!r}: value}}")
-        if task.metric not in metrics:
-            raise KeyError(
-                f"{where} returned {sorted(metrics)} without the study metric "
-                f"{task.metric!r}")
-        scores = {}
-        for key, value in metrics.items():
-            try:
-                scores[key] = float(np.asarray(value))
-            except (TypeError, ValueError):
-                raise TypeError(f"{where} returned {key!r}: {value!r}; every score must be one "
-                                "number (a float, or an array of one element)") from None
-        return scores
+        return checked_scores(metrics, where, task.metric)
 
     def _intermediate(self, done: int, active: np.ndarray) -> None:
         metric = self.task.metric

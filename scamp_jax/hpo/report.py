@@ -176,8 +176,8 @@ def _write_results(study_dir: Path, records: Sequence[Mapping[str, Any]], metric
         "run": runs[-1] if runs else {},
     }
     tested = saved_test(study_dir)
-    if tested is not None:
-        payload["test"] = tested
+    if tested is not None and best is not None and tested["trial"] == best["number"]:
+        payload["test"] = tested  # the best trial's model's, not a model of earlier runs
     json_path = study_dir / "results.json"
     write_whole(json_path, _dumps(payload, indent=2))
     columns = list(BASE_COLUMNS)
@@ -338,6 +338,9 @@ def save_best_model(
         saved = _saved_best(target, study_dir, metric)
         if saved is not None and best_record([best, saved], metric, direction) is saved:
             return target  # a better trial's, saved by a process that saw it finish
+        if saved is not None and (saved["number"], saved["checkpoint"]) == (
+                best["number"], best["checkpoint"]):
+            return target  # this trial's already (its test, if taken, stays with it)
         copy_checkpoint(source, part)
         (part / "trial.json").write_text(_dumps(
             {"number": best["number"], "params": best["params"], metric: best[metric],
@@ -370,8 +373,9 @@ def _saved_best(directory: Path, study_dir: Path, metric: str) -> dict[str, Any]
 
 def record_test(study_dir: str | Path, number: int, scores: Mapping[str, float]) -> bool:
     """Write the test ``scores`` of trial ``number``'s model into ``best_model/trial.json``
-    and ``results.json`` (``"test"``); False, writing nothing, where ``best_model/`` holds
-    another trial's model by now (another process saved a better one)."""
+    and ``results.json`` (``"test"``, where trial ``number`` is its best); False, writing
+    nothing, where ``best_model/`` holds another trial's model by now (another process saved a
+    better one)."""
     study_dir = Path(study_dir)
     saved = study_dir / "best_model" / "trial.json"
     with _locked(study_dir / "results.lock"):
@@ -387,8 +391,9 @@ def record_test(study_dir: str | Path, number: int, scores: Mapping[str, float])
             payload = json.loads((study_dir / "results.json").read_text())
         except (OSError, ValueError):  # none yet, or damaged: the next write reads trial.json
             return True
-        payload["test"] = {"trial": number, **scores}
-        write_whole(study_dir / "results.json", _dumps(payload, indent=2))
+        if isinstance(payload, dict) and payload.get("best") == number:
+            payload["test"] = {"trial": number, **scores}
+            write_whole(study_dir / "results.json", _dumps(payload, indent=2))
     return True
 
 

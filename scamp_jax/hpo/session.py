@@ -113,6 +113,11 @@ def check_space_and_task(space: Any, task: Any) -> None:
         raise TypeError(f"task={task!r} has no {', '.join(missing)}: pass a Task (its metric, "
                         "direction, sample_batch, batches, loss_fn and evaluate); "
                         "scamp_jax.FunctionTask(...) builds one from plain functions")
+    test = getattr(task, "test", None)
+    if test is not None and not callable(test):
+        raise TypeError(f"the task's test is a {type(test).__name__}, not callable; it must "
+                        "be a method test(model) -> {name: float} (scores on data no trial is "
+                        "chosen by), or absent")
 
 
 def check_directory(path: str | Path, name: str = "study_dir") -> None:
@@ -552,11 +557,10 @@ class StudySession:
         # whose trials another process took) leaves the record of runs as it was
         idle = not source.told
         run_info = {**run_info, "run_id": uuid.uuid4().hex}  # its entry, for what comes later
-        # the best model first: the results then say whose test they hold (none until tested)
-        saved = report.save_best_model(self.out_dir, records, metric, direction)
         report.write_results(self.out_dir, records, metric=metric, direction=direction,
                              run=None if idle else run_info)
-        tested = self._test_best(saved)
+        report.save_best_model(self.out_dir, records, metric, direction)
+        tested = self._test_best(report.best_record(records, metric, direction))
         runs = report.read_runs(self.out_dir)
         intervals, memory_series, elapsed = report.combined_timeline(runs)
         report.plot_results(self.out_dir, records, metric=metric, baseline=self.baseline,
@@ -592,27 +596,49 @@ class StudySession:
         return {**run_info, "best": report.best_record(records, metric, direction),
                 "test": tested}
 
-    def _test_best(self, saved: Path | None) -> dict[str, Any] | None:
-        """The task's ``test`` scores of the model saved in ``best_model/`` (``saved``), as
-        `report.saved_test` reads them back: scores on data no trial was chosen by, written to
-        its ``trial.json`` and ``results.json``. None where the task has no ``test`` or no model
-        is saved; a test that fails is said, and the study's results stand as written."""
+    def _test_best(self, best: Any) -> dict[str, Any] | None:
+        """The task's ``test`` scores of the best trial's model (``best``: its results row),
+        saved in ``best_model/``: scores on data no trial was chosen by, written to its
+        ``trial.json`` and ``results.json`` (`report.record_test`) and returned as
+        `report.saved_test` reads them back. None where the task has no ``test``, or
+        ``best_model/`` holds no model of that trial; a test that fails is said, and the
+        study's results stand as written."""
         from scamp_jax.hpo import report
+        from scamp_jax.hpo.lifecycle import checked_scores
         from scamp_jax.hpo.runner import load_model
 
         test = getattr(self.task, "test", None)
-        if test is None or saved is None:
+        saved = self.out_dir / "best_model"
+        if test is None or best is None:
             return None
-        record = json.loads((saved / "trial.json").read_text())
-        number = int(record["number"])
         try:
-            scores = test(load_model(saved, self.space, record["params"]))
-            scores = {str(k): float(v) for k, v in dict(scores).items()}
+            record = json.loads((saved / "trial.json").read_text())
+        except (OSError, ValueError):
+            return None
+        number = best["number"]
+        if record.get("number") != number:
+            return None  # no model of it kept (another process saved a better one)
+        self.say(f"testing the best model (trial {number}) on the task's test data")
+        where = f"the best model (trial {number}, in {saved})"
+        try:
+            model = load_model(saved, self.space, record["params"])
         except Exception as err:  # noqa: BLE001 - the study is done: said, and kept
-            self.say(f"note: the task's test of the best model (trial {number}, in {saved}) "
-                     f"raised {type(err).__name__}: {err}; the study's results are written. "
-                     "It must return {name: float}, as evaluate does (load_model(...) gives "
-                     "the model to try it on)")
+            self.say(f"note: {where} could not be loaded for its test: {type(err).__name__}: "
+                     f"{err}; the study's results are written")
+            return None
+        try:
+            returned = test(model)
+        except Exception as err:  # noqa: BLE001 - the study is done: said, and kept
+            self.say(f"note: the task's test of {where} raised {type(err).__name__}: {err}; "
+                     "the study's results are written")
+            return None
+        try:
+            scores = checked_scores(returned, "task.test", self.task.metric)
+            if "trial" in scores:  # the key that says whose scores they are
+                raise KeyError("task.test returned a score named 'trial'; name it otherwise")
+        except (TypeError, KeyError) as err:
+            self.say(f"note: the test of {where} is not kept: {err.args[0]}; the "
+                     "study's results are written")
             return None
         if not report.record_test(self.out_dir, number, scores):
             return None  # another process saved a better model meanwhile: its test is its own
@@ -792,7 +818,9 @@ def run_study(
       The ``run`` section of ``results.json`` (``elapsed_s`` in seconds, ``devices``,
       ``memory_per_device`` in bytes, ``usage``, ``trials_this_run``, ...) plus ``best``: the
       best trial's results row (``number``, ``params``, ``batch_size``, ``devices``, the
-      metric, ...) or None when no trial completed.
+      metric, ...) or None when no trial completed, and ``test``: where the task has a
+      ``test``, ``{"trial": number, **scores}`` of the best trial's model on the task's test
+      data (None: no test, or it failed; the note says why).
 
     Raises:
       ValueError: a setting out of range, a ``study_dir`` that cannot be written or holds
