@@ -438,12 +438,14 @@ def training_batches(config: NASConfig) -> tuple[np.ndarray, np.ndarray]:
     return lr, hr
 
 
-def held_out_images(config: NASConfig) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Held-out photographs as (LR, HR) pairs: HR centre crops of at most ``eval_crop`` pixels
-    a side, cut to a multiple of window x scale, and their bicubic x2 downscaling."""
+def held_out_images(config: NASConfig, images: list[np.ndarray] | None = None
+                    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Held-out photographs (or ``images``) as (LR, HR) pairs: HR centre crops of at most
+    ``eval_crop`` pixels a side, cut to a multiple of window x scale, and their bicubic x2
+    downscaling."""
     from search_spaces.sr_data import bicubic_downscale, default_split
 
-    _, images = default_split()
+    images = default_split()[1] if images is None else images
     unit = 2 * config.supernet.window_size
     lrs, hrs = [], []
     for img in images:
@@ -520,7 +522,8 @@ def run_nas(config: NASConfig, *, json_path: str | None = None, show: bool = Tru
     ``params_sha256``, ``ticks``, ``stage_utilization``, ``ideal_ticks``, ``ideal_utilization``,
     ``device_param_bytes``, ``host_param_bytes``, ``supernet_param_bytes``, ``wall_seconds``,
     ``samples_per_second``, ``evaluation`` (subnet, ops, PSNR per evaluated subnet),
-    ``bicubic_psnr``, ``stem_head_psnr`` (`stem_head_psnr`), ``best``, ``eval_seconds``, the
+    ``bicubic_psnr``, ``stem_head_psnr`` (`stem_head_psnr`), ``best``, ``test`` (the best
+    subnet on photographs no subnet is chosen by: `test_best`), ``eval_seconds``, the
     warm-up's ``warmup_steps``, ``warmup_seconds`` and ``warmup_losses``, and the training
     segments' ``segments`` (figures of each) and ``resumed_at`` (subnets done at each resume).
     Ticks, times and rates sum over the segments, of every process that trained them.
@@ -705,6 +708,7 @@ def evaluate_and_save(
     stem_head = stem_head_psnr(layout, result.shared, eval_lr, eval_hr)
     summary = _summary(config, result, candidates, scores, bicubic)
     summary["stem_head_psnr"] = stem_head
+    summary["test"] = test_best(config, layout, result, summary["best"])
     summary["eval_seconds"] = time.perf_counter() - started
     summary.update(extra or {})
     _print_tables(console, config, result, summary)
@@ -716,6 +720,26 @@ def evaluate_and_save(
     save_plot(summary, plot)
     console.print(f"wrote {path} and {plot}")
     return summary
+
+
+def test_best(config: NASConfig, layout: SupernetLayout, result: TrainResult,
+              best: dict[str, Any]) -> dict[str, Any]:
+    """The best subnet (chosen by its held-out PSNR, which so flatters it) on the test
+    photographs, which no subnet is chosen by (`sr_data.bundled_test_images`): its PSNR, the
+    stem and head's alone and bicubic's, cropped as the held-out ones."""
+    from search_spaces.metrics import psnr_y
+    from search_spaces.sr_data import bicubic_upscale, bundled_test_images
+
+    test_lr, test_hr = held_out_images(config, bundled_test_images())
+    [psnr] = evaluate_subnets(layout, result.blocks, result.shared, [tuple(best["choices"])],
+                              test_lr, test_hr)
+    return {
+        "index": best["index"], "psnr": psnr,
+        "stem_head_psnr": stem_head_psnr(layout, result.shared, test_lr, test_hr),
+        "bicubic_psnr": float(np.mean([
+            psnr_y(np.clip(bicubic_upscale(x, 2), 0, 1), y, border=2)
+            for x, y in zip(test_lr, test_hr, strict=True)])),
+    }
 
 
 def _summary(
@@ -785,6 +809,13 @@ def _print_tables(console: Any, config: NASConfig, result: TrainResult, summary:
         f"best subnet: {best['ops']} at {best['psnr']:.2f} dB "
         f"({_against_bicubic(best['psnr'] - summary['bicubic_psnr'])})"
     )
+    test = summary.get("test")
+    if test is not None:
+        console.print(
+            f"  tested on photographs no subnet was chosen by: {test['psnr']:.2f} dB "
+            f"({_against_bicubic(test['psnr'] - test['bicubic_psnr'])}; the stem and head "
+            f"alone {test['stem_head_psnr']:.2f})"
+        )
 
 
 def _against_bicubic(gain: float) -> str:

@@ -322,7 +322,7 @@ def test_experiment_smoke_run_writes_results(tmp_path, monkeypatch):
     written = json.loads(out.read_text())
     for key in ("losses", "params_sha256", "ticks", "stage_utilization", "device_param_bytes",
                 "supernet_param_bytes", "wall_seconds", "bicubic_psnr", "stem_head_psnr",
-                "warmup_steps", "warmup_seconds", "warmup_losses"):
+                "warmup_steps", "warmup_seconds", "warmup_losses", "test"):
         assert key in written
     assert len(written["losses"]) == 8 and written == json.loads(json.dumps(summary))
     assert out.with_suffix(".png").exists()
@@ -643,3 +643,32 @@ def test_malformed_batches_are_refused_before_anything_compiles(malform, says):
         train_supernet(layout, subnets, lr, hr, schedule="csp", num_stages=2, offload=False)
     assert compiles.total == 0, compiles.compiles
 
+
+
+def test_the_best_subnet_is_tested_on_photographs_no_subnet_was_chosen_by():
+    """The NAS run's best subnet, chosen by its held-out PSNR, is scored once more on the test
+    photographs (cropped as the held-out ones): the chosen subnet's weights on other images,
+    beside the stem and head alone and bicubic there."""
+    from search_spaces.sr_data import bundled_test_images
+    from search_spaces.supernet_nas import (
+        NASConfig,
+        evaluate_subnets,
+        held_out_images,
+        stem_head_psnr,
+        test_best,
+    )
+
+    config = NASConfig(layers=4, choices=3, width=8, eval_crop=32, zero_init_residual=False)
+    assert config.supernet == CONFIG
+    result = _train("sequential", 1, False, True, 0)
+    subnets = _data(0)[0]
+    tested = test_best(config, _layout(), result, {"index": 4, "choices": list(subnets[4])})
+    lr, hr = held_out_images(config, bundled_test_images())
+    assert [x.shape for x in hr] == [(32, 32, 3)] * 2 and np.array_equal(hr[0][..., 0],
+                                                                         hr[0][..., 2])
+    [psnr] = evaluate_subnets(_layout(), result.blocks, result.shared, [subnets[4]], lr, hr)
+    assert tested["index"] == 4 and tested["psnr"] == psnr
+    assert tested["stem_head_psnr"] == stem_head_psnr(_layout(), result.shared, lr, hr)
+    held = held_out_images(config)  # the images the subnet was chosen by score it otherwise
+    assert abs(tested["psnr"] - evaluate_subnets(_layout(), result.blocks, result.shared,
+                                                 [subnets[4]], *held)[0]) > 0.1

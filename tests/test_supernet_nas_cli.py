@@ -255,6 +255,11 @@ def test_a_run_stopped_by_ctrl_c_resumes_to_the_uninterrupted_result(tmp_path, r
     assert a["resumed_at"] in ([3], [6]) and b["resumed_at"] == []
     assert [s["subnets"] for s in a["segments"]] == [3, 3, 2] and len(b["segments"]) == 1
     assert a["ticks"] > b["ticks"]  # each segment drains the pipeline
+    # the best subnet tested on photographs no subnet was chosen by: the same weights' score
+    assert a["test"] == b["test"] and a["test"]["index"] == a["best"]["index"]
+    assert a["test"]["bicubic_psnr"] != a["bicubic_psnr"]  # other photographs
+    assert (f"tested on photographs no subnet was chosen by: {a['test']['psnr']:.2f} dB"
+            in resumed.stdout)
 
 
 def test_a_json_runs_checkpoint_is_its_own_and_a_stop_says_whether_one_was_saved(tmp_path):
