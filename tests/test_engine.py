@@ -683,6 +683,12 @@ def test_a_running_trial_restarts_on_idle_devices_with_the_same_result(tmp_path)
     assert 0 < resized.user_attrs["resumed_from"] < 12000
     assert resized.user_attrs["batch_size"] == plain.user_attrs["batch_size"] == 16
     assert resized.user_attrs["steps"] == 12000
+    # Its seconds are both runs' (the one the restart stopped, and the one after it), not the
+    # last run's alone: more than the seconds since the restart by half the first run's.
+    times = resized.user_attrs
+    restart = times["placements"][-1][0]
+    assert times["wall_seconds"] > (times["finished_at"] - restart
+                                    + 0.5 * (restart - times["started_at"])), times
     # Same samples, same updates: only the batch mean's summation order differs.
     assert resized.value == pytest.approx(plain.value, rel=1e-5)
     with pytest.raises(ValueError, match="restart_seconds=-1.0 must be >= 0"):

@@ -618,3 +618,143 @@ def test_a_study_database_another_process_is_writing_is_not_called_damaged(tmp_p
     (tmp_path / "study.db").write_bytes(b"SQLite format 3\x00" + b"\xff" * 4000)
     with pytest.raises(ValueError, match="is damaged"):
         check_storage(None, tmp_path)
+
+
+def test_a_study_refuses_a_setting_it_was_created_without(tmp_path):
+    """A rerun that adds a setting the study has none of (an image folder to score on, here)
+    changes what its trials' values mean as much as one that changes a setting: it is
+    refused, naming the setting as one the study was created without."""
+    open_study("toy", study_dir=tmp_path, settings={"steps": 150})
+    with pytest.raises(StudySettingsError) as err:
+        open_study("toy", study_dir=tmp_path, settings={"steps": 150, "eval_dir": "/data/eval"})
+    assert (err.value.stored, err.value.wanted) == ({"eval_dir": None},
+                                                     {"eval_dir": "/data/eval"})
+
+
+def test_settings_are_forgotten_with_the_metric_only_where_no_trial_ran(tmp_path):
+    """A study in which no trial ran forgets its settings and its metric, so the rerun the
+    error advises starts it with its own (another budget, another task's score); one with a
+    trial running (in this process or another) keeps them: that trial's result is the
+    study's under them."""
+    from scamp_jax.hpo.study.storage import forget_settings_if_unused
+
+    handle = open_study("toy", study_dir=tmp_path, settings={"steps": 10}, metric="mse")
+    assert forget_settings_if_unused(handle.study)
+    again = open_study("toy", study_dir=tmp_path, settings={"steps": 20}, metric="accuracy")
+    src = OptunaTrialSource(again, SPACE, 2)
+    assert isinstance(src.ask(), AskedTrial)  # running, nothing finished yet
+    assert not forget_settings_if_unused(again.study)
+    with pytest.raises(StudySettingsError, match="steps=20"):
+        open_study("toy", study_dir=tmp_path, settings={"steps": 30}, metric="accuracy")
+    src.close()
+
+
+def test_an_ask_waits_while_another_process_holds_the_ask_lock(tmp_path):
+    """Counting the study's trials and asking the next is one step across processes: while
+    the study's ask lock is held elsewhere (here through a lock of its own, as another
+    process on the study takes it), an ask waits, and goes on once it is let go; else two
+    processes could both take the study's last slot."""
+    from scamp_jax.hpo.study import AskLock
+
+    src = source(tmp_path, 1)
+    asked: list[Any] = []
+    with AskLock(storage_url(tmp_path), "toy")():
+        thread = threading.Thread(target=lambda: asked.append(src.ask()))
+        thread.start()
+        thread.join(timeout=1.5)
+        assert thread.is_alive() and not asked  # waiting for the lock
+    thread.join(timeout=60)
+    assert len(asked) == 1 and isinstance(asked[0], AskedTrial)
+    src.close()
+
+
+def test_a_rerun_with_a_lower_total_runs_only_the_retries_it_has_room_for(tmp_path):
+    """Three trials stopped by an earlier run, a rerun with a total of 1: one retry runs, the
+    other two stay queued in the study (for a run with a larger total), not run past it."""
+    earlier = source(tmp_path, 3)
+    stopped = [earlier.ask() for _ in range(3)]
+    for t in stopped:
+        earlier.interrupt(t.number)
+    earlier.close()
+    again = source(tmp_path, 1)
+    retry = again.ask()
+    assert retry.retry_of == stopped[0].number
+    assert again.ask() is None  # at the total: this source's own trial runs, nothing more
+    again.tell(TrialOutcome(retry.number, "complete", value=1.0))
+    assert again.ask() is None and again.finished() == 1
+    waiting = again.study.get_trials(states=(TrialState.WAITING,))
+    assert len(waiting) == 2 and again.requeued() == [t.number for t in stopped[1:]]
+    again.close()
+
+
+def test_a_retry_that_finishes_no_longer_reads_interrupted(tmp_path):
+    """A retry takes its stopped attempt's attributes, its fail reason "interrupted" too; once
+    it completes (or is pruned without a reason) its row has no reason: results.csv says
+    why a trial failed, and this one did not."""
+    from scamp_jax.hpo.report import trial_records
+
+    src = source(tmp_path, 2)
+    first, second = src.ask(), src.ask()
+    src.interrupt(first.number)
+    src.interrupt(second.number)
+    retries = [src.ask(), src.ask()]
+    assert all(src.study.get_trials()[t.number].user_attrs[FAIL_REASON] == INTERRUPTED
+               for t in retries)  # carried over from the attempts
+    src.tell(TrialOutcome(retries[0].number, "complete", value=1.0))
+    src.tell(TrialOutcome(retries[1].number, "pruned"))
+    rows = trial_records(src.study)
+    assert [(r["number"], r["state"], r["reason"]) for r in rows] == [
+        (retries[0].number, "complete", ""), (retries[1].number, "pruned", "")]
+    src.close()
+
+
+def test_a_trial_another_process_failed_as_stale_is_told_to_stop(tmp_path):
+    """A process whose heartbeat lapsed (paused past the grace period) finds its trial failed
+    as stale by another process, which queued its retry: its next report says stop, so it
+    does not train on for a result the study no longer takes, and its tell is counted lost."""
+    first = source(tmp_path, 2, heartbeat=1)
+    mine = first.ask()
+    first.close()  # its heartbeat stops: the process is paused, not dead
+    time.sleep(5)  # past the 3 s grace period
+    second = source(tmp_path, 2, heartbeat=1)
+    assert second.recovered == [mine.number]
+    assert first.report(mine.number, 5, 1.0) is True
+    first.tell(TrialOutcome(mine.number, "complete", value=1.0))
+    assert first.lost == [mine.number]
+    assert first.study.get_trials()[mine.number].state == TrialState.FAIL
+    second.close()
+
+
+def test_a_grid_whose_every_point_was_asked_still_reruns_an_interrupted_one(tmp_path):
+    """All four points asked, one of them interrupted: the grid is not done while that
+    point's retry waits; a rerun runs it and then ends, with four finished trials."""
+    src = grid_source(tmp_path, 4)
+    asked = [src.ask() for _ in range(4)]
+    src.interrupt(asked[0].number)
+    for t in asked[1:]:
+        src.tell(TrialOutcome(t.number, "complete", value=1.0))
+    src.close()
+    again = grid_source(tmp_path, 4)
+    assert not again.grid_done()
+    retry = again.ask()
+    assert isinstance(retry, AskedTrial) and retry.retry_of == asked[0].number
+    assert point(retry) == point(asked[0])
+    again.tell(TrialOutcome(retry.number, "complete", value=1.0))
+    assert again.ask() is None and again.finished() == 4
+    again.close()
+
+
+def test_a_proposals_held_siblings_count_once_in_its_own_process(tmp_path):
+    """The siblings a process holds for its running proposal take their slots once: the
+    proposal's ``HELD_SIBLINGS`` attribute, which other processes count, is not counted again
+    by its own, which would leave slots of the study untaken."""
+    handle = open_study("toy", study_dir=tmp_path, sampler="random", seed=0)
+    src = OptunaTrialSource(handle, SPACE, 4, poll_seconds=0.2, siblings=2,
+                            training_keys=("learning_rate",))
+    proposal = src.ask()
+    assert proposal.siblings == 2 and src.remaining() == 1  # 4 - the proposal - 2 held
+    siblings = [src.ask(), src.ask()]
+    assert {s.sibling_of for s in siblings} == {proposal.number} and src.remaining() == 1
+    last = src.ask()
+    assert isinstance(last, AskedTrial) and last.sibling_of is None
+    src.close()

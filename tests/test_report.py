@@ -1,0 +1,113 @@
+"""The study's record: results.json / results.csv, its best trial and its runs, as the study
+holds them (real Optuna studies in SQLite storage)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+from scamp_jax.hpo import report
+from scamp_jax.hpo.study import OptunaTrialSource, TrialOutcome, open_study
+from scamp_jax.space import SearchSpace
+
+
+def suggest(trial: Any) -> dict[str, Any]:
+    return {"width": trial.suggest_categorical("width", [8, 16, 32]),
+            "learning_rate": trial.suggest_float("learning_rate", 1e-4, 1e-1, log=True)}
+
+
+SPACE = SearchSpace("toy", suggest, build=lambda c, r: None)
+
+
+def _source(study_dir, n_trials: int, **kw: Any) -> OptunaTrialSource:
+    handle = open_study("toy", study_dir=study_dir, direction="minimize", sampler="random")
+    return OptunaTrialSource(handle, SPACE, n_trials, poll_seconds=0.2, **kw)
+
+
+def test_a_pruned_trial_with_a_better_score_is_not_the_best(tmp_path):
+    """A trial pruned part-way keeps the score of its last evaluation, which may beat every
+    complete trial's; the best (results.json's ``best``, the verdict, ``best_model``) is a
+    complete trial's: a pruned one never trained its steps."""
+    src = _source(tmp_path, 2)
+    pruned, complete = src.ask(), src.ask()
+    src.tell(TrialOutcome(pruned.number, "pruned", reason="pruned at step 10",
+                          attrs={"metrics": {"mse": 0.01}}))
+    src.tell(TrialOutcome(complete.number, "complete", value=0.5,
+                          attrs={"metrics": {"mse": 0.5}}))
+    rows = report.trial_records(src.study, ["mse"])
+    assert report.best_record(rows, "mse", "minimize")["number"] == complete.number
+    report.write_results(tmp_path, rows, metric="mse", direction="minimize")
+    assert json.loads((tmp_path / "results.json").read_text())["best"] == complete.number
+    assert report.verdict(rows, "mse", "minimize", None).startswith(
+        f"best trial {complete.number}: mse 0.5")
+    src.close()
+
+
+def test_a_record_of_one_run_from_before_runs_were_kept_grows(tmp_path):
+    """A results.json written before the record kept every run (one ``run``, no ``runs``)
+    is an earlier run of the study: the next run is appended after it, not in its place."""
+    row = {"number": 0, "params": {}, "state": "complete", "mse": 1.0}
+    (tmp_path / "results.json").write_text(json.dumps(
+        {"metric": "mse", "direction": "minimize", "best": 0, "trials": [row],
+         "run": {"elapsed_s": 3.0}}))
+    assert [r["elapsed_s"] for r in report.read_runs(tmp_path)] == [3.0]
+    report.write_results(tmp_path, [row], metric="mse", direction="minimize",
+                         run={"elapsed_s": 5.0})
+    payload = json.loads((tmp_path / "results.json").read_text())
+    assert [r["elapsed_s"] for r in payload["runs"]] == [3.0, 5.0]
+    assert not list(tmp_path.glob("results.damaged-*.json"))
+
+
+def test_a_runs_overhead_goes_to_that_run_though_another_run_was_recorded_since(tmp_path):
+    """Two processes on one study: run ``a`` is recorded, then run ``b``; ``a``'s report time,
+    measured after its record was written, goes to ``a`` (by its id), not to the last run."""
+    row = {"number": 0, "params": {}, "state": "complete", "mse": 1.0}
+    for run_id in ("a", "b"):
+        report.write_results(tmp_path, [row], metric="mse", direction="minimize",
+                             run={"run_id": run_id, "elapsed_s": 1.0})
+    report.add_run_overhead(tmp_path, "a", {"report_s": 0.5})
+    payload = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["run_id"], r.get("overhead")) for r in payload["runs"]] == [
+        ("a", {"report_s": 0.5}), ("b", None)]
+    assert payload["run"]["run_id"] == "b"
+
+
+def test_runs_recorded_at_once_are_all_kept(tmp_path):
+    """Processes sharing a study record their runs at once (here threads, which take the
+    record's lock as processes do): each appends its run to the record in turn, and none is
+    lost to another's write of what it read before."""
+    row = {"number": 0, "params": {}, "state": "complete", "mse": 1.0}
+    writers, per_writer = 6, 8
+    start = threading.Barrier(writers)
+    errors: list[BaseException] = []
+
+    def record(writer: int) -> None:
+        try:
+            start.wait()
+            for i in range(per_writer):
+                report.write_results(tmp_path, [row], metric="mse", direction="minimize",
+                                     run={"run_id": f"{writer}-{i}", "elapsed_s": 1.0})
+        except BaseException as err:  # noqa: BLE001 - said below
+            errors.append(err)
+
+    threads = [threading.Thread(target=record, args=(w,)) for w in range(writers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    ids = [r["run_id"] for r in report.read_runs(tmp_path)]
+    assert sorted(ids) == sorted(f"{w}-{i}" for w in range(writers) for i in range(per_writer))
+
+
+def test_a_best_trial_level_with_its_baseline_does_not_beat_it():
+    """The verdict says the best trial beats its baseline only where it is better: a score
+    equal to the baseline's (a model that learned nothing over bicubic) does not beat it, in
+    either direction."""
+    row = {"number": 1, "state": "complete", "psnr": 31.5, "bicubic_psnr": 31.5}
+    assert report.verdict([row], "psnr", "maximize", "bicubic_psnr").endswith(
+        "(+0, does not beat the baseline)")
+    row = {"number": 1, "state": "complete", "mse": 0.25, "zero_mse": 0.25}
+    assert report.verdict([row], "mse", "minimize", "zero_mse").endswith(
+        "(+0, does not beat the baseline)")
