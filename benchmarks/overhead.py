@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import runpy
 import statistics
@@ -183,9 +184,9 @@ def run_plain(family: Family, study_dir: Path, seed: int = SEED) -> dict[str, An
         if hasattr(model, "eval"):
             model.eval()
         value = float(task.evaluate(model)[task.metric])
-        if not kept or (value > kept["value"] if task.direction == "maximize"
-                        else value < kept["value"]):
-            kept.update(value=value, model=model)
+        if math.isfinite(value) and (not kept or (
+                value > kept["value"] if task.direction == "maximize" else value < kept["value"])):
+            kept.update(value=value, model=model)  # a diverged trial's is never the best
         return value
 
     study = optuna.create_study(

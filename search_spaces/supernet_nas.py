@@ -681,8 +681,9 @@ def evaluate_and_save(
     console: Console | None = None,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Rank subnets of the trained supernet by held-out PSNR and save the results (the second
-    half of `run_nas`).
+    """Rank subnets of the trained supernet by held-out PSNR, test the best on the test
+    photographs (`test_best`) and save the results (the second half of `run_nas`;
+    ``eval_seconds`` counts the ranking and the test).
 
     Evaluates ``config.eval_subnets`` subnets on `held_out_images`, prints the tables on
     ``console`` (default: none shown) and writes the summary, with the keys of ``extra`` added,

@@ -588,9 +588,9 @@ def test_a_study_whose_database_was_deleted_is_not_made_again_over_its_outputs(t
     assert kept
     for db in tmp_path.glob("study.db*"):
         db.unlink()
-    with pytest.raises(ValueError, match=r"holds the checkpoints and results.json of an earlier "
-                       r"study 'mlp', which its storage does not have \(was its study.db "
-                       r"deleted, or another storage given\?\)"):
+    with pytest.raises(ValueError, match=r"holds the checkpoints, results.json and best_model of "
+                       r"an earlier study 'mlp', which its storage does not have \(was its "
+                       r"study.db deleted, or another storage given\?\)"):
         scamp_jax.run_study(SPACE, function_task(), trials=2, seed=1, **kw)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == kept
     assert not list(tmp_path.glob("study.db*"))  # the refusal made no new database
@@ -844,8 +844,8 @@ def test_a_tasks_test_scores_the_best_model_on_data_no_trial_was_chosen_by(tmp_p
 
 
 def test_a_test_that_fails_is_said_and_the_study_keeps_its_results(tmp_path, capsys):
-    """A ``test`` that raises at the end of the study is said with what it must return; every
-    trial's results and the best model are written, and no test scores are claimed."""
+    """A ``test`` that raises at the end of the study is said; every trial's results and the
+    best model are written, and no test scores are claimed."""
     def test(model):
         raise KeyError("x_test")
 
@@ -944,3 +944,55 @@ def test_a_best_model_whose_checkpoints_were_removed_is_still_tested(tmp_path):
     shutil.rmtree(tmp_path / "checkpoints", ignore_errors=True)
     again = scamp_jax.run_study(SPACE, task, **kw)
     assert len(tested) == 2 and again["test"] == {"trial": 0, "mse": 0.5}
+
+
+def test_a_best_model_left_by_an_earlier_study_is_replaced_and_never_tested_as_the_new_ones(
+        tmp_path):
+    """A folder whose earlier study was moved away but for ``best_model/``: the new study's
+    trial 0 writes ``checkpoints/trial_0`` again, under the same number. The earlier model
+    (other parameters, another score) is replaced by the new best's, and the test scores the
+    new one; a rerun whose test then fails claims no test at all, not the earlier run's."""
+    import shutil
+
+    kw = dict(trials=1, steps=3, study_dir=tmp_path, memory_per_device="64MiB",
+              max_batch_size=16, live=False, sampler="random")
+    tested = []
+    earlier = dataclasses.replace(function_task(), evaluate=lambda model: {"mse": 0.5},
+                                  test=lambda model: tested.append(model) or {"mse": 0.5})
+    scamp_jax.run_study(SPACE, earlier, seed=1, **kw)
+    for name in ("checkpoints", "results.json", "results.csv", "study.db", "outputs.json"):
+        path = tmp_path / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    now = dataclasses.replace(function_task(), evaluate=lambda model: {"mse": 1.0},
+                              test=lambda model: tested.append(model) or {"mse": 0.75})
+    done = scamp_jax.run_study(SPACE, now, seed=2, **kw)
+    saved = json.loads((tmp_path / "best_model" / "trial.json").read_text())
+    assert saved["params"] == done["best"]["params"] and saved["mse"] == 1.0
+    assert done["test"] == {"trial": 0, "mse": 0.75} and saved["test"] == {"mse": 0.75}
+    assert tested[-1].hidden.kernel.shape[1] == done["best"]["params"]["width"]
+
+    def broken(model):
+        raise RuntimeError("test data moved")
+
+    again = scamp_jax.run_study(SPACE, dataclasses.replace(now, test=broken), seed=2, **kw)
+    assert again["trials_this_run"] == 0 and again["test"] is None
+    assert "test" not in json.loads((tmp_path / "results.json").read_text())
+    assert "test" not in json.loads((tmp_path / "best_model" / "trial.json").read_text())
+
+
+def test_a_best_model_record_that_is_no_object_is_said_and_not_tested(tmp_path, capsys):
+    """A ``best_model/trial.json`` that holds JSON but no record (here ``null``, with the
+    study's checkpoints removed so that nothing copies it anew) is said, not tested; the run
+    ends as it would without a test."""
+    import shutil
+
+    kw = dict(trials=1, steps=3, study_dir=tmp_path, memory_per_device="64MiB",
+              max_batch_size=16, live=False)
+    task = dataclasses.replace(function_task(), test=lambda model: {"mse": 0.5})
+    scamp_jax.run_study(SPACE, task, **kw)
+    shutil.rmtree(tmp_path / "checkpoints")
+    (tmp_path / "best_model" / "trial.json").write_text("null")
+    again = scamp_jax.run_study(SPACE, task, **kw)
+    assert again["test"] is None
+    assert (f"note: {tmp_path / 'best_model'} holds no model of the best trial 0"
+            in " ".join(capsys.readouterr().out.split()))

@@ -587,6 +587,22 @@ def test_a_score_that_is_no_number_fails_its_trial_naming_it(tmp_path):
                                     "score must be one number"), row["reason"]
 
 
+def test_a_score_may_be_any_array_of_one_number():
+    """A score is one number however it comes (a float, a 0-d or one-element array of NumPy
+    or JAX, as `jnp.mean(...)[None]` gives); an array of more numbers is refused, naming it.
+    One rule for a trial's scores and the best model's test (`checked_scores`)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from scamp_jax.hpo.lifecycle import checked_scores
+
+    for value in (0.5, np.float32(0.5), np.array(0.5), np.array([0.5]), jnp.array([[0.5]])):
+        assert checked_scores({"mse": value}, "task.evaluate", "mse") == {"mse": 0.5}
+    with pytest.raises(TypeError, match=r"task.test returned 'mse': array\(\[0.75, 0.25\]\); "
+                       r"every score must be one number"):
+        checked_scores({"mse": np.array([0.75, 0.25])}, "task.test", "mse")
+
+
 def test_non_finite_losses_are_the_configurations_own_and_never_stop_the_study(tmp_path):
     reference = Regression()
     task = scamp_jax.FunctionTask(

@@ -297,7 +297,8 @@ def checked_scores(metrics: Any, where: str, metric: str) -> dict[str, float]:
     scores = {}
     for key, value in metrics.items():
         try:
-            scores[key] = float(np.asarray(value))
+            array = np.asarray(value)
+            scores[key] = float(array.reshape(()) if array.size == 1 else array)
         except (TypeError, ValueError):
             raise TypeError(f"{where} returned {key!r}: {value!r}; every score must be one "
                             "number (a float, or an array of one element)") from None

@@ -335,12 +335,9 @@ def save_best_model(
     with _locked(study_dir / "results.lock"):
         if old.is_dir() and not target.exists():
             old.rename(target)  # a save stopped between its renames: the model it replaced
-        saved = _saved_best(target, study_dir, metric)
+        saved = _saved_best(target, study_dir, metric, records)
         if saved is not None and best_record([best, saved], metric, direction) is saved:
             return target  # a better trial's, saved by a process that saw it finish
-        if saved is not None and (saved["number"], saved["checkpoint"]) == (
-                best["number"], best["checkpoint"]):
-            return target  # this trial's already (its test, if taken, stays with it)
         copy_checkpoint(source, part)
         (part / "trial.json").write_text(_dumps(
             {"number": best["number"], "params": best["params"], metric: best[metric],
@@ -356,10 +353,14 @@ def save_best_model(
     return target
 
 
-def _saved_best(directory: Path, study_dir: Path, metric: str) -> dict[str, Any] | None:
+def _saved_best(directory: Path, study_dir: Path, metric: str,
+                records: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     """The ``trial.json`` of the best model saved in ``directory`` as a complete record with
-    ``metric``, while the checkpoint it was copied from is still in ``study_dir`` (None: none
-    saved, without that metric or its checkpoint, or from another study)."""
+    ``metric``, while the checkpoint it was copied from is still in ``study_dir`` and the trial
+    of its number in ``records`` (where they have it: another process may have finished it
+    since) has its parameters and score (None: none saved, without that metric or its
+    checkpoint, or from another study: one whose outputs were moved away but for
+    ``best_model/``, whose trial numbers and checkpoint folders a new study writes again)."""
     try:
         saved = json.loads((directory / "trial.json").read_text())
         value = float(saved[metric])
@@ -368,14 +369,19 @@ def _saved_best(directory: Path, study_dir: Path, metric: str) -> dict[str, Any]
         return None
     if not checkpoint.is_dir():
         return None
+    same = [r for r in records if r.get("number") == saved.get("number")]
+    if same and (same[0].get("params") != saved.get("params") or same[0].get(metric) != value):
+        return None
     return {**saved, "state": "complete", metric: value}
 
 
-def record_test(study_dir: str | Path, number: int, scores: Mapping[str, float]) -> bool:
+def record_test(study_dir: str | Path, number: int,
+                scores: Mapping[str, float] | None) -> bool:
     """Write the test ``scores`` of trial ``number``'s model into ``best_model/trial.json``
-    and ``results.json`` (``"test"``, where trial ``number`` is its best); False, writing
-    nothing, where ``best_model/`` holds another trial's model by now (another process saved a
-    better one)."""
+    and ``results.json`` (``"test"``, where trial ``number`` is its best), or with ``scores``
+    None take that trial's test out of both (this run took none: no earlier run's stays);
+    False, writing nothing, where ``best_model/`` holds another trial's model by now (another
+    process saved a better one)."""
     study_dir = Path(study_dir)
     saved = study_dir / "best_model" / "trial.json"
     with _locked(study_dir / "results.lock"):
@@ -385,15 +391,24 @@ def record_test(study_dir: str | Path, number: int, scores: Mapping[str, float])
             return False
         if not isinstance(record, dict) or record.get("number") != number:
             return False
-        record["test"] = dict(scores)
-        write_whole(saved, _dumps(record, indent=2))
+        if scores is not None:
+            record["test"] = dict(scores)
+            write_whole(saved, _dumps(record, indent=2))
+        elif record.pop("test", None) is not None:
+            write_whole(saved, _dumps(record, indent=2))
         try:
             payload = json.loads((study_dir / "results.json").read_text())
         except (OSError, ValueError):  # none yet, or damaged: the next write reads trial.json
             return True
-        if isinstance(payload, dict) and payload.get("best") == number:
+        if not isinstance(payload, dict):
+            return True
+        if scores is not None and payload.get("best") == number:
             payload["test"] = {"trial": number, **scores}
-            write_whole(study_dir / "results.json", _dumps(payload, indent=2))
+        elif scores is None and (payload.get("test") or {}).get("trial") == number:
+            del payload["test"]
+        else:
+            return True
+        write_whole(study_dir / "results.json", _dumps(payload, indent=2))
     return True
 
 

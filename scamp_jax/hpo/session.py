@@ -230,8 +230,11 @@ def check_outputs_have_their_study(out_dir: Path, study_name: str,
         ("results.json", (out_dir / "results.json").exists())) if there]
     if not held or study_name in stored():
         return
+    if (out_dir / "best_model").exists():
+        held.append("best_model")
     raise ValueError(
-        f"{out_dir} holds the {' and '.join(held)} of an earlier study {study_name!r}, which its "
+        f"{out_dir} holds the {', '.join(held[:-1])}{' and ' if held[1:] else ''}{held[-1]} "
+        f"of an earlier study {study_name!r}, which its "
         "storage does not have (was its study.db deleted, or another storage given?); a new "
         "study would resume its trials from the earlier study's checkpoints: restore that "
         "database, pass another study_dir, or move those outputs away to start afresh")
@@ -597,6 +600,16 @@ class StudySession:
                 "test": tested}
 
     def _test_best(self, best: Any) -> dict[str, Any] | None:
+        """`_take_test`, and where it took none, no earlier run's test of the best trial's model
+        kept (`report.record_test` with None): a test that failed now claims nothing."""
+        from scamp_jax.hpo import report
+
+        tested = self._take_test(best)
+        if tested is None and best is not None:
+            report.record_test(self.out_dir, best["number"], None)
+        return tested
+
+    def _take_test(self, best: Any) -> dict[str, Any] | None:
         """The task's ``test`` scores of the best trial's model (``best``: its results row),
         saved in ``best_model/``: scores on data no trial was chosen by, written to its
         ``trial.json`` and ``results.json`` (`report.record_test`) and returned as
@@ -616,8 +629,10 @@ class StudySession:
         except (OSError, ValueError):
             return None
         number = best["number"]
-        if record.get("number") != number:
-            return None  # no model of it kept (another process saved a better one)
+        if not isinstance(record, dict) or record.get("number") != number:
+            self.say(f"note: {saved} holds no model of the best trial {number} (another "
+                     "process's better one, or none), so it is not tested here")
+            return None
         self.say(f"testing the best model (trial {number}) on the task's test data")
         where = f"the best model (trial {number}, in {saved})"
         try:
