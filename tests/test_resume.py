@@ -551,6 +551,17 @@ def test_a_saved_best_model_is_kept_while_better_and_its_checkpoint_is_in_the_st
     # records read before trial 1 finished leave its model in place
     save_best_model(tmp_path, [worse], "mse", "minimize")
     assert holds() == ("trial 1", 1)
+    running = {**better, "state": "running", "mse": None}  # read while it ran
+    save_best_model(tmp_path, [worse, running], "mse", "minimize")
+    assert holds() == ("trial 1", 1)
+    # best_model/ of another study, whose trial 1 wrote the same checkpoint folder: this
+    # study's trial 1 (other parameters, or another score) is copied over it, never kept
+    for other in ({**better, "params": {"n": 7}, "mse": 0.3}, {**better, "mse": 0.3}):
+        (saved / "weights").write_text("trial 1 of another study")
+        save_best_model(tmp_path, [worse, other], "mse", "minimize")
+        assert holds() == ("trial 1", 1)
+        assert json.loads((saved / "trial.json").read_text())["params"] == other["params"]
+        save_best_model(tmp_path, [worse, better], "mse", "minimize")
     # a save stopped between its two renames: the next puts the model it replaced back first
     saved.rename(tmp_path / ".best_model.old")
     save_best_model(tmp_path, [worse], "mse", "minimize")

@@ -358,7 +358,8 @@ def _saved_best(directory: Path, study_dir: Path, metric: str,
     """The ``trial.json`` of the best model saved in ``directory`` as a complete record with
     ``metric``, while the checkpoint it was copied from is still in ``study_dir`` and the trial
     of its number in ``records`` (where they have it: another process may have finished it
-    since) has its parameters and score (None: none saved, without that metric or its
+    since, or it was running when they were read) has its parameters and score (None: none
+    saved, without that metric or its
     checkpoint, or from another study: one whose outputs were moved away but for
     ``best_model/``, whose trial numbers and checkpoint folders a new study writes again)."""
     try:
@@ -370,7 +371,8 @@ def _saved_best(directory: Path, study_dir: Path, metric: str,
     if not checkpoint.is_dir():
         return None
     same = [r for r in records if r.get("number") == saved.get("number")]
-    if same and (same[0].get("params") != saved.get("params") or same[0].get(metric) != value):
+    if same and (same[0].get("params") != saved.get("params")
+                 or same[0].get(metric) not in (None, value)):  # None: running when read
         return None
     return {**saved, "state": "complete", metric: value}
 
