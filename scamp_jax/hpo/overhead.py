@@ -10,7 +10,9 @@ study session). Compiles are attributed by thread: the engine's planner threads
 (``planner*``) plan, its trial threads (``trial*``) run trials, and within a trial the training
 step (``jit(step)``; a fused group's ``jit(fused)``), the initial state (``jit(init)``) and the
 evaluation forward (``jit(run)``) are told apart by name, and what compiles while a
-checkpoint is written (orbax's slices of sharded arrays) is the checkpoint's. A planner thread
+checkpoint is written is the checkpoint's (none since trial checkpoints write each array whole:
+orbax's default compiled a slicing program per array shape of a data-parallel trial,
+`scamp_jax.hpo.checkpoint.array_handler`). A planner thread
 compiles a new architecture's step and evaluation at the plan's batch, and the trials run
 those executables: in a fresh study ``planning`` holds them, and ``runner_step`` and
 ``evaluation`` only what a trial compiled itself. Per part: ``compiles`` and ``compile_s``
