@@ -23,7 +23,9 @@ except ModuleNotFoundError:  # the one package this example adds to scamp-jax's
 
 x, y = load_digits(return_X_y=True)  # 1797 images of 8x8 pixels, labels 0-9
 x, y = (x / 16).astype(np.float32), y.astype(np.int32)
-x_train, y_train, x_val, y_val = x[:1500], y[:1500], x[1500:], y[1500:]
+# trained on, held out (trials are scored and chosen by it), test (only the best model sees it)
+x_train, y_train = x[:1500], y[:1500]
+x_val, y_val, x_test, y_test = x[1500:1650], y[1500:1650], x[1650:], y[1650:]
 
 
 class MLP(nnx.Module):
@@ -57,7 +59,8 @@ task = scamp_jax.FunctionTask(
     metric="accuracy", direction="maximize", batches=batches,
     loss_fn=lambda model, b: optax.softmax_cross_entropy_with_integer_labels(
         model(b[0]), b[1]).mean(),
-    evaluate=lambda model: {"accuracy": float((model(x_val).argmax(-1) == y_val).mean())})
+    evaluate=lambda model: {"accuracy": float((model(x_val).argmax(-1) == y_val).mean())},
+    test=lambda model: {"accuracy": float((model(x_test).argmax(-1) == y_test).mean())})
 
 if __name__ == "__main__":
     flags = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -85,6 +88,9 @@ if __name__ == "__main__":
         # the study's refusal in this script's flags (--steps, --study-name)
         as_command_line = getattr(err, "as_command_line", None)
         raise SystemExit(f"error: {as_command_line() if as_command_line else err}") from None
-    best = result["best"]  # None while no trial has completed
+    best, tested = result["best"], result["test"]  # None while no trial has completed
     if best is not None:
-        print(f"best: trial {best['number']} {best['params']} accuracy {best['accuracy']:.3f}")
+        # the test: the best model's accuracy on digits no trial was chosen by
+        test = f", test accuracy {tested['accuracy']:.3f}" if tested is not None else ""
+        print(f"best: trial {best['number']} {best['params']} accuracy {best['accuracy']:.3f}"
+              + test)

@@ -49,9 +49,14 @@ def test_digits_example_runs_a_study_and_reports_the_best_trial(digits_study):
     assert [row["state"] for row in results["trials"]] == ["complete", "complete"]
     best = next(r for r in results["trials"] if r["number"] == results["best"])
     assert f"best: trial {best['number']} " in out
-    assert f"accuracy {best['accuracy']:.3f}" in out
     assert best["accuracy"] > 0.2  # ten classes: chance is 0.1
-    assert (study_dir / "best_model" / "trial.json").is_file()
+    # the best model is tested on digits that neither trained a trial nor chose the best
+    test = results["test"]
+    assert test["trial"] == best["number"] and 0.2 < test["accuracy"] <= 1
+    assert (f"accuracy {best['accuracy']:.3f}, test accuracy {test['accuracy']:.3f}"
+            in out.splitlines()[-1])
+    saved = json.loads((study_dir / "best_model" / "trial.json").read_text())
+    assert saved["number"] == best["number"] and saved["test"] == {"accuracy": test["accuracy"]}
 
 
 def test_digits_example_says_a_study_of_other_steps_in_its_own_flags(digits_study):

@@ -111,3 +111,22 @@ def test_a_best_trial_level_with_its_baseline_does_not_beat_it():
     row = {"number": 1, "state": "complete", "mse": 0.25, "zero_mse": 0.25}
     assert report.verdict([row], "mse", "minimize", "zero_mse").endswith(
         "(+0, does not beat the baseline)")
+
+
+def test_a_test_of_a_model_that_best_model_no_longer_holds_is_not_written(tmp_path):
+    """Another process may save a better trial's model in ``best_model/`` while this one tests
+    its own: the test of trial 0 is then not written, neither beside trial 1's model nor in
+    ``results.json`` (whose best is trial 1), and its test of trial 1 stays as it was."""
+    (tmp_path / "best_model").mkdir()
+    saved = {"number": 1, "params": {"width": 8}, "mse": 0.25, "test": {"mse": 0.3}}
+    (tmp_path / "best_model" / "trial.json").write_text(json.dumps(saved))
+    results = {"metric": "mse", "direction": "minimize", "best": 1, "trials": [],
+               "test": {"trial": 1, "mse": 0.3}}
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    assert not report.record_test(tmp_path, 0, {"mse": 0.5})
+    assert not report.record_test(tmp_path, 0, None)
+    assert json.loads((tmp_path / "best_model" / "trial.json").read_text()) == saved
+    assert json.loads((tmp_path / "results.json").read_text()) == results
+    assert report.saved_test(tmp_path) == {"trial": 1, "mse": 0.3}
+    assert report.record_test(tmp_path, 1, {"mse": 0.35})  # its own trial's: written
+    assert json.loads((tmp_path / "results.json").read_text())["test"] == {"trial": 1, "mse": 0.35}

@@ -608,9 +608,10 @@ def verdict(records: Sequence[Mapping[str, Any]], metric: str, direction: str,
                 "results.csv (and the traceback of a trial that raised in results.json)")
     line = (f"best trial {best['number']}: {metric} {best[metric]:.5g}"
             + _against(best, metric, direction, baseline))
-    if test is not None and test.get("trial") == best["number"] and test.get(metric) is not None:
-        line += (f"\n  tested on data no trial was chosen by (the task's test): {metric} "
-                 f"{test[metric]:.5g}" + _against(test, metric, direction, baseline))
+    if test is not None and test.get("trial") == best["number"] and metric in test:
+        line += "\n  tested on data no trial was chosen by (the task's test): " + (
+            f"{metric} {test[metric]:.5g}" + _against(test, metric, direction, baseline)
+            if test[metric] is not None else f"{metric} no finite number")
     return line
 
 

@@ -25,6 +25,7 @@ import functools
 import gc
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -613,7 +614,8 @@ class StudySession:
         """The task's ``test`` scores of the best trial's model (``best``: its results row),
         saved in ``best_model/``: scores on data no trial was chosen by, written to its
         ``trial.json`` and ``results.json`` (`report.record_test`) and returned as
-        `report.saved_test` reads them back. None where the task has no ``test``, or
+        `report.saved_test` reads them back (a score that is no finite number as None, and
+        said). None where the task has no ``test``, or
         ``best_model/`` holds no model of that trial; a test that fails is said, and the
         study's results stand as written."""
         from scamp_jax.hpo import report
@@ -657,7 +659,11 @@ class StudySession:
             return None
         if not report.record_test(self.out_dir, number, scores):
             return None  # another process saved a better model meanwhile: its test is its own
-        return {"trial": number, **scores}
+        if not math.isfinite(scores[self.task.metric]):  # kept as JSON keeps it: null
+            self.say(f"note: the test of {where} gave {self.task.metric} "
+                     f"{scores[self.task.metric]}, no finite number")
+        return {"trial": number, **{k: v if math.isfinite(v) else None  # as results.json has it
+                                    for k, v in scores.items()}}
 
     def report_interrupted(self, study: optuna.Study, elapsed_s: float,
                            trials_this_run: int | None = None, *, beyond_engine: bool = False,
