@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m benchmarks.compiles", description=__doc__.splitlines()[0])
     parser.add_argument("--case", default="swinir",
                         help="a model of benchmarks.memory_accuracy (swinir, swinir_small, "
-                        "swinir_paper, mlp, ...)")
+                        "swinir_paper, mlp, ...; default swinir)")
     parser.add_argument("--devices", type=int, default=None,
                         help="devices to plan on (default: all; on CPU the host is split into 8)")
     parser.add_argument("--memory-per-device", default=None,

@@ -81,20 +81,21 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[int, int, int], list[f
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", choices=("swinir", "vit", "digits"), default="swinir",
-                   help="smoke SwinIR, smoke ViT or the MLP of examples/digits.py")
+                   help="smoke SwinIR, smoke ViT or the MLP of examples/digits.py (default swinir)")
     p.add_argument("--config", choices=("largest", "smallest"), default="largest",
-                   help="the space's largest configuration or its smallest (first grid values)")
+                   help="the space's largest configuration or its smallest (first grid values; "
+                   "default largest)")
     p.add_argument("--params", type=json.loads, default=None,
                    help='a configuration as JSON, e.g. \'{"width": 256, "depth": 2, '
                    '"learning_rate": 0.01}\' (the digits space names no largest)')
     p.add_argument("--batch", default="16",
                    help="global batch of every run, or several (``8,16,32``): each layout at each "
-                   "batch, interleaved, with milliseconds per sample to compare them")
+                   "batch, interleaved, with milliseconds per sample to compare them (default 16)")
     p.add_argument("--counts", default="1,2,4",
                    help="layouts to compare: ``n`` (one trial on n devices) or ``nxk`` (k trials "
-                   "at once, each on its own n devices)")
-    p.add_argument("--steps", type=positive_int, default=10, help="steps per timing")
-    p.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds")
+                   "at once, each on its own n devices; default 1,2,4)")
+    p.add_argument("--steps", type=positive_int, default=10, help="steps per timing (default 10)")
+    p.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds (default 3)")
     args = p.parse_args(argv)
     layouts = [tuple(int(x) for x in (c + "x1").split("x")[:2]) for c in args.counts.split(",")]
     batches = [positive_int(b) for b in args.batch.split(",")]

@@ -225,7 +225,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     """Parse flags and print the checks."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.fusion_precision", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", choices=sorted(DEFAULTS), default="swinir")
+    p.add_argument("--family", choices=sorted(DEFAULTS), default="swinir",
+                   help="model family of the members (default swinir)")
     p.add_argument("--width", type=int, default=None,
                    help="members (--ops: 4; --trial: 5, at least 5)")
     p.add_argument("--steps", type=int, default=None, help="--trial: steps per trial")

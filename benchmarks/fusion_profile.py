@@ -126,13 +126,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Parse flags, profile, print the tables."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.fusion_profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", choices=sorted(DEFAULTS), default="swinir")
-    p.add_argument("--width", type=int, default=4)
-    p.add_argument("--batch", type=int, default=None, help="samples per member")
-    p.add_argument("--reps", type=int, default=7, help="profiled calls of each step")
+    p.add_argument("--family", choices=sorted(DEFAULTS), default="swinir",
+                   help="model family of the members (default swinir)")
+    p.add_argument("--width", type=int, default=4, help="members of the fused step (default 4)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="samples per member (default: the family's in benchmarks.fusion: "
+                   + ", ".join(f"{k} {v['batch']}" for k, v in sorted(DEFAULTS.items())) + ")")
+    p.add_argument("--reps", type=int, default=7, help="profiled calls of each step (default 7)")
     p.add_argument("--conv-form", choices=("auto", "per_member", "grouped"), default=None,
                    help="sets SCAMP_FUSED_CONVOLUTIONS (scamp_jax.planning.member_ops)")
-    p.add_argument("--markdown", action="store_true")
+    p.add_argument("--markdown", action="store_true", help="print Markdown tables")
     args = p.parse_args(argv)
     if args.conv_form is not None:
         os.environ["SCAMP_FUSED_CONVOLUTIONS"] = args.conv_form

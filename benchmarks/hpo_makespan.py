@@ -145,10 +145,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", choices=("swinir", "vit"), default="swinir",
                    help="model family: SwinIR super-resolution or ViT synthetic classification")
-    p.add_argument("--trials", type=positive_int, default=6, help="trials per policy")
+    p.add_argument("--trials", type=positive_int, default=6, help="trials per policy (default 6)")
     p.add_argument("--steps", type=positive_int, default=40,
-                   help="training steps per trial at the reference batch")
-    p.add_argument("--devices", type=positive_int, default=None, help="devices in the pool")
+                   help="training steps per trial at the reference batch (default 40)")
+    p.add_argument("--devices", type=positive_int, default=None,
+                   help="devices in the pool (default: the family's smoke preset)")
     p.add_argument("--memory-per-device", default=None,
                    help="budget per device (default: the family's smoke preset)")
     p.add_argument("--max-batch-size", type=positive_int, default=None,

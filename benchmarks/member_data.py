@@ -94,10 +94,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Parse flags, measure, print a table (and the JSON with ``--json``)."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.member_data", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", choices=("swinir", "vit"), default="swinir")
-    p.add_argument("--width", type=int, default=8, help="members in the group")
-    p.add_argument("--batch", type=int, default=4096, help="samples per member per step")
-    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
+    p.add_argument("--family", choices=("swinir", "vit"), default="swinir",
+                   help="whose task draws the batches (default swinir)")
+    p.add_argument("--width", type=int, default=8, help="members in the group (default 8)")
+    p.add_argument("--batch", type=int, default=4096,
+                   help="samples per member per step (default 4096)")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
     for name in ("width", "batch", "repeats"):

@@ -98,10 +98,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Parse flags, measure both policies, print the table."""
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.scheduler_overhead", description=__doc__.split("\n")[0])
-    parser.add_argument("--devices", type=int, default=1024, help="devices in the pool")
-    parser.add_argument("--queued", type=int, default=10_000, help="trials kept in the queue")
-    parser.add_argument("--decisions", type=int, default=200, help="timed decisions per policy")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the request stream")
+    parser.add_argument("--devices", type=int, default=1024,
+                        help="devices in the pool (default 1024)")
+    parser.add_argument("--queued", type=int, default=10_000,
+                        help="trials kept in the queue (default 10,000)")
+    parser.add_argument("--decisions", type=int, default=200,
+                        help="timed decisions per policy (default 200)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the request stream (default 0)")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     args = parser.parse_args(argv)
     if args.devices < 8 or args.queued < 1 or args.decisions < 1:

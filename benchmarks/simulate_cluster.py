@@ -61,6 +61,7 @@ from scamp_jax.devices import configure_cpu_devices
 from scamp_jax.scheduling.placement import FixedPolicy, ScampPolicy
 from scamp_jax.sim.simulator import (
     CLUSTER_PRESETS,
+    PRESET_OF_TARGET,
     ClusterModel,
     SimResult,
     StepCostModel,
@@ -487,8 +488,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Simulate a search on a GPU cluster with the real placement code."
     )
     parser.add_argument("--devices", type=int, default=32, help="accelerators in the cluster")
-    parser.add_argument("--device", default="v100-16gb", choices=sorted(CLUSTER_PRESETS),
-                        help="accelerator model (public data-sheet figures)")
+    parser.add_argument("--device", default="v100-16gb",
+                        choices=list(dict.fromkeys([*sorted(CLUSTER_PRESETS), *PRESET_OF_TARGET])),
+                        help="accelerator model (public data-sheet figures; default "
+                        "v100-16gb), or a planner target's name (--target of the "
+                        "experiments: h100 is h100-80gb, v100 v100-32gb)")
     parser.add_argument("--search", default="swinir", choices=("swinir", "vit"),
                         help="search space to draw trials from")
     parser.add_argument("--variant", default="small", choices=("small", "paper"),

@@ -133,8 +133,10 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m benchmarks.target_accuracy", description=__doc__.splitlines()[0])
     parser.add_argument("--targets", default="h100",
                         help="comma-separated target names or description files (e.g. a GPU "
-                        "suite's environment/target_config.txtpb)")
-    parser.add_argument("--only", default="mlp,vit,swinir_small", help="comma-separated cases")
+                        "suite's environment/target_config.txtpb; default h100)")
+    parser.add_argument("--only", default="mlp,vit,swinir_small",
+                        help="comma-separated cases of benchmarks.memory_accuracy "
+                        "(default mlp,vit,swinir_small: the three the H200 ran)")
     parser.add_argument("--memory-per-device", default=None,
                         help="budget per device, e.g. 2GiB, or 'pool': what a training "
                         "process alone on the target GPU holds (default: each case's, as the "

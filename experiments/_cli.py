@@ -117,6 +117,18 @@ def fusion_width(text: str) -> int | str:
     return value
 
 
+def memory_size(text: str) -> str:
+    """argparse type of ``--memory-per-device``: a size `scamp_jax._units.parse_bytes` reads
+    (kept as written: the study records it so)."""
+    from scamp_jax._units import parse_bytes
+
+    try:
+        parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
 def running_cap(text: str) -> int | str:
     """argparse type of ``--max-running-trials``: ``auto``, ``none`` (no cap) or an integer
     >= 1."""
@@ -145,7 +157,7 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
                         help="how many of the backend's devices form the pool (default: the "
                         "preset's on CPU, all on GPUs; on CPU the host is split into "
                         f"max({CPU_DEVICES}, this) devices)")
-    parser.add_argument("--memory-per-device",
+    parser.add_argument("--memory-per-device", type=memory_size,
                         help="memory budget per device, e.g. '1GiB', '512MiB' (default: the "
                         "preset's on CPU; on GPUs, and with --target, the pool JAX's allocator "
                         "takes on the card: 75%% of its memory for a process alone on it, "
@@ -180,9 +192,14 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
                         "'auto' is one per two host cores on CPU devices, which share the "
                         "host's cores, and no cap on accelerators; 'none': as many as the "
                         "pool's memory holds (default: the preset's, 'auto' unless said below)")
-    parser.add_argument("--sampler", choices=SAMPLERS, help="Optuna sampler (seeded)")
+    parser.add_argument("--sampler", choices=SAMPLERS,
+                        help="Optuna sampler, seeded: tpe, random, or grid (the search "
+                        "space's grid; the study ends once every point ran) (default: the "
+                        "preset's, tpe)")
     parser.add_argument("--pruner", choices=PRUNERS,
-                        help="Optuna pruner fed by intermediate evaluations (--eval-every)")
+                        help="Optuna pruner fed by intermediate evaluations (--eval-every): "
+                        "median, halving (successive halving: keeps the best share of "
+                        "trials at each rung) or none (default: the preset's)")
     parser.add_argument("--eval-every", type=non_negative_int, metavar="N",
                         help="steps between intermediate evaluations reported to the pruner, "
                         "counted as --steps are, at the preset's reference batch (a trial at "
@@ -610,6 +627,7 @@ def plan_only(
 
     from scamp_jax._units import counted, format_bytes, parse_bytes
     from scamp_jax.hpo.preview import ESTIMATE_NOTE, format_rows, plan_candidates
+    from scamp_jax.hpo.trial import fusion_cap
     from scamp_jax.planning import planner, targets
 
     if target_name is not None:
@@ -630,10 +648,16 @@ def plan_only(
     if config.max_batch_size:
         print(f"  batches of at most {config.max_batch_size} samples (--max-batch-size); a "
               "smaller one is what memory holds")
+    cap = fusion_cap(getattr(args, "fuse", None))  # as asked: the settings hold it at --trials
     if config.fuse is None and config.on_platform(devices[0].platform).fuse is not None:
         print("  a study on these devices trains trials of one architecture as fused groups "
               "(--fuse auto); below, each trial alone: add --fuse auto (or a width) to size "
               "the groups too (more compiles)")
+    elif cap is not None and config.trials < cap:  # as a study's: `family_width`
+        print(f"  a fused group holds trials of the study, at most --trials ({config.trials}): "
+              + ("no group is sized below; pass --trials 2 or more to size them"
+                 if config.trials < 2 else f"groups of at most {config.trials} below, not "
+                 f"{cap}; pass --trials {cap} to size the widest"))
     # Planned on a thread of its own, so that a Ctrl-C stops the command at once, not when a
     # compile (minutes for a large model and a GPU target) returns; once stopped, a plan the
     # thread finishes is not printed after the command's last words.

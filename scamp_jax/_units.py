@@ -73,6 +73,15 @@ def format_bytes(count: float) -> str:
     raise AssertionError("unreachable")
 
 
+def format_share(fraction: float) -> str:
+    """``fraction`` as a percentage with one decimal, or two significant digits where that
+    shows zero for a share that is not (``"0.3%"``, ``"0.0021%"``, ``"0%"``)."""
+    percent = 100 * float(fraction)
+    if percent == 0 or abs(percent) >= 0.05:
+        return f"{percent:.1f}%" if percent else "0%"
+    return f"{percent:.2g}%"
+
+
 def counted(n: int, noun: str) -> str:
     """``"1 compile"``, ``"2 compiles"``: ``n`` and ``noun``, plural unless ``n`` is 1."""
     return f"{n} {noun}{'' if n == 1 else 's'}"

@@ -783,7 +783,10 @@ def _print_tables(console: Any, config: NASConfig, result: TrainResult, summary:
         title=f"training: {config.schedule}, {config.stages} stages",
         caption="params with their optimizer state: on the devices, the blocks of the subnets "
                 "in flight on every stage (window slots) and the stem and head; in the whole "
-                "supernet, each block once (a small supernet can hold less than the windows)")
+                "supernet, each block once (a small supernet can hold less than the windows); "
+                "every block at the length of the largest (one array shape for all), so more "
+                "than the weights count. ideal util.: the same pipeline with no waits for "
+                "causal order (one subnet per batch), for comparison")
     for col in ("ticks", "utilisation", "ideal util.", "params on devices",
                 "params of supernet", "wall s", "samples/s"):
         train.add_column(col, justify="right")

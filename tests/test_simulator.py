@@ -9,6 +9,7 @@ import pytest
 from scamp_jax.scheduling.placement import FixedPolicy, ScampPolicy
 from scamp_jax.sim.simulator import (
     CLUSTER_PRESETS,
+    PRESET_OF_TARGET,
     ClusterModel,
     StepCostModel,
     TrialProfile,
@@ -221,6 +222,21 @@ def test_presets_and_unknown_device() -> None:
         cluster_preset("tpu")
     with pytest.raises(ValueError, match="compute_efficiency=1.5 must be in"):
         ClusterModel("x", 1, 1, 1, 1, 1, compute_efficiency=1.5)
+
+
+def test_a_cluster_is_simulated_by_the_name_it_is_planned_for() -> None:
+    """Every GPU the planner compiles for by name (``--target h100``) is a cluster here by
+    that name, of the same GPU: its memory within 2% of the target's (presets hold the
+    nominal size) and the FLOP/s the scheduler paces its device kind by."""
+    from scamp_jax.planning.targets import GPUS, TARGETS
+    from scamp_jax.scheduling.costs import COMPUTE_EFFICIENCY, attainable_flops
+
+    assert set(PRESET_OF_TARGET) == set(TARGETS)
+    for name, spec in GPUS.items():
+        cluster = cluster_preset(name, devices=8)
+        assert cluster.devices == 8
+        assert abs(cluster.memory_per_device / spec.memory_bytes - 1) < 0.02, name
+        assert cluster.peak_flops * COMPUTE_EFFICIENCY == attainable_flops(spec.device_kind)
 
 
 def test_hlo_parsing_counts_kernels_and_ring_collective_bytes() -> None:

@@ -153,16 +153,19 @@ def test_default_preset_pools_few_cpu_devices_and_every_gpu(argv, platform, pool
     assert pool_size(args, config, platform) == pool
 
 
-def test_unreadable_memory_size_is_rejected(tmp_path):
-    result = cli("--memory-per-device", "lots", "--study-dir", str(tmp_path))
+@pytest.mark.parametrize(("size", "says"), [
+    ("lots", "cannot read memory size 'lots': use a number of bytes or a number with a unit"),
+    ("0", "memory size must be positive, got '0'")])
+def test_unreadable_memory_size_is_rejected_in_the_flags_words(tmp_path, size, says):
+    result = cli("--memory-per-device", size, "--study-dir", str(tmp_path))
     assert result.returncode == 2
-    assert "error: cannot read memory size 'lots'" in result.stderr
+    assert f"error: argument --memory-per-device: {says}" in result.stderr
     assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize(("size", "says"), [
-    ("1.5", "error: memory size '1.5' is not a whole number of bytes; did you leave out its "
-            "unit? e.g. '1.5GiB' or '1.5GB'"),
+    ("1.5", "error: argument --memory-per-device: memory size '1.5' is not a whole number of "
+            "bytes; did you leave out its unit? e.g. '1.5GiB' or '1.5GB'"),
     ("1", "error: --memory-per-device 1 (1 B) leaves nothing to book once the safety margin of "
           "10% is held back; pass a size with its unit, e.g. '2GiB'")])
 def test_a_size_without_its_unit_is_refused_before_the_study_is_made(tmp_path, size, says):
@@ -171,7 +174,7 @@ def test_a_size_without_its_unit_is_refused_before_the_study_is_made(tmp_path, s
     result = cli("--preset", "smoke", "--memory-per-device", size, "--study-dir",
                  str(tmp_path / "s"), "--no-live")
     assert result.returncode == 2, result.stdout + result.stderr
-    assert result.stderr.strip().splitlines()[-1] == says, result.stderr
+    assert result.stderr.strip().splitlines()[-1].endswith(says), result.stderr
     assert not (tmp_path / "s").exists() or not any((tmp_path / "s").iterdir())
 
 
@@ -195,6 +198,19 @@ def test_plan_only_with_no_candidate_that_fits_says_so_in_flags_and_exits_2(tmp_
     assert ("error: none of the 2 candidates fits this pool (each one's reason above)"
             in result.stderr)
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(("trials", "says"), [
+    ("1", "no group is sized below; pass --trials 2 or more to size them"),
+    ("2", "groups of at most 2 below, not 4; pass --trials 4 to size the widest")])
+def test_plan_only_says_where_trials_cap_the_fused_groups_it_sizes(tmp_path, trials, says):
+    """A fused group holds trials of the study, at most ``--trials``: a preview of fewer
+    trials than ``--fuse`` asks for says so, where it showed smaller groups, or none, and
+    no word why (the groups themselves: `test_targets.py`, a small pool here)."""
+    result = cli("--preset", "smoke", "--plan-only", "--trials", trials, "--fuse", "4",
+                 "--memory-per-device", "1KiB", "--study-dir", str(tmp_path))
+    assert (f"  a fused group holds trials of the study, at most --trials ({trials}): {says}"
+            in result.stdout.splitlines()), result.stdout + result.stderr
 
 
 @pytest.mark.slow

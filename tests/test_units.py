@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from scamp_jax._units import format_bytes, parse_bytes
+from scamp_jax._units import format_bytes, format_share, parse_bytes
 
 
 @pytest.mark.parametrize(
@@ -76,3 +76,11 @@ def test_format_bytes_uses_binary_units(count, text):
 def test_format_then_parse_round_trips_to_the_printed_precision():
     for count in (1, 1000, 123_456_789, 7 * 2**40):
         assert abs(parse_bytes(format_bytes(count).replace(" ", "")) - count) <= 0.005 * count + 1
+
+
+@pytest.mark.parametrize(("fraction", "text"), [
+    (0.5492, "54.9%"), (0.003, "0.3%"), (0.0004, "0.04%"), (0.0000213, "0.0021%"), (0.0, "0%"),
+    (1.0, "100.0%")])
+def test_a_share_too_small_for_one_decimal_is_not_shown_as_none(fraction, text):
+    """A study's mean memory booked of a large pool (20 MiB of 8 GiB) is no "0.0%"."""
+    assert format_share(fraction) == text

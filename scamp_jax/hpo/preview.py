@@ -97,8 +97,10 @@ class CandidatePlan:
 
 #: What `format_rows`' estimate columns mean, for a line under the table.
 ESTIMATE_NOTE = ("s/step at least: each step's FLOPs at the FLOP/s a device of this kind attains "
-                 "(half its data sheet's float32 peak, the figure the scheduler paces trials "
-                 "by); memory traffic, kernel launches and communication only add to it. "
+                 "(half its data sheet's float32 matrix peak: TF32 tensor cores from the "
+                 "A100 on, which JAX's default precision uses, so an A100 counts 10x a V100; "
+                 "the figure the scheduler paces trials by); memory traffic, kernel launches "
+                 "and communication only add to it. "
                  "device-h: that times the trial's steps and devices")
 
 

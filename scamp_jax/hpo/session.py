@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from scamp_jax._lazy import warm
 from scamp_jax._signals import sigterm_stops
-from scamp_jax._units import counted
+from scamp_jax._units import counted, format_share
 from scamp_jax.hpo.failures import RepeatedFailureError
 from scamp_jax.hpo.settings import SearchSettings
 from scamp_jax.space import SearchSpace, Task
@@ -587,7 +587,7 @@ class StudySession:
         else:
             # booked: what the plans reserve on the pool's devices, not a measured use
             self.say(f"this run: {run_info['elapsed_s']:.1f} s, mean memory booked "
-                     f"{100 * usage['mean_memory_utilization']:.1f}% of the pool, idle "
+                     f"{format_share(usage['mean_memory_utilization'])} of the pool, idle "
                      f"device-seconds {usage['idle_device_seconds']:.1f}; results in "
                      f"{self.out_dir}")
         # the report and plots, added once they are written

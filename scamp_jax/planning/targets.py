@@ -224,6 +224,13 @@ class Target:
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"devices={count!r} must be a positive int: how many "
                              f"{self.device_kind} GPUs the plan is for")
+        if count > MAX_DEVICES:
+            raise ValueError(
+                f"devices={count:,} described GPUs are more than a plan describes at once "
+                f"(at most {MAX_DEVICES:,}): XLA's compiler holds about 50 KB of this "
+                f"machine's memory for each ({count * 50_000 / 2**30:,.0f} GiB for "
+                f"{count:,}); a candidate's plan spans a few GPUs and is the same on any pool "
+                f"that holds it, so plan for {MAX_DEVICES:,} or fewer")
         key = (self.config, self.autotune_cache, count)
         with _LOCK:
             if key not in _DEVICES:
@@ -232,6 +239,12 @@ class Target:
                 _BY_CLIENT[id(devices[0].client)] = (devices[0].client, self)
             return _DEVICES[key]
 
+
+#: The most compile-only GPUs `Target.devices` describes at once. From its first compile on,
+#: XLA's compiler holds about 50 KB of host memory per described GPU, whichever of them a
+#: plan uses (48 KB measured: 1.4 GiB for 30,000, 4.2 GiB for 100,000; a million filled a
+#: 24 GiB machine and were killed): 65,536 take about 3 GiB.
+MAX_DEVICES = 65_536
 
 _LOCK = threading.Lock()
 _DEVICES: dict[tuple[str, str | None, int], tuple[Any, ...]] = {}

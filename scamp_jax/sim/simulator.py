@@ -188,7 +188,8 @@ class ClusterModel:
 
 #: Data-sheet figures (SXM parts): V100 15.7 TFLOP/s FP32, 900 GB/s HBM2, NVLink2 300 GB/s total;
 #: A100 156 TFLOP/s TF32, 1,555 GB/s (40 GB) / 2,039 GB/s (80 GB), NVLink3 600 GB/s total;
-#: H100 495 TFLOP/s TF32 dense, 3,350 GB/s HBM3, NVLink4 900 GB/s total. Interconnect is half
+#: H100 495 TFLOP/s TF32 dense, 3,350 GB/s HBM3, NVLink4 900 GB/s total; H200 the H100's compute
+#: and NVLink, 4,800 GB/s HBM3e. Interconnect is half
 #: the total (one direction). Memory is the nominal size.
 CLUSTER_PRESETS: dict[str, ClusterModel] = {
     "v100-16gb": ClusterModel("v100-16gb", 32, 16 * GIB, 15.7 * TFLOPS, 900 * GB, 150 * GB,
@@ -201,7 +202,15 @@ CLUSTER_PRESETS: dict[str, ClusterModel] = {
                               network_bandwidth=25 * GB),
     "h100-80gb": ClusterModel("h100-80gb", 32, 80 * GIB, 495 * TFLOPS, 3350 * GB, 450 * GB,
                               network_bandwidth=50 * GB),
+    "h200-141gb": ClusterModel("h200-141gb", 32, 141 * GIB, 495 * TFLOPS, 4800 * GB, 450 * GB,
+                               network_bandwidth=50 * GB),
 }
+
+#: The planner's GPU targets by name (`scamp_jax.planning.targets.TARGETS`: ``--target h100``)
+#: as presets here, so that a cluster is simulated by the name it is planned for.
+PRESET_OF_TARGET: dict[str, str] = {"v100": "v100-32gb", "a100-40gb": "a100-40gb",
+                                    "a100-80gb": "a100-80gb", "h100": "h100-80gb",
+                                    "h200": "h200-141gb"}
 
 
 #: Attained bytes/s, one direction, of the link between MPI ranks on one CPU host (Open MPI over
@@ -213,10 +222,13 @@ CPU_MPI_LINK_BANDWIDTH: float = 0.098 * GB
 
 
 def cluster_preset(name: str, devices: int | None = None) -> ClusterModel:
-    """A preset from `CLUSTER_PRESETS`, optionally with another device count."""
+    """A preset from `CLUSTER_PRESETS` (or by a planner target's name, `PRESET_OF_TARGET`),
+    optionally with another device count."""
+    name = PRESET_OF_TARGET.get(name, name)
     if name not in CLUSTER_PRESETS:
         raise ValueError(
-            f"unknown device {name!r}; choose one of: {', '.join(sorted(CLUSTER_PRESETS))}"
+            f"unknown device {name!r}; choose one of: {', '.join(sorted(CLUSTER_PRESETS))} "
+            f"(or a planner target's name: {', '.join(PRESET_OF_TARGET)})"
         )
     cluster = CLUSTER_PRESETS[name]
     return cluster if devices is None else cluster.with_devices(devices)
