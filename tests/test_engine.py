@@ -23,6 +23,7 @@ from test_runner import MLP, Regression
 from scamp_jax.hpo.checkpoint import newest_step
 from scamp_jax.hpo.engine import BudgetTooSmallError, EngineConfig, SearchEngine
 from scamp_jax.hpo.failures import RepeatedFailureError
+from scamp_jax.hpo.overhead import OverheadRecorder
 from scamp_jax.hpo.settings import SearchSettings
 from scamp_jax.hpo.study import CHECKPOINT_KEY, FAIL_REASON, OptunaTrialSource, open_study
 from scamp_jax.planning import planner
@@ -570,13 +571,19 @@ def test_a_run_with_trials_of_its_own_also_reruns_a_dead_process_trial(tmp_path)
     dead.close()  # the process is gone: trial 0 stays RUNNING and stops beating
     source = OptunaTrialSource(storage(), SPACE, 2, poll_seconds=0.2)
     notices: list[str] = []
-    SearchEngine(SPACE, Regression(), source, config(), devices=jax.devices()[:2],
-                 checkpoint_root=tmp_path / "ckpt", on_notice=notices.append).run()
+    result = SearchEngine(SPACE, Regression(), source, config(), devices=jax.devices()[:2],
+                          checkpoint_root=tmp_path / "ckpt", on_notice=notices.append).run()
     source.close()
     # While it waited with nothing of its own to run, the user was told for what; then not.
     assert notices[0].startswith(f"waiting for trial(s) [{lost.number}], marked running by "
                                  "another process")
     assert notices[-1] == "" and len(notices) == 2
+    # ... and its idle devices are said as such: both, for as long as it waited
+    waited = result.scheduling["waited_for_held_trials_s"]
+    assert 0.5 < waited < result.elapsed_s
+    held = OverheadRecorder().summary(result)["idle_waiting_for_held_trials_device_s"]
+    assert held == pytest.approx(2 * waited, abs=0.002)
+    assert held <= result.usage["idle_device_seconds"] + 0.01
     trials = study.get_trials()
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     assert sorted(t.params["width"] for t in complete) == [16, 32]

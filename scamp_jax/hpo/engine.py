@@ -583,7 +583,8 @@ class SearchEngine:
                                   self.checkpoint_root is not None,
                                   getattr(self, "_last_wave_at", None), len(self.devices)),
                 "allowance_bytes": self.calibration.by_kind,
-                "run_started": getattr(self, "_run_started", None)}
+                "run_started": getattr(self, "_run_started", None),
+                "waited_for_held_trials_s": round(self.intake.waited_s, 3)}
 
 def scheduling_info(policy: Any, config: EngineConfig, core: SchedulingCore, grow: bool,
                     checkpoints: bool, last_wave_at: float | None, devices: int,

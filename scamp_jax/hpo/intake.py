@@ -63,6 +63,9 @@ class Intake:
         self.ask_at = 0.0  # monotonic time before which the source said not to ask again
         self.later: AskLater | None = None  # the source's last "ask again later"
         self.noticed: tuple[int, ...] | None = None  # the trials the last notice named
+        #: seconds `wait` slept: the engine had nothing to run but trials another process
+        #: holds (or held, until their heartbeat is stale), so every device of it idled
+        self.waited_s = 0.0
 
     def may_ask(self) -> bool:
         """Whether asking now may give a trial (the study is not full, no wait pending)."""
@@ -100,7 +103,9 @@ class Intake:
                 f"waiting for trial(s) {list(later.trials)}, marked running by another "
                 "process or by one that was stopped hard (a second Ctrl-C, a kill): they "
                 "finish there, or are run again here once their heartbeat is stale")
-        time.sleep(max(0.0, self.ask_at - time.monotonic()))
+        start = time.monotonic()
+        time.sleep(max(0.0, self.ask_at - start))
+        self.waited_s += time.monotonic() - start
 
     def sort(self, asked: AskedTrial, future: cf.Future, status: TrialStatus) -> Any | None:
         """The plan of ``asked`` from its planning ``future``; None when it is deferred,

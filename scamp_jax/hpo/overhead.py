@@ -198,6 +198,11 @@ class OverheadRecorder:
                 result.intervals, result.trial_times,
                 max_running=(getattr(result, "scheduling", None) or {}).get("max_running")),
                 3)
+            # the pool idle while only other processes' trials were left (`Intake.wait`)
+            scheduling = getattr(result, "scheduling", None) or {}
+            out["idle_waiting_for_held_trials_device_s"] = round(
+                float(scheduling.get("waited_for_held_trials_s") or 0.0)
+                * int(scheduling.get("pool_devices") or 0), 3)
         return out
 
 

@@ -586,10 +586,13 @@ class StudySession:
             self.say(f"this run trained nothing; results in {self.out_dir}")
         else:
             # booked: what the plans reserve on the pool's devices, not a measured use
+            held = (run_info.get("overhead") or {}).get(
+                "idle_waiting_for_held_trials_device_s") or 0.0
             self.say(f"this run: {run_info['elapsed_s']:.1f} s, mean memory booked "
                      f"{format_share(usage['mean_memory_utilization'])} of the pool, idle "
-                     f"device-seconds {usage['idle_device_seconds']:.1f}; results in "
-                     f"{self.out_dir}")
+                     f"device-seconds {usage['idle_device_seconds']:.1f}"
+                     + (f" ({held:.1f} of them waiting for trials another process held)"
+                        if held >= 0.05 else "") + f"; results in {self.out_dir}")
         # the report and plots, added once they are written
         if self.overhead is not None and not idle:
             overhead = run_info["overhead"]
