@@ -25,7 +25,10 @@ include the checkpoint's compiles.
 The summary also has the time from the process's start to the study's (the interpreter, the
 imports and the script's own set-up) and the device-seconds during which whole devices stood
 idle while a trial was being planned, none waited for devices and the engine's running cap
-left room (`idle_waiting_for_plans`, from the engine's per-trial timeline).
+left room (`idle_waiting_for_plans`, from the engine's per-trial timeline), and apart from
+those, the device-seconds of the whole pool while the engine had nothing to run but trials
+another process holds, or held until it was stopped hard and their heartbeat goes stale
+(``idle_waiting_for_held_trials_device_s``, `scamp_jax.hpo.intake.Intake.wait`).
 """
 
 from __future__ import annotations
