@@ -116,6 +116,10 @@ def test_a_study_learns_the_allowance_books_it_later_and_finishes(tmp_path, monk
         assert later["booked_bytes"] <= results["run"]["usable_bytes_per_device"]
     stored = PlanCache(tmp_path / "plans.sqlite").get_allowance("cpu", "cpu")
     assert stored is not None and stored["bytes"] == allowance
+    # what each measurement that grew it saw is in the run's record, the last its value
+    grew = results["run"]["allowance_grew"]
+    assert grew and grew[-1]["bytes"] == allowance
+    assert all(g["measured_peak_bytes"] == peak for g in grew)
 
 
 def test_a_fused_study_learns_from_its_groups_and_finishes(tmp_path, monkeypatch) -> None:
@@ -247,3 +251,82 @@ def test_a_runs_measured_peak_is_read_again_after_its_final_evaluation(monkeypat
     assert result.state == "complete", result.reason
     assert len(readings) == 2  # after step 2 and after the final evaluation
     assert result.measured_peak_bytes == status.measured_peak_bytes == 2 * MIB
+
+
+def test_a_device_that_reports_no_peak_is_skipped_not_an_error(monkeypatch) -> None:
+    """An allocator may report statistics without ``peak_bytes_in_use`` (a backend that keeps
+    none): such a device adds nothing to the measurement, and a unit on it alone measures
+    nothing; the run does not fail for it."""
+    cpu = jax.devices()[:2]
+    reports = {cpu[0].id: {"bytes_in_use": 9 * MIB}, cpu[1].id: {"peak_bytes_in_use": 3 * MIB}}
+    monkeypatch.setattr(devices, "allocator_stats", lambda d: reports[d.id])
+    assert measure_peak(cpu) == 3 * MIB
+    assert measure_peak(cpu[:1]) is None
+
+
+def test_an_allowance_given_with_the_budget_is_where_learning_starts(tmp_path) -> None:
+    """A budget that books an allowance (the user's) starts the study there, as a stored one
+    does: plans are asked with it, and a smaller excess does not lower or replace it."""
+    budget = Budget(64 * MIB, 0.1, allowance_bytes=2 * MIB)
+    calibration = Calibration(budget, PlanCache(tmp_path / "plans.sqlite"))
+    assert calibration.allowance_bytes == 2 * MIB
+    assert calibration.by_kind == {"cpu": 2 * MIB}
+    assert not calibration.observe(11 * MIB, 10 * MIB, 0)  # 1 MiB short: the 2 MiB cover it
+    assert calibration.allowance_bytes == 2 * MIB
+
+
+def test_the_allowance_is_reported_under_the_device_kind_not_the_platform() -> None:
+    """``results.json`` keys the allowance by what it was learnt on (a GPU's kind, as the plan
+    cache stores it), not by the platform that all kinds share."""
+    budget = Budget(40 * 2**30, 0.1, platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
+    calibration = Calibration(budget)
+    assert calibration.observe(30 * 2**30, 29 * 2**30, 0)
+    assert calibration.by_kind == {"NVIDIA H100 80GB HBM3": 2**30}
+
+
+def test_a_measurement_within_its_booking_teaches_nothing_whatever_allowance_it_carried() -> None:
+    """Only an excess over the booking is learnt. A unit that carried a larger allowance than
+    the study's (given by the user, or read for another kind) and measured its booking or less
+    has shown no memory XLA does not see: the study's allowance stays, and nothing is
+    recorded. An excess that asks for the allowance the study already has is no growth
+    either (the engine books every queued unit again on a growth)."""
+    calibration = Calibration(Budget(64 * MIB, 0.1))
+    assert not calibration.observe(10 * MIB, 10 * MIB, 5 * MIB)  # exactly as booked
+    assert not calibration.observe(9 * MIB, 10 * MIB, 5 * MIB)  # 1 MiB under it
+    assert calibration.allowance_bytes == 0 and calibration.observations == []
+    assert calibration.observe(13 * MIB, 10 * MIB, 0)
+    assert calibration.observations == [{"bytes": 3 * MIB, "measured_peak_bytes": 13 * MIB,
+                                         "booked_bytes": 10 * MIB, "booked_allowance": 0}]
+    assert not calibration.observe(14 * MIB, 12 * MIB, MIB)  # needs 3 MiB: what it has
+    assert calibration.allowance_bytes == 3 * MIB and len(calibration.observations) == 1
+
+
+def test_one_units_growth_is_not_undone_by_a_later_units_measurement() -> None:
+    """Two running units measure at once: the first one's excess grows the allowance, the
+    second was booked enough. ``learn`` says it grew, so the engine books its queued units
+    again (the order the units are visited in must not matter)."""
+    from types import SimpleNamespace
+
+    for order in ((7, 8), (8, 7)):
+        calibration = Calibration(Budget(64 * MIB, 0.1))
+        records = {7: SimpleNamespace(status=SimpleNamespace(measured_peak_bytes=13 * MIB),
+                                      calibrated=None, booked_allowance=0),
+                   8: SimpleNamespace(status=SimpleNamespace(measured_peak_bytes=5 * MIB),
+                                      calibrated=None, booked_allowance=0)}
+        core = SimpleNamespace(running={7: (0,), 8: (1,)},
+                               pool=SimpleNamespace(high_water=[10 * MIB, 10 * MIB]))
+        assert calibration.learn({k: records[k] for k in order}, core)
+        assert calibration.allowance_bytes == 3 * MIB
+
+
+def test_a_plan_is_booked_with_exactly_the_allowance_it_is_given() -> None:
+    """`with_allowance` replaces a plan's allowance, a smaller one too (`Calibration.refresh`
+    is what keeps the larger of the two)."""
+    from flax import nnx
+
+    model = nnx.eval_shape(lambda: build({"width": 16}, nnx.Rngs(0)))
+    plan = plan_mesh(model, Regression().sample_batch(1), devices=1, memory_per_device=BUDGET,
+                     max_batch_size=16, compile_for_run=False, allowance_bytes=2 * MIB)
+    smaller = with_allowance(plan, MIB)
+    assert smaller.allowance_bytes == MIB
+    assert smaller.predicted_peak_bytes == plan.predicted_peak_bytes - MIB

@@ -155,3 +155,135 @@ def test_a_replan_never_goes_below_the_batch_floor_and_grows_instead() -> None:
     assert got[1, 60_000] == got[2, 60_000] == (86, 1)
     assert got[1, 40_000] is None and got[1, 30_000] is None  # below 64 on its only device
     assert got[2, 40_000] == (106, 2) and got[2, 30_000] == (72, 2)
+
+
+class _Handled:
+    """An `OutOfMemory` over a real scheduling core of 4 devices and real trial records, for
+    one trial planned at a batch of 64 on one device and running; what it asks of the loop
+    (a re-plan, a queue, a report) is written down here."""
+
+    def __init__(self, **kw: Any) -> None:
+        from flax import nnx
+
+        from scamp_jax.hpo.out_of_memory import OutOfMemory
+        from scamp_jax.hpo.record import TrialRecord
+        from scamp_jax.hpo.study.trials import AskedTrial
+        from scamp_jax.hpo.trial import PlannedTrial, TrialStatus
+        from scamp_jax.scheduling.core import SchedulingCore, TrialPlan
+        from scamp_jax.scheduling.placement import make_policy
+
+        self.config = config(budget=Budget(2**24), max_batch_size=64, **kw)
+        self.core = SchedulingCore(make_policy(self.config.policy), 4, self.config.budget)
+        model = nnx.eval_shape(lambda: SPACE.build(ok(), nnx.Rngs(0)))
+        plan = planner.plan_mesh(model, Regression().sample_batch(1), devices=1,
+                                 memory_per_device=2**24, max_batch_size=64,
+                                 compile_for_run=False)
+        assert int(plan.batch_size) == 64
+        self.planned = PlannedTrial(AskedTrial(0, ok(), "trial_0"), plan, 1, 0)
+        self.record = TrialRecord(TrialStatus(0, ok()), self.planned.asked)
+        self.core.planned(0.0, TrialPlan(0, 0, 1, 2**20, 10, batch_size=64))
+        assert [a.key for a in self.core.decide(0.0)] == [0]
+        self.replans: list[Any] = []
+        self.queued: list[Any] = []
+        self.reports: list[Any] = []
+        self.oom = OutOfMemory(self.config, self.core, {0: self.record},
+                               lambda planned, request: self.replans.append(request),
+                               self.queued.append,
+                               lambda planned, result: self.reports.append(result))
+
+    def ran_out(self, bytes_needed: int | None) -> None:
+        from scamp_jax.hpo.trial import RunResult
+
+        self.oom.run_ended(1.0, self.planned, RunResult(
+            0, "oom", 2, 1.0, reason="out of memory: the test's", bytes_needed=bytes_needed))
+
+
+def test_out_of_memory_under_the_fixed_policy_never_moves_a_trial_to_more_devices() -> None:
+    """Half of what the run needed is below ``min_batch_size``: ScaMP plans the same batch on
+    twice the devices; the fixed policy gives every trial its devices, so the trial fails
+    there, saying why."""
+    scamp = _Handled(min_batch_size=32)
+    scamp.ran_out(4 * scamp.core.capacity)
+    assert [(r.devices, r.max_batch) for r in scamp.replans] == [(2, 64)]
+    fixed = _Handled(min_batch_size=32, policy="fixed")
+    fixed.ran_out(4 * fixed.core.capacity)
+    assert fixed.replans == [] and [r.state for r in fixed.reports] == ["failed"]
+    assert fixed.reports[0].reason == ("out of memory: the test's; no smaller plan fits at a "
+                                       "batch of at least min_batch_size=32")
+
+
+def test_a_trial_out_of_memory_is_planning_again_and_queued_with_its_count() -> None:
+    from dataclasses import replace
+
+    handled = _Handled()
+    handled.ran_out(None)
+    assert [(r.devices, r.max_batch, r.counted) for r in handled.replans] == [(1, 32, True)]
+    assert handled.record.status.state == "planning" and 0 not in handled.core.running
+    retry = replace(handled.planned, replans=1)
+    handled.oom.replanned(handled.planned, retry)
+    assert handled.queued == [retry] and handled.record.status.replans == 1
+    # No re-plan left: it fails, and the reason names no floor where there is none.
+    spent = _Handled(max_replans=0)
+    spent.ran_out(None)
+    assert spent.replans == []
+    assert spent.reports[0].reason == "out of memory: the test's; no smaller plan fits"
+
+
+def test_a_plan_that_no_longer_fits_the_learnt_allowance_is_planned_again_at_its_batch() -> None:
+    """Not an out-of-memory re-plan: its batch may stay (what fits is at most the batch it
+    had), and it does not count against ``max_replans``."""
+    handled = _Handled()
+    handled.oom.no_longer_fits(handled.planned)
+    assert [(r.devices, r.max_batch, r.counted) for r in handled.replans] == [(1, 64, False)]
+    assert handled.record.status.state == "planning"
+    handled.oom.replanned(handled.planned, None)
+    assert handled.reports[0].reason.startswith("its plan no longer fits once the allowance")
+
+
+def test_a_member_whose_group_ran_out_of_memory_is_never_grouped_again() -> None:
+    """Its group's run ran out of memory: the member is queued to be admitted again, and the
+    fusion service then makes it a solo unit instead of grouping it once more."""
+    from scamp_jax.hpo.fused_engine import FusionService
+    from scamp_jax.hpo.units import SoloUnit
+
+    handled = _Handled()
+    handled.record.group, handled.record.width = 0, 2
+    handled.oom.member_ended(handled.planned)
+    assert handled.queued == [handled.planned]
+    assert (handled.record.group, handled.record.width) == (None, 1)
+    service = FusionService(SPACE, Regression(), 3, planning=None,
+                            held_siblings=lambda proposal: 0)
+    assert isinstance(service.admit(handled.planned, handled.record), SoloUnit)
+
+
+def test_a_replan_for_the_learnt_allowance_is_costed_uncounted_and_grows_only_under_scamp():
+    """`plan_again` of a request that is no out-of-memory re-plan (the learnt allowance) leaves
+    the trial's count of re-plans as it was, and costs the new plan (the core orders trials
+    by it). Below ``min_batch_size`` on its device, the fixed policy does not move the plan to
+    more devices as ScaMP does (tests above): there is no plan."""
+    from test_runner import SPACE as MLP_SPACE
+    from test_runner import Regression as MLPRegression
+
+    from scamp_jax.hpo.out_of_memory import Replan, plan_again
+    from scamp_jax.hpo.plan_service import PlanningService
+    from scamp_jax.hpo.study.trials import AskedTrial
+    from scamp_jax.hpo.trial import PlannedTrial
+
+    params = {"width": 64, "learning_rate": 1e-2}
+    services = {}
+    for policy in ("scamp", "fixed"):
+        cfg = config(budget=Budget(2 * 2**20), min_batch_size=64, max_batch_size=1 << 14,
+                     policy=policy)
+        services[policy] = PlanningService(MLP_SPACE, MLPRegression(), cfg,
+                                           jax.devices()[:2], planner.plan_mesh)
+    first = services["scamp"].plan(params, devices=1)
+    planned = PlannedTrial(AskedTrial(0, params, "trial_0"), first, 1, 0, replans=1)
+    request = Replan(0, 1, int(first.batch_size), counted=False)
+    scamp = services["scamp"]
+    scamp.allowance = lambda: first.usable_bytes - 60_000  # 86 samples fit on one device
+    again = plan_again(scamp, planned, request)
+    assert (int(again.plan.batch_size), again.devices, again.replans) == (86, 1, 1)
+    assert scamp.flops_of(0, again.plan)
+    fixed = services["fixed"]
+    fixed.allowance = lambda: first.usable_bytes - 40_000  # 53 on one device: below 64
+    assert plan_again(fixed, planned, request) is None

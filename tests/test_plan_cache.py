@@ -224,6 +224,46 @@ class _WithForward:
         return self._task.score(outputs)
 
 
+def _forward(m, x, scale=1.0):
+    return m(x) * scale
+
+
+class _Scaled:
+    def __init__(self, scale: float) -> None:
+        self.scale, self.calls = scale, 0
+
+    def __call__(self, m, x):
+        return m(x) * self.scale
+
+
+def test_partials_callable_objects_and_closures_over_settings_are_told_apart():
+    """A forward made with ``functools.partial``, as an object with ``__call__`` or as a
+    closure over a dict of settings is keyed by the values it computes with: each was one key
+    whatever it bound (``'functools.partial'``, the class's name), so two tasks sized their
+    evaluation by each other's plan. Equal values are one key; a counter it does not read
+    leaves the key alone."""
+    import functools
+
+    assert (function_identity(functools.partial(_forward, scale=2.0))
+            != function_identity(functools.partial(_forward, scale=3.0)))
+    assert (function_identity(functools.partial(_forward, scale=2.0))
+            == function_identity(functools.partial(_forward, scale=2.0)))
+    assert (function_identity(functools.partial(_forward, scale=2.0))
+            != function_identity(functools.partial(lambda m, x, scale: m(x), scale=2.0)))
+    two = _Scaled(2.0)
+    key = function_identity(two)
+    assert key != function_identity(_Scaled(3.0)) and key == function_identity(_Scaled(2.0))
+    two.calls += 1
+    assert function_identity(two) == key
+
+    def make(settings):
+        return lambda m, x: m(x) * settings["scale"]
+
+    assert function_identity(make({"scale": 2})) != function_identity(make({"scale": 3}))
+    assert (function_identity(make({"scale": 2, "bias": 0}))
+            == function_identity(make({"bias": 0, "scale": 2})))
+
+
 def test_evaluation_forwards_are_told_apart_by_what_they_compute(tmp_path):
     def plain(m, x):
         return m(x)
@@ -569,3 +609,132 @@ def test_xla_flags_are_part_of_every_key(monkeypatch) -> None:
                                     "--xla_gpu_enable_triton_gemm=false")
     assert cache_key({"kind": "plan"}) != key
     assert versions()["xla_flags"].endswith("--xla_gpu_enable_triton_gemm=false")
+
+
+def test_a_signature_does_not_depend_on_the_sample_batchs_size_but_on_parameter_names():
+    """The signature traces a batch of one whatever the sample's batch is (a plan asked with a
+    sample of 8 is the plan asked with a sample of 1); the parameter paths count (the sharding
+    rules read them) even where the computation is the same, and the optimizer's update counts
+    even where its state's paths are the same."""
+
+    class Renamed(nnx.Module):  # ``MLP`` with its layers under other names
+        def __init__(self, width: int, rngs: nnx.Rngs) -> None:
+            self.first = nnx.Linear(64, width, rngs=rngs)
+            self.second = nnx.Linear(width, 10, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return self.second(nnx.relu(self.first(x)))
+
+    mlp = nnx.eval_shape(lambda: MLP(32, nnx.Rngs(0)))
+    one = jax.ShapeDtypeStruct((1, 64), jnp.float32)
+    eight = jax.ShapeDtypeStruct((8, 64), jnp.float32)
+    signature = program_signature(mlp, one, default_optimizer())
+    assert program_signature(mlp, eight, default_optimizer()) == signature
+    renamed = nnx.eval_shape(lambda: Renamed(32, nnx.Rngs(0)))
+    assert program_signature(renamed, one, default_optimizer()) != signature
+    # Optimizers whose states hold no arrays (no paths): their updates alone tell them apart.
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+    assert (program_signature(mlp, one, optax.sgd(0.1))
+            != program_signature(mlp, one, clipped))
+
+
+def _scaled_by(scale: Any) -> Any:
+    return lambda m, x: m(x) * scale
+
+
+def _with_inner(m: Any, x: Any) -> Any:
+    return (lambda y: y * 2.0)(m(x))
+
+
+def _with_inner_again(m: Any, x: Any) -> Any:  # the same code as ``_with_inner``, elsewhere
+    return (lambda y: y * 2.0)(m(x))
+
+
+def test_a_functions_identity_reads_its_code_names_and_plain_closed_values_only():
+    """Two functions that differ only in an operator, in the function they call, or in a
+    number they close over compute other things: other identities. A value that is not plain
+    (an object, an array) is left out: its address differs in every process, and a key that
+    held it would never be found again. An inner function counts by its code, not where it
+    was made."""
+    ident = function_identity
+    assert ident(lambda m, x: m(x) + x) != ident(lambda m, x: m(x) * x)  # the bytecode alone
+    assert ident(lambda m, x: jnp.sum(m(x))) != ident(lambda m, x: jnp.mean(m(x)))  # names
+    assert ident(_scaled_by(2.0)) != ident(_scaled_by(3.0))
+    assert ident(_scaled_by(object())) == ident(_scaled_by(object()))
+    assert (ident(_with_inner).split(":")[1] == ident(_with_inner_again).split(":")[1])
+
+
+def test_a_methods_identity_holds_the_values_its_inner_functions_read_and_no_addresses():
+    class Tiled:
+        def __init__(self, reps: int) -> None:
+            self.reps, self.table = reps, object()
+
+        def eval_forward(self, model: Any, x: Any) -> Any:  # reads ``reps`` in a lambda only
+            return jax.tree.map(lambda y: jnp.tile(y, (1, self.reps)), model(x))
+
+        def lookup(self, model: Any, x: Any) -> Any:  # reads an attribute that is not plain
+            return model(x) if self.table is not None else x
+
+    assert function_identity(Tiled(1).eval_forward) != function_identity(Tiled(64).eval_forward)
+    assert function_identity(Tiled(1).lookup) == function_identity(Tiled(1).lookup)
+
+
+def test_jax_jaxlib_and_the_schema_are_part_of_every_key(monkeypatch) -> None:
+    """A compiled figure depends on JAX and jaxlib; a record layout on the schema: another
+    version of any of them is another key (as the scamp-jax release and XLA_FLAGS are)."""
+    from scamp_jax.planning import plan_cache
+    from scamp_jax.planning.plan_cache import cache_key
+
+    key = cache_key({"kind": "plan"})
+    for module, name, value in ((jax, "__version__", "0.0.1"),
+                                (plan_cache.jaxlib, "__version__", "0.0.1"),
+                                (plan_cache, "SCHEMA_VERSION", 999)):
+        with monkeypatch.context() as patched:
+            patched.setattr(module, name, value)
+            assert cache_key({"kind": "plan"}) != key, (module, name)
+    assert cache_key({"kind": "plan"}) == key
+
+
+def test_the_device_kind_and_platform_are_part_of_a_plans_key() -> None:
+    """Plans of one count of devices of another kind (another GPU) or platform (a kind of one
+    name on another backend) are other records: their memory differs. Stand-in devices: only
+    ``platform`` and ``device_kind`` are read."""
+    from types import SimpleNamespace
+
+    from scamp_jax.planning.plan_cache import cache_key, device_identity
+
+    def key(platform: str, kind: str) -> str:
+        devices = [SimpleNamespace(platform=platform, device_kind=kind)] * 2
+        return cache_key({"kind": "plan", "devices": device_identity(devices)})
+
+    assert key("gpu", "NVIDIA H100 80GB HBM3") != key("gpu", "NVIDIA A100-SXM4-80GB")
+    assert key("gpu", "shared name") != key("tpu", "shared name")
+
+
+def test_a_record_stored_again_replaces_the_older_and_keys_keep_apart(tmp_path) -> None:
+    cache = PlanCache(tmp_path / "plans.sqlite")
+    cache.put_plan("k", {"batch_size": 8})
+    cache.put_plan("k", {"batch_size": 16})
+    assert cache.get_plan("k") == {"batch_size": 16} and len(cache) == 1
+    cache.put_peaks("k", {8: {"peak": 1, "rough": True}})
+    cache.put_peaks("k", {8: {"peak": 2, "rough": False}, 16: {"peak": 3}})  # made exact
+    cache.put_peaks("other", {4: {"peak": 9}})
+    assert cache.get_peaks("k") == {8: {"peak": 2, "rough": False}, 16: {"peak": 3}}
+    assert cache.get_peaks("other") == {4: {"peak": 9}} and cache.get_peaks("none") == {}
+    cache.put_allowance("gpu", "NVIDIA H100", {"bytes": 1})
+    cache.put_allowance("gpu", "NVIDIA H100", {"bytes": 2})
+    assert cache.get_allowance("gpu", "NVIDIA H100") == {"bytes": 2}
+
+
+def test_an_allowance_is_a_non_negative_int_zero_included(tmp_path) -> None:
+    from scamp_jax.planning.plan_cache import resolve_allowance
+
+    cache = PlanCache(tmp_path / "plans.sqlite")
+    cache.put_allowance("gpu", "NVIDIA H100", {"bytes": 0})  # measured: nothing beyond XLA's
+    assert cache.get_allowance("gpu", "NVIDIA H100") == {"bytes": 0}
+    for wrong in (True, 1.5, "1", None):
+        with pytest.raises(ValueError, match="non-negative int"):
+            cache.put_allowance("gpu", "NVIDIA H100", {"bytes": wrong})
+    for wrong in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="must be a non-negative int"):
+            resolve_allowance(wrong, jax.devices()[:1], cache)

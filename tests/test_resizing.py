@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import threading
 from types import SimpleNamespace
+from typing import Any
+
+import jax
 
 from scamp_jax.scheduling.elastic import Resize
 from scamp_jax.scheduling.placement import DeviceOption
@@ -32,3 +35,137 @@ def test_a_restart_planned_at_another_global_batch_is_withdrawn():
     resizer._book(Resize(0, (0, 1, 2, 3), DeviceOption(4, 1, 1.0)), future, record)
     assert withdrawn == [(0, 4)] and logs[0][0] == "withdrawn"
     assert record.resizing is None and not record.run.stop.is_set()
+
+
+class _Tail:
+    """A real `TailResizer` on a real scheduling core of ``pool`` devices (4 unless given) in
+    the study's tail, with one solo trial running on device 0 at a batch of 16, its pace
+    measured (a restart, of 1 s, on 4 devices pays). The planner threads are replaced by
+    ``submit``, which writes down what it is asked and hands out a future the test answers;
+    ``plans`` are the MLP's real plans at that batch on 1, 2 and 4 devices."""
+
+    MIB = 2**20
+
+    def __init__(self, refresh: Any = None, bytes_per_device: int | None = None,
+                 pool: int = 4) -> None:
+        from concurrent.futures import Future
+
+        from test_runner import make_plan
+
+        from scamp_jax.hpo.record import TrialRecord
+        from scamp_jax.hpo.resizing import TailResizer
+        from scamp_jax.hpo.study.trials import AskedTrial
+        from scamp_jax.hpo.trial import PlannedTrial, TrialStatus
+        from scamp_jax.planning.budget import Budget
+        from scamp_jax.scheduling.core import SchedulingCore, TrialPlan
+        from scamp_jax.scheduling.placement import ScampPolicy
+
+        config = {"width": 16, "learning_rate": 1e-2}
+        self.plans = {n: make_plan(config, jax.devices()[:n], max_batch=16) for n in (1, 2, 4)}
+        assert all(int(p.batch_size) == 16 for p in self.plans.values())
+        self.core = SchedulingCore(ScampPolicy(elastic=True), pool, Budget(64 * self.MIB), 1.0)
+        self.core.set_arrivals_pending(False)
+        self.core.planned(0.0, TrialPlan(0, 0, 1, self.MIB, 10_000, batch_size=16))
+        assert [a.key for a in self.core.decide(0.0)] == [0]
+        self.core.step_measured(1.0, 0, 100, 0.01)
+        self.planned = PlannedTrial(AskedTrial(0, config, "trial_0"), self.plans[1], 1, 0)
+        self.record = TrialRecord(TrialStatus(0, config), self.planned.asked)
+        self.record.show_plan(self.plans[1])
+        self.record.run = SimpleNamespace(members=[self.planned], stop=threading.Event())
+        self.asked: list[tuple[int, int]] = []
+        self.futures: list[Future] = []
+
+        def submit(fn: Any, params: Any, *, devices: int, max_batch: int) -> Future:
+            self.asked.append((devices, max_batch))
+            self.futures.append(Future())
+            return self.futures[-1]
+
+        def trial_plan(planned: Any) -> TrialPlan:
+            return TrialPlan(0, 0, planned.devices, bytes_per_device or self.MIB, 10_000,
+                             data_parallel=planned.devices, batch_size=16)
+
+        self.resizer = TailResizer(self.core, SimpleNamespace(plan=None), pool, submit, trial_plan,
+                                   now=lambda: 2.0, **({"refresh": refresh} if refresh else {}))
+
+    def tick(self) -> None:
+        self.resizer.tick({0: self.record})
+
+
+def test_a_restart_is_planned_once_at_its_batch_then_booked_and_the_trial_stopped():
+    from scamp_jax.hpo.trial import booked_bytes
+
+    tail = _Tail()
+    tail.tick()
+    assert tail.asked == [(4, 16)]  # all four devices, the trial's global batch
+    tail.tick()  # its plan still compiles: not decided again
+    assert tail.asked == [(4, 16)] and tail.resizer.futures() == tail.futures
+    tail.futures[0].set_result(tail.plans[4])
+    tail.tick()
+    restart = tail.record.resizing
+    assert restart is not None and tail.record.run.stop.is_set()
+    assert (restart.grown.devices, restart.grown.plan) == (4, tail.plans[4])
+    assert restart.placement.device_ids == (0, 1, 2, 3) == tail.core.running[0]
+    assert restart.old_placement.device_ids == (0,)
+    assert (restart.before, restart.old_plan.devices) == (tail.planned, 1)
+    assert tail.record.status.state == "resizing"
+    assert tail.record.status.predicted_peak_bytes == booked_bytes(tail.plans[4])
+    assert tail.resizer.futures() == []
+
+
+def test_a_restart_plan_on_another_device_count_or_over_the_learnt_allowance_is_withdrawn():
+    """The planner answered a plan for other devices than decided, or the allowance learnt
+    while it compiled leaves no room for it: the trial runs on where it is, and that device
+    count is not decided for it again."""
+    for answer, refresh in ((2, None), (4, lambda plan: None)):
+        tail = _Tail(refresh=refresh)
+        tail.tick()
+        tail.futures[0].set_result(tail.plans[answer])
+        tail.tick()
+        assert tail.record.resizing is None and not tail.record.run.stop.is_set()
+        assert tail.core.running[0] == (0,)
+        assert [e[:3] for e in tail.record.times["core"]] == [["withdrawn", 2.0, 4]]
+        assert 4 not in [devices for devices, _ in tail.asked[1:]]  # decided afresh, not on 4
+
+
+def test_a_restart_no_longer_worth_it_or_not_booked_leaves_the_trial_running():
+    """Its plan is in, but the trial is almost done by now (its latest pace), or the core
+    cannot book the compiled plan on the devices (it needs more than the prediction left):
+    the trial is neither stopped nor marked as restarting."""
+    done = _Tail()
+    done.tick()
+    done.core.step_measured(2.0, 0, 9_990, 0.01)  # ten steps left
+    done.futures[0].set_result(done.plans[4])
+    done.tick()
+    assert done.record.resizing is None and not done.record.run.stop.is_set()
+    assert done.core.running[0] == (0,)
+    heavy = _Tail(bytes_per_device=63 * _Tail.MIB)  # more than a device's usable bytes
+    heavy.tick()
+    heavy.futures[0].set_result(heavy.plans[4])
+    heavy.tick()
+    assert heavy.record.resizing is None and not heavy.record.run.stop.is_set()
+    assert heavy.core.running[0] == (0,) and heavy.record.status.state != "resizing"
+
+
+def test_a_restart_is_decided_only_on_device_counts_that_divide_its_batch():
+    """On a pool of 3 the trial's batch of 16 goes on 2 devices, not 3 (a plan for 3 keeps no
+    batch of 16: its compile would be spent for a withdrawal)."""
+    tail = _Tail(pool=3)
+    tail.tick()
+    assert tail.asked == [(2, 16)]
+
+
+def test_a_restart_whose_devices_another_trial_took_meanwhile_is_decided_afresh():
+    """While the plan on devices 0-3 compiled, another trial started on device 1 (there was
+    memory beside it). The trial must not restart onto a device it would share: it runs on,
+    and the restart is decided again on the devices still idle."""
+    from scamp_jax.scheduling.core import TrialPlan
+
+    tail = _Tail(pool=5)
+    tail.tick()
+    tail.core.planned(2.0, TrialPlan(1, 1, 1, 40 * _Tail.MIB, 100_000, batch_size=16))
+    assert [(a.key, a.device_ids) for a in tail.core.decide(2.0)] == [(1, (1,))]
+    tail.futures[0].set_result(tail.plans[4])
+    tail.tick()
+    assert tail.record.resizing is None and not tail.record.run.stop.is_set()
+    assert tail.core.running == {0: (0,), 1: (1,)}
+    assert tail.asked == [(4, 16), (4, 16)]  # decided afresh

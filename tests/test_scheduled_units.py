@@ -105,6 +105,20 @@ def test_a_unit_books_the_learned_allowance_or_no_longer_fits(which):
     assert unit.booked_with(calibration) is None
 
 
+def test_a_group_keeps_a_member_allowance_larger_than_the_one_learnt():
+    """A group whose member plan was made with a larger allowance than the study has learnt
+    (given by the user, or read from the plan cache for another kind) is not booked with less,
+    as a solo plan is not (tests/test_calibration.py)."""
+    _, _, group = _units()
+    member = dataclasses.replace(group.fusion.plan, allowance_bytes=4096)
+    fusion = dataclasses.replace(group.fusion, plan=member)
+    calibration = Calibration(CONFIG.budget_of(jax.devices()[:1]))
+    assert calibration.allowance_bytes == 0
+    booked = calibration.refresh(fusion)
+    assert booked is not None and booked.plan.allowance_bytes == 4096
+    assert booked_bytes(booked) == booked_bytes(fusion) == booked_bytes(group.fusion) + 4096
+
+
 @pytest.mark.parametrize("which", ["solo", "group"])
 def test_a_unit_runs_the_schedule_the_study_config_gives(tmp_path, which):
     """Started through the launcher, each unit trains its members for the study's steps at

@@ -242,6 +242,24 @@ def test_an_out_of_memory_replan_scales_the_batch_by_the_measured_bytes() -> Non
     assert next_request(plan, 360 * MIB, 90 * MIB, devices=1, min_batch=32) is None
 
 
+def test_an_out_of_memory_replan_is_at_most_half_the_batch_a_multiple_of_its_groups() -> None:
+    """A run that needed a little more than was usable is still planned again at half its
+    batch at most (the bytes it needed are a lower bound: a step's peak is not linear in the
+    batch); the cap is a multiple of the data-parallel degree; a cap at the floor is taken on
+    the same devices; a policy that does not grow trials fails the trial instead of moving it
+    to more devices."""
+    plan = TrialPlan(3, 0, 1, 40 * MIB, 10, batch_size=64)
+    assert next_request(plan, 100 * MIB, 90 * MIB, devices=4).max_batch == 32
+    # 90/360 of 64 is 16: a multiple of 4; 90/400 of 64 is 14.4, rounded down to 12 for 4
+    wide = TrialPlan(3, 0, 4, 40 * MIB, 10, data_parallel=4, batch_size=64)
+    assert next_request(wide, 400 * MIB, 90 * MIB, devices=8).max_batch == 12
+    # half the batch is the floor: the same devices at that batch, not twice the devices
+    at_floor = next_request(plan, None, 90 * MIB, devices=4, min_batch=32)
+    assert (at_floor.devices, at_floor.max_batch) == (1, 32)
+    assert next_request(plan, 360 * MIB, 90 * MIB, devices=4, min_batch=32,
+                        may_grow=False) is None
+
+
 def test_busy_fractions_and_costs_come_from_measured_steps() -> None:
     core = SchedulingCore(ScampPolicy(), 2, Budget(100 * MIB, 0.1))
     core.planned(0.0, TrialPlan(0, 0, 1, MIB, 100, flops_per_step=1e9))

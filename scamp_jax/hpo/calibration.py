@@ -70,7 +70,8 @@ class Calibration:
 
     Attributes:
       allowance_bytes: bytes per device every plan and booking on this pool adds now.
-      observations: what each measurement that changed the allowance saw (for the record).
+      observations: what each measurement that changed the allowance saw, in order (the
+        ``run.allowance_grew`` of ``results.json``).
     """
 
     def __init__(self, budget: Budget, cache: Any = None) -> None:

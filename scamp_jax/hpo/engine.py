@@ -583,6 +583,7 @@ class SearchEngine:
                                   self.checkpoint_root is not None,
                                   getattr(self, "_last_wave_at", None), len(self.devices)),
                 "allowance_bytes": self.calibration.by_kind,
+                "allowance_grew": list(self.calibration.observations),
                 "run_started": getattr(self, "_run_started", None),
                 "waited_for_held_trials_s": round(self.intake.waited_s, 3)}
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import math
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -127,7 +126,3 @@ class TailResizer:
         log.info("trial %d: restarting on %d devices (was %d), batch %d", r.key, n,
                  planned.devices, batch)
         record.run.stop.set()
-
-    def restart(self, restart: Restart) -> Restart:
-        """``restart`` as started now (its run is on its new devices)."""
-        return replace(restart, since=time.monotonic())

@@ -33,11 +33,13 @@ threads and processes; the file sits in the study directory next to ``study.db``
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
 import sqlite3
 import threading
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -146,12 +148,24 @@ def function_identity(fn: Callable[..., Any]) -> str:
     function with the plain values of its instance that it reads (a task's scale, its number
     of flipped copies: two tasks of one class that differ there evaluate other programs; a
     counter it does not read leaves the key alone); what else an instance holds enters only
-    through the shapes it hands the planner."""
+    through the shapes it hands the planner. A ``functools.partial`` is its function with the
+    plain values it binds, and an object with a ``__call__`` of its own that method bound to
+    it (two partials, or two instances of one class, that differ in such a value evaluate
+    other programs)."""
+    if isinstance(fn, functools.partial):
+        digest = hashlib.sha256()
+        for value in (*fn.args, *sorted(fn.keywords.items())):
+            digest.update(_plain_repr(value).encode() + b"\0")
+        return f"functools.partial({function_identity(fn.func)}):{digest.hexdigest()[:16]}"
     func = getattr(fn, "__func__", fn)
+    call = next((vars(c)["__call__"] for c in type(fn).__mro__ if "__call__" in vars(c)), None)
+    if (getattr(func, "__code__", None) is None and not isinstance(fn, type)
+            and isinstance(call, types.FunctionType)):  # an object that is called
+        return function_identity(types.MethodType(call, fn))
     name = (f"{getattr(func, '__module__', '')}."
             f"{getattr(func, '__qualname__', type(func).__qualname__)}")
     code = getattr(func, "__code__", None)
-    if code is None:  # a callable object, a builtin: its name is all that is stable
+    if code is None:  # a builtin: its name is all that is stable
         return name
     digest = hashlib.sha256()
     _digest_code(code, digest)
@@ -161,13 +175,13 @@ def function_identity(fn: Callable[..., Any]) -> str:
         except ValueError:  # an empty cell
             continue
         if _plain(value):
-            digest.update(repr(value).encode())
+            digest.update(_plain_repr(value).encode())
         digest.update(b"\0")
     held = getattr(getattr(fn, "__self__", None), "__dict__", None)
     read = _names_read(code)
     for key, value in sorted((held or {}).items()):
         if key in read and _plain(value):  # what this function reads, not a counter elsewhere
-            digest.update(f"{key}={value!r}\0".encode())
+            digest.update(f"{key}={_plain_repr(value)}\0".encode())
     return f"{name}:{digest.hexdigest()[:16]}"
 
 
@@ -181,9 +195,28 @@ def _names_read(code: Any) -> set[str]:
 
 
 def _plain(value: Any) -> bool:
+    """Whether ``value`` is a number, a string, None, or tuples, lists and dicts of them
+    (what `_plain_repr` writes the same in every process)."""
     if isinstance(value, tuple | list):
         return all(map(_plain, value))
+    if isinstance(value, dict):
+        return all(_plain(k) and _plain(v) for k, v in value.items())
     return value is None or isinstance(value, bool | int | float | str | bytes)
+
+
+def _plain_repr(value: Any) -> str:
+    """``repr`` of a `_plain` value, a dict's items in key order (equal dicts alike); the
+    type's name for any other value (told apart only by its type)."""
+    if not _plain(value):
+        return f"<{type(value).__module__}.{type(value).__qualname__}>"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_plain_repr(v)}"
+                               for k, v in sorted(value.items(), key=repr)) + "}"
+    if isinstance(value, tuple | list) and any(isinstance(v, dict | tuple | list)
+                                               for v in value):
+        inner = ", ".join(map(_plain_repr, value))
+        return f"({inner},)" if isinstance(value, tuple) else f"[{inner}]"
+    return repr(value)
 
 
 def _digest_code(code: Any, digest: Any) -> None:
