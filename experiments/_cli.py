@@ -657,7 +657,8 @@ def plan_only(
         print(f"  a fused group holds trials of the study, at most --trials ({config.trials}): "
               + ("no group is sized below; pass --trials 2 or more to size them"
                  if config.trials < 2 else f"groups of at most {config.trials} below, not "
-                 f"{cap}; pass --trials {cap} to size the widest"))
+                 f"{'up to ' if getattr(args, 'fuse', None) == 'auto' else ''}{cap}; pass "
+                 f"--trials {cap} to size the widest"))
     # Planned on a thread of its own, so that a Ctrl-C stops the command at once, not when a
     # compile (minutes for a large model and a GPU target) returns; once stopped, a plan the
     # thread finishes is not printed after the command's last words.

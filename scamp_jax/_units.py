@@ -74,12 +74,16 @@ def format_bytes(count: float) -> str:
 
 
 def format_share(fraction: float) -> str:
-    """``fraction`` as a percentage with one decimal, or two significant digits where that
-    shows zero for a share that is not (``"0.3%"``, ``"0.0021%"``, ``"0%"``)."""
+    """``fraction`` as a percentage with one decimal, or below 0.1% with two significant
+    digits, so that a share that is not zero never reads as one (``"54.9%"``, ``"0.3%"``,
+    ``"0.05%"``, ``"0.0021%"``, ``"0%"``)."""
     percent = 100 * float(fraction)
-    if percent == 0 or abs(percent) >= 0.05:
-        return f"{percent:.1f}%" if percent else "0%"
-    return f"{percent:.2g}%"
+    if percent == 0:
+        return "0%"
+    if abs(percent) >= 0.095:  # one decimal shows it as at least 0.1
+        return f"{percent:.1f}%"
+    decimals = 1 - math.floor(math.log10(abs(percent)))  # two significant digits
+    return f"{percent:.{decimals}f}".rstrip("0").rstrip(".") + "%"
 
 
 def counted(n: int, noun: str) -> str:

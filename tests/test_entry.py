@@ -909,15 +909,15 @@ def test_a_test_that_gives_no_finite_number_is_said_and_kept_as_null(tmp_path, c
     """A test whose metric is NaN (a model that diverges on the test data) is said, in the
     note and in the best trial's lines, and returned as ``results.json`` keeps it (null),
     not as a number that was never written."""
-    task = dataclasses.replace(function_task(), test=lambda model: {"mse": float("nan"),
-                                                                    "mae": 0.5})
+    task = dataclasses.replace(function_task(), test=lambda model: {
+        "mse": float("nan"), "mae": 0.5, "max": float("inf")})
     done = scamp_jax.run_study(SPACE, task, trials=1, steps=2, study_dir=tmp_path,
                                memory_per_device="64MiB", max_batch_size=16, live=False)
-    assert done["test"] == {"trial": 0, "mse": None, "mae": 0.5}
+    assert done["test"] == {"trial": 0, "mse": None, "mae": 0.5, "max": None}
     assert json.loads((tmp_path / "results.json").read_text())["test"] == done["test"]
     out = " ".join(capsys.readouterr().out.split())
     assert (f"note: the test of the best model (trial 0, in {tmp_path / 'best_model'}) gave "
-            "mse nan, no finite number") in out
+            "mse nan, max inf, no finite number (kept as null)") in out
     assert "tested on data no trial was chosen by (the task's test): mse no finite number" in out
 
 

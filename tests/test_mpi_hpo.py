@@ -956,6 +956,14 @@ def test_a_fused_study_killed_under_mpirun_resumes_to_exactly_its_trials(tmp_pat
     assert len(complete) == 8
     assert all(r in (INTERRUPTED, None) for n, s, r in stored if s != "COMPLETE")
     assert sorted(t["number"] for t in _results(tmp_path)["trials"]) == sorted(complete)
+    # Every rank's pool idled while it waited for the dead job's trials: the run's figure is
+    # their sum, and the last line says it
+    run = _results(tmp_path)["runs"][-1]
+    waits = [r["waited_for_held_trials_s"] * r["pool_devices"] for r in run["per_rank"]]
+    assert all(w > 0 for w in waits)
+    held = run["overhead"]["idle_waiting_for_held_trials_device_s"]
+    assert held == pytest.approx(sum(waits), abs=0.01)
+    assert f"({held:.1f} of them waiting for trials another process held)" in proc.stdout
 
 
 def test_a_trial_that_spans_ranks_shows_the_budget_holds_candidates():

@@ -4,6 +4,8 @@ not lookups), and every plan's batch is checked by independent compiles."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import io
 import os
 import subprocess
@@ -242,8 +244,6 @@ def test_partials_callable_objects_and_closures_over_settings_are_told_apart():
     whatever it bound (``'functools.partial'``, the class's name), so two tasks sized their
     evaluation by each other's plan. Equal values are one key; a counter it does not read
     leaves the key alone."""
-    import functools
-
     assert (function_identity(functools.partial(_forward, scale=2.0))
             != function_identity(functools.partial(_forward, scale=3.0)))
     assert (function_identity(functools.partial(_forward, scale=2.0))
@@ -262,6 +262,75 @@ def test_partials_callable_objects_and_closures_over_settings_are_told_apart():
     assert function_identity(make({"scale": 2})) != function_identity(make({"scale": 3}))
     assert (function_identity(make({"scale": 2, "bias": 0}))
             == function_identity(make({"bias": 0, "scale": 2})))
+
+
+class _Base:
+    def __call__(self, m, x):
+        return self.finish(m(x))
+
+
+class _Tanh(_Base):
+    def finish(self, y):
+        return jnp.tanh(y)
+
+
+class _Square(_Base):
+    def finish(self, y):
+        return y * y
+
+
+class _Slotted:
+    __slots__ = ("scale",)
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def __call__(self, m, x):
+        return m(x) * self.scale
+
+
+class _ThroughAHelper:
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def factor(self):
+        return self.scale
+
+    def __call__(self, m, x):
+        return m(x) * self.factor()
+
+
+@dataclasses.dataclass
+class _Settings:
+    scale: float
+
+
+class _WithSettings:
+    def __init__(self, settings: _Settings) -> None:
+        self.settings = settings
+
+    def __call__(self, m, x):
+        return m(x) * self.settings.scale
+
+
+@pytest.mark.parametrize(("one", "other"), [
+    (lambda: _Tanh(), lambda: _Square()),  # one __call__, inherited: the class tells them apart
+    (lambda: functools.partial(_forward, scale=np.int64(1)),
+     lambda: functools.partial(_forward, scale=np.int64(64))),
+    (lambda: functools.partial(_forward, scale=jax.nn.relu),
+     lambda: functools.partial(_forward, scale=jax.nn.gelu)),
+    (lambda: jax.jit(functools.partial(_forward, scale=1.0)),
+     lambda: jax.jit(functools.partial(_forward, scale=2.0))),
+    (lambda: functools.partial(_forward, ("scale", 2.0)),
+     lambda: functools.partial(_forward, scale=2.0)),
+    (lambda: _Slotted(2.0), lambda: _Slotted(3.0)),
+    (lambda: _ThroughAHelper(2.0), lambda: _ThroughAHelper(3.0)),
+    (lambda: _WithSettings(_Settings(2.0)), lambda: _WithSettings(_Settings(3.0))),
+], ids=["subclasses", "numpy-scalars", "functions", "jitted", "positional-or-keyword",
+        "slots", "read-by-a-helper", "a-dataclass-of-settings"])
+def test_forwards_that_bind_other_values_have_other_keys_and_equal_ones_one_key(one, other):
+    assert function_identity(one()) != function_identity(other())
+    assert function_identity(one()) == function_identity(one())
 
 
 def test_evaluation_forwards_are_told_apart_by_what_they_compute(tmp_path):

@@ -177,7 +177,7 @@ def test_target_needs_a_device_count() -> None:
 
 
 def test_more_described_gpus_than_a_plan_holds_are_refused_before_any_is_made() -> None:
-    """XLA's compiler holds about 50 KB of host memory per described GPU: a pool of a million
+    """XLA's compiler holds up to 50 KB of host memory per described GPU: a pool of a million
     (a stray ``000``) filled a 24 GiB machine, which killed the process with no word. Such a
     pool is refused at once, saying why and how many it takes; the library's call too."""
     model, sample = small_model()
@@ -193,8 +193,8 @@ def test_more_described_gpus_than_a_plan_holds_are_refused_before_any_is_made() 
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith(
         "error: --devices 1,000,000,000 described GPUs are more than a plan describes at once "
-        "(at most 65,536): XLA's compiler holds about 50 KB of this machine's memory for each "
-        "(46,566 GiB for 1,000,000,000)"), result.stderr
+        "(at most 65,536): XLA's compiler holds up to about 50 KB of this machine's memory for "
+        "each (46,566 GiB for 1,000,000,000)"), result.stderr
 
 
 def test_cli_refuses_target_without_plan_only() -> None:

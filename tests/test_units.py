@@ -79,8 +79,8 @@ def test_format_then_parse_round_trips_to_the_printed_precision():
 
 
 @pytest.mark.parametrize(("fraction", "text"), [
-    (0.5492, "54.9%"), (0.003, "0.3%"), (0.0004, "0.04%"), (0.0000213, "0.0021%"), (0.0, "0%"),
-    (1.0, "100.0%")])
+    (0.5492, "54.9%"), (0.003, "0.3%"), (0.0005, "0.05%"), (0.0004, "0.04%"),
+    (0.0000213, "0.0021%"), (0.00000026, "0.000026%"), (0.0, "0%"), (1.0, "100.0%")])
 def test_a_share_too_small_for_one_decimal_is_not_shown_as_none(fraction, text):
     """A study's mean memory booked of a large pool (20 MiB of 8 GiB) is no "0.0%"."""
     assert format_share(fraction) == text

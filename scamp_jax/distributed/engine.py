@@ -446,5 +446,12 @@ def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any
         "spanning_trials": len(finished),
         "spanning_s": spanning_s,
         "per_rank": summaries,
+        # the longest any rank waited for held trials (each rank's own: ``per_rank``)
+        "waited_for_held_trials_s": max(float(s.get("waited_for_held_trials_s") or 0.0)
+                                        for s in summaries),
     }
+    if session.overhead is not None:  # every rank's pool idled while it waited: their sum
+        session.overhead["idle_waiting_for_held_trials_device_s"] = round(sum(
+            float(s.get("waited_for_held_trials_s") or 0.0) * int(s.get("pool_devices") or 0)
+            for s in summaries), 3)
     return comm.bcast(session.report(server.source, run_info), root=0)

@@ -28,7 +28,8 @@ idle while a trial was being planned, none waited for devices and the engine's r
 left room (`idle_waiting_for_plans`, from the engine's per-trial timeline), and apart from
 those, the device-seconds of the whole pool while the engine had nothing to run but trials
 another process holds, or held until it was stopped hard and their heartbeat goes stale
-(``idle_waiting_for_held_trials_device_s``, `scamp_jax.hpo.intake.Intake.wait`).
+(``idle_waiting_for_held_trials_device_s``, `scamp_jax.hpo.intake.Intake.wait`; under MPI the
+sum over every rank's pool).
 """
 
 from __future__ import annotations

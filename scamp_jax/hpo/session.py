@@ -662,9 +662,10 @@ class StudySession:
             return None
         if not report.record_test(self.out_dir, number, scores):
             return None  # another process saved a better model meanwhile: its test is its own
-        if not math.isfinite(scores[self.task.metric]):  # kept as JSON keeps it: null
-            self.say(f"note: the test of {where} gave {self.task.metric} "
-                     f"{scores[self.task.metric]}, no finite number")
+        unfinished = [f"{k} {v}" for k, v in scores.items() if not math.isfinite(v)]
+        if unfinished:  # kept as JSON keeps them: null
+            self.say(f"note: the test of {where} gave {', '.join(unfinished)}, no finite "
+                     "number (kept as null)")
         return {"trial": number, **{k: v if math.isfinite(v) else None  # as results.json has it
                                     for k, v in scores.items()}}
 

@@ -33,6 +33,7 @@ threads and processes; the file sits in the study directory next to ``study.db``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -46,6 +47,7 @@ from typing import Any
 
 import jax
 import jaxlib
+import numpy as np
 import optax
 from flax import nnx
 
@@ -140,31 +142,42 @@ def _functions_in(jaxpr: Any) -> list[str]:
     return found
 
 
-def function_identity(fn: Callable[..., Any]) -> str:
+def function_identity(fn: Callable[..., Any], _depth: int = 0) -> str:
     """``fn`` as a plan key holds it (a task's ``eval_forward``): its module, qualified name and
-    a digest of its code, with the plain values it closes over (numbers, strings, and tuples of
-    them), so that two lambdas, or two classes of one name in two modules, are told apart by
-    what they compute; stable across processes (no addresses). A bound method is its
-    function with the plain values of its instance that it reads (a task's scale, its number
-    of flipped copies: two tasks of one class that differ there evaluate other programs; a
-    counter it does not read leaves the key alone); what else an instance holds enters only
-    through the shapes it hands the planner. A ``functools.partial`` is its function with the
-    plain values it binds, and an object with a ``__call__`` of its own that method bound to
-    it (two partials, or two instances of one class, that differ in such a value evaluate
-    other programs)."""
+    a digest of its code, with the values it closes over that have a stable description
+    (`_value_key`: numbers, strings, NumPy scalars, functions, and tuples, lists, dicts and
+    dataclasses of them), so that two lambdas, or two classes of one name in two modules, are
+    told apart by what they compute; stable across processes (no addresses). A bound method is
+    its function with such values of its instance that it, or a method of its class it calls,
+    reads (a task's scale, its number of flipped copies: two tasks of one class that differ
+    there evaluate other programs; a counter it does not read leaves the key alone); what else
+    an instance holds (arrays, models) enters only through the shapes it hands the planner. A
+    ``functools.partial`` is its function with the values it binds, a wrapper (``jax.jit``,
+    ``functools.wraps``) the function it wraps, and an object with a ``__call__`` its class and
+    that method bound to it."""
     if isinstance(fn, functools.partial):
         digest = hashlib.sha256()
-        for value in (*fn.args, *sorted(fn.keywords.items())):
-            digest.update(_plain_repr(value).encode() + b"\0")
-        return f"functools.partial({function_identity(fn.func)}):{digest.hexdigest()[:16]}"
+        for part, values in (("args", list(enumerate(fn.args))),
+                             ("keywords", sorted(fn.keywords.items()))):
+            digest.update(f"{part}\0".encode())
+            for label, bound in values:
+                digest.update(f"{label}={_value_key(bound, _depth) or _type_key(bound)}\0"
+                              .encode())
+        inner = function_identity(fn.func, _depth + 1)
+        return f"functools.partial({inner}):{digest.hexdigest()[:16]}"
     func = getattr(fn, "__func__", fn)
-    call = next((vars(c)["__call__"] for c in type(fn).__mro__ if "__call__" in vars(c)), None)
-    if (getattr(func, "__code__", None) is None and not isinstance(fn, type)
-            and isinstance(call, types.FunctionType)):  # an object that is called
-        return function_identity(types.MethodType(call, fn))
+    code = getattr(func, "__code__", None)
+    if code is None and not isinstance(fn, type) and _depth < _KEY_DEPTH:
+        wrapped = getattr(fn, "__wrapped__", None)  # jax.jit's, functools.wraps'
+        if wrapped is not None and wrapped is not fn:
+            return f"{_type_key(fn)}({function_identity(wrapped, _depth + 1)})"
+        call = next((vars(c)["__call__"] for c in type(fn).__mro__ if "__call__" in vars(c)),
+                    None)
+        if isinstance(call, types.FunctionType):  # an object that is called
+            return (f"{_type_key(fn)}/"
+                    + function_identity(types.MethodType(call, fn), _depth + 1))
     name = (f"{getattr(func, '__module__', '')}."
             f"{getattr(func, '__qualname__', type(func).__qualname__)}")
-    code = getattr(func, "__code__", None)
     if code is None:  # a builtin: its name is all that is stable
         return name
     digest = hashlib.sha256()
@@ -174,15 +187,39 @@ def function_identity(fn: Callable[..., Any]) -> str:
             value = cell.cell_contents
         except ValueError:  # an empty cell
             continue
-        if _plain(value):
-            digest.update(_plain_repr(value).encode())
+        key = _value_key(value, _depth + 1)
+        if key is not None:
+            digest.update(key.encode())
         digest.update(b"\0")
-    held = getattr(getattr(fn, "__self__", None), "__dict__", None)
-    read = _names_read(code)
-    for key, value in sorted((held or {}).items()):
-        if key in read and _plain(value):  # what this function reads, not a counter elsewhere
-            digest.update(f"{key}={_plain_repr(value)}\0".encode())
+    instance = getattr(fn, "__self__", None)
+    if instance is not None and not isinstance(instance, types.ModuleType):
+        read = _names_read(code)
+        for name_read in list(read):  # what the methods it calls read too
+            method = getattr(type(instance), name_read, None)
+            if isinstance(method, types.FunctionType):
+                read |= _names_read(method.__code__)
+        for attr, value in sorted(_attributes(instance).items()):
+            if attr in read:  # what this function reads, not a counter elsewhere
+                key = _value_key(value, _depth + 1)
+                if key is not None:
+                    digest.update(f"{attr}={key}\0".encode())
     return f"{name}:{digest.hexdigest()[:16]}"
+
+
+#: How deep `function_identity` and `_value_key` follow values into values (functions that
+#: close over functions, dicts of dicts): past it a value has no key, and cycles end.
+_KEY_DEPTH = 4
+
+
+def _attributes(instance: Any) -> dict[str, Any]:
+    """``instance``'s own attributes: its ``__dict__`` and its slots."""
+    found = dict(getattr(instance, "__dict__", None) or {})
+    for cls in type(instance).__mro__:
+        slots = vars(cls).get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            if slot not in found and hasattr(instance, slot):
+                found[slot] = getattr(instance, slot)
+    return found
 
 
 def _names_read(code: Any) -> set[str]:
@@ -194,29 +231,44 @@ def _names_read(code: Any) -> set[str]:
     return names
 
 
-def _plain(value: Any) -> bool:
-    """Whether ``value`` is a number, a string, None, or tuples, lists and dicts of them
-    (what `_plain_repr` writes the same in every process)."""
+def _type_key(value: Any) -> str:
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"
+
+
+def _value_key(value: Any, depth: int = 0) -> str | None:
+    """A description of ``value`` that is the same in every process and differs where the
+    value does, or None where it has none (arrays, models, objects: their shapes reach the
+    planner otherwise). Numbers and strings as ``repr`` (NumPy scalars as their Python
+    value); tuples, lists, dicts (in key order) and dataclasses of such values; functions,
+    partials and callable objects by `function_identity`."""
+    if value is None or isinstance(value, bool | int | float | str | bytes):
+        return repr(value)
+    if isinstance(value, np.generic):
+        return repr(value.item())
+    if depth >= _KEY_DEPTH:
+        return None
     if isinstance(value, tuple | list):
-        return all(map(_plain, value))
+        if all(v is None or isinstance(v, bool | int | float | str | bytes) for v in value):
+            return repr(value)  # as keys were written before dicts and functions had keys
+        keys = [_value_key(v, depth + 1) for v in value]
+        if any(k is None for k in keys):
+            return None
+        joined = ", ".join(k for k in keys if k is not None)
+        return f"({joined},)" if isinstance(value, tuple) else f"[{joined}]"
     if isinstance(value, dict):
-        return all(_plain(k) and _plain(v) for k, v in value.items())
-    return value is None or isinstance(value, bool | int | float | str | bytes)
-
-
-def _plain_repr(value: Any) -> str:
-    """``repr`` of a `_plain` value, a dict's items in key order (equal dicts alike); the
-    type's name for any other value (told apart only by its type)."""
-    if not _plain(value):
-        return f"<{type(value).__module__}.{type(value).__qualname__}>"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k!r}: {_plain_repr(v)}"
-                               for k, v in sorted(value.items(), key=repr)) + "}"
-    if isinstance(value, tuple | list) and any(isinstance(v, dict | tuple | list)
-                                               for v in value):
-        inner = ", ".join(map(_plain_repr, value))
-        return f"({inner},)" if isinstance(value, tuple) else f"[{inner}]"
-    return repr(value)
+        items = [(_value_key(k, depth + 1), _value_key(v, depth + 1)) for k, v in value.items()]
+        if any(k is None or v is None for k, v in items):
+            return None
+        return "{" + ", ".join(f"{k}: {v}" for k, v in sorted(items)) + "}"  # type: ignore[type-var]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = [(f.name, _value_key(getattr(value, f.name), depth + 1))
+                  for f in dataclasses.fields(value)]
+        if any(k is None for _, k in fields):
+            return None
+        return f"{_type_key(value)}(" + ", ".join(f"{n}={k}" for n, k in fields) + ")"
+    if callable(value) and not isinstance(value, type):
+        return function_identity(value, depth + 1)
+    return None
 
 
 def _digest_code(code: Any, digest: Any) -> None:

@@ -227,8 +227,8 @@ class Target:
         if count > MAX_DEVICES:
             raise ValueError(
                 f"devices={count:,} described GPUs are more than a plan describes at once "
-                f"(at most {MAX_DEVICES:,}): XLA's compiler holds about 50 KB of this "
-                f"machine's memory for each ({count * 50_000 / 2**30:,.0f} GiB for "
+                f"(at most {MAX_DEVICES:,}): XLA's compiler holds up to about 50 KB of "
+                f"this machine's memory for each ({count * 50_000 / 2**30:,.0f} GiB for "
                 f"{count:,}); a candidate's plan spans a few GPUs and is the same on any pool "
                 f"that holds it, so plan for {MAX_DEVICES:,} or fewer")
         key = (self.config, self.autotune_cache, count)
@@ -240,10 +240,11 @@ class Target:
             return _DEVICES[key]
 
 
-#: The most compile-only GPUs `Target.devices` describes at once. From its first compile on,
-#: XLA's compiler holds about 50 KB of host memory per described GPU, whichever of them a
-#: plan uses (48 KB measured: 1.4 GiB for 30,000, 4.2 GiB for 100,000; a million filled a
-#: 24 GiB machine and were killed): 65,536 take about 3 GiB.
+#: The most compile-only GPUs `Target.devices` describes in one call (each count's stay for
+#: the process). From its first compile on, XLA's compiler holds host memory per described
+#: GPU, whichever of them a plan uses: 48 KB for the main job's SwinIR (1.4 GiB for 30,000,
+#: 4.2 GiB for 100,000; a million filled a 24 GiB machine and were killed), about 11 KB for a
+#: trivial program: 65,536 take up to about 3 GiB.
 MAX_DEVICES = 65_536
 
 _LOCK = threading.Lock()
