@@ -861,3 +861,191 @@ def test_a_fused_swinir_step_has_no_grouped_convolution_on_cpu_and_one_per_conv_
     cpu, gpu = groups("cpu"), groups("cuda")
     assert cpu and set(cpu) == {1}, cpu
     assert set(gpu) == {width} and len(cpu) == width * len(gpu), (cpu, gpu)
+
+
+def test_an_inactive_member_leaves_the_fused_step_with_its_state_unchanged() -> None:
+    """The ``active`` mask: a stopped member's parameters, optimizer state and other state
+    (its dropout stream's counter) come out of the fused step exactly as they went in, while
+    an active member's change, both in one step."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from scamp_jax.planning.fusion import make_fused_step, stack_batches
+    from scamp_jax.planning.train_step import split_model
+
+    class Dropped(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.linear = nnx.Linear(3, 1, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return self.linear(self.drop(x))
+
+    optimizer = make_optimizer({"learning_rate": 1e-2})
+    states = []
+    for seed in (0, 1):
+        graphdef, params, rest = split_model(Dropped(nnx.Rngs(seed)))
+        states.append((params, optimizer.init(params), rest))
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+    rng = np.random.default_rng(0)
+    batch = stack_batches([(rng.normal(size=(4, 3)).astype(np.float32),) for _ in range(2)])
+    fused = jax.jit(make_fused_step(graphdef, optimizer))
+    *after, losses = fused(*stacked, batch, jnp.asarray([True, False]))
+    assert np.all(np.isfinite(np.asarray(losses)))
+    changed = {"params": False, "opt_state": False, "rest": False}
+    for name, old_tree, new_tree in zip(changed, stacked, after, strict=True):
+        for old, new in zip(jax.tree.leaves(old_tree), jax.tree.leaves(new_tree), strict=True):
+            np.testing.assert_array_equal(_raw(new)[1], _raw(old)[1], err_msg=name)
+            changed[name] |= not np.array_equal(_raw(new)[0], _raw(old)[0])
+    assert changed == {"params": True, "opt_state": True, "rest": True}
+
+
+def test_a_group_spec_made_from_a_schedule_holds_its_booked_share_and_ends_oom_above_it():
+    """`GroupSpec.of` takes the run's schedule as the engine hands it: its steps, intervals
+    and booked share come back from ``schedule()``, and a group whose fused step needs more
+    than that share ends every member ``oom`` (not checked against the device's whole
+    budget)."""
+    from scamp_jax.hpo.lifecycle import Schedule
+
+    plan = make_plan({"width": 16}, jax.devices()[:1], max_batch=16)
+    members = tuple(MemberSpec(i, cfg, seed) for i, (cfg, seed) in enumerate(MEMBERS[:2]))
+    schedule = Schedule(5, 2**10, checkpoint_every=3, eval_every=2, log_every=1)
+    spec = GroupSpec.of(4, members, group_plan(plan, 4), schedule, BUDGET)
+    assert spec.schedule() == schedule and spec.share_bytes() == 2**10
+    group = run_fused_group(spec, SPACE, Regression())
+    assert [r.state for r in group.members] == ["oom"] * 2, [r.reason for r in group.members]
+
+
+def test_a_re_formed_groups_records_give_its_first_width_and_no_non_finite_loss(tmp_path):
+    """A member that diverges fails alone and the group re-forms without it: each member's
+    record (and the results file, strict JSON) gives the width the group started with, and
+    the failed member's non-finite loss as null."""
+    import json
+
+    plan = make_plan({"width": 16}, jax.devices()[:1], max_batch=16)
+    members = (MemberSpec(0, {"width": 16, "learning_rate": 1e-2}, 1),
+               MemberSpec(1, {"width": 16, "learning_rate": 1e30}, 2),
+               MemberSpec(2, {"width": 16, "learning_rate": 3e-3}, 3))
+    group = run_fused_group(GroupSpec(5, members, group_plan(plan, 4), 10, BUDGET, eval_every=5,
+                                      log_every=1), SPACE, Regression(),
+                            results_path=tmp_path / "group.json")
+    assert [r.state for r in group.members] == ["complete", "failed", "complete"]
+    assert group.widths == (3, 2)
+    records = group.records()
+    assert [r["fusion_width"] for r in records] == [3, 3, 3]
+    assert records[1]["loss"] is None and records[0]["loss"] is not None
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    written = json.loads((tmp_path / "group.json").read_text(), parse_constant=refuse)
+    assert [m["fusion_width"] for m in written["members"]] == [3, 3, 3]
+    assert written["widths"] == [3, 2]
+
+
+def test_a_signature_tells_apart_programs_whose_variables_differ_only_in_shape():
+    """Two builds whose graph definitions print alike (a variable's shape is no attribute of
+    the graph) but whose variables' shapes differ are two programs: their signature keys
+    differ, so the engine never shares one fused plan between them."""
+    import jax.numpy as jnp
+
+    from scamp_jax.hpo.fused_runner import architecture_signature, signature_key
+    from scamp_jax.space import SearchSpace
+
+    class Scale(nnx.Module):
+        def __init__(self, size: int) -> None:
+            self.w = nnx.Param(jnp.ones((size,)))
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return x * self.w
+
+    space = SearchSpace("scale", lambda trial: {}, lambda config, rngs: Scale(config["size"]))
+    three, four = (architecture_signature(space, {"size": n}) for n in (3, 4))
+    assert repr(three[0]) == repr(four[0])  # the graph alone does not tell them apart
+    assert signature_key(three) != signature_key(four)
+    assert signature_key(three) == signature_key(architecture_signature(space, {"size": 3}))
+
+
+class DroppedMLP(nnx.Module):
+    """`test_runner`'s MLP with dropout on its hidden layer: a random stream (a typed key and a
+    counter) in each member's state."""
+
+    def __init__(self, width: int, rngs: nnx.Rngs) -> None:
+        self.hidden = nnx.Linear(8, width, rngs=rngs)
+        self.drop = nnx.Dropout(0.2, rngs=rngs)
+        self.out = nnx.Linear(width, 1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.out(self.drop(jax.numpy.tanh(self.hidden(x))))
+
+
+def test_a_group_of_a_model_with_dropout_re_forms_with_each_members_own_stream():
+    """Members whose state holds a random stream (dropout): the group re-forms without a pruned
+    member, each survivor keeping its own stream, and ends as its solo run ends."""
+    from scamp_jax.space import SearchSpace
+
+    space = SearchSpace("dropped", lambda trial: {},
+                        lambda config, rngs: DroppedMLP(int(config["width"]), rngs))
+    task = Regression()
+    kw = {"optimizer": make_optimizer({}), "loss_fn": task.loss_fn}
+    model = nnx.eval_shape(lambda: space.build({"width": 16}, nnx.Rngs(0)))
+    plan = planner.plan_mesh(model, task.sample_batch(1), devices=jax.devices()[:1],
+                             memory_per_device=BUDGET, max_batch_size=16, **kw)
+    gplan = plan_fusion(model, task.sample_batch(1), max_width=3, plan=plan,
+                        batch_size=plan.batch_size, **kw)
+    members = tuple(MemberSpec(10 + i, cfg, seed) for i, (cfg, seed) in enumerate(MEMBERS[:3]))
+    steps, every = 10, 5
+    group = run_fused_group(
+        GroupSpec(1, members, gplan, steps, BUDGET, eval_every=every, log_every=5), space, task,
+        report=lambda number, step, value: number == 10 and step == every)
+    assert [r.state for r in group.members] == ["pruned", "complete", "complete"], [
+        r.reason for r in group.members]
+    assert group.widths == (3, 2)
+    config, seed = MEMBERS[2]  # moved from slot 2 to slot 1 by the re-form
+    alone = run_trial(RunSpec(0, config, plan, steps, BUDGET, seed=seed), space, task)
+    assert alone.state == "complete", alone.reason
+    assert rel(group.members[2].metrics["mse"], alone.metrics["mse"]) <= RTOL
+
+
+def test_a_hyperparameter_set_by_only_some_members_is_refused_naming_them():
+    """A group's members share one optimizer: a hyperparameter that some members set and
+    others do not is refused with the members that lack it, not defaulted nor a KeyError;
+    one that every member sets is a ``(K,)`` float32 array in member order."""
+    import numpy as np
+
+    from scamp_jax.planning.fusion import hyperparam_arrays
+
+    configs = [{"learning_rate": 1e-2, "b1": 0.8}, {"learning_rate": 3e-3}, {"b1": 0.9}]
+    with pytest.raises(ValueError, match=r"'learning_rate' is set by some group members but "
+                                         r"not by members \[2\]"):
+        hyperparam_arrays(("learning_rate",), configs)
+    with pytest.raises(ValueError, match=r"'b1' is set by some group members but not by "
+                                         r"members \[1\]"):
+        hyperparam_arrays(("b1",), configs)
+    got = hyperparam_arrays(("learning_rate", "weight_decay"), configs[:2])
+    assert list(got) == ["learning_rate"] and got["learning_rate"].dtype == np.float32
+    np.testing.assert_array_equal(got["learning_rate"], np.float32([1e-2, 3e-3]))
+
+
+def test_a_group_as_narrow_as_the_fewest_wanted_that_does_not_fit_says_so():
+    """``max_width == min_width`` (a family of two in a study; one member asked alone): when
+    that group does not fit, a clear `DoesNotFitError`, compiling no narrower group."""
+    model, task, kw, member, one, two = _member_of_width_64()
+    member = dataclasses.replace(member, memory_per_device=int((one + 0.5 * (two - one)) / 0.9))
+    compiled: list[int] = []
+    original = FusedStepCompiler.estimate
+
+    def estimate(self: FusedStepCompiler, width: int, batch: int, run_grade: bool = False):
+        compiled.append(width)
+        return original(self, width, batch, run_grade)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(FusedStepCompiler, "estimate", estimate)
+        with pytest.raises(planner.DoesNotFitError, match="a fused group of 2 members needs"):
+            plan_fusion(model, task.sample_batch(1), max_width=2, plan=member, batch_size=256,
+                        min_width=2, **kw)
+        assert set(compiled) == {2}
+        tight = dataclasses.replace(member, memory_per_device=int(0.8 * one / 0.9))
+        with pytest.raises(planner.DoesNotFitError, match="one fused member needs"):
+            plan_fusion(model, task.sample_batch(1), max_width=1, plan=tight, batch_size=256,
+                        **kw)

@@ -299,3 +299,80 @@ def test_patch_copies_inside_the_data_threads_finish_with_one_thread_each(
         for module in (member_streams, sr_data):
             if module._POOL is not None:
                 module._POOL.shutdown()
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["at once", "in turn"])
+def test_an_interruption_raised_by_a_members_stream_stops_the_draw_at_once_as_in_turn(
+        parallel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream that raises an interruption (``KeyboardInterrupt``, not an ``Exception``)
+    stops the draw, on a data thread as on the calling one: the member is not taken for one
+    whose data failed, and the others are not told to draw on without it."""
+    monkeypatch.setattr(member_streams, "PARALLEL_MIN_SECONDS", 0.0)
+
+    def stream(slot: int) -> Iterator[np.ndarray]:
+        for step in range(WARM):
+            yield np.full((2,), step, np.float32)
+        if slot == 1:
+            raise KeyboardInterrupt
+        yield np.full((2,), WARM, np.float32)
+
+    stacked = StackedStreams([stream(0), stream(1)], parallel=parallel)
+    for _ in range(WARM):
+        stacked.draw()
+    assert stacked.at_once == parallel
+    with pytest.raises(KeyboardInterrupt):
+        stacked.draw()
+    assert stacked.take_failed() == {}
+
+
+def test_a_kept_failed_slot_moves_with_its_member_and_so_does_its_untold_failure() -> None:
+    """`StackedStreams.keep` renumbers the slots: a failed member kept in the group (in
+    another place) still holds zeros and is never drawn again, its failure not yet told is
+    told under its new slot, and the member that moved into its old place draws on."""
+    def stream(slot: int) -> Iterator[np.ndarray]:
+        for step in range(1, 10):
+            if slot == 0 and step == 2:
+                raise RuntimeError("member 0's data is broken")
+            yield np.full((2,), 10 * slot + step, np.float32)
+
+    stacked = StackedStreams([stream(0), stream(1), stream(2)], parallel=False)
+    np.testing.assert_array_equal(stacked.draw(), [[1, 1], [11, 11], [21, 21]])
+    np.testing.assert_array_equal(stacked.draw(), [[0, 0], [12, 12], [22, 22]])
+    stacked.keep([2, 0])  # member 2 moves to slot 0, failed member 0 to slot 1
+    failed = stacked.take_failed()
+    assert list(failed) == [1] and "member 0's data is broken" in str(failed[1])
+    np.testing.assert_array_equal(stacked.draw(), [[23, 23], [0, 0]])
+    assert stacked.take_failed() == {}
+
+
+def test_a_members_draw_still_queued_when_ctrl_c_comes_never_starts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one data thread, member 1's draw waits behind member 0's; a Ctrl-C during member
+    0's draw ends the draw, and member 1's stream is never advanced after it (its job, run
+    later by the thread, does nothing)."""
+    monkeypatch.setattr(member_streams, "PARALLEL_MIN_SECONDS", 0.0)
+    monkeypatch.setattr(member_streams, "host_cores", lambda: 1)
+    monkeypatch.setattr(member_streams, "_POOL", None)
+    started: list[int] = []
+
+    def stream(slot: int) -> Iterator[np.ndarray]:
+        for step in range(WARM + 5):
+            if step == WARM:
+                started.append(slot)
+                if slot == 0:  # once member 1's draw is queued too
+                    time.sleep(0.2)
+                    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+                    time.sleep(0.3)
+            yield np.full((2,), step, np.float32)
+
+    stacked = StackedStreams([stream(0), stream(1)], parallel=True)
+    try:
+        for _ in range(WARM):
+            stacked.draw()
+        assert stacked.at_once
+        with pytest.raises(KeyboardInterrupt):
+            stacked.draw()
+    finally:
+        if member_streams._POOL is not None:
+            member_streams._POOL.shutdown(wait=True)  # runs every job still queued
+    assert started == [0]
