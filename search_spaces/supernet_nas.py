@@ -692,9 +692,6 @@ def evaluate_and_save(
     """
     from rich.console import Console
 
-    from search_spaces.metrics import psnr_y
-    from search_spaces.sr_data import bicubic_upscale
-
     console = console or Console(quiet=True)
     eval_lr, eval_hr = held_out_images(config)
     candidates = [  # each subnet once: a repeat would rank the same weights twice
@@ -702,10 +699,7 @@ def evaluate_and_save(
     ]
     started = time.perf_counter()
     scores = evaluate_subnets(layout, result.blocks, result.shared, candidates, eval_lr, eval_hr)
-    bicubic = float(np.mean([
-        psnr_y(np.clip(bicubic_upscale(x, 2), 0, 1), y, border=2)
-        for x, y in zip(eval_lr, eval_hr, strict=True)
-    ]))
+    bicubic = bicubic_psnr(eval_lr, eval_hr)
     stem_head = stem_head_psnr(layout, result.shared, eval_lr, eval_hr)
     summary = _summary(config, result, candidates, scores, bicubic)
     summary["stem_head_psnr"] = stem_head
@@ -728,8 +722,7 @@ def test_best(config: NASConfig, layout: SupernetLayout, result: TrainResult,
     """The best subnet (chosen by its held-out PSNR, which so flatters it) on the test
     photographs, which no subnet is chosen by (`sr_data.bundled_test_images`): its PSNR, the
     stem and head's alone and bicubic's, cropped as the held-out ones."""
-    from search_spaces.metrics import psnr_y
-    from search_spaces.sr_data import bicubic_upscale, bundled_test_images
+    from search_spaces.sr_data import bundled_test_images
 
     test_lr, test_hr = held_out_images(config, bundled_test_images())
     [psnr] = evaluate_subnets(layout, result.blocks, result.shared, [tuple(best["choices"])],
@@ -737,10 +730,18 @@ def test_best(config: NASConfig, layout: SupernetLayout, result: TrainResult,
     return {
         "index": best["index"], "psnr": psnr,
         "stem_head_psnr": stem_head_psnr(layout, result.shared, test_lr, test_hr),
-        "bicubic_psnr": float(np.mean([
-            psnr_y(np.clip(bicubic_upscale(x, 2), 0, 1), y, border=2)
-            for x, y in zip(test_lr, test_hr, strict=True)])),
+        "bicubic_psnr": bicubic_psnr(test_lr, test_hr),
     }
+
+
+def bicubic_psnr(lrs: list[np.ndarray], hrs: list[np.ndarray]) -> float:
+    """Mean Y-channel PSNR of bicubic x2 upscaling of ``lrs`` against ``hrs`` (border 2), the
+    baseline every subnet is held to."""
+    from search_spaces.metrics import psnr_y
+    from search_spaces.sr_data import bicubic_upscale
+
+    return float(np.mean([psnr_y(np.clip(bicubic_upscale(x, 2), 0, 1), y, border=2)
+                          for x, y in zip(lrs, hrs, strict=True)]))
 
 
 def _summary(

@@ -66,6 +66,7 @@ from scamp_jax.distributed.spanning import (
 from scamp_jax.distributed.study import StudyClient, release_study, shared_study
 from scamp_jax.hpo.engine import SearchEngine, TrialDeferred
 from scamp_jax.hpo.failures import RepeatedFailureError
+from scamp_jax.hpo.overhead import held_wait_device_seconds
 from scamp_jax.hpo.plan_service import PlanningService
 from scamp_jax.hpo.runner import make_optimizer
 from scamp_jax.hpo.study.trials import AskedTrial, AskLater, TrialOutcome
@@ -451,7 +452,6 @@ def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any
                                         for s in summaries),
     }
     if session.overhead is not None:  # every rank's pool idled while it waited: their sum
-        session.overhead["idle_waiting_for_held_trials_device_s"] = round(sum(
-            float(s.get("waited_for_held_trials_s") or 0.0) * int(s.get("pool_devices") or 0)
-            for s in summaries), 3)
+        session.overhead["idle_waiting_for_held_trials_device_s"] = (
+            held_wait_device_seconds(summaries))
     return comm.bcast(session.report(server.source, run_info), root=0)

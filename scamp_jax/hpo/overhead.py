@@ -202,12 +202,17 @@ class OverheadRecorder:
                 result.intervals, result.trial_times,
                 max_running=(getattr(result, "scheduling", None) or {}).get("max_running")),
                 3)
-            # the pool idle while only other processes' trials were left (`Intake.wait`)
-            scheduling = getattr(result, "scheduling", None) or {}
-            out["idle_waiting_for_held_trials_device_s"] = round(
-                float(scheduling.get("waited_for_held_trials_s") or 0.0)
-                * int(scheduling.get("pool_devices") or 0), 3)
+            out["idle_waiting_for_held_trials_device_s"] = held_wait_device_seconds(
+                [getattr(result, "scheduling", None) or {}])
         return out
+
+
+def held_wait_device_seconds(runs: Sequence[Mapping[str, Any]]) -> float:
+    """Device-seconds the pools of ``runs`` (engines' scheduling records: one, or every MPI
+    rank's) idled while only trials another process holds were left (`Intake.wait`: the whole
+    pool waits)."""
+    return round(sum(float(r.get("waited_for_held_trials_s") or 0.0)
+                     * int(r.get("pool_devices") or 0) for r in runs), 3)
 
 
 def idle_waiting_for_plans(intervals: Sequence[Sequence[Sequence[float]]],

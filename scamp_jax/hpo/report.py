@@ -378,21 +378,23 @@ def _saved_best(directory: Path, study_dir: Path, metric: str,
 
 
 def record_test(study_dir: str | Path, number: int,
-                scores: Mapping[str, float] | None) -> bool:
+                scores: Mapping[str, float] | None) -> dict[str, Any] | None:
     """Write the test ``scores`` of trial ``number``'s model into ``best_model/trial.json``
     and ``results.json`` (``"test"``, where trial ``number`` is its best), or with ``scores``
-    None take that trial's test out of both (this run took none: no earlier run's stays);
-    False, writing nothing, where ``best_model/`` holds another trial's model by now (another
-    process saved a better one)."""
+    None take that trial's test out of both (this run took none: no earlier run's stays).
+    Returns ``{"trial": number, **scores}`` as written (a score that is no finite number as
+    None); None, writing nothing, where ``best_model/`` holds another trial's model by now
+    (another process saved a better one)."""
     study_dir = Path(study_dir)
     saved = study_dir / "best_model" / "trial.json"
     with _locked(study_dir / "results.lock"):
         try:
             record = json.loads(saved.read_text())
         except (OSError, ValueError):
-            return False
+            return None
         if not isinstance(record, dict) or record.get("number") != number:
-            return False
+            return None
+        written = {"trial": number, **_finite(dict(scores or {}))}
         if scores is not None:
             record["test"] = dict(scores)
             write_whole(saved, _dumps(record, indent=2))
@@ -401,17 +403,17 @@ def record_test(study_dir: str | Path, number: int,
         try:
             payload = json.loads((study_dir / "results.json").read_text())
         except (OSError, ValueError):  # none yet, or damaged: the next write reads trial.json
-            return True
+            return written
         if not isinstance(payload, dict):
-            return True
+            return written
         if scores is not None and payload.get("best") == number:
-            payload["test"] = {"trial": number, **scores}
+            payload["test"] = written
         elif scores is None and (payload.get("test") or {}).get("trial") == number:
             del payload["test"]
         else:
-            return True
+            return written
         write_whole(study_dir / "results.json", _dumps(payload, indent=2))
-    return True
+    return written
 
 
 def saved_test(study_dir: str | Path) -> dict[str, Any] | None:

@@ -660,14 +660,14 @@ class StudySession:
             self.say(f"note: the test of {where} is not kept: {err.args[0]}; the "
                      "study's results are written")
             return None
-        if not report.record_test(self.out_dir, number, scores):
+        written = report.record_test(self.out_dir, number, scores)
+        if written is None:
             return None  # another process saved a better model meanwhile: its test is its own
         unfinished = [f"{k} {v}" for k, v in scores.items() if not math.isfinite(v)]
         if unfinished:  # kept as JSON keeps them: null
             self.say(f"note: the test of {where} gave {', '.join(unfinished)}, no finite "
                      "number (kept as null)")
-        return {"trial": number, **{k: v if math.isfinite(v) else None  # as results.json has it
-                                    for k, v in scores.items()}}
+        return written
 
     def report_interrupted(self, study: optuna.Study, elapsed_s: float,
                            trials_this_run: int | None = None, *, beyond_engine: bool = False,
