@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import threading
 
 import numpy as np
 import optuna
@@ -105,18 +106,30 @@ def test_with_no_limit_every_trial_fails_with_its_traceback_in_results_json(tmp_
 
 def test_an_error_of_the_users_suggest_keeps_the_finished_trials_in_results_json(tmp_path):
     """A bug in ``suggest`` that ends the run after trials finished: the error goes on, and
-    ``results.json`` / ``results.csv`` hold those trials and the run, with why it stopped."""
+    ``results.json`` / ``results.csv`` hold those trials and the run, with why it stopped.
+    The engine asks the 4th trial while the 3rd trains (one queued ahead); the bug is raised
+    once the 3rd has been evaluated, so that it has finished when the run stops, however
+    slowly the machine runs it."""
     calls = []
+    reference = Regression()
+    evaluated = threading.Semaphore(0)
+
+    def evaluate(model) -> dict[str, float]:
+        scores = reference.evaluate(model)
+        evaluated.release()
+        return scores
 
     def suggest(trial: optuna.Trial) -> dict:
         calls.append(trial.number)
         if len(calls) == 4:
+            for _ in range(3):  # the trials before it: finished (their runs are done)
+                assert evaluated.acquire(timeout=120)
             raise ZeroDivisionError("a bug in suggest")
         return SPACE.suggest(trial)
 
     space = scamp_jax.SearchSpace("mlp", suggest, SPACE.build)
     with pytest.raises(ZeroDivisionError, match="a bug in suggest"):
-        scamp_jax.run_study(space, _task(), trials=6, study_dir=tmp_path, devices=1,
+        scamp_jax.run_study(space, _task(evaluate), trials=6, study_dir=tmp_path, devices=1,
                             max_running_trials=1, **KW)
     study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
     complete = [t.number for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
