@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import json
-import threading
 
 import numpy as np
 import optuna
@@ -110,6 +109,8 @@ def test_an_error_of_the_users_suggest_keeps_the_finished_trials_in_results_json
     The engine asks the 4th trial while the 3rd trains (one queued ahead); the bug is raised
     once the 3rd has been evaluated, so that it has finished when the run stops, however
     slowly the machine runs it."""
+    import threading  # here: the lines above are the ones other tests name
+
     calls = []
     reference = Regression()
     evaluated = threading.Semaphore(0)
