@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import re
 import signal
@@ -28,7 +29,14 @@ from typing import Any, NoReturn
 
 from scamp_jax._signals import Terminated as Terminated  # SIGTERM's stop, as Ctrl-C's
 from scamp_jax._signals import interruptible, left_behind
-from scamp_jax.hpo.settings import ELASTIC, GRACE_PERIOD, PRUNERS, SAMPLERS, SearchSettings
+from scamp_jax.hpo.settings import (
+    CHECKPOINT_MIN_SECONDS,
+    ELASTIC,
+    GRACE_PERIOD,
+    PRUNERS,
+    SAMPLERS,
+    SearchSettings,
+)
 from scamp_jax.scheduling.placement import POLICIES
 
 #: CPU devices the entry points split the host into (the default device pool on CPU).
@@ -91,6 +99,17 @@ def positive_int(text: str) -> int:
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
     return _int_at_least(text, 0, "0 (off) or more")
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be 0 (off) or more")
+    return value
 
 
 def study_name(text: str) -> str:
@@ -210,6 +229,13 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
                         "from, counted as --steps are (a trial at another batch writes as many; "
                         "0: only at the end; default: the preset's, scaled with --steps so a "
                         "trial writes as many)")
+    parser.add_argument("--checkpoint-min-seconds", type=non_negative_float, metavar="S",
+                        help="least seconds of training between two of a trial's checkpoints "
+                        "before its last: one --checkpoint-every makes due sooner is not "
+                        "written, so a study killed outright loses at most about S seconds, or "
+                        "--checkpoint-every steps, of each running trial (Ctrl-C and SIGTERM "
+                        "still write one; 0: every --checkpoint-every steps; default "
+                        f"{CHECKPOINT_MIN_SECONDS:g})")
     parser.add_argument("--seed", type=int, help="seed of the sampler, initialisation and data")
     parser.add_argument("--failure-limit", type=non_negative_int, metavar="N",
                         help="stop the study when trials of N runs (a fused group is one) "
@@ -270,6 +296,8 @@ def preset_text(name: str, c: HPOConfig) -> str:
                                      else "")
     checkpoints = (f"a checkpoint every {c.checkpoint_every:,} steps" if c.checkpoint_every
                    else "a checkpoint at the end only")
+    if c.checkpoint_every and c.checkpoint_min_seconds:
+        checkpoints += f" ({c.checkpoint_min_seconds:g} s of training apart at least)"
     return (f"{name}: {c.trials} trials of {steps}, {devices} ({memory}), batches up "
             f"to {c.max_batch_size:,}, sampler {c.sampler}, {pruning}, {checkpoints}, "
             f"{running}, seed {c.seed}")
@@ -307,7 +335,7 @@ def config_from_args(args: argparse.Namespace, base: HPOConfig, study_dir: str) 
 _FLAGGED = ("trials", "steps", "devices", "memory_per_device", "policy", "devices_per_trial",
             "max_batch_size", "min_batch_size", "elastic", "sampler", "pruner", "eval_every",
             "seed", "storage", "train_dir", "eval_dir", "test_dir", "study_name", "fuse",
-            "max_running_trials", "failure_limit", "checkpoint_every")
+            "max_running_trials", "failure_limit", "checkpoint_every", "checkpoint_min_seconds")
 _FLAG_OF = {name: "--" + name.replace("_", "-") for name in (*_FLAGGED, "study_dir")}
 
 

@@ -66,6 +66,9 @@ def test_function_task_checks_its_functions():
     ({"fuse": 4, "sampler": "grid"}, "sampler='grid' takes every parameter from its grid"),
     ({"fuse": "auto", "sampler": "grid"}, "sampler=random with fuse, or fuse=1 .no fused"),
     ({"device_overlap": 1.5}, r"device_overlap=1.5 must be in \[0, 1\]"),
+    ({"checkpoint_min_seconds": -1}, "checkpoint_min_seconds=-1 must be a number of seconds"),
+    ({"checkpoint_min_seconds": float("inf")}, "checkpoint_min_seconds=inf must be a number"),
+    ({"checkpoint_min_seconds": True}, "checkpoint_min_seconds=True must be a number"),
 ])
 def test_settings_name_the_bad_value_and_the_fix(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -620,7 +623,8 @@ def test_a_stopped_runs_record_counts_the_devices_idle_while_its_trials_were_pla
     and the figure, taken from the told trials alone, read 0.0."""
     _ctrl_c_at_step(monkeypatch, 30, lambda: scamp_jax.run_study(
         SPACE, function_task(), steps=400, study_dir=tmp_path, live=False, max_batch_size=8,
-        memory_per_device="64MiB", devices=2, trials=2, checkpoint_every=10))
+        memory_per_device="64MiB", devices=2, trials=2, checkpoint_every=10,
+        checkpoint_min_seconds=0))
     [run] = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert run["interrupted"] and run["trials_this_run"] == 0
     overhead = run["overhead"]
@@ -636,7 +640,7 @@ def test_a_resumed_trials_row_counts_the_seconds_of_the_attempt_a_stop_ended(
     """A trial stopped at step 30 and resumed by the next run: its row reached step 400 in
     the seconds of both attempts, where it showed the resumed attempt's alone."""
     kw = dict(study_dir=tmp_path, live=False, max_batch_size=8, memory_per_device="64MiB",
-              devices=1, trials=1, checkpoint_every=10, steps=400)
+              devices=1, trials=1, checkpoint_every=10, checkpoint_min_seconds=0, steps=400)
     _ctrl_c_at_step(monkeypatch, 30, lambda: scamp_jax.run_study(SPACE, function_task(), **kw))
     scamp_jax.run_study(SPACE, function_task(), **kw)
     study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
@@ -667,7 +671,7 @@ def test_a_trials_step_seconds_leave_its_checkpoints_out(tmp_path, monkeypatch):
     monkeypatch.setattr(TrialCheckpointer, "save", slow_save)
     scamp_jax.run_study(SPACE, function_task(), trials=1, steps=10, study_dir=tmp_path,
                         live=False, max_batch_size=8, memory_per_device="64MiB", devices=1,
-                        checkpoint_every=2)
+                        checkpoint_every=2, checkpoint_min_seconds=0)
     [row] = json.loads((tmp_path / "results.json").read_text())["trials"]
     assert row["steps"] == 10 and row["wall_seconds"] > 2.5  # 5 saves, the last one's too
     assert 0 < row["step_seconds"] < 0.1
@@ -682,7 +686,7 @@ def test_a_run_that_fails_after_trials_trained_keeps_the_studys_settings(tmp_pat
     from scamp_jax.hpo.study import StudySettingsError
 
     kw = dict(study_dir=tmp_path, live=False, max_batch_size=8, memory_per_device="64MiB",
-              trials=2, checkpoint_every=10)
+              trials=2, checkpoint_every=10, checkpoint_min_seconds=0)
     _ctrl_c_at_step(monkeypatch, 30,
                     lambda: scamp_jax.run_study(SPACE, function_task(), steps=400, **kw))
 
@@ -712,7 +716,7 @@ def test_a_too_small_rerun_keeps_the_settings_of_trials_that_trained_and_went_ba
 
     space = scamp_jax.SearchSpace("mlp", suggest, SPACE.build)
     kw = dict(study_dir=tmp_path, live=False, max_batch_size=8, memory_per_device="2MiB",
-              sampler="random", trials=2, checkpoint_every=5)
+              sampler="random", trials=2, checkpoint_every=5, checkpoint_min_seconds=0)
     _ctrl_c_at_step(monkeypatch, 10, lambda: scamp_jax.run_study(
         space, function_task(), steps=400, devices=4, **kw))
     study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))

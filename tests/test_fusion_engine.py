@@ -309,6 +309,25 @@ def test_a_group_waits_only_for_siblings_the_study_still_holds():
     assert [numbers for numbers, _ in formed.sizing] == [(0, 2)] and not service.forming
 
 
+def test_a_proposals_siblings_are_planned_for_its_familys_width_not_the_cap():
+    """A proposal with 2 siblings under a cap of 8 is a family of 3: it and its siblings are
+    each planned for a group of at most 3 (one group plan, one compile, shared by all three),
+    not 8; a trial of no known family (a retry, a sibling of a proposal asked in an earlier
+    run) is planned for the cap."""
+    from scamp_jax.hpo.fused_engine import FusionService
+    from scamp_jax.hpo.study import AskedTrial
+
+    service = FusionService(SPACE, Regression(), 8, planning=None, held_siblings=lambda p: 0)
+    params = {"width": 16, "learning_rate": 1e-3}
+    asked = [AskedTrial(0, params, "trial_0", siblings=2),
+             AskedTrial(1, params, "trial_1", sibling_of=0),
+             AskedTrial(2, params, "trial_2", sibling_of=0),
+             AskedTrial(3, params, "trial_3"),
+             AskedTrial(4, params, "trial_4", sibling_of=7)]
+    # the width each planner job is given (`prepare`'s last argument; None: the cap)
+    assert [service.plan_job(a).args[-1] for a in asked] == [3, 3, 3, None, None]
+
+
 def test_trials_that_set_other_optimizer_hyperparameters_are_not_fused_together(tmp_path):
     """A group's members hold the optimizer hyperparameters they set as data, so a trial with
     ``weight_decay`` and one without cannot share a program although their architecture is

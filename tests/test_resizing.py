@@ -169,3 +169,51 @@ def test_a_restart_whose_devices_another_trial_took_meanwhile_is_decided_afresh(
     assert tail.record.resizing is None and not tail.record.run.stop.is_set()
     assert tail.core.running == {0: (0,), 1: (1,)}
     assert tail.asked == [(4, 16), (4, 16)]  # decided afresh
+
+
+def test_a_restart_that_fails_before_training_goes_back_to_the_devices_it_trained_on():
+    """The restart on 4 devices is booked and the trial stopped; its run on the 4 ends out of
+    memory before a step trained. The trial goes back to device 0 with the plan it trained on
+    (booked there again, shown, logged ``moved_back``), and 4 devices are not offered to it
+    again; a restart that trained and then failed is the trial's own ending instead."""
+    from scamp_jax.hpo.endings import Endings
+    from scamp_jax.hpo.settings import EngineConfig
+    from scamp_jax.hpo.trial import RunResult
+    from scamp_jax.planning.budget import Budget
+
+    def ended(tail: _Tail, *, trained: bool) -> tuple[Any, list[Any]]:
+        started: list[Any] = []
+        endings = Endings(SimpleNamespace(), "mse", EngineConfig(steps=10, budget=Budget(2**26)),
+                          tail.core, {0: tail.record}, now=lambda: 3.0, decide=lambda now: None,
+                          start=lambda unit, ids, now: started.append((unit, tuple(ids))),
+                          queue=lambda planned: None, replan=lambda planned, request: None,
+                          notify=lambda: None)
+        tail.tick()
+        tail.futures[0].set_result(tail.plans[4])
+        tail.tick()
+        assert tail.record.resizing is not None
+        endings.run_ended(0, RunResult(0, "interrupted", 40, 1.0))
+        assert [ids for _, ids in started] == [(0, 1, 2, 3)]  # the restart's run
+        [grown] = started[0][0].members
+        assert grown.plan is tail.plans[4]
+        tail.record.run = SimpleNamespace(members=[grown], stop=threading.Event())
+        if trained:
+            tail.record.status.training_since = float("inf")  # it trained on the 4
+        endings.run_ended(0, RunResult(0, "oom", 40, 1.0, reason="out of memory: the test's"))
+        return endings, started
+
+    back = _Tail()
+    shown: list[Any] = []
+    back.record.show_plan = shown.append  # type: ignore[method-assign]
+    _, started = ended(back, trained=False)
+    assert [ids for _, ids in started] == [(0, 1, 2, 3), (0,)]
+    [before] = started[1][0].members
+    assert before is back.planned and before.plan is back.plans[1]
+    assert back.core.running[0] == (0,) and shown[-1] is back.plans[1]
+    assert [e[0] for e in back.record.times["core"]][-1] == "moved_back"
+    assert back.core.growth.refused(0, 4)
+    assert back.record.restarted is None and back.record.status.resizes == 1
+    trained = _Tail()
+    endings, started = ended(trained, trained=True)
+    assert [ids for _, ids in started] == [(0, 1, 2, 3)]  # not moved back
+    assert "moved_back" not in [e[0] for e in trained.record.times["core"]]

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
@@ -42,6 +43,7 @@ settings = SearchSettings(
     trials={trials}, steps={steps}, max_batch_size=16, sampler="random", pruner="none",
     policy="fixed", devices_per_trial=2,  # two devices, two per trial: one trial at a time
     study_dir={study_dir!r}, storage={storage!r}, checkpoint_every=30,
+    checkpoint_min_seconds=0,  # a checkpoint every 30 steps, however short they are
     heartbeat_interval=1, grace_period=3,  # a killed process's trial is retried 3 s later
 )
 run_search(SPACE, Regression(), settings, devices=jax.devices()[:2],
@@ -60,7 +62,8 @@ def _start(study_dir: Path, cli: bool = False, trials: int = TRIALS,
     if cli:
         # Eight devices per trial under the fixed policy: trials run one after another.
         command = ["-m", "experiments.swinir_hpo", "--preset", "smoke", "--trials", str(TRIALS),
-                   "--steps", "200", "--checkpoint-every", "25", "--policy", "fixed",
+                   "--steps", "200", "--checkpoint-every", "25", "--checkpoint-min-seconds", "0",
+                   "--policy", "fixed",
                    "--devices-per-trial", "8",
                    "--sampler", "random", "--study-dir", str(study_dir), "--no-live"]
     else:
@@ -571,3 +574,109 @@ def test_a_saved_best_model_is_kept_while_better_and_its_checkpoint_is_in_the_st
     save_best_model(tmp_path, [worse], "mse", "minimize")
     assert holds() == ("trial 0", 0)
     assert [p.name for p in tmp_path.iterdir() if "best_model" in p.name] == ["best_model"]
+
+
+def _slow_regression() -> Any:
+    """`test_runner.Regression` whose every batch takes at least 10 ms to draw, so a run's
+    training takes a known least time whatever the machine."""
+    from test_runner import Regression
+
+    class Slow(Regression):
+        def batches(self, batch_size: int, seed: int) -> Any:
+            for batch in super().batches(batch_size, seed):
+                time.sleep(0.01)
+                yield batch
+
+    return Slow()
+
+
+def _recorded_saves(monkeypatch) -> list[tuple[int, float]]:
+    """Each checkpoint a run writes, as (step, when its save began)."""
+    from scamp_jax.hpo.checkpoint import TrialCheckpointer
+
+    saves: list[tuple[int, float]] = []
+    save = TrialCheckpointer.save
+
+    def recorded(self: Any, step: int, state: Any) -> None:
+        saves.append((step, time.monotonic()))
+        save(self, step, state)
+
+    monkeypatch.setattr(TrialCheckpointer, "save", recorded)
+    return saves
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["solo", "fused"])
+def test_checkpoints_are_at_least_checkpoint_min_seconds_of_training_apart(
+        tmp_path, monkeypatch, fused):
+    """A checkpoint every step, 0.15 s of training apart at least: the run writes some (not
+    every step's, not the last one's alone), each the floor after the previous one or the
+    start of training, and the last step's. A solo run and a fused group's members alike."""
+    import jax
+    from test_fusion import MEMBERS, group_plan
+    from test_runner import BUDGET, SPACE, make_plan, spec
+
+    from scamp_jax.hpo.fused_runner import GroupSpec, MemberSpec, run_fused_group
+    from scamp_jax.hpo.runner import run_trial
+
+    saves = _recorded_saves(monkeypatch)
+    plan = make_plan({"width": 16}, jax.devices()[:1], max_batch=16)
+    steps, floor = 60, 0.15  # at least 0.6 s of training: 10 ms a batch
+    began = time.monotonic()
+    if fused:
+        members = tuple(MemberSpec(i, cfg, seed, checkpoint_dir=tmp_path / f"m{i}")
+                        for i, (cfg, seed) in enumerate(MEMBERS[:2]))
+        group = GroupSpec(2, members, group_plan(plan, 4), steps, BUDGET, checkpoint_every=1,
+                          checkpoint_min_seconds=floor, log_every=1)
+        result = run_fused_group(group, SPACE, _slow_regression())
+        assert [r.state for r in result.members] == ["complete"] * 2
+        by_step: dict[int, float] = {}
+        for step, when in saves:  # both members save each checkpoint, at once
+            by_step.setdefault(step, when)
+        saves = sorted(by_step.items())
+    else:
+        config = {"width": 16, "learning_rate": 1e-2}
+        result = run_trial(spec(config, plan, steps=steps, checkpoint_dir=tmp_path / "t",
+                                checkpoint_every=1, checkpoint_min_seconds=floor, log_every=1),
+                           SPACE, _slow_regression())
+        assert result.state == "complete", result.reason
+    steps_saved = [step for step, _ in saves]
+    assert steps_saved[-1] == steps
+    middle = saves[:-1]
+    assert 2 <= len(middle) < steps // 2, steps_saved  # some, far from every step's
+    times = [began] + [when for _, when in middle]
+    assert all(b - a >= floor for a, b in zip(times[:-1], times[1:], strict=True)), steps_saved
+
+
+def test_a_stopped_run_writes_its_checkpoint_however_soon(tmp_path):
+    """A run whose floor (an hour) keeps every checkpoint before its last unwritten is stopped
+    at step 30: it writes that step's (the one it resumes from), and only that one; a run to
+    the end writes the last step's alone."""
+    import threading
+
+    import jax
+    from test_runner import SPACE, Regression, make_plan, spec
+
+    from scamp_jax.hpo.checkpoint import saved_steps
+    from scamp_jax.hpo.runner import run_trial
+
+    config = {"width": 16, "learning_rate": 1e-2}
+    plan = make_plan(config, jax.devices()[:1], max_batch=16)
+    kw = dict(checkpoint_every=5, checkpoint_min_seconds=3600, log_every=1, eval_every=10)
+    stop = threading.Event()
+
+    def report(number: int, step: int, value: float) -> bool:
+        if step == 30:
+            stop.set()
+        return False
+
+    stopped = run_trial(spec(config, plan, steps=100, checkpoint_dir=tmp_path / "a", **kw),
+                        SPACE, Regression(), report=report, stop=stop)
+    assert (stopped.state, stopped.steps) == ("interrupted", 30), stopped.reason
+    assert saved_steps(tmp_path / "a") == {30}
+    resumed = run_trial(spec(config, plan, steps=100, checkpoint_dir=tmp_path / "a", **kw),
+                        SPACE, Regression())
+    assert (resumed.state, resumed.resumed_from) == ("complete", 30), resumed.reason
+    assert saved_steps(tmp_path / "a") == {30, 100}
+    whole = run_trial(spec(config, plan, steps=100, checkpoint_dir=tmp_path / "b", **kw),
+                      SPACE, Regression())
+    assert whole.state == "complete" and saved_steps(tmp_path / "b") == {100}

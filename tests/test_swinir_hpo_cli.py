@@ -49,6 +49,10 @@ def test_unknown_choice_is_rejected(flag, value, capsys):
 @pytest.mark.parametrize("args, message", [
     (["--trials", "0"], "argument --trials: 0 must be at least 1"),
     (["--steps", "many"], "argument --steps: 'many' is not an integer"),
+    (["--checkpoint-min-seconds", "-1"], "argument --checkpoint-min-seconds: -1 must be 0"),
+    (["--checkpoint-min-seconds", "nan"], "argument --checkpoint-min-seconds: nan must be 0"),
+    (["--checkpoint-min-seconds", "soon"],
+     "argument --checkpoint-min-seconds: 'soon' is not a number"),
 ])
 def test_bad_numbers_are_rejected(args, message, capsys):
     with pytest.raises(SystemExit):
@@ -139,6 +143,10 @@ def test_checkpoints_keep_their_number_per_trial_when_steps_change():
     assert config("--steps", "10").checkpoint_every == 2
     assert config("--steps", "1000", "--checkpoint-every", "0").checkpoint_every == 0
     assert config("--checkpoint-every", "7").checkpoint_every == 7
+    # a minute of training between two checkpoints at least, unless the flag says otherwise
+    assert config().checkpoint_min_seconds == 60
+    assert config("--checkpoint-min-seconds", "0").checkpoint_min_seconds == 0
+    assert config("--checkpoint-min-seconds", "2.5").checkpoint_min_seconds == 2.5
 
 
 @pytest.mark.parametrize("argv, platform, pool", [

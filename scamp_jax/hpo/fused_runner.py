@@ -84,6 +84,8 @@ class GroupSpec:
       memory_per_device: device budget in bytes (the plan's safety margin is held back from it).
       checkpoint_every, eval_every, log_every: steps between checkpoints (0: only at the end),
         intermediate evaluations (0: none) and loss read-backs, as for `RunSpec`.
+      checkpoint_min_seconds: least seconds of training between two checkpoints before the
+        last, as for `RunSpec`.
       reform: re-form the group without stopped members at the next evaluation (one compile
         per new width) instead of only masking them.
       report_every: as for `RunSpec` (the step the pruner hears per evaluation).
@@ -101,6 +103,7 @@ class GroupSpec:
     booked_bytes: int | None = None
     report_every: int = 0
     evaluations_per_step: Fraction = Fraction(0)
+    checkpoint_min_seconds: float = 0.0
 
     @classmethod
     def of(cls, group: int, members: tuple[MemberSpec, ...], plan: FusionPlan,
@@ -113,12 +116,14 @@ class GroupSpec:
                    checkpoint_every=schedule.checkpoint_every, eval_every=schedule.eval_every,
                    log_every=schedule.log_every, reform=schedule.reform,
                    booked_bytes=schedule.share_bytes, report_every=schedule.report_every,
-                   evaluations_per_step=schedule.evaluations_per_step)
+                   evaluations_per_step=schedule.evaluations_per_step,
+                   checkpoint_min_seconds=schedule.checkpoint_min_seconds)
 
     def schedule(self) -> Schedule:
         """How long the group trains and what it does on the way (the lifecycle's schedule)."""
         return Schedule(self.steps, self.share_bytes(), self.checkpoint_every, self.eval_every,
                         self.log_every, reform=self.reform, report_every=self.report_every,
+                        checkpoint_min_seconds=self.checkpoint_min_seconds,
                         evaluations_per_step=self.evaluations_per_step)
 
     def share_bytes(self) -> int:

@@ -19,7 +19,8 @@ the fused one (the step vmapped over a member axis, with an ``active`` mask). Th
    the first batch placed;
 3. the step loop: stop (checkpoint, ``interrupted``), step, prefetch, loss read-back (a
    non-finite loss ends that member ``failed``), intermediate evaluation reported to the pruner
-   (``pruned``), checkpoints every ``checkpoint_every`` steps; a stopped member is masked and,
+   (``pruned``), checkpoints every ``checkpoint_every`` steps (where ``checkpoint_min_seconds``
+   of training have passed since the last one); a stopped member is masked and,
    at the next evaluation, the group re-forms without it; after the first two steps the
    allocator's peak on the run's devices is measured (`scamp_jax.hpo.calibration.measure_peak`)
    and written to every member's status, where the search loop learns from it;
@@ -113,6 +114,9 @@ class Schedule:
     """How long a run trains and what it does on the way (steps and intervals, as `RunSpec`).
 
     ``share_bytes``: the bytes per device the run may hold (its booked share of the ledger).
+    ``checkpoint_min_seconds``: a checkpoint due by ``checkpoint_every`` less than this many
+    seconds after the run began training, or after its previous checkpoint, is not written
+    (the last step's, and a stopped run's, always are).
     ``save``: write checkpoints (the ranks of a trial spanning MPI ranks all restore from one
     directory, one of them writes it). ``shared``: the checkpoints are read by other processes
     too (such a trial's parts): one that cannot be read fails the run on every part alike,
@@ -129,6 +133,7 @@ class Schedule:
     save: bool = True
     shared: bool = False
     reform: bool = True
+    checkpoint_min_seconds: float = 0.0
     #: with a reference batch: the k-th evaluation comes at the first step that has trained
     #: ``k`` evaluation intervals' samples at the reference batch (``evaluations_per_step``:
     #: the run's batch over those samples), and the pruner hears it as step
@@ -149,6 +154,7 @@ class Schedule:
         return cls(config.steps_for(batch), int(share_bytes),
                    config.interval_for(config.checkpoint_every, batch),
                    config.interval_for(config.eval_every, batch), config.log_every,
+                   checkpoint_min_seconds=config.checkpoint_min_seconds,
                    report_every=config.eval_every if scaled else 0,
                    evaluations_per_step=(Fraction(batch, config.eval_every
                                                   * config.reference_batch)
@@ -522,6 +528,7 @@ class Lifecycle:
         active = np.ones(program.width, bool)
         self._data_failed(active)
         aside = 0.0  # seconds of the loop spent on checkpoints and intermediate evaluations
+        saved = now  # when the run began training, or last wrote a checkpoint
         for step in range(first, schedule.steps):
             if self.stop is not None and self.stop.is_set():
                 self._save(step)
@@ -553,10 +560,12 @@ class Lifecycle:
             if not active.any():
                 return
             if (schedule.checkpoint_every and done % schedule.checkpoint_every == 0
-                    and done < schedule.steps):
+                    and done < schedule.steps
+                    and time.monotonic() - saved >= schedule.checkpoint_min_seconds):
                 began = _after(losses)
                 self._save(done, active)
-                aside += time.monotonic() - began
+                saved = time.monotonic()
+                aside += saved - began
         if first < schedule.steps:
             # the steps' own seconds (losses read back), not the checkpoints' or evaluations'
             seconds = (time.monotonic() - now - aside) / (schedule.steps - first)

@@ -68,6 +68,8 @@ class RunSpec:
       memory_per_device: device budget in bytes (the plan's safety margin is held back from it).
       checkpoint_dir: the trial's checkpoint directory, or ``None`` to not checkpoint.
       checkpoint_every: steps between checkpoints (0: only at the end).
+      checkpoint_min_seconds: least seconds of training between two checkpoints before the
+        last (`scamp_jax.hpo.lifecycle.Schedule`; 0: every ``checkpoint_every`` steps).
       eval_every: steps between intermediate evaluations reported to the pruner (0: none).
       log_every: steps between loss read-backs (each one synchronises with the device).
       seed: seed of the parameter initialisation and of the data stream.
@@ -104,6 +106,7 @@ class RunSpec:
     booked_bytes: int | None = None
     report_every: int = 0
     evaluations_per_step: Fraction = Fraction(0)
+    checkpoint_min_seconds: float = 0.0
 
     @classmethod
     def of(cls, member: MemberSpec, plan: Any, schedule: Schedule, memory_per_device: int,
@@ -117,7 +120,8 @@ class RunSpec:
                    log_every=schedule.log_every, seed=member.seed,
                    save_checkpoints=schedule.save, booked_bytes=schedule.share_bytes,
                    report_every=schedule.report_every,
-                   evaluations_per_step=schedule.evaluations_per_step, **extra)
+                   evaluations_per_step=schedule.evaluations_per_step,
+                   checkpoint_min_seconds=schedule.checkpoint_min_seconds, **extra)
 
     def share_bytes(self) -> int:
         """The bytes per device this trial may hold (see ``booked_bytes``)."""
@@ -132,6 +136,7 @@ class RunSpec:
         return Schedule(self.steps, self.share_bytes(), self.checkpoint_every, self.eval_every,
                         self.log_every, save=self.save_checkpoints,
                         shared=self.batch_share is not None,
+                        checkpoint_min_seconds=self.checkpoint_min_seconds,
                         report_every=self.report_every,
                         evaluations_per_step=self.evaluations_per_step)
 

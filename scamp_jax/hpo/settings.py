@@ -67,6 +67,12 @@ class EngineConfig:
         ``largest`` candidate fits on ``devices_per_trial`` devices.
       checkpoint_every: steps between checkpoints (0: only at the end), at
         ``reference_batch`` (scaled for a trial's batch as its steps are: `interval_for`).
+      checkpoint_min_seconds: least seconds of training between two of a run's checkpoints
+        before its last: a checkpoint ``checkpoint_every`` makes due sooner after the run began
+        training, or after its previous checkpoint, is not written (0: every one is). A study
+        killed outright loses at most about this much, or ``checkpoint_every`` steps, of each
+        running trial's training; a stopped one (Ctrl-C, SIGTERM) and a finished trial always
+        write theirs.
       eval_every: steps between intermediate evaluations reported to the pruner (0: none), at
         ``reference_batch`` (scaled alike; the pruner hears the reference step).
       log_every: steps between loss read-backs.
@@ -124,6 +130,7 @@ class EngineConfig:
     reference_batch: int | None = None
     fixed_batch_size: int | None = None
     checkpoint_every: int = 0
+    checkpoint_min_seconds: float = 0.0
     eval_every: int = 0
     log_every: int = 10
     max_replans: int = 3
@@ -172,6 +179,11 @@ class EngineConfig:
         if self.device_overlap is not None and not 0 <= self.device_overlap <= 1:
             raise ValueError(f"device_overlap={self.device_overlap} must be in [0, 1] (0: trials "
                              "on one device take turns, 1: they overlap freely) or None")
+        seconds = self.checkpoint_min_seconds
+        if (isinstance(seconds, bool) or not isinstance(seconds, int | float)
+                or not math.isfinite(seconds) or seconds < 0):
+            raise ValueError(f"checkpoint_min_seconds={seconds!r} must be a number of seconds "
+                             ">= 0 (0: a checkpoint every checkpoint_every steps)")
         if self.restart_seconds is not None and self.restart_seconds < 0:
             raise ValueError(f"restart_seconds={self.restart_seconds} must be >= 0 or None")
 
@@ -241,10 +253,19 @@ def _say_few_steps(steps: int, batch: int, reference_steps: int, reference_batch
         batch, steps, reference_steps, reference_batch)
 
 
+#: A study's least seconds of training between two of a trial's checkpoints
+#: (``SearchSettings.checkpoint_min_seconds``): a save every ``checkpoint_every`` steps of a
+#: small model is a large share of its training (30 saves, 2.07 of 5.73 s, in the guide's
+#: study of `benchmarks/notes/plain-loop.md`); a study killed outright loses at most about a
+#: minute of each running trial.
+CHECKPOINT_MIN_SECONDS = 60.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class SearchSettings(EngineConfig):
     """How one study runs: an `EngineConfig` (its runs' training and placement; here
-    ``checkpoint_every`` defaults to 50) plus the study's size, storage and Optuna set-up.
+    ``checkpoint_every`` defaults to 50 and ``checkpoint_min_seconds`` to
+    `CHECKPOINT_MIN_SECONDS`) plus the study's size, storage and Optuna set-up.
 
     `scamp_jax.run_study` builds it from its arguments; the experiments' config
     (``experiments._cli.HPOConfig``) extends it with their own flags. Invalid values raise
@@ -272,6 +293,7 @@ class SearchSettings(EngineConfig):
 
     trials: int
     checkpoint_every: int = 50
+    checkpoint_min_seconds: float = CHECKPOINT_MIN_SECONDS
     study_dir: str | Path = "runs/study"
     storage: str | None = None
     sampler: str = "tpe"

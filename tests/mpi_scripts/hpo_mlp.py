@@ -62,7 +62,8 @@ def main() -> None:
     args = p.parse_args()
     # A dead job's trials are retried 10 s after their last heartbeat (every 2 s), not 60 s.
     base = HPOConfig(preset="tiny", trials=4, steps=20, reference_batch=8, max_batch_size=8,
-                     devices=2, memory_per_device="64MiB", checkpoint_every=10, pruner="none",
+                     devices=2, memory_per_device="64MiB", checkpoint_every=10,
+                     checkpoint_min_seconds=0, pruner="none",
                      sampler="random", heartbeat_interval=2, grace_period=10)
     config = config_from_args(args, base, "runs/mlp_hpo")
     if args.die_rank is not None:
