@@ -787,14 +787,17 @@ def _print_tables(console: Any, config: NASConfig, result: TrainResult, summary:
                 "supernet, each block once (a small supernet can hold less than the windows); "
                 "every block at the length of the largest (one array shape for all), so more "
                 "than the weights count. ideal util.: the same pipeline with no waits for "
-                "causal order (one subnet per batch), for comparison")
+                "causal order (one subnet per batch), for comparison. wall s: the whole "
+                "training, compiles included; steady s: the ticks after the first (its "
+                "compiles left out); samples/s: the samples at the steady ticks' pace")
     for col in ("ticks", "utilisation", "ideal util.", "params on devices",
-                "params of supernet", "wall s", "samples/s"):
+                "params of supernet", "wall s", "steady s", "samples/s"):
         train.add_column(col, justify="right")
     train.add_row(
         str(result.ticks), f"{result.stage_utilization:.3f}", f"{result.ideal_utilization:.3f}",
         format_bytes(result.device_param_bytes), format_bytes(result.supernet_param_bytes),
-        f"{result.wall_seconds:.1f}", f"{result.samples_per_second:.1f}",
+        f"{result.wall_seconds:.1f}", f"{result.steady_seconds:.2f}",
+        f"{result.samples_per_second:.1f}",
     )
     console.print(train)
     table = Table(

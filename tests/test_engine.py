@@ -276,6 +276,13 @@ def test_live_view_logs_state_changes_without_a_terminal():
     assert len(lines) == 3
     assert "trial   3 queued" in lines[0] and "(ValueError: bug)" in lines[1]
     assert lines[2].endswith("s] waiting for trial(s) [4] of another process")
+    # a long reason is cut at a word, its line breaks put on the line (all of it: results.csv)
+    stream.truncate(0)
+    status.number, status.reason = 4, "TypeError: gradient only defined for\n" + "scalar " * 40
+    view.update([status])
+    [line] = stream.getvalue().strip("\0").splitlines()
+    assert line.endswith("(TypeError: gradient only defined for scalar" + " scalar" * 10
+                         + " ...)")
 
 
 def test_a_log_shows_a_training_trial_advance_at_growing_intervals(monkeypatch):

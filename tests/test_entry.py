@@ -1016,3 +1016,16 @@ def test_a_best_model_record_that_is_no_object_is_said_and_not_tested(tmp_path, 
     assert again["test"] is None
     assert (f"note: {tmp_path / 'best_model'} holds no model of the best trial 0"
             in " ".join(capsys.readouterr().out.split()))
+
+
+def test_the_pool_line_says_the_cores_this_process_may_use(tmp_path, monkeypatch, capsys):
+    """Under mpirun a rank may use one core: the cap on running trials came out as "one per
+    2 of the host's 1 CPU cores"; it says the cores the process may use, and the floor."""
+    from scamp_jax.scheduling import host
+
+    monkeypatch.setattr(host, "host_cores", lambda: 1)
+    scamp_jax.run_study(SPACE, function_task(), trials=1, steps=2, study_dir=tmp_path,
+                        live=False, max_batch_size=8, memory_per_device="64MiB", devices=2)
+    [line] = [s for s in capsys.readouterr().out.splitlines() if s.startswith("pool:")]
+    assert line.endswith("; at most 1 trial trains at once (auto: one per 2 of the 1 CPU "
+                         "core(s) this process may use, at least one)"), line

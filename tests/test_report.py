@@ -130,3 +130,22 @@ def test_a_test_of_a_model_that_best_model_no_longer_holds_is_not_written(tmp_pa
     assert report.saved_test(tmp_path) == {"trial": 1, "mse": 0.3}
     assert report.record_test(tmp_path, 1, {"mse": 0.35})  # its own trial's: written
     assert json.loads((tmp_path / "results.json").read_text())["test"] == {"trial": 1, "mse": 0.35}
+
+
+def test_a_study_where_no_trial_completed_says_the_first_reason():
+    """Every trial failed: the last line says why the first of them did (one line, cut at a
+    word where long) and how many other reasons there were, not only where to look."""
+    long = "KeyError: " + "word " * 100
+    rows = [{"number": 0, "state": "failed", "reason": "ValueError: bad width\n (at a.py:3)"},
+            {"number": 1, "state": "failed", "reason": "ValueError: bad width\n (at a.py:3)"},
+            {"number": 2, "state": "failed", "reason": long},
+            {"number": 3, "state": "pruned", "reason": "pruned at step 10"}]
+    assert report.verdict(rows, "mse", "minimize", None) == (
+        "no trial completed (3 failed; trial 0: ValueError: bad width (at a.py:3); 1 other "
+        "reason(s)); see the 'reason' column of results.csv (and the traceback of a trial "
+        "that raised in results.json)")
+    line = report.verdict(rows[2:], "mse", "minimize", None)
+    assert "trial 2: KeyError: word word" in line and "word ...);" in line
+    assert len(line) < len(long)
+    assert report.verdict(rows[3:], "mse", "minimize", None).startswith(
+        "no trial completed (0 failed); see")

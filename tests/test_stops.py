@@ -318,3 +318,18 @@ def test_a_bug_in_suggest_stops_the_study_and_leaves_no_trial_running(tmp_path):
     assert first + done["trials_this_run"] == 3  # the closed trial is not counted
     completed = [t.params for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert closed.params in completed  # its configuration was queued again, not lost
+
+
+def test_a_stop_under_mpirun_says_what_a_ctrl_c_does_there(monkeypatch):
+    """A rank's stop notice told to press Ctrl-C again to stop at once; under mpirun the
+    terminal's Ctrl-C goes to mpirun, which ends the ranks itself a second later."""
+    from scamp_jax.hpo.endings import second_ctrl_c
+
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert "Ctrl-C again" in second_ctrl_c()
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    assert second_ctrl_c() == ("under mpirun a Ctrl-C goes to mpirun, which ends the ranks "
+                               "itself (Open MPI: about a second after it)")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")  # one rank: its own Ctrl-C
+    assert "Ctrl-C again" in second_ctrl_c()

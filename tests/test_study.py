@@ -305,6 +305,10 @@ def test_a_study_refuses_other_settings(tmp_path):
         "for --eval-dir /data/eval, --memory-per-device 1536MiB; rerun with "
         "--memory-per-device 1GiB and without --eval-dir, or pass --study-name toy-2 to start a "
         "new study")
+    # the library's words: the budget in bytes, as the study keeps it, and in the units given
+    assert str(other).startswith(
+        "study 'toy' was created with eval_dir=None, memory_per_device=1073741824 ('1GiB'), "
+        "this run asks for eval_dir='/data/eval', memory_per_device=1610612736 ('1536MiB');")
     # the space has no flag: the preset that picks it is what a rerun repeats
     preset = StudySettingsError("toy", {"space": "swinir-small/small", "preset": "smoke"},
                                 {"space": "swinir-paper/paper", "preset": "paper"})
@@ -328,9 +332,15 @@ def test_median_pruner_stops_a_trial_behind_the_others(tmp_path):
 
 def test_direction_mismatch_is_reported(tmp_path):
     open_study("toy", study_dir=tmp_path, direction="maximize")
-    with pytest.raises(ValueError, match=r"created to maximize its objective, not to minimize; "
-                       r"a study keeps its direction: open it with direction='maximize'"):
+    with pytest.raises(StudySettingsError, match=r"created to maximize its objective, not to "
+                       r"minimize; a study keeps its direction: open it with "
+                       r"direction='maximize'") as err:
         open_study("toy", study_dir=tmp_path, direction="minimize")
+    # one kind of error for every setting a study keeps; the command lines say it as it is
+    assert (err.value.stored, err.value.wanted) == ({"direction": "maximize"},
+                                                    {"direction": "minimize"})
+    assert err.value.as_command_line() == str(err.value)
+    assert str(pickle.loads(pickle.dumps(err.value))) == str(err.value)
 
 
 def test_a_study_keeps_the_metric_its_values_are(tmp_path):
@@ -340,8 +350,8 @@ def test_a_study_keeps_the_metric_its_values_are(tmp_path):
     open_study("toy", study_dir=tmp_path, direction="maximize", metric="accuracy")
     open_study("toy", study_dir=tmp_path, direction="maximize", metric="accuracy")
     open_study("toy", study_dir=tmp_path, direction="maximize")  # a caller that does not say
-    with pytest.raises(ValueError, match=r"study 'toy' in the storage scores its trials by "
-                       r"'accuracy', not 'error'; a study keeps its metric"):
+    with pytest.raises(StudySettingsError, match=r"study 'toy' in the storage scores its "
+                       r"trials by 'accuracy', not 'error'; a study keeps its metric"):
         open_study("toy", study_dir=tmp_path, direction="maximize", metric="error")
     # a rerun refused for its settings stores no metric in a study that had none
     open_study("old", study_dir=tmp_path, settings={"steps": 10})

@@ -581,8 +581,8 @@ def test_the_librarys_warnings_name_the_command_lines_flags(tmp_path) -> None:
     said = [line for line in proc.stderr.splitlines() if "trains 3 step(s)" in line]
     assert len(said) == 1 and said[0].endswith(
         "a trial at batch 64 trains 3 step(s), as --steps 20 at a batch of 8 (the reference "
-        "batch) scaled to its batch; pass --max-batch-size to keep its batch, and its steps, "
-        "nearer the reference"), proc.stderr
+        "batch) scaled to its batch; lower --max-batch-size (now 64) to keep its batch, and its "
+        "steps, nearer the reference"), proc.stderr
 
 
 def test_errors_name_the_command_lines_flags_not_the_librarys_keywords() -> None:

@@ -246,6 +246,8 @@ def test_plan_for_a_target_is_a_plan_and_cpu_plans_do_not_change() -> None:
         cpu_before.batch_size, cpu_before.peak_bytes_per_device)
     assert {d.device_kind for d in plan.devices} == {"NVIDIA H100 80GB HBM3"}
     assert plan.data_parallel * plan.model_parallel == 2
+    assert "devices              2 (gpu: NVIDIA H100 80GB HBM3)" in plan.describe()
+    assert "devices              2 (cpu)" in cpu_before.describe()
     # the budget it was made for keeps the target's platform, kind and memory
     budget = plan.budget
     assert (budget.platform, budget.device_kind) == ("gpu", "NVIDIA H100 80GB HBM3")

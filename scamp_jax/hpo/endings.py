@@ -41,7 +41,14 @@ def second_ctrl_c(pressed: bool = True) -> str:
     (``ends_process``, the experiments' ``_CtrlC``) ends the process at once; Python's own
     raises ``KeyboardInterrupt`` at once, but a script's interpreter then waits for the
     threads still running (the trials', which end at their next step, and compiles).
-    ``pressed``: the stop was a Ctrl-C's ("Ctrl-C again"), not the run's own ("a Ctrl-C")."""
+    ``pressed``: the stop was a Ctrl-C's ("Ctrl-C again"), not the run's own ("a Ctrl-C").
+    Under an MPI launcher a Ctrl-C reaches the launcher, which ends the ranks its own way
+    (BUILD.md), and that is what is said."""
+    from scamp_jax.distributed.mpi import launched_under_mpi
+
+    if launched_under_mpi():  # the launcher has the terminal's Ctrl-C, not the ranks
+        return ("under mpirun a Ctrl-C goes to mpirun, which ends the ranks itself "
+                "(Open MPI: about a second after it)")
     ctrl_c = "Ctrl-C again" if pressed else "a Ctrl-C"
     if getattr(signal.getsignal(signal.SIGINT), "ends_process", False):
         return f"{ctrl_c} stops at once"

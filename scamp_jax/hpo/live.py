@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -191,7 +192,7 @@ class LiveView:
             if not math.isnan(s.metric):
                 line += f" {self.metric}={s.metric:.4g}"
             if s.reason and s.state in ("failed", "pruned", "oom", "deferred"):
-                line += f" ({s.reason[:120]})"
+                line += f" ({textwrap.shorten(s.reason, 120, placeholder=' ...')})"
             print(line, file=self.stream, flush=True)
 
     def _progress_key(self, s: TrialStatus) -> Any:

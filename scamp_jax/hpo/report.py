@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import shutil
+import textwrap
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -599,14 +600,26 @@ def _group(row: Mapping[str, Any]) -> str:
     return "-" if group is None else f"{group} x{row.get('fusion_width', '?')}"
 
 
+#: The most characters of a failed trial's reason the verdict shows (the whole reason is in
+#: results.csv).
+REASON_CHARS = 300
+
+
 def verdict(records: Sequence[Mapping[str, Any]], metric: str, direction: str,
             baseline: str | None, test: Mapping[str, Any] | None = None) -> str:
     """The best trial's metric against its baseline (e.g. bicubic PSNR), and where its model
     was tested (``test``: `saved_test`'s record), a second line: the same on the test data."""
     best = best_record(records, metric, direction)
     if best is None:
-        failed = sum(r["state"] == "failed" for r in records)
-        return (f"no trial completed ({failed} failed); see the 'reason' column of "
+        failed = [r for r in records if r["state"] == "failed"]
+        reasons = list(dict.fromkeys(r["reason"] for r in failed if r.get("reason")))
+        why = ""
+        if reasons:
+            first = next(r for r in failed if r.get("reason") == reasons[0])
+            reason = textwrap.shorten(reasons[0], REASON_CHARS, placeholder=" ...")
+            why = (f"; trial {first['number']}: {reason}"
+                   + (f"; {len(reasons) - 1} other reason(s)" if len(reasons) > 1 else ""))
+        return (f"no trial completed ({len(failed)} failed{why}); see the 'reason' column of "
                 "results.csv (and the traceback of a trial that raised in results.json)")
     line = (f"best trial {best['number']}: {metric} {best[metric]:.5g}"
             + _against(best, metric, direction, baseline))

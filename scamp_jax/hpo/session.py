@@ -462,8 +462,9 @@ class StudySession:
         line = f"pool{who}: {self.pool_description()}"
         cap = max_running(self.settings.engine_config(self.memory_per_device), self.devices)
         if cap is not None and cap < len(self.devices):  # trials wait with devices free
-            why = (f" (auto: one per {CPU_CORES_PER_TRIAL} of the host's {host_cores()} CPU "
-                   "cores)" if self.settings.max_running_trials == "auto" else "")
+            why = (f" (auto: one per {CPU_CORES_PER_TRIAL} of the {host_cores()} CPU core(s) "
+                   "this process may use, at least one)"
+                   if self.settings.max_running_trials == "auto" else "")
             units = ("trial or fused group" if cap == 1 else "trials or fused groups") \
                 if self.settings.fuse else ("trial" if cap == 1 else "trials")
             line += f"; at most {cap} {units} {'trains' if cap == 1 else 'train'} at once{why}"

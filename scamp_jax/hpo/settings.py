@@ -222,7 +222,8 @@ class EngineConfig:
             return self.steps
         steps = max(1, math.ceil(self.steps * self.reference_batch / batch_size))
         if steps < min(self.steps, FEW_STEPS):
-            _say_few_steps(steps, batch_size, self.steps, self.reference_batch)
+            _say_few_steps(steps, batch_size, self.steps, self.reference_batch,
+                           self.max_batch_size)
         return steps
 
     def interval_for(self, every: int, batch_size: int) -> int:
@@ -242,15 +243,17 @@ FEW_STEPS = 10
 _SAID_FEW: set[tuple[int, int, int]] = set()
 
 
-def _say_few_steps(steps: int, batch: int, reference_steps: int, reference_batch: int) -> None:
+def _say_few_steps(steps: int, batch: int, reference_steps: int, reference_batch: int,
+                   max_batch_size: int | None = None) -> None:
     if (batch, reference_steps, reference_batch) in _SAID_FEW:
         return
     _SAID_FEW.add((batch, reference_steps, reference_batch))
+    fix = ("pass max_batch_size to keep its batch" if max_batch_size is None else
+           f"lower max_batch_size (now {max_batch_size}) to keep its batch")
     logging.getLogger(__name__).warning(
         "a trial at batch %d trains %d step(s), as steps=%d at a batch of %d (the reference "
-        "batch) scaled to its batch; pass max_batch_size to keep its batch, and its steps, "
-        "nearer the reference",
-        batch, steps, reference_steps, reference_batch)
+        "batch) scaled to its batch; %s, and its steps, nearer the reference",
+        batch, steps, reference_steps, reference_batch, fix)
 
 
 #: A study's least seconds of training between two of a trial's checkpoints

@@ -264,7 +264,9 @@ class Plan:
     def describe(self) -> str:
         """A short human-readable table of the plan."""
         e = self.estimate
-        kinds = sorted({d.platform for d in self.devices})
+        # the platform, and the kind where it says more (a GPU's model, e.g. a target's)
+        kinds = sorted({d.platform if getattr(d, "device_kind", d.platform) == d.platform
+                        else f"{d.platform}: {d.device_kind}" for d in self.devices})
         rows = [
             ("devices", f"{len(self.devices)} ({', '.join(kinds)})"),
             ("mesh (data x model)", f"{self.data_parallel} x {self.model_parallel}"),

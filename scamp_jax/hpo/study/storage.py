@@ -35,26 +35,31 @@ class StudySettingsError(ValueError):
 
     ``study_name``; ``stored`` and ``wanted``: the differing settings, as the study has them
     and as this run asks. The message names them as keywords (``steps=150``);
-    `as_command_line` as the experiments' flags (``--steps 150``).
+    `as_command_line` as the experiments' flags (``--steps 150``). ``message``: the whole
+    message instead, for a setting the task decides rather than a keyword or flag (the
+    study's direction, its metric).
     """
 
-    def __init__(self, study_name: str, stored: Mapping[str, Any], wanted: Mapping[str, Any]):
+    def __init__(self, study_name: str, stored: Mapping[str, Any], wanted: Mapping[str, Any],
+                 message: str | None = None):
         self.study_name, self.stored, self.wanted = study_name, dict(stored), dict(wanted)
-        was = ", ".join(f"{k}={v!r}" for k, v in self.stored.items())
-        now = ", ".join(f"{k}={v!r}" for k, v in self.wanted.items())
-        super().__init__(
+        self.message = message
+        was = ", ".join(_as_keyword(k, v) for k, v in self.stored.items())
+        now = ", ".join(_as_keyword(k, v) for k, v in self.wanted.items())
+        super().__init__(message or (
             f"study {study_name!r} was created with {was}, this run asks for {now}; repeat the "
             f"study's settings to resume it, or pass study_name={study_name + '-2'!r} to start "
-            "a new study"
-        )
+            "a new study"))
 
     def __reduce__(self) -> tuple[Any, ...]:  # pickled whole (MPI ranks, processes)
-        return type(self), (self.study_name, self.stored, self.wanted)
+        return type(self), (self.study_name, self.stored, self.wanted, self.message)
 
     def as_command_line(self) -> str:
         """The message in the experiments' flags (a setting the study has none of, e.g. no
         image folder: "no --eval-dir", and the rerun is "without --eval-dir"; a memory budget
-        in the units the flag takes)."""
+        in the units the flag takes); ``message`` as it is."""
+        if self.message is not None:
+            return self.message
         was = ", ".join(_as_flag(k, v) for k, v in self.stored.items())
         now = ", ".join(_as_flag(k, v) for k, v in self.wanted.items())
         again = [_as_flag(k, v) for k, v in self.stored.items()
@@ -408,7 +413,8 @@ def open_study(
     each difference. ``heartbeat_interval`` and ``grace_period`` (seconds) set its liveness
     (see the package doc). ``metric``: the name of the score the trials' values are, stored
     with the study (a study opened before it was stored takes it). Raises ``ValueError`` if
-    the study was created with another direction or scores another metric: its stored values,
+    the study was created with another direction or scores another metric (a
+    `StudySettingsError`, as other settings): its stored values,
     its best trial and its sampler's model would mix two scores. Returns the `StudyHandle`
     (study, storage, ask lock).
     """
@@ -426,16 +432,18 @@ def open_study(
             pruner=make_pruner(pruner, warmup_steps=warmup_steps),
             load_if_exists=True,
         )
-    if study.direction.name.lower() != direction:
-        raise ValueError(
-            f"study {study_name!r} in the storage was created to {study.direction.name.lower()} "
+    stored_direction = study.direction.name.lower()
+    if stored_direction != direction:
+        raise StudySettingsError(
+            study_name, {"direction": stored_direction}, {"direction": direction},
+            f"study {study_name!r} in the storage was created to {stored_direction} "
             f"its objective, not to {direction}; a study keeps its direction: open it with "
-            f"direction={study.direction.name.lower()!r} (the task's direction), or start "
-            "another study (another study name, study directory or storage)"
-        )
+            f"direction={stored_direction!r} (the task's direction), or start "
+            "another study (another study name, study directory or storage)")
     scored = study.user_attrs.get(METRIC_KEY)
     if metric is not None and scored is not None and scored != metric:
-        raise ValueError(
+        raise StudySettingsError(
+            study_name, {"metric": scored}, {"metric": metric},
             f"study {study_name!r} in the storage scores its trials by {scored!r}, not "
             f"{metric!r}; a study keeps its metric (its values and its best trial are "
             f"{scored!r}'s): score the task by {scored!r}, or start another study "
@@ -484,6 +492,23 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _as_keyword(name: str, value: Any) -> str:
+    """``name=value`` of a study's record as a keyword argument gives it; a memory budget in
+    bytes also in the units it may be given in (``memory_per_device=16777216 ('16MiB')``)."""
+    if name == "memory_per_device" and isinstance(value, int) and value > 0:
+        return f"{name}={value!r} ({_memory_units(value)!r})"
+    return f"{name}={value!r}"
+
+
+def _memory_units(value: int) -> str:
+    """``value`` bytes in the largest binary unit that holds it whole (``16MiB``), else
+    bytes."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if value % size == 0:
+            return f"{value // size}{unit}"
+    return str(value)
+
+
 def _as_flag(name: str, value: Any) -> str:
     """``name=value`` of a study's record as the command line gives it (the search space has
     no flag of its own: an experiment's ``--preset`` picks it)."""
@@ -492,9 +517,7 @@ def _as_flag(name: str, value: Any) -> str:
     if value is None:
         return f"no {_flag(name)}"
     if name == "memory_per_device" and isinstance(value, int) and value > 0:
-        for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-            if value % size == 0:
-                return f"{_flag(name)} {value // size}{unit}"
+        return f"{_flag(name)} {_memory_units(value)}"
     return f"{_flag(name)} {value}"
 
 
