@@ -250,6 +250,7 @@ def _ray_rows(args: argparse.Namespace, root: Path, budget: int, pool: int,
         specs, family=args.family, pool_devices=pool, devices_per_trial=args.devices_per_trial,
         memory_per_device=budget, seed=args.seed, out=study_dir, metric=task.metric,
         direction=task.direction, checkpoint_every=config.checkpoint_every,
+        checkpoint_min_seconds=config.checkpoint_min_seconds,
         eval_every=config.eval_every, reference_batch=config.reference_batch,
     )
     print(f"Ray Tune: started in {info['ray_init_s']:.1f} s (not in its end-to-end time); "

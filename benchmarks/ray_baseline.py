@@ -129,7 +129,8 @@ def train_config(config: dict[str, Any]) -> None:
     """Ray Tune function trainable: train one fixed-policy trial on this process's devices.
 
     ``config`` holds ``spec`` (a `RayTrialSpec` as a dict) and ``settings`` (family, budget in
-    bytes, devices per trial, seed, safety margin, checkpoint and evaluation intervals, output
+    bytes, devices per trial, seed, safety margin, checkpoint and evaluation intervals (and the
+    least seconds between checkpoints, as the study's), output
     directory). Reports the task's metrics, the trial's state, its start and end wall-clock times
     (``time.time()`` seconds) and its planned peak bytes per device.
     """
@@ -164,6 +165,7 @@ def train_config(config: dict[str, Any]) -> None:
         checkpoint_dir=Path(s["out"]) / "checkpoints" / spec.checkpoint_key,
         # the intervals a study's run of this batch takes (`EngineConfig.interval_for`)
         checkpoint_every=engine.interval_for(s["checkpoint_every"], spec.batch_size),
+        checkpoint_min_seconds=s.get("checkpoint_min_seconds", 0.0),
         eval_every=engine.interval_for(s["eval_every"], spec.batch_size),
         seed=trial_seed(s["seed"], spec.checkpoint_key),
     )
@@ -188,6 +190,7 @@ def run_ray_baseline(
     metric: str,
     direction: str = "maximize",
     checkpoint_every: int = 0,
+    checkpoint_min_seconds: float = 0.0,
     eval_every: int = 0,
     reference_batch: int | None = None,
     safety_margin: float = 0.1,
@@ -224,7 +227,8 @@ def run_ray_baseline(
     settings = {
         "family": family, "memory_per_device": int(memory_per_device),
         "devices_per_trial": devices_per_trial, "seed": seed, "safety_margin": safety_margin,
-        "checkpoint_every": checkpoint_every, "eval_every": eval_every, "out": str(out),
+        "checkpoint_every": checkpoint_every, "checkpoint_min_seconds": checkpoint_min_seconds,
+        "eval_every": eval_every, "out": str(out),
         "reference_batch": reference_batch,
     }
     trainable = tune.with_resources(train_config, {"cpu": 1, "jax_device": devices_per_trial})
