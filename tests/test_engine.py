@@ -181,11 +181,13 @@ def test_fixed_policy_gives_every_trial_the_same_devices_and_batch(tmp_path):
 
 
 def settings(study_dir: str, **overrides: Any) -> SearchSettings:
-    """The settings of the small studies here (three trials of ten steps at batch 8)."""
+    """The settings of the small studies here (three trials of ten steps at batch 8, a
+    checkpoint every 5 steps however short they are)."""
     return SearchSettings(**{"trials": 3, "steps": 10, "reference_batch": 8,
                              "max_batch_size": 16, "sampler": "random", "pruner": "none",
                              "study_dir": study_dir, "checkpoint_every": 5,
-                             "max_running_trials": None, **overrides})
+                             "checkpoint_min_seconds": 0, "max_running_trials": None,
+                             **overrides})
 
 
 def test_run_search_writes_results_plots_and_best_model(tmp_path):
