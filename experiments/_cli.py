@@ -226,14 +226,14 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
                         "the preset's, scaled with --steps)")
     parser.add_argument("--checkpoint-every", type=non_negative_int, metavar="N",
                         help="steps between a trial's checkpoints, which a stopped study resumes "
-                        "from, counted as --steps are (a trial at another batch writes as many; "
-                        "0: only at the end; default: the preset's, scaled with --steps so a "
-                        "trial writes as many)")
+                        "from, counted as --steps are (a trial at another batch checkpoints after "
+                        "as many samples; 0: only at the end; default: the preset's, scaled with "
+                        "--steps; --checkpoint-min-seconds may skip some)")
     parser.add_argument("--checkpoint-min-seconds", type=non_negative_float, metavar="S",
                         help="least seconds of training between two of a trial's checkpoints "
                         "before its last: one --checkpoint-every makes due sooner is not "
-                        "written, so a study killed outright loses at most about S seconds, or "
-                        "--checkpoint-every steps, of each running trial (Ctrl-C and SIGTERM "
+                        "written, so a study killed outright loses at most about S seconds plus "
+                        "--checkpoint-every steps of each running trial (Ctrl-C and SIGTERM "
                         "still write one; 0: every --checkpoint-every steps; default "
                         f"{CHECKPOINT_MIN_SECONDS:g})")
     parser.add_argument("--seed", type=int, help="seed of the sampler, initialisation and data")

@@ -89,3 +89,20 @@ def format_share(fraction: float) -> str:
 def counted(n: int, noun: str) -> str:
     """``"1 compile"``, ``"2 compiles"``: ``n`` and ``noun``, plural unless ``n`` is 1."""
     return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def shortened(text: str, limit: int) -> str:
+    """``text`` on one line (its runs of white space as one space), at most ``limit``
+    characters: cut with `` ...`` at a word where that drops at most `WORD_CUT` characters
+    more, else inside the word (a long path or word is cut, not left out whole)."""
+    line = " ".join(text.split())
+    if len(line) <= limit:
+        return line
+    room = max(0, limit - len(" ..."))
+    head = line[:room]
+    at_word = head.rsplit(" ", 1)[0] if line[room] != " " and " " in head else head
+    return (at_word if room - len(at_word) <= WORD_CUT else head).rstrip() + " ..."
+
+
+#: The most characters `shortened` drops to cut at a word rather than inside one.
+WORD_CUT = 16

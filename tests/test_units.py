@@ -84,3 +84,16 @@ def test_format_then_parse_round_trips_to_the_printed_precision():
 def test_a_share_too_small_for_one_decimal_is_not_shown_as_none(fraction, text):
     """A study's mean memory booked of a large pool (20 MiB of 8 GiB) is no "0.0%"."""
     assert format_share(fraction) == text
+
+
+def test_a_long_reason_is_cut_at_a_word_unless_that_loses_most_of_it():
+    from scamp_jax._units import shortened
+
+    assert shortened("ValueError: bad\n  width", 120) == "ValueError: bad width"
+    assert shortened("one two three four five six", 16) == "one two ..."
+    # a path is cut inside it, not left out whole; so is one long word
+    path = "FileNotFoundError: No such file: '/data/" + "x" * 200 + "/a.png'"
+    cut = shortened(path, 60)
+    assert len(cut) == 60 and cut.startswith("FileNotFoundError: No such file: '/data/xxx")
+    assert cut.endswith("x ...")
+    assert shortened("y" * 300, 10) == "yyyyyy ..."

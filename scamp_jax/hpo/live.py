@@ -14,13 +14,12 @@ from __future__ import annotations
 import math
 import os
 import sys
-import textwrap
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
-from scamp_jax._units import format_bytes
+from scamp_jax._units import format_bytes, shortened
 from scamp_jax.hpo.trial import TrialStatus
 
 _ACTIVE = ("compiling", "training", "evaluating", "starting", "resizing")
@@ -192,7 +191,7 @@ class LiveView:
             if not math.isnan(s.metric):
                 line += f" {self.metric}={s.metric:.4g}"
             if s.reason and s.state in ("failed", "pruned", "oom", "deferred"):
-                line += f" ({textwrap.shorten(s.reason, 120, placeholder=' ...')})"
+                line += f" ({shortened(s.reason, 120)})"
             print(line, file=self.stream, flush=True)
 
     def _progress_key(self, s: TrialStatus) -> Any:

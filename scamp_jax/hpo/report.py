@@ -17,7 +17,6 @@ import logging
 import math
 import os
 import shutil
-import textwrap
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -27,7 +26,7 @@ import optuna
 from optuna.trial import TrialState
 
 from scamp_jax._files import write_whole
-from scamp_jax._units import format_bytes
+from scamp_jax._units import format_bytes, shortened
 from scamp_jax.hpo.checkpoint import copy_checkpoint
 from scamp_jax.hpo.failures import TRACEBACK
 from scamp_jax.hpo.study import FAIL_REASON, INTERRUPTED
@@ -616,7 +615,7 @@ def verdict(records: Sequence[Mapping[str, Any]], metric: str, direction: str,
         why = ""
         if reasons:
             first = next(r for r in failed if r.get("reason") == reasons[0])
-            reason = textwrap.shorten(reasons[0], REASON_CHARS, placeholder=" ...")
+            reason = shortened(reasons[0], REASON_CHARS)
             why = (f"; trial {first['number']}: {reason}"
                    + (f"; {len(reasons) - 1} other reason(s)" if len(reasons) > 1 else ""))
         return (f"no trial completed ({len(failed)} failed{why}); see the 'reason' column of "

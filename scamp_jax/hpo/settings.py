@@ -70,9 +70,10 @@ class EngineConfig:
       checkpoint_min_seconds: least seconds of training between two of a run's checkpoints
         before its last: a checkpoint ``checkpoint_every`` makes due sooner after the run began
         training, or after its previous checkpoint, is not written (0: every one is). A study
-        killed outright loses at most about this much, or ``checkpoint_every`` steps, of each
-        running trial's training; a stopped one (Ctrl-C, SIGTERM) and a finished trial always
-        write theirs.
+        killed outright loses at most about this much plus ``checkpoint_every`` steps of each
+        running trial's training, and a trial re-planned after running out of memory part-way
+        resumes from its last checkpoint as well; a stopped run (Ctrl-C, SIGTERM) and a
+        finished trial always write theirs.
       eval_every: steps between intermediate evaluations reported to the pruner (0: none), at
         ``reference_batch`` (scaled alike; the pruner hears the reference step).
       log_every: steps between loss read-backs.
@@ -229,8 +230,8 @@ class EngineConfig:
     def interval_for(self, every: int, batch_size: int) -> int:
         """``every`` steps at ``reference_batch`` (``checkpoint_every``, ``eval_every``) as
         steps of a trial at global ``batch_size``, scaled as `steps_for` scales its steps: a
-        trial of any batch writes as many checkpoints and is evaluated as often, after as
-        many samples. 0 (none) stays 0."""
+        trial of any batch is due as many checkpoints (`checkpoint_min_seconds` may skip
+        some) and is evaluated as often, after as many samples. 0 (none) stays 0."""
         if not every or self.reference_batch is None:
             return every
         return max(1, round(every * self.reference_batch / batch_size))
@@ -260,7 +261,7 @@ def _say_few_steps(steps: int, batch: int, reference_steps: int, reference_batch
 #: (``SearchSettings.checkpoint_min_seconds``): a save every ``checkpoint_every`` steps of a
 #: small model is a large share of its training (30 saves, 2.07 of 5.73 s, in the guide's
 #: study of `benchmarks/notes/plain-loop.md`); a study killed outright loses at most about a
-#: minute of each running trial.
+#: minute, plus ``checkpoint_every`` steps, of each running trial.
 CHECKPOINT_MIN_SECONDS = 60.0
 
 
