@@ -77,6 +77,16 @@ def test_planner_falls_back_to_any_batch_when_no_multiple_fits() -> None:
         planner.plan_mesh(model, sample, devices=1, memory_per_device="4MiB", batch_multiple=0)
 
 
+def test_the_batch_steps_by_the_least_common_multiple_with_the_data_parallel_degree() -> None:
+    """Two data-parallel groups and a batch multiple of 4: the batch steps by 4, their least
+    common multiple (not their product, 8), so a cap of 12 is reached."""
+    model = nnx.eval_shape(lambda: MLP(nnx.Rngs(0)))
+    sample = jax.ShapeDtypeStruct((1, 128), jnp.float32)
+    plan = planner.plan_mesh(model, sample, devices=2, memory_per_device="1GiB",
+                             batch_multiple=4, max_batch_size=12, compile_for_run=False)
+    assert (plan.data_parallel, plan.batch_size) == (2, 12)
+
+
 @pytest.mark.parametrize(("first", "budget"), [pytest.param(1, 562_000, marks=pytest.mark.slow),
                                                (4, 500_000)])
 def test_a_plan_cache_of_points_under_another_batch_multiple_plans_as_a_fresh_search(

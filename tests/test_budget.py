@@ -81,6 +81,10 @@ def test_a_described_device_needs_no_live_device() -> None:
         Budget.for_device("NVIDIA H200", 10 * GIB, memory_per_device="10GiB")
     with pytest.raises(ValueError, match="leave no pool"):
         pool_bytes(GIB, 600 * MIB, processes=2)
+    with pytest.raises(ValueError, match="leave no pool"):  # a pool of 0 bytes is none
+        pool_bytes(GIB, GIB // 2, processes=2)
+    with pytest.raises(ValueError, match="processes=0 must be at least 1"):
+        pool_bytes(GIB, 600 * MIB, processes=0)
 
 
 @pytest.mark.parametrize("bad", [dict(memory_per_device=0), dict(memory_per_device="1GiB"),
@@ -167,6 +171,9 @@ def test_cpu_devices_holding_more_than_the_host_are_warned_of_once(caplog) -> No
     assert len(caplog.records) == 1
     message = caplog.records[0].getMessage()
     assert "2 CPU device(s)" in message and "more than this host's memory" in message
+    from scamp_jax._units import format_bytes
+
+    assert message.endswith(f"of at most {format_bytes(host // 2)}")  # the host, shared
 
 
 def test_a_containers_memory_limit_is_the_hosts_memory(tmp_path, monkeypatch) -> None:

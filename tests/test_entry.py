@@ -762,15 +762,17 @@ def test_a_task_evaluates_its_model_in_evaluation_mode(tmp_path, fuse):
 
 
 def test_a_study_at_its_total_says_why_a_rerun_runs_nothing(tmp_path, capsys):
-    """Trials that failed for their own reason (here: no study metric) count towards the total:
-    a rerun after the fix runs nothing and says so, and how to run more."""
+    """Trials that failed for their own reason (here: no study metric; ``failure_limit=0``,
+    as a space that fails configurations on purpose passes, or both would go back to the
+    study) count towards the total: a rerun after the fix runs nothing and says so, and how
+    to run more."""
     reference = Regression()
     broken = scamp_jax.FunctionTask(metric="mse", direction="minimize",
                                     loss_fn=reference.loss_fn, batches=reference.batches,
                                     evaluate=lambda model: {"error": 1.0})
     kw = dict(trials=2, steps=2, study_dir=tmp_path, live=False, memory_per_device="64MiB",
               max_batch_size=8)
-    scamp_jax.run_study(SPACE, broken, **kw)
+    scamp_jax.run_study(SPACE, broken, failure_limit=0, **kw)
     capsys.readouterr()
     again = scamp_jax.run_study(SPACE, function_task(), **kw)
     out = capsys.readouterr().out

@@ -670,3 +670,26 @@ def test_a_space_whose_build_prunes_rejects_those_configurations(tmp_path):
     guard = RepeatedFailures(2, lambda o: None, lambda n: None)
     assert not guard.hold(TrialOutcome(0, "pruned", attrs={"steps": 0}))  # rejected: not run
     assert not guard.off
+
+
+def test_a_study_smaller_than_the_limit_whose_every_trial_raises_alike_stops_too(tmp_path):
+    """A first small try (two trials, fewer than ``failure_limit``) of a task with a bug: both
+    raise the same error, so the study stops and gives them back, rather than keeping them
+    failed for good; the rerun after the fix trains them. (One trial's failure is no
+    repetition: a study of one keeps it, as `test_a_finite_batch_stream_fails_its_trial_saying_so`
+    does.)"""
+    trials = 2
+    with pytest.raises(scamp_jax.RepeatedFailureError) as caught:
+        scamp_jax.run_study(SPACE, _task(_mislabelled), trials=trials, study_dir=tmp_path, **KW)
+    assert caught.value.trials == (0, 1)
+    assert str(caught.value).startswith("trials 0 and 1 all failed with the same error")
+    fixed = scamp_jax.run_study(SPACE, _task(), trials=trials, study_dir=tmp_path, **KW)
+    assert fixed["trials_this_run"] == trials
+    record = json.loads((tmp_path / "results.json").read_text())
+    assert [r["state"] for r in record["trials"]] == ["complete"] * trials
+    # failure_limit=0 keeps a failing configuration's failure, whatever the study's size
+    other = tmp_path / "limit-0"
+    scamp_jax.run_study(SPACE, _task(_mislabelled), trials=trials, study_dir=other,
+                        failure_limit=0, **KW)
+    states = [r["state"] for r in json.loads((other / "results.json").read_text())["trials"]]
+    assert states == ["failed"] * trials

@@ -154,6 +154,14 @@ def test_memory_model_is_affine_past_the_smallest_batches():
     assert fit_memory_model(model, sample) == fitted
 
 
+def test_the_default_probes_are_per_data_parallel_group():
+    """With two data-parallel groups the probes are 8 and 32 samples per group, and the check
+    four times the larger: 16, 64 and 256 global samples."""
+    compiler = StepCompiler(_abstract_mlp(), jax.ShapeDtypeStruct((1, 32), jnp.float32),
+                            make_mesh(jax.devices()[:2], 2, 1))
+    assert compiler.fit()[0].probe_batches == (16, 64, 256)
+
+
 def test_memory_model_max_batch_rounds_to_the_data_parallel_degree():
     m = MemoryModel(fixed_bytes=100.0, bytes_per_sample=10.0, probe_batches=(8, 32),
                     probe_peaks=(180, 420), batch_multiple=4, floor_bytes=180.0)
@@ -161,6 +169,9 @@ def test_memory_model_max_batch_rounds_to_the_data_parallel_degree():
     assert m.max_batch(1000) == 88
     assert m.max_batch(1000, cap=50) == 48
     assert m.max_batch(179) == 0  # below the floor nothing fits
+    above = MemoryModel(fixed_bytes=2000.0, bytes_per_sample=10.0, probe_batches=(8, 32),
+                        probe_peaks=(2080, 2320), batch_multiple=4)  # no floor
+    assert above.max_batch(1000) == 0  # the line is over the budget at any batch: none
     flat = MemoryModel(fixed_bytes=500.0, bytes_per_sample=0.0, probe_batches=(1, 2),
                        probe_peaks=(500, 500))
     assert flat.max_batch(600, cap=64) == 64

@@ -10,6 +10,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from scamp_jax.planning import memory
+from scamp_jax.planning.budget import Budget
 from scamp_jax.planning.planner import (
     DoesNotFitError,
     min_devices,
@@ -109,7 +110,10 @@ def test_plan_batch_is_the_largest_that_fits_by_an_independent_compile(plan):
     at_plan = _compiled_peak(plan, model, plan.batch_size)
     assert at_plan == plan.peak_bytes_per_device == plan.estimate.peak
     assert (plan.batch_size, at_plan) in plan.compiled_peaks
-    # the next batch is prefetched while a step runs: the plan counts it (exactly linear)
+    # the next batch is prefetched while a step runs: the plan counts it (exactly linear),
+    # each device's share of it (the batch is split over the data-parallel groups)
+    assert plan.data_parallel > 1 and plan.prefetch_bytes == bytes_per_device(
+        jax.ShapeDtypeStruct((plan.batch_size, 128), jnp.float32), plan.batch_sharding)
     per_sample = plan.prefetch_bytes / plan.batch_size
     assert at_plan + plan.prefetch_bytes == plan.predicted_peak_bytes <= plan.usable_bytes
     following = plan.batch_size + plan.data_parallel
@@ -175,6 +179,13 @@ def test_a_cap_below_the_device_count_says_which_meshes_it_skips(caplog):
     assert (plan.data_parallel, plan.model_parallel, plan.batch_size) == (2, 2, 2)
     assert ("max_batch_size=3 is below the 4 data-parallel groups of a 4 x 1 mesh "
             "(data x model): that mesh is skipped") in caplog.text
+    # a cap of one sample per device leaves the data-parallel mesh in
+    caplog.clear()
+    with caplog.at_level("INFO", logger="scamp_jax.planning.planner"):
+        plan = plan_mesh(small, sample, devices=4, memory_per_device="1GiB", max_batch_size=4,
+                         compile_for_run=False)
+    assert (plan.data_parallel, plan.model_parallel, plan.batch_size) == (4, 1, 4)
+    assert "skipped" not in caplog.text
 
 
 def test_does_not_fit_error_states_needed_and_available_bytes():
@@ -185,6 +196,17 @@ def test_does_not_fit_error_states_needed_and_available_bytes():
     assert err.bytes_available == 64 * 1024
     assert err.bytes_needed > err.bytes_available
     assert str(err.bytes_needed) in str(err) and str(err.bytes_available) in str(err)
+    # the need is the least over the degrees tried: here the most split weights'
+    with pytest.raises(DoesNotFitError) as split:
+        plan_mesh(_model(), SAMPLE, devices=8, memory_per_device="64KiB", safety_margin=0.0,
+                  model_parallel=8)
+    assert err.bytes_needed == split.value.bytes_needed
+    assert "model_parallel=8" in str(err)
+    # what is available is the budget less the margin (and the allowance)
+    with pytest.raises(DoesNotFitError) as margin:
+        plan_mesh(_model(), SAMPLE, devices=8, memory_per_device="64KiB", allowance_bytes=1000)
+    assert margin.value.bytes_available == int(64 * 1024 * 0.9) - 1000
+    assert "less a 10% margin and a 1000 B allowance" in str(margin.value)
 
 
 def test_min_devices_finds_the_smallest_count_that_fits():
@@ -304,6 +326,20 @@ def test_a_model_in_evaluation_mode_is_planned_with_a_warning():
         plan_mesh(model, SAMPLE, devices=2, memory_per_device=BUDGET, max_batch_size=8)
     assert seen[0].filename == __file__  # pointed at the caller of plan_mesh
 
+    class OneLayerOff(nnx.Module):
+        """Dropout in training mode, and one more layer of dropout turned off by design."""
+
+        def __init__(self) -> None:
+            self.inner = _model()
+            self.head = nnx.Dropout(0.5, deterministic=True)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return self.head(self.inner(x))
+
+    # a model that mixes modes is taken as meant: planned without a warning
+    plan_mesh(nnx.eval_shape(OneLayerOff), SAMPLE, devices=2, memory_per_device=BUDGET,
+              max_batch_size=8)
+
 
 def test_the_default_loss_names_a_tuple_batch_its_model_takes_more_of():
     class TwoInputs(nnx.Module):
@@ -328,6 +364,15 @@ def test_a_sample_too_large_for_a_device_is_told_apart_from_weights_too_large():
         plan_mesh(_model(), jax.ShapeDtypeStruct((1, 4096, 128), jnp.float32), devices=2,
                   memory_per_device="8MiB")
     assert "parameters + optimizer state" not in str(info.value)
+    # the need is the least over the degrees of a compiled peak at one sample per group and
+    # that sample, prefetched
+    big = jax.ShapeDtypeStruct((1, 4096, 128), jnp.float32)
+    needs = [memory.estimate_memory(_model(), jax.ShapeDtypeStruct((2 // mp, 4096, 128),
+                                                                  jnp.float32),
+                                    mesh=make_mesh(jax.devices()[:2], 2 // mp, mp)).peak
+             + bytes_per_device(big, jax.NamedSharding(make_mesh(jax.devices()[:1], 1, 1), P()))
+             for mp in (1, 2)]
+    assert info.value.bytes_needed == min(needs)
     with pytest.raises(DoesNotFitError, match=r"parameters \+ optimizer state .* use more "
                        r"devices \(model parallelism splits the weights\)"):
         plan_mesh(_model(), SAMPLE, devices=1, memory_per_device="1MiB")
@@ -359,6 +404,9 @@ def test_default_budget_is_the_smallest_device_limit():
     devices = [_DeviceWithLimit(80 * 2**30), _DeviceWithLimit(40 * 2**30)]
     assert plan_budget(None, devices).memory_per_device == 40 * 2**30
     assert plan_budget("3GiB", devices).memory_per_device == 3 * 2**30
+    given = Budget(8 * 2**20, 0.2)
+    assert plan_budget(given, devices) is given  # used as it is
+    assert plan_budget(given, devices, allowance_bytes=1000) == given.with_allowance(1000)
 
 
 def test_sharding_rules_for_dense_conv_attention_and_small_parameters():

@@ -36,6 +36,19 @@ from scamp_jax.scheduling.core import SchedulingCore
 log = logging.getLogger(__name__)
 
 
+def failure_limit(config: Any) -> int:
+    """The runs of a guard (`scamp_jax.hpo.failures.RepeatedFailures`) under ``config``: its
+    ``failure_limit``, at most the study's ``trials`` where it has them (a `SearchSettings`)
+    but never below two (one failure is no repetition), so that a first small try whose
+    trials all raise one error stops too and gives them back, rather than keeping them failed
+    for good (0: no guard)."""
+    limit = int(config.failure_limit)
+    trials = getattr(config, "trials", None)
+    if not limit or not isinstance(trials, int):
+        return limit
+    return min(limit, max(trials, 2))
+
+
 def second_ctrl_c(pressed: bool = True) -> str:
     """What a (second) Ctrl-C does, by the SIGINT handler installed: a command line's
     (``ends_process``, the experiments' ``_CtrlC``) ends the process at once; Python's own
@@ -89,7 +102,7 @@ class Endings:
         self.notify, self.checkpoint_root = notify, checkpoint_root
         self.oom = OutOfMemory(config, core, records, replan, queue, self.report)
         #: the guard against a run's first trials all failing alike
-        self.failures = RepeatedFailures(config.failure_limit, self._told, self._interrupt)
+        self.failures = RepeatedFailures(failure_limit(config), self._told, self._interrupt)
         #: how each trial of this run ended, in finishing order.
         self.outcomes: list[TrialOutcome] = []
         #: trials whose ending the study refused to store (the error ended the run): they go

@@ -88,7 +88,8 @@ class EngineConfig:
         completed, after which the study stops with
         `scamp_jax.hpo.failures.RepeatedFailureError` and they go back to the study: a bug in
         the task fails every trial alike (0: never stop; a space that fails some
-        configurations on purpose by raising).
+        configurations on purpose by raising). A study of fewer trials stops at as many
+        runs, two at least (`scamp_jax.hpo.endings.failure_limit`).
       seed: seed of the sampler, initialisation and data streams.
       rank: the MPI rank recorded with each trial (0 on a single host).
       planner_threads: configurations planned at once (each plan is a few compiles), and the
