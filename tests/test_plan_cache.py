@@ -180,9 +180,14 @@ def test_cached_plan_is_rebuilt_without_compiling_and_equals_the_first(tmp_path)
         {"loss_fn": lambda m, x: jnp.mean(jnp.abs(m(x)))},
         {"model": 16},
         {"release": "99.0.0"},
+        {"model_parallel": 2},
+        {"batch_multiple": 2},
+        {"allowance_bytes": 1 << 20},
+        {"min_shard_elements": 1},
     ],
     ids=["budget", "margin", "max-batch", "device-count", "optimizer", "loss", "architecture",
-         "scamp-jax-release"],
+         "scamp-jax-release", "forced-model-parallel", "batch-multiple", "allowance",
+         "shard-threshold"],
 )
 def test_any_key_part_changing_is_a_miss(tmp_path, monkeypatch, change):
     path = tmp_path / "plans.sqlite"
