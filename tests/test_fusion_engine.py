@@ -328,6 +328,24 @@ def test_a_proposals_siblings_are_planned_for_its_familys_width_not_the_cap():
     assert [service.plan_job(a).args[-1] for a in asked] == [3, 3, 3, None, None]
 
 
+def test_a_trial_whose_provisional_plan_fits_no_group_is_planned_to_train_alone():
+    """A wide MLP fits alone at the cap (its plan from shapes: provisional, nothing compiled)
+    but two of it do not fit fused: the trial trains alone, so it is planned again by
+    compiling (run-grade), and its group sized on that plan (none fits there either)."""
+    from scamp_jax.hpo.fused_engine import FusionService
+    from scamp_jax.hpo.plan_service import PlanningService
+    from scamp_jax.planning import planner
+
+    config = EngineConfig(steps=10, budget=Budget(8 * 2**20), max_batch_size=16, fuse=2)
+    planning = PlanningService(SPACE, Regression(), config, jax.devices()[:1], planner.plan_mesh)
+    service = FusionService(SPACE, Regression(), 2, planning, held_siblings=lambda p: 0)
+    params = {"width": 20_000, "learning_rate": 1e-2}
+    assert planning.plan(params, provisional=True).provisional  # what the first try gets
+    plan = service.prepare(params, 0, None, 2)
+    assert service.info(0).fusion is None
+    assert not plan.provisional and int(plan.batch_size) == 16
+
+
 def test_trials_that_set_other_optimizer_hyperparameters_are_not_fused_together(tmp_path):
     """A group's members hold the optimizer hyperparameters they set as data, so a trial with
     ``weight_decay`` and one without cannot share a program although their architecture is
