@@ -277,7 +277,8 @@ STOPPING_TEXT = (
     "Stopping and resuming: Ctrl-C (or SIGTERM) stops the running trials at their next step "
     "with a checkpoint and exits with status 130 (143 for SIGTERM); a second Ctrl-C stops at "
     "once. The same command run again keeps every finished trial and resumes the stopped ones "
-    "from their checkpoints once their heartbeat lapses (about a minute).")
+    "from their checkpoints (after a stop at once: on the same machine at once, on another once "
+    "their heartbeat lapses, about a minute).")
 
 
 def preset_text(name: str, c: HPOConfig) -> str:
@@ -452,8 +453,8 @@ class _CtrlC:
     Ctrl-C after either stops the process at once, without the interpreter's shutdown (which
     would wait for the trials' threads and meet their checkpoint writes half done). The
     study's database is left consistent (each of its writes is a transaction); trials that
-    were running stay running until their heartbeat lapses, then a re-run resumes them from
-    their last checkpoints."""
+    were running stay running until a re-run on the same machine sees the process gone, or
+    their heartbeat lapses, and it resumes them from their last checkpoints."""
 
     #: a second Ctrl-C ends the process (`scamp_jax.hpo.endings.Endings.give_back` says so)
     ends_process = True
@@ -478,7 +479,8 @@ class _CtrlC:
         shown = "\x1b[?25h" if sys.__stderr__ is not None and sys.__stderr__.isatty() else ""
         left = (self.at_once() if callable(self.at_once) else self.at_once) or (
             "finished trials are in the study; run the same command to resume the others from "
-            f"their last checkpoints (once their heartbeat lapses, about {GRACE_PERIOD} s)")
+            "their last checkpoints (on this machine at once; on another once their heartbeat "
+            f"lapses, about {GRACE_PERIOD} s)")
         message = f"{shown}\nstopped at once: {left}\n"
         with contextlib.suppress(OSError):
             os.write(2, message.encode())

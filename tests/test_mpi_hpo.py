@@ -36,6 +36,7 @@ from scamp_jax.hpo.study import (
     TrialOutcome,
     open_study,
 )
+from scamp_jax.hpo.study.owner import OWNER
 from scamp_jax.space import SearchSpace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -357,6 +358,33 @@ def test_an_interrupt_from_another_rank_stores_its_seconds_and_queues_the_retry(
     retry = source.ask()
     assert retry.retry_of == answer[1]
     assert "wall_seconds" not in study.trials[retry.number].user_attrs
+
+
+def test_a_checkpoints_seconds_from_any_rank_stay_with_a_trial_whose_job_died(tmp_path):
+    """Rank 1's ``("progress", (number, wall_seconds))`` after a checkpoint, and rank 0's own
+    through its local client: each running trial stores its seconds so far. A trial the job
+    left running keeps them when the same command fails it; its retry does not carry them,
+    and its row adds them to its own (`scamp_jax.hpo.report.trial_records`)."""
+    from scamp_jax.hpo.report import trial_records
+
+    study, server, source = _local_source(tmp_path, n_trials=2)
+    remote = server._answer(1, ("ask", "more"))
+    local = source.ask()
+    assert server._answer(1, ("progress", (remote[1], 3.5))) == ("stored",)
+    source.progress(local.number, 1.25)
+    source.progress(local.number, 2.5)  # the newest checkpoint's seconds replace the last
+    assert {t.number: t.user_attrs["wall_seconds"] for t in study.get_trials()} == {
+        remote[1]: 3.5, local.number: 2.5}
+    # Both stay RUNNING, as when the job is killed. The same command again:
+    study2, server2, source2 = _local_source(tmp_path, n_trials=2)
+    assert sorted(server2.stale_failed) == sorted([remote[1], local.number])
+    for _ in range(2):
+        retry = source2.ask()
+        assert "wall_seconds" not in study2.trials[retry.number].user_attrs
+        source2.tell(TrialOutcome(retry.number, "complete", value=0.5,
+                                  attrs={"wall_seconds": 10.0}))
+    rows = {r["retry_of"]: r["wall_seconds"] for r in trial_records(study2)}
+    assert rows == {remote[1]: 13.5, local.number: 12.5}
 
 
 def test_study_server_stores_checkpoint_paths_relative_to_the_study(tmp_path):
@@ -930,7 +958,6 @@ def test_fused_study_under_mpirun_keeps_each_proposals_siblings_on_its_rank(
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_a_fused_study_killed_under_mpirun_resumes_to_exactly_its_trials(tmp_path, _needs_mpi):
-    # The re-run waits for the dead job's heartbeats to go stale (the script's 10 s grace).
     died = _launch(tmp_path, 2, "--trials", "8", "--fuse", "2", "--die-rank", "1")
     assert died.returncode != 0 and "rank 1 is killed after telling trial" in died.stdout
     before = {n for n, s, _ in _stored_trials(tmp_path) if s == "COMPLETE"}
@@ -945,6 +972,14 @@ def test_a_fused_study_killed_under_mpirun_resumes_to_exactly_its_trials(tmp_pat
                               storage=f"sqlite:///{tmp_path / 'study' / 'study.db'}")
     waiting = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
     assert all(retried_from(t) is not None for t in waiting), waiting
+    # As if the dead job's rank 0 had run on another machine: the re-run cannot see that its
+    # process ended, and waits for the heartbeats to go stale (the script's 10 s grace).
+    with sqlite3.connect(tmp_path / "study" / "study.db") as db:
+        moved = db.execute(
+            "UPDATE trial_user_attributes SET value_json = json_set(value_json, '$.host', "
+            "'another-host') WHERE key = ? AND trial_id IN (SELECT trial_id FROM trials "
+            "WHERE state = 'RUNNING')", (OWNER,)).rowcount
+    assert moved
     proc = _launch(tmp_path, 2, "--trials", "8", "--fuse", "2")  # the same command again
     assert proc.returncode == 0, proc.stdout + proc.stderr
     stored = _stored_trials(tmp_path)

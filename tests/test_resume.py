@@ -81,7 +81,8 @@ def _study(study_dir: Path) -> optuna.Study:
 
 
 def _wait_for_kill_point(proc: subprocess.Popen, study_dir: Path, timeout: float) -> int:
-    """Block until one trial is complete and the running one has a checkpoint; its number."""
+    """Block until one trial is complete and the running one has a checkpoint, and has
+    stored its seconds up to it; its number."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -99,7 +100,8 @@ def _wait_for_kill_point(proc: subprocess.Popen, study_dir: Path, timeout: float
             running = [t for t in trials if t.state == TrialState.RUNNING]
             for t in running:
                 ckpt = study_dir / "checkpoints" / t.user_attrs.get("checkpoint_key", "-")
-                if done and ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir()):
+                if (done and ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir())
+                        and t.user_attrs.get("wall_seconds")):
                     return t.number
         time.sleep(0.2)
     proc.kill()
@@ -124,6 +126,11 @@ def test_kill_9_then_rerun_loses_and_repeats_nothing(tmp_path, cli):
     out, _ = rerun.communicate(timeout=1500 if cli else 300)
     assert rerun.returncode == 0, out
     assert f"trials [{victim}] of stopped processes were run again" in out
+    # at once: the killed process ran on this machine, so the rerun did not wait for the
+    # heartbeat's grace period (a minute for the CLI, 3 s for the driver) with idle devices
+    assert "waiting for trial(s)" not in out
+    run = json.loads((study_dir / "results.json").read_text())["runs"][-1]
+    assert run["overhead"]["idle_waiting_for_held_trials_device_s"] == 0
 
     trials = _study(study_dir).get_trials()
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
@@ -143,6 +150,12 @@ def test_kill_9_then_rerun_loses_and_repeats_nothing(tmp_path, cli):
     assert resumed.user_attrs["checkpoint_key"] == trials[victim].user_attrs["checkpoint_key"]
     results = (study_dir / "results.csv").read_text().splitlines()
     assert len(results) == 1 + TRIALS  # header + one row per trial number, interrupted left out
+    # The killed attempt's seconds up to its last checkpoint count in its retry's row.
+    killed_s = trials[victim].user_attrs["wall_seconds"]
+    assert killed_s > 0
+    [row] = [r for r in json.loads((study_dir / "results.json").read_text())["trials"]
+             if r["number"] == resumed.number]
+    assert row["wall_seconds"] == round(resumed.user_attrs["wall_seconds"] + killed_s, 3)
 
 
 def test_a_checkpoint_of_more_steps_is_not_reported_as_fewer(tmp_path):
@@ -610,7 +623,9 @@ def test_checkpoints_are_at_least_checkpoint_min_seconds_of_training_apart(
         tmp_path, monkeypatch, fused):
     """A checkpoint every step, 0.15 s of training apart at least: the run writes some (not
     every step's, not the last one's alone), each the floor after the previous one or the
-    start of training, and the last step's. A solo run and a fused group's members alike."""
+    start of training, and the last step's. A solo run and a fused group's members alike;
+    ``on_checkpoint`` hears each member's checkpoints before the last, with the run's seconds
+    so far (what the study stores for the trial)."""
     import jax
     from test_fusion import MEMBERS, group_plan
     from test_runner import BUDGET, SPACE, make_plan, spec
@@ -619,6 +634,7 @@ def test_checkpoints_are_at_least_checkpoint_min_seconds_of_training_apart(
     from scamp_jax.hpo.runner import run_trial
 
     saves = _recorded_saves(monkeypatch)
+    heard: list[tuple[int, int, float]] = []
     plan = make_plan({"width": 16}, jax.devices()[:1], max_batch=16)
     steps, floor = 60, 0.15  # at least 0.6 s of training: 10 ms a batch
     began = time.monotonic()
@@ -627,8 +643,10 @@ def test_checkpoints_are_at_least_checkpoint_min_seconds_of_training_apart(
                         for i, (cfg, seed) in enumerate(MEMBERS[:2]))
         group = GroupSpec(2, members, group_plan(plan, 4), steps, BUDGET, checkpoint_every=1,
                           checkpoint_min_seconds=floor, log_every=1)
-        result = run_fused_group(group, SPACE, _slow_regression())
+        result = run_fused_group(group, SPACE, _slow_regression(),
+                                 on_checkpoint=lambda *a: heard.append(a))
         assert [r.state for r in result.members] == ["complete"] * 2
+        numbers, run_seconds = [0, 1], result.members[0].wall_seconds
         by_step: dict[int, float] = {}
         for step, when in saves:  # both members save each checkpoint, at once
             by_step.setdefault(step, when)
@@ -637,14 +655,21 @@ def test_checkpoints_are_at_least_checkpoint_min_seconds_of_training_apart(
         config = {"width": 16, "learning_rate": 1e-2}
         result = run_trial(spec(config, plan, steps=steps, checkpoint_dir=tmp_path / "t",
                                 checkpoint_every=1, checkpoint_min_seconds=floor, log_every=1),
-                           SPACE, _slow_regression())
+                           SPACE, _slow_regression(), on_checkpoint=lambda *a: heard.append(a))
         assert result.state == "complete", result.reason
+        numbers, run_seconds = [result.number], result.wall_seconds
     steps_saved = [step for step, _ in saves]
     assert steps_saved[-1] == steps
     middle = saves[:-1]
     assert 2 <= len(middle) < steps // 2, steps_saved  # some, far from every step's
     times = [began] + [when for _, when in middle]
     assert all(b - a >= floor for a, b in zip(times[:-1], times[1:], strict=True)), steps_saved
+    assert sorted((n, step) for n, step, _ in heard) == [
+        (n, step) for n in numbers for step, _ in middle]
+    for n in numbers:
+        seconds = [s for m, _, s in heard if m == n]
+        assert seconds == sorted(seconds) and 0 < seconds[0] and seconds[-1] < run_seconds
+        assert seconds[-1] - seconds[0] >= floor * (len(seconds) - 1)
 
 
 def test_a_stopped_run_writes_its_checkpoint_however_soon(tmp_path):

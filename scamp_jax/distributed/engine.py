@@ -121,6 +121,10 @@ class RemoteTrialSource:
         self.client.tell(outcome.number, outcome.value, _OPTUNA_STATE[outcome.state],
                          dict(outcome.attrs), outcome.reason)
 
+    def progress(self, number: int, wall_seconds: float) -> None:
+        """Store a running trial's seconds up to its newest checkpoint in rank 0's study."""
+        self.client.progress(number, float(wall_seconds))
+
     def interrupt(self, number: int, wall_seconds: float = 0.0) -> None:
         """Give a started trial back: failed as interrupted and enqueued again on rank 0
         (``wall_seconds``: what its runs took so far)."""
@@ -282,7 +286,8 @@ def run_search_mpi(
         # worded as the entry point words errors (a command line: its flags)
         end_every_rank(comm, err, note=(
             "stopped the job: the trials the other ranks were running are run again when the "
-            "same command runs again, once their heartbeat lapses (about a minute)"
+            "same command runs again (at once on rank 0's host; elsewhere once their heartbeat "
+            "lapses, about a minute)"
             if isinstance(err, RepeatedFailureError) else ""))  # this rank's guard stopped it
         raise
 

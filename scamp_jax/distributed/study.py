@@ -17,6 +17,7 @@ request (worker -> rank 0)                           answer (rank 0 -> worker)
 ``("report", (number, step, value))``                ``("pruned", should_prune)``
 ``("tell", (number, value, state[, attrs, reason]))``  ``("told",)``
 ``("interrupt", (number, wall_seconds))``            ``("interrupted",)``
+``("progress", (number, wall_seconds))``             ``("stored",)``
 ``("remaining", None)``                              ``("remaining", count)``
 ``("held", proposal)``                               ``("held", count)``: siblings of trial
                                                      ``proposal`` not handed out yet
@@ -187,6 +188,11 @@ class StudyServer:
                                       value if state == "COMPLETE" else None, reason,
                                       dict(attrs or {})))
 
+    def progress(self, number: int, wall_seconds: float) -> None:
+        """Store a running trial's seconds up to its newest checkpoint
+        (`OptunaTrialSource.progress`)."""
+        self.source.progress(number, wall_seconds)
+
     def interrupt(self, number: int, wall_seconds: float = 0.0) -> None:
         """Fail a handed-out trial as interrupted (it does not count towards ``n_trials``) and
         queue its parameters under its checkpoint key, so a later ask re-runs it
@@ -268,6 +274,9 @@ class StudyServer:
         if kind == "interrupt":
             self.interrupt(*body)
             return ("interrupted",)
+        if kind == "progress":
+            self.progress(*body)
+            return ("stored",)
         if kind == "remaining":
             return ("remaining", self.remaining())
         if kind == "held":
@@ -390,6 +399,13 @@ class StudyClient:
             return
         self._call("tell", (number, None if value is None else float(value), state,
                             dict(attrs or {}), reason))
+
+    def progress(self, number: int, wall_seconds: float) -> None:
+        """Store a running trial's seconds up to its newest checkpoint in rank 0's study."""
+        if self._server is not None:
+            self._server.progress(number, wall_seconds)
+            return
+        self._call("progress", (number, float(wall_seconds)))
 
     def interrupt(self, number: int, wall_seconds: float = 0.0) -> None:
         """Give a started trial back unfinished: failed as interrupted and enqueued again

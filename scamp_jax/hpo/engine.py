@@ -222,6 +222,15 @@ class SearchEngine:
             statuses = [r.status for r in self.records.values()]
             self.on_update(statuses, self.pool, **self.kind.view(self.records))
 
+    def _checkpointed(self, number: int, step: int, seconds: float) -> None:
+        """A run of trial ``number`` wrote a checkpoint ``seconds`` into the run (on its own
+        thread): the study stores the trial's seconds so far, its earlier runs' included, so
+        that an attempt whose process dies is counted up to the checkpoint its retry resumes
+        from (`scamp_jax.hpo.report.trial_records`)."""
+        record = self.records.get(number)
+        earlier = 0.0 if record is None else record.earlier_wall
+        self.source.progress(number, earlier + seconds)
+
     def _submit(self, item: work.Work, fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
         self.work[self._planner.submit(fn, *args, **kw)] = item
 
@@ -256,7 +265,8 @@ class SearchEngine:
         self.kind.reset()
         lookahead = self.config.lookahead or len(self.devices)
         self._launch = Launcher(self.space, self.task, self.config, self.devices,
-                                self.checkpoint_root, self.source.report, self.cache)
+                                self.checkpoint_root, self.source.report, self.cache,
+                                on_checkpoint=self._checkpointed)
         if self.devices and self.devices[0].platform == "cpu":
             # Which guidance compiles this XLA offers: a probe compile once per process, here
             # rather than in the first plan (it is not an architecture's)

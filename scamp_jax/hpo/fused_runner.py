@@ -253,6 +253,7 @@ def run_fused_group(
     stop: threading.Event | None = None,
     results_path: str | Path | None = None,
     cache: StepCache | None = None,
+    on_checkpoint: Callable[[int, int, float], None] | None = None,
 ) -> GroupResult:
     """Train and evaluate a fused group on ``spec.plan``'s devices; never raises.
 
@@ -270,6 +271,8 @@ def run_fused_group(
       results_path: if given, the per-member records are written there as JSON.
       cache: where the evaluation forward is compiled and kept (shared with solo runs of the
         same architecture on the same devices).
+      on_checkpoint: ``on_checkpoint(number, step, seconds)`` per member after each
+        checkpoint before the last, with the seconds the group's run has taken so far.
 
     Returns:
       A `GroupResult`; a failure of the whole group (compile error, out of memory) ends every
@@ -285,7 +288,7 @@ def run_fused_group(
         )
     program = FusedProgram(spec, space, task, cache or StepCache())
     run = Lifecycle(program, spec.members, spec.schedule(), task, statuses=statuses,
-                    report=report, on_loss=on_loss, stop=stop)
+                    report=report, on_loss=on_loss, stop=stop, on_checkpoint=on_checkpoint)
     plan = spec.plan.plan
     for m in run.members:
         m.status.devices = tuple(d.id for d in plan.devices)

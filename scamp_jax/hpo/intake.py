@@ -101,8 +101,9 @@ class Intake:
             self.noticed = later.trials
             self.on_notice(
                 f"waiting for trial(s) {list(later.trials)}, marked running by another "
-                "process or by one that was stopped hard (a second Ctrl-C, a kill): they "
-                "finish there, or are run again here once their heartbeat is stale")
+                "process, live or on another machine (where one stopped hard, by a second "
+                "Ctrl-C or a kill): they finish there, or are run again here once their "
+                "heartbeat is stale")
         start = time.monotonic()
         time.sleep(max(0.0, self.ask_at - start))
         self.waited_s += time.monotonic() - start

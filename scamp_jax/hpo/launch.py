@@ -49,6 +49,8 @@ class Launcher:
       checkpoint_root: the per-trial checkpoint directories' root (None: no checkpoints).
       report: ``report(number, step, value) -> prune?`` (the study's pruner).
       cache: the compiled-step cache runs share.
+      on_checkpoint: ``on_checkpoint(number, step, seconds)`` after a run's checkpoint
+        before its last (seconds: what the run has taken so far).
       workers: the most runs at once (a thread each, made as runs start); the default
         `RUN_THREADS` leaves the scheduling core's placements the only cap: a run started
         beyond the threads would wait for one while its devices stay booked and idle.
@@ -56,9 +58,11 @@ class Launcher:
 
     def __init__(self, space: Any, task: Any, config: Any, devices: Sequence[Any],
                  checkpoint_root: Path | None, report: Callable[[int, int, float], bool],
-                 cache: StepCache, workers: int | None = None) -> None:
+                 cache: StepCache, workers: int | None = None,
+                 on_checkpoint: Callable[[int, int, float], None] | None = None) -> None:
         self.space, self.task, self.config, self.devices = space, task, config, devices
         self.checkpoint_root, self.report, self.cache = checkpoint_root, report, cache
+        self.on_checkpoint = on_checkpoint
         self.executor = cf.ThreadPoolExecutor(max_workers=workers or RUN_THREADS,
                                               thread_name_prefix="trial")
 
@@ -81,11 +85,13 @@ class Launcher:
 
     def start(self, fn: Callable[..., Any], spec: Any, key: int,
               members: tuple[PlannedTrial, ...], **kw: Any) -> Run:
-        """Run ``fn(spec, space, task, report=..., stop=..., cache=..., **kw)`` (`run_trial` or
-        `run_fused_group`) in a worker thread, as unit ``key`` of ``members``."""
+        """Run ``fn(spec, space, task, report=..., stop=..., cache=..., on_checkpoint=...,
+        **kw)`` (`run_trial` or `run_fused_group`) in a worker thread, as unit ``key`` of
+        ``members``."""
         stop = threading.Event()
         future = self.executor.submit(fn, spec, self.space, self.task, report=self.report,
-                                      stop=stop, cache=self.cache, **kw)
+                                      stop=stop, cache=self.cache,
+                                      on_checkpoint=self.on_checkpoint, **kw)
         return Run(key, members, stop, future)
 
     def close(self) -> None:

@@ -20,7 +20,8 @@ the fused one (the step vmapped over a member axis, with an ``active`` mask). Th
 3. the step loop: stop (checkpoint, ``interrupted``), step, prefetch, loss read-back (a
    non-finite loss ends that member ``failed``), intermediate evaluation reported to the pruner
    (``pruned``), checkpoints every ``checkpoint_every`` steps (where ``checkpoint_min_seconds``
-   of training have passed since the last one); a stopped member is masked and,
+   of training have passed since the last one; ``on_checkpoint`` hears each member's, with the
+   run's seconds so far, which the study stores with the trial); a stopped member is masked and,
    at the next evaluation, the group re-forms without it; after the first two steps the
    allocator's peak on the run's devices is measured (`scamp_jax.hpo.calibration.measure_peak`)
    and written to every member's status, where the search loop learns from it;
@@ -368,13 +369,15 @@ class Lifecycle:
                  task: Task, *, statuses: Sequence[TrialStatus] | None = None,
                  report: Callable[[int, int, float], bool] | None = None,
                  on_loss: Callable[[int, int, float], None] | None = None,
-                 stop: threading.Event | None = None) -> None:
+                 stop: threading.Event | None = None,
+                 on_checkpoint: Callable[[int, int, float], None] | None = None) -> None:
         if not members:
             raise ValueError("a run needs at least one member")
         if statuses is not None and len(statuses) != len(members):
             raise ValueError(f"{len(statuses)} statuses given for {len(members)} members")
         self.program, self.schedule, self.task = program, schedule, task
         self.report, self.on_loss, self.stop = report, on_loss, stop
+        self.on_checkpoint = on_checkpoint
         self.members = [_Member(m, statuses[i] if statuses is not None
                                 else TrialStatus(m.number, m.params))
                         for i, m in enumerate(members)]
@@ -563,9 +566,12 @@ class Lifecycle:
                     and done < schedule.steps
                     and time.monotonic() - saved >= schedule.checkpoint_min_seconds):
                 began = _after(losses)
-                self._save(done, active)
+                written = self._save(done, active)
                 saved = time.monotonic()
                 aside += saved - began
+                if self.on_checkpoint is not None:
+                    for m in written:
+                        self.on_checkpoint(m.spec.number, done, saved - self.start)
         if first < schedule.steps:
             # the steps' own seconds (losses read back), not the checkpoints' or evaluations'
             seconds = (time.monotonic() - now - aside) / (schedule.steps - first)
@@ -595,13 +601,15 @@ class Lifecycle:
         for m in self.members:
             m.status.measured_peak_bytes = self.measured_bytes
 
-    def _save(self, step: int, active: np.ndarray | None = None) -> None:
+    def _save(self, step: int, active: np.ndarray | None = None) -> list[_Member]:
+        """Checkpoint the running members (all, or the ``active`` slots') at ``step``;
+        returns the members saved."""
         if not self.schedule.save:
-            return
-        slots = [(slot, m.checkpointer) for slot, m in enumerate(self.slots)
+            return []
+        slots = [(slot, m) for slot, m in enumerate(self.slots)
                  if (m.result is None and m.checkpointer is not None
                      and (active is None or active[slot]))]
-        saves = [(c, self.program.checkpoint_leaves(slot)) for slot, c in slots]
+        saves = [(m.checkpointer, self.program.checkpoint_leaves(slot)) for slot, m in slots]
         if len(saves) == 1:
             checkpointer, leaves = saves[0]
             checkpointer.save(step, leaves)  # type: ignore[union-attr]
@@ -612,6 +620,7 @@ class Lifecycle:
                 for done in [pool.submit(c.save, step, leaves)  # type: ignore[union-attr]
                              for c, leaves in saves]:
                     done.result()
+        return [m for _, m in slots]
 
     def _read_losses(self, losses: Any, done: int, active: np.ndarray) -> None:
         values = np.asarray(losses).reshape(-1)

@@ -50,7 +50,8 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
     the ledger booked for the ``fusion_width`` members it trained with; ``steps``: the step
     its training reached; ``wall_seconds``: what its runs took, over every earlier attempt of
     it that a stop ended too, whether or not its checkpoints were resumed; an attempt whose
-    process died is not known), every name of ``metric_names`` (``None`` when a trial has no
+    process died counts up to its last checkpoint, the one its retry resumed from, and nothing
+    where it wrote none), every name of ``metric_names`` (``None`` when a trial has no
     value for it), and ``rank``, ``replans``,
     ``resizes`` (restarts on more devices at the end of a study), ``retry_of`` (the trial this
     one ran again after a run stopped it, from that trial's checkpoints if it had any; None: a
@@ -83,7 +84,7 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
             "wall_seconds": attrs.get("wall_seconds"),
         }
         earlier = earlier_attempts(trial)
-        if earlier and row["wall_seconds"] is not None:  # the attempts stops ended, too
+        if earlier and row["wall_seconds"] is not None:  # stopped or dead attempts', too
             row["wall_seconds"] = round(row["wall_seconds"] + sum(
                 by_number[n].user_attrs.get("wall_seconds") or 0.0
                 for n in earlier if n in by_number), 3)

@@ -281,6 +281,7 @@ def run_trial(
     stop: threading.Event | None = None,
     cache: StepCache | None = None,
     on_loss: Callable[[int, int, float], None] | None = None,
+    on_checkpoint: Callable[[int, int, float], None] | None = None,
 ) -> RunResult:
     """Train and evaluate one configuration on ``spec.plan``'s devices; never raises.
 
@@ -297,6 +298,8 @@ def run_trial(
       cache: compiled-step cache shared between trials.
       on_loss: ``on_loss(number, step, loss)`` at every loss read-back (``spec.log_every``),
         as for a fused group (`scamp_jax.hpo.fused_runner.run_fused_group`).
+      on_checkpoint: ``on_checkpoint(number, step, seconds)`` after each checkpoint before
+        the last, with the seconds the run has taken so far.
 
     Returns:
       A `RunResult`; every exception is turned into a ``failed`` or ``oom`` result.
@@ -304,7 +307,7 @@ def run_trial(
     program = SoloProgram(spec, space, task, cache or StepCache())
     status = status or TrialStatus(spec.number, spec.params)
     run = Lifecycle(program, [spec.member()], spec.schedule(), task, statuses=[status],
-                    report=report, on_loss=on_loss, stop=stop)
+                    report=report, on_loss=on_loss, stop=stop, on_checkpoint=on_checkpoint)
     return run.run()[0]
 
 

@@ -15,7 +15,8 @@ storage and that lock); `OptunaTrialSource` asks and tells through it.
 
 Liveness is Optuna's own: the storage has a heartbeat (`open_storage`), every live trial beats,
 and a trial whose process died stops beating. After the grace period any process of the study
-fails it and Optuna's `RetryHeartbeatStaleTrialCallback` queues a copy with the same parameters;
+fails it and Optuna's `RetryHeartbeatStaleTrialCallback` queues a copy with the same parameters
+(a process on the machine of one that has certainly ended does so at once: `owner`);
 the copy is mapped to its original's checkpoint directory (``retried_trial_number``), so it resumes
 from the last checkpoint. Trials of live processes are never touched. While trials of other
 processes run, ``ask`` answers `AskLater` rather than ``None`` once the total is reached: they may

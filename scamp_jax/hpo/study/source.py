@@ -20,6 +20,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from scamp_jax._signals import stops_held
 from scamp_jax.hpo.settings import HEARTBEAT_INTERVAL
+from scamp_jax.hpo.study import owner
 from scamp_jax.hpo.study.storage import (
     StudyHandle,
     quiet_optuna,
@@ -162,16 +163,35 @@ class OptunaTrialSource:
 
     # -- liveness -------------------------------------------------------------------------------
     def _fail_stale(self) -> None:
-        """Fail trials whose heartbeat went stale; Optuna's callback queues their retries."""
+        """Fail trials whose heartbeat went stale, and at once those of a process that has
+        certainly ended on this machine (`scamp_jax.hpo.study.owner`); Optuna's callback queues
+        their retries."""
         if self._storage is None:
             return
-        before = {t.number for t in self.study.get_trials(deepcopy=False,
-                                                          states=(TrialState.RUNNING,))}
+        running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        before = {t.number for t in running}
+        for trial in running:
+            if trial.number not in self._live and owner.ended(trial.user_attrs.get(owner.OWNER)):
+                self._fail_and_retry(trial.number)
         with quiet_optuna():
             optuna.storages.fail_stale_trials(self.study)
         after = {t.number for t in self.study.get_trials(deepcopy=False,
                                                          states=(TrialState.RUNNING,))}
         self.recovered.extend(sorted(before - after - set(self._live)))
+
+    def _fail_and_retry(self, number: int) -> bool:
+        """Fail trial ``number``, left running by a process that is gone, and queue its retry
+        (public ``tell``, then Optuna's retry callback); False where its own process finished
+        it meanwhile."""
+        try:
+            frozen = self.study.tell(number, state=TrialState.FAIL, skip_if_finished=True)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            return False
+        if frozen.state != TrialState.FAIL:
+            return False
+        with quiet_optuna():
+            retry_callback()(self.study, frozen)
+        return True
 
     def requeued(self) -> list[int]:
         """Trials an earlier run stopped (Ctrl-C, or a process found dead other than by this
@@ -185,16 +205,8 @@ class OptunaTrialSource:
     def _recover_running(self) -> None:
         """Fail every ``RUNNING`` trial (public ``tell``) and queue a retry of each."""
         for trial in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            try:
-                frozen = self.study.tell(trial.number, state=TrialState.FAIL,
-                                         skip_if_finished=True)
-            except optuna.exceptions.UpdateFinishedTrialError:
-                continue  # finished meanwhile by its own process
-            if frozen.state != TrialState.FAIL:
-                continue  # finished meanwhile by its own process
-            with quiet_optuna():
-                retry_callback()(self.study, frozen)
-            self.recovered.append(trial.number)
+            if self._fail_and_retry(trial.number):
+                self.recovered.append(trial.number)
 
     def _beat_hearts(self) -> None:
         assert self._storage is not None
@@ -210,6 +222,9 @@ class OptunaTrialSource:
         trial_id = self._storage.get_trial_id_from_study_id_trial_number(self._study_id, number)
         self._storage.record_heartbeat(trial_id)  # at once: a trial with no beat never goes stale
         self._ids[number] = trial_id
+        me = owner.identity()
+        if me is not None:  # so that a process on this machine sees this one end (`owner`)
+            self._storage.set_trial_user_attr(trial_id, owner.OWNER, me)
         if self._beat is None:
             self._beat = threading.Thread(target=self._beat_hearts, name="study-heartbeat",
                                           daemon=True)
@@ -502,6 +517,21 @@ class OptunaTrialSource:
             except optuna.exceptions.UpdateFinishedTrialError:
                 return True
             return trial.should_prune()
+
+    def progress(self, number: int, wall_seconds: float) -> None:
+        """Store ``wall_seconds`` (what live trial ``number``'s runs took up to its newest
+        checkpoint) with it: an attempt whose process dies keeps them, and its retry's record
+        adds them (`scamp_jax.hpo.report.trial_records`); its outcome (`tell`, `interrupt`)
+        writes its whole seconds over them. Nothing where the trial is no longer this
+        process's (failed as stale by another one)."""
+        with self._lock:
+            trial = self._live.get(number)
+            if trial is None:
+                return
+            try:
+                trial.set_user_attr("wall_seconds", round(float(wall_seconds), 3))
+            except optuna.exceptions.UpdateFinishedTrialError:
+                pass
 
     @stops_held()  # a Ctrl-C never splits its writes (`scamp_jax._signals`)
     def tell(self, outcome: TrialOutcome) -> None:

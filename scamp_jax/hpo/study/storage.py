@@ -21,6 +21,7 @@ import optuna
 from optuna.trial import FrozenTrial
 
 from scamp_jax.hpo.settings import GRACE_PERIOD, HEARTBEAT_INTERVAL
+from scamp_jax.hpo.study.owner import OWNER
 from scamp_jax.hpo.study.samplers import make_pruner, make_sampler
 from scamp_jax.hpo.study.trials import HELD_SIBLINGS
 
@@ -203,11 +204,12 @@ class _RetryOnce(optuna.storages.RetryHeartbeatStaleTrialCallback):
     both find no retry and both queue one. The retry does not carry the count of siblings
     held for the trial (`HELD_SIBLINGS`): it is no proposal, and holds none; nor the trial's
     ``wall_seconds``, which are that attempt's (a row adds every attempt's,
-    `scamp_jax.hpo.report.trial_records`).
+    `scamp_jax.hpo.report.trial_records`), nor the process that ran it
+    (`scamp_jax.hpo.study.owner.OWNER`).
     """
 
     #: attributes of a trial its retry does not take
-    NOT_CARRIED = (HELD_SIBLINGS, "wall_seconds")
+    NOT_CARRIED = (HELD_SIBLINGS, "wall_seconds", OWNER)
 
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
         for other in study.get_trials(deepcopy=False):

@@ -136,6 +136,11 @@ class TrialSource(Protocol):
         """Record how a trial ended."""
         ...
 
+    def progress(self, number: int, wall_seconds: float) -> None:
+        """Store ``wall_seconds``, what a running trial's runs took up to its newest
+        checkpoint (an attempt whose process dies keeps them, for its retry's record)."""
+        ...
+
     def interrupt(self, number: int, wall_seconds: float = 0.0) -> None:
         """Mark a started trial as interrupted and queue its configuration to run again;
         ``wall_seconds``: what its runs took so far (its retry's record adds them)."""
