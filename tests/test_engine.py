@@ -728,3 +728,29 @@ def test_a_refused_growth_plan_leaves_the_trial_on_its_own_devices(tmp_path):
     assert trial.state == TrialState.COMPLETE
     # 4 devices withdrawn, the next option (2) is planned and taken.
     assert len(trial.user_attrs["devices"]) == 2
+
+
+def test_a_trial_whose_seconds_could_not_be_stored_at_a_checkpoint_still_completes(
+        tmp_path, caplog):
+    """The seconds a run stores with each checkpoint are a record, not its training: a storage
+    that refuses them (a stand-in that raises: a database locked beyond its retries cannot be
+    caused on demand) is said, and the trial completes with its whole seconds stored."""
+    import sqlalchemy.exc
+
+    study, source = make_source(tmp_path, [ok(16)])
+    refused: list[int] = []
+
+    def progress(number: int, wall_seconds: float) -> None:
+        refused.append(number)
+        raise sqlalchemy.exc.OperationalError("UPDATE", {}, Exception("database is locked"))
+
+    source.progress = progress  # type: ignore[method-assign]
+    engine = SearchEngine(SPACE, Regression(), source,
+                          config(checkpoint_every=10, checkpoint_min_seconds=0),
+                          devices=jax.devices()[:1], checkpoint_root=tmp_path / "ckpt")
+    with caplog.at_level("WARNING", logger="scamp_jax.hpo.engine"):
+        engine.run()
+    [trial] = study.get_trials()
+    assert trial.state == TrialState.COMPLETE and trial.user_attrs["wall_seconds"] > 0
+    assert refused == [trial.number, trial.number]  # steps 10 and 20 (30: the last)
+    assert "trial 0: its seconds so far were not stored (OperationalError" in caplog.text

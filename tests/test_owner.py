@@ -76,7 +76,8 @@ def test_a_process_killed_on_this_machine_has_its_trial_retried_at_once(tmp_path
     began = time.monotonic()
     answer = alive.ask()  # the next ask sees the process gone
     assert isinstance(answer, AskedTrial), answer
-    assert time.monotonic() - began < 5 and alive.recovered == [lost]
+    # well within the grace period of a minute the heartbeat would have taken
+    assert time.monotonic() - began < 30 and alive.recovered == [lost]
     assert retried_from(alive.study.get_trials()[answer.number]) == lost
     assert alive.study.get_trials()[lost].state == TrialState.FAIL
     for number in (mine.number, answer.number):
@@ -112,7 +113,8 @@ def test_only_a_process_certainly_gone_has_ended():
     assert ended({**me, "start": me["start"] - 1})
     assert ended({**me, "pid": _a_free_pid()})
     # one this process cannot see: another host, another boot, another PID namespace
-    for key in ("host", "boot", "pid_namespace"):
+    # (or another user's: a /proc mounted with hidepid shows this process none of theirs)
+    for key in ("host", "boot", "pid_namespace", "uid"):
         assert not ended({**me, key: "elsewhere", "pid": _a_free_pid()})
     # no record, or one it cannot read
     for record in (None, "1234", {}, {**me, "pid": "x"}, {k: v for k, v in me.items()

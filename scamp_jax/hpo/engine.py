@@ -229,7 +229,11 @@ class SearchEngine:
         from (`scamp_jax.hpo.report.trial_records`)."""
         record = self.records.get(number)
         earlier = 0.0 if record is None else record.earlier_wall
-        self.source.progress(number, earlier + seconds)
+        try:
+            self.source.progress(number, earlier + seconds)
+        except Exception as err:  # noqa: BLE001 - a record of the seconds must not fail a trial
+            log.warning("trial %d: its seconds so far were not stored (%s: %s); its outcome "
+                        "stores them", number, type(err).__name__, err)
 
     def _submit(self, item: work.Work, fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
         self.work[self._planner.submit(fn, *args, **kw)] = item

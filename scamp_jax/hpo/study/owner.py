@@ -3,8 +3,9 @@
 Optuna's heartbeat finds a dead process's trials from any host, but only once the grace period
 has passed (a minute by default): a study killed and run again at once would wait that long with
 its devices idle. A trial therefore also records its process (`OWNER`: host name, the kernel's
-boot id, the PID namespace, the pid and the process's start time, all from Linux's ``/proc``). A
-process of the study that sees the same host, boot and PID namespace can tell for certain that
+boot id, the PID namespace, the user, the pid and the process's start time, all from Linux's
+``/proc``). A process of the study that sees the same host, boot and PID namespace, run by the
+same user (``/proc`` may hide other users' processes: ``hidepid``), can tell for certain that
 the owner has ended: no process of that pid runs, or one that started at another time (the pid
 was reused), or only its zombie is left. Its trials are then failed and queued again at once
 (`scamp_jax.hpo.study.OptunaTrialSource`). Anything less certain (another host or container, no
@@ -24,7 +25,7 @@ from typing import Any
 OWNER = "process"
 
 #: the parts of an `identity` that say the process ran where this one can see it
-_SAME_PLACE = ("host", "boot", "pid_namespace")
+_SAME_PLACE = ("host", "boot", "pid_namespace", "uid")
 
 
 def _stat(pid: int) -> tuple[str, int]:
@@ -39,7 +40,7 @@ def _place() -> dict[str, str] | None:
     try:
         return {"host": socket.gethostname(),
                 "boot": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
-                "pid_namespace": os.readlink("/proc/self/ns/pid")}
+                "pid_namespace": os.readlink("/proc/self/ns/pid"), "uid": str(os.getuid())}
     except OSError:  # no /proc (not Linux)
         return None
 
@@ -58,8 +59,8 @@ def identity() -> dict[str, Any] | None:
 
 def ended(owner: Any) -> bool:
     """Whether the process ``owner`` (an `identity`, as stored) has certainly ended: it ran on
-    this host, kernel boot and PID namespace, and no process of its pid and start time runs
-    (a zombie has ended). False wherever that is not certain."""
+    this host, kernel boot and PID namespace, as this process's user, and no process of its pid
+    and start time runs (a zombie has ended). False wherever that is not certain."""
     here = _place()
     if here is None or not isinstance(owner, dict):
         return False
