@@ -712,3 +712,48 @@ def test_the_oldest_compute_capability_ptxas_compiles_for_is_a_target() -> None:
     assert target.compute_capability == targets.OLDEST_COMPUTE_CAPABILITY == (5, 0)
     with pytest.raises(ValueError, match=r"compute capability 3\.7 is older than"):
         targets.parse_target_config(maxwell.replace("major: 5 minor: 0", "major: 3 minor: 7"))
+
+
+def test_a_target_given_with_an_autotuning_cache_takes_it() -> None:
+    """`resolve_target` of a `Target` returns it as is, or, given ``autotune_cache``, the same
+    GPU with that cache (whose compiles then take the cache's kernels: the options say so)."""
+    h100 = targets.resolve_target("h100")
+    assert targets.resolve_target(h100) is h100
+    cache = Path(__file__).resolve().parent  # any existing folder
+    tuned = targets.resolve_target(h100, autotune_cache=cache)
+    assert tuned.autotune_cache == str(cache)
+    assert (tuned.name, tuned.device_kind, tuned.memory_bytes, tuned.config) == (
+        h100.name, h100.device_kind, h100.memory_bytes, h100.config)
+    assert tuned.compiler_options["xla_gpu_per_fusion_autotune_cache_dir"] == str(cache)
+
+
+def test_a_missing_description_file_is_named_as_a_file_without_a_suffix(tmp_path) -> None:
+    """A path with a folder in it is meant as a file even without ``.txtpb``: the error says
+    it does not exist, not that it is no known GPU's name."""
+    missing = str(tmp_path / "descriptions" / "b300")
+    with pytest.raises(ValueError, match=rf"target='{re.escape(missing)}' does not exist; "
+                       "pass the path of a GpuTargetConfigProto"):
+        targets.resolve_target(missing)
+
+
+def test_a_device_kind_with_quotes_and_backslashes_reads_back_whole() -> None:
+    spec = dataclasses.replace(targets.GPUS["h100"], device_kind='Lab "H100" \\ rev. 2')
+    text = spec.target_config()
+    assert 'device_description_str: "Lab \\"H100\\" \\\\ rev. 2"' in text
+    assert targets.parse_target_config(text).device_kind == spec.device_kind
+
+
+@pytest.mark.parametrize(("before", "after"), [
+    (None, targets.PLUGIN_LOG_LEVEL),
+    ("1", targets.PLUGIN_LOG_LEVEL),  # what `import jax` sets: JAX's default, not the user's
+    ("0", "0"),  # the user asked for the compiler's log
+    ("2", "2"),
+])
+def test_the_compilers_log_is_quieted_only_where_the_user_left_the_level(
+        monkeypatch, before, after) -> None:
+    if before is None:
+        monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    else:
+        monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", before)
+    targets.quiet_compiler_log()
+    assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == after

@@ -326,8 +326,8 @@ def parse_target_config(text: str, *, name: str = "target",
                              f"{count}; describe the GPU's own (e.g. as a GPU writes it: "
                              "jax's get_topology_for_devices(...).target_config)")
     kind = re.search(r'device_description_str:\s*"((?:[^"\\]|\\.)*)"', text)
-    return Target(name, kind.group(1) if kind else "", memory, (major, minor), text,
-                  autotune_cache)
+    device_kind = re.sub(r"\\(.)", r"\1", kind.group(1)) if kind else ""  # as `_quote` wrote it
+    return Target(name, device_kind, memory, (major, minor), text, autotune_cache)
 
 
 def target_of(devices: Sequence[Any]) -> Target | None:
