@@ -154,6 +154,32 @@ def test_a_new_plan_takes_two_compiles_when_the_line_between_them_settles_it():
     _assert_verified(plan)
 
 
+def test_stored_rough_points_guide_a_search_and_its_answer_is_compiled_and_stored_exactly(
+        tmp_path):
+    # A search with a rough setting (a GPU's) stores its rough points marked so; on jax 0.12's
+    # CPU none is rough, so a first plan's points are marked rough here as such a search would
+    # have left them. The next plan on the mesh (another cap: its plan is not stored) takes
+    # them as guides: its answer among them is compiled again, exactly, and stored exact.
+    import sqlite3
+
+    path = tmp_path / "plans.sqlite"
+    kwargs: dict[str, Any] = dict(devices=2, memory_per_device=BUDGET, compile_for_run=False)
+    first = plan_mesh(_abstract(), SAMPLE, cache=PlanCache(path), **kwargs)
+    with sqlite3.connect(path) as db:
+        (key,) = {k for (k,) in db.execute("SELECT key FROM peaks")}
+    cache = PlanCache(path)
+    stored = cache.get_peaks(key)
+    assert first.batch_size in stored and not any(r["rough"] for r in stored.values())
+    cache.put_peaks(key, {b: {**r, "rough": True} for b, r in stored.items()})
+    with CompileCounter() as count:
+        again = plan_mesh(_abstract(), SAMPLE, cache=cache, max_batch_size=4096, **kwargs)
+    assert not again.cached and again.batch_size == first.batch_size
+    assert count.compiles["jit(step)"] == again.compiles >= 1
+    assert dict(again.compiled_peaks)[first.batch_size] == first.peak_bytes_per_device
+    after = PlanCache(path).get_peaks(key)
+    assert after[first.batch_size] == {**stored[first.batch_size], "rough": False}
+
+
 def test_cached_plan_is_rebuilt_without_compiling_and_equals_the_first(tmp_path):
     path = tmp_path / "study" / "plans.sqlite"
     first = plan_mesh(_abstract(), SAMPLE, devices=4, memory_per_device=BUDGET,
