@@ -111,6 +111,16 @@ def configure_device_memory(memory_fraction: float | None = None, *,
 _CUDA_PLUGINS = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
 
 
+def cuda_plugin_installed() -> bool:
+    """Whether one of JAX's CUDA plugins is installed (nothing is imported)."""
+    import importlib.util
+
+    try:
+        return any(importlib.util.find_spec(name) is not None for name in _CUDA_PLUGINS)
+    except ModuleNotFoundError:  # no jax_plugins package at all
+        return False
+
+
 def cpu_without_gpu_driver() -> bool:
     """Keep JAX on the CPU, without its CUDA plugin's start-up error, where a CUDA plugin is
     installed but no GPU driver loads (``libcuda.so.1``): e.g. the ``gpu-plan`` extra on a
@@ -120,14 +130,8 @@ def cpu_without_gpu_driver() -> bool:
     (`scamp_jax.planning.targets`). Sets ``JAX_PLATFORMS=cpu`` (and JAX's option where JAX is
     imported) unless ``JAX_PLATFORMS`` is set. Returns whether it did."""
     import ctypes
-    import importlib.util
 
-    if "JAX_PLATFORMS" in os.environ:
-        return False
-    try:
-        if not any(importlib.util.find_spec(name) for name in _CUDA_PLUGINS):
-            return False
-    except ModuleNotFoundError:  # no jax_plugins package at all
+    if "JAX_PLATFORMS" in os.environ or not cuda_plugin_installed():
         return False
     try:
         ctypes.CDLL("libcuda.so.1")

@@ -198,11 +198,9 @@ def test_a_cuda_plugin_without_a_driver_stays_quietly_on_the_cpu() -> None:
     """The ``gpu-plan`` extra's CUDA plugin on a machine with no GPU driver: an entry point's
     set-up keeps JAX on the CPU without the plugin's failed start-up check (a traceback on
     stderr), and a ``JAX_PLATFORMS`` the user set is kept."""
-    import importlib.util
-
     from tests._requirements import fresh_python, without_gpu_driver
 
-    if not any(importlib.util.find_spec(name) for name in devices._CUDA_PLUGINS):
+    if not devices.cuda_plugin_installed():
         pytest.skip("no CUDA plugin installed (the gpu-plan extra)")
     without_gpu_driver()
     script = ("import os, scamp_jax; scamp_jax.configure_cpu_devices(2); import jax; "
