@@ -114,7 +114,7 @@ def test_only_a_process_certainly_gone_has_ended():
     assert ended({**me, "pid": _a_free_pid()})
     # one this process cannot see: another host, another boot, another PID namespace
     # (or another user's: a /proc mounted with hidepid shows this process none of theirs)
-    for key in ("host", "boot", "pid_namespace", "uid"):
+    for key in ("host", "boot", "pid_namespace", "time_namespace", "uid"):
         assert not ended({**me, key: "elsewhere", "pid": _a_free_pid()})
     # no record, or one it cannot read
     for record in (None, "1234", {}, {**me, "pid": "x"}, {k: v for k, v in me.items()
@@ -128,3 +128,104 @@ def _a_free_pid() -> int:
     proc.wait()
     assert not Path(f"/proc/{proc.pid}").exists()
     return proc.pid
+
+
+#: a process that prints its `identity` and stays until it is killed
+IDENTIFY = ("import json, sys, time\n"
+            f"sys.path.insert(0, {str(TESTS.parent)!r})\n"
+            "from scamp_jax.hpo.study.owner import identity\n"
+            "print(json.dumps(identity()), flush=True)\n"
+            "time.sleep(600)")
+
+
+def _identify_in(*unshare: str) -> tuple[subprocess.Popen, object]:
+    """A process in namespaces of its own (``unshare ARGS``; root), and its `identity`."""
+    import shutil
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare (util-linux)")
+    proc = subprocess.Popen(["unshare", *unshare, "--fork", sys.executable, "-c", IDENTIFY],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait()
+        pytest.skip(f"unshare {' '.join(unshare)} is not allowed here: {proc.stderr.read()}")
+    return proc, json.loads(line)
+
+
+def test_a_process_whose_proc_is_another_pid_namespaces_records_no_process():
+    """``unshare --pid`` without ``--mount-proc``: the process is pid 1 of its namespace while
+    ``/proc`` shows the namespace outside, where pid 1 is another process. It records nothing
+    (its trials are left to the heartbeat) rather than a process that is not itself."""
+    proc, recorded = _identify_in("--pid")
+    try:
+        assert recorded is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_process_in_another_time_namespace_is_not_taken_for_ended():
+    """A time namespace shifts the start times ``/proc`` shows: seen from outside, a live
+    process in one started at another time, which would read as its pid reused."""
+    proc, recorded = _identify_in("--time", "--boottime", "100000")
+    try:
+        assert isinstance(recorded, dict) and not ended(recorded)
+        assert recorded["time_namespace"] != identity()["time_namespace"]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_trial_its_own_process_failed_meanwhile_is_not_retried(tmp_path, monkeypatch):
+    """The owner fails its trial itself (its loss went NaN, say) and exits, after another
+    process listed the running trials and before it found the owner gone: that trial failed
+    for a reason of its own, and is not retried. (The interleaving is made by hand: the
+    owner's tell is made inside the check that finds it ended.)"""
+    from test_study import source
+
+    from scamp_jax.hpo.study import owner
+
+    first = source(tmp_path, 2, heartbeat=20)
+    asked = first.ask()
+
+    def ended_having_failed_its_trial(record: object) -> bool:
+        first.study.tell(asked.number, state=TrialState.FAIL)
+        return True
+
+    monkeypatch.setattr(owner, "ended", ended_having_failed_its_trial)
+    second = source(tmp_path, 2, heartbeat=20)
+    assert second.recovered == []
+    assert second.study.get_trials(states=(TrialState.WAITING,)) == []
+    assert second.study.get_trials()[asked.number].state == TrialState.FAIL
+    first.close()
+    second.close()
+
+
+def test_a_trial_whose_process_could_not_be_stored_is_still_asked(tmp_path, monkeypatch,
+                                                                   caplog):
+    """Storing the trial's process is a help, not a condition: where the storage refuses it
+    (made here: a write that raises), the trial is asked and runs, and the heartbeat is what
+    finds its process ended."""
+    import logging
+
+    from test_study import source
+
+    src = source(tmp_path, 2)
+    storage = src._storage
+    store = storage.set_trial_user_attr
+
+    def refuse_the_owner(trial_id: int, key: str, value: object) -> None:
+        if key == OWNER:
+            raise OSError("disk I/O error")
+        store(trial_id, key, value)
+
+    monkeypatch.setattr(storage, "set_trial_user_attr", refuse_the_owner)
+    with caplog.at_level(logging.WARNING, logger="scamp_jax.hpo.study.source"):
+        asked = src.ask()
+    assert isinstance(asked, AskedTrial)
+    assert OWNER not in src.study.get_trials()[asked.number].user_attrs
+    assert f"trial {asked.number}: its process was not stored (OSError: disk I/O error)" in (
+        caplog.text)
+    src.tell(TrialOutcome(asked.number, "complete", value=1.0))
+    src.close()

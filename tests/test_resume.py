@@ -141,7 +141,7 @@ def test_kill_9_then_rerun_loses_and_repeats_nothing(tmp_path, cli):
         assert trials[number].params == params
     configs = [tuple(sorted(t.params.items())) for t in complete]
     assert len(set(configs)) == TRIALS
-    # The killed trial failed by its heartbeat; a retry of it re-ran from its checkpoint.
+    # The killed trial was failed (its process gone); a retry of it re-ran from its checkpoint.
     assert trials[victim].state == TrialState.FAIL
     assert trials[victim].user_attrs.get(FAIL_REASON) in (None, INTERRUPTED)
     [resumed] = [t for t in complete if t.params == trials[victim].params]

@@ -170,25 +170,30 @@ class OptunaTrialSource:
             return
         running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
         before = {t.number for t in running}
-        for trial in running:
-            if trial.number not in self._live and owner.ended(trial.user_attrs.get(owner.OWNER)):
-                self._fail_and_retry(trial.number)
+        failed = {trial.number for trial in running if trial.number not in self._live
+                  and owner.ended(trial.user_attrs.get(owner.OWNER))
+                  and self._fail_and_retry(trial.number)}
         with quiet_optuna():
             optuna.storages.fail_stale_trials(self.study)
         after = {t.number for t in self.study.get_trials(deepcopy=False,
                                                          states=(TrialState.RUNNING,))}
-        self.recovered.extend(sorted(before - after - set(self._live)))
+        ended = before - after - set(self._live) - failed
+        if ended:  # failed as stale (and queued again), or finished by their own processes
+            ended &= {stopped_attempt(t) for t in self.study.get_trials(deepcopy=False)}
+        self.recovered.extend(sorted(failed | ended))
 
     def _fail_and_retry(self, number: int) -> bool:
         """Fail trial ``number``, left running by a process that is gone, and queue its retry
         (public ``tell``, then Optuna's retry callback); False where its own process finished
-        it meanwhile."""
+        it meanwhile (a trial it failed itself is not retried)."""
         try:
-            frozen = self.study.tell(number, state=TrialState.FAIL, skip_if_finished=True)
+            frozen = self.study.tell(number, state=TrialState.FAIL)
         except optuna.exceptions.UpdateFinishedTrialError:
-            return False
-        if frozen.state != TrialState.FAIL:
-            return False
+            return False  # finished between tell's look and its write
+        except ValueError:  # "Cannot tell a COMPLETE trial", as Optuna words it
+            if self.study.get_trials(deepcopy=False)[number].state.is_finished():
+                return False
+            raise
         with quiet_optuna():
             retry_callback()(self.study, frozen)
         return True
@@ -224,7 +229,12 @@ class OptunaTrialSource:
         self._ids[number] = trial_id
         me = owner.identity()
         if me is not None:  # so that a process on this machine sees this one end (`owner`)
-            self._storage.set_trial_user_attr(trial_id, owner.OWNER, me)
+            try:
+                self._storage.set_trial_user_attr(trial_id, owner.OWNER, me)
+            except Exception as err:  # noqa: BLE001 - the heartbeat finds it ended all the same
+                log.warning("trial %d: its process was not stored (%s: %s); if this process "
+                            "dies, the trial is run again once its heartbeat is stale", number,
+                            type(err).__name__, err)
         if self._beat is None:
             self._beat = threading.Thread(target=self._beat_hearts, name="study-heartbeat",
                                           daemon=True)
