@@ -677,6 +677,32 @@ def test_a_trials_step_seconds_leave_its_checkpoints_out(tmp_path, monkeypatch):
     assert 0 < row["step_seconds"] < 0.1
 
 
+def test_a_trials_step_seconds_leave_its_seconds_stored_at_checkpoints_out(tmp_path,
+                                                                         monkeypatch):
+    """Each of four checkpoints before the last stores the trial's seconds so far in the
+    study, held 0.5 s here (a slow database server, made up): the step time, which counted
+    those writes (0.2 s a step at least), is the steps' own."""
+    import time
+
+    from scamp_jax.hpo.study import OptunaTrialSource
+
+    progress = OptunaTrialSource.progress
+    stored: list[int] = []
+
+    def slow_progress(self, number: int, wall_seconds: float) -> None:
+        time.sleep(0.5)
+        stored.append(number)
+        progress(self, number, wall_seconds)
+
+    monkeypatch.setattr(OptunaTrialSource, "progress", slow_progress)
+    scamp_jax.run_study(SPACE, function_task(), trials=1, steps=10, study_dir=tmp_path,
+                        live=False, max_batch_size=8, memory_per_device="64MiB", devices=1,
+                        checkpoint_every=2, checkpoint_min_seconds=0)
+    [row] = json.loads((tmp_path / "results.json").read_text())["trials"]
+    assert row["steps"] == 10 and stored == [0] * 4 and row["wall_seconds"] > 2.0
+    assert 0 < row["step_seconds"] < 0.1
+
+
 def test_a_run_that_fails_after_trials_trained_keeps_the_studys_settings(tmp_path, monkeypatch):
     """Trials that trained and went back to the study (a Ctrl-C, here raised where the view
     updates, as a user's lands) keep their checkpoints: a later run that fails before asking

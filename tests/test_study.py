@@ -768,3 +768,32 @@ def test_a_proposals_held_siblings_count_once_in_its_own_process(tmp_path):
     last = src.ask()
     assert isinstance(last, AskedTrial) and last.sibling_of is None
     src.close()
+
+
+def test_a_trials_seconds_are_stored_while_another_trial_is_being_asked(tmp_path):
+    """A checkpoint stores its trial's seconds from the trial's thread: it does not wait for
+    an ask of another trial that is under way (here one whose suggest takes its time)."""
+    entered, gate = threading.Event(), threading.Event()
+
+    def slow_suggest(trial: Any) -> dict[str, Any]:
+        if trial.number == 1:
+            entered.set()
+            gate.wait(10)
+        return suggest(trial)
+
+    space = SearchSpace("toy", slow_suggest, build=lambda c, r: None, grid=SPACE.grid)
+    study = open_study("toy", study_dir=tmp_path, sampler="tpe", seed=0, grid=SPACE.grid,
+                       heartbeat_interval=10, grace_period=30)
+    src = OptunaTrialSource(study, space, 3, poll_seconds=0.2)
+    first = src.ask()
+    asking = threading.Thread(target=src.ask)
+    asking.start()
+    assert entered.wait(30)
+    began = time.monotonic()
+    src.progress(first.number, 12.5)
+    took = time.monotonic() - began
+    gate.set()
+    asking.join(30)
+    assert took < 5, f"the write waited {took:.1f} s for the other trial's ask"
+    assert src.study.get_trials()[first.number].user_attrs["wall_seconds"] == 12.5
+    src.close()

@@ -568,10 +568,10 @@ class Lifecycle:
                 began = _after(losses)
                 written = self._save(done, active)
                 saved = time.monotonic()
-                aside += saved - began
                 if self.on_checkpoint is not None:
                     for m in written:
                         self.on_checkpoint(m.spec.number, done, saved - self.start)
+                aside += time.monotonic() - began  # the study's writes too
         if first < schedule.steps:
             # the steps' own seconds (losses read back), not the checkpoints' or evaluations'
             seconds = (time.monotonic() - now - aside) / (schedule.steps - first)

@@ -533,15 +533,15 @@ class OptunaTrialSource:
         checkpoint) with it: an attempt whose process dies keeps them, and its retry's record
         adds them (`scamp_jax.hpo.report.trial_records`); its outcome (`tell`, `interrupt`)
         writes its whole seconds over them. Nothing where the trial is no longer this
-        process's (failed as stale by another one)."""
-        with self._lock:
-            trial = self._live.get(number)
-            if trial is None:
-                return
-            try:
-                trial.set_user_attr("wall_seconds", round(float(wall_seconds), 3))
-            except optuna.exceptions.UpdateFinishedTrialError:
-                pass
+        process's (failed as stale by another one). Called from the trial's own thread, it
+        does not wait for an ask of another trial (the sampler's lock)."""
+        trial = self._live.get(number)
+        if trial is None:
+            return
+        try:
+            trial.set_user_attr("wall_seconds", round(float(wall_seconds), 3))
+        except optuna.exceptions.UpdateFinishedTrialError:
+            pass
 
     @stops_held()  # a Ctrl-C never splits its writes (`scamp_jax._signals`)
     def tell(self, outcome: TrialOutcome) -> None:
