@@ -11,7 +11,10 @@ was reused), or only its zombie is left. Its trials are then failed and queued a
 (`scamp_jax.hpo.study.OptunaTrialSource`). Anything less certain (another host or container, no
 ``/proc``, a ``/proc`` of another PID namespace than the process's own, a record it cannot read)
 leaves the trial to the heartbeat: a live process's trial is never taken from it. (A process's
-start time in ``/proc`` is shifted by the reader's time namespace, hence that namespace too.)
+start time in ``/proc`` is shifted by the reader's time namespace, hence that namespace too.
+Two cases would still read as ended, neither of which a Python process running trials is: one
+whose main thread ended while its other threads run, and one ``/proc`` hides from its own user,
+``hidepid`` with a process not dumpable.)
 """
 
 from __future__ import annotations
