@@ -991,11 +991,12 @@ def test_a_fused_study_killed_under_mpirun_resumes_to_exactly_its_trials(tmp_pat
     assert len(complete) == 8
     assert all(r in (INTERRUPTED, None) for n, s, r in stored if s != "COMPLETE")
     assert sorted(t["number"] for t in _results(tmp_path)["trials"]) == sorted(complete)
-    # Every rank's pool idled while it waited for the dead job's trials: the run's figure is
-    # their sum, and the last line says it
+    # The ranks' pools idled while they waited for the dead job's trials: the run's figure is
+    # the sum of every rank's wait, and the last line says it. (A rank that had trials to train
+    # for the whole grace period waited none: on a loaded machine, one may.)
     run = _results(tmp_path)["runs"][-1]
     waits = [r["waited_for_held_trials_s"] * r["pool_devices"] for r in run["per_rank"]]
-    assert all(w > 0 for w in waits)
+    assert len(waits) == 2 and any(w > 0 for w in waits)
     held = run["overhead"]["idle_waiting_for_held_trials_device_s"]
     assert held == pytest.approx(sum(waits), abs=0.01)
     assert f"({held:.1f} of them waiting for trials another process held)" in proc.stdout
