@@ -754,3 +754,24 @@ def test_a_trial_whose_seconds_could_not_be_stored_at_a_checkpoint_still_complet
     assert trial.state == TrialState.COMPLETE and trial.user_attrs["wall_seconds"] > 0
     assert refused == [trial.number, trial.number]  # steps 10 and 20 (30: the last)
     assert "trial 0: its seconds so far were not stored (OperationalError" in caplog.text
+
+
+def test_a_run_that_trains_one_trial_at_a_time_asks_one_ahead_not_one_per_device(tmp_path):
+    """Eight devices, one trial at a time (the cap of a small CPU host): the run holds the
+    trial it trains and one planned ahead, and leaves the study's other trials to any other
+    process of the study, which would otherwise find them all taken and train nothing."""
+    study, source = make_source(tmp_path, [ok(16, 1e-2), ok(16, 2e-2), ok(32), ok(32, 3e-3),
+                                           ok(16, 5e-3)])
+    held: list[int] = []
+    ask = source.ask
+
+    def counted_ask(*args: Any, **kwargs: Any) -> Any:
+        answer = ask(*args, **kwargs)
+        held.append(len(source.live_numbers()))
+        return answer
+
+    source.ask = counted_ask
+    SearchEngine(SPACE, Regression(), source, config(max_running_trials=1),
+                 devices=jax.devices()[:8]).run()
+    assert [t.state for t in study.get_trials()] == [TrialState.COMPLETE] * 5
+    assert held and max(held) <= 2, held

@@ -267,7 +267,7 @@ class SearchEngine:
         self._proposal: int | None = None  # the last proposal with siblings held for it
         self._last_wave_at: float | None = None
         self.kind.reset()
-        lookahead = self.config.lookahead or len(self.devices)
+        lookahead = queue_depth(self.config, self.devices)
         self._launch = Launcher(self.space, self.task, self.config, self.devices,
                                 self.checkpoint_root, self.source.report, self.cache,
                                 on_checkpoint=self._checkpointed)
@@ -690,6 +690,15 @@ def new_core(policy: Any, devices: Sequence[Any], config: EngineConfig,
         overlap = 1.0 if all(d.platform == "cpu" for d in devices) else 0.0
     return SchedulingCore(policy, len(devices), budget, config.restart_seconds, peak_flops=peak,
                           max_running=max_running(config, devices), overlap=overlap)
+
+
+def queue_depth(config: EngineConfig, devices: Sequence[Any]) -> int:
+    """Asked-but-unplaced trials the engine keeps queued under ``config`` on ``devices``: its
+    ``lookahead``, else one per device, but no more than may run at once (`max_running`): a
+    trial asked past that waits here while another process of the study could train it."""
+    if config.lookahead:
+        return config.lookahead
+    return min(len(devices), max_running(config, devices) or len(devices)) or 1
 
 
 def max_running(config: EngineConfig, devices: Sequence[Any]) -> int | None:
