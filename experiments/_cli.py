@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from experiments import _interrupted_while_starting
 from scamp_jax._signals import Terminated as Terminated  # SIGTERM's stop, as Ctrl-C's
 from scamp_jax._signals import interruptible, left_behind
 from scamp_jax.hpo.settings import (
@@ -588,7 +589,9 @@ def user_errors(resumable: bool = True,
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
-        signal.signal(signal.SIGINT, previous_int)
+        # the start-up handler says nothing was stored: not so once a study ran
+        signal.signal(signal.SIGINT, signal.default_int_handler
+                      if previous_int is _interrupted_while_starting else previous_int)
 
 
 def run(

@@ -637,3 +637,33 @@ def test_a_study_name_cannot_lead_out_of_the_study_dir():
                       study_name=name)
     HPOConfig(preset="smoke", trials=1, steps=1, devices=1, memory_per_device="1GiB",
               study_name="swinir-2")
+
+
+def test_a_ctrl_c_while_the_command_starts_ends_it_in_one_line(tmp_path):
+    """Ctrl-C while the command still imports JAX and the rest (sent once JAX's library is
+    loaded, before the study's handler is in place): one line and status 130, no traceback of
+    the import it cut into, and nothing stored."""
+    import signal
+    import time
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.swinir_hpo", "--preset", "smoke",
+                             "--no-live", "--study-dir", str(tmp_path / "study")], cwd=root,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    maps = Path(f"/proc/{proc.pid}/maps")
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if "jaxlib" in maps.read_text():
+                break
+        except OSError:
+            pass
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.strip().splitlines()[-1].startswith(("interrupted while starting: nothing was "
+                                                    "stored", "interrupted: ")), err
+    assert not (tmp_path / "study" / "study.db").exists()
