@@ -705,3 +705,28 @@ def test_a_stopped_run_writes_its_checkpoint_however_soon(tmp_path):
     whole = run_trial(spec(config, plan, steps=100, checkpoint_dir=tmp_path / "b", **kw),
                       SPACE, Regression())
     assert whole.state == "complete" and saved_steps(tmp_path / "b") == {100}
+
+
+def test_a_save_a_killed_process_left_unfinished_is_replaced_without_orbaxs_warning(
+        tmp_path, caplog):
+    """A process killed while it wrote step 10 left ``10.orbax-checkpoint-tmp``; the retry,
+    saving step 10 again, replaces it, and no line of orbax's own (absl's ``WARNING``) reaches
+    the study's output."""
+    import logging
+
+    import jax.numpy as jnp
+
+    from scamp_jax.hpo.checkpoint import TrialCheckpointer, saved_steps
+
+    state = {"w": jnp.arange(12.0), "b": jnp.ones(3)}
+    saver = TrialCheckpointer(tmp_path)
+    saver.save(5, state)
+    unfinished = tmp_path / "10.orbax-checkpoint-tmp"
+    (unfinished / "default").mkdir(parents=True)
+    (unfinished / "default" / "partial").write_bytes(b"\0" * 64)
+    with caplog.at_level(logging.INFO):
+        saver.save(10, state)
+    saver.close()
+    assert saved_steps(tmp_path) == {5, 10} and not unfinished.exists()
+    assert not [r for r in caplog.records if r.name == "absl" and r.levelno >= logging.WARNING]
+    assert "left unfinished by a process that ended while writing it" in caplog.text

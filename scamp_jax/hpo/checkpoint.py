@@ -17,6 +17,7 @@ replicas, which compiles a slicing program per array shape on the devices it run
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,11 @@ from typing import Any
 import jax
 
 from scamp_jax.hpo.overhead import CHECKPOINT_SAVE, CHECKPOINT_WAIT, timed_section
+
+log = logging.getLogger(__name__)
+
+#: what orbax adds to a step's folder while it writes it (``5.orbax-checkpoint-tmp``)
+UNFINISHED_SUFFIX = ".orbax-checkpoint-tmp"
 
 
 def _is_key_array(x: Any) -> bool:
@@ -219,6 +225,12 @@ class TrialCheckpointer:
         if step in self._saved or step in self._manager.all_steps():
             return
         self._saved.add(step)
+        # A save of this step that a process killed while writing left unfinished: removed in
+        # this module's words (orbax would remove it too, warning in its own).
+        for unfinished in self.directory.glob(f"{step}{UNFINISHED_SUFFIX}*"):
+            log.info("removing %s, a checkpoint left unfinished by a process that ended while "
+                     "writing it", unfinished)
+            shutil.rmtree(unfinished, ignore_errors=True)
         with timed_section(CHECKPOINT_SAVE):
             self._manager.save(step, args=self._ocp.args.PyTreeSave(to_storable(state)),
                                force=True)
