@@ -51,8 +51,8 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
     its training reached; ``wall_seconds``: what its runs took, over every earlier attempt of
     it that a stop ended too, whether or not its checkpoints were resumed; an attempt whose
     process died counts up to its last checkpoint, the one its retry resumed from, and nothing
-    where it wrote none or spanned MPI ranks), every name of ``metric_names`` (``None`` when a trial has no
-    value for it), and ``rank``, ``replans``,
+    where it wrote none or spanned MPI ranks), every name of ``metric_names`` (``None`` when a
+    trial has no value for it), and ``rank``, ``replans``,
     ``resizes`` (restarts on more devices at the end of a study), ``retry_of`` (the trial this
     one ran again after a run stopped it, from that trial's checkpoints if it had any; None: a
     first attempt), ``resumed_from`` (the step its training resumed from; 0: none), ``reason``,
