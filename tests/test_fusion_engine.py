@@ -473,8 +473,10 @@ def test_without_fuse_nothing_is_grouped(tmp_path):
 def test_bad_fuse_values_are_refused():
     with pytest.raises(ValueError, match="fuse=0"):
         EngineConfig(steps=1, budget=Budget(BUDGET), fuse=0)
-    with pytest.raises(ValueError, match="'wide'"):
+    with pytest.raises(ValueError, match="'wide'") as refused:
         EngineConfig(steps=1, budget=Budget(BUDGET), fuse="wide")
+    # in the library's words (the command lines word it with their flags, `as_flags`)
+    assert "e.g. fuse=4 or fuse='auto'" in str(refused.value) and "--" not in str(refused.value)
     with pytest.raises(ValueError, match="fuse=1000 asks for groups of more than 64 trials"):
         EngineConfig(steps=1, budget=Budget(BUDGET), fuse=1000)
 

@@ -244,7 +244,7 @@ def fusion_cap(fuse: int | str | None) -> int | None:
         return AUTO_FUSION_CAP
     if isinstance(fuse, bool) or not isinstance(fuse, int) or fuse < 1:
         raise ValueError(f"fuse={fuse!r} must be a positive int (the most trials per fused "
-                         "group), 'auto' or None; e.g. --fuse 4 or --fuse auto")
+                         "group), 'auto' or None; e.g. fuse=4 or fuse='auto'")
     if fuse > MAX_FUSION_CAP:
         raise ValueError(f"fuse={fuse} asks for groups of more than {MAX_FUSION_CAP} trials, the "
                          "most one fused program holds (its compile grows with the group); pass "
