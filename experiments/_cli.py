@@ -621,6 +621,14 @@ def run(
         return _run(args, config, make, baseline=baseline, title=title, preset_for=preset_for)
 
 
+def pruner_note(config: HPOConfig) -> None:
+    """Say where the pruner can prune nothing: no trial is evaluated before its last step."""
+    if config.pruner != "none" and not 0 < config.eval_every < config.steps:
+        print(f"note: --pruner {config.pruner} prunes nothing in this study: no trial is "
+              "evaluated before its last step; pass --eval-every below --steps "
+              f"({config.steps:,})", flush=True)
+
+
 def plan_only(
     args: argparse.Namespace,
     config: HPOConfig,
@@ -682,6 +690,7 @@ def plan_only(
     if config.max_batch_size:
         print(f"  batches of at most {config.max_batch_size} samples (--max-batch-size); a "
               "smaller one is what memory holds")
+    pruner_note(config)  # the study these plans preview would prune nothing either
     cap = fusion_cap(getattr(args, "fuse", None))  # as asked: the settings hold it at --trials
     if config.fuse is None and config.on_platform(devices[0].platform).fuse is not None:
         print("  a study on these devices trains trials of one architecture as fused groups "
@@ -777,11 +786,8 @@ def _run(
     budget = pool_budget(args, config, devices, memory)
     from scamp_jax.distributed.mpi import launcher_rank
 
-    if config.pruner != "none" and not 0 < config.eval_every < config.steps and \
-            launcher_rank() == 0:  # once for the job
-        print(f"note: --pruner {config.pruner} prunes nothing in this study: no trial is "
-              "evaluated before its last step; pass --eval-every below --steps "
-              f"({config.steps:,})", flush=True)
+    if launcher_rank() == 0:  # once for the job
+        pruner_note(config)
     space, task = make(config)  # reads the image folders: before any study exists
     # Under mpirun with several ranks the same session spans them: rank 0 serves the study.
     return run_search(space, task, config, devices=devices,

@@ -187,12 +187,13 @@ def parser() -> argparse.ArgumentParser:
                    help="keep the supernet in host memory, chosen blocks on the devices "
                         "(default on)")
     p.add_argument("--eval-subnets", type=int, help="subnets ranked on held-out patches")
-    p.add_argument("--out-dir", help="directory of results.json and results.png "
-                                     "(default runs/supernet_nas)")
+    p.add_argument("--out-dir", help="directory of results.json, results.png and the run's "
+                                     "checkpoint (default runs/supernet_nas); with --json, "
+                                     "of the checkpoint only")
     p.add_argument("--json", metavar="PATH.json",
                    help="write the JSON summary here, a name ending in .json (the plot "
                         "PATH.png and, until the run ends, its checkpoint PATH.checkpoint go "
-                        "next to it)")
+                        "next to it; the checkpoint goes to --out-dir where that is given)")
     p.add_argument("--checkpoint-every", type=int, metavar="N",
                    help="train in segments of N subnets and save a checkpoint (orbax) in "
                         "<out-dir>/checkpoint (with --json PATH alone: PATH.checkpoint) after "

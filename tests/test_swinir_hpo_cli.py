@@ -208,6 +208,15 @@ def test_plan_only_with_no_candidate_that_fits_says_so_in_flags_and_exits_2(tmp_
     assert "Traceback" not in result.stderr
 
 
+def test_plan_only_says_its_pruner_would_prune_nothing_as_the_study_would(tmp_path):
+    """The preview is where settings are checked: a pruner with no evaluation before the last
+    step is said there as the study says it."""
+    result = cli("--preset", "smoke", "--plan-only", "--trials", "1", "--pruner", "median",
+                 "--memory-per-device", "1KiB", "--study-dir", str(tmp_path))
+    assert ("note: --pruner median prunes nothing in this study: no trial is evaluated before "
+            "its last step; pass --eval-every below --steps") in result.stdout, result.stdout
+
+
 @pytest.mark.parametrize(("trials", "says"), [
     ("1", "no group is sized below; pass --trials 2 or more to size them"),
     ("2", "groups of at most 2 below, not 4; pass --trials 4 to size the widest")])
