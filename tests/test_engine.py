@@ -775,3 +775,24 @@ def test_a_run_that_trains_one_trial_at_a_time_asks_one_ahead_not_one_per_device
                  devices=jax.devices()[:8]).run()
     assert [t.state for t in study.get_trials()] == [TrialState.COMPLETE] * 5
     assert held and max(held) <= 2, held
+
+
+def test_a_queued_trial_planned_for_more_devices_says_so_while_its_plan_compiles(tmp_path):
+    """The last wave's lone trial is planned again for the idle devices before it starts: its
+    status says ``planning`` while that plan compiles (a line in the log, not a silent
+    queue), and it then starts on them."""
+    study, source = make_source(tmp_path, [ok()])
+    engine = SearchEngine(SPACE, Regression(), source, config(reference_batch=8, elastic="on"),
+                          devices=jax.devices()[:4])
+    plan = engine.planning.planned_with_cost
+    while_planned: list[tuple[int, str]] = []
+
+    def planned_with_cost(*args: Any, devices: int | None = None, **kw: Any) -> Any:
+        if devices == 4:  # the option, asked with the trial queued on its own plan
+            while_planned.append((devices, engine.records[0].status.state))
+        return plan(*args, devices=devices, **kw)
+
+    engine.planning.planned_with_cost = planned_with_cost
+    engine.run()
+    assert len(study.get_trials()[0].user_attrs["devices"]) == 4
+    assert while_planned == [(4, "planning")]

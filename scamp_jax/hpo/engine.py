@@ -517,6 +517,7 @@ class SearchEngine:
             if isinstance(action, PlanOption):
                 planned = self.queue[action.key].members[0]
                 record.log("option_asked", now, action.devices)
+                record.status.state = "planning"  # for more devices: said while it compiles
                 self._submit(work.option(action.key, functools.partial(self._option, action)),
                              self.planning.planned_with_cost, planned.asked.params, action.key,
                              devices=action.devices)
@@ -542,6 +543,8 @@ class SearchEngine:
         if unit is None:
             return
         record, tp = self.records[action.key], None
+        if record.status.state == "planning":
+            record.status.state = "queued"
         if plan is not None and PlanningService.devices_of(plan) == action.devices:
             plan = self.calibration.refresh(plan)  # the allowance learnt while it compiled
         if plan is not None and PlanningService.devices_of(plan) == action.devices:
