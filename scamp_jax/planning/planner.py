@@ -284,7 +284,9 @@ class Plan:
             ("  optimizer state", format_bytes(e.opt_state)),
             ("  inputs", format_bytes(e.inputs)),
             ("  activations+temps", format_bytes(e.activations_and_temps)),
-            ("bytes per sample", format_bytes(self.memory_model.bytes_per_sample)),
+            ("bytes per sample", format_bytes(self.memory_model.bytes_per_sample)
+             if self.memory_model.fixed_bytes >= 0 else "not a line here (the compiled peaks "
+             f"near batch {self.batch_size} rise and fall with it)"),
             ("planning", f"{self.planning_seconds:.2f} s, {counted(self.compiles, 'compile')}"),
         ]
         width = max(len(name) for name, _ in rows)
