@@ -194,8 +194,9 @@ def _in_block():
 
 def test_a_ctrl_c_while_a_trial_is_asked_gives_it_back(tmp_path):
     """Ctrl-C while the sampler draws the second trial (here the space's ``suggest`` sends the
-    SIGINT to this process): the trial is asked whole and given back with the first, so the
-    study holds no trial left running, and the next run completes them at once."""
+    SIGINT to this process): the trial is asked whole and given back with the first (where
+    that one has not ended yet), so the study holds no trial left running, and the next run
+    completes the rest at once."""
     sent = []
 
     def suggest(trial):
@@ -216,8 +217,9 @@ def test_a_ctrl_c_while_a_trial_is_asked_gives_it_back(tmp_path):
     study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
     states = [t.state for t in study.trials]
     assert sent and optuna.trial.TrialState.RUNNING not in states, states
+    finished = states.count(optuna.trial.TrialState.COMPLETE)  # the first, if it ended before
     done = scamp_jax.run_study(space, task, **kw)  # no trial to wait for: a heartbeat's minute
-    assert done["trials_this_run"] == 3
+    assert finished <= 1 and done["trials_this_run"] == 3 - finished
 
 
 def _space_that(raises_at: int, action) -> SearchSpace:

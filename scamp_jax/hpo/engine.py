@@ -697,11 +697,15 @@ def new_core(policy: Any, devices: Sequence[Any], config: EngineConfig,
 
 def queue_depth(config: EngineConfig, devices: Sequence[Any]) -> int:
     """Asked-but-unplaced trials the engine keeps queued under ``config`` on ``devices``: its
-    ``lookahead``, else one per device, but no more than may run at once (`max_running`): a
-    trial asked past that waits here while another process of the study could train it."""
+    ``lookahead``, else one per device, but no more than may run at once (`max_running` runs,
+    each a fused group of up to `fusion_cap` trials where the study fuses): a trial asked past
+    that waits here while another process of the study could train it."""
     if config.lookahead:
         return config.lookahead
-    return min(len(devices), max_running(config, devices) or len(devices)) or 1
+    runs = max_running(config, devices)
+    if runs is None:
+        return max(1, len(devices))
+    return max(1, min(len(devices), runs * (fusion_cap(config.fuse) or 1)))
 
 
 def max_running(config: EngineConfig, devices: Sequence[Any]) -> int | None:
