@@ -78,9 +78,10 @@ class EngineConfig:
         ``reference_batch`` (scaled alike; the pruner hears the reference step).
       log_every: steps between loss read-backs.
       max_replans: out-of-memory re-plans of one trial before it is failed.
-      lookahead: asked-but-unplaced trials to keep queued (None: one per device, at most
-        ``max_running_trials``, so that other processes of the study find trials to train); a
-        fused proposal's siblings are asked with it even past this.
+      lookahead: asked-but-unplaced trials to keep queued (None: one per device, at most as
+        many as may run at once, ``max_running_trials`` runs of up to ``fuse`` trials each, so
+        that other processes of the study find trials to train); a fused proposal's siblings
+        are asked with it even past this.
       nofit_limit: consecutive candidates that fit nowhere, with none fitting before (in this
         run, nor a trial of the study trained on at most this pool's devices in an earlier
         one), after which the study stops with `BudgetTooSmallError`.
