@@ -144,7 +144,8 @@ def _identify_in(*unshare: str) -> tuple[subprocess.Popen, object]:
 
     if shutil.which("unshare") is None:
         pytest.skip("no unshare (util-linux)")
-    proc = subprocess.Popen(["unshare", *unshare, "--fork", sys.executable, "-c", IDENTIFY],
+    # --kill-child: the process in the namespaces ends with unshare (killed after the test)
+    proc = subprocess.Popen(["unshare", *unshare, "--kill-child", sys.executable, "-c", IDENTIFY],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     if not line:
