@@ -228,10 +228,26 @@ class NASCheckpoint:
 
         step = self.latest()
         if step is not None:
-            meta = self._open(create=False).restore(
-                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+            meta = self._restore(step, "the run's settings and progress",
+                                 meta=ocp.args.JsonRestore()).meta
             self._check_settings(meta.get("settings", {}))
         return step
+
+    def _restore(self, step: int, what: str, **items: Any) -> Any:
+        """``items`` of the checkpoint of ``step``; a step that cannot be read (damaged) raises
+        `ValueError` in one message: what could not be read, where, and how to start afresh
+        (`scamp_jax.hpo.checkpoint.read_or_say`)."""
+        import orbax.checkpoint as ocp
+
+        from scamp_jax.hpo.checkpoint import CheckpointUnreadable, read_or_say
+
+        manager = self._open(create=False)
+        try:
+            return read_or_say(lambda: manager.restore(step, args=ocp.args.Composite(**items)),
+                               self.directory / str(step), what, why="is it damaged?")
+        except CheckpointUnreadable as err:
+            raise ValueError(f"{err}; pass --fresh to discard it and train from the start, or "
+                             "another --out-dir") from err
 
     def load(self) -> Resume | None:
         """The saved progress (None: nothing saved). Raises `ValueError` in one line, naming
@@ -241,11 +257,11 @@ class NASCheckpoint:
         step = self.latest()
         if step is None:
             return None
-        manager = self._open(create=False)
-        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        meta = self._restore(step, "the run's settings and progress",
+                             meta=ocp.args.JsonRestore()).meta
         self._check_settings(meta.get("settings", {}))
-        stored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore())).state
+        stored = self._restore(step, "the supernet's weights and optimizer state",
+                               state=ocp.args.StandardRestore()).state
         state = SupernetState(np.asarray(stored["blocks"]), np.asarray(stored["shared"]),
                               {k: np.asarray(v) for k, v in stored["optimizer"].items()})
         return Resume(done=int(meta["done"]), state=state,

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,7 @@ from optuna.trial import TrialState
 from test_runner import SPACE, Regression
 
 import scamp_jax
+from scamp_jax.hpo.checkpoint import CheckpointUnreadable
 from scamp_jax.hpo.settings import SearchSettings
 from scamp_jax.hpo.study import storage_url
 
@@ -120,6 +123,26 @@ def test_run_study_runs_then_resumes_only_the_missing_trials(tmp_path):
     with pytest.raises(ValueError, match=r"does not hold the model that space 'mlp' builds "
                        r"from params=.*best_model/trial.json holds them"):
         scamp_jax.load_model(tmp_path / "best_model", SPACE, other)
+    # the best trial's checkpoint damaged since: a rerun keeps the model best_model/ holds
+    _cut_short(tmp_path / best["checkpoint"])
+    scamp_jax.run_study(SPACE, function_task(), trials=3, **kw)
+    model = scamp_jax.load_model(tmp_path / "best_model", SPACE, best["params"])
+    assert function_task().evaluate(model)["mse"] == pytest.approx(best["mse"], rel=1e-6)
+    # best_model/ damaged itself: one message that names it, not TensorStore's reader's spec
+    _cut_short(tmp_path / "best_model")
+    with pytest.raises(CheckpointUnreadable, match=r"best_model cannot be read as the model "
+                       r"that space 'mlp' builds \(is it damaged.*orbax: ValueError: "
+                       r"OUT_OF_RANGE") as caught:
+        scamp_jax.load_model(tmp_path / "best_model", SPACE, best["params"])
+    assert "tensorstore_spec" not in str(caught.value), str(caught.value)
+
+
+def _cut_short(step_dir: Path) -> None:
+    """Damage the checkpoint in ``step_dir``: each of its data files cut to half its size."""
+    data = [p for p in step_dir.rglob("*") if p.is_file() and p.parent.name == "d"]
+    assert data, sorted(p.name for p in step_dir.rglob("*"))
+    for path in data:
+        os.truncate(path, path.stat().st_size // 2)
 
 
 def test_the_results_keep_the_configuration_suggest_made_not_only_what_optuna_drew(tmp_path):

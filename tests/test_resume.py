@@ -237,6 +237,42 @@ def test_a_checkpoint_whose_data_is_cut_short_or_overwritten_is_unreadable(tmp_p
     assert caught.value.step == 5 and "TensorStore details" not in str(caught.value)
 
 
+_DAMAGED_RESTORE = """
+import os, sys, time, gc
+import jax.numpy as jnp
+from scamp_jax.hpo.checkpoint import CheckpointUnreadable, TrialCheckpointer
+directory = sys.argv[1]
+state = {f"w{i}": jnp.arange(4096.0) + i for i in range(20)}
+saved = TrialCheckpointer(directory)
+saved.save(1, state)
+saved.close()
+for root, _, names in os.walk(os.path.join(directory, "1")):
+    if os.path.basename(root) == "d":
+        for name in names:
+            os.truncate(os.path.join(root, name), os.path.getsize(os.path.join(root, name)) // 2)
+reader = TrialCheckpointer(directory)  # kept, as a trial keeps its checkpointer
+try:
+    reader.restore(state)
+except CheckpointUnreadable:
+    print("unreadable", file=sys.stderr)
+time.sleep(1)  # the abandoned reads finish in TensorStore's threads meanwhile
+gc.collect()
+print("done", file=sys.stderr)
+"""
+
+
+def test_a_damaged_checkpoint_says_so_once_with_no_tracebacks(tmp_path):
+    """A restore that fails on damaged data raises `CheckpointUnreadable`, and that message is
+    all the user sees: orbax abandons its other reads of the checkpoint on a closed event loop,
+    and each would print a traceback (about 100 lines for 20 arrays) when it ends or is
+    collected. A real process, so that Python's own unraisable-error hook is the one in use."""
+    result = subprocess.run([sys.executable, "-c", _DAMAGED_RESTORE, str(tmp_path / "c")],
+                            cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == ["unreadable", "done"], result.stderr[-3000:]
+
+
 def test_a_replicated_state_is_checkpointed_with_no_compile_and_reads_either_way(tmp_path):
     """A data-parallel trial's state (each array on every device of its mesh) is written whole
     from one replica: its save compiles nothing, where orbax's default (replica-parallel) cut
@@ -545,7 +581,8 @@ def test_processes_saving_the_best_model_at_once_leave_the_best_whole(tmp_path):
 
 def test_a_saved_best_model_is_kept_while_better_and_its_checkpoint_is_in_the_study(tmp_path):
     """The rules of one save, with step folders of marked files (the save copies folders; the
-    test above copies real checkpoints)."""
+    test above copies real checkpoints, and `test_entry` reruns a study whose best trial's
+    checkpoint was damaged)."""
     from scamp_jax.hpo.report import save_best_model
 
     def trial(number: int, mse: float) -> dict:
@@ -578,6 +615,10 @@ def test_a_saved_best_model_is_kept_while_better_and_its_checkpoint_is_in_the_st
         assert holds() == ("trial 1", 1)
         assert json.loads((saved / "trial.json").read_text())["params"] == other["params"]
         save_best_model(tmp_path, [worse, better], "mse", "minimize")
+    # trial 1's checkpoint damaged since its model was saved: the copy it has is kept
+    (tmp_path / "checkpoints" / "trial_1" / "10" / "weights").write_text("damaged")
+    save_best_model(tmp_path, [worse, better], "mse", "minimize")
+    assert holds() == ("trial 1", 1)
     # a save stopped between its two renames: the next puts the model it replaced back first
     saved.rename(tmp_path / ".best_model.old")
     save_best_model(tmp_path, [worse], "mse", "minimize")

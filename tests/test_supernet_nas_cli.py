@@ -170,6 +170,50 @@ def test_a_checkpoint_of_other_settings_is_refused_in_one_line(tmp_path) -> None
     assert NASCheckpoint(config).latest() == 3
 
 
+@pytest.mark.parametrize("damaged", ["settings", "weights"])
+def test_a_damaged_checkpoint_is_refused_in_one_line_that_names_it(tmp_path, damaged) -> None:
+    """A checkpoint of this run's settings whose JSON (settings and progress) or array data
+    (weights and optimizer state) is damaged: one line naming it, what could not be read and
+    how to start afresh, exit 2, no traceback (not orbax's, nor one of each read it
+    abandoned), the checkpoint kept."""
+    import dataclasses
+
+    import numpy as np
+
+    from experiments.supernet_nas import get_config
+    from scamp_jax.pipeline import SupernetState
+    from search_spaces.supernet_nas import NASCheckpoint
+
+    out = tmp_path / "out"
+    config = dataclasses.replace(get_config("smoke"), out_dir=str(out))
+    state = SupernetState(np.zeros((4, 4, 300), np.float32), np.zeros(500, np.float32),
+                          {f"m{i}": np.ones((4, 4, 300), np.float32) for i in range(8)})
+    NASCheckpoint(config).save(state, np.ones(3, np.float32), warmup={}, segments=[],
+                               resumed_at=[])
+    step = out.resolve() / "checkpoint" / "3"
+    if damaged == "settings":
+        (step / "meta" / "metadata").write_text("")
+        what = "the run's settings and progress"
+    else:
+        data = [p for p in (step / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+        assert data
+        for path in data:
+            os.truncate(path, path.stat().st_size // 2)
+        what = "the supernet's weights and optimizer state"
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.supernet_nas", "--preset", "smoke", "--out-dir",
+         str(out), "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env=_cli_env())
+    assert proc.returncode == 2, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith(f"error: the checkpoint {step} cannot be read as {what} (is it "
+                           "damaged?); orbax: "), line
+    assert line.endswith("; pass --fresh to discard it and train from the start, or another "
+                         "--out-dir"), line
+    assert "tensorstore_spec" not in line
+    assert NASCheckpoint(config).latest() == 3
+
+
 def test_discarding_a_checkpoint_never_removes_the_working_directory(tmp_path, monkeypatch):
     """``--json out.json --fresh`` from an empty folder: the checkpoint is ``./out.checkpoint``
     and its folder the working directory, which a discard (``--fresh``'s, before training, or

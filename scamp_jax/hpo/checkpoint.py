@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -255,23 +257,10 @@ class TrialCheckpointer:
             )
         self.wait()
         target = to_storable(_abstract(like))
-        try:
-            restore_args = self._ocp.checkpoint_utils.construct_restore_args(target)
-            stored = self._manager.restore(step, args=self._ocp.args.PyTreeRestore(
-                target, restore_args=restore_args))
-        except Exception as raised:  # noqa: BLE001 - re-raised unless the checkpoint's own
-            err = _checkpoints_own(raised)
-            if err is None:
-                raise
-            found = "\n".join(line for line in str(err).rstrip().splitlines()
-                              if "partial_restore" not in line)  # orbax's own argument
-            found = found.split(" [tensorstore_spec")[0]  # the reader's whole JSON spec
-            raise CheckpointUnreadable(
-                f"the checkpoint {self.directory / str(step)} cannot be read as the state this "
-                "trial builds (is it damaged, or did the search space's model or optimizer "
-                f"change since it was saved?); orbax: {type(err).__name__}: {found}",
-                self.directory, step,
-            ) from err
+        restore_args = self._ocp.checkpoint_utils.construct_restore_args(target)
+        stored = read_or_say(lambda: self._manager.restore(step, args=self._ocp.args.PyTreeRestore(
+            target, restore_args=restore_args)), self.directory / str(step),
+            "the state this trial builds")
         return step, from_storable(stored, like)
 
     def step_directory(self, step: int) -> Path:
@@ -303,6 +292,92 @@ def _checkpoints_own(err: BaseException) -> BaseException | None:
     if isinstance(cause, ValueError) and str(cause).split(":", 1)[0] in _DAMAGED_DATA:
         return cause
     return None
+
+
+def orbax_says(err: BaseException) -> str:
+    """``err`` (`_checkpoints_own`'s) in a line or a few: its type and message without orbax's
+    advice on its own arguments or the whole JSON spec of TensorStore's reader (~50 lines)."""
+    found = "\n".join(line for line in str(err).rstrip().splitlines()
+                      if "partial_restore" not in line)  # orbax's own argument
+    return f"{type(err).__name__}: {found.split(' [tensorstore_spec')[0]}"
+
+
+#: Why a checkpoint of a trial cannot be read, as `read_or_say` asks by default.
+_WHY = "is it damaged, or did the search space's model or optimizer change since it was saved?"
+
+
+def read_or_say(read: Any, where: Path, builds: str, why: str = _WHY) -> Any:
+    """``read()`` (an orbax restore of the checkpoint in ``where``); where it fails on the
+    checkpoint's own data (`_checkpoints_own`), `CheckpointUnreadable` in one message that
+    names ``where``, what ``builds`` it and asks ``why``, with no traceback of the reads orbax
+    abandons (`_quiet_abandoned_reads`). ``where`` is a step directory (its name the step's
+    number, or e.g. ``best_model``)."""
+    _quiet_abandoned_reads()  # before: the first read may fail while orbax raises
+    try:
+        return read()
+    except Exception as raised:  # noqa: BLE001 - re-raised unless the checkpoint's own
+        err = _checkpoints_own(raised)
+        if err is None:
+            raise
+        raise CheckpointUnreadable(
+            f"the checkpoint {where} cannot be read as {builds} ({why}); orbax: "
+            f"{orbax_says(err)}",
+            where.parent, int(where.name) if where.name.isdigit() else -1,
+        ) from err
+
+
+_quieted = threading.Lock()
+_quiet = False
+
+
+def _abandoned_read(unraisable: Any) -> bool:
+    """Whether an unraisable error is one of a failed restore's abandoned reads: orbax (0.12.8)
+    runs a restore on an event loop it closes as soon as the first read fails, without cancelling
+    the others, so each read TensorStore finishes later fails to hand its result to the closed
+    loop (``RuntimeError: Event loop is closed`` in ``call_soon_threadsafe``, from a TensorStore
+    thread), and the reads' coroutines, never finished, fail when they are collected."""
+    exc, obj = unraisable.exc_value, unraisable.object
+    if getattr(obj, "__qualname__", None) == "_read_array_index_and_device_put":
+        return True  # the coroutine of one array's read, collected unfinished
+    if obj is not None or not isinstance(exc, RuntimeError) or str(exc) != "Event loop is closed":
+        return False
+    frame = unraisable.exc_traceback
+    while frame is not None:
+        if frame.tb_frame.f_code.co_name == "call_soon_threadsafe":
+            return True
+        frame = frame.tb_next
+    return False
+
+
+class _AbandonedReadFilter(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" for orbax's reads of an array that
+    failed after the restore already had (the restore's error names the checkpoint)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Task exception was never retrieved")
+                    and "coro=<async_deserialize()" in message)
+
+
+def _quiet_abandoned_reads() -> None:
+    """Where a restore fails on the checkpoint's own data (`CheckpointUnreadable` says so in
+    one message), keep its abandoned reads (`_abandoned_read`) off stderr: each would print a
+    traceback, about 280 lines for a trial's state. Installed once per process, at its first
+    restore (a read may end between orbax closing its loop and the error reaching the
+    restore); every other unraisable error and asyncio record goes where it went before."""
+    global _quiet
+    with _quieted:
+        if _quiet:
+            return
+        _quiet = True
+        earlier = sys.unraisablehook
+
+        def hook(unraisable: Any) -> None:
+            if not _abandoned_read(unraisable):
+                earlier(unraisable)
+
+        sys.unraisablehook = hook
+        logging.getLogger("asyncio").addFilter(_AbandonedReadFilter())
 
 
 def copy_checkpoint(source: str | Path, destination: str | Path) -> Path:

@@ -320,7 +320,8 @@ def save_best_model(
     Processes sharing the study save in turn, and one whose records lack a better trial that
     another already saved (its records read before that trial finished) leaves that one in
     place, while that trial's checkpoint is still in the study (a ``best_model`` left by a study
-    whose checkpoints were moved away is replaced). The copy and its ``trial.json`` are made
+    whose checkpoints were moved away is replaced). The best trial's model saved by an earlier
+    run is kept, not copied again. The copy and its ``trial.json`` are made
     beside ``best_model`` and then put in its place, so ``best_model`` never holds parts of two
     trials; a save stopped between the two renames is undone by the next.
     """
@@ -337,8 +338,14 @@ def save_best_model(
         if old.is_dir() and not target.exists():
             old.rename(target)  # a save stopped between its renames: the model it replaced
         saved = _saved_best(target, study_dir, metric, records)
-        if saved is not None and best_record([best, saved], metric, direction) is saved:
-            return target  # a better trial's, saved by a process that saw it finish
+        same = saved is not None and (saved.get("number"), saved.get("checkpoint")) == (
+            best["number"], best["checkpoint"])
+        if saved is not None and (same
+                                  or best_record([best, saved], metric, direction) is saved):
+            # this trial's, saved by an earlier run (its checkpoint is final: copied again it
+            # could only be worse, where it was damaged since), or a better trial's, saved by
+            # a process that saw it finish
+            return target
         copy_checkpoint(source, part)
         (part / "trial.json").write_text(_dumps(
             {"number": best["number"], "params": best["params"], metric: best[metric],

@@ -531,11 +531,12 @@ def load_model(
     ``params`` lacks are derived again by calling it on ``params``
     (`optuna.trial.FixedTrial`); ``params`` it cannot take are built as given. It comes in
     evaluation mode, as the study scored it (``model.eval()``: dropout off, batch norm on its
-    running averages); call ``model.train()`` to train it further.
+    running averages); call ``model.train()`` to train it further. A checkpoint whose data
+    cannot be read (damaged) raises `CheckpointUnreadable`, which names it.
     """
     import orbax.checkpoint as ocp
 
-    from scamp_jax.hpo.checkpoint import from_storable, to_storable
+    from scamp_jax.hpo.checkpoint import from_storable, read_or_say, to_storable
 
     directory = Path(directory).resolve()
     item = directory / "default"
@@ -560,7 +561,8 @@ def load_model(
     with ocp.StandardCheckpointer() as checkpointer:
         stored = _stored_shapes(checkpointer, item)
         built = [tuple(np.shape(x)) for x in jax.tree.leaves(storable)]
-        if stored is not None and stored != built:
+        # none read: its metadata is damaged too, which the restore says (not "0 arrays")
+        if stored and stored != built:
             differ = next((i for i, (a, b) in enumerate(zip(stored, built, strict=False))
                            if a != b), min(len(stored), len(built)))
             found = (f"array {differ} is {stored[differ]} there, {built[differ]} here"
@@ -570,7 +572,8 @@ def load_model(
                 f"the checkpoint in {directory} does not hold the model that space "
                 f"{space.name!r} builds from params={dict(params)!r} ({found}); pass the params "
                 "of the trial that saved it (best_model/trial.json holds them)")
-        leaves = checkpointer.restore(item, storable)
+        leaves = read_or_say(lambda: checkpointer.restore(item, storable), directory,
+                             f"the model that space {space.name!r} builds")
     weights, _, rest = jax.tree.unflatten(
         jax.tree.structure((weights, jax.eval_shape(make_optimizer(params).init, weights),
                             rest)),
