@@ -838,3 +838,61 @@ def test_an_allowance_is_a_non_negative_int_zero_included(tmp_path) -> None:
     for wrong in (-1, True, 2.0):
         with pytest.raises(ValueError, match="must be a non-negative int"):
             resolve_allowance(wrong, jax.devices()[:1], cache)
+
+
+def test_a_plan_cache_that_cannot_serve_says_why_at_its_first_use(tmp_path):
+    """Each way a path cannot be a plan cache: one `ValueError` at the first lookup (before a
+    plan compiles, whose figures it could not keep), naming the path and what to do; advice
+    to delete it only for a file that is no database (a damaged cache)."""
+    import sqlite3
+
+    foreign = tmp_path / "other.sqlite"
+    with sqlite3.connect(foreign) as db:
+        db.execute("CREATE TABLE plans (name TEXT, value REAL)")
+    with pytest.raises(ValueError, match=r"the plan cache '.*other.sqlite' is another program's "
+                       r"SQLite file \(its table 'plans' has the columns name, value, not a "
+                       r"plan cache's key, record\); pass another path$"):
+        PlanCache(foreign).get_plan("k")
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match=r"the plan cache '.*a-file/c/plans.sqlite' cannot be "
+                       r"made: '.*a-file' is a file; pass another path$"):
+        PlanCache(tmp_path / "a-file" / "c" / "plans.sqlite").get_plan("k")
+    with pytest.raises(TypeError, match=r"PlanCache takes the path of its SQLite file \(a str "
+                       r"or pathlib.Path\), not int 5"):
+        PlanCache(5)  # type: ignore[arg-type]
+    made = PlanCache(tmp_path / "new" / "plans.sqlite")  # made where missing, no advice
+    assert made.get_plan("k") is None and len(made) == 0
+
+
+READ_ONLY = """
+import sys
+from scamp_jax.planning.plan_cache import PlanCache
+try:
+    PlanCache(sys.argv[1]).get_plan("k")
+except ValueError as err:
+    print(err)
+"""
+
+
+def test_a_plan_cache_on_a_read_only_file_is_refused_before_anything_compiles(tmp_path):
+    """A cache file mounted read-only (root's permission bits alone do not stop its writes):
+    refused at its first lookup, not when the first plan compiled is stored."""
+    import shutil
+
+    if shutil.which("unshare") is None or shutil.which("mount") is None:
+        pytest.skip("no unshare or mount (util-linux)")
+    path = tmp_path / "plans.sqlite"
+    PlanCache(path).put_plan("k", {"x": 1})
+    # a mount namespace of its own: the read-only mount ends with the process
+    script = (f"mount --bind {path} {path} && mount -o remount,bind,ro {path} && "
+              f"exec {sys.executable} -c '{READ_ONLY}' {path}")
+    result = subprocess.run(["unshare", "--mount", "--kill-child", "sh", "-c", script],
+                            cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                            text=True, timeout=120)
+    if result.returncode != 0 and ("mount" in result.stderr or "unshare" in result.stderr):
+        pytest.skip(f"a read-only mount is not allowed here: {result.stderr.strip()}")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == (
+        f"the plan cache {str(path)!r} cannot be written here (attempt to write a readonly "
+        "database): the plans compiled would be lost; make it writable, or pass another path")
+    assert PlanCache(path).get_plan("k") == {"x": 1}  # and kept as it was

@@ -317,12 +317,30 @@ def cache_key(parts: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
+#: The cache's tables and their columns.
+_TABLES = {"plans": ("key", "record"), "peaks": ("key", "batch", "record"),
+           "allowances": ("platform", "device_kind", "record")}
+
+
+class _Foreign(Exception):
+    """A table of the cache's name with other columns (another program's file)."""
+
+
 def _create_tables(db: sqlite3.Connection) -> None:
+    """The cache's tables, made where missing; raises `_Foreign` where one of their names
+    has other columns, and SQLite's error where the file cannot be written (a plan found
+    compiled could not be kept: said before it is compiled)."""
     db.execute("CREATE TABLE IF NOT EXISTS plans (key TEXT PRIMARY KEY, record TEXT)")
     db.execute("CREATE TABLE IF NOT EXISTS peaks (key TEXT, batch INTEGER, record TEXT, "
                "PRIMARY KEY (key, batch))")
     db.execute("CREATE TABLE IF NOT EXISTS allowances (platform TEXT, device_kind TEXT, "
                "record TEXT, PRIMARY KEY (platform, device_kind))")
+    for table, columns in _TABLES.items():
+        found = tuple(row[1] for row in db.execute(f"PRAGMA table_info({table})"))
+        if found != columns:
+            raise _Foreign(f"its table {table!r} has the columns {', '.join(found)}, not a "
+                           f"plan cache's {', '.join(columns)}")
+    db.execute("DELETE FROM plans WHERE 0")  # writes nothing, but only where it could
 
 
 class PlanCache:
@@ -337,6 +355,9 @@ class PlanCache:
     """
 
     def __init__(self, path: str | Path) -> None:
+        if not isinstance(path, str | os.PathLike):
+            raise TypeError(f"PlanCache takes the path of its SQLite file (a str or "
+                            f"pathlib.Path), not {type(path).__name__} {path!r}")
         self.path = Path(path)
         self._lock = threading.Lock()
         self._created = False
@@ -349,7 +370,7 @@ class PlanCache:
         # short-lived one never holds a lock between calls. ``with db`` commits (or rolls back).
         # Every caller holds ``self._lock``, so the file and its tables are made once.
         if not self._created:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._make_folder()
         try:
             db = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_S)
         except sqlite3.DatabaseError as err:
@@ -360,6 +381,9 @@ class PlanCache:
                 if not self._created:
                     with db:
                         _create_tables(db)
+            except _Foreign as err:
+                raise ValueError(f"the plan cache {str(self.path)!r} is another program's "
+                                 f"SQLite file ({err}); pass another path") from None
             except sqlite3.DatabaseError as err:
                 if "locked" in str(err):
                     raise
@@ -370,14 +394,39 @@ class PlanCache:
         finally:
             db.close()
 
+    def _make_folder(self) -> None:
+        """The cache's folder, made where missing; `ValueError` naming the part of its path
+        that is a file (or what else stopped it)."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            blocking = next((p for p in (self.path.parent, *self.path.parent.parents)
+                             if p.exists() and not p.is_dir()), None)
+            why = (f"{str(blocking)!r} is a file" if blocking is not None
+                   else f"{err.strerror}: {err.filename!r}")
+            raise ValueError(f"the plan cache {str(self.path)!r} cannot be made: {why}; "
+                             "pass another path") from None
+
     def _unusable(self, err: sqlite3.DatabaseError) -> ValueError:
+        where = str(self.path)
         if self.path.is_dir():  # a folder may hold anything: never advise deleting it
-            return ValueError(f"the plan cache {str(self.path)!r} is a folder; pass a file "
-                              f"path, e.g. {str(self.path / 'plans.sqlite')!r}")
-        return ValueError(
-            f"the plan cache {str(self.path)!r} cannot be used ({err}); a plan cache holds "
-            "plans only: if this file is one, delete it (plans are compiled again), else pass "
-            "another path")
+            return ValueError(f"the plan cache {where!r} is a folder; pass a file path, e.g. "
+                              f"{str(self.path / 'plans.sqlite')!r}")
+        if "readonly" in str(err):
+            return ValueError(f"the plan cache {where!r} cannot be written here ({err}): "
+                              "the plans compiled would be lost; make it writable, or pass "
+                              "another path")
+        if not os.access(self.path.parent, os.W_OK):  # SQLite writes its journal beside it
+            return ValueError(f"the plan cache {where!r} cannot be used ({err}): its folder "
+                              f"{str(self.path.parent)!r} cannot be written here; make it "
+                              "writable, or pass another path")
+        if "not a database" in str(err) or "malformed" in str(err):
+            # a damaged cache, or a file of anything else: deleting loses only plans
+            return ValueError(
+                f"the plan cache {where!r} cannot be used ({err}); a plan cache holds plans "
+                "only: if this file is one, delete it (plans are compiled again), else pass "
+                "another path")
+        return ValueError(f"the plan cache {where!r} cannot be used ({err}); pass another path")
 
     def get_plan(self, key: str) -> dict[str, Any] | None:
         """The plan record stored under ``key``, or None (counted in ``hits``/``misses``)."""
