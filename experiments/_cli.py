@@ -390,20 +390,43 @@ class _WarningsInFlags(logging.Handler):
         return False
 
 
+class _CommandFormat(logging.Formatter):
+    """How a command prints what is logged: the library's warnings as their words alone (as
+    `_WarningsInFlags` worded them), any other package's in logging's default format."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.BASIC_FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.name.split(".", 1)[0] == "scamp_jax":
+            return record.getMessage()
+        return super().format(record)
+
+
 @contextlib.contextmanager
 def warnings_in_flags() -> Iterator[None]:
     """Word the library's warnings (``scamp_jax``'s loggers) in the command line's flags while
-    the command runs."""
+    the command runs. Where nothing configured logging, the command prints what is logged
+    (`_CommandFormat`): else the first package to log configures it in logging's default
+    format (absl does, as orbax loads), and the library's warnings would print as
+    ``WARNING:scamp_jax.hpo.lifecycle:...``."""
     logger = logging.getLogger("scamp_jax")
     if any(isinstance(h, _WarningsInFlags) for h in logger.handlers):
         yield  # an outer command's
         return
     handler = _WarningsInFlags()
     logger.addHandler(handler)
+    printer = None
+    if not logging.root.handlers:
+        printer = logging.StreamHandler()
+        printer.setFormatter(_CommandFormat())
+        logging.root.addHandler(printer)
     try:
         yield
     finally:
         logger.removeHandler(handler)
+        if printer is not None:
+            logging.root.removeHandler(printer)
 
 
 def in_flags(err: BaseException) -> str:

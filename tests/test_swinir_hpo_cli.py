@@ -617,6 +617,29 @@ def test_errors_name_the_command_lines_flags_not_the_librarys_keywords() -> None
         "a folder of that name in --study-dir, so it may hold no '/'")
 
 
+WARNS_AFTER_ORBAX = """
+import logging
+from experiments._cli import warnings_in_flags
+with warnings_in_flags():
+    import orbax.checkpoint  # absl configures logging as orbax loads, where nothing has
+    logging.getLogger("scamp_jax.hpo.lifecycle").warning("resuming at max_batch_size %d", 4)
+    logging.getLogger("another").warning("its own")
+"""
+
+
+def test_a_commands_warnings_print_their_words_alone_after_orbax_loads() -> None:
+    """A command's warning once orbax has loaded (a resumed trial's, say): its words in flags,
+    not behind ``WARNING:scamp_jax.hpo.lifecycle:`` (the default format of logging, which absl
+    configures as orbax loads where nothing has); another package's keep that format. A new
+    process: the state of logging at a command's start is the point."""
+    proc = subprocess.run([sys.executable, "-c", WARNS_AFTER_ORBAX], cwd=ROOT, timeout=300,
+                          capture_output=True, text=True,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == ["resuming at --max-batch-size 4",
+                                        "WARNING:another:its own"], proc.stderr
+
+
 def test_a_study_scored_on_other_images_is_not_resumed_on_these(tmp_path):
     """The image folders are part of what a study remembers (where given): a rerun on another
     held-out set, or on the bundled one, is refused as a changed seed is; a study that never
