@@ -317,6 +317,12 @@ def test_a_study_refuses_other_settings(tmp_path):
         "run asks for the search space swinir-paper/paper, --preset paper; rerun with --preset "
         "smoke, or pass --study-name toy-2 to start a new study")
     open_study("toy-2", study_dir=tmp_path, settings={**settings, "steps": 100})
+    # the name suggested is one that no study in the storage has
+    for name in ("toy", "toy-2"):
+        with pytest.raises(StudySettingsError, match=r"pass study_name='toy-3' to start") as err:
+            open_study(name, study_dir=tmp_path, settings={**settings, "steps": 50})
+        assert err.value.as_command_line().endswith("--study-name toy-3 to start a new study")
+        assert pickle.loads(pickle.dumps(err.value)).new_name == "toy-3"
 
 
 def test_median_pruner_stops_a_trial_behind_the_others(tmp_path):

@@ -169,6 +169,8 @@ def test_a_second_spaces_default_study_is_refused_the_first_ones_outputs(tmp_pat
     assert done["trials_this_run"] == 1
     assert (tmp_path / "mlp-other-2" / "results.json").is_file()
     assert (tmp_path / "results.json").read_text() == before
+    with pytest.raises(ValueError, match="study_name='mlp-other-3' to keep its outputs in"):
+        scamp_jax.run_study(other, Regression(), **kw)  # a name no study there has
     scamp_jax.run_study(SPACE, Regression(), **{**kw, "trials": 2})  # the first resumes there
     assert len(json.loads((tmp_path / "results.json").read_text())["trials"]) == 2
 

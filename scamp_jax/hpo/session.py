@@ -188,11 +188,15 @@ def claim_outputs(study_dir: Path, study_name: str,
     name written stays. ``write=False``: only refuse (before the study is opened; nothing is
     written)."""
     def refuse(owner: str) -> NoReturn:
+        from scamp_jax.hpo.study.storage import free_study_name
+
+        names = set(stored())
+        new = free_study_name(study_name, lambda name: name in names
+                              or (study_dir / name).exists())
         raise ValueError(
             f"{study_dir} holds the outputs of {owner} (results, checkpoints, best model); "
             f"study {study_name!r} would write over them: pass another study_dir, or "
-            f"study_name={study_name + '-2'!r} to keep its outputs in "
-            f"{study_dir / (study_name + '-2')}")
+            f"study_name={new!r} to keep its outputs in {study_dir / new}")
 
     path = study_dir / OUTPUTS_FILE
     owner = _outputs_owner(path)

@@ -8,11 +8,12 @@ import contextlib
 import copy
 import json
 import logging
+import re
 import threading
 import time
 import warnings
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,18 +43,20 @@ class StudySettingsError(ValueError):
     """
 
     def __init__(self, study_name: str, stored: Mapping[str, Any], wanted: Mapping[str, Any],
-                 message: str | None = None):
+                 message: str | None = None, new_name: str | None = None):
         self.study_name, self.stored, self.wanted = study_name, dict(stored), dict(wanted)
         self.message = message
+        self.new_name = new_name or free_study_name(study_name, lambda name: False)
         was = ", ".join(_as_keyword(k, v) for k, v in self.stored.items())
         now = ", ".join(_as_keyword(k, v) for k, v in self.wanted.items())
         super().__init__(message or (
             f"study {study_name!r} was created with {was}, this run asks for {now}; repeat the "
-            f"study's settings to resume it, or pass study_name={study_name + '-2'!r} to start "
+            f"study's settings to resume it, or pass study_name={self.new_name!r} to start "
             "a new study"))
 
     def __reduce__(self) -> tuple[Any, ...]:  # pickled whole (MPI ranks, processes)
-        return type(self), (self.study_name, self.stored, self.wanted, self.message)
+        return type(self), (self.study_name, self.stored, self.wanted, self.message,
+                            self.new_name)
 
     def as_command_line(self) -> str:
         """The message in the experiments' flags (a setting the study has none of, e.g. no
@@ -69,7 +72,18 @@ class StudySettingsError(ValueError):
         rerun = " and ".join([f"with {', '.join(again)}"] * bool(again)
                              + [f"without {', '.join(left)}"] * bool(left))
         return (f"study {self.study_name!r} was created with {was}, this run asks for {now}; "
-                f"rerun {rerun}, or pass --study-name {self.study_name}-2 to start a new study")
+                f"rerun {rerun}, or pass --study-name {self.new_name} to start a new study")
+
+
+def free_study_name(study_name: str, taken: Callable[[str], bool]) -> str:
+    """The name to suggest for a new study beside ``study_name``: the first of
+    ``<study_name>-2``, ``-3``, ... (after ``name-N``: ``name-N+1``, ...) that ``taken`` (a
+    study of that name in the storage, a folder of its outputs) does not have."""
+    numbered = re.fullmatch(r"(.+)-(\d+)", study_name)
+    base, n = (numbered[1], int(numbered[2]) + 1) if numbered else (study_name, 2)
+    while taken(f"{base}-{n}"):
+        n += 1
+    return f"{base}-{n}"
 
 
 def storage_url(study_dir: str | Path, storage: str | None = None) -> str:
@@ -451,14 +465,16 @@ def open_study(
             f"{scored!r}'s): score the task by {scored!r}, or start another study "
             "(another study name, study directory or storage)")
     if settings is not None:
-        _check_settings(study, settings)
+        _check_settings(study, settings, lambda: optuna.get_all_study_names(rdb))
     if metric is not None and scored is None:  # stored once nothing refused the run
         study.set_user_attr(METRIC_KEY, metric)
     return StudyHandle(study, rdb, AskLock(url, study_name))
 
 
-def _check_settings(study: optuna.Study, settings: Mapping[str, Any]) -> None:
-    """Store ``settings`` with a new study; refuse other values for an existing one."""
+def _check_settings(study: optuna.Study, settings: Mapping[str, Any],
+                    names: Callable[[], Sequence[str]]) -> None:
+    """Store ``settings`` with a new study; refuse other values for an existing one (with a
+    new name to pass none of the storage's studies, ``names()``, has)."""
     wanted = json.loads(json.dumps(dict(settings)))
     stored = study.user_attrs.get(SETTINGS_KEY)
     if stored is None:
@@ -466,8 +482,10 @@ def _check_settings(study: optuna.Study, settings: Mapping[str, Any]) -> None:
         return
     differ = [k for k in sorted(set(stored) | set(wanted)) if stored.get(k) != wanted.get(k)]
     if differ:
+        taken = set(names())
         raise StudySettingsError(study.study_name, {k: stored.get(k) for k in differ},
-                                 {k: wanted.get(k) for k in differ})
+                                 {k: wanted.get(k) for k in differ},
+                                 new_name=free_study_name(study.study_name, taken.__contains__))
 
 
 def ever_ran(study: optuna.Study) -> bool:
