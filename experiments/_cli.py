@@ -706,6 +706,9 @@ def plan_only(
         config = preset_for(devices[0].platform)
     budget = pool_budget(args, config, devices, None if config.memory_per_device is None
                          else parse_bytes(config.memory_per_device))
+    from scamp_jax.hpo.engine import check_pool
+
+    check_pool(config, len(devices))  # as a study would refuse it, before anything is said
     space, task = make(config)
     print(f"planning {counted(config.trials, 'candidate')} of {space.name} on {where}, "
           f"{format_bytes(budget.memory_per_device)} per device "

@@ -208,6 +208,17 @@ def test_plan_only_with_no_candidate_that_fits_says_so_in_flags_and_exits_2(tmp_
     assert "Traceback" not in result.stderr
 
 
+def test_plan_only_refuses_more_devices_per_trial_than_the_pool_before_it_says_more(tmp_path):
+    """As the study refuses it, and before the preview's header: the error is all it says."""
+    result = cli("--preset", "smoke", "--plan-only", "--policy", "fixed", "--devices-per-trial",
+                 "9", "--study-dir", str(tmp_path))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        "error: --devices-per-trial 9 exceeds the pool of 8 devices; lower --devices-per-trial "
+        "to 8 or less, or pass --devices 9 (a larger pool)"]
+
+
 def test_plan_only_says_its_pruner_would_prune_nothing_as_the_study_would(tmp_path):
     """The preview is where settings are checked: a pruner with no evaluation before the last
     step is said there as the study says it."""
