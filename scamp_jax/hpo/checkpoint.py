@@ -350,13 +350,20 @@ def _abandoned_read(unraisable: Any) -> bool:
 
 
 class _AbandonedReadFilter(logging.Filter):
-    """Drops asyncio's "Task exception was never retrieved" for orbax's reads of an array that
-    failed after the restore already had (the restore's error names the checkpoint)."""
+    """Drops asyncio's "... exception was never retrieved" for orbax's reads of an array that
+    failed after the restore already had (the restore's error names the checkpoint): a task
+    of orbax's ``async_deserialize``, or a future that holds TensorStore's error for damaged
+    data (`_DAMAGED_DATA`)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return not (message.startswith("Task exception was never retrieved")
-                    and "coro=<async_deserialize()" in message)
+        if "exception was never retrieved" not in message:
+            return True
+        if "coro=<async_deserialize()" in message:
+            return False
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(exc, ValueError)
+                    and str(exc).split(":", 1)[0] in _DAMAGED_DATA)
 
 
 def _quiet_abandoned_reads() -> None:
