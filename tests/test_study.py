@@ -803,3 +803,22 @@ def test_a_trials_seconds_are_stored_while_another_trial_is_being_asked(tmp_path
     assert took < 5, f"the write waited {took:.1f} s for the other trial's ask"
     assert src.study.get_trials()[first.number].user_attrs["wall_seconds"] == 12.5
     src.close()
+
+
+def test_checking_a_study_folder_leaves_nothing_beside_its_databases(tmp_path):
+    """The check of a study's SQLite files before a run (`check_study_place`) reads them and
+    leaves no ``-wal``/``-shm`` files beside them: a run it refuses leaves the folder as it
+    was."""
+    import sqlite3
+
+    from scamp_jax.hpo.session import check_study_place
+    from scamp_jax.planning.plan_cache import PlanCache
+
+    PlanCache(tmp_path / "plans.sqlite").put_plan("k", {"x": 1})  # a file in WAL mode
+    with sqlite3.connect(tmp_path / "study.db") as db:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("CREATE TABLE t (x)")
+    db.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plans.sqlite", "study.db"]
+    check_study_place(tmp_path, None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plans.sqlite", "study.db"]

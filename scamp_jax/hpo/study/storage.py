@@ -178,11 +178,14 @@ def check_storage(url: str | None, study_dir: str | Path, *, said: str = "storag
 
 def sqlite_problem(path: Path) -> str | None:
     """What SQLite says is wrong with the database file at ``path`` (None: nothing, or the
-    file is busy: another process writing it, as processes sharing a study do, is no damage)."""
+    file is busy: another process writing it, as processes sharing a study do, is no damage).
+    Opened to write where it can be (``mode=rw`` never creates it, and reads a file it cannot
+    write): the last connection of a WAL file removes its ``-wal`` and ``-shm`` as it closes,
+    which a read-only one leaves beside it."""
     import sqlite3
 
     try:
-        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True,
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=rw", uri=True,
                                                 timeout=1.0)) as conn:
             rows = conn.execute("PRAGMA quick_check").fetchall()
     except sqlite3.DatabaseError as err:
