@@ -896,3 +896,25 @@ def test_a_plan_cache_on_a_read_only_file_is_refused_before_anything_compiles(tm
         f"the plan cache {str(path)!r} cannot be written here (attempt to write a readonly "
         "database): the plans compiled would be lost; make it writable, or pass another path")
     assert PlanCache(path).get_plan("k") == {"x": 1}  # and kept as it was
+
+
+def test_a_plan_cache_another_connection_writes_serves_its_first_lookup_at_once(tmp_path):
+    """The first use's check that the file can be written (`_create_tables`) does not wait
+    for another connection's write lock (a study's other process, a database browser with
+    unsaved edits): the lookup reads what is committed at once, not after the 30 s SQLite
+    would wait for the lock, nor fails when that wait ends."""
+    import sqlite3
+    import time
+
+    path = tmp_path / "plans.sqlite"
+    PlanCache(path).put_plan("k", {"x": 1})
+    other = sqlite3.connect(path, isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")  # holds the write lock
+        other.execute("INSERT INTO plans VALUES ('j', '{}')")
+        started = time.monotonic()
+        assert PlanCache(path).get_plan("k") == {"x": 1}
+        assert time.monotonic() - started < 5
+    finally:
+        other.execute("ROLLBACK")
+        other.close()

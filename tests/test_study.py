@@ -283,6 +283,8 @@ def test_extending_a_study_draws_new_configurations(tmp_path):
 
 
 def test_a_study_refuses_other_settings(tmp_path):
+    from scamp_jax.hpo.study.storage import free_study_name
+
     settings = {"space": "small", "preset": "smoke", "steps": 150, "seed": 0,
                 "memory_per_device": 2**30}
     open_study("toy", study_dir=tmp_path, settings=settings)
@@ -323,6 +325,9 @@ def test_a_study_refuses_other_settings(tmp_path):
             open_study(name, study_dir=tmp_path, settings={**settings, "steps": 50})
         assert err.value.as_command_line().endswith("--study-name toy-3 to start a new study")
         assert pickle.loads(pickle.dumps(err.value)).new_name == "toy-3"
+    # a number that is the name's own is no count: resnet-50's next is resnet-50-2
+    assert free_study_name("resnet-50", {"resnet-50"}.__contains__) == "resnet-50-2"
+    assert free_study_name("toy-2", {"toy", "toy-2", "toy-3"}.__contains__) == "toy-4"
 
 
 def test_median_pruner_stops_a_trial_behind_the_others(tmp_path):

@@ -339,7 +339,7 @@ def save_best_model(
             old.rename(target)  # a save stopped between its renames: the model it replaced
         saved = _saved_best(target, study_dir, metric, records)
         same = saved is not None and (saved.get("number"), saved.get("checkpoint")) == (
-            best["number"], best["checkpoint"])
+            best["number"], best["checkpoint"]) and _same_save(source, target)
         if saved is not None and (same
                                   or best_record([best, saved], metric, direction) is saved):
             # this trial's, saved by an earlier run (its checkpoint is final: copied again it
@@ -359,6 +359,22 @@ def save_best_model(
         part.rename(target)
         shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+def _same_save(source: Path, copy: Path) -> bool:
+    """Whether ``copy`` was copied from the checkpoint in ``source`` as it was saved: orbax's
+    record of the save (``_CHECKPOINT_METADATA``, its times to the nanosecond) the same in
+    both. A study of the same name made again after its outputs were moved away (but for
+    ``best_model/``) writes the same trial numbers and checkpoint folders anew."""
+    try:
+        return ((source / _CHECKPOINT_RECORD).read_bytes()
+                == (copy / _CHECKPOINT_RECORD).read_bytes())
+    except OSError:
+        return False
+
+
+#: Orbax's record of a checkpoint's save in its step directory (copied with it).
+_CHECKPOINT_RECORD = "_CHECKPOINT_METADATA"
 
 
 def _saved_best(directory: Path, study_dir: Path, metric: str,

@@ -27,7 +27,9 @@ directory then plans with zero compiles. Two kinds of records live in one SQLite
 
 A key that differs in any part is a different record: nothing is trusted across versions, budgets
 or devices. Writes are single SQLite transactions (``INSERT OR REPLACE``), safe for several
-threads and processes; the file sits in the study directory next to ``study.db``.
+threads and processes; the file sits in the study directory next to ``study.db``. A file that
+cannot be written (read-only) is refused at its first use, before a plan compiles whose record
+would be lost; copy it somewhere writable to plan from its records.
 """
 
 from __future__ import annotations
@@ -340,7 +342,17 @@ def _create_tables(db: sqlite3.Connection) -> None:
         if found != columns:
             raise _Foreign(f"its table {table!r} has the columns {', '.join(found)}, not a "
                            f"plan cache's {', '.join(columns)}")
-    db.execute("DELETE FROM plans WHERE 0")  # writes nothing, but only where it could
+    # writes nothing, but only where it could: SQLite says a file is read-only before it
+    # waits for another connection's write lock, so a lock held (a busy study, a database
+    # browser left open) says it can be written, and is not waited for
+    db.execute("PRAGMA busy_timeout = 0")
+    try:
+        db.execute("DELETE FROM plans WHERE 0")
+    except sqlite3.OperationalError as err:
+        if "locked" not in str(err) and "busy" not in str(err):
+            raise
+    finally:
+        db.execute(f"PRAGMA busy_timeout = {int(_BUSY_TIMEOUT_S * 1000)}")
 
 
 class PlanCache:

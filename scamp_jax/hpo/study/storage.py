@@ -77,10 +77,12 @@ class StudySettingsError(ValueError):
 
 def free_study_name(study_name: str, taken: Callable[[str], bool]) -> str:
     """The name to suggest for a new study beside ``study_name``: the first of
-    ``<study_name>-2``, ``-3``, ... (after ``name-N``: ``name-N+1``, ...) that ``taken`` (a
-    study of that name in the storage, a folder of its outputs) does not have."""
+    ``<study_name>-2``, ``-3``, ... that ``taken`` (a study of that name in the storage, a
+    folder of its outputs) does not have; after ``name-N`` where ``name`` is taken too (a
+    name suggested before), ``name-N+1``, ... (``resnet-50`` alone is no count)."""
     numbered = re.fullmatch(r"(.+)-(\d+)", study_name)
-    base, n = (numbered[1], int(numbered[2]) + 1) if numbered else (study_name, 2)
+    base, n = ((numbered[1], int(numbered[2]) + 1) if numbered and taken(numbered[1])
+               else (study_name, 2))
     while taken(f"{base}-{n}"):
         n += 1
     return f"{base}-{n}"
