@@ -265,7 +265,9 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
                         help="plan the first --trials candidates a new study would draw (devices, "
                         "model-parallel degree, batch, bytes per device, CPU seconds of "
                         "planning; with --fuse, each architecture's fused group and its bytes "
-                        "per device) and stop: nothing trains and no study is stored")
+                        "per device) and stop: nothing trains and no study is stored; the "
+                        "plans are kept in --study-dir's plans.sqlite, so planning again, or "
+                        "the study, compiles none of them again")
     from scamp_jax.planning.targets import TARGETS
 
     parser.add_argument("--target", metavar="GPU|FILE",
@@ -572,8 +574,9 @@ def user_errors(resumable: bool = True,
     from scamp_jax.planning.targets import GpuCompilerMissingError
 
     if stopped is None and not resumable:
-        stopped = ("nothing was stored (planning stores no study); run the same command to plan "
-                   "again")
+        stopped = ("nothing was stored (planning stores no study); the plans made are kept in "
+                   "the study folder's plans.sqlite: run the same command to plan again, "
+                   "without compiling those")
     stop = _CtrlC(stopped)  # one count: a Ctrl-C after a SIGTERM stops at once too
     previous = signal.signal(signal.SIGTERM, stop)
     previous_int = signal.signal(signal.SIGINT, stop)
@@ -694,6 +697,7 @@ def plan_only(
     from scamp_jax.hpo.preview import ESTIMATE_NOTE, format_rows, plan_candidates
     from scamp_jax.hpo.trial import fusion_cap
     from scamp_jax.planning import planner, targets
+    from scamp_jax.planning.plan_cache import PlanCache
 
     if target_name is not None:
         target = targets.resolve_target(target_name)
@@ -732,6 +736,9 @@ def plan_only(
     # compile (minutes for a large model and a GPU target) returns; once stopped, a plan the
     # thread finishes is not printed after the command's last words.
     printing, stopped = threading.Lock(), threading.Event()
+    # The study's plan cache: what a preview or the study planned before is not compiled
+    # again, and a preview stopped keeps the plans it made.
+    plan_cache = PlanCache(Path(config.study_dir) / "plans.sqlite")
 
     def show(row: Any) -> None:
         with printing:
@@ -741,7 +748,7 @@ def plan_only(
     try:
         rows = interruptible(lambda: plan_candidates(
             space, task, config, devices=devices, memory_per_device=budget,
-            count=config.trials, on_plan=show), name="plan-only")
+            count=config.trials, on_plan=show, plan_cache=plan_cache), name="plan-only")
     except BaseException:
         with printing:
             stopped.set()

@@ -684,6 +684,35 @@ def test_plans_without_a_study_size_each_architectures_fused_group_as_the_engine
     assert solo[0].fusion_width == 1 and solo[0].group_bytes_per_device == 0
 
 
+def test_a_preview_keeps_its_plans_in_the_plan_cache_and_compiles_none_of_them_again(tmp_path):
+    """`plan_candidates` with the study's plan cache (``--plan-only``'s): the plans and fused
+    groups it made are kept, so the same preview again, stopped or not, and the study
+    compile none of them again, and plan the same."""
+    from scamp_jax.hpo.preview import plan_candidates
+    from scamp_jax.planning.compile_events import CompileCounter
+    from scamp_jax.planning.plan_cache import PlanCache
+
+    settings = SearchSettings(trials=3, steps=1, fuse=3, sampler="random", max_batch_size=16,
+                              seed=3)
+
+    def preview() -> list:
+        return plan_candidates(SPACE, Regression(), settings, devices=jax.devices()[:1],
+                               memory_per_device=BUDGET, count=3,
+                               plan_cache=PlanCache(tmp_path / "plans.sqlite"))
+
+    first = preview()
+    assert first[0].compiles >= 2  # the plan and the fused group
+    with CompileCounter() as compiled:
+        again = preview()
+    assert compiled.total == 0 and [r.compiles for r in again] == [0, 0, 0]
+
+    def planned(rows: list) -> list:
+        return [(r.params, r.batch_size, r.bytes_per_device, r.fusion_width,
+                 r.group_bytes_per_device) for r in rows]
+
+    assert planned(again) == planned(first)
+
+
 def test_groups_of_mixed_widths_take_the_smallest_width():
     waiting = [FusionCandidate(k, "a", arrival=k, width=w) for k, w in enumerate((3, 2, 3, 3))]
     assert form_groups(waiting) == ((0, 1), (2, 3))

@@ -15,6 +15,7 @@ sizing its groups costs the fused compiles a study would make, so it is asked fo
 
 from __future__ import annotations
 
+import functools
 import resource
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -135,6 +136,7 @@ def plan_candidates(
     count: int,
     plan_fn: Callable[..., Any] | None = None,
     on_plan: Callable[[CandidatePlan], None] | None = None,
+    plan_cache: Any = None,
 ) -> list[CandidatePlan]:
     """Plan the first ``count`` candidates a new study of ``settings`` would draw.
 
@@ -145,8 +147,11 @@ def plan_candidates(
       devices: the pool, real devices or a GPU target's compile-only ones.
       memory_per_device: the pool's `scamp_jax.planning.budget.Budget` (or bytes per device).
       count: how many candidates.
-      plan_fn: the planner (default ``plan_mesh``).
+      plan_fn: the planner (default ``plan_mesh``, with ``plan_cache`` where given).
       on_plan: called with each `CandidatePlan` as it is made (a progress line).
+      plan_cache: a `scamp_jax.PlanCache` (a study folder's ``plans.sqlite``): the plans
+        and fused plans it holds are not compiled again, and those made here are kept there
+        for the next preview and the study.
 
     Returns one `CandidatePlan` per candidate, in trial order; a candidate that fits on no
     device count of the pool has ``devices=0`` and its ``error``. With ``settings.fuse``, its
@@ -170,11 +175,15 @@ def plan_candidates(
     devices = list(devices)
     config = settings.engine_config(memory_per_device)
     policy = engine_policy(config, len(devices), grows_last_wave(config, devices))
-    service = PlanningService(space, task, config, devices, plan_fn or plan_mesh,
+    if plan_fn is None:
+        plan_fn = (plan_mesh if plan_cache is None
+                   else functools.partial(plan_mesh, cache=plan_cache))
+    service = PlanningService(space, task, config, devices, plan_fn,
                               getattr(policy, "batch_multiple", 1),
                               max_running=max_running(config, devices))
     cap = fusion_cap(config.fuse)
-    fusion = None if cap is None else FusionService(space, task, cap, service)
+    fusion = None if cap is None else FusionService(space, task, cap, service,
+                                                    plan_cache=plan_cache)
     with quiet_study_creation():
         study = optuna.create_study(sampler=make_sampler(settings.sampler, settings.seed,
                                                          space.grid))
@@ -230,7 +239,7 @@ def plan_candidates(
                 trial.number, params, service.devices_of(plan), plan.data_parallel,
                 plan.model_parallel, plan.batch_size, plan.predicted_peak_bytes,
                 plan.usable_bytes,
-                plan.compiles + group_compiles if new else 0,
+                (plan.compiles if new else 0) + group_compiles,
                 cpu_seconds() - cpu, time.perf_counter() - wall,
                 fusion_width=1 if group is None else group.width,
                 group_bytes_per_device=0 if group is None else int(group.predicted_peak_bytes
