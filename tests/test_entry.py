@@ -145,6 +145,21 @@ def _cut_short(step_dir: Path) -> None:
         os.truncate(path, path.stat().st_size // 2)
 
 
+def test_a_study_with_no_batch_cap_says_how_its_batches_are_chosen(tmp_path, capsys):
+    """Without ``max_batch_size`` a trial's batch is the largest its devices hold, up to
+    65,536 samples, whatever the task's data: the study says so where it opens, and how to
+    bound it; with a cap it says nothing of it."""
+    kw = dict(trials=1, steps=1, devices=1, memory_per_device="64MiB", live=False)
+    scamp_jax.run_study(SPACE, function_task(), study_dir=tmp_path / "a", **kw)
+    assert ("batches: each trial takes the largest batch its devices hold, up to 65,536 "
+            "samples (no max_batch_size), and trains its steps at it; pass max_batch_size to "
+            "bound it (e.g. the training set's size), and reference_batch to train every "
+            "trial on as many samples") in capsys.readouterr().out.splitlines()
+    scamp_jax.run_study(SPACE, function_task(), study_dir=tmp_path / "b", max_batch_size=16,
+                        **kw)
+    assert "batches:" not in capsys.readouterr().out
+
+
 def test_the_results_keep_the_configuration_suggest_made_not_only_what_optuna_drew(tmp_path):
     """A ``suggest`` that adds constants (a learning rate it does not search, a depth): the
     results, the best model's record and the README's ``load_model`` take the whole

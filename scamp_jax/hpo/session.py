@@ -447,6 +447,18 @@ class StudySession:
             self.say(f"nothing left to run: the study {more} give another study name to start "
                      "anew")
             return
+        if self.settings.max_batch_size is None:
+            from scamp_jax.planning.planner import DEFAULT_BATCH_CAP
+
+            if self.settings.reference_batch is None:
+                trains = ("and trains its steps at it; pass max_batch_size to bound it (e.g. "
+                          "the training set's size), and reference_batch to train every trial "
+                          "on as many samples")
+            else:
+                trains = ("and trains as many samples as its steps at reference_batch; pass "
+                          "max_batch_size to bound it (e.g. the training set's size)")
+            self.say(f"batches: each trial takes the largest batch its devices hold, up to "
+                     f"{DEFAULT_BATCH_CAP:,} samples (no max_batch_size), {trains}")
         line = fusion_line(self.requested, self.settings, self.platform)
         if line is not None:
             self.say(line)
