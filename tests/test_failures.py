@@ -693,3 +693,17 @@ def test_a_study_smaller_than_the_limit_whose_every_trial_raises_alike_stops_too
                         failure_limit=0, **KW)
     states = [r["state"] for r in json.loads((other / "results.json").read_text())["trials"]]
     assert states == ["failed"] * trials
+
+
+def test_a_check_of_what_the_users_code_returned_names_no_line_of_the_library(tmp_path):
+    """An error the package raises of a value the user's code returned (``evaluate``'s scores
+    here, checked after it returned: none of its frames is on the stack) names what returned
+    it and points at no line: not one of the package's, where the bug is not (its traceback,
+    kept with the trial, has every frame)."""
+    with pytest.raises(scamp_jax.RepeatedFailureError) as caught:
+        scamp_jax.run_study(SPACE, _task(lambda model: {"mse": "high"}), trials=3,
+                            study_dir=tmp_path, **KW)
+    reason = caught.value.reason
+    assert reason.startswith("TypeError: task.evaluate returned 'mse': 'high'"), reason
+    assert "(at " not in reason, reason
+    assert "lifecycle.py" in caught.value.traceback

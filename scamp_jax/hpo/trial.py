@@ -14,6 +14,7 @@ trial lifecycle all depend on it and never on each other's modules.
 from __future__ import annotations
 
 import math
+import os
 import sysconfig
 import traceback
 import zlib
@@ -206,14 +207,21 @@ def ending(err: BaseException) -> tuple[str, str, int | None]:
 
 def _where(err: BaseException) -> str:
     """`` (at file.py:LINE)``: where ``err`` was raised in the user's code, the innermost frame
-    outside installed packages and Python's own modules (a task's ``evaluate``, not the NumPy
-    or JAX function it called), else the innermost frame; "" without a traceback."""
+    outside this package, installed packages and Python's own modules (a task's ``evaluate``,
+    not the NumPy or JAX function it called); "" where none is the user's: an error this
+    package raised of what the user's code returned (``evaluate``'s scores, ``loss_fn``'s
+    value), which its message names (the trial's traceback has every frame)."""
     frames = traceback.extract_tb(err.__traceback__) if err.__traceback__ else []
-    if not frames:
-        return ""
     own = [f for f in frames if not _in_library(f.filename)]
-    frame = (own or frames)[-1]
-    return f" (at {Path(frame.filename).name}:{frame.lineno})"
+    if not own:
+        return ""
+    return f" (at {Path(own[-1].filename).name}:{own[-1].lineno})"
+
+
+#: This package's own directory: its frames are not the user's either (an editable install
+#: is outside ``site-packages``).
+_PACKAGE_DIR = tuple({str(Path(__file__).parents[1]) + os.sep,
+                      str(Path(__file__).resolve().parents[1]) + os.sep})
 
 
 def _in_library(filename: str) -> bool:
@@ -221,7 +229,7 @@ def _in_library(filename: str) -> bool:
         return True
     parts = Path(filename).parts
     return ("site-packages" in parts or "dist-packages" in parts
-            or filename.startswith(_LIBRARY_DIRS))
+            or filename.startswith(_LIBRARY_DIRS) or filename.startswith(_PACKAGE_DIR))
 
 
 def failure_traceback(err: BaseException) -> str:
