@@ -79,6 +79,10 @@ def test_a_described_device_needs_no_live_device() -> None:
     assert given.memory_per_device == 32 * GIB
     with pytest.raises(ValueError, match="exceed the device"):
         Budget.for_device("NVIDIA H200", 10 * GIB, memory_per_device="10GiB")
+    # a device smaller than what a process holds beside its pool: no size to advise
+    with pytest.raises(ValueError, match=r"the device's 1.00 MiB are no more than the .* a "
+                       r"process holds outside its pool .*; check the device's memory size"):
+        Budget.for_device("NVIDIA H200", MIB)
     with pytest.raises(ValueError, match="leave no pool"):
         pool_bytes(GIB, 600 * MIB, processes=2)
     with pytest.raises(ValueError, match="leave no pool"):  # a pool of 0 bytes is none

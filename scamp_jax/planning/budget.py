@@ -113,6 +113,12 @@ class Budget:
         if isinstance(a, bool) or not isinstance(a, int) or a < 0:
             raise ValueError(f"allowance_bytes={a!r} must be a non-negative int (bytes per "
                              "device)")
+        if self.device_bytes is not None and self.outside_pool_bytes >= self.device_bytes:
+            raise ValueError(
+                f"the device's {format_bytes(self.device_bytes)} are no more than the "
+                f"{format_bytes(self.outside_pool_bytes)} a process holds outside its pool "
+                "(the CUDA context, libraries' workspaces), so no pool fits on it; check the "
+                "device's memory size (a target description's device_memory_size)")
         if self.device_bytes is not None and m + self.outside_pool_bytes > self.device_bytes:
             raise ValueError(
                 f"a pool of {format_bytes(m)} per device and "
