@@ -98,6 +98,15 @@ def test_unknown_target_and_bad_files_are_named(tmp_path: Path) -> None:
     bad.write_text('gpu_device_info { rocm_compute_capability { gcn_arch_name: "gfx90a" } }')
     with pytest.raises(ValueError, match="no cuda_compute_capability"):
         targets.resolve_target(bad)
+    # a file that is no description at all says so, not that its GPU is not a CUDA one
+    (tmp_path / "empty.txtpb").write_text("\n")
+    with pytest.raises(ValueError, match=r"empty.txtpb: the file is empty; a description "
+                       r"file is a GpuTargetConfigProto in text form"):
+        targets.resolve_target(tmp_path / "empty.txtpb")
+    (tmp_path / "notes.txtpb").write_text("garbage {{{ not proto")
+    with pytest.raises(ValueError, match=r"notes.txtpb: no gpu_device_info \{...\}, so this "
+                       r"is no GpuTargetConfigProto in text form"):
+        targets.resolve_target(tmp_path / "notes.txtpb")
     # Counts XLA's GPU compiler sizes kernels by: 0 (or none) planned 10x the real peak
     for count in ("device_memory_size", "core_count", "memory_bandwidth"):
         zero = tmp_path / f"zero_{count}.txtpb"

@@ -304,6 +304,13 @@ def parse_target_config(text: str, *, name: str = "target",
                         autotune_cache: str | None = None) -> Target:
     """A `Target` from a ``GpuTargetConfigProto`` in text form (its device kind is
     ``device_description_str``, its memory ``device_memory_size``)."""
+    if not text.strip():
+        raise ValueError(f"{name}: the file is empty; a description file is a "
+                         "GpuTargetConfigProto in text form (.txtpb)")
+    if not re.search(r"\bgpu_device_info\s*\{", text):
+        raise ValueError(f"{name}: no gpu_device_info {{...}}, so this is no "
+                         "GpuTargetConfigProto in text form (.txtpb), which a description "
+                         "file is")
     capability = re.search(r"cuda_compute_capability\s*\{([^}]*)\}", text)
     if capability is None:
         raise ValueError(f"{name}: no cuda_compute_capability in the description; a target "
