@@ -404,6 +404,12 @@ def test_run_study_rejects_a_bad_setting_before_opening_a_study(tmp_path):
                                      grid={"width": [16, 32]}), "sampler": "grid"}, ValueError,
      r"the search space's grid gives values for \['width'\], but suggest also draws a "
      r"parameter it lacks \(.*learning_rate.*\); give SearchSpace\(grid=...\) the values"),
+    # a value that is none of suggest's choices: Optuna's words name no parameter
+    ({"space": scamp_jax.SearchSpace("mlp", SPACE.suggest, SPACE.build, grid={
+        "width": [16, 24], "learning_rate": [0.01]}), "sampler": "grid"}, ValueError,
+     r"the search space's grid gives width=24, which is none of the choices suggest draws "
+     r"width from \('24' not in \(16, 32, 64\).\); give SearchSpace\(grid=...\) only values "
+     r"among them"),
 ])
 def test_run_study_names_a_bad_argument_and_writes_nothing(tmp_path, bad, error, message):
     (tmp_path / "a-file").write_text("")

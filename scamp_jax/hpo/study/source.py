@@ -675,6 +675,7 @@ def check_grid(space: SearchSpace, sampler: str, seed: int) -> None:
         return
     from scamp_jax.hpo.study.samplers import make_sampler
 
+    _check_grid_choices(space)
     trial = _scratch_trial(make_sampler("grid", seed, space.grid))
     try:
         space.suggest(trial)
@@ -688,6 +689,30 @@ def check_grid(space: SearchSpace, sampler: str, seed: int) -> None:
             f"the search space's grid gives values for {grid}, but suggest also draws a "
             f"parameter it lacks ({err}); give SearchSpace(grid=...) the values of every "
             "parameter suggest draws") from None
+
+
+def _check_grid_choices(space: SearchSpace) -> None:
+    """Raise `ValueError` where the space's grid gives a parameter a value that is none of
+    the choices ``suggest`` draws it from (Optuna's own words, "'128' not in (64, 256).",
+    name no parameter; the trial of that point would fail). Each value is tried once, the
+    other parameters at their first values (`optuna.trial.FixedTrial`)."""
+    grid = dict(space.grid or {})
+    base = {name: values[0] for name, values in grid.items() if len(values)}
+    for name, values in grid.items():
+        for value in values:
+            try:
+                with warnings.catch_warnings():  # a number outside a range: Optuna warns
+                    warnings.simplefilter("ignore")
+                    space.suggest(optuna.trial.FixedTrial({**base, name: value}))
+            except ValueError as err:
+                if not str(err).startswith(f"'{value}' not in ("):
+                    continue  # another value's, or another branch's: found on its own turn
+                raise ValueError(
+                    f"the search space's grid gives {name}={value!r}, which is none of the "
+                    f"choices suggest draws {name} from ({err}); give SearchSpace(grid=...) "
+                    "only values among them") from None
+            except Exception:  # noqa: BLE001 - a point suggest prunes or cannot take: a trial's
+                continue
 
 
 def _scratch_trial(sampler: optuna.samplers.BaseSampler | None = None,
