@@ -123,6 +123,13 @@ def test_run_study_runs_then_resumes_only_the_missing_trials(tmp_path):
     with pytest.raises(ValueError, match=r"does not hold the model that space 'mlp' builds "
                        r"from params=.*best_model/trial.json holds them"):
         scamp_jax.load_model(tmp_path / "best_model", SPACE, other)
+    # the whole trial.json, or nothing, for its params: said, with what to pass
+    with pytest.raises(ValueError, match=r"params is a whole trial record \(it holds 'number' "
+                       r"and 'params'\); pass its 'params'"):
+        scamp_jax.load_model(tmp_path / "best_model", SPACE, best)
+    with pytest.raises(TypeError, match=r"params=None is not a trial's configuration; pass the "
+                       r"dict best_model/trial.json holds under 'params'"):
+        scamp_jax.load_model(tmp_path / "best_model", SPACE, None)  # type: ignore[arg-type]
     # the best trial's checkpoint damaged since: a rerun keeps the model best_model/ holds
     _cut_short(tmp_path / best["checkpoint"])
     scamp_jax.run_study(SPACE, function_task(), trials=3, **kw)

@@ -538,6 +538,12 @@ def load_model(
 
     from scamp_jax.hpo.checkpoint import from_storable, read_or_say, to_storable
 
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params={params!r} is not a trial's configuration; pass the dict "
+                        "best_model/trial.json holds under 'params'")
+    if isinstance(params.get("params"), Mapping) and "number" in params:
+        raise ValueError("params is a whole trial record (it holds 'number' and 'params'); "
+                         "pass its 'params': load_model(directory, space, record['params'])")
     directory = Path(directory).resolve()
     item = directory / "default"
     if not directory.exists():
