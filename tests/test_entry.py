@@ -167,6 +167,26 @@ def test_a_study_with_no_batch_cap_says_how_its_batches_are_chosen(tmp_path, cap
     assert "batches:" not in capsys.readouterr().out
 
 
+def test_a_run_that_changes_the_sampler_or_batch_bounds_says_so_and_each_run_records_its(
+        tmp_path, capsys):
+    """The sampler, pruner and batch bounds may change from one run of a study to the next
+    (its steps, seed and budget may not): each run's entry in ``results.json`` records what
+    it had, and a run that changes one says so where it opens."""
+    kw = dict(steps=1, devices=1, memory_per_device="64MiB", study_dir=tmp_path, live=False)
+    scamp_jax.run_study(SPACE, function_task(), trials=1, sampler="random", max_batch_size=16,
+                        **kw)
+    assert "note: this run" not in capsys.readouterr().out
+    scamp_jax.run_study(SPACE, function_task(), trials=2, sampler="tpe", max_batch_size=8,
+                        **kw)
+    assert ("note: this run has sampler='tpe', max_batch_size=8, the study's last run "
+            "sampler='random', max_batch_size=16; the trials run before keep theirs "
+            "(results.json: each run's search)") in capsys.readouterr().out.splitlines()
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert [r["search"] for r in runs] == [
+        {"sampler": "random", "pruner": "median", "min_batch_size": None, "max_batch_size": 16},
+        {"sampler": "tpe", "pruner": "median", "min_batch_size": None, "max_batch_size": 8}]
+
+
 def test_the_results_keep_the_configuration_suggest_made_not_only_what_optuna_drew(tmp_path):
     """A ``suggest`` that adds constants (a learning rate it does not search, a depth): the
     results, the best model's record and the README's ``load_model`` take the whole

@@ -447,6 +447,7 @@ class StudySession:
             self.say(f"nothing left to run: the study {more} give another study name to start "
                      "anew")
             return
+        self._say_changed_settings()
         if self.settings.max_batch_size is None:
             from scamp_jax.planning.planner import DEFAULT_BATCH_CAP
 
@@ -462,6 +463,23 @@ class StudySession:
         line = fusion_line(self.requested, self.settings, self.platform)
         if line is not None:
             self.say(line)
+
+    def _say_changed_settings(self) -> None:
+        """A note where this run's `scamp_jax.hpo.engine.SEARCH_SETTINGS` (which a study may
+        change between runs) differ from those its last recorded run had."""
+        from scamp_jax.hpo.engine import search_settings
+        from scamp_jax.hpo.report import read_runs
+
+        earlier = next((run["search"] for run in reversed(read_runs(self.out_dir))
+                        if isinstance(run.get("search"), dict)), None)
+        if earlier is None:
+            return
+        now = search_settings(self.settings)
+        changed = [name for name in now if name in earlier and earlier[name] != now[name]]
+        if changed:
+            self.say(f"note: this run has {', '.join(f'{n}={now[n]!r}' for n in changed)}, "
+                     f"the study's last run {', '.join(f'{n}={earlier[n]!r}' for n in changed)}"
+                     "; the trials run before keep theirs (results.json: each run's search)")
 
     @property
     def platform(self) -> str:
