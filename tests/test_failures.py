@@ -707,3 +707,18 @@ def test_a_check_of_what_the_users_code_returned_names_no_line_of_the_library(tm
     assert reason.startswith("TypeError: task.evaluate returned 'mse': 'high'"), reason
     assert "(at " not in reason, reason
     assert "lifecycle.py" in caught.value.traceback
+
+
+def test_a_check_whose_message_names_each_trials_value_still_stops_a_study_of_that_bug(
+        tmp_path):
+    """The package's check of what ``evaluate`` returned names the value (here another each
+    trial) and no line of the user's: such failures are the same error by where the check
+    raised (the innermost frame of their traceback), so the study stops after three."""
+    import itertools
+
+    values = itertools.count()
+    with pytest.raises(scamp_jax.RepeatedFailureError) as caught:
+        scamp_jax.run_study(SPACE, _task(lambda model: float(next(values))), trials=6,
+                            study_dir=tmp_path, **KW)
+    assert len(caught.value.trials) == 3, caught.value.trials
+    assert "(at " not in caught.value.reason

@@ -68,12 +68,21 @@ class RepeatedFailureError(RuntimeError):
         return type(self), (self.trials, self.reason, self.traceback)
 
 
-def failure_key(reason: str) -> str:
+def failure_key(outcome: TrialOutcome) -> str:
     """What makes two raised failures "the same error": the exception's type and where it was
-    raised (``ValueError (at task.py:42)``), or the whole reason where it has no place."""
+    raised: the user's line its reason names (``ValueError (at task.py:42)``), else the
+    innermost frame of its traceback (the package's check of what the user's code returned,
+    whose reason names no line and whose message may name a trial's value or batch), else
+    the whole reason."""
+    reason = outcome.reason
     kind = reason.split(":", 1)[0]
     place = re.search(r" \(at [^()]*\)$", reason)
-    return f"{kind}{place[0]}" if place else reason
+    if place:
+        return f"{kind}{place[0]}"
+    frames = re.findall(r'File "([^"]+)", line (\d+)', str(outcome.attrs.get(TRACEBACK) or ""))
+    if frames:
+        return f"{kind} (raised at {frames[-1][0]}:{frames[-1][1]})"
+    return reason
 
 
 class RepeatedFailures:
@@ -114,7 +123,7 @@ class RepeatedFailures:
             return False
         if outcome.state != "failed" or not outcome.attrs.get(TRACEBACK):
             return False  # the configuration's own ending (rejected, misfit, non-finite): told
-        if self.held and failure_key(self.held[0].reason) != failure_key(outcome.reason):
+        if self.held and failure_key(self.held[0]) != failure_key(outcome):
             self.release()
         self.held.append(outcome)
         return True
