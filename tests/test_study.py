@@ -827,3 +827,23 @@ def test_checking_a_study_folder_leaves_nothing_beside_its_databases(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plans.sqlite", "study.db"]
     check_study_place(tmp_path, None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plans.sqlite", "study.db"]
+
+
+def test_a_grid_value_that_is_none_of_the_choices_is_blamed_on_its_own_parameter():
+    """Each grid value is tried with the others at their first values: where one of those
+    first values is itself none of its choices, that parameter is named, not the one being
+    tried."""
+    from scamp_jax.hpo.study.source import check_grid
+
+    def suggest(trial):
+        return {"layers": trial.suggest_categorical("layers", [1, 2]),
+                "heads": trial.suggest_categorical("heads", [3, 5])}
+
+    space = SearchSpace("two", suggest, lambda config, rngs: None,
+                        grid={"layers": [1, 2], "heads": [1, 3]})
+    with pytest.raises(ValueError, match=r"the search space's grid gives heads=1, which is none "
+                       r"of the choices suggest draws heads from \('1' not in \(3, 5\)\.\)"):
+        check_grid(space, "grid", 0)
+    fine = SearchSpace("two", suggest, lambda config, rngs: None,
+                       grid={"layers": [1, 2], "heads": [3, 5]})
+    check_grid(fine, "grid", 0)

@@ -695,24 +695,41 @@ def _check_grid_choices(space: SearchSpace) -> None:
     """Raise `ValueError` where the space's grid gives a parameter a value that is none of
     the choices ``suggest`` draws it from (Optuna's own words, "'128' not in (64, 256).",
     name no parameter; the trial of that point would fail). Each value is tried once, the
-    other parameters at their first values (`optuna.trial.FixedTrial`)."""
+    other parameters at their first values (`optuna.trial.FixedTrial`), and the parameter
+    blamed is the one whose draw raised."""
     grid = dict(space.grid or {})
     base = {name: values[0] for name, values in grid.items() if len(values)}
     for name, values in grid.items():
         for value in values:
+            given = {**base, name: value}
+            trial = _ChoiceProbe(given)
             try:
                 with warnings.catch_warnings():  # a number outside a range: Optuna warns
                     warnings.simplefilter("ignore")
-                    space.suggest(optuna.trial.FixedTrial({**base, name: value}))
+                    space.suggest(trial)
             except ValueError as err:
-                if not str(err).startswith(f"'{value}' not in ("):
-                    continue  # another value's, or another branch's: found on its own turn
+                drawn = trial.drawing
+                if drawn is None or drawn not in grid or " not in (" not in str(err):
+                    continue  # not a choice's: a point suggest cannot take is a trial's
                 raise ValueError(
-                    f"the search space's grid gives {name}={value!r}, which is none of the "
-                    f"choices suggest draws {name} from ({err}); give SearchSpace(grid=...) "
-                    "only values among them") from None
+                    f"the search space's grid gives {drawn}={given[drawn]!r}, which is "
+                    f"none of the choices suggest draws {drawn} from ({err}); give "
+                    "SearchSpace(grid=...) only values among them") from None
             except Exception:  # noqa: BLE001 - a point suggest prunes or cannot take: a trial's
                 continue
+
+
+class _ChoiceProbe(optuna.trial.FixedTrial):
+    """A `optuna.trial.FixedTrial` that knows which categorical parameter it was drawing
+    (``drawing``) when a value it was given turned out to be none of the choices."""
+
+    drawing: str | None = None
+
+    def suggest_categorical(self, name: str, choices: Any) -> Any:  # type: ignore[override]
+        self.drawing = name
+        value = super().suggest_categorical(name, choices)
+        self.drawing = None
+        return value
 
 
 def _scratch_trial(sampler: optuna.samplers.BaseSampler | None = None,
