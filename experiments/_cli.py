@@ -266,8 +266,8 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
                         "model-parallel degree, batch, bytes per device, CPU seconds of "
                         "planning; with --fuse, each architecture's fused group and its bytes "
                         "per device) and stop: nothing trains and no study is stored; the "
-                        "plans are kept in --study-dir's plans.sqlite, so planning again, or "
-                        "the study, compiles none of them again")
+                        "plans are kept in --study-dir's plans.sqlite, so planning again "
+                        "compiles none of them, nor does a study on these devices")
     from scamp_jax.planning.targets import TARGETS
 
     parser.add_argument("--target", metavar="GPU|FILE",
@@ -697,7 +697,6 @@ def plan_only(
     from scamp_jax.hpo.preview import ESTIMATE_NOTE, format_rows, plan_candidates
     from scamp_jax.hpo.trial import fusion_cap
     from scamp_jax.planning import planner, targets
-    from scamp_jax.planning.plan_cache import PlanCache
 
     if target_name is not None:
         target = targets.resolve_target(target_name)
@@ -736,9 +735,7 @@ def plan_only(
     # compile (minutes for a large model and a GPU target) returns; once stopped, a plan the
     # thread finishes is not printed after the command's last words.
     printing, stopped = threading.Lock(), threading.Event()
-    # The study's plan cache: what a preview or the study planned before is not compiled
-    # again, and a preview stopped keeps the plans it made.
-    plan_cache = PlanCache(Path(config.study_dir) / "plans.sqlite")
+    plan_cache = preview_cache(config.study_dir)
 
     def show(row: Any) -> None:
         with printing:
@@ -763,6 +760,22 @@ def plan_only(
             "memory_per_device": budget.memory_per_device,
             "candidates": [{**dataclasses.asdict(r), "device_hours": r.device_hours}
                            for r in rows]}
+
+
+def preview_cache(study_dir: str | Path) -> Any:
+    """The plan cache of ``--plan-only`` (the study folder's ``plans.sqlite``): what a preview
+    or a study on these devices planned before is not compiled again, and a preview stopped
+    keeps the plans it made. None, with a note, where it cannot be used (a folder that
+    cannot be written, a damaged file): a preview then plans without it, as it can."""
+    from scamp_jax.planning.plan_cache import PlanCache
+
+    cache = PlanCache(Path(study_dir) / "plans.sqlite")
+    try:
+        cache.get_allowance("", "")  # its first use: made where missing, and checked
+    except ValueError as err:
+        print(f"  note: {as_flags(str(err))}; planning without it, so nothing is kept")
+        return None
+    return cache
 
 
 def pool_budget(args: argparse.Namespace, config: HPOConfig, devices: Sequence[Any],

@@ -165,6 +165,10 @@ def test_a_study_with_no_batch_cap_says_how_its_batches_are_chosen(tmp_path, cap
     scamp_jax.run_study(SPACE, function_task(), study_dir=tmp_path / "b", max_batch_size=16,
                         **kw)
     assert "batches:" not in capsys.readouterr().out
+    # the fixed policy trains one batch for every trial: not each one's largest
+    scamp_jax.run_study(SPACE, function_task(), study_dir=tmp_path / "c", policy="fixed",
+                        devices_per_trial=1, **kw)
+    assert "batches:" not in capsys.readouterr().out
 
 
 def test_a_run_that_changes_the_sampler_or_batch_bounds_says_so_and_each_run_records_its(
@@ -178,13 +182,15 @@ def test_a_run_that_changes_the_sampler_or_batch_bounds_says_so_and_each_run_rec
     assert "note: this run" not in capsys.readouterr().out
     scamp_jax.run_study(SPACE, function_task(), trials=2, sampler="tpe", max_batch_size=8,
                         **kw)
-    assert ("note: this run has sampler='tpe', max_batch_size=8, the study's last run "
+    assert ("note: this run has sampler='tpe', max_batch_size=8, the study's last run had "
             "sampler='random', max_batch_size=16; the trials run before keep theirs "
             "(results.json: each run's search)") in capsys.readouterr().out.splitlines()
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert [r["search"] for r in runs] == [
-        {"sampler": "random", "pruner": "median", "min_batch_size": None, "max_batch_size": 16},
-        {"sampler": "tpe", "pruner": "median", "min_batch_size": None, "max_batch_size": 8}]
+        {"sampler": "random", "pruner": "median", "min_batch_size": None, "max_batch_size": 16,
+         "reference_batch": None},
+        {"sampler": "tpe", "pruner": "median", "min_batch_size": None, "max_batch_size": 8,
+         "reference_batch": None}]
 
 
 def test_the_results_keep_the_configuration_suggest_made_not_only_what_optuna_drew(tmp_path):

@@ -219,6 +219,19 @@ def test_plan_only_refuses_more_devices_per_trial_than_the_pool_before_it_says_m
         "to 8 or less, or pass --devices 9 (a larger pool)"]
 
 
+def test_plan_only_plans_without_a_plan_cache_it_cannot_use_and_says_so(tmp_path):
+    """The preview keeps its plans in the study folder's ``plans.sqlite``; where that cannot
+    be made (here the folder is a file) it says so and plans all the same."""
+    (tmp_path / "a-file").write_text("")
+    result = cli("--preset", "smoke", "--plan-only", "--trials", "1", "--memory-per-device",
+                 "1KiB", "--study-dir", str(tmp_path / "a-file"))
+    assert (f"  note: the plan cache {str(tmp_path / 'a-file' / 'plans.sqlite')!r} cannot be "
+            f"made: {str(tmp_path / 'a-file')!r} is a file; pass another path; planning "
+            "without it, so nothing is kept") in result.stdout.splitlines(), result.stdout
+    assert "trial 0: no plan: SwinIR does not fit" in result.stdout  # planned all the same
+    assert "Traceback" not in result.stderr
+
+
 def test_plan_only_says_its_pruner_would_prune_nothing_as_the_study_would(tmp_path):
     """The preview is where settings are checked: a pruner with no evaluation before the last
     step is said there as the study says it."""

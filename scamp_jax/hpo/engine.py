@@ -634,7 +634,7 @@ def scheduling_info(policy: Any, config: EngineConfig, core: SchedulingCore, gro
 
 #: The settings a study may change from one run to the next that shape its trials: each
 #: run's entry records them (`scheduling_info`), and a run that changes one says so.
-SEARCH_SETTINGS = ("sampler", "pruner", "min_batch_size", "max_batch_size")
+SEARCH_SETTINGS = ("sampler", "pruner", "min_batch_size", "max_batch_size", "reference_batch")
 
 
 def search_settings(config: EngineConfig) -> dict[str, Any]:

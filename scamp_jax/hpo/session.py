@@ -448,7 +448,7 @@ class StudySession:
                      "anew")
             return
         self._say_changed_settings()
-        if self.settings.max_batch_size is None:
+        if self.settings.max_batch_size is None and self.settings.policy != "fixed":
             from scamp_jax.planning.planner import DEFAULT_BATCH_CAP
 
             if self.settings.reference_batch is None:
@@ -471,14 +471,15 @@ class StudySession:
         from scamp_jax.hpo.report import read_runs
 
         earlier = next((run["search"] for run in reversed(read_runs(self.out_dir))
-                        if isinstance(run.get("search"), dict)), None)
+                        if isinstance(run, dict) and isinstance(run.get("search"), dict)), None)
         if earlier is None:
             return
         now = search_settings(self.settings)
         changed = [name for name in now if name in earlier and earlier[name] != now[name]]
         if changed:
             self.say(f"note: this run has {', '.join(f'{n}={now[n]!r}' for n in changed)}, "
-                     f"the study's last run {', '.join(f'{n}={earlier[n]!r}' for n in changed)}"
+                     "the study's last run had "
+                     f"{', '.join(f'{n}={earlier[n]!r}' for n in changed)}"
                      "; the trials run before keep theirs (results.json: each run's search)")
 
     @property
