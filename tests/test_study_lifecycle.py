@@ -237,3 +237,20 @@ def test_outputs_from_before_studies_named_themselves_are_kept_for_their_study(t
     assert not (tmp_path / "outputs.json").exists()
     claim_outputs(tmp_path, "a", lambda: ["a"])
     assert json.loads((tmp_path / "outputs.json").read_text()) == {"study": "a"}
+
+
+def test_a_run_stopped_before_its_engine_started_records_its_search_settings(tmp_path):
+    """A run's entry in ``results.json`` holds its sampler, pruner and batch bounds
+    (``search``) also where it stopped before the engine that records the rest began."""
+    from scamp_jax.hpo.session import StudySession
+    from scamp_jax.hpo.settings import SearchSettings
+
+    settings = SearchSettings(trials=1, steps=1, study_dir=str(tmp_path), sampler="random",
+                              max_batch_size=8)
+    session = StudySession(SPACE, Regression(), settings, devices=jax.devices()[:1],
+                           memory_per_device=64 * 2**20, live=False)
+    session.report_interrupted(optuna.create_study(), 0.5, 0)
+    [run] = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert run["interrupted"] and run["search"] == {
+        "sampler": "random", "pruner": "median", "min_batch_size": None, "max_batch_size": 8,
+        "reference_batch": None}

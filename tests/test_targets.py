@@ -99,6 +99,10 @@ def test_unknown_target_and_bad_files_are_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no cuda_compute_capability"):
         targets.resolve_target(bad)
     # a file that is no description at all says so, not that its GPU is not a CUDA one
+    # text format's "field: {" is the same as "field {"
+    colon = re.sub(r"(gpu_device_info|cuda_compute_capability) \{", r"\1: {",
+                   targets.GPUS["h100"].target_config())
+    assert targets.parse_target_config(colon).compute_capability == (9, 0)
     (tmp_path / "empty.txtpb").write_text("\n")
     with pytest.raises(ValueError, match=r"empty.txtpb: the file is empty; a description "
                        r"file is a GpuTargetConfigProto in text form"):

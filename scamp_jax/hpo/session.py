@@ -715,10 +715,12 @@ class StudySession:
         overhead: `run_engine`) and ``run``'s entries (``ranks`` under MPI, where ``devices``
         and the usage are rank 0's); ``elapsed_s``: see `record_ending`."""
         from scamp_jax.hpo import report
+        from scamp_jax.hpo.engine import search_settings
 
         run_info: dict[str, Any] = {"policy": self.settings.policy,
                                     "devices": len(self.devices),
-                                    "memory_per_device": self.memory_per_device}
+                                    "memory_per_device": self.memory_per_device,
+                                    "search": search_settings(self.settings)}
         if self.interrupted_result is not None:
             run_info.update(report.run_summary(self.interrupted_result, len(self.devices),
                                                self.memory_per_device))

@@ -307,11 +307,11 @@ def parse_target_config(text: str, *, name: str = "target",
     if not text.strip():
         raise ValueError(f"{name}: the file is empty; a description file is a "
                          "GpuTargetConfigProto in text form (.txtpb)")
-    if not re.search(r"\bgpu_device_info\s*\{", text):
+    if not re.search(r"\bgpu_device_info\s*:?\s*\{", text):  # "field {" or "field: {"
         raise ValueError(f"{name}: no gpu_device_info {{...}}, so this is no "
                          "GpuTargetConfigProto in text form (.txtpb), which a description "
                          "file is")
-    capability = re.search(r"cuda_compute_capability\s*\{([^}]*)\}", text)
+    capability = re.search(r"cuda_compute_capability\s*:?\s*\{([^}]*)\}", text)
     if capability is None:
         raise ValueError(f"{name}: no cuda_compute_capability in the description; a target "
                          "is a CUDA GPU described by a GpuTargetConfigProto")
