@@ -771,7 +771,7 @@ def preview_cache(study_dir: str | Path) -> Any:
 
     cache = PlanCache(Path(study_dir) / "plans.sqlite")
     try:
-        cache.get_allowance("", "")  # its first use: made where missing, and checked
+        len(cache)  # its first use: made where missing, and checked
     except ValueError as err:
         print(f"  note: {as_flags(str(err))}; planning without it, so nothing is kept")
         return None

@@ -628,19 +628,8 @@ def scheduling_info(policy: Any, config: EngineConfig, core: SchedulingCore, gro
         "overlap": core.overlap,
         "policy_parts": parts,
         "last_wave_at": last_wave_at,
-        "search": search_settings(config),
+        "search": config.run_record(),
     }
-
-
-#: The settings a study may change from one run to the next that shape its trials: each
-#: run's entry records them (`scheduling_info`), and a run that changes one says so.
-SEARCH_SETTINGS = ("sampler", "pruner", "min_batch_size", "max_batch_size", "reference_batch")
-
-
-def search_settings(config: EngineConfig) -> dict[str, Any]:
-    """``config``'s `SEARCH_SETTINGS`, as a run's entry records them (an engine run of no
-    study, an `EngineConfig`: its batch bounds)."""
-    return {name: getattr(config, name) for name in SEARCH_SETTINGS if hasattr(config, name)}
 
 
 def search_result(policy: str, end: float, usage: Any, outcomes: Sequence[TrialOutcome],

@@ -465,16 +465,15 @@ class StudySession:
             self.say(line)
 
     def _say_changed_settings(self) -> None:
-        """A note where this run's `scamp_jax.hpo.engine.SEARCH_SETTINGS` (which a study may
-        change between runs) differ from those its last recorded run had."""
-        from scamp_jax.hpo.engine import search_settings
+        """A note where this run's `SearchSettings.run_record` (which a study may change
+        between runs) differs from the one its last recorded run had."""
         from scamp_jax.hpo.report import read_runs
 
         earlier = next((run["search"] for run in reversed(read_runs(self.out_dir))
                         if isinstance(run, dict) and isinstance(run.get("search"), dict)), None)
         if earlier is None:
             return
-        now = search_settings(self.settings)
+        now = self.settings.run_record()
         changed = [name for name in now if name in earlier and earlier[name] != now[name]]
         if changed:
             self.say(f"note: this run has {', '.join(f'{n}={now[n]!r}' for n in changed)}, "
@@ -715,12 +714,11 @@ class StudySession:
         overhead: `run_engine`) and ``run``'s entries (``ranks`` under MPI, where ``devices``
         and the usage are rank 0's); ``elapsed_s``: see `record_ending`."""
         from scamp_jax.hpo import report
-        from scamp_jax.hpo.engine import search_settings
 
         run_info: dict[str, Any] = {"policy": self.settings.policy,
                                     "devices": len(self.devices),
                                     "memory_per_device": self.memory_per_device,
-                                    "search": search_settings(self.settings)}
+                                    "search": self.settings.run_record()}
         if self.interrupted_result is not None:
             run_info.update(report.run_summary(self.interrupted_result, len(self.devices),
                                                self.memory_per_device))

@@ -239,6 +239,13 @@ class EngineConfig:
             return every
         return max(1, round(every * self.reference_batch / batch_size))
 
+    def run_record(self) -> dict[str, Any]:
+        """What shapes a run's trials and may change from one run of a study to the next
+        (unlike `SearchSettings.study_record`'s): its batch bounds. Each run's entry in
+        ``results.json`` keeps it (``search``), and a run that changes it says so."""
+        return {"min_batch_size": self.min_batch_size, "max_batch_size": self.max_batch_size,
+                "reference_batch": self.reference_batch}
+
 
 #: Fewer training steps than this, where ``reference_batch`` scaled a trial's steps down to
 #: them, are said (once per batch): a batch as large as memory allows may be far larger than
@@ -378,6 +385,10 @@ class SearchSettings(EngineConfig):
             "seed": self.seed,
             "memory_per_device": memory_per_device,
         }
+
+    def run_record(self) -> dict[str, Any]:
+        """`EngineConfig.run_record` with the study's sampler and pruner."""
+        return {"sampler": self.sampler, "pruner": self.pruner, **super().run_record()}
 
     def source_kwargs(self) -> dict[str, Any]:
         """`scamp_jax.hpo.study.OptunaTrialSource` arguments for ``fuse``: siblings per proposed
