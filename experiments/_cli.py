@@ -22,6 +22,7 @@ import re
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -694,7 +695,8 @@ def plan_only(
     import jax
 
     from scamp_jax._units import counted, format_bytes, parse_bytes
-    from scamp_jax.hpo.preview import ESTIMATE_NOTE, format_rows, plan_candidates
+    from scamp_jax.hpo.preview import (ESTIMATE_NOTE, format_rows, plan_candidates,
+                                       progress_note)
     from scamp_jax.hpo.trial import fusion_cap
     from scamp_jax.planning import planner, targets
 
@@ -736,11 +738,14 @@ def plan_only(
     # thread finishes is not printed after the command's last words.
     printing, stopped = threading.Lock(), threading.Event()
     plan_cache = preview_cache(config.study_dir)
+    shown, started = [], time.perf_counter()
 
     def show(row: Any) -> None:
         with printing:
+            shown.append(row)
             if not stopped.is_set():
-                print(f"  {as_flags(row.describe())}", flush=True)
+                note = progress_note(len(shown), config.trials, time.perf_counter() - started)
+                print(f"  {as_flags(row.describe())}{note}", flush=True)
 
     try:
         rows = interruptible(lambda: plan_candidates(

@@ -86,6 +86,15 @@ def format_share(fraction: float) -> str:
     return f"{percent:.{decimals}f}".rstrip("0").rstrip(".") + "%"
 
 
+def format_duration(seconds: float) -> str:
+    """``seconds`` for a person: ``45 s``, ``12 min``, ``3.5 h``."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
 def counted(n: int, noun: str) -> str:
     """``"1 compile"``, ``"2 compiles"``: ``n`` and ``noun``, plural unless ``n`` is 1."""
     return f"{n} {noun}{'' if n == 1 else 's'}"

@@ -723,3 +723,37 @@ def test_a_ctrl_c_while_the_command_starts_ends_it_in_one_line(tmp_path):
     assert err.strip().splitlines()[-1].startswith(("interrupted while starting: nothing was "
                                                     "stored", "interrupted: ")), err
     assert not (tmp_path / "study" / "study.db").exists()
+
+
+def test_progress_note_says_the_time_left_at_the_pace_so_far_only_when_it_is_long():
+    from scamp_jax.hpo.preview import PROGRESS_NOTE_MIN_S, progress_note
+
+    assert progress_note(3, 64, 120.0) == "; 3 of 64 planned, about 41 min left"
+    assert progress_note(1, 3, 40.0) == "; 1 of 3 planned, about 80 s left"
+    assert progress_note(1, 2, PROGRESS_NOTE_MIN_S - 1) == ""  # the rest is soon done
+    assert progress_note(2, 2, 600.0) == ""  # nothing left
+    assert progress_note(0, 2, 0.0) == ""
+
+
+_PLAN_ONLY_PROGRESS = """
+import sys
+from scamp_jax.hpo import preview
+from experiments import swinir_hpo
+preview.PROGRESS_NOTE_MIN_S = 0.0  # every row says it, however fast
+swinir_hpo.main(sys.argv[1:])
+"""
+
+
+def test_plan_only_says_after_each_candidate_how_many_are_planned_and_the_time_left(tmp_path):
+    """The paper preset's preview for V100s compiles for about a minute a candidate: each
+    progress line says how far it is and about how long the rest takes."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run(
+        [sys.executable, "-c", _PLAN_ONLY_PROGRESS, "--preset", "smoke", "--plan-only",
+         "--trials", "2", "--memory-per-device", "1KiB", "--study-dir", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    rows = [line for line in result.stdout.splitlines() if line.startswith("  trial ")]
+    assert len(rows) == 2, result.stdout + result.stderr
+    assert "; 1 of 2 planned, about " in rows[0] and rows[0].endswith(" s left"), rows[0]
+    assert "planned, about" not in rows[1]  # the last one: nothing left

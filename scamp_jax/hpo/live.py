@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
-from scamp_jax._units import format_bytes, shortened
+from scamp_jax._units import format_bytes, format_duration, shortened
 from scamp_jax.hpo.trial import TrialStatus
 
 _ACTIVE = ("compiling", "training", "evaluating", "starting", "resizing")
@@ -69,15 +69,6 @@ def _fmt_params(params: Mapping[str, Any], width: int = 48) -> str:
 
 def _fmt_float(value: float, digits: int = 4) -> str:
     return "" if math.isnan(value) else f"{value:.{digits}g}"
-
-
-def _duration(seconds: float) -> str:
-    """``seconds`` for a person: ``45 s``, ``12 min``, ``3.5 h``."""
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 90 * 60:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def _fmt_group(group: tuple[int, int] | None) -> str:
@@ -221,7 +212,7 @@ class LiveView:
             pace = done / seconds
             line += f", {pace:.3g} steps/s"
             if s.steps > s.step:
-                line += f", about {_duration((s.steps - s.step) / pace)} left"
+                line += f", about {format_duration((s.steps - s.step) / pace)} left"
         print(line, file=self.stream, flush=True)
 
     def render(self) -> Any:

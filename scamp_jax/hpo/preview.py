@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scamp_jax._units import counted, format_bytes
+from scamp_jax._units import counted, format_bytes, format_duration
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,23 @@ def compute_seconds(flops_per_device: float | None, device_kind: str) -> float |
     if not flops_per_device or attained is None:
         return None
     return flops_per_device / attained
+
+
+#: Least estimated time left for which `progress_note` says it.
+PROGRESS_NOTE_MIN_S = 60.0
+
+
+def progress_note(done: int, count: int, elapsed: float) -> str:
+    """What a progress line of a preview adds after ``done`` of ``count`` candidates planned in
+    ``elapsed`` seconds: how many, and the time left at the pace so far (a candidate of an
+    architecture planned before costs nothing, so it is a rough figure); empty when the rest
+    would take less than `PROGRESS_NOTE_MIN_S` or nothing is left."""
+    if done <= 0 or done >= count:
+        return ""
+    left = elapsed / done * (count - done)
+    if left < PROGRESS_NOTE_MIN_S:
+        return ""
+    return f"; {done} of {count} planned, about {format_duration(left)} left"
 
 
 def cpu_seconds() -> float:
