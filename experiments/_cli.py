@@ -695,8 +695,7 @@ def plan_only(
     import jax
 
     from scamp_jax._units import counted, format_bytes, parse_bytes
-    from scamp_jax.hpo.preview import (ESTIMATE_NOTE, format_rows, plan_candidates,
-                                       progress_note)
+    from scamp_jax.hpo.preview import ESTIMATE_NOTE, format_rows, plan_candidates, progress_note
     from scamp_jax.hpo.trial import fusion_cap
     from scamp_jax.planning import planner, targets
 
