@@ -160,15 +160,16 @@ def test_describe_is_a_short_table(plan):
     assert f"{plan.data_parallel} x {plan.model_parallel}" in text
     assert str(plan.batch_size) in text and "usable" in text
     assert len(text.splitlines()) <= 15
-    [per_sample] = [r for r in text.splitlines() if r.startswith("bytes per sample")]
-    assert per_sample.endswith(f"  {format_bytes(plan.memory_model.bytes_per_sample)}")
+    [per_sample] = [r for r in text.splitlines() if r.startswith("each sample more")]
+    assert per_sample.endswith(f"  +{format_bytes(plan.memory_model.bytes_per_sample)} per "
+                               "device (the global batch one larger)"), per_sample
     # Peaks that dip at the answer (a GPU target's kernels, seen for a small MLP for an H100:
     # 817 KB at 2,928 samples, 537 KB at 2,944, 833 KB at 2,946): the line through them
     # crosses zero samples below zero bytes, and its slope is no bytes per sample.
     dipped = dataclasses.replace(plan, memory_model=dataclasses.replace(
         plan.memory_model, fixed_bytes=-434_044_024.0, bytes_per_sample=147_616.0))
-    line = next(r for r in dipped.describe().splitlines() if r.startswith("bytes per sample"))
-    assert "144.16 KiB" not in line and "not a line here" in line, line
+    line = next(r for r in dipped.describe().splitlines() if r.startswith("each sample more"))
+    assert "144.16 KiB" not in line and "no steady figure" in line, line
 
 
 def test_max_batch_size_and_forced_model_parallel():

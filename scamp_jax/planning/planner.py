@@ -284,9 +284,10 @@ class Plan:
             ("  optimizer state", format_bytes(e.opt_state)),
             ("  inputs", format_bytes(e.inputs)),
             ("  activations+temps", format_bytes(e.activations_and_temps)),
-            ("bytes per sample", format_bytes(self.memory_model.bytes_per_sample)
-             if self.memory_model.fixed_bytes >= 0 else "not a line here (the compiled peaks "
-             f"near batch {self.batch_size} rise and fall with it)"),
+            ("each sample more", f"+{format_bytes(self.memory_model.bytes_per_sample)} per "
+             "device (the global batch one larger)" if self.memory_model.fixed_bytes >= 0
+             else f"no steady figure: the compiled peaks near batch {self.batch_size} rise "
+             "and fall with it"),
             ("planning", f"{self.planning_seconds:.2f} s, {counted(self.compiles, 'compile')}"),
         ]
         width = max(len(name) for name, _ in rows)
