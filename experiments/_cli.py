@@ -81,6 +81,29 @@ class HPOConfig(SearchSettings):
         return record
 
 
+#: A flag's value that starts as a negative number: a digit or a point after the minus sign.
+_NEGATIVE_VALUE = re.compile(r"-\.?\d")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser that reads ``--flag -1GiB`` as ``--flag=-1GiB``: a long flag's next
+    word that starts as a negative number is its value, so that a negative size gets the
+    flag's own error ("must be positive") where argparse, which takes only plain numbers so,
+    says "expected one argument"."""
+
+    def parse_known_args(self, args: Sequence[str] | None = None,
+                         namespace: argparse.Namespace | None = None) -> Any:
+        words = list(sys.argv[1:] if args is None else args)
+        joined: list[str] = []
+        for word in words:
+            if (joined and joined[-1].startswith("--") and joined[-1] != "--"
+                    and "=" not in joined[-1] and _NEGATIVE_VALUE.match(word)):
+                joined[-1] = f"{joined[-1]}={word}"
+            else:
+                joined.append(word)
+        return super().parse_known_args(joined, namespace)
+
+
 def _int_at_least(text: str, minimum: int, what: str, words: str = "") -> int:
     """``text`` as an int of at least ``minimum`` (``what`` says the bound, ``words`` the other
     values the flag takes, for the error)."""

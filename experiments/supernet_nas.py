@@ -155,7 +155,9 @@ def _presets_text() -> str:
 
 def parser() -> argparse.ArgumentParser:
     """The command-line flags (``--help`` lists them)."""
-    p = argparse.ArgumentParser(
+    from experiments._cli import Parser
+
+    p = Parser(
         prog="python -m experiments.supernet_nas",
         description="Train a weight-sharing SR supernet with pipelined subnets, rank subnets.",
         epilog=_presets_text(),

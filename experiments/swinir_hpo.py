@@ -30,6 +30,7 @@ from typing import Any
 from experiments._cli import (
     STOPPING_TEXT,
     HPOConfig,
+    Parser,
     add_flags,
     config_from_args,
     preset_text,
@@ -147,7 +148,7 @@ def _presets_text() -> str:
 
 def parser() -> argparse.ArgumentParser:
     """The command-line flags (``--help`` lists them)."""
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m experiments.swinir_hpo",
         description="Memory-aware parallel hyperparameter search over SwinIR "
         "(x2 super-resolution).",

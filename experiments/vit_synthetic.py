@@ -22,6 +22,7 @@ from typing import Any
 from experiments._cli import (
     STOPPING_TEXT,
     HPOConfig,
+    Parser,
     add_flags,
     config_from_args,
     preset_text,
@@ -70,7 +71,7 @@ def _presets_text() -> str:
 
 def parser() -> argparse.ArgumentParser:
     """The command-line flags (``--help`` lists them)."""
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m experiments.vit_synthetic",
         description="ScaMP's synthetic training benchmark: memory-aware HPO over ViTs.",
         epilog=_presets_text(),

@@ -53,6 +53,11 @@ def test_unknown_choice_is_rejected(flag, value, capsys):
     (["--checkpoint-min-seconds", "nan"], "argument --checkpoint-min-seconds: nan must be 0"),
     (["--checkpoint-min-seconds", "soon"],
      "argument --checkpoint-min-seconds: 'soon' is not a number"),
+    # a value that starts as a negative number is the flag's, not a flag (argparse's own
+    # reading takes only plain numbers so: "expected one argument")
+    (["--memory-per-device", "-1GiB"],
+     "argument --memory-per-device: memory size must be positive, got '-1GiB'"),
+    (["--checkpoint-min-seconds", "-.5"], "argument --checkpoint-min-seconds: -.5 must be 0"),
 ])
 def test_bad_numbers_are_rejected(args, message, capsys):
     with pytest.raises(SystemExit):
@@ -757,3 +762,17 @@ def test_plan_only_says_after_each_candidate_how_many_are_planned_and_the_time_l
     assert len(rows) == 2, result.stdout + result.stderr
     assert "; 1 of 2 planned, about " in rows[0] and rows[0].endswith(" s left"), rows[0]
     assert "planned, about" not in rows[1]  # the last one: nothing left
+
+
+def test_parser_takes_a_negative_value_as_the_flags_and_leaves_the_rest_as_argparse_reads_it():
+    from experiments._cli import Parser
+
+    p = Parser(prog="x")
+    p.add_argument("--size")
+    p.add_argument("--on", action="store_true")
+    p.add_argument("rest", nargs="*")
+    assert vars(p.parse_args(["--size", "-2GiB"])) == {"size": "-2GiB", "on": False, "rest": []}
+    assert vars(p.parse_args(["--size=-2GiB"]))["size"] == "-2GiB"
+    assert vars(p.parse_args(["--size", "1", "--", "-3x"]))["rest"] == ["-3x"]  # after --
+    with pytest.raises(SystemExit):  # a word that is no number stays a flag, as argparse reads it
+        p.parse_args(["--size", "-x"])
