@@ -74,10 +74,12 @@ def measure(case_name: str, devices: int | None, budget: str | None,
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.compiles", description=__doc__.splitlines()[0])
-    parser.add_argument("--case", default="swinir",
-                        help="a model of benchmarks.memory_accuracy (swinir, swinir_small, "
-                        "swinir_paper, mlp, ...; default swinir)")
-    parser.add_argument("--devices", type=int, default=None,
+    from benchmarks.memory_accuracy import BY_NAME
+    from experiments._cli import positive_int
+
+    parser.add_argument("--case", default="swinir", choices=list(BY_NAME),
+                        help="a model of benchmarks.memory_accuracy (default swinir)")
+    parser.add_argument("--devices", type=positive_int, default=None,
                         help="devices to plan on (default: all; on CPU the host is split into 8)")
     parser.add_argument("--memory-per-device", default=None,
                         help="budget per device (default: the case's)")

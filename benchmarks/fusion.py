@@ -6,7 +6,8 @@ seeds, the study's per-trial seeds) are trained for the same steps at the same b
 final checkpoint and held-out evaluation each, in these ways:
 
 - **fused**: one group (`scamp_jax.hpo.fused_runner.run_fused_group`) on one device, the group sized
-  by `scamp_jax.planning.fusion.plan_fusion` (its compiles are counted in the fused time);
+  by `scamp_jax.planning.fusion.plan_fusion` (timed apart and said beside the table, like a
+  trial's plan, which the unfused variant does not count either);
 - **unfused**: the project's solo runner (`scamp_jax.hpo.runner.run_trial`) one trial after another
   on the same device, sharing one compiled step (`StepCache`), as the engine does for trials of
   one architecture;
@@ -704,27 +705,31 @@ def _table(report: dict[str, Any], markdown: bool) -> None:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Parse flags, measure, print a table (and the JSON with ``--json``)."""
+    from experiments._cli import output_file, positive_int
+
     p = argparse.ArgumentParser(prog="python -m benchmarks.fusion", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", choices=sorted(ARCHITECTURES), default="vit",
                    help="model family of the trials (default vit)")
-    p.add_argument("--width", type=int, default=4, help="trials in the group, K (default 4)")
-    p.add_argument("--steps", type=int, default=None,
+    p.add_argument("--width", type=positive_int, default=4,
+                   help="trials in the group, K (default 4)")
+    p.add_argument("--steps", type=positive_int, default=None,
                    help="training steps per trial (default: the family's, "
                         + ", ".join(f"{f} {d['steps']}" for f, d in sorted(DEFAULTS.items()))
                         + ")")
-    p.add_argument("--batch", type=int, default=None,
+    p.add_argument("--batch", type=positive_int, default=None,
                    help="samples per trial per step (default: the family's, "
                         + ", ".join(f"{f} {d['batch']}" for f, d in sorted(DEFAULTS.items()))
                         + ")")
-    p.add_argument("--repeats", type=int, default=3,
+    p.add_argument("--repeats", type=positive_int, default=3,
                    help="interleaved repeats per variant (default 3)")
     p.add_argument("--no-concurrent", action="store_true",
                    help="skip the concurrent unfused variant")
     p.add_argument("--ray", action="store_true", help="also run the trials under Ray Tune")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--markdown", action="store_true", help="Markdown tables")
-    p.add_argument("--out", type=Path, default=None, help="also write the JSON report here")
+    p.add_argument("--out", type=output_file, default=None,
+                   help="also write the JSON report here")
     p.add_argument("--conv-form", choices=("auto", "per_member", "grouped"), default=None,
                    help="how the fused step runs per-member convolutions (sets "
                         "SCAMP_FUSED_CONVOLUTIONS; auto: member by member on CPU, one grouped "
@@ -747,9 +752,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                    help="only the modelled gain vs width on the simulator's cluster presets "
                         "(compiles, trains nothing)")
     args = p.parse_args(argv)
-    for flag, value in (("--width", args.width), ("--repeats", args.repeats)):
-        if value < 1:
-            p.error(f"{flag} {value} must be at least 1")
     if args.target is not None and not args.kernels:
         p.error("--target needs --kernels")
     if args.target is not None:

@@ -28,7 +28,6 @@ import argparse
 import dataclasses
 import statistics
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from benchmarks.fusion import CPU_DEVICES, DEFAULTS, _experiment, member_configs
@@ -223,18 +222,21 @@ def _print_trial(report: dict[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     """Parse flags and print the checks."""
+    from experiments._cli import output_file, positive_int
+
     p = argparse.ArgumentParser(prog="python -m benchmarks.fusion_precision", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", choices=sorted(DEFAULTS), default="swinir",
                    help="model family of the members (default swinir)")
-    p.add_argument("--width", type=int, default=None,
+    p.add_argument("--width", type=positive_int, default=None,
                    help="members (--ops: 4; --trial: 5, at least 5)")
-    p.add_argument("--steps", type=int, default=None, help="--trial: steps per trial")
+    p.add_argument("--steps", type=positive_int, default=None, help="--trial: steps per trial")
     p.add_argument("--ops", action="store_true", help="the one-step per-op check")
     p.add_argument("--trial", action="store_true",
                    help="fused gap against the one-ulp noise floor over a whole trial")
     p.add_argument("--json", action="store_true", help="print the --trial report as JSON")
-    p.add_argument("--out", type=Path, default=None, help="also write the --trial JSON here")
+    p.add_argument("--out", type=output_file, default=None,
+                   help="also write the --trial JSON here")
     args = p.parse_args(argv)
     from benchmarks._tables import emit_report
     from scamp_jax.devices import configure_cpu_devices

@@ -52,6 +52,7 @@ import argparse
 import dataclasses
 import io
 import json
+import math
 import os
 import shutil
 import signal
@@ -503,10 +504,11 @@ def pack(out: Path, archive: Path, limit: int = ARCHIVE_LIMIT) -> dict[str, Any]
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     """Parse flags; run the suite (or, with the internal ``--section``, one section)."""
     from benchmarks.gpu_sections import ALLOCATOR_POLICIES
+    from experiments._cli import output_dir, output_file
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_suite",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, type=Path,
+    parser.add_argument("--out", required=True, type=output_dir,
                         help="directory of gpu_suite.json, gpu_suite.md, logs and records")
     parser.add_argument("--minutes", type=float, default=9.0,
                         help="the suite ends within this many minutes (default 9: a 10-minute "
@@ -515,7 +517,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                              "or when named in --only)")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="the same code on 8 CPU devices with tiny sizes")
-    parser.add_argument("--archive", type=Path, default=None,
+    parser.add_argument("--archive", type=output_file, default=None,
                         help="also pack the results into this .tar.gz (at most 16 MiB) after "
                              "every section, with gpu_suite.json and .md beside it")
     parser.add_argument("--allocator", default="preallocate", choices=sorted(ALLOCATOR_POLICIES),
@@ -523,7 +525,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                              "(default preallocate: the library's policy, `scamp_jax.devices`, the "
                              "budget taken up front as one region; grow: preallocation off, "
                              "capped at the budget)")
-    parser.add_argument("--plan-cache", type=Path, default=None,
+    parser.add_argument("--plan-cache", type=output_file, default=None,
                         help="plan cache (e.g. a study's plans.sqlite) that stores the allowance "
                              "the memory section measures (default: OUT/plans.sqlite)")
     parser.add_argument("--only", default=None,
@@ -541,11 +543,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         sys.exit(run_section(args.section, cfg, args.out, args.deadline, args.plan_cache,
                              args.minutes))
     explicit = args.only is not None
-    only = tuple(s for s in (args.only or ",".join(SECTIONS)).split(",") if s)
+    only = tuple(s.strip() for s in (",".join(SECTIONS) if args.only is None
+                                     else args.only).split(",") if s.strip())
     unknown = sorted(set(only) - set(SECTIONS))
     if unknown or not only:
-        parser.error(f"--only {args.only!r}: unknown section(s) {unknown}; choose from "
-                     f"{','.join(SECTIONS)}")
+        parser.error(f"--only {args.only!r}: "
+                     + (f"unknown section(s) {', '.join(unknown)}" if unknown else "no section")
+                     + f"; choose from {','.join(SECTIONS)}")
+    cfg = dataclasses.replace(CPU_SMOKE if args.cpu_smoke else GPU, allocator=args.allocator)
+    least = cfg.environment_seconds + RESERVE_SECONDS + cfg.min_section_seconds
+    if 60.0 * args.minutes < least:
+        parser.error(f"--minutes {args.minutes:g} leaves no time for a section after the "
+                     f"environment record ({cfg.environment_seconds:.0f} s at most); pass at "
+                     f"least --minutes {math.ceil(least / 6) / 10:g}")
     if args.cpu_smoke:
         os.environ["JAX_PLATFORMS"] = "cpu"  # the section processes inherit it
     # A section's error keeps its traceback in the section's log: the logs are all that a GPU
@@ -555,11 +565,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     os.environ.setdefault(TRACEBACK_VARIABLE, "1")
     # SIGTERM ends the driver through SystemExit, so the running section is stopped too.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    cfg = dataclasses.replace(CPU_SMOKE if args.cpu_smoke else GPU, allocator=args.allocator)
     report = run_suite(cfg, args.out, args.minutes, only, args.plan_cache, args.archive,
                        explicit)
     if "error" in report["meta"]:
         sys.exit(report["meta"]["error"])
+    if all(report[name].get("status") == "not run" for name in SECTIONS):
+        sys.exit(f"no section ran in {args.minutes:g} minutes (each one's reason is in "
+                 f"{args.out / 'gpu_suite.md'}); pass more --minutes")
     return report
 
 

@@ -174,6 +174,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     policies = args.policies.split(",")
     if not policies or any(x not in ("scamp", "fixed") for x in policies):
         p.error(f"--policies {args.policies!r}: choose from scamp,fixed (comma-separated)")
+    if len(set(policies)) < len(policies):
+        p.error(f"--policies {args.policies!r} names a policy twice; each runs once")
     running: int | str | None = {"auto": "auto", "none": None}.get(args.max_running_trials)
     if running is None and args.max_running_trials != "none":
         if not args.max_running_trials.isdigit() or int(args.max_running_trials) < 1:
@@ -182,6 +184,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         running = int(args.max_running_trials)
     if args.ray and "fixed" not in policies:
         p.error("--ray reruns the fixed run's trials; include fixed in --policies")
+    if args.ray:  # said before the runs it follows, not after them
+        from benchmarks import ray_baseline
+
+        ray, reason = ray_baseline.import_ray()
+        if ray is None:
+            print(f"note: --ray: {reason}; the Ray Tune row will be skipped (Ctrl-C now to "
+                  "install it first)", flush=True)
 
     from scamp_jax.devices import configure_cpu_devices, peak_bytes_in_use
 
@@ -200,6 +209,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     devices = planner.resolve_devices(args.devices)
     memory = args.memory_per_device or get_config("smoke").memory_per_device
     budget = Budget.of_devices(devices, memory).memory_per_device
+    if "fixed" in policies and args.devices_per_trial > len(devices):  # before any run
+        p.error(f"--devices-per-trial {args.devices_per_trial} exceeds the pool of "
+                f"{len(devices)} devices; lower it, or pass --devices "
+                f"{args.devices_per_trial}")
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="hpo_makespan_"))
     rows = []
     for policy in policies:

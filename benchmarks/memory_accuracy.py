@@ -507,21 +507,32 @@ def render(rows: list[dict[str, Any]], markdown: bool) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse flags, measure every selected model, print the table."""
+    from experiments._cli import positive_int
+
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.memory_accuracy", description=__doc__.splitlines()[0])
     parser.add_argument("--memory-per-device", default=None,
                         help="budget per device, e.g. 64MiB (default: each model's own)")
-    parser.add_argument("--devices", type=int, default=None,
+    parser.add_argument("--devices", type=positive_int, default=None,
                         help="devices to plan on (default: 8 virtual CPU devices, or all GPUs)")
-    parser.add_argument("--only", default=None, help="comma-separated model names")
-    parser.add_argument("--fuse", type=int, default=None, metavar="K",
+    parser.add_argument("--only", default=None,
+                        help=f"comma-separated model names of {', '.join(BY_NAME)} (default: "
+                        "all)")
+    parser.add_argument("--fuse", type=positive_int, default=None, metavar="K",
                         help="also size a fused group of up to K members on each plan, new and "
                              "from the plan cache (default: off)")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--safety-margin", type=float, default=0.1, help=argparse.SUPPRESS)
-    parser.add_argument("--plan-cache", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child", default=None, choices=list(BY_NAME), metavar="CASE",
+                        help="run two real training steps of CASE on its plan in this process "
+                        "and print one JSON row (planned, booked, compiled and, on GPUs, the "
+                        "allocator's measured peak): the GPU suite's memory measurement")
+    parser.add_argument("--batch", type=positive_int, default=None,
+                        help="with --child: the batch to run (default: the plan's)")
+    parser.add_argument("--safety-margin", type=float, default=0.1,
+                        help="with --child: the planner's safety margin (default 0.1)")
+    parser.add_argument("--plan-cache", default=None,
+                        help="with --child: a plan cache file, so that a repeated run plans "
+                        "without compiling")
     args = parser.parse_args(argv)
     if args.fuse is not None and args.fuse < 1:
         parser.error(f"--fuse {args.fuse}: a group needs at least 1 member; use e.g. --fuse 4")

@@ -338,6 +338,8 @@ COMM_HEADER = ["ranks", "global batch", "gradients / tensors", "local-only ms",
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse flags; measure under MPI, or re-launch under ``mpirun`` for each ``--ranks``."""
+    from experiments._cli import output_file
+
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.mpi_comm", description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4],
@@ -348,7 +350,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--budgets", nargs="*", default=["64MiB", "16MiB", "4MiB"],
                         help="memory per device for the planner table (none: skip it)")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
-    parser.add_argument("--json-out", help="write the measured figures (JSON) here")
+    parser.add_argument("--json-out", type=output_file,
+                        help="write the measured figures (JSON) here")
     parser.add_argument("--no-global-mesh", action="store_true",
                         help="skip the jax.distributed global-mesh comparison")
     parser.add_argument("--global-mesh", action="store_true",

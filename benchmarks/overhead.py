@@ -309,14 +309,17 @@ def _fuse_value(text: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    from experiments._cli import output_file, positive_int
+
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=[*FAMILIES, "all"], default="digits",
                         help="which study to run both ways (default: digits, the README's guide)")
-    parser.add_argument("--repeats", type=int, default=3,
+    parser.add_argument("--repeats", type=positive_int, default=3,
                         help="interleaved repeats of each way (default 3)")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
-    parser.add_argument("--json", metavar="FILE", help="also write every run's figures to FILE")
+    parser.add_argument("--json", metavar="FILE", type=output_file,
+                        help="also write every run's figures to FILE")
     parser.add_argument("--fuse", action="append", type=_fuse_value, metavar="none|auto|K",
                         help="run scamp-jax with this fuse setting (repeat for several ways; "
                         "default: once, with run_study's default)")
@@ -326,8 +329,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--study-dir", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error(f"--repeats {args.repeats} must be at least 1")
 
     from scamp_jax.devices import configure_device_memory
 

@@ -122,7 +122,14 @@ class CostTable:
         self.path = path
         self.entries: dict[str, dict[str, Any]] = {}  # a cost model's fields, as JSON
         if path is not None and path.exists():
-            self.entries = json.loads(path.read_text())
+            try:
+                self.entries = json.loads(path.read_text())
+                if not isinstance(self.entries, dict):
+                    raise ValueError("not an object of costs")
+            except (ValueError, UnicodeDecodeError) as err:
+                raise ValueError(f"the cost cache {str(path)!r} cannot be read ({err}); it "
+                                 "holds measured costs only: delete it (they are measured "
+                                 "again), or pass another --cache") from None
         self.compile_seconds = 0.0
         self.compiled = 0
 
@@ -483,6 +490,8 @@ def _seed(text: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags, cost the candidates, simulate, print the comparison."""
+    from experiments._cli import output_file, positive_int
+
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.simulate_cluster",
         description="Simulate a search on a GPU cluster with the real placement code."
@@ -504,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="training samples per trial (epochs x data set size)")
     parser.add_argument("--max-batch-size", type=int, default=64,
                         help="cap on a trial's global batch (0: memory is the only limit)")
-    parser.add_argument("--fixed-devices", type=int, default=None,
+    parser.add_argument("--fixed-devices", type=positive_int, default=None,
                         help="devices per trial for the fixed policy (default: what the "
                         "largest candidate needs)")
     parser.add_argument("--policy", default="both", choices=("scamp", "fixed", "both"),
@@ -545,7 +554,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--safety-margin", type=float, default=0.1,
                         help="fraction of device memory plans keep free")
     parser.add_argument("--seed", type=_seed, default=0, help="seed of the sampled study")
-    parser.add_argument("--cache", type=Path, default=Path("runs/simulate_cluster_costs.json"),
+    parser.add_argument("--cache", type=output_file,
+                        default=Path("runs/simulate_cluster_costs.json"),
                         help="JSON cache of per-architecture costs")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     parser.add_argument("--validate", type=Path, default=None, metavar="RUN_DIR",
@@ -567,6 +577,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--min-resize-gain must be in [0, 1)")
     if args.batch_multiple < 1:
         parser.error("--batch-multiple must be >= 1")
+    if not 0 <= args.safety_margin < 1:
+        parser.error(f"--safety-margin {args.safety_margin} must be in [0, 1): the fraction of "
+                     "device memory plans keep free, e.g. 0.1")
+    if args.json and args.replay is None:
+        parser.error("--json prints a --replay's placements; pass --replay STUDY_DIR too")
+    if args.fuse is not None and args.fuse < 2:
+        parser.error("--fuse must be at least 2 (members per fused group)")
     if args.replay is not None:
         from scamp_jax.scheduling.replay import as_json, run_section
         from scamp_jax.sim.measured import read_results, replay_study
@@ -590,6 +607,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_cpu_devices(8)
     log = lambda line: print(line, file=sys.stderr)  # noqa: E731
     if args.validate is not None:
+        if not (args.validate / "hpo_makespan.json").is_file():
+            parser.error(f"--validate {args.validate}: no hpo_makespan.json there; pass the "
+                         "--out DIR of a 'python -m benchmarks.hpo_makespan --out DIR' run")
         summary = validate(args.validate, CostTable(args.cache), log)
         for name, value in summary.items():
             print(f"{name}={value:.3f}")
@@ -597,8 +617,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     cluster = cluster_preset(args.device, devices=args.devices)
     cap = args.max_batch_size or None
     table = CostTable(args.cache)
-    if args.fuse is not None and args.fuse < 2:
-        parser.error("--fuse must be at least 2 (members per fused group)")
     families: list[int] = []
     if args.fuse:
         configs, families = sample_families(args.search, args.variant, args.architectures,
@@ -606,8 +624,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         configs = sample_configs(args.search, args.variant, args.architectures, args.trials,
                                  args.seed)
-    print(f"costing {len(set(map(repr, configs)))} architectures on CPU "
-          f"(cache: {args.cache})", file=sys.stderr)
+    print(f"costing {len(set(map(repr, configs)))} architectures on CPU, and the space's "
+          f"largest for the fixed policy's devices (cache: {args.cache})", file=sys.stderr)
     costs = cost_candidates(configs, search=args.search, variant=args.variant, cluster=cluster,
                             safety_margin=args.safety_margin, table=table, log=log,
                             max_batch_size=cap, batch_multiple=args.batch_multiple)

@@ -36,6 +36,7 @@ from typing import Any
 
 from benchmarks._tables import pct_text, print_table
 from benchmarks.gpu_suite import GPU
+from experiments._cli import output_file
 
 #: Budgets of the cases as the GPU suite plans them alone (`benchmarks.gpu_suite.GPU`'s memory
 #: cases; the H200 run of 2026-11-27 had all but ``swinir_small_so``, the search space's
@@ -49,27 +50,31 @@ POOL = "pool"
 REFERENCE_NAME = Path("shared/gpu/2026-11-27-h200")
 
 
-def default_reference() -> Path:
-    """The first ``shared/gpu/2026-11-27-h200`` among this checkout's parent directories."""
+def default_reference() -> Path | None:
+    """The first ``shared/gpu/2026-11-27-h200`` among this checkout's parent directories
+    (None: none)."""
     for parent in Path(__file__).resolve().parents:
         if (parent / REFERENCE_NAME).is_dir():
             return parent / REFERENCE_NAME
-    return Path("..") / REFERENCE_NAME
+    return None
 
 
 #: The memory section's row of a case's plan in a GPU suite's results (`benchmarks.gpu_suite`).
 SUITE_PLAN_POINT = "planned, capped"
 
 
-def reference_point(directory: Path, case: str, autotuned: bool = False
+def reference_point(directory: Path | None, case: str, autotuned: bool = False
                     ) -> tuple[int, int] | None:
-    """``(batch, compiled peak bytes)`` the reference GPU planned for ``case`` (None: none).
+    """``(batch, compiled peak bytes)`` the reference GPU planned for ``case`` (None: none, or
+    no ``directory``).
 
     ``directory`` holds either the first H200 run's ``mem_<case>_0.json`` (its planner
     autotuned: the plan's peak) or a GPU suite's results (``sections/memory.json``): there the
     plan's peak comes from a compile with autotuning off, the run's (``compiled``, the same
     batch) from the autotuned compile; ``autotuned`` takes the run's, the figure a plan with
     that GPU's autotuning results (``--autotune-cache``) compiles."""
+    if directory is None:
+        return None
     path = directory / f"mem_{case}_0.json"
     if path.is_file():
         for row in json.loads(path.read_text())["rows"]:
@@ -136,7 +141,9 @@ def main(argv: list[str] | None = None) -> None:
                         "suite's environment/target_config.txtpb; default h100)")
     parser.add_argument("--only", default="mlp,vit,swinir_small",
                         help="comma-separated cases of benchmarks.memory_accuracy "
-                        "(default mlp,vit,swinir_small: the three the H200 ran)")
+                        f"(default mlp,vit,swinir_small: the three the H200 ran); with a "
+                        f"budget of their own: {', '.join(BUDGETS)}; others need "
+                        "--memory-per-device")
     parser.add_argument("--memory-per-device", default=None,
                         help="budget per device, e.g. 2GiB, or 'pool': what a training "
                         "process alone on the target GPU holds (default: each case's, as the "
@@ -156,7 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-plan", action="store_true",
                         help="only the compile at the reference's batch (e.g. with "
                         "--compile-options)")
-    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument("--json", type=output_file, default=None,
+                        help="also write the rows here (JSON)")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     args = parser.parse_args(argv)
     if args.reference is not None and not args.reference.is_dir():
@@ -166,24 +174,48 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--autotune-cache {args.autotune_cache}: no such directory; pass the "
                      "autotune/ folder of a GPU suite's output")
 
+    from benchmarks.memory_accuracy import BY_NAME
+
+    cases, targets = _listed(parser, args.only, "--only"), _listed(parser, args.targets,
+                                                                    "--targets")
+    unknown = [c for c in cases if c not in BY_NAME]
+    if unknown:
+        parser.error(f"--only: unknown case(s) {', '.join(unknown)}; choose from "
+                     f"{', '.join(BY_NAME)}")
+    if args.memory_per_device is None and any(c not in BUDGETS for c in cases):
+        parser.error(f"--only: {', '.join(c for c in cases if c not in BUDGETS)} has no budget "
+                     f"of its own (those with one: {', '.join(BUDGETS)}); pass "
+                     "--memory-per-device, e.g. --memory-per-device pool")
+
     import os
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the target compiles need no CUDA libraries
+    directory = args.reference or default_reference()
+    references = {case: reference_point(directory, case,
+                                        autotuned=args.autotune_cache is not None)
+                  for case in cases}
+    from scamp_jax.planning.targets import resolve_target
+
+    for target in targets:  # every one before the first compile
+        try:
+            resolve_target(target, autotune_cache=args.autotune_cache)
+        except ValueError as problem:
+            parser.error(f"--targets: {problem}")
+    if directory is None:
+        print(f"# no reference GPU's figures: no {REFERENCE_NAME} above this checkout, and no "
+              "--reference; planned here only", flush=True)
     rows = []
-    for case in args.only.split(","):
-        reference = reference_point(args.reference or default_reference(), case,
-                                    autotuned=args.autotune_cache is not None)
-        if reference is None:
-            print(f"# no reference figures for {case} in "
-                  f"{args.reference or default_reference()}: planned here only", flush=True)
-        for target in args.targets.split(","):
+    for case in cases:
+        reference = references[case]
+        if reference is None and directory is not None:
+            print(f"# no reference figures for {case} in {directory}: planned here only",
+                  flush=True)
+        for target in targets:
             row = measure(case, target, args.memory_per_device or BUDGETS[case], reference,
                           args.compile_options, plan=not args.no_plan,
                           autotune_cache=args.autotune_cache)
             rows.append(row)
             print(f"# {json.dumps(row)}", flush=True)
-    if args.json is not None:
-        args.json.write_text(json.dumps(rows, indent=1))
     header = ["case", "target", "budget", "batch", "ref batch", "err", "peak", "ref peak",
               "err", "peak at ref batch", "err", "compiles", "CPU s"]
     table = []
@@ -206,6 +238,18 @@ def main(argv: list[str] | None = None) -> None:
         ])
     print_table("planned for a described GPU vs the reference GPU's own plan", header, table,
                 args.markdown)
+    if args.json is not None:  # after the table: what is measured is shown whatever happens
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+def _listed(parser: argparse.ArgumentParser, text: str, flag: str) -> list[str]:
+    """The comma-separated names of ``flag``, none of them empty."""
+    names = [name.strip() for name in text.split(",")]
+    if not all(names):
+        parser.error(f"{flag} {text!r}: an empty name; separate names with single commas, "
+                     "e.g. mlp,vit")
+    return names
 
 
 if __name__ == "__main__":

@@ -91,8 +91,9 @@ class Parser(argparse.ArgumentParser):
     flag's own error ("must be positive") where argparse, which takes only plain numbers so,
     says "expected one argument"."""
 
-    def parse_known_args(self, args: Sequence[str] | None = None,
-                         namespace: argparse.Namespace | None = None) -> Any:
+    def parse_known_args(  # type: ignore[override]  # argparse's overloads, one body
+            self, args: Sequence[str] | None = None,
+            namespace: argparse.Namespace | None = None) -> Any:
         words = list(sys.argv[1:] if args is None else args)
         joined: list[str] = []
         for word in words:
@@ -144,6 +145,31 @@ def study_name(text: str) -> str:
             "an empty name names no study; pass a name, or leave --study-name out for the "
             "search space's name")
     return text
+
+
+def output_file(text: str) -> Path:
+    """argparse type of a file a command writes when its work is done (``--json FILE``,
+    ``--out FILE``): one that can be written, its folder made where missing, checked before
+    the work (`scamp_jax.hpo.session.check_file`), so that the work is not lost to a bad path."""
+    from scamp_jax.hpo.session import check_file
+
+    try:
+        check_file(text, "")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return Path(text)
+
+
+def output_dir(text: str) -> Path:
+    """argparse type of a folder a command writes into (``--out DIR``): one that is, or can
+    become, a folder this process writes (`scamp_jax.hpo.session.check_directory`)."""
+    from scamp_jax.hpo.session import check_directory
+
+    try:
+        check_directory(text, "")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return Path(text)
 
 
 def fusion_width(text: str) -> int | str:

@@ -280,3 +280,104 @@ def test_the_search_spaces_swinir_case_builds_the_program_the_space_trains() -> 
     assert rules(nnx.eval_shape(lambda: case.build(nnx.Rngs(0)))) == {True}
     assert rules(nnx.eval_shape(lambda: case.build(nnx.Rngs(0), False))) == {False}
     assert rules(nnx.eval_shape(lambda: reference.build(nnx.Rngs(0)))) == {False}
+
+
+def _refused(main: Any, argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """What ``main(argv)`` says as it exits 2 (argparse's usage error), before any work."""
+    with pytest.raises(SystemExit) as ended:
+        main(argv)
+    assert ended.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return " ".join(err.split())
+
+
+@pytest.mark.parametrize("module, argv, message", [
+    ("target_accuracy", ["--only", "nope"], "--only: unknown case(s) nope; choose from mlp"),
+    ("target_accuracy", ["--only", "transformer"],
+     "transformer has no budget of its own (those with one: mlp"),
+    ("target_accuracy", ["--only", "mlp,"], "an empty name"),
+    ("target_accuracy", ["--only", "mlp", "--targets", "h100,nope"],
+     "--targets: target='nope' is neither a known GPU"),
+    ("target_accuracy", ["--json", "{dir}"], "is a folder; pass a file path"),
+    ("target_accuracy", ["--json", "{file}/x.json"], "which is a file; pass a file path"),
+    ("compiles", ["--case", "nope"], "argument --case: invalid choice: 'nope'"),
+    ("compiles", ["--devices", "0"], "argument --devices: 0 must be at least 1"),
+    ("memory_accuracy", ["--devices", "0"], "argument --devices: 0 must be at least 1"),
+    ("fusion", ["--steps", "0"], "argument --steps: 0 must be at least 1"),
+    ("fusion", ["--batch", "0"], "argument --batch: 0 must be at least 1"),
+    ("fusion", ["--out", "{file}/x.json"], "argument --out:"),
+    ("fusion_precision", ["--out", "{dir}"], "argument --out:"),
+    ("overhead", ["--json", "{file}/x.json"], "argument --json:"),
+    ("simulate_cluster", ["--fixed-devices", "0"], "argument --fixed-devices: 0 must be"),
+    ("simulate_cluster", ["--safety-margin", "1.0"], "--safety-margin 1.0 must be in [0, 1)"),
+    ("simulate_cluster", ["--json"], "--json prints a --replay's placements"),
+    ("simulate_cluster", ["--cache", "{dir}"], "argument --cache:"),
+    ("hpo_makespan", ["--policies", "scamp,scamp"], "names a policy twice"),
+])
+def test_a_benchmarks_bad_flag_is_refused_before_its_work(
+        module: str, argv: list[str], message: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every flag a benchmark can check is checked before it compiles or trains: a bad case,
+    target, count or output path found after minutes of compiles loses them."""
+    import importlib
+
+    # target_accuracy sets the variable where unset, for its compiles: kept to this test
+    monkeypatch.setenv("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", "cpu"))
+    (tmp_path / "file").write_text("")
+    (tmp_path / "dir").mkdir()
+    argv = [a.format(dir=tmp_path / "dir", file=tmp_path / "file") for a in argv]
+    main = importlib.import_module(f"benchmarks.{module}").main
+    assert message in _refused(main, argv, capsys)
+
+
+_WITHOUT_RAY = """
+import sys
+sys.modules["ray"] = None  # makes `import ray` raise ImportError, as where it is not installed
+from benchmarks import hpo_makespan
+hpo_makespan.main(sys.argv[1:])
+"""
+
+
+def test_hpo_makespan_checks_its_pool_and_says_ray_is_missing_before_its_runs(
+        tmp_path: Path) -> None:
+    """A fixed policy's devices per trial beyond the pool is refused before the ScaMP run it
+    follows (minutes at the documented sizes), and a missing Ray Tune is said before any run
+    (it skips its row at the end)."""
+    import subprocess
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_RAY, "--ray", "--devices-per-trial", "99",
+         "--out", str(tmp_path)], cwd=Path(__file__).resolve().parents[1], env=env,
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "--devices-per-trial 99 exceeds the pool of 8 devices" in result.stderr
+    assert list(tmp_path.iterdir()) == []  # no study ran
+    assert result.stdout.startswith('note: --ray: the Ray Tune baseline needs Ray Tune; '
+                                    'install it with: pip install "ray[tune]"'), result.stdout
+
+
+def test_simulate_cluster_says_what_to_validate_where_a_folder_is_no_measured_run(
+        tmp_path: Path) -> None:
+    import subprocess
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.simulate_cluster", "--validate", str(tmp_path),
+         "--cache", str(tmp_path / "costs.json")], cwd=Path(__file__).resolve().parents[1],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert (f"--validate {tmp_path}: no hpo_makespan.json there; pass the --out DIR of a "
+            "'python -m benchmarks.hpo_makespan --out DIR' run") in result.stderr
+
+
+def test_a_cost_cache_that_is_no_json_is_named(tmp_path: Path) -> None:
+    from benchmarks.simulate_cluster import CostTable
+
+    (tmp_path / "costs.json").write_text("not json")
+    with pytest.raises(ValueError, match=r"the cost cache '.*costs.json' cannot be read .*"
+                                         "delete it"):
+        CostTable(tmp_path / "costs.json")

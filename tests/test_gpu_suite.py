@@ -304,3 +304,64 @@ def test_the_main_job_reports_its_compile_share_and_booking(smoke: dict) -> None
     assert row["trials"] == 2 and row["batch_sizes"] and row["compile_s"] > 0
     assert 0 < row["peak_memory_utilization"] <= 1 and row["planning_compiles"] >= 1
     assert row["compile_share"] == row["compile_s"] / row["study_s"]
+
+
+def test_benchmarks_md_lists_each_sections_header_row_exactly() -> None:
+    """BENCHMARKS.md says each section's table has exactly the header row it lists there: the
+    rows the suite's Markdown writes (`gpu_markdown.HEADERS`), so that pasted results line up."""
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    listed = {line.split(":", 1)[0]: line.split(":", 1)[1].strip()
+              for line in text.splitlines() if line.split(":", 1)[0] in gpu_markdown.HEADERS}
+    assert listed == {name: "| " + " | ".join(header) + " |"
+                      for name, header in gpu_markdown.HEADERS.items()}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--minutes", "0.05", "--cpu-smoke"], "--minutes 0.05 leaves no time for a section"),
+    (["--minutes", "1"], "pass at least --minutes 2"),
+    (["--only", ""], "--only '': no section"),
+    (["--only", "memory,nope"], "unknown section(s) nope"),
+])
+def test_the_suite_refuses_what_would_measure_nothing_before_it_starts(
+        args: list[str], message: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as ended:
+        gpu_suite.main(["--out", str(tmp_path / "out"), *args])
+    assert ended.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_output_paths_under_a_file_are_refused_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "a-file").write_text("")
+    for args in (["--out", str(tmp_path / "a-file")],
+                 ["--out", str(tmp_path / "out"), "--archive",
+                  str(tmp_path / "a-file" / "x.tar.gz")]):
+        with pytest.raises(SystemExit) as ended:
+            gpu_suite.main(args)
+        assert ended.value.code == 2
+        err = capsys.readouterr().err
+        assert "a-file" in err and "Traceback" not in err
+
+
+def test_a_suite_in_which_no_section_ran_ends_with_an_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slot whose sections all found too little time (the environment record took it) must
+    not read as a good run. The suite's own run is replaced here (a fault that needs a machine
+    slow enough to spend the minutes on the environment record): its report says that no
+    section ran."""
+    report = {"meta": {}, **{name: {"status": "not run", "reason": "5 s left for it"}
+                             for name in gpu_suite.SECTIONS}}
+    monkeypatch.setattr(gpu_suite, "run_suite", lambda *args, **kwargs: report)
+    # what the suite's driver sets for its sections' processes, kept out of this one
+    from experiments._cli import TRACEBACK_VARIABLE
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv(TRACEBACK_VARIABLE, os.environ.get(TRACEBACK_VARIABLE, "0"))
+    monkeypatch.setattr(gpu_suite.signal, "signal", lambda *args: None)
+    with pytest.raises(SystemExit) as ended:
+        gpu_suite.main(["--out", str(tmp_path), "--cpu-smoke", "--minutes", "2"])
+    assert "no section ran in 2 minutes" in str(ended.value.code)
+    report["fusion"] = {"status": "cut short"}  # one that ran, even cut short, is a result
+    assert gpu_suite.main(["--out", str(tmp_path), "--cpu-smoke", "--minutes", "2"]) is report

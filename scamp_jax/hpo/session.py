@@ -124,23 +124,54 @@ def check_space_and_task(space: Any, task: Any) -> None:
 def check_directory(path: str | Path, name: str = "study_dir") -> None:
     """Raise ``ValueError`` unless ``path`` (the setting ``name``, or a flag such as
     ``--out-dir``) is, or can become, a directory this process can write to; creates nothing."""
-    said = f"{name} {str(path)!r}" if name.startswith("-") else f"{name}={str(path)!r}"
+    said = _said(path, name)
     if not str(path).strip():  # Path("") is the working directory
         raise ValueError(f"{said} is empty; pass a directory (\".\" for this one)")
-    path = existing = Path(path)
+    if Path(path).exists() and not Path(path).is_dir():
+        raise ValueError(f"{said} is a file; pass a directory (it is created if missing)")
+    _check_writable_place(Path(path), said, "directory")
+
+
+def check_file(path: str | Path, name: str = "path") -> None:
+    """Raise ``ValueError`` unless ``path`` (the setting ``name``, or a flag such as
+    ``--json``) is, or can become, a file this process can write (its folder made where
+    missing); creates nothing. For an output a command writes when it is done: checked
+    before its work, so that the work is not lost."""
+    said = _said(path, name)
+    if not str(path).strip():
+        raise ValueError(f"{said} is empty; pass a file path")
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{said} is a folder; pass a file path, e.g. "
+                         f"{str(path / 'results.json')!r}")
+    if path.exists():  # written in place (a device such as /dev/stdout too)
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"{said} cannot be written; pass a file you can write to")
+        return
+    _check_writable_place(path.parent, said, "file path")
+
+
+def _said(path: str | Path, name: str) -> str:
+    """The path as a message names it: with its flag or setting (``name``), or alone."""
+    if not name:
+        return repr(str(path))
+    return f"{name} {str(path)!r}" if name.startswith("-") else f"{name}={str(path)!r}"
+
+
+def _check_writable_place(folder: Path, said: str, kind: str) -> None:
+    """``folder`` (of or for ``said``) can be made where missing, and written."""
+    existing = folder
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{said} is a file; pass a directory (it is created if missing)")
     if not existing.is_dir():
         raise ValueError(f"{said} is inside {str(existing)!r}, which is a file; pass a "
-                         "directory")
+                         f"{kind}")
     try:  # a real write: permissions, read-only mounts and root's exceptions all count
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError:
         raise ValueError(f"{said} is not writable ({str(existing)!r} is not); pass a "
-                         "directory you can write to") from None
+                         f"{kind} you can write to") from None
 
 
 def check_study_place(study_dir: str | Path, storage: str | None) -> None:
