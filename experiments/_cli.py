@@ -653,10 +653,14 @@ def user_errors(resumable: bool = True,
         cause = getattr(err, "orig", None) or root_cause(err)
         fail(f"the study database cannot be used ({cause}); check --storage and --study-dir, "
              "or restore the database from a copy")
-    except (ValueError, TypeError, FileNotFoundError, FileExistsError, NotADirectoryError,
-            IsADirectoryError, PermissionError, GpuCompilerMissingError) as err:
+    except (ValueError, TypeError, OSError, GpuCompilerMissingError) as err:
+        # a file that is missing, in the way or not allowed is the command line's; another
+        # OSError (a read-only or full disk) is said in one line where this project's code
+        # raised or met it, and located by its traceback where a library's did
+        plain = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
+                 PermissionError)
         if os.environ.get(TRACEBACK_VARIABLE) == "1" or (
-                isinstance(err, (ValueError, TypeError)) and not raised_by_a_check(err)):
+                not isinstance(err, plain) and not raised_by_a_check(err)):
             traceback.print_exception(err, file=sys.stderr)  # where it was raised
         fail(in_flags(err))
     except Exception as err:

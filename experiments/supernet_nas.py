@@ -192,7 +192,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", help="directory of results.json, results.png and the run's "
                                      "checkpoint (default runs/supernet_nas); with --json, "
                                      "of the checkpoint only")
-    p.add_argument("--json", metavar="PATH.json",
+    p.add_argument("--json", metavar="PATH.json", type=_json_name,
                    help="write the JSON summary here, a name ending in .json (the plot "
                         "PATH.png and, until the run ends, its checkpoint PATH.checkpoint go "
                         "next to it; the checkpoint goes to --out-dir where that is given)")
@@ -347,6 +347,17 @@ def checkpoint_dir(args: argparse.Namespace) -> str | None:
     if args.json is not None and args.out_dir is None:
         return str(Path(args.json).with_suffix(".checkpoint"))
     return None
+
+
+def _json_name(text: str) -> str:
+    """argparse type of ``--json``: a file name with a stem for the plot and the checkpoint
+    beside it (``PATH.png``, ``PATH.checkpoint``); its suffix is checked with the outputs."""
+    name = Path(text).name
+    if not text.strip() or not name or (name.startswith(".") and not Path(text).suffix):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} names no file (the plot and the checkpoint beside it take its stem); "
+            "pass a name ending in .json, e.g. results.json")
+    return text
 
 
 def _stopped_words(args: argparse.Namespace) -> Callable[[], str]:

@@ -158,6 +158,11 @@ def _differs(name: str, there: Any, here: Any) -> str:
     """How a setting of a checkpoint differs from this run's, in the command's words: a switch
     as ``--train-shared there, --no-train-shared here``, a value as ``--seed 0 there, 1
     here``, a setting only the preset sets as ``the preset's hr_patch 48 there, 64 here``."""
+    if there is None or here is None:  # recorded only under some settings (microbatches)
+        there, here = ("unset" if v is None else repr(v) for v in (there, here))
+        flag = _FLAGS.get(name, "--" + name.replace("_", "-"))
+        return (f"the preset's {name}" if name in _PRESET_ONLY else flag) + \
+            f" {there} there, {here} here"
     if name in _PRESET_ONLY:
         return f"the preset's {name} {there!r} there, {here!r} here"
     flag = _FLAGS.get(name, "--" + name.replace("_", "-"))

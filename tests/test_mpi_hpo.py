@@ -603,6 +603,10 @@ def test_a_trial_too_big_for_one_rank_spans_two_and_equals_the_single_process_ru
     assert all(t["rank"] == [0, 1] and t["batch_size"] == 64 for t in trials)
     assert results["run"]["spanning_trials"] == 2 and results["run"]["trials_this_run"] == 2
     assert [s for _, s, _ in _stored_trials(tmp_path)] == ["COMPLETE"] * 2
+    # the closing line's memory and idle figures are the ranks' own trials': it says so
+    assert re.search(r"this run: [\d.]+ s, mean memory booked .* of the pool, idle "
+                     r"device-seconds [\d.]+, both before the 2 trials spanning ranks "
+                     r"\([\d.]+ s, not in them\); results in ", proc.stdout), proc.stdout[-2000:]
     # The communicator the shared study duplicated is freed on every rank before the spanning
     # trials run, and rank 0 still records them.
     for rank in (0, 1):

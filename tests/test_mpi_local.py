@@ -122,6 +122,8 @@ with warnings.catch_warnings(record=True) as seen:
         if sys.argv[1] == "untested":
             mpi.MPI_TESTED_JAX = (-1, 0)
         mpi.import_mpi4jax()
+import os
+assert "MPI4JAX_NO_WARN_JAX_VERSION" not in os.environ  # mpi4jax's switch set for its import only
 print(json.dumps([str(w.message) for w in seen if "mpi4jax" in str(w.message)]))
 """
 

@@ -149,3 +149,18 @@ def test_a_study_where_no_trial_completed_says_the_first_reason():
     assert len(line) < len(long)
     assert report.verdict(rows[3:], "mse", "minimize", None).startswith(
         "no trial completed (0 failed); see")
+
+
+def test_plots_of_a_resumed_run_that_trained_past_every_bar_lay_out_without_a_warning(tmp_path):
+    """A rerun that trained only on other ranks (a trial spanning MPI ranks) starts past every
+    bar of this rank's timeline: its ``run 2`` label fits in the axes, and the figure lays out
+    (matplotlib's "Tight layout not applied" is a warning, an error in this suite). The
+    figures of such a study: one device of two used, 77 s in all, the second run at 60 s."""
+    records = [{"number": 1, "state": "complete", "psnr": 30.1, "bicubic_psnr": 29.0,
+                "params": {}}]
+    paths = report.plot_results(
+        tmp_path, records, metric="psnr", baseline="bicubic_psnr",
+        intervals=[[(1, 7.99, 25.85, 43_965_456)], []], memory_series=([0.0, 7.99], [0.0, 0.87]),
+        elapsed_s=77.25, capacity_bytes=48 * 2**20, run_marks=[0.0, 60.45])
+    assert [p.name for p in paths] == ["psnr_per_trial.png", "device_timeline.png",
+                                       "memory_utilization.png"]

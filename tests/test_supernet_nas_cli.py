@@ -50,6 +50,9 @@ CASES = [
      "name without its ending, which a run writing 'd/a.json' would share; pass a name ending "
      "in .json, e.g. 'd/a.json'"),
     (["--json", "results"], "--json 'results': the plot and the checkpoint beside it take"),
+    (["--json", ""], "argument --json: '' names no file (the plot and the checkpoint beside it "
+     "take its stem); pass a name ending in .json, e.g. results.json"),
+    (["--json", ".json"], "argument --json: '.json' names no file"),
     # a usage error like the others, not a failure: without mpirun there is one process
     (["--mpi"], "--mpi needs an MPI launcher with one rank per pipeline stage, e.g. mpirun -n 4"),
 ]
@@ -321,3 +324,13 @@ def test_a_json_runs_checkpoint_is_its_own_and_a_stop_says_whether_one_was_saved
                        "command to resume from it")
     both = cli.parser().parse_args(["--json", str(tmp_path / "a.json"), "--out-dir", "o"])
     assert cli.checkpoint_dir(both) is None  # results and checkpoint in --out-dir
+
+
+def test_a_setting_recorded_only_under_another_schedule_reads_as_unset_not_none() -> None:
+    """A csp checkpoint records no microbatches (gpipe alone splits batches): resumed under
+    gpipe, the difference says so in the command's words, not as Python's None."""
+    from search_spaces.supernet_nas import _differs
+
+    assert _differs("microbatches", None, 4) == "--microbatches unset there, 4 here"
+    assert _differs("microbatches", 4, None) == "--microbatches 4 there, unset here"
+    assert _differs("seed", 0, 1) == "--seed 0 there, 1 here"

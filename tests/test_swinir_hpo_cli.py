@@ -776,3 +776,30 @@ def test_parser_takes_a_negative_value_as_the_flags_and_leaves_the_rest_as_argpa
     assert vars(p.parse_args(["--size", "1", "--", "-3x"]))["rest"] == ["-3x"]  # after --
     with pytest.raises(SystemExit):  # a word that is no number stays a flag, as argparse reads it
         p.parse_args(["--size", "-x"])
+
+
+def test_a_storage_on_a_read_only_folder_is_said_in_one_line(tmp_path):
+    """A study database that cannot be made on a read-only mount (or a full disk: a plain
+    OSError, which root's permission bits never give) is refused in one line, as a missing
+    folder is, not with a traceback."""
+    import shutil
+
+    if shutil.which("unshare") is None or shutil.which("mount") is None:
+        pytest.skip("no unshare or mount (util-linux)")
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    command = " ".join([sys.executable, "-m", "experiments.swinir_hpo", "--preset", "smoke",
+                        "--trials", "1", "--study-dir", str(tmp_path / "study"), "--storage",
+                        f"sqlite:///{folder}/study.db"])
+    script = (f"mount --bind {folder} {folder} && mount -o remount,bind,ro {folder} && "
+              f"exec {command}")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run(["unshare", "--mount", "--kill-child", "sh", "-c", script],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if result.returncode != 2 and ("mount:" in result.stderr or "unshare:" in result.stderr):
+        pytest.skip(f"a read-only mount is not allowed here: {result.stderr.strip()}")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"error: the study database '{folder}/study.db' cannot be created (Read-only file "
+        "system); pass --storage as a database file in a folder this process can write to"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
@@ -26,8 +25,8 @@ _INSTALL_HINT = (
 #: (it would be printed once per rank). On a newer JAX it is shown, and the test suite, which
 #: treats warnings as errors, fails until the MPI tests have been run there and this is raised.
 MPI_TESTED_JAX = (0, 12)
-# The start of mpi4jax's warning (mpi4jax/_src/jax_compat.py, 0.9.x); re.match-ed.
-_MPI4JAX_JAX_WARNING = r"\s*The latest supported JAX version with this release of mpi4jax is"
+# mpi4jax's variable that leaves out that warning (mpi4jax/_src/jax_compat.py, 0.9.x).
+_MPI4JAX_NO_WARN = "MPI4JAX_NO_WARN_JAX_VERSION"
 
 class MPIUnavailableError(ImportError):
     """mpi4py or mpi4jax is not installed; the message says how to install them."""
@@ -79,14 +78,21 @@ def import_mpi4jax() -> ModuleType:
     """
     import jax
 
+    # mpi4jax's own switch, read when it is imported; a warnings filter would be process-wide
+    # state that another thread's `catch_warnings` can restore while the import runs
+    quiet = tuple(jax.__version_info__[:2]) <= MPI_TESTED_JAX
+    before = os.environ.get(_MPI4JAX_NO_WARN)
     try:
-        with warnings.catch_warnings():
-            if tuple(jax.__version_info__[:2]) <= MPI_TESTED_JAX:
-                warnings.filterwarnings("ignore", message=_MPI4JAX_JAX_WARNING,
-                                        category=UserWarning)
-            import mpi4jax
+        if quiet:
+            os.environ[_MPI4JAX_NO_WARN] = "1"
+        import mpi4jax
     except ImportError as err:
         raise MPIUnavailableError(f"mpi4jax is not importable ({err}); {_INSTALL_HINT}") from err
+    finally:
+        if quiet and before is None:
+            os.environ.pop(_MPI4JAX_NO_WARN, None)
+        elif quiet:
+            os.environ[_MPI4JAX_NO_WARN] = before
     return mpi4jax
 
 

@@ -279,7 +279,12 @@ def run_starts(runs: Sequence[Mapping[str, Any]]) -> list[float]:
 
 
 def _mark_runs(ax: Any, starts: Sequence[float]) -> None:
-    """A dashed line where each later run of a resumed study begins, labelled ``run N``."""
+    """A dashed line where each later run of a resumed study begins, labelled ``run N``; the
+    axis reaches the last (a run that trained nothing new starts past every bar: a label
+    outside the axes is one no layout fits)."""
+    if len(starts) > 1:
+        low, high = ax.get_xlim()
+        ax.set_xlim(low, max(high, 1.05 * max(starts[1:])))
     for n, start in enumerate(starts[1:], start=2):
         ax.axvline(start, ls="--", color="0.4", linewidth=0.8, zorder=3)
         ax.annotate(f" run {n}", (start, 1.0), xycoords=("data", "axes fraction"),
@@ -520,7 +525,7 @@ def plot_results(
     # each device's row spans its whole memory, so a bar's height reads as its share (with one
     # device an axis fitted to the bars would stretch any of them to the full height)
     ax.set_ylim(-0.5, max(len(intervals), 1) - 0.5)
-    ax.set_xlim(left=0)
+    ax.set_xlim(0, elapsed_s or None)  # the whole study: devices idle at its end too
     _mark_runs(ax, run_marks)
     ax.set_ylabel("device")
     ax.set_xlabel("seconds")
