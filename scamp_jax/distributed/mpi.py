@@ -91,7 +91,7 @@ def import_mpi4jax() -> ModuleType:
     finally:
         if quiet and before is None:
             os.environ.pop(_MPI4JAX_NO_WARN, None)
-        elif quiet:
+        elif quiet and before is not None:
             os.environ[_MPI4JAX_NO_WARN] = before
     return mpi4jax
 
