@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import shutil
 import tempfile
@@ -184,13 +185,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         running = int(args.max_running_trials)
     if args.ray and "fixed" not in policies:
         p.error("--ray reruns the fixed run's trials; include fixed in --policies")
-    if args.ray:  # said before the runs it follows, not after them
-        from benchmarks import ray_baseline
+    if args.ray and importlib.util.find_spec("ray") is None:  # said before the runs, not after
+        from benchmarks.ray_baseline import RAY_INSTALL_HINT
 
-        ray, reason = ray_baseline.import_ray()
-        if ray is None:
-            print(f"note: --ray: {reason}; the Ray Tune row will be skipped (Ctrl-C now to "
-                  "install it first)", flush=True)
+        print(f"note: --ray: {RAY_INSTALL_HINT}; the Ray Tune row will be skipped (Ctrl-C now "
+              "to install it first)", flush=True)
 
     from scamp_jax.devices import configure_cpu_devices, peak_bytes_in_use
 

@@ -518,7 +518,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", default=None,
                         help=f"comma-separated model names of {', '.join(BY_NAME)} (default: "
                         "all)")
-    parser.add_argument("--fuse", type=positive_int, default=None, metavar="K",
+    parser.add_argument("--fuse", type=int, default=None, metavar="K",
                         help="also size a fused group of up to K members on each plan, new and "
                              "from the plan cache (default: off)")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")

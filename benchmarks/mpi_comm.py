@@ -393,6 +393,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             result = measure(args.per_rank_batch, args.steps, args.repeats)
         if result is not None:
             if args.json_out:
+                Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.json_out).write_text(json.dumps(result))
             elif args.global_mesh:
                 print(json.dumps(result, indent=2))
@@ -422,6 +423,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 result.update(json.loads(out.read_text()))
             results.append(result)
     if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(results, indent=2))
     print_table(f"Cross-rank all-reduce, SwinIR data parallel, {args.per_rank_batch} samples per "
            f"rank, one CPU device per rank ({os.cpu_count()} cores)", COMM_HEADER,
@@ -451,6 +453,7 @@ def _ring_check(args: argparse.Namespace, sizes: Sequence[int], env: dict[str, s
                             "--sizes", *map(str, sizes)], env=env, cwd=root, check=True)
             rows += json.loads(out.read_text())
     if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(rows, indent=2))
     from scamp_jax._units import format_bytes, parse_bytes
 

@@ -358,6 +358,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         report(family, runs, args.markdown)
         everything[name] = runs
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(everything, indent=1))
     return everything
 

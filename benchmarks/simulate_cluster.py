@@ -488,9 +488,20 @@ def _seed(text: str) -> int:
     return value
 
 
+def _cost_cache(text: str) -> Path:
+    """argparse type of ``--cache``: a cost file to read (written only where a cost is
+    missing, so a complete one may be read-only), or one that can be made."""
+    from experiments._cli import output_file
+
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; pass the path of a JSON file")
+    return path if path.is_file() else output_file(text)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags, cost the candidates, simulate, print the comparison."""
-    from experiments._cli import output_file, positive_int
+    from experiments._cli import positive_int
 
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.simulate_cluster",
@@ -554,7 +565,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--safety-margin", type=float, default=0.1,
                         help="fraction of device memory plans keep free")
     parser.add_argument("--seed", type=_seed, default=0, help="seed of the sampled study")
-    parser.add_argument("--cache", type=output_file,
+    parser.add_argument("--cache", type=_cost_cache,
                         default=Path("runs/simulate_cluster_costs.json"),
                         help="JSON cache of per-architecture costs")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")

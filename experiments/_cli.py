@@ -81,8 +81,9 @@ class HPOConfig(SearchSettings):
         return record
 
 
-#: A flag's value that starts as a negative number: a digit or a point after the minus sign.
-_NEGATIVE_VALUE = re.compile(r"-\.?\d")
+#: A flag's value that starts as a negative number and goes on as no number does (a size with
+#: its unit, ``-1GiB``): argparse reads a plain negative number as a value already.
+_NEGATIVE_VALUE = re.compile(r"-\.?\d[\d.]*[^\d.]")
 
 
 class Parser(argparse.ArgumentParser):
@@ -97,8 +98,9 @@ class Parser(argparse.ArgumentParser):
         words = list(sys.argv[1:] if args is None else args)
         joined: list[str] = []
         for word in words:
-            if (joined and joined[-1].startswith("--") and joined[-1] != "--"
-                    and "=" not in joined[-1] and _NEGATIVE_VALUE.match(word)):
+            if (joined and joined[-1].startswith("--") and "--" not in joined[:-1]
+                    and joined[-1] != "--" and "=" not in joined[-1]
+                    and _NEGATIVE_VALUE.match(word)):
                 joined[-1] = f"{joined[-1]}={word}"
             else:
                 joined.append(word)
@@ -608,12 +610,13 @@ def user_errors(resumable: bool = True,
     as ``--plan-only``, and its Ctrl-C says so); ``stopped``: what a stop leaves, said after
     "interrupted: " instead (another command's).
 
-    Catches the library's error types for bad input (``ValueError``, ``TypeError``,
-    ``FileNotFoundError``, `scamp_jax.hpo.engine.BudgetTooSmallError`, a missing MPI or GPU
-    compiler, a damaged or unreachable database) and prints ``error: <message>`` without a
-    traceback; a ``ValueError`` or ``TypeError`` raised outside the project's code (in JAX,
-    say: not a check of ours, likely a bug) keeps its traceback above that line, as does any
-    error with ``SCAMP_TRACEBACK=1`` in the environment (`TRACEBACK_VARIABLE`). Installs the
+    Catches the library's error types for bad input (``ValueError``, ``TypeError``, an
+    ``OSError`` but a closed pipe's or a lost peer's, `scamp_jax.hpo.engine.BudgetTooSmallError`,
+    a missing MPI or GPU compiler, a damaged or unreachable database) and prints ``error:
+    <message>`` without a traceback; one raised outside the project's code (in JAX, say: not a
+    check of ours, likely a bug) keeps its traceback above that line (but a file missing, in
+    the way or not allowed), as does any error with ``SCAMP_TRACEBACK=1`` in the environment
+    (`TRACEBACK_VARIABLE`). Installs the
     SIGINT and SIGTERM handler (`_CtrlC`). Any entry point (an argparse-based ``main``) can
     wrap its body in it.
     """
@@ -654,6 +657,8 @@ def user_errors(resumable: bool = True,
         fail(f"the study database cannot be used ({cause}); check --storage and --study-dir, "
              "or restore the database from a copy")
     except (ValueError, TypeError, OSError, GpuCompilerMissingError) as err:
+        if isinstance(err, (ConnectionError, TimeoutError)):  # a closed pipe, a lost peer
+            raise
         # a file that is missing, in the way or not allowed is the command line's; another
         # OSError (a read-only or full disk) is said in one line where this project's code
         # raised or met it, and located by its traceback where a library's did

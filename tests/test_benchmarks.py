@@ -299,7 +299,7 @@ def _refused(main: Any, argv: list[str], capsys: pytest.CaptureFixture[str]) -> 
     ("target_accuracy", ["--only", "mlp,"], "an empty name"),
     ("target_accuracy", ["--only", "mlp", "--targets", "h100,nope"],
      "--targets: target='nope' is neither a known GPU"),
-    ("target_accuracy", ["--json", "{dir}"], "is a folder; pass a file path"),
+    ("target_accuracy", ["--json", "{dir}"], "is a folder; pass the path of a file"),
     ("target_accuracy", ["--json", "{file}/x.json"], "which is a file; pass a file path"),
     ("compiles", ["--case", "nope"], "argument --case: invalid choice: 'nope'"),
     ("compiles", ["--devices", "0"], "argument --devices: 0 must be at least 1"),
@@ -313,6 +313,7 @@ def _refused(main: Any, argv: list[str], capsys: pytest.CaptureFixture[str]) -> 
     ("simulate_cluster", ["--safety-margin", "1.0"], "--safety-margin 1.0 must be in [0, 1)"),
     ("simulate_cluster", ["--json"], "--json prints a --replay's placements"),
     ("simulate_cluster", ["--cache", "{dir}"], "argument --cache:"),
+    ("simulate_cluster", ["--cache", "{file}/costs.json"], "argument --cache:"),
     ("hpo_makespan", ["--policies", "scamp,scamp"], "names a policy twice"),
 ])
 def test_a_benchmarks_bad_flag_is_refused_before_its_work(

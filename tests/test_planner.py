@@ -170,6 +170,11 @@ def test_describe_is_a_short_table(plan):
         plan.memory_model, fixed_bytes=-434_044_024.0, bytes_per_sample=147_616.0))
     line = next(r for r in dipped.describe().splitlines() if r.startswith("each sample more"))
     assert "144.16 KiB" not in line and "no steady figure" in line, line
+    flat = dataclasses.replace(plan, memory_model=dataclasses.replace(
+        plan.memory_model, fixed_bytes=1_000_000.0, bytes_per_sample=0.0))
+    line = next(r for r in flat.describe().splitlines() if r.startswith("each sample more"))
+    assert line.endswith(f"no steady figure: the compiled peaks near batch {plan.batch_size} "
+                         "do not grow with it"), line
 
 
 def test_max_batch_size_and_forced_model_parallel():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -776,6 +777,31 @@ def test_parser_takes_a_negative_value_as_the_flags_and_leaves_the_rest_as_argpa
     assert vars(p.parse_args(["--size", "1", "--", "-3x"]))["rest"] == ["-3x"]  # after --
     with pytest.raises(SystemExit):  # a word that is no number stays a flag, as argparse reads it
         p.parse_args(["--size", "-x"])
+    assert vars(p.parse_args(["--size", "-5"]))["size"] == "-5"  # argparse's own reading
+    # after "--" every word is a positional, as argparse has it: none is joined to a flag
+    assert vars(p.parse_args(["--", "--on", "-2GiB"]))["rest"] == ["--on", "-2GiB"]
+
+
+def test_a_closed_pipe_is_not_read_as_bad_input():
+    """``--plan-only ... | head -1``: the pipe that closes is no error of the command line's,
+    and a full disk's or a read-only file system's OSError is (the one-line error)."""
+    from experiments._cli import user_errors
+
+    with pytest.raises(BrokenPipeError), user_errors():
+        raise BrokenPipeError(32, "Broken pipe")
+    with pytest.raises(SystemExit) as ended, user_errors():
+        raise OSError(30, "Read-only file system")
+    assert ended.value.code == 2
+
+
+def test_an_output_file_is_a_file_whose_folder_is_written_or_a_device_written_in_place(tmp_path):
+    from experiments._cli import output_file
+
+    assert output_file("/dev/stdout") == Path("/dev/stdout")
+    assert output_file(str(tmp_path / "new" / "x.json")) == tmp_path / "new" / "x.json"
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(argparse.ArgumentTypeError, match="is a folder; pass the path of a file"):
+        output_file(str(tmp_path / "dir"))
 
 
 def test_a_storage_on_a_read_only_folder_is_said_in_one_line(tmp_path):

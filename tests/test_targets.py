@@ -683,7 +683,8 @@ def test_the_fused_step_for_a_gpu_launches_no_more_kernels_than_a_solo_step() ->
 
 @pytest.mark.parametrize("argv, message", [
     (["benchmarks.target_accuracy", "--targets", "nosuch"],
-     "error: target='nosuch' is neither a known GPU"),
+     "python -m benchmarks.target_accuracy: error: --targets: target='nosuch' is neither a "
+     "known GPU"),
     (["benchmarks.hpo_makespan", "--trials", "1", "--memory-per-device", "lots"],
      "error: cannot read memory size 'lots'"),
 ])

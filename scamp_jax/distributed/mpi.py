@@ -80,7 +80,8 @@ def import_mpi4jax() -> ModuleType:
 
     # mpi4jax's own switch, read when it is imported; a warnings filter would be process-wide
     # state that another thread's `catch_warnings` can restore while the import runs
-    quiet = tuple(jax.__version_info__[:2]) <= MPI_TESTED_JAX
+    quiet = (tuple(jax.__version_info__[:2]) <= MPI_TESTED_JAX
+             and "mpi4jax" not in sys.modules)  # imported once: warned then, or not
     before = os.environ.get(_MPI4JAX_NO_WARN)
     try:
         if quiet:

@@ -142,12 +142,13 @@ def check_file(path: str | Path, name: str = "path") -> None:
         raise ValueError(f"{said} is empty; pass a file path")
     path = Path(path)
     if path.is_dir():
-        raise ValueError(f"{said} is a folder; pass a file path, e.g. "
-                         f"{str(path / 'results.json')!r}")
-    if path.exists():  # written in place (a device such as /dev/stdout too)
+        raise ValueError(f"{said} is a folder; pass the path of a file (in it, or elsewhere)")
+    if path.exists():
         if not os.access(path, os.W_OK):
             raise ValueError(f"{said} cannot be written; pass a file you can write to")
-        return
+        if not path.is_file():  # a device such as /dev/stdout, written in place
+            return
+    # a file is written beside itself and moved into place, or made: its folder is written
     _check_writable_place(path.parent, said, "file path")
 
 

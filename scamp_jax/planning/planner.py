@@ -285,9 +285,11 @@ class Plan:
             ("  inputs", format_bytes(e.inputs)),
             ("  activations+temps", format_bytes(e.activations_and_temps)),
             ("each sample more", f"+{format_bytes(self.memory_model.bytes_per_sample)} per "
-             "device (the global batch one larger)" if self.memory_model.fixed_bytes >= 0
-             else f"no steady figure: the compiled peaks near batch {self.batch_size} rise "
-             "and fall with it"),
+             "device (the global batch one larger)"
+             if self.memory_model.fixed_bytes >= 0 and self.memory_model.bytes_per_sample > 0
+             else f"no steady figure: the compiled peaks near batch {self.batch_size} "
+             + ("rise and fall with it" if self.memory_model.fixed_bytes < 0
+                else "do not grow with it")),
             ("planning", f"{self.planning_seconds:.2f} s, {counted(self.compiles, 'compile')}"),
         ]
         width = max(len(name) for name, _ in rows)
