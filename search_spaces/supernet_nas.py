@@ -676,12 +676,16 @@ def train_for_nas(
                 layout, subnets[first:last], lr[first:last], hr[first:last],
                 **settings, executor=executor, on_tick=on_tick, **start,
             )
-            state = result.state
-            losses.append(result.losses)
-            segments.append(segment_figures(result, first, (last - first) * config.batch_size))
-            if last < n and config.checkpoint_every and root:
-                checkpoint.save(state, np.concatenate(losses), warmup=warmup,
-                                segments=segments, resumed_at=resumed_at)
+            # A stop once the segment is trained waits for its checkpoint (a second Ctrl-C
+            # does not): the segment is not trained again by the run that resumes
+            with stops_held():
+                state = result.state
+                losses.append(result.losses)
+                segments.append(segment_figures(result, first,
+                                                (last - first) * config.batch_size))
+                if last < n and config.checkpoint_every and root:
+                    checkpoint.save(state, np.concatenate(losses), warmup=warmup,
+                                    segments=segments, resumed_at=resumed_at)
     executor.close()
     checkpoint.close()
     if result is None:  # the checkpoint held every subnet (a run stopped while finishing)

@@ -334,3 +334,35 @@ def test_a_setting_recorded_only_under_another_schedule_reads_as_unset_not_none(
     assert _differs("microbatches", None, 4) == "--microbatches unset there, 4 here"
     assert _differs("microbatches", 4, None) == "--microbatches 4 there, unset here"
     assert _differs("seed", 0, 1) == "--seed 0 there, 1 here"
+
+
+_CTRL_C_IN_SAVE = """
+import os, signal, sys
+from search_spaces import supernet_nas
+from experiments import supernet_nas as command
+
+save = supernet_nas.NASCheckpoint.save
+
+def save_under_ctrl_c(self, *args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, as the save starts
+    save(self, *args, **kwargs)
+
+supernet_nas.NASCheckpoint.save = save_under_ctrl_c
+command.main(sys.argv[1:])
+"""
+
+
+def test_a_ctrl_c_as_a_segments_checkpoint_is_saved_waits_for_it(tmp_path) -> None:
+    """A Ctrl-C that comes once a segment is trained, while its checkpoint is saved, stops the
+    run after the save: the rerun resumes after that segment, not a segment earlier. The
+    signal is sent from the save itself (the moment is the test's; the signal is real)."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_IN_SAVE, "--preset", "smoke", "--subnets", "8",
+         "--eval-subnets", "1", "--checkpoint-every", "3", "--out-dir", str(out), "--quiet"],
+        cwd=ROOT, env=_cli_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"interrupted: the last checkpoint is in {out / 'checkpoint'}; run the same command to "
+        "resume from it")
+    assert [p.name for p in (out / "checkpoint").iterdir() if p.name.isdigit()] == ["3"]
