@@ -332,6 +332,16 @@ def test_a_benchmarks_bad_flag_is_refused_before_its_work(
     assert message in _refused(main, argv, capsys)
 
 
+def _command(*args: str) -> Any:
+    """``python ARGS`` in its own process, as a shell starts it (its own CPU devices)."""
+    import subprocess
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run([sys.executable, *args], cwd=Path(__file__).resolve().parents[1],
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
 _WITHOUT_RAY = """
 import sys
 sys.modules["ray"] = None  # makes `import ray` raise ImportError, as where it is not installed
@@ -345,14 +355,8 @@ def test_hpo_makespan_checks_its_pool_and_says_ray_is_missing_before_its_runs(
     """A fixed policy's devices per trial beyond the pool is refused before the ScaMP run it
     follows (minutes at the documented sizes), and a missing Ray Tune is said before any run
     (it skips its row at the end)."""
-    import subprocess
-
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    result = subprocess.run(
-        [sys.executable, "-c", _WITHOUT_RAY, "--ray", "--devices-per-trial", "99",
-         "--out", str(tmp_path)], cwd=Path(__file__).resolve().parents[1], env=env,
-        capture_output=True, text=True, timeout=300)
+    result = _command("-c", _WITHOUT_RAY, "--ray", "--devices-per-trial", "99", "--out",
+                      str(tmp_path))
     assert result.returncode == 2, result.stdout + result.stderr
     assert "--devices-per-trial 99 exceeds the pool of 8 devices" in result.stderr
     assert list(tmp_path.iterdir()) == []  # no study ran
@@ -362,14 +366,8 @@ def test_hpo_makespan_checks_its_pool_and_says_ray_is_missing_before_its_runs(
 
 def test_simulate_cluster_says_what_to_validate_where_a_folder_is_no_measured_run(
         tmp_path: Path) -> None:
-    import subprocess
-
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.simulate_cluster", "--validate", str(tmp_path),
-         "--cache", str(tmp_path / "costs.json")], cwd=Path(__file__).resolve().parents[1],
-        env=env, capture_output=True, text=True, timeout=300)
+    result = _command("-m", "benchmarks.simulate_cluster", "--validate", str(tmp_path),
+                      "--cache", str(tmp_path / "costs.json"))
     assert result.returncode == 2, result.stdout + result.stderr
     assert (f"--validate {tmp_path}: no hpo_makespan.json there; pass the --out DIR of a "
             "'python -m benchmarks.hpo_makespan --out DIR' run") in result.stderr
