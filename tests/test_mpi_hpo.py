@@ -25,6 +25,7 @@ import optuna
 import pytest
 from _requirements import require_module
 
+from scamp_jax._units import format_share
 from scamp_jax.distributed.engine import RemoteTrialSource
 from scamp_jax.distributed.mpi import MPIUnavailableError
 from scamp_jax.distributed.spanning import SpanningTrial, SpanPlan, assign_rounds, span_plan
@@ -603,10 +604,18 @@ def test_a_trial_too_big_for_one_rank_spans_two_and_equals_the_single_process_ru
     assert all(t["rank"] == [0, 1] and t["batch_size"] == 64 for t in trials)
     assert results["run"]["spanning_trials"] == 2 and results["run"]["trials_this_run"] == 2
     assert [s for _, s, _ in _stored_trials(tmp_path)] == ["COMPLETE"] * 2
-    # the closing line's memory and idle figures are the ranks' own trials': it says so
-    assert re.search(r"this run: [\d.]+ s, mean memory booked .* of the pool, idle "
-                     r"device-seconds [\d.]+, both before the 2 trials spanning ranks "
-                     r"\([\d.]+ s, not in them\); results in ", proc.stdout), proc.stdout[-2000:]
+    # the run's usage figures count the trials that spanned ranks: each booked its share on
+    # one device of each rank for its wall time (here the pool's only devices)
+    run = results["run"]
+    usage = run["usage"]
+    assert usage["trials_started"] == usage["trials_finished"] == 2
+    booked = [t["booked_bytes"] for t in trials]
+    walls = [t["wall_seconds"] for t in trials]
+    assert usage["peak_memory_utilization"] == pytest.approx(max(booked) / 14000)
+    assert 0 < usage["mean_memory_utilization"] <= usage["peak_memory_utilization"]
+    assert usage["elapsed_s"] >= run["spanning_s"] >= max(walls)
+    assert (f"mean memory booked {format_share(usage['mean_memory_utilization'])} of the pool"
+            in proc.stdout)
     # The communicator the shared study duplicated is freed on every rank before the spanning
     # trials run, and rank 0 still records them.
     for rank in (0, 1):

@@ -59,6 +59,7 @@ from scamp_jax.distributed.data_parallel import mpi_mean_bytes
 from scamp_jax.distributed.mpi import end_every_rank, import_mpi4py
 from scamp_jax.distributed.spanning import (
     SpanningTrial,
+    assign_rounds,
     run_spanning_trials,
     span_plan,
     spanning_outcome,
@@ -198,26 +199,45 @@ class MPISearchEngine(SearchEngine):
 
 
 def combined_usage(per_rank: Sequence[Mapping[str, float]],
-                   memory_series: Sequence[Sequence[float]] | None) -> dict[str, float]:
+                   memory_series: Sequence[Sequence[float]] | None,
+                   spanning: Sequence[tuple[SpanningTrial, tuple[int, ...], Any]] = (),
+                   spanning_s: float = 0.0, memory_per_device: int = 0) -> dict[str, float]:
     """The usage figures of several ranks' local trials as one pool (`UsageRecorder.summary`
     keys): devices, idle device-seconds and trial counts add up, ``elapsed_s`` is the longest,
     the mean memory utilisation is weighted by each rank's device-seconds, the peak is that of
     the pool's ``memory_series`` (`scamp_jax.hpo.report.ranks_timeline`: what all ranks booked
-    at once). Trials that span ranks run after this and are not included."""
+    at once).
+
+    Then the trials that spanned ranks (``spanning``: `run_spanning_trials`' ``(trial, ranks,
+    result)``, run in ``spanning_s`` seconds after the local trials, on a pool of
+    ``memory_per_device`` per device): each books its `SpanPlan.booked_bytes` on one device of
+    each of its ranks for its ``wall_seconds``, the pool's other devices idle meanwhile; a
+    round's groups (`assign_rounds`) book at once, for the peak."""
     device_seconds = [u["devices"] * u["elapsed_s"] for u in per_rank]
     total = sum(device_seconds)
     idle = sum(u["idle_device_seconds"] for u in per_rank)
+    booked = sum(u["mean_memory_utilization"] * w
+                 for u, w in zip(per_rank, device_seconds, strict=True))
+    devices = sum(u["devices"] for u in per_rank)
+    peak = max(memory_series[1], default=0.0) if memory_series else 0.0
+    if spanning and memory_per_device > 0:
+        pool = float(memory_per_device) * devices
+        busy = sum(len(ranks) * result.wall_seconds for _, ranks, result in spanning)
+        booked += sum(trial.plan.booked_bytes * len(ranks) * result.wall_seconds
+                      for trial, ranks, result in spanning) / memory_per_device
+        total += devices * spanning_s
+        idle += max(devices * spanning_s - busy, 0.0)
+        for round_ in assign_rounds([trial for trial, _, _ in spanning], len(per_rank)):
+            peak = max(peak, sum(t.plan.booked_bytes * len(r) for t, r in round_) / pool)
     return {
-        "elapsed_s": max(u["elapsed_s"] for u in per_rank),
-        "devices": sum(u["devices"] for u in per_rank),
-        "mean_memory_utilization": sum(
-            u["mean_memory_utilization"] * w
-            for u, w in zip(per_rank, device_seconds, strict=True)) / total if total > 0 else 0.0,
-        "peak_memory_utilization": max(memory_series[1], default=0.0) if memory_series else 0.0,
+        "elapsed_s": max(u["elapsed_s"] for u in per_rank) + spanning_s,
+        "devices": devices,
+        "mean_memory_utilization": booked / total if total > 0 else 0.0,
+        "peak_memory_utilization": peak,
         "idle_device_seconds": idle,
         "idle_fraction": idle / total if total > 0 else 0.0,
-        "trials_started": sum(u["trials_started"] for u in per_rank),
-        "trials_finished": sum(u["trials_finished"] for u in per_rank),
+        "trials_started": sum(u["trials_started"] for u in per_rank) + len(spanning),
+        "trials_finished": sum(u["trials_finished"] for u in per_rank) + len(spanning),
     }
 
 
@@ -261,7 +281,7 @@ def run_search_mpi(
       trials), ``trials_this_run`` (all ranks), ``spanning_trials``/``spanning_s`` (trials
       that spanned ranks, and their time), ``timeline`` (every rank's devices, rank 0's first:
       `scamp_jax.hpo.report.ranks_timeline`, which the plots draw), ``usage`` (every rank's
-      local trials, `combined_usage`) and
+      local trials, then the trials that spanned ranks: `combined_usage`) and
       ``per_rank`` (each rank's summary with its ``usage``).
 
     Raises:
@@ -445,7 +465,8 @@ def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any
     run_info = {
         **run_summary(result, sum(s["devices"] for s in summaries), memory_per_device),
         "timeline": timeline,
-        "usage": combined_usage([s["usage"] for s in summaries], timeline["memory_series"]),
+        "usage": combined_usage([s["usage"] for s in summaries], timeline["memory_series"],
+                                finished, spanning_s, memory_per_device),
         "ranks": size,
         "elapsed_s": max(s["elapsed_s"] for s in summaries) + spanning_s,
         "trials_this_run": sum(s["trials_this_run"] for s in summaries) + len(finished),

@@ -655,16 +655,11 @@ class StudySession:
             # booked: what the plans reserve on the pool's devices, not a measured use
             held = (run_info.get("overhead") or {}).get(
                 "idle_waiting_for_held_trials_device_s") or 0.0
-            spanned = int(run_info.get("spanning_trials") or 0)
-            # the memory and idle figures are the ranks' own trials' (`combined_usage`)
             self.say(f"this run: {run_info['elapsed_s']:.1f} s, mean memory booked "
                      f"{format_share(usage['mean_memory_utilization'])} of the pool, idle "
                      f"device-seconds {usage['idle_device_seconds']:.1f}"
                      + (f" ({held:.1f} of them waiting for trials another process held)"
-                        if held >= 0.05 else "")
-                     + (f", both before the {counted(spanned, 'trial')} spanning ranks "
-                        f"({run_info.get('spanning_s', 0.0):.1f} s, not in them)"
-                        if spanned else "") + f"; results in {self.out_dir}")
+                        if held >= 0.05 else "") + f"; results in {self.out_dir}")
         # the report and plots, added once they are written
         if self.overhead is not None and not idle:
             overhead = run_info["overhead"]
