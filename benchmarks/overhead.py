@@ -144,7 +144,7 @@ def run_scamp(family: Family, study_dir: Path, fuse: str | None = None,
     widths = [t.get("fusion_width", 1) for t in results.get("trials", [])]
     return {"best": best.get(task.metric), "metric": task.metric,
             "batch": best.get("batch_size"), "overhead": overhead, "values": values,
-            "fusion_widths": widths}
+            "fusion_widths": widths, "test": result.get("test")}
 
 
 def run_plain(family: Family, study_dir: Path, seed: int = SEED) -> dict[str, Any]:
@@ -278,19 +278,24 @@ def report(family: Family, runs: dict[str, list[dict[str, Any]]], markdown: bool
         cpu = [r["cpu_s"] for r in rs]
         rss = [r["peak_rss_bytes"] / 2**20 for r in rs]
         best = [r["best"] for r in rs if r["best"] is not None]
+        metric = rs[0]["metric"]
+        # the best model's scores on the task's test data, where it has one
+        tests = [float(r["test"][metric]) for r in rs
+                 if isinstance(r.get("test"), dict) and r["test"].get(metric) is not None]
         same = "-" if way == "plain" else "; ".join(
             agreement(r.get("values") or {}, p.get("values") or {})
             for r, p in zip(rs, runs["plain"], strict=False))
         rows.append([_label(way), _spread(wall, ".1f"), _spread(cpu, ".1f"), _spread(rss, ".0f"),
                      f"{statistics.median(wall) / plain_wall:.2f}x",
                      f"{statistics.median(cpu) / plain_cpu:.2f}x",
-                     _spread(best, ".4f") if best else "-", same])
+                     (_spread(best, ".4f") if best else "-")
+                     + (f" ({_spread(tests, '.4f')})" if tests else ""), same])
     metric = runs["plain"][0]["metric"]
     print_table(
         f"{family.name}: {family.trials} trials x {family.steps * family.reference_batch} samples, "
         f"{len(runs['plain'])} interleaved repeats (min/median/max)",
         ["run", "wall s", "CPU s", "peak RSS MiB", "wall vs plain", "CPU vs plain",
-         f"best {metric}", "same params: equal metric (per repeat)"], rows, markdown)
+         f"best {metric} (test)", "same params: equal metric (per repeat)"], rows, markdown)
     for way, rs in runs.items():
         breakdowns = [r["overhead"] for r in rs if r.get("overhead")]
         if not breakdowns:

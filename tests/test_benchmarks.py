@@ -380,3 +380,24 @@ def test_a_cost_cache_that_is_no_json_is_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"the cost cache '.*costs.json' cannot be read .*"
                                          "delete it"):
         CostTable(tmp_path / "costs.json")
+
+
+def test_the_overhead_table_shows_each_ways_best_and_its_test_score(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Both ways test their best model on the task's test data (scamp-jax's ``run_study``:
+    ``{"trial": n, metric: v}``, the plain loop's: the task's scores): the table shows it
+    beside the best, as BENCHMARKS.md quotes it."""
+    from benchmarks import overhead
+
+    def run(best: float, test: dict | None) -> dict:
+        return {"wall_s": 10.0, "cpu_s": 12.0, "peak_rss_bytes": 2**30, "best": best,
+                "metric": "accuracy", "values": {}, "test": test}
+
+    overhead.report(overhead.FAMILIES["digits"], {
+        "plain": [run(0.92, {"accuracy": 0.912})],
+        "scamp": [run(0.92, {"trial": 3, "accuracy": 0.912})],
+        "scamp:none": [run(0.90, None)]}, markdown=True)
+    table = capsys.readouterr().out
+    assert "best accuracy (test)" in table
+    assert table.count("| 0.9200/0.9200/0.9200 (0.9120/0.9120/0.9120) |") == 2, table
+    assert "| 0.9000/0.9000/0.9000 |" in table  # no test: the best alone
