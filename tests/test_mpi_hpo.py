@@ -120,6 +120,42 @@ def test_ranks_timeline_puts_every_ranks_devices_in_one_pool():
         "peak_memory_utilization"] == pytest.approx(2 / 3)
 
 
+def test_spanning_trials_join_the_pools_timeline_on_the_first_device_of_each_rank():
+    """The plots and the peak see the trials that spanned ranks: each holds the first device of
+    each of its ranks from its round's start for its wall time, and books its share there."""
+    from scamp_jax.distributed.engine import combined_usage, spanning_timeline
+    from scamp_jax.distributed.spanning import SpanningRun
+    from scamp_jax.hpo.trial import RunResult
+
+    # Ranks of 2, 1 and 1 devices of 100 bytes; rank 0's local trial booked half its memory up
+    # to 10 s. Then, from 12 s: trial 5 on ranks 0 and 1 (80 bytes each) for 4 s beside trial
+    # 6 on rank 2 (50 bytes) for 2 s; in a second round from 4 s later, trial 7 on ranks 1, 2.
+    local = {"intervals": [[[0, 0.0, 10.0, 50]], [], [], []],
+             "memory_series": [[0.0, 10.0], [0.25, 0.0]]}
+
+    def run(number, ranks, booked, start, wall):
+        trial = SpanningTrial(number, {}, f"k{number}", SpanPlan(len(ranks), 4, booked, booked), 0)
+        return SpanningRun(trial, ranks, RunResult(number, "complete", 3, wall), start)
+
+    runs = [run(5, (0, 1), 80, 0.0, 4.0), run(6, (2,), 50, 0.0, 2.0), run(7, (1, 2), 20, 4.0, 1.0)]
+    timeline = spanning_timeline(local, runs, 12.0, [2, 1, 1], 100)
+    assert timeline["intervals"] == [[[0, 0.0, 10.0, 50], [5, 12.0, 16.0, 80]], [],
+                                     [[5, 12.0, 16.0, 80], [7, 16.0, 17.0, 20]],
+                                     [[6, 12.0, 14.0, 50], [7, 16.0, 17.0, 20]]]
+    assert local["intervals"][0] == [[0, 0.0, 10.0, 50]]  # the ranks' timeline is left as it was
+    times, fractions = timeline["memory_series"]
+    assert times == [0.0, 10.0, 12.0, 14.0, 16.0, 17.0]
+    assert fractions == pytest.approx([0.25, 0.0, 210 / 400, 160 / 400, 40 / 400, 0.0])
+    usage = {"elapsed_s": 10.0, "devices": 2, "mean_memory_utilization": 0.25,
+             "peak_memory_utilization": 0.25, "idle_device_seconds": 10.0, "trials_started": 1,
+             "trials_finished": 1}
+    one = dict(usage, devices=1, mean_memory_utilization=0.0, idle_device_seconds=10.0,
+               trials_started=0, trials_finished=0)
+    combined = combined_usage([usage, one, one], timeline["memory_series"], runs, 7.0, 100)
+    assert combined["peak_memory_utilization"] == pytest.approx(210 / 400)
+    assert combined["trials_finished"] == 4 and combined["elapsed_s"] == 17.0
+
+
 def test_run_search_mpi_without_mpi4py_raises_an_install_hint(monkeypatch):
     from scamp_jax.distributed.engine import run_search_mpi
 
@@ -614,6 +650,14 @@ def test_a_trial_too_big_for_one_rank_spans_two_and_equals_the_single_process_ru
     assert usage["peak_memory_utilization"] == pytest.approx(max(booked) / 14000)
     assert 0 < usage["mean_memory_utilization"] <= usage["peak_memory_utilization"]
     assert usage["elapsed_s"] >= run["spanning_s"] >= max(walls)
+    # The plots draw them: each on the one device of each rank, for its wall time.
+    intervals = run["timeline"]["intervals"]
+    assert [sorted(n for n, *_ in device) for device in intervals] == [[0, 1], [0, 1]]
+    for number, begin, end, held in intervals[1]:
+        trial = next(t for t in trials if t["number"] == number)
+        assert end - begin == pytest.approx(trial["wall_seconds"], abs=1e-3)  # as rounded
+        assert held == trial["booked_bytes"]
+        assert begin >= max(r["elapsed_s"] for r in run["per_rank"])
     assert (f"mean memory booked {format_share(usage['mean_memory_utilization'])} of the pool"
             in proc.stdout)
     # The communicator the shared study duplicated is freed on every rank before the spanning

@@ -9,7 +9,8 @@ not import them; the functions that need them raise `MPIUnavailableError` with a
   data parallel across ranks.
 - `shared_study`, `StudyServer`, `StudyClient`: one Optuna study served by rank 0 to all ranks.
 - `run_search_mpi`, `RemoteTrialSource`, `MPISearchEngine`: the HPO engine on every rank, fed by
-  rank 0's study; `SpanPlan`, `run_spanning_trials`: trials that span ranks, data parallel.
+  rank 0's study; `SpanPlan`, `run_spanning_trials` (its `SpanningRun` each): trials that
+  span ranks, data parallel.
 """
 
 from scamp_jax._lazy import exports as _exports
@@ -25,7 +26,8 @@ _NAMES = {
                     "scamp_jax.distributed.mpi"),
     **dict.fromkeys(("MPIPipelineExecutor", "check_ranks_pass_the_same", "train_supernet_mpi",),
                     "scamp_jax.distributed.pipeline"),
-    **dict.fromkeys(("SpanPlan", "run_spanning_trials",), "scamp_jax.distributed.spanning"),
+    **dict.fromkeys(("SpanPlan", "SpanningRun", "run_spanning_trials"),
+                    "scamp_jax.distributed.spanning"),
     **dict.fromkeys(("StudyClient", "StudyServer", "WorkItem", "shared_study",),
                     "scamp_jax.distributed.study"),
 }

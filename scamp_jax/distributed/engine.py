@@ -58,8 +58,8 @@ from scamp_jax._signals import Terminated, stops_held
 from scamp_jax.distributed.data_parallel import mpi_mean_bytes
 from scamp_jax.distributed.mpi import end_every_rank, import_mpi4py
 from scamp_jax.distributed.spanning import (
+    SpanningRun,
     SpanningTrial,
-    assign_rounds,
     run_spanning_trials,
     span_plan,
     spanning_outcome,
@@ -200,19 +200,18 @@ class MPISearchEngine(SearchEngine):
 
 def combined_usage(per_rank: Sequence[Mapping[str, float]],
                    memory_series: Sequence[Sequence[float]] | None,
-                   spanning: Sequence[tuple[SpanningTrial, tuple[int, ...], Any]] = (),
+                   spanning: Sequence[SpanningRun] = (),
                    spanning_s: float = 0.0, memory_per_device: int = 0) -> dict[str, float]:
-    """The usage figures of several ranks' local trials as one pool (`UsageRecorder.summary`
-    keys): devices, idle device-seconds and trial counts add up, ``elapsed_s`` is the longest,
-    the mean memory utilisation is weighted by each rank's device-seconds, the peak is that of
-    the pool's ``memory_series`` (`scamp_jax.hpo.report.ranks_timeline`: what all ranks booked
-    at once).
+    """The usage figures of several ranks' trials as one pool (`UsageRecorder.summary` keys):
+    devices, idle device-seconds and trial counts add up, ``elapsed_s`` is the longest, the
+    mean memory utilisation is weighted by each rank's device-seconds, the peak is that of the
+    pool's ``memory_series`` (`scamp_jax.hpo.report.ranks_timeline`: what all ranks booked at
+    once; with the spanning trials, `spanning_timeline`).
 
-    Then the trials that spanned ranks (``spanning``: `run_spanning_trials`' ``(trial, ranks,
-    result)``, run in ``spanning_s`` seconds after the local trials, on a pool of
-    ``memory_per_device`` per device): each books its `SpanPlan.booked_bytes` on one device of
-    each of its ranks for its ``wall_seconds``, the pool's other devices idle meanwhile; a
-    round's groups (`assign_rounds`) book at once, for the peak."""
+    Then the trials that spanned ranks (``spanning``: `run_spanning_trials`' runs, in
+    ``spanning_s`` seconds after the local trials, on a pool of ``memory_per_device`` per
+    device): each books its `SpanPlan.booked_bytes` on one device of each of its ranks for its
+    ``wall_seconds``, the pool's other devices idle meanwhile."""
     device_seconds = [u["devices"] * u["elapsed_s"] for u in per_rank]
     total = sum(device_seconds)
     idle = sum(u["idle_device_seconds"] for u in per_rank)
@@ -221,14 +220,11 @@ def combined_usage(per_rank: Sequence[Mapping[str, float]],
     devices = sum(u["devices"] for u in per_rank)
     peak = max(memory_series[1], default=0.0) if memory_series else 0.0
     if spanning and memory_per_device > 0:
-        pool = float(memory_per_device) * devices
-        busy = sum(len(ranks) * result.wall_seconds for _, ranks, result in spanning)
-        booked += sum(trial.plan.booked_bytes * len(ranks) * result.wall_seconds
-                      for trial, ranks, result in spanning) / memory_per_device
+        busy = sum(len(run.ranks) * run.result.wall_seconds for run in spanning)
+        booked += sum(run.trial.plan.booked_bytes * len(run.ranks) * run.result.wall_seconds
+                      for run in spanning) / memory_per_device
         total += devices * spanning_s
         idle += max(devices * spanning_s - busy, 0.0)
-        for round_ in assign_rounds([trial for trial, _, _ in spanning], len(per_rank)):
-            peak = max(peak, sum(t.plan.booked_bytes * len(r) for t, r in round_) / pool)
     return {
         "elapsed_s": max(u["elapsed_s"] for u in per_rank) + spanning_s,
         "devices": devices,
@@ -239,6 +235,44 @@ def combined_usage(per_rank: Sequence[Mapping[str, float]],
         "trials_started": sum(u["trials_started"] for u in per_rank) + len(spanning),
         "trials_finished": sum(u["trials_finished"] for u in per_rank) + len(spanning),
     }
+
+
+def spanning_timeline(timeline: Mapping[str, Any], spanning: Sequence[SpanningRun],
+                      start_s: float, devices: Sequence[int],
+                      memory_per_device: int) -> dict[str, Any]:
+    """The pool's ``timeline`` (`scamp_jax.hpo.report.ranks_timeline` of ranks holding
+    ``devices[r]`` devices each) with the trials that spanned ranks, which began ``start_s``
+    seconds into it: each holds the first device of each of its ranks from its round's start
+    for its wall time (an interval of its number, seconds and booked bytes, as a local
+    trial's), and books its `SpanPlan.booked_bytes` there in the memory series, a fraction of
+    the pool's ``memory_per_device`` per device."""
+    import bisect
+
+    intervals = [list(spans) for spans in timeline.get("intervals") or []]
+    firsts = [sum(devices[:r]) for r in range(len(devices))]
+    events: dict[float, float] = {}
+    pool = float(memory_per_device) * sum(devices)
+    for run in spanning:
+        begin = start_s + run.start_s
+        end = begin + run.result.wall_seconds
+        for r in run.ranks:
+            intervals[firsts[r]].append(
+                [run.trial.number, begin, end, run.trial.plan.booked_bytes])
+        if pool > 0:
+            share = run.trial.plan.booked_bytes * len(run.ranks) / pool
+            events[begin] = events.get(begin, 0.0) + share
+            events[end] = events.get(end, 0.0) - share
+    series = timeline.get("memory_series")
+    local_times, local = (list(series[0]), list(series[1])) if series else ([], [])
+    changes = sorted(events)
+    times = sorted(set(local_times) | set(changes))
+    fractions = []
+    for t in times:  # each part holds its last value up to t
+        i = bisect.bisect_right(local_times, t) - 1
+        j = bisect.bisect_right(changes, t)
+        fractions.append(max((local[i] if i >= 0 else 0.0)
+                             + sum(events[c] for c in changes[:j]), 0.0))
+    return {"intervals": intervals, "memory_series": [times, fractions] if times else None}
 
 
 def run_search_mpi(
@@ -460,8 +494,10 @@ def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any
     if server is None:
         return comm.bcast(None, root=0)  # rank 0's record, once written
     # The report's plots and usage figures cover every rank's devices, rank 0's first.
-    timeline = ranks_timeline([s.pop("timeline") for s in summaries],
-                              [s["devices"] for s in summaries])
+    devices_per_rank = [s["devices"] for s in summaries]
+    timeline = spanning_timeline(
+        ranks_timeline([s.pop("timeline") for s in summaries], devices_per_rank), finished,
+        max(s["elapsed_s"] for s in summaries), devices_per_rank, memory_per_device)
     run_info = {
         **run_summary(result, sum(s["devices"] for s in summaries), memory_per_device),
         "timeline": timeline,

@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from flax import nnx
@@ -244,6 +244,17 @@ def assign_rounds(
     return rounds
 
 
+class SpanningRun(NamedTuple):
+    """How a trial that spanned ranks ran (`run_spanning_trials`): on ``ranks`` (one device of
+    each), its ``result``, from ``start_s`` seconds after the spanning trials began (its
+    round's start, on rank 0's clock; it ran ``result.wall_seconds`` from there)."""
+
+    trial: SpanningTrial
+    ranks: tuple[int, ...]
+    result: RunResult
+    start_s: float
+
+
 def run_spanning_trials(
     trials: Sequence[SpanningTrial],
     space: Any,
@@ -254,7 +265,7 @@ def run_spanning_trials(
     checkpoint_root: Path | None,
     log: Callable[[str], None] = print,
     on_finished: Callable[[SpanningTrial, tuple[int, ...], RunResult], None] | None = None,
-) -> list[tuple[SpanningTrial, tuple[int, ...], RunResult]]:
+) -> list[SpanningRun]:
     """Run the deferred ``trials`` across the ranks of ``comm`` (collective: call on every rank).
 
     Args:
@@ -268,17 +279,19 @@ def run_spanning_trials(
         end (the study records each then, not once every round has run).
 
     Returns:
-      on rank 0, ``(trial, ranks, result)`` for every trial in finishing order; elsewhere ``[]``.
+      on rank 0, a `SpanningRun` for every trial in finishing order; elsewhere ``[]``.
     """
     from scamp_jax.distributed.mpi import import_mpi4py
 
     mpi = import_mpi4py()
     rank, size = comm.Get_rank(), comm.Get_size()
-    finished: list[tuple[SpanningTrial, tuple[int, ...], RunResult]] = []
+    finished: list[SpanningRun] = []
+    began = time.monotonic()
     # This rank's one device, booked as the engine books a lone trial's: its plan's bytes by the
     # byte rule, within the budget less the safety margin.
     pool = DevicePool([config.need_budget().usable_bytes])
     for groups in assign_rounds(trials, size):
+        round_start = time.monotonic() - began  # rank 0's: the one that records it
         if rank == 0:
             for trial, ranks in groups:
                 log(f"trial {trial.number} spans ranks {list(ranks)}: global batch "
@@ -301,7 +314,7 @@ def run_spanning_trials(
             by_number = {r.number: r for r in gathered if r is not None}
             for trial, ranks in groups:
                 result = by_number[trial.number]
-                finished.append((trial, ranks, result))
+                finished.append(SpanningRun(trial, ranks, result, round_start))
                 if on_finished is not None:  # recorded, then said
                     on_finished(trial, ranks, result)
                 value = result.metrics.get(task.metric)
