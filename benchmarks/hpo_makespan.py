@@ -23,6 +23,7 @@ import dataclasses
 import importlib.util
 import json
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -213,29 +214,37 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 f"{len(devices)} devices; lower it, or pass --devices "
                 f"{args.devices_per_trial}")
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="hpo_makespan_"))
-    rows = []
-    for policy in policies:
-        study_dir = root / policy
-        if study_dir.exists():
-            shutil.rmtree(study_dir)  # a fresh study each time: resumed runs would skew time
-        config = dataclasses.replace(
-            get_config("smoke"), trials=args.trials, steps=args.steps, seed=args.seed,
-            policy=policy, devices_per_trial=args.devices_per_trial, study_dir=str(study_dir),
-            sampler="random", memory_per_device=memory,
-            max_batch_size=args.max_batch_size or get_config("smoke").max_batch_size,
-            max_running_trials=running,
-        )
-        space, task = make_space_and_task(config)
-        timed = TimedPlanner(study_dir / "plans.sqlite")
-        info = run_search(space, task, config, devices=devices, memory_per_device=budget,
-                          live=False, baseline=baseline, title=f"policy {policy}",
-                          plan_fn=timed)
-        rows.append(_row(policy, info, task.metric, timed.summary()))
-        # The allocator's high-water mark so far (None on CPU): run one policy per process
-        # (--policies) for a figure of that policy alone.
-        rows[-1]["peak_bytes_in_use"] = peak_bytes_in_use(devices)
-    if args.ray:
-        rows += _ray_rows(args, root, budget, len(devices), task)
+    rows: list[dict[str, Any]] = []
+    try:
+        for policy in policies:
+            study_dir = root / policy
+            if study_dir.exists():
+                shutil.rmtree(study_dir)  # a fresh study each time: resumed runs would skew time
+            config = dataclasses.replace(
+                get_config("smoke"), trials=args.trials, steps=args.steps, seed=args.seed,
+                policy=policy, devices_per_trial=args.devices_per_trial, study_dir=str(study_dir),
+                sampler="random", memory_per_device=memory,
+                max_batch_size=args.max_batch_size or get_config("smoke").max_batch_size,
+                max_running_trials=running,
+            )
+            space, task = make_space_and_task(config)
+            timed = TimedPlanner(study_dir / "plans.sqlite")
+            info = run_search(space, task, config, devices=devices, memory_per_device=budget,
+                              live=False, baseline=baseline, title=f"policy {policy}",
+                              plan_fn=timed)
+            rows.append(_row(policy, info, task.metric, timed.summary()))
+            # The allocator's high-water mark so far (None on CPU): run one policy per process
+            # (--policies) for a figure of that policy alone.
+            rows[-1]["peak_bytes_in_use"] = peak_bytes_in_use(devices)
+        if args.ray:
+            rows += _ray_rows(args, root, budget, len(devices), task)
+    except BaseException:
+        if not args.out:  # a temporary folder: kept once a run has finished, else removed
+            if rows:
+                print(f"(the finished studies are kept in {root})", file=sys.stderr)
+            else:
+                shutil.rmtree(root, ignore_errors=True)
+        raise
     print(format_table(rows, args.markdown))
     (root / "hpo_makespan.json").write_text(json.dumps(rows, indent=2))
     if not args.out:

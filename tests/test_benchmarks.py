@@ -401,3 +401,26 @@ def test_the_overhead_table_shows_each_ways_best_and_its_test_score(
     assert "best accuracy (test)" in table
     assert table.count("| 0.9200/0.9200/0.9200 (0.9120/0.9120/0.9120) |") == 2, table
     assert "| 0.9000/0.9000/0.9000 |" in table  # no test: the best alone
+
+
+def test_hpo_makespan_removes_its_temporary_folder_when_no_run_finished(tmp_path: Path) -> None:
+    """A study refused on the way (here no candidate fits the budget) leaves no temporary
+    folder of empty studies behind; a folder given with --out is the user's and stays."""
+    import subprocess
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TMPDIR": str(tmp_path / "tmp")}
+    env.pop("XLA_FLAGS", None)
+    (tmp_path / "tmp").mkdir()
+    refused = subprocess.run(
+        [sys.executable, "-m", "benchmarks.hpo_makespan", "--memory-per-device", "1KiB",
+         "--policies", "scamp", "--trials", "1"], cwd=Path(__file__).resolve().parents[1],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "none of the first 1 candidates fits" in refused.stderr
+    assert list((tmp_path / "tmp").iterdir()) == []
+    kept = subprocess.run(
+        [sys.executable, "-m", "benchmarks.hpo_makespan", "--memory-per-device", "1KiB",
+         "--policies", "scamp", "--trials", "1", "--out", str(tmp_path / "out")],
+        cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+        timeout=300)
+    assert kept.returncode == 2 and (tmp_path / "out" / "scamp").is_dir()
