@@ -637,10 +637,13 @@ def user_errors(resumable: bool = True,
         with worded_by(in_flags):  # also how a failing MPI rank says it before the job ends
             yield
     except (Terminated, KeyboardInterrupt) as err:
+        from scamp_jax.hpo.session import stop_kept
+
         word = "terminated" if isinstance(err, Terminated) else "interrupted"
+        kept = stop_kept(err)
         left = (stopped() if callable(stopped) else stopped) or (
-            "finished trials are in the study and results.json; run the same command to "
-            "resume")
+            f"{kept or 'finished trials are in the study and results.json'}; run the same "
+            "command to resume")
         print(f"{word}: {left}", file=sys.stderr)
         code = 128 + signal.SIGTERM if isinstance(err, Terminated) else 130
         if left_behind():  # a compile still runs: end without the interpreter's shutdown

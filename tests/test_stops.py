@@ -20,6 +20,7 @@ from test_runner import SPACE, Regression
 import scamp_jax
 from scamp_jax._signals import interruptible, left_behind, stops_held
 from scamp_jax.hpo.runner import load_model
+from scamp_jax.hpo.session import stop_kept
 from scamp_jax.hpo.study import storage_url
 from scamp_jax.space import SearchSpace
 
@@ -255,8 +256,11 @@ def test_a_trial_that_completes_while_the_study_stops_is_told_complete(tmp_path)
                                   batches=reference.batches, evaluate=evaluate)
     kw = dict(trials=2, steps=2, study_dir=tmp_path, live=False, memory_per_device="64MiB",
               max_batch_size=8, sampler="random", max_running_trials=1)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as stopped:
         scamp_jax.run_study(SPACE, task, **kw)
+    # the stop carries what it kept, which a command line's last line says
+    assert stop_kept(stopped.value) == (
+        f"the study's 1 finished trial is in its database and {tmp_path / 'results.json'}")
     study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
     first = study.trials[0]
     assert sent and first.state == optuna.trial.TrialState.COMPLETE, first.state
@@ -335,3 +339,20 @@ def test_a_stop_under_mpirun_says_what_a_ctrl_c_does_there(monkeypatch):
                                "itself (Open MPI: about a second after it)")
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")  # one rank: its own Ctrl-C
     assert "Ctrl-C again" in second_ctrl_c()
+
+
+def test_a_stop_before_any_trial_finished_says_so_where_a_command_says_what_it_kept(
+        tmp_path, capsys):
+    """A Ctrl-C while the first trial is asked: its record notes that no trial has finished,
+    and the command line's last line says that rather than that finished trials are kept."""
+    from experiments._cli import user_errors
+
+    kw = dict(trials=2, steps=2, study_dir=tmp_path, live=False, memory_per_device="64MiB",
+              max_batch_size=8, sampler="random")
+    with pytest.raises(SystemExit) as ended, user_errors():
+        scamp_jax.run_study(_space_that(0, lambda _: os.kill(os.getpid(), signal.SIGINT)),
+                            _regression_task(), **kw)
+    assert ended.value.code == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "interrupted: no trial of the study has finished yet (its plans and the checkpoints of "
+        "trials under way are kept); run the same command to resume")

@@ -738,13 +738,14 @@ class StudySession:
 
     def report_interrupted(self, study: optuna.Study, elapsed_s: float,
                            trials_this_run: int | None = None, *, beyond_engine: bool = False,
-                           **run: Any) -> None:
+                           **run: Any) -> int:
         """``results.json``/``.csv`` of an interrupted run: every finished trial, and this run
         appended to the runs (no plots; the next run draws them; none where the study had all
         its trials when the run opened it and the run finished none) with the trials it finished,
         its figures up to the interrupt where the engine had started (usage, timeline,
         overhead: `run_engine`) and ``run``'s entries (``ranks`` under MPI, where ``devices``
-        and the usage are rank 0's); ``elapsed_s``: see `record_ending`."""
+        and the usage are rank 0's); ``elapsed_s``: see `record_ending`. Returns how many
+        finished trials the study has (what ``results.json`` lists)."""
         from scamp_jax.hpo import report
 
         run_info: dict[str, Any] = {"policy": self.settings.policy,
@@ -762,9 +763,10 @@ class StudySession:
         run_info.update(interrupted=True, trials_this_run=trials_this_run, **run)
         # an interrupted rerun of a full study trained nothing either: no run is added
         idle = self.nothing_to_run and not trials_this_run
-        report.write_results(self.out_dir, report.trial_records(study, self._metrics()),
-                             metric=self.task.metric, direction=self.task.direction,
-                             run=None if idle else run_info)
+        records = report.trial_records(study, self._metrics())
+        report.write_results(self.out_dir, records, metric=self.task.metric,
+                             direction=self.task.direction, run=None if idle else run_info)
+        return len(records)
 
     def record_ending(self, study: optuna.Study, elapsed_s: float,
                       trials_this_run: int | None, err: BaseException, *,
@@ -797,14 +799,37 @@ class StudySession:
                 return  # nothing ran (its first suggest raised): nothing to record
             run.update(stopped="error", error=ending(err)[1])
         try:
-            self.report_interrupted(study, elapsed_s, trials_this_run,
-                                    beyond_engine=beyond_engine, **run)
+            finished = self.report_interrupted(study, elapsed_s, trials_this_run,
+                                               beyond_engine=beyond_engine, **run)
+            if isinstance(err, KeyboardInterrupt):  # what the stop kept, for its last line
+                err.add_note(kept_note(finished, self.out_dir))
         except Exception as failure:  # noqa: BLE001 - the run's own error, not this, ends it
             print(f"could not record the stopped run in {self.out_dir}: "
                   f"{type(failure).__name__}: {failure}", file=sys.stderr, flush=True)
 
     def _metrics(self) -> list[str]:
         return [self.task.metric] + ([self.baseline] if self.baseline else [])
+
+
+#: How a stopped run's record (`StudySession.record_ending`) notes on the stop's exception
+#: what it kept (`kept_note`): a command line's last line says it (`stop_kept`).
+KEPT_NOTE = "kept: "
+
+
+def kept_note(finished: int, out_dir: Path) -> str:
+    """The note a stop's ``KeyboardInterrupt`` carries once its run is recorded."""
+    if not finished:
+        return (f"{KEPT_NOTE}no trial of the study has finished yet (its plans and the "
+                "checkpoints of trials under way are kept)")
+    trials = "trial is" if finished == 1 else "trials are"
+    return (f"{KEPT_NOTE}the study's {finished} finished {trials} in its database and "
+            f"{out_dir / 'results.json'}")
+
+
+def stop_kept(err: BaseException) -> str | None:
+    """What a stopped run kept (`kept_note`, without its prefix), or None: not recorded."""
+    notes = [n for n in getattr(err, "__notes__", ()) if n.startswith(KEPT_NOTE)]
+    return notes[-1][len(KEPT_NOTE):] if notes else None
 
 
 def run_search(
