@@ -321,6 +321,47 @@ SECTION_TABLES: dict[str, Callable[[dict[str, Any]], tuple[list[str], list[str]]
 }
 
 
+def main(argv: list[str] | None = None) -> str:
+    """Make a suite's ``gpu_suite.md`` again from its ``gpu_suite.json`` (say, with a fix of
+    this module's tables, where the run's Markdown failed or left a figure out), on any
+    machine; the text is written beside the JSON (or to ``--out``) and returned."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from benchmarks.gpu_suite import SECTIONS
+    from experiments._cli import output_file
+
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu_markdown",
+        description="Write a GPU suite's Markdown report again from its gpu_suite.json "
+                    "(the figures are the run's; only the tables are made anew).")
+    p.add_argument("report", type=Path, metavar="GPU_SUITE_JSON",
+                   help="the suite's gpu_suite.json (or the folder holding it)")
+    p.add_argument("--out", type=lambda t: t if t == "-" else output_file(t), default=None,
+                   metavar="FILE",
+                   help="where to write the Markdown (default: gpu_suite.md beside the JSON); "
+                   "- prints it instead")
+    args = p.parse_args(argv)
+    path = args.report / "gpu_suite.json" if args.report.is_dir() else args.report
+    try:
+        report = json.loads(path.read_text())
+    except OSError as err:
+        p.error(f"{args.report}: {err.strerror or err}; pass a gpu_suite.json the suite wrote")
+    except ValueError as err:
+        p.error(f"{path} is no JSON ({err}); pass a gpu_suite.json the suite wrote")
+    if not isinstance(report, dict) or not isinstance(report.get("meta"), dict):
+        p.error(f"{path} is no GPU suite report (no 'meta' section); pass a gpu_suite.json "
+                "the suite wrote")
+    text = markdown(report, SECTIONS)
+    if args.out == "-":
+        print(text, end="")
+    else:
+        out = args.out or path.with_name("gpu_suite.md")
+        out.write_text(text)
+        print(f"wrote {out}")
+    return text
+
+
 if __name__ == "__main__":
-    raise SystemExit("benchmarks.gpu_markdown is a part of the GPU suite, not a command: run "
-                     "python -m benchmarks.gpu_suite --help")
+    main()

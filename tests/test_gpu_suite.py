@@ -161,6 +161,12 @@ def test_a_failing_section_is_recorded_and_the_suite_goes_on(
     md = (tmp_path / "gpu_suite.md").read_text()
     assert "**failed**: RuntimeError" in md
     assert "**not run**: not selected (--only)." in md  # the sections left out say so
+    # The Markdown is made again from the JSON alone, as the run wrote it.
+    (tmp_path / "gpu_suite.md").unlink()
+    assert gpu_markdown.main([str(tmp_path)]) == md == (tmp_path / "gpu_suite.md").read_text()
+    (tmp_path / "other.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        gpu_markdown.main([str(tmp_path / "other.json")])
 
 
 def test_caps_share_the_time_left() -> None:
