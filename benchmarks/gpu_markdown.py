@@ -9,6 +9,7 @@ A cell that was not measured reads "not yet measured".
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 NOT_YET = "not yet measured"
@@ -321,13 +322,33 @@ SECTION_TABLES: dict[str, Callable[[dict[str, Any]], tuple[list[str], list[str]]
 }
 
 
+def read_report(path: Path) -> dict[str, Any]:
+    """The GPU suite report in ``path`` (its ``gpu_suite.json``).
+
+    Raises:
+      ValueError: it cannot be read, or is no such report (the message says which).
+    """
+    import json
+
+    try:
+        report = json.loads(path.read_text())
+    except OSError as err:
+        raise ValueError(f"{path}: {err.strerror or err}; pass a gpu_suite.json the suite "
+                         "wrote") from None
+    except ValueError as err:
+        raise ValueError(f"{path} is no JSON ({err}); pass a gpu_suite.json the suite "
+                         "wrote") from None
+    if not isinstance(report, dict) or not isinstance(report.get("meta"), dict):
+        raise ValueError(f"{path} is no GPU suite report (no 'meta' section); pass a "
+                         "gpu_suite.json the suite wrote")
+    return report
+
+
 def main(argv: list[str] | None = None) -> str:
     """Make a suite's ``gpu_suite.md`` again from its ``gpu_suite.json`` (say, with a fix of
     this module's tables, where the run's Markdown failed or left a figure out), on any
     machine; the text is written beside the JSON (or to ``--out``) and returned."""
     import argparse
-    import json
-    from pathlib import Path
 
     from benchmarks.gpu_suite import SECTIONS
     from experiments._cli import output_file
@@ -345,14 +366,9 @@ def main(argv: list[str] | None = None) -> str:
     args = p.parse_args(argv)
     path = args.report / "gpu_suite.json" if args.report.is_dir() else args.report
     try:
-        report = json.loads(path.read_text())
-    except OSError as err:
-        p.error(f"{args.report}: {err.strerror or err}; pass a gpu_suite.json the suite wrote")
+        report = read_report(path)
     except ValueError as err:
-        p.error(f"{path} is no JSON ({err}); pass a gpu_suite.json the suite wrote")
-    if not isinstance(report, dict) or not isinstance(report.get("meta"), dict):
-        p.error(f"{path} is no GPU suite report (no 'meta' section); pass a gpu_suite.json "
-                "the suite wrote")
+        p.error(str(err))
     text = markdown(report, SECTIONS)
     if args.out == "-":
         print(text, end="")

@@ -69,6 +69,7 @@ CONTEXT_VALUES = re.compile(r"(?:\bfor |# )(?P<name>[A-Z]) (?:=|in) "
 #: in the module too.
 TRIPWIRES: dict[str, tuple[str, ...]] = {
     "*": ("scamp_jax.devices:configure_cpu_devices", "scamp_jax.devices:configure_device_memory"),
+    "benchmarks.gpu_markdown": ("benchmarks.gpu_markdown:read_report",),
     "benchmarks.gpu_suite": ("benchmarks.gpu_suite:run_suite", "benchmarks.gpu_suite:run_section"),
     "benchmarks.member_data": ("benchmarks.member_data:measure",),
     "benchmarks.mpi_comm": ("scamp_jax.distributed.mpi:launched_under_mpi",),

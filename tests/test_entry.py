@@ -1134,3 +1134,13 @@ def test_the_pool_line_says_the_cores_this_process_may_use(tmp_path, monkeypatch
     [line] = [s for s in capsys.readouterr().out.splitlines() if s.startswith("pool:")]
     assert line.endswith("; at most 1 trial trains at once (auto: one per 2 of the 1 CPU "
                          "core(s) this process may use, at least one)"), line
+
+
+def test_the_pool_line_says_where_memory_alone_decides_how_many_train(tmp_path, capsys):
+    """With no cap (``--max-running-trials none``, the CPU default preset's), the pool line
+    says so: several trials may train on one device, as many as its memory holds."""
+    scamp_jax.run_study(SPACE, function_task(), trials=1, steps=2, study_dir=tmp_path,
+                        live=False, max_batch_size=8, memory_per_device="64MiB", devices=2,
+                        max_running_trials=None)
+    [line] = [s for s in capsys.readouterr().out.splitlines() if s.startswith("pool:")]
+    assert line.endswith("; no cap on trials training at once: the pool's memory decides"), line

@@ -534,6 +534,8 @@ class StudySession:
             units = ("trial or fused group" if cap == 1 else "trials or fused groups") \
                 if self.settings.fuse else ("trial" if cap == 1 else "trials")
             line += f"; at most {cap} {units} {'trains' if cap == 1 else 'train'} at once{why}"
+        elif cap is None:  # memory alone decides: say so (several trials may share a device)
+            line += "; no cap on trials training at once: the pool's memory decides"
         self.say(line)
 
     def pool_description(self) -> str:
