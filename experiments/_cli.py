@@ -303,7 +303,8 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
                         f"(default {study_dir}); running again on it resumes the study")
     parser.add_argument("--storage",
                         help="SQLAlchemy URL of the study (default: sqlite file in --study-dir); "
-                        "e.g. postgresql+psycopg://user@host/db (pip install scamp-jax[postgres])")
+                        "e.g. postgresql+psycopg://user@host/db (the postgres extra: "
+                        "pip install 'scamp-jax[postgres]')")
     parser.add_argument("--study-name", type=study_name,
                         help="name of the study in the storage (default: the search space's); "
                         "another name starts a new study, its outputs in --study-dir/NAME. "
