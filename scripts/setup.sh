@@ -120,6 +120,13 @@ target="."
 [ -n "$extras" ] && target=".[$extras]"
 
 stamp="$VENV/.installed-$mode-${extras:-none}"
+if [ "$mode" = "run" ] && [ -z "$extras" ]; then
+  # The package alone: any install of it with extras since pyproject.toml changed has it too
+  # (make run after make test installs nothing, and needs no network).
+  for other in "$VENV"/.installed-*; do
+    if [ -f "$other" ] && [ ! pyproject.toml -nt "$other" ]; then stamp="$other"; break; fi
+  done
+fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] \
     || { [ "$mode" = "oldest" ] && [ .ci/minimum-versions.txt -nt "$stamp" ]; }; then
   # mpi4jax takes dirname(nvcc)/.. as the CUDA root when an nvcc is on PATH; without CUDA

@@ -53,3 +53,43 @@ def test_the_lower_bound_pins_are_the_declared_floors():
     different = {name: (floors[name], pins[name]) for name in floors
                  if Version(pins[name]) != Version(floors[name])}
     assert not different, f"floor in pyproject.toml vs pin in .ci/minimum-versions.txt: {different}"
+
+
+def test_make_run_after_make_test_installs_nothing(tmp_path: Path) -> None:
+    """``scripts/setup.sh run`` (``make run``) needs the package alone: an install of it with
+    the test extras since ``pyproject.toml`` last changed has it, so nothing is installed
+    again (no network needed); with no install yet, it installs."""
+    import os
+    import shutil
+    import subprocess
+    import time
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(root / "scripts" / "setup.sh", tmp_path / "scripts" / "setup.sh")
+    shutil.copy(root / "pyproject.toml", tmp_path / "pyproject.toml")
+    venv = tmp_path / ".venv" / "bin"
+    venv.mkdir(parents=True)
+    log = tmp_path / "calls.log"
+    # A stand-in interpreter that records what it is asked (no real venv: this checks the
+    # script's decision, not pip).
+    (venv / "python").write_text(f'#!/bin/sh\necho "$@" >> {log}\n'
+                                 'case "$1" in --version) echo "Python 3.12.0";; esac\n')
+    (venv / "python").chmod(0o755)
+    env = {**os.environ, "PYTHON": str(venv / "python")}
+
+    def setup() -> list[str]:
+        log.write_text("")
+        proc = subprocess.run(["bash", "scripts/setup.sh", "run"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return [c for c in log.read_text().splitlines() if "pip install" in c]
+
+    assert setup()  # nothing installed yet: the package is
+    (tmp_path / ".venv" / ".installed-run-none").unlink()
+    time.sleep(0.01)
+    (tmp_path / ".venv" / ".installed-test-dev,mpi,postgres").touch()
+    assert setup() == []
+    time.sleep(0.01)
+    (tmp_path / "pyproject.toml").touch()  # changed since: installed again
+    assert setup()
