@@ -602,6 +602,11 @@ def root_cause(err: BaseException) -> BaseException:
         err = inner
 
 
+def _ignore_repeated_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM's handler once a command stopped: a scheduler's repeated SIGTERM changes
+    nothing while the process ends."""
+
+
 @contextlib.contextmanager
 def user_errors(resumable: bool = True,
                 stopped: str | Callable[[], str] | None = None) -> Iterator[None]:
@@ -633,6 +638,7 @@ def user_errors(resumable: bool = True,
                    "without compiling those")
     stop = _CtrlC(stopped)  # one count: a Ctrl-C after a SIGTERM stops at once too
     previous = signal.signal(signal.SIGTERM, stop)
+    ending = False
     previous_int = signal.signal(signal.SIGINT, stop)
     try:
         with worded_by(in_flags):  # also how a failing MPI rank says it before the job ends
@@ -640,6 +646,7 @@ def user_errors(resumable: bool = True,
     except (Terminated, KeyboardInterrupt) as err:
         from scamp_jax.hpo.session import stop_kept
 
+        ending = True  # the process ends: a scheduler's repeated SIGTERM changes nothing
         word = "terminated" if isinstance(err, Terminated) else "interrupted"
         kept = stop_kept(err)
         left = (stopped() if callable(stopped) else stopped) or (
@@ -677,7 +684,9 @@ def user_errors(resumable: bool = True,
             fail(in_flags(err))
         raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        # Once stopped, the process is on its way out (the interpreter waits for threads): a
+        # repeated SIGTERM then would kill it by the signal, not exit 143.
+        signal.signal(signal.SIGTERM, _ignore_repeated_sigterm if ending else previous)
         # the start-up handler says nothing was stored: not so once a study ran
         signal.signal(signal.SIGINT, signal.default_int_handler
                       if previous_int is _interrupted_while_starting else previous_int)
