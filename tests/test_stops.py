@@ -356,3 +356,30 @@ def test_a_stop_before_any_trial_finished_says_so_where_a_command_says_what_it_k
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "interrupted: no trial of the study has finished yet (its plans and the checkpoints of "
         "trials under way are kept); run the same command to resume")
+
+
+def test_a_ctrl_c_while_the_best_model_loads_for_its_test_waits_for_the_restore(
+        tmp_path, monkeypatch):
+    """The run's last step restores the best model for the task's test: a Ctrl-C there stops
+    after the restore, not inside it (orbax's reads, cut short, each failed later on its
+    closed event loop with a traceback)."""
+    from scamp_jax.hpo import runner
+
+    reference = Regression()
+    task = scamp_jax.FunctionTask(metric="mse", direction="minimize", loss_fn=reference.loss_fn,
+                                  batches=reference.batches, evaluate=reference.evaluate,
+                                  test=reference.evaluate)
+    kw = dict(trials=1, steps=2, study_dir=tmp_path, live=False, memory_per_device="64MiB",
+              max_batch_size=8, sampler="random")
+    scamp_jax.run_study(SPACE, task, **kw)
+    real, restored = runner.load_model, []
+
+    def load_model(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # delivered at the next bytecode, if not held
+        restored.append(real(*args, **kwargs))
+        return restored[-1]
+
+    monkeypatch.setattr(runner, "load_model", load_model)
+    with pytest.raises(KeyboardInterrupt):
+        scamp_jax.run_study(SPACE, task, **kw)  # nothing to train: it tests the best again
+    assert len(restored) == 1

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from scamp_jax._lazy import warm
-from scamp_jax._signals import sigterm_stops
+from scamp_jax._signals import sigterm_stops, stops_held
 from scamp_jax._units import counted, format_share
 from scamp_jax.hpo.failures import RepeatedFailureError
 from scamp_jax.hpo.settings import SearchSettings
@@ -710,7 +710,10 @@ class StudySession:
         self.say(f"testing the best model (trial {number}) on the task's test data")
         where = f"the best model (trial {number}, in {saved})"
         try:
-            model = load_model(saved, self.space, record["params"])
+            # A stop waits for the restore (a second Ctrl-C does not): one cut short leaves
+            # orbax's reads to fail on its closed event loop, each with a traceback.
+            with stops_held():
+                model = load_model(saved, self.space, record["params"])
         except Exception as err:  # noqa: BLE001 - the study is done: said, and kept
             self.say(f"note: {where} could not be loaded for its test: {type(err).__name__}: "
                      f"{err}; the study's results are written")
