@@ -918,3 +918,34 @@ def test_a_plan_cache_another_connection_writes_serves_its_first_lookup_at_once(
     finally:
         other.execute("ROLLBACK")
         other.close()
+
+
+_FILE_SIZE_LIMIT = """
+import os, resource, signal, sys, warnings
+from scamp_jax.planning.plan_cache import PlanCache
+path = sys.argv[1]
+cache = PlanCache(path)
+cache.put_plan("kept", {"batch": 8})
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead
+held = sum(os.path.getsize(p) for p in (path, path + "-wal") if os.path.exists(p))
+resource.setrlimit(resource.RLIMIT_FSIZE, (held + 4096, resource.RLIM_INFINITY))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    cache.put_plan("large", {"batch": "x" * 200_000})
+    cache.put_peaks("large", {4: {"peak": "x" * 200_000}})
+print(len(caught), caught[0].message if caught else "")
+print(cache.get_plan("kept"), cache.get_plan("large"))
+"""
+
+
+def test_a_store_the_disk_refuses_is_skipped_with_one_warning(tmp_path):
+    """The disk refuses the cache's writes (here a file size limit, as a full disk would):
+    planning goes on without storing, warned once; what was stored before stays readable."""
+    proc = subprocess.run([sys.executable, "-c", _FILE_SIZE_LIMIT, str(tmp_path / "p.sqlite")],
+                          capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warned, stored = proc.stdout.splitlines()[-2:]
+    assert warned.startswith(f"1 the plan cache {str(tmp_path / 'p.sqlite')!r} could not store "
+                             "a plan (disk I/O error); planning goes on"), proc.stdout
+    assert stored == "{'batch': 8} None"

@@ -43,6 +43,7 @@ import os
 import sqlite3
 import threading
 import types
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -355,6 +356,10 @@ def _create_tables(db: sqlite3.Connection) -> None:
         db.execute(f"PRAGMA busy_timeout = {int(_BUSY_TIMEOUT_S * 1000)}")
 
 
+#: SQLite's errors of a write the disk refused (a full disk, a failing one).
+_WRITE_FAILURES = ("database or disk is full", "disk I/O error")
+
+
 class PlanCache:
     """Plans and compiled peaks in a SQLite file (see the module docstring).
 
@@ -375,6 +380,23 @@ class PlanCache:
         self._created = False
         self.hits = 0
         self.misses = 0
+        self._full_said = False
+
+    @contextlib.contextmanager
+    def _kept_going(self) -> Iterator[None]:
+        """A store into a full disk (or one that fails to write) is skipped with a warning,
+        once: the cache saves compiles, and the plan it would have kept is made all the same
+        (a plan's trial is not failed for it)."""
+        try:
+            yield
+        except sqlite3.OperationalError as err:
+            if not any(word in str(err) for word in _WRITE_FAILURES):
+                raise
+            if not self._full_said:
+                self._full_said = True
+                warnings.warn(f"the plan cache {str(self.path)!r} could not store a plan "
+                              f"({err}); planning goes on, and compiles again what it "
+                              "did not store (free space there, or check its disk)", RuntimeWarning, stacklevel=3)
 
     @contextlib.contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
@@ -453,7 +475,7 @@ class PlanCache:
     def put_plan(self, key: str, record: Mapping[str, Any]) -> None:
         """Store ``record`` (JSON-serialisable) under ``key``, replacing an older one."""
         text = json.dumps(record, sort_keys=True)
-        with self._lock, self._connect() as db:
+        with self._kept_going(), self._lock, self._connect() as db:
             db.execute("INSERT OR REPLACE INTO plans (key, record) VALUES (?, ?)", (key, text))
 
     def get_peaks(self, key: str) -> dict[int, dict[str, Any]]:
@@ -465,7 +487,7 @@ class PlanCache:
     def put_peaks(self, key: str, records: Mapping[int, Mapping[str, Any]]) -> None:
         """Store compiled memory records (by global batch size) under ``key``."""
         rows = [(key, int(b), json.dumps(r, sort_keys=True)) for b, r in records.items()]
-        with self._lock, self._connect() as db:
+        with self._kept_going(), self._lock, self._connect() as db:
             db.executemany(
                 "INSERT OR REPLACE INTO peaks (key, batch, record) VALUES (?, ?, ?)", rows
             )
