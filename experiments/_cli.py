@@ -602,6 +602,11 @@ def root_cause(err: BaseException) -> BaseException:
         err = inner
 
 
+#: A database's words for a write the disk refused (SQLite's; PostgreSQL's).
+_DISK_REFUSED = ("database or disk is full", "disk I/O error", "No space left on device",
+                 "could not extend file")
+
+
 def _ignore_repeated_sigterm(signum: int, frame: Any) -> None:
     """SIGTERM's handler once a command stopped: a scheduler's repeated SIGTERM changes
     nothing while the process ends."""
@@ -626,6 +631,7 @@ def user_errors(resumable: bool = True,
     SIGINT and SIGTERM handler (`_CtrlC`). Any entry point (an argparse-based ``main``) can
     wrap its body in it.
     """
+    from optuna.exceptions import StorageInternalError
     from sqlalchemy.exc import SQLAlchemyError
 
     from scamp_jax._errors import worded_by
@@ -663,8 +669,12 @@ def user_errors(resumable: bool = True,
     except RepeatedFailureError as err:  # the task's error, not the command line's
         print(f"error: {err.as_command_line()}", file=sys.stderr)  # its traceback verbatim
         raise SystemExit(1) from None
-    except SQLAlchemyError as err:
+    except (SQLAlchemyError, StorageInternalError) as err:
         cause = getattr(err, "orig", None) or root_cause(err)
+        if any(word in str(cause) for word in _DISK_REFUSED):
+            fail(f"the study database could not be written ({cause}): free space where it is "
+                 "(or check that disk), then run the same command; the finished trials are "
+                 "kept")
         fail(f"the study database cannot be used ({cause}); check --storage and --study-dir, "
              "or restore the database from a copy")
     except (ValueError, TypeError, OSError, GpuCompilerMissingError) as err:

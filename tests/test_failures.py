@@ -722,3 +722,37 @@ def test_a_check_whose_message_names_each_trials_value_still_stops_a_study_of_th
                             study_dir=tmp_path, **KW)
     assert len(caught.value.trials) == 3, caught.value.trials
     assert "(at " not in caught.value.reason
+
+
+_STUDY_ON_A_FULL_DISK = """
+import os, resource, signal, sys
+import optuna
+from experiments._cli import user_errors
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+path = sys.argv[1]
+study = optuna.create_study(storage=f"sqlite:///{path}", study_name="s")
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead
+held = sum(os.path.getsize(p) for p in (path, path + "-wal") if os.path.exists(p))
+resource.setrlimit(resource.RLIMIT_FSIZE, (held + 4096, resource.RLIM_INFINITY))
+with user_errors():
+    for _ in range(50):
+        study.ask().set_user_attr("blob", "x" * 100_000)
+"""
+
+
+def test_a_study_database_the_disk_refuses_is_said_in_one_line(tmp_path):
+    """The disk refuses the study database's writes (here a file size limit, as a full disk
+    would): Optuna raises its StorageInternalError, whose words blame the data; the command
+    line says in one line that the disk refused it and how to go on, with no traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "-c", _STUDY_ON_A_FULL_DISK, str(tmp_path / "s.db")],
+                          capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: the study database could not be written (disk I/O error): free space where it "
+        "is (or check that disk), then run the same command; the finished trials are kept")
