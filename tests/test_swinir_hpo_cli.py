@@ -309,6 +309,19 @@ def test_study_dir_that_is_not_writable_is_rejected():
     _one_line_error(cli("--study-dir", "/proc/scamp_study"), "--study-dir", "not writable")
 
 
+def test_a_folder_that_cannot_be_written_is_named_once_and_its_parent_where_it_is_made():
+    from scamp_jax.hpo.session import check_directory
+
+    with pytest.raises(ValueError) as there:
+        check_directory("/proc", "--study-dir")
+    assert str(there.value) == ("--study-dir '/proc' is not writable; pass a directory you can "
+                                "write to")
+    with pytest.raises(ValueError) as made:
+        check_directory("/proc/a/b", "--study-dir")
+    assert str(made.value) == ("--study-dir '/proc/a/b' is not writable ('/proc', where it "
+                               "would be made, is not); pass a directory you can write to")
+
+
 @pytest.mark.parametrize("url, needle", [
     ("not a url", "is not a database URL"),
     ("nosuchdb://host/db", "is not a supported database"),

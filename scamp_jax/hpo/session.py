@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import functools
 import gc
 import json
@@ -170,9 +171,15 @@ def _check_writable_place(folder: Path, said: str, kind: str) -> None:
     try:  # a real write: permissions, read-only mounts and root's exceptions all count
         with tempfile.TemporaryFile(dir=existing):
             pass
-    except OSError:
-        raise ValueError(f"{said} is not writable ({str(existing)!r} is not); pass a "
-                         f"{kind} you can write to") from None
+    except OSError as err:
+        # the folder that is there, where it is not the path itself (one to be made in it)
+        where = "" if existing == folder and str(existing) in said else \
+            f" ({str(existing)!r}, where it would be made, is not)"
+        why = {errno.EROFS: ": a read-only file system", errno.EACCES: ": permission denied",
+               errno.EPERM: ": permission denied",
+               errno.ENOSPC: ": no space left there"}.get(err.errno or 0, "")
+        raise ValueError(f"{said} is not writable{where}{why}; pass a {kind} you can write "
+                         "to") from None
 
 
 def check_study_place(study_dir: str | Path, storage: str | None) -> None:
