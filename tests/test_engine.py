@@ -258,6 +258,25 @@ def test_live_view_draws_devices_and_trials_on_a_terminal():
         assert expected in text
 
 
+def test_a_trial_planned_again_after_its_run_says_why():
+    """A run out of memory: its ``planning`` line says why it is planned again."""
+    import io
+
+    from scamp_jax.hpo.live import LiveView
+    from scamp_jax.hpo.runner import TrialStatus
+
+    stream = io.StringIO()
+    status = TrialStatus(3, {}, state="training", devices=(0,), batch_size=8, steps=100)
+    status.step, status.loss = 39, 0.07
+    with LiveView([BUDGET], "mse", stream=stream) as view:
+        view.update([status])
+        status.state, status.reason = "planning", "out of memory: needs 70.00 MiB"
+        view.update([status])
+    lines = stream.getvalue().splitlines()
+    assert "trial   3 planning" in lines[1] and lines[1].endswith(
+        "(planned again: out of memory: needs 70.00 MiB)"), lines
+
+
 def test_live_view_logs_state_changes_without_a_terminal():
     import io
 

@@ -4,6 +4,7 @@ decides what follows (`scamp_jax.hpo.out_of_memory`)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -216,12 +217,15 @@ def test_a_trial_out_of_memory_is_planning_again_and_queued_with_its_count() -> 
     from dataclasses import replace
 
     handled = _Handled()
+    handled.record.status.step, handled.record.status.loss = 39, 0.07  # where it ran out
     handled.ran_out(None)
     assert [(r.devices, r.max_batch, r.counted) for r in handled.replans] == [(1, 32, True)]
     assert handled.record.status.state == "planning" and 0 not in handled.core.running
     retry = replace(handled.planned, replans=1)
     handled.oom.replanned(handled.planned, retry)
     assert handled.queued == [retry] and handled.record.status.replans == 1
+    # its next run starts over (or says the checkpoint it resumes): not at step 39
+    assert handled.record.status.step == 0 and math.isnan(handled.record.status.loss)
     # No re-plan left: it fails, and the reason names no floor where there is none.
     spent = _Handled(max_replans=0)
     spent.ran_out(None)

@@ -168,7 +168,7 @@ class LiveView:
             elapsed = now - self._t0
             line = f"[{elapsed:7.1f}s] trial {s.number:>3} {s.state:<11}"
             if first and s.retry_of is not None:
-                line += f" (trial {s.retry_of} again: an earlier run stopped it)"
+                line += f" (trial {s.retry_of} again: its earlier run did not finish)"
             if s.devices or s.batch_size:  # planned: before it, nothing to show but its state
                 line += (f" devices={list(s.devices)} mp={s.model_parallel} "
                          f"batch={s.batch_size} step={s.step}/{s.steps}")
@@ -183,6 +183,9 @@ class LiveView:
                 line += f" {self.metric}={s.metric:.4g}"
             if s.reason and s.state in ("failed", "pruned", "oom", "deferred"):
                 line += f" ({shortened(s.reason, 120)})"
+            elif s.reason and s.state == "planning" and not first:
+                # planned again after its run: why (out of memory), and that it starts over
+                line += f" (planned again: {shortened(s.reason, 120)})"
             print(line, file=self.stream, flush=True)
 
     def _progress_key(self, s: TrialStatus) -> Any:

@@ -19,6 +19,7 @@ the run ``oom``, never ``failed``. What follows is decided here, and only here:
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -166,4 +167,7 @@ class OutOfMemory:
             return
         log.info("trial %d re-planned (%s)", planned.number, ended.reason)
         record.status.replans = retry.replans
+        # its next run starts over (or from a checkpoint, which it says): not at the step
+        # where it ran out
+        record.status.step, record.status.loss = 0, math.nan
         self.queue(retry)
