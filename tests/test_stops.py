@@ -383,3 +383,32 @@ def test_a_ctrl_c_while_the_best_model_loads_for_its_test_waits_for_the_restore(
     with pytest.raises(KeyboardInterrupt):
         scamp_jax.run_study(SPACE, task, **kw)  # nothing to train: it tests the best again
     assert len(restored) == 1
+
+
+def test_a_retry_resumes_its_checkpoints_at_their_batch_where_the_cap_would_restart_it(
+        tmp_path):
+    """A trial stopped mid-training (here by a Ctrl-C its evaluation sends) is retried by a run
+    whose batch cap is larger: planned at most at the batch its checkpoints hold, it resumes
+    them, rather than training from the start at the larger batch (as a trial planned again
+    smaller after running out of memory would run out again)."""
+    sent = []
+    reference = Regression()
+
+    def evaluate(model):
+        if not sent:
+            os.kill(os.getpid(), signal.SIGINT)
+            sent.append(True)
+        return reference.evaluate(model)
+
+    task = scamp_jax.FunctionTask(metric="mse", direction="minimize", loss_fn=reference.loss_fn,
+                                  batches=reference.batches, evaluate=evaluate)
+    kw = dict(trials=1, steps=20, eval_every=10, checkpoint_every=5, checkpoint_min_seconds=0,
+              study_dir=tmp_path, live=False, memory_per_device="64MiB", sampler="random")
+    with pytest.raises(KeyboardInterrupt):
+        scamp_jax.run_study(SPACE, task, max_batch_size=8, **kw)
+    scamp_jax.run_study(SPACE, task, max_batch_size=16, **kw)
+    study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
+    retry = study.trials[-1]
+    assert retry.state == optuna.trial.TrialState.COMPLETE
+    assert retry.user_attrs["batch_size"] == 8, retry.user_attrs
+    assert retry.user_attrs["resumed_from"] >= 10, retry.user_attrs

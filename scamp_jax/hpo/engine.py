@@ -171,7 +171,8 @@ class SearchEngine:
         self.planning = self.make_planning()
         cap = fusion_cap(config.fuse)
         #: how asked trials become units: chosen once
-        self.kind: UnitKind = SoloTrials(self.planning) if cap is None else FusionService(
+        self.kind: UnitKind = SoloTrials(self.planning, self.checkpoint_root) \
+            if cap is None else FusionService(
             space, task, cap, self.planning, self.checkpoint_root, plan_cache,
             source.held_siblings)
         self.records: dict[int, TrialRecord] = {}

@@ -23,8 +23,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Protocol
 
+from scamp_jax.hpo.checkpoint import newest_step, recorded_batch
 from scamp_jax.hpo.fused_runner import GroupSpec, run_fused_group
 from scamp_jax.hpo.launch import Launcher, Run
 from scamp_jax.hpo.runner import RunSpec, run_trial
@@ -273,21 +275,41 @@ class UnitKind(Protocol):
         """What the live view is told besides statuses and the pool."""
 
 
+def resume_cap(asked: AskedTrial, checkpoint_root: Path | None, config: Any) -> int | None:
+    """The batch cap of a retry (``asked``) whose checkpoints hold a step: the batch they were
+    trained at, where it is below the study's cap, so that it resumes them rather than
+    training from the start at a larger batch (which, where its earlier run had run out of
+    memory and was planned again smaller, runs out again). None: the study's cap (no retry,
+    no checkpoint of a step, its batch not recorded, or the fixed policy's one batch)."""
+    if asked.retry_of is None or checkpoint_root is None or config.policy == "fixed":
+        return None
+    directory = checkpoint_root / asked.checkpoint_key
+    kept = recorded_batch(directory)
+    if kept is None or newest_step(directory) is None:
+        return None
+    cap = config.max_batch_size
+    return kept if cap is None or kept < cap else None
+
+
 class SoloTrials:
     """The `UnitKind` without fusion: every trial is its own unit, planned by ``planning``
     (the engine's `scamp_jax.hpo.plan_service.PlanningService`) and queued as soon as its plan
-    is in."""
+    is in. A retry whose checkpoints (in ``checkpoint_root``) hold a step is planned at most at
+    the batch they were trained at (`resume_cap`)."""
 
     forming = False
 
-    def __init__(self, planning: Any) -> None:
+    def __init__(self, planning: Any, checkpoint_root: Path | None = None) -> None:
         self.planning = planning
+        self.checkpoint_root = checkpoint_root
 
     def reset(self) -> None:
         """Nothing is held between runs."""
 
     def plan_job(self, asked: AskedTrial) -> Callable[[], Any]:
-        return functools.partial(self.planning.planned_with_cost, asked.params, asked.number)
+        cap = resume_cap(asked, self.checkpoint_root, self.planning.config)
+        return functools.partial(self.planning.planned_with_cost, asked.params, asked.number,
+                                 **({} if cap is None else {"max_batch": cap}))
 
     def admit(self, planned: PlannedTrial, record: Any) -> Unit | None:
         return SoloUnit(planned)
