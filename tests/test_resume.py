@@ -780,3 +780,11 @@ def test_a_save_a_killed_process_left_unfinished_is_replaced_without_orbaxs_warn
     assert saved_steps(tmp_path) == {5, 10} and not unfinished.exists()
     assert not [r for r in caplog.records if r.name == "absl" and r.levelno >= logging.WARNING]
     assert "left unfinished by a process that ended while writing it" in caplog.text
+    # one of a step the retry never saves again (it resumed from an earlier one, or trains
+    # from the start) goes at its first save too: nothing else would remove it
+    orphan = tmp_path / "52.orbax-checkpoint-tmp-1701"
+    (orphan / "default").mkdir(parents=True)
+    saver = TrialCheckpointer(tmp_path)
+    saver.save(15, state)
+    saver.close()
+    assert saved_steps(tmp_path) == {10, 15} and not orphan.exists()

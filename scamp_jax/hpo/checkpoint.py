@@ -227,9 +227,10 @@ class TrialCheckpointer:
         if step in self._saved or step in self._manager.all_steps():
             return
         self._saved.add(step)
-        # A save of this step that a process killed while writing left unfinished: removed in
-        # this module's words (orbax would remove it too, warning in its own).
-        for unfinished in self.directory.glob(f"{step}{UNFINISHED_SUFFIX}*"):
+        # Saves a process stopped or killed while writing left unfinished (of this step, which
+        # orbax would remove too, warning in its own words, or of any other, which nothing
+        # would): this trial's writer is this process now, and its own saves are done.
+        for unfinished in self.directory.glob(f"*{UNFINISHED_SUFFIX}*"):
             log.info("removing %s, a checkpoint left unfinished by a process that ended while "
                      "writing it", unfinished)
             shutil.rmtree(unfinished, ignore_errors=True)
