@@ -267,7 +267,9 @@ class Endings:
             self.source.interrupt(number, wall_seconds=wall)
         except Exception as err:  # noqa: BLE001 - the others still go back
             log.warning("could not give trial %d back to the study (%s: %s); a rerun retries "
-                        "it once its heartbeat lapses", number, type(err).__name__, err)
+                        "it all the same (on this machine at once, which sees this process "
+                        "gone; elsewhere once its heartbeat lapses)", number,
+                        type(err).__name__, err)
 
     def _tell_finished(self, runs: Sequence[Any]) -> list[int]:
         """Tell the study the members of ``runs`` that ended before the stop reached them: a
