@@ -412,3 +412,28 @@ def test_a_retry_resumes_its_checkpoints_at_their_batch_where_the_cap_would_rest
     assert retry.state == optuna.trial.TrialState.COMPLETE
     assert retry.user_attrs["batch_size"] == 8, retry.user_attrs
     assert retry.user_attrs["resumed_from"] >= 10, retry.user_attrs
+
+
+def test_a_retry_is_capped_at_its_checkpoints_batch_only_where_it_would_resume_them(tmp_path):
+    from types import SimpleNamespace
+
+    from scamp_jax.hpo.study.trials import AskedTrial
+    from scamp_jax.hpo.units import resume_cap
+
+    folder = tmp_path / "trial_0"
+    (folder / "10").mkdir(parents=True)
+    (folder / "batch.json").write_text('{"batch_size": 8}')
+
+    def config(**kw):
+        return SimpleNamespace(**{"policy": "scamp", "max_batch_size": 16, "min_batch_size": None,
+                                  "steps_for": lambda batch: 20, **kw})
+
+    retry = AskedTrial(1, {}, "trial_0", retry_of=0)
+    assert resume_cap(retry, tmp_path, config()) == 8
+    assert resume_cap(AskedTrial(1, {}, "trial_0"), tmp_path, config()) is None  # no retry
+    assert resume_cap(retry, tmp_path, config(max_batch_size=8)) is None  # the cap holds it
+    assert resume_cap(retry, tmp_path, config(max_batch_size=None)) == 8
+    assert resume_cap(retry, tmp_path, config(min_batch_size=16)) is None  # below the floor
+    assert resume_cap(retry, tmp_path, config(policy="fixed")) is None
+    assert resume_cap(retry, tmp_path, config(steps_for=lambda batch: 5)) is None  # too long
+    assert resume_cap(retry, None, config()) is None

@@ -280,14 +280,17 @@ def resume_cap(asked: AskedTrial, checkpoint_root: Path | None, config: Any) -> 
     trained at, where it is below the study's cap, so that it resumes them rather than
     training from the start at a larger batch (which, where its earlier run had run out of
     memory and was planned again smaller, runs out again). None: the study's cap (no retry,
-    no checkpoint of a step, its batch not recorded, or the fixed policy's one batch)."""
+    no checkpoint of a step, its batch not recorded or below the study's ``min_batch_size``,
+    or the fixed policy's one batch)."""
     if asked.retry_of is None or checkpoint_root is None or config.policy == "fixed":
         return None
     directory = checkpoint_root / asked.checkpoint_key
     kept = recorded_batch(directory)
-    if kept is None or newest_step(directory) is None:
-        return None
+    if kept is None or newest_step(directory, config.steps_for(kept)) is None:
+        return None  # nothing it would resume
     cap = config.max_batch_size
+    if kept < (config.min_batch_size or 1):  # below the study's floor now: planned anew
+        return None
     return kept if cap is None or kept < cap else None
 
 
