@@ -226,6 +226,7 @@ def test_a_trial_out_of_memory_is_planning_again_and_queued_with_its_count() -> 
     assert handled.queued == [retry] and handled.record.status.replans == 1
     # its next run starts over (or says the checkpoint it resumes): not at step 39
     assert handled.record.status.step == 0 and math.isnan(handled.record.status.loss)
+    assert handled.record.status.reason == ""  # a later planning line (more devices) is not
     # No re-plan left: it fails, and the reason names no floor where there is none.
     spent = _Handled(max_replans=0)
     spent.ran_out(None)

@@ -385,12 +385,13 @@ def test_a_ctrl_c_while_the_best_model_loads_for_its_test_waits_for_the_restore(
     assert len(restored) == 1
 
 
+@pytest.mark.parametrize("fuse", [1, 2])
 def test_a_retry_resumes_its_checkpoints_at_their_batch_where_the_cap_would_restart_it(
-        tmp_path):
-    """A trial stopped mid-training (here by a Ctrl-C its evaluation sends) is retried by a run
-    whose batch cap is larger: planned at most at the batch its checkpoints hold, it resumes
-    them, rather than training from the start at the larger batch (as a trial planned again
-    smaller after running out of memory would run out again)."""
+        tmp_path, fuse):
+    """Trials stopped mid-training (here by a Ctrl-C the first evaluation sends) are retried by
+    a run whose batch cap is larger: planned at most at the batch their checkpoints hold, alone
+    or fused, they resume them, rather than training from the start at the larger batch (as a
+    trial planned again smaller after running out of memory would run out again)."""
     sent = []
     reference = Regression()
 
@@ -402,16 +403,18 @@ def test_a_retry_resumes_its_checkpoints_at_their_batch_where_the_cap_would_rest
 
     task = scamp_jax.FunctionTask(metric="mse", direction="minimize", loss_fn=reference.loss_fn,
                                   batches=reference.batches, evaluate=evaluate)
-    kw = dict(trials=1, steps=20, eval_every=10, checkpoint_every=5, checkpoint_min_seconds=0,
-              study_dir=tmp_path, live=False, memory_per_device="64MiB", sampler="random")
+    kw = dict(trials=2, steps=20, eval_every=10, checkpoint_every=5, checkpoint_min_seconds=0,
+              study_dir=tmp_path, live=False, memory_per_device="64MiB", sampler="random",
+              fuse=fuse, seed=3)
     with pytest.raises(KeyboardInterrupt):
         scamp_jax.run_study(SPACE, task, max_batch_size=8, **kw)
     scamp_jax.run_study(SPACE, task, max_batch_size=16, **kw)
     study = optuna.load_study(study_name="mlp", storage=storage_url(tmp_path))
-    retry = study.trials[-1]
-    assert retry.state == optuna.trial.TrialState.COMPLETE
-    assert retry.user_attrs["batch_size"] == 8, retry.user_attrs
-    assert retry.user_attrs["resumed_from"] >= 10, retry.user_attrs
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    resumed = [t.user_attrs for t in done if t.user_attrs["resumed_from"] >= 10]
+    # alone, one trial trained at a time (the CPU's cap): the one stopped mid-training
+    assert len(resumed) == fuse, [t.user_attrs for t in done]
+    assert all(r["batch_size"] == 8 for r in resumed), resumed
 
 
 def test_a_retry_is_capped_at_its_checkpoints_batch_only_where_it_would_resume_them(tmp_path):
@@ -437,3 +440,7 @@ def test_a_retry_is_capped_at_its_checkpoints_batch_only_where_it_would_resume_t
     assert resume_cap(retry, tmp_path, config(policy="fixed")) is None
     assert resume_cap(retry, tmp_path, config(steps_for=lambda batch: 5)) is None  # too long
     assert resume_cap(retry, None, config()) is None
+    # a stop before the first step saved the initial state only: nothing to resume
+    (folder / "10").rmdir()
+    (folder / "0").mkdir()
+    assert resume_cap(retry, tmp_path, config()) is None

@@ -67,7 +67,7 @@ from scamp_jax.hpo.runner import StepCache
 from scamp_jax.hpo.settings import EngineConfig
 from scamp_jax.hpo.study.trials import AskedTrial, TrialOutcome, TrialSource
 from scamp_jax.hpo.trial import PlannedTrial, TrialDeferred, TrialStatus, ending, fusion_cap
-from scamp_jax.hpo.units import SoloTrials, SoloUnit, Unit, UnitKind
+from scamp_jax.hpo.units import SoloTrials, SoloUnit, Unit, UnitKind, resume_cap
 from scamp_jax.planning import planner
 from scamp_jax.planning.budget import Budget
 from scamp_jax.planning.compile_options import cpu_rough_options
@@ -171,8 +171,7 @@ class SearchEngine:
         self.planning = self.make_planning()
         cap = fusion_cap(config.fuse)
         #: how asked trials become units: chosen once
-        self.kind: UnitKind = SoloTrials(self.planning, self.checkpoint_root) \
-            if cap is None else FusionService(
+        self.kind: UnitKind = SoloTrials(self.planning) if cap is None else FusionService(
             space, task, cap, self.planning, self.checkpoint_root, plan_cache,
             source.held_siblings)
         self.records: dict[int, TrialRecord] = {}
@@ -372,6 +371,9 @@ class SearchEngine:
                                                   retry_of=asked.retry_of), asked,
                                       self.config.steps_for))
         record.status.state = "planning"
+        # a retry resumes its checkpoints: planned at most at their batch, however planned
+        self.planning.cap_batch(asked.number,
+                                resume_cap(asked, self.checkpoint_root, self.config))
         record.times.setdefault("asked_at", self._now())
         record.times["run_started"] = self._run_started
         self._submit(work.planning(asked.number, asked.params,

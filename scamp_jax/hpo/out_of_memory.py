@@ -170,4 +170,5 @@ class OutOfMemory:
         # its next run starts over (or from a checkpoint, which it says): not at the step
         # where it ran out
         record.status.step, record.status.loss = 0, math.nan
+        record.status.reason = ""  # said on its planning line; a later one is not for this
         self.queue(retry)

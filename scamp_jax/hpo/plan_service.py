@@ -77,6 +77,8 @@ class PlanningService:
         #: for the plans handed to the core.
         self._flops: OncePerKey[float | None] = OncePerKey()
         self._flops_of: dict[tuple[int, int, int], float | None] = {}
+        #: a trial's own batch cap (`cap_batch`: a retry's checkpoints' batch), by number
+        self._caps: dict[int, int] = {}
 
     @staticmethod
     def devices_of(plan: Any) -> int:
@@ -264,8 +266,22 @@ class PlanningService:
         # Trials of one architecture planned at once (a fused family) lower it once.
         return self._flops.get(key, make)[0]
 
+    def cap_batch(self, number: int, batch: int | None) -> None:
+        """Plan trial ``number`` at a global batch of at most ``batch`` from now on, in every
+        plan `planned_with_cost` makes of it (alone, for a fused group, on more devices; None:
+        the study's cap). A retry's cap: the batch its checkpoints were trained at
+        (`scamp_jax.hpo.units.resume_cap`)."""
+        if batch is None:
+            self._caps.pop(number, None)
+        else:
+            self._caps[number] = int(batch)
+
     def planned_with_cost(self, params: Mapping[str, Any], number: int, **kw: Any) -> Any:
-        """Plan (cached per architecture) and cost one configuration; runs in a planner thread."""
+        """Plan (cached per architecture) and cost one configuration, at most at its own cap
+        (`cap_batch`); runs in a planner thread."""
+        cap = self._caps.get(number)
+        if cap is not None:
+            kw["max_batch"] = cap if kw.get("max_batch") is None else min(cap, kw["max_batch"])
         plan = self.plan(params, **kw)
         self.keep_cost(number, params, plan)
         return plan

@@ -276,7 +276,9 @@ class UnitKind(Protocol):
 
 
 def resume_cap(asked: AskedTrial, checkpoint_root: Path | None, config: Any) -> int | None:
-    """The batch cap of a retry (``asked``) whose checkpoints hold a step: the batch they were
+    """The batch cap of a retry (``asked``) whose checkpoints hold a step past the first
+    (`scamp_jax.hpo.plan_service.PlanningService.cap_batch`, for every plan of it, fused or
+    alone): the batch they were
     trained at, where it is below the study's cap, so that it resumes them rather than
     training from the start at a larger batch (which, where its earlier run had run out of
     memory and was planned again smaller, runs out again). None: the study's cap (no retry,
@@ -286,8 +288,8 @@ def resume_cap(asked: AskedTrial, checkpoint_root: Path | None, config: Any) -> 
         return None
     directory = checkpoint_root / asked.checkpoint_key
     kept = recorded_batch(directory)
-    if kept is None or newest_step(directory, config.steps_for(kept)) is None:
-        return None  # nothing it would resume
+    if kept is None or not newest_step(directory, config.steps_for(kept)):
+        return None  # nothing it would resume (step 0 is the initial state: no progress)
     cap = config.max_batch_size
     if kept < (config.min_batch_size or 1):  # below the study's floor now: planned anew
         return None
@@ -297,22 +299,18 @@ def resume_cap(asked: AskedTrial, checkpoint_root: Path | None, config: Any) -> 
 class SoloTrials:
     """The `UnitKind` without fusion: every trial is its own unit, planned by ``planning``
     (the engine's `scamp_jax.hpo.plan_service.PlanningService`) and queued as soon as its plan
-    is in. A retry whose checkpoints (in ``checkpoint_root``) hold a step is planned at most at
-    the batch they were trained at (`resume_cap`)."""
+    is in."""
 
     forming = False
 
-    def __init__(self, planning: Any, checkpoint_root: Path | None = None) -> None:
+    def __init__(self, planning: Any) -> None:
         self.planning = planning
-        self.checkpoint_root = checkpoint_root
 
     def reset(self) -> None:
         """Nothing is held between runs."""
 
     def plan_job(self, asked: AskedTrial) -> Callable[[], Any]:
-        cap = resume_cap(asked, self.checkpoint_root, self.planning.config)
-        return functools.partial(self.planning.planned_with_cost, asked.params, asked.number,
-                                 **({} if cap is None else {"max_batch": cap}))
+        return functools.partial(self.planning.planned_with_cost, asked.params, asked.number)
 
     def admit(self, planned: PlannedTrial, record: Any) -> Unit | None:
         return SoloUnit(planned)
