@@ -933,6 +933,7 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     cache.put_plan("large", {"batch": "x" * 200_000})
     cache.put_peaks("large", {4: {"peak": "x" * 200_000}})
+    cache.put_allowance("gpu", "H200", {"bytes": 1, "notes": "x" * 200_000})
 print(len(caught), caught[0].message if caught else "")
 print(cache.get_plan("kept"), cache.get_plan("large"))
 """

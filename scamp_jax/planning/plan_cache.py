@@ -385,8 +385,8 @@ class PlanCache:
     @contextlib.contextmanager
     def _kept_going(self) -> Iterator[None]:
         """A store into a full disk (or one that fails to write) is skipped with a warning,
-        once: the cache saves compiles, and the plan it would have kept is made all the same
-        (a plan's trial is not failed for it)."""
+        once: the cache saves compiles, and the plan (or allowance) it would have kept is used
+        all the same (a plan's trial is not failed for it, nor a study for its allowance)."""
         try:
             yield
         except sqlite3.OperationalError as err:
@@ -394,9 +394,11 @@ class PlanCache:
                 raise
             if not self._full_said:
                 self._full_said = True
+                # stacklevel: this generator, contextlib's exit, the store, its caller
                 warnings.warn(f"the plan cache {str(self.path)!r} could not store a plan "
                               f"({err}); planning goes on, and compiles again what it "
-                              "did not store (free space there, or check its disk)", RuntimeWarning, stacklevel=3)
+                              "did not store (free space there, or check its disk)",
+                              RuntimeWarning, stacklevel=4)
 
     @contextlib.contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
@@ -518,7 +520,7 @@ class PlanCache:
                 f"got {allowance!r}"
             )
         text = json.dumps(dict(record), sort_keys=True)
-        with self._lock, self._connect() as db:
+        with self._kept_going(), self._lock, self._connect() as db:
             db.execute(
                 "INSERT OR REPLACE INTO allowances (platform, device_kind, record) "
                 "VALUES (?, ?, ?)",
