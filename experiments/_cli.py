@@ -675,6 +675,11 @@ def user_errors(resumable: bool = True,
             fail(f"the study database could not be written ({cause}): free space where it is "
                  "(or check that disk), then run the same command; the finished trials are "
                  "kept")
+        if isinstance(err, StorageInternalError) or "locked" in str(cause):
+            # Optuna's wrapping of any error of a session: a busy or lost database, most often
+            fail(f"the study database did not answer ({cause}): it may be busy (another "
+                 "process's long write) or unreachable; run the same command again, which "
+                 "resumes the study, or check --storage")
         fail(f"the study database cannot be used ({cause}); check --storage and --study-dir, "
              "or restore the database from a copy")
     except (ValueError, TypeError, OSError, GpuCompilerMissingError) as err:

@@ -756,3 +756,36 @@ def test_a_study_database_the_disk_refuses_is_said_in_one_line(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: the study database could not be written (disk I/O error): free space where it "
         "is (or check that disk), then run the same command; the finished trials are kept")
+
+
+_STUDY_DATABASE_LOCKED = """
+import sqlite3, sys
+import optuna
+from experiments._cli import user_errors
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+path = sys.argv[1]
+storage = optuna.storages.RDBStorage(f"sqlite:///{path}",
+                                     engine_kwargs={"connect_args": {"timeout": 0.2}})
+study = optuna.create_study(storage=storage, study_name="s")
+sqlite3.connect(path).execute("BEGIN EXCLUSIVE")  # another process's write, held
+with user_errors():
+    study.ask()
+"""
+
+
+def test_a_busy_study_database_is_said_busy_not_damaged(tmp_path):
+    """Optuna wraps any error of a database session in its StorageInternalError, a database
+    another process holds locked too: that is said as busy, with the way on (run again), not
+    as a database to restore from a copy."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "-c", _STUDY_DATABASE_LOCKED, str(tmp_path / "s.db")],
+                          capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: the study database did not answer (database is locked): it may be busy (another "
+        "process's long write) or unreachable; run the same command again, which resumes the "
+        "study, or check --storage")
