@@ -767,7 +767,8 @@ path = sys.argv[1]
 storage = optuna.storages.RDBStorage(f"sqlite:///{path}",
                                      engine_kwargs={"connect_args": {"timeout": 0.2}})
 study = optuna.create_study(storage=storage, study_name="s")
-sqlite3.connect(path).execute("BEGIN EXCLUSIVE")  # another process's write, held
+holder = sqlite3.connect(path)
+holder.execute("BEGIN EXCLUSIVE")  # another process's write, held
 with user_errors():
     study.ask()
 """
