@@ -627,9 +627,10 @@ def user_errors(resumable: bool = True,
     <message>`` without a traceback; one raised outside the project's code (in JAX, say: not a
     check of ours, likely a bug) keeps its traceback above that line (but a file missing, in
     the way or not allowed), as does any error with ``SCAMP_TRACEBACK=1`` in the environment
-    (`TRACEBACK_VARIABLE`). Installs the
-    SIGINT and SIGTERM handler (`_CtrlC`). Any entry point (an argparse-based ``main``) can
-    wrap its body in it.
+    (`TRACEBACK_VARIABLE`). Installs the SIGINT and SIGTERM handler (`_CtrlC`); after a
+    stop, SIGTERM stays ignored (the process is ending: a caller that catches the
+    ``SystemExit`` sets its own). Any entry point (an argparse-based ``main``) can wrap its
+    body in it.
     """
     from optuna.exceptions import StorageInternalError
     from sqlalchemy.exc import SQLAlchemyError
