@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -239,11 +240,10 @@ def _regression_task():
                                   batches=reference.batches, evaluate=reference.evaluate)
 
 
-def test_a_trial_that_completes_while_the_study_stops_is_told_complete(tmp_path):
-    """A Ctrl-C while a trial evaluates (here its ``evaluate`` sends the SIGINT, then returns):
-    the stop finds a run that ended complete, and the study keeps its score; it is not given
-    back to be trained again."""
-    sent = []
+def _task_stopped_at_its_first_evaluation() -> tuple[Any, list[bool], Regression]:
+    """The regression task whose first evaluation sends this process a Ctrl-C (then returns):
+    ``(task, sent, reference)``, ``sent`` holding ``True`` once it has."""
+    sent: list[bool] = []
     reference = Regression()
 
     def evaluate(model):
@@ -254,6 +254,14 @@ def test_a_trial_that_completes_while_the_study_stops_is_told_complete(tmp_path)
 
     task = scamp_jax.FunctionTask(metric="mse", direction="minimize", loss_fn=reference.loss_fn,
                                   batches=reference.batches, evaluate=evaluate)
+    return task, sent, reference
+
+
+def test_a_trial_that_completes_while_the_study_stops_is_told_complete(tmp_path):
+    """A Ctrl-C while a trial evaluates (here its ``evaluate`` sends the SIGINT, then returns):
+    the stop finds a run that ended complete, and the study keeps its score; it is not given
+    back to be trained again."""
+    task, sent, reference = _task_stopped_at_its_first_evaluation()
     kw = dict(trials=2, steps=2, study_dir=tmp_path, live=False, memory_per_device="64MiB",
               max_batch_size=8, sampler="random", max_running_trials=1)
     with pytest.raises(KeyboardInterrupt) as stopped:
@@ -392,17 +400,7 @@ def test_a_retry_resumes_its_checkpoints_at_their_batch_where_the_cap_would_rest
     a run whose batch cap is larger: planned at most at the batch their checkpoints hold, alone
     or fused, they resume them, rather than training from the start at the larger batch (as a
     trial planned again smaller after running out of memory would run out again)."""
-    sent = []
-    reference = Regression()
-
-    def evaluate(model):
-        if not sent:
-            os.kill(os.getpid(), signal.SIGINT)
-            sent.append(True)
-        return reference.evaluate(model)
-
-    task = scamp_jax.FunctionTask(metric="mse", direction="minimize", loss_fn=reference.loss_fn,
-                                  batches=reference.batches, evaluate=evaluate)
+    task, _, _ = _task_stopped_at_its_first_evaluation()
     kw = dict(trials=2, steps=20, eval_every=10, checkpoint_every=5, checkpoint_min_seconds=0,
               study_dir=tmp_path, live=False, memory_per_device="64MiB", sampler="random",
               fuse=fuse, seed=3)
