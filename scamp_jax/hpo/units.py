@@ -278,12 +278,11 @@ class UnitKind(Protocol):
 def resume_cap(asked: AskedTrial, checkpoint_root: Path | None, config: Any) -> int | None:
     """The batch cap of a retry (``asked``) whose checkpoints hold a step past the first
     (`scamp_jax.hpo.plan_service.PlanningService.cap_batch`, for every plan of it, fused or
-    alone): the batch they were
-    trained at, where it is below the study's cap, so that it resumes them rather than
-    training from the start at a larger batch (which, where its earlier run had run out of
-    memory and was planned again smaller, runs out again). None: the study's cap (no retry,
-    no checkpoint of a step, its batch not recorded or below the study's ``min_batch_size``,
-    or the fixed policy's one batch)."""
+    alone): the batch they were trained at, where it is below the study's cap, so that it
+    resumes them rather than training from the start at a larger batch (which, where its
+    earlier run had run out of memory and was planned again smaller, runs out again). None:
+    the study's cap (no retry, no checkpoint of a step, its batch not recorded or below the
+    study's ``min_batch_size``, or the fixed policy's one batch)."""
     if asked.retry_of is None or checkpoint_root is None or config.policy == "fixed":
         return None
     directory = checkpoint_root / asked.checkpoint_key
