@@ -31,6 +31,7 @@ from typing import Any, NoReturn
 from experiments import _interrupted_while_starting
 from scamp_jax._signals import Terminated as Terminated  # SIGTERM's stop, as Ctrl-C's
 from scamp_jax._signals import interruptible, left_behind
+from scamp_jax._sqlite import DISK_REFUSED
 from scamp_jax.hpo.settings import (
     CHECKPOINT_MIN_SECONDS,
     ELASTIC,
@@ -602,9 +603,8 @@ def root_cause(err: BaseException) -> BaseException:
         err = inner
 
 
-#: A database's words for a write the disk refused (SQLite's; PostgreSQL's).
-_DISK_REFUSED = ("database or disk is full", "disk I/O error", "No space left on device",
-                 "could not extend file")
+#: A database's words for a write the disk refused (SQLite's, then PostgreSQL's).
+_DISK_REFUSED = (*DISK_REFUSED, "No space left on device", "could not extend file")
 
 
 def _ignore_repeated_sigterm(signum: int, frame: Any) -> None:

@@ -16,6 +16,10 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
+#: SQLite's words for a write the disk refused (a full disk, a failing one): the plan cache
+#: skips such a store, and a command line says it of a study's database.
+DISK_REFUSED = ("database or disk is full", "disk I/O error")
+
 
 def write_ahead(connection: Any) -> None:
     """Switch a new DB-API SQLite ``connection`` to WAL with ``synchronous=NORMAL``.

@@ -54,7 +54,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from scamp_jax._sqlite import write_ahead
+from scamp_jax._sqlite import DISK_REFUSED, write_ahead
 from scamp_jax.planning.memory import with_batch_size
 from scamp_jax.planning.targets import target_of
 from scamp_jax.planning.train_step import LossFn, abstract_state, default_loss, split_model
@@ -356,10 +356,6 @@ def _create_tables(db: sqlite3.Connection) -> None:
         db.execute(f"PRAGMA busy_timeout = {int(_BUSY_TIMEOUT_S * 1000)}")
 
 
-#: SQLite's errors of a write the disk refused (a full disk, a failing one).
-_WRITE_FAILURES = ("database or disk is full", "disk I/O error")
-
-
 class PlanCache:
     """Plans and compiled peaks in a SQLite file (see the module docstring).
 
@@ -390,7 +386,7 @@ class PlanCache:
         try:
             yield
         except sqlite3.OperationalError as err:
-            if not any(word in str(err) for word in _WRITE_FAILURES):
+            if not any(word in str(err) for word in DISK_REFUSED):
                 raise
             if not self._full_said:
                 self._full_said = True
