@@ -352,6 +352,7 @@ def main(argv: list[str] | None = None) -> str:
 
     from benchmarks.gpu_suite import SECTIONS
     from experiments._cli import output_file
+    from scamp_jax.hpo.session import check_file
 
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.gpu_markdown",
@@ -369,12 +370,20 @@ def main(argv: list[str] | None = None) -> str:
         report = read_report(path)
     except ValueError as err:
         p.error(str(err))
+    out = args.out or path.with_name("gpu_suite.md")
+    if out != "-":
+        try:
+            check_file(out, "" if args.out is None else "--out")
+        except ValueError as err:
+            p.error(f"{err}" + (" (or pass --out FILE)" if args.out is None else ""))
     text = markdown(report, SECTIONS)
-    if args.out == "-":
+    if out == "-":
         print(text, end="")
     else:
-        out = args.out or path.with_name("gpu_suite.md")
-        out.write_text(text)
+        try:
+            Path(out).write_text(text)
+        except OSError as err:
+            p.error(f"{out} could not be written ({err.strerror or err}); pass --out FILE")
         print(f"wrote {out}")
     return text
 

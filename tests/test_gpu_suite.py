@@ -169,6 +169,22 @@ def test_a_failing_section_is_recorded_and_the_suite_goes_on(
         gpu_markdown.main([str(tmp_path / "other.json")])
 
 
+def test_gpu_markdown_refuses_an_output_it_cannot_write_before_its_work(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Where the Markdown beside the JSON cannot be written (here a folder is in its place),
+    the command says so in one line and how to write it elsewhere, not with a traceback."""
+    report = {"meta": {"started": "2026-12-03T00:00:00", "devices": 1, "device_kind": "cpu"}}
+    (tmp_path / "gpu_suite.json").write_text(json.dumps(report))
+    (tmp_path / "gpu_suite.md").mkdir()
+    with pytest.raises(SystemExit) as exc:
+        gpu_markdown.main([str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "gpu_suite.md' is a folder" in err and "--out FILE" in err, err
+    out = tmp_path / "elsewhere.md"
+    assert gpu_markdown.main([str(tmp_path), "--out", str(out)]) == out.read_text()
+
+
 def test_caps_share_the_time_left() -> None:
     cfg = gpu_suite.GPU
     left = 400.0
