@@ -221,6 +221,32 @@ def test_the_results_keep_the_configuration_suggest_made_not_only_what_optuna_dr
     assert function_task().evaluate(model)["mse"] == pytest.approx(best["mse"], rel=1e-6)
 
 
+def test_the_results_show_a_drawn_value_as_suggest_changed_it(tmp_path):
+    """A ``suggest`` that scales what it draws (``16 * suggest_int``) and sets a drawn learning
+    rate over: the results, the best model's record and ``load_model`` take the values the
+    trial trained with, not Optuna's draws."""
+    from test_runner import MLP
+
+    def suggest(trial):
+        config = {"width": 16 * trial.suggest_int("width", 1, 2),
+                  "learning_rate": trial.suggest_float("learning_rate", 1e-3, 1e-1, log=True)}
+        config["learning_rate"] = 1e-2  # drawn, then fixed: it trains at 1e-2
+        return config
+
+    space = scamp_jax.SearchSpace("mlp-scaled", suggest,
+                                  lambda config, rngs: MLP(int(config["width"]), rngs))
+    scamp_jax.run_study(space, function_task(), trials=2, steps=3, study_dir=tmp_path,
+                        devices=2, memory_per_device="64MiB", max_batch_size=16,
+                        sampler="random", live=False)
+    trials = json.loads((tmp_path / "results.json").read_text())["trials"]
+    assert {t["params"]["width"] for t in trials} <= {16, 32}
+    assert [t["params"]["learning_rate"] for t in trials] == [1e-2, 1e-2]
+    best = json.loads((tmp_path / "best_model" / "trial.json").read_text())
+    model = scamp_jax.load_model(tmp_path / "best_model", space, best["params"])
+    assert model.hidden.out_features == best["params"]["width"]
+    assert function_task().evaluate(model)["mse"] == pytest.approx(best["mse"], rel=1e-6)
+
+
 def test_a_configuration_with_values_json_cannot_hold_is_said_and_loads_again(
         tmp_path, caplog, monkeypatch):
     """``suggest`` derives a function and a NumPy number from what it draws: the study cannot

@@ -606,11 +606,12 @@ class OptunaTrialSource:
 def _stored_configuration(params: Mapping[str, Any],
                           drawn: Mapping[str, Any]) -> dict[str, Any] | None:
     """What `CONFIGURATION` stores for a trial: the whole configuration where ``suggest``
-    returned keys Optuna did not draw (None: Optuna's ``params`` are all of it). A value JSON
-    cannot hold (the storage's format; NumPy scalars are stored as Python numbers) is left
-    out, said once per key: `load_model` derives it again through ``suggest`` from the
-    parameters Optuna drew."""
-    if all(k in drawn for k in params):
+    returned keys Optuna did not draw, or changed a drawn value under its key (``8 *
+    trial.suggest_int("width", 1, 4)``, a value set over the draw), so the results show what
+    the trial trained (None: Optuna's ``params`` are all of it). A value JSON cannot hold (the
+    storage's format; NumPy scalars are stored as Python numbers) is left out, said once per
+    key: `load_model` derives it again through ``suggest`` from the parameters Optuna drew."""
+    if all(k in drawn and _same_value(python_value(v), drawn[k]) for k, v in params.items()):
         return None
     whole = {}
     for key, value in params.items():
@@ -628,6 +629,15 @@ def _stored_configuration(params: Mapping[str, Any],
             continue
         whole[key] = value
     return whole
+
+
+def _same_value(value: Any, drawn: Any) -> bool:
+    """Whether a configuration's ``value`` is Optuna's ``drawn`` one (of its type: a drawn
+    ``1`` returned as ``True`` or ``1.0`` is changed; an array is never a drawn value)."""
+    try:
+        return type(value) is type(drawn) and bool(value == drawn)
+    except (TypeError, ValueError):
+        return False
 
 
 #: Configuration keys `_stored_configuration` said it leaves out (once each per process).

@@ -20,17 +20,19 @@ SIBLING_OF = "fusion_sibling_of"
 #: user attribute of a running proposal: how many of its siblings its source still holds.
 HELD_SIBLINGS = "fusion_siblings_held"
 #: user attribute holding a trial's whole configuration where ``space.suggest`` returned more
-#: than Optuna drew (constants, derived values), so the results can rebuild its model.
+#: than Optuna drew (constants, derived values) or changed a drawn value, so the results can
+#: rebuild its model.
 CONFIGURATION = "configuration"
 
 
 def configuration(params: Mapping[str, Any], attrs: Mapping[str, Any]) -> dict[str, Any]:
-    """A stored trial's configuration as ``space.suggest`` made it: its Optuna ``params`` with
-    the keys `CONFIGURATION` adds, in the order ``suggest`` returned them."""
+    """A stored trial's configuration as ``space.suggest`` made it: the values `CONFIGURATION`
+    stores, in the order ``suggest`` returned them (a drawn value ``suggest`` changed is shown
+    as it trained), then its Optuna ``params`` that are not among them."""
     whole = attrs.get(CONFIGURATION)
     if not whole:
         return dict(params)
-    out = {k: params.get(k, v) for k, v in whole.items()}
+    out = dict(whole)
     out.update((k, v) for k, v in params.items() if k not in out)
     return out
 
