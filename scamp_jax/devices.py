@@ -51,7 +51,9 @@ creates its GPU backend; on CPU they have no effect.
 
 from __future__ import annotations
 
+import numbers
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -191,10 +193,27 @@ def configure_cpu_devices(count: int = 8) -> None:
 
     Must be called before JAX initialises a backend (before the first ``jax.devices()`` or array).
     The device count only affects the CPU platform: on a GPU machine JAX still picks the GPUs by
-    default, each with one preallocated pool (`configure_device_memory`'s policy).
+    default, each with one preallocated pool (`configure_device_memory`'s policy). Called before
+    ``jax`` is imported, it sets ``XLA_FLAGS``, where a device count the user already set there
+    is kept (with a warning where it is another count); once ``jax`` is imported, it sets JAX's
+    ``jax_num_cpu_devices``, which wins over ``XLA_FLAGS``.
+
+    Raises:
+      TypeError: ``count`` is not a whole number (a float, a bool, a string).
+      ValueError: ``count`` is below 1.
+      RuntimeError: JAX has initialised a backend already.
     """
+    _split_cpu(count, "configure_cpu_devices")
+
+
+def _split_cpu(count: Any, caller: str) -> None:
+    """`configure_cpu_devices` for the public function ``caller`` its errors name."""
+    if isinstance(count, bool) or not isinstance(count, numbers.Integral):
+        raise TypeError(f"{caller}() takes a whole number of CPU devices, not "
+                        f"{type(count).__name__} {count!r}; e.g. {caller}(8)")
+    count = int(count)
     if count < 1:
-        raise ValueError(f"{count=} must be at least 1")
+        raise ValueError(f"{caller}() takes at least 1 CPU device, not {count}")
     configure_device_memory()
     if "jax" in sys.modules:
         import jax
@@ -203,13 +222,21 @@ def configure_cpu_devices(count: int = 8) -> None:
             jax.config.update("jax_num_cpu_devices", count)
         except RuntimeError as err:  # backend already initialised
             raise RuntimeError(
-                "configure_cpu_devices() must run before JAX initialises a backend; call it at the "
-                "top of your entry point, before creating arrays or calling jax.devices()"
+                f"{caller}() must run before JAX initialises a backend; call it at the top "
+                "of your entry point, before creating arrays or calling jax.devices()"
             ) from err
         return
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
+    kept = re.findall(r"--xla_force_host_platform_device_count=(\S*)", flags)
+    if not kept:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    elif kept[-1] != str(count):
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "XLA_FLAGS already sets %s CPU device(s) (--xla_force_host_platform_device_count="
+            "%s); that is kept, not the %d of %s(%d): unset it to use %d",
+            kept[-1], kept[-1], count, caller, count, count)
 
 
 def configure_for_search(cpu_devices: int = 8) -> None:
@@ -217,10 +244,11 @@ def configure_for_search(cpu_devices: int = 8) -> None:
 
     Splits the CPU into ``cpu_devices`` JAX devices and sets XLA's GPU allocator by the
     module's policy (`configure_device_memory`: one preallocated pool per GPU, from which the
-    study books every trial packed onto it), both through `configure_cpu_devices`. A value the
-    user already set is kept. Call before JAX initialises a backend.
+    study books every trial packed onto it), both through `configure_cpu_devices`, whose rules
+    it follows (a value the user already set in the environment is kept). Call before JAX
+    initialises a backend.
     """
-    configure_cpu_devices(cpu_devices)
+    _split_cpu(cpu_devices, "configure_for_search")
 
 
 #: Allocator statistics in bytes that `allocator_stats` always keeps where the backend reports

@@ -268,3 +268,35 @@ def test_a_driver_that_does_not_report_its_reserve_gives_the_gpus_total(
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     assert devices.gpu_memory_bytes() == 32510 << 20
+
+
+def test_a_cpu_device_count_that_is_no_whole_number_is_refused_at_the_call(monkeypatch) -> None:
+    """A float, bool or string count (read from a config file, argparse without ``type=int``)
+    is refused where it is passed, naming the function called; before, it was written into
+    ``XLA_FLAGS`` and XLA aborted at JAX's first use with its whole flag list."""
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    for count in (4.0, 2.5, True, "8"):
+        with pytest.raises(TypeError, match=r"configure_for_search\(\) takes a whole number"):
+            devices.configure_for_search(count)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"configure_cpu_devices\(\) takes a whole number"):
+            devices.configure_cpu_devices(count)  # type: ignore[arg-type]
+    assert "XLA_FLAGS" not in os.environ
+    with pytest.raises(ValueError, match="at least 1"):
+        devices.configure_cpu_devices(0)
+
+
+def test_a_cpu_device_count_the_user_set_is_kept_and_said() -> None:
+    """Before ``jax`` is imported, a count the user set in ``XLA_FLAGS`` is kept, as the
+    docstring says, and a warning says it where the call asked for another."""
+    from tests._requirements import fresh_python
+
+    script = ("import numpy, scamp_jax; scamp_jax.configure_cpu_devices(numpy.int64(4)); "
+              "import jax; print(jax.device_count())")
+    proc = fresh_python(script, timeout=120, JAX_PLATFORMS="cpu",
+                        XLA_FLAGS="--xla_force_host_platform_device_count=3")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["3"]
+    assert "XLA_FLAGS already sets 3 CPU device(s)" in proc.stderr, proc.stderr
+    same = fresh_python(script, timeout=120, JAX_PLATFORMS="cpu",
+                        XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    assert same.stdout.split() == ["4"] and "already sets" not in same.stderr, same.stderr
