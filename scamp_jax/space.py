@@ -154,6 +154,10 @@ class FunctionTask:
             object.__setattr__(self, "sample_batch", _ShapesOfFirstBatch(self.batches))
 
 
+#: What an exhausted stream gives `next` (a batch may be None-like, so no None).
+_NONE = object()
+
+
 class _ShapesOfFirstBatch:
     """``sample_batch`` read off a task's data: the first batch of ``batches(1, 0)``."""
 
@@ -164,7 +168,12 @@ class _ShapesOfFirstBatch:
 
     def __call__(self, batch_size: int) -> tuple[jax.ShapeDtypeStruct, ...]:
         if self._shapes is None:
-            first = next(iter(self._batches(1, 0)))
+            first = next(iter(self._batches(1, 0)), _NONE)
+            if first is _NONE:
+                raise ValueError(
+                    "the task's batches(1, 0) yielded no batch (read for the shapes to plan "
+                    "with); it must yield batches for as long as it is asked (e.g. draw them in "
+                    "a `while True:` loop), or pass sample_batch")
             leaves, self._treedef = jax.tree.flatten(first)
             shapes = []
             for leaf in leaves:

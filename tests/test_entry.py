@@ -193,6 +193,21 @@ def test_a_run_that_changes_the_sampler_or_batch_bounds_says_so_and_each_run_rec
          "reference_batch": None}]
 
 
+def test_a_task_whose_batches_yield_nothing_says_so():
+    """A ``batches`` that yields no batch at all (an epoch loop over less data than a batch)
+    is said as the stream that ended, not as a bare ``StopIteration``."""
+    reference = Regression()
+
+    def batches(batch_size, seed):
+        yield from ()
+
+    task = scamp_jax.FunctionTask(metric="mse", direction="minimize",
+                                  loss_fn=reference.loss_fn, batches=batches,
+                                  evaluate=reference.evaluate)
+    with pytest.raises(ValueError, match=r"batches\(1, 0\) yielded no batch.*while True"):
+        task.sample_batch(4)
+
+
 def test_the_results_keep_the_configuration_suggest_made_not_only_what_optuna_drew(tmp_path):
     """A ``suggest`` that adds constants (a learning rate it does not search, a depth): the
     results, the best model's record and the README's ``load_model`` take the whole
