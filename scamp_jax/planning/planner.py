@@ -261,6 +261,19 @@ class Plan:
         """Bytes per device that a plan may use: the budget less the safety margin."""
         return self.budget.usable_bytes
 
+    def __repr__(self) -> str:
+        """One line: the decision and its figures (`describe` tabulates them; the shardings
+        are the attributes ``param_shardings``, ``batch_sharding`` and ``step_shardings``)."""
+        platforms = ",".join(sorted({d.platform for d in self.devices}))
+        extra = "".join((", provisional" if self.provisional else "",
+                         ", cached" if self.cached else ""))
+        return (f"Plan(mesh={self.data_parallel}x{self.model_parallel} (data x model) on "
+                f"{len(self.devices)} {platforms} device(s), batch_size={self.batch_size}, "
+                f"predicted_peak_bytes={format_bytes(self.predicted_peak_bytes)} of "
+                f"{format_bytes(self.usable_bytes)} usable (memory_per_device="
+                f"{format_bytes(self.memory_per_device)}, safety_margin={self.safety_margin}), "
+                f"compiles={self.compiles}{extra})")
+
     def describe(self) -> str:
         """A short human-readable table of the plan."""
         e = self.estimate
