@@ -301,6 +301,19 @@ def test_bad_arguments_fail_before_any_compile(no_compiles, kwargs, error, match
         plan_mesh(_model(), SAMPLE, **args)
 
 
+def test_an_nnx_optimizer_is_refused_by_its_type_not_its_arrays(no_compiles):
+    """An ``nnx.Optimizer`` for ``optimizer``: the refusal names its type and says to pass its
+    optax transformation, in a line (its repr printed every array of the model before)."""
+    import optax
+
+    model = _model()
+    made = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    with pytest.raises(TypeError, match=r"^optimizer=an Optimizer is not an optax .*the "
+                       r"transformation it was made with") as err:
+        plan_mesh(model, SAMPLE, devices=8, memory_per_device=BUDGET, optimizer=made)
+    assert len(str(err.value)) < 300
+
+
 def test_model_without_parameters_and_repeated_devices_fail_before_any_compile(no_compiles):
     with pytest.raises(ValueError, match="no nnx.Param"):
         plan_mesh(NoParams(), SAMPLE, devices=2, memory_per_device=BUDGET)
