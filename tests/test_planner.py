@@ -133,6 +133,20 @@ def test_two_real_steps_with_the_remapped_plan_keep_shardings(plan):
                        r"this one is abstract \(from nnx.eval_shape"):
         place_train_state(nnx.eval_shape(lambda: MLP(128, 1024, nnx.Rngs(0))), tx,
                           moved.step_shardings)
+    # another optimizer than the planned one (optax.adam is not the default, which injects
+    # its learning rate), or another model: said, not a pytree mismatch inside jax.jit
+    import optax
+
+    with pytest.raises(ValueError, match=r"an optimizer whose state is not the one its "
+                       r"shardings were planned for; .*default_optimizer\(\)"):
+        place_train_state(model, optax.adam(1e-3), moved.step_shardings)
+
+    class Deeper(nnx.Module):
+        def __init__(self, rngs):
+            self.mlp, self.head = MLP(128, 1024, rngs), nnx.Linear(128, 2, rngs=rngs)
+
+    with pytest.raises(ValueError, match="not the ones its shardings were planned for"):
+        place_train_state(Deeper(nnx.Rngs(0)), tx, moved.step_shardings)
     graphdef, params, opt_state, rest = place_train_state(model, tx, moved.step_shardings)
     step = jit_train_step(
         graphdef, tx, lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), moved.step_shardings)

@@ -307,6 +307,18 @@ def place_train_state(
             "place_train_state needs a real model with arrays, and this one is abstract (from "
             "nnx.eval_shape, as plan_mesh takes it); build the model itself, e.g. "
             "MyModel(..., rngs=nnx.Rngs(0)), and place that")
+    if jax.tree.structure(params) != jax.tree.structure(shardings.params):
+        raise ValueError(
+            "place_train_state got a model whose parameters are not the ones its shardings "
+            "were planned for (another architecture); place the model plan_mesh planned, or "
+            "plan this one")
+    if (jax.tree.structure(jax.eval_shape(optimizer.init, params))
+            != jax.tree.structure(shardings.opt_state)):
+        raise ValueError(
+            "place_train_state got an optimizer whose state is not the one its shardings were "
+            "planned for; pass the optimizer given to plan_mesh (when none was given, "
+            "scamp_jax.planning.default_optimizer(), Adam with an injectable learning rate, "
+            "not optax.adam)")
     # device_put may reuse the source buffer as one shard of a replicated array (even with
     # may_alias=False on jax 0.10), and donating that array would delete the model's own
     # buffer, so copy first.
