@@ -437,6 +437,23 @@ def test_a_sample_too_large_for_a_device_is_told_apart_from_weights_too_large():
         plan_mesh(_model(), SAMPLE, devices=1, memory_per_device="1MiB")
 
 
+def test_weights_left_whole_by_min_shard_elements_are_said_where_they_do_not_fit():
+    """Weights that are mostly matrices under ``min_shard_elements``: more devices barely
+    help (every device holds them whole), so the refusal says so and how to split them, which
+    then fits; a model of large matrices gets no such line."""
+    small = nnx.eval_shape(lambda: MLP(32, 64, nnx.Rngs(0)))  # two 2,048-element matrices
+    sample = jax.ShapeDtypeStruct((1, 32), jnp.float32)
+    with pytest.raises(DoesNotFitError, match=r"16.00 KiB of its 16.38 KiB of weights are "
+                       r"matrices under min_shard_elements=4096 elements, which every device "
+                       r"holds whole: plan_mesh\(..., min_shard_elements=0\) splits them too$"):
+        plan_mesh(small, sample, devices=8, memory_per_device="24KiB")
+    split = plan_mesh(small, sample, devices=8, memory_per_device="24KiB", min_shard_elements=0)
+    assert split.model_parallel > 1
+    with pytest.raises(DoesNotFitError) as large:
+        plan_mesh(_model(), SAMPLE, devices=8, memory_per_device="200KiB")
+    assert "min_shard_elements" not in str(large.value)
+
+
 def test_a_float64_numpy_batch_is_counted_as_the_float32_arrays_jax_makes_of_it():
     """Without 64-bit mode JAX holds NumPy's float64 as float32: the prefetched batch and the
     plan are those of a float32 batch."""

@@ -976,10 +976,27 @@ def _does_not_fit(request: _Request, needed: int, what: str, advice: str) -> Doe
         f"({format_bytes(usable)}) are available ({format_bytes(budget.memory_per_device)} "
         f"less a {budget.safety_margin:.0%} margin"
         + (f" and a {format_bytes(allowance)} allowance" if allowance else "")
-        + f"); {_ADVICE[advice]}",
+        + f"); {_ADVICE[advice]}" + (_whole_weights(request) if advice == "state" else ""),
         bytes_needed=needed,
         bytes_available=usable,
     )
+
+
+def _whole_weights(request: _Request) -> str:
+    """What a `DoesNotFitError` of the weights adds where a large share of them is in
+    matrices under ``min_shard_elements``, which model parallelism leaves whole on every device
+    (so more devices barely help): "" where that share is under a quarter, or nothing splits."""
+    if request.n == 1 or request.min_shard_elements <= 1:
+        return ""
+    leaves = jax.tree.leaves(request.state[0])
+    total = sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)
+    whole = sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves
+                if len(x.shape) >= 2 and math.prod(x.shape) < request.min_shard_elements)
+    if not total or whole < total / 4:
+        return ""
+    return (f"; {format_bytes(whole)} of its {format_bytes(total)} of weights are matrices "
+            f"under min_shard_elements={request.min_shard_elements} elements, which every "
+            "device holds whole: plan_mesh(..., min_shard_elements=0) splits them too")
 
 
 def _estimate_record(estimate: MemoryEstimate) -> dict[str, Any]:
