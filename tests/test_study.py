@@ -847,3 +847,31 @@ def test_a_grid_value_that_is_none_of_the_choices_is_blamed_on_its_own_parameter
     fine = SearchSpace("two", suggest, lambda config, rngs: None,
                        grid={"layers": [1, 2], "heads": [3, 5]})
     check_grid(fine, "grid", 0)
+
+
+def test_a_grid_parameter_suggest_never_draws_is_refused(caplog):
+    """A grid key that ``suggest`` draws at none of the grid's points (a misspelling, a
+    parameter it does not search) would have Optuna's grid sampler train every configuration
+    once per value of it: refused, naming it. A key drawn on one branch only is kept, and a
+    grid too large to try point by point gets a warning instead."""
+    from scamp_jax.hpo.study import source
+    from scamp_jax.hpo.study.source import check_grid
+
+    def suggest(trial):
+        config = {"layers": trial.suggest_categorical("layers", [1, 2])}
+        if config["layers"] == 2:  # drawn on one branch only
+            config["width"] = trial.suggest_categorical("width", [8, 16])
+        return config
+
+    build = lambda config, rngs: None  # noqa: E731
+    extra = SearchSpace("branch", suggest, build,
+                        grid={"layers": [1, 2], "width": [8, 16], "dropout": [0.0, 0.5]})
+    with pytest.raises(ValueError, match=r"grid names 'dropout', which suggest draws at none "
+                       r"of its 8 points \(it draws \['layers', 'width'\]\).*check the spelling"):
+        check_grid(extra, "grid", 0)
+    check_grid(SearchSpace("branch", suggest, build,
+                           grid={"layers": [1, 2], "width": [8, 16]}), "grid", 0)
+    with caplog.at_level("WARNING"), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(source, "_GRID_POINTS_TRIED", 4)
+        check_grid(extra, "grid", 0)
+    assert "grid names 'dropout', which suggest drew at none of the 6 points tried" in caplog.text

@@ -704,29 +704,58 @@ def check_grid(space: SearchSpace, sampler: str, seed: int) -> None:
 def _check_grid_choices(space: SearchSpace) -> None:
     """Raise `ValueError` where the space's grid gives a parameter a value that is none of
     the choices ``suggest`` draws it from (Optuna's own words, "'128' not in (64, 256).",
-    name no parameter; the trial of that point would fail). Each value is tried once, the
-    other parameters at their first values (`optuna.trial.FixedTrial`), and the parameter
-    blamed is the one whose draw raised."""
+    name no parameter; the trial of that point would fail), or names a parameter ``suggest``
+    draws at none of its points (a misspelling, one it does not search: Optuna's grid sampler
+    would train every configuration once per value of it). Every point of a grid of at most
+    `_GRID_POINTS_TRIED` is tried (`optuna.trial.FixedTrial`); of a larger one, each value once,
+    the other parameters at their first values, and a parameter not drawn is only warned of.
+    The parameter blamed for a value is the one whose draw raised."""
     grid = dict(space.grid or {})
     base = {name: values[0] for name, values in grid.items() if len(values)}
-    for name, values in grid.items():
-        for value in values:
-            given = {**base, name: value}
-            trial = _ChoiceProbe(given)
-            try:
-                with warnings.catch_warnings():  # a number outside a range: Optuna warns
-                    warnings.simplefilter("ignore")
-                    space.suggest(trial)
-            except ValueError as err:
-                drawn = trial.drawing
-                if drawn is None or drawn not in grid or " not in (" not in str(err):
-                    continue  # not a choice's: a point suggest cannot take is a trial's
-                raise ValueError(
-                    f"the search space's grid gives {drawn}={given[drawn]!r}, which is "
-                    f"none of the choices suggest draws {drawn} from ({err}); give "
-                    "SearchSpace(grid=...) only values among them") from None
-            except Exception:  # noqa: BLE001 - a point suggest prunes or cannot take: a trial's
-                continue
+    points = math.prod(len(values) for values in grid.values())
+    if points <= _GRID_POINTS_TRIED:  # every point: which parameters suggest draws is exact
+        names = list(grid)
+        tried = [dict(zip(names, values, strict=True))
+                 for values in itertools.product(*grid.values())]
+    else:
+        tried = [{**base, name: value} for name, values in grid.items() for value in values]
+    drawn_names: set[str] = set()
+    answered = False
+    for given in tried:
+        trial = _ChoiceProbe(given)
+        try:
+            with warnings.catch_warnings():  # a number outside a range: Optuna warns
+                warnings.simplefilter("ignore")
+                space.suggest(trial)
+        except ValueError as err:
+            drawn = trial.drawing
+            if drawn is None or drawn not in grid or " not in (" not in str(err):
+                continue  # not a choice's: a point suggest cannot take is a trial's
+            raise ValueError(
+                f"the search space's grid gives {drawn}={given[drawn]!r}, which is "
+                f"none of the choices suggest draws {drawn} from ({err}); give "
+                "SearchSpace(grid=...) only values among them") from None
+        except Exception:  # noqa: BLE001 - a point suggest prunes or cannot take: a trial's
+            continue
+        answered = True
+        drawn_names |= set(trial.params)
+    never = [name for name in grid if name not in drawn_names]
+    if not answered or not never:
+        return
+    said = ", ".join(map(repr, never))
+    if points <= _GRID_POINTS_TRIED:
+        raise ValueError(
+            f"the search space's grid names {said}, which suggest draws at none of its "
+            f"{points} points (it draws {sorted(drawn_names)}): every configuration would be "
+            "trained once per value of it; check the spelling, or leave it out of "
+            "SearchSpace(grid=...)")
+    log.warning("the search space's grid names %s, which suggest drew at none of the %d points "
+                "tried: where it never draws it, every configuration is trained once per value "
+                "of it (check the spelling)", said, len(tried))
+
+
+#: Grids of at most this many points have every point tried by `_check_grid_choices`.
+_GRID_POINTS_TRIED = 4096
 
 
 class _ChoiceProbe(optuna.trial.FixedTrial):
