@@ -307,13 +307,12 @@ def place_train_state(
             "place_train_state needs a real model with arrays, and this one is abstract (from "
             "nnx.eval_shape, as plan_mesh takes it); build the model itself, e.g. "
             "MyModel(..., rngs=nnx.Rngs(0)), and place that")
-    if jax.tree.structure(params) != jax.tree.structure(shardings.params):
+    if not _same_structure(params, shardings.params):
         raise ValueError(
             "place_train_state got a model whose parameters are not the ones its shardings "
             "were planned for (another architecture); place the model plan_mesh planned, or "
             "plan this one")
-    if (jax.tree.structure(jax.eval_shape(optimizer.init, params))
-            != jax.tree.structure(shardings.opt_state)):
+    if not _same_structure(jax.eval_shape(optimizer.init, params), shardings.opt_state):
         raise ValueError(
             "place_train_state got an optimizer whose state is not the one its shardings were "
             "planned for; pass the optimizer given to plan_mesh (when none was given, "
@@ -326,6 +325,11 @@ def place_train_state(
     rest = jax.device_put(jax.tree.map(_copy_leaf, rest), shardings.rest)
     opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
     return graphdef, params, opt_state, rest
+
+
+def _same_structure(tree: PyTree, shardings: PyTree) -> bool:
+    """Whether ``tree`` has the structure of the tree of ``shardings`` planned for it."""
+    return bool(jax.tree.structure(tree) == jax.tree.structure(shardings))
 
 
 def step_flops(
