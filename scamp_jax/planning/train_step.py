@@ -329,7 +329,8 @@ def place_train_state(
 
 def _same_structure(tree: PyTree, shardings: PyTree) -> bool:
     """Whether ``tree`` has the structure of the tree of ``shardings`` planned for it."""
-    return bool(jax.tree.structure(tree) == jax.tree.structure(shardings))
+    # jaxlib ships no stub for PyTreeDef, so mypy cannot compare them
+    return bool(jax.tree.structure(tree) == jax.tree.structure(shardings))  # type: ignore[operator]
 
 
 def step_flops(
