@@ -277,6 +277,23 @@ def test_a_trial_planned_again_after_its_run_says_why():
         "(planned again: out of memory: needs 70.00 MiB)"), lines
 
 
+def test_a_fused_trials_line_names_its_group_and_members_not_a_width():
+    """A fused trial's line says its group and how many trials it fuses as ``members=``, which
+    a model's own ``width=`` (the commonest hyperparameter name) is not read as."""
+    import io
+
+    from scamp_jax.hpo.live import LiveView
+    from scamp_jax.hpo.runner import TrialStatus
+
+    stream = io.StringIO()
+    status = TrialStatus(5, {"width": 16}, state="training", devices=(0,), batch_size=8,
+                         steps=10)
+    with LiveView([BUDGET], "mse", stream=stream) as view:
+        view.update([status], groups={5: (2, 3)})
+    line = stream.getvalue().splitlines()[0]
+    assert " group=2 members=3" in line and " width=" not in line, line
+
+
 def test_live_view_logs_state_changes_without_a_terminal():
     import io
 

@@ -176,7 +176,7 @@ class LiveView:
                     line += f" (resumed from its checkpoint at step {s.first_step})"
             if s.number in self._groups:
                 group, width = self._groups[s.number]
-                line += f" group={group} width={width}"
+                line += f" group={group} members={width}"
             if not math.isnan(s.loss):
                 line += f" loss={s.loss:.4g}"
             if not math.isnan(s.metric):
