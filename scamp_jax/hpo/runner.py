@@ -531,8 +531,12 @@ def load_model(
     ``params`` lacks are derived again by calling it on ``params``
     (`optuna.trial.FixedTrial`); ``params`` it cannot take are built as given. It comes in
     evaluation mode, as the study scored it (``model.eval()``: dropout off, batch norm on its
-    running averages); call ``model.train()`` to train it further. A checkpoint whose data
-    cannot be read (damaged) raises `CheckpointUnreadable`, which names it.
+    running averages); call ``model.train()`` to train it further. ``seed`` seeds the
+    ``nnx.Rngs`` the model is built with (abstractly): every variable it holds, its random
+    keys too, is read back from the checkpoint, so the seed changes nothing for a ``build``
+    that keeps its randomness in the model's variables. A
+    checkpoint whose data cannot be read (damaged) raises `CheckpointUnreadable`, which names
+    it.
     """
     import orbax.checkpoint as ocp
 

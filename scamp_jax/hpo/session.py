@@ -857,13 +857,29 @@ def run_search(
     plan_fn: Callable[..., Any] | None = None,
     console: Any = None,
 ) -> dict[str, Any]:
-    """Open (or resume) the study of ``settings``, run it, and write its report.
+    """Open (or resume) the study of ``settings``, run it, and write its report: what
+    `run_study` does with its arguments gathered (`run_study` is the call to start with).
 
     Under ``mpirun`` with several ranks (`scamp_jax.distributed.launched_under_mpi`) this is
     `scamp_jax.distributed.engine.run_search_mpi` (collective: every rank calls it), with the
-    same settings meaning the same. ``memory_per_device`` is bytes; ``baseline`` a second
-    score printed beside the metric (e.g. ``"bicubic_psnr"``). Returns the ``results.json``
-    payload's ``run`` section plus ``best`` (a results row or None).
+    same settings meaning the same.
+
+    Args:
+      space, task: the `SearchSpace` searched and the `Task` its trials train and score.
+      settings: the study's `SearchSettings`.
+      devices: the JAX devices of the pool, in order.
+      memory_per_device: each device's pool, in bytes (an int; `run_study` takes sizes such
+        as ``"2GiB"`` and works out a default).
+      live: show the trials' progress while it runs (a table on a terminal, lines otherwise).
+      baseline: a second score printed beside the metric (e.g. ``"bicubic_psnr"``).
+      title: the study's name in the opening lines and the report.
+      plan_fn: plans a trial in place of the planner (``plan_mesh``'s arguments; for tests and
+        simulations); None: the planner.
+      console: a ``rich.console.Console`` to write to; None: standard output.
+
+    Returns:
+      The ``results.json`` payload's ``run`` section plus ``best`` (a results row or None) and,
+      where the task has a ``test``, ``test`` (the best model's scores on it, or None).
     """
     with lasting_frozen(), sigterm_stops():  # a scheduler's SIGTERM stops it as Ctrl-C does
         return _run_search(space, task, settings, devices=devices,

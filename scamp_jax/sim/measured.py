@@ -39,7 +39,9 @@ def read_results(study_dir: str | Path) -> dict[str, Any]:
 
 def replay_study(study_dir: str | Path) -> list[tuple[int, tuple[int, ...]]]:
     """The placements of a replay of ``study_dir``'s ``results.json`` through the scheduling
-    core (`scamp_jax.scheduling.replay.replay`)."""
+    core (`scamp_jax.scheduling.replay.replay`): ``[(trial number, device ids), ...]`` in the
+    order the core decides them, each start and each restart or move on other devices, of the
+    study's last run (a resumed study's earlier runs are not replayed)."""
     from scamp_jax.scheduling.replay import replay
 
     return replay(read_results(study_dir))

@@ -429,6 +429,15 @@ def open_study(
 ) -> StudyHandle:
     """Create the study, or load it if ``study_name`` already exists in the storage.
 
+    A name the storage does not hold makes a new, empty study beside the ones it holds
+    (Optuna's ``load_if_exists``): a misspelt name resumes nothing
+    (``optuna.get_all_study_names(storage)`` lists them). ``study_dir``: the study's folder,
+    which holds its SQLite file ``study.db`` unless ``storage`` (an Optuna storage URL, e.g.
+    ``postgresql://...``) names another. ``direction``: whether the trials' values are
+    maximised or minimised. ``sampler``: ``"tpe"``, ``"random"`` or ``"grid"`` (over ``grid``:
+    parameter name -> values), seeded by ``seed``. ``pruner``: ``"median"`` (which judges no
+    trial before ``warmup_steps`` steps), ``"halving"`` or ``"none"``.
+
     ``settings`` (JSON-serialisable, e.g. space, preset, steps, seed, budget) are stored with a
     new study; loading a study created with other values raises `StudySettingsError` naming
     each difference. ``heartbeat_interval`` and ``grace_period`` (seconds) set its liveness
@@ -459,7 +468,7 @@ def open_study(
             study_name, {"direction": stored_direction}, {"direction": direction},
             f"study {study_name!r} in the storage was created to {stored_direction} "
             f"its objective, not to {direction}; a study keeps its direction: open it with "
-            f"direction={stored_direction!r} (the task's direction), or start "
+            f"direction={stored_direction!r} (in run_study, the task's direction), or start "
             "another study (another study name, study directory or storage)")
     scored = study.user_attrs.get(METRIC_KEY)
     if metric is not None and scored is not None and scored != metric:
