@@ -262,6 +262,31 @@ def test_the_results_show_a_drawn_value_as_suggest_changed_it(tmp_path):
     assert function_task().evaluate(model)["mse"] == pytest.approx(best["mse"], rel=1e-6)
 
 
+def test_a_key_that_reads_as_the_optimizers_but_is_not_is_warned_of(tmp_path, caplog):
+    """``lr`` for ``learning_rate``: the trials' AdamW would train at its default while the
+    table shows the drawn ``lr``, so the study says it, once, and how to name it."""
+    from test_runner import MLP
+
+    from scamp_jax.hpo.study import source
+
+    def suggest(trial):
+        return {"width": 16, "lr": trial.suggest_float("lr", 1e-3, 1e-1, log=True)}
+
+    space = scamp_jax.SearchSpace("mlp-lr", suggest,
+                                  lambda config, rngs: MLP(int(config["width"]), rngs))
+    source._ALIASES_SAID.discard("lr")
+    with caplog.at_level("WARNING", logger="scamp_jax"):
+        scamp_jax.run_study(space, function_task(), trials=2, steps=2, study_dir=tmp_path,
+                            devices=2, memory_per_device="64MiB", max_batch_size=16,
+                            sampler="random", live=False)
+    said = [r.getMessage() for r in caplog.records if "reads as the optimizer's" in
+            r.getMessage()]
+    assert said == ["the configuration's 'lr' reads as the optimizer's 'learning_rate', which "
+                    "it is not: the trials' AdamW takes learning_rate, weight_decay, b1, b2 and "
+                    "trains at its default learning_rate; every other key goes to build, as "
+                    "architecture. Return it as 'learning_rate'"], said
+
+
 def test_a_configuration_with_values_json_cannot_hold_is_said_and_loads_again(
         tmp_path, caplog, monkeypatch):
     """``suggest`` derives a function and a NumPy number from what it draws: the study cannot

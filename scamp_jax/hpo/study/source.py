@@ -497,6 +497,7 @@ class OptunaTrialSource:
                             "trial.suggest_int('width', 16, 64)}")
         for name, value in attrs.items():
             trial.set_user_attr(name, value)
+        _say_optimizer_aliases(params)
         whole = _stored_configuration(params, trial.params)
         if whole is not None:
             trial.set_user_attr(CONFIGURATION, whole)
@@ -638,6 +639,31 @@ def _same_value(value: Any, drawn: Any) -> bool:
         return type(value) is type(drawn) and bool(value == drawn)
     except (TypeError, ValueError):
         return False
+
+
+#: Spellings of the optimizer's keys (lower case, without ``_`` and ``-``) that are not them.
+_OPTIMIZER_ALIASES = {"lr": "learning_rate", "learningrate": "learning_rate",
+                      "wd": "weight_decay", "weightdecay": "weight_decay", "beta1": "b1",
+                      "beta2": "b2"}
+#: Configuration keys `_say_optimizer_aliases` warned of (once each per process).
+_ALIASES_SAID: set[str] = set()
+
+
+def _say_optimizer_aliases(params: Mapping[str, Any]) -> None:
+    """Warn, once per key, of a configuration key that reads as one of the optimizer's
+    (``lr``, ``weightDecay``) but is not its name: AdamW would train at its default for it,
+    and the key would count as architecture (trials differing in it share no compile)."""
+    from scamp_jax.hpo.trial import OPTIMIZER_KEYS
+
+    for key in params:
+        meant = _OPTIMIZER_ALIASES.get(str(key).lower().replace("_", "").replace("-", ""))
+        if meant is None or key == meant or meant in params or key in _ALIASES_SAID:
+            continue
+        _ALIASES_SAID.add(key)
+        log.warning(
+            "the configuration's %r reads as the optimizer's %r, which it is not: the trials' "
+            "AdamW takes %s and trains at its default %s; every other key goes to build, as "
+            "architecture. Return it as %r", key, meant, ", ".join(OPTIMIZER_KEYS), meant, meant)
 
 
 #: Configuration keys `_stored_configuration` said it leaves out (once each per process).
