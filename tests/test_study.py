@@ -871,6 +871,10 @@ def test_a_grid_parameter_suggest_never_draws_is_refused(caplog):
         check_grid(extra, "grid", 0)
     check_grid(SearchSpace("branch", suggest, build,
                            grid={"layers": [1, 2], "width": [8, 16]}), "grid", 0)
+    # one value of it repeats nothing: kept
+    check_grid(SearchSpace("branch", suggest, build,
+                           grid={"layers": [1, 2], "width": [8, 16], "dropout": [0.0]}),
+               "grid", 0)
     with caplog.at_level("WARNING"), pytest.MonkeyPatch.context() as patch:
         patch.setattr(source, "_GRID_POINTS_TRIED", 4)
         check_grid(extra, "grid", 0)

@@ -765,7 +765,8 @@ def _check_grid_choices(space: SearchSpace) -> None:
             continue
         answered = True
         drawn_names |= set(trial.params)
-    never = [name for name in grid if name not in drawn_names]
+    # one value of a parameter never drawn repeats nothing: a grid may pin a constant so
+    never = [name for name in grid if name not in drawn_names and len(grid[name]) > 1]
     if not answered or not never:
         return
     said = ", ".join(map(repr, never))
