@@ -730,8 +730,8 @@ def check_grid(space: SearchSpace, sampler: str, seed: int) -> None:
 def _check_grid_choices(space: SearchSpace) -> None:
     """Raise `ValueError` where the space's grid gives a parameter a value that is none of
     the choices ``suggest`` draws it from (Optuna's own words, "'128' not in (64, 256).",
-    name no parameter; the trial of that point would fail), or names a parameter ``suggest``
-    draws at none of its points (a misspelling, one it does not search: Optuna's grid sampler
+    name no parameter; the trial of that point would fail), or gives more than one value to
+    a parameter ``suggest`` draws at none of its points (a misspelling, one it does not search: Optuna's grid sampler
     would train every configuration once per value of it). Every point of a grid of at most
     `_GRID_POINTS_TRIED` is tried (`optuna.trial.FixedTrial`); of a larger one, each value once,
     the other parameters at their first values, and a parameter not drawn is only warned of.
