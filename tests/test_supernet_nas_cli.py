@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -173,10 +174,11 @@ def test_a_checkpoint_of_other_settings_is_refused_in_one_line(tmp_path) -> None
     assert NASCheckpoint(config).latest() == 3
 
 
-@pytest.mark.parametrize("damaged", ["settings", "weights"])
+@pytest.mark.parametrize("damaged", ["settings", "weights", "weights gone"])
 def test_a_damaged_checkpoint_is_refused_in_one_line_that_names_it(tmp_path, damaged) -> None:
     """A checkpoint of this run's settings whose JSON (settings and progress) or array data
-    (weights and optimizer state) is damaged: one line naming it, what could not be read and
+    (weights and optimizer state) is damaged, or whose weights' folder is gone (orbax's
+    `KeyError`): one line naming it, what could not be read and
     how to start afresh, exit 2, no traceback (not orbax's, nor one of each read it
     abandoned), the checkpoint kept."""
     import dataclasses
@@ -197,6 +199,9 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_that_names_it(tmp_path, dam
     if damaged == "settings":
         (step / "meta" / "metadata").write_text("")
         what = "the run's settings and progress"
+    elif damaged == "weights gone":
+        shutil.rmtree(step / "state")
+        what = "the supernet's weights and optimizer state"
     else:
         data = [p for p in (step / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
         assert data

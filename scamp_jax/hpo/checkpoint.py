@@ -283,12 +283,15 @@ _DAMAGED_DATA = ("OUT_OF_RANGE", "FAILED_PRECONDITION", "DATA_LOSS")
 
 def _checkpoints_own(err: BaseException) -> BaseException | None:
     """``err`` where it says the checkpoint itself cannot be read as asked, else None. Orbax's
-    words for that are `ValueError` (tree structures, shapes) and `FileNotFoundError` (files
-    missing); data cut short or overwritten is a `ValueError` of TensorStore with a damaged
-    data code (`_DAMAGED_DATA`: "OUT_OF_RANGE: Error reading ... in OCDBT database") that
-    orbax raises from a bare `Exception` ("Encountered error while reading array index")."""
+    words for that are `ValueError` (tree structures, shapes), `FileNotFoundError` (files
+    missing) and a `KeyError` that an item "was not found in the checkpoint"; data cut
+    short or overwritten is a `ValueError` of TensorStore with a damaged data code
+    (`_DAMAGED_DATA`: "OUT_OF_RANGE: Error reading ... in OCDBT database") that orbax raises
+    from a bare `Exception` ("Encountered error while reading array index")."""
     if isinstance(err, ValueError | FileNotFoundError):
         return err
+    if isinstance(err, KeyError) and "was not found in the checkpoint" in str(err):
+        return err  # an item's folder gone: orbax's composite restore
     cause = err.__cause__ if type(err) is Exception else None  # orbax's wrapper alone
     if isinstance(cause, ValueError) and str(cause).split(":", 1)[0] in _DAMAGED_DATA:
         return cause

@@ -731,11 +731,12 @@ def _check_grid_choices(space: SearchSpace) -> None:
     """Raise `ValueError` where the space's grid gives a parameter a value that is none of
     the choices ``suggest`` draws it from (Optuna's own words, "'128' not in (64, 256).",
     name no parameter; the trial of that point would fail), or gives more than one value to
-    a parameter ``suggest`` draws at none of its points (a misspelling, one it does not search: Optuna's grid sampler
-    would train every configuration once per value of it). Every point of a grid of at most
-    `_GRID_POINTS_TRIED` is tried (`optuna.trial.FixedTrial`); of a larger one, each value once,
-    the other parameters at their first values, and a parameter not drawn is only warned of.
-    The parameter blamed for a value is the one whose draw raised."""
+    a parameter ``suggest`` draws at none of its points (a misspelling, one it does not
+    search: Optuna's grid sampler would train every configuration once per value of it).
+    Every point of a grid of at most `_GRID_POINTS_TRIED` is tried
+    (`optuna.trial.FixedTrial`); of a larger one, each value once, the other parameters at
+    their first values, and a parameter not drawn is only warned of. The parameter blamed
+    for a value is the one whose draw raised."""
     grid = dict(space.grid or {})
     base = {name: values[0] for name, values in grid.items() if len(values)}
     points = math.prod(len(values) for values in grid.values())
