@@ -397,6 +397,13 @@ def _main(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict | None:
     check_outputs(config, args)
     if args.mpi:
         return _main_mpi(config, args, p)
+    from scamp_jax.distributed.mpi import launcher_ranks
+
+    ranks = launcher_ranks()
+    if ranks is not None and ranks > 1:  # each rank would train it all, in one folder
+        p.error(f"launched by MPI as {ranks} ranks without --mpi: every rank would train the "
+                "whole supernet into the same --out-dir; pass --mpi to run one pipeline stage "
+                f"per rank (mpirun -n {config.stages} ...), or run it without mpirun")
     check_config(config, p, get_config(args.preset))
     _same_bits_everywhere(config.stages)
     check_devices(config.stages, p)

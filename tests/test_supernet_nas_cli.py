@@ -79,6 +79,24 @@ def test_bad_sizes_exit_2_with_one_line_naming_the_flag(flags, message, tmp_path
     assert time.monotonic() - started < 60  # fails fast, no compile
 
 
+def test_ranks_of_mpirun_without_mpi_are_refused_before_any_work(tmp_path) -> None:
+    """``mpirun -n 2`` without ``--mpi``: each rank would train the whole supernet into one
+    folder; every rank refuses in one line, exit 2, and writes nothing."""
+    from test_mpi_runs import launcher
+
+    proc = subprocess.run(
+        [*launcher(2), sys.executable, "-m", "experiments.supernet_nas", "--preset", "smoke",
+         "--out-dir", str(tmp_path / "out"), "--quiet"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=_cli_env())
+    assert proc.returncode == 2, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if "without --mpi" in line]
+    assert said == ["python -m experiments.supernet_nas: error: launched by MPI as 2 ranks "
+                    "without --mpi: every rank would train the whole supernet into the same "
+                    "--out-dir; pass --mpi to run one pipeline stage per rank (mpirun -n 4 "
+                    "...), or run it without mpirun"] * 2, proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_mpi_under_a_launcher_of_one_rank_says_to_launch_one_per_stage(tmp_path) -> None:
     """``mpirun -n 1 ... --mpi`` (the launcher's variables of one rank): not "needs a launcher"
     but how many to launch, exit 2, before MPI or JAX start."""
