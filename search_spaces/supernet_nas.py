@@ -19,12 +19,13 @@ The pipeline itself (`scamp_jax.pipeline`) knows nothing of super-resolution: th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -207,6 +208,8 @@ class NASCheckpoint:
         self.config = config
         self.directory = config.checkpoint_path.resolve()
         self._manager: Any = None
+        self._lock: Any = None  # the open lock file while `held`
+        self._drop_parent = False  # `discard` asked for its folder to go when it was held
 
     def _open(self, create: bool) -> Any:
         if self._manager is None:
@@ -309,15 +312,62 @@ class NASCheckpoint:
         """Delete the checkpoint and, with ``folder`` (a run's end), the folder that holds it
         if that leaves it empty (an ``out_dir`` made for it while the results went elsewhere,
         ``--json``), never the working directory; a ``--fresh`` start removes no folder (it
-        is still empty, where the results will go)."""
+        is still empty, where the results will go). Under `held`, that folder goes when the
+        hold ends."""
         self.close()
         shutil.rmtree(self.directory, ignore_errors=True)
-        if not folder or self.directory.parent == Path.cwd().resolve():
+        if folder:
+            self._drop_parent = True
+            if self._lock is None:
+                self._remove_empty_parent()
+
+    def _remove_empty_parent(self) -> None:
+        if self.directory.parent == Path.cwd().resolve():
             return
         try:
             self.directory.parent.rmdir()  # only if empty: results may be elsewhere (--json)
         except OSError:
             pass
+
+    @property
+    def lock_path(self) -> Path:
+        """The file a run holds locked while it trains into this checkpoint (`held`)."""
+        return self.directory.with_name(self.directory.name + ".lock")
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """This run's hold on the checkpoint (an exclusive lock on `lock_path`, which names
+        its process), so that a second run in the same folder is refused at once with a
+        `ValueError` rather than training into the same checkpoint; the file goes with it,
+        and so does a folder made for it that is left empty (a run stopped before it wrote)."""
+        import fcntl
+        import os
+
+        made = not self.lock_path.parent.exists()
+        self.lock_path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(self.lock_path, "a+")  # noqa: SIM115 - held open for the whole run
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "?"
+            handle.close()
+            raise ValueError(
+                f"{self.directory.parent} is in use by another run (process {holder}, which "
+                f"holds {self.lock_path.name}); wait for it to end, or pass another --out-dir "
+                "(or --json)") from None
+        handle.truncate(0)
+        handle.write(str(os.getpid()))
+        handle.flush()
+        self._lock = handle
+        try:
+            yield
+        finally:
+            self.lock_path.unlink(missing_ok=True)
+            handle.close()
+            self._lock = None
+            if self._drop_parent or made:  # a folder made for it and left empty goes
+                self._remove_empty_parent()
 
 
 class _GrowingExecutor:
@@ -537,7 +587,8 @@ def run_nas(config: NASConfig, *, json_path: str | None = None, show: bool = Tru
     Held-out images are the SwinIR search's evaluation photographs (`held_out_images`).
     Training resumes from ``<out_dir>/checkpoint`` when an unfinished run of the same settings
     left one (``fresh``: discard it and train from the start), and deletes it once the results
-    are written.
+    are written. A second run into the same checkpoint while this one runs is refused at once
+    (`NASCheckpoint.held`).
 
     Returns the summary written to JSON: ``losses`` (per subnet, sequence-id order),
     ``params_sha256``, ``ticks``, ``stage_utilization``, ``ideal_ticks``, ``ideal_utilization``,
@@ -551,11 +602,13 @@ def run_nas(config: NASConfig, *, json_path: str | None = None, show: bool = Tru
     """
 
     console = _console(quiet=not show)
-    layout, result, extra = train_for_nas(config, console=console, fresh=fresh)
-    summary = evaluate_and_save(
-        config, layout, result, json_path=json_path, console=console, extra=extra
-    )
-    NASCheckpoint(config).discard()
+    hold = NASCheckpoint(config)
+    with hold.held():
+        layout, result, extra = train_for_nas(config, console=console, fresh=fresh)
+        summary = evaluate_and_save(
+            config, layout, result, json_path=json_path, console=console, extra=extra
+        )
+        hold.discard()
     return summary
 
 

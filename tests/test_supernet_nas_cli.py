@@ -240,6 +240,30 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_that_names_it(tmp_path, dam
     assert NASCheckpoint(config).latest() == 3
 
 
+def test_a_second_run_in_a_folder_in_use_is_refused_in_one_line(tmp_path) -> None:
+    """Another process holds the folder's checkpoint (a run under way): a second run there is
+    refused at once in one line naming that process, exit 2, and touches nothing; once it is
+    let go, the folder is left as it was (no lock file)."""
+    import dataclasses
+
+    from experiments.supernet_nas import get_config
+    from search_spaces.supernet_nas import NASCheckpoint
+
+    out = tmp_path / "out"
+    hold = NASCheckpoint(dataclasses.replace(get_config("smoke"), out_dir=str(out)))
+    with hold.held():
+        proc = subprocess.run(
+            [sys.executable, "-m", "experiments.supernet_nas", "--preset", "smoke",
+             "--out-dir", str(out), "--quiet"], cwd=ROOT, capture_output=True, text=True,
+            timeout=300, env=_cli_env())
+        assert sorted(p.name for p in out.iterdir()) == ["checkpoint.lock"]
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {out.resolve()} is in use by another run (process {os.getpid()}, which holds "
+        "checkpoint.lock); wait for it to end, or pass another --out-dir (or --json)"]
+    assert not out.exists()  # made for the hold alone, it goes with it
+
+
 def test_discarding_a_checkpoint_never_removes_the_working_directory(tmp_path, monkeypatch):
     """``--json out.json --fresh`` from an empty folder: the checkpoint is ``./out.checkpoint``
     and its folder the working directory, which a discard (``--fresh``'s, before training, or
