@@ -78,6 +78,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -365,9 +366,15 @@ def _stopped_words(args: argparse.Namespace) -> Callable[[], str]:
     comes, by whether a checkpoint is there."""
     config = get_config(args.preset)
     where = Path(checkpoint_dir(args) or Path(args.out_dir or config.out_dir) / "checkpoint")
+    results = Path(args.json) if args.json else Path(args.out_dir or config.out_dir,
+                                                     "results.json")
+    started = time.time()
 
     def words() -> str:
         saved = where.is_dir() and any(p.name.isdigit() for p in where.iterdir())
+        if not saved and results.is_file() and results.stat().st_mtime >= started - 1:
+            return (f"the run had finished: its results are in {results} and "
+                    f"{results.with_suffix('.png')}")
         if not saved:
             return ("no checkpoint was saved yet (one is saved after each segment of "
                     "--checkpoint-every subnets but the last); run the same command to train "

@@ -605,11 +605,8 @@ def run_nas(config: NASConfig, *, json_path: str | None = None, show: bool = Tru
     hold = NASCheckpoint(config)
     with hold.held():
         layout, result, extra = train_for_nas(config, console=console, fresh=fresh)
-        summary = evaluate_and_save(
-            config, layout, result, json_path=json_path, console=console, extra=extra
-        )
-        hold.discard()
-    return summary
+        return evaluate_and_save(config, layout, result, json_path=json_path,
+                                 console=console, extra=extra, written=hold.discard)
 
 
 def train_for_nas(
@@ -758,6 +755,7 @@ def evaluate_and_save(
     json_path: str | None = None,
     console: Console | None = None,
     extra: dict[str, Any] | None = None,
+    written: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Rank subnets of the trained supernet by held-out PSNR, test the best on the test
     photographs (`test_best`) and save the results (the second half of `run_nas`;
@@ -765,7 +763,9 @@ def evaluate_and_save(
 
     Evaluates ``config.eval_subnets`` subnets on `held_out_images`, prints the tables on
     ``console`` (default: none shown) and writes the summary, with the keys of ``extra`` added,
-    to ``json_path`` (default ``<out_dir>/results.json``) and a plot beside it (``.png``).
+    to ``json_path`` (default ``<out_dir>/results.json``) and a plot beside it (``.png``), then
+    calls ``written`` (the run's discard of its checkpoint), all with stops held: a Ctrl-C
+    there leaves the whole outputs and no checkpoint, or none of them and the checkpoint.
     Returns the summary (see `run_nas`).
     """
     from rich.console import Console
@@ -788,9 +788,12 @@ def evaluate_and_save(
     # Only the folder the results go to is made (``json_path``'s, else ``config.out_dir``).
     path = Path(json_path) if json_path else Path(config.out_dir) / "results.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_whole(path, json.dumps(summary, indent=2))  # a stop leaves no cut file
     plot = path.with_suffix(".png")
-    save_plot(summary, plot)
+    with stops_held():  # the results whole, then the checkpoint gone: a stop waits for both
+        write_whole(path, json.dumps(summary, indent=2))
+        save_plot(summary, plot)
+        if written is not None:
+            written()
     console.print(f"wrote {path} and {plot}")
     return summary
 
@@ -985,8 +988,5 @@ def run_nas_mpi(
     if not w.is_root:
         return None
     extra = {**warmup, "mpi_ranks": w.size, "stage_ranks": list(range(w.size))}
-    summary = evaluate_and_save(
-        config, layout, result, json_path=json_path, console=console, extra=extra
-    )
-    NASCheckpoint(config).discard()
-    return summary
+    return evaluate_and_save(config, layout, result, json_path=json_path, console=console,
+                             extra=extra, written=NASCheckpoint(config).discard)

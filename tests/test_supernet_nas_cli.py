@@ -413,3 +413,37 @@ def test_a_ctrl_c_as_a_segments_checkpoint_is_saved_waits_for_it(tmp_path) -> No
         f"interrupted: the last checkpoint is in {out / 'checkpoint'}; run the same command to "
         "resume from it")
     assert [p.name for p in (out / "checkpoint").iterdir() if p.name.isdigit()] == ["3"]
+
+
+_CTRL_C_IN_RESULTS = """
+import os, signal, sys
+from search_spaces import supernet_nas
+from experiments import supernet_nas as command
+
+write = supernet_nas.write_whole
+
+def write_under_ctrl_c(path, text):
+    os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, as the results are written
+    write(path, text)
+
+supernet_nas.write_whole = write_under_ctrl_c
+command.main(sys.argv[1:])
+"""
+
+
+def test_a_ctrl_c_as_the_results_are_written_waits_for_them_and_the_checkpoints_end(
+        tmp_path) -> None:
+    """A Ctrl-C once training and evaluation are done, as the results are written: the run
+    writes them whole, the plot too, and discards its checkpoint before it stops, so the folder
+    is a finished run's (before, it held results.json without the plot beside a checkpoint,
+    which a rerun trained again from)."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_IN_RESULTS, "--preset", "smoke", "--subnets", "8",
+         "--eval-subnets", "1", "--checkpoint-every", "3", "--out-dir", str(out), "--quiet"],
+        cwd=ROOT, env=_cli_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 130, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["results.json", "results.png"]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"interrupted: the run had finished: its results are in {out / 'results.json'} and "
+        f"{out / 'results.png'}"), proc.stderr
