@@ -393,6 +393,38 @@ def test_a_ctrl_c_while_the_best_model_loads_for_its_test_waits_for_the_restore(
     assert len(restored) == 1
 
 
+def test_a_run_stopped_while_its_best_model_is_tested_is_recorded_interrupted(
+        tmp_path, monkeypatch):
+    """A Ctrl-C once every trial has finished, as the best model is restored for its test:
+    the run's entry in results.json says it was interrupted (as README's record of runs
+    promises), and the rerun takes the test and adds no run of its own."""
+    import json
+
+    from scamp_jax.hpo import runner
+
+    reference = Regression()
+    task = scamp_jax.FunctionTask(metric="mse", direction="minimize", loss_fn=reference.loss_fn,
+                                  batches=reference.batches, evaluate=reference.evaluate,
+                                  test=reference.evaluate)
+    kw = dict(trials=1, steps=2, study_dir=tmp_path, live=False, memory_per_device="64MiB",
+              max_batch_size=8, sampler="random")
+    real = runner.load_model
+
+    def load_model(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "load_model", load_model)
+    with pytest.raises(KeyboardInterrupt):
+        scamp_jax.run_study(SPACE, task, **kw)
+    [run] = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert run["interrupted"] is True and run["trials_this_run"] == 1
+    monkeypatch.setattr(runner, "load_model", real)
+    result = scamp_jax.run_study(SPACE, task, **kw)
+    assert result["test"] is not None
+    assert len(json.loads((tmp_path / "results.json").read_text())["runs"]) == 1
+
+
 @pytest.mark.parametrize("fuse", [1, 2])
 def test_a_retry_resumes_its_checkpoints_at_their_batch_where_the_cap_would_restart_it(
         tmp_path, fuse):

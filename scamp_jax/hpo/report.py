@@ -18,7 +18,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +202,14 @@ def add_run_overhead(study_dir: str | Path, run_id: str, extra: Mapping[str, Any
     ``study_dir/results.json``: what is measured after the file was written (the report and
     its plots). By its id, not as the last run: another process on the study may have added
     its own run meanwhile."""
+    update_run(study_dir, run_id, lambda run: run.setdefault("overhead", {}).update(extra))
+
+
+def update_run(study_dir: str | Path, run_id: str,
+               change: Callable[[dict[str, Any]], Any]) -> None:
+    """Apply ``change`` to the entry of the run ``run_id`` in ``study_dir/results.json`` (found
+    by its id: another process may have added its own run since), under the results' lock;
+    nothing where the file or the entry is not there."""
     study_dir = Path(study_dir)
     path = study_dir / "results.json"
     with _locked(study_dir / "results.lock"):
@@ -212,7 +220,7 @@ def add_run_overhead(study_dir: str | Path, run_id: str, extra: Mapping[str, Any
         mine = [run for run in runs if run.get("run_id") == run_id]
         if not mine:
             return
-        mine[0].setdefault("overhead", {}).update(extra)
+        change(mine[0])
         payload["run"] = runs[-1]
         write_whole(path, _dumps(payload, indent=2))
 

@@ -639,6 +639,23 @@ class StudySession:
         run_info = {**run_info, "run_id": uuid.uuid4().hex}  # its entry, for what comes later
         report.write_results(self.out_dir, records, metric=metric, direction=direction,
                              run=None if idle else run_info)
+        try:
+            return self._report_written(source, run_info, records, idle, report_start)
+        except KeyboardInterrupt:  # its best model, test and plots cut short: the rerun's
+            if not idle:
+                with stops_held():
+                    report.update_run(self.out_dir, run_info["run_id"],
+                                      lambda run: run.update(interrupted=True))
+            raise
+
+    def _report_written(self, source: OptunaTrialSource, run_info: dict[str, Any],
+                        records: list[dict[str, Any]], idle: bool, report_start: float
+                        ) -> dict[str, Any]:
+        """`report` once ``results.json`` holds the run (its entry ``run_info["run_id"]``):
+        the best model, its test, the plots and the lines that close the run."""
+        from scamp_jax.hpo import report
+
+        metric, direction = self.task.metric, self.task.direction
         report.save_best_model(self.out_dir, records, metric, direction)
         tested = self._test_best(report.best_record(records, metric, direction))
         runs = report.read_runs(self.out_dir)
