@@ -165,8 +165,9 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--preset", choices=PRESETS, default="default",
                    help="size preset: smoke (about a minute; no warm-up, so its subnets "
-                        "need not beat bicubic), default (minutes), paper (GPUs); the epilog "
-                        "lists their sizes")
+                        "need not beat bicubic), default (minutes), paper (GPUs, and 21 GiB "
+                        "of host memory for its training patches); the epilog lists their "
+                        "sizes")
     p.add_argument("--schedule", choices=SCHEDULES,
                    help="pipeline schedule: csp (several subnets in flight), gpipe "
                         "(microbatched, flush per subnet) or sequential (one subnet at a time)")
@@ -268,12 +269,37 @@ def check_config(config, p: argparse.ArgumentParser, preset=None, ranks: int | N
             f"of --choices {config.choices} in --layers {config.layers}; pass --eval-subnets "
             f"{space} or fewer"
         )
+    _check_patches_fit_the_host(config, p)
     if config.schedule == "gpipe" and config.batch_size % config.microbatches:
         p.error(
             f"--batch-size {config.batch_size} is not a multiple of --microbatches "
             f"{config.microbatches}; pass --batch-size "
             f"{max(1, config.batch_size // config.microbatches) * config.microbatches}"
         )
+
+
+#: The share of the host's memory the training patches may take (the supernet, its optimizer
+#: state and the process take the rest).
+PATCH_SHARE = 0.5
+
+
+def _check_patches_fit_the_host(config, p: argparse.ArgumentParser) -> None:
+    """Exit 2 where every subnet's batch of training patches, drawn before training, would
+    take more than `PATCH_SHARE` of this host's memory (the paper preset's 20,000 subnets x
+    32 patches: 20.6 GiB), naming the most ``--subnets`` that fit."""
+    from scamp_jax._units import format_bytes
+    from scamp_jax.devices import host_memory_bytes
+    from search_spaces.supernet_nas import training_patch_bytes
+
+    host = host_memory_bytes()
+    need = training_patch_bytes(config)
+    if host is None or need <= PATCH_SHARE * host:
+        return
+    most = int(PATCH_SHARE * host) // max(1, need // config.subnets)
+    p.error(f"--subnets {config.subnets} x --batch-size {config.batch_size} draws "
+            f"{format_bytes(need)} of training patches before training, more than "
+            f"{PATCH_SHARE:.0%} of this host's {format_bytes(host)} of memory; pass --subnets "
+            f"{most} or fewer (or run on a host with more memory)")
 
 
 def check_outputs(config, args: argparse.Namespace) -> None:

@@ -492,6 +492,14 @@ def warm_up_shared(
     return np.asarray(out), np.asarray(losses)
 
 
+def training_patch_bytes(config: NASConfig) -> int:
+    """Host bytes of `training_batches`' patches (float32 LR and x2 HR, 3 channels): every
+    subnet's batch is drawn before training."""
+    lr_side = config.hr_patch // 2
+    per_patch = 3 * 4 * (lr_side ** 2 + config.hr_patch ** 2)
+    return config.subnets * config.batch_size * per_patch
+
+
 def training_batches(config: NASConfig) -> tuple[np.ndarray, np.ndarray]:
     """(N, B, h, w, 3) LR and (N, B, 2h, 2w, 3) HR patches from the training photographs."""
     from search_spaces.sr_data import PatchSampler, default_split
@@ -641,7 +649,6 @@ def train_for_nas(
     layout = SupernetLayout(cfg)
     n = config.subnets
     subnets = [s.choices for s in sample_subnets(n, cfg, config.seed)]
-    lr, hr = training_batches(config)
     optimizer = OptimizerSpec("adam", config.learning_rate)
     console.print(
         f"supernet: {cfg.num_layers} layers x {cfg.num_choices} candidates "
@@ -652,6 +659,7 @@ def train_for_nas(
         f"{config.shared_warmup} warm-up steps, "
         f"{'trained' if config.train_shared else 'frozen'} in the pipeline"
     )
+    lr, hr = training_batches(config)  # after the line above: for a long run it takes a while
     checkpoint = NASCheckpoint(config)
     if fresh and root:
         checkpoint.discard(folder=False)

@@ -54,6 +54,12 @@ CASES = [
     (["--json", ""], "argument --json: '' names no file (the plot and the checkpoint beside it "
      "take its stem); pass a name ending in .json, e.g. results.json"),
     (["--json", ".json"], "argument --json: '.json' names no file"),
+    # every subnet's patches are drawn before training: more than the host holds is refused
+    # (1.4 TiB here; the paper preset's 20.6 GiB on a host of less than 41 GiB)
+    (["--preset", "smoke", "--subnets", "100000000"],
+     r"--subnets 100000000 x --batch-size 4 draws 1.40 TiB of training patches before "
+     r"training, more than 50% of this host's [\d.]+ \w+ of memory; pass --subnets \d+ or "
+     r"fewer \(or run on a host with more memory\)"),
     # a usage error like the others, not a failure: without mpirun there is one process
     (["--mpi"], "--mpi needs an MPI launcher with one rank per pipeline stage, e.g. mpirun -n 4"),
 ]
