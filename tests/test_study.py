@@ -879,3 +879,25 @@ def test_a_grid_parameter_suggest_never_draws_is_refused(caplog):
         patch.setattr(source, "_GRID_POINTS_TRIED", 4)
         check_grid(extra, "grid", 0)
     assert "grid names 'dropout', which suggest drew at none of the 6 points tried" in caplog.text
+
+
+@pytest.mark.parametrize("sampler", ["random", "tpe"])
+def test_a_stop_before_the_sampler_drew_every_trial_changes_none_of_its_draws(tmp_path,
+                                                                               sampler):
+    """Trial 0 stopped (its retry takes trial number 1) and the study resumed: the trials
+    after the retry draw what an unstopped study of the same seed drew (a retry draws nothing,
+    so it takes no place in the seeds); before, the unstopped study's second configuration
+    was never drawn. Within TPE's startup trials the draws depend on the seed alone."""
+    def drawn(asked):
+        return [tuple(sorted(t.params.items())) for t in asked]
+
+    whole = source(tmp_path / "whole", 3, sampler=sampler, seed=5)
+    unstopped = [whole.ask() for _ in range(3)]
+    stopped = source(tmp_path / "stopped", 3, sampler=sampler, seed=5)
+    first = stopped.ask()
+    stopped.interrupt(first.number)
+    resumed = source(tmp_path / "stopped", 3, sampler=sampler, seed=5)
+    retry, *fresh = [resumed.ask() for _ in range(3)]
+    assert retry.retry_of == first.number and retry.number == 1
+    assert [t.number for t in fresh] == [2, 3]
+    assert drawn([first, *fresh]) == drawn(unstopped)

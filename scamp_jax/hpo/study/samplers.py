@@ -19,9 +19,10 @@ def make_sampler(
     """Seeded Optuna sampler by name: ``"tpe"`` (default), ``"random"`` or ``"grid"``.
 
     TPE and random search draw each trial with a sampler seeded from ``seed`` and the trial's
-    number (`TrialSeededSampler`), so a resumed or extended study draws new configurations
-    instead of replaying the first ones. The grid keeps one seed: its shuffled order must stay
-    the same for every trial, or two trials could map to one point (`GridSearch`).
+    place among those that are no retries (`TrialSeededSampler`), so a resumed or extended
+    study draws new configurations instead of replaying the first ones. The grid keeps one
+    seed: its shuffled order must stay the same for every trial, or two trials could map to
+    one point (`GridSearch`).
     """
     if name == "tpe":
         return TrialSeededSampler(lambda s: optuna.samplers.TPESampler(seed=s), seed)
@@ -38,12 +39,16 @@ def make_sampler(
 
 
 class TrialSeededSampler(optuna.samplers.BaseSampler):
-    """A sampler made afresh for every trial, seeded from the study's seed and trial number.
+    """A sampler made afresh for every trial, seeded from the study's seed and the trial's
+    place among the study's trials that are no retries.
 
-    Trial ``n``'s draws depend only on the seed, ``n`` and the study's history, not on how many
-    trials this process asked before: a rerun that extends a finished study, or a second process
-    on it, draws new configurations rather than the ones a fresh sampler with the same seed drew
-    first. Thread-safe: each live trial has its own sampler.
+    A trial's draws depend only on the seed, that place and the study's history, not on how
+    many trials this process asked before: a rerun that extends a finished study, or a second
+    process on it, draws new configurations rather than the ones a fresh sampler with the same
+    seed drew first. Retries (of trials a stop or a dead process cut short) take trial numbers
+    but draw nothing, so they count for no place: a study stopped and resumed draws what it
+    would have drawn unstopped (where the draws depend on the seed alone: a random sampler,
+    TPE's first trials). Thread-safe: each live trial has its own sampler.
 
     Args:
       make: ``make(seed) -> sampler`` (e.g. ``lambda s: optuna.samplers.TPESampler(seed=s)``).
@@ -55,38 +60,48 @@ class TrialSeededSampler(optuna.samplers.BaseSampler):
         self._samplers: dict[int, optuna.samplers.BaseSampler] = {}
         self._lock = threading.Lock()
 
-    def _of(self, trial: FrozenTrial) -> optuna.samplers.BaseSampler:
+    def _of(self, study: optuna.Study, trial: FrozenTrial) -> optuna.samplers.BaseSampler:
         with self._lock:
             sampler = self._samplers.get(trial.number)
             if sampler is None:
                 sampler = self._samplers[trial.number] = self._make(
-                    sampler_seed(self._seed, trial.number))
+                    sampler_seed(self._seed, _place(study, trial)))
             return sampler
 
     def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial
                                     ) -> dict[str, Any]:
-        return self._of(trial).infer_relative_search_space(study, trial)
+        return self._of(study, trial).infer_relative_search_space(study, trial)
 
     def sample_relative(self, study: optuna.Study, trial: FrozenTrial,
                         search_space: dict[str, Any]) -> dict[str, Any]:
-        return self._of(trial).sample_relative(study, trial, search_space)
+        return self._of(study, trial).sample_relative(study, trial, search_space)
 
     def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str,
                            param_distribution: Any) -> Any:
-        return self._of(trial).sample_independent(study, trial, param_name, param_distribution)
+        return self._of(study, trial).sample_independent(study, trial, param_name,
+                                                         param_distribution)
 
     def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
-        self._of(trial).before_trial(study, trial)
+        self._of(study, trial).before_trial(study, trial)
 
     def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: TrialState,
                     values: Sequence[float] | None) -> None:
-        sampler = self._of(trial)
+        sampler = self._of(study, trial)
         with self._lock:
             self._samplers.pop(trial.number, None)
         sampler.after_trial(study, trial, state, values)
 
     def reseed_rng(self) -> None:
-        """Nothing to do: every trial's sampler is seeded from its number."""
+        """Nothing to do: every trial's sampler is seeded from its place (`_place`)."""
+
+
+def _place(study: optuna.Study, trial: FrozenTrial) -> int:
+    """How many of ``study``'s trials before ``trial`` are no retries (`retried_from`): the
+    place whose seed its sampler takes (its number where nothing was retried before it)."""
+    from scamp_jax.hpo.study.storage import retried_from
+
+    return sum(1 for t in study.get_trials(deepcopy=False)
+               if t.number < trial.number and retried_from(t) is None)
 
 
 class GridSearch(optuna.samplers.GridSampler):
