@@ -60,7 +60,7 @@ def test_function_task_checks_its_functions():
 
 @pytest.mark.parametrize(("kw", "message"), [
     ({"trials": 0}, "trials=0 must be an integer >= 1"),
-    ({"eval_every": -1}, "eval_every=-1 must be an integer >= 0"),
+    ({"eval_every": -1}, "eval_every=-1 must be an integer >= 0; pass e.g. eval_every=0"),
     ({"seed": "1"}, "seed='1' must be an integer >= 0"),
     ({"sampler": "cmaes"}, "sampler='cmaes' is not one of 'tpe', 'random', 'grid'"),
     ({"policy": "greedy"}, "policy='greedy' is not one of 'scamp', 'fixed'"),

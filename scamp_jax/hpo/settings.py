@@ -408,4 +408,4 @@ def _check_int(name: str, value: Any, *, minimum: int) -> None:
         raise ValueError(f"{name}={value!r} must be a Python int; pass {name}=int(...)")
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an integer >= {minimum}; pass e.g. "
-                         f"{name}={max(minimum, 1)}")
+                         f"{name}={minimum}")
