@@ -754,6 +754,8 @@ def plan_only(
     ``--devices`` GPUs of ``--target``), print a table, train nothing
     (`scamp_jax.hpo.preview.plan_candidates`); ``preset_for`` as in `run`, for the planned
     devices' platform."""
+    if not str(config.study_dir).strip():  # as a study refuses it: not the working directory
+        check_study_dir(config.study_dir)
     if config.storage is not None:  # unused here; a study it plans for may take it elsewhere
         check_storage(config.storage, config.study_dir, here=False)
     target_name = getattr(args, "target", None)

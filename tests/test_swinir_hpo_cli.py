@@ -225,6 +225,16 @@ def test_plan_only_refuses_more_devices_per_trial_than_the_pool_before_it_says_m
         "to 8 or less, or pass --devices 9 (a larger pool)"]
 
 
+def test_plan_only_refuses_an_empty_study_dir_as_a_study_does():
+    """``--study-dir ''`` is refused as the study refuses it, not read as the working
+    directory, where the preview's plans.sqlite went before."""
+    result = cli("--preset", "smoke", "--plan-only", "--trials", "1", "--study-dir", "")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        """error: --study-dir '' is empty; pass a directory ("." for this one)"""]
+    assert not (ROOT / "plans.sqlite").exists()
+
+
 def test_plan_only_plans_without_a_plan_cache_it_cannot_use_and_says_so(tmp_path):
     """The preview keeps its plans in the study folder's ``plans.sqlite``; where that cannot
     be made (here the folder is a file) it says so and plans all the same."""
