@@ -150,8 +150,10 @@ def _presets_text() -> str:
             f"{c.width}, {c.subnets:,} subnets of batch {c.batch_size} ({c.hr_patch}-pixel HR "
             f"patches), Adam {c.learning_rate:g}, shared warm-up {c.shared_warmup}, "
             f"{c.eval_subnets} subnets ranked")
+    every = get_config("default")
     return ("Presets (--preset; flags override them): " + "; ".join(parts) + ". Every preset: "
-            "--schedule csp, --offload, --no-train-shared, --seed 0.")
+            f"--schedule csp, --offload, --no-train-shared, --seed 0, --microbatches "
+            f"{every.microbatches} (gpipe), --checkpoint-every {every.checkpoint_every}.")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -205,7 +207,9 @@ def parser() -> argparse.ArgumentParser:
                         "unfinished run's checkpoint is still resumed). Run the same command "
                         "again after a stop (Ctrl-C, kill) to resume from it, with the losses "
                         "and weights hash of a run that never stopped; a finished run deletes "
-                        "it, so running it again trains from the start")
+                        "it, so running it again trains from the start. A run of N subnets or "
+                        "fewer saves none (the smoke preset's 24: pass e.g. --checkpoint-every "
+                        "6 to try a resume there)")
     p.add_argument("--fresh", action="store_true",
                    help="discard the checkpoint of an unfinished run in --out-dir and train "
                         "from the start")

@@ -802,6 +802,12 @@ def evaluate_and_save(
         save_plot(summary, plot)
         if written is not None:
             written()
+    same = ("a run of these settings under --schedule csp or sequential, resumed or not, "
+            "trains the same bits" if config.schedule != "gpipe" else
+            "gpipe adds its microbatches' gradients, so its last bits differ from those of "
+            "csp and sequential, which train the same bits")
+    console.print(f"weights sha256 {summary['params_sha256'][:16]}... (params_sha256 in the "
+                  f"JSON): {same}")
     console.print(f"wrote {path} and {plot}")
     return summary
 

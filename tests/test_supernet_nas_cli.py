@@ -360,6 +360,10 @@ def test_a_run_stopped_by_ctrl_c_resumes_to_the_uninterrupted_result(tmp_path, r
     assert a["test"]["bicubic_psnr"] != a["bicubic_psnr"]  # other photographs
     assert (f"tested on photographs no subnet was chosen by: {a['test']['psnr']:.2f} dB"
             in resumed.stdout)
+    # the run says its weights' hash, which the uninterrupted run's JSON holds too
+    assert (f"weights sha256 {b['params_sha256'][:16]}... (params_sha256 in the JSON): a run "
+            "of these settings under --schedule csp or sequential, resumed or not, trains the "
+            "same bits" in " ".join(resumed.stdout.split())), resumed.stdout
 
 
 def test_a_json_runs_checkpoint_is_its_own_and_a_stop_says_whether_one_was_saved(tmp_path):
@@ -453,3 +457,16 @@ def test_a_ctrl_c_as_the_results_are_written_waits_for_them_and_the_checkpoints_
     assert proc.stderr.strip().splitlines()[-1] == (
         f"interrupted: the run had finished: its results are in {out / 'results.json'} and "
         f"{out / 'results.png'}"), proc.stderr
+
+
+def test_help_gives_every_size_flags_default_and_how_to_try_a_resume_on_smoke() -> None:
+    """Every preset's sizes are in the epilog, with the defaults no preset changes (the
+    ``--microbatches`` of gpipe, ``--checkpoint-every``), and ``--checkpoint-every`` says
+    that the smoke preset's run is one segment, which saves no checkpoint to resume."""
+    from experiments.supernet_nas import get_config, parser
+
+    text = " ".join(parser().format_help().split())
+    assert "Every preset: --schedule csp, --offload, --no-train-shared, --seed 0, " \
+           "--microbatches 4 (gpipe), --checkpoint-every 100." in text, text
+    subnets = get_config("smoke").subnets
+    assert f"the smoke preset's {subnets}: pass e.g. --checkpoint-every 6" in text
