@@ -858,3 +858,26 @@ def test_a_storage_on_a_read_only_folder_is_said_in_one_line(tmp_path):
     assert result.stderr.strip().splitlines() == [
         f"error: the study database '{folder}/study.db' cannot be created (Read-only file "
         "system); pass --storage as a database file in a folder this process can write to"]
+
+
+def test_the_best_trials_table_says_when_it_shows_some_of_them():
+    """Of 7 complete trials the summary shows the best 5: its title says so and where the
+    rest are, as a table and as lines; with 5 or fewer it says nothing more."""
+    from rich.console import Console
+
+    from scamp_jax.hpo import report
+
+    rows = [{"number": i, "state": "complete", "devices": [0], "model_parallel": 1,
+             "batch_size": 8, "predicted_peak_bytes": 2**20, "steps": 10, "wall_seconds": 1.0,
+             "params": {"width": 16}, "mse": 0.1 * (i + 1)} for i in range(7)]
+
+    def shown(records, width):
+        console = Console(width=width, record=True)
+        console.print(report.summary_table(records, "mse", "minimize", width=width))
+        return " ".join(console.export_text().split())
+
+    for width in (200, 60):
+        assert ("best trials by mse (5 of 7 complete; results.csv has every trial)"
+                in shown(rows, width)), width
+    assert "of 5 complete" not in shown(rows[:5], 200) and "best trials by mse" in shown(
+        rows[:5], 200)

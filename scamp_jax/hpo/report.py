@@ -564,19 +564,24 @@ def summary_table(
     records: Sequence[Mapping[str, Any]], metric: str, direction: str, *,
     baseline: str | None = None, top: int = 5, width: int | None = None,
 ) -> Any:
-    """A rich ``Table`` of the ``top`` best complete trials, best first; where it is wider than
+    """A rich ``Table`` of the ``top`` best complete trials, best first (its title says how
+    many of how many where there are more); where it is wider than
     ``width`` columns (a narrow terminal, which would cut its cells to nothing), the same as
     lines of text that wrap: each trial's figures, then its parameters."""
     from rich.console import Console, Group
     from rich.text import Text
 
-    done = _best(records, metric, direction)[:top]
-    table = _summary_table(done, metric, baseline)
+    ranked = _best(records, metric, direction)
+    done = ranked[:top]
+    title = f"best trials by {metric}" + (
+        f" ({len(done)} of {len(ranked)} complete; results.csv has every trial)"
+        if len(ranked) > len(done) else "")
+    table = _summary_table(done, metric, baseline, title=title)
     # the table reads while its params column (which wraps) keeps room for a few of them
     others = Console(width=10_000).measure(_summary_table(done, metric, baseline, params=False))
     if width is None or others.maximum + _PARAMS_WIDTH <= width:
         return table
-    lines = [Text(f"best trials by {metric}", style="italic")]
+    lines = [Text(title, style="italic")]
     for r in done:
         score = f"{metric} {r[metric]:.5g}"
         if baseline and r.get(baseline) is not None:
@@ -607,10 +612,10 @@ _PARAMS_WIDTH = 32
 
 
 def _summary_table(done: Sequence[Mapping[str, Any]], metric: str, baseline: str | None,
-                   params: bool = True) -> Any:
+                   params: bool = True, title: str | None = None) -> Any:
     from rich.table import Table
 
-    table = Table(title=f"best trials by {metric}")
+    table = Table(title=title or f"best trials by {metric}")
     fused = any(r.get("fused_group") is not None for r in done)
     # a fused member's peak is its group's (what was booked for the group it trained in)
     peak = "peak/device (of its group)" if fused else "peak/device"
