@@ -449,6 +449,15 @@ def test_weights_left_whole_by_min_shard_elements_are_said_where_they_do_not_fit
         plan_mesh(small, sample, devices=8, memory_per_device="24KiB")
     split = plan_mesh(small, sample, devices=8, memory_per_device="24KiB", min_shard_elements=0)
     assert split.model_parallel > 1
+    # nothing said where no degree would split them: one forced, or sizes none divides
+    with pytest.raises(DoesNotFitError) as alone:
+        plan_mesh(small, sample, devices=8, memory_per_device="24KiB", model_parallel=1)
+    assert "min_shard_elements" not in str(alone.value)
+    odd = nnx.eval_shape(lambda: MLP(33, 63, nnx.Rngs(0)))
+    with pytest.raises(DoesNotFitError) as undivided:
+        plan_mesh(odd, jax.ShapeDtypeStruct((1, 33), jnp.float32), devices=8,
+                  memory_per_device="24KiB")
+    assert "min_shard_elements" not in str(undivided.value)
     with pytest.raises(DoesNotFitError) as large:
         plan_mesh(_model(), SAMPLE, devices=8, memory_per_device="200KiB")
     assert "min_shard_elements" not in str(large.value)

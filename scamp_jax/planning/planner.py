@@ -46,7 +46,7 @@ from typing import Any
 import jax
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from scamp_jax._units import counted, format_bytes
 from scamp_jax.planning import sharding as sh
@@ -984,14 +984,22 @@ def _does_not_fit(request: _Request, needed: int, what: str, advice: str) -> Doe
 
 def _whole_weights(request: _Request) -> str:
     """What a `DoesNotFitError` of the weights adds where a large share of them is in
-    matrices under ``min_shard_elements``, which model parallelism leaves whole on every device
-    (so more devices barely help): "" where that share is under a quarter, or nothing splits."""
-    if request.n == 1 or request.min_shard_elements <= 1:
+    matrices under ``min_shard_elements`` that the largest model-parallel degree tried would
+    split without that floor (every device holds them whole now, so more devices barely help):
+    "" where that share is under a quarter, or no degree above 1 was tried."""
+    mp = max(request.candidates, default=1)
+    if mp == 1 or request.min_shard_elements <= 1:
         return ""
-    leaves = jax.tree.leaves(request.state[0])
-    total = sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)
-    whole = sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves
-                if len(x.shape) >= 2 and math.prod(x.shape) < request.min_shard_elements)
+    leaves = jax.tree_util.tree_flatten_with_path(request.state[0])[0]
+    total = whole = 0
+    for path, x in leaves:
+        size = math.prod(x.shape) * x.dtype.itemsize
+        total += size
+        shape = tuple(x.shape)
+        floor = request.min_shard_elements
+        if (sh.partition_spec_for(path, shape, mp, floor) == PartitionSpec()
+                and sh.partition_spec_for(path, shape, mp, 0) != PartitionSpec()):
+            whole += size
     if not total or whole < total / 4:
         return ""
     return (f"; {format_bytes(whole)} of its {format_bytes(total)} of weights are matrices "
