@@ -27,8 +27,11 @@ class SearchSpace:
         holds model hyperparameters and training hyperparameters (e.g. ``learning_rate``) together.
       build: ``build(config, rngs) -> nnx.Module``; ignores training-only keys. Called under
         ``nnx.eval_shape`` for planning, so it must not touch data.
-      grid: every key ``suggest`` sets, with the discrete values it can take (for Optuna's
-        ``GridSampler``; continuous keys list a few representative values).
+      grid: every parameter ``suggest`` draws (``trial.suggest_*``), with the discrete values
+        Optuna may draw for it (for Optuna's ``GridSampler``; continuous ones list a few
+        representative values): the draws, which a results row's ``drawn`` holds where
+        ``suggest`` changed them, not its configuration. ``suggest`` is tried at each point
+        before the study stores anything.
       largest: the configuration with the largest training memory (the fixed-resource baseline
         sizes its single batch size for it).
     """

@@ -323,6 +323,50 @@ def test_a_configuration_with_values_json_cannot_hold_is_said_and_loads_again(
     assert function_task().evaluate(model)["mse"] == pytest.approx(best["mse"], rel=1e-6)
 
 
+def test_a_model_is_made_again_from_optunas_draws_where_suggest_changed_them(tmp_path):
+    """``suggest`` scales a draw and picks a function by it, which the study cannot store:
+    results and ``trial.json`` keep the draws (``drawn``) beside the configuration, and
+    ``load_model``, the study's own test of the best model included, makes the configuration
+    again from them (from the scaled width it picked the other function)."""
+    from test_runner import IN, OUT
+
+    class Act(nnx.Module):
+        def __init__(self, width, act, rngs):
+            self.hidden = nnx.Linear(IN, width, rngs=rngs)
+            self.out = nnx.Linear(width, OUT, rngs=rngs)
+            self.act = act
+
+        def __call__(self, x):
+            return self.out(self.act(self.hidden(x)))
+
+    def suggest(trial):
+        m = trial.suggest_int("width", 1, 2)
+        return {"width": 16 * m, "act": jnp.tanh if m == 1 else jnp.sin}
+
+    space = scamp_jax.SearchSpace("mlp-act", suggest,
+                                  lambda c, rngs: Act(int(c["width"]), c["act"], rngs),
+                                  grid={"width": [1, 2]})
+    reference = Regression()
+    task = scamp_jax.FunctionTask(metric="mse", direction="minimize", loss_fn=reference.loss_fn,
+                                  batches=reference.batches, evaluate=reference.evaluate,
+                                  test=reference.evaluate)
+    result = scamp_jax.run_study(space, task, trials=2, steps=3, study_dir=tmp_path, devices=2,
+                                 memory_per_device="64MiB", max_batch_size=16, sampler="grid",
+                                 live=False)
+    rows = json.loads((tmp_path / "results.json").read_text())["trials"]
+    assert sorted((r["params"]["width"], r["drawn"]["width"]) for r in rows) == [(16, 1),
+                                                                                (32, 2)]
+    for row in rows:
+        model = scamp_jax.load_model(tmp_path / row["checkpoint"], space, row["params"],
+                                     drawn=row["drawn"])
+        assert model.act is (jnp.tanh if row["drawn"]["width"] == 1 else jnp.sin)
+        assert task.evaluate(model)["mse"] == pytest.approx(row["mse"], rel=1e-6)
+    best = json.loads((tmp_path / "best_model" / "trial.json").read_text())
+    model = scamp_jax.load_model(tmp_path / "best_model", space, best["params"])
+    assert task.evaluate(model)["mse"] == pytest.approx(best["mse"], rel=1e-6)
+    assert result["test"]["mse"] == pytest.approx(best["mse"], rel=1e-6)  # same data here
+
+
 def test_a_rerun_scoring_another_metric_is_refused_and_keeps_the_study(tmp_path):
     reference = Regression()
     kw = dict(trials=1, steps=2, study_dir=tmp_path, devices=2, memory_per_device="64MiB",

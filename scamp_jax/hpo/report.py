@@ -56,7 +56,10 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
     ``resizes`` (restarts on more devices at the end of a study), ``retry_of`` (the trial this
     one ran again after a run stopped it, from that trial's checkpoints if it had any; None: a
     first attempt), ``resumed_from`` (the step its training resumed from; 0: none), ``reason``,
-    ``checkpoint``, ``booked_bytes`` (bytes per device the ledger booked for its last run) and
+    ``checkpoint``, ``drawn`` (Optuna's parameters, where ``params``, the configuration
+    ``suggest`` made and the trial trained with, differs from them: a draw it scaled or set
+    over, constants it added; what `load_model`, ``initial_params`` and a grid take),
+    ``booked_bytes`` (bytes per device the ledger booked for its last run) and
     ``measured_peak_bytes`` (the allocator's peak on its devices, bytes; None where nothing is
     reported, as on CPU devices), ``step_seconds`` (seconds a training step took over its last
     run, for a run that trained all its steps, `scamp_jax.hpo.trial.TrialStatus.step_seconds`);
@@ -97,6 +100,8 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
         row["resizes"] = attrs.get("resizes", 0)
         row["retry_of"] = earlier[-1] if earlier else None
         row["resumed_from"] = attrs.get("resumed_from", 0)
+        if row["params"] != dict(trial.params):  # suggest changed or added to what it drew
+            row["drawn"] = dict(trial.params)  # what load_model derives the model from
         row["reason"] = attrs.get(FAIL_REASON, "")
         if attrs.get(TRACEBACK):  # a trial that raised: results.json only (not the CSV)
             row[TRACEBACK] = attrs[TRACEBACK]
@@ -361,7 +366,9 @@ def save_best_model(
             return target
         copy_checkpoint(source, part)
         (part / "trial.json").write_text(_dumps(
-            {"number": best["number"], "params": best["params"], metric: best[metric],
+            {"number": best["number"], "params": best["params"],
+             **({"drawn": best["drawn"]} if best.get("drawn") is not None else {}),
+             metric: best[metric],
              "checkpoint": best["checkpoint"]},
             indent=2,
         ))

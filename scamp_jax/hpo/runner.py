@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -502,34 +503,60 @@ def _stored_shapes(checkpointer: Any, item: Path) -> list[tuple[int, ...]] | Non
         absl.setLevel(level)
 
 
-def _derived_again(space: SearchSpace, params: Mapping[str, Any]) -> dict[str, Any]:
-    """``params`` with the keys it lacks that ``space.suggest`` derives from them (what the
-    study could not store); a stored value is kept. ``params`` alone where ``suggest`` cannot
-    take them (they name other parameters, or it prunes them)."""
+def _derived_again(space: SearchSpace, params: Mapping[str, Any],
+                   drawn: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The configuration to build: ``space.suggest`` run again on Optuna's ``drawn``
+    parameters where they are known (it makes the whole configuration from them, values the
+    study could not store too); else ``params`` with the keys it lacks that ``suggest``
+    derives from them (a stored value kept). ``params`` alone where ``suggest`` cannot take
+    them (they name other parameters, or it prunes or refuses them)."""
     import warnings
 
     import optuna
 
+    given = dict(params) if drawn is None else dict(drawn)
     try:
         with warnings.catch_warnings():  # a value outside a drawn range: stored, so kept
             warnings.simplefilter("ignore")
-            derived = space.suggest(optuna.trial.FixedTrial(dict(params)))
-    except (ValueError, KeyError, TypeError, optuna.TrialPruned):
+            derived = space.suggest(optuna.trial.FixedTrial(given))
+    except (Exception, optuna.TrialPruned):  # noqa: BLE001 - a suggest of the user's
         return dict(params)
-    return {**derived, **params} if isinstance(derived, Mapping) else dict(params)
+    if not isinstance(derived, Mapping):
+        return dict(params)
+    return dict(derived) if drawn is not None else {**derived, **params}
+
+
+def _drawn_beside(directory: Path, params: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``drawn`` of the ``trial.json`` in ``directory`` (a study's ``best_model/``) where
+    its ``params`` are ``params`` (None: no such record)."""
+    try:
+        record = json.loads((directory / "trial.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("drawn"), dict):
+        return None
+    try:  # as the record holds them: JSON's values (a tuple as a list)
+        same = record.get("params") == json.loads(json.dumps(dict(params), default=str))
+    except (TypeError, ValueError):
+        return None
+    return record["drawn"] if same else None
 
 
 def load_model(
-    directory: str | Path, space: SearchSpace, params: Mapping[str, Any], seed: int = 0
+    directory: str | Path, space: SearchSpace, params: Mapping[str, Any], seed: int = 0,
+    *, drawn: Mapping[str, Any] | None = None,
 ) -> nnx.Module:
     """The trained model saved in a trial's checkpoint step directory (e.g. ``best_model/``).
 
     ``params`` is the trial's configuration (``best_model/trial.json`` holds it). The model is
     rebuilt from ``space`` and its parameters and other state are read back on the default
-    device. Where ``space.suggest`` derives values from the parameters it draws that the
-    study could not store (a function chosen by name: it stores what JSON holds), the keys
-    ``params`` lacks are derived again by calling it on ``params``
-    (`optuna.trial.FixedTrial`); ``params`` it cannot take are built as given. It comes in
+    device. Where ``suggest`` made the configuration from Optuna's draws otherwise than as
+    drawn (a draw scaled, a function chosen by name, which the study cannot store: it stores
+    what JSON holds), the configuration is made again by calling it on those draws
+    (`optuna.trial.FixedTrial`): ``drawn``, a results row's, or the ``drawn`` of the
+    ``trial.json`` beside the checkpoint where its ``params`` are these. Without them the keys
+    ``params`` lacks are derived by calling it on ``params``; ``params`` it cannot take are
+    built as given. It comes in
     evaluation mode, as the study scored it (``model.eval()``: dropout off, batch norm on its
     running averages); call ``model.train()`` to train it further. ``seed`` seeds the
     ``nnx.Rngs`` the model is built with (abstractly): every variable it holds, its random
@@ -559,7 +586,9 @@ def load_model(
             f"{directory} is not a checkpoint step directory (no 'default' item); pass e.g. "
             "<study_dir>/best_model or <study_dir>/checkpoints/<key>/<step>"
         )
-    params = _derived_again(space, params)
+    if drawn is None:
+        drawn = _drawn_beside(directory, params)
+    params = _derived_again(space, params, drawn)
     # built abstract: every value is read from the checkpoint, so none is computed (a model
     # built for real costs a compile per initialiser, seconds for a SwinIR on CPU)
     model = nnx.eval_shape(lambda: space.model(params, nnx.Rngs(seed)))

@@ -296,7 +296,8 @@ class SearchSettings(EngineConfig):
       pruner: Optuna pruner fed by intermediate evaluations (``eval_every``): ``"median"``,
         ``"halving"`` or ``"none"``.
       initial_params: configurations a new study evaluates first (a warm start; the sampler
-        takes over after them).
+        takes over after them), as Optuna's draws: a results row's ``drawn`` where it has one
+        (``suggest`` changed what it drew), else its ``params``.
       study_name: name of the study in the storage (None: the search space's name); another
         name starts a new study next to the others, its outputs in ``<study_dir>/<name>/``.
       heartbeat_interval, grace_period: seconds between a running trial's heartbeats, and

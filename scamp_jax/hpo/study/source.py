@@ -624,8 +624,9 @@ def _stored_configuration(params: Mapping[str, Any],
                 _UNSTORED.add(key)
                 log.warning(
                     "the configuration's %r (%s) is not stored with its trials (the study "
-                    "stores JSON): results show the parameters Optuna drew, and "
-                    "scamp_jax.load_model derives %r again through the space's suggest",
+                    "stores JSON): results leave it out (or show Optuna's draw under its "
+                    "name), and scamp_jax.load_model makes %r again through the space's suggest "
+                    "from the draws (results' drawn)",
                     key, type(value).__name__, key)
             continue
         whole[key] = value
@@ -775,15 +776,15 @@ def _check_grid_choices(space: SearchSpace) -> None:
         raise ValueError(
             f"the search space's grid names {said}, which suggest draws at none of its "
             f"{points} points (it draws {sorted(drawn_names)}): every configuration would be "
-            "trained once per value of it; check the spelling, or leave it out of "
-            "SearchSpace(grid=...)")
+            "trained once per value of it; check the spelling, or give it one value (or "
+            "none) in SearchSpace(grid=...)")
     log.warning("the search space's grid names %s, which suggest drew at none of the %d points "
                 "tried: where it never draws it, every configuration is trained once per value "
                 "of it (check the spelling)", said, len(tried))
 
 
 #: Grids of at most this many points have every point tried by `_check_grid_choices`.
-_GRID_POINTS_TRIED = 4096
+_GRID_POINTS_TRIED = 512  # suggest may take milliseconds (a model built to prune)
 
 
 class _ChoiceProbe(optuna.trial.FixedTrial):
