@@ -309,9 +309,9 @@ def place_train_state(
             "MyModel(..., rngs=nnx.Rngs(0)), and place that")
     if not _same_structure(params, shardings.params):
         raise ValueError(
-            "place_train_state got a model whose parameters are not the ones its shardings "
-            "were planned for (another architecture); place the model plan_mesh planned, or "
-            "plan this one")
+            "place_train_state got a model whose tree of parameters is not the one its "
+            "shardings were planned for (another architecture); place the model plan_mesh "
+            "planned, or plan this one")
     if not _same_structure(jax.eval_shape(optimizer.init, params), shardings.opt_state):
         raise ValueError(
             "place_train_state got an optimizer whose state is not the one its shardings were "
@@ -328,9 +328,14 @@ def place_train_state(
 
 
 def _same_structure(tree: PyTree, shardings: PyTree) -> bool:
-    """Whether ``tree`` has the structure of the tree of ``shardings`` planned for it."""
-    # jaxlib ships no stub for PyTreeDef, so mypy cannot compare them
-    return bool(jax.tree.structure(tree) == jax.tree.structure(shardings))  # type: ignore[operator]
+    """Whether ``shardings`` (a tree of shardings, or a prefix of it such as one sharding for
+    all) fits the structure of ``tree``, as ``jax.device_put`` and ``jax.jit`` take them."""
+    try:
+        jax.tree.map(lambda sharding, _: sharding, shardings, tree,
+                     is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 def step_flops(
