@@ -901,3 +901,17 @@ def test_a_stop_before_the_sampler_drew_every_trial_changes_none_of_its_draws(tm
     assert retry.retry_of == first.number and retry.number == 1
     assert [t.number for t in fresh] == [2, 3]
     assert drawn([first, *fresh]) == drawn(unstopped)
+
+
+def test_a_configuration_is_stored_only_where_a_value_differs_from_the_draw():
+    """A drawn NumPy or float number returned as the equal int is the draw (nothing stored
+    beside it); a scaled draw, a flag for a number, or an added key is the configuration."""
+    import numpy as np
+
+    from scamp_jax.hpo.study.source import _stored_configuration
+
+    assert _stored_configuration({"w": 4, "lr": 0.1}, {"w": np.int64(4), "lr": 0.1}) is None
+    assert _stored_configuration({"w": 4}, {"w": 4.0}) is None
+    assert _stored_configuration({"w": 32}, {"w": 4}) == {"w": 32}
+    assert _stored_configuration({"w": True}, {"w": 1}) == {"w": True}
+    assert _stored_configuration({"w": 4, "depth": 2}, {"w": 4}) == {"w": 4, "depth": 2}

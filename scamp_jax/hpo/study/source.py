@@ -8,6 +8,7 @@ import itertools
 import json
 import logging
 import math
+import numbers
 import threading
 import warnings
 from collections.abc import Hashable, Mapping, Sequence
@@ -634,8 +635,15 @@ def _stored_configuration(params: Mapping[str, Any],
 
 
 def _same_value(value: Any, drawn: Any) -> bool:
-    """Whether a configuration's ``value`` is Optuna's ``drawn`` one (of its type: a drawn
-    ``1`` returned as ``True`` or ``1.0`` is changed; an array is never a drawn value)."""
+    """Whether a configuration's ``value`` is Optuna's ``drawn`` one: equal numbers are (a
+    grid's NumPy ``4`` or ``4.0`` returned by ``suggest_int`` as ``4``), a flag only as a flag
+    (a drawn ``1`` returned as ``True`` is changed), anything else of its type and equal (an
+    array never is a drawn value)."""
+    drawn = python_value(drawn)
+    if isinstance(value, bool) or isinstance(drawn, bool):
+        return type(value) is type(drawn) and value == drawn
+    if isinstance(value, numbers.Number) and isinstance(drawn, numbers.Number):
+        return bool(value == drawn)
     try:
         return type(value) is type(drawn) and bool(value == drawn)
     except (TypeError, ValueError):
