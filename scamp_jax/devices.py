@@ -230,12 +230,12 @@ def _split_cpu(count: Any, caller: str) -> None:
     kept = re.findall(r"--xla_force_host_platform_device_count=(\S*)", flags)
     if not kept:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
-    elif kept[-1] != str(count):
+    elif not (kept[-1].isdigit() and int(kept[-1]) == count):
         import logging
 
         logging.getLogger(__name__).warning(
             "XLA_FLAGS already sets %s CPU device(s) (--xla_force_host_platform_device_count="
-            "%s); that is kept, not the %d of %s(%d): unset it to use %d",
+            "%s); that is kept, not the %d of %s(%d): remove that flag from XLA_FLAGS to use %d",
             kept[-1], kept[-1], count, caller, count, count)
 
 

@@ -297,6 +297,7 @@ def test_a_cpu_device_count_the_user_set_is_kept_and_said() -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["3"]
     assert "XLA_FLAGS already sets 3 CPU device(s)" in proc.stderr, proc.stderr
+    assert "remove that flag from XLA_FLAGS to use 4" in proc.stderr
     same = fresh_python(script, timeout=120, JAX_PLATFORMS="cpu",
-                        XLA_FLAGS="--xla_force_host_platform_device_count=4")
+                        XLA_FLAGS="--xla_force_host_platform_device_count=04")
     assert same.stdout.split() == ["4"] and "already sets" not in same.stderr, same.stderr
