@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -57,6 +58,8 @@ from search_spaces.supernet import (
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+log = logging.getLogger(__name__)
 
 
 def _console(quiet: bool) -> Console:
@@ -208,7 +211,7 @@ class NASCheckpoint:
         self.config = config
         self.directory = config.checkpoint_path.resolve()
         self._manager: Any = None
-        self._lock: Any = None  # the open lock file while `held`
+        self._holding = False  # within `held`
         self._drop_parent = False  # `discard` asked for its folder to go when it was held
 
     def _open(self, create: bool) -> Any:
@@ -318,7 +321,7 @@ class NASCheckpoint:
         shutil.rmtree(self.directory, ignore_errors=True)
         if folder:
             self._drop_parent = True
-            if self._lock is None:
+            if not self._holding:
                 self._remove_empty_parent()
 
     def _remove_empty_parent(self) -> None:
@@ -345,27 +348,43 @@ class NASCheckpoint:
 
         made = not self.lock_path.parent.exists()
         self.lock_path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(self.lock_path, "a+")  # noqa: SIM115 - held open for the whole run
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "?"
-            handle.close()
-            raise ValueError(
-                f"{self.directory.parent} is in use by another run (process {holder}, which "
-                f"holds {self.lock_path.name}); wait for it to end, or pass another --out-dir "
-                "(or --json)") from None
-        handle.truncate(0)
-        handle.write(str(os.getpid()))
-        handle.flush()
-        self._lock = handle
+        handle: Any
+        while True:
+            handle = open(self.lock_path, "a+")  # noqa: SIM115 - held open for the whole run
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "?"
+                handle.close()
+                raise ValueError(
+                    f"{self.directory.parent} is in use by another run (process {holder}, "
+                    f"which holds {self.lock_path.name}); wait for it to end, or pass another "
+                    "--out-dir (or --json)") from None
+            except OSError as err:  # a file system without locks (some NFS mounts)
+                handle.close()
+                log.warning("%s cannot be locked (%s): nothing keeps a second run out of %s",
+                            self.lock_path, err.strerror or err, self.directory.parent)
+                handle = None
+                break
+            try:  # the file locked is still the one at the path: its holder unlinks it
+                if os.fstat(handle.fileno()).st_ino == os.stat(self.lock_path).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            handle.close()  # unlinked as its holder let go: lock the new one
+        if handle is not None:
+            handle.truncate(0)
+            handle.write(str(os.getpid()))
+            handle.flush()
+        self._holding = True
         try:
             yield
         finally:
-            self.lock_path.unlink(missing_ok=True)
-            handle.close()
-            self._lock = None
+            if handle is not None:
+                self.lock_path.unlink(missing_ok=True)  # under the lock: see the loop above
+                handle.close()
+            self._holding = False
             if self._drop_parent or made:  # a folder made for it and left empty goes
                 self._remove_empty_parent()
 
