@@ -470,3 +470,26 @@ def test_help_gives_every_size_flags_default_and_how_to_try_a_resume_on_smoke() 
            "--microbatches 4 (gpipe), --checkpoint-every 100." in text, text
     subnets = get_config("smoke").subnets
     assert f"the smoke preset's {subnets}: pass e.g. --checkpoint-every 6" in text
+
+
+def test_a_folder_that_cannot_be_locked_is_said_and_the_run_goes_on(tmp_path, monkeypatch,
+                                                                     caplog) -> None:
+    """A file system without locks (some NFS mounts answer ``flock`` with ENOLCK): the run
+    says nothing keeps a second run out, and goes on. The fault is mocked (this machine's
+    file systems all lock), and the mock says so."""
+    import dataclasses
+    import errno
+    import fcntl
+
+    from experiments.supernet_nas import get_config
+    from search_spaces.supernet_nas import NASCheckpoint
+
+    def no_locks(*args):  # a mock: the file system's answer where it keeps no locks
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    hold = NASCheckpoint(dataclasses.replace(get_config("smoke"), out_dir=str(tmp_path / "o")))
+    with caplog.at_level("WARNING"), hold.held():
+        ran = True
+    assert ran and "cannot be locked" in caplog.text and "nothing keeps a second run out" \
+        in caplog.text
