@@ -371,11 +371,12 @@ def main(argv: list[str] | None = None) -> str:
     except ValueError as err:
         p.error(str(err))
     out = args.out or path.with_name("gpu_suite.md")
-    if out != "-":
+    if args.out is None:  # the default, beside the JSON (a given --out is checked as parsed)
         try:
-            check_file(out, "" if args.out is None else "--out")
-        except ValueError as err:
-            p.error(f"{err}" + (" (or pass --out FILE)" if args.out is None else ""))
+            check_file(out, "")
+        except ValueError:
+            p.error(f"{str(out)!r} (the default, beside the JSON) cannot be written there; "
+                    "pass --out FILE to write the Markdown elsewhere")
     text = markdown(report, SECTIONS)
     if out == "-":
         print(text, end="")

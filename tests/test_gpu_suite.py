@@ -180,7 +180,8 @@ def test_gpu_markdown_refuses_an_output_it_cannot_write_before_its_work(
         gpu_markdown.main([str(tmp_path)])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "gpu_suite.md' is a folder" in err and "--out FILE" in err, err
+    assert "gpu_suite.md' (the default, beside the JSON) cannot be written there; pass --out " \
+        "FILE to write the Markdown elsewhere" in err, err
     out = tmp_path / "elsewhere.md"
     assert gpu_markdown.main([str(tmp_path), "--out", str(out)]) == out.read_text()
 

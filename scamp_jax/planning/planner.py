@@ -694,11 +694,13 @@ def _request(
         raise ValueError(f"{batch_multiple=} must be a positive int")
     if optimizer is not None and not (callable(getattr(optimizer, "init", None))
                                       and callable(getattr(optimizer, "update", None))):
-        said = (f"an {type(optimizer).__name__}" if isinstance(optimizer, nnx.Pytree)
-                else f"{optimizer!r}"[:120])  # a module's repr prints all its arrays
-        raise TypeError(f"optimizer={said} is not an optax GradientTransformation; pass "
-                        "one, e.g. optimizer=optax.adamw(1e-3) (of an nnx.Optimizer, the "
-                        "transformation it was made with), or none for Adam")
+        if isinstance(optimizer, nnx.Pytree):  # its repr would print all its arrays
+            raise TypeError(f"optimizer is {type(optimizer).__module__.split('.')[0]}'s "
+                            f"{type(optimizer).__name__}, not an optax GradientTransformation; "
+                            "pass the transformation it was made with (an nnx.Optimizer's "
+                            ".tx), e.g. optimizer=optax.adamw(1e-3), or none for Adam")
+        raise TypeError(f"optimizer={optimizer!r} is not an optax GradientTransformation; "
+                        "pass one, e.g. optimizer=optax.adamw(1e-3), or none for Adam")
     if cache is not None and not isinstance(cache, PlanCache):
         hint = (f"scamp_jax.PlanCache({str(cache)!r})" if isinstance(cache, (str, os.PathLike))
                 else "scamp_jax.PlanCache(path)")
