@@ -194,8 +194,8 @@ def test_a_run_that_changes_the_sampler_or_batch_bounds_says_so_and_each_run_rec
 
 
 def test_a_task_whose_batches_yield_nothing_says_so():
-    """A ``batches`` that yields no batch at all (an epoch loop over less data than a batch)
-    is said as the stream that ended, not as a bare ``StopIteration``."""
+    """A ``batches`` that yields no batch at all (an epoch loop over an empty data set) is
+    said as the stream that ended, not as a bare ``StopIteration``."""
     reference = Regression()
 
     def batches(batch_size, seed):

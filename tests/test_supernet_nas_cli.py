@@ -445,8 +445,8 @@ def test_a_ctrl_c_as_the_results_are_written_waits_for_them_and_the_checkpoints_
         tmp_path) -> None:
     """A Ctrl-C once training and evaluation are done, as the results are written: the run
     writes them whole, the plot too, and discards its checkpoint before it stops, so the folder
-    is a finished run's (before, it held results.json without the plot beside a checkpoint,
-    which a rerun trained again from)."""
+    is a finished run's (before, it held the checkpoint alone, which a rerun trained its last
+    segment again from)."""
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-c", _CTRL_C_IN_RESULTS, "--preset", "smoke", "--subnets", "8",

@@ -895,8 +895,9 @@ def run_search(
       console: a ``rich.console.Console`` to write to; None: standard output.
 
     Returns:
-      The ``results.json`` payload's ``run`` section plus ``best`` (a results row or None) and,
-      where the task has a ``test``, ``test`` (the best model's scores on it, or None).
+      The ``results.json`` payload's ``run`` section plus ``best`` (a results row or None) and
+      ``test`` (the best model's scores on the task's ``test``; None where it has none, or
+      took none).
     """
     with lasting_frozen(), sigterm_stops():  # a scheduler's SIGTERM stops it as Ctrl-C does
         return _run_search(space, task, settings, devices=devices,
