@@ -393,20 +393,25 @@ def test_a_setting_recorded_only_under_another_schedule_reads_as_unset_not_none(
     assert _differs("seed", 0, 1) == "--seed 0 there, 1 here"
 
 
-_CTRL_C_IN_SAVE = """
+_CTRL_C_AT = """
 import os, signal, sys
 from search_spaces import supernet_nas
 from experiments import supernet_nas as command
 
-save = supernet_nas.NASCheckpoint.save
+owner = {owner}
+real = getattr(owner, {name!r})
 
-def save_under_ctrl_c(self, *args, **kwargs):
-    os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, as the save starts
-    save(self, *args, **kwargs)
+def under_ctrl_c(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, as it starts
+    return real(*args, **kwargs)
 
-supernet_nas.NASCheckpoint.save = save_under_ctrl_c
+setattr(owner, {name!r}, under_ctrl_c)
 command.main(sys.argv[1:])
 """
+#: The command with a Ctrl-C sent as a segment's checkpoint is saved.
+_CTRL_C_IN_SAVE = _CTRL_C_AT.format(owner="supernet_nas.NASCheckpoint", name="save")
+#: The command with a Ctrl-C sent as its results are written.
+_CTRL_C_IN_RESULTS = _CTRL_C_AT.format(owner="supernet_nas", name="write_whole")
 
 
 def test_a_ctrl_c_as_a_segments_checkpoint_is_saved_waits_for_it(tmp_path) -> None:
@@ -424,21 +429,6 @@ def test_a_ctrl_c_as_a_segments_checkpoint_is_saved_waits_for_it(tmp_path) -> No
         "resume from it")
     assert [p.name for p in (out / "checkpoint").iterdir() if p.name.isdigit()] == ["3"]
 
-
-_CTRL_C_IN_RESULTS = """
-import os, signal, sys
-from search_spaces import supernet_nas
-from experiments import supernet_nas as command
-
-write = supernet_nas.write_whole
-
-def write_under_ctrl_c(path, text):
-    os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, as the results are written
-    write(path, text)
-
-supernet_nas.write_whole = write_under_ctrl_c
-command.main(sys.argv[1:])
-"""
 
 
 def test_a_ctrl_c_as_the_results_are_written_waits_for_them_and_the_checkpoints_end(
