@@ -366,6 +366,17 @@ def test_a_stop_before_any_trial_finished_says_so_where_a_command_says_what_it_k
         "trials under way are kept); run the same command to resume")
 
 
+def _one_tested_trial(study_dir: Path) -> tuple[Any, dict[str, Any]]:
+    """The regression task with a ``test`` (its held-out data again) and `run_study`'s
+    arguments for one short trial of it in ``study_dir``."""
+    reference = Regression()
+    task = scamp_jax.FunctionTask(metric="mse", direction="minimize", loss_fn=reference.loss_fn,
+                                  batches=reference.batches, evaluate=reference.evaluate,
+                                  test=reference.evaluate)
+    return task, dict(trials=1, steps=2, study_dir=study_dir, live=False,
+                      memory_per_device="64MiB", max_batch_size=8, sampler="random")
+
+
 def test_a_ctrl_c_while_the_best_model_loads_for_its_test_waits_for_the_restore(
         tmp_path, monkeypatch):
     """The run's last step restores the best model for the task's test: a Ctrl-C there stops
@@ -373,12 +384,7 @@ def test_a_ctrl_c_while_the_best_model_loads_for_its_test_waits_for_the_restore(
     closed event loop with a traceback)."""
     from scamp_jax.hpo import runner
 
-    reference = Regression()
-    task = scamp_jax.FunctionTask(metric="mse", direction="minimize", loss_fn=reference.loss_fn,
-                                  batches=reference.batches, evaluate=reference.evaluate,
-                                  test=reference.evaluate)
-    kw = dict(trials=1, steps=2, study_dir=tmp_path, live=False, memory_per_device="64MiB",
-              max_batch_size=8, sampler="random")
+    task, kw = _one_tested_trial(tmp_path)
     scamp_jax.run_study(SPACE, task, **kw)
     real, restored = runner.load_model, []
 
@@ -402,12 +408,7 @@ def test_a_run_stopped_while_its_best_model_is_tested_is_recorded_interrupted(
 
     from scamp_jax.hpo import runner
 
-    reference = Regression()
-    task = scamp_jax.FunctionTask(metric="mse", direction="minimize", loss_fn=reference.loss_fn,
-                                  batches=reference.batches, evaluate=reference.evaluate,
-                                  test=reference.evaluate)
-    kw = dict(trials=1, steps=2, study_dir=tmp_path, live=False, memory_per_device="64MiB",
-              max_batch_size=8, sampler="random")
+    task, kw = _one_tested_trial(tmp_path)
     real = runner.load_model
 
     def load_model(*args, **kwargs):

@@ -414,15 +414,21 @@ _CTRL_C_IN_SAVE = _CTRL_C_AT.format(owner="supernet_nas.NASCheckpoint", name="sa
 _CTRL_C_IN_RESULTS = _CTRL_C_AT.format(owner="supernet_nas", name="write_whole")
 
 
+def _smoke_of_three_segments(program: str, out: Path) -> subprocess.CompletedProcess:
+    """``program`` (one of `_CTRL_C_AT`'s) on the smoke preset's 8 subnets in segments of 3,
+    one subnet ranked, its outputs in ``out``."""
+    return subprocess.run(
+        [sys.executable, "-c", program, "--preset", "smoke", "--subnets", "8",
+         "--eval-subnets", "1", "--checkpoint-every", "3", "--out-dir", str(out), "--quiet"],
+        cwd=ROOT, env=_cli_env(), capture_output=True, text=True, timeout=300)
+
+
 def test_a_ctrl_c_as_a_segments_checkpoint_is_saved_waits_for_it(tmp_path) -> None:
     """A Ctrl-C that comes once a segment is trained, while its checkpoint is saved, stops the
     run after the save: the rerun resumes after that segment, not a segment earlier. The
     signal is sent from the save itself (the moment is the test's; the signal is real)."""
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-c", _CTRL_C_IN_SAVE, "--preset", "smoke", "--subnets", "8",
-         "--eval-subnets", "1", "--checkpoint-every", "3", "--out-dir", str(out), "--quiet"],
-        cwd=ROOT, env=_cli_env(), capture_output=True, text=True, timeout=300)
+    proc = _smoke_of_three_segments(_CTRL_C_IN_SAVE, out)
     assert proc.returncode == 130, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         f"interrupted: the last checkpoint is in {out / 'checkpoint'}; run the same command to "
@@ -438,10 +444,7 @@ def test_a_ctrl_c_as_the_results_are_written_waits_for_them_and_the_checkpoints_
     is a finished run's (before, it held the checkpoint alone, which a rerun trained its last
     segment again from)."""
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-c", _CTRL_C_IN_RESULTS, "--preset", "smoke", "--subnets", "8",
-         "--eval-subnets", "1", "--checkpoint-every", "3", "--out-dir", str(out), "--quiet"],
-        cwd=ROOT, env=_cli_env(), capture_output=True, text=True, timeout=300)
+    proc = _smoke_of_three_segments(_CTRL_C_IN_RESULTS, out)
     assert proc.returncode == 130, proc.stderr
     assert sorted(p.name for p in out.iterdir()) == ["results.json", "results.png"]
     assert proc.stderr.strip().splitlines()[-1] == (
