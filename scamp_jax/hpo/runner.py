@@ -519,7 +519,7 @@ def _derived_again(space: SearchSpace, params: Mapping[str, Any],
         with warnings.catch_warnings():  # a value outside a drawn range: stored, so kept
             warnings.simplefilter("ignore")
             derived = space.suggest(optuna.trial.FixedTrial(given))
-    except (Exception, optuna.TrialPruned):  # noqa: BLE001 - a suggest of the user's
+    except Exception:  # noqa: BLE001 - a suggest of the user's (TrialPruned too)
         return dict(params)
     if not isinstance(derived, Mapping):
         return dict(params)
