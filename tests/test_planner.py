@@ -470,6 +470,17 @@ def test_weights_left_whole_by_min_shard_elements_are_said_where_they_do_not_fit
     assert "min_shard_elements" not in str(large.value)
 
 
+def test_a_pool_given_without_its_unit_is_said_to_be_bytes_where_nothing_fits():
+    """``memory_per_device=16`` is 16 bytes: the refusal says so and how to write 16 GiB,
+    not advice about the model; a small pool with its unit keeps the model's advice."""
+    with pytest.raises(DoesNotFitError, match=r"memory_per_device=16 is a count of bytes: for "
+                       r"16 GiB pass memory_per_device='16GiB'$"):
+        plan_mesh(_model(), SAMPLE, devices=2, memory_per_device=16)
+    with pytest.raises(DoesNotFitError, match=r"use more devices") as kib:
+        plan_mesh(_model(), SAMPLE, devices=2, memory_per_device="2KiB")
+    assert "count of bytes" not in str(kib.value)
+
+
 def test_a_float64_numpy_batch_is_counted_as_the_float32_arrays_jax_makes_of_it():
     """Without 64-bit mode JAX holds NumPy's float64 as float32: the prefetched batch and the
     plan are those of a float32 batch."""

@@ -978,10 +978,20 @@ def _does_not_fit(request: _Request, needed: int, what: str, advice: str) -> Doe
         f"({format_bytes(usable)}) are available ({format_bytes(budget.memory_per_device)} "
         f"less a {budget.safety_margin:.0%} margin"
         + (f" and a {format_bytes(allowance)} allowance" if allowance else "")
-        + f"); {_ADVICE[advice]}" + (_whole_weights(request) if advice == "state" else ""),
+        + f"); {_advice(request, advice)}",
         bytes_needed=needed,
         bytes_available=usable,
     )
+
+
+def _advice(request: _Request, advice: str) -> str:
+    """What a `DoesNotFitError` advises: a pool under 1 KiB is a size given without its unit
+    (``memory_per_device=16`` is 16 bytes), which no advice about the model helps."""
+    pool = request.budget.memory_per_device
+    if pool < 2**10:
+        return (f"memory_per_device={pool} is a count of bytes: for {pool} GiB pass "
+                f"memory_per_device='{pool}GiB'")
+    return _ADVICE[advice] + (_whole_weights(request) if advice == "state" else "")
 
 
 def _whole_weights(request: _Request) -> str:
