@@ -997,7 +997,8 @@ def run_nas_mpi(
     single-process run with the same number of stages. ``config.stages`` must equal the number
     of ranks (``mpi_world``: a `scamp_jax.distributed.World`, default the MPI world). Returns
     the summary on rank 0 and None on the other ranks (which only train). Checkpoints as
-    `run_nas`: rank 0 writes them from the gathered state, every rank reads one to resume.
+    `run_nas`: rank 0 writes them from the gathered state, every rank reads one to resume;
+    rank 0 holds the folder (`NASCheckpoint.held`), so a run already in it ends the job.
     """
     from scamp_jax.distributed.mpi import failures_end_every_rank, world
     from scamp_jax.distributed.pipeline import MPIPipelineExecutor
@@ -1010,16 +1011,21 @@ def run_nas_mpi(
         )
     console = _console(quiet=not show or not w.is_root)
     console.print(f"one pipeline stage per MPI rank: {w.size} ranks")
-    # The data and the warm-up come before training's collectives: a rank that fails there
-    # (its photographs missing, out of memory) ends the job rather than leaving the others
-    # waiting for it.
-    with failures_end_every_rank(w.comm):
-        layout, result, warmup = train_for_nas(
-            config, executor_class=functools.partial(MPIPipelineExecutor, comm=w.comm),
-            console=console, fresh=fresh, comm=w.comm,
-        )
-    if not w.is_root:
-        return None
-    extra = {**warmup, "mpi_ranks": w.size, "stage_ranks": list(range(w.size))}
-    return evaluate_and_save(config, layout, result, json_path=json_path, console=console,
-                             extra=extra, written=NASCheckpoint(config).discard)
+    hold = NASCheckpoint(config)
+    with contextlib.ExitStack() as holding:
+        # The hold, the data and the warm-up come before training's collectives: a rank that
+        # fails there (another run holds the folder, its photographs missing, out of memory)
+        # ends the job rather than leaving the others waiting for it. Rank 0, which writes
+        # the checkpoint and the results, holds the folder as `run_nas` does.
+        with failures_end_every_rank(w.comm):
+            if w.is_root:
+                holding.enter_context(hold.held())
+            layout, result, warmup = train_for_nas(
+                config, executor_class=functools.partial(MPIPipelineExecutor, comm=w.comm),
+                console=console, fresh=fresh, comm=w.comm,
+            )
+        if not w.is_root:
+            return None
+        extra = {**warmup, "mpi_ranks": w.size, "stage_ranks": list(range(w.size))}
+        return evaluate_and_save(config, layout, result, json_path=json_path, console=console,
+                                 extra=extra, written=hold.discard)

@@ -270,6 +270,33 @@ def test_a_second_run_in_a_folder_in_use_is_refused_in_one_line(tmp_path) -> Non
     assert not out.exists()  # made for the hold alone, it goes with it
 
 
+def test_an_mpi_run_in_a_folder_in_use_is_refused_before_any_rank_trains(tmp_path) -> None:
+    """``--mpi`` into a folder another run holds: rank 0, which writes the checkpoint, is
+    refused in one line naming that process, and the job ends (exit 2) rather than two runs
+    training into one checkpoint; nothing is written there."""
+    import dataclasses
+
+    from test_mpi_runs import launcher
+
+    from experiments.supernet_nas import get_config
+    from search_spaces.supernet_nas import NASCheckpoint
+
+    out = tmp_path / "out"
+    hold = NASCheckpoint(dataclasses.replace(get_config("smoke"), out_dir=str(out)))
+    with hold.held():
+        proc = subprocess.run(
+            [*launcher(2), sys.executable, "-m", "experiments.supernet_nas", "--preset", "smoke",
+             "--mpi", "--out-dir", str(out), "--quiet"], cwd=ROOT, capture_output=True,
+            text=True, timeout=300, env=_cli_env())
+        assert sorted(p.name for p in out.iterdir()) == ["checkpoint.lock"]
+    assert proc.returncode == 2, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if "in use" in line]
+    assert said == [
+        f"rank 0 failed: {out.resolve()} is in use by another run (process {os.getpid()}, "
+        "which holds checkpoint.lock); wait for it to end, or pass another --out-dir (or "
+        "--json)"], proc.stderr
+
+
 def test_discarding_a_checkpoint_never_removes_the_working_directory(tmp_path, monkeypatch):
     """``--json out.json --fresh`` from an empty folder: the checkpoint is ``./out.checkpoint``
     and its folder the working directory, which a discard (``--fresh``'s, before training, or
