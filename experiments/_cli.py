@@ -617,6 +617,18 @@ def _ignore_repeated_sigterm(signum: int, frame: Any) -> None:
     nothing while the process ends."""
 
 
+def _kept_elsewhere() -> str | None:
+    """What a stopped MPI rank other than 0 says it kept: rank 0 records the run and says
+    what the study kept (None on rank 0, and without a launcher)."""
+    from scamp_jax.distributed.mpi import launcher_rank, launcher_ranks
+
+    rank = launcher_rank()
+    if (launcher_ranks() or 1) == 1 or rank == 0:
+        return None
+    return (f"rank {rank} stopped: rank 0 records the study (its line says what the study "
+            "kept)")
+
+
 @contextlib.contextmanager
 def user_errors(resumable: bool = True,
                 stopped: str | Callable[[], str] | None = None) -> Iterator[None]:
@@ -660,7 +672,7 @@ def user_errors(resumable: bool = True,
 
         ending = True  # the process ends: a scheduler's repeated SIGTERM changes nothing
         word = "terminated" if isinstance(err, Terminated) else "interrupted"
-        kept = stop_kept(err)
+        kept = stop_kept(err) or _kept_elsewhere()
         left = (stopped() if callable(stopped) else stopped) or (
             f"{kept or 'finished trials are in the study and results.json'}; run the same "
             "command to resume")

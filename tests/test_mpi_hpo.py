@@ -156,6 +156,27 @@ def test_spanning_trials_join_the_pools_timeline_on_the_first_device_of_each_ran
     assert combined["trials_finished"] == 4 and combined["elapsed_s"] == 17.0
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_stopped_rank_other_than_0_leaves_what_the_study_kept_to_rank_0(
+        rank, monkeypatch, capsys):
+    """A stop under ``mpirun`` reaches every rank; rank 0 records the run and says what the
+    study kept. Another rank records nothing: it says that, not that finished trials are in
+    ``results.json`` (which a stop before any trial finished has not written)."""
+    from experiments._cli import user_errors
+    from scamp_jax._signals import Terminated
+
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", str(rank))
+    with pytest.raises(SystemExit) as stop, user_errors():
+        raise Terminated
+    assert stop.value.code == 143
+    said = "rank 1 stopped: rank 0 records the study (its line says what the study kept)"
+    line = capsys.readouterr().err.strip()
+    assert line == (f"terminated: {said}; run the same command to resume" if rank else
+                    "terminated: finished trials are in the study and results.json; run the "
+                    "same command to resume"), line
+
+
 def test_run_search_mpi_without_mpi4py_raises_an_install_hint(monkeypatch):
     from scamp_jax.distributed.engine import run_search_mpi
 
