@@ -771,6 +771,12 @@ def plan_only(
     ``--devices`` GPUs of ``--target``), print a table, train nothing
     (`scamp_jax.hpo.preview.plan_candidates`); ``preset_for`` as in `run`, for the planned
     devices' platform."""
+    from scamp_jax.distributed.mpi import launched_under_mpi, launcher_ranks
+
+    if launched_under_mpi():  # every rank would plan (and compile) every candidate
+        fail(f"--plan-only under an MPI launcher of {launcher_ranks()} ranks: it plans in one "
+             "process and trains nothing, and every rank would plan every candidate; run it "
+             "without mpirun (with --devices N for the devices one rank has)")
     if not str(config.study_dir).strip():  # as a study refuses it: not the working directory
         check_study_dir(config.study_dir)
     if config.storage is not None:  # unused here; a study it plans for may take it elsewhere

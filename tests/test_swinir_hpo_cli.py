@@ -235,6 +235,23 @@ def test_plan_only_refuses_an_empty_study_dir_as_a_study_does():
     assert not (ROOT / "plans.sqlite").exists()
 
 
+def test_plan_only_under_mpirun_is_refused_on_every_rank_before_any_plan(tmp_path):
+    """``mpirun -n 2 ... --plan-only``: every rank would plan and compile every candidate and
+    print the whole table; each refuses in one line, exit 2, and plans nothing."""
+    from test_mpi_runs import launcher, mpi_env
+
+    proc = subprocess.run(
+        [*launcher(2), sys.executable, "-m", "experiments.swinir_hpo", "--preset", "smoke",
+         "--plan-only", "--study-dir", str(tmp_path / "s")], cwd=ROOT, env=mpi_env(),
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    said = [line for line in proc.stderr.splitlines() if "--plan-only" in line]
+    assert said == ["error: --plan-only under an MPI launcher of 2 ranks: it plans in one "
+                    "process and trains nothing, and every rank would plan every candidate; "
+                    "run it without mpirun (with --devices N for the devices one rank has)"] * 2
+    assert "planning" not in proc.stdout and not (tmp_path / "s").exists()
+
+
 def test_plan_only_plans_without_a_plan_cache_it_cannot_use_and_says_so(tmp_path):
     """The preview keeps its plans in the study folder's ``plans.sqlite``; where that cannot
     be made (here the folder is a file) it says so and plans all the same."""
