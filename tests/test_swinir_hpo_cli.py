@@ -894,7 +894,7 @@ def test_the_best_trials_table_says_when_it_shows_some_of_them():
         return " ".join(console.export_text().split())
 
     for width in (200, 60):
-        assert ("best trials by mse (5 of 7 complete; results.csv has every trial)"
+        assert ("best 5 of 7 complete trials by mse (results.csv has every trial)"
                 in shown(rows, width)), width
     assert "of 5 complete" not in shown(rows[:5], 200) and "best trials by mse" in shown(
         rows[:5], 200)

@@ -580,9 +580,8 @@ def summary_table(
 
     ranked = _best(records, metric, direction)
     done = ranked[:top]
-    title = f"best trials by {metric}" + (
-        f" ({len(done)} of {len(ranked)} complete; results.csv has every trial)"
-        if len(ranked) > len(done) else "")
+    title = (f"best {len(done)} of {len(ranked)} complete trials by {metric} (results.csv "
+             "has every trial)" if len(ranked) > len(done) else f"best trials by {metric}")
     table = _summary_table(done, metric, baseline, title=title)
     # the table reads while its params column (which wraps) keeps room for a few of them
     others = Console(width=10_000).measure(_summary_table(done, metric, baseline, params=False))
