@@ -343,8 +343,14 @@ def test_a_stop_under_mpirun_says_what_a_ctrl_c_does_there(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     assert "Ctrl-C again" in second_ctrl_c()
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    monkeypatch.delenv("OMPI_MCA_odls_base_sigkill_timeout", raising=False)
     assert second_ctrl_c() == ("under mpirun a Ctrl-C goes to mpirun, which ends the ranks "
-                               "itself (Open MPI: about a second after it)")
+                               "itself (Open MPI: about a second after it; mpirun --mca "
+                               "odls_base_sigkill_timeout 30 gives a stop 30 s)")
+    # the launch's setting, which Open MPI hands its ranks as a variable
+    monkeypatch.setenv("OMPI_MCA_odls_base_sigkill_timeout", "30")
+    assert second_ctrl_c() == ("under mpirun a Ctrl-C goes to mpirun, which ends the ranks "
+                               "itself (Open MPI: 30 s after it: its odls_base_sigkill_timeout)")
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")  # one rank: its own Ctrl-C
     assert "Ctrl-C again" in second_ctrl_c()
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import os
 import shutil
 import signal
 import time
@@ -60,8 +61,13 @@ def second_ctrl_c(pressed: bool = True) -> str:
     from scamp_jax.distributed.mpi import launched_under_mpi
 
     if launched_under_mpi():  # the launcher has the terminal's Ctrl-C, not the ranks
-        return ("under mpirun a Ctrl-C goes to mpirun, which ends the ranks itself "
-                "(Open MPI: about a second after it)")
+        # Open MPI hands its ranks the launch's MCA settings as variables
+        wait = os.environ.get("OMPI_MCA_odls_base_sigkill_timeout", "").strip()
+        after = (f"{wait} s after it: its odls_base_sigkill_timeout" if wait else
+                 "about a second after it; mpirun --mca odls_base_sigkill_timeout 30 gives a "
+                 "stop 30 s")
+        return ("under mpirun a Ctrl-C goes to mpirun, which ends the ranks itself (Open MPI: "
+                f"{after})")
     ctrl_c = "Ctrl-C again" if pressed else "a Ctrl-C"
     if getattr(signal.getsignal(signal.SIGINT), "ends_process", False):
         return f"{ctrl_c} stops at once"
