@@ -159,10 +159,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compile-options", type=json.loads, default=None, metavar="JSON",
                         help="XLA options added to the compile at the reference's batch, e.g. "
                         "'{\"xla_gpu_experimental_force_split_k\": 2}' (the plan keeps the "
-                        "target's own)")
+                        "target's own; needs a reference)")
     parser.add_argument("--no-plan", action="store_true",
                         help="only the compile at the reference's batch (e.g. with "
-                        "--compile-options)")
+                        "--compile-options; needs a reference)")
     parser.add_argument("--json", type=output_file, default=None,
                         help="also write the rows here (JSON)")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
@@ -187,6 +187,10 @@ def main(argv: list[str] | None = None) -> None:
                      f"of its own (those with one: {', '.join(BUDGETS)}); pass "
                      "--memory-per-device, e.g. --memory-per-device pool")
 
+    if args.compile_options is not None and not isinstance(args.compile_options, dict):
+        parser.error(f"--compile-options: {json.dumps(args.compile_options)} is no JSON object; "
+                     "pass options by name, e.g. '{\"xla_gpu_experimental_force_split_k\": 2}'")
+
     import os
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the target compiles need no CUDA libraries
@@ -194,6 +198,22 @@ def main(argv: list[str] | None = None) -> None:
     references = {case: reference_point(directory, case,
                                         autotuned=args.autotune_cache is not None)
                   for case in cases}
+    acting = [flag for flag, given in (("--no-plan", args.no_plan),
+                                       ("--compile-options", args.compile_options is not None))
+              if given]
+    act = f"{' and '.join(acting)} {'act' if len(acting) > 1 else 'acts'} on"
+    if acting and directory is None:
+        parser.error(f"{act} the compile at the reference's batch, and "
+                     f"there is no reference: no {REFERENCE_NAME} above this checkout; pass "
+                     "--reference DIR (a directory of mem_<case>_0.json files or a GPU suite's "
+                     "output)")
+    missing = [case for case in cases if references[case] is None]
+    if acting and (len(missing) == len(cases) or (args.no_plan and missing)):
+        parser.error(f"{act} the compile at the reference's batch, and {directory} has no "
+                     f"reference figures for {', '.join(missing)}; pass --only with cases it "
+                     "has, or another --reference")
+    if args.compile_options:
+        _check_compile_options(parser, args.compile_options)
     from scamp_jax.planning.targets import resolve_target
 
     for target in targets:  # every one before the first compile
@@ -241,6 +261,24 @@ def main(argv: list[str] | None = None) -> None:
     if args.json is not None:  # after the table: what is measured is shown whatever happens
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))
+
+
+def _check_compile_options(parser: argparse.ArgumentParser, options: dict[str, Any]) -> None:
+    """Refuse ``--compile-options`` XLA does not take (a name it has no option of, a value of
+    the wrong type): one compile of a trivial program, before any case's compiles."""
+    import jax
+
+    lowered = jax.jit(lambda x: x + 1).lower(1.0)
+    try:
+        lowered.compile(options)
+    except jax.errors.JaxRuntimeError as err:
+        problem = str(err).removeprefix("INVALID_ARGUMENT: ").strip()
+        if problem.startswith("No such compile option: "):
+            name = problem.removeprefix("No such compile option: ")
+            parser.error(f"--compile-options: XLA has no option {name}; check its spelling "
+                         "(XLA's options are named xla_..., e.g. "
+                         "xla_gpu_experimental_force_split_k)")
+        parser.error(f"--compile-options: XLA refuses them: {problem.rstrip('.')}")
 
 
 def _listed(parser: argparse.ArgumentParser, text: str, flag: str) -> list[str]:

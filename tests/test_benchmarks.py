@@ -301,6 +301,11 @@ def _refused(main: Any, argv: list[str], capsys: pytest.CaptureFixture[str]) -> 
      "--targets: target='nope' is neither a known GPU"),
     ("target_accuracy", ["--json", "{dir}"], "is a folder; pass the path of a file"),
     ("target_accuracy", ["--json", "{file}/x.json"], "which is a file; pass a file path"),
+    ("target_accuracy", ["--only", "mlp", "--no-plan", "--reference", "{dir}"],
+     "--no-plan acts on the compile at the reference's batch, and {dir} has no reference "
+     "figures for mlp; pass --only with cases it has"),
+    ("target_accuracy", ["--only", "mlp", "--compile-options", "[1]"],
+     "--compile-options: [1] is no JSON object"),
     ("compiles", ["--case", "nope"], "argument --case: invalid choice: 'nope'"),
     ("compiles", ["--devices", "0"], "argument --devices: 0 must be at least 1"),
     ("memory_accuracy", ["--devices", "0"], "argument --devices: 0 must be at least 1"),
@@ -329,7 +334,30 @@ def test_a_benchmarks_bad_flag_is_refused_before_its_work(
     (tmp_path / "dir").mkdir()
     argv = [a.format(dir=tmp_path / "dir", file=tmp_path / "file") for a in argv]
     main = importlib.import_module(f"benchmarks.{module}").main
-    assert message in _refused(main, argv, capsys)
+    assert message.format(dir=tmp_path / "dir") in _refused(main, argv, capsys)
+
+
+def test_target_accuracys_reference_compile_flags_need_a_reference_and_known_options(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """--no-plan and --compile-options act on the compile at the reference's batch only:
+    without a reference they are refused, not an empty row or an option never used; an option
+    XLA has not is named in one line before any case compiles, not a JAX traceback."""
+    from benchmarks import target_accuracy
+
+    monkeypatch.setenv("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", "cpu"))
+    monkeypatch.setattr(target_accuracy, "default_reference", lambda: None)
+    for flags in (["--no-plan"], ["--compile-options", '{"xla_gpu_autotune_level": 0}']):
+        said = _refused(target_accuracy.main, ["--only", "mlp", *flags], capsys)
+        assert (f"{flags[0]} acts on the compile at the reference's batch, and there is no "
+                "reference: no shared/gpu/2026-11-27-h200 above this checkout; pass "
+                "--reference DIR") in said, said
+    (tmp_path / "mem_mlp_0.json").write_text(json.dumps(
+        {"rows": [{"plan_batch": 8, "planned": 2**20}]}))
+    said = _refused(target_accuracy.main, [
+        "--only", "mlp", "--no-plan", "--reference", str(tmp_path),
+        "--compile-options", '{"xla_bogus_flag": 1}'], capsys)
+    assert "--compile-options: XLA has no option 'xla_bogus_flag'; check its spelling" in said
 
 
 def _command(*args: str) -> Any:
