@@ -60,6 +60,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import tempfile
 import threading
@@ -78,6 +79,13 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "swinir": {"embed_dim": 24, "num_groups": 1, "group_depth": 2, "num_heads": 2,
                "window_size": 8, "mlp_ratio": 2.0},
 }
+#: Fewest steps of a trial: the steady state is timed between the second and later read-backs.
+MIN_STEPS = 3
+STEPS_TOO_FEW = ("--steps {steps}: the steady state is timed between the second and later loss "
+                 f"read-backs, so a trial needs at least {MIN_STEPS} steps; pass --steps "
+                 f"{MIN_STEPS} or more")
+#: The report's ``ray`` entry without ``--ray``.
+RAY_NOT_REQUESTED = "not requested (pass --ray)"
 DEFAULTS = {"vit": {"steps": 40, "batch": 32}, "swinir": {"steps": 40, "batch": 8}}
 #: learning rates of the members, log-spaced over this range.
 LR_RANGE = {"vit": (3e-4, 3e-3), "swinir": (1e-3, 5e-3)}
@@ -152,9 +160,8 @@ def run(family: str, width: int, *, steps: int, batch: int, repeats: int, ray: b
     a caller stopped part way keeps them."""
     import dataclasses
 
-    if steps < 3:
-        raise SystemExit(f"--steps {steps}: the steady state is timed between the second and "
-                         "later loss read-backs, so a trial needs at least 3 steps")
+    if steps < MIN_STEPS:
+        raise ValueError(STEPS_TOO_FEW.format(steps=steps))
 
     import jax
     from flax import nnx
@@ -180,7 +187,7 @@ def run(family: str, width: int, *, steps: int, batch: int, repeats: int, ray: b
                              memory_per_device=budget, max_batch_size=batch, **kw)
     solo_planning = time.perf_counter() - t0
     if plan.batch_size != batch:
-        raise SystemExit(f"--batch {batch} does not fit one trial in {hpo.memory_per_device}; "
+        raise ValueError(f"--batch {batch} does not fit one trial in {hpo.memory_per_device}; "
                          f"the planner fits {plan.batch_size}: pass --batch {plan.batch_size}")
     task.evaluate(space.build(arch, nnx.Rngs(0)))  # compile the shared evaluation once
 
@@ -191,7 +198,7 @@ def run(family: str, width: int, *, steps: int, batch: int, repeats: int, ray: b
                         batch_size=batch, **kw)
     fusion_planning = (time.perf_counter() - t0, time.process_time() - c0)
     if gplan.width < width:
-        raise SystemExit(f"only {gplan.width} members fit {hpo.memory_per_device} at batch "
+        raise ValueError(f"only {gplan.width} members fit {hpo.memory_per_device} at batch "
                          f"{batch}; lower --width or --batch")
     log_every = LOG_EVERY if steps >= 3 * LOG_EVERY else 1
 
@@ -343,7 +350,7 @@ def run(family: str, width: int, *, steps: int, batch: int, repeats: int, ray: b
         if "elapsed_s" in out["ray"]:
             out["trials_per_hour"]["ray"] = 3600.0 * width / out["ray"]["elapsed_s"]
     else:
-        out["ray"] = {"skipped": "not requested (pass --ray)"}
+        out["ray"] = {"skipped": RAY_NOT_REQUESTED}
     return out
 
 
@@ -709,8 +716,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.fusion", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", choices=sorted(ARCHITECTURES), default="vit",
-                   help="model family of the trials (default vit)")
+    p.add_argument("--family", choices=sorted(ARCHITECTURES), default=None,
+                   help="model family of the trials (default vit; not with --conv, which "
+                        "times a SwinIR convolution)")
     p.add_argument("--width", type=positive_int, default=4,
                    help="trials in the group, K (default 4)")
     p.add_argument("--steps", type=positive_int, default=None,
@@ -725,7 +733,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                    help="interleaved repeats per variant (default 3)")
     p.add_argument("--no-concurrent", action="store_true",
                    help="skip the concurrent unfused variant")
-    p.add_argument("--ray", action="store_true", help="also run the trials under Ray Tune")
+    p.add_argument("--ray", action="store_true",
+                   help="also run the trials under Ray Tune (needs ray[tune]; not with --conv, "
+                        "--kernels or --simulate)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--markdown", action="store_true", help="Markdown tables")
     p.add_argument("--out", type=output_file, default=None,
@@ -734,10 +744,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                    help="how the fused step runs per-member convolutions (sets "
                         "SCAMP_FUSED_CONVOLUTIONS; auto: member by member on CPU, one grouped "
                         "convolution elsewhere)")
-    p.add_argument("--conv", action="store_true",
+    modes = p.add_mutually_exclusive_group()
+    modes.add_argument("--conv", action="store_true",
                    help="only time one 3x3 convolution's forms: solo x K, vmap (grouped), the "
                         "fused step's (trains nothing)")
-    p.add_argument("--kernels", action="store_true",
+    modes.add_argument("--kernels", action="store_true",
                    help="only count the kernels a solo step and the fused step launch, "
                         "compiled here (trains nothing); with --target, the launch-bound "
                         "gain: K x solo kernels / fused kernels, the most a group gains where "
@@ -748,17 +759,32 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                    help=f"with --kernels: compile for this described GPU ({', '.join(TARGETS)} "
                         "or a GpuTargetConfigProto file; needs pip install "
                         "'scamp-jax[gpu-plan]')")
-    p.add_argument("--simulate", action="store_true",
+    modes.add_argument("--simulate", action="store_true",
                    help="only the modelled gain vs width on the simulator's cluster presets "
                         "(compiles, trains nothing)")
     args = p.parse_args(argv)
     if args.target is not None and not args.kernels:
         p.error("--target needs --kernels")
+    mode = next((f"--{m}" for m in ("conv", "kernels", "simulate") if getattr(args, m)), None)
+    if args.ray and mode is not None:
+        p.error(f"--ray runs the trials under Ray Tune, and {mode} trains nothing; leave out "
+                f"one of them")
+    if args.conv and args.family is not None:
+        p.error("--conv times one 3x3 SwinIR convolution whatever the family; leave out "
+                "--family")
+    args.family = args.family or "vit"
+    if mode is None and args.steps is not None and args.steps < MIN_STEPS:
+        p.error(STEPS_TOO_FEW.format(steps=args.steps))
     if args.target is not None:
         try:
             resolve_target(args.target)
         except ValueError as err:
             p.error(f"--target: {err}")
+    if args.ray and importlib.util.find_spec("ray") is None:  # said before the runs, not after
+        from benchmarks.ray_baseline import RAY_INSTALL_HINT
+
+        print(f"note: --ray: {RAY_INSTALL_HINT}; the Ray Tune row will be skipped (Ctrl-C now "
+              "to install it first)", flush=True)
 
     if args.conv_form is not None:
         import os
@@ -822,6 +848,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                  batch=args.batch or d["batch"], repeats=args.repeats, ray=args.ray,
                  concurrent=not args.no_concurrent)
     _table(report, args.markdown)
+    if report["ray"].get("skipped", RAY_NOT_REQUESTED) != RAY_NOT_REQUESTED:
+        print(f"Ray Tune row skipped: {report['ray']['skipped']}", flush=True)
     emit_report(report, print_json=args.json, out=args.out)
     return report
 

@@ -312,6 +312,14 @@ def _refused(main: Any, argv: list[str], capsys: pytest.CaptureFixture[str]) -> 
     ("fusion", ["--steps", "0"], "argument --steps: 0 must be at least 1"),
     ("fusion", ["--batch", "0"], "argument --batch: 0 must be at least 1"),
     ("fusion", ["--out", "{file}/x.json"], "argument --out:"),
+    ("fusion", ["--conv", "--kernels"], "argument --kernels: not allowed with argument --conv"),
+    ("fusion", ["--conv", "--simulate"], "argument --simulate: not allowed with argument --conv"),
+    ("fusion", ["--simulate", "--ray"],
+     "--ray runs the trials under Ray Tune, and --simulate trains nothing; leave out one"),
+    ("fusion", ["--conv", "--family", "vit"],
+     "--conv times one 3x3 SwinIR convolution whatever the family; leave out --family"),
+    ("fusion", ["--steps", "2"], "error: --steps 2: the steady state is timed between the "
+     "second and later loss read-backs, so a trial needs at least 3 steps"),
     ("fusion_precision", ["--out", "{dir}"], "argument --out:"),
     ("overhead", ["--json", "{file}/x.json"], "argument --json:"),
     ("simulate_cluster", ["--fixed-devices", "0"], "argument --fixed-devices: 0 must be"),
@@ -358,6 +366,32 @@ def test_target_accuracys_reference_compile_flags_need_a_reference_and_known_opt
         "--only", "mlp", "--no-plan", "--reference", str(tmp_path),
         "--compile-options", '{"xla_bogus_flag": 1}'], capsys)
     assert "--compile-options: XLA has no option 'xla_bogus_flag'; check its spelling" in said
+
+
+def test_fusion_says_ray_is_missing_before_its_runs_and_why_its_row_is_skipped(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--ray without Ray Tune installed: a note before the minutes of runs, and the reason
+    beside the tables, not only in the JSON (as benchmarks.hpo_makespan --ray)."""
+    from benchmarks import fusion, ray_baseline
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # makes `import ray` raise ImportError
+    said_first = []
+
+    def run(*args: Any, ray: bool, **kwargs: Any) -> dict[str, Any]:
+        said_first.append(capsys.readouterr().out)
+        assert ray
+        return {"ray": {"skipped": ray_baseline.import_ray()[1]}}
+
+    monkeypatch.setattr(fusion, "run", run)
+    monkeypatch.setattr(fusion, "_table", lambda report, markdown: None)
+    monkeypatch.setattr("scamp_jax.devices.configure_cpu_devices", lambda n: None)
+    fusion.main(["--ray", "--steps", "3"])
+    assert said_first == ['note: --ray: the Ray Tune baseline needs Ray Tune; install it with: '
+                          'pip install "ray[tune]"; the Ray Tune row will be skipped (Ctrl-C '
+                          'now to install it first)\n']
+    assert capsys.readouterr().out.startswith(
+        'Ray Tune row skipped: the Ray Tune baseline needs Ray Tune; install it with: '
+        'pip install "ray[tune]" (')
 
 
 def _command(*args: str) -> Any:
