@@ -519,7 +519,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="size of the search space")
     parser.add_argument("--trials", type=int, default=128, help="trials in the study")
     parser.add_argument("--architectures", type=int, default=8,
-                        help="distinct architectures drawn from the space (each is compiled)")
+                        help="architectures drawn from the space; each trial is one of them, "
+                        "drawn with replacement (those some trial draws are compiled)")
     parser.add_argument("--samples", type=int, default=200_000,
                         help="training samples per trial (epochs x data set size)")
     parser.add_argument("--max-batch-size", type=int, default=64,
@@ -614,6 +615,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--devices, --trials, --architectures and --samples must be positive")
     if args.max_trial_devices < 0 or (args.lookahead is not None and args.lookahead < 0):
         parser.error("--max-trial-devices and --lookahead must be >= 0")
+    if args.max_batch_size < 0:
+        parser.error(f"--max-batch-size {args.max_batch_size} must be a positive integer, or 0 "
+                     "for no cap (memory is the only limit)")
+    if args.fixed_devices is not None and args.fixed_devices > args.devices:
+        parser.error(f"--fixed-devices {args.fixed_devices} exceeds the pool of --devices "
+                     f"{args.devices}; pass at most {args.devices}, or more --devices")
+    measured = None
+    if args.measured is not None:  # read before the costing, which compiles for minutes
+        from scamp_jax.sim.measured import read_results
+
+        try:
+            measured = read_results(args.measured)
+        except (OSError, ValueError) as err:
+            parser.error(f"--measured {args.measured}: {err}")
 
     configure_cpu_devices(8)
     log = lambda line: print(line, file=sys.stderr)  # noqa: E731
@@ -621,6 +636,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not (args.validate / "hpo_makespan.json").is_file():
             parser.error(f"--validate {args.validate}: no hpo_makespan.json there; pass the "
                          "--out DIR of a 'python -m benchmarks.hpo_makespan --out DIR' run")
+        for policy in ("scamp", "fixed"):  # before calibrating the host
+            if not (args.validate / policy / "results.json").is_file():
+                parser.error(f"--validate {args.validate}: no {policy}/results.json there; it "
+                             "compares the fixed and scamp runs, so the run needs both: "
+                             "'python -m benchmarks.hpo_makespan --policies scamp,fixed "
+                             "--out DIR'")
         summary = validate(args.validate, CostTable(args.cache), log)
         for name, value in summary.items():
             print(f"{name}={value:.3f}")
@@ -657,10 +678,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_trial_devices=args.max_trial_devices or None, scamp_policy=scamp,
     )
     lookahead = args.devices if args.lookahead is None else args.lookahead or None
-    if args.measured is not None:
-        from scamp_jax.sim.measured import engine_figures, read_results
+    if measured is not None:
+        from scamp_jax.sim.measured import engine_figures
 
-        figures = engine_figures(read_results(args.measured))
+        figures = engine_figures(measured)
         log(f"measured by {args.measured}: {figures or 'nothing (defaults kept)'}")
         cluster = dataclasses.replace(cluster, **figures)
     if args.restart_seconds is not None:

@@ -292,6 +292,10 @@ def _refused(main: Any, argv: list[str], capsys: pytest.CaptureFixture[str]) -> 
     return " ".join(err.split())
 
 
+#: simulate_cluster's smallest study, costed in a fresh cache (where a check came late)
+_ONE_TRIAL = ["--architectures", "1", "--trials", "1", "--cache", "{dir}/costs.json"]
+
+
 @pytest.mark.parametrize("module, argv, message", [
     ("target_accuracy", ["--only", "nope"], "--only: unknown case(s) nope; choose from mlp"),
     ("target_accuracy", ["--only", "transformer"],
@@ -327,6 +331,12 @@ def _refused(main: Any, argv: list[str], capsys: pytest.CaptureFixture[str]) -> 
     ("simulate_cluster", ["--json"], "--json prints a --replay's placements"),
     ("simulate_cluster", ["--cache", "{dir}"], "argument --cache:"),
     ("simulate_cluster", ["--cache", "{file}/costs.json"], "argument --cache:"),
+    ("simulate_cluster", [*_ONE_TRIAL, "--max-batch-size", "-4"],
+     "--max-batch-size -4 must be a positive integer, or 0 for no cap"),
+    ("simulate_cluster", [*_ONE_TRIAL, "--devices", "8", "--fixed-devices", "16"],
+     "--fixed-devices 16 exceeds the pool of --devices 8; pass at most 8"),
+    ("simulate_cluster", [*_ONE_TRIAL, "--measured", "{dir}"],
+     "--measured {dir}: {dir}/results.json does not exist; pass the directory of a finished"),
     ("hpo_makespan", ["--policies", "scamp,scamp"], "names a policy twice"),
 ])
 def test_a_benchmarks_bad_flag_is_refused_before_its_work(
@@ -433,6 +443,22 @@ def test_simulate_cluster_says_what_to_validate_where_a_folder_is_no_measured_ru
     assert result.returncode == 2, result.stdout + result.stderr
     assert (f"--validate {tmp_path}: no hpo_makespan.json there; pass the --out DIR of a "
             "'python -m benchmarks.hpo_makespan --out DIR' run") in result.stderr
+
+
+def test_simulate_cluster_says_validate_needs_both_policies_before_calibrating(
+        tmp_path: Path) -> None:
+    """A run of one policy (hpo_makespan --policies scamp) cannot be validated: said before
+    the host is calibrated, with the command that makes both, not a raw missing file."""
+    (tmp_path / "hpo_makespan.json").write_text("[]")
+    (tmp_path / "scamp").mkdir()
+    (tmp_path / "scamp" / "results.json").write_text("{}")
+    result = _command("-m", "benchmarks.simulate_cluster", "--validate", str(tmp_path),
+                      "--cache", str(tmp_path / "costs.json"))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert (f"--validate {tmp_path}: no fixed/results.json there; it compares the fixed and "
+            "scamp runs, so the run needs both: 'python -m benchmarks.hpo_makespan --policies "
+            "scamp,fixed --out DIR'") in result.stderr
+    assert "cpu host" not in result.stderr  # not calibrated
 
 
 def test_a_cost_cache_that_is_no_json_is_named(tmp_path: Path) -> None:
