@@ -307,6 +307,18 @@ def report(family: Family, runs: dict[str, list[dict[str, Any]]], markdown: bool
                      for k in keys], markdown)
 
 
+def _seed(text: str) -> int:
+    """argparse type of ``--seed``: an integer >= 0 (what Optuna's and NumPy's seeds take),
+    checked here rather than in each run's process."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be an integer >= 0")
+    return value
+
+
 def _fuse_value(text: str) -> str:
     if text in ("none", "auto") or (text.isdigit() and int(text) >= 1):
         return text
@@ -328,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--fuse", action="append", type=_fuse_value, metavar="none|auto|K",
                         help="run scamp-jax with this fuse setting (repeat for several ways; "
                         "default: once, with run_study's default)")
-    parser.add_argument("--seed", type=int, default=SEED,
+    parser.add_argument("--seed", type=_seed, default=SEED,
                         help=f"the study's seed, both ways (default {SEED})")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--study-dir", help=argparse.SUPPRESS)

@@ -326,6 +326,8 @@ _ONE_TRIAL = ["--architectures", "1", "--trials", "1", "--cache", "{dir}/costs.j
      "second and later loss read-backs, so a trial needs at least 3 steps"),
     ("fusion_precision", ["--out", "{dir}"], "argument --out:"),
     ("overhead", ["--json", "{file}/x.json"], "argument --json:"),
+    ("overhead", ["--seed", "-1"], "argument --seed: -1 must be an integer >= 0"),
+    ("overhead", ["--seed", "x"], "argument --seed: 'x' is not an integer"),
     ("simulate_cluster", ["--fixed-devices", "0"], "argument --fixed-devices: 0 must be"),
     ("simulate_cluster", ["--safety-margin", "1.0"], "--safety-margin 1.0 must be in [0, 1)"),
     ("simulate_cluster", ["--json"], "--json prints a --replay's placements"),
