@@ -177,6 +177,8 @@ EXTRA_CASES: tuple[Case, ...] = (
     Case("swinir_small_so", _swinir_small, _shape(1, 24, 24, 3), "256MiB", softmax_output=True),
 )
 BY_NAME = {c.name: c for c in CASES + EXTRA_CASES}
+#: The planner's safety margin of ``--child`` (and of the table's plans).
+CHILD_SAFETY_MARGIN = 0.1
 
 
 def _peak(stats: Any) -> int:
@@ -517,7 +519,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="devices to plan on (default: 8 virtual CPU devices, or all GPUs)")
     parser.add_argument("--only", default=None,
                         help=f"comma-separated model names of {', '.join(BY_NAME)} (default: "
-                        "all)")
+                        f"{','.join(c.name for c in CASES)}; the others, slower, only when "
+                        "named)")
     parser.add_argument("--fuse", type=int, default=None, metavar="K",
                         help="also size a fused group of up to K members on each plan, new and "
                              "from the plan cache (default: off)")
@@ -528,14 +531,34 @@ def main(argv: list[str] | None = None) -> None:
                         "allocator's measured peak): the GPU suite's memory measurement")
     parser.add_argument("--batch", type=positive_int, default=None,
                         help="with --child: the batch to run (default: the plan's)")
-    parser.add_argument("--safety-margin", type=float, default=0.1,
-                        help="with --child: the planner's safety margin (default 0.1)")
+    parser.add_argument("--safety-margin", type=float, default=None,
+                        help=f"with --child: the planner's safety margin (default "
+                        f"{CHILD_SAFETY_MARGIN})")
     parser.add_argument("--plan-cache", default=None,
                         help="with --child: a plan cache file, so that a repeated run plans "
                         "without compiling")
     args = parser.parse_args(argv)
     if args.fuse is not None and args.fuse < 1:
         parser.error(f"--fuse {args.fuse}: a group needs at least 1 member; use e.g. --fuse 4")
+    child_only = [flag for flag, value in (("--batch", args.batch),
+                                           ("--safety-margin", args.safety_margin),
+                                           ("--plan-cache", args.plan_cache))
+                  if value is not None]
+    if child_only and args.child is None:
+        parser.error(f"{', '.join(child_only)} {'apply' if len(child_only) > 1 else 'applies'} "
+                     "with --child CASE only (two training steps of one case, as the GPU suite "
+                     "runs them); the table plans each case with the planner's defaults: leave "
+                     f"{'them' if len(child_only) > 1 else 'it'} out, or add --child CASE")
+    names = [c.name for c in CASES]
+    if args.only is not None:
+        names = [name.strip() for name in args.only.split(",")]
+        if not all(names):
+            parser.error(f"--only {args.only!r}: an empty name; pass names separated by "
+                         "single commas, e.g. --only mlp,vit (or leave --only out: "
+                         f"{','.join(c.name for c in CASES)})")
+        unknown = [n for n in names if n not in BY_NAME]
+        if unknown:
+            parser.error(f"unknown model(s) {unknown}; choose from {sorted(BY_NAME)}")
 
     from scamp_jax.devices import configure_cpu_devices
 
@@ -547,14 +570,11 @@ def main(argv: list[str] | None = None) -> None:
     by_name = BY_NAME
     if args.child:
         row = measure_real_step(by_name[args.child], args.devices, args.memory_per_device,
-                                batch=args.batch, safety_margin=args.safety_margin,
+                                batch=args.batch, safety_margin=CHILD_SAFETY_MARGIN
+                                if args.safety_margin is None else args.safety_margin,
                                 fuse=args.fuse or 0, cache=args.plan_cache)
         print(json.dumps(row))
         return
-    names = args.only.split(",") if args.only else [c.name for c in CASES]
-    unknown = [n for n in names if n not in by_name]
-    if unknown:
-        parser.error(f"unknown model(s) {unknown}; choose from {sorted(by_name)}")
 
     rows = []
     for name in names:

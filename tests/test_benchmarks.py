@@ -313,6 +313,13 @@ _ONE_TRIAL = ["--architectures", "1", "--trials", "1", "--cache", "{dir}/costs.j
     ("compiles", ["--case", "nope"], "argument --case: invalid choice: 'nope'"),
     ("compiles", ["--devices", "0"], "argument --devices: 0 must be at least 1"),
     ("memory_accuracy", ["--devices", "0"], "argument --devices: 0 must be at least 1"),
+    ("memory_accuracy", ["--only", "mlp", "--batch", "4"],
+     "--batch applies with --child CASE only (two training steps of one case"),
+    ("memory_accuracy", ["--only", "mlp", "--safety-margin", "0.5", "--plan-cache", "{file}"],
+     "--safety-margin, --plan-cache apply with --child CASE only"),
+    ("memory_accuracy", ["--only", ""], "--only '': an empty name; pass names separated by "
+     "single commas, e.g. --only mlp,vit (or leave --only out: mlp,transformer,swinir,vit)"),
+    ("memory_accuracy", ["--only", "mlp,,vit"], "--only 'mlp,,vit': an empty name"),
     ("fusion", ["--steps", "0"], "argument --steps: 0 must be at least 1"),
     ("fusion", ["--batch", "0"], "argument --batch: 0 must be at least 1"),
     ("fusion", ["--out", "{file}/x.json"], "argument --out:"),
@@ -404,6 +411,18 @@ def test_fusion_says_ray_is_missing_before_its_runs_and_why_its_row_is_skipped(
     assert capsys.readouterr().out.startswith(
         'Ray Tune row skipped: the Ray Tune baseline needs Ray Tune; install it with: '
         'pip install "ray[tune]" (')
+
+
+def test_memory_accuracys_only_help_names_the_default_cases(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The default set is CASES, not every model --only can name."""
+    from benchmarks import memory_accuracy
+
+    with pytest.raises(SystemExit):
+        memory_accuracy.main(["--help"])
+    usage = " ".join(capsys.readouterr().out.split())
+    assert "(default: mlp,transformer,swinir,vit; the others, slower, only when named)" in usage
+    assert "default: all" not in usage
 
 
 def _command(*args: str) -> Any:
