@@ -456,6 +456,19 @@ def test_devices_per_trial_needs_the_fixed_policy(capsys):
     assert "--devices-per-trial 3 applies to --policy fixed only" in capsys.readouterr().err
 
 
+def test_elastic_on_with_the_fixed_policy_is_refused_as_a_setting_it_ignores(tmp_path, capsys):
+    """``--policy fixed --elastic on``: the fixed policy never grows a trial's devices, so the
+    flag would be silently off; refused in one line before the study is made."""
+    with pytest.raises(SystemExit) as exit_info:
+        swinir_hpo.main(["--preset", "smoke", "--policy", "fixed", "--elastic", "on",
+                         "--study-dir", str(tmp_path / "s"), "--no-live"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: --elastic 'on' applies to --policy 'scamp' only (the fixed policy gives every "
+        "trial --devices-per-trial devices); pass --elastic 'off' or --policy 'scamp'")
+    assert not (tmp_path / "s").exists()
+
+
 def test_an_empty_study_name_is_refused_with_the_way_out(capsys):
     with pytest.raises(SystemExit) as exit_info:
         swinir_hpo.main(["--study-name", " "])

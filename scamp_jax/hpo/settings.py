@@ -167,6 +167,10 @@ class EngineConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of "
                                  f"{', '.join(map(repr, choices))}; pass one of them")
+        if self.elastic == "on" and self.policy == "fixed":  # fixed gives each trial its share
+            raise ValueError("elastic='on' applies to policy='scamp' only (the fixed policy "
+                             "gives every trial devices_per_trial devices); pass elastic='off' or "
+                             "policy='scamp'")
         if self.budget is not None and not isinstance(self.budget, Budget):
             raise TypeError(f"budget={self.budget!r} is not a Budget; pass "
                             "scamp_jax.planning.Budget(bytes) or Budget.of_devices(devices, "
