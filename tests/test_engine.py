@@ -294,6 +294,27 @@ def test_a_fused_trials_line_names_its_group_and_members_not_a_width():
     assert " group=2 members=3" in line and " width=" not in line, line
 
 
+def test_a_trials_line_says_the_step_an_earlier_metric_was_measured_at():
+    """An intermediate evaluation's metric shown beside a later step (training on, or
+    evaluating at the end) says its step, so two values at "step 40/40" do not read as one
+    step's; the final metric, of the step shown, says none."""
+    import io
+
+    from scamp_jax.hpo.live import LiveView
+    from scamp_jax.hpo.runner import TrialStatus
+
+    stream = io.StringIO()
+    status = TrialStatus(3, {"width": 16}, state="evaluating", devices=(0,), batch_size=8,
+                         step=40, steps=40, metric=23.37, metric_step=30)
+    with LiveView([BUDGET], "psnr", stream=stream) as view:
+        view.update([status])
+        status.state, status.metric, status.metric_step = "complete", 22.23, 40
+        view.update([status])
+    evaluating, complete = stream.getvalue().splitlines()[:2]
+    assert evaluating.endswith("step=40/40 psnr=23.37 (at step 30)"), evaluating
+    assert complete.endswith("step=40/40 psnr=22.23"), complete
+
+
 def test_live_view_logs_state_changes_without_a_terminal():
     import io
 

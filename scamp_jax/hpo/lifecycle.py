@@ -668,7 +668,7 @@ class Lifecycle:
                 active[slot] = False
                 self._fail(m, FloatingPointError(f"{metric} is {value} at step {done}"))
                 continue
-            m.status.metric = value
+            m.status.metric, m.status.metric_step = value, done
             reported = self.schedule.reported_step(done)
             if self.report is not None and self.report(m.spec.number, reported, value):
                 active[slot] = False
@@ -699,7 +699,7 @@ class Lifecycle:
             if not finite:
                 self._fail(m, FloatingPointError(f"{metric} is {metrics[metric]} after training"))
                 continue
-            m.status.metric = metrics[metric]
+            m.status.metric, m.status.metric_step = metrics[metric], self.schedule.steps
             self._end(m, "complete", metrics=metrics, checkpoint=self._final(m))
 
     def _final(self, m: _Member) -> Path | None:

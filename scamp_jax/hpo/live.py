@@ -180,7 +180,7 @@ class LiveView:
             if not math.isnan(s.loss):
                 line += f" loss={s.loss:.4g}"
             if not math.isnan(s.metric):
-                line += f" {self.metric}={s.metric:.4g}"
+                line += f" {self.metric}={s.metric:.4g}" + _measured_at(s)
             if s.reason and s.state in ("failed", "pruned", "oom", "deferred"):
                 line += f" ({shortened(s.reason, 120)})"
             elif s.reason and s.state == "planning" and not first:
@@ -246,7 +246,7 @@ class LiveView:
                            ",".join(map(str, s.devices)), str(s.model_parallel),
                            str(s.batch_size), _fmt_group(self._groups.get(s.number)),
                            f"{s.step}/{s.steps}", _fmt_float(s.loss),
-                           _fmt_float(s.metric), s.state)
+                           _fmt_float(s.metric) + _measured_at(s), s.state)
         return Group(devices, trials)
 
 
@@ -296,3 +296,9 @@ class RankStream:
     def isatty(self) -> bool:
         """Never a terminal: ranks other than 0 log plain lines, never a live table."""
         return False
+
+
+def _measured_at(s: TrialStatus) -> str:
+    """Where a trial's metric is of an earlier step than the one it shows (an intermediate
+    evaluation's, while it trains on or evaluates at its end): `` (at step 30)``; else ""."""
+    return f" (at step {s.metric_step})" if 0 < s.metric_step != s.step else ""

@@ -119,6 +119,8 @@ class TrialStatus:
     steps: int = 0
     loss: float = math.nan
     metric: float = math.nan
+    #: the step ``metric`` was measured at (an intermediate evaluation's, or the last).
+    metric_step: int = 0
     replans: int = 0
     reason: str = ""
     #: the traceback of the exception that failed the trial ("" for any other ending).
