@@ -19,6 +19,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import optuna
@@ -601,6 +602,13 @@ def test_study_split_across_two_ranks_records_every_trial_once_with_its_rank(
     assert all((tmp_path / "study" / c).is_dir() for c in stored), stored
     assert results["run"]["ranks"] == 2 and results["run"]["trials_this_run"] == 4
     assert sorted(r["rank"] for r in results["run"]["per_rank"]) == [0, 1]
+    # the run's compiles, checkpoints and step cache are every rank's, each rank's its own
+    run, ranks = results["run"], results["run"]["per_rank"]
+    assert all(r["overhead"]["checkpoint_writes"] >= 1 for r in ranks), ranks
+    for key in ("planning_compiles", "checkpoint_writes", "host_initial_states"):
+        assert run["overhead"][key] == sum(r["overhead"][key] for r in ranks), key
+    assert run["step_cache"] == {k: sum(r["step_cache"][k] for r in ranks)
+                                 for k in ("hits", "misses")}
     # The report's timeline (the plots) holds both ranks' devices, rank 0's first, and every
     # trial of the run on the devices of its rank.
     timeline = results["run"]["timeline"]
@@ -971,6 +979,64 @@ def test_a_stop_while_trials_span_ranks_keeps_the_finished_ones_and_gives_back_t
     assert len(results["trials"]) == 2 and all(t["state"] == "complete"
                                                for t in results["trials"]), results["trials"]
     assert results["run"]["spanning_trials"] == 1
+
+
+@pytest.mark.slow  # run with -m slow (README: Tests)
+@pytest.mark.mpi
+def test_a_stop_while_a_trial_spans_ranks_checkpoints_it_at_its_next_step(tmp_path, _needs_mpi):
+    """SIGTERM to the ranks (as Slurm's scancel sends every task) while a trial spans ranks 0
+    and 1 and trains past its first periodic checkpoint: its ranks agree on the step to stop
+    at, rank 0 writes a checkpoint there and says so, the trial goes back to the study, and the
+    same command resumes it from that checkpoint (not from the periodic one, nor from the
+    start), as a single process's stop does."""
+    from test_mpi_runs import launcher, mpi_env
+
+    # 5,000 steps at the global batch of 64, a checkpoint every 1,000 (the flags' figures are
+    # of batch 8, scaled to the batch's samples)
+    flags = ["--trials", "1", "--devices", "1", "--memory-per-device", "14000",
+             "--min-batch-size", "64", "--max-batch-size", "64", "--steps", "40000",
+             "--checkpoint-every", "8000", "--checkpoint-min-seconds", "0"]
+    cmd = [*launcher(2), sys.executable, str(SCRIPT), "--no-live", "--study-dir",
+           str(tmp_path / "study"), *flags]
+    proc = subprocess.Popen(cmd, env=mpi_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    folder = tmp_path / "study" / "checkpoints" / "trial_0"
+
+    def saved() -> list[int]:
+        return sorted(int(p.name) for p in folder.glob("*") if p.name.isdigit())
+
+    lines: list[str] = []
+    try:
+        pids = []
+        for line in proc.stdout:  # the script's first lines: each rank's process
+            lines.append(line)
+            pids += [int(m) for m in re.findall(r"^rank \d pid (\d+)$", line.strip())]
+            if len(pids) == 2:
+                break
+        deadline = time.monotonic() + 400
+        while not saved() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        periodic = saved()
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+        lines.extend(proc.stdout)
+        assert proc.wait(timeout=200) != 0, "".join(lines)
+    finally:
+        proc.kill()
+    output = "".join(lines)
+    assert periodic == [1000], (periodic, output)
+    assert ("stopping: trial 0, which spans ranks [0, 1], ends at its next step with a "
+            "checkpoint and goes back to the study, where a re-run resumes it") in output, output
+    stopped_at = saved()[-1]
+    assert 1000 < stopped_at < 2000, (saved(), output)  # written at the stop
+    stored = _stored_trials(tmp_path)  # given back: failed as interrupted, queued again
+    assert [s for _, s, _ in stored] == ["FAIL", "WAITING"] and stored[0][2] == INTERRUPTED, \
+        (stored, output)
+
+    again = _launch(tmp_path, 2, *flags, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    [trial] = _results(tmp_path)["trials"]
+    assert trial["state"] == "complete" and trial["resumed_from"] == stopped_at, trial
 
 
 @pytest.mark.mpi

@@ -34,8 +34,10 @@ gradient reduction, which nothing else ends; the same command resumes the study.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -265,6 +267,7 @@ def run_spanning_trials(
     checkpoint_root: Path | None,
     log: Callable[[str], None] = print,
     on_finished: Callable[[SpanningTrial, tuple[int, ...], RunResult], None] | None = None,
+    on_stop: Callable[[list[int]], None] | None = None,
 ) -> list[SpanningRun]:
     """Run the deferred ``trials`` across the ranks of ``comm`` (collective: call on every rank).
 
@@ -277,6 +280,10 @@ def run_spanning_trials(
       log: where rank 0 prints progress lines.
       on_finished: called on rank 0 with ``(trial, ranks, result)`` as each round's trials
         end (the study records each then, not once every round has run).
+      on_stop: called on rank 0, at once, with the numbers of the round's trials when a stop
+        (Ctrl-C or SIGTERM) reaches it during the round: the study takes them back before
+        their ranks have stopped, which an MPI launcher may not wait for (their checkpoint at
+        the stop follows); none of them is then told finished.
 
     Returns:
       on rank 0, a `SpanningRun` for every trial in finishing order; elsewhere ``[]``.
@@ -290,6 +297,13 @@ def run_spanning_trials(
     # This rank's one device, booked as the engine books a lone trial's: its plan's bytes by the
     # byte rule, within the budget less the safety margin.
     pool = DevicePool([config.need_budget().usable_bytes])
+    given: set[int] = set()  # given back at a stop (`on_stop`)
+
+    def give_back(numbers: list[int]) -> None:
+        given.update(numbers)
+        if on_stop is not None:
+            on_stop(numbers)
+
     for groups in assign_rounds(trials, size):
         round_start = time.monotonic() - began  # rank 0's: the one that records it
         if rank == 0:
@@ -299,12 +313,17 @@ def run_spanning_trials(
                     f"{config.steps_for(trial.plan.global_batch)} steps")
         mine = next(((i, g) for i, g in enumerate(groups) if rank in g[1]), None)
         sub = comm.Split(mine[0] if mine else mpi.UNDEFINED, rank)
-        result = None
+        result, stopped = None, None
         if mine is not None:
             trial, ranks = mine[1]
             # The group's communicator is not freed: mpi4jax keeps handles to communicators it
             # has seen, and a freed one would be invalid under a later step.
-            result = _run_on_group(trial, space, task, config, sub, checkpoint_root, pool)
+            result, stopped = _run_stoppable(
+                functools.partial(_run_on_group, trial, space, task, config, sub,
+                                  checkpoint_root, pool),
+                sub, trial, ranks, log if rank == 0 else None,
+                functools.partial(give_back, [t.number for t, _ in groups])
+                if rank == 0 else None)
             _end_together(sub, trial, result, rank)
             result = _group_result(sub, result)
             if rank != ranks[0]:
@@ -314,6 +333,8 @@ def run_spanning_trials(
             by_number = {r.number: r for r in gathered if r is not None}
             for trial, ranks in groups:
                 result = by_number[trial.number]
+                if result.state == "interrupted" or trial.number in given:  # a stop's:
+                    continue  # given back (`on_stop`, or by the caller)
                 finished.append(SpanningRun(trial, ranks, result, round_start))
                 if on_finished is not None:  # recorded, then said
                     on_finished(trial, ranks, result)
@@ -322,7 +343,83 @@ def run_spanning_trials(
                     f"{result.wall_seconds:.1f} s"
                     + (f": {task.metric}={value:.4g}" if value is not None else "")
                     + (f" ({result.reason})" if result.reason else ""))
+        # A stop of any rank (Ctrl-C or SIGTERM, as mpirun sends every rank) ends the run on
+        # every rank, once this round's trials have checkpointed and ended together.
+        here = stopped is not None or (result is not None and result.state == "interrupted")
+        if comm.allreduce(here, op=mpi.LOR):
+            raise stopped or KeyboardInterrupt("another rank was stopped")
     return finished
+
+
+class _GroupStop(threading.Event):
+    """A spanning trial's stop, as the trial's steps read it (`Lifecycle`'s ``stop``): set
+    on a rank of its group once all of them agree (one reduction of each rank's own flag per
+    step, on a communicator of their own, which the step's gradient reduction does not use),
+    so every rank stops at the same step and none waits in a reduction another left."""
+
+    def __init__(self, group: Any) -> None:
+        super().__init__()
+        from scamp_jax.distributed.mpi import import_mpi4py
+
+        self._lor = import_mpi4py().LOR
+        self._comm = group.Dup()
+        self.here = threading.Event()  # this rank's own stop
+
+    def is_set(self) -> bool:
+        if not super().is_set() and self._comm.allreduce(self.here.is_set(), op=self._lor):
+            self.set()
+        return super().is_set()
+
+    def close(self) -> None:
+        self._comm.Free()
+
+
+def _run_stoppable(run: Callable[[threading.Event], RunResult], group: Any,
+                   trial: SpanningTrial, ranks: tuple[int, ...],
+                   log: Callable[[str], None] | None,
+                   give_back: Callable[[], None] | None = None,
+                   ) -> tuple[RunResult, BaseException | None]:
+    """``run(stop)`` of this rank's part of ``trial`` in a thread of its own, so that a stop
+    (Ctrl-C or SIGTERM, raised in the main thread) reaches it as a single process's reaches
+    its trials: the group's ranks stop together at their next step (`_GroupStop`), with a
+    checkpoint, and the trial ends ``interrupted``; ``give_back`` is called first, at the
+    stop. Returns the result and the stop caught (None: none)."""
+    stop = _GroupStop(group)
+    box: dict[str, Any] = {}
+    ended = threading.Event()
+
+    def part() -> None:
+        try:
+            box["result"] = run(stop)
+        except BaseException as err:  # noqa: BLE001 - raised again in the caller's thread
+            box["error"] = err
+        finally:
+            ended.set()
+
+    # Waited for on an event: a `Thread.join` a signal's exception breaks off may leave the
+    # thread counted as ended while it runs (CPython before 3.13).
+    worker = threading.Thread(target=part, name=f"spanning-trial-{trial.number}", daemon=True)
+    stopped: BaseException | None = None
+    try:
+        worker.start()
+        while not ended.is_set():
+            try:
+                ended.wait(0.1)
+            except KeyboardInterrupt as err:  # a Ctrl-C or SIGTERM of this rank
+                if stopped is None and log is not None:
+                    log(f"stopping: trial {trial.number}, which spans ranks {list(ranks)}, "
+                        "ends at its next step with a checkpoint and goes back to the study, "
+                        "where a re-run resumes it")
+                if stopped is None and give_back is not None:
+                    give_back()
+                stopped = stopped or err
+                stop.here.set()
+    finally:
+        if ended.is_set():
+            stop.close()
+    if "error" in box:
+        raise box["error"]
+    return box["result"], stopped
 
 
 #: Seconds a rank whose part of a spanning trial ended other than complete (failed, out of
@@ -374,19 +471,21 @@ def _group_result(sub: Any, result: RunResult) -> RunResult:
 
 
 def _run_on_group(trial: SpanningTrial, space: Any, task: Any, config: Any, sub: Any,
-                  checkpoint_root: Path | None, pool: DevicePool) -> RunResult:
+                  checkpoint_root: Path | None, pool: DevicePool,
+                  stop: threading.Event | None = None) -> RunResult:
     index, parts = sub.Get_rank(), sub.Get_size()
     # Raises if the booking exceeds the usable budget (a plan made for another budget).
     pool.allocate(Placement(trial.number, (0,)),
                   TrialRequest(trial.number, 1, trial.plan.booked_bytes, arrival=0))
     try:
-        return _run_booked(trial, space, task, config, sub, checkpoint_root, index, parts)
+        return _run_booked(trial, space, task, config, sub, checkpoint_root, index, parts, stop)
     finally:
         pool.release(trial.number)
 
 
 def _run_booked(trial: SpanningTrial, space: Any, task: Any, config: Any, sub: Any,
-                checkpoint_root: Path | None, index: int, parts: int) -> RunResult:
+                checkpoint_root: Path | None, index: int, parts: int,
+                stop: threading.Event | None = None) -> RunResult:
     from scamp_jax.distributed.data_parallel import mpi_mean
 
     plan = one_device_plan(space, trial.params, trial.plan.batch_per_rank, jax.local_devices()[0])
@@ -396,7 +495,8 @@ def _run_booked(trial: SpanningTrial, space: Any, task: Any, config: Any, sub: A
     spec = RunSpec.of(MemberSpec.of(trial, config.seed, checkpoint_root), plan, schedule,
                       config.need_budget().memory_per_device, grad_reduce=mpi_mean(sub),
                       batch_share=(index, parts))
-    return run_trial(spec, space, task, status=TrialStatus(trial.number, trial.params))
+    return run_trial(spec, space, task, status=TrialStatus(trial.number, trial.params),
+                     stop=stop)
 
 
 _STATE = {"complete": "complete", "pruned": "pruned"}
