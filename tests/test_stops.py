@@ -344,13 +344,13 @@ def test_a_stop_under_mpirun_says_what_a_ctrl_c_does_there(monkeypatch):
     assert "Ctrl-C again" in second_ctrl_c()
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
     monkeypatch.delenv("OMPI_MCA_odls_base_sigkill_timeout", raising=False)
-    assert second_ctrl_c() == ("under mpirun a Ctrl-C goes to mpirun, which ends the ranks "
-                               "itself (Open MPI: about a second after it; mpirun --mca "
-                               "odls_base_sigkill_timeout 30 gives a stop 30 s)")
+    said = ("under mpirun a Ctrl-C goes to mpirun, which ends the ranks itself (Open MPI: "
+            "SIGTERM {0} s after it, SIGKILL {0} s later); a stop with every running trial's "
+            "checkpoint is SIGTERM sent to the ranks themselves, as Slurm's scancel sends it")
+    assert second_ctrl_c() == said.format(1)
     # the launch's setting, which Open MPI hands its ranks as a variable
     monkeypatch.setenv("OMPI_MCA_odls_base_sigkill_timeout", "30")
-    assert second_ctrl_c() == ("under mpirun a Ctrl-C goes to mpirun, which ends the ranks "
-                               "itself (Open MPI: 30 s after it: its odls_base_sigkill_timeout)")
+    assert second_ctrl_c() == said.format(30)
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")  # one rank: its own Ctrl-C
     assert "Ctrl-C again" in second_ctrl_c()
 

@@ -61,13 +61,13 @@ def second_ctrl_c(pressed: bool = True) -> str:
     from scamp_jax.distributed.mpi import launched_under_mpi
 
     if launched_under_mpi():  # the launcher has the terminal's Ctrl-C, not the ranks
-        # Open MPI hands its ranks the launch's MCA settings as variables
-        wait = os.environ.get("OMPI_MCA_odls_base_sigkill_timeout", "").strip()
-        after = (f"{wait} s after it: its odls_base_sigkill_timeout" if wait else
-                 "about a second after it; mpirun --mca odls_base_sigkill_timeout 30 gives a "
-                 "stop 30 s")
+        # Open MPI hands its ranks the launch's MCA settings as variables; it sends SIGTERM
+        # that long after the Ctrl-C, and SIGKILL as long after that
+        wait = os.environ.get("OMPI_MCA_odls_base_sigkill_timeout", "").strip() or "1"
         return ("under mpirun a Ctrl-C goes to mpirun, which ends the ranks itself (Open MPI: "
-                f"{after})")
+                f"SIGTERM {wait} s after it, SIGKILL {wait} s later); a stop with every "
+                "running trial's checkpoint is SIGTERM sent to the ranks themselves, as "
+                "Slurm's scancel sends it")
     ctrl_c = "Ctrl-C again" if pressed else "a Ctrl-C"
     if getattr(signal.getsignal(signal.SIGINT), "ends_process", False):
         return f"{ctrl_c} stops at once"
