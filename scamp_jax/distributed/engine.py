@@ -67,7 +67,7 @@ from scamp_jax.distributed.spanning import (
 from scamp_jax.distributed.study import StudyClient, release_study, shared_study
 from scamp_jax.hpo.engine import SearchEngine, TrialDeferred
 from scamp_jax.hpo.failures import RepeatedFailureError
-from scamp_jax.hpo.overhead import held_wait_device_seconds
+from scamp_jax.hpo.overhead import combined_overhead, held_wait_device_seconds
 from scamp_jax.hpo.plan_service import PlanningService
 from scamp_jax.hpo.runner import make_optimizer
 from scamp_jax.hpo.study.trials import AskedTrial, AskLater, TrialOutcome
@@ -460,13 +460,19 @@ def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any
                     dict(outcome.attrs), outcome.reason)
         told.add(trial.number)
 
+    def give_back_spanning(numbers: list[int]) -> None:
+        """Rank 0 gives a round's spanning trials back at a stop, before their ranks end."""
+        assert server is not None
+        _give_back_spanning(server, [n for n in numbers if n not in told])
+        told.update(numbers)
+
     try:
         # The barrier: every rank asks from the start, so work spreads over all of them.
         engine, result = session.run_engine(
             source, engine=functools.partial(MPISearchEngine, size), before=comm.Barrier)
         source.close()
         summary = {"rank": rank, **run_summary(result, len(devices), memory_per_device),
-                   "deferred": len(engine.deferred)}
+                   "deferred": len(engine.deferred), "overhead": session.overhead}
         if server is not None:
             server.join()  # the other ranks' last trials
         # Trials that span ranks run now, when every rank's devices are free.
@@ -479,7 +485,8 @@ def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any
         finished = run_spanning_trials(
             spanning, space, task, engine.config, comm,
             checkpoint_root=session.out_dir / "checkpoints", log=session.say,
-            on_finished=tell_spanning if server is not None else None) if spanning else []
+            on_finished=tell_spanning if server is not None else None,
+            on_stop=give_back_spanning if server is not None else None) if spanning else []
         spanning_s = time.monotonic() - start
     except (KeyboardInterrupt, Exception) as err:
         if server is not None:  # rank 0 records the run, as a single process does
@@ -513,6 +520,10 @@ def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any
         "waited_for_held_trials_s": max(float(s.get("waited_for_held_trials_s") or 0.0)
                                         for s in summaries),
     }
+    # compiles, checkpoints and cache use of every rank (each rank's own: ``per_rank``)
+    run_info["step_cache"] = {key: sum(int(s["step_cache"].get(key, 0)) for s in summaries)
+                              for key in summaries[0]["step_cache"]}
+    session.overhead = combined_overhead([s["overhead"] for s in summaries])
     if session.overhead is not None:  # every rank's pool idled while it waited: their sum
         session.overhead["idle_waiting_for_held_trials_device_s"] = (
             held_wait_device_seconds(summaries))

@@ -207,6 +207,25 @@ class OverheadRecorder:
         return out
 
 
+def combined_overhead(parts: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
+    """One breakdown (`OverheadRecorder.summary`) of processes that ran at once (every MPI
+    rank's): counts and seconds summed over them, the run's ``elapsed_s`` and ``startup_s``
+    their longest; None where no process has one."""
+    given = [p for p in parts if p]
+    if not given:
+        return None
+    out: dict[str, Any] = {}
+    for part in given:
+        for key, value in part.items():
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                out.setdefault(key, value)
+            elif key in ("elapsed_s", "startup_s"):
+                out[key] = max(out.get(key) or 0, value)
+            else:
+                out[key] = round(out.get(key, 0) + value, 3)
+    return out
+
+
 def held_wait_device_seconds(runs: Sequence[Mapping[str, Any]]) -> float:
     """Device-seconds the pools of ``runs`` (engines' scheduling records: one, or every MPI
     rank's) idled while only trials another process holds were left (`Intake.wait`: the whole
