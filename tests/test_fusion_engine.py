@@ -487,7 +487,9 @@ def test_a_group_is_never_wider_than_the_study():
     settings = SearchSettings(steps=1, trials=3, fuse=6)
     assert settings.fuse == 3 and settings.source_kwargs()["siblings"] == 2
     assert SearchSettings(steps=1, trials=1, fuse=6).fuse == 1  # one trial: nothing to fuse
-    assert SearchSettings(steps=1, trials=3, fuse="auto").fuse == "auto"
+    assert SearchSettings(steps=1, trials=3, fuse="auto").fuse == 3  # "auto" is at most 8
+    assert SearchSettings(steps=1, trials=1, fuse="auto").fuse == 1
+    assert SearchSettings(steps=1, trials=20, fuse="auto").fuse == "auto"
     # lowered first: one trial under the grid sampler fuses nothing, which the grid allows
     assert SearchSettings(steps=1, trials=1, fuse=4, sampler="grid").fuse == 1
 
@@ -617,7 +619,9 @@ def test_the_fuse_flag_takes_a_width_or_auto(capsys):
     from experiments._cli import config_from_args
 
     args = swinir_hpo.parser().parse_args(["--preset", "smoke", "--fuse", "auto"])
-    assert config_from_args(args, swinir_hpo.get_config("smoke"), "runs/x").fuse == "auto"
+    assert config_from_args(args, swinir_hpo.get_config("smoke"), "runs/x").fuse == 3  # trials
+    args = swinir_hpo.parser().parse_args(["--fuse", "auto"])  # the default preset: 6 trials
+    assert config_from_args(args, swinir_hpo.get_config(args.preset), "runs/x").fuse == 6
     args = swinir_hpo.parser().parse_args(["--fuse", "2"])
     assert config_from_args(args, swinir_hpo.get_config("smoke"), "runs/x").fuse == 2
     args = swinir_hpo.parser().parse_args(["--fuse", "4"])  # the smoke study has 3 trials
@@ -631,7 +635,7 @@ def test_the_fuse_flag_takes_a_width_or_auto(capsys):
         swinir_hpo.parser().parse_args(["--fuse", "1000"])
     assert "--fuse: --fuse 1000 asks for groups of more than 64 trials" in \
         capsys.readouterr().err
-    args = swinir_hpo.parser().parse_args(["--fuse", "AUTO"])  # any case
+    args = swinir_hpo.parser().parse_args(["--fuse", "AUTO", "--trials", "20"])  # any case
     assert config_from_args(args, swinir_hpo.get_config("smoke"), "runs/x").fuse == "auto"
 
 

@@ -328,9 +328,11 @@ class SearchSettings(EngineConfig):
         from scamp_jax.hpo.trial import fusion_cap
 
         fuse, trials = self.fuse, self.trials
-        if (isinstance(fuse, int) and isinstance(trials, int) and not isinstance(fuse, bool)
-                and not isinstance(trials, bool) and 1 <= trials < fuse):
+        if ((fuse == "auto" or (isinstance(fuse, int) and not isinstance(fuse, bool)))
+                and isinstance(trials, int) and not isinstance(trials, bool)
+                and 1 <= trials < (fusion_cap(fuse) or 1)):
             # a group holds trials of this study: no wider group is asked, planned or compiled
+            # ("auto" too: the widest that fits, at most its cap, is at most the trials)
             object.__setattr__(self, "fuse", trials)
         if fusion_cap(self.fuse) is not None and self.sampler == "grid":  # raises on a bad fuse
             raise ValueError(
