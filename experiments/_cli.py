@@ -459,9 +459,13 @@ class _CommandFormat(logging.Formatter):
         super().__init__(logging.BASIC_FORMAT)
 
     def format(self, record: logging.LogRecord) -> str:
-        if record.name.split(".", 1)[0] == "scamp_jax":
+        if record.name.split(".", 1)[0] in _OURS:
             return record.getMessage()
         return super().format(record)
+
+
+#: The packages whose warnings a command says in its flags: the library and its search spaces.
+_OURS = ("scamp_jax", "search_spaces")
 
 
 @contextlib.contextmanager
@@ -470,13 +474,14 @@ def warnings_in_flags() -> Iterator[None]:
     the command runs. Where nothing configured logging, the command prints what is logged
     (`_CommandFormat`): else the first package to log configures it in logging's default
     format (absl does, as orbax loads), and the library's warnings would print as
-    ``WARNING:scamp_jax.hpo.lifecycle:...``."""
-    logger = logging.getLogger("scamp_jax")
-    if any(isinstance(h, _WarningsInFlags) for h in logger.handlers):
+    ``WARNING:scamp_jax.hpo.lifecycle:...``; the search spaces' (``search_spaces``) alike."""
+    loggers = [logging.getLogger(name) for name in _OURS]
+    if any(isinstance(h, _WarningsInFlags) for h in loggers[0].handlers):
         yield  # an outer command's
         return
     handler = _WarningsInFlags()
-    logger.addHandler(handler)
+    for logger in loggers:
+        logger.addHandler(handler)
     printer = None
     if not logging.root.handlers:
         printer = logging.StreamHandler()
@@ -485,7 +490,8 @@ def warnings_in_flags() -> Iterator[None]:
     try:
         yield
     finally:
-        logger.removeHandler(handler)
+        for logger in loggers:
+            logger.removeHandler(handler)
         if printer is not None:
             logging.root.removeHandler(printer)
 

@@ -8,6 +8,7 @@ images. `train` is the paper's recipe (L1 loss, Adam, learning rate 2e-4) on one
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,8 @@ import optax
 from flax import nnx
 
 from search_spaces import metrics, sr_data
+
+log = logging.getLogger(__name__)
 
 __all__ = ["SRTask", "l1_loss", "train"]
 
@@ -132,6 +135,7 @@ class SRTask:
     ):
         if hr_patch % scale:
             raise ValueError(f"{hr_patch=} must be a multiple of {scale=}")
+        _warn_of_shared_folders(train_dir, eval_dir, test_dir)
         self.scale, self.hr_patch = scale, hr_patch
         default_train, default_eval = (
             sr_data.default_split() if train_dir is None or eval_dir is None else ([], [])
@@ -261,3 +265,20 @@ def train(
             history.append(record)
     model.eval()
     return history
+
+
+def _warn_of_shared_folders(train: str | Path | None, held_out: str | Path | None,
+                            test: str | Path | None) -> None:
+    """Warn where one folder is given for two of the task's image sets: each set's score then
+    says less than it seems (a held-out score of the training images rewards memorising them,
+    a test of the held-out images is no test of the choice made by them)."""
+    folders = {"training": train, "held-out": held_out, "test": test}
+    given = {name: Path(f).resolve() for name, f in folders.items() if f is not None}
+    for first, second, what in (
+            ("training", "held-out", "trials are scored and chosen by the images they train on"),
+            ("held-out", "test", "the best model is tested on the images it was chosen by, "
+                                 "which is no independent test"),
+            ("training", "test", "the best model is tested on the images it trained on")):
+        if first in given and given[first] == given.get(second):
+            log.warning("the %s and %s images are one folder, %s: %s; give each set a folder "
+                        "of its own", first, second, given[first], what)

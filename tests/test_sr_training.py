@@ -176,3 +176,33 @@ def test_small_swinir_beats_bicubic_on_held_out_photos():
     final = history[-1]
     assert final["psnr"] > final["bicubic_psnr"], final
     assert final["ssim"] > final["bicubic_ssim"], final
+
+
+def test_one_folder_for_two_image_sets_is_warned_of_and_the_command_line_says_so(
+        tmp_path, caplog):
+    """A folder given as two of the task's image sets (held-out and test here) makes one of
+    their scores say less than it seems: warned of once per pair, naming what it costs; the
+    command line prints the warning as its words alone; folders of their own: no warning."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    photos = _write_photos(tmp_path / "photos", 2, 40, 1)
+    with caplog.at_level("WARNING", logger="search_spaces.sr_task"):
+        SRTask(scale=2, hr_patch=16, eval_dir=photos, test_dir=photos, eval_size=32)
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [f"the held-out and test images are one folder, {photos.resolve()}: the best "
+                    "model is tested on the images it was chosen by, which is no independent "
+                    "test; give each set a folder of its own"], said
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="search_spaces.sr_task"):
+        SRTask(scale=2, hr_patch=16, eval_dir=photos, eval_size=32,
+               test_dir=_write_photos(tmp_path / "test", 2, 40, 2))
+    assert not caplog.records
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.swinir_hpo", "--preset", "smoke", "--trials", "1",
+         "--steps", "1", "--eval-dir", str(photos), "--test-dir", str(photos), "--study-dir",
+         str(tmp_path / "study"), "--memory-per-device", "1KiB"], cwd=root,
+        capture_output=True, text=True, timeout=300)
+    assert proc.stderr.splitlines()[0] == said[0], proc.stderr
