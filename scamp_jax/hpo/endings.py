@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from scamp_jax._signals import stops_held
-from scamp_jax.hpo.failures import RepeatedFailures, trained_every_step
+from scamp_jax.hpo.failures import RepeatedFailures
 from scamp_jax.hpo.out_of_memory import OutOfMemory
 from scamp_jax.hpo.study.trials import TrialOutcome, TrialSource
 from scamp_jax.hpo.trial import PlannedTrial, RunResult
@@ -221,8 +221,7 @@ class Endings:
         (`_tell_finished`), any other ending of a stopped run is unfinished. ``notice``: told
         what happens to the running trials (a Ctrl-C's user). ``discard`` (the run's trials
         failed alike: a bug in the task): the checkpoints of the held and the running trials
-        are deleted first, so that the next run trains them from the start, except a held
-        trial's that trained every step (its evaluation failed): the next run evaluates it."""
+        are deleted first, so that the next run trains them from the start."""
         for run in runs:
             run.stop.set()
         if notice is not None and runs:
@@ -246,10 +245,7 @@ class Endings:
                 # A bug in the task: what these trials trained under it is not resumed. The
                 # runs have ended; it goes before the trials go back, where another process
                 # could ask their retries; trials that waited keep their earlier checkpoints.
-                # A trial that trained every step and failed in its evaluation keeps its final
-                # checkpoint: the rerun evaluates it again (`RepeatedFailureError.trained`).
-                for number in dict.fromkeys([*(o.number for o in held
-                                               if not trained_every_step(o)), *running]):
+                for number in dict.fromkeys([*(o.number for o in held), *running]):
                     self._discard_checkpoints(number)
             self.failures.give_back_held(held)
             untold, self.untold = self.untold, []

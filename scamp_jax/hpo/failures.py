@@ -1,24 +1,23 @@
 """A study's first trials all failing with one error: a bug in the task, and the study stops.
 
 A deterministic bug in a task (its ``evaluate``, its loss, its data, a model's code) fails every
-trial the same way, each after its whole training: left alone, a study spends all its trials on it.
-`RepeatedFailures` watches how a run's trials end. Until one of them completes (or is pruned after
-training), the failures that come with an exception (a traceback) are held back from the study while
-they repeat one error: the same exception raised at the same place (the message may differ, e.g. by
-a trial's batch size). Once the held trials come from ``failure_limit`` runs
-(`scamp_jax.hpo.settings.EngineConfig.failure_limit`, at most a study's ``trials`` but at least two:
-`scamp_jax.hpo.endings.failure_limit`; a fused group's members are one run), the engine stops its
-other trials and raises `RepeatedFailureError`, and the held trials go back to the study as
-interrupted ones do, with those that were running: the run after the fix trains them again from the
-start (what they trained under the bug is deleted, not resumed) instead of counting them as failed,
-except a held trial that trained every step and failed in its evaluation, whose final checkpoint is
-kept: the run after the fix evaluates it again; a Ctrl-C gives held trials back too (with their
-checkpoints). A trial that completes, a failure raised elsewhere and the end of the run tell the
-held trials to the study as the failures they are. A failure without an exception (a loss that
-turned non-finite, a configuration that fits nowhere) and a configuration the space rejects
-(``optuna.TrialPruned`` from its build) are the configuration's own: told at once, they leave the
-held ones as they are. A space that fails some configurations on purpose, by raising, sets
-``failure_limit=0``. Under MPI every rank's engine keeps its own guard.
+trial the same way, each after its whole training: left alone, a study spends all its trials on
+it. `RepeatedFailures` watches how a run's trials end. Until one of them completes (or is pruned
+after training), the failures that come with an exception (a traceback) are held back from the
+study while they repeat one error: the same exception raised at the same place (the message may
+differ, e.g. by a trial's batch size). Once the held trials come from ``failure_limit`` runs
+(`scamp_jax.hpo.settings.EngineConfig.failure_limit`, at most a study's ``trials`` but at least
+two: `scamp_jax.hpo.endings.failure_limit`; a fused group's members are one run), the
+engine stops its other trials and raises `RepeatedFailureError`, and the held trials go back to
+the study as interrupted ones do, with those that were running: the run after the fix trains
+them again from the start (what they trained under the bug is deleted, not resumed) instead of
+counting them as failed; a Ctrl-C gives held trials back too (with their checkpoints). A trial
+that completes, a failure raised elsewhere and the end of the run tell the held trials to the
+study as the failures they are. A failure without an exception (a loss that turned non-finite, a
+configuration that fits nowhere) and a configuration the space rejects (``optuna.TrialPruned``
+from its build) are the configuration's own: told at once, they leave the held ones as they are.
+A space that fails some configurations on purpose, by raising, sets ``failure_limit=0``. Under
+MPI every rank's engine keeps its own guard.
 """
 
 from __future__ import annotations
@@ -43,30 +42,21 @@ class RepeatedFailureError(RuntimeError):
       trials: the numbers of the trials that failed alike.
       reason: the reason of the last of them (``Type: message (at file.py:LINE)``).
       traceback: the traceback of the last of them.
-      trained: those of ``trials`` that trained every step and failed in their evaluation:
-        their final checkpoints are kept, and a rerun evaluates them without training again.
     """
 
-    def __init__(self, trials: Sequence[int], reason: str, traceback: str,
-                 trained: Sequence[int] = ()) -> None:
+    def __init__(self, trials: Sequence[int], reason: str, traceback: str) -> None:
         self.trials, self.reason, self.traceback = tuple(trials), reason, traceback
-        self.trained = tuple(trained)
         super().__init__(self._message("failure_limit=0"))
 
     def _message(self, no_limit: str) -> str:
-        one = len(self.trained) == 1
-        rerun = ("a rerun trains them again from the start" if not self.trained else
-                 f"a rerun evaluates {_named('trials', self.trained)} again from "
-                 f"{'its final checkpoint' if one else 'their final checkpoints'} "
-                 f"({'it' if one else 'they'} trained every step before "
-                 f"{'its' if one else 'their'} evaluation failed; delete a trial's checkpoint "
-                 "folder to train it again) and trains any others again from the start")
-        return (f"{_named('trials', self.trials)} all failed with the same error, and no trial "
-                f"of this run completed: {self.reason}. That looks like a bug in the task, not "
-                "in these configurations, so the study stopped; these trials and those that were "
-                f"running went back to it, and {rerun}. Fix the error and run again; if some "
-                f"configurations fail on purpose, pass {no_limit} (or a larger limit). The last "
-                "trial's traceback:\n"
+        *first, last = self.trials
+        named = f"{', '.join(map(str, first))} and {last}" if first else str(last)
+        return (f"trials {named} all failed with the same error, and no trial of this run "
+                f"completed: {self.reason}. That looks like a bug in the task, not in these "
+                "configurations, so the study stopped; these trials and those that were "
+                "running went back to it, and a rerun trains them again from the start. Fix the "
+                f"error and run again; if some configurations fail on purpose, pass {no_limit} "
+                "(or a larger limit). The last trial's traceback:\n"
                 f"{self.traceback.rstrip()}")
 
     def as_command_line(self) -> str:
@@ -75,15 +65,7 @@ class RepeatedFailureError(RuntimeError):
         return self._message("--failure-limit 0")
 
     def __reduce__(self) -> tuple:  # picklable whole, as the library's other errors
-        return type(self), (self.trials, self.reason, self.traceback, self.trained)
-
-
-def _named(word: str, numbers: Sequence[int]) -> str:
-    """``"trials 0, 1 and 2"``, ``"trial 3"``."""
-    *first, last = numbers
-    if not first:
-        return f"{word.rstrip('s')} {last}"
-    return f"{word.rstrip('s')}s {', '.join(map(str, first))} and {last}"
+        return type(self), (self.trials, self.reason, self.traceback)
 
 
 def failure_key(outcome: TrialOutcome) -> str:
@@ -150,8 +132,7 @@ class RepeatedFailures:
         """The error the engine raises once `tripped`."""
         last = self.held[-1]
         return RepeatedFailureError([o.number for o in self.held], last.reason,
-                                    str(last.attrs.get(TRACEBACK, "")),
-                                    [o.number for o in self.held if trained_every_step(o)])
+                                    str(last.attrs.get(TRACEBACK, "")))
 
     def release(self) -> None:
         """Tell the held failures to the study as they are (the end of a run, a streak
@@ -172,10 +153,3 @@ class RepeatedFailures:
             held = self.held
         while held:
             self._give_back(held.pop(0).number)
-
-
-def trained_every_step(outcome: TrialOutcome) -> bool:
-    """Whether a failed trial trained every step and failed in its evaluation: its final
-    checkpoint is named (`scamp_jax.hpo.trial.RunResult.checkpoint`); a stop for repeated
-    failures keeps it, and the rerun evaluates the trial from it."""
-    return bool(outcome.attrs.get("checkpoint"))

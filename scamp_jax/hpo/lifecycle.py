@@ -408,12 +408,12 @@ class Lifecycle:
                              checkpoint=checkpoint, resumed_from=self.first,
                              held_bytes=self.held_bytes, measured_peak_bytes=self.measured_bytes)
 
-    def _fail(self, m: _Member, err: BaseException, checkpoint: Path | None = None) -> None:
+    def _fail(self, m: _Member, err: BaseException) -> None:
         state, reason, needed = ending(err)
         # a raised error keeps its traceback; one made here (a non-finite loss or metric) is
         # the configuration's own, with none (`scamp_jax.hpo.failures` holds it apart)
         raised = state == "failed" and err.__traceback__ is not None
-        self._end(m, state, reason, bytes_needed=needed, checkpoint=checkpoint,
+        self._end(m, state, reason, bytes_needed=needed,
                   traceback=failure_traceback(err) if raised else "")
 
     # ---- the run
@@ -685,16 +685,14 @@ class Lifecycle:
                 m.status.state = "evaluating"
                 evaluated[slot] = self._evaluate(slot)
             except Exception as err:  # noqa: BLE001 - one member's failure ends that member
-                # it trained every step: its final checkpoint is named, and kept where the
-                # study stops for repeated failures (`Endings.give_back`)
-                self._fail(m, err, checkpoint=self._final(m))
+                self._fail(m, err)
         self._measure()  # evaluation included
         for slot, metrics in evaluated.items():
             m = self.slots[slot]
             try:
                 finite = math.isfinite(metrics[metric])
             except Exception as err:  # noqa: BLE001 - one member's failure ends that member
-                self._fail(m, err, checkpoint=self._final(m))  # the task's error
+                self._fail(m, err)  # no such metric, or not a number: the task's error
                 continue
             if not finite:
                 self._fail(m, FloatingPointError(f"{metric} is {metrics[metric]} after training"))

@@ -159,8 +159,7 @@ class RunResult:
     peak per device of an ``oom`` run when known; ``held_bytes`` what the run holds per device at
     most, from its compiled programs (training step + prefetched batch, or evaluation + what
     stays resident), when measured; ``checkpoint`` the directory of the final checkpoint of a
-    complete run, or of one that trained every step and failed in its evaluation;
-    ``resumed_from`` the checkpointed step training restarted from (0: none);
+    complete run; ``resumed_from`` the checkpointed step training restarted from (0: none);
     ``measured_peak_bytes`` the allocator's peak on the run's devices, bytes (None: nothing
     reported, as on CPU devices); ``traceback`` the traceback of the exception that failed it
     (`failure_traceback`; "" for any other ending, a non-finite loss included).
