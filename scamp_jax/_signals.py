@@ -62,7 +62,8 @@ def left_behind() -> bool:
     return bool(_RUNNING)
 
 
-def interruptible(work: Callable[[], _T], name: str = "work") -> _T:
+def interruptible(work: Callable[[], _T], name: str = "work",
+                  tick: Callable[[], None] | None = None) -> _T:
     """``work()`` on a daemon thread while the calling (main) thread waits for it: a signal
     handler's exception (Ctrl-C's ``KeyboardInterrupt``) is raised in the main thread at once,
     where it would wait until a compile running there returned (XLA holds the thread; a paper
@@ -71,7 +72,8 @@ def interruptible(work: Callable[[], _T], name: str = "work") -> _T:
 
     A stop leaves ``work`` running: it must store nothing a stop could leave half written
     (planning without a study does not), and the process then ends with ``os._exit``
-    (`left_behind`)."""
+    (`left_behind`). ``tick``: called in the waiting thread between waits (every 0.1 s), e.g.
+    to pass on a stop `stops_held` holds."""
     if threading.current_thread() is not threading.main_thread():
         return work()
     result: list[_T] = []
@@ -97,7 +99,8 @@ def interruptible(work: Callable[[], _T], name: str = "work") -> _T:
     # An event's wait with a timeout lets signal handlers run between waits (a thread's join
     # interrupted by one marks the thread stopped while it runs).
     while not done.wait(0.1):
-        pass
+        if tick is not None:
+            tick()
     _RUNNING.remove(done)
     if failed:
         raise failed[0]
@@ -105,22 +108,25 @@ def interruptible(work: Callable[[], _T], name: str = "work") -> _T:
 
 
 @contextlib.contextmanager
-def stops_held() -> Iterator[None]:
+def stops_held() -> Iterator[_Holder | None]:
     """Hold SIGINT and SIGTERM while the block runs (see the module doc); a no-op off the main
-    thread, where no signal handler runs, and inside another `stops_held`."""
+    thread, where no signal handler runs, and inside another `stops_held`. The block gets the
+    holder (`_Holder.held`: the stop it holds), the outer block's inside another, None off the
+    main thread."""
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield None
         return
     previous: dict[int, Any] = {s: signal.getsignal(s) for s in _HELD}
-    if any(isinstance(h, _Holder) for h in previous.values()):  # an outer block holds them
-        yield
+    outer = next((h for h in previous.values() if isinstance(h, _Holder)), None)
+    if outer is not None:  # an outer block holds them
+        yield outer
         return
     holder = _Holder(previous)
     try:
         for s, handler in previous.items():
             if handler is not None:  # None: not set from Python, left alone
                 signal.signal(s, holder)
-        yield
+        yield holder
     finally:
         holder.restore()
         holder.deliver()
@@ -141,6 +147,12 @@ class _Holder:
         if signum == signal.SIGINT and len(self.pending) > 1:  # Ctrl-C again: at once
             self.restore()
             self.deliver()
+
+    def held(self) -> int | None:
+        """The stop held: ``signal.SIGTERM`` where one is pending, else ``signal.SIGINT``
+        where one is, else None."""
+        pending = {s for s, _ in self.pending}
+        return next((s for s in (signal.SIGTERM, signal.SIGINT) if s in pending), None)
 
     def restore(self) -> None:
         for s, handler in self.previous.items():

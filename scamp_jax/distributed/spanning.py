@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
+import signal
 import sys
 import threading
 import time
@@ -48,6 +49,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from scamp_jax._signals import Terminated, interruptible, stops_held
 from scamp_jax.hpo.failures import TRACEBACK
 from scamp_jax.hpo.lifecycle import MemberSpec, Schedule
 from scamp_jax.hpo.runner import RunSpec, make_optimizer, run_trial
@@ -298,57 +300,74 @@ def run_spanning_trials(
     # byte rule, within the budget less the safety margin.
     pool = DevicePool([config.need_budget().usable_bytes])
     given: set[int] = set()  # given back at a stop (`on_stop`)
+    kind = 0  # the stop the ranks agreed on at a round's end (`_STOP_KINDS`)
+    # Stops are held for the whole phase: a Ctrl-C or SIGTERM raised between two collectives
+    # would take one rank out of the sequence the others go on with (they would wait for it
+    # for ever). Held, a stop reaches a running trial as its flag (`_run_stoppable`), and every
+    # rank ends the phase together at the end of the round.
+    with stops_held() as held:
+        for groups in assign_rounds(trials, size):
+            round_start = time.monotonic() - began  # rank 0's: the one that records it
+            if rank == 0:
+                for trial, ranks in groups:
+                    log(f"trial {trial.number} spans ranks {list(ranks)}: global batch "
+                        f"{trial.plan.global_batch} ({trial.plan.batch_per_rank} per rank), "
+                        f"{config.steps_for(trial.plan.global_batch)} steps")
+            mine = next(((i, g) for i, g in enumerate(groups) if rank in g[1]), None)
+            sub = comm.Split(mine[0] if mine else mpi.UNDEFINED, rank)
+            result = None
+            if mine is not None:
+                trial, ranks = mine[1]
+                numbers = [t.number for t, _ in groups]
 
-    def give_back(numbers: list[int]) -> None:
-        given.update(numbers)
-        if on_stop is not None:
-            on_stop(numbers)
+                def stopping(numbers: list[int] = numbers) -> None:  # rank 0's, at a stop
+                    log(f"stopping: trial(s) {numbers}, which span ranks, end at their next "
+                        "step with a checkpoint and go back to the study, where a re-run "
+                        "resumes them")
+                    given.update(numbers)
+                    if on_stop is not None:
+                        on_stop(numbers)
 
-    for groups in assign_rounds(trials, size):
-        round_start = time.monotonic() - began  # rank 0's: the one that records it
-        if rank == 0:
-            for trial, ranks in groups:
-                log(f"trial {trial.number} spans ranks {list(ranks)}: global batch "
-                    f"{trial.plan.global_batch} ({trial.plan.batch_per_rank} per rank), "
-                    f"{config.steps_for(trial.plan.global_batch)} steps")
-        mine = next(((i, g) for i, g in enumerate(groups) if rank in g[1]), None)
-        sub = comm.Split(mine[0] if mine else mpi.UNDEFINED, rank)
-        result, stopped = None, None
-        if mine is not None:
-            trial, ranks = mine[1]
-            # The group's communicator is not freed: mpi4jax keeps handles to communicators it
-            # has seen, and a freed one would be invalid under a later step.
-            result, stopped = _run_stoppable(
-                functools.partial(_run_on_group, trial, space, task, config, sub,
-                                  checkpoint_root, pool),
-                sub, trial, ranks, log if rank == 0 else None,
-                functools.partial(give_back, [t.number for t, _ in groups])
-                if rank == 0 else None)
-            _end_together(sub, trial, result, rank)
-            result = _group_result(sub, result)
-            if rank != ranks[0]:
-                result = None  # the group's first rank speaks for it
-        gathered = comm.gather(result, root=0)
-        if rank == 0:
-            by_number = {r.number: r for r in gathered if r is not None}
-            for trial, ranks in groups:
-                result = by_number[trial.number]
-                if result.state == "interrupted" or trial.number in given:  # a stop's:
-                    continue  # given back (`on_stop`, or by the caller)
-                finished.append(SpanningRun(trial, ranks, result, round_start))
-                if on_finished is not None:  # recorded, then said
-                    on_finished(trial, ranks, result)
-                value = result.metrics.get(task.metric)
-                log(f"trial {trial.number} {result.state} on ranks {list(ranks)} in "
-                    f"{result.wall_seconds:.1f} s"
-                    + (f": {task.metric}={value:.4g}" if value is not None else "")
-                    + (f" ({result.reason})" if result.reason else ""))
-        # A stop of any rank (Ctrl-C or SIGTERM, as mpirun sends every rank) ends the run on
-        # every rank, once this round's trials have checkpointed and ended together.
-        here = stopped is not None or (result is not None and result.state == "interrupted")
-        if comm.allreduce(here, op=mpi.LOR):
-            raise stopped or KeyboardInterrupt("another rank was stopped")
+                # The group's communicator is not freed: mpi4jax keeps handles to
+                # communicators it has seen, and a freed one would be invalid under a later
+                # step.
+                result = _run_stoppable(
+                    functools.partial(_run_on_group, trial, space, task, config, sub,
+                                      checkpoint_root, pool),
+                    sub, trial.number, held, stopping if rank == 0 else None)
+                _end_together(sub, trial, result, rank)
+                result = _group_result(sub, result)
+                if rank != ranks[0]:
+                    result = None  # the group's first rank speaks for it
+            gathered = comm.gather(result, root=0)
+            if rank == 0:
+                by_number = {r.number: r for r in gathered if r is not None}
+                for trial, ranks in groups:
+                    ended = by_number[trial.number]
+                    if ended.state == "interrupted" or trial.number in given:  # a stop's:
+                        continue  # given back (`on_stop`, or by the caller)
+                    finished.append(SpanningRun(trial, ranks, ended, round_start))
+                    if on_finished is not None:  # recorded, then said
+                        on_finished(trial, ranks, ended)
+                    value = ended.metrics.get(task.metric)
+                    log(f"trial {trial.number} {ended.state} on ranks {list(ranks)} in "
+                        f"{ended.wall_seconds:.1f} s"
+                        + (f": {task.metric}={value:.4g}" if value is not None else "")
+                        + (f" ({ended.reason})" if ended.reason else ""))
+            # A stop of any rank (Ctrl-C or SIGTERM, as mpirun sends every rank) ends the
+            # phase on every rank, once this round's trials have checkpointed and ended
+            # together: SIGTERM's where any rank had one.
+            kind = _STOP_KINDS.get(held.held() if held is not None else None, 0)
+            kind = comm.allreduce(kind, op=mpi.MAX)
+            if kind:
+                break  # a rank's own stop is delivered as the hold ends (its handler raises)
+    if kind:  # a rank that had none stops as the others did
+        raise Terminated() if kind == _STOP_KINDS[int(signal.SIGTERM)] else KeyboardInterrupt()
     return finished
+
+
+#: A held stop as the ranks reduce it (the largest wins: SIGTERM's word and exit status).
+_STOP_KINDS: dict[int | None, int] = {None: 0, int(signal.SIGINT): 1, int(signal.SIGTERM): 2}
 
 
 class _GroupStop(threading.Event):
@@ -374,52 +393,24 @@ class _GroupStop(threading.Event):
         self._comm.Free()
 
 
-def _run_stoppable(run: Callable[[threading.Event], RunResult], group: Any,
-                   trial: SpanningTrial, ranks: tuple[int, ...],
-                   log: Callable[[str], None] | None,
-                   give_back: Callable[[], None] | None = None,
-                   ) -> tuple[RunResult, BaseException | None]:
-    """``run(stop)`` of this rank's part of ``trial`` in a thread of its own, so that a stop
-    (Ctrl-C or SIGTERM, raised in the main thread) reaches it as a single process's reaches
-    its trials: the group's ranks stop together at their next step (`_GroupStop`), with a
-    checkpoint, and the trial ends ``interrupted``; ``give_back`` is called first, at the
-    stop. Returns the result and the stop caught (None: none)."""
+def _run_stoppable(run: Callable[[threading.Event], RunResult], group: Any, number: int,
+                   held: Any, stopping: Callable[[], None] | None) -> RunResult:
+    """``run(stop)`` of this rank's part of trial ``number`` while the main thread waits
+    (`scamp_jax._signals.interruptible`), so that a stop ``held`` holds (`stops_held`) reaches
+    it as a single process's reaches its trials: the group's ranks stop together at their next
+    step (`_GroupStop`), with a checkpoint, and the trial ends ``interrupted``; ``stopping``
+    (rank 0's: say it, give the round's trials back) is called first, at the stop."""
     stop = _GroupStop(group)
-    box: dict[str, Any] = {}
-    ended = threading.Event()
 
-    def part() -> None:
-        try:
-            box["result"] = run(stop)
-        except BaseException as err:  # noqa: BLE001 - raised again in the caller's thread
-            box["error"] = err
-        finally:
-            ended.set()
+    def tick() -> None:
+        if held is not None and held.held() is not None and not stop.here.is_set():
+            if stopping is not None:
+                stopping()
+            stop.here.set()
 
-    # Waited for on an event: a `Thread.join` a signal's exception breaks off may leave the
-    # thread counted as ended while it runs (CPython before 3.13).
-    worker = threading.Thread(target=part, name=f"spanning-trial-{trial.number}", daemon=True)
-    stopped: BaseException | None = None
-    try:
-        worker.start()
-        while not ended.is_set():
-            try:
-                ended.wait(0.1)
-            except KeyboardInterrupt as err:  # a Ctrl-C or SIGTERM of this rank
-                if stopped is None and log is not None:
-                    log(f"stopping: trial {trial.number}, which spans ranks {list(ranks)}, "
-                        "ends at its next step with a checkpoint and goes back to the study, "
-                        "where a re-run resumes it")
-                if stopped is None and give_back is not None:
-                    give_back()
-                stopped = stopped or err
-                stop.here.set()
-    finally:
-        if ended.is_set():
-            stop.close()
-    if "error" in box:
-        raise box["error"]
-    return box["result"], stopped
+    result = interruptible(lambda: run(stop), name=f"spanning-trial-{number}", tick=tick)
+    stop.close()  # not where a second Ctrl-C left the part running: the process ends at once
+    return result
 
 
 #: Seconds a rank whose part of a spanning trial ended other than complete (failed, out of
