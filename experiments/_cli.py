@@ -200,7 +200,7 @@ def memory_size(text: str) -> str:
         count = parse_bytes(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
-    if count < 2**10 and text.strip().isdigit():
+    if count < 2**10 and not re.search(r"[a-zA-Z]", text.replace("e", "").replace("E", "")):
         raise argparse.ArgumentTypeError(
             f"memory size {text!r} is {count} bytes; did you leave out its unit? e.g. "
             f"'{text.strip()}GiB' or '{text.strip()}GB'")
