@@ -520,7 +520,8 @@ def _run(session_class: Callable[..., Any], space: Any, task: Any, settings: Any
         "waited_for_held_trials_s": max(float(s.get("waited_for_held_trials_s") or 0.0)
                                         for s in summaries),
     }
-    # compiles, checkpoints and cache use of every rank (each rank's own: ``per_rank``)
+    # compiles, checkpoints and cache use of every rank's own trials (each rank's:
+    # ``per_rank``); not of the trials that spanned ranks, which run after the engines
     run_info["step_cache"] = {key: sum(int(s["step_cache"].get(key, 0)) for s in summaries)
                               for key in summaries[0]["step_cache"]}
     session.overhead = combined_overhead([s["overhead"] for s in summaries])
