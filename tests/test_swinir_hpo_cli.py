@@ -181,7 +181,9 @@ def test_unreadable_memory_size_is_rejected_in_the_flags_words(tmp_path, size, s
     ("1.5", "error: argument --memory-per-device: memory size '1.5' is not a whole number of "
             "bytes; did you leave out its unit? e.g. '1.5GiB' or '1.5GB'"),
     ("16", "error: argument --memory-per-device: memory size '16' is 16 bytes; did you leave "
-           "out its unit? e.g. '16GiB' or '16GB'")])
+           "out its unit? e.g. '16GiB' or '16GB'"),
+    ("1e2", "error: argument --memory-per-device: memory size '1e2' is 100 bytes; did you "
+            "leave out its unit? e.g. '1e2GiB' or '1e2GB'")])
 def test_a_size_without_its_unit_is_refused_before_the_study_is_made(tmp_path, size, says):
     """A forgotten unit is said in one line, and the study folder stays empty, so the command
     with the size meant is not refused as a change of the study's settings."""
