@@ -405,10 +405,13 @@ def test_h100_plan_against_what_an_h200_compiled(case: str) -> None:
 
 def test_plan_only_prints_each_candidates_plan() -> None:
     needs_gpu_compiler()
+    # An explicit environment: once mpi4py has initialised MPI in this process (another test
+    # may have), MPI's own variables sit in the C-level environment a child would inherit,
+    # and --plan-only refuses to run as an MPI rank.
     result = subprocess.run(
         [sys.executable, "-m", "experiments.swinir_hpo", "--preset", "smoke", "--plan-only",
          "--target", "v100", "--devices", "4", "--trials", "2", "--max-batch-size", "2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900)
+        cwd=ROOT, capture_output=True, text=True, timeout=900, env=dict(os.environ))
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()
     assert lines[0].startswith("planning 2 candidates of swinir-small on 4 x Tesla V100-SXM2")
