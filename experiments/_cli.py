@@ -194,13 +194,13 @@ def memory_size(text: str) -> str:
     """argparse type of ``--memory-per-device``: a size `scamp_jax._units.parse_bytes` reads
     (kept as written: the study records it so); a number under 1 KiB without its unit is a
     size whose unit was left out, as `parse_bytes` says of a fraction of a byte."""
-    from scamp_jax._units import parse_bytes
+    from scamp_jax._units import names_a_unit, parse_bytes
 
     try:
         count = parse_bytes(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
-    if count < 2**10 and not re.search(r"[a-zA-Z]", text.replace("e", "").replace("E", "")):
+    if count < 2**10 and not names_a_unit(text):
         raise argparse.ArgumentTypeError(
             f"memory size {text!r} is {count} bytes; did you leave out its unit? e.g. "
             f"'{text.strip()}GiB' or '{text.strip()}GB'")

@@ -48,6 +48,13 @@ def parse_bytes(value: int | float | str) -> int:
     return count
 
 
+def names_a_unit(text: str) -> bool:
+    """Whether ``text``, a size `parse_bytes` reads, names its unit (``"2GiB"``, ``"16B"``),
+    not a bare number (``"16"``, ``"1e3"``)."""
+    match = _PATTERN.match(text)
+    return match is not None and bool(match.group(2))
+
+
 def _whole_bytes(count: float, value: object, number: object = None) -> int:
     """``count`` bytes (given as ``value``, whose figure is ``number``; None: a number without
     a unit) as a whole number: a fraction is cut off, except below 1 KiB, where a size with a
