@@ -166,3 +166,19 @@ def test_supernet_experiment_mpi_flag_without_a_launcher_says_how_to_launch():
     )
     assert proc.returncode != 0
     assert "mpirun -n 4 python -m experiments.supernet_nas --mpi" in proc.stderr
+
+
+def test_a_child_of_a_process_that_initialised_mpi_alone_is_not_a_launched_rank():
+    # A process that imports mpi4py without a launcher is an MPI singleton, and leaves PMIx
+    # variables (PMIX_RANK among them) in the environment its children inherit; a child that
+    # read them as a launch would refuse single-process flags or wait for ranks that never come.
+    pytest.importorskip("mpi4py")
+    child = ("from scamp_jax.distributed.mpi import launcher_ranks, launched_under_mpi; "
+             "print(launcher_ranks(), launched_under_mpi())")
+    parent = ("import os, subprocess, sys; from mpi4py import MPI; assert MPI.COMM_WORLD.size == 1; "
+              f"print(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, "
+              "text=True, check=True).stdout.strip())")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True,
+                         timeout=120, env=env, check=True).stdout
+    assert out.strip().splitlines()[-1] == "None False"

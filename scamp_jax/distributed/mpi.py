@@ -41,6 +41,10 @@ def launcher_ranks() -> int | None:
     for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
         if name in os.environ:
             return int(os.environ[name])
+    if os.environ.get("OMPI_MCA_ess") == "singleton":
+        # What an MPI initialised without a launcher (Open MPI's singleton) leaves in the
+        # environment its process's children inherit: PMIx variables, and no launcher.
+        return None
     if "PMIX_RANK" in os.environ:
         return int(os.environ.get("SLURM_NTASKS", "2"))
     return None
