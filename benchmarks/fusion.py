@@ -760,8 +760,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         "or a GpuTargetConfigProto file; needs pip install "
                         "'scamp-jax[gpu-plan]')")
     modes.add_argument("--simulate", action="store_true",
-                   help="only the modelled gain vs width on the simulator's cluster presets "
-                        "(compiles, trains nothing)")
+                   help="only the modelled gain on the simulator's cluster presets at widths "
+                        "1, 2, --width and twice --width (compiles, trains nothing)")
     args = p.parse_args(argv)
     if args.target is not None and not args.kernels:
         p.error("--target needs --kernels")

@@ -575,7 +575,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "calibrated model of this CPU and compare the fixed/scamp ratios")
     parser.add_argument("--replay", type=Path, default=None, metavar="STUDY_DIR",
                         help="re-run a finished real study's arrivals and measured durations "
-                        "through the scheduling core and print its placements in start order")
+                        "through the scheduling core and print its placements in start order "
+                        "(of its last run, where it was resumed)")
     parser.add_argument("--fuse", type=int, default=None, metavar="K",
                         help="also simulate ScaMP with horizontal fusion: the study proposes "
                         "architectures with K-1 siblings each, grouped by the engine's rule "
@@ -601,7 +602,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from scamp_jax.sim.measured import read_results, replay_study
 
         placements = replay_study(args.replay)
-        ranks = int(run_section(read_results(args.replay)).get("ranks") or 1)
+        results = read_results(args.replay)
+        ranks = int(run_section(results).get("ranks") or 1)
+        if len(results.get("runs") or ()) > 1:
+            print(f"note: the study ran {len(results['runs'])} times (it was resumed); this "
+                  "replays its last run only", file=sys.stderr)
         if ranks > 1:  # each rank's engine schedules its own devices with its own core
             print(f"note: a study of {ranks} MPI ranks; this replays rank 0's scheduling (its "
                   "devices and trials) only", file=sys.stderr)

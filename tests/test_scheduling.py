@@ -83,7 +83,7 @@ def run_fused_study(study_dir: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def resumed_fused_study(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def resumed_fused_study(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     """The fused study (`run_fused_study`) run by a process that a real SIGINT (Ctrl-C) stops
     once a running trial has saved a checkpoint, then run again here: the second run resumes
     the stopped trials from their checkpoints and runs the rest.
@@ -124,12 +124,12 @@ def resumed_fused_study(tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
     assert interrupted["overhead"]["planning_compiles"] >= 1, interrupted
     assert interrupted["timeline"]["intervals"], interrupted
     run_fused_study(str(study_dir))
-    return json.loads((study_dir / "results.json").read_text())
+    return study_dir, json.loads((study_dir / "results.json").read_text())
 
 
 @pytest.mark.slow  # run with -m slow (README: Tests)
 def test_replay_of_a_resumed_fused_study_makes_the_same_placements(resumed_fused_study) -> None:
-    results = resumed_fused_study
+    study_dir, results = resumed_fused_study
     assert len(results["runs"]) == 2  # stopped, then resumed
     last = units(results)  # the scheduled units of the second run
     # It restarted trials the SIGINT stopped (from their checkpoints) and trained fused groups.
@@ -139,6 +139,13 @@ def test_replay_of_a_resumed_fused_study_makes_the_same_placements(resumed_fused
     recorded = recorded_placements(results)
     assert len(recorded) >= len(last)
     assert replay(results) == recorded
+    # The command line says that it replays the last of the study's two runs.
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.simulate_cluster", "--replay",
+         str(study_dir), "--json"], cwd=ROOT, capture_output=True, text=True,
+        check=True)
+    assert json.loads(proc.stdout) == {"placements": [[n, list(ids)] for n, ids in recorded]}
+    assert "the study ran 2 times (it was resumed); this replays its last run only" in proc.stderr
 
 
 def _run(results: dict[str, Any]) -> dict[str, Any]:
