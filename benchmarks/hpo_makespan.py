@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments._cli import CPU_DEVICES, HPOConfig, positive_int
+from experiments._cli import CPU_DEVICES, HPOConfig, output_dir, positive_int
 
 
 class TimedPlanner:
@@ -160,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--devices-per-trial", type=positive_int, default=2,
                    help="devices per trial of the fixed baseline")
     p.add_argument("--seed", type=int, default=0, help="seed shared by both runs")
-    p.add_argument("--out", default=None, metavar="DIR",
+    p.add_argument("--out", type=output_dir, default=None, metavar="DIR",
                    help="keep the studies here, each in DIR/<policy> (DIR/ray for --ray), "
                    "which each run empties first: a resumed study would skew its time "
                    "(default: a temporary folder)")

@@ -347,6 +347,7 @@ _ONE_TRIAL = ["--architectures", "1", "--trials", "1", "--cache", "{dir}/costs.j
     ("simulate_cluster", [*_ONE_TRIAL, "--measured", "{dir}"],
      "--measured {dir}: {dir}/results.json does not exist; pass the directory of a finished"),
     ("hpo_makespan", ["--policies", "scamp,scamp"], "names a policy twice"),
+    ("hpo_makespan", ["--out", "{file}"], "argument --out: '{file}' is a file; pass a directory"),
 ])
 def test_a_benchmarks_bad_flag_is_refused_before_its_work(
         module: str, argv: list[str], message: str, tmp_path: Path,
@@ -361,7 +362,8 @@ def test_a_benchmarks_bad_flag_is_refused_before_its_work(
     (tmp_path / "dir").mkdir()
     argv = [a.format(dir=tmp_path / "dir", file=tmp_path / "file") for a in argv]
     main = importlib.import_module(f"benchmarks.{module}").main
-    assert message.format(dir=tmp_path / "dir") in _refused(main, argv, capsys)
+    assert message.format(dir=tmp_path / "dir", file=tmp_path / "file") in _refused(main, argv,
+                                                                                    capsys)
 
 
 def test_target_accuracys_reference_compile_flags_need_a_reference_and_known_options(
