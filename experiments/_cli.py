@@ -38,6 +38,7 @@ from scamp_jax.hpo.settings import (
     GRACE_PERIOD,
     PRUNERS,
     SAMPLERS,
+    STEP_INTERVALS,
     SearchSettings,
 )
 from scamp_jax.scheduling.placement import POLICIES
@@ -376,7 +377,7 @@ def config_from_args(args: argparse.Namespace, base: HPOConfig, study_dir: str) 
             overrides[name] = value
     if overrides.get("max_running_trials") == "none":  # --max-running-trials none: no cap
         overrides["max_running_trials"] = None
-    for every in ("checkpoint_every", "eval_every"):
+    for every in STEP_INTERVALS:
         if "steps" in overrides and every not in overrides and getattr(base, every):
             # as many checkpoints and evaluations per trial as the preset makes (25 of 100
             # steps: every 250 of 1000)

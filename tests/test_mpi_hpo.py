@@ -100,7 +100,7 @@ def test_the_supernet_experiment_logs_plain_lines_to_a_ranks_pseudo_terminal(mon
 
 def test_ranks_timeline_puts_every_ranks_devices_in_one_pool():
     from scamp_jax.distributed.engine import combined_usage
-    from scamp_jax.hpo.report import ranks_timeline
+    from scamp_jax.hpo.report import device_labels, ranks_timeline
 
     # Rank 0: 2 devices, half its memory from 0 to 10 s; rank 1: 1 device (its only interval
     # list given), full from 5 to 20 s.
@@ -110,6 +110,13 @@ def test_ranks_timeline_puts_every_ranks_devices_in_one_pool():
                                                                  [0.0, 1.0, 0.0]]}],
         [2, 1])
     assert timeline["intervals"] == [[[0, 0.0, 10.0, 64]], [], [[1, 5.0, 20.0, 64]]]
+    # The plots name each row by its rank and that rank's device, where every run had the
+    # same ranks (a resumed run on other ranks leaves rows numbered: no row is one device).
+    assert timeline["devices_per_rank"] == [2, 1]
+    assert device_labels([{"timeline": timeline}] * 2) == ["rank 0:0", "rank 0:1", "rank 1:0"]
+    other = ranks_timeline([{"intervals": []}] * 2, [1, 2])
+    assert device_labels([{"timeline": timeline}, {"timeline": other}]) is None
+    assert device_labels([{"timeline": {"intervals": [[], []]}}]) is None  # one process
     times, fractions = timeline["memory_series"]
     assert times == [0.0, 5.0, 10.0, 20.0]
     assert fractions == pytest.approx([1 / 3, 2 / 3, 1 / 3, 0.0])  # of 3 devices' memory
@@ -132,7 +139,7 @@ def test_spanning_trials_join_the_pools_timeline_on_the_first_device_of_each_ran
     # to 10 s. Then, from 12 s: trial 5 on ranks 0 and 1 (80 bytes each) for 4 s beside trial
     # 6 on rank 2 (50 bytes) for 2 s; in a second round from 4 s later, trial 7 on ranks 1, 2.
     local = {"intervals": [[[0, 0.0, 10.0, 50]], [], [], []],
-             "memory_series": [[0.0, 10.0], [0.25, 0.0]]}
+             "memory_series": [[0.0, 10.0], [0.25, 0.0]], "devices_per_rank": [2, 1, 1]}
 
     def run(number, ranks, booked, start, wall):
         trial = SpanningTrial(number, {}, f"k{number}", SpanPlan(len(ranks), 4, booked, booked), 0)
@@ -144,6 +151,7 @@ def test_spanning_trials_join_the_pools_timeline_on_the_first_device_of_each_ran
                                      [[5, 12.0, 16.0, 80], [7, 16.0, 17.0, 20]],
                                      [[6, 12.0, 14.0, 50], [7, 16.0, 17.0, 20]]]
     assert local["intervals"][0] == [[0, 0.0, 10.0, 50]]  # the ranks' timeline is left as it was
+    assert timeline["devices_per_rank"] == [2, 1, 1]  # the plots' row names
     times, fractions = timeline["memory_series"]
     assert times == [0.0, 10.0, 12.0, 14.0, 16.0, 17.0]
     assert fractions == pytest.approx([0.25, 0.0, 210 / 400, 160 / 400, 40 / 400, 0.0])
@@ -612,7 +620,7 @@ def test_study_split_across_two_ranks_records_every_trial_once_with_its_rank(
     # The report's timeline (the plots) holds both ranks' devices, rank 0's first, and every
     # trial of the run on the devices of its rank.
     timeline = results["run"]["timeline"]
-    assert len(timeline["intervals"]) == 4
+    assert len(timeline["intervals"]) == 4 and timeline["devices_per_rank"] == [2, 2]
     held = {t: 2 * r for r in (0, 1) for d in (0, 1)
             for t, *_ in timeline["intervals"][2 * r + d]}
     assert held == {t["number"]: 2 * t["rank"] for t in results["trials"]}
@@ -632,7 +640,7 @@ def test_study_split_across_two_ranks_records_every_trial_once_with_its_rank(
     # no colour codes; every rank names its own pool.
     assert "\x1b[" not in proc.stdout, proc.stdout
     assert "pool of rank 0: 2 cpu devices of 64.00 MiB (of 8 in this process)" in proc.stdout
-    assert "[rank 1] pool of rank 1: 2 cpu devices of 64.00 MiB" in proc.stdout
+    assert "[rank 1] pool: 2 cpu devices of 64.00 MiB" in proc.stdout
     # The study remembers its settings under MPI too: a rerun with other steps is refused and
     # leaves the finished trials as they were.
     again = _launch(tmp_path, 2, "--trials", "4", "--steps", "30")
@@ -803,9 +811,14 @@ def test_ranks_started_with_other_settings_are_refused_before_the_study_stores_t
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output
     # (the command line's words: ``--steps 30`` for ``steps=30``)
-    assert re.search(r"rank 1 was started with --steps 30; --max-batch-size 4; .*where rank 0 "
-                     r"has --steps 10; --max-batch-size 8", output), output
-    assert "start every rank with the same command" in output
+    # Said once, by rank 0; not the checkpoint interval the command line scaled with the steps
+    said = re.findall(r"rank 1 was started with --steps 30; --max-batch-size 4 where rank 0 "
+                      r"has --steps 10; --max-batch-size 8: start every rank with the same "
+                      r"command", output)
+    assert len(said) == 1, output
+    assert "--checkpoint-every" not in output and "checkpoint_every" not in output, output
+    assert ("rank 1 failed: the ranks were started with other settings (rank 0's line names "
+            "them); start every rank with the same command") in output
     assert not (tmp_path / "study" / "results.json").exists()
     assert not (tmp_path / "study" / "study.db").exists() or _stored_trials(tmp_path) == []
 

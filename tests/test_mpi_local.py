@@ -175,7 +175,7 @@ def test_a_child_of_a_process_that_initialised_mpi_alone_is_not_a_launched_rank(
     pytest.importorskip("mpi4py")
     child = ("from scamp_jax.distributed.mpi import launcher_ranks, launched_under_mpi; "
              "print(launcher_ranks(), launched_under_mpi())")
-    parent = ("import os, subprocess, sys; from mpi4py import MPI; assert MPI.COMM_WORLD.size == 1; "
+    parent = ("import subprocess, sys; from mpi4py import MPI; assert MPI.COMM_WORLD.size == 1; "
               f"print(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, "
               "text=True, check=True).stdout.strip())")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}

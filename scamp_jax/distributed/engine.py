@@ -272,7 +272,8 @@ def spanning_timeline(timeline: Mapping[str, Any], spanning: Sequence[SpanningRu
         j = bisect.bisect_right(changes, t)
         fractions.append(max((local[i] if i >= 0 else 0.0)
                              + sum(events[c] for c in changes[:j]), 0.0))
-    return {"intervals": intervals, "memory_series": [times, fractions] if times else None}
+    return {**timeline, "intervals": intervals,
+            "memory_series": [times, fractions] if times else None}
 
 
 def run_search_mpi(
@@ -392,18 +393,26 @@ def check_ranks_share_settings(comm: Any, settings: Any) -> None:
     allocator gave smaller.)"""
     import dataclasses
 
+    from scamp_jax.hpo.settings import STEP_INTERVALS
+
     mine = {f.name: repr(getattr(settings, f.name)) for f in dataclasses.fields(settings)
             if f.name not in PER_RANK_SETTINGS}
     every = comm.allgather(mine)
     for rank, theirs in enumerate(every[1:], start=1):
         differ = [k for k in every[0] if theirs.get(k) != every[0][k]]
-        if differ:
-            # "; ": a command line says each as its flag (``--steps 30``)
-            theirs_text = "; ".join(f"{k}={theirs.get(k)}" for k in differ)
-            ours = "; ".join(f"{k}={every[0][k]}" for k in differ)
-            raise ValueError(
-                f"rank {rank} was started with {theirs_text} where rank 0 has {ours}: start "
-                "every rank with the same command (each may differ in its own devices only)")
+        if "steps" in differ:  # intervals a command line scales with the steps: not the user's
+            differ = [k for k in differ if k not in STEP_INTERVALS]
+        if not differ:
+            continue
+        if comm.Get_rank() != 0:  # one rank says what differs; the others, that they stop
+            raise ValueError("the ranks were started with other settings (rank 0's line names "
+                             "them); start every rank with the same command")
+        # "; ": a command line says each as its flag (``--steps 30``)
+        theirs_text = "; ".join(f"{k}={theirs.get(k)}" for k in differ)
+        ours = "; ".join(f"{k}={every[0][k]}" for k in differ)
+        raise ValueError(
+            f"rank {rank} was started with {theirs_text} where rank 0 has {ours}: start "
+            "every rank with the same command (each may differ in its own devices only)")
 
 
 def _give_back_spanning(server: Any, numbers: Sequence[int]) -> None:

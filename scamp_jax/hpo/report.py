@@ -482,6 +482,7 @@ def plot_results(
     elapsed_s: float | None = None,
     capacity_bytes: int | None = None,
     run_marks: Sequence[float] = (),
+    device_labels: Sequence[str] | None = None,
 ) -> list[Path]:
     """Write the plots as PNG files in ``study_dir`` and return their paths.
 
@@ -492,7 +493,8 @@ def plot_results(
     - ``memory_utilization.png``: reserved fraction of the pool's memory over time.
 
     ``run_marks``: where each run of a resumed study begins on the time axis
-    (`run_starts`); both time plots mark the later ones.
+    (`run_starts`); both time plots mark the later ones. ``device_labels``: the timeline's
+    row names where its devices are several ranks' (`device_labels`), else rows are numbered.
     """
     import matplotlib
 
@@ -537,12 +539,15 @@ def plot_results(
                            color=cmap(trial % 20), edgecolor="black", linewidth=0.3)
             ax.text(start, device - 0.4 + 0.8 * offset, f" {trial}", fontsize=7, va="bottom")
     ax.set_yticks(range(len(intervals)))
+    labelled = device_labels is not None and len(device_labels) == len(intervals)
+    if labelled:
+        ax.set_yticklabels(device_labels, fontsize=7)
     # each device's row spans its whole memory, so a bar's height reads as its share (with one
     # device an axis fitted to the bars would stretch any of them to the full height)
     ax.set_ylim(-0.5, max(len(intervals), 1) - 0.5)
     ax.set_xlim(0, elapsed_s or None)  # the whole study: devices idle at its end too
     _mark_runs(ax, run_marks)
-    ax.set_ylabel("device")
+    ax.set_ylabel("rank:device" if labelled else "device")
     ax.set_xlabel("seconds")
     ax.set_title("device occupancy (bar height: share of the device's memory)")
     fig.tight_layout()
@@ -745,11 +750,29 @@ def ranks_timeline(timelines: Sequence[Mapping[str, Any]],
             i = bisect.bisect_right(ts, t) - 1
             held += fs[i] * count if i >= 0 else 0.0
         fractions.append(held / total)
-    return {"intervals": intervals, "memory_series": [times, fractions] if times else None}
+    return {"intervals": intervals, "memory_series": [times, fractions] if times else None,
+            "devices_per_rank": list(devices)}
+
+
+def device_labels(runs: Sequence[Mapping[str, Any]]) -> list[str] | None:
+    """Names of `combined_timeline`'s device rows where the runs ran on several MPI ranks,
+    each with the same devices (`ranks_timeline`'s ``devices_per_rank``): ``"rank R:D"`` for
+    rank R's device D; None where a row is one process's device (or the runs' layouts differ,
+    when a row is no one device throughout)."""
+    layouts = {tuple((run.get("timeline") or {}).get("devices_per_rank") or ())
+               for run in runs if run.get("timeline")}
+    if len(layouts) != 1:
+        return None
+    (layout,) = layouts
+    if len(layout) < 2:
+        return None
+    return [f"rank {rank}:{device}" for rank, count in enumerate(layout)
+            for device in range(count)]
 
 
 __all__ = [
     "best_record",
+    "device_labels",
     "plot_results",
     "record_test",
     "save_best_model",

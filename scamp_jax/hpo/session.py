@@ -527,11 +527,12 @@ class StudySession:
 
     def say_pool(self) -> None:
         """The pool line: ``pool: ...`` in one process; with several ranks every rank says its
-        own, ``pool of rank R: ...`` (each rank trains on its own devices)."""
+        own (each rank trains on its own devices): ``pool of rank 0: ...``, and on other ranks,
+        whose lines begin ``[rank R]`` already, ``pool: ...``."""
         from scamp_jax.hpo.engine import max_running
         from scamp_jax.scheduling.host import CPU_CORES_PER_TRIAL, host_cores
 
-        who = f" of rank {self.rank}" if self.ranks > 1 else ""
+        who = " of rank 0" if self.ranks > 1 and self.rank == 0 else ""
         line = f"pool{who}: {self.pool_description()}"
         cap = max_running(self.settings.engine_config(self.memory_per_device), self.devices)
         if cap is not None and cap < len(self.devices):  # trials wait with devices free
@@ -663,7 +664,8 @@ class StudySession:
         report.plot_results(self.out_dir, records, metric=metric, baseline=self.baseline,
                             intervals=intervals, memory_series=memory_series,
                             elapsed_s=elapsed, capacity_bytes=self.memory_per_device,
-                            run_marks=report.run_starts(runs))
+                            run_marks=report.run_starts(runs),
+                            device_labels=report.device_labels(runs))
         self.console.print(report.summary_table(records, metric, direction,
                                                 baseline=self.baseline,
                                                 width=self.console.width))

@@ -35,6 +35,10 @@ SAMPLERS = ("tpe", "random", "grid")
 PRUNERS = ("median", "halving", "none")
 #: ``elastic`` -> `EngineConfig.grow_last_wave` (auto: on for accelerators, off for CPU devices).
 ELASTIC = {"auto": None, "on": True, "off": False}
+#: Intervals in steps that a command line scales with ``steps`` where they are not given
+#: themselves (a preset's 25 of 100 steps: every 250 of 1,000), so that a trial is due as many
+#: checkpoints and evaluations whatever its steps.
+STEP_INTERVALS = ("checkpoint_every", "eval_every")
 #: seconds between a live trial's heartbeats (Optuna's ``heartbeat_interval``).
 HEARTBEAT_INTERVAL = 10
 #: seconds without a heartbeat after which a trial's process counts as dead.
