@@ -602,10 +602,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from scamp_jax.sim.measured import read_results, replay_study
 
         placements = replay_study(args.replay)
-        results = read_results(args.replay)
-        ranks = int(run_section(results).get("ranks") or 1)
-        if len(results.get("runs") or ()) > 1:
-            print(f"note: the study ran {len(results['runs'])} times (it was resumed); this "
+        study = read_results(args.replay)
+        ranks = int(run_section(study).get("ranks") or 1)
+        if len(study.get("runs") or ()) > 1:
+            print(f"note: the study ran {len(study['runs'])} times (it was resumed); this "
                   "replays its last run only", file=sys.stderr)
         if ranks > 1:  # each rank's engine schedules its own devices with its own core
             print(f"note: a study of {ranks} MPI ranks; this replays rank 0's scheduling (its "

@@ -540,7 +540,7 @@ def plot_results(
             ax.text(start, device - 0.4 + 0.8 * offset, f" {trial}", fontsize=7, va="bottom")
     ax.set_yticks(range(len(intervals)))
     labelled = device_labels is not None and len(device_labels) == len(intervals)
-    if labelled:
+    if device_labels is not None and labelled:
         ax.set_yticklabels(device_labels, fontsize=7)
     # each device's row spans its whole memory, so a bar's height reads as its share (with one
     # device an axis fitted to the bars would stretch any of them to the full height)
