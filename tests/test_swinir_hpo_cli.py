@@ -637,6 +637,10 @@ def test_the_best_trials_show_each_fused_members_group():
     assert "trial 1 (fused group 0 x2): mse 0.4" in narrow
     assert "1.00 MiB/device for its group" in narrow
     assert "group" not in shown([{**base, "number": 2, "mse": 0.6}], 200)
+    # A trial that spanned two MPI ranks held its one device on each of them.
+    spanned = {**base, "number": 3, "mse": 0.3, "rank": [0, 1]}
+    assert "2 (1 on each of 2 ranks)" in shown([spanned], 200)
+    assert "trial 3: mse 0.3; 2 device(s) (1 on each of 2 ranks), mp 1" in shown([spanned], 60)
 
 
 def test_the_record_only_grows(tmp_path):

@@ -600,7 +600,7 @@ def summary_table(
         peak = format_bytes(r["predicted_peak_bytes"] or 0).replace(" ", "\u00a0")  # one word
         group = "" if r.get("fused_group") is None else f" (fused group {_group(r)})"
         lines.append(Text(
-            f"trial {r['number']}{group}: {score}; {len(r['devices'])} device(s), mp "
+            f"trial {r['number']}{group}: {score}; {_devices(r, ' device(s)')}, mp "
             f"{r['model_parallel']}, batch {r['batch_size']}, {peak}/device"
             f"{'' if r.get('fused_group') is None else ' for its group'}, {r['steps']} "
             f"steps, {r['wall_seconds']:.1f} s"))
@@ -622,6 +622,16 @@ def _params(row: Mapping[str, Any]) -> str:
 _PARAMS_WIDTH = 32
 
 
+def _devices(record: Mapping[str, Any], unit: str = "") -> str:
+    """A trial's devices, counted (then ``unit``): a trial that spanned MPI ranks (its
+    ``rank`` a list) held its ``devices`` on each of them, ``"2 (1 on each of 2 ranks)"``."""
+    ranks = record.get("rank")
+    count = len(record["devices"])
+    if isinstance(ranks, list) and len(ranks) > 1:
+        return f"{count * len(ranks)}{unit} ({count} on each of {len(ranks)} ranks)"
+    return f"{count}{unit}"
+
+
 def _summary_table(done: Sequence[Mapping[str, Any]], metric: str, baseline: str | None,
                    params: bool = True, title: str | None = None) -> Any:
     from rich.table import Table
@@ -636,7 +646,7 @@ def _summary_table(done: Sequence[Mapping[str, Any]], metric: str, baseline: str
     for r in done:
         shown = _params(r) if params else ""
         cells = [str(r["number"]), *([_group(r)] if fused else []), shown,
-                 str(len(r["devices"])), str(r["model_parallel"]),
+                 _devices(r), str(r["model_parallel"]),
                  str(r["batch_size"]), format_bytes(r["predicted_peak_bytes"] or 0),
                  str(r["steps"]), f"{r['wall_seconds']:.1f}", f"{r[metric]:.5g}"]
         if baseline:
