@@ -40,6 +40,7 @@ from scamp_jax.hpo.settings import (
     SAMPLERS,
     STEP_INTERVALS,
     SearchSettings,
+    idle_pruner,
 )
 from scamp_jax.scheduling.placement import POLICIES
 
@@ -760,11 +761,11 @@ def run(
 
 
 def pruner_note(config: HPOConfig) -> None:
-    """Say where the pruner can prune nothing: no trial is evaluated before its last step."""
-    if config.pruner != "none" and not 0 < config.eval_every < config.steps:
-        print(f"note: --pruner {config.pruner} prunes nothing in this study: no trial is "
-              "evaluated before its last step; pass --eval-every below --steps "
-              f"({config.steps:,})", flush=True)
+    """Say where the pruner can prune nothing (`idle_pruner`), as the study itself says it
+    when it opens: for a plan-only preview, which opens none."""
+    idle = idle_pruner(config)
+    if idle is not None:
+        print(as_flags(idle), flush=True)
 
 
 def plan_only(
@@ -953,10 +954,6 @@ def _run(
     if preset_for is not None:
         config = preset_for(devices[0].platform)  # the preset for these devices, flags on top
     budget = pool_budget(args, config, devices, memory)
-    from scamp_jax.distributed.mpi import launcher_rank
-
-    if launcher_rank() == 0:  # once for the job
-        pruner_note(config)
     space, task = make(config)  # reads the image folders: before any study exists
     # Under mpirun with several ranks the same session spans them: rank 0 serves the study.
     return run_search(space, task, config, devices=devices,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -169,6 +170,26 @@ def test_a_study_with_no_batch_cap_says_how_its_batches_are_chosen(tmp_path, cap
     scamp_jax.run_study(SPACE, function_task(), study_dir=tmp_path / "c", policy="fixed",
                         devices_per_trial=1, **kw)
     assert "batches:" not in capsys.readouterr().out
+
+
+def test_a_study_whose_pruner_can_prune_nothing_says_so(tmp_path, caplog):
+    """The pruner judges a trial on its evaluations before its last step: where there are
+    none (``eval_every`` 0, or not below ``steps``) the study says so where it opens, with
+    what to pass, in the library's words (the command lines word it in their flags)."""
+    kw = dict(trials=1, steps=2, devices=1, memory_per_device="64MiB", max_batch_size=8,
+              live=False)
+    said = ("the median pruner prunes nothing in this study: no trial is evaluated before its "
+            "last step; pass eval_every below steps=2")
+    with caplog.at_level(logging.WARNING, logger="scamp_jax"):
+        scamp_jax.run_study(SPACE, function_task(), study_dir=tmp_path / "a", **kw)
+    assert said in caplog.messages
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="scamp_jax"):
+        scamp_jax.run_study(SPACE, function_task(), study_dir=tmp_path / "b", eval_every=1,
+                            **kw)
+        scamp_jax.run_study(SPACE, function_task(), study_dir=tmp_path / "c", pruner="none",
+                            **kw)
+    assert not any("pruner" in m for m in caplog.messages), caplog.messages
 
 
 def test_a_run_that_changes_the_sampler_or_batch_bounds_says_so_and_each_run_records_its(

@@ -272,8 +272,9 @@ def test_plan_only_says_its_pruner_would_prune_nothing_as_the_study_would(tmp_pa
     step is said there as the study says it."""
     result = cli("--preset", "smoke", "--plan-only", "--trials", "1", "--pruner", "median",
                  "--memory-per-device", "1KiB", "--study-dir", str(tmp_path))
-    assert ("note: --pruner median prunes nothing in this study: no trial is evaluated before "
-            "its last step; pass --eval-every below --steps") in result.stdout, result.stdout
+    assert ("the median pruner prunes nothing in this study: no trial is evaluated before "
+            "its last step; pass --eval-every below --steps 100") in result.stdout.splitlines(), \
+        result.stdout
 
 
 @pytest.mark.parametrize(("trials", "says"), [

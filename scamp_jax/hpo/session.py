@@ -40,7 +40,7 @@ from scamp_jax._lazy import warm
 from scamp_jax._signals import sigterm_stops, stops_held
 from scamp_jax._units import counted, format_share
 from scamp_jax.hpo.failures import RepeatedFailureError
-from scamp_jax.hpo.settings import SearchSettings
+from scamp_jax.hpo.settings import SearchSettings, idle_pruner
 from scamp_jax.space import SearchSpace, Task
 
 if TYPE_CHECKING:
@@ -487,6 +487,9 @@ class StudySession:
                      "anew")
             return
         self._say_changed_settings()
+        idle = idle_pruner(self.settings)
+        if idle is not None and self.rank == 0:
+            logging.getLogger(__name__).warning(idle)
         if self.settings.max_batch_size is None and self.settings.policy != "fixed":
             from scamp_jax.planning.planner import DEFAULT_BATCH_CAP
 

@@ -262,6 +262,15 @@ FEW_STEPS = 10
 _SAID_FEW: set[tuple[int, int, int]] = set()
 
 
+def idle_pruner(settings: SearchSettings) -> str | None:
+    """Why ``settings``' pruner prunes nothing, where it does (no trial is evaluated before
+    its last step, so it never has an intermediate value to judge); None where it can prune."""
+    if settings.pruner != "none" and not 0 < settings.eval_every < settings.steps:
+        return (f"the {settings.pruner} pruner prunes nothing in this study: no trial is "
+                f"evaluated before its last step; pass eval_every below steps={settings.steps}")
+    return None
+
+
 def _say_few_steps(steps: int, batch: int, reference_steps: int, reference_batch: int,
                    max_batch_size: int | None = None) -> None:
     if (batch, reference_steps, reference_batch) in _SAID_FEW:
