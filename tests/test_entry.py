@@ -194,9 +194,10 @@ def test_a_study_whose_pruner_can_prune_nothing_says_so(tmp_path, caplog):
 
 def test_a_run_that_changes_the_sampler_or_batch_bounds_says_so_and_each_run_records_its(
         tmp_path, capsys):
-    """The sampler, pruner and batch bounds may change from one run of a study to the next
-    (its steps, seed and budget may not): each run's entry in ``results.json`` records what
-    it had, and a run that changes one says so where it opens."""
+    """The sampler, pruner, policy, fusion and batch bounds may change from one run of a
+    study to the next (its steps, seed and budget may not): each run's entry in
+    ``results.json`` records what it had, and a run that changes one says so where it
+    opens."""
     kw = dict(steps=1, devices=1, memory_per_device="64MiB", study_dir=tmp_path, live=False)
     scamp_jax.run_study(SPACE, function_task(), trials=1, sampler="random", max_batch_size=16,
                         **kw)
@@ -208,10 +209,18 @@ def test_a_run_that_changes_the_sampler_or_batch_bounds_says_so_and_each_run_rec
             "(results.json: each run's search)") in capsys.readouterr().out.splitlines()
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert [r["search"] for r in runs] == [
-        {"sampler": "random", "pruner": "median", "min_batch_size": None, "max_batch_size": 16,
+        {"sampler": "random", "pruner": "median", "policy": "scamp", "fuse": None,
+         "min_batch_size": None, "max_batch_size": 16,
          "reference_batch": None},
-        {"sampler": "tpe", "pruner": "median", "min_batch_size": None, "max_batch_size": 8,
+        {"sampler": "tpe", "pruner": "median", "policy": "scamp", "fuse": None,
+         "min_batch_size": None, "max_batch_size": 8,
          "reference_batch": None}]
+    # The policy too: another placement of the trials (and, fixed, one batch for them all).
+    scamp_jax.run_study(SPACE, function_task(), trials=3, sampler="tpe", max_batch_size=8,
+                        policy="fixed", devices_per_trial=1, **kw)
+    assert ("note: this run has policy='fixed', the study's last run had policy='scamp'; the "
+            "trials run before keep theirs (results.json: each run's search)"
+            ) in capsys.readouterr().out.splitlines()
 
 
 def test_a_task_whose_batches_yield_nothing_says_so():

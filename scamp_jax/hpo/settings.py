@@ -249,9 +249,11 @@ class EngineConfig:
 
     def run_record(self) -> dict[str, Any]:
         """What shapes a run's trials and may change from one run of a study to the next
-        (unlike `SearchSettings.study_record`'s): its batch bounds. Each run's entry in
-        ``results.json`` keeps it (``search``), and a run that changes it says so."""
-        return {"min_batch_size": self.min_batch_size, "max_batch_size": self.max_batch_size,
+        (unlike `SearchSettings.study_record`'s): its policy, fusion and batch bounds. Each
+        run's entry in ``results.json`` keeps it (``search``), and a run that changes it says
+        so."""
+        return {"policy": self.policy, "fuse": self.fuse,
+                "min_batch_size": self.min_batch_size, "max_batch_size": self.max_batch_size,
                 "reference_batch": self.reference_batch}
 
 
