@@ -169,6 +169,33 @@ def test_ranks_that_pass_different_arguments_are_refused_instead_of_hanging(
     assert not (tmp_path / "m").exists()
 
 
+def test_a_data_parallel_rank_that_raises_ends_the_job_instead_of_hanging() -> None:
+    # Rank 1's batches raise at step 2; rank 0 would wait in the step's allreduce forever.
+    returncode, output = launch_bounded(
+        [str(SCRIPTS / "data_parallel_faults.py"), "raises"], 2, timeout=150)
+    assert returncode != 0, output
+    assert "rank 1 failed: RuntimeError: rank 1 cannot read its batch 2" in output, output
+    assert "trained" not in output
+
+
+@pytest.mark.parametrize(("case", "said"), [
+    # rank 1 has 3 batches, rank 0 has 5: rank 0 would wait in its fourth step forever
+    ("uneven", "the ranks ran out of batches apart: only 1 of the 2 had a batch for step 3 "
+               "(counting from 0); pass every rank the same global batches"),
+    # each rank built the model with its own seed: the replicas would part silently
+    ("seeds", "ranks start from different parameters: rank 1's differ from rank 0's; build "
+              "the model with the same seed on every rank"),
+])
+def test_data_parallel_ranks_that_do_not_go_together_are_refused_alike_and_can_retry(
+        case: str, said: str) -> None:
+    returncode, output = launch_bounded(
+        [str(SCRIPTS / "data_parallel_faults.py"), case], 2, timeout=150)
+    assert returncode == 0, output
+    assert output.count(f"caught ValueError: {said}") == 2, output
+    # the ranks' retry with the same batches and seed, in the same job
+    assert output.count("trained 5 steps, replicas equal True") == 2, output
+
+
 def test_a_rank_that_fails_before_the_pipeline_trains_ends_the_job(tmp_path: Path) -> None:
     # Rank 1 fails while it draws its patches, before any collective of the pipeline: the
     # other rank would wait for it forever in the executor's set-up; the job ends instead.

@@ -25,6 +25,8 @@ Larger trials on one host use the planner's ``('data', 'model')`` mesh instead.
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -36,7 +38,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from scamp_jax.distributed.mpi import import_mpi4jax, import_mpi4py
+from scamp_jax.distributed.mpi import failures_end_every_rank, import_mpi4jax, import_mpi4py
 from scamp_jax.planning.train_step import (
     LossFn,
     PyTree,
@@ -179,19 +181,83 @@ def train_data_parallel(
     trains on its `local_batch` on its first local device. ``comm`` defaults to
     ``MPI.COMM_WORLD``.
 
+    Before training the ranks compare digests of their starting parameters, and before each
+    step whether each of them has a batch: where they differ, every rank raises the same
+    `ValueError` (catchable; nothing has been kept). A rank that raises anything else (its
+    batches' iterator, the step) prints ``rank R failed: ...`` and aborts the job
+    (`failures_end_every_rank`) instead of leaving the others waiting in the step's allreduce.
+
     Returns:
       ``(losses, params)``: the (steps,) global training loss before each update (float32,
       identical on every rank) and the final parameters.
     """
     mpi = import_mpi4py()
     comm = mpi.COMM_WORLD if comm is None else comm
-    rank, size = comm.Get_rank(), comm.Get_size()
-    shardings = one_device_shardings(model, optimizer)
-    graphdef, params, opt_state, rest = place_train_state(model, optimizer, shardings)
-    step = jit_data_parallel_step(graphdef, optimizer, loss_fn, shardings, comm)
-    losses = []
-    for batch in batches:
+    # The ranks agree on a duplicate of ``comm``: a step's mpi4jax allreduce on ``comm`` may
+    # still be running (dispatch is asynchronous) while the host asks the next question.
+    agree = comm.Dup()
+    refused = None
+    try:
+        with failures_end_every_rank(comm,
+                                     stopped="this call saves nothing; its training is lost"):
+            shardings = one_device_shardings(model, optimizer)
+            graphdef, params, opt_state, rest = place_train_state(model, optimizer, shardings)
+            refused = _check_same_start(agree, params)
+            losses: list[Any] = []
+            if refused is None:
+                step = jit_data_parallel_step(graphdef, optimizer, loss_fn, shardings, comm)
+                refused, losses, params = _train(agree, step, (params, opt_state, rest),
+                                                 batches)
+            # the steps run asynchronously: a failure in one surfaces here, still guarded
+            curve = np.asarray(jax.device_get(losses), np.float32)
+            jax.block_until_ready(params)
+    finally:
+        agree.Free()
+    if refused is not None:
+        raise ValueError(refused)
+    return curve, params
+
+
+def _digest(tree: PyTree) -> str:
+    """Digest of a tree of arrays: its structure, and each leaf's shape, dtype and contents."""
+    sha = hashlib.sha256(str(jax.tree.structure(tree)).encode())
+    for leaf in jax.tree.leaves(jax.device_get(tree)):
+        a = np.ascontiguousarray(leaf)
+        sha.update(f"{a.shape}{a.dtype.str}".encode())
+        sha.update(a.reshape(-1).view(np.uint8))
+    return sha.hexdigest()
+
+
+def _check_same_start(agree: Any, params: PyTree) -> str | None:
+    """Collective: None when every rank starts from the same parameters, else what every rank
+    then raises."""
+    every = agree.allgather(_digest(params))
+    if all(d == every[0] for d in every):
+        return None
+    other = next(r for r, d in enumerate(every) if d != every[0])
+    return (f"ranks start from different parameters: rank {other}'s differ from rank 0's; "
+            "build the model with the same seed on every rank")
+
+
+def _train(agree: Any, step: Any, state: tuple[PyTree, PyTree, PyTree],
+           batches: Iterable[PyTree]) -> tuple[str | None, list[Any], PyTree]:
+    """The steps, each after the ranks agree that all of them have a batch. Returns ``(None,
+    losses, params)``, or first what every rank raises when some ran out before the others."""
+    rank, size = agree.Get_rank(), agree.Get_size()
+    params, opt_state, rest = state
+    losses: list[Any] = []
+    end = object()
+    it = iter(batches)
+    for i in itertools.count():
+        batch = next(it, end)
+        having = int(agree.allreduce(int(batch is not end)))
+        if having == 0:
+            return None, losses, params
+        if having < size:
+            return (f"the ranks ran out of batches apart: only {having} of the {size} had a "
+                    f"batch for step {i} (counting from 0); pass every rank the same global "
+                    "batches"), losses, params
         params, opt_state, rest, loss = step(params, opt_state, rest,
                                              local_batch(batch, rank, size))
         losses.append(loss)
-    return np.asarray(jax.device_get(losses), np.float32), params
+    raise AssertionError("itertools.count() does not end")
