@@ -83,6 +83,15 @@ def test_grad_reduce_hook_changes_the_update_and_default_is_unchanged():
         assert np.abs(b).max() > 0
 
 
+def test_the_reduction_of_a_narrow_float_is_booked_as_the_float32_it_runs_in():
+    from scamp_jax.distributed.data_parallel import mpi_mean_bytes, reduced_dtype
+
+    assert reduced_dtype(jnp.bfloat16) == reduced_dtype(jnp.float16) == jnp.float32
+    assert reduced_dtype(jnp.float64) == jnp.float64 and reduced_dtype(jnp.int8) == jnp.int8
+    tree = (jax.ShapeDtypeStruct((10,), jnp.bfloat16), jax.ShapeDtypeStruct((5,), jnp.float32))
+    assert mpi_mean_bytes(tree) == 2 * (10 * 4 + 5 * 4)
+
+
 def test_world_without_a_launcher_is_one_rank_and_imports_no_mpi(monkeypatch):
     for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"):
         monkeypatch.delenv(name, raising=False)

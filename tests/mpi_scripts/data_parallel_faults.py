@@ -5,7 +5,7 @@
 CASE: ``raises`` (rank 1's batches raise at step 2), ``uneven`` (rank 1 has 3 batches, rank 0
 has 5; then both train again on the same 5), ``seeds`` (each rank builds the model with its own
 seed; then both again with seed 0), ``bfloat16`` / ``float16`` (a model with parameters of that
-dtype: the replicas' digests are printed).
+dtype: whether the replicas are equal, and `mpi_mean` of a small tree, are printed).
 """
 
 from __future__ import annotations
@@ -83,6 +83,14 @@ def main() -> None:
         train(0, batches)
     else:
         train(0, batches)
+        # the reduction alone, one call per leaf and fused: the mean over the ranks, as dtype
+        from scamp_jax.distributed import mpi_mean
+
+        tree = {"a": jnp.full((3,), 1.5 + w.rank, dtype), "b": jnp.full((), 2.0 * w.rank, dtype)}
+        for fuse in (False, True):
+            out = jax.jit(mpi_mean(fuse=fuse))(tree)
+            print(f"rank {w.rank} fuse={fuse} mean {float(out['a'][0])} {float(out['b'])} "
+                  f"{out['a'].dtype}", flush=True)
 
 
 if __name__ == "__main__":
