@@ -344,6 +344,17 @@ def test_an_executor_built_for_other_training_is_refused():
                        executor=_executor(2, False, False))
 
 
+def test_an_executor_built_for_another_model_is_refused():
+    """An executor compiled its model's blocks, head and loss: given another layout (here one of
+    the same sizes, so nothing else would notice) it trained its own and returned that."""
+    subnets, lr, hr = _data(0)
+    with pytest.raises(ValueError, match=r"the executor passed was built for another model \(a "
+                       r"SupernetLayout other than the SupernetLayout passed\) and would train "
+                       r"that one; pass the layout it was built with, or an ExecutorFactory"):
+        train_supernet(SupernetLayout(CONFIG), subnets, lr, hr, schedule="csp", num_stages=2,
+                       offload=False, executor=_executor(2, False, False))
+
+
 def test_train_supernet_closes_the_executor_it_built_and_not_one_it_was_passed():
     """What a run builds from a factory it releases (an MPI executor's communicator); an
     executor passed in stays open for the caller's next run."""

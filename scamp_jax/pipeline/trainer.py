@@ -262,11 +262,18 @@ def build_executor(
     )
 
 
-def _check_reused_executor(executor: StageExecutor, **wanted: Any) -> None:
-    """Refuse an executor compiled for other training than ``wanted`` (its `StageSpec`): the
-    update rule is the executor's, while the schedule and its causality check follow the
-    arguments, so a mismatch (e.g. an executor that trains the stem and head under a schedule
-    that lets subnets overlap on them) would no longer train as sequential training does."""
+def _check_reused_executor(executor: StageExecutor, layout: StageModel, **wanted: Any) -> None:
+    """Refuse an executor compiled for another model than ``layout`` (it would train its own,
+    whose blocks, head and loss it compiled), or for other training than ``wanted`` (its
+    `StageSpec`): the update rule is the executor's, while the schedule and its causality check
+    follow the arguments, so a mismatch (e.g. an executor that trains the stem and head under a
+    schedule that lets subnets overlap on them) would no longer train as sequential training
+    does."""
+    if executor.layout is not layout:
+        raise ValueError(
+            f"the executor passed was built for another model (a {type(executor.layout).__name__}"
+            f" other than the {type(layout).__name__} passed) and would train that one; pass "
+            "the layout it was built with, or an ExecutorFactory to build one for this model")
     differ = [f"{name}={value!r} (the executor's: {getattr(executor.spec, name)!r})"
               for name, value in wanted.items() if getattr(executor.spec, name) != value]
     if differ:
@@ -350,7 +357,7 @@ def train_supernet(
     built = not isinstance(executor, StageExecutor) and not getattr(
         executor, "keeps_executors", False)
     if isinstance(executor, StageExecutor):
-        _check_reused_executor(executor, train_shared=train_shared, offload=offload,
+        _check_reused_executor(executor, layout, train_shared=train_shared, offload=offload,
                                optimizer=optimizer or OptimizerSpec(),
                                num_microbatches=m_count)
     else:
