@@ -169,6 +169,28 @@ def test_ranks_that_pass_different_arguments_are_refused_instead_of_hanging(
     assert not (tmp_path / "m").exists()
 
 
+@pytest.mark.parametrize(("flags", "said"), [
+    # each rank's subnets make its own tick program: the ranks would mix their results
+    (["--disagree", "subnets"], "ValueError: ranks disagree on the tick program (the subnets or "
+     "the schedule): rank 1's differ from rank 0's; pass the same subnets, batches and "
+     "settings on every rank"),
+    (["--disagree", "seed"], "ValueError: ranks disagree on the starting weights: rank 1's "
+     "differ from rank 0's"),
+    # rank 1's on_tick raises: rank 0 would wait in its next receive forever
+    (["--raise-at-tick", "4"], "rank 1 failed: RuntimeError: rank 1 raises at tick 4"),
+], ids=["subnets", "seed", "raises"])
+def test_mpi_pipeline_executor_used_directly_refuses_disagreeing_ranks_and_ends_on_a_failure(
+        tmp_path: Path, flags: list[str], said: str) -> None:
+    returncode, output = launch_bounded(
+        [str(SCRIPTS / "supernet_pipeline.py"), "--direct", *flags, "--out",
+         str(tmp_path / "m")], 2, timeout=150)
+    assert returncode != 0, output
+    assert said in output, output
+    if "--disagree" in flags:
+        assert output.count(said) == 2, output  # every rank refuses, with the same error
+    assert not (tmp_path / "m").exists()
+
+
 def test_a_data_parallel_rank_that_raises_ends_the_job_instead_of_hanging() -> None:
     # Rank 1's batches raise at step 2; rank 0 would wait in the step's allreduce forever.
     returncode, output = launch_bounded(

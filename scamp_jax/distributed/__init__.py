@@ -3,7 +3,9 @@
 mpi4py and mpi4jax are optional (``pip install 'scamp-jax[mpi]'``): importing this package does
 not import them; the functions that need them raise `MPIUnavailableError` with an install hint.
 
-- `world`, `launched_under_mpi`, `mpirun_command`: who we are, how to launch.
+- `world`, `launched_under_mpi`, `mpirun_command`: who we are, how to launch;
+  `failures_end_every_rank`: code every rank runs together, where one rank's exception ends the
+  job instead of leaving the others waiting.
 - `MPIPipelineExecutor`, `train_supernet_mpi`: the supernet pipeline with one stage per rank.
 - `mpi_mean`, `local_batch`, `jit_data_parallel_step`, `train_data_parallel`: a trial that is
   data parallel across ranks.
@@ -21,8 +23,8 @@ _NAMES = {
                     "scamp_jax.distributed.data_parallel"),
     **dict.fromkeys(("MPISearchEngine", "RemoteTrialSource", "run_search_mpi",),
                     "scamp_jax.distributed.engine"),
-    **dict.fromkeys(("MPIUnavailableError", "World", "import_mpi4jax", "import_mpi4py",
-                     "launched_under_mpi", "mpirun_command", "world",),
+    **dict.fromkeys(("MPIUnavailableError", "World", "failures_end_every_rank", "import_mpi4jax",
+                     "import_mpi4py", "launched_under_mpi", "mpirun_command", "world",),
                     "scamp_jax.distributed.mpi"),
     **dict.fromkeys(("MPIPipelineExecutor", "check_ranks_pass_the_same", "train_supernet_mpi",),
                     "scamp_jax.distributed.pipeline"),

@@ -14,11 +14,22 @@ processes, typically on different hosts (`train_supernet_mpi` does that after
 - losses live on the last rank and are broadcast; `export` gathers every stage's weights, so
   every rank returns the same `TrainResult` (same ``params_sha256`` as the single-process run).
 
-A rank that dies makes ``mpirun`` abort every other rank (Open MPI's default for a process that
-exits without ``MPI_Finalize``), so a broken pipeline stops instead of hanging in a receive. A
-rank whose `train_supernet_mpi` raises (a bug, an out-of-memory on its device, a signal to that
-process alone) would still finalize MPI as it exits, leaving the others waiting in their next
-receive: it prints ``rank R failed: ...`` and aborts the job (``MPI_Abort``) instead.
+A rank that dies (its process ends without ``MPI_Finalize``) makes ``mpirun`` abort every other
+rank (Open MPI's default), so a broken pipeline stops instead of hanging in a receive. A rank
+whose Python code raises (a bug, an out-of-memory on its device, a signal to that process alone)
+is another matter: it would still finalize MPI as it exits, leaving the others waiting in their
+next receive. `train_supernet_mpi` runs inside `failures_end_every_rank`
+(`scamp_jax.distributed.failures_end_every_rank`), and `MPIPipelineExecutor.run` ends the job
+on an exception in its ticks: the failing rank prints ``rank R failed: ...`` and aborts the job
+(``MPI_Abort``). Code of your own that every rank runs between collectives (drawing the
+batches, building the executor, anything around `train_supernet`) belongs inside ``with
+failures_end_every_rank(comm):`` too.
+
+Used directly (``train_supernet(..., executor=functools.partial(MPIPipelineExecutor,
+comm=comm))``), the executor compares digests of what the ranks pass it (the starting weights
+in ``init_state``; the tick program and the batches in ``run``) and raises the same
+`ValueError` on every rank where they differ; `train_supernet_mpi` compares every argument
+before anything is built (`check_ranks_pass_the_same`).
 """
 
 from __future__ import annotations
@@ -35,7 +46,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from scamp_jax.distributed.mpi import failures_end_every_rank, import_mpi4jax, import_mpi4py
+from scamp_jax.distributed.mpi import (
+    end_every_rank,
+    failures_end_every_rank,
+    import_mpi4jax,
+    import_mpi4py,
+)
 from scamp_jax.pipeline.executor_base import DEVICE_KIND, StageExecutor, StageSizes, memory_stats
 from scamp_jax.pipeline.model import StageModel
 from scamp_jax.pipeline.program import NUM_FIELDS, TickProgram
@@ -125,12 +141,45 @@ class MPIPipelineExecutor(StageExecutor):
             self._jax_comm.Free()
             self._jax_comm = None
 
+    def init_state(
+        self, blocks: np.ndarray, shared: np.ndarray,
+        optimizer_state: dict[str, np.ndarray] | None = None,
+    ) -> State:
+        """`StageExecutor.init_state` (collective): first every rank compares digests of the
+        weights and optimizer state it passes; where they differ, every rank raises the same
+        `ValueError` (each would train its stage from its own weights)."""
+        _check_ranks_agree(self.comm, {
+            "the starting weights": _digest([np.asarray(blocks), np.asarray(shared)]),
+            "the starting optimizer state": _digest(optimizer_state),
+        })
+        return super().init_state(blocks, shared, optimizer_state)
+
     def run(self, state: State, program: TickProgram, lr_data: np.ndarray, hr_data: np.ndarray,
             on_tick: Callable[[int, int], None] | None = None) -> tuple[State, np.ndarray]:
+        """`StageExecutor.run` (collective). First every rank compares digests of the tick
+        program and the batches it passes: where they differ, every rank raises the same
+        `ValueError` (ranks running other programs would wait for each other's messages, or
+        mix their results). Then an exception on one rank (``on_tick`` included; a stop such as
+        Ctrl-C is left to the caller) ends the job (`end_every_rank`) instead of leaving the
+        others waiting in a receive."""
         if self._jax_comm is None:
             raise RuntimeError("this MPIPipelineExecutor was closed (its communicator is "
                                "freed); build another one, or pass train_supernet a factory")
-        return super().run(state, program, lr_data, hr_data, on_tick)
+        _check_ranks_agree(self.comm, {
+            "the tick program (the subnets or the schedule)": _digest(
+                [program.table, program.layers_per_stage, program.window_slots,
+                 program.act_slots, program.grad_slots, program.prefetch_ahead]),
+            "the LR batches": _digest(np.asarray(lr_data)),
+            "the HR batches": _digest(np.asarray(hr_data)),
+        })
+        self._check_program(program, lr_data)  # alike on every rank: raised, not an abort
+        try:
+            return super().run(state, program, lr_data, hr_data, on_tick)
+        except Exception as err:
+            # A failure, not a stop: a Ctrl-C reaches every rank, and the caller's guard says
+            # what of its job a stop keeps (a checkpoint, or nothing: `train_supernet_mpi`).
+            end_every_rank(self.comm, err)
+            raise
 
     def _last_stage_losses(self, losses: list[jax.Array]) -> np.ndarray:
         last_rank = self.spec.num_stages - 1

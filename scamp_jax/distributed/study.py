@@ -47,8 +47,13 @@ that its engine can fuse them. Other ranks never get them, and a new proposal fo
 counts them as taken, so the study still runs exactly ``n_trials``. A rank that is told done
 gives its held siblings up.
 
-A rank that dies makes ``mpirun`` end the whole job (Open MPI's default), so no rank waits
-forever for a server that is gone.
+A rank that dies (its process ends without ``MPI_Finalize``) makes ``mpirun`` end the whole
+job (Open MPI's default), so no rank waits forever for a server that is gone. A rank whose
+Python code raises is another matter: it still finalizes MPI as it exits, and the others (rank
+0's server among them) wait for it forever. Run every rank's part of the study (`shared_study`
+and the trials) inside ``with failures_end_every_rank(comm):``
+(`scamp_jax.distributed.failures_end_every_rank`), which prints ``rank R failed: ...`` and
+aborts the job instead; `run_search_mpi` guards its ranks so.
 """
 
 from __future__ import annotations
@@ -471,6 +476,9 @@ def shared_study(
     Rank 0 calls ``make_source()`` (the trial source over the created or loaded study), starts
     the `StudyServer` and returns ``(local client, server)``; the others return
     ``(remote client, None)``. When its own trials are done, rank 0 calls ``server.join()``.
+    Run it and the trials inside ``with failures_end_every_rank(comm):`` on every rank: an
+    exception on one rank (in the objective, say) otherwise leaves the others, and rank 0's
+    ``server.join()``, waiting forever (see the module docstring).
     """
     mpi = import_mpi4py()
     comm = mpi.COMM_WORLD if comm is None else comm

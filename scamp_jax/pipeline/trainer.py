@@ -245,7 +245,11 @@ def build_executor(
     """An executor whose buffers fit every program in ``programs`` (one compiled tick for all).
 
     ``executor_class`` builds it (default `PipelineExecutor`, all stages in this process); pass
-    e.g. ``functools.partial(MPIPipelineExecutor, comm=comm)`` for one stage per MPI rank.
+    e.g. ``functools.partial(MPIPipelineExecutor, comm=comm)`` for one stage per MPI rank
+    (`scamp_jax.distributed.train_supernet_mpi` does, after checking that every rank passes
+    the same arguments; the executor itself checks the weights, program and batches; code
+    around it that one rank may raise in belongs inside
+    `scamp_jax.distributed.failures_end_every_rank`).
     """
     return executor_class(
         layout,

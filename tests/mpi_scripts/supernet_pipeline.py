@@ -3,6 +3,8 @@
 Under ``mpirun -n S`` every rank holds one stage (`train_supernet_mpi`); run as a plain process
 with ``--stages S`` it uses the single-process executor on S CPU devices. The MPI tests compare
 the two outputs bit for bit. With ``--disagree`` rank 1 passes other arguments than rank 0.
+With ``--direct`` the ranks call `train_supernet` with an `MPIPipelineExecutor` factory instead
+of `train_supernet_mpi` (the executor used directly).
 
     python tests/mpi_scripts/supernet_pipeline.py --stages 2 --out single.json
     mpirun -n 2 python tests/mpi_scripts/supernet_pipeline.py --out mpi.json
@@ -42,6 +44,8 @@ def main() -> None:
                    help="the last rank raises an exception after this tick (fault test)")
     p.add_argument("--disagree", choices=("subnets", "seed"),
                    help="rank 1 draws other subnets, or passes another seed (argument test)")
+    p.add_argument("--direct", action="store_true",
+                   help="under MPI, train_supernet on MPIPipelineExecutor, not train_supernet_mpi")
     args = p.parse_args()
 
     from scamp_jax.devices import configure_cpu_devices
@@ -92,6 +96,9 @@ def main() -> None:
 
         kwargs["on_tick"] = on_tick
         run = functools.partial(train_supernet_mpi, layout, subnets, lr, hr)
+        if args.direct:
+            run = functools.partial(train_supernet, layout, subnets, lr, hr, num_stages=stages,
+                                    executor=factory)
     else:
         from scamp_jax.pipeline import PipelineExecutor
 
