@@ -101,11 +101,39 @@ def test_a_fixed_cpu_pool_trains_to_the_same_bits_on_any_cores_and_devices() -> 
     assert len(pinned) == 1, pinned
 
 
-def test_a_users_cpu_pool_size_is_kept(monkeypatch) -> None:
-    # set, then removed, through monkeypatch: the test leaves the variable as it found it
-    monkeypatch.setenv(determinism.CPU_THREADS_VARIABLE, "1")
-    monkeypatch.delenv(determinism.CPU_THREADS_VARIABLE)
-    assert determinism.use_fixed_cpu_threads(8)
-    assert __import__("os").environ[determinism.CPU_THREADS_VARIABLE] == "8"
-    assert not determinism.use_fixed_cpu_threads(16)  # set already: kept
-    assert __import__("os").environ[determinism.CPU_THREADS_VARIABLE] == "8"
+# Pins the pool to 8, then asks for 16, printing each answer and the variable after it; with
+# "late", once JAX has created its backends (its pool sized already).
+_POOL = """
+import os, sys
+from scamp_jax.pipeline.determinism import use_fixed_cpu_threads
+if sys.argv[1] == "late":
+    import jax
+    jax.devices()
+for threads in (8, 16):
+    print(use_fixed_cpu_threads(threads), os.environ.get("PJRT_NPROC"))
+"""
+
+
+def _pool(when: str) -> list[str]:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", determinism.CPU_THREADS_VARIABLE)}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.run([sys.executable, "-c", _POOL, when], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.splitlines()
+
+
+def test_a_users_cpu_pool_size_is_kept() -> None:
+    assert _pool("early") == ["True 8", "False 8"]  # set already: kept
+
+
+def test_a_cpu_pool_asked_for_once_jax_started_is_said_not_to_have_that_size() -> None:
+    # the pool was sized when the backends were created: setting the variable then changes
+    # nothing, and the call said True as if it had
+    assert _pool("late") == ["False None", "False None"]

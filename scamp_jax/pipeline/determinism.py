@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import sys
 
 DETERMINISTIC_FLAG = "xla_gpu_deterministic_ops"
 _GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
@@ -71,13 +72,26 @@ def use_fixed_cpu_threads(threads: int) -> bool:
     cores they run on; their CPU kernels then use at most ``threads`` threads at once (on a
     larger host, fewer than it has). Sets ``PJRT_NPROC`` unless it is set already (the user's
     value is kept). XLA's GPU client sizes its own thread pools from the same variable, so a
-    process that trains on GPUs leaves it alone. Call before JAX creates its backends. Returns
-    whether the pool's size is now ``threads``.
+    process that trains on GPUs leaves it alone. Call before JAX creates its backends: once it
+    has, the pool is sized and this changes nothing. Returns whether the pool's size is now
+    ``threads``: False where ``PJRT_NPROC`` holds another value, or where JAX created its
+    backends before ``PJRT_NPROC`` was set (the variable is then left unset).
     """
     if threads < 1:
         raise ValueError(f"{threads=} must be at least 1")
     current = os.environ.get(CPU_THREADS_VARIABLE)
     if current is not None:
         return current.strip() == str(threads)
+    if _backends_started():
+        return False
     os.environ[CPU_THREADS_VARIABLE] = str(threads)
     return True
+
+
+def _backends_started() -> bool:
+    """Whether JAX has created its backends (and so sized its CPU worker pool) already."""
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge  # no public way to ask (jax 0.12)
+
+    return bool(xla_bridge.backends_are_initialized())
