@@ -288,6 +288,28 @@ def test_errors_name_the_fix():
                            num_stages=2, offload=False)
 
 
+def test_arguments_that_look_valid_but_are_not_are_refused():
+    subnets, lr, hr = _data(0)
+    # not a StageModel: the TypeError that lists what it lacks, not an AttributeError of the
+    # first attribute the batches' check reads
+    with pytest.raises(TypeError, match=r"object is not a StageModel: it lacks num_layers"):
+        train_supernet(object(), subnets, lr, hr, num_stages=2)
+    # True would count as candidate 1
+    layers = _layout().num_layers
+    with pytest.raises(ValueError, match=r"picks True; a layer's choice is a candidate index"):
+        train_supernet(_layout(), [subnets[0], (True,) * layers, *subnets[2:]], lr, hr,
+                       num_stages=2, offload=False)
+    # NaN passes `<= 0` and turns every weight into NaN
+    with pytest.raises(ValueError, match=r"learning_rate=nan must be a positive number"):
+        OptimizerSpec("adam", float("nan"))
+    # an executor of 2 stages under the default num_stages=4: the fix is num_stages=2 (the
+    # caller built no program to split otherwise)
+    with pytest.raises(ValueError, match=r"the executor passed runs 2 stages but num_stages=4; "
+                       r"pass num_stages=2, or an ExecutorFactory to build one of 4 stages"):
+        train_supernet(_layout(), subnets, lr, hr, offload=False,
+                       executor=_executor(2, False, False))
+
+
 def test_experiment_presets_and_flags():
     from experiments import supernet_nas
 
@@ -636,6 +658,10 @@ def _one_channel(lr, hr):
     return lr[..., :1], hr[..., :1]
 
 
+def _not_square(lr, hr):
+    return lr[:, :, :, :3], hr[:, :, :, :6]
+
+
 @pytest.mark.parametrize(("malform", "says"), [
     (_slice_hr, rf"hr_batches holds {N - 1} batches but lr_batches {N}; pass one HR batch per "
                 r"LR batch"),
@@ -644,7 +670,9 @@ def _one_channel(lr, hr):
     (_no_samples, r"lr_batches' batches hold 0 samples; pass at least one sample per batch"),
     (_one_channel, r"lr_batches' images of \(4, 4, 1\) do not fit the supernet's input "
                    r"\(.*\); pass images with the channels it takes"),
-], ids=["hr_short", "hr_wrong_scale", "no_samples", "one_channel"])
+    (_not_square, r"lr_batches' images are 4 x 3 pixels; the supernet takes square images: pass "
+                  r"LR patches as high as they are wide"),
+], ids=["hr_short", "hr_wrong_scale", "no_samples", "one_channel", "not_square"])
 def test_malformed_batches_are_refused_before_anything_compiles(malform, says):
     from scamp_jax.planning.compile_events import CompileCounter
 

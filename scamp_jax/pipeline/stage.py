@@ -53,8 +53,8 @@ class OptimizerSpec:
     def __post_init__(self) -> None:
         if self.name not in ("adam", "sgd"):
             raise ValueError(f"optimizer {self.name!r} is not supported; use 'adam' or 'sgd'")
-        if self.learning_rate <= 0:
-            raise ValueError(f"learning_rate={self.learning_rate} must be positive")
+        if not self.learning_rate > 0:  # NaN too: it would turn every weight into NaN
+            raise ValueError(f"learning_rate={self.learning_rate} must be a positive number")
 
     @property
     def fields(self) -> tuple[str, ...]:

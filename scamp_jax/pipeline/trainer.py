@@ -22,7 +22,7 @@ import numpy as np
 from scamp_jax.pipeline.csp import check_causality, csp_schedule, ideal_schedule, split_layers
 from scamp_jax.pipeline.executor import PipelineExecutor
 from scamp_jax.pipeline.executor_base import StageExecutor
-from scamp_jax.pipeline.model import StageModel, state_bytes
+from scamp_jax.pipeline.model import StageModel, check_stage_model, state_bytes
 from scamp_jax.pipeline.program import TickProgram, build_program
 from scamp_jax.pipeline.schedules import (
     Schedule,
@@ -68,7 +68,8 @@ def check_subnets(subnets: Sequence[Sequence[int]], num_layers: int, num_choices
             raise ValueError(f"subnet {i} has {len(choices)} choices for {num_layers} layers; "
                              "give one candidate index per layer")
         bad = [c for c in choices
-               if not isinstance(c, (int, np.integer)) or not 0 <= int(c) < num_choices]
+               if not isinstance(c, (int, np.integer)) or isinstance(c, bool)
+               or not 0 <= int(c) < num_choices]
         if bad:
             raise ValueError(f"subnet {i} {tuple(choices)} picks {bad[0]!r}; a layer's choice is "
                              f"a candidate index from 0 to {num_choices - 1}")
@@ -93,6 +94,9 @@ def check_batches(layout: StageModel, lr_batches: np.ndarray, hr_batches: np.nda
         raise ValueError(f"hr_batches' batches hold {hr_batches.shape[1]} samples but "
                          f"lr_batches' {batch}; pass the targets of every LR sample")
     image, target = tuple(lr_batches.shape[2:]), tuple(hr_batches.shape[2:])
+    if lr_batches.shape[3] != side:
+        raise ValueError(f"lr_batches' images are {side} x {lr_batches.shape[3]} pixels; the "
+                         "supernet takes square images: pass LR patches as high as they are wide")
     shared = jax.ShapeDtypeStruct((layout.shared_size,), np.float32)
     inputs = jax.ShapeDtypeStruct((1, *image), np.float32)
     try:
@@ -266,18 +270,24 @@ def build_executor(
     )
 
 
-def _check_reused_executor(executor: StageExecutor, layout: StageModel, **wanted: Any) -> None:
+def _check_reused_executor(executor: StageExecutor, layout: StageModel, num_stages: int,
+                           **wanted: Any) -> None:
     """Refuse an executor compiled for another model than ``layout`` (it would train its own,
-    whose blocks, head and loss it compiled), or for other training than ``wanted`` (its
-    `StageSpec`): the update rule is the executor's, while the schedule and its causality check
-    follow the arguments, so a mismatch (e.g. an executor that trains the stem and head under a
-    schedule that lets subnets overlap on them) would no longer train as sequential training
-    does."""
+    whose blocks, head and loss it compiled) or stage count, or for other training than
+    ``wanted`` (its `StageSpec`): the update rule is the executor's, while the schedule and its
+    causality check follow the arguments, so a mismatch (e.g. an executor that trains the stem
+    and head under a schedule that lets subnets overlap on them) would no longer train as
+    sequential training does."""
     if executor.layout is not layout:
         raise ValueError(
             f"the executor passed was built for another model (a {type(executor.layout).__name__}"
             f" other than the {type(layout).__name__} passed) and would train that one; pass "
             "the layout it was built with, or an ExecutorFactory to build one for this model")
+    if executor.spec.num_stages != num_stages:
+        raise ValueError(
+            f"the executor passed runs {executor.spec.num_stages} stages but {num_stages=}; "
+            f"pass num_stages={executor.spec.num_stages}, or an ExecutorFactory to build one "
+            f"of {num_stages} stages")
     differ = [f"{name}={value!r} (the executor's: {getattr(executor.spec, name)!r})"
               for name, value in wanted.items() if getattr(executor.spec, name) != value]
     if differ:
@@ -309,10 +319,11 @@ def train_supernet(
     """Train the supernet initialised from ``seed`` on ``subnets`` (one batch each, in order).
 
     Args:
-      layout: the supernet (a `scamp_jax.pipeline.StageModel`).
+      layout: the supernet (a `scamp_jax.pipeline.StageModel`; anything else is refused with
+        a `TypeError` naming what it lacks).
       subnets: N choice vectors (L,), index = sequence id.
-      lr_batches: (N, B, h, w, 3) float32 LR inputs, batch i for subnet i.
-      hr_batches: (N, B, r h, r w, 3) float32 HR targets.
+      lr_batches: (N, B, h, h, 3) float32 LR inputs (square images), batch i for subnet i.
+      hr_batches: (N, B, r h, r h, 3) float32 HR targets.
       schedule: one of `SCHEDULES`.
       num_stages: S pipeline stages (one device each). The final weights depend on it (the
         order of some floating-point sums follows the stages): runs are bit-identical at the
@@ -340,6 +351,7 @@ def train_supernet(
     Returns:
       the `TrainResult`.
     """
+    layout = check_stage_model(layout)
     n, batch = lr_batches.shape[:2]
     if initial_weights is not None and initial_state is not None:
         raise ValueError("pass initial_weights (optimizer state from zero) or initial_state "
@@ -361,8 +373,8 @@ def train_supernet(
     built = not isinstance(executor, StageExecutor) and not getattr(
         executor, "keeps_executors", False)
     if isinstance(executor, StageExecutor):
-        _check_reused_executor(executor, layout, train_shared=train_shared, offload=offload,
-                               optimizer=optimizer or OptimizerSpec(),
+        _check_reused_executor(executor, layout, num_stages, train_shared=train_shared,
+                               offload=offload, optimizer=optimizer or OptimizerSpec(),
                                num_microbatches=m_count)
     else:
         executor = build_executor(
