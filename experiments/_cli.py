@@ -866,10 +866,17 @@ def plan_only(
                 note = progress_note(len(shown), config.trials, time.perf_counter() - started)
                 print(f"  {as_flags(row.describe())}{note}", flush=True)
 
+    # The programs it compiles are kept with the study's (on these devices: a target's are
+    # compiled for other ones), so that the study they preview loads them.
+    from scamp_jax.planning.compile_cache import study_compile_cache
+
+    kept = (study_compile_cache(config.study_dir) if target_name is None and plan_cache
+            is not None else contextlib.nullcontext())
     try:
-        rows = interruptible(lambda: plan_candidates(
-            space, task, config, devices=devices, memory_per_device=budget,
-            count=config.trials, on_plan=show, plan_cache=plan_cache), name="plan-only")
+        with kept:
+            rows = interruptible(lambda: plan_candidates(
+                space, task, config, devices=devices, memory_per_device=budget,
+                count=config.trials, on_plan=show, plan_cache=plan_cache), name="plan-only")
     except BaseException:
         with printing:
             stopped.set()
@@ -893,7 +900,7 @@ def preview_cache(study_dir: str | Path) -> Any:
     cannot be written, a damaged file): a preview then plans without it, as it can."""
     from scamp_jax.planning.plan_cache import PlanCache
 
-    cache = PlanCache(Path(study_dir) / "plans.sqlite")
+    cache = PlanCache(Path(study_dir) / "plans.sqlite", elsewhere="pass another study_dir")
     try:
         len(cache)  # its first use: made where missing, and checked
     except ValueError as err:

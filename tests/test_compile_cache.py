@@ -425,3 +425,48 @@ def test_the_initial_states_compile_is_at_level_one_through_jax_0_11(monkeypatch
     monkeypatch.setattr(jax, "__version_info__", version)
     options = compile_options("cpu", Purpose.INIT)
     assert options == (CPU_INIT_COMPILE if level_one else None)
+
+
+def test_an_entry_left_half_written_is_removed_when_the_writer_opens_and_kept_anew(
+        tmp_path, caplog):
+    """A process killed while JAX wrote an entry in place leaves half a file, which JAX warns
+    of at every read and never writes again: the study's writer removes it when it opens the
+    cache (said once), so its program is compiled and kept anew; entries that read whole are
+    left, and each is checked once."""
+    import logging
+
+    f = jax.jit(lambda x: jnp.sin(x) * 5.0 - 2.0)
+    g = jax.jit(lambda x: jnp.cos(x) * 7.0 + 3.0)
+    x = jax.ShapeDtypeStruct((6, 4), jnp.float32)
+    with study_compile_cache(tmp_path):
+        f.lower(x).compile()
+        g.lower(x).compile()
+    assert len(_entries(tmp_path)) == 2
+    half = _entries(tmp_path)[0]
+    sound = _entries(tmp_path)[1].read_bytes()
+    half.write_bytes(half.read_bytes()[: half.stat().st_size // 2])
+    jax.clear_caches()
+    with caplog.at_level(logging.WARNING, logger="scamp_jax"), \
+            study_compile_cache(tmp_path), CompileCounter() as count:
+        f.lower(x).compile()
+        g.lower(x).compile()
+    assert count.total == 1 and sum(count.cache_hits.values()) == 1  # the half one compiled
+    assert [m for m in caplog.messages if "unreadable" in m] == [
+        f"removed 1 unreadable compiled program(s) from {str(cache_dir(tmp_path))!r} (a process "
+        "was stopped while writing them): they are compiled and kept again"]
+    assert len(_entries(tmp_path)) == 2 and _entries(tmp_path)[1].read_bytes() == sound
+    jax.clear_caches()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="scamp_jax"), \
+            study_compile_cache(tmp_path), CompileCounter() as again:
+        f.lower(x).compile()
+        g.lower(x).compile()
+    assert again.total == 0 and sum(again.cache_hits.values()) == 2 and not caplog.messages
+
+
+def test_a_cache_folder_that_is_a_file_is_refused_with_what_to_do(tmp_path):
+    (tmp_path / "jax_cache").write_text("")
+    with pytest.raises(ValueError, match=r"'.*jax_cache' is a file, where the study keeps its "
+                       r"compiled programs \(a folder\): move or delete it"):
+        with study_compile_cache(tmp_path):
+            pass

@@ -950,3 +950,71 @@ def test_a_store_the_disk_refuses_is_skipped_with_one_warning(tmp_path):
     assert warned.startswith(f"1 the plan cache {str(tmp_path / 'p.sqlite')!r} could not store "
                              "a plan (disk I/O error); planning goes on"), proc.stdout
     assert stored == "{'batch': 8} None"
+
+
+def test_a_plan_cache_deleted_while_in_use_is_made_again(tmp_path):
+    """Another process (or a user told a damaged cache may be deleted) removes the file while
+    a study uses it: the next lookup makes it again, an empty cache whose plans are compiled
+    again; not an empty file without tables that fails every plan after."""
+    path = tmp_path / "study" / "plans.sqlite"
+    cache = PlanCache(path)
+    first = plan_mesh(_abstract(), SAMPLE, devices=4, memory_per_device=BUDGET, cache=cache)
+    assert len(cache) == 1
+    for leftover in path.parent.glob("plans.sqlite*"):
+        leftover.unlink()
+    again = plan_mesh(_abstract(), SAMPLE, devices=4, memory_per_device=BUDGET, cache=cache)
+    assert not again.cached and again.batch_size == first.batch_size
+    assert len(cache) == 1 and path.is_file()
+    assert cache.get_allowance("cpu", "cpu") is None
+    path.unlink()  # the folder too: made again
+    path.parent.rmdir()
+    cache.put_peaks("k", {})
+    assert cache.get_plan("k") is None and path.is_file()
+
+
+def test_a_plan_cache_damaged_past_its_first_page_is_said_in_one_error(tmp_path):
+    """A file whose schema reads but whose tables are damaged: the lookup that meets the
+    damage raises the cache's one `ValueError` (delete it: it holds plans only), as a file
+    damaged at its start does, not SQLite's bare error; the advice names what the caller
+    passes (a study's own folder)."""
+    import sqlite3
+
+    path = tmp_path / "plans.sqlite"
+    cache = PlanCache(path)
+    for i in range(200):  # several pages of plans
+        cache.put_plan(f"key{i}", {"record": "x" * 200})
+    with sqlite3.connect(path) as db:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        page = db.execute("PRAGMA page_size").fetchone()[0]
+    data = bytearray(path.read_bytes())
+    data[page:3 * page] = b"\xff" * (2 * page)  # the pages after the schema's
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"the plan cache '.*plans.sqlite' cannot be used "
+                       r"\(database disk image is malformed\); a plan cache holds plans only: "
+                       r"if this file is one, delete it \(plans are compiled again\), else "
+                       r"pass another study_dir$"):
+        PlanCache(path, elsewhere="pass another study_dir").get_plan("key7")
+
+
+def test_an_unreadable_record_is_a_miss_said_once_and_planned_again(tmp_path):
+    """A row damaged in a sound file (no JSON, or JSON without a plan's fields) is a miss, said
+    once as the cache's, and the plan compiled again replaces it; not a trial failed with a
+    `JSONDecodeError` or a `KeyError` that reads as a bug in the task."""
+    import sqlite3
+
+    path = tmp_path / "plans.sqlite"
+    first = plan_mesh(_abstract(), SAMPLE, devices=4, memory_per_device=BUDGET,
+                      cache=PlanCache(path))
+    for text in ("{garbage", "{}"):
+        with sqlite3.connect(path) as db:
+            db.execute("UPDATE plans SET record = ?", (text,))
+            db.execute("UPDATE peaks SET record = ?", (text,))
+        cache = PlanCache(path)
+        with pytest.warns(RuntimeWarning, match=r"the plan cache '.*plans.sqlite' holds a "
+                          r".*; it is planned again, and the new plan replaces it") as said:
+            again = plan_mesh(_abstract(), SAMPLE, devices=4, memory_per_device=BUDGET,
+                              cache=cache)
+        assert len(said) == 1, [str(w.message) for w in said]
+        assert not again.cached and again.batch_size == first.batch_size
+        assert plan_mesh(_abstract(), SAMPLE, devices=4, memory_per_device=BUDGET,
+                         cache=PlanCache(path)).cached  # replaced by a sound record

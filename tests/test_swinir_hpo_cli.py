@@ -216,6 +216,17 @@ def test_plan_only_with_no_candidate_that_fits_says_so_in_flags_and_exits_2(tmp_
     assert "Traceback" not in result.stderr
 
 
+def test_plan_only_keeps_what_it_compiles_with_the_studys_compiled_programs(tmp_path):
+    """The preview compiles on the devices a study of this folder runs on: its programs go to
+    the study's ``jax_cache`` (beside its plans), for the study to load, not compile again."""
+    result = cli("--preset", "smoke", "--plan-only", "--trials", "1", "--study-dir",
+                 str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    kept = sorted(p.name.split("-")[0] for p in (tmp_path / "jax_cache").glob("*-cache"))
+    assert "jit_step" in kept and len(kept) >= 2, kept  # the step, and its evaluation
+    assert (tmp_path / "plans.sqlite").is_file()
+
+
 def test_plan_only_refuses_more_devices_per_trial_than_the_pool_before_it_says_more(tmp_path):
     """As the study refuses it, and before the preview's header: the error is all it says."""
     result = cli("--preset", "smoke", "--plan-only", "--policy", "fixed", "--devices-per-trial",

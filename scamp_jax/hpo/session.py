@@ -348,7 +348,8 @@ class StudySession:
         # Plans, fused plans and compiled peaks persist next to the studies (one SQLite file,
         # safe for concurrent writers): a resumed study, another process or another rank plans
         # an architecture planned before without compiling.
-        self.plan_cache = PlanCache(self.study_dir / "plans.sqlite")
+        self.plan_cache = PlanCache(self.study_dir / "plans.sqlite",
+                                    elsewhere="pass another study_dir")
         self.plan_fn = plan_fn or functools.partial(plan_mesh, cache=self.plan_cache)
         #: ``run.overhead`` of the last `run_engine` (`scamp_jax.hpo.overhead`), None before
         self.overhead: dict[str, Any] | None = None

@@ -27,13 +27,19 @@ One writer of compiled programs: only the process that owns the study (MPI rank 
 entries; the others read them and compile what is not there themselves (JAX writes an entry in
 place, so a second writer could hand a reader half a file; with ``filelock`` installed, JAX also
 takes a lock around every read and write, `FILE_LOCK_BYTES`). Every compile is written, however
-short: a resumed study should compile nothing it compiled before.
+short: a resumed study should compile nothing it compiled before. An entry a process was killed
+while writing stays half a file, which JAX neither reads nor writes again: the writer removes
+such entries when it opens the cache (`drop_unreadable`, each entry checked once), so that
+their programs are compiled and kept anew. The folder may be deleted whenever no process of
+the study runs: it holds compiled programs only, which are compiled again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,6 +51,12 @@ CACHE_DIRNAME = "jax_cache"
 FILE_LOCK_BYTES = 1 << 40
 #: `jax_persistent_cache_min_compile_time_secs` of a reader: it never writes.
 _NEVER = 1e12
+#: In the cache folder: touched when its entries were last checked (`drop_unreadable`).
+CHECKED_FILE = ".checked"
+#: JAX's suffix of an entry's file (``<name>-<key>-cache``).
+_ENTRY_SUFFIX = "-cache"
+
+log = logging.getLogger(__name__)
 
 
 def cache_dir(study_dir: str | Path) -> Path:
@@ -76,7 +88,21 @@ def study_compile_cache(study_dir: str | Path, *, writer: bool = True) -> Iterat
     from jax.experimental.compilation_cache import compilation_cache
 
     directory = cache_dir(study_dir)
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"{str(directory)!r} is a file, where the study keeps its compiled "
+                         "programs (a folder): move or delete it (the study makes the folder)")
     directory.mkdir(parents=True, exist_ok=True)
+    if writer and not os.access(directory, os.W_OK):
+        log.warning("the study's compiled programs cannot be kept in %r (it cannot be written "
+                    "here): this process compiles what is not there already; make it "
+                    "writable to keep them", str(directory))
+        writer = False
+    if writer:
+        dropped = drop_unreadable(directory)
+        if dropped:
+            log.warning("removed %d unreadable compiled program(s) from %r (a process was "
+                        "stopped while writing them): they are compiled and kept again",
+                        dropped, str(directory))
     settings = _settings(directory, writer)
     before = {name: getattr(jax.config, name) for name in settings}
     # JAX opens its cache once per process, at the first compile that uses it: start afresh so
@@ -90,3 +116,34 @@ def study_compile_cache(study_dir: str | Path, *, writer: bool = True) -> Iterat
         for name, value in before.items():
             jax.config.update(name, value)
         compilation_cache.reset_cache()
+
+
+def drop_unreadable(directory: str | Path) -> int:
+    """Remove the entries of the cache folder ``directory`` that do not decompress whole (a
+    process killed while JAX wrote one in place leaves half a file, which JAX warns of at
+    every read and never replaces), and return how many. Each entry is checked once: those
+    written since the last check (``CHECKED_FILE``'s time), all of them the first time. Checks
+    nothing where this JAX's decompression cannot be found."""
+    try:  # JAX's own reading of an entry (zstandard or zlib, as it wrote it); no public API
+        from jax._src.compilation_cache import decompress_executable
+    except ImportError:
+        return 0
+    directory = Path(directory)
+    marker = directory / CHECKED_FILE
+    since = marker.stat().st_mtime - 2.0 if marker.exists() else float("-inf")
+    dropped = 0
+    for entry in directory.iterdir():
+        if not entry.name.endswith(_ENTRY_SUFFIX):
+            continue
+        try:
+            if entry.stat().st_mtime < since:
+                continue
+            decompress_executable(entry.read_bytes())
+        except FileNotFoundError:
+            continue
+        except Exception:  # noqa: BLE001 - whatever the decompressor raises: unreadable
+            with contextlib.suppress(FileNotFoundError):
+                entry.unlink()
+            dropped += 1
+    marker.touch()
+    return dropped

@@ -323,9 +323,9 @@ class FusedStepCompiler:
         if self.cache is None or width in self._loaded:
             return
         self._loaded.add(width)
-        for batch, record in self.cache.get_peaks(self._width_key(width)).items():
+        for batch, (estimate, _) in self.cache.get_estimates(self._width_key(width)).items():
             if (width, batch) not in self.seen:
-                self.seen[(width, batch)] = MemoryEstimate(**record)
+                self.seen[(width, batch)] = estimate
                 self.from_cache.add((width, batch))
 
     @property

@@ -55,7 +55,7 @@ import optax
 from flax import nnx
 
 from scamp_jax._sqlite import DISK_REFUSED, write_ahead
-from scamp_jax.planning.memory import with_batch_size
+from scamp_jax.planning.memory import MemoryEstimate, with_batch_size
 from scamp_jax.planning.targets import target_of
 from scamp_jax.planning.train_step import LossFn, abstract_state, default_loss, split_model
 
@@ -329,6 +329,23 @@ class _Foreign(Exception):
     """A table of the cache's name with other columns (another program's file)."""
 
 
+def _peak_record(record: Any) -> bool:
+    """Whether ``record`` is what `PlanCache.put_peaks` stores: a `MemoryEstimate`'s fields
+    (``rough`` besides)."""
+    if not isinstance(record, dict):
+        return False
+    fields = {f.name: f for f in dataclasses.fields(MemoryEstimate)}
+    needed = {name for name, f in fields.items() if f.default is dataclasses.MISSING}
+    return (needed <= record.keys() and record.keys() <= {*fields, "rough"}
+            and all(isinstance(record[name], int) for name in needed))
+
+
+def _damaged(err: sqlite3.DatabaseError) -> bool:
+    """Whether ``err`` says the file is no sound SQLite database (damaged, or another kind
+    of file): not a lock, a full disk or a read-only file."""
+    return "not a database" in str(err) or "malformed" in str(err)
+
+
 def _create_tables(db: sqlite3.Connection) -> None:
     """The cache's tables, made where missing; raises `_Foreign` where one of their names
     has other columns, and SQLite's error where the file cannot be written (a plan found
@@ -361,22 +378,27 @@ class PlanCache:
 
     Args:
       path: the database file, e.g. ``<study_dir>/plans.sqlite``, created with its parent
-        directory when the cache is first used (a study that fails to open leaves nothing).
+        directory when the cache is first used (a study that fails to open leaves nothing),
+        and again where it was deleted since (its plans are then compiled again).
+      elsewhere: what the errors advise where the file cannot be used (a study's cache is
+        its folder's: "pass another study_dir").
 
     Attributes:
       hits, misses: plan lookups answered and not answered by this object, in this process.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, elsewhere: str = "pass another path") -> None:
         if not isinstance(path, str | os.PathLike):
             raise TypeError(f"PlanCache takes the path of its SQLite file (a str or "
                             f"pathlib.Path), not {type(path).__name__} {path!r}")
         self.path = Path(path)
+        self.elsewhere = elsewhere
         self._lock = threading.Lock()
         self._created = False
         self.hits = 0
         self.misses = 0
         self._full_said = False
+        self._unreadable_said = False
 
     @contextlib.contextmanager
     def _kept_going(self) -> Iterator[None]:
@@ -400,7 +422,10 @@ class PlanCache:
     def _connect(self) -> Iterator[sqlite3.Connection]:
         # A connection per call: sqlite3 connections are not shared across threads, and a
         # short-lived one never holds a lock between calls. ``with db`` commits (or rolls back).
-        # Every caller holds ``self._lock``, so the file and its tables are made once.
+        # Every caller holds ``self._lock``, so the file and its tables are made once, and
+        # again where the file was deleted since (SQLite would open an empty one in its place).
+        if self._created and not self.path.exists():
+            self._created = False
         if not self._created:
             self._make_folder()
         try:
@@ -415,14 +440,19 @@ class PlanCache:
                         _create_tables(db)
             except _Foreign as err:
                 raise ValueError(f"the plan cache {str(self.path)!r} is another program's "
-                                 f"SQLite file ({err}); pass another path") from None
+                                 f"SQLite file ({err}); {self.elsewhere}") from None
             except sqlite3.DatabaseError as err:
                 if "locked" in str(err):
                     raise
                 raise self._unusable(err) from None
             self._created = True
-            with db:
-                yield db
+            try:
+                with db:
+                    yield db
+            except sqlite3.DatabaseError as err:
+                if not _damaged(err):
+                    raise
+                raise self._unusable(err) from None  # damaged past what opening it reads
         finally:
             db.close()
 
@@ -437,7 +467,7 @@ class PlanCache:
             why = (f"{str(blocking)!r} is a file" if blocking is not None
                    else f"{err.strerror}: {err.filename!r}")
             raise ValueError(f"the plan cache {str(self.path)!r} cannot be made: {why}; "
-                             "pass another path") from None
+                             f"{self.elsewhere}") from None
 
     def _unusable(self, err: sqlite3.DatabaseError) -> ValueError:
         where = str(self.path)
@@ -446,29 +476,49 @@ class PlanCache:
                               f"{str(self.path / 'plans.sqlite')!r}")
         if "readonly" in str(err):
             return ValueError(f"the plan cache {where!r} cannot be written here ({err}): "
-                              "the plans compiled would be lost; make it writable, or pass "
-                              "another path")
+                              "the plans compiled would be lost; make it writable, or "
+                              f"{self.elsewhere}")
         if not os.access(self.path.parent, os.W_OK):  # SQLite writes its journal beside it
             return ValueError(f"the plan cache {where!r} cannot be used ({err}): its folder "
                               f"{str(self.path.parent)!r} cannot be written here; make it "
-                              "writable, or pass another path")
-        if "not a database" in str(err) or "malformed" in str(err):
+                              f"writable, or {self.elsewhere}")
+        if _damaged(err):
             # a damaged cache, or a file of anything else: deleting loses only plans
             return ValueError(
                 f"the plan cache {where!r} cannot be used ({err}); a plan cache holds plans "
-                "only: if this file is one, delete it (plans are compiled again), else pass "
-                "another path")
-        return ValueError(f"the plan cache {where!r} cannot be used ({err}); pass another path")
+                "only: if this file is one, delete it (plans are compiled again), else "
+                f"{self.elsewhere}")
+        return ValueError(f"the plan cache {where!r} cannot be used ({err}); {self.elsewhere}")
+
+    def _read(self, text: str) -> Any:
+        """A stored record's JSON, or None where it cannot be read (a row damaged in a sound
+        file): a miss, said once, and compiled again (its new record replaces it)."""
+        try:
+            return json.loads(text)
+        except (TypeError, ValueError) as err:
+            self.unreadable(f"a record that is no JSON ({err})")
+            return None
+
+    def unreadable(self, what: str) -> None:
+        """Say once that the cache held ``what`` (an unreadable record), taken as a miss."""
+        if not self._unreadable_said:
+            self._unreadable_said = True
+            warnings.warn(f"the plan cache {str(self.path)!r} holds {what}; it is planned "
+                          "again, and the new plan replaces it (if this repeats, delete the "
+                          "file: it holds plans only)", RuntimeWarning, stacklevel=3)
 
     def get_plan(self, key: str) -> dict[str, Any] | None:
         """The plan record stored under ``key``, or None (counted in ``hits``/``misses``)."""
         with self._lock, self._connect() as db:
             row = db.execute("SELECT record FROM plans WHERE key = ?", (key,)).fetchone()
-            if row is None:
+            record = None if row is None else self._read(row[0])
+            if not isinstance(record, dict):
+                if record is not None:
+                    self.unreadable(f"a plan record that is no JSON object ({row[0][:40]!r})")
                 self.misses += 1
                 return None
             self.hits += 1
-            return json.loads(row[0])
+            return record
 
     def put_plan(self, key: str, record: Mapping[str, Any]) -> None:
         """Store ``record`` (JSON-serialisable) under ``key``, replacing an older one."""
@@ -480,7 +530,22 @@ class PlanCache:
         """Compiled memory records stored under ``key``, by global batch size."""
         with self._lock, self._connect() as db:
             rows = db.execute("SELECT batch, record FROM peaks WHERE key = ?", (key,)).fetchall()
-        return {int(batch): json.loads(record) for batch, record in rows}
+        read = {int(batch): self._read(record) for batch, record in rows}
+        return {batch: record for batch, record in read.items() if isinstance(record, dict)}
+
+    def get_estimates(self, key: str) -> dict[int, tuple[MemoryEstimate, bool]]:
+        """The compiled points stored under ``key`` (`get_peaks`' records of a planner's
+        `MemoryEstimate`, with whether each was a rough compile), by global batch size; a
+        record without an estimate's fields is left out, a miss said once (`unreadable`)."""
+        out = {}
+        for batch, record in self.get_peaks(key).items():
+            if not _peak_record(record):
+                self.unreadable("a compiled peak record without a MemoryEstimate's fields")
+                continue
+            record = dict(record)
+            rough = bool(record.pop("rough", False))
+            out[batch] = (MemoryEstimate(**record), rough)
+        return out
 
     def put_peaks(self, key: str, records: Mapping[int, Mapping[str, Any]]) -> None:
         """Store compiled memory records (by global batch size) under ``key``."""
@@ -501,7 +566,12 @@ class PlanCache:
                 "SELECT record FROM allowances WHERE platform = ? AND device_kind = ?",
                 (platform, device_kind),
             ).fetchone()
-        return None if row is None else json.loads(row[0])
+        record = None if row is None else self._read(row[0])
+        if record is not None and not (isinstance(record, dict) and isinstance(
+                record.get("bytes"), int) and not isinstance(record["bytes"], bool)):
+            self.unreadable(f"an allowance record without its bytes ({row[0][:40]!r})")
+            return None
+        return record
 
     def put_allowance(self, platform: str, device_kind: str, record: Mapping[str, Any]) -> None:
         """Store the allowance measured on ``device_kind`` devices, replacing an older one.

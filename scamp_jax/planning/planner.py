@@ -614,7 +614,11 @@ def plan_mesh(
         batch_multiple, allowance_bytes, provisional)
     stored = _StoredPlans.of(request, cache)
     if stored is not None and (record := stored.plan_record()) is not None:
-        return _plan_from_record(record, request)
+        try:
+            return _plan_from_record(record, request)
+        except (KeyError, TypeError, ValueError) as err:  # a damaged row: planned again
+            stored.cache.unreadable(f"a plan record it cannot read ({type(err).__name__}: "
+                                    f"{err})")
     best_need: tuple[int, str, str] | None = None
     for mp in request.candidates:
         if request.cap < request.n // mp:
@@ -789,11 +793,10 @@ class _StoredPlans:
 
     def seed(self, search: BatchSearch, key: str) -> None:
         """Put the compiled points stored under ``key`` into ``search``."""
-        for b, r in sorted(self.cache.get_peaks(key).items()):
-            r = dict(r)
-            if r.pop("rough", False):
+        for b, (estimate, rough) in sorted(self.cache.get_estimates(key).items()):
+            if rough:
                 search.rough.add(b)
-            search.seen[b] = MemoryEstimate(**r)
+            search.seen[b] = estimate
 
     def keep(self, search: BatchSearch, key: str, known: set[int], known_rough: set[int]
              ) -> None:
