@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -470,3 +471,44 @@ def test_a_cache_folder_that_is_a_file_is_refused_with_what_to_do(tmp_path):
                        r"compiled programs \(a folder\): move or delete it"):
         with study_compile_cache(tmp_path):
             pass
+
+
+_READ_ONLY_CACHE = """
+import logging, sys, warnings
+import jax, jax.numpy as jnp
+from scamp_jax.planning.compile_cache import study_compile_cache
+logging.basicConfig(format="%(message)s")
+warnings.simplefilter("error")  # JAX's own warning, one per compile, would end it here
+with study_compile_cache(sys.argv[1]):
+    jax.jit(lambda x: x * 2.0 + 1.0).lower(jax.ShapeDtypeStruct((3,), jnp.float32)).compile()
+print("compiled")
+"""
+
+
+def test_a_cache_folder_that_cannot_be_written_is_said_once_and_only_read(tmp_path):
+    """A study folder whose ``jax_cache`` is mounted read-only (root's permission bits do not
+    stop its writes): the writer says once that compiled programs cannot be kept, and reads
+    only, instead of JAX's warning at every compile."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None or shutil.which("mount") is None:
+        pytest.skip("no unshare or mount (util-linux)")
+    folder = cache_dir(tmp_path)
+    folder.mkdir()
+    program = tmp_path / "compile.py"
+    program.write_text(_READ_ONLY_CACHE)
+    script = (f"mount --bind {folder} {folder} && mount -o remount,bind,ro {folder} && "
+              f"exec {sys.executable} {program} {tmp_path}")
+    result = subprocess.run(["unshare", "--mount", "--kill-child", "sh", "-c", script],
+                            cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    if result.returncode != 0 and ("mount" in result.stderr or "unshare" in result.stderr):
+        pytest.skip(f"a read-only mount is not allowed here: {result.stderr.strip()}")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "compiled"
+    assert result.stderr.strip() == (
+        f"the study's compiled programs cannot be kept in {str(folder)!r} (it cannot be "
+        "written here): this process compiles what is not there already; make it writable "
+        "to keep them")
