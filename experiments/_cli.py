@@ -354,10 +354,11 @@ def preset_text(name: str, c: HPOConfig) -> str:
     cap = c.max_running_trials
     running = ("no cap on running trials" if cap is None else
                f"--max-running-trials {cap}" if isinstance(cap, str) else f"at most {cap} running")
-    pruning = (f"pruner {c.pruner} (evaluations every {c.eval_every:,} steps)"
-               if c.pruner != "none" and c.eval_every and c.eval_every < c.steps else
+    pruning = ("no pruning" if c.pruner == "none" else
+               f"pruner {c.pruner} (evaluations every {c.eval_every:,} steps)"
+               if idle_pruner(c) is None else
                f"no pruning (pruner {c.pruner} without an evaluation before the last step: "
-               "pass --eval-every below --steps)" if c.pruner != "none" else "no pruning")
+               "pass --eval-every below --steps)")
     steps = f"{c.steps:,} steps" + (f" at batch {c.reference_batch:,}" if c.reference_batch
                                      else "")
     checkpoints = (f"a checkpoint every {c.checkpoint_every:,} steps" if c.checkpoint_every
@@ -868,10 +869,13 @@ def plan_only(
 
     # The programs it compiles are kept with the study's (on these devices: a target's are
     # compiled for other ones), so that the study they preview loads them.
-    from scamp_jax.planning.compile_cache import study_compile_cache
+    from scamp_jax.planning.compile_cache import cache_problem, study_compile_cache
 
+    problem = None if plan_cache is None else cache_problem(config.study_dir)
+    if problem is not None:
+        print(f"  note: {problem}; planning without keeping its compiled programs")
     kept = (study_compile_cache(config.study_dir) if target_name is None and plan_cache
-            is not None else contextlib.nullcontext())
+            is not None and problem is None else contextlib.nullcontext())
     try:
         with kept:
             rows = interruptible(lambda: plan_candidates(

@@ -71,8 +71,10 @@ def interruptible(work: Callable[[], _T], name: str = "work",
     off the main thread ``work`` runs in place.
 
     A stop leaves ``work`` running: it must store nothing a stop could leave half written
-    (planning without a study does not), and the process then ends with ``os._exit``
-    (`left_behind`). ``tick``: called in the waiting thread between waits (every 0.1 s), e.g.
+    that is not mended later (planning without a study keeps plans in SQLite, whose writes are
+    whole or none, and compiled programs in the study's cache, whose next writer removes an
+    entry left half written), and the process then ends with ``os._exit`` (`left_behind`).
+    ``tick``: called in the waiting thread between waits (every 0.1 s), e.g.
     to pass on a stop `stops_held` holds."""
     if threading.current_thread() is not threading.main_thread():
         return work()

@@ -9,6 +9,7 @@ import io
 import json
 import math
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,12 @@ from flax import nnx
 
 from scamp_jax.hpo.runner import make_optimizer
 from scamp_jax.hpo.settings import SearchSettings
-from scamp_jax.planning.compile_cache import cache_dir, study_compile_cache
+from scamp_jax.planning.compile_cache import (
+    CHECKED_FILE,
+    WRITE_GRACE_S,
+    cache_dir,
+    study_compile_cache,
+)
 from scamp_jax.planning.compile_events import CompileCounter
 from scamp_jax.planning.compile_options import (
     GPU_PLANNING_COMPILE,
@@ -433,7 +439,8 @@ def test_an_entry_left_half_written_is_removed_when_the_writer_opens_and_kept_an
     """A process killed while JAX wrote an entry in place leaves half a file, which JAX warns
     of at every read and never writes again: the study's writer removes it when it opens the
     cache (said once), so its program is compiled and kept anew; entries that read whole are
-    left, and each is checked once."""
+    left, each is checked once, and none written in the last `WRITE_GRACE_S` (another process
+    of the study may still be writing it)."""
     import logging
 
     f = jax.jit(lambda x: jnp.sin(x) * 5.0 - 2.0)
@@ -446,6 +453,16 @@ def test_an_entry_left_half_written_is_removed_when_the_writer_opens_and_kept_an
     half = _entries(tmp_path)[0]
     sound = _entries(tmp_path)[1].read_bytes()
     half.write_bytes(half.read_bytes()[: half.stat().st_size // 2])
+    # Written just now, it may be another process's entry still being written: left alone.
+    jax.clear_caches()
+    with study_compile_cache(tmp_path):
+        pass
+    assert half in _entries(tmp_path) and half.stat().st_size < len(sound) + 1000
+    old = time.time() - WRITE_GRACE_S - 60  # as written long enough before this opening
+    for entry in _entries(tmp_path):
+        os.utime(entry, (old, old))
+    marker = cache_dir(tmp_path) / CHECKED_FILE  # and after the entries checked before
+    os.utime(marker, (old - 60, old - 60))
     jax.clear_caches()
     with caplog.at_level(logging.WARNING, logger="scamp_jax"), \
             study_compile_cache(tmp_path), CompileCounter() as count:
@@ -453,8 +470,8 @@ def test_an_entry_left_half_written_is_removed_when_the_writer_opens_and_kept_an
         g.lower(x).compile()
     assert count.total == 1 and sum(count.cache_hits.values()) == 1  # the half one compiled
     assert [m for m in caplog.messages if "unreadable" in m] == [
-        f"removed 1 unreadable compiled program(s) from {str(cache_dir(tmp_path))!r} (a process "
-        "was stopped while writing them): they are compiled and kept again"]
+        f"removed 1 half-written compiled program(s) from {str(cache_dir(tmp_path))!r} "
+        "(unreadable: a process stopped while writing them?): they are compiled and kept again"]
     assert len(_entries(tmp_path)) == 2 and _entries(tmp_path)[1].read_bytes() == sound
     jax.clear_caches()
     caplog.clear()

@@ -194,7 +194,7 @@ def test_a_study_whose_pruner_can_prune_nothing_says_so(tmp_path, caplog):
 
 def test_a_run_that_changes_the_sampler_or_batch_bounds_says_so_and_each_run_records_its(
         tmp_path, capsys):
-    """The sampler, pruner, policy, fusion and batch bounds may change from one run of a
+    """The sampler, pruner, policy and batch bounds may change from one run of a
     study to the next (its steps, seed and budget may not): each run's entry in
     ``results.json`` records what it had, and a run that changes one says so where it
     opens."""
@@ -209,12 +209,15 @@ def test_a_run_that_changes_the_sampler_or_batch_bounds_says_so_and_each_run_rec
             "(results.json: each run's search)") in capsys.readouterr().out.splitlines()
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert [r["search"] for r in runs] == [
-        {"sampler": "random", "pruner": "median", "policy": "scamp", "fuse": None,
+        {"sampler": "random", "pruner": "median", "policy": "scamp",
          "min_batch_size": None, "max_batch_size": 16,
          "reference_batch": None},
-        {"sampler": "tpe", "pruner": "median", "policy": "scamp", "fuse": None,
+        {"sampler": "tpe", "pruner": "median", "policy": "scamp",
          "min_batch_size": None, "max_batch_size": 8,
          "reference_batch": None}]
+    # Not the fusion a study narrows to its trials: raising trials changes no setting given.
+    assert SearchSettings(trials=1, steps=1, fuse=4).run_record() == \
+        SearchSettings(trials=3, steps=1, fuse=4).run_record()
     # The policy too: another placement of the trials (and, fixed, one batch for them all).
     scamp_jax.run_study(SPACE, function_task(), trials=3, sampler="tpe", max_batch_size=8,
                         policy="fixed", devices_per_trial=1, **kw)
@@ -634,18 +637,27 @@ def test_run_study_refuses_a_damaged_study_database_and_changes_nothing(tmp_path
     assert (tmp_path / "study.db").read_bytes() == damaged
 
 
+def test_run_study_refuses_a_file_where_its_compiled_programs_go_before_the_study(tmp_path):
+    (tmp_path / "jax_cache").write_text("")
+    with pytest.raises(ValueError, match=r"'.*jax_cache' is a file, where the study keeps its "
+                       r"compiled programs \(a folder\): move or delete it"):
+        scamp_jax.run_study(SPACE, function_task(), trials=1, steps=2, study_dir=tmp_path,
+                            devices=1, memory_per_device="64MiB", live=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["jax_cache"]  # no study made
+
+
 def test_run_study_refuses_a_damaged_plan_cache_naming_it(tmp_path):
     (tmp_path / "plans.sqlite").write_bytes(b"not a database" * 100)
     with pytest.raises(ValueError, match=r"the plan cache '.*plans.sqlite' is damaged \(file is "
-                       r"not a database\); it holds plans only: delete it"):
+                       r"not a database\); it holds plans and measured allowances only: delete it"):
         scamp_jax.run_study(SPACE, function_task(), trials=1, steps=2, study_dir=tmp_path,
                             devices=1, memory_per_device="64MiB", live=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plans.sqlite"]
     from scamp_jax.planning.plan_cache import PlanCache
 
     with pytest.raises(ValueError, match=r"the plan cache '.*plans.sqlite' cannot be used \(file "
-                       r"is not a database\); a plan cache holds plans only: if this file is "
-                       "one, delete it"):
+                       r"is not a database\); a plan cache holds plans and measured "
+                       "allowances only: if this file is one, delete it"):
         PlanCache(tmp_path / "plans.sqlite").get_allowance("cpu", "cpu")
     with pytest.raises(ValueError, match=r"the plan cache '.*' is a folder; pass a file path, "
                        r"e.g. '.*plans.sqlite'"):

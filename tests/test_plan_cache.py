@@ -974,7 +974,8 @@ def test_a_plan_cache_deleted_while_in_use_is_made_again(tmp_path):
 
 def test_a_plan_cache_damaged_past_its_first_page_is_said_in_one_error(tmp_path):
     """A file whose schema reads but whose tables are damaged: the lookup that meets the
-    damage raises the cache's one `ValueError` (delete it: it holds plans only), as a file
+    damage raises the cache's one `ValueError` (delete it: it holds what is compiled and
+    measured again), as a file
     damaged at its start does, not SQLite's bare error; the advice names what the caller
     passes (a study's own folder)."""
     import sqlite3
@@ -990,16 +991,17 @@ def test_a_plan_cache_damaged_past_its_first_page_is_said_in_one_error(tmp_path)
     data[page:3 * page] = b"\xff" * (2 * page)  # the pages after the schema's
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=r"the plan cache '.*plans.sqlite' cannot be used "
-                       r"\(database disk image is malformed\); a plan cache holds plans only: "
-                       r"if this file is one, delete it \(plans are compiled again\), else "
-                       r"pass another study_dir$"):
+                       r"\(database disk image is malformed\); a plan cache holds plans and "
+                       r"measured allowances only: if this file is one, delete it \(they are "
+                       r"compiled and measured again\), else pass another study_dir$"):
         PlanCache(path, elsewhere="pass another study_dir").get_plan("key7")
 
 
 def test_an_unreadable_record_is_a_miss_said_once_and_planned_again(tmp_path):
-    """A row damaged in a sound file (no JSON, or JSON without a plan's fields) is a miss, said
-    once as the cache's, and the plan compiled again replaces it; not a trial failed with a
-    `JSONDecodeError` or a `KeyError` that reads as a bug in the task."""
+    """A row damaged in a sound file (no JSON, or JSON without a plan's fields) is removed as
+    it is read, said once as the cache's, and a miss: the plan compiled again replaces it (an
+    allowance is measured again); not a trial failed with a `JSONDecodeError` or a `KeyError`
+    that reads as a bug in the task, nor a warning in every later process."""
     import sqlite3
 
     path = tmp_path / "plans.sqlite"
@@ -1009,12 +1011,20 @@ def test_an_unreadable_record_is_a_miss_said_once_and_planned_again(tmp_path):
         with sqlite3.connect(path) as db:
             db.execute("UPDATE plans SET record = ?", (text,))
             db.execute("UPDATE peaks SET record = ?", (text,))
+            db.execute("INSERT INTO allowances VALUES ('cpu', 'cpu', ?)", (text,))
         cache = PlanCache(path)
-        with pytest.warns(RuntimeWarning, match=r"the plan cache '.*plans.sqlite' holds a "
-                          r".*; it is planned again, and the new plan replaces it") as said:
+        with pytest.warns(RuntimeWarning, match=r"the plan cache '.*plans.sqlite' held an? "
+                          r".*, which is removed: what it held is compiled \(or measured\) "
+                          r"again and kept anew") as said:
             again = plan_mesh(_abstract(), SAMPLE, devices=4, memory_per_device=BUDGET,
                               cache=cache)
         assert len(said) == 1, [str(w.message) for w in said]
         assert not again.cached and again.batch_size == first.batch_size
+        assert (cache.hits, cache.misses) == (0, 1)
+        with sqlite3.connect(path) as db:  # every unreadable row removed, none left to warn of
+            assert db.execute("SELECT COUNT(*) FROM allowances").fetchone()[0] == 0
+            records = [r for (r,) in db.execute("SELECT record FROM plans UNION ALL "
+                                                "SELECT record FROM peaks")]
+        assert records and text not in records
         assert plan_mesh(_abstract(), SAMPLE, devices=4, memory_per_device=BUDGET,
                          cache=PlanCache(path)).cached  # replaced by a sound record

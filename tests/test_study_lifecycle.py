@@ -252,6 +252,6 @@ def test_a_run_stopped_before_its_engine_started_records_its_search_settings(tmp
     session.report_interrupted(optuna.create_study(), 0.5, 0)
     [run] = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert run["interrupted"] and run["search"] == {
-        "sampler": "random", "pruner": "median", "policy": "scamp", "fuse": None,
+        "sampler": "random", "pruner": "median", "policy": "scamp",
         "min_batch_size": None, "max_batch_size": 8,
         "reference_batch": None}

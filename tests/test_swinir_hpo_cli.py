@@ -272,7 +272,7 @@ def test_plan_only_plans_without_a_plan_cache_it_cannot_use_and_says_so(tmp_path
     result = cli("--preset", "smoke", "--plan-only", "--trials", "1", "--memory-per-device",
                  "1KiB", "--study-dir", str(tmp_path / "a-file"))
     assert (f"  note: the plan cache {str(tmp_path / 'a-file' / 'plans.sqlite')!r} cannot be "
-            f"made: {str(tmp_path / 'a-file')!r} is a file; pass another path; planning "
+            f"made: {str(tmp_path / 'a-file')!r} is a file; pass another --study-dir; planning "
             "without it, so nothing is kept") in result.stdout.splitlines(), result.stdout
     assert "trial 0: no plan: SwinIR does not fit" in result.stdout  # planned all the same
     assert "Traceback" not in result.stderr

@@ -393,18 +393,21 @@ def check_ranks_share_settings(comm: Any, settings: Any) -> None:
     allocator gave smaller.)"""
     import dataclasses
 
-    from scamp_jax.hpo.settings import STEP_INTERVALS
+    from scamp_jax.hpo.settings import DERIVED_SETTINGS
 
     mine = {f.name: repr(getattr(settings, f.name)) for f in dataclasses.fields(settings)
             if f.name not in PER_RANK_SETTINGS}
     every = comm.allgather(mine)
     for rank, theirs in enumerate(every[1:], start=1):
         differ = [k for k in every[0] if theirs.get(k) != every[0][k]]
-        if "steps" in differ:  # intervals a command line scales with the steps: not the user's
-            differ = [k for k in differ if k not in STEP_INTERVALS]
+        # what follows a setting that differs (steps' intervals, trials' fusion) is not named
+        derived = {k for source, follow in DERIVED_SETTINGS.items() if source in differ
+                   for k in follow}
+        differ = [k for k in differ if k not in derived]
         if not differ:
             continue
         if comm.Get_rank() != 0:  # one rank says what differs; the others, that they stop
+            time.sleep(1.0)  # after rank 0 has said it: the first rank to end aborts the job
             raise ValueError("the ranks were started with other settings (rank 0's line names "
                              "them); start every rank with the same command")
         # "; ": a command line says each as its flag (``--steps 30``)

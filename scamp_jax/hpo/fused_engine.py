@@ -57,6 +57,7 @@ from scamp_jax.hpo.trial import fusion_cap as fusion_cap
 from scamp_jax.hpo.units import Formed, GroupUnit, SoloUnit, Unit
 from scamp_jax.planning import planner
 from scamp_jax.planning.fusion import FusionPlan, plan_fusion
+from scamp_jax.planning.plan_cache import PlanCacheUnusable
 from scamp_jax.scheduling.grouping import FusionCandidate, form_groups
 
 log = logging.getLogger(__name__)
@@ -201,6 +202,8 @@ class FusionService:
                 plan=plan, batch_size=int(plan.batch_size), optimizer=make_optimizer(params),
                 loss_fn=self.task.loss_fn, cache=self.plan_cache, compile_for_run=True,
                 min_width=min(2, width))
+        except PlanCacheUnusable:
+            raise  # the study's cache, not this group: as a trial's plan would meet it
         except (planner.DoesNotFitError, TypeError, ValueError):
             fusion = None  # e.g. a fake plan in tests, or two members do not fit fused
         except Exception as err:  # noqa: BLE001 - e.g. a compile error: the members train alone

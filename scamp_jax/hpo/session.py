@@ -185,17 +185,23 @@ def _check_writable_place(folder: Path, said: str, kind: str) -> None:
 def check_study_place(study_dir: str | Path, storage: str | None) -> None:
     """Raise ``ValueError`` where ``study_dir`` cannot be written (`check_directory`) or
     ``storage`` is no usable database URL, or the study's SQLite file is damaged
-    (`scamp_jax.hpo.study.storage.check_storage`), or its plan cache is, before anything is
-    written there."""
+    (`scamp_jax.hpo.study.storage.check_storage`), or its plan cache is, or a file stands
+    where its compiled programs go (`scamp_jax.planning.compile_cache.cache_problem`), before
+    anything is written there."""
     from scamp_jax.hpo.study.storage import check_storage, sqlite_problem
+    from scamp_jax.planning.compile_cache import cache_problem
 
     check_directory(study_dir)
     check_storage(storage or None, study_dir)
+    problem = cache_problem(study_dir)
+    if problem is not None:
+        raise ValueError(problem)
     plans = Path(study_dir) / "plans.sqlite"
     problem = sqlite_problem(plans) if plans.is_file() else None
     if problem:
         raise ValueError(f"the plan cache {str(plans)!r} is damaged ({problem}); it holds plans "
-                         "only: delete it (plans are compiled again), or pass another study_dir")
+                         "and measured allowances only: delete it (they are compiled and "
+                         "measured again), or pass another study_dir")
 
 
 #: In a study directory: the study whose outputs are at its top level (`claim_outputs`).

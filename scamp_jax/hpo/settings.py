@@ -39,6 +39,9 @@ ELASTIC = {"auto": None, "on": True, "off": False}
 #: themselves (a preset's 25 of 100 steps: every 250 of 1,000), so that a trial is due as many
 #: checkpoints and evaluations whatever its steps.
 STEP_INTERVALS = ("checkpoint_every", "eval_every")
+#: Settings that follow others where they are not given themselves: the intervals a command
+#: line scales with ``steps``, and ``fuse``, which a study narrows to its ``trials``.
+DERIVED_SETTINGS = {"steps": STEP_INTERVALS, "trials": ("fuse",)}
 #: seconds between a live trial's heartbeats (Optuna's ``heartbeat_interval``).
 HEARTBEAT_INTERVAL = 10
 #: seconds without a heartbeat after which a trial's process counts as dead.
@@ -249,10 +252,10 @@ class EngineConfig:
 
     def run_record(self) -> dict[str, Any]:
         """What shapes a run's trials and may change from one run of a study to the next
-        (unlike `SearchSettings.study_record`'s): its policy, fusion and batch bounds. Each
-        run's entry in ``results.json`` keeps it (``search``), and a run that changes it says
-        so."""
-        return {"policy": self.policy, "fuse": self.fuse,
+        (unlike `SearchSettings.study_record`'s): its policy and batch bounds. Each run's
+        entry in ``results.json`` keeps it (``search``), and a run that changes it says so.
+        (Not ``fuse``: a study's settings narrow it to its trials, which a run may raise.)"""
+        return {"policy": self.policy,
                 "min_batch_size": self.min_batch_size, "max_batch_size": self.max_batch_size,
                 "reference_batch": self.reference_batch}
 

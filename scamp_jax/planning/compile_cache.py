@@ -40,6 +40,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,8 +52,11 @@ CACHE_DIRNAME = "jax_cache"
 FILE_LOCK_BYTES = 1 << 40
 #: `jax_persistent_cache_min_compile_time_secs` of a reader: it never writes.
 _NEVER = 1e12
-#: In the cache folder: touched when its entries were last checked (`drop_unreadable`).
+#: In the cache folder: its time says up to when its entries were checked (`drop_unreadable`).
 CHECKED_FILE = ".checked"
+#: Seconds an entry is left unchecked after it was written: another process of the study may
+#: still be writing it (JAX writes in place); it is checked at a later opening.
+WRITE_GRACE_S = 120.0
 #: JAX's suffix of an entry's file (``<name>-<key>-cache``).
 _ENTRY_SUFFIX = "-cache"
 
@@ -62,6 +66,15 @@ log = logging.getLogger(__name__)
 def cache_dir(study_dir: str | Path) -> Path:
     """The persistent compilation cache folder of the study directory ``study_dir``."""
     return Path(study_dir) / CACHE_DIRNAME
+
+
+def cache_problem(study_dir: str | Path) -> str | None:
+    """Why ``study_dir``'s cache folder cannot be one (a file is at its path), or None."""
+    directory = cache_dir(study_dir)
+    if directory.exists() and not directory.is_dir():
+        return (f"{str(directory)!r} is a file, where the study keeps its compiled programs "
+                "(a folder): move or delete it (the study makes the folder)")
+    return None
 
 
 def _settings(directory: Path, writer: bool) -> dict[str, Any]:
@@ -88,9 +101,9 @@ def study_compile_cache(study_dir: str | Path, *, writer: bool = True) -> Iterat
     from jax.experimental.compilation_cache import compilation_cache
 
     directory = cache_dir(study_dir)
-    if directory.exists() and not directory.is_dir():
-        raise ValueError(f"{str(directory)!r} is a file, where the study keeps its compiled "
-                         "programs (a folder): move or delete it (the study makes the folder)")
+    problem = cache_problem(study_dir)
+    if problem is not None:
+        raise ValueError(problem)
     directory.mkdir(parents=True, exist_ok=True)
     if writer and not os.access(directory, os.W_OK):
         log.warning("the study's compiled programs cannot be kept in %r (it cannot be written "
@@ -100,9 +113,9 @@ def study_compile_cache(study_dir: str | Path, *, writer: bool = True) -> Iterat
     if writer:
         dropped = drop_unreadable(directory)
         if dropped:
-            log.warning("removed %d unreadable compiled program(s) from %r (a process was "
-                        "stopped while writing them): they are compiled and kept again",
-                        dropped, str(directory))
+            log.warning("removed %d half-written compiled program(s) from %r (unreadable: "
+                        "a process stopped while writing them?): they are compiled and kept "
+                        "again", dropped, str(directory))
     settings = _settings(directory, writer)
     before = {name: getattr(jax.config, name) for name in settings}
     # JAX opens its cache once per process, at the first compile that uses it: start afresh so
@@ -121,29 +134,46 @@ def study_compile_cache(study_dir: str | Path, *, writer: bool = True) -> Iterat
 def drop_unreadable(directory: str | Path) -> int:
     """Remove the entries of the cache folder ``directory`` that do not decompress whole (a
     process killed while JAX wrote one in place leaves half a file, which JAX warns of at
-    every read and never replaces), and return how many. Each entry is checked once: those
-    written since the last check (``CHECKED_FILE``'s time), all of them the first time. Checks
-    nothing where this JAX's decompression cannot be found."""
-    try:  # JAX's own reading of an entry (zstandard or zlib, as it wrote it); no public API
-        from jax._src.compilation_cache import decompress_executable
-    except ImportError:
+    every read and never replaces), and return how many. Each entry is checked once, at the
+    first opening at least `WRITE_GRACE_S` after it was written (before, another process may
+    still be writing it): ``CHECKED_FILE``'s time says up to when entries were checked. Checks
+    nothing where this JAX's decompression cannot be found or does not read back what its
+    compression wrote."""
+    decompress = _jax_decompression()
+    if decompress is None:
         return 0
     directory = Path(directory)
     marker = directory / CHECKED_FILE
-    since = marker.stat().st_mtime - 2.0 if marker.exists() else float("-inf")
+    since = marker.stat().st_mtime if marker.exists() else float("-inf")
+    until = time.time() - WRITE_GRACE_S  # entries written later: checked at a later opening
     dropped = 0
     for entry in directory.iterdir():
         if not entry.name.endswith(_ENTRY_SUFFIX):
             continue
         try:
-            if entry.stat().st_mtime < since:
+            if not since <= entry.stat().st_mtime < until:
                 continue
-            decompress_executable(entry.read_bytes())
+            data = entry.read_bytes()
         except FileNotFoundError:
             continue
-        except Exception:  # noqa: BLE001 - whatever the decompressor raises: unreadable
+        try:
+            decompress(data)
+        except Exception:  # noqa: BLE001 - the codec's error (zlib's, zstandard's): unreadable
             with contextlib.suppress(FileNotFoundError):
                 entry.unlink()
             dropped += 1
     marker.touch()
+    os.utime(marker, (max(until, since), max(until, since)))
     return dropped
+
+
+def _jax_decompression() -> Any:
+    """JAX's own reading of a cache entry (zstandard or zlib, as it wrote it: no public API
+    has it), where it reads back what JAX's compression writes; else None."""
+    try:
+        from jax._src.compilation_cache import compress_executable, decompress_executable
+        if decompress_executable(compress_executable(b"scamp-jax")) == b"scamp-jax":
+            return decompress_executable
+    except Exception:  # noqa: BLE001 - another JAX's internals: check nothing
+        pass
+    return None

@@ -329,6 +329,16 @@ class _Foreign(Exception):
     """A table of the cache's name with other columns (another program's file)."""
 
 
+class PlanCacheUnusable(ValueError):
+    """A plan cache that cannot serve (damaged, another program's file, not writable): the
+    message names the file and what to do. Not a plan that does not fit, which callers that
+    try other sizes catch as a `ValueError`."""
+
+
+#: `PlanCache._read`'s answer for text that is no JSON (``null`` is JSON: None).
+_UNREADABLE = object()
+
+
 def _peak_record(record: Any) -> bool:
     """Whether ``record`` is what `PlanCache.put_peaks` stores: a `MemoryEstimate`'s fields
     (``rough`` besides)."""
@@ -439,7 +449,7 @@ class PlanCache:
                     with db:
                         _create_tables(db)
             except _Foreign as err:
-                raise ValueError(f"the plan cache {str(self.path)!r} is another program's "
+                raise PlanCacheUnusable(f"the plan cache {str(self.path)!r} is another program's "
                                  f"SQLite file ({err}); {self.elsewhere}") from None
             except sqlite3.DatabaseError as err:
                 if "locked" in str(err):
@@ -466,59 +476,66 @@ class PlanCache:
                              if p.exists() and not p.is_dir()), None)
             why = (f"{str(blocking)!r} is a file" if blocking is not None
                    else f"{err.strerror}: {err.filename!r}")
-            raise ValueError(f"the plan cache {str(self.path)!r} cannot be made: {why}; "
+            raise PlanCacheUnusable(f"the plan cache {str(self.path)!r} cannot be made: {why}; "
                              f"{self.elsewhere}") from None
 
-    def _unusable(self, err: sqlite3.DatabaseError) -> ValueError:
+    def _unusable(self, err: sqlite3.DatabaseError) -> PlanCacheUnusable:
         where = str(self.path)
         if self.path.is_dir():  # a folder may hold anything: never advise deleting it
-            return ValueError(f"the plan cache {where!r} is a folder; pass a file path, e.g. "
-                              f"{str(self.path / 'plans.sqlite')!r}")
+            return PlanCacheUnusable(f"the plan cache {where!r} is a folder; pass a file "
+                                     f"path, e.g. {str(self.path / 'plans.sqlite')!r}")
         if "readonly" in str(err):
-            return ValueError(f"the plan cache {where!r} cannot be written here ({err}): "
-                              "the plans compiled would be lost; make it writable, or "
-                              f"{self.elsewhere}")
+            return PlanCacheUnusable(
+                f"the plan cache {where!r} cannot be written here ({err}): the plans compiled "
+                f"would be lost; make it writable, or {self.elsewhere}")
         if not os.access(self.path.parent, os.W_OK):  # SQLite writes its journal beside it
-            return ValueError(f"the plan cache {where!r} cannot be used ({err}): its folder "
-                              f"{str(self.path.parent)!r} cannot be written here; make it "
-                              f"writable, or {self.elsewhere}")
+            return PlanCacheUnusable(
+                f"the plan cache {where!r} cannot be used ({err}): its folder "
+                f"{str(self.path.parent)!r} cannot be written here; make it writable, or "
+                f"{self.elsewhere}")
         if _damaged(err):
             # a damaged cache, or a file of anything else: deleting loses only plans
-            return ValueError(
+            return PlanCacheUnusable(
                 f"the plan cache {where!r} cannot be used ({err}); a plan cache holds plans "
-                "only: if this file is one, delete it (plans are compiled again), else "
-                f"{self.elsewhere}")
-        return ValueError(f"the plan cache {where!r} cannot be used ({err}); {self.elsewhere}")
+                "and measured allowances only: if this file is one, delete it (they are "
+                f"compiled and measured again), else {self.elsewhere}")
+        return PlanCacheUnusable(f"the plan cache {where!r} cannot be used ({err}); "
+                                 f"{self.elsewhere}")
 
-    def _read(self, text: str) -> Any:
-        """A stored record's JSON, or None where it cannot be read (a row damaged in a sound
-        file): a miss, said once, and compiled again (its new record replaces it)."""
+    def _read(self, text: Any) -> Any:
+        """A stored record's JSON, or `_UNREADABLE` (a row damaged in a sound file)."""
         try:
             return json.loads(text)
-        except (TypeError, ValueError) as err:
-            self.unreadable(f"a record that is no JSON ({err})")
-            return None
+        except (TypeError, ValueError):
+            return _UNREADABLE
 
-    def unreadable(self, what: str) -> None:
-        """Say once that the cache held ``what`` (an unreadable record), taken as a miss."""
+    def drop(self, table: str, where: Mapping[str, Any], what: str) -> None:
+        """Remove the row of ``table`` that ``where`` names (column: value), an unreadable
+        ``what``: a miss from now on, whose figures are compiled (an allowance: measured)
+        again and stored anew; said once per cache object."""
+        with self._lock, self._connect() as db, contextlib.suppress(sqlite3.OperationalError):
+            db.execute(f"DELETE FROM {table} WHERE "
+                       + " AND ".join(f"{column} = ?" for column in where), tuple(where.values()))
         if not self._unreadable_said:
             self._unreadable_said = True
-            warnings.warn(f"the plan cache {str(self.path)!r} holds {what}; it is planned "
-                          "again, and the new plan replaces it (if this repeats, delete the "
-                          "file: it holds plans only)", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"the plan cache {str(self.path)!r} held {what}, which is removed: "
+                          "what it held is compiled (or measured) again and kept anew",
+                          RuntimeWarning, stacklevel=3)
 
     def get_plan(self, key: str) -> dict[str, Any] | None:
-        """The plan record stored under ``key``, or None (counted in ``hits``/``misses``)."""
+        """The plan record stored under ``key``, or None (counted in ``hits``/``misses``); an
+        unreadable one is dropped (`drop`), a miss."""
         with self._lock, self._connect() as db:
             row = db.execute("SELECT record FROM plans WHERE key = ?", (key,)).fetchone()
-            record = None if row is None else self._read(row[0])
-            if not isinstance(record, dict):
-                if record is not None:
-                    self.unreadable(f"a plan record that is no JSON object ({row[0][:40]!r})")
-                self.misses += 1
-                return None
-            self.hits += 1
-            return record
+        record = None if row is None else self._read(row[0])
+        if row is not None and not isinstance(record, dict):
+            self.drop("plans", {"key": key}, f"an unreadable plan record ({row[0]!r:.40})")
+            record = None
+        if record is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        return record
 
     def put_plan(self, key: str, record: Mapping[str, Any]) -> None:
         """Store ``record`` (JSON-serialisable) under ``key``, replacing an older one."""
@@ -527,20 +544,29 @@ class PlanCache:
             db.execute("INSERT OR REPLACE INTO plans (key, record) VALUES (?, ?)", (key, text))
 
     def get_peaks(self, key: str) -> dict[int, dict[str, Any]]:
-        """Compiled memory records stored under ``key``, by global batch size."""
+        """Compiled memory records stored under ``key``, by global batch size (unreadable
+        ones dropped)."""
         with self._lock, self._connect() as db:
             rows = db.execute("SELECT batch, record FROM peaks WHERE key = ?", (key,)).fetchall()
-        read = {int(batch): self._read(record) for batch, record in rows}
-        return {batch: record for batch, record in read.items() if isinstance(record, dict)}
+        out = {}
+        for batch, text in rows:
+            record = self._read(text)
+            if isinstance(record, dict):
+                out[int(batch)] = record
+            else:
+                self.drop("peaks", {"key": key, "batch": batch},
+                          f"an unreadable compiled peak record ({text!r:.40})")
+        return out
 
     def get_estimates(self, key: str) -> dict[int, tuple[MemoryEstimate, bool]]:
         """The compiled points stored under ``key`` (`get_peaks`' records of a planner's
         `MemoryEstimate`, with whether each was a rough compile), by global batch size; a
-        record without an estimate's fields is left out, a miss said once (`unreadable`)."""
+        record without an estimate's fields is dropped (`drop`)."""
         out = {}
         for batch, record in self.get_peaks(key).items():
             if not _peak_record(record):
-                self.unreadable("a compiled peak record without a MemoryEstimate's fields")
+                self.drop("peaks", {"key": key, "batch": batch},
+                          "a compiled peak record without a MemoryEstimate's fields")
                 continue
             record = dict(record)
             rough = bool(record.pop("rough", False))
@@ -556,7 +582,8 @@ class PlanCache:
             )
 
     def get_allowance(self, platform: str, device_kind: str) -> dict[str, Any] | None:
-        """The allowance record measured on ``device_kind`` devices of ``platform``, or None.
+        """The allowance record measured on ``device_kind`` devices of ``platform``, or None
+        (also where it was unreadable: dropped, it is measured again).
 
         ``record["bytes"]`` is the allowance per device in bytes; the rest says how it was
         measured (see `put_allowance`).
@@ -566,10 +593,14 @@ class PlanCache:
                 "SELECT record FROM allowances WHERE platform = ? AND device_kind = ?",
                 (platform, device_kind),
             ).fetchone()
-        record = None if row is None else self._read(row[0])
-        if record is not None and not (isinstance(record, dict) and isinstance(
-                record.get("bytes"), int) and not isinstance(record["bytes"], bool)):
-            self.unreadable(f"an allowance record without its bytes ({row[0][:40]!r})")
+        if row is None:
+            return None
+        record = self._read(row[0])
+        if not (isinstance(record, dict) and isinstance(record.get("bytes"), int)
+                and not isinstance(record["bytes"], bool)):
+            self.drop("allowances", {"platform": platform, "device_kind": device_kind},
+                      f"an allowance record without its bytes ({row[0]!r:.40}), 0 until "
+                      "measured again,")
             return None
         return record
 

@@ -39,7 +39,7 @@ import numbers
 import os
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -615,10 +615,11 @@ def plan_mesh(
     stored = _StoredPlans.of(request, cache)
     if stored is not None and (record := stored.plan_record()) is not None:
         try:
-            return _plan_from_record(record, request)
+            fields = _record_fields(record)
         except (KeyError, TypeError, ValueError) as err:  # a damaged row: planned again
-            stored.cache.unreadable(f"a plan record it cannot read ({type(err).__name__}: "
-                                    f"{err})")
+            stored.forget(f"a plan record it cannot read ({type(err).__name__}: {err})")
+        else:
+            return _plan_from_record(fields, request)
     best_need: tuple[int, str, str] | None = None
     for mp in request.candidates:
         if request.cap < request.n // mp:
@@ -783,6 +784,12 @@ class _StoredPlans:
 
     def plan_record(self) -> dict[str, Any] | None:
         return self.cache.get_plan(self.plan_key)
+
+    def forget(self, what: str) -> None:
+        """The plan record found is unreadable (``what``): dropped, and counted a miss."""
+        self.cache.drop("plans", {"key": self.plan_key}, what)
+        self.cache.hits -= 1
+        self.cache.misses += 1
 
     def peaks_key(self, request: _Request, dp: int, mp: int) -> str:
         return cache_key({
@@ -1047,24 +1054,40 @@ def _plan_record(plan: Plan) -> dict[str, Any]:
     }
 
 
-def _plan_from_record(record: dict[str, Any], request: _Request) -> Plan:
-    """A cached plan on the request's devices: mesh and shardings rebuilt from the sharding
-    rules."""
-    dp, mp = int(record["data_parallel"]), int(record["model_parallel"])
+def _record_fields(record: Mapping[str, Any]) -> dict[str, Any]:
+    """A stored plan record read into a `Plan`'s figures; raises `KeyError`, `TypeError` or
+    `ValueError` where the record is not one (a row damaged in a sound file)."""
+    model = record["memory_model"]
+    return {
+        "data_parallel": int(record["data_parallel"]),
+        "model_parallel": int(record["model_parallel"]),
+        "batch_size": int(record["batch_size"]),
+        "estimate": MemoryEstimate(**record["estimate"]),
+        "memory_model": MemoryModel(
+            fixed_bytes=float(model["fixed_bytes"]),
+            bytes_per_sample=float(model["bytes_per_sample"]),
+            probe_batches=tuple(int(b) for b in model["probe_batches"]),
+            probe_peaks=tuple(int(p) for p in model["probe_peaks"]),
+            batch_multiple=int(model["batch_multiple"]),
+            floor_bytes=float(model["floor_bytes"]),
+        ),
+        "compiled_peaks": tuple((int(b), int(p)) for b, p in record["compiled_peaks"]),
+        "prefetch_bytes": int(record.get("prefetch_bytes", 0)),
+        "eval_chunk": int(record.get("eval_chunk", 0)),
+        "eval_peak_bytes": int(record.get("eval_peak_bytes", 0)),
+        "step_flops": record.get("step_flops"),
+    }
+
+
+def _plan_from_record(fields: Mapping[str, Any], request: _Request) -> Plan:
+    """A cached plan (`_record_fields`) on the request's devices: mesh and shardings rebuilt
+    from the sharding rules."""
+    dp, mp = fields["data_parallel"], fields["model_parallel"]
     devs, budget = request.devices, request.budget
     mesh = sh.make_mesh(devs, dp, mp)
     shardings = default_step_shardings(mesh, *request.state, request.optimizer,
                                        min_shard_elements=request.min_shard_elements)
-    estimate = MemoryEstimate(**record["estimate"])
-    model = record["memory_model"]
-    memory_model = MemoryModel(
-        fixed_bytes=float(model["fixed_bytes"]),
-        bytes_per_sample=float(model["bytes_per_sample"]),
-        probe_batches=tuple(int(b) for b in model["probe_batches"]),
-        probe_peaks=tuple(int(p) for p in model["probe_peaks"]),
-        batch_multiple=int(model["batch_multiple"]),
-        floor_bytes=float(model["floor_bytes"]),
-    )
+    estimate = fields["estimate"]
     return Plan(
         mesh=mesh,
         data_parallel=dp,
@@ -1072,23 +1095,23 @@ def _plan_from_record(record: dict[str, Any], request: _Request) -> Plan:
         param_shardings=shardings.params,
         batch_sharding=shardings.batch,
         step_shardings=shardings,
-        batch_size=int(record["batch_size"]),
+        batch_size=fields["batch_size"],
         peak_bytes_per_device=estimate.peak,
         memory_per_device=budget.memory_per_device,
         safety_margin=budget.safety_margin,
         estimate=estimate,
-        memory_model=memory_model,
+        memory_model=fields["memory_model"],
         devices=devs,
         planning_seconds=time.perf_counter() - request.start,
         compiles=0,
-        compiled_peaks=tuple((int(b), int(p)) for b, p in record["compiled_peaks"]),
+        compiled_peaks=fields["compiled_peaks"],
         cached=True,
-        prefetch_bytes=int(record.get("prefetch_bytes", 0)),
-        eval_chunk=int(record.get("eval_chunk", 0)),
-        eval_peak_bytes=int(record.get("eval_peak_bytes", 0)),
+        prefetch_bytes=fields["prefetch_bytes"],
+        eval_chunk=fields["eval_chunk"],
+        eval_peak_bytes=fields["eval_peak_bytes"],
         allowance_bytes=budget.allowance_bytes,
         device_budget=budget,
-        step_flops=record.get("step_flops"),
+        step_flops=fields["step_flops"],
     )
 
 
