@@ -136,7 +136,13 @@ def main() -> None:
         closed.append(getattr(ex, "closed", None))
         closed_per_rank = comm.allgather(closed) if comm is not None else [closed]
     else:
-        result = run(**kwargs)
+        try:
+            result = run(**kwargs)
+        except ValueError as err:  # a refusal every rank raises: each says it, then all end
+            print(f"ValueError: {err}", flush=True)
+            if comm is not None:
+                comm.Barrier()  # no rank ends (and has mpirun end the others) before all said it
+            raise SystemExit(2) from None
     if rank == 0:
         Path(args.out).write_text(json.dumps({
             "stages": stages,
