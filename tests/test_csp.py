@@ -249,3 +249,13 @@ def test_a_window_slot_is_free_again_right_after_its_write_back():
         peak = max(sum(f <= t <= last for f, last in spans) for t in range(sched.ticks))
         used = {int(x) for x in prog.column("window_slot")[:, s][prog.column("kind")[:, s] > 0]}
         assert len(used) == peak
+
+
+def test_a_subnet_without_a_choice_for_every_layer_is_refused_in_words() -> None:
+    bounds = split_layers(4, 2)
+    with pytest.raises(ValueError, match=r"subnet 1 has 3 choices for the 4 layers of the "
+                       r"stages' bounds; give one candidate index per layer"):
+        csp_schedule([[0, 1, 0, 1], [0, 1, 0]], bounds)
+    schedule = csp_schedule([[0, 1, 0, 1]], bounds)
+    with pytest.raises(ValueError, match=r"subnet 0 has 2 choices for the 4 layers"):
+        check_causality(schedule, [[0, 1]], bounds, train_shared=False)

@@ -106,3 +106,14 @@ def test_plan_steps_down_where_the_linear_fit_overestimates_the_batch():
         max_prefetch_ahead=0)
     assert plan.device_bytes <= plan.budget_bytes
     assert plan.batch_size == 5 and ex.sizes["microbatch_size"] == 5
+
+
+def test_subnets_that_do_not_fit_the_supernet_are_refused_before_a_compile() -> None:
+    """A choice out of range (the stage step clamps its read and wraps its write) or a subnet
+    of another length would plan, and then train, another supernet: refused up front, in the
+    trainer's words, as `train_supernet` refuses them."""
+    layout = SupernetLayout(CONFIG)
+    for subnets, said in (([[0, 2]], r"subnet 0 .*choice"), ([[0]], r"subnet 0 has 1 choices")):
+        with pytest.raises(ValueError, match=said):
+            plan_schedule(layout, subnets, _shapes, schedule="csp", num_stages=2,
+                          budget_bytes=1 << 30, lr_side=SIDE)

@@ -36,7 +36,12 @@ from scamp_jax.pipeline.executor import PipelineExecutor
 from scamp_jax.pipeline.executor_base import StageExecutor
 from scamp_jax.pipeline.model import StageModel
 from scamp_jax.pipeline.program import TickProgram, build_program
-from scamp_jax.pipeline.trainer import ExecutorFactory, build_executor, make_schedule
+from scamp_jax.pipeline.trainer import (
+    ExecutorFactory,
+    build_executor,
+    check_subnets,
+    make_schedule,
+)
 
 #: ``shapes(microbatch_size) -> (input_shape, target_shape)`` of one stage's microbatch.
 SampleShapes = Callable[[int], tuple[tuple[int, ...], tuple[int, ...]]]
@@ -182,6 +187,7 @@ def plan_schedule(
     Raises:
       BatchDoesNotFitError: naming the smallest batch's bytes and the budget.
     """
+    check_subnets(subnets, model.num_layers, model.num_choices)
     m = num_microbatches if schedule == "gpipe" else 1
     g = batch_multiple or m
     if g % m:

@@ -23,6 +23,16 @@ SHARED = "shared"
 ParamKey = tuple[int, int] | str
 
 
+def check_lengths(subnets: Sequence[Sequence[int]], bounds: Sequence[tuple[int, int]]) -> None:
+    """Raise `ValueError` unless every subnet has one choice per layer the stages ``bounds``
+    hold (the last stage's stop)."""
+    layers = bounds[-1][1] if bounds else 0
+    for i, subnet in enumerate(subnets):
+        if len(subnet) != layers:
+            raise ValueError(f"subnet {i} has {len(subnet)} choices for the {layers} layers of "
+                             "the stages' bounds; give one candidate index per layer")
+
+
 def split_layers(num_layers: int, num_stages: int) -> tuple[tuple[int, int], ...]:
     """Contiguous, equal ranges of choice layers per stage: ``((start, stop), ...)``, S entries.
 
@@ -91,6 +101,7 @@ def csp_schedule(
     n, s_count = len(subnets), len(bounds)
     if n < 1:
         raise ValueError(f"{n=} subnets; pass at least one choice vector")
+    check_lengths(subnets, bounds)
     inflight_cap = s_count if max_inflight is None else max_inflight
     if inflight_cap < 1:
         raise ValueError(f"{max_inflight=} must be at least 1 (1 gives sequential order)")
@@ -196,6 +207,7 @@ def check_causality(
     Raises:
       ValueError: naming the first pair of subnets that would see updates out of order.
     """
+    check_lengths(subnets, bounds)
     ticks = schedule.op_ticks()
     m_count = schedule.num_microbatches
     for s in range(schedule.num_stages):
