@@ -217,14 +217,24 @@ def test_plan_only_with_no_candidate_that_fits_says_so_in_flags_and_exits_2(tmp_
 
 
 def test_plan_only_keeps_what_it_compiles_with_the_studys_compiled_programs(tmp_path):
-    """The preview compiles on the devices a study of this folder runs on: its programs go to
-    the study's ``jax_cache`` (beside its plans), for the study to load, not compile again."""
+    """The preview compiles on the devices a study of this folder runs on, as the study
+    compiles them: its programs go to the study's ``jax_cache`` (beside its plans), and the
+    study loads them instead of compiling again."""
     result = cli("--preset", "smoke", "--plan-only", "--trials", "1", "--study-dir",
                  str(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
     kept = sorted(p.name.split("-")[0] for p in (tmp_path / "jax_cache").glob("*-cache"))
     assert "jit_step" in kept and len(kept) >= 2, kept  # the step, and its evaluation
     assert (tmp_path / "plans.sqlite").is_file()
+    # The study then plans, compiles its step and its evaluation from them: nothing anew.
+    study = cli("--preset", "smoke", "--trials", "1", "--steps", "3", "--no-live",
+                "--study-dir", str(tmp_path))
+    assert study.returncode == 0, study.stdout + study.stderr
+    overhead = json.loads((tmp_path / "results.json").read_text())["run"]["overhead"]
+    assert {k: overhead[k] for k in ("planning_compiles", "runner_step_compiles",
+                                     "evaluation_compiles", "runner_step_cache_loads")} == {
+        "planning_compiles": 0, "runner_step_compiles": 0, "evaluation_compiles": 0,
+        "runner_step_cache_loads": 1}, overhead
 
 
 def test_plan_only_refuses_more_devices_per_trial_than_the_pool_before_it_says_more(tmp_path):

@@ -236,7 +236,9 @@ def plan_candidates(
                     for _ in range(siblings.get("siblings", 0))]
         cpu, wall = cpu_seconds(), time.perf_counter()
         try:
-            plan = service.plan(params, run_ready=False)
+            # as the study plans it: where the planner's answer is the run's executable (CPU
+            # devices), the study it previews loads that step from its compile cache
+            plan = service.plan(params)
         except DoesNotFitError as err:
             row = CandidatePlan(trial.number, params, 0, 0, 0, 0, err.bytes_needed,
                                 err.bytes_available, 0, cpu_seconds() - cpu,
