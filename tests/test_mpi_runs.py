@@ -207,6 +207,9 @@ def test_a_data_parallel_rank_that_raises_ends_the_job_instead_of_hanging() -> N
     # each rank built the model with its own seed: the replicas would part silently
     ("seeds", "ranks start from different parameters: rank 1's differ from rank 0's; build "
               "the model with the same seed on every rank"),
+    # a batch that does not split: every rank says so at that step, none trains it
+    ("indivisible", "step 2 (counting from 0): global batch 7 is not a multiple of the 2 "
+                    "ranks; use a batch of 6 (or 8)"),
 ])
 def test_data_parallel_ranks_that_do_not_go_together_are_refused_alike_and_can_retry(
         case: str, said: str) -> None:

@@ -258,8 +258,9 @@ def _check_same_start(agree: Any, params: PyTree) -> str | None:
 
 def _train(agree: Any, step: Any, state: tuple[PyTree, PyTree, PyTree],
            batches: Iterable[PyTree]) -> tuple[str | None, list[Any], PyTree]:
-    """The steps, each after the ranks agree that all of them have a batch. Returns ``(None,
-    losses, params)``, or first what every rank raises when some ran out before the others."""
+    """The steps, each after the ranks agree that all of them have a batch they can split
+    (`local_batch`). Returns ``(None, losses, params)``, or first what every rank raises when
+    some ran out before the others, or one's batch does not split over the ranks."""
     rank, size = agree.Get_rank(), agree.Get_size()
     params, opt_state, rest = state
     losses: list[Any] = []
@@ -267,14 +268,23 @@ def _train(agree: Any, step: Any, state: tuple[PyTree, PyTree, PyTree],
     it = iter(batches)
     for i in itertools.count():
         batch = next(it, end)
-        having = int(agree.allreduce(int(batch is not end)))
+        share, problem = None, None
+        if batch is not end:
+            try:
+                share = local_batch(batch, rank, size)
+            except ValueError as err:
+                problem = f"step {i} (counting from 0): {err}"
+        said = agree.allgather((batch is not end, problem))
+        having = sum(1 for has, _ in said if has)
         if having == 0:
             return None, losses, params
         if having < size:
             return (f"the ranks ran out of batches apart: only {having} of the {size} had a "
                     f"batch for step {i} (counting from 0); pass every rank the same global "
                     "batches"), losses, params
-        params, opt_state, rest, loss = step(params, opt_state, rest,
-                                             local_batch(batch, rank, size))
+        refused = next((p for _, p in said if p is not None), None)
+        if refused is not None:
+            return refused, losses, params
+        params, opt_state, rest, loss = step(params, opt_state, rest, share)
         losses.append(loss)
     raise AssertionError("itertools.count() does not end")

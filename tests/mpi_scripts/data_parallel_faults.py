@@ -4,8 +4,9 @@
 
 CASE: ``raises`` (rank 1's batches raise at step 2), ``uneven`` (rank 1 has 3 batches, rank 0
 has 5; then both train again on the same 5), ``seeds`` (each rank builds the model with its own
-seed; then both again with seed 0), ``bfloat16`` / ``float16`` (a model with parameters of that
-dtype: whether the replicas are equal, and `mpi_mean` of a small tree, are printed).
+seed; then both again with seed 0), ``indivisible`` (a batch that does not split over the
+ranks; then both again on the 5 that do), ``bfloat16`` / ``float16`` (a model with parameters
+of that dtype: whether the replicas are equal, and `mpi_mean` of a small tree, are printed).
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ def main() -> None:
         train(0, batches)
     elif case == "seeds":
         refused(w.rank, batches)
+        train(0, batches)
+    elif case == "indivisible":  # a third batch of 7 samples, which 2 ranks cannot split
+        refused(0, [*batches[:2], tuple(x[:7] for x in batches[2]), *batches[3:]])
         train(0, batches)
     else:
         train(0, batches)
