@@ -199,8 +199,9 @@ def train_data_parallel(
     ``MPI.COMM_WORLD``.
 
     Before training the ranks compare digests of their starting parameters, and before each
-    step whether each of them has a batch: where they differ, every rank raises the same
-    `ValueError` (catchable; nothing has been kept). A rank that raises anything else (its
+    step whether each of them has a batch that splits over the ranks (`local_batch`): where
+    they differ, or one does not split, every rank raises the same `ValueError` (catchable;
+    nothing has been kept). A rank that raises anything else (its
     batches' iterator, the step) prints ``rank R failed: ...`` and aborts the job
     (`failures_end_every_rank`) instead of leaving the others waiting in the step's allreduce.
 
