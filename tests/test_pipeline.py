@@ -308,6 +308,25 @@ def test_arguments_that_look_valid_but_are_not_are_refused():
                        r"pass num_stages=2, or an ExecutorFactory to build one of 4 stages"):
         train_supernet(_layout(), subnets, lr, hr, offload=False,
                        executor=_executor(2, False, False))
+    # optax's Adam where the stage programs take their own rule's spec; weights as a state
+    import optax
+
+    with pytest.raises(TypeError, match=r"optimizer takes an OptimizerSpec .*not "
+                       r"GradientTransformationExtraArgs"):
+        train_supernet(_layout(), subnets, lr, hr, num_stages=2, optimizer=optax.adam(1e-3))
+    with pytest.raises(TypeError, match=r"initial_state takes a SupernetState \(a "
+                       r"TrainResult's .state\), not tuple; for weights alone pass "
+                       r"initial_weights=\(blocks, shared\)"):
+        train_supernet(_layout(), subnets, lr, hr, num_stages=2,
+                       initial_state=_layout().init(0))  # type: ignore[arg-type]
+
+
+def test_batches_given_as_lists_train_as_their_arrays():
+    subnets, lr, hr = _data(0)
+    as_arrays = train_supernet(_layout(), subnets, lr, hr, num_stages=2, offload=False)
+    as_lists = train_supernet(_layout(), subnets, list(lr), list(hr), num_stages=2,
+                              offload=False)
+    assert as_lists.params_sha256 == as_arrays.params_sha256
 
 
 def test_experiment_presets_and_flags():

@@ -352,7 +352,16 @@ def train_supernet(
       the `TrainResult`.
     """
     layout = check_stage_model(layout)
-    n, batch = lr_batches.shape[:2]
+    if optimizer is not None and not isinstance(optimizer, OptimizerSpec):
+        raise TypeError(f"optimizer takes an OptimizerSpec (the per-block update rule the stage "
+                        f"programs compile, e.g. OptimizerSpec('adam', learning_rate=1e-3)), "
+                        f"not {type(optimizer).__name__}")
+    if initial_state is not None and not isinstance(initial_state, SupernetState):
+        raise TypeError(f"initial_state takes a SupernetState (a TrainResult's .state), not "
+                        f"{type(initial_state).__name__}; for weights alone pass "
+                        "initial_weights=(blocks, shared)")
+    lr_batches, hr_batches = np.asarray(lr_batches), np.asarray(hr_batches)  # lists too
+    n, batch = lr_batches.shape[:2] if lr_batches.ndim >= 2 else (len(lr_batches), 0)
     if initial_weights is not None and initial_state is not None:
         raise ValueError("pass initial_weights (optimizer state from zero) or initial_state "
                          "(weights with their optimizer state), not both")
