@@ -321,6 +321,17 @@ def test_arguments_that_look_valid_but_are_not_are_refused():
                        initial_state=_layout().init(0))  # type: ignore[arg-type]
 
 
+def test_an_executor_of_no_stages_or_of_one_device_twice_is_refused_in_words():
+    sizes = dict(microbatch_size=BATCH, lr_side=SIDE, window_slots=2, act_slots=2, grad_slots=2)
+    with pytest.raises(ValueError, match=r"num_stages=0 must be a positive int: one stage per "
+                       r"device"):
+        PipelineExecutor(_layout(), num_stages=0, **sizes)
+    one = jax.devices()[0]
+    with pytest.raises(ValueError, match=r"name one device twice; each stage runs on a device "
+                       r"of its own"):
+        PipelineExecutor(_layout(), num_stages=2, devices=[one, one], **sizes)
+
+
 def test_batches_given_as_lists_train_as_their_arrays():
     subnets, lr, hr = _data(0)
     as_arrays = train_supernet(_layout(), subnets, lr, hr, num_stages=2, offload=False)

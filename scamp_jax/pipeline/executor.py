@@ -58,6 +58,9 @@ class PipelineExecutor(StageExecutor):
         super().__init__(layout, **sizes)
         num_stages = self.spec.num_stages
         devices = list(jax.devices()[:num_stages]) if devices is None else list(devices)
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"devices {devices} name one device twice; each stage runs on a "
+                             "device of its own")
         if len(devices) != num_stages:
             raise ValueError(
                 f"{num_stages=} stages need as many devices, got {len(devices)}; on CPU call "
