@@ -790,3 +790,26 @@ def test_a_busy_study_database_is_said_busy_not_damaged(tmp_path):
         "error: the study database did not answer (database is locked): it may be busy (another "
         "process's long write) or unreachable; run the same command again, which resumes the "
         "study, or check --storage")
+
+
+def test_a_fused_study_whose_every_group_raises_alike_stops_and_gives_its_trials_back(
+        tmp_path):
+    """The guard counts a fused group as one run (its members share their architecture): its
+    limit is capped by the runs the study's trials make, groups of up to ``fuse``, not by the
+    trials. Four trials in groups of two are two runs; both raise alike, so the study stops
+    and gives them back, where it kept all four failed for good (a limit of 3 runs that two
+    groups never reach)."""
+    from scamp_jax.hpo.endings import failure_limit
+    from scamp_jax.hpo.settings import SearchSettings
+
+    assert failure_limit(SearchSettings(trials=8, steps=1, fuse=4)) == 2
+    assert failure_limit(SearchSettings(trials=16, steps=1, fuse=4)) == 3  # the limit itself
+    assert failure_limit(SearchSettings(trials=4, steps=1)) == 3
+    with pytest.raises(scamp_jax.RepeatedFailureError) as caught:
+        scamp_jax.run_study(SPACE, _task(_mislabelled), trials=4, study_dir=tmp_path, fuse=2,
+                            **KW)
+    assert sorted(caught.value.trials) == [0, 1, 2, 3]
+    fixed = scamp_jax.run_study(SPACE, _task(), trials=4, study_dir=tmp_path, fuse=2, **KW)
+    assert fixed["trials_this_run"] == 4
+    record = json.loads((tmp_path / "results.json").read_text())
+    assert [r["state"] for r in record["trials"]] == ["complete"] * 4

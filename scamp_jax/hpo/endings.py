@@ -39,15 +39,19 @@ log = logging.getLogger(__name__)
 
 def failure_limit(config: Any) -> int:
     """The runs of a guard (`scamp_jax.hpo.failures.RepeatedFailures`) under ``config``: its
-    ``failure_limit``, at most the study's ``trials`` where it has them (a `SearchSettings`)
-    but never below two (one failure is no repetition), so that a first small try whose
-    trials all raise one error stops too and gives them back, rather than keeping them failed
-    for good (0: no guard)."""
+    ``failure_limit``, at most the runs the study's ``trials`` make where it has them (a
+    `SearchSettings`: one per trial, or per fused group of up to ``fuse`` of them, which the
+    guard counts as one) but never below two (one failure is no repetition), so that a first
+    small try whose trials all raise one error stops too and gives them back, rather than
+    keeping them failed for good (0: no guard)."""
+    from scamp_jax.hpo.trial import fusion_cap
+
     limit = int(config.failure_limit)
     trials = getattr(config, "trials", None)
     if not limit or not isinstance(trials, int):
         return limit
-    return min(limit, max(trials, 2))
+    width = fusion_cap(getattr(config, "fuse", None)) or 1
+    return min(limit, max(-(-trials // width), 2))
 
 
 def second_ctrl_c(pressed: bool = True) -> str:
