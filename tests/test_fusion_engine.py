@@ -720,3 +720,34 @@ def test_a_preview_keeps_its_plans_in_the_plan_cache_and_compiles_none_of_them_a
 def test_groups_of_mixed_widths_take_the_smallest_width():
     waiting = [FusionCandidate(k, "a", arrival=k, width=w) for k, w in enumerate((3, 2, 3, 3))]
     assert form_groups(waiting) == ((0, 1), (2, 3))
+
+
+def test_a_stop_counts_the_members_still_running_not_one_that_failed_alone() -> None:
+    """A fused group whose member failed alone (its loss turned non-finite) trains on: a
+    stop's notice counts the members it stops, not that one."""
+    import concurrent.futures as cf
+    import threading
+    from types import SimpleNamespace
+
+    from scamp_jax.hpo.endings import Endings
+    from scamp_jax.hpo.settings import EngineConfig
+    from scamp_jax.planning.budget import Budget
+
+    given: list[int] = []
+
+    def record(state: str) -> SimpleNamespace:
+        return SimpleNamespace(status=SimpleNamespace(state=state), earlier_wall=0.0)
+
+    records = {0: record("failed"), 1: record("training"), 2: record("training")}
+    endings = Endings(SimpleNamespace(interrupt=lambda n, wall_seconds: given.append(n)), "mse",
+                      EngineConfig(steps=10, budget=Budget(2**26)), SimpleNamespace(), records,
+                      now=lambda: 3.0, decide=lambda now: None, start=lambda *a: None,
+                      queue=lambda planned: None, replan=lambda *a: None, notify=lambda: None)
+    future: cf.Future = cf.Future()
+    future.set_exception(RuntimeError("stopped"))  # ended without a result: all go back
+    run = SimpleNamespace(key=0, members=[SimpleNamespace(number=n) for n in (0, 1, 2)],
+                          stop=threading.Event(), future=future)
+    notices: list[str] = []
+    endings.give_back([run], [], notices.append)
+    assert [n.split(" end at")[0] for n in notices] == ["stopping: 2 running trial(s)"]
+    assert run.stop.is_set() and given == [0, 1, 2]

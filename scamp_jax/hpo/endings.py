@@ -216,6 +216,12 @@ class Endings:
             self.report(planned, r)
         self.decide(now)
 
+    def _ended(self, number: int) -> bool:
+        """Whether trial ``number``'s own run is over (complete, pruned or failed; a fused
+        member may end before its group)."""
+        record = self.records.get(number)
+        return record is not None and record.status.state in ("complete", "pruned", "failed")
+
     def give_back(self, runs: Sequence[Any], waiting: Sequence[int],
                   notice: Callable[[str], None] | None = None, discard: bool = False) -> None:
         """Stop ``runs`` (`scamp_jax.hpo.launch.Run`: they checkpoint at their next step) and
@@ -229,7 +235,9 @@ class Endings:
         for run in runs:
             run.stop.set()
         if notice is not None and runs:
-            trials = sum(len(run.members) for run in runs)  # a fused group's members each
+            # a fused group's members each, but not one that ended already (failed alone)
+            trials = sum(1 for run in runs for member in run.members
+                         if not self._ended(member.number))
             after = ("a re-run trains them from the start (what they trained under the error "
                      "is deleted)" if discard else
                      "a re-run resumes them (with a checkpoint where checkpoints are on)")
