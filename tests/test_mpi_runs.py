@@ -188,6 +188,8 @@ def test_mpi_pipeline_executor_used_directly_refuses_disagreeing_ranks_and_ends_
     assert said in output, output
     if "--disagree" in flags:
         assert output.count(said) == 2, output  # every rank refuses, with the same error
+        # and closes the executor the call built for it (its communicator), as a run does
+        assert output.count("the executors built were closed: True") == 2, output
     assert not (tmp_path / "m").exists()
 
 

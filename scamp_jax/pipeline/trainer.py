@@ -399,19 +399,26 @@ def train_supernet(
         if on_tick is not None:
             on_tick(t, total)
 
-    if initial_state is not None:
-        state = executor.init_state(initial_state.blocks, initial_state.shared,
-                                    optimizer_state=initial_state.optimizer)
-    else:
-        blocks0, shared0 = layout.init(seed) if initial_weights is None else initial_weights
-        state = executor.init_state(blocks0, shared0)
-    state, losses = executor.run(
-        state,
-        program,
-        split_microbatches(lr_batches, m_count),
-        split_microbatches(hr_batches, m_count),
-        on_tick=progress,
-    )
+    try:
+        if initial_state is not None:
+            state = executor.init_state(initial_state.blocks, initial_state.shared,
+                                        optimizer_state=initial_state.optimizer)
+        else:
+            blocks0, shared0 = layout.init(seed) if initial_weights is None else initial_weights
+            state = executor.init_state(blocks0, shared0)
+        state, losses = executor.run(
+            state,
+            program,
+            split_microbatches(lr_batches, m_count),
+            split_microbatches(hr_batches, m_count),
+            on_tick=progress,
+        )
+    except ValueError:
+        # a refusal (every MPI rank raises it alike, so the collective close is too): the
+        # executor this call built is closed, as after a run; other failures end an MPI job
+        if built:
+            executor.close()
+        raise
     jax.block_until_ready(state)
     end = time.perf_counter()
     exported = executor.export(state)

@@ -24,6 +24,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -76,6 +77,7 @@ def main() -> None:
         num_microbatches=2, optimizer=OptimizerSpec("adam", 1e-2),
     )
     rank, comm, memory, traced, closed_per_rank = 0, None, None, None, None
+    built: list[Any] = []
     if mpi:
         from scamp_jax.distributed.pipeline import MPIPipelineExecutor, train_supernet_mpi
 
@@ -97,8 +99,12 @@ def main() -> None:
         kwargs["on_tick"] = on_tick
         run = functools.partial(train_supernet_mpi, layout, subnets, lr, hr)
         if args.direct:
+            def recorded(*a: Any, **kw: Any) -> Any:  # the executors train_supernet builds
+                built.append(factory(*a, **kw))
+                return built[-1]
+
             run = functools.partial(train_supernet, layout, subnets, lr, hr, num_stages=stages,
-                                    executor=factory)
+                                    executor=recorded)
     else:
         from scamp_jax.pipeline import PipelineExecutor
 
@@ -140,6 +146,9 @@ def main() -> None:
             result = run(**kwargs)
         except ValueError as err:  # a refusal every rank raises: each says it, then all end
             print(f"ValueError: {err}", flush=True)
+            if built:
+                print(f"rank {rank}: the executors built were closed: "
+                      f"{all(e.closed for e in built)}", flush=True)
             if comm is not None:
                 comm.Barrier()  # no rank ends (and has mpirun end the others) before all said it
             raise SystemExit(2) from None
