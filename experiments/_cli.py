@@ -327,9 +327,10 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
                         "model-parallel degree, batch, bytes per device, CPU seconds of "
                         "planning; with --fuse, each architecture's fused group and its bytes "
                         "per device) and stop: nothing trains and no study is stored; the "
-                        "plans are kept in --study-dir's plans.sqlite (and their programs in "
-                        "its jax_cache), so planning again compiles none of them, nor does a "
-                        "study on these devices (on CPU devices, not its steps either)")
+                        "plans are kept in --study-dir's plans.sqlite (without --target, their "
+                        "programs in its jax_cache too), so planning again compiles none of "
+                        "them, nor does a study on these devices (on CPU devices, not its steps "
+                        "either)")
     from scamp_jax.planning.targets import TARGETS
 
     parser.add_argument("--target", metavar="GPU|FILE",

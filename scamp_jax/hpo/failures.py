@@ -6,8 +6,9 @@ it. `RepeatedFailures` watches how a run's trials end. Until one of them complet
 after training), the failures that come with an exception (a traceback) are held back from the
 study while they repeat one error: the same exception raised at the same place (the message may
 differ, e.g. by a trial's batch size). Once the held trials come from ``failure_limit`` runs
-(`scamp_jax.hpo.settings.EngineConfig.failure_limit`, at most a study's ``trials`` but at least
-two: `scamp_jax.hpo.endings.failure_limit`; a fused group's members are one run), the
+(`scamp_jax.hpo.settings.EngineConfig.failure_limit`, at most the runs a study's ``trials``
+make but at least two: `scamp_jax.hpo.endings.failure_limit`; a fused group's members are one
+run), the
 engine stops its other trials and raises `RepeatedFailureError`, and the held trials go back to
 the study as interrupted ones do, with those that were running: the run after the fix trains
 them again from the start (what they trained under the bug is deleted, not resumed) instead of

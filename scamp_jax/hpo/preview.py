@@ -237,8 +237,9 @@ def plan_candidates(
         cpu, wall = cpu_seconds(), time.perf_counter()
         try:
             # as the study plans it: where the planner's answer is the run's executable (CPU
-            # devices), the study it previews loads that step from its compile cache
-            plan = service.plan(params)
+            # devices), the study it previews loads that step from its compile cache; a trial
+            # that will train fused is not run alone (its group's step is the run's)
+            plan = service.plan(params, run_ready=fusion is None)
         except DoesNotFitError as err:
             row = CandidatePlan(trial.number, params, 0, 0, 0, 0, err.bytes_needed,
                                 err.bytes_available, 0, cpu_seconds() - cpu,
