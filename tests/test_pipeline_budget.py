@@ -101,7 +101,8 @@ def test_plan_steps_down_where_the_linear_fit_overestimates_the_batch():
 
     subnets = [(0, 1), (1, 0), (0, 0), (1, 1)]
     plan, ex, _ = plan_schedule(
-        SimpleNamespace(num_layers=2), subnets, lambda mb: ((mb, 4, 4, 3), (mb, 8, 8, 3)),
+        SimpleNamespace(num_layers=2, num_choices=2), subnets,
+        lambda mb: ((mb, 4, 4, 3), (mb, 8, 8, 3)),
         schedule="csp", num_stages=2, budget_bytes=2100, lr_side=4, executor_class=Fake,
         max_prefetch_ahead=0)
     assert plan.device_bytes <= plan.budget_bytes
