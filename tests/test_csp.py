@@ -259,3 +259,5 @@ def test_a_subnet_without_a_choice_for_every_layer_is_refused_in_words() -> None
     schedule = csp_schedule([[0, 1, 0, 1]], bounds)
     with pytest.raises(ValueError, match=r"subnet 0 has 2 choices for the 4 layers"):
         check_causality(schedule, [[0, 1]], bounds, train_shared=False)
+    with pytest.raises(ValueError, match=r"no stages' bounds: pass split_layers"):
+        csp_schedule([[0, 1, 0, 1]], ())

@@ -723,8 +723,9 @@ def test_groups_of_mixed_widths_take_the_smallest_width():
 
 
 def test_a_stop_counts_the_members_still_running_not_one_that_failed_alone() -> None:
-    """A fused group whose member failed alone (its loss turned non-finite) trains on: a
-    stop's notice counts the members it stops, not that one."""
+    """A fused group whose member already ended (failed alone) trains on: a stop's notice
+    counts the members it stops at their next step, not that one (which goes back, or is
+    told, by how it failed: here the group's run ends without a result, so all go back)."""
     import concurrent.futures as cf
     import threading
     from types import SimpleNamespace

@@ -326,6 +326,7 @@ def test_an_executor_of_no_stages_or_of_one_device_twice_is_refused_in_words():
     with pytest.raises(ValueError, match=r"num_stages=0 must be a positive int: one stage per "
                        r"device"):
         PipelineExecutor(_layout(), num_stages=0, **sizes)
+    assert PipelineExecutor(_layout(), num_stages=np.int64(2), **sizes).spec.num_stages == 2
     one = jax.devices()[0]
     with pytest.raises(ValueError, match=r"name one device twice; each stage runs on a device "
                        r"of its own"):

@@ -26,7 +26,9 @@ ParamKey = tuple[int, int] | str
 def check_lengths(subnets: Sequence[Sequence[int]], bounds: Sequence[tuple[int, int]]) -> None:
     """Raise `ValueError` unless every subnet has one choice per layer the stages ``bounds``
     hold (the last stage's stop)."""
-    layers = bounds[-1][1] if bounds else 0
+    if not bounds:
+        raise ValueError("no stages' bounds: pass split_layers(num_layers, num_stages)")
+    layers = bounds[-1][1]
     for i, subnet in enumerate(subnets):
         if len(subnet) != layers:
             raise ValueError(f"subnet {i} has {len(subnet)} choices for the {layers} layers of "

@@ -113,8 +113,10 @@ class StageExecutor(abc.ABC):
         if max_in_flight < 0:
             raise ValueError(f"{max_in_flight=} must be >= 0 (0: no bound); pass e.g. 4")
         self.max_in_flight = max_in_flight
-        if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        if (isinstance(num_stages, bool) or not isinstance(num_stages, int | np.integer)
+                or num_stages < 1):
             raise ValueError(f"{num_stages=} must be a positive int: one stage per device")
+        num_stages = int(num_stages)
         if layout.num_layers % num_stages:
             raise ValueError(
                 f"num_layers={layout.num_layers} is not a multiple of {num_stages=}; every stage "
