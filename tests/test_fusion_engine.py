@@ -516,9 +516,10 @@ def test_an_interrupted_fused_study_resumes_its_members_and_keeps_finished_ones(
     """Ctrl-C during a group: members checkpoint and go back to the study; the same command
     again resumes them from their checkpoints (as a group again) and ends with exactly the
     study's trials; trials finished before stay as they were."""
-    # Long enough that the loop (which looks at least every 0.5 s) sees a group training. The
-    # two groups train one after the other, and the Ctrl-C comes once the first has finished.
-    steps, trials = 1000, 4
+    # Long enough that the loop (which looks at least every 0.5 s) sees a group training: on
+    # a quiet machine 1,000 steps of the second group ended between two looks. The two groups
+    # train one after the other, and the Ctrl-C comes once the first has finished.
+    steps, trials = 6000, 4
 
     def engine(on_update=None):
         handle = open_study("mlp-fused", study_dir=tmp_path, direction="minimize",
@@ -526,7 +527,7 @@ def test_an_interrupted_fused_study_resumes_its_members_and_keeps_finished_ones(
         study = handle.study
         source = OptunaTrialSource(handle, SPACE, trials, root=tmp_path, **_fusion(2, trials))
         config = EngineConfig(steps=steps, budget=Budget(BUDGET), max_batch_size=16,
-                              log_every=50, checkpoint_every=200, fuse=2, seed=5,
+                              log_every=50, checkpoint_every=1500, fuse=2, seed=5,
                               max_running_trials=1)
         return study, source, SearchEngine(SPACE, Regression(), source, config,
                                            devices=jax.devices()[:1],
