@@ -138,8 +138,8 @@ def test_unknown_target_and_bad_files_are_named(tmp_path: Path) -> None:
 def test_a_description_the_plugin_cannot_read_is_named(tmp_path: Path) -> None:
     needs_gpu_compiler()
     broken = tmp_path / "broken.txtpb"
-    broken.write_text(targets.GPUS["h100"].target_config().replace("l2_cache_size:",
-                                                                  "l2_cache_size 132 x:"))
+    broken.write_text(targets.GPUS["h100"].target_config().replace(
+        "l2_cache_size:", "l2_cache_size_of_another_proto: 1\n  l2_cache_size:"))
     with pytest.raises(ValueError, match=r"broken\.txtpb: the CUDA plugin cannot use this "
                                          r"target description: .*TF_CPP_MIN_LOG_LEVEL=0"):
         targets.resolve_target(broken).devices(1)
@@ -775,3 +775,29 @@ def test_the_compilers_log_is_quieted_only_where_the_user_left_the_level(
         monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", before)
     targets.quiet_compiler_log()
     assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == after
+
+
+def test_a_description_without_a_field_of_its_gpu_is_refused_naming_it(tmp_path):
+    """XLA's GPU compiler reads every field of ``gpu_device_info``: without
+    ``block_dim_limit_x`` the first compile killed the process (SIGFPE, no Python error), and
+    without ``shared_memory_per_block_optin`` the same MLP planned 54x the peak. A description
+    that lacks any field (or gives it 0) is refused, naming each one; every built-in GPU's
+    description has them all."""
+    h100 = targets.GPUS["h100"].target_config()
+    for gpu in targets.GPUS.values():
+        targets.parse_target_config(gpu.target_config())
+    assert set(targets.DEVICE_INFO_FIELDS) == set(
+        re.findall(r"^  (\w+): ", h100, re.MULTILINE))
+    for dropped in (["block_dim_limit_x"], ["fpus_per_core", "clock_rate_ghz"]):
+        text = "\n".join(line for line in h100.splitlines()
+                         if line.strip().split(":")[0] not in dropped)
+        path = tmp_path / f"no_{dropped[0]}.txtpb"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=rf"gives no positive {', '.join(dropped)}; "
+                           r"describe the GPU's own .* with every field of gpu_device_info: "
+                           r"threads_per_block_limit, "):
+            targets.resolve_target(path)
+    slow = tmp_path / "slow_clock.txtpb"
+    slow.write_text(h100.replace(f"clock_rate_ghz: {targets.GPUS['h100'].clock_ghz}",
+                                 "clock_rate_ghz: 0.5"))
+    assert targets.resolve_target(slow).compute_capability == (9, 0)  # a float field read whole

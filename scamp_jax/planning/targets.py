@@ -129,6 +129,15 @@ class GpuSpec:
         return "\n".join(lines) + "\n"
 
 
+#: The fields of ``gpu_device_info`` a description gives (as a GPU's own does, and
+#: `GpuSpec.target_config`), each positive: XLA's GPU compiler reads them all.
+DEVICE_INFO_FIELDS = (
+    "threads_per_block_limit", "threads_per_warp", "shared_memory_per_block",
+    "shared_memory_per_block_optin", "shared_memory_per_core", "threads_per_core_limit",
+    "core_count", "fpus_per_core", "block_dim_limit_x", "block_dim_limit_y",
+    "block_dim_limit_z", "memory_bandwidth", "l2_cache_size", "clock_rate_ghz",
+    "device_memory_size", "registers_per_core_limit", "registers_per_block_limit")
+
 _KIB, _MIB, _GB = 1024, 1024 * 1024, 10**9
 #: GPUs by name, from NVIDIA's data sheets and CUDA programming guide (per compute capability:
 #: shared memory, registers, threads per SM). ``memory_bytes`` is CUDA's total, which depends a
@@ -324,14 +333,16 @@ def parse_target_config(text: str, *, name: str = "target",
             "of the gpu-plan extra can compile for ({}.{} and newer); plan for a newer GPU"
             .format(*OLDEST_COMPUTE_CAPABILITY))
     memory = _field(text, "device_memory_size", name)
-    # What XLA's GPU compiler sizes kernels and fusions by: a count of 0 (or none: proto3 text
-    # leaves out zeros) plans nonsense (a peak 10x the real GPU's for core_count 0).
-    for count in ("device_memory_size", "core_count", "threads_per_warp",
-                  "threads_per_block_limit", "memory_bandwidth"):
-        if _field(text, count, name, default=0) <= 0:
-            raise ValueError(f"{name}: the description's gpu_device_info gives no positive "
-                             f"{count}; describe the GPU's own (e.g. as a GPU writes it: "
-                             "jax's get_topology_for_devices(...).target_config)")
+    # What XLA's GPU compiler sizes kernels and fusions by: a field of 0 (or none: proto3 text
+    # leaves out zeros) plans nonsense (a peak 10x the real GPU's for core_count 0, 54x for no
+    # shared_memory_per_block_optin), and without block_dim_limit_x XLA divides by zero and the
+    # process dies (SIGFPE, no Python error). A GPU's own description has every field.
+    missing = [field for field in DEVICE_INFO_FIELDS if not _positive(text, field)]
+    if missing:
+        raise ValueError(f"{name}: the description's gpu_device_info gives no positive "
+                         f"{', '.join(missing)}; describe the GPU's own (e.g. as a GPU writes "
+                         "it: jax's get_topology_for_devices(...).target_config), with every "
+                         f"field of gpu_device_info: {', '.join(DEVICE_INFO_FIELDS)}")
     kind = re.search(r'device_description_str:\s*"((?:[^"\\]|\\.)*)"', text)
     device_kind = re.sub(r"\\(.)", r"\1", kind.group(1)) if kind else ""  # as `_quote` wrote it
     return Target(name, device_kind, memory, (major, minor), text, autotune_cache)
@@ -471,6 +482,15 @@ def quiet_compiler_log() -> None:
     variable back as it was."""
     if os.environ.get("TF_CPP_MIN_LOG_LEVEL") in (None, "1"):  # "1": set by `import jax`
         os.environ["TF_CPP_MIN_LOG_LEVEL"] = PLUGIN_LOG_LEVEL
+
+
+def _positive(text: str, name: str) -> bool:
+    """Whether ``text`` gives field ``name`` a positive number (an int or a float)."""
+    match = re.search(rf"\b{name}:\s*([-+]?[0-9.]+(?:[eE][-+]?\d+)?)", text)
+    try:
+        return match is not None and float(match.group(1)) > 0
+    except ValueError:  # "1.2.3"
+        return False
 
 
 def _field(text: str, name: str, where: str, default: int | None = None) -> int:
