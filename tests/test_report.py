@@ -151,6 +151,21 @@ def test_a_study_where_no_trial_completed_says_the_first_reason():
         "no trial completed (0 failed); see")
 
 
+def test_a_study_where_some_trials_failed_says_so_under_its_best():
+    """Some trials completed and others failed (members of a fused group whose loss turned
+    non-finite, say): the verdict says how many failed and why the first did, under the best
+    trial's line, not only in results.csv (the table lists complete trials only)."""
+    rows = [{"number": 0, "state": "failed", "reason": "loss is not finite at step 3"},
+            {"number": 1, "state": "complete", "mse": 0.5},
+            {"number": 2, "state": "failed", "reason": "loss is not finite at step 3"},
+            {"number": 3, "state": "pruned", "reason": "pruned at step 10"}]
+    assert report.verdict(rows, "mse", "minimize", None) == (
+        "best trial 1: mse 0.5\n  2 of 4 trials failed; trial 0: loss is not finite at step 3; "
+        "see the 'reason' column of results.csv (and the traceback of a trial that raised in "
+        "results.json)")
+    assert report.verdict(rows[1:2], "mse", "minimize", None) == "best trial 1: mse 0.5"
+
+
 def test_plots_of_a_resumed_run_that_trained_past_every_bar_lay_out_without_a_warning(tmp_path):
     """A rerun that trained only on other ranks (a trial spanning MPI ranks) starts past every
     bar of this rank's timeline: its ``run 2`` label fits in the axes, and the figure lays out

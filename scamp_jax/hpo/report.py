@@ -670,26 +670,34 @@ REASON_CHARS = 300
 def verdict(records: Sequence[Mapping[str, Any]], metric: str, direction: str,
             baseline: str | None, test: Mapping[str, Any] | None = None) -> str:
     """The best trial's metric against its baseline (e.g. bicubic PSNR), and where its model
-    was tested (``test``: `saved_test`'s record), a second line: the same on the test data."""
+    was tested (``test``: `saved_test`'s record), a second line: the same on the test data;
+    then, where trials failed, how many and why the first did."""
     best = best_record(records, metric, direction)
+    failed = [r for r in records if r["state"] == "failed"]
+    where = ("see the 'reason' column of results.csv (and the traceback of a trial that "
+             "raised in results.json)")
     if best is None:
-        failed = [r for r in records if r["state"] == "failed"]
-        reasons = list(dict.fromkeys(r["reason"] for r in failed if r.get("reason")))
-        why = ""
-        if reasons:
-            first = next(r for r in failed if r.get("reason") == reasons[0])
-            reason = shortened(reasons[0], REASON_CHARS)
-            why = (f"; trial {first['number']}: {reason}"
-                   + (f"; {len(reasons) - 1} other reason(s)" if len(reasons) > 1 else ""))
-        return (f"no trial completed ({len(failed)} failed{why}); see the 'reason' column of "
-                "results.csv (and the traceback of a trial that raised in results.json)")
+        return f"no trial completed ({len(failed)} failed{_why(failed)}); {where}"
     line = (f"best trial {best['number']}: {metric} {best[metric]:.5g}"
             + _against(best, metric, direction, baseline))
     if test is not None and test.get("trial") == best["number"] and metric in test:
         line += "\n  tested on data no trial was chosen by (the task's test): " + (
             f"{metric} {test[metric]:.5g}" + _against(test, metric, direction, baseline)
             if test[metric] is not None else f"{metric} no finite number")
+    if failed:  # said with the best, not only in results.csv
+        line += f"\n  {len(failed)} of {len(records)} trials failed{_why(failed)}; {where}"
     return line
+
+
+def _why(failed: Sequence[Mapping[str, Any]]) -> str:
+    """``"; trial N: REASON[; K other reason(s)]"``: why the first of ``failed`` failed (cut
+    at a word where long), and how many other reasons there were ("" where none says)."""
+    reasons = list(dict.fromkeys(r["reason"] for r in failed if r.get("reason")))
+    if not reasons:
+        return ""
+    first = next(r for r in failed if r.get("reason") == reasons[0])
+    return (f"; trial {first['number']}: {shortened(reasons[0], REASON_CHARS)}"
+            + (f"; {len(reasons) - 1} other reason(s)" if len(reasons) > 1 else ""))
 
 
 def _against(scores: Mapping[str, Any], metric: str, direction: str,
