@@ -5,6 +5,7 @@ persistent compilation cache in its directory). Compiles are JAX's own compile e
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -529,3 +530,46 @@ def test_a_cache_folder_that_cannot_be_written_is_said_once_and_only_read(tmp_pa
         f"the study's compiled programs cannot be kept in {str(folder)!r} (it cannot be "
         "written here): this process compiles what is not there already; make it writable "
         "to keep them")
+
+
+def test_a_runs_compile_takes_the_slot_beyond_the_bound_and_a_planners_waits():
+    """Planning compiles hold every slot: a run's compile (its devices wait for it) starts at
+    once in the one slot beyond the bound; a second run's, and a planner's, wait for a slot."""
+    import threading
+
+    slots = CompileSlots()
+    started: list[str] = []
+    release = threading.Event()
+    cond = threading.Condition()
+
+    def hold(name: str, run: bool) -> None:
+        with contextlib.ExitStack() as stack:
+            if run:
+                stack.enter_context(slots.for_a_run())
+            with slots.slot():
+                with cond:
+                    started.append(name)
+                    cond.notify_all()
+                release.wait(timeout=60)
+
+    def wait_for(count: int) -> bool:
+        with cond:
+            return cond.wait_for(lambda: len(started) >= count, timeout=30)
+
+    with slots.limited(2):
+        threads = [threading.Thread(target=hold, args=(name, run)) for name, run in
+                   (("plan a", False), ("plan b", False), ("run 1", True), ("run 2", True),
+                    ("plan c", False))]
+        for t in threads[:2]:
+            t.start()
+        assert wait_for(2)
+        threads[2].start()
+        assert wait_for(3) and started[2] == "run 1"  # beside both plans
+        for t in threads[3:]:
+            t.start()
+        time.sleep(0.5)
+        assert len(started) == 3  # one slot beyond the bound, one run at a time
+        release.set()
+        for t in threads:
+            t.join(timeout=30)
+    assert sorted(started[3:]) == ["plan c", "run 2"] and slots.most == 3

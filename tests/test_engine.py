@@ -853,3 +853,40 @@ def test_a_queued_trial_planned_for_more_devices_says_so_while_its_plan_compiles
     engine.run()
     assert len(study.get_trials()[0].user_attrs["devices"]) == 4
     assert while_planned == [(4, "planning")]
+
+
+def test_the_planner_threads_take_work_for_planned_trials_before_new_plans():
+    """A group of retries to size (or a trial to re-plan) is work for trials ready to train:
+    the planner threads take it before new trials' plans that were submitted earlier and have
+    not begun, which left the devices idle behind them. A shutdown that cancels cancels the
+    work not begun, and an error reaches its future."""
+    import concurrent.futures as cf
+    import threading
+
+    from scamp_jax.hpo.work import PlannerPool
+
+    pool = PlannerPool(1)
+    began, release, ran = threading.Event(), threading.Event(), []
+
+    def first():  # the thread is busy with an earlier plan
+        began.set()
+        release.wait(10)
+        ran.append("busy")
+
+    pool.submit(first)
+    assert began.wait(10)
+    futures = [pool.submit(ran.append, "plan 5"), pool.submit(ran.append, "plan 6"),
+               pool.submit_first(ran.append, "size group 2")]
+    release.set()
+    cf.wait(futures, timeout=10)
+    assert ran == ["busy", "size group 2", "plan 5", "plan 6"]
+    failing = pool.submit_first(lambda: 1 / 0)
+    assert isinstance(failing.exception(timeout=10), ZeroDivisionError)
+    began.clear(), release.clear()
+    pool.submit(first)
+    assert began.wait(10)
+    waiting = pool.submit(ran.append, "never")
+    pool.shutdown(wait=False, cancel_futures=True)
+    release.set()
+    pool.shutdown(wait=True)
+    assert waiting.cancelled() and ran[-1] == "busy"

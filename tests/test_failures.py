@@ -794,22 +794,30 @@ def test_a_busy_study_database_is_said_busy_not_damaged(tmp_path):
 
 def test_a_fused_study_whose_every_group_raises_alike_stops_and_gives_its_trials_back(
         tmp_path):
-    """The guard counts a fused group as one run (its members share their architecture): its
-    limit is capped by the runs the study's trials make, groups of up to ``fuse``, not by the
-    trials. Four trials in groups of two are two runs; both raise alike, so the study stops
-    and gives them back, where it kept all four failed for good (a limit of 3 runs that two
-    groups never reach)."""
-    from scamp_jax.hpo.endings import failure_limit
-    from scamp_jax.hpo.settings import SearchSettings
-
-    assert failure_limit(SearchSettings(trials=8, steps=1, fuse=4)) == 2
-    assert failure_limit(SearchSettings(trials=16, steps=1, fuse=4)) == 3  # the limit itself
-    assert failure_limit(SearchSettings(trials=4, steps=1)) == 3
+    """The guard counts a fused group as one run (its members share their architecture).
+    Four trials in groups of two are two runs, fewer than the limit of 3; both raise alike,
+    so when the run has nothing more to train the study stops and gives them back, where it
+    kept all four failed for good (a limit that two groups never reach)."""
     with pytest.raises(scamp_jax.RepeatedFailureError) as caught:
         scamp_jax.run_study(SPACE, _task(_mislabelled), trials=4, study_dir=tmp_path, fuse=2,
                             **KW)
     assert sorted(caught.value.trials) == [0, 1, 2, 3]
     fixed = scamp_jax.run_study(SPACE, _task(), trials=4, study_dir=tmp_path, fuse=2, **KW)
     assert fixed["trials_this_run"] == 4
+    record = json.loads((tmp_path / "results.json").read_text())
+    assert [r["state"] for r in record["trials"]] == ["complete"] * 4
+
+
+def test_the_last_trials_of_a_resumed_study_that_raise_alike_stop_it_and_go_back(tmp_path):
+    """A study's guard counts the runs of this run, not the study's trials: a study of 4 whose
+    first run completed 2, resumed with a bug in the task, makes 2 runs, fewer than the limit
+    of 3. Both raise alike and the run has nothing more to train, so the study stops and gives
+    them back (it kept both failed for good, and the fixed rerun trained nothing)."""
+    scamp_jax.run_study(SPACE, _task(), trials=2, study_dir=tmp_path, **KW)
+    with pytest.raises(scamp_jax.RepeatedFailureError) as caught:
+        scamp_jax.run_study(SPACE, _task(_mislabelled), trials=4, study_dir=tmp_path, **KW)
+    assert caught.value.trials == (2, 3)
+    fixed = scamp_jax.run_study(SPACE, _task(), trials=4, study_dir=tmp_path, **KW)
+    assert fixed["trials_this_run"] == 2
     record = json.loads((tmp_path / "results.json").read_text())
     assert [r["state"] for r in record["trials"]] == ["complete"] * 4

@@ -102,10 +102,12 @@ def _study(tmp_path, trials: int, fuse: int, steps: int = 30, budget: int = BUDG
 
 def test_a_fused_study_finishes_exactly_its_trials_with_members_equal_to_solo_runs(tmp_path):
     """Siblings of a proposed architecture train fused; each member is its own trial, scored,
-    and ends where the same trial run alone ends."""
+    and ends where the same trial run alone ends; the run's usage counts the trials its groups
+    trained, not the groups."""
     study, source, engine = _study(tmp_path, trials=4, fuse=2, steps=10)
-    engine.run()
+    result = engine.run()
     source.close()
+    assert result.usage["trials_started"] == result.usage["trials_finished"] == 4
     trials = study.get_trials()
     assert len(trials) == 4
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 4
@@ -753,3 +755,44 @@ def test_a_stop_counts_the_members_still_running_not_one_that_failed_alone() -> 
     endings.give_back([run], [], notices.append)
     assert [n.split(" end at")[0] for n in notices] == ["stopping: 2 running trial(s)"]
     assert run.stop.is_set() and given == [0, 1, 2]
+
+
+def test_a_stop_says_that_members_past_their_last_step_finish_and_are_kept() -> None:
+    """A stop that comes while a group's members evaluate after their last step does not stop
+    them (their results are told as they end): its notice says so, and counts only the others
+    as going back to the study."""
+    import concurrent.futures as cf
+    import threading
+    from types import SimpleNamespace
+
+    from scamp_jax.hpo.endings import Endings
+    from scamp_jax.hpo.settings import EngineConfig
+    from scamp_jax.planning.budget import Budget
+
+    def record(step: int) -> SimpleNamespace:
+        return SimpleNamespace(status=SimpleNamespace(state="training", step=step, steps=10),
+                               earlier_wall=0.0)
+
+    records = {0: record(10), 1: record(10), 2: record(3)}
+    endings = Endings(SimpleNamespace(interrupt=lambda n, wall_seconds: None), "mse",
+                      EngineConfig(steps=10, budget=Budget(2**26)), SimpleNamespace(), records,
+                      now=lambda: 3.0, decide=lambda now: None, start=lambda *a: None,
+                      queue=lambda planned: None, replan=lambda *a: None, notify=lambda: None)
+    notices: list[str] = []
+
+    def stop(numbers: tuple[int, ...]) -> str:
+        future: cf.Future = cf.Future()
+        future.set_exception(RuntimeError("stopped"))
+        run = SimpleNamespace(key=numbers[0], members=[SimpleNamespace(number=n)
+                                                       for n in numbers],
+                              stop=threading.Event(), future=future)
+        endings.give_back([run], [], notices.append)
+        return notices.pop()
+
+    said = stop((0, 1, 2))
+    assert said.startswith("stopping: 1 running trial(s) end at their next step and go back "
+                           "to the study, where a re-run resumes them"), said
+    assert "; 2 trial(s) past their last step finish their evaluation, and their results are " \
+           "kept; " in said, said
+    assert stop((0, 1)).startswith("stopping: 2 trial(s) past their last step finish their "
+                                   "evaluation, and their results are kept; ")

@@ -37,23 +37,6 @@ from scamp_jax.scheduling.core import SchedulingCore
 log = logging.getLogger(__name__)
 
 
-def failure_limit(config: Any) -> int:
-    """The runs of a guard (`scamp_jax.hpo.failures.RepeatedFailures`) under ``config``: its
-    ``failure_limit``, at most the runs the study's ``trials`` make where it has them (a
-    `SearchSettings`: one per trial, or per fused group of up to ``fuse`` of them, which the
-    guard counts as one) but never below two (one failure is no repetition), so that a first
-    small try whose trials all raise one error stops too and gives them back, rather than
-    keeping them failed for good (0: no guard)."""
-    from scamp_jax.hpo.trial import fusion_cap
-
-    limit = int(config.failure_limit)
-    trials = getattr(config, "trials", None)
-    if not limit or not isinstance(trials, int):
-        return limit
-    width = fusion_cap(getattr(config, "fuse", None)) or 1
-    return min(limit, max(-(-trials // width), 2))
-
-
 def second_ctrl_c(pressed: bool = True) -> str:
     """What a (second) Ctrl-C does, by the SIGINT handler installed: a command line's
     (``ends_process``, the experiments' ``_CtrlC``) ends the process at once; Python's own
@@ -112,7 +95,7 @@ class Endings:
         self.notify, self.checkpoint_root = notify, checkpoint_root
         self.oom = OutOfMemory(config, core, records, replan, queue, self.report)
         #: the guard against a run's first trials all failing alike
-        self.failures = RepeatedFailures(failure_limit(config), self._told, self._interrupt)
+        self.failures = RepeatedFailures(config.failure_limit, self._told, self._interrupt)
         #: how each trial of this run ended, in finishing order.
         self.outcomes: list[TrialOutcome] = []
         #: trials whose ending the study refused to store (the error ended the run): they go
@@ -138,10 +121,11 @@ class Endings:
             record.earlier_wall = 0.0  # with it where it is given back (`_interrupt`)
         self.outcomes.append(outcome)
 
-    def check_failures(self) -> None:
+    def check_failures(self, ended: bool = False) -> None:
         """Raise `RepeatedFailureError` once the run's first trials all failed alike (the
-        engine then stops, `give_back`)."""
-        if self.failures.tripped:
+        engine then stops, `give_back`); ``ended``: the run has nothing more to train, and
+        two runs that failed alike are enough (`RepeatedFailures.tripped_at_end`)."""
+        if self.failures.tripped_at_end if ended else self.failures.tripped:
             raise self.failures.error()
 
     @stops_held()
@@ -222,6 +206,13 @@ class Endings:
         record = self.records.get(number)
         return record is not None and record.status.state in ("complete", "pruned", "failed")
 
+    def _trained(self, number: int) -> bool:
+        """Whether trial ``number``'s run trained its last step (its final evaluation comes
+        whatever stops it)."""
+        status = getattr(self.records.get(number), "status", None)
+        steps = getattr(status, "steps", 0)
+        return bool(steps) and getattr(status, "step", 0) >= steps
+
     def give_back(self, runs: Sequence[Any], waiting: Sequence[int],
                   notice: Callable[[str], None] | None = None, discard: bool = False) -> None:
         """Stop ``runs`` (`scamp_jax.hpo.launch.Run`: they checkpoint at their next step) and
@@ -235,14 +226,20 @@ class Endings:
         for run in runs:
             run.stop.set()
         if notice is not None and runs:
-            # a fused group's members each, but not one that ended already (failed alone)
-            trials = sum(1 for run in runs for member in run.members
-                         if not self._ended(member.number))
+            # a fused group's members each, but not one that ended already (failed alone);
+            # those past their last step finish their evaluation and are told as they end
+            live = [member.number for run in runs for member in run.members
+                    if not self._ended(member.number)]
+            finishing = sum(map(self._trained, live))
             after = ("a re-run trains them from the start (what they trained under the error "
                      "is deleted)" if discard else
                      "a re-run resumes them (with a checkpoint where checkpoints are on)")
-            notice(f"stopping: {trials} running trial(s) end at their next step and go back to "
-                   f"the study, where {after}; {second_ctrl_c(pressed=not discard)}")
+            said = [f"{len(live) - finishing} running trial(s) end at their next step and go "
+                    f"back to the study, where {after}"] if len(live) > finishing else []
+            if finishing:
+                said.append(f"{finishing} trial(s) past their last step finish their "
+                            "evaluation, and their results are kept")
+            notice(f"stopping: {'; '.join(said)}; {second_ctrl_c(pressed=not discard)}")
         stopped: KeyboardInterrupt | None = None
         try:
             cf.wait([run.future for run in runs])

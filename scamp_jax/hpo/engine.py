@@ -236,7 +236,9 @@ class SearchEngine:
                         "stores them", number, type(err).__name__, err)
 
     def _submit(self, item: work.Work, fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
-        self.work[self._planner.submit(fn, *args, **kw)] = item
+        # new trials' plans wait behind the work of trials planned before (`work.PlannerPool`)
+        submit = self._planner.submit if item.stage == work.PLAN else self._planner.submit_first
+        self.work[submit(fn, *args, **kw)] = item
 
     def run(self) -> SearchResult:
         """Run trials until the study has its total; returns this run's usage figures.
@@ -276,17 +278,19 @@ class SearchEngine:
             # rather than in the first plan (it is not an architecture's)
             cpu_rough_options()
         # Planning compiles; planner threads overlap it with training and with each other.
-        self._planner = cf.ThreadPoolExecutor(max_workers=self.config.planner_threads,
-                                              thread_name_prefix="planner")
+        self._planner = work.PlannerPool(self.config.planner_threads,
+                                         thread_name_prefix="planner")
         self.resizer = None if not (self._grow and self.checkpoint_root) else TailResizer(
             self.core, self.planning, len(self.devices), self._planner.submit,
             lambda planned: SoloUnit(planned).trial_plan(self.planning), self._now,
             self.calibration.refresh)
         try:
-            # as many compiles at once as planner threads, trial threads' own included
+            # as many compiles at once as planner threads, trial threads' own included (and
+            # one of a run's beyond them)
             with COMPILE_SLOTS.limited(self.config.planner_threads):
                 while self._turn(lookahead):
                     pass
+                self.endings.check_failures(ended=True)  # all this run made failed alike
         except BaseException as err:
             self._give_back(interrupted=isinstance(err, KeyboardInterrupt | RepeatedFailureError),
                             discard=isinstance(err, RepeatedFailureError))

@@ -6,9 +6,8 @@ it. `RepeatedFailures` watches how a run's trials end. Until one of them complet
 after training), the failures that come with an exception (a traceback) are held back from the
 study while they repeat one error: the same exception raised at the same place (the message may
 differ, e.g. by a trial's batch size). Once the held trials come from ``failure_limit`` runs
-(`scamp_jax.hpo.settings.EngineConfig.failure_limit`, at most the runs a study's ``trials``
-make but at least two: `scamp_jax.hpo.endings.failure_limit`; a fused group's members are one
-run), the
+(`scamp_jax.hpo.settings.EngineConfig.failure_limit`; a fused group's members are one run), or
+from two runs when the run has nothing more to train (its study had fewer trials left), the
 engine stops its other trials and raises `RepeatedFailureError`, and the held trials go back to
 the study as interrupted ones do, with those that were running: the run after the fix trains
 them again from the start (what they trained under the bug is deleted, not resumed) instead of
@@ -18,7 +17,8 @@ study as the failures they are. A failure without an exception (a loss that turn
 configuration that fits nowhere) and a configuration the space rejects (``optuna.TrialPruned``
 from its build) are the configuration's own: told at once, they leave the held ones as they are.
 A space that fails some configurations on purpose, by raising, sets ``failure_limit=0``. Under
-MPI every rank's engine keeps its own guard.
+MPI every rank's engine keeps its own guard, which counts the runs of its rank: where the ranks
+share so few trials that none makes two runs, their failures are told as they are.
 """
 
 from __future__ import annotations
@@ -104,13 +104,26 @@ class RepeatedFailures:
         self.off = limit == 0
 
     @property
+    def runs(self) -> int:
+        """The runs the held failures come from, a fused group's members counting as one
+        (they share their architecture, and a failure may be that architecture's)."""
+        return len({(o.attrs.get("fused_group"), None if o.attrs.get("fused_group") is not None
+                     else o.number) for o in self.held})
+
+    @property
     def tripped(self) -> bool:
         """Whether the held failures reached the limit (the engine stops): trials of ``limit``
-        runs, a fused group's members counting as one (they share their architecture, and a
-        failure may be that architecture's)."""
-        runs = {(o.attrs.get("fused_group"), None if o.attrs.get("fused_group") is not None
-                 else o.number) for o in self.held}
-        return not self.off and len(runs) >= self.limit
+        `runs`."""
+        return not self.off and self.runs >= self.limit
+
+    @property
+    def tripped_at_end(self) -> bool:
+        """Whether the held failures stop the study when its run has nothing more to train:
+        those of two runs at least (one failure is no repetition), or of ``limit`` where it
+        is one. A run makes fewer runs than ``limit`` where its study has fewer trials left
+        (a small study, the last trials of a resumed one, a fused group holding several, a
+        process of several sharing the study), and they all failed alike."""
+        return not self.off and self.runs >= min(self.limit, 2)
 
     def hold(self, outcome: TrialOutcome) -> bool:
         """Whether ``outcome`` is held back from the study (else the caller tells it); a

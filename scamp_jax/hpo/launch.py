@@ -21,6 +21,14 @@ from typing import Any
 from scamp_jax.hpo.lifecycle import MemberSpec, Schedule
 from scamp_jax.hpo.runner import StepCache
 from scamp_jax.hpo.trial import PlannedTrial
+from scamp_jax.planning.compile_slots import COMPILE_SLOTS
+
+
+def _a_run(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """``fn(*args, **kw)``, a run: its compiles go before planning ones
+    (`scamp_jax.planning.compile_slots`)."""
+    with COMPILE_SLOTS.for_a_run():
+        return fn(*args, **kw)
 
 
 @dataclass(frozen=True)
@@ -89,8 +97,8 @@ class Launcher:
         **kw)`` (`run_trial` or `run_fused_group`) in a worker thread, as unit ``key`` of
         ``members``."""
         stop = threading.Event()
-        future = self.executor.submit(fn, spec, self.space, self.task, report=self.report,
-                                      stop=stop, cache=self.cache,
+        future = self.executor.submit(_a_run, fn, spec, self.space, self.task,
+                                      report=self.report, stop=stop, cache=self.cache,
                                       on_checkpoint=self.on_checkpoint, **kw)
         return Run(key, members, stop, future)
 

@@ -97,13 +97,14 @@ class EngineConfig:
         completed, after which the study stops with
         `scamp_jax.hpo.failures.RepeatedFailureError` and they go back to the study: a bug in
         the task fails every trial alike (0: never stop; a space that fails some
-        configurations on purpose by raising). A study of fewer trials stops at as many
-        runs, two at least (`scamp_jax.hpo.endings.failure_limit`).
+        configurations on purpose by raising). A run with fewer trials left to train stops
+        when it has nothing more to train, if they failed alike in two runs at least
+        (`scamp_jax.hpo.failures.RepeatedFailures.tripped_at_end`).
       seed: seed of the sampler, initialisation and data streams.
       rank: the MPI rank recorded with each trial (0 on a single host).
       planner_threads: configurations planned at once (each plan is a few compiles), and the
-        most XLA compiles the study runs at once, trials' own included
-        (`scamp_jax.planning.compile_slots`).
+        most XLA compiles the study runs at once, trials' own included, but for one of a
+        starting run's, which never waits for planning (`scamp_jax.planning.compile_slots`).
       elastic: ``"auto"``, ``"on"`` or ``"off"``: whether ScaMP puts devices that would idle at
         the end of the study to work (`grow_last_wave`).
       restart_seconds: predicted cost of an elastic restart (checkpoint, compile, restore),

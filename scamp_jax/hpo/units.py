@@ -49,7 +49,8 @@ def trial_plan(planning: Any, key: int, arrival: int, member: PlannedTrial, book
         steps=planning.config.steps_for(int(plan.batch_size)),
         flops_per_step=None if flops is None else flops * width,
         data_parallel=int(plan.data_parallel), model_parallel=int(plan.model_parallel),
-        batch_size=int(plan.batch_size), grow_bytes=int(plan.usable_bytes) if grows else 0)
+        batch_size=int(plan.batch_size), grow_bytes=int(plan.usable_bytes) if grows else 0,
+        trials=width)
 
 
 class Unit(Protocol):

@@ -9,6 +9,12 @@ the other cores stay with the trials already training (on a GPU host, their inpu
 and dispatch; XLA's autotuner also takes the GPU for itself while it runs). The engine sets the
 limit to its planner threads while it runs (`CompileSlots.limited`).
 
+A run's own compiles (its thread inside `CompileSlots.for_a_run`) are on its devices' critical
+path, where a planner's are for trials that wait anyway: a run's compile takes one slot beyond the
+bound when the others are taken (one run at a time), so a trial about to train never waits for
+the plans of trials asked after it (on a GPU, its autotuned step beside their planning
+compiles). At most ``limit + 1`` compiles run at once.
+
 A slot is the innermost thing a thread takes (never held while waiting for anything else), so
 it cannot deadlock with the caches' own locks.
 """
@@ -30,6 +36,9 @@ class CompileSlots:
         self._cond = threading.Condition()
         self._limit = limit
         self._busy = 0
+        #: whether a run's compile holds the slot beyond the bound
+        self._over = False
+        self._local = threading.local()
         #: most compiles seen at once (a check for tests and benchmarks)
         self.most = 0
 
@@ -39,10 +48,27 @@ class CompileSlots:
         return self._limit
 
     @contextlib.contextmanager
+    def for_a_run(self) -> Iterator[None]:
+        """The compiles of this thread in the block are a run's (see the module doc)."""
+        before, self._local.run = getattr(self._local, "run", False), True
+        try:
+            yield
+        finally:
+            self._local.run = before
+
+    @contextlib.contextmanager
     def slot(self) -> Iterator[None]:
-        """Hold one slot while the block (one compile) runs; waits for a free one."""
+        """Hold one slot while the block (one compile) runs; waits for a free one (a run's
+        compile: or the one beyond the bound)."""
+        run = getattr(self._local, "run", False)
         with self._cond:
-            while self._limit and self._busy >= self._limit:
+            while True:
+                if not self._limit or self._busy < self._limit:
+                    over = False
+                    break
+                if run and not self._over:
+                    over = self._over = True
+                    break
                 self._cond.wait()
             self._busy += 1
             self.most = max(self.most, self._busy)
@@ -51,6 +77,8 @@ class CompileSlots:
         finally:
             with self._cond:
                 self._busy -= 1
+                if over:
+                    self._over = False
                 self._cond.notify_all()  # waiters under any bound see the room
 
     @contextlib.contextmanager

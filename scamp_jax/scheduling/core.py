@@ -96,6 +96,7 @@ class TrialPlan:
       grow_bytes: bytes per device a larger device count's plan may need at most (the usable
         share); > 0 lets the last wave offer 2x, 4x, ... the devices as options (uncosted until
         planned); 0: no such options.
+      trials: the study's trials it trains (a fused group's width; the usage counts them).
     """
 
     key: int
@@ -108,6 +109,7 @@ class TrialPlan:
     model_parallel: int = 1
     batch_size: int = 1
     grow_bytes: int = 0
+    trials: int = 1
 
     def as_dict(self) -> dict[str, float | int | None]:
         """JSON-able fields (for ``results.json`` and the replay)."""
@@ -116,7 +118,7 @@ class TrialPlan:
             "bytes_per_device": self.bytes_per_device, "steps": self.steps,
             "flops_per_step": self.flops_per_step, "data_parallel": self.data_parallel,
             "model_parallel": self.model_parallel, "batch_size": self.batch_size,
-            "grow_bytes": self.grow_bytes,
+            "grow_bytes": self.grow_bytes, "trials": self.trials,
         }
 
     @classmethod
@@ -127,7 +129,8 @@ class TrialPlan:
                    int(d["bytes_per_device"]), int(d["steps"]),  # type: ignore[arg-type]
                    None if flops is None else float(flops),
                    int(d.get("data_parallel") or 1), int(d.get("model_parallel") or 1),
-                   int(d.get("batch_size") or 1), int(d.get("grow_bytes") or 0))
+                   int(d.get("batch_size") or 1), int(d.get("grow_bytes") or 0),
+                   int(d.get("trials") or 1))
 
 
 @dataclass(frozen=True)
@@ -407,7 +410,7 @@ class SchedulingCore:
                 request = self._request(plan)
             self.pool.allocate(placement, request)
             booked = self.pool.request_of(placement.key).bytes_per_device
-            self.usage.start(now, placement, booked)
+            self.usage.start(now, placement, booked, plan.trials)
             del self._queue[placement.key]
             self._last_wave.pop(placement.key, None)
             self._waiting.remove(placement.key)

@@ -41,7 +41,7 @@ class UsageRecorder:
         self._last_t = self.t0
         # (time, fraction reserved from this time on); starts at t0 with nothing reserved.
         self._series: list[tuple[float, float]] = [(self.t0, 0.0)]
-        self._running: dict[int, tuple[Placement, int, float]] = {}
+        self._running: dict[int, tuple[Placement, int, int]] = {}  # bytes, trials
         self._occupants = [0] * len(self.capacity)
         self._idle_since: list[float | None] = [self.t0] * len(self.capacity)
         self._idle_closed = 0.0
@@ -66,9 +66,11 @@ class UsageRecorder:
         else:
             self._series.append((t, fraction))
 
-    def start(self, t: float, placement: Placement, bytes_per_device: int) -> None:
+    def start(self, t: float, placement: Placement, bytes_per_device: int,
+              trials: int = 1) -> None:
         """Trial ``placement.key`` reserves ``bytes_per_device`` on each of its devices at ``t``
-        seconds."""
+        seconds; ``trials``: the trials it trains (a fused group's members, counted in
+        ``trials_started`` and ``trials_finished``)."""
         t = self._advance(t)
         key = placement.key
         if key in self._running:
@@ -83,9 +85,9 @@ class UsageRecorder:
                 self._idle_since[d] = None
             self._occupants[d] += 1
             self._intervals[d].append(BusyInterval(key, t, None, int(bytes_per_device)))
-        self._running[key] = (placement, int(bytes_per_device), t)
+        self._running[key] = (placement, int(bytes_per_device), int(trials))
         self._reserved += int(bytes_per_device) * len(placement.device_ids)
-        self._started += 1
+        self._started += int(trials)
         self._record(t)
 
     def finish(self, t: float, key: int) -> None:
@@ -93,7 +95,7 @@ class UsageRecorder:
         t = self._advance(t)
         if key not in self._running:
             raise ValueError(f"trial {key} finished but was never started (or finished twice)")
-        placement, nbytes, _ = self._running.pop(key)
+        placement, nbytes, trials = self._running.pop(key)
         for d in placement.device_ids:
             self._occupants[d] -= 1
             if self._occupants[d] == 0:
@@ -105,7 +107,7 @@ class UsageRecorder:
                     intervals[i] = BusyInterval(key, iv.start, t, iv.bytes)
                     break
         self._reserved -= nbytes * len(placement.device_ids)
-        self._finished += 1
+        self._finished += trials
         self._record(t)
 
     def move(self, t: float, placement: Placement, bytes_per_device: int) -> None:
@@ -113,8 +115,9 @@ class UsageRecorder:
         from ``t`` seconds (a restart on other devices): its busy intervals and reservation
         move; the trials started and finished stay as they are."""
         started, finished = self._started, self._finished
+        trials = self._running[placement.key][2] if placement.key in self._running else 1
         self.finish(t, placement.key)
-        self.start(t, placement, bytes_per_device)
+        self.start(t, placement, bytes_per_device, trials)
         self._started, self._finished = started, finished
 
     def memory_utilization_series(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
