@@ -553,11 +553,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="how much trials sharing a device overlap: 0 = strict turns (the "
                         "default on GPUs), 1 = free overlap of each other's idle time")
     parser.add_argument("--planning-seconds", type=float, default=None,
-                        help="seconds from asking a trial to its plan being ready; default: "
-                        "the cluster model's (30 s), or --measured's")
+                        help="seconds one plan takes on a planner thread; default: the "
+                        "cluster model's (30 s), or --measured's")
+    parser.add_argument("--planner-threads", type=int, default=None,
+                        help="plans made at once (the engine's planner_threads); default: the "
+                        "cluster model's (2), or --measured's")
     parser.add_argument("--measured", type=Path, default=None, metavar="STUDY_DIR",
-                        help="take planning and restart seconds from a real study's "
-                        "results.json (scamp_jax.sim.measured.engine_figures)")
+                        help="take planning and restart seconds and planner threads from a real "
+                        "study's results.json (scamp_jax.sim.measured.engine_figures)")
     parser.add_argument("--min-resize-gain", type=float, default=0.1,
                         help="fraction of its remaining time a restart must save")
     parser.add_argument("--batch-multiple", type=int, default=ScampPolicy().batch_multiple,
@@ -597,6 +600,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--json prints a --replay's placements; pass --replay STUDY_DIR too")
     if args.fuse is not None and args.fuse < 2:
         parser.error("--fuse must be at least 2 (members per fused group)")
+    if args.planner_threads is not None and args.planner_threads < 1:
+        parser.error(f"--planner-threads {args.planner_threads} must be at least 1")
     if args.replay is not None:
         from scamp_jax.scheduling.replay import as_json, run_section
         from scamp_jax.sim.measured import read_results, replay_study
@@ -697,6 +702,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.planning_seconds < 0:
             parser.error("--planning-seconds must be >= 0")
         cluster = dataclasses.replace(cluster, planning_seconds=args.planning_seconds)
+    if args.planner_threads is not None:
+        cluster = dataclasses.replace(cluster, planner_threads=args.planner_threads)
     if args.overlap is not None:
         if not 0 <= args.overlap <= 1:
             parser.error("--overlap must be in [0, 1]")

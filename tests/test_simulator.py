@@ -110,6 +110,23 @@ def test_a_trial_is_placed_once_its_plan_is_ready() -> None:
     assert spans == [(0, 4.0, 24.0), (1, 4.0, 14.0), (2, 24.0, 34.0)]
 
 
+def test_plans_are_made_as_many_at_once_as_the_engine_has_planner_threads() -> None:
+    # Six one-device trials asked at 0 on 8 devices, 4 s a plan: the engine's 2 planner threads
+    # (its default) make them in pairs, ready at 4, 8 and 12 s, in the order asked; 3 threads
+    # make them in threes.
+    trials = [TrialProfile(k, 1, GIB, 8, 1e12, 0, 0, 10) for k in range(6)]
+    cluster = dataclasses.replace(TOY, devices=8, planning_seconds=4.0)
+    result = simulate(trials, cluster, ScampPolicy())
+    assert [t.start_s for t in result.trials] == [4.0, 4.0, 8.0, 8.0, 12.0, 12.0]
+    assert cluster.planner_threads == 2
+    three = simulate(trials, dataclasses.replace(cluster, planner_threads=3), ScampPolicy())
+    assert [t.start_s for t in three.trials] == [4.0, 4.0, 4.0, 8.0, 8.0, 8.0]
+    assert "2 thread(s)" in result.cluster.describe()
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="planner_threads"):
+            dataclasses.replace(TOY, planner_threads=bad)
+
+
 @pytest.mark.parametrize("policy", [ScampPolicy(), ScampPolicy(share_devices=False)])
 def test_makespan_by_hand_balanced(policy: ScampPolicy) -> None:
     # A on device 0 (20 s), B on device 1 (10 s), C on both from 20 s to 30 s.
@@ -186,7 +203,9 @@ def _mixed_costs(trials: int) -> list[StepCostModel]:
 def test_scamp_beats_fixed_on_a_mixed_workload() -> None:
     # Free overlap: packed trials fill each other's idle compute, so the core packs them (at
     # overlap 0 it books measured trials fully busy and packs none beside them in the last wave).
-    cluster = dataclasses.replace(cluster_preset("v100-16gb", devices=8), overlap=1.0)
+    # Plans ready at once: 24 plans of 30 s on 2 planner threads would pace both policies alike.
+    cluster = dataclasses.replace(cluster_preset("v100-16gb", devices=8), overlap=1.0,
+                                  planning_seconds=0.0)
     costs = _mixed_costs(24)
     samples = 20_000
     scamp = ScampPolicy()
@@ -490,6 +509,11 @@ def test_planning_and_restart_seconds_come_from_what_a_study_measured(tmp_path) 
     (tmp_path / "results.json").write_text(json.dumps(results))
     assert engine_figures(read_results(tmp_path)) == {"planning_seconds": 7.5,
                                                       "restart_seconds": 12.0}
+    # The planner threads the run records (`scamp_jax.hpo.engine.scheduling_info`).
+    assert engine_figures({**results, "run": {"planner_threads": 3}}) == {
+        "planning_seconds": 7.5, "restart_seconds": 12.0, "planner_threads": 3}
+    with pytest.raises(ValueError, match="planner_threads=0"):
+        engine_figures({"trials": [], "run": {"planner_threads": 0}})
     assert engine_figures({"trials": [{"planned_at": None}]}) == {}  # defaults stay
     with pytest.raises(FileNotFoundError, match="directory of a finished study"):
         read_results(tmp_path / "nowhere")

@@ -633,6 +633,7 @@ def scheduling_info(policy: Any, config: EngineConfig, core: SchedulingCore, gro
         "pool_devices": devices,
         "max_running": core.max_running,
         "overlap": core.overlap,
+        "planner_threads": config.planner_threads,
         "policy_parts": parts,
         "last_wave_at": last_wave_at,
         "search": config.run_record(),

@@ -3,7 +3,7 @@
 The HPO engine writes, per trial, when its plan was ready (``planned_at``, seconds since the
 study's start), each run's placement (``placements``: ``[start, device ids]``) and its paces
 (``pace``: ``[time, step, seconds per step, training since]``). `engine_figures` turns these into
-the two overheads the simulator charges (`scamp_jax.sim.simulator.ClusterModel`):
+the overheads the simulator charges (`scamp_jax.sim.simulator.ClusterModel`):
 
 - ``planning_seconds``: the earliest ``planned_at``: the first plan of the study was asked at its
   start, with no other plan ahead of it, so this is one plan's own time (its compiles).
@@ -11,6 +11,8 @@ the two overheads the simulator charges (`scamp_jax.sim.simulator.ClusterModel`)
   booking (``core_events``: ``restarted``) to the new run's first training step (stopping at a
   checkpoint, compile, restore); for a record without ``core_events``, from each later
   placement. A run again after an out-of-memory re-plan is not a restart.
+- ``planner_threads``: the plans the engine made at once, as its last run records it
+  (``run.planner_threads``).
 
 A figure the study did not measure (no trial planned, no restart) is left out, and the
 simulator keeps its documented default. This module reads files; the scheduling core does not.
@@ -69,13 +71,23 @@ class EngineFigures(TypedDict, total=False):
 
     planning_seconds: float
     restart_seconds: float
+    planner_threads: int
 
 
 def engine_figures(results: Mapping[str, Any]) -> EngineFigures:
-    """``{"planning_seconds": s, "restart_seconds": s}`` measured by a study (module docstring);
-    a figure it did not measure is absent."""
+    """``{"planning_seconds": s, "restart_seconds": s, "planner_threads": n}`` measured or
+    recorded by a study (module docstring); a figure it did not record is absent."""
     trials = results.get("trials") or []
     out: EngineFigures = {}
+    run = results.get("run") or {}
+    if isinstance(run, list):
+        run = run[-1] if run else {}
+    threads = run.get("planner_threads") if isinstance(run, Mapping) else None
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"results.json: run.planner_threads={threads!r} is not an integer "
+                             ">= 1; pass the directory of a study this package wrote")
+        out["planner_threads"] = threads
     planned = [float(t["planned_at"]) for t in trials if t.get("planned_at") is not None]
     if planned:
         out["planning_seconds"] = max(0.0, min(planned))

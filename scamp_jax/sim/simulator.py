@@ -30,12 +30,13 @@ it advances at the pace of its most loaded device. Where several devices share o
 engine (CPU devices of one host: ``compute_group``), the sum runs over all trials on the
 group's devices.
 
-Time the engine spends outside training: every trial becomes ready to place
-``ClusterModel.planning_seconds`` after it is asked (the planner's compiles; the engine asks as
-many trials ahead as the lookahead allows), and a running trial restarted on more devices trains
-nothing for ``ClusterModel.restart_seconds`` (checkpoint, compile, restore). Both come from a
-real study's ``results.json`` where one is given (`scamp_jax.sim.measured.engine_figures`),
-else from the documented defaults.
+Time the engine spends outside training. Planning: the engine asks as many trials ahead as the
+lookahead allows, and its ``ClusterModel.planner_threads`` planner threads plan them, each plan
+taking ``ClusterModel.planning_seconds`` (the planner's compiles); a trial waits for a free
+thread in the order asked and is ready to place once its plan is done. A running trial
+restarted on more devices trains nothing for ``ClusterModel.restart_seconds`` (checkpoint,
+compile, restore). These come from a real study's ``results.json`` where one is given
+(`scamp_jax.sim.measured.engine_figures`), else from the documented defaults.
 
 The core sees what the engine sees: each trial's FLOPs per step (``cost_analysis()``), bytes and
 steps, the paces measured so far (busy fractions against the device's attainable FLOP/s) and
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -101,9 +103,11 @@ class ClusterModel:
         network_bandwidth)``). The presets' figures are the InfiniBand generation sold with
         each part (EDR 100 Gb/s for V100, HDR 200 Gb/s for A100, NDR 400 Gb/s for H100), one
         link per node: an assumption about the cluster, not a measurement.
-      planning_seconds: seconds from asking a trial to its plan being ready (the planner's
-        probe, verify and evaluation compiles). 30 is an assumption (three compiles of a
-        mid-sized step), not a measurement; a study's measured figure replaces it.
+      planning_seconds: seconds one plan takes on a planner thread (the planner's probe,
+        verify and evaluation compiles). 30 is an assumption (three compiles of a mid-sized
+        step), not a measurement; a study's measured figure replaces it.
+      planner_threads: plans made at once (the engine's ``EngineConfig.planner_threads``, 2 by
+        default); the others wait for a thread (module docstring).
       overlap: how much co-located trials overlap on one device, in [0, 1] (module docstring):
         0 = strict turns (the default, what JAX threads on one GPU mostly do until a GPU
         measurement calibrates it), 1 = free overlap of each other's idle time.
@@ -129,6 +133,7 @@ class ClusterModel:
     node_devices: int = 8
     network_bandwidth: float = 12.5 * 10**9
     allowance_bytes: int = 0
+    planner_threads: int = 2
 
     def __post_init__(self) -> None:
         for name in ("devices", "memory_per_device", "peak_flops", "mem_bandwidth",
@@ -150,6 +155,10 @@ class ClusterModel:
             raise ValueError(
                 f"overlap={self.overlap} must be in [0, 1] (0: co-located trials take strict "
                 "turns on a device, 1: they overlap freely)")
+        if (isinstance(self.planner_threads, bool) or not isinstance(self.planner_threads, int)
+                or self.planner_threads < 1):
+            raise ValueError(f"planner_threads={self.planner_threads!r} must be an integer >= 1 "
+                             "(plans made at once; the engine's default is 2)")
 
     def link_bandwidth(self, devices: int) -> float:
         """Bytes/s of the slowest ring link of a trial on ``devices`` devices (one direction):
@@ -169,7 +178,8 @@ class ClusterModel:
     def describe(self) -> str:
         """The sharing model and the engine's overheads, for printing with every result."""
         return (f"overlap={self.overlap:g} (0: strict turns, 1: free overlap), "
-                f"planning {self.planning_seconds:g} s per trial, restart "
+                f"planning {self.planning_seconds:g} s per plan on "
+                f"{self.planner_threads} thread(s), restart "
                 f"{self.restart_seconds:g} s")
 
     def budget(self, safety_margin: float) -> Budget:
@@ -361,7 +371,40 @@ class SimResult:
     comm_fraction: float = 0.0
 
 
-_PLANNED = -1  # event version of a trial whose plan becomes ready (runs have versions >= 0)
+# Event kinds, the last entry of an event ``(time, key, version, kind)``.
+_END = 0  # a run ends (its ``version``: the run's rate version it was computed with)
+_PLANNED = 1  # a trial's plan is ready
+
+
+class _Planners:
+    """The engine's planner threads (`scamp_jax.hpo.work.PlannerPool`) in virtual time: at most
+    ``threads`` plans at once, each ``seconds`` long, pushed to ``events`` as it will end. Plans
+    wait for a thread first come, first served, those for trials planned before (``first``)
+    ahead of new trials' plans."""
+
+    def __init__(self, threads: int, seconds: float,
+                 events: list[tuple[float, int, int, int]]) -> None:
+        self.threads, self.seconds, self.events = threads, seconds, events
+        self.busy = 0
+        self.waiting: tuple[deque[tuple[int, int, int]], deque[tuple[int, int, int]]] = (
+            deque(), deque())
+
+    def submit(self, now: float, key: int, kind: int, detail: int = 0,
+               first: bool = False) -> None:
+        """Plan for trial ``key``: the event ``(end, key, detail, kind)`` once planned."""
+        self.waiting[0 if first else 1].append((key, detail, kind))
+        self._begin(now)
+
+    def done(self, now: float) -> None:
+        """A plan ended at ``now``: its thread takes the next one waiting."""
+        self.busy -= 1
+        self._begin(now)
+
+    def _begin(self, now: float) -> None:
+        while self.busy < self.threads and (self.waiting[0] or self.waiting[1]):
+            key, detail, kind = (self.waiting[0] or self.waiting[1]).popleft()
+            self.busy += 1
+            heapq.heappush(self.events, (now + self.seconds, key, detail, kind))
 
 
 @dataclass
@@ -478,7 +521,8 @@ def simulate(
     group_load = [0.0] * groups
     group_trials: list[dict[int, int]] = [{} for _ in range(groups)]  # key -> devices in group
     running: dict[int, _Running] = {}
-    events: list[tuple[float, int, int]] = []  # (finish time, key, version)
+    events: list[tuple[float, int, int, int]] = []  # (time, key, version, kind)
+    planners = _Planners(cluster.planner_threads, cluster.planning_seconds, events)
     pending = list(enumerate(profiles))
     pending.reverse()  # pop() from the end is the next arrival
     done: list[SimTrial] = []
@@ -504,12 +548,12 @@ def simulate(
             affected |= group_trials[g].keys()
 
     def arrive() -> None:
-        # Ask trials while the lookahead has room; each is planned planning_seconds later.
+        # Ask trials while the lookahead has room; each waits for a planner thread.
         while pending and (lookahead is None or len(core.queued) + len(asked) < lookahead):
             arrival, profile = pending.pop()
             if cluster.planning_seconds > 0:
                 asked[profile.key] = arrival
-                heapq.heappush(events, (now + cluster.planning_seconds, profile.key, _PLANNED))
+                planners.submit(now, profile.key, _PLANNED)
             else:
                 plan_ready(profile.key, arrival)
         core.set_arrivals_pending(bool(pending or asked))
@@ -625,7 +669,7 @@ def simulate(
             trial.rate = 1.0 / max(1.0, worst)
             trial.version += 1
             finish = max(now, trial.paused_until) + trial.remaining / trial.rate
-            heapq.heappush(events, (finish, key, trial.version))
+            heapq.heappush(events, (finish, key, trial.version, _END))
 
     arrive()
     while core.queued or running or pending or asked:
@@ -648,15 +692,16 @@ def simulate(
         finished: list[int] = []
         ready: list[int] = []
         while events:
-            t, key, version = heapq.heappop(events)
-            if version != _PLANNED and (key not in running or running[key].version != version):
+            t, key, version, kind = heapq.heappop(events)
+            if kind == _END and (key not in running or running[key].version != version):
                 continue  # superseded by a later rate change
             if (finished or ready) and t > now:
-                heapq.heappush(events, (t, key, version))
+                heapq.heappush(events, (t, key, version, kind))
                 break
             now = max(now, t)
-            (ready if version == _PLANNED else finished).append(key)
+            (ready if kind == _PLANNED else finished).append(key)
         for key in ready:
+            planners.done(now)
             plan_ready(key, asked.pop(key))
         affected = set()
         for key in finished:
