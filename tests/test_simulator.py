@@ -127,6 +127,18 @@ def test_plans_are_made_as_many_at_once_as_the_engine_has_planner_threads() -> N
             dataclasses.replace(TOY, planner_threads=bad)
 
 
+def test_a_plan_on_more_devices_costs_a_plan_as_the_engine_compiles_it() -> None:
+    # One trial, 1 s a step on 1 device, 0.5 s on 2, planned in 4 s: in the last wave the core
+    # asks for its 2-device plan, which a planner thread makes in 4 s more (the engine compiles
+    # it); it starts on 2 devices at 8 s. With plans made at once, it starts on 2 at 0 s.
+    wide = TrialProfile(0, 2, GIB, 8, 0.5e12, 0, 0, 10)
+    trial = TrialProfile(0, 1, GIB, 8, 1e12, 0, 0, 10, alternatives=(wide,))
+    planned = simulate([trial], dataclasses.replace(TOY, planning_seconds=4.0), ScampPolicy())
+    assert [(t.start_s, t.end_s, t.device_ids) for t in planned.trials] == [(8.0, 13.0, (0, 1))]
+    at_once = simulate([trial], TOY, ScampPolicy())
+    assert [(t.start_s, t.end_s, t.device_ids) for t in at_once.trials] == [(0.0, 5.0, (0, 1))]
+
+
 @pytest.mark.parametrize("policy", [ScampPolicy(), ScampPolicy(share_devices=False)])
 def test_makespan_by_hand_balanced(policy: ScampPolicy) -> None:
     # A on device 0 (20 s), B on device 1 (10 s), C on both from 20 s to 30 s.

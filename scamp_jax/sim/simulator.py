@@ -33,7 +33,10 @@ group's devices.
 Time the engine spends outside training. Planning: the engine asks as many trials ahead as the
 lookahead allows, and its ``ClusterModel.planner_threads`` planner threads plan them, each plan
 taking ``ClusterModel.planning_seconds`` (the planner's compiles); a trial waits for a free
-thread in the order asked and is ready to place once its plan is done. A running trial
+thread in the order asked and is ready to place once its plan is done. A plan on more devices
+the core asks for in the last wave (`scamp_jax.scheduling.core.PlanOption`) is a plan like any
+other, made ahead of new trials' plans (the engine's `scamp_jax.hpo.work.PlannerPool`), and
+its trial waits meanwhile; with ``planning_seconds`` 0 every plan is made at once. A running trial
 restarted on more devices trains nothing for ``ClusterModel.restart_seconds`` (checkpoint,
 compile, restore). These come from a real study's ``results.json`` where one is given
 (`scamp_jax.sim.measured.engine_figures`), else from the documented defaults.
@@ -42,8 +45,8 @@ The core sees what the engine sees: each trial's FLOPs per step (``cost_analysis
 steps, the paces measured so far (busy fractions against the device's attainable FLOP/s) and
 whether more trials will arrive (``lookahead`` bounds the queue, as the engine's asked-but-unplaced
 trials); a profile's `TrialProfile.alternatives` answer the core's requests for plans on more
-devices in the last wave. A trial started on an alternative's device count runs as that
-alternative.
+devices in the last wave (each answered once a planner thread has made it). A trial started on
+an alternative's device count runs as that alternative.
 """
 
 from __future__ import annotations
@@ -374,6 +377,7 @@ class SimResult:
 # Event kinds, the last entry of an event ``(time, key, version, kind)``.
 _END = 0  # a run ends (its ``version``: the run's rate version it was computed with)
 _PLANNED = 1  # a trial's plan is ready
+_OPTION = 2  # a queued trial's plan on more devices is ready (its ``version``: the devices)
 
 
 class _Planners:
@@ -470,7 +474,8 @@ def simulate(
     and steps, and the paces measured so far; here a running trial's pace is measured at every
     event (the engine polls every half second), once it has trained 2 steps. A trial the core
     starts on a larger device count (last-wave growth: the core asks for that count's plan and
-    gets one of the profile's ``alternatives``, or none) runs as that alternative.
+    gets one of the profile's ``alternatives``, or none, once a planner thread has made that
+    plan) runs as that alternative.
 
     Args:
       profiles: the study's trials, in arrival order.
@@ -582,23 +587,31 @@ def simulate(
                                        now, first_solo=solo)
         move(action.key, running[action.key], 1.0)
 
+    def option_planned(key: int, devices: int) -> None:
+        # The engine's answer to a PlanOption: the profile's alternative on that count, or none.
+        alt = next((a for a in by_key[key].alternatives if a.devices == devices), None)
+        plan = None if alt is None else _trial_plan(alt, 0, 0)
+        if plan is not None:
+            plan = replace(plan, arrival=core.plan_of(key).arrival)
+        core.option_planned(key, devices, plan)
+
     def decide() -> bool:
         started = False
-        for _ in range(64):  # growth plans asked for are answered at once: decide again
-            asked = False
+        for _ in range(64):  # with plans made at once, growth plans are answered: decide again
+            answered = False
             for action in core.decide(now):
                 if isinstance(action, PlanOption):
-                    alt = next((a for a in by_key[action.key].alternatives
-                                if a.devices == action.devices), None)
-                    plan = None if alt is None else _trial_plan(alt, 0, 0)
-                    if plan is not None:
-                        plan = replace(plan, arrival=core.plan_of(action.key).arrival)
-                    core.option_planned(action.key, action.devices, plan)
-                    asked = True
+                    if cluster.planning_seconds > 0:
+                        # a plan like any other, ahead of new trials' plans (the engine's
+                        # PlannerPool runs work of planned trials first)
+                        planners.submit(now, action.key, _OPTION, action.devices, first=True)
+                    else:
+                        option_planned(action.key, action.devices)
+                        answered = True
                 else:
                     start(action)
                     started = True
-            if not asked:
+            if not answered:
                 break
         return started
 
@@ -679,7 +692,7 @@ def simulate(
                 continue  # the next trials arrive at once and may start now too
         if reshape is not None and not core.queued and not pending and not asked and running:
             resize_running()
-        if not running and not asked:
+        if not running and not asked and not planners.busy:
             raise RuntimeError(
                 f"policy {policy.name!r} started nothing on an idle pool with "
                 f"{len(core.queued)} trials waiting; every request passed check_feasible, so "
@@ -691,18 +704,26 @@ def simulate(
         # policy sees all the memory they free at once.
         finished: list[int] = []
         ready: list[int] = []
+        options: list[tuple[int, int]] = []  # (key, devices)
         while events:
             t, key, version, kind = heapq.heappop(events)
             if kind == _END and (key not in running or running[key].version != version):
                 continue  # superseded by a later rate change
-            if (finished or ready) and t > now:
+            if (finished or ready or options) and t > now:
                 heapq.heappush(events, (t, key, version, kind))
                 break
             now = max(now, t)
-            (ready if kind == _PLANNED else finished).append(key)
+            if kind == _OPTION:
+                options.append((key, version))
+            else:
+                (ready if kind == _PLANNED else finished).append(key)
         for key in ready:
             planners.done(now)
             plan_ready(key, asked.pop(key))
+        for key, devices in options:  # after the plans, as the engine handles them
+            planners.done(now)
+            if key in core.queued:  # else it started meanwhile: the engine drops the answer
+                option_planned(key, devices)
         affected = set()
         for key in finished:
             trial = running.pop(key)
