@@ -139,6 +139,24 @@ def test_a_plan_on_more_devices_costs_a_plan_as_the_engine_compiles_it() -> None
     assert [(t.start_s, t.end_s, t.device_ids) for t in at_once.trials] == [(0.0, 5.0, (0, 1))]
 
 
+def test_a_lone_trial_is_restarted_on_idle_devices_once_it_has_trained_two_steps() -> None:
+    # One trial of 1,000 steps of 1 s on 1 of 4 devices, which may restart on 2 or 4 with its
+    # batch: the engine measures its pace after 2 steps (2 s) and the tail restarts it on all 4
+    # at once; 10 s of restart, then 998 steps of 0.25 s: it ends at 261.5 s, not at 1,000 s.
+    cluster = dataclasses.replace(TOY, devices=4, restart_seconds=10.0)
+
+    def reshape(p: TrialProfile) -> tuple[TrialProfile, ...]:
+        return tuple(TrialProfile(p.key, d, GIB, p.batch_size, p.flops_per_step * p.devices / d,
+                                  0, 0, p.steps) for d in (2, 4) if d > p.devices)
+
+    lone = TrialProfile(0, 1, GIB, 8, 1e12, 0, 0, 1000)
+    result = simulate([lone], cluster, ScampPolicy(), reshape=reshape)
+    assert result.resizes == 1
+    (trial,) = result.trials
+    assert trial.device_ids == (0, 1, 2, 3)
+    assert trial.end_s == pytest.approx(261.5)
+
+
 @pytest.mark.parametrize("policy", [ScampPolicy(), ScampPolicy(share_devices=False)])
 def test_makespan_by_hand_balanced(policy: ScampPolicy) -> None:
     # A on device 0 (20 s), B on device 1 (10 s), C on both from 20 s to 30 s.

@@ -42,7 +42,9 @@ compile, restore). These come from a real study's ``results.json`` where one is 
 (`scamp_jax.sim.measured.engine_figures`), else from the documented defaults.
 
 The core sees what the engine sees: each trial's FLOPs per step (``cost_analysis()``), bytes and
-steps, the paces measured so far (busy fractions against the device's attainable FLOP/s) and
+steps, the paces measured so far (busy fractions against the device's attainable FLOP/s; a
+run's pace is measured the moment it has trained 2 steps, as the engine's half-second poll
+does, and again at later events where its rate changed) and
 whether more trials will arrive (``lookahead`` bounds the queue, as the engine's asked-but-unplaced
 trials); a profile's `TrialProfile.alternatives` answer the core's requests for plans on more
 devices in the last wave (each answered once a planner thread has made it). A trial started on
@@ -378,6 +380,7 @@ class SimResult:
 _END = 0  # a run ends (its ``version``: the run's rate version it was computed with)
 _PLANNED = 1  # a trial's plan is ready
 _OPTION = 2  # a queued trial's plan on more devices is ready (its ``version``: the devices)
+_MEASURE = 3  # a run has trained 2 steps: its pace is measured (``version`` as for _END)
 
 
 class _Planners:
@@ -427,6 +430,9 @@ class _Running:
     # A restart on more devices trains nothing until then (checkpoint, compile, restore); its
     # devices' compute load is kept meanwhile, a slight overestimate for trials sharing them.
     paused_until: float = 0.0
+    # Solo-seconds of work done when this run's steps began (its setup; at a restart, the work
+    # done before it): the engine measures a run's pace once it has trained 2 steps.
+    counted_from: float = 0.0
 
     def work_left(self, now: float) -> float:
         """Solo-seconds of work left at ``now`` (the rate is constant since ``updated``)."""
@@ -471,8 +477,11 @@ def simulate(
     events the engine feeds it (a trial planned, its measured seconds per step, a run ended,
     the last wave begun) and its actions are carried out in virtual time. The core sees what
     the engine sees: each trial's FLOPs per step (the engine's ``cost_analysis()``), its bytes
-    and steps, and the paces measured so far; here a running trial's pace is measured at every
-    event (the engine polls every half second), once it has trained 2 steps. A trial the core
+    and steps, and the paces measured so far. The engine polls paces every half second and
+    measures a run once it has trained 2 steps; here each run (a start, or a restart once it
+    trains again) has an event at the moment it will have trained 2 steps, where its pace is
+    measured and the tail's restarts are decided, and a running trial's pace is measured again
+    at every later event its rate changed by (in the tail, at every event). A trial the core
     starts on a larger device count (last-wave growth: the core asks for that count's plan and
     gets one of the profile's ``alternatives``, or none, once a planner thread has made that
     plan) runs as that alternative.
@@ -584,7 +593,8 @@ def simulate(
         run_device_seconds[0] += solo * len(action.device_ids)
         load = cluster.load(busy, solo)
         running[action.key] = _Running(profile, action.device_ids, now, solo, load, solo, 1.0,
-                                       now, first_solo=solo)
+                                       now, first_solo=solo,
+                                       counted_from=profile.setup_seconds)
         move(action.key, running[action.key], 1.0)
 
     def option_planned(key: int, devices: int) -> None:
@@ -618,23 +628,28 @@ def simulate(
     measured: dict[int, int] = {}  # key -> the run version last measured
     paces: dict[int, tuple[TrialProfile, float]] = {}  # key -> its profile, seconds per step
 
+    def step_of(key: int, trial: _Running) -> float:
+        held = paces.get(key)
+        if held is None or held[0] is not trial.profile:
+            held = paces[key] = (trial.profile, step_seconds(trial.profile, cluster))
+        return held[1]
+
     def measure() -> None:
-        # The engine's pace measurement: seconds per step of a trial that trained 2 steps. A
-        # pace changes only with the trial's rate (a new version), so only those are measured
-        # again, except in the tail, where restarts weigh every trial's steps left.
+        # The engine's pace measurement: seconds per step of a run that trained 2 steps (an
+        # event is due then, `rerate`). A pace changes only with the trial's rate (a new
+        # version), so only those are measured again, except in the tail, where restarts weigh
+        # every trial's steps left.
         tail = not core.queued and not pending and not asked
         for key, trial in running.items():
             if now < trial.paused_until or trial.solo <= 0:
                 continue
             if not tail and measured.get(key) == trial.version:
                 continue
-            held = paces.get(key)
-            if held is None or held[0] is not trial.profile:
-                held = paces[key] = (trial.profile, step_seconds(trial.profile, cluster))
-            step = held[1]
-            trained = trial.solo - trial.work_left(now) - trial.profile.setup_seconds
-            if step <= 0 or trained < 2 * step:
+            step = step_of(key, trial)
+            done = trial.solo - trial.work_left(now)
+            if step <= 0 or done - trial.counted_from < 2 * step - 1e-9 * max(1.0, trial.solo):
                 continue
+            trained = done - trial.profile.setup_seconds
             core.step_measured(now, key, int(trained / step), step / trial.rate,
                                trial.start + trial.profile.setup_seconds)
             measured[key] = trial.version
@@ -669,7 +684,7 @@ def simulate(
                 new, r.device_ids, old.start, solo,
                 cluster.load(busy_seconds(new, cluster), solo),
                 left * solo, 1.0, now, old.version + 1, old.resizes + 1, old.first_solo,
-                paused_until=now + cluster.restart_seconds)
+                paused_until=now + cluster.restart_seconds, counted_from=solo - left * solo)
             move(r.key, running[r.key], 1.0)
             resized += 1
 
@@ -681,8 +696,15 @@ def simulate(
             worst = max(group_load[d // group] for d in trial.device_ids)
             trial.rate = 1.0 / max(1.0, worst)
             trial.version += 1
-            finish = max(now, trial.paused_until) + trial.remaining / trial.rate
+            resume = max(now, trial.paused_until)
+            finish = resume + trial.remaining / trial.rate
             heapq.heappush(events, (finish, key, trial.version, _END))
+            # The moment the run will have trained 2 steps: the engine measures its pace then
+            # (it polls every half second), and the core may restart it on idle devices.
+            to_go = trial.counted_from + 2 * step_of(key, trial) - (trial.solo - trial.remaining)
+            if to_go > 0 and resume + to_go / trial.rate < finish:
+                heapq.heappush(events, (resume + to_go / trial.rate, key, trial.version,
+                                        _MEASURE))
 
     arrive()
     while core.queued or running or pending or asked:
@@ -705,15 +727,19 @@ def simulate(
         finished: list[int] = []
         ready: list[int] = []
         options: list[tuple[int, int]] = []  # (key, devices)
+        measuring = False
         while events:
             t, key, version, kind = heapq.heappop(events)
-            if kind == _END and (key not in running or running[key].version != version):
+            if (kind in (_END, _MEASURE)
+                    and (key not in running or running[key].version != version)):
                 continue  # superseded by a later rate change
-            if (finished or ready or options) and t > now:
+            if (finished or ready or options or measuring) and t > now:
                 heapq.heappush(events, (t, key, version, kind))
                 break
             now = max(now, t)
-            if kind == _OPTION:
+            if kind == _MEASURE:
+                measuring = True  # measured below, with every run due by now
+            elif kind == _OPTION:
                 options.append((key, version))
             else:
                 (ready if kind == _PLANNED else finished).append(key)
