@@ -233,6 +233,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                               live=False, baseline=baseline, title=f"policy {policy}",
                               plan_fn=timed)
             rows.append(_row(policy, info, task.metric, timed.summary()))
+            rows[-1]["family"] = args.family  # what `simulate_cluster --validate` re-costs in
             # The allocator's high-water mark so far (None on CPU): run one policy per process
             # (--policies) for a figure of that policy alone.
             rows[-1]["peak_bytes_in_use"] = peak_bytes_in_use(devices)

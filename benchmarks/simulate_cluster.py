@@ -406,9 +406,11 @@ def calibrate_cpu_host(devices: int, memory_per_device: int) -> ClusterModel:
 def validate(run_dir: Path, table: CostTable, log: Callable[[str], None]) -> dict[str, float]:
     """Simulate the trials of a measured ``benchmarks.hpo_makespan --out run_dir`` run.
 
-    Each finished trial is re-costed from its recorded configuration, devices, model-parallel
-    degree, batch size, steps and predicted peak, and the two studies are replayed on the
-    calibrated CPU host model (`calibrate_cpu_host`); each trial first compiles its step (as long
+    Each finished trial is re-costed from its recorded configuration (in the run's family's
+    space: ``hpo_makespan.json`` records it; a run that does not is told by its metric),
+    devices, model-parallel degree, batch size, steps and predicted peak, and the two studies
+    are replayed on the calibrated CPU host model (`calibrate_cpu_host`) of the run's pool and
+    budget per device (its ``results.json``); each trial first compiles its step (as long
     as that compile took when costed here). Returns measured and simulated seconds per policy and
     both fixed/scamp ratios. Planning, evaluation and checkpointing are part of the measured time
     but not of the simulated one.
@@ -416,17 +418,21 @@ def validate(run_dir: Path, table: CostTable, log: Callable[[str], None]) -> dic
     import jax
     from flax import nnx
 
-    from experiments.swinir_hpo import get_config, make_space_and_task
-    from scamp_jax._units import parse_bytes
     from scamp_jax.planning.train_step import default_optimizer, split_model
     from scamp_jax.scheduling.replay import run_section
 
     rows = json.loads((run_dir / "hpo_makespan.json").read_text())
     measured = {row["policy"]: float(row["end_to_end_s"]) for row in rows}
-    config = get_config("smoke")
-    space, task = make_space_and_task(config)
-    budget = parse_bytes(config.memory_per_device or "1GiB")
-    cluster = calibrate_cpu_host(len(jax.devices()), budget)
+    family = rows[0].get("family") or ("vit" if rows[0].get("metric") == "accuracy"
+                                        else "swinir")
+    if family == "vit":
+        from experiments.vit_synthetic import get_config, make_space_and_task
+    else:
+        from experiments.swinir_hpo import get_config, make_space_and_task
+    space, task = make_space_and_task(get_config("smoke"))
+    run = run_section(json.loads((run_dir / "scamp" / "results.json").read_text()))
+    pool = int(run.get("pool_devices") or len(jax.devices()))
+    cluster = calibrate_cpu_host(pool, int(run["memory_per_device"]))
     log(f"  cpu host: {cluster.peak_flops / 1e9:.1f} GFLOP/s, "
         f"{cluster.mem_bandwidth / 1e9:.1f} GB/s memory, {cluster.interconnect_bandwidth / 1e9:.1f}"
         f" GB/s device copy, {cluster.launch_seconds * 1e6:.1f} us per kernel")
@@ -443,7 +449,7 @@ def validate(run_dir: Path, table: CostTable, log: Callable[[str], None]) -> dic
                 continue
             model = nnx.eval_shape(lambda rec=rec: space.build(rec["params"], nnx.Rngs(0)))
             mp = int(rec["model_parallel"] or 1)
-            key = _arch_key("swinir", "validate", split_model(model)[0], mp)
+            key = _arch_key(family, "validate", split_model(model)[0], mp)
 
             def make(model: Any = model, mp: int = mp) -> tuple[StepCostModel, float]:
                 return measure_cost(
@@ -460,7 +466,8 @@ def validate(run_dir: Path, table: CostTable, log: Callable[[str], None]) -> dic
         if not profiles:
             raise ValueError(f"{run_dir / policy_name} has no completed trials to replay")
         policy = (FixedPolicy(profiles[0].devices) if policy_name == "fixed" else ScampPolicy())
-        result = simulate(profiles, cluster, policy, safety_margin=0.1,  # the engine's default
+        result = simulate(profiles, cluster, policy,
+                          safety_margin=float(run_section(results).get("safety_margin", 0.1)),
                           max_running=max_running)
         out[f"measured_s_{policy_name}"] = measured[policy_name]
         out[f"simulated_s_{policy_name}"] = result.makespan_s

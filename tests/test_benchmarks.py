@@ -484,6 +484,23 @@ def test_simulate_cluster_says_validate_needs_both_policies_before_calibrating(
     assert "cpu host" not in result.stderr  # not calibrated
 
 
+@pytest.mark.slow
+def test_simulate_cluster_validates_a_vit_run_in_the_vit_space(tmp_path: Path) -> None:
+    """A ViT ``hpo_makespan`` run is re-costed in the ViT space it ran in (its family is in
+    hpo_makespan.json), on the budget its results.json records."""
+    run = _command("-m", "benchmarks.hpo_makespan", "--family", "vit", "--trials", "2",
+                   "--steps", "5", "--out", str(tmp_path / "run"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = json.loads((tmp_path / "run" / "hpo_makespan.json").read_text())
+    assert {row["family"] for row in rows} == {"vit"}
+    result = _command("-m", "benchmarks.simulate_cluster", "--validate", str(tmp_path / "run"),
+                      "--cache", str(tmp_path / "costs.json"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "simulated_ratio=" in result.stdout
+    assert all(key.startswith("vit-validate-") for key in
+               json.loads((tmp_path / "costs.json").read_text()))
+
+
 def test_a_cost_cache_that_is_no_json_is_named(tmp_path: Path) -> None:
     from benchmarks.simulate_cluster import CostTable
 
