@@ -48,6 +48,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import random
 import re
 import sys
@@ -638,12 +639,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.fixed_devices is not None and args.fixed_devices > args.devices:
         parser.error(f"--fixed-devices {args.fixed_devices} exceeds the pool of --devices "
                      f"{args.devices}; pass at most {args.devices}, or more --devices")
-    measured = None
+    if args.restart_seconds is not None and not 0 <= args.restart_seconds < math.inf:
+        parser.error(f"--restart-seconds {args.restart_seconds} must be a number of seconds "
+                     ">= 0, e.g. 60")
+    if args.planning_seconds is not None and not 0 <= args.planning_seconds < math.inf:
+        parser.error(f"--planning-seconds {args.planning_seconds} must be a number of seconds "
+                     ">= 0, e.g. 30")
+    if args.overlap is not None and not 0 <= args.overlap <= 1:
+        parser.error(f"--overlap {args.overlap} must be in [0, 1] (0: strict turns, 1: free "
+                     "overlap)")
+    if not 0 <= args.growth_tolerance < math.inf:
+        parser.error(f"--growth-tolerance {args.growth_tolerance} must be >= 0 (extra "
+                     "device-seconds as a fraction of a plan's, e.g. 0.05)")
+    scamp = ScampPolicy(longest_first=not args.no_longest_first, elastic=not args.no_elastic,
+                        growth_tolerance=args.growth_tolerance,
+                        compute_aware=not args.no_compute_aware,
+                        resize_running=not args.no_resize,
+                        min_resize_gain=args.min_resize_gain,
+                        batch_multiple=args.batch_multiple)
+    figures = None
     if args.measured is not None:  # read before the costing, which compiles for minutes
-        from scamp_jax.sim.measured import read_results
+        from scamp_jax.sim.measured import engine_figures, read_results
 
         try:
-            measured = read_results(args.measured)
+            figures = engine_figures(read_results(args.measured))
         except (OSError, ValueError) as err:
             parser.error(f"--measured {args.measured}: {err}")
 
@@ -683,38 +702,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  variant=args.variant, cluster=cluster,
                                  safety_margin=args.safety_margin, table=table, log=log,
                                  max_batch_size=cap, batch_multiple=args.batch_multiple)
-    scamp = ScampPolicy(longest_first=not args.no_longest_first, elastic=not args.no_elastic,
-                        growth_tolerance=args.growth_tolerance,
-                        compute_aware=not args.no_compute_aware,
-                        resize_running=not args.no_resize,
-                        min_resize_gain=args.min_resize_gain,
-                        batch_multiple=args.batch_multiple)
     scamp_profiles, fixed_profiles, k, fixed_batch = build_profiles(
         costs, largest, cluster, samples=args.samples, max_batch_size=cap,
         fixed_devices=args.fixed_devices, safety_margin=args.safety_margin,
         max_trial_devices=args.max_trial_devices or None, scamp_policy=scamp,
     )
     lookahead = args.devices if args.lookahead is None else args.lookahead or None
-    if measured is not None:
-        from scamp_jax.sim.measured import engine_figures
-
-        figures = engine_figures(measured)
+    if figures is not None:
         log(f"measured by {args.measured}: {figures or 'nothing (defaults kept)'}")
         cluster = dataclasses.replace(cluster, **figures)
-    if args.restart_seconds is not None:
-        if args.restart_seconds < 0:
-            parser.error("--restart-seconds must be >= 0")
-        cluster = dataclasses.replace(cluster, restart_seconds=args.restart_seconds)
-    if args.planning_seconds is not None:
-        if args.planning_seconds < 0:
-            parser.error("--planning-seconds must be >= 0")
-        cluster = dataclasses.replace(cluster, planning_seconds=args.planning_seconds)
-    if args.planner_threads is not None:
-        cluster = dataclasses.replace(cluster, planner_threads=args.planner_threads)
-    if args.overlap is not None:
-        if not 0 <= args.overlap <= 1:
-            parser.error("--overlap must be in [0, 1]")
-        cluster = dataclasses.replace(cluster, overlap=args.overlap)
+    for name in ("restart_seconds", "planning_seconds", "planner_threads", "overlap"):
+        if getattr(args, name) is not None:
+            cluster = dataclasses.replace(cluster, **{name: getattr(args, name)})
     usable = int(cluster.memory_per_device * (1.0 - args.safety_margin))
     max_devices = args.max_trial_devices  # 0: no restart on more devices either
 
