@@ -547,6 +547,12 @@ def test_planning_and_restart_seconds_come_from_what_a_study_measured(tmp_path) 
     assert engine_figures({"trials": [{"planned_at": None}]}) == {}  # defaults stay
     with pytest.raises(FileNotFoundError, match="directory of a finished study"):
         read_results(tmp_path / "nowhere")
+    (tmp_path / "results.json").write_text("[]")
+    with pytest.raises(ValueError, match="holds a JSON list, not the object of a study"):
+        read_results(tmp_path)
+    with pytest.raises(ValueError, match="trial 0: planned_at holds 'soon', not a number"):
+        engine_figures({"trials": [{"number": 0, "planned_at": "soon"}]})
+
 
 
 def test_a_ring_spanning_nodes_runs_at_the_network_link_and_counts_in_the_comm_share() -> None:

@@ -33,10 +33,24 @@ def read_results(study_dir: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; pass the directory of a finished study")
     try:
-        return json.loads(path.read_text())
+        results = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{path} is not a readable results.json ({err}); pass the directory "
                          "of a study whose run finished writing it") from None
+    if not isinstance(results, dict):
+        raise ValueError(f"{path} holds a JSON {type(results).__name__}, not the object of a "
+                         "study's results; pass the directory of a study this package wrote")
+    return results
+
+
+def _seconds(trial: Mapping[str, Any], field: str, value: Any) -> float:
+    """``value`` of ``trial``'s ``field`` as seconds, or a `ValueError` naming both."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"results.json: trial {trial.get('number')}: {field} holds {value!r}, "
+                         "not a number of seconds; pass the directory of a study this package "
+                         "wrote") from None
 
 
 def replay_study(study_dir: str | Path) -> list[tuple[int, tuple[int, ...]]]:
@@ -54,15 +68,17 @@ def restart_delays(trial: Mapping[str, Any]) -> list[float]:
     ``core_events``, each later placement) to the new run's first training step."""
     events = trial.get("core_events")
     if events is not None:
-        starts = [float(e[1]) for e in events if e[0] == "restarted"]
+        starts = [_seconds(trial, "core_events", e[1]) for e in events if e[0] == "restarted"]
     else:
-        starts = [float(start) for start, _ in (trial.get("placements") or [])[1:]]
-    paces = sorted(trial.get("pace") or (), key=lambda p: float(p[0]))
+        starts = [_seconds(trial, "placements", start)
+                  for start, _ in (trial.get("placements") or [])[1:]]
+    paces = sorted(([_seconds(trial, "pace", p[0]), _seconds(trial, "pace", p[3])]
+                    for p in trial.get("pace") or ()), key=lambda p: p[0])
     out = []
     for start in starts:
-        since = next((float(p[3]) for p in paces if float(p[3]) >= float(start)), None)
+        since = next((p[1] for p in paces if p[1] >= start), None)
         if since is not None:
-            out.append(since - float(start))
+            out.append(since - start)
     return out
 
 
@@ -88,7 +104,8 @@ def engine_figures(results: Mapping[str, Any]) -> EngineFigures:
             raise ValueError(f"results.json: run.planner_threads={threads!r} is not an integer "
                              ">= 1; pass the directory of a study this package wrote")
         out["planner_threads"] = threads
-    planned = [float(t["planned_at"]) for t in trials if t.get("planned_at") is not None]
+    planned = [_seconds(t, "planned_at", t["planned_at"]) for t in trials
+               if t.get("planned_at") is not None]
     if planned:
         out["planning_seconds"] = max(0.0, min(planned))
     delays = [d for t in trials for d in restart_delays(t)]
