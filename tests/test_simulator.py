@@ -554,6 +554,13 @@ def test_planning_and_restart_seconds_come_from_what_a_study_measured(tmp_path) 
         engine_figures({"trials": [{"number": 0, "planned_at": "soon"}]})
 
 
+def test_a_generator_of_profiles_is_simulated_as_its_list() -> None:
+    trials = [TrialProfile(k, 1, GIB, 8, 1e12, 0, 0, 10) for k in range(3)]
+    listed = simulate(trials, TOY, ScampPolicy())
+    generated = simulate((t for t in trials), TOY, ScampPolicy())
+    assert generated.makespan_s == listed.makespan_s > 0
+    assert generated.trials == listed.trials
+
 
 def test_a_ring_spanning_nodes_runs_at_the_network_link_and_counts_in_the_comm_share() -> None:
     from scamp_jax.sim.simulator import comm_share, step_comm_seconds

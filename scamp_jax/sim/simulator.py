@@ -56,7 +56,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from scamp_jax._units import format_bytes
@@ -462,7 +462,7 @@ def _trial_plan(profile: TrialProfile, arrival: int, grow_bytes: int) -> TrialPl
 
 
 def simulate(
-    profiles: Sequence[TrialProfile],
+    profiles: Iterable[TrialProfile],
     cluster: ClusterModel,
     policy: Policy,
     *,
@@ -487,7 +487,7 @@ def simulate(
     plan) runs as that alternative.
 
     Args:
-      profiles: the study's trials, in arrival order.
+      profiles: the study's trials, in arrival order (any iterable: it is read once).
       cluster: the cluster model.
       policy: placement policy.
       lookahead: most trials waiting in the queue at once (None: all of them from time 0). The
@@ -507,6 +507,7 @@ def simulate(
     trial another device count than its profile was costed for (build the fixed baseline's
     profiles for ``devices_per_trial`` devices).
     """
+    profiles = list(profiles)  # a one-shot iterable is read once, here
     if not profiles:
         raise ValueError("simulate needs at least one trial profile")
     if lookahead is not None and lookahead < 1:
