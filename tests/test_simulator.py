@@ -554,6 +554,31 @@ def test_planning_and_restart_seconds_come_from_what_a_study_measured(tmp_path) 
         engine_figures({"trials": [{"number": 0, "planned_at": "soon"}]})
 
 
+@pytest.mark.parametrize("field, value", [
+    ("network_bandwidth", -1e9), ("network_bandwidth", 0.0), ("peak_flops", float("nan")),
+    ("planning_seconds", float("inf")), ("restart_seconds", float("nan")),
+    ("devices", 2.5), ("devices", "8"), ("node_devices", 0), ("launch_seconds", -1.0),
+])
+def test_a_cluster_model_refuses_what_would_simulate_nonsense(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"ClusterModel.{field}="):
+        dataclasses.replace(TOY, **{field: value})
+
+
+@pytest.mark.parametrize("field, value", [
+    ("kernels_per_step", -10**6), ("steps", 10.5), ("flops_per_step", float("inf")),
+    ("bytes_accessed_per_step", float("nan")), ("bytes_per_device", -1),
+])
+def test_a_trial_profile_refuses_what_would_simulate_nonsense(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"trial 0: TrialProfile.{field}="):
+        dataclasses.replace(TrialProfile(0, 1, GIB, 8, 1e12, 0, 0, 10), **{field: value})
+
+
+def test_a_preset_takes_an_integer_device_count() -> None:
+    for devices in (2.5, "8", 0):
+        with pytest.raises(ValueError, match="ClusterModel.devices="):
+            cluster_preset("h100", devices=devices)  # type: ignore[arg-type]
+
+
 def test_a_generator_of_profiles_is_simulated_as_its_list() -> None:
     trials = [TrialProfile(k, 1, GIB, 8, 1e12, 0, 0, 10) for k in range(3)]
     listed = simulate(trials, TOY, ScampPolicy())

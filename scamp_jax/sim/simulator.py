@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import numbers
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -75,6 +76,21 @@ from scamp_jax.scheduling.placement import (
 GB = 10**9
 GIB = 2**30
 TFLOPS = 10**12
+
+
+def _check_count(where: str, name: str, value: object, *, minimum: int) -> None:
+    """Raise ``ValueError`` unless ``value`` is an integer >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{where}.{name}={value!r} must be an integer >= {minimum}; pass "
+                         f"e.g. {name}={max(minimum, 1)}")
+
+
+def _check_amount(where: str, name: str, value: object, *, positive: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is a finite number, >= 0 (> 0: ``positive``)."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not math.isfinite(value) or value < 0 or (positive and value == 0)):
+        raise ValueError(f"{where}.{name}={value!r} must be a finite number "
+                         f"{'> 0' if positive else '>= 0'}")
 
 
 @dataclass(frozen=True)
@@ -141,21 +157,18 @@ class ClusterModel:
     planner_threads: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("devices", "memory_per_device", "peak_flops", "mem_bandwidth",
-                     "interconnect_bandwidth"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ClusterModel.{name}={getattr(self, name)} must be positive")
+        where = "ClusterModel"
+        for name in ("devices", "memory_per_device", "compute_group", "node_devices"):
+            _check_count(where, name, getattr(self, name), minimum=1)
+        _check_count(where, "allowance_bytes", self.allowance_bytes, minimum=0)
+        for name in ("peak_flops", "mem_bandwidth", "interconnect_bandwidth",
+                     "network_bandwidth"):
+            _check_amount(where, name, getattr(self, name), positive=True)
+        for name in ("launch_seconds", "restart_seconds", "planning_seconds"):
+            _check_amount(where, name, getattr(self, name))
         for name in ("compute_efficiency", "bandwidth_efficiency", "comm_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"ClusterModel.{name}={getattr(self, name)} must be in (0, 1]")
-        if self.launch_seconds < 0:
-            raise ValueError(f"launch_seconds={self.launch_seconds} must be >= 0")
-        if self.compute_group < 1:
-            raise ValueError(f"compute_group={self.compute_group} must be at least 1")
-        if self.restart_seconds < 0 or self.planning_seconds < 0:
-            raise ValueError(
-                f"restart_seconds={self.restart_seconds} and planning_seconds="
-                f"{self.planning_seconds} must be >= 0")
         if not 0 <= self.overlap <= 1:
             raise ValueError(
                 f"overlap={self.overlap} must be in [0, 1] (0: co-located trials take strict "
@@ -238,7 +251,7 @@ CPU_MPI_LINK_BANDWIDTH: float = 0.098 * GB
 
 def cluster_preset(name: str, devices: int | None = None) -> ClusterModel:
     """A preset from `CLUSTER_PRESETS` (or by a planner target's name, `PRESET_OF_TARGET`),
-    optionally with another device count."""
+    optionally with another device count (an integer >= 1)."""
     name = PRESET_OF_TARGET.get(name, name)
     if name not in CLUSTER_PRESETS:
         raise ValueError(
@@ -291,15 +304,14 @@ class TrialProfile:
                     f"{self.devices} devices and no alternatives of its own; got key {alt.key} "
                     f"on {alt.devices} devices"
                 )
-        if self.setup_seconds < 0:
-            raise ValueError(f"trial {self.key}: setup_seconds={self.setup_seconds} must be >= 0")
-        if self.devices < 1 or self.steps < 1 or self.batch_size < 1:
-            raise ValueError(
-                f"trial {self.key}: devices={self.devices}, steps={self.steps} and "
-                f"batch_size={self.batch_size} must all be at least 1"
-            )
-        if min(self.flops_per_step, self.bytes_accessed_per_step, self.comm_bytes_per_step) < 0:
-            raise ValueError(f"trial {self.key}: per-step costs must be >= 0")
+        where = f"trial {self.key}: TrialProfile"
+        for name in ("devices", "steps", "batch_size"):
+            _check_count(where, name, getattr(self, name), minimum=1)
+        for name in ("bytes_per_device", "kernels_per_step"):
+            _check_count(where, name, getattr(self, name), minimum=0)
+        for name in ("flops_per_step", "bytes_accessed_per_step", "comm_bytes_per_step",
+                     "setup_seconds"):
+            _check_amount(where, name, getattr(self, name))
 
 
 def step_busy_seconds(profile: TrialProfile, cluster: ClusterModel) -> float:
