@@ -284,6 +284,7 @@ def fused_cost_models(
     from flax import nnx
 
     from scamp_jax.planning import planner
+    from scamp_jax.planning.budget import standing_in_for_another_device
     from scamp_jax.planning.train_step import default_optimizer, split_model
     from scamp_jax.sim.sim_fusion import FusedCostModel, measure_fused_costs
 
@@ -307,10 +308,11 @@ def fused_cost_models(
             continue
         if "state_bytes" not in table.entries.get(sig, {}):  # older entries: measure again
             start = time.perf_counter()
-            plan = planner.plan_mesh(model, sample_batch, devices=jax.devices()[:mp],
-                                     memory_per_device=64 * 2**30, max_batch_size=local,
-                                     optimizer=default_optimizer(), loss_fn=loss_fn,
-                                     eval_task=task)
+            with standing_in_for_another_device():  # a roomy budget, not this host's
+                plan = planner.plan_mesh(model, sample_batch, devices=jax.devices()[:mp],
+                                         memory_per_device=64 * 2**30, max_batch_size=local,
+                                         optimizer=default_optimizer(), loss_fn=loss_fn,
+                                         eval_task=task)
             fused = measure_fused_costs(model, sample_batch, plan, batch_size=local,
                                         widths=widths, optimizer=default_optimizer(),
                                         loss_fn=loss_fn)

@@ -180,6 +180,24 @@ def test_cpu_devices_holding_more_than_the_host_are_warned_of_once(caplog) -> No
     assert message.endswith(f"of at most {format_bytes(host // 2)}")  # the host, shared
 
 
+def test_cpu_devices_standing_in_for_a_gpu_are_not_warned_of(caplog) -> None:
+    """The cluster simulator plans on CPU devices with a GPU's memory to cost that GPU's
+    plans (`scamp_jax.sim.step_costs.plan_point`): nothing trains on the host, so the
+    warning, whose advice would shrink the simulated GPU, is not given."""
+    from scamp_jax.devices import host_memory_bytes
+    from scamp_jax.planning.budget import standing_in_for_another_device
+
+    host = host_memory_bytes()
+    devices = jax.devices()[:2]
+    gpu = host + 13 * MIB  # a budget no other test warned of
+    with caplog.at_level("WARNING", logger="scamp_jax.planning.budget"):
+        with standing_in_for_another_device():
+            assert Budget.of_devices(devices, gpu).memory_per_device == gpu
+        assert not caplog.records
+        Budget.of_devices(devices, gpu)  # planning for this host again: said
+    assert len(caplog.records) == 1
+
+
 def test_a_containers_memory_limit_is_the_hosts_memory(tmp_path, monkeypatch) -> None:
     """In a container the host's memory is its cgroup's limit where that is less than the
     physical memory. The kernel's limit file is replaced by a file of the test's (a container

@@ -28,8 +28,9 @@ smallest ``bytes_limit`` the devices report) or from a described device that is 
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -232,6 +233,19 @@ def _smallest_limit(devices: Sequence[Any]) -> int:
 
 
 _WARNED_ABOVE_HOST: set[int] = set()
+_STANDING_IN = [0]  # `standing_in_for_another_device` contexts entered
+
+
+@contextlib.contextmanager
+def standing_in_for_another_device() -> Iterator[None]:
+    """Within it, CPU devices only stand in for another device's memory (the cluster simulator
+    plans on them to cost a GPU's plans; nothing trains there): the warning that they hold more
+    than the host's memory is not given."""
+    _STANDING_IN[0] += 1
+    try:
+        yield
+    finally:
+        _STANDING_IN[0] -= 1
 
 
 def _above_host(count: int, memory_per_device: int) -> None:
@@ -239,6 +253,8 @@ def _above_host(count: int, memory_per_device: int) -> None:
     subsets of them) where ``count`` CPU devices of ``memory_per_device``
     bytes hold more than the host's memory (`scamp_jax.devices.host_memory_bytes`: physical,
     or a container's limit): plans that fill them would run the host out of memory."""
+    if _STANDING_IN[0]:
+        return  # planning for another device's memory: nothing runs on this host
     host = _devices.host_memory_bytes()
     if host is None:
         return  # no such figure on this system

@@ -190,17 +190,19 @@ def plan_point(
     """
     import jax
 
+    from scamp_jax.planning.budget import standing_in_for_another_device
     from scamp_jax.planning.planner import plan_mesh
     from scamp_jax.scheduling.booking import booked_bytes
 
     usable = Budget(memory_per_device, safety_margin).usable_bytes
     if cost.planned(usable, max_batch_size, batch_multiple) is not None:
         return cost
-    plan = plan_mesh(model, sample_batch, devices=jax.devices()[:cost.model_parallel],
-                     memory_per_device=memory_per_device, optimizer=optimizer, loss_fn=loss_fn,
-                     safety_margin=safety_margin, max_batch_size=max_batch_size,
-                     model_parallel=cost.model_parallel, eval_task=eval_task,
-                     batch_multiple=batch_multiple)
+    with standing_in_for_another_device():  # the cluster's memory, not this host's
+        plan = plan_mesh(model, sample_batch, devices=jax.devices()[:cost.model_parallel],
+                         memory_per_device=memory_per_device, optimizer=optimizer,
+                         loss_fn=loss_fn, safety_margin=safety_margin,
+                         max_batch_size=max_batch_size, model_parallel=cost.model_parallel,
+                         eval_task=eval_task, batch_multiple=batch_multiple)
     point = (usable, max_batch_size or 0, batch_multiple, int(plan.batch_size),
              booked_bytes(plan))
     return dataclasses.replace(cost, plans=(*cost.plans, point))
