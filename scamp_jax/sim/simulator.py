@@ -369,7 +369,8 @@ class SimResult:
     Attributes:
       policy: placement policy name.
       cluster: the cluster model simulated.
-      makespan_s: virtual seconds from the first start to the last finish.
+      makespan_s: virtual seconds from the study's start (time 0, when the first trials are
+        asked: planning included) to the last finish.
       summary: `UsageRecorder.summary` at the makespan (memory utilisation, idle time, ...).
       trials: per-trial start, end and devices, in key order.
       busy_fraction: device-seconds of busy time (roofline) / all device-seconds.
