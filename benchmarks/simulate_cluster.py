@@ -142,9 +142,19 @@ class CostTable:
             self.compile_seconds += seconds
             self.compiled += 1
             self._write()
-        fields = {k: v for k, v in self.entries[key].items() if k != "compile_seconds"}
-        fields["plans"] = tuple(tuple(int(x) for x in p) for p in fields.get("plans", ()))
-        return StepCostModel(**fields)
+        try:
+            fields = {k: v for k, v in self.entries[key].items() if k != "compile_seconds"}
+            fields["plans"] = tuple(tuple(int(x) for x in p) for p in fields.get("plans", ()))
+            cost = StepCostModel(**fields)
+            wrong = [f"{k}={v!r}" for k, v in fields.items() if k != "plans" and (
+                isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v))]
+            if wrong:
+                raise ValueError(f"{', '.join(wrong)} is not a number")
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"the cost cache {str(self.path)!r} has a damaged entry {key!r} "
+                             f"({err}); it holds measured costs only: delete it (they are "
+                             "measured again), or pass another --cache") from None
+        return cost
 
     def put(self, key: str, cost: StepCostModel, seconds: float = 0.0) -> None:
         """Store ``cost`` under ``key`` (an entry `get` made), adding ``seconds`` of compiles."""

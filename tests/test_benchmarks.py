@@ -519,6 +519,26 @@ def test_a_cost_cache_that_is_no_json_is_named(tmp_path: Path) -> None:
         CostTable(tmp_path / "costs.json")
 
 
+@pytest.mark.parametrize("damage", ["drop", "text"])
+def test_a_damaged_cost_cache_entry_is_named_with_the_cache_as_its_cause(
+        tmp_path: Path, damage: str) -> None:
+    from benchmarks.simulate_cluster import CostTable
+
+    cost = StepCostModel(model_parallel=1, flops_fixed=1.0, flops_per_sample=2.0,
+                         bytes_fixed=3.0, bytes_per_sample=4.0, gradient_bytes=5.0,
+                         mp_comm_fixed=0.0, mp_comm_per_sample=0.0, kernels_per_step=7,
+                         memory_fixed=8.0, memory_per_sample=9.0)
+    entry = {**dataclasses.asdict(cost), "compile_seconds": 1.0}
+    if damage == "drop":
+        del entry["flops_fixed"]
+    else:
+        entry["flops_per_sample"] = "2.0"
+    (tmp_path / "costs.json").write_text(json.dumps({"arch": entry}))
+    with pytest.raises(ValueError, match=r"the cost cache '.*costs.json' has a damaged entry "
+                                         r"'arch' \(.*\); .*delete it"):
+        CostTable(tmp_path / "costs.json").get("arch", lambda: (cost, 0.0))
+
+
 def test_the_overhead_table_shows_each_ways_best_and_its_test_score(
         capsys: pytest.CaptureFixture[str]) -> None:
     """Both ways test their best model on the task's test data (scamp-jax's ``run_study``:
