@@ -132,7 +132,8 @@ class CostTable:
                                  "holds measured costs only: delete it (they are measured "
                                  "again), or pass another --cache") from None
         self.compile_seconds = 0.0
-        self.compiled = 0
+        self.compiled = 0  # architectures measured (`measure_cost`)
+        self.planned = 0  # planner answers added (`put`)
 
     def get(self, key: str, make: Callable[[], tuple[StepCostModel, float]]) -> StepCostModel:
         """The cost model stored under ``key``, measured with ``make()`` the first time."""
@@ -161,6 +162,7 @@ class CostTable:
         self.entries[key] = {**asdict(cost),
                              "compile_seconds": self.entries[key].get("compile_seconds", 0.0)}
         self.compile_seconds += seconds
+        self.planned += 1
         self._write()
 
     def _write(self) -> None:
@@ -775,8 +777,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"scamp {scamp}: trials ran on {used} device(s); "
               f"{results['scamp'].resizes} running trial(s) restarted on more devices "
               f"({cluster.restart_seconds:g} s per restart)")
-    print(f"costing: {table.compiled} new architecture(s) compiled in "
-          f"{table.compile_seconds:.1f} s; simulation {sim_seconds:.2f} s")
+    print(f"costing: {table.compiled} new architecture(s) measured and "
+          f"{table.planned} planner answer(s) compiled, {table.compile_seconds:.1f} s of "
+          f"compiles; simulation {sim_seconds:.2f} s")
     header = ("policy", "makespan h", "mean memory util", "busy fraction", "idle fraction")
     rows = [
         (name, f"{r['makespan_h']:.3f}", f"{r['mean_memory_utilization']:.3f}",
