@@ -578,3 +578,84 @@ def test_a_first_guess_from_shapes_that_fits_is_the_only_compile():
 
     assert need(plan.batch_size) == plan.predicted_peak_bytes <= plan.usable_bytes
     assert need(plan.batch_size + 1) > plan.usable_bytes
+
+
+class _Counted(nnx.Module):
+    """A model whose state holds Python numbers, as Flax allows: a step counter
+    (``nnx.Variable(0)``) and a temperature parameter (``nnx.Param(1.0)``)."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.linear = nnx.Linear(8, 1, rngs=rngs)
+        self.temperature = nnx.Param(1.0)
+        self.steps = nnx.Variable(0)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        self.steps.set_value(self.steps.get_value() + 1)
+        return self.linear(x) / self.temperature[...]
+
+
+def test_a_model_holding_python_numbers_plans_and_trains_with_its_plan():
+    """``nnx.Variable(0)`` and ``nnx.Param(1.0)`` hold a Python int and float, which trained
+    under ``nnx.jit`` but failed in plan_mesh and place_train_state (an ``AttributeError``, no
+    ``shape``): they plan and train as the arrays ``jnp.asarray`` makes of them, the counter
+    counting the steps and the temperature learning."""
+    import optax
+
+    def loss_fn(model, batch):
+        x, y = batch
+        return ((model(x) - y) ** 2).mean()
+
+    model = _Counted(nnx.Rngs(0))
+    optimizer = optax.adam(1e-2)
+    sample = (jax.ShapeDtypeStruct((1, 8), np.float32), jax.ShapeDtypeStruct((1, 1), np.float32))
+    plan = plan_mesh(model, sample, devices=2, memory_per_device="8MiB", optimizer=optimizer,
+                     loss_fn=loss_fn, max_batch_size=16)
+    graphdef, params, opt_state, rest = place_train_state(model, optimizer, plan.step_shardings)
+    step = jit_train_step(graphdef, optimizer, loss_fn, plan.step_shardings)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        x = rng.normal(size=(plan.batch_size, 8)).astype(np.float32)
+        batch = jax.device_put((x, x[:, :1] * 3.0), plan.batch_sharding)
+        params, opt_state, rest, loss = step(params, opt_state, rest, batch)
+    assert np.isfinite(float(loss))
+    nnx.update(model, params, rest)
+    assert int(model.steps.get_value()) == 3 and float(model.temperature[...]) != 1.0
+
+
+def test_a_loss_that_is_not_one_number_is_said_in_words():
+    """A loss returning ``(loss, aux)`` (as ``jax.value_and_grad(has_aux=True)`` takes it) or
+    a per-sample array failed 50 lines deep in JAX's gradient, under a batch size of the
+    planner's: the error says what the loss returned and what the step takes."""
+    def with_aux(model, batch):
+        loss = (model(batch) ** 2).mean()
+        return loss, {"norm": loss}
+
+    def per_sample(model, batch):
+        return (model(batch) ** 2).mean(axis=-1)
+
+    model = nnx.eval_shape(lambda: MLP(16, 32, nnx.Rngs(0)))
+    sample = jax.ShapeDtypeStruct((1, 16), jnp.float32)
+    with pytest.raises(TypeError, match=r"^loss_fn returned a tuple of 2 \(loss, aux\?\), where "
+                       r"the training step takes loss_fn\(model, batch\) -> the scalar loss: "
+                       r"return the loss alone"):
+        plan_mesh(model, sample, devices=1, memory_per_device=BUDGET, loss_fn=with_aux)
+    with pytest.raises(TypeError, match=r"^loss_fn returned an array of shape \(\d+,\), where"):
+        plan_mesh(model, sample, devices=1, memory_per_device=BUDGET, loss_fn=per_sample)
+
+
+def test_an_integer_parameter_is_refused_naming_it():
+    """Every nnx.Param is differentiated: an integer one failed deep in JAX with advice
+    ("set allow_int") a user cannot follow; it is refused naming the parameter and the fix."""
+    class Lookup(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.linear = nnx.Linear(4, 4, rngs=rngs)
+            self.table = nnx.Param(jnp.arange(4, dtype=jnp.int32))
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return self.linear(x) + self.table[...]
+
+    with pytest.raises(TypeError, match=r"^Lookup\.table is an nnx\.Param of int32, and the "
+                       r"training step differentiates every nnx\.Param, .* hold integer or "
+                       r"boolean state in an nnx\.Variable"):
+        plan_mesh(nnx.eval_shape(lambda: Lookup(nnx.Rngs(0))),
+                  jax.ShapeDtypeStruct((1, 4), jnp.float32), devices=1, memory_per_device=BUDGET)

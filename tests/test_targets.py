@@ -184,9 +184,18 @@ def test_cli_says_a_missing_compiler_in_one_line(tmp_path) -> None:
 
 
 def test_target_needs_a_device_count() -> None:
+    """A count of GPUs, not devices of this machine; a NumPy integer is the count it holds
+    (as without a target: it was refused, naming the count it was)."""
     model, sample = small_model()
-    with pytest.raises(ValueError, match="devices must be the number of GPUs to plan for"):
+    with pytest.raises(ValueError, match="devices must be a count, the number of GPUs to plan "
+                       "for, not None"):
         plan_mesh(model, sample, devices=None, target="h100")
+    needs_gpu_compiler()
+    import numpy as np
+
+    plan = plan_mesh(model, sample, devices=np.int64(2), memory_per_device="64MiB",
+                     max_batch_size=64, target="h100")
+    assert len(plan.devices) == 2
 
 
 def test_more_described_gpus_than_a_plan_holds_are_refused_before_any_is_made() -> None:
@@ -298,7 +307,7 @@ def test_the_fewest_described_gpus_are_planned_for_the_target() -> None:
                                    memory_per_device="64MiB", max_batch_size=256)
     assert count == 1 and {d.device_kind for d in plan.devices} == {"NVIDIA H100 80GB HBM3"}
     assert min_devices(model, sample, devices=2, target="h100", max_batch_size=256) == 1
-    with pytest.raises(ValueError, match="devices must be the number of GPUs"):
+    with pytest.raises(ValueError, match="devices must be a count, the number of GPUs"):
         min_devices_plan(model, sample, devices=jax.devices()[:2], target="h100")
 
 
@@ -801,3 +810,18 @@ def test_a_description_without_a_field_of_its_gpu_is_refused_naming_it(tmp_path)
     slow.write_text(h100.replace(f"clock_rate_ghz: {targets.GPUS['h100'].clock_ghz}",
                                  "clock_rate_ghz: 0.5"))
     assert targets.resolve_target(slow).compute_capability == (9, 0)  # a float field read whole
+
+
+def test_placing_a_plan_for_a_target_says_it_is_for_gpus_not_here() -> None:
+    """A plan for a described GPU trains there, not here: `place_train_state` with its
+    shardings says so in words, where JAX said "not available with compile-only client"."""
+    needs_gpu_compiler()
+    from scamp_jax.planning import default_optimizer, place_train_state
+
+    model, sample = small_model()
+    plan = plan_mesh(model, sample, devices=2, memory_per_device="64MiB", max_batch_size=64,
+                     target="h100")
+    with pytest.raises(ValueError, match=r"these shardings are a plan for 2 NVIDIA H100 80GB "
+                       r"HBM3 device\(s\) \(target 'h100'\), which this process can only "
+                       r"compile for, not place arrays on: train on such GPUs"):
+        place_train_state(model, default_optimizer(), plan.step_shardings)

@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -396,10 +397,12 @@ def _target_devices(target: str | os.PathLike[str] | Target, devices: Any
     from scamp_jax.devices import cpu_without_gpu_driver
 
     cpu_without_gpu_driver()
+    devices = _plain_int(devices)  # a NumPy integer is the int it holds, as without a target
     if isinstance(devices, bool) or not isinstance(devices, int):
         raise ValueError(
-            f"with target={target!r}, devices must be the number of GPUs to plan for, got "
-            f"{devices!r}; e.g. plan_mesh(model, batch, devices=8, target={target!r})")
+            f"with target={target!r}, devices must be a count, the number of GPUs to plan "
+            f"for, not {devices!r}; e.g. plan_mesh(model, batch, devices=8, "
+            f"target={target!r})")
     return resolve_target(target).devices(devices)
 
 
@@ -423,6 +426,15 @@ def _check_model(model: nnx.Module) -> None:
             "check that its layers are attributes of the module (not in a plain list or dict "
             "of non-NNX containers)"
         )
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        dtype = getattr(leaf, "dtype", None) or jnp.asarray(leaf).dtype
+        if not jnp.issubdtype(dtype, jnp.inexact):  # JAX: "use vjp or set allow_int"
+            keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+            name = ".".join(keys[:-1] if keys[-1:] == ["value"] else keys)
+            raise TypeError(
+                f"{type(model).__name__}.{name} is an nnx.Param of {dtype}, and the training "
+                "step differentiates every nnx.Param, which needs floating point: hold "
+                "integer or boolean state in an nnx.Variable (it trains along, undifferentiated)")
 
 
 def _warn_evaluation_mode(model: nnx.Module) -> None:
@@ -589,7 +601,11 @@ def plan_mesh(
         kernels) and the plan is a GPU plan of that kind, on compile-only devices
         (``memory_per_device`` default: the described GPU's pool,
         `scamp_jax.planning.budget.Budget.for_device`; no step kept, as on GPUs). Needs the
-        ``gpu-plan`` extra. Devices from ``Target.devices(n)`` plan the same without it.
+        ``gpu-plan`` extra. Devices from ``Target.devices(n)`` plan the same without it. A
+        script whose JAX starts before the first plan (a real model built first) on a machine
+        with no GPU driver sets ``JAX_PLATFORMS=cpu`` (or calls
+        `scamp_jax.configure_cpu_devices` first), else JAX's CUDA plugin prints its failed
+        start-up (``Unable to load cuDNN``) once (BUILD.md).
 
     Every plan counts the prefetched next batch: the step's compiled peak plus one batch
     (and, with ``eval_task``, the evaluation's bytes) fit within the usable bytes.

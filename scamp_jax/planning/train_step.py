@@ -89,10 +89,20 @@ def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     """Split ``model`` into ``(graphdef, params, rest)``.
 
     ``params`` holds every ``nnx.Param``; ``rest`` every other variable (RNG state, batch
-    statistics). Works on real models and on abstract ones from ``nnx.eval_shape``.
+    statistics). Works on real models and on abstract ones from ``nnx.eval_shape``. A variable
+    that holds a Python number (``nnx.Variable(0)``, a step counter, as Flax allows) is the
+    array ``jnp.asarray`` makes of it, of a fixed type (not weak), as ``nnx.eval_shape`` and a
+    compiled step see it.
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
-    return graphdef, params, rest
+    return graphdef, jax.tree.map(_number_as_array, params), jax.tree.map(_number_as_array, rest)
+
+
+def _number_as_array(x: Any) -> Any:
+    """``x``, or the array of a Python number (its canonical dtype: int32 for an int)."""
+    if isinstance(x, bool | int | float | complex):
+        return jnp.asarray(x, dtype=jnp.asarray(x).dtype)
+    return x
 
 
 def make_train_step(
@@ -118,7 +128,7 @@ def make_train_step(
         # created at the gradient's trace level, where NNX allows RNG counters to change.
         def loss_and_rest(p: PyTree, r: PyTree) -> tuple[jax.Array, PyTree]:
             model = nnx.merge(graphdef, p, r, copy=True)
-            loss = loss_fn(model, batch)
+            loss = _scalar_loss(loss_fn(model, batch))
             new_rest = split_model(model)[2]
             return loss, new_rest
 
@@ -132,6 +142,26 @@ def make_train_step(
         return new_params, new_opt_state, new_rest, loss
 
     return step
+
+
+class LossNotScalarError(TypeError):
+    """A training loss that is not one number (a ``(loss, aux)`` pair, a per-sample array)."""
+
+
+def _scalar_loss(loss: Any) -> Any:
+    """``loss``, checked to be one number (JAX's error for anything else, of a gradient's
+    output, is its own 50 lines deep)."""
+    if isinstance(loss, tuple | list | dict):
+        what = (f"a {type(loss).__name__} of {len(loss)}"
+                + (" (loss, aux?)" if isinstance(loss, tuple) and len(loss) == 2 else ""))
+    elif getattr(loss, "shape", ()) != ():
+        what = f"an array of shape {tuple(loss.shape)}"
+    else:
+        return loss
+    raise LossNotScalarError(
+        f"loss_fn returned {what}, where the training step takes loss_fn(model, batch) -> "
+        "the scalar loss: return the loss alone (a mean over the batch); the step keeps no "
+        "auxiliary outputs (a task scores its models in its evaluation)")
 
 
 @dataclass(frozen=True)
@@ -301,6 +331,16 @@ def place_train_state(
     buffers. The optimizer state is created directly with its shardings (inside ``jax.jit``), so
     it never exists whole on one device.
     """
+    from scamp_jax.planning.targets import target_of
+
+    devices = list(shardings.mesh.devices.flat)
+    target = target_of(devices)
+    if target is not None:  # JAX's own error: "not available with compile-only client"
+        raise ValueError(
+            f"these shardings are a plan for {len(devices)} {target.device_kind or 'GPU'} "
+            f"device(s) (target {target.name!r}), which this process can only compile for, "
+            "not place arrays on: train on such GPUs, with a plan made there (the same "
+            "plan_mesh call without target=), or plan for this machine's devices")
     graphdef, params, rest = split_model(model)
     if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(params)):
         raise TypeError(
