@@ -20,6 +20,7 @@ from flax import nnx
 from optuna.trial import TrialState
 from test_runner import MLP, Regression
 
+from scamp_jax._signals import Terminated
 from scamp_jax.hpo.checkpoint import newest_step
 from scamp_jax.hpo.engine import BudgetTooSmallError, EngineConfig, SearchEngine
 from scamp_jax.hpo.failures import RepeatedFailureError
@@ -410,7 +411,10 @@ class BothTrain(Regression):
             time.sleep(self.pace)
 
 
-def test_ctrl_c_checkpoints_running_trials_and_a_new_run_resumes_them(tmp_path):
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, Terminated], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_checkpoints_running_trials_and_a_new_run_resumes_them(tmp_path, stop):
+    """A Ctrl-C (or SIGTERM's `Terminated`) stops the running trials at their checkpoints; the
+    notice offers a Ctrl-C "again" only after one."""
     study, source = make_source(tmp_path, [ok(16), ok(32)])
     # No periodic checkpoint before the end (step 100): only the Ctrl-C's save can resume them.
     # The steps are paced (20 a second) so that the engine, which looks every 0.5 s, sees one
@@ -419,18 +423,19 @@ def test_ctrl_c_checkpoints_running_trials_and_a_new_run_resumes_them(tmp_path):
 
     def ctrl_c_at_step_30(statuses: Any, pool: Any) -> None:
         if any(s.step >= 30 for s in statuses):
-            raise KeyboardInterrupt
+            raise stop
 
     notices: list[str] = []
     engine = SearchEngine(SPACE, BothTrain(pace=0.05), source, cfg, devices=jax.devices()[:2],
                           checkpoint_root=tmp_path / "ckpt", on_update=ctrl_c_at_step_30,
                           on_notice=notices.append)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(stop):
         engine.run()
     # Python's own Ctrl-C handler: a second one raises at once, the process still waits for
     # the trials' threads (the command line's handler ends it at once, and says so)
+    ctrl_c = "Ctrl-C again" if stop is KeyboardInterrupt else "a Ctrl-C"
     assert any(n.startswith("stopping: 2 running trial(s)") and n.endswith(
-        "Ctrl-C again stops waiting for them (a script's process still ends only once their "
+        f"{ctrl_c} stops waiting for them (a script's process still ends only once their "
         "steps and any compile under way have)") for n in notices), notices
     trials = study.get_trials()
     assert [t.user_attrs.get(FAIL_REASON) for t in trials[:2]] == ["interrupted"] * 2

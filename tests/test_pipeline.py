@@ -339,6 +339,10 @@ def test_batches_given_as_lists_train_as_their_arrays():
     as_lists = train_supernet(_layout(), subnets, list(lr), list(hr), num_stages=2,
                               offload=False)
     assert as_lists.params_sha256 == as_arrays.params_sha256
+    # subnets as a generator (a TypeError of len() before) or one array
+    for given in ((tuple(s) for s in subnets), np.asarray(subnets)):
+        again = train_supernet(_layout(), given, lr, hr, num_stages=2, offload=False)
+        assert again.params_sha256 == as_arrays.params_sha256
 
 
 def test_experiment_presets_and_flags():

@@ -214,7 +214,8 @@ class Endings:
         return bool(steps) and getattr(status, "step", 0) >= steps
 
     def give_back(self, runs: Sequence[Any], waiting: Sequence[int],
-                  notice: Callable[[str], None] | None = None, discard: bool = False) -> None:
+                  notice: Callable[[str], None] | None = None, discard: bool = False,
+                  pressed: bool | None = None) -> None:
         """Stop ``runs`` (`scamp_jax.hpo.launch.Run`: they checkpoint at their next step) and
         give their members, the failures held back (`scamp_jax.hpo.failures`) and the trials
         ``waiting`` (planned, queued or held, not running) back to the study, each once; a
@@ -222,7 +223,8 @@ class Endings:
         (`_tell_finished`), any other ending of a stopped run is unfinished. ``notice``: told
         what happens to the running trials (a Ctrl-C's user). ``discard`` (the run's trials
         failed alike: a bug in the task): the checkpoints of the held and the running trials
-        are deleted first, so that the next run trains them from the start."""
+        are deleted first, so that the next run trains them from the start. ``pressed``: the
+        stop was a Ctrl-C's (the notice says "Ctrl-C again"; None: unless ``discard``)."""
         for run in runs:
             run.stop.set()
         if notice is not None and runs:
@@ -239,7 +241,8 @@ class Endings:
             if finishing:
                 said.append(f"{finishing} trial(s) past their last step finish their "
                             "evaluation, and their results are kept")
-            notice(f"stopping: {'; '.join(said)}; {second_ctrl_c(pressed=not discard)}")
+            pressed = not discard if pressed is None else pressed
+            notice(f"stopping: {'; '.join(said)}; {second_ctrl_c(pressed=pressed)}")
         stopped: KeyboardInterrupt | None = None
         try:
             cf.wait([run.future for run in runs])

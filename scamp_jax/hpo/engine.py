@@ -293,7 +293,8 @@ class SearchEngine:
                 self.endings.check_failures(ended=True)  # all this run made failed alike
         except BaseException as err:
             self._give_back(interrupted=isinstance(err, KeyboardInterrupt | RepeatedFailureError),
-                            discard=isinstance(err, RepeatedFailureError))
+                            discard=isinstance(err, RepeatedFailureError),
+                            pressed=type(err) is KeyboardInterrupt)  # not SIGTERM's Terminated
             raise
         self._planner.shutdown(wait=True)
         self._launch.close()
@@ -578,10 +579,12 @@ class SearchEngine:
         self.work[run.future] = work.running(
             unit.key, lambda f: unit.ended(self.endings, f.result()))
 
-    def _give_back(self, interrupted: bool = False, discard: bool = False) -> None:
+    def _give_back(self, interrupted: bool = False, discard: bool = False,
+                   pressed: bool = False) -> None:
         """When the engine stops: every run stops (they checkpoint) and every unfinished trial
         of this engine goes back to the study (`Endings.give_back`); ``interrupted`` (a Ctrl-C,
-        or the study's repeated failures): the user is told what happens meanwhile;
+        SIGTERM, or the study's repeated failures): the user is told what happens meanwhile
+        (``pressed``: the stop was a Ctrl-C's, and another one stops at once);
         ``discard``: what the trials trained under a bug is deleted (`Endings.give_back`)."""
         runs = [r.run for r in self._running().values() if r.run is not None]
         waiting = [n for w in self.work.values() for n in w.trials]
@@ -589,14 +592,14 @@ class SearchEngine:
         waiting += [*self.kind.waiting(), *(asked.number for asked, _ in self.deferred)]
         waiting += self.intake.held_back()
         self.endings.give_back(runs, waiting, self.on_notice if interrupted else None,
-                               discard=discard)
+                               discard=discard, pressed=pressed)
         # Plans under way cannot be cut short (a compile runs to its end); said, as a long
         # compile's silence would read as a hang. Those not begun are cancelled.
         compiling = sum(1 for future in self.work if future.running())
         if interrupted and compiling and self.on_notice is not None:
             self.on_notice(f"stopping: waiting for {counted(compiling, 'plan')} under way to "
                            "finish compiling (the trials are back in the study); "
-                           f"{second_ctrl_c(pressed=not discard)}")
+                           f"{second_ctrl_c(pressed=pressed)}")
         self._planner.shutdown(wait=True, cancel_futures=True)
         self._launch.close()
 

@@ -361,6 +361,7 @@ def train_supernet(
                         f"{type(initial_state).__name__}; for weights alone pass "
                         "initial_weights=(blocks, shared)")
     lr_batches, hr_batches = np.asarray(lr_batches), np.asarray(hr_batches)  # lists too
+    subnets = [list(subnet) for subnet in subnets]  # a generator, or an array, too
     n, batch = lr_batches.shape[:2] if lr_batches.ndim >= 2 else (len(lr_batches), 0)
     if initial_weights is not None and initial_state is not None:
         raise ValueError("pass initial_weights (optimizer state from zero) or initial_state "
