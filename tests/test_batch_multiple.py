@@ -4,6 +4,7 @@ The planner, the engine's planning service and the simulator's profiles apply th
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -149,6 +150,10 @@ def test_simulated_profiles_follow_the_policy_and_can_restart() -> None:
     (fixed,) = plan_profiles([cost], cluster, FixedPolicy(1), samples=4100,
                              fixed_batch_size=41)
     assert (plain.batch_size, four.batch_size, fixed.batch_size) == (41, 40, 41)
+    # trials of one cost model are one architecture, which the engine plans once
+    other = dataclasses.replace(cost, flops_fixed=2e9)
+    assert [p.architecture for p in plan_profiles([cost, other, cost], cluster, ScampPolicy(),
+                                                  samples=4100)] == [0, 1, 0]
     budget = int(cluster.memory_per_device * 0.9)
     assert cost.restart_profiles(plain, budget_bytes=budget, max_devices=4) == ()
     assert [p.devices for p in cost.restart_profiles(four, budget_bytes=budget,

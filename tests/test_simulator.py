@@ -127,6 +127,22 @@ def test_plans_are_made_as_many_at_once_as_the_engine_has_planner_threads() -> N
             dataclasses.replace(TOY, planner_threads=bad)
 
 
+def test_an_architecture_is_planned_once_and_its_later_trials_wait_for_that_plan() -> None:
+    # The engine plans each architecture once: on 2 threads, 4 s a plan, trials of
+    # architectures A, A, B, A asked at 0: trial 0 plans A (ready at 4); trial 1's thread waits
+    # for A's plan (ready at 4, as the engine's thread waits on the architecture's lock); then
+    # B is planned 4-8 and trial 3 takes the free thread and is ready at once (4).
+    trials = [TrialProfile(k, 1, GIB, 8, 1e12, 0, 0, 10, architecture=arch)
+              for k, arch in enumerate("AABA")]
+    cluster = dataclasses.replace(TOY, devices=8, planning_seconds=4.0)
+    result = simulate(trials, cluster, ScampPolicy())
+    assert [t.start_s for t in result.trials] == [4.0, 4.0, 8.0, 4.0]
+    # without architectures every trial is a plan of its own
+    own = simulate([dataclasses.replace(t, architecture=None) for t in trials], cluster,
+                   ScampPolicy())
+    assert [t.start_s for t in own.trials] == [4.0, 4.0, 8.0, 8.0]
+
+
 def test_a_plan_on_more_devices_costs_a_plan_as_the_engine_compiles_it() -> None:
     # One trial, 1 s a step on 1 device, 0.5 s on 2, planned in 4 s: in the last wave the core
     # asks for its 2-device plan, which a planner thread makes in 4 s more (the engine compiles

@@ -33,7 +33,10 @@ group's devices.
 Time the engine spends outside training. Planning: the engine asks as many trials ahead as the
 lookahead allows, and its ``ClusterModel.planner_threads`` planner threads plan them, each plan
 taking ``ClusterModel.planning_seconds`` (the planner's compiles); a trial waits for a free
-thread in the order asked and is ready to place once its plan is done. A plan on more devices
+thread in the order asked and is ready to place once its plan is done. The engine plans each
+architecture once (`scamp_jax.hpo.plan_service.PlanningService`): a trial whose
+`TrialProfile.architecture` was planned before is ready as soon as a thread takes it, and one
+whose architecture is being planned holds its thread until that plan is done. A plan on more devices
 the core asks for in the last wave (`scamp_jax.scheduling.core.PlanOption`) is a plan like any
 other, made ahead of new trials' plans (the engine's `scamp_jax.hpo.work.PlannerPool`), and
 its trial waits meanwhile; with ``planning_seconds`` 0 every plan is made at once. A running trial
@@ -57,7 +60,7 @@ import heapq
 import math
 import numbers
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from scamp_jax._units import format_bytes
@@ -282,6 +285,9 @@ class TrialProfile:
       alternatives: the same trial planned on more devices (more data-parallel replicas, same
         key), which a policy may start instead
         (`scamp_jax.scheduling.placement.TrialRequest.options`).
+      architecture: what the engine plans by (any hashable, e.g. the index of its
+        architecture): trials of one architecture share its plan, made once (None: a plan of
+        its own).
     """
 
     key: int
@@ -295,6 +301,7 @@ class TrialProfile:
     kernels_per_step: int = 0
     setup_seconds: float = 0.0
     alternatives: tuple[TrialProfile, ...] = ()
+    architecture: Hashable | None = None
 
     def __post_init__(self) -> None:
         for alt in self.alternatives:
@@ -406,13 +413,18 @@ class _Planners:
                  events: list[tuple[float, int, int, int]]) -> None:
         self.threads, self.seconds, self.events = threads, seconds, events
         self.busy = 0
-        self.waiting: tuple[deque[tuple[int, int, int]], deque[tuple[int, int, int]]] = (
+        self.waiting: tuple[deque[tuple[int, int, int, Hashable | None]], ...] = (
             deque(), deque())
+        #: when each architecture's plan is (or was) done
+        self.ends: dict[Hashable, float] = {}
 
     def submit(self, now: float, key: int, kind: int, detail: int = 0,
-               first: bool = False) -> None:
-        """Plan for trial ``key``: the event ``(end, key, detail, kind)`` once planned."""
-        self.waiting[0 if first else 1].append((key, detail, kind))
+               first: bool = False, architecture: Hashable | None = None) -> None:
+        """Plan for trial ``key``: the event ``(end, key, detail, kind)`` once planned.
+        ``architecture``: the plan is that architecture's, made once: a later trial of it is
+        planned as soon as a thread takes it, or with the plan under way (holding its
+        thread meanwhile, as the engine's thread waits on the architecture's lock)."""
+        self.waiting[0 if first else 1].append((key, detail, kind, architecture))
         self._begin(now)
 
     def done(self, now: float) -> None:
@@ -422,9 +434,14 @@ class _Planners:
 
     def _begin(self, now: float) -> None:
         while self.busy < self.threads and (self.waiting[0] or self.waiting[1]):
-            key, detail, kind = (self.waiting[0] or self.waiting[1]).popleft()
+            key, detail, kind, architecture = (self.waiting[0] or self.waiting[1]).popleft()
             self.busy += 1
-            heapq.heappush(self.events, (now + self.seconds, key, detail, kind))
+            end = self.ends.get(architecture) if architecture is not None else None
+            if end is None:
+                end = now + self.seconds
+                if architecture is not None:
+                    self.ends[architecture] = end
+            heapq.heappush(self.events, (max(now, end), key, detail, kind))
 
 
 @dataclass
@@ -581,7 +598,8 @@ def simulate(
             arrival, profile = pending.pop()
             if cluster.planning_seconds > 0:
                 asked[profile.key] = arrival
-                planners.submit(now, profile.key, _PLANNED)
+                planners.submit(now, profile.key, _PLANNED,
+                                architecture=profile.architecture)
             else:
                 plan_ready(profile.key, arrival)
         core.set_arrivals_pending(bool(pending or asked))
@@ -1017,10 +1035,13 @@ def plan_profiles(
     one fits; with ``max_devices``, alternatives on more devices
     (`StepCostModel.planned_profile`). Fixed: ``devices_per_trial`` devices and one global batch
     ``fixed_batch_size`` for every trial (the engine picks the largest batch the largest candidate
-    fits). Every trial trains ``samples`` samples.
+    fits). Every trial trains ``samples`` samples. Trials of one cost model (the same object)
+    are of one architecture (`TrialProfile.architecture`: the key of its first trial), planned
+    once.
     """
     budget = cluster.budget(safety_margin)
     out = []
+    first: dict[int, int] = {}  # id of a cost model -> the key of its first trial
     for key, cost in enumerate(costs):
         if isinstance(policy, FixedPolicy):
             if fixed_batch_size is None:
@@ -1031,6 +1052,7 @@ def plan_profiles(
                                            max_batch_size=max_batch_size,
                                            max_devices=max_devices,
                                            batch_multiple=policy.batch_multiple)
+        profile = replace(profile, architecture=first.setdefault(id(cost), key))
         out.append(booking_allowance(profile, budget.allowance_bytes))
     return out
 
