@@ -303,8 +303,8 @@ def add_flags(parser: argparse.ArgumentParser, presets: Sequence[str], study_dir
                         "raise the same error, the same exception at the same place, one after "
                         "another and before any trial of the run completed: a bug in the task, "
                         "not the configurations; they go back to the study and the next run "
-                        "trains them from the start (default 3; 2 when the run has nothing more "
-                        "to train; 0: never stop, for a space "
+                        "trains them from the start (default 3; 2 of first tries when the run "
+                        "has nothing more to train; 0: never stop, for a space "
                         "that fails some configurations on purpose)")
     parser.add_argument("--study-dir", default=None,
                         help=f"directory of the study database, checkpoints, results and plots "

@@ -534,42 +534,57 @@ def test_a_cache_folder_that_cannot_be_written_is_said_once_and_only_read(tmp_pa
 
 def test_a_runs_compile_takes_the_slot_beyond_the_bound_and_a_planners_waits():
     """Planning compiles hold every slot: a run's compile (its devices wait for it) starts at
-    once in the one slot beyond the bound; a second run's, and a planner's, wait for a slot."""
+    once in the one slot beyond the bound, which leaves the bound's slots to the others; a
+    second run's waits, and takes a freed slot before a planner that waited longer."""
     import threading
 
     slots = CompileSlots()
     started: list[str] = []
-    release = threading.Event()
+    release = {name: threading.Event() for name in ("plan a", "plan b", "run 1", "run 2",
+                                                    "plan c", "plan d")}
     cond = threading.Condition()
 
-    def hold(name: str, run: bool) -> None:
+    def hold(name: str) -> None:
         with contextlib.ExitStack() as stack:
-            if run:
+            if name.startswith("run"):
                 stack.enter_context(slots.for_a_run())
             with slots.slot():
                 with cond:
                     started.append(name)
                     cond.notify_all()
-                release.wait(timeout=60)
+                release[name].wait(timeout=60)
+
+    def begin(name: str) -> threading.Thread:
+        thread = threading.Thread(target=hold, args=(name,))
+        thread.start()
+        return thread
 
     def wait_for(count: int) -> bool:
         with cond:
             return cond.wait_for(lambda: len(started) >= count, timeout=30)
 
     with slots.limited(2):
-        threads = [threading.Thread(target=hold, args=(name, run)) for name, run in
-                   (("plan a", False), ("plan b", False), ("run 1", True), ("run 2", True),
-                    ("plan c", False))]
-        for t in threads[:2]:
-            t.start()
+        threads = [begin("plan a"), begin("plan b")]
         assert wait_for(2)
-        threads[2].start()
+        threads.append(begin("run 1"))
         assert wait_for(3) and started[2] == "run 1"  # beside both plans
-        for t in threads[3:]:
-            t.start()
-        time.sleep(0.5)
+        threads.append(begin("plan c"))
+        time.sleep(0.3)
+        threads.append(begin("run 2"))
+        time.sleep(0.3)
         assert len(started) == 3  # one slot beyond the bound, one run at a time
-        release.set()
+        release["plan a"].set()  # a bound slot frees: the waiting run first
+        assert wait_for(4) and started[3] == "run 2"
+        release["run 1"].set()  # the slot beyond: a planner may not take it
+        time.sleep(0.3)
+        assert len(started) == 4
+        release["plan b"].set()  # a bound slot: the waiting planner
+        assert wait_for(5) and started[4] == "plan c"
+        threads.append(begin("plan d"))  # the run's slot beyond is not the planners'
+        time.sleep(0.3)
+        assert len(started) == 5
+        for event in release.values():
+            event.set()
         for t in threads:
             t.join(timeout=30)
-    assert sorted(started[3:]) == ["plan c", "run 2"] and slots.most == 3
+    assert started[5] == "plan d" and slots.most == 3

@@ -895,3 +895,7 @@ def test_the_planner_threads_take_work_for_planned_trials_before_new_plans():
     release.set()
     pool.shutdown(wait=True)
     assert waiting.cancelled() and ran[-1] == "busy"
+    # after a shutdown a call is refused, as an executor refuses it, and nothing is left
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        pool.submit_first(ran.append, "late")
+    assert not pool._waiting

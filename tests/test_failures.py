@@ -821,3 +821,18 @@ def test_the_last_trials_of_a_resumed_study_that_raise_alike_stop_it_and_go_back
     assert fixed["trials_this_run"] == 2
     record = json.loads((tmp_path / "results.json").read_text())
     assert [r["state"] for r in record["trials"]] == ["complete"] * 4
+
+
+def test_configurations_that_fail_on_purpose_stop_a_resumed_study_once_not_at_every_rerun(
+        tmp_path):
+    """The last two trials of a resumed study fail alike, on purpose (their configurations):
+    the run stops once and gives them back; the rerun's retries of them fail alike again, and
+    are told failed (a retry does not count for the end of a run), so the study ends instead
+    of stopping at every rerun."""
+    scamp_jax.run_study(SPACE, _task(), trials=2, study_dir=tmp_path, **KW)
+    with pytest.raises(scamp_jax.RepeatedFailureError):
+        scamp_jax.run_study(SPACE, _task(_mislabelled), trials=4, study_dir=tmp_path, **KW)
+    again = scamp_jax.run_study(SPACE, _task(_mislabelled), trials=4, study_dir=tmp_path, **KW)
+    assert again["trials_this_run"] == 2
+    states = [r["state"] for r in json.loads((tmp_path / "results.json").read_text())["trials"]]
+    assert sorted(states) == ["complete", "complete", "failed", "failed"]

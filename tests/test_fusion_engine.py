@@ -759,8 +759,8 @@ def test_a_stop_counts_the_members_still_running_not_one_that_failed_alone() -> 
 
 def test_a_stop_says_that_members_past_their_last_step_finish_and_are_kept() -> None:
     """A stop that comes while a group's members evaluate after their last step does not stop
-    them (their results are told as they end): its notice says so, and counts only the others
-    as going back to the study."""
+    them (their results are told as they end; one whose evaluation raises goes back): its
+    notice says so, and counts only the others as going back to the study."""
     import concurrent.futures as cf
     import threading
     from types import SimpleNamespace
@@ -792,7 +792,7 @@ def test_a_stop_says_that_members_past_their_last_step_finish_and_are_kept() -> 
     said = stop((0, 1, 2))
     assert said.startswith("stopping: 1 running trial(s) end at their next step and go back "
                            "to the study, where a re-run resumes them"), said
-    assert "; 2 trial(s) past their last step finish their evaluation, and their results are " \
-           "kept; " in said, said
-    assert stop((0, 1)).startswith("stopping: 2 trial(s) past their last step finish their "
-                                   "evaluation, and their results are kept; ")
+    kept = ("finish their evaluation first (a result is kept; one whose evaluation raises goes "
+            "back with the others); ")
+    assert f"; 2 trial(s) past their last step {kept}" in said, said
+    assert stop((0, 1)).startswith(f"stopping: 2 trial(s) past their last step {kept}")

@@ -616,3 +616,14 @@ def test_a_ring_spanning_nodes_runs_at_the_network_link_and_counts_in_the_comm_s
     assert comm_share([within, across], cluster) == pytest.approx(180 / 240)
     result = simulate([within], cluster, ScampPolicy(elastic=False))
     assert result.comm_fraction == pytest.approx(0.5)
+
+
+def test_a_fused_groups_trials_count_as_its_members_in_the_usage() -> None:
+    # A profile of a fused group of 3 (sim_fusion's group_profile) and a solo trial: the
+    # usage counts 4 trials started and finished, as the engine counts a group's members.
+    group = TrialProfile(0, 1, GIB, 8, 1e12, 0, 0, 10, trials=3)
+    solo = TrialProfile(1, 1, GIB, 8, 1e12, 0, 0, 10)
+    result = simulate([group, solo], TOY, ScampPolicy())
+    assert result.summary["trials_started"] == result.summary["trials_finished"] == 4
+    with pytest.raises(ValueError, match="trials"):
+        TrialProfile(2, 1, GIB, 8, 1e12, 0, 0, 10, trials=0)

@@ -188,6 +188,9 @@ class MPISearchEngine(SearchEngine):
     with the planner's reason and what to change.
     """
 
+    #: a rank's run ends while other ranks may still complete trials of the study
+    guard_at_end = False
+
     def __init__(self, ranks: int, *args: Any, **kwargs: Any) -> None:
         self.ranks = ranks
         super().__init__(*args, **kwargs)

@@ -124,9 +124,16 @@ class Endings:
     def check_failures(self, ended: bool = False) -> None:
         """Raise `RepeatedFailureError` once the run's first trials all failed alike (the
         engine then stops, `give_back`); ``ended``: the run has nothing more to train, and
-        two runs that failed alike are enough (`RepeatedFailures.tripped_at_end`)."""
-        if self.failures.tripped_at_end if ended else self.failures.tripped:
+        two runs of first tries that failed alike are enough
+        (`RepeatedFailures.tripped_at_end`)."""
+        if (self.failures.tripped_at_end(self._first_try) if ended
+                else self.failures.tripped):
             raise self.failures.error()
+
+    def _first_try(self, outcome: TrialOutcome) -> bool:
+        """Whether ``outcome``'s trial is no retry of a trial an earlier run gave back."""
+        record = self.records.get(outcome.number)
+        return record is None or getattr(record.status, "retry_of", None) is None
 
     @stops_held()
     def finish(self) -> None:
@@ -240,7 +247,8 @@ class Endings:
                     f"back to the study, where {after}"] if len(live) > finishing else []
             if finishing:
                 said.append(f"{finishing} trial(s) past their last step finish their "
-                            "evaluation, and their results are kept")
+                            "evaluation first (a result is kept; one whose evaluation raises "
+                            "goes back with the others)")
             pressed = not discard if pressed is None else pressed
             notice(f"stopping: {'; '.join(said)}; {second_ctrl_c(pressed=pressed)}")
         stopped: KeyboardInterrupt | None = None

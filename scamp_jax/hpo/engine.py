@@ -146,6 +146,11 @@ class SearchEngine:
     units (``queue``) and the work in flight (`scamp_jax.hpo.work.Work`).
     """
 
+    #: Whether a run that ends with nothing more to train stops on two runs of first tries
+    #: that failed alike (`scamp_jax.hpo.failures`); a process that sees only its own runs of
+    #: a study others run too (an MPI rank) keeps to the limit.
+    guard_at_end = True
+
     def __init__(
         self,
         space: SearchSpace,
@@ -290,7 +295,8 @@ class SearchEngine:
             with COMPILE_SLOTS.limited(self.config.planner_threads):
                 while self._turn(lookahead):
                     pass
-                self.endings.check_failures(ended=True)  # all this run made failed alike
+                if self.guard_at_end:  # all this run made failed alike
+                    self.endings.check_failures(ended=True)
         except BaseException as err:
             self._give_back(interrupted=isinstance(err, KeyboardInterrupt | RepeatedFailureError),
                             discard=isinstance(err, RepeatedFailureError),

@@ -7,8 +7,9 @@ after training), the failures that come with an exception (a traceback) are held
 study while they repeat one error: the same exception raised at the same place (the message may
 differ, e.g. by a trial's batch size). Once the held trials come from ``failure_limit`` runs
 (`scamp_jax.hpo.settings.EngineConfig.failure_limit`; a fused group's members are one run), or
-from two runs when the run has nothing more to train (its study had fewer trials left), the
-engine stops its other trials and raises `RepeatedFailureError`, and the held trials go back to
+when the run has nothing more to train, from two runs of trials tried for the first time (its
+study had fewer trials left; a rerun's retries of them do not stop it again), the engine stops
+its other trials and raises `RepeatedFailureError`, and the held trials go back to
 the study as interrupted ones do, with those that were running: the run after the fix trains
 them again from the start (what they trained under the bug is deleted, not resumed) instead of
 counting them as failed; a Ctrl-C gives held trials back too (with their checkpoints). A trial
@@ -17,8 +18,8 @@ study as the failures they are. A failure without an exception (a loss that turn
 configuration that fits nowhere) and a configuration the space rejects (``optuna.TrialPruned``
 from its build) are the configuration's own: told at once, they leave the held ones as they are.
 A space that fails some configurations on purpose, by raising, sets ``failure_limit=0``. Under
-MPI every rank's engine keeps its own guard, which counts the runs of its rank: where the ranks
-share so few trials that none makes two runs, their failures are told as they are.
+MPI every rank's engine keeps its own guard, which counts the runs of its rank, and only to the
+limit (a rank's run ends while others may still complete trials of the study).
 """
 
 from __future__ import annotations
@@ -103,27 +104,29 @@ class RepeatedFailures:
         #: off once a trial of the run completed or was pruned (or with ``limit`` 0)
         self.off = limit == 0
 
-    @property
-    def runs(self) -> int:
-        """The runs the held failures come from, a fused group's members counting as one
-        (they share their architecture, and a failure may be that architecture's)."""
+    @staticmethod
+    def runs(outcomes: Sequence[TrialOutcome]) -> int:
+        """The runs ``outcomes`` come from, a fused group's members counting as one (they
+        share their architecture, and a failure may be that architecture's)."""
         return len({(o.attrs.get("fused_group"), None if o.attrs.get("fused_group") is not None
-                     else o.number) for o in self.held})
+                     else o.number) for o in outcomes})
 
     @property
     def tripped(self) -> bool:
         """Whether the held failures reached the limit (the engine stops): trials of ``limit``
         `runs`."""
-        return not self.off and self.runs >= self.limit
+        return not self.off and self.runs(self.held) >= self.limit
 
-    @property
-    def tripped_at_end(self) -> bool:
+    def tripped_at_end(self, first_tries: Callable[[TrialOutcome], bool]) -> bool:
         """Whether the held failures stop the study when its run has nothing more to train:
-        those of two runs at least (one failure is no repetition), or of ``limit`` where it
-        is one. A run makes fewer runs than ``limit`` where its study has fewer trials left
-        (a small study, the last trials of a resumed one, a fused group holding several, a
-        process of several sharing the study), and they all failed alike."""
-        return not self.off and self.runs >= min(self.limit, 2)
+        those of first tries (``first_tries(outcome)``: not a trial run again) of two runs at
+        least (one failure is no repetition), or of ``limit`` where it is one. A run makes
+        fewer runs than ``limit`` where its study has fewer trials left (a small study, the
+        last trials of a resumed one, a fused group holding several), and they all failed
+        alike. Retries do not count: configurations that fail on purpose stop the study once,
+        not at every rerun."""
+        fresh = [o for o in self.held if first_tries(o)]
+        return not self.off and self.runs(fresh) >= min(self.limit, 2)
 
     def hold(self, outcome: TrialOutcome) -> bool:
         """Whether ``outcome`` is held back from the study (else the caller tells it); a

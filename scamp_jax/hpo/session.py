@@ -1006,8 +1006,9 @@ def run_study(
         `SearchSpace`, a ``task`` without a `Task`'s parts.
       scamp_jax.BudgetTooSmallError: no candidate fits the devices' memory.
       scamp_jax.RepeatedFailureError: trials raised the same error before any completed (a
-        bug in the task; those of ``failure_limit`` runs, 3 by default): they went back to the
-        study, and the message ends with the last one's traceback.
+        bug in the task; those of ``failure_limit`` runs, 3 by default, or of two runs of
+        first tries when the run had nothing more to train): they went back to the study,
+        and the message ends with the last one's traceback.
       KeyboardInterrupt: Ctrl-C, or SIGTERM where the program has no handler of its own (as
         ``scamp_jax._signals.Terminated``): the running trials checkpointed and went back to
         the study; calling it again resumes them. A second Ctrl-C while they stop raises at

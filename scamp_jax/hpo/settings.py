@@ -98,8 +98,9 @@ class EngineConfig:
         `scamp_jax.hpo.failures.RepeatedFailureError` and they go back to the study: a bug in
         the task fails every trial alike (0: never stop; a space that fails some
         configurations on purpose by raising). A run with fewer trials left to train stops
-        when it has nothing more to train, if they failed alike in two runs at least
-        (`scamp_jax.hpo.failures.RepeatedFailures.tripped_at_end`).
+        when it has nothing more to train, if first tries failed alike in two runs at least
+        (`scamp_jax.hpo.failures.RepeatedFailures.tripped_at_end`; not under MPI, where
+        each rank keeps to the limit).
       seed: seed of the sampler, initialisation and data streams.
       rank: the MPI rank recorded with each trial (0 on a single host).
       planner_threads: configurations planned at once (each plan is a few compiles), and the

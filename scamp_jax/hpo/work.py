@@ -115,10 +115,17 @@ class PlannerPool:
 
     def _add(self, rank: int, call: Callable[[], Any]) -> cf.Future:
         future: cf.Future = cf.Future()
+        item = (rank, next(self._order), future, call)
         with self._lock:
-            heapq.heappush(self._waiting, (rank, next(self._order), future, call))
-        # one thread's turn per call: the turn runs whichever call comes first by then
-        self._pool.submit(self._turn)
+            heapq.heappush(self._waiting, item)
+        try:  # one thread's turn per call: the turn runs whichever call comes first by then
+            self._pool.submit(self._turn)
+        except BaseException:  # shut down: the call is not taken (an executor's error)
+            with self._lock:
+                if item in self._waiting:
+                    self._waiting.remove(item)
+                    heapq.heapify(self._waiting)
+            raise
         return future
 
     def _turn(self) -> None:

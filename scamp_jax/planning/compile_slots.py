@@ -11,8 +11,9 @@ limit to its planner threads while it runs (`CompileSlots.limited`).
 
 A run's own compiles (its thread inside `CompileSlots.for_a_run`) are on its devices' critical
 path, where a planner's are for trials that wait anyway: a run's compile takes one slot beyond the
-bound when the others are taken (one run at a time), so a trial about to train never waits for
-the plans of trials asked after it (on a GPU, its autotuned step beside their planning
+bound when the others are taken (one run at a time; it leaves the bound's slots to the others),
+and waiting runs take a freed slot before waiting planners, so a trial about to train never waits
+for the plans of trials asked after it (on a GPU, its autotuned step beside their planning
 compiles). At most ``limit + 1`` compiles run at once.
 
 A slot is the innermost thing a thread takes (never held while waiting for anything else), so
@@ -36,8 +37,9 @@ class CompileSlots:
         self._cond = threading.Condition()
         self._limit = limit
         self._busy = 0
-        #: whether a run's compile holds the slot beyond the bound
+        #: whether a run's compile holds the slot beyond the bound, and runs waiting for one
         self._over = False
+        self._runs_waiting = 0
         self._local = threading.local()
         #: most compiles seen at once (a check for tests and benchmarks)
         self.most = 0
@@ -62,23 +64,30 @@ class CompileSlots:
         compile: or the one beyond the bound)."""
         run = getattr(self._local, "run", False)
         with self._cond:
-            while True:
-                if not self._limit or self._busy < self._limit:
-                    over = False
-                    break
-                if run and not self._over:
-                    over = self._over = True
-                    break
-                self._cond.wait()
-            self._busy += 1
-            self.most = max(self.most, self._busy)
+            self._runs_waiting += run
+            try:
+                while True:
+                    if not self._limit or (self._busy < self._limit
+                                           and (run or not self._runs_waiting)):
+                        over = False
+                        break
+                    if run and not self._over:
+                        over = self._over = True
+                        break
+                    self._cond.wait()
+            finally:
+                self._runs_waiting -= run
+            if not over:
+                self._busy += 1
+            self.most = max(self.most, self._busy + self._over)
         try:
             yield
         finally:
             with self._cond:
-                self._busy -= 1
                 if over:
                     self._over = False
+                else:
+                    self._busy -= 1
                 self._cond.notify_all()  # waiters under any bound see the room
 
     @contextlib.contextmanager

@@ -91,11 +91,18 @@ def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     ``params`` holds every ``nnx.Param``; ``rest`` every other variable (RNG state, batch
     statistics). Works on real models and on abstract ones from ``nnx.eval_shape``. A variable
     that holds a Python number (``nnx.Variable(0)``, a step counter, as Flax allows) is the
-    array ``jnp.asarray`` makes of it, of a fixed type (not weak), as ``nnx.eval_shape`` and a
-    compiled step see it.
+    array ``jnp.asarray`` makes of it, its type fixed (not weak), as a compiled step takes it;
+    where none does, the states are ``nnx.split``'s own.
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
-    return graphdef, jax.tree.map(_number_as_array, params), jax.tree.map(_number_as_array, rest)
+    return graphdef, _numbers_as_arrays(params), _numbers_as_arrays(rest)
+
+
+def _numbers_as_arrays(state: nnx.State) -> nnx.State:
+    """``state``, or a copy whose Python numbers are arrays (`_number_as_array`)."""
+    if not any(isinstance(x, bool | int | float | complex) for x in jax.tree.leaves(state)):
+        return state
+    return jax.tree.map(_number_as_array, state)
 
 
 def _number_as_array(x: Any) -> Any:

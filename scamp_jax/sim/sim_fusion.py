@@ -158,7 +158,7 @@ class FusedCostModel:
             bytes_accessed_per_step=self._fit(self.bytes_accessed, width),
             comm_bytes_per_step=solo.comm_bytes_per_step * width, steps=solo.steps,
             kernels_per_step=round(self._fit(self.kernels, width)),
-            setup_seconds=solo.setup_seconds,
+            setup_seconds=solo.setup_seconds, architecture=solo.architecture, trials=width,
         )
 
     def throughput_gain(self, solo: TrialProfile, cluster: ClusterModel, width: int) -> float:

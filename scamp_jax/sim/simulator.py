@@ -288,6 +288,7 @@ class TrialProfile:
       architecture: what the engine plans by (any hashable, e.g. the index of its
         architecture): trials of one architecture share its plan, made once (None: a plan of
         its own).
+      trials: the study's trials it trains (a fused group's width; the usage counts them).
     """
 
     key: int
@@ -302,6 +303,7 @@ class TrialProfile:
     setup_seconds: float = 0.0
     alternatives: tuple[TrialProfile, ...] = ()
     architecture: Hashable | None = None
+    trials: int = 1
 
     def __post_init__(self) -> None:
         for alt in self.alternatives:
@@ -312,7 +314,7 @@ class TrialProfile:
                     f"on {alt.devices} devices"
                 )
         where = f"trial {self.key}: TrialProfile"
-        for name in ("devices", "steps", "batch_size"):
+        for name in ("devices", "steps", "batch_size", "trials"):
             _check_count(where, name, getattr(self, name), minimum=1)
         for name in ("bytes_per_device", "kernels_per_step"):
             _check_count(where, name, getattr(self, name), minimum=0)
@@ -488,7 +490,7 @@ def _trial_plan(profile: TrialProfile, arrival: int, grow_bytes: int) -> TrialPl
     return TrialPlan(profile.key, arrival, profile.devices, profile.bytes_per_device,
                      profile.steps, flops_per_step=profile.flops_per_step or None,
                      data_parallel=1, model_parallel=mp, batch_size=profile.batch_size,
-                     grow_bytes=grow_bytes)
+                     grow_bytes=grow_bytes, trials=profile.trials)
 
 
 def simulate(
