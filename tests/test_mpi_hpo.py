@@ -117,6 +117,12 @@ def test_ranks_timeline_puts_every_ranks_devices_in_one_pool():
     other = ranks_timeline([{"intervals": []}] * 2, [1, 2])
     assert device_labels([{"timeline": timeline}, {"timeline": other}]) is None
     assert device_labels([{"timeline": {"intervals": [[], []]}}]) is None  # one process
+    # a stopped run of 2 ranks recorded rank 0's 2 devices alone: they are rank 0's rows
+    stopped = {"ranks": 2, "timeline": {"intervals": [[], []]}}
+    assert device_labels([stopped, {"timeline": timeline}]) == [
+        "rank 0:0", "rank 0:1", "rank 1:0"]
+    assert device_labels([{**stopped, "timeline": {"intervals": [[]] * 3}},
+                          {"timeline": timeline}]) is None  # more rows than rank 0 has
     times, fractions = timeline["memory_series"]
     assert times == [0.0, 5.0, 10.0, 20.0]
     assert fractions == pytest.approx([1 / 3, 2 / 3, 1 / 3, 0.0])  # of 3 devices' memory
@@ -126,6 +132,17 @@ def test_ranks_timeline_puts_every_ranks_devices_in_one_pool():
     # Each rank peaked at a different time: the pool's peak is what they booked at once.
     assert combined_usage([usage, usage], timeline["memory_series"])[
         "peak_memory_utilization"] == pytest.approx(2 / 3)
+    # A rank done sooner idles its devices until the last one ends: 8 devices for 10 s (40
+    # idle, half booked) beside 8 for 20 s (60 idle, a quarter booked) are 16 devices for 20 s,
+    # 40 + 60 + 80 idle (0.5625 of 320) and 0.5 x 80 + 0.25 x 160 booked (a quarter of 320).
+    soon = dict(usage, elapsed_s=10.0, devices=8, idle_device_seconds=40.0,
+                mean_memory_utilization=0.5)
+    late = dict(usage, elapsed_s=20.0, devices=8, idle_device_seconds=60.0,
+                mean_memory_utilization=0.25)
+    pool = combined_usage([soon, late], None)
+    assert (pool["elapsed_s"], pool["devices"], pool["idle_device_seconds"]) == (20.0, 16, 180.0)
+    assert pool["idle_fraction"] == pytest.approx(0.5625)
+    assert pool["mean_memory_utilization"] == pytest.approx(0.25)
 
 
 def test_spanning_trials_join_the_pools_timeline_on_the_first_device_of_each_rank():

@@ -179,3 +179,17 @@ def test_plots_of_a_resumed_run_that_trained_past_every_bar_lay_out_without_a_wa
         elapsed_s=77.25, capacity_bytes=48 * 2**20, run_marks=[0.0, 60.45])
     assert [p.name for p in paths] == ["psnr_per_trial.png", "device_timeline.png",
                                        "memory_utilization.png"]
+
+
+def test_the_memory_plot_shows_a_small_booking_and_a_groups_bar_its_width():
+    """A smoke study books 0.5% of the pool: its memory plot's axis reaches a little above that
+    (a whole pool's axis drew a flat line); one that books much of the pool keeps the whole
+    pool. A fused group's bar in the device timeline is named with its width (``4 x2``), so
+    its other members are seen to run."""
+    assert report._memory_axis_top(([0.0, 1.0], [0.005, 0.0])) == 5.0
+    assert abs(report._memory_axis_top(([0.0, 1.0], [0.3, 0.1])) - 39.0) < 1e-9
+    assert report._memory_axis_top(([0.0], [0.9])) == 105.0
+    assert report._memory_axis_top(None) == 5.0
+    records = [{"number": 4, "fused_group": 4, "fusion_width": 2},
+               {"number": 5, "fused_group": 4, "fusion_width": 2}, {"number": 6}]
+    assert report._group_widths(records) == {4: " x2"}

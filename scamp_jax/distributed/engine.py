@@ -206,8 +206,10 @@ def combined_usage(per_rank: Sequence[Mapping[str, float]],
                    spanning: Sequence[SpanningRun] = (),
                    spanning_s: float = 0.0, memory_per_device: int = 0) -> dict[str, float]:
     """The usage figures of several ranks' trials as one pool (`UsageRecorder.summary` keys):
-    devices, idle device-seconds and trial counts add up, ``elapsed_s`` is the longest, the
-    mean memory utilisation is weighted by each rank's device-seconds, the peak is that of the
+    devices and trial counts add up, ``elapsed_s`` is the longest, and the figures over time are
+    the pool's over it: a rank that ended sooner idles its devices until then (its idle
+    device-seconds and that wait add up; the idle fraction and the mean memory utilisation
+    are of the pool's devices over ``elapsed_s``), the peak is that of the
     pool's ``memory_series`` (`scamp_jax.hpo.report.ranks_timeline`: what all ranks booked at
     once; with the spanning trials, `spanning_timeline`).
 
@@ -216,11 +218,13 @@ def combined_usage(per_rank: Sequence[Mapping[str, float]],
     device): each books its `SpanPlan.booked_bytes` on one device of each of its ranks for its
     ``wall_seconds``, the pool's other devices idle meanwhile."""
     device_seconds = [u["devices"] * u["elapsed_s"] for u in per_rank]
-    total = sum(device_seconds)
-    idle = sum(u["idle_device_seconds"] for u in per_rank)
+    longest = max(u["elapsed_s"] for u in per_rank)
+    devices = sum(u["devices"] for u in per_rank)
+    total = devices * longest
+    idle = sum(u["idle_device_seconds"] + u["devices"] * (longest - u["elapsed_s"])
+               for u in per_rank)  # a rank done sooner waits for the last one
     booked = sum(u["mean_memory_utilization"] * w
                  for u, w in zip(per_rank, device_seconds, strict=True))
-    devices = sum(u["devices"] for u in per_rank)
     peak = max(memory_series[1], default=0.0) if memory_series else 0.0
     if spanning and memory_per_device > 0:
         busy = sum(len(run.ranks) * run.result.wall_seconds for run in spanning)
@@ -229,7 +233,7 @@ def combined_usage(per_rank: Sequence[Mapping[str, float]],
         total += devices * spanning_s
         idle += max(devices * spanning_s - busy, 0.0)
     return {
-        "elapsed_s": max(u["elapsed_s"] for u in per_rank) + spanning_s,
+        "elapsed_s": longest + spanning_s,
         "devices": devices,
         "mean_memory_utilization": booked / total if total > 0 else 0.0,
         "peak_memory_utilization": peak,

@@ -489,7 +489,8 @@ def plot_results(
     - ``<metric>_per_trial.png``: the metric of every complete trial (and ``baseline`` per trial,
       e.g. bicubic PSNR, as a dashed line);
     - ``device_timeline.png``: which trial held which device when (``intervals``: per device,
-      ``(trial, start_s, end_s, bytes)``);
+      ``(trial, start_s, end_s, bytes)``; a fused group's bar is its first member's number
+      and its width, ``4 x2``, as the summary table's group column);
     - ``memory_utilization.png``: reserved fraction of the pool's memory over time.
 
     ``run_marks``: where each run of a resumed study begins on the time axis
@@ -524,6 +525,7 @@ def plot_results(
 
     fig, ax = plt.subplots(figsize=(8, 0.4 * max(len(intervals), 1) + 1.5))
     cmap = plt.get_cmap("tab20")
+    widths = _group_widths(records)
     for device in range(len(intervals)):  # each device's row: its whole memory, outlined
         ax.axhspan(device - 0.4, device + 0.4, facecolor="0.96", edgecolor="0.75",
                    linewidth=0.5, zorder=0)
@@ -537,7 +539,8 @@ def plot_results(
             ax.broken_barh([(start, end - start)],
                            (device - 0.4 + 0.8 * offset, 0.8 * max(share, 0.1)),
                            color=cmap(trial % 20), edgecolor="black", linewidth=0.3)
-            ax.text(start, device - 0.4 + 0.8 * offset, f" {trial}", fontsize=7, va="bottom")
+            ax.text(start, device - 0.4 + 0.8 * offset, f" {trial}{widths.get(trial, '')}",
+                    fontsize=7, va="bottom")
     ax.set_yticks(range(len(intervals)))
     labelled = device_labels is not None and len(device_labels) == len(intervals)
     if device_labels is not None and labelled:
@@ -560,7 +563,7 @@ def plot_results(
         times = list(memory_series[0]) + ([elapsed_s] if elapsed_s else [])
         fractions = list(memory_series[1]) + ([memory_series[1][-1]] if elapsed_s else [])
         ax.step(times, [100 * f for f in fractions], where="post")
-    ax.set_ylim(0, 105)
+    ax.set_ylim(0, _memory_axis_top(memory_series))
     _mark_runs(ax, run_marks)
     ax.set_xlabel("seconds")
     ax.set_ylabel("booked memory (% of pool)")
@@ -570,6 +573,21 @@ def plot_results(
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
     return paths
+
+
+def _memory_axis_top(memory_series: tuple[Sequence[float], Sequence[float]] | None) -> float:
+    """The top of the memory plot's axis, % of the pool: the whole pool where a study books
+    much of it, else a little above its peak (a small study's booking, e.g. 0.5% of the pool,
+    would lie flat on a whole pool's axis)."""
+    peak = 100 * max((memory_series[1] if memory_series else None) or [0.0])
+    return 105.0 if peak > 40 else max(5.0, 1.3 * peak)
+
+
+def _group_widths(records: Sequence[Mapping[str, Any]]) -> dict[int, str]:
+    """``" xK"`` by fused group (its id, its first member's number, names the group's run in
+    the device timeline), as the summary table's group column."""
+    return {int(r["fused_group"]): f" x{r.get('fusion_width', '?')}" for r in records
+            if r.get("fused_group") is not None}
 
 
 def summary_table(
@@ -776,13 +794,23 @@ def device_labels(runs: Sequence[Mapping[str, Any]]) -> list[str] | None:
     """Names of `combined_timeline`'s device rows where the runs ran on several MPI ranks,
     each with the same devices (`ranks_timeline`'s ``devices_per_rank``): ``"rank R:D"`` for
     rank R's device D; None where a row is one process's device (or the runs' layouts differ,
-    when a row is no one device throughout)."""
-    layouts = {tuple((run.get("timeline") or {}).get("devices_per_rank") or ())
-               for run in runs if run.get("timeline")}
+    when a row is no one device throughout). A stopped run of several ranks recorded rank 0's
+    devices alone (no ``devices_per_rank``): its rows are rank 0's first ones."""
+    layouts, rank_0_only = set(), []
+    for run in runs:
+        timeline = run.get("timeline")
+        if not timeline:
+            continue
+        if timeline.get("devices_per_rank"):
+            layouts.add(tuple(timeline["devices_per_rank"]))
+        elif int(run.get("ranks") or 1) > 1:
+            rank_0_only.append(len(timeline.get("intervals") or ()))
+        else:
+            layouts.add(())
     if len(layouts) != 1:
         return None
     (layout,) = layouts
-    if len(layout) < 2:
+    if len(layout) < 2 or any(count > layout[0] for count in rank_0_only):
         return None
     return [f"rank {rank}:{device}" for rank, count in enumerate(layout)
             for device in range(count)]
