@@ -655,9 +655,11 @@ def test_the_best_trials_show_each_fused_members_group():
     wide = shown(rows, 200)
     assert "group" in wide and "0 x2" in wide and " - " in wide
     assert "peak/device (of its group)" in wide  # a member's peak is its group's
+    assert "seconds (of its group)" in wide  # and its seconds, its group's run
     narrow = shown(rows, 60)
     assert "trial 1 (fused group 0 x2): mse 0.4" in narrow
     assert "1.00 MiB/device for its group" in narrow
+    assert "10 steps, 1.0 s (its group's run)" in narrow
     assert "group" not in shown([{**base, "number": 2, "mse": 0.6}], 200)
     # A trial that spanned two MPI ranks held its one device on each of them.
     spanned = {**base, "number": 3, "mse": 0.3, "rank": [0, 1]}

@@ -46,8 +46,10 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
     """One row per finished trial of ``study`` (attempts that were stopped or whose process
     died, since run again, are left out).
 
-    Each row has `BASE_COLUMNS` (a fused member's ``predicted_peak_bytes`` is its group's, what
-    the ledger booked for the ``fusion_width`` members it trained with; ``steps``: the step
+    Each row has `BASE_COLUMNS` (a fused member's ``predicted_peak_bytes`` is its group's plan's
+    peak for the ``fusion_width`` members it trained with, and ``booked_bytes`` what the ledger
+    booked for the group, the allowance learnt included; ``wall_seconds`` its group's, each
+    member's, so a sum over a group's rows counts it ``fusion_width`` times; ``steps``: the step
     its training reached; ``wall_seconds``: what its runs took, over every earlier attempt of
     it that a stop ended too, whether or not its checkpoints were resumed; an attempt whose
     process died counts up to its last checkpoint, the one its retry resumed from, and nothing
@@ -617,11 +619,12 @@ def summary_table(
             score += f" ({baseline} {r[baseline]:.5g})"
         peak = format_bytes(r["predicted_peak_bytes"] or 0).replace(" ", "\u00a0")  # one word
         group = "" if r.get("fused_group") is None else f" (fused group {_group(r)})"
+        group_run = "" if r.get("fused_group") is None else " (its group's run)"
         lines.append(Text(
             f"trial {r['number']}{group}: {score}; {_devices(r, ' device(s)')}, mp "
             f"{r['model_parallel']}, batch {r['batch_size']}, {peak}/device"
             f"{'' if r.get('fused_group') is None else ' for its group'}, {r['steps']} "
-            f"steps, {r['wall_seconds']:.1f} s"))
+            f"steps, {r['wall_seconds']:.1f} s{group_run}"))
         lines.append(Text("  " + _params(r), style="dim"))
     return Group(*lines)
 
@@ -656,10 +659,12 @@ def _summary_table(done: Sequence[Mapping[str, Any]], metric: str, baseline: str
 
     table = Table(title=title or f"best trials by {metric}")
     fused = any(r.get("fused_group") is not None for r in done)
-    # a fused member's peak is its group's (what was booked for the group it trained in)
+    # a fused member's peak and seconds are its group's (what was booked for the group it
+    # trained in, and the group's run)
     peak = "peak/device (of its group)" if fused else "peak/device"
+    seconds = "seconds (of its group)" if fused else "seconds"
     for name in ("trial", *(["group"] if fused else []), "params", "devices", "mp", "batch",
-                 peak, "steps", "seconds", metric, *([baseline] if baseline else [])):
+                 peak, "steps", seconds, metric, *([baseline] if baseline else [])):
         table.add_column(name)
     for r in done:
         shown = _params(r) if params else ""
