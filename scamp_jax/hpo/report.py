@@ -64,8 +64,14 @@ def trial_records(study: optuna.Study, metric_names: Sequence[str] = ()) -> list
     ``booked_bytes`` (bytes per device the ledger booked for its last run) and
     ``measured_peak_bytes`` (the allocator's peak on its devices, bytes; None where nothing is
     reported, as on CPU devices), ``step_seconds`` (seconds a training step took over its last
-    run, for a run that trained all its steps, `scamp_jax.hpo.trial.TrialStatus.step_seconds`);
-    a trial that failed by raising also has ``traceback``, which ``results.csv`` leaves out.
+    run, for a run that trained all its steps, `scamp_jax.hpo.trial.TrialStatus.step_seconds`),
+    and its scheduling record, in seconds since its run began: ``asked_at``, ``planned_at``,
+    ``started_at``, ``finished_at``, ``pace`` (``[seconds, step, seconds per step, training
+    since]`` at 2, 4, 8, ... steps), ``placements``, ``plan`` and ``core_events`` (what the
+    scheduling core was fed), and ``run_started`` (its run's start, Unix time, seconds); a
+    trial that failed by raising also has ``traceback``, which ``results.csv`` leaves out. A
+    trial that failed before it was placed has ``devices`` empty, and ``batch_size``,
+    ``predicted_peak_bytes`` and ``wall_seconds`` 0: none.
     """
     rows = []
     trials = study.get_trials(deepcopy=False)
