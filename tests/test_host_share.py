@@ -52,6 +52,8 @@ def test_a_capped_study_runs_one_trial_at_a_time_and_records_the_cap(tmp_path):
     spans = sorted({(s, e) for device in result.intervals for _, s, e, _ in device})
     assert all(b[0] >= a[1] for a, b in zip(spans, spans[1:], strict=False))  # never overlap
     assert result.scheduling["max_running"] == 1
+    # and its planner threads, which the cluster simulator reads (`engine_figures`)
+    assert result.scheduling["planner_threads"] == engine.config.planner_threads
 
 
 def test_a_cpu_trial_is_planned_on_the_devices_its_share_of_the_host_cores_gives_it():

@@ -171,6 +171,13 @@ def test_a_lone_trial_is_restarted_on_idle_devices_once_it_has_trained_two_steps
     (trial,) = result.trials
     assert trial.device_ids == (0, 1, 2, 3)
     assert trial.end_s == pytest.approx(261.5)
+    # Plans take 4 s: the trial starts at 4, is measured at 6, and its restart is planned on a
+    # planner thread before it is booked (the engine's TailResizer), at 10 with 6 steps done;
+    # 10 s of restart, then 994 steps of 0.25 s: it ends at 268.5 s.
+    planned = simulate([lone], dataclasses.replace(cluster, planning_seconds=4.0),
+                       ScampPolicy(), reshape=reshape)
+    assert planned.resizes == 1
+    assert planned.trials[0].end_s == pytest.approx(268.5)
 
 
 @pytest.mark.parametrize("policy", [ScampPolicy(), ScampPolicy(share_devices=False)])

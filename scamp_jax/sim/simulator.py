@@ -39,10 +39,13 @@ architecture once (`scamp_jax.hpo.plan_service.PlanningService`): a trial whose
 whose architecture is being planned holds its thread until that plan is done. A plan on more devices
 the core asks for in the last wave (`scamp_jax.scheduling.core.PlanOption`) is a plan like any
 other, made ahead of new trials' plans (the engine's `scamp_jax.hpo.work.PlannerPool`), and
-its trial waits meanwhile; with ``planning_seconds`` 0 every plan is made at once. A running trial
-restarted on more devices trains nothing for ``ClusterModel.restart_seconds`` (checkpoint,
-compile, restore). These come from a real study's ``results.json`` where one is given
-(`scamp_jax.sim.measured.engine_figures`), else from the documented defaults.
+its trial waits meanwhile; with ``planning_seconds`` 0 every plan is made at once. A restart of a
+running trial on more devices the core decides is planned the same way first (the engine's
+`scamp_jax.hpo.resizing.TailResizer`: no other is decided meanwhile), then booked if it is still
+worth it and its devices are still free, and the trial trains nothing for
+``ClusterModel.restart_seconds`` (checkpoint, compile, restore). These come from a real study's
+``results.json`` where one is given (`scamp_jax.sim.measured.engine_figures`), else from the
+documented defaults.
 
 The core sees what the engine sees: each trial's FLOPs per step (``cost_analysis()``), bytes and
 steps, the paces measured so far (busy fractions against the device's attainable FLOP/s; a
@@ -68,6 +71,7 @@ from scamp_jax.planning.budget import Budget
 from scamp_jax.scheduling.booking import solo_bytes
 from scamp_jax.scheduling.core import PlanOption, SchedulingCore, Start, TrialPlan
 from scamp_jax.scheduling.costs import COMPUTE_EFFICIENCY, shared_load
+from scamp_jax.scheduling.elastic import Resize
 from scamp_jax.scheduling.placement import (
     FixedPolicy,
     Policy,
@@ -403,6 +407,8 @@ _END = 0  # a run ends (its ``version``: the run's rate version it was computed 
 _PLANNED = 1  # a trial's plan is ready
 _OPTION = 2  # a queued trial's plan on more devices is ready (its ``version``: the devices)
 _MEASURE = 3  # a run has trained 2 steps: its pace is measured (``version`` as for _END)
+_RESIZE = 4  # a running trial's plan on more devices, for its restart, is ready (``version``:
+#   the devices)
 
 
 class _Planners:
@@ -580,6 +586,7 @@ def simulate(
     resized = 0
     shapes: dict[tuple[int, int], tuple[TrialProfile, ...]] = {}
     asked: dict[int, int] = {}  # asked, plan not ready yet: key -> arrival
+    restarts: dict[int, Resize] = {}  # restarts decided, their plans being made
 
     def move(key: int, trial: _Running, sign: float) -> None:
         # Add (sign 1) or remove (-1) ``trial``'s compute load on its devices' groups.
@@ -689,7 +696,11 @@ def simulate(
             measured[key] = trial.version
 
     def resize_running() -> None:
-        nonlocal busy_device_seconds, resized
+        # The engine's `TailResizer`: a restart the core decides is planned for its device
+        # count on a planner thread first (ahead of other plans), and no other is decided
+        # while one is planned; once its plan is ready it is booked if still worth it.
+        if restarts:
+            return
         reshapes = {}
         for key, trial in running.items():
             if trial.paused_until > now:
@@ -699,28 +710,46 @@ def simulate(
                 shapes[shape_key] = tuple(reshape(trial.profile))  # type: ignore[misc]
             reshapes[key] = [p.devices for p in shapes[shape_key]]
         for r in core.resizes(now, reshapes):
-            old = running[r.key]
-            new = next(p for p in shapes[(r.key, old.profile.devices)]
-                       if p.devices == r.option.devices)
-            if not core.restarted(now, r.key, r.device_ids, _trial_plan(new, 0, 0)):
-                continue
-            left = old.work_left(now) / old.solo if old.solo > 0 else 0.0
-            busy_device_seconds += left * (busy_seconds(new, cluster) * new.devices
-                                           - busy_seconds(old.profile, cluster)
-                                           * old.profile.devices)
-            for acc, of in ((comm_device_seconds,
-                             lambda p: p.steps * step_comm_seconds(p, cluster)),
-                            (run_device_seconds, lambda p: solo_seconds(p, cluster))):
-                acc[0] += left * (of(new) * new.devices - of(old.profile) * old.profile.devices)
-            move(r.key, old, -1.0)
-            solo = solo_seconds(new, cluster)
-            running[r.key] = _Running(
-                new, r.device_ids, old.start, solo,
-                cluster.load(busy_seconds(new, cluster), solo),
-                left * solo, 1.0, now, old.version + 1, old.resizes + 1, old.first_solo,
-                paused_until=now + cluster.restart_seconds, counted_from=solo - left * solo)
-            move(r.key, running[r.key], 1.0)
-            resized += 1
+            if cluster.planning_seconds > 0:
+                restarts[r.key] = r
+                arch = running[r.key].profile.architecture
+                planners.submit(now, r.key, _RESIZE, r.option.devices, first=True,
+                                architecture=None if arch is None else (arch,
+                                                                        r.option.devices))
+            else:
+                restart(r, planned_later=False)
+
+    def restart(r: Resize, planned_later: bool) -> None:
+        # Book restart ``r`` (its plan is ready): one planned later only where it is still
+        # worth it and its devices are still free, as the engine's `TailResizer` checks.
+        nonlocal busy_device_seconds, resized
+        old = running.get(r.key)
+        if old is None or old.paused_until > now or old.profile.devices >= r.option.devices:
+            return  # it ended, or restarted meanwhile
+        if planned_later and not (core.still_worth(r.key, r.option.devices)
+                                  and core.restart_fits(r.key, r.device_ids)):
+            return
+        new = next(p for p in shapes[(r.key, old.profile.devices)]
+                   if p.devices == r.option.devices)
+        if not core.restarted(now, r.key, r.device_ids, _trial_plan(new, 0, 0)):
+            return
+        left = old.work_left(now) / old.solo if old.solo > 0 else 0.0
+        busy_device_seconds += left * (busy_seconds(new, cluster) * new.devices
+                                       - busy_seconds(old.profile, cluster)
+                                       * old.profile.devices)
+        for acc, of in ((comm_device_seconds,
+                         lambda p: p.steps * step_comm_seconds(p, cluster)),
+                        (run_device_seconds, lambda p: solo_seconds(p, cluster))):
+            acc[0] += left * (of(new) * new.devices - of(old.profile) * old.profile.devices)
+        move(r.key, old, -1.0)
+        solo = solo_seconds(new, cluster)
+        running[r.key] = _Running(
+            new, r.device_ids, old.start, solo,
+            cluster.load(busy_seconds(new, cluster), solo),
+            left * solo, 1.0, now, old.version + 1, old.resizes + 1, old.first_solo,
+            paused_until=now + cluster.restart_seconds, counted_from=solo - left * solo)
+        move(r.key, running[r.key], 1.0)
+        resized += 1
 
     def rerate(keys: set[int]) -> None:
         for key in keys:
@@ -761,13 +790,14 @@ def simulate(
         finished: list[int] = []
         ready: list[int] = []
         options: list[tuple[int, int]] = []  # (key, devices)
+        grown: list[int] = []  # restarts whose plans are ready
         measuring = False
         while events:
             t, key, version, kind = heapq.heappop(events)
             if (kind in (_END, _MEASURE)
                     and (key not in running or running[key].version != version)):
                 continue  # superseded by a later rate change
-            if (finished or ready or options or measuring) and t > now:
+            if (finished or ready or options or grown or measuring) and t > now:
                 heapq.heappush(events, (t, key, version, kind))
                 break
             now = max(now, t)
@@ -775,8 +805,14 @@ def simulate(
                 measuring = True  # measured below, with every run due by now
             elif kind == _OPTION:
                 options.append((key, version))
+            elif kind == _RESIZE:
+                grown.append(key)
             else:
                 (ready if kind == _PLANNED else finished).append(key)
+        if not (finished or ready or options or grown or measuring):
+            raise RuntimeError(f"the simulation has {len(running)} running and "
+                               f"{len(core.queued)} queued trial(s) but no event to come; "
+                               "this is a simulator bug")
         for key in ready:
             planners.done(now)
             plan_ready(key, asked.pop(key))
@@ -792,6 +828,9 @@ def simulate(
                                  trial.resizes))
             move(key, trial, -1.0)
         affected &= running.keys()  # some finished in this batch
+        for key in grown:  # restarts whose plans are ready (their trials' rates change)
+            planners.done(now)
+            restart(restarts.pop(key), planned_later=True)
         rerate(affected)  # paces as of now, for the measurements
         affected = set()
         measure()
