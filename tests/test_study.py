@@ -903,6 +903,30 @@ def test_a_stop_before_the_sampler_drew_every_trial_changes_none_of_its_draws(tm
     assert drawn([first, *fresh]) == drawn(unstopped)
 
 
+@pytest.mark.parametrize("sampler", ["random", "tpe"])
+def test_a_retry_of_a_trial_whose_suggest_raised_draws_what_it_would_have(tmp_path, sampler):
+    """A ``suggest`` with a bug raises before it draws: the trial fails and its retry (trial 1)
+    is queued with nothing drawn. After the fix, the retry draws at its original's place, what
+    an unstopped study of the same seed drew first, and the next trials the rest: before, the
+    retry and trial 2 took one place and trained one configuration twice, and the first was
+    never drawn."""
+    def drawn(asked):
+        return [tuple(sorted(t.params.items())) for t in asked]
+
+    def buggy(trial: Any) -> dict[str, Any]:
+        raise KeyError("lr_schedule")
+
+    whole = source(tmp_path / "whole", 3, sampler=sampler, seed=5)
+    unstopped = [whole.ask() for _ in range(3)]
+    study = open_study("toy", study_dir=tmp_path / "bug", sampler=sampler, seed=5)
+    with pytest.raises(KeyError):
+        OptunaTrialSource(study, SearchSpace("toy", buggy, build=lambda c, r: None), 3).ask()
+    fixed = source(tmp_path / "bug", 3, sampler=sampler, seed=5)
+    retry, *fresh = [fixed.ask() for _ in range(3)]
+    assert retry.retry_of == 0 and [t.number for t in fresh] == [2, 3]
+    assert drawn([retry, *fresh]) == drawn(unstopped)
+
+
 def test_a_configuration_is_stored_only_where_a_value_differs_from_the_draw():
     """A drawn NumPy or float number returned as the equal int is the draw (nothing stored
     beside it); a scaled draw, a flag for a number, or an added key is the configuration."""

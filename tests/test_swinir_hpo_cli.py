@@ -788,6 +788,12 @@ def test_a_study_name_cannot_lead_out_of_the_study_dir():
                       study_name=name)
     HPOConfig(preset="smoke", trials=1, steps=1, devices=1, memory_per_device="1GiB",
               study_name="swinir-2")
+    # nor into a folder another study keeps there: a new best model of the study in
+    # study_dir replaced its best_model/ whole, the other study's results with it
+    for name in ("best_model", "checkpoints", "jax_cache", ".best_model.old"):
+        with pytest.raises(ValueError, match="one of the folders a study keeps there"):
+            HPOConfig(preset="smoke", trials=1, steps=1, devices=1, memory_per_device="1GiB",
+                      study_name=name)
 
 
 def test_a_ctrl_c_while_the_command_starts_ends_it_in_one_line(tmp_path):

@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 SAMPLERS = ("tpe", "random", "grid")
 #: Optuna pruners by name (`scamp_jax.hpo.study.make_pruner`).
 PRUNERS = ("median", "halving", "none")
+#: The folders a study keeps in its study_dir (`scamp_jax.hpo.report.save_best_model`, the
+#: trials' checkpoints, `scamp_jax.planning.compile_cache.CACHE_DIRNAME`): no study_name.
+STUDY_DIR_FOLDERS = ("best_model", "checkpoints", "jax_cache")
 #: ``elastic`` -> `EngineConfig.grow_last_wave` (auto: on for accelerators, off for CPU devices).
 ELASTIC = {"auto": None, "on": True, "off": False}
 #: Intervals in steps that a command line scales with ``steps`` where they are not given
@@ -377,6 +380,13 @@ class SearchSettings(EngineConfig):
             raise ValueError(f"study_name={self.study_name!r}: a study's results go to a "
                              "folder of that name in study_dir, so it may hold no '/' or "
                              "'\\' and be no '.' or '..'; pass e.g. 'study-2'")
+        if self.study_name in STUDY_DIR_FOLDERS or (self.study_name or "x")[0] == ".":
+            raise ValueError(f"study_name={self.study_name!r}: a study's results go to a "
+                             "folder of that name in study_dir, and this name is one of the "
+                             "folders a study keeps there ("
+                             f"{', '.join(STUDY_DIR_FOLDERS)}, or hidden ones), whose files "
+                             "would mix with its results (a new best model replaces its "
+                             "folder whole); pass e.g. 'study-2'")
         object.__setattr__(self, "initial_params",
                            tuple(dict(p) for p in self.initial_params))
 

@@ -46,9 +46,10 @@ class TrialSeededSampler(optuna.samplers.BaseSampler):
     many trials this process asked before: a rerun that extends a finished study, or a second
     process on it, draws new configurations rather than the ones a fresh sampler with the same
     seed drew first. Retries (of trials a stop or a dead process cut short) take trial numbers
-    but draw nothing, so they count for no place: a study stopped and resumed draws what it
-    would have drawn unstopped (where the draws depend on the seed alone: a random sampler,
-    TPE's first trials). Thread-safe: each live trial has its own sampler.
+    but count for no place (a retry draws as its original, where it draws at all): a study
+    stopped and resumed draws what it would have drawn unstopped (where the draws depend on
+    the seed alone: a random sampler, TPE's first trials). Thread-safe: each live trial has its
+    own sampler.
 
     Args:
       make: ``make(seed) -> sampler`` (e.g. ``lambda s: optuna.samplers.TPESampler(seed=s)``).
@@ -97,11 +98,16 @@ class TrialSeededSampler(optuna.samplers.BaseSampler):
 
 def _place(study: optuna.Study, trial: FrozenTrial) -> int:
     """How many of ``study``'s trials before ``trial`` are no retries (`retried_from`): the
-    place whose seed its sampler takes (its number where nothing was retried before it)."""
+    place whose seed its sampler takes (its number where nothing was retried before it). A
+    retry takes its original's place: one that draws (its original stopped before it drew,
+    e.g. in a ``suggest`` that raised) draws what its original would have, and no later trial
+    draws it again."""
     from scamp_jax.hpo.study.storage import retried_from
 
+    original = retried_from(trial)
+    before = trial.number if original is None else original
     return sum(1 for t in study.get_trials(deepcopy=False)
-               if t.number < trial.number and retried_from(t) is None)
+               if t.number < before and retried_from(t) is None)
 
 
 class GridSearch(optuna.samplers.GridSampler):
