@@ -452,6 +452,23 @@ def test_a_grid_point_the_space_rejects_in_suggest_is_done(tmp_path):
     trials = study.study.get_trials()
     assert len(trials) == 4 and src.grid_done()
     assert sorted(t.state.name for t in trials) == ["COMPLETE", "COMPLETE", "PRUNED", "PRUNED"]
+    assert {t.user_attrs[FAIL_REASON] for t in trials if t.state.name == "PRUNED"} == {
+        "pruned by the search space's suggest: width 16 is refused"}
+
+
+def test_a_rejection_without_words_says_how_it_came(tmp_path):
+    """``raise optuna.TrialPruned()`` with no message: the stored reason says what raised it,
+    where it ended in ": " and nothing."""
+    def refusing(trial: Any) -> dict[str, Any]:
+        trial.suggest_categorical("width", [8])
+        raise optuna.TrialPruned()
+
+    study = open_study("toy", study_dir=tmp_path, seed=0)
+    src = OptunaTrialSource(study, SearchSpace("toy", refusing, build=lambda c, r: None), 1)
+    assert src.ask() is None
+    (trial,) = study.study.get_trials()
+    assert trial.user_attrs[FAIL_REASON] == (
+        "pruned by the search space's suggest (it raised optuna.TrialPruned)")
 
 
 def test_a_grid_reruns_an_interrupted_point_and_only_it(tmp_path):

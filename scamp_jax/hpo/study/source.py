@@ -436,11 +436,11 @@ class OptunaTrialSource:
                 try:
                     asked = self._suggest(trial, attrs or {})
                 except optuna.TrialPruned as err:
+                    why = f": {err}" if str(err) else " (it raised optuna.TrialPruned)"
                     self._close_unsuggested(trial, TrialState.PRUNED,
-                                            f"pruned by the search space's suggest: {err}")
+                                            f"pruned by the search space's suggest{why}")
                     self._rejected.setdefault(asker, collections.deque(maxlen=64)).append(
-                        f"trial {trial.number} pruned by the search space's suggest"
-                        + (f": {err}" if str(err) else " (it raised optuna.TrialPruned)"))
+                        f"trial {trial.number} pruned by the search space's suggest{why}")
                     return _REJECTED
                 except BaseException:
                     self._close_unsuggested(trial, TrialState.FAIL, INTERRUPTED)
